@@ -1,21 +1,47 @@
-"""The ``ubep`` command line. Subcommands are registered by the modules that own them."""
+"""The ``ubep`` command line.
+
+Each subsystem owns its subcommands: a module listed in ``_COMMAND_MODULES`` defines
+``register(subparsers)``, which adds its parser(s) with ``set_defaults(func=...)``; ``func``
+takes the parsed namespace and returns an exit code. Modules are imported lazily so that, say,
+``ubep sim`` never imports torch.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from collections.abc import Callable
+
+_COMMAND_MODULES = (
+    "ubep.demo",
+    "ubep.sim.cli",
+    "ubep.doctor",
+    "ubep.torch_decode",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ubep", description="Expert-parallel dispatch/combine: runtime, simulator, tools."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in _COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:  # a real missing dependency inside the module: surface it
+                raise
+            continue
+        register: Callable[[argparse._SubParsersAction], None] = module.register
+        register(sub)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ubep", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="schedule a skewed CM384-64 routing with every policy")
-    args = parser.parse_args(argv)
-    if args.command == "demo":
-        from .demo import run_demo
-
-        return run_demo()
-    return 2
+    args = build_parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    return int(func(args) or 0)
 
 
 if __name__ == "__main__":
