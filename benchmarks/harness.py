@@ -1,0 +1,85 @@
+"""Shared timing helper for every benchmark: repeat a callable, report min/median/max.
+
+Usage::
+
+    from benchmarks.harness import time_repeats, format_table
+    stats = time_repeats(lambda: work(), repeats=50, warmup=5)
+    print(format_table(["case", "min_us", "median_us", "max_us"],
+                       [["small", stats.min_us, stats.median_us, stats.max_us]]))
+
+Timing uses ``time.perf_counter_ns`` around each call (one call per sample, so very short
+callables include the ~100 ns clock overhead; batch them inside ``fn`` if that matters).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+__all__ = ["Stats", "format_table", "print_table", "time_repeats"]
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Wall-clock statistics of ``repeats`` timed calls, in microseconds."""
+
+    min_us: float
+    median_us: float
+    max_us: float
+    repeats: int
+
+    @classmethod
+    def from_samples_us(cls, samples_us: Sequence[float]) -> Stats:
+        if not samples_us:
+            raise ValueError("samples_us: need at least one sample")
+        return cls(
+            min_us=float(min(samples_us)),
+            median_us=float(statistics.median(samples_us)),
+            max_us=float(max(samples_us)),
+            repeats=len(samples_us),
+        )
+
+
+def time_repeats(fn: Callable[[], object], repeats: int = 20, warmup: int = 3) -> Stats:
+    """Call ``fn`` ``warmup`` times untimed, then ``repeats`` times timed; return the stats."""
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats}: must be >= 1")
+    if warmup < 0:
+        raise ValueError(f"warmup={warmup}: must be >= 0")
+    for _ in range(warmup):
+        fn()
+    samples_us = []
+    for _ in range(repeats):
+        start = time.perf_counter_ns()
+        fn()
+        samples_us.append((time.perf_counter_ns() - start) / 1e3)
+    return Stats.from_samples_us(samples_us)
+
+
+def _cell(value: object, float_digits: int) -> str:
+    if isinstance(value, float):
+        return f"{value:.{float_digits}f}"
+    return str(value)
+
+
+def format_table(
+    columns: Sequence[str], rows: Sequence[Sequence[object]], *, float_digits: int = 2
+) -> str:
+    """Right-aligned plain-text table (floats with ``float_digits`` decimals)."""
+    cells = [[_cell(v, float_digits) for v in row] for row in rows]
+    for row in cells:
+        if len(row) != len(columns):
+            raise ValueError(f"row {row}: has {len(row)} cells, expected {len(columns)}")
+    widths = [max([len(c), *(len(r[i]) for r in cells)]) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True))]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join(lines)
+
+
+def print_table(
+    columns: Sequence[str], rows: Sequence[Sequence[object]], *, float_digits: int = 2
+) -> None:
+    """Print :func:`format_table` to stdout."""
+    print(format_table(columns, rows, float_digits=float_digits))
