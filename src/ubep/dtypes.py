@@ -1,0 +1,168 @@
+"""Payload element types and how each is stored in numpy.
+
+numpy has no bfloat16, so ubep stores every payload in a plain numpy *storage* dtype and reads
+its meaning from that dtype alone (the mapping is one-to-one, so no extra tag travels with an
+array):
+
+=========  ==============  ========  =====================================================
+ubep name  numpy storage   itemsize  meaning
+=========  ==============  ========  =====================================================
+``bf16``   ``uint16``      2         bfloat16 bit patterns (``torch.bfloat16`` viewed as
+                                     ``torch.uint16``); ``ml_dtypes.bfloat16`` is accepted
+                                     and viewed as ``uint16``
+``fp16``   ``float16``     2         IEEE half
+``fp32``   ``float32``     4         IEEE single
+``int8``   ``int8``        1         W8A8 integer activations
+``uint8``  ``uint8``       1         opaque bytes, e.g. FP8 (E4M3/E5M2) bit patterns
+=========  ==============  ========  =====================================================
+
+Dispatch moves any of them bit for bit. Arithmetic (combine) needs a float type: the three
+float descriptors convert exactly to float32 and back with round-to-nearest-even
+(:meth:`DType.from_float32`); the 1-byte ones have no float view here (FP8 scales are the
+caller's business) and raise.
+
+Each float type has an SP sentinel (docs/FORMATS.md): a *signalling* NaN bit pattern, which no
+arithmetic produces because every IEEE operation returns a quiet NaN. Sentinels are compared as
+bit patterns, never as floats (NaN != NaN, and a float conversion may quiet it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import InvalidArgumentError
+
+__all__ = [
+    "BF16",
+    "DTYPES",
+    "FP16",
+    "FP32",
+    "INT8",
+    "UINT8",
+    "DType",
+    "as_storage",
+    "dtype_of",
+]
+
+
+@dataclass(frozen=True)
+class DType:
+    """A payload element type.
+
+    Attributes:
+        name: ``"bf16"``, ``"fp16"``, ``"fp32"``, ``"int8"`` or ``"uint8"``.
+        storage: the numpy dtype arrays of this type are stored in.
+        is_float: whether combine can reduce it (converts exactly to float32).
+        sentinel: SP sentinel as an unsigned bit pattern of ``itemsize`` bytes, or ``None``
+            when the type has no value outside its data domain (1-byte types).
+    """
+
+    name: str
+    storage: np.dtype
+    is_float: bool
+    sentinel: int | None
+
+    @property
+    def itemsize(self) -> int:
+        return int(self.storage.itemsize)
+
+    @property
+    def bits_dtype(self) -> np.dtype:
+        """Unsigned integer dtype of the same width, for bit-pattern comparisons."""
+        return np.dtype(f"u{self.itemsize}")
+
+    def to_float32(self, arr: np.ndarray) -> np.ndarray:
+        """Exact float32 values of a storage array (a new array)."""
+        self._require_float("to_float32")
+        a = np.asarray(arr)
+        if a.dtype != self.storage:
+            raise InvalidArgumentError("arr", a.dtype, f"must be stored as {self.storage}")
+        if self.name == "bf16":
+            return (a.astype(np.uint32) << np.uint32(16)).view(np.float32)
+        return a.astype(np.float32)
+
+    def from_float32(self, arr: np.ndarray) -> np.ndarray:
+        """Round float32 values to this type (round to nearest, ties to even)."""
+        self._require_float("from_float32")
+        a = np.asarray(arr)
+        if a.dtype != np.float32:
+            raise InvalidArgumentError("arr", a.dtype, "must be float32")
+        if self.name == "bf16":
+            return _float32_to_bf16_bits(a)
+        return a.astype(self.storage)
+
+    def contains_sentinel(self, arr: np.ndarray) -> bool:
+        """Whether any element of ``arr`` has the sentinel's bit pattern."""
+        if self.sentinel is None:
+            return False
+        bits = np.ascontiguousarray(arr).view(self.bits_dtype)
+        return bool((bits == self.sentinel).any())
+
+    def _require_float(self, what: str) -> None:
+        if not self.is_float:
+            raise InvalidArgumentError(
+                "dtype", self.name, f"{what} needs a float type (bf16, fp16, fp32)"
+            )
+
+
+def _float32_to_bf16_bits(a: np.ndarray) -> np.ndarray:
+    bits = np.ascontiguousarray(a).view(np.uint32)
+    # Round to nearest even on the 16 dropped bits; uint32 arithmetic cannot overflow for
+    # non-NaN inputs (the largest, 0x7F7FFFFF + 0x8000, stays below 2^32 and rounds to inf).
+    bias = ((bits >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF)
+    rounded = ((bits + bias) >> np.uint32(16)).astype(np.uint16)
+    # NaN must stay NaN: truncate and force the quiet bit (rounding could carry into the sign).
+    nan = np.isnan(a)
+    if nan.any():
+        quiet = ((bits >> np.uint32(16)) | np.uint32(0x0040)).astype(np.uint16)
+        rounded = np.where(nan, quiet, rounded)
+    return rounded
+
+
+BF16 = DType("bf16", np.dtype(np.uint16), True, 0x7FA5)
+FP16 = DType("fp16", np.dtype(np.float16), True, 0x7CA5)
+FP32 = DType("fp32", np.dtype(np.float32), True, 0x7FA5A5A5)
+INT8 = DType("int8", np.dtype(np.int8), False, None)
+UINT8 = DType("uint8", np.dtype(np.uint8), False, None)
+
+DTYPES: dict[str, DType] = {d.name: d for d in (BF16, FP16, FP32, INT8, UINT8)}
+_BY_STORAGE: dict[np.dtype, DType] = {d.storage: d for d in DTYPES.values()}
+
+
+def dtype_of(value: object, *, argument: str = "dtype") -> DType:
+    """The :class:`DType` of an array, a numpy dtype, a ``DType`` or a ubep name like ``"bf16"``."""
+    if isinstance(value, DType):
+        return value
+    if isinstance(value, str) and value in DTYPES:
+        return DTYPES[value]
+    raw: Any = getattr(value, "dtype", None)
+    if not isinstance(raw, np.dtype):  # a class like np.float32 has a non-dtype .dtype
+        raw = value
+    try:
+        np_dtype = np.dtype(raw)
+    except TypeError:
+        raise InvalidArgumentError(argument, value, "is not a dtype or array") from None
+    if np_dtype.name == "bfloat16" and np_dtype.itemsize == 2:
+        return BF16
+    found = _BY_STORAGE.get(np_dtype)
+    if found is None:
+        raise InvalidArgumentError(
+            argument, np_dtype,
+            "unsupported payload dtype; use uint16 (bf16 bits), float16, float32, int8 or uint8",
+        )
+    return found
+
+
+def as_storage(arr: object, *, argument: str = "x") -> tuple[np.ndarray, DType]:
+    """``arr`` as a numpy array in its storage dtype, with its :class:`DType`.
+
+    ``ml_dtypes.bfloat16`` arrays are viewed (not copied) as ``uint16``.
+    """
+    a = np.asarray(arr)
+    dt = dtype_of(a.dtype, argument=argument)
+    if a.dtype != dt.storage:
+        a = a.view(dt.storage)
+    return a, dt

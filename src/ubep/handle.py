@@ -1,0 +1,107 @@
+"""The dispatch handle: everything a rank's combine needs to undo its dispatch.
+
+One handle per rank per dispatch, returned inside the dispatch result (``result.handle``) by the
+reference oracle and by every backend. It holds plain numpy arrays, ints and short strings only,
+so it pickles, crosses process boundaries and never pins a communication buffer.
+
+A handle describes its rank in both roles:
+
+* as a **source** (its own tokens): ``topk_idx``/``topk_weights`` as dispatched and
+  ``send_dst_row``, where each of its rows landed in the destination rank's ``recv_x``, so the
+  source can pull the expert outputs back and reduce them;
+* as a **receiver** (its ``recv_x`` rows): ``recv_src_rank``/``recv_src_token``/``recv_src_k``,
+  so the receiver can push each expert output back to where it came from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import InvalidArgumentError
+
+__all__ = ["LAYOUTS", "DispatchHandle"]
+
+LAYOUTS = ("expert", "rank")
+
+
+@dataclass(frozen=True, eq=False)
+class DispatchHandle:
+    """What combine needs from one rank's dispatch.
+
+    Attributes:
+        layout: ``"expert"`` (one received row per (token, expert) pair) or ``"rank"`` (one per
+            (token, destination rank) pair).
+        rank: the rank this handle belongs to.
+        num_ranks, num_experts: the communicator and model size of the dispatch.
+        num_tokens: tokens this rank dispatched (rows of its ``x``).
+        hidden: elements per token row.
+        x_dtype: ``ubep.dtypes`` name of the dispatched ``x`` (``"bf16"``, ``"fp32"``, ...).
+        topk_idx: ``[num_tokens, num_topk]`` int64, global expert ids, -1 = masked slot.
+        topk_weights: ``[num_tokens, num_topk]`` float32, as given to dispatch.
+        send_dst_row: int64, row index in the destination rank's ``recv_x`` of each sent row,
+            -1 where nothing was sent. ``layout="expert"``: ``[num_tokens, num_topk]`` (the
+            destination is the rank owning ``topk_idx[t, k]``); ``layout="rank"``:
+            ``[num_tokens, num_ranks]`` (column = destination rank).
+        recv_src_rank, recv_src_token: ``[num_recv_rows]`` int64, origin of each received row.
+        recv_src_k: ``[num_recv_rows]`` int64, the top-k slot of the row (``layout="rank"``: the
+            lowest slot whose expert lives on this rank).
+        num_recv_rows_per_rank: ``[num_ranks]`` int64, rows received from each source rank.
+    """
+
+    layout: str
+    rank: int
+    num_ranks: int
+    num_experts: int
+    num_tokens: int
+    hidden: int
+    x_dtype: str
+    topk_idx: np.ndarray
+    topk_weights: np.ndarray
+    send_dst_row: np.ndarray
+    recv_src_rank: np.ndarray
+    recv_src_token: np.ndarray
+    recv_src_k: np.ndarray
+    num_recv_rows_per_rank: np.ndarray
+
+    def __post_init__(self) -> None:
+        # Cheap consistency checks: a handle from one call mixed with arrays of another is the
+        # usual way to corrupt a combine silently.
+        if self.layout not in LAYOUTS:
+            raise InvalidArgumentError("layout", self.layout, f"must be one of {LAYOUTS}")
+        if not 0 <= self.rank < self.num_ranks:
+            raise InvalidArgumentError("rank", self.rank, f"must be in [0, {self.num_ranks})")
+        if self.topk_idx.shape != self.topk_weights.shape or self.topk_idx.ndim != 2:
+            raise InvalidArgumentError(
+                "topk_weights", self.topk_weights.shape,
+                f"must match topk_idx {self.topk_idx.shape} (2-D)",
+            )
+        width = self.topk_idx.shape[1] if self.layout == "expert" else self.num_ranks
+        if self.send_dst_row.shape != (self.num_tokens, width):
+            raise InvalidArgumentError(
+                "send_dst_row", self.send_dst_row.shape, f"must be ({self.num_tokens}, {width})"
+            )
+        n = len(self.recv_src_rank)
+        if len(self.recv_src_token) != n or len(self.recv_src_k) != n:
+            raise InvalidArgumentError(
+                "recv_src_token", len(self.recv_src_token), f"recv_* arrays need {n} entries"
+            )
+        if self.num_recv_rows_per_rank.shape != (self.num_ranks,):
+            raise InvalidArgumentError(
+                "num_recv_rows_per_rank", self.num_recv_rows_per_rank.shape,
+                f"must be ({self.num_ranks},)",
+            )
+
+    @property
+    def num_topk(self) -> int:
+        return int(self.topk_idx.shape[1])
+
+    @property
+    def num_recv_rows(self) -> int:
+        """Rows of this rank's ``recv_x`` (and of the ``expert_out`` combine expects)."""
+        return len(self.recv_src_rank)
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.num_ranks

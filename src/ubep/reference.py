@@ -1,0 +1,434 @@
+"""Single-process reference dispatch/combine: the definition of correct for every backend.
+
+All ranks live in one process as per-rank lists (``xs[r]`` is rank ``r``'s input). Plain numpy,
+deterministic, and specified down to the bit so a backend can be compared with ``==``.
+
+Experts are placed contiguously: rank ``r`` owns global experts ``[r*L, (r+1)*L)`` with
+``L = num_experts // num_ranks`` (local expert ``e - r*L``).
+
+**layout="expert"** (DeepEP low-latency layout; one row per valid ``(token, k)`` pair):
+rank ``r``'s rows are ordered by local expert, then source rank ascending, then source token
+ascending. Per row: ``recv_topk_idx`` = the row's *global* expert id, ``recv_topk_weights`` =
+its weight ``w[t, k]``, ``recv_src_rank``/``recv_src_token``/``recv_src_k``.
+``num_recv_tokens_per_expert[e]`` = rows of local expert ``e``. Combine takes ``expert_outs[r]``
+``[rows_r, hidden]`` in the same row order and returns, per source token,
+``y[t] = sum over valid k ascending of w[t, k] * out(t, k)``.
+
+**layout="rank"** (DeepEP normal mode; one row per (token, destination rank) pair): a token
+crosses to a rank once however many of its experts live there. Rank ``r``'s rows are ordered by
+source rank, then source token. ``recv_topk_idx`` ``[rows, num_topk]`` = the *local* expert id
+where the slot's expert lives on ``r``, else -1; ``recv_topk_weights`` = the weight there, else
+0; ``recv_src_k`` = the lowest such slot; ``num_recv_tokens_per_expert[e]`` = rows naming local
+expert ``e``. Combine takes one row per received row (the caller applied its local experts and
+weights) and returns ``y[t] = sum over destination ranks ascending of the row sent back``.
+
+**Combine arithmetic, bit-exact**: per element, ``acc = +0.0f``; for each term in the order above
+``acc = fl32(acc + fl32(w * out))`` (expert layout; the product is rounded to float32 *before*
+the add: no fused multiply-add, so native code needs ``-ffp-contract=off``) or
+``acc = fl32(acc + out)`` (rank layout); masked slots are skipped (never multiplied by 0, which
+would turn an ``inf`` output into NaN); a token with no term gives ``+0.0``. Inputs convert to
+float32 exactly (``ubep.dtypes``) and the result rounds to the output type to nearest-even.
+
+**Types**: dispatch moves any ``ubep.dtypes`` type bit for bit (BF16 as uint16, FP16, FP32,
+INT8, UINT8/FP8). Combine needs float data: ``expert_outs`` must have ``x``'s dtype when ``x`` is
+a float type; when ``x`` was a 1-byte type (W8A8 dispatch), ``expert_outs`` may be any float type
+(the same on every rank) and the output has that type, as in DeepEP's FP8 dispatch / BF16 combine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .dtypes import DType, as_storage, dtype_of
+from .errors import InvalidArgumentError
+from .handle import LAYOUTS, DispatchHandle
+from .routing import experts_per_rank, validate_topk_idx
+
+__all__ = ["RefDispatchResult", "combine", "dispatch"]
+
+
+@dataclass(frozen=True, eq=False)
+class RefDispatchResult:
+    """One rank's dispatch output (field names shared with the runtime's ``DispatchResult``).
+
+    Attributes:
+        recv_x: ``[rows, hidden]`` in ``x``'s storage dtype.
+        recv_topk_idx: int64; ``layout="expert"``: ``[rows]`` global expert id of each row;
+            ``layout="rank"``: ``[rows, num_topk]`` local expert ids, -1 elsewhere.
+        recv_topk_weights: float32, shaped like ``recv_topk_idx`` (0 where the id is -1).
+        num_recv_tokens_per_expert: ``[num_local_experts]`` int64.
+        recv_src_rank, recv_src_token, recv_src_k: ``[rows]`` int64, origin of each row.
+        handle: what :func:`combine` needs (:class:`ubep.handle.DispatchHandle`).
+    """
+
+    recv_x: np.ndarray
+    recv_topk_idx: np.ndarray
+    recv_topk_weights: np.ndarray
+    num_recv_tokens_per_expert: np.ndarray
+    recv_src_rank: np.ndarray
+    recv_src_token: np.ndarray
+    recv_src_k: np.ndarray
+    handle: DispatchHandle
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    xs: list[np.ndarray]
+    dtype: DType
+    topk_idxs: list[np.ndarray]
+    topk_weights: list[np.ndarray]
+    num_ranks: int
+    local: int  # experts per rank
+    num_topk: int
+    hidden: int
+
+
+def dispatch(
+    xs: Sequence[object],
+    topk_idxs: Sequence[object],
+    topk_weights: Sequence[object],
+    num_experts: int,
+    *,
+    layout: str = "expert",
+) -> list[RefDispatchResult]:
+    """Dispatch every rank's tokens to the ranks owning their experts.
+
+    Args:
+        xs: per rank ``[num_tokens_r, hidden]`` payload (any ``ubep.dtypes`` type; the same type
+            and hidden on every rank; ``num_tokens_r`` may be 0).
+        topk_idxs: per rank ``[num_tokens_r, num_topk]`` integer, -1 = masked slot.
+        topk_weights: per rank ``[num_tokens_r, num_topk]`` float32.
+        num_experts: global expert count, a multiple of ``len(xs)``.
+        layout: ``"expert"`` or ``"rank"`` (module docstring).
+
+    Returns:
+        One :class:`RefDispatchResult` per rank, in rank order.
+    """
+    inp = _validate_dispatch(xs, topk_idxs, topk_weights, num_experts, layout)
+    if layout == "expert":
+        return _dispatch_expert(inp, num_experts)
+    return _dispatch_rank(inp, num_experts)
+
+
+def combine(
+    expert_outs: Sequence[object], results: Sequence[RefDispatchResult | DispatchHandle]
+) -> list[np.ndarray]:
+    """Send expert outputs back and reduce them per source token (module docstring).
+
+    Args:
+        expert_outs: per rank ``[rows_r, hidden]``, row ``i`` answering row ``i`` of that rank's
+            ``recv_x``; a float type (module docstring, "Types").
+        results: the per-rank dispatch results (or their handles) of the matching dispatch.
+
+    Returns:
+        Per rank ``[num_tokens_r, hidden]`` combined output.
+    """
+    handles = _validate_handles(results)
+    outs, out_dtype = _validate_expert_outs(expert_outs, handles)
+    outs_f32 = [out_dtype.to_float32(o) for o in outs]
+    reduce = _combine_expert if handles[0].layout == "expert" else _combine_rank
+    return [out_dtype.from_float32(reduce(h, outs_f32)) for h in handles]
+
+
+# --- dispatch -------------------------------------------------------------------------------
+
+
+def _dispatch_expert(inp: _Inputs, num_experts: int) -> list[RefDispatchResult]:
+    # Every valid (source rank, token, k) pair once, then ordered by (expert, rank, token): that
+    # is the receive order on every rank at once, since experts are contiguous per rank.
+    src, tok, kk = _valid_pairs(inp)
+    expert = np.concatenate([idx[t, k] for idx, t, k in zip(inp.topk_idxs, tok, kk, strict=True)])
+    src_all, tok_all, k_all = np.concatenate(src), np.concatenate(tok), np.concatenate(kk)
+    order = np.lexsort((tok_all, src_all, expert))
+    expert, src_all, tok_all, k_all = expert[order], src_all[order], tok_all[order], k_all[order]
+    dst_all = expert // inp.local
+    rank_start = np.searchsorted(dst_all, np.arange(inp.num_ranks + 1))
+    row_all = np.arange(len(expert), dtype=np.int64) - rank_start[dst_all]
+
+    send_dst_row = [np.full(i.shape, -1, dtype=np.int64) for i in inp.topk_idxs]
+    for s in range(inp.num_ranks):
+        mine = src_all == s
+        send_dst_row[s][tok_all[mine], k_all[mine]] = row_all[mine]
+
+    results = []
+    for r in range(inp.num_ranks):
+        sl = slice(rank_start[r], rank_start[r + 1])
+        r_src, r_tok, r_k = src_all[sl], tok_all[sl], k_all[sl]
+        recv_x = _gather_rows(inp.xs, r_src, r_tok, inp)
+        weights = _gather_weights(inp.topk_weights, r_src, r_tok, r_k)
+        per_expert = np.bincount(expert[sl] - r * inp.local, minlength=inp.local)
+        handle = _make_handle(inp, num_experts, "expert", r, send_dst_row[r], r_src, r_tok, r_k)
+        results.append(
+            RefDispatchResult(
+                recv_x=recv_x,
+                recv_topk_idx=expert[sl].copy(),
+                recv_topk_weights=weights,
+                num_recv_tokens_per_expert=per_expert.astype(np.int64),
+                recv_src_rank=r_src,
+                recv_src_token=r_tok,
+                recv_src_k=r_k,
+                handle=handle,
+            )
+        )
+    return results
+
+
+def _dispatch_rank(inp: _Inputs, num_experts: int) -> list[RefDispatchResult]:
+    owner = [np.where(i >= 0, i // inp.local, -1) for i in inp.topk_idxs]
+    # send_dst_row[s][t, r]: running count of rank r's rows, in (source rank, token) order.
+    send_dst_row = []
+    next_row = np.zeros(inp.num_ranks, dtype=np.int64)
+    for s in range(inp.num_ranks):
+        sent = _token_in_rank(owner[s], inp.num_ranks)
+        rows = np.cumsum(sent, axis=0, dtype=np.int64) - 1 + next_row[None, :]
+        send_dst_row.append(np.where(sent, rows, -1))
+        next_row += sent.sum(axis=0)
+
+    results = []
+    for r in range(inp.num_ranks):
+        srcs, toks = [], []
+        for s in range(inp.num_ranks):
+            t = np.nonzero(send_dst_row[s][:, r] >= 0)[0]
+            srcs.append(np.full(len(t), s, dtype=np.int64))
+            toks.append(t.astype(np.int64))
+        r_src, r_tok = np.concatenate(srcs), np.concatenate(toks)
+        r_idx = np.empty((len(r_src), inp.num_topk), dtype=np.int64)
+        r_w = np.empty((len(r_src), inp.num_topk), dtype=np.float32)
+        for s in range(inp.num_ranks):
+            mine = r_src == s
+            here = owner[s][r_tok[mine]] == r
+            r_idx[mine] = np.where(here, inp.topk_idxs[s][r_tok[mine]] - r * inp.local, -1)
+            r_w[mine] = np.where(here, inp.topk_weights[s][r_tok[mine]], np.float32(0))
+        r_k = np.argmax(r_idx >= 0, axis=1).astype(np.int64)
+        per_expert = np.bincount(r_idx[r_idx >= 0], minlength=inp.local).astype(np.int64)
+        handle = _make_handle(inp, num_experts, "rank", r, send_dst_row[r], r_src, r_tok, r_k)
+        results.append(
+            RefDispatchResult(
+                recv_x=_gather_rows(inp.xs, r_src, r_tok, inp),
+                recv_topk_idx=r_idx,
+                recv_topk_weights=r_w,
+                num_recv_tokens_per_expert=per_expert,
+                recv_src_rank=r_src,
+                recv_src_token=r_tok,
+                recv_src_k=r_k,
+                handle=handle,
+            )
+        )
+    return results
+
+
+def _valid_pairs(inp: _Inputs) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+    src, tok, kk = [], [], []
+    for s, idx in enumerate(inp.topk_idxs):
+        t, k = np.nonzero(idx >= 0)  # row-major: ascending token, then k
+        src.append(np.full(len(t), s, dtype=np.int64))
+        tok.append(t.astype(np.int64))
+        kk.append(k.astype(np.int64))
+    return src, tok, kk
+
+
+def _token_in_rank(owner: np.ndarray, num_ranks: int) -> np.ndarray:
+    sent = np.zeros((owner.shape[0], num_ranks), dtype=bool)
+    t, k = np.nonzero(owner >= 0)
+    sent[t, owner[t, k]] = True
+    return sent
+
+
+def _gather_rows(
+    xs: list[np.ndarray], src: np.ndarray, tok: np.ndarray, inp: _Inputs
+) -> np.ndarray:
+    out = np.empty((len(src), inp.hidden), dtype=inp.dtype.storage)
+    for s, x in enumerate(xs):
+        mine = src == s
+        out[mine] = x[tok[mine]]
+    return out
+
+
+def _gather_weights(
+    ws: list[np.ndarray], src: np.ndarray, tok: np.ndarray, k: np.ndarray
+) -> np.ndarray:
+    out = np.empty(len(src), dtype=np.float32)
+    for s, w in enumerate(ws):
+        mine = src == s
+        out[mine] = w[tok[mine], k[mine]]
+    return out
+
+
+def _make_handle(
+    inp: _Inputs,
+    num_experts: int,
+    layout: str,
+    rank: int,
+    send_dst_row: np.ndarray,
+    r_src: np.ndarray,
+    r_tok: np.ndarray,
+    r_k: np.ndarray,
+) -> DispatchHandle:
+    return DispatchHandle(
+        layout=layout,
+        rank=rank,
+        num_ranks=inp.num_ranks,
+        num_experts=num_experts,
+        num_tokens=int(inp.xs[rank].shape[0]),
+        hidden=inp.hidden,
+        x_dtype=inp.dtype.name,
+        topk_idx=inp.topk_idxs[rank].copy(),
+        topk_weights=inp.topk_weights[rank].copy(),
+        send_dst_row=send_dst_row,
+        recv_src_rank=r_src.copy(),
+        recv_src_token=r_tok.copy(),
+        recv_src_k=r_k.copy(),
+        num_recv_rows_per_rank=np.bincount(r_src, minlength=inp.num_ranks).astype(np.int64),
+    )
+
+
+# --- combine --------------------------------------------------------------------------------
+
+
+def _combine_expert(h: DispatchHandle, outs_f32: list[np.ndarray]) -> np.ndarray:
+    acc = np.zeros((h.num_tokens, h.hidden), dtype=np.float32)
+    local = h.num_local_experts
+    for k in range(h.num_topk):
+        tok = np.nonzero(h.topk_idx[:, k] >= 0)[0]
+        if not len(tok):
+            continue
+        dst = h.topk_idx[tok, k] // local
+        term = np.empty((len(tok), h.hidden), dtype=np.float32)
+        for d in np.unique(dst):
+            mine = dst == d
+            term[mine] = outs_f32[d][h.send_dst_row[tok[mine], k]]
+        # Two float32 ufuncs: the product is rounded before the add (no FMA), as specified.
+        term = h.topk_weights[tok, k][:, None] * term
+        acc[tok] = acc[tok] + term
+    return acc
+
+
+def _combine_rank(h: DispatchHandle, outs_f32: list[np.ndarray]) -> np.ndarray:
+    acc = np.zeros((h.num_tokens, h.hidden), dtype=np.float32)
+    for d in range(h.num_ranks):
+        tok = np.nonzero(h.send_dst_row[:, d] >= 0)[0]
+        if len(tok):
+            acc[tok] = acc[tok] + outs_f32[d][h.send_dst_row[tok, d]]
+    return acc
+
+
+# --- validation -----------------------------------------------------------------------------
+
+
+def _as_list(value: object, argument: str, length: int | None) -> list[object]:
+    if isinstance(value, np.ndarray) or not isinstance(value, Sequence) or isinstance(value, str):
+        raise InvalidArgumentError(argument, type(value).__name__, "must be a list, one per rank")
+    items = list(value)
+    if length is None and not items:
+        raise InvalidArgumentError(argument, items, "needs at least one rank")
+    if length is not None and len(items) != length:
+        raise InvalidArgumentError(argument, len(items), f"must have one entry per rank ({length})")
+    return items
+
+
+def _validate_dispatch(
+    xs: object, topk_idxs: object, topk_weights: object, num_experts: int, layout: str
+) -> _Inputs:
+    if layout not in LAYOUTS:
+        raise InvalidArgumentError("layout", layout, f"must be one of {LAYOUTS}")
+    x_list = _as_list(xs, "xs", None)
+    num_ranks = len(x_list)
+    local = experts_per_rank(num_experts, num_ranks)
+    idx_list = _as_list(topk_idxs, "topk_idxs", num_ranks)
+    w_list = _as_list(topk_weights, "topk_weights", num_ranks)
+
+    arrays: list[np.ndarray] = []
+    dtype: DType | None = None
+    for r, x in enumerate(x_list):
+        a, dt = as_storage(x, argument=f"xs[{r}]")
+        if a.ndim != 2 or a.shape[1] < 1:
+            raise InvalidArgumentError(f"xs[{r}]", a.shape, "must be [num_tokens, hidden>=1]")
+        if dtype is not None and (dt != dtype or a.shape[1] != arrays[0].shape[1]):
+            raise InvalidArgumentError(
+                f"xs[{r}]", (a.dtype, a.shape),
+                f"dtype and hidden must match xs[0] ({arrays[0].dtype}, {arrays[0].shape[1]})",
+            )
+        dtype = dt
+        arrays.append(a)
+    assert dtype is not None
+
+    idxs: list[np.ndarray] = []
+    ws: list[np.ndarray] = []
+    for r in range(num_ranks):
+        idx = validate_topk_idx(
+            idx_list[r], num_experts, argument=f"topk_idxs[{r}]", num_tokens=arrays[r].shape[0]
+        )
+        if idx.shape[1] < 1 or (idxs and idx.shape[1] != idxs[0].shape[1]):
+            raise InvalidArgumentError(
+                f"topk_idxs[{r}]", idx.shape, "num_topk must be >= 1 and equal on every rank"
+            )
+        w = np.asarray(w_list[r])
+        if w.dtype != np.float32:
+            raise InvalidArgumentError(f"topk_weights[{r}]", w.dtype, "must be float32")
+        if w.shape != idx.shape:
+            raise InvalidArgumentError(
+                f"topk_weights[{r}]", w.shape, f"must match topk_idxs[{r}] {idx.shape}"
+            )
+        idxs.append(idx)
+        ws.append(np.ascontiguousarray(w))
+    return _Inputs(arrays, dtype, idxs, ws, num_ranks, local, idxs[0].shape[1],
+                   int(arrays[0].shape[1]))
+
+
+def _validate_handles(results: object) -> list[DispatchHandle]:
+    items = _as_list(results, "results", None)
+    handles: list[DispatchHandle] = []
+    for r, item in enumerate(items):
+        h = getattr(item, "handle", item)
+        if not isinstance(h, DispatchHandle):
+            raise InvalidArgumentError(
+                f"results[{r}]", type(item).__name__, "must be a dispatch result or its handle"
+            )
+        if h.rank != r or h.num_ranks != len(items):
+            raise InvalidArgumentError(
+                f"results[{r}]", (h.rank, h.num_ranks),
+                f"must be rank {r}'s handle of one {len(items)}-rank dispatch, in rank order",
+            )
+        if handles and (h.layout, h.hidden, h.x_dtype) != (
+            handles[0].layout, handles[0].hidden, handles[0].x_dtype
+        ):
+            raise InvalidArgumentError(
+                f"results[{r}]", h.layout, "handles come from different dispatch calls"
+            )
+        handles.append(h)
+    return handles
+
+
+def _validate_expert_outs(
+    expert_outs: object, handles: list[DispatchHandle]
+) -> tuple[list[np.ndarray], DType]:
+    items = _as_list(expert_outs, "expert_outs", len(handles))
+    x_dtype = dtype_of(handles[0].x_dtype)
+    outs: list[np.ndarray] = []
+    out_dtype: DType | None = None
+    for r, (item, h) in enumerate(zip(items, handles, strict=True)):
+        a, dt = as_storage(item, argument=f"expert_outs[{r}]")
+        if a.shape != (h.num_recv_rows, h.hidden):
+            raise InvalidArgumentError(
+                f"expert_outs[{r}]", a.shape,
+                f"must be ({h.num_recv_rows}, {h.hidden}): one row per received row",
+            )
+        if not dt.is_float:
+            raise InvalidArgumentError(
+                f"expert_outs[{r}]", dt.name, "combine needs a float type (bf16, fp16, fp32)"
+            )
+        if x_dtype.is_float and dt != x_dtype:
+            raise InvalidArgumentError(
+                f"expert_outs[{r}]", dt.name, f"must have x's dtype ({x_dtype.name})"
+            )
+        if out_dtype is not None and dt != out_dtype:
+            raise InvalidArgumentError(
+                f"expert_outs[{r}]", dt.name, f"must match expert_outs[0] ({out_dtype.name})"
+            )
+        out_dtype = dt
+        outs.append(a)
+    assert out_dtype is not None
+    return outs, out_dtype
