@@ -143,31 +143,32 @@ def _search_many(
 ) -> tuple[np.ndarray, np.ndarray, int]:
     total = int(arr[-1]) if kind == "prefix" else arr.size
     at_end = tgt == total
-    lo = np.zeros(tgt.size, dtype=np.int64)
-    hi = np.full(tgt.size, e, dtype=np.int64)
-    c_lo = np.zeros(tgt.size, dtype=np.int64)
+    # End targets get the window [0, 1] and target -1: every count exceeds it, so each round
+    # picks quadrant 1 and the window stays put (their answer is overridden below).
+    goal = np.where(at_end, -1, tgt)
+    num = tgt.size
+    # Columns of `window`: L, P1, P2, P3, R; of `count`: C(L), C(P1), C(P2), C(P3).
+    window = np.zeros((num, 5), dtype=np.int64)
+    window[:, 4] = np.where(at_end, 1, e)
+    count = np.zeros((num, 4), dtype=np.int64)
+    rows = np.arange(num)
+    mult = np.arange(1, 4, dtype=np.int64)
     steps = 0
-    rows = np.arange(tgt.size)
-    step_mult = np.arange(1, 4, dtype=np.int64)
-    # Finished targets (width <= 1) and end targets keep their window: pivots clamp to R and the
-    # quadrant test then picks q = 1, a no-op, so every target can take the same rounds.
-    hi[at_end] = 1
     while True:
+        lo, hi = window[:, 0], window[:, 4]
         width = hi - lo
-        if not np.any(width > 1):
+        if num == 0 or width.max() <= 1:
             break
-        gap = -(-width // 4)
-        pivots = np.minimum(lo[:, None] + gap[:, None] * step_mult[None, :], hi[:, None])
-        counts = _count(arr, kind, pivots)
+        # Finished windows (width 1) clamp every pivot to R, whose count exceeds the target, so
+        # they pick quadrant 1 and keep [L, L+1]: all targets can share the same rounds.
+        np.minimum(lo[:, None] + ((width + 3) // 4)[:, None] * mult, hi[:, None],
+                   out=window[:, 1:4])
+        count[:, 1:] = _count(arr, kind, window[:, 1:4])
         steps += 1
-        # q-1 = number of pivots whose count is <= target (counts are non-decreasing).
-        below = (counts <= tgt[:, None]).sum(axis=1)
-        active = width > 1
-        has_lo = active & (below > 0)
-        lo_new = np.where(has_lo, pivots[rows, np.maximum(below - 1, 0)], lo)
-        c_lo = np.where(has_lo, counts[rows, np.maximum(below - 1, 0)], c_lo)
-        hi = np.where(active & (below < 3), pivots[rows, np.minimum(below, 2)], hi)
-        lo = lo_new
-    expert = np.where(at_end, e, lo)
-    offset = np.where(at_end, 0, tgt - c_lo)
+        # Quadrant q (0-based) = pivots whose count is <= target: new window [P_q, P_{q+1}].
+        q = (count[:, 1:] <= goal[:, None]).sum(axis=1)
+        count[:, 0] = count[rows, q]
+        window[:, 0], window[:, 4] = window[rows, q], window[rows, q + 1]
+    expert = np.where(at_end, e, window[:, 0])
+    offset = np.where(at_end, 0, tgt - count[:, 0])
     return expert, offset, steps
