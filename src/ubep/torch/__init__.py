@@ -1,0 +1,31 @@
+"""PyTorch integration: dispatch/combine on tensors with autograd, a MoE layer, HF experts.
+
+``import ubep.torch`` needs torch (the ``ubep[torch]`` extra); ``import ubep`` does not.
+
+* :func:`dispatch` / :func:`combine`: torch tensors in and out without copies (BF16 travels as
+  its uint16 bits), differentiable (the backward of dispatch is a combine, the backward of
+  combine a dispatch).
+* :class:`MoELayer`: router -> dispatch -> grouped SwiGLU experts -> combine.
+* :mod:`ubep.torch.hf`: a Hugging Face transformers experts implementation named ``"ubep"``.
+* :class:`LocalWorld`: N ranks as threads of one process (float64-capable), for tests.
+"""
+
+from __future__ import annotations
+
+from .backend import EPBackend, LocalBackend, LocalWorld, as_backend, run_threads
+from .moe import MoELayer, route
+from .ops import DispatchResult, Handle, combine, dispatch
+
+__all__ = [
+    "DispatchResult",
+    "EPBackend",
+    "Handle",
+    "LocalBackend",
+    "LocalWorld",
+    "MoELayer",
+    "as_backend",
+    "combine",
+    "dispatch",
+    "route",
+    "run_threads",
+]
