@@ -19,6 +19,7 @@ from ubep.sched import (
     partition,
     remapped_expert_order,
     schedule,
+    send_units,
 )
 from ubep.topology import Topology, cm384
 
@@ -155,6 +156,24 @@ def test_hierarchical_beats_the_literal_example() -> None:
     bound = -(-v_h.sum(axis=0) // 48)
     assert np.all(v_h <= bound)
     assert v_b[:, 1].max() > bound[1]  # the topology-agnostic slice does violate it
+
+
+def test_literal_construction_breaks_bound() -> None:
+    """The paper's construction read literally (transposition, then contiguous slices of one
+    (remapped expert, token) sequence) does not give the hop bound; ours does on the same input."""
+    topo = cm384(256)
+    idx = uniform_topk(128, 256, 8, seed=0)
+    units = send_units(idx, topo, rank=0, num_experts=256)
+    rpos = remapped_expert_order(256, 48)
+    order = np.lexsort((units.token, rpos[units.expert]))
+    bounds = [j * units.num_units // 48 for j in range(49)]
+    literal = np.zeros((48, 3), dtype=np.int64)
+    for j in range(48):
+        np.add.at(literal[j], units.hop[order[bounds[j]:bounds[j + 1]]], 1)
+    cap = -(-literal.sum(axis=0) // 48)
+    assert literal[:, 1].max() > 2 * cap[1]
+    ours = schedule(idx, topo, rank=0, num_experts=256, num_send_cores=48).hop_counts(3)
+    assert np.all(ours <= cap)
 
 
 @given(

@@ -10,10 +10,40 @@ of three policies:
 * ``balanced`` (UBEP without mapping): the units in ``(expert, token)`` order are cut into ``n``
   contiguous slices; the first ``U mod n`` cores get ``ceil(U/n)`` units, the rest
   ``floor(U/n)``. Topology-agnostic; issue order stays ``(expert, token)``.
-* ``hierarchical`` (UBEP): see :func:`hierarchical_slices`. Every core gets the same number of
-  units (up to one) *and* the same mix of hop classes: ``v[j,h] <= ceil(V_h/n)`` for every core
-  ``j`` and hop class ``h``, for every input (both layouts). Issue order inside a core is
-  farthest hop first (largest RTT first), see ``_issue_order``.
+* ``hierarchical`` (UBEP): equal loads (within one, on the same cores as ``balanced``) *and*
+  an equal hop mix, ``v[j,h] <= ceil(V_h/n)`` for every core ``j`` and hop class ``h``.
+
+How ``hierarchical`` is built, and why the hop bound always holds:
+
+1. Expert remapping by logical matrix transposition (:func:`remapped_expert_order`): experts
+   are written row by row into an ``n x ceil(E/n)`` virtual matrix and read column by column.
+2. The units are sorted into one *hop-major* sequence: hop class 0's units, then class 1's, ...;
+   inside a class by (remapped expert, token). Each (class, remapped expert) run is a "virtual
+   expert" with a prefix count, which is what the quaternary search walks.
+3. Per-core hop quotas (:func:`hop_quotas`): ``V_h = n*q_h + r_h``; every core takes ``q_h``
+   units of class ``h``; the leftovers of all classes are dealt out cyclically, class after
+   class. Core ``j`` then sends, of every class, one contiguous chunk of that class's run, right
+   after the chunks of cores ``< j``; the chunk starts are located by quaternary search
+   (:func:`hierarchical_slices`), so a core on the device needs only the prefix counts, its own
+   index and ``O(H log4(H*E))`` vector steps.
+
+The bound holds for *every* input, both layouts, any ``n`` and any number of hop classes: a class
+has ``r_h < n`` leftovers, dealt to distinct cores, so ``v[j,h] <= q_h + 1 = ceil(V_h/n)``, and the
+cyclic deal gives every core ``floor(R/n)`` or ``ceil(R/n)`` leftovers (``R = sum r_h``). What it
+does *not* hold for is the paper's literal construction (transposition, then contiguous slices of a
+single expert-ordered sequence): a slice there holds whatever experts are adjacent in the remapped
+order. E.g. on CM384 EP256 (48 cores, 6 columns) the 15 one-hop experts of a node sit 2-3
+*consecutively* in each column's read-out, so with 128 uniform tokens x top-8 one slice holds 12-17
+one-hop units where ``ceil(V_1/n) = 2`` (see the test ``test_literal_construction_breaks_bound``).
+The transposition is kept because it fixes the order *inside* a hop class (which experts a core
+visits: ids ``ceil(E/n)`` apart rather than one block); it does not affect objective (1),
+which only sees hop classes.
+
+Issue order inside a core (``hierarchical`` only; the baselines keep ``(expert, token)``): farthest
+hop first, i.e. non-increasing RTT, ties by hop class, then the sequence order. A core issues back
+to back, so it finishes at ``max_i (S_i + RTT_i)`` (``S_i``: issue time up to unit ``i``);
+non-increasing RTT minimises that (Jackson's rule), letting the far units' round trips overlap the
+issue of the near ones. Objective (1) is the order-free bound ``sum l + max RTT`` of it.
 
 In the rank layout the "expert" of a unit is its ``send_expert`` (the token's lowest-k expert on
 that rank), so expert ownership and ``(expert, token)`` order are defined the same way.
@@ -226,7 +256,7 @@ def _dealt_to(first: np.ndarray, count: np.ndarray, n: int) -> np.ndarray:
 
 def hierarchical_slices(units_per_virtual_expert: np.ndarray, num_hops: int, n: int,
                         num_experts: int) -> HierarchicalSlices:
-    """Per-core chunks of the hop-major remapped sequence, located by quaternary search.
+    """Per-core chunks of the hop-major remapped sequence (module docstring, steps 2-3).
 
     ``units_per_virtual_expert [H*E]`` counts units per (hop class, remapped expert). Core ``j``
     sends, for each class ``h``, the contiguous chunk of ``v[j, h]`` units that starts after the
