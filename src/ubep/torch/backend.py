@@ -4,8 +4,9 @@
 
 * ``dispatch(x, topk_idx, topk_weights) -> result`` with the attributes of the runtime's
   ``DispatchResult`` (``recv_x``, ``recv_topk_idx``, ``recv_topk_weights``,
-  ``num_recv_tokens_per_expert``, ``recv_src_rank``, ``recv_src_token``, ``handle``) plus
-  ``recv_src_k`` ([rows] int64, the top-k slot of each row; expert layout only);
+  ``num_recv_tokens_per_expert``, ``recv_src_rank``, ``recv_src_token``, ``recv_src_k``,
+  ``handle``), with the meanings of ``ubep.reference`` (``recv_src_k``: the top-k slot of each
+  row, which the expert layout's weight gradient needs);
 * ``combine(expert_out, handle, topk_weights=None) -> y``: in the ``"expert"`` layout
   ``y[t] = sum_k w[t, k] * out(t, k)`` accumulated in float32 in ascending ``k``, where ``w`` is
   ``topk_weights`` if given (``[num_tokens, num_topk]``, this rank's) else the weights that were
@@ -100,7 +101,7 @@ class LocalHandle:
     layout: str
     recv_src_rank: np.ndarray
     recv_src_token: np.ndarray
-    recv_src_k: np.ndarray | None  # expert layout only
+    recv_src_k: np.ndarray  # rank layout: the lowest slot whose expert lives here
     num_tokens: int  # tokens this rank dispatched
     num_topk: int
     topk_weights: np.ndarray  # this rank's dispatched weights [num_tokens, num_topk]
@@ -116,7 +117,7 @@ class LocalDispatchResult:
     num_recv_tokens_per_expert: np.ndarray
     recv_src_rank: np.ndarray
     recv_src_token: np.ndarray
-    recv_src_k: np.ndarray | None
+    recv_src_k: np.ndarray
     handle: LocalHandle
 
 
@@ -160,17 +161,15 @@ def _dispatch_one(
     for s in range(num_ranks):
         sel = rr == s
         recv_x[sel] = xs[s][tt[sel]]
-    kk: np.ndarray | None
     if layout == "expert":
         kk = np.concatenate(src_k) if src_k else np.zeros(0, np.int64)
         recv_idx = np.empty(num_rows, dtype=np.int64)
         recv_w = np.empty(num_rows, dtype=ws[rank].dtype)
         for s in range(num_ranks):
             sel = rr == s
-            recv_idx[sel] = idxs[s][tt[sel], kk[sel]] - lo
+            recv_idx[sel] = idxs[s][tt[sel], kk[sel]]  # global expert id, as ubep.reference
             recv_w[sel] = ws[s][tt[sel], kk[sel]]
     else:
-        kk = None
         recv_idx = np.full((num_rows, num_topk), -1, dtype=np.int64)
         recv_w = np.zeros((num_rows, num_topk), dtype=ws[rank].dtype)
         for s in range(num_ranks):
@@ -179,6 +178,7 @@ def _dispatch_one(
             local = (ids >= lo) & (ids < lo + per_rank)
             recv_idx[sel] = np.where(local, ids - lo, -1)
             recv_w[sel] = np.where(local, ws[s][tt[sel]], 0.0)
+        kk = np.argmax(recv_idx >= 0, axis=1).astype(np.int64)  # lowest local slot
     handle = LocalHandle(layout, rr, tt, kk, xs[rank].shape[0], num_topk, ws[rank])
     return LocalDispatchResult(recv_x, recv_idx, recv_w, counts, rr, tt, kk, handle)
 
@@ -200,7 +200,6 @@ def _combine_one(
         present = np.zeros((my_handle.num_tokens, my_handle.num_topk), dtype=bool)
         for r, h in enumerate(handles):
             sel = h.recv_src_rank == rank
-            assert h.recv_src_k is not None
             per_slot[h.recv_src_token[sel], h.recv_src_k[sel]] = _to_acc(outs[r][sel])
             present[h.recv_src_token[sel], h.recv_src_k[sel]] = True
         y = np.zeros((my_handle.num_tokens, hidden), dtype=acc_dtype)

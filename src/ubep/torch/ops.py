@@ -69,7 +69,7 @@ class DispatchResult:
         recv_x: ``[rows, hidden]`` received rows, ``x``'s dtype; row order as in ``ubep.reference``
             (expert layout: grouped by local expert, then source rank, then token; rank layout:
             by source rank, then token).
-        recv_topk_idx: expert layout ``[rows]`` int64 local expert of each row; rank layout
+        recv_topk_idx: expert layout ``[rows]`` int64 global expert id of each row; rank layout
             ``[rows, num_topk]`` int64 local expert ids, ``-1`` where the expert lives elsewhere.
         recv_topk_weights: expert layout ``[rows]`` float32 (informational: combine applies the
             weights, and their gradient flows there); rank layout ``[rows, num_topk]`` float32,
