@@ -100,10 +100,18 @@ def get_dispatch_layout(topk_idx: object, num_experts: int, num_ranks: int) -> D
 
 
 def _check_shape(num_tokens: int, num_experts: int, num_topk: int) -> None:
+    for name, value in (("num_tokens", num_tokens), ("num_experts", num_experts),
+                        ("num_topk", num_topk)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise InvalidArgumentError(name, value, "must be an integer")
     if num_tokens < 0:
         raise InvalidArgumentError("num_tokens", num_tokens, "must be >= 0")
+    if num_experts < 1:
+        raise InvalidArgumentError("num_experts", num_experts, "must be >= 1")
     if num_topk < 1 or num_topk > num_experts:
-        raise InvalidArgumentError("num_topk", num_topk, f"must be in [1, num_experts={num_experts}]")
+        raise InvalidArgumentError(
+            "num_topk", num_topk, f"must be in [1, num_experts={num_experts}]"
+        )
 
 
 def _top_k_of_keys(keys: np.ndarray, num_topk: int) -> np.ndarray:
@@ -184,9 +192,14 @@ def hot_experts_topk(
     rng = np.random.default_rng(seed)
     if hot_ids is None:
         hot_ids = np.sort(rng.choice(num_experts, hot_experts, replace=False))
-    hot_ids = np.asarray(hot_ids, dtype=np.int64)
+    raw_ids = np.asarray(hot_ids)
+    if raw_ids.dtype.kind not in "iu":
+        raise InvalidArgumentError("hot_ids", raw_ids, "must be integer expert ids")
+    hot_ids = raw_ids.astype(np.int64)
     if hot_ids.shape != (hot_experts,) or len(np.unique(hot_ids)) != hot_experts:
         raise InvalidArgumentError("hot_ids", hot_ids, f"must be {hot_experts} distinct expert ids")
+    if hot_ids.min() < 0 or hot_ids.max() >= num_experts:
+        raise InvalidArgumentError("hot_ids", hot_ids, f"ids must lie in [0, {num_experts})")
     cold_ids = np.setdiff1d(np.arange(num_experts), hot_ids)
     num_hot = np.minimum(rng.binomial(num_topk, hot_share, size=num_tokens), hot_experts)
     num_hot = np.maximum(num_hot, num_topk - len(cold_ids))  # enough cold experts must remain
