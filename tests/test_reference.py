@@ -7,6 +7,7 @@ BF16 rounding), plus hand-computed tiny cases and closed-form row counts.
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import struct
 from fractions import Fraction
@@ -385,6 +386,33 @@ def test_handles_pickle_and_combine_accepts_handles():
         y_handles, y_results = reference.combine(outs, handles), reference.combine(outs, res)
         for a, b in zip(y_handles, y_results, strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+def test_combine_needs_only_the_receivers_view():
+    # A backend may leave send_dst_row unset; combine is defined by the receivers' recv_src_*.
+    xs = [np.arange(12, dtype=np.float32).reshape(6, 2) + 100 * r for r in range(3)]
+    idxs = [uniform_topk(6, 6, 3, seed=r, mask_prob=0.2) for r in range(3)]
+    ws = [np.full((6, 3), 0.5, np.float32)] * 3
+    for layout in ("expert", "rank"):
+        res = reference.dispatch(xs, idxs, ws, 6, layout=layout)
+        outs = [r.recv_x for r in res]
+        bare = [dataclasses.replace(r.handle, send_dst_row=None) for r in res]
+        for a, b in zip(reference.combine(outs, bare), reference.combine(outs, res), strict=True):
+            np.testing.assert_array_equal(a, b)
+        # A receiver claiming a row twice (and so dropping another) is caught, not summed.
+        h = res[1].handle
+        src_token = h.recv_src_token.copy()
+        src_token[1] = src_token[0]
+        src_k = h.recv_src_k.copy()
+        src_k[1] = src_k[0]
+        src_rank = h.recv_src_rank.copy()
+        src_rank[1] = src_rank[0]
+        forged = dataclasses.replace(
+            h, recv_src_token=src_token, recv_src_k=src_k, recv_src_rank=src_rank
+        )
+        with pytest.raises(InvalidArgumentError) as err:
+            reference.combine(outs, [bare[0], forged, bare[2]])
+        assert err.value.argument == "results"
 
 
 def test_send_dst_row_points_at_the_row():

@@ -40,14 +40,16 @@ class DispatchHandle:
         x_dtype: ``ubep.dtypes`` name of the dispatched ``x`` (``"bf16"``, ``"fp32"``, ...).
         topk_idx: ``[num_tokens, num_topk]`` int64, global expert ids, -1 = masked slot.
         topk_weights: ``[num_tokens, num_topk]`` float32, as given to dispatch.
-        send_dst_row: int64, row index in the destination rank's ``recv_x`` of each sent row,
-            -1 where nothing was sent. ``layout="expert"``: ``[num_tokens, num_topk]`` (the
-            destination is the rank owning ``topk_idx[t, k]``); ``layout="rank"``:
-            ``[num_tokens, num_ranks]`` (column = destination rank).
         recv_src_rank, recv_src_token: ``[num_recv_rows]`` int64, origin of each received row.
         recv_src_k: ``[num_recv_rows]`` int64, the top-k slot of the row (``layout="rank"``: the
             lowest slot whose expert lives on this rank).
         num_recv_rows_per_rank: ``[num_ranks]`` int64, rows received from each source rank.
+        send_dst_row: optional int64, row index in the destination rank's ``recv_x`` of each
+            sent row, -1 where nothing was sent. ``layout="expert"``: ``[num_tokens, num_topk]``
+            (the destination is the rank owning ``topk_idx[t, k]``); ``layout="rank"``:
+            ``[num_tokens, num_ranks]`` (column = destination rank). The reference fills it; a
+            backend whose combine pushes rows back by ``recv_src_*`` may leave it ``None``
+            (a source learns destination rows only from other sources' counts).
     """
 
     layout: str
@@ -59,11 +61,11 @@ class DispatchHandle:
     x_dtype: str
     topk_idx: np.ndarray
     topk_weights: np.ndarray
-    send_dst_row: np.ndarray
     recv_src_rank: np.ndarray
     recv_src_token: np.ndarray
     recv_src_k: np.ndarray
     num_recv_rows_per_rank: np.ndarray
+    send_dst_row: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         # Cheap consistency checks: a handle from one call mixed with arrays of another is the
@@ -78,7 +80,7 @@ class DispatchHandle:
                 f"must match topk_idx {self.topk_idx.shape} (2-D)",
             )
         width = self.topk_idx.shape[1] if self.layout == "expert" else self.num_ranks
-        if self.send_dst_row.shape != (self.num_tokens, width):
+        if self.send_dst_row is not None and self.send_dst_row.shape != (self.num_tokens, width):
             raise InvalidArgumentError(
                 "send_dst_row", self.send_dst_row.shape, f"must be ({self.num_tokens}, {width})"
             )

@@ -129,8 +129,14 @@ def combine(
     handles = _validate_handles(results)
     outs, out_dtype = _validate_expert_outs(expert_outs, handles)
     outs_f32 = [out_dtype.to_float32(o) for o in outs]
+    # Where each source row's answer lies is defined by the receivers' recv_src_* (what a
+    # backend's receiver knows), not by the optional send_dst_row.
+    dst_rows = _dst_rows_from_receivers(handles)
     reduce = _combine_expert if handles[0].layout == "expert" else _combine_rank
-    return [out_dtype.from_float32(reduce(h, outs_f32)) for h in handles]
+    return [
+        out_dtype.from_float32(reduce(h, rows, outs_f32))
+        for h, rows in zip(handles, dst_rows, strict=True)
+    ]
 
 
 # --- dispatch -------------------------------------------------------------------------------
@@ -288,7 +294,48 @@ def _make_handle(
 # --- combine --------------------------------------------------------------------------------
 
 
-def _combine_expert(h: DispatchHandle, outs_f32: list[np.ndarray]) -> np.ndarray:
+def _dst_rows_from_receivers(handles: list[DispatchHandle]) -> list[np.ndarray]:
+    """Per source rank, the row of each sent (token, k) / (token, rank) at its destination."""
+    expert = handles[0].layout == "expert"
+    num_ranks = len(handles)
+    rows = [
+        np.full((h.num_tokens, h.num_topk if expert else num_ranks), -1, dtype=np.int64)
+        for h in handles
+    ]
+    claims = np.zeros(num_ranks, dtype=np.int64)
+    for r, h in enumerate(handles):
+        src = h.recv_src_rank
+        if len(src) and (src.min() < 0 or src.max() >= num_ranks):
+            raise InvalidArgumentError(f"results[{r}]", "recv_src_rank", "out of range")
+        claims += np.bincount(src, minlength=num_ranks)
+        for s in range(num_ranks):
+            mine = np.nonzero(src == s)[0]
+            tok = h.recv_src_token[mine]
+            if len(tok) and (tok.min() < 0 or tok.max() >= handles[s].num_tokens):
+                raise InvalidArgumentError(
+                    f"results[{r}]", "recv_src_token", f"names tokens rank {s} does not have"
+                )
+            col = h.recv_src_k[mine] if expert else np.full(len(mine), r)
+            if len(col) and (col.min() < 0 or col.max() >= rows[s].shape[1]):
+                raise InvalidArgumentError(f"results[{r}]", "recv_src_k", "out of range")
+            rows[s][tok, col] = mine
+    for s, h in enumerate(handles):
+        if expert:
+            sent = h.topk_idx >= 0
+        else:
+            owner = np.where(h.topk_idx >= 0, h.topk_idx // h.num_local_experts, -1)
+            sent = (owner[:, :, None] == np.arange(num_ranks)).any(axis=1)
+        # Every sent row answered exactly once (a duplicate claim would hide a missing one).
+        if ((rows[s] >= 0) != sent).any() or claims[s] != sent.sum():
+            raise InvalidArgumentError(
+                "results", f"rank {s}", "receivers' rows do not match the source's routing"
+            )
+    return rows
+
+
+def _combine_expert(
+    h: DispatchHandle, dst_row: np.ndarray, outs_f32: list[np.ndarray]
+) -> np.ndarray:
     acc = np.zeros((h.num_tokens, h.hidden), dtype=np.float32)
     local = h.num_local_experts
     for k in range(h.num_topk):
@@ -299,19 +346,19 @@ def _combine_expert(h: DispatchHandle, outs_f32: list[np.ndarray]) -> np.ndarray
         term = np.empty((len(tok), h.hidden), dtype=np.float32)
         for d in np.unique(dst):
             mine = dst == d
-            term[mine] = outs_f32[d][h.send_dst_row[tok[mine], k]]
+            term[mine] = outs_f32[d][dst_row[tok[mine], k]]
         # Two float32 ufuncs: the product is rounded before the add (no FMA), as specified.
         term = h.topk_weights[tok, k][:, None] * term
         acc[tok] = acc[tok] + term
     return acc
 
 
-def _combine_rank(h: DispatchHandle, outs_f32: list[np.ndarray]) -> np.ndarray:
+def _combine_rank(h: DispatchHandle, dst_row: np.ndarray, outs_f32: list[np.ndarray]) -> np.ndarray:
     acc = np.zeros((h.num_tokens, h.hidden), dtype=np.float32)
     for d in range(h.num_ranks):
-        tok = np.nonzero(h.send_dst_row[:, d] >= 0)[0]
+        tok = np.nonzero(dst_row[:, d] >= 0)[0]
         if len(tok):
-            acc[tok] = acc[tok] + outs_f32[d][h.send_dst_row[tok, d]]
+            acc[tok] = acc[tok] + outs_f32[d][dst_row[tok, d]]
     return acc
 
 
