@@ -239,10 +239,14 @@ class LocalWorld:
         #: number of dispatch and combine calls made by rank 0 (tests count collectives)
         self.num_calls = {"dispatch": 0, "combine": 0}
 
-    def backend(self, rank: int) -> LocalBackend:
+    def backend(self, rank: int, layout: str | None = None) -> LocalBackend:
+        """Rank ``rank``'s view; ``layout`` overrides the world's default layout."""
         if not 0 <= rank < self.num_ranks:
             raise InvalidArgumentError("rank", rank, f"must be in [0, {self.num_ranks})")
-        return LocalBackend(self, rank)
+        layout = self.layout if layout is None else layout
+        if layout not in LAYOUTS:
+            raise InvalidArgumentError("layout", layout, f"must be one of {LAYOUTS}")
+        return LocalBackend(self, rank, layout)
 
     def _exchange(self, rank: int, item: Any) -> list[Any]:
         self._slots[rank] = item
@@ -264,12 +268,20 @@ class LocalWorld:
 class LocalBackend:
     """One rank of a :class:`LocalWorld` (implements :class:`EPBackend`)."""
 
-    def __init__(self, world: LocalWorld, rank: int) -> None:
+    def __init__(self, world: LocalWorld, rank: int, layout: str) -> None:
         self.world = world
         self.rank = rank
         self.num_ranks = world.num_ranks
         self.num_experts = world.num_experts
-        self.layout = world.layout
+        self.layout = layout
+
+    def with_layout(self, layout: str) -> LocalBackend:
+        """The same rank of the same world, moving rows in ``layout``."""
+        return self.world.backend(self.rank, layout)
+
+    def allgather(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, in rank order (small metadata; collective)."""
+        return self.world._exchange(self.rank, value)
 
     def dispatch(
         self, x: np.ndarray, topk_idx: np.ndarray, topk_weights: np.ndarray

@@ -1,0 +1,106 @@
+"""Adapter from the real runtime (``ubep.Buffer`` on a ``ubep`` process group) to
+:class:`~ubep.torch.backend.EPBackend`.
+
+The runtime's ``combine(expert_out, handle)`` weights the expert layout with the weights the
+handle recorded at dispatch; :mod:`ubep.torch` sometimes needs other weights (unit weights for the
+backward of dispatch, the weights a DeepEP-style caller passes to ``low_latency_combine``). The
+handle is a frozen dataclass of plain arrays, so a copy with other ``topk_weights`` is exactly the
+handle of a dispatch that had carried those weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import InvalidArgumentError
+
+__all__ = ["RuntimeBackend", "make_backend", "ubep_dtype_name"]
+
+_DTYPE_NAMES = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.int8: "int8",
+    torch.uint8: "uint8",
+}
+
+
+def ubep_dtype_name(dtype: torch.dtype) -> str:
+    """The ``ubep.dtypes`` name of a torch payload dtype (``torch.bfloat16`` -> ``"bf16"``)."""
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise InvalidArgumentError(
+            "dtype", dtype, f"the runtime moves {sorted(map(str, _DTYPE_NAMES))}"
+        ) from None
+
+
+class RuntimeBackend:
+    """A ``ubep.Buffer`` seen through the :class:`~ubep.torch.backend.EPBackend` protocol."""
+
+    def __init__(self, buffer: Any) -> None:
+        self.buffer = buffer
+        group = buffer.group
+        config = buffer.config
+        self.group = group
+        self.rank = int(group.rank)
+        self.num_ranks = int(group.num_ranks)
+        self.num_experts = int(config.num_experts)
+        self.layout = str(config.layout)
+        self.hidden = int(config.hidden)
+
+    def dispatch(self, x: np.ndarray, topk_idx: np.ndarray, topk_weights: np.ndarray) -> Any:
+        return self.buffer.dispatch(x, topk_idx, np.asarray(topk_weights, dtype=np.float32))
+
+    def combine(
+        self, expert_out: np.ndarray, handle: Any, topk_weights: np.ndarray | None = None
+    ) -> np.ndarray:
+        if topk_weights is not None:
+            if self.layout != "expert":
+                raise InvalidArgumentError(
+                    "topk_weights", "given", "the rank layout combines without weights"
+                )
+            w = np.ascontiguousarray(topk_weights, dtype=np.float32)
+            handle = dataclasses.replace(handle, topk_weights=w)
+        return np.asarray(self.buffer.combine(expert_out, handle))
+
+    def allgather(self, value: Any) -> list[Any]:
+        return list(self.group.allgather(value))
+
+    def close(self) -> None:
+        close = getattr(self.buffer, "close", None)
+        if close is not None:
+            close()
+
+
+def make_backend(
+    group: Any,
+    *,
+    hidden: int,
+    num_topk: int,
+    num_experts: int,
+    dtype: torch.dtype,
+    max_tokens_per_rank: int = 4096,
+    layout: str = "expert",
+    **options: Any,
+) -> RuntimeBackend:
+    """Create a ``ubep.Buffer`` on ``group`` for this shape (collective: every rank calls it)."""
+    import importlib
+
+    # Looked up at call time: the runtime is a separate subsystem and torch code must import
+    # without it.
+    ubep: Any = importlib.import_module("ubep")
+    config = ubep.BufferConfig(
+        max_tokens_per_rank=max_tokens_per_rank,
+        hidden=hidden,
+        num_topk=num_topk,
+        num_experts=num_experts,
+        dtype=ubep_dtype_name(dtype),
+        layout=layout,
+        **options,
+    )
+    return RuntimeBackend(ubep.Buffer(group, config))
