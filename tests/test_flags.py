@@ -92,7 +92,9 @@ def test_sw_flag_is_the_epoch_word():
         assert SwFlag.ready(flag, epoch)
         assert not SwFlag.ready(flag, epoch - 1 if epoch > 1 else 2)
     rows = random_rows(np.random.default_rng(0), 3, 10)
-    assert SwFlag.slot_bytes(10) == 64 and SwFlag.slot_bytes(65) == 128
+    # Raw-row slots (SW, DC, SP) are 64-byte aligned strides.
+    for codec in (SwFlag, DcCodec, SpCodec):
+        assert (codec.slot_bytes(10), codec.slot_bytes(64), codec.slot_bytes(65)) == (64, 64, 128)
     np.testing.assert_array_equal(SwFlag.decode(rows, SwFlag.encode(7), 7), rows)
     with pytest.raises(NotReadyError):
         SwFlag.decode(rows, SwFlag.encode(6), 7)  # stale flag of the previous call
@@ -127,6 +129,7 @@ def test_tff_round_trip_and_bytes(geometry, n, row_bytes, epoch, seed):
     for i in range(n):
         assert slots[i].tobytes() == tff_encode_oracle(rows[i].tobytes(), epoch, *geometry)
     assert codec.row_ready(slots, epoch, row_bytes).all()
+    assert codec.row_ready(slots, epoch).all()  # the width alone locates the blocks
     np.testing.assert_array_equal(codec.decode(slots, epoch, row_bytes), rows)
 
 
@@ -236,6 +239,9 @@ def test_tff_validation():
     assert err.value.argument == "epoch"
     with pytest.raises(InvalidArgumentError) as err:
         codec.decode(np.zeros((2, 500), np.uint8), 1, 100)
+    assert err.value.argument == "slots"
+    with pytest.raises(InvalidArgumentError) as err:
+        codec.row_ready(np.zeros((2, 500), np.uint8), 1)
     assert err.value.argument == "slots"
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import InvalidArgumentError
-from ._common import NotReadyError, check_epoch, check_rows_u8
+from ._common import NotReadyError, align_up, check_epoch, check_rows_u8
 
 __all__ = ["DcCodec"]
 
@@ -60,6 +60,11 @@ class DcCodec:
 
     def __repr__(self) -> str:
         return f"DcCodec(block_bytes={self.block_bytes}, check_bytes={self.check_bytes})"
+
+    @staticmethod
+    def slot_bytes(row_bytes: int) -> int:
+        """Slot stride of a raw row: ``row_bytes`` rounded up to 64 bytes."""
+        return align_up(row_bytes)
 
     def checked_byte_offsets(self, row_bytes: int) -> np.ndarray:
         """Byte offsets of one row, in checksum order, each checked block's prefix zero-padded

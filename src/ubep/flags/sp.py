@@ -19,7 +19,7 @@ import numpy as np
 
 from ..dtypes import DType, dtype_of
 from ..errors import InvalidArgumentError
-from ._common import NotReadyError
+from ._common import NotReadyError, align_up
 
 __all__ = ["SpCodec"]
 
@@ -49,6 +49,11 @@ class SpCodec:
 
     def __repr__(self) -> str:
         return f"SpCodec({self.dtype.name!r})"
+
+    @staticmethod
+    def slot_bytes(row_bytes: int) -> int:
+        """Slot stride of a raw row: ``row_bytes`` rounded up to 64 bytes."""
+        return align_up(row_bytes)
 
     @property
     def sentinel_bits(self) -> int:

@@ -84,26 +84,35 @@ class TffCodec:
         blocks[:, :, P : P + 8] = np.frombuffer(np.array([epoch], _WORD).tobytes(), np.uint8)
         return blocks.reshape(n, nblocks * self.block_bytes)
 
-    def _blocks(self, slots: np.ndarray, row_bytes: int) -> np.ndarray:
+    def _blocks(self, slots: np.ndarray, row_bytes: int | None) -> np.ndarray:
         a = np.asarray(slots)
-        want = self.slot_bytes(row_bytes)
+        if row_bytes is None:  # any whole number of blocks
+            ok = a.ndim == 2 and a.shape[1] > 0 and a.shape[1] % self.block_bytes == 0
+            want = a.shape[1] if ok else -1
+            expect = f"uint8 [n, multiple of {self.block_bytes}]"
+        else:
+            want = self.slot_bytes(row_bytes)
+            expect = f"uint8 [n, {want}] for row_bytes={row_bytes}"
         if a.dtype != np.uint8 or a.ndim != 2 or a.shape[1] != want:
-            raise InvalidArgumentError(
-                "slots", (a.dtype, a.shape), f"must be uint8 [n, {want}] for row_bytes={row_bytes}"
-            )
+            raise InvalidArgumentError("slots", (a.dtype, a.shape), f"must be {expect}")
         return np.ascontiguousarray(a).reshape(
             a.shape[0], want // self.block_bytes, self.block_bytes
         )
 
-    def block_ready(self, slots: np.ndarray, epoch: int, row_bytes: int) -> np.ndarray:
-        """``[n, num_blocks]`` bool: the block's epoch word equals ``epoch``."""
+    def block_ready(
+        self, slots: np.ndarray, epoch: int, row_bytes: int | None = None
+    ) -> np.ndarray:
+        """``[n, num_blocks]`` bool: the block's epoch word equals ``epoch``.
+
+        ``row_bytes`` only checks the slot width; the blocks are found from the width alone.
+        """
         epoch = check_epoch(epoch)
         blocks = self._blocks(slots, row_bytes)
         P = self.payload_per_block
         words = np.ascontiguousarray(blocks[:, :, P : P + 8]).view(_WORD)[..., 0]
         return np.asarray(words == np.uint64(epoch), dtype=bool)
 
-    def row_ready(self, slots: np.ndarray, epoch: int, row_bytes: int) -> np.ndarray:
+    def row_ready(self, slots: np.ndarray, epoch: int, row_bytes: int | None = None) -> np.ndarray:
         """``[n]`` bool: every block of the row carries ``epoch``."""
         return np.all(self.block_ready(slots, epoch, row_bytes), axis=1, keepdims=False)
 
