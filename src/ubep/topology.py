@@ -11,6 +11,7 @@ Constants of the presets come from shared/docs/CALIBRATION.md; each cites its ro
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass, field
 
@@ -61,7 +62,8 @@ class Topology:
         if any(not (bw > 0) for bw in self.bandwidth_gbps):
             raise InvalidArgumentError("bandwidth_gbps", self.bandwidth_gbps, "must be > 0")
         if not self.domain_sizes:
-            object.__setattr__(self, "domain_sizes", _default_domains(num_hops, self.ranks_per_node))
+            defaults = _default_domains(num_hops, self.ranks_per_node)
+            object.__setattr__(self, "domain_sizes", defaults)
         domains = self.domain_sizes
         if len(domains) != num_hops - 1:
             raise InvalidArgumentError(
@@ -69,7 +71,7 @@ class Topology:
             )
         if domains and domains[0] != 1:
             raise InvalidArgumentError("domain_sizes", domains, "class 0 is the rank itself: 1")
-        for inner, outer in zip(domains, domains[1:]):
+        for inner, outer in itertools.pairwise(domains):
             if outer <= inner or outer % inner:
                 raise InvalidArgumentError(
                     "domain_sizes", domains, "each domain must be a larger multiple of the last"
