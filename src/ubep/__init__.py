@@ -3,13 +3,22 @@
 Re-exports only; nothing heavy is imported here (torch stays optional).
 """
 
+from .dtypes import BF16, FP16, FP32, INT8, UINT8, DType
 from .errors import InvalidArgumentError, PeerLostError, RemoteError, TimeoutError, UbepError
+from .handle import DispatchHandle
 from .routing import DispatchLayout, get_dispatch_layout
 from .topology import Topology
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BF16",
+    "FP16",
+    "FP32",
+    "INT8",
+    "UINT8",
+    "DType",
+    "DispatchHandle",
     "DispatchLayout",
     "InvalidArgumentError",
     "PeerLostError",
