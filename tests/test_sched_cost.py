@@ -97,17 +97,19 @@ def test_unit_milp_matches_brute_force(m: int, n: int, seed: int) -> None:
         assert np.all(res.y.sum(axis=0) == 1) and res.y.sum(axis=1).max() <= -(-m // n)
 
 
+@pytest.mark.parametrize("method", ["configurations", "cores"])
 @given(st.lists(st.integers(0, 4), min_size=1, max_size=3), st.integers(1, 3),
        st.integers(0, 2**31))
 @settings(max_examples=40, deadline=None)
-def test_class_milp_matches_brute_force(counts: list[int], n: int, seed: int) -> None:
+def test_class_milp_matches_brute_force(method: str, counts: list[int], n: int,
+                                        seed: int) -> None:
     v = np.asarray(counts)
     if v.sum() > 8:
         v = np.minimum(v, 2)
     rng = np.random.default_rng(seed)
     l_c = np.round(rng.uniform(0, 100, v.size), 1)
     rtt_c = np.round(rng.uniform(0, 300, v.size), 1)  # any order: the MILP sorts by RTT
-    res = optimal_classes(v, l_c, rtt_c, n)
+    res = optimal_classes(v, l_c, rtt_c, n, method=method)
     units = np.repeat(np.arange(v.size), v)
     want = _brute_force(l_c[units], rtt_c[units], n) if units.size else 0.0
     assert res.status == "optimal"
@@ -129,6 +131,24 @@ def test_optimum_bounds_the_balanced_policies(num_ranks: int) -> None:
         assert res.objective_ns <= objective_ns(plan, topo, token_bytes=TOKEN_BYTES) + 1e-6
 
 
+@pytest.mark.parametrize("counts", [[2, 25, 37], [0, 19, 45], [7, 112, 137], [5, 56, 963]])
+def test_methods_agree_on_cm384_shapes(counts: list[int]) -> None:
+    """Both programs on the per-hop counts of real CM384 instances (48 cores), incl. the small
+    ones where many cores hold one or two units."""
+    topo = cm384(256)
+    l_ns = np.full(3, TOKEN_BYTES / 392.0)
+    rtt_ns = 2 * np.asarray(topo.latency_ns)
+    a = optimal_classes(counts, l_ns, rtt_ns, 48, method="configurations", time_limit_s=60)
+    b = optimal_classes(counts, l_ns, rtt_ns, 48, method="cores", time_limit_s=2)
+    assert a.status == "optimal"
+    if b.status == "optimal":
+        assert a.objective_ns == pytest.approx(b.objective_ns)
+    else:  # the per-core program may stop at its limit: its bound must still hold
+        assert b.bound_ns <= a.objective_ns + 1e-6 <= b.objective_ns + 2e-6
+    np.testing.assert_array_equal(a.y.sum(axis=0), counts)
+    assert a.y.sum(axis=1).max() <= -(-sum(counts) // 48)
+
+
 def test_optimal_accepts_hop_arrays() -> None:
     topo = cm384(32)
     hops = np.array([0, 1, 1, 2, 2, 2, 2])
@@ -146,6 +166,7 @@ def test_optimal_accepts_hop_arrays() -> None:
         (lambda: optimal(np.array([0, 1]), cm384(32), 2, token_bytes=1, time_limit_s=0),
          "time_limit_s"),
         (lambda: optimal_classes([1, -1], [1, 1], [1, 1], 2), "units_per_class"),
+        (lambda: optimal_classes([1, 1], [1, 1], [1, 1], 2, method="lp"), "method"),
         (lambda: optimal_classes([1, 1], [1], [1, 1], 2), "l_ns"),
         (lambda: optimal_units([1.0, 2.0], [1.0, np.nan], 2), "rtt_ns"),
         (lambda: optimal_units([1.0], [1.0], 0), "num_send_cores"),

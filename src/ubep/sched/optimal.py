@@ -18,6 +18,14 @@ setting a ``u`` higher than needed only costs, so an optimum never does. Symmetr
 u[g,j+1]``, and cores with the same farthest class by load, ``load_j - load_{j+1} >= -cap *
 sum_g (u[g,j] - u[g,j+1])``.
 
+That per-core program (``method="cores"``) is symmetric in a way no ordering fully breaks: when
+many cores hold one or two units HiGHS proves optimality only after seconds (10 s+ at 64 units on
+48 cores). The default (``"auto"`` -> ``"configurations"``, see ``_solve_configurations``) drops
+the core index altogether: a binary search over makespans ``T``, each step a covering program
+over *core contents* (at most ``cap`` units, cost ``<= T``) with ``G + 1`` rows, started between
+a pigeonhole lower bound and the equal-quota assignment as upper bound. Both are exact; tests
+check both against brute force.
+
 :func:`optimal_units` solves the unaggregated program (one class per unit, arbitrary ``l_i`` and
 ``RTT_i``); it is meant for tiny instances.
 """
@@ -35,8 +43,13 @@ from ..errors import InvalidArgumentError
 from ..topology import Topology
 from .cost import hop_costs_ns
 from .plan import Plan
+from .policies import hop_quotas
 
-__all__ = ["OptimalResult", "optimal", "optimal_classes", "optimal_units"]
+__all__ = ["METHODS", "OptimalResult", "optimal", "optimal_classes", "optimal_units"]
+
+METHODS = ("auto", "configurations", "cores")
+# Above this many core configurations "auto" uses the per-core program instead.
+MAX_CONFIGURATIONS = 200_000
 
 
 @dataclass(frozen=True)
@@ -96,6 +109,7 @@ def optimal(
     token_bytes: float,
     issue_ns: float = 0.0,
     time_limit_s: float = 10.0,
+    method: str = "auto",
 ) -> OptimalResult:
     """Optimum of (1) for a rank's units on ``num_send_cores`` cores.
 
@@ -118,7 +132,8 @@ def optimal(
         raise InvalidArgumentError("num_send_cores", None, "required when units is not a Plan")
     l_ns, rtt_ns = hop_costs_ns(topology, token_bytes=token_bytes, issue_ns=issue_ns)
     counts = np.bincount(hops.astype(np.int64), minlength=topology.num_hops)
-    return optimal_classes(counts, l_ns, rtt_ns, num_send_cores, time_limit_s=time_limit_s)
+    return optimal_classes(counts, l_ns, rtt_ns, num_send_cores, time_limit_s=time_limit_s,
+                           method=method)
 
 
 def optimal_classes(
@@ -128,8 +143,15 @@ def optimal_classes(
     num_send_cores: int,
     *,
     time_limit_s: float = 10.0,
+    method: str = "auto",
 ) -> OptimalResult:
-    """Aggregated MILP (module docstring) for ``V_c`` identical units of each class ``c``."""
+    """Aggregated MILP (module docstring) for ``V_c`` identical units of each class ``c``.
+
+    ``method``: ``"configurations"``, ``"cores"`` or ``"auto"`` (configurations unless there
+    are more than ``MAX_CONFIGURATIONS`` of them).
+    """
+    if method not in METHODS:
+        raise InvalidArgumentError("method", method, f"must be one of {METHODS}")
     n, limit = _check_common(num_send_cores, time_limit_s)
     counts = np.asarray(units_per_class)
     if counts.ndim != 1 or (counts.size and counts.dtype.kind not in "iu") or np.any(counts < 0):
@@ -144,11 +166,143 @@ def optimal_classes(
     cap = -(-total // n)
     classes = np.flatnonzero(counts)
     classes = classes[np.argsort(rtt_arr[classes], kind="stable")]
-    y, objective, bound, status, secs = _solve_aggregated(
-        counts[classes], l_arr[classes], rtt_arr[classes], n, cap, limit
-    )
+    v, l_g, rtt_g = counts[classes], l_arr[classes], rtt_arr[classes]
+    configs = None
+    if method != "cores":
+        configs = _configurations(v, cap, MAX_CONFIGURATIONS if method == "auto" else None)
+    if configs is None:
+        y, objective, bound, status, secs = _solve_aggregated(v, l_g, rtt_g, n, cap, limit)
+    else:
+        y, objective, bound, status, secs = _solve_configurations(
+            configs, v, l_g, rtt_g, n, cap, limit
+        )
     y_out[:, classes] = y
     return OptimalResult(objective, bound, status, y_out, secs)
+
+
+def _configurations(v: np.ndarray, cap: int, limit: int | None) -> np.ndarray | None:
+    """``[C, G]`` every core content ``y`` with ``y_g <= V_g`` and ``sum y <= cap``.
+
+    Returns ``None`` when there would be more than ``limit`` of them.
+    """
+    configs = np.zeros((1, 0), dtype=np.int64)
+    for g in range(v.size):
+        ks = np.arange(min(int(v[g]), cap) + 1, dtype=np.int64)
+        grown = np.concatenate(
+            [np.repeat(configs, ks.size, axis=0), np.tile(ks, configs.shape[0])[:, None]], axis=1
+        )
+        configs = grown[grown.sum(axis=1) <= cap]
+        if limit is not None and configs.shape[0] > limit:
+            return None
+    return configs
+
+
+def _solve_configurations(
+    configs: np.ndarray,
+    v: np.ndarray,
+    l_g: np.ndarray,
+    rtt_g: np.ndarray,
+    n: int,
+    cap: int,
+    limit: float,
+) -> tuple[np.ndarray, float, float, str, float]:
+    """Exact optimum over core *configurations* (cores are identical, so only how many cores
+    hold each content matters).
+
+    A configuration ``y`` costs ``l.y + max RTT of its classes``. For a candidate makespan ``T``
+    the question "can at most ``n`` cores, each with a configuration of cost ``<= T``, cover
+    ``V``?" is a small integer program (``G + 1`` rows): ``sum_c x_c y_c >= V``,
+    ``sum_c x_c <= n``, ``x`` integer. Covering more than ``V`` is harmless (dropping units
+    never raises a configuration's cost), and feasibility is monotone in ``T``, so a binary
+    search over the distinct configuration costs finds the optimum; the largest cost is always
+    feasible (``n * cap >= m``). This formulation has no core symmetry, which is what makes the
+    per-core program slow when many cores hold one or two units.
+    """
+    start = time.perf_counter()
+    has = configs > 0
+    top_rtt = np.max(np.where(has, rtt_g[None, :], 0.0), axis=1, initial=0.0)
+    cost = configs @ l_g + top_rtt
+    # Cost of adding one more unit of class g to each configuration (inf where not allowed).
+    grow = cost[:, None] + l_g[None, :] + np.maximum(0.0, rtt_g[None, :] - top_rtt[:, None])
+    full = (configs.sum(axis=1, keepdims=True) >= cap) | (configs >= v[None, :])
+    grow[full] = np.inf
+    cheapest_growth = grow.min(axis=1)
+    levels = np.unique(cost)
+    # Start from the equal-quota assignment (what ``hierarchical`` does): feasible, an upper
+    # bound, and often already optimal; and from a pigeonhole lower bound.
+    y_best = hop_quotas(v, n)
+    upper = _objective(y_best, l_g, rtt_g)
+    lo = int(np.searchsorted(levels, _pigeonhole_bound(v, l_g, rtt_g, n) - 1e-9))
+    hi = int(np.searchsorted(levels, upper - 1e-9))  # levels[hi] == upper: feasible
+    proven_below = lo - 1  # every level <= levels[proven_below] is proven infeasible
+    timed_out = False
+    while lo < hi:
+        mid = (lo + hi) // 2
+        # Only maximal configurations at this level: growing one by a unit would pass T. A
+        # cover that uses a smaller one can use a maximal superset of it instead.
+        cols = np.flatnonzero((cost <= levels[mid]) & (cheapest_growth > levels[mid]))
+        remaining = limit - (time.perf_counter() - start)
+        x, verdict = _cover(configs[cols], v, n, max(remaining, 1e-3))
+        if x is not None:
+            hi, y_best = mid, _expand(configs[cols], x, v, n)
+        else:
+            lo = mid + 1
+            if verdict == "infeasible":
+                proven_below = max(proven_below, mid)
+            else:
+                timed_out = True
+    objective = _objective(y_best, l_g, rtt_g)
+    status = "time_limit" if timed_out else "optimal"
+    bound = objective if status == "optimal" else float(levels[proven_below + 1])
+    y = y_best
+    return y, objective, bound, status, time.perf_counter() - start
+
+
+def _objective(y: np.ndarray, l_g: np.ndarray, rtt_g: np.ndarray) -> float:
+    """Objective (1) of per-core class counts ``y [n, G]``."""
+    return float(np.max(y @ l_g + np.max(np.where(y > 0, rtt_g[None, :], 0.0), axis=1)))
+
+
+def _pigeonhole_bound(v: np.ndarray, l_g: np.ndarray, rtt_g: np.ndarray, n: int) -> float:
+    """Valid lower bound: the ``S_g`` units of classes ``>= g`` (RTT ascending) put at least
+    ``ceil(S_g/n)`` of them on one core, which then costs at least ``RTT_g`` plus that many of
+    the cheapest ``l`` among those classes."""
+    tail_units = np.cumsum(v[::-1])[::-1]
+    tail_l = np.minimum.accumulate(l_g[::-1])[::-1]
+    per_core = -(-tail_units // n)
+    return float(np.max(np.where(per_core > 0, rtt_g + per_core * tail_l, 0.0)))
+
+
+def _cover(
+    configs: np.ndarray, v: np.ndarray, n: int, limit: float
+) -> tuple[np.ndarray | None, str]:
+    """Integer ``x >= 0`` with ``configs.T @ x >= v`` and ``sum x <= n``, if one exists."""
+    num = configs.shape[0]
+    a = np.vstack([configs.T, np.ones((1, num))])
+    lower = np.concatenate([v.astype(float), [0.0]])
+    upper = np.concatenate([np.full(v.size, np.inf), [float(n)]])
+    # Zero objective: any feasible cover ends the search.
+    res = milp(np.zeros(num), constraints=LinearConstraint(a, lower, upper),
+               integrality=np.ones(num), bounds=Bounds(0, n), options={"time_limit": limit})
+    if res.x is not None and res.status in (0, 1):
+        return np.rint(res.x).astype(np.int64), "feasible"
+    return None, "infeasible" if res.status == 2 else "unknown"
+
+
+def _expand(configs: np.ndarray, x: np.ndarray, v: np.ndarray, n: int) -> np.ndarray:
+    """``[n, G]`` core contents from configuration counts, trimmed to exactly ``V``."""
+    y = np.zeros((n, v.size), dtype=np.int64)
+    rows = np.repeat(configs, x, axis=0)
+    y[: rows.shape[0]] = rows
+    excess = y.sum(axis=0) - v
+    for g in np.flatnonzero(excess > 0):  # drop surplus units; costs can only fall
+        for j in range(n):
+            take = min(int(excess[g]), int(y[j, g]))
+            y[j, g] -= take
+            excess[g] -= take
+            if not excess[g]:
+                break
+    return y
 
 
 def _solve_aggregated(
