@@ -242,6 +242,24 @@ def test_empty_routing() -> None:
 
 
 @pytest.mark.parametrize(
+    ("call", "argument"),
+    [
+        (lambda: remapped_expert_order(0, 4), "num_experts"),
+        (lambda: remapped_expert_order(8, 0), "num_rows"),
+        (lambda: hop_quotas(np.array([3, -1]), 4), "units_per_hop"),
+        (lambda: hop_quotas(np.array([3, 1]), 0), "n"),
+        (lambda: hierarchical_slices(np.zeros(5, dtype=np.int64), 2, 3, 3),
+         "units_per_virtual_expert"),
+        (lambda: schedule(np.array([[0]]), "cm384", rank=0, num_experts=1), "topology"),
+    ],
+)
+def test_bad_input_helpers(call: object, argument: str) -> None:
+    with pytest.raises(InvalidArgumentError) as err:
+        call()  # type: ignore[operator]
+    assert err.value.argument == argument
+
+
+@pytest.mark.parametrize(
     ("kwargs", "argument"),
     [
         (dict(policy="random"), "policy"),

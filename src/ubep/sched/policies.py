@@ -127,6 +127,11 @@ def schedule(
     )
 
 
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise InvalidArgumentError(name, value, "must be an integer >= 1")
+
+
 def _check_cores(name: str, value: int | None, cores: int) -> None:
     if value is None:
         return
@@ -196,6 +201,8 @@ def remapped_expert_order(num_experts: int, num_rows: int) -> np.ndarray:
     experts core ``j`` would own under ``expert_contiguous``); reading it column by column gives
     the remapped order. Returns ``rpos [E]``: the remapped position of each expert.
     """
+    _positive("num_experts", num_experts)
+    _positive("num_rows", num_rows)
     cols = -(-num_experts // num_rows)
     grid = np.arange(num_rows * cols, dtype=np.int64).reshape(num_rows, cols)
     read = grid.T.ravel()
@@ -239,7 +246,11 @@ def hop_quotas(units_per_hop: np.ndarray, n: int) -> np.ndarray:
     ``floor(R/n)`` or ``ceil(R/n)`` of them, the first ``R mod n = U mod n`` cores the extra one
     (hence loads within one, on the same cores as ``balanced``).
     """
-    v = np.asarray(units_per_hop, dtype=np.int64)
+    _positive("n", n)
+    v = np.asarray(units_per_hop)
+    if v.ndim != 1 or (v.size and v.dtype.kind not in "iu") or np.any(v < 0):
+        raise InvalidArgumentError("units_per_hop", v, "must be 1-D non-negative integers")
+    v = v.astype(np.int64)
     q, r = np.divmod(v, n)
     first = np.cumsum(r) - r  # number of the first leftover of each class
     return q[None, :] + _dealt_to(first, r, n)
@@ -264,7 +275,14 @@ def hierarchical_slices(units_per_virtual_expert: np.ndarray, num_hops: int, n: 
     vectorised quaternary search turns it into (virtual expert, offset), what a core on the
     device would compute on its own from the prefix counts.
     """
-    counts = np.asarray(units_per_virtual_expert, dtype=np.int64)
+    _positive("num_hops", num_hops)
+    _positive("num_experts", num_experts)
+    counts = np.asarray(units_per_virtual_expert)
+    if counts.shape != (num_hops * num_experts,) or (counts.size and counts.dtype.kind not in "iu"):
+        raise InvalidArgumentError(
+            "units_per_virtual_expert", counts.shape, "must be [num_hops * num_experts] integers"
+        )
+    counts = counts.astype(np.int64)
     per_hop = counts.reshape(num_hops, num_experts).sum(axis=1)
     quota = hop_quotas(per_hop, n)
     hop_start = np.cumsum(per_hop) - per_hop

@@ -69,6 +69,8 @@ def send_units(
     """
     if layout not in LAYOUTS:
         raise InvalidArgumentError("layout", layout, f"must be one of {LAYOUTS}")
+    if not isinstance(topology, Topology):
+        raise InvalidArgumentError("topology", type(topology).__name__, "must be a Topology")
     per_rank = experts_per_rank(num_experts, topology.num_ranks)
     idx = validate_topk_idx(topk_idx, num_experts)
     hops = hop_row(topology, rank)
