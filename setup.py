@@ -1,5 +1,28 @@
-"""Build hook for the native data plane (C11); everything else is in pyproject.toml."""
+"""Build hook for the native data plane (C11); everything else is in pyproject.toml.
 
-from setuptools import setup
+The extension needs only a C11 compiler (gcc or clang) and the Python headers: no numpy headers
+(arrays cross the boundary through the buffer protocol), no CPU flags beyond the baseline
+(AVX2 / F16C kernels are compiled with target attributes and picked at run time).
+``-ffp-contract=off`` keeps combine's product and sum separately rounded, bit-exact with
+``ubep.reference``.
+"""
 
-setup()
+import sys
+
+from setuptools import Extension, setup
+
+_ARGS = ["-O3", "-std=c11", "-ffp-contract=off", "-fno-strict-aliasing", "-Wall",
+         "-Wno-unused-function"]
+
+ext_modules = []
+if sys.platform.startswith("linux"):
+    ext_modules.append(
+        Extension(
+            "ubep.runtime._native",
+            sources=["src/ubep/runtime/native/_native.c"],
+            extra_compile_args=_ARGS,
+            libraries=["pthread"],
+        )
+    )
+
+setup(ext_modules=ext_modules)

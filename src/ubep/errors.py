@@ -13,6 +13,7 @@ from typing import Any
 __all__ = [
     "InvalidArgumentError",
     "PeerLostError",
+    "RankFailedError",
     "RemoteError",
     "TimeoutError",
     "UbepError",
@@ -37,7 +38,7 @@ class InvalidArgumentError(UbepError, ValueError):
         super().__init__(f"{argument}={_short(value)}: {problem}")
 
 
-class TimeoutError(UbepError, builtins.TimeoutError):  # noqa: A001 - deliberate, subclasses it
+class TimeoutError(UbepError, builtins.TimeoutError):
     """A wait passed its deadline. The message names the rank, core and what it waited for."""
 
 
@@ -57,3 +58,50 @@ class RemoteError(UbepError):
 def _short(value: Any, limit: int = 80) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class RankFailedError(UbepError):
+    """A rank started by :func:`ubep.launch` raised, exited abnormally or was killed.
+
+    Attributes:
+        rank: the rank reported (the first one whose failure was not a consequence of another
+            rank's, e.g. a ``PeerLostError``).
+        exitcode: the process exit code (negative: killed by that signal), ``None`` while alive.
+        remote_type: class name of the exception the rank raised (``""`` if it died without one).
+        remote_traceback: the rank's formatted traceback (``""`` if none).
+        results: ``{rank: return value}`` of the ranks that did finish.
+        failures: ``{rank: one-line description}`` of every rank that failed.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        message: str,
+        *,
+        exitcode: int | None = None,
+        remote_type: str = "",
+        remote_traceback: str = "",
+        results: dict[int, Any] | None = None,
+        failures: dict[int, str] | None = None,
+    ) -> None:
+        self.rank = rank
+        self.exitcode = exitcode
+        self.remote_type = remote_type
+        self.remote_traceback = remote_traceback
+        self.results = dict(results or {})
+        self.failures = dict(failures or {})
+        super().__init__(message)
+
+
+def _reduce_invalid_argument(self: InvalidArgumentError) -> tuple[Any, ...]:
+    return (InvalidArgumentError, (self.argument, self.value, self.problem))
+
+
+def _reduce_remote(self: RemoteError) -> tuple[Any, ...]:
+    return (RemoteError, (self.rank, self.message))
+
+
+# Exceptions pickle through ``self.args`` by default, which does not match these constructors;
+# ubep.launch sends a rank's exception to the parent, so they must round-trip.
+InvalidArgumentError.__reduce__ = _reduce_invalid_argument  # type: ignore[assignment,method-assign]
+RemoteError.__reduce__ = _reduce_remote  # type: ignore[assignment,method-assign]

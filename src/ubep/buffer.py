@@ -1,0 +1,673 @@
+"""``ubep.Buffer``: expert-parallel dispatch and combine between the ranks of a group.
+
+One ``Buffer`` per communicator and shape, like DeepEP's: it owns a shared-memory segment per
+rank (receive regions, control words, combine staging) and a native engine that runs each call
+in one C call with the GIL released. Everything else is plain numpy in and out.
+
+Example (inside a function started by :func:`ubep.launch`)::
+
+    cfg = BufferConfig(max_tokens_per_rank=128, hidden=2048, num_topk=8, num_experts=64,
+                       dtype="bf16")
+    with Buffer(group, cfg) as buf:
+        res = buf.dispatch(x, topk_idx, topk_weights)       # x: [num_tokens, 2048] uint16
+        out = my_experts(res.recv_x, res.recv_topk_idx)      # one row per received row
+        y = buf.combine(out, res.handle)                     # [num_tokens, 2048]
+
+Results match :func:`ubep.reference.dispatch` / :func:`ubep.reference.combine` bit for bit
+(field names, row order and dtypes included).
+
+Lifetimes: ``res.recv_x`` is a read-only *view* of the receive region (no copy: that is what
+makes dispatch one memcpy). It stays valid until the second dispatch after it is called (the
+view of dispatch ``n`` survives dispatch ``n+1``; dispatch ``n+2`` may reuse its memory). Pass
+``copy=True`` for an owned array. Every other field, the handle included, is an owned array.
+
+Combine reads the expert outputs where they lie: if ``expert_out`` already lives in this rank's
+segment (``buf.get_combine_buffer(handle)``, or ``res.recv_x`` itself) nothing is copied;
+otherwise it is copied once into the segment, and every source pulls and reduces its rows in
+one pass (float32 accumulation in the reference's order).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import dtypes as _dt
+from .errors import (
+    InvalidArgumentError,
+    PeerLostError,
+    RemoteError,
+    TimeoutError,
+    UbepError,
+)
+from .handle import DispatchHandle
+from .routing import experts_per_rank
+from .runtime.group import Group, process_start_time
+from .runtime.layout import SegmentLayout, compute_layout
+from .runtime.shm import Segment
+
+__all__ = [
+    "ENGINES",
+    "SYNCS",
+    "Buffer",
+    "BufferConfig",
+    "DispatchResult",
+    "RuntimeHandle",
+]
+
+ENGINES = ("asp", "bsp")
+SYNCS = ("sw", "tff", "dc", "sp")
+_LAYOUTS = ("expert", "rank")
+_POLICIES = ("expert_contiguous", "balanced", "hierarchical")
+_DT_CODE = {"bf16": 0, "fp16": 1, "fp32": 2, "int8": 3, "uint8": 4}
+_E_BAD_INPUT, _E_TIMEOUT, _E_PEER_LOST, _E_REMOTE = 1, 2, 3, 4
+
+
+@dataclass(frozen=True)
+class BufferConfig:
+    """Shape and behaviour of a :class:`Buffer` (identical on every rank).
+
+    Attributes:
+        max_tokens_per_rank: most tokens one rank dispatches in one call.
+        hidden: elements per token row.
+        num_topk: experts per token (``topk_idx`` columns).
+        num_experts: global experts, a multiple of the number of ranks.
+        dtype: payload type, a ``ubep.dtypes`` name (``"bf16"``, ``"fp16"``, ``"fp32"``,
+            ``"int8"``, ``"uint8"``) or a numpy dtype / array of it.
+        layout: ``"expert"`` (one row per (token, expert)) or ``"rank"`` (one per (token, rank)).
+        engine: ``"asp"`` (UBEP task graph) or ``"bsp"`` (CANN-EP-style phases and barriers).
+        sync: ``"sw"``, ``"tff"``, ``"dc"`` or ``"sp"`` (docs/FORMATS.md). SP needs a float
+            payload (1-byte types have no free sentinel).
+        num_cores: cores (threads) per rank; ``None`` = the group topology's ``cores_per_rank``.
+        policy: token scheduler of the ASP send cores (``ubep.sched.schedule``).
+        timeout_s: deadline of every wait inside one call.
+        combine_dtype: type of the expert outputs combine takes and returns; ``None`` = ``dtype``
+            for float payloads, ``"bf16"`` for 1-byte ones (W8A8 dispatch, BF16 combine).
+        threads: run cores as threads (``True``) or all on the calling thread (``False``);
+            ``None`` = threads when ``num_cores * num_ranks`` fits the hardware threads.
+        tff_block_bytes, tff_flag_bytes: TFF block geometry (default 512 = 480 + 32).
+    """
+
+    max_tokens_per_rank: int
+    hidden: int
+    num_topk: int
+    num_experts: int
+    dtype: Any
+    layout: str = "expert"
+    engine: str = "asp"
+    sync: str = "sp"
+    num_cores: int | None = None
+    policy: str = "hierarchical"
+    timeout_s: float = 60.0
+    combine_dtype: Any = None
+    threads: bool | None = None
+    tff_block_bytes: int = 512
+    tff_flag_bytes: int = 32
+
+    def __post_init__(self) -> None:
+        for name in ("max_tokens_per_rank", "hidden", "num_topk", "num_experts"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise InvalidArgumentError(name, value, "must be a positive integer")
+            object.__setattr__(self, name, int(value))
+        if self.num_topk > self.num_experts:
+            raise InvalidArgumentError(
+                "num_topk", self.num_topk, f"must be <= num_experts={self.num_experts}"
+            )
+        dt = _dt.dtype_of(self.dtype, argument="dtype")
+        object.__setattr__(self, "dtype", dt.name)
+        cdt_raw = self.combine_dtype
+        if cdt_raw is None:
+            cdt_raw = dt.name if dt.is_float else "bf16"
+        cdt = _dt.dtype_of(cdt_raw, argument="combine_dtype")
+        if not cdt.is_float:
+            raise InvalidArgumentError("combine_dtype", cdt.name, "must be bf16, fp16 or fp32")
+        if dt.is_float and cdt != dt:
+            raise InvalidArgumentError(
+                "combine_dtype", cdt.name, f"must equal dtype ({dt.name}) for a float payload"
+            )
+        object.__setattr__(self, "combine_dtype", cdt.name)
+        _choice("layout", self.layout, _LAYOUTS)
+        _choice("engine", self.engine, ENGINES)
+        _choice("sync", self.sync, SYNCS)
+        _choice("policy", self.policy, _POLICIES)
+        if self.sync == "sp" and dt.sentinel is None:
+            raise InvalidArgumentError(
+                "sync", "sp",
+                f"{dt.name} payloads have no bit pattern free for a sentinel: use sync='tff' or "
+                "sync='dc'",
+            )
+        if self.num_cores is not None and (
+            isinstance(self.num_cores, bool) or not isinstance(self.num_cores, int)
+            or not 1 <= self.num_cores <= 256
+        ):
+            raise InvalidArgumentError("num_cores", self.num_cores, "must be None or in [1, 256]")
+        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
+            raise InvalidArgumentError("timeout_s", self.timeout_s, "must be > 0")
+        if self.threads is not None and not isinstance(self.threads, bool):
+            raise InvalidArgumentError("threads", self.threads, "must be None, True or False")
+        flag = self.tff_flag_bytes
+        if not isinstance(flag, int) or flag < 8 or flag % 8:
+            raise InvalidArgumentError("tff_flag_bytes", flag, "must be >= 8, a multiple of 8")
+        block = self.tff_block_bytes
+        if not isinstance(block, int) or block % 64 or block <= flag:
+            raise InvalidArgumentError(
+                "tff_block_bytes", block, f"must be a multiple of 64 larger than {flag}"
+            )
+
+
+def _choice(name: str, value: object, options: tuple[str, ...]) -> None:
+    if value not in options:
+        raise InvalidArgumentError(name, value, f"must be one of {options}")
+
+
+@dataclass(frozen=True, eq=False)
+class RuntimeHandle(DispatchHandle):
+    """A :class:`ubep.handle.DispatchHandle` that also remembers which dispatch of which Buffer
+    made it (``dispatch_index``), so :meth:`Buffer.get_combine_buffer` hands out distinct
+    regions for handles of consecutive dispatches."""
+
+    dispatch_index: int = -1
+
+
+@dataclass(frozen=True, eq=False)
+class DispatchResult:
+    """One rank's dispatch output; same fields and layout as ``ubep.reference``'s.
+
+    Attributes:
+        recv_x: ``[rows, hidden]`` received rows (a read-only view into the receive region unless
+            ``copy=True``; see the module docstring for how long it stays valid).
+        recv_topk_idx: int64; ``layout="expert"``: ``[rows]`` global expert id; ``"rank"``:
+            ``[rows, num_topk]`` local expert ids, -1 where the expert lives elsewhere.
+        recv_topk_weights: float32, shaped like ``recv_topk_idx`` (0 where the id is -1).
+        num_recv_tokens_per_expert: ``[num_local_experts]`` int64.
+        recv_src_rank, recv_src_token, recv_src_k: ``[rows]`` int64, origin of each row.
+        handle: what :meth:`Buffer.combine` needs.
+    """
+
+    recv_x: np.ndarray
+    recv_topk_idx: np.ndarray
+    recv_topk_weights: np.ndarray
+    num_recv_tokens_per_expert: np.ndarray
+    recv_src_rank: np.ndarray
+    recv_src_token: np.ndarray
+    recv_src_k: np.ndarray
+    handle: RuntimeHandle
+
+
+def _load_native() -> Any:
+    try:
+        from .runtime import _native  # type: ignore[attr-defined]
+    except ImportError as exc:
+        raise ImportError(
+            "ubep's native data plane (ubep.runtime._native) is not built. Install ubep with "
+            "its build step (`pip install -e .` or `make venv` in the source tree; needs gcc and "
+            f"the Python headers). Original error: {exc}"
+        ) from exc
+    return _native
+
+
+class Buffer:
+    """Dispatch/combine buffers of one rank (collective constructor: every rank builds one with
+    the same config, in the same order).
+
+    Args:
+        group: the :class:`~ubep.runtime.group.Group` of the ranks.
+        config: :class:`BufferConfig` (must be equal on every rank).
+    """
+
+    def __init__(self, group: Group, config: BufferConfig) -> None:
+        if not isinstance(config, BufferConfig):
+            raise InvalidArgumentError("config", type(config).__name__, "must be a BufferConfig")
+        self.group = group
+        self.config = config
+        self.rank = group.rank
+        self.num_ranks = group.num_ranks
+        self.num_local_experts = experts_per_rank(config.num_experts, group.num_ranks)
+        self.num_cores = config.num_cores or group.topology.cores_per_rank
+        self._dtype = _dt.dtype_of(config.dtype)
+        self._cdtype = _dt.dtype_of(config.combine_dtype)
+        self.layout: SegmentLayout = _layout_of(config, group.num_ranks, self.num_cores)
+        self._native = _load_native()
+        self._epoch = 0
+        self._num_dispatches = 0
+        self._broken: str | None = None
+        self._closed = False
+        self._segments: list[Segment] = []
+        self._engine: Any = None
+        configs = group.allgather(dataclasses.asdict(config) | {"num_cores": self.num_cores})
+        if any(c != configs[0] for c in configs):
+            raise InvalidArgumentError(
+                "config", config, "differs between ranks (every rank needs the same BufferConfig)"
+            )
+        try:
+            self._setup()
+        except BaseException:
+            self._teardown()
+            raise
+
+    # --- construction -------------------------------------------------------------------
+
+    def _setup(self) -> None:
+        g, lay = self.group, self.layout
+        own = Segment.create(
+            lay.size_bytes, group_id=g.group_id, owner_rank=self.rank, kind="buffer",
+            marker_dir=g.rendezvous,
+        )
+        names = g.allgather(own.name)
+        segs: list[Segment] = []
+        for r, name in enumerate(names):
+            if r == self.rank:
+                segs.append(own)
+            else:
+                segs.append(Segment.open_peer(
+                    name, size_bytes=lay.size_bytes, group_id=g.group_id, owner_rank=r,
+                    kind="buffer",
+                ))
+            self._segments = segs
+        cores = self.num_cores
+        threads = self.config.threads
+        if threads is None:
+            threads = cores * self.num_ranks <= (os.cpu_count() or 1)
+        self._engine = self._native.Engine(
+            self._engine_params(bool(threads) and cores > 1),
+            [s.address for s in segs],
+            [p.pid for p in g.peers],
+            [p.start_time or process_start_time(p.pid) for p in g.peers],
+        )
+        self._engine.reset_all()
+        # Every peer has mapped every segment once this barrier completes: unlink the names so
+        # nothing survives a crash from here on.
+        g.barrier(self.config.timeout_s)
+        own.unlink()
+        seg = own.array
+        lay = self.layout
+        self._out_regions = [
+            seg[lay.off_out + i * lay.out_bytes: lay.off_out + (i + 1) * lay.out_bytes]
+            for i in range(lay.num_regions)
+        ]
+        self._comb_regions = [
+            seg[lay.off_comb + i * lay.comb_bytes: lay.off_comb + (i + 1) * lay.comb_bytes]
+            for i in range(2)
+        ]
+
+    def _engine_params(self, threaded: bool) -> dict[str, int]:
+        cfg, lay = self.config, self.layout
+        sentinel = self._dtype.sentinel or 0
+        params = lay.as_params()
+        params["seg_size"] = params.pop("size_bytes")
+        params.update(
+            rank=self.rank,
+            num_ranks=self.num_ranks,
+            num_cores=self.num_cores,
+            num_experts=cfg.num_experts,
+            num_local_experts=self.num_local_experts,
+            num_topk=cfg.num_topk,
+            max_tokens=cfg.max_tokens_per_rank,
+            hidden=cfg.hidden,
+            itemsize=self._dtype.itemsize,
+            dtype=_DT_CODE[self._dtype.name],
+            combine_dtype=_DT_CODE[self._cdtype.name],
+            combine_itemsize=self._cdtype.itemsize,
+            sync=SYNCS.index(cfg.sync),
+            engine=ENGINES.index(cfg.engine),
+            layout=_LAYOUTS.index(cfg.layout),
+            threaded=int(threaded),
+            tff_block_bytes=cfg.tff_block_bytes,
+            tff_flag_bytes=cfg.tff_flag_bytes,
+            sentinel=sentinel,
+            timeout_ns=int(cfg.timeout_s * 1e9),
+        )
+        return params
+
+    @staticmethod
+    def size_hint(config: BufferConfig, num_ranks: int, num_cores: int | None = None) -> int:
+        """Bytes of shared memory one rank's Buffer maps for itself (each rank maps every
+        peer's too, but only its own is backed by its memory)."""
+        if not isinstance(config, BufferConfig):
+            raise InvalidArgumentError("config", type(config).__name__, "must be a BufferConfig")
+        experts_per_rank(config.num_experts, num_ranks)
+        if num_cores is None:
+            from .topology import host
+
+            num_cores = config.num_cores or host(num_ranks).cores_per_rank
+        return _layout_of(config, num_ranks, num_cores).size_bytes
+
+    # --- operations ---------------------------------------------------------------------
+
+    def dispatch(
+        self, x: object, topk_idx: object, topk_weights: object, *, copy: bool = False
+    ) -> DispatchResult:
+        """Send every token to the ranks of its experts (collective).
+
+        Args:
+            x: ``[num_tokens, hidden]`` payload of ``config.dtype`` (bf16 as uint16),
+                ``num_tokens <= max_tokens_per_rank`` (0 is fine).
+            topk_idx: ``[num_tokens, num_topk]`` int64 global expert ids, -1 = masked slot.
+            topk_weights: ``[num_tokens, num_topk]`` float32.
+            copy: return ``recv_x`` as an owned array instead of a view.
+
+        Raises:
+            InvalidArgumentError: bad input on this rank (nothing was sent).
+            RemoteError: another rank rejected this call.
+            ubep.TimeoutError, PeerLostError: see the messages.
+        """
+        self._check_usable()
+        self._epoch += 1
+        epoch = self._epoch
+        index = self._num_dispatches
+        self._num_dispatches += 1
+        try:
+            xa, idx, w = self._check_dispatch_args(x, topk_idx, topk_weights)
+            plan = self._plan(idx)
+        except InvalidArgumentError as exc:
+            self._engine.fail(epoch, f"rank {self.rank}: {exc}")
+            raise
+        cfg, lay = self.config, self.layout
+        ntok = int(xa.shape[0])
+        cap, K, L = lay.cap_rows, cfg.num_topk, self.num_local_experts
+        per_row = (cap,) if cfg.layout == "expert" else (cap, K)
+        o_idx = np.empty(per_row, np.int64)
+        o_w = np.empty(per_row, np.float32)
+        o_rank = np.empty(cap, np.int64)
+        o_tok = np.empty(cap, np.int64)
+        o_k = np.empty(cap, np.int64)
+        o_nrecv = np.empty(L, np.int64)
+        o_dst = np.empty((ntok, K if cfg.layout == "expert" else self.num_ranks), np.int64)
+        got = self._engine.dispatch(
+            xa, idx, w, ntok, epoch, index, o_idx, o_w, o_rank, o_tok, o_k, o_nrecv, o_dst, plan
+        )
+        if type(got) is tuple:
+            raise self._error(got)
+        n = int(got)
+        region = self._out_regions[index % lay.num_regions]
+        recv_x = np.ndarray(
+            (n, cfg.hidden), dtype=self._dtype.storage, buffer=region,
+            strides=(lay.out_stride, self._dtype.itemsize),
+        )
+        if copy:
+            recv_x = recv_x.copy()
+        else:
+            recv_x.flags.writeable = False
+        o_rank, o_tok, o_k = o_rank[:n], o_tok[:n], o_k[:n]
+        for arr in (o_rank, o_tok, o_k):
+            arr.flags.writeable = False  # shared with the handle
+        handle = RuntimeHandle(
+            layout=cfg.layout,
+            rank=self.rank,
+            num_ranks=self.num_ranks,
+            num_experts=cfg.num_experts,
+            num_tokens=ntok,
+            hidden=cfg.hidden,
+            x_dtype=self._dtype.name,
+            topk_idx=idx.copy() if idx is topk_idx else idx,
+            topk_weights=w.copy() if w is topk_weights else w,
+            send_dst_row=o_dst,
+            recv_src_rank=o_rank,
+            recv_src_token=o_tok,
+            recv_src_k=o_k,
+            num_recv_rows_per_rank=np.bincount(o_rank, minlength=self.num_ranks),
+            dispatch_index=index,
+        )
+        return DispatchResult(
+            recv_x=recv_x,
+            recv_topk_idx=o_idx[:n],
+            recv_topk_weights=o_w[:n],
+            num_recv_tokens_per_expert=o_nrecv,
+            recv_src_rank=o_rank,
+            recv_src_token=o_tok,
+            recv_src_k=o_k,
+            handle=handle,
+        )
+
+    def combine(self, expert_out: object, handle: DispatchHandle) -> np.ndarray:
+        """Bring expert outputs back and reduce them per source token (collective).
+
+        Args:
+            expert_out: ``[handle.num_recv_rows, hidden]`` of ``config.combine_dtype``, row ``i``
+                answering row ``i`` of this rank's ``recv_x``.
+            handle: ``result.handle`` of the matching dispatch on this Buffer.
+
+        Returns:
+            ``[handle.num_tokens, hidden]`` owned array: expert layout ``y[t] = sum_k w[t,k] *
+            out(t,k)``, rank layout ``y[t] = sum over ranks of the rows sent back``.
+        """
+        self._check_usable()
+        self._epoch += 1
+        epoch = self._epoch
+        try:
+            h, eo = self._check_combine_args(expert_out, handle)
+        except InvalidArgumentError as exc:
+            self._engine.fail(epoch, f"rank {self.rank}: {exc}")
+            raise
+        creg = _combine_region(h)
+        y = np.empty((h.num_tokens, self.config.hidden), dtype=self._cdtype.storage)
+        got = self._engine.combine(
+            eo, h.num_recv_rows, h.topk_idx, h.topk_weights, h.send_dst_row, h.num_tokens, epoch,
+            creg, y,
+        )
+        if type(got) is tuple:
+            raise self._error(got)
+        return y
+
+    def get_combine_buffer(self, handle: DispatchHandle) -> np.ndarray:
+        """A writable ``[handle.num_recv_rows, hidden]`` array in this rank's segment: write the
+        expert outputs here and pass it to :meth:`combine` to skip the copy (zero-copy combine).
+        Handles of consecutive dispatches get different buffers. Not collective."""
+        self._check_usable()
+        h = self._check_handle(handle)
+        creg = _combine_region(h)
+        last = int(self._engine.comb_last_epoch(creg))
+        got = self._engine.wait_done(last, float(self.config.timeout_s))
+        if type(got) is tuple:
+            raise self._error(got)
+        rows, hidden = h.num_recv_rows, self.config.hidden
+        region = self._comb_regions[creg]
+        return np.ndarray((rows, hidden), dtype=self._cdtype.storage, buffer=region)
+
+    # --- lifetime -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the engine's threads and unmap the segments (local, not collective; views into
+        the segments keep their memory alive until they are dropped)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._teardown()
+
+    def _teardown(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+        self._out_regions = []
+        self._comb_regions = []
+        for seg in self._segments:
+            seg.close()
+        self._segments = []
+
+    def __enter__(self) -> Buffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (
+            f"Buffer(rank={self.rank}/{self.num_ranks}, engine={c.engine}, sync={c.sync}, "
+            f"layout={c.layout}, dtype={c.dtype}, hidden={c.hidden}, "
+            f"max_tokens_per_rank={c.max_tokens_per_rank}, cores={self.num_cores})"
+        )
+
+    # --- internals ----------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise UbepError(f"rank {self.rank}: the Buffer is closed")
+        if self._broken is not None:
+            raise PeerLostError(f"rank {self.rank}: Buffer unusable after a lost peer: "
+                                f"{self._broken}")
+
+    def _check_dispatch_args(
+        self, x: object, topk_idx: object, topk_weights: object
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        cfg = self.config
+        storage = self._dtype.storage
+        xa = x if type(x) is np.ndarray else np.asarray(x)
+        if xa.dtype != storage:
+            xa, dt = _dt.as_storage(xa, argument="x")
+            if dt != self._dtype:
+                raise InvalidArgumentError("x", dt.name, f"must have the Buffer's dtype "
+                                                         f"({self._dtype.name})")
+        if xa.ndim != 2 or xa.shape[1] != cfg.hidden:
+            raise InvalidArgumentError("x", xa.shape, f"must be [num_tokens, {cfg.hidden}]")
+        ntok = xa.shape[0]
+        if ntok > cfg.max_tokens_per_rank:
+            raise InvalidArgumentError(
+                "x", xa.shape, f"has more tokens than max_tokens_per_rank="
+                               f"{cfg.max_tokens_per_rank}"
+            )
+        if not xa.flags.c_contiguous:
+            xa = np.ascontiguousarray(xa)
+        idx = topk_idx if type(topk_idx) is np.ndarray else np.asarray(topk_idx)
+        if idx.shape != (ntok, cfg.num_topk):
+            raise InvalidArgumentError(
+                "topk_idx", idx.shape, f"must be [num_tokens={ntok}, num_topk={cfg.num_topk}]"
+            )
+        if idx.dtype != np.int64 or not idx.flags.c_contiguous:
+            if idx.dtype.kind not in "iu":
+                raise InvalidArgumentError("topk_idx", idx.dtype, "must be an integer array")
+            idx = np.ascontiguousarray(idx, dtype=np.int64)
+        w = topk_weights if type(topk_weights) is np.ndarray else np.asarray(topk_weights)
+        if w.dtype != np.float32:
+            raise InvalidArgumentError("topk_weights", w.dtype, "must be float32")
+        if w.shape != idx.shape:
+            raise InvalidArgumentError("topk_weights", w.shape, f"must match topk_idx {idx.shape}")
+        if not w.flags.c_contiguous:
+            w = np.ascontiguousarray(w)
+        return xa, idx, w
+
+    def _plan(self, idx: np.ndarray) -> tuple[Any, ...] | None:
+        """The Plan of ``ubep.sched.schedule`` when several cores send (ASP). With one send
+        core every policy assigns every unit to it, so the engine's own by-destination order is
+        used and the scheduler call (tens of microseconds of numpy) is skipped."""
+        if self.config.engine != "asp" or self.num_cores < 2 or idx.shape[0] == 0:
+            return None
+        from .sched import schedule
+
+        topo = dataclasses.replace(self.group.topology, cores_per_rank=self.num_cores)
+        plan = schedule(
+            idx, topo, rank=self.rank, num_experts=self.config.num_experts,
+            policy=self.config.policy, layout=self.config.layout,
+        )
+        if plan.num_send_cores < 2:
+            return None
+        return (
+            np.ascontiguousarray(plan.send_token, dtype=np.int64),
+            np.ascontiguousarray(plan.send_k, dtype=np.int64),
+            np.ascontiguousarray(plan.send_expert, dtype=np.int64),
+            np.ascontiguousarray(plan.send_dst_rank, dtype=np.int64),
+            np.ascontiguousarray(plan.send_slot, dtype=np.int64),
+            np.ascontiguousarray(plan.core_ptr, dtype=np.int64),
+            int(plan.num_send_cores),
+        )
+
+    def _check_handle(self, handle: object) -> DispatchHandle:
+        if not isinstance(handle, DispatchHandle):
+            raise InvalidArgumentError("handle", type(handle).__name__, "must be a dispatch handle")
+        cfg = self.config
+        if (handle.rank, handle.num_ranks, handle.layout, handle.num_experts, handle.hidden) != (
+            self.rank, self.num_ranks, cfg.layout, cfg.num_experts, cfg.hidden
+        ) or handle.topk_idx.shape[1:] != (cfg.num_topk,):
+            raise InvalidArgumentError(
+                "handle", (handle.rank, handle.layout, handle.hidden),
+                "comes from a dispatch of another rank or Buffer shape",
+            )
+        if handle.num_tokens > cfg.max_tokens_per_rank or (
+            handle.num_recv_rows > self.layout.cap_rows
+        ):
+            raise InvalidArgumentError("handle", handle.num_tokens, "exceeds this Buffer's size")
+        return handle
+
+    def _check_combine_args(
+        self, expert_out: object, handle: DispatchHandle
+    ) -> tuple[DispatchHandle, np.ndarray]:
+        h = self._check_handle(handle)
+        eo = expert_out if type(expert_out) is np.ndarray else np.asarray(expert_out)
+        if eo.dtype != self._cdtype.storage:
+            eo, dt = _dt.as_storage(eo, argument="expert_out")
+            if dt != self._cdtype:
+                raise InvalidArgumentError(
+                    "expert_out", dt.name, f"must have combine_dtype ({self._cdtype.name})"
+                )
+        if eo.shape != (h.num_recv_rows, self.config.hidden):
+            raise InvalidArgumentError(
+                "expert_out", eo.shape,
+                f"must be ({h.num_recv_rows}, {self.config.hidden}): one row per received row",
+            )
+        if not eo.flags.c_contiguous:
+            eo = np.ascontiguousarray(eo)
+        if h.send_dst_row is None:
+            raise InvalidArgumentError(
+                "handle", "send_dst_row=None", "needs send_dst_row (a handle of Buffer.dispatch)"
+            )
+        if not (
+            _is_c(h.topk_idx, np.int64) and _is_c(h.topk_weights, np.float32)
+            and _is_c(h.send_dst_row, np.int64)
+        ):
+            h = dataclasses.replace(
+                h,
+                topk_idx=np.ascontiguousarray(h.topk_idx, dtype=np.int64),
+                topk_weights=np.ascontiguousarray(h.topk_weights, dtype=np.float32),
+                send_dst_row=np.ascontiguousarray(h.send_dst_row, dtype=np.int64),
+            )
+        return h, eo
+
+    def _error(self, info: tuple[int, int, int, str, str, str]) -> UbepError:
+        code, peer, _core, arg, what, msg = info
+        if code == _E_BAD_INPUT:
+            value: object = msg
+            with contextlib.suppress(ValueError):
+                value = int(msg)
+            return InvalidArgumentError(arg, value, what)
+        if code == _E_TIMEOUT:
+            return TimeoutError(what)
+        if code == _E_PEER_LOST:
+            self._broken = what
+            return PeerLostError(what)
+        if code == _E_REMOTE:
+            return RemoteError(peer, msg)
+        return UbepError(f"rank {self.rank}: internal error: {what}")
+
+
+def _is_c(a: np.ndarray, dtype: type) -> bool:
+    return a.dtype == dtype and bool(a.flags.c_contiguous)
+
+
+def _combine_region(h: DispatchHandle) -> int:
+    index = getattr(h, "dispatch_index", -1)
+    return int(index) % 2 if index >= 0 else 0
+
+
+def _layout_of(config: BufferConfig, num_ranks: int, num_cores: int) -> SegmentLayout:
+    dt = _dt.dtype_of(config.dtype)
+    cdt = _dt.dtype_of(config.combine_dtype)
+    return compute_layout(
+        num_ranks=num_ranks,
+        num_cores=num_cores,
+        num_experts=config.num_experts,
+        num_topk=config.num_topk,
+        max_tokens=config.max_tokens_per_rank,
+        hidden=config.hidden,
+        itemsize=dt.itemsize,
+        combine_itemsize=cdt.itemsize,
+        layout=config.layout,
+        engine=config.engine,
+        sync=config.sync,
+        tff_block_bytes=config.tff_block_bytes,
+        tff_flag_bytes=config.tff_flag_bytes,
+    )

@@ -1,0 +1,89 @@
+"""Every ``UBEP_*`` environment variable ubep reads, in one place.
+
+ubep never writes the environment (``ubep.launch`` passes rank and rendezvous to its children as
+arguments). Variables are read when the object that needs them is created, not at import.
+
+Launch by another launcher (``mpiexec``, a job script, ``torchrun``-style): start ``N`` processes
+with
+
+* ``UBEP_RANK``: this process's rank, ``0 <= rank < UBEP_WORLD_SIZE``.
+* ``UBEP_WORLD_SIZE``: number of ranks.
+* ``UBEP_RENDEZVOUS``: path of a directory, private to the job (owned by the user, mode 0700,
+  empty at start), on a filesystem every rank sees (one host: any local directory). Ranks
+  exchange their process ids and shared-memory segment names through small files there. Create
+  it fresh per job (``mktemp -d``) and remove it afterwards.
+
+and call :func:`ubep.runtime.group_from_env` in each process.
+
+Tuning and debugging:
+
+* ``UBEP_TIMEOUT_S``: default deadline in seconds of :meth:`Group.barrier` and of group set-up
+  (default 120).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .errors import InvalidArgumentError
+
+__all__ = ["ENV_VARS", "LaunchEnv", "launch_env", "timeout_s_from_env"]
+
+ENV_VARS: dict[str, str] = {
+    "UBEP_RANK": "rank of this process (env-var launch)",
+    "UBEP_WORLD_SIZE": "number of ranks (env-var launch)",
+    "UBEP_RENDEZVOUS": "private (0700) directory the ranks rendezvous in (env-var launch)",
+    "UBEP_TIMEOUT_S": "default deadline of group set-up and barriers, seconds (default 120)",
+}
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """The launch variables of this process."""
+
+    rank: int
+    world_size: int
+    rendezvous: str
+
+
+def _int_var(name: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise InvalidArgumentError(name, value, "must be an integer") from None
+
+
+def launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
+    """Read ``UBEP_RANK``, ``UBEP_WORLD_SIZE`` and ``UBEP_RENDEZVOUS`` (all required)."""
+    env = dict(os.environ if environ is None else environ)
+    missing = [v for v in ("UBEP_RANK", "UBEP_WORLD_SIZE", "UBEP_RENDEZVOUS") if v not in env]
+    if missing:
+        raise InvalidArgumentError(
+            "environment", missing, "env-var launch needs UBEP_RANK, UBEP_WORLD_SIZE and "
+            "UBEP_RENDEZVOUS (see ubep.env)",
+        )
+    rank = _int_var("UBEP_RANK", env["UBEP_RANK"])
+    world = _int_var("UBEP_WORLD_SIZE", env["UBEP_WORLD_SIZE"])
+    if world < 1:
+        raise InvalidArgumentError("UBEP_WORLD_SIZE", world, "must be >= 1")
+    if not 0 <= rank < world:
+        raise InvalidArgumentError("UBEP_RANK", rank, f"must be in [0, UBEP_WORLD_SIZE={world})")
+    return LaunchEnv(rank=rank, world_size=world, rendezvous=env["UBEP_RENDEZVOUS"])
+
+
+def timeout_s_from_env(environ: dict[str, str] | None = None) -> float:
+    """``UBEP_TIMEOUT_S`` as a positive float, or the default (120 s)."""
+    env = os.environ if environ is None else environ
+    raw = env.get("UBEP_TIMEOUT_S")
+    if raw is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise InvalidArgumentError("UBEP_TIMEOUT_S", raw, "must be a number of seconds") from None
+    if not value > 0:
+        raise InvalidArgumentError("UBEP_TIMEOUT_S", raw, "must be > 0")
+    return value

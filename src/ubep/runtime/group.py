@@ -1,0 +1,364 @@
+"""A group of ranks on one host: identity, rendezvous, liveness and a control-plane barrier.
+
+Ranks meet in a private rendezvous directory (mode 0700, owned by this user): each writes a small
+``hello`` file (pid, process start time, uid, its group segment) with an atomic rename, then
+reads everyone else's. From then on the control plane runs over shared memory: each rank owns a
+one-page *group segment* whose barrier counter peers poll. Variable-size exchanges (segment names
+of a new Buffer) go through numbered files in the same directory (:meth:`Group.allgather`).
+
+Liveness: a peer is alive while its pid exists, is not a zombie and still has the start time it
+had at rendezvous (so a recycled pid is not mistaken for it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import stat
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .. import topology as topo
+from ..env import launch_env, timeout_s_from_env
+from ..errors import InvalidArgumentError, PeerLostError, TimeoutError, UbepError
+from .shm import HEADER_BYTES, Segment
+
+__all__ = ["Group", "group_from_env"]
+
+_GROUP_SEGMENT_BYTES = 4096
+_BARRIER_OFFSET = HEADER_BYTES  # u64 counter: number of barriers this rank has entered
+_LIVENESS_PERIOD_S = 0.02
+
+
+class PeerProcess:
+    """Liveness of one peer process (pid + start time, Linux /proc; kill(pid, 0) elsewhere)."""
+
+    def __init__(self, rank: int, pid: int, start_time: int) -> None:
+        self.rank = rank
+        self.pid = pid
+        self.start_time = start_time
+
+    def alive(self) -> bool:
+        return process_alive(self.pid, self.start_time)
+
+
+def process_start_time(pid: int) -> int:
+    """Start time of ``pid`` in clock ticks since boot (0 if unknown on this platform)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return 0
+    # Field 2 (comm) may contain spaces and parentheses: split after the last ')'.
+    fields = raw[raw.rfind(b")") + 2:].split()
+    return int(fields[19])  # field 22 overall
+
+
+def process_alive(pid: int, start_time: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    fields = raw[raw.rfind(b")") + 2:].split()
+    if fields and fields[0] in (b"Z", b"X"):
+        return False  # exited, not yet reaped by its parent
+    return not start_time or int(fields[19]) == start_time
+
+
+class Group:
+    """``num_ranks`` processes that run collectives together.
+
+    Build one with :func:`ubep.launch` (it passes the group to your function) or, for processes
+    started by another launcher, :func:`group_from_env`.
+
+    Attributes:
+        rank: this process's rank.
+        num_ranks: number of ranks.
+        topology: the fabric model (default :func:`ubep.topology.host`).
+        group_id: 16 random bytes shared by the group (stamped into every segment header).
+        rendezvous: the rendezvous directory.
+        peers: liveness handles of every rank (this one included).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        num_ranks: int,
+        rendezvous: str,
+        *,
+        group_id: bytes | None = None,
+        topology: topo.Topology | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        if not isinstance(num_ranks, int) or num_ranks < 1:
+            raise InvalidArgumentError("num_ranks", num_ranks, "must be a positive integer")
+        if not isinstance(rank, int) or not 0 <= rank < num_ranks:
+            raise InvalidArgumentError("rank", rank, f"must be in [0, {num_ranks})")
+        if topology is None:
+            topology = topo.host(num_ranks)
+        if topology.num_ranks != num_ranks:
+            raise InvalidArgumentError(
+                "topology", topology.name, f"has {topology.num_ranks} ranks, group has {num_ranks}"
+            )
+        self.rank = rank
+        self.num_ranks = num_ranks
+        self.topology = topology
+        self.rendezvous = rendezvous
+        self.default_timeout_s = timeout_s_from_env() if timeout_s is None else float(timeout_s)
+        self._seq = 0  # allgather sequence number
+        self._barriers = 0
+        self._closed = False
+        _check_private_dir(rendezvous)
+        deadline = time.monotonic() + self.default_timeout_s
+        hello = self._rendezvous(group_id, deadline)
+        self.group_id: bytes = bytes.fromhex(hello[0]["group_id"])
+        self.peers = [PeerProcess(r, h["pid"], h["start_time"]) for r, h in enumerate(hello)]
+        self._segments = self._map_group_segments(hello)
+        self._counters = [
+            seg.array[_BARRIER_OFFSET:_BARRIER_OFFSET + 8].view(np.uint64)
+            for seg in self._segments
+        ]
+        # Every rank has mapped every group segment once this first barrier completes.
+        self.barrier(max(0.0, deadline - time.monotonic()) or 1e-3)
+        self._segments[rank].unlink()
+
+    # --- public -------------------------------------------------------------------------
+
+    def barrier(self, timeout_s: float | None = None) -> None:
+        """Block until every rank has entered this barrier (control plane only).
+
+        Raises ``ubep.TimeoutError`` naming the missing ranks, or ``ubep.PeerLostError`` if one
+        of them died.
+        """
+        self._check_open()
+        timeout = self.default_timeout_s if timeout_s is None else float(timeout_s)
+        self._barriers += 1
+        target = self._barriers
+        self._counters[self.rank][0] = target
+        deadline = time.monotonic() + timeout
+
+        def missing() -> list[int]:
+            return [r for r, c in enumerate(self._counters) if int(c[0]) < target]
+
+        self._poll(missing, deadline, f"barrier {target}")
+
+    def allgather(self, value: Any, timeout_s: float | None = None) -> list[Any]:
+        """Exchange one JSON-serialisable value with every rank (control plane; files)."""
+        self._check_open()
+        timeout = self.default_timeout_s if timeout_s is None else float(timeout_s)
+        self._seq += 1
+        seq = self._seq
+        _write_json(self._path(f"ag.{seq}.{self.rank}.json"), {"value": value})
+        out: list[Any] = [None] * self.num_ranks
+        found = [False] * self.num_ranks
+
+        def missing() -> list[int]:
+            for r in range(self.num_ranks):
+                if not found[r]:
+                    got = _read_json(self._path(f"ag.{seq}.{r}.json"))
+                    if got is not None:
+                        out[r], found[r] = got["value"], True
+            return [r for r in range(self.num_ranks) if not found[r]]
+
+        self._poll(missing, time.monotonic() + timeout, f"allgather {seq}")
+        # Everyone has entered exchange `seq`, hence finished reading exchange `seq - 1`.
+        if seq >= 2:
+            _remove(self._path(f"ag.{seq - 1}.{self.rank}.json"))
+        return out
+
+    def check_peers(self) -> None:
+        """Raise ``PeerLostError`` if any peer process has died."""
+        dead = [p.rank for p in self.peers if p.rank != self.rank and not p.alive()]
+        if dead:
+            raise PeerLostError(f"rank {self.rank}: peer rank(s) {dead} died")
+
+    def close(self) -> None:
+        """Unmap the group segments (local; not collective)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._counters = []
+        for seg in self._segments:
+            seg.close()
+        self._segments = []
+
+    def __enter__(self) -> Group:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Group(rank={self.rank}, num_ranks={self.num_ranks}, topology={self.topology.name})"
+
+    # --- internals ----------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise UbepError(f"rank {self.rank}: the group is closed")
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.rendezvous, name)
+
+    def _poll(self, missing: Callable[[], list[int]], deadline: float, what: str) -> None:
+        """Wait until ``missing()`` is empty: spin, then yield, then sleep; check liveness."""
+        spins = 0
+        next_check = time.monotonic() + _LIVENESS_PERIOD_S
+        while True:
+            left = missing()
+            if not left:
+                return
+            spins += 1
+            if spins < 64:
+                continue
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + _LIVENESS_PERIOD_S
+                dead = [r for r in left if hasattr(self, "peers") and not self.peers[r].alive()]
+                if dead:
+                    raise PeerLostError(
+                        f"rank {self.rank}: rank(s) {dead} died while this rank waited in {what}"
+                    )
+            if now >= deadline:
+                raise TimeoutError(
+                    f"rank {self.rank}: {what} timed out waiting for rank(s) {left}"
+                )
+            if spins < 2000:
+                os.sched_yield()
+            else:
+                time.sleep(min(1e-3, (spins - 2000 + 1) * 1e-5))
+
+    def _rendezvous(self, group_id: bytes | None, deadline: float) -> list[dict[str, Any]]:
+        if self.rank == 0 and group_id is None:
+            group_id = secrets.token_bytes(16)
+        self._own_segment = Segment.create(
+            _GROUP_SEGMENT_BYTES,
+            group_id=group_id or b"pending",
+            owner_rank=self.rank,
+            kind="group",
+            marker_dir=self.rendezvous,
+        )
+        me = {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "uid": os.getuid(),
+            "start_time": process_start_time(os.getpid()),
+            "segment": self._own_segment.name,
+            "group_id": group_id.hex() if group_id is not None else None,
+        }
+        _write_json(self._path(f"hello.{self.rank}.json"), me)
+        hello: list[dict[str, Any] | None] = [None] * self.num_ranks
+
+        def missing() -> list[int]:
+            for r in range(self.num_ranks):
+                if hello[r] is None:
+                    hello[r] = _read_json(self._path(f"hello.{r}.json"))
+            return [r for r in range(self.num_ranks) if hello[r] is None]
+
+        self._poll(missing, deadline, "rendezvous")
+        done = [h for h in hello if h is not None]
+        for h in done:
+            if h["uid"] != os.getuid():
+                raise UbepError(f"rank {h['rank']} runs as uid {h['uid']}, not {os.getuid()}")
+        if done[0]["group_id"] is None:
+            raise UbepError("rank 0 published no group id")
+        gid = bytes.fromhex(done[0]["group_id"])
+        if group_id is not None and gid != group_id:
+            raise UbepError("ranks were given different group ids (two jobs in one directory?)")
+        if group_id is None:
+            # Stamp the real id now that rank 0 has published it (peers check the header).
+            self._own_segment.array[32:48] = np.frombuffer(gid, dtype=np.uint8)
+        return done
+
+    def _map_group_segments(self, hello: list[dict[str, Any]]) -> list[Segment]:
+        segs: list[Segment] = []
+        try:
+            for r, h in enumerate(hello):
+                if r == self.rank:
+                    segs.append(self._own_segment)
+                    continue
+                segs.append(self._open_when_stamped(h["segment"], r))
+        except BaseException:
+            for s in segs:
+                if s is not self._own_segment:
+                    s.close()
+            self._own_segment.close()
+            raise
+        return segs
+
+    def _open_when_stamped(self, name: str, owner: int) -> Segment:
+        # In env-var launches a peer stamps the group id right after reading rank 0's hello,
+        # so a header mismatch can be transient: retry until the rendezvous deadline.
+        deadline = time.monotonic() + self.default_timeout_s
+        while True:
+            try:
+                return Segment.open_peer(
+                    name, size_bytes=_GROUP_SEGMENT_BYTES, group_id=self._gid_hint(),
+                    owner_rank=owner, kind="group",
+                )
+            except UbepError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(1e-3)
+
+    def _gid_hint(self) -> bytes:
+        raw = _read_json(self._path("hello.0.json"))
+        assert raw is not None
+        return bytes.fromhex(raw["group_id"])
+
+
+def group_from_env(
+    *, topology: topo.Topology | None = None, timeout_s: float | None = None
+) -> Group:
+    """The :class:`Group` of a process started with ``UBEP_RANK``/``UBEP_WORLD_SIZE``/
+    ``UBEP_RENDEZVOUS`` (see :mod:`ubep.env`)."""
+    env = launch_env()
+    return Group(env.rank, env.world_size, env.rendezvous, topology=topology, timeout_s=timeout_s)
+
+
+def _check_private_dir(path: str) -> None:
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        raise InvalidArgumentError("rendezvous", path, "directory does not exist") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise InvalidArgumentError("rendezvous", path, "is not a directory")
+    if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+        raise InvalidArgumentError(
+            "rendezvous", path, "must be owned by this user with mode 0700 (no group/other access)"
+        )
+
+
+def _write_json(path: str, obj: object) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)  # atomic: readers see all of it or nothing
+
+
+def _read_json(path: str) -> Any:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)

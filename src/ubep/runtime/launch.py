@@ -1,0 +1,248 @@
+"""``ubep.launch``: run a function on N spawned ranks and collect what they return.
+
+Each rank is a fresh process (``spawn``: nothing inherited but the arguments), joined into a
+:class:`~ubep.runtime.group.Group` through a private temporary directory (mode 0700; no port).
+Results come back in rank order. A rank that raises has its exception and traceback re-raised in
+the caller as :class:`ubep.errors.RankFailedError` (``__cause__`` is the original exception when
+it pickles); the other ranks are given a short grace period to finish (they usually fail fast
+with ``PeerLostError``/``RemoteError``) and are then killed. A launch that runs past
+``timeout_s`` dumps every live rank's Python stack to stderr (faulthandler), kills them all and
+raises ``ubep.TimeoutError``. Shared-memory segments a dead rank had not yet unlinked are removed.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import signal
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from ..errors import (
+    InvalidArgumentError,
+    PeerLostError,
+    RankFailedError,
+    RemoteError,
+    TimeoutError,
+)
+from ..topology import Topology
+from .group import Group
+from .shm import remove_marked_segments
+
+__all__ = ["launch"]
+
+# After the first failure, how long the other ranks get to finish or fail on their own.
+_GRACE_S = 10.0
+_CONSEQUENTIAL = (PeerLostError.__name__, RemoteError.__name__)
+
+
+def launch(
+    fn: Callable[..., Any],
+    num_ranks: int,
+    *args: Any,
+    timeout_s: float = 120.0,
+    topology: Topology | None = None,
+) -> list[Any]:
+    """Run ``fn(group, *args)`` on ``num_ranks`` new processes; return their results in rank order.
+
+    Args:
+        fn: a picklable (module-level) function; its return value must pickle.
+        num_ranks: number of ranks (processes) to start.
+        *args: passed to ``fn`` after the group (must pickle).
+        timeout_s: deadline for the whole run; past it every rank is killed.
+        topology: the group's topology (default ``ubep.topology.host(num_ranks)``).
+
+    Raises:
+        RankFailedError: a rank raised or died (message holds its traceback).
+        ubep.TimeoutError: the run passed ``timeout_s``.
+    """
+    if not isinstance(num_ranks, int) or num_ranks < 1:
+        raise InvalidArgumentError("num_ranks", num_ranks, "must be a positive integer")
+    if not timeout_s > 0:
+        raise InvalidArgumentError("timeout_s", timeout_s, "must be > 0")
+    if topology is not None and topology.num_ranks != num_ranks:
+        raise InvalidArgumentError(
+            "topology", topology.name, f"has {topology.num_ranks} ranks, expected {num_ranks}"
+        )
+    ctx = mp.get_context("spawn")
+    rendezvous = tempfile.mkdtemp(prefix="ubep-rdv-")  # mode 0700, private to this user
+    group_id = os.urandom(16)
+    procs: list[Any] = []
+    readers: list[Connection] = []
+    try:
+        for rank in range(num_ranks):
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=_child_main,
+                args=(fn, rank, num_ranks, rendezvous, group_id, topology, args, timeout_s,
+                      writer),
+                name=f"ubep-rank-{rank}",
+                daemon=True,
+            )
+            proc.start()
+            writer.close()
+            procs.append(proc)
+            readers.append(reader)
+        return _collect(procs, readers, timeout_s)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5)
+        for reader in readers:
+            reader.close()
+        remove_marked_segments(rendezvous)
+        shutil.rmtree(rendezvous, ignore_errors=True)
+
+
+def _collect(procs: list[Any], readers: list[Connection], timeout_s: float) -> list[Any]:
+    num_ranks = len(procs)
+    deadline = time.monotonic() + timeout_s
+    results: dict[int, Any] = {}
+    failures: dict[int, tuple[str, str, str, BaseException | None, int | None]] = {}
+    pending = set(range(num_ranks))
+    first_failure_s: float | None = None
+    by_conn = {id(r): i for i, r in enumerate(readers)}
+    by_sentinel = {p.sentinel: i for i, p in enumerate(procs)}
+    while pending:
+        now = time.monotonic()
+        if first_failure_s is not None:
+            deadline = min(deadline, first_failure_s + _GRACE_S)
+        if now >= deadline:
+            break
+        waitables: list[Any] = [readers[r] for r in pending] + [procs[r].sentinel for r in pending]
+        for ready in wait(waitables, timeout=deadline - now):
+            if isinstance(ready, int):
+                rank = by_sentinel[ready]
+                if rank in pending and not readers[rank].poll():
+                    procs[rank].join(1)  # reap now, so peers' liveness checks see it gone
+                    code = procs[rank].exitcode
+                    failures[rank] = ("", _describe_exit(code), "", None, code)
+                    pending.discard(rank)
+                continue
+            rank = by_conn[id(ready)]
+            if rank not in pending:
+                continue
+            try:
+                status, payload = readers[rank].recv()
+            except (EOFError, OSError):
+                continue  # the sentinel branch reports the exit
+            pending.discard(rank)
+            if status == "ok":
+                results[rank] = payload
+            else:
+                type_name, message, tb, blob = payload
+                cause = _unpickle(blob)
+                failures[rank] = (type_name, message, tb, cause, None)
+        if failures and first_failure_s is None:
+            first_failure_s = time.monotonic()
+    if pending:
+        for rank in sorted(pending):
+            _dump_stack(procs[rank])
+        if not failures:
+            raise TimeoutError(
+                f"ubep.launch: rank(s) {sorted(pending)} did not finish within "
+                f"timeout_s={timeout_s} (stacks dumped to stderr); all ranks killed"
+            )
+        for rank in pending:
+            failures[rank] = ("", "killed: still running after another rank failed", "", None,
+                              None)
+    if failures:
+        raise _failure(failures, results)
+    return [results[r] for r in range(num_ranks)]
+
+
+def _failure(
+    failures: dict[int, tuple[str, str, str, BaseException | None, int | None]],
+    results: dict[int, Any],
+) -> RankFailedError:
+    # Report the root cause: a rank whose error is not a consequence of another rank's.
+    primary = min(failures, key=lambda r: (failures[r][0] in _CONSEQUENTIAL or
+                                           not failures[r][0], r))
+    type_name, _message, tb, cause, code = failures[primary]
+    summary = {r: (f"{f[0]}: {f[1]}" if f[0] else f[1]) for r, f in failures.items()}
+    lines = [f"rank {primary} failed: {summary[primary]}"]
+    others = {r: s for r, s in summary.items() if r != primary}
+    if others:
+        lines.append(f"other ranks: {others}")
+    if tb:
+        lines.append(f"--- traceback of rank {primary} ---\n{tb.rstrip()}")
+    err = RankFailedError(
+        primary, "\n".join(lines), exitcode=code, remote_type=type_name, remote_traceback=tb,
+        results=results, failures=summary,
+    )
+    if cause is not None:
+        err.__cause__ = cause
+    return err
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "did not exit"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code} without reporting a result"
+
+
+def _dump_stack(proc: Any) -> None:
+    if proc.is_alive() and proc.pid is not None:
+        try:
+            os.kill(proc.pid, signal.SIGUSR1)
+            time.sleep(0.2)
+        except ProcessLookupError:
+            pass
+
+
+def _unpickle(blob: bytes | None) -> BaseException | None:
+    if blob is None:
+        return None
+    try:
+        obj = pickle.loads(blob)
+    except Exception:
+        return None
+    return obj if isinstance(obj, BaseException) else None
+
+
+def _child_main(
+    fn: Callable[..., Any],
+    rank: int,
+    num_ranks: int,
+    rendezvous: str,
+    group_id: bytes,
+    topology: Topology | None,
+    args: tuple[Any, ...],
+    timeout_s: float,
+    conn: Connection,
+) -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    group: Group | None = None
+    try:
+        group = Group(rank, num_ranks, rendezvous, group_id=group_id, topology=topology,
+                      timeout_s=timeout_s)
+        result = fn(group, *args)
+        message: tuple[str, Any] = ("ok", result)
+    except BaseException as exc:  # report everything, including KeyboardInterrupt
+        try:
+            blob: bytes | None = pickle.dumps(exc)
+        except Exception:
+            blob = None
+        message = ("err", (type(exc).__name__, str(exc), traceback.format_exc(), blob))
+    finally:
+        if group is not None:
+            group.close()
+    try:
+        conn.send(message)
+    except Exception as exc:  # the result itself does not pickle
+        conn.send(("err", (type(exc).__name__, f"result of fn could not be sent: {exc}",
+                           traceback.format_exc(), None)))
+    conn.close()

@@ -1,0 +1,168 @@
+"""Byte layout of one rank's Buffer segment (the single source of truth; the C engine gets these
+offsets as parameters).
+
+All offsets are from the start of the segment; every control word sits on its own 64-byte line.
+
+=================  =====================================================================
+region             contents
+=================  =====================================================================
+header [256 B]     magic, version, owner rank, size, pid, group id (ubep.runtime.shm)
+fail   [2x512 B]   failure notices by epoch parity: ``[epoch u64][len u32][message]``
+entered / done     u64 epoch of the last call this rank entered / finished (credits)
+recv_ready         u64 epoch whose receive region this rank has made ready for writers
+comb_info [2x64]   by epoch parity: ``[offset][rows][stride][epoch]`` of the expert outputs
+barrier [C x 64]   BSP global barrier arrivals, one word per core (target = epoch*4+phase)
+inbox [R x 2]      per (source, epoch parity): counts epoch, rows, SW ``[count][epoch]``,
+                   DC ``[count][checksum][epoch]``, per-local-expert counts (u32)
+route [nreg]       per dispatch (index mod nreg): the sender's routing, read by receivers
+                   for their metadata: ``[num_tokens][epoch]``, topk_idx int32, weights f32
+land [nreg]        where senders write rows (ASP: final positions; BSP: staging partitioned
+                   by source), each slot encoded for the sync mode (FORMATS.md)
+out [nreg]         ``recv_x`` (raw rows); the same memory as ``land`` for ASP with SW/DC/SP
+comb [2]           expert outputs for combine (unless the caller's already live here)
+=================  =====================================================================
+
+``nreg`` is 3 for SP (a region is reset to the sentinel off the critical path while the next
+one is in use and the previous one is still a caller's ``recv_x``) and 2 otherwise.
+"""
+
+from __future__ import annotations
+
+import mmap
+from dataclasses import dataclass
+
+__all__ = ["SegmentLayout", "compute_layout"]
+
+_LINE = 64
+_PAGE = mmap.PAGESIZE
+HEADER_BYTES = 256
+INBOX_COUNTS = 192  # byte offset of the u32 counts inside an inbox entry
+ROUTE_IDX = 64
+
+
+def _align(v: int, a: int = _LINE) -> int:
+    return -(-v // a) * a
+
+
+@dataclass(frozen=True)
+class SegmentLayout:
+    """Sizes and offsets of one rank's segment (bytes)."""
+
+    num_regions: int
+    cap_rows: int
+    cap_src_rows: int
+    row_bytes: int
+    slot_bytes: int
+    out_stride: int
+    combine_row_bytes: int
+    off_fail: int
+    off_entered: int
+    off_done: int
+    off_recv_ready: int
+    off_comb_info: int
+    off_barrier: int
+    off_inbox: int
+    inbox_bytes: int
+    off_route: int
+    route_stride: int
+    route_w_off: int
+    off_land: int
+    land_bytes: int
+    off_out: int
+    out_bytes: int
+    off_comb: int
+    comb_bytes: int
+    size_bytes: int
+
+    def as_params(self) -> dict[str, int]:
+        """The offsets the native engine takes."""
+        return {name: int(getattr(self, name)) for name in self.__dataclass_fields__}
+
+
+def compute_layout(
+    *,
+    num_ranks: int,
+    num_cores: int,
+    num_experts: int,
+    num_topk: int,
+    max_tokens: int,
+    hidden: int,
+    itemsize: int,
+    combine_itemsize: int,
+    layout: str,
+    engine: str,
+    sync: str,
+    tff_block_bytes: int,
+    tff_flag_bytes: int,
+) -> SegmentLayout:
+    """Lay out one rank's segment for a Buffer of this shape."""
+    R, C, T, K = num_ranks, num_cores, max_tokens, num_topk
+    L = num_experts // num_ranks
+    row_bytes = hidden * itemsize
+    cap_src_rows = T * min(K, L) if layout == "expert" else T
+    cap_rows = R * cap_src_rows
+    if sync == "tff":
+        payload = tff_block_bytes - tff_flag_bytes
+        slot_bytes = -(-row_bytes // payload) * tff_block_bytes
+    else:
+        slot_bytes = _align(row_bytes)
+    nreg = 3 if sync == "sp" else 2
+    land_is_out = engine == "asp" and sync != "tff"
+    out_stride = slot_bytes if land_is_out else _align(row_bytes)
+    combine_row_bytes = hidden * combine_itemsize
+
+    off = HEADER_BYTES
+    off_fail = off
+    off += 2 * 512
+    off_entered, off_done, off_recv_ready = off, off + _LINE, off + 2 * _LINE
+    off += 3 * _LINE
+    off_comb_info = off
+    off += 2 * _LINE
+    off_barrier = off
+    off += C * _LINE
+    off_inbox = off
+    inbox_bytes = _align(INBOX_COUNTS + 4 * L)
+    off += R * 2 * inbox_bytes
+    off_route = _align(off)
+    route_w_off = ROUTE_IDX + _align(T * K * 4)
+    route_stride = _align(route_w_off + T * K * 4)
+    off = off_route + nreg * route_stride
+    off_land = _align(off, _PAGE)
+    land_bytes = _align(max(cap_rows, 1) * slot_bytes, _PAGE)
+    off = off_land + nreg * land_bytes
+    if land_is_out:
+        off_out, out_bytes = off_land, land_bytes
+    else:
+        off_out = off
+        out_bytes = _align(max(cap_rows, 1) * out_stride, _PAGE)
+        off += nreg * out_bytes
+    off_comb = off
+    comb_bytes = _align(max(cap_rows, 1) * combine_row_bytes, _PAGE)
+    off += 2 * comb_bytes
+    return SegmentLayout(
+        num_regions=nreg,
+        cap_rows=cap_rows,
+        cap_src_rows=cap_src_rows,
+        row_bytes=row_bytes,
+        slot_bytes=slot_bytes,
+        out_stride=out_stride,
+        combine_row_bytes=combine_row_bytes,
+        off_fail=off_fail,
+        off_entered=off_entered,
+        off_done=off_done,
+        off_recv_ready=off_recv_ready,
+        off_comb_info=off_comb_info,
+        off_barrier=off_barrier,
+        off_inbox=off_inbox,
+        inbox_bytes=inbox_bytes,
+        off_route=off_route,
+        route_stride=route_stride,
+        route_w_off=route_w_off,
+        off_land=off_land,
+        land_bytes=land_bytes,
+        off_out=off_out,
+        out_bytes=out_bytes,
+        off_comb=off_comb,
+        comb_bytes=comb_bytes,
+        size_bytes=_align(off, _PAGE),
+    )

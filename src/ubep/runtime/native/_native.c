@@ -1,0 +1,2483 @@
+/*
+ * ubep native data plane (C11).
+ *
+ * One Engine per Buffer. It knows where every rank's shared-memory segment is mapped in this
+ * process and runs a whole dispatch or combine in ONE call, with the GIL released: validation
+ * and counting, the count exchange, the row copies straight from the caller's tensor into the
+ * destination's receive slots, arrival detection (SW / TFF / DC / SP), metadata, and for
+ * combine the one-pass float32 reduction over the expert outputs where they lie.
+ *
+ * Cores: an operation is a short list of phases; each phase runs on every core (or on core 0
+ * only). With threads, core 0 is the calling thread and cores 1..C-1 are persistent pthreads
+ * that sleep on a futex between operations; without (more cores than hardware threads), the
+ * calling thread plays every core in turn, phase by phase.
+ *
+ * Memory model (docs/MEMORY-MODEL.md): every flag is an 8-byte word written with a C11 release
+ * store after the data it announces and read with an acquire load before the data. Payload
+ * copies never carry a flag. SP payload copies use whole aligned vector stores so no element
+ * tears. Every wait spins briefly, then yields, then sleeps, and checks a deadline, the
+ * failure notices of the peers and (every 10 ms) that the peer processes are alive.
+ *
+ * Layout offsets come from Python (ubep/runtime/layout.py) so there is one source of truth.
+ */
+#define _GNU_SOURCE
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define UBEP_X86 1
+#else
+#define UBEP_X86 0
+#endif
+
+/* ---------------------------------------------------------------------------------------- */
+/* codes shared with Python                                                                  */
+
+enum { DT_BF16 = 0, DT_FP16 = 1, DT_FP32 = 2, DT_INT8 = 3, DT_UINT8 = 4 };
+enum { SYNC_SW = 0, SYNC_TFF = 1, SYNC_DC = 2, SYNC_SP = 3 };
+enum { ENG_ASP = 0, ENG_BSP = 1 };
+enum { LAY_EXPERT = 0, LAY_RANK = 1 };
+enum { E_OK = 0, E_BAD_INPUT = 1, E_TIMEOUT = 2, E_PEER_LOST = 3, E_REMOTE = 4, E_INTERNAL = 5 };
+
+/* control block offsets inside one inbox entry and one comb_info entry */
+#define IN_COUNTS_EPOCH 0
+#define IN_ROWS 8
+#define IN_SW_COUNT 64
+#define IN_SW_EPOCH 72
+#define IN_DC_COUNT 128
+#define IN_DC_SUM 136
+#define IN_DC_EPOCH 144
+#define IN_COUNTS 192
+#define CI_OFF 0
+#define CI_ROWS 8
+#define CI_STRIDE 16
+#define CI_EPOCH 24
+#define CI_BYTES 64
+#define FAIL_EPOCH 0
+#define FAIL_LEN 8
+#define FAIL_MSG 16
+#define FAIL_MSG_MAX 480
+#define ROUTE_NTOK 0
+#define ROUTE_EPOCH 8
+#define ROUTE_IDX 64
+
+#define DC_GOLDEN 0x9E3779B97F4A7C15ULL
+#define MAX_WHAT 160
+#define MAX_MSG 512
+
+/* ---------------------------------------------------------------------------------------- */
+/* small helpers                                                                             */
+
+static inline uint64_t ld_acq(const void *p) {
+    return atomic_load_explicit((_Atomic uint64_t *)p, memory_order_acquire);
+}
+static inline uint64_t ld_rlx(const void *p) {
+    return atomic_load_explicit((_Atomic uint64_t *)p, memory_order_relaxed);
+}
+static inline void st_rel(void *p, uint64_t v) {
+    atomic_store_explicit((_Atomic uint64_t *)p, v, memory_order_release);
+}
+static inline void st_rlx(void *p, uint64_t v) {
+    atomic_store_explicit((_Atomic uint64_t *)p, v, memory_order_relaxed);
+}
+static inline void store_fence(void) {
+    /* Order every earlier store, including any non-temporal or fast-string store a libc copy
+     * may have used, before the flag that follows. */
+#if UBEP_X86
+    _mm_sfence();
+#endif
+    atomic_thread_fence(memory_order_release);
+}
+static inline void cpu_relax(void) {
+#if UBEP_X86
+    _mm_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+static inline int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
+static inline uint64_t rotl64(uint64_t v, int r) { return (v << r) | (v >> (64 - r)); }
+
+static long futex_wait(_Atomic uint32_t *addr, uint32_t val, const struct timespec *ts) {
+    return syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAIT_PRIVATE, val, ts, NULL, 0);
+}
+static long futex_wake(_Atomic uint32_t *addr, int n) {
+    return syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAKE_PRIVATE, n, NULL, NULL, 0);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* kernels: copy, sentinel fill/check, DC row sums, float conversions, reductions             */
+
+typedef void (*copy_fn)(uint8_t *dst, const uint8_t *src, int64_t n);
+
+static void copy_tail(uint8_t *d, const uint8_t *s, int64_t n) {
+    /* Naturally aligned power-of-two pieces, so no element of <= 8 bytes is split (dst is at
+     * least element aligned and n a multiple of the element size). */
+    while (n >= 8) { uint64_t v; memcpy(&v, s, 8); memcpy(d, &v, 8); d += 8; s += 8; n -= 8; }
+    if (n >= 4) { uint32_t v; memcpy(&v, s, 4); memcpy(d, &v, 4); d += 4; s += 4; n -= 4; }
+    if (n >= 2) { uint16_t v; memcpy(&v, s, 2); memcpy(d, &v, 2); d += 2; s += 2; n -= 2; }
+    if (n) *d = *s;
+}
+
+static void copy_generic(uint8_t *d, const uint8_t *s, int64_t n) {
+    /* 8-byte words: whole elements, never byte by byte (SP needs untorn elements). */
+    int64_t nw = n / 8;
+    for (int64_t i = 0; i < nw; i++) {
+        uint64_t v;
+        memcpy(&v, s + 8 * i, 8);
+        memcpy(d + 8 * i, &v, 8);
+    }
+    copy_tail(d + 8 * nw, s + 8 * nw, n - 8 * nw);
+}
+
+#if UBEP_X86
+__attribute__((target("avx2"))) static void copy_avx2(uint8_t *d, const uint8_t *s, int64_t n) {
+    int64_t i = 0;
+    for (; i + 128 <= n; i += 128) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)(s + i));
+        __m256i b = _mm256_loadu_si256((const __m256i *)(s + i + 32));
+        __m256i c = _mm256_loadu_si256((const __m256i *)(s + i + 64));
+        __m256i e = _mm256_loadu_si256((const __m256i *)(s + i + 96));
+        _mm256_storeu_si256((__m256i *)(d + i), a);
+        _mm256_storeu_si256((__m256i *)(d + i + 32), b);
+        _mm256_storeu_si256((__m256i *)(d + i + 64), c);
+        _mm256_storeu_si256((__m256i *)(d + i + 96), e);
+    }
+    for (; i + 32 <= n; i += 32)
+        _mm256_storeu_si256((__m256i *)(d + i), _mm256_loadu_si256((const __m256i *)(s + i)));
+    if (i + 16 <= n) {
+        _mm_storeu_si128((__m128i *)(d + i), _mm_loadu_si128((const __m128i *)(s + i)));
+        i += 16;
+    }
+    copy_tail(d + i, s + i, n - i);
+}
+#endif
+
+static void copy_libc(uint8_t *d, const uint8_t *s, int64_t n) { memcpy(d, s, (size_t)n); }
+
+static copy_fn copy_elem = copy_generic; /* element-safe copy (SP) */
+static copy_fn copy_fast = copy_libc;    /* any copy followed by a fenced flag */
+
+static void fill_pattern(uint8_t *d, int64_t n, int isz, uint64_t pattern) {
+    if (isz == 2) {
+        uint16_t v = (uint16_t)pattern, *p = (uint16_t *)d;
+        for (int64_t i = 0; i < n / 2; i++) p[i] = v;
+    } else if (isz == 4) {
+        uint32_t v = (uint32_t)pattern, *p = (uint32_t *)d;
+        for (int64_t i = 0; i < n / 4; i++) p[i] = v;
+    } else {
+        memset(d, (int)(pattern & 0xFF), (size_t)n);
+    }
+}
+
+static int has_pattern2(const uint16_t *p, int64_t n, uint16_t v) {
+    int any = 0;
+    for (int64_t i = 0; i < n; i++) any |= (p[i] == v);
+    return any;
+}
+static int has_pattern4(const uint32_t *p, int64_t n, uint32_t v) {
+    int any = 0;
+    for (int64_t i = 0; i < n; i++) any |= (p[i] == v);
+    return any;
+}
+#if UBEP_X86
+__attribute__((target("avx2"))) static int has_pattern2_avx2(const uint16_t *p, int64_t n,
+                                                              uint16_t v) {
+    __m256i pat = _mm256_set1_epi16((short)v), acc = _mm256_setzero_si256();
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        __m256i a = _mm256_cmpeq_epi16(_mm256_loadu_si256((const __m256i *)(p + i)), pat);
+        __m256i b = _mm256_cmpeq_epi16(_mm256_loadu_si256((const __m256i *)(p + i + 16)), pat);
+        __m256i c = _mm256_cmpeq_epi16(_mm256_loadu_si256((const __m256i *)(p + i + 32)), pat);
+        __m256i e = _mm256_cmpeq_epi16(_mm256_loadu_si256((const __m256i *)(p + i + 48)), pat);
+        acc = _mm256_or_si256(acc, _mm256_or_si256(_mm256_or_si256(a, b), _mm256_or_si256(c, e)));
+    }
+    int any = !_mm256_testz_si256(acc, acc);
+    for (; i < n; i++) any |= (p[i] == v);
+    return any;
+}
+__attribute__((target("avx2"))) static int has_pattern4_avx2(const uint32_t *p, int64_t n,
+                                                              uint32_t v) {
+    __m256i pat = _mm256_set1_epi32((int)v), acc = _mm256_setzero_si256();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        __m256i a = _mm256_cmpeq_epi32(_mm256_loadu_si256((const __m256i *)(p + i)), pat);
+        __m256i b = _mm256_cmpeq_epi32(_mm256_loadu_si256((const __m256i *)(p + i + 8)), pat);
+        __m256i c = _mm256_cmpeq_epi32(_mm256_loadu_si256((const __m256i *)(p + i + 16)), pat);
+        __m256i e = _mm256_cmpeq_epi32(_mm256_loadu_si256((const __m256i *)(p + i + 24)), pat);
+        acc = _mm256_or_si256(acc, _mm256_or_si256(_mm256_or_si256(a, b), _mm256_or_si256(c, e)));
+    }
+    int any = !_mm256_testz_si256(acc, acc);
+    for (; i < n; i++) any |= (p[i] == v);
+    return any;
+}
+#endif
+static int (*has2)(const uint16_t *, int64_t, uint16_t) = has_pattern2;
+static int (*has4)(const uint32_t *, int64_t, uint32_t) = has_pattern4;
+
+static int has_pattern(const uint8_t *p, int64_t nbytes, int isz, uint64_t pattern) {
+    if (isz == 2) return has2((const uint16_t *)p, nbytes / 2, (uint16_t)pattern);
+    if (isz == 4) return has4((const uint32_t *)p, nbytes / 4, (uint32_t)pattern);
+    return 0;
+}
+
+/* DC: the words of a row are its bytes as little-endian u64, the last one zero padded
+ * (docs/FORMATS.md with check_bytes=None and block_bytes a multiple of 8). For one row this
+ * returns A = sum w_j and B = sum (j+1) w_j (mod 2^64), so that a batch is
+ * s1 = sum A, s2 = sum (rank * W * A + B) whatever order rows are visited in. */
+static void dc_row_sums(const uint8_t *p, int64_t nbytes, uint64_t *A, uint64_t *B) {
+    int64_t nw = nbytes / 8, nq = nw / 4;
+    uint64_t a[4] = {0, 0, 0, 0}, c[4] = {0, 0, 0, 0};
+    for (int64_t q = 0; q < nq; q++) {
+        uint64_t w[4];
+        memcpy(w, p + 32 * q, 32);
+        for (int l = 0; l < 4; l++) {
+            a[l] += w[l];
+            c[l] += a[l]; /* c = sum_q (nq - q) w_{4q+l} */
+        }
+    }
+    uint64_t sa = 0, sb = 0;
+    for (int l = 0; l < 4; l++) {
+        uint64_t qsum = (uint64_t)nq * a[l] - c[l]; /* sum_q q w_{4q+l} */
+        sa += a[l];
+        sb += 4 * qsum + (uint64_t)(l + 1) * a[l];
+    }
+    for (int64_t j = 4 * nq; j < nw; j++) {
+        uint64_t w;
+        memcpy(&w, p + 8 * j, 8);
+        sa += w;
+        sb += (uint64_t)(j + 1) * w;
+    }
+    if (nbytes % 8) {
+        uint64_t w = 0;
+        memcpy(&w, p + 8 * nw, (size_t)(nbytes % 8));
+        sa += w;
+        sb += (uint64_t)(nw + 1) * w;
+    }
+    *A = sa;
+    *B = sb;
+}
+
+static uint64_t dc_finish(uint64_t s1, uint64_t s2, uint64_t epoch) {
+    uint64_t v = s1 ^ rotl64(s2, 29) ^ (epoch * DC_GOLDEN);
+    return v ? v : 1;
+}
+
+/* float conversions, bit-exact with ubep.dtypes */
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x0040u);
+    uint32_t bias = ((u >> 16) & 1u) + 0x7FFFu;
+    return (uint16_t)((u + bias) >> 16);
+}
+static float fp16_to_f32_sw(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, u;
+    if (exp == 0) {
+        if (man == 0) {
+            u = sign;
+        } else { /* subnormal: normalise */
+            int e = -1;
+            do { e++; man <<= 1; } while (!(man & 0x400));
+            u = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3FF) << 13);
+        }
+    } else if (exp == 0x1F) {
+        u = sign | 0x7F800000u | (man << 13);
+    } else {
+        u = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static uint16_t f32_to_fp16_sw(float f) {
+    /* round to nearest even, like numpy's float32 -> float16 cast */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint32_t sign = (u >> 16) & 0x8000u, fexp = u & 0x7F800000u, fsig = u & 0x007FFFFFu;
+    if (fexp >= 0x47800000u) { /* overflow, inf or nan */
+        if (fexp == 0x7F800000u && fsig) {
+            uint16_t r = (uint16_t)(0x7C00u + (fsig >> 13));
+            if (r == 0x7C00u) r++;
+            return (uint16_t)(sign + r);
+        }
+        return (uint16_t)(sign + 0x7C00u);
+    }
+    if (fexp <= 0x38000000u) { /* subnormal or zero in half */
+        if (fexp < 0x33000000u) return (uint16_t)sign;
+        uint32_t e = fexp >> 23;
+        fsig |= 0x00800000u;
+        uint32_t shift = 113 - e; /* 14 .. 24 */
+        uint32_t hsig = fsig >> (shift + 13 - 13) >> 13;
+        uint32_t rem = fsig & ((1u << (shift + 13)) - 1);
+        uint32_t half = 1u << (shift + 12);
+        hsig = fsig >> (shift + 13);
+        if (rem > half || (rem == half && (hsig & 1))) hsig++;
+        return (uint16_t)(sign + hsig);
+    }
+    uint32_t hexp = (fexp - 0x38000000u) >> 13, hsig = fsig >> 13, rem = fsig & 0x1FFFu;
+    uint32_t h = hexp + hsig;
+    if (rem > 0x1000u || (rem == 0x1000u && (hsig & 1))) h++; /* may carry into exp: ok */
+    return (uint16_t)(sign + h);
+}
+
+/* acc[i] = acc[i] + w * v[i] (expert layout) or acc[i] + v[i] (rank layout); the product is
+ * rounded to float before the add (built with -ffp-contract=off). */
+#define DEF_ACC(NAME, T, CONV)                                                            \
+    static void NAME##_w(float *acc, const void *src, float w, int64_t n) {               \
+        const T *v = (const T *)src;                                                      \
+        for (int64_t i = 0; i < n; i++) acc[i] = acc[i] + w * CONV(v[i]);                 \
+    }                                                                                     \
+    static void NAME##_1(float *acc, const void *src, int64_t n) {                        \
+        const T *v = (const T *)src;                                                      \
+        for (int64_t i = 0; i < n; i++) acc[i] = acc[i] + CONV(v[i]);                     \
+    }
+#define ID_F32(x) (x)
+DEF_ACC(acc_bf16, uint16_t, bf16_to_f32)
+DEF_ACC(acc_f32, float, ID_F32)
+DEF_ACC(acc_f16sw, uint16_t, fp16_to_f32_sw)
+
+static void out_bf16(void *dst, const float *acc, int64_t n) {
+    uint16_t *y = (uint16_t *)dst;
+    for (int64_t i = 0; i < n; i++) y[i] = f32_to_bf16(acc[i]);
+}
+static void out_f32(void *dst, const float *acc, int64_t n) { memcpy(dst, acc, (size_t)n * 4); }
+static void out_f16sw(void *dst, const float *acc, int64_t n) {
+    uint16_t *y = (uint16_t *)dst;
+    for (int64_t i = 0; i < n; i++) y[i] = f32_to_fp16_sw(acc[i]);
+}
+
+#if UBEP_X86
+__attribute__((target("avx2"))) static void acc_bf16_w_avx2(float *acc, const void *src, float w,
+                                                            int64_t n) {
+    const uint16_t *v = (const uint16_t *)src;
+    __m256 ww = _mm256_set1_ps(w);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m128i h = _mm_loadu_si128((const __m128i *)(v + i));
+        __m256 f = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        __m256 p = _mm256_mul_ps(ww, f);
+        _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), p));
+    }
+    for (; i < n; i++) acc[i] = acc[i] + w * bf16_to_f32(v[i]);
+}
+__attribute__((target("avx2"))) static void acc_bf16_1_avx2(float *acc, const void *src,
+                                                            int64_t n) {
+    const uint16_t *v = (const uint16_t *)src;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m128i h = _mm_loadu_si128((const __m128i *)(v + i));
+        __m256 f = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), f));
+    }
+    for (; i < n; i++) acc[i] = acc[i] + bf16_to_f32(v[i]);
+}
+__attribute__((target("avx2"))) static void out_bf16_avx2(void *dst, const float *acc, int64_t n) {
+    uint16_t *y = (uint16_t *)dst;
+    int64_t i = 0;
+    const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7FFF);
+    const __m256i absmask = _mm256_set1_epi32(0x7FFFFFFF), inf = _mm256_set1_epi32(0x7F800000);
+    for (; i + 8 <= n; i += 8) {
+        __m256i u = _mm256_castps_si256(_mm256_loadu_ps(acc + i));
+        __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, absmask), inf);
+        if (!_mm256_testz_si256(nan, nan)) break; /* NaN present: scalar path below */
+        __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(
+                                            _mm256_and_si256(_mm256_srli_epi32(u, 16), one), bias));
+        r = _mm256_srli_epi32(r, 16);
+        __m128i lo = _mm256_castsi256_si128(r), hi = _mm256_extracti128_si256(r, 1);
+        _mm_storeu_si128((__m128i *)(y + i), _mm_packus_epi32(lo, hi));
+    }
+    for (; i < n; i++) y[i] = f32_to_bf16(acc[i]);
+}
+__attribute__((target("avx2,f16c"))) static void acc_f16_w_hw(float *acc, const void *src,
+                                                              float w, int64_t n) {
+    const uint16_t *v = (const uint16_t *)src;
+    __m256 ww = _mm256_set1_ps(w);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 f = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + i)));
+        _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), _mm256_mul_ps(ww, f)));
+    }
+    for (; i < n; i++) acc[i] = acc[i] + w * fp16_to_f32_sw(v[i]);
+}
+__attribute__((target("avx2,f16c"))) static void acc_f16_1_hw(float *acc, const void *src,
+                                                              int64_t n) {
+    const uint16_t *v = (const uint16_t *)src;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 f = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + i)));
+        _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), f));
+    }
+    for (; i < n; i++) acc[i] = acc[i] + fp16_to_f32_sw(v[i]);
+}
+__attribute__((target("avx2,f16c"))) static void out_f16_hw(void *dst, const float *acc,
+                                                            int64_t n) {
+    uint16_t *y = (uint16_t *)dst;
+    int64_t i = 0;
+    const __m256i absmask = _mm256_set1_epi32(0x7FFFFFFF), inf = _mm256_set1_epi32(0x7F800000);
+    for (; i + 8 <= n; i += 8) {
+        __m256 f = _mm256_loadu_ps(acc + i);
+        __m256i u = _mm256_castps_si256(f);
+        __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, absmask), inf);
+        if (!_mm256_testz_si256(nan, nan)) break; /* NaN payloads: numpy's rule, scalar */
+        _mm_storeu_si128((__m128i *)(y + i), _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT));
+    }
+    for (; i < n; i++) y[i] = f32_to_fp16_sw(acc[i]);
+}
+#endif
+
+typedef void (*accw_fn)(float *, const void *, float, int64_t);
+typedef void (*acc1_fn)(float *, const void *, int64_t);
+typedef void (*out_fn)(void *, const float *, int64_t);
+static accw_fn ACCW[3] = {acc_bf16_w, acc_f16sw_w, acc_f32_w};
+static acc1_fn ACC1[3] = {acc_bf16_1, acc_f16sw_1, acc_f32_1};
+static out_fn OUTF[3] = {out_bf16, out_f16sw, out_f32};
+
+static void select_kernels(void) {
+#if UBEP_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2")) {
+        copy_elem = copy_avx2;
+        has2 = has_pattern2_avx2;
+        has4 = has_pattern4_avx2;
+        ACCW[DT_BF16] = acc_bf16_w_avx2;
+        ACC1[DT_BF16] = acc_bf16_1_avx2;
+        OUTF[DT_BF16] = out_bf16_avx2;
+        if (__builtin_cpu_supports("f16c")) {
+            ACCW[DT_FP16] = acc_f16_w_hw;
+            ACC1[DT_FP16] = acc_f16_1_hw;
+            OUTF[DT_FP16] = out_f16_hw;
+        }
+    }
+#endif
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* engine and operation state                                                                */
+
+struct op;
+typedef int (*phase_fn)(struct op *op, int core);
+typedef struct {
+    phase_fn fn;
+    int all_cores;  /* 0: core 0 only */
+    int sync_after; /* in-process barrier of this rank's cores after the phase */
+} phase_t;
+
+typedef struct engine {
+    PyObject_HEAD
+    /* configuration */
+    int rank, R, C, E, L, K, T;
+    int hidden, isz, dt, cdt, cisz;
+    int sync, eng, layout, nreg, threaded;
+    int64_t cap_rows, cap_src_rows, row_bytes, slot_bytes, out_stride, crow_bytes;
+    int64_t tff_block, tff_flag, tff_payload, tff_nblocks;
+    uint64_t sentinel;
+    int64_t off_fail, off_entered, off_done, off_recv_ready, off_comb_info, off_barrier;
+    int64_t off_inbox, inbox_bytes, off_route, route_stride, route_w_off;
+    int64_t off_land, land_bytes, off_out, out_bytes, off_comb, comb_bytes, seg_size;
+    int64_t timeout_ns;
+    uint8_t **base;
+    int *pids;
+    unsigned long long *starts;
+    /* scratch (max sizes) */
+    int64_t *cnt;          /* [E] my counts per expert */
+    int64_t *units_to;     /* [R] units I send to each rank */
+    int64_t *rows_to;      /* [R] rows I send to each rank */
+    int32_t *u_t, *u_k, *u_e, *u_d; /* canonical units grouped by destination [T*K] */
+    int64_t *u_slot;       /* [T*K] */
+    int64_t *u_ptr;        /* [R+1] */
+    int64_t *my_rank_in_batch; /* [E] first batch rank of my rows of expert e at its dst */
+    _Atomic int64_t *remaining; /* [R] */
+    _Atomic uint64_t *dc_s1, *dc_s2; /* [R] */
+    int64_t *core_base;    /* [C][R][L] my partition start per (dst, local expert) */
+    int64_t *core_ready;   /* [C][R] dst bases computed for this op (epoch) */
+    int64_t *rx_base;      /* [C][R][L] receive: start of source s's rows of expert e */
+    int64_t *rx_ebase;     /* [C][L] receive: start of local expert e */
+    float *acc;            /* [C][hidden] combine accumulators */
+    int64_t *ci_off, *ci_rows, *ci_stride; /* [C][R] peers' combine data */
+    uint64_t *region_epoch; int64_t *region_rows; /* [nreg] */
+    uint64_t comb_last_epoch[2];
+    /* threads */
+    pthread_t *threads;
+    int nthreads_started;
+    _Atomic uint32_t job_gen;
+    _Atomic int stopping;
+    struct op *job_op;
+    const phase_t *job_phases;
+    int job_nph;
+    _Atomic uint32_t tb_count, tb_gen;
+    /* janitor (SP resets off the critical path) */
+    pthread_t janitor;
+    int janitor_started;
+    _Atomic uint32_t jgen;
+    _Atomic int *jstate;   /* [nreg] 0 clean, 1 queued, 2 running, 3 dirty (reset inline) */
+    int64_t *jr_start, *jr_len; int *jr_n; uint64_t *jpre; /* [nreg][R] ranges, precondition */
+    int in_use;            /* an operation is running (re-entrancy guard) */
+} engine_t;
+
+typedef struct op {
+    engine_t *g;
+    int kind; /* 0 dispatch, 1 combine */
+    uint64_t epoch;
+    int64_t n;    /* dispatch index (region = n % nreg) */
+    int par;      /* epoch parity: which inbox / comb_info slot */
+    int64_t deadline;
+    /* dispatch inputs */
+    const uint8_t *x;
+    int64_t ntok;
+    const int64_t *topk;
+    const float *w;
+    int have_plan, plan_cores;
+    const int64_t *p_t, *p_k, *p_e, *p_d, *p_slot, *p_ptr;
+    /* dispatch outputs */
+    int64_t *o_idx, *o_src_rank, *o_src_tok, *o_src_k, *o_nrecv, *o_dst_row;
+    float *o_w;
+    int64_t n_recv;
+    int published_ready;
+    /* combine */
+    const uint8_t *eo; int64_t eo_rows, eo_off; int zero_copy; int creg;
+    const int64_t *h_idx, *h_dst_row; const float *h_w; int64_t h_ntok;
+    uint8_t *y;
+    /* errors */
+    _Atomic int err;
+    _Atomic int abort;
+    int err_core, err_peer;
+    char what[MAX_WHAT];
+    char arg[64];
+    char msg[MAX_MSG];
+} op_t;
+
+/* addresses */
+static inline uint8_t *ctrl(engine_t *g, int rank, int64_t off) { return g->base[rank] + off; }
+static inline uint8_t *inbox(engine_t *g, int dst, int src, int par) {
+    return g->base[dst] + g->off_inbox + ((int64_t)src * 2 + par) * g->inbox_bytes;
+}
+static inline uint8_t *comb_info(engine_t *g, int rank, int par) {
+    return g->base[rank] + g->off_comb_info + (int64_t)par * CI_BYTES;
+}
+static inline uint8_t *route(engine_t *g, int rank, int slot) {
+    return g->base[rank] + g->off_route + (int64_t)slot * g->route_stride;
+}
+static inline uint8_t *land(engine_t *g, int rank, int reg) {
+    return g->base[rank] + g->off_land + (int64_t)reg * g->land_bytes;
+}
+static inline uint8_t *outreg(engine_t *g, int rank, int reg) {
+    return g->base[rank] + g->off_out + (int64_t)reg * g->out_bytes;
+}
+static inline int land_is_out(engine_t *g) {
+    return g->eng == ENG_ASP && g->sync != SYNC_TFF;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* errors, liveness, waits                                                                   */
+
+static int op_error(op_t *op, int code, int core, int peer, const char *fmt, ...) {
+    int expected = 0;
+    if (atomic_compare_exchange_strong(&op->err, &expected, code)) {
+        op->err_core = core;
+        op->err_peer = peer;
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(op->what, sizeof op->what, fmt, ap);
+        va_end(ap);
+    }
+    atomic_store(&op->abort, 1);
+    return code;
+}
+
+/* bad input: `value` names the offending value, the format the problem */
+static int bad_input(op_t *op, const char *arg, const char *value, const char *fmt, ...) {
+    int expected = 0;
+    if (atomic_compare_exchange_strong(&op->err, &expected, E_BAD_INPUT)) {
+        op->err_core = 0;
+        op->err_peer = op->g->rank;
+        snprintf(op->arg, sizeof op->arg, "%s", arg);
+        snprintf(op->msg, sizeof op->msg, "%s", value);
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(op->what, sizeof op->what, fmt, ap);
+        va_end(ap);
+    }
+    atomic_store(&op->abort, 1);
+    return E_BAD_INPUT;
+}
+
+static int process_alive(int pid, unsigned long long start) {
+    if (kill(pid, 0) != 0 && errno == ESRCH) return 0;
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%d/stat", pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return errno == ENOENT ? 0 : 1;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return 1;
+    buf[n] = 0;
+    char *p = strrchr(buf, ')');
+    if (!p || p[1] != ' ') return 1;
+    p += 2;
+    if (*p == 'Z' || *p == 'X') return 0; /* exited, not yet reaped */
+    if (!start) return 1;
+    /* field 3 is the state; the start time is field 22 */
+    for (int field = 3; field < 22 && p; field++) {
+        p = strchr(p, ' ');
+        if (p) p++;
+    }
+    if (!p) return 1;
+    return strtoull(p, NULL, 10) == start;
+}
+
+typedef struct {
+    int64_t start, next_live;
+    uint32_t iter;
+} waiter_t;
+
+static inline void waiter_init(waiter_t *w) {
+    w->start = 0;
+    w->next_live = 0;
+    w->iter = 0;
+}
+
+static inline uint8_t *fail_block(engine_t *g, int rank, uint64_t epoch) {
+    /* two notices, by epoch parity: a peer at most one call ahead never overwrites the one
+     * for the call this rank is still in */
+    return g->base[rank] + g->off_fail + (int64_t)(epoch & 1) * 512;
+}
+
+static int check_liveness(op_t *op, int core, const char *what, int peer);
+
+static int check_failures(op_t *op, int core) {
+    engine_t *g = op->g;
+    if (op->kind == 2) return 0;
+    for (int q = 0; q < g->R; q++) {
+        if (q == g->rank) continue;
+        uint8_t *f = fail_block(g, q, op->epoch);
+        if (ld_acq(f + FAIL_EPOCH) == op->epoch) {
+            /* a failure caused by a dead rank is reported as that (PeerLostError everywhere) */
+            if (check_liveness(op, core, "a peer that failed this call", -1)) return E_PEER_LOST;
+            uint32_t len = (uint32_t)ld_rlx(f + FAIL_LEN);
+            if (len > FAIL_MSG_MAX) len = FAIL_MSG_MAX;
+            int expected = 0;
+            if (atomic_compare_exchange_strong(&op->err, &expected, E_REMOTE)) {
+                op->err_core = core;
+                op->err_peer = q;
+                memcpy(op->msg, f + FAIL_MSG, len);
+                op->msg[len] = 0;
+                snprintf(op->what, sizeof op->what, "failure notice of rank %d", q);
+            }
+            atomic_store(&op->abort, 1);
+            return E_REMOTE;
+        }
+    }
+    return 0;
+}
+
+static int check_liveness(op_t *op, int core, const char *what, int peer) {
+    engine_t *g = op->g;
+    /* only the awaited peer (or all, peer < 0): a rank that finished and exited is not lost */
+    for (int q = 0; q < g->R; q++) {
+        if (q == g->rank || (peer >= 0 && q != peer)) continue;
+        if (!process_alive(g->pids[q], g->starts[q]))
+            return op_error(op, E_PEER_LOST, core, q, "rank %d (pid %d) died while rank %d core %d "
+                            "waited for %s", q, g->pids[q], g->rank, core, what);
+    }
+    return 0;
+}
+
+/* One step of a wait whose condition was just found false. Returns 0 to check again. */
+static int wait_step(op_t *op, waiter_t *w, int core, int peer, const char *what) {
+    if (atomic_load_explicit(&op->abort, memory_order_relaxed)) return -1;
+    uint32_t it = ++w->iter;
+    if (it < 32) {
+        cpu_relax();
+        return 0;
+    }
+    int rc = check_failures(op, core);
+    if (rc) return rc;
+    int64_t t = now_ns();
+    if (!w->start) {
+        w->start = t;
+        w->next_live = t + 10000000LL;
+    }
+    if (t >= op->deadline)
+        return op_error(op, E_TIMEOUT, core, peer, "rank %d core %d timed out after %.3g s waiting "
+                        "for %s (epoch %llu)", op->g->rank, core,
+                        (double)op->g->timeout_ns / 1e9, what, (unsigned long long)op->epoch);
+    if (t >= w->next_live) {
+        w->next_live = t + 10000000LL;
+        rc = check_liveness(op, core, what, peer);
+        if (rc) return rc;
+    }
+    if (t - w->start < 2000000LL) {
+        sched_yield();
+    } else {
+        int64_t waited = t - w->start;
+        struct timespec ts = {0, waited < 20000000LL ? 50000 : 500000};
+        nanosleep(&ts, NULL);
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* team: in-process barrier, worker threads, phase runner                                    */
+
+static void team_barrier(engine_t *g) {
+    if (g->C == 1 || !g->threaded) return;
+    uint32_t gen = atomic_load(&g->tb_gen);
+    if (atomic_fetch_add(&g->tb_count, 1) == (uint32_t)g->C - 1) {
+        atomic_store(&g->tb_count, 0);
+        atomic_fetch_add(&g->tb_gen, 1);
+        futex_wake(&g->tb_gen, INT32_MAX);
+        return;
+    }
+    for (int i = 0; atomic_load(&g->tb_gen) == gen; i++) {
+        if (i < 64) cpu_relax();
+        else if (i < 2000) sched_yield();
+        else {
+            struct timespec ts = {0, 1000000};
+            futex_wait(&g->tb_gen, gen, &ts);
+        }
+    }
+}
+
+static void run_phases_core(op_t *op, const phase_t *ph, int nph, int core) {
+    for (int p = 0; p < nph; p++) {
+        if (!atomic_load(&op->abort) && (ph[p].all_cores || core == 0)) ph[p].fn(op, core);
+        if (ph[p].sync_after) team_barrier(op->g);
+    }
+}
+
+static void *worker_main(void *arg) {
+    engine_t *g = ((void **)arg)[0];
+    int core = (int)(intptr_t)((void **)arg)[1];
+    free(arg);
+    uint32_t seen = 0;
+    for (;;) {
+        for (int i = 0; atomic_load(&g->job_gen) == seen; i++) {
+            if (i < 200) cpu_relax();
+            else if (i < 400) sched_yield();
+            else futex_wait(&g->job_gen, seen, NULL);
+        }
+        seen = atomic_load(&g->job_gen);
+        if (atomic_load(&g->stopping)) break;
+        run_phases_core(g->job_op, g->job_phases, g->job_nph, core);
+        team_barrier(g); /* completion */
+    }
+    return NULL;
+}
+
+static int start_threads(engine_t *g) {
+    if (!g->threaded || g->C == 1 || g->nthreads_started) return 0;
+    g->threads = calloc((size_t)g->C, sizeof(pthread_t));
+    if (!g->threads) return -1;
+    for (int c = 1; c < g->C; c++) {
+        void **arg = malloc(2 * sizeof(void *));
+        if (!arg) return -1;
+        arg[0] = g;
+        arg[1] = (void *)(intptr_t)c;
+        if (pthread_create(&g->threads[c], NULL, worker_main, arg) != 0) {
+            free(arg);
+            return -1;
+        }
+        g->nthreads_started = c;
+    }
+    return 0;
+}
+
+static void run_op(op_t *op, const phase_t *ph, int nph) {
+    engine_t *g = op->g;
+    if (g->C == 1) {
+        run_phases_core(op, ph, nph, 0);
+    } else if (g->threaded) {
+        g->job_op = op;
+        g->job_phases = ph;
+        g->job_nph = nph;
+        atomic_fetch_add(&g->job_gen, 1);
+        futex_wake(&g->job_gen, INT32_MAX);
+        run_phases_core(op, ph, nph, 0);
+        team_barrier(g);
+    } else {
+        /* more cores than hardware threads: the calling thread plays every core, phase by
+         * phase (phases never wait on another core of the same rank) */
+        for (int p = 0; p < nph; p++)
+            for (int c = 0; c < (ph[p].all_cores ? g->C : 1); c++)
+                if (!atomic_load(&op->abort)) ph[p].fn(op, c);
+    }
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* janitor: SP sentinel resets off the critical path                                        */
+
+static int peers_done_geq(engine_t *g, uint64_t epoch) {
+    for (int q = 0; q < g->R; q++)
+        if (q != g->rank && ld_acq(ctrl(g, q, g->off_done)) < epoch) return 0;
+    return 1;
+}
+
+static void reset_ranges(engine_t *g, int reg) {
+    uint8_t *b = land(g, g->rank, reg);
+    for (int i = 0; i < g->jr_n[reg]; i++) {
+        int64_t start = g->jr_start[reg * g->R + i], len = g->jr_len[reg * g->R + i];
+        if (len <= 0) continue;
+        /* slots are raw rows for SP: fill the payload bytes of every slot */
+        for (int64_t r = start; r < start + len; r++)
+            fill_pattern(b + r * g->slot_bytes, g->row_bytes, g->isz, g->sentinel);
+    }
+    g->jr_n[reg] = 0;
+}
+
+static void *janitor_main(void *arg) {
+    engine_t *g = arg;
+    uint32_t seen = 0;
+    for (;;) {
+        uint32_t gen = atomic_load(&g->jgen);
+        if (gen == seen) {
+            futex_wait(&g->jgen, seen, NULL);
+            continue;
+        }
+        seen = gen;
+        if (atomic_load(&g->stopping)) break;
+        for (int reg = 0; reg < g->nreg; reg++) {
+            int expected = 1;
+            if (!atomic_compare_exchange_strong(&g->jstate[reg], &expected, 2)) continue;
+            /* every writer of that region's epoch must be done before its slots are reset */
+            int64_t deadline = now_ns() + g->timeout_ns;
+            int ok = 1;
+            for (int i = 0; !peers_done_geq(g, g->jpre[reg]); i++) {
+                if (atomic_load(&g->stopping) || now_ns() > deadline) { ok = 0; break; }
+                struct timespec ts = {0, i < 100 ? 20000 : 1000000};
+                nanosleep(&ts, NULL);
+            }
+            if (ok) reset_ranges(g, reg);
+            atomic_store(&g->jstate[reg], ok ? 0 : 3);
+        }
+    }
+    return NULL;
+}
+
+static void janitor_enqueue(engine_t *g, int reg, uint64_t pre_epoch) {
+    g->jpre[reg] = pre_epoch;
+    if (!g->janitor_started) {
+        if (pthread_create(&g->janitor, NULL, janitor_main, g) == 0) g->janitor_started = 1;
+    }
+    if (!g->janitor_started) { /* no thread: leave it for the next use, done inline */
+        atomic_store(&g->jstate[reg], 3);
+        return;
+    }
+    atomic_store(&g->jstate[reg], 1);
+    atomic_fetch_add(&g->jgen, 1);
+    futex_wake(&g->jgen, 1);
+}
+
+/* Make land region `reg` clean before peers may write it (SP only). */
+static int ensure_clean(op_t *op, int reg) {
+    engine_t *g = op->g;
+    waiter_t w;
+    waiter_init(&w);
+    for (;;) {
+        int s = atomic_load(&g->jstate[reg]);
+        if (s == 0) return 0;
+        if (s == 3) break;
+        int rc = wait_step(op, &w, 0, -1, "the SP reset of a receive region");
+        if (rc) return rc;
+    }
+    waiter_init(&w);
+    while (!peers_done_geq(g, g->jpre[reg])) {
+        int rc = wait_step(op, &w, 0, -1, "peers to finish with a receive region");
+        if (rc) return rc;
+    }
+    reset_ranges(g, reg);
+    atomic_store(&g->jstate[reg], 0);
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* dispatch                                                                                  */
+
+static int wait_peers_done(op_t *op, uint64_t epoch, int core) {
+    engine_t *g = op->g;
+    if (epoch == 0) return 0;
+    for (int q = 0; q < g->R; q++) {
+        if (q == g->rank) continue;
+        waiter_t w;
+        waiter_init(&w);
+        while (ld_acq(ctrl(g, q, g->off_done)) < epoch) {
+            int rc = wait_step(op, &w, core, q, "a peer to finish the call before the last");
+            if (rc) return rc;
+        }
+    }
+    return 0;
+}
+
+/* validate topk_idx, count, build the canonical units (grouped by destination, ascending
+ * token inside), check the SP sentinel. Touches nothing shared. */
+static int dispatch_validate(op_t *op) {
+    engine_t *g = op->g;
+    const int K = g->K, E = g->E, L = g->L, R = g->R;
+    const int64_t T = op->ntok;
+    memset(g->cnt, 0, sizeof(int64_t) * (size_t)E);
+    memset(g->units_to, 0, sizeof(int64_t) * (size_t)R);
+    memset(g->rows_to, 0, sizeof(int64_t) * (size_t)R);
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t *row = op->topk + t * K;
+        uint64_t seen_dst = 0; /* R <= 64 enforced at init */
+        for (int k = 0; k < K; k++) {
+            int64_t e = row[k];
+            if (e < -1 || e >= E) {
+                char v[32];
+                snprintf(v, sizeof v, "%lld", (long long)e);
+                return bad_input(op, "topk_idx", v, "expert id at [%lld, %d] out of range [-1, %d) "
+                                 "(num_experts)", (long long)t, k, E);
+            }
+            if (e < 0) continue;
+            for (int k2 = 0; k2 < k; k2++)
+                if (row[k2] == e) {
+                    char v[32];
+                    snprintf(v, sizeof v, "%lld", (long long)e);
+                    return bad_input(op, "topk_idx", v, "row %lld names this expert twice",
+                                     (long long)t);
+                }
+            g->cnt[e]++;
+            int d = (int)(e / L);
+            g->units_to[d]++;
+            if (!(seen_dst >> d & 1)) {
+                seen_dst |= 1ULL << d;
+                g->rows_to[d]++;
+            }
+        }
+        if (g->sync == SYNC_SP && seen_dst &&
+            has_pattern(op->x + t * g->row_bytes, g->row_bytes, g->isz, g->sentinel)) {
+            char v[32];
+            snprintf(v, sizeof v, "row %lld", (long long)t);
+            return bad_input(op, "x", v, "contains the SP sentinel bit pattern 0x%llx, which SP "
+                             "cannot carry: use sync='tff' or sync='dc'",
+                             (unsigned long long)g->sentinel);
+        }
+    }
+    if (g->layout == LAY_RANK)
+        for (int d = 0; d < R; d++) g->units_to[d] = g->rows_to[d];
+    else
+        for (int d = 0; d < R; d++) g->rows_to[d] = g->units_to[d];
+    /* my first batch rank per expert at its destination (position order = expert, token) */
+    for (int d = 0; d < R; d++) {
+        int64_t acc = 0;
+        for (int el = 0; el < L; el++) {
+            g->my_rank_in_batch[d * L + el] = acc;
+            acc += g->cnt[d * L + el];
+        }
+    }
+    if (op->have_plan) return 0;
+    /* canonical units, grouped by destination, in the send order r+1, r+2, ..., r */
+    g->u_ptr[0] = 0;
+    for (int i = 0; i < R; i++) {
+        int d = (g->rank + 1 + i) % R;
+        g->u_ptr[i + 1] = g->u_ptr[i] + g->units_to[d];
+    }
+    int64_t *fill = g->core_base; /* borrow: [R] write cursors */
+    int64_t *slot_e = g->rx_base; /* borrow: [E] running slot per expert / [R] per rank */
+    for (int i = 0; i < R; i++) fill[(g->rank + 1 + i) % R] = g->u_ptr[i];
+    memset(slot_e, 0, sizeof(int64_t) * (size_t)(E > R ? E : R));
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t *row = op->topk + t * K;
+        if (g->layout == LAY_EXPERT) {
+            for (int k = 0; k < K; k++) {
+                int64_t e = row[k];
+                if (e < 0) continue;
+                int d = (int)(e / L);
+                int64_t u = fill[d]++;
+                g->u_t[u] = (int32_t)t;
+                g->u_k[u] = k;
+                g->u_e[u] = (int32_t)e;
+                g->u_d[u] = d;
+                g->u_slot[u] = slot_e[e]++;
+            }
+        } else {
+            uint64_t seen_dst = 0;
+            for (int k = 0; k < K; k++) {
+                int64_t e = row[k];
+                if (e < 0) continue;
+                int d = (int)(e / L);
+                if (seen_dst >> d & 1) continue;
+                seen_dst |= 1ULL << d;
+                int64_t u = fill[d]++;
+                g->u_t[u] = (int32_t)t;
+                g->u_k[u] = k;
+                g->u_e[u] = (int32_t)e;
+                g->u_d[u] = d;
+                g->u_slot[u] = slot_e[d]++;
+            }
+        }
+    }
+    return 0;
+}
+
+/* publish my routing (for receivers' metadata), my readiness and my counts */
+static int dispatch_publish(op_t *op) {
+    engine_t *g = op->g;
+    const int K = g->K, L = g->L, R = g->R;
+    int reg = (int)(op->n % g->nreg);
+    int rc;
+    if (g->sync == SYNC_SP && (rc = ensure_clean(op, reg))) return rc;
+    uint8_t *rt = route(g, g->rank, reg);
+    int32_t *ridx = (int32_t *)(rt + ROUTE_IDX);
+    float *rw = (float *)(rt + g->route_w_off);
+    for (int64_t i = 0; i < op->ntok * K; i++) ridx[i] = (int32_t)op->topk[i];
+    memcpy(rw, op->w, sizeof(float) * (size_t)(op->ntok * K));
+    st_rlx(rt + ROUTE_NTOK, (uint64_t)op->ntok);
+    st_rlx(rt + ROUTE_EPOCH, op->epoch);
+    g->region_epoch[reg] = op->epoch;
+    g->region_rows[reg] = 0;
+    st_rel(ctrl(g, g->rank, g->off_recv_ready), op->epoch);
+    op->published_ready = 1;
+    if (g->eng == ENG_BSP) return 0; /* BSP sends counts after its first barrier */
+    for (int i = 0; i < R; i++) {
+        int d = (g->rank + 1 + i) % R;
+        uint8_t *ib = inbox(g, d, g->rank, op->par);
+        uint32_t *c = (uint32_t *)(ib + IN_COUNTS);
+        for (int el = 0; el < L; el++) c[el] = (uint32_t)g->cnt[d * L + el];
+        st_rlx(ib + IN_ROWS, (uint64_t)g->rows_to[d]);
+        st_rel(ib + IN_COUNTS_EPOCH, op->epoch);
+    }
+    return 0;
+}
+
+static void reset_send_state(op_t *op);
+
+static int ph_d_prepare(op_t *op, int core) {
+    (void)core;
+    int rc = dispatch_validate(op);
+    if (rc) return rc;
+    st_rlx(ctrl(op->g, op->g->rank, op->g->off_entered), op->epoch);
+    if ((rc = wait_peers_done(op, op->epoch >= 2 ? op->epoch - 2 : 0, 0))) return rc;
+    reset_send_state(op);
+    return dispatch_publish(op);
+}
+
+/* destination d has published readiness and every source has published counts to d */
+static int dst_ready(op_t *op, int d) {
+    engine_t *g = op->g;
+    if (ld_acq(ctrl(g, d, g->off_recv_ready)) < op->epoch) return 0;
+    for (int s = 0; s < g->R; s++)
+        if (ld_acq(inbox(g, d, s, op->par) + IN_COUNTS_EPOCH) != op->epoch) return 0;
+    return 1;
+}
+
+/* For the expert layout: out[el] = start of my rows of local expert el in d's region.
+ * For the rank layout: out[0] = start of my rows. Peer counts are bounds-checked. */
+static int compute_bases(op_t *op, int core, int d, int src, int64_t *out) {
+    engine_t *g = op->g;
+    const int L = g->L, R = g->R;
+    int64_t total = 0;
+    if (g->layout == LAY_RANK) {
+        int64_t before = 0;
+        for (int s = 0; s < R; s++) {
+            uint64_t rows = ld_rlx(inbox(g, d, s, op->par) + IN_ROWS);
+            if (rows > (uint64_t)g->cap_src_rows)
+                return op_error(op, E_INTERNAL, core, s, "rank %d published %llu rows for rank %d, "
+                                "more than the %lld a source can send", s,
+                                (unsigned long long)rows, d, (long long)g->cap_src_rows);
+            if (s < src) before += (int64_t)rows;
+            total += (int64_t)rows;
+        }
+        out[0] = before;
+        return 0;
+    }
+    for (int el = 0; el < L; el++) {
+        int64_t tot = 0, before = 0;
+        for (int s = 0; s < R; s++) {
+            uint32_t c = ((const uint32_t *)(inbox(g, d, s, op->par) + IN_COUNTS))[el];
+            if (c > (uint64_t)g->T)
+                return op_error(op, E_INTERNAL, core, s, "rank %d published count %u for an "
+                                "expert, more than max_tokens_per_rank", s, c);
+            if (s < src) before += c;
+            tot += c;
+        }
+        out[el] = total + before;
+        total += tot;
+    }
+    if (total > g->cap_rows)
+        return op_error(op, E_INTERNAL, core, d, "counts for rank %d add up to %lld rows, more "
+                        "than the buffer's %lld", d, (long long)total, (long long)g->cap_rows);
+    return 0;
+}
+
+static int wait_dst(op_t *op, int core, int d) {
+    waiter_t w;
+    waiter_init(&w);
+    char what[96];
+    while (!dst_ready(op, d)) {
+        snprintf(what, sizeof what, "receive readiness and counts of rank %d", d);
+        int rc = wait_step(op, &w, core, d, what);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
+/* write one row to its slot in destination d (encoded for the sync mode) */
+static void put_row(op_t *op, int d, int64_t pos, const uint8_t *src) {
+    engine_t *g = op->g;
+    int reg = (int)(op->n % g->nreg);
+    if (g->eng == ENG_ASP && d == g->rank && g->sync == SYNC_TFF) {
+        copy_fast(outreg(g, d, reg) + pos * g->out_stride, src, g->row_bytes);
+        return;
+    }
+    uint8_t *slot = land(g, d, reg) + pos * g->slot_bytes;
+    if (g->sync == SYNC_TFF) {
+        for (int64_t b = 0; b < g->tff_nblocks; b++) {
+            int64_t off = b * g->tff_payload, len = g->row_bytes - off;
+            if (len > g->tff_payload) len = g->tff_payload;
+            uint8_t *blk = slot + b * g->tff_block;
+            copy_elem(blk, src + off, len);
+            if (len < g->tff_payload) memset(blk + len, 0, (size_t)(g->tff_payload - len));
+            if (g->tff_flag > 8) memset(blk + g->tff_payload + 8, 0, (size_t)(g->tff_flag - 8));
+            st_rel(blk + g->tff_payload, op->epoch); /* the block's flag, after its payload */
+        }
+    } else if (g->sync == SYNC_SP) {
+        copy_elem(slot, src, g->row_bytes);
+    } else {
+        copy_fast(slot, src, g->row_bytes);
+    }
+}
+
+/* the last unit to d is written: publish the per-(source, destination) flag of SW / DC */
+static void finish_dst(op_t *op, int d) {
+    engine_t *g = op->g;
+    if (d == g->rank || g->eng == ENG_BSP) return;
+    uint8_t *ib = inbox(g, d, g->rank, op->par);
+    if (g->sync == SYNC_SW) {
+        store_fence();
+        st_rlx(ib + IN_SW_COUNT, (uint64_t)g->rows_to[d]);
+        st_rel(ib + IN_SW_EPOCH, op->epoch);
+    } else if (g->sync == SYNC_DC) {
+        store_fence();
+        uint64_t sum = dc_finish(atomic_load(&g->dc_s1[d]), atomic_load(&g->dc_s2[d]), op->epoch);
+        st_rlx(ib + IN_DC_COUNT, (uint64_t)g->rows_to[d]);
+        st_rlx(ib + IN_DC_SUM, sum);
+        st_rel(ib + IN_DC_EPOCH, op->epoch);
+    }
+}
+
+static inline int64_t unit_pos(engine_t *g, const int64_t *bases, int e, int64_t slot) {
+    return g->layout == LAY_EXPERT ? bases[e % g->L] + slot : bases[0] + slot;
+}
+
+static void send_unit(op_t *op, int core, int64_t t, int k, int e, int d, int64_t slot,
+                      const int64_t *bases) {
+    engine_t *g = op->g;
+    int64_t pos = unit_pos(g, bases, e, slot);
+    const uint8_t *src = op->x + t * g->row_bytes;
+    put_row(op, d, pos, src);
+    if (g->layout == LAY_EXPERT) op->o_dst_row[t * g->K + k] = pos;
+    else op->o_dst_row[t * g->R + d] = pos;
+    if (g->sync == SYNC_DC && g->eng == ENG_ASP && d != g->rank) {
+        uint64_t A, B;
+        int64_t W = (g->row_bytes + 7) / 8;
+        int64_t brank = g->layout == LAY_EXPERT ? g->my_rank_in_batch[e] + slot : slot;
+        dc_row_sums(src, g->row_bytes, &A, &B);
+        if (g->C > 1) {
+            atomic_fetch_add(&g->dc_s1[d], A);
+            atomic_fetch_add(&g->dc_s2[d], (uint64_t)brank * (uint64_t)W * A + B);
+        } else {
+            g->dc_s1[d] += A;
+            g->dc_s2[d] += (uint64_t)brank * (uint64_t)W * A + B;
+        }
+    }
+    (void)core;
+}
+
+static void unit_done(op_t *op, int d) {
+    engine_t *g = op->g;
+    if (g->C > 1) {
+        if (atomic_fetch_sub(&g->remaining[d], 1) == 1) finish_dst(op, d);
+    } else if (--g->remaining[d] == 0) {
+        finish_dst(op, d);
+    }
+}
+
+static void reset_send_state(op_t *op) {
+    engine_t *g = op->g;
+    for (int d = 0; d < g->R; d++) {
+        atomic_store(&g->remaining[d], g->units_to[d]);
+        atomic_store(&g->dc_s1[d], 0);
+        atomic_store(&g->dc_s2[d], 0);
+        g->core_ready[d] = 0;
+    }
+    for (int64_t i = 0; i < op->ntok * (g->layout == LAY_EXPERT ? g->K : g->R); i++)
+        op->o_dst_row[i] = -1;
+}
+
+/* ASP send, no plan (one send core): destinations whose counts are in go first */
+static int send_canonical(op_t *op, int core) {
+    engine_t *g = op->g;
+    const int R = g->R;
+    int64_t *bases = g->core_base + (int64_t)core * R * g->L;
+    int pending[64], np = 0;
+    for (int i = 0; i < R; i++) pending[np++] = i; /* index into the send order */
+    waiter_t w;
+    waiter_init(&w);
+    while (np) {
+        int progressed = 0;
+        for (int j = 0; j < np;) {
+            int i = pending[j], d = (g->rank + 1 + i) % R;
+            if (!dst_ready(op, d)) { j++; continue; }
+            int rc = compute_bases(op, core, d, g->rank, bases);
+            if (rc) return rc;
+            for (int64_t u = g->u_ptr[i]; u < g->u_ptr[i + 1]; u++) {
+                send_unit(op, core, g->u_t[u], g->u_k[u], g->u_e[u], d, g->u_slot[u], bases);
+            }
+            if (g->units_to[d]) finish_dst(op, d);
+            pending[j] = pending[--np];
+            progressed = 1;
+            waiter_init(&w);
+        }
+        if (!progressed && np) {
+            char what[96];
+            snprintf(what, sizeof what, "receive readiness and counts of rank %d",
+                     (g->rank + 1 + pending[0]) % R);
+            int rc = wait_step(op, &w, core, (g->rank + 1 + pending[0]) % R, what);
+            if (rc) return rc;
+        }
+    }
+    return 0;
+}
+
+/* ASP send by the Plan from ubep.sched: plan core j runs on thread j % C, in plan order */
+static int send_planned(op_t *op, int core) {
+    engine_t *g = op->g;
+    const int R = g->R, L = g->L;
+    int64_t *bases = g->core_base + (int64_t)core * R * L;
+    int64_t *ready = g->core_ready + (int64_t)core * R;
+    for (int d = 0; d < R; d++) ready[d] = 0;
+    for (int j = core; j < op->plan_cores; j += g->C) {
+        for (int64_t u = op->p_ptr[j]; u < op->p_ptr[j + 1]; u++) {
+            int d = (int)op->p_d[u];
+            if (!ready[d]) {
+                int rc = wait_dst(op, core, d);
+                if (!rc) rc = compute_bases(op, core, d, g->rank, bases + (int64_t)d * L);
+                if (rc) return rc;
+                ready[d] = 1;
+            }
+            send_unit(op, core, op->p_t[u], (int)op->p_k[u], (int)op->p_e[u], d, op->p_slot[u],
+                      bases + (int64_t)d * L);
+            unit_done(op, d);
+        }
+    }
+    return 0;
+}
+
+static int ph_d_send(op_t *op, int core) {
+    if (op->have_plan) return send_planned(op, core);
+    return core == 0 ? send_canonical(op, core) : 0;
+}
+
+/* receiver: wait for the counts of every source, then compute where each source's rows of
+ * each local expert start (rx_base[s][el]) and where each expert starts (rx_ebase[el]) */
+static int recv_bases(op_t *op, int core, int64_t *rx_base, int64_t *rx_ebase, int64_t *n_out) {
+    engine_t *g = op->g;
+    const int R = g->R, L = g->L;
+    for (int s = 0; s < R; s++) {
+        waiter_t w;
+        waiter_init(&w);
+        char what[96];
+        while (ld_acq(inbox(g, g->rank, s, op->par) + IN_COUNTS_EPOCH) != op->epoch) {
+            snprintf(what, sizeof what, "the counts of rank %d", s);
+            int rc = wait_step(op, &w, core, s, what);
+            if (rc) return rc;
+        }
+    }
+    int64_t pos = 0;
+    if (g->layout == LAY_RANK) {
+        for (int s = 0; s < R; s++) {
+            uint64_t rows = ld_rlx(inbox(g, g->rank, s, op->par) + IN_ROWS);
+            if (rows > (uint64_t)g->cap_src_rows)
+                return op_error(op, E_INTERNAL, core, s, "rank %d announced %llu rows", s,
+                                (unsigned long long)rows);
+            rx_base[s * L] = pos;
+            pos += (int64_t)rows;
+        }
+    } else {
+        for (int el = 0; el < L; el++) {
+            rx_ebase[el] = pos;
+            for (int s = 0; s < R; s++) {
+                uint32_t c = ((const uint32_t *)(inbox(g, g->rank, s, op->par) + IN_COUNTS))[el];
+                if (c > (uint32_t)g->T)
+                    return op_error(op, E_INTERNAL, core, s, "rank %d announced count %u", s, c);
+                rx_base[s * L + el] = pos;
+                pos += c;
+            }
+        }
+    }
+    if (pos > g->cap_rows)
+        return op_error(op, E_INTERNAL, core, -1, "%lld rows announced, capacity %lld",
+                        (long long)pos, (long long)g->cap_rows);
+    *n_out = pos;
+    return 0;
+}
+
+/* rows of source s in my region, in position order: calls fn(op, pos, batch_rank) */
+#define FOR_SOURCE_ROWS(g, op, s, rx_base, POS, RANK, ...)                                 \
+    do {                                                                                   \
+        int64_t RANK = 0;                                                                  \
+        if ((g)->layout == LAY_RANK) {                                                     \
+            int64_t n_ = (int64_t)ld_rlx(inbox(g, (g)->rank, s, (op)->par) + IN_ROWS);     \
+            for (int64_t POS = (rx_base)[(s) * (g)->L]; RANK < n_; POS++, RANK++) {        \
+                __VA_ARGS__                                                                \
+            }                                                                              \
+        } else {                                                                           \
+            for (int el_ = 0; el_ < (g)->L; el_++) {                                       \
+                int64_t c_ = ((const uint32_t *)(inbox(g, (g)->rank, s, (op)->par) +       \
+                                                 IN_COUNTS))[el_];                         \
+                int64_t p0_ = (rx_base)[(s) * (g)->L + el_];                               \
+                for (int64_t POS = p0_; POS < p0_ + c_; POS++, RANK++) {                   \
+                    __VA_ARGS__                                                            \
+                }                                                                          \
+            }                                                                              \
+        }                                                                                  \
+    } while (0)
+
+/* fill the metadata of source s's rows from its published routing */
+static int recv_metadata(op_t *op, int core, int s, const int64_t *rx_base) {
+    engine_t *g = op->g;
+    const int K = g->K, L = g->L, r = g->rank;
+    int reg = (int)(op->n % g->nreg);
+    const uint8_t *rt = route(g, s, reg);
+    uint64_t ntok = ld_rlx(rt + ROUTE_NTOK);
+    if (ntok > (uint64_t)g->T || ld_rlx(rt + ROUTE_EPOCH) != op->epoch)
+        return op_error(op, E_INTERNAL, core, s, "rank %d's routing is not for this call", s);
+    const int32_t *idx = (const int32_t *)(rt + ROUTE_IDX);
+    const float *wt = (const float *)(rt + g->route_w_off);
+    const int64_t lo = (int64_t)r * L, hi = lo + L;
+    if (g->layout == LAY_EXPERT) {
+        int64_t cur[1024];
+        int64_t *cursor = L <= 1024 ? cur : malloc(sizeof(int64_t) * (size_t)L);
+        if (!cursor) return op_error(op, E_INTERNAL, core, -1, "out of memory");
+        for (int el = 0; el < L; el++) cursor[el] = rx_base[s * L + el];
+        for (int64_t t = 0; t < (int64_t)ntok; t++) {
+            for (int k = 0; k < K; k++) {
+                int64_t e = idx[t * K + k];
+                if (e < lo || e >= hi) continue;
+                int64_t p = cursor[e - lo]++;
+                op->o_src_rank[p] = s;
+                op->o_src_tok[p] = t;
+                op->o_src_k[p] = k;
+                op->o_idx[p] = e;
+                op->o_w[p] = wt[t * K + k];
+            }
+        }
+        int bad = 0;
+        for (int el = 0; el < L; el++) {
+            uint32_t c = ((const uint32_t *)(inbox(g, r, s, op->par) + IN_COUNTS))[el];
+            if (cursor[el] != rx_base[s * L + el] + c) bad = 1;
+        }
+        if (cursor != cur) free(cursor);
+        if (bad) return op_error(op, E_INTERNAL, core, s, "rank %d's routing disagrees with its "
+                                 "counts", s);
+    } else {
+        int64_t p = rx_base[s * L];
+        int64_t n = (int64_t)ld_rlx(inbox(g, r, s, op->par) + IN_ROWS), end = p + n;
+        for (int64_t t = 0; t < (int64_t)ntok; t++) {
+            int first = -1;
+            for (int k = 0; k < K; k++) {
+                int64_t e = idx[t * K + k];
+                if (e >= lo && e < hi) { first = k; break; }
+            }
+            if (first < 0) continue;
+            if (p >= end) return op_error(op, E_INTERNAL, core, s, "rank %d's routing disagrees "
+                                          "with its row count", s);
+            op->o_src_rank[p] = s;
+            op->o_src_tok[p] = t;
+            op->o_src_k[p] = first;
+            for (int k = 0; k < K; k++) {
+                int64_t e = idx[t * K + k];
+                int here = e >= lo && e < hi;
+                op->o_idx[p * K + k] = here ? e - lo : -1;
+                op->o_w[p * K + k] = here ? wt[t * K + k] : 0.0f;
+            }
+            p++;
+        }
+        if (p != end) return op_error(op, E_INTERNAL, core, s, "rank %d's routing disagrees "
+                                      "with its row count", s);
+    }
+    return 0;
+}
+
+/* wait until source s's rows are complete in the land region (and decoded into out) */
+static int recv_wait_source(op_t *op, int core, int s, const int64_t *rx_base, int reg,
+                            uint8_t *land_base, uint8_t *out_base) {
+    engine_t *g = op->g;
+    char what[128];
+    waiter_t w;
+    waiter_init(&w);
+    int64_t expect = (int64_t)ld_rlx(inbox(g, g->rank, s, op->par) + IN_ROWS);
+    if (g->sync == SYNC_SW) {
+        uint8_t *ib = inbox(g, g->rank, s, op->par);
+        while (ld_acq(ib + IN_SW_EPOCH) != op->epoch) {
+            snprintf(what, sizeof what, "the SW flag of rank %d", s);
+            int rc = wait_step(op, &w, core, s, what);
+            if (rc) return rc;
+        }
+        if ((int64_t)ld_rlx(ib + IN_SW_COUNT) != expect)
+            return op_error(op, E_INTERNAL, core, s, "SW flag of rank %d announces %llu rows, "
+                            "counts said %lld", s, (unsigned long long)ld_rlx(ib + IN_SW_COUNT),
+                            (long long)expect);
+    } else if (g->sync == SYNC_DC) {
+        uint8_t *ib = inbox(g, g->rank, s, op->par);
+        int64_t W = (g->row_bytes + 7) / 8;
+        for (;;) {
+            int ok = 0;
+            if (ld_acq(ib + IN_DC_EPOCH) == op->epoch) {
+                uint64_t s1 = 0, s2 = 0;
+                FOR_SOURCE_ROWS(g, op, s, rx_base, pos, rank_, {
+                    uint64_t A, B;
+                    dc_row_sums(land_base + pos * g->slot_bytes, g->row_bytes, &A, &B);
+                    s1 += A;
+                    s2 += (uint64_t)rank_ * (uint64_t)W * A + B;
+                });
+                ok = (int64_t)ld_rlx(ib + IN_DC_COUNT) == expect &&
+                     ld_rlx(ib + IN_DC_SUM) == dc_finish(s1, s2, op->epoch);
+            }
+            if (ok) break;
+            snprintf(what, sizeof what, "a DC batch of rank %d that matches its checksum", s);
+            int rc = wait_step(op, &w, core, s, what);
+            if (rc) return rc;
+        }
+    } else if (g->sync == SYNC_SP) {
+        int rc = 0;
+        FOR_SOURCE_ROWS(g, op, s, rx_base, pos, rank_, {
+            const uint8_t *row = land_base + pos * g->slot_bytes;
+            while (!rc && has_pattern(row, g->row_bytes, g->isz, g->sentinel)) {
+                snprintf(what, sizeof what, "SP row %lld from rank %d", (long long)pos, s);
+                rc = wait_step(op, &w, core, s, what);
+            }
+            if (rc) return rc;
+            (void)rank_;
+        });
+        atomic_thread_fence(memory_order_acquire);
+    } else { /* TFF: wait block by block, copy each payload out as it lands */
+        int rc = 0;
+        FOR_SOURCE_ROWS(g, op, s, rx_base, pos, rank_, {
+            const uint8_t *slot = land_base + pos * g->slot_bytes;
+            uint8_t *dst = out_base + pos * g->out_stride;
+            for (int64_t b = 0; b < g->tff_nblocks; b++) {
+                const uint8_t *blk = slot + b * g->tff_block;
+                while (!rc && ld_acq(blk + g->tff_payload) != op->epoch) {
+                    snprintf(what, sizeof what, "TFF block %lld of row %lld from rank %d",
+                             (long long)b, (long long)pos, s);
+                    rc = wait_step(op, &w, core, s, what);
+                }
+                if (rc) return rc;
+                int64_t off = b * g->tff_payload, len = g->row_bytes - off;
+                if (len > g->tff_payload) len = g->tff_payload;
+                copy_fast(dst + off, blk, len);
+            }
+            (void)rank_;
+        });
+    }
+    (void)reg;
+    return 0;
+}
+
+static int ph_d_receive(op_t *op, int core) {
+    engine_t *g = op->g;
+    const int R = g->R, L = g->L;
+    int64_t *rx_base = g->rx_base + (int64_t)core * R * L;
+    int64_t *rx_ebase = g->rx_ebase + (int64_t)core * L;
+    int64_t n = 0;
+    int rc = recv_bases(op, core, rx_base, rx_ebase, &n);
+    if (rc) return rc;
+    int reg = (int)(op->n % g->nreg);
+    if (core == 0) {
+        op->n_recv = n;
+        for (int el = 0; el < L; el++) {
+            int64_t tot = 0;
+            for (int s = 0; s < R; s++)
+                tot += ((const uint32_t *)(inbox(g, g->rank, s, op->par) + IN_COUNTS))[el];
+            op->o_nrecv[el] = tot;
+        }
+        g->region_rows[reg] = n;
+    }
+    for (int s = core; s < R; s += g->C) {
+        if ((rc = recv_metadata(op, core, s, rx_base))) return rc;
+        if (s == g->rank) continue;
+        if (ld_rlx(inbox(g, g->rank, s, op->par) + IN_ROWS) == 0) continue;
+        rc = recv_wait_source(op, core, s, rx_base, reg, land(g, g->rank, reg),
+                              outreg(g, g->rank, reg));
+        if (rc) return rc;
+    }
+    return 0;
+}
+
+/* --- BSP dispatch: real global barriers between the phases ------------------------------- */
+
+static int barrier_arrive(op_t *op, int core, int phase) {
+    engine_t *g = op->g;
+    store_fence();
+    st_rel(ctrl(g, g->rank, g->off_barrier) + (int64_t)core * 64, op->epoch * 4 + (uint64_t)phase);
+    return 0;
+}
+static int barrier_wait(op_t *op, int core, int phase) {
+    engine_t *g = op->g;
+    uint64_t target = op->epoch * 4 + (uint64_t)phase;
+    for (int q = 0; q < g->R; q++) {
+        for (int c = 0; c < g->C; c++) {
+            waiter_t w;
+            waiter_init(&w);
+            char what[96];
+            while (ld_acq(ctrl(g, q, g->off_barrier) + (int64_t)c * 64) < target) {
+                snprintf(what, sizeof what, "global barrier %d (rank %d core %d)", phase, q, c);
+                int rc = wait_step(op, &w, core, q, what);
+                if (rc) return rc;
+            }
+        }
+    }
+    return 0;
+}
+static int ph_b1_arrive(op_t *op, int core) { return barrier_arrive(op, core, 1); }
+static int ph_b1_wait(op_t *op, int core) { return barrier_wait(op, core, 1); }
+static int ph_b2_arrive(op_t *op, int core) { return barrier_arrive(op, core, 2); }
+static int ph_b2_wait(op_t *op, int core) { return barrier_wait(op, core, 2); }
+
+/* Token-Sending: rows go to the destination's staging partition of this source, at the slot
+ * the sender computes alone (regions partitioned by (source, expert)). Work is split across
+ * cores by unit index; the destination's readiness (its staging area is clean) is checked. */
+static int ph_bsp_send(op_t *op, int core) {
+    engine_t *g = op->g;
+    const int R = g->R, L = g->L;
+    int64_t total = g->u_ptr[R];
+    int64_t lo = total * core / g->C, hi = total * (core + 1) / g->C;
+    int64_t *ready = g->core_ready + (int64_t)core * R;
+    for (int d = 0; d < R; d++) ready[d] = 0;
+    int reg = (int)(op->n % g->nreg);
+    for (int64_t u = lo; u < hi; u++) {
+        int d = g->u_d[u];
+        if (!ready[d]) {
+            waiter_t w;
+            waiter_init(&w);
+            char what[96];
+            while (ld_acq(ctrl(g, d, g->off_recv_ready)) < op->epoch) {
+                snprintf(what, sizeof what, "staging area of rank %d", d);
+                int rc = wait_step(op, &w, core, d, what);
+                if (rc) return rc;
+            }
+            ready[d] = 1;
+        }
+        int64_t slot = g->layout == LAY_EXPERT ? g->my_rank_in_batch[g->u_e[u]] + g->u_slot[u]
+                                               : g->u_slot[u];
+        int64_t pos = (int64_t)g->rank * g->cap_src_rows + slot;
+        const uint8_t *src = op->x + (int64_t)g->u_t[u] * g->row_bytes;
+        uint8_t *slotp = land(g, d, reg) + pos * g->slot_bytes;
+        if (g->sync == SYNC_TFF) {
+            for (int64_t b = 0; b < g->tff_nblocks; b++) {
+                int64_t off = b * g->tff_payload, len = g->row_bytes - off;
+                if (len > g->tff_payload) len = g->tff_payload;
+                uint8_t *blk = slotp + b * g->tff_block;
+                copy_elem(blk, src + off, len);
+                if (len < g->tff_payload) memset(blk + len, 0, (size_t)(g->tff_payload - len));
+                if (g->tff_flag > 8) memset(blk + g->tff_payload + 8, 0, (size_t)(g->tff_flag - 8));
+                st_rel(blk + g->tff_payload, op->epoch);
+            }
+        } else if (g->sync == SYNC_SP) {
+            copy_elem(slotp, src, g->row_bytes);
+        } else {
+            copy_fast(slotp, src, g->row_bytes);
+        }
+        (void)L;
+    }
+    return 0;
+}
+
+/* SendFlag & TokenCnt: counts, SW flag, DC checksum (over the staged rows, slot order) */
+static int ph_bsp_flags(op_t *op, int core) {
+    engine_t *g = op->g;
+    const int R = g->R, L = g->L;
+    int reg = (int)(op->n % g->nreg);
+    for (int d = core; d < R; d += g->C) {
+        uint8_t *ib = inbox(g, d, g->rank, op->par);
+        uint32_t *c = (uint32_t *)(ib + IN_COUNTS);
+        for (int el = 0; el < L; el++) c[el] = (uint32_t)g->cnt[d * L + el];
+        st_rlx(ib + IN_ROWS, (uint64_t)g->rows_to[d]);
+        if (g->sync == SYNC_SW) {
+            st_rlx(ib + IN_SW_COUNT, (uint64_t)g->rows_to[d]);
+            st_rel(ib + IN_SW_EPOCH, op->epoch);
+        } else if (g->sync == SYNC_DC) {
+            uint64_t s1 = 0, s2 = 0;
+            int64_t W = (g->row_bytes + 7) / 8;
+            uint8_t *part = land(g, d, reg) + (int64_t)g->rank * g->cap_src_rows * g->slot_bytes;
+            for (int64_t i = 0; i < g->rows_to[d]; i++) {
+                uint64_t A, B;
+                dc_row_sums(part + i * g->slot_bytes, g->row_bytes, &A, &B);
+                s1 += A;
+                s2 += (uint64_t)i * (uint64_t)W * A + B;
+            }
+            st_rlx(ib + IN_DC_COUNT, (uint64_t)g->rows_to[d]);
+            st_rlx(ib + IN_DC_SUM, dc_finish(s1, s2, op->epoch));
+            st_rel(ib + IN_DC_EPOCH, op->epoch);
+        }
+        st_rel(ib + IN_COUNTS_EPOCH, op->epoch);
+    }
+    return 0;
+}
+
+/* Verification: every core polls a subset of the sources' flags / data */
+static int ph_bsp_verify(op_t *op, int core) {
+    engine_t *g = op->g;
+    const int R = g->R;
+    int reg = (int)(op->n % g->nreg);
+    for (int s = core; s < R; s += g->C) {
+        uint8_t *ib = inbox(g, g->rank, s, op->par);
+        waiter_t w;
+        waiter_init(&w);
+        char what[96];
+        while (ld_acq(ib + IN_COUNTS_EPOCH) != op->epoch) {
+            snprintf(what, sizeof what, "the flag and counts of rank %d", s);
+            int rc = wait_step(op, &w, core, s, what);
+            if (rc) return rc;
+        }
+        int64_t n = (int64_t)ld_rlx(ib + IN_ROWS);
+        if (n > g->cap_src_rows)
+            return op_error(op, E_INTERNAL, core, s, "rank %d announced %lld rows", s,
+                            (long long)n);
+        uint8_t *part = land(g, g->rank, reg) + (int64_t)s * g->cap_src_rows * g->slot_bytes;
+        int ok = 1;
+        if (g->sync == SYNC_SW) {
+            ok = ld_acq(ib + IN_SW_EPOCH) == op->epoch && (int64_t)ld_rlx(ib + IN_SW_COUNT) == n;
+        } else if (g->sync == SYNC_DC) {
+            uint64_t s1 = 0, s2 = 0;
+            int64_t W = (g->row_bytes + 7) / 8;
+            for (int64_t i = 0; i < n; i++) {
+                uint64_t A, B;
+                dc_row_sums(part + i * g->slot_bytes, g->row_bytes, &A, &B);
+                s1 += A;
+                s2 += (uint64_t)i * (uint64_t)W * A + B;
+            }
+            ok = ld_acq(ib + IN_DC_EPOCH) == op->epoch && (int64_t)ld_rlx(ib + IN_DC_COUNT) == n &&
+                 ld_rlx(ib + IN_DC_SUM) == dc_finish(s1, s2, op->epoch);
+        } else if (g->sync == SYNC_SP) {
+            for (int64_t i = 0; i < n && ok; i++)
+                ok = !has_pattern(part + i * g->slot_bytes, g->row_bytes, g->isz, g->sentinel);
+        } else {
+            for (int64_t i = 0; i < n && ok; i++)
+                for (int64_t b = 0; b < g->tff_nblocks && ok; b++)
+                    ok = ld_acq(part + i * g->slot_bytes + b * g->tff_block + g->tff_payload) ==
+                         op->epoch;
+        }
+        if (!ok)
+            return op_error(op, E_INTERNAL, core, s, "verification of rank %d's rows failed after "
+                            "the barrier", s);
+    }
+    return 0;
+}
+
+/* CalCumSum + Token-Reordering: copy staged rows to their final position, fill metadata */
+static int ph_bsp_reorder(op_t *op, int core) {
+    engine_t *g = op->g;
+    const int R = g->R, L = g->L;
+    int64_t *rx_base = g->rx_base + (int64_t)core * R * L;
+    int64_t *rx_ebase = g->rx_ebase + (int64_t)core * L;
+    int64_t n = 0;
+    int rc = recv_bases(op, core, rx_base, rx_ebase, &n);
+    if (rc) return rc;
+    int reg = (int)(op->n % g->nreg);
+    if (core == 0) {
+        op->n_recv = n;
+        for (int el = 0; el < L; el++) {
+            int64_t tot = 0;
+            for (int s = 0; s < R; s++)
+                tot += ((const uint32_t *)(inbox(g, g->rank, s, op->par) + IN_COUNTS))[el];
+            op->o_nrecv[el] = tot;
+        }
+    }
+    uint8_t *stage = land(g, g->rank, reg), *out = outreg(g, g->rank, reg);
+    for (int s = core; s < R; s += g->C) {
+        if ((rc = recv_metadata(op, core, s, rx_base))) return rc;
+        uint8_t *part = stage + (int64_t)s * g->cap_src_rows * g->slot_bytes;
+        FOR_SOURCE_ROWS(g, op, s, rx_base, pos, rank_, {
+            const uint8_t *slot = part + rank_ * g->slot_bytes;
+            uint8_t *dst = out + pos * g->out_stride;
+            if (g->sync == SYNC_TFF) {
+                for (int64_t b = 0; b < g->tff_nblocks; b++) {
+                    int64_t off = b * g->tff_payload, len = g->row_bytes - off;
+                    if (len > g->tff_payload) len = g->tff_payload;
+                    copy_fast(dst + off, slot + b * g->tff_block, len);
+                }
+            } else {
+                copy_fast(dst, slot, g->row_bytes);
+            }
+        });
+    }
+    return 0;
+}
+
+/* send_dst_row of the BSP path: final positions, computed once the counts are known */
+static int ph_bsp_dst_rows(op_t *op, int core) {
+    engine_t *g = op->g;
+    const int R = g->R, L = g->L;
+    int64_t *bases = g->core_base + (int64_t)core * R * L;
+    for (int d = 0; d < R; d++) {
+        int rc = compute_bases(op, core, d, g->rank, bases + (int64_t)d * L);
+        if (rc) return rc;
+    }
+    for (int64_t u = 0; u < g->u_ptr[R]; u++) {
+        int d = g->u_d[u];
+        int64_t pos = unit_pos(g, bases + (int64_t)d * L, g->u_e[u], g->u_slot[u]);
+        if (g->layout == LAY_EXPERT) op->o_dst_row[(int64_t)g->u_t[u] * g->K + g->u_k[u]] = pos;
+        else op->o_dst_row[(int64_t)g->u_t[u] * g->R + d] = pos;
+    }
+    return 0;
+}
+
+static int ph_bsp_prepare(op_t *op, int core) {
+    (void)core;
+    int rc = dispatch_validate(op);
+    if (rc) return rc;
+    st_rlx(ctrl(op->g, op->g->rank, op->g->off_entered), op->epoch);
+    if ((rc = wait_peers_done(op, op->epoch >= 2 ? op->epoch - 2 : 0, 0))) return rc;
+    reset_send_state(op);
+    return dispatch_publish(op);
+}
+
+static const phase_t ASP_DISPATCH[] = {
+    {ph_d_prepare, 0, 1},
+    {ph_d_send, 1, 0},
+    {ph_d_receive, 1, 0},
+};
+static const phase_t BSP_DISPATCH[] = {
+    {ph_bsp_prepare, 0, 1},  /* Init */
+    {ph_bsp_send, 1, 1},     /* Token-Sending */
+    {ph_b1_arrive, 1, 1},    /* SyncAll */
+    {ph_b1_wait, 1, 1},
+    {ph_bsp_flags, 1, 1},    /* SendFlag & TokenCnt */
+    {ph_bsp_verify, 1, 1},   /* Verification */
+    {ph_b2_arrive, 1, 1},    /* SyncAll */
+    {ph_b2_wait, 1, 1},
+    {ph_bsp_reorder, 1, 1},  /* CalCumSum + Token-Reordering */
+    {ph_bsp_dst_rows, 0, 0},
+};
+
+/* ---------------------------------------------------------------------------------------- */
+/* combine                                                                                   */
+
+static int ph_c_prepare(op_t *op, int core) {
+    engine_t *g = op->g;
+    (void)core;
+    st_rlx(ctrl(g, g->rank, g->off_entered), op->epoch);
+    int rc = wait_peers_done(op, op->epoch >= 2 ? op->epoch - 2 : 0, 0);
+    if (rc) return rc;
+    if (!op->zero_copy) {
+        /* the region's previous readers must be done before it is overwritten */
+        if ((rc = wait_peers_done(op, g->comb_last_epoch[op->creg], 0))) return rc;
+        g->comb_last_epoch[op->creg] = op->epoch;
+    }
+    return 0;
+}
+
+static int ph_c_copy(op_t *op, int core) {
+    engine_t *g = op->g;
+    if (op->zero_copy) return 0;
+    int64_t lo = op->eo_rows * core / g->C, hi = op->eo_rows * (core + 1) / g->C;
+    uint8_t *dst = g->base[g->rank] + op->eo_off;
+    if (lo < hi)
+        copy_fast(dst + lo * g->crow_bytes, op->eo + lo * g->crow_bytes, (hi - lo) * g->crow_bytes);
+    return 0;
+}
+
+static int ph_c_publish(op_t *op, int core) {
+    engine_t *g = op->g;
+    (void)core;
+    uint8_t *ci = comb_info(g, g->rank, op->par);
+    store_fence();
+    st_rlx(ci + CI_OFF, (uint64_t)op->eo_off);
+    st_rlx(ci + CI_ROWS, (uint64_t)op->eo_rows);
+    st_rlx(ci + CI_STRIDE, (uint64_t)g->crow_bytes);
+    st_rel(ci + CI_EPOCH, op->epoch);
+    for (int c = 0; c < 2; c++) {
+        int64_t lo = g->off_comb + c * g->comb_bytes;
+        if (op->eo_off >= lo && op->eo_off < lo + g->comb_bytes) g->comb_last_epoch[c] = op->epoch;
+    }
+    return 0;
+}
+
+static int ph_cb_arrive(op_t *op, int core) { return barrier_arrive(op, core, 3); }
+static int ph_cb_wait(op_t *op, int core) { return barrier_wait(op, core, 3); }
+
+static int ph_c_reduce(op_t *op, int core) {
+    engine_t *g = op->g;
+    const int R = g->R, K = g->K, L = g->L;
+    int64_t *coff = g->ci_off + (int64_t)core * R, *crows = g->ci_rows + (int64_t)core * R;
+    /* every peer's expert outputs: wait for them (ASP) / verify them (BSP) */
+    for (int q = 0; q < R; q++) {
+        uint8_t *ci = comb_info(g, q, op->par);
+        waiter_t w;
+        waiter_init(&w);
+        char what[96];
+        while (ld_acq(ci + CI_EPOCH) != op->epoch) {
+            if (g->eng == ENG_BSP)
+                return op_error(op, E_INTERNAL, core, q, "rank %d's expert outputs missing "
+                                "after the barrier", q);
+            snprintf(what, sizeof what, "the expert outputs of rank %d", q);
+            int rc = wait_step(op, &w, core, q, what);
+            if (rc) return rc;
+        }
+        uint64_t off = ld_rlx(ci + CI_OFF), rows = ld_rlx(ci + CI_ROWS);
+        uint64_t stride = ld_rlx(ci + CI_STRIDE);
+        if (stride != (uint64_t)g->crow_bytes || rows > (uint64_t)g->cap_rows ||
+            off < 256 || off + rows * stride > (uint64_t)g->seg_size)
+            return op_error(op, E_INTERNAL, core, q, "rank %d published expert outputs outside "
+                            "its segment", q);
+        coff[q] = (int64_t)off;
+        crows[q] = (int64_t)rows;
+    }
+    float *acc = g->acc + (int64_t)core * align_up(g->hidden, 16);
+    const int cd = g->cdt;
+    int64_t lo = op->h_ntok * core / g->C, hi = op->h_ntok * (core + 1) / g->C;
+    for (int64_t t = lo; t < hi; t++) {
+        memset(acc, 0, sizeof(float) * (size_t)g->hidden);
+        if (g->layout == LAY_EXPERT) {
+            for (int k = 0; k < K; k++) {
+                int64_t e = op->h_idx[t * K + k];
+                if (e < 0) continue;
+                if (e >= g->E)
+                    return op_error(op, E_INTERNAL, core, -1, "handle names expert %lld",
+                                    (long long)e);
+                int d = (int)(e / L);
+                int64_t pos = op->h_dst_row[t * K + k];
+                if (pos < 0 || pos >= crows[d])
+                    return op_error(op, E_INTERNAL, core, d, "handle row %lld outside rank %d's "
+                                    "%lld expert outputs", (long long)pos, d, (long long)crows[d]);
+                ACCW[cd](acc, g->base[d] + coff[d] + pos * g->crow_bytes, op->h_w[t * K + k],
+                         g->hidden);
+            }
+        } else {
+            for (int d = 0; d < R; d++) {
+                int64_t pos = op->h_dst_row[t * R + d];
+                if (pos < 0) continue;
+                if (pos >= crows[d])
+                    return op_error(op, E_INTERNAL, core, d, "handle row %lld outside rank %d's "
+                                    "%lld expert outputs", (long long)pos, d, (long long)crows[d]);
+                ACC1[cd](acc, g->base[d] + coff[d] + pos * g->crow_bytes, g->hidden);
+            }
+        }
+        OUTF[cd](op->y + t * (int64_t)g->hidden * g->cisz, acc, g->hidden);
+    }
+    return 0;
+}
+
+static const phase_t ASP_COMBINE[] = {
+    {ph_c_prepare, 0, 1},
+    {ph_c_copy, 1, 1},
+    {ph_c_publish, 0, 1},
+    {ph_c_reduce, 1, 0},
+};
+static const phase_t BSP_COMBINE[] = {
+    {ph_c_prepare, 0, 1},
+    {ph_c_copy, 1, 1},
+    {ph_c_publish, 0, 1},
+    {ph_cb_arrive, 1, 1},
+    {ph_cb_wait, 1, 1},
+    {ph_c_reduce, 1, 0},
+};
+
+/* ---------------------------------------------------------------------------------------- */
+/* end of an operation: progress word, failure notice, SP reset scheduling                   */
+
+static void publish_failure(engine_t *g, uint64_t epoch, const char *msg) {
+    uint8_t *f = fail_block(g, g->rank, epoch);
+    size_t len = strlen(msg);
+    if (len > FAIL_MSG_MAX) len = FAIL_MSG_MAX;
+    memcpy(f + FAIL_MSG, msg, len);
+    st_rlx(f + FAIL_LEN, len);
+    st_rel(f + FAIL_EPOCH, epoch);
+}
+
+static void format_error(op_t *op, char *buf, size_t n) {
+    switch (atomic_load(&op->err)) {
+    case E_BAD_INPUT:
+        snprintf(buf, n, "rank %d: bad input: %s=%s: %s", op->g->rank, op->arg, op->msg, op->what);
+        break;
+    case E_REMOTE: snprintf(buf, n, "rank %d saw rank %d fail: %s", op->g->rank, op->err_peer,
+                            op->msg); break;
+    default: snprintf(buf, n, "%s", op->what); break;
+    }
+}
+
+static void finish_op(op_t *op) {
+    engine_t *g = op->g;
+    int err = atomic_load(&op->err);
+    if (err) {
+        char buf[MAX_MSG];
+        format_error(op, buf, sizeof buf);
+        publish_failure(g, op->epoch, buf);
+    }
+    if (op->kind == 0 && g->sync == SYNC_SP) {
+        int reg = (int)(op->n % g->nreg);
+        if (err && op->published_ready) {
+            /* peers may have written anywhere in the region: reset all of it before reuse */
+            g->region_rows[reg] = g->cap_rows;
+        }
+        if (g->eng == ENG_ASP) {
+            /* the view of dispatch n-2 has expired: reset its region for dispatch n+1 */
+            if (op->n >= 2) {
+                int old = (int)((op->n - 2) % g->nreg);
+                g->jr_n[old] = 1;
+                g->jr_start[old * g->R] = 0;
+                g->jr_len[old * g->R] = g->region_rows[old];
+                janitor_enqueue(g, old, g->region_epoch[old]);
+            }
+        } else {
+            /* staging of this call: each source's partition */
+            int n = 0;
+            for (int s = 0; s < g->R; s++) {
+                int64_t rows = err ? g->cap_src_rows
+                                   : (int64_t)ld_rlx(inbox(g, g->rank, s, op->par) + IN_ROWS);
+                if (err && !op->published_ready) rows = 0;
+                g->jr_start[reg * g->R + n] = (int64_t)s * g->cap_src_rows;
+                g->jr_len[reg * g->R + n] = rows;
+                n++;
+            }
+            g->jr_n[reg] = n;
+            janitor_enqueue(g, reg, op->epoch);
+        }
+    }
+    st_rel(ctrl(g, g->rank, g->off_done), op->epoch);
+}
+
+static PyObject *error_tuple(op_t *op) {
+    int err = atomic_load(&op->err);
+    char buf[MAX_MSG];
+    format_error(op, buf, sizeof buf);
+    return Py_BuildValue("(iiisss)", err, op->err_peer, op->err_core, op->arg, op->what,
+                         err == E_REMOTE || err == E_BAD_INPUT ? op->msg : buf);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Python type                                                                               */
+
+static int get_i64(PyObject *d, const char *key, int64_t *out) {
+    PyObject *v = PyDict_GetItemString(d, key);
+    if (!v) {
+        PyErr_Format(PyExc_KeyError, "engine parameter %s missing", key);
+        return -1;
+    }
+    long long x = PyLong_AsLongLong(v);
+    if (x == -1 && PyErr_Occurred()) return -1;
+    *out = x;
+    return 0;
+}
+
+static void engine_free_scratch(engine_t *g) {
+    free(g->base); free(g->pids); free(g->starts);
+    free(g->cnt); free(g->units_to); free(g->rows_to);
+    free(g->u_t); free(g->u_k); free(g->u_e); free(g->u_d); free(g->u_slot); free(g->u_ptr);
+    free(g->my_rank_in_batch); free((void *)g->remaining); free((void *)g->dc_s1);
+    free((void *)g->dc_s2); free(g->core_base); free(g->core_ready); free(g->rx_base);
+    free(g->rx_ebase); free(g->acc); free(g->ci_off); free(g->ci_rows); free(g->ci_stride);
+    free(g->region_epoch); free(g->region_rows); free((void *)g->jstate); free(g->jr_start);
+    free(g->jr_len); free(g->jr_n); free(g->jpre); free(g->threads);
+    g->base = NULL;
+}
+
+static void engine_stop(engine_t *g) {
+    atomic_store(&g->stopping, 1);
+    if (g->nthreads_started) {
+        atomic_fetch_add(&g->job_gen, 1);
+        futex_wake(&g->job_gen, INT32_MAX);
+        for (int c = 1; c <= g->nthreads_started; c++) pthread_join(g->threads[c], NULL);
+        g->nthreads_started = 0;
+    }
+    if (g->janitor_started) {
+        atomic_fetch_add(&g->jgen, 1);
+        futex_wake(&g->jgen, 1);
+        pthread_join(g->janitor, NULL);
+        g->janitor_started = 0;
+    }
+}
+
+static void engine_dealloc(engine_t *g) {
+    Py_BEGIN_ALLOW_THREADS
+    engine_stop(g);
+    Py_END_ALLOW_THREADS
+    engine_free_scratch(g);
+    Py_TYPE(g)->tp_free((PyObject *)g);
+}
+
+static int engine_init(engine_t *g, PyObject *args, PyObject *kwds) {
+    PyObject *p, *bases, *pids, *starts;
+    (void)kwds;
+    if (!PyArg_ParseTuple(args, "O!OOO", &PyDict_Type, &p, &bases, &pids, &starts)) return -1;
+    int64_t v[64];
+    static const char *keys[] = {
+        "rank", "num_ranks", "num_cores", "num_experts", "num_local_experts", "num_topk",
+        "max_tokens", "hidden", "itemsize", "dtype", "combine_dtype", "combine_itemsize",
+        "sync", "engine", "layout", "num_regions", "threaded", "cap_rows", "cap_src_rows",
+        "row_bytes", "slot_bytes", "out_stride", "combine_row_bytes", "tff_block_bytes",
+        "tff_flag_bytes", "sentinel", "off_fail", "off_entered", "off_done", "off_recv_ready",
+        "off_comb_info", "off_barrier", "off_inbox", "inbox_bytes", "off_route", "route_stride",
+        "route_w_off", "off_land", "land_bytes", "off_out", "out_bytes", "off_comb", "comb_bytes",
+        "seg_size", "timeout_ns", NULL};
+    int nk = 0;
+    for (; keys[nk]; nk++)
+        if (get_i64(p, keys[nk], &v[nk])) return -1;
+    int i = 0;
+    g->rank = (int)v[i++]; g->R = (int)v[i++]; g->C = (int)v[i++]; g->E = (int)v[i++];
+    g->L = (int)v[i++]; g->K = (int)v[i++]; g->T = (int)v[i++]; g->hidden = (int)v[i++];
+    g->isz = (int)v[i++]; g->dt = (int)v[i++]; g->cdt = (int)v[i++]; g->cisz = (int)v[i++];
+    g->sync = (int)v[i++]; g->eng = (int)v[i++]; g->layout = (int)v[i++]; g->nreg = (int)v[i++];
+    g->threaded = (int)v[i++]; g->cap_rows = v[i++]; g->cap_src_rows = v[i++];
+    g->row_bytes = v[i++]; g->slot_bytes = v[i++]; g->out_stride = v[i++];
+    g->crow_bytes = v[i++]; g->tff_block = v[i++]; g->tff_flag = v[i++];
+    g->sentinel = (uint64_t)v[i++]; g->off_fail = v[i++]; g->off_entered = v[i++];
+    g->off_done = v[i++]; g->off_recv_ready = v[i++]; g->off_comb_info = v[i++];
+    g->off_barrier = v[i++]; g->off_inbox = v[i++]; g->inbox_bytes = v[i++];
+    g->off_route = v[i++]; g->route_stride = v[i++]; g->route_w_off = v[i++];
+    g->off_land = v[i++]; g->land_bytes = v[i++]; g->off_out = v[i++]; g->out_bytes = v[i++];
+    g->off_comb = v[i++]; g->comb_bytes = v[i++]; g->seg_size = v[i++]; g->timeout_ns = v[i++];
+    if (g->R < 1 || g->R > 64 || g->C < 1 || g->C > 256 || g->L < 1 || g->K < 1 ||
+        g->cdt < 0 || g->cdt > 2 || g->rank < 0 || g->rank >= g->R) {
+        PyErr_SetString(PyExc_ValueError, "engine: parameters out of range (num_ranks <= 64)");
+        return -1;
+    }
+    g->tff_payload = g->tff_block - g->tff_flag;
+    g->tff_nblocks = g->tff_payload > 0 ? (g->row_bytes + g->tff_payload - 1) / g->tff_payload : 0;
+    if (!PySequence_Check(bases) || PySequence_Size(bases) != g->R || PySequence_Size(pids) != g->R ||
+        PySequence_Size(starts) != g->R) {
+        PyErr_SetString(PyExc_ValueError, "engine: bases/pids/starts need one entry per rank");
+        return -1;
+    }
+    const int R = g->R, C = g->C, L = g->L, E = g->E;
+    const int64_t TK = (int64_t)g->T * g->K + 1;
+    g->base = calloc((size_t)R, sizeof(uint8_t *));
+    g->pids = calloc((size_t)R, sizeof(int));
+    g->starts = calloc((size_t)R, sizeof(unsigned long long));
+    g->cnt = calloc((size_t)E, sizeof(int64_t));
+    g->units_to = calloc((size_t)R, sizeof(int64_t));
+    g->rows_to = calloc((size_t)R, sizeof(int64_t));
+    g->u_t = calloc((size_t)TK, 4); g->u_k = calloc((size_t)TK, 4);
+    g->u_e = calloc((size_t)TK, 4); g->u_d = calloc((size_t)TK, 4);
+    g->u_slot = calloc((size_t)TK, 8);
+    g->u_ptr = calloc((size_t)R + 1, sizeof(int64_t));
+    g->my_rank_in_batch = calloc((size_t)E, sizeof(int64_t));
+    g->remaining = calloc((size_t)R, sizeof(int64_t));
+    g->dc_s1 = calloc((size_t)R, sizeof(uint64_t));
+    g->dc_s2 = calloc((size_t)R, sizeof(uint64_t));
+    int64_t big = (int64_t)R * L > E ? (int64_t)R * L : E;
+    g->core_base = calloc((size_t)(C * big + R), sizeof(int64_t));
+    g->core_ready = calloc((size_t)C * R, sizeof(int64_t));
+    g->rx_base = calloc((size_t)(C * big + R), sizeof(int64_t));
+    g->rx_ebase = calloc((size_t)C * L, sizeof(int64_t));
+    g->acc = aligned_alloc(64, (size_t)align_up((int64_t)C * align_up(g->hidden, 16) * 4, 64));
+    g->ci_off = calloc((size_t)C * R, 8); g->ci_rows = calloc((size_t)C * R, 8);
+    g->ci_stride = calloc((size_t)C * R, 8);
+    g->region_epoch = calloc((size_t)g->nreg, 8); g->region_rows = calloc((size_t)g->nreg, 8);
+    g->jstate = calloc((size_t)g->nreg, sizeof(int));
+    g->jr_start = calloc((size_t)g->nreg * R, 8); g->jr_len = calloc((size_t)g->nreg * R, 8);
+    g->jr_n = calloc((size_t)g->nreg, sizeof(int)); g->jpre = calloc((size_t)g->nreg, 8);
+    if (!g->base || !g->pids || !g->starts || !g->cnt || !g->u_t || !g->u_k || !g->u_e ||
+        !g->u_d || !g->u_slot || !g->core_base || !g->rx_base || !g->acc || !g->jstate ||
+        !g->jr_start || !g->jr_len || !g->jr_n || !g->jpre || !g->ci_off || !g->rx_ebase) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (int r = 0; r < R; r++) {
+        PyObject *b = PySequence_GetItem(bases, r), *pi = PySequence_GetItem(pids, r),
+                 *st = PySequence_GetItem(starts, r);
+        if (!b || !pi || !st) { Py_XDECREF(b); Py_XDECREF(pi); Py_XDECREF(st); return -1; }
+        g->base[r] = (uint8_t *)PyLong_AsVoidPtr(b);
+        g->pids[r] = (int)PyLong_AsLong(pi);
+        g->starts[r] = PyLong_AsUnsignedLongLong(st);
+        Py_DECREF(b); Py_DECREF(pi); Py_DECREF(st);
+        if (PyErr_Occurred()) return -1;
+    }
+    if (start_threads(g)) {
+        PyErr_SetString(PyExc_OSError, "engine: could not start worker threads");
+        return -1;
+    }
+    return 0;
+}
+
+typedef struct {
+    Py_buffer b;
+    int held;
+} pbuf_t;
+
+static int get_buf(PyObject *o, pbuf_t *pb, int writable, const char *name, int64_t min_bytes) {
+    pb->held = 0;
+    if (PyObject_GetBuffer(o, &pb->b, (writable ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Format(PyExc_ValueError, "%s must be a C-contiguous%s buffer", name,
+                     writable ? " writable" : "");
+        return -1;
+    }
+    pb->held = 1;
+    if (pb->b.len < min_bytes) {
+        PyErr_Format(PyExc_ValueError, "%s holds %zd bytes, needs %lld", name, pb->b.len,
+                     (long long)min_bytes);
+        return -1;
+    }
+    return 0;
+}
+static void rel_bufs(pbuf_t *b, int n) {
+    for (int i = 0; i < n; i++)
+        if (b[i].held) PyBuffer_Release(&b[i].b);
+}
+
+static void op_init(op_t *op, engine_t *g, int kind, uint64_t epoch) {
+    memset(op, 0, sizeof *op);
+    op->g = g;
+    op->kind = kind;
+    op->epoch = epoch;
+    op->par = (int)(epoch & 1);
+    op->deadline = now_ns() + g->timeout_ns;
+    op->err_peer = -1;
+}
+
+/* dispatch(x, topk_idx, topk_weights, epoch, n, o_idx, o_w, o_src_rank, o_src_tok, o_src_k,
+ *          o_nrecv, o_dst_row, plan) -> int n_recv | error tuple */
+static PyObject *engine_dispatch(engine_t *g, PyObject *args) {
+    PyObject *ox, *oidx, *ow, *o1, *o2, *o3, *o4, *o5, *o6, *o7, *plan;
+    unsigned long long epoch;
+    long long n, ntok;
+    if (!PyArg_ParseTuple(args, "OOOLKLOOOOOOOO", &ox, &oidx, &ow, &ntok, &epoch, &n, &o1, &o2, &o3,
+                          &o4, &o5, &o6, &o7, &plan))
+        return NULL;
+    if (g->in_use) {
+        PyErr_SetString(PyExc_RuntimeError, "engine: another call is in progress on this buffer");
+        return NULL;
+    }
+    const int K = g->K;
+    pbuf_t b[16];
+    memset(b, 0, sizeof b);
+    int64_t nrows = g->cap_rows;
+    int64_t dst_w = g->layout == LAY_EXPERT ? K : g->R;
+    int64_t meta_w = g->layout == LAY_EXPERT ? 1 : K;
+    if (ntok < 0 || ntok > g->T) {
+        PyErr_SetString(PyExc_ValueError, "engine: num_tokens out of range");
+        return NULL;
+    }
+    if (get_buf(ox, &b[0], 0, "x", ntok * g->row_bytes) ||
+        get_buf(oidx, &b[1], 0, "topk_idx", ntok * K * 8) ||
+        get_buf(ow, &b[2], 0, "topk_weights", ntok * K * 4) ||
+        get_buf(o1, &b[3], 1, "recv_topk_idx", nrows * meta_w * 8) ||
+        get_buf(o2, &b[4], 1, "recv_topk_weights", nrows * meta_w * 4) ||
+        get_buf(o3, &b[5], 1, "recv_src_rank", nrows * 8) ||
+        get_buf(o4, &b[6], 1, "recv_src_token", nrows * 8) ||
+        get_buf(o5, &b[7], 1, "recv_src_k", nrows * 8) ||
+        get_buf(o6, &b[8], 1, "num_recv_tokens_per_expert", g->L * 8) ||
+        get_buf(o7, &b[9], 1, "send_dst_row", ntok * dst_w * 8)) {
+        rel_bufs(b, 16);
+        return NULL;
+    }
+    op_t *op = calloc(1, sizeof(op_t));
+    if (!op) { rel_bufs(b, 16); return PyErr_NoMemory(); }
+    op_init(op, g, 0, epoch);
+    op->n = n;
+    op->x = b[0].b.buf; op->ntok = ntok; op->topk = b[1].b.buf; op->w = b[2].b.buf;
+    op->o_idx = b[3].b.buf; op->o_w = b[4].b.buf; op->o_src_rank = b[5].b.buf;
+    op->o_src_tok = b[6].b.buf; op->o_src_k = b[7].b.buf; op->o_nrecv = b[8].b.buf;
+    op->o_dst_row = b[9].b.buf;
+    if (plan != Py_None) {
+        PyObject *pt, *pk, *pe, *pd, *ps, *pp;
+        int pc;
+        if (!PyArg_ParseTuple(plan, "OOOOOOi", &pt, &pk, &pe, &pd, &ps, &pp, &pc)) {
+            rel_bufs(b, 16); free(op); return NULL;
+        }
+        if (get_buf(pp, &b[10], 0, "plan.core_ptr", (int64_t)(pc + 1) * 8)) {
+            rel_bufs(b, 16); free(op); return NULL;
+        }
+        int64_t nu = ((const int64_t *)b[10].b.buf)[pc];
+        if (nu < 0 || nu > ntok * K ||
+            get_buf(pt, &b[11], 0, "plan.send_token", nu * 8) ||
+            get_buf(pk, &b[12], 0, "plan.send_k", nu * 8) ||
+            get_buf(pe, &b[13], 0, "plan.send_expert", nu * 8)) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "plan: bad unit count");
+            rel_bufs(b, 16); free(op); return NULL;
+        }
+        if (get_buf(pd, &b[14], 0, "plan.send_dst_rank", nu * 8) ||
+            get_buf(ps, &b[15], 0, "plan.send_slot", nu * 8)) {
+            rel_bufs(b, 16); free(op); return NULL;
+        }
+        const int64_t *pdst = b[14].b.buf, *pexp = b[13].b.buf;
+        for (int64_t u = 0; u < nu; u++)
+            if (pdst[u] < 0 || pdst[u] >= g->R || pexp[u] < 0 || pexp[u] >= g->E) {
+                rel_bufs(b, 16); free(op);
+                PyErr_SetString(PyExc_ValueError, "plan: destination or expert out of range");
+                return NULL;
+            }
+        op->have_plan = 1; op->plan_cores = pc;
+        op->p_ptr = b[10].b.buf; op->p_t = b[11].b.buf; op->p_k = b[12].b.buf;
+        op->p_e = b[13].b.buf; op->p_d = b[14].b.buf; op->p_slot = b[15].b.buf;
+    }
+    g->in_use = 1;
+    int64_t n_recv;
+    Py_BEGIN_ALLOW_THREADS
+    if (g->eng == ENG_ASP)
+        run_op(op, ASP_DISPATCH, (int)(sizeof ASP_DISPATCH / sizeof ASP_DISPATCH[0]));
+    else
+        run_op(op, BSP_DISPATCH, (int)(sizeof BSP_DISPATCH / sizeof BSP_DISPATCH[0]));
+    finish_op(op);
+    n_recv = op->n_recv;
+    Py_END_ALLOW_THREADS
+    g->in_use = 0;
+    rel_bufs(b, 16);
+    PyObject *res = atomic_load(&op->err) ? error_tuple(op) : PyLong_FromLongLong(n_recv);
+    free(op);
+    return res;
+}
+
+/* combine(expert_out, rows, topk_idx, topk_weights, send_dst_row, ntok, epoch, creg, y)
+ *   -> 0 | error tuple */
+static PyObject *engine_combine(engine_t *g, PyObject *args) {
+    PyObject *oeo, *oidx, *ow, *odr, *oy;
+    long long rows, ntok;
+    unsigned long long epoch;
+    int creg;
+    if (!PyArg_ParseTuple(args, "OLOOOLKiO", &oeo, &rows, &oidx, &ow, &odr, &ntok, &epoch, &creg,
+                          &oy))
+        return NULL;
+    if (g->in_use) {
+        PyErr_SetString(PyExc_RuntimeError, "engine: another call is in progress on this buffer");
+        return NULL;
+    }
+    const int K = g->K;
+    int64_t dst_w = g->layout == LAY_EXPERT ? K : g->R;
+    pbuf_t b[5];
+    memset(b, 0, sizeof b);
+    if (rows < 0 || rows > g->cap_rows || ntok < 0 || ntok > g->T || creg < 0 || creg > 1) {
+        PyErr_SetString(PyExc_ValueError, "engine: combine sizes out of range");
+        return NULL;
+    }
+    if (get_buf(oeo, &b[0], 0, "expert_out", rows * g->crow_bytes) ||
+        get_buf(oidx, &b[1], 0, "handle.topk_idx", ntok * K * 8) ||
+        get_buf(ow, &b[2], 0, "handle.topk_weights", ntok * K * 4) ||
+        get_buf(odr, &b[3], 0, "handle.send_dst_row", ntok * dst_w * 8) ||
+        get_buf(oy, &b[4], 1, "y", ntok * g->hidden * g->cisz)) {
+        rel_bufs(b, 5);
+        return NULL;
+    }
+    op_t *op = calloc(1, sizeof(op_t));
+    if (!op) { rel_bufs(b, 5); return PyErr_NoMemory(); }
+    op_init(op, g, 1, epoch);
+    op->eo = b[0].b.buf;
+    op->eo_rows = rows;
+    op->creg = creg;
+    uintptr_t mine = (uintptr_t)g->base[g->rank], at = (uintptr_t)op->eo;
+    if (at >= mine + 256 && at + (uint64_t)rows * g->crow_bytes <= mine + (uint64_t)g->seg_size) {
+        op->zero_copy = 1; /* the expert outputs already live in this rank's segment */
+        op->eo_off = (int64_t)(at - mine);
+    } else {
+        op->eo_off = g->off_comb + (int64_t)creg * g->comb_bytes;
+    }
+    op->h_idx = b[1].b.buf; op->h_w = b[2].b.buf; op->h_dst_row = b[3].b.buf; op->h_ntok = ntok;
+    op->y = b[4].b.buf;
+    g->in_use = 1;
+    Py_BEGIN_ALLOW_THREADS
+    if (g->eng == ENG_ASP) run_op(op, ASP_COMBINE, (int)(sizeof ASP_COMBINE / sizeof ASP_COMBINE[0]));
+    else run_op(op, BSP_COMBINE, (int)(sizeof BSP_COMBINE / sizeof BSP_COMBINE[0]));
+    finish_op(op);
+    Py_END_ALLOW_THREADS
+    g->in_use = 0;
+    rel_bufs(b, 5);
+    PyObject *res = atomic_load(&op->err) ? error_tuple(op) : PyLong_FromLong(op->zero_copy);
+    free(op);
+    return res;
+}
+
+/* fail(epoch, message): a call rejected before the native code ran (Python-side validation) */
+static PyObject *engine_fail(engine_t *g, PyObject *args) {
+    unsigned long long epoch;
+    const char *msg;
+    if (!PyArg_ParseTuple(args, "Ks", &epoch, &msg)) return NULL;
+    publish_failure(g, epoch, msg);
+    st_rel(ctrl(g, g->rank, g->off_done), epoch);
+    Py_RETURN_NONE;
+}
+
+/* wait_done(epoch, timeout_s) -> 0 | error tuple: every peer has finished call `epoch` */
+static PyObject *engine_wait_done(engine_t *g, PyObject *args) {
+    unsigned long long epoch;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "Kd", &epoch, &timeout)) return NULL;
+    op_t *op = calloc(1, sizeof(op_t));
+    if (!op) return PyErr_NoMemory();
+    op_init(op, g, 2, epoch); /* kind 2: waits ignore failure notices */
+    op->deadline = now_ns() + (int64_t)(timeout * 1e9);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = wait_peers_done(op, epoch, 0);
+    Py_END_ALLOW_THREADS
+    PyObject *res = rc ? error_tuple(op) : PyLong_FromLong(0);
+    free(op);
+    return res;
+}
+
+/* reset_all(): fill every SP land region with the sentinel (construction) */
+static PyObject *engine_reset_all(engine_t *g, PyObject *noargs) {
+    (void)noargs;
+    if (g->sync != SYNC_SP) Py_RETURN_NONE;
+    Py_BEGIN_ALLOW_THREADS
+    for (int reg = 0; reg < g->nreg; reg++) {
+        g->jr_n[reg] = 1;
+        g->jr_start[reg * g->R] = 0;
+        g->jr_len[reg * g->R] = g->cap_rows;
+        reset_ranges(g, reg);
+        atomic_store(&g->jstate[reg], 0);
+    }
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *engine_comb_last_epoch(engine_t *g, PyObject *args) {
+    int c;
+    if (!PyArg_ParseTuple(args, "i", &c)) return NULL;
+    if (c < 0 || c > 1) { PyErr_SetString(PyExc_ValueError, "region"); return NULL; }
+    return PyLong_FromUnsignedLongLong(g->comb_last_epoch[c]);
+}
+
+static PyObject *engine_close(engine_t *g, PyObject *noargs) {
+    (void)noargs;
+    Py_BEGIN_ALLOW_THREADS
+    engine_stop(g);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef engine_methods[] = {
+    {"dispatch", (PyCFunction)engine_dispatch, METH_VARARGS, "one dispatch (see _native.c)"},
+    {"combine", (PyCFunction)engine_combine, METH_VARARGS, "one combine (see _native.c)"},
+    {"fail", (PyCFunction)engine_fail, METH_VARARGS, "publish a failure notice"},
+    {"wait_done", (PyCFunction)engine_wait_done, METH_VARARGS, "wait for peers' progress"},
+    {"reset_all", (PyCFunction)engine_reset_all, METH_NOARGS, "SP: fill regions with sentinel"},
+    {"comb_last_epoch", (PyCFunction)engine_comb_last_epoch, METH_VARARGS,
+     "epoch of the last combine that used combine region c"},
+    {"close", (PyCFunction)engine_close, METH_NOARGS, "stop worker threads"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject EngineType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "ubep.runtime._native.Engine",
+    .tp_basicsize = sizeof(engine_t),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)engine_init,
+    .tp_dealloc = (destructor)engine_dealloc,
+    .tp_methods = engine_methods,
+    .tp_doc = "Native dispatch/combine engine of one Buffer.",
+};
+
+/* module-level helpers for benchmarks and tests */
+static PyObject *mod_copy(PyObject *self, PyObject *args) {
+    PyObject *od, *os;
+    int which = 0;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OO|i", &od, &os, &which)) return NULL;
+    pbuf_t b[2];
+    memset(b, 0, sizeof b);
+    if (get_buf(od, &b[0], 1, "dst", 0) || get_buf(os, &b[1], 0, "src", 0)) {
+        rel_bufs(b, 2);
+        return NULL;
+    }
+    int64_t n = b[0].b.len < b[1].b.len ? b[0].b.len : b[1].b.len;
+    Py_BEGIN_ALLOW_THREADS
+    (which ? copy_elem : copy_fast)(b[0].b.buf, b[1].b.buf, n);
+    Py_END_ALLOW_THREADS
+    rel_bufs(b, 2);
+    Py_RETURN_NONE;
+}
+
+static PyObject *mod_dc_checksum(PyObject *self, PyObject *args) {
+    PyObject *o;
+    long long row_bytes;
+    unsigned long long epoch;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OLK", &o, &row_bytes, &epoch)) return NULL;
+    pbuf_t b;
+    if (get_buf(o, &b, 0, "rows", 0)) { rel_bufs(&b, 1); return NULL; }
+    if (row_bytes < 1 || b.b.len % row_bytes) {
+        rel_bufs(&b, 1);
+        PyErr_SetString(PyExc_ValueError, "rows: length must be a multiple of row_bytes");
+        return NULL;
+    }
+    uint64_t s1 = 0, s2 = 0, W = (uint64_t)(row_bytes + 7) / 8;
+    for (int64_t i = 0; i < b.b.len / row_bytes; i++) {
+        uint64_t A, B;
+        dc_row_sums((const uint8_t *)b.b.buf + i * row_bytes, row_bytes, &A, &B);
+        s1 += A;
+        s2 += (uint64_t)i * W * A + B;
+    }
+    rel_bufs(&b, 1);
+    return PyLong_FromUnsignedLongLong(dc_finish(s1, s2, epoch));
+}
+
+static PyObject *mod_convert(PyObject *self, PyObject *args) {
+    /* convert(acc_f32, out, dtype): the native float32 -> dtype rounding, for tests */
+    PyObject *oa, *oo;
+    int dt;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOi", &oa, &oo, &dt)) return NULL;
+    if (dt < 0 || dt > 2) { PyErr_SetString(PyExc_ValueError, "dtype code"); return NULL; }
+    pbuf_t b[2];
+    memset(b, 0, sizeof b);
+    if (get_buf(oa, &b[0], 0, "acc", 0) || get_buf(oo, &b[1], 1, "out", 0)) {
+        rel_bufs(b, 2);
+        return NULL;
+    }
+    int64_t n = b[0].b.len / 4;
+    int osz = dt == DT_FP32 ? 4 : 2;
+    if (b[1].b.len < n * osz) { rel_bufs(b, 2); PyErr_SetString(PyExc_ValueError, "out"); return NULL; }
+    OUTF[dt](b[1].b.buf, b[0].b.buf, n);
+    rel_bufs(b, 2);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"copy", mod_copy, METH_VARARGS, "copy(dst, src, element_safe=0): the data plane's copy"},
+    {"dc_checksum", mod_dc_checksum, METH_VARARGS, "dc_checksum(rows, row_bytes, epoch)"},
+    {"convert", mod_convert, METH_VARARGS, "convert(acc_f32, out, dtype_code)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef native_module = {
+    PyModuleDef_HEAD_INIT, "_native", "ubep native data plane (C11).", -1, module_methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    select_kernels();
+    if (PyType_Ready(&EngineType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&native_module);
+    if (!m) return NULL;
+    Py_INCREF(&EngineType);
+    if (PyModule_AddObject(m, "Engine", (PyObject *)&EngineType) < 0) {
+        Py_DECREF(&EngineType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyModule_AddIntConstant(m, "ABI", 1);
+    return m;
+}
