@@ -321,7 +321,7 @@ class Buffer:
             recv,
             torch.from_numpy(recv_idx),
             torch.from_numpy(recv_w),
-            [] if num_worst_tokens else counts,
+            counts,
             new_handle,
             EventOverlap(),
         )
