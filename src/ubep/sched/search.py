@@ -151,24 +151,28 @@ def _search_many(
     window = np.zeros((num, 5), dtype=np.int64)
     window[:, 4] = np.where(at_end, 1, e)
     count = np.zeros((num, 4), dtype=np.int64)
-    rows = np.arange(num)
+    flat_window = window.ravel()
+    flat_count = count.ravel()
+    row5 = np.arange(num, dtype=np.int64) * 5
+    row4 = np.arange(num, dtype=np.int64) * 4
     mult = np.arange(1, 4, dtype=np.int64)
     steps = 0
-    while True:
+    while num:
         lo, hi = window[:, 0], window[:, 4]
         width = hi - lo
-        if num == 0 or width.max() <= 1:
+        if width.max() <= 1:
             break
         # Finished windows (width 1) clamp every pivot to R, whose count exceeds the target, so
         # they pick quadrant 1 and keep [L, L+1]: all targets can share the same rounds.
-        np.minimum(lo[:, None] + ((width + 3) // 4)[:, None] * mult, hi[:, None],
+        np.minimum(lo[:, None] + ((width + 3) >> 2)[:, None] * mult, hi[:, None],
                    out=window[:, 1:4])
         count[:, 1:] = _count(arr, kind, window[:, 1:4])
         steps += 1
         # Quadrant q (0-based) = pivots whose count is <= target: new window [P_q, P_{q+1}].
-        q = (count[:, 1:] <= goal[:, None]).sum(axis=1)
-        count[:, 0] = count[rows, q]
-        window[:, 0], window[:, 4] = window[rows, q], window[rows, q + 1]
+        q = np.count_nonzero(count[:, 1:] <= goal[:, None], axis=1)
+        count[:, 0] = flat_count[row4 + q]
+        at = row5 + q
+        window[:, 0], window[:, 4] = flat_window[at], flat_window[at + 1]
     expert = np.where(at_end, e, window[:, 0])
     offset = np.where(at_end, 0, tgt - count[:, 0])
     return expert, offset, steps
