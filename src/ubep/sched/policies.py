@@ -227,6 +227,7 @@ class HierarchicalSlices:
         start_expert, start_offset: ``[n, H]`` the quaternary-search answer for ``start``:
             virtual expert and offset inside its token run (``H*E, 0`` = end of the sequence).
         search_steps: lockstep rounds the vectorised search took.
+        prefix: ``[H*E+1]`` prefix counts of the virtual experts.
     """
 
     quota: np.ndarray
@@ -234,6 +235,7 @@ class HierarchicalSlices:
     start_expert: np.ndarray
     start_offset: np.ndarray
     search_steps: int
+    prefix: np.ndarray
 
 
 def hop_quotas(units_per_hop: np.ndarray, n: int) -> np.ndarray:
@@ -296,6 +298,7 @@ def hierarchical_slices(units_per_virtual_expert: np.ndarray, num_hops: int, n: 
         start_expert=expert.reshape(start.shape),
         start_offset=offset.reshape(start.shape),
         search_steps=steps,
+        prefix=prefix,
     )
 
 
@@ -309,9 +312,11 @@ def _hierarchical(
     seq = np.argsort(virtual, kind="stable")
     counts = np.bincount(virtual, minlength=num_hops * num_experts)
     slices = hierarchical_slices(counts, num_hops, n, num_experts)
-    # Chunk starts in sequence order (hop-major, core-minor) are non-decreasing, so the chunk of
-    # position p is the last start <= p (an empty chunk shares its start with the next one).
-    chunk_start = slices.start.T.ravel()
+    # A core reads its chunk from (virtual expert, offset), as it would on the device: the
+    # chunk's first unit sits at prefix[expert] + offset of the hop-major sequence. Chunk starts
+    # in sequence order (hop-major, core-minor) are non-decreasing, so the chunk of position p
+    # is the last start <= p (an empty chunk shares its start with the next one).
+    chunk_start = (slices.prefix[slices.start_expert] + slices.start_offset).T.ravel()
     chunk = np.searchsorted(chunk_start, np.arange(units.num_units), side="right") - 1
     core = chunk % n
     hop = chunk // n
