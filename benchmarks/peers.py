@@ -37,6 +37,8 @@ import numpy as np
 from benchmarks.harness import Stats, format_table, time_repeats
 from benchmarks.peers_env import PEER_ENVS, PeerEnvError, ensure_env, env_python, launcher_for
 
+from ubep.errors import UbepError
+
 __all__ = [
     "MPI_SYSTEMS",
     "Row",
@@ -363,30 +365,40 @@ def memcpy_rows(inputs_list: Sequence[Inputs], settings: Settings) -> list[Row]:
 def ubep_available() -> str | None:
     """None when the ubep runtime can run here, else why not."""
     try:
-        import ubep
-    except ImportError as exc:  # pragma: no cover - ubep is installed in .venv
-        return f"cannot import ubep: {exc}"
-    missing = [name for name in ("Buffer", "BufferConfig", "launch") if not hasattr(ubep, name)]
-    return f"ubep runtime not available (ubep has no {', '.join(missing)})" if missing else None
+        from ubep.buffer import Buffer, _load_native
+        from ubep.runtime import launch
+
+        del Buffer, launch
+        _load_native()
+    except ImportError as exc:
+        return f"ubep runtime not available: {exc}"
+    return None
 
 
 def ubep_rows(inputs_list: Sequence[Inputs], settings: Settings) -> list[Row]:
-    """ubep's engines x sync modes on the same inputs (benchmarks/peers_ubep.py)."""
-    from benchmarks.peers_ubep import run_ubep
+    """ubep's engines x sync modes on the same inputs, one launch per rank count."""
+    from benchmarks.peers_ubep import UbepCase, run_ubep_cases
 
     rows = []
-    for engine, sync in UBEP_MODES:
-        for layout in LAYOUTS:
-            for inp in inputs_list:
-                times = run_ubep(
-                    inp.xs, inp.topk_idxs, inp.topk_weights, NUM_EXPERTS,
-                    layout=layout, engine=engine, sync=sync,
-                    warmup=settings.warmup, repeats=settings.repeats, timeout_s=settings.timeout_s,
-                )
-                for op in OPS:
-                    stats = Stats.from_samples_us((np.asarray(times[op]) / 1e3).tolist())
-                    nbytes = bytes_per_rank(inp, layout, op)
-                    rows.append(Row(f"ubep-{engine}-{sync}", layout, inp.shape, op, nbytes, stats))
+    for num_ranks in sorted({inp.shape.num_ranks for inp in inputs_list}):
+        group = [inp for inp in inputs_list if inp.shape.num_ranks == num_ranks]
+        cases = [
+            (inp, UbepCase(inp.shape, layout, engine, sync))
+            for inp in group for layout in LAYOUTS for engine, sync in UBEP_MODES
+        ]
+        got = run_ubep_cases(
+            [c for _, c in cases], num_ranks, warmup=settings.warmup, repeats=settings.repeats,
+            timeout_s=settings.timeout_s,
+        )
+        for (inp, case), times in zip(cases, got, strict=True):
+            expected = rows_sent(inp, case.layout)
+            if not np.array_equal(times["rows_sent"], expected):
+                raise RuntimeError(f"ubep: rows sent {times['rows_sent']} != {expected}")
+            system = f"ubep-{case.engine}-{case.sync}"
+            for op in OPS:
+                stats = Stats.from_samples_us((np.asarray(times[op]) / 1e3).tolist())
+                nbytes = bytes_per_rank(inp, case.layout, op)
+                rows.append(Row(system, case.layout, inp.shape, op, nbytes, stats))
     return rows
 
 
@@ -447,6 +459,7 @@ def machine_info(versions: dict[str, str]) -> dict[str, Any]:
     except OSError:
         pass
     return {
+        "load_average_1m": os.getloadavg()[0],
         "hostname": platform.node(),
         "cpu": cpu,
         "cpu_count": os.cpu_count(),
@@ -561,8 +574,8 @@ def collect(
                 else:
                     got, versions[system] = _peer_rows(system, inputs_list, settings, scratch)
                     rows += got
-            except (PeerEnvError, RuntimeError) as exc:
-                skipped[system] = str(exc)
+            except (PeerEnvError, RuntimeError, UbepError) as exc:
+                skipped[system] = f"{type(exc).__name__}: {exc}"
             print(f"[peers] {system}: {time.monotonic() - t0:.1f} s"
                   + (f" (skipped: {skipped[system].splitlines()[0]})" if system in skipped else ""),
                   file=sys.stderr, flush=True)
@@ -579,6 +592,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         repeats=args.repeats if args.repeats is not None else (15 if args.quick else 50),
         timeout_s=args.timeout or (60.0 if args.quick else 900.0),
     )
+    load = os.getloadavg()[0]
+    if load > 0.5:
+        print(f"[peers] WARNING: load average {load:.2f} before the run: other processes compete "
+              f"for the {os.cpu_count()} cores, expect noisy numbers", file=sys.stderr)
     shapes = shapes_for(args.quick)
     if args.ranks:
         wanted = {int(r) for r in args.ranks.split(",")}
