@@ -7,6 +7,7 @@ from .dtypes import BF16, FP16, FP32, INT8, UINT8, DType
 from .errors import InvalidArgumentError, PeerLostError, RemoteError, TimeoutError, UbepError
 from .handle import DispatchHandle
 from .routing import DispatchLayout, get_dispatch_layout
+from .sched import Plan, schedule
 from .topology import Topology
 
 __version__ = "0.1.0"
@@ -22,10 +23,12 @@ __all__ = [
     "DispatchLayout",
     "InvalidArgumentError",
     "PeerLostError",
+    "Plan",
     "RemoteError",
     "TimeoutError",
     "Topology",
     "UbepError",
     "__version__",
     "get_dispatch_layout",
+    "schedule",
 ]
