@@ -1,0 +1,164 @@
+"""Shared pieces of the runtime tests: case matrix, seeded inputs, and the per-rank checker that
+compares a Buffer with ``ubep.reference`` field by field (bit for bit).
+
+Every rank regenerates all ranks' inputs from the same seed, so each can compute the reference
+on its own and compare only its own result; a launch runs many cases to amortise start-up.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ubep import reference, routing
+from ubep.buffer import Buffer, BufferConfig
+
+STORAGE = {"bf16": np.uint16, "fp16": np.float16, "fp32": np.float32, "int8": np.int8,
+           "uint8": np.uint8}
+FIELDS = ("recv_x", "recv_topk_idx", "recv_topk_weights", "num_recv_tokens_per_expert",
+          "recv_src_rank", "recv_src_token", "recv_src_k")
+
+
+@dataclass(frozen=True)
+class Case:
+    engine: str
+    sync: str
+    layout: str
+    dtype: str
+    ranks: int
+    hidden: int
+    routing: str  # "uniform" or "hot"
+
+    def config(self, max_tokens: int, **extra: Any) -> BufferConfig:
+        experts = 8 * self.ranks if self.routing == "uniform" else 4 * self.ranks
+        return BufferConfig(
+            max_tokens_per_rank=max_tokens, hidden=self.hidden, num_topk=4, num_experts=experts,
+            dtype=self.dtype, layout=self.layout, engine=self.engine, sync=self.sync,
+            **({"timeout_s": 60.0} | extra),
+        )
+
+
+AXES: dict[str, tuple[Any, ...]] = {
+    "engine": ("asp", "bsp"),
+    "sync": ("sw", "tff", "dc", "sp"),
+    "layout": ("expert", "rank"),
+    "dtype": ("bf16", "fp16", "fp32", "int8", "uint8"),
+    "ranks": (2, 4),
+    "hidden": (2048, 7168),
+    "routing": ("uniform", "hot"),
+}
+
+
+def _valid(values: dict[str, Any]) -> bool:
+    return not (values["sync"] == "sp" and values["dtype"] in ("int8", "uint8"))
+
+
+def pairwise_cases() -> list[Case]:
+    """A deterministic greedy pairwise cover of AXES (every valid pair of values of two axes
+    appears in some case), far smaller than the full product."""
+    names = list(AXES)
+    candidates = [dict(zip(names, v, strict=True)) for v in itertools.product(*AXES.values())]
+    candidates = [c for c in candidates if _valid(c)]
+
+    def pairs(c: dict[str, Any]) -> set[tuple[str, Any, str, Any]]:
+        return {(a, c[a], b, c[b]) for a, b in itertools.combinations(names, 2)}
+
+    uncovered: set[tuple[str, Any, str, Any]] = set()
+    for c in candidates:
+        uncovered |= pairs(c)
+    chosen: list[Case] = []
+    while uncovered:
+        best = max(candidates, key=lambda c: len(pairs(c) & uncovered))
+        uncovered -= pairs(best)
+        chosen.append(Case(**best))
+    return chosen
+
+
+def make_inputs(
+    case: Case, num_experts: int, tokens: list[int], seed: int, kind: str
+) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+    """Per-rank ``x``, ``topk_idx``, ``topk_weights`` (seeded; identical on every rank).
+
+    ``kind``: ``"uniform"`` (10% masked slots), ``"hot"`` (70% of picks on 2 experts) or
+    ``"one"`` (every token to expert 0 and nothing else).
+    """
+    xs, idxs, ws = [], [], []
+    for r, t in enumerate(tokens):
+        rng = np.random.default_rng([seed, r])
+        xs.append(random_payload(rng, case.dtype, t, case.hidden))
+        if kind == "one":
+            idx = np.full((t, 4), -1, dtype=np.int64)
+            idx[:, 0] = 0
+        elif kind == "hot":
+            idx = routing.hot_experts_topk(t, num_experts, 4, hot_experts=2, hot_share=0.7,
+                                           seed=seed * 1000 + r)
+        else:
+            idx = routing.uniform_topk(t, num_experts, 4, seed=seed * 1000 + r, mask_prob=0.1)
+        idxs.append(idx)
+        ws.append(rng.random((t, 4), dtype=np.float32))
+    return xs, idxs, ws
+
+
+def random_payload(rng: np.random.Generator, dtype: str, t: int, hidden: int) -> np.ndarray:
+    if dtype == "bf16":
+        # finite bf16 of moderate magnitude (exponent 0x30..0x4f), random sign and mantissa
+        bits = rng.integers(0x3000, 0x4F80, size=(t, hidden), dtype=np.uint16)
+        return bits | (rng.integers(0, 2, size=(t, hidden), dtype=np.uint16) << 15)
+    if dtype in ("fp16", "fp32"):
+        return (rng.standard_normal((t, hidden)) * 4).astype(STORAGE[dtype])
+    info = np.iinfo(STORAGE[dtype])
+    return rng.integers(info.min, info.max + 1, size=(t, hidden), dtype=STORAGE[dtype])
+
+
+def expert_outputs(dtype: str, recv_x: np.ndarray, seed: int) -> np.ndarray:
+    """What the 'experts' return: recv_x itself for float payloads (an identity expert), else a
+    seeded bf16 array of the right shape (W8A8 dispatch, BF16 combine)."""
+    if dtype in ("bf16", "fp16", "fp32"):
+        return np.ascontiguousarray(recv_x)
+    rng = np.random.default_rng(seed)
+    return random_payload(rng, "bf16", recv_x.shape[0], recv_x.shape[1])
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).view(np.uint8)
+
+
+def compare(res: Any, ref: Any) -> list[str]:
+    """Field-by-field bit-exact comparison; returns the differences."""
+    bad = []
+    for f in FIELDS:
+        a, b = getattr(res, f), getattr(ref, f)
+        if a.shape != b.shape or a.dtype != b.dtype:
+            bad.append(f"{f}: {a.dtype}{a.shape} vs reference {b.dtype}{b.shape}")
+        elif not np.array_equal(bits(a), bits(b)):
+            bad.append(f"{f}: values differ")
+    return bad
+
+
+def run_case(group: Any, case: Case, *, max_tokens: int, steps: list[tuple[list[int], str]],
+             seed: int, zero_copy: bool = False, **extra: Any) -> list[str]:
+    """Run ``steps`` (tokens per rank, routing kind) on one Buffer; return the mismatches."""
+    cfg = case.config(max_tokens, **extra)
+    errors: list[str] = []
+    with Buffer(group, cfg) as buf:
+        for i, (tokens, kind) in enumerate(steps):
+            s = seed * 100 + i
+            xs, idxs, ws = make_inputs(case, cfg.num_experts, tokens, s, kind)
+            r = group.rank
+            res = buf.dispatch(xs[r], idxs[r], ws[r])
+            refs = reference.dispatch(xs, idxs, ws, cfg.num_experts, layout=cfg.layout)
+            errors += [f"{case} step {i}: {e}" for e in compare(res, refs[r])]
+            outs = [expert_outputs(cfg.dtype, ref.recv_x, s * 10 + q) for q, ref in enumerate(refs)]
+            if zero_copy:
+                eo = buf.get_combine_buffer(res.handle)
+                eo[...] = outs[r]
+            else:
+                eo = outs[r]
+            y = buf.combine(eo, res.handle)
+            y_ref = reference.combine(outs, refs)[r]
+            if y.dtype != y_ref.dtype or not np.array_equal(bits(y), bits(y_ref)):
+                errors.append(f"{case} step {i}: combine differs")
+    return errors

@@ -1,0 +1,200 @@
+"""Faults: bad input on one rank, a rank that never shows up, a rank killed mid-operation.
+
+Bad input must raise ``InvalidArgumentError`` on the offending rank before anything reaches a
+peer, ``RemoteError`` on every other rank, and leave the Buffer usable for the next call. A dead
+peer must surface as ``PeerLostError`` on every survivor within 5 s and leave no segment behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from _runtime_support import Case, bits, compare, make_inputs
+from ubep import reference
+from ubep.buffer import Buffer
+from ubep.errors import (
+    InvalidArgumentError,
+    RankFailedError,
+    RemoteError,
+    TimeoutError,
+)
+from ubep.runtime import launch
+from ubep.runtime.shm import SHM_DIR, Segment
+
+CASE = Case("asp", "sp", "expert", "bf16", 2, 256, "uniform")
+
+
+def _outcome(fn: Any) -> tuple[str, Any]:
+    try:
+        fn()
+    except InvalidArgumentError as exc:
+        return ("InvalidArgumentError", exc.argument)
+    except RemoteError as exc:
+        return ("RemoteError", exc.rank)
+    return ("ok", None)
+
+
+def _good_call(buf: Buffer, group: Any, seed: int) -> bool:
+    cfg = buf.config
+    xs, idxs, ws = make_inputs(CASE, cfg.num_experts, [16, 16], seed, "uniform")
+    r = group.rank
+    res = buf.dispatch(xs[r], idxs[r], ws[r])
+    refs = reference.dispatch(xs, idxs, ws, cfg.num_experts, layout=cfg.layout)
+    y = buf.combine(res.recv_x, res.handle)
+    y_ref = reference.combine([ref.recv_x for ref in refs], refs)[r]
+    return not compare(res, refs[r]) and bool(np.array_equal(bits(y), bits(y_ref)))
+
+
+def _worker_bad_input(group: Any) -> dict[str, Any]:
+    cfg = CASE.config(16)
+    r = group.rank
+    log: dict[str, Any] = {}
+    with Buffer(group, cfg) as buf:
+        log["good0"] = _good_call(buf, group, 1)
+        xs, idxs, ws = make_inputs(CASE, cfg.num_experts, [16, 16], 2, "uniform")
+
+        def call(x: Any = None, idx: Any = None, w: Any = None) -> None:
+            buf.dispatch(xs[r] if x is None else x, idxs[r] if idx is None else idx,
+                         ws[r] if w is None else w)
+
+        # 1. rank 1: expert id out of range (found by the native validation)
+        bad = idxs[1].copy()
+        bad[3, 1] = cfg.num_experts + 5
+        sentinel = np.uint16(0x7FA5)
+        region_before = np.array(buf._out_regions[buf._num_dispatches % 3])
+        log["range"] = _outcome(lambda: call(idx=bad if r == 1 else None))
+        region_after = np.array(buf._out_regions[(buf._num_dispatches - 1) % 3])
+        # nothing reached this rank's receive region: it still holds only the sentinel
+        log["untouched"] = bool(
+            np.array_equal(region_before, region_after)
+            and (region_after.view(np.uint16)[: 16 * 4 * 2 * 256] == sentinel).all()
+        )
+        log["good1"] = _good_call(buf, group, 3)
+        # 2. rank 0: wrong dtype (Python-side validation)
+        log["dtype"] = _outcome(lambda: call(x=xs[0].astype(np.float32) if r == 0 else None))
+        # 3. rank 1: more tokens than max_tokens_per_rank
+        big = np.zeros((17, cfg.hidden), np.uint16)
+        log["too_many"] = _outcome(lambda: call(
+            x=big if r == 1 else None, idx=np.zeros((17, 4), np.int64) - 1 if r == 1 else None,
+            w=np.zeros((17, 4), np.float32) if r == 1 else None))
+        # 4. rank 0: the SP sentinel inside the payload
+        poisoned = xs[0].copy()
+        poisoned[5, 7] = sentinel
+        log["sentinel"] = _outcome(lambda: call(x=poisoned if r == 0 else None))
+        # 5. rank 1: the same expert twice in one row
+        dup = idxs[1].copy()
+        dup[2, :2] = 3
+        log["dup"] = _outcome(lambda: call(idx=dup if r == 1 else None))
+        # 6. both ranks bad at once
+        log["both"] = _outcome(lambda: call(w=ws[r].astype(np.float64)))
+        log["good2"] = _good_call(buf, group, 4)
+        # 7. combine: rank 1 passes expert outputs of the wrong shape
+        res = buf.dispatch(xs[r], idxs[r], ws[r])
+        eo = np.zeros((res.recv_x.shape[0] + 1, cfg.hidden), np.uint16) if r == 1 else res.recv_x
+        log["combine"] = _outcome(lambda: buf.combine(eo, res.handle))
+        log["good3"] = _good_call(buf, group, 5)
+    return log
+
+
+def test_bad_input_fails_every_rank_and_next_call_works() -> None:
+    logs = launch(_worker_bad_input, 2, timeout_s=300)
+    expect = {  # step: (offending ranks, argument)
+        "range": ({1}, "topk_idx"), "dtype": ({0}, "x"), "too_many": ({1}, "x"),
+        "sentinel": ({0}, "x"), "dup": ({1}, "topk_idx"), "both": ({0, 1}, "topk_weights"),
+        "combine": ({1}, "expert_out"),
+    }
+    for step, (offenders, argument) in expect.items():
+        for r, log in enumerate(logs):
+            if r in offenders:
+                assert log[step] == ("InvalidArgumentError", argument), (step, r, log[step])
+            else:
+                assert log[step] == ("RemoteError", min(offenders)), (step, r, log[step])
+    for log in logs:
+        assert all(log[f"good{i}"] for i in range(4)), log
+        assert log["untouched"], "a rejected call wrote into a peer's receive region"
+
+
+def _worker_absent(group: Any) -> tuple[str, str, str, bool]:
+    cfg = CASE.config(16, timeout_s=1.0)
+    with Buffer(group, cfg) as buf:
+        xs, idxs, ws = make_inputs(CASE, cfg.num_experts, [16, 16], 7, "uniform")
+        r = group.rank
+        first = second = ""
+        if r == 1:
+            time.sleep(2.5)  # miss rank 0's deadline
+        try:
+            buf.dispatch(xs[r], idxs[r], ws[r])
+            first = "ok"
+        except (TimeoutError, RemoteError) as exc:
+            first = f"{type(exc).__name__}: {exc}"
+        group.barrier(30)
+        ok = _good_call(buf, group, 8)
+        return first, second, str(r), ok
+
+
+def test_missing_peer_times_out_naming_rank_and_core_then_recovers() -> None:
+    (first0, _, _, ok0), (first1, _, _, ok1) = launch(_worker_absent, 2, timeout_s=120)
+    assert first0.startswith("TimeoutError") and "rank 0 core 0" in first0 and "rank 1" in first0
+    # the late rank finds rank 0's notice for that call instead of hanging
+    assert first1.startswith("RemoteError"), first1
+    assert ok0 and ok1
+
+
+def _worker_killed(group: Any, stamp: str) -> tuple[str, float]:
+    cfg = Case("asp", "sp", "rank", "bf16", 3, 2048, "uniform").config(64)
+    with Buffer(group, cfg) as buf:
+        xs, idxs, ws = make_inputs(Case("asp", "sp", "rank", "bf16", 3, 2048, "uniform"),
+                                   cfg.num_experts, [64, 64, 64], 9, "uniform")
+        r = group.rank
+        if r == 2:
+            def die() -> None:
+                time.sleep(0.5)
+                Path(stamp).write_text(repr(time.monotonic()))
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            threading.Thread(target=die, daemon=True).start()
+        try:
+            for _ in range(1_000_000):
+                res = buf.dispatch(xs[r], idxs[r], ws[r])
+                buf.combine(res.recv_x, res.handle)
+        except Exception as exc:
+            return type(exc).__name__, time.monotonic()
+    return "no error", time.monotonic()
+
+
+def test_killed_peer_is_lost_on_every_survivor_within_5s(tmp_path: Path) -> None:
+    stamp = tmp_path / "killed_at"
+    with pytest.raises(RankFailedError) as info:
+        launch(_worker_killed, 3, str(stamp), timeout_s=120)
+    err = info.value
+    assert err.rank == 2 and err.exitcode == -signal.SIGKILL
+    killed_at = float(stamp.read_text())
+    assert sorted(err.results) == [0, 1]
+    for rank, (kind, seen_at) in err.results.items():
+        assert kind == "PeerLostError", (rank, kind)
+        assert 0 <= seen_at - killed_at < 5.0, (rank, seen_at - killed_at)
+    assert not [n for n in os.listdir(SHM_DIR) if n.startswith("ubep-")]
+
+
+def _worker_die_before_unlink(group: Any, out: str) -> None:
+    if group.rank == 1:
+        seg = Segment.create(4096, group_id=group.group_id, owner_rank=1, kind="buffer",
+                             marker_dir=group.rendezvous)
+        Path(out).write_text(seg.name)
+        os.kill(os.getpid(), signal.SIGKILL)
+    group.barrier(30)
+
+
+def test_segments_of_a_rank_killed_during_setup_are_removed(tmp_path: Path) -> None:
+    out = tmp_path / "name"
+    with pytest.raises(RankFailedError):
+        launch(_worker_die_before_unlink, 2, str(out), timeout_s=60)
+    assert not os.path.exists(os.path.join(SHM_DIR, out.read_text()))
