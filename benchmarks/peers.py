@@ -264,7 +264,10 @@ def _wait_all(procs: list[subprocess.Popen[bytes]], timeout_s: float, what: str)
     deadline = time.monotonic() + timeout_s
     try:
         for p in procs:
-            rc = p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            try:
+                rc = p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"{what}: timed out after {timeout_s:.1f} s") from None
             if rc != 0:
                 raise RuntimeError(f"{what}: a process exited with code {rc}")
     finally:
@@ -274,6 +277,38 @@ def _wait_all(procs: list[subprocess.Popen[bytes]], timeout_s: float, what: str)
                 p.wait()
 
 
+SHM_DIR = Path("/dev/shm")
+# Segment names the MPI wheels use for their shared-memory transports.
+MPI_SHM_PREFIXES = ("mpich_shm_", "shm-", "shm_", "vader", "sm_segment", "ompi", "psm")
+
+
+def _shm_entries() -> set[str]:
+    try:
+        return set(os.listdir(SHM_DIR))
+    except OSError:
+        return set()
+
+
+def _mapped_anywhere(name: str) -> bool:
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            if name in maps.read_text(errors="replace"):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _remove_orphan_segments(before: set[str]) -> list[str]:
+    """After a killed run: remove MPI segments it created that no live process maps."""
+    removed = []
+    for name in sorted(_shm_entries() - before):
+        if name.startswith(MPI_SHM_PREFIXES) and not _mapped_anywhere(name):
+            (SHM_DIR / name).unlink(missing_ok=True)
+            removed.append(name)
+    return removed
+
+
 def run_peer(system: str, num_ranks: int, workdir: Path, timeout_s: float) -> dict[str, Any]:
     """Run the plan in ``workdir`` on ``system`` with ``num_ranks`` ranks; returns worker.json.
 
@@ -281,6 +316,7 @@ def run_peer(system: str, num_ranks: int, workdir: Path, timeout_s: float) -> di
     """
     ensure_env(system)
     log = workdir / f"{system}.{num_ranks}.log"
+    shm_before = _shm_entries()
     with log.open("wb") as out:
         if PEER_ENVS[system].kind == "mpi":
             cmd = [mpi_command(system, num_ranks, workdir)]
@@ -300,7 +336,8 @@ def run_peer(system: str, num_ranks: int, workdir: Path, timeout_s: float) -> di
         ]
         try:
             _wait_all(procs, timeout_s, f"{system} x{num_ranks}")
-        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        except RuntimeError as exc:
+            _remove_orphan_segments(shm_before)
             tail = "\n".join(log.read_text(errors="replace").splitlines()[-12:])
             raise RuntimeError(f"{system} x{num_ranks} failed ({exc}); log tail:\n{tail}") from exc
     info: dict[str, Any] = json.loads((workdir / "worker.json").read_text())
@@ -447,6 +484,71 @@ bytes = payload bytes one rank sends (mean over ranks), the same for every syste
   e.g. expert, 128 tokens, top-8, hidden 2048, BF16: 128 x 8 x 2048 x 2 = 4,194,304 B
 algbw_gbps = bytes / median; ratio_vs_best_mpi = median / min(impi, openmpi, mpich medians);
 ratio_vs_floor = median / memcpy median. Time = max over ranks per iteration (barrier before)."""
+
+
+@dataclass(frozen=True)
+class Floor:
+    """One target of issue 6: ``system``'s median over ``versus``'s median must be <= ``limit``."""
+
+    name: str
+    system: str
+    versus: str  # a system, "best_mpi" or "memcpy"
+    shape: Shape
+    layout: str
+    op: str
+    limit: float
+
+
+def floors_for(shapes: Sequence[Shape]) -> list[Floor]:
+    """The issue's floors that the measured shapes allow checking."""
+    small2 = Shape(2, 128, 2048, "bf16", "uniform")
+    small4 = Shape(4, 128, 2048, "bf16", "uniform")
+    out = [
+        Floor("dispatch vs best MPI", "ubep-asp-sp", "best_mpi", small2, "rank", "dispatch", 0.7),
+        Floor("dispatch vs gloo", "ubep-asp-sp", "gloo", small2, "rank", "dispatch", 0.12),
+        Floor("combine vs best MPI", "ubep-asp-sp", "best_mpi", small2, "rank", "combine", 0.6),
+        Floor("combine vs gloo", "ubep-asp-sp", "gloo", small2, "rank", "combine", 0.12),
+        Floor("4 ranks dispatch vs best MPI", "ubep-asp-sp", "best_mpi", small4, "rank",
+              "dispatch", 0.5),
+        Floor("4 ranks combine vs best MPI", "ubep-asp-sp", "best_mpi", small4, "rank",
+              "combine", 0.5),
+    ]
+    for r in (2, 4):
+        big = Shape(r, 512, 7168, "uint8", "uniform")
+        for layout in LAYOUTS:
+            out.append(Floor("dispatch vs memcpy", "ubep-asp-sp", "memcpy", big, layout,
+                             "dispatch", 1.25))
+        hot = Shape(r, 128, 2048, "bf16", "hot")
+        for layout in LAYOUTS:
+            out.append(Floor("asp vs bsp, hot experts", "ubep-asp-sp", "ubep-bsp-sw", hot,
+                             layout, "dispatch", 0.8))
+    present = set(shapes)
+    return [f for f in out if f.shape in present]
+
+
+def floor_report(rows: Sequence[Row], shapes: Sequence[Shape]) -> str:
+    """PASS/FAIL per floor (medians of this run); a missing system reads ``n/a``."""
+    med = {(r.system, r.layout, r.shape, r.op): r.stats.median_us for r in rows}
+    lines = []
+    for f in floors_for(shapes):
+        mine = med.get((f.system, f.layout, f.shape, f.op))
+        if f.versus == "best_mpi":
+            peers = [med.get((s, f.layout, f.shape, f.op)) for s in MPI_SYSTEMS]
+            known = [p for p in peers if p is not None]
+            other = min(known) if known else None
+        else:
+            other = med.get((f.versus, f.layout, f.shape, f.op))
+        if mine is None or other is None:
+            verdict, ratio = "n/a", float("nan")
+        else:
+            ratio = mine / other
+            verdict = "PASS" if ratio <= f.limit else "FAIL"
+        lines.append([f.name, f.system, f.versus, f.shape.label, f.layout, f.op, ratio,
+                      f.limit, verdict])
+    if not lines:
+        return "floors: none of the issue's floor shapes was measured"
+    cols = ["floor", "system", "versus", "shape", "layout", "op", "ratio", "limit", "verdict"]
+    return "floors of issue 6 (medians):\n" + format_table(cols, lines, float_digits=3)
 
 
 def machine_info(versions: dict[str, str]) -> dict[str, Any]:
@@ -612,9 +714,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{system}: {version}")
     for system, reason in skipped.items():
         print(f"{system}: NOT MEASURED: {reason}")
+    print(floor_report(rows, shapes))
     from benchmarks.peers_sim import sim_report
 
-    print(sim_report(rows))
+    print(sim_report(rows, inputs_list, NUM_EXPERTS))
     if args.json:
         doc = {
             "machine": machine_info(versions),
