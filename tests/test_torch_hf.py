@@ -72,7 +72,7 @@ def _registered() -> None:
 
 
 @pytest.mark.parametrize(
-    ("make_cfg", "layout"), [(_qwen3, "expert"), (_qwen3, "rank"), (_mixtral, "expert")]
+    ("make_cfg", "layout"), [(_qwen3, "expert"), (_mixtral, "rank")]
 )
 def test_two_ranks_match_eager_forward_and_generate(
     make_cfg: Callable[[], Any], layout: str

@@ -89,12 +89,9 @@ def make_backend(
     **options: Any,
 ) -> RuntimeBackend:
     """Create a ``ubep.Buffer`` on ``group`` for this shape (collective: every rank calls it)."""
-    import importlib
+    from ..buffer import Buffer, BufferConfig
 
-    # Looked up at call time: the runtime is a separate subsystem and torch code must import
-    # without it.
-    ubep: Any = importlib.import_module("ubep")
-    config = ubep.BufferConfig(
+    config = BufferConfig(
         max_tokens_per_rank=max_tokens_per_rank,
         hidden=hidden,
         num_topk=num_topk,
@@ -103,4 +100,4 @@ def make_backend(
         layout=layout,
         **options,
     )
-    return RuntimeBackend(ubep.Buffer(group, config))
+    return RuntimeBackend(Buffer(group, config))
