@@ -119,28 +119,22 @@ def _collect(procs: list[Any], readers: list[Connection], timeout_s: float) -> l
             break
         waitables: list[Any] = [readers[r] for r in pending] + [procs[r].sentinel for r in pending]
         for ready in wait(waitables, timeout=deadline - now):
-            if isinstance(ready, int):
-                rank = by_sentinel[ready]
-                if rank in pending and not readers[rank].poll():
-                    procs[rank].join(1)  # reap now, so peers' liveness checks see it gone
-                    code = procs[rank].exitcode
-                    failures[rank] = ("", _describe_exit(code), "", None, code)
-                    pending.discard(rank)
-                continue
-            rank = by_conn[id(ready)]
+            rank = by_sentinel[ready] if isinstance(ready, int) else by_conn[id(ready)]
             if rank not in pending:
                 continue
-            try:
-                status, payload = readers[rank].recv()
-            except (EOFError, OSError):
-                continue  # the sentinel branch reports the exit
-            pending.discard(rank)
-            if status == "ok":
-                results[rank] = payload
+            message = _try_recv(readers[rank])
+            if message is None and not isinstance(ready, int):
+                continue  # EOF on the pipe: the sentinel reports the exit
+            if message is None:
+                procs[rank].join(1)  # reap now, so peers' liveness checks see it gone
+                code = procs[rank].exitcode
+                failures[rank] = ("", _describe_exit(code), "", None, code)
+            elif message[0] == "ok":
+                results[rank] = message[1]
             else:
-                type_name, message, tb, blob = payload
-                cause = _unpickle(blob)
-                failures[rank] = (type_name, message, tb, cause, None)
+                type_name, text, tb, blob = message[1]
+                failures[rank] = (type_name, text, tb, _unpickle(blob), None)
+            pending.discard(rank)
         if failures and first_failure_s is None:
             first_failure_s = time.monotonic()
     if pending:
@@ -181,6 +175,17 @@ def _failure(
     if cause is not None:
         err.__cause__ = cause
     return err
+
+
+def _try_recv(conn: Connection) -> tuple[str, Any] | None:
+    """The rank's message if one is waiting, ``None`` at EOF or when nothing is there."""
+    try:
+        if conn.poll():
+            message: tuple[str, Any] = conn.recv()
+            return message
+    except (EOFError, OSError):
+        pass
+    return None
 
 
 def _describe_exit(code: int | None) -> str:

@@ -1,0 +1,225 @@
+"""Buffer life cycle and the bytes the native data plane writes.
+
+* configuration validation, ``size_hint`` against the real segment, config mismatch between
+  ranks, two Buffers in one process, many calls in a row, ``recv_x`` lifetime (a read-only view
+  valid through the next dispatch; ``copy=True`` owns its data), combine buffers;
+* wire formats: what the engine leaves in shared memory equals what the pure-numpy codecs of
+  ``ubep.flags`` produce (TFF slots, DC control block, SW flag, SP pre-fill and reset), and the
+  native float32 -> bf16/fp16 rounding equals ``ubep.dtypes``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from _runtime_support import Case, bits, compare, make_inputs
+from ubep import dtypes, reference
+from ubep.buffer import Buffer, BufferConfig
+from ubep.errors import InvalidArgumentError, RankFailedError, UbepError
+from ubep.flags import DcCodec, SpCodec, SwFlag, TffCodec, as_row_bytes
+from ubep.runtime import _native, launch  # type: ignore[attr-defined]
+
+# --- configuration --------------------------------------------------------------------------
+
+
+def test_config_validation() -> None:
+    base = dict(max_tokens_per_rank=8, hidden=64, num_topk=2, num_experts=4)
+    with pytest.raises(InvalidArgumentError) as info:
+        BufferConfig(**base, dtype="int8", sync="sp")
+    assert info.value.argument == "sync" and "tff" in str(info.value)
+    with pytest.raises(InvalidArgumentError, match="num_topk"):
+        BufferConfig(**(base | {"num_topk": 5}), dtype="bf16")
+    with pytest.raises(InvalidArgumentError, match="engine"):
+        BufferConfig(**base, dtype="bf16", engine="bulk")
+    with pytest.raises(InvalidArgumentError, match="combine_dtype"):
+        BufferConfig(**base, dtype="fp16", combine_dtype="bf16")
+    with pytest.raises(InvalidArgumentError, match="hidden"):
+        BufferConfig(**(base | {"hidden": 0}), dtype="bf16")
+    cfg = BufferConfig(**base, dtype=np.float16)
+    assert cfg.dtype == "fp16" and cfg.combine_dtype == "fp16"
+    assert BufferConfig(**base, dtype="uint8", sync="dc").combine_dtype == "bf16"
+
+
+def test_size_hint_grows_with_the_shape() -> None:
+    small = BufferConfig(max_tokens_per_rank=16, hidden=256, num_topk=4, num_experts=8,
+                         dtype="bf16")
+    big = BufferConfig(max_tokens_per_rank=32, hidden=256, num_topk=4, num_experts=8,
+                       dtype="bf16")
+    rows = 2 * 16 * 4  # ranks x tokens x min(top-k, experts per rank)
+    # three SP receive regions and two combine regions of bf16 rows, at least
+    assert Buffer.size_hint(small, 2) >= 5 * rows * 256 * 2
+    assert Buffer.size_hint(big, 2) > Buffer.size_hint(small, 2)
+    with pytest.raises(InvalidArgumentError, match="num_experts"):
+        Buffer.size_hint(small, 3)
+
+
+# --- life cycle -----------------------------------------------------------------------------
+
+A = Case("asp", "sp", "expert", "bf16", 2, 256, "uniform")
+B = Case("bsp", "dc", "rank", "fp32", 2, 128, "hot")
+
+
+def _call(buf: Buffer, group: Any, case: Case, tokens: list[int], seed: int) -> Any:
+    cfg = buf.config
+    xs, idxs, ws = make_inputs(case, cfg.num_experts, tokens, seed, case.routing)
+    r = group.rank
+    res = buf.dispatch(xs[r], idxs[r], ws[r])
+    refs = reference.dispatch(xs, idxs, ws, cfg.num_experts, layout=cfg.layout)
+    return res, refs
+
+
+def _worker_lifecycle(group: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"errors": []}
+    cfg_a, cfg_b = A.config(16), B.config(24)
+    buf_a, buf_b = Buffer(group, cfg_a), Buffer(group, cfg_b)
+    out["size_hint"] = buf_a._segments[group.rank].size == Buffer.size_hint(cfg_a, 2)
+    r = group.rank
+    views = []
+    for i in range(30):  # interleaved calls on two Buffers
+        for buf, case, tokens in ((buf_a, A, [16, 9]), (buf_b, B, [24, 0])):
+            res, refs = _call(buf, group, case, tokens, i)
+            out["errors"] += compare(res, refs[r])
+            outs = [ref.recv_x for ref in refs]
+            y = buf.combine(res.recv_x, res.handle)
+            if not np.array_equal(bits(y), bits(reference.combine(outs, refs)[r])):
+                out["errors"].append(f"combine {i}")
+            if buf is buf_a:
+                views.append((res.recv_x, refs[r].recv_x.copy()))
+    # a view survives the next dispatch (and is read-only)
+    prev_view, prev_ref = views[-2]
+    out["view_valid"] = bool(np.array_equal(prev_view, prev_ref))
+    out["read_only"] = not views[-1][0].flags.writeable
+    res, refs = _call(buf_a, group, A, [16, 16], 99)
+    owned = buf_a.dispatch(*[a[r] for a in make_inputs(A, cfg_a.num_experts, [16, 16], 99,
+                                                       A.routing)], copy=True)
+    out["copy_owned"] = owned.recv_x.flags.writeable and owned.recv_x.base is None
+    # combine buffers of consecutive dispatches are distinct memory
+    cb1, cb2 = buf_a.get_combine_buffer(res.handle), buf_a.get_combine_buffer(owned.handle)
+    out["distinct_combine_buffers"] = not np.shares_memory(cb1, cb2)
+    cb2[...] = owned.recv_x
+    y = buf_a.combine(cb2, owned.handle)
+    y_ref = reference.combine([ref.recv_x for ref in refs], refs)[r]
+    out["zero_copy_combine"] = bool(np.array_equal(bits(y), bits(y_ref)))
+    buf_a.close()
+    buf_b.close()
+    try:
+        buf_a.dispatch(np.zeros((0, 256), np.uint16), np.zeros((0, 4), np.int64),
+                       np.zeros((0, 4), np.float32))
+        out["closed"] = "no error"
+    except UbepError as exc:
+        out["closed"] = str(exc)
+    return out
+
+
+def test_two_buffers_many_calls_views_and_combine_buffers() -> None:
+    for out in launch(_worker_lifecycle, 2, timeout_s=300):
+        assert not out["errors"], out["errors"][:5]
+        assert out["size_hint"] and out["view_valid"] and out["read_only"]
+        assert out["copy_owned"] and out["distinct_combine_buffers"] and out["zero_copy_combine"]
+        assert "closed" in out["closed"]
+
+
+def _worker_mismatch(group: Any) -> None:
+    cfg = A.config(16 if group.rank == 0 else 17)
+    Buffer(group, cfg)
+
+
+def test_config_must_match_on_every_rank() -> None:
+    with pytest.raises(RankFailedError) as info:
+        launch(_worker_mismatch, 2, timeout_s=120)
+    assert info.value.remote_type == "InvalidArgumentError"
+    assert all("InvalidArgumentError" in f for f in info.value.failures.values())
+
+
+# --- wire formats ---------------------------------------------------------------------------
+
+
+def _inbox(buf: Buffer, src: int, epoch: int) -> np.ndarray:
+    lay = buf.layout
+    off = lay.off_inbox + (src * 2 + epoch % 2) * lay.inbox_bytes
+    return buf._segments[buf.rank].array[off: off + lay.inbox_bytes]
+
+
+def _land(buf: Buffer, index: int) -> np.ndarray:
+    lay = buf.layout
+    off = lay.off_land + (index % lay.num_regions) * lay.land_bytes
+    return buf._segments[buf.rank].array[off: off + lay.land_bytes]
+
+
+def _worker_formats(group: Any) -> dict[str, bool]:
+    r, peer = group.rank, 1 - group.rank
+    out: dict[str, bool] = {}
+    for sync in ("tff", "dc", "sw", "sp"):
+        case = Case("asp", sync, "expert", "bf16", 2, 300, "uniform")  # 600-byte rows
+        with Buffer(group, case.config(16)) as buf:
+            if sync == "sp":
+                codec = SpCodec("bf16")
+                lay = buf.layout
+                land = _land(buf, 0)[: lay.cap_rows * lay.slot_bytes].reshape(lay.cap_rows, -1)
+                out["sp_prefilled"] = not codec.element_ready(land[:, :600]).any()
+            res, refs = _call(buf, group, case, [16, 16], 5)
+            epoch = buf._epoch
+            mine = np.nonzero(res.recv_src_rank == peer)[0]  # rows from the peer, slot order
+            rows = as_row_bytes(refs[r].recv_x[mine])
+            slots = _land(buf, 0).reshape(-1, buf.layout.slot_bytes)[mine]
+            ctl = _inbox(buf, peer, epoch).view(np.uint64)
+            if sync == "tff":
+                out["tff"] = bool(np.array_equal(slots, TffCodec().encode(rows, epoch)))
+            elif sync == "dc":
+                out["dc"] = bool(np.array_equal(ctl[16:19], DcCodec().control(rows, epoch)))
+            elif sync == "sw":
+                out["sw"] = SwFlag.ready(ctl[9:10], epoch) and int(ctl[8]) == len(mine)
+            else:
+                codec = SpCodec("bf16")
+                out["sp_raw"] = bool(np.array_equal(slots[:, :600], rows))
+                # two dispatches later the first region is reset off the critical path
+                for seed in (6, 7):
+                    _call(buf, group, case, [16, 16], seed)
+                deadline = time.monotonic() + 20
+                region = _land(buf, 0).reshape(-1, buf.layout.slot_bytes)[: len(res.recv_x)]
+                while codec.element_ready(region[:, :600]).any() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                out["sp_reset"] = not codec.element_ready(region[:, :600]).any()
+            group.barrier(60)
+    return out
+
+
+def test_native_bytes_equal_the_codecs() -> None:
+    for out in launch(_worker_formats, 2, timeout_s=300):
+        assert out == {k: True for k in ("tff", "dc", "sw", "sp_prefilled", "sp_raw",
+                                         "sp_reset")}, out
+
+
+@pytest.mark.parametrize("row_bytes", [6, 8, 37, 512, 1000, 4096])
+def test_native_dc_checksum_equals_codec(row_bytes: int) -> None:
+    rng = np.random.default_rng(row_bytes)
+    for n in (1, 3, 17):
+        rows = rng.integers(0, 256, size=(n, row_bytes), dtype=np.uint8)
+        for epoch in (1, 2**63 + 5):
+            assert _native.dc_checksum(rows, row_bytes, epoch) == DcCodec().checksum(rows, epoch)
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16", "fp32"])
+def test_native_rounding_equals_dtypes(name: str) -> None:
+    rng = np.random.default_rng(0)
+    special = np.array(
+        [0.0, -0.0, np.inf, -np.inf, 65504.0, 65520.0, 65519.99, 6.0e-8, 2.98e-8, 1e-45,
+         3.4e38, -1.0000001, 1.00390625, 1.01171875, 2**-24, 2**-25, 3 * 2**-26],
+        dtype=np.float32,
+    )
+    values = np.concatenate([
+        special,
+        rng.standard_normal(5000).astype(np.float32) * 1e3,
+        rng.integers(0, 2**32, 5000, dtype=np.uint64).astype(np.uint32).view(np.float32),
+    ])
+    dt = dtypes.dtype_of(name)
+    if name != "bf16":  # numpy's float16 cast and the native one may quiet NaN payloads apart
+        values = values[~np.isnan(values)]
+    want = dt.from_float32(values)
+    got = np.empty_like(want)
+    _native.convert(values, got, {"bf16": 0, "fp16": 1, "fp32": 2}[name])
+    assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
