@@ -59,6 +59,7 @@ PEER_SYSTEMS = (*MPI_SYSTEMS, "gloo")
 UBEP_MODES = (("asp", "sp"), ("asp", "tff"), ("asp", "dc"), ("bsp", "sw"))
 LAYOUTS = ("rank", "expert")
 OPS = ("dispatch", "combine")
+EXCHANGE_OP = "payload_exchange"  # diagnostic: a peer's payload Alltoallv alone
 STORAGE = {"bf16": np.dtype(np.uint16), "uint8": np.dtype(np.uint8)}
 ITEMSIZE = {"bf16": 2, "uint8": 1}
 
@@ -365,6 +366,9 @@ def _peer_rows(
                 stats = Stats.from_samples_us((times[f"{op}_ns"] / 1e3).tolist())
                 nbytes = bytes_per_rank(inp, case["layout"], op)
                 rows.append(Row(system, case["layout"], inp.shape, op, nbytes, stats))
+            stats = Stats.from_samples_us((times["exchange_ns"] / 1e3).tolist())
+            nbytes = bytes_per_rank(inp, case["layout"], "dispatch")
+            rows.append(Row(system, case["layout"], inp.shape, EXCHANGE_OP, nbytes, stats))
         shutil.rmtree(workdir, ignore_errors=True)
     return rows, version
 
@@ -551,6 +555,26 @@ def floor_report(rows: Sequence[Row], shapes: Sequence[Shape]) -> str:
     return "floors of issue 6 (medians):\n" + format_table(cols, lines, float_digits=3)
 
 
+def exchange_report(rows: Sequence[Row], exchange_rows: Sequence[Row]) -> str:
+    """What limits each peer: its payload exchange alone vs its whole dispatch (medians)."""
+    if not exchange_rows:
+        return ""
+    dispatch = {(r.system, r.layout, r.shape): r.stats.median_us for r in rows
+                if r.op == "dispatch"}
+    cells = []
+    for r in sorted(exchange_rows, key=lambda r: (r.layout, r.shape.routing, r.shape.num_ranks,
+                                                   r.shape.tokens_per_rank, r.shape.hidden,
+                                                   SYSTEM_ORDER.index(r.system))):
+        whole = dispatch.get((r.system, r.layout, r.shape), float("nan"))
+        cells.append([r.layout, r.system, r.shape.label, r.stats.median_us, whole,
+                      100.0 * r.stats.median_us / whole,
+                      r.bytes_per_rank / (r.stats.median_us * 1e3)])
+    cols = ["layout", "system", "shape", "exchange_us", "dispatch_us", "exchange_pct",
+            "exchange_gbps"]
+    return ("peers' payload Alltoallv alone vs their whole dispatch (the rest is counts, "
+            "pack, metadata, reorder):\n" + format_table(cols, cells, float_digits=1))
+
+
 def machine_info(versions: dict[str, str]) -> dict[str, Any]:
     cpu = ""
     try:
@@ -703,7 +727,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         wanted = {int(r) for r in args.ranks.split(",")}
         shapes = [s for s in shapes if s.num_ranks in wanted]
     inputs_list = [make_inputs(s) for s in shapes]
-    rows, versions, skipped = collect(_selected(args.systems), inputs_list, settings)
+    all_rows, versions, skipped = collect(_selected(args.systems), inputs_list, settings)
+    rows = [r for r in all_rows if r.op in OPS]
+    exchange_rows = [r for r in all_rows if r.op == EXCHANGE_OP]
 
     print(BYTE_FORMULA)
     print(f"warmup {settings.warmup}, repeats {settings.repeats}; top-{NUM_TOPK} of {NUM_EXPERTS} "
@@ -714,6 +740,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{system}: {version}")
     for system, reason in skipped.items():
         print(f"{system}: NOT MEASURED: {reason}")
+    print(exchange_report(rows, exchange_rows))
     print(floor_report(rows, shapes))
     from benchmarks.peers_sim import sim_report
 
@@ -723,6 +750,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "machine": machine_info(versions),
             "settings": asdict(settings),
             "rows": [r.to_json() for r in rows],
+            "payload_exchange": [r.to_json() for r in exchange_rows],
             "not_measured": skipped,
         }
         args.json.write_text(json.dumps(doc, indent=1))

@@ -6,7 +6,8 @@ directory; every rank of the worker reads the plan, runs each case and writes ba
 
 * ``<case>.times.npz`` (rank 0): ``dispatch_ns`` and ``combine_ns``, one entry per timed
   iteration, each the maximum over ranks of that iteration (barrier before every iteration),
-  and ``rows_sent`` ``[num_ranks]``, the payload rows each rank sent in dispatch;
+  ``exchange_ns`` likewise for the payload exchange alone (diagnostic), and ``rows_sent``
+  ``[num_ranks]``, the payload rows each rank sent in dispatch;
 * with ``"check": true``, ``<case>.r<rank>.out.npz`` on every rank: the dispatch result and the
   combine output, for comparison with ubep.reference in the parent;
 * ``worker.json`` (rank 0): the library's version string and the worker's own settings.
@@ -97,6 +98,7 @@ def _run_case(ex: Exchange, workdir: Path, case: dict[str, Any], plan: dict[str,
         np.savez(workdir / f"{case['id']}.r{ex.rank}.out.npz", **fields)
     warmup, repeats = int(plan["warmup"]), int(plan["repeats"])
     dispatch_ns = time_op(ex, lambda: peer.dispatch(x, topk_idx, topk_weights), warmup, repeats)
+    exchange_ns = time_op(ex, peer.payload_exchange, warmup, repeats)
     # Combine reuses the last dispatch's bookkeeping (the "handle"); same routing every time.
     combine_ns = time_op(ex, lambda: peer.combine(expert_out), warmup, repeats)
     # Rows each rank sent (one-hot max = an all-gather): the parent checks the byte formula.
@@ -105,7 +107,8 @@ def _run_case(ex: Exchange, workdir: Path, case: dict[str, Any], plan: dict[str,
     rows_sent = ex.max_over_ranks(rows_sent)
     if ex.rank == 0:
         out = workdir / f"{case['id']}.times.npz"
-        np.savez(out, dispatch_ns=dispatch_ns, combine_ns=combine_ns, rows_sent=rows_sent)
+        np.savez(out, dispatch_ns=dispatch_ns, combine_ns=combine_ns, exchange_ns=exchange_ns,
+                 rows_sent=rows_sent)
 
 
 def run_plan(ex: Exchange, workdir: Path, library_version: str) -> None:

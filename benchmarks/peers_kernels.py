@@ -161,11 +161,20 @@ class _PeerBase:
         self._recv_meta = _prefault((max_recv, meta_width), np.int32)
         self._back_send = _prefault((max_recv, hidden), self.out_dtype)
         self._back_recv = _prefault((max_send, hidden), self.out_dtype)
+        # The last dispatch's payload exchange arguments (for payload_exchange()).
+        self._payload: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
 
     @staticmethod
     def _capacity(num_ranks: int, max_tokens: int, num_topk: int) -> tuple[int, int, int]:
         """(metadata int32 per row, worst-case rows sent, worst-case rows received)."""
         raise NotImplementedError
+
+    def payload_exchange(self) -> None:
+        """Repeat only the last dispatch's payload exchange (diagnostic: the transport's share
+        of dispatch, without counts, pack, metadata or reorder)."""
+        if self._payload is None:
+            raise RuntimeError("payload_exchange() needs a dispatch first")
+        self.ex.alltoallv_rows(*self._payload)
 
 
 class ExpertLayoutPeer(_PeerBase):
@@ -209,6 +218,7 @@ class ExpertLayoutPeer(_PeerBase):
         stage_meta = self._recv_meta[:n_recv]
         self.ex.alltoallv_rows(send_x, send_counts, stage, recv_counts)
         self.ex.alltoallv_rows(meta, send_counts, stage_meta, recv_counts)
+        self._payload = (send_x, send_counts, stage, recv_counts)
 
         # Receiver: (source, expert, token) blocks -> (expert, source, token).
         perm = _block_transpose(recv_per_expert)
@@ -256,6 +266,10 @@ class ExpertLayoutPeer(_PeerBase):
 class RankLayoutPeer(_PeerBase):
     """``layout="rank"`` over an :class:`Exchange` (module docstring)."""
 
+    def __init__(self, ex: Exchange, **kw: Any) -> None:
+        super().__init__(ex, **kw)
+        self._token_meta = np.zeros((kw["max_tokens"], 1 + 2 * self.num_topk), dtype=np.int32)
+
     @staticmethod
     def _capacity(num_ranks: int, max_tokens: int, num_topk: int) -> tuple[int, int, int]:
         # token, local expert ids, weight bits per row; one row per (token, destination rank)
@@ -275,19 +289,26 @@ class RankLayoutPeer(_PeerBase):
 
         send_x = self._send_x[:n_send]
         np.take(x, tok, axis=0, out=send_x, mode="clip")
+        # Metadata: one row per token (id, global expert ids, weight bits), gathered like x;
+        # the receiver keeps only its own experts.
+        table = self._token_meta[:num_tokens]
+        table[:, 0] = np.arange(num_tokens)
+        table[:, 1 : 1 + k] = topk_idx
+        table[:, 1 + k :] = topk_weights.view(np.int32)
         meta = self._send_meta[:n_send]
-        meta[:, 0] = tok
-        here = owner[tok] == dst[:, None]
-        meta[:, 1 : 1 + k] = np.where(here, topk_idx[tok] - dst[:, None] * self.local, -1)
-        weights = np.where(here, topk_weights[tok], np.float32(0))
-        meta[:, 1 + k :] = weights.view(np.int32)
+        np.take(table, tok, axis=0, out=meta, mode="clip")
         recv_x = self._recv_x[:n_recv]
         recv_meta = self._recv_meta[:n_recv]
         self.ex.alltoallv_rows(send_x, send_counts, recv_x, recv_counts)
         self.ex.alltoallv_rows(meta, send_counts, recv_meta, recv_counts)
+        self._payload = (send_x, send_counts, recv_x, recv_counts)
 
         local_ids = recv_meta[:, 1 : 1 + k]
-        per_expert = np.bincount(local_ids[local_ids >= 0], minlength=self.local)
+        local_ids -= self.ex.rank * self.local
+        elsewhere = (local_ids < 0) | (local_ids >= self.local)  # masked slots included
+        local_ids[elsewhere] = -1
+        recv_meta[:, 1 + k :][elsewhere] = 0  # +0.0f weight where the expert lives elsewhere
+        per_expert = np.bincount(local_ids[~elsewhere], minlength=self.local)
         self._tok, self._dst_start = tok, _exclusive_cumsum(send_counts)
         self._send_counts, self._recv_counts = send_counts, recv_counts
         self._num_tokens = num_tokens
@@ -373,15 +394,10 @@ def make_peer(
     out_dtype: np.dtype,
 ) -> ExpertLayoutPeer | RankLayoutPeer:
     """The peer implementation of ``layout`` (``"expert"`` or ``"rank"``)."""
-    cls = {"expert": ExpertLayoutPeer, "rank": RankLayoutPeer}.get(layout)
-    if cls is None:
+    if layout not in ("expert", "rank"):
         raise ValueError(f"layout={layout!r}: must be 'expert' or 'rank'")
-    return cls(
-        ex,
-        num_experts=num_experts,
-        num_topk=num_topk,
-        max_tokens=max_tokens,
-        hidden=hidden,
-        x_dtype=x_dtype,
-        out_dtype=out_dtype,
-    )
+    kw = {
+        "num_experts": num_experts, "num_topk": num_topk, "max_tokens": max_tokens,
+        "hidden": hidden, "x_dtype": x_dtype, "out_dtype": out_dtype,
+    }
+    return ExpertLayoutPeer(ex, **kw) if layout == "expert" else RankLayoutPeer(ex, **kw)
