@@ -1,0 +1,28 @@
+"""Superpod simulator: time the Plan that ``ubep.sched`` produces on a modelled fabric.
+
+See docs/SIMULATOR.md for the model and its calibration.
+"""
+
+from .api import MODES, make_plans, simulate
+from .fabric import ENGINES, SYNC_MODES, FabricModel, SyncCosts, sync_costs
+from .spec import OpSpec, Transfers, build_spec, transfers
+from .timeline import TASKS, SimResult, TaskSpan, TaskTimeline
+
+__all__ = [
+    "ENGINES",
+    "MODES",
+    "SYNC_MODES",
+    "TASKS",
+    "FabricModel",
+    "OpSpec",
+    "SimResult",
+    "SyncCosts",
+    "TaskSpan",
+    "TaskTimeline",
+    "Transfers",
+    "build_spec",
+    "make_plans",
+    "simulate",
+    "sync_costs",
+    "transfers",
+]

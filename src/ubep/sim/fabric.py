@@ -1,0 +1,163 @@
+"""The fabric model: every cost the simulator charges, as one frozen dataclass of constants.
+
+The topology (:class:`ubep.topology.Topology`) gives what is structural: ranks, cores per rank,
+hop classes, one-way latency and per-rank bandwidth per hop class. :class:`FabricModel` adds what
+a core does with them. The equations are written out in docs/SIMULATOR.md; in short:
+
+* a send unit of ``b`` wire bytes and hop class ``h`` is ``w = issue_ns + b / core_bandwidth +
+  latency_exposure * latency_ns[h]`` nanoseconds of work for the core that issues it;
+* ``k`` cores of one rank sending at once each progress at ``speed(k)`` work-ns per ns
+  (processor sharing; Figure 3b's per-core efficiency is ``speed(k) / speed(8)``);
+* a unit then crosses the source port (FIFO at ``bandwidth_gbps[h]``), flies ``latency_ns[h]``
+  and enters the destination port (cut-through FIFO at ``bandwidth_gbps[h]``);
+* barriers, flags, polls, counts, prefix sums and the per-block checks of the sync modes cost the
+  constants below.
+
+Constants come from ``calib.json`` through :mod:`ubep.sim.calib`; nothing here is tuned.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+import numpy as np
+
+from ..errors import InvalidArgumentError
+from ..topology import Topology
+
+__all__ = ["ENGINES", "SYNC_MODES", "FabricModel", "SyncCosts", "sync_costs"]
+
+ENGINES = ("bsp", "asp")
+SYNC_MODES = ("sw", "tff", "dc", "sp")
+
+
+@dataclass(frozen=True)
+class FabricModel:
+    """Per-core and per-operation costs of one fabric family (ns, GB/s = bytes/ns).
+
+    Attributes:
+        name: preset family ("cm384", "nvl72", "host", ...).
+        init_ns: kernel launch and Init phase (tokens staged into core-local buffers).
+        issue_ns: fixed core time per send unit (descriptor, local staging, store issue).
+        core_bandwidth_gbps: bytes per ns one core moves when it runs alone.
+        latency_exposure: share of a unit's one-way latency the issuing core waits
+            (1 = stop-and-wait per unit, 0 = fire-and-forget).
+        contention_cores, contention_sharpness: ``speed(k) = (1 + (k/k_sat)^p)^(-1/p)``.
+        barrier_ns: intrinsic cost of one SyncAll (on top of waiting for the slowest core).
+        flag_ns: core time to write one flag / count / checksum word to a peer.
+        poll_ns: core time to check one flag entry once it has landed.
+        count_expert_ns: core time to count one expert's tokens (vector count over topk_idx).
+        cumsum_entry_ns: prefix-sum time per (source rank, local expert) entry.
+        vector_op_ns: one vector compare / checksum step over one atomic block.
+        atomic_bytes: atomic write granularity of the fabric (UB: 512 B); the TFF block size.
+        tff_flag_bytes: flag bytes inside a TFF block (32 B on UB).
+    """
+
+    name: str
+    init_ns: float
+    issue_ns: float
+    core_bandwidth_gbps: float
+    latency_exposure: float
+    contention_cores: float
+    contention_sharpness: float
+    barrier_ns: float
+    flag_ns: float
+    poll_ns: float
+    count_expert_ns: float
+    cumsum_entry_ns: float
+    vector_op_ns: float
+    atomic_bytes: int = 512
+    tff_flag_bytes: int = 32
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if f.name == "name":
+                continue
+            value = getattr(self, f.name)
+            if not isinstance(value, (int, float, np.number)) or not math.isfinite(value):
+                raise InvalidArgumentError(f.name, value, "must be a finite number")
+            if value < 0:
+                raise InvalidArgumentError(f.name, value, "must be >= 0")
+        for name in ("core_bandwidth_gbps", "contention_cores", "contention_sharpness"):
+            if getattr(self, name) <= 0:
+                raise InvalidArgumentError(name, getattr(self, name), "must be > 0")
+        if self.latency_exposure > 1:
+            raise InvalidArgumentError("latency_exposure", self.latency_exposure, "must be <= 1")
+        if not 8 <= self.tff_flag_bytes < self.atomic_bytes:
+            raise InvalidArgumentError(
+                "tff_flag_bytes", self.tff_flag_bytes,
+                f"must be in [8, atomic_bytes={self.atomic_bytes})",
+            )
+
+    def speed(self, active_cores: np.ndarray | float) -> np.ndarray:
+        """Work-ns per ns of each of ``k`` cores of one rank sending at once (1 at k -> 0)."""
+        k = np.asarray(active_cores, dtype=np.float64)
+        ratio = k / self.contention_cores
+        p = self.contention_sharpness
+        return np.asarray((1.0 + ratio**p) ** (-1.0 / p))
+
+    def efficiency(self, active_cores: np.ndarray | float, reference: float = 8.0) -> np.ndarray:
+        """Figure 3b's per-core efficiency of ``k`` cores relative to ``reference`` cores."""
+        return self.speed(active_cores) / self.speed(reference)
+
+    def unit_work_ns(self, wire_bytes: np.ndarray, hop: np.ndarray,
+                     topology: Topology) -> np.ndarray:
+        """Core work of send units before contention: issue + bytes / core rate + exposed
+        latency."""
+        lat = np.asarray(topology.latency_ns, dtype=np.float64)[hop]
+        return self.issue_ns + np.asarray(wire_bytes) / self.core_bandwidth_gbps + (
+            self.latency_exposure * lat
+        )
+
+    def with_values(self, **values: float) -> FabricModel:
+        """A copy with some constants replaced (validated)."""
+        changes: dict[str, Any] = dict(values)
+        return replace(self, **changes)
+
+    def as_dict(self) -> dict[str, float | str]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class SyncCosts:
+    """What one row of ``row_bytes`` costs under a sync mode (see docs/SIMULATOR.md).
+
+    Attributes:
+        wire_bytes: bytes that cross the fabric for the row (TFF adds a flag per block).
+        sender_extra_ns: extra sender core work per row (DC accumulates a checksum).
+        receiver_extra_ns: extra receiver core work per row (flag / checksum / sentinel checks,
+            sentinel reset).
+        blocks: atomic blocks per row.
+    """
+
+    wire_bytes: int
+    sender_extra_ns: float
+    receiver_extra_ns: float
+    blocks: int
+
+
+def sync_costs(sync: str, row_bytes: int, fabric: FabricModel) -> SyncCosts:
+    """Per-row costs of ``sync`` in {"sw", "tff", "dc", "sp"} for rows of ``row_bytes``."""
+    if sync not in SYNC_MODES:
+        raise InvalidArgumentError("sync", sync, f"must be one of {SYNC_MODES}")
+    if not isinstance(row_bytes, (int, np.integer)) or row_bytes < 1:
+        raise InvalidArgumentError("row_bytes", row_bytes, "must be a positive integer")
+    blocks = -(-int(row_bytes) // fabric.atomic_bytes)
+    if sync == "tff":
+        payload = fabric.atomic_bytes - fabric.tff_flag_bytes
+        tff_blocks = -(-int(row_bytes) // payload)
+        # Receiver checks one flag per block; the flag rides inside the block the sender stages.
+        return SyncCosts(tff_blocks * fabric.atomic_bytes, 0.0,
+                         tff_blocks * fabric.vector_op_ns, tff_blocks)
+    if sync == "dc":
+        # Sender accumulates the leading bytes of every block into the checksum; the receiver
+        # recomputes it over the same blocks.
+        extra = blocks * fabric.vector_op_ns
+        return SyncCosts(int(row_bytes), extra, extra, blocks)
+    if sync == "sp":
+        # Receiver compares every block against the sentinel, then resets the row to it.
+        reset = row_bytes / fabric.core_bandwidth_gbps
+        return SyncCosts(int(row_bytes), 0.0, blocks * fabric.vector_op_ns + reset, blocks)
+    return SyncCosts(int(row_bytes), 0.0, 0.0, blocks)

@@ -1,0 +1,190 @@
+"""PNG figures of the experiments (matplotlib, Agg backend, imported only when plotting)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import InvalidArgumentError
+from .experiments import ExperimentResult
+
+__all__ = ["plot"]
+
+TASK_COLORS = {"init": "#bbbbbb", "send": "#1f77b4", "barrier": "#d62728", "flag": "#ff7f0e",
+               "verify": "#9467bd", "count": "#8c564b", "cumsum": "#e377c2",
+               "consume": "#2ca02c"}
+SYNC_COLORS = {"sw": "#d62728", "tff": "#1f77b4", "dc": "#ff7f0e", "sp": "#2ca02c"}
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot(result: ExperimentResult, path: str | Path) -> Path:
+    """Write ``result``'s figure to ``path`` (PNG) and return the path."""
+    drawers = {"table4": _table4, "fig7": _fig7, "fig8": _fig8, "fig9": _fig9,
+               "fig10": _fig10, "topk": _topk, "partition": _partition, "tpot": _tpot}
+    if result.name not in drawers:
+        raise InvalidArgumentError("result", result.name, f"no plot for {result.name}")
+    plt = _pyplot()
+    fig = drawers[result.name](plt, result)
+    fig.suptitle(result.title, fontsize=10)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=80)
+    plt.close(fig)
+    return out
+
+
+def _col(result: ExperimentResult, name: str) -> list[Any]:
+    i = result.columns.index(name)
+    return [row[i] for row in result.rows]
+
+
+def _table4(plt: Any, r: ExperimentResult) -> Any:
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4))
+    eps = _col(r, "ep")
+    x = np.arange(len(eps))
+    paper = [v if isinstance(v, float) else np.nan for v in _col(r, "cann_paper_us")]
+    a.bar(x - 0.27, paper, 0.27, label="CANN EP (paper)", color="#999999")
+    a.bar(x, _col(r, "cann_model_us"), 0.27, label="CANN EP (model)", color="#d62728")
+    a.bar(x + 0.27, _col(r, "ubep_pred_us"), 0.27, label="UBEP (predicted)", color="#2ca02c")
+    a.set_xticks(x, [str(e) for e in eps])
+    a.set_xlabel("EP ranks")
+    a.set_ylabel("dispatch latency (us)")
+    a.legend(fontsize=7)
+    b.plot(eps, _col(r, "cann_gbps"), "o-", color="#d62728", label="CANN EP (model)")
+    b.plot(eps, _col(r, "ubep_gbps"), "s-", color="#2ca02c", label="UBEP (predicted)")
+    b.set_xscale("log", base=2)
+    b.set_xlabel("EP ranks")
+    b.set_ylabel("bandwidth (GB/s per rank)")
+    b.legend(fontsize=7)
+    return fig
+
+
+def _fig7(plt: Any, r: ExperimentResult) -> Any:
+    panels: dict[str, list[tuple[Any, ...]]] = defaultdict(list)
+    for row in r.rows:
+        panels[row[0]].append(row)
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.3 * len(panels), 3.4))
+    for ax, (panel, rows) in zip(np.atleast_1d(axes), panels.items(), strict=True):
+        xs = sorted({row[1] for row in rows})
+        systems = sorted({row[2] for row in rows})
+        width = 0.8 / len(systems)
+        for i, sname in enumerate(systems):
+            got = {row[1]: row for row in rows if row[2] == sname}
+            pos = np.arange(len(xs)) + (i - (len(systems) - 1) / 2) * width
+            a2a = [got[x][4] for x in xs]
+            sync = [got[x][5] for x in xs]
+            ax.bar(pos, a2a, width, color="#1f77b4" if i == 0 else "#2ca02c",
+                   label=f"{sname} all-to-all")
+            ax.bar(pos, sync, width, bottom=a2a, color="#d62728" if i == 0 else "#ff7f0e",
+                   label=f"{sname} sync", alpha=0.8)
+        ax.set_xticks(np.arange(len(xs)), [str(x) for x in xs])
+        ax.set_title(panel, fontsize=8)
+        ax.set_ylabel("latency (us)")
+    np.atleast_1d(axes)[0].legend(fontsize=6)
+    return fig
+
+
+def _fig8(plt: Any, r: ExperimentResult) -> Any:
+    gantt = r.data["gantt"]
+    keys = list(gantt)
+    systems = sorted({k.split("|")[0] for k in keys})
+    batches = sorted({int(k.split("|")[1]) for k in keys})
+    fig, axes = plt.subplots(len(systems), len(batches), figsize=(3.3 * len(batches), 5.2),
+                             sharex=True)
+    axes = np.atleast_2d(axes)
+    for i, sname in enumerate(systems):
+        for j, batch in enumerate(batches):
+            ax = axes[i, j]
+            g = gantt[f"{sname}|{batch}"]
+            for core, task, s, e in zip(g["core"], g["task"], g["start_us"], g["end_us"],
+                                        strict=True):
+                ax.barh(core, e - s, left=s, height=0.9, color=TASK_COLORS[task], linewidth=0)
+            ax.set_title(f"{sname}, batch {batch}", fontsize=8)
+            ax.set_ylabel("core")
+            ax.set_xlabel("time (us)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in TASK_COLORS.values()]
+    axes[0, -1].legend(handles, list(TASK_COLORS), fontsize=6, loc="lower right")
+    return fig
+
+
+def _fig9(plt: Any, r: ExperimentResult) -> Any:
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4))
+    colors = {"cann_ep": "#d62728", "balanced": "#ff7f0e", "hierarchical": "#2ca02c"}
+    for key, lat in r.data["slowest_rank_core_latency_us"].items():
+        a.plot(np.arange(len(lat)), lat, ".-", color=colors[key], label=key)
+    a.set_xlabel("send core (slowest rank)")
+    a.set_ylabel("token-send latency (us)")
+    a.legend(fontsize=7)
+    keys = list(r.data["max_core_latency_us"])
+    b.bar(keys, [r.data["max_core_latency_us"][k] for k in keys],
+          color=[colors[k] for k in keys])
+    b.set_ylabel("max per-core latency (us)")
+    return fig
+
+
+def _fig10(plt: Any, r: ExperimentResult) -> Any:
+    ranks = sorted(set(_col(r, "ranks")))
+    fig, axes = plt.subplots(1, len(ranks), figsize=(3.3 * len(ranks), 3.3), sharey=True)
+    for ax, n in zip(np.atleast_1d(axes), ranks, strict=True):
+        for sync, color in SYNC_COLORS.items():
+            pts = [(row[1], row[3]) for row in r.rows if row[0] == n and row[2] == sync]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color,
+                    label=sync.upper(), ms=3)
+        ax.set_xscale("log")
+        ax.set_xlabel("granularity (bytes per row)")
+        ax.set_title(f"{n} ranks", fontsize=8)
+    np.atleast_1d(axes)[0].set_ylabel("dispatch latency (us)")
+    np.atleast_1d(axes)[0].legend(fontsize=7)
+    return fig
+
+
+def _topk(plt: Any, r: ExperimentResult) -> Any:
+    fig, ax = plt.subplots(figsize=(5, 3.3))
+    labels = [f"EP{row[0]}/k{row[1]}" for row in r.rows]
+    x = np.arange(len(labels))
+    ax.bar(x - 0.2, _col(r, "cann_us"), 0.4, color="#d62728", label="CANN EP (model)")
+    ax.bar(x + 0.2, _col(r, "ubep_us"), 0.4, color="#2ca02c", label="UBEP (predicted)")
+    ax.set_xticks(x, labels, fontsize=7)
+    ax.set_ylabel("dispatch latency (us)")
+    ax.legend(fontsize=7)
+    return fig
+
+
+def _partition(plt: Any, r: ExperimentResult) -> Any:
+    ranks = sorted(set(_col(r, "ranks")))
+    fig, axes = plt.subplots(1, len(ranks), figsize=(3.3 * len(ranks), 3.3))
+    for ax, n in zip(np.atleast_1d(axes), ranks, strict=True):
+        for batch in sorted({row[1] for row in r.rows if row[0] == n}):
+            pts = [row for row in r.rows if row[0] == n and row[1] == batch]
+            line = ax.plot([p[2] for p in pts], [p[3] for p in pts], "o-", ms=3,
+                           label=f"batch {batch}")
+            for p in pts:
+                if p[4]:
+                    ax.plot(p[2], p[3], "k*", ms=9)
+            del line
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("count cores (* = Appendix A pick)")
+        ax.set_title(f"{n} ranks", fontsize=8)
+    np.atleast_1d(axes)[0].set_ylabel("UBEP dispatch (us)")
+    np.atleast_1d(axes)[0].legend(fontsize=7)
+    return fig
+
+
+def _tpot(plt: Any, r: ExperimentResult) -> Any:
+    fig, ax = plt.subplots(figsize=(5, 3.3))
+    ax.bar(_col(r, "model"), _col(r, "tpot_reduction_pct"), color="#2ca02c")
+    ax.set_ylabel("predicted TPOT reduction (%)")
+    ax.tick_params(axis="x", labelsize=7)
+    return fig

@@ -1,0 +1,337 @@
+"""What the executors time: the transfers of a Plan and the operator spec built from all plans.
+
+:func:`transfers` is the simulator's reading of one :class:`~ubep.sched.Plan`: which bytes go to
+which slot of which rank, in which core's issue order. The runtime reads the same Plan; a test
+checks both against an oracle built from ``topk_idx`` alone.
+
+:class:`OpSpec` gathers the transfers of every rank plus the count/flag chunks and the receive
+items (rows to reorder, or tokens to reduce) of one operator call, so that the event-driven and
+the analytic executor consume exactly the same input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import InvalidArgumentError
+from ..sched.plan import Plan
+from ..topology import Topology
+from .fabric import ENGINES, SYNC_MODES, FabricModel, sync_costs
+
+__all__ = ["OPS", "OpSpec", "Transfers", "build_spec", "transfers"]
+
+OPS = ("dispatch", "combine")
+
+
+@dataclass(frozen=True)
+class Transfers:
+    """Every row a plan moves, in issue order grouped by core; ``[U]`` arrays.
+
+    ``(dst_rank, expert, slot)`` names the destination row: ``slot`` is the row inside the
+    receive region ``(src_rank, expert)`` (layout "expert") or ``(src_rank,)`` (layout "rank",
+    where ``expert`` is the token's first expert on that rank). ``nbytes`` are wire bytes.
+    """
+
+    src_rank: int
+    dst_rank: np.ndarray
+    expert: np.ndarray
+    slot: np.ndarray
+    src_token: np.ndarray
+    src_k: np.ndarray
+    core: np.ndarray
+    hop: np.ndarray
+    nbytes: np.ndarray
+
+
+def transfers(
+    plan: Plan, *, row_bytes: int, sync: str = "sw", block_bytes: int = 512, flag_bytes: int = 32
+) -> Transfers:
+    """The ``(dst_rank, slot, src_token, nbytes)`` rows that ``plan`` sends, in issue order.
+
+    ``row_bytes = hidden * itemsize``. Under ``sync="tff"`` every row travels as
+    ``ceil(row_bytes / (block_bytes - flag_bytes))`` blocks of ``block_bytes``; the other modes
+    move the raw row (their flags and checksums are separate, smaller messages).
+    """
+    if not isinstance(plan, Plan):
+        raise InvalidArgumentError("plan", type(plan).__name__, "must be a ubep.sched.Plan")
+    if not isinstance(row_bytes, (int, np.integer)) or row_bytes < 1:
+        raise InvalidArgumentError("row_bytes", row_bytes, "must be a positive integer")
+    if sync not in SYNC_MODES:
+        raise InvalidArgumentError("sync", sync, f"must be one of {SYNC_MODES}")
+    if not 8 <= flag_bytes < block_bytes:
+        raise InvalidArgumentError("flag_bytes", flag_bytes, f"must be in [8, {block_bytes})")
+    if sync == "tff":
+        wire = -(-int(row_bytes) // (block_bytes - flag_bytes)) * block_bytes
+    else:
+        wire = int(row_bytes)
+    return Transfers(
+        src_rank=plan.rank,
+        dst_rank=np.asarray(plan.send_dst_rank, dtype=np.int64),
+        expert=np.asarray(plan.send_expert, dtype=np.int64),
+        slot=np.asarray(plan.send_slot, dtype=np.int64),
+        src_token=np.asarray(plan.send_token, dtype=np.int64),
+        src_k=np.asarray(plan.send_k, dtype=np.int64),
+        core=np.asarray(plan.send_core, dtype=np.int64),
+        hop=np.asarray(plan.send_hop, dtype=np.int64),
+        nbytes=np.full(plan.num_units, wire, dtype=np.int64),
+    )
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One operator call on every rank, as the executors need it.
+
+    Cores are physical core ids ``[0, cores_per_rank)``. Send core ``j`` of a plan is physical
+    core ``j``; ASP count core ``c`` is physical core ``num_send_cores + c``; BSP runs every
+    phase on all ``cores_per_rank`` cores.
+
+    Units (``[U]``, sorted by ``(src, core, issue order)``): ``unit_src, unit_core, unit_hop,
+    unit_dst, unit_wire_bytes, unit_work_ns`` (core work before contention, sync extras and the
+    DC checksum message included), ``unit_batch`` (DC: ``(src, core, dst)`` batch; SW:
+    ``(src, dst)`` pair) and ``unit_item`` (receive item it feeds).
+    ``core_ptr [num_ranks * num_send_cores + 1]``: units of ``(rank r, send core j)`` are
+    ``core_ptr[r*n_s + j] : core_ptr[r*n_s + j + 1]``.
+
+    Chunks (the same cores and destinations on every rank): core ``chunk_core[i]`` writes one
+    flag/count word to rank ``chunk_dst[i]``; on rank ``r`` that write completes
+    ``chunk_offset_ns[r, i]`` after the rank's count/flag phase starts (counting, the SW fence
+    round trip and the store, cumulated over the core's chunks).
+    ``poll_cores``: receivers poll their entries on physical cores ``[poll_first, poll_first +
+    poll_cores)``.
+
+    Items (``[I]``): ``item_rank, item_core`` (static consumer core), ``item_cost_ns``.
+    """
+
+    op: str
+    engine: str
+    sync: str
+    num_ranks: int
+    cores_per_rank: int
+    num_send_cores: int
+    num_count_cores: int
+    num_local_experts: int
+    unit_src: np.ndarray
+    unit_core: np.ndarray
+    unit_hop: np.ndarray
+    unit_dst: np.ndarray
+    unit_wire_bytes: np.ndarray
+    unit_work_ns: np.ndarray
+    unit_batch: np.ndarray
+    unit_item: np.ndarray
+    core_ptr: np.ndarray
+    chunk_core: np.ndarray
+    chunk_dst: np.ndarray
+    chunk_offset_ns: np.ndarray
+    poll_first: int
+    poll_cores: int
+    cumsum_ns: float
+    item_rank: np.ndarray
+    item_core: np.ndarray
+    item_cost_ns: np.ndarray
+
+    @property
+    def num_units(self) -> int:
+        return int(self.unit_src.size)
+
+    @property
+    def num_items(self) -> int:
+        return int(self.item_rank.size)
+
+    @property
+    def consume_cores(self) -> int:
+        """Physical cores that consume items (all BSP cores; ASP send + count cores)."""
+        if self.engine == "bsp":
+            return self.cores_per_rank
+        return min(self.cores_per_rank, self.num_send_cores + self.num_count_cores)
+
+
+def _check_plans(plans: Sequence[Plan], topology: Topology) -> tuple[int, int]:
+    if len(plans) != topology.num_ranks:
+        raise InvalidArgumentError(
+            "plans", len(plans), f"needs one plan per rank ({topology.num_ranks})"
+        )
+    n_s, n_c = plans[0].num_send_cores, plans[0].num_count_cores
+    for r, plan in enumerate(plans):
+        if not isinstance(plan, Plan):
+            raise InvalidArgumentError("plans", type(plan).__name__, "must hold ubep.sched.Plan")
+        if plan.rank != r or plan.num_ranks != topology.num_ranks:
+            raise InvalidArgumentError("plans", (r, plan.rank), "plans[r] must be rank r's plan")
+        if (plan.num_send_cores, plan.num_count_cores) != (n_s, n_c):
+            raise InvalidArgumentError(
+                "plans", (plan.num_send_cores, plan.num_count_cores),
+                f"every rank must use the same core split as rank 0 ({n_s}, {n_c})",
+            )
+        if plan.num_units and int(plan.send_hop.max()) >= topology.num_hops:
+            raise InvalidArgumentError("topology", topology.num_hops, "has too few hop classes")
+    if n_s > topology.cores_per_rank:
+        raise InvalidArgumentError("plans", n_s, "more send cores than topology.cores_per_rank")
+    return n_s, n_c
+
+
+def build_spec(
+    plans: Sequence[Plan],
+    topology: Topology,
+    fabric: FabricModel,
+    *,
+    engine: str,
+    sync: str,
+    row_bytes: int,
+    op: str = "dispatch",
+) -> OpSpec:
+    """Gather every rank's transfers and the engine's chunks and items into an :class:`OpSpec`.
+
+    For ``op="combine"`` pass the combine plans (:func:`ubep.sim.combine.combine_plans`): each
+    unit sends one expert output row back to ``send_dst_rank``, and a receive item is one token
+    ``(dst, send_token)`` reduced over all of its rows.
+    """
+    if engine not in ENGINES:
+        raise InvalidArgumentError("engine", engine, f"must be one of {ENGINES}")
+    if op not in OPS:
+        raise InvalidArgumentError("op", op, f"must be one of {OPS}")
+    if engine == "bsp" and sync != "sw":
+        raise InvalidArgumentError(
+            "sync", sync, "the BSP engine publishes counts and flags after a barrier: use 'sw'"
+        )
+    n_s, n_c = _check_plans(plans, topology)
+    n = topology.cores_per_rank
+    if engine == "asp" and n_s + n_c > n:
+        raise InvalidArgumentError(
+            "plans", (n_s, n_c), f"ASP needs send + count cores <= cores_per_rank ({n})"
+        )
+    num_ranks = topology.num_ranks
+    num_experts = plans[0].num_experts
+    epr = num_experts // num_ranks
+    costs = sync_costs(sync, row_bytes, fabric)
+    trs = [transfers(p, row_bytes=row_bytes, sync=sync, block_bytes=fabric.atomic_bytes,
+                     flag_bytes=fabric.tff_flag_bytes) for p in plans]
+    src = np.concatenate([np.full(t.dst_rank.size, t.src_rank, dtype=np.int64) for t in trs])
+    core = np.concatenate([t.core for t in trs])
+    hop = np.concatenate([t.hop for t in trs])
+    dst = np.concatenate([t.dst_rank for t in trs])
+    expert = np.concatenate([t.expert for t in trs])
+    slot = np.concatenate([t.slot for t in trs])
+    token = np.concatenate([t.src_token for t in trs])
+    wire = np.concatenate([t.nbytes for t in trs]).astype(np.float64)
+    counts = np.stack([np.bincount(t.core, minlength=n_s)[:n_s] for t in trs])
+    core_ptr = np.zeros(num_ranks * n_s + 1, dtype=np.int64)
+    np.cumsum(counts.ravel(), out=core_ptr[1:])
+
+    work = fabric.unit_work_ns(wire, hop, topology) + costs.sender_extra_ns
+    if sync == "dc":
+        batch = (src * n + core) * num_ranks + dst
+        last = _last_of_group(batch)
+        work = work + np.where(last, fabric.flag_ns, 0.0)  # the checksum message
+    else:
+        batch = src * num_ranks + dst
+
+    consume = n if engine == "bsp" else min(n, n_s + n_c)
+    # Consuming a row is a local copy (a hop-0 move of its wire bytes) plus the sync checks.
+    row_cost = float(
+        fabric.unit_work_ns(np.array([costs.wire_bytes]), np.zeros(1, np.int64), topology)[0]
+    ) + costs.receiver_extra_ns
+    if op == "dispatch":
+        # Receive rows in output order (dst, expert, src, slot); row p of rank d goes to core
+        # p mod consume, a static split fixed before any data lands.
+        order = np.lexsort((slot, src, expert, dst))
+        item = np.empty_like(order)
+        item[order] = np.arange(order.size)
+        item_rank = dst[order]
+        first = np.searchsorted(item_rank, np.arange(num_ranks))
+        item_core = (np.arange(order.size) - first[item_rank]) % consume
+        item_cost = np.full(order.size, row_cost)
+    else:
+        # One item per (receiving rank, token): the reduction over all of the token's rows.
+        key = dst * (int(token.max(initial=0)) + 1) + token
+        uniq, item = np.unique(key, return_inverse=True)
+        item_rank = _first_of(dst, item, uniq.size)
+        item_tok = _first_of(token, item, uniq.size)
+        item_core = item_tok % consume
+        item_cost = np.bincount(item, minlength=uniq.size) * row_cost
+    chunk_core, chunk_dst, chunk_experts, poll_first, poll_cores = _chunks(
+        op, engine, num_ranks, num_experts, n, n_s, n_c, plans[0].count_expert_ptr
+    )
+    chunk_offset = _chunk_offsets(chunk_core, chunk_dst, chunk_experts, fabric, topology, sync)
+    cumsum_ns = fabric.cumsum_entry_ns * num_ranks * epr if op == "dispatch" else 0.0
+    return OpSpec(
+        op=op, engine=engine, sync=sync, num_ranks=num_ranks, cores_per_rank=n,
+        num_send_cores=n_s, num_count_cores=n_c, num_local_experts=epr,
+        unit_src=src, unit_core=core, unit_hop=hop, unit_dst=dst, unit_wire_bytes=wire,
+        unit_work_ns=work, unit_batch=batch, unit_item=item.astype(np.int64), core_ptr=core_ptr,
+        chunk_core=chunk_core, chunk_dst=chunk_dst, chunk_offset_ns=chunk_offset,
+        poll_first=poll_first, poll_cores=poll_cores, cumsum_ns=cumsum_ns,
+        item_rank=np.asarray(item_rank, dtype=np.int64),
+        item_core=np.asarray(item_core, dtype=np.int64), item_cost_ns=item_cost,
+    )
+
+
+def _first_of(values: np.ndarray, group: np.ndarray, num_groups: int) -> np.ndarray:
+    out = np.zeros(num_groups, dtype=np.int64)
+    out[group[::-1]] = values[::-1]  # the last write wins: the first occurrence
+    return out
+
+
+def _last_of_group(key: np.ndarray) -> np.ndarray:
+    """True at the last position of each key (positions are issue order within a core)."""
+    last = np.zeros(key.size, dtype=bool)
+    if key.size:
+        _, rev_first = np.unique(key[::-1], return_index=True)
+        last[key.size - 1 - rev_first] = True
+    return last
+
+
+def _chunks(
+    op: str, engine: str, num_ranks: int, num_experts: int, n: int, n_s: int, n_c: int,
+    count_expert_ptr: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
+    """Flag/count words every rank writes: ``(core, dst, experts counted first)`` in each core's
+    order, and the receivers' poll cores ``(first, how many)``."""
+    epr = num_experts // num_ranks
+    empty = np.zeros(0, np.int64)
+    if op == "combine":
+        if engine == "asp":  # Data-as-Flag or per-pair SW flags: no count phase at all
+            return empty, empty, empty, 0, 1
+        every = np.arange(num_ranks, dtype=np.int64)  # BSP: one flag per destination
+        order = np.lexsort((every, every % n))
+        return (every % n)[order], every[order], np.zeros(num_ranks, np.int64), 0, n
+    if engine == "bsp":
+        ptr = (np.arange(n + 1, dtype=np.int64) * num_experts) // n
+        first_core, poll_first, poll_cores = 0, 0, n
+    else:
+        ptr = np.asarray(count_expert_ptr, dtype=np.int64)
+        first_core, poll_first, poll_cores = n_s, n_s, n_c
+    cores: list[np.ndarray] = [empty]
+    dsts: list[np.ndarray] = [empty]
+    sizes: list[np.ndarray] = [empty]
+    for c in range(len(ptr) - 1):
+        experts = np.arange(ptr[c], ptr[c + 1])
+        if not experts.size:
+            continue
+        owner = experts // epr
+        ends = np.flatnonzero(np.append(owner[1:] != owner[:-1], True))
+        cores.append(np.full(ends.size, first_core + c, dtype=np.int64))
+        dsts.append(owner[ends])
+        sizes.append(np.diff(np.append(-1, ends)))
+    return (np.concatenate(cores), np.concatenate(dsts), np.concatenate(sizes),
+            poll_first, poll_cores)
+
+
+def _chunk_offsets(core: np.ndarray, dst: np.ndarray, experts: np.ndarray, fabric: FabricModel,
+                   topology: Topology, sync: str) -> np.ndarray:
+    """``[R, C]`` completion offsets of each rank's chunk writes: per chunk, count its experts,
+    (SW only) fence -- wait one round trip for the earlier writes to that rank -- then store the
+    word; a core's chunks run back to back."""
+    R = topology.num_ranks
+    if core.size == 0:
+        return np.zeros((R, 0))
+    lat = np.asarray(topology.latency_ns, dtype=np.float64)
+    hops = topology.hop_matrix().astype(np.int64)
+    fence = 2.0 * lat[hops[:, dst]] if sync == "sw" else np.zeros((R, dst.size))
+    cost = experts * fabric.count_expert_ns + fabric.flag_ns + fence
+    # Chunks are grouped by core (consecutive): cumulative sum that restarts at each core.
+    total = np.cumsum(cost, axis=1)
+    starts = np.flatnonzero(np.concatenate(([True], core[1:] != core[:-1])))
+    before = np.concatenate((np.zeros((R, 1)), total[:, :-1]), axis=1)[:, starts]
+    return total - np.repeat(before, np.diff(np.append(starts, core.size)), axis=1)

@@ -1,0 +1,169 @@
+"""Results of one simulated operator call: per-core, per-task timelines and per-unit times.
+
+Both executors return a :class:`SimResult`. The timeline is stored column-wise (one row per
+(rank, core, task occurrence)) because an EP256 x 48-core run has tens of thousands of rows;
+:meth:`TaskTimeline.spans` turns a slice of it into :class:`TaskSpan` objects for reading.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import InvalidArgumentError
+
+__all__ = ["SYNC_TASKS", "TASKS", "SimResult", "TaskSpan", "TaskTimeline"]
+
+# Task names. "flag" is BSP's SendFlag & TokenCnt; "count" is ASP's TokenCnt-Sending; "consume"
+# is Token-Reordering (dispatch) or the weighted reduction (combine).
+TASKS = ("init", "send", "barrier", "flag", "verify", "count", "cumsum", "consume")
+# Tasks that exist only to synchronise (the "BSP cost" of Figure 7).
+SYNC_TASKS = ("barrier", "flag", "verify")
+
+
+@dataclass(frozen=True)
+class TaskSpan:
+    """One task occurrence on one core."""
+
+    rank: int
+    core: int
+    task: str
+    start_ns: float
+    end_ns: float
+
+    @property
+    def duration_ns(self) -> float:
+        return self.end_ns - self.start_ns
+
+
+@dataclass(frozen=True)
+class TaskTimeline:
+    """Column store of task spans: ``rank, core, task`` (index into :data:`TASKS`), times."""
+
+    rank: np.ndarray
+    core: np.ndarray
+    task: np.ndarray
+    start_ns: np.ndarray
+    end_ns: np.ndarray
+
+    @staticmethod
+    def build(
+        parts: list[tuple[str, np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
+    ) -> TaskTimeline:
+        """From ``(task, rank, core, start, end)`` array groups, sorted by (rank, core, start)."""
+        if not parts:
+            empty = np.zeros(0)
+            return TaskTimeline(empty.astype(np.int32), empty.astype(np.int32),
+                                empty.astype(np.int8), empty, empty)
+        rank = np.concatenate([np.asarray(p[1], dtype=np.int32) for p in parts])
+        core = np.concatenate([np.asarray(p[2], dtype=np.int32) for p in parts])
+        task = np.concatenate(
+            [np.full(np.size(p[1]), TASKS.index(p[0]), dtype=np.int8) for p in parts]
+        )
+        start = np.concatenate([np.asarray(p[3], dtype=np.float64) for p in parts])
+        end = np.concatenate([np.asarray(p[4], dtype=np.float64) for p in parts])
+        order = np.lexsort((task, start, core, rank))
+        return TaskTimeline(rank[order], core[order], task[order], start[order], end[order])
+
+    def __len__(self) -> int:
+        return int(self.rank.size)
+
+    def mask(self, *, rank: int | None = None, core: int | None = None,
+             task: str | None = None) -> np.ndarray:
+        m = np.ones(self.rank.size, dtype=bool)
+        if rank is not None:
+            m &= self.rank == rank
+        if core is not None:
+            m &= self.core == core
+        if task is not None:
+            if task not in TASKS:
+                raise InvalidArgumentError("task", task, f"must be one of {TASKS}")
+            m &= self.task == TASKS.index(task)
+        return m
+
+    def spans(self, *, rank: int | None = None, core: int | None = None,
+              task: str | None = None) -> list[TaskSpan]:
+        idx = np.flatnonzero(self.mask(rank=rank, core=core, task=task))
+        return [TaskSpan(int(self.rank[i]), int(self.core[i]), TASKS[self.task[i]],
+                         float(self.start_ns[i]), float(self.end_ns[i])) for i in idx]
+
+    def busy_ns(self, *, rank: int, task: str) -> float:
+        """Sum over cores of the time rank ``rank`` spends in ``task``."""
+        m = self.mask(rank=rank, task=task)
+        return float(np.sum(self.end_ns[m] - self.start_ns[m]))
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """One simulated operator call.
+
+    Attributes:
+        op, engine, sync, mode: what was simulated and by which executor.
+        latency_ns: operator latency (the slowest rank's end).
+        rank_end_ns: ``[num_ranks]`` when each rank's last core finished.
+        timeline: per-core task spans.
+        unit_end_ns: ``[U]`` when the issuing core finished each unit (spec unit order).
+        unit_land_ns: ``[U]`` when the unit's last byte is in the receiver's memory.
+        unit_ready_ns: ``[U]`` when the receiver may consume it (sync mode decides).
+        core_send_end_ns: ``[num_ranks, num_send_cores]`` each send core's last issue.
+        core_land_end_ns: ``[num_ranks, num_send_cores]`` when each send core's last unit landed.
+        item_end_ns: ``[I]`` when each receive item was consumed.
+        consume_work_ns: ``[num_ranks]`` core time spent consuming items (without the waits
+            for items to become ready that consume spans include).
+    """
+
+    op: str
+    engine: str
+    sync: str
+    mode: str
+    latency_ns: float
+    rank_end_ns: np.ndarray
+    timeline: TaskTimeline
+    unit_end_ns: np.ndarray
+    unit_land_ns: np.ndarray
+    unit_ready_ns: np.ndarray
+    core_send_end_ns: np.ndarray
+    core_land_end_ns: np.ndarray
+    item_end_ns: np.ndarray
+    consume_work_ns: np.ndarray
+
+    @property
+    def slowest_rank(self) -> int:
+        return int(np.argmax(self.rank_end_ns))
+
+    def send_latency_ns(self) -> np.ndarray:
+        """``[num_ranks, num_send_cores]`` per-core token-send latency: from the start of its
+        send task to the landing of its last unit (0 for a core without units)."""
+        m = self.timeline.mask(task="send")
+        start = np.zeros_like(self.core_land_end_ns)
+        start[self.timeline.rank[m], self.timeline.core[m]] = self.timeline.start_ns[m]
+        return np.where(self.core_land_end_ns > 0, self.core_land_end_ns - start, 0.0)
+
+    def task_span_ns(self, rank: int | None = None) -> dict[str, float]:
+        """Per task: wall time from its first start to its last end on ``rank`` (default: the
+        slowest rank). Tasks overlap under ASP, so these do not add up to the latency."""
+        r = self.slowest_rank if rank is None else rank
+        out: dict[str, float] = {}
+        for name in TASKS:
+            m = self.timeline.mask(rank=r, task=name)
+            if m.any():
+                out[name] = float(self.timeline.end_ns[m].max() - self.timeline.start_ns[m].min())
+        return out
+
+    def sync_split_ns(self, rank: int | None = None) -> tuple[float, float]:
+        """``(all_to_all_ns, sync_ns)`` on ``rank`` (default: slowest) with
+        ``all_to_all + sync = rank latency``: all-to-all is the mean over the rank's cores of the
+        time spent moving and ordering data (init, send, count, cumsum, consume); the rest is the
+        BSP cost -- barriers, flags, verification and waiting for other cores or ranks."""
+        r = self.slowest_rank if rank is None else rank
+        tl = self.timeline
+        m = tl.rank == r
+        cores = np.unique(tl.core[m])
+        work = 0.0
+        for name in ("init", "send", "count", "cumsum"):
+            work += tl.busy_ns(rank=r, task=name)
+        work += float(self.consume_work_ns[r])
+        a2a = work / max(1, cores.size)
+        total = float(self.rank_end_ns[r])
+        return a2a, total - a2a

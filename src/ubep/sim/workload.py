@@ -1,0 +1,226 @@
+"""Workloads and systems: a call's routing and shape, and the engine/policy/sync that runs it.
+
+``run_case(workload, system, topology, fabric)`` is what every experiment and the calibration
+call: it draws each rank's seeded ``topk_idx``, plans every rank with ``ubep.sched.schedule``,
+builds the combine plans when asked, and runs an executor. Routing and plans are cached (they do
+not depend on the fabric constants), so a calibration fit re-times the same plans cheaply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+import numpy as np
+
+from ..errors import InvalidArgumentError
+from ..routing import hot_experts_topk, uniform_topk, zipf_topk
+from ..sched.plan import Plan
+from ..topology import Topology
+from .analytic import run_analytic
+from .api import MODES, make_plans
+from .combine import combine_plans
+from .events import run_events
+from .fabric import ENGINES, SYNC_MODES, FabricModel
+from .spec import build_spec
+from .timeline import SimResult
+
+__all__ = [
+    "CANN_EP",
+    "ROUTINGS",
+    "UBEP",
+    "UBEP_NO_MAPPING",
+    "System",
+    "Workload",
+    "partition_constants",
+    "plans_for",
+    "routing_for",
+    "run_case",
+]
+
+ROUTINGS = ("uniform", "zipf", "hot")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One MoE layer call on every rank.
+
+    Attributes:
+        tokens_per_rank: tokens each rank dispatches (the batch size).
+        hidden, itemsize: ``row_bytes = hidden * itemsize`` (1 = W8A8, 2 = BF16).
+        num_topk: experts per token.
+        experts_per_rank: ``num_experts = num_ranks * experts_per_rank``.
+        routing: "uniform", "zipf" (``alpha``) or "hot" (``hot_experts`` get ``hot_share`` of
+            the picks; the hot set is the same on every rank).
+        combine_itemsize: bytes per element of the combine payload (expert outputs, BF16).
+        seed: base seed; rank ``r`` uses ``seed + r``.
+    """
+
+    tokens_per_rank: int = 128
+    hidden: int = 7168
+    itemsize: int = 1
+    num_topk: int = 8
+    experts_per_rank: int = 1
+    routing: str = "uniform"
+    alpha: float = 1.0
+    hot_experts: int = 8
+    hot_share: float = 0.5
+    combine_itemsize: int = 2
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("tokens_per_rank", "hidden", "itemsize", "num_topk", "experts_per_rank",
+                     "combine_itemsize"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or value < 1:
+                raise InvalidArgumentError(name, value, "must be a positive integer")
+        if self.routing not in ROUTINGS:
+            raise InvalidArgumentError("routing", self.routing, f"must be one of {ROUTINGS}")
+
+    @property
+    def row_bytes(self) -> int:
+        return self.hidden * self.itemsize
+
+    def num_experts(self, num_ranks: int) -> int:
+        return num_ranks * self.experts_per_rank
+
+    def payload_bytes(self) -> int:
+        """Table 4's byte count: tokens x top-k x hidden x itemsize (per rank)."""
+        return self.tokens_per_rank * self.num_topk * self.row_bytes
+
+    def with_(self, **changes: object) -> Workload:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class System:
+    """How a call runs: engine, scheduler policy, sync mode, receive layout, core split.
+
+    ``num_send_cores`` / ``num_count_cores`` of ``None`` take ``ubep.sched``'s defaults
+    (ASP: Appendix A's partition with :func:`partition_constants`); ``"all"`` means every core
+    of the rank (what BSP does: every core counts, then every core sends).
+    """
+
+    name: str
+    engine: str
+    policy: str
+    sync: str
+    layout: str = "expert"
+    num_send_cores: int | str | None = None
+    num_count_cores: int | str | None = None
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise InvalidArgumentError("engine", self.engine, f"must be one of {ENGINES}")
+        if self.sync not in SYNC_MODES:
+            raise InvalidArgumentError("sync", self.sync, f"must be one of {SYNC_MODES}")
+
+    def with_(self, **changes: object) -> System:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+CANN_EP = System("CANN EP", "bsp", "expert_contiguous", "sw", num_send_cores="all",
+                 num_count_cores="all")
+UBEP = System("UBEP", "asp", "hierarchical", "sp")
+UBEP_NO_MAPPING = System("UBEP w/o mapping", "asp", "balanced", "sp")
+
+
+@lru_cache(maxsize=64)
+def routing_for(workload: Workload, num_ranks: int) -> tuple[np.ndarray, ...]:
+    """Every rank's seeded ``topk_idx`` (read-only arrays)."""
+    num_experts = workload.num_experts(num_ranks)
+    if workload.num_topk > num_experts:
+        raise InvalidArgumentError("num_topk", workload.num_topk, f"exceeds {num_experts} experts")
+    hot_ids = None
+    if workload.routing == "hot":
+        rng = np.random.default_rng(workload.seed + 10_007)
+        hot_ids = np.sort(rng.choice(num_experts, workload.hot_experts, replace=False))
+    if workload.routing == "zipf":
+        # One draw for all ranks, so that every rank shares the same popular experts.
+        every = zipf_topk(workload.tokens_per_rank * num_ranks, num_experts, workload.num_topk,
+                          alpha=workload.alpha, seed=workload.seed)
+        parts = np.split(every, num_ranks)
+    out = []
+    for r in range(num_ranks):
+        seed = workload.seed + r
+        if workload.routing == "uniform":
+            idx = uniform_topk(workload.tokens_per_rank, num_experts, workload.num_topk, seed=seed)
+        elif workload.routing == "zipf":
+            idx = np.ascontiguousarray(parts[r])
+        else:
+            idx = hot_experts_topk(workload.tokens_per_rank, num_experts, workload.num_topk,
+                                   hot_experts=workload.hot_experts, hot_share=workload.hot_share,
+                                   hot_ids=hot_ids, seed=seed)
+        idx.flags.writeable = False
+        out.append(idx)
+    return tuple(out)
+
+
+def partition_constants(topology: Topology, fabric: FabricModel, row_bytes: int,
+                        num_experts: int) -> tuple[float, float, float]:
+    """``(alpha, beta, b_count)`` of Appendix A's model from the fabric constants.
+
+    alpha: time per (token, k) unit of one send core when the rank's cores all send (mean hop);
+    beta: count + publish + poll per expert; b_count: the receiver's prefix sum.
+    """
+    n = topology.cores_per_rank
+    mean_lat = float(np.mean(topology.latency_of_hops(topology.hop_matrix()[0])))
+    work = (fabric.issue_ns + row_bytes / fabric.core_bandwidth_gbps
+            + fabric.latency_exposure * mean_lat)
+    alpha = work / float(fabric.speed(n))
+    beta = fabric.count_expert_ns + fabric.flag_ns + fabric.poll_ns
+    b_count = fabric.cumsum_entry_ns * num_experts
+    return alpha, beta, b_count
+
+
+def _cores(value: int | str | None, topology: Topology) -> int | None:
+    if value == "all":
+        return topology.cores_per_rank
+    if isinstance(value, str):
+        raise InvalidArgumentError("num_send_cores", value, "must be an int, 'all' or None")
+    return value
+
+
+@lru_cache(maxsize=128)
+def plans_for(workload: Workload, system: System, topology: Topology,
+              fabric: FabricModel | None = None) -> tuple[Plan, ...]:
+    """Every rank's dispatch plan (cached). ``fabric`` sets the ASP default core split."""
+    routing = routing_for(workload, topology.num_ranks)
+    num_experts = workload.num_experts(topology.num_ranks)
+    n_s = _cores(system.num_send_cores, topology)
+    n_c = _cores(system.num_count_cores, topology)
+    if system.engine == "asp" and n_s is None and n_c is None and fabric is not None \
+            and topology.cores_per_rank >= 2:
+        from ..sched.partition import partition
+
+        alpha, beta, b_count = partition_constants(topology, fabric, workload.row_bytes,
+                                                   num_experts)
+        part = partition(topology.cores_per_rank, num_experts, workload.num_topk,
+                         workload.tokens_per_rank, alpha=alpha, beta=beta, b_count=b_count)
+        n_s, n_c = part.num_send_cores, part.num_count_cores
+    return tuple(make_plans(list(routing), topology, num_experts=num_experts,
+                            policy=system.policy, num_send_cores=n_s, num_count_cores=n_c,
+                            layout=system.layout))
+
+
+def run_case(
+    workload: Workload,
+    system: System,
+    topology: Topology,
+    fabric: FabricModel,
+    *,
+    op: str = "dispatch",
+    mode: str = "analytic",
+) -> SimResult:
+    """Simulate one dispatch (or combine) call of ``workload`` under ``system``."""
+    if mode not in MODES:
+        raise InvalidArgumentError("mode", mode, f"must be one of {MODES}")
+    plans = plans_for(workload, system, topology, fabric)
+    row_bytes = workload.row_bytes
+    if op == "combine":
+        plans = combine_plans(plans, topology, policy=system.policy)
+        row_bytes = workload.hidden * workload.combine_itemsize
+    spec = build_spec(plans, topology, fabric, engine=system.engine, sync=system.sync,
+                      row_bytes=row_bytes, op=op)
+    runner = run_analytic if mode == "analytic" else run_events
+    return runner(spec, topology, fabric)
