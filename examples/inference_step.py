@@ -9,18 +9,20 @@ float32 accumulation order).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-import ubep
+from ubep.buffer import Buffer, BufferConfig
+from ubep.runtime import Group, launch
 from ubep.torch import MoELayer
 
 HIDDEN, FFN, EXPERTS, TOP_K, TOKENS = 128, 64, 16, 4, 8
 
 
-def infer(group: ubep.runtime.Group) -> torch.Tensor:
-    buffer = ubep.Buffer(
+def infer(group: Group) -> np.ndarray:
+    buffer = Buffer(
         group,
-        ubep.BufferConfig(
+        BufferConfig(
             max_tokens_per_rank=TOKENS,
             hidden=HIDDEN,
             num_topk=TOP_K,
@@ -34,11 +36,13 @@ def infer(group: ubep.runtime.Group) -> torch.Tensor:
     with torch.inference_mode():
         y = layer(x.to(torch.bfloat16))
     buffer.close()
-    return y
+    # Return plain arrays from a rank (a tensor would be shared through a file descriptor that
+    # dies with the process); float32 holds every bf16 value exactly.
+    return y.float().numpy()
 
 
 if __name__ == "__main__":
-    ys = ubep.launch(infer, 2, timeout_s=120)
+    ys = [torch.from_numpy(y).to(torch.bfloat16) for y in launch(infer, 2, timeout_s=120)]
     dense = MoELayer(HIDDEN, FFN, EXPERTS, TOP_K, None, seed=7, dtype=torch.bfloat16)
     xs = [
         torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16)

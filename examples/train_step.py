@@ -13,17 +13,18 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-import ubep
+from ubep.buffer import Buffer, BufferConfig
+from ubep.runtime import Group, launch
 from ubep.torch import MoELayer
 
 HIDDEN, FFN, EXPERTS, TOP_K, TOKENS = 64, 32, 8, 2, 16
 
 
-def train(group: ubep.runtime.Group, steps: int) -> list[float]:
+def train(group: Group, steps: int) -> list[float]:
     torch.manual_seed(1234 + group.rank)  # each rank: its own data
-    buffer = ubep.Buffer(
+    buffer = Buffer(
         group,
-        ubep.BufferConfig(
+        BufferConfig(
             max_tokens_per_rank=TOKENS,
             hidden=HIDDEN,
             num_topk=TOP_K,
@@ -42,14 +43,14 @@ def train(group: ubep.runtime.Group, steps: int) -> list[float]:
         loss = torch.nn.functional.mse_loss(layer(x), target)
         loss.backward()  # collective: every rank runs it
         # Replicated router: average its gradient over ranks (experts are rank-local).
-        grads = group.allgather(layer.router.grad.numpy())
-        layer.router.grad.copy_(torch.from_numpy(np.mean(grads, axis=0)))
+        grads = group.allgather(layer.router.grad.tolist())  # small, JSON-able
+        layer.router.grad.copy_(torch.tensor(np.mean(grads, axis=0)))
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     buffer.close()
     return losses
 
 
 if __name__ == "__main__":
-    for rank, losses in enumerate(ubep.launch(train, 2, 5, timeout_s=120)):
+    for rank, losses in enumerate(launch(train, 2, 5, timeout_s=120)):
         print(f"rank {rank}: loss " + " -> ".join(f"{v:.4f}" for v in losses))
