@@ -47,7 +47,7 @@ from .errors import (
 )
 from .handle import DispatchHandle
 from .routing import experts_per_rank
-from .runtime.group import Group, process_start_time
+from .runtime.group import GlobalMemory, ProcessGroup
 from .runtime.layout import SegmentLayout, compute_layout
 from .runtime.shm import Segment
 
@@ -217,11 +217,12 @@ class Buffer:
     the same config, in the same order).
 
     Args:
-        group: the :class:`~ubep.runtime.group.Group` of the ranks.
+        group: the ranks: a :class:`~ubep.runtime.group.Group` (``ubep.launch``) or any
+            :class:`~ubep.runtime.group.ProcessGroup` (``ubep.dist.init()`` under mpiexec).
         config: :class:`BufferConfig` (must be equal on every rank).
     """
 
-    def __init__(self, group: Group, config: BufferConfig) -> None:
+    def __init__(self, group: ProcessGroup, config: BufferConfig) -> None:
         if not isinstance(config, BufferConfig):
             raise InvalidArgumentError("config", type(config).__name__, "must be a BufferConfig")
         self.group = group
@@ -239,6 +240,7 @@ class Buffer:
         self._broken: str | None = None
         self._closed = False
         self._segments: list[Segment] = []
+        self._memory: GlobalMemory | None = None
         self._engine: Any = None
         configs = group.allgather(dataclasses.asdict(config) | {"num_cores": self.num_cores})
         if any(c != configs[0] for c in configs):
@@ -255,38 +257,24 @@ class Buffer:
 
     def _setup(self) -> None:
         g, lay = self.group, self.layout
-        own = Segment.create(
-            lay.size_bytes, group_id=g.group_id, owner_rank=self.rank, kind="buffer",
-            marker_dir=g.rendezvous,
-        )
-        names = g.allgather(own.name)
-        segs: list[Segment] = []
-        for r, name in enumerate(names):
-            if r == self.rank:
-                segs.append(own)
-            else:
-                segs.append(Segment.open_peer(
-                    name, size_bytes=lay.size_bytes, group_id=g.group_id, owner_rank=r,
-                    kind="buffer",
-                ))
-            self._segments = segs
+        mem = g.map_global(lay.size_bytes, "buffer")
+        self._memory = mem
+        self._segments = list(getattr(mem, "segments", []))
         cores = self.num_cores
         threads = self.config.threads
         if threads is None:
             threads = cores * self.num_ranks <= (os.cpu_count() or 1)
-        self._engine = self._native.Engine(
-            self._engine_params(bool(threads) and cores > 1),
-            [s.address for s in segs],
-            [p.pid for p in g.peers],
-            [p.start_time or process_start_time(p.pid) for p in g.peers],
-        )
+        params = self._engine_params(bool(threads) and cores > 1)
+        if mem.addresses is not None:
+            self._engine = self._native.Engine(params, mem.addresses, mem.pids, mem.start_times)
+        else:
+            self._engine = mem.make_engine(params)  # peers on other hosts (ubep.dist)
         self._engine.reset_all()
         # Every peer has mapped every segment once this barrier completes: unlink the names so
         # nothing survives a crash from here on.
         g.barrier(self.config.timeout_s)
-        own.unlink()
-        seg = own.array
-        lay = self.layout
+        mem.unlink()
+        seg = mem.local_array
         self._out_regions = [
             seg[lay.off_out + i * lay.out_bytes: lay.off_out + (i + 1) * lay.out_bytes]
             for i in range(lay.num_regions)
@@ -485,8 +473,9 @@ class Buffer:
             self._engine.close()
         self._out_regions = []
         self._comb_regions = []
-        for seg in self._segments:
-            seg.close()
+        if self._memory is not None:
+            self._memory.close()
+        self._memory = None
         self._segments = []
 
     def __enter__(self) -> Buffer:

@@ -8,6 +8,10 @@ of a new Buffer) go through numbered files in the same directory (:meth:`Group.a
 
 Liveness: a peer is alive while its pid exists, is not a zombie and still has the start time it
 had at rendezvous (so a recycled pid is not mistaken for it).
+
+Global memory (:meth:`Group.map_global`): one segment per rank, every peer's mapped here. Other
+group kinds (``ubep.dist.DistGroup`` over MPI) implement the same :class:`ProcessGroup` protocol,
+so :class:`ubep.Buffer` runs on any of them.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import secrets
 import stat
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -28,11 +32,79 @@ from ..env import launch_env, timeout_s_from_env
 from ..errors import InvalidArgumentError, PeerLostError, TimeoutError, UbepError
 from .shm import HEADER_BYTES, Segment
 
-__all__ = ["Group", "group_from_env"]
+__all__ = ["GlobalMemory", "Group", "ProcessGroup", "ShmGlobalMemory", "group_from_env"]
 
 _GROUP_SEGMENT_BYTES = 4096
 _BARRIER_OFFSET = HEADER_BYTES  # u64 counter: number of barriers this rank has entered
 _LIVENESS_PERIOD_S = 0.02
+
+
+class GlobalMemory(Protocol):
+    """This rank's view of one global memory object: a region per rank, all usable from here.
+
+    Attributes:
+        addresses: base address in this process of every rank's region (rank order), or ``None``
+            when some peer's region is not reachable with loads and stores from this process
+            (another host): then the data plane comes from :meth:`make_engine`.
+        local_array: this rank's own region, a writable ``uint8`` array.
+        pids, start_times: every rank's process id and start time (liveness; 0 = unknown).
+    """
+
+    addresses: list[int] | None
+    local_array: np.ndarray
+    pids: list[int]
+    start_times: list[int]
+
+    def unlink(self) -> None:
+        """Drop every name of this rank's region (call once every peer has mapped it)."""
+
+    def close(self) -> None:
+        """Release this rank's mappings (local, not collective)."""
+
+    def make_engine(self, params: dict[str, int]) -> Any:
+        """A data-plane engine for these regions (only when ``addresses`` is ``None``)."""
+
+
+class ProcessGroup(Protocol):
+    """What :class:`ubep.Buffer` needs from a group of ranks (``Group``, ``ubep.dist``)."""
+
+    rank: int
+    num_ranks: int
+    topology: topo.Topology
+
+    def barrier(self, timeout_s: float | None = None) -> None: ...
+
+    def allgather(self, value: Any, timeout_s: float | None = None) -> list[Any]: ...
+
+    def map_global(
+        self, size_bytes: int, kind: str, timeout_s: float | None = None
+    ) -> GlobalMemory: ...
+
+
+class ShmGlobalMemory:
+    """:class:`GlobalMemory` of one host: a POSIX shared-memory segment per rank."""
+
+    def __init__(
+        self, segments: list[Segment], rank: int, pids: list[int], start_times: list[int]
+    ) -> None:
+        self.segments = segments
+        self.rank = rank
+        self.addresses: list[int] | None = [s.address for s in segments]
+        self.local_array = segments[rank].array
+        self.pids = pids
+        self.start_times = start_times
+
+    def unlink(self) -> None:
+        self.segments[self.rank].unlink()
+
+    def close(self) -> None:
+        self.local_array = np.zeros(0, dtype=np.uint8)
+        for seg in self.segments:
+            seg.close()
+        self.segments = []
+
+    def make_engine(self, params: dict[str, int]) -> Any:
+        raise UbepError("shared-memory regions are load/store reachable: use the native engine")
 
 
 class PeerProcess:
@@ -179,6 +251,41 @@ class Group:
         if seq >= 2:
             _remove(self._path(f"ag.{seq - 1}.{self.rank}.json"))
         return out
+
+    def map_global(
+        self, size_bytes: int, kind: str, timeout_s: float | None = None
+    ) -> ShmGlobalMemory:
+        """Create this rank's segment of ``size_bytes`` and map every peer's (collective).
+
+        The segment name is recorded in the rendezvous directory until :meth:`unlink` (so the
+        launcher can remove it if a rank dies during set-up); call ``unlink()`` once every peer
+        has mapped it (after a barrier).
+        """
+        self._check_open()
+        own = Segment.create(
+            size_bytes, group_id=self.group_id, owner_rank=self.rank, kind=kind,
+            marker_dir=self.rendezvous,
+        )
+        segs: list[Segment] = []
+        try:
+            names = self.allgather(own.name, timeout_s)
+            for r, name in enumerate(names):
+                if r == self.rank:
+                    segs.append(own)
+                else:
+                    segs.append(Segment.open_peer(
+                        name, size_bytes=size_bytes, group_id=self.group_id, owner_rank=r,
+                        kind=kind,
+                    ))
+        except BaseException:
+            for seg in segs:
+                seg.close()
+            if own not in segs:
+                own.close()
+            raise
+        pids = [p.pid for p in self.peers]
+        starts = [p.start_time or process_start_time(p.pid) for p in self.peers]
+        return ShmGlobalMemory(segs, self.rank, pids, starts)
 
     def check_peers(self) -> None:
         """Raise ``PeerLostError`` if any peer process has died."""
