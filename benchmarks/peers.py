@@ -355,7 +355,8 @@ def _peer_rows(
         group = [inp for inp in inputs_list if inp.shape.num_ranks == num_ranks]
         workdir = Path(tempfile.mkdtemp(prefix=f"{system}{num_ranks}-", dir=scratch))
         cases = write_workdir(workdir, group, settings)
-        version = run_peer(system, num_ranks, workdir, settings.timeout_s)["library_version"]
+        info = run_peer(system, num_ranks, workdir, settings.timeout_s)
+        version = str(info["library_version"]).strip("\x00 \n")
         for case in cases:
             inp = group[case["index"]]
             times = np.load(workdir / f"{case['id']}.times.npz")
@@ -575,7 +576,7 @@ def exchange_report(rows: Sequence[Row], exchange_rows: Sequence[Row]) -> str:
             "pack, metadata, reorder):\n" + format_table(cols, cells, float_digits=1))
 
 
-def machine_info(versions: dict[str, str]) -> dict[str, Any]:
+def machine_info(versions: dict[str, str], load_at_start: float) -> dict[str, Any]:
     cpu = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -585,7 +586,8 @@ def machine_info(versions: dict[str, str]) -> dict[str, Any]:
     except OSError:
         pass
     return {
-        "load_average_1m": os.getloadavg()[0],
+        "load_average_1m_at_start": load_at_start,
+        "load_average_1m_at_end": os.getloadavg()[0],
         "hostname": platform.node(),
         "cpu": cpu,
         "cpu_count": os.cpu_count(),
@@ -747,7 +749,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(sim_report(rows, inputs_list, NUM_EXPERTS))
     if args.json:
         doc = {
-            "machine": machine_info(versions),
+            "machine": machine_info(versions, load),
             "settings": asdict(settings),
             "rows": [r.to_json() for r in rows],
             "payload_exchange": [r.to_json() for r in exchange_rows],
