@@ -367,11 +367,16 @@ def run_threads(
 
 # --------------------------------------------------------------------------- adapter
 def as_backend(buffer: Any) -> EPBackend:
-    """``buffer`` as an :class:`EPBackend`: backends pass through, a ``ubep.Buffer`` is wrapped."""
-    if isinstance(buffer, (LocalBackend,)):
-        return buffer
-    from ._runtime import RuntimeBackend
+    """``buffer`` as an :class:`EPBackend`: a ``ubep.Buffer`` is wrapped, anything that already
+    implements the protocol passes through."""
+    from ..buffer import Buffer
 
-    if isinstance(buffer, RuntimeBackend):
+    if isinstance(buffer, Buffer):
+        from ._runtime import RuntimeBackend
+
+        return RuntimeBackend(buffer)
+    if isinstance(buffer, EPBackend):
         return buffer
-    return RuntimeBackend(buffer)
+    raise InvalidArgumentError(
+        "buffer", type(buffer).__name__, "must be a ubep.Buffer or implement ubep.torch.EPBackend"
+    )

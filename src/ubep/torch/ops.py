@@ -117,7 +117,7 @@ def _padded_columns(
     buf = torch.zeros((rows, hidden), dtype=dtype)
     v = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64)).to(dtype)
     if values.ndim == 1:
-        buf[torch.arange(rows), torch.from_numpy(cols)] = v
+        buf[torch.arange(rows), torch.tensor(cols, dtype=torch.int64)] = v
     else:
         buf[:, : values.shape[1]] = v
     return to_numpy(buf)
