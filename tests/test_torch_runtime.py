@@ -186,3 +186,33 @@ def test_hf_model_on_two_processes_matches_eager(results: list[dict[str, Any]], 
         with torch.no_grad():
             torch.testing.assert_close(_t(logits), eager(_ids(r)).logits, rtol=1e-4, atol=1e-4)
             assert torch.equal(torch.from_numpy(gen), _generate(eager, _ids(r)))
+
+
+def test_decode_cli_ubep_and_gloo_agree_token_for_token() -> None:
+    """``ubep decode`` machinery on a tiny shape: the gloo all_to_all baseline is an independent
+    implementation of the same experts, so both must produce the same greedy tokens."""
+    from ubep.torch_decode import DecodeConfig, format_table, run_decode
+
+    cfg = DecodeConfig(
+        hidden=64,
+        num_experts=8,
+        top_k=2,
+        moe_ffn=16,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        vocab=64,
+        batch=2,
+        prompt_len=4,
+        steps=4,
+        warmup=1,
+        dtype="fp32",
+    )
+    results = run_decode(cfg, ("ubep", "gloo"), timeout_s=180)
+    assert [r.backend for r in results] == ["ubep", "gloo"]
+    assert all(r.tokens_match_ubep for r in results)
+    for r in results:
+        assert 0 < r.tpot_min_ms <= r.tpot_p50_ms <= r.tpot_p99_ms <= r.tpot_max_ms
+        assert 0 < r.comm_share < 1
+    assert "tpot_p50_ms" in format_table(cfg, results)
