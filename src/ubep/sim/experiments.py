@@ -210,28 +210,32 @@ def fig9(family: str = "cm384", fabric: FabricModel | None = None) -> Experiment
     ranks = min(64, MAX_RANKS[family])
     w = Workload(experts_per_rank=256 // ranks, routing="hot", hot_experts=8)
     topo = topology_for(family, ranks)
-    rows, per_core, maxima = [], {}, {}
+    rows, per_core, maxima, land_maxima = [], {}, {}, {}
     for key, s in (("cann_ep", CANN_EP), ("balanced", UBEP_NO_MAPPING),
                    ("hierarchical", UBEP)):
         res = run_case(w, s, topo, fab)
         lat = res.send_latency_ns()
+        land = res.send_latency_ns(until="land")
         busy = lat[lat > 0]
         worst = int(np.argmax(lat.max(axis=1)))
         per_core[key] = (lat[worst] / 1e3).round(3).tolist()
         maxima[key] = _us(busy.max())
+        land_maxima[key] = _us(land.max())
         rows.append((s.name, key, lat.shape[1], _us(busy.max()), _us(np.median(busy)),
-                     _us(np.percentile(busy, 99)), round(float(busy.max() / busy.mean()), 2),
+                     round(float(busy.max() / busy.mean()), 2), _us(land.max()),
                      _us(res.latency_ns)))
     return ExperimentResult(
         "fig9", f"Figure 9: per-core token-send latency, EP{ranks}, 256 experts, 8 hot ({family})",
-        ("system", "key", "send_cores", "max_core_us", "median_core_us", "p99_core_us",
-         "max/mean", "dispatch_us"),
+        ("system", "key", "send_cores", "max_core_us", "median_core_us", "max/mean",
+         "max_core_to_land_us", "dispatch_us"),
         tuple(rows),
-        ("per-core token-send latency = from the core's first issue to the landing of its "
-         "last unit; statistics over every send core of every rank",
+        ("per-core token-send latency = a send core's Token-Sending time (first issue to last "
+         "issue), statistics over every send core of every rank; max_core_to_land_us runs to "
+         "the landing of the core's last unit (adds queueing at hot receivers' ports)",
          "each system uses its own core split (CANN EP: all 48 cores send; UBEP: Appendix A "
          "partition)", *_family_note(family)),
-        {"max_core_latency_us": maxima, "slowest_rank_core_latency_us": per_core},
+        {"max_core_latency_us": maxima, "max_core_to_land_latency_us": land_maxima,
+         "slowest_rank_core_latency_us": per_core},
     )
 
 

@@ -253,7 +253,10 @@ def build_spec(
     chunk_core, chunk_dst, chunk_experts, poll_first, poll_cores = _chunks(
         op, engine, num_ranks, num_experts, n, n_s, n_c, plans[0].count_expert_ptr
     )
-    chunk_offset = _chunk_offsets(chunk_core, chunk_dst, chunk_experts, fabric, topology, sync)
+    # Only BSP's words signal that data is complete (SW: after a fence); ASP's count words are
+    # data in their own right, published with one atomic store.
+    fenced = engine == "bsp" and sync == "sw"
+    chunk_offset = _chunk_offsets(chunk_core, chunk_dst, chunk_experts, fabric, topology, fenced)
     cumsum_ns = fabric.cumsum_entry_ns * num_ranks * epr if op == "dispatch" else 0.0
     return OpSpec(
         op=op, engine=engine, sync=sync, num_ranks=num_ranks, cores_per_rank=n,
@@ -319,16 +322,16 @@ def _chunks(
 
 
 def _chunk_offsets(core: np.ndarray, dst: np.ndarray, experts: np.ndarray, fabric: FabricModel,
-                   topology: Topology, sync: str) -> np.ndarray:
+                   topology: Topology, fenced: bool) -> np.ndarray:
     """``[R, C]`` completion offsets of each rank's chunk writes: per chunk, count its experts,
-    (SW only) fence -- wait one round trip for the earlier writes to that rank -- then store the
-    word; a core's chunks run back to back."""
+    (``fenced``: BSP + SW) wait one round trip for the earlier writes to that rank to complete,
+    then store the word; a core's chunks run back to back."""
     R = topology.num_ranks
     if core.size == 0:
         return np.zeros((R, 0))
     lat = np.asarray(topology.latency_ns, dtype=np.float64)
     hops = topology.hop_matrix().astype(np.int64)
-    fence = 2.0 * lat[hops[:, dst]] if sync == "sw" else np.zeros((R, dst.size))
+    fence = 2.0 * lat[hops[:, dst]] if fenced else np.zeros((R, dst.size))
     cost = experts * fabric.count_expert_ns + fabric.flag_ns + fence
     # Chunks are grouped by core (consecutive): cumulative sum that restarts at each core.
     total = np.cumsum(cost, axis=1)

@@ -132,13 +132,18 @@ class SimResult:
     def slowest_rank(self) -> int:
         return int(np.argmax(self.rank_end_ns))
 
-    def send_latency_ns(self) -> np.ndarray:
-        """``[num_ranks, num_send_cores]`` per-core token-send latency: from the start of its
-        send task to the landing of its last unit (0 for a core without units)."""
+    def send_latency_ns(self, *, until: str = "issue") -> np.ndarray:
+        """``[num_ranks, num_send_cores]`` per-core token-send latency (0 for a core without
+        units): from the start of its send task until its last unit is issued
+        (``until="issue"``, the core's own Token-Sending time) or has landed (``"land"``,
+        which adds flight and queueing at the receivers' ports)."""
         m = self.timeline.mask(task="send")
         start = np.zeros_like(self.core_land_end_ns)
         start[self.timeline.rank[m], self.timeline.core[m]] = self.timeline.start_ns[m]
-        return np.where(self.core_land_end_ns > 0, self.core_land_end_ns - start, 0.0)
+        end = {"issue": self.core_send_end_ns, "land": self.core_land_end_ns}.get(until)
+        if end is None:
+            raise InvalidArgumentError("until", until, "must be 'issue' or 'land'")
+        return np.where(end > 0, end - start, 0.0)
 
     def task_span_ns(self, rank: int | None = None) -> dict[str, float]:
         """Per task: wall time from its first start to its last end on ``rank`` (default: the

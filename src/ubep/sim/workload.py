@@ -181,7 +181,7 @@ def _cores(value: int | str | None, topology: Topology) -> int | None:
     return value
 
 
-@lru_cache(maxsize=128)
+@lru_cache(maxsize=12)  # an EP256 plan set is ~20 MB: keep the cache small
 def plans_for(workload: Workload, system: System, topology: Topology,
               fabric: FabricModel | None = None) -> tuple[Plan, ...]:
     """Every rank's dispatch plan (cached). ``fabric`` sets the ASP default core split."""
