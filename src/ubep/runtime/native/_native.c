@@ -154,19 +154,28 @@ static void copy_generic(uint8_t *d, const uint8_t *s, int64_t n) {
 
 #if UBEP_X86
 __attribute__((target("avx2"))) static void copy_avx2(uint8_t *d, const uint8_t *s, int64_t n) {
+    /* align the destination first: a vector store that splits a cache line costs ~2x */
+    int64_t head = (int64_t)((32 - ((uintptr_t)d & 31)) & 31);
+    if (head > n) head = n;
+    if (head) {
+        copy_tail(d, s, head);
+        d += head;
+        s += head;
+        n -= head;
+    }
     int64_t i = 0;
     for (; i + 128 <= n; i += 128) {
         __m256i a = _mm256_loadu_si256((const __m256i *)(s + i));
         __m256i b = _mm256_loadu_si256((const __m256i *)(s + i + 32));
         __m256i c = _mm256_loadu_si256((const __m256i *)(s + i + 64));
         __m256i e = _mm256_loadu_si256((const __m256i *)(s + i + 96));
-        _mm256_storeu_si256((__m256i *)(d + i), a);
-        _mm256_storeu_si256((__m256i *)(d + i + 32), b);
-        _mm256_storeu_si256((__m256i *)(d + i + 64), c);
-        _mm256_storeu_si256((__m256i *)(d + i + 96), e);
+        _mm256_store_si256((__m256i *)(d + i), a);
+        _mm256_store_si256((__m256i *)(d + i + 32), b);
+        _mm256_store_si256((__m256i *)(d + i + 64), c);
+        _mm256_store_si256((__m256i *)(d + i + 96), e);
     }
     for (; i + 32 <= n; i += 32)
-        _mm256_storeu_si256((__m256i *)(d + i), _mm256_loadu_si256((const __m256i *)(s + i)));
+        _mm256_store_si256((__m256i *)(d + i), _mm256_loadu_si256((const __m256i *)(s + i)));
     if (i + 16 <= n) {
         _mm_storeu_si128((__m128i *)(d + i), _mm_loadu_si128((const __m128i *)(s + i)));
         i += 16;
@@ -461,20 +470,192 @@ static accw_fn ACCW[3] = {acc_bf16_w, acc_f16sw_w, acc_f32_w};
 static acc1_fn ACC1[3] = {acc_bf16_1, acc_f16sw_1, acc_f32_1};
 static out_fn OUTF[3] = {out_bf16, out_f16sw, out_f32};
 
+
+/* Fused combine: y[i] = round(((0 + t_0[i]) + t_1[i]) + ...) over the terms in order, where
+ * t_j = fl32(w_j * src_j[i]) (weighted, expert layout) or src_j[i] (rank layout). One pass:
+ * every source row is read once, the accumulators stay in registers, the output is written
+ * once. Bit-exact with ubep.reference (same order, product rounded before the add). */
+typedef void (*reduce_fn)(void *y, const void *const *src, const float *w, int nt, int64_t n,
+                          int weighted);
+
+static float load_f32(int dt, const void *p, int64_t i) {
+    if (dt == DT_BF16) return bf16_to_f32(((const uint16_t *)p)[i]);
+    if (dt == DT_FP16) return fp16_to_f32_sw(((const uint16_t *)p)[i]);
+    return ((const float *)p)[i];
+}
+static void store_f32(int dt, void *p, int64_t i, float v) {
+    if (dt == DT_BF16) ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else if (dt == DT_FP16) ((uint16_t *)p)[i] = f32_to_fp16_sw(v);
+    else ((float *)p)[i] = v;
+}
+static void reduce_tail(int dt, void *y, const void *const *src, const float *w, int nt,
+                        int64_t i0, int64_t n, int weighted) {
+    for (int64_t i = i0; i < n; i++) {
+        float acc = 0.0f;
+        for (int j = 0; j < nt; j++) {
+            float v = load_f32(dt, src[j], i);
+            acc = acc + (weighted ? w[j] * v : v);
+        }
+        store_f32(dt, y, i, acc);
+    }
+}
+static void reduce_bf16_c(void *y, const void *const *s, const float *w, int nt, int64_t n,
+                          int wt) { reduce_tail(DT_BF16, y, s, w, nt, 0, n, wt); }
+static void reduce_fp16_c(void *y, const void *const *s, const float *w, int nt, int64_t n,
+                          int wt) { reduce_tail(DT_FP16, y, s, w, nt, 0, n, wt); }
+static void reduce_fp32_c(void *y, const void *const *s, const float *w, int nt, int64_t n,
+                          int wt) { reduce_tail(DT_FP32, y, s, w, nt, 0, n, wt); }
+
+#if UBEP_X86
+__attribute__((target("avx2"))) static inline __m256 bf16x8_to_f32(__m128i h) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+/* round to nearest even; the caller has checked there is no NaN */
+__attribute__((target("avx2"))) static inline __m256i f32x8_to_bf16(__m256 f) {
+    const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7FFF);
+    __m256i u = _mm256_castps_si256(f);
+    return _mm256_srli_epi32(
+        _mm256_add_epi32(u, _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), one), bias)),
+        16);
+}
+__attribute__((target("avx2"))) static void reduce_bf16_avx2(void *y, const void *const *src,
+                                                             const float *w, int nt, int64_t n,
+                                                             int weighted) {
+    uint16_t *out = (uint16_t *)y;
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int j = 0; j < nt; j++) {
+            const uint16_t *v = (const uint16_t *)src[j] + i;
+            __m256i h0 = _mm256_loadu_si256((const __m256i *)v);
+            __m256i h1 = _mm256_loadu_si256((const __m256i *)(v + 16));
+            __m256 f0 = bf16x8_to_f32(_mm256_castsi256_si128(h0));
+            __m256 f1 = bf16x8_to_f32(_mm256_extracti128_si256(h0, 1));
+            __m256 f2 = bf16x8_to_f32(_mm256_castsi256_si128(h1));
+            __m256 f3 = bf16x8_to_f32(_mm256_extracti128_si256(h1, 1));
+            if (weighted) {
+                __m256 ww = _mm256_set1_ps(w[j]);
+                f0 = _mm256_mul_ps(ww, f0);
+                f1 = _mm256_mul_ps(ww, f1);
+                f2 = _mm256_mul_ps(ww, f2);
+                f3 = _mm256_mul_ps(ww, f3);
+            }
+            a0 = _mm256_add_ps(a0, f0);
+            a1 = _mm256_add_ps(a1, f1);
+            a2 = _mm256_add_ps(a2, f2);
+            a3 = _mm256_add_ps(a3, f3);
+        }
+        __m256 un = _mm256_or_ps(
+            _mm256_or_ps(_mm256_cmp_ps(a0, a0, _CMP_UNORD_Q), _mm256_cmp_ps(a1, a1, _CMP_UNORD_Q)),
+            _mm256_or_ps(_mm256_cmp_ps(a2, a2, _CMP_UNORD_Q), _mm256_cmp_ps(a3, a3, _CMP_UNORD_Q)));
+        if (!_mm256_testz_ps(un, un)) { /* NaN: keep its payload, quiet it (scalar, rare) */
+            float tmp[32];
+            _mm256_storeu_ps(tmp, a0);
+            _mm256_storeu_ps(tmp + 8, a1);
+            _mm256_storeu_ps(tmp + 16, a2);
+            _mm256_storeu_ps(tmp + 24, a3);
+            for (int k = 0; k < 32; k++) out[i + k] = f32_to_bf16(tmp[k]);
+            continue;
+        }
+        /* packus works per 128-bit lane: permute the 64-bit quarters back into order */
+        __m256i p0 = _mm256_permute4x64_epi64(
+            _mm256_packus_epi32(f32x8_to_bf16(a0), f32x8_to_bf16(a1)), 0xD8);
+        __m256i p1 = _mm256_permute4x64_epi64(
+            _mm256_packus_epi32(f32x8_to_bf16(a2), f32x8_to_bf16(a3)), 0xD8);
+        _mm256_storeu_si256((__m256i *)(out + i), p0);
+        _mm256_storeu_si256((__m256i *)(out + i + 16), p1);
+    }
+    reduce_tail(DT_BF16, y, src, w, nt, i, n, weighted);
+}
+__attribute__((target("avx2"))) static void reduce_fp32_avx2(void *y, const void *const *src,
+                                                             const float *w, int nt, int64_t n,
+                                                             int weighted) {
+    float *out = (float *)y;
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int j = 0; j < nt; j++) {
+            const float *v = (const float *)src[j] + i;
+            __m256 f0 = _mm256_loadu_ps(v), f1 = _mm256_loadu_ps(v + 8);
+            __m256 f2 = _mm256_loadu_ps(v + 16), f3 = _mm256_loadu_ps(v + 24);
+            if (weighted) {
+                __m256 ww = _mm256_set1_ps(w[j]);
+                f0 = _mm256_mul_ps(ww, f0);
+                f1 = _mm256_mul_ps(ww, f1);
+                f2 = _mm256_mul_ps(ww, f2);
+                f3 = _mm256_mul_ps(ww, f3);
+            }
+            a0 = _mm256_add_ps(a0, f0);
+            a1 = _mm256_add_ps(a1, f1);
+            a2 = _mm256_add_ps(a2, f2);
+            a3 = _mm256_add_ps(a3, f3);
+        }
+        _mm256_storeu_ps(out + i, a0);
+        _mm256_storeu_ps(out + i + 8, a1);
+        _mm256_storeu_ps(out + i + 16, a2);
+        _mm256_storeu_ps(out + i + 24, a3);
+    }
+    reduce_tail(DT_FP32, y, src, w, nt, i, n, weighted);
+}
+__attribute__((target("avx2,f16c"))) static void reduce_fp16_hw(void *y, const void *const *src,
+                                                                const float *w, int nt, int64_t n,
+                                                                int weighted) {
+    uint16_t *out = (uint16_t *)y;
+    const __m256i absmask = _mm256_set1_epi32(0x7FFFFFFF), inf = _mm256_set1_epi32(0x7F800000);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+        for (int j = 0; j < nt; j++) {
+            const uint16_t *v = (const uint16_t *)src[j] + i;
+            __m256 f0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)v));
+            __m256 f1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + 8)));
+            if (weighted) {
+                __m256 ww = _mm256_set1_ps(w[j]);
+                f0 = _mm256_mul_ps(ww, f0);
+                f1 = _mm256_mul_ps(ww, f1);
+            }
+            a0 = _mm256_add_ps(a0, f0);
+            a1 = _mm256_add_ps(a1, f1);
+        }
+        __m256i nan = _mm256_or_si256(
+            _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(a0), absmask), inf),
+            _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(a1), absmask), inf));
+        if (!_mm256_testz_si256(nan, nan)) { /* NaN: numpy's payload rule, element by element */
+            float tmp[16];
+            _mm256_storeu_ps(tmp, a0);
+            _mm256_storeu_ps(tmp + 8, a1);
+            for (int k = 0; k < 16; k++) out[i + k] = f32_to_fp16_sw(tmp[k]);
+            continue;
+        }
+        _mm_storeu_si128((__m128i *)(out + i), _mm256_cvtps_ph(a0, _MM_FROUND_TO_NEAREST_INT));
+        _mm_storeu_si128((__m128i *)(out + i + 8), _mm256_cvtps_ph(a1, _MM_FROUND_TO_NEAREST_INT));
+    }
+    reduce_tail(DT_FP16, y, src, w, nt, i, n, weighted);
+}
+#endif
+
+static reduce_fn REDUCE[3] = {reduce_bf16_c, reduce_fp16_c, reduce_fp32_c};
+
+static const char *kernel_set = "generic";
+
 static void select_kernels(void) {
 #if UBEP_X86
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2")) {
+        kernel_set = "avx2";
         copy_elem = copy_avx2;
         has2 = has_pattern2_avx2;
         has4 = has_pattern4_avx2;
         ACCW[DT_BF16] = acc_bf16_w_avx2;
         ACC1[DT_BF16] = acc_bf16_1_avx2;
         OUTF[DT_BF16] = out_bf16_avx2;
+        REDUCE[DT_BF16] = reduce_bf16_avx2;
+        REDUCE[DT_FP32] = reduce_fp32_avx2;
         if (__builtin_cpu_supports("f16c")) {
             ACCW[DT_FP16] = acc_f16_w_hw;
             ACC1[DT_FP16] = acc_f16_1_hw;
             OUTF[DT_FP16] = out_f16_hw;
+            REDUCE[DT_FP16] = reduce_fp16_hw;
         }
     }
 #endif
@@ -511,9 +692,9 @@ typedef struct engine {
     int64_t *cnt;          /* [E] my counts per expert */
     int64_t *units_to;     /* [R] units I send to each rank */
     int64_t *rows_to;      /* [R] rows I send to each rank */
-    int32_t *u_t, *u_k, *u_e, *u_d; /* canonical units grouped by destination [T*K] */
-    int64_t *u_slot;       /* [T*K] */
-    int64_t *u_ptr;        /* [R+1] */
+    int32_t *u_t, *u_k, *u_e, *u_slot; /* units in per-destination buckets [R * cap_src] */
+    uint64_t *stamp;       /* [E] duplicate detection: stamp[e] == token generation */
+    uint64_t stamp_gen;
     int64_t *my_rank_in_batch; /* [E] first batch rank of my rows of expert e at its dst */
     _Atomic int64_t *remaining; /* [R] */
     _Atomic uint64_t *dc_s1, *dc_s2; /* [R] */
@@ -521,9 +702,12 @@ typedef struct engine {
     int64_t *core_ready;   /* [C][R] dst bases computed for this op (epoch) */
     int64_t *rx_base;      /* [C][R][L] receive: start of source s's rows of expert e */
     int64_t *rx_ebase;     /* [C][L] receive: start of local expert e */
-    float *acc;            /* [C][hidden] combine accumulators */
+    float *acc;            /* [C][hidden] (unused scratch kept for kernels' tests) */
+    const void **term_ptr; /* [C][max(K, R)] combine: the rows one token sums */
+    float *term_w;         /* [C][max(K, R)] and their weights */
     int64_t *ci_off, *ci_rows, *ci_stride; /* [C][R] peers' combine data */
     uint64_t *region_epoch; int64_t *region_rows; /* [nreg] */
+    int32_t *e2d, *e2l;    /* [E] owner rank and local index of each expert (no division) */
     uint64_t comb_last_epoch[2];
     /* threads */
     pthread_t *threads;
@@ -936,107 +1120,95 @@ static int wait_peers_done(op_t *op, uint64_t epoch, int core) {
     return 0;
 }
 
-/* validate topk_idx, count, build the canonical units (grouped by destination, ascending
- * token inside), check the SP sentinel. Touches nothing shared. */
+static int bad_expert(op_t *op, int64_t t, int k, int64_t e, int dup) {
+    char v[32];
+    snprintf(v, sizeof v, "%lld", (long long)e);
+    if (dup)
+        return bad_input(op, "topk_idx", v, "row %lld names this expert twice", (long long)t);
+    return bad_input(op, "topk_idx", v, "expert id at [%lld, %d] out of range [-1, %d) "
+                     "(num_experts)", (long long)t, k, op->g->E);
+}
+
+/* One pass over topk_idx: validate it (range, duplicates), count per expert and per
+ * destination, put every send unit into its destination's bucket (ascending token; the bucket
+ * of the i-th destination in send order r+1, r+2, ..., r starts at i * cap_src_rows), copy the
+ * routing into this rank's own route area (int32), and check the SP sentinel. Nothing a peer
+ * can see is written here. */
 static int dispatch_validate(op_t *op) {
     engine_t *g = op->g;
-    const int K = g->K, E = g->E, L = g->L, R = g->R;
-    const int64_t T = op->ntok;
-    memset(g->cnt, 0, sizeof(int64_t) * (size_t)E);
-    memset(g->units_to, 0, sizeof(int64_t) * (size_t)R);
-    memset(g->rows_to, 0, sizeof(int64_t) * (size_t)R);
+    const int K = g->K, E = g->E, L = g->L, R = g->R, r = g->rank;
+    const int64_t T = op->ntok, cap = g->cap_src_rows;
+    const int expert = g->layout == LAY_EXPERT, sp = g->sync == SYNC_SP;
+    int64_t *restrict cnt = g->cnt, *restrict units_to = g->units_to;
+    int64_t *restrict rows_to = g->rows_to;
+    const int32_t *restrict e2d = g->e2d;
+    int32_t *restrict ut = g->u_t, *restrict uk = g->u_k, *restrict ue = g->u_e;
+    int32_t *restrict us = g->u_slot;
+    uint64_t *restrict stamp = g->stamp;
+    uint64_t gen = g->stamp_gen;
+    int32_t *restrict ridx = (int32_t *)(route(g, r, (int)(op->n % g->nreg)) + ROUTE_IDX);
+    const int64_t *restrict topk = op->topk;
+    int64_t bstart[64];
+    for (int d = 0; d < R; d++) bstart[d] = (int64_t)((d - r - 1 + 2 * R) % R) * cap;
+    memset(cnt, 0, sizeof(int64_t) * (size_t)E);
+    memset(units_to, 0, sizeof(int64_t) * (size_t)R);
+    memset(rows_to, 0, sizeof(int64_t) * (size_t)R);
     for (int64_t t = 0; t < T; t++) {
-        const int64_t *row = op->topk + t * K;
+        const int64_t *row = topk + t * K;
         uint64_t seen_dst = 0; /* R <= 64 enforced at init */
+        gen++;
         for (int k = 0; k < K; k++) {
             int64_t e = row[k];
-            if (e < -1 || e >= E) {
-                char v[32];
-                snprintf(v, sizeof v, "%lld", (long long)e);
-                return bad_input(op, "topk_idx", v, "expert id at [%lld, %d] out of range [-1, %d) "
-                                 "(num_experts)", (long long)t, k, E);
+            ridx[t * K + k] = (int32_t)e;
+            if (e < 0) {
+                if (e != -1) { g->stamp_gen = gen; return bad_expert(op, t, k, e, 0); }
+                continue;
             }
-            if (e < 0) continue;
-            for (int k2 = 0; k2 < k; k2++)
-                if (row[k2] == e) {
-                    char v[32];
-                    snprintf(v, sizeof v, "%lld", (long long)e);
-                    return bad_input(op, "topk_idx", v, "row %lld names this expert twice",
-                                     (long long)t);
-                }
-            g->cnt[e]++;
-            int d = (int)(e / L);
-            g->units_to[d]++;
-            if (!(seen_dst >> d & 1)) {
+            if (e >= E) { g->stamp_gen = gen; return bad_expert(op, t, k, e, 0); }
+            if (stamp[e] == gen) { g->stamp_gen = gen; return bad_expert(op, t, k, e, 1); }
+            stamp[e] = gen;
+            int d = e2d[e];
+            int first = !(seen_dst >> d & 1);
+            if (expert || first) {
+                int64_t u = bstart[d] + units_to[d];
+                ut[u] = (int32_t)t;
+                uk[u] = k;
+                ue[u] = (int32_t)e;
+                us[u] = (int32_t)(expert ? cnt[e] : rows_to[d]);
+                units_to[d]++;
+            }
+            cnt[e]++;
+            if (first) {
                 seen_dst |= 1ULL << d;
-                g->rows_to[d]++;
+                rows_to[d]++;
             }
         }
-        if (g->sync == SYNC_SP && seen_dst &&
+        if (sp && seen_dst &&
             has_pattern(op->x + t * g->row_bytes, g->row_bytes, g->isz, g->sentinel)) {
             char v[32];
             snprintf(v, sizeof v, "row %lld", (long long)t);
+            g->stamp_gen = gen;
             return bad_input(op, "x", v, "contains the SP sentinel bit pattern 0x%llx, which SP "
                              "cannot carry: use sync='tff' or sync='dc'",
                              (unsigned long long)g->sentinel);
         }
     }
-    if (g->layout == LAY_RANK)
-        for (int d = 0; d < R; d++) g->units_to[d] = g->rows_to[d];
-    else
-        for (int d = 0; d < R; d++) g->rows_to[d] = g->units_to[d];
+    g->stamp_gen = gen;
+    if (expert)
+        for (int d = 0; d < R; d++) rows_to[d] = units_to[d];
     /* my first batch rank per expert at its destination (position order = expert, token) */
     for (int d = 0; d < R; d++) {
         int64_t acc = 0;
         for (int el = 0; el < L; el++) {
             g->my_rank_in_batch[d * L + el] = acc;
-            acc += g->cnt[d * L + el];
-        }
-    }
-    if (op->have_plan) return 0;
-    /* canonical units, grouped by destination, in the send order r+1, r+2, ..., r */
-    g->u_ptr[0] = 0;
-    for (int i = 0; i < R; i++) {
-        int d = (g->rank + 1 + i) % R;
-        g->u_ptr[i + 1] = g->u_ptr[i] + g->units_to[d];
-    }
-    int64_t *fill = g->core_base; /* borrow: [R] write cursors */
-    int64_t *slot_e = g->rx_base; /* borrow: [E] running slot per expert / [R] per rank */
-    for (int i = 0; i < R; i++) fill[(g->rank + 1 + i) % R] = g->u_ptr[i];
-    memset(slot_e, 0, sizeof(int64_t) * (size_t)(E > R ? E : R));
-    for (int64_t t = 0; t < T; t++) {
-        const int64_t *row = op->topk + t * K;
-        if (g->layout == LAY_EXPERT) {
-            for (int k = 0; k < K; k++) {
-                int64_t e = row[k];
-                if (e < 0) continue;
-                int d = (int)(e / L);
-                int64_t u = fill[d]++;
-                g->u_t[u] = (int32_t)t;
-                g->u_k[u] = k;
-                g->u_e[u] = (int32_t)e;
-                g->u_d[u] = d;
-                g->u_slot[u] = slot_e[e]++;
-            }
-        } else {
-            uint64_t seen_dst = 0;
-            for (int k = 0; k < K; k++) {
-                int64_t e = row[k];
-                if (e < 0) continue;
-                int d = (int)(e / L);
-                if (seen_dst >> d & 1) continue;
-                seen_dst |= 1ULL << d;
-                int64_t u = fill[d]++;
-                g->u_t[u] = (int32_t)t;
-                g->u_k[u] = k;
-                g->u_e[u] = (int32_t)e;
-                g->u_d[u] = d;
-                g->u_slot[u] = slot_e[d]++;
-            }
+            acc += cnt[d * L + el];
         }
     }
     return 0;
 }
+
+/* bucket of the i-th destination in send order */
+static inline int64_t bucket_start(engine_t *g, int i) { return (int64_t)i * g->cap_src_rows; }
 
 /* publish my routing (for receivers' metadata), my readiness and my counts */
 static int dispatch_publish(op_t *op) {
@@ -1045,10 +1217,8 @@ static int dispatch_publish(op_t *op) {
     int reg = (int)(op->n % g->nreg);
     int rc;
     if (g->sync == SYNC_SP && (rc = ensure_clean(op, reg))) return rc;
-    uint8_t *rt = route(g, g->rank, reg);
-    int32_t *ridx = (int32_t *)(rt + ROUTE_IDX);
+    uint8_t *rt = route(g, g->rank, reg); /* topk_idx was copied by dispatch_validate */
     float *rw = (float *)(rt + g->route_w_off);
-    for (int64_t i = 0; i < op->ntok * K; i++) ridx[i] = (int32_t)op->topk[i];
     memcpy(rw, op->w, sizeof(float) * (size_t)(op->ntok * K));
     st_rlx(rt + ROUTE_NTOK, (uint64_t)op->ntok);
     st_rlx(rt + ROUTE_EPOCH, op->epoch);
@@ -1072,10 +1242,11 @@ static void reset_send_state(op_t *op);
 
 static int ph_d_prepare(op_t *op, int core) {
     (void)core;
-    int rc = dispatch_validate(op);
-    if (rc) return rc;
+    /* the route area validation writes was read by peers two calls ago: wait for them first */
     st_rlx(ctrl(op->g, op->g->rank, op->g->off_entered), op->epoch);
-    if ((rc = wait_peers_done(op, op->epoch >= 2 ? op->epoch - 2 : 0, 0))) return rc;
+    int rc = wait_peers_done(op, op->epoch >= 2 ? op->epoch - 2 : 0, 0);
+    if (rc) return rc;
+    if ((rc = dispatch_validate(op))) return rc;
     reset_send_state(op);
     return dispatch_publish(op);
 }
@@ -1185,7 +1356,7 @@ static void finish_dst(op_t *op, int d) {
 }
 
 static inline int64_t unit_pos(engine_t *g, const int64_t *bases, int e, int64_t slot) {
-    return g->layout == LAY_EXPERT ? bases[e % g->L] + slot : bases[0] + slot;
+    return g->layout == LAY_EXPERT ? bases[g->e2l[e]] + slot : bases[0] + slot;
 }
 
 static void send_unit(op_t *op, int core, int64_t t, int k, int e, int d, int64_t slot,
@@ -1249,9 +1420,8 @@ static int send_canonical(op_t *op, int core) {
             if (!dst_ready(op, d)) { j++; continue; }
             int rc = compute_bases(op, core, d, g->rank, bases);
             if (rc) return rc;
-            for (int64_t u = g->u_ptr[i]; u < g->u_ptr[i + 1]; u++) {
+            for (int64_t u = bucket_start(g, i), end = u + g->units_to[d]; u < end; u++)
                 send_unit(op, core, g->u_t[u], g->u_k[u], g->u_e[u], d, g->u_slot[u], bases);
-            }
             if (g->units_to[d]) finish_dst(op, d);
             pending[j] = pending[--np];
             progressed = 1;
@@ -1504,6 +1674,19 @@ static int recv_wait_source(op_t *op, int core, int s, const int64_t *rx_base, i
     return 0;
 }
 
+/* o_nrecv = [num_recv_tokens_per_expert (L) | rows received from each source rank (R)] */
+static void recv_counts_out(op_t *op) {
+    engine_t *g = op->g;
+    for (int el = 0; el < g->L; el++) {
+        int64_t tot = 0;
+        for (int s = 0; s < g->R; s++)
+            tot += ((const uint32_t *)(inbox(g, g->rank, s, op->par) + IN_COUNTS))[el];
+        op->o_nrecv[el] = tot;
+    }
+    for (int s = 0; s < g->R; s++)
+        op->o_nrecv[g->L + s] = (int64_t)ld_rlx(inbox(g, g->rank, s, op->par) + IN_ROWS);
+}
+
 static int ph_d_receive(op_t *op, int core) {
     engine_t *g = op->g;
     const int R = g->R, L = g->L;
@@ -1515,12 +1698,7 @@ static int ph_d_receive(op_t *op, int core) {
     int reg = (int)(op->n % g->nreg);
     if (core == 0) {
         op->n_recv = n;
-        for (int el = 0; el < L; el++) {
-            int64_t tot = 0;
-            for (int s = 0; s < R; s++)
-                tot += ((const uint32_t *)(inbox(g, g->rank, s, op->par) + IN_COUNTS))[el];
-            op->o_nrecv[el] = tot;
-        }
+        recv_counts_out(op);
         g->region_rows[reg] = n;
     }
     for (int s = core; s < R; s += g->C) {
@@ -1570,13 +1748,13 @@ static int ph_b2_wait(op_t *op, int core) { return barrier_wait(op, core, 2); }
 static int ph_bsp_send(op_t *op, int core) {
     engine_t *g = op->g;
     const int R = g->R, L = g->L;
-    int64_t total = g->u_ptr[R];
-    int64_t lo = total * core / g->C, hi = total * (core + 1) / g->C;
     int64_t *ready = g->core_ready + (int64_t)core * R;
     for (int d = 0; d < R; d++) ready[d] = 0;
     int reg = (int)(op->n % g->nreg);
-    for (int64_t u = lo; u < hi; u++) {
-        int d = g->u_d[u];
+    for (int i = 0; i < R; i++) {
+      int d = (g->rank + 1 + i) % R;
+      int64_t n = g->units_to[d], b = bucket_start(g, i);
+      for (int64_t u = b + n * core / g->C; u < b + n * (core + 1) / g->C; u++) {
         if (!ready[d]) {
             waiter_t w;
             waiter_init(&w);
@@ -1609,6 +1787,7 @@ static int ph_bsp_send(op_t *op, int core) {
             copy_fast(slotp, src, g->row_bytes);
         }
         (void)L;
+      }
     }
     return 0;
 }
@@ -1707,12 +1886,7 @@ static int ph_bsp_reorder(op_t *op, int core) {
     int reg = (int)(op->n % g->nreg);
     if (core == 0) {
         op->n_recv = n;
-        for (int el = 0; el < L; el++) {
-            int64_t tot = 0;
-            for (int s = 0; s < R; s++)
-                tot += ((const uint32_t *)(inbox(g, g->rank, s, op->par) + IN_COUNTS))[el];
-            op->o_nrecv[el] = tot;
-        }
+        recv_counts_out(op);
     }
     uint8_t *stage = land(g, g->rank, reg), *out = outreg(g, g->rank, reg);
     for (int s = core; s < R; s += g->C) {
@@ -1744,21 +1918,23 @@ static int ph_bsp_dst_rows(op_t *op, int core) {
         int rc = compute_bases(op, core, d, g->rank, bases + (int64_t)d * L);
         if (rc) return rc;
     }
-    for (int64_t u = 0; u < g->u_ptr[R]; u++) {
-        int d = g->u_d[u];
-        int64_t pos = unit_pos(g, bases + (int64_t)d * L, g->u_e[u], g->u_slot[u]);
-        if (g->layout == LAY_EXPERT) op->o_dst_row[(int64_t)g->u_t[u] * g->K + g->u_k[u]] = pos;
-        else op->o_dst_row[(int64_t)g->u_t[u] * g->R + d] = pos;
+    for (int i = 0; i < R; i++) {
+        int d = (g->rank + 1 + i) % R;
+        for (int64_t u = bucket_start(g, i), end = u + g->units_to[d]; u < end; u++) {
+            int64_t pos = unit_pos(g, bases + (int64_t)d * L, g->u_e[u], g->u_slot[u]);
+            if (g->layout == LAY_EXPERT) op->o_dst_row[(int64_t)g->u_t[u] * g->K + g->u_k[u]] = pos;
+            else op->o_dst_row[(int64_t)g->u_t[u] * g->R + d] = pos;
+        }
     }
     return 0;
 }
 
 static int ph_bsp_prepare(op_t *op, int core) {
     (void)core;
-    int rc = dispatch_validate(op);
-    if (rc) return rc;
     st_rlx(ctrl(op->g, op->g->rank, op->g->off_entered), op->epoch);
-    if ((rc = wait_peers_done(op, op->epoch >= 2 ? op->epoch - 2 : 0, 0))) return rc;
+    int rc = wait_peers_done(op, op->epoch >= 2 ? op->epoch - 2 : 0, 0);
+    if (rc) return rc;
+    if ((rc = dispatch_validate(op))) return rc;
     reset_send_state(op);
     return dispatch_publish(op);
 }
@@ -1854,11 +2030,13 @@ static int ph_c_reduce(op_t *op, int core) {
         coff[q] = (int64_t)off;
         crows[q] = (int64_t)rows;
     }
-    float *acc = g->acc + (int64_t)core * align_up(g->hidden, 16);
     const int cd = g->cdt;
+    const int maxt = K > R ? K : R;
+    const void **tp = g->term_ptr + (int64_t)core * maxt;
+    float *tw = g->term_w + (int64_t)core * maxt;
     int64_t lo = op->h_ntok * core / g->C, hi = op->h_ntok * (core + 1) / g->C;
     for (int64_t t = lo; t < hi; t++) {
-        memset(acc, 0, sizeof(float) * (size_t)g->hidden);
+        int nt = 0;
         if (g->layout == LAY_EXPERT) {
             for (int k = 0; k < K; k++) {
                 int64_t e = op->h_idx[t * K + k];
@@ -1866,13 +2044,13 @@ static int ph_c_reduce(op_t *op, int core) {
                 if (e >= g->E)
                     return op_error(op, E_INTERNAL, core, -1, "handle names expert %lld",
                                     (long long)e);
-                int d = (int)(e / L);
+                int d = g->e2d[e];
                 int64_t pos = op->h_dst_row[t * K + k];
                 if (pos < 0 || pos >= crows[d])
                     return op_error(op, E_INTERNAL, core, d, "handle row %lld outside rank %d's "
                                     "%lld expert outputs", (long long)pos, d, (long long)crows[d]);
-                ACCW[cd](acc, g->base[d] + coff[d] + pos * g->crow_bytes, op->h_w[t * K + k],
-                         g->hidden);
+                tp[nt] = g->base[d] + coff[d] + pos * g->crow_bytes;
+                tw[nt++] = op->h_w[t * K + k];
             }
         } else {
             for (int d = 0; d < R; d++) {
@@ -1881,11 +2059,14 @@ static int ph_c_reduce(op_t *op, int core) {
                 if (pos >= crows[d])
                     return op_error(op, E_INTERNAL, core, d, "handle row %lld outside rank %d's "
                                     "%lld expert outputs", (long long)pos, d, (long long)crows[d]);
-                ACC1[cd](acc, g->base[d] + coff[d] + pos * g->crow_bytes, g->hidden);
+                tp[nt] = g->base[d] + coff[d] + pos * g->crow_bytes;
+                tw[nt++] = 1.0f;
             }
         }
-        OUTF[cd](op->y + t * (int64_t)g->hidden * g->cisz, acc, g->hidden);
+        REDUCE[cd](op->y + t * (int64_t)g->hidden * g->cisz, tp, tw, nt, g->hidden,
+                   g->layout == LAY_EXPERT);
     }
+    (void)L;
     return 0;
 }
 
@@ -1994,12 +2175,13 @@ static int get_i64(PyObject *d, const char *key, int64_t *out) {
 static void engine_free_scratch(engine_t *g) {
     free(g->base); free(g->pids); free(g->starts);
     free(g->cnt); free(g->units_to); free(g->rows_to);
-    free(g->u_t); free(g->u_k); free(g->u_e); free(g->u_d); free(g->u_slot); free(g->u_ptr);
+    free(g->u_t); free(g->u_k); free(g->u_e); free(g->u_slot); free(g->stamp);
     free(g->my_rank_in_batch); free((void *)g->remaining); free((void *)g->dc_s1);
     free((void *)g->dc_s2); free(g->core_base); free(g->core_ready); free(g->rx_base);
     free(g->rx_ebase); free(g->acc); free(g->ci_off); free(g->ci_rows); free(g->ci_stride);
     free(g->region_epoch); free(g->region_rows); free((void *)g->jstate); free(g->jr_start);
-    free(g->jr_len); free(g->jr_n); free(g->jpre); free(g->threads);
+    free(g->jr_len); free(g->jr_n); free(g->jpre); free(g->threads); free(g->e2d); free(g->e2l);
+    free((void *)g->term_ptr); free(g->term_w);
     g->base = NULL;
 }
 
@@ -2071,17 +2253,16 @@ static int engine_init(engine_t *g, PyObject *args, PyObject *kwds) {
         return -1;
     }
     const int R = g->R, C = g->C, L = g->L, E = g->E;
-    const int64_t TK = (int64_t)g->T * g->K + 1;
     g->base = calloc((size_t)R, sizeof(uint8_t *));
     g->pids = calloc((size_t)R, sizeof(int));
     g->starts = calloc((size_t)R, sizeof(unsigned long long));
     g->cnt = calloc((size_t)E, sizeof(int64_t));
     g->units_to = calloc((size_t)R, sizeof(int64_t));
     g->rows_to = calloc((size_t)R, sizeof(int64_t));
-    g->u_t = calloc((size_t)TK, 4); g->u_k = calloc((size_t)TK, 4);
-    g->u_e = calloc((size_t)TK, 4); g->u_d = calloc((size_t)TK, 4);
-    g->u_slot = calloc((size_t)TK, 8);
-    g->u_ptr = calloc((size_t)R + 1, sizeof(int64_t));
+    const int64_t UB = (int64_t)R * g->cap_src_rows + 1;
+    g->u_t = calloc((size_t)UB, 4); g->u_k = calloc((size_t)UB, 4);
+    g->u_e = calloc((size_t)UB, 4); g->u_slot = calloc((size_t)UB, 4);
+    g->stamp = calloc((size_t)E, sizeof(uint64_t));
     g->my_rank_in_batch = calloc((size_t)E, sizeof(int64_t));
     g->remaining = calloc((size_t)R, sizeof(int64_t));
     g->dc_s1 = calloc((size_t)R, sizeof(uint64_t));
@@ -2098,9 +2279,16 @@ static int engine_init(engine_t *g, PyObject *args, PyObject *kwds) {
     g->jstate = calloc((size_t)g->nreg, sizeof(int));
     g->jr_start = calloc((size_t)g->nreg * R, 8); g->jr_len = calloc((size_t)g->nreg * R, 8);
     g->jr_n = calloc((size_t)g->nreg, sizeof(int)); g->jpre = calloc((size_t)g->nreg, 8);
+    g->e2d = calloc((size_t)E, sizeof(int32_t)); g->e2l = calloc((size_t)E, sizeof(int32_t));
+    int maxt = g->K > R ? g->K : R;
+    g->term_ptr = calloc((size_t)C * maxt, sizeof(void *));
+    g->term_w = calloc((size_t)C * maxt, sizeof(float));
+    if (g->e2d && g->e2l)
+        for (int e = 0; e < E; e++) { g->e2d[e] = e / L; g->e2l[e] = e % L; }
     if (!g->base || !g->pids || !g->starts || !g->cnt || !g->u_t || !g->u_k || !g->u_e ||
-        !g->u_d || !g->u_slot || !g->core_base || !g->rx_base || !g->acc || !g->jstate ||
-        !g->jr_start || !g->jr_len || !g->jr_n || !g->jpre || !g->ci_off || !g->rx_ebase) {
+        !g->stamp || !g->u_slot || !g->core_base || !g->rx_base || !g->acc || !g->jstate ||
+        !g->jr_start || !g->jr_len || !g->jr_n || !g->jpre || !g->ci_off || !g->rx_ebase ||
+        !g->e2d || !g->e2l || !g->term_ptr || !g->term_w) {
         PyErr_NoMemory();
         return -1;
     }
@@ -2187,7 +2375,7 @@ static PyObject *engine_dispatch(engine_t *g, PyObject *args) {
         get_buf(o3, &b[5], 1, "recv_src_rank", nrows * 8) ||
         get_buf(o4, &b[6], 1, "recv_src_token", nrows * 8) ||
         get_buf(o5, &b[7], 1, "recv_src_k", nrows * 8) ||
-        get_buf(o6, &b[8], 1, "num_recv_tokens_per_expert", g->L * 8) ||
+        get_buf(o6, &b[8], 1, "num_recv_tokens_per_expert", (g->L + g->R) * 8) ||
         get_buf(o7, &b[9], 1, "send_dst_row", ntok * dst_w * 8)) {
         rel_bufs(b, 16);
         return NULL;
@@ -2479,5 +2667,6 @@ PyMODINIT_FUNC PyInit__native(void) {
         return NULL;
     }
     PyModule_AddIntConstant(m, "ABI", 1);
+    PyModule_AddStringConstant(m, "KERNELS", kernel_set);
     return m;
 }
