@@ -33,7 +33,7 @@ import contextlib
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -201,6 +201,54 @@ class DispatchResult:
     handle: RuntimeHandle
 
 
+class Engine(Protocol):
+    """The data-plane protocol :class:`Buffer` drives: ``ubep.runtime._native.Engine`` (one host,
+    loads and stores on shared memory) and any other engine a ``GlobalMemory.make_engine``
+    returns (e.g. MPI RMA across hosts). Constructed with ``(params, addresses, pids,
+    start_times)`` where ``params`` is :meth:`Buffer._engine_params`.
+
+    Every collective method returns either its result or an error tuple
+    ``(code, peer, core, argument, what, message)`` with ``code`` 1 bad input (``message`` is the
+    offending value), 2 timeout, 3 peer lost, 4 remote failure (``message`` is the peer's
+    notice), 5 internal; :meth:`Buffer._error` turns it into the exception.
+    """
+
+    def dispatch(
+        self, x: np.ndarray, topk_idx: np.ndarray, topk_weights: np.ndarray, num_tokens: int,
+        epoch: int, index: int, recv_topk_idx: np.ndarray, recv_topk_weights: np.ndarray,
+        recv_src_rank: np.ndarray, recv_src_token: np.ndarray, recv_src_k: np.ndarray,
+        counts: np.ndarray, send_dst_row: np.ndarray, plan: tuple[Any, ...] | None,
+    ) -> int | tuple[int, int, int, str, str, str]:
+        """One dispatch. Output arrays have capacity ``cap_rows`` rows; ``counts`` is
+        ``[num_local_experts + num_ranks]``: rows per local expert, then rows received from each
+        source rank; ``send_dst_row`` is ``[num_tokens, num_topk or num_ranks]``. ``index`` is the
+        dispatch's sequence number (receive region ``index % num_regions``). ``plan`` is
+        ``(send_token, send_k, send_expert, send_dst_rank, send_slot, core_ptr, num_send_cores)``
+        or ``None``. Returns the number of received rows."""
+
+    def combine(
+        self, expert_out: np.ndarray, num_rows: int, topk_idx: np.ndarray,
+        topk_weights: np.ndarray, send_dst_row: np.ndarray, num_tokens: int, epoch: int,
+        region: int, y: np.ndarray,
+    ) -> int | tuple[int, int, int, str, str, str]:
+        """One combine into ``y``; returns 1 if ``expert_out`` was used in place (zero-copy)."""
+
+    def fail(self, epoch: int, message: str) -> None:
+        """Publish "call ``epoch`` failed here" (a call rejected before the engine ran)."""
+
+    def wait_done(self, epoch: int, timeout_s: float) -> int | tuple[int, int, int, str, str, str]:
+        """Wait until every peer has finished call ``epoch``."""
+
+    def comb_last_epoch(self, region: int) -> int:
+        """Epoch of the last combine that used combine region ``region`` (0 or 1)."""
+
+    def reset_all(self) -> None:
+        """Prepare the receive regions (SP: fill them with the sentinel)."""
+
+    def close(self) -> None:
+        """Stop the engine's threads (local)."""
+
+
 def _load_native() -> Any:
     try:
         from .runtime import _native  # type: ignore[attr-defined]
@@ -242,7 +290,7 @@ class Buffer:
         self._closed = False
         self._segments: list[Segment] = []
         self._memory: GlobalMemory | None = None
-        self._engine: Any = None
+        self._engine: Engine | Any = None
         configs = group.allgather(dataclasses.asdict(config) | {"num_cores": self.num_cores})
         if any(c != configs[0] for c in configs):
             raise InvalidArgumentError(
