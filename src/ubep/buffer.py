@@ -429,7 +429,7 @@ class Buffer:
         )
         if type(got) is tuple:
             raise self._error(got)
-        n: int = got
+        n = int(got)  # type: ignore[arg-type]  # an error tuple was raised above
         recv_x = self._recv_views[index % lay.num_regions][:n]
         if copy:
             recv_x = recv_x.copy()
@@ -486,6 +486,7 @@ class Buffer:
             self._engine.fail(epoch, f"rank {self.rank}: {exc}")
             raise
         creg = _combine_region(h)
+        assert h.send_dst_row is not None  # checked by _check_combine_args
         y = np.empty((h.num_tokens, self.config.hidden), dtype=self._cdtype.storage)
         got = self._engine.combine(
             eo, h.num_recv_rows, h.topk_idx, h.topk_weights, h.send_dst_row, h.num_tokens, epoch,
