@@ -5,6 +5,8 @@ Ranks are threads (``LocalWorld``); the real 2-process runs are in test_torch_ru
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -55,38 +57,43 @@ def test_get_dispatch_layout_matches_brute_force() -> None:
         assert int(per_expert[e]) == int((idx == e).sum())
 
 
+def normal_flow(group: Any, rank: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """DeepEP's normal-mode round trip on ``group``; returns (y, combined_w, cached_ok)."""
+    buf = Buffer(group, max_tokens_per_rank=max(NUM_TOKENS))
+    x, idx, w = _inputs(rank)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+    recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
+        x,
+        topk_idx=idx,
+        topk_weights=w,
+        num_tokens_per_rank=per_rank,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+    )
+    assert counts == [int((recv_idx == e).sum()) for e in range(E // R)]
+    # DeepEP normal mode: the caller applies its local experts and weights, sums per row.
+    first = rank * (E // R)
+    out = torch.zeros(recv_x.shape, dtype=torch.float32)
+    for k in range(K):
+        ok = recv_idx[:, k] >= 0
+        s = _scale(first + recv_idx[:, k].clamp(min=0))
+        out += torch.where(ok[:, None], recv_w[:, k, None] * s[:, None] * recv_x.float(), 0.0)
+    y, combined_w, _ = buf.combine(out.to(torch.bfloat16), handle, topk_weights=recv_w)
+    cached, *rest, _ = buf.dispatch(x, handle=handle)  # the backward of combine
+    return y, combined_w, torch.equal(cached, recv_x) and rest == [None] * 4
+
+
+def check_normal(rank: int, y: torch.Tensor, combined_w: torch.Tensor, cached_ok: bool) -> None:
+    x, idx, w = _inputs(rank)
+    torch.testing.assert_close(y.float(), _dense(x, idx, w), rtol=2e-2, atol=2e-2)  # BF16 rows
+    assert cached_ok
+    torch.testing.assert_close(combined_w, torch.where(idx >= 0, w, 0.0), rtol=0, atol=0)
+
+
 def test_normal_mode_round_trip_matches_dense() -> None:
     world = LocalWorld(R, E)
-
-    def body(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
-        buf = Buffer(world.backend(rank))
-        x, idx, w = _inputs(rank)
-        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
-        recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
-            x,
-            topk_idx=idx,
-            topk_weights=w,
-            num_tokens_per_rank=per_rank,
-            is_token_in_rank=in_rank,
-            num_tokens_per_expert=per_expert,
-        )
-        assert counts == [int((recv_idx == e).sum()) for e in range(E // R)]
-        # DeepEP normal mode: the caller applies its local experts and weights, sums per row.
-        first = rank * (E // R)
-        out = torch.zeros(recv_x.shape, dtype=torch.float32)
-        for k in range(K):
-            ok = recv_idx[:, k] >= 0
-            s = _scale(first + recv_idx[:, k].clamp(min=0))
-            out += torch.where(ok[:, None], recv_w[:, k, None] * s[:, None] * recv_x.float(), 0.0)
-        y, combined_w, _ = buf.combine(out.to(torch.bfloat16), handle, topk_weights=recv_w)
-        cached, *rest, _ = buf.dispatch(x, handle=handle)  # the backward of combine
-        return y, combined_w, _dense(x, idx, w), torch.equal(cached, recv_x) and rest == [None] * 4
-
-    for rank, (y, combined_w, ref, cached_ok) in enumerate(run_threads(body, R)):
-        torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)  # BF16 rows
-        assert cached_ok
-        _, idx, w = _inputs(rank)
-        torch.testing.assert_close(combined_w, torch.where(idx >= 0, w, 0.0), rtol=0, atol=0)
+    for rank, got in enumerate(run_threads(lambda r: normal_flow(world.backend(r), r), R)):
+        check_normal(rank, *got)
 
 
 def test_normal_mode_alignment_and_worst_tokens() -> None:
@@ -113,36 +120,45 @@ def test_normal_mode_alignment_and_worst_tokens() -> None:
         assert worst_rows == 16 and rows <= 16 and ok
 
 
+LL_MAX_TOKENS = 8
+
+
+def low_latency_flow(group: Any, rank: int, use_fp8: bool) -> torch.Tensor:
+    """DeepEP's low-latency round trip on ``group``; returns the combined output."""
+    buf = Buffer(group, low_latency_mode=True)
+    x, idx, w = _inputs(rank)
+    recv, count, handle, _, hook = buf.low_latency_dispatch(
+        x, idx, LL_MAX_TOKENS, E, use_fp8=use_fp8
+    )
+    hook()
+    if use_fp8:
+        q, s = recv
+        assert q.dtype == torch.float8_e4m3fn and s.shape[-1] == H // 128
+        rows = (q.float().reshape(*q.shape[:2], -1, 128) * s[..., None]).reshape(q.shape)
+    else:
+        rows = recv.float()
+    assert rows.shape == (E // R, LL_MAX_TOKENS * R, H)
+    first = rank * (E // R)
+    out = torch.zeros(rows.shape, dtype=torch.bfloat16)
+    for e in range(E // R):
+        n = int(count[e])
+        out[e, :n] = (rows[e, :n] * _scale(torch.tensor(first + e))).to(torch.bfloat16)
+    y, _, _ = buf.low_latency_combine(out, idx, w, handle)
+    return y
+
+
+def check_low_latency(rank: int, y: torch.Tensor, use_fp8: bool) -> None:
+    x, idx, w = _inputs(rank)
+    tol = 1.5e-1 if use_fp8 else 2e-2  # e4m3 keeps 3 mantissa bits
+    torch.testing.assert_close(y.float(), _dense(x, idx, w), rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("use_fp8", [False, True])
 def test_low_latency_round_trip_matches_dense(use_fp8: bool) -> None:
     world = LocalWorld(R, E)
-    max_tokens = 8
-
-    def body(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-        buf = Buffer(world.backend(rank), low_latency_mode=True)
-        x, idx, w = _inputs(rank)
-        recv, count, handle, _, hook = buf.low_latency_dispatch(
-            x, idx, max_tokens, E, use_fp8=use_fp8
-        )
-        hook()
-        if use_fp8:
-            q, s = recv
-            assert q.dtype == torch.float8_e4m3fn and s.shape[-1] == H // 128
-            rows = (q.float().reshape(*q.shape[:2], -1, 128) * s[..., None]).reshape(q.shape)
-        else:
-            rows = recv.float()
-        assert rows.shape == (E // R, max_tokens * R, H)
-        first = rank * (E // R)
-        out = torch.zeros(rows.shape, dtype=torch.bfloat16)
-        for e in range(E // R):
-            n = int(count[e])
-            out[e, :n] = (rows[e, :n] * _scale(torch.tensor(first + e))).to(torch.bfloat16)
-        y, _, _ = buf.low_latency_combine(out, idx, w, handle)
-        return y, _dense(x, idx, w)
-
-    tol = 1.5e-1 if use_fp8 else 2e-2  # e4m3 keeps 3 mantissa bits
-    for y, ref in run_threads(body, R):
-        torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol)
+    ys = run_threads(lambda r: low_latency_flow(world.backend(r), r, use_fp8), R)
+    for rank, y in enumerate(ys):
+        check_low_latency(rank, y, use_fp8)
 
 
 def test_dispatch_rejects_a_layout_that_does_not_match_topk_idx() -> None:
@@ -156,13 +172,43 @@ def test_dispatch_rejects_a_layout_that_does_not_match_topk_idx() -> None:
 
 
 def test_fp8_packing_round_trip_is_within_e4m3_precision() -> None:
-    from ubep.deep_ep import _pack_fp8, _unpack_fp8
+    from ubep.deep_ep import _quantize_fp8
 
     x = torch.randn(4, 256) * torch.tensor([1e-3, 1.0, 30.0, 1e3])[:, None]
-    q, s = _unpack_fp8(_pack_fp8(x, round_scale=False), 256)
+    q, s = _quantize_fp8(x, round_scale=False)
     back = (q.float().reshape(4, 2, 128) * s[..., None]).reshape(4, 256)
     # e4m3: relative error <= 2^-4 for normal values; tiny ones are covered by atol per block.
     amax = x.abs().reshape(4, 2, 128).amax(-1).repeat_interleave(128, dim=1)
     assert ((back - x).abs() <= x.abs() * 2**-4 + amax * 2**-9).all()
-    _q2, s2 = _unpack_fp8(_pack_fp8(x, round_scale=True), 256)
+    _q2, s2 = _quantize_fp8(x, round_scale=True)
     assert torch.equal(torch.exp2(torch.log2(s2).round()), s2)  # powers of two
+
+
+def test_normal_mode_fp8_tuple_arrives_bit_for_bit() -> None:
+    """(values, scales) rows land where the BF16 rows of the same routing land, unchanged."""
+    from ubep.deep_ep import _quantize_fp8
+
+    world = LocalWorld(R, E)
+
+    def body(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        buf = Buffer(world.backend(rank))
+        x, idx, w = _inputs(rank)
+        _, _, per_expert, _, _ = buf.get_dispatch_layout(idx, E)
+        q, s = _quantize_fp8(x, round_scale=False)
+        (rq, rs), *_ = buf.dispatch(
+            (q, s), topk_idx=idx, topk_weights=w, num_tokens_per_expert=per_expert
+        )
+        rx, *_ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_tokens_per_expert=per_expert)
+        return (
+            rq,
+            rs,
+            rx,
+            torch.stack([_quantize_fp8(r[None], False)[1][0] for r in rx]) if len(rx) else rs,
+        )
+
+    for rq, rs, rx, expected_s in run_threads(body, R):
+        assert rq.dtype == torch.float8_e4m3fn and rq.shape == rx.shape
+        # Quantising the received BF16 rows again gives exactly the received FP8 rows.
+        q_again = torch.stack([_quantize_fp8(r[None], False)[0][0] for r in rx])
+        assert torch.equal(rq.view(torch.uint8), q_again.view(torch.uint8))
+        assert torch.equal(rs, expected_s)

@@ -129,6 +129,10 @@ def _worker(group: Any) -> dict[str, Any]:
                     **{n: p.grad for n, p in layer.named_parameters()},
                 }
             backend.close()
+    import test_torch_deep_ep as dep  # the DeepEP flows, here on the real runtime
+
+    out["deep_ep-normal"] = dep.normal_flow(group, group.rank)
+    out["deep_ep-ll-fp8"] = dep.low_latency_flow(group, group.rank, True)
     hf.register(group, layout="expert", max_tokens_per_rank=16, **opts)
     for name, make_cfg in (("qwen3", _qwen3), ("mixtral", _mixtral)):
         model = _build(make_cfg, "ubep")
@@ -216,3 +220,12 @@ def test_decode_cli_ubep_and_gloo_agree_token_for_token() -> None:
         assert 0 < r.tpot_min_ms <= r.tpot_p50_ms <= r.tpot_p99_ms <= r.tpot_max_ms
         assert 0 < r.comm_share < 1
     assert "tpot_p50_ms" in format_table(cfg, results)
+
+
+def test_deep_ep_facade_on_two_processes(results: list[dict[str, Any]]) -> None:
+    import test_torch_deep_ep as dep
+
+    for r in range(R):
+        y, combined_w, cached_ok = results[r]["deep_ep-normal"]
+        dep.check_normal(r, _t(y, torch.bfloat16), _t(combined_w), cached_ok)
+        dep.check_low_latency(r, _t(results[r]["deep_ep-ll-fp8"], torch.bfloat16), True)

@@ -73,6 +73,7 @@ class NormalHandle:
     """Normal-mode handle (DeepEP: a positional tuple; here a frozen dataclass, opaque)."""
 
     inner: Any  # the ubep handle
+    backend: Any  # the ubep buffer the rows went through (combine goes back through it)
     topk_idx: np.ndarray  # [num_tokens, num_topk] this rank's routing
     num_recv_rows: int  # rows actually received
     num_out_rows: int  # rows handed out (>= num_recv_rows with num_worst_tokens)
@@ -88,6 +89,7 @@ class LowLatencyHandle:
     """Low-latency handle: where each packed row came from, and how to pack and unpack."""
 
     inner: Any
+    backend: Any
     counts: np.ndarray  # [num_local_experts] rows per local expert
     num_max_dispatch_tokens_per_rank: int
     hidden: int
@@ -95,23 +97,18 @@ class LowLatencyHandle:
     num_tokens: int
 
 
-def _pack_fp8(x: torch.Tensor, round_scale: bool) -> torch.Tensor:
-    """Per-token, per-128-channel FP8 (e4m3) quantisation packed into one uint8 row:
-    ``[hidden]`` FP8 bytes followed by ``[hidden / 128]`` float32 scales (little-endian)."""
+def _quantize_fp8(x: torch.Tensor, round_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token, per-128-channel FP8 (e4m3) quantisation, as DeepEP's low-latency dispatch:
+    ``scale = amax / 448`` (rounded up to a power of two with ``round_scale``). Returns the values
+    ``[num_tokens, hidden]`` float8_e4m3fn and the scales ``[num_tokens, hidden // 128]``
+    float32."""
     num_tokens, hidden = x.shape
     blocks = x.to(torch.float32).reshape(num_tokens, hidden // _FP8_BLOCK, _FP8_BLOCK)
-    amax = blocks.abs().amax(dim=-1).clamp(min=1e-4)
-    scale = amax / _FP8_MAX
+    scale = blocks.abs().amax(dim=-1).clamp(min=1e-4) / _FP8_MAX
     if round_scale:  # UE8M0-style: scales are powers of two
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
     q = (blocks / scale[..., None]).to(torch.float8_e4m3fn).reshape(num_tokens, hidden)
-    return torch.cat([q.view(torch.uint8), scale.contiguous().view(torch.uint8)], dim=1)
-
-
-def _unpack_fp8(rows: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
-    q = rows[:, :hidden].contiguous().view(torch.float8_e4m3fn)
-    scales = rows[:, hidden:].contiguous().view(torch.float32)
-    return q, scales
+    return q, scale.contiguous()
 
 
 class Buffer:
@@ -211,14 +208,22 @@ class Buffer:
         num_experts: int,
         dtype: torch.dtype,
         max_tokens: int,
+        combine_dtype: torch.dtype | None = None,
     ) -> EPBackend:
         if self._destroyed:
             raise InvalidArgumentError("self", "destroyed", "this Buffer was destroyed")
         if isinstance(self.group, LocalBackend):
             return self.group.with_layout(layout)
-        key = (layout, hidden, num_topk, num_experts, dtype, max_tokens)
+        key = (layout, hidden, num_topk, num_experts, dtype, max_tokens, combine_dtype)
         if key not in self._backends:
-            from .torch._runtime import make_backend
+            from .torch._runtime import make_backend, ubep_dtype_name
+
+            options = dict(self.ubep_options)
+            if combine_dtype is not None:
+                options["combine_dtype"] = ubep_dtype_name(combine_dtype)
+            if dtype in (torch.uint8, torch.int8) and options.get("sync", "sp") == "sp":
+                # FP8 rows have no free bit pattern for SP's sentinel: use token-flag fusion.
+                options["sync"] = "tff"
 
             self._backends[key] = make_backend(
                 self.group,
@@ -228,9 +233,48 @@ class Buffer:
                 dtype=dtype,
                 max_tokens_per_rank=max_tokens,
                 layout=layout,
-                **self.ubep_options,
+                **options,
             )
         return self._backends[key]
+
+    def _send(
+        self,
+        layout: str,
+        x: torch.Tensor,
+        scales: torch.Tensor | None,
+        idx: np.ndarray,
+        w: np.ndarray,
+        num_experts: int,
+        max_tokens: int,
+    ) -> tuple[Any, EPBackend, np.ndarray | None]:
+        """Dispatch ``x`` (and FP8 ``scales``); returns the result of the rows' dispatch, the
+        backend they went through and the received scales (or None).
+
+        FP8 values travel as bytes on a buffer whose combine takes BF16 (DeepEP's FP8 dispatch /
+        BF16 combine); the scales take a second, narrow dispatch along the same routing, which
+        delivers them in the same row order (dispatch is deterministic).
+        """
+        if scales is None:
+            backend = self._backend(
+                layout, x.shape[1], idx.shape[1], num_experts, x.dtype, max_tokens
+            )
+            return backend.dispatch(to_numpy(x), idx, w), backend, None
+        values = x.contiguous().view(torch.uint8)
+        backend = self._backend(
+            layout,
+            x.shape[1],
+            idx.shape[1],
+            num_experts,
+            torch.uint8,
+            max_tokens,
+            combine_dtype=torch.bfloat16,
+        )
+        res = backend.dispatch(to_numpy(values), idx, w)
+        sb = self._backend(
+            layout, scales.shape[1], idx.shape[1], num_experts, torch.float32, max_tokens
+        )
+        res_s = sb.dispatch(to_numpy(scales.to(torch.float32).contiguous()), idx, w)
+        return res, backend, np.array(res_s.recv_x)
 
     # ------------------------------------------------------------------ normal mode
     def get_dispatch_layout(
@@ -289,14 +333,18 @@ class Buffer:
             w_np = np.ascontiguousarray(to_numpy(topk_weights.float(), argument="topk_weights"))
             self._check_layout(idx_np, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)
         num_experts = self._num_experts(num_tokens_per_expert, handle)
-        payload, width, dtype = self._payload(x, scales)
-        backend = self._backend(
-            "rank", width, idx_np.shape[1], num_experts, dtype, self.max_tokens_per_rank
+        res, backend, recv_scales = self._send(
+            "rank", x, scales, idx_np, w_np, num_experts, self.max_tokens_per_rank
         )
-        res = backend.dispatch(payload, idx_np, w_np)
         rows = len(res.recv_src_rank)
         out_rows = max(rows, num_worst_tokens)
-        recv = self._unpayload(res.recv_x, x, scales, out_rows)
+        recv_rows = _padded(
+            from_numpy(res.recv_x, torch.uint8 if scales is not None else x.dtype), out_rows
+        )
+        recv: Any = recv_rows
+        if scales is not None:
+            assert recv_scales is not None
+            recv = (recv_rows.view(x.dtype), _padded(torch.from_numpy(recv_scales), out_rows))
         if handle is not None:
             return recv, None, None, None, None, EventOverlap()
         recv_idx = np.full((out_rows, idx_np.shape[1]), -1, dtype=np.int64)
@@ -308,6 +356,7 @@ class Buffer:
             counts = [math.ceil(c / expert_alignment) * expert_alignment for c in counts]
         new_handle = NormalHandle(
             inner=res.handle,
+            backend=backend,
             topk_idx=idx_np,
             num_recv_rows=rows,
             num_out_rows=out_rows,
@@ -344,14 +393,7 @@ class Buffer:
         if x.shape[0] != handle.num_out_rows:
             raise InvalidArgumentError("x", tuple(x.shape), f"needs {handle.num_out_rows} rows")
         rows = x[: handle.num_recv_rows].contiguous()
-        backend = self._backend(
-            "rank",
-            x.shape[1],
-            handle.topk_idx.shape[1],
-            self._num_experts_of(handle),
-            x.dtype,
-            self.max_tokens_per_rank,
-        )
+        backend = handle.backend
         y = from_numpy(np.array(backend.combine(to_numpy(rows), handle.inner)), x.dtype)
         combined_w = None
         if topk_weights is not None:
@@ -367,13 +409,20 @@ class Buffer:
         # Per-row metadata ([rows, num_topk] float32) is tiny: gather it everywhere and let each
         # source add up the rows that came from it, in ascending destination rank (float32).
         gather: Callable[[Any], list[Any]] = backend.allgather  # type: ignore[attr-defined]
+        # Plain lists: the runtime group's allgather carries JSON. float32 -> float (double) ->
+        # float32 is exact, so the sum below sees the very values the receivers held.
         everyone = gather(
-            (handle.recv_src_rank, handle.recv_src_token, values.detach().float().numpy())
+            [
+                handle.recv_src_rank.tolist(),
+                handle.recv_src_token.tolist(),
+                values.detach().float().tolist(),
+            ]
         )
         acc = np.zeros((handle.num_tokens, values.shape[1]), dtype=np.float32)
         for src_rank, src_token, vals in everyone:
-            mine = src_rank == self.rank
-            np.add.at(acc, src_token[mine], vals[mine])
+            mine = np.asarray(src_rank, dtype=np.int64) == self.rank
+            rows = np.asarray(vals, dtype=np.float32).reshape(-1, values.shape[1])
+            np.add.at(acc, np.asarray(src_token, dtype=np.int64)[mine], rows[mine])
         return torch.from_numpy(acc)
 
     # ------------------------------------------------------------------ low-latency mode
@@ -403,43 +452,47 @@ class Buffer:
                 f"exceeds num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}",
             )
         idx_np = np.ascontiguousarray(to_numpy(topk_idx, argument="topk_idx"), dtype=np.int64)
+        values: torch.Tensor = x.contiguous()
+        scales: torch.Tensor | None = None
         if use_fp8:
             if hidden % _FP8_BLOCK:
                 raise InvalidArgumentError(
                     "x", hidden, f"hidden must be a multiple of {_FP8_BLOCK}"
                 )
-            payload = _pack_fp8(x, round_scale or use_ue8m0)
-        else:
-            payload = x.contiguous()
-        backend = self._backend(
+            values, scales = _quantize_fp8(x, round_scale or use_ue8m0)
+        # Unit weights travel with the rows; low_latency_combine gets the real ones.
+        res, backend, recv_scales = self._send(
             "expert",
-            payload.shape[1],
-            idx_np.shape[1],
+            values,
+            scales,
+            idx_np,
+            np.ones(idx_np.shape, np.float32),
             num_experts,
-            payload.dtype,
             num_max_dispatch_tokens_per_rank,
         )
-        # Weights travel with the rows; low_latency_combine gets them again from the caller.
-        res = backend.dispatch(to_numpy(payload), idx_np, np.ones(idx_np.shape, np.float32))
         counts = np.asarray(res.num_recv_tokens_per_expert, dtype=np.int64)
         per_rank = num_experts // self.group_size
         slots = num_max_dispatch_tokens_per_rank * self.group_size
-        packed = torch.zeros((per_rank, slots, payload.shape[1]), dtype=payload.dtype)
-        rows = from_numpy(res.recv_x, payload.dtype)
-        start = 0
-        for e, n in enumerate(counts.tolist()):
-            packed[e, :n] = rows[start : start + n]
-            start += n
+        row_dtype = torch.uint8 if use_fp8 else x.dtype
+        packed = _pack_per_expert(from_numpy(res.recv_x, row_dtype), counts, slots)
         if cumulative_local_expert_recv_stats is not None:
             cumulative_local_expert_recv_stats += torch.from_numpy(counts).to(
                 cumulative_local_expert_recv_stats.dtype
             )
         recv_x: Any = packed
         if use_fp8:
-            q, s = _unpack_fp8(packed.reshape(per_rank * slots, -1), hidden)
-            recv_x = (q.reshape(per_rank, slots, hidden), s.reshape(per_rank, slots, -1))
+            assert recv_scales is not None
+            packed_scales = _pack_per_expert(torch.from_numpy(recv_scales), counts, slots)
+            recv_x = (packed.view(torch.float8_e4m3fn), packed_scales)
+        assert packed.shape[0] == per_rank
         handle = LowLatencyHandle(
-            res.handle, counts, num_max_dispatch_tokens_per_rank, hidden, num_experts, num_tokens
+            res.handle,
+            backend,
+            counts,
+            num_max_dispatch_tokens_per_rank,
+            hidden,
+            num_experts,
+            num_tokens,
         )
         return (
             recv_x,
@@ -467,14 +520,7 @@ class Buffer:
         if not isinstance(handle, LowLatencyHandle):
             raise InvalidArgumentError("handle", type(handle).__name__, "must come from dispatch")
         rows = torch.cat([x[e, :n] for e, n in enumerate(handle.counts.tolist())]).contiguous()
-        backend = self._backend(
-            "expert",
-            x.shape[-1],
-            topk_idx.shape[1],
-            handle.num_experts,
-            x.dtype,
-            handle.num_max_dispatch_tokens_per_rank,
-        )
+        backend = handle.backend
         w = np.ascontiguousarray(to_numpy(topk_weights.float(), argument="topk_weights"))
         y = from_numpy(np.array(backend.combine(to_numpy(rows), handle.inner, w)), x.dtype)
         if out is not None:
@@ -517,36 +563,22 @@ class Buffer:
     def _num_experts_of(handle: NormalHandle) -> int:
         return handle.num_experts
 
-    def _payload(
-        self, x: torch.Tensor, scales: torch.Tensor | None
-    ) -> tuple[np.ndarray, int, torch.dtype]:
-        if scales is None:
-            return to_numpy(x), int(x.shape[1]), x.dtype
-        # FP8 tuple: send value bytes and float32 scales as one uint8 row.
-        packed = torch.cat(
-            [
-                x.contiguous().view(torch.uint8),
-                scales.to(torch.float32).contiguous().view(torch.uint8),
-            ],
-            dim=1,
-        )
-        return to_numpy(packed), int(packed.shape[1]), torch.uint8
 
-    @staticmethod
-    def _unpayload(
-        recv: np.ndarray, x: torch.Tensor, scales: torch.Tensor | None, out_rows: int
-    ) -> Any:
-        rows = recv.shape[0]
-        if scales is None:
-            t = torch.zeros((out_rows, x.shape[1]), dtype=x.dtype)
-            t[:rows] = from_numpy(recv, x.dtype)
-            return t
-        q, s = _unpack_fp8(torch.from_numpy(np.array(recv)), x.shape[1])
-        q_out = torch.zeros((out_rows, x.shape[1]), dtype=torch.uint8).view(x.dtype)
-        s_out = torch.zeros((out_rows, s.shape[1]), dtype=torch.float32)
-        q_out[:rows] = q.view(x.dtype)
-        s_out[:rows] = s
-        return q_out, s_out
+def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` with zero rows appended up to ``rows`` (an owned tensor either way)."""
+    out = torch.zeros((rows, *t.shape[1:]), dtype=t.dtype)
+    out[: t.shape[0]] = t
+    return out
+
+
+def _pack_per_expert(rows: torch.Tensor, counts: np.ndarray, slots: int) -> torch.Tensor:
+    """Expert-major rows -> ``[num_local_experts, slots, ...]``, zeros after each count."""
+    packed = torch.zeros((len(counts), slots, *rows.shape[1:]), dtype=rows.dtype)
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        packed[e, :n] = rows[start : start + n]
+        start += n
+    return packed
 
 
 def _noop_hook() -> None:
