@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.torch
 
 from ubep.deep_ep import Buffer  # noqa: E402
 from ubep.errors import InvalidArgumentError  # noqa: E402

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.torch
 transformers = pytest.importorskip("transformers")
 
 import ubep.torch.hf as hf  # noqa: E402

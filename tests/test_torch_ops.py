@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.torch
 
 from ubep.errors import InvalidArgumentError  # noqa: E402
 from ubep.torch import LocalWorld, MoELayer, combine, dispatch, run_threads  # noqa: E402

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.torch
 transformers = pytest.importorskip("transformers")
 
 from ubep.runtime import launch  # noqa: E402
