@@ -661,7 +661,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--plot", type=Path, help="write a PNG of latency per system and shape")
     p.add_argument("--systems", default="all",
                    help="comma list of ubep,impi,openmpi,mpich,gloo,memcpy (default all)")
-    p.add_argument("--repeats", type=int, help="timed iterations (default 15 quick, 50 full)")
+    p.add_argument("--repeats", type=int, help="timed iterations (default 15 quick, 30 full)")
     p.add_argument("--warmup", type=int, help="untimed iterations first (default 3 / 5)")
     p.add_argument("--ranks", default="", help="comma list of rank counts (default 2,4)")
     p.add_argument("--timeout", type=float, default=0.0, help="per launch, seconds")
@@ -717,7 +717,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     t_start = time.monotonic()
     settings = Settings(
         warmup=args.warmup if args.warmup is not None else (3 if args.quick else 5),
-        repeats=args.repeats if args.repeats is not None else (15 if args.quick else 50),
+        repeats=args.repeats if args.repeats is not None else (15 if args.quick else 30),
         timeout_s=args.timeout or (60.0 if args.quick else 900.0),
     )
     load = os.getloadavg()[0]
