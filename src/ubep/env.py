@@ -19,6 +19,15 @@ Tuning and debugging:
 
 * ``UBEP_TIMEOUT_S``: default deadline in seconds of :meth:`Group.barrier` and of group set-up
   (default 120).
+
+Multi-host (``ubep.dist``, read by :func:`ubep.dist.init` when ``ranks_per_host`` is not given):
+
+* ``UBEP_DIST_RANKS_PER_HOST``: treat every ``k`` consecutive MPI ranks as one host (``k`` must
+  divide the ranks of each real host). Ranks of different (virtual) hosts exchange rows with MPI
+  RMA only, so one machine can run and test the cross-host path.
+* ``UBEP_DIST_FORCE_RMA``: ``1`` = every rank is its own host (``UBEP_DIST_RANKS_PER_HOST=1``):
+  every row goes through ``MPI_Put``/``MPI_Get``, no shared-memory loads or stores between
+  ranks. ``0`` or unset: the real hosts.
 """
 
 from __future__ import annotations
@@ -28,13 +37,21 @@ from dataclasses import dataclass
 
 from .errors import InvalidArgumentError
 
-__all__ = ["ENV_VARS", "LaunchEnv", "launch_env", "timeout_s_from_env"]
+__all__ = [
+    "ENV_VARS",
+    "LaunchEnv",
+    "dist_ranks_per_host_from_env",
+    "launch_env",
+    "timeout_s_from_env",
+]
 
 ENV_VARS: dict[str, str] = {
     "UBEP_RANK": "rank of this process (env-var launch)",
     "UBEP_WORLD_SIZE": "number of ranks (env-var launch)",
     "UBEP_RENDEZVOUS": "private (0700) directory the ranks rendezvous in (env-var launch)",
     "UBEP_TIMEOUT_S": "default deadline of group set-up and barriers, seconds (default 120)",
+    "UBEP_DIST_RANKS_PER_HOST": "ubep.dist: every k consecutive MPI ranks form one (virtual) host",
+    "UBEP_DIST_FORCE_RMA": "ubep.dist: 1 = every rank its own host (all rows over MPI RMA)",
 }
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -87,3 +104,25 @@ def timeout_s_from_env(environ: dict[str, str] | None = None) -> float:
     if not value > 0:
         raise InvalidArgumentError("UBEP_TIMEOUT_S", raw, "must be > 0")
     return value
+
+
+def dist_ranks_per_host_from_env(environ: dict[str, str] | None = None) -> int | None:
+    """``UBEP_DIST_RANKS_PER_HOST`` (a positive integer), 1 if ``UBEP_DIST_FORCE_RMA=1``, else
+    ``None`` (the real hosts). Setting both is an error unless they agree."""
+    env = os.environ if environ is None else environ
+    raw_force = env.get("UBEP_DIST_FORCE_RMA", "0")
+    if raw_force not in ("0", "1", ""):
+        raise InvalidArgumentError("UBEP_DIST_FORCE_RMA", raw_force, "must be 0 or 1")
+    per_host: int | None = None
+    raw = env.get("UBEP_DIST_RANKS_PER_HOST")
+    if raw:
+        per_host = _int_var("UBEP_DIST_RANKS_PER_HOST", raw)
+        if per_host < 1:
+            raise InvalidArgumentError("UBEP_DIST_RANKS_PER_HOST", raw, "must be >= 1")
+    if raw_force == "1":
+        if per_host not in (None, 1):
+            raise InvalidArgumentError(
+                "UBEP_DIST_RANKS_PER_HOST", raw, "contradicts UBEP_DIST_FORCE_RMA=1 (which means 1)"
+            )
+        return 1
+    return per_host

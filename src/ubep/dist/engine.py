@@ -1,0 +1,1031 @@
+"""The RMA engine: dispatch and combine between hosts with MPI one-sided operations.
+
+It has the native engine's interface (``dispatch``, ``combine``, ``fail``, ``wait_done``,
+``reset_all``, ``comb_last_epoch``, ``close``; same arguments, same results and error tuples), so
+:class:`ubep.Buffer` runs it unchanged, and it writes received rows to the same places of the
+Buffer's region (``SegmentLayout``): ``recv_x`` views work as on one host. It is Python (numpy
+and mpi4py): one thread per rank; a Plan's core assignment is not used (rows go destination by
+destination, nearest first, in the canonical order).
+
+**What MPI guarantees, and what each sync mode becomes** (MPI-4.1 chapter 12): a put is complete
+at its target only after ``MPI_Win_flush``; two puts in flight are not ordered, nor are the
+bytes of one put; a load that races with a put may see any mix of old and new bytes (not even
+element atomicity: only accumulate operations are atomic per element, and only with respect to
+each other). Hence:
+
+* ``sw``: rows, ``flush(dst)``, then the flag record: stop and wait.
+* ``tff``: rows go out with their block flags zero, ``flush(dst)``, then one strided put writes
+  the epoch word of every block (a vector datatype). The receiver still learns arrival from the
+  epoch inside each block (docs/FORMATS.md), but a flush separates payload and flags: over RMA,
+  TFF costs what SW costs.
+* ``dc``: rows and the ``[count][checksum][epoch]`` record go out together, no flush at all: the
+  receiver recomputes the checksum and retries until it matches. DC tolerates any arrival order,
+  so it is the one mode that saves the flush round trip over RMA.
+* ``sp``: refused across hosts (``InvalidArgumentError`` naming ``sync``): the sentinel test is
+  sound only if elements cannot tear, and MPI promises no atomicity for a put against the
+  receiver's loads.
+
+Control words (counts, per-row metadata, flags, the expert-output descriptor of combine, failure
+notices, progress) live in a second window. Each is a self-checking record ``[payload][check]
+[epoch]`` written with one put and accepted only when ``check`` matches ``payload`` and
+``epoch`` (the DC formula): a half-arrived record is never used, and no flush is needed, so no
+rank ever blocks inside MPI waiting for a peer that is busy elsewhere. Receivers poll their own
+window (``MPI_Win_sync`` + a progress call).
+
+Engines: ``asp`` publishes counts point to point and sends each destination's rows as soon as
+the counts of all sources are in, straight to their final positions; receivers take sources in
+whatever order they complete. ``bsp`` keeps the baseline's phases: rows to per-source staging,
+a global barrier, flags and counts, verification, a second barrier, then reordering.
+
+Bounds: every count, row number and offset read from a peer is checked against the Buffer's
+capacity before it is used as a position (``ubep.UbepError`` "internal error" otherwise).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .. import dtypes as _dt
+from ..errors import InvalidArgumentError
+from .memory import DistGlobalMemory
+
+__all__ = ["RmaEngine", "record_check"]
+
+E_BAD_INPUT, E_TIMEOUT, E_PEER_LOST, E_REMOTE, E_INTERNAL = 1, 2, 3, 4, 5
+_SYNCS = ("sw", "tff", "dc", "sp")
+_DT_NAMES = {0: "bf16", 1: "fp16", 2: "fp32", 3: "int8", 4: "uint8"}
+_LINE = 64
+_FAIL_BYTES = 512
+_FAIL_MSG_MAX = 480
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_LIVENESS_PERIOD_NS = 10_000_000
+_HEADER_BYTES = 256
+
+
+def record_check(payload: np.ndarray, epoch: int) -> int:
+    """Check word of a control record: the DC formula of docs/FORMATS.md over the payload's
+    little-endian u64 words (zero padded), never 0."""
+    raw = np.ascontiguousarray(payload).reshape(-1).view(np.uint8)
+    pad = (-raw.size) % 8
+    if pad:
+        raw = np.concatenate([raw, np.zeros(pad, np.uint8)])
+    words = raw.view("<u8").astype(np.uint64)
+    with np.errstate(over="ignore"):
+        s1 = np.sum(words, dtype=np.uint64)
+        s2 = np.sum(words * np.arange(1, words.size + 1, dtype=np.uint64), dtype=np.uint64)
+        rot = (s2 << np.uint64(29)) | (s2 >> np.uint64(35))
+        value = int(s1 ^ rot ^ (np.uint64(epoch) * _GOLDEN))
+    return value or 1
+
+
+@dataclass
+class _Units:
+    """This rank's sends: per-expert counts, rows per destination and, per destination, the
+    rows in batch order ``(token, k, expert or local ids, weights)``."""
+
+    cnt: np.ndarray
+    rows_to: np.ndarray
+    to: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
+
+
+class _OpError(Exception):
+    """Ends an operation; becomes the native engine's error tuple."""
+
+    def __init__(self, code: int, peer: int, what: str, arg: str = "", msg: str = "") -> None:
+        super().__init__(what)
+        self.code, self.peer, self.what, self.arg, self.msg = code, peer, what, arg, msg
+
+
+class _Op:
+    def __init__(self, kind: int, epoch: int, timeout_ns: int) -> None:
+        self.kind = kind  # 0 dispatch, 1 combine, 2 wait_done
+        self.epoch = epoch
+        self.par = epoch & 1
+        self.deadline = time.monotonic_ns() + timeout_ns
+        self.keep: list[np.ndarray] = []  # origin buffers of puts in flight
+
+
+class _CtrlLayout:
+    """Offsets of one rank's control window (records written by peers, indexed by source)."""
+
+    def __init__(self, R: int, E: int, K: int, cap_src_rows: int, expert: bool) -> None:
+        self.R = R
+        self.meta_dtype = np.dtype(
+            [("t", "<i4"), ("k", "<i4"), ("e", "<i4"), ("w", "<f4")] if expert else
+            [("t", "<i4"), ("k", "<i4"), ("e", "<i4", (K,)), ("w", "<f4", (K,))]
+        )
+        self.counts_payload = _align(4 * E + 4 * R, 8)
+        rec = _align(self.counts_payload + 16, _LINE)
+        off = 0
+        self.fail = off
+        off += R * 2 * _FAIL_BYTES
+        self.done = off  # [parity][src] done records
+        off += 2 * R * _LINE
+        self.ready = off  # [parity][src] BSP readiness
+        off += 2 * R * _LINE
+        self.barrier = off  # [phase 1..3][src]
+        off += 3 * R * _LINE
+        self.flag = off  # [parity][src] SW / DC records
+        off += 2 * R * _LINE
+        self.comb_info = off  # [parity][src]
+        off += 2 * R * _LINE
+        self.counts = off  # [parity][src]
+        self.counts_rec = rec
+        off += 2 * R * rec
+        self.meta = _align(off, _LINE)  # [parity][src] per-row metadata
+        self.meta_bytes = _align(max(cap_src_rows, 1) * self.meta_dtype.itemsize, _LINE)
+        off = self.meta + 2 * R * self.meta_bytes
+        self.size_bytes = _align(off, 4096)
+
+    def slot(self, base: int, par: int, src: int, size: int = _LINE) -> int:
+        return base + (par * self.R + src) * size
+
+
+def _align(v: int, a: int) -> int:
+    return -(-v // a) * a
+
+
+class RmaEngine:
+    """Dispatch/combine of one Buffer whose peers are (partly) on other hosts."""
+
+    def __init__(self, params: dict[str, int], data: DistGlobalMemory) -> None:
+        p = dict(params)
+        self.p = p
+        self.data = data
+        self.group = data.group
+        self.rank, self.R, self.L = p["rank"], p["num_ranks"], p["num_local_experts"]
+        self.E, self.K, self.T = p["num_experts"], p["num_topk"], p["max_tokens"]
+        self.hidden, self.isz, self.cisz = p["hidden"], p["itemsize"], p["combine_itemsize"]
+        self.sync = _SYNCS[p["sync"]]
+        self.bsp = p["engine"] == 1
+        self.expert = p["layout"] == 0
+        self.nreg, self.cap_rows, self.cap_src = p["num_regions"], p["cap_rows"], p["cap_src_rows"]
+        self.row_bytes, self.slot_bytes = p["row_bytes"], p["slot_bytes"]
+        self.out_stride, self.crow_bytes = p["out_stride"], p["combine_row_bytes"]
+        self.tff_block, self.tff_flag = p["tff_block_bytes"], p["tff_flag_bytes"]
+        self.tff_payload = self.tff_block - self.tff_flag
+        self.tff_nblocks = -(-self.row_bytes // self.tff_payload)
+        self.seg_size, self.timeout_ns = p["seg_size"], p["timeout_ns"]
+        self.cdtype = _dt.dtype_of(_DT_NAMES[p["combine_dtype"]])
+        if self.sync == "sp":
+            raise InvalidArgumentError(
+                "sync", "sp",
+                "SP cannot run across hosts: MPI_Put gives no element atomicity against the "
+                "receiver's loads, so the sentinel test could accept a torn element; use "
+                "sync='dc' (no flush over RMA), 'tff' or 'sw'",
+            )
+        self.cl = _CtrlLayout(self.R, self.E, self.K, self.cap_src, self.expert)
+        self.ctrl = self.group.map_global(self.cl.size_bytes, "rma-ctrl")
+        self.comb_last = [0, 0]
+        self._done_seen = [0] * self.R
+        self._closed = False
+
+    # --- native-engine interface --------------------------------------------------------
+
+    def reset_all(self) -> None:
+        """Nothing to reset: SP (the only mode with a pre-filled buffer) is refused."""
+
+    def comb_last_epoch(self, region: int) -> int:
+        return int(self.comb_last[region])
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.ctrl.close()
+
+    def fail(self, epoch: int, message: str) -> None:
+        """A call this rank rejected before the engine ran: tell every peer, count it done."""
+        keep: list[Any] = []
+        self._publish_failure(epoch, message, keep)
+        self._publish_done(epoch, keep)
+        self.ctrl.flush_local_all()
+
+    def wait_done(self, epoch: int, timeout_s: float) -> Any:
+        op = _Op(2, epoch, int(timeout_s * 1e9))
+        try:
+            self._wait_peers_done(op, epoch)
+        except _OpError as err:
+            return self._tuple(err)
+        return 0
+
+    def dispatch(
+        self, x: np.ndarray, topk_idx: np.ndarray, topk_weights: np.ndarray, ntok: int,
+        epoch: int, index: int, o_idx: np.ndarray, o_w: np.ndarray, o_rank: np.ndarray,
+        o_tok: np.ndarray, o_k: np.ndarray, o_nrecv: np.ndarray, o_dst: np.ndarray,
+        plan: Any,
+    ) -> Any:
+        del plan  # one thread: rows go destination by destination (module docstring)
+        op = _Op(0, epoch, self.timeout_ns)
+        try:
+            units = self._validate(x[:ntok], topk_idx[:ntok], topk_weights[:ntok])
+            o_dst.reshape(-1)[:] = -1
+            reg = index % self.nreg
+            if self.bsp:
+                n = self._dispatch_bsp(op, x, units, reg, o_idx, o_w, o_rank, o_tok, o_k,
+                                       o_nrecv, o_dst)
+            else:
+                n = self._dispatch_asp(op, x, units, reg, o_idx, o_w, o_rank, o_tok, o_k,
+                                       o_nrecv, o_dst)
+        except _OpError as err:
+            return self._finish_error(op, err)
+        self._finish(op)
+        return n
+
+    def combine(
+        self, eo: np.ndarray, rows: int, h_idx: np.ndarray, h_w: np.ndarray, h_dst: np.ndarray,
+        ntok: int, epoch: int, creg: int, y: np.ndarray,
+    ) -> Any:
+        op = _Op(1, epoch, self.timeout_ns)
+        try:
+            zero_copy = self._combine(op, eo, rows, h_idx, h_w, h_dst, ntok, creg, y)
+        except _OpError as err:
+            return self._finish_error(op, err)
+        self._finish(op)
+        # Peers pull this rank's expert outputs: stay in MPI until they all have them, so an
+        # emulated RMA target (TCP) keeps making progress for them.
+        try:
+            self._wait_peers_done(op, epoch, failures=False)
+        except _OpError as err:
+            return self._tuple(err)
+        return int(zero_copy)
+
+    # --- validation and routing ---------------------------------------------------------
+
+    def _validate(self, x: np.ndarray, idx: np.ndarray, w: np.ndarray) -> _Units:
+        E, K, L, R = self.E, self.K, self.L, self.R
+        bad = (idx < -1) | (idx >= E)
+        if bad.any():
+            t, k = (int(v) for v in np.argwhere(bad)[0])
+            raise _OpError(E_BAD_INPUT, self.rank,
+                           f"expert id at [{t}, {k}] out of range [-1, {E}) (num_experts)",
+                           "topk_idx", str(int(idx[t, k])))
+        if K > 1 and len(idx):
+            srt = np.sort(idx, axis=1)
+            dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
+            rows = np.nonzero(dup.any(axis=1))[0]
+            if len(rows):
+                t = int(rows[0])
+                e = int(srt[t, 1:][dup[t]][0])
+                raise _OpError(E_BAD_INPUT, self.rank, f"row {t} names this expert twice",
+                               "topk_idx", str(e))
+        valid = idx >= 0
+        cnt = np.bincount(idx[valid], minlength=E).astype(np.int64)
+        dst = np.where(valid, idx // L, -1)
+        to: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+        if self.expert:
+            t_all, k_all = np.nonzero(valid)
+            e_all = idx[t_all, k_all]
+            order = np.lexsort((t_all, e_all))  # by expert (hence destination), then token
+            t_all, k_all, e_all = t_all[order], k_all[order], e_all[order]
+            rows_to = np.array([cnt[d * L:(d + 1) * L].sum() for d in range(R)], np.int64)
+            starts = np.concatenate([[0], np.cumsum(rows_to)])
+            for d in range(R):
+                sl = slice(int(starts[d]), int(starts[d + 1]))
+                to.append((t_all[sl], k_all[sl], e_all[sl], w[t_all[sl], k_all[sl]]))
+        else:
+            rows_to = np.zeros(R, np.int64)
+            for d in range(R):
+                here = dst == d
+                toks = np.nonzero(here.any(axis=1))[0]
+                rows_to[d] = len(toks)
+                first = np.argmax(here[toks], axis=1) if len(toks) else np.zeros(0, np.int64)
+                ids = np.where(here[toks], idx[toks] - d * L, -1)
+                wts = np.where(here[toks], w[toks], np.float32(0))
+                to.append((toks, first, ids, wts))
+        return _Units(cnt, rows_to, to)
+
+    def _meta(self, units: _Units, d: int) -> np.ndarray:
+        t, k, e, w = units.to[d]
+        meta = np.zeros(len(t), dtype=self.cl.meta_dtype)
+        meta["t"], meta["k"], meta["e"], meta["w"] = t, k, e, w
+        return meta
+
+    # --- records ------------------------------------------------------------------------
+
+    def _put_record(self, mem: DistGlobalMemory, dst: int, off: int, payload: np.ndarray,
+                    epoch: int, extra: np.ndarray | None = None, keep: list[Any] | None = None,
+                    ) -> None:
+        """One put of ``[payload][check][epoch]``; ``extra`` (already put) is covered too."""
+        raw = np.ascontiguousarray(payload).reshape(-1).view(np.uint8)
+        body = raw if extra is None else np.concatenate([raw, _u8(extra)])
+        rec = np.zeros(_align(raw.size, 8) + 16, np.uint8)
+        rec[:raw.size] = raw
+        rec[-16:] = np.array([record_check(body, epoch), epoch], "<u8").view(np.uint8)
+        if keep is not None:
+            keep.append(rec)
+        mem.put(dst, off, rec)
+
+    def _read_record(self, off: int, nbytes: int, epoch: int | None,
+                     extra: np.ndarray | None = None) -> tuple[int, np.ndarray] | None:
+        """``(epoch, payload)`` of a complete record in this rank's control window, else None
+        (also when ``epoch`` is given and differs)."""
+        arr = self.ctrl.local_array
+        size = _align(nbytes, 8)
+        got = int(arr[off + size + 8: off + size + 16].view("<u8")[0])
+        if got == 0 or (epoch is not None and got != epoch):
+            return None
+        payload = arr[off: off + nbytes].copy()
+        check = int(arr[off + size: off + size + 8].view("<u8")[0])
+        body = payload if extra is None else np.concatenate([payload, _u8(extra)])
+        if check != record_check(body, got):
+            return None
+        # The epoch word was read first: if it changed meanwhile the record is being rewritten.
+        if int(arr[off + size + 8: off + size + 16].view("<u8")[0]) != got:
+            return None
+        return got, payload
+
+    def _has_record(self, off: int, nbytes: int, epoch: int) -> bool:
+        return self._read_record(off, nbytes, epoch) is not None
+
+    def _done_geq(self, q: int, epoch: int) -> bool:
+        return self._done_of(q) >= epoch
+
+    def _publish_done(self, epoch: int, keep: list[Any]) -> None:
+        # One slot per epoch parity: two done records in flight to one peer are not ordered,
+        # so the reader takes the larger of both (and remembers it).
+        par = epoch & 1
+        empty = np.zeros(0, np.uint8)
+        for q in range(self.R):
+            self._put_record(self.ctrl, q, self.cl.slot(self.cl.done, par, self.rank), empty,
+                             epoch, keep=keep)
+
+    def _done_of(self, q: int) -> int:
+        best = self._done_seen[q]
+        for par in (0, 1):
+            got = self._read_record(self.cl.slot(self.cl.done, par, q), 0, None)
+            if got is not None:
+                best = max(best, got[0])
+        self._done_seen[q] = best  # done only grows: a reordered older record is ignored
+        return best
+
+    def _publish_failure(self, epoch: int, message: str, keep: list[Any]) -> None:
+        text = message.encode("utf-8", "replace")[:_FAIL_MSG_MAX]
+        payload = np.zeros(_FAIL_BYTES - 16, np.uint8)
+        payload[:8] = np.array([len(text)], "<u8").view(np.uint8)
+        payload[8: 8 + len(text)] = np.frombuffer(text, np.uint8)
+        off = self.cl.fail + (self.rank * 2 + (epoch & 1)) * _FAIL_BYTES
+        for q in range(self.R):
+            if q != self.rank:
+                self._put_record(self.ctrl, q, off, payload, epoch, keep=keep)
+
+    # --- waiting ------------------------------------------------------------------------
+
+    def _wait(self, op: _Op, ready: Callable[[], bool], peer: int, what: str,
+              failures: bool = True) -> None:
+        """Poll ``ready`` (after a memory barrier) until true; deadline, failure notices of
+        peers and liveness of same-machine peers are checked while waiting."""
+        spins = 0
+        next_live = 0
+        while True:
+            self.ctrl.sync()
+            self.data.sync()
+            if ready():
+                return
+            spins += 1
+            self.group.progress()
+            if spins < 8:
+                continue
+            if failures and op.kind != 2:
+                self._check_failures(op)
+            now = time.monotonic_ns()
+            if now >= op.deadline:
+                raise _OpError(
+                    E_TIMEOUT, peer,
+                    f"rank {self.rank} core 0 timed out after {self.timeout_ns / 1e9:.3g} s "
+                    f"waiting for {what} (epoch {op.epoch})",
+                )
+            if now >= next_live:
+                next_live = now + _LIVENESS_PERIOD_NS
+                self._check_liveness(what, peer)
+            if spins < 200:
+                time.sleep(0)
+            else:
+                time.sleep(50e-6 if spins < 2000 else 5e-4)
+
+    def _check_liveness(self, what: str, peer: int) -> None:
+        dead = self.group.dead_peers(None if peer < 0 else [peer])
+        if dead:
+            q = dead[0]
+            raise _OpError(E_PEER_LOST, q,
+                           f"rank {q} (pid {self.group.pids[q]}) died while rank {self.rank} "
+                           f"core 0 waited for {what}")
+
+    def _check_failures(self, op: _Op) -> None:
+        for q in range(self.R):
+            if q == self.rank:
+                continue
+            off = self.cl.fail + (q * 2 + op.par) * _FAIL_BYTES
+            got = self._read_record(off, _FAIL_BYTES - 16, op.epoch)
+            if got is None:
+                continue
+            self._check_liveness("a peer that failed this call", -1)
+            payload = got[1]
+            n = min(int(payload[:8].view("<u8")[0]), _FAIL_MSG_MAX)
+            msg = payload[8: 8 + n].tobytes().decode("utf-8", "replace")
+            raise _OpError(E_REMOTE, q, f"failure notice of rank {q}", msg=msg)
+
+    def _wait_peers_done(self, op: _Op, epoch: int, failures: bool = True) -> None:
+        if epoch <= 0:
+            return
+        for q in range(self.R):
+            if q != self.rank:
+                self._wait(op, functools.partial(self._done_geq, q, epoch), q,
+                           "a peer to finish the call before the last" if op.kind != 2 else
+                           f"rank {q} to finish call {epoch}", failures)
+
+    # --- counts -------------------------------------------------------------------------
+
+    def _publish_counts(self, op: _Op, units: _Units) -> None:
+        cl = self.cl
+        payload = np.zeros(cl.counts_payload, np.uint8)
+        cnt32 = units.cnt.astype("<u4")
+        rows32 = units.rows_to.astype("<u4")
+        payload[:4 * self.E] = cnt32.view(np.uint8)
+        payload[4 * self.E: 4 * self.E + 4 * self.R] = rows32.view(np.uint8)
+        for i in range(self.R):
+            d = (self.rank + 1 + i) % self.R
+            meta = self._meta(units, d)
+            op.keep.append(meta)
+            self.ctrl.put(d, cl.slot(cl.meta, op.par, self.rank, cl.meta_bytes), meta)
+            self._put_record(self.ctrl, d, cl.slot(cl.counts, op.par, self.rank, cl.counts_rec),
+                             payload, op.epoch, extra=meta, keep=op.keep)
+
+    def _counts_table(self, op: _Op) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+        """Wait for every source's counts; return ``cnt[s, e]``, ``rows[s, d]`` and each
+        source's metadata for this rank, all bounds-checked."""
+        cl = self.cl
+        cnt = np.zeros((self.R, self.E), np.int64)
+        rows = np.zeros((self.R, self.R), np.int64)
+        metas: list[np.ndarray] = [np.zeros(0, cl.meta_dtype)] * self.R
+        pending = set(range(self.R))
+
+        def poll() -> bool:
+            for s in sorted(pending):
+                got = self._read_counts(s, op)
+                if got is not None:
+                    cnt[s], rows[s], metas[s] = got
+                    pending.discard(s)
+            return not pending
+
+        self._wait(op, poll, -1, "the counts of every rank")
+        return cnt, rows, metas
+
+    def _read_counts(self, s: int, op: _Op) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        cl = self.cl
+        off = cl.slot(cl.counts, op.par, s, cl.counts_rec)
+        arr = self.ctrl.local_array
+        size = cl.counts_payload
+        if int(arr[off + size + 8: off + size + 16].view("<u8")[0]) != op.epoch:
+            return None
+        head = arr[off: off + size].copy()
+        c = head[:4 * self.E].view("<u4").astype(np.int64)
+        r = head[4 * self.E: 4 * self.E + 4 * self.R].view("<u4").astype(np.int64)
+        n = int(r[self.rank])
+        if n > self.cap_src:  # bounds first: this number sizes the metadata read below
+            n = 0  # the check below fails unless the record is still arriving
+        moff = cl.slot(cl.meta, op.par, s, cl.meta_bytes)
+        mbytes = arr[moff: moff + n * cl.meta_dtype.itemsize]
+        if self._read_record(off, size, op.epoch, extra=mbytes) is None:
+            return None
+        if (c > self.T).any() or (r > self.cap_src).any():
+            raise _OpError(E_INTERNAL, s, f"rank {s} announced counts larger than the Buffer "
+                                          f"holds (max_tokens_per_rank {self.T})")
+        return c, r, mbytes.copy().view(cl.meta_dtype)
+
+    def _bases(self, cnt: np.ndarray, rows: np.ndarray, d: int, src: int) -> np.ndarray:
+        """Start of ``src``'s rows at ``d``: per local expert (expert layout) or one number."""
+        L = self.L
+        if not self.expert:
+            total = int(rows[:, d].sum())
+            if total > self.cap_rows:
+                raise _OpError(E_INTERNAL, d, f"counts for rank {d} add up to {total} rows, "
+                                              f"more than the buffer's {self.cap_rows}")
+            return np.array([rows[:src, d].sum()], np.int64)
+        mine = cnt[:, d * L:(d + 1) * L]  # [sources, local experts]
+        per_expert = mine.sum(axis=0)
+        if int(per_expert.sum()) > self.cap_rows:
+            raise _OpError(E_INTERNAL, d, f"counts for rank {d} add up to "
+                                          f"{int(per_expert.sum())} rows, more than the "
+                                          f"buffer's {self.cap_rows}")
+        expert_start = np.concatenate([[0], np.cumsum(per_expert)[:-1]])
+        return (expert_start + mine[:src].sum(axis=0)).astype(np.int64)
+
+    def _positions(self, bases: np.ndarray, units: Any, n: int) -> np.ndarray:
+        """Final positions at the destination of one source's rows, in batch order."""
+        if not self.expert:
+            return bases[0] + np.arange(n, dtype=np.int64)
+        e = units[2]
+        el = (e % self.L).astype(np.int64)
+        first = np.searchsorted(el, el, side="left")  # rows are sorted by expert
+        return bases[el] + (np.arange(n) - first)
+
+    # --- dispatch: sending --------------------------------------------------------------
+
+    def _land(self, reg: int) -> int:
+        return self.p["off_land"] + reg * self.p["land_bytes"]
+
+    def _out_rows(self, reg: int) -> np.ndarray:
+        """This rank's out region as ``[cap_rows, row_bytes]`` (strided by out_stride)."""
+        off = self.p["off_out"] + reg * self.p["out_bytes"]
+        return np.ndarray((self.cap_rows, self.row_bytes), np.uint8, self.data.local_array,
+                          off, (self.out_stride, 1))
+
+    def _land_slots(self, reg: int) -> np.ndarray:
+        return np.ndarray((self.cap_rows, self.slot_bytes), np.uint8, self.data.local_array,
+                          self._land(reg), (self.slot_bytes, 1))
+
+    def _encode(self, rows: np.ndarray) -> np.ndarray:
+        """Rows as slots: raw (SW/DC, padded to slot_bytes) or TFF blocks with zero flags."""
+        m = rows.shape[0]
+        if self.sync != "tff":
+            if self.slot_bytes == self.row_bytes:
+                return rows
+            out = np.zeros((m, self.slot_bytes), np.uint8)
+            out[:, :self.row_bytes] = rows
+            return out
+        P, nb = self.tff_payload, self.tff_nblocks
+        padded = np.zeros((m, nb * P), np.uint8)
+        padded[:, :self.row_bytes] = rows
+        out = np.zeros((m, nb, self.tff_block), np.uint8)
+        out[:, :, :P] = padded.reshape(m, nb, P)
+        return out
+
+    def _runs(self, pos: np.ndarray) -> list[tuple[int, int]]:
+        """Contiguous runs ``(first position, length)`` of sorted-by-run positions."""
+        if not len(pos):
+            return []
+        breaks = np.nonzero(np.diff(pos) != 1)[0] + 1
+        starts = np.concatenate([[0], breaks])
+        ends = np.concatenate([breaks, [len(pos)]])
+        return [(int(pos[a]), int(b - a)) for a, b in zip(starts, ends, strict=True)]
+
+    def _send_rows(self, op: _Op, d: int, rows: np.ndarray, pos: np.ndarray, reg: int) -> None:
+        """Put ``rows`` (raw, batch order) at slots ``pos`` of ``d``'s land region, then the
+        flags of the sync mode."""
+        slots = self._encode(rows)
+        op.keep.append(slots)
+        flat = slots.reshape(len(rows), -1)
+        at = 0
+        runs = self._runs(pos)
+        for p0, m in runs:
+            self.data.put(d, self._land(reg) + p0 * self.slot_bytes, flat[at: at + m])
+            at += m
+        if self.bsp:
+            return  # flags after the barrier
+        self._send_flags(op, d, rows, runs, reg)
+
+    def _send_flags(self, op: _Op, d: int, rows: np.ndarray, runs: list[tuple[int, int]],
+                    reg: int) -> None:
+        slot = self.cl.slot(self.cl.flag, op.par, self.rank)
+        if self.sync == "sw":
+            self.data.flush(d)
+            self._put_record(self.ctrl, d, slot, np.zeros(0, np.uint8), op.epoch, keep=op.keep)
+        elif self.sync == "dc":
+            from ..runtime import _native  # type: ignore[attr-defined]
+
+            raw = np.ascontiguousarray(rows)
+            total = int(_native.dc_checksum(raw, self.row_bytes, op.epoch)) if len(rows) else 1
+            payload = np.array([len(rows), total], "<u8")
+            self._put_record(self.ctrl, d, slot, payload, op.epoch, keep=op.keep)
+        elif self.sync == "tff":
+            self.data.flush(d)
+            for p0, m in runs:
+                words = np.full(m * self.tff_nblocks, op.epoch, np.uint64)
+                op.keep.append(words)
+                off = self._land(reg) + p0 * self.slot_bytes + self.tff_payload
+                self.data.put_words(d, off, words, self.tff_block)
+
+    # --- dispatch: ASP ------------------------------------------------------------------
+
+    def _dispatch_asp(self, op: _Op, x: np.ndarray, units: _Units, reg: int,
+                      *outs: np.ndarray) -> int:
+        self._wait_peers_done(op, op.epoch - 2)
+        self._publish_counts(op, units)
+        cnt, rows, metas = self._counts_table(op)
+        self._check_consistency(cnt, rows)
+        o_dst = outs[-1]
+        out_rows = self._out_rows(reg)
+        for i in range(self.R):
+            d = (self.rank + 1 + i) % self.R
+            n = int(units.rows_to[d])
+            if not n:
+                continue
+            u = units.to[d]
+            pos = self._positions(self._bases(cnt, rows, d, self.rank), u, n)
+            self._record_dst(o_dst, u, d, pos)
+            payload = _rows_of(x, u[0], self.row_bytes)
+            if d == self.rank:
+                out_rows[pos] = payload  # own rows: straight to recv_x
+            else:
+                self._send_rows(op, d, payload, pos, reg)
+        return self._receive(op, cnt, rows, metas, reg, outs, staged=False)
+
+    def _record_dst(self, o_dst: np.ndarray, u: Any, d: int, pos: np.ndarray) -> None:
+        if self.expert:
+            o_dst[u[0], u[1]] = pos
+        else:
+            o_dst[u[0], d] = pos
+
+    def _check_consistency(self, cnt: np.ndarray, rows: np.ndarray) -> None:
+        if not self.expert:
+            return
+        per_dst = cnt.reshape(self.R, self.R, self.L).sum(axis=2)
+        bad = np.nonzero((per_dst != rows).any(axis=1))[0]
+        if len(bad):
+            s = int(bad[0])
+            raise _OpError(E_INTERNAL, s, f"rank {s}'s row counts disagree with its per-expert "
+                                          "counts")
+
+    # --- dispatch: receiving ------------------------------------------------------------
+
+    def _rx_bases(self, cnt: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """``[R, L]`` start of each source's rows (per local expert) in this rank's region."""
+        out = np.zeros((self.R, self.L), np.int64)
+        for s in range(self.R):
+            out[s] = self._bases(cnt, rows, self.rank, s) if self.expert else (
+                self._bases(cnt, rows, self.rank, s)[0])
+        return out
+
+    def _fill_metadata(self, s: int, meta: np.ndarray, pos: np.ndarray, counts: np.ndarray,
+                       outs: tuple[np.ndarray, ...]) -> None:
+        o_idx, o_w, o_rank, o_tok, o_k = outs[:5]
+        n = len(meta)
+        t, k, e = meta["t"].astype(np.int64), meta["k"].astype(np.int64), meta["e"]
+        lo = self.rank * self.L
+        ok = bool(((t >= 0) & (t < self.T) & (k >= 0) & (k < self.K)).all())
+        if self.expert:
+            el = e.astype(np.int64) - lo
+            ok = ok and bool(((el >= 0) & (el < self.L)).all()) and bool((np.diff(el) >= 0).all())
+            ok = ok and bool((np.bincount(el, minlength=self.L)[: self.L] == counts).all())
+        else:
+            ids = e.astype(np.int64)
+            ok = ok and bool(((ids >= -1) & (ids < self.L)).all())
+            ok = ok and bool((ids[np.arange(n), k] >= 0).all()) if n else ok
+        if not ok or (n and (pos.min() < 0 or pos.max() >= self.cap_rows)):
+            raise _OpError(E_INTERNAL, s, f"rank {s}'s routing disagrees with its counts")
+        o_rank[pos], o_tok[pos], o_k[pos] = s, t, k
+        if self.expert:
+            o_idx[pos], o_w[pos] = e, meta["w"]
+        else:
+            o_idx[pos], o_w[pos] = meta["e"], meta["w"]
+
+    def _receive(self, op: _Op, cnt: np.ndarray, rows: np.ndarray, metas: list[np.ndarray],
+                 reg: int, outs: tuple[np.ndarray, ...], staged: bool) -> int:
+        L, r = self.L, self.rank
+        rx = self._rx_bases(cnt, rows)
+        mine = cnt[:, r * L:(r + 1) * L]
+        n_total = int(rows[:, r].sum())
+        counts_out = outs[5]  # rows per local expert, then rows from each source
+        counts_out[:L] = mine.sum(axis=0)
+        counts_out[L:L + self.R] = rows[:, r]
+        positions: list[np.ndarray] = []
+        for s in range(self.R):
+            n = int(rows[s, r])
+            if self.expert:
+                counts = mine[s]
+                pos = np.concatenate([rx[s, el] + np.arange(counts[el]) for el in range(L)]) \
+                    if n else np.zeros(0, np.int64)
+            else:
+                counts = np.zeros(L, np.int64)
+                pos = rx[s, 0] + np.arange(n, dtype=np.int64)
+            positions.append(pos.astype(np.int64))
+            if len(metas[s]) != n:
+                raise _OpError(E_INTERNAL, s, f"rank {s}'s metadata has {len(metas[s])} rows, "
+                                              f"its counts say {n}")
+            self._fill_metadata(s, metas[s], positions[s], counts, outs)
+        if staged:
+            return n_total
+        land_is_out = self.sync != "tff"
+        pending = {s for s in range(self.R) if s != r and rows[s, r] > 0}
+
+        def poll() -> bool:
+            for s in sorted(pending):
+                if self._source_complete(op, s, positions[s], reg, land_is_out):
+                    pending.discard(s)
+            return not pending
+
+        self._wait(op, poll, -1, "rows of every source")
+        return n_total
+
+    def _source_complete(self, op: _Op, s: int, pos: np.ndarray, reg: int,
+                         land_is_out: bool) -> bool:
+        """Whether source ``s``'s rows have all landed (and, for TFF, decode them)."""
+        slot = self.cl.slot(self.cl.flag, op.par, s)
+        if self.sync == "sw":
+            return self._read_record(slot, 0, op.epoch) is not None
+        if self.sync == "dc":
+            got = self._read_record(slot, 16, op.epoch)
+            if got is None:
+                return False
+            count, total = (int(v) for v in got[1].view("<u8"))
+            if count != len(pos):
+                return False
+            return self._dc_sum(self._land_slots(reg)[pos], op.epoch) == total
+        slots = self._land_slots(reg)[pos].reshape(len(pos), self.tff_nblocks, self.tff_block)
+        P = self.tff_payload
+        flags = np.ascontiguousarray(slots[:, :, P:P + 8]).view("<u8")
+        if not (flags == op.epoch).all():
+            return False
+        self.data.sync()  # acquire: payload read after the flags
+        payload = slots[:, :, :P].reshape(len(pos), -1)[:, :self.row_bytes]
+        self._out_rows(reg)[pos] = payload
+        return True
+
+    def _dc_sum(self, slots: np.ndarray, epoch: int) -> int:
+        from ..runtime import _native  # type: ignore[attr-defined]
+
+        raw = np.ascontiguousarray(slots[:, :self.row_bytes])
+        return int(_native.dc_checksum(raw, self.row_bytes, epoch)) if len(raw) else 1
+
+    # --- dispatch: BSP ------------------------------------------------------------------
+
+    def _dispatch_bsp(self, op: _Op, x: np.ndarray, units: _Units, reg: int,
+                      *outs: np.ndarray) -> int:
+        cl, r = self.cl, self.rank
+        self._wait_peers_done(op, op.epoch - 2)
+        empty = np.zeros(0, np.uint8)
+        for q in range(self.R):  # Init: my staging area is free for this call
+            self._put_record(self.ctrl, q, cl.slot(cl.ready, op.par, r), empty, op.epoch,
+                             keep=op.keep)
+        # Token-Sending: each source owns a partition of the staging area, slots by batch rank
+        sent: dict[int, tuple[np.ndarray, list[tuple[int, int]]]] = {}
+        for i in range(self.R - 1):  # own rows are placed by the reordering below
+            d = (r + 1 + i) % self.R
+            n = int(units.rows_to[d])
+            if not n:
+                continue
+            self._wait(op, functools.partial(self._has_record, cl.slot(cl.ready, op.par, d), 0,
+                                             op.epoch), d, f"staging area of rank {d}")
+            payload = _rows_of(x, units.to[d][0], self.row_bytes)
+            pos = r * self.cap_src + np.arange(n, dtype=np.int64)
+            self._send_rows(op, d, payload, pos, reg)
+            sent[d] = (payload, self._runs(pos))
+        # SyncAll: every row (and every TFF flag) complete at its destination first
+        self.data.flush_all()
+        if self.sync == "tff":
+            for d, (payload, runs) in sent.items():
+                self._send_flags(op, d, payload, runs, reg)
+            self.data.flush_all()
+        self._barrier(op, 1)
+        # SendFlag & TokenCnt
+        self._publish_counts(op, units)
+        for d, (payload, _runs) in sent.items():
+            if self.sync != "tff":
+                self._send_flags_bsp(op, d, payload)
+        cnt, rows, metas = self._counts_table(op)
+        self._check_consistency(cnt, rows)
+        # Verification
+        stage = self._land_slots(reg)
+        for s in range(self.R):
+            n = int(rows[s, r])
+            if s == r or not n:
+                continue
+            pos = s * self.cap_src + np.arange(n, dtype=np.int64)
+            if self.sync == "tff":
+                ok = self._source_complete_tff_staged(op, stage, pos)
+            else:
+                flag = functools.partial(self._has_record, cl.slot(cl.flag, op.par, s),
+                                         0 if self.sync == "sw" else 16, op.epoch)
+                self._wait(op, flag, s, f"the flag and counts of rank {s}")
+                ok = self.sync == "sw" or self._dc_verified(op, s, stage[pos])
+            if not ok:
+                raise _OpError(E_INTERNAL, s, f"verification of rank {s}'s rows failed after "
+                                              "the barrier")
+        self._barrier(op, 2)
+        # CalCumSum + Token-Reordering
+        n_total = self._receive(op, cnt, rows, metas, reg, outs, staged=True)
+        rx = self._rx_bases(cnt, rows)
+        out_rows = self._out_rows(reg)
+        mine = cnt[:, r * self.L:(r + 1) * self.L]
+        for s in range(self.R):
+            n = int(rows[s, r])
+            if not n:
+                continue
+            if s == r:
+                payload = _rows_of(x, units.to[r][0], self.row_bytes)
+            else:
+                part = stage[s * self.cap_src: s * self.cap_src + n]
+                payload = self._decode_staged(part)
+            if self.expert:
+                dest = np.concatenate([rx[s, el] + np.arange(mine[s, el]) for el in range(self.L)])
+            else:
+                dest = rx[s, 0] + np.arange(n)
+            out_rows[dest] = payload
+        o_dst = outs[-1]
+        for d in range(self.R):
+            n = int(units.rows_to[d])
+            if n:
+                u = units.to[d]
+                self._record_dst(o_dst, u, d, self._positions(self._bases(cnt, rows, d, r), u, n))
+        return n_total
+
+    def _send_flags_bsp(self, op: _Op, d: int, payload: np.ndarray) -> None:
+        slot = self.cl.slot(self.cl.flag, op.par, self.rank)
+        if self.sync == "sw":
+            self._put_record(self.ctrl, d, slot, np.zeros(0, np.uint8), op.epoch, keep=op.keep)
+        else:
+            from ..runtime import _native  # type: ignore[attr-defined]
+
+            total = int(_native.dc_checksum(np.ascontiguousarray(payload), self.row_bytes,
+                                            op.epoch))
+            self._put_record(self.ctrl, d, slot, np.array([len(payload), total], "<u8"),
+                             op.epoch, keep=op.keep)
+
+    def _dc_verified(self, op: _Op, s: int, slots: np.ndarray) -> bool:
+        got = self._read_record(self.cl.slot(self.cl.flag, op.par, s), 16, op.epoch)
+        if got is None:
+            return False
+        count, total = (int(v) for v in got[1].view("<u8"))
+        return count == len(slots) and self._dc_sum(slots, op.epoch) == total
+
+    def _source_complete_tff_staged(self, op: _Op, stage: np.ndarray, pos: np.ndarray) -> bool:
+        slots = stage[pos].reshape(len(pos), self.tff_nblocks, self.tff_block)
+        P = self.tff_payload
+        return bool((np.ascontiguousarray(slots[:, :, P:P + 8]).view("<u8") == op.epoch).all())
+
+    def _decode_staged(self, part: np.ndarray) -> np.ndarray:
+        if self.sync != "tff":
+            return part[:, :self.row_bytes]
+        n = len(part)
+        slots = part.reshape(n, self.tff_nblocks, self.tff_block)
+        return slots[:, :, :self.tff_payload].reshape(n, -1)[:, :self.row_bytes]
+
+    def _barrier(self, op: _Op, phase: int) -> None:
+        """Global barrier of all ranks (BSP SyncAll), one record per (phase, source)."""
+        cl = self.cl
+        empty = np.zeros(0, np.uint8)
+        for q in range(self.R):
+            self._put_record(self.ctrl, q, cl.barrier + ((phase - 1) * self.R + self.rank) * _LINE,
+                             empty, op.epoch, keep=op.keep)
+        for q in range(self.R):
+            arrived = functools.partial(
+                self._has_record, cl.barrier + ((phase - 1) * self.R + q) * _LINE, 0, op.epoch)
+            self._wait(op, arrived, q, f"global barrier {phase} (rank {q})")
+
+    # --- combine ------------------------------------------------------------------------
+
+    def _combine(self, op: _Op, eo: np.ndarray, rows: int, h_idx: np.ndarray, h_w: np.ndarray,
+                 h_dst: np.ndarray, ntok: int, creg: int, y: np.ndarray) -> bool:
+        p, cl = self.p, self.cl
+        local = self.data.local_array
+        base = int(local.ctypes.data)
+        at = int(eo.ctypes.data) if eo.size else 0
+        nbytes = rows * self.crow_bytes
+        zero_copy = base + _HEADER_BYTES <= at and at + nbytes <= base + self.seg_size
+        self._wait_peers_done(op, op.epoch - 2)
+        if zero_copy:
+            eo_off = at - base
+        else:
+            self._wait_peers_done(op, self.comb_last[creg])
+            self.comb_last[creg] = op.epoch
+            eo_off = p["off_comb"] + creg * p["comb_bytes"]
+            local[eo_off: eo_off + nbytes] = _u8(eo)[:nbytes]
+        for c in range(2):
+            lo = p["off_comb"] + c * p["comb_bytes"]
+            if lo <= eo_off < lo + p["comb_bytes"]:
+                self.comb_last[c] = op.epoch
+        self.data.sync()  # the expert outputs are in memory before peers are told
+        info = np.array([eo_off, rows, self.crow_bytes], "<u8")
+        for q in range(self.R):
+            self._put_record(self.ctrl, q, cl.slot(cl.comb_info, op.par, self.rank), info,
+                             op.epoch, keep=op.keep)
+        if self.bsp:
+            self.ctrl.flush_all()  # descriptors complete before the barrier
+            self._barrier(op, 3)
+        needed = self._needed_rows(h_idx, h_dst, ntok)
+        fetched: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        for q in sorted(needed, key=lambda q: (q - self.rank) % self.R):
+            fetched[q] = self._fetch(op, q, needed[q])
+        self._reduce(h_idx[:ntok], h_w[:ntok], h_dst[:ntok], fetched, y)
+        return zero_copy
+
+    def _needed_rows(self, h_idx: np.ndarray, h_dst: np.ndarray, ntok: int) -> dict[int,
+                                                                                     np.ndarray]:
+        """Per destination, the sorted unique rows this rank sent there."""
+        out: dict[int, np.ndarray] = {}
+        if self.expert:
+            idx = h_idx[:ntok]
+            if ((idx < -1) | (idx >= self.E)).any():
+                raise _OpError(E_INTERNAL, -1, "handle names an expert out of range")
+            dst = np.where(idx >= 0, idx // self.L, -1)
+            for q in range(self.R):
+                pos = h_dst[:ntok][dst == q]
+                if len(pos):
+                    out[q] = np.unique(pos)
+        else:
+            for q in range(self.R):
+                pos = h_dst[:ntok, q]
+                pos = pos[pos >= 0]
+                if len(pos):
+                    out[q] = np.unique(pos)
+        return out
+
+    def _fetch(self, op: _Op, q: int, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Rows ``pos`` of ``q``'s expert outputs, fetched (``MPI_Get``) into a new array."""
+        cl = self.cl
+        slot = cl.slot(cl.comb_info, op.par, q)
+        box: list[np.ndarray] = []
+
+        def ready() -> bool:
+            got = self._read_record(slot, 24, op.epoch)
+            if got is not None:
+                box.append(got[1].view("<u8"))
+            return got is not None
+
+        if self.bsp:
+            self.ctrl.sync()
+            if not ready():
+                raise _OpError(E_INTERNAL, q, f"rank {q}'s expert outputs missing after the "
+                                              "barrier")
+        else:
+            self._wait(op, ready, q, f"the expert outputs of rank {q}")
+        off, nrows, stride = (int(v) for v in box[0])
+        if (stride != self.crow_bytes or nrows > self.cap_rows or off < _HEADER_BYTES
+                or off + nrows * stride > self.seg_size):
+            raise _OpError(E_INTERNAL, q, f"rank {q} published expert outputs outside its "
+                                          "segment")
+        if pos[0] < 0 or pos[-1] >= nrows:
+            bad = int(pos[-1] if pos[-1] >= nrows else pos[0])
+            raise _OpError(E_INTERNAL, q, f"handle row {bad} outside rank {q}'s {nrows} expert "
+                                          "outputs")
+        rows = np.empty((len(pos), self.crow_bytes), np.uint8)
+        runs = [(off + p0 * stride, m * stride) for p0, m in self._runs(pos)]
+        self.data.get_runs(q, runs, rows)
+        self.data.flush(q)
+        return pos, rows
+
+    def _reduce(self, idx: np.ndarray, w: np.ndarray, dst_row: np.ndarray,
+                fetched: dict[int, tuple[np.ndarray, np.ndarray]], y: np.ndarray) -> None:
+        """The reference's arithmetic (ubep.reference: float32, product rounded, masked slots
+        skipped, ascending k or destination)."""
+        cd = self.cdtype
+        ntok = idx.shape[0]
+        acc = np.zeros((ntok, self.hidden), np.float32)
+        rows_f32 = {
+            q: (pos, cd.to_float32(rows.view(cd.storage).reshape(len(pos), self.hidden)))
+            for q, (pos, rows) in fetched.items()
+        }
+        if self.expert:
+            for k in range(self.K):
+                tok = np.nonzero(idx[:, k] >= 0)[0]
+                if not len(tok):
+                    continue
+                term = np.empty((len(tok), self.hidden), np.float32)
+                dst = idx[tok, k] // self.L
+                for q in np.unique(dst):
+                    sel = dst == q
+                    pos, vals = rows_f32[int(q)]
+                    term[sel] = vals[np.searchsorted(pos, dst_row[tok[sel], k])]
+                term = w[tok, k][:, None] * term
+                acc[tok] = acc[tok] + term
+        else:
+            for q in range(self.R):
+                tok = np.nonzero(dst_row[:, q] >= 0)[0]
+                if len(tok):
+                    pos, vals = rows_f32[q]
+                    acc[tok] = acc[tok] + vals[np.searchsorted(pos, dst_row[tok, q])]
+        out = cd.from_float32(acc)
+        y.reshape(-1).view(np.uint8)[:] = out.reshape(-1).view(np.uint8)
+
+    # --- end of an operation ------------------------------------------------------------
+
+    def _finish(self, op: _Op) -> None:
+        self._publish_done(op.epoch, op.keep)
+        # Origin buffers (staging rows, records) may be dropped once the puts left them.
+        self.data.flush_local_all()
+        self.ctrl.flush_local_all()
+        op.keep.clear()
+
+    def _finish_error(self, op: _Op, err: _OpError) -> tuple[int, int, int, str, str, str]:
+        tup = self._tuple(err)
+        self._publish_failure(op.epoch, _format(self.rank, err), op.keep)
+        self._finish(op)
+        return tup
+
+    def _tuple(self, err: _OpError) -> tuple[int, int, int, str, str, str]:
+        msg = err.msg if err.code in (E_REMOTE, E_BAD_INPUT) else err.what
+        return (err.code, err.peer, 0, err.arg, err.what, msg)
+
+
+def _format(rank: int, err: _OpError) -> str:
+    if err.code == E_BAD_INPUT:
+        return f"rank {rank}: bad input: {err.arg}={err.msg}: {err.what}"
+    if err.code == E_REMOTE:
+        return f"rank {rank} saw rank {err.peer} fail: {err.msg}"
+    return err.what
+
+
+def _u8(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+
+def _rows_of(x: np.ndarray, tokens: np.ndarray, row_bytes: int) -> np.ndarray:
+    """Rows ``tokens`` of ``x`` as raw bytes ``[n, row_bytes]`` (one gather)."""
+    raw = x.view(np.uint8).reshape(x.shape[0], row_bytes)
+    return np.take(raw, tokens, axis=0)

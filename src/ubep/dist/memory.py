@@ -1,0 +1,226 @@
+"""Global memory over MPI windows: shared memory inside a host, one-sided RMA across hosts.
+
+Every rank's region is allocated with ``MPI_Win_allocate_shared`` on the communicator of its
+(possibly virtual) host, so ranks of one host read and write each other's regions with plain
+loads and stores (``MPI_Win_shared_query`` gives the addresses). When the group spans more than
+one host, the same memory is also exposed to every rank by ``MPI_Win_create`` on the whole
+communicator, locked once for the lifetime of the window (``MPI_Win_lock_all``, passive target):
+rows to another host travel by ``MPI_Put``/``MPI_Get`` and complete with ``MPI_Win_flush``.
+
+:class:`DistGlobalMemory` is also the transport of the RMA engine: ``put`` / ``put_words`` /
+``get_runs`` / ``flush`` do a store (same host) or an RMA operation (another host). Ordering
+rule, the one MPI gives: a put is complete at the target only after ``flush(target)``; nothing
+orders two puts in flight, not even the bytes of one put. Same-host "flush" is a full memory
+barrier (``MPI_Win_sync`` on the shared window), which also orders non-temporal stores.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import mmap
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import UbepError
+
+if TYPE_CHECKING:
+    from .group import DistGroup
+
+__all__ = ["DistGlobalMemory"]
+
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14: map pages for writing without touching their bytes
+_PAGE = mmap.PAGESIZE
+
+
+class DistGlobalMemory:
+    """One rank's region of a global memory object of a :class:`~ubep.dist.DistGroup`.
+
+    Attributes (the :class:`ubep.runtime.group.GlobalMemory` protocol):
+        addresses: every rank's region address in this process when all ranks share this host
+            (the native engine runs on them), else ``None``.
+        local_array: this rank's region, ``uint8``, zero-filled at creation.
+        pids, start_times: from the group.
+        peer_arrays: per rank, its region as an array when it is on this host, else ``None``.
+        released: :meth:`close` was called (the group frees the windows collectively later).
+    """
+
+    def __init__(self, group: DistGroup, size_bytes: int, kind: str) -> None:
+        self.group = group
+        self.kind = kind
+        self.size_bytes = size_bytes
+        self.released = False
+        self._freed = False
+        mpi = group.mpi
+        self._mpi = mpi
+        host = group.host_comm
+        info = mpi.Info.Create()
+        # One page-aligned allocation per rank (madvise needs page alignment).
+        info.Set("alloc_shared_noncontig", "true")
+        try:
+            self._shared = mpi.Win.Allocate_shared(size_bytes, 1, info=info, comm=host)
+        finally:
+            info.Free()
+        host_ranks = [q for q in range(group.num_ranks) if group.same_host(q)]
+        self.peer_arrays: list[np.ndarray | None] = [None] * group.num_ranks
+        for i, q in enumerate(host_ranks):
+            buf, _unit = self._shared.Shared_query(i)
+            self.peer_arrays[q] = np.frombuffer(buf, dtype=np.uint8)[:size_bytes]
+        local = self.peer_arrays[group.rank]
+        assert local is not None
+        self.local_array: np.ndarray = local
+        self.local_array[:] = 0  # MPI gives no initial contents; also maps every page
+        self.pids = list(group.pids)
+        self.start_times = list(group.start_times)
+        self._win: Any = None
+        if len(host_ranks) == group.num_ranks:
+            self.addresses: list[int] | None = [
+                int(a.ctypes.data) for a in self.peer_arrays if a is not None
+            ]
+        else:
+            self.addresses = None
+            self._win = mpi.Win.Create(self.local_array, 1, comm=group.comm)
+            self._win.Lock_all(mpi.MODE_NOCHECK)
+        self._shared.Sync()
+        group.barrier()  # every rank zeroed its region before anyone writes to it
+        for q, arr in enumerate(self.peer_arrays):
+            if arr is not None and q != group.rank:
+                _populate_write(arr)
+
+    # --- GlobalMemory protocol ----------------------------------------------------------
+
+    def unlink(self) -> None:
+        """Nothing to do: MPI windows have no name in the file system."""
+
+    def close(self) -> None:
+        """Release this rank's use (local). The windows are freed collectively by the group."""
+        self.released = True
+
+    def make_engine(self, params: dict[str, int]) -> Any:
+        """The RMA engine (:class:`ubep.dist.engine.RmaEngine`) on these regions."""
+        from .engine import RmaEngine
+
+        if self._win is None:
+            raise UbepError("every rank is on this host: use the native engine")
+        return RmaEngine(params, self)
+
+    # --- transport ----------------------------------------------------------------------
+
+    def remote(self, dst: int) -> bool:
+        """Whether ``dst``'s region is reached through RMA (another host)."""
+        return self.peer_arrays[dst] is None
+
+    def put(self, dst: int, offset: int, data: np.ndarray) -> None:
+        """Write ``data`` (any contiguous array) at ``offset`` of ``dst``'s region."""
+        raw = _bytes_of(data)
+        peer = self.peer_arrays[dst]
+        if peer is not None:
+            peer[offset: offset + raw.size] = raw
+        elif raw.size:
+            self._win.Put([raw, self._mpi.BYTE], dst, target=(offset, raw.size, self._mpi.BYTE))
+
+    def put_words(self, dst: int, offset: int, words: np.ndarray, stride: int) -> None:
+        """Write ``words`` (uint64) at ``offset``, ``offset + stride``, ... of ``dst``'s region."""
+        words = np.ascontiguousarray(words, dtype=np.uint64)
+        n = int(words.size)
+        if not n:
+            return
+        peer = self.peer_arrays[dst]
+        if peer is not None:
+            view = np.ndarray((n,), dtype=np.uint64, buffer=peer, offset=offset, strides=(stride,))
+            view[:] = words
+            return
+        mpi = self._mpi
+        vec = mpi.BYTE.Create_vector(n, 8, stride).Commit()
+        try:
+            self._win.Put([words, mpi.BYTE], dst, target=(offset, 1, vec))
+        finally:
+            vec.Free()  # the operation keeps what it needs
+
+    def get_runs(self, dst: int, runs: list[tuple[int, int]], out: np.ndarray) -> None:
+        """Read byte runs ``(offset, nbytes)`` of ``dst``'s region, back to back, into ``out``
+        (complete after ``flush(dst)``)."""
+        raw = _bytes_of(out)
+        total = sum(n for _, n in runs)
+        if total > raw.size:
+            raise UbepError(f"get_runs: {total} bytes do not fit {raw.size}")
+        if not total:
+            return
+        peer = self.peer_arrays[dst]
+        if peer is not None:
+            at = 0
+            for off, n in runs:
+                raw[at: at + n] = peer[off: off + n]
+                at += n
+            return
+        mpi = self._mpi
+        dtype = mpi.BYTE.Create_hindexed([n for _, n in runs], [off for off, _ in runs]).Commit()
+        try:
+            self._win.Get([raw[:total], mpi.BYTE], dst, target=(0, 1, dtype))
+        finally:
+            dtype.Free()
+
+    def flush(self, dst: int) -> None:
+        """Complete every operation to ``dst`` (remote completion; same host: a fence)."""
+        if self.peer_arrays[dst] is not None:
+            self._shared.Sync()
+        else:
+            self._win.Flush(dst)
+
+    def flush_all(self) -> None:
+        self._shared.Sync()
+        if self._win is not None:
+            self._win.Flush_all()
+
+    def flush_local_all(self) -> None:
+        """Origin buffers of every put may be reused after this (local completion)."""
+        if self._win is not None:
+            self._win.Flush_local_all()
+
+    def sync(self) -> None:
+        """Memory barrier before reading words peers write (MPI's rule for polling a window)."""
+        self._shared.Sync()
+        if self._win is not None:
+            self._win.Sync()
+
+    # --- lifetime -----------------------------------------------------------------------
+
+    def free(self) -> None:
+        """Free the MPI windows (collective over the group: called by the group only).
+
+        Arrays that still view the memory (a caller's ``recv_x``) become invalid: the Buffer
+        docstring says to pass ``copy=True`` to keep results past ``close()``.
+        """
+        if self._freed:
+            return
+        self._freed = True
+        self.released = True
+        self.local_array = np.zeros(0, dtype=np.uint8)
+        self.peer_arrays = [None] * len(self.peer_arrays)
+        if self._win is not None:
+            self._win.Unlock_all()
+            self._win.Free()
+            self._win = None
+        self._shared.Free()
+
+
+def _bytes_of(a: np.ndarray) -> np.ndarray:
+    if not a.flags.c_contiguous:
+        raise UbepError("transport: array must be C-contiguous")
+    return a.reshape(-1).view(np.uint8)
+
+
+@functools.cache
+def _libc() -> Any:
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+def _populate_write(arr: np.ndarray) -> None:
+    """Map a peer's pages for writing now (first touch inside an operation is ~7x slower).
+    Best effort: older kernels refuse the advice and the pages fault in on first use."""
+    start = int(arr.ctypes.data)
+    lo = start - start % _PAGE
+    length = start + arr.size - lo
+    _libc().madvise(ctypes.c_void_p(lo), ctypes.c_size_t(length), _MADV_POPULATE_WRITE)

@@ -1,0 +1,232 @@
+"""``python -m ubep.dist.selftest``: check ubep on an MPI job against ``ubep.reference``.
+
+Run it the way the application will run (same hosts, same ``mpiexec`` options)::
+
+    mpiexec -n 4 python -m ubep.dist.selftest                     # every engine x sync x layout
+    mpiexec -n 4 python -m ubep.dist.selftest --modes asp:dc:expert:bf16 --json out.json
+
+Every rank builds the inputs of all ranks from one seed, runs ``dispatch`` and ``combine`` on a
+:class:`ubep.Buffer` over :func:`ubep.dist.init`, and compares its own results with the
+single-process reference bit for bit (every field of the dispatch result and the combined
+output). Steps per mode: uniform routing with masked slots, hot-expert routing, a rank with no
+tokens, and a zero-copy combine. ``--faults`` adds a bad call (an expert id out of range on the
+last rank) that must fail on every rank and leave the Buffer usable. Exit status 0 when every
+rank passed; ``--json`` writes the per-rank findings (rank 0 writes the file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .. import reference, routing
+from ..buffer import Buffer, BufferConfig
+from ..errors import InvalidArgumentError, RemoteError, UbepError
+
+__all__ = ["Mode", "all_modes", "check_mode", "main"]
+
+FIELDS = ("recv_x", "recv_topk_idx", "recv_topk_weights", "num_recv_tokens_per_expert",
+          "recv_src_rank", "recv_src_token", "recv_src_k")
+_STORAGE: dict[str, Any] = {"bf16": np.uint16, "fp16": np.float16, "fp32": np.float32,
+                            "int8": np.int8, "uint8": np.uint8}
+
+
+@dataclass(frozen=True)
+class Mode:
+    engine: str
+    sync: str
+    layout: str
+    dtype: str
+
+    @classmethod
+    def parse(cls, text: str) -> Mode:
+        parts = text.split(":")
+        if len(parts) != 4:
+            raise InvalidArgumentError("modes", text, "must be engine:sync:layout:dtype")
+        return cls(*parts)
+
+    def __str__(self) -> str:
+        return f"{self.engine}:{self.sync}:{self.layout}:{self.dtype}"
+
+
+def all_modes(sp: bool = True) -> list[Mode]:
+    """Every engine x sync x layout, dtypes rotated so each sync sees a float and 1-byte type
+    where it can (SP: float types only)."""
+    out = []
+    dtypes = itertools.cycle(("bf16", "uint8", "fp32", "int8", "fp16"))
+    for engine, sync, layout in itertools.product(("asp", "bsp"), ("sw", "tff", "dc", "sp"),
+                                                  ("expert", "rank")):
+        if sync == "sp" and not sp:
+            continue
+        dt = next(dtypes)
+        if sync == "sp" and dt in ("int8", "uint8"):
+            dt = "bf16"
+        out.append(Mode(engine, sync, layout, dt))
+    return out
+
+
+def payload(rng: np.random.Generator, dtype: str, tokens: int, hidden: int) -> np.ndarray:
+    """Seeded payload: finite floats of moderate size (never an SP sentinel) or any bytes."""
+    if dtype == "bf16":
+        bits = rng.integers(0x3000, 0x4F80, size=(tokens, hidden), dtype=np.uint16)
+        return bits | (rng.integers(0, 2, size=(tokens, hidden), dtype=np.uint16) << 15)
+    if dtype in ("fp16", "fp32"):
+        return (rng.standard_normal((tokens, hidden)) * 4).astype(_STORAGE[dtype])
+    info = np.iinfo(_STORAGE[dtype])
+    return rng.integers(info.min, info.max + 1, size=(tokens, hidden), dtype=_STORAGE[dtype])
+
+
+def inputs(dtype: str, num_experts: int, num_topk: int, hidden: int, tokens: list[int],
+           seed: int, kind: str) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+    """Per-rank ``x``, ``topk_idx``, ``topk_weights`` (identical on every rank)."""
+    xs, idxs, ws = [], [], []
+    for r, t in enumerate(tokens):
+        rng = np.random.default_rng([seed, r])
+        xs.append(payload(rng, dtype, t, hidden))
+        if kind == "hot":
+            idx = routing.hot_experts_topk(t, num_experts, num_topk, hot_experts=2,
+                                           hot_share=0.7, seed=seed * 1000 + r)
+        else:
+            idx = routing.uniform_topk(t, num_experts, num_topk, seed=seed * 1000 + r,
+                                       mask_prob=0.1)
+        idxs.append(idx)
+        ws.append(rng.random((t, num_topk), dtype=np.float32))
+    return xs, idxs, ws
+
+
+def expert_outputs(dtype: str, recv_x: np.ndarray, seed: int) -> np.ndarray:
+    if dtype in ("bf16", "fp16", "fp32"):
+        return np.ascontiguousarray(recv_x)
+    rng = np.random.default_rng(seed)
+    return payload(rng, "bf16", recv_x.shape[0], recv_x.shape[1])
+
+
+def compare(res: Any, ref: Any) -> list[str]:
+    bad = []
+    for f in FIELDS:
+        a, b = getattr(res, f), getattr(ref, f)
+        if a.shape != b.shape or a.dtype != b.dtype:
+            bad.append(f"{f}: {a.dtype}{a.shape} vs reference {b.dtype}{b.shape}")
+        elif not np.array_equal(_bits(a), _bits(b)):
+            bad.append(f"{f}: values differ")
+    return bad
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).view(np.uint8)
+
+
+def check_mode(group: Any, mode: Mode, *, max_tokens: int = 24, hidden: int = 256,
+               num_topk: int = 4, seed: int = 1, faults: bool = False,
+               timeout_s: float = 60.0) -> list[str]:
+    """Run the steps of one mode on ``group``; return this rank's mismatches (empty = pass)."""
+    R, r = group.num_ranks, group.rank
+    cfg = BufferConfig(
+        max_tokens_per_rank=max_tokens, hidden=hidden, num_topk=num_topk, num_experts=4 * R,
+        dtype=mode.dtype, layout=mode.layout, engine=mode.engine, sync=mode.sync,
+        timeout_s=timeout_s,
+    )
+    full = [max_tokens] * R
+    steps: list[tuple[list[int], str, bool]] = [
+        (full, "uniform", False),
+        ([max_tokens // 2 + q for q in range(R)], "hot", False),
+        ([0 if q == R - 1 else max_tokens - q for q in range(R)], "uniform", True),
+    ]
+    errors: list[str] = []
+    with Buffer(group, cfg) as buf:
+        for i, (tokens, kind, zero_copy) in enumerate(steps):
+            s = seed * 100 + i
+            xs, idxs, ws = inputs(mode.dtype, cfg.num_experts, num_topk, hidden, tokens, s, kind)
+            res = buf.dispatch(xs[r], idxs[r], ws[r])
+            refs = reference.dispatch(xs, idxs, ws, cfg.num_experts, layout=cfg.layout)
+            errors += [f"{mode} step {i}: {e}" for e in compare(res, refs[r])]
+            outs = [expert_outputs(mode.dtype, ref.recv_x, s * 10 + q)
+                    for q, ref in enumerate(refs)]
+            if zero_copy:
+                eo = buf.get_combine_buffer(res.handle)
+                eo[...] = outs[r]
+            else:
+                eo = outs[r]
+            y = buf.combine(eo, res.handle)
+            y_ref = reference.combine(outs, refs)[r]
+            if y.dtype != y_ref.dtype or not np.array_equal(_bits(y), _bits(y_ref)):
+                errors.append(f"{mode} step {i}: combine differs")
+            if faults and i == 0:
+                errors += _bad_call(buf, xs[r], idxs[r], ws[r], r, R, cfg.num_experts)
+    return errors
+
+
+def _bad_call(buf: Buffer, x: np.ndarray, idx: np.ndarray, w: np.ndarray, r: int, R: int,
+              num_experts: int) -> list[str]:
+    bad = idx.copy()
+    if r == R - 1 and bad.size:
+        bad[0, 0] = num_experts + 3
+    try:
+        buf.dispatch(x, bad, w)
+        outcome = "ok"
+    except InvalidArgumentError as exc:
+        outcome = f"InvalidArgumentError:{exc.argument}"
+    except RemoteError:
+        outcome = "RemoteError"  # names whichever failed rank's notice it saw first
+    want = "InvalidArgumentError:topk_idx" if r == R - 1 else "RemoteError"
+    return [] if outcome == want else [f"bad call: got {outcome}, expected {want}"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from . import init
+
+    parser = argparse.ArgumentParser(prog="python -m ubep.dist.selftest", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--modes", default="all",
+                        help="comma-separated engine:sync:layout:dtype, or 'all' (default)")
+    parser.add_argument("--tokens", type=int, default=24, help="max tokens per rank")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--faults", action="store_true", help="add a rejected call per mode")
+    parser.add_argument("--ranks-per-host", type=int, default=None)
+    parser.add_argument("--json", default=None, help="write per-rank findings here (rank 0)")
+    args = parser.parse_args(argv)
+    group = init(ranks_per_host=args.ranks_per_host)
+    remote = group.num_hosts > 1
+    if args.modes == "all":
+        modes = all_modes(sp=not remote)
+    else:
+        modes = [Mode.parse(m) for m in args.modes.split(",")]
+    findings: dict[str, Any] = {"modes": [], "errors": [], "seconds": 0.0,
+                                "hosts": group.num_hosts, "ranks_per_host": group.ranks_per_host}
+    t0 = time.monotonic()
+    for mode in modes:
+        try:
+            errs = check_mode(group, mode, max_tokens=args.tokens, hidden=args.hidden,
+                              seed=args.seed, faults=args.faults)
+        except UbepError as exc:
+            errs = [f"{mode}: {type(exc).__name__}: {exc}"]
+        findings["modes"].append(str(mode))
+        findings["errors"] += errs
+    findings["seconds"] = time.monotonic() - t0
+    every = group.allgather(findings)
+    if group.rank == 0:
+        status = "PASS" if not any(f["errors"] for f in every) else "FAIL"
+        print(f"ubep.dist.selftest: {status}: {len(modes)} modes on {group.num_ranks} ranks "
+              f"({group.num_hosts} host(s) x {group.ranks_per_host}), "
+              f"{max(f['seconds'] for f in every):.1f} s", flush=True)
+        for r, f in enumerate(every):
+            for e in f["errors"]:
+                print(f"  rank {r}: {e}", flush=True)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(every, fh, indent=1)
+    ok = not any(f["errors"] for f in every)
+    group.close()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
