@@ -1,24 +1,33 @@
 # Two commands matter (README, Quick start): `make demo` and `make test`.
-# Both create .venv on first use and install ubep into it (editable, native core built by pip).
-VENV   ?= .venv
-PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed-stamp
-EXTRAS ?= dev
+# Each creates .venv on first use and installs ubep into it (editable; pip builds the C core).
+# torch is pinned to the CPU wheel 2.13.0 and installed before anything that could ask for
+# another torch, so pip never resolves a CUDA build.
+VENV       ?= .venv
+PY         := $(VENV)/bin/python
+PIP        := $(PY) -m pip install -q --disable-pip-version-check
+BASE_STAMP := $(VENV)/.stamp-base
+TEST_STAMP := $(VENV)/.stamp-test
+TORCH_PIN  := torch==2.13.0
 
 .PHONY: demo test lint venv clean
 
-$(STAMP): pyproject.toml setup.py
+$(BASE_STAMP): pyproject.toml setup.py
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[$(EXTRAS)]'
-	touch $(STAMP)
+	$(PIP) -e '.[plot]'
+	touch $@
 
-venv: $(STAMP)
+$(TEST_STAMP): $(BASE_STAMP)
+	$(PIP) '$(TORCH_PIN)'
+	$(PIP) '$(TORCH_PIN)' -e '.[dev,torch]'
+	touch $@
 
-demo: $(STAMP)
+venv: $(TEST_STAMP)
+
+demo: $(BASE_STAMP)
 	$(VENV)/bin/ubep demo
 
-lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
+lint: $(TEST_STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(VENV)/bin/mypy
 
 test: lint
