@@ -26,12 +26,12 @@ TOKEN_BYTES = 7168
 
 
 def _loop_core_times(plan: Plan, topo: Topology, token_bytes: float, issue_ns: float,
-                     ordered: bool) -> list[float]:
+                     ordered: bool, exposure: float = 0.0) -> list[float]:
     out = []
     for j in range(plan.num_send_cores):
         t = far = 0.0
         for h in plan.send_hop[plan.core_units(j)]:
-            t += token_bytes / topo.bandwidth_gbps[h] + issue_ns
+            t += token_bytes / topo.bandwidth_gbps[h] + issue_ns + exposure * topo.latency_ns[h]
             rtt = 2 * topo.latency_ns[h]
             far = max(far, t + rtt) if ordered else max(far, rtt)
         out.append(far if ordered else t + far)
@@ -40,16 +40,17 @@ def _loop_core_times(plan: Plan, topo: Topology, token_bytes: float, issue_ns: f
 
 @pytest.mark.parametrize("policy", ["expert_contiguous", "balanced", "hierarchical"])
 @pytest.mark.parametrize("ordered", [False, True])
-def test_core_times_match_loop(policy: str, ordered: bool) -> None:
+@pytest.mark.parametrize("exposure", [0.0, 0.25])
+def test_core_times_match_loop(policy: str, ordered: bool, exposure: float) -> None:
     topo = Topology(num_ranks=8, ranks_per_node=4, cores_per_rank=6,
                     latency_ns=(100.0, 400.0, 900.0), bandwidth_gbps=(50.0, 20.0, 10.0))
     idx = zipf_topk(30, 16, 3, seed=2, mask_prob=0.1)
     plan = schedule(idx, topo, rank=1, num_experts=16, policy=policy, num_send_cores=5)
-    got = core_times_ns(plan, topo, token_bytes=1000, issue_ns=3.0, ordered=ordered)
-    np.testing.assert_allclose(got, _loop_core_times(plan, topo, 1000, 3.0, ordered))
-    assert objective_ns(plan, topo, token_bytes=1000, issue_ns=3.0, ordered=ordered) == (
-        pytest.approx(max(got))
-    )
+    got = core_times_ns(plan, topo, token_bytes=1000, issue_ns=3.0, ordered=ordered,
+                        latency_exposure=exposure)
+    np.testing.assert_allclose(got, _loop_core_times(plan, topo, 1000, 3.0, ordered, exposure))
+    assert objective_ns(plan, topo, token_bytes=1000, issue_ns=3.0, ordered=ordered,
+                        latency_exposure=exposure) == pytest.approx(max(got))
 
 
 def test_farthest_first_minimises_the_ordered_completion() -> None:

@@ -1,7 +1,12 @@
 """Objective (1) of the paper: the completion time of a rank's slowest send core.
 
-Model. Unit ``i`` of hop class ``h`` costs ``l_i = token_bytes / bandwidth_gbps[h] + issue_ns``
-to issue (bytes / (GB/s) = ns) and completes ``RTT_i = 2 * latency_ns[h]`` later. A core ``j``
+Model. Unit ``i`` of hop class ``h`` costs
+``l_i = token_bytes / bandwidth_gbps[h] + issue_ns + latency_exposure * latency_ns[h]`` to issue
+(bytes / (GB/s) = ns) and completes ``RTT_i = 2 * latency_ns[h]`` later. ``latency_exposure`` is
+the share of a unit's one-way latency its core waits before it can issue the next one (bounded
+outstanding stores on a load/store fabric); with the default 0 the transfer term is
+hop-independent and only the RTT term sees the topology, which is the paper's reading of (1).
+``ubep.sim`` fits ``issue_ns`` and ``latency_exposure`` per fabric from CALIBRATION.md. A core ``j``
 with unit set ``M_j`` finishes at::
 
     T_j = sum_{i in M_j} l_i + max_{i in M_j} RTT_i          (0 for an empty core)
@@ -24,16 +29,25 @@ __all__ = ["core_times_ns", "hop_costs_ns", "objective_ns"]
 
 
 def hop_costs_ns(
-    topology: Topology, *, token_bytes: float, issue_ns: float = 0.0
+    topology: Topology,
+    *,
+    token_bytes: float,
+    issue_ns: float = 0.0,
+    latency_exposure: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(l_ns [H], rtt_ns [H])`` per hop class for units of ``token_bytes`` bytes."""
     if not isinstance(token_bytes, (int, float, np.number)) or not token_bytes > 0:
         raise InvalidArgumentError("token_bytes", token_bytes, "must be a number > 0")
     if not isinstance(issue_ns, (int, float, np.number)) or not issue_ns >= 0:
         raise InvalidArgumentError("issue_ns", issue_ns, "must be a number >= 0")
+    if not isinstance(latency_exposure, (int, float, np.number)) or not (
+        0.0 <= latency_exposure <= 1.0
+    ):
+        raise InvalidArgumentError("latency_exposure", latency_exposure, "must be in [0, 1]")
     bw = np.asarray(topology.bandwidth_gbps, dtype=np.float64)
-    l_ns = float(token_bytes) / bw + float(issue_ns)
-    rtt_ns = 2.0 * np.asarray(topology.latency_ns, dtype=np.float64)
+    lat = np.asarray(topology.latency_ns, dtype=np.float64)
+    l_ns = float(token_bytes) / bw + float(issue_ns) + float(latency_exposure) * lat
+    rtt_ns = 2.0 * lat
     return l_ns, rtt_ns
 
 
@@ -43,6 +57,7 @@ def core_times_ns(
     *,
     token_bytes: float,
     issue_ns: float = 0.0,
+    latency_exposure: float = 0.0,
     ordered: bool = False,
 ) -> np.ndarray:
     """``[num_send_cores]`` completion time of every send core (see module docstring)."""
@@ -54,7 +69,9 @@ def core_times_ns(
         )
     if plan.num_units and int(plan.send_hop.max()) >= topology.num_hops:
         raise InvalidArgumentError("topology", topology.num_hops, "has fewer hop classes than plan")
-    l_ns, rtt_ns = hop_costs_ns(topology, token_bytes=token_bytes, issue_ns=issue_ns)
+    l_ns, rtt_ns = hop_costs_ns(
+        topology, token_bytes=token_bytes, issue_ns=issue_ns, latency_exposure=latency_exposure
+    )
     n = plan.num_send_cores
     out = np.zeros(n)
     if plan.num_units == 0:
@@ -78,9 +95,10 @@ def objective_ns(
     *,
     token_bytes: float,
     issue_ns: float = 0.0,
+    latency_exposure: float = 0.0,
     ordered: bool = False,
 ) -> float:
     """Objective (1): ``max_j T_j`` over the plan's send cores (``ordered``: see module doc)."""
     times = core_times_ns(plan, topology, token_bytes=token_bytes, issue_ns=issue_ns,
-                          ordered=ordered)
+                          latency_exposure=latency_exposure, ordered=ordered)
     return float(times.max()) if times.size else 0.0

@@ -108,6 +108,7 @@ def optimal(
     *,
     token_bytes: float,
     issue_ns: float = 0.0,
+    latency_exposure: float = 0.0,
     time_limit_s: float = 10.0,
     method: str = "auto",
 ) -> OptimalResult:
@@ -130,7 +131,9 @@ def optimal(
         )
     if num_send_cores is None:
         raise InvalidArgumentError("num_send_cores", None, "required when units is not a Plan")
-    l_ns, rtt_ns = hop_costs_ns(topology, token_bytes=token_bytes, issue_ns=issue_ns)
+    l_ns, rtt_ns = hop_costs_ns(
+        topology, token_bytes=token_bytes, issue_ns=issue_ns, latency_exposure=latency_exposure
+    )
     counts = np.bincount(hops.astype(np.int64), minlength=topology.num_hops)
     return optimal_classes(counts, l_ns, rtt_ns, num_send_cores, time_limit_s=time_limit_s,
                            method=method)
