@@ -1,0 +1,181 @@
+"""ubep.dist under mpiexec on this machine: bit-exact against ubep.reference.
+
+Three transports, each in one mpiexec launch that runs every engine x sync x layout (dtypes
+rotated, see ``ubep.dist.selftest.all_modes``) plus a rejected call per mode:
+
+* shared memory: all ranks on one host, the native engine on ``MPI_Win_allocate_shared`` memory;
+* TCP, every rank its own host (``UBEP_DIST_FORCE_RMA=1``, ``--mca btl self,tcp``): every row
+  and flag through ``MPI_Put``/``MPI_Get`` of Open MPI's ``osc/rdma`` over TCP;
+* two virtual hosts of two ranks (``UBEP_DIST_RANKS_PER_HOST=2``): loads/stores inside a host,
+  RMA over TCP between hosts.
+
+The same file is the mpiexec worker for the smaller checks (``python test_dist_mpi.py NAME
+OUT``): results travel as JSON files, never through stdout.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.mpi
+
+_HERE = Path(__file__).resolve()
+_TCP = ("--mca", "btl", "self,tcp", "--mca", "osc", "sm,rdma")
+_QUIET = ("--mca", "osc", "^ucx")  # the wheel's osc/ucx prints an error when it has no device
+
+
+def _mpiexec() -> str | None:
+    local = Path(sys.executable).parent / "mpiexec"
+    return str(local) if local.exists() else shutil.which("mpiexec")
+
+
+def _skip_reason() -> str | None:
+    if importlib.util.find_spec("mpi4py") is None:
+        return "mpi4py is not installed (pip install 'ubep[mpi]')"
+    if _mpiexec() is None:
+        return "no mpiexec next to the interpreter or on PATH"
+    return None
+
+
+def mpirun(num_ranks: int, argv: list[str], *, mca: tuple[str, ...] = _QUIET,
+           env: dict[str, str] | None = None, timeout_s: float = 180.0) -> None:
+    """Run ``python argv...`` on ``num_ranks`` ranks; fail with the output on a non-zero exit."""
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    full_env = dict(os.environ) | (env or {})
+    if os.geteuid() == 0:  # Open MPI refuses root without these
+        full_env |= {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [str(_mpiexec()), "--oversubscribe", *mca, "-n", str(num_ranks), sys.executable, *argv]
+    try:
+        proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True,
+                              timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"mpiexec timed out after {timeout_s} s: {' '.join(cmd)}\n{exc.stdout}\n"
+                    f"{exc.stderr}")
+    if proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
+                    f"\n--- stderr\n{proc.stderr[-4000:]}")
+
+
+def _selftest(tmp_path: Path, num_ranks: int, mca: tuple[str, ...], env: dict[str, str],
+              hosts: int) -> None:
+    out = tmp_path / "selftest.json"
+    mpirun(num_ranks, ["-m", "ubep.dist.selftest", "--faults", "--json", str(out)], mca=mca,
+           env=env)
+    every = json.loads(out.read_text())
+    assert len(every) == num_ranks
+    expect_modes = 16 if hosts == 1 else 12  # SP is refused across hosts
+    for rank, findings in enumerate(every):
+        assert findings["hosts"] == hosts, findings
+        assert len(findings["modes"]) == expect_modes
+        assert findings["errors"] == [], (rank, findings["errors"])
+    engines_syncs = {tuple(m.split(":")[:3]) for m in every[0]["modes"]}
+    assert len(engines_syncs) == expect_modes  # every engine x sync x layout ran
+
+
+def test_shared_memory_all_modes_bit_exact(tmp_path: Path) -> None:
+    _selftest(tmp_path, 3, _QUIET, {}, hosts=1)
+
+
+def test_tcp_rma_every_rank_remote_all_modes_bit_exact(tmp_path: Path) -> None:
+    _selftest(tmp_path, 3, _TCP, {"UBEP_DIST_FORCE_RMA": "1"}, hosts=3)
+
+
+def test_two_hosts_of_two_shared_inside_rma_between(tmp_path: Path) -> None:
+    _selftest(tmp_path, 4, _TCP, {"UBEP_DIST_RANKS_PER_HOST": "2"}, hosts=2)
+
+
+# --- smaller checks: this file as the mpiexec worker -------------------------------------------
+
+
+def _worker_topology(group: Any) -> dict[str, Any]:
+    return {
+        "hosts": group.num_hosts,
+        "host_of": group.host_of,
+        "hops": group.topology.hop_matrix().tolist(),
+        "same_host": [group.same_host(q) for q in range(group.num_ranks)],
+    }
+
+
+def _worker_sp_refused(group: Any) -> dict[str, Any]:
+    from ubep.buffer import Buffer, BufferConfig
+    from ubep.errors import InvalidArgumentError
+
+    cfg = BufferConfig(max_tokens_per_rank=8, hidden=64, num_topk=2,
+                       num_experts=2 * group.num_ranks, dtype="bf16", sync="sp")
+    try:
+        Buffer(group, cfg).close()
+        outcome = "built"
+    except InvalidArgumentError as exc:
+        outcome = f"{exc.argument}: {exc.problem}"
+    # the group is still usable: a DC buffer works right after
+    cfg_dc = BufferConfig(max_tokens_per_rank=8, hidden=64, num_topk=2,
+                          num_experts=2 * group.num_ranks, dtype="bf16", sync="dc")
+    with Buffer(group, cfg_dc) as buf:
+        x = np.full((4, 64), group.rank + 1, np.uint16)
+        idx = np.tile(np.arange(2, dtype=np.int64), (4, 1))
+        res = buf.dispatch(x, idx, np.ones((4, 2), np.float32))
+        rows = int(res.recv_x.shape[0])
+    return {"outcome": outcome, "rows": rows}
+
+
+def _worker_main(name: str, out: str) -> None:
+    import ubep.dist
+
+    group = ubep.dist.init()
+    result = {"_worker_topology": _worker_topology, "_worker_sp_refused": _worker_sp_refused}[
+        name](group)
+    every = group.allgather(result)
+    if group.rank == 0:
+        Path(out).write_text(json.dumps(every))
+    group.close()
+
+
+def _run_worker(tmp_path: Path, name: str, num_ranks: int, mca: tuple[str, ...],
+                env: dict[str, str]) -> list[Any]:
+    out = tmp_path / f"{name}.json"
+    mpirun(num_ranks, [str(_HERE), name, str(out)], mca=mca, env=env, timeout_s=120)
+    result: list[Any] = json.loads(out.read_text())
+    return result
+
+
+@pytest.mark.parametrize("per_host", [None, 2, 1])
+def test_topology_discovery_matches_host_blocks(tmp_path: Path, per_host: int | None) -> None:
+    env = {} if per_host is None else {"UBEP_DIST_RANKS_PER_HOST": str(per_host)}
+    every = _run_worker(tmp_path, "_worker_topology", 4, _QUIET if per_host is None else _TCP,
+                        env)
+    size = 4 if per_host is None else per_host
+    host_of = [r // size for r in range(4)]
+    # oracle: hop 0 self, then 1 on the same host, 2 on another (1 when no host has two ranks)
+    far = 1 if size == 1 else 2
+    hops = [[0 if a == b else (1 if host_of[a] == host_of[b] else far) for b in range(4)]
+            for a in range(4)]
+    for rank, got in enumerate(every):
+        assert got["hosts"] == 4 // size
+        assert got["host_of"] == host_of
+        assert got["hops"] == hops
+        assert got["same_host"] == [host_of[q] == host_of[rank] for q in range(4)]
+
+
+def test_sp_is_refused_across_hosts_naming_sync(tmp_path: Path) -> None:
+    every = _run_worker(tmp_path, "_worker_sp_refused", 2, _TCP, {"UBEP_DIST_FORCE_RMA": "1"})
+    for got in every:
+        assert got["outcome"].startswith("sync: SP cannot run across hosts"), got
+    # experts 0 and 1 live on rank 0: it gets 4 tokens x 2 experts from each of the 2 ranks
+    assert [got["rows"] for got in every] == [16, 0]
+
+
+if __name__ == "__main__":
+    _worker_main(sys.argv[1], sys.argv[2])
