@@ -62,8 +62,8 @@ def mpirun(num_ranks: int, argv: list[str], *, mca: tuple[str, ...] = _QUIET,
         proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True,
                               timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"mpiexec timed out after {timeout_s} s: {' '.join(cmd)}\n{exc.stdout}\n"
-                    f"{exc.stderr}")
+        pytest.fail(f"mpiexec timed out after {timeout_s} s: {' '.join(cmd)}\n{exc.stdout!r}\n"
+                    f"{exc.stderr!r}")
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
                     f"\n--- stderr\n{proc.stderr[-4000:]}")
