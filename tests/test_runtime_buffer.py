@@ -176,13 +176,14 @@ def _worker_formats(group: Any) -> dict[str, bool]:
             else:
                 codec = SpCodec("bf16")
                 out["sp_raw"] = bool(np.array_equal(slots[:, :600], rows))
-                # two dispatches later the first region is reset off the critical path
+                # two dispatches later the first region's reset is queued; it runs when the
+                # rank idles (Group.barrier calls Buffer._idle while it waits)
                 for seed in (6, 7):
                     _call(buf, group, case, [16, 16], seed)
-                deadline = time.monotonic() + 20
                 region = _land(buf, 0).reshape(-1, buf.layout.slot_bytes)[: len(res.recv_x)]
-                while codec.element_ready(region[:, :600]).any() and time.monotonic() < deadline:
-                    time.sleep(0.01)
+                deadline = time.monotonic() + 20
+                while buf._idle() and time.monotonic() < deadline:
+                    pass
                 out["sp_reset"] = not codec.element_ready(region[:, :600]).any()
             group.barrier(60)
     return out

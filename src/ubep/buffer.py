@@ -245,6 +245,9 @@ class Engine(Protocol):
     def reset_all(self) -> None:
         """Prepare the receive regions (SP: fill them with the sentinel)."""
 
+    def idle(self, max_us: float) -> int:
+        """Do deferred work (SP resets) for up to ``max_us``; 1 if any was done."""
+
     def close(self) -> None:
         """Stop the engine's threads (local)."""
 
@@ -323,6 +326,9 @@ class Buffer:
         # nothing survives a crash from here on.
         g.barrier(self.config.timeout_s)
         mem.unlink()
+        add_idle_hook = getattr(g, "add_idle_hook", None)
+        if add_idle_hook is not None and self.config.sync == "sp":
+            add_idle_hook(self)  # SP resets run while this rank waits in a barrier
         seg = mem.local_array
         self._out_regions = [
             seg[lay.off_out + i * lay.out_bytes: lay.off_out + (i + 1) * lay.out_bytes]
@@ -547,6 +553,12 @@ class Buffer:
         )
 
     # --- internals ----------------------------------------------------------------------
+
+    def _idle(self) -> bool:
+        """Deferred work (SP resets) for up to ~20 us; True if any was done."""
+        if self._closed or self._engine is None:
+            return False
+        return bool(self._engine.idle(20.0))
 
     def _check_usable(self) -> None:
         if self._closed:

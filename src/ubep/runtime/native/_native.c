@@ -718,13 +718,13 @@ typedef struct engine {
     const phase_t *job_phases;
     int job_nph;
     _Atomic uint32_t tb_count, tb_gen;
-    /* janitor (SP resets off the critical path) */
-    pthread_t janitor;
-    int janitor_started;
-    _Atomic uint32_t jgen;
-    _Atomic int *jstate;   /* [nreg] 0 clean, 1 queued, 2 running, 3 dirty (reset inline) */
+    /* SP resets, done in idle time (waits, Group.barrier) and what is left inline */
+    _Atomic int *jstate;   /* [nreg] 0 clean, 1 reset pending */
     int64_t *jr_start, *jr_len; int *jr_n; uint64_t *jpre; /* [nreg][R] ranges, precondition */
+    int *jr_i; int64_t *jr_row; /* [nreg] progress: range index, rows done in that range */
+    atomic_flag reset_lock; /* one thread resets at a time */
     int in_use;            /* an operation is running (re-entrancy guard) */
+    int64_t trace[16];     /* core 0's phase timestamps of the last call (ns), for profiling */
 } engine_t;
 
 typedef struct op {
@@ -895,6 +895,8 @@ static int check_liveness(op_t *op, int core, const char *what, int peer) {
     return 0;
 }
 
+static int idle_work(engine_t *g, int64_t budget_bytes);
+
 /* One step of a wait whose condition was just found false. Returns 0 to check again. */
 static int wait_step(op_t *op, waiter_t *w, int core, int peer, const char *what) {
     if (atomic_load_explicit(&op->abort, memory_order_relaxed)) return -1;
@@ -920,7 +922,7 @@ static int wait_step(op_t *op, waiter_t *w, int core, int peer, const char *what
         if (rc) return rc;
     }
     if (t - w->start < 2000000LL) {
-        sched_yield();
+        if (!idle_work(op->g, 32768)) sched_yield();
     } else {
         int64_t waited = t - w->start;
         struct timespec ts = {0, waited < 20000000LL ? 50000 : 500000};
@@ -1017,7 +1019,12 @@ static void run_op(op_t *op, const phase_t *ph, int nph) {
 }
 
 /* ---------------------------------------------------------------------------------------- */
-/* janitor: SP sentinel resets off the critical path                                        */
+/* SP resets off the critical path. After a region's last use expires, its written slots must
+ * be refilled with the sentinel before its next use. That work is queued per region and done in
+ * chunks whenever this rank would otherwise idle: inside native waits (instead of sched_yield)
+ * and through Engine.idle(), which Group.barrier calls while it waits. Whatever is left when the
+ * region is needed again is done inline by ensure_clean. A helper thread was tried first: woken
+ * on a 2-core host it preempted the rank's own thread, which cost more than the memset. */
 
 static int peers_done_geq(engine_t *g, uint64_t epoch) {
     for (int q = 0; q < g->R; q++)
@@ -1025,81 +1032,71 @@ static int peers_done_geq(engine_t *g, uint64_t epoch) {
     return 1;
 }
 
-static void reset_ranges(engine_t *g, int reg) {
+/* reset up to max_rows rows of region reg's pending ranges; returns 1 when it is clean */
+static int reset_some(engine_t *g, int reg, int64_t max_rows) {
     uint8_t *b = land(g, g->rank, reg);
-    for (int i = 0; i < g->jr_n[reg]; i++) {
+    while (g->jr_i[reg] < g->jr_n[reg] && max_rows > 0) {
+        int i = g->jr_i[reg];
         int64_t start = g->jr_start[reg * g->R + i], len = g->jr_len[reg * g->R + i];
-        if (len <= 0) continue;
-        /* slots are raw rows for SP: fill the payload bytes of every slot */
-        for (int64_t r = start; r < start + len; r++)
+        int64_t done = g->jr_row[reg], take = len - done < max_rows ? len - done : max_rows;
+        for (int64_t r = start + done; r < start + done + take; r++)
             fill_pattern(b + r * g->slot_bytes, g->row_bytes, g->isz, g->sentinel);
-    }
-    g->jr_n[reg] = 0;
-}
-
-static void *janitor_main(void *arg) {
-    engine_t *g = arg;
-    uint32_t seen = 0;
-    for (;;) {
-        uint32_t gen = atomic_load(&g->jgen);
-        if (gen == seen) {
-            futex_wait(&g->jgen, seen, NULL);
-            continue;
-        }
-        seen = gen;
-        if (atomic_load(&g->stopping)) break;
-        for (int reg = 0; reg < g->nreg; reg++) {
-            int expected = 1;
-            if (!atomic_compare_exchange_strong(&g->jstate[reg], &expected, 2)) continue;
-            /* every writer of that region's epoch must be done before its slots are reset */
-            int64_t deadline = now_ns() + g->timeout_ns;
-            int ok = 1;
-            for (int i = 0; !peers_done_geq(g, g->jpre[reg]); i++) {
-                if (atomic_load(&g->stopping) || now_ns() > deadline) { ok = 0; break; }
-                struct timespec ts = {0, i < 100 ? 20000 : 1000000};
-                nanosleep(&ts, NULL);
-            }
-            if (ok) reset_ranges(g, reg);
-            atomic_store(&g->jstate[reg], ok ? 0 : 3);
+        max_rows -= take;
+        if (done + take >= len) {
+            g->jr_i[reg] = i + 1;
+            g->jr_row[reg] = 0;
+        } else {
+            g->jr_row[reg] = done + take;
         }
     }
-    return NULL;
+    if (g->jr_i[reg] >= g->jr_n[reg]) {
+        g->jr_n[reg] = 0;
+        atomic_store(&g->jstate[reg], 0);
+        return 1;
+    }
+    return 0;
 }
 
-static void janitor_enqueue(engine_t *g, int reg, uint64_t pre_epoch) {
+/* Some pending reset work, at most ~budget bytes; returns whether any was done. Safe from any
+ * thread: a try-lock makes the work single-threaded. */
+static int idle_work(engine_t *g, int64_t budget_bytes) {
+    if (g->sync != SYNC_SP) return 0;
+    if (atomic_flag_test_and_set_explicit(&g->reset_lock, memory_order_acquire)) return 0;
+    int did = 0;
+    int64_t rows = budget_bytes / (g->row_bytes > 0 ? g->row_bytes : 1) + 1;
+    for (int reg = 0; reg < g->nreg && !did; reg++) {
+        if (atomic_load(&g->jstate[reg]) != 1 || !peers_done_geq(g, g->jpre[reg])) continue;
+        reset_some(g, reg, rows);
+        did = 1;
+    }
+    atomic_flag_clear_explicit(&g->reset_lock, memory_order_release);
+    return did;
+}
+
+static void reset_enqueue(engine_t *g, int reg, uint64_t pre_epoch) {
     g->jpre[reg] = pre_epoch;
-    if (!g->janitor_started) {
-        if (pthread_create(&g->janitor, NULL, janitor_main, g) == 0) g->janitor_started = 1;
-    }
-    if (!g->janitor_started) { /* no thread: leave it for the next use, done inline */
-        atomic_store(&g->jstate[reg], 3);
-        return;
-    }
-    atomic_store(&g->jstate[reg], 1);
-    atomic_fetch_add(&g->jgen, 1);
-    futex_wake(&g->jgen, 1);
+    g->jr_i[reg] = 0;
+    g->jr_row[reg] = 0;
+    atomic_store(&g->jstate[reg], g->jr_n[reg] ? 1 : 0);
 }
 
 /* Make land region `reg` clean before peers may write it (SP only). */
 static int ensure_clean(op_t *op, int reg) {
     engine_t *g = op->g;
+    if (atomic_load(&g->jstate[reg]) == 0) return 0;
     waiter_t w;
     waiter_init(&w);
-    for (;;) {
-        int s = atomic_load(&g->jstate[reg]);
-        if (s == 0) return 0;
-        if (s == 3) break;
-        int rc = wait_step(op, &w, 0, -1, "the SP reset of a receive region");
+    while (atomic_flag_test_and_set_explicit(&g->reset_lock, memory_order_acquire)) {
+        int rc = wait_step(op, &w, 0, -1, "another core's SP reset");
         if (rc) return rc;
     }
+    int rc = 0;
     waiter_init(&w);
-    while (!peers_done_geq(g, g->jpre[reg])) {
-        int rc = wait_step(op, &w, 0, -1, "peers to finish with a receive region");
-        if (rc) return rc;
-    }
-    reset_ranges(g, reg);
-    atomic_store(&g->jstate[reg], 0);
-    return 0;
+    while (!rc && !peers_done_geq(g, g->jpre[reg]))
+        rc = wait_step(op, &w, 0, -1, "peers to finish with a receive region");
+    if (!rc) reset_some(g, reg, INT64_MAX);
+    atomic_flag_clear_explicit(&g->reset_lock, memory_order_release);
+    return rc;
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -1240,15 +1237,22 @@ static int dispatch_publish(op_t *op) {
 
 static void reset_send_state(op_t *op);
 
+#define TRACE(g, core, i) do { if ((core) == 0) (g)->trace[i] = now_ns(); } while (0)
+
 static int ph_d_prepare(op_t *op, int core) {
     (void)core;
+    TRACE(op->g, core, 0);
     /* the route area validation writes was read by peers two calls ago: wait for them first */
     st_rlx(ctrl(op->g, op->g->rank, op->g->off_entered), op->epoch);
     int rc = wait_peers_done(op, op->epoch >= 2 ? op->epoch - 2 : 0, 0);
     if (rc) return rc;
+    TRACE(op->g, core, 1);
     if ((rc = dispatch_validate(op))) return rc;
+    TRACE(op->g, core, 2);
     reset_send_state(op);
-    return dispatch_publish(op);
+    rc = dispatch_publish(op);
+    TRACE(op->g, core, 3);
+    return rc;
 }
 
 /* destination d has published readiness and every source has published counts to d */
@@ -1463,8 +1467,9 @@ static int send_planned(op_t *op, int core) {
 }
 
 static int ph_d_send(op_t *op, int core) {
-    if (op->have_plan) return send_planned(op, core);
-    return core == 0 ? send_canonical(op, core) : 0;
+    int rc = op->have_plan ? send_planned(op, core) : core == 0 ? send_canonical(op, core) : 0;
+    TRACE(op->g, core, 4);
+    return rc;
 }
 
 /* receiver: wait for the counts of every source, then compute where each source's rows of
@@ -1695,6 +1700,7 @@ static int ph_d_receive(op_t *op, int core) {
     int64_t n = 0;
     int rc = recv_bases(op, core, rx_base, rx_ebase, &n);
     if (rc) return rc;
+    TRACE(g, core, 5);
     int reg = (int)(op->n % g->nreg);
     if (core == 0) {
         op->n_recv = n;
@@ -1703,12 +1709,16 @@ static int ph_d_receive(op_t *op, int core) {
     }
     for (int s = core; s < R; s += g->C) {
         if ((rc = recv_metadata(op, core, s, rx_base))) return rc;
+    }
+    TRACE(g, core, 6);
+    for (int s = core; s < R; s += g->C) {
         if (s == g->rank) continue;
         if (ld_rlx(inbox(g, g->rank, s, op->par) + IN_ROWS) == 0) continue;
         rc = recv_wait_source(op, core, s, rx_base, reg, land(g, g->rank, reg),
                               outreg(g, g->rank, reg));
         if (rc) return rc;
     }
+    TRACE(g, core, 7);
     return 0;
 }
 
@@ -2126,10 +2136,10 @@ static void finish_op(op_t *op) {
             /* the view of dispatch n-2 has expired: reset its region for dispatch n+1 */
             if (op->n >= 2) {
                 int old = (int)((op->n - 2) % g->nreg);
-                g->jr_n[old] = 1;
+                g->jr_n[old] = g->region_rows[old] ? 1 : 0;
                 g->jr_start[old * g->R] = 0;
                 g->jr_len[old * g->R] = g->region_rows[old];
-                janitor_enqueue(g, old, g->region_epoch[old]);
+                reset_enqueue(g, old, g->region_epoch[old]);
             }
         } else {
             /* staging of this call: each source's partition */
@@ -2143,7 +2153,7 @@ static void finish_op(op_t *op) {
                 n++;
             }
             g->jr_n[reg] = n;
-            janitor_enqueue(g, reg, op->epoch);
+            reset_enqueue(g, reg, op->epoch);
         }
     }
     st_rel(ctrl(g, g->rank, g->off_done), op->epoch);
@@ -2180,7 +2190,8 @@ static void engine_free_scratch(engine_t *g) {
     free((void *)g->dc_s2); free(g->core_base); free(g->core_ready); free(g->rx_base);
     free(g->rx_ebase); free(g->acc); free(g->ci_off); free(g->ci_rows); free(g->ci_stride);
     free(g->region_epoch); free(g->region_rows); free((void *)g->jstate); free(g->jr_start);
-    free(g->jr_len); free(g->jr_n); free(g->jpre); free(g->threads); free(g->e2d); free(g->e2l);
+    free(g->jr_len); free(g->jr_n); free(g->jpre); free(g->jr_i); free(g->jr_row);
+    free(g->threads); free(g->e2d); free(g->e2l);
     free((void *)g->term_ptr); free(g->term_w);
     g->base = NULL;
 }
@@ -2192,12 +2203,6 @@ static void engine_stop(engine_t *g) {
         futex_wake(&g->job_gen, INT32_MAX);
         for (int c = 1; c <= g->nthreads_started; c++) pthread_join(g->threads[c], NULL);
         g->nthreads_started = 0;
-    }
-    if (g->janitor_started) {
-        atomic_fetch_add(&g->jgen, 1);
-        futex_wake(&g->jgen, 1);
-        pthread_join(g->janitor, NULL);
-        g->janitor_started = 0;
     }
 }
 
@@ -2279,6 +2284,8 @@ static int engine_init(engine_t *g, PyObject *args, PyObject *kwds) {
     g->jstate = calloc((size_t)g->nreg, sizeof(int));
     g->jr_start = calloc((size_t)g->nreg * R, 8); g->jr_len = calloc((size_t)g->nreg * R, 8);
     g->jr_n = calloc((size_t)g->nreg, sizeof(int)); g->jpre = calloc((size_t)g->nreg, 8);
+    g->jr_i = calloc((size_t)g->nreg, sizeof(int)); g->jr_row = calloc((size_t)g->nreg, 8);
+    atomic_flag_clear(&g->reset_lock);
     g->e2d = calloc((size_t)E, sizeof(int32_t)); g->e2l = calloc((size_t)E, sizeof(int32_t));
     int maxt = g->K > R ? g->K : R;
     g->term_ptr = calloc((size_t)C * maxt, sizeof(void *));
@@ -2287,7 +2294,7 @@ static int engine_init(engine_t *g, PyObject *args, PyObject *kwds) {
         for (int e = 0; e < E; e++) { g->e2d[e] = e / L; g->e2l[e] = e % L; }
     if (!g->base || !g->pids || !g->starts || !g->cnt || !g->u_t || !g->u_k || !g->u_e ||
         !g->stamp || !g->u_slot || !g->core_base || !g->rx_base || !g->acc || !g->jstate ||
-        !g->jr_start || !g->jr_len || !g->jr_n || !g->jpre || !g->ci_off || !g->rx_ebase ||
+        !g->jr_start || !g->jr_len || !g->jr_n || !g->jpre || !g->jr_i || !g->jr_row || !g->ci_off || !g->rx_ebase ||
         !g->e2d || !g->e2l || !g->term_ptr || !g->term_w) {
         PyErr_NoMemory();
         return -1;
@@ -2532,8 +2539,8 @@ static PyObject *engine_reset_all(engine_t *g, PyObject *noargs) {
         g->jr_n[reg] = 1;
         g->jr_start[reg * g->R] = 0;
         g->jr_len[reg * g->R] = g->cap_rows;
-        reset_ranges(g, reg);
-        atomic_store(&g->jstate[reg], 0);
+        reset_enqueue(g, reg, 0);
+        reset_some(g, reg, INT64_MAX);
     }
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
@@ -2544,6 +2551,33 @@ static PyObject *engine_comb_last_epoch(engine_t *g, PyObject *args) {
     if (!PyArg_ParseTuple(args, "i", &c)) return NULL;
     if (c < 0 || c > 1) { PyErr_SetString(PyExc_ValueError, "region"); return NULL; }
     return PyLong_FromUnsignedLongLong(g->comb_last_epoch[c]);
+}
+
+/* idle(max_us): do pending SP reset work for up to max_us (called while the rank waits) */
+static PyObject *engine_idle(engine_t *g, PyObject *args) {
+    double max_us;
+    if (!PyArg_ParseTuple(args, "d", &max_us)) return NULL;
+    if (g->sync != SYNC_SP || g->in_use) return PyLong_FromLong(0);
+    int any = 0;
+    for (int r = 0; r < g->nreg; r++) any |= atomic_load(&g->jstate[r]) == 1;
+    if (!any) return PyLong_FromLong(0);
+    int did = 0;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t end = now_ns() + (int64_t)(max_us * 1e3);
+    while (idle_work(g, 65536)) {
+        did = 1;
+        if (now_ns() >= end) break;
+    }
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(did);
+}
+
+static PyObject *engine_trace(engine_t *g, PyObject *noargs) {
+    (void)noargs;
+    PyObject *t = PyTuple_New(16);
+    if (!t) return NULL;
+    for (int i = 0; i < 16; i++) PyTuple_SET_ITEM(t, i, PyLong_FromLongLong(g->trace[i]));
+    return t;
 }
 
 static PyObject *engine_close(engine_t *g, PyObject *noargs) {
@@ -2563,6 +2597,10 @@ static PyMethodDef engine_methods[] = {
     {"comb_last_epoch", (PyCFunction)engine_comb_last_epoch, METH_VARARGS,
      "epoch of the last combine that used combine region c"},
     {"close", (PyCFunction)engine_close, METH_NOARGS, "stop worker threads"},
+    {"idle", (PyCFunction)engine_idle, METH_VARARGS,
+     "idle(max_us): pending SP reset work for up to max_us; 1 if any was done"},
+    {"trace", (PyCFunction)engine_trace, METH_NOARGS,
+     "core 0's phase timestamps (CLOCK_MONOTONIC ns) of the last dispatch, for profiling"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,0 +1,241 @@
+"""Dispatch and combine of ``ubep.Buffer`` over engine x sync x layout, against the memcpy floor.
+
+    python -m benchmarks.bench_dispatch            # full matrix (a few minutes on 2 cores)
+    python -m benchmarks.bench_dispatch --quick    # 2 ranks, 128 tokens, the main modes (~30 s)
+    python -m benchmarks.bench_dispatch --json out/bench_dispatch.json --breakdown
+
+Shapes: 2 and 4 ranks x 128 and 512 tokens/rank x (hidden 2048 BF16, hidden 7168 1-byte), top-8
+of 64 experts, seeded uniform routing (``--hot``: also 50 % of picks on 4 hot experts). Each
+rank count runs in one ``ubep.launch``; every case gets its own Buffer.
+
+Timing: every iteration is a group barrier, then each rank times its own call; the time of an
+iteration is the maximum over ranks; min / median / max over ``--repeats`` iterations after
+warm-up. Combine takes the expert outputs from ``buf.get_combine_buffer(handle)`` (where a ubep
+user's experts write them; BF16 for a 1-byte dispatch). The floor is one ``np.copyto`` of the
+same bytes, pre-faulted, all ranks copying at once, timed the same way in the same run.
+
+Bytes (per rank, mean over ranks): rows actually moved x hidden x bytes per element, where rows
+are (token, expert) pairs for ``layout=expert`` and (token, destination rank) pairs for
+``layout=rank``, the rank's own rows included (they are copied too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+from benchmarks.harness import Stats, format_table
+
+NUM_EXPERTS = 64
+NUM_TOPK = 8
+PHASES = ("py_in", "wait_prev", "validate", "publish", "send", "counts_in", "metadata",
+          "data_wait", "py_out")
+
+
+@dataclass(frozen=True)
+class Case:
+    tokens: int
+    hidden: int
+    dtype: str
+    layout: str
+    engine: str
+    sync: str
+    routing: str
+
+
+def cases_for(quick: bool, hot: bool) -> list[Case]:
+    shapes = [(128, 2048, "bf16"), (128, 7168, "uint8")]
+    if not quick:
+        shapes += [(512, 2048, "bf16"), (512, 7168, "uint8")]
+    modes = [("asp", "sp"), ("asp", "sw"), ("asp", "tff"), ("asp", "dc"), ("bsp", "sw")]
+    if not quick:
+        modes += [("bsp", "sp"), ("bsp", "tff"), ("bsp", "dc")]
+    out = []
+    for tokens, hidden, dtype in shapes:
+        for layout in ("rank", "expert"):
+            for engine, sync in modes:
+                if sync == "sp" and dtype == "uint8":
+                    continue  # no free sentinel in a 1-byte type
+                out.append(Case(tokens, hidden, dtype, layout, engine, sync, "uniform"))
+                if hot and (engine, sync) in (("asp", "sp"), ("asp", "dc"), ("bsp", "sw")):
+                    out.append(Case(tokens, hidden, dtype, layout, engine, sync, "hot"))
+    return out
+
+
+def inputs(case: Case, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    from ubep import routing
+
+    rng = np.random.default_rng([7, rank, case.tokens])
+    if case.dtype == "bf16":
+        x = (rng.standard_normal((case.tokens, case.hidden), dtype=np.float32)
+             .view(np.uint32) >> np.uint32(16)).astype(np.uint16)
+    else:
+        x = rng.integers(0, 256, size=(case.tokens, case.hidden), dtype=np.uint8)
+    if case.routing == "hot":
+        idx = routing.hot_experts_topk(case.tokens, NUM_EXPERTS, NUM_TOPK, hot_experts=4,
+                                       hot_share=0.5, hot_ids=np.array([24, 59, 60, 62]),
+                                       seed=100 + rank)
+    else:
+        idx = routing.uniform_topk(case.tokens, NUM_EXPERTS, NUM_TOPK, seed=100 + rank)
+    w = rng.random((case.tokens, NUM_TOPK), dtype=np.float32)
+    return x, idx, w
+
+
+def _timed(group: Any, fn: Callable[[], object], warmup: int, repeats: int,
+           after: Callable[[], list[int]] | None = None) -> tuple[list[float], list[list[int]]]:
+    times, extra = [], []
+    for i in range(warmup + repeats):
+        group.barrier()
+        start = time.perf_counter_ns()
+        mono = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+        fn()
+        end = time.perf_counter_ns()
+        if i >= warmup:
+            times.append((end - start) / 1e3)
+            if after is not None:
+                extra.append([mono, time.clock_gettime_ns(time.CLOCK_MONOTONIC), *after()])
+    return times, extra
+
+
+def _breakdown(rows: list[list[int]]) -> list[float]:
+    """Median phase durations (us) from the engine's core-0 timestamps (see _native.c)."""
+    per = []
+    for mono_in, mono_out, *tr in rows:
+        marks = [mono_in, *tr[:8], mono_out]
+        per.append([(b - a) / 1e3 for a, b in itertools.pairwise(marks)])
+    return [float(v) for v in np.median(np.array(per), axis=0)]
+
+
+def _measure_case(group: Any, case: Case, warmup: int, repeats: int,
+                  breakdown: bool) -> dict[str, Any]:
+    from ubep.buffer import Buffer, BufferConfig
+
+    cfg = BufferConfig(
+        max_tokens_per_rank=case.tokens, hidden=case.hidden, num_topk=NUM_TOPK,
+        num_experts=NUM_EXPERTS, dtype=case.dtype, layout=case.layout, engine=case.engine,
+        sync=case.sync,
+    )
+    x, idx, w = inputs(case, group.rank)
+    with Buffer(group, cfg) as buf:
+        after = (lambda: list(buf._engine.trace())) if breakdown else None
+        dispatch_us, trace = _timed(group, lambda: buf.dispatch(x, idx, w), warmup, repeats,
+                                    after)
+        res = buf.dispatch(x, idx, w)
+        rows_sent = int((res.handle.send_dst_row >= 0).sum())
+        eo = buf.get_combine_buffer(res.handle)
+        vals = np.random.default_rng(group.rank).standard_normal(eo.shape, dtype=np.float32)
+        eo[...] = (vals.view(np.uint32) >> np.uint32(16)).astype(np.uint16)
+        combine_us, _ = _timed(group, lambda: buf.combine(eo, res.handle), warmup, repeats)
+    # the floor: one memcpy of this rank's dispatch bytes, all ranks at once
+    nbytes = rows_sent * case.hidden * x.dtype.itemsize
+    src = np.ones(max(nbytes, 1), np.uint8)
+    dst = np.ones_like(src)
+    memcpy_us, _ = _timed(group, lambda: np.copyto(dst, src), warmup, repeats)
+    return {
+        "case": asdict(case), "dispatch": dispatch_us, "combine": combine_us,
+        "memcpy": memcpy_us, "rows_sent": rows_sent,
+        "breakdown": _breakdown(trace) if trace else None,
+    }
+
+
+def _rank_main(group: Any, cases: list[Case], warmup: int, repeats: int,
+               breakdown: bool) -> list[dict[str, Any]]:
+    return [_measure_case(group, case, warmup, repeats, breakdown) for case in cases]
+
+
+def run(ranks: list[int], cases: list[Case], warmup: int, repeats: int, breakdown: bool,
+        timeout_s: float) -> list[dict[str, Any]]:
+    from ubep.runtime import launch
+
+    rows = []
+    for num_ranks in ranks:
+        per_rank = launch(_rank_main, num_ranks, cases, warmup, repeats, breakdown,
+                          timeout_s=timeout_s)
+        for i, case in enumerate(cases):
+            mine = [r[i] for r in per_rank]
+            row: dict[str, Any] = {"ranks": num_ranks, **asdict(case)}
+            itemsize = 2 if case.dtype == "bf16" else 1
+            row["bytes_per_rank"] = float(np.mean([m["rows_sent"] for m in mine])) * case.hidden
+            row["dispatch_bytes"] = row["bytes_per_rank"] * itemsize
+            row["combine_bytes"] = row["bytes_per_rank"] * 2  # expert outputs in BF16
+            for op in ("dispatch", "combine", "memcpy"):
+                worst = np.max(np.array([m[op] for m in mine]), axis=0)  # max over ranks
+                stats = Stats.from_samples_us([float(v) for v in worst])
+                row[op] = {"min_us": stats.min_us, "median_us": stats.median_us,
+                           "max_us": stats.max_us}
+            if breakdown and mine[0]["breakdown"] is not None:
+                row["breakdown_rank0"] = dict(zip(PHASES, mine[0]["breakdown"], strict=False))
+            rows.append(row)
+    return rows
+
+
+def print_rows(rows: list[dict[str, Any]], breakdown: bool) -> None:
+    print("size_bytes = rows actually moved x hidden x bytes/elem, per rank (mean over ranks);")
+    print("  rows = (token, expert) pairs (layout=expert) or (token, dst rank) pairs")
+    print("  (layout=rank), own rows included; combine moves the rows back in BF16.")
+    print("algbw_gbps = size / median; memcpy_us = median of one np.copyto of the same bytes")
+    print("  (all ranks at once; scaled by size for a BF16 combine of a 1-byte dispatch);")
+    print("  vs_memcpy = time_us / memcpy_us.")
+    print("time = max over ranks per iteration; min/median/max over the repeats.")
+    cols = ["ranks", "tokens", "hidden", "dtype", "layout", "engine", "sync", "routing", "op",
+            "size_bytes", "min_us", "time_us", "max_us", "algbw_gbps", "memcpy_us", "vs_memcpy"]
+    table = []
+    for r in rows:
+        for op in ("dispatch", "combine"):
+            size = r["dispatch_bytes"] if op == "dispatch" else r["combine_bytes"]
+            med = r[op]["median_us"]
+            floor = r["memcpy"]["median_us"] * size / max(r["dispatch_bytes"], 1)
+            table.append([r["ranks"], r["tokens"], r["hidden"], r["dtype"], r["layout"],
+                          r["engine"], r["sync"], r["routing"], op, int(size), r[op]["min_us"],
+                          med, r[op]["max_us"], size / med / 1e3, floor, med / floor])
+    print(format_table(cols, table, float_digits=1))
+    if breakdown:
+        print("\nASP/BSP dispatch on rank 0, median microseconds per phase (engine timestamps):")
+        bcols = ["ranks", "tokens", "hidden", "layout", "engine", "sync", *PHASES]
+        brows = [[r["ranks"], r["tokens"], r["hidden"], r["layout"], r["engine"], r["sync"],
+                  *[r["breakdown_rank0"][p] for p in PHASES]]
+                 for r in rows if "breakdown_rank0" in r and r["engine"] == "asp"]
+        print(format_table(bcols, brows, float_digits=1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="2 ranks, 128 tokens, main modes")
+    parser.add_argument("--ranks", default=None, help="comma-separated rank counts (2,4)")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--hot", action="store_true", help="add hot-expert routing rows")
+    parser.add_argument("--breakdown", action="store_true", help="per-phase dispatch times")
+    parser.add_argument("--json", default=None, help="write the rows to this file")
+    parser.add_argument("--timeout", type=float, default=1800.0)
+    args = parser.parse_args(argv)
+    ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else (
+        [2] if args.quick else [2, 4])
+    repeats = args.repeats or (30 if args.quick else 50)
+    load = os.getloadavg()[0]
+    if load > 1.0:
+        print(f"[bench_dispatch] load average {load:.1f} on {os.cpu_count()} cores before the "
+              "run: numbers will be noisy", file=sys.stderr)
+    start = time.monotonic()
+    rows = run(ranks, cases_for(args.quick, args.hot), args.warmup, repeats, args.breakdown,
+               args.timeout)
+    print_rows(rows, args.breakdown)
+    print(f"\n({time.monotonic() - start:.0f} s, {repeats} repeats after {args.warmup} warm-up)")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"machine": {"cpus": os.cpu_count(), "load_before": load},
+                       "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
