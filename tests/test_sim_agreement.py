@@ -27,6 +27,8 @@ CASES = [
     (UBEP.with_(sync="dc"), "dispatch"),
     (UBEP_NO_MAPPING.with_(sync="sw"), "dispatch"),
     (UBEP.with_(sync="dc"), "combine"),
+    (UBEP_NO_MAPPING.with_(sync="sw", layout="rank"), "dispatch"),
+    (UBEP.with_(sync="sw", layout="rank"), "combine"),
 ]
 
 
@@ -37,7 +39,7 @@ def _spans(res):  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize(("system", "op"), CASES,
-                         ids=[f"{s.engine}-{s.sync}-{o}" for s, o in CASES])
+                         ids=[f"{s.engine}-{s.sync}-{s.layout}-{o}" for s, o in CASES])
 def test_event_and_analytic_modes_agree(system: System, op: str) -> None:
     topo = cm384(4, ranks_per_node=2, cores_per_rank=4)
     fab = load_fabric("cm384")

@@ -230,7 +230,7 @@ def run_analytic(spec: OpSpec, topology: Topology, fabric: FabricModel) -> SimRe
             parts.append(("cumsum", ranks, np.full(R, n_s), cum_start, offsets_ready))
             avail[:, cores] = ver_end[:, cores]
             avail[:, n_s] = offsets_ready
-        ready = _asp_ready(spec, topology, fabric, unit_end, land, ack)
+        ready = _asp_ready(spec, topology, unit_end, land)
 
     item_ready = np.maximum(_group_max(spec.unit_item, ready, spec.num_items),
                             offsets_ready[spec.item_rank])
@@ -262,21 +262,18 @@ def _phase_ends(spec: OpSpec, start: np.ndarray) -> np.ndarray:
     return start[:, None] + busy
 
 
-def _asp_ready(spec: OpSpec, topology: Topology, fabric: FabricModel, unit_end: np.ndarray,
-               land: np.ndarray, ack: np.ndarray) -> np.ndarray:
+def _asp_ready(spec: OpSpec, topology: Topology, unit_end: np.ndarray,
+               land: np.ndarray) -> np.ndarray:
     """When the receiver may consume each unit under the sync mode (ASP)."""
     lat = np.asarray(topology.latency_ns, dtype=np.float64)[spec.unit_hop]
     if spec.sync in ("tff", "sp"):
         return land  # the data is the flag: usable as soon as it has landed
+    # DC / SW: the checksum or flag leaves when the batch's last unit ends (for SW that unit's
+    # work includes the fence) and the batch is usable once it and every row have landed.
     size = int(spec.unit_batch.max(initial=0)) + 1
-    if spec.sync == "dc":
-        # The checksum leaves after the batch's last unit and is checked once all rows landed.
-        csum = _group_max(spec.unit_batch, unit_end + lat, size)
-        rows = _group_max(spec.unit_batch, land, size)
-        return np.maximum(csum, rows)[spec.unit_batch]
-    # SW: one flag per (src, dst) pair once every unit of the pair is acknowledged.
-    flag = _group_max(spec.unit_batch, ack, size) + fabric.flag_ns
-    return flag[spec.unit_batch] + lat
+    signal = _group_max(spec.unit_batch, unit_end + lat, size)
+    rows = _group_max(spec.unit_batch, land, size)
+    return np.maximum(signal, rows)[spec.unit_batch]
 
 
 def _consume(spec: OpSpec, item_ready: np.ndarray, avail: np.ndarray) -> tuple[

@@ -4,9 +4,10 @@ The dispatch plans say which rows each rank receives; combine reverses them. A c
 rank ``r`` is one row ``(src rank s, token t, k)`` that ``r`` received, now sent back to ``s``
 (``send_dst_rank = s``, ``send_token = t``). Core assignment follows the dispatch policy:
 
-* ``expert_contiguous`` and ``balanced``: contiguous equal slices of the receive buffer in
-  ``(expert, src, slot)`` order (CANN EP splits its combine by rows; a one-expert rank would
-  otherwise put every row on one core);
+* ``expert_contiguous`` and ``balanced``: contiguous equal slices of the receive buffer
+  (``(expert, src, slot)`` order in the expert layout, ``(src, slot)`` in the rank layout)
+  (CANN EP splits its combine by rows; a one-expert rank would otherwise put every row on one
+  core);
 * ``hierarchical``: rows in hop-class order dealt round robin over the send cores, so every core
   has the same number of rows (within one) and the same mix of hop classes; farthest hop first
   inside a core.
@@ -39,7 +40,12 @@ def combine_plans(dispatch_plans: Sequence[Plan], topology: Topology, *,
     k = np.concatenate([p.send_k for p in dispatch_plans]).astype(np.int64)
     expert = np.concatenate([p.send_expert for p in dispatch_plans]).astype(np.int64)
     slot = np.concatenate([p.send_slot for p in dispatch_plans]).astype(np.int64)
-    order = np.lexsort((slot, src, expert, dst))  # each rank's receive buffer order
+    # Each rank's receive buffer order: regions per (src, expert), expert-major, in the expert
+    # layout; per src in the rank layout (FORMATS / ubep.sched.plan).
+    if dispatch_plans[0].layout == "rank":
+        order = np.lexsort((slot, src, dst))
+    else:
+        order = np.lexsort((slot, src, expert, dst))
     bounds = np.searchsorted(dst[order], np.arange(R + 1))
     hops = topology.hop_matrix().astype(np.int64)
     first = dispatch_plans[0]

@@ -261,9 +261,10 @@ class _EventRun:
         if spec.op == "combine" or spec.engine == "bsp":
             for ev in self.offsets_ready:  # nothing to wait for (BSP: consume starts later)
                 ev.succeed()
-        # Batches (DC) / pairs (SW): rows outstanding and the latest landing or ack.
+        # ASP DC / SW batches (one core's rows to one destination): rows still to land, and the
+        # checksum / flag that follows the batch's last unit.
+        self.batched = spec.engine == "asp" and spec.sync in ("dc", "sw")
         self.batch_left = dict(zip(*np.unique(spec.unit_batch, return_counts=True), strict=True))
-        self.batch_last = {int(b): -np.inf for b in self.batch_left}
         self.batch_signal = {int(b): -np.inf for b in self.batch_left}
         self.batch_units: dict[int, list[int]] = {}
         for u, b in enumerate(spec.unit_batch):
@@ -302,7 +303,7 @@ class _EventRun:
             yield self.engines[r].work(float(self.spec.unit_work_ns[u]))
             self.unit_end[u] = self.env.now
             self.env.process(self.fly(u))
-            if self.spec.sync == "dc" and self._last_in_batch(u):
+            if self.batched and self._last_in_batch(u):
                 lat = self.lat[self.spec.unit_hop[u]]
                 then(self.env.timeout(lat),
                      partial(self.batch_signal_at, int(self.spec.unit_batch[u])))
@@ -311,7 +312,7 @@ class _EventRun:
             self.span("send", r, j, start)
 
     def _last_in_batch(self, u: int) -> bool:
-        # A DC batch is one core's rows to one destination: its last row is its highest unit.
+        # A batch is one core's rows to one destination: its last row is its highest unit.
         return self.batch_units[int(self.spec.unit_batch[u])][-1] == u
 
     def fly(self, u: int) -> ProcessGenerator:
@@ -337,24 +338,17 @@ class _EventRun:
 
     def landed(self, u: int) -> None:
         b = int(self.spec.unit_batch[u])
-        self.batch_last[b] = max(self.batch_last[b], self.env.now)
-        if self.spec.engine == "bsp" or self.spec.sync in ("tff", "sp"):
-            self.row_ready(u)
-        elif self.spec.sync == "dc":
+        if self.batched:
             self.batch_left[b] -= 1
             self.try_release(b)
+        else:
+            self.row_ready(u)
 
     def acked(self, u: int) -> None:
         src = int(self.spec.unit_src[u])
         self.acks_left[src] -= 1
         if self.acks_left[src] == 0:
             self.data_done[src].succeed()
-        if self.spec.engine == "asp" and self.spec.sync == "sw":
-            b = int(self.spec.unit_batch[u])
-            self.batch_left[b] -= 1
-            if self.batch_left[b] == 0:  # every row of the pair acknowledged: write the flag
-                lat = self.lat[self.spec.unit_hop[u]]
-                then(self.env.timeout(self.fab.flag_ns + lat), partial(self.release, b))
 
     def batch_signal_at(self, b: int) -> None:
         self.batch_signal[b] = self.env.now

@@ -37,7 +37,7 @@ def plot(result: ExperimentResult, path: str | Path) -> Path:
     plt = _pyplot()
     fig = drawers[result.name](plt, result)
     fig.suptitle(result.title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.05, 1, 1) if result.name == "fig8" else (0, 0, 1, 1))
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=80)
@@ -115,7 +115,9 @@ def _fig8(plt: Any, r: ExperimentResult) -> Any:
             ax.set_ylabel("core")
             ax.set_xlabel("time (us)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in TASK_COLORS.values()]
-    axes[0, -1].legend(handles, list(TASK_COLORS), fontsize=6, loc="lower right")
+    fig.legend(handles, list(TASK_COLORS), fontsize=7, loc="lower center",
+               ncol=len(TASK_COLORS))
+    fig.subplots_adjust(bottom=0.16)
     return fig
 
 

@@ -53,9 +53,12 @@ def run_all(out_dir: str | Path, *, family: str = "cm384", names: list[str] | No
     todo = list(names or EXPERIMENTS)
     iterator: Any = todo
     if progress:
-        from tqdm import tqdm
-
-        iterator = tqdm(todo, desc="ubep sim", unit="exp")
+        try:
+            from tqdm import tqdm
+        except ModuleNotFoundError:  # the [plot] extra is optional: run without a bar
+            progress = False
+        else:
+            iterator = tqdm(todo, desc="ubep sim", unit="exp")
     sections = []
     for name in iterator:
         if progress:

@@ -90,8 +90,8 @@ class OpSpec:
 
     Units (``[U]``, sorted by ``(src, core, issue order)``): ``unit_src, unit_core, unit_hop,
     unit_dst, unit_wire_bytes, unit_work_ns`` (core work before contention, sync extras and the
-    DC checksum message included), ``unit_batch`` (DC: ``(src, core, dst)`` batch; SW:
-    ``(src, dst)`` pair) and ``unit_item`` (receive item it feeds).
+    DC checksum message included), ``unit_batch`` (``(src, core, dst)``: the DC checksum /
+    ASP SW flag batch) and ``unit_item`` (receive item it feeds).
     ``core_ptr [num_ranks * num_send_cores + 1]``: units of ``(rank r, send core j)`` are
     ``core_ptr[r*n_s + j] : core_ptr[r*n_s + j + 1]``.
 
@@ -220,12 +220,17 @@ def build_spec(
     np.cumsum(counts.ravel(), out=core_ptr[1:])
 
     work = fabric.unit_work_ns(wire, hop, topology) + costs.sender_extra_ns
+    # Batches: one core's rows to one destination. DC ends each with a checksum message; ASP's
+    # SW ends each with a fence -- the core stalls for the round trip of its last store -- and a
+    # flag. (BSP's SW flags come after the barrier instead; its batches are unused.)
+    batch = (src * n + core) * num_ranks + dst
+    last = _last_of_group(batch)
     if sync == "dc":
-        batch = (src * n + core) * num_ranks + dst
-        last = _last_of_group(batch)
-        work = work + np.where(last, fabric.flag_ns, 0.0)  # the checksum message
-    else:
-        batch = src * num_ranks + dst
+        work = work + np.where(last, fabric.flag_ns, 0.0)
+    elif sync == "sw" and engine == "asp":
+        lat = np.asarray(topology.latency_ns, dtype=np.float64)[hop]
+        bw = np.asarray(topology.bandwidth_gbps, dtype=np.float64)[hop]
+        work = work + np.where(last, 2 * lat + wire / bw + fabric.flag_ns, 0.0)
 
     consume = n if engine == "bsp" else min(n, n_s + n_c)
     # Consuming a row is a local copy (a hop-0 move of its wire bytes) plus the sync checks.
@@ -233,9 +238,13 @@ def build_spec(
         fabric.unit_work_ns(np.array([costs.wire_bytes]), np.zeros(1, np.int64), topology)[0]
     ) + costs.receiver_extra_ns
     if op == "dispatch":
-        # Receive rows in output order (dst, expert, src, slot); row p of rank d goes to core
-        # p mod consume, a static split fixed before any data lands.
-        order = np.lexsort((slot, src, expert, dst))
+        # Receive rows in output order (dst, expert, src, slot) -- (dst, src, slot) in the rank
+        # layout; row p of rank d goes to core p mod consume, a static split fixed before any
+        # data lands.
+        if plans[0].layout == "rank":
+            order = np.lexsort((slot, src, dst))
+        else:
+            order = np.lexsort((slot, src, expert, dst))
         item = np.empty_like(order)
         item[order] = np.arange(order.size)
         item_rank = dst[order]
