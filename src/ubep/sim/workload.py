@@ -215,7 +215,11 @@ def run_case(
     """Simulate one dispatch (or combine) call of ``workload`` under ``system``."""
     if mode not in MODES:
         raise InvalidArgumentError("mode", mode, f"must be one of {MODES}")
-    plans = plans_for(workload, system, topology, fabric)
+    # The fabric only matters to planning through ASP's default core split; leave it out of
+    # the cache key otherwise, so a calibration fit re-times cached plans.
+    default_split = system.num_send_cores is None and system.num_count_cores is None
+    plans = plans_for(workload, system, topology,
+                      fabric if system.engine == "asp" and default_split else None)
     row_bytes = workload.row_bytes
     if op == "combine":
         plans = combine_plans(plans, topology, policy=system.policy)
