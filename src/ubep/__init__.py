@@ -3,10 +3,12 @@
 Re-exports only; nothing heavy is imported here (torch stays optional).
 """
 
+from .buffer import Buffer, BufferConfig, DispatchResult
 from .dtypes import BF16, FP16, FP32, INT8, UINT8, DType
 from .errors import InvalidArgumentError, PeerLostError, RemoteError, TimeoutError, UbepError
 from .handle import DispatchHandle
 from .routing import DispatchLayout, get_dispatch_layout
+from .runtime import Group, launch
 from .sched import Plan, schedule
 from .topology import Topology
 
@@ -14,6 +16,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BF16",
+    "Buffer",
+    "BufferConfig",
+    "DispatchResult",
+    "Group",
     "FP16",
     "FP32",
     "INT8",
@@ -30,5 +36,6 @@ __all__ = [
     "UbepError",
     "__version__",
     "get_dispatch_layout",
+    "launch",
     "schedule",
 ]

@@ -36,8 +36,6 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
 
 from ..errors import InvalidArgumentError
 from ..topology import Topology
@@ -280,6 +278,9 @@ def _cover(
     configs: np.ndarray, v: np.ndarray, n: int, limit: float
 ) -> tuple[np.ndarray | None, str]:
     """Integer ``x >= 0`` with ``configs.T @ x >= v`` and ``sum x <= n``, if one exists."""
+    # scipy is imported here, not at module level: `import ubep` stays light.
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
     num = configs.shape[0]
     a = np.vstack([configs.T, np.ones((1, num))])
     lower = np.concatenate([v.astype(float), [0.0]])
@@ -311,6 +312,10 @@ def _expand(configs: np.ndarray, x: np.ndarray, v: np.ndarray, n: int) -> np.nda
 def _solve_aggregated(
     v: np.ndarray, l_g: np.ndarray, rtt_g: np.ndarray, n: int, cap: int, limit: float
 ) -> tuple[np.ndarray, float, float, str, float]:
+    # scipy is imported here, not at module level: `import ubep` stays light.
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix
+
     g_num = v.size
     # Variable layout: y[g, j] at g*n + j, then u[g, j] at G*n + g*n + j, then T last.
     ny = g_num * n
@@ -396,6 +401,10 @@ def optimal_units(
 
     ``y`` is ``[n, U]`` 0/1: unit ``i`` runs on the core ``j`` with ``y[j, i] == 1``.
     """
+    # scipy is imported here, not at module level: `import ubep` stays light.
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix
+
     n, limit = _check_common(num_send_cores, time_limit_s)
     l_arr = _vector("l_ns", l_ns, None)
     rtt_arr = _vector("rtt_ns", rtt_ns, l_arr.size)
