@@ -1516,13 +1516,17 @@ static int recv_bases(op_t *op, int core, int64_t *rx_base, int64_t *rx_ebase, i
     return 0;
 }
 
-/* rows of source s in my region, in position order: calls fn(op, pos, batch_rank) */
+/* rows of source s in my region, in position order: calls fn(op, pos, batch_rank).
+ * The counts are re-read from the peer-written inbox, which recv_bases validated earlier; a
+ * peer could rewrite them since, so POS is also kept below cap_rows here (security: the body
+ * may write out + POS * stride). */
 #define FOR_SOURCE_ROWS(g, op, s, rx_base, POS, RANK, ...)                                 \
     do {                                                                                   \
         int64_t RANK = 0;                                                                  \
         if ((g)->layout == LAY_RANK) {                                                     \
             int64_t n_ = (int64_t)ld_rlx(inbox(g, (g)->rank, s, (op)->par) + IN_ROWS);     \
-            for (int64_t POS = (rx_base)[(s) * (g)->L]; RANK < n_; POS++, RANK++) {        \
+            for (int64_t POS = (rx_base)[(s) * (g)->L]; RANK < n_ && POS < (g)->cap_rows;  \
+                 POS++, RANK++) {                                                          \
                 __VA_ARGS__                                                                \
             }                                                                              \
         } else {                                                                           \
@@ -1530,7 +1534,8 @@ static int recv_bases(op_t *op, int core, int64_t *rx_base, int64_t *rx_ebase, i
                 int64_t c_ = ((const uint32_t *)(inbox(g, (g)->rank, s, (op)->par) +       \
                                                  IN_COUNTS))[el_];                         \
                 int64_t p0_ = (rx_base)[(s) * (g)->L + el_];                               \
-                for (int64_t POS = p0_; POS < p0_ + c_; POS++, RANK++) {                   \
+                for (int64_t POS = p0_; POS < p0_ + c_ && POS < (g)->cap_rows;             \
+                     POS++, RANK++) {                                                      \
                     __VA_ARGS__                                                            \
                 }                                                                          \
             }                                                                              \
@@ -1550,15 +1555,28 @@ static int recv_metadata(op_t *op, int core, int s, const int64_t *rx_base) {
     const float *wt = (const float *)(rt + g->route_w_off);
     const int64_t lo = (int64_t)r * L, hi = lo + L;
     if (g->layout == LAY_EXPERT) {
-        int64_t cur[1024];
-        int64_t *cursor = L <= 1024 ? cur : malloc(sizeof(int64_t) * (size_t)L);
+        /* cursor[el]: next row of expert el; cursor[L + el]: end of the rows the counts give
+         * it. The routing is written by the peer: a row beyond its expert's count is refused
+         * before it is written (else a forged routing writes past the output arrays). */
+        int64_t cur[2048];
+        int64_t *cursor = L <= 1024 ? cur : malloc(sizeof(int64_t) * 2 * (size_t)L);
         if (!cursor) return op_error(op, E_INTERNAL, core, -1, "out of memory");
-        for (int el = 0; el < L; el++) cursor[el] = rx_base[s * L + el];
+        for (int el = 0; el < L; el++) {
+            uint32_t c = ((const uint32_t *)(inbox(g, r, s, op->par) + IN_COUNTS))[el];
+            cursor[el] = rx_base[s * L + el];
+            cursor[L + el] = c > (uint32_t)g->T ? -1 : cursor[el] + c;
+            if (cursor[L + el] > g->cap_rows) cursor[L + el] = -1;
+        }
         for (int64_t t = 0; t < (int64_t)ntok; t++) {
             for (int k = 0; k < K; k++) {
                 int64_t e = idx[t * K + k];
                 if (e < lo || e >= hi) continue;
                 int64_t p = cursor[e - lo]++;
+                if (p >= cursor[L + e - lo]) {
+                    if (cursor != cur) free(cursor);
+                    return op_error(op, E_INTERNAL, core, s, "rank %d's routing disagrees with "
+                                    "its counts", s);
+                }
                 op->o_src_rank[p] = s;
                 op->o_src_tok[p] = t;
                 op->o_src_k[p] = k;
@@ -1567,16 +1585,18 @@ static int recv_metadata(op_t *op, int core, int s, const int64_t *rx_base) {
             }
         }
         int bad = 0;
-        for (int el = 0; el < L; el++) {
-            uint32_t c = ((const uint32_t *)(inbox(g, r, s, op->par) + IN_COUNTS))[el];
-            if (cursor[el] != rx_base[s * L + el] + c) bad = 1;
-        }
+        for (int el = 0; el < L; el++)
+            if (cursor[el] != cursor[L + el]) bad = 1;
         if (cursor != cur) free(cursor);
         if (bad) return op_error(op, E_INTERNAL, core, s, "rank %d's routing disagrees with its "
                                  "counts", s);
     } else {
         int64_t p = rx_base[s * L];
         int64_t n = (int64_t)ld_rlx(inbox(g, r, s, op->par) + IN_ROWS), end = p + n;
+        /* re-read from the peer's words: validate again before rows are written up to end */
+        if (n < 0 || n > g->cap_src_rows || end > g->cap_rows)
+            return op_error(op, E_INTERNAL, core, s, "rank %d announced %lld rows", s,
+                            (long long)n);
         for (int64_t t = 0; t < (int64_t)ntok; t++) {
             int first = -1;
             for (int k = 0; k < K; k++) {
@@ -1603,79 +1623,115 @@ static int recv_metadata(op_t *op, int core, int s, const int64_t *rx_base) {
     return 0;
 }
 
-/* wait until source s's rows are complete in the land region (and decoded into out) */
-static int recv_wait_source(op_t *op, int core, int s, const int64_t *rx_base, int reg,
-                            uint8_t *land_base, uint8_t *out_base) {
+/* How far a source's rows have been consumed, in position (= batch rank) order. */
+typedef struct {
+    int el;        /* local expert (expert layout); 0 for the rank layout */
+    int64_t off;   /* rows done inside that expert's block from this source */
+    int64_t rank;  /* rows done in total */
+} rx_cursor_t;
+
+/* Consume whatever has landed from source s without blocking: returns 1 when all its rows are
+ * complete (decoded into out for TFF), 0 when some are still missing, -1 on error (recorded). */
+static int recv_progress(op_t *op, int core, int s, const int64_t *rx_base, uint8_t *land_base,
+                         uint8_t *out_base, rx_cursor_t *c) {
     engine_t *g = op->g;
-    char what[128];
-    waiter_t w;
-    waiter_init(&w);
-    int64_t expect = (int64_t)ld_rlx(inbox(g, g->rank, s, op->par) + IN_ROWS);
+    uint8_t *ib = inbox(g, g->rank, s, op->par);
+    int64_t expect = (int64_t)ld_rlx(ib + IN_ROWS);
     if (g->sync == SYNC_SW) {
-        uint8_t *ib = inbox(g, g->rank, s, op->par);
-        while (ld_acq(ib + IN_SW_EPOCH) != op->epoch) {
-            snprintf(what, sizeof what, "the SW flag of rank %d", s);
-            int rc = wait_step(op, &w, core, s, what);
-            if (rc) return rc;
-        }
+        if (ld_acq(ib + IN_SW_EPOCH) != op->epoch) return 0;
         if ((int64_t)ld_rlx(ib + IN_SW_COUNT) != expect)
             return op_error(op, E_INTERNAL, core, s, "SW flag of rank %d announces %llu rows, "
                             "counts said %lld", s, (unsigned long long)ld_rlx(ib + IN_SW_COUNT),
-                            (long long)expect);
-    } else if (g->sync == SYNC_DC) {
-        uint8_t *ib = inbox(g, g->rank, s, op->par);
+                            (long long)expect), -1;
+        return 1;
+    }
+    if (g->sync == SYNC_DC) {
+        if (ld_acq(ib + IN_DC_EPOCH) != op->epoch) return 0;
         int64_t W = (g->row_bytes + 7) / 8;
-        for (;;) {
-            int ok = 0;
-            if (ld_acq(ib + IN_DC_EPOCH) == op->epoch) {
-                uint64_t s1 = 0, s2 = 0;
-                FOR_SOURCE_ROWS(g, op, s, rx_base, pos, rank_, {
-                    uint64_t A, B;
-                    dc_row_sums(land_base + pos * g->slot_bytes, g->row_bytes, &A, &B);
-                    s1 += A;
-                    s2 += (uint64_t)rank_ * (uint64_t)W * A + B;
-                });
-                ok = (int64_t)ld_rlx(ib + IN_DC_COUNT) == expect &&
-                     ld_rlx(ib + IN_DC_SUM) == dc_finish(s1, s2, op->epoch);
-            }
-            if (ok) break;
-            snprintf(what, sizeof what, "a DC batch of rank %d that matches its checksum", s);
-            int rc = wait_step(op, &w, core, s, what);
-            if (rc) return rc;
-        }
-    } else if (g->sync == SYNC_SP) {
-        int rc = 0;
+        uint64_t s1 = 0, s2 = 0;
         FOR_SOURCE_ROWS(g, op, s, rx_base, pos, rank_, {
-            const uint8_t *row = land_base + pos * g->slot_bytes;
-            while (!rc && has_pattern(row, g->row_bytes, g->isz, g->sentinel)) {
-                snprintf(what, sizeof what, "SP row %lld from rank %d", (long long)pos, s);
-                rc = wait_step(op, &w, core, s, what);
-            }
-            if (rc) return rc;
-            (void)rank_;
+            uint64_t A, B;
+            dc_row_sums(land_base + pos * g->slot_bytes, g->row_bytes, &A, &B);
+            s1 += A;
+            s2 += (uint64_t)rank_ * (uint64_t)W * A + B;
         });
-        atomic_thread_fence(memory_order_acquire);
-    } else { /* TFF: wait block by block, copy each payload out as it lands */
-        int rc = 0;
-        FOR_SOURCE_ROWS(g, op, s, rx_base, pos, rank_, {
+        /* a mismatch means rows of this epoch are still landing (or a stale batch): retry */
+        return (int64_t)ld_rlx(ib + IN_DC_COUNT) == expect &&
+               ld_rlx(ib + IN_DC_SUM) == dc_finish(s1, s2, op->epoch);
+    }
+    const int expert = g->layout == LAY_EXPERT;
+    const int nblocks = expert ? g->L : 1;
+    for (; c->el < nblocks; c->el++, c->off = 0) {
+        int64_t n = expert ? ((const uint32_t *)(ib + IN_COUNTS))[c->el] : expect;
+        int64_t p0 = rx_base[s * g->L + (expert ? c->el : 0)];
+        for (; c->off < n; c->off++, c->rank++) {
+            int64_t pos = p0 + c->off;
+            if (pos >= g->cap_rows) /* n is re-read from the peer's words: stay in the buffer */
+                return op_error(op, E_INTERNAL, core, s, "rank %d's rows run past the buffer",
+                                s), -1;
             const uint8_t *slot = land_base + pos * g->slot_bytes;
+            if (g->sync == SYNC_SP) {
+                if (has_pattern(slot, g->row_bytes, g->isz, g->sentinel)) return 0;
+                continue;
+            }
+            for (int64_t b = 0; b < g->tff_nblocks; b++) /* TFF: the whole row, then copy */
+                if (ld_acq(slot + b * g->tff_block + g->tff_payload) != op->epoch) return 0;
             uint8_t *dst = out_base + pos * g->out_stride;
             for (int64_t b = 0; b < g->tff_nblocks; b++) {
-                const uint8_t *blk = slot + b * g->tff_block;
-                while (!rc && ld_acq(blk + g->tff_payload) != op->epoch) {
-                    snprintf(what, sizeof what, "TFF block %lld of row %lld from rank %d",
-                             (long long)b, (long long)pos, s);
-                    rc = wait_step(op, &w, core, s, what);
-                }
-                if (rc) return rc;
                 int64_t off = b * g->tff_payload, len = g->row_bytes - off;
                 if (len > g->tff_payload) len = g->tff_payload;
-                copy_fast(dst + off, blk, len);
+                copy_fast(dst + off, slot + b * g->tff_block, len);
             }
-            (void)rank_;
-        });
+        }
     }
-    (void)reg;
+    atomic_thread_fence(memory_order_acquire);
+    return 1;
+}
+
+/* ASP receive of this core's sources: consume whichever source has data, in arrival order */
+static int recv_sources(op_t *op, int core, const int64_t *rx_base, int reg) {
+    engine_t *g = op->g;
+    int src[64], n = 0;
+    rx_cursor_t cur[64];
+    for (int s = core; s < g->R; s += g->C) {
+        if (s == g->rank || ld_rlx(inbox(g, g->rank, s, op->par) + IN_ROWS) == 0) continue;
+        src[n] = s;
+        cur[n].el = 0;
+        cur[n].off = cur[n].rank = 0;
+        n++;
+    }
+    uint8_t *land_base = land(g, g->rank, reg), *out_base = outreg(g, g->rank, reg);
+    waiter_t w;
+    waiter_init(&w);
+    char what[96];
+    while (n) {
+        int progressed = 0;
+        for (int i = 0; i < n;) {
+            int64_t before = cur[i].rank;
+            int rc = recv_progress(op, core, src[i], rx_base, land_base, out_base, &cur[i]);
+            if (rc < 0) return -1;
+            if (rc == 1) {
+                src[i] = src[n - 1];
+                cur[i] = cur[n - 1];
+                n--;
+                progressed = 1;
+                continue;
+            }
+            progressed |= cur[i].rank != before;
+            i++;
+        }
+        if (!n) break;
+        if (progressed) {
+            waiter_init(&w);
+            continue;
+        }
+        snprintf(what, sizeof what, "%s rows from rank %d (row %lld of its batch)",
+                 g->sync == SYNC_SP ? "SP" : g->sync == SYNC_TFF ? "TFF" : g->sync == SYNC_SW
+                 ? "the SW flag of" : "a DC batch matching its checksum of", src[0],
+                 (long long)cur[0].rank);
+        int rc = wait_step(op, &w, core, src[0], what);
+        if (rc) return rc;
+    }
     return 0;
 }
 
@@ -1711,15 +1767,9 @@ static int ph_d_receive(op_t *op, int core) {
         if ((rc = recv_metadata(op, core, s, rx_base))) return rc;
     }
     TRACE(g, core, 6);
-    for (int s = core; s < R; s += g->C) {
-        if (s == g->rank) continue;
-        if (ld_rlx(inbox(g, g->rank, s, op->par) + IN_ROWS) == 0) continue;
-        rc = recv_wait_source(op, core, s, rx_base, reg, land(g, g->rank, reg),
-                              outreg(g, g->rank, reg));
-        if (rc) return rc;
-    }
+    rc = recv_sources(op, core, rx_base, reg);
     TRACE(g, core, 7);
-    return 0;
+    return rc;
 }
 
 /* --- BSP dispatch: real global barriers between the phases ------------------------------- */
