@@ -68,7 +68,7 @@ def run_demo(
     # Objective (1) with the per-unit costs the simulator fitted for CM384 (CALIBRATION.md only):
     # a core waits a share of each unit's hop latency, so the hop mix of a core matters.
     fabric = load_fabric("cm384")
-    cost = {"issue_ns": fabric.issue_ns, "latency_exposure": fabric.latency_exposure}
+    issue_ns, exposure = fabric.issue_ns, fabric.latency_exposure
     header = (
         f"{'policy':<18} {'send':>4} {'count':>5} {'load min/max':>12} "
         f"{'2-hop min/max':>13} {'objective_us':>12} {'sched_us':>8}"
@@ -84,7 +84,9 @@ def run_demo(
         sched_us = (time.perf_counter() - start) * 1e6
         loads = plan.core_loads()
         far = plan.hop_counts(topo.num_hops)[:, -1]
-        objective_us = sched.objective_ns(plan, topo, token_bytes=hidden, **cost) / 1e3
+        objective_us = sched.objective_ns(
+            plan, topo, token_bytes=hidden, issue_ns=issue_ns, latency_exposure=exposure
+        ) / 1e3
         print(
             f"{policy:<18} {plan.num_send_cores:>4} {plan.num_count_cores:>5} "
             f"{loads.min():>5}/{loads.max():<6} {far.min():>6}/{far.max():<6} "
@@ -92,8 +94,8 @@ def run_demo(
         )
     print(
         f"\nobjective (1): max over cores of (sum of per-unit cost + worst RTT), per-unit cost ="
-        f" bytes/bandwidth + {cost['issue_ns']:.0f} ns issue +"
-        f" {cost['latency_exposure']:.3f} x hop latency (ubep.sim's CM384 fit);"
+        f" bytes/bandwidth + {issue_ns:.0f} ns issue +"
+        f" {exposure:.3f} x hop latency (ubep.sim's CM384 fit);"
         "\n'ubep sim table4' and 'ubep sim fig9' time whole operators on the modelled fabric."
     )
     return 0
