@@ -151,6 +151,8 @@ def test_missing_peer_times_out_naming_rank_and_core_then_recovers() -> None:
 def _worker_killed(group: Any, stamp: str) -> tuple[str, float]:
     cfg = Case("asp", "sp", "rank", "bf16", 3, 2048, "uniform").config(64)
     with Buffer(group, cfg) as buf:
+        names = [seg.name for seg in buf._segments]  # every rank's segment, as mapped here
+        Path(f"{stamp}.names").write_text("\n".join(names))
         xs, idxs, ws = make_inputs(Case("asp", "sp", "rank", "bf16", 3, 2048, "uniform"),
                                    cfg.num_experts, [64, 64, 64], 9, "uniform")
         r = group.rank
@@ -181,7 +183,9 @@ def test_killed_peer_is_lost_on_every_survivor_within_5s(tmp_path: Path) -> None
     for rank, (kind, seen_at) in err.results.items():
         assert kind == "PeerLostError", (rank, kind)
         assert 0 <= seen_at - killed_at < 5.0, (rank, seen_at - killed_at)
-    assert not [n for n in os.listdir(SHM_DIR) if n.startswith("ubep-")]
+    names = Path(f"{stamp}.names").read_text().split()
+    assert len(names) == 3
+    assert not [n for n in names if os.path.exists(os.path.join(SHM_DIR, n))]
 
 
 def _worker_die_before_unlink(group: Any, out: str) -> None:

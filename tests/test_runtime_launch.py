@@ -178,8 +178,12 @@ def test_peer_segment_checks(problem: str) -> None:
         seg.close()
 
 
+def _worker_names(group: Any) -> list[str]:
+    return [seg.name for seg in group._segments]
+
+
 def test_no_segment_survives_a_launch() -> None:
-    before = {n for n in os.listdir(SHM_DIR) if n.startswith("ubep")}
-    launch(_worker_identity, 2, 1, timeout_s=120)
-    after = {n for n in os.listdir(SHM_DIR) if n.startswith("ubep")}
-    assert after <= before
+    names = launch(_worker_names, 2, timeout_s=120)
+    assert names[0] == names[1] and len(names[0]) == 2
+    # unlinked as soon as every rank had mapped them, i.e. already while the ranks ran
+    assert not [n for n in names[0] if os.path.exists(os.path.join(SHM_DIR, n))]
