@@ -62,6 +62,7 @@ OPS = ("dispatch", "combine")
 EXCHANGE_OP = "payload_exchange"  # diagnostic: a peer's payload Alltoallv alone
 STORAGE = {"bf16": np.dtype(np.uint16), "uint8": np.dtype(np.uint8)}
 ITEMSIZE = {"bf16": 2, "uint8": 1}
+FLOAT_DTYPES = ("bf16",)
 
 
 @dataclass(frozen=True)
@@ -417,17 +418,28 @@ def ubep_available() -> str | None:
     return None
 
 
-def ubep_rows(inputs_list: Sequence[Inputs], settings: Settings) -> list[Row]:
-    """ubep's engines x sync modes on the same inputs, one launch per rank count."""
+def ubep_rows(
+    inputs_list: Sequence[Inputs], settings: Settings
+) -> tuple[list[Row], dict[str, str]]:
+    """ubep's engines x sync modes on the same inputs, one launch per rank count; also returns
+    the (mode, shape) pairs ubep cannot run, with the reason."""
     from benchmarks.peers_ubep import UbepCase, run_ubep_cases
 
     rows = []
+    unsupported: dict[str, str] = {}
     for num_ranks in sorted({inp.shape.num_ranks for inp in inputs_list}):
         group = [inp for inp in inputs_list if inp.shape.num_ranks == num_ranks]
-        cases = [
-            (inp, UbepCase(inp.shape, layout, engine, sync))
-            for inp in group for layout in LAYOUTS for engine, sync in UBEP_MODES
-        ]
+        cases = []
+        for inp in group:
+            for layout in LAYOUTS:
+                for engine, sync in UBEP_MODES:
+                    if sync == "sp" and inp.shape.dtype not in FLOAT_DTYPES:
+                        # SP needs a bit pattern the payload never holds; 1-byte types have none.
+                        unsupported[f"ubep-{engine}-{sync} x {inp.shape.dtype}"] = (
+                            "SP needs a sentinel; 1-byte payloads have none (use tff or dc)"
+                        )
+                        continue
+                    cases.append((inp, UbepCase(inp.shape, layout, engine, sync)))
         got = run_ubep_cases(
             [c for _, c in cases], num_ranks, warmup=settings.warmup, repeats=settings.repeats,
             timeout_s=settings.timeout_s,
@@ -441,7 +453,7 @@ def ubep_rows(inputs_list: Sequence[Inputs], settings: Settings) -> list[Row]:
                 stats = Stats.from_samples_us((np.asarray(times[op]) / 1e3).tolist())
                 nbytes = bytes_per_rank(inp, case.layout, op)
                 rows.append(Row(system, case.layout, inp.shape, op, nbytes, stats))
-    return rows
+    return rows, unsupported
 
 
 # --- report ---------------------------------------------------------------------------------
@@ -521,7 +533,8 @@ def floors_for(shapes: Sequence[Shape]) -> list[Floor]:
     for r in (2, 4):
         big = Shape(r, 512, 7168, "uint8", "uniform")
         for layout in LAYOUTS:
-            out.append(Floor("dispatch vs memcpy", "ubep-asp-sp", "memcpy", big, layout,
+            # asp+sp cannot carry 1-byte payloads: the fastest ASP mode that can stands in.
+            out.append(Floor("dispatch vs memcpy", "ubep-asp-best", "memcpy", big, layout,
                              "dispatch", 1.25))
         hot = Shape(r, 128, 2048, "bf16", "hot")
         for layout in LAYOUTS:
@@ -536,7 +549,12 @@ def floor_report(rows: Sequence[Row], shapes: Sequence[Shape]) -> str:
     med = {(r.system, r.layout, r.shape, r.op): r.stats.median_us for r in rows}
     lines = []
     for f in floors_for(shapes):
-        mine = med.get((f.system, f.layout, f.shape, f.op))
+        if f.system == "ubep-asp-best":
+            asp = [v for (s, lay, sh, op), v in med.items()
+                   if s.startswith("ubep-asp-") and (lay, sh, op) == (f.layout, f.shape, f.op)]
+            mine = min(asp) if asp else None
+        else:
+            mine = med.get((f.system, f.layout, f.shape, f.op))
         if f.versus == "best_mpi":
             peers = [med.get((s, f.layout, f.shape, f.op)) for s in MPI_SYSTEMS]
             known = [p for p in peers if p is not None]
@@ -696,7 +714,9 @@ def collect(
                     if reason:
                         skipped[system] = reason
                         continue
-                    rows += ubep_rows(inputs_list, settings)
+                    got, unsupported = ubep_rows(inputs_list, settings)
+                    rows += got
+                    skipped.update(unsupported)
                 elif system == "memcpy":
                     rows += memcpy_rows(inputs_list, settings)
                 else:

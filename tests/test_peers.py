@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -260,3 +261,28 @@ def test_table_ratios_use_fastest_mpi_and_floor() -> None:
         assert cells[system][col["ratio_vs_best_mpi"]] == pytest.approx(med / 200.0)
         assert cells[system][col["ratio_vs_floor"]] == pytest.approx(med / 50.0)
         assert cells[system][col["algbw_gbps"]] == pytest.approx(1e6 / (med * 1e3))
+
+
+def test_floor_report_compares_against_the_fastest_mpi() -> None:
+    shape = peers.Shape(2, 128, 2048, "bf16", "uniform")
+    medians = {"ubep-asp-sp": 65.0, "impi": 100.0, "openmpi": 90.0, "mpich": 300.0, "gloo": 500.0}
+    rows = [
+        peers.Row(s, "rank", shape, op, 1e6, Stats(m, m, m, 3))
+        for s, m in medians.items() for op in peers.OPS
+    ]
+    report = peers.floor_report(rows, [shape]).splitlines()
+    by_name = {line.split("  ubep")[0].strip(): line.split() for line in report[2:]}
+    # Best MPI is openmpi (90): 65/90 = 0.72 > 0.7 fails; 65/500 = 0.13 > 0.12 fails too.
+    assert by_name["dispatch vs best MPI"][-1] == "FAIL"
+    assert float(by_name["dispatch vs best MPI"][-3]) == pytest.approx(65 / 90, abs=1e-3)
+    assert by_name["dispatch vs gloo"][-1] == "FAIL"
+    faster = [replace(r, stats=Stats(50.0, 50.0, 50.0, 3)) if r.system == "ubep-asp-sp" else r
+              for r in rows]
+    report = peers.floor_report(faster, [shape]).splitlines()
+    verdicts = {line.split("  ubep")[0].strip(): line.split()[-1] for line in report[2:]}
+    assert verdicts == {
+        "dispatch vs best MPI": "PASS",  # 50/90 = 0.56
+        "dispatch vs gloo": "PASS",  # 50/500 = 0.10
+        "combine vs best MPI": "PASS",
+        "combine vs gloo": "PASS",
+    }
