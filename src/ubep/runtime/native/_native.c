@@ -189,7 +189,35 @@ static void copy_libc(uint8_t *d, const uint8_t *s, int64_t n) { memcpy(d, s, (s
 static copy_fn copy_elem = copy_generic; /* element-safe copy (SP) */
 static copy_fn copy_fast = copy_libc;    /* any copy followed by a fenced flag */
 
+#if UBEP_X86
+__attribute__((target("avx2"))) static void fill_avx2(uint8_t *d, int64_t n, int isz,
+                                                      uint64_t pattern) {
+    /* aligned whole-element stores: the region's slots are 64-byte aligned */
+    __m256i v = isz == 2 ? _mm256_set1_epi16((short)pattern) : _mm256_set1_epi32((int)pattern);
+    int64_t i = 0;
+    for (; i + 128 <= n; i += 128) {
+        _mm256_storeu_si256((__m256i *)(d + i), v);
+        _mm256_storeu_si256((__m256i *)(d + i + 32), v);
+        _mm256_storeu_si256((__m256i *)(d + i + 64), v);
+        _mm256_storeu_si256((__m256i *)(d + i + 96), v);
+    }
+    for (; i + 32 <= n; i += 32) _mm256_storeu_si256((__m256i *)(d + i), v);
+    if (isz == 2)
+        for (; i < n; i += 2) *(uint16_t *)(d + i) = (uint16_t)pattern;
+    else
+        for (; i < n; i += 4) *(uint32_t *)(d + i) = (uint32_t)pattern;
+}
+#endif
+
+static int fill_vector_ok = 0;
+
 static void fill_pattern(uint8_t *d, int64_t n, int isz, uint64_t pattern) {
+#if UBEP_X86
+    if (fill_vector_ok && (isz == 2 || isz == 4)) {
+        fill_avx2(d, n, isz, pattern);
+        return;
+    }
+#endif
     if (isz == 2) {
         uint16_t v = (uint16_t)pattern, *p = (uint16_t *)d;
         for (int64_t i = 0; i < n / 2; i++) p[i] = v;
@@ -643,6 +671,7 @@ static void select_kernels(void) {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2")) {
         kernel_set = "avx2";
+        fill_vector_ok = 1;
         copy_elem = copy_avx2;
         has2 = has_pattern2_avx2;
         has4 = has_pattern4_avx2;
@@ -897,8 +926,9 @@ static int check_liveness(op_t *op, int core, const char *what, int peer) {
 
 static int idle_work(engine_t *g, int64_t budget_bytes);
 
-/* One step of a wait whose condition was just found false. Returns 0 to check again. */
-static int wait_step(op_t *op, waiter_t *w, int core, int peer, const char *what) {
+/* One step of a wait whose condition was just found false. Returns 0 to check again. The
+ * description (printf-style) is only formatted if the wait fails. */
+static int wait_step(op_t *op, waiter_t *w, int core, int peer, const char *fmt, ...) {
     if (atomic_load_explicit(&op->abort, memory_order_relaxed)) return -1;
     uint32_t it = ++w->iter;
     if (it < 32) {
@@ -912,11 +942,18 @@ static int wait_step(op_t *op, waiter_t *w, int core, int peer, const char *what
         w->start = t;
         w->next_live = t + 10000000LL;
     }
-    if (t >= op->deadline)
-        return op_error(op, E_TIMEOUT, core, peer, "rank %d core %d timed out after %.3g s waiting "
-                        "for %s (epoch %llu)", op->g->rank, core,
-                        (double)op->g->timeout_ns / 1e9, what, (unsigned long long)op->epoch);
-    if (t >= w->next_live) {
+    int timed_out = t >= op->deadline, check_live = t >= w->next_live;
+    if (timed_out || check_live) {
+        char what[MAX_WHAT];
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(what, sizeof what, fmt, ap);
+        va_end(ap);
+        if (timed_out)
+            return op_error(op, E_TIMEOUT, core, peer, "rank %d core %d timed out after %.3g s "
+                            "waiting for %s (epoch %llu)", op->g->rank, core,
+                            (double)op->g->timeout_ns / 1e9, what,
+                            (unsigned long long)op->epoch);
         w->next_live = t + 10000000LL;
         rc = check_liveness(op, core, what, peer);
         if (rc) return rc;
@@ -1306,10 +1343,8 @@ static int compute_bases(op_t *op, int core, int d, int src, int64_t *out) {
 static int wait_dst(op_t *op, int core, int d) {
     waiter_t w;
     waiter_init(&w);
-    char what[96];
     while (!dst_ready(op, d)) {
-        snprintf(what, sizeof what, "receive readiness and counts of rank %d", d);
-        int rc = wait_step(op, &w, core, d, what);
+        int rc = wait_step(op, &w, core, d, "receive readiness and counts of rank %d", d);
         if (rc) return rc;
     }
     return 0;
@@ -1432,10 +1467,8 @@ static int send_canonical(op_t *op, int core) {
             waiter_init(&w);
         }
         if (!progressed && np) {
-            char what[96];
-            snprintf(what, sizeof what, "receive readiness and counts of rank %d",
-                     (g->rank + 1 + pending[0]) % R);
-            int rc = wait_step(op, &w, core, (g->rank + 1 + pending[0]) % R, what);
+            int d = (g->rank + 1 + pending[0]) % R;
+            int rc = wait_step(op, &w, core, d, "receive readiness and counts of rank %d", d);
             if (rc) return rc;
         }
     }
@@ -1480,10 +1513,8 @@ static int recv_bases(op_t *op, int core, int64_t *rx_base, int64_t *rx_ebase, i
     for (int s = 0; s < R; s++) {
         waiter_t w;
         waiter_init(&w);
-        char what[96];
         while (ld_acq(inbox(g, g->rank, s, op->par) + IN_COUNTS_EPOCH) != op->epoch) {
-            snprintf(what, sizeof what, "the counts of rank %d", s);
-            int rc = wait_step(op, &w, core, s, what);
+            int rc = wait_step(op, &w, core, s, "the counts of rank %d", s);
             if (rc) return rc;
         }
     }
@@ -1703,7 +1734,6 @@ static int recv_sources(op_t *op, int core, const int64_t *rx_base, int reg) {
     uint8_t *land_base = land(g, g->rank, reg), *out_base = outreg(g, g->rank, reg);
     waiter_t w;
     waiter_init(&w);
-    char what[96];
     while (n) {
         int progressed = 0;
         for (int i = 0; i < n;) {
@@ -1725,11 +1755,10 @@ static int recv_sources(op_t *op, int core, const int64_t *rx_base, int reg) {
             waiter_init(&w);
             continue;
         }
-        snprintf(what, sizeof what, "%s rows from rank %d (row %lld of its batch)",
+        int rc = wait_step(op, &w, core, src[0], "%s rows from rank %d (row %lld of its batch)",
                  g->sync == SYNC_SP ? "SP" : g->sync == SYNC_TFF ? "TFF" : g->sync == SYNC_SW
                  ? "the SW flag of" : "a DC batch matching its checksum of", src[0],
                  (long long)cur[0].rank);
-        int rc = wait_step(op, &w, core, src[0], what);
         if (rc) return rc;
     }
     return 0;
@@ -1787,10 +1816,8 @@ static int barrier_wait(op_t *op, int core, int phase) {
         for (int c = 0; c < g->C; c++) {
             waiter_t w;
             waiter_init(&w);
-            char what[96];
             while (ld_acq(ctrl(g, q, g->off_barrier) + (int64_t)c * 64) < target) {
-                snprintf(what, sizeof what, "global barrier %d (rank %d core %d)", phase, q, c);
-                int rc = wait_step(op, &w, core, q, what);
+                int rc = wait_step(op, &w, core, q, "global barrier %d (rank %d core %d)", phase, q, c);
                 if (rc) return rc;
             }
         }
@@ -1818,10 +1845,8 @@ static int ph_bsp_send(op_t *op, int core) {
         if (!ready[d]) {
             waiter_t w;
             waiter_init(&w);
-            char what[96];
             while (ld_acq(ctrl(g, d, g->off_recv_ready)) < op->epoch) {
-                snprintf(what, sizeof what, "staging area of rank %d", d);
-                int rc = wait_step(op, &w, core, d, what);
+                int rc = wait_step(op, &w, core, d, "staging area of rank %d", d);
                 if (rc) return rc;
             }
             ready[d] = 1;
@@ -1893,10 +1918,8 @@ static int ph_bsp_verify(op_t *op, int core) {
         uint8_t *ib = inbox(g, g->rank, s, op->par);
         waiter_t w;
         waiter_init(&w);
-        char what[96];
         while (ld_acq(ib + IN_COUNTS_EPOCH) != op->epoch) {
-            snprintf(what, sizeof what, "the flag and counts of rank %d", s);
-            int rc = wait_step(op, &w, core, s, what);
+            int rc = wait_step(op, &w, core, s, "the flag and counts of rank %d", s);
             if (rc) return rc;
         }
         int64_t n = (int64_t)ld_rlx(ib + IN_ROWS);
@@ -2072,13 +2095,11 @@ static int ph_c_reduce(op_t *op, int core) {
         uint8_t *ci = comb_info(g, q, op->par);
         waiter_t w;
         waiter_init(&w);
-        char what[96];
         while (ld_acq(ci + CI_EPOCH) != op->epoch) {
             if (g->eng == ENG_BSP)
                 return op_error(op, E_INTERNAL, core, q, "rank %d's expert outputs missing "
                                 "after the barrier", q);
-            snprintf(what, sizeof what, "the expert outputs of rank %d", q);
-            int rc = wait_step(op, &w, core, q, what);
+            int rc = wait_step(op, &w, core, q, "the expert outputs of rank %d", q);
             if (rc) return rc;
         }
         uint64_t off = ld_rlx(ci + CI_OFF), rows = ld_rlx(ci + CI_ROWS);
