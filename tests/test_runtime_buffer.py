@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
@@ -174,17 +173,10 @@ def _worker_formats(group: Any) -> dict[str, bool]:
             elif sync == "sw":
                 out["sw"] = SwFlag.ready(ctl[9:10], epoch) and int(ctl[8]) == len(mine)
             else:
+                # peer rows were consumed into recv_x and their slots refilled at once
                 codec = SpCodec("bf16")
-                out["sp_raw"] = bool(np.array_equal(slots[:, :600], rows))
-                # two dispatches later the first region's reset is queued; it runs when the
-                # rank idles (Group.barrier calls Buffer._idle while it waits)
-                for seed in (6, 7):
-                    _call(buf, group, case, [16, 16], seed)
-                region = _land(buf, 0).reshape(-1, buf.layout.slot_bytes)[: len(res.recv_x)]
-                deadline = time.monotonic() + 20
-                while buf._idle() and time.monotonic() < deadline:
-                    pass
-                out["sp_reset"] = not codec.element_ready(region[:, :600]).any()
+                out["sp_raw"] = bool(np.array_equal(as_row_bytes(res.recv_x[mine]), rows))
+                out["sp_reset"] = not codec.element_ready(slots[:, :600]).any()
             group.barrier(60)
     return out
 

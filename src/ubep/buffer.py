@@ -17,9 +17,12 @@ Results match :func:`ubep.reference.dispatch` / :func:`ubep.reference.combine` b
 (field names, row order and dtypes included).
 
 Lifetimes: ``res.recv_x`` is a read-only *view* of the receive region (no copy: that is what
-makes dispatch one memcpy). It stays valid until the second dispatch after it is called (the
-view of dispatch ``n`` survives dispatch ``n+1``; dispatch ``n+2`` may reuse its memory). Pass
-``copy=True`` for an owned array. Every other field, the handle included, is an owned array.
+makes dispatch one memcpy with SW/DC). It stays valid until the second dispatch after it is
+called (the view of dispatch ``n`` survives dispatch ``n+1``; dispatch ``n+2`` may reuse its
+memory). Pass ``copy=True`` for an owned array. Every other field, the handle included, is an
+owned array. With TFF and SP the rows land in separate slots and the receiver moves each one into
+``recv_x`` as it completes (TFF strips the block flags; SP refills the slot with its sentinel
+right away, while the line is still in cache, as the paper resets a buffer after consumption).
 
 Combine reads the expert outputs where they lie: if ``expert_out`` already lives in this rank's
 segment (``buf.get_combine_buffer(handle)``, or ``res.recv_x`` itself) nothing is copied;
@@ -245,9 +248,6 @@ class Engine(Protocol):
     def reset_all(self) -> None:
         """Prepare the receive regions (SP: fill them with the sentinel)."""
 
-    def idle(self, max_us: float) -> int:
-        """Do deferred work (SP resets) for up to ``max_us``; 1 if any was done."""
-
     def close(self) -> None:
         """Stop the engine's threads (local)."""
 
@@ -326,9 +326,6 @@ class Buffer:
         # nothing survives a crash from here on.
         g.barrier(self.config.timeout_s)
         mem.unlink()
-        add_idle_hook = getattr(g, "add_idle_hook", None)
-        if add_idle_hook is not None and self.config.sync == "sp":
-            add_idle_hook(self)  # SP resets run while this rank waits in a barrier
         seg = mem.local_array
         self._out_regions = [
             seg[lay.off_out + i * lay.out_bytes: lay.off_out + (i + 1) * lay.out_bytes]
@@ -553,12 +550,6 @@ class Buffer:
         )
 
     # --- internals ----------------------------------------------------------------------
-
-    def _idle(self) -> bool:
-        """Deferred work (SP resets) for up to ~20 us; True if any was done."""
-        if self._closed or self._engine is None:
-            return False
-        return bool(self._engine.idle(20.0))
 
     def _check_usable(self) -> None:
         if self._closed:

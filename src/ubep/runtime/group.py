@@ -22,7 +22,6 @@ import os
 import secrets
 import stat
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -194,7 +193,6 @@ class Group:
         self.rendezvous = rendezvous
         self.default_timeout_s = timeout_s_from_env() if timeout_s is None else float(timeout_s)
         self._seq = 0  # allgather sequence number
-        self._idle_hooks: list[weakref.ref[Any]] = []
         self._barriers = 0
         self._closed = False
         _check_private_dir(rendezvous)
@@ -290,20 +288,6 @@ class Group:
         starts = [p.start_time or process_start_time(p.pid) for p in self.peers]
         return ShmGlobalMemory(segs, self.rank, pids, starts)
 
-    def add_idle_hook(self, owner: Any) -> None:
-        """Let ``owner._idle() -> bool`` do deferred work while this rank waits in
-        :meth:`barrier` / :meth:`allgather` (held weakly; e.g. a Buffer's SP resets)."""
-        self._idle_hooks = [h for h in self._idle_hooks if h() is not None]
-        self._idle_hooks.append(weakref.ref(owner))
-
-    def _run_idle_hooks(self) -> bool:
-        did = False
-        for ref in self._idle_hooks:
-            owner = ref()
-            if owner is not None:
-                did = bool(owner._idle()) or did
-        return did
-
     def check_peers(self) -> None:
         """Raise ``PeerLostError`` if any peer process has died."""
         dead = [p.rank for p in self.peers if p.rank != self.rank and not p.alive()]
@@ -367,8 +351,7 @@ class Group:
                     f"rank {self.rank}: {what} timed out waiting for rank(s) {left}"
                 )
             if now - start < _YIELD_S:
-                if not (self._idle_hooks and self._run_idle_hooks()):
-                    os.sched_yield()
+                os.sched_yield()
             else:
                 time.sleep(min(1e-3, (now - start - _YIELD_S) * 0.1 + 1e-5))
 

@@ -16,14 +16,16 @@ inbox [R x 2]      per (source, epoch parity): counts epoch, rows, SW ``[count][
                    DC ``[count][checksum][epoch]``, per-local-expert counts (u32)
 route [nreg]       per dispatch (index mod nreg): the sender's routing, read by receivers
                    for their metadata: ``[num_tokens][epoch]``, topk_idx int32, weights f32
-land [nreg]        where senders write rows (ASP: final positions; BSP: staging partitioned
+land [nland]       where senders write rows (ASP: final positions; BSP: staging partitioned
                    by source), each slot encoded for the sync mode (FORMATS.md)
-out [nreg]         ``recv_x`` (raw rows); the same memory as ``land`` for ASP with SW/DC/SP
+out [nreg]         ``recv_x`` (raw rows); the same memory as ``land`` for ASP with SW/DC
 comb [2]           expert outputs for combine (unless the caller's already live here)
 =================  =====================================================================
 
-``nreg`` is 3 for SP (a region is reset to the sentinel off the critical path while the next
-one is in use and the previous one is still a caller's ``recv_x``) and 2 otherwise.
+``nreg = 2``: the ``recv_x`` of dispatch ``n`` stays valid while dispatch ``n+1`` runs. Where
+land and out differ (ASP with TFF/SP: the receiver decodes, or consumes and refills the SP
+sentinel; BSP: staging), one land region is enough (``nland = 1``): a peer writes it for the
+next call only after this rank has published that it finished with it.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class SegmentLayout:
     """Sizes and offsets of one rank's segment (bytes)."""
 
     num_regions: int
+    num_land_regions: int
     cap_rows: int
     cap_src_rows: int
     row_bytes: int
@@ -106,8 +109,9 @@ def compute_layout(
         slot_bytes = -(-row_bytes // payload) * tff_block_bytes
     else:
         slot_bytes = _align(row_bytes)
-    nreg = 3 if sync == "sp" else 2
-    land_is_out = engine == "asp" and sync != "tff"
+    nreg = 2
+    land_is_out = engine == "asp" and sync in ("sw", "dc")
+    nland = nreg if land_is_out else 1
     out_stride = slot_bytes if land_is_out else _align(row_bytes)
     combine_row_bytes = hidden * combine_itemsize
 
@@ -129,7 +133,7 @@ def compute_layout(
     off = off_route + nreg * route_stride
     off_land = _align(off, _PAGE)
     land_bytes = _align(max(cap_rows, 1) * slot_bytes, _PAGE)
-    off = off_land + nreg * land_bytes
+    off = off_land + nland * land_bytes
     if land_is_out:
         off_out, out_bytes = off_land, land_bytes
     else:
@@ -141,6 +145,7 @@ def compute_layout(
     off += 2 * comb_bytes
     return SegmentLayout(
         num_regions=nreg,
+        num_land_regions=nland,
         cap_rows=cap_rows,
         cap_src_rows=cap_src_rows,
         row_bytes=row_bytes,

@@ -706,7 +706,7 @@ typedef struct engine {
     /* configuration */
     int rank, R, C, E, L, K, T;
     int hidden, isz, dt, cdt, cisz;
-    int sync, eng, layout, nreg, threaded;
+    int sync, eng, layout, nreg, nland, threaded;
     int64_t cap_rows, cap_src_rows, row_bytes, slot_bytes, out_stride, crow_bytes;
     int64_t tff_block, tff_flag, tff_payload, tff_nblocks;
     uint64_t sentinel;
@@ -735,7 +735,6 @@ typedef struct engine {
     const void **term_ptr; /* [C][max(K, R)] combine: the rows one token sums */
     float *term_w;         /* [C][max(K, R)] and their weights */
     int64_t *ci_off, *ci_rows, *ci_stride; /* [C][R] peers' combine data */
-    uint64_t *region_epoch; int64_t *region_rows; /* [nreg] */
     int32_t *e2d, *e2l;    /* [E] owner rank and local index of each expert (no division) */
     uint64_t comb_last_epoch[2];
     /* threads */
@@ -747,11 +746,11 @@ typedef struct engine {
     const phase_t *job_phases;
     int job_nph;
     _Atomic uint32_t tb_count, tb_gen;
-    /* SP resets, done in idle time (waits, Group.barrier) and what is left inline */
-    _Atomic int *jstate;   /* [nreg] 0 clean, 1 reset pending */
-    int64_t *jr_start, *jr_len; int *jr_n; uint64_t *jpre; /* [nreg][R] ranges, precondition */
-    int *jr_i; int64_t *jr_row; /* [nreg] progress: range index, rows done in that range */
-    atomic_flag reset_lock; /* one thread resets at a time */
+    /* SP: the land region must hold the sentinel wherever a peer may write. Consumed rows are
+     * refilled at once; a failed call can leave rows behind: then the whole region is reset
+     * before its next use, once every peer is done with the failed call. */
+    int land_dirty;
+    uint64_t land_dirty_epoch;
     int in_use;            /* an operation is running (re-entrancy guard) */
     int64_t trace[16];     /* core 0's phase timestamps of the last call (ns), for profiling */
 } engine_t;
@@ -800,13 +799,14 @@ static inline uint8_t *route(engine_t *g, int rank, int slot) {
     return g->base[rank] + g->off_route + (int64_t)slot * g->route_stride;
 }
 static inline uint8_t *land(engine_t *g, int rank, int reg) {
-    return g->base[rank] + g->off_land + (int64_t)reg * g->land_bytes;
+    /* nland is 1 (a separate land region, reused every call) or nreg (land == out) */
+    return g->base[rank] + g->off_land + (int64_t)(reg % g->nland) * g->land_bytes;
 }
 static inline uint8_t *outreg(engine_t *g, int rank, int reg) {
     return g->base[rank] + g->off_out + (int64_t)reg * g->out_bytes;
 }
 static inline int land_is_out(engine_t *g) {
-    return g->eng == ENG_ASP && g->sync != SYNC_TFF;
+    return g->eng == ENG_ASP && (g->sync == SYNC_SW || g->sync == SYNC_DC);
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -924,8 +924,6 @@ static int check_liveness(op_t *op, int core, const char *what, int peer) {
     return 0;
 }
 
-static int idle_work(engine_t *g, int64_t budget_bytes);
-
 /* One step of a wait whose condition was just found false. Returns 0 to check again. The
  * description (printf-style) is only formatted if the wait fails. */
 static int wait_step(op_t *op, waiter_t *w, int core, int peer, const char *fmt, ...) {
@@ -959,7 +957,7 @@ static int wait_step(op_t *op, waiter_t *w, int core, int peer, const char *fmt,
         if (rc) return rc;
     }
     if (t - w->start < 2000000LL) {
-        if (!idle_work(op->g, 32768)) sched_yield();
+        sched_yield();
     } else {
         int64_t waited = t - w->start;
         struct timespec ts = {0, waited < 20000000LL ? 50000 : 500000};
@@ -1056,84 +1054,34 @@ static void run_op(op_t *op, const phase_t *ph, int nph) {
 }
 
 /* ---------------------------------------------------------------------------------------- */
-/* SP resets off the critical path. After a region's last use expires, its written slots must
- * be refilled with the sentinel before its next use. That work is queued per region and done in
- * chunks whenever this rank would otherwise idle: inside native waits (instead of sched_yield)
- * and through Engine.idle(), which Group.barrier calls while it waits. Whatever is left when the
- * region is needed again is done inline by ensure_clean. A helper thread was tried first: woken
- * on a 2-core host it preempted the rank's own thread, which cost more than the memset. */
-
 static int peers_done_geq(engine_t *g, uint64_t epoch) {
     for (int q = 0; q < g->R; q++)
         if (q != g->rank && ld_acq(ctrl(g, q, g->off_done)) < epoch) return 0;
     return 1;
 }
 
-/* reset up to max_rows rows of region reg's pending ranges; returns 1 when it is clean */
-static int reset_some(engine_t *g, int reg, int64_t max_rows) {
-    uint8_t *b = land(g, g->rank, reg);
-    while (g->jr_i[reg] < g->jr_n[reg] && max_rows > 0) {
-        int i = g->jr_i[reg];
-        int64_t start = g->jr_start[reg * g->R + i], len = g->jr_len[reg * g->R + i];
-        int64_t done = g->jr_row[reg], take = len - done < max_rows ? len - done : max_rows;
-        for (int64_t r = start + done; r < start + done + take; r++)
+static void reset_land(engine_t *g) {
+    for (int reg = 0; reg < g->nland; reg++) {
+        uint8_t *b = land(g, g->rank, reg);
+        for (int64_t r = 0; r < g->cap_rows; r++)
             fill_pattern(b + r * g->slot_bytes, g->row_bytes, g->isz, g->sentinel);
-        max_rows -= take;
-        if (done + take >= len) {
-            g->jr_i[reg] = i + 1;
-            g->jr_row[reg] = 0;
-        } else {
-            g->jr_row[reg] = done + take;
-        }
     }
-    if (g->jr_i[reg] >= g->jr_n[reg]) {
-        g->jr_n[reg] = 0;
-        atomic_store(&g->jstate[reg], 0);
-        return 1;
-    }
-    return 0;
 }
 
-/* Some pending reset work, at most ~budget bytes; returns whether any was done. Safe from any
- * thread: a try-lock makes the work single-threaded. */
-static int idle_work(engine_t *g, int64_t budget_bytes) {
-    if (g->sync != SYNC_SP) return 0;
-    if (atomic_flag_test_and_set_explicit(&g->reset_lock, memory_order_acquire)) return 0;
-    int did = 0;
-    int64_t rows = budget_bytes / (g->row_bytes > 0 ? g->row_bytes : 1) + 1;
-    for (int reg = 0; reg < g->nreg && !did; reg++) {
-        if (atomic_load(&g->jstate[reg]) != 1 || !peers_done_geq(g, g->jpre[reg])) continue;
-        reset_some(g, reg, rows);
-        did = 1;
-    }
-    atomic_flag_clear_explicit(&g->reset_lock, memory_order_release);
-    return did;
-}
-
-static void reset_enqueue(engine_t *g, int reg, uint64_t pre_epoch) {
-    g->jpre[reg] = pre_epoch;
-    g->jr_i[reg] = 0;
-    g->jr_row[reg] = 0;
-    atomic_store(&g->jstate[reg], g->jr_n[reg] ? 1 : 0);
-}
-
-/* Make land region `reg` clean before peers may write it (SP only). */
-static int ensure_clean(op_t *op, int reg) {
+/* SP: make the land region whole again after a failed call, before peers may write it */
+static int ensure_clean(op_t *op) {
     engine_t *g = op->g;
-    if (atomic_load(&g->jstate[reg]) == 0) return 0;
+    if (!g->land_dirty) return 0;
     waiter_t w;
     waiter_init(&w);
-    while (atomic_flag_test_and_set_explicit(&g->reset_lock, memory_order_acquire)) {
-        int rc = wait_step(op, &w, 0, -1, "another core's SP reset");
+    while (!peers_done_geq(g, g->land_dirty_epoch)) {
+        int rc = wait_step(op, &w, 0, -1, "peers to finish the failed call %llu",
+                           (unsigned long long)g->land_dirty_epoch);
         if (rc) return rc;
     }
-    int rc = 0;
-    waiter_init(&w);
-    while (!rc && !peers_done_geq(g, g->jpre[reg]))
-        rc = wait_step(op, &w, 0, -1, "peers to finish with a receive region");
-    if (!rc) reset_some(g, reg, INT64_MAX);
-    atomic_flag_clear_explicit(&g->reset_lock, memory_order_release);
-    return rc;
+    reset_land(g);
+    g->land_dirty = 0;
+    return 0;
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -1250,14 +1198,12 @@ static int dispatch_publish(op_t *op) {
     const int K = g->K, L = g->L, R = g->R;
     int reg = (int)(op->n % g->nreg);
     int rc;
-    if (g->sync == SYNC_SP && (rc = ensure_clean(op, reg))) return rc;
+    if (g->sync == SYNC_SP && (rc = ensure_clean(op))) return rc;
     uint8_t *rt = route(g, g->rank, reg); /* topk_idx was copied by dispatch_validate */
     float *rw = (float *)(rt + g->route_w_off);
     memcpy(rw, op->w, sizeof(float) * (size_t)(op->ntok * K));
     st_rlx(rt + ROUTE_NTOK, (uint64_t)op->ntok);
     st_rlx(rt + ROUTE_EPOCH, op->epoch);
-    g->region_epoch[reg] = op->epoch;
-    g->region_rows[reg] = 0;
     st_rel(ctrl(g, g->rank, g->off_recv_ready), op->epoch);
     op->published_ready = 1;
     if (g->eng == ENG_BSP) return 0; /* BSP sends counts after its first barrier */
@@ -1354,7 +1300,7 @@ static int wait_dst(op_t *op, int core, int d) {
 static void put_row(op_t *op, int d, int64_t pos, const uint8_t *src) {
     engine_t *g = op->g;
     int reg = (int)(op->n % g->nreg);
-    if (g->eng == ENG_ASP && d == g->rank && g->sync == SYNC_TFF) {
+    if (g->eng == ENG_ASP && d == g->rank && !land_is_out(g)) {
         copy_fast(outreg(g, d, reg) + pos * g->out_stride, src, g->row_bytes);
         return;
     }
@@ -1702,7 +1648,12 @@ static int recv_progress(op_t *op, int core, int s, const int64_t *rx_base, uint
                                 s), -1;
             const uint8_t *slot = land_base + pos * g->slot_bytes;
             if (g->sync == SYNC_SP) {
-                if (has_pattern(slot, g->row_bytes, g->isz, g->sentinel)) return 0;
+                if (has_pattern((const uint8_t *)slot, g->row_bytes, g->isz, g->sentinel))
+                    return 0;
+                /* complete: take it out, then refill the slot while its lines are hot */
+                atomic_thread_fence(memory_order_acquire);
+                copy_fast(out_base + pos * g->out_stride, slot, g->row_bytes);
+                fill_pattern((uint8_t *)slot, g->row_bytes, g->isz, g->sentinel);
                 continue;
             }
             for (int64_t b = 0; b < g->tff_nblocks; b++) /* TFF: the whole row, then copy */
@@ -1790,7 +1741,6 @@ static int ph_d_receive(op_t *op, int core) {
     if (core == 0) {
         op->n_recv = n;
         recv_counts_out(op);
-        g->region_rows[reg] = n;
     }
     for (int s = core; s < R; s += g->C) {
         if ((rc = recv_metadata(op, core, s, rx_base))) return rc;
@@ -1986,6 +1936,8 @@ static int ph_bsp_reorder(op_t *op, int core) {
                 }
             } else {
                 copy_fast(dst, slot, g->row_bytes);
+                if (g->sync == SYNC_SP)  /* consumed: refill for the next call */
+                    fill_pattern((uint8_t *)slot, g->row_bytes, g->isz, g->sentinel);
             }
         });
     }
@@ -2197,35 +2149,10 @@ static void finish_op(op_t *op) {
         format_error(op, buf, sizeof buf);
         publish_failure(g, op->epoch, buf);
     }
-    if (op->kind == 0 && g->sync == SYNC_SP) {
-        int reg = (int)(op->n % g->nreg);
-        if (err && op->published_ready) {
-            /* peers may have written anywhere in the region: reset all of it before reuse */
-            g->region_rows[reg] = g->cap_rows;
-        }
-        if (g->eng == ENG_ASP) {
-            /* the view of dispatch n-2 has expired: reset its region for dispatch n+1 */
-            if (op->n >= 2) {
-                int old = (int)((op->n - 2) % g->nreg);
-                g->jr_n[old] = g->region_rows[old] ? 1 : 0;
-                g->jr_start[old * g->R] = 0;
-                g->jr_len[old * g->R] = g->region_rows[old];
-                reset_enqueue(g, old, g->region_epoch[old]);
-            }
-        } else {
-            /* staging of this call: each source's partition */
-            int n = 0;
-            for (int s = 0; s < g->R; s++) {
-                int64_t rows = err ? g->cap_src_rows
-                                   : (int64_t)ld_rlx(inbox(g, g->rank, s, op->par) + IN_ROWS);
-                if (err && !op->published_ready) rows = 0;
-                g->jr_start[reg * g->R + n] = (int64_t)s * g->cap_src_rows;
-                g->jr_len[reg * g->R + n] = rows;
-                n++;
-            }
-            g->jr_n[reg] = n;
-            reset_enqueue(g, reg, op->epoch);
-        }
+    if (op->kind == 0 && g->sync == SYNC_SP && err && op->published_ready) {
+        /* peers may have written rows this call never consumed: reset all before reuse */
+        g->land_dirty = 1;
+        g->land_dirty_epoch = op->epoch;
     }
     st_rel(ctrl(g, g->rank, g->off_done), op->epoch);
 }
@@ -2260,8 +2187,6 @@ static void engine_free_scratch(engine_t *g) {
     free(g->my_rank_in_batch); free((void *)g->remaining); free((void *)g->dc_s1);
     free((void *)g->dc_s2); free(g->core_base); free(g->core_ready); free(g->rx_base);
     free(g->rx_ebase); free(g->acc); free(g->ci_off); free(g->ci_rows); free(g->ci_stride);
-    free(g->region_epoch); free(g->region_rows); free((void *)g->jstate); free(g->jr_start);
-    free(g->jr_len); free(g->jr_n); free(g->jpre); free(g->jr_i); free(g->jr_row);
     free(g->threads); free(g->e2d); free(g->e2l);
     free((void *)g->term_ptr); free(g->term_w);
     g->base = NULL;
@@ -2293,7 +2218,7 @@ static int engine_init(engine_t *g, PyObject *args, PyObject *kwds) {
     static const char *keys[] = {
         "rank", "num_ranks", "num_cores", "num_experts", "num_local_experts", "num_topk",
         "max_tokens", "hidden", "itemsize", "dtype", "combine_dtype", "combine_itemsize",
-        "sync", "engine", "layout", "num_regions", "threaded", "cap_rows", "cap_src_rows",
+        "sync", "engine", "layout", "num_regions", "num_land_regions", "threaded", "cap_rows", "cap_src_rows",
         "row_bytes", "slot_bytes", "out_stride", "combine_row_bytes", "tff_block_bytes",
         "tff_flag_bytes", "sentinel", "off_fail", "off_entered", "off_done", "off_recv_ready",
         "off_comb_info", "off_barrier", "off_inbox", "inbox_bytes", "off_route", "route_stride",
@@ -2307,6 +2232,7 @@ static int engine_init(engine_t *g, PyObject *args, PyObject *kwds) {
     g->L = (int)v[i++]; g->K = (int)v[i++]; g->T = (int)v[i++]; g->hidden = (int)v[i++];
     g->isz = (int)v[i++]; g->dt = (int)v[i++]; g->cdt = (int)v[i++]; g->cisz = (int)v[i++];
     g->sync = (int)v[i++]; g->eng = (int)v[i++]; g->layout = (int)v[i++]; g->nreg = (int)v[i++];
+    g->nland = (int)v[i++];
     g->threaded = (int)v[i++]; g->cap_rows = v[i++]; g->cap_src_rows = v[i++];
     g->row_bytes = v[i++]; g->slot_bytes = v[i++]; g->out_stride = v[i++];
     g->crow_bytes = v[i++]; g->tff_block = v[i++]; g->tff_flag = v[i++];
@@ -2351,12 +2277,6 @@ static int engine_init(engine_t *g, PyObject *args, PyObject *kwds) {
     g->acc = aligned_alloc(64, (size_t)align_up((int64_t)C * align_up(g->hidden, 16) * 4, 64));
     g->ci_off = calloc((size_t)C * R, 8); g->ci_rows = calloc((size_t)C * R, 8);
     g->ci_stride = calloc((size_t)C * R, 8);
-    g->region_epoch = calloc((size_t)g->nreg, 8); g->region_rows = calloc((size_t)g->nreg, 8);
-    g->jstate = calloc((size_t)g->nreg, sizeof(int));
-    g->jr_start = calloc((size_t)g->nreg * R, 8); g->jr_len = calloc((size_t)g->nreg * R, 8);
-    g->jr_n = calloc((size_t)g->nreg, sizeof(int)); g->jpre = calloc((size_t)g->nreg, 8);
-    g->jr_i = calloc((size_t)g->nreg, sizeof(int)); g->jr_row = calloc((size_t)g->nreg, 8);
-    atomic_flag_clear(&g->reset_lock);
     g->e2d = calloc((size_t)E, sizeof(int32_t)); g->e2l = calloc((size_t)E, sizeof(int32_t));
     int maxt = g->K > R ? g->K : R;
     g->term_ptr = calloc((size_t)C * maxt, sizeof(void *));
@@ -2364,8 +2284,8 @@ static int engine_init(engine_t *g, PyObject *args, PyObject *kwds) {
     if (g->e2d && g->e2l)
         for (int e = 0; e < E; e++) { g->e2d[e] = e / L; g->e2l[e] = e % L; }
     if (!g->base || !g->pids || !g->starts || !g->cnt || !g->u_t || !g->u_k || !g->u_e ||
-        !g->stamp || !g->u_slot || !g->core_base || !g->rx_base || !g->acc || !g->jstate ||
-        !g->jr_start || !g->jr_len || !g->jr_n || !g->jpre || !g->jr_i || !g->jr_row || !g->ci_off || !g->rx_ebase ||
+        !g->stamp || !g->u_slot || !g->core_base || !g->rx_base || !g->acc ||
+        !g->ci_off || !g->rx_ebase ||
         !g->e2d || !g->e2l || !g->term_ptr || !g->term_w) {
         PyErr_NoMemory();
         return -1;
@@ -2601,46 +2521,15 @@ static PyObject *engine_wait_done(engine_t *g, PyObject *args) {
     return res;
 }
 
-/* reset_all(): fill every SP land region with the sentinel (construction) */
+/* reset_all(): fill the SP land region(s) with the sentinel (construction) */
 static PyObject *engine_reset_all(engine_t *g, PyObject *noargs) {
     (void)noargs;
     if (g->sync != SYNC_SP) Py_RETURN_NONE;
     Py_BEGIN_ALLOW_THREADS
-    for (int reg = 0; reg < g->nreg; reg++) {
-        g->jr_n[reg] = 1;
-        g->jr_start[reg * g->R] = 0;
-        g->jr_len[reg * g->R] = g->cap_rows;
-        reset_enqueue(g, reg, 0);
-        reset_some(g, reg, INT64_MAX);
-    }
+    reset_land(g);
+    g->land_dirty = 0;
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
-}
-
-static PyObject *engine_comb_last_epoch(engine_t *g, PyObject *args) {
-    int c;
-    if (!PyArg_ParseTuple(args, "i", &c)) return NULL;
-    if (c < 0 || c > 1) { PyErr_SetString(PyExc_ValueError, "region"); return NULL; }
-    return PyLong_FromUnsignedLongLong(g->comb_last_epoch[c]);
-}
-
-/* idle(max_us): do pending SP reset work for up to max_us (called while the rank waits) */
-static PyObject *engine_idle(engine_t *g, PyObject *args) {
-    double max_us;
-    if (!PyArg_ParseTuple(args, "d", &max_us)) return NULL;
-    if (g->sync != SYNC_SP || g->in_use) return PyLong_FromLong(0);
-    int any = 0;
-    for (int r = 0; r < g->nreg; r++) any |= atomic_load(&g->jstate[r]) == 1;
-    if (!any) return PyLong_FromLong(0);
-    int did = 0;
-    Py_BEGIN_ALLOW_THREADS
-    int64_t end = now_ns() + (int64_t)(max_us * 1e3);
-    while (idle_work(g, 65536)) {
-        did = 1;
-        if (now_ns() >= end) break;
-    }
-    Py_END_ALLOW_THREADS
-    return PyLong_FromLong(did);
 }
 
 static PyObject *engine_trace(engine_t *g, PyObject *noargs) {
@@ -2649,6 +2538,13 @@ static PyObject *engine_trace(engine_t *g, PyObject *noargs) {
     if (!t) return NULL;
     for (int i = 0; i < 16; i++) PyTuple_SET_ITEM(t, i, PyLong_FromLongLong(g->trace[i]));
     return t;
+}
+
+static PyObject *engine_comb_last_epoch(engine_t *g, PyObject *args) {
+    int c;
+    if (!PyArg_ParseTuple(args, "i", &c)) return NULL;
+    if (c < 0 || c > 1) { PyErr_SetString(PyExc_ValueError, "region"); return NULL; }
+    return PyLong_FromUnsignedLongLong(g->comb_last_epoch[c]);
 }
 
 static PyObject *engine_close(engine_t *g, PyObject *noargs) {
@@ -2668,8 +2564,6 @@ static PyMethodDef engine_methods[] = {
     {"comb_last_epoch", (PyCFunction)engine_comb_last_epoch, METH_VARARGS,
      "epoch of the last combine that used combine region c"},
     {"close", (PyCFunction)engine_close, METH_NOARGS, "stop worker threads"},
-    {"idle", (PyCFunction)engine_idle, METH_VARARGS,
-     "idle(max_us): pending SP reset work for up to max_us; 1 if any was done"},
     {"trace", (PyCFunction)engine_trace, METH_NOARGS,
      "core 0's phase timestamps (CLOCK_MONOTONIC ns) of the last dispatch, for profiling"},
     {NULL, NULL, 0, NULL},
