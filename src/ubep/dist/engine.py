@@ -173,6 +173,7 @@ class RmaEngine:
         self.tff_nblocks = -(-self.row_bytes // self.tff_payload)
         self.seg_size, self.timeout_ns = p["seg_size"], p["timeout_ns"]
         self.cdtype = _dt.dtype_of(_DT_NAMES[p["combine_dtype"]])
+        self.land_is_out = p["off_land"] == p["off_out"]
         if self.sync == "sp":
             raise InvalidArgumentError(
                 "sync", "sp",
@@ -528,7 +529,11 @@ class RmaEngine:
     # --- dispatch: sending --------------------------------------------------------------
 
     def _land(self, reg: int) -> int:
-        return self.p["off_land"] + reg * self.p["land_bytes"]
+        """Offset of the land region of dispatch region ``reg``. Where rows land in recv_x
+        itself (ASP with SW/DC) there is one per region; otherwise one land region serves every
+        call (ubep.runtime.layout): a sender writes it only after this rank published that it
+        entered the call (counts / ready record), hence finished reading it for the last one."""
+        return self.p["off_land"] + (reg if self.land_is_out else 0) * self.p["land_bytes"]
 
     def _out_rows(self, reg: int) -> np.ndarray:
         """This rank's out region as ``[cap_rows, row_bytes]`` (strided by out_stride)."""
@@ -701,20 +706,18 @@ class RmaEngine:
             self._fill_metadata(s, metas[s], positions[s], counts, outs)
         if staged:
             return n_total
-        land_is_out = self.sync != "tff"
         pending = {s for s in range(self.R) if s != r and rows[s, r] > 0}
 
         def poll() -> bool:
             for s in sorted(pending):
-                if self._source_complete(op, s, positions[s], reg, land_is_out):
+                if self._source_complete(op, s, positions[s], reg):
                     pending.discard(s)
             return not pending
 
         self._wait(op, poll, -1, "rows of every source")
         return n_total
 
-    def _source_complete(self, op: _Op, s: int, pos: np.ndarray, reg: int,
-                         land_is_out: bool) -> bool:
+    def _source_complete(self, op: _Op, s: int, pos: np.ndarray, reg: int) -> bool:
         """Whether source ``s``'s rows have all landed (and, for TFF, decode them)."""
         slot = self.cl.slot(self.cl.flag, op.par, s)
         if self.sync == "sw":

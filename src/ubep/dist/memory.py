@@ -75,6 +75,7 @@ class DistGlobalMemory:
         self.pids = list(group.pids)
         self.start_times = list(group.start_times)
         self._win: Any = None
+        self._types: list[Any] = []  # derived datatypes of operations not yet completed
         if len(host_ranks) == group.num_ranks:
             self.addresses: list[int] | None = [
                 int(a.ctypes.data) for a in self.peer_arrays if a is not None
@@ -134,10 +135,8 @@ class DistGlobalMemory:
             return
         mpi = self._mpi
         vec = mpi.BYTE.Create_vector(n, 8, stride).Commit()
-        try:
-            self._win.Put([words, mpi.BYTE], dst, target=(offset, 1, vec))
-        finally:
-            vec.Free()  # the operation keeps what it needs
+        self._win.Put([words, mpi.BYTE], dst, target=(offset, 1, vec))
+        self._types.append(vec)
 
     def get_runs(self, dst: int, runs: list[tuple[int, int]], out: np.ndarray) -> None:
         """Read byte runs ``(offset, nbytes)`` of ``dst``'s region, back to back, into ``out``
@@ -157,10 +156,8 @@ class DistGlobalMemory:
             return
         mpi = self._mpi
         dtype = mpi.BYTE.Create_hindexed([n for _, n in runs], [off for off, _ in runs]).Commit()
-        try:
-            self._win.Get([raw[:total], mpi.BYTE], dst, target=(0, 1, dtype))
-        finally:
-            dtype.Free()
+        self._win.Get([raw[:total], mpi.BYTE], dst, target=(0, 1, dtype))
+        self._types.append(dtype)
 
     def flush(self, dst: int) -> None:
         """Complete every operation to ``dst`` (remote completion; same host: a fence)."""
@@ -173,11 +170,20 @@ class DistGlobalMemory:
         self._shared.Sync()
         if self._win is not None:
             self._win.Flush_all()
+            self._free_types()
 
     def flush_local_all(self) -> None:
         """Origin buffers of every put may be reused after this (local completion)."""
         if self._win is not None:
             self._win.Flush_local_all()
+            self._free_types()
+
+    def _free_types(self) -> None:
+        # MPI allows freeing a datatype while an operation uses it; keeping it until the
+        # operation completed locally costs nothing and spares a fragile corner of emulated RMA.
+        for t in self._types:
+            t.Free()
+        self._types = []
 
     def sync(self) -> None:
         """Memory barrier before reading words peers write (MPI's rule for polling a window)."""
