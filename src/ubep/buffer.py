@@ -598,10 +598,14 @@ class Buffer:
         return xa, idx, w
 
     def _plan(self, idx: np.ndarray) -> tuple[Any, ...] | None:
-        """The Plan of ``ubep.sched.schedule`` when several cores send (ASP). With one send
-        core every policy assigns every unit to it, so the engine's own by-destination order is
-        used and the scheduler call (tens of microseconds of numpy) is skipped."""
-        if self.config.engine != "asp" or self.num_cores < 2 or idx.shape[0] == 0:
+        """The Plan of ``ubep.sched.schedule`` when several cores send (ASP).
+
+        With one send core every policy assigns every unit to it, so the engine's own
+        by-destination order is used and the scheduler (0.2-0.5 ms of numpy per call, more than
+        the whole dispatch at small batches) is not called. ``schedule`` always keeps at least one
+        count core, so fewer than three cores never yield two send cores.
+        """
+        if self.config.engine != "asp" or self.num_cores < 3 or idx.shape[0] == 0:
             return None
         from .sched import schedule
 
