@@ -10,9 +10,11 @@ rank count runs in one ``ubep.launch``; every case gets its own Buffer.
 
 Timing: every iteration is a group barrier, then each rank times its own call; the time of an
 iteration is the maximum over ranks; min / median / max over ``--repeats`` iterations after
-warm-up. Combine takes the expert outputs from ``buf.get_combine_buffer(handle)`` (where a ubep
-user's experts write them; BF16 for a 1-byte dispatch). The floor is one ``np.copyto`` of the
-same bytes, pre-faulted, all ranks copying at once, timed the same way in the same run.
+warm-up. The cases of one shape are interleaved (each repeat times every case once) when their
+Buffers fit in memory together, so on a shared host they all see the same background load.
+Combine takes the expert outputs from ``buf.get_combine_buffer(handle)`` (where a ubep user's
+experts write them; BF16 for a 1-byte dispatch). The floor is one ``np.copyto`` of the same
+bytes, pre-faulted, all ranks copying at once, timed the same way in the same run.
 
 Bytes (per rank, mean over ranks): rows actually moved x hidden x bytes per element, where rows
 are (token, expert) pairs for ``layout=expert`` and (token, destination rank) pairs for
@@ -89,22 +91,6 @@ def inputs(case: Case, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return x, idx, w
 
 
-def _timed(group: Any, fn: Callable[[], object], warmup: int, repeats: int,
-           after: Callable[[], list[int]] | None = None) -> tuple[list[float], list[list[int]]]:
-    times, extra = [], []
-    for i in range(warmup + repeats):
-        group.barrier()
-        start = time.perf_counter_ns()
-        mono = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
-        fn()
-        end = time.perf_counter_ns()
-        if i >= warmup:
-            times.append((end - start) / 1e3)
-            if after is not None:
-                extra.append([mono, time.clock_gettime_ns(time.CLOCK_MONOTONIC), *after()])
-    return times, extra
-
-
 def _breakdown(rows: list[list[int]]) -> list[float]:
     """Median phase durations (us) from the engine's core-0 timestamps (see _native.c)."""
     per = []
@@ -114,51 +100,111 @@ def _breakdown(rows: list[list[int]]) -> list[float]:
     return [float(v) for v in np.median(np.array(per), axis=0)]
 
 
-def _measure_case(group: Any, case: Case, warmup: int, repeats: int,
-                  breakdown: bool) -> dict[str, Any]:
-    from ubep.buffer import Buffer, BufferConfig
+def _config(case: Case) -> Any:
+    from ubep.buffer import BufferConfig
 
-    cfg = BufferConfig(
+    return BufferConfig(
         max_tokens_per_rank=case.tokens, hidden=case.hidden, num_topk=NUM_TOPK,
         num_experts=NUM_EXPERTS, dtype=case.dtype, layout=case.layout, engine=case.engine,
         sync=case.sync,
     )
-    x, idx, w = inputs(case, group.rank)
-    with Buffer(group, cfg) as buf:
-        after = (lambda: list(buf._engine.trace())) if breakdown else None
-        dispatch_us, trace = _timed(group, lambda: buf.dispatch(x, idx, w), warmup, repeats,
-                                    after)
-        res = buf.dispatch(x, idx, w)
-        rows_sent = int((res.handle.send_dst_row >= 0).sum())
-        eo = buf.get_combine_buffer(res.handle)
-        vals = np.random.default_rng(group.rank).standard_normal(eo.shape, dtype=np.float32)
-        eo[...] = (vals.view(np.uint32) >> np.uint32(16)).astype(np.uint16)
-        combine_us, _ = _timed(group, lambda: buf.combine(eo, res.handle), warmup, repeats)
-    # the floor: one memcpy of this rank's dispatch bytes, all ranks at once
-    nbytes = rows_sent * case.hidden * x.dtype.itemsize
-    src = np.ones(max(nbytes, 1), np.uint8)
-    dst = np.ones_like(src)
-    memcpy_us, _ = _timed(group, lambda: np.copyto(dst, src), warmup, repeats)
-    return {
-        "case": asdict(case), "dispatch": dispatch_us, "combine": combine_us,
-        "memcpy": memcpy_us, "rows_sent": rows_sent,
-        "breakdown": _breakdown(trace) if trace else None,
-    }
+
+
+class _Running:
+    """One case's Buffer, inputs and samples while a group of cases is measured."""
+
+    def __init__(self, group: Any, case: Case) -> None:
+        from ubep.buffer import Buffer
+
+        self.case = case
+        self.buf = Buffer(group, _config(case))
+        self.x, self.idx, self.w = inputs(case, group.rank)
+        res = self.buf.dispatch(self.x, self.idx, self.w)
+        self.rows_sent = int((res.handle.send_dst_row >= 0).sum())
+        self.res = res
+        self.eo = self.buf.get_combine_buffer(res.handle)
+        vals = np.random.default_rng(group.rank).standard_normal(self.eo.shape, dtype=np.float32)
+        self.eo[...] = (vals.view(np.uint32) >> np.uint32(16)).astype(np.uint16)
+        nbytes = max(self.rows_sent * case.hidden * self.x.dtype.itemsize, 1)
+        self.src = np.ones(nbytes, np.uint8)
+        self.dst = np.ones_like(self.src)
+        self.samples: dict[str, list[float]] = {"dispatch": [], "combine": [], "memcpy": []}
+        self.trace: list[list[int]] = []
+
+    def dispatch(self) -> None:
+        self.buf.dispatch(self.x, self.idx, self.w)
+
+    def combine(self) -> None:
+        # combine needs the handle of a dispatch on this Buffer: the one made at set-up (its
+        # recv_x may be stale by now, but combine reads only the expert outputs and the handle)
+        self.buf.combine(self.eo, self.res.handle)
+
+    def memcpy(self) -> None:
+        np.copyto(self.dst, self.src)
+
+
+def _timed_once(group: Any, fn: Callable[[], object]) -> tuple[float, int, int]:
+    group.barrier()
+    mono = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+    start = time.perf_counter_ns()
+    fn()
+    end = time.perf_counter_ns()
+    return (end - start) / 1e3, mono, time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+
+
+def _measure_group(group: Any, cases: list[Case], warmup: int, repeats: int,
+                   breakdown: bool) -> list[dict[str, Any]]:
+    """Interleave the cases: every repeat times each case once, so all of them see the same
+    background load (this host is shared; the load changes from second to second)."""
+    running = [_Running(group, case) for case in cases]
+    try:
+        for i in range(warmup + repeats):
+            for run_ in running:
+                for op in ("dispatch", "combine", "memcpy"):
+                    us, mono_in, mono_out = _timed_once(group, getattr(run_, op))
+                    if i < warmup:
+                        continue
+                    run_.samples[op].append(us)
+                    if op == "dispatch" and breakdown:
+                        run_.trace.append([mono_in, mono_out, *run_.buf._engine.trace()])
+        return [{
+            "case": asdict(r.case), **r.samples, "rows_sent": r.rows_sent,
+            "breakdown": _breakdown(r.trace) if r.trace else None,
+        } for r in running]
+    finally:
+        for r in running:
+            r.buf.close()
 
 
 def _rank_main(group: Any, cases: list[Case], warmup: int, repeats: int,
-               breakdown: bool) -> list[dict[str, Any]]:
-    return [_measure_case(group, case, warmup, repeats, breakdown) for case in cases]
+               breakdown: bool, interleave_bytes: int) -> list[dict[str, Any]]:
+    """Cases of one shape are interleaved when their Buffers fit in ``interleave_bytes`` (all
+    ranks together); bigger ones run one after the other."""
+    from ubep.buffer import Buffer
+
+    out: list[dict[str, Any]] = []
+    groups: dict[tuple[int, int, str], list[Case]] = {}
+    for case in cases:
+        groups.setdefault((case.tokens, case.hidden, case.dtype), []).append(case)
+    for members in groups.values():
+        total = sum(Buffer.size_hint(_config(c), group.num_ranks) for c in members)
+        if total * group.num_ranks <= interleave_bytes:
+            out += _measure_group(group, members, warmup, repeats, breakdown)
+        else:
+            for case in members:
+                out += _measure_group(group, [case], warmup, repeats, breakdown)
+    order = {asdict(c).__repr__(): i for i, c in enumerate(cases)}
+    return sorted(out, key=lambda r: order[r["case"].__repr__()])
 
 
 def run(ranks: list[int], cases: list[Case], warmup: int, repeats: int, breakdown: bool,
-        timeout_s: float) -> list[dict[str, Any]]:
+        timeout_s: float, interleave_bytes: int = 3 << 30) -> list[dict[str, Any]]:
     from ubep.runtime import launch
 
     rows = []
     for num_ranks in ranks:
         per_rank = launch(_rank_main, num_ranks, cases, warmup, repeats, breakdown,
-                          timeout_s=timeout_s)
+                          interleave_bytes, timeout_s=timeout_s)
         for i, case in enumerate(cases):
             mine = [r[i] for r in per_rank]
             row: dict[str, Any] = {"ranks": num_ranks, **asdict(case)}
