@@ -177,5 +177,19 @@ def test_sp_is_refused_across_hosts_naming_sync(tmp_path: Path) -> None:
     assert [got["rows"] for got in every] == [16, 0]
 
 
+
+def test_doctor_mpi_probe_runs_both_transports() -> None:
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    from ubep.doctor import mpi_probe
+
+    checks = mpi_probe()
+    assert [c.name for c in checks] == ["mpi run: shared memory",
+                                        "mpi run: TCP RMA across (virtual) hosts"]
+    assert all(c.ok for c in checks), checks
+    assert "2 host(s) x 1" in checks[1].detail  # the RMA run really had every rank remote
+
+
 if __name__ == "__main__":
     _worker_main(sys.argv[1], sys.argv[2])

@@ -95,3 +95,26 @@ def test_record_check_is_the_dc_formula_and_catches_torn_records() -> None:
         torn = payload.copy()
         torn[i] ^= 0x5A
         assert record_check(torn, 7) != good
+
+
+# --- ubep doctor ------------------------------------------------------------------------------
+
+
+def test_doctor_reports_mpi_pieces_and_verdicts() -> None:
+    from ubep.doctor import Check, run_checks, verdicts
+
+    names = {c.name for c in run_checks()}
+    assert {"/dev/shm", "cores", "native data plane", "mpi4py", "mpiexec"} <= names
+    ok = [Check("/dev/shm", True, ""), Check("native data plane", True, ""),
+          Check("mpi4py", True, ""), Check("mpiexec", True, ""), Check("cores", False, "")]
+    lines = verdicts(ok)
+    assert lines[0].endswith("works")
+    assert any("ubep doctor --mpi" in line for line in lines)
+    assert any(line.startswith("speed:") for line in lines)
+    broken = [Check("/dev/shm", False, ""), Check("native data plane", True, ""),
+              Check("mpi4py", False, ""), Check("mpiexec", True, "")]
+    lines = verdicts(broken)
+    assert "DOES NOT WORK" in lines[0] and "not available" in lines[1]
+    probed = [*ok, Check("mpi run: shared memory", True, ""), Check("mpi run: TCP RMA", False, "")]
+    assert verdicts(probed)[1:3] == ["ubep.dist, shared memory: works",
+                                     "ubep.dist, TCP RMA: FAILED (see above)"]
