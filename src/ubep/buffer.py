@@ -41,6 +41,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from . import dtypes as _dt
+from .env import wait_yield_us_from_env
 from .errors import (
     InvalidArgumentError,
     PeerLostError,
@@ -371,6 +372,7 @@ class Buffer:
             tff_flag_bytes=cfg.tff_flag_bytes,
             sentinel=sentinel,
             timeout_ns=int(cfg.timeout_s * 1e9),
+            yield_ns=int(wait_yield_us_from_env() * 1e3),
         )
         return params
 

@@ -19,6 +19,9 @@ Tuning and debugging:
 
 * ``UBEP_TIMEOUT_S``: default deadline in seconds of :meth:`Group.barrier` and of group set-up
   (default 120).
+* ``UBEP_WAIT_YIELD_US``: how long a wait inside dispatch/combine spins and yields before it
+  sleeps in the kernel until a peer rings its doorbell (default 50 us). Lower it when ranks
+  outnumber the cores; raise it to trade CPU for latency on an idle host.
 
 Multi-host (``ubep.dist``, read by :func:`ubep.dist.init` when ``ranks_per_host`` is not given):
 
@@ -43,6 +46,7 @@ __all__ = [
     "dist_ranks_per_host_from_env",
     "launch_env",
     "timeout_s_from_env",
+    "wait_yield_us_from_env",
 ]
 
 ENV_VARS: dict[str, str] = {
@@ -50,11 +54,13 @@ ENV_VARS: dict[str, str] = {
     "UBEP_WORLD_SIZE": "number of ranks (env-var launch)",
     "UBEP_RENDEZVOUS": "private (0700) directory the ranks rendezvous in (env-var launch)",
     "UBEP_TIMEOUT_S": "default deadline of group set-up and barriers, seconds (default 120)",
+    "UBEP_WAIT_YIELD_US": "spin/yield time of a data-plane wait before it sleeps (default 50)",
     "UBEP_DIST_RANKS_PER_HOST": "ubep.dist: every k consecutive MPI ranks form one (virtual) host",
     "UBEP_DIST_FORCE_RMA": "ubep.dist: 1 = every rank its own host (all rows over MPI RMA)",
 }
 
 DEFAULT_TIMEOUT_S = 120.0
+DEFAULT_WAIT_YIELD_US = 50.0
 
 
 @dataclass(frozen=True)
@@ -126,3 +132,18 @@ def dist_ranks_per_host_from_env(environ: dict[str, str] | None = None) -> int |
             )
         return 1
     return per_host
+
+
+def wait_yield_us_from_env(environ: dict[str, str] | None = None) -> float:
+    """``UBEP_WAIT_YIELD_US`` as a float >= 0, or the default (50 us)."""
+    env = os.environ if environ is None else environ
+    raw = env.get("UBEP_WAIT_YIELD_US")
+    if raw is None:
+        return DEFAULT_WAIT_YIELD_US
+    try:
+        value = float(raw)
+    except ValueError:
+        raise InvalidArgumentError("UBEP_WAIT_YIELD_US", raw, "must be a number of us") from None
+    if not value >= 0:
+        raise InvalidArgumentError("UBEP_WAIT_YIELD_US", raw, "must be >= 0")
+    return value

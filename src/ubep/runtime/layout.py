@@ -10,6 +10,7 @@ header [256 B]     magic, version, owner rank, size, pid, group id (ubep.runtime
 fail   [2x512 B]   failure notices by epoch parity: ``[epoch u64][len u32][message]``
 entered / done     u64 epoch of the last call this rank entered / finished (credits)
 recv_ready         u64 epoch whose receive region this rank has made ready for writers
+doorbell           u32 eventcount peers ring after a publication, u32 sleepers at +32
 comb_info [2x64]   by epoch parity: ``[offset][rows][stride][epoch]`` of the expert outputs
 barrier [C x 64]   BSP global barrier arrivals, one word per core (target = epoch*4+phase)
 inbox [R x 2]      per (source, epoch parity): counts epoch, rows, SW ``[count][epoch]``,
@@ -62,6 +63,7 @@ class SegmentLayout:
     off_entered: int
     off_done: int
     off_recv_ready: int
+    off_doorbell: int
     off_comb_info: int
     off_barrier: int
     off_inbox: int
@@ -119,7 +121,8 @@ def compute_layout(
     off_fail = off
     off += 2 * 512
     off_entered, off_done, off_recv_ready = off, off + _LINE, off + 2 * _LINE
-    off += 3 * _LINE
+    off_doorbell = off + 3 * _LINE
+    off += 4 * _LINE
     off_comb_info = off
     off += 2 * _LINE
     off_barrier = off
@@ -156,6 +159,7 @@ def compute_layout(
         off_entered=off_entered,
         off_done=off_done,
         off_recv_ready=off_recv_ready,
+        off_doorbell=off_doorbell,
         off_comb_info=off_comb_info,
         off_barrier=off_barrier,
         off_inbox=off_inbox,

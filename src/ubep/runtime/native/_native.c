@@ -126,6 +126,13 @@ static long futex_wait(_Atomic uint32_t *addr, uint32_t val, const struct timesp
 static long futex_wake(_Atomic uint32_t *addr, int n) {
     return syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAKE_PRIVATE, n, NULL, NULL, 0);
 }
+/* the same on a word of a MAP_SHARED segment, between processes */
+static long futex_wait_shared(_Atomic uint32_t *addr, uint32_t val, const struct timespec *ts) {
+    return syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAIT, val, ts, NULL, 0);
+}
+static long futex_wake_shared(_Atomic uint32_t *addr, int n) {
+    return syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAKE, n, NULL, NULL, 0);
+}
 
 /* ---------------------------------------------------------------------------------------- */
 /* kernels: copy, sentinel fill/check, DC row sums, float conversions, reductions             */
@@ -711,6 +718,7 @@ typedef struct engine {
     int64_t tff_block, tff_flag, tff_payload, tff_nblocks;
     uint64_t sentinel;
     int64_t off_fail, off_entered, off_done, off_recv_ready, off_comb_info, off_barrier;
+    int64_t off_doorbell, yield_ns;
     int64_t off_inbox, inbox_bytes, off_route, route_stride, route_w_off;
     int64_t off_land, land_bytes, off_out, out_bytes, off_comb, comb_bytes, seg_size;
     int64_t timeout_ns;
@@ -778,6 +786,7 @@ typedef struct op {
     const uint8_t *eo; int64_t eo_rows, eo_off; int zero_copy; int creg;
     const int64_t *h_idx, *h_dst_row; const float *h_w; int64_t h_ntok;
     uint8_t *y;
+    _Atomic int armed; /* waits of this call that registered as sleepers on the doorbell */
     /* errors */
     _Atomic int err;
     _Atomic int abort;
@@ -869,13 +878,36 @@ static int process_alive(int pid, unsigned long long start) {
 
 typedef struct {
     int64_t start, next_live;
-    uint32_t iter;
+    uint32_t iter, seq;
+    int armed;
 } waiter_t;
 
 static inline void waiter_init(waiter_t *w) {
     w->start = 0;
     w->next_live = 0;
     w->iter = 0;
+    w->armed = 0;
+}
+
+/* Doorbells (an eventcount per rank): a waiter that has yielded for yield_ns registers as a
+ * sleeper and blocks in the kernel on its rank's doorbell word; every publication another rank
+ * may wait for rings the doorbell of the ranks concerned, and makes the wake system call only
+ * if someone sleeps there. Oversubscribed ranks then stop taking CPU time from the ranks they
+ * wait for. Layout of the doorbell line: [doorbell u32][pad][sleepers u32 at +32]. */
+static inline _Atomic uint32_t *doorbell(engine_t *g, int rank) {
+    return (_Atomic uint32_t *)(g->base[rank] + g->off_doorbell);
+}
+static inline _Atomic uint32_t *sleepers(engine_t *g, int rank) {
+    return (_Atomic uint32_t *)(g->base[rank] + g->off_doorbell + 32);
+}
+static inline void ring(engine_t *g, int d) {
+    if (d == g->rank) return;
+    atomic_fetch_add_explicit(doorbell(g, d), 1, memory_order_seq_cst);
+    if (atomic_load_explicit(sleepers(g, d), memory_order_seq_cst))
+        futex_wake_shared(doorbell(g, d), INT32_MAX);
+}
+static inline void ring_all(engine_t *g) {
+    for (int q = 0; q < g->R; q++) ring(g, q);
 }
 
 static inline uint8_t *fail_block(engine_t *g, int rank, uint64_t epoch) {
@@ -956,13 +988,25 @@ static int wait_step(op_t *op, waiter_t *w, int core, int peer, const char *fmt,
         rc = check_liveness(op, core, what, peer);
         if (rc) return rc;
     }
-    if (t - w->start < 2000000LL) {
+    engine_t *g = op->g;
+    if (t - w->start < g->yield_ns) {
         sched_yield();
-    } else {
-        int64_t waited = t - w->start;
-        struct timespec ts = {0, waited < 20000000LL ? 50000 : 500000};
-        nanosleep(&ts, NULL);
+        return 0;
     }
+    if (!w->armed) {
+        /* register, then let the caller check its condition once more before sleeping (a
+         * publication after this point changes the doorbell and cancels the sleep) */
+        atomic_fetch_add_explicit(sleepers(g, g->rank), 1, memory_order_seq_cst);
+        atomic_fetch_add(&op->armed, 1);
+        w->seq = atomic_load_explicit(doorbell(g, g->rank), memory_order_seq_cst);
+        w->armed = 1;
+        return 0;
+    }
+    int64_t left = op->deadline - t, nap = left < 10000000LL ? left : 10000000LL;
+    if (nap < 1000) nap = 1000;
+    struct timespec ts = {0, (long)nap}; /* wakes for deadline and liveness checks too */
+    futex_wait_shared(doorbell(g, g->rank), w->seq, &ts);
+    w->seq = atomic_load_explicit(doorbell(g, g->rank), memory_order_seq_cst);
     return 0;
 }
 
@@ -1206,7 +1250,10 @@ static int dispatch_publish(op_t *op) {
     st_rlx(rt + ROUTE_EPOCH, op->epoch);
     st_rel(ctrl(g, g->rank, g->off_recv_ready), op->epoch);
     op->published_ready = 1;
-    if (g->eng == ENG_BSP) return 0; /* BSP sends counts after its first barrier */
+    if (g->eng == ENG_BSP) {
+        ring_all(g);
+        return 0; /* BSP sends counts after its first barrier */
+    }
     for (int i = 0; i < R; i++) {
         int d = (g->rank + 1 + i) % R;
         uint8_t *ib = inbox(g, d, g->rank, op->par);
@@ -1215,6 +1262,7 @@ static int dispatch_publish(op_t *op) {
         st_rlx(ib + IN_ROWS, (uint64_t)g->rows_to[d]);
         st_rel(ib + IN_COUNTS_EPOCH, op->epoch);
     }
+    ring_all(g); /* every sender to every rank reads these counts */
     return 0;
 }
 
@@ -1326,6 +1374,10 @@ static void put_row(op_t *op, int d, int64_t pos, const uint8_t *src) {
 static void finish_dst(op_t *op, int d) {
     engine_t *g = op->g;
     if (d == g->rank || g->eng == ENG_BSP) return;
+    if (g->sync == SYNC_SP || g->sync == SYNC_TFF) { /* data-as-flag: nothing to publish */
+        ring(g, d);
+        return;
+    }
     uint8_t *ib = inbox(g, d, g->rank, op->par);
     if (g->sync == SYNC_SW) {
         store_fence();
@@ -1338,6 +1390,7 @@ static void finish_dst(op_t *op, int d) {
         st_rlx(ib + IN_DC_SUM, sum);
         st_rel(ib + IN_DC_EPOCH, op->epoch);
     }
+    ring(g, d);
 }
 
 static inline int64_t unit_pos(engine_t *g, const int64_t *bases, int e, int64_t slot) {
@@ -1757,6 +1810,7 @@ static int barrier_arrive(op_t *op, int core, int phase) {
     engine_t *g = op->g;
     store_fence();
     st_rel(ctrl(g, g->rank, g->off_barrier) + (int64_t)core * 64, op->epoch * 4 + (uint64_t)phase);
+    ring_all(g);
     return 0;
 }
 static int barrier_wait(op_t *op, int core, int phase) {
@@ -1855,6 +1909,7 @@ static int ph_bsp_flags(op_t *op, int core) {
             st_rel(ib + IN_DC_EPOCH, op->epoch);
         }
         st_rel(ib + IN_COUNTS_EPOCH, op->epoch);
+        ring(g, d);
     }
     return 0;
 }
@@ -2028,6 +2083,7 @@ static int ph_c_publish(op_t *op, int core) {
     st_rlx(ci + CI_ROWS, (uint64_t)op->eo_rows);
     st_rlx(ci + CI_STRIDE, (uint64_t)g->crow_bytes);
     st_rel(ci + CI_EPOCH, op->epoch);
+    ring_all(g);
     for (int c = 0; c < 2; c++) {
         int64_t lo = g->off_comb + c * g->comb_bytes;
         if (op->eo_off >= lo && op->eo_off < lo + g->comb_bytes) g->comb_last_epoch[c] = op->epoch;
@@ -2128,6 +2184,7 @@ static void publish_failure(engine_t *g, uint64_t epoch, const char *msg) {
     memcpy(f + FAIL_MSG, msg, len);
     st_rlx(f + FAIL_LEN, len);
     st_rel(f + FAIL_EPOCH, epoch);
+    ring_all(g);
 }
 
 static void format_error(op_t *op, char *buf, size_t n) {
@@ -2155,6 +2212,9 @@ static void finish_op(op_t *op) {
         g->land_dirty_epoch = op->epoch;
     }
     st_rel(ctrl(g, g->rank, g->off_done), op->epoch);
+    ring_all(g);
+    int armed = atomic_load(&op->armed);
+    if (armed) atomic_fetch_sub(sleepers(g, g->rank), (uint32_t)armed);
 }
 
 static PyObject *error_tuple(op_t *op) {
@@ -2223,7 +2283,7 @@ static int engine_init(engine_t *g, PyObject *args, PyObject *kwds) {
         "tff_flag_bytes", "sentinel", "off_fail", "off_entered", "off_done", "off_recv_ready",
         "off_comb_info", "off_barrier", "off_inbox", "inbox_bytes", "off_route", "route_stride",
         "route_w_off", "off_land", "land_bytes", "off_out", "out_bytes", "off_comb", "comb_bytes",
-        "seg_size", "timeout_ns", NULL};
+        "seg_size", "timeout_ns", "off_doorbell", "yield_ns", NULL};
     int nk = 0;
     for (; keys[nk]; nk++)
         if (get_i64(p, keys[nk], &v[nk])) return -1;
@@ -2242,6 +2302,7 @@ static int engine_init(engine_t *g, PyObject *args, PyObject *kwds) {
     g->off_route = v[i++]; g->route_stride = v[i++]; g->route_w_off = v[i++];
     g->off_land = v[i++]; g->land_bytes = v[i++]; g->off_out = v[i++]; g->out_bytes = v[i++];
     g->off_comb = v[i++]; g->comb_bytes = v[i++]; g->seg_size = v[i++]; g->timeout_ns = v[i++];
+    g->off_doorbell = v[i++]; g->yield_ns = v[i++];
     if (g->R < 1 || g->R > 64 || g->C < 1 || g->C > 256 || g->L < 1 || g->K < 1 ||
         g->cdt < 0 || g->cdt > 2 || g->rank < 0 || g->rank >= g->R) {
         PyErr_SetString(PyExc_ValueError, "engine: parameters out of range (num_ranks <= 64)");
@@ -2500,6 +2561,7 @@ static PyObject *engine_fail(engine_t *g, PyObject *args) {
     if (!PyArg_ParseTuple(args, "Ks", &epoch, &msg)) return NULL;
     publish_failure(g, epoch, msg);
     st_rel(ctrl(g, g->rank, g->off_done), epoch);
+    ring_all(g);
     Py_RETURN_NONE;
 }
 
@@ -2515,6 +2577,8 @@ static PyObject *engine_wait_done(engine_t *g, PyObject *args) {
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = wait_peers_done(op, epoch, 0);
+    int armed = atomic_load(&op->armed);
+    if (armed) atomic_fetch_sub(sleepers(g, g->rank), (uint32_t)armed);
     Py_END_ALLOW_THREADS
     PyObject *res = rc ? error_tuple(op) : PyLong_FromLong(0);
     free(op);
