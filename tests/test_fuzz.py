@@ -431,6 +431,11 @@ def _worker_killed(group: Any, mode: tuple[str, str, str, str], delay_s: float,
     with Buffer(group, cfg) as buf:
         xs, idxs, ws = _base_inputs(cfg, 5, group.num_ranks)
         r = group.rank
+        # the names of every segment this job maps (group and Buffer, all ranks'), so the test
+        # checks this job's segments only (other jobs may share /dev/shm)
+        names = [s.name for s in [*group._segments, *buf._segments]]
+        Path(f"{stamp}.names.{r}").write_text(json.dumps(names))
+        group.barrier(30)
         if r == group.num_ranks - 1:
             def die() -> None:
                 time.sleep(delay_s)
@@ -477,7 +482,10 @@ def test_killed_peer_at_a_random_moment(tmp_path: Path, mode: tuple[str, str, st
         assert kind == "PeerLostError", (rank, kind)
         assert calls > 0
         assert 0 <= seen_at - killed_at < 5.0, (rank, seen_at - killed_at)
-    assert not [n for n in os.listdir(SHM_DIR) if n.startswith("ubep-")]
+    names = {n for r in range(NUM_RANKS)
+             for n in json.loads(Path(f"{stamp}.names.{r}").read_text())}
+    assert len(names) == 2 * NUM_RANKS  # one group and one Buffer segment per rank
+    assert not [n for n in names if os.path.exists(os.path.join(SHM_DIR, n))]
     assert launch(_worker_fresh, NUM_RANKS, timeout_s=120) == [True] * NUM_RANKS
 
 
