@@ -94,18 +94,20 @@ def test_segment_names_are_128_random_bits() -> None:
             s.close()
 
 
-def _worker_tampered_header(group: Any) -> str:
-    """Rank 1 stamps a foreign group id into its Buffer segment before peers map it."""
-    if group.rank == 1:
-        real_create = Segment.create
+def _worker_tampered_header(group: Any, record: str) -> str:
+    """Rank 1 stamps a foreign group id into its Buffer segment before peers map it; every rank
+    records the names of the Buffer segments it creates."""
+    real_create = Segment.create
 
-        def create(size_bytes: int, **kw: Any) -> Segment:
-            seg = real_create(size_bytes, **kw)
-            if kw.get("kind") == "buffer":
+    def create(size_bytes: int, **kw: Any) -> Segment:
+        seg = real_create(size_bytes, **kw)
+        if kw.get("kind") == "buffer":
+            Path(f"{record}.{group.rank}").write_text(seg.name)
+            if group.rank == 1:
                 seg.array[32:48] = np.frombuffer(b"X" * 16, np.uint8)
-            return seg
+        return seg
 
-        Segment.create = create  # type: ignore[method-assign]
+    Segment.create = create  # type: ignore[method-assign]
     cfg = BufferConfig(max_tokens_per_rank=4, hidden=64, num_topk=2, num_experts=4,
                        dtype="bf16", timeout_s=5.0)
     try:
@@ -115,13 +117,16 @@ def _worker_tampered_header(group: Any) -> str:
     return "mapped"
 
 
-def test_a_rank_refuses_a_peer_buffer_with_a_foreign_group_id() -> None:
+def test_a_rank_refuses_a_peer_buffer_with_a_foreign_group_id(tmp_path: Path) -> None:
+    record = str(tmp_path / "name")
     try:
-        results = launch(_worker_tampered_header, 2, timeout_s=60)
+        results = launch(_worker_tampered_header, 2, record, timeout_s=60)
     except RankFailedError as exc:  # rank 1 may die waiting for the peer that refused
         results = [exc.results.get(0, exc.failures.get(0, "")), ""]
     assert "has header" in results[0] and "expected" in results[0], results
-    assert not [n for n in os.listdir(SHM_DIR) if n.startswith("ubep-")]
+    names = [Path(f"{record}.{r}").read_text() for r in range(2)]
+    assert names[1] in results[0]  # the refused segment is rank 1's
+    assert not [n for n in names if os.path.exists(os.path.join(SHM_DIR, n))]
 
 
 # --- peer-written words are bounds-checked --------------------------------------------------
