@@ -966,33 +966,40 @@ class RmaEngine:
     def _reduce(self, idx: np.ndarray, w: np.ndarray, dst_row: np.ndarray,
                 fetched: dict[int, tuple[np.ndarray, np.ndarray]], y: np.ndarray) -> None:
         """The reference's arithmetic (ubep.reference: float32, product rounded, masked slots
-        skipped, ascending k or destination)."""
-        cd = self.cdtype
+        skipped, ascending k or destination), one gather and two in-place ufuncs per term."""
+        cd, H = self.cdtype, self.hidden
         ntok = idx.shape[0]
-        acc = np.zeros((ntok, self.hidden), np.float32)
-        rows_f32 = {
-            q: (pos, cd.to_float32(rows.view(cd.storage).reshape(len(pos), self.hidden)))
-            for q, (pos, rows) in fetched.items()
-        }
+        acc = np.zeros((ntok, H), np.float32)
+        qs = sorted(fetched)
+        base = dict(zip(qs, np.cumsum([0] + [len(fetched[q][0]) for q in qs])[:-1], strict=True))
+        rows = (np.concatenate([cd.to_float32(fetched[q][1].view(cd.storage).reshape(-1, H))
+                                for q in qs]) if qs else np.zeros((0, H), np.float32))
         if self.expert:
-            for k in range(self.K):
-                tok = np.nonzero(idx[:, k] >= 0)[0]
-                if not len(tok):
-                    continue
-                term = np.empty((len(tok), self.hidden), np.float32)
-                dst = idx[tok, k] // self.L
-                for q in np.unique(dst):
-                    sel = dst == q
-                    pos, vals = rows_f32[int(q)]
-                    term[sel] = vals[np.searchsorted(pos, dst_row[tok[sel], k])]
-                term = w[tok, k][:, None] * term
-                acc[tok] = acc[tok] + term
+            valid = idx >= 0
+            owner = np.where(valid, idx // self.L, -1)
+            coeff = w
         else:
-            for q in range(self.R):
-                tok = np.nonzero(dst_row[:, q] >= 0)[0]
-                if len(tok):
-                    pos, vals = rows_f32[q]
-                    acc[tok] = acc[tok] + vals[np.searchsorted(pos, dst_row[tok, q])]
+            valid = dst_row >= 0
+            owner = np.where(valid, np.arange(self.R)[None, :], -1)
+            coeff = None
+        where = np.zeros(valid.shape, np.int64)  # row of each term in `rows`
+        for q in qs:
+            sel = owner == q
+            where[sel] = base[q] + np.searchsorted(fetched[q][0], dst_row[sel])
+        term = np.empty((ntok, H), np.float32)
+        for k in range(valid.shape[1]):
+            vk = valid[:, k]
+            if vk.all():
+                np.take(rows, where[:, k], axis=0, out=term)
+                if coeff is not None:
+                    np.multiply(coeff[:, k, None], term, out=term)
+                np.add(acc, term, out=acc)
+            elif vk.any():
+                tok = np.nonzero(vk)[0]
+                part = rows[where[tok, k]]
+                if coeff is not None:
+                    part = coeff[tok, k][:, None] * part
+                acc[tok] = acc[tok] + part
         out = cd.from_float32(acc)
         y.reshape(-1).view(np.uint8)[:] = out.reshape(-1).view(np.uint8)
 
