@@ -787,7 +787,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(floor_report(rows, shapes))
     from benchmarks.peers_sim import sim_report
 
-    print(sim_report(rows, inputs_list, NUM_EXPERTS))
+    sim_text, sim_rows = sim_report(rows, inputs_list, NUM_EXPERTS)
+    print(sim_text)
     if args.json:
         doc = {
             "machine": machine_info(versions, load),
@@ -795,6 +796,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "rows": [r.to_json() for r in rows],
             "payload_exchange": [r.to_json() for r in exchange_rows],
             "not_measured": skipped,
+            "simulator": sim_rows,
         }
         args.json.write_text(json.dumps(doc, indent=1))
     if args.plot:

@@ -47,34 +47,38 @@ def predict(
     return float(res.latency_ns) / 1e3
 
 
-def sim_report(rows: Sequence[Any], inputs_list: Sequence[Any], num_experts: int) -> str:
-    """Table of predicted vs measured ubep medians, or why there is none."""
+def sim_report(
+    rows: Sequence[Any], inputs_list: Sequence[Any], num_experts: int
+) -> tuple[str, list[dict[str, Any]]]:
+    """Predicted vs measured ubep medians as a table and as JSON rows (or why there are none)."""
     from benchmarks.harness import format_table
 
     ubep_rows = [r for r in rows if str(r.system).startswith("ubep-")]
     if not ubep_rows:
-        return "simulator: no ubep rows measured, nothing to predict"
+        return "simulator: no ubep rows measured, nothing to predict", []
     try:
         import ubep.sim  # noqa: F401
         from ubep.sim.calib import load_fabric
 
         load_fabric("host")
     except (ImportError, ValueError, KeyError) as exc:
-        return f"simulator: not available ({type(exc).__name__}: {exc})"
+        return f"simulator: not available ({type(exc).__name__}: {exc})", []
     by_shape = {inp.shape: inp for inp in inputs_list}
-    cells, errors = [], []
+    cells, out = [], []
     for r in ubep_rows:
         _, engine, sync = r.system.split("-")
         pred = predict(
             by_shape[r.shape].topk_idxs, num_experts=num_experts, hidden=r.shape.hidden,
             dtype=r.dtype, layout=r.layout, engine=engine, sync=sync, op=r.op,
         )
-        err = (pred - r.stats.median_us) / r.stats.median_us
-        errors.append(abs(err))
-        cells.append([r.system, r.layout, r.shape.label, r.op, r.stats.median_us, pred,
-                      100.0 * err])
+        err = 100.0 * (pred - r.stats.median_us) / r.stats.median_us
+        cells.append([r.system, r.layout, r.shape.label, r.op, r.stats.median_us, pred, err])
+        out.append({**r.to_json(), "predicted_us": pred, "error_pct": err})
+    lines = ["simulator (ubep.sim, host fabric, analytic) vs measured ubep medians:"]
+    for ranks in sorted({o["ranks"] for o in out}):
+        errs = np.abs([o["error_pct"] for o in out if o["ranks"] == ranks])
+        lines.append(f"  {ranks} ranks: |error| median {float(np.median(errs)):.0f} %, max "
+                     f"{float(np.max(errs)):.0f} % over {len(errs)} rows")
     cols = ["system", "layout", "shape", "op", "measured_us", "predicted_us", "error_pct"]
-    summary = (f"simulator (host fabric) vs measured medians: |error| median "
-               f"{100 * float(np.median(errors)):.0f} %, max {100 * float(np.max(errors)):.0f} %"
-               f" over {len(errors)} rows")
-    return summary + "\n" + format_table(cols, cells, float_digits=1)
+    lines.append(format_table(cols, cells, float_digits=1))
+    return "\n".join(lines), out
