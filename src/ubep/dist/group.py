@@ -126,33 +126,30 @@ class DistGroup:
         try:
             me["host_leader"] = _leader(self.comm, real_host)
             info = self.allgather(me)
-        except BaseException:
-            real_host.Free()
-            raise
-        self.pids = [int(i["pid"]) for i in info]
-        self.start_times = [int(i["start_time"]) for i in info]
-        self.hostnames = [str(i["hostname"]) for i in info]
-        self.group_id = bytes.fromhex(info[0]["gid"])
-        real_leaders = [int(i["host_leader"]) for i in info]
-        try:
+            self.pids = [int(i["pid"]) for i in info]
+            self.start_times = [int(i["start_time"]) for i in info]
+            self.hostnames = [str(i["hostname"]) for i in info]
+            self.group_id = bytes.fromhex(info[0]["gid"])
+            real_leaders = [int(i["host_leader"]) for i in info]
             self.ranks_per_host, self.host_of = _hosts(real_leaders, ranks_per_host)
-        except BaseException:
+            self.num_hosts = self.num_ranks // self.ranks_per_host
+            if topology is None:
+                topology = discovered_topology(self.num_ranks, self.ranks_per_host)
+            if topology.num_ranks != self.num_ranks:
+                raise InvalidArgumentError(
+                    "topology", topology.name, f"has {topology.num_ranks} ranks, comm has "
+                                               f"{self.num_ranks}",
+                )
+        except BaseException:  # every rank fails alike here (same inputs): free what we made
             real_host.Free()
+            self.comm.Free()
             raise
+        self.topology = topology
         if self.ranks_per_host == real_host.Get_size():
             self.host_comm = real_host
         else:  # virtual hosts inside a real one
             self.host_comm = self.comm.Split(self.host_of[self.rank], self.rank)
             real_host.Free()
-        self.num_hosts = self.num_ranks // self.ranks_per_host
-        if topology is None:
-            topology = discovered_topology(self.num_ranks, self.ranks_per_host)
-        if topology.num_ranks != self.num_ranks:
-            raise InvalidArgumentError(
-                "topology", topology.name, f"has {topology.num_ranks} ranks, comm has "
-                                           f"{self.num_ranks}",
-            )
-        self.topology = topology
 
     # --- public -------------------------------------------------------------------------
 
@@ -232,7 +229,8 @@ class DistGroup:
         self.comm.Iprobe(self.mpi.ANY_SOURCE, self.mpi.ANY_TAG)
 
     def close(self) -> None:
-        """Free every window and communicator of the group (collective)."""
+        """Free every window and communicator of the group (collective). Close the group's
+        Buffers first: their memory goes with the windows."""
         if self._closed:
             return
         for mem in self._windows:
@@ -259,6 +257,8 @@ class DistGroup:
             raise UbepError(f"rank {self.rank}: the group is closed")
 
     def _wait(self, request: Any, timeout_s: float | None, what: str) -> None:
+        # A request that timed out stays posted (MPI cannot cancel a collective): after a
+        # TimeoutError or PeerLostError here the group is not usable any more.
         timeout = self.default_timeout_s if timeout_s is None else float(timeout_s)
         deadline = time.monotonic() + timeout
         next_check = time.monotonic() + _LIVENESS_PERIOD_S
