@@ -137,6 +137,7 @@ class Settings:
     warmup: int
     repeats: int
     timeout_s: float
+    layouts: tuple[str, ...] = ("rank", "expert")
 
 
 # --- inputs ---------------------------------------------------------------------------------
@@ -210,7 +211,7 @@ def write_workdir(
                 workdir / f"i{i}.r{r}.npz",
                 x=inp.xs[r], topk_idx=inp.topk_idxs[r], topk_weights=inp.topk_weights[r],
             )
-        for layout in LAYOUTS:
+        for layout in settings.layouts:
             case_id = f"i{i}-{layout}"
             if check and layout in inp.expert_outs:
                 # Check runs carry their expert outputs in a per-layout input file.
@@ -388,13 +389,14 @@ def _copier(src: np.ndarray, dst: np.ndarray) -> Callable[[], None]:
 def memcpy_rows(inputs_list: Sequence[Inputs], settings: Settings) -> list[Row]:
     """One np.copyto of each (shape, layout, op)'s bytes per rank, on pre-faulted buffers."""
     need = max(
-        bytes_per_rank(inp, layout, op) for inp in inputs_list for layout in LAYOUTS for op in OPS
+        bytes_per_rank(inp, layout, op)
+        for inp in inputs_list for layout in settings.layouts for op in OPS
     )
     src = np.ones(int(need) + 64, dtype=np.uint8)
     dst = np.zeros_like(src)
     rows = []
     for inp in inputs_list:
-        for layout in LAYOUTS:
+        for layout in settings.layouts:
             for op in OPS:
                 n = int(bytes_per_rank(inp, layout, op))
                 stats = time_repeats(_copier(src[:n], dst[:n]), settings.repeats, settings.warmup)
@@ -455,7 +457,7 @@ def ubep_rows(
         group = [inp for inp in inputs_list if inp.shape.num_ranks == num_ranks]
         cases = []
         for inp in group:
-            for layout in LAYOUTS:
+            for layout in settings.layouts:
                 for engine, sync in UBEP_MODES:
                     if sync == "sp" and inp.shape.dtype not in FLOAT_DTYPES:
                         # SP needs a bit pattern the payload never holds; 1-byte types have none.
@@ -644,7 +646,8 @@ def write_plot(rows: Sequence[Row], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [(layout, op) for layout in LAYOUTS for op in OPS]
+    present = {r.layout for r in rows}
+    panels = [(layout, op) for layout in LAYOUTS if layout in present for op in OPS]
     fig, axes = plt.subplots(len(panels), 1, figsize=(12, 4.2 * len(panels)), squeeze=False)
     for ax, (layout, op) in zip(axes[:, 0], panels, strict=True):
         sel = [r for r in rows if r.layout == layout and r.op == op]
@@ -695,7 +698,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.peers", description=(__doc__ or "").split("\n")[0]
     )
-    p.add_argument("--quick", action="store_true", help="2 shapes, few repeats (< 45 s)")
+    p.add_argument("--quick", action="store_true",
+                   help="2 shapes, rank layout, few repeats (< 45 s on a quiet host)")
     p.add_argument("--json", type=Path, help="write the rows and machine info here")
     p.add_argument("--plot", type=Path, help="write a PNG of latency per system and shape")
     p.add_argument("--systems", default="all",
@@ -703,8 +707,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, help="timed iterations (default 15 quick, 30 full)")
     p.add_argument("--warmup", type=int, help="untimed iterations first (default 3 / 5)")
     p.add_argument("--ranks", default="", help="comma list of rank counts (default 2,4)")
+    p.add_argument("--layouts", default="",
+                   help="comma list of rank,expert (default both; --quick: rank)")
     p.add_argument("--timeout", type=float, default=0.0, help="per launch, seconds")
     return p.parse_args(argv)
+
+
+def _layouts(spec: str, quick: bool) -> tuple[str, ...]:
+    if not spec:
+        return ("rank",) if quick else LAYOUTS  # the floors of issue 6 are rank-layout ones
+    chosen = tuple(s.strip() for s in spec.split(",") if s.strip())
+    if not chosen or any(c not in LAYOUTS for c in chosen):
+        raise SystemExit(f"--layouts: {spec!r}; choose from {LAYOUTS}")
+    return chosen
 
 
 def _selected(spec: str) -> list[str]:
@@ -760,6 +775,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         warmup=args.warmup if args.warmup is not None else (3 if args.quick else 5),
         repeats=args.repeats if args.repeats is not None else (15 if args.quick else 30),
         timeout_s=args.timeout or (60.0 if args.quick else 900.0),
+        layouts=_layouts(args.layouts, args.quick),
     )
     load = os.getloadavg()[0]
     if load > 0.5:
