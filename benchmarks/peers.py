@@ -63,6 +63,7 @@ EXCHANGE_OP = "payload_exchange"  # diagnostic: a peer's payload Alltoallv alone
 STORAGE = {"bf16": np.dtype(np.uint16), "uint8": np.dtype(np.uint8)}
 ITEMSIZE = {"bf16": 2, "uint8": 1}
 FLOAT_DTYPES = ("bf16",)
+QUIET_LOAD = 0.5  # 1-min load average under which the host counts as quiet
 
 
 @dataclass(frozen=True)
@@ -648,7 +649,7 @@ def write_plot(rows: Sequence[Row], path: Path) -> None:
 
     present = {r.layout for r in rows}
     panels = [(layout, op) for layout in LAYOUTS if layout in present for op in OPS]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(12, 4.2 * len(panels)), squeeze=False)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(14, 4.2 * len(panels)), squeeze=False)
     for ax, (layout, op) in zip(axes[:, 0], panels, strict=True):
         sel = [r for r in rows if r.layout == layout and r.op == op]
         shapes = sorted({r.shape for r in sel}, key=lambda s: (s.routing, s.num_ranks,
@@ -673,7 +674,7 @@ def write_plot(rows: Sequence[Row], path: Path) -> None:
         ax.set_ylabel("latency, us (median, min-max)")
         ax.set_title(f"{op}, layout={layout}")
         ax.grid(True, which="both", axis="y", alpha=0.3)
-        ax.legend(fontsize=7, ncol=4)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # off the data
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -710,6 +711,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--layouts", default="",
                    help="comma list of rank,expert (default both; --quick: rank)")
     p.add_argument("--timeout", type=float, default=0.0, help="per launch, seconds")
+    p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
+                   help="first wait up to SECONDS for the 1-min load average to drop below 0.5")
     return p.parse_args(argv)
 
 
@@ -777,8 +780,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         timeout_s=args.timeout or (60.0 if args.quick else 900.0),
         layouts=_layouts(args.layouts, args.quick),
     )
+    deadline = time.monotonic() + args.wait_quiet
+    while os.getloadavg()[0] >= QUIET_LOAD and time.monotonic() < deadline:
+        time.sleep(5.0)
     load = os.getloadavg()[0]
-    if load > 0.5:
+    if load >= QUIET_LOAD:
         print(f"[peers] WARNING: load average {load:.2f} before the run: other processes compete "
               f"for the {os.cpu_count()} cores, expect noisy numbers", file=sys.stderr)
     shapes = shapes_for(args.quick)
