@@ -903,8 +903,11 @@ class RmaEngine:
             self._barrier(op, 3)
         needed = self._needed_rows(h_idx, h_dst, ntok)
         fetched: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        for q in sorted(needed, key=lambda q: (q - self.rank) % self.R):
+        order = sorted(needed, key=lambda q: (q - self.rank) % self.R)
+        for q in order:  # every get in flight at once, then complete them
             fetched[q] = self._fetch(op, q, needed[q])
+        for q in order:
+            self.data.flush(q)
         self._reduce(h_idx[:ntok], h_w[:ntok], h_dst[:ntok], fetched, y)
         return zero_copy
 
@@ -930,7 +933,8 @@ class RmaEngine:
         return out
 
     def _fetch(self, op: _Op, q: int, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Rows ``pos`` of ``q``'s expert outputs, fetched (``MPI_Get``) into a new array."""
+        """Start fetching rows ``pos`` of ``q``'s expert outputs (``MPI_Get``) into a new array
+        (complete after ``flush(q)``)."""
         cl = self.cl
         slot = cl.slot(cl.comb_info, op.par, q)
         box: list[np.ndarray] = []
@@ -960,7 +964,6 @@ class RmaEngine:
         rows = np.empty((len(pos), self.crow_bytes), np.uint8)
         runs = [(off + p0 * stride, m * stride) for p0, m in self._runs(pos)]
         self.data.get_runs(q, runs, rows)
-        self.data.flush(q)
         return pos, rows
 
     def _reduce(self, idx: np.ndarray, w: np.ndarray, dst_row: np.ndarray,
