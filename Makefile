@@ -18,7 +18,7 @@ $(BASE_STAMP): pyproject.toml setup.py
 
 $(TEST_STAMP): $(BASE_STAMP)
 	$(PIP) '$(TORCH_PIN)'
-	$(PIP) '$(TORCH_PIN)' -e '.[dev,torch]'
+	$(PIP) '$(TORCH_PIN)' -e '.[dev,torch,mpi]'
 	touch $@
 
 venv: $(TEST_STAMP)
