@@ -49,7 +49,7 @@ from .errors import (
     TimeoutError,
     UbepError,
 )
-from .handle import DispatchHandle
+from .handle import DispatchHandle, DispatchResult
 from .routing import experts_per_rank
 from .runtime.group import GlobalMemory, ProcessGroup
 from .runtime.layout import SegmentLayout, compute_layout
@@ -180,29 +180,6 @@ class RuntimeHandle(DispatchHandle):
     dispatch_index: int = -1
 
 
-@dataclass(frozen=True, eq=False)
-class DispatchResult:
-    """One rank's dispatch output; same fields and layout as ``ubep.reference``'s.
-
-    Attributes:
-        recv_x: ``[rows, hidden]`` received rows (a read-only view into the receive region unless
-            ``copy=True``; see the module docstring for how long it stays valid).
-        recv_topk_idx: int64; ``layout="expert"``: ``[rows]`` global expert id; ``"rank"``:
-            ``[rows, num_topk]`` local expert ids, -1 where the expert lives elsewhere.
-        recv_topk_weights: float32, shaped like ``recv_topk_idx`` (0 where the id is -1).
-        num_recv_tokens_per_expert: ``[num_local_experts]`` int64.
-        recv_src_rank, recv_src_token, recv_src_k: ``[rows]`` int64, origin of each row.
-        handle: what :meth:`Buffer.combine` needs.
-    """
-
-    recv_x: np.ndarray
-    recv_topk_idx: np.ndarray
-    recv_topk_weights: np.ndarray
-    num_recv_tokens_per_expert: np.ndarray
-    recv_src_rank: np.ndarray
-    recv_src_token: np.ndarray
-    recv_src_k: np.ndarray
-    handle: RuntimeHandle
 
 
 class Engine(Protocol):
@@ -393,7 +370,7 @@ class Buffer:
 
     def dispatch(
         self, x: object, topk_idx: object, topk_weights: object, *, copy: bool = False
-    ) -> DispatchResult:
+    ) -> DispatchResult[RuntimeHandle]:
         """Send every token to the ranks of its experts (collective).
 
         Args:

@@ -1,4 +1,7 @@
-"""The dispatch handle: everything a rank's combine needs to undo its dispatch.
+"""The dispatch result and handle: what dispatch returns and what combine needs to undo it.
+
+:class:`DispatchResult` is the one result type of every backend (the reference oracle, the
+runtime, the torch test world): the same fields, so results compare field by field.
 
 One handle per rank per dispatch, returned inside the dispatch result (``result.handle``) by the
 reference oracle and by every backend. It holds plain numpy arrays, ints and short strings only,
@@ -16,14 +19,41 @@ A handle describes its rank in both roles:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import numpy as np
 
 from .errors import InvalidArgumentError
 
-__all__ = ["LAYOUTS", "DispatchHandle"]
+__all__ = ["LAYOUTS", "DispatchHandle", "DispatchResult"]
 
 LAYOUTS = ("expert", "rank")
+H = TypeVar("H")
+
+
+@dataclass(frozen=True, eq=False)
+class DispatchResult(Generic[H]):
+    """One rank's dispatch output, the same for every backend.
+
+    Attributes:
+        recv_x: ``[rows, hidden]`` received rows in ``x``'s storage dtype (the runtime returns a
+            read-only view into its receive region unless ``copy=True``).
+        recv_topk_idx: int64; ``layout="expert"``: ``[rows]`` global expert id of each row;
+            ``layout="rank"``: ``[rows, num_topk]`` local expert ids, -1 elsewhere.
+        recv_topk_weights: float32, shaped like ``recv_topk_idx`` (0 where the id is -1).
+        num_recv_tokens_per_expert: ``[num_local_experts]`` int64.
+        recv_src_rank, recv_src_token, recv_src_k: ``[rows]`` int64, origin of each row.
+        handle: what the backend's combine needs (:class:`DispatchHandle` or a subclass).
+    """
+
+    recv_x: np.ndarray
+    recv_topk_idx: np.ndarray
+    recv_topk_weights: np.ndarray
+    num_recv_tokens_per_expert: np.ndarray
+    recv_src_rank: np.ndarray
+    recv_src_token: np.ndarray
+    recv_src_k: np.ndarray
+    handle: H
 
 
 @dataclass(frozen=True, eq=False)

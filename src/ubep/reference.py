@@ -44,34 +44,14 @@ import numpy as np
 
 from .dtypes import DType, as_storage, dtype_of
 from .errors import InvalidArgumentError
-from .handle import LAYOUTS, DispatchHandle
+from .handle import LAYOUTS, DispatchHandle, DispatchResult
 from .routing import experts_per_rank, validate_topk_idx
 
 __all__ = ["RefDispatchResult", "combine", "dispatch"]
 
 
-@dataclass(frozen=True, eq=False)
-class RefDispatchResult:
-    """One rank's dispatch output (field names shared with the runtime's ``DispatchResult``).
-
-    Attributes:
-        recv_x: ``[rows, hidden]`` in ``x``'s storage dtype.
-        recv_topk_idx: int64; ``layout="expert"``: ``[rows]`` global expert id of each row;
-            ``layout="rank"``: ``[rows, num_topk]`` local expert ids, -1 elsewhere.
-        recv_topk_weights: float32, shaped like ``recv_topk_idx`` (0 where the id is -1).
-        num_recv_tokens_per_expert: ``[num_local_experts]`` int64.
-        recv_src_rank, recv_src_token, recv_src_k: ``[rows]`` int64, origin of each row.
-        handle: what :func:`combine` needs (:class:`ubep.handle.DispatchHandle`).
-    """
-
-    recv_x: np.ndarray
-    recv_topk_idx: np.ndarray
-    recv_topk_weights: np.ndarray
-    num_recv_tokens_per_expert: np.ndarray
-    recv_src_rank: np.ndarray
-    recv_src_token: np.ndarray
-    recv_src_k: np.ndarray
-    handle: DispatchHandle
+# The reference's results are the shared result type, typed with the plain handle.
+RefDispatchResult = DispatchResult[DispatchHandle]
 
 
 @dataclass(frozen=True)

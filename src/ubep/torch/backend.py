@@ -34,6 +34,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 import numpy as np
 
 from ..errors import InvalidArgumentError, TimeoutError
+from ..handle import DispatchResult
 from ..routing import experts_per_rank, validate_topk_idx
 
 __all__ = [
@@ -107,18 +108,8 @@ class LocalHandle:
     topk_weights: np.ndarray  # this rank's dispatched weights [num_tokens, num_topk]
 
 
-@dataclass(frozen=True)
-class LocalDispatchResult:
-    """One rank's dispatch result, field for field like the runtime's ``DispatchResult``."""
-
-    recv_x: np.ndarray
-    recv_topk_idx: np.ndarray
-    recv_topk_weights: np.ndarray
-    num_recv_tokens_per_expert: np.ndarray
-    recv_src_rank: np.ndarray
-    recv_src_token: np.ndarray
-    recv_src_k: np.ndarray
-    handle: LocalHandle
+# Results of the in-process world are the shared result type, typed with its own handle.
+LocalDispatchResult = DispatchResult[LocalHandle]
 
 
 def _dispatch_one(
