@@ -18,46 +18,21 @@ pytestmark = pytest.mark.torch
 transformers = pytest.importorskip("transformers")
 
 import ubep.torch.hf as hf  # noqa: E402
+from _hf_configs import VOCAB, tiny_mixtral, tiny_qwen3_moe  # noqa: E402
 from ubep.torch import LocalWorld, run_threads  # noqa: E402
 
-VOCAB, E = 96, 8
+E = 8
 # float32 logits: eager adds experts in expert-id order in the model dtype, ubep in top-k order
 # in float32 (the same sum, associated differently).
 TOL = {"rtol": 1e-4, "atol": 1e-4}
 
 
 def _qwen3() -> Any:
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts=E,
-        num_experts_per_tok=3,
-        norm_topk_prob=True,
-        max_position_embeddings=64,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-    )
-    cfg.head_dim = 8
-    return cfg
+    return tiny_qwen3_moe(E, 3, norm_topk_prob=True)
 
 
 def _mixtral() -> Any:
-    return transformers.MixtralConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=E,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-    )
+    return tiny_mixtral(E)
 
 
 def _build(make_cfg: Callable[[], Any], impl: str) -> Any:

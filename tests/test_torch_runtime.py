@@ -16,12 +16,12 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.torch
 transformers = pytest.importorskip("transformers")
 
+from _hf_configs import VOCAB, tiny_mixtral, tiny_qwen3_moe  # noqa: E402
 from ubep.runtime import launch  # noqa: E402
 from ubep.torch import MoELayer  # noqa: E402
 from ubep.torch._runtime import make_backend  # noqa: E402
 
 R, H, F, E, K, T = 2, 64, 32, 8, 3, 6
-VOCAB = 96
 
 
 def _x(rank: int, dtype: torch.dtype) -> torch.Tensor:
@@ -33,35 +33,11 @@ def _probe(rank: int) -> torch.Tensor:
 
 
 def _qwen3() -> Any:
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts=E,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-        mlp_only_layers=[],
-    )
-    cfg.head_dim = 8
-    return cfg
+    return tiny_qwen3_moe(E, 2)
 
 
 def _mixtral() -> Any:
-    return transformers.MixtralConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=E,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-    )
+    return tiny_mixtral(E)
 
 
 def _build(make_cfg: Any, impl: str) -> Any:
