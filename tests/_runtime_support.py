@@ -16,10 +16,22 @@ import numpy as np
 from ubep import reference, routing
 from ubep.buffer import Buffer, BufferConfig
 
-STORAGE = {"bf16": np.uint16, "fp16": np.float16, "fp32": np.float32, "int8": np.int8,
-           "uint8": np.uint8}
-FIELDS = ("recv_x", "recv_topk_idx", "recv_topk_weights", "num_recv_tokens_per_expert",
-          "recv_src_rank", "recv_src_token", "recv_src_k")
+# One implementation of the seeded payloads and of the bit-exact comparison serves the runtime
+# tests and `python -m ubep.dist.selftest` (which users run on their own MPI jobs).
+from ubep.dist.selftest import FIELDS, bits, compare, expert_outputs
+from ubep.dist.selftest import payload as random_payload
+
+__all__ = [
+    "FIELDS",
+    "Case",
+    "bits",
+    "compare",
+    "expert_outputs",
+    "make_inputs",
+    "pairwise_cases",
+    "random_payload",
+    "run_case",
+]
 
 
 @dataclass(frozen=True)
@@ -102,40 +114,12 @@ def make_inputs(
     return xs, idxs, ws
 
 
-def random_payload(rng: np.random.Generator, dtype: str, t: int, hidden: int) -> np.ndarray:
-    if dtype == "bf16":
-        # finite bf16 of moderate magnitude (exponent 0x30..0x4f), random sign and mantissa
-        bits = rng.integers(0x3000, 0x4F80, size=(t, hidden), dtype=np.uint16)
-        return bits | (rng.integers(0, 2, size=(t, hidden), dtype=np.uint16) << 15)
-    if dtype in ("fp16", "fp32"):
-        return (rng.standard_normal((t, hidden)) * 4).astype(STORAGE[dtype])
-    info = np.iinfo(STORAGE[dtype])
-    return rng.integers(info.min, info.max + 1, size=(t, hidden), dtype=STORAGE[dtype])
 
 
-def expert_outputs(dtype: str, recv_x: np.ndarray, seed: int) -> np.ndarray:
-    """What the 'experts' return: recv_x itself for float payloads (an identity expert), else a
-    seeded bf16 array of the right shape (W8A8 dispatch, BF16 combine)."""
-    if dtype in ("bf16", "fp16", "fp32"):
-        return np.ascontiguousarray(recv_x)
-    rng = np.random.default_rng(seed)
-    return random_payload(rng, "bf16", recv_x.shape[0], recv_x.shape[1])
 
 
-def bits(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a).view(np.uint8)
 
 
-def compare(res: Any, ref: Any) -> list[str]:
-    """Field-by-field bit-exact comparison; returns the differences."""
-    bad = []
-    for f in FIELDS:
-        a, b = getattr(res, f), getattr(ref, f)
-        if a.shape != b.shape or a.dtype != b.dtype:
-            bad.append(f"{f}: {a.dtype}{a.shape} vs reference {b.dtype}{b.shape}")
-        elif not np.array_equal(bits(a), bits(b)):
-            bad.append(f"{f}: values differ")
-    return bad
 
 
 def run_case(group: Any, case: Case, *, max_tokens: int, steps: list[tuple[list[int], str]],

@@ -114,12 +114,13 @@ def compare(res: Any, ref: Any) -> list[str]:
         a, b = getattr(res, f), getattr(ref, f)
         if a.shape != b.shape or a.dtype != b.dtype:
             bad.append(f"{f}: {a.dtype}{a.shape} vs reference {b.dtype}{b.shape}")
-        elif not np.array_equal(_bits(a), _bits(b)):
+        elif not np.array_equal(bits(a), bits(b)):
             bad.append(f"{f}: values differ")
     return bad
 
 
-def _bits(a: np.ndarray) -> np.ndarray:
+def bits(a: np.ndarray) -> np.ndarray:
+    """The raw bytes of an array, so NaN payloads and -0 compare exactly."""
     return np.ascontiguousarray(a).view(np.uint8)
 
 
@@ -156,7 +157,7 @@ def check_mode(group: Any, mode: Mode, *, max_tokens: int = 24, hidden: int = 25
                 eo = outs[r]
             y = buf.combine(eo, res.handle)
             y_ref = reference.combine(outs, refs)[r]
-            if y.dtype != y_ref.dtype or not np.array_equal(_bits(y), _bits(y_ref)):
+            if y.dtype != y_ref.dtype or not np.array_equal(bits(y), bits(y_ref)):
                 errors.append(f"{mode} step {i}: combine differs")
             if faults and i == 0:
                 errors += _bad_call(buf, xs[r], idxs[r], ws[r], r, R, cfg.num_experts)
