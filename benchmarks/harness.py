@@ -13,12 +13,16 @@ callables include the ~100 ns clock overhead; batch them inside ``fn`` if that m
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["Stats", "format_table", "print_table", "time_repeats"]
+import numpy as np
+
+__all__ = ["Stats", "concurrent_copy", "format_table", "print_table", "time_repeats"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,57 @@ def time_repeats(fn: Callable[[], object], repeats: int = 20, warmup: int = 3) -
         fn()
         samples_us.append((time.perf_counter_ns() - start) / 1e3)
     return Stats.from_samples_us(samples_us)
+
+
+def _copy_worker(
+    barrier: Any, out: Any, rank: int, sizes_bytes: Sequence[int], repeats: int, warmup: int
+) -> None:
+    # Pre-faulted buffers (a first touch page-faults at a fraction of copy speed).
+    src = np.ones(max(sizes_bytes) + 64, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    dst.fill(1)
+    samples = []
+    for n in sizes_bytes:
+        got = []
+        for i in range(warmup + repeats):
+            barrier.wait()
+            start = time.perf_counter_ns()
+            np.copyto(dst[:n], src[:n])
+            if i >= warmup:
+                got.append((time.perf_counter_ns() - start) / 1e3)
+        samples.append(got)
+    out.put((rank, samples))
+
+
+def concurrent_copy(
+    num_procs: int, sizes_bytes: Sequence[int], repeats: int = 20, warmup: int = 3,
+    timeout_s: float = 600.0,
+) -> list[Stats]:
+    """The memcpy floor of a ``num_procs``-rank operation: per size, ``num_procs`` processes each
+    copy ``size`` bytes at the same time (a barrier before every iteration), each times its own
+    copy, and an iteration counts the slowest, as the collectives are timed. The ranks of a
+    collective share the memory system (and, oversubscribed, the cores), so one process copying
+    alone is not a floor they can reach."""
+    if num_procs < 1:
+        raise ValueError(f"num_procs={num_procs}: must be >= 1")
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(num_procs), ctx.Queue()
+    procs = [
+        ctx.Process(target=_copy_worker, args=(barrier, out, r, list(sizes_bytes), repeats,
+                                               warmup), daemon=True)
+        for r in range(num_procs)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        per_rank = dict(out.get(timeout=timeout_s) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    worst = np.max([per_rank[r] for r in range(num_procs)], axis=0)  # [size, repeat]
+    return [Stats.from_samples_us(row.tolist()) for row in worst]
 
 
 def _cell(value: object, float_digits: int) -> str:

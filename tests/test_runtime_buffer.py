@@ -49,8 +49,8 @@ def test_size_hint_grows_with_the_shape() -> None:
     big = BufferConfig(max_tokens_per_rank=32, hidden=256, num_topk=4, num_experts=8,
                        dtype="bf16")
     rows = 2 * 16 * 4  # ranks x tokens x min(top-k, experts per rank)
-    # three SP receive regions and two combine regions of bf16 rows, at least
-    assert Buffer.size_hint(small, 2) >= 5 * rows * 256 * 2
+    # two SP receive regions (rows land in recv_x itself) and two combine regions, at least
+    assert Buffer.size_hint(small, 2) >= 4 * rows * 256 * 2
     assert Buffer.size_hint(big, 2) > Buffer.size_hint(small, 2)
     with pytest.raises(InvalidArgumentError, match="num_experts"):
         Buffer.size_hint(small, 3)
@@ -173,10 +173,9 @@ def _worker_formats(group: Any) -> dict[str, bool]:
             elif sync == "sw":
                 out["sw"] = SwFlag.ready(ctl[9:10], epoch) and int(ctl[8]) == len(mine)
             else:
-                # peer rows were consumed into recv_x and their slots refilled at once
-                codec = SpCodec("bf16")
+                # ASP+SP lands rows in recv_x itself: the slots are the raw rows
                 out["sp_raw"] = bool(np.array_equal(as_row_bytes(res.recv_x[mine]), rows))
-                out["sp_reset"] = not codec.element_ready(slots[:, :600]).any()
+                out["sp_in_place"] = bool(np.array_equal(slots[:, :600], rows))
             group.barrier(60)
     return out
 
@@ -184,7 +183,33 @@ def _worker_formats(group: Any) -> dict[str, bool]:
 def test_native_bytes_equal_the_codecs() -> None:
     for out in launch(_worker_formats, 2, timeout_s=300):
         assert out == {k: True for k in ("tff", "dc", "sw", "sp_prefilled", "sp_raw",
-                                         "sp_reset")}, out
+                                         "sp_in_place")}, out
+
+
+def _worker_sp_stale(group: Any) -> list[str]:
+    # Rank 0 sends nothing and polls while rank 1 writes 1024 rows of 8 KiB to it: a stale row
+    # left complete in a slot would be passed over at once. The rows are copied out the moment
+    # dispatch returns (recv_x is a view rank 1 could still be writing into).
+    case = Case("asp", "sp", "rank", "bf16", 2, 4096, "uniform")
+    errors = []
+    with Buffer(group, case.config(1024)) as buf:
+        for seed in (1, 2, 3, 4):
+            land = _land(buf, buf._num_dispatches)  # the region this call lands in
+            land[:] = 0x11  # no sentinel anywhere: what any earlier call could leave
+            group.barrier(60)
+            xs, idxs, ws = make_inputs(case, buf.config.num_experts, [0, 1024], seed,
+                                       case.routing)
+            r = group.rank
+            res = buf.dispatch(xs[r], idxs[r], ws[r], copy=True)
+            refs = reference.dispatch(xs, idxs, ws, buf.config.num_experts, layout="rank")
+            errors += compare(res, refs[r])
+    return errors
+
+
+def test_sp_rearms_stale_slots_before_readiness() -> None:
+    """SP in place re-arms the positions peers will write before it publishes readiness."""
+    for errors in launch(_worker_sp_stale, 2, timeout_s=300):
+        assert not errors, errors[:3]
 
 
 @pytest.mark.parametrize("row_bytes", [6, 8, 37, 512, 1000, 4096])

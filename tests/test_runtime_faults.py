@@ -70,7 +70,10 @@ def _worker_bad_input(group: Any) -> dict[str, Any]:
         bad[3, 1] = cfg.num_experts + 5
         sentinel = np.uint16(0x7FA5)
         lay = buf.layout
-        land = buf._segments[r].array[lay.off_land: lay.off_land + lay.land_bytes]
+        # the region the rejected call would land in: no call has used it yet (SP rows land in
+        # recv_x itself, one region per dispatch index mod num_regions)
+        off = lay.off_land + (buf._num_dispatches % lay.num_land_regions) * lay.land_bytes
+        land = buf._segments[r].array[off: off + lay.land_bytes]
         slots = land[: lay.cap_rows * lay.slot_bytes].reshape(lay.cap_rows, lay.slot_bytes)
         log["range"] = _outcome(lambda: call(idx=bad if r == 1 else None))
         # nothing reached this rank's landing slots: every slot still holds only the sentinel

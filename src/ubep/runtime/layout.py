@@ -112,7 +112,7 @@ def compute_layout(
     else:
         slot_bytes = _align(row_bytes)
     nreg = 2
-    land_is_out = engine == "asp" and sync in ("sw", "dc")
+    land_is_out = engine == "asp" and sync in ("sw", "dc", "sp")
     nland = nreg if land_is_out else 1
     out_stride = slot_bytes if land_is_out else _align(row_bytes)
     combine_row_bytes = hidden * combine_itemsize

@@ -815,7 +815,8 @@ static inline uint8_t *outreg(engine_t *g, int rank, int reg) {
     return g->base[rank] + g->off_out + (int64_t)reg * g->out_bytes;
 }
 static inline int land_is_out(engine_t *g) {
-    return g->eng == ENG_ASP && (g->sync == SYNC_SW || g->sync == SYNC_DC);
+    /* ASP with SW, DC or SP: senders write the final position in recv_x itself (one copy) */
+    return g->eng == ENG_ASP && g->sync != SYNC_TFF;
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -1236,6 +1237,9 @@ static int dispatch_validate(op_t *op) {
 /* bucket of the i-th destination in send order */
 static inline int64_t bucket_start(engine_t *g, int i) { return (int64_t)i * g->cap_src_rows; }
 
+static int recv_bases(op_t *op, int core, int64_t *rx_base, int64_t *rx_ebase, int64_t *n_out);
+static int sp_arm(op_t *op, int reg);
+
 /* publish my routing (for receivers' metadata), my readiness and my counts */
 static int dispatch_publish(op_t *op) {
     engine_t *g = op->g;
@@ -1248,8 +1252,11 @@ static int dispatch_publish(op_t *op) {
     memcpy(rw, op->w, sizeof(float) * (size_t)(op->ntok * K));
     st_rlx(rt + ROUTE_NTOK, (uint64_t)op->ntok);
     st_rlx(rt + ROUTE_EPOCH, op->epoch);
-    st_rel(ctrl(g, g->rank, g->off_recv_ready), op->epoch);
-    op->published_ready = 1;
+    const int sp_in_place = g->sync == SYNC_SP && land_is_out(g);
+    if (!sp_in_place) {
+        st_rel(ctrl(g, g->rank, g->off_recv_ready), op->epoch);
+        op->published_ready = 1;
+    }
     if (g->eng == ENG_BSP) {
         ring_all(g);
         return 0; /* BSP sends counts after its first barrier */
@@ -1263,6 +1270,12 @@ static int dispatch_publish(op_t *op) {
         st_rel(ib + IN_COUNTS_EPOCH, op->epoch);
     }
     ring_all(g); /* every sender to every rank reads these counts */
+    if (sp_in_place) {
+        if ((rc = sp_arm(op, reg))) return rc;
+        st_rel(ctrl(g, g->rank, g->off_recv_ready), op->epoch);
+        op->published_ready = 1;
+        ring_all(g);
+    }
     return 0;
 }
 
@@ -1348,7 +1361,7 @@ static int wait_dst(op_t *op, int core, int d) {
 static void put_row(op_t *op, int d, int64_t pos, const uint8_t *src) {
     engine_t *g = op->g;
     int reg = (int)(op->n % g->nreg);
-    if (g->eng == ENG_ASP && d == g->rank && !land_is_out(g)) {
+    if (g->eng == ENG_ASP && d == g->rank) { /* own rows: nobody polls them */
         copy_fast(outreg(g, d, reg) + pos * g->out_stride, src, g->row_bytes);
         return;
     }
@@ -1572,6 +1585,28 @@ static int recv_bases(op_t *op, int core, int64_t *rx_base, int64_t *rx_ebase, i
         }                                                                                  \
     } while (0)
 
+/* SP in place (ASP): rows land in recv_x itself, so a slot holds whatever the region's last
+ * call left there. Once every source's counts are in, exactly the positions the peers will
+ * write this call get the sentinel, and only then is readiness published. Nothing else needs
+ * it: this rank's own rows are not polled, and after a failed call the next use of the region
+ * re-arms its positions the same way (wait_peers_done(epoch - 2) in prepare means no peer of an
+ * earlier call of this region is still writing). */
+static int sp_arm(op_t *op, int reg) {
+    engine_t *g = op->g;
+    int64_t n = 0;
+    int rc = recv_bases(op, 0, g->rx_base, g->rx_ebase, &n);
+    if (rc) return rc;
+    uint8_t *base = land(g, g->rank, reg);
+    for (int s = 0; s < g->R; s++) {
+        if (s == g->rank) continue;
+        FOR_SOURCE_ROWS(g, op, s, g->rx_base, pos, rank_, {
+            (void)rank_;
+            fill_pattern(base + pos * g->slot_bytes, g->row_bytes, g->isz, g->sentinel);
+        });
+    }
+    return 0;
+}
+
 /* fill the metadata of source s's rows from its published routing */
 static int recv_metadata(op_t *op, int core, int s, const int64_t *rx_base) {
     engine_t *g = op->g;
@@ -1703,6 +1738,7 @@ static int recv_progress(op_t *op, int core, int s, const int64_t *rx_base, uint
             if (g->sync == SYNC_SP) {
                 if (has_pattern((const uint8_t *)slot, g->row_bytes, g->isz, g->sentinel))
                     return 0;
+                if (land_base == out_base) continue; /* in place: the row is recv_x already */
                 /* complete: take it out, then refill the slot while its lines are hot */
                 atomic_thread_fence(memory_order_acquire);
                 copy_fast(out_base + pos * g->out_stride, slot, g->row_bytes);
