@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -187,29 +188,63 @@ def test_native_bytes_equal_the_codecs() -> None:
 
 
 def _worker_sp_stale(group: Any) -> list[str]:
-    # Rank 0 sends nothing and polls while rank 1 writes 1024 rows of 8 KiB to it: a stale row
-    # left complete in a slot would be passed over at once. The rows are copied out the moment
-    # dispatch returns (recv_x is a view rank 1 could still be writing into).
-    case = Case("asp", "sp", "rank", "bf16", 2, 4096, "uniform")
+    # Only rank 1 sends: to rank 2 first (its send order is rank + 1, ...), then to rank 0,
+    # which polls meanwhile.
+    # * ~1000 rows of 8 KiB: the rows of the call before last, left complete in the same region,
+    #   would be taken at once if the region were not re-armed (rows are copied out the moment
+    #   dispatch returns: recv_x is a view rank 1 could still write into).
+    # * 1 row of 8 MiB: the elements just before the polled tail, read the moment dispatch
+    #   returns, are the last the body copy writes: stale if the tail were stored first.
     errors = []
-    with Buffer(group, case.config(1024)) as buf:
-        for seed in (1, 2, 3, 4):
-            land = _land(buf, buf._num_dispatches)  # the region this call lands in
-            land[:] = 0x11  # no sentinel anywhere: what any earlier call could leave
-            group.barrier(60)
-            xs, idxs, ws = make_inputs(case, buf.config.num_experts, [0, 1024], seed,
-                                       case.routing)
-            r = group.rank
-            res = buf.dispatch(xs[r], idxs[r], ws[r], copy=True)
-            refs = reference.dispatch(xs, idxs, ws, buf.config.num_experts, layout="rank")
-            errors += compare(res, refs[r])
+    r = group.rank
+    for hidden, tokens in ((4096, 1024), (1 << 22, 1)):
+        case = Case("asp", "sp", "rank", "bf16", 3, hidden, "uniform")
+        with Buffer(group, case.config(tokens)) as buf:
+            for seed in range(1, 5):
+                xs, idxs, ws = make_inputs(case, buf.config.num_experts, [0, tokens, 0], seed,
+                                           case.routing)
+                group.barrier(60)
+                res = buf.dispatch(xs[r], idxs[r], ws[r])
+                before_tail = res.recv_x[:, -64:-16].copy()
+                recv_x = res.recv_x.copy()
+                refs = reference.dispatch(xs, idxs, ws, buf.config.num_experts, layout="rank")
+                if not np.array_equal(before_tail, refs[r].recv_x[:, -64:-16]):
+                    errors.append(f"hidden {hidden}: body not complete when its tail was")
+                res = dataclasses.replace(res, recv_x=recv_x)
+                errors += [f"hidden {hidden}: {e}" for e in compare(res, refs[r])]
     return errors
 
 
 def test_sp_rearms_stale_slots_before_readiness() -> None:
-    """SP in place re-arms the positions peers will write before it publishes readiness."""
-    for errors in launch(_worker_sp_stale, 2, timeout_s=300):
+    """SP in place re-arms a reused region before readiness, and its writer stores the polled
+    tail of a row after the rest."""
+    for errors in launch(_worker_sp_stale, 3, timeout_s=300):
         assert not errors, errors[:3]
+
+
+def _worker_sp_check(group: Any, check: int) -> list[str]:
+    errors = []
+    for layout in ("expert", "rank"):
+        case = Case("asp", "sp", layout, "bf16", 2, 300, "uniform")  # 600-byte rows
+        with Buffer(group, case.config(24, sp_check_bytes=check)) as buf:
+            for seed in range(5):
+                res, refs = _call(buf, group, case, [24, 17], seed)
+                errors += [f"{layout} {seed}: {e}" for e in compare(res, refs[group.rank])]
+    return errors
+
+
+@pytest.mark.parametrize("check", [0, 8, 4096])
+def test_sp_every_check_width_matches_the_reference(check: int) -> None:
+    """Whole-row SP (0), the narrowest tail (8 bytes) and a tail wider than the row."""
+    for errors in launch(_worker_sp_check, 2, check, timeout_s=300):
+        assert not errors, errors[:3]
+
+
+def test_sp_check_bytes_is_validated() -> None:
+    base = dict(max_tokens_per_rank=4, hidden=8, num_topk=2, num_experts=4, dtype="bf16")
+    for bad in (-8, 12, 1.0, True):
+        with pytest.raises(InvalidArgumentError, match="sp_check_bytes"):
+            BufferConfig(**base, sp_check_bytes=bad)
 
 
 @pytest.mark.parametrize("row_bytes", [6, 8, 37, 512, 1000, 4096])

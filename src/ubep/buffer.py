@@ -96,6 +96,9 @@ class BufferConfig:
         threads: run cores as threads (``True``) or all on the calling thread (``False``);
             ``None`` = threads when ``num_cores * num_ranks`` fits the hardware threads.
         tff_block_bytes, tff_flag_bytes: TFF block geometry (default 512 = 480 + 32).
+        sp_check_bytes: SP arms and polls the last ``sp_check_bytes`` of each row, which the
+            writer stores after the rest behind a release fence (docs/FORMATS.md); ``0`` arms
+            and polls every element of the row, the paper's SP, which needs no store order.
     """
 
     max_tokens_per_rank: int
@@ -113,6 +116,7 @@ class BufferConfig:
     threads: bool | None = None
     tff_block_bytes: int = 512
     tff_flag_bytes: int = 32
+    sp_check_bytes: int = 32
 
     def __post_init__(self) -> None:
         for name in ("max_tokens_per_rank", "hidden", "num_topk", "num_experts"):
@@ -164,6 +168,9 @@ class BufferConfig:
             raise InvalidArgumentError(
                 "tff_block_bytes", block, f"must be a multiple of 64 larger than {flag}"
             )
+        check = self.sp_check_bytes
+        if isinstance(check, bool) or not isinstance(check, int) or check < 0 or check % 8:
+            raise InvalidArgumentError("sp_check_bytes", check, "must be >= 0, a multiple of 8")
 
 
 def _choice(name: str, value: object, options: tuple[str, ...]) -> None:
@@ -350,6 +357,7 @@ class Buffer:
             sentinel=sentinel,
             timeout_ns=int(cfg.timeout_s * 1e9),
             yield_ns=int(wait_yield_us_from_env() * 1e3),
+            sp_check_bytes=cfg.sp_check_bytes,
         )
         return params
 

@@ -719,6 +719,7 @@ typedef struct engine {
     uint64_t sentinel;
     int64_t off_fail, off_entered, off_done, off_recv_ready, off_comb_info, off_barrier;
     int64_t off_doorbell, yield_ns;
+    int64_t sp_tail;       /* SP: bytes at the end of a row that are armed and polled */
     int64_t off_inbox, inbox_bytes, off_route, route_stride, route_w_off;
     int64_t off_land, land_bytes, off_out, out_bytes, off_comb, comb_bytes, seg_size;
     int64_t timeout_ns;
@@ -759,6 +760,9 @@ typedef struct engine {
      * before its next use, once every peer is done with the failed call. */
     int land_dirty;
     uint64_t land_dirty_epoch;
+    /* SP in place (rows land in recv_x): rows [0, sp_dirty[reg]) of region reg lost their
+     * sentinel in its last use; the rest still hold it. Re-armed when the region is reused. */
+    int64_t sp_dirty[8];
     int in_use;            /* an operation is running (re-entrancy guard) */
     int64_t trace[16];     /* core 0's phase timestamps of the last call (ns), for profiling */
 } engine_t;
@@ -1237,8 +1241,7 @@ static int dispatch_validate(op_t *op) {
 /* bucket of the i-th destination in send order */
 static inline int64_t bucket_start(engine_t *g, int i) { return (int64_t)i * g->cap_src_rows; }
 
-static int recv_bases(op_t *op, int core, int64_t *rx_base, int64_t *rx_ebase, int64_t *n_out);
-static int sp_arm(op_t *op, int reg);
+static void sp_rearm(engine_t *g, uint8_t *base, int64_t n);
 
 /* publish my routing (for receivers' metadata), my readiness and my counts */
 static int dispatch_publish(op_t *op) {
@@ -1252,11 +1255,14 @@ static int dispatch_publish(op_t *op) {
     memcpy(rw, op->w, sizeof(float) * (size_t)(op->ntok * K));
     st_rlx(rt + ROUTE_NTOK, (uint64_t)op->ntok);
     st_rlx(rt + ROUTE_EPOCH, op->epoch);
-    const int sp_in_place = g->sync == SYNC_SP && land_is_out(g);
-    if (!sp_in_place) {
-        st_rel(ctrl(g, g->rank, g->off_recv_ready), op->epoch);
-        op->published_ready = 1;
+    if (g->sync == SYNC_SP && land_is_out(g) && g->sp_dirty[reg]) {
+        /* SP in place: the region's last use left data where peers may write now; the user's
+         * view of it has expired (recv_x lives until the second dispatch after it) */
+        sp_rearm(g, land(g, g->rank, reg), g->sp_dirty[reg]);
+        g->sp_dirty[reg] = 0;
     }
+    st_rel(ctrl(g, g->rank, g->off_recv_ready), op->epoch);
+    op->published_ready = 1;
     if (g->eng == ENG_BSP) {
         ring_all(g);
         return 0; /* BSP sends counts after its first barrier */
@@ -1270,12 +1276,6 @@ static int dispatch_publish(op_t *op) {
         st_rel(ib + IN_COUNTS_EPOCH, op->epoch);
     }
     ring_all(g); /* every sender to every rank reads these counts */
-    if (sp_in_place) {
-        if ((rc = sp_arm(op, reg))) return rc;
-        st_rel(ctrl(g, g->rank, g->off_recv_ready), op->epoch);
-        op->published_ready = 1;
-        ring_all(g);
-    }
     return 0;
 }
 
@@ -1357,6 +1357,31 @@ static int wait_dst(op_t *op, int core, int d) {
     return 0;
 }
 
+/* SP writer: the row's body, a release fence, then its armed tail (the last sp_tail bytes).
+ * A reader that finds no sentinel left in the tail has, after its acquire fence, the whole
+ * row: the fence orders the body's stores before the tail's (on x86 it only stops the compiler,
+ * TSO keeps store order; on Arm it is a DMB). Element-safe copies: no element tears. With
+ * sp_tail == row_bytes this is plain SP, every element armed and polled. */
+static void put_sp_row(engine_t *g, uint8_t *slot, const uint8_t *src) {
+    int64_t body = g->row_bytes - g->sp_tail;
+    if (body > 0) {
+        copy_elem(slot, src, body);
+        atomic_thread_fence(memory_order_release);
+    }
+    copy_elem(slot + body, src + body, g->sp_tail);
+}
+
+/* SP: put the sentinel back into the armed part of rows [0, n) of a land region */
+static void sp_rearm(engine_t *g, uint8_t *base, int64_t n) {
+    if (g->sp_tail == g->row_bytes) {
+        fill_pattern(base, n * g->slot_bytes, g->isz, g->sentinel);
+        return;
+    }
+    for (int64_t r = 0; r < n; r++)
+        fill_pattern(base + r * g->slot_bytes + g->row_bytes - g->sp_tail, g->sp_tail, g->isz,
+                     g->sentinel);
+}
+
 /* write one row to its slot in destination d (encoded for the sync mode) */
 static void put_row(op_t *op, int d, int64_t pos, const uint8_t *src) {
     engine_t *g = op->g;
@@ -1377,7 +1402,7 @@ static void put_row(op_t *op, int d, int64_t pos, const uint8_t *src) {
             st_rel(blk + g->tff_payload, op->epoch); /* the block's flag, after its payload */
         }
     } else if (g->sync == SYNC_SP) {
-        copy_elem(slot, src, g->row_bytes);
+        put_sp_row(g, slot, src);
     } else {
         copy_fast(slot, src, g->row_bytes);
     }
@@ -1585,28 +1610,6 @@ static int recv_bases(op_t *op, int core, int64_t *rx_base, int64_t *rx_ebase, i
         }                                                                                  \
     } while (0)
 
-/* SP in place (ASP): rows land in recv_x itself, so a slot holds whatever the region's last
- * call left there. Once every source's counts are in, exactly the positions the peers will
- * write this call get the sentinel, and only then is readiness published. Nothing else needs
- * it: this rank's own rows are not polled, and after a failed call the next use of the region
- * re-arms its positions the same way (wait_peers_done(epoch - 2) in prepare means no peer of an
- * earlier call of this region is still writing). */
-static int sp_arm(op_t *op, int reg) {
-    engine_t *g = op->g;
-    int64_t n = 0;
-    int rc = recv_bases(op, 0, g->rx_base, g->rx_ebase, &n);
-    if (rc) return rc;
-    uint8_t *base = land(g, g->rank, reg);
-    for (int s = 0; s < g->R; s++) {
-        if (s == g->rank) continue;
-        FOR_SOURCE_ROWS(g, op, s, g->rx_base, pos, rank_, {
-            (void)rank_;
-            fill_pattern(base + pos * g->slot_bytes, g->row_bytes, g->isz, g->sentinel);
-        });
-    }
-    return 0;
-}
-
 /* fill the metadata of source s's rows from its published routing */
 static int recv_metadata(op_t *op, int core, int s, const int64_t *rx_base) {
     engine_t *g = op->g;
@@ -1736,14 +1739,9 @@ static int recv_progress(op_t *op, int core, int s, const int64_t *rx_base, uint
                                 s), -1;
             const uint8_t *slot = land_base + pos * g->slot_bytes;
             if (g->sync == SYNC_SP) {
-                if (has_pattern((const uint8_t *)slot, g->row_bytes, g->isz, g->sentinel))
-                    return 0;
-                if (land_base == out_base) continue; /* in place: the row is recv_x already */
-                /* complete: take it out, then refill the slot while its lines are hot */
-                atomic_thread_fence(memory_order_acquire);
-                copy_fast(out_base + pos * g->out_stride, slot, g->row_bytes);
-                fill_pattern((uint8_t *)slot, g->row_bytes, g->isz, g->sentinel);
-                continue;
+                int64_t body = g->row_bytes - g->sp_tail;
+                if (has_pattern(slot + body, g->sp_tail, g->isz, g->sentinel)) return 0;
+                continue; /* in place: the row is recv_x already */
             }
             for (int64_t b = 0; b < g->tff_nblocks; b++) /* TFF: the whole row, then copy */
                 if (ld_acq(slot + b * g->tff_block + g->tff_payload) != op->epoch) return 0;
@@ -1775,23 +1773,25 @@ static int recv_sources(op_t *op, int core, const int64_t *rx_base, int reg) {
     waiter_t w;
     waiter_init(&w);
     while (n) {
-        int progressed = 0;
+        int completed = 0;
         for (int i = 0; i < n;) {
-            int64_t before = cur[i].rank;
             int rc = recv_progress(op, core, src[i], rx_base, land_base, out_base, &cur[i]);
             if (rc < 0) return -1;
             if (rc == 1) {
                 src[i] = src[n - 1];
                 cur[i] = cur[n - 1];
                 n--;
-                progressed = 1;
+                completed = 1;
                 continue;
             }
-            progressed |= cur[i].rank != before;
             i++;
         }
         if (!n) break;
-        if (progressed) {
+        /* Rows trickling in do not restart the spin/yield budget: once it is spent, this core
+         * sleeps until a source rings at the end of its batch. With a core per rank that is
+         * rarely reached; oversubscribed, polling row by row would take the CPU from the very
+         * ranks still writing (the wait then degrades to SW's one wake-up per source). */
+        if (completed) {
             waiter_init(&w);
             continue;
         }
@@ -2242,7 +2242,12 @@ static void finish_op(op_t *op) {
         format_error(op, buf, sizeof buf);
         publish_failure(g, op->epoch, buf);
     }
-    if (op->kind == 0 && g->sync == SYNC_SP && err && op->published_ready) {
+    if (op->kind == 0 && g->sync == SYNC_SP && land_is_out(g) && op->published_ready) {
+        /* rows [0, n_recv) now hold data; after a failure, any row a peer may have reached */
+        int64_t *dirty = &g->sp_dirty[op->n % g->nreg];
+        int64_t used = err ? g->cap_rows : op->n_recv;
+        if (used > *dirty) *dirty = used;
+    } else if (op->kind == 0 && g->sync == SYNC_SP && err && op->published_ready) {
         /* peers may have written rows this call never consumed: reset all before reuse */
         g->land_dirty = 1;
         g->land_dirty_epoch = op->epoch;
@@ -2319,7 +2324,7 @@ static int engine_init(engine_t *g, PyObject *args, PyObject *kwds) {
         "tff_flag_bytes", "sentinel", "off_fail", "off_entered", "off_done", "off_recv_ready",
         "off_comb_info", "off_barrier", "off_inbox", "inbox_bytes", "off_route", "route_stride",
         "route_w_off", "off_land", "land_bytes", "off_out", "out_bytes", "off_comb", "comb_bytes",
-        "seg_size", "timeout_ns", "off_doorbell", "yield_ns", NULL};
+        "seg_size", "timeout_ns", "off_doorbell", "yield_ns", "sp_check_bytes", NULL};
     int nk = 0;
     for (; keys[nk]; nk++)
         if (get_i64(p, keys[nk], &v[nk])) return -1;
@@ -2338,9 +2343,13 @@ static int engine_init(engine_t *g, PyObject *args, PyObject *kwds) {
     g->off_route = v[i++]; g->route_stride = v[i++]; g->route_w_off = v[i++];
     g->off_land = v[i++]; g->land_bytes = v[i++]; g->off_out = v[i++]; g->out_bytes = v[i++];
     g->off_comb = v[i++]; g->comb_bytes = v[i++]; g->seg_size = v[i++]; g->timeout_ns = v[i++];
-    g->off_doorbell = v[i++]; g->yield_ns = v[i++];
+    g->off_doorbell = v[i++]; g->yield_ns = v[i++]; g->sp_tail = v[i++];
+    /* 0 (or a whole row or more): every element of the row is armed and polled */
+    if (g->sp_tail <= 0 || g->sp_tail >= g->row_bytes) g->sp_tail = g->row_bytes;
+    if (g->isz > 1) g->sp_tail -= g->sp_tail % g->isz;
     if (g->R < 1 || g->R > 64 || g->C < 1 || g->C > 256 || g->L < 1 || g->K < 1 ||
-        g->cdt < 0 || g->cdt > 2 || g->rank < 0 || g->rank >= g->R) {
+        g->cdt < 0 || g->cdt > 2 || g->rank < 0 || g->rank >= g->R || g->nreg < 1 ||
+        g->nreg > 8 || (g->nland != 1 && g->nland != g->nreg)) {
         PyErr_SetString(PyExc_ValueError, "engine: parameters out of range (num_ranks <= 64)");
         return -1;
     }
@@ -2628,6 +2637,7 @@ static PyObject *engine_reset_all(engine_t *g, PyObject *noargs) {
     Py_BEGIN_ALLOW_THREADS
     reset_land(g);
     g->land_dirty = 0;
+    memset(g->sp_dirty, 0, sizeof g->sp_dirty);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
