@@ -17,12 +17,11 @@ Results match :func:`ubep.reference.dispatch` / :func:`ubep.reference.combine` b
 (field names, row order and dtypes included).
 
 Lifetimes: ``res.recv_x`` is a read-only *view* of the receive region (no copy: that is what
-makes dispatch one memcpy with SW/DC). It stays valid until the second dispatch after it is
-called (the view of dispatch ``n`` survives dispatch ``n+1``; dispatch ``n+2`` may reuse its
-memory). Pass ``copy=True`` for an owned array. Every other field, the handle included, is an
-owned array. With TFF and SP the rows land in separate slots and the receiver moves each one into
-``recv_x`` as it completes (TFF strips the block flags; SP refills the slot with its sentinel
-right away, while the line is still in cache, as the paper resets a buffer after consumption).
+makes dispatch one memcpy with SW, DC and SP). It stays valid until the second dispatch after it
+is called (the view of dispatch ``n`` survives dispatch ``n+1``; dispatch ``n+2`` may reuse its
+memory, and SP re-arms it then). Pass ``copy=True`` for an owned array. Every other field, the
+handle included, is an owned array. With TFF the rows land in separate slots of 480-byte blocks
+and flags, and the receiver moves each one into ``recv_x`` as it completes.
 
 Combine reads the expert outputs where they lie: if ``expert_out`` already lives in this rank's
 segment (``buf.get_combine_buffer(handle)``, or ``res.recv_x`` itself) nothing is copied;

@@ -19,14 +19,15 @@ route [nreg]       per dispatch (index mod nreg): the sender's routing, read by 
                    for their metadata: ``[num_tokens][epoch]``, topk_idx int32, weights f32
 land [nland]       where senders write rows (ASP: final positions; BSP: staging partitioned
                    by source), each slot encoded for the sync mode (FORMATS.md)
-out [nreg]         ``recv_x`` (raw rows); the same memory as ``land`` for ASP with SW/DC
+out [nreg]         ``recv_x`` (raw rows); the same memory as ``land`` for ASP with SW/DC/SP
 comb [2]           expert outputs for combine (unless the caller's already live here)
 =================  =====================================================================
 
 ``nreg = 2``: the ``recv_x`` of dispatch ``n`` stays valid while dispatch ``n+1`` runs. Where
-land and out differ (ASP with TFF/SP: the receiver decodes, or consumes and refills the SP
-sentinel; BSP: staging), one land region is enough (``nland = 1``): a peer writes it for the
-next call only after this rank has published that it finished with it.
+land and out differ (ASP with TFF: the receiver strips the block flags; BSP: staging), one land
+region is enough (``nland = 1``): a peer writes it for the next call only after this rank has
+published that it finished with it. ASP with SP lands rows in ``recv_x`` too and re-arms a
+region's sentinels when the region is reused.
 """
 
 from __future__ import annotations
