@@ -42,6 +42,22 @@ def test_topology_is_passed_to_the_group() -> None:
     assert out[1][4] == topo.name
 
 
+def _worker_threads(group: Any) -> tuple[str | None, ...]:
+    return tuple(os.environ.get(v) for v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                                            "MKL_NUM_THREADS"))
+
+
+def test_ranks_get_one_compute_thread_unless_the_caller_chose(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "3")
+    assert launch(_worker_threads, 2) == [("1", "3", "1")] * 2
+    # the parent's own environment is as it was
+    assert "OMP_NUM_THREADS" not in os.environ and os.environ["OPENBLAS_NUM_THREADS"] == "3"
+
+
 def _worker_raise(group: Any) -> None:
     if group.rank == 1:
         raise KeyError("boom on rank one")

@@ -12,6 +12,7 @@ raises ``ubep.TimeoutError``. Shared-memory segments a dead rank had not yet unl
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import multiprocessing as mp
 import os
@@ -21,7 +22,7 @@ import signal
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -41,6 +42,24 @@ __all__ = ["launch"]
 # After the first failure, how long the other ranks get to finish or fail on their own.
 _GRACE_S = 10.0
 _CONSEQUENTIAL = (PeerLostError.__name__, RemoteError.__name__)
+
+
+# BLAS / OpenMP thread pools of one rank each default to every core, so ranks-as-processes
+# oversubscribe the host many times over (OpenBLAS's idle threads even spin). As torchrun does,
+# a rank gets one compute thread unless the caller set these variables.
+_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+@contextlib.contextmanager
+def _one_compute_thread_per_rank() -> Iterator[None]:
+    unset = [v for v in _THREAD_VARS if v not in os.environ]
+    for var in unset:
+        os.environ[var] = "1"  # spawned children copy the parent's environment at start()
+    try:
+        yield
+    finally:
+        for var in unset:
+            os.environ.pop(var, None)
 
 
 def launch(
@@ -77,19 +96,20 @@ def launch(
     procs: list[Any] = []
     readers: list[Connection] = []
     try:
-        for rank in range(num_ranks):
-            reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
-                target=_child_main,
-                args=(fn, rank, num_ranks, rendezvous, group_id, topology, args, timeout_s,
-                      writer),
-                name=f"ubep-rank-{rank}",
-                daemon=True,
-            )
-            proc.start()
-            writer.close()
-            procs.append(proc)
-            readers.append(reader)
+        with _one_compute_thread_per_rank():
+            for rank in range(num_ranks):
+                reader, writer = ctx.Pipe(duplex=False)
+                proc = ctx.Process(
+                    target=_child_main,
+                    args=(fn, rank, num_ranks, rendezvous, group_id, topology, args, timeout_s,
+                          writer),
+                    name=f"ubep-rank-{rank}",
+                    daemon=True,
+                )
+                proc.start()
+                writer.close()
+                procs.append(proc)
+                readers.append(reader)
         return _collect(procs, readers, timeout_s)
     finally:
         for proc in procs:
