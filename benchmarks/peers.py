@@ -12,9 +12,11 @@ for combine, for both layouts (``expert``: one row per (token, expert); ``rank``
 
 Timing: per iteration, a barrier, each rank times its own call, the maximum over ranks is the
 iteration's time; min/median/max over the repeats after warm-up. The floor is one ``np.copyto``
-of the bytes a rank sends, done by as many processes as the shape has ranks at once and timed
-the same way (benchmarks.harness.concurrent_copy), in the same run. 4 ranks on this 2-core host
-are oversubscribed for every system alike, the floor's copies included.
+of the bytes a rank sends, done by every rank at once; an iteration lasts from the first copy's
+start to the last copy's end. With ubep measured, the floor is timed inside ubep's launch,
+interleaved with the first mode's calls of each (shape, layout), so that both see the same
+machine; alone, by as many processes as ranks (benchmarks.harness.concurrent_copy). 4 ranks on
+this 2-core host are oversubscribed for every system alike, the floor's copies included.
 """
 
 from __future__ import annotations
@@ -453,6 +455,7 @@ def ubep_rows(
         cases = []
         for inp in group:
             for layout in settings.layouts:
+                first = True
                 for engine, sync in UBEP_MODES:
                     if sync == "sp" and inp.shape.dtype not in FLOAT_DTYPES:
                         # SP needs a bit pattern the payload never holds; 1-byte types have none.
@@ -460,7 +463,8 @@ def ubep_rows(
                             "SP needs a sentinel; 1-byte payloads have none (use tff or dc)"
                         )
                         continue
-                    cases.append((inp, UbepCase(inp.shape, layout, engine, sync)))
+                    cases.append((inp, UbepCase(inp.shape, layout, engine, sync, floor=first)))
+                    first = False
         got = _run_ubep_with_retry([c for _, c in cases], num_ranks, settings)
         for (inp, case), times in zip(cases, got, strict=True):
             expected = rows_sent(inp, case.layout)
@@ -471,6 +475,9 @@ def ubep_rows(
                 stats = Stats.from_samples_us((np.asarray(times[op]) / 1e3).tolist())
                 nbytes = bytes_per_rank(inp, case.layout, op)
                 rows.append(Row(system, case.layout, inp.shape, op, nbytes, stats))
+                if f"memcpy_{op}" in times:  # the floor, timed between this case's calls
+                    floor = Stats.from_samples_us((times[f"memcpy_{op}"] / 1e3).tolist())
+                    rows.append(Row("memcpy", case.layout, inp.shape, op, nbytes, floor))
     return rows, unsupported
 
 
@@ -640,6 +647,21 @@ def machine_info(versions: dict[str, str], load_at_start: float) -> dict[str, An
     }
 
 
+def _style(system: str) -> tuple[Any, str]:
+    """ubep's ASP modes in blues (circles), its BSP modes in oranges (squares), the peers in
+    their own colours (triangles): twelve series stay tellable apart."""
+    import matplotlib
+
+    syncs = ("sp", "tff", "dc", "sw")
+    for engine, cmap, marker in (("asp", "Blues", "o"), ("bsp", "Oranges", "s")):
+        prefix = f"ubep-{engine}-"
+        if system.startswith(prefix):
+            shade = 0.45 + 0.5 * syncs.index(system[len(prefix):]) / (len(syncs) - 1)
+            return matplotlib.colormaps[cmap](shade), marker
+    peers = {"impi": "tab:green", "openmpi": "tab:red", "mpich": "tab:purple", "gloo": "tab:gray"}
+    return peers.get(system, "k"), "^"
+
+
 def write_plot(rows: Sequence[Row], path: Path) -> None:
     """Median latency per system and shape (min-max bars), log scale, memcpy floor as a line."""
     import matplotlib
@@ -662,7 +684,9 @@ def write_plot(rows: Sequence[Row], path: Path) -> None:
             x = np.array([p[0] for p in pts]) - 0.4 + (j + 0.5) * width
             med = np.array([p[1].median_us for p in pts])
             err = [med - [p[1].min_us for p in pts], [p[1].max_us for p in pts] - med]
-            ax.errorbar(x, med, yerr=err, fmt="o", ms=4, capsize=2, label=system)
+            color, marker = _style(system)
+            ax.errorbar(x, med, yerr=err, fmt=marker, ms=4, capsize=2, label=system,
+                        color=color)
         floor = sorted((xs[r.shape], r.stats.median_us) for r in sel if r.system == "memcpy")
         if floor:
             fx = np.array([f[0] for f in floor], dtype=float)
@@ -757,6 +781,8 @@ def collect(
                     rows += got
                     skipped.update(unsupported)
                 elif system == "memcpy":
+                    if any(r.system == "memcpy" for r in rows):
+                        continue  # timed inside ubep's launch, between its calls
                     rows += memcpy_rows(inputs_list, settings)
                 else:
                     got, versions[system] = _peer_rows(system, inputs_list, settings, scratch)

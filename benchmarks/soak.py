@@ -13,9 +13,9 @@ token to one expert) and payload seed. Consecutive calls on one Buffer are the p
 receive regions, epochs, parity slots and SP resets are what a long run exercises.
 
 Every rank rebuilds all ranks' inputs from the seed, runs the call and compares its own result
-with the reference (every dispatch field and the combined output, bit for bit; the one latitude:
-a combined element that is NaN on both sides may differ in its NaN payload, see
-``_same_combine``); a progress bar runs on rank 0. The exit status is 0 only if every call
+with the reference (every dispatch field and the combined output, bit for bit: a NaN result is
+the canonical quiet NaN on both sides, ``ubep.dtypes.CANONICAL_NAN``); a progress bar runs on
+rank 0. The exit status is 0 only if every call
 matched. ``--json`` writes the findings.
 """
 
@@ -30,7 +30,6 @@ from typing import Any
 
 import numpy as np
 
-from ubep import dtypes as _dt
 from ubep import reference, routing
 from ubep.buffer import Buffer, BufferConfig
 from ubep.runtime import launch
@@ -175,21 +174,6 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
         np.ascontiguousarray(a).view(np.uint8), np.ascontiguousarray(b).view(np.uint8)))
 
 
-def _same_combine(y: np.ndarray, ref: np.ndarray, dtype: str) -> bool:
-    """Bit for bit, except that where both are NaN any NaN matches: IEEE 754 leaves the payload
-    of NaN + NaN open, and numpy's own add picks differently in the SIMD body and tail of one
-    array, so ``ubep.reference`` does not define it either (random bf16 expert outputs of the
-    1-byte-dispatch blocks make two different NaNs meet in one sum now and then)."""
-    if y.shape != ref.shape or y.dtype != ref.dtype:
-        return False
-    if _same(y, ref):
-        return True
-    dt = _dt.dtype_of(dtype)
-    a, b = dt.to_float32(y), dt.to_float32(ref)
-    differ = a.view(np.uint32) != b.view(np.uint32)
-    return bool((np.isnan(a) & np.isnan(b))[differ].all())
-
-
 def _worker(group: Any, blocks: list[Block], progress: bool) -> dict[str, Any]:
     r = group.rank
     bar: Any = None
@@ -225,8 +209,7 @@ def _worker(group: Any, blocks: list[Block], progress: bool) -> dict[str, Any]:
                 else:
                     eo = outs[r]
                 y = buf.combine(eo, res.handle)
-                if not _same_combine(y, reference.combine(outs, refs)[r],
-                                     buf.config.combine_dtype):
+                if not _same(y, reference.combine(outs, refs)[r]):
                     errors.append(f"{where}: combine differs")
                 calls += 1
                 if bar is not None:

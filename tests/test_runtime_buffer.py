@@ -233,6 +233,45 @@ def _worker_sp_check(group: Any, check: int) -> list[str]:
     return errors
 
 
+def _worker_nan_combine(group: Any, dtype: str) -> list[str]:
+    # Expert outputs full of NaNs of every sign and payload, several meeting in one sum: the
+    # result is the canonical NaN wherever a term was NaN, bit for bit with the reference.
+    errors = []
+    for layout in ("expert", "rank"):
+        case = Case("asp", "sw", layout, dtype, 2, 300, "uniform")
+        with Buffer(group, case.config(24)) as buf:
+            res, refs = _call(buf, group, case, [24, 24], 3)
+            outs = []
+            for r, ref in enumerate(refs):
+                rng = np.random.default_rng([r, 11])
+                dt = dtypes.dtype_of(dtype)
+                vals = rng.standard_normal(ref.recv_x.shape).astype(np.float32)
+                out = dt.from_float32(vals)
+                raw = out.view(dt.bits_dtype)
+                nan_at = rng.random(raw.shape) < 0.3
+                width = 8 * dt.itemsize
+                payload = rng.integers(1, 2 ** (width - 10), raw.shape, dtype=np.uint64)
+                exp_bits = {"bf16": 0x7F80, "fp16": 0x7C00, "fp32": 0x7F800000}[dtype]
+                sign = rng.integers(0, 2, raw.shape, dtype=np.uint64) << np.uint64(width - 1)
+                raw[nan_at] = (exp_bits | payload[nan_at] | sign[nan_at]).astype(raw.dtype)
+                outs.append(out)
+            y = buf.combine(outs[group.rank], res.handle)
+            want = reference.combine(outs, refs)[group.rank]
+            if not np.array_equal(bits(y), bits(want)):
+                errors.append(f"{layout}: combine differs from the reference")
+            nan = np.isnan(dtypes.dtype_of(dtype).to_float32(want))
+            if not nan.any() or not (want.view(dt.bits_dtype)[nan]
+                                     == dtypes.CANONICAL_NAN[dtype]).all():
+                errors.append(f"{layout}: reference NaNs are not canonical")
+    return errors
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+def test_nan_sums_combine_to_the_canonical_nan(dtype: str) -> None:
+    for errors in launch(_worker_nan_combine, 2, dtype, timeout_s=300):
+        assert not errors, errors
+
+
 @pytest.mark.parametrize("check", [0, 8, 4096])
 def test_sp_every_check_width_matches_the_reference(check: int) -> None:
     """Whole-row SP (0), the narrowest tail (8 bytes) and a tail wider than the row."""
@@ -270,10 +309,12 @@ def test_native_rounding_equals_dtypes(name: str) -> None:
         rng.integers(0, 2**32, 5000, dtype=np.uint64).astype(np.uint32).view(np.float32),
     ])
     dt = dtypes.dtype_of(name)
-    if name != "bf16":  # numpy's float16 cast and the native one may quiet NaN payloads apart
-        values = values[~np.isnan(values)]
     with np.errstate(over="ignore"):  # float32 -> fp16 overflows to inf, on purpose
         want = dt.from_float32(values)
     got = np.empty_like(want)
     _native.convert(values, got, {"bf16": 0, "fp16": 1, "fp32": 2}[name])
     assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
+    # every NaN, whatever its sign and payload, comes out as the canonical quiet NaN
+    nan = np.isnan(values)
+    assert nan.sum() > 10
+    assert (want.view(dt.bits_dtype)[nan] == dtypes.CANONICAL_NAN[name]).all()

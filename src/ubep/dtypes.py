@@ -37,6 +37,7 @@ from .errors import InvalidArgumentError
 
 __all__ = [
     "BF16",
+    "CANONICAL_NAN",
     "DTYPES",
     "FP16",
     "FP32",
@@ -85,14 +86,20 @@ class DType:
         return a.astype(np.float32)
 
     def from_float32(self, arr: np.ndarray) -> np.ndarray:
-        """Round float32 values to this type (round to nearest, ties to even)."""
+        """Round float32 values to this type (round to nearest, ties to even); every NaN becomes
+        the type's canonical quiet NaN (:data:`CANONICAL_NAN`): IEEE 754 leaves the payload of
+        ``NaN + NaN`` to the implementation, so a reduction's NaN payload is not reproducible
+        across scalar and vector code, and combine promises bits."""
         self._require_float("from_float32")
         a = np.asarray(arr)
         if a.dtype != np.float32:
             raise InvalidArgumentError("arr", a.dtype, "must be float32")
-        if self.name == "bf16":
-            return _float32_to_bf16_bits(a)
-        return a.astype(self.storage)
+        out = _float32_to_bf16_bits(a) if self.name == "bf16" else a.astype(self.storage)
+        nan = np.isnan(a)
+        if nan.any():
+            out = np.array(out, copy=True)
+            out.view(self.bits_dtype)[nan] = CANONICAL_NAN[self.name]
+        return out
 
     def contains_sentinel(self, arr: np.ndarray) -> bool:
         """Whether any element of ``arr`` has the sentinel's bit pattern."""
@@ -112,14 +119,13 @@ def _float32_to_bf16_bits(a: np.ndarray) -> np.ndarray:
     bits = np.ascontiguousarray(a).view(np.uint32)
     # Round to nearest even on the 16 dropped bits; uint32 arithmetic cannot overflow for
     # non-NaN inputs (the largest, 0x7F7FFFFF + 0x8000, stays below 2^32 and rounds to inf).
+    # NaN inputs come out wrong here; from_float32 overwrites them with the canonical NaN.
     bias = ((bits >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF)
-    rounded = ((bits + bias) >> np.uint32(16)).astype(np.uint16)
-    # NaN must stay NaN: truncate and force the quiet bit (rounding could carry into the sign).
-    nan = np.isnan(a)
-    if nan.any():
-        quiet = ((bits >> np.uint32(16)) | np.uint32(0x0040)).astype(np.uint16)
-        rounded = np.where(nan, quiet, rounded)
-    return rounded
+    return ((bits + bias) >> np.uint32(16)).astype(np.uint16)
+
+
+#: The quiet NaN every float conversion of combine's results produces (bit patterns).
+CANONICAL_NAN: dict[str, int] = {"bf16": 0x7FC0, "fp16": 0x7E00, "fp32": 0x7FC00000}
 
 
 BF16 = DType("bf16", np.dtype(np.uint16), True, 0x7FA5)

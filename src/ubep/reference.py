@@ -27,7 +27,9 @@ weights) and returns ``y[t] = sum over destination ranks ascending of the row se
 the add: no fused multiply-add, so native code needs ``-ffp-contract=off``) or
 ``acc = fl32(acc + out)`` (rank layout); masked slots are skipped (never multiplied by 0, which
 would turn an ``inf`` output into NaN); a token with no term gives ``+0.0``. Inputs convert to
-float32 exactly (``ubep.dtypes``) and the result rounds to the output type to nearest-even.
+float32 exactly (``ubep.dtypes``) and the result rounds to the output type to nearest-even; a
+NaN result is the type's canonical quiet NaN (``ubep.dtypes.CANONICAL_NAN``), since IEEE 754
+leaves the payload of ``NaN + NaN`` to the implementation.
 
 **Types**: dispatch moves any ``ubep.dtypes`` type bit for bit (BF16 as uint16, FP16, FP32,
 INT8, UINT8/FP8). Combine needs float data: ``expert_outs`` must have ``x``'s dtype when ``x`` is

@@ -336,10 +336,17 @@ static inline float bf16_to_f32(uint16_t h) {
     memcpy(&f, &u, 4);
     return f;
 }
+/* Combine outputs: a NaN result is the canonical quiet NaN of the output type, whatever NaN
+ * the additions propagated (IEEE 754 leaves the payload of NaN + NaN to the implementation,
+ * and scalar and vector code pick differently); ubep.dtypes does the same. */
+#define CANON_NAN_BF16 0x7FC0u
+#define CANON_NAN_FP16 0x7E00u
+#define CANON_NAN_F32 0x7FC00000u
+
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x0040u);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return CANON_NAN_BF16;
     uint32_t bias = ((u >> 16) & 1u) + 0x7FFFu;
     return (uint16_t)((u + bias) >> 16);
 }
@@ -368,11 +375,7 @@ static uint16_t f32_to_fp16_sw(float f) {
     memcpy(&u, &f, 4);
     uint32_t sign = (u >> 16) & 0x8000u, fexp = u & 0x7F800000u, fsig = u & 0x007FFFFFu;
     if (fexp >= 0x47800000u) { /* overflow, inf or nan */
-        if (fexp == 0x7F800000u && fsig) {
-            uint16_t r = (uint16_t)(0x7C00u + (fsig >> 13));
-            if (r == 0x7C00u) r++;
-            return (uint16_t)(sign + r);
-        }
+        if (fexp == 0x7F800000u && fsig) return CANON_NAN_FP16;
         return (uint16_t)(sign + 0x7C00u);
     }
     if (fexp <= 0x38000000u) { /* subnormal or zero in half */
@@ -413,7 +416,16 @@ static void out_bf16(void *dst, const float *acc, int64_t n) {
     uint16_t *y = (uint16_t *)dst;
     for (int64_t i = 0; i < n; i++) y[i] = f32_to_bf16(acc[i]);
 }
-static void out_f32(void *dst, const float *acc, int64_t n) { memcpy(dst, acc, (size_t)n * 4); }
+static inline float canon_f32(float v) {
+    if (v == v) return v;
+    uint32_t u = CANON_NAN_F32;
+    memcpy(&v, &u, 4);
+    return v;
+}
+static void out_f32(void *dst, const float *acc, int64_t n) {
+    float *y = (float *)dst;
+    for (int64_t i = 0; i < n; i++) y[i] = canon_f32(acc[i]);
+}
 static void out_f16sw(void *dst, const float *acc, int64_t n) {
     uint16_t *y = (uint16_t *)dst;
     for (int64_t i = 0; i < n; i++) y[i] = f32_to_fp16_sw(acc[i]);
@@ -491,7 +503,7 @@ __attribute__((target("avx2,f16c"))) static void out_f16_hw(void *dst, const flo
         __m256 f = _mm256_loadu_ps(acc + i);
         __m256i u = _mm256_castps_si256(f);
         __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, absmask), inf);
-        if (!_mm256_testz_si256(nan, nan)) break; /* NaN payloads: numpy's rule, scalar */
+        if (!_mm256_testz_si256(nan, nan)) break; /* NaN: the canonical one, scalar */
         _mm_storeu_si128((__m128i *)(y + i), _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT));
     }
     for (; i < n; i++) y[i] = f32_to_fp16_sw(acc[i]);
@@ -521,7 +533,7 @@ static float load_f32(int dt, const void *p, int64_t i) {
 static void store_f32(int dt, void *p, int64_t i, float v) {
     if (dt == DT_BF16) ((uint16_t *)p)[i] = f32_to_bf16(v);
     else if (dt == DT_FP16) ((uint16_t *)p)[i] = f32_to_fp16_sw(v);
-    else ((float *)p)[i] = v;
+    else ((float *)p)[i] = canon_f32(v);
 }
 static void reduce_tail(int dt, void *y, const void *const *src, const float *w, int nt,
                         int64_t i0, int64_t n, int weighted) {
@@ -583,7 +595,7 @@ __attribute__((target("avx2"))) static void reduce_bf16_avx2(void *y, const void
         __m256 un = _mm256_or_ps(
             _mm256_or_ps(_mm256_cmp_ps(a0, a0, _CMP_UNORD_Q), _mm256_cmp_ps(a1, a1, _CMP_UNORD_Q)),
             _mm256_or_ps(_mm256_cmp_ps(a2, a2, _CMP_UNORD_Q), _mm256_cmp_ps(a3, a3, _CMP_UNORD_Q)));
-        if (!_mm256_testz_ps(un, un)) { /* NaN: keep its payload, quiet it (scalar, rare) */
+        if (!_mm256_testz_ps(un, un)) { /* NaN: the canonical one (scalar, rare) */
             float tmp[32];
             _mm256_storeu_ps(tmp, a0);
             _mm256_storeu_ps(tmp + 8, a1);
@@ -625,6 +637,11 @@ __attribute__((target("avx2"))) static void reduce_fp32_avx2(void *y, const void
             a2 = _mm256_add_ps(a2, f2);
             a3 = _mm256_add_ps(a3, f3);
         }
+        const __m256 canon = _mm256_castsi256_ps(_mm256_set1_epi32((int)CANON_NAN_F32));
+        a0 = _mm256_blendv_ps(a0, canon, _mm256_cmp_ps(a0, a0, _CMP_UNORD_Q));
+        a1 = _mm256_blendv_ps(a1, canon, _mm256_cmp_ps(a1, a1, _CMP_UNORD_Q));
+        a2 = _mm256_blendv_ps(a2, canon, _mm256_cmp_ps(a2, a2, _CMP_UNORD_Q));
+        a3 = _mm256_blendv_ps(a3, canon, _mm256_cmp_ps(a3, a3, _CMP_UNORD_Q));
         _mm256_storeu_ps(out + i, a0);
         _mm256_storeu_ps(out + i + 8, a1);
         _mm256_storeu_ps(out + i + 16, a2);
@@ -655,7 +672,7 @@ __attribute__((target("avx2,f16c"))) static void reduce_fp16_hw(void *y, const v
         __m256i nan = _mm256_or_si256(
             _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(a0), absmask), inf),
             _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(a1), absmask), inf));
-        if (!_mm256_testz_si256(nan, nan)) { /* NaN: numpy's payload rule, element by element */
+        if (!_mm256_testz_si256(nan, nan)) { /* NaN: the canonical one (scalar, rare) */
             float tmp[16];
             _mm256_storeu_ps(tmp, a0);
             _mm256_storeu_ps(tmp + 8, a1);
