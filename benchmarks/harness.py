@@ -75,42 +75,45 @@ def _spin_barrier(slots: Any, rank: int, target: int) -> None:
 
 
 def _copy_worker(
-    slots: Any, out: Any, rank: int, sizes_bytes: Sequence[int], repeats: int, warmup: int
+    slots: Any, out: Any, rank: int, sizes_bytes: Sequence[int], rounds: Sequence[int],
+    warmup: int,
 ) -> None:
     # Pre-faulted buffers (a first touch page-faults at a fraction of copy speed).
     src = np.ones(max(sizes_bytes) + 64, dtype=np.uint8)
     dst = np.zeros_like(src)
     dst.fill(1)
-    spans = []
+    spans: list[list[tuple[int, int]]] = [[] for _ in sizes_bytes]
     iteration = 0
-    for n in sizes_bytes:
-        got = []
-        for i in range(warmup + repeats):
-            iteration += 1
-            _spin_barrier(slots, rank, iteration)
-            start = time.perf_counter_ns()  # CLOCK_MONOTONIC: one clock for every process
-            np.copyto(dst[:n], src[:n])
-            if i >= warmup:
-                got.append((start, time.perf_counter_ns()))
-        spans.append(got)
+    for repeats in rounds:
+        for n, got in zip(sizes_bytes, spans, strict=True):
+            for i in range(warmup + repeats):
+                iteration += 1
+                _spin_barrier(slots, rank, iteration)
+                start = time.perf_counter_ns()  # CLOCK_MONOTONIC: one clock for all processes
+                np.copyto(dst[:n], src[:n])
+                if i >= warmup:
+                    got.append((start, time.perf_counter_ns()))
     out.put((rank, spans))
 
 
 def concurrent_copy(
     num_procs: int, sizes_bytes: Sequence[int], repeats: int = 20, warmup: int = 3,
-    timeout_s: float = 600.0,
+    timeout_s: float = 600.0, rounds: int = 1,
 ) -> list[Stats]:
     """The memcpy floor of a ``num_procs``-rank operation: per size, ``num_procs`` processes each
     copy ``size`` bytes at the same time (a barrier before every iteration); an iteration lasts
     from the first copy's start to the last copy's end. The ranks of a collective share the
     memory system and, when there are more of them than cores, the cores: then the copies take
-    turns, as the ranks do, and one process copying alone is not a floor they can reach."""
+    turns, as the ranks do, and one process copying alone is not a floor they can reach.
+    ``rounds``: the repeats are split over that many passes through the sizes."""
     if num_procs < 1:
         raise ValueError(f"num_procs={num_procs}: must be >= 1")
+    rounds = max(1, min(rounds, repeats))
+    per_round = [repeats // rounds + (1 if i < repeats % rounds else 0) for i in range(rounds)]
     ctx = mp.get_context("spawn")
     slots, out = ctx.RawArray("q", num_procs), ctx.Queue()
     procs = [
-        ctx.Process(target=_copy_worker, args=(slots, out, r, list(sizes_bytes), repeats,
+        ctx.Process(target=_copy_worker, args=(slots, out, r, list(sizes_bytes), per_round,
                                                warmup), daemon=True)
         for r in range(num_procs)
     ]

@@ -14,7 +14,7 @@ directory; every rank of the worker reads the plan, runs each case and writes ba
 
 Plan format::
 
-    {"warmup": 5, "repeats": 20, "check": false,
+    {"warmup": 5, "repeats": 20, "rounds": 1, "check": false,
      "cases": [{"id": "c0", "input": "i0", "layout": "rank", "num_experts": 64,
                 "out_dtype": "uint16", "seed": 7}]}
 
@@ -64,7 +64,10 @@ def _synthetic_expert_out(rows: int, hidden: int, dtype: np.dtype, seed: int) ->
     return values.astype(dtype)
 
 
-def _run_case(ex: Exchange, workdir: Path, case: dict[str, Any], plan: dict[str, Any]) -> None:
+def _run_case(
+    ex: Exchange, workdir: Path, case: dict[str, Any], plan: dict[str, Any], repeats: int,
+    times: dict[str, list[np.ndarray]],
+) -> None:
     data = np.load(workdir / f"{case['input']}.r{ex.rank}.npz")
     x, topk_idx, topk_weights = data["x"], data["topk_idx"], data["topk_weights"]
     out_dtype = np.dtype(case["out_dtype"])
@@ -96,19 +99,26 @@ def _run_case(ex: Exchange, workdir: Path, case: dict[str, Any], plan: dict[str,
             combined=y,
         )
         np.savez(workdir / f"{case['id']}.r{ex.rank}.out.npz", **fields)
-    warmup, repeats = int(plan["warmup"]), int(plan["repeats"])
-    dispatch_ns = time_op(ex, lambda: peer.dispatch(x, topk_idx, topk_weights), warmup, repeats)
-    exchange_ns = time_op(ex, peer.payload_exchange, warmup, repeats)
+    warmup = int(plan["warmup"])
+    times.setdefault("dispatch_ns", []).append(
+        time_op(ex, lambda: peer.dispatch(x, topk_idx, topk_weights), warmup, repeats))
+    times.setdefault("exchange_ns", []).append(
+        time_op(ex, peer.payload_exchange, warmup, repeats))
     # Combine reuses the last dispatch's bookkeeping (the "handle"); same routing every time.
-    combine_ns = time_op(ex, lambda: peer.combine(expert_out), warmup, repeats)
+    times.setdefault("combine_ns", []).append(
+        time_op(ex, lambda: peer.combine(expert_out), warmup, repeats))
     # Rows each rank sent (one-hot max = an all-gather): the parent checks the byte formula.
     rows_sent = np.zeros(ex.num_ranks)
     rows_sent[ex.rank] = first.num_sent_rows
-    rows_sent = ex.max_over_ranks(rows_sent)
-    if ex.rank == 0:
-        out = workdir / f"{case['id']}.times.npz"
-        np.savez(out, dispatch_ns=dispatch_ns, combine_ns=combine_ns, exchange_ns=exchange_ns,
-                 rows_sent=rows_sent)
+    times["rows_sent"] = [ex.max_over_ranks(rows_sent)]
+
+
+def round_repeats(repeats: int, rounds: int) -> list[int]:
+    """``repeats`` timed iterations split over ``rounds`` passes through the cases (every pass
+    times every case once, so a burst of outside load lands in one slice of each case's
+    samples instead of in all of one case's)."""
+    rounds = max(1, min(rounds, repeats))
+    return [repeats // rounds + (1 if i < repeats % rounds else 0) for i in range(rounds)]
 
 
 def run_plan(ex: Exchange, workdir: Path, library_version: str) -> None:
@@ -117,6 +127,12 @@ def run_plan(ex: Exchange, workdir: Path, library_version: str) -> None:
     if ex.rank == 0:
         info = {"library_version": library_version, "num_ranks": ex.num_ranks}
         (workdir / "worker.json").write_text(json.dumps(info))
-    for case in plan["cases"]:
-        _run_case(ex, workdir, case, plan)
-        ex.barrier()
+    times: dict[str, dict[str, list[np.ndarray]]] = {c["id"]: {} for c in plan["cases"]}
+    for repeats in round_repeats(int(plan["repeats"]), int(plan.get("rounds", 1))):
+        for case in plan["cases"]:
+            _run_case(ex, workdir, case, plan, repeats, times[case["id"]])
+            ex.barrier()
+    if ex.rank == 0:
+        for case_id, got in times.items():
+            np.savez(workdir / f"{case_id}.times.npz",
+                     **{k: np.concatenate(v) for k, v in got.items()})
