@@ -772,9 +772,9 @@ typedef struct engine {
     const phase_t *job_phases;
     int job_nph;
     _Atomic uint32_t tb_count, tb_gen;
-    /* SP: the land region must hold the sentinel wherever a peer may write. Consumed rows are
-     * refilled at once; a failed call can leave rows behind: then the whole region is reset
-     * before its next use, once every peer is done with the failed call. */
+    /* BSP with SP: the staging region must hold the sentinel wherever a peer may write.
+     * Consumed rows are refilled at once; a failed call can leave rows behind: then the whole
+     * region is reset before its next use, once every peer is done with the failed call. */
     int land_dirty;
     uint64_t land_dirty_epoch;
     /* SP in place (rows land in recv_x): rows [0, sp_dirty[reg]) of region reg lost their
