@@ -23,7 +23,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Stats", "concurrent_copy", "format_table", "print_table", "time_repeats"]
+__all__ = [
+    "Stats", "concurrent_copy", "format_table", "print_table", "round_repeats", "time_repeats",
+]
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,14 @@ def time_repeats(fn: Callable[[], object], repeats: int = 20, warmup: int = 3) -
         fn()
         samples_us.append((time.perf_counter_ns() - start) / 1e3)
     return Stats.from_samples_us(samples_us)
+
+
+def round_repeats(repeats: int, rounds: int) -> list[int]:
+    """``repeats`` timed iterations split over ``rounds`` passes through the cases (every pass
+    times every case once, so a burst of outside load lands in one slice of each case's
+    samples instead of in all of one case's)."""
+    rounds = max(1, min(rounds, repeats))
+    return [repeats // rounds + (1 if i < repeats % rounds else 0) for i in range(rounds)]
 
 
 def _spin_barrier(slots: Any, rank: int, target: int) -> None:
@@ -108,8 +118,7 @@ def concurrent_copy(
     ``rounds``: the repeats are split over that many passes through the sizes."""
     if num_procs < 1:
         raise ValueError(f"num_procs={num_procs}: must be >= 1")
-    rounds = max(1, min(rounds, repeats))
-    per_round = [repeats // rounds + (1 if i < repeats % rounds else 0) for i in range(rounds)]
+    per_round = round_repeats(repeats, rounds)
     ctx = mp.get_context("spawn")
     slots, out = ctx.RawArray("q", num_procs), ctx.Queue()
     procs = [

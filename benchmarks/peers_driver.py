@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from benchmarks.harness import round_repeats
 from benchmarks.peers_kernels import Exchange, PeerDispatch, decode_fields, make_peer
 
 __all__ = ["run_plan", "time_op"]
@@ -111,14 +112,6 @@ def _run_case(
     rows_sent = np.zeros(ex.num_ranks)
     rows_sent[ex.rank] = first.num_sent_rows
     times["rows_sent"] = [ex.max_over_ranks(rows_sent)]
-
-
-def round_repeats(repeats: int, rounds: int) -> list[int]:
-    """``repeats`` timed iterations split over ``rounds`` passes through the cases (every pass
-    times every case once, so a burst of outside load lands in one slice of each case's
-    samples instead of in all of one case's)."""
-    rounds = max(1, min(rounds, repeats))
-    return [repeats // rounds + (1 if i < repeats % rounds else 0) for i in range(rounds)]
 
 
 def run_plan(ex: Exchange, workdir: Path, library_version: str) -> None:

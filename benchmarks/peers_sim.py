@@ -19,6 +19,7 @@ to ubep's own timings.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -58,8 +59,13 @@ def predict(
     return float(res.latency_ns) / 1e3
 
 
-def _not_modelled(system: str) -> bool:
+def _engine_sync(system: str) -> tuple[str, str]:
     _, engine, sync = system.split("-")
+    return engine, sync
+
+
+def _not_modelled(system: str) -> bool:
+    engine, sync = _engine_sync(system)
     return engine == "bsp" and sync != "sw"
 
 
@@ -93,16 +99,17 @@ def sim_report(
     cells, out = [], []
     skipped = sorted({r.system for r in ubep_rows if _not_modelled(r.system)})
     for r in ubep_rows:
-        _, engine, sync = r.system.split("-")
         if _not_modelled(r.system):
             continue
-        kw = dict(num_experts=num_experts, hidden=r.shape.hidden, dtype=r.dtype,
-                  layout=r.layout, engine=engine, sync=sync, op=r.op)
-        topk = by_shape[r.shape].topk_idxs
-        pred = predict(topk, **kw)  # type: ignore[arg-type]
+        engine, sync = _engine_sync(r.system)
+        row_predict = functools.partial(
+            predict, by_shape[r.shape].topk_idxs, num_experts=num_experts, hidden=r.shape.hidden,
+            dtype=r.dtype, layout=r.layout, engine=engine, sync=sync, op=r.op,
+        )
+        pred = row_predict()
         err = 100.0 * (pred - r.stats.median_us) / r.stats.median_us
         bw = floor_gbps.get((r.layout, r.shape, r.op))
-        pred_bw = predict(topk, **kw, core_bandwidth_gbps=bw) if bw else float("nan")  # type: ignore[arg-type]
+        pred_bw = row_predict(core_bandwidth_gbps=bw) if bw else float("nan")
         err_bw = 100.0 * (pred_bw - r.stats.median_us) / r.stats.median_us
         cells.append([r.system, r.layout, r.shape.label, r.op, r.stats.median_us, pred, err,
                       pred_bw, err_bw])

@@ -65,8 +65,8 @@ def _measure(
 def _rank_main(
     group: Any, cases: Sequence[UbepCase], warmup: int, repeats: int, rounds: int
 ) -> list[dict[str, Any]]:
+    from benchmarks.harness import round_repeats
     from benchmarks.peers import NUM_EXPERTS, make_inputs
-    from benchmarks.peers_driver import round_repeats
 
     from ubep.buffer import Buffer, BufferConfig
 
@@ -103,7 +103,7 @@ def run_ubep_cases(
     rounds: int = 1,
 ) -> list[dict[str, Any]]:
     """Per case: ``dispatch``/``combine`` per-iteration ns (max over ranks), ``rows_sent``; the
-    repeats are split over ``rounds`` passes through all cases (peers_driver.round_repeats)."""
+    repeats are split over ``rounds`` passes through all cases (harness.round_repeats)."""
     from ubep.runtime import launch
 
     per_rank = launch(_rank_main, num_ranks, list(cases), warmup, repeats, rounds,

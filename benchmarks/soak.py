@@ -15,8 +15,7 @@ receive regions, epochs, parity slots and SP resets are what a long run exercise
 Every rank rebuilds all ranks' inputs from the seed, runs the call and compares its own result
 with the reference (every dispatch field and the combined output, bit for bit: a NaN result is
 the canonical quiet NaN on both sides, ``ubep.dtypes.CANONICAL_NAN``); a progress bar runs on
-rank 0. The exit status is 0 only if every call
-matched. ``--json`` writes the findings.
+rank 0. The exit status is 0 only if every call matched. ``--json`` writes the findings.
 """
 
 from __future__ import annotations
