@@ -233,6 +233,20 @@ def _worker_sp_check(group: Any, check: int) -> list[str]:
     return errors
 
 
+@pytest.mark.parametrize("check", [0, 8, 4096])
+def test_sp_every_check_width_matches_the_reference(check: int) -> None:
+    """Whole-row SP (0), the narrowest tail (8 bytes) and a tail wider than the row."""
+    for errors in launch(_worker_sp_check, 2, check, timeout_s=300):
+        assert not errors, errors[:3]
+
+
+def test_sp_check_bytes_is_validated() -> None:
+    base = dict(max_tokens_per_rank=4, hidden=8, num_topk=2, num_experts=4, dtype="bf16")
+    for bad in (-8, 12, 1.0, True):
+        with pytest.raises(InvalidArgumentError, match="sp_check_bytes"):
+            BufferConfig(**base, sp_check_bytes=bad)
+
+
 def _worker_nan_combine(group: Any, dtype: str) -> list[str]:
     # Expert outputs full of NaNs of every sign and payload, several meeting in one sum: the
     # result is the canonical NaN wherever a term was NaN, bit for bit with the reference.
@@ -241,10 +255,10 @@ def _worker_nan_combine(group: Any, dtype: str) -> list[str]:
         case = Case("asp", "sw", layout, dtype, 2, 300, "uniform")
         with Buffer(group, case.config(24)) as buf:
             res, refs = _call(buf, group, case, [24, 24], 3)
+            dt = dtypes.dtype_of(dtype)
             outs = []
             for r, ref in enumerate(refs):
                 rng = np.random.default_rng([r, 11])
-                dt = dtypes.dtype_of(dtype)
                 vals = rng.standard_normal(ref.recv_x.shape).astype(np.float32)
                 out = dt.from_float32(vals)
                 raw = out.view(dt.bits_dtype)
@@ -259,7 +273,7 @@ def _worker_nan_combine(group: Any, dtype: str) -> list[str]:
             want = reference.combine(outs, refs)[group.rank]
             if not np.array_equal(bits(y), bits(want)):
                 errors.append(f"{layout}: combine differs from the reference")
-            nan = np.isnan(dtypes.dtype_of(dtype).to_float32(want))
+            nan = np.isnan(dt.to_float32(want))
             if not nan.any() or not (want.view(dt.bits_dtype)[nan]
                                      == dtypes.CANONICAL_NAN[dtype]).all():
                 errors.append(f"{layout}: reference NaNs are not canonical")
@@ -270,20 +284,6 @@ def _worker_nan_combine(group: Any, dtype: str) -> list[str]:
 def test_nan_sums_combine_to_the_canonical_nan(dtype: str) -> None:
     for errors in launch(_worker_nan_combine, 2, dtype, timeout_s=300):
         assert not errors, errors
-
-
-@pytest.mark.parametrize("check", [0, 8, 4096])
-def test_sp_every_check_width_matches_the_reference(check: int) -> None:
-    """Whole-row SP (0), the narrowest tail (8 bytes) and a tail wider than the row."""
-    for errors in launch(_worker_sp_check, 2, check, timeout_s=300):
-        assert not errors, errors[:3]
-
-
-def test_sp_check_bytes_is_validated() -> None:
-    base = dict(max_tokens_per_rank=4, hidden=8, num_topk=2, num_experts=4, dtype="bf16")
-    for bad in (-8, 12, 1.0, True):
-        with pytest.raises(InvalidArgumentError, match="sp_check_bytes"):
-            BufferConfig(**base, sp_check_bytes=bad)
 
 
 @pytest.mark.parametrize("row_bytes", [6, 8, 37, 512, 1000, 4096])

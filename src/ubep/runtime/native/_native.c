@@ -1258,7 +1258,30 @@ static int dispatch_validate(op_t *op) {
 /* bucket of the i-th destination in send order */
 static inline int64_t bucket_start(engine_t *g, int i) { return (int64_t)i * g->cap_src_rows; }
 
-static void sp_rearm(engine_t *g, uint8_t *base, int64_t n);
+/* SP writer: the row's body, a release fence, then its armed tail (the last sp_tail bytes).
+ * A reader that finds no sentinel left in the tail has, after its acquire fence, the whole
+ * row: the fence orders the body's stores before the tail's (on x86 it only stops the compiler,
+ * TSO keeps store order; on Arm it is a DMB). Element-safe copies: no element tears. With
+ * sp_tail == row_bytes this is plain SP, every element armed and polled. */
+static void put_sp_row(engine_t *g, uint8_t *slot, const uint8_t *src) {
+    int64_t body = g->row_bytes - g->sp_tail;
+    if (body > 0) {
+        copy_elem(slot, src, body);
+        atomic_thread_fence(memory_order_release);
+    }
+    copy_elem(slot + body, src + body, g->sp_tail);
+}
+
+/* SP: put the sentinel back into the armed part of rows [0, n) of a land region */
+static void sp_rearm(engine_t *g, uint8_t *base, int64_t n) {
+    if (g->sp_tail == g->row_bytes) {
+        fill_pattern(base, n * g->slot_bytes, g->isz, g->sentinel);
+        return;
+    }
+    for (int64_t r = 0; r < n; r++)
+        fill_pattern(base + r * g->slot_bytes + g->row_bytes - g->sp_tail, g->sp_tail, g->isz,
+                     g->sentinel);
+}
 
 /* publish my routing (for receivers' metadata), my readiness and my counts */
 static int dispatch_publish(op_t *op) {
@@ -1372,31 +1395,6 @@ static int wait_dst(op_t *op, int core, int d) {
         if (rc) return rc;
     }
     return 0;
-}
-
-/* SP writer: the row's body, a release fence, then its armed tail (the last sp_tail bytes).
- * A reader that finds no sentinel left in the tail has, after its acquire fence, the whole
- * row: the fence orders the body's stores before the tail's (on x86 it only stops the compiler,
- * TSO keeps store order; on Arm it is a DMB). Element-safe copies: no element tears. With
- * sp_tail == row_bytes this is plain SP, every element armed and polled. */
-static void put_sp_row(engine_t *g, uint8_t *slot, const uint8_t *src) {
-    int64_t body = g->row_bytes - g->sp_tail;
-    if (body > 0) {
-        copy_elem(slot, src, body);
-        atomic_thread_fence(memory_order_release);
-    }
-    copy_elem(slot + body, src + body, g->sp_tail);
-}
-
-/* SP: put the sentinel back into the armed part of rows [0, n) of a land region */
-static void sp_rearm(engine_t *g, uint8_t *base, int64_t n) {
-    if (g->sp_tail == g->row_bytes) {
-        fill_pattern(base, n * g->slot_bytes, g->isz, g->sentinel);
-        return;
-    }
-    for (int64_t r = 0; r < n; r++)
-        fill_pattern(base + r * g->slot_bytes + g->row_bytes - g->sp_tail, g->sp_tail, g->isz,
-                     g->sentinel);
 }
 
 /* write one row to its slot in destination d (encoded for the sync mode) */
