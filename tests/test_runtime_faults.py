@@ -22,6 +22,7 @@ from ubep import reference
 from ubep.buffer import Buffer
 from ubep.errors import (
     InvalidArgumentError,
+    OutOfStepError,
     RankFailedError,
     RemoteError,
     TimeoutError,
@@ -137,16 +138,24 @@ def _worker_absent(group: Any) -> tuple[str, str, str, bool]:
             first = "ok"
         except (TimeoutError, RemoteError) as exc:
             first = f"{type(exc).__name__}: {exc}"
-        group.barrier(30)
+        # out of step now: refused (no wrong data, no hang) until every rank resyncs
+        try:
+            buf.dispatch(xs[r], idxs[r], ws[r])
+            second = "ok"
+        except OutOfStepError:
+            second = "OutOfStepError"
+        buf.resync(30)
         ok = _good_call(buf, group, 8)
         return first, second, str(r), ok
 
 
 def test_missing_peer_times_out_naming_rank_and_core_then_recovers() -> None:
-    (first0, _, _, ok0), (first1, _, _, ok1) = launch(_worker_absent, 2, timeout_s=120)
+    (first0, second0, _, ok0), (first1, second1, _, ok1) = launch(_worker_absent, 2,
+                                                                  timeout_s=120)
     assert first0.startswith("TimeoutError") and "rank 0 core 0" in first0 and "rank 1" in first0
     # the late rank finds rank 0's notice for that call instead of hanging
     assert first1.startswith("RemoteError"), first1
+    assert second0 == second1 == "OutOfStepError"
     assert ok0 and ok1
 
 

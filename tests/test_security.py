@@ -22,14 +22,14 @@ import pytest
 
 from ubep.buffer import Buffer, BufferConfig
 from ubep.errors import RankFailedError, UbepError
-from ubep.runtime import launch
+from ubep.runtime import _native, launch  # type: ignore[attr-defined]
 from ubep.runtime.layout import INBOX_COUNTS, ROUTE_IDX
 from ubep.runtime.shm import SHM_DIR, Segment
 
 # native control-block offsets (src/ubep/runtime/native/_native.c)
-IN_COUNTS_EPOCH, IN_ROWS = 0, 8
-CI_OFF, CI_ROWS, CI_STRIDE, CI_EPOCH = 0, 8, 16, 24
-ROUTE_NTOK, ROUTE_EPOCH = 0, 8
+IN_COUNTS_EPOCH, IN_ROWS, IN_SUM = 0, 8, 16
+CI_OFF, CI_ROWS, CI_STRIDE, CI_EPOCH, CI_INDEX, CI_SUM = 0, 8, 16, 24, 32, 40
+ROUTE_NTOK, ROUTE_EPOCH, ROUTE_SUM = 0, 8, 16
 GID = b"g" * 16
 
 
@@ -136,6 +136,12 @@ def _u64(arr: np.ndarray, off: int, value: int) -> None:
     arr[off: off + 8] = np.frombuffer(struct.pack("<Q", value), np.uint8)
 
 
+def _word(arr: np.ndarray, off: int, value: int) -> None:
+    """A progress word as the engine publishes it: the value, then its complement."""
+    _u64(arr, off, value)
+    _u64(arr, off + 8, ~value & (2**64 - 1))
+
+
 def _config(layout: str) -> BufferConfig:
     # T=8 tokens, K=4 of E=8 experts (L=4 per rank), 2 ranks: cap_rows = 2 * 8 * 4 = 64
     return BufferConfig(max_tokens_per_rank=8, hidden=64, num_topk=4, num_experts=8,
@@ -146,24 +152,30 @@ def _config(layout: str) -> BufferConfig:
 def _forge_dispatch(buf: Buffer, epoch: int, index: int, counts: list[int], rows: int,
                     route: np.ndarray) -> None:
     """Play a corrupted rank 1 for dispatch ``epoch``: announce ``counts``/``rows`` to rank 0
-    and publish ``route`` (int32 [ntok, K]) as rank 1's routing."""
+    and publish ``route`` (int32 [ntok, K]) as rank 1's routing. The forger knows the record
+    format, checksums included: what is tested is the bounds checks behind them."""
     lay, cfg = buf.layout, buf.config
     par, reg = epoch & 1, index % lay.num_regions
     seg0, seg1 = buf._segments[0].array, buf._segments[1].array
     ib = lay.off_inbox + (1 * 2 + par) * lay.inbox_bytes  # inbox of rank 0 from rank 1
-    seg0[ib + INBOX_COUNTS: ib + INBOX_COUNTS + 4 * len(counts)] = np.array(
-        counts, "<u4").view(np.uint8)
+    cnt = np.array(counts, "<u4")
+    seg0[ib + INBOX_COUNTS: ib + INBOX_COUNTS + 4 * len(counts)] = cnt.view(np.uint8)
     _u64(seg0, ib + IN_ROWS, rows)
+    _u64(seg0, ib + IN_SUM, _native.counts_sum(epoch, rows, cnt))
     _u64(seg0, ib + IN_COUNTS_EPOCH, epoch)
     own = lay.off_inbox + (1 * 2 + par) * lay.inbox_bytes  # rank 1's inbox from itself
+    own_cnt = np.ascontiguousarray(seg1[own + INBOX_COUNTS: own + INBOX_COUNTS + 4 * len(counts)])
     _u64(seg1, own + IN_ROWS, 0)
+    _u64(seg1, own + IN_SUM, _native.counts_sum(epoch, 0, own_cnt))
     _u64(seg1, own + IN_COUNTS_EPOCH, epoch)
     rt = lay.off_route + reg * lay.route_stride
     flat = np.ascontiguousarray(route, "<i4").reshape(-1)
     seg1[rt + ROUTE_IDX: rt + ROUTE_IDX + 4 * flat.size] = flat.view(np.uint8)
+    weights = np.ascontiguousarray(seg1[rt + lay.route_w_off: rt + lay.route_w_off + 4 * flat.size])
     _u64(seg1, rt + ROUTE_NTOK, route.shape[0])
+    _u64(seg1, rt + ROUTE_SUM, _native.route_sum(epoch, route.shape[0], flat, weights))
     _u64(seg1, rt + ROUTE_EPOCH, epoch)
-    _u64(seg1, lay.off_recv_ready, epoch)
+    _word(seg1, lay.off_recv_ready, epoch)
     assert cfg.num_topk == route.shape[1]
 
 
@@ -225,6 +237,7 @@ def test_forged_routing_raises_instead_of_writing_out_of_bounds(layout: str) -> 
     victim = results[0]
     assert victim["canaries_intact"], "the receiver wrote past its output arrays"
     code, peer, _core, _arg, what, _msg = victim["error"]
+    what = what.decode()  # the engine hands peer-influenced text over as bytes
     assert code == 5 and peer == 1 and "rank 1's routing disagrees" in what, victim["error"]
 
 
@@ -273,6 +286,9 @@ def _worker_forged_combine_descriptor(group: Any, what: str) -> str:
             _u64(seg1, ci + CI_OFF, off)
             _u64(seg1, ci + CI_ROWS, rows)
             _u64(seg1, ci + CI_STRIDE, lay.combine_row_bytes)
+            _u64(seg1, ci + CI_INDEX, 0)  # the handle's dispatch
+            _u64(seg1, ci + CI_SUM,
+                 _native.comb_info_sum(2, off, rows, lay.combine_row_bytes, 0))
             _u64(seg1, ci + CI_EPOCH, 2)
         else:
             try:

@@ -5,7 +5,14 @@ Re-exports only; nothing heavy is imported here (torch stays optional).
 
 from .buffer import Buffer, BufferConfig, DispatchResult
 from .dtypes import BF16, FP16, FP32, INT8, UINT8, DType
-from .errors import InvalidArgumentError, PeerLostError, RemoteError, TimeoutError, UbepError
+from .errors import (
+    InvalidArgumentError,
+    OutOfStepError,
+    PeerLostError,
+    RemoteError,
+    TimeoutError,
+    UbepError,
+)
 from .handle import DispatchHandle
 from .routing import DispatchLayout, get_dispatch_layout
 from .runtime import Group, launch
@@ -28,6 +35,7 @@ __all__ = [
     "DispatchResult",
     "Group",
     "InvalidArgumentError",
+    "OutOfStepError",
     "PeerLostError",
     "Plan",
     "RemoteError",

@@ -34,6 +34,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import secrets
+import sys
+import threading
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -43,6 +46,7 @@ from . import dtypes as _dt
 from .env import wait_yield_us_from_env
 from .errors import (
     InvalidArgumentError,
+    OutOfStepError,
     PeerLostError,
     RemoteError,
     TimeoutError,
@@ -68,7 +72,7 @@ SYNCS = ("sw", "tff", "dc", "sp")
 _LAYOUTS = ("expert", "rank")
 _POLICIES = ("expert_contiguous", "balanced", "hierarchical")
 _DT_CODE = {"bf16": 0, "fp16": 1, "fp32": 2, "int8": 3, "uint8": 4}
-_E_BAD_INPUT, _E_TIMEOUT, _E_PEER_LOST, _E_REMOTE = 1, 2, 3, 4
+_E_BAD_INPUT, _E_TIMEOUT, _E_PEER_LOST, _E_REMOTE, _E_INTERNAL, _E_LOST = 1, 2, 3, 4, 5, 6
 _T = TypeVar("_T")
 
 
@@ -180,10 +184,13 @@ def _choice(name: str, value: object, options: tuple[str, ...]) -> None:
 @dataclass(frozen=True, eq=False)
 class RuntimeHandle(DispatchHandle):
     """A :class:`ubep.handle.DispatchHandle` that also remembers which dispatch of which Buffer
-    made it (``dispatch_index``), so :meth:`Buffer.get_combine_buffer` hands out distinct
-    regions for handles of consecutive dispatches."""
+    made it: ``buffer_uid`` (the same on every rank of one Buffer), ``generation`` (the Buffer's
+    resync count) and ``dispatch_index``. Combine accepts only a handle of its own Buffer and
+    generation, and only when every rank passes the handle of the same dispatch."""
 
     dispatch_index: int = -1
+    buffer_uid: int = 0
+    generation: int = -1
 
 
 
@@ -195,9 +202,16 @@ class Engine(Protocol):
     start_times)`` where ``params`` is :meth:`Buffer._engine_params`.
 
     Every collective method returns either its result or an error tuple
-    ``(code, peer, core, argument, what, message)`` with ``code`` 1 bad input (``message`` is the
-    offending value), 2 timeout, 3 peer lost, 4 remote failure (``message`` is the peer's
-    notice), 5 internal; :meth:`Buffer._error` turns it into the exception.
+    ``(code, peer, core, argument, what, message)`` (``what`` and ``message`` as bytes: peers
+    write them) with ``code`` 1 bad input (``message`` is the offending value), 2 timeout, 3 peer
+    lost, 4 remote failure (``message`` is the peer's notice, ``core`` the code it carries), 5
+    internal, 6 out of step; :meth:`Buffer._error` turns it into the exception.
+
+    The call protocol both engines keep: every record a peer reads carries the call's epoch and
+    is only accepted for exactly that epoch (count, routing and combine records also carry a
+    checksum; progress words their complement); a call that succeeds here but finds a peer's
+    failure notice for it fails; a waiting core checks the liveness of every peer that has not
+    finished the call.
     """
 
     def dispatch(
@@ -216,12 +230,21 @@ class Engine(Protocol):
     def combine(
         self, expert_out: np.ndarray, num_rows: int, topk_idx: np.ndarray,
         topk_weights: np.ndarray, send_dst_row: np.ndarray, num_tokens: int, epoch: int,
-        region: int, y: np.ndarray,
+        region: int, y: np.ndarray, dispatch_index: int,
     ) -> int | tuple[int, int, int, str, str, str]:
-        """One combine into ``y``; returns 1 if ``expert_out`` was used in place (zero-copy)."""
+        """One combine into ``y`` of the outputs of dispatch ``dispatch_index`` (every rank must
+        name the same one); returns 1 if ``expert_out`` was used in place (zero-copy)."""
 
-    def fail(self, epoch: int, message: str) -> None:
-        """Publish "call ``epoch`` failed here" (a call rejected before the engine ran)."""
+    def fail(
+        self, epoch: int, code: int, message: str, finished: int, timeout_s: float
+    ) -> int | tuple[int, int, int, str, str, str]:
+        """Publish "call ``epoch`` failed here, for reason ``code``" (1: rejected before anything
+        reached a peer; 6: this rank lost step), once every peer finished call ``epoch - 2``
+        (waiting at most ``timeout_s``; 0: not at all, then return 1 and publish nothing).
+        ``finished``: also mark call ``epoch`` finished here."""
+
+    def resync(self, base_epoch: int) -> None:
+        """Forget every call before ``base_epoch`` (local; no peer may be inside a call)."""
 
     def wait_done(self, epoch: int, timeout_s: float) -> int | tuple[int, int, int, str, str, str]:
         """Wait until every peer has finished call ``epoch``."""
@@ -259,35 +282,60 @@ class Buffer:
     """
 
     def __init__(self, group: ProcessGroup, config: BufferConfig) -> None:
-        if not isinstance(config, BufferConfig):
-            raise InvalidArgumentError("config", type(config).__name__, "must be a BufferConfig")
         self.group = group
         self.config = config
         self.rank = group.rank
         self.num_ranks = group.num_ranks
-        self.num_local_experts = experts_per_rank(config.num_experts, group.num_ranks)
-        self.num_cores = config.num_cores or group.topology.cores_per_rank
-        self._dtype = _dt.dtype_of(config.dtype)
-        self._cdtype = _dt.dtype_of(config.combine_dtype)
-        self.layout: SegmentLayout = _layout_of(config, group.num_ranks, self.num_cores)
-        self._native = _load_native()
-        self._epoch = 0
+        self._epoch = 0  # sequence number of the last call (every rank agrees on it)
         self._num_dispatches = 0
-        self._broken: str | None = None
+        self._generation = 0  # resyncs so far
+        self._lock = threading.Lock()  # one call at a time (a second thread is refused)
+        self._dead: str | None = None  # a peer died: refused for good
+        self._lost: str | None = None  # out of step: refused until resync()
         self._closed = False
         self._segments: list[Segment] = []
         self._memory: GlobalMemory | None = None
         self._engine: Engine | Any = None
-        configs = group.allgather(dataclasses.asdict(config) | {"num_cores": self.num_cores})
-        if any(c != configs[0] for c in configs):
+        # Construction is collective: every rank validates, then all exchange the outcome, so a
+        # config only one rank rejects fails on every rank instead of pairing with its next one.
+        error: Exception | None = None
+        try:
+            self._configure(config)
+        except Exception as exc:  # bad config, or no native build: fail on every rank
+            error = exc
+        mine = {
+            "config": (dataclasses.asdict(config) | {"num_cores": self.num_cores})
+            if error is None else None,
+            "error": None if error is None else str(error),
+            "uid": secrets.randbits(62),
+        }
+        everyone = group.allgather(mine)
+        if error is not None:
+            raise error
+        failed = [r for r, m in enumerate(everyone) if m["error"] is not None]
+        if failed:
+            raise RemoteError(failed[0], everyone[failed[0]]["error"])
+        if any(m["config"] != everyone[0]["config"] for m in everyone):
             raise InvalidArgumentError(
                 "config", config, "differs between ranks (every rank needs the same BufferConfig)"
             )
+        self._uid: int = everyone[0]["uid"]
         try:
             self._setup()
         except BaseException:
             self._teardown()
             raise
+
+    def _configure(self, config: BufferConfig) -> None:
+        """Local validation and derived sizes (raises ``InvalidArgumentError``)."""
+        if not isinstance(config, BufferConfig):
+            raise InvalidArgumentError("config", type(config).__name__, "must be a BufferConfig")
+        self.num_local_experts = experts_per_rank(config.num_experts, self.num_ranks)
+        self.num_cores = config.num_cores or self.group.topology.cores_per_rank
+        self._dtype = _dt.dtype_of(config.dtype)
+        self._cdtype = _dt.dtype_of(config.combine_dtype)
+        self.layout: SegmentLayout = _layout_of(config, self.num_ranks, self.num_cores)
+        self._native = _load_native()
 
     # --- construction -------------------------------------------------------------------
 
@@ -381,48 +429,61 @@ class Buffer:
         """Send every token to the ranks of its experts (collective).
 
         Args:
-            x: ``[num_tokens, hidden]`` payload of ``config.dtype`` (bf16 as uint16),
-                ``num_tokens <= max_tokens_per_rank`` (0 is fine).
-            topk_idx: ``[num_tokens, num_topk]`` int64 global expert ids, -1 = masked slot.
+            x: ``[num_tokens, hidden]`` payload of ``config.dtype`` (bf16 as uint16, or a CPU
+                ``torch`` tensor), ``num_tokens <= max_tokens_per_rank`` (0 is fine).
+            topk_idx: ``[num_tokens, num_topk]`` integer global expert ids, -1 = masked slot.
             topk_weights: ``[num_tokens, num_topk]`` float32.
             copy: return ``recv_x`` as an owned array instead of a view.
 
         Raises:
-            InvalidArgumentError: bad input on this rank (nothing was sent).
-            RemoteError: another rank rejected this call.
-            ubep.TimeoutError, PeerLostError: see the messages.
+            InvalidArgumentError: bad input on this rank (nothing was sent; the next call works).
+            RemoteError: another rank failed this call (``clean``: it rejected its input).
+            ubep.TimeoutError, PeerLostError, OutOfStepError: the Buffer lost step with its
+                peers and refuses calls until :meth:`resync` (a dead peer: for good).
         """
-        self._check_usable()
+        self._enter()
+        try:
+            return self._dispatch(x, topk_idx, topk_weights, copy)
+        finally:
+            self._lock.release()
+
+    def _dispatch(
+        self, x: object, topk_idx: object, topk_weights: object, copy: bool
+    ) -> DispatchResult[RuntimeHandle]:
         self._epoch += 1
         epoch = self._epoch
         index = self._num_dispatches
         self._num_dispatches += 1
+        stage = _BEFORE
         try:
             xa, idx, w = self._check_dispatch_args(x, topk_idx, topk_weights)
             plan = self._plan(idx)
-        except InvalidArgumentError as exc:
-            self._engine.fail(epoch, f"rank {self.rank}: {exc}")
-            raise
-        cfg, lay = self.config, self.layout
-        ntok = xa.shape[0]
-        cap, K, L, R = lay.cap_rows, cfg.num_topk, self.num_local_experts, self.num_ranks
-        expert = cfg.layout == "expert"
-        o_idx = np.empty(cap if expert else (cap, K), np.int64)
-        o_w = np.empty(cap if expert else (cap, K), np.float32)
-        meta = np.empty((3, cap), np.int64)  # recv_src_rank, recv_src_token, recv_src_k
-        counts = np.empty(L + R, np.int64)  # per local expert, then rows per source rank
-        o_dst = np.empty((ntok, K if expert else R), np.int64)
-        got = self._engine.dispatch(
-            xa, idx, w, ntok, epoch, index, o_idx, o_w, meta[0], meta[1], meta[2], counts, o_dst,
-            plan,
-        )
-        if type(got) is tuple:
-            raise self._error(got)
+            cfg, lay = self.config, self.layout
+            ntok = xa.shape[0]
+            cap, K, L, R = lay.cap_rows, cfg.num_topk, self.num_local_experts, self.num_ranks
+            expert = cfg.layout == "expert"
+            o_idx = np.empty(cap if expert else (cap, K), np.int64)
+            o_w = np.empty(cap if expert else (cap, K), np.float32)
+            meta = np.empty((3, cap), np.int64)  # recv_src_rank, recv_src_token, recv_src_k
+            counts = np.empty(L + R, np.int64)  # per local expert, then rows per source rank
+            o_dst = np.empty((ntok, K if expert else R), np.int64)
+            stage = _NATIVE
+            got = self._engine.dispatch(
+                xa, idx, w, ntok, epoch, index, o_idx, o_w, meta[0], meta[1], meta[2], counts,
+                o_dst, plan,
+            )
+            stage = _AFTER
+            if type(got) is tuple:
+                raise self._error(got)
+        except BaseException as exc:
+            raise self._failed(epoch, stage, exc) from None
         n = int(got)  # type: ignore[arg-type]  # an error tuple was raised above
         recv_x = self._recv_views[index % lay.num_regions][:n]
         if copy:
             recv_x = recv_x.copy()
-        meta.flags.writeable = False  # shared by the result and the handle
+        # shared by the result and the handle, and what combine trusts: not writable
+        for owned in (meta, o_dst, idx, w):
+            owned.flags.writeable = False
         src_rank, src_token, src_k = meta[0, :n], meta[1, :n], meta[2, :n]
         handle = _new_frozen(
             RuntimeHandle,
@@ -433,14 +494,16 @@ class Buffer:
             num_tokens=ntok,
             hidden=cfg.hidden,
             x_dtype=self._dtype.name,
-            topk_idx=idx.copy() if idx is topk_idx else idx,
-            topk_weights=w.copy() if w is topk_weights else w,
+            topk_idx=idx,
+            topk_weights=w,
             recv_src_rank=src_rank,
             recv_src_token=src_token,
             recv_src_k=src_k,
             num_recv_rows_per_rank=counts[L:],
             send_dst_row=o_dst,
             dispatch_index=index,
+            buffer_uid=self._uid,
+            generation=self._generation,
         )
         return _new_frozen(
             DispatchResult,
@@ -460,45 +523,92 @@ class Buffer:
         Args:
             expert_out: ``[handle.num_recv_rows, hidden]`` of ``config.combine_dtype``, row ``i``
                 answering row ``i`` of this rank's ``recv_x``.
-            handle: ``result.handle`` of the matching dispatch on this Buffer.
+            handle: ``result.handle`` of a dispatch on this Buffer (since its last resync);
+                every rank must pass the handle of the same dispatch.
 
         Returns:
             ``[handle.num_tokens, hidden]`` owned array: expert layout ``y[t] = sum_k w[t,k] *
             out(t,k)``, rank layout ``y[t] = sum over ranks of the rows sent back``.
         """
-        self._check_usable()
+        self._enter()
+        try:
+            return self._combine(expert_out, handle)
+        finally:
+            self._lock.release()
+
+    def _combine(self, expert_out: object, handle: DispatchHandle) -> np.ndarray:
         self._epoch += 1
         epoch = self._epoch
+        stage = _BEFORE
         try:
             h, eo = self._check_combine_args(expert_out, handle)
-        except InvalidArgumentError as exc:
-            self._engine.fail(epoch, f"rank {self.rank}: {exc}")
-            raise
-        creg = _combine_region(h)
-        assert h.send_dst_row is not None  # checked by _check_combine_args
-        y = np.empty((h.num_tokens, self.config.hidden), dtype=self._cdtype.storage)
-        got = self._engine.combine(
-            eo, h.num_recv_rows, h.topk_idx, h.topk_weights, h.send_dst_row, h.num_tokens, epoch,
-            creg, y,
-        )
-        if type(got) is tuple:
-            raise self._error(got)
+            creg = _combine_region(h)
+            assert h.send_dst_row is not None  # checked by _check_combine_args
+            y = np.empty((h.num_tokens, self.config.hidden), dtype=self._cdtype.storage)
+            stage = _NATIVE
+            got = self._engine.combine(
+                eo, h.num_recv_rows, h.topk_idx, h.topk_weights, h.send_dst_row, h.num_tokens,
+                epoch, creg, y, h.dispatch_index,  # type: ignore[attr-defined]
+            )
+            stage = _AFTER
+            if type(got) is tuple:
+                raise self._error(got)
+        except BaseException as exc:
+            raise self._failed(epoch, stage, exc) from None
         return y
 
     def get_combine_buffer(self, handle: DispatchHandle) -> np.ndarray:
         """A writable ``[handle.num_recv_rows, hidden]`` array in this rank's segment: write the
         expert outputs here and pass it to :meth:`combine` to skip the copy (zero-copy combine).
         Handles of consecutive dispatches get different buffers. Not collective."""
-        self._check_usable()
-        h = self._check_handle(handle)
-        creg = _combine_region(h)
-        last = int(self._engine.comb_last_epoch(creg))
-        got = self._engine.wait_done(last, float(self.config.timeout_s))
-        if type(got) is tuple:
-            raise self._error(got)
-        rows, hidden = h.num_recv_rows, self.config.hidden
-        region = self._comb_regions[creg]
-        return np.ndarray((rows, hidden), dtype=self._cdtype.storage, buffer=region)
+        self._enter()
+        try:
+            h = self._check_handle(handle)
+            creg = _combine_region(h)
+            last = int(self._engine.comb_last_epoch(creg))
+            got = self._engine.wait_done(last, float(self.config.timeout_s))
+            if type(got) is tuple:
+                raise self._error(got)
+            rows, hidden = h.num_recv_rows, self.config.hidden
+            region = self._comb_regions[creg]
+            return np.ndarray((rows, hidden), dtype=self._cdtype.storage, buffer=region)
+        finally:
+            self._lock.release()
+
+    def resync(self, timeout_s: float | None = None) -> None:
+        """Re-establish agreement with the peers after a lost step (collective: every rank).
+
+        After a timeout, a peer's failure mid-call, corrupt control data or mismatched calls,
+        the Buffer refuses calls (:class:`ubep.OutOfStepError`); ``resync`` waits until every
+        rank has left its calls on this Buffer and entered ``resync`` (at most ``timeout_s``,
+        default ``config.timeout_s``; a timed-out resync can simply be called again), clears
+        every rank's control records, re-arms the receive regions and agrees on the next call's
+        sequence number. Handles and ``recv_x`` views from before are invalid afterwards.
+        Harmless on a Buffer that did not lose step, as long as every rank calls it. A dead
+        peer cannot be resynced with (build a new group).
+        """
+        if not self._lock.acquire(blocking=False):
+            raise UbepError(f"rank {self.rank}: another call is in progress on this Buffer")
+        try:
+            if self._closed:
+                raise UbepError(f"rank {self.rank}: the Buffer is closed")
+            if self._dead is not None:
+                raise PeerLostError(f"rank {self.rank}: cannot resync, a peer died: {self._dead}")
+            timeout = float(self.config.timeout_s if timeout_s is None else timeout_s)
+            gen = self._generation + 1
+            mine = {"epoch": self._epoch, "dispatches": self._num_dispatches}
+            # Phase 1: every rank is out of its calls (nobody writes a peer's segment any more).
+            states = self._exchange(f"resync.{self._uid}.{gen}.enter", mine, timeout)
+            base = max(int(s["epoch"]) for s in states) + 2
+            self._engine.resync(base)
+            # Phase 2: every rank has cleared its segment before anyone starts a call.
+            self._exchange(f"resync.{self._uid}.{gen}.done", base, timeout)
+            self._epoch = base - 1
+            self._num_dispatches = max(int(s["dispatches"]) for s in states)
+            self._generation = gen
+            self._lost = None
+        finally:
+            self._lock.release()
 
     # --- lifetime -----------------------------------------------------------------------
 
@@ -537,19 +647,78 @@ class Buffer:
 
     # --- internals ----------------------------------------------------------------------
 
-    def _check_usable(self) -> None:
-        if self._closed:
-            raise UbepError(f"rank {self.rank}: the Buffer is closed")
-        if self._broken is not None:
-            raise PeerLostError(f"rank {self.rank}: Buffer unusable after a lost peer: "
-                                f"{self._broken}")
+    def _enter(self) -> None:
+        """Start a call: this thread alone, on a usable Buffer. Refusing changes nothing (no
+        counter advances, nothing is published): the refused call never existed."""
+        if not self._lock.acquire(blocking=False):
+            raise UbepError(
+                f"rank {self.rank}: another call is in progress on this Buffer (a second thread "
+                "or a signal handler): calls on one Buffer must not overlap"
+            )
+        if self._closed or self._dead is not None or self._lost is not None:
+            self._lock.release()
+            if self._closed:
+                raise UbepError(f"rank {self.rank}: the Buffer is closed")
+            if self._dead is not None:
+                raise PeerLostError(f"rank {self.rank}: Buffer unusable after a lost peer: "
+                                    f"{self._dead}")
+            raise OutOfStepError(
+                f"rank {self.rank}: the Buffer lost step with its peers ({self._lost}); call "
+                "resync() on every rank (or build a new Buffer) before the next call"
+            )
+
+    def _failed(self, epoch: int, stage: int, exc: BaseException) -> BaseException:
+        """The exception a call raises for ``exc``, after telling the peers what they need.
+
+        Before the data plane ran (``_BEFORE``; or the engine refused its arguments, an
+        ``Exception`` at ``_NATIVE``) nothing of the call reached a peer: a clean reject, the
+        peers get its failure notice and every rank stays in step. Anything else escaping the
+        data plane (an interrupt at ``_NATIVE``) leaves the outcome unknown: lost step.
+        """
+        if stage == _AFTER or (isinstance(exc, UbepError) and stage != _BEFORE):
+            return exc  # the engine's own error, classified by _error
+        if stage == _NATIVE and (not isinstance(exc, Exception) or isinstance(exc, MemoryError)):
+            self._mark_lost(f"call {epoch} was interrupted by {type(exc).__name__}")
+            return exc
+        if not isinstance(exc, UbepError) and isinstance(exc, Exception):
+            exc = UbepError(f"rank {self.rank}: call {epoch} rejected: "
+                            f"{type(exc).__name__}: {exc}")
+        got = self._engine.fail(epoch, _E_BAD_INPUT, f"rank {self.rank}: {exc}", 1,
+                                float(self.config.timeout_s))
+        if type(got) is tuple:  # the peers never finished the call before last: out of step
+            self._mark_lost(f"rejected call {epoch} could not be announced: "
+                            f"{self._error(got)}")
+        return exc
+
+    def _mark_lost(self, cause: str) -> None:
+        """Refuse calls until resync, and tell peers ahead of time (best effort: only if the
+        notice slot is free) so their next call fails at once instead of at its deadline."""
+        if self._lost is not None or self._dead is not None:
+            return
+        self._lost = cause
+        with contextlib.suppress(Exception):
+            self._engine.fail(self._epoch + 1, _E_LOST,
+                              f"rank {self.rank} lost step ({cause}): call resync() on every "
+                              "rank", 0, 0.0)
+
+    def _exchange(self, key: str, value: Any, timeout_s: float) -> list[Any]:
+        """Group-wide exchange keyed by ``key``: a retry after a timeout pairs with the peers'
+        first attempt (group kinds without keyed exchanges fall back to ``allgather``)."""
+        exchange = getattr(self.group, "exchange", None)
+        try:
+            if exchange is not None:
+                return list(exchange(key, value, timeout_s))
+            return list(self.group.allgather(value, timeout_s))
+        except PeerLostError as exc:
+            self._dead = str(exc)
+            raise
 
     def _check_dispatch_args(
         self, x: object, topk_idx: object, topk_weights: object
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         cfg = self.config
         storage = self._dtype.storage
-        xa = x if type(x) is np.ndarray else np.asarray(x)
+        xa = _to_array(x, "x")
         if xa.dtype != storage:
             xa, dt = _dt.as_storage(xa, argument="x")
             if dt != self._dtype:
@@ -565,7 +734,7 @@ class Buffer:
             )
         if not xa.flags.c_contiguous:
             xa = np.ascontiguousarray(xa)
-        idx = topk_idx if type(topk_idx) is np.ndarray else np.asarray(topk_idx)
+        idx = _to_array(topk_idx, "topk_idx")
         if idx.shape != (ntok, cfg.num_topk):
             raise InvalidArgumentError(
                 "topk_idx", idx.shape, f"must be [num_tokens={ntok}, num_topk={cfg.num_topk}]"
@@ -573,14 +742,21 @@ class Buffer:
         if idx.dtype != np.int64 or not idx.flags.c_contiguous:
             if idx.dtype.kind not in "iu":
                 raise InvalidArgumentError("topk_idx", idx.dtype, "must be an integer array")
+            if idx.dtype.kind == "u" and idx.size and int(idx.max()) >= cfg.num_experts:
+                # would wrap to a negative id (2**64 - 1 -> -1, a masked slot) as int64
+                bad = int(idx.max())
+                raise InvalidArgumentError(
+                    "topk_idx", bad, f"expert id out of range [-1, {cfg.num_experts}) "
+                    "(num_experts)")
             idx = np.ascontiguousarray(idx, dtype=np.int64)
-        w = topk_weights if type(topk_weights) is np.ndarray else np.asarray(topk_weights)
+        else:
+            idx = idx.copy()  # the handle keeps it: the caller may reuse its array
+        w = _to_array(topk_weights, "topk_weights")
         if w.dtype != np.float32:
             raise InvalidArgumentError("topk_weights", w.dtype, "must be float32")
         if w.shape != idx.shape:
             raise InvalidArgumentError("topk_weights", w.shape, f"must match topk_idx {idx.shape}")
-        if not w.flags.c_contiguous:
-            w = np.ascontiguousarray(w)
+        w = np.array(w, order="C")  # owned: the handle keeps it
         return xa, idx, w
 
     def _plan(self, idx: np.ndarray) -> tuple[Any, ...] | None:
@@ -627,13 +803,24 @@ class Buffer:
             handle.num_recv_rows > self.layout.cap_rows
         ):
             raise InvalidArgumentError("handle", handle.num_tokens, "exceeds this Buffer's size")
+        if getattr(handle, "buffer_uid", None) != self._uid:
+            raise InvalidArgumentError(
+                "handle", type(handle).__name__, "does not come from a dispatch of this Buffer"
+            )
+        if getattr(handle, "generation", None) != self._generation or not (
+            0 <= getattr(handle, "dispatch_index", -1) < self._num_dispatches
+        ):
+            raise InvalidArgumentError(
+                "handle", f"dispatch {getattr(handle, 'dispatch_index', -1)}",
+                "comes from before this Buffer's last resync()",
+            )
         return handle
 
     def _check_combine_args(
         self, expert_out: object, handle: DispatchHandle
     ) -> tuple[DispatchHandle, np.ndarray]:
         h = self._check_handle(handle)
-        eo = expert_out if type(expert_out) is np.ndarray else np.asarray(expert_out)
+        eo = _to_array(expert_out, "expert_out")
         if eo.dtype != self._cdtype.storage:
             eo, dt = _dt.as_storage(eo, argument="expert_out")
             if dt != self._cdtype:
@@ -663,20 +850,29 @@ class Buffer:
             )
         return h, eo
 
-    def _error(self, info: tuple[int, int, int, str, str, str]) -> UbepError:
-        code, peer, _core, arg, what, msg = info
+    def _error(self, info: tuple[int, int, int, str, Any, Any]) -> UbepError:
+        """The exception of an engine's error tuple; every error but a clean reject (bad input
+        here or on a peer) leaves the Buffer out of step."""
+        code, peer, core, arg, what_raw, msg_raw = info
+        what, msg = _text(what_raw), _text(msg_raw)  # written by peers: any bytes at all
         if code == _E_BAD_INPUT:
             value: object = msg
             with contextlib.suppress(ValueError):
                 value = int(msg)
             return InvalidArgumentError(arg, value, what)
+        if code == _E_REMOTE:
+            clean = core == _E_BAD_INPUT
+            if not clean:
+                self._mark_lost(f"rank {peer} failed call {self._epoch}: {msg}")
+            return RemoteError(peer, msg, clean)
+        if code == _E_PEER_LOST:
+            self._dead = what
+            return PeerLostError(what)
+        self._mark_lost(what)
         if code == _E_TIMEOUT:
             return TimeoutError(what)
-        if code == _E_PEER_LOST:
-            self._broken = what
-            return PeerLostError(what)
-        if code == _E_REMOTE:
-            return RemoteError(peer, msg)
+        if code == _E_LOST:
+            return OutOfStepError(f"{what}; call resync() on every rank")
         return UbepError(f"rank {self.rank}: internal error: {what}")
 
 
@@ -691,6 +887,32 @@ def _new_frozen(cls: type[_T], **fields: Any) -> _T:
     assert set(fields) == set(cls.__dataclass_fields__)  # type: ignore[attr-defined]
     obj.__dict__.update(fields)
     return obj
+
+
+# stages of a call, for _failed: before the data plane, inside it, after it returned
+_BEFORE, _NATIVE, _AFTER = 0, 1, 2
+
+
+def _text(raw: Any) -> str:
+    return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+
+
+def _to_array(obj: object, argument: str) -> np.ndarray:
+    """``obj`` as a numpy array (a CPU torch tensor without a copy, BF16 as uint16 bits);
+    anything numpy cannot convert is an ``InvalidArgumentError`` naming the argument."""
+    if type(obj) is np.ndarray:
+        return obj
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        from .torch._convert import to_numpy
+
+        return to_numpy(obj, argument=argument)
+    try:
+        return np.asarray(obj)
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise InvalidArgumentError(
+            argument, type(obj).__name__, f"cannot be converted to an array: {exc}"
+        ) from None
 
 
 def _is_c(a: np.ndarray, dtype: type) -> bool:

@@ -12,6 +12,7 @@ from typing import Any
 
 __all__ = [
     "InvalidArgumentError",
+    "OutOfStepError",
     "PeerLostError",
     "RankFailedError",
     "RemoteError",
@@ -47,12 +48,24 @@ class PeerLostError(UbepError, ConnectionError):
 
 
 class RemoteError(UbepError):
-    """Another rank rejected the same collective call (its message is included)."""
+    """Another rank failed the same collective call (its message is included).
 
-    def __init__(self, rank: int, message: str) -> None:
+    ``clean`` is true when that rank rejected the call before anything of it reached a peer
+    (bad input): the ranks are still in step and the next call works. Otherwise the Buffer has
+    lost step and refuses calls until :meth:`ubep.Buffer.resync`.
+    """
+
+    def __init__(self, rank: int, message: str, clean: bool = True) -> None:
         self.rank = rank
         self.message = message
+        self.clean = clean
         super().__init__(f"rank {rank} failed this call: {message}")
+
+
+class OutOfStepError(UbepError):
+    """The Buffer lost step with its peers (a call timed out, a peer failed mid-call, corrupt
+    control data was found, ranks made different calls): it refuses every call until
+    ``buf.resync()`` has run on every rank (or a new Buffer is built). Never wrong data."""
 
 
 def _short(value: Any, limit: int = 80) -> str:
@@ -98,7 +111,7 @@ def _reduce_invalid_argument(self: InvalidArgumentError) -> tuple[Any, ...]:
 
 
 def _reduce_remote(self: RemoteError) -> tuple[Any, ...]:
-    return (RemoteError, (self.rank, self.message))
+    return (RemoteError, (self.rank, self.message, self.clean))
 
 
 # Exceptions pickle through ``self.args`` by default, which does not match these constructors;

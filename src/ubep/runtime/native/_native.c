@@ -54,11 +54,15 @@ enum { DT_BF16 = 0, DT_FP16 = 1, DT_FP32 = 2, DT_INT8 = 3, DT_UINT8 = 4 };
 enum { SYNC_SW = 0, SYNC_TFF = 1, SYNC_DC = 2, SYNC_SP = 3 };
 enum { ENG_ASP = 0, ENG_BSP = 1 };
 enum { LAY_EXPERT = 0, LAY_RANK = 1 };
-enum { E_OK = 0, E_BAD_INPUT = 1, E_TIMEOUT = 2, E_PEER_LOST = 3, E_REMOTE = 4, E_INTERNAL = 5 };
+/* E_LOST: the ranks are out of step (a peer left this call without finishing it, called
+ * another operation, or corrupt control data was found): the Buffer needs a resync. */
+enum { E_OK = 0, E_BAD_INPUT = 1, E_TIMEOUT = 2, E_PEER_LOST = 3, E_REMOTE = 4, E_INTERNAL = 5,
+       E_LOST = 6 };
 
 /* control block offsets inside one inbox entry and one comb_info entry */
 #define IN_COUNTS_EPOCH 0
 #define IN_ROWS 8
+#define IN_SUM 16
 #define IN_SW_COUNT 64
 #define IN_SW_EPOCH 72
 #define IN_DC_COUNT 128
@@ -69,13 +73,19 @@ enum { E_OK = 0, E_BAD_INPUT = 1, E_TIMEOUT = 2, E_PEER_LOST = 3, E_REMOTE = 4, 
 #define CI_ROWS 8
 #define CI_STRIDE 16
 #define CI_EPOCH 24
+#define CI_INDEX 32
+#define CI_SUM 40
 #define CI_BYTES 64
 #define FAIL_EPOCH 0
-#define FAIL_LEN 8
+#define FAIL_LEN 8 /* u64: message length | code << 32 */
 #define FAIL_MSG 16
-#define FAIL_MSG_MAX 480
+#define FAIL_MSG_MAX 472
+#define FAIL_SUM 488
 #define ROUTE_NTOK 0
 #define ROUTE_EPOCH 8
+#define ROUTE_SUM 16
+/* a progress word (entered, done, recv_ready, barrier) is followed by its complement */
+#define WORD_CHECK 8
 #define ROUTE_IDX 64
 
 #define DC_GOLDEN 0x9E3779B97F4A7C15ULL
@@ -118,6 +128,59 @@ static inline int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 static inline int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
+
+/* Progress words that peers compare with >= (entered, done, recv_ready, barrier arrivals) are
+ * stored with their complement in the next word, complement first: a word whose complement does
+ * not match reads as 0 ("nothing yet"). Only a writer that knows the value makes the pair
+ * match, so random bytes written into a live segment never pass a >= test. */
+static inline void pub_word(void *p, uint64_t v) {
+    st_rlx((uint8_t *)p + WORD_CHECK, ~v);
+    st_rel(p, v);
+}
+static inline uint64_t rd_word(const void *p) {
+    uint64_t v = ld_acq(p);
+    return ld_rlx((const uint8_t *)p + WORD_CHECK) == ~v ? v : 0;
+}
+
+/* Checksum of a control record (counts, combine info, routing, failure notice): a reader
+ * that finds a record of its call recomputes it over the values exactly as it read them, so
+ * bytes that a third party changed are an error, never data. Not cryptographic: it detects
+ * corruption, a same-user process that wants to forge records can map the segment anyway. */
+static inline uint64_t mix64(uint64_t h, uint64_t v) {
+    h ^= v + 0x9E3779B97F4A7C15ULL + (h << 6) + (h >> 2);
+    return h * 0xBF58476D1CE4E5B9ULL;
+}
+/* two Fletcher lanes over 32-bit words, folded at the end: ~1 ns per word */
+typedef struct { uint64_t a, b, n; } fletcher_t;
+static inline void fletcher_add(fletcher_t *f, const uint32_t *p, int64_t n) {
+    uint64_t a = f->a, b = f->b;
+    for (int64_t i = 0; i < n; i++) {
+        a += p[i];
+        b += a;
+    }
+    f->a = a;
+    f->b = b;
+    f->n += (uint64_t)n;
+}
+static inline uint64_t fletcher_end(uint64_t h, const fletcher_t *f) {
+    return mix64(mix64(h, f->a), f->b + f->n);
+}
+static uint64_t sum_u32(uint64_t h, const uint32_t *p, int64_t n) {
+    fletcher_t f = {1, 0, 0};
+    fletcher_add(&f, p, n);
+    return fletcher_end(h, &f);
+}
+static uint64_t counts_sum(uint64_t epoch, uint64_t rows, const uint32_t *cnt, int L) {
+    return sum_u32(mix64(mix64(0x636F756E7473ULL, epoch), rows), cnt, L);
+}
+/* the routing record: topk_idx (int32) then the weights (float bits), n words each */
+static uint64_t route_sum(uint64_t epoch, uint64_t ntok, const uint32_t *idx, const uint32_t *w,
+                          int64_t n) {
+    fletcher_t f = {1, 0, 0};
+    fletcher_add(&f, idx, n);
+    fletcher_add(&f, w, n);
+    return fletcher_end(mix64(mix64(0x726F757465ULL, epoch), ntok), &f);
+}
 static inline uint64_t rotl64(uint64_t v, int r) { return (v << r) | (v >> (64 - r)); }
 
 static long futex_wait(_Atomic uint32_t *addr, uint32_t val, const struct timespec *ts) {
@@ -757,6 +820,11 @@ typedef struct engine {
     int64_t *core_ready;   /* [C][R] dst bases computed for this op (epoch) */
     int64_t *rx_base;      /* [C][R][L] receive: start of source s's rows of expert e */
     int64_t *rx_ebase;     /* [C][L] receive: start of local expert e */
+    int64_t *rx_rows;      /* [C][R] receive: verified copy of each source's row count */
+    uint32_t *rx_cnt;      /* [C][R][L] receive: verified copy of each source's counts */
+    int64_t *tx_rows;      /* [C][R] send: verified copy of a destination's row counts */
+    uint32_t *tx_cnt;      /* [C][R][L] send: verified copy of a destination's counts */
+    uint32_t *route_snap;  /* [C][2 * T * K] receive: verified copy of a source's routing */
     float *acc;            /* [C][hidden] (unused scratch kept for kernels' tests) */
     const void **term_ptr; /* [C][max(K, R)] combine: the rows one token sums */
     float *term_w;         /* [C][max(K, R)] and their weights */
@@ -812,10 +880,16 @@ typedef struct op {
     _Atomic int err;
     _Atomic int abort;
     int err_core, err_peer;
+    int remote_code; /* E_REMOTE: the code of the peer's notice */
+    uint64_t dispatch_index; /* combine: the dispatch whose handle this call uses */
     char what[MAX_WHAT];
     char arg[64];
     char msg[MAX_MSG];
 } op_t;
+
+/* this core's verified copies of the counts (read_counts) */
+#define RX_ROWS(g, core) ((g)->rx_rows + (int64_t)(core) * (g)->R)
+#define RX_CNT(g, core) ((g)->rx_cnt + (int64_t)(core) * (g)->R * (g)->L)
 
 /* addresses */
 static inline uint8_t *ctrl(engine_t *g, int rank, int64_t off) { return g->base[rank] + off; }
@@ -938,42 +1012,90 @@ static inline uint8_t *fail_block(engine_t *g, int rank, uint64_t epoch) {
     return g->base[rank] + g->off_fail + (int64_t)(epoch & 1) * 512;
 }
 
+static uint64_t notice_sum(uint64_t epoch, uint64_t lencode, const uint8_t *msg, uint32_t len) {
+    uint64_t h = mix64(mix64(0x6E6F74696365ULL, epoch), lencode);
+    for (uint32_t i = 0; i < len; i++) h = mix64(h, msg[i]);
+    return h;
+}
+
 static int check_liveness(op_t *op, int core, const char *what, int peer);
+
+/* Peer q's failure notice for this call, if it published one: returns its code (E_LOST for a
+ * notice whose checksum does not hold) and copies the message; 0 if there is none. */
+static int read_notice(engine_t *g, int q, uint64_t epoch, char *msg, size_t cap) {
+    const uint8_t *f = fail_block(g, q, epoch);
+    if (ld_acq(f + FAIL_EPOCH) != epoch) return 0;
+    uint64_t lencode = ld_rlx(f + FAIL_LEN);
+    uint32_t len = (uint32_t)lencode, code = (uint32_t)(lencode >> 32);
+    uint8_t buf[FAIL_MSG_MAX];
+    if (len > FAIL_MSG_MAX || code < E_BAD_INPUT || code > E_LOST) {
+        snprintf(msg, cap, "corrupt failure notice of rank %d", q);
+        return E_LOST;
+    }
+    memcpy(buf, f + FAIL_MSG, len);
+    if (ld_rlx(f + FAIL_SUM) != notice_sum(epoch, lencode, buf, len)) {
+        snprintf(msg, cap, "corrupt failure notice of rank %d", q);
+        return E_LOST;
+    }
+    size_t n = len < cap - 1 ? len : cap - 1;
+    memcpy(msg, buf, n);
+    msg[n] = 0;
+    return (int)code;
+}
 
 static int check_failures(op_t *op, int core) {
     engine_t *g = op->g;
     if (op->kind == 2) return 0;
     for (int q = 0; q < g->R; q++) {
         if (q == g->rank) continue;
-        uint8_t *f = fail_block(g, q, op->epoch);
-        if (ld_acq(f + FAIL_EPOCH) == op->epoch) {
-            /* a failure caused by a dead rank is reported as that (PeerLostError everywhere) */
-            if (check_liveness(op, core, "a peer that failed this call", -1)) return E_PEER_LOST;
-            uint32_t len = (uint32_t)ld_rlx(f + FAIL_LEN);
-            if (len > FAIL_MSG_MAX) len = FAIL_MSG_MAX;
-            int expected = 0;
-            if (atomic_compare_exchange_strong(&op->err, &expected, E_REMOTE)) {
-                op->err_core = core;
-                op->err_peer = q;
-                memcpy(op->msg, f + FAIL_MSG, len);
-                op->msg[len] = 0;
-                snprintf(op->what, sizeof op->what, "failure notice of rank %d", q);
-            }
-            atomic_store(&op->abort, 1);
-            return E_REMOTE;
+        char msg[MAX_MSG];
+        int code = read_notice(g, q, op->epoch, msg, sizeof msg);
+        if (!code) continue;
+        /* a failure caused by a dead rank is reported as that (PeerLostError everywhere) */
+        if (check_liveness(op, core, "a peer that failed this call", -1)) return E_PEER_LOST;
+        int expected = 0;
+        if (atomic_compare_exchange_strong(&op->err, &expected, E_REMOTE)) {
+            op->err_core = core;
+            op->err_peer = q;
+            op->remote_code = code;
+            snprintf(op->msg, sizeof op->msg, "%s", msg);
+            snprintf(op->what, sizeof op->what, "failure notice of rank %d", q);
         }
+        atomic_store(&op->abort, 1);
+        return E_REMOTE;
     }
     return 0;
 }
 
+/* Every peer that has not finished this call must be alive (not only the one awaited: a core
+ * waiting for rank 1 must still see rank 2 die). A rank that finished the call and exited is
+ * not lost for it. `peer` only names the awaited rank in messages. */
 static int check_liveness(op_t *op, int core, const char *what, int peer) {
     engine_t *g = op->g;
-    /* only the awaited peer (or all, peer < 0): a rank that finished and exited is not lost */
+    (void)peer;
     for (int q = 0; q < g->R; q++) {
-        if (q == g->rank || (peer >= 0 && q != peer)) continue;
+        if (q == g->rank || rd_word(ctrl(g, q, g->off_done)) >= op->epoch) continue;
         if (!process_alive(g->pids[q], g->starts[q]))
             return op_error(op, E_PEER_LOST, core, q, "rank %d (pid %d) died while rank %d core %d "
                             "waited for %s", q, g->pids[q], g->rank, core, what);
+    }
+    return 0;
+}
+
+/* A peer that entered this call for another operation (dispatch here, combine there): the
+ * programs are out of step, waiting would only end at the deadline. */
+static int check_kinds(op_t *op, int core) {
+    engine_t *g = op->g;
+    static const char *names[] = {"dispatch", "combine", "wait"};
+    if (op->kind == 2) return 0;
+    for (int q = 0; q < g->R; q++) {
+        if (q == g->rank) continue;
+        uint64_t e = rd_word(ctrl(g, q, g->off_entered));
+        if (e >> 2 == op->epoch && (int)(e & 3) != op->kind)
+            return op_error(op, E_LOST, core, q, "rank %d called %s where rank %d called %s "
+                            "(call %llu): every rank must make the same calls in the same order",
+                            q, names[(e & 3) % 3], g->rank, names[op->kind],
+                            (unsigned long long)op->epoch);
     }
     return 0;
 }
@@ -1008,6 +1130,7 @@ static int wait_step(op_t *op, waiter_t *w, int core, int peer, const char *fmt,
                             (unsigned long long)op->epoch);
         w->next_live = t + 10000000LL;
         rc = check_liveness(op, core, what, peer);
+        if (!rc) rc = check_kinds(op, core);
         if (rc) return rc;
     }
     engine_t *g = op->g;
@@ -1122,7 +1245,7 @@ static void run_op(op_t *op, const phase_t *ph, int nph) {
 /* ---------------------------------------------------------------------------------------- */
 static int peers_done_geq(engine_t *g, uint64_t epoch) {
     for (int q = 0; q < g->R; q++)
-        if (q != g->rank && ld_acq(ctrl(g, q, g->off_done)) < epoch) return 0;
+        if (q != g->rank && rd_word(ctrl(g, q, g->off_done)) < epoch) return 0;
     return 1;
 }
 
@@ -1160,7 +1283,7 @@ static int wait_peers_done(op_t *op, uint64_t epoch, int core) {
         if (q == g->rank) continue;
         waiter_t w;
         waiter_init(&w);
-        while (ld_acq(ctrl(g, q, g->off_done)) < epoch) {
+        while (rd_word(ctrl(g, q, g->off_done)) < epoch) {
             int rc = wait_step(op, &w, core, q, "a peer to finish the call before the last");
             if (rc) return rc;
         }
@@ -1294,6 +1417,9 @@ static int dispatch_publish(op_t *op) {
     float *rw = (float *)(rt + g->route_w_off);
     memcpy(rw, op->w, sizeof(float) * (size_t)(op->ntok * K));
     st_rlx(rt + ROUTE_NTOK, (uint64_t)op->ntok);
+    st_rlx(rt + ROUTE_SUM, route_sum(op->epoch, (uint64_t)op->ntok,
+                                     (const uint32_t *)(rt + ROUTE_IDX), (const uint32_t *)rw,
+                                     op->ntok * K));
     st_rlx(rt + ROUTE_EPOCH, op->epoch);
     if (g->sync == SYNC_SP && land_is_out(g) && g->sp_dirty[reg]) {
         /* SP in place: the region's last use left data where peers may write now; the user's
@@ -1301,7 +1427,7 @@ static int dispatch_publish(op_t *op) {
         sp_rearm(g, land(g, g->rank, reg), g->sp_dirty[reg]);
         g->sp_dirty[reg] = 0;
     }
-    st_rel(ctrl(g, g->rank, g->off_recv_ready), op->epoch);
+    pub_word(ctrl(g, g->rank, g->off_recv_ready), op->epoch);
     op->published_ready = 1;
     if (g->eng == ENG_BSP) {
         ring_all(g);
@@ -1313,6 +1439,7 @@ static int dispatch_publish(op_t *op) {
         uint32_t *c = (uint32_t *)(ib + IN_COUNTS);
         for (int el = 0; el < L; el++) c[el] = (uint32_t)g->cnt[d * L + el];
         st_rlx(ib + IN_ROWS, (uint64_t)g->rows_to[d]);
+        st_rlx(ib + IN_SUM, counts_sum(op->epoch, (uint64_t)g->rows_to[d], c, L));
         st_rel(ib + IN_COUNTS_EPOCH, op->epoch);
     }
     ring_all(g); /* every sender to every rank reads these counts */
@@ -1327,7 +1454,7 @@ static int ph_d_prepare(op_t *op, int core) {
     (void)core;
     TRACE(op->g, core, 0);
     /* the route area validation writes was read by peers two calls ago: wait for them first */
-    st_rlx(ctrl(op->g, op->g->rank, op->g->off_entered), op->epoch);
+    pub_word(ctrl(op->g, op->g->rank, op->g->off_entered), op->epoch << 2 | (uint64_t)op->kind);
     int rc = wait_peers_done(op, op->epoch >= 2 ? op->epoch - 2 : 0, 0);
     if (rc) return rc;
     TRACE(op->g, core, 1);
@@ -1339,47 +1466,81 @@ static int ph_d_prepare(op_t *op, int core) {
     return rc;
 }
 
-/* destination d has published readiness and every source has published counts to d */
+/* Destination d has published readiness and every source has published counts to d: 1;
+ * not yet: 0; d has published readiness for a later call, so it left this one without the
+ * rows this rank still has for it: -1 (see dst_gone). Readiness must be this call's exactly:
+ * rows of this call must never land in a region a later call has armed. */
 static int dst_ready(op_t *op, int d) {
     engine_t *g = op->g;
-    if (ld_acq(ctrl(g, d, g->off_recv_ready)) < op->epoch) return 0;
+    uint64_t ready = rd_word(ctrl(g, d, g->off_recv_ready));
+    if (ready != op->epoch) return ready > op->epoch ? -1 : 0;
     for (int s = 0; s < g->R; s++)
         if (ld_acq(inbox(g, d, s, op->par) + IN_COUNTS_EPOCH) != op->epoch) return 0;
     return 1;
 }
 
+/* d moved past this call while this rank still had rows for it: d failed the call (its
+ * notice says why) or the ranks are out of step. */
+static int dst_gone(op_t *op, int core, int d) {
+    int rc = check_failures(op, core);
+    if (rc) return rc;
+    return op_error(op, E_LOST, core, d, "rank %d moved past call %llu while rank %d still had "
+                    "rows for it", d, (unsigned long long)op->epoch, op->g->rank);
+}
+
+/* Source s's count record for destination d in this call (its epoch word was seen), copied
+ * out and verified: rows, and counts[L] per local expert of d. Callers use the copy only, so
+ * bytes changed after the check cannot reach the data path. */
+static int read_counts(op_t *op, int core, int d, int s, int64_t *rows, uint32_t *cnt) {
+    engine_t *g = op->g;
+    const uint8_t *ib = inbox(g, d, s, op->par);
+    uint64_t r = ld_rlx(ib + IN_ROWS), sum = ld_rlx(ib + IN_SUM);
+    memcpy(cnt, ib + IN_COUNTS, sizeof(uint32_t) * (size_t)g->L);
+    if (sum != counts_sum(op->epoch, r, cnt, g->L))
+        return op_error(op, E_LOST, core, s, "corrupt count record of rank %d for rank %d in "
+                        "call %llu", s, d, (unsigned long long)op->epoch);
+    if (r > (uint64_t)g->cap_src_rows)
+        return op_error(op, E_INTERNAL, core, s, "rank %d published %llu rows for rank %d, more "
+                        "than the %lld a source can send", s, (unsigned long long)r, d,
+                        (long long)g->cap_src_rows);
+    for (int el = 0; el < g->L; el++)
+        if (cnt[el] > (uint32_t)g->T)
+            return op_error(op, E_INTERNAL, core, s, "rank %d published count %u for an expert, "
+                            "more than max_tokens_per_rank", s, cnt[el]);
+    *rows = (int64_t)r;
+    return 0;
+}
+
 /* For the expert layout: out[el] = start of my rows of local expert el in d's region.
- * For the rank layout: out[0] = start of my rows. Peer counts are bounds-checked. */
+ * For the rank layout: out[0] = start of my rows. Peer counts are verified and bounded. */
 static int compute_bases(op_t *op, int core, int d, int src, int64_t *out) {
     engine_t *g = op->g;
     const int L = g->L, R = g->R;
+    int64_t *rows = g->tx_rows + (int64_t)core * R;
+    uint32_t *cnt = g->tx_cnt + (int64_t)core * R * L;
+    for (int s = 0; s < R; s++) {
+        int rc = read_counts(op, core, d, s, &rows[s], cnt + (int64_t)s * L);
+        if (rc) return rc;
+    }
     int64_t total = 0;
     if (g->layout == LAY_RANK) {
         int64_t before = 0;
         for (int s = 0; s < R; s++) {
-            uint64_t rows = ld_rlx(inbox(g, d, s, op->par) + IN_ROWS);
-            if (rows > (uint64_t)g->cap_src_rows)
-                return op_error(op, E_INTERNAL, core, s, "rank %d published %llu rows for rank %d, "
-                                "more than the %lld a source can send", s,
-                                (unsigned long long)rows, d, (long long)g->cap_src_rows);
-            if (s < src) before += (int64_t)rows;
-            total += (int64_t)rows;
+            if (s < src) before += rows[s];
+            total += rows[s];
         }
         out[0] = before;
-        return 0;
-    }
-    for (int el = 0; el < L; el++) {
-        int64_t tot = 0, before = 0;
-        for (int s = 0; s < R; s++) {
-            uint32_t c = ((const uint32_t *)(inbox(g, d, s, op->par) + IN_COUNTS))[el];
-            if (c > (uint64_t)g->T)
-                return op_error(op, E_INTERNAL, core, s, "rank %d published count %u for an "
-                                "expert, more than max_tokens_per_rank", s, c);
-            if (s < src) before += c;
-            tot += c;
+    } else {
+        for (int el = 0; el < L; el++) {
+            int64_t tot = 0, before = 0;
+            for (int s = 0; s < R; s++) {
+                uint32_t c = cnt[(int64_t)s * L + el];
+                if (s < src) before += c;
+                tot += c;
+            }
+            out[el] = total + before;
+            total += tot;
         }
-        out[el] = total + before;
-        total += tot;
     }
     if (total > g->cap_rows)
         return op_error(op, E_INTERNAL, core, d, "counts for rank %d add up to %lld rows, more "
@@ -1390,7 +1551,9 @@ static int compute_bases(op_t *op, int core, int d, int src, int64_t *out) {
 static int wait_dst(op_t *op, int core, int d) {
     waiter_t w;
     waiter_init(&w);
-    while (!dst_ready(op, d)) {
+    int ready;
+    while ((ready = dst_ready(op, d)) != 1) {
+        if (ready < 0) return dst_gone(op, core, d);
         int rc = wait_step(op, &w, core, d, "receive readiness and counts of rank %d", d);
         if (rc) return rc;
     }
@@ -1501,19 +1664,24 @@ static int send_canonical(op_t *op, int core) {
     const int R = g->R;
     int64_t *bases = g->core_base + (int64_t)core * R * g->L;
     int pending[64], np = 0;
-    for (int i = 0; i < R; i++) pending[np++] = i; /* index into the send order */
+    /* index into the send order; a destination this rank sends nothing learns that from the
+     * counts, so it is not waited for (it may well have finished the call already) */
+    for (int i = 0; i < R; i++)
+        if (g->units_to[(g->rank + 1 + i) % R]) pending[np++] = i;
     waiter_t w;
     waiter_init(&w);
     while (np) {
         int progressed = 0;
         for (int j = 0; j < np;) {
             int i = pending[j], d = (g->rank + 1 + i) % R;
-            if (!dst_ready(op, d)) { j++; continue; }
+            int ready = dst_ready(op, d);
+            if (ready < 0) return dst_gone(op, core, d);
+            if (!ready) { j++; continue; }
             int rc = compute_bases(op, core, d, g->rank, bases);
             if (rc) return rc;
             for (int64_t u = bucket_start(g, i), end = u + g->units_to[d]; u < end; u++)
                 send_unit(op, core, g->u_t[u], g->u_k[u], g->u_e[u], d, g->u_slot[u], bases);
-            if (g->units_to[d]) finish_dst(op, d);
+            finish_dst(op, d);
             pending[j] = pending[--np];
             progressed = 1;
             waiter_init(&w);
@@ -1557,11 +1725,14 @@ static int ph_d_send(op_t *op, int core) {
     return rc;
 }
 
-/* receiver: wait for the counts of every source, then compute where each source's rows of
- * each local expert start (rx_base[s][el]) and where each expert starts (rx_ebase[el]) */
+/* receiver: wait for the counts of every source, copy and verify them (this core reads only its
+ * copy from here on), then compute where each source's rows of each local expert start
+ * (rx_base[s][el]) and where each expert starts (rx_ebase[el]) */
 static int recv_bases(op_t *op, int core, int64_t *rx_base, int64_t *rx_ebase, int64_t *n_out) {
     engine_t *g = op->g;
     const int R = g->R, L = g->L;
+    int64_t *rows = RX_ROWS(g, core);
+    uint32_t *cnt = RX_CNT(g, core);
     for (int s = 0; s < R; s++) {
         waiter_t w;
         waiter_init(&w);
@@ -1569,26 +1740,21 @@ static int recv_bases(op_t *op, int core, int64_t *rx_base, int64_t *rx_ebase, i
             int rc = wait_step(op, &w, core, s, "the counts of rank %d", s);
             if (rc) return rc;
         }
+        int rc = read_counts(op, core, g->rank, s, &rows[s], cnt + (int64_t)s * L);
+        if (rc) return rc;
     }
     int64_t pos = 0;
     if (g->layout == LAY_RANK) {
         for (int s = 0; s < R; s++) {
-            uint64_t rows = ld_rlx(inbox(g, g->rank, s, op->par) + IN_ROWS);
-            if (rows > (uint64_t)g->cap_src_rows)
-                return op_error(op, E_INTERNAL, core, s, "rank %d announced %llu rows", s,
-                                (unsigned long long)rows);
             rx_base[s * L] = pos;
-            pos += (int64_t)rows;
+            pos += rows[s];
         }
     } else {
         for (int el = 0; el < L; el++) {
             rx_ebase[el] = pos;
             for (int s = 0; s < R; s++) {
-                uint32_t c = ((const uint32_t *)(inbox(g, g->rank, s, op->par) + IN_COUNTS))[el];
-                if (c > (uint32_t)g->T)
-                    return op_error(op, E_INTERNAL, core, s, "rank %d announced count %u", s, c);
                 rx_base[s * L + el] = pos;
-                pos += c;
+                pos += cnt[(int64_t)s * L + el];
             }
         }
     }
@@ -1599,56 +1765,72 @@ static int recv_bases(op_t *op, int core, int64_t *rx_base, int64_t *rx_ebase, i
     return 0;
 }
 
-/* rows of source s in my region, in position order: calls fn(op, pos, batch_rank).
- * The counts are re-read from the peer-written inbox, which recv_bases validated earlier; a
- * peer could rewrite them since, so POS is also kept below cap_rows here (security: the body
- * may write out + POS * stride). */
-#define FOR_SOURCE_ROWS(g, op, s, rx_base, POS, RANK, ...)                                 \
+/* rows of source s in my region, in position order: calls the body with POS (the row's
+ * position) and RANK (its rank in the source's batch). Reads this core's verified copy of the
+ * counts (recv_bases), whose total recv_bases bounded by cap_rows. */
+#define FOR_SOURCE_ROWS(g, core, s, rx_base, POS, RANK, ...)                               \
     do {                                                                                   \
         int64_t RANK = 0;                                                                  \
         if ((g)->layout == LAY_RANK) {                                                     \
-            int64_t n_ = (int64_t)ld_rlx(inbox(g, (g)->rank, s, (op)->par) + IN_ROWS);     \
-            for (int64_t POS = (rx_base)[(s) * (g)->L]; RANK < n_ && POS < (g)->cap_rows;  \
-                 POS++, RANK++) {                                                          \
+            int64_t n_ = RX_ROWS(g, core)[s];                                              \
+            for (int64_t POS = (rx_base)[(s) * (g)->L]; RANK < n_; POS++, RANK++) {        \
                 __VA_ARGS__                                                                \
             }                                                                              \
         } else {                                                                           \
             for (int el_ = 0; el_ < (g)->L; el_++) {                                       \
-                int64_t c_ = ((const uint32_t *)(inbox(g, (g)->rank, s, (op)->par) +       \
-                                                 IN_COUNTS))[el_];                         \
+                int64_t c_ = RX_CNT(g, core)[(int64_t)(s) * (g)->L + el_];                 \
                 int64_t p0_ = (rx_base)[(s) * (g)->L + el_];                               \
-                for (int64_t POS = p0_; POS < p0_ + c_ && POS < (g)->cap_rows;             \
-                     POS++, RANK++) {                                                      \
+                for (int64_t POS = p0_; POS < p0_ + c_; POS++, RANK++) {                   \
                     __VA_ARGS__                                                            \
                 }                                                                          \
             }                                                                              \
         }                                                                                  \
     } while (0)
 
+/* Source s's routing of this call (topk_idx as int32, then weights as float bits), copied into
+ * this core's scratch and verified. */
+static int read_route(op_t *op, int core, int s, uint64_t *ntok_out, const int32_t **idx,
+                      const float **wt) {
+    engine_t *g = op->g;
+    const int64_t K = g->K;
+    const uint8_t *rt = route(g, s, (int)(op->n % g->nreg));
+    uint64_t ntok = ld_rlx(rt + ROUTE_NTOK), sum = ld_rlx(rt + ROUTE_SUM);
+    if (ntok > (uint64_t)g->T || ld_rlx(rt + ROUTE_EPOCH) != op->epoch)
+        return op_error(op, E_LOST, core, s, "rank %d's routing is not for call %llu", s,
+                        (unsigned long long)op->epoch);
+    int64_t n = (int64_t)ntok * K;
+    uint32_t *snap = g->route_snap + (int64_t)core * 2 * g->T * K;
+    memcpy(snap, rt + ROUTE_IDX, sizeof(uint32_t) * (size_t)n);
+    memcpy(snap + n, rt + g->route_w_off, sizeof(uint32_t) * (size_t)n);
+    if (sum != route_sum(op->epoch, ntok, snap, snap + n, n))
+        return op_error(op, E_LOST, core, s, "corrupt routing record of rank %d in call %llu", s,
+                        (unsigned long long)op->epoch);
+    *ntok_out = ntok;
+    *idx = (const int32_t *)snap;
+    *wt = (const float *)(snap + n);
+    return 0;
+}
+
 /* fill the metadata of source s's rows from its published routing */
 static int recv_metadata(op_t *op, int core, int s, const int64_t *rx_base) {
     engine_t *g = op->g;
     const int K = g->K, L = g->L, r = g->rank;
-    int reg = (int)(op->n % g->nreg);
-    const uint8_t *rt = route(g, s, reg);
-    uint64_t ntok = ld_rlx(rt + ROUTE_NTOK);
-    if (ntok > (uint64_t)g->T || ld_rlx(rt + ROUTE_EPOCH) != op->epoch)
-        return op_error(op, E_INTERNAL, core, s, "rank %d's routing is not for this call", s);
-    const int32_t *idx = (const int32_t *)(rt + ROUTE_IDX);
-    const float *wt = (const float *)(rt + g->route_w_off);
+    uint64_t ntok;
+    const int32_t *idx;
+    const float *wt;
+    int rc = read_route(op, core, s, &ntok, &idx, &wt);
+    if (rc) return rc;
     const int64_t lo = (int64_t)r * L, hi = lo + L;
+    const uint32_t *cnt = RX_CNT(g, core) + (int64_t)s * L;
     if (g->layout == LAY_EXPERT) {
         /* cursor[el]: next row of expert el; cursor[L + el]: end of the rows the counts give
-         * it. The routing is written by the peer: a row beyond its expert's count is refused
-         * before it is written (else a forged routing writes past the output arrays). */
+         * it. A row beyond its expert's count is refused before it is written. */
         int64_t cur[2048];
         int64_t *cursor = L <= 1024 ? cur : malloc(sizeof(int64_t) * 2 * (size_t)L);
         if (!cursor) return op_error(op, E_INTERNAL, core, -1, "out of memory");
         for (int el = 0; el < L; el++) {
-            uint32_t c = ((const uint32_t *)(inbox(g, r, s, op->par) + IN_COUNTS))[el];
             cursor[el] = rx_base[s * L + el];
-            cursor[L + el] = c > (uint32_t)g->T ? -1 : cursor[el] + c;
-            if (cursor[L + el] > g->cap_rows) cursor[L + el] = -1;
+            cursor[L + el] = cursor[el] + cnt[el];
         }
         for (int64_t t = 0; t < (int64_t)ntok; t++) {
             for (int k = 0; k < K; k++) {
@@ -1674,12 +1856,7 @@ static int recv_metadata(op_t *op, int core, int s, const int64_t *rx_base) {
         if (bad) return op_error(op, E_INTERNAL, core, s, "rank %d's routing disagrees with its "
                                  "counts", s);
     } else {
-        int64_t p = rx_base[s * L];
-        int64_t n = (int64_t)ld_rlx(inbox(g, r, s, op->par) + IN_ROWS), end = p + n;
-        /* re-read from the peer's words: validate again before rows are written up to end */
-        if (n < 0 || n > g->cap_src_rows || end > g->cap_rows)
-            return op_error(op, E_INTERNAL, core, s, "rank %d announced %lld rows", s,
-                            (long long)n);
+        int64_t p = rx_base[s * L], end = p + RX_ROWS(g, core)[s];
         for (int64_t t = 0; t < (int64_t)ntok; t++) {
             int first = -1;
             for (int k = 0; k < K; k++) {
@@ -1719,7 +1896,7 @@ static int recv_progress(op_t *op, int core, int s, const int64_t *rx_base, uint
                          uint8_t *out_base, rx_cursor_t *c) {
     engine_t *g = op->g;
     uint8_t *ib = inbox(g, g->rank, s, op->par);
-    int64_t expect = (int64_t)ld_rlx(ib + IN_ROWS);
+    int64_t expect = RX_ROWS(g, core)[s];
     if (g->sync == SYNC_SW) {
         if (ld_acq(ib + IN_SW_EPOCH) != op->epoch) return 0;
         if ((int64_t)ld_rlx(ib + IN_SW_COUNT) != expect)
@@ -1732,7 +1909,7 @@ static int recv_progress(op_t *op, int core, int s, const int64_t *rx_base, uint
         if (ld_acq(ib + IN_DC_EPOCH) != op->epoch) return 0;
         int64_t W = (g->row_bytes + 7) / 8;
         uint64_t s1 = 0, s2 = 0;
-        FOR_SOURCE_ROWS(g, op, s, rx_base, pos, rank_, {
+        FOR_SOURCE_ROWS(g, core, s, rx_base, pos, rank_, {
             uint64_t A, B;
             dc_row_sums(land_base + pos * g->slot_bytes, g->row_bytes, &A, &B);
             s1 += A;
@@ -1744,14 +1921,12 @@ static int recv_progress(op_t *op, int core, int s, const int64_t *rx_base, uint
     }
     const int expert = g->layout == LAY_EXPERT;
     const int nblocks = expert ? g->L : 1;
+    const uint32_t *cnt = RX_CNT(g, core) + (int64_t)s * g->L;
     for (; c->el < nblocks; c->el++, c->off = 0) {
-        int64_t n = expert ? ((const uint32_t *)(ib + IN_COUNTS))[c->el] : expect;
+        int64_t n = expert ? (int64_t)cnt[c->el] : expect;
         int64_t p0 = rx_base[s * g->L + (expert ? c->el : 0)];
         for (; c->off < n; c->off++, c->rank++) {
             int64_t pos = p0 + c->off;
-            if (pos >= g->cap_rows) /* n is re-read from the peer's words: stay in the buffer */
-                return op_error(op, E_INTERNAL, core, s, "rank %d's rows run past the buffer",
-                                s), -1;
             const uint8_t *slot = land_base + pos * g->slot_bytes;
             if (g->sync == SYNC_SP) {
                 int64_t body = g->row_bytes - g->sp_tail;
@@ -1778,7 +1953,7 @@ static int recv_sources(op_t *op, int core, const int64_t *rx_base, int reg) {
     int src[64], n = 0;
     rx_cursor_t cur[64];
     for (int s = core; s < g->R; s += g->C) {
-        if (s == g->rank || ld_rlx(inbox(g, g->rank, s, op->par) + IN_ROWS) == 0) continue;
+        if (s == g->rank || RX_ROWS(g, core)[s] == 0) continue;
         src[n] = s;
         cur[n].el = 0;
         cur[n].off = cur[n].rank = 0;
@@ -1820,16 +1995,15 @@ static int recv_sources(op_t *op, int core, const int64_t *rx_base, int reg) {
 }
 
 /* o_nrecv = [num_recv_tokens_per_expert (L) | rows received from each source rank (R)] */
-static void recv_counts_out(op_t *op) {
+static void recv_counts_out(op_t *op, int core) {
     engine_t *g = op->g;
+    const uint32_t *cnt = RX_CNT(g, core);
     for (int el = 0; el < g->L; el++) {
         int64_t tot = 0;
-        for (int s = 0; s < g->R; s++)
-            tot += ((const uint32_t *)(inbox(g, g->rank, s, op->par) + IN_COUNTS))[el];
+        for (int s = 0; s < g->R; s++) tot += cnt[(int64_t)s * g->L + el];
         op->o_nrecv[el] = tot;
     }
-    for (int s = 0; s < g->R; s++)
-        op->o_nrecv[g->L + s] = (int64_t)ld_rlx(inbox(g, g->rank, s, op->par) + IN_ROWS);
+    for (int s = 0; s < g->R; s++) op->o_nrecv[g->L + s] = RX_ROWS(g, core)[s];
 }
 
 static int ph_d_receive(op_t *op, int core) {
@@ -1844,7 +2018,7 @@ static int ph_d_receive(op_t *op, int core) {
     int reg = (int)(op->n % g->nreg);
     if (core == 0) {
         op->n_recv = n;
-        recv_counts_out(op);
+        recv_counts_out(op, core);
     }
     for (int s = core; s < R; s += g->C) {
         if ((rc = recv_metadata(op, core, s, rx_base))) return rc;
@@ -1860,19 +2034,28 @@ static int ph_d_receive(op_t *op, int core) {
 static int barrier_arrive(op_t *op, int core, int phase) {
     engine_t *g = op->g;
     store_fence();
-    st_rel(ctrl(g, g->rank, g->off_barrier) + (int64_t)core * 64, op->epoch * 4 + (uint64_t)phase);
+    pub_word(ctrl(g, g->rank, g->off_barrier) + (int64_t)core * 64,
+             op->epoch * 4 + (uint64_t)phase);
     ring_all(g);
     return 0;
 }
+/* Arrival words only grow, so a peer already in a later call passes the test too: that is
+ * right if it completed this call, wrong if it failed it (its arrival belongs to another call),
+ * so such a peer's failure notice for this call is checked. */
 static int barrier_wait(op_t *op, int core, int phase) {
     engine_t *g = op->g;
-    uint64_t target = op->epoch * 4 + (uint64_t)phase;
+    uint64_t target = op->epoch * 4 + (uint64_t)phase, next_call = (op->epoch + 1) * 4;
     for (int q = 0; q < g->R; q++) {
         for (int c = 0; c < g->C; c++) {
             waiter_t w;
             waiter_init(&w);
-            while (ld_acq(ctrl(g, q, g->off_barrier) + (int64_t)c * 64) < target) {
+            uint64_t v;
+            while ((v = rd_word(ctrl(g, q, g->off_barrier) + (int64_t)c * 64)) < target) {
                 int rc = wait_step(op, &w, core, q, "global barrier %d (rank %d core %d)", phase, q, c);
+                if (rc) return rc;
+            }
+            if (v >= next_call) {
+                int rc = check_failures(op, core);
                 if (rc) return rc;
             }
         }
@@ -1900,7 +2083,9 @@ static int ph_bsp_send(op_t *op, int core) {
         if (!ready[d]) {
             waiter_t w;
             waiter_init(&w);
-            while (ld_acq(ctrl(g, d, g->off_recv_ready)) < op->epoch) {
+            uint64_t at;
+            while ((at = rd_word(ctrl(g, d, g->off_recv_ready))) != op->epoch) {
+                if (at > op->epoch) return dst_gone(op, core, d);
                 int rc = wait_step(op, &w, core, d, "staging area of rank %d", d);
                 if (rc) return rc;
             }
@@ -1942,6 +2127,7 @@ static int ph_bsp_flags(op_t *op, int core) {
         uint32_t *c = (uint32_t *)(ib + IN_COUNTS);
         for (int el = 0; el < L; el++) c[el] = (uint32_t)g->cnt[d * L + el];
         st_rlx(ib + IN_ROWS, (uint64_t)g->rows_to[d]);
+        st_rlx(ib + IN_SUM, counts_sum(op->epoch, (uint64_t)g->rows_to[d], c, L));
         if (g->sync == SYNC_SW) {
             st_rlx(ib + IN_SW_COUNT, (uint64_t)g->rows_to[d]);
             st_rel(ib + IN_SW_EPOCH, op->epoch);
@@ -1978,10 +2164,9 @@ static int ph_bsp_verify(op_t *op, int core) {
             int rc = wait_step(op, &w, core, s, "the flag and counts of rank %d", s);
             if (rc) return rc;
         }
-        int64_t n = (int64_t)ld_rlx(ib + IN_ROWS);
-        if (n > g->cap_src_rows)
-            return op_error(op, E_INTERNAL, core, s, "rank %d announced %lld rows", s,
-                            (long long)n);
+        int64_t n;
+        int rc = read_counts(op, core, g->rank, s, &n, RX_CNT(g, core) + (int64_t)s * g->L);
+        if (rc) return rc;
         uint8_t *part = land(g, g->rank, reg) + (int64_t)s * g->cap_src_rows * g->slot_bytes;
         int ok = 1;
         if (g->sync == SYNC_SW) {
@@ -2025,13 +2210,13 @@ static int ph_bsp_reorder(op_t *op, int core) {
     int reg = (int)(op->n % g->nreg);
     if (core == 0) {
         op->n_recv = n;
-        recv_counts_out(op);
+        recv_counts_out(op, core);
     }
     uint8_t *stage = land(g, g->rank, reg), *out = outreg(g, g->rank, reg);
     for (int s = core; s < R; s += g->C) {
         if ((rc = recv_metadata(op, core, s, rx_base))) return rc;
         uint8_t *part = stage + (int64_t)s * g->cap_src_rows * g->slot_bytes;
-        FOR_SOURCE_ROWS(g, op, s, rx_base, pos, rank_, {
+        FOR_SOURCE_ROWS(g, core, s, rx_base, pos, rank_, {
             const uint8_t *slot = part + rank_ * g->slot_bytes;
             uint8_t *dst = out + pos * g->out_stride;
             if (g->sync == SYNC_TFF) {
@@ -2072,7 +2257,7 @@ static int ph_bsp_dst_rows(op_t *op, int core) {
 
 static int ph_bsp_prepare(op_t *op, int core) {
     (void)core;
-    st_rlx(ctrl(op->g, op->g->rank, op->g->off_entered), op->epoch);
+    pub_word(ctrl(op->g, op->g->rank, op->g->off_entered), op->epoch << 2 | (uint64_t)op->kind);
     int rc = wait_peers_done(op, op->epoch >= 2 ? op->epoch - 2 : 0, 0);
     if (rc) return rc;
     if ((rc = dispatch_validate(op))) return rc;
@@ -2104,7 +2289,7 @@ static const phase_t BSP_DISPATCH[] = {
 static int ph_c_prepare(op_t *op, int core) {
     engine_t *g = op->g;
     (void)core;
-    st_rlx(ctrl(g, g->rank, g->off_entered), op->epoch);
+    pub_word(ctrl(g, g->rank, g->off_entered), op->epoch << 2 | (uint64_t)op->kind);
     int rc = wait_peers_done(op, op->epoch >= 2 ? op->epoch - 2 : 0, 0);
     if (rc) return rc;
     if (!op->zero_copy) {
@@ -2125,6 +2310,11 @@ static int ph_c_copy(op_t *op, int core) {
     return 0;
 }
 
+static uint64_t comb_info_sum(uint64_t epoch, uint64_t off, uint64_t rows, uint64_t stride,
+                              uint64_t index) {
+    return mix64(mix64(mix64(mix64(mix64(0x636F6D62ULL, epoch), off), rows), stride), index);
+}
+
 static int ph_c_publish(op_t *op, int core) {
     engine_t *g = op->g;
     (void)core;
@@ -2133,6 +2323,9 @@ static int ph_c_publish(op_t *op, int core) {
     st_rlx(ci + CI_OFF, (uint64_t)op->eo_off);
     st_rlx(ci + CI_ROWS, (uint64_t)op->eo_rows);
     st_rlx(ci + CI_STRIDE, (uint64_t)g->crow_bytes);
+    st_rlx(ci + CI_INDEX, op->dispatch_index);
+    st_rlx(ci + CI_SUM, comb_info_sum(op->epoch, (uint64_t)op->eo_off, (uint64_t)op->eo_rows,
+                                      (uint64_t)g->crow_bytes, op->dispatch_index));
     st_rel(ci + CI_EPOCH, op->epoch);
     ring_all(g);
     for (int c = 0; c < 2; c++) {
@@ -2155,14 +2348,29 @@ static int ph_c_reduce(op_t *op, int core) {
         waiter_t w;
         waiter_init(&w);
         while (ld_acq(ci + CI_EPOCH) != op->epoch) {
-            if (g->eng == ENG_BSP)
-                return op_error(op, E_INTERNAL, core, q, "rank %d's expert outputs missing "
-                                "after the barrier", q);
+            if (g->eng == ENG_BSP) {
+                /* past the barrier without its outputs: q failed this call (notice) or the
+                 * ranks are out of step */
+                int rc = check_failures(op, core);
+                if (rc) return rc;
+                return op_error(op, E_LOST, core, q, "rank %d's expert outputs missing after "
+                                "the barrier of call %llu", q, (unsigned long long)op->epoch);
+            }
             int rc = wait_step(op, &w, core, q, "the expert outputs of rank %d", q);
             if (rc) return rc;
         }
         uint64_t off = ld_rlx(ci + CI_OFF), rows = ld_rlx(ci + CI_ROWS);
-        uint64_t stride = ld_rlx(ci + CI_STRIDE);
+        uint64_t stride = ld_rlx(ci + CI_STRIDE), index = ld_rlx(ci + CI_INDEX);
+        if (ld_rlx(ci + CI_SUM) != comb_info_sum(op->epoch, off, rows, stride, index))
+            return op_error(op, E_LOST, core, q, "corrupt combine record of rank %d in call %llu",
+                            q, (unsigned long long)op->epoch);
+        if (index != op->dispatch_index) {
+            char v[48];
+            snprintf(v, sizeof v, "dispatch %llu", (unsigned long long)op->dispatch_index);
+            return bad_input(op, "handle", v, "ranks combine different dispatches (rank %d "
+                             "passed the handle of dispatch %llu): every rank must pass the "
+                             "handle of the same dispatch", q, (unsigned long long)index);
+        }
         if (stride != (uint64_t)g->crow_bytes || rows > (uint64_t)g->cap_rows ||
             off < 256 || off + rows * stride > (uint64_t)g->seg_size)
             return op_error(op, E_INTERNAL, core, q, "rank %d published expert outputs outside "
@@ -2228,12 +2436,16 @@ static const phase_t BSP_COMBINE[] = {
 /* ---------------------------------------------------------------------------------------- */
 /* end of an operation: progress word, failure notice, SP reset scheduling                   */
 
-static void publish_failure(engine_t *g, uint64_t epoch, const char *msg) {
+/* "call `epoch` failed here, for reason `code`" (E_BAD_INPUT: rejected before anything of
+ * the call reached a peer, so the ranks stay in step; any other code: they may not be) */
+static void publish_failure(engine_t *g, uint64_t epoch, int code, const char *msg) {
     uint8_t *f = fail_block(g, g->rank, epoch);
     size_t len = strlen(msg);
     if (len > FAIL_MSG_MAX) len = FAIL_MSG_MAX;
+    uint64_t lencode = (uint64_t)len | (uint64_t)(uint32_t)code << 32;
     memcpy(f + FAIL_MSG, msg, len);
-    st_rlx(f + FAIL_LEN, len);
+    st_rlx(f + FAIL_LEN, lencode);
+    st_rlx(f + FAIL_SUM, notice_sum(epoch, lencode, f + FAIL_MSG, (uint32_t)len));
     st_rel(f + FAIL_EPOCH, epoch);
     ring_all(g);
 }
@@ -2251,11 +2463,14 @@ static void format_error(op_t *op, char *buf, size_t n) {
 
 static void finish_op(op_t *op) {
     engine_t *g = op->g;
+    /* A peer may have failed this call although this rank got everything it needed (it timed
+     * out on a slow third rank, say): then the call failed, here too. */
+    if (!atomic_load(&op->err)) check_failures(op, 0);
     int err = atomic_load(&op->err);
     if (err) {
         char buf[MAX_MSG];
         format_error(op, buf, sizeof buf);
-        publish_failure(g, op->epoch, buf);
+        publish_failure(g, op->epoch, err == E_REMOTE ? op->remote_code : err, buf);
     }
     if (op->kind == 0 && g->sync == SYNC_SP && land_is_out(g) && op->published_ready) {
         /* rows [0, n_recv) now hold data; after a failure, any row a peer may have reached */
@@ -2267,7 +2482,7 @@ static void finish_op(op_t *op) {
         g->land_dirty = 1;
         g->land_dirty_epoch = op->epoch;
     }
-    st_rel(ctrl(g, g->rank, g->off_done), op->epoch);
+    pub_word(ctrl(g, g->rank, g->off_done), op->epoch);
     ring_all(g);
     int armed = atomic_load(&op->armed);
     if (armed) atomic_fetch_sub(sleepers(g, g->rank), (uint32_t)armed);
@@ -2277,8 +2492,11 @@ static PyObject *error_tuple(op_t *op) {
     int err = atomic_load(&op->err);
     char buf[MAX_MSG];
     format_error(op, buf, sizeof buf);
-    return Py_BuildValue("(iiisss)", err, op->err_peer, op->err_core, op->arg, op->what,
-                         err == E_REMOTE || err == E_BAD_INPUT ? op->msg : buf);
+    /* E_REMOTE: the notice's code in the core slot; the message as bytes (a peer wrote it) */
+    const char *msg = err == E_REMOTE || err == E_BAD_INPUT ? op->msg : buf;
+    return Py_BuildValue("(iiisy#y#)", err, op->err_peer,
+                         err == E_REMOTE ? op->remote_code : op->err_core, op->arg, op->what,
+                         (Py_ssize_t)strlen(op->what), msg, (Py_ssize_t)strlen(msg));
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -2302,7 +2520,8 @@ static void engine_free_scratch(engine_t *g) {
     free(g->u_t); free(g->u_k); free(g->u_e); free(g->u_slot); free(g->stamp);
     free(g->my_rank_in_batch); free((void *)g->remaining); free((void *)g->dc_s1);
     free((void *)g->dc_s2); free(g->core_base); free(g->core_ready); free(g->rx_base);
-    free(g->rx_ebase); free(g->acc); free(g->ci_off); free(g->ci_rows); free(g->ci_stride);
+    free(g->rx_ebase); free(g->rx_rows); free(g->rx_cnt); free(g->tx_rows); free(g->tx_cnt);
+    free(g->route_snap); free(g->acc); free(g->ci_off); free(g->ci_rows); free(g->ci_stride);
     free(g->threads); free(g->e2d); free(g->e2l);
     free((void *)g->term_ptr); free(g->term_w);
     g->base = NULL;
@@ -2395,6 +2614,11 @@ static int engine_init(engine_t *g, PyObject *args, PyObject *kwds) {
     g->core_ready = calloc((size_t)C * R, sizeof(int64_t));
     g->rx_base = calloc((size_t)(C * big + R), sizeof(int64_t));
     g->rx_ebase = calloc((size_t)C * L, sizeof(int64_t));
+    g->rx_rows = calloc((size_t)C * R, sizeof(int64_t));
+    g->rx_cnt = calloc((size_t)C * R * L, sizeof(uint32_t));
+    g->tx_rows = calloc((size_t)C * R, sizeof(int64_t));
+    g->tx_cnt = calloc((size_t)C * R * L, sizeof(uint32_t));
+    g->route_snap = calloc((size_t)C * 2 * (size_t)(g->T * g->K) + 1, sizeof(uint32_t));
     g->acc = aligned_alloc(64, (size_t)align_up((int64_t)C * align_up(g->hidden, 16) * 4, 64));
     g->ci_off = calloc((size_t)C * R, 8); g->ci_rows = calloc((size_t)C * R, 8);
     g->ci_stride = calloc((size_t)C * R, 8);
@@ -2406,7 +2630,8 @@ static int engine_init(engine_t *g, PyObject *args, PyObject *kwds) {
         for (int e = 0; e < E; e++) { g->e2d[e] = e / L; g->e2l[e] = e % L; }
     if (!g->base || !g->pids || !g->starts || !g->cnt || !g->u_t || !g->u_k || !g->u_e ||
         !g->stamp || !g->u_slot || !g->core_base || !g->rx_base || !g->acc ||
-        !g->ci_off || !g->rx_ebase ||
+        !g->ci_off || !g->rx_ebase || !g->rx_rows || !g->rx_cnt || !g->tx_rows || !g->tx_cnt ||
+        !g->route_snap ||
         !g->e2d || !g->e2l || !g->term_ptr || !g->term_w) {
         PyErr_NoMemory();
         return -1;
@@ -2556,15 +2781,16 @@ static PyObject *engine_dispatch(engine_t *g, PyObject *args) {
     return res;
 }
 
-/* combine(expert_out, rows, topk_idx, topk_weights, send_dst_row, ntok, epoch, creg, y)
- *   -> 0 | error tuple */
+/* combine(expert_out, rows, topk_idx, topk_weights, send_dst_row, ntok, epoch, creg, y,
+ *         dispatch_index) -> 0 | error tuple; every rank must name the same dispatch */
 static PyObject *engine_combine(engine_t *g, PyObject *args) {
     PyObject *oeo, *oidx, *ow, *odr, *oy;
     long long rows, ntok;
     unsigned long long epoch;
     int creg;
-    if (!PyArg_ParseTuple(args, "OLOOOLKiO", &oeo, &rows, &oidx, &ow, &odr, &ntok, &epoch, &creg,
-                          &oy))
+    unsigned long long index;
+    if (!PyArg_ParseTuple(args, "OLOOOLKiOK", &oeo, &rows, &oidx, &ow, &odr, &ntok, &epoch, &creg,
+                          &oy, &index))
         return NULL;
     if (g->in_use) {
         PyErr_SetString(PyExc_RuntimeError, "engine: another call is in progress on this buffer");
@@ -2589,6 +2815,7 @@ static PyObject *engine_combine(engine_t *g, PyObject *args) {
     op_t *op = calloc(1, sizeof(op_t));
     if (!op) { rel_bufs(b, 5); return PyErr_NoMemory(); }
     op_init(op, g, 1, epoch);
+    op->dispatch_index = index;
     op->eo = b[0].b.buf;
     op->eo_rows = rows;
     op->creg = creg;
@@ -2615,13 +2842,76 @@ static PyObject *engine_combine(engine_t *g, PyObject *args) {
 }
 
 /* fail(epoch, message): a call rejected before the native code ran (Python-side validation) */
+/* fail(epoch, code, message, finished, timeout_s) -> 0 | error tuple: publish "call `epoch`
+ * failed here" for a call rejected before the native code ran (finished=1: this rank is done
+ * with it), or, finished=0, tell peers ahead of time that the next call cannot run here (a
+ * Buffer that lost step). The notice slot of `epoch` last held the notice of `epoch - 2`: it
+ * is written only once every peer has finished that call, waiting at most timeout_s (0: do not
+ * wait; then nothing is published and the result is 1). */
 static PyObject *engine_fail(engine_t *g, PyObject *args) {
     unsigned long long epoch;
+    int code, finished;
     const char *msg;
-    if (!PyArg_ParseTuple(args, "Ks", &epoch, &msg)) return NULL;
-    publish_failure(g, epoch, msg);
-    st_rel(ctrl(g, g->rank, g->off_done), epoch);
-    ring_all(g);
+    double timeout;
+    if (!PyArg_ParseTuple(args, "Kisid", &epoch, &code, &msg, &finished, &timeout)) return NULL;
+    if (code < E_BAD_INPUT || code > E_LOST) {
+        PyErr_SetString(PyExc_ValueError, "engine.fail: code out of range");
+        return NULL;
+    }
+    op_t *op = calloc(1, sizeof(op_t));
+    if (!op) return PyErr_NoMemory();
+    op_init(op, g, 2, epoch);
+    op->deadline = now_ns() + (int64_t)(timeout * 1e9);
+    int rc = 0;
+    uint64_t credit = epoch >= 2 ? epoch - 2 : 0;
+    Py_BEGIN_ALLOW_THREADS
+    if (timeout > 0) {
+        rc = wait_peers_done(op, credit, 0);
+    } else if (!peers_done_geq(g, credit)) {
+        rc = -1;
+    }
+    if (!rc) {
+        publish_failure(g, epoch, code, msg);
+        if (finished) {
+            pub_word(ctrl(g, g->rank, g->off_done), epoch);
+            ring_all(g);
+        }
+    }
+    int armed = atomic_load(&op->armed);
+    if (armed) atomic_fetch_sub(sleepers(g, g->rank), (uint32_t)armed);
+    Py_END_ALLOW_THREADS
+    PyObject *res = rc > 0 ? error_tuple(op) : PyLong_FromLong(rc ? 1 : 0);
+    free(op);
+    return res;
+}
+
+/* resync(base_epoch): forget every call before `base_epoch` (local; Buffer.resync runs it on
+ * every rank between two group-wide exchanges, so no peer is inside a call and nobody writes
+ * this segment meanwhile). Control records of this rank's segment are cleared, progress words
+ * say "finished everything before base_epoch", SP regions are re-armed. */
+static PyObject *engine_resync(engine_t *g, PyObject *args) {
+    unsigned long long base;
+    if (!PyArg_ParseTuple(args, "K", &base)) return NULL;
+    if (base < 2) {
+        PyErr_SetString(PyExc_ValueError, "engine.resync: base_epoch must be >= 2");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    uint8_t *me = g->base[g->rank];
+    memset(me + g->off_fail, 0, 2 * 512);
+    memset(me + g->off_comb_info, 0, 2 * CI_BYTES);
+    memset(me + g->off_barrier, 0, (size_t)g->C * 64);
+    memset(me + g->off_inbox, 0, (size_t)(g->R * 2 * g->inbox_bytes));
+    for (int reg = 0; reg < g->nreg; reg++) memset(route(g, g->rank, reg), 0, ROUTE_IDX);
+    pub_word(ctrl(g, g->rank, g->off_entered), (base - 1) << 2);
+    pub_word(ctrl(g, g->rank, g->off_done), base - 1);
+    pub_word(ctrl(g, g->rank, g->off_recv_ready), 0);
+    atomic_store(sleepers(g, g->rank), 0);
+    if (g->sync == SYNC_SP) reset_land(g);
+    g->land_dirty = 0;
+    memset(g->sp_dirty, 0, sizeof g->sp_dirty);
+    g->comb_last_epoch[0] = g->comb_last_epoch[1] = 0;
+    Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
@@ -2684,6 +2974,7 @@ static PyMethodDef engine_methods[] = {
     {"dispatch", (PyCFunction)engine_dispatch, METH_VARARGS, "one dispatch (see _native.c)"},
     {"combine", (PyCFunction)engine_combine, METH_VARARGS, "one combine (see _native.c)"},
     {"fail", (PyCFunction)engine_fail, METH_VARARGS, "publish a failure notice"},
+    {"resync", (PyCFunction)engine_resync, METH_VARARGS, "forget every call before an epoch"},
     {"wait_done", (PyCFunction)engine_wait_done, METH_VARARGS, "wait for peers' progress"},
     {"reset_all", (PyCFunction)engine_reset_all, METH_NOARGS, "SP: fill regions with sentinel"},
     {"comb_last_epoch", (PyCFunction)engine_comb_last_epoch, METH_VARARGS,
@@ -2771,7 +3062,48 @@ static PyObject *mod_convert(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* Checksums of the control records, for tests that forge records a peer could write
+ * (the bounds checks behind the checksums must hold on their own). */
+static PyObject *mod_counts_sum(PyObject *self, PyObject *args) {
+    unsigned long long epoch, rows;
+    PyObject *oc;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KKO", &epoch, &rows, &oc)) return NULL;
+    pbuf_t b;
+    if (get_buf(oc, &b, 0, "counts", 0)) { rel_bufs(&b, 1); return NULL; }
+    uint64_t s = counts_sum(epoch, rows, b.b.buf, (int)(b.b.len / 4));
+    rel_bufs(&b, 1);
+    return PyLong_FromUnsignedLongLong(s);
+}
+
+static PyObject *mod_route_sum(PyObject *self, PyObject *args) {
+    unsigned long long epoch, ntok;
+    PyObject *oi, *ow;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KKOO", &epoch, &ntok, &oi, &ow)) return NULL;
+    pbuf_t b[2];
+    memset(b, 0, sizeof b);
+    if (get_buf(oi, &b[0], 0, "idx", 0) || get_buf(ow, &b[1], 0, "weights", b[0].b.len)) {
+        rel_bufs(b, 2);
+        return NULL;
+    }
+    uint64_t s = route_sum(epoch, ntok, b[0].b.buf, b[1].b.buf, b[0].b.len / 4);
+    rel_bufs(b, 2);
+    return PyLong_FromUnsignedLongLong(s);
+}
+
+static PyObject *mod_comb_info_sum(PyObject *self, PyObject *args) {
+    unsigned long long epoch, off, rows, stride, index;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KKKKK", &epoch, &off, &rows, &stride, &index)) return NULL;
+    return PyLong_FromUnsignedLongLong(comb_info_sum(epoch, off, rows, stride, index));
+}
+
 static PyMethodDef module_methods[] = {
+    {"counts_sum", mod_counts_sum, METH_VARARGS, "counts_sum(epoch, rows, counts_u32)"},
+    {"route_sum", mod_route_sum, METH_VARARGS, "route_sum(epoch, ntok, idx_i32, weights_f32)"},
+    {"comb_info_sum", mod_comb_info_sum, METH_VARARGS,
+     "comb_info_sum(epoch, offset, rows, stride, dispatch_index)"},
     {"copy", mod_copy, METH_VARARGS, "copy(dst, src, element_safe=0): the data plane's copy"},
     {"dc_checksum", mod_dc_checksum, METH_VARARGS, "dc_checksum(rows, row_bytes, epoch)"},
     {"convert", mod_convert, METH_VARARGS, "convert(acc_f32, out, dtype_code)"},
