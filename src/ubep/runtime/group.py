@@ -253,6 +253,32 @@ class Group:
             _remove(self._path(f"ag.{seq - 1}.{self.rank}.json"))
         return out
 
+    def exchange(self, key: str, value: Any, timeout_s: float | None = None) -> list[Any]:
+        """Exchange one JSON-serialisable value with every rank under ``key`` (control plane).
+
+        Unlike :meth:`allgather`, it does not count calls: a rank that timed out and calls
+        again with the same key pairs with the peers' first call (what ``Buffer.resync`` needs
+        to be retryable). Keys must be unique per exchange (``[A-Za-z0-9_.-]``).
+        """
+        self._check_open()
+        if not key or any(not (c.isalnum() or c in "_.-") for c in key):
+            raise InvalidArgumentError("key", key, "must be non-empty [A-Za-z0-9_.-]")
+        timeout = self.default_timeout_s if timeout_s is None else float(timeout_s)
+        _write_json(self._path(f"x.{key}.{self.rank}.json"), {"value": value})
+        out: list[Any] = [None] * self.num_ranks
+        found = [False] * self.num_ranks
+
+        def missing() -> list[int]:
+            for r in range(self.num_ranks):
+                if not found[r]:
+                    got = _read_json(self._path(f"x.{key}.{r}.json"))
+                    if got is not None:
+                        out[r], found[r] = got["value"], True
+            return [r for r in range(self.num_ranks) if not found[r]]
+
+        self._poll(missing, time.monotonic() + timeout, f"exchange {key}")
+        return out
+
     def map_global(
         self, size_bytes: int, kind: str, timeout_s: float | None = None
     ) -> ShmGlobalMemory:

@@ -1020,8 +1020,8 @@ static uint64_t notice_sum(uint64_t epoch, uint64_t lencode, const uint8_t *msg,
 
 static int check_liveness(op_t *op, int core, const char *what, int peer);
 
-/* Peer q's failure notice for this call, if it published one: returns its code (E_LOST for a
- * notice whose checksum does not hold) and copies the message; 0 if there is none. */
+/* Peer q's failure notice for this call, if it published one: returns its code and copies
+ * the message; 0 if there is none; -1 for a notice whose checksum does not hold. */
 static int read_notice(engine_t *g, int q, uint64_t epoch, char *msg, size_t cap) {
     const uint8_t *f = fail_block(g, q, epoch);
     if (ld_acq(f + FAIL_EPOCH) != epoch) return 0;
@@ -1030,12 +1030,12 @@ static int read_notice(engine_t *g, int q, uint64_t epoch, char *msg, size_t cap
     uint8_t buf[FAIL_MSG_MAX];
     if (len > FAIL_MSG_MAX || code < E_BAD_INPUT || code > E_LOST) {
         snprintf(msg, cap, "corrupt failure notice of rank %d", q);
-        return E_LOST;
+        return -1;
     }
     memcpy(buf, f + FAIL_MSG, len);
     if (ld_rlx(f + FAIL_SUM) != notice_sum(epoch, lencode, buf, len)) {
         snprintf(msg, cap, "corrupt failure notice of rank %d", q);
-        return E_LOST;
+        return -1;
     }
     size_t n = len < cap - 1 ? len : cap - 1;
     memcpy(msg, buf, n);
@@ -1051,6 +1051,8 @@ static int check_failures(op_t *op, int core) {
         char msg[MAX_MSG];
         int code = read_notice(g, q, op->epoch, msg, sizeof msg);
         if (!code) continue;
+        if (code < 0) return op_error(op, E_LOST, core, q, "%s in call %llu", msg,
+                                      (unsigned long long)op->epoch);
         /* a failure caused by a dead rank is reported as that (PeerLostError everywhere) */
         if (check_liveness(op, core, "a peer that failed this call", -1)) return E_PEER_LOST;
         int expected = 0;
