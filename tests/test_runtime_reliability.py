@@ -24,7 +24,6 @@ from ubep import reference
 from ubep.buffer import Buffer, BufferConfig
 from ubep.errors import (
     InvalidArgumentError,
-    OutOfStepError,
     PeerLostError,
     RankFailedError,
     RemoteError,
