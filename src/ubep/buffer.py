@@ -614,11 +614,19 @@ class Buffer:
 
     def close(self) -> None:
         """Stop the engine's threads and unmap the segments (local, not collective; views into
-        the segments keep their memory alive until they are dropped)."""
+        the segments keep their memory alive until they are dropped). A call still running in
+        another thread is waited for (at most its deadline): its cores use the segments."""
         if self._closed:
             return
-        self._closed = True
-        self._teardown()
+        if not self._lock.acquire(timeout=float(self.config.timeout_s) + 5.0):
+            raise UbepError(f"rank {self.rank}: cannot close the Buffer: a call on it in "
+                            "another thread (or in the code this signal handler interrupted) is "
+                            "still running")
+        try:
+            self._closed = True
+            self._teardown()
+        finally:
+            self._lock.release()
 
     def _teardown(self) -> None:
         if self._engine is not None:
