@@ -48,6 +48,7 @@ from .errors import (
     TimeoutError,
     UbepError,
 )
+from .group_adapter import as_process_group
 from .handle import DispatchHandle, DispatchResult
 from .routing import experts_per_rank
 from .runtime.group import GlobalMemory, ProcessGroup
@@ -261,6 +262,7 @@ class Buffer:
     def __init__(self, group: ProcessGroup, config: BufferConfig) -> None:
         if not isinstance(config, BufferConfig):
             raise InvalidArgumentError("config", type(config).__name__, "must be a BufferConfig")
+        group = as_process_group(group)  # a torch.distributed group -> ubep.torch.group
         self.group = group
         self.config = config
         self.rank = group.rank
