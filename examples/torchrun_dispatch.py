@@ -31,9 +31,9 @@ def inputs(rank: int, num_experts: int) -> tuple[torch.Tensor, np.ndarray, np.nd
     return x, topk_idx, topk_weights
 
 
-def main() -> int:
-    dist.init_process_group("gloo")  # torchrun's env:// rendezvous
-    rank, world = dist.get_rank(), dist.get_world_size()
+def run(group: dist.ProcessGroup) -> bool:
+    """Dispatch and combine on ``group``; whether this rank's results equal the reference's."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     num_experts = EXPERTS_PER_RANK * world
     cfg = ubep.BufferConfig(
         max_tokens_per_rank=TOKENS, hidden=HIDDEN, num_topk=TOP_K, num_experts=num_experts,
@@ -41,7 +41,7 @@ def main() -> int:
     )
     everyone = [inputs(r, num_experts) for r in range(world)]
     xs = [x.view(torch.uint16).numpy() for x, _, _ in everyone]  # BF16 travels as its bits
-    with ubep.Buffer(dist.group.WORLD, cfg) as buf:
+    with ubep.Buffer(group, cfg) as buf:
         _, topk_idx, topk_weights = everyone[rank]
         res = buf.dispatch(xs[rank], topk_idx, topk_weights)
         # Your experts here: one output row per received row (same order). Identity for the
@@ -57,6 +57,12 @@ def main() -> int:
     y_bf16 = torch.from_numpy(y).view(torch.bfloat16)  # back to a torch BF16 tensor
     print(f"rank {rank}/{world}: received {res.recv_x.shape[0]} rows, combined "
           f"{tuple(y_bf16.shape)} {y_bf16.dtype}; equal to ubep.reference: {ok}")
+    return ok
+
+
+def main() -> int:
+    dist.init_process_group("gloo")  # torchrun's env:// rendezvous
+    ok = run(dist.group.WORLD)
     dist.destroy_process_group()
     return 0 if ok else 1
 

@@ -1,22 +1,24 @@
 """The per-rank program of tests/test_torchrun.py, started by a real ``torchrun``.
 
-    torchrun --standalone --nproc-per-node N tests/_torchrun_worker.py SCENARIO OUT_DIR [ARGS]
+    torchrun --standalone --nproc-per-node N tests/_torchrun_worker.py SCENARIO[,...] OUT_DIR [ARGS]
 
-Each rank initialises torch.distributed (gloo, torchrun's env:// rendezvous), runs SCENARIO and
+Each rank initialises torch.distributed (gloo, torchrun's env:// rendezvous), runs the scenarios
+in order and
 saves what it computed under OUT_DIR; the test compares those files with single-process oracles
 (``ubep.reference``, the eager Hugging Face model). The inputs come from seeded generators that
 the test calls too (:func:`case_inputs`).
 
 Scenarios:
+  example    examples/torchrun_dispatch.py's run() (it compares with ubep.reference itself).
   dispatch   ubep.Buffer(dist.group.WORLD, cfg) for each case of CASES.
-  subgroups  world of 4 split into EP groups {0, 2} and {1, 3} (group rank != world rank), both
+  subgroups  (world of 4) EP groups {0, 2} and {1, 3} (group rank != world rank), both
              dispatching at once.
   hf         a tiny Qwen3-MoE with experts_implementation="ubep" on dist.group.WORLD; rank 0 hits
              EOS first (ARGS: the EOS token id); generate with synced_gpus=True and with
              ubep.torch.hf.generate.
   other_host rank 1 claims another boot id: every rank must get ubep's error naming ubep.dist.
-  kill       map_global's segments exist (not yet unlinked) when every rank SIGKILLs itself; the
-             group's cleaner must remove them and its directory.
+  kill       (last) map_global's segments exist (not yet unlinked) when every rank SIGKILLs
+             itself; the group's cleaner must remove them and its directory.
 """
 
 from __future__ import annotations
@@ -118,6 +120,16 @@ def run_subgroups(out: str) -> None:
     run_dispatch(groups[mine], seed=10 + mine, out=out, tag=f"sub{mine}")
 
 
+def run_example(out: str) -> None:
+    """examples/torchrun_dispatch.py's check, on this job's world group."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+    import torchrun_dispatch
+
+    ok = torchrun_dispatch.run(dist.group.WORLD)
+    with open(os.path.join(out, f"example.{dist.get_rank()}.json"), "w") as f:
+        json.dump({"equal_to_reference": ok}, f)
+
+
 def run_hf(out: str, eos: int) -> None:
     import ubep.torch.hf as hf
 
@@ -166,20 +178,23 @@ def run_kill(out: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    scenario, out = argv[1], argv[2]
+    scenarios, out, extra = argv[1].split(","), argv[2], argv[3:]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    if scenario == "dispatch":
-        run_dispatch(dist.group.WORLD, seed=1, out=out, tag="world")
-    elif scenario == "subgroups":
-        run_dispatch(dist.group.WORLD, seed=1, out=out, tag="world")
-        run_subgroups(out)
-    elif scenario == "hf":
-        run_hf(out, int(argv[3]))
-    elif scenario == "kill":
-        run_other_host(out)
-        run_kill(out)
-    else:
-        raise SystemExit(f"unknown scenario {scenario!r}")
+    for scenario in scenarios:
+        if scenario == "dispatch":
+            run_dispatch(dist.group.WORLD, seed=1, out=out, tag="world")
+        elif scenario == "subgroups":
+            run_subgroups(out)
+        elif scenario == "example":
+            run_example(out)
+        elif scenario == "hf":
+            run_hf(out, int(extra[0]))
+        elif scenario == "other_host":
+            run_other_host(out)
+        elif scenario == "kill":  # last: it ends the job
+            run_kill(out)
+        else:
+            raise SystemExit(f"unknown scenario {scenario!r}")
     dist.destroy_process_group()
     return 0
 

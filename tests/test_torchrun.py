@@ -1,9 +1,9 @@
 """ubep under a real ``torchrun`` (``python -m torch.distributed.run --standalone``: a free port).
 
-Each test starts one torchrun job (tests/_torchrun_worker.py or the example) and compares what
-the ranks saved with single-process oracles: ``ubep.reference`` bit for bit, the eager Hugging
-Face model for generate(). A job costs a few seconds (process start-up and ``import torch``), so
-each one covers several checks.
+Two jobs run tests/_torchrun_worker.py (4 ranks; 2 ranks, which also runs the example's check),
+and the tests compare what the ranks saved with single-process oracles: ``ubep.reference`` bit
+for bit, the eager Hugging Face model for generate(). A job costs seconds (process start-up and
+``import torch``), so each one covers several checks.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from ubep import reference  # noqa: E402
 from ubep.dist.selftest import FIELDS, bits  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
-EXAMPLE = TESTS.parent / "examples" / "torchrun_dispatch.py"
+WORKER = TESTS / "_torchrun_worker.py"
 JOB_TIMEOUT_S = 180.0
 
 
@@ -71,26 +71,68 @@ def _check_dispatch(out: Path, tag: str, num_ranks: int, seed: int) -> None:
             assert np.array_equal(bits(got[f"{case}.y"]), bits(ys[r])), (tag, case, r, "y")
 
 
-def test_example_runs_under_torchrun_with_2_ranks() -> None:
-    # The example checks itself against ubep.reference and exits 1 on any difference.
-    _ok(_torchrun(2, EXAMPLE))
-
-
 def test_world_of_4_and_two_ep_groups_of_2_dispatching_at_once(tmp_path: Path) -> None:
-    _ok(_torchrun(4, TESTS / "_torchrun_worker.py", "subgroups", str(tmp_path)))
+    _ok(_torchrun(4, WORKER, "dispatch,subgroups", str(tmp_path)))
     _check_dispatch(tmp_path, "world", 4, seed=1)
     # Group {0, 2} and group {1, 3}: files are named by *group* rank, inputs seeded per group.
     _check_dispatch(tmp_path, "sub0", 2, seed=10)
     _check_dispatch(tmp_path, "sub1", 2, seed=11)
 
 
-def test_killed_ranks_leave_nothing_and_other_hosts_are_refused(tmp_path: Path) -> None:
-    job = _torchrun(2, TESTS / "_torchrun_worker.py", "kill", str(tmp_path))
-    assert job.returncode != 0  # every rank SIGKILLed itself
+@pytest.fixture(scope="module")
+def two_rank_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[torch.Tensor]]:
+    """One 2-rank job for four checks (start-up costs seconds): the example, Hugging Face
+    generate with rank 0 at EOS first, a group across "hosts", and every rank SIGKILLed with
+    segments named.
+    Returns the output directory and the eager model's generations with that EOS."""
+    pytest.importorskip("transformers")
+    out = tmp_path_factory.mktemp("two_rank_job")
+    eager = worker.hf_model("eager")
+    prompts = [worker.hf_prompt(r) for r in range(2)]
+    with torch.no_grad():
+        free = [eager.generate(p, **worker.hf_generate_kwargs(p, None)) for p in prompts]
+        eos = _eos_that_stops_rank_0_first(free, prompts[0].shape[1])
+        want = [eager.generate(p, **worker.hf_generate_kwargs(p, eos)) for p in prompts]
+    assert want[0].shape[1] < want[1].shape[1]  # rank 0 really finishes first
+    job = _torchrun(2, WORKER, "example,hf,other_host,kill", str(out), str(eos))
+    # Every rank SIGKILLs itself at the end: a non-zero exit, and nothing after "kill" ran.
+    assert job.returncode != 0
+    assert (out / "kill.0.json").exists() and (out / "kill.1.json").exists(), job.stderr[-4000:]
+    return out, want
+
+
+def test_the_example_matches_the_reference_on_2_ranks(
+    two_rank_job: tuple[Path, list[torch.Tensor]],
+) -> None:
+    out, _ = two_rank_job
+    for r in range(2):  # the example compares every field with ubep.reference itself
+        assert json.loads((out / f"example.{r}.json").read_text()) == {"equal_to_reference": True}
+
+
+def test_hf_generate_with_one_rank_at_eos_first(
+    two_rank_job: tuple[Path, list[torch.Tensor]],
+) -> None:
+    out, want = two_rank_job
     for r in range(2):
-        message = json.loads((tmp_path / f"other_host.{r}.json").read_text())["message"]
+        got = torch.load(out / f"hf.{r}.pt")
+        assert torch.equal(got["synced_gpus"], want[r]), (r, got["synced_gpus"], want[r])
+        assert torch.equal(got["hf_generate"], want[r]), (r, got["hf_generate"], want[r])
+
+
+def test_a_group_across_hosts_is_refused_naming_ubep_dist(
+    two_rank_job: tuple[Path, list[torch.Tensor]],
+) -> None:
+    out, _ = two_rank_job
+    for r in range(2):
+        message = json.loads((out / f"other_host.{r}.json").read_text())["message"]
         assert "2 hosts" in message and "ubep.dist" in message, message
-    records = [json.loads((tmp_path / f"kill.{r}.json").read_text()) for r in range(2)]
+
+
+def test_killed_ranks_leave_no_segment_and_no_directory(
+    two_rank_job: tuple[Path, list[torch.Tensor]],
+) -> None:
+    out, _ = two_rank_job
+    records = [json.loads((out / f"kill.{r}.json").read_text()) for r in range(2)]
     names = records[0]["segments"]
     assert names == records[1]["segments"] and len(names) == 2
     directory = records[0]["dir"]
@@ -103,22 +145,6 @@ def test_killed_ranks_leave_nothing_and_other_hosts_are_refused(tmp_path: Path) 
         time.sleep(0.05)
     assert not [n for n in names if os.path.exists(f"/dev/shm/{n}")]
     assert not os.path.exists(directory)
-
-
-def test_hf_generate_with_one_rank_at_eos_first(tmp_path: Path) -> None:
-    pytest.importorskip("transformers")
-    eager = worker.hf_model("eager")
-    prompts = [worker.hf_prompt(r) for r in range(2)]
-    with torch.no_grad():
-        free = [eager.generate(p, **worker.hf_generate_kwargs(p, None)) for p in prompts]
-        eos = _eos_that_stops_rank_0_first(free, prompts[0].shape[1])
-        want = [eager.generate(p, **worker.hf_generate_kwargs(p, eos)) for p in prompts]
-    assert want[0].shape[1] < want[1].shape[1]  # rank 0 really finishes first
-    _ok(_torchrun(2, TESTS / "_torchrun_worker.py", "hf", str(tmp_path), str(eos)))
-    for r in range(2):
-        got = torch.load(tmp_path / f"hf.{r}.pt")
-        assert torch.equal(got["synced_gpus"], want[r]), (r, got["synced_gpus"], want[r])
-        assert torch.equal(got["hf_generate"], want[r]), (r, got["hf_generate"], want[r])
 
 
 def _eos_that_stops_rank_0_first(free: list[torch.Tensor], prompt_len: int) -> int:
