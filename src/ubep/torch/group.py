@@ -75,9 +75,12 @@ def from_torch(
         # The entry holds the torch group itself, so its id cannot be reused by another object.
         if hit is not None and hit[0] is group and not hit[1].closed:
             return hit[1]
-        made = TorchGroup(group, topology=topology, timeout_s=timeout_s)
+    # Built outside the lock: the bootstrap waits for peers, and a thread bootstrapping another
+    # torch group meanwhile must not wait for this one.
+    made = TorchGroup(group, topology=topology, timeout_s=timeout_s)
+    with _cache_lock:
         _cache[id(group)] = (group, made)
-        return made
+    return made
 
 
 def host_identity() -> dict[str, str]:
