@@ -10,6 +10,7 @@ the test calls too (:func:`case_inputs`).
 
 Scenarios:
   example    examples/torchrun_dispatch.py's run() (it compares with ubep.reference itself).
+  control    the adapter's exchange / allgather / barrier / check_peers.
   dispatch   ubep.Buffer(dist.group.WORLD, cfg) for each case of CASES.
   subgroups  (world of 4) EP groups {0, 2} and {1, 3} (group rank != world rank), both
              dispatching at once.
@@ -130,6 +131,28 @@ def run_example(out: str) -> None:
         json.dump({"equal_to_reference": ok}, f)
 
 
+def run_control(out: str) -> None:
+    """The adapter's control plane: cached per torch group, exchange/allgather in group-rank
+    order, a key mismatch named on every rank, barrier, check_peers."""
+    import ubep.torch.group as tg
+
+    rank = dist.get_rank()
+    group = tg.from_torch(dist.group.WORLD, timeout_s=30)
+    record: dict[str, Any] = {"cached": tg.from_torch(dist.group.WORLD) is group}
+    record["exchange"] = group.exchange("step", {"rank": rank, "pid": os.getpid()})
+    record["allgather"] = group.allgather([rank] * (rank + 1))  # unequal sizes
+    try:
+        group.exchange("a" if rank == 0 else "b", rank)
+        record["mismatch"] = ""
+    except ubep.UbepError as exc:
+        record["mismatch"] = str(exc)
+    group.barrier()
+    group.check_peers()
+    record["peers"] = [p.pid for p in group.peers]
+    with open(os.path.join(out, f"control.{rank}.json"), "w") as f:
+        json.dump(record, f)
+
+
 def run_hf(out: str, eos: int) -> None:
     import ubep.torch.hf as hf
 
@@ -187,6 +210,8 @@ def main(argv: list[str]) -> int:
             run_subgroups(out)
         elif scenario == "example":
             run_example(out)
+        elif scenario == "control":
+            run_control(out)
         elif scenario == "hf":
             run_hf(out, int(extra[0]))
         elif scenario == "other_host":

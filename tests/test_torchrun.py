@@ -81,9 +81,9 @@ def test_world_of_4_and_two_ep_groups_of_2_dispatching_at_once(tmp_path: Path) -
 
 @pytest.fixture(scope="module")
 def two_rank_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[torch.Tensor]]:
-    """One 2-rank job for four checks (start-up costs seconds): the example, Hugging Face
-    generate with rank 0 at EOS first, a group across "hosts", and every rank SIGKILLed with
-    segments named.
+    """One 2-rank job for five checks (start-up costs seconds): the example, the control plane,
+    Hugging Face generate with rank 0 at EOS first, a group across "hosts", and every rank
+    SIGKILLed with segments named.
     Returns the output directory and the eager model's generations with that EOS."""
     pytest.importorskip("transformers")
     out = tmp_path_factory.mktemp("two_rank_job")
@@ -94,7 +94,7 @@ def two_rank_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[t
         eos = _eos_that_stops_rank_0_first(free, prompts[0].shape[1])
         want = [eager.generate(p, **worker.hf_generate_kwargs(p, eos)) for p in prompts]
     assert want[0].shape[1] < want[1].shape[1]  # rank 0 really finishes first
-    job = _torchrun(2, WORKER, "example,hf,other_host,kill", str(out), str(eos))
+    job = _torchrun(2, WORKER, "example,control,hf,other_host,kill", str(out), str(eos))
     # Every rank SIGKILLs itself at the end: a non-zero exit, and nothing after "kill" ran.
     assert job.returncode != 0
     assert (out / "kill.0.json").exists() and (out / "kill.1.json").exists(), job.stderr[-4000:]
@@ -107,6 +107,20 @@ def test_the_example_matches_the_reference_on_2_ranks(
     out, _ = two_rank_job
     for r in range(2):  # the example compares every field with ubep.reference itself
         assert json.loads((out / f"example.{r}.json").read_text()) == {"equal_to_reference": True}
+
+
+def test_control_plane_over_the_torch_group(
+    two_rank_job: tuple[Path, list[torch.Tensor]],
+) -> None:
+    out, _ = two_rank_job
+    got = [json.loads((out / f"control.{r}.json").read_text()) for r in range(2)]
+    pids = [g["exchange"][r]["pid"] for r, g in enumerate(got)]  # each rank's own entry
+    for g in got:
+        assert g["cached"]
+        assert g["exchange"] == [{"rank": 0, "pid": pids[0]}, {"rank": 1, "pid": pids[1]}]
+        assert g["allgather"] == [[0], [1, 1]]
+        assert g["peers"] == pids
+        assert "keys by rank: ['a', 'b']" in g["mismatch"], g["mismatch"]
 
 
 def test_hf_generate_with_one_rank_at_eos_first(
