@@ -18,7 +18,8 @@ pytestmark = pytest.mark.torch
 transformers = pytest.importorskip("transformers")
 
 import ubep.torch.hf as hf  # noqa: E402
-from _hf_configs import VOCAB, tiny_mixtral, tiny_qwen3_moe  # noqa: E402
+from _hf_configs import VOCAB, tiny_llama4, tiny_mixtral, tiny_qwen3_moe  # noqa: E402
+from ubep.errors import InvalidArgumentError, TimeoutError  # noqa: E402
 from ubep.torch import LocalWorld, run_threads  # noqa: E402
 
 E = 8
@@ -108,6 +109,113 @@ def test_shard_experts_keeps_the_local_slice() -> None:
 def test_from_config_accepts_the_registered_name_and_needs_a_backend() -> None:
     m = _build(_qwen3, "ubep")
     assert m.config._experts_implementation == "ubep"
-    with pytest.raises(ValueError, match="register"), torch.no_grad():
+    with pytest.raises(InvalidArgumentError, match=r"ubep\.torch\.hf\.register\(group"):
         hf._registry["group"] = None
-        m(torch.zeros((1, 3), dtype=torch.int64))
+        with torch.no_grad():
+            m(torch.zeros((1, 3), dtype=torch.int64))
+
+
+def test_importing_ubep_torch_hf_makes_the_name_known() -> None:
+    # A forgotten register() must end at ubep's message (above), not at transformers' generic
+    # "not supported": importing ubep.torch.hf registers the name. Undo, then redo the import's
+    # step.
+    from transformers.integrations.moe import ExpertsInterface
+
+    del ExpertsInterface._global_mapping["ubep"]
+    with pytest.raises(ValueError, match="not supported"):
+        _build(_qwen3, "ubep")
+    hf._install()
+    assert _build(_qwen3, "ubep").config._experts_implementation == "ubep"
+
+
+def _llama4(impl: str) -> Any:
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(
+        tiny_llama4(4), experts_implementation=impl
+    ).eval()
+
+
+def test_llama4_experts_bypass_the_interface_and_are_refused() -> None:
+    # Llama4TextMoe calls its experts module directly: "ubep" would never run, and sharding it
+    # would change the logits. Refused when built, attached or sharded; the model is untouched.
+    with pytest.raises(InvalidArgumentError, match=r"Llama4TextExperts.*ExpertsInterface"):
+        _llama4("ubep")
+    m = _llama4("eager")
+    ids = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = m(ids).logits
+    with pytest.raises(InvalidArgumentError, match="Llama4TextExperts"):
+        hf.shard_experts(m, 1, 2)
+    with pytest.raises(InvalidArgumentError, match="Llama4TextExperts"):
+        hf.attach(m, LocalWorld(2, 4).backend(0))
+    with torch.no_grad():
+        assert torch.equal(m(ids).logits, before)
+
+
+def _gen_kwargs(prompt: torch.Tensor, new_tokens: int, eos: int | None) -> dict[str, Any]:
+    kw: dict[str, Any] = {
+        "attention_mask": torch.ones_like(prompt), "max_new_tokens": new_tokens,
+        "do_sample": False, "pad_token_id": 0,
+    }
+    if eos is None:
+        kw["min_new_tokens"] = new_tokens
+    else:
+        kw["eos_token_id"] = eos
+    return kw
+
+
+def _rank0_stops_first(new_tokens: int) -> tuple[list[torch.Tensor], int, list[torch.Tensor]]:
+    """Prompts, an EOS token that rank 0 generates at its 2nd step and rank 1 never does, and
+    the eager model's generations with that EOS (rank 0's shorter)."""
+    prompts = [
+        torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(r))
+        for r in range(2)
+    ]
+    eager = _build(_qwen3, "eager")
+    with torch.no_grad():
+        free = [eager.generate(p, **_gen_kwargs(p, new_tokens, None)) for p in prompts]
+        first = free[0][0, 5:].tolist()
+        eos = first[1]
+        assert eos != first[0] and eos not in free[1][0, 5:].tolist() and eos != 0
+        want = [eager.generate(p, **_gen_kwargs(p, new_tokens, eos)) for p in prompts]
+    assert want[0].shape[1] == 5 + 2 < want[1].shape[1]
+    return prompts, eos, want
+
+
+def test_generate_keeps_a_finished_rank_serving_until_all_are_done() -> None:
+    N = 6
+    prompts, eos, want = _rank0_stops_first(N)
+    world = LocalWorld(2, E, layout="expert", timeout_s=30)
+    models = [_build(_qwen3, "ubep") for _ in range(2)]
+    for r, m in enumerate(models):
+        hf.attach(m, world.backend(r))
+
+    def body(rank: int) -> torch.Tensor:
+        p = prompts[rank]
+        with torch.no_grad():
+            return hf.generate(models[rank], p, **_gen_kwargs(p, N, eos))
+
+    got = run_threads(body, 2, timeout_s=120)
+    for r in range(2):
+        assert torch.equal(got[r], want[r]), (r, got[r], want[r])
+    # Rank 0 ran as many MoE calls as rank 1: one dispatch per layer and forward pass.
+    assert world.num_calls["dispatch"] == 2 * N
+
+
+def test_plain_generate_with_unequal_lengths_fails_naming_them() -> None:
+    N = 4
+    prompts, eos, _ = _rank0_stops_first(N)
+    world = LocalWorld(2, E, layout="expert", timeout_s=1)
+    models = [_build(_qwen3, "ubep") for _ in range(2)]
+    for r, m in enumerate(models):
+        hf.attach(m, world.backend(r))
+
+    def body(rank: int) -> torch.Tensor:
+        p = prompts[rank]
+        with torch.no_grad():  # rank 0 stops after 2 tokens; rank 1 waits for its experts
+            return models[rank].generate(p, **_gen_kwargs(p, N, eos))
+
+    with pytest.raises(RuntimeError, match="rank 1") as info:
+        run_threads(body, 2, timeout_s=60)
+    assert isinstance(info.value.__cause__, TimeoutError)
+    assert "unequal generate() lengths" in str(info.value.__cause__)

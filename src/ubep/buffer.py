@@ -52,6 +52,7 @@ from .errors import (
     TimeoutError,
     UbepError,
 )
+from .group_adapter import as_process_group
 from .handle import DispatchHandle, DispatchResult
 from .routing import experts_per_rank
 from .runtime.group import GlobalMemory, ProcessGroup
@@ -276,12 +277,15 @@ class Buffer:
     the same config, in the same order).
 
     Args:
-        group: the ranks: a :class:`~ubep.runtime.group.Group` (``ubep.launch``) or any
+        group: the ranks: a ``torch.distributed`` process group (the world or a
+            ``new_group`` subgroup, under torchrun; ranks in the group's order), a
+            :class:`~ubep.runtime.group.Group` (``ubep.launch``) or any
             :class:`~ubep.runtime.group.ProcessGroup` (``ubep.dist.init()`` under mpiexec).
         config: :class:`BufferConfig` (must be equal on every rank).
     """
 
     def __init__(self, group: ProcessGroup, config: BufferConfig) -> None:
+        group = as_process_group(group)  # a torch.distributed group -> ubep.torch.group
         self.group = group
         self.config = config
         self.rank = group.rank

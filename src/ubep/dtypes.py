@@ -16,6 +16,10 @@ ubep name  numpy storage   itemsize  meaning
 ``uint8``  ``uint8``       1         opaque bytes, e.g. FP8 (E4M3/E5M2) bit patterns
 =========  ==============  ========  =====================================================
 
+Wherever ubep takes a dtype it also takes the ``torch.dtype`` of that meaning (checked by
+name, torch is never imported here): ``torch.bfloat16``, ``torch.float16``, ``torch.float32``,
+``torch.int8``, ``torch.uint8``, and every ``torch.float8_*`` as ``uint8`` bytes.
+
 Dispatch moves any of them bit for bit. Arithmetic (combine) needs a float type: the three
 float descriptors convert exactly to float32 and back with round-to-nearest-even
 (:meth:`DType.from_float32`); the 1-byte ones have no float view here (FP8 scales are the
@@ -42,6 +46,7 @@ __all__ = [
     "FP16",
     "FP32",
     "INT8",
+    "TORCH_DTYPES",
     "UINT8",
     "DType",
     "as_storage",
@@ -138,13 +143,50 @@ DTYPES: dict[str, DType] = {d.name: d for d in (BF16, FP16, FP32, INT8, UINT8)}
 _BY_STORAGE: dict[np.dtype, DType] = {d.storage: d for d in DTYPES.values()}
 
 
+#: ``torch.dtype`` names (``str(torch.bfloat16)`` = ``"torch.bfloat16"``) and their ubep type.
+#: Every FP8 format travels as opaque bytes (``"uint8"``): ubep moves it, the caller's scales
+#: give it meaning.
+TORCH_DTYPES: dict[str, DType] = {
+    "torch.bfloat16": BF16,
+    "torch.float16": FP16,
+    "torch.float32": FP32,
+    "torch.int8": INT8,
+    "torch.uint8": UINT8,
+    "torch.float8_e4m3fn": UINT8,
+    "torch.float8_e5m2": UINT8,
+    "torch.float8_e4m3fnuz": UINT8,
+    "torch.float8_e5m2fnuz": UINT8,
+}
+
+
+def _is_torch_dtype(value: object) -> bool:
+    # Checked by type name so that ubep never imports torch for it.
+    kind = type(value)
+    return kind.__name__ == "dtype" and kind.__module__ == "torch"
+
+
+def _torch_dtype(value: object, argument: str) -> DType:
+    found = TORCH_DTYPES.get(str(value))
+    if found is None:
+        raise InvalidArgumentError(
+            argument, value,
+            f"unsupported payload dtype; use one of {', '.join(TORCH_DTYPES)}",
+        )
+    return found
+
+
 def dtype_of(value: object, *, argument: str = "dtype") -> DType:
-    """The :class:`DType` of an array, a numpy dtype, a ``DType`` or a ubep name like ``"bf16"``."""
+    """The :class:`DType` of an array or tensor, a numpy or ``torch`` dtype, a ``DType`` or a
+    ubep name like ``"bf16"`` (``torch.float8_e4m3fn`` and the other FP8 types: ``"uint8"``)."""
     if isinstance(value, DType):
         return value
     if isinstance(value, str) and value in DTYPES:
         return DTYPES[value]
+    if _is_torch_dtype(value):
+        return _torch_dtype(value, argument)
     raw: Any = getattr(value, "dtype", None)
+    if _is_torch_dtype(raw):  # a torch tensor
+        return _torch_dtype(raw, argument)
     if not isinstance(raw, np.dtype):  # a class like np.float32 has a non-dtype .dtype
         raw = value
     try:

@@ -7,6 +7,8 @@
   combine a dispatch).
 * :class:`MoELayer`: router -> dispatch -> grouped SwiGLU experts -> combine.
 * :mod:`ubep.torch.hf`: a Hugging Face transformers experts implementation named ``"ubep"``.
+* :mod:`ubep.torch.group`: a ubep process group over a ``torch.distributed`` group (what
+  ``ubep.Buffer(dist.group.WORLD, cfg)`` builds under torchrun).
 * :class:`LocalWorld`: N ranks as threads of one process (float64-capable), for tests.
 """
 

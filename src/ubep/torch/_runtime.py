@@ -16,27 +16,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..dtypes import dtype_of
 from ..errors import InvalidArgumentError
 
 __all__ = ["RuntimeBackend", "make_backend", "ubep_dtype_name"]
 
-_DTYPE_NAMES = {
-    torch.bfloat16: "bf16",
-    torch.float16: "fp16",
-    torch.float32: "fp32",
-    torch.int8: "int8",
-    torch.uint8: "uint8",
-}
-
-
 def ubep_dtype_name(dtype: torch.dtype) -> str:
-    """The ``ubep.dtypes`` name of a torch payload dtype (``torch.bfloat16`` -> ``"bf16"``)."""
-    try:
-        return _DTYPE_NAMES[dtype]
-    except KeyError:
-        raise InvalidArgumentError(
-            "dtype", dtype, f"the runtime moves {sorted(map(str, _DTYPE_NAMES))}"
-        ) from None
+    """The ``ubep.dtypes`` name of a torch payload dtype (``torch.bfloat16`` -> ``"bf16"``;
+    FP8 types -> ``"uint8"``)."""
+    return dtype_of(dtype, argument="dtype").name
 
 
 class RuntimeBackend:

@@ -1,0 +1,370 @@
+"""A ubep process group over a ``torch.distributed`` process group (``torchrun`` programs).
+
+``ubep.Buffer(dist.group.WORLD, cfg)`` (or any ``dist.new_group(ranks)`` subgroup) lands here
+through :func:`ubep.group_adapter.as_process_group`; :func:`from_torch` is the same thing by
+hand. The torch group carries only the control plane; rows still move through shared memory,
+exactly as in a group of ``ubep.launch``:
+
+* **Bootstrap** (collective over the torch group): every rank publishes its pid and process
+  start time (liveness, as :attr:`ubep.runtime.Group.peers`), uid, host name and boot id; group
+  rank 0 adds a 16-byte group id and a private directory. Ranks are numbered by their rank *in
+  the torch group* (``dist.get_rank(group)``), not the world's. Ranks on different hosts (host
+  name or ``/proc/sys/kernel/random/boot_id`` differ) are refused: shared memory cannot reach
+  them, and ``ubep.dist`` (MPI) is what runs across hosts.
+* **Control plane**: :meth:`TorchGroup.allgather` / :meth:`exchange` / :meth:`barrier` are
+  asynchronous torch collectives (JSON values), polled against a deadline and the liveness of
+  every peer, so a dead or missing rank raises ``ubep.PeerLostError`` / ``ubep.TimeoutError``
+  instead of blocking for the backend's own (30 min) timeout. The backend must move CPU tensors
+  (gloo; a NCCL-only group is refused with what to do).
+* **Global memory** (:meth:`TorchGroup.map_global`): one POSIX segment per rank
+  (``ubep.runtime.shm.Segment``: 0600, a 128-bit random name, header-checked by every mapper),
+  names exchanged over the torch group, unlinked by ``Buffer`` once every peer mapped them.
+* **Cleanup**: torchrun gives no rendezvous directory and no parent that cleans up after its
+  children, so group rank 0 starts a tiny cleaner process (``_reaper.py``, standard library
+  only, its own session) that creates the group's private directory (segment markers) and,
+  once every rank's process is gone, unlinks whatever segment a killed rank left named and
+  removes the directory. Nothing of the group survives its processes, SIGKILL included.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import select
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .. import topology as topo
+from ..env import timeout_s_from_env
+from ..errors import InvalidArgumentError, PeerLostError, TimeoutError, UbepError
+from ..runtime.group import PeerProcess, ShmGlobalMemory, process_start_time
+from ..runtime.shm import Segment
+
+__all__ = ["TorchGroup", "check_same_host", "from_torch", "host_identity"]
+
+_LIVENESS_PERIOD_S = 0.02
+_REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_reaper.py")
+_BOOT_ID = "/proc/sys/kernel/random/boot_id"
+# Backends that run collectives on CPU tensors (the control plane's JSON bytes).
+_CPU_BACKENDS = ("gloo", "mpi", "ucc")
+
+_cache_lock = threading.Lock()
+_cache: dict[int, tuple[Any, TorchGroup]] = {}
+
+
+def from_torch(
+    group: Any, *, topology: topo.Topology | None = None, timeout_s: float | None = None
+) -> TorchGroup:
+    """The ubep group of a torch.distributed group, built once per torch group (collective the
+    first time: every rank of ``group`` calls it, as every rank builds a Buffer).
+
+    Later calls with the same torch group return the same object, so every ``ubep.Buffer`` on it
+    shares one bootstrap and one cleaner process. ``topology``/``timeout_s`` apply to the first
+    call only."""
+    with _cache_lock:
+        hit = _cache.get(id(group))
+        # The entry holds the torch group itself, so its id cannot be reused by another object.
+        if hit is not None and hit[0] is group and not hit[1].closed:
+            return hit[1]
+    # Built outside the lock: the bootstrap waits for peers, and a thread bootstrapping another
+    # torch group meanwhile must not wait for this one.
+    made = TorchGroup(group, topology=topology, timeout_s=timeout_s)
+    with _cache_lock:
+        _cache[id(group)] = (group, made)
+    return made
+
+
+def host_identity() -> dict[str, str]:
+    """This process's host: its name and the kernel's boot id (different machines, or one
+    machine rebooted, never share a boot id; container hosts may share a name)."""
+    try:
+        with open(_BOOT_ID) as f:
+            boot_id = f.read().strip()
+    except OSError:
+        boot_id = ""
+    return {"host": socket.gethostname(), "boot_id": boot_id}
+
+
+def check_same_host(hellos: list[dict[str, Any]]) -> None:
+    """Raise ``ubep.UbepError`` naming ``ubep.dist`` if the ranks (``hellos`` in group-rank order,
+    each with ``host`` and ``boot_id``) are not all on one host."""
+    hosts: dict[tuple[str, str], list[int]] = {}
+    for rank, h in enumerate(hellos):
+        hosts.setdefault((h["host"], h["boot_id"]), []).append(rank)
+    if len(hosts) > 1:
+        where = "; ".join(f"{name} (boot {boot[:8]}): ranks {ranks}" for (name, boot), ranks
+                          in hosts.items())
+        raise UbepError(
+            f"the ranks of this torch.distributed group are on {len(hosts)} hosts ({where}). "
+            "ubep on a torch.distributed group moves rows through shared memory and needs every "
+            "rank on one host; across hosts use ubep.dist (ubep.dist.init() under mpiexec, "
+            "docs/MULTIHOST.md), or give ubep one group per host (dist.new_group)."
+        )
+
+
+class TorchGroup:
+    """A :class:`ubep.runtime.group.ProcessGroup` over a ``torch.distributed`` group.
+
+    Attributes:
+        torch_group: the torch.distributed group it runs over.
+        rank: this process's rank in ``torch_group`` (not the world rank).
+        num_ranks: ranks in ``torch_group``.
+        topology: the fabric model (default :func:`ubep.topology.host`).
+        group_id: 16 random bytes from group rank 0 (stamped into every segment header).
+        rendezvous: the group's private directory (segment markers; removed by the cleaner).
+        peers: liveness handles of every rank, in group-rank order.
+    """
+
+    def __init__(
+        self, group: Any, *, topology: topo.Topology | None = None, timeout_s: float | None = None
+    ) -> None:
+        _check_torch_group(group)
+        self.torch_group = group
+        self.rank = int(dist.get_rank(group))
+        self.num_ranks = int(dist.get_world_size(group))
+        if topology is None:
+            topology = topo.host(self.num_ranks)
+        if topology.num_ranks != self.num_ranks:
+            raise InvalidArgumentError(
+                "topology", topology.name,
+                f"has {topology.num_ranks} ranks, the torch group has {self.num_ranks}",
+            )
+        self.topology = topology
+        self.default_timeout_s = timeout_s_from_env() if timeout_s is None else float(timeout_s)
+        self.closed = False
+        self.peers: list[PeerProcess] = []
+        self._reaper: subprocess.Popen[bytes] | None = None
+        deadline = time.monotonic() + self.default_timeout_s
+        me: dict[str, Any] = {
+            "pid": os.getpid(),
+            "start_time": process_start_time(os.getpid()),
+            "uid": os.getuid(),
+            **host_identity(),
+        }
+        if self.rank == 0:
+            me["group_id"] = secrets.token_hex(16)
+            me["dir"] = self._start_reaper(deadline)
+        # The cleaner watches rank 0 alone until every rank is known to share this host.
+        watch = [(me["pid"], me["start_time"])]
+        try:
+            hellos = self._allgather_json(me, deadline, "bootstrap")
+            check_same_host(hellos)
+            for r, h in enumerate(hellos):
+                if h["uid"] != os.getuid():
+                    raise UbepError(f"rank {r} runs as uid {h['uid']}, not {os.getuid()}")
+            watch = [(h["pid"], h["start_time"]) for h in hellos]
+        finally:
+            if self.rank == 0:
+                self._watch(watch)
+        self.group_id: bytes = bytes.fromhex(hellos[0]["group_id"])
+        self.rendezvous: str = hellos[0]["dir"]
+        self.peers = [PeerProcess(r, h["pid"], h["start_time"]) for r, h in enumerate(hellos)]
+
+    # --- ProcessGroup -------------------------------------------------------------------
+
+    def allgather(self, value: Any, timeout_s: float | None = None) -> list[Any]:
+        """Every rank's JSON-serialisable ``value``, in group-rank order (collective)."""
+        self._check_open()
+        return self._allgather_json(value, self._deadline(timeout_s), "allgather")
+
+    def exchange(self, key: str, value: Any, timeout_s: float | None = None) -> list[Any]:
+        """:meth:`allgather` of ``value`` under a name: every rank must pass the same ``key``
+        (a rank that is at another exchange raises ``ubep.UbepError`` naming both keys)."""
+        if not isinstance(key, str):
+            raise InvalidArgumentError("key", key, "must be a str")
+        self._check_open()
+        got = self._allgather_json([key, value], self._deadline(timeout_s), f"exchange {key!r}")
+        keys = [k for k, _ in got]
+        if any(k != key for k in keys):
+            raise UbepError(
+                f"rank {self.rank}: exchange {key!r} met other exchanges on other ranks "
+                f"(keys by rank: {keys}); every rank must make the same exchanges in the same order"
+            )
+        return [v for _, v in got]
+
+    def barrier(self, timeout_s: float | None = None) -> None:
+        """Block until every rank has entered this barrier (a torch collective with a deadline)."""
+        self._check_open()
+        work = dist.barrier(group=self.torch_group, async_op=True)
+        self._wait(work, self._deadline(timeout_s), "barrier")
+
+    def map_global(
+        self, size_bytes: int, kind: str, timeout_s: float | None = None
+    ) -> ShmGlobalMemory:
+        """Create this rank's segment of ``size_bytes`` and map every peer's (collective).
+
+        The name is recorded in the group directory until ``unlink()`` (so the cleaner removes
+        it if this process is killed first); call ``unlink()`` once every peer has mapped it
+        (after a barrier), as :class:`ubep.Buffer` does."""
+        self._check_open()
+        own = Segment.create(
+            size_bytes, group_id=self.group_id, owner_rank=self.rank, kind=kind,
+            marker_dir=self.rendezvous,
+        )
+        segs: list[Segment] = []
+        try:
+            names = self.allgather(own.name, timeout_s)
+            for r, name in enumerate(names):
+                if r == self.rank:
+                    segs.append(own)
+                    continue
+                segs.append(Segment.open_peer(
+                    name, size_bytes=size_bytes, group_id=self.group_id, owner_rank=r, kind=kind,
+                ))
+        except BaseException:
+            for seg in segs:
+                seg.close()
+            if own not in segs:
+                own.close()
+            raise
+        pids = [p.pid for p in self.peers]
+        starts = [p.start_time or process_start_time(p.pid) for p in self.peers]
+        return ShmGlobalMemory(segs, self.rank, pids, starts)
+
+    def check_peers(self) -> None:
+        """Raise ``ubep.PeerLostError`` if any peer process has died."""
+        dead = self._dead()
+        if dead:
+            raise PeerLostError(f"rank {self.rank}: peer rank(s) {dead} died")
+
+    def close(self) -> None:
+        """Stop using the group (local). The torch group stays the caller's; the directory goes
+        when every rank's process has exited."""
+        self.closed = True
+
+    def __enter__(self) -> TorchGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"TorchGroup(rank={self.rank}, num_ranks={self.num_ranks}, "
+            f"topology={self.topology.name})"
+        )
+
+    # --- internals ----------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise UbepError(f"rank {self.rank}: the group is closed")
+
+    def _deadline(self, timeout_s: float | None) -> float:
+        return time.monotonic() + (self.default_timeout_s if timeout_s is None else timeout_s)
+
+    def _dead(self) -> list[int]:
+        return [p.rank for p in self.peers if p.rank != self.rank and not p.alive()]
+
+    def _allgather_json(self, value: Any, deadline: float, what: str) -> list[Any]:
+        """Two torch all-gathers: the byte counts, then the JSON bytes padded to the longest."""
+        raw = np.frombuffer(json.dumps(value).encode(), dtype=np.uint8)
+        size = torch.tensor([raw.size], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.num_ranks)]
+        self._wait(
+            dist.all_gather(sizes, size, group=self.torch_group, async_op=True), deadline, what
+        )
+        longest = max(int(s.item()) for s in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[: raw.size] = torch.from_numpy(raw.copy())
+        bufs = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self.num_ranks)]
+        self._wait(
+            dist.all_gather(bufs, mine, group=self.torch_group, async_op=True), deadline, what
+        )
+        return [
+            json.loads(bytes(b[: int(s.item())].numpy()).decode())
+            for b, s in zip(bufs, sizes, strict=True)
+        ]
+
+    def _wait(self, work: Any, deadline: float, what: str) -> None:
+        """Poll a torch Work until done, the deadline, or a dead peer (then the torch group has a
+        collective in flight and cannot be used for more collectives: the error says so)."""
+        start = time.monotonic()
+        next_check = start + _LIVENESS_PERIOD_S
+        while not work.is_completed():
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + _LIVENESS_PERIOD_S
+                dead = self._dead()
+                if dead:
+                    raise PeerLostError(
+                        f"rank {self.rank}: rank(s) {dead} died while this rank waited in {what} "
+                        "(the torch.distributed group is unusable from here)"
+                    )
+            if now >= deadline:
+                raise TimeoutError(
+                    f"rank {self.rank}: {what} over the torch.distributed group timed out after "
+                    f"{now - start:.1f}s (a rank is missing or at another call; the torch group "
+                    "is unusable from here)"
+                )
+            # Sleep a little, longer the longer the wait: control-plane calls are rare.
+            time.sleep(min(1e-3, (now - start) * 0.05 + 1e-5))
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            dead = self._dead()
+            if dead:
+                raise PeerLostError(
+                    f"rank {self.rank}: rank(s) {dead} died while this rank waited in {what}"
+                ) from exc
+            raise UbepError(f"rank {self.rank}: {what} over the torch group failed: {exc}") from exc
+
+    def _start_reaper(self, deadline: float) -> str:
+        """Start the cleaner (group rank 0) and return the private directory it created."""
+        me = os.getpid()
+        self._reaper = subprocess.Popen(
+            [sys.executable, "-I", "-S", _REAPER, str(me), str(process_start_time(me))],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        assert self._reaper.stdout is not None
+        ready, _, _ = select.select(
+            [self._reaper.stdout], [], [], max(0.0, deadline - time.monotonic())
+        )
+        line = self._reaper.stdout.readline().decode().strip() if ready else ""
+        self._reaper.stdout.close()
+        if not line:
+            raise UbepError(f"rank {self.rank}: the group's cleaner process did not start")
+        return line
+
+    def _watch(self, processes: list[tuple[int, int]]) -> None:
+        """Hand the cleaner the processes it waits for (group rank 0)."""
+        reaper = self._reaper
+        if reaper is None or reaper.stdin is None:
+            return
+        try:
+            reaper.stdin.write((json.dumps(processes) + "\n").encode())
+            reaper.stdin.close()
+        except OSError:
+            pass  # it died: nothing we can do from here but keep running
+
+
+def _check_torch_group(group: Any) -> None:
+    if not isinstance(group, dist.ProcessGroup):
+        raise InvalidArgumentError(
+            "group", type(group).__name__, "must be a torch.distributed.ProcessGroup"
+        )
+    if not dist.is_initialized():
+        raise InvalidArgumentError(
+            "group", group, "torch.distributed is not initialised (dist.init_process_group)"
+        )
+    if dist.get_rank(group) < 0:
+        raise InvalidArgumentError(
+            "group", group, "this process is not a member of the torch.distributed group"
+        )
+    backend = str(dist.get_backend(group))
+    if not any(b in backend for b in _CPU_BACKENDS):
+        raise InvalidArgumentError(
+            "group", backend,
+            "ubep's control plane runs CPU collectives: use a gloo group "
+            "(dist.new_group(ranks, backend='gloo') or init_process_group('cpu:gloo,cuda:nccl'))",
+        )
