@@ -15,6 +15,7 @@ OUT``): results travel as JSON files, never through stdout.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -252,7 +253,7 @@ def test_sigstopped_rank_gives_timeout_at_the_deadline_over_tcp_rma(tmp_path: Pa
     cmd = [str(_mpiexec()), "--oversubscribe", *_TCP, "-n", "3", sys.executable, str(_HERE),
            "_worker_sigstop", str(out)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                            text=True, start_new_session=True)
     try:
         for i in range(2):
             deadline = time.monotonic() + 60
@@ -265,8 +266,11 @@ def test_sigstopped_rank_gives_timeout_at_the_deadline_over_tcp_rma(tmp_path: Pa
             os.kill(int(pid_file.read_text()), signal.SIGCONT)
         output, _ = proc.communicate(timeout=120)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        if proc.poll() is None:  # a failed check: nothing of the job may stay stopped
+            for pid_file in tmp_path.glob("victim.*.pid"):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
     assert proc.returncode == 0, output[-4000:]
     every = json.loads(out.read_text())
