@@ -361,3 +361,25 @@ def test_rma_stopped_peer_gives_timeout_at_the_deadline_and_resync_recovers() ->
         assert timeout_s - 0.1 <= elapsed < timeout_s + 1.0
     assert "TimeoutError" in {out[0][0], out[1][0]}
     assert all(cleared and forgot and ok for _, _, cleared, forgot, ok in out)
+
+
+def test_rma_completed_operations_are_dropped_without_a_flush() -> None:
+    """ASP + DC never flushes: completed puts (and their buffers) are still dropped at the next
+    call, so a long run holds one call's worth, not every call's."""
+    from _fake_rma import FakeWorld, run_ranks
+    from ubep.buffer import Buffer
+
+    def body(g: Any) -> list[int]:
+        with Buffer(g, _cfg(sync="dc")) as buf:
+            held = []
+            for i in range(6):
+                assert _checked_call(buf, g.rank, 20 + i)
+                held.append(len(buf._engine.ctrl._waiting) + len(buf._engine.data._waiting))
+            buf._engine._reap()  # everything completed (the fake completes at once)
+            held.append(len(buf._engine.ctrl._waiting) + len(buf._engine.data._waiting))
+            return held
+
+    for held in run_ranks(FakeWorld(R3), body):
+        calls, after_reap = held[:-1], held[-1]
+        assert 0 < max(calls) < 2 * min(calls)  # one call's operations; 6 calls' if kept
+        assert after_reap == 0

@@ -207,6 +207,12 @@ class RmaEngine:
 
     # --- native-engine interface --------------------------------------------------------
 
+    def _reap(self) -> None:
+        """Drop the operations of earlier calls that have completed (their buffers with them);
+        never waits."""
+        self.data.done()
+        self.ctrl.done()
+
     def _land_regions(self) -> int:
         return self.nreg if self.land_is_out else 1
 
@@ -231,6 +237,7 @@ class RmaEngine:
         """
         if message is None:
             code, message = E_BAD_INPUT, str(code)
+        self._reap()
         self._publish_failure(epoch, int(code), message)
         self._publish_done(epoch, int(code))
 
@@ -280,6 +287,7 @@ class RmaEngine:
     ) -> Any:
         del plan  # one thread: rows go destination by destination (module docstring)
         op = _Op(0, epoch, self.timeout_ns)
+        self._reap()
         try:
             units = self._validate(x[:ntok], topk_idx[:ntok], topk_weights[:ntok])
             self._check_in_step(op)
@@ -305,6 +313,7 @@ class RmaEngine:
         ntok: int, epoch: int, creg: int, y: np.ndarray,
     ) -> Any:
         op = _Op(1, epoch, self.timeout_ns)
+        self._reap()
         try:
             self._check_in_step(op)
             zero_copy = self._combine(op, eo, rows, h_idx, h_w, h_dst, ntok, creg, y)
