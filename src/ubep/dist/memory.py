@@ -221,7 +221,12 @@ class DistGlobalMemory:
         self.local_array = np.zeros(0, dtype=np.uint8)
         self.peer_arrays = [None] * len(self.peer_arrays)
         if self._win is not None:
-            self._win.Unlock_all()
+            self._win.Unlock_all()  # completes every operation still pending
+            self._mpi.Request.Waitall([op.request for op in self._pending])  # frees them
+            for op in self._pending:
+                if op.dtype is not None:
+                    op.dtype.Free()
+            self._pending = []
             self._win.Free()
             self._win = None
         self._shared.Free()
