@@ -15,6 +15,7 @@ OUT``): results travel as JSON files, never through stdout.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -131,12 +132,69 @@ def _worker_sp_refused(group: Any) -> dict[str, Any]:
     return {"outcome": outcome, "rows": rows}
 
 
+_STOP_TIMEOUT_S = 4.0
+_STOP_MARGIN_S = 2.0  # MPI progress and a loaded 2-core host; a wait sitting in MPI took 15-30 s
+
+
+def _worker_sigstop(group: Any, out: str) -> dict[str, Any]:
+    """The last rank stops itself (SIGSTOP) before a call; the others must raise at their
+    deadline, not sit in MPI while it is stopped. The parent sends SIGCONT once they have."""
+    import signal
+    import time
+
+    from ubep import reference
+    from ubep.buffer import Buffer, BufferConfig
+    from ubep.errors import RemoteError, TimeoutError
+
+    R, r = group.num_ranks, group.rank
+    victim = R - 1
+    outcome: dict[str, Any] = {}
+    modes = (("asp", "sw"), ("bsp", "tff"))  # flushes before flags: the waits that hung
+    for i, (engine, sync) in enumerate(modes):
+        cfg = BufferConfig(max_tokens_per_rank=8, hidden=64, num_topk=2, num_experts=2 * R,
+                           dtype="bf16", engine=engine, sync=sync, timeout_s=_STOP_TIMEOUT_S)
+        x = np.full((8, 64), r + 1, np.uint16)
+        idx = np.tile(np.arange(0, 2 * R, R, dtype=np.int64), (8, 1))  # one expert per 2 ranks
+        w = np.ones((8, 2), np.float32)
+        with Buffer(group, cfg) as buf:
+            buf.dispatch(x, idx, w)  # warm: every window touched once
+            if r == victim:
+                Path(out, f"victim.{i}.pid").write_text(str(os.getpid()))
+                os.kill(os.getpid(), signal.SIGSTOP)
+            t0 = time.monotonic()
+            try:
+                buf.dispatch(x, idx, w)
+                got = "ok"
+            except (TimeoutError, RemoteError) as exc:
+                got = type(exc).__name__
+            elapsed = time.monotonic() - t0
+            if r != victim:
+                Path(out, f"survivor.{i}.{r}").write_text(got)
+            outcome[f"{engine}:{sync}"] = {"error": got, "elapsed_s": elapsed}
+        group.barrier(60)  # the victim is back; close() of the windows is collective later
+    # the group still works: a new Buffer, bit-exact against the reference
+    cfg = BufferConfig(max_tokens_per_rank=8, hidden=64, num_topk=2, num_experts=2 * R,
+                       dtype="bf16", sync="dc", timeout_s=30)
+    xs = [np.full((8, 64), q + 1, np.uint16) for q in range(R)]
+    idxs = [np.tile(np.array([q % (2 * R), (q + 1) % (2 * R)], np.int64), (8, 1))
+            for q in range(R)]
+    ws = [np.ones((8, 2), np.float32) for _ in range(R)]
+    with Buffer(group, cfg) as buf:
+        res = buf.dispatch(xs[r], idxs[r], ws[r])
+        ref = reference.dispatch(xs, idxs, ws, cfg.num_experts, layout=cfg.layout)[r]
+        outcome["after"] = bool(np.array_equal(res.recv_x, ref.recv_x))
+    return outcome
+
+
 def _worker_main(name: str, out: str) -> None:
     import ubep.dist
 
     group = ubep.dist.init()
-    result = {"_worker_topology": _worker_topology, "_worker_sp_refused": _worker_sp_refused}[
-        name](group)
+    if name == "_worker_sigstop":
+        result = _worker_sigstop(group, str(Path(out).parent))
+    else:
+        result = {"_worker_topology": _worker_topology,
+                  "_worker_sp_refused": _worker_sp_refused}[name](group)
     every = group.allgather(result)
     if group.rank == 0:
         Path(out).write_text(json.dumps(every))
@@ -176,6 +234,56 @@ def test_sp_is_refused_across_hosts_naming_sync(tmp_path: Path) -> None:
     # experts 0 and 1 live on rank 0: it gets 4 tokens x 2 experts from each of the 2 ranks
     assert [got["rows"] for got in every] == [16, 0]
 
+
+
+def test_sigstopped_rank_gives_timeout_at_the_deadline_over_tcp_rma(tmp_path: Path) -> None:
+    """Finding 5 of issue 12: with one rank stopped, survivors raise at ``timeout_s`` (not
+    after the stop, from inside ``MPI_Win_flush``) in a flushing ASP and BSP mode; after SIGCONT
+    the stopped rank fails the call too and the group builds a working Buffer."""
+    import signal
+    import time
+
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path / "sigstop.json"
+    env = dict(os.environ) | {"UBEP_DIST_FORCE_RMA": "1", "OMP_NUM_THREADS": "1"}
+    if os.geteuid() == 0:
+        env |= {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    cmd = [str(_mpiexec()), "--oversubscribe", *_TCP, "-n", "3", sys.executable, str(_HERE),
+           "_worker_sigstop", str(out)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        for i in range(2):
+            deadline = time.monotonic() + 60
+            pid_file = tmp_path / f"victim.{i}.pid"
+            survivors = [tmp_path / f"survivor.{i}.{r}" for r in range(2)]
+            while not all(f.exists() for f in survivors) and time.monotonic() < deadline:
+                assert proc.poll() is None, proc.communicate()[0][-4000:]
+                time.sleep(0.05)
+            assert all(f.exists() for f in survivors), f"round {i}: survivors still waiting"
+            os.kill(int(pid_file.read_text()), signal.SIGCONT)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:  # a failed check: nothing of the job may stay stopped
+            for pid_file in tmp_path.glob("victim.*.pid"):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 0, output[-4000:]
+    every = json.loads(out.read_text())
+    for mode in ("asp:sw", "bsp:tff"):
+        for r in (0, 1):
+            got = every[r][mode]
+            # a survivor times out, or sees the other survivor's timeout notice first
+            assert got["error"] in ("TimeoutError", "RemoteError"), (r, mode, got)
+            assert _STOP_TIMEOUT_S - 0.5 <= got["elapsed_s"] <= _STOP_TIMEOUT_S + _STOP_MARGIN_S, (
+                r, mode, got)
+        assert "TimeoutError" in {every[r][mode]["error"] for r in (0, 1)}, every
+        assert every[2][mode]["error"] in ("TimeoutError", "RemoteError"), every[2]
+    assert all(e["after"] for e in every)
 
 
 def test_doctor_mpi_probe_runs_both_transports() -> None:

@@ -4,6 +4,7 @@ control-record checks."""
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import numpy as np
 import pytest
@@ -118,3 +119,267 @@ def test_doctor_reports_mpi_pieces_and_verdicts() -> None:
     probed = [*ok, Check("mpi run: shared memory", True, ""), Check("mpi run: TCP RMA", False, "")]
     assert verdicts(probed)[1:3] == ["ubep.dist, shared memory: works",
                                      "ubep.dist, TCP RMA: FAILED (see above)"]
+
+
+# --- the RMA engine's call protocol, on an in-process transport (tests/_fake_rma.py) ----------
+
+R3 = 3
+
+
+def _cfg(engine: str = "asp", sync: str = "sw", timeout_s: float = 5.0) -> Any:
+    from ubep.buffer import BufferConfig
+
+    return BufferConfig(max_tokens_per_rank=8, hidden=64, num_topk=2, num_experts=2 * R3,
+                        dtype="fp32", engine=engine, sync=sync, timeout_s=timeout_s)
+
+
+def _inputs(seed: int) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+    xs = [np.random.default_rng(seed + q).standard_normal((8, 64)).astype(np.float32)
+          for q in range(R3)]
+    idxs = [np.stack([np.random.default_rng(seed * 97 + q * 8 + t).permutation(2 * R3)[:2]
+                      for t in range(8)]).astype(np.int64) for q in range(R3)]
+    ws = [np.random.default_rng(seed + 50 + q).random((8, 2)).astype(np.float32)
+          for q in range(R3)]
+    return xs, idxs, ws
+
+
+def _checked_call(buf: Any, r: int, seed: int) -> bool:
+    """A dispatch + combine on every rank, bit-exact against ubep.reference."""
+    from ubep import reference
+
+    xs, idxs, ws = _inputs(seed)
+    res = buf.dispatch(xs[r], idxs[r], ws[r])
+    refs = reference.dispatch(xs, idxs, ws, 2 * R3)
+    outs = [ref.recv_x * 2 for ref in refs]
+    y = buf.combine(outs[r], res.handle)
+    y_ref = reference.combine(outs, refs)[r]
+    return bool(np.array_equal(res.recv_x, refs[r].recv_x) and np.array_equal(y, y_ref))
+
+
+def _recording(buf: Any) -> list[Any]:
+    """Every value the Buffer's engine returns from dispatch/combine (the error tuples)."""
+    seen: list[Any] = []
+    eng = buf._engine
+    for name in ("dispatch", "combine"):
+        orig = getattr(eng, name)
+
+        def wrapped(*args: Any, _orig: Any = orig) -> Any:
+            got = _orig(*args)
+            seen.append(got)
+            return got
+
+        setattr(eng, name, wrapped)
+    return seen
+
+
+def test_rma_fail_codes_reach_peers_in_the_core_slot() -> None:
+    """fail(epoch, code, message): code 6 (lost) on rank 1 is rank 0's remote error with 6 in
+    the core slot; rank 2 gets the same; the next call works (bit-exact)."""
+    from _fake_rma import FakeWorld, run_ranks
+    from ubep.buffer import Buffer
+    from ubep.errors import RemoteError
+
+    def body(g: Any) -> tuple[Any, bool]:
+        with Buffer(g, _cfg()) as buf:
+            seen = _recording(buf)
+            xs, idxs, ws = _inputs(1)
+            got: Any = None
+            if g.rank == 1:
+                buf._epoch += 1
+                buf._engine.fail(buf._epoch, 6, "rank 1 lost step")
+                buf._num_dispatches += 1
+            else:
+                with pytest.raises(RemoteError, match="rank 1 lost step"):
+                    buf.dispatch(xs[g.rank], idxs[g.rank], ws[g.rank])
+                got = seen[-1]
+            return got, _checked_call(buf, g.rank, 2)
+
+    out = run_ranks(FakeWorld(R3), body)
+    tuples = [out[r][0] for r in (0, 2)]
+    for code, peer, core, _arg, _what, msg in tuples:
+        # rank 1's notice, or the notice of the other rank that saw it first
+        assert code == 4 and "rank 1 lost step" in msg
+        assert core == (6 if peer == 1 else 4)
+    assert 1 in {t[1] for t in tuples}  # the first to fail failed on rank 1's notice
+    assert all(ok for _, ok in out)
+
+
+def test_rma_failure_after_completion_turns_the_result_into_an_error() -> None:
+    """Rank 0 has everything of the call when rank 1's notice arrives: it returns rank 1's
+    error (code 4, remote code 2 in core), not its result."""
+    import threading
+
+    from _fake_rma import FakeWorld, run_ranks
+    from ubep.buffer import Buffer
+    from ubep.errors import RemoteError
+
+    noticed, rank2_returned = threading.Event(), threading.Event()
+
+    def body(g: Any) -> Any:
+        with Buffer(g, _cfg()) as buf:
+            seen = _recording(buf)
+            eng = buf._engine
+            xs, idxs, ws = _inputs(3)
+            if g.rank == 0:
+                finish = eng._finish
+
+                def late_finish(op: Any) -> None:
+                    assert noticed.wait(10)
+                    finish(op)
+
+                eng._finish = late_finish
+                with pytest.raises(RemoteError, match="late failure"):
+                    buf.dispatch(xs[0], idxs[0], ws[0])
+                return seen[-1]
+            buf.dispatch(xs[g.rank], idxs[g.rank], ws[g.rank])
+            if g.rank == 2:
+                rank2_returned.set()
+            else:  # e.g. a timeout on its way out: a notice for a call rank 0 completed
+                assert rank2_returned.wait(10)
+                eng.fail(buf._epoch, 2, "late failure")
+                noticed.set()
+            return None
+
+    got = run_ranks(FakeWorld(R3), body)[0]
+    assert got[:3] == (4, 1, 2)
+
+
+def test_rma_liveness_checks_every_peer_still_in_the_call() -> None:
+    """Rank 0 waits for rank 1 (alive, slow); rank 2 is dead: PeerLostError names rank 2 at
+    once. A peer that finished the call before dying is not lost: then it is a timeout."""
+    import time
+
+    from _fake_rma import FakeWorld, run_ranks
+    from ubep.buffer import Buffer
+
+    world = FakeWorld(R3)
+
+    def body(g: Any) -> Any:
+        with Buffer(g, _cfg(timeout_s=3.0)) as buf:
+            eng = buf._engine
+            g.barrier()
+            if g.rank == 2:  # finished call 1, then died; never enters call 2
+                eng._publish_done(1, 0)
+                world.dead.add(2)
+            g.barrier()
+            if g.rank != 0:
+                return None
+            t0 = time.monotonic()
+            after_done = eng.wait_done(1, 0.5)  # rank 1 never finishes call 1: timeout
+            lost = eng.wait_done(2, 3.0)  # rank 1 is waited for first; rank 2 is dead
+            return after_done, lost, time.monotonic() - t0
+
+    after_done, lost, elapsed = run_ranks(world, body)[0]
+    assert after_done[0] == 2  # E_TIMEOUT: rank 2 is not lost for call 1
+    assert lost[:2] == (3, 2) and elapsed < 2.0  # E_PEER_LOST naming rank 2, long before 3 s
+
+
+def test_rma_peer_past_this_call_is_an_error_never_data() -> None:
+    """A counts record of call 3 sits in the slot of call 1 (same parity): it is valid for call 3
+    and never read as call 1's. Rank 1 has finished call 2 (no notice) while rank 0 enters call
+    1: E_LOST (6) naming rank 1 at once, not a wait until the timeout."""
+    import time
+
+    from _fake_rma import FakeWorld, run_ranks
+    from ubep.buffer import Buffer
+    from ubep.dist.engine import _Op
+    from ubep.errors import UbepError
+
+    def body(g: Any) -> Any:
+        with Buffer(g, _cfg(timeout_s=3.0)) as buf:
+            eng = buf._engine
+            xs, idxs, ws = _inputs(4)
+            if g.rank == 2:
+                units = eng._validate(xs[2], idxs[2], ws[2])
+                eng._publish_counts(_Op(0, 3, 10**9), units)
+            if g.rank == 1:
+                eng._publish_done(2, 0)
+            g.barrier()
+            if g.rank != 0:
+                return None
+            stale = (eng._read_counts(2, _Op(0, 1, 10**9)),
+                     eng._read_counts(2, _Op(0, 3, 10**9)) is not None)
+            seen = _recording(buf)
+            t0 = time.monotonic()
+            with pytest.raises(UbepError):
+                buf.dispatch(xs[0], idxs[0], ws[0])
+            return stale, seen[-1], time.monotonic() - t0
+
+    (as_call_1, as_call_3), lost, lost_s = run_ranks(FakeWorld(R3), body)[0]
+    assert as_call_1 is None and as_call_3
+    assert lost[:2] == (6, 1) and lost_s < 1.0
+
+
+def test_rma_stopped_peer_gives_timeout_at_the_deadline_and_resync_recovers() -> None:
+    """Puts to a stopped rank never complete (emulated RMA): the others raise at timeout_s
+    instead of waiting for a flush. After it resumes, every rank resyncs (between two
+    exchanges, as Buffer.resync does) and calls are bit-exact again; resync clears the window
+    and forgets the combine regions."""
+    import time
+
+    from _fake_rma import FakeWorld, run_ranks
+    from ubep.buffer import Buffer
+    from ubep.errors import RemoteError, TimeoutError
+
+    world = FakeWorld(R3)
+    timeout_s = 1.0
+
+    def body(g: Any) -> Any:
+        with Buffer(g, _cfg(engine="bsp", sync="tff", timeout_s=timeout_s)) as buf:
+            assert _checked_call(buf, g.rank, 5)
+            g.barrier()
+            if g.rank == 2:
+                world.stopped.add(2)
+            g.barrier()
+            xs, idxs, ws = _inputs(6)
+            elapsed, err = 0.0, ""
+            if g.rank != 2:
+                t0 = time.monotonic()
+                try:
+                    buf.dispatch(xs[g.rank], idxs[g.rank], ws[g.rank])
+                except (TimeoutError, RemoteError) as exc:
+                    err = type(exc).__name__
+                elapsed = time.monotonic() - t0
+            g.barrier()  # "SIGCONT": rank 2 runs again and fails the abandoned call
+            if g.rank == 2:
+                world.resume(2)
+                with pytest.raises((TimeoutError, RemoteError)):
+                    buf.dispatch(xs[2], idxs[2], ws[2])
+            base = max(g.allgather(buf._epoch)) + 10
+            buf._engine.resync(base)
+            cleared = not buf._engine.ctrl.local_array.any()
+            forgot = buf._engine.comb_last_epoch(0) == buf._engine.comb_last_epoch(1) == 0
+            buf._epoch = base - 1
+            g.barrier()
+            ok = all(_checked_call(buf, g.rank, 7 + i) for i in range(2))
+            return err, elapsed, cleared, forgot, ok
+
+    out = run_ranks(world, body)
+    for r in (0, 1):
+        err, elapsed, *_ = out[r]
+        assert err in ("TimeoutError", "RemoteError")
+        assert timeout_s - 0.1 <= elapsed < timeout_s + 1.0
+    assert "TimeoutError" in {out[0][0], out[1][0]}
+    assert all(cleared and forgot and ok for _, _, cleared, forgot, ok in out)
+
+
+def test_rma_completed_operations_are_dropped_without_a_flush() -> None:
+    """ASP + DC never flushes: completed puts (and their buffers) are still dropped at the next
+    call, so a long run holds one call's worth, not every call's."""
+    from _fake_rma import FakeWorld, run_ranks
+    from ubep.buffer import Buffer
+
+    def body(g: Any) -> list[int]:
+        with Buffer(g, _cfg(sync="dc")) as buf:
+            held = []
+            for i in range(6):
+                assert _checked_call(buf, g.rank, 20 + i)
+                held.append(len(buf._engine.ctrl._waiting) + len(buf._engine.data._waiting))
+            buf._engine._reap()  # everything completed (the fake completes at once)
+            held.append(len(buf._engine.ctrl._waiting) + len(buf._engine.data._waiting))
+            return held
+
+    for held in run_ranks(FakeWorld(R3), body):
+        calls, after_reap = held[:-1], held[-1]
+        assert 0 < max(calls) < 2 * min(calls)  # one call's operations; 6 calls' if kept
+        assert after_reap == 0

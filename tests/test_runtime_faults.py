@@ -213,3 +213,43 @@ def test_segments_of_a_rank_killed_during_setup_are_removed(tmp_path: Path) -> N
     with pytest.raises(RankFailedError):
         launch(_worker_die_before_unlink, 2, str(out), timeout_s=60)
     assert not os.path.exists(os.path.join(SHM_DIR, out.read_text()))
+
+
+_ENV_RANK = """
+from ubep.runtime import group_from_env
+group_from_env(timeout_s=60).close()
+"""
+
+
+def test_env_launch_rank_killed_at_the_rendezvous_leaves_no_segment(tmp_path: Path) -> None:
+    """group_from_env: rank 1 is SIGKILLed while it waits at the rendezvous with its group
+    segment still named. Rank 0 arriving later sees it dead (PeerLostError, not a 60 s timeout)
+    and removes the dead rank's segment as well as its own."""
+    import subprocess
+    import sys
+
+    rdv = tmp_path / "rdv"
+    rdv.mkdir(mode=0o700)
+
+    def start(rank: int) -> subprocess.Popen[str]:
+        env = dict(os.environ, UBEP_RANK=str(rank), UBEP_WORLD_SIZE="2", UBEP_RENDEZVOUS=str(rdv))
+        return subprocess.Popen([sys.executable, "-c", _ENV_RANK], env=env, text=True,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    victim = start(1)
+    deadline = time.monotonic() + 60
+    while not (rdv / "hello.1.json").exists():
+        assert time.monotonic() < deadline and victim.poll() is None
+        time.sleep(0.02)
+    victim.kill()
+    victim.wait(10)
+    names = [e.name.split(".", 1)[1] for e in rdv.glob("segment.*")]
+    assert len(names) == 1 and os.path.exists(os.path.join(SHM_DIR, names[0]))
+    t0 = time.monotonic()
+    survivor = start(0)
+    _, stderr = survivor.communicate(timeout=90)
+    assert survivor.returncode != 0 and "PeerLostError" in stderr, stderr[-2000:]
+    assert time.monotonic() - t0 < 20  # seen dead, not waited for until the 60 s deadline
+    names += [e.name.split(".", 1)[1] for e in rdv.glob("segment.*")]
+    assert not [n for n in names if os.path.exists(os.path.join(SHM_DIR, n))]
+    assert not list(rdv.glob("segment.*"))  # the survivor's own marker went with its segment

@@ -203,3 +203,100 @@ def test_no_segment_survives_a_launch() -> None:
     assert names[0] == names[1] and len(names[0]) == 2
     # unlinked as soon as every rank had mapped them, i.e. already while the ranks ran
     assert not [n for n in names[0] if os.path.exists(os.path.join(SHM_DIR, n))]
+
+
+# --- nothing outlives a SIGKILL (issue 12, finding 8) ----------------------------------------
+
+_LAUNCHER = """
+import sys
+sys.path.insert(0, {tests!r})
+import ubep
+from test_runtime_launch import _worker_linger
+ubep.launch(_worker_linger, 2, timeout_s=300)
+"""
+
+
+def _worker_linger(group: Any) -> None:
+    """Hold a segment that is still named (recorded in the rendezvous directory), then stay."""
+    Segment.create(4096, group_id=group.group_id, owner_rank=group.rank, kind="buffer",
+                   marker_dir=group.rendezvous)
+    time.sleep(300)
+
+
+def _wait_for(cond: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in (b"Z", b"X")
+
+
+def _group_alive(pgid: int) -> list[int]:
+    """Processes of process group ``pgid`` still running (not zombies)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
+                out.append(int(entry))
+    return out
+
+
+def _job_files(rdv: Any) -> tuple[list[str], list[int]]:
+    """Segment names recorded in the rendezvous directory, and the pids of the hellos."""
+    names = [e.split(".", 1)[1] for e in os.listdir(rdv) if e.startswith("segment.")]
+    pids = []
+    for e in os.listdir(rdv):
+        if re.fullmatch(r"hello\.\d+\.json", e):
+            with open(os.path.join(rdv, e)) as f:
+                pids.append(json.load(f)["pid"])
+    return names, pids
+
+
+@pytest.mark.parametrize("kill", ["launcher", "whole-job-at-rendezvous"])
+def test_nothing_survives_sigkill_of_the_launcher_or_the_whole_job(tmp_path: Any,
+                                                                   kill: str) -> None:
+    """SIGKILL of the launching parent: the ranks die with it (not at their timeout_s) and the
+    reaper removes their named segments and the rendezvous directory. SIGKILL of the parent and
+    every rank as soon as the first rank has created its group segment (the others have not
+    reached the rendezvous yet): the reaper, in its own session, removes all the same."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = dict(os.environ, TMPDIR=str(tmp))
+    code = _LAUNCHER.format(tests=os.path.dirname(os.path.abspath(__file__)))
+    parent = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for(lambda: any(tmp.glob("ubep-rdv-*")), 60, "the rendezvous directory")
+        rdv = next(tmp.glob("ubep-rdv-*"))
+        if kill == "launcher":  # both ranks hold a named segment of their own, then linger
+            _wait_for(lambda: len(_job_files(rdv)[0]) == 2 and len(_job_files(rdv)[1]) == 2
+                      and all(".json" not in e and "tmp" not in e for e in os.listdir(rdv)
+                              if e.startswith("segment.")), 60, "both ranks' segments")
+            time.sleep(0.5)  # the group segments are unlinked; only the lingering ones stay
+            names, pids = _job_files(rdv)
+            os.kill(parent.pid, signal.SIGKILL)
+        else:  # the whole process group, at the first segment of a rank at the rendezvous
+            _wait_for(lambda: len(_job_files(rdv)[0]) >= 1, 60, "a rank's group segment")
+            os.killpg(parent.pid, signal.SIGKILL)
+            names, pids = _job_files(rdv)
+        parent.wait(10)
+        _wait_for(lambda: not any(map(_alive, pids)), 5, "the ranks to die with the launcher")
+        _wait_for(lambda: not rdv.exists(), 20, "the reaper to remove the rendezvous directory")
+    finally:
+        _wait_for(lambda: not _group_alive(parent.pid), 5, "every process of the job to exit")
+    assert names, "the job had created no segment: the test did not exercise the window"
+    assert not [n for n in names if os.path.exists(os.path.join(SHM_DIR, n))]
+    assert not list(tmp.iterdir())

@@ -24,6 +24,19 @@ from ubep.torch import MoELayer  # noqa: E402
 from ubep.torch._runtime import make_backend  # noqa: E402
 
 R, H, F, E, K, T = 2, 64, 32, 8, 3, 6
+# MKL's sgemm splits its reductions by the number of threads it runs on, so the same matmul gives
+# different low bits with 1 and 2 threads (seen on AMD EPYC). Ranks and the parent's dense oracles
+# run with this many intra-op threads, whatever OMP_NUM_THREADS says, so "bit-exact" compares
+# the same arithmetic.
+COMPUTE_THREADS = 1
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _pinned_compute_threads() -> Any:
+    before = torch.get_num_threads()
+    torch.set_num_threads(COMPUTE_THREADS)
+    yield
+    torch.set_num_threads(before)
 
 
 def _x(rank: int, dtype: torch.dtype) -> torch.Tensor:
@@ -95,7 +108,7 @@ def _one_thread() -> Iterator[None]:
 def _worker(group: Any) -> dict[str, Any]:
     import ubep.torch.hf as hf
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(COMPUTE_THREADS)
     out: dict[str, Any] = {}
     opts = {"timeout_s": 30.0}  # a wait that cannot finish fails the test instead of hanging it
     for layout in ("expert", "rank"):

@@ -1,11 +1,11 @@
 """The RMA engine: dispatch and combine between hosts with MPI one-sided operations.
 
 It has the native engine's interface (``dispatch``, ``combine``, ``fail``, ``wait_done``,
-``reset_all``, ``comb_last_epoch``, ``close``; same arguments, same results and error tuples), so
-:class:`ubep.Buffer` runs it unchanged, and it writes received rows to the same places of the
-Buffer's region (``SegmentLayout``): ``recv_x`` views work as on one host. It is Python (numpy
-and mpi4py): one thread per rank; a Plan's core assignment is not used (rows go destination by
-destination, nearest first, in the canonical order).
+``resync``, ``reset_all``, ``comb_last_epoch``, ``close``; same arguments, same results and error
+tuples), so :class:`ubep.Buffer` runs it unchanged, and it writes received rows to the same
+places of the Buffer's region (``SegmentLayout``): ``recv_x`` views work as on one host. It is
+Python (numpy and mpi4py): one thread per rank; a Plan's core assignment is not used (rows go
+destination by destination, nearest first, in the canonical order).
 
 **What MPI guarantees, and what each sync mode becomes** (MPI-4.1 chapter 12): a put is complete
 at its target only after ``MPI_Win_flush``; two puts in flight are not ordered, nor are the
@@ -39,30 +39,45 @@ a global barrier, flags and counts, verification, a second barrier, then reorder
 
 Bounds: every count, row number and offset read from a peer is checked against the Buffer's
 capacity before it is used as a position (``ubep.UbepError`` "internal error" otherwise).
+
+**Never a blocking MPI call inside a call.** Every put and get is request-based; waits poll the
+requests (``MPI_Test``) under the call's deadline and flush only once they completed, so a
+stopped peer gives ``ubep.TimeoutError`` at ``timeout_s`` (a flush would sit in MPI for as long
+as the peer stays stopped over TCP). A call does not wait for its puts to complete at the end:
+the transport keeps their buffers until they do, and :meth:`RmaEngine.resync` drains them.
+
+**Call protocol** (the native engine's): a failure notice ``[length][code][text]`` and a done
+record ``[code]`` (0 = ok) per call; error tuples ``(code, peer, core, argument, what,
+message)`` with codes 1 bad input, 2 timeout, 3 peer lost, 4 remote failure (the remote's code
+in ``core``), 5 internal, 6 lost step. A call is refused when a peer it still needs has finished
+it with an error (remote) or finished a later call (lost step): a record is taken only when its
+epoch equals this call's, never by order. A call that completed still returns a peer's failure
+notice for it instead of its result. Waits check the liveness of every peer that has not
+finished the call.
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from .. import dtypes as _dt
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, TimeoutError
 from .memory import DistGlobalMemory
 
 __all__ = ["RmaEngine", "record_check"]
 
-E_BAD_INPUT, E_TIMEOUT, E_PEER_LOST, E_REMOTE, E_INTERNAL = 1, 2, 3, 4, 5
+E_BAD_INPUT, E_TIMEOUT, E_PEER_LOST, E_REMOTE, E_INTERNAL, E_LOST = 1, 2, 3, 4, 5, 6
 _SYNCS = ("sw", "tff", "dc", "sp")
 _DT_NAMES = {0: "bf16", 1: "fp16", 2: "fp32", 3: "int8", 4: "uint8"}
 _LINE = 64
 _FAIL_BYTES = 512
-_FAIL_MSG_MAX = 480
+_FAIL_MSG_MAX = 472  # the notice payload: [length u64][code u64][UTF-8 text]
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _LIVENESS_PERIOD_NS = 10_000_000
 _HEADER_BYTES = 256
@@ -97,9 +112,11 @@ class _Units:
 class _OpError(Exception):
     """Ends an operation; becomes the native engine's error tuple."""
 
-    def __init__(self, code: int, peer: int, what: str, arg: str = "", msg: str = "") -> None:
+    def __init__(self, code: int, peer: int, what: str, arg: str = "", msg: str = "",
+                 core: int = 0) -> None:
         super().__init__(what)
         self.code, self.peer, self.what, self.arg, self.msg = code, peer, what, arg, msg
+        self.core = core  # the error tuple's core slot: for E_REMOTE, the remote's code
 
 
 class _Op:
@@ -108,7 +125,6 @@ class _Op:
         self.epoch = epoch
         self.par = epoch & 1
         self.deadline = time.monotonic_ns() + timeout_ns
-        self.keep: list[np.ndarray] = []  # origin buffers of puts in flight
 
 
 class _CtrlLayout:
@@ -184,10 +200,21 @@ class RmaEngine:
         self.cl = _CtrlLayout(self.R, self.E, self.K, self.cap_src, self.expert)
         self.ctrl = self.group.map_global(self.cl.size_bytes, "rma-ctrl")
         self.comb_last = [0, 0]
+        # Highest done record seen per peer and its outcome (0 = ok, else the peer's code).
         self._done_seen = [0] * self.R
+        self._done_code = [0] * self.R
         self._closed = False
 
     # --- native-engine interface --------------------------------------------------------
+
+    def _reap(self) -> None:
+        """Drop the operations of earlier calls that have completed (their buffers with them);
+        never waits."""
+        self.data.done()
+        self.ctrl.done()
+
+    def _land_regions(self) -> int:
+        return self.nreg if self.land_is_out else 1
 
     def reset_all(self) -> None:
         """Nothing to reset: SP (the only mode with a pre-filled buffer) is refused."""
@@ -200,12 +227,49 @@ class RmaEngine:
             self._closed = True
             self.ctrl.close()
 
-    def fail(self, epoch: int, message: str) -> None:
-        """A call this rank rejected before the engine ran: tell every peer, count it done."""
-        keep: list[Any] = []
-        self._publish_failure(epoch, message, keep)
-        self._publish_done(epoch, keep)
-        self.ctrl.flush_local_all()
+    def fail(self, epoch: int, code: int | str, message: str | None = None) -> None:
+        """Call ``epoch`` failed on this rank outside the engine: tell every peer, count it done.
+
+        ``code``: 1 bad input (a clean reject: nothing of this call reached a peer), 6 lost
+        (this rank lost step; peers must resync), else the error code. Nothing waits for the
+        notices to arrive: a stopped peer gets them when it runs again. ``fail(epoch,
+        message)`` (code 1) is the call of the Buffer from before the codes.
+        """
+        if message is None:
+            code, message = E_BAD_INPUT, str(code)
+        self._reap()
+        self._publish_failure(epoch, int(code), message)
+        self._publish_done(epoch, int(code))
+
+    def resync(self, base_epoch: int) -> None:
+        """Forget every call before ``base_epoch`` (local; ``Buffer.resync`` runs it between two
+        group-wide exchanges, so no rank is inside a call).
+
+        First this rank's own RMA operations must have completed at their targets (a put still
+        in flight from an abandoned call could land in a peer's memory during a later call):
+        ``ubep.TimeoutError`` if they do not within the call timeout (a peer is still stopped).
+        Then this rank's windows are cleared: failure notices, done/ready/barrier records, flags,
+        counts, routing metadata, combine descriptors and the land region (TFF flags), and every
+        peer counts as having finished call ``base_epoch - 1``. ``base_epoch`` must exceed every
+        epoch used before, so that a record of an old call that lands after the clear never
+        equals a new call's epoch.
+        """
+        op = _Op(2, base_epoch, self.timeout_ns)
+        for mem in (self.data, self.ctrl):
+            try:
+                self._wait(op, mem.done, -1, "this rank's RMA operations of earlier calls",
+                           failures=False, needs=tuple)
+            except _OpError as err:
+                raise TimeoutError(f"rank {self.rank}: resync: {err.what}") from None
+            mem.flush_all()
+        self.ctrl.local_array[:] = 0
+        land = self.p["off_land"]
+        self.data.local_array[land: land + self._land_regions() * self.p["land_bytes"]] = 0
+        self.data.sync()
+        self.ctrl.sync()
+        self._done_seen = [base_epoch - 1] * self.R
+        self._done_code = [0] * self.R
+        self.comb_last = [0, 0]
 
     def wait_done(self, epoch: int, timeout_s: float) -> Any:
         op = _Op(2, epoch, int(timeout_s * 1e9))
@@ -223,8 +287,10 @@ class RmaEngine:
     ) -> Any:
         del plan  # one thread: rows go destination by destination (module docstring)
         op = _Op(0, epoch, self.timeout_ns)
+        self._reap()
         try:
             units = self._validate(x[:ntok], topk_idx[:ntok], topk_weights[:ntok])
+            self._check_in_step(op)
             o_dst.reshape(-1)[:] = -1
             reg = index % self.nreg
             if self.bsp:
@@ -236,6 +302,10 @@ class RmaEngine:
         except _OpError as err:
             return self._finish_error(op, err)
         self._finish(op)
+        try:
+            self._check_outcome(op)
+        except _OpError as err:
+            return self._tuple(err)
         return n
 
     def combine(
@@ -243,7 +313,9 @@ class RmaEngine:
         ntok: int, epoch: int, creg: int, y: np.ndarray,
     ) -> Any:
         op = _Op(1, epoch, self.timeout_ns)
+        self._reap()
         try:
+            self._check_in_step(op)
             zero_copy = self._combine(op, eo, rows, h_idx, h_w, h_dst, ntok, creg, y)
         except _OpError as err:
             return self._finish_error(op, err)
@@ -252,6 +324,7 @@ class RmaEngine:
         # emulated RMA target (TCP) keeps making progress for them.
         try:
             self._wait_peers_done(op, epoch, failures=False)
+            self._check_outcome(op)
         except _OpError as err:
             return self._tuple(err)
         return int(zero_copy)
@@ -310,16 +383,13 @@ class RmaEngine:
     # --- records ------------------------------------------------------------------------
 
     def _put_record(self, mem: DistGlobalMemory, dst: int, off: int, payload: np.ndarray,
-                    epoch: int, extra: np.ndarray | None = None, keep: list[Any] | None = None,
-                    ) -> None:
+                    epoch: int, extra: np.ndarray | None = None) -> None:
         """One put of ``[payload][check][epoch]``; ``extra`` (already put) is covered too."""
         raw = np.ascontiguousarray(payload).reshape(-1).view(np.uint8)
         body = raw if extra is None else np.concatenate([raw, _u8(extra)])
         rec = np.zeros(_align(raw.size, 8) + 16, np.uint8)
         rec[:raw.size] = raw
         rec[-16:] = np.array([record_check(body, epoch), epoch], "<u8").view(np.uint8)
-        if keep is not None:
-            keep.append(rec)
         mem.put(dst, off, rec)
 
     def _read_record(self, off: int, nbytes: int, epoch: int | None,
@@ -347,53 +417,71 @@ class RmaEngine:
     def _done_geq(self, q: int, epoch: int) -> bool:
         return self._done_of(q) >= epoch
 
-    def _publish_done(self, epoch: int, keep: list[Any]) -> None:
+    def _publish_done(self, epoch: int, code: int) -> None:
+        """"Call ``epoch`` is over here, with outcome ``code``" (0 ok) to every rank. One
+        record, so a peer that sees this rank done also sees whether it failed (a failure
+        notice is a separate put, and two puts in flight are not ordered)."""
         # One slot per epoch parity: two done records in flight to one peer are not ordered,
         # so the reader takes the larger of both (and remembers it).
         par = epoch & 1
-        empty = np.zeros(0, np.uint8)
+        payload = np.array([code], "<u8")
         for q in range(self.R):
-            self._put_record(self.ctrl, q, self.cl.slot(self.cl.done, par, self.rank), empty,
-                             epoch, keep=keep)
+            self._put_record(self.ctrl, q, self.cl.slot(self.cl.done, par, self.rank), payload,
+                             epoch)
 
     def _done_of(self, q: int) -> int:
-        best = self._done_seen[q]
+        """The last call rank ``q`` finished (its outcome in ``_done_code[q]``)."""
         for par in (0, 1):
-            got = self._read_record(self.cl.slot(self.cl.done, par, q), 0, None)
-            if got is not None:
-                best = max(best, got[0])
-        self._done_seen[q] = best  # done only grows: a reordered older record is ignored
-        return best
+            got = self._read_record(self.cl.slot(self.cl.done, par, q), 8, None)
+            if got is not None and got[0] > self._done_seen[q]:
+                # done only grows: a reordered older record is ignored
+                self._done_seen[q] = got[0]
+                self._done_code[q] = int(got[1].view("<u8")[0])
+        return self._done_seen[q]
 
-    def _publish_failure(self, epoch: int, message: str, keep: list[Any]) -> None:
+    def _publish_failure(self, epoch: int, code: int, message: str) -> None:
         text = message.encode("utf-8", "replace")[:_FAIL_MSG_MAX]
         payload = np.zeros(_FAIL_BYTES - 16, np.uint8)
-        payload[:8] = np.array([len(text)], "<u8").view(np.uint8)
-        payload[8: 8 + len(text)] = np.frombuffer(text, np.uint8)
+        payload[:16] = np.array([len(text), code], "<u8").view(np.uint8)
+        payload[16: 16 + len(text)] = np.frombuffer(text, np.uint8)
         off = self.cl.fail + (self.rank * 2 + (epoch & 1)) * _FAIL_BYTES
         for q in range(self.R):
             if q != self.rank:
-                self._put_record(self.ctrl, q, off, payload, epoch, keep=keep)
+                self._put_record(self.ctrl, q, off, payload, epoch)
 
     # --- waiting ------------------------------------------------------------------------
 
     def _wait(self, op: _Op, ready: Callable[[], bool], peer: int, what: str,
-              failures: bool = True) -> None:
+              failures: bool = True, needs: Callable[[], Iterable[int]] | None = None) -> None:
         """Poll ``ready`` (after a memory barrier) until true; deadline, failure notices of
-        peers and liveness of same-machine peers are checked while waiting."""
+        peers and liveness of every peer still in the call are checked while waiting.
+
+        ``needs``: the peers whose records of this call ``ready`` still waits for (default
+        ``peer``, if any); one of them that has finished this call with an error or a later
+        call is an error at once (it will send nothing more for this call). Its progress is
+        read before ``ready`` is tried: records of this call left that peer before its later
+        done record did, and a pair of ranks delivers in order on every transport ubep runs
+        on (shared memory: the stores' order; ``osc/rdma`` over TCP: one stream per pair).
+        """
+        if needs is None:
+            needs = functools.partial(list, [peer] if peer >= 0 else [])
         spins = 0
         next_live = 0
         while True:
             self.ctrl.sync()
             self.data.sync()
+            checked = failures and op.kind != 2 and spins >= 8
+            past = self._peer_past(op, needs()) if checked else None
             if ready():
                 return
             spins += 1
             self.group.progress()
             if spins < 8:
                 continue
-            if failures and op.kind != 2:
+            if checked:
                 self._check_failures(op)
+                if past is not None:
+                    raise past
             now = time.monotonic_ns()
             if now >= op.deadline:
                 raise _OpError(
@@ -403,33 +491,92 @@ class RmaEngine:
                 )
             if now >= next_live:
                 next_live = now + _LIVENESS_PERIOD_NS
-                self._check_liveness(what, peer)
+                self._check_liveness(op, what)
             if spins < 200:
                 time.sleep(0)
             else:
                 time.sleep(50e-6 if spins < 2000 else 5e-4)
 
-    def _check_liveness(self, what: str, peer: int) -> None:
-        dead = self.group.dead_peers(None if peer < 0 else [peer])
+    def _complete(self, op: _Op, mem: DistGlobalMemory, dst: int | None, what: str) -> None:
+        """Remote completion of every operation to ``dst`` (``None``: all) within the deadline:
+        poll the requests (``MPI_Test``), then flush, which then has nothing left to wait for.
+        A flush alone would sit in MPI for as long as a stopped peer stays stopped."""
+        self._wait(op, functools.partial(mem.done, dst), -1 if dst is None else dst, what,
+                   needs=tuple)
+        if dst is None:
+            mem.flush_all()
+        else:
+            mem.flush(dst)
+
+    def _check_liveness(self, op: _Op, what: str) -> None:
+        """Every peer that has not finished this call must be alive, not only the one waited
+        for (a peer that finished it and exited is not lost)."""
+        waiting_on = [q for q in range(self.R) if q != self.rank and self._done_of(q) < op.epoch]
+        dead = self.group.dead_peers(waiting_on) if waiting_on else []
         if dead:
             q = dead[0]
             raise _OpError(E_PEER_LOST, q,
                            f"rank {q} (pid {self.group.pids[q]}) died while rank {self.rank} "
                            f"core 0 waited for {what}")
 
+    def _notice(self, q: int, epoch: int) -> tuple[int, str] | None:
+        """``(code, message)`` of rank ``q``'s failure notice for call ``epoch``, if here."""
+        off = self.cl.fail + (q * 2 + (epoch & 1)) * _FAIL_BYTES
+        got = self._read_record(off, _FAIL_BYTES - 16, epoch)
+        if got is None:
+            return None
+        n, code = (int(v) for v in got[1][:16].view("<u8"))
+        msg = got[1][16: 16 + min(n, _FAIL_MSG_MAX)].tobytes().decode("utf-8", "replace")
+        return code, msg
+
     def _check_failures(self, op: _Op) -> None:
         for q in range(self.R):
             if q == self.rank:
                 continue
-            off = self.cl.fail + (q * 2 + op.par) * _FAIL_BYTES
-            got = self._read_record(off, _FAIL_BYTES - 16, op.epoch)
+            got = self._notice(q, op.epoch)
             if got is None:
                 continue
-            self._check_liveness("a peer that failed this call", -1)
-            payload = got[1]
-            n = min(int(payload[:8].view("<u8")[0]), _FAIL_MSG_MAX)
-            msg = payload[8: 8 + n].tobytes().decode("utf-8", "replace")
-            raise _OpError(E_REMOTE, q, f"failure notice of rank {q}", msg=msg)
+            self._check_liveness(op, "a peer that failed this call")
+            code, msg = got
+            raise _OpError(E_REMOTE, q, f"failure notice of rank {q}", msg=msg, core=code)
+
+    def _peer_past(self, op: _Op, peers: Iterable[int]) -> _OpError | None:
+        """The error of the first of ``peers`` that has finished this call with an error
+        (remote failure, its code in ``core``) or finished a later call (this rank lost step:
+        that peer sends nothing more for this call), else None."""
+        for q in peers:
+            if q == self.rank:
+                continue
+            done = self._done_of(q)
+            if done > op.epoch:
+                return _OpError(E_LOST, q, f"rank {q} has finished call {done}, past this "
+                                           f"rank's call {op.epoch}: this rank lost step")
+            if done == op.epoch and self._done_code[q]:
+                got = self._notice(q, op.epoch)
+                msg = got[1] if got else f"rank {q} failed call {op.epoch}"
+                return _OpError(E_REMOTE, q, f"failure of rank {q}", msg=msg,
+                                core=self._done_code[q])
+        return None
+
+    def _check_in_step(self, op: _Op) -> None:
+        """At the start of a call: no peer may have finished it or a later one (a peer cannot
+        complete a call without this rank's part; a failure of it is a remote error)."""
+        self.ctrl.sync()
+        self._check_failures(op)
+        err = self._peer_past(op, range(self.R))
+        if err is not None:
+            raise err
+
+    def _check_outcome(self, op: _Op) -> None:
+        """After this rank completed the call: a peer that failed it (notice, or a done
+        record with an error code) turns the result into that peer's error."""
+        self.ctrl.sync()
+        self._check_failures(op)
+        for q in range(self.R):
+            if q != self.rank and self._done_of(q) == op.epoch and self._done_code[q]:
+                err = self._peer_past(op, [q])
+                assert err is not None
+                raise err
 
     def _wait_peers_done(self, op: _Op, epoch: int, failures: bool = True) -> None:
         if epoch <= 0:
@@ -438,7 +585,7 @@ class RmaEngine:
             if q != self.rank:
                 self._wait(op, functools.partial(self._done_geq, q, epoch), q,
                            "a peer to finish the call before the last" if op.kind != 2 else
-                           f"rank {q} to finish call {epoch}", failures)
+                           f"rank {q} to finish call {epoch}", failures, needs=tuple)
 
     # --- counts -------------------------------------------------------------------------
 
@@ -452,10 +599,9 @@ class RmaEngine:
         for i in range(self.R):
             d = (self.rank + 1 + i) % self.R
             meta = self._meta(units, d)
-            op.keep.append(meta)
             self.ctrl.put(d, cl.slot(cl.meta, op.par, self.rank, cl.meta_bytes), meta)
             self._put_record(self.ctrl, d, cl.slot(cl.counts, op.par, self.rank, cl.counts_rec),
-                             payload, op.epoch, extra=meta, keep=op.keep)
+                             payload, op.epoch, extra=meta)
 
     def _counts_table(self, op: _Op) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
         """Wait for every source's counts; return ``cnt[s, e]``, ``rows[s, d]`` and each
@@ -474,7 +620,8 @@ class RmaEngine:
                     pending.discard(s)
             return not pending
 
-        self._wait(op, poll, -1, "the counts of every rank")
+        self._wait(op, poll, -1, "the counts of every rank",
+                   needs=functools.partial(sorted, pending))
         return cnt, rows, metas
 
     def _read_counts(self, s: int, op: _Op) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -574,7 +721,6 @@ class RmaEngine:
         """Put ``rows`` (raw, batch order) at slots ``pos`` of ``d``'s land region, then the
         flags of the sync mode."""
         slots = self._encode(rows)
-        op.keep.append(slots)
         flat = slots.reshape(len(rows), -1)
         at = 0
         runs = self._runs(pos)
@@ -589,20 +735,19 @@ class RmaEngine:
                     reg: int) -> None:
         slot = self.cl.slot(self.cl.flag, op.par, self.rank)
         if self.sync == "sw":
-            self.data.flush(d)
-            self._put_record(self.ctrl, d, slot, np.zeros(0, np.uint8), op.epoch, keep=op.keep)
+            self._complete(op, self.data, d, f"the rows to rank {d} to complete")
+            self._put_record(self.ctrl, d, slot, np.zeros(0, np.uint8), op.epoch)
         elif self.sync == "dc":
             from ..runtime import _native  # type: ignore[attr-defined]
 
             raw = np.ascontiguousarray(rows)
             total = int(_native.dc_checksum(raw, self.row_bytes, op.epoch)) if len(rows) else 1
             payload = np.array([len(rows), total], "<u8")
-            self._put_record(self.ctrl, d, slot, payload, op.epoch, keep=op.keep)
+            self._put_record(self.ctrl, d, slot, payload, op.epoch)
         elif self.sync == "tff":
-            self.data.flush(d)
+            self._complete(op, self.data, d, f"the rows to rank {d} to complete")
             for p0, m in runs:
                 words = np.full(m * self.tff_nblocks, op.epoch, np.uint64)
-                op.keep.append(words)
                 off = self._land(reg) + p0 * self.slot_bytes + self.tff_payload
                 self.data.put_words(d, off, words, self.tff_block)
 
@@ -714,7 +859,7 @@ class RmaEngine:
                     pending.discard(s)
             return not pending
 
-        self._wait(op, poll, -1, "rows of every source")
+        self._wait(op, poll, -1, "rows of every source", needs=functools.partial(sorted, pending))
         return n_total
 
     def _source_complete(self, op: _Op, s: int, pos: np.ndarray, reg: int) -> bool:
@@ -754,8 +899,7 @@ class RmaEngine:
         self._wait_peers_done(op, op.epoch - 2)
         empty = np.zeros(0, np.uint8)
         for q in range(self.R):  # Init: my staging area is free for this call
-            self._put_record(self.ctrl, q, cl.slot(cl.ready, op.par, r), empty, op.epoch,
-                             keep=op.keep)
+            self._put_record(self.ctrl, q, cl.slot(cl.ready, op.par, r), empty, op.epoch)
         # Token-Sending: each source owns a partition of the staging area, slots by batch rank
         sent: dict[int, tuple[np.ndarray, list[tuple[int, int]]]] = {}
         for i in range(self.R - 1):  # own rows are placed by the reordering below
@@ -770,11 +914,11 @@ class RmaEngine:
             self._send_rows(op, d, payload, pos, reg)
             sent[d] = (payload, self._runs(pos))
         # SyncAll: every row (and every TFF flag) complete at its destination first
-        self.data.flush_all()
+        self._complete(op, self.data, None, "the rows to every rank to complete")
         if self.sync == "tff":
             for d, (payload, runs) in sent.items():
                 self._send_flags(op, d, payload, runs, reg)
-            self.data.flush_all()
+            self._complete(op, self.data, None, "the flags to every rank to complete")
         self._barrier(op, 1)
         # SendFlag & TokenCnt
         self._publish_counts(op, units)
@@ -831,14 +975,14 @@ class RmaEngine:
     def _send_flags_bsp(self, op: _Op, d: int, payload: np.ndarray) -> None:
         slot = self.cl.slot(self.cl.flag, op.par, self.rank)
         if self.sync == "sw":
-            self._put_record(self.ctrl, d, slot, np.zeros(0, np.uint8), op.epoch, keep=op.keep)
+            self._put_record(self.ctrl, d, slot, np.zeros(0, np.uint8), op.epoch)
         else:
             from ..runtime import _native  # type: ignore[attr-defined]
 
             total = int(_native.dc_checksum(np.ascontiguousarray(payload), self.row_bytes,
                                             op.epoch))
             self._put_record(self.ctrl, d, slot, np.array([len(payload), total], "<u8"),
-                             op.epoch, keep=op.keep)
+                             op.epoch)
 
     def _dc_verified(self, op: _Op, s: int, slots: np.ndarray) -> bool:
         got = self._read_record(self.cl.slot(self.cl.flag, op.par, s), 16, op.epoch)
@@ -865,7 +1009,7 @@ class RmaEngine:
         empty = np.zeros(0, np.uint8)
         for q in range(self.R):
             self._put_record(self.ctrl, q, cl.barrier + ((phase - 1) * self.R + self.rank) * _LINE,
-                             empty, op.epoch, keep=op.keep)
+                             empty, op.epoch)
         for q in range(self.R):
             arrived = functools.partial(
                 self._has_record, cl.barrier + ((phase - 1) * self.R + q) * _LINE, 0, op.epoch)
@@ -897,17 +1041,18 @@ class RmaEngine:
         info = np.array([eo_off, rows, self.crow_bytes], "<u8")
         for q in range(self.R):
             self._put_record(self.ctrl, q, cl.slot(cl.comb_info, op.par, self.rank), info,
-                             op.epoch, keep=op.keep)
+                             op.epoch)
         if self.bsp:
-            self.ctrl.flush_all()  # descriptors complete before the barrier
+            # descriptors complete before the barrier
+            self._complete(op, self.ctrl, None, "the expert-output descriptors to complete")
             self._barrier(op, 3)
         needed = self._needed_rows(h_idx, h_dst, ntok)
         fetched: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         order = sorted(needed, key=lambda q: (q - self.rank) % self.R)
         for q in order:  # every get in flight at once, then complete them
             fetched[q] = self._fetch(op, q, needed[q])
-        for q in order:
-            self.data.flush(q)
+        self._wait(op, lambda: all(self.data.done(q) for q in order), -1,
+                   "the expert outputs of every rank to arrive", needs=tuple)
         self._reduce(h_idx[:ntok], h_w[:ntok], h_dst[:ntok], fetched, y)
         return zero_copy
 
@@ -934,7 +1079,7 @@ class RmaEngine:
 
     def _fetch(self, op: _Op, q: int, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Start fetching rows ``pos`` of ``q``'s expert outputs (``MPI_Get``) into a new array
-        (complete after ``flush(q)``)."""
+        (complete once ``self.data.done(q)``)."""
         cl = self.cl
         slot = cl.slot(cl.comb_info, op.par, q)
         box: list[np.ndarray] = []
@@ -1009,21 +1154,18 @@ class RmaEngine:
     # --- end of an operation ------------------------------------------------------------
 
     def _finish(self, op: _Op) -> None:
-        self._publish_done(op.epoch, op.keep)
-        # Origin buffers (staging rows, records) may be dropped once the puts left them.
-        self.data.flush_local_all()
-        self.ctrl.flush_local_all()
-        op.keep.clear()
+        # No wait for the puts to complete: the transport keeps their buffers until they do.
+        self._publish_done(op.epoch, 0)
 
     def _finish_error(self, op: _Op, err: _OpError) -> tuple[int, int, int, str, str, str]:
         tup = self._tuple(err)
-        self._publish_failure(op.epoch, _format(self.rank, err), op.keep)
-        self._finish(op)
+        self._publish_failure(op.epoch, err.code, _format(self.rank, err))
+        self._publish_done(op.epoch, err.code)
         return tup
 
     def _tuple(self, err: _OpError) -> tuple[int, int, int, str, str, str]:
         msg = err.msg if err.code in (E_REMOTE, E_BAD_INPUT) else err.what
-        return (err.code, err.peer, 0, err.arg, err.what, msg)
+        return (err.code, err.peer, err.core, err.arg, err.what, msg)
 
 
 def _format(rank: int, err: _OpError) -> str:

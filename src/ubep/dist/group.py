@@ -220,6 +220,9 @@ class DistGroup:
         if not isinstance(size_bytes, int) or size_bytes < 1:
             raise InvalidArgumentError("size_bytes", size_bytes, "must be a positive integer")
         self._free_released(timeout_s)
+        # Window creation is a blocking collective: enter it only once every rank is here (a
+        # bounded barrier), so a rank that is stopped or gone fails set-up at the deadline.
+        self.barrier(timeout_s)
         mem = DistGlobalMemory(self, size_bytes, kind)
         self._windows.append(mem)
         return mem

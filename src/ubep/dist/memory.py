@@ -5,13 +5,17 @@ Every rank's region is allocated with ``MPI_Win_allocate_shared`` on the communi
 loads and stores (``MPI_Win_shared_query`` gives the addresses). When the group spans more than
 one host, the same memory is also exposed to every rank by ``MPI_Win_create`` on the whole
 communicator, locked once for the lifetime of the window (``MPI_Win_lock_all``, passive target):
-rows to another host travel by ``MPI_Put``/``MPI_Get`` and complete with ``MPI_Win_flush``.
+rows to another host travel by ``MPI_Rput``/``MPI_Rget``.
 
 :class:`DistGlobalMemory` is also the transport of the RMA engine: ``put`` / ``put_words`` /
-``get_runs`` / ``flush`` do a store (same host) or an RMA operation (another host). Ordering
-rule, the one MPI gives: a put is complete at the target only after ``flush(target)``; nothing
-orders two puts in flight, not even the bytes of one put. Same-host "flush" is a full memory
-barrier (``MPI_Win_sync`` on the shared window), which also orders non-temporal stores.
+``get_runs`` do a store (same host) or a request-based RMA operation (another host); ``done``
+tests the requests (``MPI_Test``, never blocks) and ``flush`` completes them at the target once
+``done`` holds. Nothing here blocks on a peer: on TCP, ``osc/rdma`` emulates RMA with messages
+the target must receive, so a flush with a put in flight to a stopped process would wait for as
+long as it stays stopped; the engine polls ``done`` under its deadline instead. Ordering rule,
+the one MPI gives: a put is complete at the target only after ``flush(target)``; nothing orders
+two puts in flight, not even the bytes of one put. Same-host "flush" is a full memory barrier
+(``MPI_Win_sync`` on the shared window), which also orders non-temporal stores.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import ctypes
 import ctypes.util
 import functools
 import mmap
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -75,7 +80,7 @@ class DistGlobalMemory:
         self.pids = list(group.pids)
         self.start_times = list(group.start_times)
         self._win: Any = None
-        self._types: list[Any] = []  # derived datatypes of operations not yet completed
+        self._pending: list[_Pending] = []  # RMA operations not yet seen complete
         if len(host_ranks) == group.num_ranks:
             self.addresses: list[int] | None = [
                 int(a.ctypes.data) for a in self.peer_arrays if a is not None
@@ -114,13 +119,16 @@ class DistGlobalMemory:
         return self.peer_arrays[dst] is None
 
     def put(self, dst: int, offset: int, data: np.ndarray) -> None:
-        """Write ``data`` (any contiguous array) at ``offset`` of ``dst``'s region."""
+        """Write ``data`` (any contiguous array) at ``offset`` of ``dst``'s region. Another
+        host: an ``MPI_Rput``; ``data`` is kept alive until :meth:`done` sees it complete."""
         raw = _bytes_of(data)
         peer = self.peer_arrays[dst]
         if peer is not None:
             peer[offset: offset + raw.size] = raw
         elif raw.size:
-            self._win.Put([raw, self._mpi.BYTE], dst, target=(offset, raw.size, self._mpi.BYTE))
+            req = self._win.Rput([raw, self._mpi.BYTE], dst,
+                                 target=(offset, raw.size, self._mpi.BYTE))
+            self._pending.append(_Pending(dst, req, raw, None))
 
     def put_words(self, dst: int, offset: int, words: np.ndarray, stride: int) -> None:
         """Write ``words`` (uint64) at ``offset``, ``offset + stride``, ... of ``dst``'s region."""
@@ -135,12 +143,12 @@ class DistGlobalMemory:
             return
         mpi = self._mpi
         vec = mpi.BYTE.Create_vector(n, 8, stride).Commit()
-        self._win.Put([words, mpi.BYTE], dst, target=(offset, 1, vec))
-        self._types.append(vec)
+        req = self._win.Rput([words, mpi.BYTE], dst, target=(offset, 1, vec))
+        self._pending.append(_Pending(dst, req, words, vec))
 
     def get_runs(self, dst: int, runs: list[tuple[int, int]], out: np.ndarray) -> None:
         """Read byte runs ``(offset, nbytes)`` of ``dst``'s region, back to back, into ``out``
-        (complete after ``flush(dst)``)."""
+        (an ``MPI_Rget``: ``out`` holds the bytes once :meth:`done` says so)."""
         raw = _bytes_of(out)
         total = sum(n for _, n in runs)
         if total > raw.size:
@@ -156,34 +164,41 @@ class DistGlobalMemory:
             return
         mpi = self._mpi
         dtype = mpi.BYTE.Create_hindexed([n for _, n in runs], [off for off, _ in runs]).Commit()
-        self._win.Get([raw[:total], mpi.BYTE], dst, target=(0, 1, dtype))
-        self._types.append(dtype)
+        req = self._win.Rget([raw[:total], mpi.BYTE], dst, target=(0, 1, dtype))
+        self._pending.append(_Pending(dst, req, raw, dtype))
+
+    def done(self, dst: int | None = None) -> bool:
+        """Whether every operation to ``dst`` (``None``: to anyone) has completed at this end
+        (``MPI_Test``: never blocks; drops what completed). A put to a peer that stopped never
+        completes on an emulated transport (TCP): callers poll this under their deadline
+        instead of entering a flush that would wait for the peer as long as it is stopped."""
+        if not self._pending:
+            return True
+        left: list[_Pending] = []
+        for op in self._pending:
+            if op.request.Test():
+                if op.dtype is not None:
+                    op.dtype.Free()
+            else:
+                left.append(op)
+        self._pending = left
+        return not any(dst is None or op.dst == dst for op in left)
 
     def flush(self, dst: int) -> None:
-        """Complete every operation to ``dst`` (remote completion; same host: a fence)."""
+        """Remote completion of every operation to ``dst`` (same host: a fence). Call it only
+        once :meth:`done` holds for ``dst``: then nothing is outstanding and ``MPI_Win_flush``
+        does not wait for the peer (on TCP, ``osc/rdma`` completes an emulated put only when
+        the target acknowledged it; on an RDMA NIC the NIC acknowledges)."""
         if self.peer_arrays[dst] is not None:
             self._shared.Sync()
         else:
             self._win.Flush(dst)
 
     def flush_all(self) -> None:
+        """:meth:`flush` of every peer (again only once :meth:`done` holds)."""
         self._shared.Sync()
         if self._win is not None:
             self._win.Flush_all()
-            self._free_types()
-
-    def flush_local_all(self) -> None:
-        """Origin buffers of every put may be reused after this (local completion)."""
-        if self._win is not None:
-            self._win.Flush_local_all()
-            self._free_types()
-
-    def _free_types(self) -> None:
-        # MPI allows freeing a datatype while an operation uses it; keeping it until the
-        # operation completed locally costs nothing and spares a fragile corner of emulated RMA.
-        for t in self._types:
-            t.Free()
-        self._types = []
 
     def sync(self) -> None:
         """Memory barrier before reading words peers write (MPI's rule for polling a window)."""
@@ -206,10 +221,27 @@ class DistGlobalMemory:
         self.local_array = np.zeros(0, dtype=np.uint8)
         self.peer_arrays = [None] * len(self.peer_arrays)
         if self._win is not None:
-            self._win.Unlock_all()
+            self._win.Unlock_all()  # completes every operation still pending
+            self._mpi.Request.Waitall([op.request for op in self._pending])  # frees them
+            for op in self._pending:
+                if op.dtype is not None:
+                    op.dtype.Free()
+            self._pending = []
             self._win.Free()
             self._win = None
         self._shared.Free()
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """One RMA operation in flight: its request and what must outlive it (MPI allows freeing a
+    datatype an operation still uses; keeping it costs nothing and spares a fragile corner of
+    emulated RMA)."""
+
+    dst: int
+    request: Any
+    buffer: np.ndarray
+    dtype: Any
 
 
 def _bytes_of(a: np.ndarray) -> np.ndarray:

@@ -30,7 +30,7 @@ import numpy as np
 from .. import topology as topo
 from ..env import launch_env, timeout_s_from_env
 from ..errors import InvalidArgumentError, PeerLostError, TimeoutError, UbepError
-from .shm import HEADER_BYTES, Segment
+from .shm import HEADER_BYTES, Segment, remove_dead_owners_segments
 
 __all__ = ["GlobalMemory", "Group", "ProcessGroup", "ShmGlobalMemory", "group_from_env"]
 
@@ -197,16 +197,27 @@ class Group:
         self._closed = False
         _check_private_dir(rendezvous)
         deadline = time.monotonic() + self.default_timeout_s
-        hello = self._rendezvous(group_id, deadline)
-        self.group_id: bytes = bytes.fromhex(hello[0]["group_id"])
-        self.peers = [PeerProcess(r, h["pid"], h["start_time"]) for r, h in enumerate(hello)]
-        self._segments = self._map_group_segments(hello)
-        self._counters = [
-            seg.array[_BARRIER_OFFSET:_BARRIER_OFFSET + 8].view(np.uint64)
-            for seg in self._segments
-        ]
-        # Every rank has mapped every group segment once this first barrier completes.
-        self.barrier(max(0.0, deadline - time.monotonic()) or 1e-3)
+        self._segments: list[Segment] = []
+        self._known: dict[int, PeerProcess] = {}  # peers whose hello this rank has read
+        try:
+            hello = self._rendezvous(group_id, deadline)
+            self.group_id: bytes = bytes.fromhex(hello[0]["group_id"])
+            self.peers = [PeerProcess(r, h["pid"], h["start_time"]) for r, h in enumerate(hello)]
+            self._segments = self._map_group_segments(hello)
+            self._counters = [
+                seg.array[_BARRIER_OFFSET:_BARRIER_OFFSET + 8].view(np.uint64)
+                for seg in self._segments
+            ]
+            # Every rank has mapped every group segment once this first barrier completes.
+            self.barrier(max(0.0, deadline - time.monotonic()) or 1e-3)
+        except BaseException:
+            # Nothing of this rank may outlive a failed set-up, nor of a peer that died in it.
+            if hasattr(self, "_own_segment"):
+                self._own_segment.close()
+            for seg in self._segments:
+                seg.close()
+            remove_dead_owners_segments(rendezvous)
+            raise
         self._segments[rank].unlink()
 
     # --- public -------------------------------------------------------------------------
@@ -367,12 +378,18 @@ class Group:
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + _LIVENESS_PERIOD_S
-                dead = [r for r in left if hasattr(self, "peers") and not self.peers[r].alive()]
+                # Before the rendezvous completes, a rank that said hello and died is as lost as
+                # one missing later (it will never reach the barrier).
+                known = self.peers if hasattr(self, "peers") else list(self._known.values())
+                dead = [p.rank for p in known if p.rank != self.rank and not p.alive()
+                        and (p.rank in left or not hasattr(self, "peers"))]
                 if dead:
+                    remove_dead_owners_segments(self.rendezvous)
                     raise PeerLostError(
                         f"rank {self.rank}: rank(s) {dead} died while this rank waited in {what}"
                     )
             if now >= deadline:
+                remove_dead_owners_segments(self.rendezvous)
                 raise TimeoutError(
                     f"rank {self.rank}: {what} timed out waiting for rank(s) {left}"
                 )
@@ -405,7 +422,10 @@ class Group:
         def missing() -> list[int]:
             for r in range(self.num_ranks):
                 if hello[r] is None:
-                    hello[r] = _read_json(self._path(f"hello.{r}.json"))
+                    got = _read_json(self._path(f"hello.{r}.json"))
+                    if got is not None:
+                        hello[r] = got
+                        self._known[r] = PeerProcess(r, got["pid"], got["start_time"])
             return [r for r in range(self.num_ranks) if hello[r] is None]
 
         self._poll(missing, deadline, "rendezvous")
@@ -449,7 +469,10 @@ class Group:
                     name, size_bytes=_GROUP_SEGMENT_BYTES, group_id=self._gid_hint(),
                     owner_rank=owner, kind="group",
                 )
-            except UbepError:
+            except (UbepError, FileNotFoundError):
+                if not self._known[owner].alive():  # said hello, then died: it never stamps
+                    raise PeerLostError(
+                        f"rank {self.rank}: rank {owner} died during the rendezvous") from None
                 if time.monotonic() >= deadline:
                     raise
                 time.sleep(1e-3)

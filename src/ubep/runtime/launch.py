@@ -8,18 +8,26 @@ it pickles); the other ranks are given a short grace period to finish (they usua
 with ``PeerLostError``/``RemoteError``) and are then killed. A launch that runs past
 ``timeout_s`` dumps every live rank's Python stack to stderr (faulthandler), kills them all and
 raises ``ubep.TimeoutError``. Shared-memory segments a dead rank had not yet unlinked are removed.
+
+Nothing outlives the launcher: each rank asks the kernel for SIGKILL when its launcher dies
+(``PR_SET_PDEATHSIG``, then checks that its parent is still the launcher, which closes the race
+with a launcher that died first), and a reaper process in a session of its own
+(:mod:`ubep.runtime.reaper`) owns the rendezvous directory: when the launcher is gone, however
+it went (SIGKILL of the whole process group included), it waits for the ranks to exit and
+removes their unlinked segments and the directory.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import faulthandler
 import multiprocessing as mp
 import os
 import pickle
-import shutil
 import signal
-import tempfile
+import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -32,8 +40,10 @@ from ..errors import (
     RankFailedError,
     RemoteError,
     TimeoutError,
+    UbepError,
 )
 from ..topology import Topology
+from . import reaper as _reaper
 from .group import Group
 from .shm import remove_marked_segments
 
@@ -42,6 +52,8 @@ __all__ = ["launch"]
 # After the first failure, how long the other ranks get to finish or fail on their own.
 _GRACE_S = 10.0
 _CONSEQUENTIAL = (PeerLostError.__name__, RemoteError.__name__)
+_REAPER_EXIT_S = 10.0
+_PR_SET_PDEATHSIG = 1
 
 
 # BLAS / OpenMP thread pools of one rank each default to every core, so ranks-as-processes
@@ -91,7 +103,7 @@ def launch(
             "topology", topology.name, f"has {topology.num_ranks} ranks, expected {num_ranks}"
         )
     ctx = mp.get_context("spawn")
-    rendezvous = tempfile.mkdtemp(prefix="ubep-rdv-")  # mode 0700, private to this user
+    reaper, rendezvous = _start_reaper()  # the directory: mode 0700, private to this user
     group_id = os.urandom(16)
     procs: list[Any] = []
     readers: list[Connection] = []
@@ -102,11 +114,12 @@ def launch(
                 proc = ctx.Process(
                     target=_child_main,
                     args=(fn, rank, num_ranks, rendezvous, group_id, topology, args, timeout_s,
-                          writer),
+                          writer, os.getpid()),
                     name=f"ubep-rank-{rank}",
                     daemon=True,
                 )
                 proc.start()
+                _register(reaper, proc.pid)
                 writer.close()
                 procs.append(proc)
                 readers.append(reader)
@@ -119,7 +132,38 @@ def launch(
         for reader in readers:
             reader.close()
         remove_marked_segments(rendezvous)
-        shutil.rmtree(rendezvous, ignore_errors=True)
+        _stop_reaper(reaper)  # it removes the directory
+
+
+def _start_reaper() -> tuple[subprocess.Popen[str], str]:
+    """The reaper process (its own session) and the rendezvous directory it created."""
+    proc = subprocess.Popen(
+        [sys.executable, "-I", "-S", _reaper.__file__], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    assert proc.stdout is not None
+    path = proc.stdout.readline().strip()
+    if not path:
+        proc.kill()
+        proc.wait()
+        raise UbepError(f"ubep.launch: the reaper process exited with code {proc.poll()} "
+                        "before creating the rendezvous directory")
+    return proc, path
+
+
+def _register(reaper: subprocess.Popen[str], pid: int | None) -> None:
+    assert reaper.stdin is not None and pid is not None
+    reaper.stdin.write(f"{pid} {_reaper.start_time_of(pid)}\n")
+    reaper.stdin.flush()
+
+
+def _stop_reaper(reaper: subprocess.Popen[str]) -> None:
+    """End of input: the reaper sees every rank gone, removes the directory and exits."""
+    assert reaper.stdin is not None and reaper.stdout is not None
+    reaper.stdin.close()
+    with contextlib.suppress(subprocess.TimeoutExpired):  # then it finishes on its own
+        reaper.wait(_REAPER_EXIT_S)
+    reaper.stdout.close()
 
 
 def _collect(procs: list[Any], readers: list[Connection], timeout_s: float) -> list[Any]:
@@ -248,7 +292,9 @@ def _child_main(
     args: tuple[Any, ...],
     timeout_s: float,
     conn: Connection,
+    launcher_pid: int,
 ) -> None:
+    _die_with_launcher(launcher_pid)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     group: Group | None = None
     try:
@@ -271,3 +317,16 @@ def _child_main(
         conn.send(("err", (type(exc).__name__, f"result of fn could not be sent: {exc}",
                            traceback.format_exc(), None)))
     conn.close()
+
+
+def _die_with_launcher(launcher_pid: int) -> None:
+    """SIGKILL this rank when the launcher dies (Linux ``PR_SET_PDEATHSIG``). The launcher may
+    have died before this line: then the parent is already someone else, and the rank exits.
+    The signal follows the launcher *thread* that started the rank, which is the thread that
+    waits in :func:`launch` until every rank is gone."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != launcher_pid:
+        os._exit(1)  # orphaned before it started: nothing was created yet

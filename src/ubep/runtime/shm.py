@@ -6,8 +6,9 @@ and mode 0600 under an unguessable name ``ubep-<32 hex>``; a peer that maps it c
 open file, that it is a regular file owned by this user with mode 0600 and exactly the size it
 expects, and then the header (magic, version, group id, owner rank, size) before trusting any
 byte. The owner unlinks the name as soon as every peer has mapped it, so a crash afterwards
-leaves nothing behind; before that, the name is recorded in a marker file in the (private)
-rendezvous directory so that the launcher can remove it if a rank dies during set-up.
+leaves nothing behind; before that, the name is recorded (with the creating process) in a marker
+file in the (private) rendezvous directory, so that whoever outlives the creator can remove it:
+the launcher, its reaper process (:mod:`ubep.runtime.reaper`) or a peer rank.
 
 Header (first 256 bytes, little-endian)::
 
@@ -33,8 +34,21 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import InvalidArgumentError, UbepError
+from .reaper import (
+    remove_dead_owners_segments,
+    remove_marked_segments,
+    valid_segment_name,
+    write_marker,
+)
 
-__all__ = ["HEADER_BYTES", "SHM_DIR", "Segment", "new_segment_name"]
+__all__ = [
+    "HEADER_BYTES",
+    "SHM_DIR",
+    "Segment",
+    "new_segment_name",
+    "remove_dead_owners_segments",
+    "remove_marked_segments",
+]
 
 SHM_DIR = "/dev/shm"
 MAGIC = b"UBEPSEG1"
@@ -97,9 +111,10 @@ class Segment:
             raise InvalidArgumentError("size_bytes", size_bytes, f"must be >= {HEADER_BYTES}")
         size = -(-size_bytes // _PAGE) * _PAGE
         name = new_segment_name()
+        marker: str | None = None
         if marker_dir is not None:
-            # Record the name first: if this process dies before unlinking, the launcher can.
-            _write_marker(marker_dir, name)
+            # Record the name first: if this process dies before unlinking, others can.
+            marker = write_marker(marker_dir, name)
         path = os.path.join(SHM_DIR, name)
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(path, flags, 0o600)
@@ -112,8 +127,7 @@ class Segment:
             raise
         seg = cls(name, fd, size, owner_rank, created=True)
         assert seg._mm is not None
-        if marker_dir is not None:
-            seg.marker = _marker_path(marker_dir, name)
+        seg.marker = marker
         seg.prefault()
         _HEADER.pack_into(
             seg._mm, 0, MAGIC, VERSION, owner_rank, size, os.getpid(), _pad(group_id, 16),
@@ -206,13 +220,7 @@ def _pad(raw: bytes, width: int) -> bytes:
 
 
 def _valid_name(name: str) -> bool:
-    prefix = "ubep-"
-    tail = name[len(prefix):]
-    return (
-        name.startswith(prefix)
-        and len(tail) == 32
-        and all(c in "0123456789abcdef" for c in tail)
-    )
+    return valid_segment_name(name)
 
 
 def _check_stat(st: os.stat_result, size: int) -> str:
@@ -225,37 +233,3 @@ def _check_stat(st: os.stat_result, size: int) -> str:
     if st.st_size != size:
         return f"size {st.st_size}, expected {size}"
     return ""
-
-
-def _marker_path(marker_dir: str, name: str) -> str:
-    return os.path.join(marker_dir, f"segment.{name}")
-
-
-def _write_marker(marker_dir: str, name: str) -> None:
-    path = _marker_path(marker_dir, name)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    os.close(fd)
-
-
-def remove_marked_segments(marker_dir: str) -> list[str]:
-    """Unlink every segment recorded in ``marker_dir`` that still exists; return their names.
-
-    Called by the launcher after its children exit: only names this job created are touched.
-    """
-    removed: list[str] = []
-    try:
-        entries = os.listdir(marker_dir)
-    except FileNotFoundError:
-        return removed
-    for entry in entries:
-        if not entry.startswith("segment."):
-            continue
-        name = entry[len("segment."):]
-        if not _valid_name(name):
-            continue
-        try:
-            os.unlink(os.path.join(SHM_DIR, name))
-            removed.append(name)
-        except FileNotFoundError:
-            pass
-    return removed

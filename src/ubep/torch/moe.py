@@ -13,10 +13,12 @@ experts; :meth:`MoELayer.forward_dense` computes what N ranks compute, from thei
 Accuracy contract (tested): for the ``"expert"`` layout the distributed output equals
 ``forward_dense`` bit for bit, because both run each expert's FFN on the same rows in the same
 order (every rank's rows in ascending rank, then token) and reduce ``w * out`` over ``k`` in
-ascending order in float32. The ``"rank"`` layout adds a token's experts per rank first and then
-across ranks, a different association of the same float32 sum: equal within
-``rtol=1e-5, atol=1e-6`` in float32 (BF16: the per-rank partial sum is rounded to BF16 once more,
-``rtol=atol=2e-2``).
+ascending order in float32, provided both run their matmuls on the same number of intra-op
+threads (``torch.set_num_threads``): MKL's sgemm splits its reductions by thread count, so 1 and
+2 threads differ in the last bits of the same product. The ``"rank"`` layout adds a token's
+experts per rank first and then across ranks, a different association of the same float32
+sum: equal within ``rtol=1e-5, atol=1e-6`` in float32 (BF16: the per-rank partial sum is rounded
+to BF16 once more, ``rtol=atol=2e-2``).
 """
 
 from __future__ import annotations
