@@ -227,19 +227,22 @@ class RmaEngine:
             self._closed = True
             self.ctrl.close()
 
-    def fail(self, epoch: int, code: int | str, message: str | None = None) -> None:
-        """Call ``epoch`` failed on this rank outside the engine: tell every peer, count it done.
+    def fail(
+        self, epoch: int, code: int, message: str, finished: int = 1, timeout_s: float = 0.0
+    ) -> int:
+        """Call ``epoch`` failed on this rank outside the engine: tell every peer; ``finished``:
+        also count it done here (0: a notice ahead of time, from a Buffer that lost step).
 
         ``code``: 1 bad input (a clean reject: nothing of this call reached a peer), 6 lost
         (this rank lost step; peers must resync), else the error code. Nothing waits for the
-        notices to arrive: a stopped peer gets them when it runs again. ``fail(epoch,
-        message)`` (code 1) is the call of the Buffer from before the codes.
+        notices to arrive (``timeout_s`` is unused): a stopped peer gets them when it runs again.
         """
-        if message is None:
-            code, message = E_BAD_INPUT, str(code)
+        del timeout_s
         self._reap()
         self._publish_failure(epoch, int(code), message)
-        self._publish_done(epoch, int(code))
+        if finished:
+            self._publish_done(epoch, int(code))
+        return 0
 
     def resync(self, base_epoch: int) -> None:
         """Forget every call before ``base_epoch`` (local; ``Buffer.resync`` runs it between two
