@@ -313,13 +313,14 @@ class RmaEngine:
 
     def combine(
         self, eo: np.ndarray, rows: int, h_idx: np.ndarray, h_w: np.ndarray, h_dst: np.ndarray,
-        ntok: int, epoch: int, creg: int, y: np.ndarray,
+        ntok: int, epoch: int, creg: int, y: np.ndarray, dispatch_index: int = 0,
     ) -> Any:
         op = _Op(1, epoch, self.timeout_ns)
         self._reap()
         try:
             self._check_in_step(op)
-            zero_copy = self._combine(op, eo, rows, h_idx, h_w, h_dst, ntok, creg, y)
+            zero_copy = self._combine(op, eo, rows, h_idx, h_w, h_dst, ntok, creg, y,
+                                      dispatch_index)
         except _OpError as err:
             return self._finish_error(op, err)
         self._finish(op)
@@ -1021,7 +1022,8 @@ class RmaEngine:
     # --- combine ------------------------------------------------------------------------
 
     def _combine(self, op: _Op, eo: np.ndarray, rows: int, h_idx: np.ndarray, h_w: np.ndarray,
-                 h_dst: np.ndarray, ntok: int, creg: int, y: np.ndarray) -> bool:
+                 h_dst: np.ndarray, ntok: int, creg: int, y: np.ndarray,
+                 dispatch_index: int) -> bool:
         p, cl = self.p, self.cl
         local = self.data.local_array
         base = int(local.ctypes.data)
@@ -1041,7 +1043,7 @@ class RmaEngine:
             if lo <= eo_off < lo + p["comb_bytes"]:
                 self.comb_last[c] = op.epoch
         self.data.sync()  # the expert outputs are in memory before peers are told
-        info = np.array([eo_off, rows, self.crow_bytes], "<u8")
+        info = np.array([eo_off, rows, self.crow_bytes, dispatch_index], "<u8")
         for q in range(self.R):
             self._put_record(self.ctrl, q, cl.slot(cl.comb_info, op.par, self.rank), info,
                              op.epoch)
@@ -1049,6 +1051,7 @@ class RmaEngine:
             # descriptors complete before the barrier
             self._complete(op, self.ctrl, None, "the expert-output descriptors to complete")
             self._barrier(op, 3)
+        self._check_same_dispatch(op, dispatch_index)
         needed = self._needed_rows(h_idx, h_dst, ntok)
         fetched: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         order = sorted(needed, key=lambda q: (q - self.rank) % self.R)
@@ -1080,15 +1083,13 @@ class RmaEngine:
                     out[q] = np.unique(pos)
         return out
 
-    def _fetch(self, op: _Op, q: int, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Start fetching rows ``pos`` of ``q``'s expert outputs (``MPI_Get``) into a new array
-        (complete once ``self.data.done(q)``)."""
-        cl = self.cl
-        slot = cl.slot(cl.comb_info, op.par, q)
+    def _descriptor(self, op: _Op, q: int) -> np.ndarray:
+        """``[offset, rows, stride, dispatch index]`` of ``q``'s expert outputs for this call."""
+        slot = self.cl.slot(self.cl.comb_info, op.par, q)
         box: list[np.ndarray] = []
 
         def ready() -> bool:
-            got = self._read_record(slot, 24, op.epoch)
+            got = self._read_record(slot, 32, op.epoch)
             if got is not None:
                 box.append(got[1].view("<u8"))
             return got is not None
@@ -1100,7 +1101,23 @@ class RmaEngine:
                                               "barrier")
         else:
             self._wait(op, ready, q, f"the expert outputs of rank {q}")
-        off, nrows, stride = (int(v) for v in box[0])
+        return box[0]
+
+    def _check_same_dispatch(self, op: _Op, index: int) -> None:
+        """Every rank combines the outputs of the same dispatch (else bad input everywhere)."""
+        for q in range(self.R):
+            theirs = int(self._descriptor(op, q)[3])
+            if theirs != index:
+                raise _OpError(
+                    E_BAD_INPUT, self.rank,
+                    f"ranks combine different dispatches (rank {q} passed the handle of "
+                    f"dispatch {theirs}): every rank must pass the handle of the same dispatch",
+                    arg="handle", msg=f"dispatch {index}")
+
+    def _fetch(self, op: _Op, q: int, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Start fetching rows ``pos`` of ``q``'s expert outputs (``MPI_Get``) into a new array
+        (complete once ``self.data.done(q)``)."""
+        off, nrows, stride, _index = (int(v) for v in self._descriptor(op, q))
         if (stride != self.crow_bytes or nrows > self.cap_rows or off < _HEADER_BYTES
                 or off + nrows * stride > self.seg_size):
             raise _OpError(E_INTERNAL, q, f"rank {q} published expert outputs outside its "
