@@ -1179,8 +1179,11 @@ class RmaEngine:
 
     def _finish_error(self, op: _Op, err: _OpError) -> tuple[int, int, int, str, str, str]:
         tup = self._tuple(err)
-        self._publish_failure(op.epoch, err.code, _format(self.rank, err))
-        self._publish_done(op.epoch, err.code)
+        # a failure caught from a peer's notice passes that notice's code on: a clean reject
+        # (bad input somewhere) stays clean for every rank, whoever saw it first
+        code = err.core if err.code == E_REMOTE else err.code
+        self._publish_failure(op.epoch, code, _format(self.rank, err))
+        self._publish_done(op.epoch, code)
         return tup
 
     def _tuple(self, err: _OpError) -> tuple[int, int, int, str, str, str]:
