@@ -197,7 +197,7 @@ def test_rma_fail_codes_reach_peers_in_the_core_slot() -> None:
 
     out = run_ranks(FakeWorld(R3), body)
     tuples = [out[r][0] for r in (0, 2)]
-    for code, peer, core, _arg, _what, msg in tuples:
+    for code, _peer, core, _arg, _what, msg in tuples:
         # rank 1's notice, or the notice of the other rank that saw it first: either way the
         # code of the original failure is passed on (6, lost step)
         assert code == 4 and "rank 1 lost step" in msg
