@@ -129,7 +129,7 @@ def low_latency_flow(group: Any, rank: int, use_fp8: bool) -> torch.Tensor:
     buf = Buffer(group, low_latency_mode=True)
     x, idx, w = _inputs(rank)
     recv, count, handle, _, hook = buf.low_latency_dispatch(
-        x, idx, LL_MAX_TOKENS, E, use_fp8=use_fp8
+        x, idx, LL_MAX_TOKENS, E, use_fp8=use_fp8, return_recv_hook=True
     )
     hook()
     if use_fp8:
@@ -213,3 +213,255 @@ def test_normal_mode_fp8_tuple_arrives_bit_for_bit() -> None:
         q_again = torch.stack([_quantize_fp8(r[None], False)[0][0] for r in rx])
         assert torch.equal(rq.view(torch.uint8), q_again.view(torch.uint8))
         assert torch.equal(rs, expected_s)
+
+
+# --------------------------------------------------------------------------- DeepEP drop-in
+DEEPEP_INIT = [  # deep_ep/buffer.py (v1), Buffer.__init__, in order
+    "group", "num_nvl_bytes", "num_rdma_bytes", "low_latency_mode", "num_qps_per_rank",
+    "allow_nvlink_for_low_latency_mode", "allow_mnnvl", "use_fabric", "explicitly_destroy",
+    "enable_shrink", "comm",
+]
+
+
+def test_constructor_takes_deepeps_arguments_in_deepeps_order() -> None:
+    import inspect
+
+    params = list(inspect.signature(Buffer.__init__).parameters)[1:]
+    assert params[: len(DEEPEP_INIT)] == DEEPEP_INIT
+    world = LocalWorld(R, E)
+
+    def body(rank: int) -> tuple[bool, bool, bool, int]:
+        # Positionally, as DeepEP code passes them; GPU-only options must not break a call.
+        buf = Buffer(world.backend(rank), 1 << 30, 1 << 30, True, 12, False, True, True, True, True)
+        x, idx, w = _inputs(rank)
+        _, _, per_expert, _in_rank, _ = buf.get_dispatch_layout(idx, E)
+        recv, *_ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_tokens_per_expert=per_expert)
+        buf.destroy()  # explicitly_destroy (9th) was True
+        return buf.use_fabric, buf.explicitly_destroy, buf.enable_shrink, recv.shape[0]
+
+    for use_fabric, destroy, shrink, rows in run_threads(body, R):
+        assert use_fabric and destroy and shrink and rows > 0
+
+
+def test_constructor_rejects_unknown_options_and_bad_values_at_once() -> None:
+    backend = LocalWorld(1, E).backend(0)
+    with pytest.raises(InvalidArgumentError, match="use_fabrik"):
+        Buffer(backend, use_fabrik=True)
+    with pytest.raises(InvalidArgumentError, match="engine"):
+        Buffer(backend, engine="gpu")
+    with pytest.raises(InvalidArgumentError, match="group"):
+        Buffer(None)
+
+
+def test_module_names_deepep_code_touches() -> None:
+    from ubep import deep_ep
+
+    assert deep_ep.topk_idx_t == torch.int64
+    assert deep_ep.Buffer.is_sm90_compiled()  # FP8 payloads work
+    event = deep_ep.Buffer.capture()
+    assert isinstance(event.event, deep_ep.EventHandle)
+    event.current_stream_wait()
+    with event:
+        pass
+    cfg = deep_ep.Config(24, 8, 256)
+    assert (cfg.num_sms, cfg.num_max_nvl_chunked_send_tokens) == (24, 8)
+    assert deep_ep.Buffer.get_dispatch_config(2).num_sms == deep_ep.Buffer.num_sms
+
+
+def _brute_force_rows(in_ranks: list[torch.Tensor], me: int) -> list[tuple[int, int]]:
+    """(source rank, token) of every row ``me`` receives, in DeepEP's order: by source rank,
+    then token."""
+    return [(s, t) for s, m in enumerate(in_ranks) for t in range(m.shape[0]) if m[t, me]]
+
+
+@pytest.mark.parametrize("with_topk", [True, False])
+def test_normal_handle_holds_deepeps_values(with_topk: bool) -> None:
+    world = LocalWorld(R, E)
+    in_ranks = [Buffer(world.backend(0)).get_dispatch_layout(_inputs(r)[1], E)[3] for r in range(R)]
+
+    def body(rank: int) -> Any:
+        buf = Buffer(world.backend(rank))
+        x, idx, w = _inputs(rank)
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        topk = {"topk_idx": idx, "topk_weights": w} if with_topk else {}
+        recv, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
+            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, **topk,
+        )
+        y, _, _ = buf.combine(recv, handle)  # identity experts
+        cached, *rest, _event = buf.dispatch(x, handle=handle)
+        return recv, recv_idx, recv_w, counts, handle, y, cached, rest
+
+    xs = [_inputs(r)[0] for r in range(R)]
+    for me, (recv, recv_idx, recv_w, counts, handle, y, cached, rest) in enumerate(
+        run_threads(body, R)
+    ):
+        rows = _brute_force_rows(in_ranks, me)
+        assert torch.equal(recv, torch.stack([xs[s][t] for s, t in rows]))
+        assert (recv_idx is None) == (recv_w is None) == (not with_topk)
+        # counts: every source's tokens per expert, summed over sources (DeepEP's list)
+        local = range(me * (E // R), (me + 1) * (E // R))
+        all_idx = [_inputs(r)[1] for r in range(R)]
+        assert counts == [sum(int((i == e).sum()) for i in all_idx) for e in local]
+        # the tuple view
+        assert len(handle) == 6 and handle[0] is handle.rank_prefix_matrix
+        rpm, cpm, rcpm, src_idx, in_rank, send_head = handle
+        sent = torch.tensor([[int(m[:, d].sum()) for d in range(R)] for m in in_ranks])
+        assert rpm.dtype == torch.int32 and torch.equal(rpm, sent.cumsum(0).to(torch.int32))
+        assert torch.equal(cpm, sent[me][:, None].to(torch.int32))
+        assert torch.equal(rcpm, torch.zeros((R, 1), dtype=torch.int32))
+        assert src_idx.tolist() == [t for _, t in rows]
+        assert torch.equal(in_rank, in_ranks[me])
+        for d in range(R):  # send_head: the token's row in this rank's block at d, or -1
+            mine = [t for t in range(in_ranks[me].shape[0]) if in_ranks[me][t, d]]
+            expect = [mine.index(t) if t in mine else -1 for t in range(in_ranks[me].shape[0])]
+            assert send_head[:, d].tolist() == expect
+        # identity experts: each token comes back once per rank it went to; cached = same rows
+        ref = (in_ranks[me].sum(dim=1, keepdim=True).float() * xs[me].float()).to(torch.bfloat16)
+        assert torch.equal(y, ref)
+        assert torch.equal(cached, recv) and rest == [None] * 4
+        with pytest.raises(AttributeError):
+            handle.send_head = send_head  # type: ignore[misc]  # frozen
+
+
+def test_num_worst_tokens_pads_and_empties_the_list() -> None:
+    world = LocalWorld(R, E)
+    worst = 16
+
+    def body(rank: int) -> Any:
+        buf = Buffer(world.backend(rank))
+        x, idx, w = _inputs(rank)
+        _, _, per_expert, _, _ = buf.get_dispatch_layout(idx, E)
+        args = {"topk_idx": idx, "topk_weights": w, "num_tokens_per_expert": per_expert}
+        plain = buf.dispatch(x, **args)
+        padded = buf.dispatch(x, num_worst_tokens=worst, **args)
+        y_plain, w_plain, _ = buf.combine(plain[0], plain[4], topk_weights=plain[2])
+        y_pad, w_pad, _ = buf.combine(padded[0], padded[4], topk_weights=padded[2])
+        return plain, padded, (y_plain, w_plain), (y_pad, w_pad)
+
+    for plain, padded, combined_plain, combined_pad in run_threads(body, R):
+        n = plain[0].shape[0]
+        assert padded[3] == [] and len(plain[3]) == E // R
+        for got, ref in zip(padded[:3], plain[:3], strict=True):
+            assert got.shape[0] == worst and torch.equal(got[:n], ref)
+        assert bool((padded[1][n:] == -1).all())
+        assert padded[4].recv_src_idx[n:].tolist() == [-1] * (worst - n)
+        for a, b in zip(combined_pad, combined_plain, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_bad_input_on_one_rank_fails_the_call_on_every_rank() -> None:
+    world = LocalWorld(R, E, timeout_s=10.0)
+
+    def body(rank: int) -> str:
+        buf = Buffer(world.backend(rank))
+        x, idx, w = _inputs(rank)
+        _, _, per_expert, _, _ = buf.get_dispatch_layout(idx, E)
+        if rank == 1:
+            per_expert = per_expert + 1  # disagrees with topk_idx
+        try:
+            buf.dispatch(x, topk_idx=idx, topk_weights=w, num_tokens_per_expert=per_expert)
+        except Exception as exc:  # the kind of error is what is checked
+            return type(exc).__name__
+        return "no error"
+
+    assert run_threads(body, R) == ["RemoteError", "InvalidArgumentError"]
+
+
+def test_low_latency_handle_holds_deepeps_values() -> None:
+    world = LocalWorld(R, E)
+
+    def body(rank: int) -> Any:
+        buf = Buffer(world.backend(rank), low_latency_mode=True)
+        x, idx, _ = _inputs(rank)
+        recv, count, handle, _, hook = buf.low_latency_dispatch(x, idx, LL_MAX_TOKENS, E,
+                                                                use_fp8=False)
+        assert hook is None  # as DeepEP without return_recv_hook
+        return recv, count, handle
+
+    xs, idxs = zip(*[_inputs(r)[:2] for r in range(R)], strict=True)
+    for me, (recv, count, handle) in enumerate(run_threads(body, R)):
+        src_info, layout_range, max_tokens, hidden, num_experts = handle
+        assert (max_tokens, hidden, num_experts) == (LL_MAX_TOKENS, H, E)
+        for e in range(E // R):
+            expert = me * (E // R) + e
+            rows = [(s, t) for s in range(R) for t in range(idxs[s].shape[0])
+                    if bool((idxs[s][t] == expert).any())]
+            assert int(count[e]) == len(rows)
+            assert src_info[e, : len(rows)].tolist() == [t for _, t in rows]
+            assert bool((src_info[e, len(rows):] == -1).all())
+            begin = 0
+            for s in range(R):
+                n = sum(1 for src, _ in rows if src == s)
+                assert int(layout_range[e, s]) == (begin << 32) | n
+                assert torch.equal(recv[e, begin : begin + n],
+                                   torch.stack([xs[s][t] for src, t in rows if src == s])
+                                   if n else recv[e, :0])
+                begin += n
+
+
+def test_low_latency_ue8m0_scales_decode_to_the_rounded_scales() -> None:
+    world = LocalWorld(R, E)
+    hidden = 512
+    xs = [torch.randn(NUM_TOKENS[r], hidden, generator=torch.Generator().manual_seed(r)) * 3
+          for r in range(R)]
+
+    def body(rank: int) -> Any:
+        buf = Buffer(world.backend(rank), low_latency_mode=True)
+        idx = _inputs(rank)[1]
+        got = []
+        for ue8m0 in (False, True):
+            (q, s), count, *_ = buf.low_latency_dispatch(
+                xs[rank].to(torch.bfloat16), idx, LL_MAX_TOKENS, E, round_scale=True,
+                use_ue8m0=ue8m0,
+            )
+            got.append((q, s, count))
+        return got
+
+    for (q, s, count), (q8, s8, count8) in run_threads(body, R):
+        assert torch.equal(count, count8) and torch.equal(q.view(torch.uint8), q8.view(torch.uint8))
+        assert s8.dtype == torch.int32 and s8.shape == (*s.shape[:2], hidden // 512)
+        # DeepEP's reading (tests/utils.py per_token_cast_back): each byte is a float exponent
+        decoded = (s8.contiguous().view(torch.int8).to(torch.int32) << 23).view(torch.float32)
+        for e, n in enumerate(count.tolist()):
+            assert torch.equal(decoded[e, :n], s[e, :n])
+    with pytest.raises(InvalidArgumentError, match="use_ue8m0"):
+        Buffer(world.backend(0)).low_latency_dispatch(
+            xs[0].to(torch.bfloat16), _inputs(0)[1], LL_MAX_TOKENS, E, use_ue8m0=True
+        )
+
+
+def test_zero_copy_combine_reads_the_next_combine_buffer_and_masked_slots_drop() -> None:
+    world = LocalWorld(R, E)
+
+    def body(rank: int) -> Any:
+        buf = Buffer(world.backend(rank), low_latency_mode=True)
+        x, idx, w = _inputs(rank)
+        recv, _count, handle, _, _ = buf.low_latency_dispatch(x, idx, LL_MAX_TOKENS, E,
+                                                             use_fp8=False)
+        out = recv * 2
+        y, _, _ = buf.low_latency_combine(out, idx, w, handle)
+        buf.get_next_low_latency_combine_buffer(handle)[:, :, :] = out
+        y_zero_copy, _, _ = buf.low_latency_combine(torch.full_like(out, float("nan")), idx, w,
+                                                    handle, zero_copy=True)
+        dropped = idx.clone()
+        dropped[:, 0] = -1
+        y_dropped, _, _ = buf.low_latency_combine(out, dropped, w, handle)
+        y_zero_w, _, _ = buf.low_latency_combine(out, idx, w.index_fill(1, torch.tensor(0), 0.0),
+                                                 handle)
+        return y, y_zero_copy, y_dropped, y_zero_w
+
+    for y, y_zero_copy, y_dropped, y_zero_w in run_threads(body, R):
+        assert torch.equal(y, y_zero_copy)  # x ignored, the buffer's rows used
+        assert torch.equal(y_dropped, y_zero_w)  # a -1 slot contributes nothing
+
+
+def test_mask_buffer_api_answers_no_rank_masked() -> None:
+    buf = Buffer(LocalWorld(1, E).backend(0), enable_shrink=True)
+    status = torch.ones(1, dtype=torch.int32)
+    buf.low_latency_query_mask_buffer(status)
+    assert status.tolist() == [0]
+    buf.low_latency_update_mask_buffer(0, False)
+    buf.low_latency_clean_mask_buffer()
+    with pytest.raises(NotImplementedError, match="mask"):
+        buf.low_latency_update_mask_buffer(0, True)

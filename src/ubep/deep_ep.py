@@ -1,124 +1,278 @@
-"""A DeepEP-shaped facade over ubep: port DeepEP code by changing the import and constructor.
+"""DeepEP's ``Buffer`` on ubep: a DeepEP program runs on CPUs by changing its import.
 
 ::
 
-    # before                                   # after
-    from deep_ep import Buffer                 from ubep.deep_ep import Buffer
-    buf = Buffer(group, num_nvl_bytes, ...)    buf = Buffer(ubep_group, num_nvl_bytes, ...,
-                                                            max_tokens_per_rank=4096)
+    import deep_ep                   ->  from ubep import deep_ep
+    from deep_ep import Buffer       ->  from ubep.deep_ep import Buffer
 
-Method names, argument names and order, defaults and the order of returned tuples follow
-``deep_ep/buffer.py`` (DeepEP v1 API). Normal-mode ``dispatch``/``combine`` run on a ubep buffer
-with ``layout="rank"`` (one row per (token, destination rank), DeepEP's normal mode); the
-low-latency pair on ``layout="expert"`` (one row per (token, expert), packed per local expert).
-Everything is synchronous on CPU tensors, so events are no-ops and hooks return immediately.
-docs/PORTING.md lists every difference.
+    buffer = Buffer(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode=True, ...)
 
-The group is a ubep process group (``ubep.launch`` gives one to each rank) or, for tests, a
-:class:`ubep.torch.LocalBackend` (threads as ranks). ubep buffers are created on first use per
-(mode, hidden, top-k, experts, dtype); that first call is collective, as every call is.
+The API is DeepEP v1's (``deep_ep/buffer.py``, the last release before V2): the constructor with
+its parameter names and positional order, every method the intranode and low-latency paths use,
+the same defaults and the same returned tuples. ``group`` is a ``torch.distributed`` process
+group (as in DeepEP), a ubep group (``ubep.launch``, ``ubep.dist``), or ``comm=`` an mpi4py
+communicator; :class:`ubep.torch.LocalBackend` (threads as ranks) is accepted for tests.
+
+Normal-mode ``dispatch``/``combine`` run on ubep buffers with ``layout="rank"`` (one row per
+(token, destination rank), DeepEP's normal mode); the low-latency pair on ``layout="expert"``
+(one row per (token, expert), packed per local expert). The data always moves through ubep's
+shared memory, never through the torch backend. ubep buffers are created on first use per
+shape; that first call is collective, as every call is. Calls are synchronous, so events and
+receive hooks have nothing left to wait for. Handles are frozen dataclasses that index and unpack
+like DeepEP's tuples and hold the same values where a CPU has the same meaning.
+
+docs/PORTING.md lists what still differs.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, RemoteError
+from .group_adapter import as_process_group, is_torch_group
 from .routing import get_dispatch_layout as _layout
-from .torch._convert import from_numpy, to_numpy
+from .torch._convert import PAYLOAD_DTYPES, from_numpy, to_numpy
 from .torch.backend import EPBackend, LocalBackend
 
-__all__ = ["Buffer", "Config", "EventOverlap", "LowLatencyHandle", "NormalHandle"]
+__all__ = [
+    "Buffer",
+    "Config",
+    "EventHandle",
+    "EventOverlap",
+    "LowLatencyHandle",
+    "NormalHandle",
+    "topk_idx_t",
+]
+
+#: dtype of ``topk_idx`` tensors (DeepEP: chosen at compile time, normally ``torch.int64``).
+topk_idx_t = torch.int64
 
 _FP8_BLOCK = 128  # channels per FP8 scale, as DeepEP
+_UE8M0_PACK = 4  # UE8M0 scales per int32, as DeepEP's use_ue8m0
 _FP8_MAX = 448.0  # largest finite float8_e4m3fn
+_FP8_MIN_AMAX = 1e-4  # DeepEP's floor on a block's amax
+# BufferConfig fields the facade sets itself from each call's shapes.
+_SHAPE_FIELDS = (
+    "max_tokens_per_rank", "hidden", "num_topk", "num_experts", "dtype", "layout", "combine_dtype"
+)
+
+
+class EventHandle:
+    """DeepEP's CUDA event (recorded on the current stream). Every ubep call has finished when it
+    returns, so there is nothing to record or wait for."""
+
+    def current_stream_wait(self) -> None:
+        """Nothing to wait for."""
 
 
 class EventOverlap:
-    """DeepEP's event wrapper. ubep calls complete before they return, so it is a no-op."""
+    """DeepEP's event wrapper: ``current_stream_wait()`` and ``with`` both return at once."""
 
-    def __init__(self, event: Any = None, extra_tensors: Any = None) -> None:
+    def __init__(self, event: EventHandle | None = None, extra_tensors: Any = None) -> None:
         self.event = event
         self.extra_tensors = extra_tensors
 
     def current_stream_wait(self) -> None:
-        """Nothing to wait for."""
+        if self.event is not None:
+            self.event.current_stream_wait()
 
     def __enter__(self) -> EventOverlap:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        return None
+        if self.event is not None:
+            self.event.current_stream_wait()
+
+
+def _event(async_finish: bool) -> EventOverlap:
+    # DeepEP returns an event only with async_finish (its current_stream_wait asserts one).
+    return EventOverlap(EventHandle() if async_finish else None)
 
 
 @dataclass(frozen=True)
 class Config:
-    """DeepEP's performance-tuning config: accepted for compatibility, ignored by ubep."""
+    """DeepEP's performance-tuning config (SMs and chunk sizes): accepted, without effect."""
 
     num_sms: int = 20
     num_max_nvl_chunked_send_tokens: int = 6
     num_max_nvl_chunked_recv_tokens: int = 256
     num_max_rdma_chunked_send_tokens: int = 6
-    num_max_rdma_chunked_recv_tokens: int = 128
+    num_max_rdma_chunked_recv_tokens: int = 256
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """0: ubep sizes its shared memory from the calls' shapes (``num_nvl_bytes`` is unused)."""
+        return 0
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """0: there is no RDMA buffer (``num_rdma_bytes`` is unused)."""
+        return 0
 
 
-@dataclass(frozen=True)
-class NormalHandle:
-    """Normal-mode handle (DeepEP: a positional tuple; here a frozen dataclass, opaque)."""
+class _DeepEPTuple:
+    """Index, unpack and ``len()`` like the positional tuple DeepEP uses for this handle; the
+    tuple is the dataclass's first ``len(_TUPLE_FIELDS)`` fields, in DeepEP's order."""
 
-    inner: Any  # the ubep handle
-    backend: Any  # the ubep buffer the rows went through (combine goes back through it)
-    topk_idx: np.ndarray  # [num_tokens, num_topk] this rank's routing
-    num_recv_rows: int  # rows actually received
-    num_out_rows: int  # rows handed out (>= num_recv_rows with num_worst_tokens)
-    recv_src_rank: np.ndarray
-    recv_src_token: np.ndarray
-    num_tokens: int
+    _TUPLE_FIELDS: ClassVar[tuple[str, ...]] = ()
+
+    def _as_tuple(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in self._TUPLE_FIELDS)
+
+    def __getitem__(self, index: int | slice) -> Any:
+        return self._as_tuple()[index]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._as_tuple())
+
+    def __len__(self) -> int:
+        return len(self._TUPLE_FIELDS)
+
+
+@dataclass(frozen=True, eq=False)
+class NormalHandle(_DeepEPTuple):
+    """What normal-mode ``dispatch`` returns as ``handle``; ``combine`` and cached dispatch take it.
+
+    Indexes like DeepEP's ``(rank_prefix_matrix, channel_prefix_matrix,
+    recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, send_head)``; ubep moves every
+    row in one channel, so the channel matrices have one column.
+
+    Attributes:
+        rank_prefix_matrix: ``[num_ranks, num_ranks]`` int32; ``[i][j]`` = tokens ranks ``0..i``
+            sent to rank ``j``, so rows from source ``i`` are ``recv_x[m[i-1][rank]:m[i][rank]]``
+            (identical on every rank, as DeepEP's).
+        channel_prefix_matrix: ``[num_ranks, 1]`` int32, tokens this rank sent to each rank
+            (DeepEP: inclusive prefix over channels).
+        recv_channel_prefix_matrix: ``[num_ranks, 1]`` int32 zeros: the one channel starts each
+            source's block (DeepEP: where each channel's rows start within the source's block).
+        recv_src_idx: ``[num_recv_tokens]`` int32, each received row's token index at its source
+            (``num_worst_tokens`` entries when given, -1 after the received rows).
+        is_token_in_rank: ``[num_tokens, num_ranks]`` bool, where this rank's tokens went.
+        send_head: ``[num_tokens, num_ranks]`` int32, the token's row within this rank's block at
+            the destination (the tail index of DeepEP's one channel), -1 if not sent there.
+        inner, backend: ubep's handle and the buffer the rows went through.
+        topk_idx: ``[num_tokens, k]`` int64 routing the rows followed (one column per rank with
+            the first expert of that rank when the dispatch had no ``topk_idx``).
+        num_experts: experts of that routing.
+        num_recv_rows: rows actually received (``<= len(recv_src_idx)``).
+    """
+
+    _TUPLE_FIELDS: ClassVar[tuple[str, ...]] = (
+        "rank_prefix_matrix",
+        "channel_prefix_matrix",
+        "recv_channel_prefix_matrix",
+        "recv_src_idx",
+        "is_token_in_rank",
+        "send_head",
+    )
+
+    rank_prefix_matrix: torch.Tensor
+    channel_prefix_matrix: torch.Tensor
+    recv_channel_prefix_matrix: torch.Tensor
+    recv_src_idx: torch.Tensor
+    is_token_in_rank: torch.Tensor
+    send_head: torch.Tensor
+    inner: Any = field(repr=False)
+    backend: EPBackend = field(repr=False)
+    topk_idx: np.ndarray = field(repr=False)
     num_experts: int
-    x_dtype: torch.dtype
+    num_recv_rows: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.topk_idx.shape[0])
 
 
-@dataclass(frozen=True)
-class LowLatencyHandle:
-    """Low-latency handle: where each packed row came from, and how to pack and unpack."""
+@dataclass(frozen=True, eq=False)
+class LowLatencyHandle(_DeepEPTuple):
+    """What ``low_latency_dispatch`` returns as ``handle``; ``low_latency_combine`` takes it.
 
-    inner: Any
-    backend: Any
-    counts: np.ndarray  # [num_local_experts] rows per local expert
+    Indexes like DeepEP's ``(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden,
+    num_experts)``.
+
+    Attributes:
+        src_info: ``[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank]`` int32,
+            the source token index of each packed row, -1 after ``recv_count[e]``.
+        layout_range: ``[num_local_experts, num_ranks]`` int64, ``(begin << 32) | count``: rows
+            ``begin .. begin + count`` of expert ``e`` came from rank ``j`` (ubep packs sources in
+            ascending rank, so ``begin`` is the count of lower ranks).
+        num_max_dispatch_tokens_per_rank, hidden, num_experts: as passed to dispatch.
+        inner, backend: ubep's handle and the buffer the rows went through.
+        counts: ``[num_local_experts]`` int64 rows per local expert.
+        topk_idx: ``[num_tokens, num_topk]`` int64 as dispatched.
+    """
+
+    _TUPLE_FIELDS: ClassVar[tuple[str, ...]] = (
+        "src_info",
+        "layout_range",
+        "num_max_dispatch_tokens_per_rank",
+        "hidden",
+        "num_experts",
+    )
+
+    src_info: torch.Tensor
+    layout_range: torch.Tensor
     num_max_dispatch_tokens_per_rank: int
     hidden: int
     num_experts: int
-    num_tokens: int
+    inner: Any = field(repr=False)
+    backend: EPBackend = field(repr=False)
+    counts: np.ndarray = field(repr=False)
+    topk_idx: np.ndarray = field(repr=False)
 
 
+@dataclass(frozen=True)
+class _Route:
+    """One normal-mode dispatch's routing, checked on this rank."""
+
+    topk_idx: np.ndarray  # [num_tokens, k] the rows follow (real, or one column per rank)
+    topk_weights: np.ndarray  # float32, like topk_idx
+    is_token_in_rank: np.ndarray  # [num_tokens, num_ranks] bool
+    num_tokens_per_expert: np.ndarray  # [num_experts] int64
+    num_experts: int
+    with_topk: bool
+
+
+# --------------------------------------------------------------------------- FP8 casts
 def _quantize_fp8(x: torch.Tensor, round_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token, per-128-channel FP8 (e4m3) quantisation, as DeepEP's low-latency dispatch:
-    ``scale = amax / 448`` (rounded up to a power of two with ``round_scale``). Returns the values
-    ``[num_tokens, hidden]`` float8_e4m3fn and the scales ``[num_tokens, hidden // 128]``
-    float32."""
+    ``scale = max(amax, 1e-4) / 448`` (rounded up to a power of two with ``round_scale``).
+    Returns the values ``[num_tokens, hidden]`` float8_e4m3fn and the scales
+    ``[num_tokens, hidden // 128]`` float32."""
     num_tokens, hidden = x.shape
     blocks = x.to(torch.float32).reshape(num_tokens, hidden // _FP8_BLOCK, _FP8_BLOCK)
-    scale = blocks.abs().amax(dim=-1).clamp(min=1e-4) / _FP8_MAX
+    scale = blocks.abs().amax(dim=-1).clamp(min=_FP8_MIN_AMAX) / _FP8_MAX
     if round_scale:  # UE8M0-style: scales are powers of two
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
     q = (blocks / scale[..., None]).to(torch.float8_e4m3fn).reshape(num_tokens, hidden)
     return q, scale.contiguous()
 
 
+def _pack_ue8m0(scales: torch.Tensor) -> torch.Tensor:
+    """Power-of-two float32 scales ``[..., n]`` -> DeepEP's UE8M0 layout: each scale's exponent
+    byte, four to an int32 (first scale in the lowest byte), ``[..., n // 4]``."""
+    exponents = (scales.contiguous().view(torch.int32) >> 23).to(torch.uint8)
+    return exponents.view(torch.int32)
+
+
+# --------------------------------------------------------------------------- the Buffer
 class Buffer:
     """DeepEP's ``Buffer`` on ubep (see the module docstring and docs/PORTING.md).
 
-    Arguments as DeepEP's; ``num_nvl_bytes``/``num_rdma_bytes``/``num_qps_per_rank``/
-    ``allow_*`` are accepted and ignored (ubep sizes its shared memory from the shapes). ubep's
-    own keyword-only options: ``max_tokens_per_rank`` (normal-mode capacity per rank; the
-    low-latency pair uses its ``num_max_dispatch_tokens_per_rank``) and any ``ubep.BufferConfig``
-    field (``engine``, ``sync``, ...).
+    Arguments as DeepEP v1's, in its order. ``num_nvl_bytes``, ``num_rdma_bytes``,
+    ``num_qps_per_rank``, ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``, ``use_fabric``
+    and ``enable_shrink`` configure NVLink/RDMA/NVSHMEM memory and have no CPU meaning: they are
+    accepted and kept as attributes. ubep's own keyword-only options: ``max_tokens_per_rank``
+    (normal-mode capacity per rank; the low-latency pair uses its
+    ``num_max_dispatch_tokens_per_rank``) and any ``ubep.BufferConfig`` field that is not a
+    shape (``engine``, ``sync``, ``timeout_s``, ...), checked here.
+
+    Attributes (DeepEP's): ``num_sms``, ``rank``, ``group_size``, ``group``, ``num_nvl_bytes``,
+    ``num_rdma_bytes``, ``low_latency_mode``, ``explicitly_destroy``, ``enable_shrink``.
     """
 
     num_sms: int = 20
@@ -132,42 +286,61 @@ class Buffer:
         num_qps_per_rank: int = 24,
         allow_nvlink_for_low_latency_mode: bool = True,
         allow_mnnvl: bool = False,
+        use_fabric: bool = False,
         explicitly_destroy: bool = False,
+        enable_shrink: bool = False,
         comm: Any = None,
         *,
         max_tokens_per_rank: int = 4096,
         **ubep_options: Any,
     ) -> None:
-        if group is None:
-            group = comm
-        if group is None:
-            raise InvalidArgumentError("group", None, "a ubep group (or LocalBackend) is needed")
-        self.group = group
-        self.rank = int(group.rank)
-        self.group_size = int(group.num_ranks)
+        _check_ubep_options(ubep_options)
+        if isinstance(max_tokens_per_rank, bool) or not isinstance(max_tokens_per_rank, int) or (
+            max_tokens_per_rank < 1
+        ):
+            raise InvalidArgumentError(
+                "max_tokens_per_rank", max_tokens_per_rank, "must be a positive integer"
+            )
+        self._ep = _ep_group(group, comm)
+        self.group = group if group is not None else comm
+        self.rank = int(self._ep.rank)
+        self.group_size = int(self._ep.num_ranks)
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = low_latency_mode
+        self.num_qps_per_rank = num_qps_per_rank
+        self.allow_nvlink_for_low_latency_mode = allow_nvlink_for_low_latency_mode
+        self.allow_mnnvl = allow_mnnvl
+        self.use_fabric = use_fabric
         self.explicitly_destroy = explicitly_destroy
+        self.enable_shrink = enable_shrink
         self.max_tokens_per_rank = max_tokens_per_rank
         self.ubep_options = ubep_options
         self._backends: dict[tuple[Any, ...], EPBackend] = {}
+        # get_next_low_latency_combine_buffer's tensors, by (local experts, slots, hidden)
+        self._ll_combine_staging: dict[tuple[int, int, int], torch.Tensor] = {}
         self._destroyed = False
 
     # ------------------------------------------------------------------ static helpers
     @staticmethod
+    def is_sm90_compiled() -> bool:
+        """True: FP8 (e4m3) payloads work, the capability DeepEP's SM90 build gates."""
+        return True
+
+    @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
-        """Kept for compatibility (ubep's cores are threads; see ``BufferConfig``)."""
+        """Kept for DeepEP code (ubep's cores are threads, see ``BufferConfig.num_cores``)."""
         if new_num_sms % 2:
-            raise InvalidArgumentError("new_num_sms", new_num_sms, "must be even")
+            raise InvalidArgumentError("new_num_sms", new_num_sms, "must be even (as DeepEP)")
         Buffer.num_sms = new_num_sms
 
     @staticmethod
     def capture() -> EventOverlap:
-        return EventOverlap()
+        return EventOverlap(EventHandle())
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
+        """A default :class:`Config` for any rank count (DeepEP: a table of tuned ones)."""
         return Config(Buffer.num_sms)
 
     @staticmethod
@@ -178,10 +351,15 @@ class Buffer:
     def get_low_latency_rdma_size_hint(
         num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
     ) -> int:
-        """Bytes of receive rows a rank may need in low-latency mode (BF16, all tokens to it)."""
+        """Bytes of BF16 receive rows a rank may need in low-latency mode (informational)."""
         return int(num_max_dispatch_tokens_per_rank * num_ranks * hidden * 2 * 2)
 
+    def get_comm_stream(self) -> Any:
+        """The CPU stream (calls run on the caller's thread; there is no communication stream)."""
+        return torch.cpu.current_stream()
+
     def destroy(self) -> None:
+        """Release every ubep buffer of this facade (needs ``explicitly_destroy=True``)."""
         if not self.explicitly_destroy:
             raise InvalidArgumentError("explicitly_destroy", False, "must be set to call destroy()")
         for backend in self._backends.values():
@@ -189,15 +367,35 @@ class Buffer:
             if close is not None:
                 close()
         self._backends.clear()
+        self._ll_combine_staging.clear()
         self._destroyed = True
 
     def clean_low_latency_buffer(
         self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int
     ) -> None:
-        """No-op: every ubep flag carries the call's epoch, so buffers never need cleaning."""
+        """No-op: every ubep flag carries its call's epoch, so buffers never need cleaning."""
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Unmasking is a no-op (no rank is ever masked); ubep cannot mask a rank: a lost rank
+        fails every later call with ``PeerLostError`` instead."""
+        if mask:
+            raise NotImplementedError(
+                "ubep cannot mask a rank (DeepEP's shrink mode); a lost peer fails every later "
+                "call with ubep.PeerLostError (docs/PORTING.md)"
+            )
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Fill ``mask_status [num_ranks]`` with 0: no rank is masked."""
+        mask_status.zero_()
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """No-op: no rank is masked."""
 
     def get_local_buffer_tensor(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        raise NotImplementedError("ubep does not expose its raw buffer (see docs/PORTING.md)")
+        raise NotImplementedError(
+            "ubep does not expose a raw NVLink/RDMA buffer (docs/PORTING.md); "
+            "get_next_low_latency_combine_buffer gives the low-latency combine's input buffer"
+        )
 
     # ------------------------------------------------------------------ internals
     def _backend(
@@ -212,8 +410,8 @@ class Buffer:
     ) -> EPBackend:
         if self._destroyed:
             raise InvalidArgumentError("self", "destroyed", "this Buffer was destroyed")
-        if isinstance(self.group, LocalBackend):
-            return self.group.with_layout(layout)
+        if isinstance(self._ep, LocalBackend):
+            return self._ep.with_layout(layout)
         key = (layout, hidden, num_topk, num_experts, dtype, max_tokens, combine_dtype)
         if key not in self._backends:
             from .torch._runtime import make_backend, ubep_dtype_name
@@ -224,9 +422,8 @@ class Buffer:
             if dtype in (torch.uint8, torch.int8) and options.get("sync", "sp") == "sp":
                 # FP8 rows have no free bit pattern for SP's sentinel: use token-flag fusion.
                 options["sync"] = "tff"
-
             self._backends[key] = make_backend(
-                self.group,
+                self._ep,
                 hidden=hidden,
                 num_topk=num_topk,
                 num_experts=num_experts,
@@ -261,12 +458,7 @@ class Buffer:
             return backend.dispatch(to_numpy(x), idx, w), backend, None
         values = x.contiguous().view(torch.uint8)
         backend = self._backend(
-            layout,
-            x.shape[1],
-            idx.shape[1],
-            num_experts,
-            torch.uint8,
-            max_tokens,
+            layout, x.shape[1], idx.shape[1], num_experts, torch.uint8, max_tokens,
             combine_dtype=torch.bfloat16,
         )
         res = backend.dispatch(to_numpy(values), idx, w)
@@ -275,6 +467,28 @@ class Buffer:
         )
         res_s = sb.dispatch(to_numpy(scales.to(torch.float32).contiguous()), idx, w)
         return res, backend, np.array(res_s.recv_x)
+
+    def _allgather(self, value: Any) -> list[Any]:
+        gather: Callable[[Any], list[Any]] = self._ep.allgather
+        return list(gather(value))
+
+    def _agree(self, check: Callable[[], Any], summary: Callable[[Any], Any]) -> tuple[Any, list]:
+        """Run the local ``check`` then exchange ``summary(result)`` with every rank, so that a
+        rank's bad input fails the call on every rank (RemoteError on the others) instead of
+        leaving them waiting in a collective. Returns ``(result, everyone's summaries)``."""
+        failure: InvalidArgumentError | None = None
+        try:
+            result = check()
+            mine: list[Any] = [None, summary(result)]
+        except InvalidArgumentError as exc:
+            failure, result, mine = exc, None, [f"rank {self.rank}: {exc}", None]
+        everyone = self._allgather(mine)
+        if failure is not None:
+            raise failure
+        for r, (error, _) in enumerate(everyone):
+            if error is not None:
+                raise RemoteError(r, error)
+        return result, [s for _, s in everyone]
 
     # ------------------------------------------------------------------ normal mode
     def get_dispatch_layout(
@@ -293,7 +507,7 @@ class Buffer:
             None,
             torch.from_numpy(lay.num_tokens_per_expert.astype(np.int32)),
             torch.from_numpy(lay.is_token_in_rank),
-            EventOverlap(),
+            _event(async_finish),
         )
 
     def dispatch(
@@ -314,66 +528,197 @@ class Buffer:
         allocate_on_comm_stream: bool = False,
     ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, list[int] | None, Any, EventOverlap]:
         """Normal-mode dispatch: ``(recv_x, recv_topk_idx, recv_topk_weights,
-        num_recv_tokens_per_expert_list, handle, event)``; with ``handle`` given (cached mode,
-        e.g. the backward of combine) only ``recv_x`` is returned, the rest is None."""
+        num_recv_tokens_per_expert_list, handle, event)``.
+
+        Rows go to the ranks marked in ``is_token_in_rank`` (computed from ``topk_idx`` when only
+        that is given); without ``topk_idx``/``topk_weights``, ``recv_topk_idx`` and
+        ``recv_topk_weights`` are None, as in DeepEP. With ``handle`` (cached mode, e.g. the
+        backward of combine) the rows follow the handle and only ``recv_x`` is returned. With
+        ``num_worst_tokens > 0`` the outputs have that many rows (the received ones first,
+        ``recv_topk_idx`` -1 after them) and the per-expert list is empty.
+        """
         scales: torch.Tensor | None = None
         if isinstance(x, tuple):
             x, scales = x
         if handle is not None:
-            if topk_idx is not None or topk_weights is not None:
-                raise InvalidArgumentError("handle", "given", "cached dispatch takes no topk_idx")
-            idx_np = handle.topk_idx
-            w_np = np.zeros(idx_np.shape, dtype=np.float32)
-        else:
-            if topk_idx is None or topk_weights is None:
-                raise InvalidArgumentError(
-                    "topk_idx", None, "needed (with topk_weights) unless handle is given"
-                )
-            idx_np = np.ascontiguousarray(to_numpy(topk_idx, argument="topk_idx"), dtype=np.int64)
-            w_np = np.ascontiguousarray(to_numpy(topk_weights.float(), argument="topk_weights"))
-            self._check_layout(idx_np, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)
-        num_experts = self._num_experts(num_tokens_per_expert, handle)
+            return self._cached_dispatch(x, scales, handle, topk_idx, topk_weights, async_finish)
+        route, summaries = self._agree(
+            lambda: self._route(
+                x, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
+                num_tokens_per_expert, num_worst_tokens,
+            ),
+            lambda r: [
+                [int(v) for v in r.is_token_in_rank.sum(axis=0)],
+                [int(v) for v in r.num_tokens_per_expert],
+            ],
+        )
+        sent = np.array([s[0] for s in summaries], dtype=np.int64)  # [src, dst] tokens
+        num_experts = route.num_experts
+        if any(len(s[1]) != num_experts for s in summaries):
+            raise InvalidArgumentError(
+                "num_tokens_per_expert", num_experts, "differs between ranks (same num_experts)"
+            )
+        most = int(sent.sum(axis=0).max(initial=0))
+        if num_worst_tokens and most > num_worst_tokens:
+            raise InvalidArgumentError(
+                "num_worst_tokens", num_worst_tokens, f"a rank receives {most} tokens"
+            )
         res, backend, recv_scales = self._send(
-            "rank", x, scales, idx_np, w_np, num_experts, self.max_tokens_per_rank
+            "rank", x, scales, route.topk_idx, route.topk_weights, route.num_experts,
+            self.max_tokens_per_rank,
         )
         rows = len(res.recv_src_rank)
-        out_rows = max(rows, num_worst_tokens)
-        recv_rows = _padded(
-            from_numpy(res.recv_x, torch.uint8 if scales is not None else x.dtype), out_rows
+        out_rows = num_worst_tokens if num_worst_tokens > 0 else rows
+        recv = self._recv_rows(res.recv_x, recv_scales, x.dtype, scales is not None, out_rows)
+        new_handle = self._normal_handle(res, backend, route, sent, out_rows)
+        recv_idx = recv_w = None
+        if route.with_topk:
+            recv_idx = torch.full((out_rows, route.topk_idx.shape[1]), -1, dtype=topk_idx_t)
+            recv_idx[:rows] = torch.from_numpy(np.asarray(res.recv_topk_idx))
+            recv_w = torch.zeros((out_rows, route.topk_idx.shape[1]), dtype=torch.float32)
+            recv_w[:rows] = torch.from_numpy(np.asarray(res.recv_topk_weights))
+        counts: list[int] = []
+        if num_worst_tokens == 0:
+            local = slice(self.rank * num_experts // self.group_size,
+                          (self.rank + 1) * num_experts // self.group_size)
+            per_expert = np.array([s[1][local] for s in summaries], dtype=np.int64).sum(axis=0)
+            align = max(int(expert_alignment), 1)
+            counts = [math.ceil(int(c) / align) * align for c in per_expert]
+        return recv, recv_idx, recv_w, counts, new_handle, _event(async_finish)
+
+    def _route(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor | None,
+        topk_weights: torch.Tensor | None,
+        num_tokens_per_rank: torch.Tensor | None,
+        is_token_in_rank: torch.Tensor | None,
+        num_tokens_per_expert: torch.Tensor | None,
+        num_worst_tokens: int,
+    ) -> _Route:
+        """Check one rank's normal-mode arguments and build the routing its rows follow."""
+        if not isinstance(x, torch.Tensor) or x.dim() != 2:
+            raise InvalidArgumentError("x", getattr(x, "shape", x), "must be [tokens, hidden]")
+        if isinstance(num_worst_tokens, bool) or not isinstance(num_worst_tokens, int) or (
+            num_worst_tokens < 0
+        ):
+            raise InvalidArgumentError("num_worst_tokens", num_worst_tokens, "must be an int >= 0")
+        if num_tokens_per_expert is None:
+            raise InvalidArgumentError(
+                "num_tokens_per_expert", None, "needed (get_dispatch_layout's output, as DeepEP)"
+            )
+        per_expert = np.asarray(
+            to_numpy(num_tokens_per_expert, argument="num_tokens_per_expert"), dtype=np.int64
         )
-        recv: Any = recv_rows
-        if scales is not None:
-            assert recv_scales is not None
-            recv = (recv_rows.view(x.dtype), _padded(torch.from_numpy(recv_scales), out_rows))
-        if handle is not None:
-            return recv, None, None, None, None, EventOverlap()
-        recv_idx = np.full((out_rows, idx_np.shape[1]), -1, dtype=np.int64)
-        recv_idx[:rows] = res.recv_topk_idx
-        recv_w = np.zeros((out_rows, idx_np.shape[1]), dtype=np.float32)
-        recv_w[:rows] = res.recv_topk_weights
-        counts = [int(c) for c in np.asarray(res.num_recv_tokens_per_expert)]
-        if expert_alignment > 1:
-            counts = [math.ceil(c / expert_alignment) * expert_alignment for c in counts]
-        new_handle = NormalHandle(
+        num_experts = int(per_expert.size)
+        if num_experts % self.group_size:
+            raise InvalidArgumentError(
+                "num_tokens_per_expert", num_experts,
+                f"needs a multiple of num_ranks={self.group_size} experts",
+            )
+        R, T = self.group_size, x.shape[0]
+        if (topk_idx is None) != (topk_weights is None):
+            raise InvalidArgumentError(
+                "topk_weights" if topk_weights is None else "topk_idx", None,
+                "topk_idx and topk_weights go together",
+            )
+        if topk_idx is not None and topk_weights is not None:
+            idx = np.ascontiguousarray(to_numpy(topk_idx, argument="topk_idx"), dtype=np.int64)
+            w = np.ascontiguousarray(
+                to_numpy(topk_weights.float(), argument="topk_weights"), dtype=np.float32
+            )
+            if idx.shape[0] != T or w.shape != idx.shape:
+                raise InvalidArgumentError(
+                    "topk_idx", idx.shape, f"needs [num_tokens={T}, k] like topk_weights"
+                )
+            lay = _layout(idx, num_experts, R)
+            self._check_given("num_tokens_per_expert", per_expert, lay.num_tokens_per_expert)
+            self._check_given("is_token_in_rank", is_token_in_rank, lay.is_token_in_rank)
+            self._check_given("num_tokens_per_rank", num_tokens_per_rank, lay.num_tokens_per_rank)
+            return _Route(idx, w, lay.is_token_in_rank, per_expert, num_experts, True)
+        if is_token_in_rank is None:
+            raise InvalidArgumentError(
+                "is_token_in_rank", None, "needed when dispatching without topk_idx (as DeepEP)"
+            )
+        in_rank = np.asarray(to_numpy(is_token_in_rank, argument="is_token_in_rank"), dtype=bool)
+        if in_rank.shape != (T, R):
+            raise InvalidArgumentError(
+                "is_token_in_rank", in_rank.shape, f"must be [num_tokens={T}, num_ranks={R}]"
+            )
+        self._check_given("num_tokens_per_rank", num_tokens_per_rank, in_rank.sum(axis=0))
+        # One column per rank holding that rank's first expert: ubep's rank layout then sends
+        # exactly one row per marked (token, rank), as DeepEP does from is_token_in_rank.
+        first = np.arange(R, dtype=np.int64) * (num_experts // R)
+        idx = np.where(in_rank, first[None, :], -1)
+        return _Route(idx, np.zeros(idx.shape, np.float32), in_rank, per_expert, num_experts, False)
+
+    @staticmethod
+    def _check_given(name: str, given: Any, expected: np.ndarray) -> None:
+        if given is None:
+            return
+        value = given if isinstance(given, np.ndarray) else to_numpy(given, argument=name)
+        if value.shape != expected.shape or not np.array_equal(value, expected):
+            raise InvalidArgumentError(name, "mismatch", "does not match the routing (topk_idx)")
+
+    def _recv_rows(
+        self,
+        recv_x: np.ndarray,
+        recv_scales: np.ndarray | None,
+        dtype: torch.dtype,
+        fp8: bool,
+        out_rows: int,
+    ) -> Any:
+        rows = _padded(from_numpy(recv_x, torch.uint8 if fp8 else dtype), out_rows)
+        if not fp8:
+            return rows
+        assert recv_scales is not None
+        return rows.view(dtype), _padded(torch.from_numpy(recv_scales), out_rows)
+
+    def _normal_handle(
+        self, res: Any, backend: EPBackend, route: _Route, sent: np.ndarray, out_rows: int
+    ) -> NormalHandle:
+        in_rank = route.is_token_in_rank
+        rows = len(res.recv_src_rank)
+        src_idx = np.full(out_rows, -1, dtype=np.int32)
+        src_idx[:rows] = np.asarray(res.recv_src_token)
+        send_head = np.where(in_rank, np.cumsum(in_rank, axis=0, dtype=np.int64) - 1, -1)
+        return NormalHandle(
+            rank_prefix_matrix=torch.from_numpy(np.cumsum(sent, axis=0).astype(np.int32)),
+            channel_prefix_matrix=torch.from_numpy(sent[self.rank].astype(np.int32)[:, None]),
+            recv_channel_prefix_matrix=torch.zeros((self.group_size, 1), dtype=torch.int32),
+            recv_src_idx=torch.from_numpy(src_idx),
+            is_token_in_rank=torch.from_numpy(in_rank.copy()),
+            send_head=torch.from_numpy(send_head.astype(np.int32)),
             inner=res.handle,
             backend=backend,
-            topk_idx=idx_np,
+            topk_idx=route.topk_idx,
+            num_experts=route.num_experts,
             num_recv_rows=rows,
-            num_out_rows=out_rows,
-            recv_src_rank=np.asarray(res.recv_src_rank),
-            recv_src_token=np.asarray(res.recv_src_token),
-            num_tokens=idx_np.shape[0],
-            num_experts=num_experts,
-            x_dtype=x.dtype,
         )
-        return (
-            recv,
-            torch.from_numpy(recv_idx),
-            torch.from_numpy(recv_w),
-            counts,
-            new_handle,
-            EventOverlap(),
+
+    def _cached_dispatch(
+        self,
+        x: torch.Tensor,
+        scales: torch.Tensor | None,
+        handle: NormalHandle,
+        topk_idx: torch.Tensor | None,
+        topk_weights: torch.Tensor | None,
+        async_finish: bool,
+    ) -> tuple[Any, None, None, None, None, EventOverlap]:
+        if not isinstance(handle, NormalHandle):
+            raise InvalidArgumentError(
+                "handle", type(handle).__name__, "must be the handle a normal dispatch returned"
+            )
+        if topk_idx is not None or topk_weights is not None:
+            raise InvalidArgumentError("handle", "given", "cached dispatch takes no topk_idx")
+        idx = handle.topk_idx
+        res, _, recv_scales = self._send(
+            "rank", x, scales, idx, np.zeros(idx.shape, np.float32), handle.num_experts,
+            self.max_tokens_per_rank,
         )
+        out_rows = int(handle.recv_src_idx.shape[0])
+        recv = self._recv_rows(res.recv_x, recv_scales, x.dtype, scales is not None, out_rows)
+        return recv, None, None, None, None, _event(async_finish)
 
     def combine(
         self,
@@ -387,40 +732,48 @@ class Buffer:
         allocate_on_comm_stream: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:
         """Normal-mode combine (sum without weights): ``(combined_x, combined_topk_weights,
-        event)``; ``topk_weights [rows, num_topk]`` are summed the same way (float32)."""
+        event)``; ``topk_weights [rows, num_topk]`` are summed the same way (float32). ``x`` has
+        one row per received row (or ``num_worst_tokens`` rows, the padding ignored)."""
         if not isinstance(handle, NormalHandle):
-            raise InvalidArgumentError("handle", type(handle).__name__, "must come from dispatch")
-        if x.shape[0] != handle.num_out_rows:
-            raise InvalidArgumentError("x", tuple(x.shape), f"needs {handle.num_out_rows} rows")
-        rows = x[: handle.num_recv_rows].contiguous()
+            raise InvalidArgumentError(
+                "handle", type(handle).__name__, "must be the handle a normal dispatch returned"
+            )
+        n = handle.num_recv_rows
+        if x.shape[0] not in (n, handle.recv_src_idx.shape[0]):
+            raise InvalidArgumentError("x", tuple(x.shape), f"needs {n} rows")
         backend = handle.backend
-        y = from_numpy(np.array(backend.combine(to_numpy(rows), handle.inner)), x.dtype)
+        y = from_numpy(backend.combine(to_numpy(x[:n]), handle.inner), x.dtype)
         combined_w = None
         if topk_weights is not None:
-            combined_w = self._combine_small(backend, topk_weights[: handle.num_recv_rows], handle)
+            combined_w = self._combine_small(backend, topk_weights[:n], handle)
         if bias is not None:
+            # Both biases are added in float32 and rounded once, as DeepEP adds them in the
+            # reduction (rounding after each would lose a bit more with two).
+            total = y.float()
             for b in bias if isinstance(bias, tuple) else (bias,):
-                y = (y.float() + b.float()).to(x.dtype)
-        return y, combined_w, EventOverlap()
+                total = total + b.float()
+            y = total.to(x.dtype)
+        return y, combined_w, _event(async_finish)
 
     def _combine_small(
         self, backend: EPBackend, values: torch.Tensor, handle: NormalHandle
     ) -> torch.Tensor:
         # Per-row metadata ([rows, num_topk] float32) is tiny: gather it everywhere and let each
         # source add up the rows that came from it, in ascending destination rank (float32).
-        gather: Callable[[Any], list[Any]] = backend.allgather  # type: ignore[attr-defined]
         # Plain lists: the runtime group's allgather carries JSON. float32 -> float (double) ->
         # float32 is exact, so the sum below sees the very values the receivers held.
-        everyone = gather(
+        column = handle.rank_prefix_matrix[:, self.rank].numpy()
+        src_rank = np.repeat(np.arange(self.group_size), np.diff(column, prepend=0))
+        everyone = self._allgather(
             [
-                handle.recv_src_rank.tolist(),
-                handle.recv_src_token.tolist(),
+                src_rank.tolist(),
+                handle.recv_src_idx[: handle.num_recv_rows].tolist(),
                 values.detach().float().tolist(),
             ]
         )
         acc = np.zeros((handle.num_tokens, values.shape[1]), dtype=np.float32)
-        for src_rank, src_token, vals in everyone:
-            mine = np.asarray(src_rank, dtype=np.int64) == self.rank
+        for src_ranks, src_token, vals in everyone:
+            mine = np.asarray(src_ranks, dtype=np.int64) == self.rank
             rows = np.asarray(vals, dtype=np.float32).reshape(-1, values.shape[1])
             np.add.at(acc, np.asarray(src_token, dtype=np.int64)[mine], rows[mine])
         return torch.from_numpy(acc)
@@ -439,42 +792,40 @@ class Buffer:
         use_ue8m0: bool = False,
         async_finish: bool = False,
         return_recv_hook: bool = False,
-    ) -> tuple[Any, torch.Tensor, LowLatencyHandle, EventOverlap, Callable[[], None]]:
+    ) -> tuple[Any, torch.Tensor, LowLatencyHandle, EventOverlap, Callable[[], None] | None]:
         """``(recv_x, recv_count, handle, event, hook)``. ``recv_x`` is
         ``[num_local_experts, num_max_dispatch_tokens_per_rank * num_ranks, hidden]`` BF16, or
-        with ``use_fp8`` a tuple (FP8 e4m3 values, ``[..., hidden // 128]`` float32 scales);
-        only the first ``recv_count[e]`` rows of expert ``e`` are valid."""
+        with ``use_fp8`` a tuple (FP8 e4m3 values, ``[..., hidden // 128]`` float32 scales, or
+        with ``use_ue8m0`` ``[..., hidden // 512]`` int32 packed UE8M0 exponents); only the first
+        ``recv_count[e]`` rows of expert ``e`` are valid (the rest are zero). ``hook`` is a
+        no-op callable with ``return_recv_hook``, else None (as DeepEP)."""
         num_tokens, hidden = x.shape
         if num_tokens > num_max_dispatch_tokens_per_rank:
             raise InvalidArgumentError(
-                "x",
-                num_tokens,
+                "x", num_tokens,
                 f"exceeds num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}",
+            )
+        if use_ue8m0 and not (use_fp8 and round_scale):
+            raise InvalidArgumentError(
+                "use_ue8m0", True, "needs use_fp8=True and round_scale=True (as DeepEP)"
             )
         idx_np = np.ascontiguousarray(to_numpy(topk_idx, argument="topk_idx"), dtype=np.int64)
         values: torch.Tensor = x.contiguous()
         scales: torch.Tensor | None = None
         if use_fp8:
-            if hidden % _FP8_BLOCK:
-                raise InvalidArgumentError(
-                    "x", hidden, f"hidden must be a multiple of {_FP8_BLOCK}"
-                )
-            values, scales = _quantize_fp8(x, round_scale or use_ue8m0)
+            block = _FP8_BLOCK * (_UE8M0_PACK if use_ue8m0 else 1)
+            if hidden % block:
+                raise InvalidArgumentError("x", hidden, f"hidden must be a multiple of {block}")
+            values, scales = _quantize_fp8(x, round_scale)
         # Unit weights travel with the rows; low_latency_combine gets the real ones.
         res, backend, recv_scales = self._send(
-            "expert",
-            values,
-            scales,
-            idx_np,
-            np.ones(idx_np.shape, np.float32),
-            num_experts,
+            "expert", values, scales, idx_np, np.ones(idx_np.shape, np.float32), num_experts,
             num_max_dispatch_tokens_per_rank,
         )
         counts = np.asarray(res.num_recv_tokens_per_expert, dtype=np.int64)
-        per_rank = num_experts // self.group_size
         slots = num_max_dispatch_tokens_per_rank * self.group_size
-        row_dtype = torch.uint8 if use_fp8 else x.dtype
-        packed = _pack_per_expert(from_numpy(res.recv_x, row_dtype), counts, slots)
+        packed = _pack_per_expert(from_numpy(res.recv_x, torch.uint8 if use_fp8 else x.dtype),
+                                  counts, slots)
         if cumulative_local_expert_recv_stats is not None:
             cumulative_local_expert_recv_stats += torch.from_numpy(counts).to(
                 cumulative_local_expert_recv_stats.dtype
@@ -483,24 +834,58 @@ class Buffer:
         if use_fp8:
             assert recv_scales is not None
             packed_scales = _pack_per_expert(torch.from_numpy(recv_scales), counts, slots)
+            if use_ue8m0:
+                packed_scales = _pack_ue8m0(packed_scales)
             recv_x = (packed.view(torch.float8_e4m3fn), packed_scales)
-        assert packed.shape[0] == per_rank
+        src_info, layout_range = self._ll_layout(res, counts, slots)
         handle = LowLatencyHandle(
-            res.handle,
-            backend,
-            counts,
-            num_max_dispatch_tokens_per_rank,
-            hidden,
-            num_experts,
-            num_tokens,
+            src_info=src_info,
+            layout_range=layout_range,
+            num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
+            hidden=hidden,
+            num_experts=num_experts,
+            inner=res.handle,
+            backend=backend,
+            counts=counts,
+            topk_idx=idx_np,
         )
-        return (
-            recv_x,
-            torch.from_numpy(counts.astype(np.int32)),
-            handle,
-            EventOverlap(),
-            _noop_hook,
-        )
+        hook = _noop_hook if return_recv_hook else None
+        return recv_x, torch.from_numpy(counts.astype(np.int32)), handle, _event(async_finish), hook
+
+    def _ll_layout(
+        self, res: Any, counts: np.ndarray, slots: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepEP's ``src_info`` and ``layout_range`` of ubep's expert-major rows (per local
+        expert: source ranks ascending, then tokens ascending)."""
+        num_local = len(counts)
+        expert_of_row = np.repeat(np.arange(num_local), counts)
+        slot_of_row = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        src_info = np.full((num_local, slots), -1, dtype=np.int32)
+        src_info[expert_of_row, slot_of_row] = np.asarray(res.recv_src_token)
+        per_src = np.zeros((num_local, self.group_size), dtype=np.int64)
+        np.add.at(per_src, (expert_of_row, np.asarray(res.recv_src_rank, dtype=np.int64)), 1)
+        begin = np.cumsum(per_src, axis=1) - per_src
+        layout_range = (begin << 32) | per_src
+        return torch.from_numpy(src_info), torch.from_numpy(layout_range)
+
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        """The tensor ``low_latency_combine(..., zero_copy=True)`` reads the expert outputs from:
+        ``[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]`` BF16, to
+        fill in place. Not collective. That combine packs the valid rows straight into ubep's
+        combine buffer in shared memory (``ubep.Buffer.get_combine_buffer``), which the reduce
+        then reads without another copy; ``x`` is ignored, as DeepEP."""
+        if not isinstance(handle, LowLatencyHandle):
+            raise InvalidArgumentError(
+                "handle", type(handle).__name__, "must come from low_latency_dispatch"
+            )
+        key = self._staging_key(handle)
+        if key not in self._ll_combine_staging:
+            self._ll_combine_staging[key] = torch.zeros(key, dtype=torch.bfloat16)
+        return self._ll_combine_staging[key]
+
+    def _staging_key(self, handle: LowLatencyHandle) -> tuple[int, int, int]:
+        slots = handle.num_max_dispatch_tokens_per_rank * self.group_size
+        return len(handle.counts), slots, handle.hidden
 
     def low_latency_combine(
         self,
@@ -514,54 +899,79 @@ class Buffer:
         return_recv_hook: bool = False,
         out: torch.Tensor | None = None,
         combine_wait_recv_cost_stats: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, EventOverlap, Callable[[], None]]:
-        """Reduce **with weights**: ``(combined_x [num_tokens, hidden], event, hook)``;
-        ``x`` is the packed ``[num_local_experts, slots, hidden]`` expert output."""
+    ) -> tuple[torch.Tensor, EventOverlap, Callable[[], None] | None]:
+        """Reduce **with weights**: ``(combined_x [num_tokens, hidden], event, hook)``; ``x`` is
+        the packed ``[num_local_experts, slots, hidden]`` expert output (ignored with
+        ``zero_copy``: the rows come from :meth:`get_next_low_latency_combine_buffer`).
+        ``topk_idx`` is the dispatch's, where a slot may be set to -1 to drop it."""
         if not isinstance(handle, LowLatencyHandle):
-            raise InvalidArgumentError("handle", type(handle).__name__, "must come from dispatch")
-        rows = torch.cat([x[e, :n] for e, n in enumerate(handle.counts.tolist())]).contiguous()
-        backend = handle.backend
+            raise InvalidArgumentError(
+                "handle", type(handle).__name__, "must come from low_latency_dispatch"
+            )
+        idx = to_numpy(topk_idx, argument="topk_idx")
+        if idx.shape != handle.topk_idx.shape or not np.all((idx == handle.topk_idx) | (idx == -1)):
+            raise InvalidArgumentError(
+                "topk_idx", tuple(idx.shape), "must be the dispatch's topk_idx (-1 drops a slot)"
+            )
         w = np.ascontiguousarray(to_numpy(topk_weights.float(), argument="topk_weights"))
-        y = from_numpy(np.array(backend.combine(to_numpy(rows), handle.inner, w)), x.dtype)
+        w = np.where(idx == -1, np.float32(0), w).astype(np.float32)
+        source = x
+        if zero_copy:
+            staging = self._ll_combine_staging.get(self._staging_key(handle))
+            if staging is None:
+                raise InvalidArgumentError(
+                    "zero_copy", True, "fill get_next_low_latency_combine_buffer(handle) first"
+                )
+            source = staging
+        rows = _combine_input(handle, source)
+        y = from_numpy(handle.backend.combine(rows, handle.inner, w), source.dtype)
         if out is not None:
             out.copy_(y)
             y = out
-        return y, EventOverlap(), _noop_hook
+        return y, _event(async_finish), (_noop_hook if return_recv_hook else None)
 
-    # ------------------------------------------------------------------ helpers
-    def _check_layout(
-        self,
-        idx: np.ndarray,
-        num_tokens_per_rank: torch.Tensor | None,
-        is_token_in_rank: torch.Tensor | None,
-        num_tokens_per_expert: torch.Tensor | None,
-    ) -> None:
-        if num_tokens_per_expert is None:
+
+# --------------------------------------------------------------------------- helpers
+def _check_ubep_options(options: dict[str, Any]) -> None:
+    """Every extra keyword must be a ``ubep.BufferConfig`` option with a valid value, so a typo
+    fails at construction, not at the first call."""
+    from .buffer import BufferConfig
+
+    allowed = {f.name for f in fields(BufferConfig)} - set(_SHAPE_FIELDS)
+    for name, value in options.items():
+        if name not in allowed:
             raise InvalidArgumentError(
-                "num_tokens_per_expert",
-                None,
-                "pass get_dispatch_layout()'s output (DeepEP needs it)",
+                name, value,
+                f"is neither a DeepEP Buffer argument nor a ubep.BufferConfig option "
+                f"({', '.join(sorted(allowed))})",
             )
-        lay = _layout(idx, int(num_tokens_per_expert.numel()), self.group_size)
-        given = (
-            ("num_tokens_per_rank", num_tokens_per_rank, lay.num_tokens_per_rank),
-            ("is_token_in_rank", is_token_in_rank, lay.is_token_in_rank),
-            ("num_tokens_per_expert", num_tokens_per_expert, lay.num_tokens_per_expert),
-        )
-        for name, value, expected in given:
-            if value is not None and not np.array_equal(value.numpy(), expected):
-                raise InvalidArgumentError(name, "mismatch", "does not match topk_idx's layout")
+    # The shape here is a placeholder; the options' own checks are what runs.
+    BufferConfig(
+        max_tokens_per_rank=1, hidden=1, num_topk=1, num_experts=1, dtype="bf16", **options
+    )
 
-    @staticmethod
-    def _num_experts(num_tokens_per_expert: torch.Tensor | None, handle: Any) -> int:
-        if handle is not None:
-            return Buffer._num_experts_of(handle)
-        assert num_tokens_per_expert is not None
-        return int(num_tokens_per_expert.numel())
 
-    @staticmethod
-    def _num_experts_of(handle: NormalHandle) -> int:
-        return handle.num_experts
+def _ep_group(group: Any, comm: Any) -> Any:
+    """The ubep group behind DeepEP's ``group`` (or ``comm``)."""
+    if group is None and comm is None:
+        raise InvalidArgumentError("group", None, "either 'group' or 'comm' must be given")
+    if group is None:
+        from .dist import init
+
+        return init(comm)
+    if isinstance(group, LocalBackend):
+        return group
+    if is_torch_group(group):
+        # Collective the first time per torch group; every ubep buffer of it shares the result.
+        return as_process_group(group)
+    if all(isinstance(getattr(group, a, None), int) for a in ("rank", "num_ranks")) and hasattr(
+        group, "allgather"
+    ):
+        return group
+    raise InvalidArgumentError(
+        "group", type(group).__name__,
+        "must be a torch.distributed ProcessGroup or a ubep group (ubep.launch, ubep.dist)",
+    )
 
 
 def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -581,5 +991,30 @@ def _pack_per_expert(rows: torch.Tensor, counts: np.ndarray, slots: int) -> torc
     return packed
 
 
+def _combine_input(handle: LowLatencyHandle, source: torch.Tensor) -> np.ndarray:
+    """The valid rows of ``source [num_local_experts, slots, hidden]``, expert-major, as the
+    combine input: written straight into ubep's combine buffer when the backend has one (its
+    combine then reads them in place), else into a new array."""
+    counts = handle.counts
+    n, hidden = int(counts.sum()), handle.hidden
+    if source.dim() != 3 or source.shape[0] != len(counts) or source.shape[2] != hidden:
+        raise InvalidArgumentError(
+            "x", tuple(source.shape), f"must be [{len(counts)}, slots, {hidden}]"
+        )
+    buffer = getattr(handle.backend, "buffer", None)
+    if buffer is not None:
+        rows = np.asarray(buffer.get_combine_buffer(handle.inner))
+    else:
+        rows = np.empty((n, hidden), dtype=PAYLOAD_DTYPES[source.dtype])
+    dst = from_numpy(rows, torch.bfloat16 if rows.dtype == np.uint16 else None)
+    if dst.dtype != source.dtype:
+        raise InvalidArgumentError("x", source.dtype, f"must be {dst.dtype} (the combine dtype)")
+    start = 0
+    for e, c in enumerate(counts.tolist()):
+        dst[start : start + c] = source[e, :c]
+        start += c
+    return rows
+
+
 def _noop_hook() -> None:
-    """Receive hook: data has already arrived (calls are synchronous)."""
+    """Receive hook: the data has already arrived (calls are synchronous)."""
