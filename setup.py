@@ -12,7 +12,7 @@ import sys
 from setuptools import Extension, setup
 
 _ARGS = ["-O3", "-std=c11", "-ffp-contract=off", "-fno-strict-aliasing", "-Wall",
-         "-Wno-unused-function"]
+         "-Wextra"]
 
 ext_modules = []
 if sys.platform.startswith("linux"):

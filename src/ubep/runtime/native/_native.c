@@ -127,7 +127,6 @@ static inline int64_t now_ns(void) {
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
-static inline int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 
 /* Progress words that peers compare with >= (entered, done, recv_ready, barrier arrivals) are
  * stored with their complement in the next word, complement first: a word whose complement does
@@ -459,22 +458,6 @@ static uint16_t f32_to_fp16_sw(float f) {
     return (uint16_t)(sign + h);
 }
 
-/* acc[i] = acc[i] + w * v[i] (expert layout) or acc[i] + v[i] (rank layout); the product is
- * rounded to float before the add (built with -ffp-contract=off). */
-#define DEF_ACC(NAME, T, CONV)                                                            \
-    static void NAME##_w(float *acc, const void *src, float w, int64_t n) {               \
-        const T *v = (const T *)src;                                                      \
-        for (int64_t i = 0; i < n; i++) acc[i] = acc[i] + w * CONV(v[i]);                 \
-    }                                                                                     \
-    static void NAME##_1(float *acc, const void *src, int64_t n) {                        \
-        const T *v = (const T *)src;                                                      \
-        for (int64_t i = 0; i < n; i++) acc[i] = acc[i] + CONV(v[i]);                     \
-    }
-#define ID_F32(x) (x)
-DEF_ACC(acc_bf16, uint16_t, bf16_to_f32)
-DEF_ACC(acc_f32, float, ID_F32)
-DEF_ACC(acc_f16sw, uint16_t, fp16_to_f32_sw)
-
 static void out_bf16(void *dst, const float *acc, int64_t n) {
     uint16_t *y = (uint16_t *)dst;
     for (int64_t i = 0; i < n; i++) y[i] = f32_to_bf16(acc[i]);
@@ -495,30 +478,6 @@ static void out_f16sw(void *dst, const float *acc, int64_t n) {
 }
 
 #if UBEP_X86
-__attribute__((target("avx2"))) static void acc_bf16_w_avx2(float *acc, const void *src, float w,
-                                                            int64_t n) {
-    const uint16_t *v = (const uint16_t *)src;
-    __m256 ww = _mm256_set1_ps(w);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m128i h = _mm_loadu_si128((const __m128i *)(v + i));
-        __m256 f = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-        __m256 p = _mm256_mul_ps(ww, f);
-        _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), p));
-    }
-    for (; i < n; i++) acc[i] = acc[i] + w * bf16_to_f32(v[i]);
-}
-__attribute__((target("avx2"))) static void acc_bf16_1_avx2(float *acc, const void *src,
-                                                            int64_t n) {
-    const uint16_t *v = (const uint16_t *)src;
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m128i h = _mm_loadu_si128((const __m128i *)(v + i));
-        __m256 f = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-        _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), f));
-    }
-    for (; i < n; i++) acc[i] = acc[i] + bf16_to_f32(v[i]);
-}
 __attribute__((target("avx2"))) static void out_bf16_avx2(void *dst, const float *acc, int64_t n) {
     uint16_t *y = (uint16_t *)dst;
     int64_t i = 0;
@@ -536,27 +495,6 @@ __attribute__((target("avx2"))) static void out_bf16_avx2(void *dst, const float
     }
     for (; i < n; i++) y[i] = f32_to_bf16(acc[i]);
 }
-__attribute__((target("avx2,f16c"))) static void acc_f16_w_hw(float *acc, const void *src,
-                                                              float w, int64_t n) {
-    const uint16_t *v = (const uint16_t *)src;
-    __m256 ww = _mm256_set1_ps(w);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 f = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + i)));
-        _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), _mm256_mul_ps(ww, f)));
-    }
-    for (; i < n; i++) acc[i] = acc[i] + w * fp16_to_f32_sw(v[i]);
-}
-__attribute__((target("avx2,f16c"))) static void acc_f16_1_hw(float *acc, const void *src,
-                                                              int64_t n) {
-    const uint16_t *v = (const uint16_t *)src;
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 f = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + i)));
-        _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), f));
-    }
-    for (; i < n; i++) acc[i] = acc[i] + fp16_to_f32_sw(v[i]);
-}
 __attribute__((target("avx2,f16c"))) static void out_f16_hw(void *dst, const float *acc,
                                                             int64_t n) {
     uint16_t *y = (uint16_t *)dst;
@@ -573,11 +511,7 @@ __attribute__((target("avx2,f16c"))) static void out_f16_hw(void *dst, const flo
 }
 #endif
 
-typedef void (*accw_fn)(float *, const void *, float, int64_t);
-typedef void (*acc1_fn)(float *, const void *, int64_t);
 typedef void (*out_fn)(void *, const float *, int64_t);
-static accw_fn ACCW[3] = {acc_bf16_w, acc_f16sw_w, acc_f32_w};
-static acc1_fn ACC1[3] = {acc_bf16_1, acc_f16sw_1, acc_f32_1};
 static out_fn OUTF[3] = {out_bf16, out_f16sw, out_f32};
 
 
@@ -762,14 +696,10 @@ static void select_kernels(void) {
         copy_elem = copy_avx2;
         has2 = has_pattern2_avx2;
         has4 = has_pattern4_avx2;
-        ACCW[DT_BF16] = acc_bf16_w_avx2;
-        ACC1[DT_BF16] = acc_bf16_1_avx2;
         OUTF[DT_BF16] = out_bf16_avx2;
         REDUCE[DT_BF16] = reduce_bf16_avx2;
         REDUCE[DT_FP32] = reduce_fp32_avx2;
         if (__builtin_cpu_supports("f16c")) {
-            ACCW[DT_FP16] = acc_f16_w_hw;
-            ACC1[DT_FP16] = acc_f16_1_hw;
             OUTF[DT_FP16] = out_f16_hw;
             REDUCE[DT_FP16] = reduce_fp16_hw;
         }
@@ -819,16 +749,14 @@ typedef struct engine {
     int64_t *core_base;    /* [C][R][L] my partition start per (dst, local expert) */
     int64_t *core_ready;   /* [C][R] dst bases computed for this op (epoch) */
     int64_t *rx_base;      /* [C][R][L] receive: start of source s's rows of expert e */
-    int64_t *rx_ebase;     /* [C][L] receive: start of local expert e */
     int64_t *rx_rows;      /* [C][R] receive: verified copy of each source's row count */
     uint32_t *rx_cnt;      /* [C][R][L] receive: verified copy of each source's counts */
     int64_t *tx_rows;      /* [C][R] send: verified copy of a destination's row counts */
     uint32_t *tx_cnt;      /* [C][R][L] send: verified copy of a destination's counts */
     uint32_t *route_snap;  /* [C][2 * T * K] receive: verified copy of a source's routing */
-    float *acc;            /* [C][hidden] (unused scratch kept for kernels' tests) */
     const void **term_ptr; /* [C][max(K, R)] combine: the rows one token sums */
     float *term_w;         /* [C][max(K, R)] and their weights */
-    int64_t *ci_off, *ci_rows, *ci_stride; /* [C][R] peers' combine data */
+    int64_t *ci_off, *ci_rows; /* [C][R] peers' combine data */
     int32_t *e2d, *e2l;    /* [E] owner rank and local index of each expert (no division) */
     uint64_t comb_last_epoch[2];
     /* threads */
@@ -1729,8 +1657,8 @@ static int ph_d_send(op_t *op, int core) {
 
 /* receiver: wait for the counts of every source, copy and verify them (this core reads only its
  * copy from here on), then compute where each source's rows of each local expert start
- * (rx_base[s][el]) and where each expert starts (rx_ebase[el]) */
-static int recv_bases(op_t *op, int core, int64_t *rx_base, int64_t *rx_ebase, int64_t *n_out) {
+ * (rx_base[s][el]) */
+static int recv_bases(op_t *op, int core, int64_t *rx_base, int64_t *n_out) {
     engine_t *g = op->g;
     const int R = g->R, L = g->L;
     int64_t *rows = RX_ROWS(g, core);
@@ -1753,7 +1681,6 @@ static int recv_bases(op_t *op, int core, int64_t *rx_base, int64_t *rx_ebase, i
         }
     } else {
         for (int el = 0; el < L; el++) {
-            rx_ebase[el] = pos;
             for (int s = 0; s < R; s++) {
                 rx_base[s * L + el] = pos;
                 pos += cnt[(int64_t)s * L + el];
@@ -1817,9 +1744,9 @@ static int read_route(op_t *op, int core, int s, uint64_t *ntok_out, const int32
 static int recv_metadata(op_t *op, int core, int s, const int64_t *rx_base) {
     engine_t *g = op->g;
     const int K = g->K, L = g->L, r = g->rank;
-    uint64_t ntok;
-    const int32_t *idx;
-    const float *wt;
+    uint64_t ntok = 0;
+    const int32_t *idx = NULL;
+    const float *wt = NULL;
     int rc = read_route(op, core, s, &ntok, &idx, &wt);
     if (rc) return rc;
     const int64_t lo = (int64_t)r * L, hi = lo + L;
@@ -2012,9 +1939,8 @@ static int ph_d_receive(op_t *op, int core) {
     engine_t *g = op->g;
     const int R = g->R, L = g->L;
     int64_t *rx_base = g->rx_base + (int64_t)core * R * L;
-    int64_t *rx_ebase = g->rx_ebase + (int64_t)core * L;
     int64_t n = 0;
-    int rc = recv_bases(op, core, rx_base, rx_ebase, &n);
+    int rc = recv_bases(op, core, rx_base, &n);
     if (rc) return rc;
     TRACE(g, core, 5);
     int reg = (int)(op->n % g->nreg);
@@ -2205,9 +2131,8 @@ static int ph_bsp_reorder(op_t *op, int core) {
     engine_t *g = op->g;
     const int R = g->R, L = g->L;
     int64_t *rx_base = g->rx_base + (int64_t)core * R * L;
-    int64_t *rx_ebase = g->rx_ebase + (int64_t)core * L;
     int64_t n = 0;
-    int rc = recv_bases(op, core, rx_base, rx_ebase, &n);
+    int rc = recv_bases(op, core, rx_base, &n);
     if (rc) return rc;
     int reg = (int)(op->n % g->nreg);
     if (core == 0) {
@@ -2452,14 +2377,23 @@ static void publish_failure(engine_t *g, uint64_t epoch, int code, const char *m
     ring_all(g);
 }
 
+/* a message cut at the end of its buffer (a notice has room for FAIL_MSG_MAX bytes anyway) */
+__attribute__((format(printf, 3, 4))) static void say(char *buf, size_t n, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, n, fmt, ap);
+    va_end(ap);
+}
+
 static void format_error(op_t *op, char *buf, size_t n) {
     switch (atomic_load(&op->err)) {
     case E_BAD_INPUT:
-        snprintf(buf, n, "rank %d: bad input: %s=%s: %s", op->g->rank, op->arg, op->msg, op->what);
+        say(buf, n, "rank %d: bad input: %s=%s: %s", op->g->rank, op->arg, op->msg, op->what);
         break;
-    case E_REMOTE: snprintf(buf, n, "rank %d saw rank %d fail: %s", op->g->rank, op->err_peer,
-                            op->msg); break;
-    default: snprintf(buf, n, "%s", op->what); break;
+    case E_REMOTE:
+        say(buf, n, "rank %d saw rank %d fail: %s", op->g->rank, op->err_peer, op->msg);
+        break;
+    default: say(buf, n, "%s", op->what); break;
     }
 }
 
@@ -2522,8 +2456,8 @@ static void engine_free_scratch(engine_t *g) {
     free(g->u_t); free(g->u_k); free(g->u_e); free(g->u_slot); free(g->stamp);
     free(g->my_rank_in_batch); free((void *)g->remaining); free((void *)g->dc_s1);
     free((void *)g->dc_s2); free(g->core_base); free(g->core_ready); free(g->rx_base);
-    free(g->rx_ebase); free(g->rx_rows); free(g->rx_cnt); free(g->tx_rows); free(g->tx_cnt);
-    free(g->route_snap); free(g->acc); free(g->ci_off); free(g->ci_rows); free(g->ci_stride);
+    free(g->rx_rows); free(g->rx_cnt); free(g->tx_rows); free(g->tx_cnt);
+    free(g->route_snap); free(g->ci_off); free(g->ci_rows);
     free(g->threads); free(g->e2d); free(g->e2l);
     free((void *)g->term_ptr); free(g->term_w);
     g->base = NULL;
@@ -2615,15 +2549,12 @@ static int engine_init(engine_t *g, PyObject *args, PyObject *kwds) {
     g->core_base = calloc((size_t)(C * big + R), sizeof(int64_t));
     g->core_ready = calloc((size_t)C * R, sizeof(int64_t));
     g->rx_base = calloc((size_t)(C * big + R), sizeof(int64_t));
-    g->rx_ebase = calloc((size_t)C * L, sizeof(int64_t));
     g->rx_rows = calloc((size_t)C * R, sizeof(int64_t));
     g->rx_cnt = calloc((size_t)C * R * L, sizeof(uint32_t));
     g->tx_rows = calloc((size_t)C * R, sizeof(int64_t));
     g->tx_cnt = calloc((size_t)C * R * L, sizeof(uint32_t));
     g->route_snap = calloc((size_t)C * 2 * (size_t)(g->T * g->K) + 1, sizeof(uint32_t));
-    g->acc = aligned_alloc(64, (size_t)align_up((int64_t)C * align_up(g->hidden, 16) * 4, 64));
     g->ci_off = calloc((size_t)C * R, 8); g->ci_rows = calloc((size_t)C * R, 8);
-    g->ci_stride = calloc((size_t)C * R, 8);
     g->e2d = calloc((size_t)E, sizeof(int32_t)); g->e2l = calloc((size_t)E, sizeof(int32_t));
     int maxt = g->K > R ? g->K : R;
     g->term_ptr = calloc((size_t)C * maxt, sizeof(void *));
@@ -2631,8 +2562,8 @@ static int engine_init(engine_t *g, PyObject *args, PyObject *kwds) {
     if (g->e2d && g->e2l)
         for (int e = 0; e < E; e++) { g->e2d[e] = e / L; g->e2l[e] = e % L; }
     if (!g->base || !g->pids || !g->starts || !g->cnt || !g->u_t || !g->u_k || !g->u_e ||
-        !g->stamp || !g->u_slot || !g->core_base || !g->rx_base || !g->acc ||
-        !g->ci_off || !g->rx_ebase || !g->rx_rows || !g->rx_cnt || !g->tx_rows || !g->tx_cnt ||
+        !g->stamp || !g->u_slot || !g->core_base || !g->rx_base ||
+        !g->ci_off || !g->rx_rows || !g->rx_cnt || !g->tx_rows || !g->tx_cnt ||
         !g->route_snap ||
         !g->e2d || !g->e2l || !g->term_ptr || !g->term_w) {
         PyErr_NoMemory();
@@ -2843,7 +2774,6 @@ static PyObject *engine_combine(engine_t *g, PyObject *args) {
     return res;
 }
 
-/* fail(epoch, message): a call rejected before the native code ran (Python-side validation) */
 /* fail(epoch, code, message, finished, timeout_s) -> 0 | error tuple: publish "call `epoch`
  * failed here" for a call rejected before the native code ran (finished=1: this rank is done
  * with it), or, finished=0, tell peers ahead of time that the next call cannot run here (a
