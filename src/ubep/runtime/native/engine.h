@@ -1,0 +1,273 @@
+/* The engine and an operation: state, shared-memory addresses, the helpers every phase uses,
+ * and the functions the parts of the native core call across files.
+ *
+ * Files: abi.h (codes, records), sync.h (ordering, futexes), kernels.h/.c/_x86.c (copy, fill,
+ * DC sums, conversions, reductions), wait.c (errors, notices, liveness, waits, end of an
+ * operation), team.c (cores: threads, in-process barrier, phase runner), dispatch.c (ASP
+ * dispatch and what BSP shares with it), dispatch_bsp.c (BSP dispatch and the global barrier),
+ * combine.c, module.c (the Python type and module functions). */
+#ifndef UBEP_ENGINE_H
+#define UBEP_ENGINE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+
+#include "abi.h"
+#include "kernels.h"
+#include "sync.h"
+
+#define MAX_WHAT 160
+#define MAX_MSG 512
+
+struct op;
+typedef int (*phase_fn)(struct op *op, int core);
+typedef struct {
+    phase_fn fn;
+    int all_cores;  /* 0: core 0 only */
+    int sync_after; /* in-process barrier of this rank's cores after the phase */
+} phase_t;
+
+typedef struct engine {
+    PyObject_HEAD
+    /* configuration */
+    int rank, R, C, E, L, K, T;
+    int hidden, isz, dt, cdt, cisz;
+    int sync, eng, layout, nreg, nland, threaded;
+    int64_t cap_rows, cap_src_rows, row_bytes, slot_bytes, out_stride, crow_bytes;
+    int64_t tff_block, tff_flag, tff_payload, tff_nblocks;
+    uint64_t sentinel;
+    int64_t off_fail, off_entered, off_done, off_recv_ready, off_comb_info, off_barrier;
+    int64_t off_doorbell, yield_ns;
+    int64_t sp_tail;       /* SP: bytes at the end of a row that are armed and polled */
+    int64_t off_inbox, inbox_bytes, off_route, route_stride, route_w_off;
+    int64_t off_land, land_bytes, off_out, out_bytes, off_comb, comb_bytes, seg_size;
+    int64_t timeout_ns;
+    uint8_t **base;
+    int *pids;
+    unsigned long long *starts;
+    /* scratch (max sizes) */
+    int64_t *cnt;          /* [E] my counts per expert */
+    int64_t *units_to;     /* [R] units I send to each rank */
+    int64_t *rows_to;      /* [R] rows I send to each rank */
+    int32_t *u_t, *u_k, *u_e, *u_slot; /* units in per-destination buckets [R * cap_src] */
+    uint64_t *stamp;       /* [E] duplicate detection: stamp[e] == token generation */
+    uint64_t stamp_gen;
+    int64_t *my_rank_in_batch; /* [E] first batch rank of my rows of expert e at its dst */
+    _Atomic int64_t *remaining; /* [R] */
+    _Atomic uint64_t *dc_s1, *dc_s2; /* [R] */
+    int64_t *core_base;    /* [C][R][L] my partition start per (dst, local expert) */
+    int64_t *core_ready;   /* [C][R] dst bases computed for this op (epoch) */
+    int64_t *rx_base;      /* [C][R][L] receive: start of source s's rows of expert e */
+    int64_t *rx_rows;      /* [C][R] receive: verified copy of each source's row count */
+    uint32_t *rx_cnt;      /* [C][R][L] receive: verified copy of each source's counts */
+    int64_t *tx_rows;      /* [C][R] send: verified copy of a destination's row counts */
+    uint32_t *tx_cnt;      /* [C][R][L] send: verified copy of a destination's counts */
+    uint32_t *route_snap;  /* [C][2 * T * K] receive: verified copy of a source's routing */
+    const void **term_ptr; /* [C][max(K, R)] combine: the rows one token sums */
+    float *term_w;         /* [C][max(K, R)] and their weights */
+    int64_t *ci_off, *ci_rows; /* [C][R] peers' combine data */
+    int32_t *e2d, *e2l;    /* [E] owner rank and local index of each expert (no division) */
+    uint64_t comb_last_epoch[2];
+    /* threads */
+    pthread_t *threads;
+    int nthreads_started;
+    _Atomic uint32_t job_gen;
+    _Atomic int stopping;
+    struct op *job_op;
+    const phase_t *job_phases;
+    int job_nph;
+    _Atomic uint32_t tb_count, tb_gen;
+    /* BSP with SP: the staging region must hold the sentinel wherever a peer may write.
+     * Consumed rows are refilled at once; a failed call can leave rows behind: then the whole
+     * region is reset before its next use, once every peer is done with the failed call. */
+    int land_dirty;
+    uint64_t land_dirty_epoch;
+    /* SP in place (rows land in recv_x): rows [0, sp_dirty[reg]) of region reg lost their
+     * sentinel in its last use; the rest still hold it. Re-armed when the region is reused. */
+    int64_t sp_dirty[8];
+    int in_use;            /* an operation is running (re-entrancy guard) */
+    int64_t trace[16];     /* core 0's phase timestamps of the last call (ns), for profiling */
+} engine_t;
+
+typedef struct op {
+    engine_t *g;
+    int kind; /* 0 dispatch, 1 combine */
+    uint64_t epoch;
+    int64_t n;    /* dispatch index (region = n % nreg) */
+    int par;      /* epoch parity: which inbox / comb_info slot */
+    int64_t deadline;
+    /* dispatch inputs */
+    const uint8_t *x;
+    int64_t ntok;
+    const int64_t *topk;
+    const float *w;
+    int have_plan, plan_cores;
+    const int64_t *p_t, *p_k, *p_e, *p_d, *p_slot, *p_ptr;
+    /* dispatch outputs */
+    int64_t *o_idx, *o_src_rank, *o_src_tok, *o_src_k, *o_nrecv, *o_dst_row;
+    float *o_w;
+    int64_t n_recv;
+    int published_ready;
+    /* combine */
+    const uint8_t *eo; int64_t eo_rows, eo_off; int zero_copy; int creg;
+    const int64_t *h_idx, *h_dst_row; const float *h_w; int64_t h_ntok;
+    uint8_t *y;
+    _Atomic int armed; /* waits of this call that registered as sleepers on the doorbell */
+    /* errors */
+    _Atomic int err;
+    _Atomic int abort;
+    int err_core, err_peer;
+    int remote_code; /* E_REMOTE: the code of the peer's notice */
+    uint64_t dispatch_index; /* combine: the dispatch whose handle this call uses */
+    char what[MAX_WHAT];
+    char arg[64];
+    char msg[MAX_MSG];
+} op_t;
+
+/* this core's verified copies of the counts (read_counts) */
+#define RX_ROWS(g, core) ((g)->rx_rows + (int64_t)(core) * (g)->R)
+#define RX_CNT(g, core) ((g)->rx_cnt + (int64_t)(core) * (g)->R * (g)->L)
+
+/* addresses */
+static inline uint8_t *ctrl(engine_t *g, int rank, int64_t off) { return g->base[rank] + off; }
+static inline uint8_t *inbox(engine_t *g, int dst, int src, int par) {
+    return g->base[dst] + g->off_inbox + ((int64_t)src * 2 + par) * g->inbox_bytes;
+}
+static inline uint8_t *comb_info(engine_t *g, int rank, int par) {
+    return g->base[rank] + g->off_comb_info + (int64_t)par * CI_BYTES;
+}
+static inline uint8_t *route(engine_t *g, int rank, int slot) {
+    return g->base[rank] + g->off_route + (int64_t)slot * g->route_stride;
+}
+static inline uint8_t *land(engine_t *g, int rank, int reg) {
+    /* nland is 1 (a separate land region, reused every call) or nreg (land == out) */
+    return g->base[rank] + g->off_land + (int64_t)(reg % g->nland) * g->land_bytes;
+}
+static inline uint8_t *outreg(engine_t *g, int rank, int reg) {
+    return g->base[rank] + g->off_out + (int64_t)reg * g->out_bytes;
+}
+static inline int land_is_out(engine_t *g) {
+    /* ASP with SW, DC or SP: senders write the final position in recv_x itself (one copy) */
+    return g->eng == ENG_ASP && g->sync != SYNC_TFF;
+}
+
+typedef struct {
+    int64_t start, next_live;
+    uint32_t iter, seq;
+    int armed;
+} waiter_t;
+
+static inline void waiter_init(waiter_t *w) {
+    w->start = 0;
+    w->next_live = 0;
+    w->iter = 0;
+    w->armed = 0;
+}
+
+/* Doorbells (an eventcount per rank): a waiter that has yielded for yield_ns registers as a
+ * sleeper and blocks in the kernel on its rank's doorbell word; every publication another rank
+ * may wait for rings the doorbell of the ranks concerned, and makes the wake system call only
+ * if someone sleeps there. Oversubscribed ranks then stop taking CPU time from the ranks they
+ * wait for. Layout of the doorbell line: [doorbell u32][pad][sleepers u32 at +32]. */
+static inline _Atomic uint32_t *doorbell(engine_t *g, int rank) {
+    return (_Atomic uint32_t *)(g->base[rank] + g->off_doorbell);
+}
+static inline _Atomic uint32_t *sleepers(engine_t *g, int rank) {
+    return (_Atomic uint32_t *)(g->base[rank] + g->off_doorbell + 32);
+}
+static inline void ring(engine_t *g, int d) {
+    if (d == g->rank) return;
+    atomic_fetch_add_explicit(doorbell(g, d), 1, memory_order_seq_cst);
+    if (atomic_load_explicit(sleepers(g, d), memory_order_seq_cst))
+        futex_wake_shared(doorbell(g, d), INT32_MAX);
+}
+static inline void ring_all(engine_t *g) {
+    for (int q = 0; q < g->R; q++) ring(g, q);
+}
+
+static inline uint8_t *fail_block(engine_t *g, int rank, uint64_t epoch) {
+    /* two notices, by epoch parity: a peer at most one call ahead never overwrites the one
+     * for the call this rank is still in */
+    return g->base[rank] + g->off_fail + (int64_t)(epoch & 1) * 512;
+}
+
+/* bucket of the i-th destination in send order */
+static inline int64_t bucket_start(engine_t *g, int i) { return (int64_t)i * g->cap_src_rows; }
+
+#define TRACE(g, core, i) do { if ((core) == 0) (g)->trace[i] = now_ns(); } while (0)
+
+static inline int64_t unit_pos(engine_t *g, const int64_t *bases, int e, int64_t slot) {
+    return g->layout == LAY_EXPERT ? bases[g->e2l[e]] + slot : bases[0] + slot;
+}
+
+/* rows of source s in my region, in position order: calls the body with POS (the row's
+ * position) and RANK (its rank in the source's batch). Reads this core's verified copy of the
+ * counts (recv_bases), whose total recv_bases bounded by cap_rows. */
+#define FOR_SOURCE_ROWS(g, core, s, rx_base, POS, RANK, ...)                               \
+    do {                                                                                   \
+        int64_t RANK = 0;                                                                  \
+        if ((g)->layout == LAY_RANK) {                                                     \
+            int64_t n_ = RX_ROWS(g, core)[s];                                              \
+            for (int64_t POS = (rx_base)[(s) * (g)->L]; RANK < n_; POS++, RANK++) {        \
+                __VA_ARGS__                                                                \
+            }                                                                              \
+        } else {                                                                           \
+            for (int el_ = 0; el_ < (g)->L; el_++) {                                       \
+                int64_t c_ = RX_CNT(g, core)[(int64_t)(s) * (g)->L + el_];                 \
+                int64_t p0_ = (rx_base)[(s) * (g)->L + el_];                               \
+                for (int64_t POS = p0_; POS < p0_ + c_; POS++, RANK++) {                   \
+                    __VA_ARGS__                                                            \
+                }                                                                          \
+            }                                                                              \
+        }                                                                                  \
+    } while (0)
+
+/* phase lists (dispatch.c, dispatch_bsp.c, combine.c), run by team.c */
+typedef struct {
+    const phase_t *phase;
+    int num_phases;
+} phase_list_t;
+#define PHASE_LIST(a) {(a), (int)(sizeof(a) / sizeof((a)[0]))}
+extern const phase_list_t ASP_DISPATCH, BSP_DISPATCH, ASP_COMBINE, BSP_COMBINE;
+
+/* wait.c: errors, failure notices, liveness, waits, end of an operation */
+int op_error(op_t *op, int code, int core, int peer, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
+int bad_input(op_t *op, const char *arg, const char *value, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+int check_failures(op_t *op, int core);
+int wait_step(op_t *op, waiter_t *w, int core, int peer, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
+int peers_done_geq(engine_t *g, uint64_t epoch);
+int wait_peers_done(op_t *op, uint64_t epoch, int core);
+void publish_failure(engine_t *g, uint64_t epoch, int code, const char *msg);
+void format_error(op_t *op, char *buf, size_t n);
+void finish_op(op_t *op);
+
+/* team.c: the cores of a rank */
+int start_threads(engine_t *g);
+void engine_stop(engine_t *g);
+void run_op(op_t *op, const phase_list_t *phases);
+
+/* dispatch.c: what the BSP phases share with ASP dispatch */
+void reset_land(engine_t *g);
+int ensure_clean(op_t *op);
+int dispatch_validate(op_t *op);
+int dispatch_publish(op_t *op);
+void reset_send_state(op_t *op);
+int dst_gone(op_t *op, int core, int d);
+int read_counts(op_t *op, int core, int d, int s, int64_t *rows, uint32_t *cnt);
+int compute_bases(op_t *op, int core, int d, int src, int64_t *out);
+int recv_bases(op_t *op, int core, int64_t *rx_base, int64_t *n_out);
+int recv_metadata(op_t *op, int core, int s, const int64_t *rx_base);
+void recv_counts_out(op_t *op, int core);
+
+/* dispatch_bsp.c: the global barrier (BSP combine uses it too) */
+int barrier_arrive(op_t *op, int core, int phase);
+int barrier_wait(op_t *op, int core, int phase);
+
+#endif /* UBEP_ENGINE_H */
