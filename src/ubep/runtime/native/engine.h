@@ -33,19 +33,45 @@ typedef struct {
 
 typedef struct engine {
     PyObject_HEAD
-    /* configuration */
-    int rank, R, C, E, L, K, T;
-    int hidden, isz, dt, cdt, cisz;
-    int sync, eng, layout, nreg, nland, threaded;
-    int64_t cap_rows, cap_src_rows, row_bytes, slot_bytes, out_stride, crow_bytes;
-    int64_t tff_block, tff_flag, tff_payload, tff_nblocks;
-    uint64_t sentinel;
+    /* Configuration, read once from the parameters (module.c's PARAMS table maps each key of
+     * ubep.runtime.abi.engine_params to its field). The short names are the paper's:
+     * R ranks, C cores per rank, E experts, L experts per rank, K top-k, T max tokens. */
+    int rank;              /* rank: this rank */
+    int R;                 /* num_ranks */
+    int C;                 /* num_cores: cores (threads) of this rank */
+    int E;                 /* num_experts */
+    int L;                 /* num_local_experts */
+    int K;                 /* num_topk */
+    int T;                 /* max_tokens: per rank and call */
+    int hidden;            /* hidden: elements per row */
+    int isz;               /* itemsize: bytes per payload element */
+    int dt;                /* dtype: payload type (DT_*) */
+    int cdt;               /* combine_dtype: type of the expert outputs and of y (DT_*) */
+    int cisz;              /* combine_itemsize */
+    int sync;              /* sync: SYNC_* */
+    int eng;               /* engine: ENG_* */
+    int layout;            /* layout: LAY_* */
+    int nreg;              /* num_regions: receive (out) regions, used by dispatch index */
+    int nland;             /* num_land_regions: 1, or nreg where land == out */
+    int threaded;          /* threaded: cores 1..C-1 are threads (else core 0 plays all) */
+    int64_t cap_rows;      /* cap_rows: rows a receive region holds */
+    int64_t cap_src_rows;  /* cap_src_rows: rows one source can send to one destination */
+    int64_t row_bytes;     /* row_bytes: hidden * itemsize */
+    int64_t slot_bytes;    /* slot_bytes: a row's slot in a land region (TFF: with its flags) */
+    int64_t out_stride;    /* out_stride: bytes between rows of recv_x */
+    int64_t crow_bytes;    /* combine_row_bytes: hidden * combine_itemsize */
+    int64_t tff_block;     /* tff_block_bytes: a TFF block, payload then flag */
+    int64_t tff_flag;      /* tff_flag_bytes */
+    uint64_t sentinel;     /* sentinel: SP's bit pattern (one element) */
     int64_t off_fail, off_entered, off_done, off_recv_ready, off_comb_info, off_barrier;
-    int64_t off_doorbell, yield_ns;
-    int64_t sp_tail;       /* SP: bytes at the end of a row that are armed and polled */
-    int64_t off_inbox, inbox_bytes, off_route, route_stride, route_w_off;
-    int64_t off_land, land_bytes, off_out, out_bytes, off_comb, comb_bytes, seg_size;
-    int64_t timeout_ns;
+    int64_t off_doorbell, off_inbox, inbox_bytes, off_route, route_stride, route_w_off;
+    int64_t off_land, land_bytes, off_out, out_bytes, off_comb, comb_bytes;
+    int64_t seg_size;      /* seg_size: bytes of each rank's segment (layout.py: size_bytes) */
+    int64_t timeout_ns;    /* timeout_ns: deadline of every wait of one call */
+    int64_t yield_ns;      /* yield_ns: a wait yields this long before it sleeps */
+    int64_t sp_tail;       /* sp_check_bytes: SP's armed and polled tail of a row (0: all) */
+    /* derived */
+    int64_t tff_payload, tff_nblocks; /* payload bytes per TFF block, blocks per row */
     uint8_t **base;
     int *pids;
     unsigned long long *starts;

@@ -11,6 +11,8 @@
  */
 #include "engine.h" /* first: Python.h precedes the standard headers */
 
+#include <limits.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,15 +28,106 @@ static PyObject *error_tuple(op_t *op) {
                          (Py_ssize_t)strlen(op->what), msg, (Py_ssize_t)strlen(msg));
 }
 
-static int get_i64(PyObject *d, const char *key, int64_t *out) {
-    PyObject *v = PyDict_GetItemString(d, key);
-    if (!v) {
-        PyErr_Format(PyExc_KeyError, "engine parameter %s missing", key);
-        return -1;
+/* The engine's parameters: ubep.runtime.abi.engine_params builds a dict with exactly these keys
+ * (exported as PARAMS and checked at load); each value is stored into its field. */
+typedef enum { P_INT, P_I64, P_U64 } param_kind_t;
+typedef struct {
+    const char *key;
+    size_t offset;
+    param_kind_t kind;
+} param_t;
+#define PARAM(key, field, kind) {key, offsetof(engine_t, field), kind}
+static const param_t PARAMS[] = {
+    PARAM("rank", rank, P_INT),
+    PARAM("num_ranks", R, P_INT),
+    PARAM("num_cores", C, P_INT),
+    PARAM("num_experts", E, P_INT),
+    PARAM("num_local_experts", L, P_INT),
+    PARAM("num_topk", K, P_INT),
+    PARAM("max_tokens", T, P_INT),
+    PARAM("hidden", hidden, P_INT),
+    PARAM("itemsize", isz, P_INT),
+    PARAM("dtype", dt, P_INT),
+    PARAM("combine_dtype", cdt, P_INT),
+    PARAM("combine_itemsize", cisz, P_INT),
+    PARAM("sync", sync, P_INT),
+    PARAM("engine", eng, P_INT),
+    PARAM("layout", layout, P_INT),
+    PARAM("num_regions", nreg, P_INT),
+    PARAM("num_land_regions", nland, P_INT),
+    PARAM("threaded", threaded, P_INT),
+    PARAM("cap_rows", cap_rows, P_I64),
+    PARAM("cap_src_rows", cap_src_rows, P_I64),
+    PARAM("row_bytes", row_bytes, P_I64),
+    PARAM("slot_bytes", slot_bytes, P_I64),
+    PARAM("out_stride", out_stride, P_I64),
+    PARAM("combine_row_bytes", crow_bytes, P_I64),
+    PARAM("tff_block_bytes", tff_block, P_I64),
+    PARAM("tff_flag_bytes", tff_flag, P_I64),
+    PARAM("sentinel", sentinel, P_U64),
+    PARAM("off_fail", off_fail, P_I64),
+    PARAM("off_entered", off_entered, P_I64),
+    PARAM("off_done", off_done, P_I64),
+    PARAM("off_recv_ready", off_recv_ready, P_I64),
+    PARAM("off_doorbell", off_doorbell, P_I64),
+    PARAM("off_comb_info", off_comb_info, P_I64),
+    PARAM("off_barrier", off_barrier, P_I64),
+    PARAM("off_inbox", off_inbox, P_I64),
+    PARAM("inbox_bytes", inbox_bytes, P_I64),
+    PARAM("off_route", off_route, P_I64),
+    PARAM("route_stride", route_stride, P_I64),
+    PARAM("route_w_off", route_w_off, P_I64),
+    PARAM("off_land", off_land, P_I64),
+    PARAM("land_bytes", land_bytes, P_I64),
+    PARAM("off_out", off_out, P_I64),
+    PARAM("out_bytes", out_bytes, P_I64),
+    PARAM("off_comb", off_comb, P_I64),
+    PARAM("comb_bytes", comb_bytes, P_I64),
+    PARAM("seg_size", seg_size, P_I64),
+    PARAM("timeout_ns", timeout_ns, P_I64),
+    PARAM("yield_ns", yield_ns, P_I64),
+    PARAM("sp_check_bytes", sp_tail, P_I64),
+};
+#define NUM_PARAMS ((Py_ssize_t)(sizeof PARAMS / sizeof PARAMS[0]))
+
+static int read_params(engine_t *g, PyObject *p) {
+    for (Py_ssize_t i = 0; i < NUM_PARAMS; i++) {
+        const param_t *pa = &PARAMS[i];
+        PyObject *v = PyDict_GetItemString(p, pa->key);
+        if (!v) {
+            PyErr_Format(PyExc_KeyError, "engine parameter %s missing", pa->key);
+            return -1;
+        }
+        long long x = PyLong_AsLongLong(v);
+        if (x == -1 && PyErr_Occurred()) return -1;
+        void *field = (char *)g + pa->offset;
+        if (pa->kind == P_INT) {
+            if (x < INT_MIN || x > INT_MAX) {
+                PyErr_Format(PyExc_ValueError, "engine parameter %s=%lld out of range", pa->key,
+                             x);
+                return -1;
+            }
+            *(int *)field = (int)x;
+        } else if (pa->kind == P_I64) {
+            *(int64_t *)field = x;
+        } else {
+            *(uint64_t *)field = (uint64_t)x;
+        }
     }
-    long long x = PyLong_AsLongLong(v);
-    if (x == -1 && PyErr_Occurred()) return -1;
-    *out = x;
+    if (PyDict_Size(p) != NUM_PARAMS) { /* a key the engine does not know: a stale build */
+        PyObject *key, *value;
+        Py_ssize_t pos = 0;
+        while (PyDict_Next(p, &pos, &key, &value)) {
+            const char *k = PyUnicode_Check(key) ? PyUnicode_AsUTF8(key) : NULL;
+            int known = 0;
+            for (Py_ssize_t i = 0; k && i < NUM_PARAMS && !known; i++)
+                known = strcmp(k, PARAMS[i].key) == 0;
+            if (!known) {
+                PyErr_Format(PyExc_KeyError, "engine parameter %R unknown", key);
+                return -1;
+            }
+        }
+    }
     return 0;
 }
 
@@ -63,35 +156,7 @@ static int engine_init(engine_t *g, PyObject *args, PyObject *kwds) {
     PyObject *p, *bases, *pids, *starts;
     (void)kwds;
     if (!PyArg_ParseTuple(args, "O!OOO", &PyDict_Type, &p, &bases, &pids, &starts)) return -1;
-    int64_t v[64];
-    static const char *keys[] = {
-        "rank", "num_ranks", "num_cores", "num_experts", "num_local_experts", "num_topk",
-        "max_tokens", "hidden", "itemsize", "dtype", "combine_dtype", "combine_itemsize",
-        "sync", "engine", "layout", "num_regions", "num_land_regions", "threaded", "cap_rows", "cap_src_rows",
-        "row_bytes", "slot_bytes", "out_stride", "combine_row_bytes", "tff_block_bytes",
-        "tff_flag_bytes", "sentinel", "off_fail", "off_entered", "off_done", "off_recv_ready",
-        "off_comb_info", "off_barrier", "off_inbox", "inbox_bytes", "off_route", "route_stride",
-        "route_w_off", "off_land", "land_bytes", "off_out", "out_bytes", "off_comb", "comb_bytes",
-        "seg_size", "timeout_ns", "off_doorbell", "yield_ns", "sp_check_bytes", NULL};
-    int nk = 0;
-    for (; keys[nk]; nk++)
-        if (get_i64(p, keys[nk], &v[nk])) return -1;
-    int i = 0;
-    g->rank = (int)v[i++]; g->R = (int)v[i++]; g->C = (int)v[i++]; g->E = (int)v[i++];
-    g->L = (int)v[i++]; g->K = (int)v[i++]; g->T = (int)v[i++]; g->hidden = (int)v[i++];
-    g->isz = (int)v[i++]; g->dt = (int)v[i++]; g->cdt = (int)v[i++]; g->cisz = (int)v[i++];
-    g->sync = (int)v[i++]; g->eng = (int)v[i++]; g->layout = (int)v[i++]; g->nreg = (int)v[i++];
-    g->nland = (int)v[i++];
-    g->threaded = (int)v[i++]; g->cap_rows = v[i++]; g->cap_src_rows = v[i++];
-    g->row_bytes = v[i++]; g->slot_bytes = v[i++]; g->out_stride = v[i++];
-    g->crow_bytes = v[i++]; g->tff_block = v[i++]; g->tff_flag = v[i++];
-    g->sentinel = (uint64_t)v[i++]; g->off_fail = v[i++]; g->off_entered = v[i++];
-    g->off_done = v[i++]; g->off_recv_ready = v[i++]; g->off_comb_info = v[i++];
-    g->off_barrier = v[i++]; g->off_inbox = v[i++]; g->inbox_bytes = v[i++];
-    g->off_route = v[i++]; g->route_stride = v[i++]; g->route_w_off = v[i++];
-    g->off_land = v[i++]; g->land_bytes = v[i++]; g->off_out = v[i++]; g->out_bytes = v[i++];
-    g->off_comb = v[i++]; g->comb_bytes = v[i++]; g->seg_size = v[i++]; g->timeout_ns = v[i++];
-    g->off_doorbell = v[i++]; g->yield_ns = v[i++]; g->sp_tail = v[i++];
+    if (read_params(g, p)) return -1;
     /* 0 (or a whole row or more): every element of the row is armed and polled */
     if (g->sp_tail <= 0 || g->sp_tail >= g->row_bytes) g->sp_tail = g->row_bytes;
     if (g->isz > 1) g->sp_tail -= g->sp_tail % g->isz;
