@@ -1,49 +1,129 @@
-/* The ABI shared with Python: codes, control-record offsets and the records' checksums.
+/* The ABI shared with Python: codes, the control records as structs, their checksums.
  *
- * ubep/runtime/abi.py holds the same numbers on the Python side; the module exports them (see
- * module.c) and abi.py checks them when it loads the module, so a stale build is an error. */
+ * ubep/runtime/abi.py holds the same numbers on the Python side; module.c exports them (codes
+ * as dicts, record offsets computed with offsetof) and abi.py compares them when it loads the
+ * module, so a stale build fails at load with a message that says so. */
 #ifndef UBEP_ABI_H
 #define UBEP_ABI_H
 
+#include <stddef.h>
 #include <stdint.h>
 
+/* Version of this ABI: bumped whenever a code, a record or a parameter changes meaning. */
+#define UBEP_ABI_VERSION 2
+
+/* codes shared with Python (the names are ubep.runtime.abi's dict keys) */
 enum { DT_BF16 = 0, DT_FP16 = 1, DT_FP32 = 2, DT_INT8 = 3, DT_UINT8 = 4 };
 enum { SYNC_SW = 0, SYNC_TFF = 1, SYNC_DC = 2, SYNC_SP = 3 };
 enum { ENG_ASP = 0, ENG_BSP = 1 };
 enum { LAY_EXPERT = 0, LAY_RANK = 1 };
-/* E_LOST: the ranks are out of step (a peer left this call without finishing it, called
- * another operation, or corrupt control data was found): the Buffer needs a resync. */
+/* Error codes of the error tuple and of failure notices. E_LOST: the ranks are out of step (a
+ * peer left this call without finishing it, called another operation, or corrupt control data
+ * was found): the Buffer needs a resync. */
 enum { E_OK = 0, E_BAD_INPUT = 1, E_TIMEOUT = 2, E_PEER_LOST = 3, E_REMOTE = 4, E_INTERNAL = 5,
        E_LOST = 6 };
 
-/* control block offsets inside one inbox entry and one comb_info entry */
-#define IN_COUNTS_EPOCH 0
-#define IN_ROWS 8
-#define IN_SUM 16
-#define IN_SW_COUNT 64
-#define IN_SW_EPOCH 72
-#define IN_DC_COUNT 128
-#define IN_DC_SUM 136
-#define IN_DC_EPOCH 144
-#define IN_COUNTS 192
-#define CI_OFF 0
-#define CI_ROWS 8
-#define CI_STRIDE 16
-#define CI_EPOCH 24
-#define CI_INDEX 32
-#define CI_SUM 40
-#define CI_BYTES 64
-#define FAIL_EPOCH 0
-#define FAIL_LEN 8 /* u64: message length | code << 32 */
-#define FAIL_MSG 16
+/* ---------------------------------------------------------------------------------------- */
+/* Control records in a rank's segment (docs/FORMATS.md, "Control records"). ubep/runtime/
+ * layout.py places them (the segment offsets are engine parameters); the offsets inside a
+ * record are fixed here and in ubep/runtime/abi.py. Every record starts a 64-byte line. */
+
+#define LINE_BYTES 64
+#define HEADER_BYTES 256 /* the segment header (ubep.runtime.shm): never data */
+
+/* A progress word (entered, done, recv_ready, a BSP barrier arrival), alone on its line: the
+ * value, then its complement (sync.h: pub_word, rd_word). */
+typedef struct {
+    uint64_t value;
+    uint64_t check; /* ~value, stored first */
+} word_t;
+
+/* The doorbell line of a rank (wait.c): an eventcount and the number of sleepers. */
+typedef struct {
+    uint32_t bell;
+    uint8_t pad[28];
+    uint32_t sleepers;
+} doorbell_t;
+
+/* One inbox entry: a source's counts for this rank in the calls of one epoch parity, with the
+ * SW flag and the DC record of its rows. */
+typedef struct {
+    uint64_t counts_epoch;
+    uint64_t rows;        /* rows the source sends here */
+    uint64_t sum;         /* counts_sum(epoch, rows, counts) */
+    uint8_t pad0[40];
+    uint64_t sw_count;    /* SW: rows written, then */
+    uint64_t sw_epoch;
+    uint8_t pad1[48];
+    uint64_t dc_count;    /* DC: rows written, their checksum, then */
+    uint64_t dc_sum;
+    uint64_t dc_epoch;
+    uint8_t pad2[40];
+    uint32_t counts[];    /* [num_local_experts]: rows per local expert */
+} inbox_rec_t;
+
+/* Where a rank's expert outputs for combine lie (one per epoch parity). */
+typedef struct {
+    uint64_t off;         /* offset in the owner's segment */
+    uint64_t rows;
+    uint64_t stride;      /* bytes per row */
+    uint64_t epoch;
+    uint64_t dispatch_index; /* the dispatch whose handle the owner combines */
+    uint64_t sum;         /* comb_info_sum(epoch, off, rows, stride, dispatch_index) */
+    uint8_t pad[16];
+} comb_info_rec_t;
+
+/* A failure notice (one per epoch parity). */
 #define FAIL_MSG_MAX 472
-#define FAIL_SUM 488
-#define ROUTE_NTOK 0
-#define ROUTE_EPOCH 8
-#define ROUTE_SUM 16
-/* a progress word (entered, done, recv_ready, barrier) is followed by its complement */
-#define WORD_CHECK 8
-#define ROUTE_IDX 64
+typedef struct {
+    uint64_t epoch;
+    uint64_t lencode;     /* message length | code << 32 */
+    uint8_t msg[FAIL_MSG_MAX];
+    uint64_t sum;         /* notice_sum(epoch, lencode, msg) */
+    uint8_t pad[16];
+} fail_rec_t;
+
+/* The routing of one dispatch (per dispatch index mod num_regions), read by the receivers for
+ * their metadata: topk_idx as int32 here, the weights (f32) at route_w_off (layout.py). */
+typedef struct {
+    uint64_t ntok;
+    uint64_t epoch;
+    uint64_t sum;         /* route_sum(epoch, ntok, idx, weights) */
+    uint8_t pad[40];
+    int32_t idx[];        /* [ntok * num_topk] */
+} route_rec_t;
+
+#define ABI_OFFSET(rec, field, at) \
+    _Static_assert(offsetof(rec, field) == (at), #rec "." #field " moved")
+ABI_OFFSET(word_t, check, 8);
+ABI_OFFSET(doorbell_t, sleepers, 32);
+ABI_OFFSET(inbox_rec_t, counts_epoch, 0);
+ABI_OFFSET(inbox_rec_t, rows, 8);
+ABI_OFFSET(inbox_rec_t, sum, 16);
+ABI_OFFSET(inbox_rec_t, sw_count, 64);
+ABI_OFFSET(inbox_rec_t, sw_epoch, 72);
+ABI_OFFSET(inbox_rec_t, dc_count, 128);
+ABI_OFFSET(inbox_rec_t, dc_sum, 136);
+ABI_OFFSET(inbox_rec_t, dc_epoch, 144);
+ABI_OFFSET(inbox_rec_t, counts, 192);
+ABI_OFFSET(comb_info_rec_t, off, 0);
+ABI_OFFSET(comb_info_rec_t, rows, 8);
+ABI_OFFSET(comb_info_rec_t, stride, 16);
+ABI_OFFSET(comb_info_rec_t, epoch, 24);
+ABI_OFFSET(comb_info_rec_t, dispatch_index, 32);
+ABI_OFFSET(comb_info_rec_t, sum, 40);
+ABI_OFFSET(fail_rec_t, epoch, 0);
+ABI_OFFSET(fail_rec_t, lencode, 8);
+ABI_OFFSET(fail_rec_t, msg, 16);
+ABI_OFFSET(fail_rec_t, sum, 488);
+ABI_OFFSET(route_rec_t, ntok, 0);
+ABI_OFFSET(route_rec_t, epoch, 8);
+ABI_OFFSET(route_rec_t, sum, 16);
+ABI_OFFSET(route_rec_t, idx, 64);
+_Static_assert(sizeof(word_t) <= LINE_BYTES && sizeof(doorbell_t) <= LINE_BYTES, "a line");
+_Static_assert(sizeof(comb_info_rec_t) == 64, "comb_info_rec_t is one line");
+_Static_assert(sizeof(fail_rec_t) == 512, "fail_rec_t is 8 lines");
+_Static_assert(sizeof(inbox_rec_t) == 192 && sizeof(route_rec_t) == 64, "record headers");
 
 /* Checksum of a control record (counts, combine info, routing, failure notice): a reader
  * that finds a record of its call recomputes it over the values exactly as it read them, so

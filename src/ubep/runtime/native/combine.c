@@ -8,7 +8,7 @@
 static int ph_c_prepare(op_t *op, int core) {
     engine_t *g = op->g;
     (void)core;
-    pub_word(ctrl(g, g->rank, g->off_entered), op->epoch << 2 | (uint64_t)op->kind);
+    pub_word(word(g, g->rank, g->off_entered), op->epoch << 2 | (uint64_t)op->kind);
     int rc = wait_peers_done(op, op->epoch >= 2 ? op->epoch - 2 : 0, 0);
     if (rc) return rc;
     if (!op->zero_copy) {
@@ -32,15 +32,15 @@ static int ph_c_copy(op_t *op, int core) {
 static int ph_c_publish(op_t *op, int core) {
     engine_t *g = op->g;
     (void)core;
-    uint8_t *ci = comb_info(g, g->rank, op->par);
+    comb_info_rec_t *ci = comb_info(g, g->rank, op->par);
     store_fence();
-    st_rlx(ci + CI_OFF, (uint64_t)op->eo_off);
-    st_rlx(ci + CI_ROWS, (uint64_t)op->eo_rows);
-    st_rlx(ci + CI_STRIDE, (uint64_t)g->crow_bytes);
-    st_rlx(ci + CI_INDEX, op->dispatch_index);
-    st_rlx(ci + CI_SUM, comb_info_sum(op->epoch, (uint64_t)op->eo_off, (uint64_t)op->eo_rows,
+    st_rlx(&ci->off, (uint64_t)op->eo_off);
+    st_rlx(&ci->rows, (uint64_t)op->eo_rows);
+    st_rlx(&ci->stride, (uint64_t)g->crow_bytes);
+    st_rlx(&ci->dispatch_index, op->dispatch_index);
+    st_rlx(&ci->sum, comb_info_sum(op->epoch, (uint64_t)op->eo_off, (uint64_t)op->eo_rows,
                                       (uint64_t)g->crow_bytes, op->dispatch_index));
-    st_rel(ci + CI_EPOCH, op->epoch);
+    st_rel(&ci->epoch, op->epoch);
     ring_all(g);
     for (int c = 0; c < 2; c++) {
         int64_t lo = g->off_comb + c * g->comb_bytes;
@@ -58,10 +58,10 @@ static int ph_c_reduce(op_t *op, int core) {
     int64_t *coff = g->ci_off + (int64_t)core * R, *crows = g->ci_rows + (int64_t)core * R;
     /* every peer's expert outputs: wait for them (ASP) / verify them (BSP) */
     for (int q = 0; q < R; q++) {
-        uint8_t *ci = comb_info(g, q, op->par);
+        comb_info_rec_t *ci = comb_info(g, q, op->par);
         waiter_t w;
         waiter_init(&w);
-        while (ld_acq(ci + CI_EPOCH) != op->epoch) {
+        while (ld_acq(&ci->epoch) != op->epoch) {
             if (g->eng == ENG_BSP) {
                 /* past the barrier without its outputs: q failed this call (notice) or the
                  * ranks are out of step */
@@ -73,9 +73,9 @@ static int ph_c_reduce(op_t *op, int core) {
             int rc = wait_step(op, &w, core, q, "the expert outputs of rank %d", q);
             if (rc) return rc;
         }
-        uint64_t off = ld_rlx(ci + CI_OFF), rows = ld_rlx(ci + CI_ROWS);
-        uint64_t stride = ld_rlx(ci + CI_STRIDE), index = ld_rlx(ci + CI_INDEX);
-        if (ld_rlx(ci + CI_SUM) != comb_info_sum(op->epoch, off, rows, stride, index))
+        uint64_t off = ld_rlx(&ci->off), rows = ld_rlx(&ci->rows);
+        uint64_t stride = ld_rlx(&ci->stride), index = ld_rlx(&ci->dispatch_index);
+        if (ld_rlx(&ci->sum) != comb_info_sum(op->epoch, off, rows, stride, index))
             return op_error(op, E_LOST, core, q, "corrupt combine record of rank %d in call %llu",
                             q, (unsigned long long)op->epoch);
         if (index != op->dispatch_index) {
@@ -86,7 +86,7 @@ static int ph_c_reduce(op_t *op, int core) {
                              "handle of the same dispatch", q, (unsigned long long)index);
         }
         if (stride != (uint64_t)g->crow_bytes || rows > (uint64_t)g->cap_rows ||
-            off < 256 || off + rows * stride > (uint64_t)g->seg_size)
+            off < HEADER_BYTES || off + rows * stride > (uint64_t)g->seg_size)
             return op_error(op, E_INTERNAL, core, q, "rank %d published expert outputs outside "
                             "its segment", q);
         coff[q] = (int64_t)off;

@@ -58,7 +58,7 @@ int dispatch_validate(op_t *op) {
     int32_t *restrict us = g->u_slot;
     uint64_t *restrict stamp = g->stamp;
     uint64_t gen = g->stamp_gen;
-    int32_t *restrict ridx = (int32_t *)(route(g, r, (int)(op->n % g->nreg)) + ROUTE_IDX);
+    int32_t *restrict ridx = route(g, r, (int)(op->n % g->nreg))->idx;
     const int64_t *restrict topk = op->topk;
     int64_t bstart[64];
     for (int d = 0; d < R; d++) bstart[d] = (int64_t)((d - r - 1 + 2 * R) % R) * cap;
@@ -151,21 +151,21 @@ int dispatch_publish(op_t *op) {
     int reg = (int)(op->n % g->nreg);
     int rc;
     if (g->sync == SYNC_SP && (rc = ensure_clean(op))) return rc;
-    uint8_t *rt = route(g, g->rank, reg); /* topk_idx was copied by dispatch_validate */
-    float *rw = (float *)(rt + g->route_w_off);
+    route_rec_t *rt = route(g, g->rank, reg); /* topk_idx was copied by dispatch_validate */
+    float *rw = (float *)(route_weights(g, rt));
     memcpy(rw, op->w, sizeof(float) * (size_t)(op->ntok * K));
-    st_rlx(rt + ROUTE_NTOK, (uint64_t)op->ntok);
-    st_rlx(rt + ROUTE_SUM, route_sum(op->epoch, (uint64_t)op->ntok,
-                                     (const uint32_t *)(rt + ROUTE_IDX), (const uint32_t *)rw,
+    st_rlx(&rt->ntok, (uint64_t)op->ntok);
+    st_rlx(&rt->sum, route_sum(op->epoch, (uint64_t)op->ntok,
+                                     (const uint32_t *)rt->idx, (const uint32_t *)rw,
                                      op->ntok * K));
-    st_rlx(rt + ROUTE_EPOCH, op->epoch);
+    st_rlx(&rt->epoch, op->epoch);
     if (g->sync == SYNC_SP && land_is_out(g) && g->sp_dirty[reg]) {
         /* SP in place: the region's last use left data where peers may write now; the user's
          * view of it has expired (recv_x lives until the second dispatch after it) */
         sp_rearm(g, land(g, g->rank, reg), g->sp_dirty[reg]);
         g->sp_dirty[reg] = 0;
     }
-    pub_word(ctrl(g, g->rank, g->off_recv_ready), op->epoch);
+    pub_word(word(g, g->rank, g->off_recv_ready), op->epoch);
     op->published_ready = 1;
     if (g->eng == ENG_BSP) {
         ring_all(g);
@@ -173,12 +173,12 @@ int dispatch_publish(op_t *op) {
     }
     for (int i = 0; i < R; i++) {
         int d = (g->rank + 1 + i) % R;
-        uint8_t *ib = inbox(g, d, g->rank, op->par);
-        uint32_t *c = (uint32_t *)(ib + IN_COUNTS);
+        inbox_rec_t *ib = inbox(g, d, g->rank, op->par);
+        uint32_t *c = ib->counts;
         for (int el = 0; el < L; el++) c[el] = (uint32_t)g->cnt[d * L + el];
-        st_rlx(ib + IN_ROWS, (uint64_t)g->rows_to[d]);
-        st_rlx(ib + IN_SUM, counts_sum(op->epoch, (uint64_t)g->rows_to[d], c, L));
-        st_rel(ib + IN_COUNTS_EPOCH, op->epoch);
+        st_rlx(&ib->rows, (uint64_t)g->rows_to[d]);
+        st_rlx(&ib->sum, counts_sum(op->epoch, (uint64_t)g->rows_to[d], c, L));
+        st_rel(&ib->counts_epoch, op->epoch);
     }
     ring_all(g); /* every sender to every rank reads these counts */
     return 0;
@@ -188,7 +188,7 @@ static int ph_d_prepare(op_t *op, int core) {
     (void)core;
     TRACE(op->g, core, 0);
     /* the route area validation writes was read by peers two calls ago: wait for them first */
-    pub_word(ctrl(op->g, op->g->rank, op->g->off_entered), op->epoch << 2 | (uint64_t)op->kind);
+    pub_word(word(op->g, op->g->rank, op->g->off_entered), op->epoch << 2 | (uint64_t)op->kind);
     int rc = wait_peers_done(op, op->epoch >= 2 ? op->epoch - 2 : 0, 0);
     if (rc) return rc;
     TRACE(op->g, core, 1);
@@ -206,10 +206,10 @@ static int ph_d_prepare(op_t *op, int core) {
  * rows of this call must never land in a region a later call has armed. */
 static int dst_ready(op_t *op, int d) {
     engine_t *g = op->g;
-    uint64_t ready = rd_word(ctrl(g, d, g->off_recv_ready));
+    uint64_t ready = rd_word(word(g, d, g->off_recv_ready));
     if (ready != op->epoch) return ready > op->epoch ? -1 : 0;
     for (int s = 0; s < g->R; s++)
-        if (ld_acq(inbox(g, d, s, op->par) + IN_COUNTS_EPOCH) != op->epoch) return 0;
+        if (ld_acq(&inbox(g, d, s, op->par)->counts_epoch) != op->epoch) return 0;
     return 1;
 }
 
@@ -227,9 +227,9 @@ int dst_gone(op_t *op, int core, int d) {
  * bytes changed after the check cannot reach the data path. */
 int read_counts(op_t *op, int core, int d, int s, int64_t *rows, uint32_t *cnt) {
     engine_t *g = op->g;
-    const uint8_t *ib = inbox(g, d, s, op->par);
-    uint64_t r = ld_rlx(ib + IN_ROWS), sum = ld_rlx(ib + IN_SUM);
-    memcpy(cnt, ib + IN_COUNTS, sizeof(uint32_t) * (size_t)g->L);
+    const inbox_rec_t *ib = inbox(g, d, s, op->par);
+    uint64_t r = ld_rlx(&ib->rows), sum = ld_rlx(&ib->sum);
+    memcpy(cnt, ib->counts, sizeof(uint32_t) * (size_t)g->L);
     if (sum != counts_sum(op->epoch, r, cnt, g->L))
         return op_error(op, E_LOST, core, s, "corrupt count record of rank %d for rank %d in "
                         "call %llu", s, d, (unsigned long long)op->epoch);
@@ -328,17 +328,17 @@ static void finish_dst(op_t *op, int d) {
         ring(g, d);
         return;
     }
-    uint8_t *ib = inbox(g, d, g->rank, op->par);
+    inbox_rec_t *ib = inbox(g, d, g->rank, op->par);
     if (g->sync == SYNC_SW) {
         store_fence();
-        st_rlx(ib + IN_SW_COUNT, (uint64_t)g->rows_to[d]);
-        st_rel(ib + IN_SW_EPOCH, op->epoch);
+        st_rlx(&ib->sw_count, (uint64_t)g->rows_to[d]);
+        st_rel(&ib->sw_epoch, op->epoch);
     } else if (g->sync == SYNC_DC) {
         store_fence();
         uint64_t sum = dc_finish(atomic_load(&g->dc_s1[d]), atomic_load(&g->dc_s2[d]), op->epoch);
-        st_rlx(ib + IN_DC_COUNT, (uint64_t)g->rows_to[d]);
-        st_rlx(ib + IN_DC_SUM, sum);
-        st_rel(ib + IN_DC_EPOCH, op->epoch);
+        st_rlx(&ib->dc_count, (uint64_t)g->rows_to[d]);
+        st_rlx(&ib->dc_sum, sum);
+        st_rel(&ib->dc_epoch, op->epoch);
     }
     ring(g, d);
 }
@@ -466,7 +466,7 @@ int recv_bases(op_t *op, int core, int64_t *rx_base, int64_t *n_out) {
     for (int s = 0; s < R; s++) {
         waiter_t w;
         waiter_init(&w);
-        while (ld_acq(inbox(g, g->rank, s, op->par) + IN_COUNTS_EPOCH) != op->epoch) {
+        while (ld_acq(&inbox(g, g->rank, s, op->par)->counts_epoch) != op->epoch) {
             int rc = wait_step(op, &w, core, s, "the counts of rank %d", s);
             if (rc) return rc;
         }
@@ -500,15 +500,15 @@ static int read_route(op_t *op, int core, int s, uint64_t *ntok_out, const int32
                       const float **wt) {
     engine_t *g = op->g;
     const int64_t K = g->K;
-    const uint8_t *rt = route(g, s, (int)(op->n % g->nreg));
-    uint64_t ntok = ld_rlx(rt + ROUTE_NTOK), sum = ld_rlx(rt + ROUTE_SUM);
-    if (ntok > (uint64_t)g->T || ld_rlx(rt + ROUTE_EPOCH) != op->epoch)
+    const route_rec_t *rt = route(g, s, (int)(op->n % g->nreg));
+    uint64_t ntok = ld_rlx(&rt->ntok), sum = ld_rlx(&rt->sum);
+    if (ntok > (uint64_t)g->T || ld_rlx(&rt->epoch) != op->epoch)
         return op_error(op, E_LOST, core, s, "rank %d's routing is not for call %llu", s,
                         (unsigned long long)op->epoch);
     int64_t n = (int64_t)ntok * K;
     uint32_t *snap = g->route_snap + (int64_t)core * 2 * g->T * K;
-    memcpy(snap, rt + ROUTE_IDX, sizeof(uint32_t) * (size_t)n);
-    memcpy(snap + n, rt + g->route_w_off, sizeof(uint32_t) * (size_t)n);
+    memcpy(snap, rt->idx, sizeof(uint32_t) * (size_t)n);
+    memcpy(snap + n, route_weights(g, rt), sizeof(uint32_t) * (size_t)n);
     if (sum != route_sum(op->epoch, ntok, snap, snap + n, n))
         return op_error(op, E_LOST, core, s, "corrupt routing record of rank %d in call %llu", s,
                         (unsigned long long)op->epoch);
@@ -602,18 +602,18 @@ typedef struct {
 static int recv_progress(op_t *op, int core, int s, const int64_t *rx_base, uint8_t *land_base,
                          uint8_t *out_base, rx_cursor_t *c) {
     engine_t *g = op->g;
-    uint8_t *ib = inbox(g, g->rank, s, op->par);
+    inbox_rec_t *ib = inbox(g, g->rank, s, op->par);
     int64_t expect = RX_ROWS(g, core)[s];
     if (g->sync == SYNC_SW) {
-        if (ld_acq(ib + IN_SW_EPOCH) != op->epoch) return 0;
-        if ((int64_t)ld_rlx(ib + IN_SW_COUNT) != expect)
+        if (ld_acq(&ib->sw_epoch) != op->epoch) return 0;
+        if ((int64_t)ld_rlx(&ib->sw_count) != expect)
             return op_error(op, E_INTERNAL, core, s, "SW flag of rank %d announces %llu rows, "
-                            "counts said %lld", s, (unsigned long long)ld_rlx(ib + IN_SW_COUNT),
+                            "counts said %lld", s, (unsigned long long)ld_rlx(&ib->sw_count),
                             (long long)expect), -1;
         return 1;
     }
     if (g->sync == SYNC_DC) {
-        if (ld_acq(ib + IN_DC_EPOCH) != op->epoch) return 0;
+        if (ld_acq(&ib->dc_epoch) != op->epoch) return 0;
         int64_t W = (g->row_bytes + 7) / 8;
         uint64_t s1 = 0, s2 = 0;
         FOR_SOURCE_ROWS(g, core, s, rx_base, pos, rank_, {
@@ -623,8 +623,8 @@ static int recv_progress(op_t *op, int core, int s, const int64_t *rx_base, uint
             s2 += (uint64_t)rank_ * (uint64_t)W * A + B;
         });
         /* a mismatch means rows of this epoch are still landing (or a stale batch): retry */
-        return (int64_t)ld_rlx(ib + IN_DC_COUNT) == expect &&
-               ld_rlx(ib + IN_DC_SUM) == dc_finish(s1, s2, op->epoch);
+        return (int64_t)ld_rlx(&ib->dc_count) == expect &&
+               ld_rlx(&ib->dc_sum) == dc_finish(s1, s2, op->epoch);
     }
     const int expert = g->layout == LAY_EXPERT;
     const int nblocks = expert ? g->L : 1;

@@ -10,7 +10,7 @@
 int barrier_arrive(op_t *op, int core, int phase) {
     engine_t *g = op->g;
     store_fence();
-    pub_word(ctrl(g, g->rank, g->off_barrier) + (int64_t)core * 64,
+    pub_word(word(g, g->rank, g->off_barrier + (int64_t)core * LINE_BYTES),
              op->epoch * 4 + (uint64_t)phase);
     ring_all(g);
     return 0;
@@ -26,7 +26,7 @@ int barrier_wait(op_t *op, int core, int phase) {
             waiter_t w;
             waiter_init(&w);
             uint64_t v;
-            while ((v = rd_word(ctrl(g, q, g->off_barrier) + (int64_t)c * 64)) < target) {
+            while ((v = rd_word(word(g, q, g->off_barrier + (int64_t)c * LINE_BYTES))) < target) {
                 int rc = wait_step(op, &w, core, q, "global barrier %d (rank %d core %d)", phase, q, c);
                 if (rc) return rc;
             }
@@ -60,7 +60,7 @@ static int ph_bsp_send(op_t *op, int core) {
             waiter_t w;
             waiter_init(&w);
             uint64_t at;
-            while ((at = rd_word(ctrl(g, d, g->off_recv_ready))) != op->epoch) {
+            while ((at = rd_word(word(g, d, g->off_recv_ready))) != op->epoch) {
                 if (at > op->epoch) return dst_gone(op, core, d);
                 int rc = wait_step(op, &w, core, d, "staging area of rank %d", d);
                 if (rc) return rc;
@@ -99,14 +99,14 @@ static int ph_bsp_flags(op_t *op, int core) {
     const int R = g->R, L = g->L;
     int reg = (int)(op->n % g->nreg);
     for (int d = core; d < R; d += g->C) {
-        uint8_t *ib = inbox(g, d, g->rank, op->par);
-        uint32_t *c = (uint32_t *)(ib + IN_COUNTS);
+        inbox_rec_t *ib = inbox(g, d, g->rank, op->par);
+        uint32_t *c = ib->counts;
         for (int el = 0; el < L; el++) c[el] = (uint32_t)g->cnt[d * L + el];
-        st_rlx(ib + IN_ROWS, (uint64_t)g->rows_to[d]);
-        st_rlx(ib + IN_SUM, counts_sum(op->epoch, (uint64_t)g->rows_to[d], c, L));
+        st_rlx(&ib->rows, (uint64_t)g->rows_to[d]);
+        st_rlx(&ib->sum, counts_sum(op->epoch, (uint64_t)g->rows_to[d], c, L));
         if (g->sync == SYNC_SW) {
-            st_rlx(ib + IN_SW_COUNT, (uint64_t)g->rows_to[d]);
-            st_rel(ib + IN_SW_EPOCH, op->epoch);
+            st_rlx(&ib->sw_count, (uint64_t)g->rows_to[d]);
+            st_rel(&ib->sw_epoch, op->epoch);
         } else if (g->sync == SYNC_DC) {
             uint64_t s1 = 0, s2 = 0;
             int64_t W = (g->row_bytes + 7) / 8;
@@ -117,11 +117,11 @@ static int ph_bsp_flags(op_t *op, int core) {
                 s1 += A;
                 s2 += (uint64_t)i * (uint64_t)W * A + B;
             }
-            st_rlx(ib + IN_DC_COUNT, (uint64_t)g->rows_to[d]);
-            st_rlx(ib + IN_DC_SUM, dc_finish(s1, s2, op->epoch));
-            st_rel(ib + IN_DC_EPOCH, op->epoch);
+            st_rlx(&ib->dc_count, (uint64_t)g->rows_to[d]);
+            st_rlx(&ib->dc_sum, dc_finish(s1, s2, op->epoch));
+            st_rel(&ib->dc_epoch, op->epoch);
         }
-        st_rel(ib + IN_COUNTS_EPOCH, op->epoch);
+        st_rel(&ib->counts_epoch, op->epoch);
         ring(g, d);
     }
     return 0;
@@ -133,10 +133,10 @@ static int ph_bsp_verify(op_t *op, int core) {
     const int R = g->R;
     int reg = (int)(op->n % g->nreg);
     for (int s = core; s < R; s += g->C) {
-        uint8_t *ib = inbox(g, g->rank, s, op->par);
+        inbox_rec_t *ib = inbox(g, g->rank, s, op->par);
         waiter_t w;
         waiter_init(&w);
-        while (ld_acq(ib + IN_COUNTS_EPOCH) != op->epoch) {
+        while (ld_acq(&ib->counts_epoch) != op->epoch) {
             int rc = wait_step(op, &w, core, s, "the flag and counts of rank %d", s);
             if (rc) return rc;
         }
@@ -146,7 +146,7 @@ static int ph_bsp_verify(op_t *op, int core) {
         uint8_t *part = land(g, g->rank, reg) + (int64_t)s * g->cap_src_rows * g->slot_bytes;
         int ok = 1;
         if (g->sync == SYNC_SW) {
-            ok = ld_acq(ib + IN_SW_EPOCH) == op->epoch && (int64_t)ld_rlx(ib + IN_SW_COUNT) == n;
+            ok = ld_acq(&ib->sw_epoch) == op->epoch && (int64_t)ld_rlx(&ib->sw_count) == n;
         } else if (g->sync == SYNC_DC) {
             uint64_t s1 = 0, s2 = 0;
             int64_t W = (g->row_bytes + 7) / 8;
@@ -156,8 +156,8 @@ static int ph_bsp_verify(op_t *op, int core) {
                 s1 += A;
                 s2 += (uint64_t)i * (uint64_t)W * A + B;
             }
-            ok = ld_acq(ib + IN_DC_EPOCH) == op->epoch && (int64_t)ld_rlx(ib + IN_DC_COUNT) == n &&
-                 ld_rlx(ib + IN_DC_SUM) == dc_finish(s1, s2, op->epoch);
+            ok = ld_acq(&ib->dc_epoch) == op->epoch && (int64_t)ld_rlx(&ib->dc_count) == n &&
+                 ld_rlx(&ib->dc_sum) == dc_finish(s1, s2, op->epoch);
         } else if (g->sync == SYNC_SP) {
             for (int64_t i = 0; i < n && ok; i++)
                 ok = !has_pattern(part + i * g->slot_bytes, g->row_bytes, g->isz, g->sentinel);
@@ -232,7 +232,7 @@ static int ph_bsp_dst_rows(op_t *op, int core) {
 
 static int ph_bsp_prepare(op_t *op, int core) {
     (void)core;
-    pub_word(ctrl(op->g, op->g->rank, op->g->off_entered), op->epoch << 2 | (uint64_t)op->kind);
+    pub_word(word(op->g, op->g->rank, op->g->off_entered), op->epoch << 2 | (uint64_t)op->kind);
     int rc = wait_peers_done(op, op->epoch >= 2 ? op->epoch - 2 : 0, 0);
     if (rc) return rc;
     if ((rc = dispatch_validate(op))) return rc;

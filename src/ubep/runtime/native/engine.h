@@ -158,16 +158,21 @@ typedef struct op {
 #define RX_ROWS(g, core) ((g)->rx_rows + (int64_t)(core) * (g)->R)
 #define RX_CNT(g, core) ((g)->rx_cnt + (int64_t)(core) * (g)->R * (g)->L)
 
-/* addresses */
-static inline uint8_t *ctrl(engine_t *g, int rank, int64_t off) { return g->base[rank] + off; }
-static inline uint8_t *inbox(engine_t *g, int dst, int src, int par) {
-    return g->base[dst] + g->off_inbox + ((int64_t)src * 2 + par) * g->inbox_bytes;
+/* addresses in the segments */
+static inline word_t *word(engine_t *g, int rank, int64_t off) {
+    return (word_t *)(g->base[rank] + off);
 }
-static inline uint8_t *comb_info(engine_t *g, int rank, int par) {
-    return g->base[rank] + g->off_comb_info + (int64_t)par * CI_BYTES;
+static inline inbox_rec_t *inbox(engine_t *g, int dst, int src, int par) {
+    return (inbox_rec_t *)(g->base[dst] + g->off_inbox + ((int64_t)src * 2 + par) * g->inbox_bytes);
 }
-static inline uint8_t *route(engine_t *g, int rank, int slot) {
-    return g->base[rank] + g->off_route + (int64_t)slot * g->route_stride;
+static inline comb_info_rec_t *comb_info(engine_t *g, int rank, int par) {
+    return (comb_info_rec_t *)(g->base[rank] + g->off_comb_info) + par;
+}
+static inline route_rec_t *route(engine_t *g, int rank, int slot) {
+    return (route_rec_t *)(g->base[rank] + g->off_route + (int64_t)slot * g->route_stride);
+}
+static inline float *route_weights(engine_t *g, const route_rec_t *rt) {
+    return (float *)((uint8_t *)rt + g->route_w_off); /* the segment is writable */
 }
 static inline uint8_t *land(engine_t *g, int rank, int reg) {
     /* nland is 1 (a separate land region, reused every call) or nreg (land == out) */
@@ -198,12 +203,15 @@ static inline void waiter_init(waiter_t *w) {
  * sleeper and blocks in the kernel on its rank's doorbell word; every publication another rank
  * may wait for rings the doorbell of the ranks concerned, and makes the wake system call only
  * if someone sleeps there. Oversubscribed ranks then stop taking CPU time from the ranks they
- * wait for. Layout of the doorbell line: [doorbell u32][pad][sleepers u32 at +32]. */
+ * wait for (doorbell_t, abi.h). */
+static inline doorbell_t *doorbell_line(engine_t *g, int rank) {
+    return (doorbell_t *)(g->base[rank] + g->off_doorbell);
+}
 static inline _Atomic uint32_t *doorbell(engine_t *g, int rank) {
-    return (_Atomic uint32_t *)(g->base[rank] + g->off_doorbell);
+    return (_Atomic uint32_t *)&doorbell_line(g, rank)->bell;
 }
 static inline _Atomic uint32_t *sleepers(engine_t *g, int rank) {
-    return (_Atomic uint32_t *)(g->base[rank] + g->off_doorbell + 32);
+    return (_Atomic uint32_t *)&doorbell_line(g, rank)->sleepers;
 }
 static inline void ring(engine_t *g, int d) {
     if (d == g->rank) return;
@@ -215,10 +223,10 @@ static inline void ring_all(engine_t *g) {
     for (int q = 0; q < g->R; q++) ring(g, q);
 }
 
-static inline uint8_t *fail_block(engine_t *g, int rank, uint64_t epoch) {
+static inline fail_rec_t *fail_block(engine_t *g, int rank, uint64_t epoch) {
     /* two notices, by epoch parity: a peer at most one call ahead never overwrites the one
      * for the call this rank is still in */
-    return g->base[rank] + g->off_fail + (int64_t)(epoch & 1) * 512;
+    return (fail_rec_t *)(g->base[rank] + g->off_fail) + (epoch & 1);
 }
 
 /* bucket of the i-th destination in send order */

@@ -393,7 +393,7 @@ static PyObject *engine_combine(engine_t *g, PyObject *args) {
     op->eo_rows = rows;
     op->creg = creg;
     uintptr_t mine = (uintptr_t)g->base[g->rank], at = (uintptr_t)op->eo;
-    if (at >= mine + 256 && at + (uint64_t)rows * g->crow_bytes <= mine + (uint64_t)g->seg_size) {
+    if (at >= mine + HEADER_BYTES && at + (uint64_t)rows * g->crow_bytes <= mine + (uint64_t)g->seg_size) {
         op->zero_copy = 1; /* the expert outputs already live in this rank's segment */
         op->eo_off = (int64_t)(at - mine);
     } else {
@@ -444,7 +444,7 @@ static PyObject *engine_fail(engine_t *g, PyObject *args) {
     if (!rc) {
         publish_failure(g, epoch, code, msg);
         if (finished) {
-            pub_word(ctrl(g, g->rank, g->off_done), epoch);
+            pub_word(word(g, g->rank, g->off_done), epoch);
             ring_all(g);
         }
     }
@@ -469,14 +469,14 @@ static PyObject *engine_resync(engine_t *g, PyObject *args) {
     }
     Py_BEGIN_ALLOW_THREADS
     uint8_t *me = g->base[g->rank];
-    memset(me + g->off_fail, 0, 2 * 512);
-    memset(me + g->off_comb_info, 0, 2 * CI_BYTES);
-    memset(me + g->off_barrier, 0, (size_t)g->C * 64);
+    memset(me + g->off_fail, 0, 2 * sizeof(fail_rec_t));
+    memset(me + g->off_comb_info, 0, 2 * sizeof(comb_info_rec_t));
+    memset(me + g->off_barrier, 0, (size_t)g->C * LINE_BYTES);
     memset(me + g->off_inbox, 0, (size_t)(g->R * 2 * g->inbox_bytes));
-    for (int reg = 0; reg < g->nreg; reg++) memset(route(g, g->rank, reg), 0, ROUTE_IDX);
-    pub_word(ctrl(g, g->rank, g->off_entered), (base - 1) << 2);
-    pub_word(ctrl(g, g->rank, g->off_done), base - 1);
-    pub_word(ctrl(g, g->rank, g->off_recv_ready), 0);
+    for (int reg = 0; reg < g->nreg; reg++) memset(route(g, g->rank, reg), 0, sizeof(route_rec_t));
+    pub_word(word(g, g->rank, g->off_entered), (base - 1) << 2);
+    pub_word(word(g, g->rank, g->off_done), base - 1);
+    pub_word(word(g, g->rank, g->off_recv_ready), 0);
     atomic_store(sleepers(g, g->rank), 0);
     if (g->sync == SYNC_SP) reset_land(g);
     g->land_dirty = 0;
@@ -686,6 +686,108 @@ static struct PyModuleDef native_module = {
     NULL, NULL, NULL, NULL,
 };
 
+/* ---------------------------------------------------------------------------------------- */
+/* What the module exports of the ABI (ubep.runtime.abi compares it with its own at load) */
+
+typedef struct {
+    const char *name;
+    long long value;
+} named_t;
+#define NAMED_LEN(a) (sizeof(a) / sizeof((a)[0]))
+static const named_t ERROR_CODES[] = {
+    {"ok", E_OK}, {"bad_input", E_BAD_INPUT}, {"timeout", E_TIMEOUT}, {"peer_lost", E_PEER_LOST},
+    {"remote", E_REMOTE}, {"internal", E_INTERNAL}, {"lost", E_LOST},
+};
+static const named_t DTYPE_CODES[] = {
+    {"bf16", DT_BF16}, {"fp16", DT_FP16}, {"fp32", DT_FP32}, {"int8", DT_INT8},
+    {"uint8", DT_UINT8},
+};
+static const named_t SYNC_CODES[] = {
+    {"sw", SYNC_SW}, {"tff", SYNC_TFF}, {"dc", SYNC_DC}, {"sp", SYNC_SP},
+};
+static const named_t ENGINE_CODES[] = {{"asp", ENG_ASP}, {"bsp", ENG_BSP}};
+static const named_t LAYOUT_CODES[] = {{"expert", LAY_EXPERT}, {"rank", LAY_RANK}};
+#define AT(name, rec, field) {name, (long long)offsetof(rec, field)}
+static const named_t RECORD_OFFSETS[] = {
+    {"HEADER_BYTES", HEADER_BYTES},
+    {"LINE_BYTES", LINE_BYTES},
+    AT("WORD_CHECK", word_t, check),
+    AT("DOORBELL_SLEEPERS", doorbell_t, sleepers),
+    AT("IN_COUNTS_EPOCH", inbox_rec_t, counts_epoch),
+    AT("IN_ROWS", inbox_rec_t, rows),
+    AT("IN_SUM", inbox_rec_t, sum),
+    AT("IN_SW_COUNT", inbox_rec_t, sw_count),
+    AT("IN_SW_EPOCH", inbox_rec_t, sw_epoch),
+    AT("IN_DC_COUNT", inbox_rec_t, dc_count),
+    AT("IN_DC_SUM", inbox_rec_t, dc_sum),
+    AT("IN_DC_EPOCH", inbox_rec_t, dc_epoch),
+    AT("IN_COUNTS", inbox_rec_t, counts),
+    AT("CI_OFF", comb_info_rec_t, off),
+    AT("CI_ROWS", comb_info_rec_t, rows),
+    AT("CI_STRIDE", comb_info_rec_t, stride),
+    AT("CI_EPOCH", comb_info_rec_t, epoch),
+    AT("CI_INDEX", comb_info_rec_t, dispatch_index),
+    AT("CI_SUM", comb_info_rec_t, sum),
+    {"CI_BYTES", sizeof(comb_info_rec_t)},
+    AT("FAIL_EPOCH", fail_rec_t, epoch),
+    AT("FAIL_LEN", fail_rec_t, lencode),
+    AT("FAIL_MSG", fail_rec_t, msg),
+    {"FAIL_MSG_MAX", FAIL_MSG_MAX},
+    AT("FAIL_SUM", fail_rec_t, sum),
+    {"FAIL_BYTES", sizeof(fail_rec_t)},
+    AT("ROUTE_NTOK", route_rec_t, ntok),
+    AT("ROUTE_EPOCH", route_rec_t, epoch),
+    AT("ROUTE_SUM", route_rec_t, sum),
+    AT("ROUTE_IDX", route_rec_t, idx),
+};
+
+static int add_named(PyObject *m, const char *name, const named_t *items, size_t n) {
+    PyObject *d = PyDict_New();
+    if (!d) return -1;
+    for (size_t i = 0; i < n; i++) {
+        PyObject *v = PyLong_FromLongLong(items[i].value);
+        if (!v || PyDict_SetItemString(d, items[i].name, v) < 0) {
+            Py_XDECREF(v);
+            Py_DECREF(d);
+            return -1;
+        }
+        Py_DECREF(v);
+    }
+    if (PyModule_AddObject(m, name, d) < 0) {
+        Py_DECREF(d);
+        return -1;
+    }
+    return 0;
+}
+
+static int add_exports(PyObject *m) {
+    PyObject *keys = PyTuple_New(NUM_PARAMS);
+    if (!keys) return -1;
+    for (Py_ssize_t i = 0; i < NUM_PARAMS; i++) {
+        PyObject *k = PyUnicode_FromString(PARAMS[i].key);
+        if (!k) {
+            Py_DECREF(keys);
+            return -1;
+        }
+        PyTuple_SET_ITEM(keys, i, k);
+    }
+    if (PyModule_AddObject(m, "PARAMS", keys) < 0) {
+        Py_DECREF(keys);
+        return -1;
+    }
+    if (add_named(m, "ERRORS", ERROR_CODES, NAMED_LEN(ERROR_CODES)) ||
+        add_named(m, "DTYPES", DTYPE_CODES, NAMED_LEN(DTYPE_CODES)) ||
+        add_named(m, "SYNCS", SYNC_CODES, NAMED_LEN(SYNC_CODES)) ||
+        add_named(m, "ENGINES", ENGINE_CODES, NAMED_LEN(ENGINE_CODES)) ||
+        add_named(m, "LAYOUTS", LAYOUT_CODES, NAMED_LEN(LAYOUT_CODES)) ||
+        add_named(m, "OFFSETS", RECORD_OFFSETS, NAMED_LEN(RECORD_OFFSETS)))
+        return -1;
+    if (PyModule_AddIntConstant(m, "ABI", UBEP_ABI_VERSION) < 0 ||
+        PyModule_AddStringConstant(m, "KERNELS", kernel_set) < 0)
+        return -1;
+    return 0;
+}
+
 PyMODINIT_FUNC PyInit__native(void) {
     select_kernels();
     if (PyType_Ready(&EngineType) < 0) return NULL;
@@ -697,7 +799,9 @@ PyMODINIT_FUNC PyInit__native(void) {
         Py_DECREF(m);
         return NULL;
     }
-    PyModule_AddIntConstant(m, "ABI", 1);
-    PyModule_AddStringConstant(m, "KERNELS", kernel_set);
+    if (add_exports(m) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     return m;
 }

@@ -58,13 +58,13 @@ static inline int64_t now_ns(void) {
  * stored with their complement in the next word, complement first: a word whose complement does
  * not match reads as 0 ("nothing yet"). Only a writer that knows the value makes the pair
  * match, so random bytes written into a live segment never pass a >= test. */
-static inline void pub_word(void *p, uint64_t v) {
-    st_rlx((uint8_t *)p + WORD_CHECK, ~v);
-    st_rel(p, v);
+static inline void pub_word(word_t *w, uint64_t v) {
+    st_rlx(&w->check, ~v);
+    st_rel(&w->value, v);
 }
-static inline uint64_t rd_word(const void *p) {
-    uint64_t v = ld_acq(p);
-    return ld_rlx((const uint8_t *)p + WORD_CHECK) == ~v ? v : 0;
+static inline uint64_t rd_word(const word_t *w) {
+    uint64_t v = ld_acq(&w->value);
+    return ld_rlx(&w->check) == ~v ? v : 0;
 }
 
 static inline long futex_wait(_Atomic uint32_t *addr, uint32_t val, const struct timespec *ts) {

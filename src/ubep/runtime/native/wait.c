@@ -74,17 +74,17 @@ static int check_liveness(op_t *op, int core, const char *what, int peer);
 /* Peer q's failure notice for this call, if it published one: returns its code and copies
  * the message; 0 if there is none; -1 for a notice whose checksum does not hold. */
 static int read_notice(engine_t *g, int q, uint64_t epoch, char *msg, size_t cap) {
-    const uint8_t *f = fail_block(g, q, epoch);
-    if (ld_acq(f + FAIL_EPOCH) != epoch) return 0;
-    uint64_t lencode = ld_rlx(f + FAIL_LEN);
+    const fail_rec_t *f = fail_block(g, q, epoch);
+    if (ld_acq(&f->epoch) != epoch) return 0;
+    uint64_t lencode = ld_rlx(&f->lencode);
     uint32_t len = (uint32_t)lencode, code = (uint32_t)(lencode >> 32);
     uint8_t buf[FAIL_MSG_MAX];
     if (len > FAIL_MSG_MAX || code < E_BAD_INPUT || code > E_LOST) {
         snprintf(msg, cap, "corrupt failure notice of rank %d", q);
         return -1;
     }
-    memcpy(buf, f + FAIL_MSG, len);
-    if (ld_rlx(f + FAIL_SUM) != notice_sum(epoch, lencode, buf, len)) {
+    memcpy(buf, f->msg, len);
+    if (ld_rlx(&f->sum) != notice_sum(epoch, lencode, buf, len)) {
         snprintf(msg, cap, "corrupt failure notice of rank %d", q);
         return -1;
     }
@@ -127,7 +127,7 @@ static int check_liveness(op_t *op, int core, const char *what, int peer) {
     engine_t *g = op->g;
     (void)peer;
     for (int q = 0; q < g->R; q++) {
-        if (q == g->rank || rd_word(ctrl(g, q, g->off_done)) >= op->epoch) continue;
+        if (q == g->rank || rd_word(word(g, q, g->off_done)) >= op->epoch) continue;
         if (!process_alive(g->pids[q], g->starts[q]))
             return op_error(op, E_PEER_LOST, core, q, "rank %d (pid %d) died while rank %d core %d "
                             "waited for %s", q, g->pids[q], g->rank, core, what);
@@ -143,7 +143,7 @@ static int check_kinds(op_t *op, int core) {
     if (op->kind == 2) return 0;
     for (int q = 0; q < g->R; q++) {
         if (q == g->rank) continue;
-        uint64_t e = rd_word(ctrl(g, q, g->off_entered));
+        uint64_t e = rd_word(word(g, q, g->off_entered));
         if (e >> 2 == op->epoch && (int)(e & 3) != op->kind)
             return op_error(op, E_LOST, core, q, "rank %d called %s where rank %d called %s "
                             "(call %llu): every rank must make the same calls in the same order",
@@ -210,7 +210,7 @@ int wait_step(op_t *op, waiter_t *w, int core, int peer, const char *fmt, ...) {
 
 int peers_done_geq(engine_t *g, uint64_t epoch) {
     for (int q = 0; q < g->R; q++)
-        if (q != g->rank && rd_word(ctrl(g, q, g->off_done)) < epoch) return 0;
+        if (q != g->rank && rd_word(word(g, q, g->off_done)) < epoch) return 0;
     return 1;
 }
 
@@ -221,7 +221,7 @@ int wait_peers_done(op_t *op, uint64_t epoch, int core) {
         if (q == g->rank) continue;
         waiter_t w;
         waiter_init(&w);
-        while (rd_word(ctrl(g, q, g->off_done)) < epoch) {
+        while (rd_word(word(g, q, g->off_done)) < epoch) {
             int rc = wait_step(op, &w, core, q, "a peer to finish the call before the last");
             if (rc) return rc;
         }
@@ -232,14 +232,14 @@ int wait_peers_done(op_t *op, uint64_t epoch, int core) {
 /* "call `epoch` failed here, for reason `code`" (E_BAD_INPUT: rejected before anything of
  * the call reached a peer, so the ranks stay in step; any other code: they may not be) */
 void publish_failure(engine_t *g, uint64_t epoch, int code, const char *msg) {
-    uint8_t *f = fail_block(g, g->rank, epoch);
+    fail_rec_t *f = fail_block(g, g->rank, epoch);
     size_t len = strlen(msg);
     if (len > FAIL_MSG_MAX) len = FAIL_MSG_MAX;
     uint64_t lencode = (uint64_t)len | (uint64_t)(uint32_t)code << 32;
-    memcpy(f + FAIL_MSG, msg, len);
-    st_rlx(f + FAIL_LEN, lencode);
-    st_rlx(f + FAIL_SUM, notice_sum(epoch, lencode, f + FAIL_MSG, (uint32_t)len));
-    st_rel(f + FAIL_EPOCH, epoch);
+    memcpy(f->msg, msg, len);
+    st_rlx(&f->lencode, lencode);
+    st_rlx(&f->sum, notice_sum(epoch, lencode, f->msg, (uint32_t)len));
+    st_rel(&f->epoch, epoch);
     ring_all(g);
 }
 
@@ -284,7 +284,7 @@ void finish_op(op_t *op) {
         g->land_dirty = 1;
         g->land_dirty_epoch = op->epoch;
     }
-    pub_word(ctrl(g, g->rank, g->off_done), op->epoch);
+    pub_word(word(g, g->rank, g->off_done), op->epoch);
     ring_all(g);
     int armed = atomic_load(&op->armed);
     if (armed) atomic_fetch_sub(sleepers(g, g->rank), (uint32_t)armed);
