@@ -27,7 +27,8 @@ int barrier_wait(op_t *op, int core, int phase) {
             waiter_init(&w);
             uint64_t v;
             while ((v = rd_word(word(g, q, g->off_barrier + (int64_t)c * LINE_BYTES))) < target) {
-                int rc = wait_step(op, &w, core, q, "global barrier %d (rank %d core %d)", phase, q, c);
+                int rc = wait_step(op, &w, core, q, "global barrier %d (rank %d core %d)", phase,
+                                   q, c);
                 if (rc) return rc;
             }
             if (v >= next_call) {

@@ -33,21 +33,17 @@ static int has_pattern4(const uint32_t *p, int64_t n, uint32_t v) {
 int (*has2)(const uint16_t *, int64_t, uint16_t) = has_pattern2;
 int (*has4)(const uint32_t *, int64_t, uint32_t) = has_pattern4;
 
-static void out_bf16(void *dst, const float *acc, int64_t n) {
-    uint16_t *y = (uint16_t *)dst;
-    for (int64_t i = 0; i < n; i++) y[i] = f32_to_bf16(acc[i]);
+static void round_bf16_c(void *y, const float *acc, int64_t n) {
+    round_tail(DT_BF16, y, acc, 0, n);
+}
+static void round_fp16_c(void *y, const float *acc, int64_t n) {
+    round_tail(DT_FP16, y, acc, 0, n);
+}
+static void round_fp32_c(void *y, const float *acc, int64_t n) {
+    round_tail(DT_FP32, y, acc, 0, n);
 }
 
-static void out_f32(void *dst, const float *acc, int64_t n) {
-    float *y = (float *)dst;
-    for (int64_t i = 0; i < n; i++) y[i] = canon_f32(acc[i]);
-}
-static void out_f16sw(void *dst, const float *acc, int64_t n) {
-    uint16_t *y = (uint16_t *)dst;
-    for (int64_t i = 0; i < n; i++) y[i] = f32_to_fp16_sw(acc[i]);
-}
-
-out_fn OUTF[3] = {out_bf16, out_f16sw, out_f32};
+round_fn ROUND[3] = {round_bf16_c, round_fp16_c, round_fp32_c};
 
 static void reduce_bf16_c(void *y, const void *const *s, const float *w, int nt, int64_t n,
                           int wt) { reduce_tail(DT_BF16, y, s, w, nt, 0, n, wt); }
@@ -69,11 +65,12 @@ void select_kernels(void) {
         copy_elem = copy_avx2;
         has2 = has_pattern2_avx2;
         has4 = has_pattern4_avx2;
-        OUTF[DT_BF16] = out_bf16_avx2;
+        ROUND[DT_BF16] = round_bf16_avx2;
+        ROUND[DT_FP32] = round_fp32_avx2;
         REDUCE[DT_BF16] = reduce_bf16_avx2;
         REDUCE[DT_FP32] = reduce_fp32_avx2;
         if (__builtin_cpu_supports("f16c")) {
-            OUTF[DT_FP16] = out_f16_hw;
+            ROUND[DT_FP16] = round_fp16_hw;
             REDUCE[DT_FP16] = reduce_fp16_hw;
         }
     }

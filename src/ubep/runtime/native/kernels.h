@@ -13,7 +13,6 @@
 #include "sync.h"
 
 typedef void (*copy_fn)(uint8_t *dst, const uint8_t *src, int64_t n);
-typedef void (*out_fn)(void *, const float *, int64_t);
 
 /* Fused combine: y[i] = round(((0 + t_0[i]) + t_1[i]) + ...) over the terms in order, where
  * t_j = fl32(w_j * src_j[i]) (weighted, expert layout) or src_j[i] (rank layout). One pass:
@@ -21,6 +20,10 @@ typedef void (*out_fn)(void *, const float *, int64_t);
  * once. Bit-exact with ubep.reference (same order, product rounded before the add). */
 typedef void (*reduce_fn)(void *y, const void *const *src, const float *w, int nt, int64_t n,
                           int weighted);
+/* The output stage of REDUCE[dt] alone: y[i] = round(acc[i]) to dt, through the very code
+ * REDUCE[dt] stores with (kernels_x86.c's store blocks, round_tail / store_f32 here), so that
+ * convert() tests the rounding combine does, bit for bit. */
+typedef void (*round_fn)(void *y, const float *acc, int64_t n);
 
 /* kernels.c: the generic kernels and the pointers select_kernels() sets at module load */
 extern copy_fn copy_elem; /* element-safe copy (SP) */
@@ -28,7 +31,7 @@ extern copy_fn copy_fast; /* any copy followed by a fenced flag */
 extern int fill_vector_ok;
 extern int (*has2)(const uint16_t *, int64_t, uint16_t);
 extern int (*has4)(const uint32_t *, int64_t, uint32_t);
-extern out_fn OUTF[3];
+extern round_fn ROUND[3];
 extern reduce_fn REDUCE[3];
 extern const char *kernel_set;
 void select_kernels(void);
@@ -39,8 +42,9 @@ void copy_avx2(uint8_t *d, const uint8_t *s, int64_t n);
 void fill_avx2(uint8_t *d, int64_t n, int isz, uint64_t pattern);
 int has_pattern2_avx2(const uint16_t *p, int64_t n, uint16_t v);
 int has_pattern4_avx2(const uint32_t *p, int64_t n, uint32_t v);
-void out_bf16_avx2(void *dst, const float *acc, int64_t n);
-void out_f16_hw(void *dst, const float *acc, int64_t n);
+void round_bf16_avx2(void *y, const float *acc, int64_t n);
+void round_fp32_avx2(void *y, const float *acc, int64_t n);
+void round_fp16_hw(void *y, const float *acc, int64_t n);
 void reduce_bf16_avx2(void *y, const void *const *src, const float *w, int nt, int64_t n,
                       int weighted);
 void reduce_fp32_avx2(void *y, const void *const *src, const float *w, int nt, int64_t n,
@@ -220,6 +224,9 @@ static inline void reduce_tail(int dt, void *y, const void *const *src, const fl
         }
         store_f32(dt, y, i, acc);
     }
+}
+static inline void round_tail(int dt, void *y, const float *acc, int64_t i0, int64_t n) {
+    for (int64_t i = i0; i < n; i++) store_f32(dt, y, i, acc[i]);
 }
 
 #endif /* UBEP_KERNELS_H */

@@ -4,8 +4,10 @@
 
 #if UBEP_X86
 
-#if UBEP_X86
-__attribute__((target("avx2"))) void copy_avx2(uint8_t *d, const uint8_t *s, int64_t n) {
+#define AVX2 __attribute__((target("avx2")))
+#define AVX2_F16C __attribute__((target("avx2,f16c")))
+
+AVX2 void copy_avx2(uint8_t *d, const uint8_t *s, int64_t n) {
     /* align the destination first: a vector store that splits a cache line costs ~2x */
     int64_t head = (int64_t)((32 - ((uintptr_t)d & 31)) & 31);
     if (head > n) head = n;
@@ -34,10 +36,8 @@ __attribute__((target("avx2"))) void copy_avx2(uint8_t *d, const uint8_t *s, int
     }
     copy_tail(d + i, s + i, n - i);
 }
-#endif
 
-#if UBEP_X86
-__attribute__((target("avx2"))) void fill_avx2(uint8_t *d, int64_t n, int isz, uint64_t pattern) {
+AVX2 void fill_avx2(uint8_t *d, int64_t n, int isz, uint64_t pattern) {
     /* aligned whole-element stores: the region's slots are 64-byte aligned */
     __m256i v = isz == 2 ? _mm256_set1_epi16((short)pattern) : _mm256_set1_epi32((int)pattern);
     int64_t i = 0;
@@ -53,10 +53,8 @@ __attribute__((target("avx2"))) void fill_avx2(uint8_t *d, int64_t n, int isz, u
     else
         for (; i < n; i += 4) *(uint32_t *)(d + i) = (uint32_t)pattern;
 }
-#endif
 
-#if UBEP_X86
-__attribute__((target("avx2"))) int has_pattern2_avx2(const uint16_t *p, int64_t n, uint16_t v) {
+AVX2 int has_pattern2_avx2(const uint16_t *p, int64_t n, uint16_t v) {
     __m256i pat = _mm256_set1_epi16((short)v), acc = _mm256_setzero_si256();
     int64_t i = 0;
     for (; i + 64 <= n; i += 64) {
@@ -70,7 +68,7 @@ __attribute__((target("avx2"))) int has_pattern2_avx2(const uint16_t *p, int64_t
     for (; i < n; i++) any |= (p[i] == v);
     return any;
 }
-__attribute__((target("avx2"))) int has_pattern4_avx2(const uint32_t *p, int64_t n, uint32_t v) {
+AVX2 int has_pattern4_avx2(const uint32_t *p, int64_t n, uint32_t v) {
     __m256i pat = _mm256_set1_epi32((int)v), acc = _mm256_setzero_si256();
     int64_t i = 0;
     for (; i + 32 <= n; i += 32) {
@@ -84,57 +82,92 @@ __attribute__((target("avx2"))) int has_pattern4_avx2(const uint32_t *p, int64_t
     for (; i < n; i++) any |= (p[i] == v);
     return any;
 }
-#endif
 
-#if UBEP_X86
-__attribute__((target("avx2"))) void out_bf16_avx2(void *dst, const float *acc, int64_t n) {
-    uint16_t *y = (uint16_t *)dst;
-    int64_t i = 0;
-    const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7FFF);
-    const __m256i absmask = _mm256_set1_epi32(0x7FFFFFFF), inf = _mm256_set1_epi32(0x7F800000);
-    for (; i + 8 <= n; i += 8) {
-        __m256i u = _mm256_castps_si256(_mm256_loadu_ps(acc + i));
-        __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, absmask), inf);
-        if (!_mm256_testz_si256(nan, nan)) break; /* NaN present: scalar path below */
-        __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(
-                                            _mm256_and_si256(_mm256_srli_epi32(u, 16), one), bias));
-        r = _mm256_srli_epi32(r, 16);
-        __m128i lo = _mm256_castsi256_si128(r), hi = _mm256_extracti128_si256(r, 1);
-        _mm_storeu_si128((__m128i *)(y + i), _mm_packus_epi32(lo, hi));
-    }
-    for (; i < n; i++) y[i] = f32_to_bf16(acc[i]);
-}
-__attribute__((target("avx2,f16c"))) void out_f16_hw(void *dst, const float *acc, int64_t n) {
-    uint16_t *y = (uint16_t *)dst;
-    int64_t i = 0;
-    const __m256i absmask = _mm256_set1_epi32(0x7FFFFFFF), inf = _mm256_set1_epi32(0x7F800000);
-    for (; i + 8 <= n; i += 8) {
-        __m256 f = _mm256_loadu_ps(acc + i);
-        __m256i u = _mm256_castps_si256(f);
-        __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, absmask), inf);
-        if (!_mm256_testz_si256(nan, nan)) break; /* NaN: the canonical one, scalar */
-        _mm_storeu_si128((__m128i *)(y + i), _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT));
-    }
-    for (; i < n; i++) y[i] = f32_to_fp16_sw(acc[i]);
-}
-#endif
+/* ---------------------------------------------------------------------------------------- */
+/* Combine's output stage: float32 sums rounded to the output type, 32 (16 for fp16) at a time.
+ * The reductions below and the ROUND kernels (convert(), for tests) store through these same
+ * blocks and the same scalar tail (store_f32), so what the tests check is what combine writes.
+ * A NaN sum becomes the canonical quiet NaN of the output type (ubep.dtypes does the same). */
 
-#if UBEP_X86
-__attribute__((target("avx2"))) static inline __m256 bf16x8_to_f32(__m128i h) {
+AVX2 static inline __m256 bf16x8_to_f32(__m128i h) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 /* round to nearest even; the caller has checked there is no NaN */
-__attribute__((target("avx2"))) static inline __m256i f32x8_to_bf16(__m256 f) {
+AVX2 static inline __m256i f32x8_to_bf16(__m256 f) {
     const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7FFF);
     __m256i u = _mm256_castps_si256(f);
-    return _mm256_srli_epi32(
-        _mm256_add_epi32(u, _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), one), bias)),
-        16);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
+    return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, bias)), 16);
 }
-__attribute__((target("avx2"))) void reduce_bf16_avx2(void *y, const void *const *src,
-                                                      const float *w, int nt, int64_t n,
-                                                      int weighted) {
-    uint16_t *out = (uint16_t *)y;
+AVX2 static inline void store32_bf16(uint16_t *out, __m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    __m256 un = _mm256_or_ps(
+        _mm256_or_ps(_mm256_cmp_ps(a0, a0, _CMP_UNORD_Q), _mm256_cmp_ps(a1, a1, _CMP_UNORD_Q)),
+        _mm256_or_ps(_mm256_cmp_ps(a2, a2, _CMP_UNORD_Q), _mm256_cmp_ps(a3, a3, _CMP_UNORD_Q)));
+    if (!_mm256_testz_ps(un, un)) { /* NaN: the canonical one (scalar, rare) */
+        float tmp[32];
+        _mm256_storeu_ps(tmp, a0);
+        _mm256_storeu_ps(tmp + 8, a1);
+        _mm256_storeu_ps(tmp + 16, a2);
+        _mm256_storeu_ps(tmp + 24, a3);
+        for (int k = 0; k < 32; k++) store_f32(DT_BF16, out, k, tmp[k]);
+        return;
+    }
+    /* packus works per 128-bit lane: permute the 64-bit quarters back into order */
+    __m256i p0 = _mm256_permute4x64_epi64(
+        _mm256_packus_epi32(f32x8_to_bf16(a0), f32x8_to_bf16(a1)), 0xD8);
+    __m256i p1 = _mm256_permute4x64_epi64(
+        _mm256_packus_epi32(f32x8_to_bf16(a2), f32x8_to_bf16(a3)), 0xD8);
+    _mm256_storeu_si256((__m256i *)out, p0);
+    _mm256_storeu_si256((__m256i *)(out + 16), p1);
+}
+AVX2 static inline void store32_fp32(float *out, __m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    const __m256 canon = _mm256_castsi256_ps(_mm256_set1_epi32((int)CANON_NAN_F32));
+    _mm256_storeu_ps(out, _mm256_blendv_ps(a0, canon, _mm256_cmp_ps(a0, a0, _CMP_UNORD_Q)));
+    _mm256_storeu_ps(out + 8, _mm256_blendv_ps(a1, canon, _mm256_cmp_ps(a1, a1, _CMP_UNORD_Q)));
+    _mm256_storeu_ps(out + 16, _mm256_blendv_ps(a2, canon, _mm256_cmp_ps(a2, a2, _CMP_UNORD_Q)));
+    _mm256_storeu_ps(out + 24, _mm256_blendv_ps(a3, canon, _mm256_cmp_ps(a3, a3, _CMP_UNORD_Q)));
+}
+AVX2_F16C static inline void store16_fp16(uint16_t *out, __m256 a0, __m256 a1) {
+    const __m256i absmask = _mm256_set1_epi32(0x7FFFFFFF), inf = _mm256_set1_epi32(0x7F800000);
+    __m256i nan = _mm256_or_si256(
+        _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(a0), absmask), inf),
+        _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(a1), absmask), inf));
+    if (!_mm256_testz_si256(nan, nan)) { /* NaN: the canonical one (scalar, rare) */
+        float tmp[16];
+        _mm256_storeu_ps(tmp, a0);
+        _mm256_storeu_ps(tmp + 8, a1);
+        for (int k = 0; k < 16; k++) store_f32(DT_FP16, out, k, tmp[k]);
+        return;
+    }
+    _mm_storeu_si128((__m128i *)out, _mm256_cvtps_ph(a0, _MM_FROUND_TO_NEAREST_INT));
+    _mm_storeu_si128((__m128i *)(out + 8), _mm256_cvtps_ph(a1, _MM_FROUND_TO_NEAREST_INT));
+}
+
+/* ROUND[dt]: the output stage alone, over float32 values */
+AVX2 void round_bf16_avx2(void *y, const float *acc, int64_t n) {
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32)
+        store32_bf16((uint16_t *)y + i, _mm256_loadu_ps(acc + i), _mm256_loadu_ps(acc + i + 8),
+                     _mm256_loadu_ps(acc + i + 16), _mm256_loadu_ps(acc + i + 24));
+    round_tail(DT_BF16, y, acc, i, n);
+}
+AVX2 void round_fp32_avx2(void *y, const float *acc, int64_t n) {
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32)
+        store32_fp32((float *)y + i, _mm256_loadu_ps(acc + i), _mm256_loadu_ps(acc + i + 8),
+                     _mm256_loadu_ps(acc + i + 16), _mm256_loadu_ps(acc + i + 24));
+    round_tail(DT_FP32, y, acc, i, n);
+}
+AVX2_F16C void round_fp16_hw(void *y, const float *acc, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        store16_fp16((uint16_t *)y + i, _mm256_loadu_ps(acc + i), _mm256_loadu_ps(acc + i + 8));
+    round_tail(DT_FP16, y, acc, i, n);
+}
+
+/* REDUCE[dt]: y[i] = round(sum_j t_j[i]) (kernels.h), 32 (16) accumulators in registers */
+AVX2 void reduce_bf16_avx2(void *y, const void *const *src, const float *w, int nt, int64_t n,
+                           int weighted) {
     int64_t i = 0;
     for (; i + 32 <= n; i += 32) {
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -158,32 +191,12 @@ __attribute__((target("avx2"))) void reduce_bf16_avx2(void *y, const void *const
             a2 = _mm256_add_ps(a2, f2);
             a3 = _mm256_add_ps(a3, f3);
         }
-        __m256 un = _mm256_or_ps(
-            _mm256_or_ps(_mm256_cmp_ps(a0, a0, _CMP_UNORD_Q), _mm256_cmp_ps(a1, a1, _CMP_UNORD_Q)),
-            _mm256_or_ps(_mm256_cmp_ps(a2, a2, _CMP_UNORD_Q), _mm256_cmp_ps(a3, a3, _CMP_UNORD_Q)));
-        if (!_mm256_testz_ps(un, un)) { /* NaN: the canonical one (scalar, rare) */
-            float tmp[32];
-            _mm256_storeu_ps(tmp, a0);
-            _mm256_storeu_ps(tmp + 8, a1);
-            _mm256_storeu_ps(tmp + 16, a2);
-            _mm256_storeu_ps(tmp + 24, a3);
-            for (int k = 0; k < 32; k++) out[i + k] = f32_to_bf16(tmp[k]);
-            continue;
-        }
-        /* packus works per 128-bit lane: permute the 64-bit quarters back into order */
-        __m256i p0 = _mm256_permute4x64_epi64(
-            _mm256_packus_epi32(f32x8_to_bf16(a0), f32x8_to_bf16(a1)), 0xD8);
-        __m256i p1 = _mm256_permute4x64_epi64(
-            _mm256_packus_epi32(f32x8_to_bf16(a2), f32x8_to_bf16(a3)), 0xD8);
-        _mm256_storeu_si256((__m256i *)(out + i), p0);
-        _mm256_storeu_si256((__m256i *)(out + i + 16), p1);
+        store32_bf16((uint16_t *)y + i, a0, a1, a2, a3);
     }
     reduce_tail(DT_BF16, y, src, w, nt, i, n, weighted);
 }
-__attribute__((target("avx2"))) void reduce_fp32_avx2(void *y, const void *const *src,
-                                                      const float *w, int nt, int64_t n,
-                                                      int weighted) {
-    float *out = (float *)y;
+AVX2 void reduce_fp32_avx2(void *y, const void *const *src, const float *w, int nt, int64_t n,
+                           int weighted) {
     int64_t i = 0;
     for (; i + 32 <= n; i += 32) {
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -203,23 +216,12 @@ __attribute__((target("avx2"))) void reduce_fp32_avx2(void *y, const void *const
             a2 = _mm256_add_ps(a2, f2);
             a3 = _mm256_add_ps(a3, f3);
         }
-        const __m256 canon = _mm256_castsi256_ps(_mm256_set1_epi32((int)CANON_NAN_F32));
-        a0 = _mm256_blendv_ps(a0, canon, _mm256_cmp_ps(a0, a0, _CMP_UNORD_Q));
-        a1 = _mm256_blendv_ps(a1, canon, _mm256_cmp_ps(a1, a1, _CMP_UNORD_Q));
-        a2 = _mm256_blendv_ps(a2, canon, _mm256_cmp_ps(a2, a2, _CMP_UNORD_Q));
-        a3 = _mm256_blendv_ps(a3, canon, _mm256_cmp_ps(a3, a3, _CMP_UNORD_Q));
-        _mm256_storeu_ps(out + i, a0);
-        _mm256_storeu_ps(out + i + 8, a1);
-        _mm256_storeu_ps(out + i + 16, a2);
-        _mm256_storeu_ps(out + i + 24, a3);
+        store32_fp32((float *)y + i, a0, a1, a2, a3);
     }
     reduce_tail(DT_FP32, y, src, w, nt, i, n, weighted);
 }
-__attribute__((target("avx2,f16c"))) void reduce_fp16_hw(void *y, const void *const *src,
-                                                         const float *w, int nt, int64_t n,
-                                                         int weighted) {
-    uint16_t *out = (uint16_t *)y;
-    const __m256i absmask = _mm256_set1_epi32(0x7FFFFFFF), inf = _mm256_set1_epi32(0x7F800000);
+AVX2_F16C void reduce_fp16_hw(void *y, const void *const *src, const float *w, int nt, int64_t n,
+                              int weighted) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
         __m256 a0 = _mm256_setzero_ps(), a1 = a0;
@@ -235,21 +237,9 @@ __attribute__((target("avx2,f16c"))) void reduce_fp16_hw(void *y, const void *co
             a0 = _mm256_add_ps(a0, f0);
             a1 = _mm256_add_ps(a1, f1);
         }
-        __m256i nan = _mm256_or_si256(
-            _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(a0), absmask), inf),
-            _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(a1), absmask), inf));
-        if (!_mm256_testz_si256(nan, nan)) { /* NaN: the canonical one (scalar, rare) */
-            float tmp[16];
-            _mm256_storeu_ps(tmp, a0);
-            _mm256_storeu_ps(tmp + 8, a1);
-            for (int k = 0; k < 16; k++) out[i + k] = f32_to_fp16_sw(tmp[k]);
-            continue;
-        }
-        _mm_storeu_si128((__m128i *)(out + i), _mm256_cvtps_ph(a0, _MM_FROUND_TO_NEAREST_INT));
-        _mm_storeu_si128((__m128i *)(out + i + 8), _mm256_cvtps_ph(a1, _MM_FROUND_TO_NEAREST_INT));
+        store16_fp16((uint16_t *)y + i, a0, a1);
     }
     reduce_tail(DT_FP16, y, src, w, nt, i, n, weighted);
 }
-#endif
 
 #endif /* UBEP_X86 */

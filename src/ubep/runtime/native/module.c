@@ -7,6 +7,18 @@
  * destination's receive slots, arrival detection (SW / TFF / DC / SP), metadata, and for
  * combine the one-pass float32 reduction over the expert outputs where they lie.
  *
+ * The ABI, all that crosses between Python and C (ubep/runtime/abi.py is the Python side):
+ *   - Engine(params, addresses, pids, start_times): params is a dict with exactly the keys of
+ *     PARAMS (read through the {key, offsetof} table below), addresses the base address of
+ *     every rank's segment in this process, pids and start times the peer processes (liveness).
+ *   - Methods take arrays as C-contiguous buffers, their sizes checked against the parameters,
+ *     and return their result or an error tuple (code, peer, core, argument, what: bytes,
+ *     message: bytes), abi.ErrorRecord; ubep.buffer.Engine documents each method.
+ *   - The codes (E_*, DT_*, SYNC_*, ENG_*, LAY_*) and the offsets inside the control records
+ *     are abi.h's. The module exports them (ERRORS, DTYPES, SYNCS, ENGINES, LAYOUTS, OFFSETS,
+ *     PARAMS, ABI) and abi.load_native() refuses a build whose exports differ from abi.py's.
+ *   - Where each record lies in a segment is ubep/runtime/layout.py's (offsets as parameters).
+ *
  * The parts of the core are listed in engine.h.
  */
 #include "engine.h" /* first: Python.h precedes the standard headers */
@@ -168,8 +180,8 @@ static int engine_init(engine_t *g, PyObject *args, PyObject *kwds) {
     }
     g->tff_payload = g->tff_block - g->tff_flag;
     g->tff_nblocks = g->tff_payload > 0 ? (g->row_bytes + g->tff_payload - 1) / g->tff_payload : 0;
-    if (!PySequence_Check(bases) || PySequence_Size(bases) != g->R || PySequence_Size(pids) != g->R ||
-        PySequence_Size(starts) != g->R) {
+    if (!PySequence_Check(bases) || PySequence_Size(bases) != g->R ||
+        PySequence_Size(pids) != g->R || PySequence_Size(starts) != g->R) {
         PyErr_SetString(PyExc_ValueError, "engine: bases/pids/starts need one entry per rank");
         return -1;
     }
@@ -264,8 +276,10 @@ static void op_init(op_t *op, engine_t *g, int kind, uint64_t epoch) {
     op->err_peer = -1;
 }
 
-/* dispatch(x, topk_idx, topk_weights, epoch, n, o_idx, o_w, o_src_rank, o_src_tok, o_src_k,
- *          o_nrecv, o_dst_row, plan) -> int n_recv | error tuple */
+/* dispatch(x, topk_idx, topk_weights, num_tokens, epoch, index, recv_topk_idx,
+ *          recv_topk_weights, recv_src_rank, recv_src_token, recv_src_k, counts, send_dst_row,
+ *          plan) -> rows received | error tuple; plan: None or (send_token, send_k,
+ *          send_expert, send_dst_rank, send_slot, core_ptr, num_send_cores) */
 static PyObject *engine_dispatch(engine_t *g, PyObject *args) {
     PyObject *ox, *oidx, *ow, *o1, *o2, *o3, *o4, *o5, *o6, *o7, *plan;
     unsigned long long epoch;
@@ -354,8 +368,9 @@ static PyObject *engine_dispatch(engine_t *g, PyObject *args) {
     return res;
 }
 
-/* combine(expert_out, rows, topk_idx, topk_weights, send_dst_row, ntok, epoch, creg, y,
- *         dispatch_index) -> 0 | error tuple; every rank must name the same dispatch */
+/* combine(expert_out, num_rows, topk_idx, topk_weights, send_dst_row, num_tokens, epoch,
+ *         region, y, dispatch_index) -> 1 if expert_out was used in place, else 0 | error
+ *         tuple; every rank must name the same dispatch */
 static PyObject *engine_combine(engine_t *g, PyObject *args) {
     PyObject *oeo, *oidx, *ow, *odr, *oy;
     long long rows, ntok;
@@ -393,7 +408,8 @@ static PyObject *engine_combine(engine_t *g, PyObject *args) {
     op->eo_rows = rows;
     op->creg = creg;
     uintptr_t mine = (uintptr_t)g->base[g->rank], at = (uintptr_t)op->eo;
-    if (at >= mine + HEADER_BYTES && at + (uint64_t)rows * g->crow_bytes <= mine + (uint64_t)g->seg_size) {
+    uint64_t end = at + (uint64_t)rows * (uint64_t)g->crow_bytes;
+    if (at >= mine + HEADER_BYTES && end <= mine + (uint64_t)g->seg_size) {
         op->zero_copy = 1; /* the expert outputs already live in this rank's segment */
         op->eo_off = (int64_t)(at - mine);
     } else {
@@ -413,7 +429,7 @@ static PyObject *engine_combine(engine_t *g, PyObject *args) {
     return res;
 }
 
-/* fail(epoch, code, message, finished, timeout_s) -> 0 | error tuple: publish "call `epoch`
+/* fail(epoch, code, message, finished, timeout_s) -> 0 | 1 | error tuple: publish "call `epoch`
  * failed here" for a call rejected before the native code ran (finished=1: this rank is done
  * with it), or, finished=0, tell peers ahead of time that the next call cannot run here (a
  * Buffer that lost step). The notice slot of `epoch` last held the notice of `epoch - 2`: it
@@ -542,8 +558,8 @@ static PyObject *engine_close(engine_t *g, PyObject *noargs) {
 }
 
 static PyMethodDef engine_methods[] = {
-    {"dispatch", (PyCFunction)engine_dispatch, METH_VARARGS, "one dispatch (see engine_dispatch in native/module.c)"},
-    {"combine", (PyCFunction)engine_combine, METH_VARARGS, "one combine (see engine_combine in native/module.c)"},
+    {"dispatch", (PyCFunction)engine_dispatch, METH_VARARGS, "one dispatch (ubep.buffer.Engine)"},
+    {"combine", (PyCFunction)engine_combine, METH_VARARGS, "one combine (ubep.buffer.Engine)"},
     {"fail", (PyCFunction)engine_fail, METH_VARARGS, "publish a failure notice"},
     {"resync", (PyCFunction)engine_resync, METH_VARARGS, "forget every call before an epoch"},
     {"wait_done", (PyCFunction)engine_wait_done, METH_VARARGS, "wait for peers' progress"},
@@ -613,7 +629,7 @@ static PyObject *mod_dc_checksum(PyObject *self, PyObject *args) {
 }
 
 static PyObject *mod_convert(PyObject *self, PyObject *args) {
-    /* convert(acc_f32, out, dtype): the native float32 -> dtype rounding, for tests */
+    /* convert(acc_f32, out, dtype): combine's float32 -> dtype rounding (ROUND), for tests */
     PyObject *oa, *oo;
     int dt;
     (void)self;
@@ -627,8 +643,12 @@ static PyObject *mod_convert(PyObject *self, PyObject *args) {
     }
     int64_t n = b[0].b.len / 4;
     int osz = dt == DT_FP32 ? 4 : 2;
-    if (b[1].b.len < n * osz) { rel_bufs(b, 2); PyErr_SetString(PyExc_ValueError, "out"); return NULL; }
-    OUTF[dt](b[1].b.buf, b[0].b.buf, n);
+    if (b[1].b.len < n * osz) {
+        rel_bufs(b, 2);
+        PyErr_SetString(PyExc_ValueError, "out");
+        return NULL;
+    }
+    ROUND[dt](b[1].b.buf, b[0].b.buf, n);
     rel_bufs(b, 2);
     Py_RETURN_NONE;
 }
