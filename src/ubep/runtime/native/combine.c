@@ -54,7 +54,7 @@ static int ph_cb_wait(op_t *op, int core) { return barrier_wait(op, core, 3); }
 
 static int ph_c_reduce(op_t *op, int core) {
     engine_t *g = op->g;
-    const int R = g->R, K = g->K, L = g->L;
+    const int R = g->R, K = g->K;
     int64_t *coff = g->ci_off + (int64_t)core * R, *crows = g->ci_rows + (int64_t)core * R;
     /* every peer's expert outputs: wait for them (ASP) / verify them (BSP) */
     for (int q = 0; q < R; q++) {
@@ -128,7 +128,6 @@ static int ph_c_reduce(op_t *op, int core) {
         REDUCE[cd](op->y + t * (int64_t)g->hidden * g->cisz, tp, tw, nt, g->hidden,
                    g->layout == LAY_EXPERT);
     }
-    (void)L;
     return 0;
 }
 

@@ -304,15 +304,7 @@ static void put_row(op_t *op, int d, int64_t pos, const uint8_t *src) {
     }
     uint8_t *slot = land(g, d, reg) + pos * g->slot_bytes;
     if (g->sync == SYNC_TFF) {
-        for (int64_t b = 0; b < g->tff_nblocks; b++) {
-            int64_t off = b * g->tff_payload, len = g->row_bytes - off;
-            if (len > g->tff_payload) len = g->tff_payload;
-            uint8_t *blk = slot + b * g->tff_block;
-            copy_elem(blk, src + off, len);
-            if (len < g->tff_payload) memset(blk + len, 0, (size_t)(g->tff_payload - len));
-            if (g->tff_flag > 8) memset(blk + g->tff_payload + 8, 0, (size_t)(g->tff_flag - 8));
-            st_rel(blk + g->tff_payload, op->epoch); /* the block's flag, after its payload */
-        }
+        put_tff_row(g, slot, src, op->epoch);
     } else if (g->sync == SYNC_SP) {
         put_sp_row(g, slot, src);
     } else {
@@ -641,13 +633,8 @@ static int recv_progress(op_t *op, int core, int s, const int64_t *rx_base, uint
                 continue; /* in place: the row is recv_x already */
             }
             for (int64_t b = 0; b < g->tff_nblocks; b++) /* TFF: the whole row, then copy */
-                if (ld_acq(slot + b * g->tff_block + g->tff_payload) != op->epoch) return 0;
-            uint8_t *dst = out_base + pos * g->out_stride;
-            for (int64_t b = 0; b < g->tff_nblocks; b++) {
-                int64_t off = b * g->tff_payload, len = g->row_bytes - off;
-                if (len > g->tff_payload) len = g->tff_payload;
-                copy_fast(dst + off, slot + b * g->tff_block, len);
-            }
+                if (tff_flag(g, slot, b) != op->epoch) return 0;
+            get_tff_row(g, out_base + pos * g->out_stride, slot);
         }
     }
     atomic_thread_fence(memory_order_acquire);

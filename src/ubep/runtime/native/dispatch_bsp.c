@@ -49,15 +49,13 @@ static int ph_b2_wait(op_t *op, int core) { return barrier_wait(op, core, 2); }
  * cores by unit index; the destination's readiness (its staging area is clean) is checked. */
 static int ph_bsp_send(op_t *op, int core) {
     engine_t *g = op->g;
-    const int R = g->R, L = g->L;
-    int64_t *ready = g->core_ready + (int64_t)core * R;
-    for (int d = 0; d < R; d++) ready[d] = 0;
+    const int R = g->R;
     int reg = (int)(op->n % g->nreg);
     for (int i = 0; i < R; i++) {
-      int d = (g->rank + 1 + i) % R;
-      int64_t n = g->units_to[d], b = bucket_start(g, i);
-      for (int64_t u = b + n * core / g->C; u < b + n * (core + 1) / g->C; u++) {
-        if (!ready[d]) {
+        int d = (g->rank + 1 + i) % R;
+        int64_t n = g->units_to[d], b = bucket_start(g, i);
+        int64_t lo = b + n * core / g->C, hi = b + n * (core + 1) / g->C;
+        if (lo < hi) { /* the destination's staging area is clean for this call */
             waiter_t w;
             waiter_init(&w);
             uint64_t at;
@@ -66,30 +64,22 @@ static int ph_bsp_send(op_t *op, int core) {
                 int rc = wait_step(op, &w, core, d, "staging area of rank %d", d);
                 if (rc) return rc;
             }
-            ready[d] = 1;
         }
-        int64_t slot = g->layout == LAY_EXPERT ? g->my_rank_in_batch[g->u_e[u]] + g->u_slot[u]
-                                               : g->u_slot[u];
-        int64_t pos = (int64_t)g->rank * g->cap_src_rows + slot;
-        const uint8_t *src = op->x + (int64_t)g->u_t[u] * g->row_bytes;
-        uint8_t *slotp = land(g, d, reg) + pos * g->slot_bytes;
-        if (g->sync == SYNC_TFF) {
-            for (int64_t b = 0; b < g->tff_nblocks; b++) {
-                int64_t off = b * g->tff_payload, len = g->row_bytes - off;
-                if (len > g->tff_payload) len = g->tff_payload;
-                uint8_t *blk = slotp + b * g->tff_block;
-                copy_elem(blk, src + off, len);
-                if (len < g->tff_payload) memset(blk + len, 0, (size_t)(g->tff_payload - len));
-                if (g->tff_flag > 8) memset(blk + g->tff_payload + 8, 0, (size_t)(g->tff_flag - 8));
-                st_rel(blk + g->tff_payload, op->epoch);
+        for (int64_t u = lo; u < hi; u++) {
+            int64_t slot = g->layout == LAY_EXPERT
+                               ? g->my_rank_in_batch[g->u_e[u]] + g->u_slot[u]
+                               : g->u_slot[u];
+            int64_t pos = (int64_t)g->rank * g->cap_src_rows + slot;
+            const uint8_t *src = op->x + (int64_t)g->u_t[u] * g->row_bytes;
+            uint8_t *slotp = land(g, d, reg) + pos * g->slot_bytes;
+            if (g->sync == SYNC_TFF) {
+                put_tff_row(g, slotp, src, op->epoch);
+            } else if (g->sync == SYNC_SP) {
+                copy_elem(slotp, src, g->row_bytes);
+            } else {
+                copy_fast(slotp, src, g->row_bytes);
             }
-        } else if (g->sync == SYNC_SP) {
-            copy_elem(slotp, src, g->row_bytes);
-        } else {
-            copy_fast(slotp, src, g->row_bytes);
         }
-        (void)L;
-      }
     }
     return 0;
 }
@@ -109,17 +99,10 @@ static int ph_bsp_flags(op_t *op, int core) {
             st_rlx(&ib->sw_count, (uint64_t)g->rows_to[d]);
             st_rel(&ib->sw_epoch, op->epoch);
         } else if (g->sync == SYNC_DC) {
-            uint64_t s1 = 0, s2 = 0;
-            int64_t W = (g->row_bytes + 7) / 8;
             uint8_t *part = land(g, d, reg) + (int64_t)g->rank * g->cap_src_rows * g->slot_bytes;
-            for (int64_t i = 0; i < g->rows_to[d]; i++) {
-                uint64_t A, B;
-                dc_row_sums(part + i * g->slot_bytes, g->row_bytes, &A, &B);
-                s1 += A;
-                s2 += (uint64_t)i * (uint64_t)W * A + B;
-            }
             st_rlx(&ib->dc_count, (uint64_t)g->rows_to[d]);
-            st_rlx(&ib->dc_sum, dc_finish(s1, s2, op->epoch));
+            st_rlx(&ib->dc_sum, dc_batch_sum(part, g->slot_bytes, g->rows_to[d], g->row_bytes,
+                                             op->epoch));
             st_rel(&ib->dc_epoch, op->epoch);
         }
         st_rel(&ib->counts_epoch, op->epoch);
@@ -149,24 +132,16 @@ static int ph_bsp_verify(op_t *op, int core) {
         if (g->sync == SYNC_SW) {
             ok = ld_acq(&ib->sw_epoch) == op->epoch && (int64_t)ld_rlx(&ib->sw_count) == n;
         } else if (g->sync == SYNC_DC) {
-            uint64_t s1 = 0, s2 = 0;
-            int64_t W = (g->row_bytes + 7) / 8;
-            for (int64_t i = 0; i < n; i++) {
-                uint64_t A, B;
-                dc_row_sums(part + i * g->slot_bytes, g->row_bytes, &A, &B);
-                s1 += A;
-                s2 += (uint64_t)i * (uint64_t)W * A + B;
-            }
             ok = ld_acq(&ib->dc_epoch) == op->epoch && (int64_t)ld_rlx(&ib->dc_count) == n &&
-                 ld_rlx(&ib->dc_sum) == dc_finish(s1, s2, op->epoch);
+                 ld_rlx(&ib->dc_sum) ==
+                     dc_batch_sum(part, g->slot_bytes, n, g->row_bytes, op->epoch);
         } else if (g->sync == SYNC_SP) {
             for (int64_t i = 0; i < n && ok; i++)
                 ok = !has_pattern(part + i * g->slot_bytes, g->row_bytes, g->isz, g->sentinel);
         } else {
             for (int64_t i = 0; i < n && ok; i++)
                 for (int64_t b = 0; b < g->tff_nblocks && ok; b++)
-                    ok = ld_acq(part + i * g->slot_bytes + b * g->tff_block + g->tff_payload) ==
-                         op->epoch;
+                    ok = tff_flag(g, part + i * g->slot_bytes, b) == op->epoch;
         }
         if (!ok)
             return op_error(op, E_INTERNAL, core, s, "verification of rank %d's rows failed after "
@@ -196,11 +171,7 @@ static int ph_bsp_reorder(op_t *op, int core) {
             const uint8_t *slot = part + rank_ * g->slot_bytes;
             uint8_t *dst = out + pos * g->out_stride;
             if (g->sync == SYNC_TFF) {
-                for (int64_t b = 0; b < g->tff_nblocks; b++) {
-                    int64_t off = b * g->tff_payload, len = g->row_bytes - off;
-                    if (len > g->tff_payload) len = g->tff_payload;
-                    copy_fast(dst + off, slot + b * g->tff_block, len);
-                }
+                get_tff_row(g, dst, slot);
             } else {
                 copy_fast(dst, slot, g->row_bytes);
                 if (g->sync == SYNC_SP)  /* consumed: refill for the next call */

@@ -15,6 +15,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "abi.h"
 #include "kernels.h"
@@ -104,8 +105,7 @@ typedef struct engine {
     _Atomic uint32_t job_gen;
     _Atomic int stopping;
     struct op *job_op;
-    const phase_t *job_phases;
-    int job_nph;
+    const struct phase_list *job_phases;
     _Atomic uint32_t tb_count, tb_gen;
     /* BSP with SP: the staging region must hold the sentinel wherever a peer may write.
      * Consumed rows are refilled at once; a failed call can leave rows behind: then the whole
@@ -260,8 +260,34 @@ static inline int64_t unit_pos(engine_t *g, const int64_t *bases, int e, int64_t
         }                                                                                  \
     } while (0)
 
+/* TFF (docs/FORMATS.md): a row as blocks of tff_payload bytes, each followed by its flag, the
+ * call's epoch, stored with release after the payload. Used by ASP and BSP dispatch. */
+static inline void put_tff_row(engine_t *g, uint8_t *slot, const uint8_t *src, uint64_t epoch) {
+    for (int64_t b = 0; b < g->tff_nblocks; b++) {
+        int64_t off = b * g->tff_payload, len = g->row_bytes - off;
+        if (len > g->tff_payload) len = g->tff_payload;
+        uint8_t *blk = slot + b * g->tff_block;
+        copy_elem(blk, src + off, len);
+        if (len < g->tff_payload) memset(blk + len, 0, (size_t)(g->tff_payload - len));
+        if (g->tff_flag > 8) memset(blk + g->tff_payload + 8, 0, (size_t)(g->tff_flag - 8));
+        st_rel(blk + g->tff_payload, epoch); /* the block's flag, after its payload */
+    }
+}
+/* the flag of block b of a TFF slot */
+static inline uint64_t tff_flag(engine_t *g, const uint8_t *slot, int64_t b) {
+    return ld_acq(slot + b * g->tff_block + g->tff_payload);
+}
+/* a complete TFF row, without its flags */
+static inline void get_tff_row(engine_t *g, uint8_t *dst, const uint8_t *slot) {
+    for (int64_t b = 0; b < g->tff_nblocks; b++) {
+        int64_t off = b * g->tff_payload, len = g->row_bytes - off;
+        if (len > g->tff_payload) len = g->tff_payload;
+        copy_fast(dst + off, slot + b * g->tff_block, len);
+    }
+}
+
 /* phase lists (dispatch.c, dispatch_bsp.c, combine.c), run by team.c */
-typedef struct {
+typedef struct phase_list {
     const phase_t *phase;
     int num_phases;
 } phase_list_t;

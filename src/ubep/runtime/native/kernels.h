@@ -130,6 +130,19 @@ static inline uint64_t dc_finish(uint64_t s1, uint64_t s2, uint64_t epoch) {
     return v ? v : 1;
 }
 
+/* DC checksum of n rows of row_bytes each, stride bytes apart, the i-th with batch rank i */
+static inline uint64_t dc_batch_sum(const uint8_t *rows, int64_t stride, int64_t n,
+                                    int64_t row_bytes, uint64_t epoch) {
+    uint64_t s1 = 0, s2 = 0, W = (uint64_t)(row_bytes + 7) / 8;
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t A, B;
+        dc_row_sums(rows + i * stride, row_bytes, &A, &B);
+        s1 += A;
+        s2 += (uint64_t)i * W * A + B;
+    }
+    return dc_finish(s1, s2, epoch);
+}
+
 /* float conversions, bit-exact with ubep.dtypes */
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;

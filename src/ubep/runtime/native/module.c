@@ -216,11 +216,16 @@ static int engine_init(engine_t *g, PyObject *args, PyObject *kwds) {
     g->term_w = calloc((size_t)C * maxt, sizeof(float));
     if (g->e2d && g->e2l)
         for (int e = 0; e < E; e++) { g->e2d[e] = e / L; g->e2l[e] = e % L; }
-    if (!g->base || !g->pids || !g->starts || !g->cnt || !g->u_t || !g->u_k || !g->u_e ||
-        !g->stamp || !g->u_slot || !g->core_base || !g->rx_base ||
-        !g->ci_off || !g->rx_rows || !g->rx_cnt || !g->tx_rows || !g->tx_cnt ||
-        !g->route_snap ||
-        !g->e2d || !g->e2l || !g->term_ptr || !g->term_w) {
+    const void *scratch[] = {
+        g->base, g->pids, g->starts, g->cnt, g->units_to, g->rows_to, g->u_t, g->u_k, g->u_e,
+        g->u_slot, g->stamp, g->my_rank_in_batch, (const void *)g->remaining,
+        (const void *)g->dc_s1, (const void *)g->dc_s2, g->core_base, g->core_ready, g->rx_base,
+        g->rx_rows, g->rx_cnt, g->tx_rows, g->tx_cnt, g->route_snap, g->ci_off, g->ci_rows,
+        g->e2d, g->e2l, (const void *)g->term_ptr, g->term_w,
+    };
+    int missing = 0;
+    for (size_t i = 0; i < sizeof scratch / sizeof scratch[0]; i++) missing |= !scratch[i];
+    if (missing) {
         PyErr_NoMemory();
         return -1;
     }
@@ -617,15 +622,9 @@ static PyObject *mod_dc_checksum(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "rows: length must be a multiple of row_bytes");
         return NULL;
     }
-    uint64_t s1 = 0, s2 = 0, W = (uint64_t)(row_bytes + 7) / 8;
-    for (int64_t i = 0; i < b.b.len / row_bytes; i++) {
-        uint64_t A, B;
-        dc_row_sums((const uint8_t *)b.b.buf + i * row_bytes, row_bytes, &A, &B);
-        s1 += A;
-        s2 += (uint64_t)i * W * A + B;
-    }
+    uint64_t sum = dc_batch_sum(b.b.buf, row_bytes, b.b.len / row_bytes, row_bytes, epoch);
     rel_bufs(&b, 1);
-    return PyLong_FromUnsignedLongLong(dc_finish(s1, s2, epoch));
+    return PyLong_FromUnsignedLongLong(sum);
 }
 
 static PyObject *mod_convert(PyObject *self, PyObject *args) {

@@ -46,7 +46,7 @@ static void *worker_main(void *arg) {
         }
         seen = atomic_load(&g->job_gen);
         if (atomic_load(&g->stopping)) break;
-        run_phases_core(g->job_op, g->job_phases, g->job_nph, core);
+        run_phases_core(g->job_op, g->job_phases->phase, g->job_phases->num_phases, core);
         team_barrier(g); /* completion */
     }
     return NULL;
@@ -78,8 +78,7 @@ void run_op(op_t *op, const phase_list_t *phases) {
         run_phases_core(op, ph, nph, 0);
     } else if (g->threaded) {
         g->job_op = op;
-        g->job_phases = ph;
-        g->job_nph = nph;
+        g->job_phases = phases;
         atomic_fetch_add(&g->job_gen, 1);
         futex_wake(&g->job_gen, INT32_MAX);
         run_phases_core(op, ph, nph, 0);
