@@ -21,6 +21,10 @@
 #include "kernels.h"
 #include "sync.h"
 
+/* what the parts share stays inside the module: accessed without the GOT (-fvisibility=hidden
+ * only covers definitions, not these declarations) */
+#pragma GCC visibility push(hidden)
+
 #define MAX_WHAT 160
 #define MAX_MSG 512
 
@@ -329,5 +333,7 @@ void recv_counts_out(op_t *op, int core);
 /* dispatch_bsp.c: the global barrier (BSP combine uses it too) */
 int barrier_arrive(op_t *op, int core, int phase);
 int barrier_wait(op_t *op, int core, int phase);
+
+#pragma GCC visibility pop
 
 #endif /* UBEP_ENGINE_H */

@@ -12,6 +12,10 @@
 #include "abi.h"
 #include "sync.h"
 
+/* what the parts share stays inside the module: accessed without the GOT (-fvisibility=hidden
+ * only covers definitions, not these declarations) */
+#pragma GCC visibility push(hidden)
+
 typedef void (*copy_fn)(uint8_t *dst, const uint8_t *src, int64_t n);
 
 /* Fused combine: y[i] = round(((0 + t_0[i]) + t_1[i]) + ...) over the terms in order, where
@@ -241,5 +245,7 @@ static inline void reduce_tail(int dt, void *y, const void *const *src, const fl
 static inline void round_tail(int dt, void *y, const float *acc, int64_t i0, int64_t n) {
     for (int64_t i = i0; i < n; i++) store_f32(dt, y, i, acc[i]);
 }
+
+#pragma GCC visibility pop
 
 #endif /* UBEP_KERNELS_H */
