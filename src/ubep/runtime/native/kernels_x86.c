@@ -165,33 +165,40 @@ AVX2_F16C void round_fp16_hw(void *y, const float *acc, int64_t n) {
     round_tail(DT_FP16, y, acc, i, n);
 }
 
+/* a_k = a_k + t_k for the four accumulators of a 32-wide block, t_k = fl32(w * f_k) when
+ * weighted (the product rounded before the add: -ffp-contract=off), else f_k */
+AVX2 static inline void add4(__m256 a[4], __m256 f0, __m256 f1, __m256 f2, __m256 f3,
+                             int weighted, float w) {
+    if (weighted) {
+        __m256 ww = _mm256_set1_ps(w);
+        f0 = _mm256_mul_ps(ww, f0);
+        f1 = _mm256_mul_ps(ww, f1);
+        f2 = _mm256_mul_ps(ww, f2);
+        f3 = _mm256_mul_ps(ww, f3);
+    }
+    a[0] = _mm256_add_ps(a[0], f0);
+    a[1] = _mm256_add_ps(a[1], f1);
+    a[2] = _mm256_add_ps(a[2], f2);
+    a[3] = _mm256_add_ps(a[3], f3);
+}
+
 /* REDUCE[dt]: y[i] = round(sum_j t_j[i]) (kernels.h), 32 (16) accumulators in registers */
 AVX2 void reduce_bf16_avx2(void *y, const void *const *src, const float *w, int nt, int64_t n,
                            int weighted) {
     int64_t i = 0;
     for (; i + 32 <= n; i += 32) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                       _mm256_setzero_ps()};
         for (int j = 0; j < nt; j++) {
             const uint16_t *v = (const uint16_t *)src[j] + i;
             __m256i h0 = _mm256_loadu_si256((const __m256i *)v);
             __m256i h1 = _mm256_loadu_si256((const __m256i *)(v + 16));
-            __m256 f0 = bf16x8_to_f32(_mm256_castsi256_si128(h0));
-            __m256 f1 = bf16x8_to_f32(_mm256_extracti128_si256(h0, 1));
-            __m256 f2 = bf16x8_to_f32(_mm256_castsi256_si128(h1));
-            __m256 f3 = bf16x8_to_f32(_mm256_extracti128_si256(h1, 1));
-            if (weighted) {
-                __m256 ww = _mm256_set1_ps(w[j]);
-                f0 = _mm256_mul_ps(ww, f0);
-                f1 = _mm256_mul_ps(ww, f1);
-                f2 = _mm256_mul_ps(ww, f2);
-                f3 = _mm256_mul_ps(ww, f3);
-            }
-            a0 = _mm256_add_ps(a0, f0);
-            a1 = _mm256_add_ps(a1, f1);
-            a2 = _mm256_add_ps(a2, f2);
-            a3 = _mm256_add_ps(a3, f3);
+            add4(a, bf16x8_to_f32(_mm256_castsi256_si128(h0)),
+                 bf16x8_to_f32(_mm256_extracti128_si256(h0, 1)),
+                 bf16x8_to_f32(_mm256_castsi256_si128(h1)),
+                 bf16x8_to_f32(_mm256_extracti128_si256(h1, 1)), weighted, weighted ? w[j] : 0.0f);
         }
-        store32_bf16((uint16_t *)y + i, a0, a1, a2, a3);
+        store32_bf16((uint16_t *)y + i, a[0], a[1], a[2], a[3]);
     }
     reduce_tail(DT_BF16, y, src, w, nt, i, n, weighted);
 }
@@ -199,24 +206,14 @@ AVX2 void reduce_fp32_avx2(void *y, const void *const *src, const float *w, int 
                            int weighted) {
     int64_t i = 0;
     for (; i + 32 <= n; i += 32) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                       _mm256_setzero_ps()};
         for (int j = 0; j < nt; j++) {
             const float *v = (const float *)src[j] + i;
-            __m256 f0 = _mm256_loadu_ps(v), f1 = _mm256_loadu_ps(v + 8);
-            __m256 f2 = _mm256_loadu_ps(v + 16), f3 = _mm256_loadu_ps(v + 24);
-            if (weighted) {
-                __m256 ww = _mm256_set1_ps(w[j]);
-                f0 = _mm256_mul_ps(ww, f0);
-                f1 = _mm256_mul_ps(ww, f1);
-                f2 = _mm256_mul_ps(ww, f2);
-                f3 = _mm256_mul_ps(ww, f3);
-            }
-            a0 = _mm256_add_ps(a0, f0);
-            a1 = _mm256_add_ps(a1, f1);
-            a2 = _mm256_add_ps(a2, f2);
-            a3 = _mm256_add_ps(a3, f3);
+            add4(a, _mm256_loadu_ps(v), _mm256_loadu_ps(v + 8), _mm256_loadu_ps(v + 16),
+                 _mm256_loadu_ps(v + 24), weighted, weighted ? w[j] : 0.0f);
         }
-        store32_fp32((float *)y + i, a0, a1, a2, a3);
+        store32_fp32((float *)y + i, a[0], a[1], a[2], a[3]);
     }
     reduce_tail(DT_FP32, y, src, w, nt, i, n, weighted);
 }
