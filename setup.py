@@ -11,15 +11,24 @@ import sys
 
 from setuptools import Extension, setup
 
-_ARGS = ["-O3", "-std=c11", "-ffp-contract=off", "-fno-strict-aliasing", "-Wall",
-         "-Wno-unused-function"]
+# -fvisibility=hidden: the parts of the core reach each other's globals without the GOT; only
+# PyInit__native is exported.
+_ARGS = ["-O3", "-std=c11", "-ffp-contract=off", "-fno-strict-aliasing", "-fvisibility=hidden",
+         "-Wall", "-Wextra"]
+
+_NATIVE = "src/ubep/runtime/native/"
+_SOURCES = ["module.c", "kernels.c", "kernels_x86.c", "wait.c", "team.c", "dispatch.c",
+            "dispatch_bsp.c", "combine.c"]
+_HEADERS = ["abi.h", "sync.h", "kernels.h", "engine.h"]
 
 ext_modules = []
 if sys.platform.startswith("linux"):
     ext_modules.append(
         Extension(
             "ubep.runtime._native",
-            sources=["src/ubep/runtime/native/_native.c"],
+            sources=[_NATIVE + name for name in _SOURCES],
+            depends=[_NATIVE + name for name in _HEADERS],
+            define_macros=[("_GNU_SOURCE", None)],
             extra_compile_args=_ARGS,
             libraries=["pthread"],
         )

@@ -14,9 +14,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from ubep.runtime.abi import HDR_PID as _PID_OFFSET
+
 SHM_DIR = "/dev/shm"
 _PID = struct.Struct("<Q")
-_PID_OFFSET = 24  # header: magic u64, version u32, owner u32, size u64, pid u64
 
 
 def _ubep_segments() -> set[str]:

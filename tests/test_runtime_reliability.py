@@ -71,17 +71,20 @@ def _worker_sigstop(group: Any) -> list[str]:
     cfg = _config(CASE3, 1.0)
     log: list[str] = []
     with Buffer(group, cfg) as buf:
-        if group.rank == 0:
-            victim = group.peers[2].pid
+        victim = group.peers[2].pid
 
-            def stop_then_continue() -> None:
-                time.sleep(0.3)
+        def resume_later() -> None:
+            time.sleep(3.0)  # three deadlines of the others
+            os.kill(victim, signal.SIGCONT)
+
+        stopped = False
+        while buf._epoch < 60:
+            if group.rank == 0 and not stopped and buf._epoch >= 10:
+                # the victim stops between calls or inside one, whatever it is doing: the calls
+                # from here on need it, so every rank meets the stop inside the loop
                 os.kill(victim, signal.SIGSTOP)
-                time.sleep(3.0)  # three deadlines of the others
-                os.kill(victim, signal.SIGCONT)
-
-            threading.Thread(target=stop_then_continue, daemon=True).start()
-        while buf._epoch < 60:  # the stop lands around call 10
+                threading.Thread(target=resume_later, daemon=True).start()
+                stopped = True
             outcome = _checked_pair(buf, CASE3, group.rank)
             log.append(outcome)
             if outcome != "ok" and not outcome.startswith("WRONG"):

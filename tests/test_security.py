@@ -3,8 +3,8 @@ writes into shared memory (counts, routing, expert-output descriptors) are bound
 they become positions.
 
 A corrupted peer is played by a rank that, instead of calling dispatch/combine, writes forged
-control words straight into the shared segments (offsets from ``ubep.runtime.layout`` and the
-native engine's control-block constants, docs/FORMATS.md). The victim calls the engine with
+control words straight into the shared segments (record placement from ``ubep.runtime.layout``,
+offsets inside records from ``ubep.runtime.abi``, docs/FORMATS.md). The victim calls the engine with
 output arrays that sit inside larger canary-filled arrays, so a write past the end is seen.
 (Mode 0600, name format, size/group/owner checks: tests/test_runtime_launch.py.)
 """
@@ -23,13 +23,28 @@ import pytest
 from ubep.buffer import Buffer, BufferConfig
 from ubep.errors import RankFailedError, UbepError
 from ubep.runtime import _native, launch  # type: ignore[attr-defined]
-from ubep.runtime.layout import INBOX_COUNTS, ROUTE_IDX
+from ubep.runtime.abi import (
+    CI_BYTES,
+    CI_EPOCH,
+    CI_INDEX,
+    CI_OFF,
+    CI_ROWS,
+    CI_STRIDE,
+    CI_SUM,
+    HDR_KIND,
+    HDR_SIZE,
+    HDR_VERSION,
+    IN_COUNTS_EPOCH,
+    IN_ROWS,
+    IN_SUM,
+    ROUTE_EPOCH,
+    ROUTE_IDX,
+    ROUTE_NTOK,
+    ROUTE_SUM,
+)
+from ubep.runtime.abi import IN_COUNTS as INBOX_COUNTS
 from ubep.runtime.shm import SHM_DIR, Segment
 
-# native control-block offsets (src/ubep/runtime/native/_native.c)
-IN_COUNTS_EPOCH, IN_ROWS, IN_SUM = 0, 8, 16
-CI_OFF, CI_ROWS, CI_STRIDE, CI_EPOCH, CI_INDEX, CI_SUM = 0, 8, 16, 24, 32, 40
-ROUTE_NTOK, ROUTE_EPOCH, ROUTE_SUM = 0, 8, 16
 GID = b"g" * 16
 
 
@@ -55,11 +70,11 @@ def test_refuses_a_segment_whose_header_does_not_match(field: str) -> None:
         if field == "magic":
             seg.array[0:8] = np.frombuffer(b"EVILSEG1", np.uint8)
         elif field == "version":
-            seg.array[8:12] = np.frombuffer(struct.pack("<I", 99), np.uint8)
+            seg.array[HDR_VERSION:HDR_VERSION + 4] = np.frombuffer(struct.pack("<I", 99), np.uint8)
         elif field == "kind":
-            seg.array[48:64] = np.frombuffer(b"group".ljust(16, b"\0"), np.uint8)
+            seg.array[HDR_KIND:HDR_KIND + 16] = np.frombuffer(b"group".ljust(16, b"\0"), np.uint8)
         else:  # header claims a larger segment than the file
-            seg.array[16:24] = np.frombuffer(struct.pack("<Q", 1 << 40), np.uint8)
+            seg.array[HDR_SIZE:HDR_SIZE + 8] = np.frombuffer(struct.pack("<Q", 1 << 40), np.uint8)
         with pytest.raises(UbepError, match=r"header|magic"):
             Segment.open_peer(seg.name, size_bytes=4096, group_id=GID, owner_rank=1,
                               kind="buffer")
@@ -276,7 +291,7 @@ def _worker_forged_combine_descriptor(group: Any, what: str) -> str:
         result = ""
         if group.rank == 1:  # publish a descriptor for combine (epoch 2) instead of calling it
             seg1 = buf._segments[1].array
-            ci = buf.layout.off_comb_info + (2 & 1) * 64
+            ci = buf.layout.off_comb_info + (2 & 1) * CI_BYTES
             lay = buf.layout
             off, rows = {
                 "offset": (lay.size_bytes - 64, 16),       # runs past the segment end

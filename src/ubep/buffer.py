@@ -43,18 +43,25 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from . import dtypes as _dt
-from .env import wait_yield_us_from_env
 from .errors import (
     InvalidArgumentError,
     OutOfStepError,
     PeerLostError,
     RemoteError,
-    TimeoutError,
     UbepError,
 )
 from .group_adapter import as_process_group
 from .handle import DispatchHandle, DispatchResult
 from .routing import experts_per_rank
+from .runtime.abi import (
+    E_BAD_INPUT,
+    E_LOST,
+    E_PEER_LOST,
+    E_REMOTE,
+    ErrorRecord,
+    engine_params,
+    load_native,
+)
 from .runtime.group import GlobalMemory, ProcessGroup
 from .runtime.layout import SegmentLayout, compute_layout
 from .runtime.shm import Segment
@@ -72,8 +79,6 @@ ENGINES = ("asp", "bsp")
 SYNCS = ("sw", "tff", "dc", "sp")
 _LAYOUTS = ("expert", "rank")
 _POLICIES = ("expert_contiguous", "balanced", "hierarchical")
-_DT_CODE = {"bf16": 0, "fp16": 1, "fp32": 2, "int8": 3, "uint8": 4}
-_E_BAD_INPUT, _E_TIMEOUT, _E_PEER_LOST, _E_REMOTE, _E_INTERNAL, _E_LOST = 1, 2, 3, 4, 5, 6
 _T = TypeVar("_T")
 
 
@@ -200,7 +205,7 @@ class Engine(Protocol):
     """The data-plane protocol :class:`Buffer` drives: ``ubep.runtime._native.Engine`` (one host,
     loads and stores on shared memory) and any other engine a ``GlobalMemory.make_engine``
     returns (e.g. MPI RMA across hosts). Constructed with ``(params, addresses, pids,
-    start_times)`` where ``params`` is :meth:`Buffer._engine_params`.
+    start_times)`` where ``params`` is :func:`ubep.runtime.abi.engine_params`.
 
     Every collective method returns either its result or an error tuple
     ``(code, peer, core, argument, what, message)`` (``what`` and ``message`` as bytes: peers
@@ -258,18 +263,6 @@ class Engine(Protocol):
 
     def close(self) -> None:
         """Stop the engine's threads (local)."""
-
-
-def _load_native() -> Any:
-    try:
-        from .runtime import _native  # type: ignore[attr-defined]
-    except ImportError as exc:
-        raise ImportError(
-            "ubep's native data plane (ubep.runtime._native) is not built. Install ubep with "
-            "its build step (`pip install -e .` or `make venv` in the source tree; needs gcc and "
-            f"the Python headers). Original error: {exc}"
-        ) from exc
-    return _native
 
 
 class Buffer:
@@ -339,7 +332,7 @@ class Buffer:
         self._dtype = _dt.dtype_of(config.dtype)
         self._cdtype = _dt.dtype_of(config.combine_dtype)
         self.layout: SegmentLayout = _layout_of(config, self.num_ranks, self.num_cores)
-        self._native = _load_native()
+        self._native = load_native()
 
     # --- construction -------------------------------------------------------------------
 
@@ -352,7 +345,8 @@ class Buffer:
         threads = self.config.threads
         if threads is None:
             threads = cores * self.num_ranks <= (os.cpu_count() or 1)
-        params = self._engine_params(bool(threads) and cores > 1)
+        params = engine_params(self.config, lay, rank=self.rank, num_ranks=self.num_ranks,
+                               num_cores=cores, threaded=bool(threads) and cores > 1)
         if mem.addresses is not None:
             self._engine = self._native.Engine(params, mem.addresses, mem.pids, mem.start_times)
         else:
@@ -380,37 +374,6 @@ class Buffer:
             seg[lay.off_comb + i * lay.comb_bytes: lay.off_comb + (i + 1) * lay.comb_bytes]
             for i in range(2)
         ]
-
-    def _engine_params(self, threaded: bool) -> dict[str, int]:
-        cfg, lay = self.config, self.layout
-        sentinel = self._dtype.sentinel or 0
-        params = lay.as_params()
-        params["seg_size"] = params.pop("size_bytes")
-        params.update(
-            rank=self.rank,
-            num_ranks=self.num_ranks,
-            num_cores=self.num_cores,
-            num_experts=cfg.num_experts,
-            num_local_experts=self.num_local_experts,
-            num_topk=cfg.num_topk,
-            max_tokens=cfg.max_tokens_per_rank,
-            hidden=cfg.hidden,
-            itemsize=self._dtype.itemsize,
-            dtype=_DT_CODE[self._dtype.name],
-            combine_dtype=_DT_CODE[self._cdtype.name],
-            combine_itemsize=self._cdtype.itemsize,
-            sync=SYNCS.index(cfg.sync),
-            engine=ENGINES.index(cfg.engine),
-            layout=_LAYOUTS.index(cfg.layout),
-            threaded=int(threaded),
-            tff_block_bytes=cfg.tff_block_bytes,
-            tff_flag_bytes=cfg.tff_flag_bytes,
-            sentinel=sentinel,
-            timeout_ns=int(cfg.timeout_s * 1e9),
-            yield_ns=int(wait_yield_us_from_env() * 1e3),
-            sp_check_bytes=cfg.sp_check_bytes,
-        )
-        return params
 
     @staticmethod
     def size_hint(config: BufferConfig, num_ranks: int, num_cores: int | None = None) -> int:
@@ -695,7 +658,7 @@ class Buffer:
         if not isinstance(exc, UbepError) and isinstance(exc, Exception):
             exc = UbepError(f"rank {self.rank}: call {epoch} rejected: "
                             f"{type(exc).__name__}: {exc}")
-        got = self._engine.fail(epoch, _E_BAD_INPUT, f"rank {self.rank}: {exc}", 1,
+        got = self._engine.fail(epoch, E_BAD_INPUT, f"rank {self.rank}: {exc}", 1,
                                 float(self.config.timeout_s))
         if type(got) is tuple:  # the peers never finished the call before last: out of step
             self._mark_lost(f"rejected call {epoch} could not be announced: "
@@ -709,7 +672,7 @@ class Buffer:
             return
         self._lost = cause
         with contextlib.suppress(Exception):
-            self._engine.fail(self._epoch + 1, _E_LOST,
+            self._engine.fail(self._epoch + 1, E_LOST,
                               f"rank {self.rank} lost step ({cause}): call resync() on every "
                               "rank", 0, 0.0)
 
@@ -863,29 +826,16 @@ class Buffer:
         return h, eo
 
     def _error(self, info: tuple[int, int, int, str, Any, Any]) -> UbepError:
-        """The exception of an engine's error tuple; every error but a clean reject (bad input
-        here or on a peer) leaves the Buffer out of step."""
-        code, peer, core, arg, what_raw, msg_raw = info
-        what, msg = _text(what_raw), _text(msg_raw)  # written by peers: any bytes at all
-        if code == _E_BAD_INPUT:
-            value: object = msg
-            with contextlib.suppress(ValueError):
-                value = int(msg)
-            return InvalidArgumentError(arg, value, what)
-        if code == _E_REMOTE:
-            clean = core == _E_BAD_INPUT
-            if not clean:
-                self._mark_lost(f"rank {peer} failed call {self._epoch}: {msg}")
-            return RemoteError(peer, msg, clean)
-        if code == _E_PEER_LOST:
-            self._dead = what
-            return PeerLostError(what)
-        self._mark_lost(what)
-        if code == _E_TIMEOUT:
-            return TimeoutError(what)
-        if code == _E_LOST:
-            return OutOfStepError(f"{what}; call resync() on every rank")
-        return UbepError(f"rank {self.rank}: internal error: {what}")
+        """The exception of an engine's error tuple (``ubep.runtime.abi.ErrorRecord``); every
+        error but a clean reject (bad input here or on a peer) leaves the Buffer out of step."""
+        rec = ErrorRecord.from_tuple(info)  # what/message written by peers: any bytes at all
+        if rec.code == E_PEER_LOST:
+            self._dead = rec.what
+        elif rec.code == E_REMOTE and not rec.clean:
+            self._mark_lost(f"rank {rec.peer} failed call {self._epoch}: {rec.message}")
+        elif not rec.clean:
+            self._mark_lost(rec.what)
+        return rec.to_exception(self.rank)
 
 
 def _new_frozen(cls: type[_T], **fields: Any) -> _T:
@@ -903,10 +853,6 @@ def _new_frozen(cls: type[_T], **fields: Any) -> _T:
 
 # stages of a call, for _failed: before the data plane, inside it, after it returned
 _BEFORE, _NATIVE, _AFTER = 0, 1, 2
-
-
-def _text(raw: Any) -> str:
-    return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
 
 
 def _to_array(obj: object, argument: str) -> np.ndarray:

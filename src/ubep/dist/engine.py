@@ -68,11 +68,12 @@ import numpy as np
 
 from .. import dtypes as _dt
 from ..errors import InvalidArgumentError, TimeoutError
+from ..runtime.abi import E_BAD_INPUT, E_INTERNAL, E_LOST, E_PEER_LOST, E_REMOTE, E_TIMEOUT
+from ..runtime.abi import HEADER_BYTES as _HEADER_BYTES
 from .memory import DistGlobalMemory
 
 __all__ = ["RmaEngine", "record_check"]
 
-E_BAD_INPUT, E_TIMEOUT, E_PEER_LOST, E_REMOTE, E_INTERNAL, E_LOST = 1, 2, 3, 4, 5, 6
 _SYNCS = ("sw", "tff", "dc", "sp")
 _DT_NAMES = {0: "bf16", 1: "fp16", 2: "fp32", 3: "int8", 4: "uint8"}
 _LINE = 64
@@ -80,7 +81,6 @@ _FAIL_BYTES = 512
 _FAIL_MSG_MAX = 472  # the notice payload: [length u64][code u64][UTF-8 text]
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _LIVENESS_PERIOD_NS = 10_000_000
-_HEADER_BYTES = 256
 
 
 def record_check(payload: np.ndarray, epoch: int) -> int:
@@ -742,7 +742,7 @@ class RmaEngine:
             self._complete(op, self.data, d, f"the rows to rank {d} to complete")
             self._put_record(self.ctrl, d, slot, np.zeros(0, np.uint8), op.epoch)
         elif self.sync == "dc":
-            from ..runtime import _native  # type: ignore[attr-defined]
+            from ..runtime import _native
 
             raw = np.ascontiguousarray(rows)
             total = int(_native.dc_checksum(raw, self.row_bytes, op.epoch)) if len(rows) else 1
@@ -890,7 +890,7 @@ class RmaEngine:
         return True
 
     def _dc_sum(self, slots: np.ndarray, epoch: int) -> int:
-        from ..runtime import _native  # type: ignore[attr-defined]
+        from ..runtime import _native
 
         raw = np.ascontiguousarray(slots[:, :self.row_bytes])
         return int(_native.dc_checksum(raw, self.row_bytes, epoch)) if len(raw) else 1
@@ -981,7 +981,7 @@ class RmaEngine:
         if self.sync == "sw":
             self._put_record(self.ctrl, d, slot, np.zeros(0, np.uint8), op.epoch)
         else:
-            from ..runtime import _native  # type: ignore[attr-defined]
+            from ..runtime import _native
 
             total = int(_native.dc_checksum(np.ascontiguousarray(payload), self.row_bytes,
                                             op.epoch))

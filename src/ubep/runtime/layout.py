@@ -1,5 +1,6 @@
 """Byte layout of one rank's Buffer segment (the single source of truth; the C engine gets these
-offsets as parameters).
+offsets as parameters). What lies at which byte inside a control record is fixed by
+:mod:`ubep.runtime.abi` (and ``native/abi.h``); this module only places the records.
 
 All offsets are from the start of the segment; every control word sits on its own 64-byte line.
 
@@ -7,16 +8,16 @@ All offsets are from the start of the segment; every control word sits on its ow
 region             contents
 =================  =====================================================================
 header [256 B]     magic, version, owner rank, size, pid, group id (ubep.runtime.shm)
-fail   [2x512 B]   failure notices by epoch parity: ``[epoch u64][len u32][message]``
+fail   [2x512 B]   failure notices by epoch parity: ``[epoch][len | code << 32][message][sum]``
 entered / done     u64 epoch of the last call this rank entered / finished (credits)
 recv_ready         u64 epoch whose receive region this rank has made ready for writers
 doorbell           u32 eventcount peers ring after a publication, u32 sleepers at +32
-comb_info [2x64]   by epoch parity: ``[offset][rows][stride][epoch]`` of the expert outputs
+comb_info [2x64]   by epoch parity: ``[offset][rows][stride][epoch][index][sum]`` (outputs)
 barrier [C x 64]   BSP global barrier arrivals, one word per core (target = epoch*4+phase)
-inbox [R x 2]      per (source, epoch parity): counts epoch, rows, SW ``[count][epoch]``,
+inbox [R x 2]      per (source, epoch parity): ``[counts epoch][rows][sum]``, SW ``[count][epoch]``,
                    DC ``[count][checksum][epoch]``, per-local-expert counts (u32)
 route [nreg]       per dispatch (index mod nreg): the sender's routing, read by receivers
-                   for their metadata: ``[num_tokens][epoch]``, topk_idx int32, weights f32
+                   for their metadata: ``[num_tokens][epoch][sum]``, topk_idx i32, weights f32
 land [nland]       where senders write rows (ASP: final positions; BSP: staging partitioned
                    by source), each slot encoded for the sync mode (FORMATS.md)
 out [nreg]         ``recv_x`` (raw rows); the same memory as ``land`` for ASP with SW/DC/SP
@@ -35,13 +36,12 @@ from __future__ import annotations
 import mmap
 from dataclasses import dataclass
 
+from .abi import CI_BYTES, FAIL_BYTES, HEADER_BYTES, IN_COUNTS, LINE_BYTES, ROUTE_IDX
+
 __all__ = ["SegmentLayout", "compute_layout"]
 
-_LINE = 64
+_LINE = LINE_BYTES
 _PAGE = mmap.PAGESIZE
-HEADER_BYTES = 256
-INBOX_COUNTS = 192  # byte offset of the u32 counts inside an inbox entry
-ROUTE_IDX = 64
 
 
 def _align(v: int, a: int = _LINE) -> int:
@@ -120,16 +120,16 @@ def compute_layout(
 
     off = HEADER_BYTES
     off_fail = off
-    off += 2 * 512
+    off += 2 * FAIL_BYTES
     off_entered, off_done, off_recv_ready = off, off + _LINE, off + 2 * _LINE
     off_doorbell = off + 3 * _LINE
     off += 4 * _LINE
     off_comb_info = off
-    off += 2 * _LINE
+    off += 2 * CI_BYTES
     off_barrier = off
     off += C * _LINE
     off_inbox = off
-    inbox_bytes = _align(INBOX_COUNTS + 4 * L)
+    inbox_bytes = _align(IN_COUNTS + 4 * L)
     off += R * 2 * inbox_bytes
     off_route = _align(off)
     route_w_off = ROUTE_IDX + _align(T * K * 4)

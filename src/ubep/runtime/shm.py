@@ -28,12 +28,12 @@ import mmap
 import os
 import secrets
 import stat
-import struct
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import InvalidArgumentError, UbepError
+from .abi import HEADER, HEADER_BYTES
 from .reaper import (
     remove_dead_owners_segments,
     remove_marked_segments,
@@ -53,8 +53,6 @@ __all__ = [
 SHM_DIR = "/dev/shm"
 MAGIC = b"UBEPSEG1"
 VERSION = 1
-HEADER_BYTES = 256
-_HEADER = struct.Struct("<8sIIQQ16s16s")
 _PAGE = mmap.PAGESIZE
 # Linux >= 5.14; populates page tables (and allocates) without writing a byte.
 _MADV_POPULATE_WRITE = 23
@@ -129,7 +127,7 @@ class Segment:
         assert seg._mm is not None
         seg.marker = marker
         seg.prefault()
-        _HEADER.pack_into(
+        HEADER.pack_into(
             seg._mm, 0, MAGIC, VERSION, owner_rank, size, os.getpid(), _pad(group_id, 16),
             _pad(kind.encode(), 16),
         )
@@ -171,7 +169,7 @@ class Segment:
 
     def header(self) -> _Header:
         assert self._mm is not None
-        magic, version, owner, size, pid, group, kind = _HEADER.unpack_from(self._mm, 0)
+        magic, version, owner, size, pid, group, kind = HEADER.unpack_from(self._mm, 0)
         if magic != MAGIC or version != VERSION:
             raise UbepError(f"segment {self.name}: bad magic/version {magic!r}/{version}")
         return _Header(owner, size, pid, group, kind.rstrip(b"\0").decode("ascii", "replace"))

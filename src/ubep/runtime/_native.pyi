@@ -1,0 +1,90 @@
+"""Typed stub of ``ubep.runtime._native``, the C11 data plane (src/ubep/runtime/native/).
+
+Arrays cross as C-contiguous buffers (numpy arrays); sizes are checked against the engine's
+parameters. Collective methods return their result or an error tuple
+``(code, peer, core, argument, what, message)`` (``ubep.runtime.abi.ErrorRecord``).
+"""
+
+from typing import Any
+
+import numpy as np
+
+_ErrorTuple = tuple[int, int, int, str, bytes, bytes]
+_Plan = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]
+
+ABI: int
+KERNELS: str
+ERRORS: dict[str, int]
+DTYPES: dict[str, int]
+SYNCS: dict[str, int]
+ENGINES: dict[str, int]
+LAYOUTS: dict[str, int]
+OFFSETS: dict[str, int]
+PARAMS: tuple[str, ...]
+
+class Engine:
+    """The native engine of one Buffer (``ubep.buffer.Engine`` describes the protocol)."""
+
+    def __init__(
+        self,
+        params: dict[str, int],
+        addresses: list[int],
+        pids: list[int],
+        start_times: list[int],
+    ) -> None: ...
+    def dispatch(
+        self,
+        x: np.ndarray,
+        topk_idx: np.ndarray,
+        topk_weights: np.ndarray,
+        num_tokens: int,
+        epoch: int,
+        index: int,
+        recv_topk_idx: np.ndarray,
+        recv_topk_weights: np.ndarray,
+        recv_src_rank: np.ndarray,
+        recv_src_token: np.ndarray,
+        recv_src_k: np.ndarray,
+        counts: np.ndarray,
+        send_dst_row: np.ndarray,
+        plan: _Plan | None,
+        /,
+    ) -> int | _ErrorTuple: ...
+    def combine(
+        self,
+        expert_out: np.ndarray,
+        num_rows: int,
+        topk_idx: np.ndarray,
+        topk_weights: np.ndarray,
+        send_dst_row: np.ndarray,
+        num_tokens: int,
+        epoch: int,
+        region: int,
+        y: np.ndarray,
+        dispatch_index: int,
+        /,
+    ) -> int | _ErrorTuple: ...
+    def fail(
+        self, epoch: int, code: int, message: str, finished: int, timeout_s: float, /
+    ) -> int | _ErrorTuple: ...
+    def resync(self, base_epoch: int, /) -> None: ...
+    def wait_done(self, epoch: int, timeout_s: float, /) -> int | _ErrorTuple: ...
+    def reset_all(self) -> None: ...
+    def comb_last_epoch(self, region: int, /) -> int: ...
+    def close(self) -> None: ...
+    def trace(self) -> tuple[int, ...]: ...
+
+def copy(dst: Any, src: Any, element_safe: int = 0, /) -> None:
+    """The data plane's copy (``element_safe``: SP's untorn-element copy)."""
+
+def dc_checksum(rows: Any, row_bytes: int, epoch: int, /) -> int:
+    """DC checksum of a batch of rows (``ubep.flags.DcCodec``'s, computed natively)."""
+
+def convert(acc_f32: Any, out: Any, dtype_code: int, /) -> None:
+    """Round float32 values to ``dtype_code`` with combine's rounding routine."""
+
+def counts_sum(epoch: int, rows: int, counts: Any, /) -> int: ...
+def route_sum(epoch: int, ntok: int, idx: Any, weights: Any, /) -> int: ...
+def comb_info_sum(
+    epoch: int, offset: int, rows: int, stride: int, dispatch_index: int, /
+) -> int: ...

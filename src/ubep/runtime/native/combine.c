@@ -1,0 +1,149 @@
+/* Combine: publish where this rank's expert outputs lie (copying them into the segment unless
+ * they already live there), then every core reduces its tokens' rows where they lie, in one
+ * pass, in ubep.reference's order. */
+#include "engine.h" /* first: Python.h precedes the standard headers */
+
+#include <stdio.h>
+
+static int ph_c_prepare(op_t *op, int core) {
+    engine_t *g = op->g;
+    (void)core;
+    pub_word(word(g, g->rank, g->off_entered), op->epoch << 2 | (uint64_t)op->kind);
+    int rc = wait_peers_done(op, op->epoch >= 2 ? op->epoch - 2 : 0, 0);
+    if (rc) return rc;
+    if (!op->zero_copy) {
+        /* the region's previous readers must be done before it is overwritten */
+        if ((rc = wait_peers_done(op, g->comb_last_epoch[op->creg], 0))) return rc;
+        g->comb_last_epoch[op->creg] = op->epoch;
+    }
+    return 0;
+}
+
+static int ph_c_copy(op_t *op, int core) {
+    engine_t *g = op->g;
+    if (op->zero_copy) return 0;
+    int64_t lo = op->eo_rows * core / g->C, hi = op->eo_rows * (core + 1) / g->C;
+    uint8_t *dst = g->base[g->rank] + op->eo_off;
+    if (lo < hi)
+        copy_fast(dst + lo * g->crow_bytes, op->eo + lo * g->crow_bytes, (hi - lo) * g->crow_bytes);
+    return 0;
+}
+
+static int ph_c_publish(op_t *op, int core) {
+    engine_t *g = op->g;
+    (void)core;
+    comb_info_rec_t *ci = comb_info(g, g->rank, op->par);
+    store_fence();
+    st_rlx(&ci->off, (uint64_t)op->eo_off);
+    st_rlx(&ci->rows, (uint64_t)op->eo_rows);
+    st_rlx(&ci->stride, (uint64_t)g->crow_bytes);
+    st_rlx(&ci->dispatch_index, op->dispatch_index);
+    st_rlx(&ci->sum, comb_info_sum(op->epoch, (uint64_t)op->eo_off, (uint64_t)op->eo_rows,
+                                      (uint64_t)g->crow_bytes, op->dispatch_index));
+    st_rel(&ci->epoch, op->epoch);
+    ring_all(g);
+    for (int c = 0; c < 2; c++) {
+        int64_t lo = g->off_comb + c * g->comb_bytes;
+        if (op->eo_off >= lo && op->eo_off < lo + g->comb_bytes) g->comb_last_epoch[c] = op->epoch;
+    }
+    return 0;
+}
+
+static int ph_cb_arrive(op_t *op, int core) { return barrier_arrive(op, core, 3); }
+static int ph_cb_wait(op_t *op, int core) { return barrier_wait(op, core, 3); }
+
+static int ph_c_reduce(op_t *op, int core) {
+    engine_t *g = op->g;
+    const int R = g->R, K = g->K;
+    int64_t *coff = g->ci_off + (int64_t)core * R, *crows = g->ci_rows + (int64_t)core * R;
+    /* every peer's expert outputs: wait for them (ASP) / verify them (BSP) */
+    for (int q = 0; q < R; q++) {
+        comb_info_rec_t *ci = comb_info(g, q, op->par);
+        waiter_t w;
+        waiter_init(&w);
+        while (ld_acq(&ci->epoch) != op->epoch) {
+            if (g->eng == ENG_BSP) {
+                /* past the barrier without its outputs: q failed this call (notice) or the
+                 * ranks are out of step */
+                int rc = check_failures(op, core);
+                if (rc) return rc;
+                return op_error(op, E_LOST, core, q, "rank %d's expert outputs missing after "
+                                "the barrier of call %llu", q, (unsigned long long)op->epoch);
+            }
+            int rc = wait_step(op, &w, core, q, "the expert outputs of rank %d", q);
+            if (rc) return rc;
+        }
+        uint64_t off = ld_rlx(&ci->off), rows = ld_rlx(&ci->rows);
+        uint64_t stride = ld_rlx(&ci->stride), index = ld_rlx(&ci->dispatch_index);
+        if (ld_rlx(&ci->sum) != comb_info_sum(op->epoch, off, rows, stride, index))
+            return op_error(op, E_LOST, core, q, "corrupt combine record of rank %d in call %llu",
+                            q, (unsigned long long)op->epoch);
+        if (index != op->dispatch_index) {
+            char v[48];
+            snprintf(v, sizeof v, "dispatch %llu", (unsigned long long)op->dispatch_index);
+            return bad_input(op, "handle", v, "ranks combine different dispatches (rank %d "
+                             "passed the handle of dispatch %llu): every rank must pass the "
+                             "handle of the same dispatch", q, (unsigned long long)index);
+        }
+        if (stride != (uint64_t)g->crow_bytes || rows > (uint64_t)g->cap_rows ||
+            off < HEADER_BYTES || off + rows * stride > (uint64_t)g->seg_size)
+            return op_error(op, E_INTERNAL, core, q, "rank %d published expert outputs outside "
+                            "its segment", q);
+        coff[q] = (int64_t)off;
+        crows[q] = (int64_t)rows;
+    }
+    const int cd = g->cdt;
+    const int maxt = K > R ? K : R;
+    const void **tp = g->term_ptr + (int64_t)core * maxt;
+    float *tw = g->term_w + (int64_t)core * maxt;
+    int64_t lo = op->h_ntok * core / g->C, hi = op->h_ntok * (core + 1) / g->C;
+    for (int64_t t = lo; t < hi; t++) {
+        int nt = 0;
+        if (g->layout == LAY_EXPERT) {
+            for (int k = 0; k < K; k++) {
+                int64_t e = op->h_idx[t * K + k];
+                if (e < 0) continue;
+                if (e >= g->E)
+                    return op_error(op, E_INTERNAL, core, -1, "handle names expert %lld",
+                                    (long long)e);
+                int d = g->e2d[e];
+                int64_t pos = op->h_dst_row[t * K + k];
+                if (pos < 0 || pos >= crows[d])
+                    return op_error(op, E_INTERNAL, core, d, "handle row %lld outside rank %d's "
+                                    "%lld expert outputs", (long long)pos, d, (long long)crows[d]);
+                tp[nt] = g->base[d] + coff[d] + pos * g->crow_bytes;
+                tw[nt++] = op->h_w[t * K + k];
+            }
+        } else {
+            for (int d = 0; d < R; d++) {
+                int64_t pos = op->h_dst_row[t * R + d];
+                if (pos < 0) continue;
+                if (pos >= crows[d])
+                    return op_error(op, E_INTERNAL, core, d, "handle row %lld outside rank %d's "
+                                    "%lld expert outputs", (long long)pos, d, (long long)crows[d]);
+                tp[nt] = g->base[d] + coff[d] + pos * g->crow_bytes;
+                tw[nt++] = 1.0f;
+            }
+        }
+        REDUCE[cd](op->y + t * (int64_t)g->hidden * g->cisz, tp, tw, nt, g->hidden,
+                   g->layout == LAY_EXPERT);
+    }
+    return 0;
+}
+
+static const phase_t ASP_COMBINE_PHASES[] = {
+    {ph_c_prepare, 0, 1},
+    {ph_c_copy, 1, 1},
+    {ph_c_publish, 0, 1},
+    {ph_c_reduce, 1, 0},
+};
+const phase_list_t ASP_COMBINE = PHASE_LIST(ASP_COMBINE_PHASES);
+static const phase_t BSP_COMBINE_PHASES[] = {
+    {ph_c_prepare, 0, 1},
+    {ph_c_copy, 1, 1},
+    {ph_c_publish, 0, 1},
+    {ph_cb_arrive, 1, 1},
+    {ph_cb_wait, 1, 1},
+    {ph_c_reduce, 1, 0},
+};
+const phase_list_t BSP_COMBINE = PHASE_LIST(BSP_COMBINE_PHASES);

@@ -1,0 +1,227 @@
+/* Dispatch, BSP (the CANN-EP-style baseline): rows to per-source staging, a global barrier,
+ * flags and counts, verification, a second barrier, then reordering. The global barrier is
+ * BSP combine's too. */
+#include "engine.h" /* first: Python.h precedes the standard headers */
+
+#include <string.h>
+
+/* --- BSP dispatch: real global barriers between the phases ------------------------------- */
+
+int barrier_arrive(op_t *op, int core, int phase) {
+    engine_t *g = op->g;
+    store_fence();
+    pub_word(word(g, g->rank, g->off_barrier + (int64_t)core * LINE_BYTES),
+             op->epoch * 4 + (uint64_t)phase);
+    ring_all(g);
+    return 0;
+}
+/* Arrival words only grow, so a peer already in a later call passes the test too: that is
+ * right if it completed this call, wrong if it failed it (its arrival belongs to another call),
+ * so such a peer's failure notice for this call is checked. */
+int barrier_wait(op_t *op, int core, int phase) {
+    engine_t *g = op->g;
+    uint64_t target = op->epoch * 4 + (uint64_t)phase, next_call = (op->epoch + 1) * 4;
+    for (int q = 0; q < g->R; q++) {
+        for (int c = 0; c < g->C; c++) {
+            waiter_t w;
+            waiter_init(&w);
+            uint64_t v;
+            while ((v = rd_word(word(g, q, g->off_barrier + (int64_t)c * LINE_BYTES))) < target) {
+                int rc = wait_step(op, &w, core, q, "global barrier %d (rank %d core %d)", phase,
+                                   q, c);
+                if (rc) return rc;
+            }
+            if (v >= next_call) {
+                int rc = check_failures(op, core);
+                if (rc) return rc;
+            }
+        }
+    }
+    return 0;
+}
+static int ph_b1_arrive(op_t *op, int core) { return barrier_arrive(op, core, 1); }
+static int ph_b1_wait(op_t *op, int core) { return barrier_wait(op, core, 1); }
+static int ph_b2_arrive(op_t *op, int core) { return barrier_arrive(op, core, 2); }
+static int ph_b2_wait(op_t *op, int core) { return barrier_wait(op, core, 2); }
+
+/* Token-Sending: rows go to the destination's staging partition of this source, at the slot
+ * the sender computes alone (regions partitioned by (source, expert)). Work is split across
+ * cores by unit index; the destination's readiness (its staging area is clean) is checked. */
+static int ph_bsp_send(op_t *op, int core) {
+    engine_t *g = op->g;
+    const int R = g->R;
+    int reg = (int)(op->n % g->nreg);
+    for (int i = 0; i < R; i++) {
+        int d = (g->rank + 1 + i) % R;
+        int64_t n = g->units_to[d], b = bucket_start(g, i);
+        int64_t lo = b + n * core / g->C, hi = b + n * (core + 1) / g->C;
+        if (lo < hi) { /* the destination's staging area is clean for this call */
+            waiter_t w;
+            waiter_init(&w);
+            uint64_t at;
+            while ((at = rd_word(word(g, d, g->off_recv_ready))) != op->epoch) {
+                if (at > op->epoch) return dst_gone(op, core, d);
+                int rc = wait_step(op, &w, core, d, "staging area of rank %d", d);
+                if (rc) return rc;
+            }
+        }
+        for (int64_t u = lo; u < hi; u++) {
+            int64_t slot = g->layout == LAY_EXPERT
+                               ? g->my_rank_in_batch[g->u_e[u]] + g->u_slot[u]
+                               : g->u_slot[u];
+            int64_t pos = (int64_t)g->rank * g->cap_src_rows + slot;
+            const uint8_t *src = op->x + (int64_t)g->u_t[u] * g->row_bytes;
+            uint8_t *slotp = land(g, d, reg) + pos * g->slot_bytes;
+            if (g->sync == SYNC_TFF) {
+                put_tff_row(g, slotp, src, op->epoch);
+            } else if (g->sync == SYNC_SP) {
+                copy_elem(slotp, src, g->row_bytes);
+            } else {
+                copy_fast(slotp, src, g->row_bytes);
+            }
+        }
+    }
+    return 0;
+}
+
+/* SendFlag & TokenCnt: counts, SW flag, DC checksum (over the staged rows, slot order) */
+static int ph_bsp_flags(op_t *op, int core) {
+    engine_t *g = op->g;
+    const int R = g->R, L = g->L;
+    int reg = (int)(op->n % g->nreg);
+    for (int d = core; d < R; d += g->C) {
+        inbox_rec_t *ib = inbox(g, d, g->rank, op->par);
+        uint32_t *c = ib->counts;
+        for (int el = 0; el < L; el++) c[el] = (uint32_t)g->cnt[d * L + el];
+        st_rlx(&ib->rows, (uint64_t)g->rows_to[d]);
+        st_rlx(&ib->sum, counts_sum(op->epoch, (uint64_t)g->rows_to[d], c, L));
+        if (g->sync == SYNC_SW) {
+            st_rlx(&ib->sw_count, (uint64_t)g->rows_to[d]);
+            st_rel(&ib->sw_epoch, op->epoch);
+        } else if (g->sync == SYNC_DC) {
+            uint8_t *part = land(g, d, reg) + (int64_t)g->rank * g->cap_src_rows * g->slot_bytes;
+            st_rlx(&ib->dc_count, (uint64_t)g->rows_to[d]);
+            st_rlx(&ib->dc_sum, dc_batch_sum(part, g->slot_bytes, g->rows_to[d], g->row_bytes,
+                                             op->epoch));
+            st_rel(&ib->dc_epoch, op->epoch);
+        }
+        st_rel(&ib->counts_epoch, op->epoch);
+        ring(g, d);
+    }
+    return 0;
+}
+
+/* Verification: every core polls a subset of the sources' flags / data */
+static int ph_bsp_verify(op_t *op, int core) {
+    engine_t *g = op->g;
+    const int R = g->R;
+    int reg = (int)(op->n % g->nreg);
+    for (int s = core; s < R; s += g->C) {
+        inbox_rec_t *ib = inbox(g, g->rank, s, op->par);
+        waiter_t w;
+        waiter_init(&w);
+        while (ld_acq(&ib->counts_epoch) != op->epoch) {
+            int rc = wait_step(op, &w, core, s, "the flag and counts of rank %d", s);
+            if (rc) return rc;
+        }
+        int64_t n;
+        int rc = read_counts(op, core, g->rank, s, &n, RX_CNT(g, core) + (int64_t)s * g->L);
+        if (rc) return rc;
+        uint8_t *part = land(g, g->rank, reg) + (int64_t)s * g->cap_src_rows * g->slot_bytes;
+        int ok = 1;
+        if (g->sync == SYNC_SW) {
+            ok = ld_acq(&ib->sw_epoch) == op->epoch && (int64_t)ld_rlx(&ib->sw_count) == n;
+        } else if (g->sync == SYNC_DC) {
+            ok = ld_acq(&ib->dc_epoch) == op->epoch && (int64_t)ld_rlx(&ib->dc_count) == n &&
+                 ld_rlx(&ib->dc_sum) ==
+                     dc_batch_sum(part, g->slot_bytes, n, g->row_bytes, op->epoch);
+        } else if (g->sync == SYNC_SP) {
+            for (int64_t i = 0; i < n && ok; i++)
+                ok = !has_pattern(part + i * g->slot_bytes, g->row_bytes, g->isz, g->sentinel);
+        } else {
+            for (int64_t i = 0; i < n && ok; i++)
+                for (int64_t b = 0; b < g->tff_nblocks && ok; b++)
+                    ok = tff_flag(g, part + i * g->slot_bytes, b) == op->epoch;
+        }
+        if (!ok)
+            return op_error(op, E_INTERNAL, core, s, "verification of rank %d's rows failed after "
+                            "the barrier", s);
+    }
+    return 0;
+}
+
+/* CalCumSum + Token-Reordering: copy staged rows to their final position, fill metadata */
+static int ph_bsp_reorder(op_t *op, int core) {
+    engine_t *g = op->g;
+    const int R = g->R, L = g->L;
+    int64_t *rx_base = g->rx_base + (int64_t)core * R * L;
+    int64_t n = 0;
+    int rc = recv_bases(op, core, rx_base, &n);
+    if (rc) return rc;
+    int reg = (int)(op->n % g->nreg);
+    if (core == 0) {
+        op->n_recv = n;
+        recv_counts_out(op, core);
+    }
+    uint8_t *stage = land(g, g->rank, reg), *out = outreg(g, g->rank, reg);
+    for (int s = core; s < R; s += g->C) {
+        if ((rc = recv_metadata(op, core, s, rx_base))) return rc;
+        uint8_t *part = stage + (int64_t)s * g->cap_src_rows * g->slot_bytes;
+        FOR_SOURCE_ROWS(g, core, s, rx_base, pos, rank_, {
+            const uint8_t *slot = part + rank_ * g->slot_bytes;
+            uint8_t *dst = out + pos * g->out_stride;
+            if (g->sync == SYNC_TFF) {
+                get_tff_row(g, dst, slot);
+            } else {
+                copy_fast(dst, slot, g->row_bytes);
+                if (g->sync == SYNC_SP)  /* consumed: refill for the next call */
+                    fill_pattern((uint8_t *)slot, g->row_bytes, g->isz, g->sentinel);
+            }
+        });
+    }
+    return 0;
+}
+
+/* send_dst_row of the BSP path: final positions, computed once the counts are known */
+static int ph_bsp_dst_rows(op_t *op, int core) {
+    engine_t *g = op->g;
+    const int R = g->R, L = g->L;
+    int64_t *bases = g->core_base + (int64_t)core * R * L;
+    for (int d = 0; d < R; d++) {
+        int rc = compute_bases(op, core, d, g->rank, bases + (int64_t)d * L);
+        if (rc) return rc;
+    }
+    for (int i = 0; i < R; i++) {
+        int d = (g->rank + 1 + i) % R;
+        for (int64_t u = bucket_start(g, i), end = u + g->units_to[d]; u < end; u++) {
+            int64_t pos = unit_pos(g, bases + (int64_t)d * L, g->u_e[u], g->u_slot[u]);
+            if (g->layout == LAY_EXPERT) op->o_dst_row[(int64_t)g->u_t[u] * g->K + g->u_k[u]] = pos;
+            else op->o_dst_row[(int64_t)g->u_t[u] * g->R + d] = pos;
+        }
+    }
+    return 0;
+}
+
+static int ph_bsp_prepare(op_t *op, int core) {
+    (void)core;
+    pub_word(word(op->g, op->g->rank, op->g->off_entered), op->epoch << 2 | (uint64_t)op->kind);
+    int rc = wait_peers_done(op, op->epoch >= 2 ? op->epoch - 2 : 0, 0);
+    if (rc) return rc;
+    if ((rc = dispatch_validate(op))) return rc;
+    reset_send_state(op);
+    return dispatch_publish(op);
+}
+
+static const phase_t BSP_DISPATCH_PHASES[] = {
+    {ph_bsp_prepare, 0, 1},  /* Init */
+    {ph_bsp_send, 1, 1},     /* Token-Sending */
+    {ph_b1_arrive, 1, 1},    /* SyncAll */
+    {ph_b1_wait, 1, 1},
+    {ph_bsp_flags, 1, 1},    /* SendFlag & TokenCnt */
+    {ph_bsp_verify, 1, 1},   /* Verification */
+    {ph_b2_arrive, 1, 1},    /* SyncAll */
+    {ph_b2_wait, 1, 1},
+    {ph_bsp_reorder, 1, 1},  /* CalCumSum + Token-Reordering */
+    {ph_bsp_dst_rows, 0, 0},
+};
+const phase_list_t BSP_DISPATCH = PHASE_LIST(BSP_DISPATCH_PHASES);

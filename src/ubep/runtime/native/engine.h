@@ -1,0 +1,339 @@
+/* The engine and an operation: state, shared-memory addresses, the helpers every phase uses,
+ * and the functions the parts of the native core call across files.
+ *
+ * Files: abi.h (codes, records), sync.h (ordering, futexes), kernels.h/.c/_x86.c (copy, fill,
+ * DC sums, conversions, reductions), wait.c (errors, notices, liveness, waits, end of an
+ * operation), team.c (cores: threads, in-process barrier, phase runner), dispatch.c (ASP
+ * dispatch and what BSP shares with it), dispatch_bsp.c (BSP dispatch and the global barrier),
+ * combine.c, module.c (the Python type and module functions). */
+#ifndef UBEP_ENGINE_H
+#define UBEP_ENGINE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "abi.h"
+#include "kernels.h"
+#include "sync.h"
+
+/* what the parts share stays inside the module: accessed without the GOT (-fvisibility=hidden
+ * only covers definitions, not these declarations) */
+#pragma GCC visibility push(hidden)
+
+#define MAX_WHAT 160
+#define MAX_MSG 512
+
+struct op;
+typedef int (*phase_fn)(struct op *op, int core);
+typedef struct {
+    phase_fn fn;
+    int all_cores;  /* 0: core 0 only */
+    int sync_after; /* in-process barrier of this rank's cores after the phase */
+} phase_t;
+
+typedef struct engine {
+    PyObject_HEAD
+    /* Configuration, read once from the parameters (module.c's PARAMS table maps each key of
+     * ubep.runtime.abi.engine_params to its field). The short names are the paper's:
+     * R ranks, C cores per rank, E experts, L experts per rank, K top-k, T max tokens. */
+    int rank;              /* rank: this rank */
+    int R;                 /* num_ranks */
+    int C;                 /* num_cores: cores (threads) of this rank */
+    int E;                 /* num_experts */
+    int L;                 /* num_local_experts */
+    int K;                 /* num_topk */
+    int T;                 /* max_tokens: per rank and call */
+    int hidden;            /* hidden: elements per row */
+    int isz;               /* itemsize: bytes per payload element */
+    int dt;                /* dtype: payload type (DT_*) */
+    int cdt;               /* combine_dtype: type of the expert outputs and of y (DT_*) */
+    int cisz;              /* combine_itemsize */
+    int sync;              /* sync: SYNC_* */
+    int eng;               /* engine: ENG_* */
+    int layout;            /* layout: LAY_* */
+    int nreg;              /* num_regions: receive (out) regions, used by dispatch index */
+    int nland;             /* num_land_regions: 1, or nreg where land == out */
+    int threaded;          /* threaded: cores 1..C-1 are threads (else core 0 plays all) */
+    int64_t cap_rows;      /* cap_rows: rows a receive region holds */
+    int64_t cap_src_rows;  /* cap_src_rows: rows one source can send to one destination */
+    int64_t row_bytes;     /* row_bytes: hidden * itemsize */
+    int64_t slot_bytes;    /* slot_bytes: a row's slot in a land region (TFF: with its flags) */
+    int64_t out_stride;    /* out_stride: bytes between rows of recv_x */
+    int64_t crow_bytes;    /* combine_row_bytes: hidden * combine_itemsize */
+    int64_t tff_block;     /* tff_block_bytes: a TFF block, payload then flag */
+    int64_t tff_flag;      /* tff_flag_bytes */
+    uint64_t sentinel;     /* sentinel: SP's bit pattern (one element) */
+    int64_t off_fail, off_entered, off_done, off_recv_ready, off_comb_info, off_barrier;
+    int64_t off_doorbell, off_inbox, inbox_bytes, off_route, route_stride, route_w_off;
+    int64_t off_land, land_bytes, off_out, out_bytes, off_comb, comb_bytes;
+    int64_t seg_size;      /* seg_size: bytes of each rank's segment (layout.py: size_bytes) */
+    int64_t timeout_ns;    /* timeout_ns: deadline of every wait of one call */
+    int64_t yield_ns;      /* yield_ns: a wait yields this long before it sleeps */
+    int64_t sp_tail;       /* sp_check_bytes: SP's armed and polled tail of a row (0: all) */
+    /* derived */
+    int64_t tff_payload, tff_nblocks; /* payload bytes per TFF block, blocks per row */
+    uint8_t **base;
+    int *pids;
+    unsigned long long *starts;
+    /* scratch (max sizes) */
+    int64_t *cnt;          /* [E] my counts per expert */
+    int64_t *units_to;     /* [R] units I send to each rank */
+    int64_t *rows_to;      /* [R] rows I send to each rank */
+    int32_t *u_t, *u_k, *u_e, *u_slot; /* units in per-destination buckets [R * cap_src] */
+    uint64_t *stamp;       /* [E] duplicate detection: stamp[e] == token generation */
+    uint64_t stamp_gen;
+    int64_t *my_rank_in_batch; /* [E] first batch rank of my rows of expert e at its dst */
+    _Atomic int64_t *remaining; /* [R] */
+    _Atomic uint64_t *dc_s1, *dc_s2; /* [R] */
+    int64_t *core_base;    /* [C][R][L] my partition start per (dst, local expert) */
+    int64_t *core_ready;   /* [C][R] dst bases computed for this op (epoch) */
+    int64_t *rx_base;      /* [C][R][L] receive: start of source s's rows of expert e */
+    int64_t *rx_rows;      /* [C][R] receive: verified copy of each source's row count */
+    uint32_t *rx_cnt;      /* [C][R][L] receive: verified copy of each source's counts */
+    int64_t *tx_rows;      /* [C][R] send: verified copy of a destination's row counts */
+    uint32_t *tx_cnt;      /* [C][R][L] send: verified copy of a destination's counts */
+    uint32_t *route_snap;  /* [C][2 * T * K] receive: verified copy of a source's routing */
+    const void **term_ptr; /* [C][max(K, R)] combine: the rows one token sums */
+    float *term_w;         /* [C][max(K, R)] and their weights */
+    int64_t *ci_off, *ci_rows; /* [C][R] peers' combine data */
+    int32_t *e2d, *e2l;    /* [E] owner rank and local index of each expert (no division) */
+    uint64_t comb_last_epoch[2];
+    /* threads */
+    pthread_t *threads;
+    int nthreads_started;
+    _Atomic uint32_t job_gen;
+    _Atomic int stopping;
+    struct op *job_op;
+    const struct phase_list *job_phases;
+    _Atomic uint32_t tb_count, tb_gen;
+    /* BSP with SP: the staging region must hold the sentinel wherever a peer may write.
+     * Consumed rows are refilled at once; a failed call can leave rows behind: then the whole
+     * region is reset before its next use, once every peer is done with the failed call. */
+    int land_dirty;
+    uint64_t land_dirty_epoch;
+    /* SP in place (rows land in recv_x): rows [0, sp_dirty[reg]) of region reg lost their
+     * sentinel in its last use; the rest still hold it. Re-armed when the region is reused. */
+    int64_t sp_dirty[8];
+    int in_use;            /* an operation is running (re-entrancy guard) */
+    int64_t trace[16];     /* core 0's phase timestamps of the last call (ns), for profiling */
+} engine_t;
+
+typedef struct op {
+    engine_t *g;
+    int kind; /* 0 dispatch, 1 combine */
+    uint64_t epoch;
+    int64_t n;    /* dispatch index (region = n % nreg) */
+    int par;      /* epoch parity: which inbox / comb_info slot */
+    int64_t deadline;
+    /* dispatch inputs */
+    const uint8_t *x;
+    int64_t ntok;
+    const int64_t *topk;
+    const float *w;
+    int have_plan, plan_cores;
+    const int64_t *p_t, *p_k, *p_e, *p_d, *p_slot, *p_ptr;
+    /* dispatch outputs */
+    int64_t *o_idx, *o_src_rank, *o_src_tok, *o_src_k, *o_nrecv, *o_dst_row;
+    float *o_w;
+    int64_t n_recv;
+    int published_ready;
+    /* combine */
+    const uint8_t *eo; int64_t eo_rows, eo_off; int zero_copy; int creg;
+    const int64_t *h_idx, *h_dst_row; const float *h_w; int64_t h_ntok;
+    uint8_t *y;
+    _Atomic int armed; /* waits of this call that registered as sleepers on the doorbell */
+    /* errors */
+    _Atomic int err;
+    _Atomic int abort;
+    int err_core, err_peer;
+    int remote_code; /* E_REMOTE: the code of the peer's notice */
+    uint64_t dispatch_index; /* combine: the dispatch whose handle this call uses */
+    char what[MAX_WHAT];
+    char arg[64];
+    char msg[MAX_MSG];
+} op_t;
+
+/* this core's verified copies of the counts (read_counts) */
+#define RX_ROWS(g, core) ((g)->rx_rows + (int64_t)(core) * (g)->R)
+#define RX_CNT(g, core) ((g)->rx_cnt + (int64_t)(core) * (g)->R * (g)->L)
+
+/* addresses in the segments */
+static inline word_t *word(engine_t *g, int rank, int64_t off) {
+    return (word_t *)(g->base[rank] + off);
+}
+static inline inbox_rec_t *inbox(engine_t *g, int dst, int src, int par) {
+    return (inbox_rec_t *)(g->base[dst] + g->off_inbox + ((int64_t)src * 2 + par) * g->inbox_bytes);
+}
+static inline comb_info_rec_t *comb_info(engine_t *g, int rank, int par) {
+    return (comb_info_rec_t *)(g->base[rank] + g->off_comb_info) + par;
+}
+static inline route_rec_t *route(engine_t *g, int rank, int slot) {
+    return (route_rec_t *)(g->base[rank] + g->off_route + (int64_t)slot * g->route_stride);
+}
+static inline float *route_weights(engine_t *g, const route_rec_t *rt) {
+    return (float *)((uint8_t *)rt + g->route_w_off); /* the segment is writable */
+}
+static inline uint8_t *land(engine_t *g, int rank, int reg) {
+    /* nland is 1 (a separate land region, reused every call) or nreg (land == out) */
+    return g->base[rank] + g->off_land + (int64_t)(reg % g->nland) * g->land_bytes;
+}
+static inline uint8_t *outreg(engine_t *g, int rank, int reg) {
+    return g->base[rank] + g->off_out + (int64_t)reg * g->out_bytes;
+}
+static inline int land_is_out(engine_t *g) {
+    /* ASP with SW, DC or SP: senders write the final position in recv_x itself (one copy) */
+    return g->eng == ENG_ASP && g->sync != SYNC_TFF;
+}
+
+typedef struct {
+    int64_t start, next_live;
+    uint32_t iter, seq;
+    int armed;
+} waiter_t;
+
+static inline void waiter_init(waiter_t *w) {
+    w->start = 0;
+    w->next_live = 0;
+    w->iter = 0;
+    w->armed = 0;
+}
+
+/* Doorbells (an eventcount per rank): a waiter that has yielded for yield_ns registers as a
+ * sleeper and blocks in the kernel on its rank's doorbell word; every publication another rank
+ * may wait for rings the doorbell of the ranks concerned, and makes the wake system call only
+ * if someone sleeps there. Oversubscribed ranks then stop taking CPU time from the ranks they
+ * wait for (doorbell_t, abi.h). */
+static inline doorbell_t *doorbell_line(engine_t *g, int rank) {
+    return (doorbell_t *)(g->base[rank] + g->off_doorbell);
+}
+static inline _Atomic uint32_t *doorbell(engine_t *g, int rank) {
+    return (_Atomic uint32_t *)&doorbell_line(g, rank)->bell;
+}
+static inline _Atomic uint32_t *sleepers(engine_t *g, int rank) {
+    return (_Atomic uint32_t *)&doorbell_line(g, rank)->sleepers;
+}
+static inline void ring(engine_t *g, int d) {
+    if (d == g->rank) return;
+    atomic_fetch_add_explicit(doorbell(g, d), 1, memory_order_seq_cst);
+    if (atomic_load_explicit(sleepers(g, d), memory_order_seq_cst))
+        futex_wake_shared(doorbell(g, d), INT32_MAX);
+}
+static inline void ring_all(engine_t *g) {
+    for (int q = 0; q < g->R; q++) ring(g, q);
+}
+
+static inline fail_rec_t *fail_block(engine_t *g, int rank, uint64_t epoch) {
+    /* two notices, by epoch parity: a peer at most one call ahead never overwrites the one
+     * for the call this rank is still in */
+    return (fail_rec_t *)(g->base[rank] + g->off_fail) + (epoch & 1);
+}
+
+/* bucket of the i-th destination in send order */
+static inline int64_t bucket_start(engine_t *g, int i) { return (int64_t)i * g->cap_src_rows; }
+
+#define TRACE(g, core, i) do { if ((core) == 0) (g)->trace[i] = now_ns(); } while (0)
+
+static inline int64_t unit_pos(engine_t *g, const int64_t *bases, int e, int64_t slot) {
+    return g->layout == LAY_EXPERT ? bases[g->e2l[e]] + slot : bases[0] + slot;
+}
+
+/* rows of source s in my region, in position order: calls the body with POS (the row's
+ * position) and RANK (its rank in the source's batch). Reads this core's verified copy of the
+ * counts (recv_bases), whose total recv_bases bounded by cap_rows. */
+#define FOR_SOURCE_ROWS(g, core, s, rx_base, POS, RANK, ...)                               \
+    do {                                                                                   \
+        int64_t RANK = 0;                                                                  \
+        if ((g)->layout == LAY_RANK) {                                                     \
+            int64_t n_ = RX_ROWS(g, core)[s];                                              \
+            for (int64_t POS = (rx_base)[(s) * (g)->L]; RANK < n_; POS++, RANK++) {        \
+                __VA_ARGS__                                                                \
+            }                                                                              \
+        } else {                                                                           \
+            for (int el_ = 0; el_ < (g)->L; el_++) {                                       \
+                int64_t c_ = RX_CNT(g, core)[(int64_t)(s) * (g)->L + el_];                 \
+                int64_t p0_ = (rx_base)[(s) * (g)->L + el_];                               \
+                for (int64_t POS = p0_; POS < p0_ + c_; POS++, RANK++) {                   \
+                    __VA_ARGS__                                                            \
+                }                                                                          \
+            }                                                                              \
+        }                                                                                  \
+    } while (0)
+
+/* TFF (docs/FORMATS.md): a row as blocks of tff_payload bytes, each followed by its flag, the
+ * call's epoch, stored with release after the payload. Used by ASP and BSP dispatch. */
+static inline void put_tff_row(engine_t *g, uint8_t *slot, const uint8_t *src, uint64_t epoch) {
+    for (int64_t b = 0; b < g->tff_nblocks; b++) {
+        int64_t off = b * g->tff_payload, len = g->row_bytes - off;
+        if (len > g->tff_payload) len = g->tff_payload;
+        uint8_t *blk = slot + b * g->tff_block;
+        copy_elem(blk, src + off, len);
+        if (len < g->tff_payload) memset(blk + len, 0, (size_t)(g->tff_payload - len));
+        if (g->tff_flag > 8) memset(blk + g->tff_payload + 8, 0, (size_t)(g->tff_flag - 8));
+        st_rel(blk + g->tff_payload, epoch); /* the block's flag, after its payload */
+    }
+}
+/* the flag of block b of a TFF slot */
+static inline uint64_t tff_flag(engine_t *g, const uint8_t *slot, int64_t b) {
+    return ld_acq(slot + b * g->tff_block + g->tff_payload);
+}
+/* a complete TFF row, without its flags */
+static inline void get_tff_row(engine_t *g, uint8_t *dst, const uint8_t *slot) {
+    for (int64_t b = 0; b < g->tff_nblocks; b++) {
+        int64_t off = b * g->tff_payload, len = g->row_bytes - off;
+        if (len > g->tff_payload) len = g->tff_payload;
+        copy_fast(dst + off, slot + b * g->tff_block, len);
+    }
+}
+
+/* phase lists (dispatch.c, dispatch_bsp.c, combine.c), run by team.c */
+typedef struct phase_list {
+    const phase_t *phase;
+    int num_phases;
+} phase_list_t;
+#define PHASE_LIST(a) {(a), (int)(sizeof(a) / sizeof((a)[0]))}
+extern const phase_list_t ASP_DISPATCH, BSP_DISPATCH, ASP_COMBINE, BSP_COMBINE;
+
+/* wait.c: errors, failure notices, liveness, waits, end of an operation */
+int op_error(op_t *op, int code, int core, int peer, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
+int bad_input(op_t *op, const char *arg, const char *value, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+int check_failures(op_t *op, int core);
+int wait_step(op_t *op, waiter_t *w, int core, int peer, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
+int peers_done_geq(engine_t *g, uint64_t epoch);
+int wait_peers_done(op_t *op, uint64_t epoch, int core);
+void publish_failure(engine_t *g, uint64_t epoch, int code, const char *msg);
+void format_error(op_t *op, char *buf, size_t n);
+void finish_op(op_t *op);
+
+/* team.c: the cores of a rank */
+int start_threads(engine_t *g);
+void engine_stop(engine_t *g);
+void run_op(op_t *op, const phase_list_t *phases);
+
+/* dispatch.c: what the BSP phases share with ASP dispatch */
+void reset_land(engine_t *g);
+int ensure_clean(op_t *op);
+int dispatch_validate(op_t *op);
+int dispatch_publish(op_t *op);
+void reset_send_state(op_t *op);
+int dst_gone(op_t *op, int core, int d);
+int read_counts(op_t *op, int core, int d, int s, int64_t *rows, uint32_t *cnt);
+int compute_bases(op_t *op, int core, int d, int src, int64_t *out);
+int recv_bases(op_t *op, int core, int64_t *rx_base, int64_t *n_out);
+int recv_metadata(op_t *op, int core, int s, const int64_t *rx_base);
+void recv_counts_out(op_t *op, int core);
+
+/* dispatch_bsp.c: the global barrier (BSP combine uses it too) */
+int barrier_arrive(op_t *op, int core, int phase);
+int barrier_wait(op_t *op, int core, int phase);
+
+#pragma GCC visibility pop
+
+#endif /* UBEP_ENGINE_H */

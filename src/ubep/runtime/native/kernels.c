@@ -1,0 +1,78 @@
+/* Generic kernels and their run-time selection (kernels.h). */
+#include "kernels.h"
+
+static void copy_generic(uint8_t *d, const uint8_t *s, int64_t n) {
+    /* 8-byte words: whole elements, never byte by byte (SP needs untorn elements). */
+    int64_t nw = n / 8;
+    for (int64_t i = 0; i < nw; i++) {
+        uint64_t v;
+        memcpy(&v, s + 8 * i, 8);
+        memcpy(d + 8 * i, &v, 8);
+    }
+    copy_tail(d + 8 * nw, s + 8 * nw, n - 8 * nw);
+}
+
+static void copy_libc(uint8_t *d, const uint8_t *s, int64_t n) { memcpy(d, s, (size_t)n); }
+
+copy_fn copy_elem = copy_generic; /* element-safe copy (SP) */
+copy_fn copy_fast = copy_libc;    /* any copy followed by a fenced flag */
+
+int fill_vector_ok = 0;
+
+static int has_pattern2(const uint16_t *p, int64_t n, uint16_t v) {
+    int any = 0;
+    for (int64_t i = 0; i < n; i++) any |= (p[i] == v);
+    return any;
+}
+static int has_pattern4(const uint32_t *p, int64_t n, uint32_t v) {
+    int any = 0;
+    for (int64_t i = 0; i < n; i++) any |= (p[i] == v);
+    return any;
+}
+
+int (*has2)(const uint16_t *, int64_t, uint16_t) = has_pattern2;
+int (*has4)(const uint32_t *, int64_t, uint32_t) = has_pattern4;
+
+static void round_bf16_c(void *y, const float *acc, int64_t n) {
+    round_tail(DT_BF16, y, acc, 0, n);
+}
+static void round_fp16_c(void *y, const float *acc, int64_t n) {
+    round_tail(DT_FP16, y, acc, 0, n);
+}
+static void round_fp32_c(void *y, const float *acc, int64_t n) {
+    round_tail(DT_FP32, y, acc, 0, n);
+}
+
+round_fn ROUND[3] = {round_bf16_c, round_fp16_c, round_fp32_c};
+
+static void reduce_bf16_c(void *y, const void *const *s, const float *w, int nt, int64_t n,
+                          int wt) { reduce_tail(DT_BF16, y, s, w, nt, 0, n, wt); }
+static void reduce_fp16_c(void *y, const void *const *s, const float *w, int nt, int64_t n,
+                          int wt) { reduce_tail(DT_FP16, y, s, w, nt, 0, n, wt); }
+static void reduce_fp32_c(void *y, const void *const *s, const float *w, int nt, int64_t n,
+                          int wt) { reduce_tail(DT_FP32, y, s, w, nt, 0, n, wt); }
+
+reduce_fn REDUCE[3] = {reduce_bf16_c, reduce_fp16_c, reduce_fp32_c};
+
+const char *kernel_set = "generic";
+
+void select_kernels(void) {
+#if UBEP_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2")) {
+        kernel_set = "avx2";
+        fill_vector_ok = 1;
+        copy_elem = copy_avx2;
+        has2 = has_pattern2_avx2;
+        has4 = has_pattern4_avx2;
+        ROUND[DT_BF16] = round_bf16_avx2;
+        ROUND[DT_FP32] = round_fp32_avx2;
+        REDUCE[DT_BF16] = reduce_bf16_avx2;
+        REDUCE[DT_FP32] = reduce_fp32_avx2;
+        if (__builtin_cpu_supports("f16c")) {
+            ROUND[DT_FP16] = round_fp16_hw;
+            REDUCE[DT_FP16] = reduce_fp16_hw;
+        }
+    }
+#endif
+}

@@ -1,0 +1,242 @@
+/* AVX2 / F16C kernels: compiled with target attributes (the baseline build needs no CPU flags)
+ * and installed by select_kernels() only where the CPU has them. */
+#include "kernels.h"
+
+#if UBEP_X86
+
+#define AVX2 __attribute__((target("avx2")))
+#define AVX2_F16C __attribute__((target("avx2,f16c")))
+
+AVX2 void copy_avx2(uint8_t *d, const uint8_t *s, int64_t n) {
+    /* align the destination first: a vector store that splits a cache line costs ~2x */
+    int64_t head = (int64_t)((32 - ((uintptr_t)d & 31)) & 31);
+    if (head > n) head = n;
+    if (head) {
+        copy_tail(d, s, head);
+        d += head;
+        s += head;
+        n -= head;
+    }
+    int64_t i = 0;
+    for (; i + 128 <= n; i += 128) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)(s + i));
+        __m256i b = _mm256_loadu_si256((const __m256i *)(s + i + 32));
+        __m256i c = _mm256_loadu_si256((const __m256i *)(s + i + 64));
+        __m256i e = _mm256_loadu_si256((const __m256i *)(s + i + 96));
+        _mm256_store_si256((__m256i *)(d + i), a);
+        _mm256_store_si256((__m256i *)(d + i + 32), b);
+        _mm256_store_si256((__m256i *)(d + i + 64), c);
+        _mm256_store_si256((__m256i *)(d + i + 96), e);
+    }
+    for (; i + 32 <= n; i += 32)
+        _mm256_store_si256((__m256i *)(d + i), _mm256_loadu_si256((const __m256i *)(s + i)));
+    if (i + 16 <= n) {
+        _mm_storeu_si128((__m128i *)(d + i), _mm_loadu_si128((const __m128i *)(s + i)));
+        i += 16;
+    }
+    copy_tail(d + i, s + i, n - i);
+}
+
+AVX2 void fill_avx2(uint8_t *d, int64_t n, int isz, uint64_t pattern) {
+    /* aligned whole-element stores: the region's slots are 64-byte aligned */
+    __m256i v = isz == 2 ? _mm256_set1_epi16((short)pattern) : _mm256_set1_epi32((int)pattern);
+    int64_t i = 0;
+    for (; i + 128 <= n; i += 128) {
+        _mm256_storeu_si256((__m256i *)(d + i), v);
+        _mm256_storeu_si256((__m256i *)(d + i + 32), v);
+        _mm256_storeu_si256((__m256i *)(d + i + 64), v);
+        _mm256_storeu_si256((__m256i *)(d + i + 96), v);
+    }
+    for (; i + 32 <= n; i += 32) _mm256_storeu_si256((__m256i *)(d + i), v);
+    if (isz == 2)
+        for (; i < n; i += 2) *(uint16_t *)(d + i) = (uint16_t)pattern;
+    else
+        for (; i < n; i += 4) *(uint32_t *)(d + i) = (uint32_t)pattern;
+}
+
+AVX2 int has_pattern2_avx2(const uint16_t *p, int64_t n, uint16_t v) {
+    __m256i pat = _mm256_set1_epi16((short)v), acc = _mm256_setzero_si256();
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        __m256i a = _mm256_cmpeq_epi16(_mm256_loadu_si256((const __m256i *)(p + i)), pat);
+        __m256i b = _mm256_cmpeq_epi16(_mm256_loadu_si256((const __m256i *)(p + i + 16)), pat);
+        __m256i c = _mm256_cmpeq_epi16(_mm256_loadu_si256((const __m256i *)(p + i + 32)), pat);
+        __m256i e = _mm256_cmpeq_epi16(_mm256_loadu_si256((const __m256i *)(p + i + 48)), pat);
+        acc = _mm256_or_si256(acc, _mm256_or_si256(_mm256_or_si256(a, b), _mm256_or_si256(c, e)));
+    }
+    int any = !_mm256_testz_si256(acc, acc);
+    for (; i < n; i++) any |= (p[i] == v);
+    return any;
+}
+AVX2 int has_pattern4_avx2(const uint32_t *p, int64_t n, uint32_t v) {
+    __m256i pat = _mm256_set1_epi32((int)v), acc = _mm256_setzero_si256();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        __m256i a = _mm256_cmpeq_epi32(_mm256_loadu_si256((const __m256i *)(p + i)), pat);
+        __m256i b = _mm256_cmpeq_epi32(_mm256_loadu_si256((const __m256i *)(p + i + 8)), pat);
+        __m256i c = _mm256_cmpeq_epi32(_mm256_loadu_si256((const __m256i *)(p + i + 16)), pat);
+        __m256i e = _mm256_cmpeq_epi32(_mm256_loadu_si256((const __m256i *)(p + i + 24)), pat);
+        acc = _mm256_or_si256(acc, _mm256_or_si256(_mm256_or_si256(a, b), _mm256_or_si256(c, e)));
+    }
+    int any = !_mm256_testz_si256(acc, acc);
+    for (; i < n; i++) any |= (p[i] == v);
+    return any;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Combine's output stage: float32 sums rounded to the output type, 32 (16 for fp16) at a time.
+ * The reductions below and the ROUND kernels (convert(), for tests) store through these same
+ * blocks and the same scalar tail (store_f32), so what the tests check is what combine writes.
+ * A NaN sum becomes the canonical quiet NaN of the output type (ubep.dtypes does the same). */
+
+AVX2 static inline __m256 bf16x8_to_f32(__m128i h) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+/* round to nearest even; the caller has checked there is no NaN */
+AVX2 static inline __m256i f32x8_to_bf16(__m256 f) {
+    const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7FFF);
+    __m256i u = _mm256_castps_si256(f);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
+    return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, bias)), 16);
+}
+AVX2 static inline void store32_bf16(uint16_t *out, __m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    __m256 un = _mm256_or_ps(
+        _mm256_or_ps(_mm256_cmp_ps(a0, a0, _CMP_UNORD_Q), _mm256_cmp_ps(a1, a1, _CMP_UNORD_Q)),
+        _mm256_or_ps(_mm256_cmp_ps(a2, a2, _CMP_UNORD_Q), _mm256_cmp_ps(a3, a3, _CMP_UNORD_Q)));
+    if (!_mm256_testz_ps(un, un)) { /* NaN: the canonical one (scalar, rare) */
+        float tmp[32];
+        _mm256_storeu_ps(tmp, a0);
+        _mm256_storeu_ps(tmp + 8, a1);
+        _mm256_storeu_ps(tmp + 16, a2);
+        _mm256_storeu_ps(tmp + 24, a3);
+        for (int k = 0; k < 32; k++) store_f32(DT_BF16, out, k, tmp[k]);
+        return;
+    }
+    /* packus works per 128-bit lane: permute the 64-bit quarters back into order */
+    __m256i p0 = _mm256_permute4x64_epi64(
+        _mm256_packus_epi32(f32x8_to_bf16(a0), f32x8_to_bf16(a1)), 0xD8);
+    __m256i p1 = _mm256_permute4x64_epi64(
+        _mm256_packus_epi32(f32x8_to_bf16(a2), f32x8_to_bf16(a3)), 0xD8);
+    _mm256_storeu_si256((__m256i *)out, p0);
+    _mm256_storeu_si256((__m256i *)(out + 16), p1);
+}
+AVX2 static inline void store32_fp32(float *out, __m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    const __m256 canon = _mm256_castsi256_ps(_mm256_set1_epi32((int)CANON_NAN_F32));
+    _mm256_storeu_ps(out, _mm256_blendv_ps(a0, canon, _mm256_cmp_ps(a0, a0, _CMP_UNORD_Q)));
+    _mm256_storeu_ps(out + 8, _mm256_blendv_ps(a1, canon, _mm256_cmp_ps(a1, a1, _CMP_UNORD_Q)));
+    _mm256_storeu_ps(out + 16, _mm256_blendv_ps(a2, canon, _mm256_cmp_ps(a2, a2, _CMP_UNORD_Q)));
+    _mm256_storeu_ps(out + 24, _mm256_blendv_ps(a3, canon, _mm256_cmp_ps(a3, a3, _CMP_UNORD_Q)));
+}
+AVX2_F16C static inline void store16_fp16(uint16_t *out, __m256 a0, __m256 a1) {
+    const __m256i absmask = _mm256_set1_epi32(0x7FFFFFFF), inf = _mm256_set1_epi32(0x7F800000);
+    __m256i nan = _mm256_or_si256(
+        _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(a0), absmask), inf),
+        _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(a1), absmask), inf));
+    if (!_mm256_testz_si256(nan, nan)) { /* NaN: the canonical one (scalar, rare) */
+        float tmp[16];
+        _mm256_storeu_ps(tmp, a0);
+        _mm256_storeu_ps(tmp + 8, a1);
+        for (int k = 0; k < 16; k++) store_f32(DT_FP16, out, k, tmp[k]);
+        return;
+    }
+    _mm_storeu_si128((__m128i *)out, _mm256_cvtps_ph(a0, _MM_FROUND_TO_NEAREST_INT));
+    _mm_storeu_si128((__m128i *)(out + 8), _mm256_cvtps_ph(a1, _MM_FROUND_TO_NEAREST_INT));
+}
+
+/* ROUND[dt]: the output stage alone, over float32 values */
+AVX2 void round_bf16_avx2(void *y, const float *acc, int64_t n) {
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32)
+        store32_bf16((uint16_t *)y + i, _mm256_loadu_ps(acc + i), _mm256_loadu_ps(acc + i + 8),
+                     _mm256_loadu_ps(acc + i + 16), _mm256_loadu_ps(acc + i + 24));
+    round_tail(DT_BF16, y, acc, i, n);
+}
+AVX2 void round_fp32_avx2(void *y, const float *acc, int64_t n) {
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32)
+        store32_fp32((float *)y + i, _mm256_loadu_ps(acc + i), _mm256_loadu_ps(acc + i + 8),
+                     _mm256_loadu_ps(acc + i + 16), _mm256_loadu_ps(acc + i + 24));
+    round_tail(DT_FP32, y, acc, i, n);
+}
+AVX2_F16C void round_fp16_hw(void *y, const float *acc, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        store16_fp16((uint16_t *)y + i, _mm256_loadu_ps(acc + i), _mm256_loadu_ps(acc + i + 8));
+    round_tail(DT_FP16, y, acc, i, n);
+}
+
+/* a_k = a_k + t_k for the four accumulators of a 32-wide block, t_k = fl32(w * f_k) when
+ * weighted (the product rounded before the add: -ffp-contract=off), else f_k */
+AVX2 static inline void add4(__m256 a[4], __m256 f0, __m256 f1, __m256 f2, __m256 f3,
+                             int weighted, float w) {
+    if (weighted) {
+        __m256 ww = _mm256_set1_ps(w);
+        f0 = _mm256_mul_ps(ww, f0);
+        f1 = _mm256_mul_ps(ww, f1);
+        f2 = _mm256_mul_ps(ww, f2);
+        f3 = _mm256_mul_ps(ww, f3);
+    }
+    a[0] = _mm256_add_ps(a[0], f0);
+    a[1] = _mm256_add_ps(a[1], f1);
+    a[2] = _mm256_add_ps(a[2], f2);
+    a[3] = _mm256_add_ps(a[3], f3);
+}
+
+/* REDUCE[dt]: y[i] = round(sum_j t_j[i]) (kernels.h), 32 (16) accumulators in registers */
+AVX2 void reduce_bf16_avx2(void *y, const void *const *src, const float *w, int nt, int64_t n,
+                           int weighted) {
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                       _mm256_setzero_ps()};
+        for (int j = 0; j < nt; j++) {
+            const uint16_t *v = (const uint16_t *)src[j] + i;
+            __m256i h0 = _mm256_loadu_si256((const __m256i *)v);
+            __m256i h1 = _mm256_loadu_si256((const __m256i *)(v + 16));
+            add4(a, bf16x8_to_f32(_mm256_castsi256_si128(h0)),
+                 bf16x8_to_f32(_mm256_extracti128_si256(h0, 1)),
+                 bf16x8_to_f32(_mm256_castsi256_si128(h1)),
+                 bf16x8_to_f32(_mm256_extracti128_si256(h1, 1)), weighted, weighted ? w[j] : 0.0f);
+        }
+        store32_bf16((uint16_t *)y + i, a[0], a[1], a[2], a[3]);
+    }
+    reduce_tail(DT_BF16, y, src, w, nt, i, n, weighted);
+}
+AVX2 void reduce_fp32_avx2(void *y, const void *const *src, const float *w, int nt, int64_t n,
+                           int weighted) {
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                       _mm256_setzero_ps()};
+        for (int j = 0; j < nt; j++) {
+            const float *v = (const float *)src[j] + i;
+            add4(a, _mm256_loadu_ps(v), _mm256_loadu_ps(v + 8), _mm256_loadu_ps(v + 16),
+                 _mm256_loadu_ps(v + 24), weighted, weighted ? w[j] : 0.0f);
+        }
+        store32_fp32((float *)y + i, a[0], a[1], a[2], a[3]);
+    }
+    reduce_tail(DT_FP32, y, src, w, nt, i, n, weighted);
+}
+AVX2_F16C void reduce_fp16_hw(void *y, const void *const *src, const float *w, int nt, int64_t n,
+                              int weighted) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+        for (int j = 0; j < nt; j++) {
+            const uint16_t *v = (const uint16_t *)src[j] + i;
+            __m256 f0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)v));
+            __m256 f1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + 8)));
+            if (weighted) {
+                __m256 ww = _mm256_set1_ps(w[j]);
+                f0 = _mm256_mul_ps(ww, f0);
+                f1 = _mm256_mul_ps(ww, f1);
+            }
+            a0 = _mm256_add_ps(a0, f0);
+            a1 = _mm256_add_ps(a1, f1);
+        }
+        store16_fp16((uint16_t *)y + i, a0, a1);
+    }
+    reduce_tail(DT_FP16, y, src, w, nt, i, n, weighted);
+}
+
+#endif /* UBEP_X86 */

@@ -1,0 +1,826 @@
+/*
+ * ubep native data plane (C11): the Python type and the module functions.
+ *
+ * One Engine per Buffer. It knows where every rank's shared-memory segment is mapped in this
+ * process and runs a whole dispatch or combine in ONE call, with the GIL released: validation
+ * and counting, the count exchange, the row copies straight from the caller's tensor into the
+ * destination's receive slots, arrival detection (SW / TFF / DC / SP), metadata, and for
+ * combine the one-pass float32 reduction over the expert outputs where they lie.
+ *
+ * The ABI, all that crosses between Python and C (ubep/runtime/abi.py is the Python side):
+ *   - Engine(params, addresses, pids, start_times): params is a dict with exactly the keys of
+ *     PARAMS (read through the {key, offsetof} table below), addresses the base address of
+ *     every rank's segment in this process, pids and start times the peer processes (liveness).
+ *   - Methods take arrays as C-contiguous buffers, their sizes checked against the parameters,
+ *     and return their result or an error tuple (code, peer, core, argument, what: bytes,
+ *     message: bytes), abi.ErrorRecord; ubep.buffer.Engine documents each method.
+ *   - The codes (E_*, DT_*, SYNC_*, ENG_*, LAY_*) and the offsets inside the control records
+ *     are abi.h's. The module exports them (ERRORS, DTYPES, SYNCS, ENGINES, LAYOUTS, OFFSETS,
+ *     PARAMS, ABI) and abi.load_native() refuses a build whose exports differ from abi.py's.
+ *   - Where each record lies in a segment is ubep/runtime/layout.py's (offsets as parameters).
+ *
+ * The parts of the core are listed in engine.h.
+ */
+#include "engine.h" /* first: Python.h precedes the standard headers */
+
+#include <limits.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static PyObject *error_tuple(op_t *op) {
+    int err = atomic_load(&op->err);
+    char buf[MAX_MSG];
+    format_error(op, buf, sizeof buf);
+    /* E_REMOTE: the notice's code in the core slot; the message as bytes (a peer wrote it) */
+    const char *msg = err == E_REMOTE || err == E_BAD_INPUT ? op->msg : buf;
+    return Py_BuildValue("(iiisy#y#)", err, op->err_peer,
+                         err == E_REMOTE ? op->remote_code : op->err_core, op->arg, op->what,
+                         (Py_ssize_t)strlen(op->what), msg, (Py_ssize_t)strlen(msg));
+}
+
+/* The engine's parameters: ubep.runtime.abi.engine_params builds a dict with exactly these keys
+ * (exported as PARAMS and checked at load); each value is stored into its field. */
+typedef enum { P_INT, P_I64, P_U64 } param_kind_t;
+typedef struct {
+    const char *key;
+    size_t offset;
+    param_kind_t kind;
+} param_t;
+#define PARAM(key, field, kind) {key, offsetof(engine_t, field), kind}
+static const param_t PARAMS[] = {
+    PARAM("rank", rank, P_INT),
+    PARAM("num_ranks", R, P_INT),
+    PARAM("num_cores", C, P_INT),
+    PARAM("num_experts", E, P_INT),
+    PARAM("num_local_experts", L, P_INT),
+    PARAM("num_topk", K, P_INT),
+    PARAM("max_tokens", T, P_INT),
+    PARAM("hidden", hidden, P_INT),
+    PARAM("itemsize", isz, P_INT),
+    PARAM("dtype", dt, P_INT),
+    PARAM("combine_dtype", cdt, P_INT),
+    PARAM("combine_itemsize", cisz, P_INT),
+    PARAM("sync", sync, P_INT),
+    PARAM("engine", eng, P_INT),
+    PARAM("layout", layout, P_INT),
+    PARAM("num_regions", nreg, P_INT),
+    PARAM("num_land_regions", nland, P_INT),
+    PARAM("threaded", threaded, P_INT),
+    PARAM("cap_rows", cap_rows, P_I64),
+    PARAM("cap_src_rows", cap_src_rows, P_I64),
+    PARAM("row_bytes", row_bytes, P_I64),
+    PARAM("slot_bytes", slot_bytes, P_I64),
+    PARAM("out_stride", out_stride, P_I64),
+    PARAM("combine_row_bytes", crow_bytes, P_I64),
+    PARAM("tff_block_bytes", tff_block, P_I64),
+    PARAM("tff_flag_bytes", tff_flag, P_I64),
+    PARAM("sentinel", sentinel, P_U64),
+    PARAM("off_fail", off_fail, P_I64),
+    PARAM("off_entered", off_entered, P_I64),
+    PARAM("off_done", off_done, P_I64),
+    PARAM("off_recv_ready", off_recv_ready, P_I64),
+    PARAM("off_doorbell", off_doorbell, P_I64),
+    PARAM("off_comb_info", off_comb_info, P_I64),
+    PARAM("off_barrier", off_barrier, P_I64),
+    PARAM("off_inbox", off_inbox, P_I64),
+    PARAM("inbox_bytes", inbox_bytes, P_I64),
+    PARAM("off_route", off_route, P_I64),
+    PARAM("route_stride", route_stride, P_I64),
+    PARAM("route_w_off", route_w_off, P_I64),
+    PARAM("off_land", off_land, P_I64),
+    PARAM("land_bytes", land_bytes, P_I64),
+    PARAM("off_out", off_out, P_I64),
+    PARAM("out_bytes", out_bytes, P_I64),
+    PARAM("off_comb", off_comb, P_I64),
+    PARAM("comb_bytes", comb_bytes, P_I64),
+    PARAM("seg_size", seg_size, P_I64),
+    PARAM("timeout_ns", timeout_ns, P_I64),
+    PARAM("yield_ns", yield_ns, P_I64),
+    PARAM("sp_check_bytes", sp_tail, P_I64),
+};
+#define NUM_PARAMS ((Py_ssize_t)(sizeof PARAMS / sizeof PARAMS[0]))
+
+static int read_params(engine_t *g, PyObject *p) {
+    for (Py_ssize_t i = 0; i < NUM_PARAMS; i++) {
+        const param_t *pa = &PARAMS[i];
+        PyObject *v = PyDict_GetItemString(p, pa->key);
+        if (!v) {
+            PyErr_Format(PyExc_KeyError, "engine parameter %s missing", pa->key);
+            return -1;
+        }
+        long long x = PyLong_AsLongLong(v);
+        if (x == -1 && PyErr_Occurred()) return -1;
+        void *field = (char *)g + pa->offset;
+        if (pa->kind == P_INT) {
+            if (x < INT_MIN || x > INT_MAX) {
+                PyErr_Format(PyExc_ValueError, "engine parameter %s=%lld out of range", pa->key,
+                             x);
+                return -1;
+            }
+            *(int *)field = (int)x;
+        } else if (pa->kind == P_I64) {
+            *(int64_t *)field = x;
+        } else {
+            *(uint64_t *)field = (uint64_t)x;
+        }
+    }
+    if (PyDict_Size(p) != NUM_PARAMS) { /* a key the engine does not know: a stale build */
+        PyObject *key, *value;
+        Py_ssize_t pos = 0;
+        while (PyDict_Next(p, &pos, &key, &value)) {
+            const char *k = PyUnicode_Check(key) ? PyUnicode_AsUTF8(key) : NULL;
+            int known = 0;
+            for (Py_ssize_t i = 0; k && i < NUM_PARAMS && !known; i++)
+                known = strcmp(k, PARAMS[i].key) == 0;
+            if (!known) {
+                PyErr_Format(PyExc_KeyError, "engine parameter %R unknown", key);
+                return -1;
+            }
+        }
+    }
+    return 0;
+}
+
+static void engine_free_scratch(engine_t *g) {
+    free(g->base); free(g->pids); free(g->starts);
+    free(g->cnt); free(g->units_to); free(g->rows_to);
+    free(g->u_t); free(g->u_k); free(g->u_e); free(g->u_slot); free(g->stamp);
+    free(g->my_rank_in_batch); free((void *)g->remaining); free((void *)g->dc_s1);
+    free((void *)g->dc_s2); free(g->core_base); free(g->core_ready); free(g->rx_base);
+    free(g->rx_rows); free(g->rx_cnt); free(g->tx_rows); free(g->tx_cnt);
+    free(g->route_snap); free(g->ci_off); free(g->ci_rows);
+    free(g->threads); free(g->e2d); free(g->e2l);
+    free((void *)g->term_ptr); free(g->term_w);
+    g->base = NULL;
+}
+
+static void engine_dealloc(engine_t *g) {
+    Py_BEGIN_ALLOW_THREADS
+    engine_stop(g);
+    Py_END_ALLOW_THREADS
+    engine_free_scratch(g);
+    Py_TYPE(g)->tp_free((PyObject *)g);
+}
+
+static int engine_init(engine_t *g, PyObject *args, PyObject *kwds) {
+    PyObject *p, *bases, *pids, *starts;
+    (void)kwds;
+    if (!PyArg_ParseTuple(args, "O!OOO", &PyDict_Type, &p, &bases, &pids, &starts)) return -1;
+    if (read_params(g, p)) return -1;
+    /* 0 (or a whole row or more): every element of the row is armed and polled */
+    if (g->sp_tail <= 0 || g->sp_tail >= g->row_bytes) g->sp_tail = g->row_bytes;
+    if (g->isz > 1) g->sp_tail -= g->sp_tail % g->isz;
+    if (g->R < 1 || g->R > 64 || g->C < 1 || g->C > 256 || g->L < 1 || g->K < 1 ||
+        g->cdt < 0 || g->cdt > 2 || g->rank < 0 || g->rank >= g->R || g->nreg < 1 ||
+        g->nreg > 8 || (g->nland != 1 && g->nland != g->nreg)) {
+        PyErr_SetString(PyExc_ValueError, "engine: parameters out of range (num_ranks <= 64)");
+        return -1;
+    }
+    g->tff_payload = g->tff_block - g->tff_flag;
+    g->tff_nblocks = g->tff_payload > 0 ? (g->row_bytes + g->tff_payload - 1) / g->tff_payload : 0;
+    if (!PySequence_Check(bases) || PySequence_Size(bases) != g->R ||
+        PySequence_Size(pids) != g->R || PySequence_Size(starts) != g->R) {
+        PyErr_SetString(PyExc_ValueError, "engine: bases/pids/starts need one entry per rank");
+        return -1;
+    }
+    const int R = g->R, C = g->C, L = g->L, E = g->E;
+    g->base = calloc((size_t)R, sizeof(uint8_t *));
+    g->pids = calloc((size_t)R, sizeof(int));
+    g->starts = calloc((size_t)R, sizeof(unsigned long long));
+    g->cnt = calloc((size_t)E, sizeof(int64_t));
+    g->units_to = calloc((size_t)R, sizeof(int64_t));
+    g->rows_to = calloc((size_t)R, sizeof(int64_t));
+    const int64_t UB = (int64_t)R * g->cap_src_rows + 1;
+    g->u_t = calloc((size_t)UB, 4); g->u_k = calloc((size_t)UB, 4);
+    g->u_e = calloc((size_t)UB, 4); g->u_slot = calloc((size_t)UB, 4);
+    g->stamp = calloc((size_t)E, sizeof(uint64_t));
+    g->my_rank_in_batch = calloc((size_t)E, sizeof(int64_t));
+    g->remaining = calloc((size_t)R, sizeof(int64_t));
+    g->dc_s1 = calloc((size_t)R, sizeof(uint64_t));
+    g->dc_s2 = calloc((size_t)R, sizeof(uint64_t));
+    int64_t big = (int64_t)R * L > E ? (int64_t)R * L : E;
+    g->core_base = calloc((size_t)(C * big + R), sizeof(int64_t));
+    g->core_ready = calloc((size_t)C * R, sizeof(int64_t));
+    g->rx_base = calloc((size_t)(C * big + R), sizeof(int64_t));
+    g->rx_rows = calloc((size_t)C * R, sizeof(int64_t));
+    g->rx_cnt = calloc((size_t)C * R * L, sizeof(uint32_t));
+    g->tx_rows = calloc((size_t)C * R, sizeof(int64_t));
+    g->tx_cnt = calloc((size_t)C * R * L, sizeof(uint32_t));
+    g->route_snap = calloc((size_t)C * 2 * (size_t)(g->T * g->K) + 1, sizeof(uint32_t));
+    g->ci_off = calloc((size_t)C * R, 8); g->ci_rows = calloc((size_t)C * R, 8);
+    g->e2d = calloc((size_t)E, sizeof(int32_t)); g->e2l = calloc((size_t)E, sizeof(int32_t));
+    int maxt = g->K > R ? g->K : R;
+    g->term_ptr = calloc((size_t)C * maxt, sizeof(void *));
+    g->term_w = calloc((size_t)C * maxt, sizeof(float));
+    if (g->e2d && g->e2l)
+        for (int e = 0; e < E; e++) { g->e2d[e] = e / L; g->e2l[e] = e % L; }
+    const void *scratch[] = {
+        g->base, g->pids, g->starts, g->cnt, g->units_to, g->rows_to, g->u_t, g->u_k, g->u_e,
+        g->u_slot, g->stamp, g->my_rank_in_batch, (const void *)g->remaining,
+        (const void *)g->dc_s1, (const void *)g->dc_s2, g->core_base, g->core_ready, g->rx_base,
+        g->rx_rows, g->rx_cnt, g->tx_rows, g->tx_cnt, g->route_snap, g->ci_off, g->ci_rows,
+        g->e2d, g->e2l, (const void *)g->term_ptr, g->term_w,
+    };
+    int missing = 0;
+    for (size_t i = 0; i < sizeof scratch / sizeof scratch[0]; i++) missing |= !scratch[i];
+    if (missing) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (int r = 0; r < R; r++) {
+        PyObject *b = PySequence_GetItem(bases, r), *pi = PySequence_GetItem(pids, r),
+                 *st = PySequence_GetItem(starts, r);
+        if (!b || !pi || !st) { Py_XDECREF(b); Py_XDECREF(pi); Py_XDECREF(st); return -1; }
+        g->base[r] = (uint8_t *)PyLong_AsVoidPtr(b);
+        g->pids[r] = (int)PyLong_AsLong(pi);
+        g->starts[r] = PyLong_AsUnsignedLongLong(st);
+        Py_DECREF(b); Py_DECREF(pi); Py_DECREF(st);
+        if (PyErr_Occurred()) return -1;
+    }
+    if (start_threads(g)) {
+        PyErr_SetString(PyExc_OSError, "engine: could not start worker threads");
+        return -1;
+    }
+    return 0;
+}
+
+typedef struct {
+    Py_buffer b;
+    int held;
+} pbuf_t;
+
+static int get_buf(PyObject *o, pbuf_t *pb, int writable, const char *name, int64_t min_bytes) {
+    pb->held = 0;
+    if (PyObject_GetBuffer(o, &pb->b, (writable ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Format(PyExc_ValueError, "%s must be a C-contiguous%s buffer", name,
+                     writable ? " writable" : "");
+        return -1;
+    }
+    pb->held = 1;
+    if (pb->b.len < min_bytes) {
+        PyErr_Format(PyExc_ValueError, "%s holds %zd bytes, needs %lld", name, pb->b.len,
+                     (long long)min_bytes);
+        return -1;
+    }
+    return 0;
+}
+static void rel_bufs(pbuf_t *b, int n) {
+    for (int i = 0; i < n; i++)
+        if (b[i].held) PyBuffer_Release(&b[i].b);
+}
+
+static void op_init(op_t *op, engine_t *g, int kind, uint64_t epoch) {
+    memset(op, 0, sizeof *op);
+    op->g = g;
+    op->kind = kind;
+    op->epoch = epoch;
+    op->par = (int)(epoch & 1);
+    op->deadline = now_ns() + g->timeout_ns;
+    op->err_peer = -1;
+}
+
+/* dispatch(x, topk_idx, topk_weights, num_tokens, epoch, index, recv_topk_idx,
+ *          recv_topk_weights, recv_src_rank, recv_src_token, recv_src_k, counts, send_dst_row,
+ *          plan) -> rows received | error tuple; plan: None or (send_token, send_k,
+ *          send_expert, send_dst_rank, send_slot, core_ptr, num_send_cores) */
+static PyObject *engine_dispatch(engine_t *g, PyObject *args) {
+    PyObject *ox, *oidx, *ow, *o1, *o2, *o3, *o4, *o5, *o6, *o7, *plan;
+    unsigned long long epoch;
+    long long n, ntok;
+    if (!PyArg_ParseTuple(args, "OOOLKLOOOOOOOO", &ox, &oidx, &ow, &ntok, &epoch, &n, &o1, &o2, &o3,
+                          &o4, &o5, &o6, &o7, &plan))
+        return NULL;
+    if (g->in_use) {
+        PyErr_SetString(PyExc_RuntimeError, "engine: another call is in progress on this buffer");
+        return NULL;
+    }
+    const int K = g->K;
+    pbuf_t b[16];
+    memset(b, 0, sizeof b);
+    int64_t nrows = g->cap_rows;
+    int64_t dst_w = g->layout == LAY_EXPERT ? K : g->R;
+    int64_t meta_w = g->layout == LAY_EXPERT ? 1 : K;
+    if (ntok < 0 || ntok > g->T) {
+        PyErr_SetString(PyExc_ValueError, "engine: num_tokens out of range");
+        return NULL;
+    }
+    if (get_buf(ox, &b[0], 0, "x", ntok * g->row_bytes) ||
+        get_buf(oidx, &b[1], 0, "topk_idx", ntok * K * 8) ||
+        get_buf(ow, &b[2], 0, "topk_weights", ntok * K * 4) ||
+        get_buf(o1, &b[3], 1, "recv_topk_idx", nrows * meta_w * 8) ||
+        get_buf(o2, &b[4], 1, "recv_topk_weights", nrows * meta_w * 4) ||
+        get_buf(o3, &b[5], 1, "recv_src_rank", nrows * 8) ||
+        get_buf(o4, &b[6], 1, "recv_src_token", nrows * 8) ||
+        get_buf(o5, &b[7], 1, "recv_src_k", nrows * 8) ||
+        get_buf(o6, &b[8], 1, "num_recv_tokens_per_expert", (g->L + g->R) * 8) ||
+        get_buf(o7, &b[9], 1, "send_dst_row", ntok * dst_w * 8)) {
+        rel_bufs(b, 16);
+        return NULL;
+    }
+    op_t *op = calloc(1, sizeof(op_t));
+    if (!op) { rel_bufs(b, 16); return PyErr_NoMemory(); }
+    op_init(op, g, 0, epoch);
+    op->n = n;
+    op->x = b[0].b.buf; op->ntok = ntok; op->topk = b[1].b.buf; op->w = b[2].b.buf;
+    op->o_idx = b[3].b.buf; op->o_w = b[4].b.buf; op->o_src_rank = b[5].b.buf;
+    op->o_src_tok = b[6].b.buf; op->o_src_k = b[7].b.buf; op->o_nrecv = b[8].b.buf;
+    op->o_dst_row = b[9].b.buf;
+    if (plan != Py_None) {
+        PyObject *pt, *pk, *pe, *pd, *ps, *pp;
+        int pc;
+        if (!PyArg_ParseTuple(plan, "OOOOOOi", &pt, &pk, &pe, &pd, &ps, &pp, &pc)) {
+            rel_bufs(b, 16); free(op); return NULL;
+        }
+        if (get_buf(pp, &b[10], 0, "plan.core_ptr", (int64_t)(pc + 1) * 8)) {
+            rel_bufs(b, 16); free(op); return NULL;
+        }
+        int64_t nu = ((const int64_t *)b[10].b.buf)[pc];
+        if (nu < 0 || nu > ntok * K ||
+            get_buf(pt, &b[11], 0, "plan.send_token", nu * 8) ||
+            get_buf(pk, &b[12], 0, "plan.send_k", nu * 8) ||
+            get_buf(pe, &b[13], 0, "plan.send_expert", nu * 8)) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "plan: bad unit count");
+            rel_bufs(b, 16); free(op); return NULL;
+        }
+        if (get_buf(pd, &b[14], 0, "plan.send_dst_rank", nu * 8) ||
+            get_buf(ps, &b[15], 0, "plan.send_slot", nu * 8)) {
+            rel_bufs(b, 16); free(op); return NULL;
+        }
+        const int64_t *pdst = b[14].b.buf, *pexp = b[13].b.buf;
+        for (int64_t u = 0; u < nu; u++)
+            if (pdst[u] < 0 || pdst[u] >= g->R || pexp[u] < 0 || pexp[u] >= g->E) {
+                rel_bufs(b, 16); free(op);
+                PyErr_SetString(PyExc_ValueError, "plan: destination or expert out of range");
+                return NULL;
+            }
+        op->have_plan = 1; op->plan_cores = pc;
+        op->p_ptr = b[10].b.buf; op->p_t = b[11].b.buf; op->p_k = b[12].b.buf;
+        op->p_e = b[13].b.buf; op->p_d = b[14].b.buf; op->p_slot = b[15].b.buf;
+    }
+    g->in_use = 1;
+    int64_t n_recv;
+    Py_BEGIN_ALLOW_THREADS
+    run_op(op, g->eng == ENG_ASP ? &ASP_DISPATCH : &BSP_DISPATCH);
+    finish_op(op);
+    n_recv = op->n_recv;
+    Py_END_ALLOW_THREADS
+    g->in_use = 0;
+    rel_bufs(b, 16);
+    PyObject *res = atomic_load(&op->err) ? error_tuple(op) : PyLong_FromLongLong(n_recv);
+    free(op);
+    return res;
+}
+
+/* combine(expert_out, num_rows, topk_idx, topk_weights, send_dst_row, num_tokens, epoch,
+ *         region, y, dispatch_index) -> 1 if expert_out was used in place, else 0 | error
+ *         tuple; every rank must name the same dispatch */
+static PyObject *engine_combine(engine_t *g, PyObject *args) {
+    PyObject *oeo, *oidx, *ow, *odr, *oy;
+    long long rows, ntok;
+    unsigned long long epoch;
+    int creg;
+    unsigned long long index;
+    if (!PyArg_ParseTuple(args, "OLOOOLKiOK", &oeo, &rows, &oidx, &ow, &odr, &ntok, &epoch, &creg,
+                          &oy, &index))
+        return NULL;
+    if (g->in_use) {
+        PyErr_SetString(PyExc_RuntimeError, "engine: another call is in progress on this buffer");
+        return NULL;
+    }
+    const int K = g->K;
+    int64_t dst_w = g->layout == LAY_EXPERT ? K : g->R;
+    pbuf_t b[5];
+    memset(b, 0, sizeof b);
+    if (rows < 0 || rows > g->cap_rows || ntok < 0 || ntok > g->T || creg < 0 || creg > 1) {
+        PyErr_SetString(PyExc_ValueError, "engine: combine sizes out of range");
+        return NULL;
+    }
+    if (get_buf(oeo, &b[0], 0, "expert_out", rows * g->crow_bytes) ||
+        get_buf(oidx, &b[1], 0, "handle.topk_idx", ntok * K * 8) ||
+        get_buf(ow, &b[2], 0, "handle.topk_weights", ntok * K * 4) ||
+        get_buf(odr, &b[3], 0, "handle.send_dst_row", ntok * dst_w * 8) ||
+        get_buf(oy, &b[4], 1, "y", ntok * g->hidden * g->cisz)) {
+        rel_bufs(b, 5);
+        return NULL;
+    }
+    op_t *op = calloc(1, sizeof(op_t));
+    if (!op) { rel_bufs(b, 5); return PyErr_NoMemory(); }
+    op_init(op, g, 1, epoch);
+    op->dispatch_index = index;
+    op->eo = b[0].b.buf;
+    op->eo_rows = rows;
+    op->creg = creg;
+    uintptr_t mine = (uintptr_t)g->base[g->rank], at = (uintptr_t)op->eo;
+    uint64_t end = at + (uint64_t)rows * (uint64_t)g->crow_bytes;
+    if (at >= mine + HEADER_BYTES && end <= mine + (uint64_t)g->seg_size) {
+        op->zero_copy = 1; /* the expert outputs already live in this rank's segment */
+        op->eo_off = (int64_t)(at - mine);
+    } else {
+        op->eo_off = g->off_comb + (int64_t)creg * g->comb_bytes;
+    }
+    op->h_idx = b[1].b.buf; op->h_w = b[2].b.buf; op->h_dst_row = b[3].b.buf; op->h_ntok = ntok;
+    op->y = b[4].b.buf;
+    g->in_use = 1;
+    Py_BEGIN_ALLOW_THREADS
+    run_op(op, g->eng == ENG_ASP ? &ASP_COMBINE : &BSP_COMBINE);
+    finish_op(op);
+    Py_END_ALLOW_THREADS
+    g->in_use = 0;
+    rel_bufs(b, 5);
+    PyObject *res = atomic_load(&op->err) ? error_tuple(op) : PyLong_FromLong(op->zero_copy);
+    free(op);
+    return res;
+}
+
+/* fail(epoch, code, message, finished, timeout_s) -> 0 | 1 | error tuple: publish "call `epoch`
+ * failed here" for a call rejected before the native code ran (finished=1: this rank is done
+ * with it), or, finished=0, tell peers ahead of time that the next call cannot run here (a
+ * Buffer that lost step). The notice slot of `epoch` last held the notice of `epoch - 2`: it
+ * is written only once every peer has finished that call, waiting at most timeout_s (0: do not
+ * wait; then nothing is published and the result is 1). */
+static PyObject *engine_fail(engine_t *g, PyObject *args) {
+    unsigned long long epoch;
+    int code, finished;
+    const char *msg;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "Kisid", &epoch, &code, &msg, &finished, &timeout)) return NULL;
+    if (code < E_BAD_INPUT || code > E_LOST) {
+        PyErr_SetString(PyExc_ValueError, "engine.fail: code out of range");
+        return NULL;
+    }
+    op_t *op = calloc(1, sizeof(op_t));
+    if (!op) return PyErr_NoMemory();
+    op_init(op, g, 2, epoch);
+    op->deadline = now_ns() + (int64_t)(timeout * 1e9);
+    int rc = 0;
+    uint64_t credit = epoch >= 2 ? epoch - 2 : 0;
+    Py_BEGIN_ALLOW_THREADS
+    if (timeout > 0) {
+        rc = wait_peers_done(op, credit, 0);
+    } else if (!peers_done_geq(g, credit)) {
+        rc = -1;
+    }
+    if (!rc) {
+        publish_failure(g, epoch, code, msg);
+        if (finished) {
+            pub_word(word(g, g->rank, g->off_done), epoch);
+            ring_all(g);
+        }
+    }
+    int armed = atomic_load(&op->armed);
+    if (armed) atomic_fetch_sub(sleepers(g, g->rank), (uint32_t)armed);
+    Py_END_ALLOW_THREADS
+    PyObject *res = rc > 0 ? error_tuple(op) : PyLong_FromLong(rc ? 1 : 0);
+    free(op);
+    return res;
+}
+
+/* resync(base_epoch): forget every call before `base_epoch` (local; Buffer.resync runs it on
+ * every rank between two group-wide exchanges, so no peer is inside a call and nobody writes
+ * this segment meanwhile). Control records of this rank's segment are cleared, progress words
+ * say "finished everything before base_epoch", SP regions are re-armed. */
+static PyObject *engine_resync(engine_t *g, PyObject *args) {
+    unsigned long long base;
+    if (!PyArg_ParseTuple(args, "K", &base)) return NULL;
+    if (base < 2) {
+        PyErr_SetString(PyExc_ValueError, "engine.resync: base_epoch must be >= 2");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    uint8_t *me = g->base[g->rank];
+    memset(me + g->off_fail, 0, 2 * sizeof(fail_rec_t));
+    memset(me + g->off_comb_info, 0, 2 * sizeof(comb_info_rec_t));
+    memset(me + g->off_barrier, 0, (size_t)g->C * LINE_BYTES);
+    memset(me + g->off_inbox, 0, (size_t)(g->R * 2 * g->inbox_bytes));
+    for (int reg = 0; reg < g->nreg; reg++) memset(route(g, g->rank, reg), 0, sizeof(route_rec_t));
+    pub_word(word(g, g->rank, g->off_entered), (base - 1) << 2);
+    pub_word(word(g, g->rank, g->off_done), base - 1);
+    pub_word(word(g, g->rank, g->off_recv_ready), 0);
+    atomic_store(sleepers(g, g->rank), 0);
+    if (g->sync == SYNC_SP) reset_land(g);
+    g->land_dirty = 0;
+    memset(g->sp_dirty, 0, sizeof g->sp_dirty);
+    g->comb_last_epoch[0] = g->comb_last_epoch[1] = 0;
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* wait_done(epoch, timeout_s) -> 0 | error tuple: every peer has finished call `epoch` */
+static PyObject *engine_wait_done(engine_t *g, PyObject *args) {
+    unsigned long long epoch;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "Kd", &epoch, &timeout)) return NULL;
+    op_t *op = calloc(1, sizeof(op_t));
+    if (!op) return PyErr_NoMemory();
+    op_init(op, g, 2, epoch); /* kind 2: waits ignore failure notices */
+    op->deadline = now_ns() + (int64_t)(timeout * 1e9);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = wait_peers_done(op, epoch, 0);
+    int armed = atomic_load(&op->armed);
+    if (armed) atomic_fetch_sub(sleepers(g, g->rank), (uint32_t)armed);
+    Py_END_ALLOW_THREADS
+    PyObject *res = rc ? error_tuple(op) : PyLong_FromLong(0);
+    free(op);
+    return res;
+}
+
+/* reset_all(): fill the SP land region(s) with the sentinel (construction) */
+static PyObject *engine_reset_all(engine_t *g, PyObject *noargs) {
+    (void)noargs;
+    if (g->sync != SYNC_SP) Py_RETURN_NONE;
+    Py_BEGIN_ALLOW_THREADS
+    reset_land(g);
+    g->land_dirty = 0;
+    memset(g->sp_dirty, 0, sizeof g->sp_dirty);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *engine_trace(engine_t *g, PyObject *noargs) {
+    (void)noargs;
+    PyObject *t = PyTuple_New(16);
+    if (!t) return NULL;
+    for (int i = 0; i < 16; i++) PyTuple_SET_ITEM(t, i, PyLong_FromLongLong(g->trace[i]));
+    return t;
+}
+
+static PyObject *engine_comb_last_epoch(engine_t *g, PyObject *args) {
+    int c;
+    if (!PyArg_ParseTuple(args, "i", &c)) return NULL;
+    if (c < 0 || c > 1) { PyErr_SetString(PyExc_ValueError, "region"); return NULL; }
+    return PyLong_FromUnsignedLongLong(g->comb_last_epoch[c]);
+}
+
+static PyObject *engine_close(engine_t *g, PyObject *noargs) {
+    (void)noargs;
+    Py_BEGIN_ALLOW_THREADS
+    engine_stop(g);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef engine_methods[] = {
+    {"dispatch", (PyCFunction)engine_dispatch, METH_VARARGS, "one dispatch (ubep.buffer.Engine)"},
+    {"combine", (PyCFunction)engine_combine, METH_VARARGS, "one combine (ubep.buffer.Engine)"},
+    {"fail", (PyCFunction)engine_fail, METH_VARARGS, "publish a failure notice"},
+    {"resync", (PyCFunction)engine_resync, METH_VARARGS, "forget every call before an epoch"},
+    {"wait_done", (PyCFunction)engine_wait_done, METH_VARARGS, "wait for peers' progress"},
+    {"reset_all", (PyCFunction)engine_reset_all, METH_NOARGS, "SP: fill regions with sentinel"},
+    {"comb_last_epoch", (PyCFunction)engine_comb_last_epoch, METH_VARARGS,
+     "epoch of the last combine that used combine region c"},
+    {"close", (PyCFunction)engine_close, METH_NOARGS, "stop worker threads"},
+    {"trace", (PyCFunction)engine_trace, METH_NOARGS,
+     "core 0's phase timestamps (CLOCK_MONOTONIC ns) of the last dispatch, for profiling"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject EngineType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "ubep.runtime._native.Engine",
+    .tp_basicsize = sizeof(engine_t),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)engine_init,
+    .tp_dealloc = (destructor)engine_dealloc,
+    .tp_methods = engine_methods,
+    .tp_doc = "Native dispatch/combine engine of one Buffer.",
+};
+
+/* module-level helpers for benchmarks and tests */
+static PyObject *mod_copy(PyObject *self, PyObject *args) {
+    PyObject *od, *os;
+    int which = 0;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OO|i", &od, &os, &which)) return NULL;
+    pbuf_t b[2];
+    memset(b, 0, sizeof b);
+    if (get_buf(od, &b[0], 1, "dst", 0) || get_buf(os, &b[1], 0, "src", 0)) {
+        rel_bufs(b, 2);
+        return NULL;
+    }
+    int64_t n = b[0].b.len < b[1].b.len ? b[0].b.len : b[1].b.len;
+    Py_BEGIN_ALLOW_THREADS
+    (which ? copy_elem : copy_fast)(b[0].b.buf, b[1].b.buf, n);
+    Py_END_ALLOW_THREADS
+    rel_bufs(b, 2);
+    Py_RETURN_NONE;
+}
+
+static PyObject *mod_dc_checksum(PyObject *self, PyObject *args) {
+    PyObject *o;
+    long long row_bytes;
+    unsigned long long epoch;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OLK", &o, &row_bytes, &epoch)) return NULL;
+    pbuf_t b;
+    if (get_buf(o, &b, 0, "rows", 0)) { rel_bufs(&b, 1); return NULL; }
+    if (row_bytes < 1 || b.b.len % row_bytes) {
+        rel_bufs(&b, 1);
+        PyErr_SetString(PyExc_ValueError, "rows: length must be a multiple of row_bytes");
+        return NULL;
+    }
+    uint64_t sum = dc_batch_sum(b.b.buf, row_bytes, b.b.len / row_bytes, row_bytes, epoch);
+    rel_bufs(&b, 1);
+    return PyLong_FromUnsignedLongLong(sum);
+}
+
+static PyObject *mod_convert(PyObject *self, PyObject *args) {
+    /* convert(acc_f32, out, dtype): combine's float32 -> dtype rounding (ROUND), for tests */
+    PyObject *oa, *oo;
+    int dt;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOi", &oa, &oo, &dt)) return NULL;
+    if (dt < 0 || dt > 2) { PyErr_SetString(PyExc_ValueError, "dtype code"); return NULL; }
+    pbuf_t b[2];
+    memset(b, 0, sizeof b);
+    if (get_buf(oa, &b[0], 0, "acc", 0) || get_buf(oo, &b[1], 1, "out", 0)) {
+        rel_bufs(b, 2);
+        return NULL;
+    }
+    int64_t n = b[0].b.len / 4;
+    int osz = dt == DT_FP32 ? 4 : 2;
+    if (b[1].b.len < n * osz) {
+        rel_bufs(b, 2);
+        PyErr_SetString(PyExc_ValueError, "out");
+        return NULL;
+    }
+    ROUND[dt](b[1].b.buf, b[0].b.buf, n);
+    rel_bufs(b, 2);
+    Py_RETURN_NONE;
+}
+
+/* Checksums of the control records, for tests that forge records a peer could write
+ * (the bounds checks behind the checksums must hold on their own). */
+static PyObject *mod_counts_sum(PyObject *self, PyObject *args) {
+    unsigned long long epoch, rows;
+    PyObject *oc;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KKO", &epoch, &rows, &oc)) return NULL;
+    pbuf_t b;
+    if (get_buf(oc, &b, 0, "counts", 0)) { rel_bufs(&b, 1); return NULL; }
+    uint64_t s = counts_sum(epoch, rows, b.b.buf, (int)(b.b.len / 4));
+    rel_bufs(&b, 1);
+    return PyLong_FromUnsignedLongLong(s);
+}
+
+static PyObject *mod_route_sum(PyObject *self, PyObject *args) {
+    unsigned long long epoch, ntok;
+    PyObject *oi, *ow;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KKOO", &epoch, &ntok, &oi, &ow)) return NULL;
+    pbuf_t b[2];
+    memset(b, 0, sizeof b);
+    if (get_buf(oi, &b[0], 0, "idx", 0) || get_buf(ow, &b[1], 0, "weights", b[0].b.len)) {
+        rel_bufs(b, 2);
+        return NULL;
+    }
+    uint64_t s = route_sum(epoch, ntok, b[0].b.buf, b[1].b.buf, b[0].b.len / 4);
+    rel_bufs(b, 2);
+    return PyLong_FromUnsignedLongLong(s);
+}
+
+static PyObject *mod_comb_info_sum(PyObject *self, PyObject *args) {
+    unsigned long long epoch, off, rows, stride, index;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KKKKK", &epoch, &off, &rows, &stride, &index)) return NULL;
+    return PyLong_FromUnsignedLongLong(comb_info_sum(epoch, off, rows, stride, index));
+}
+
+static PyMethodDef module_methods[] = {
+    {"counts_sum", mod_counts_sum, METH_VARARGS, "counts_sum(epoch, rows, counts_u32)"},
+    {"route_sum", mod_route_sum, METH_VARARGS, "route_sum(epoch, ntok, idx_i32, weights_f32)"},
+    {"comb_info_sum", mod_comb_info_sum, METH_VARARGS,
+     "comb_info_sum(epoch, offset, rows, stride, dispatch_index)"},
+    {"copy", mod_copy, METH_VARARGS, "copy(dst, src, element_safe=0): the data plane's copy"},
+    {"dc_checksum", mod_dc_checksum, METH_VARARGS, "dc_checksum(rows, row_bytes, epoch)"},
+    {"convert", mod_convert, METH_VARARGS, "convert(acc_f32, out, dtype_code)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef native_module = {
+    PyModuleDef_HEAD_INIT, "_native", "ubep native data plane (C11).", -1, module_methods,
+    NULL, NULL, NULL, NULL,
+};
+
+/* ---------------------------------------------------------------------------------------- */
+/* What the module exports of the ABI (ubep.runtime.abi compares it with its own at load) */
+
+typedef struct {
+    const char *name;
+    long long value;
+} named_t;
+#define NAMED_LEN(a) (sizeof(a) / sizeof((a)[0]))
+static const named_t ERROR_CODES[] = {
+    {"ok", E_OK}, {"bad_input", E_BAD_INPUT}, {"timeout", E_TIMEOUT}, {"peer_lost", E_PEER_LOST},
+    {"remote", E_REMOTE}, {"internal", E_INTERNAL}, {"lost", E_LOST},
+};
+static const named_t DTYPE_CODES[] = {
+    {"bf16", DT_BF16}, {"fp16", DT_FP16}, {"fp32", DT_FP32}, {"int8", DT_INT8},
+    {"uint8", DT_UINT8},
+};
+static const named_t SYNC_CODES[] = {
+    {"sw", SYNC_SW}, {"tff", SYNC_TFF}, {"dc", SYNC_DC}, {"sp", SYNC_SP},
+};
+static const named_t ENGINE_CODES[] = {{"asp", ENG_ASP}, {"bsp", ENG_BSP}};
+static const named_t LAYOUT_CODES[] = {{"expert", LAY_EXPERT}, {"rank", LAY_RANK}};
+#define AT(name, rec, field) {name, (long long)offsetof(rec, field)}
+static const named_t RECORD_OFFSETS[] = {
+    {"HEADER_BYTES", HEADER_BYTES},
+    {"LINE_BYTES", LINE_BYTES},
+    AT("WORD_CHECK", word_t, check),
+    AT("DOORBELL_SLEEPERS", doorbell_t, sleepers),
+    AT("IN_COUNTS_EPOCH", inbox_rec_t, counts_epoch),
+    AT("IN_ROWS", inbox_rec_t, rows),
+    AT("IN_SUM", inbox_rec_t, sum),
+    AT("IN_SW_COUNT", inbox_rec_t, sw_count),
+    AT("IN_SW_EPOCH", inbox_rec_t, sw_epoch),
+    AT("IN_DC_COUNT", inbox_rec_t, dc_count),
+    AT("IN_DC_SUM", inbox_rec_t, dc_sum),
+    AT("IN_DC_EPOCH", inbox_rec_t, dc_epoch),
+    AT("IN_COUNTS", inbox_rec_t, counts),
+    AT("CI_OFF", comb_info_rec_t, off),
+    AT("CI_ROWS", comb_info_rec_t, rows),
+    AT("CI_STRIDE", comb_info_rec_t, stride),
+    AT("CI_EPOCH", comb_info_rec_t, epoch),
+    AT("CI_INDEX", comb_info_rec_t, dispatch_index),
+    AT("CI_SUM", comb_info_rec_t, sum),
+    {"CI_BYTES", sizeof(comb_info_rec_t)},
+    AT("FAIL_EPOCH", fail_rec_t, epoch),
+    AT("FAIL_LEN", fail_rec_t, lencode),
+    AT("FAIL_MSG", fail_rec_t, msg),
+    {"FAIL_MSG_MAX", FAIL_MSG_MAX},
+    AT("FAIL_SUM", fail_rec_t, sum),
+    {"FAIL_BYTES", sizeof(fail_rec_t)},
+    AT("ROUTE_NTOK", route_rec_t, ntok),
+    AT("ROUTE_EPOCH", route_rec_t, epoch),
+    AT("ROUTE_SUM", route_rec_t, sum),
+    AT("ROUTE_IDX", route_rec_t, idx),
+};
+
+static int add_named(PyObject *m, const char *name, const named_t *items, size_t n) {
+    PyObject *d = PyDict_New();
+    if (!d) return -1;
+    for (size_t i = 0; i < n; i++) {
+        PyObject *v = PyLong_FromLongLong(items[i].value);
+        if (!v || PyDict_SetItemString(d, items[i].name, v) < 0) {
+            Py_XDECREF(v);
+            Py_DECREF(d);
+            return -1;
+        }
+        Py_DECREF(v);
+    }
+    if (PyModule_AddObject(m, name, d) < 0) {
+        Py_DECREF(d);
+        return -1;
+    }
+    return 0;
+}
+
+static int add_exports(PyObject *m) {
+    PyObject *keys = PyTuple_New(NUM_PARAMS);
+    if (!keys) return -1;
+    for (Py_ssize_t i = 0; i < NUM_PARAMS; i++) {
+        PyObject *k = PyUnicode_FromString(PARAMS[i].key);
+        if (!k) {
+            Py_DECREF(keys);
+            return -1;
+        }
+        PyTuple_SET_ITEM(keys, i, k);
+    }
+    if (PyModule_AddObject(m, "PARAMS", keys) < 0) {
+        Py_DECREF(keys);
+        return -1;
+    }
+    if (add_named(m, "ERRORS", ERROR_CODES, NAMED_LEN(ERROR_CODES)) ||
+        add_named(m, "DTYPES", DTYPE_CODES, NAMED_LEN(DTYPE_CODES)) ||
+        add_named(m, "SYNCS", SYNC_CODES, NAMED_LEN(SYNC_CODES)) ||
+        add_named(m, "ENGINES", ENGINE_CODES, NAMED_LEN(ENGINE_CODES)) ||
+        add_named(m, "LAYOUTS", LAYOUT_CODES, NAMED_LEN(LAYOUT_CODES)) ||
+        add_named(m, "OFFSETS", RECORD_OFFSETS, NAMED_LEN(RECORD_OFFSETS)))
+        return -1;
+    if (PyModule_AddIntConstant(m, "ABI", UBEP_ABI_VERSION) < 0 ||
+        PyModule_AddStringConstant(m, "KERNELS", kernel_set) < 0)
+        return -1;
+    return 0;
+}
+
+PyMODINIT_FUNC PyInit__native(void) {
+    select_kernels();
+    if (PyType_Ready(&EngineType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&native_module);
+    if (!m) return NULL;
+    Py_INCREF(&EngineType);
+    if (PyModule_AddObject(m, "Engine", (PyObject *)&EngineType) < 0) {
+        Py_DECREF(&EngineType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (add_exports(m) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

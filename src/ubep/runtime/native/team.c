@@ -1,0 +1,103 @@
+/* The cores of one rank: an operation is a short list of phases; each phase runs on every core
+ * (or on core 0 only). With threads, core 0 is the calling thread and cores 1..C-1 are
+ * persistent pthreads that spin, yield, then sleep on a futex between operations; without (more
+ * cores than hardware threads), the calling thread plays every core in turn, phase by phase. */
+#include "engine.h" /* first: Python.h precedes the standard headers */
+
+#include <sched.h>
+#include <stdlib.h>
+
+static void team_barrier(engine_t *g) {
+    if (g->C == 1 || !g->threaded) return;
+    uint32_t gen = atomic_load(&g->tb_gen);
+    if (atomic_fetch_add(&g->tb_count, 1) == (uint32_t)g->C - 1) {
+        atomic_store(&g->tb_count, 0);
+        atomic_fetch_add(&g->tb_gen, 1);
+        futex_wake(&g->tb_gen, INT32_MAX);
+        return;
+    }
+    for (int i = 0; atomic_load(&g->tb_gen) == gen; i++) {
+        if (i < 64) cpu_relax();
+        else if (i < 2000) sched_yield();
+        else {
+            struct timespec ts = {0, 1000000};
+            futex_wait(&g->tb_gen, gen, &ts);
+        }
+    }
+}
+
+static void run_phases_core(op_t *op, const phase_t *ph, int nph, int core) {
+    for (int p = 0; p < nph; p++) {
+        if (!atomic_load(&op->abort) && (ph[p].all_cores || core == 0)) ph[p].fn(op, core);
+        if (ph[p].sync_after) team_barrier(op->g);
+    }
+}
+
+static void *worker_main(void *arg) {
+    engine_t *g = ((void **)arg)[0];
+    int core = (int)(intptr_t)((void **)arg)[1];
+    free(arg);
+    uint32_t seen = 0;
+    for (;;) {
+        for (int i = 0; atomic_load(&g->job_gen) == seen; i++) {
+            if (i < 200) cpu_relax();
+            else if (i < 400) sched_yield();
+            else futex_wait(&g->job_gen, seen, NULL);
+        }
+        seen = atomic_load(&g->job_gen);
+        if (atomic_load(&g->stopping)) break;
+        run_phases_core(g->job_op, g->job_phases->phase, g->job_phases->num_phases, core);
+        team_barrier(g); /* completion */
+    }
+    return NULL;
+}
+
+int start_threads(engine_t *g) {
+    if (!g->threaded || g->C == 1 || g->nthreads_started) return 0;
+    g->threads = calloc((size_t)g->C, sizeof(pthread_t));
+    if (!g->threads) return -1;
+    for (int c = 1; c < g->C; c++) {
+        void **arg = malloc(2 * sizeof(void *));
+        if (!arg) return -1;
+        arg[0] = g;
+        arg[1] = (void *)(intptr_t)c;
+        if (pthread_create(&g->threads[c], NULL, worker_main, arg) != 0) {
+            free(arg);
+            return -1;
+        }
+        g->nthreads_started = c;
+    }
+    return 0;
+}
+
+void run_op(op_t *op, const phase_list_t *phases) {
+    engine_t *g = op->g;
+    const phase_t *ph = phases->phase;
+    const int nph = phases->num_phases;
+    if (g->C == 1) {
+        run_phases_core(op, ph, nph, 0);
+    } else if (g->threaded) {
+        g->job_op = op;
+        g->job_phases = phases;
+        atomic_fetch_add(&g->job_gen, 1);
+        futex_wake(&g->job_gen, INT32_MAX);
+        run_phases_core(op, ph, nph, 0);
+        team_barrier(g);
+    } else {
+        /* more cores than hardware threads: the calling thread plays every core, phase by
+         * phase (phases never wait on another core of the same rank) */
+        for (int p = 0; p < nph; p++)
+            for (int c = 0; c < (ph[p].all_cores ? g->C : 1); c++)
+                if (!atomic_load(&op->abort)) ph[p].fn(op, c);
+    }
+}
+
+void engine_stop(engine_t *g) {
+    atomic_store(&g->stopping, 1);
+    if (g->nthreads_started) {
+        atomic_fetch_add(&g->job_gen, 1);
+        futex_wake(&g->job_gen, INT32_MAX);
+        for (int c = 1; c <= g->nthreads_started; c++) pthread_join(g->threads[c], NULL);
+        g->nthreads_started = 0;
+    }
+}

@@ -1,0 +1,73 @@
+"""The native core's ABI: the module exports what ``ubep.runtime.abi`` holds, a stale build is
+refused at load, and the error record becomes the exception its code names."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from ubep.buffer import BufferConfig
+from ubep.errors import (
+    InvalidArgumentError,
+    OutOfStepError,
+    PeerLostError,
+    RemoteError,
+    TimeoutError,
+    UbepError,
+)
+from ubep.runtime import abi
+from ubep.runtime.layout import compute_layout
+
+
+def test_native_exports_equal_abi() -> None:
+    native = abi.load_native()
+    assert native.ABI == abi.ABI_VERSION
+    assert native.OFFSETS == abi.OFFSETS
+    assert native.PARAMS == abi.PARAMS
+    assert (native.ERRORS, native.DTYPES, native.SYNCS, native.ENGINES, native.LAYOUTS) == (
+        abi.ERRORS, abi.DTYPES, abi.SYNCS, abi.ENGINES, abi.LAYOUTS)
+
+
+@pytest.mark.parametrize("name", ["ABI", "SYNCS", "OFFSETS", "PARAMS"])
+def test_a_stale_build_is_refused_by_name(name: str) -> None:
+    native = abi.load_native()
+    fake = types.SimpleNamespace(**{k: getattr(native, k) for k in (
+        "ABI", "ERRORS", "DTYPES", "SYNCS", "ENGINES", "LAYOUTS", "OFFSETS", "PARAMS")})
+    abi.check_native(fake)  # a faithful copy passes
+    value = getattr(fake, name)
+    if isinstance(value, dict):
+        value = dict(value, **{next(iter(value)): 99})
+    elif isinstance(value, tuple):
+        value = value[:-1]
+    else:
+        value += 1
+    setattr(fake, name, value)
+    with pytest.raises(ImportError, match=f"stale build: it exports {name}="):
+        abi.check_native(fake)
+
+
+def test_engine_params_have_exactly_the_native_keys() -> None:
+    cfg = BufferConfig(max_tokens_per_rank=8, hidden=64, num_topk=2, num_experts=4, dtype="bf16",
+                       sync="tff")
+    lay = compute_layout(num_ranks=2, num_cores=1, num_experts=4, num_topk=2, max_tokens=8,
+                         hidden=64, itemsize=2, combine_itemsize=2, layout="expert",
+                         engine="asp", sync="tff", tff_block_bytes=512, tff_flag_bytes=32)
+    params = abi.engine_params(cfg, lay, rank=1, num_ranks=2, num_cores=1, threaded=False)
+    assert set(params) == set(abi.load_native().PARAMS)
+    assert params["seg_size"] == lay.size_bytes and params["num_local_experts"] == 2
+    assert (params["sync"], params["dtype"], params["rank"]) == (1, 0, 1)
+
+
+@pytest.mark.parametrize(
+    ("code", "cls"),
+    [(abi.E_BAD_INPUT, InvalidArgumentError), (abi.E_TIMEOUT, TimeoutError),
+     (abi.E_PEER_LOST, PeerLostError), (abi.E_REMOTE, RemoteError),
+     (abi.E_INTERNAL, UbepError), (abi.E_LOST, OutOfStepError)],
+)
+def test_error_record_becomes_its_exception(code: int, cls: type[UbepError]) -> None:
+    rec = abi.ErrorRecord.from_tuple((code, 1, abi.E_BAD_INPUT, "x", b"what \xff", b"17"))
+    exc = rec.to_exception(0)
+    assert type(exc) is cls
+    assert rec.what == "what \ufffd"  # bytes a peer wrote, decoded without failing
+    assert rec.clean == (code in (abi.E_BAD_INPUT, abi.E_REMOTE))
