@@ -92,7 +92,7 @@ def inputs(case: Case, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def _breakdown(rows: list[list[int]]) -> list[float]:
-    """Median phase durations (us) from the engine's core-0 timestamps (see _native.c)."""
+    """Median phase durations (us) from the engine's core-0 timestamps (see native/module.c)."""
     per = []
     for mono_in, mono_out, *tr in rows:
         marks = [mono_in, *tr[:8], mono_out]
