@@ -522,6 +522,7 @@ class _FaultRank:
         try:
             return action(), "ok"
         except Exception as exc:  # every outcome is logged; none may be wrong data
+            entry[f"{phase[0]}msg"] = str(exc)[:300]  # for reproducers
             return None, _outcome(exc)
         finally:
             for t in helpers:
@@ -649,9 +650,10 @@ def check_contracts(num_ranks: int, logs: list[list[dict[str, Any]]]) -> tuple[l
         if len(per) < num_ranks or per[0]["kind"] == "none" or (bi, epoch) in tainted:
             continue
         checked += 1
-        head = f"block {bi} epoch {epoch} {per[0]['kind']}"
+        head = f"block {bi} epoch {epoch} {per[0]['kind']} {per[0].get('detail', '')}"
         for problem in _pair_contract(per, by_key, tainted, bi, epoch):
-            out.append(f"{head}: {problem}")
+            said = {r: [e[m] for m in ("dmsg", "cmsg") if m in e] for r, e in per.items()}
+            out.append(f"{head}: {problem}; messages {said}")
     return out, checked
 
 
