@@ -427,7 +427,8 @@ class _FaultRank:
         while True:
             if lost or pairs >= quota:
                 flags = self.group.allgather([lost, pairs], self.settings.exchange_timeout_s)
-                pairs = max(int(p) for _, p in flags)
+                # the pairs every rank started (a rank that went on alone made extra ones)
+                pairs = min(int(p) for _, p in flags)
                 if pairs >= quota and not any(bool(f) for f, _ in flags):
                     return
                 buf.resync(self.settings.resync_timeout_s)
@@ -735,9 +736,12 @@ def _fault_summary(num_ranks: int, found: list[dict[str, Any]], blocks: int,
             errors.update(v for v in (e["d"], e["c"]) if v not in ("ok", "-"))
     wrong = [w for f in found for w in f["wrong"]]
     violations, checked = check_contracts(num_ranks, logs)
+    everywhere: Counter[tuple[int, int]] = Counter(
+        (e["block"], e["epoch"]) for log in logs for e in log if e["d"] == e["c"] == "ok")
     return {
         "num_ranks": num_ranks, "blocks": blocks, "seconds": round(seconds, 1),
         "pairs": len(logs[0]), "calls_checked": sum(f["calls_checked"] for f in found),
+        "pairs_checked_everywhere": sum(n == num_ranks for n in everywhere.values()),
         "resyncs": found[0]["resyncs"], "wrong_answers": len(wrong), "wrong": wrong[:50],
         "errors": dict(errors.most_common()), "violations": violations,
         "contracts_checked": checked,
@@ -754,7 +758,8 @@ def format_fault_summary(result: dict[str, Any]) -> str:
     for num_ranks, v in result["ranks"].items():
         lines.append(
             f"{num_ranks} ranks: {v['pairs']} dispatch+combine pairs in {v['blocks']} buffers, "
-            f"{v['seconds']} s; calls checked bit for bit (all ranks): {v['calls_checked']}; "
+            f"{v['seconds']} s, {v['pairs_checked_everywhere']} of them checked on every rank; "
+            f"calls checked bit for bit (all ranks): {v['calls_checked']}; "
             f"wrong answers: {v['wrong_answers']}; resyncs: {v['resyncs']}; contract "
             f"violations: {len(v['violations'])} in {v['contracts_checked']} fault pairs checked")
         lines.append("  errors by type (all ranks): " + ", ".join(

@@ -128,6 +128,7 @@ def test_fault_soak_never_returns_a_wrong_answer() -> None:
         assert run["violations"] == [], (num_ranks, run["violations"])
         fired = {k for k in FAULT_KINDS if run["kinds"][k]["injected"]}
         assert fired == set(FAULT_KINDS), (num_ranks, fired)
-        assert run["resyncs"] > 0 and run["pairs"] >= 100  # an exchange may skip a few
+        assert run["resyncs"] > 0 and run["pairs"] >= 120
+        assert run["pairs_checked_everywhere"] >= 60
     assert result["calls_checked"] >= 500
     assert result["ok"]
