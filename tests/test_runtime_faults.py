@@ -253,3 +253,26 @@ def test_env_launch_rank_killed_at_the_rendezvous_leaves_no_segment(tmp_path: Pa
     names += [e.name.split(".", 1)[1] for e in rdv.glob("segment.*")]
     assert not [n for n in names if os.path.exists(os.path.join(SHM_DIR, n))]
     assert not list(rdv.glob("segment.*"))  # the survivor's own marker went with its segment
+
+
+def _worker_mismatch_rejected_cleanly(group: Any) -> tuple[list[str], list[bool]]:
+    cfg = CASE.config(16)
+    r = group.rank
+    seen: list[str] = []
+    with Buffer(group, cfg) as buf:
+        xs, idxs, ws = make_inputs(CASE, cfg.num_experts, [16, 16], 11, "uniform")
+        for _ in range(2):  # rank 1 combines without a handle while rank 0 dispatches
+            seen.append(_outcome(lambda: buf.combine(np.zeros((1, cfg.hidden), np.uint16), None)
+                                 if r == 1 else buf.dispatch(xs[r], idxs[r], ws[r]))[0])
+        # both were clean rejects: still in step, no resync needed, and the next calls are right
+        good = [_good_call(buf, group, seed) for seed in (12, 13)]
+    return seen, good
+
+
+def test_mismatched_calls_rejected_cleanly_leave_the_buffer_in_step() -> None:
+    """A dispatch that a peer's cleanly rejected combine failed counts no dispatch: before, the
+    ranks' dispatch counters drifted apart (then every later call was OutOfStep, or, after two
+    such calls, every combine a 'clean' InvalidArgumentError for good)."""
+    (seen0, good0), (seen1, good1) = launch(_worker_mismatch_rejected_cleanly, 2, timeout_s=120)
+    assert seen0 == ["RemoteError"] * 2 and seen1 == ["InvalidArgumentError"] * 2
+    assert good0 == good1 == [True, True]

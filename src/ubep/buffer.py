@@ -443,7 +443,14 @@ class Buffer:
             if type(got) is tuple:
                 raise self._error(got)
         except BaseException as exc:
-            raise self._failed(epoch, stage, exc) from None
+            err = self._failed(epoch, stage, exc)
+            if isinstance(err, InvalidArgumentError) or (
+                    isinstance(err, RemoteError) and err.clean):
+                # rejected on every rank before anything reached a peer: no dispatch happened,
+                # so no dispatch counter moves (a peer that made a mismatched combine call,
+                # rejected as cleanly, did not count one either)
+                self._num_dispatches = index
+            raise err from None
         n = int(got)  # type: ignore[arg-type]  # an error tuple was raised above
         recv_x = self._recv_views[index % lay.num_regions][:n]
         if copy:
