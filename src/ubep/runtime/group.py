@@ -30,6 +30,7 @@ import numpy as np
 from .. import topology as topo
 from ..env import launch_env, timeout_s_from_env
 from ..errors import InvalidArgumentError, PeerLostError, TimeoutError, UbepError
+from .reaper import alive, start_time_of
 from .shm import HEADER_BYTES, Segment, remove_dead_owners_segments
 
 __all__ = ["GlobalMemory", "Group", "ProcessGroup", "ShmGlobalMemory", "group_from_env"]
@@ -120,36 +121,10 @@ class PeerProcess:
         return process_alive(self.pid, self.start_time)
 
 
-def process_start_time(pid: int) -> int:
-    """Start time of ``pid`` in clock ticks since boot (0 if unknown on this platform)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return 0
-    # Field 2 (comm) may contain spaces and parentheses: split after the last ')'.
-    fields = raw[raw.rfind(b")") + 2:].split()
-    return int(fields[19])  # field 22 overall
-
-
-def process_alive(pid: int, start_time: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return True
-    fields = raw[raw.rfind(b")") + 2:].split()
-    if fields and fields[0] in (b"Z", b"X"):
-        return False  # exited, not yet reaped by its parent
-    return not start_time or int(fields[19]) == start_time
+# Liveness (pid + start time, Linux /proc): one implementation, in the stdlib-only reaper that
+# also runs without ubep's imports.
+process_start_time = start_time_of
+process_alive = alive
 
 
 class Group:
