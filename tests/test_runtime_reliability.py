@@ -427,3 +427,31 @@ def test_bsp_failure_notice_wins_over_a_later_barrier_arrival() -> None:
     assert outs[0][:4] == [("InvalidArgumentError", "expert_out")] * 4
     assert outs[1][:4] == [("RemoteError", True)] * 4
     assert outs[0][4] == outs[1][4] == ("ok", None)
+
+
+# --- any exception before the data plane is a clean reject on every rank ---------------------
+
+
+class _Exploding:
+    """An ``x`` whose conversion raises something that is not a ValueError/TypeError."""
+
+    def __array__(self, *args: Any, **kwargs: Any) -> np.ndarray:
+        raise RuntimeError("the caller's array broke")
+
+
+def _worker_exploding_input(group: Any) -> tuple[tuple[str, Any], list[str]]:
+    case = Case("asp", "sp", "expert", "bf16", 2, 256, "uniform")
+    cfg = _config(case, 10.0)
+    r = group.rank
+    with Buffer(group, cfg) as buf:
+        xs, idxs, ws = make_inputs(case, cfg.num_experts, [16, 16], 9, "uniform")
+        first = _outcome(lambda: buf.dispatch(_Exploding() if r == 0 else xs[r], idxs[r], ws[r]))
+        # in step, no resync: dispatch counters and regions agree, the next pairs are exact
+        return first, [_checked_pair(buf, case, r) for _ in range(3)]
+
+
+def test_any_exception_before_the_data_plane_rejects_cleanly_everywhere() -> None:
+    (first0, next0), (first1, next1) = launch(_worker_exploding_input, 2, timeout_s=120)
+    assert first0[0] == "UbepError" and "the caller's array broke" in first0[1], first0
+    assert first1 == ("RemoteError", True), first1
+    assert next0 == next1 == ["ok"] * 3

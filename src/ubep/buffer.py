@@ -443,9 +443,8 @@ class Buffer:
             if type(got) is tuple:
                 raise self._error(got)
         except BaseException as exc:
-            err = self._failed(epoch, stage, exc)
-            if isinstance(err, InvalidArgumentError) or (
-                    isinstance(err, RemoteError) and err.clean):
+            err, clean = self._failed(epoch, stage, exc)
+            if clean:
                 # rejected on every rank before anything reached a peer: no dispatch happened,
                 # so no dispatch counter moves (a peer that made a mismatched combine call,
                 # rejected as cleanly, did not count one either)
@@ -528,7 +527,7 @@ class Buffer:
             if type(got) is tuple:
                 raise self._error(got)
         except BaseException as exc:
-            raise self._failed(epoch, stage, exc) from None
+            raise self._failed(epoch, stage, exc)[0] from None
         return y
 
     def get_combine_buffer(self, handle: DispatchHandle) -> np.ndarray:
@@ -649,8 +648,9 @@ class Buffer:
                 "resync() on every rank (or build a new Buffer) before the next call"
             )
 
-    def _failed(self, epoch: int, stage: int, exc: BaseException) -> BaseException:
-        """The exception a call raises for ``exc``, after telling the peers what they need.
+    def _failed(self, epoch: int, stage: int, exc: BaseException) -> tuple[BaseException, bool]:
+        """The exception a call raises for ``exc``, after telling the peers what they need, and
+        whether the call was rejected cleanly (on this rank or, by its notice, on a peer).
 
         Before the data plane ran (``_BEFORE``; or the engine refused its arguments, an
         ``Exception`` at ``_NATIVE``) nothing of the call reached a peer: a clean reject, the
@@ -658,10 +658,13 @@ class Buffer:
         data plane (an interrupt at ``_NATIVE``) leaves the outcome unknown: lost step.
         """
         if stage == _AFTER or (isinstance(exc, UbepError) and stage != _BEFORE):
-            return exc  # the engine's own error, classified by _error
+            # the engine's own error, classified by _error
+            clean = isinstance(exc, InvalidArgumentError) or (
+                isinstance(exc, RemoteError) and exc.clean)
+            return exc, clean
         if stage == _NATIVE and (not isinstance(exc, Exception) or isinstance(exc, MemoryError)):
             self._mark_lost(f"call {epoch} was interrupted by {type(exc).__name__}")
-            return exc
+            return exc, False
         if not isinstance(exc, UbepError) and isinstance(exc, Exception):
             exc = UbepError(f"rank {self.rank}: call {epoch} rejected: "
                             f"{type(exc).__name__}: {exc}")
@@ -670,7 +673,8 @@ class Buffer:
         if type(got) is tuple:  # the peers never finished the call before last: out of step
             self._mark_lost(f"rejected call {epoch} could not be announced: "
                             f"{self._error(got)}")
-        return exc
+            return exc, False
+        return exc, True
 
     def _mark_lost(self, cause: str) -> None:
         """Refuse calls until resync, and tell peers ahead of time (best effort: only if the
