@@ -27,9 +27,13 @@ from benchmarks import bench_dispatch as bd
 from benchmarks.harness import format_table
 from benchmarks.host_micro import Micro, build
 
-from ubep.sim.host import HostCase, predict_host
+from ubep.sim.host import HostCase, combine_terms, kernel_passes, predict_host
 
-TINY_TOKENS, TINY_HIDDEN = 1, 64
+# The fixed-cost microbenchmark: the same call with 64-element rows. It has the case's
+# tokens, routing, layout, engine, sync and ranks, so every per-call, per-token and per-row
+# cost of the Python layer and the native engine (validation, counting, metadata, outputs,
+# flags, barriers, waits) is in it, and almost none of the payload's.
+TINY_HIDDEN = 64
 
 
 def _itemsize(dtype: str) -> int:
@@ -54,59 +58,70 @@ def _host_case(case: bd.Case, ranks: int, op: str) -> HostCase:
                     sync=case.sync, op=op, num_experts=bd.NUM_EXPERTS, num_topk=bd.NUM_TOPK)
 
 
-def _footprint_mb(case: bd.Case, ranks: int, idxs: list[np.ndarray], group: int) -> int:
-    """The working set of one call of this case on one rank: its rows out and in, in the two
-    receive regions the runtime alternates (docs/FORMATS.md), plus the combine's rows back.
-    Passes cycle through that much memory, so a pass finds its data as cached as a call of the
-    case finds its own. (``group``, the cases interleaved with it, would evict even that; the
-    model takes the case's own working set, as the host model is specified.)"""
-    del group
-    rows = _rows_per_rank(idxs, case.layout, bd.NUM_EXPERTS)
-    per_call = rows * case.hidden * (_itemsize(case.dtype) * 2 * 2 + 2 * 2)
-    return int(min(256, per_call / 2**20))
-
-
 def _timer(micro: Micro, case: bd.Case, ranks: int, op: str, idxs: list[np.ndarray],
-           group: int) -> Any:
+           copy_ns_per_byte: float | None) -> Any:
     """Per-row pass costs at this case's working set: rows per rank (send/receive passes),
-    tokens (SP's scan of x, the combine's reduction), cold as in the interleaved matrix."""
+    tokens (SP's scan of x, the combine's reduction), in two alternating copies (the runtime's
+    two receive regions). With ``copy_ns_per_byte`` (the run's memcpy floor at the same bytes)
+    they are rescaled to that memcpy; without, the raw microbenchmark (measuring only)."""
     hc = _host_case(case, ranks, op)
-    rows = _rows_per_rank(idxs, case.layout, bd.NUM_EXPERTS)
-    foot = _footprint_mb(case, ranks, idxs, group)
+    rows = round(_rows_per_rank(idxs, case.layout, bd.NUM_EXPERTS))
 
     def timer(writer: str, reader: str, terms: int) -> tuple[float, float]:
+        b, n = hc.row_bytes, rows
         if reader == "reduce":
-            return micro.rows(ranks, hc.hidden * 2, case.tokens, writer, reader, terms, foot)
-        if writer == "scan":
-            return micro.rows(ranks, hc.row_bytes, case.tokens, writer, reader, terms, foot)
-        return micro.rows(ranks, hc.row_bytes, round(rows), writer, reader, terms, foot)
+            b, n = hc.hidden * 2, case.tokens
+        elif writer == "scan":
+            n = case.tokens
+        if copy_ns_per_byte is None:
+            return micro.rows(ranks, b, n, writer, reader, terms)[:2]
+        return micro.scaled(ranks, b, n, writer, reader, terms, copy_ns_per_byte)
 
     return timer
 
 
 def _tiny(case: bd.Case) -> bd.Case:
-    return bd.Case(TINY_TOKENS, TINY_HIDDEN, "bf16", case.layout, case.engine, case.sync,
+    return bd.Case(case.tokens, TINY_HIDDEN, case.dtype, case.layout, case.engine, case.sync,
                    case.routing)
 
 
-def fixed_costs(micro: Micro, ranks: list[int], cases: list[bd.Case], warmup: int,
-                repeats: int) -> dict[tuple[int, str, str, str, str], dict[str, float]]:
-    """Tiny-call latency per (ranks, engine, sync, layout, op), and the model's own share of it
-    (flags, barriers, the few rows): fixed = measured - model(fixed=0), at least 0."""
-    tiny = sorted({_tiny(c) for c in cases}, key=lambda c: (c.layout, c.engine, c.sync))
-    rows = bd.run(ranks, tiny, warmup, repeats, False, 1800.0)
+def _copy_ns_per_byte(row: dict[str, Any]) -> float:
+    """bench_dispatch's memcpy floor of this row: one np.copyto of the dispatch's bytes by every
+    rank at once, interleaved with the calls (so under the same load and cache state)."""
+    return float(row["memcpy"]["median_us"]) * 1e3 / max(float(row["dispatch_bytes"]), 1.0)
+
+
+def _case_of(row: dict[str, Any]) -> bd.Case:
+    return bd.Case(**{k: row[k] for k in ("tokens", "hidden", "dtype", "layout", "engine",
+                                          "sync", "routing")})
+
+
+def _premeasure(micro: Micro, ranks: list[int], cases: list[bd.Case]) -> None:
+    """Every microbenchmark the predictions will need, before the matrix runs."""
+    for r in ranks:
+        for case in cases:
+            idxs = _routing(case, r)
+            for op in ("dispatch", "combine"):
+                hc = _host_case(case, r, op)
+                timer = _timer(micro, case, r, op, idxs, None)
+                for w, rd, t in kernel_passes(hc, combine_terms(idxs, hc)).values():
+                    timer(w, rd, t)
+
+
+def fixed_costs(micro: Micro, flags: dict[int, float],
+                rows: list[dict[str, Any]]) -> dict[tuple[Any, ...], dict[str, float]]:
+    """From the 64-element-row calls: fixed = measured - model(fixed=0), at least 0, per
+    (ranks, tokens, dtype, engine, sync, layout, op)."""
     out = {}
     for row in rows:
-        case = bd.Case(**{k: row[k] for k in ("tokens", "hidden", "dtype", "layout", "engine",
-                                              "sync", "routing")})
-        r = row["ranks"]
+        case, r = _case_of(row), row["ranks"]
         idxs = _routing(case, r)
         for op in ("dispatch", "combine"):
             measured = row[op]["median_us"] * 1e3
             model0 = predict_host(_host_case(case, r, op), idxs, fixed_ns=0.0,
-                                  flag_oneway_ns=micro.flag_oneway_ns(r),
-                                  timer=_timer(micro, case, r, op, idxs, len(tiny)))
-            out[(r, case.engine, case.sync, case.layout, op)] = {
+                                  flag_oneway_ns=flags[r],
+                                  timer=_timer(micro, case, r, op, idxs, _copy_ns_per_byte(row)))
+            out[(r, case.tokens, case.dtype, case.engine, case.sync, case.layout, op)] = {
                 "tiny_measured_ns": measured, "tiny_model_ns": model0,
                 "fixed_ns": max(0.0, measured - model0)}
     return out
@@ -129,43 +144,35 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     micro = Micro(build(), millis=args.millis)
     flags = {r: micro.flag_oneway_ns(r) for r in ranks}
-    fixed = fixed_costs(micro, ranks, cases, args.warmup, repeats)
-    # every row pass the predictions need, measured before the matrix runs
-    timers = {}
-    group = {(c.tokens, c.hidden, c.dtype): sum(1 for d in cases if (d.tokens, d.hidden, d.dtype)
-                                                == (c.tokens, c.hidden, c.dtype)) for c in cases}
-    for r in ranks:
-        for case in cases:
-            idxs = _routing(case, r)
-            for op in ("dispatch", "combine"):
-                timers[(r, case, op)] = (idxs, _timer(micro, case, r, op, idxs,
-                                                      group[(case.tokens, case.hidden,
-                                                             case.dtype)]))
-                predict_host(_host_case(case, r, op), idxs, fixed_ns=0.0,
-                             flag_oneway_ns=flags[r], timer=timers[(r, case, op)][1])
+    tiny = sorted({_tiny(c) for c in cases},
+                  key=lambda c: (c.tokens, c.dtype, c.layout, c.engine, c.sync))
+    _premeasure(micro, ranks, cases + tiny)
     micro_s = time.monotonic() - start
     load_mid = os.getloadavg()
+    tiny_rows = bd.run(ranks, tiny, args.warmup, repeats, False, 1800.0)
     rows = bd.run(ranks, cases, args.warmup, repeats, False, 1800.0)
     load_after = os.getloadavg()
+    fixed = fixed_costs(micro, flags, tiny_rows)
     table, out_rows = [], []
     for row in rows:
-        case = bd.Case(**{k: row[k] for k in ("tokens", "hidden", "dtype", "layout", "engine",
-                                              "sync", "routing")})
-        r = row["ranks"]
+        case, r = _case_of(row), row["ranks"]
+        idxs = _routing(case, r)
         for op in ("dispatch", "combine"):
-            idxs, timer = timers[(r, case, op)]
-            f = fixed[(r, case.engine, case.sync, case.layout, op)]
+            f = fixed[(r, case.tokens, case.dtype, case.engine, case.sync, case.layout, op)]
+            timer = _timer(micro, case, r, op, idxs, _copy_ns_per_byte(row))
             pred = predict_host(_host_case(case, r, op), idxs, fixed_ns=f["fixed_ns"],
                                 flag_oneway_ns=flags[r], timer=timer) / 1e3
             meas = row[op]["median_us"]
             err = 100.0 * (pred - meas) / meas
             table.append([r, case.tokens, case.hidden, case.dtype, case.layout, case.engine,
-                          case.sync, op, meas, pred, err, f["fixed_ns"] / 1e3])
+                          case.sync, op, meas, pred, err, f["fixed_ns"] / 1e3,
+                          1.0 / _copy_ns_per_byte(row)])
             out_rows.append({**asdict(case), "ranks": r, "op": op, "measured_us": meas,
                              "measured_min_us": row[op]["min_us"],
                              "measured_max_us": row[op]["max_us"], "predicted_us": pred,
                              "error_pct": err, "fixed_us": f["fixed_ns"] / 1e3,
-                             "tiny_measured_us": f["tiny_measured_ns"] / 1e3})
+                             "tiny_measured_us": f["tiny_measured_ns"] / 1e3,
+                             "memcpy_gbps": 1.0 / _copy_ns_per_byte(row)})
     summary = _summary(out_rows)
     lines = [
         "# Host validation: ubep.sim host model (microbenchmark constants only) vs bench_dispatch",
@@ -173,11 +180,14 @@ def main(argv: list[str] | None = None) -> int:
         f"microbenchmarks {load_mid[0]:.2f}, after the matrix {load_after[0]:.2f} (1-min)",
         "# flag one-way latency (ns) by ranks: "
         + ", ".join(f"{r}: {v:.0f}" for r, v in flags.items()),
-        "# time = median over repeats of the max over ranks (bench_dispatch); pred = "
-        "ubep.sim.host.predict_host; fixed = tiny-call latency minus the model's share of it",
+        "# measured = median over repeats of the max over ranks (bench_dispatch); predicted = "
+        "ubep.sim.host.predict_host from: fixed = the same call with "
+        f"{TINY_HIDDEN}-element rows minus the model's share of it; row passes = "
+        "host_micro.c's costs relative to its memcpy, times memcpy_gbps (bench_dispatch's "
+        "memcpy floor of the row's bytes, same run); flag latency = host_micro's round trip / 2",
     ]
     cols = ["ranks", "tokens", "hidden", "dtype", "layout", "engine", "sync", "op",
-            "measured_us", "predicted_us", "error_pct", "fixed_us"]
+            "measured_us", "predicted_us", "error_pct", "fixed_us", "memcpy_gbps"]
     lines.append(format_table(cols, table, float_digits=1))
     lines += ["", "| rows | n | median abs error % | worst abs error % |", "|---|---|---|---|"]
     for name, s in summary.items():
@@ -194,10 +204,12 @@ def main(argv: list[str] | None = None) -> int:
         payload = {"machine": {"cpus": os.cpu_count(), "load_before": load_before,
                                "load_after_micro": load_mid, "load_after": load_after},
                    "flag_oneway_ns": {str(k): v for k, v in flags.items()},
-                   "fixed": [{"ranks": k[0], "engine": k[1], "sync": k[2], "layout": k[3],
-                              "op": k[4], **v} for k, v in fixed.items()],
+                   "fixed": [{"ranks": k[0], "tokens": k[1], "dtype": k[2], "engine": k[3],
+                              "sync": k[4], "layout": k[5], "op": k[6], **v}
+                             for k, v in fixed.items()],
                    "micro_row_ns": [{"key": list(map(str, k)), "writer_ns": v[0],
-                                     "reader_ns": v[1]} for k, v in micro.cache.items()],
+                                     "reader_ns": v[1], "bulk_ns_per_byte": v[2]}
+                                    for k, v in micro.cache.items()],
                    "summary": summary, "rows": out_rows}
         base.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n",
                                              encoding="utf-8")

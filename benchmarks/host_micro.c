@@ -3,6 +3,8 @@
  * this). Each kernel is one memory pass the runtime's algorithm makes (docs/FORMATS.md,
  * docs/SIMULATOR.md "Host validation"), written from the format, not copied from the engine:
  *
+ *   bulk    one memcpy of ROWS x TERMS x ROW_BYTES bytes, timed in every pass next to the others
+ *           (the unit the others are expressed in: bench_dispatch's memcpy floor sets its scale)
  *   copy    memcpy of each row into a 64-byte aligned slot            (SW / DC / SP / reorder)
  *   tff     each row cut into 480 B pieces, each + a release-stored 8 B epoch in a 512 B block
  *   untff   the 480 B pieces of each block copied back into a row    (TFF receive / reorder)
@@ -17,17 +19,20 @@
  *   bsp_dc  dc + out per row (BSP DC: verify, reorder)
  *   flag    round trip of an 8-byte flag between process pairs: spin, then sched_yield
  *
- * Usage: host_micro WRITER READER ROW_BYTES ROWS PROCS MILLIS [TERMS [FOOTPRINT_MB]]
+ * Usage: host_micro WRITER READER ROW_BYTES ROWS PROCS MILLIS [TERMS [COPIES]]
  *        host_micro flag - 8 1 PROCS MILLIS
  * Runs PROCS processes at once in pairs (p, p^1), free-running for MILLIS ms after one warm-up:
  * each pass, process p runs WRITER into its outgoing buffer X[p] (a shared mapping, pre-faulted)
  * and then READER over its partner's X[p^1], so that, as in the runtime, a writer stores into
  * lines the other core has just read and a reader reads lines the other core has just written.
- * It prints one line per process: the mean wall-clock ns of one WRITER pass and of one READER
- * pass over all ROWS rows ("-" runs nothing). With FOOTPRINT_MB > 0 every pass uses the next of
- * as many copies of the buffers as fit that footprint, so passes start with cold caches (as in
- * bench_dispatch, whose interleaved cases evict each other's data between calls). Means of wall-clock time: with more processes than
- * CPUs the time-sharing is in the numbers (that is the point). PROCS = 1 pairs p with itself.
+ * Every pass also times one bulk memcpy of the same bytes right after WRITER and READER. It
+ * prints one line per process: the median over passes of WRITER / bulk and READER / bulk (in
+ * parts per million; per pass, so that a change of load hits both sides of a ratio alike) and
+ * the median ns of the bulk memcpy. Flag mode prints the median round trip in ns. With
+ * COPIES > 1 every pass uses the next of that many copies of the buffers (the runtime alternates
+ * two receive regions between calls, so a case's working set is two copies of its rows).
+ * Ratios are free of time-sharing (both sides are slowed alike); the absolute scale comes from
+ * a memcpy measured beside the calls being predicted. PROCS = 1 pairs p with itself.
  */
 #define _GNU_SOURCE
 #include <sched.h>
@@ -66,6 +71,7 @@ static void k_copy(void) {
     int64_t s = al64(B);
     for (int64_t r = 0; r < N; r++) memcpy(dst + r * s, src + r * B, (size_t)B);
 }
+static void k_bulk(void) { memcpy(dst, src, (size_t)(N * (TERMS > 1 ? TERMS : 1) * B)); }
 static void k_tff(void) {
     int64_t nb = (B + 479) / 480;
     for (int64_t r = 0; r < N; r++) {
@@ -233,7 +239,7 @@ static int64_t flag_run(_Atomic uint64_t *words, int me, int64_t millis) {
 
 static kern_t find(const char *name) {
     struct { const char *name; kern_t fn; } table[] = {
-        {"copy", k_copy}, {"tff", k_tff}, {"untff", k_untff}, {"scan", k_scan},
+        {"bulk", k_bulk}, {"copy", k_copy}, {"tff", k_tff}, {"untff", k_untff}, {"scan", k_scan},
         {"tail", k_tail}, {"dc", k_dc}, {"fill", k_fill}, {"reduce", k_reduce},
         {"picks", k_picks}, {"out", k_out}, {"bsp_sp", k_bsp_sp}, {"bsp_dc", k_bsp_dc},
     };
@@ -252,7 +258,7 @@ int main(int argc, char **argv) {
     int procs = atoi(argv[5]);
     int64_t millis = atoll(argv[6]);
     TERMS = argc > 7 ? atoll(argv[7]) : 1;
-    int64_t foot_mb = argc > 8 ? atoll(argv[8]) : 0;
+    int64_t copies = argc > 8 ? atoll(argv[8]) : 1;
     int is_flag = !strcmp(argv[1], "flag");
     kern_t wr = is_flag ? NULL : find(argv[1]);
     kern_t rd = is_flag ? NULL : find(argv[2]);
@@ -269,7 +275,6 @@ int main(int argc, char **argv) {
     if (slot < al64(B)) slot = al64(B);
     size_t xbytes = (size_t)N * (size_t)(TERMS > 1 ? TERMS : 1) * (size_t)slot + 64;
     size_t pool = (size_t)(N * (TERMS > 1 ? TERMS : 1)) * (size_t)al64(B);
-    int64_t copies = foot_mb > 0 ? (foot_mb << 20) / (int64_t)(xbytes + pool) : 1;
     if (copies < 1) copies = 1;
     if (copies > 256) copies = 256;
     uint8_t *xall = is_flag ? NULL : shared(xbytes * (size_t)procs * (size_t)copies);
@@ -277,8 +282,8 @@ int main(int argc, char **argv) {
         if (fork() == 0) {
             if (is_flag) {
                 spin_barrier(ctl, procs);
-                out[2 * p] = flag_run(words, p, millis);
-                out[2 * p + 1] = 0;
+                out[3 * p] = flag_run(words, p, millis);
+                out[3 * p + 1] = out[3 * p + 2] = 0;
                 _exit(0);
             }
             uint8_t *src_all = shared(pool * (size_t)copies + 64);
@@ -296,18 +301,18 @@ int main(int argc, char **argv) {
             /* readers of TFF blocks / reduce inputs need blocks / rows written in that format */
             dst = mine;
             if (!strcmp(argv[2], "untff")) k_tff();
-            int64_t tw = 0, tr = 0, n = 0, stop;
+            static int64_t rw[100000], rr[100000], bb[100000];
+            int64_t n = 0, stop;
             for (int warm = 1; warm >= 0; warm--) {
                 spin_barrier(ctl, procs * (2 - warm));
                 stop = now_ns() + (warm ? 0 : millis * 1000000LL);
-                tw = tr = n = 0;
+                n = 0;
                 int64_t c = 0;
                 do {
                     c = (c + 1) % copies;
                     mine = mine0 + stride * (size_t)c;
                     theirs = theirs0 + stride * (size_t)((c + copies - 1) % copies);
                     src = src_all + pool * (size_t)c;
-                    if (n == 0 && !strcmp(argv[2], "untff")) { dst = theirs; k_tff(); }
                     int64_t t0 = now_ns();
                     if (wr) { dst = mine; wr(); }
                     int64_t t1 = now_ns();
@@ -316,18 +321,28 @@ int main(int argc, char **argv) {
                         else { dst = theirs; rd(); }
                     }
                     int64_t t2 = now_ns();
-                    tw += t1 - t0;
-                    tr += t2 - t1;
+                    dst = mine;
+                    k_bulk();
+                    int64_t t3 = now_ns();
+                    /* per pass, relative to the bulk memcpy timed next to it (ppm) */
+                    rw[n] = (t1 - t0) * 1000000 / (t3 - t2 > 0 ? t3 - t2 : 1);
+                    rr[n] = (t2 - t1) * 1000000 / (t3 - t2 > 0 ? t3 - t2 : 1);
+                    bb[n] = t3 - t2;
                     n++;
-                } while (now_ns() < stop);
+                } while (now_ns() < stop && n < 100000);
             }
-            out[2 * p] = tw / n;
-            out[2 * p + 1] = tr / n;
+            qsort(rw, (size_t)n, sizeof(int64_t), cmp64);
+            qsort(rr, (size_t)n, sizeof(int64_t), cmp64);
+            qsort(bb, (size_t)n, sizeof(int64_t), cmp64);
+            out[3 * p] = rw[n / 2];
+            out[3 * p + 1] = rr[n / 2];
+            out[3 * p + 2] = bb[n / 2];
             _exit(0);
         }
     }
     for (int p = 0; p < procs; p++) wait(NULL);
     for (int p = 0; p < procs; p++)
-        printf("%lld %lld\n", (long long)out[2 * p], (long long)out[2 * p + 1]);
+        printf("%lld %lld %lld\n", (long long)out[3 * p], (long long)out[3 * p + 1],
+               (long long)out[3 * p + 2]);
     return 0;
 }

@@ -2,8 +2,8 @@
 
 * row passes (benchmarks/host_micro.c, built here with the system C compiler): one memory pass
   of the runtime's algorithm per row, at the working-set size of a case, with as many
-  processes as ranks running at once in writer/reader pairs, starting from cold caches (the
-  matrix interleaves its cases, so each call finds its data evicted);
+  processes as ranks running at once in writer/reader pairs, alternating two copies of the
+  buffers as the runtime alternates its two receive regions;
 * the cross-process flag round trip (spin, then sched_yield), with as many processes as ranks;
 * the per-call fixed cost of the Python layer and the native engine: a tiny call (1 token,
   hidden 64) of ``ubep.Buffer`` per engine, sync mode, layout and rank count, timed as
@@ -42,30 +42,43 @@ class Micro:
     binary: Path
     millis: int = 60
     rounds: int = 3
-    cache: dict[tuple[object, ...], tuple[float, float]] = field(default_factory=dict)
+    cache: dict[tuple[object, ...], tuple[float, float, float]] = field(default_factory=dict)
 
-    def _run(self, args: list[str]) -> list[tuple[float, float]]:
+    def _run(self, args: list[str]) -> list[tuple[float, float, float]]:
         got = subprocess.run([str(self.binary), *args], check=True, capture_output=True,
                              text=True, timeout=120).stdout.split("\n")
-        return [(float(a), float(b)) for a, b in (line.split() for line in got if line.strip())]
+        return [(float(a), float(b), float(c))
+                for a, b, c in (line.split() for line in got if line.strip())]
 
     def rows(self, procs: int, row_bytes: int, rows: int, writer: str, reader: str,
-             terms: int = 1, footprint_mb: int = 0) -> tuple[float, float]:
-        """Mean ns per row of one writer pass and one reader pass (median over rounds, mean
-        over the processes). ``footprint_mb``: passes cycle through copies of their buffers
-        spanning this many MB, so that they find their data evicted as often as a call of an
-        interleaved benchmark does (0: one copy, warm)."""
+             terms: int = 1, copies: int = 2) -> tuple[float, float, float]:
+        """``(writer / bulk, reader / bulk, bulk ns)``: the median over passes of each pass's
+        time relative to a memcpy of the same bytes timed beside it (median over rounds and
+        processes). Passes alternate between ``copies`` copies of their buffers: the runtime
+        alternates two receive regions between calls, so a case's working set is two copies
+        of its rows."""
         rows = max(1, int(rows))
-        key = (procs, row_bytes, rows, writer, reader, terms, footprint_mb)
+        key = (procs, row_bytes, rows, writer, reader, terms, copies)
         if key not in self.cache:
             per = []
             for _ in range(self.rounds):
                 got = self._run([writer, reader, str(row_bytes), str(rows), str(procs),
-                                 str(self.millis), str(terms), str(footprint_mb)])
-                per.append((statistics.mean(w for w, _ in got), statistics.mean(r for _, r in got)))
-            self.cache[key] = (statistics.median(w for w, _ in per) / rows,
-                               statistics.median(r for _, r in per) / rows)
+                                 str(self.millis), str(terms), str(copies)])
+                per.append(tuple(statistics.median(g[i] for g in got) for i in range(3)))
+            self.cache[key] = (statistics.median(p[0] for p in per) / 1e6,
+                               statistics.median(p[1] for p in per) / 1e6,
+                               statistics.median(p[2] for p in per))
         return self.cache[key]
+
+    def scaled(self, procs: int, row_bytes: int, rows: int, writer: str, reader: str,
+               terms: int, copy_ns_per_byte: float) -> tuple[float, float]:
+        """ns per row of the writer and the reader pass: their cost relative to a memcpy of the
+        working set (:meth:`rows`) times that memcpy as ``copy_ns_per_byte`` says it costs
+        (bench_dispatch's memcpy floor, measured in the same run as the calls it is compared
+        with, so under the same load, cache state and time-sharing)."""
+        w, r, _ = self.rows(procs, row_bytes, rows, writer, reader, terms)
+        bulk_ns = copy_ns_per_byte * max(1, int(rows)) * max(terms, 1) * row_bytes
+        return w * bulk_ns / max(1, int(rows)), r * bulk_ns / max(1, int(rows))
 
     def flag_oneway_ns(self, procs: int) -> float:
         """Half the median flag round trip of ``procs`` processes ping-ponging in pairs."""
@@ -74,6 +87,6 @@ class Micro:
             per = []
             for _ in range(self.rounds):
                 got = self._run(["flag", "-", "8", "1", str(procs), str(self.millis * 2)])
-                per.append(statistics.median(w for w, _ in got if w > 0))
-            self.cache[key] = (statistics.median(per) / 2, 0.0)
+                per.append(statistics.median(g[0] for g in got if g[0] > 0))
+            self.cache[key] = (statistics.median(per) / 2, 0.0, 0.0)
         return self.cache[key][0]

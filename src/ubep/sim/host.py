@@ -3,9 +3,10 @@
 This is the one fabric the simulator can be checked against (docs/SIMULATOR.md, section 6).
 Nothing here is read from ubep's own dispatch timings: the constants are
 
-* ``fixed_ns``: the latency of a *tiny* call (1 token, hidden 64) of the same engine, sync mode,
-  layout and rank count -- the per-call fixed cost of the Python layer and the native engine,
-  with the model's own share of that tiny call (its flags and barriers) taken out;
+* ``fixed_ns``: the latency of the same call with 64-element rows (same tokens, routing,
+  engine, sync mode, layout and rank count) -- the per-call cost of the Python layer and the
+  native engine that does not scale with the payload (validation, counting, metadata, output
+  arrays, flags, waits), with the model's own share of that small call taken out;
 * ``flag_oneway_ns``: half the cross-process flag round trip (spin, then yield) with as many
   processes as ranks (oversubscribed at 4 ranks on 2 cores);
 * per-row pass costs (``kernel_ns``): one memory pass of the runtime's algorithm per row

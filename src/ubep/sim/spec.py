@@ -300,7 +300,10 @@ def build_spec(
     # Only BSP's words signal that data is complete (SW: after a fence); ASP's count words are
     # data in their own right, published with one atomic store.
     fenced = engine == "bsp" and sync == "sw"
-    chunk_offset = _chunk_offsets(chunk_core, chunk_dst, chunk_experts, fabric, topology, fenced)
+    # Counting one expert scans every (token, k) pick of the rank once (a vector count).
+    picks = max(int(p.num_units) for p in plans) if op == "dispatch" else 0
+    chunk_offset = _chunk_offsets(chunk_core, chunk_dst, chunk_experts, fabric, topology, fenced,
+                                  picks)
     cumsum_ns = fabric.cumsum_entry_ns * num_ranks * epr if op == "dispatch" else 0.0
     return OpSpec(
         op=op, engine=engine, sync=sync, num_ranks=num_ranks, cores_per_rank=n,
@@ -366,7 +369,7 @@ def _chunks(
 
 
 def _chunk_offsets(core: np.ndarray, dst: np.ndarray, experts: np.ndarray, fabric: FabricModel,
-                   topology: Topology, fenced: bool) -> np.ndarray:
+                   topology: Topology, fenced: bool, picks: int = 0) -> np.ndarray:
     """``[R, C]`` completion offsets of each rank's chunk writes: per chunk, count its experts,
     (``fenced``: BSP + SW) wait one round trip for the earlier writes to that rank to complete,
     then store the word; a core's chunks run back to back."""
@@ -376,7 +379,8 @@ def _chunk_offsets(core: np.ndarray, dst: np.ndarray, experts: np.ndarray, fabri
     lat = np.asarray(topology.latency_ns, dtype=np.float64)
     hops = topology.hop_matrix().astype(np.int64)
     fence = 2.0 * lat[hops[:, dst]] if fenced else np.zeros((R, dst.size))
-    cost = experts * fabric.count_expert_ns + fabric.flag_ns + fence
+    per_expert = fabric.count_expert_ns + picks * fabric.count_pick_ns
+    cost = experts * per_expert + fabric.flag_ns + fence
     # Chunks are grouped by core (consecutive): cumulative sum that restarts at each core.
     total = np.cumsum(cost, axis=1)
     starts = np.flatnonzero(np.concatenate(([True], core[1:] != core[:-1])))
