@@ -344,7 +344,8 @@ def fig9(family: str = "cm384", fabric: FabricModel | None = None) -> Experiment
     """Per-core token-send latency: 64 ranks (4 x 16), 256 experts, top-8, 8 hot, 48 cores."""
     fab = fabric or load_fabric(family)
     ranks = min(64, MAX_RANKS[family])
-    w = Workload(experts_per_rank=256 // ranks, routing="hot", hot_experts=8)
+    w = Workload(tokens_per_rank=64, experts_per_rank=256 // ranks, routing="hot",
+                 hot_experts=8)
     topo = topology_for(family, ranks)
     rows, per_core, maxima, land_maxima = [], {}, {}, {}
     for key, s in (("cann_ep", CANN_EP), ("balanced", UBEP_NO_MAPPING),
@@ -369,9 +370,13 @@ def fig9(family: str = "cm384", fabric: FabricModel | None = None) -> Experiment
          "issue), statistics over every send core of every rank; max_core_to_land_us runs to "
          "the landing of the core's last unit (adds queueing at hot receivers' ports)",
          "each system uses its own core split (CANN EP: all 48 cores send; UBEP: Appendix A "
-         "partition)", *_family_note(family)),
+         "partition)",
+         "batch 64 (EXPERIMENTS.md default); ASSUMED: the 8 hot experts take 50 % of the picks "
+         "(`ubep sim hotshare` sweeps 25-75 %); a core's send time does not depend on the "
+         "assumed AIV constants (no interval)", *_family_note(family)),
         {"max_core_latency_us": maxima, "max_core_to_land_latency_us": land_maxima,
-         "slowest_rank_core_latency_us": per_core},
+         "slowest_rank_core_latency_us": per_core,
+         "provenance": provenance(family, ("hot_share 0.5 (range 0.25-0.75)",))},
     )
 
 
@@ -500,7 +505,7 @@ def topk(family: str = "cm384", fabric: FabricModel | None = None) -> Experiment
                          _us(ubep), _us(lo), _us(hi), round(100 * (1 - ubep / cann), 1),
                          f"{100 * (1 - hi / cann):.1f}-{100 * (1 - lo / cann):.1f}"))
     return ExperimentResult(
-        "topk", f"Figure 13: top-k sensitivity ({family})",
+        "fig13", f"Figure 13: top-k sensitivity ({family})",
         ("ranks", "ranks_role", "topk", "cann_us", "ubep_us", "ubep_lo_us", "ubep_hi_us",
          "improvement_pct", "improvement_interval_pct"), tuple(rows),
         ("batch 64, hidden 7168, 1 B, 1 expert/rank; the paper does not state this figure's "
@@ -540,7 +545,7 @@ def partition(family: str = "cm384", fabric: FabricModel | None = None) -> Exper
                              "model" if n_c == pick.num_count_cores else "",
                              "sim best" if n_c == best else ""))
     return ExperimentResult(
-        "partition", f"Figure 14 (Appendix C.3): CalCumSum group size vs ranks and batch "
+        "fig14", f"Figure 14 (Appendix C.3): CalCumSum group size vs ranks and batch "
         f"({family})",
         ("ranks", "batch", "count_cores", "ubep_us", "extra_over_best_us", "appendix_a_pick",
          "simulated_best"),
@@ -597,7 +602,7 @@ def tpot(family: str = "cm384", fabric: FabricModel | None = None, *, batch: int
                      cut(comm_share, t_u), f"{cut(comm_share, hi)}-{cut(comm_share, lo)}",
                      cut(hw_share, t_u)))
     return ExperimentResult(
-        "tpot", f"Figure 11: predicted TPOT change ({family})",
+        "fig11", f"Figure 11: predicted TPOT change ({family})",
         ("model", "ep", "experts_per_rank", "cann_disp+comb_us", "ubep_disp+comb_us",
          "ubep_lo_us", "ubep_hi_us", f"tpot_cut_pct_s{comm_share}",
          f"tpot_cut_interval_s{comm_share}", f"tpot_cut_pct_s{hw_share}"),
@@ -623,15 +628,20 @@ EXPERIMENTS: dict[str, Callable[..., ExperimentResult]] = {
     "fig8": fig8,
     "fig9": fig9,
     "fig10": fig10,
+    "fig11": tpot,
     "fig12": fig12,
-    "topk": topk,
+    "fig13": topk,
+    "fig14": partition,
     "hotshare": hotshare,
-    "partition": partition,
-    "tpot": tpot,
 }
 
 
+# Earlier names of three experiments, still accepted.
+ALIASES = {"tpot": "fig11", "topk": "fig13", "partition": "fig14"}
+
+
 def run_experiment(name: str, family: str = "cm384", **kwargs: Any) -> ExperimentResult:
+    name = ALIASES.get(name, name)
     if name not in EXPERIMENTS:
         raise InvalidArgumentError("experiment", name, f"must be one of {sorted(EXPERIMENTS)}")
     return EXPERIMENTS[name](family, **kwargs)

@@ -31,8 +31,8 @@ def _pyplot() -> Any:
 def plot(result: ExperimentResult, path: str | Path) -> Path:
     """Write ``result``'s figure to ``path`` (PNG) and return the path."""
     drawers = {"table4": _table4, "fig7": _fig7, "fig8": _fig8, "fig9": _fig9,
-               "fig10": _fig10, "fig12": _fig7, "topk": _topk, "hotshare": _hotshare,
-               "partition": _partition, "tpot": _tpot}
+               "fig10": _fig10, "fig11": _tpot, "fig12": _fig7, "fig13": _topk,
+               "fig14": _partition, "hotshare": _hotshare}
     if result.name not in drawers:
         raise InvalidArgumentError("result", result.name, f"no plot for {result.name}")
     plt = _pyplot()
