@@ -74,7 +74,8 @@ def _timer(micro: Micro, case: bd.Case, ranks: int, op: str, idxs: list[np.ndarr
         elif writer == "scan":
             n = case.tokens
         if copy_ns_per_byte is None:
-            return micro.rows(ranks, b, n, writer, reader, terms)[:2]
+            w, r = micro.rows(ranks, b, n, writer, reader, terms)[:2]
+            return w, r
         return micro.scaled(ranks, b, n, writer, reader, terms, copy_ns_per_byte)
 
     return timer
@@ -144,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     micro = Micro(build(), millis=args.millis)
     flags = {r: micro.flag_oneway_ns(r) for r in ranks}
+    shares = {r: micro.cpu_share(r) for r in ranks}
     tiny = sorted({_tiny(c) for c in cases},
                   key=lambda c: (c.tokens, c.dtype, c.layout, c.engine, c.sync))
     _premeasure(micro, ranks, cases + tiny)
@@ -207,9 +209,9 @@ def main(argv: list[str] | None = None) -> int:
                    "fixed": [{"ranks": k[0], "tokens": k[1], "dtype": k[2], "engine": k[3],
                               "sync": k[4], "layout": k[5], "op": k[6], **v}
                              for k, v in fixed.items()],
-                   "micro_row_ns": [{"key": list(map(str, k)), "writer_ns": v[0],
-                                     "reader_ns": v[1], "bulk_ns_per_byte": v[2]}
-                                    for k, v in micro.cache.items()],
+                   "cpu_share": {str(k): v for k, v in shares.items()},
+                   "micro": [{"key": list(map(str, k)), "values": list(v)}
+                             for k, v in micro.cache.items()],
                    "summary": summary, "rows": out_rows}
         base.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n",
                                              encoding="utf-8")

@@ -28,7 +28,9 @@
  * Every pass also times one bulk memcpy of the same bytes right after WRITER and READER. It
  * prints one line per process: the median over passes of WRITER / bulk and READER / bulk (in
  * parts per million; per pass, so that a change of load hits both sides of a ratio alike) and
- * the median ns of the bulk memcpy. Flag mode prints the median round trip in ns. With
+ * the median ns of the bulk memcpy, then the process's CPU share: its mean wall time per pass
+ * over its median pass (ppm; 1e6 = a CPU to itself, 2e6 = half of one, as four processes on
+ * two CPUs get, or fewer with other load). Flag mode prints the median round trip in ns. With
  * COPIES > 1 every pass uses the next of that many copies of the buffers (the runtime alternates
  * two receive regions between calls, so a case's working set is two copies of its rows).
  * Ratios are free of time-sharing (both sides are slowed alike); the absolute scale comes from
@@ -282,8 +284,8 @@ int main(int argc, char **argv) {
         if (fork() == 0) {
             if (is_flag) {
                 spin_barrier(ctl, procs);
-                out[3 * p] = flag_run(words, p, millis);
-                out[3 * p + 1] = out[3 * p + 2] = 0;
+                out[4 * p] = flag_run(words, p, millis);
+                out[4 * p + 1] = out[4 * p + 2] = out[4 * p + 3] = 0;
                 _exit(0);
             }
             uint8_t *src_all = shared(pool * (size_t)copies + 64);
@@ -302,11 +304,12 @@ int main(int argc, char **argv) {
             dst = mine;
             if (!strcmp(argv[2], "untff")) k_tff();
             static int64_t rw[100000], rr[100000], bb[100000];
-            int64_t n = 0, stop;
+            int64_t n = 0, stop, t_all = 0;
             for (int warm = 1; warm >= 0; warm--) {
                 spin_barrier(ctl, procs * (2 - warm));
                 stop = now_ns() + (warm ? 0 : millis * 1000000LL);
                 n = 0;
+                t_all = now_ns();
                 int64_t c = 0;
                 do {
                     c = (c + 1) % copies;
@@ -330,19 +333,28 @@ int main(int argc, char **argv) {
                     bb[n] = t3 - t2;
                     n++;
                 } while (now_ns() < stop && n < 100000);
+                t_all = now_ns() - t_all;
             }
             qsort(rw, (size_t)n, sizeof(int64_t), cmp64);
             qsort(rr, (size_t)n, sizeof(int64_t), cmp64);
             qsort(bb, (size_t)n, sizeof(int64_t), cmp64);
-            out[3 * p] = rw[n / 2];
-            out[3 * p + 1] = rr[n / 2];
-            out[3 * p + 2] = bb[n / 2];
+            /* CPU share: the wall time of a whole pass on average over the median pass time
+             * measured without interruption (ppm; 1e6 = the process had a CPU to itself) */
+            int64_t med_pass = 0;
+            {
+                /* reconstruct the median pass from the medians: bulk + writer + reader */
+                med_pass = bb[n / 2] + (rw[n / 2] + rr[n / 2]) * bb[n / 2] / 1000000;
+            }
+            out[4 * p] = rw[n / 2];
+            out[4 * p + 1] = rr[n / 2];
+            out[4 * p + 2] = bb[n / 2];
+            out[4 * p + 3] = med_pass > 0 ? (t_all / n) * 1000000 / med_pass : 0;
             _exit(0);
         }
     }
     for (int p = 0; p < procs; p++) wait(NULL);
     for (int p = 0; p < procs; p++)
-        printf("%lld %lld %lld\n", (long long)out[3 * p], (long long)out[3 * p + 1],
-               (long long)out[3 * p + 2]);
+        printf("%lld %lld %lld %lld\n", (long long)out[4 * p], (long long)out[4 * p + 1],
+               (long long)out[4 * p + 2], (long long)out[4 * p + 3]);
     return 0;
 }
