@@ -109,23 +109,18 @@ def _premeasure(micro: Micro, ranks: list[int], cases: list[bd.Case]) -> None:
                     timer(w, rd, t)
 
 
-def fixed_costs(micro: Micro, flags: dict[int, float],
-                rows: list[dict[str, Any]]) -> dict[tuple[Any, ...], dict[str, float]]:
-    """From the 64-element-row calls: fixed = measured - model(fixed=0), at least 0, per
-    (ranks, tokens, dtype, engine, sync, layout, op)."""
-    out = {}
-    for row in rows:
-        case, r = _case_of(row), row["ranks"]
-        idxs = _routing(case, r)
-        for op in ("dispatch", "combine"):
-            measured = row[op]["median_us"] * 1e3
-            model0 = predict_host(_host_case(case, r, op), idxs, fixed_ns=0.0,
-                                  flag_oneway_ns=flags[r],
-                                  timer=_timer(micro, case, r, op, idxs, _copy_ns_per_byte(row)))
-            out[(r, case.tokens, case.dtype, case.engine, case.sync, case.layout, op)] = {
-                "tiny_measured_ns": measured, "tiny_model_ns": model0,
-                "fixed_ns": max(0.0, measured - model0)}
-    return out
+def fixed_cost(micro: Micro, flags: dict[int, float], tiny_row: dict[str, Any], op: str,
+               copy_ns_per_byte: float) -> dict[str, float]:
+    """From the 64-element-row call: fixed = measured - model(fixed=0), at least 0. The model's
+    share prices the small call's passes at the case's memcpy rate per byte (the small call's
+    own floor is mostly np.copyto's per-call overhead, not a rate)."""
+    case, r = _case_of(tiny_row), tiny_row["ranks"]
+    idxs = _routing(case, r)
+    measured = tiny_row[op]["median_us"] * 1e3
+    model0 = predict_host(_host_case(case, r, op), idxs, fixed_ns=0.0, flag_oneway_ns=flags[r],
+                          timer=_timer(micro, case, r, op, idxs, copy_ns_per_byte))
+    return {"tiny_measured_ns": measured, "tiny_model_ns": model0,
+            "fixed_ns": max(0.0, measured - model0)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,22 +140,26 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     micro = Micro(build(), millis=args.millis)
     flags = {r: micro.flag_oneway_ns(r) for r in ranks}
-    shares = {r: micro.cpu_share(r) for r in ranks}
     tiny = sorted({_tiny(c) for c in cases},
                   key=lambda c: (c.tokens, c.dtype, c.layout, c.engine, c.sync))
     _premeasure(micro, ranks, cases + tiny)
     micro_s = time.monotonic() - start
     load_mid = os.getloadavg()
+    shares = {r: micro.cpu_share(r) for r in ranks}
     tiny_rows = bd.run(ranks, tiny, args.warmup, repeats, False, 1800.0)
     rows = bd.run(ranks, cases, args.warmup, repeats, False, 1800.0)
     load_after = os.getloadavg()
-    fixed = fixed_costs(micro, flags, tiny_rows)
+    tiny_by = {(t["ranks"], t["tokens"], t["dtype"], t["engine"], t["sync"], t["layout"]): t
+               for t in tiny_rows}
+    fixed: dict[tuple[Any, ...], dict[str, float]] = {}
     table, out_rows = [], []
     for row in rows:
         case, r = _case_of(row), row["ranks"]
         idxs = _routing(case, r)
         for op in ("dispatch", "combine"):
-            f = fixed[(r, case.tokens, case.dtype, case.engine, case.sync, case.layout, op)]
+            key = (r, case.tokens, case.dtype, case.engine, case.sync, case.layout)
+            f = fixed_cost(micro, flags, tiny_by[key], op, _copy_ns_per_byte(row))
+            fixed[(*key, op)] = f
             timer = _timer(micro, case, r, op, idxs, _copy_ns_per_byte(row))
             pred = predict_host(_host_case(case, r, op), idxs, fixed_ns=f["fixed_ns"],
                                 flag_oneway_ns=flags[r], timer=timer) / 1e3

@@ -83,26 +83,25 @@ class Micro:
 
     def cpu_share(self, procs: int) -> float:
         """Oversubscription: the wall time per unit of uninterrupted work of ``procs``
-        processes running at once, over that of as many processes as there are CPUs (a 1 MB
-        copy-and-check loop; the ratio takes out load from outside that both see): 1 up to
-        one process per CPU, ~2 for four processes on two CPUs. bench_dispatch's memcpy floor
-        is one short copy per rank, which a time slice covers whole; a call, whose ranks wait
-        for each other, pays the sharing: the row passes are multiplied by this."""
+        processes running at once over that of as many processes as there are CPUs (a 1 MB
+        copy-and-check loop; the two alternate, median of the ratios, so that load from
+        outside, which both see, cancels): 1 up to a process per CPU, ~2 for four processes on
+        two CPUs. bench_dispatch's memcpy floor is one short copy per rank, which a time slice
+        covers whole; a call, whose ranks wait for each other, pays the sharing: the row passes
+        are multiplied by this."""
         key = ("share", procs)
         if key not in self.cache:
             cpus = os.cpu_count() or 1
-            if procs <= cpus:
-                self.cache[key] = (1.0,)
-            else:
-                # alternate the two, so that both see the same outside load; median of ratios
-                base_procs = max(2, cpus - cpus % 2)
+            ratios = [1.0]
+            if procs > cpus:
+                base = max(2, cpus - cpus % 2)
                 ratios = []
                 for _ in range(max(3, self.rounds)):
                     got = [statistics.median(g[3] for g in self._run(
                         ["copy", "tail", "4096", "256", str(p), str(self.millis), "1", "2"]))
-                        for p in (procs, base_procs)]
+                        for p in (procs, base)]
                     ratios.append(got[0] / max(got[1], 1.0))
-                self.cache[key] = (max(1.0, statistics.median(ratios)),)
+            self.cache[key] = (max(1.0, statistics.median(ratios)),)
         return self.cache[key][0]
 
     def flag_oneway_ns(self, procs: int) -> float:
