@@ -118,6 +118,12 @@ def _sensitivity(fn: Callable[[FabricModel], float], family: str) -> list[dict[s
     return sorted(out, key=lambda r: -r["swing_pct"])
 
 
+def _sens_at(label: str, fn: Callable[[FabricModel], float], family: str,
+             fabric: FabricModel | None) -> dict[str, list[dict[str, Any]]]:
+    """The sensitivity table at one representative point (none for a caller's own fabric)."""
+    return {} if fabric is not None else {label: _sensitivity(fn, family)}
+
+
 def provenance(family: str, assumed_workload: tuple[str, ...] = ()) -> dict[str, list[str]]:
     """Which constants of ``family`` are calibrated, derived and assumed (calib.json), plus the
     experiment's own assumed workload parameters."""
@@ -230,7 +236,10 @@ def fig7(family: str = "cm384", fabric: FabricModel | None = None, *,
          "state the skew; `ubep sim hotshare` sweeps 25-75 %)",
          "lo/hi: UBEP over the assumed constants' ranges (CANN EP is calibrated: lo = hi)",
          *_family_note(family)),
-        {"provenance": provenance(family, (f"panel c hot_share {hot_share} (range 0.25-0.75)",))},
+        {"provenance": provenance(family, (f"panel c hot_share {hot_share} (range 0.25-0.75)",)),
+         "sensitivity": _sens_at(f"EP{ranks_a}, batch 64", partial(
+             _latency, Workload(tokens_per_rank=64), UBEP, topology_for(family, ranks_a)),
+             family, fabric)},
     )
 
 
@@ -260,7 +269,11 @@ def hotshare(family: str = "cm384", fabric: FabricModel | None = None) -> Experi
         tuple(rows),
         ("the paper states 8 hot experts but not their share; 0.5 is the value the other "
          "experiments assume", "batch 64, top-8", *_family_note(family)),
-        {"provenance": provenance(family, ("hot_share swept 0.25-0.75",))},
+        {"provenance": provenance(family, ("hot_share swept 0.25-0.75",)),
+         "sensitivity": _sens_at("hot share 0.5", partial(
+             _latency, Workload(tokens_per_rank=64, experts_per_rank=256 // ranks,
+                                routing="hot", hot_experts=8, hot_share=0.5), UBEP, topo),
+             family, fabric)},
     )
 
 
@@ -460,8 +473,20 @@ def fig10(family: str = "cm384", fabric: FabricModel | None = None) -> Experimen
          "block and a checksum message per batch; SP a sentinel check per block and the reset",
          "lo/hi: over the assumed AIV constants (the per-block vector steps)",
          *_family_note(family)),
-        {"provenance": provenance(family, ("one message per rank pair",))},
+        {"provenance": provenance(family, ("one message per rank pair",)),
+         "sensitivity": _fig10_sensitivity(family, fabric)},
     )
+
+
+def _fig10_sensitivity(family: str,
+                       fabric: FabricModel | None) -> dict[str, list[dict[str, Any]]]:
+    r = max(_eps(family, (16, 32, 64)))
+    topo = topology_for(family, r)
+    out: dict[str, list[dict[str, Any]]] = {}
+    for sync in ("tff", "dc", "sp"):
+        out.update(_sens_at(f"{sync.upper()}, {r} ranks, 10 KB", partial(
+            exchange_latency_ns, topo, sync=sync, size_bytes=10000), family, fabric))
+    return out
 
 
 def fig12(family: str = "cm384", fabric: FabricModel | None = None) -> ExperimentResult:
@@ -486,7 +511,10 @@ def fig12(family: str = "cm384", fabric: FabricModel | None = None) -> Experimen
         ("panels a/b: x = ranks; c/d: x = batch; 1 expert per NPU, top-8, hidden 7168, 1 B",
          "all_to_all and other (sync) as in Figure 7; lo/hi: UBEP over the assumed constants",
          *_family_note(family)),
-        {"provenance": provenance(family)},
+        {"provenance": provenance(family),
+         "sensitivity": _sens_at("EP64, batch 32", partial(
+             _latency, Workload(tokens_per_rank=32), UBEP,
+             topology_for(family, min(64, MAX_RANKS[family]))), family, fabric)},
     )
 
 
@@ -513,7 +541,10 @@ def topk(family: str = "cm384", fabric: FabricModel | None = None) -> Experiment
          "256 ranks show how that assumption moves the result",
          "average latency of one seeded routing; the paper's P99 (over calls) is not modelled",
          *_family_note(family)),
-        {"provenance": provenance(family, ("rank count 128 (range 64-256)", "batch 64"))},
+        {"provenance": provenance(family, ("rank count 128 (range 64-256)", "batch 64")),
+         "sensitivity": _sens_at("EP128, top-2", partial(
+             _latency, Workload(tokens_per_rank=64, num_topk=2), UBEP,
+             topology_for(family, min(128, MAX_RANKS[family]))), family, fabric)},
     )
 
 
@@ -580,6 +611,7 @@ def tpot(family: str = "cm384", fabric: FabricModel | None = None, *, batch: int
                                    "need 0 < hw_share <= comm_share < 1")
     fab = fabric or load_fabric(family)
     rows = []
+    sens: dict[str, list[dict[str, Any]]] = {}
     for index, (name, hidden, k, _experts, itemsize, ranks, epr) in enumerate(MODELS):
         if ranks > MAX_RANKS[family]:
             continue
@@ -594,6 +626,8 @@ def tpot(family: str = "cm384", fabric: FabricModel | None = None, *, batch: int
                        for op in ("dispatch", "combine"))
 
         t_u, lo, hi = _band(ubep_of, family, fabric)
+        if name == "DeepSeek-R1":
+            sens = _sens_at(f"{name}, EP{ranks}, dispatch + combine", ubep_of, family, fabric)
 
         def cut(share: float, t: float, t_c: float = t_c) -> float:
             return round(100 * share * (1 - t / t_c), 1)
@@ -616,7 +650,8 @@ def tpot(family: str = "cm384", fabric: FabricModel | None = None, *, batch: int
          "do not fit one per rank); shared experts are local and move no data; combine BF16",
          "the paper's P99 over per-token samples is not modelled (one seeded routing per model)",
          *_family_note(family)),
-        {"provenance": provenance(family, (f"decode batch {batch}",
+        {"sensitivity": sens,
+         "provenance": provenance(family, (f"decode batch {batch}",
                                            f"communication share s in [{hw_share}, {comm_share}]",
                                            "GLM-4.7 at EP128: 128 experts routed"))},
     )
