@@ -73,8 +73,10 @@ def _timer(micro: Micro, case: bd.Case, ranks: int, op: str, idxs: list[np.ndarr
             b, n = hc.hidden * 2, case.tokens
         elif writer == "scan":
             n = case.tokens
-        if copy_ns_per_byte is None:
-            w, r = micro.rows(ranks, b, n, writer, reader, terms)[:2]
+        if copy_ns_per_byte is None:  # measuring ahead: the pairs scaled() will use
+            cpus = os.cpu_count() or 1
+            w, r = micro.rows(min(ranks, max(2, cpus - cpus % 2)), b, n, writer, reader,
+                              terms)[:2]
             return w, r
         return micro.scaled(ranks, b, n, writer, reader, terms, copy_ns_per_byte)
 
@@ -130,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--millis", type=int, default=60, help="per microbenchmark round")
+    parser.add_argument("--rounds", type=int, default=5, help="microbenchmark rounds (median)")
     parser.add_argument("--out", default=None, help="write OUT.txt and OUT.json")
     args = parser.parse_args(argv)
     ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else (
@@ -138,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = bd.cases_for(args.quick, False)
     load_before = os.getloadavg()
     start = time.monotonic()
-    micro = Micro(build(), millis=args.millis)
+    micro = Micro(build(), millis=args.millis, rounds=args.rounds)
     flags = {r: micro.flag_oneway_ns(r) for r in ranks}
     tiny = sorted({_tiny(c) for c in cases},
                   key=lambda c: (c.tokens, c.dtype, c.layout, c.engine, c.sync))

@@ -76,7 +76,12 @@ class Micro:
         working set (:meth:`rows`) times that memcpy as ``copy_ns_per_byte`` says it costs
         (bench_dispatch's memcpy floor, measured in the same run as the calls it is compared
         with, so under the same load, cache state and time-sharing)."""
-        w, r = self.rows(procs, row_bytes, rows, writer, reader, terms)[:2]
+        # A ratio holds only while its passes run uninterrupted: with more processes than CPUs
+        # a multi-millisecond pass is cut by time slices, so the ratios are taken with one
+        # process per CPU and the sharing is the separate oversubscription factor.
+        cpus = os.cpu_count() or 1
+        pairs = min(procs, max(2, cpus - cpus % 2))
+        w, r = self.rows(pairs, row_bytes, rows, writer, reader, terms)[:2]
         bulk_ns = copy_ns_per_byte * max(1, int(rows)) * max(terms, 1) * row_bytes
         share = self.cpu_share(procs)
         return (w * bulk_ns * share / max(1, int(rows)), r * bulk_ns * share / max(1, int(rows)))
