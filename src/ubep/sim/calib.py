@@ -34,11 +34,14 @@ from .fabric import FabricModel
 from .workload import CANN_EP, System, Workload, run_case
 
 __all__ = [
+    "AIV_ASSUMPTIONS",
     "CALIB_PATH",
     "FAMILIES",
     "Residual",
     "Target",
+    "aiv_costs",
     "fabric_for",
+    "fabric_variants",
     "fit",
     "load_calibration",
     "load_fabric",
@@ -85,6 +88,84 @@ class Residual:
     @property
     def rel_error(self) -> float:
         return (self.model - self.measured) / self.measured
+
+
+# ----------------------------------------------------------------------------------------------
+# UBEP's own vector work, derived from the AIV's width and clock (docs/SIMULATOR.md, 3.1)
+
+# Public Ascend 910-class figures. DaVinci vector unit: 2048 bit = 256 B per cycle (Liao et al.,
+# "DaVinci: A Scalable Architecture for Neural Network Computing", Hot Chips 31, 2019). Clock:
+# Ascend 910 runs its DaVinci cores at 1.0 GHz (256 TFLOPS FP16 = 32 cores x 16^3 MACs x 2 x
+# 1 GHz, Huawei Ascend 910 announcement, 2019); later 910B/910C parts are reported at up to
+# ~1.8 GHz: the clock is an assumed range. The fixed issue-to-result latency of one vector
+# instruction (scalar unit dispatch, UB access, pipeline drain) is not public: assumed range.
+AIV_VECTOR_BYTES = 256
+AIV_ASSUMPTIONS: dict[str, dict[str, Any]] = {
+    "aiv_clock_ghz": {
+        "value": 1.4, "range": [1.0, 1.8], "kind": "assumed",
+        "source": "Ascend 910 DaVinci cores at 1.0 GHz (2019 announcement: 256 TFLOPS FP16 = 32 "
+                  "cores x 4096 MACs x 2 x 1 GHz); 910B/910C reported up to ~1.8 GHz; nominal "
+                  "= midpoint",
+    },
+    "vector_instr_cycles": {
+        "value": 24.0, "range": [8.0, 64.0], "kind": "assumed",
+        "source": "fixed latency of one vector instruction (dispatch by the scalar unit, UB "
+                  "read, pipeline): not public; range from a short SIMD pipeline (8) to one "
+                  "with a UB round trip per instruction (64); nominal ~ geometric mean",
+    },
+}
+
+
+def aiv_costs(clock_ghz: float, instr_cycles: float) -> dict[str, float]:
+    """UBEP's per-operation vector costs (ns) from the AIV clock and instruction latency.
+
+    * ``vector_op_ns``: one compare / checksum step over one 512 B atomic block's 32 B marker:
+      one vector instruction (``instr_cycles``) plus ``ceil(32 / 256)`` = 1 cycle of data;
+    * ``count_expert_ns`` + ``count_pick_ns`` per pick: a VectorCount of one expert id over the
+      rank's ``T x K`` int32 picks: one instruction plus ``4 T K / 256`` cycles;
+    * ``cumsum_entry_ns``: a prefix sum over ``R x L`` int32 counts in 64-lane vectors takes
+      ``log2(64) = 6`` dependent instructions per 64 entries.
+    """
+    if not clock_ghz > 0 or not instr_cycles >= 0:
+        raise InvalidArgumentError("clock_ghz", (clock_ghz, instr_cycles), "must be > 0, >= 0")
+    cycle = 1.0 / clock_ghz
+    lanes = AIV_VECTOR_BYTES // 4
+    return {
+        "vector_op_ns": (instr_cycles + 1.0) * cycle,
+        "count_expert_ns": instr_cycles * cycle,
+        "count_pick_ns": 4.0 / AIV_VECTOR_BYTES * cycle,
+        "cumsum_entry_ns": 6.0 * instr_cycles / lanes * cycle,
+    }
+
+
+def fabric_variants(family: str = "cm384") -> dict[str, FabricModel]:
+    """The fabric at the nominal assumptions and at the corners of their ranges.
+
+    Keys: ``nominal``, ``low`` (every assumption at its cheap end), ``high`` (every one at its
+    costly end) and, per assumption ``a``, ``a:low`` / ``a:high`` (that one moved alone) for
+    the sensitivity tables. Every derived cost grows with the instruction latency and falls
+    with the clock, and every latency the model computes is non-decreasing in every cost, so
+    ``low`` / ``high`` bound the prediction over the whole box of assumptions.
+    """
+    base = load_fabric(family)
+    if family != "cm384":
+        return {"nominal": base, "low": base, "high": base}
+    nominal = {k: float(v["value"]) for k, v in AIV_ASSUMPTIONS.items()}
+    cheap = {"aiv_clock_ghz": 1, "vector_instr_cycles": 0}  # index of the cheap end of a range
+
+    def at(values: dict[str, float]) -> FabricModel:
+        return base.with_values(**aiv_costs(values["aiv_clock_ghz"],
+                                            values["vector_instr_cycles"]))
+
+    out = {"nominal": at(nominal)}
+    for end, name in ((0, "low"), (1, "high")):
+        vals = {k: float(AIV_ASSUMPTIONS[k]["range"][cheap[k] if end == 0 else 1 - cheap[k]])
+                for k in nominal}
+        out[name] = at(vals)
+    for k in nominal:
+        for end, name in ((cheap[k], "low"), (1 - cheap[k], "high")):
+            out[f"{k}:{name}"] = at({**nominal, k: float(AIV_ASSUMPTIONS[k]["range"][end])})
+    return out
 
 
 def topology_for(family: str, num_ranks: int, cores_per_rank: int | None = None) -> Topology:
@@ -316,6 +397,11 @@ _FIG3B = "fit: Figure 3b per-AIV efficiency (8/16/24/32/48 AIVs)"
 _TIED = "tied: equal to issue_ns (a flag is a store issue without payload)"
 _FIT_NV = "fit: TensorRT-LLM NVL72 dispatch rows (batch 128, EP8-64) and the 18-20 us floor"
 
+_AIV = aiv_costs(AIV_ASSUMPTIONS["aiv_clock_ghz"]["value"],
+                 AIV_ASSUMPTIONS["vector_instr_cycles"]["value"])
+_AIV_SRC = ("derived from the AIV (256 B vector, Hot Chips 2019 DaVinci) at the assumed clock "
+            "and vector instruction latency (calib.json 'assumptions', ubep.sim.calib.aiv_costs)")
+
 START: dict[str, dict[str, tuple[float, str, str]]] = {
     "cm384": {
         "init_ns": (30_000.0, "fitted", _FIT_CM),
@@ -329,14 +415,16 @@ START: dict[str, dict[str, tuple[float, str, str]]] = {
         "barrier_ns": (9_600.0, "fitted", _FIT_CM),
         "flag_ns": (300.0, "tied", _TIED),
         "poll_ns": (218.0, "derived", "Table 2 intra-NPU latency 218 ns: a poll is a local read"),
-        "count_expert_ns": (50.0, "assumed", "a vector count over the rank's (token, k) picks: "
-                            "~1024 picks / 64 lanes, a few cycles each; no row constrains it"),
-        "cumsum_entry_ns": (2.0, "assumed", "vector prefix sum, a few cycles per entry; "
-                            "no row constrains it"),
-        "vector_op_ns": (10.0, "assumed", "one 32 B vector compare / checksum step per 512 B "
-                         "block; no row constrains it (TFF/DC/SP predictions depend on it)"),
+        "count_expert_ns": (_AIV["count_expert_ns"], "derived", _AIV_SRC + ": one VectorCount "
+                            "instruction per expert"),
+        "cumsum_entry_ns": (_AIV["cumsum_entry_ns"], "derived", _AIV_SRC + ": 6 dependent "
+                            "vector adds per 64 int32 entries"),
+        "vector_op_ns": (_AIV["vector_op_ns"], "derived", _AIV_SRC + ": one vector compare / "
+                         "checksum instruction over a block's 32 B marker"),
         "atomic_bytes": (512, "derived", "UBEP paper Section 3.4: 512 B atomic UB writes"),
         "tff_flag_bytes": (32, "derived", "UBEP paper Section 3.4: 32 B flag + 480 B payload"),
+        "count_pick_ns": (_AIV["count_pick_ns"], "derived", _AIV_SRC + ": 4 B per pick over a "
+                          "256 B vector per cycle"),
     },
     "nvl72": {
         "init_ns": (14_000.0, "fitted", _FIT_NV),
@@ -356,6 +444,7 @@ START: dict[str, dict[str, tuple[float, str, str]]] = {
         "atomic_bytes": (128, "derived", "NCCL LL128: 128 B lines written in order on NVLink "
                          "(CALIBRATION.md NCCL tuner constants: LL128 bandwidth factor 0.92)"),
         "tff_flag_bytes": (8, "derived", "NCCL LL128: 8 B flag per 128 B line"),
+        "count_pick_ns": (0.0, "borrowed", "CM384 value (no NVL72 row constrains it)"),
     },
     "host": {
         "init_ns": (2_000.0, "assumed", "waking a thread pool; the peers benchmark measures it"),
@@ -376,6 +465,8 @@ START: dict[str, dict[str, tuple[float, str, str]]] = {
         "vector_op_ns": (20.0, "assumed", "compare / checksum of one 512 B block"),
         "atomic_bytes": (512, "derived", "FORMATS.md TFF block_bytes default 512"),
         "tff_flag_bytes": (32, "derived", "FORMATS.md TFF flag_bytes default 32"),
+        "count_pick_ns": (0.0, "assumed", "counting is part of the call's fixed cost on a CPU "
+                          "(the host model of ubep.sim.host measures it)"),
     },
 }
 
@@ -416,7 +507,7 @@ def calibrate(*, max_nfev: int = 80, progress: Callable[[str], None] | None = No
                  "Regenerate with `ubep sim calibrate --write`. kinds: fitted | derived | "
                  "assumed | tied | borrowed.",
         "fabrics": {
-            "cm384": to_entry(cm, _kinds("cm384"), "cm384"),
+            "cm384": {**to_entry(cm, _kinds("cm384"), "cm384"), "assumptions": AIV_ASSUMPTIONS},
             "nvl72": to_entry(nv, _kinds("nvl72"), "nvl72"),
             "nvl576": {"same_as": "nvl72",
                        "note": "EXTRAPOLATION: no NVL576 measurement exists; NVL72 constants "

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .experiments import EXPERIMENTS
+from .experiments import ALIASES, EXPERIMENTS
 
 __all__ = ["register"]
 
@@ -21,7 +21,9 @@ def register(subparsers: Any) -> None:
                                 description="Time ubep's plans on modelled fabrics.")
     sub = sim.add_subparsers(dest="sim_command", required=True, metavar="SIM_COMMAND")
     for name, fn in EXPERIMENTS.items():
-        p = sub.add_parser(name, help=(fn.__doc__ or "").strip().splitlines()[0])
+        aliases = [old for old, new in ALIASES.items() if new == name]
+        p = sub.add_parser(name, aliases=aliases,
+                           help=(fn.__doc__ or "").strip().splitlines()[0])
         _common(p)
         p.add_argument("--plot", metavar="PATH", help="write the figure as a PNG")
         p.add_argument("--json", metavar="PATH", help="write the results as JSON")

@@ -48,7 +48,10 @@ class FabricModel:
         barrier_ns: intrinsic cost of one SyncAll (on top of waiting for the slowest core).
         flag_ns: core time to write one flag / count / checksum word to a peer.
         poll_ns: core time to check one flag entry once it has landed.
-        count_expert_ns: core time to count one expert's tokens (vector count over topk_idx).
+        count_expert_ns: fixed core time to count one expert's tokens (one vector count
+            instruction's issue latency).
+        count_pick_ns: core time per (token, k) pick scanned while counting one expert (the
+            vector count reads every pick of the rank once per expert it counts).
         cumsum_entry_ns: prefix-sum time per (source rank, local expert) entry.
         vector_op_ns: one vector compare / checksum step over one atomic block.
         atomic_bytes: atomic write granularity of the fabric (UB: 512 B); the TFF block size.
@@ -70,6 +73,7 @@ class FabricModel:
     vector_op_ns: float
     atomic_bytes: int = 512
     tff_flag_bytes: int = 32
+    count_pick_ns: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):

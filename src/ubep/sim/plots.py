@@ -31,7 +31,8 @@ def _pyplot() -> Any:
 def plot(result: ExperimentResult, path: str | Path) -> Path:
     """Write ``result``'s figure to ``path`` (PNG) and return the path."""
     drawers = {"table4": _table4, "fig7": _fig7, "fig8": _fig8, "fig9": _fig9,
-               "fig10": _fig10, "topk": _topk, "partition": _partition, "tpot": _tpot}
+               "fig10": _fig10, "fig11": _tpot, "fig12": _fig7, "fig13": _topk,
+               "fig14": _partition, "hotshare": _hotshare}
     if result.name not in drawers:
         raise InvalidArgumentError("result", result.name, f"no plot for {result.name}")
     plt = _pyplot()
@@ -57,13 +58,20 @@ def _table4(plt: Any, r: ExperimentResult) -> Any:
     paper = [v if isinstance(v, float) else np.nan for v in _col(r, "cann_paper_us")]
     a.bar(x - 0.27, paper, 0.27, label="CANN EP (paper)", color="#999999")
     a.bar(x, _col(r, "cann_model_us"), 0.27, label="CANN EP (model)", color="#d62728")
-    a.bar(x + 0.27, _col(r, "ubep_pred_us"), 0.27, label="UBEP (predicted)", color="#2ca02c")
+    ub = np.array(_col(r, "ubep_pred_us"), dtype=float)
+    err = [ub - np.array(_col(r, "ubep_lo_us"), dtype=float),
+           np.array(_col(r, "ubep_hi_us"), dtype=float) - ub]
+    a.bar(x + 0.27, ub, 0.27, yerr=err, capsize=3, label="UBEP (predicted, interval)",
+          color="#2ca02c")
     a.set_xticks(x, [str(e) for e in eps])
     a.set_xlabel("EP ranks")
     a.set_ylabel("dispatch latency (us)")
     a.legend(fontsize=7)
     b.plot(eps, _col(r, "cann_gbps"), "o-", color="#d62728", label="CANN EP (model)")
     b.plot(eps, _col(r, "ubep_gbps"), "s-", color="#2ca02c", label="UBEP (predicted)")
+    b.fill_between(eps, [7.34e6 / (v * 1e3) for v in _col(r, "ubep_hi_us")],
+                   [7.34e6 / (v * 1e3) for v in _col(r, "ubep_lo_us")], color="#2ca02c",
+                   alpha=0.25, label="UBEP interval")
     b.set_xscale("log", base=2)
     b.set_xlabel("EP ranks")
     b.set_ylabel("bandwidth (GB/s per rank)")
@@ -83,12 +91,15 @@ def _fig7(plt: Any, r: ExperimentResult) -> Any:
         for i, sname in enumerate(systems):
             got = {row[1]: row for row in rows if row[2] == sname}
             pos = np.arange(len(xs)) + (i - (len(systems) - 1) / 2) * width
-            a2a = [got[x][4] for x in xs]
-            sync = [got[x][5] for x in xs]
+            a2a = [got[x][6] for x in xs]
+            sync = [got[x][7] for x in xs]
+            lat = np.array([got[x][3] for x in xs], dtype=float)
+            err = [lat - np.array([got[x][4] for x in xs]), np.array([got[x][5] for x in xs])
+                   - lat]
             ax.bar(pos, a2a, width, color="#1f77b4" if i == 0 else "#2ca02c",
                    label=f"{sname} all-to-all")
             ax.bar(pos, sync, width, bottom=a2a, color="#d62728" if i == 0 else "#ff7f0e",
-                   label=f"{sname} sync", alpha=0.8)
+                   label=f"{sname} sync", alpha=0.8, yerr=err, capsize=2)
         ax.set_xticks(np.arange(len(xs)), [str(x) for x in xs])
         ax.set_title(panel, fontsize=8)
         ax.set_ylabel("latency (us)")
@@ -141,23 +152,29 @@ def _fig10(plt: Any, r: ExperimentResult) -> Any:
     fig, axes = plt.subplots(1, len(ranks), figsize=(3.3 * len(ranks), 3.3), sharey=True)
     for ax, n in zip(np.atleast_1d(axes), ranks, strict=True):
         for sync, color in SYNC_COLORS.items():
-            pts = [(row[1], row[3]) for row in r.rows if row[0] == n and row[2] == sync]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color,
+            pts = [row for row in r.rows if row[0] == n and row[2] == sync]
+            ax.plot([p[1] for p in pts], [p[3] for p in pts], "o-", color=color,
                     label=sync.upper(), ms=3)
+            ax.fill_between([p[1] for p in pts], [p[4] for p in pts], [p[5] for p in pts],
+                            color=color, alpha=0.2)
         ax.set_xscale("log")
-        ax.set_xlabel("granularity (bytes per row)")
+        ax.set_xlabel("data size (bytes per message)")
         ax.set_title(f"{n} ranks", fontsize=8)
-    np.atleast_1d(axes)[0].set_ylabel("dispatch latency (us)")
+    np.atleast_1d(axes)[0].set_ylabel("transfer + sync latency (us)")
     np.atleast_1d(axes)[0].legend(fontsize=7)
     return fig
 
 
 def _topk(plt: Any, r: ExperimentResult) -> Any:
     fig, ax = plt.subplots(figsize=(5, 3.3))
-    labels = [f"EP{row[0]}/k{row[1]}" for row in r.rows]
+    labels = [f"EP{row[0]}/k{row[2]}" for row in r.rows]
     x = np.arange(len(labels))
+    ub = np.array(_col(r, "ubep_us"), dtype=float)
+    err = [ub - np.array(_col(r, "ubep_lo_us"), dtype=float),
+           np.array(_col(r, "ubep_hi_us"), dtype=float) - ub]
     ax.bar(x - 0.2, _col(r, "cann_us"), 0.4, color="#d62728", label="CANN EP (model)")
-    ax.bar(x + 0.2, _col(r, "ubep_us"), 0.4, color="#2ca02c", label="UBEP (predicted)")
+    ax.bar(x + 0.2, ub, 0.4, yerr=err, capsize=2, color="#2ca02c",
+           label="UBEP (predicted, interval)")
     ax.set_xticks(x, labels, fontsize=7)
     ax.set_ylabel("dispatch latency (us)")
     ax.legend(fontsize=7)
@@ -170,23 +187,51 @@ def _partition(plt: Any, r: ExperimentResult) -> Any:
     for ax, n in zip(np.atleast_1d(axes), ranks, strict=True):
         for batch in sorted({row[1] for row in r.rows if row[0] == n}):
             pts = [row for row in r.rows if row[0] == n and row[1] == batch]
-            line = ax.plot([p[2] for p in pts], [p[3] for p in pts], "o-", ms=3,
+            line = ax.plot([p[2] for p in pts], [p[4] for p in pts], "o-", ms=3,
                            label=f"batch {batch}")
             for p in pts:
-                if p[4]:
-                    ax.plot(p[2], p[3], "k*", ms=9)
+                if p[5]:
+                    ax.plot(p[2], p[4], "k*", ms=9)
             del line
         ax.set_xscale("log", base=2)
         ax.set_xlabel("count cores (* = Appendix A pick)")
         ax.set_title(f"{n} ranks", fontsize=8)
-    np.atleast_1d(axes)[0].set_ylabel("UBEP dispatch (us)")
+    np.atleast_1d(axes)[0].set_ylabel("extra latency over the best size (us)")
     np.atleast_1d(axes)[0].legend(fontsize=7)
     return fig
 
 
 def _tpot(plt: Any, r: ExperimentResult) -> Any:
-    fig, ax = plt.subplots(figsize=(5, 3.3))
-    ax.bar(_col(r, "model"), _col(r, "tpot_reduction_pct"), color="#2ca02c")
+    fig, ax = plt.subplots(figsize=(6, 3.3))
+    labels = [f"{row[0]}\nEP{row[1]}" for row in r.rows]
+    x = np.arange(len(labels))
+    hi_s, lo_s = r.columns[7], r.columns[9]
+    mid = np.array(_col(r, hi_s), dtype=float)
+    band = [tuple(float(v) for v in s.split("-", 1)) if s.count("-") == 1 else (m, m)
+            for s, m in zip(_col(r, r.columns[8]), mid, strict=True)]
+    err = [mid - np.array([b[0] for b in band]), np.array([b[1] for b in band]) - mid]
+    ax.bar(x - 0.2, mid, 0.4, yerr=err, capsize=3, color="#2ca02c", label=hi_s)
+    ax.bar(x + 0.2, _col(r, lo_s), 0.4, color="#98df8a", label=lo_s)
+    ax.set_xticks(x, labels, fontsize=6)
     ax.set_ylabel("predicted TPOT reduction (%)")
-    ax.tick_params(axis="x", labelsize=7)
+    ax.legend(fontsize=7)
+    return fig
+
+
+def _hotshare(plt: Any, r: ExperimentResult) -> Any:
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.3))
+    x = _col(r, "hot_share")
+    a.plot(x, _col(r, "cann_us"), "o-", color="#d62728", label="CANN EP (model)")
+    a.plot(x, _col(r, "ubep_us"), "s-", color="#2ca02c", label="UBEP (predicted)")
+    a.fill_between(x, _col(r, "ubep_lo_us"), _col(r, "ubep_hi_us"), color="#2ca02c", alpha=0.25)
+    a.set_xlabel("hot experts' share of picks (unstated in the paper)")
+    a.set_ylabel("dispatch latency (us)")
+    a.legend(fontsize=7)
+    for key, color in (("fig9_cann_max_core_us", "#d62728"), ("fig9_nomap_max_core_us",
+                                                                "#ff7f0e"),
+                       ("fig9_ubep_max_core_us", "#2ca02c")):
+        b.plot(x, _col(r, key), "o-", color=color, label=key.replace("_us", ""))
+    b.set_xlabel("hot share")
+    b.set_ylabel("max per-core send latency (us)")
+    b.legend(fontsize=6)
     return fig

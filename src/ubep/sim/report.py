@@ -31,6 +31,26 @@ def calibration_markdown(family: str = "cm384") -> str:
     return "\n".join(lines) + "\n"
 
 
+def _provenance_md(result: ExperimentResult, family: str) -> list[str]:
+    """What the experiment's numbers rest on: calibrated / derived / assumed, and the
+    sensitivity of its UBEP predictions to the assumed constants."""
+    from .experiments import provenance
+
+    prov = result.data.get("provenance") or provenance(family)
+    lines = ["What it rests on:", ""]
+    for kind in ("calibrated", "derived", "assumed"):
+        lines.append(f"* {kind}: " + (", ".join(prov.get(kind, [])) or "-"))
+    sens = result.data.get("sensitivity") or {}
+    for point, rows in sens.items():
+        lines += ["", f"Sensitivity of the UBEP prediction at {point} (one constant at a time):",
+                  "", "| constant | range | nominal us | cheap end us | costly end us | swing % |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {s['constant']} | {s['range']} | {s['nominal_us']} | "
+                  f"{s['at_cheap_end_us']} | {s['at_costly_end_us']} | {s['swing_pct']} |"
+                  for s in rows]
+    return [*lines, ""]
+
+
 def write_outputs(result: ExperimentResult, out_dir: Path, *,
                   plot: bool = True) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -69,10 +89,13 @@ def run_all(out_dir: str | Path, *, family: str = "cm384", names: list[str] | No
         if "png" in files:
             body += [f"![{name}]({files['png']})", ""]
         body += ["```", result.table(), "```", ""]
+        body += _provenance_md(result, family)
         sections.append("\n".join(body))
     head = [f"# ubep superpod simulator report ({family})", "",
             "Baseline rows are the calibrated model; every UBEP number is a prediction "
-            "(nothing about UBEP was fitted). Model: docs/SIMULATOR.md.", "",
+            "(nothing about UBEP was fitted), given with the interval its assumed constants "
+            "span (lo/hi columns). Each experiment lists what is calibrated, derived and "
+            "assumed. Model: docs/SIMULATOR.md.", "",
             "## Calibration", "", calibration_markdown(family), ""]
     report = out / "report.md"
     report.write_text("\n".join(head + sections), encoding="utf-8")

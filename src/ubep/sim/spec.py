@@ -21,7 +21,7 @@ from ..sched.plan import Plan
 from ..topology import Topology
 from .fabric import ENGINES, SYNC_MODES, FabricModel, sync_costs
 
-__all__ = ["OPS", "OpSpec", "Transfers", "build_spec", "transfers"]
+__all__ = ["OPS", "OpSpec", "RowCosts", "Transfers", "build_spec", "transfers"]
 
 OPS = ("dispatch", "combine")
 
@@ -78,6 +78,31 @@ def transfers(
         hop=np.asarray(plan.send_hop, dtype=np.int64),
         nbytes=np.full(plan.num_units, wire, dtype=np.int64),
     )
+
+
+@dataclass(frozen=True)
+class RowCosts:
+    """Per-row core costs that replace the fabric's formulas (the host model, docs/SIMULATOR.md
+    section 6): a fabric whose row costs were measured rather than derived.
+
+    ``send_ns[h]``: sender core time for one row of hop class ``h`` (0 = own rank, 1 = a peer;
+    the last entry serves every higher class); ``consume_ns[h]``: receiver core time for one row
+    that arrived over hop class ``h``. Everything else (batches, flags, barriers, waits, the
+    executors) is the model as for any fabric.
+    """
+
+    send_ns: tuple[float, ...]
+    consume_ns: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        for name in ("send_ns", "consume_ns"):
+            values = getattr(self, name)
+            if not values or any(not (v >= 0) for v in values):
+                raise InvalidArgumentError(name, values, "must be a non-empty tuple of >= 0")
+
+    def per_hop(self, name: str, hop: np.ndarray) -> np.ndarray:
+        values = np.asarray(getattr(self, name), dtype=np.float64)
+        return values[np.minimum(hop, values.size - 1)]
 
 
 @dataclass(frozen=True)
@@ -180,18 +205,22 @@ def build_spec(
     sync: str,
     row_bytes: int,
     op: str = "dispatch",
+    row_costs: RowCosts | None = None,
 ) -> OpSpec:
     """Gather every rank's transfers and the engine's chunks and items into an :class:`OpSpec`.
 
     For ``op="combine"`` pass the combine plans (:func:`ubep.sim.combine.combine_plans`): each
     unit sends one expert output row back to ``send_dst_rank``, and a receive item is one token
     ``(dst, send_token)`` reduced over all of its rows.
+
+    ``row_costs`` replaces the per-row send and consume formulas with measured costs (the host
+    model); it also lets BSP run any sync mode, whose extra passes the measured costs carry.
     """
     if engine not in ENGINES:
         raise InvalidArgumentError("engine", engine, f"must be one of {ENGINES}")
     if op not in OPS:
         raise InvalidArgumentError("op", op, f"must be one of {OPS}")
-    if engine == "bsp" and sync != "sw":
+    if engine == "bsp" and sync != "sw" and row_costs is None:
         raise InvalidArgumentError(
             "sync", sync, "the BSP engine publishes counts and flags after a barrier: use 'sw'"
         )
@@ -219,7 +248,10 @@ def build_spec(
     core_ptr = np.zeros(num_ranks * n_s + 1, dtype=np.int64)
     np.cumsum(counts.ravel(), out=core_ptr[1:])
 
-    work = fabric.unit_work_ns(wire, hop, topology) + costs.sender_extra_ns
+    if row_costs is None:
+        work = fabric.unit_work_ns(wire, hop, topology) + costs.sender_extra_ns
+    else:
+        work = row_costs.per_hop("send_ns", hop)
     # Batches: one core's rows to one destination. DC ends each with a checksum message; ASP's
     # SW ends each with a fence -- the core stalls for the round trip of its last store -- and a
     # flag. (BSP's SW flags come after the barrier instead; its batches are unused.)
@@ -250,7 +282,8 @@ def build_spec(
         item_rank = dst[order]
         first = np.searchsorted(item_rank, np.arange(num_ranks))
         item_core = (np.arange(order.size) - first[item_rank]) % consume
-        item_cost = np.full(order.size, row_cost)
+        item_cost = (np.full(order.size, row_cost) if row_costs is None
+                     else row_costs.per_hop("consume_ns", hop[order]))
     else:
         # One item per (receiving rank, token): the reduction over all of the token's rows.
         key = dst * (int(token.max(initial=0)) + 1) + token
@@ -258,14 +291,19 @@ def build_spec(
         item_rank = _first_of(dst, item, uniq.size)
         item_tok = _first_of(token, item, uniq.size)
         item_core = item_tok % consume
-        item_cost = np.bincount(item, minlength=uniq.size) * row_cost
+        per_row = (np.full(item.size, row_cost) if row_costs is None
+                   else row_costs.per_hop("consume_ns", hop))
+        item_cost = np.bincount(item, weights=per_row, minlength=uniq.size)
     chunk_core, chunk_dst, chunk_experts, poll_first, poll_cores = _chunks(
         op, engine, num_ranks, num_experts, n, n_s, n_c, plans[0].count_expert_ptr
     )
     # Only BSP's words signal that data is complete (SW: after a fence); ASP's count words are
     # data in their own right, published with one atomic store.
     fenced = engine == "bsp" and sync == "sw"
-    chunk_offset = _chunk_offsets(chunk_core, chunk_dst, chunk_experts, fabric, topology, fenced)
+    # Counting one expert scans every (token, k) pick of the rank once (a vector count).
+    picks = max(int(p.num_units) for p in plans) if op == "dispatch" else 0
+    chunk_offset = _chunk_offsets(chunk_core, chunk_dst, chunk_experts, fabric, topology, fenced,
+                                  picks)
     cumsum_ns = fabric.cumsum_entry_ns * num_ranks * epr if op == "dispatch" else 0.0
     return OpSpec(
         op=op, engine=engine, sync=sync, num_ranks=num_ranks, cores_per_rank=n,
@@ -331,7 +369,7 @@ def _chunks(
 
 
 def _chunk_offsets(core: np.ndarray, dst: np.ndarray, experts: np.ndarray, fabric: FabricModel,
-                   topology: Topology, fenced: bool) -> np.ndarray:
+                   topology: Topology, fenced: bool, picks: int = 0) -> np.ndarray:
     """``[R, C]`` completion offsets of each rank's chunk writes: per chunk, count its experts,
     (``fenced``: BSP + SW) wait one round trip for the earlier writes to that rank to complete,
     then store the word; a core's chunks run back to back."""
@@ -341,7 +379,8 @@ def _chunk_offsets(core: np.ndarray, dst: np.ndarray, experts: np.ndarray, fabri
     lat = np.asarray(topology.latency_ns, dtype=np.float64)
     hops = topology.hop_matrix().astype(np.int64)
     fence = 2.0 * lat[hops[:, dst]] if fenced else np.zeros((R, dst.size))
-    cost = experts * fabric.count_expert_ns + fabric.flag_ns + fence
+    per_expert = fabric.count_expert_ns + picks * fabric.count_pick_ns
+    cost = experts * per_expert + fabric.flag_ns + fence
     # Chunks are grouped by core (consecutive): cumulative sum that restarts at each core.
     total = np.cumsum(cost, axis=1)
     starts = np.flatnonzero(np.concatenate(([True], core[1:] != core[:-1])))

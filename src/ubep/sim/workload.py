@@ -157,18 +157,19 @@ def routing_for(workload: Workload, num_ranks: int) -> tuple[np.ndarray, ...]:
 
 
 def partition_constants(topology: Topology, fabric: FabricModel, row_bytes: int,
-                        num_experts: int) -> tuple[float, float, float]:
+                        num_experts: int, picks: int = 0) -> tuple[float, float, float]:
     """``(alpha, beta, b_count)`` of Appendix A's model from the fabric constants.
 
     alpha: time per (token, k) unit of one send core when the rank's cores all send (mean hop);
-    beta: count + publish + poll per expert; b_count: the receiver's prefix sum.
+    beta: count (a vector count over the rank's ``picks`` (token, k) pairs) + publish + poll
+    per expert; b_count: the receiver's prefix sum.
     """
     n = topology.cores_per_rank
     mean_lat = float(np.mean(topology.latency_of_hops(topology.hop_matrix()[0])))
     work = (fabric.issue_ns + row_bytes / fabric.core_bandwidth_gbps
             + fabric.latency_exposure * mean_lat)
     alpha = work / float(fabric.speed(n))
-    beta = fabric.count_expert_ns + fabric.flag_ns + fabric.poll_ns
+    beta = fabric.count_expert_ns + picks * fabric.count_pick_ns + fabric.flag_ns + fabric.poll_ns
     b_count = fabric.cumsum_entry_ns * num_experts
     return alpha, beta, b_count
 
@@ -193,8 +194,9 @@ def plans_for(workload: Workload, system: System, topology: Topology,
             and topology.cores_per_rank >= 2:
         from ..sched.partition import partition
 
-        alpha, beta, b_count = partition_constants(topology, fabric, workload.row_bytes,
-                                                   num_experts)
+        alpha, beta, b_count = partition_constants(
+            topology, fabric, workload.row_bytes, num_experts,
+            workload.tokens_per_rank * workload.num_topk)
         part = partition(topology.cores_per_rank, num_experts, workload.num_topk,
                          workload.tokens_per_rank, alpha=alpha, beta=beta, b_count=b_count)
         n_s, n_c = part.num_send_cores, part.num_count_cores

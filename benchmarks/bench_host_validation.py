@@ -1,0 +1,241 @@
+"""Host validation: the simulator, given microbenchmark constants only, predicts bench_dispatch.
+
+    python -m benchmarks.bench_host_validation                 # full matrix (several minutes)
+    python -m benchmarks.bench_host_validation --quick         # 2 ranks, 128 tokens (debugging)
+    python -m benchmarks.bench_host_validation --out benchmarks/results/host_validation
+
+One run: (1) the microbenchmarks of benchmarks/host_micro.py (row passes at each case's working
+set, flag round trip, the tiny-call fixed cost per engine x sync x layout x ranks), (2)
+bench_dispatch's matrix measured as bench_dispatch measures it (same cases, inputs, timing), (3)
+``ubep.sim.host.predict_host`` for every case from (1) alone, printed beside (2) with the
+relative error, the median and the worst |error|. Nothing in (3) reads (2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from benchmarks import bench_dispatch as bd
+from benchmarks.harness import format_table
+from benchmarks.host_micro import Micro, build
+
+from ubep.sim.host import HostCase, combine_terms, kernel_passes, predict_host
+
+# The fixed-cost microbenchmark: the same call with 64-element rows. It has the case's
+# tokens, routing, layout, engine, sync and ranks, so every per-call, per-token and per-row
+# cost of the Python layer and the native engine (validation, counting, metadata, outputs,
+# flags, barriers, waits) is in it, and almost none of the payload's.
+TINY_HIDDEN = 64
+
+
+def _itemsize(dtype: str) -> int:
+    return 2 if dtype == "bf16" else 1
+
+
+def _routing(case: bd.Case, ranks: int) -> list[np.ndarray]:
+    return [bd.inputs(case, r)[1] for r in range(ranks)]
+
+
+def _rows_per_rank(idxs: list[np.ndarray], layout: str, num_experts: int) -> float:
+    epr = num_experts // len(idxs)
+    if layout == "expert":
+        return float(np.mean([(idx >= 0).sum() for idx in idxs]))
+    return float(np.mean([sum(len(set((row[row >= 0] // epr).tolist())) for row in idx)
+                          for idx in idxs]))
+
+
+def _host_case(case: bd.Case, ranks: int, op: str) -> HostCase:
+    return HostCase(ranks=ranks, tokens=case.tokens, hidden=case.hidden,
+                    itemsize=_itemsize(case.dtype), layout=case.layout, engine=case.engine,
+                    sync=case.sync, op=op, num_experts=bd.NUM_EXPERTS, num_topk=bd.NUM_TOPK)
+
+
+def _timer(micro: Micro, case: bd.Case, ranks: int, op: str, idxs: list[np.ndarray],
+           copy_ns_per_byte: float | None) -> Any:
+    """Per-row pass costs at this case's working set: rows per rank (send/receive passes),
+    tokens (SP's scan of x, the combine's reduction), in two alternating copies (the runtime's
+    two receive regions). With ``copy_ns_per_byte`` (the run's memcpy floor at the same bytes)
+    they are rescaled to that memcpy; without, the raw microbenchmark (measuring only)."""
+    hc = _host_case(case, ranks, op)
+    rows = round(_rows_per_rank(idxs, case.layout, bd.NUM_EXPERTS))
+
+    def timer(writer: str, reader: str, terms: int) -> tuple[float, float]:
+        b, n = hc.row_bytes, rows
+        if reader == "reduce":
+            b, n = hc.hidden * 2, case.tokens
+        elif writer == "scan":
+            n = case.tokens
+        if copy_ns_per_byte is None:  # measuring ahead: the pairs scaled() will use
+            cpus = os.cpu_count() or 1
+            w, r = micro.rows(min(ranks, max(2, cpus - cpus % 2)), b, n, writer, reader,
+                              terms)[:2]
+            return w, r
+        return micro.scaled(ranks, b, n, writer, reader, terms, copy_ns_per_byte)
+
+    return timer
+
+
+def _tiny(case: bd.Case) -> bd.Case:
+    return bd.Case(case.tokens, TINY_HIDDEN, case.dtype, case.layout, case.engine, case.sync,
+                   case.routing)
+
+
+def _copy_ns_per_byte(row: dict[str, Any]) -> float:
+    """bench_dispatch's memcpy floor of this row: one np.copyto of the dispatch's bytes by every
+    rank at once, interleaved with the calls (so under the same load and cache state)."""
+    return float(row["memcpy"]["median_us"]) * 1e3 / max(float(row["dispatch_bytes"]), 1.0)
+
+
+def _case_of(row: dict[str, Any]) -> bd.Case:
+    return bd.Case(**{k: row[k] for k in ("tokens", "hidden", "dtype", "layout", "engine",
+                                          "sync", "routing")})
+
+
+def _premeasure(micro: Micro, ranks: list[int], cases: list[bd.Case]) -> None:
+    """Every microbenchmark the predictions will need, before the matrix runs."""
+    for r in ranks:
+        for case in cases:
+            idxs = _routing(case, r)
+            for op in ("dispatch", "combine"):
+                hc = _host_case(case, r, op)
+                timer = _timer(micro, case, r, op, idxs, None)
+                for w, rd, t in kernel_passes(hc, combine_terms(idxs, hc)).values():
+                    timer(w, rd, t)
+
+
+def fixed_cost(micro: Micro, flags: dict[int, float], tiny_row: dict[str, Any], op: str,
+               copy_ns_per_byte: float) -> dict[str, float]:
+    """From the 64-element-row call: fixed = measured - model(fixed=0), at least 0. The model's
+    share prices the small call's passes at the case's memcpy rate per byte (the small call's
+    own floor is mostly np.copyto's per-call overhead, not a rate)."""
+    case, r = _case_of(tiny_row), tiny_row["ranks"]
+    idxs = _routing(case, r)
+    measured = tiny_row[op]["median_us"] * 1e3
+    model0 = predict_host(_host_case(case, r, op), idxs, fixed_ns=0.0, flag_oneway_ns=flags[r],
+                          timer=_timer(micro, case, r, op, idxs, copy_ns_per_byte))
+    return {"tiny_measured_ns": measured, "tiny_model_ns": model0,
+            "fixed_ns": max(0.0, measured - model0)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="2 ranks, 128 tokens, main modes")
+    parser.add_argument("--ranks", default=None, help="comma-separated rank counts (2,4)")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--millis", type=int, default=60, help="per microbenchmark round")
+    parser.add_argument("--rounds", type=int, default=5, help="microbenchmark rounds (median)")
+    parser.add_argument("--out", default=None, help="write OUT.txt and OUT.json")
+    args = parser.parse_args(argv)
+    ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else (
+        [2] if args.quick else [2, 4])
+    repeats = args.repeats or (30 if args.quick else 50)
+    cases = bd.cases_for(args.quick, False)
+    load_before = os.getloadavg()
+    start = time.monotonic()
+    micro = Micro(build(), millis=args.millis, rounds=args.rounds)
+    flags = {r: micro.flag_oneway_ns(r) for r in ranks}
+    tiny = sorted({_tiny(c) for c in cases},
+                  key=lambda c: (c.tokens, c.dtype, c.layout, c.engine, c.sync))
+    _premeasure(micro, ranks, cases + tiny)
+    micro_s = time.monotonic() - start
+    load_mid = os.getloadavg()
+    shares = {r: micro.cpu_share(r) for r in ranks}
+    tiny_rows = bd.run(ranks, tiny, args.warmup, repeats, False, 1800.0)
+    rows = bd.run(ranks, cases, args.warmup, repeats, False, 1800.0)
+    load_after = os.getloadavg()
+    tiny_by = {(t["ranks"], t["tokens"], t["dtype"], t["engine"], t["sync"], t["layout"]): t
+               for t in tiny_rows}
+    fixed: dict[tuple[Any, ...], dict[str, float]] = {}
+    table, out_rows = [], []
+    for row in rows:
+        case, r = _case_of(row), row["ranks"]
+        idxs = _routing(case, r)
+        for op in ("dispatch", "combine"):
+            key = (r, case.tokens, case.dtype, case.engine, case.sync, case.layout)
+            f = fixed_cost(micro, flags, tiny_by[key], op, _copy_ns_per_byte(row))
+            fixed[(*key, op)] = f
+            timer = _timer(micro, case, r, op, idxs, _copy_ns_per_byte(row))
+            pred = predict_host(_host_case(case, r, op), idxs, fixed_ns=f["fixed_ns"],
+                                flag_oneway_ns=flags[r], timer=timer) / 1e3
+            meas = row[op]["median_us"]
+            err = 100.0 * (pred - meas) / meas
+            table.append([r, case.tokens, case.hidden, case.dtype, case.layout, case.engine,
+                          case.sync, op, meas, pred, err, f["fixed_ns"] / 1e3,
+                          1.0 / _copy_ns_per_byte(row)])
+            out_rows.append({**asdict(case), "ranks": r, "op": op, "measured_us": meas,
+                             "measured_min_us": row[op]["min_us"],
+                             "measured_max_us": row[op]["max_us"], "predicted_us": pred,
+                             "error_pct": err, "fixed_us": f["fixed_ns"] / 1e3,
+                             "tiny_measured_us": f["tiny_measured_ns"] / 1e3,
+                             "memcpy_gbps": 1.0 / _copy_ns_per_byte(row)})
+    summary = _summary(out_rows)
+    lines = [
+        "# Host validation: ubep.sim host model (microbenchmark constants only) vs bench_dispatch",
+        f"# {os.cpu_count()} CPUs; load average before {load_before[0]:.2f}, after the "
+        f"microbenchmarks {load_mid[0]:.2f}, after the matrix {load_after[0]:.2f} (1-min)",
+        "# flag one-way latency (ns) by ranks: "
+        + ", ".join(f"{r}: {v:.0f}" for r, v in flags.items()),
+        "# measured = median over repeats of the max over ranks (bench_dispatch); predicted = "
+        "ubep.sim.host.predict_host from: fixed = the same call with "
+        f"{TINY_HIDDEN}-element rows minus the model's share of it; row passes = "
+        "host_micro.c's costs relative to its memcpy, times memcpy_gbps (bench_dispatch's "
+        "memcpy floor of the row's bytes, same run); flag latency = host_micro's round trip / 2",
+    ]
+    cols = ["ranks", "tokens", "hidden", "dtype", "layout", "engine", "sync", "op",
+            "measured_us", "predicted_us", "error_pct", "fixed_us", "memcpy_gbps"]
+    lines.append(format_table(cols, table, float_digits=1))
+    lines += ["", "| rows | n | median abs error % | worst abs error % |", "|---|---|---|---|"]
+    for name, s in summary.items():
+        lines.append(f"| {name} | {s['n']} | {s['median_abs_error_pct']:.1f} | "
+                     f"{s['worst_abs_error_pct']:.1f} |")
+    lines.append(f"\n({time.monotonic() - start:.0f} s; microbenchmarks {micro_s:.0f} s; "
+                 f"{repeats} repeats after {args.warmup} warm-up)")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        base = Path(args.out)
+        base.parent.mkdir(parents=True, exist_ok=True)
+        base.with_suffix(".txt").write_text(text + "\n", encoding="utf-8")
+        payload = {"machine": {"cpus": os.cpu_count(), "load_before": load_before,
+                               "load_after_micro": load_mid, "load_after": load_after},
+                   "flag_oneway_ns": {str(k): v for k, v in flags.items()},
+                   "fixed": [{"ranks": k[0], "tokens": k[1], "dtype": k[2], "engine": k[3],
+                              "sync": k[4], "layout": k[5], "op": k[6], **v}
+                             for k, v in fixed.items()],
+                   "cpu_share": {str(k): v for k, v in shares.items()},
+                   "micro": [{"key": list(map(str, k)), "values": list(v)}
+                             for k, v in micro.cache.items()],
+                   "summary": summary, "rows": out_rows}
+        base.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n",
+                                             encoding="utf-8")
+    return 0
+
+
+def _summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    groups = {"all": rows,
+              "dispatch": [r for r in rows if r["op"] == "dispatch"],
+              "combine": [r for r in rows if r["op"] == "combine"]}
+    for r in sorted({row["ranks"] for row in rows}):
+        groups[f"dispatch, {r} ranks"] = [x for x in rows if x["op"] == "dispatch"
+                                          and x["ranks"] == r]
+    out = {}
+    for name, members in groups.items():
+        if not members:
+            continue
+        errs = np.abs([m["error_pct"] for m in members])
+        out[name] = {"n": len(members), "median_abs_error_pct": float(np.median(errs)),
+                     "worst_abs_error_pct": float(np.max(errs))}
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

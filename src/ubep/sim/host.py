@@ -1,0 +1,193 @@
+"""The host model: the simulator's executor on this machine, with constants from microbenchmarks.
+
+This is the one fabric the simulator can be checked against (docs/SIMULATOR.md, section 6).
+Nothing here is read from ubep's own dispatch timings: the constants are
+
+* ``fixed_ns``: the latency of the same call with 64-element rows (same tokens, routing,
+  engine, sync mode, layout and rank count) -- the per-call cost of the Python layer and the
+  native engine that does not scale with the payload (validation, counting, metadata, output
+  arrays, flags, waits), with the model's own share of that small call taken out;
+* ``flag_oneway_ns``: half the cross-process flag round trip (spin, then yield) with as many
+  processes as ranks (oversubscribed at 4 ranks on 2 cores);
+* per-row pass costs (``kernel_ns``): one memory pass of the runtime's algorithm per row
+  (copy into a peer's slot, TFF blocks, SP tail / full check and refill, DC word sums, the
+  combine reduction), timed by benchmarks/host_micro.c at the working-set size (the rows of the
+  case) with as many processes as ranks, writer and reader on different cores as in the runtime.
+
+The runtime on this host runs one core per rank (2 CPUs), so each rank's plan is the engine's
+canonical one (:func:`canonical_plans`: destinations ``r+1, r+2, ..., r``, rows in token order)
+with one send core and no count core: counting is part of the call's fixed cost. Which passes a
+row costs follows the runtime's algorithm (docs/FORMATS.md): ASP lands SW/DC/SP rows in
+``recv_x`` itself and stages TFF blocks; BSP stages every row and reorders after its barriers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import InvalidArgumentError
+from ..sched.plan import Plan
+from ..topology import Topology
+from .analytic import run_analytic
+from .combine import combine_plans
+from .fabric import FabricModel
+from .spec import RowCosts, build_spec
+
+__all__ = ["HostCase", "KernelTimer", "canonical_plans", "host_fabric", "host_topology",
+           "kernel_passes", "predict_host"]
+
+# (writer kernel, reader kernel, terms) -> ns per row of the working set, measured.
+KernelTimer = Callable[[str, str, int], tuple[float, float]]
+
+
+@dataclass(frozen=True)
+class HostCase:
+    """One cell of bench_dispatch's matrix."""
+
+    ranks: int
+    tokens: int
+    hidden: int
+    itemsize: int
+    layout: str
+    engine: str
+    sync: str
+    op: str
+    num_experts: int = 64
+    num_topk: int = 8
+
+    def __post_init__(self) -> None:
+        if self.op not in ("dispatch", "combine"):
+            raise InvalidArgumentError("op", self.op, "must be 'dispatch' or 'combine'")
+        if self.layout not in ("expert", "rank"):
+            raise InvalidArgumentError("layout", self.layout, "must be 'expert' or 'rank'")
+
+    @property
+    def row_bytes(self) -> int:
+        return self.hidden * (self.itemsize if self.op == "dispatch" else 2)
+
+
+def canonical_plans(topk_idxs: Sequence[np.ndarray], num_experts: int,
+                    layout: str) -> list[Plan]:
+    """Each rank's send order with one core and no plan (the engine's ``send_canonical``):
+    destinations ``(r + 1 + i) % R``, every destination's rows in token (then k) order, slots
+    numbered per expert (layout "expert") or per destination (layout "rank")."""
+    R = len(topk_idxs)
+    epr = num_experts // R
+    plans = []
+    for r, idx in enumerate(topk_idxs):
+        idx = np.asarray(idx, dtype=np.int64)
+        t_all, k_all = np.nonzero(idx >= 0)
+        e_all = idx[t_all, k_all]
+        d_all = e_all // epr
+        if layout == "rank":  # one row per (token, destination): its first k there
+            key = t_all * R + d_all
+            _, first = np.unique(key, return_index=True)
+            t_all, k_all, e_all, d_all = (a[first] for a in (t_all, k_all, e_all, d_all))
+        order_d = (d_all - r - 1) % R
+        order = np.lexsort((k_all, t_all, order_d))
+        t, k, e, d = t_all[order], k_all[order], e_all[order], d_all[order]
+        group = e if layout == "expert" else d
+        slot = np.zeros(t.size, dtype=np.int64)
+        for g in np.unique(group):
+            m = group == g
+            slot[m] = np.arange(int(m.sum()))
+        hop = (d != r).astype(np.int64)
+        plans.append(Plan(
+            rank=r, num_ranks=R, num_experts=num_experts, layout=layout, policy="balanced",
+            num_send_cores=1, num_count_cores=0, send_token=t, send_k=k, send_expert=e,
+            send_dst_rank=d, send_hop=hop, send_slot=slot,
+            send_core=np.zeros(t.size, dtype=np.int32),
+            core_ptr=np.array([0, t.size], dtype=np.int64),
+            count_expert_ptr=np.zeros(1, dtype=np.int64),
+        ))
+    return plans
+
+
+def host_topology(num_ranks: int, flag_oneway_ns: float) -> Topology:
+    """One core per rank; a peer is one flag latency away; no link serialises (the copy is the
+    transfer, and the copy is in the row costs)."""
+    return Topology(num_ranks=num_ranks, ranks_per_node=num_ranks, cores_per_rank=1,
+                    latency_ns=(0.0, float(flag_oneway_ns)), bandwidth_gbps=(1e9, 1e9),
+                    name=f"host-measured-{num_ranks}")
+
+
+def host_fabric(fixed_ns: float, flag_oneway_ns: float) -> FabricModel:
+    """The measured host as a :class:`FabricModel`: the call's fixed cost is ``init_ns``, a
+    barrier costs one flag latency, per-row costs come separately (:class:`RowCosts`)."""
+    return FabricModel(
+        name="host-measured", init_ns=float(fixed_ns), issue_ns=0.0, core_bandwidth_gbps=1e9,
+        latency_exposure=0.0, contention_cores=1e9, contention_sharpness=2.0,
+        barrier_ns=float(flag_oneway_ns), flag_ns=0.0, poll_ns=0.0, count_expert_ns=0.0,
+        cumsum_entry_ns=0.0, vector_op_ns=0.0,
+    )
+
+
+def kernel_passes(case: HostCase, terms: int) -> dict[str, tuple[str, str, int]]:
+    """Which microbenchmark pass prices which row cost of ``case`` (the runtime's algorithm)."""
+    if case.op == "combine":  # zero-copy pull: the home rank reads and reduces every row
+        return {"consume": ("-", "reduce", terms)}
+    tff = case.sync == "tff"
+    writer = "tff" if tff else "copy"
+    if case.engine == "asp":
+        reader = {"sw": "-", "sp": "tail", "tff": "untff", "dc": "dc"}[case.sync]
+        out = {"own": ("copy", "-", 1), "send": (writer, reader, 1)}
+        if case.sync == "dc":
+            out["checksum"] = ("dc", "-", 1)  # the sender's word sums over its own rows
+    else:
+        reader = {"sw": "out", "sp": "bsp_sp", "tff": "untff", "dc": "bsp_dc"}[case.sync]
+        out = {"send": (writer, reader, 1)}
+        if case.sync == "dc":
+            out["checksum"] = ("dc", "-", 1)
+    if case.sync == "sp":
+        out["validate"] = ("scan", "-", 1)  # every token is checked for the sentinel
+    return out
+
+
+def _row_costs(case: HostCase, timer: KernelTimer, terms: int) -> tuple[RowCosts, float]:
+    """Per-hop row costs and the per-call extra (SP's sentinel scan of ``x``)."""
+    passes = kernel_passes(case, terms)
+    if case.op == "combine":
+        _, per_token = timer(*passes["consume"])
+        return RowCosts(send_ns=(0.0,), consume_ns=(per_token / max(terms, 1),)), 0.0
+    w, r = timer(*passes["send"])
+    extra = 0.0
+    if "validate" in passes:
+        extra = timer(*passes["validate"])[0] * case.tokens
+    checksum = timer(*passes["checksum"])[0] if "checksum" in passes else 0.0
+    if case.engine == "asp":
+        own, _ = timer(*passes["own"])
+        # own rows: copied straight into recv_x, nobody polls them
+        return RowCosts(send_ns=(own, w + checksum), consume_ns=(0.0, r)), extra
+    # BSP: every row is staged and reordered; the DC sender pass is folded into the row's
+    # receive-side work (one core per rank runs both, back to back)
+    return RowCosts(send_ns=(w,), consume_ns=(r + checksum,)), extra
+
+
+def combine_terms(topk_idxs: Sequence[np.ndarray], case: HostCase) -> int:
+    """Rows reduced per token: its top-k (layout "expert") or its destination ranks ("rank")."""
+    if case.layout == "expert":
+        return case.num_topk
+    epr = case.num_experts // case.ranks
+    per_token = [np.mean([len(set((row[row >= 0] // epr).tolist())) for row in idx])
+                 for idx in topk_idxs]
+    return max(1, round(float(np.mean(per_token))))
+
+
+def predict_host(case: HostCase, topk_idxs: Sequence[np.ndarray], *, fixed_ns: float,
+                 flag_oneway_ns: float, timer: KernelTimer) -> float:
+    """The model's latency (ns) of ``case`` on this host (analytic executor)."""
+    if len(topk_idxs) != case.ranks:
+        raise InvalidArgumentError("topk_idxs", len(topk_idxs), f"needs {case.ranks} arrays")
+    plans = canonical_plans(topk_idxs, case.num_experts, case.layout)
+    topo = host_topology(case.ranks, flag_oneway_ns)
+    terms = combine_terms(topk_idxs, case)
+    costs, extra = _row_costs(case, timer, terms)
+    fabric = host_fabric(fixed_ns + extra, flag_oneway_ns)
+    if case.op == "combine":
+        plans = list(combine_plans(plans, topo, policy="balanced"))
+    spec = build_spec(plans, topo, fabric, engine=case.engine, sync=case.sync,
+                      row_bytes=case.row_bytes, op=case.op, row_costs=costs)
+    return float(run_analytic(spec, topo, fabric).latency_ns)

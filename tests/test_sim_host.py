@@ -1,0 +1,118 @@
+"""The host model (ubep.sim.host) and the derived AIV costs with their intervals.
+
+Expected values are computed here from the model's equations (docs/SIMULATOR.md 3.1, 3.2, 6)
+or by brute force from ``topk_idx``, not copied from the simulator.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ubep.errors import InvalidArgumentError
+from ubep.routing import uniform_topk
+from ubep.sim.calib import AIV_ASSUMPTIONS, aiv_costs, fabric_variants, load_fabric
+from ubep.sim.experiments import exchange_latency_ns
+from ubep.sim.host import HostCase, canonical_plans, predict_host
+from ubep.sim.workload import UBEP, Workload, run_case
+from ubep.topology import cm384
+
+
+@pytest.mark.parametrize("layout", ["expert", "rank"])
+def test_canonical_plans_follow_the_engines_send_order(layout: str) -> None:
+    R, E = 4, 16
+    idxs = [uniform_topk(9, E, 3, seed=r) for r in range(R)]
+    for r, plan in enumerate(canonical_plans(idxs, E, layout)):
+        # Brute force: destinations r+1, r+2, ..., r; inside one, tokens then k in order.
+        want = []
+        slots: dict[int, int] = {}
+        rows = []
+        for t in range(9):
+            seen = set()
+            for k in range(3):
+                e = int(idxs[r][t, k])
+                d = e // (E // R)
+                if layout == "rank" and d in seen:
+                    continue
+                seen.add(d)
+                rows.append((t, k, e, d))
+        rows.sort(key=lambda u: ((u[3] - r - 1) % R, u[0], u[1]))
+        for t, k, e, d in rows:
+            key = e if layout == "expert" else d
+            want.append((t, k, e, d, slots.get(key, 0)))
+            slots[key] = slots.get(key, 0) + 1
+        got = list(zip(plan.send_token.tolist(), plan.send_k.tolist(), plan.send_expert.tolist(),
+                       plan.send_dst_rank.tolist(), plan.send_slot.tolist(), strict=True))
+        assert got == want
+        assert plan.num_send_cores == 1 and plan.num_count_cores == 0
+        np.testing.assert_array_equal(plan.send_hop, (plan.send_dst_rank != r).astype(int))
+
+
+@pytest.mark.parametrize(("sync", "reader"), [("sw", "-"), ("sp", "tail")])
+def test_predict_host_two_ranks_closed_form(sync: str, reader: str) -> None:
+    # Each rank's one token picks an expert of the peer (k=0) and one of its own (k=1).
+    idxs = [np.array([[2, 0]]), np.array([[0, 2]])]
+    a, b, c, fixed, lat = 300.0, 500.0, 70.0, 10_000.0, 400.0
+    # (writer, reader) -> (writer ns, reader ns) per row; own rows are a plain copy, nobody
+    # reads them (SW's peer rows are the same pass: b = a there, and SW reads nothing)
+    if sync == "sw":
+        b, c = a, 0.0
+    costs = {("copy", "-"): (a, 0.0), ("copy", reader): (b, c), ("scan", "-"): (0.0, 0.0)}
+
+    def timer(writer: str, rd: str, terms: int) -> tuple[float, float]:
+        return costs[(writer, rd)]
+
+    case = HostCase(ranks=2, tokens=1, hidden=64, itemsize=2, layout="expert", engine="asp",
+                    sync=sync, op="dispatch", num_experts=4, num_topk=2)
+    got = predict_host(case, idxs, fixed_ns=fixed, flag_oneway_ns=lat, timer=timer)
+    if sync == "sw":
+        # peer row first; its batch ends with a fence (one round trip) and a flag; then the
+        # own row; the peer's row is usable once its flag has flown one latency
+        want = max(fixed + b + 2 * lat + a, fixed + b + 3 * lat)
+    else:
+        # SP: the peer's row is ready when it lands; checking its tail costs c
+        want = fixed + b + max(a, lat) + c
+    assert got == pytest.approx(want, abs=1e-3)
+
+
+def test_host_case_rejects_bad_input() -> None:
+    with pytest.raises(InvalidArgumentError) as exc:
+        HostCase(2, 1, 64, 2, "expert", "asp", "sw", "reduce")
+    assert exc.value.argument == "op"
+
+
+def test_aiv_costs_formulas_and_stored_constants() -> None:
+    got = aiv_costs(2.0, 10.0)
+    assert got["vector_op_ns"] == pytest.approx(11.0 / 2.0)
+    assert got["count_expert_ns"] == pytest.approx(5.0)
+    assert got["count_pick_ns"] == pytest.approx(4.0 / 256 / 2.0)
+    assert got["cumsum_entry_ns"] == pytest.approx(6 * 10.0 / 64 / 2.0)
+    # calib.json's derived constants are the formulas at the nominal assumptions
+    nominal = aiv_costs(AIV_ASSUMPTIONS["aiv_clock_ghz"]["value"],
+                        AIV_ASSUMPTIONS["vector_instr_cycles"]["value"])
+    fab = load_fabric("cm384")
+    for name, value in nominal.items():
+        assert getattr(fab, name) == pytest.approx(value)
+    for a in AIV_ASSUMPTIONS.values():
+        lo, hi = a["range"]
+        assert lo <= a["value"] <= hi and a["kind"] == "assumed" and a["source"]
+
+
+def test_corners_bound_the_prediction() -> None:
+    var = fabric_variants("cm384")
+    topo = cm384(16, ranks_per_node=4, cores_per_rank=8)
+    w = Workload(tokens_per_rank=32, num_topk=4)
+    system = UBEP.with_(num_send_cores=6, num_count_cores=2)  # fixed split: monotone
+    lat = {k: run_case(w, system, topo, f).latency_ns for k, f in var.items()}
+    for key, value in lat.items():
+        assert lat["low"] - 1e-6 <= value <= lat["high"] + 1e-6, key
+    assert lat["low"] < lat["high"]
+
+
+def test_exchange_microbenchmark_sw_pays_a_round_trip() -> None:
+    topo = cm384(16)
+    fab = load_fabric("cm384")
+    sw, sp = (exchange_latency_ns(topo, fab, s, 100) for s in ("sw", "sp"))
+    # SW: fence (2 L) + flag flight (L) on top of the store's flight; SP: the flight alone.
+    two_hop = topo.latency_ns[1]
+    assert sw - sp >= 2 * two_hop - 1e-6
