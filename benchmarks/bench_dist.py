@@ -69,7 +69,9 @@ class Case:
 def _cases(quick: bool) -> list[Case]:
     shapes = [(128, 2048, "bf16")] if quick else [
         (128, 2048, "bf16"), (512, 2048, "bf16"), (128, 7168, "uint8"), (512, 7168, "uint8")]
-    return [Case(t, h, d, lay) for t, h, d in shapes for lay in ("expert", "rank")]
+    from ubep.modes import LAYOUTS
+
+    return [Case(t, h, d, lay) for t, h, d in shapes for lay in LAYOUTS]
 
 
 def _inputs(case: Case, num_ranks: int) -> Any:

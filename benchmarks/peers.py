@@ -42,6 +42,7 @@ import numpy as np
 from benchmarks.harness import Stats, concurrent_copy, format_table
 from benchmarks.peers_env import PEER_ENVS, PeerEnvError, ensure_env, env_python, launcher_for
 
+from ubep import modes
 from ubep.errors import UbepError
 
 __all__ = [
@@ -61,14 +62,13 @@ HOT_EXPERTS = 4  # hot-expert routing: half of all picks go to these 4 experts
 HOT_SHARE = 0.5
 MPI_SYSTEMS = ("impi", "openmpi", "mpich")
 PEER_SYSTEMS = (*MPI_SYSTEMS, "gloo")
-# every engine x sync mode (SP only where the payload has a sentinel)
-UBEP_MODES = tuple((e, s) for e in ("asp", "bsp") for s in ("sp", "tff", "dc", "sw"))
-LAYOUTS = ("rank", "expert")
+# every engine x sync mode (SP only where the payload has a sentinel: ubep.modes.supports)
+UBEP_MODES = tuple((e, s) for e in modes.ENGINES for s in modes.SYNCS)
+LAYOUTS = modes.LAYOUTS
 OPS = ("dispatch", "combine")
 EXCHANGE_OP = "payload_exchange"  # diagnostic: a peer's payload Alltoallv alone
 STORAGE = {"bf16": np.dtype(np.uint16), "uint8": np.dtype(np.uint8)}
 ITEMSIZE = {"bf16": 2, "uint8": 1}
-FLOAT_DTYPES = ("bf16",)
 QUIET_LOAD = 0.5  # 1-min load average under which the host counts as quiet
 
 
@@ -144,7 +144,7 @@ class Settings:
     warmup: int
     repeats: int
     timeout_s: float
-    layouts: tuple[str, ...] = ("rank", "expert")
+    layouts: tuple[str, ...] = LAYOUTS
     rounds: int = 1  # passes through all cases, each timing repeats / rounds iterations
 
 
@@ -412,11 +412,11 @@ def memcpy_rows(inputs_list: Sequence[Inputs], settings: Settings) -> list[Row]:
 def ubep_available() -> str | None:
     """None when the ubep runtime can run here, else why not."""
     try:
-        from ubep.buffer import Buffer, _load_native
         from ubep.runtime import launch
+        from ubep.runtime.abi import load_native
 
-        del Buffer, launch
-        _load_native()
+        del launch
+        load_native()
     except ImportError as exc:
         return f"ubep runtime not available: {exc}"
     return None
@@ -460,15 +460,16 @@ def ubep_rows(
         group = [inp for inp in inputs_list if inp.shape.num_ranks == num_ranks]
         cases = []
         for inp in group:
+            dtype = inp.shape.dtype
+            for engine, sync in UBEP_MODES:
+                if not modes.supports(sync, dtype):
+                    # SP needs a bit pattern the payload never holds; 1-byte types have none.
+                    unsupported[f"ubep-{engine}-{sync} x {dtype}"] = (
+                        "SP needs a sentinel; 1-byte payloads have none (use tff or dc)"
+                    )
             for layout in settings.layouts:
-                for engine, sync in UBEP_MODES:
-                    if sync == "sp" and inp.shape.dtype not in FLOAT_DTYPES:
-                        # SP needs a bit pattern the payload never holds; 1-byte types have none.
-                        unsupported[f"ubep-{engine}-{sync} x {inp.shape.dtype}"] = (
-                            "SP needs a sentinel; 1-byte payloads have none (use tff or dc)"
-                        )
-                        continue
-                    cases.append((inp, UbepCase(inp.shape, layout, engine, sync)))
+                cases += [(inp, UbepCase(inp.shape, m.layout, m.engine, m.sync))
+                          for m in modes.enumerate_modes(layouts=(layout,), dtypes=(dtype,))]
         got = _run_ubep_with_retry([c for _, c in cases], num_ranks, settings)
         for (inp, case), times in zip(cases, got, strict=True):
             expected = rows_sent(inp, case.layout)
@@ -653,7 +654,7 @@ def _style(system: str) -> tuple[Any, str]:
     their own colours (triangles): twelve series stay tellable apart."""
     import matplotlib
 
-    syncs = ("sp", "tff", "dc", "sw")
+    syncs = modes.SYNCS
     for engine, cmap, marker in (("asp", "Blues", "o"), ("bsp", "Oranges", "s")):
         prefix = f"ubep-{engine}-"
         if system.startswith(prefix):

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from ubep import reference, routing
+from ubep import modes, reference, routing
 from ubep.buffer import Buffer, BufferConfig
 from ubep.errors import RemoteError, UbepError
 from ubep.runtime import launch
@@ -87,8 +87,8 @@ def make_blocks(num_ranks: int, iterations: int, seed: int, calls_per_block: int
     blocks: list[Block] = []
     left = iterations
     while left > 0:
-        sync = str(rng.choice(["sw", "tff", "dc", "sp"]))
-        dtypes = ["bf16", "fp16", "fp32"] + ([] if sync == "sp" else ["int8", "uint8"])
+        sync = str(rng.choice(list(modes.SYNCS)))
+        dtypes = list(modes.dtypes_for(sync))
         local = int(rng.choice([1, 2, 4]))
         num_experts = local * num_ranks
         num_topk = int(rng.integers(1, min(8, num_experts) + 1))
@@ -96,9 +96,9 @@ def make_blocks(num_ranks: int, iterations: int, seed: int, calls_per_block: int
         n = int(min(left, calls_per_block))
         calls = [_draw_call(rng, num_ranks, max_tokens) for _ in range(n)]
         blocks.append(Block(
-            engine=str(rng.choice(["asp", "bsp"])),
+            engine=str(rng.choice(list(modes.ENGINES))),
             sync=sync,
-            layout=str(rng.choice(["expert", "rank"])),
+            layout=str(rng.choice(list(modes.LAYOUTS))),
             dtype=str(rng.choice(dtypes)),
             hidden=int(rng.choice([8, 56, 256, 520, 2048])),
             num_topk=num_topk,
@@ -169,7 +169,7 @@ def _inputs(block: Block, call: Call) -> tuple[list[np.ndarray], list[np.ndarray
 
 def _outputs(block: Block, refs: list[Any], seed: int) -> list[np.ndarray]:
     """Expert outputs: recv_x itself (float payloads; NaN/Inf included) or seeded bf16."""
-    if block.dtype in ("bf16", "fp16", "fp32"):
+    if block.dtype in modes.FLOAT_DTYPE_NAMES:
         return [np.ascontiguousarray(ref.recv_x) for ref in refs]
     outs = []
     for q, ref in enumerate(refs):

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ubep import reference, routing
+from ubep import modes, reference, routing
 from ubep.buffer import Buffer, BufferConfig
 
 # One implementation of the seeded payloads and of the bit-exact comparison serves the runtime
@@ -54,26 +54,27 @@ class Case:
 
 
 AXES: dict[str, tuple[Any, ...]] = {
-    "engine": ("asp", "bsp"),
-    "sync": ("sw", "tff", "dc", "sp"),
-    "layout": ("expert", "rank"),
-    "dtype": ("bf16", "fp16", "fp32", "int8", "uint8"),
+    "engine": modes.ENGINES,
+    "sync": modes.SYNCS,
+    "layout": modes.LAYOUTS,
+    "dtype": modes.DTYPE_NAMES,
     "ranks": (2, 4),
     "hidden": (2048, 7168),
     "routing": ("uniform", "hot"),
 }
 
 
-def _valid(values: dict[str, Any]) -> bool:
-    return not (values["sync"] == "sp" and values["dtype"] in ("int8", "uint8"))
-
-
 def pairwise_cases() -> list[Case]:
     """A deterministic greedy pairwise cover of AXES (every valid pair of values of two axes
     appears in some case), far smaller than the full product."""
     names = list(AXES)
-    candidates = [dict(zip(names, v, strict=True)) for v in itertools.product(*AXES.values())]
-    candidates = [c for c in candidates if _valid(c)]
+    rest = list(AXES)[4:]  # the axes beyond the mode's (engine, sync, layout, dtype)
+    candidates = [
+        {"engine": m.engine, "sync": m.sync, "layout": m.layout, "dtype": m.dtype}
+        | dict(zip(rest, v, strict=True))
+        for m in modes.enumerate_modes()
+        for v in itertools.product(*(AXES[a] for a in rest))
+    ]
 
     def pairs(c: dict[str, Any]) -> set[tuple[str, Any, str, Any]]:
         return {(a, c[a], b, c[b]) for a, b in itertools.combinations(names, 2)}

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from ubep import dtypes, reference
 from ubep.errors import InvalidArgumentError
 from ubep.handle import DispatchHandle
+from ubep.modes import LAYOUTS
 from ubep.routing import get_dispatch_layout, uniform_topk
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -258,14 +259,14 @@ def test_hand_built_rank_layout():
 
 
 @SETTINGS
-@given(cases(), st.sampled_from(["expert", "rank"]))
+@given(cases(), st.sampled_from(LAYOUTS))
 def test_dispatch_matches_brute_force(case, layout):
     xs, idxs, ws, num_experts, _ = case
     check_dispatch_against_brute(xs, idxs, ws, num_experts, layout)
 
 
 @SETTINGS
-@given(cases(), st.sampled_from(["expert", "rank"]))
+@given(cases(), st.sampled_from(LAYOUTS))
 def test_combine_matches_brute_force(case, layout):
     xs, idxs, ws, num_experts, dt = case
     res, rows_per_rank = check_dispatch_against_brute(xs, idxs, ws, num_experts, layout)
@@ -351,7 +352,7 @@ def test_fully_masked_token_combines_to_positive_zero():
     xs = [np.array([[1.0, -2.0], [3.0, 4.0]], np.float32)]
     idxs = [np.array([[-1, -1], [0, -1]])]
     ws = [np.array([[1, 1], [-1, 0]], np.float32)]
-    for layout in ("expert", "rank"):
+    for layout in LAYOUTS:
         res = reference.dispatch(xs, idxs, ws, 2, layout=layout)
         y = reference.combine([np.array([[0.0, -0.0]], np.float32)], res)
         # Token 0 has no slot; token 1 sums +0.0 + (-1 * 0.0) / + (-0.0): always +0.0.
@@ -378,7 +379,7 @@ def test_handles_pickle_and_combine_accepts_handles():
     xs = [np.arange(6, dtype=np.float32).reshape(3, 2)] * 2
     idxs = [uniform_topk(3, 4, 2, seed=r) for r in range(2)]
     ws = [np.ones((3, 2), np.float32)] * 2
-    for layout in ("expert", "rank"):
+    for layout in LAYOUTS:
         res = reference.dispatch(xs, idxs, ws, 4, layout=layout)
         handles = [pickle.loads(pickle.dumps(r.handle)) for r in res]
         assert all(isinstance(h, DispatchHandle) for h in handles)
@@ -393,7 +394,7 @@ def test_combine_needs_only_the_receivers_view():
     xs = [np.arange(12, dtype=np.float32).reshape(6, 2) + 100 * r for r in range(3)]
     idxs = [uniform_topk(6, 6, 3, seed=r, mask_prob=0.2) for r in range(3)]
     ws = [np.full((6, 3), 0.5, np.float32)] * 3
-    for layout in ("expert", "rank"):
+    for layout in LAYOUTS:
         res = reference.dispatch(xs, idxs, ws, 6, layout=layout)
         outs = [r.recv_x for r in res]
         bare = [dataclasses.replace(r.handle, send_dst_row=None) for r in res]
@@ -419,7 +420,7 @@ def test_send_dst_row_points_at_the_row():
     xs = [np.arange(12, dtype=np.float32).reshape(6, 2) + 100 * r for r in range(3)]
     idxs = [uniform_topk(6, 6, 3, seed=r, mask_prob=0.2) for r in range(3)]
     ws = [np.ones((6, 3), np.float32)] * 3
-    for layout in ("expert", "rank"):
+    for layout in LAYOUTS:
         res = reference.dispatch(xs, idxs, ws, 6, layout=layout)
         for s, r in enumerate(res):
             h = r.handle

@@ -52,6 +52,7 @@ from .errors import (
 )
 from .group_adapter import as_process_group
 from .handle import DispatchHandle, DispatchResult
+from .modes import ENGINES, LAYOUTS, POLICIES, SYNCS
 from .routing import experts_per_rank
 from .runtime.abi import (
     E_BAD_INPUT,
@@ -75,10 +76,6 @@ __all__ = [
     "RuntimeHandle",
 ]
 
-ENGINES = ("asp", "bsp")
-SYNCS = ("sw", "tff", "dc", "sp")
-_LAYOUTS = ("expert", "rank")
-_POLICIES = ("expert_contiguous", "balanced", "hierarchical")
 _T = TypeVar("_T")
 
 
@@ -150,10 +147,10 @@ class BufferConfig:
                 "combine_dtype", cdt.name, f"must equal dtype ({dt.name}) for a float payload"
             )
         object.__setattr__(self, "combine_dtype", cdt.name)
-        _choice("layout", self.layout, _LAYOUTS)
+        _choice("layout", self.layout, LAYOUTS)
         _choice("engine", self.engine, ENGINES)
         _choice("sync", self.sync, SYNCS)
-        _choice("policy", self.policy, _POLICIES)
+        _choice("policy", self.policy, POLICIES)
         if self.sync == "sp" and dt.sentinel is None:
             raise InvalidArgumentError(
                 "sync", "sp",

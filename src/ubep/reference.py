@@ -46,7 +46,8 @@ import numpy as np
 
 from .dtypes import DType, as_storage, dtype_of
 from .errors import InvalidArgumentError
-from .handle import LAYOUTS, DispatchHandle, DispatchResult
+from .handle import DispatchHandle, DispatchResult
+from .modes import LAYOUTS
 from .routing import experts_per_rank, validate_topk_idx
 
 __all__ = ["RefDispatchResult", "combine", "dispatch"]

@@ -24,6 +24,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .modes import FLOAT_DTYPE_NAMES, LAYOUTS
+
 __all__ = ["DecodeConfig", "DecodeResult", "register", "run_decode"]
 
 
@@ -365,8 +367,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--prompt-len", type=int, default=d.prompt_len)
     p.add_argument("--layers", type=int, default=d.num_layers)
     p.add_argument("--moe-ffn", type=int, default=d.moe_ffn, help="expert FFN width")
-    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=d.dtype)
-    p.add_argument("--layout", choices=("expert", "rank"), default=d.layout)
+    p.add_argument("--dtype", choices=FLOAT_DTYPE_NAMES, default=d.dtype)
+    p.add_argument("--layout", choices=LAYOUTS, default=d.layout)
     p.add_argument("--engine", default=d.engine)
     p.add_argument("--sync", default=d.sync)
     p.add_argument("--seed", type=int, default=d.seed)

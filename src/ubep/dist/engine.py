@@ -68,14 +68,13 @@ import numpy as np
 
 from .. import dtypes as _dt
 from ..errors import InvalidArgumentError, TimeoutError
+from ..modes import DTYPE_NAMES, SYNCS
 from ..runtime.abi import E_BAD_INPUT, E_INTERNAL, E_LOST, E_PEER_LOST, E_REMOTE, E_TIMEOUT
 from ..runtime.abi import HEADER_BYTES as _HEADER_BYTES
 from .memory import DistGlobalMemory
 
 __all__ = ["RmaEngine", "record_check"]
 
-_SYNCS = ("sw", "tff", "dc", "sp")
-_DT_NAMES = {0: "bf16", 1: "fp16", 2: "fp32", 3: "int8", 4: "uint8"}
 _LINE = 64
 _FAIL_BYTES = 512
 _FAIL_MSG_MAX = 472  # the notice payload: [length u64][code u64][UTF-8 text]
@@ -178,7 +177,7 @@ class RmaEngine:
         self.rank, self.R, self.L = p["rank"], p["num_ranks"], p["num_local_experts"]
         self.E, self.K, self.T = p["num_experts"], p["num_topk"], p["max_tokens"]
         self.hidden, self.isz, self.cisz = p["hidden"], p["itemsize"], p["combine_itemsize"]
-        self.sync = _SYNCS[p["sync"]]
+        self.sync = SYNCS[p["sync"]]
         self.bsp = p["engine"] == 1
         self.expert = p["layout"] == 0
         self.nreg, self.cap_rows, self.cap_src = p["num_regions"], p["cap_rows"], p["cap_src_rows"]
@@ -188,7 +187,7 @@ class RmaEngine:
         self.tff_payload = self.tff_block - self.tff_flag
         self.tff_nblocks = -(-self.row_bytes // self.tff_payload)
         self.seg_size, self.timeout_ns = p["seg_size"], p["timeout_ns"]
-        self.cdtype = _dt.dtype_of(_DT_NAMES[p["combine_dtype"]])
+        self.cdtype = _dt.dtype_of(DTYPE_NAMES[p["combine_dtype"]])
         self.land_is_out = p["off_land"] == p["off_out"]
         if self.sync == "sp":
             raise InvalidArgumentError(

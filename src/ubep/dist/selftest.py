@@ -17,11 +17,9 @@ rank passed; ``--json`` writes the per-rank findings (rank 0 writes the file).
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,6 +27,7 @@ import numpy as np
 from .. import reference, routing
 from ..buffer import Buffer, BufferConfig
 from ..errors import InvalidArgumentError, RemoteError, UbepError
+from ..modes import FLOAT_DTYPE_NAMES, SYNCS, Mode, enumerate_modes
 
 __all__ = ["Mode", "all_modes", "check_mode", "main"]
 
@@ -38,38 +37,15 @@ _STORAGE: dict[str, Any] = {"bf16": np.uint16, "fp16": np.float16, "fp32": np.fl
                             "int8": np.int8, "uint8": np.uint8}
 
 
-@dataclass(frozen=True)
-class Mode:
-    engine: str
-    sync: str
-    layout: str
-    dtype: str
-
-    @classmethod
-    def parse(cls, text: str) -> Mode:
-        parts = text.split(":")
-        if len(parts) != 4:
-            raise InvalidArgumentError("modes", text, "must be engine:sync:layout:dtype")
-        return cls(*parts)
-
-    def __str__(self) -> str:
-        return f"{self.engine}:{self.sync}:{self.layout}:{self.dtype}"
+# dtypes in turn, floats and 1-byte types alternating, so every sync sees both kinds
+_DTYPE_TURNS = ("bf16", "uint8", "fp32", "int8", "fp16")
 
 
 def all_modes(sp: bool = True) -> list[Mode]:
-    """Every engine x sync x layout, dtypes rotated so each sync sees a float and 1-byte type
-    where it can (SP: float types only)."""
-    out = []
-    dtypes = itertools.cycle(("bf16", "uint8", "fp32", "int8", "fp16"))
-    for engine, sync, layout in itertools.product(("asp", "bsp"), ("sw", "tff", "dc", "sp"),
-                                                  ("expert", "rank")):
-        if sync == "sp" and not sp:
-            continue
-        dt = next(dtypes)
-        if sync == "sp" and dt in ("int8", "uint8"):
-            dt = "bf16"
-        out.append(Mode(engine, sync, layout, dt))
-    return out
+    """Every engine x sync x layout (``sp=False``: without SP, which cannot run across hosts),
+    one dtype each (:func:`ubep.modes.enumerate_modes` with ``rotate_dtypes``)."""
+    syncs = SYNCS if sp else tuple(s for s in SYNCS if s != "sp")
+    return enumerate_modes(syncs=syncs, dtypes=_DTYPE_TURNS, rotate_dtypes=True)
 
 
 def payload(rng: np.random.Generator, dtype: str, tokens: int, hidden: int) -> np.ndarray:
@@ -102,7 +78,7 @@ def inputs(dtype: str, num_experts: int, num_topk: int, hidden: int, tokens: lis
 
 
 def expert_outputs(dtype: str, recv_x: np.ndarray, seed: int) -> np.ndarray:
-    if dtype in ("bf16", "fp16", "fp32"):
+    if dtype in FLOAT_DTYPE_NAMES:
         return np.ascontiguousarray(recv_x)
     rng = np.random.default_rng(seed)
     return payload(rng, "bf16", recv_x.shape[0], recv_x.shape[1])

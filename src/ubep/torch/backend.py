@@ -35,6 +35,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError, TimeoutError
 from ..handle import DispatchResult
+from ..modes import LAYOUTS
 from ..routing import experts_per_rank, validate_topk_idx
 
 __all__ = [
@@ -46,8 +47,6 @@ __all__ = [
     "as_backend",
     "run_threads",
 ]
-
-LAYOUTS = ("expert", "rank")
 
 
 @runtime_checkable
