@@ -31,8 +31,8 @@ def test_rotated_dtypes_give_one_mode_per_engine_sync_layout() -> None:
 
 
 def test_names_agree_with_the_dtypes_registry_and_the_abi() -> None:
-    assert modes.DTYPE_NAMES == tuple(dtypes.DTYPES)
-    assert modes.FLOAT_DTYPE_NAMES == tuple(d for d, t in dtypes.DTYPES.items() if t.is_float)
+    assert tuple(dtypes.DTYPES) == modes.DTYPE_NAMES
+    assert tuple(d for d, t in dtypes.DTYPES.items() if t.is_float) == modes.FLOAT_DTYPE_NAMES
     assert tuple(abi.SYNCS) == modes.SYNCS and tuple(abi.ENGINES) == modes.ENGINES
     assert tuple(abi.LAYOUTS) == modes.LAYOUTS and tuple(abi.DTYPES) == modes.DTYPE_NAMES
     assert [modes.supports("sp", d) for d in modes.DTYPE_NAMES] == [

@@ -342,12 +342,12 @@ class Buffer:
         threads = self.config.threads
         if threads is None:
             threads = cores * self.num_ranks <= (os.cpu_count() or 1)
-        params = engine_params(self.config, lay, rank=self.rank, num_ranks=self.num_ranks,
-                               num_cores=cores, threaded=bool(threads) and cores > 1)
         if mem.addresses is not None:
+            params = engine_params(self.config, lay, rank=self.rank, num_ranks=self.num_ranks,
+                                   num_cores=cores, threaded=bool(threads) and cores > 1)
             self._engine = self._native.Engine(params, mem.addresses, mem.pids, mem.start_times)
         else:
-            self._engine = mem.make_engine(params)  # peers on other hosts (ubep.dist)
+            self._engine = mem.make_engine(self.config, lay)  # peers on other hosts (ubep.dist)
         self._engine.reset_all()
         # Every peer has mapped every segment once this barrier completes: unlink the names so
         # nothing survives a crash from here on.

@@ -62,40 +62,46 @@ import functools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .. import dtypes as _dt
 from ..errors import InvalidArgumentError, TimeoutError
-from ..modes import DTYPE_NAMES, SYNCS
-from ..runtime.abi import E_BAD_INPUT, E_INTERNAL, E_LOST, E_PEER_LOST, E_REMOTE, E_TIMEOUT
+from ..flags import TffCodec
+from ..flags.dc import words_checksum
+from ..runtime.abi import (
+    E_BAD_INPUT,
+    E_INTERNAL,
+    E_LOST,
+    E_PEER_LOST,
+    E_REMOTE,
+    E_TIMEOUT,
+    load_native,
+)
 from ..runtime.abi import HEADER_BYTES as _HEADER_BYTES
 from .memory import DistGlobalMemory
+
+if TYPE_CHECKING:
+    from ..buffer import BufferConfig
+    from ..runtime.layout import SegmentLayout
 
 __all__ = ["RmaEngine", "record_check"]
 
 _LINE = 64
 _FAIL_BYTES = 512
 _FAIL_MSG_MAX = 472  # the notice payload: [length u64][code u64][UTF-8 text]
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _LIVENESS_PERIOD_NS = 10_000_000
 
 
 def record_check(payload: np.ndarray, epoch: int) -> int:
     """Check word of a control record: the DC formula of docs/FORMATS.md over the payload's
-    little-endian u64 words (zero padded), never 0."""
+    little-endian u64 words (zero padded), never 0 (:func:`ubep.flags.dc.words_checksum`)."""
     raw = np.ascontiguousarray(payload).reshape(-1).view(np.uint8)
     pad = (-raw.size) % 8
     if pad:
         raw = np.concatenate([raw, np.zeros(pad, np.uint8)])
-    words = raw.view("<u8").astype(np.uint64)
-    with np.errstate(over="ignore"):
-        s1 = np.sum(words, dtype=np.uint64)
-        s2 = np.sum(words * np.arange(1, words.size + 1, dtype=np.uint64), dtype=np.uint64)
-        rot = (s2 << np.uint64(29)) | (s2 >> np.uint64(35))
-        value = int(s1 ^ rot ^ (np.uint64(epoch) * _GOLDEN))
-    return value or 1
+    return words_checksum(raw.view("<u8"), epoch)
 
 
 @dataclass
@@ -169,26 +175,27 @@ def _align(v: int, a: int) -> int:
 class RmaEngine:
     """Dispatch/combine of one Buffer whose peers are (partly) on other hosts."""
 
-    def __init__(self, params: dict[str, int], data: DistGlobalMemory) -> None:
-        p = dict(params)
-        self.p = p
+    def __init__(self, config: BufferConfig, layout: SegmentLayout,
+                 data: DistGlobalMemory) -> None:
+        self.lay = layout
         self.data = data
         self.group = data.group
-        self.rank, self.R, self.L = p["rank"], p["num_ranks"], p["num_local_experts"]
-        self.E, self.K, self.T = p["num_experts"], p["num_topk"], p["max_tokens"]
-        self.hidden, self.isz, self.cisz = p["hidden"], p["itemsize"], p["combine_itemsize"]
-        self.sync = SYNCS[p["sync"]]
-        self.bsp = p["engine"] == 1
-        self.expert = p["layout"] == 0
-        self.nreg, self.cap_rows, self.cap_src = p["num_regions"], p["cap_rows"], p["cap_src_rows"]
-        self.row_bytes, self.slot_bytes = p["row_bytes"], p["slot_bytes"]
-        self.out_stride, self.crow_bytes = p["out_stride"], p["combine_row_bytes"]
-        self.tff_block, self.tff_flag = p["tff_block_bytes"], p["tff_flag_bytes"]
-        self.tff_payload = self.tff_block - self.tff_flag
-        self.tff_nblocks = -(-self.row_bytes // self.tff_payload)
-        self.seg_size, self.timeout_ns = p["seg_size"], p["timeout_ns"]
-        self.cdtype = _dt.dtype_of(DTYPE_NAMES[p["combine_dtype"]])
-        self.land_is_out = p["off_land"] == p["off_out"]
+        self.rank, self.R = data.group.rank, data.group.num_ranks
+        self.E, self.K, self.T = config.num_experts, config.num_topk, config.max_tokens_per_rank
+        self.L = self.E // self.R
+        self.hidden = config.hidden
+        self.sync = config.sync
+        self.bsp = config.engine == "bsp"
+        self.expert = config.layout == "expert"
+        self.nreg, self.cap_rows, self.cap_src = (layout.num_regions, layout.cap_rows,
+                                                  layout.cap_src_rows)
+        self.row_bytes, self.slot_bytes = layout.row_bytes, layout.slot_bytes
+        self.out_stride, self.crow_bytes = layout.out_stride, layout.combine_row_bytes
+        self.tff = TffCodec(config.tff_block_bytes, config.tff_flag_bytes)
+        self.tff_nblocks = self.tff.num_blocks(self.row_bytes)
+        self.seg_size, self.timeout_ns = layout.size_bytes, int(config.timeout_s * 1e9)
+        self.cdtype = _dt.dtype_of(config.combine_dtype)
+        self.land_is_out = layout.off_land == layout.off_out
         if self.sync == "sp":
             raise InvalidArgumentError(
                 "sync", "sp",
@@ -265,8 +272,8 @@ class RmaEngine:
                 raise TimeoutError(f"rank {self.rank}: resync: {err.what}") from None
             mem.flush_all()
         self.ctrl.local_array[:] = 0
-        land = self.p["off_land"]
-        self.data.local_array[land: land + self._land_regions() * self.p["land_bytes"]] = 0
+        land = self.lay.off_land
+        self.data.local_array[land: land + self._land_regions() * self.lay.land_bytes] = 0
         self.data.sync()
         self.ctrl.sync()
         self._done_seen = [base_epoch - 1] * self.R
@@ -683,11 +690,11 @@ class RmaEngine:
         itself (ASP with SW/DC) there is one per region; otherwise one land region serves every
         call (ubep.runtime.layout): a sender writes it only after this rank published that it
         entered the call (counts / ready record), hence finished reading it for the last one."""
-        return self.p["off_land"] + (reg if self.land_is_out else 0) * self.p["land_bytes"]
+        return self.lay.off_land + (reg if self.land_is_out else 0) * self.lay.land_bytes
 
     def _out_rows(self, reg: int) -> np.ndarray:
         """This rank's out region as ``[cap_rows, row_bytes]`` (strided by out_stride)."""
-        off = self.p["off_out"] + reg * self.p["out_bytes"]
+        off = self.lay.off_out + reg * self.lay.out_bytes
         return np.ndarray((self.cap_rows, self.row_bytes), np.uint8, self.data.local_array,
                           off, (self.out_stride, 1))
 
@@ -704,12 +711,7 @@ class RmaEngine:
             out = np.zeros((m, self.slot_bytes), np.uint8)
             out[:, :self.row_bytes] = rows
             return out
-        P, nb = self.tff_payload, self.tff_nblocks
-        padded = np.zeros((m, nb * P), np.uint8)
-        padded[:, :self.row_bytes] = rows
-        out = np.zeros((m, nb, self.tff_block), np.uint8)
-        out[:, :, :P] = padded.reshape(m, nb, P)
-        return out
+        return self.tff.unflagged(rows)  # the flags go out after a flush (_send_flags)
 
     def _runs(self, pos: np.ndarray) -> list[tuple[int, int]]:
         """Contiguous runs ``(first position, length)`` of sorted-by-run positions."""
@@ -741,18 +743,14 @@ class RmaEngine:
             self._complete(op, self.data, d, f"the rows to rank {d} to complete")
             self._put_record(self.ctrl, d, slot, np.zeros(0, np.uint8), op.epoch)
         elif self.sync == "dc":
-            from ..runtime import _native
-
-            raw = np.ascontiguousarray(rows)
-            total = int(_native.dc_checksum(raw, self.row_bytes, op.epoch)) if len(rows) else 1
-            payload = np.array([len(rows), total], "<u8")
+            payload = np.array([len(rows), self._dc_sum(rows, op.epoch)], "<u8")
             self._put_record(self.ctrl, d, slot, payload, op.epoch)
         elif self.sync == "tff":
             self._complete(op, self.data, d, f"the rows to rank {d} to complete")
             for p0, m in runs:
                 words = np.full(m * self.tff_nblocks, op.epoch, np.uint64)
-                off = self._land(reg) + p0 * self.slot_bytes + self.tff_payload
-                self.data.put_words(d, off, words, self.tff_block)
+                off = self._land(reg) + p0 * self.slot_bytes + self.tff.payload_per_block
+                self.data.put_words(d, off, words, self.tff.block_bytes)
 
     # --- dispatch: ASP ------------------------------------------------------------------
 
@@ -878,21 +876,18 @@ class RmaEngine:
             if count != len(pos):
                 return False
             return self._dc_sum(self._land_slots(reg)[pos], op.epoch) == total
-        slots = self._land_slots(reg)[pos].reshape(len(pos), self.tff_nblocks, self.tff_block)
-        P = self.tff_payload
-        flags = np.ascontiguousarray(slots[:, :, P:P + 8]).view("<u8")
-        if not (flags == op.epoch).all():
+        slots = self._land_slots(reg)[pos]  # a copy: flags and payload read together
+        if not self.tff.row_ready(slots, op.epoch).all():
             return False
         self.data.sync()  # acquire: payload read after the flags
-        payload = slots[:, :, :P].reshape(len(pos), -1)[:, :self.row_bytes]
-        self._out_rows(reg)[pos] = payload
+        self._out_rows(reg)[pos] = self.tff.payload(slots, self.row_bytes)
         return True
 
     def _dc_sum(self, slots: np.ndarray, epoch: int) -> int:
-        from ..runtime import _native
-
+        """DC checksum of rows (raw or in slots: the first ``row_bytes`` of each), the native
+        data plane's (the same bytes as ``ubep.flags.DcCodec().checksum``, faster)."""
         raw = np.ascontiguousarray(slots[:, :self.row_bytes])
-        return int(_native.dc_checksum(raw, self.row_bytes, epoch)) if len(raw) else 1
+        return int(load_native().dc_checksum(raw, self.row_bytes, epoch)) if len(raw) else 1
 
     # --- dispatch: BSP ------------------------------------------------------------------
 
@@ -980,10 +975,7 @@ class RmaEngine:
         if self.sync == "sw":
             self._put_record(self.ctrl, d, slot, np.zeros(0, np.uint8), op.epoch)
         else:
-            from ..runtime import _native
-
-            total = int(_native.dc_checksum(np.ascontiguousarray(payload), self.row_bytes,
-                                            op.epoch))
+            total = self._dc_sum(payload, op.epoch)
             self._put_record(self.ctrl, d, slot, np.array([len(payload), total], "<u8"),
                              op.epoch)
 
@@ -995,16 +987,12 @@ class RmaEngine:
         return count == len(slots) and self._dc_sum(slots, op.epoch) == total
 
     def _source_complete_tff_staged(self, op: _Op, stage: np.ndarray, pos: np.ndarray) -> bool:
-        slots = stage[pos].reshape(len(pos), self.tff_nblocks, self.tff_block)
-        P = self.tff_payload
-        return bool((np.ascontiguousarray(slots[:, :, P:P + 8]).view("<u8") == op.epoch).all())
+        return bool(self.tff.row_ready(stage[pos], op.epoch).all())
 
     def _decode_staged(self, part: np.ndarray) -> np.ndarray:
         if self.sync != "tff":
             return part[:, :self.row_bytes]
-        n = len(part)
-        slots = part.reshape(n, self.tff_nblocks, self.tff_block)
-        return slots[:, :, :self.tff_payload].reshape(n, -1)[:, :self.row_bytes]
+        return self.tff.payload(part, self.row_bytes)
 
     def _barrier(self, op: _Op, phase: int) -> None:
         """Global barrier of all ranks (BSP SyncAll), one record per (phase, source)."""
@@ -1023,7 +1011,7 @@ class RmaEngine:
     def _combine(self, op: _Op, eo: np.ndarray, rows: int, h_idx: np.ndarray, h_w: np.ndarray,
                  h_dst: np.ndarray, ntok: int, creg: int, y: np.ndarray,
                  dispatch_index: int) -> bool:
-        p, cl = self.p, self.cl
+        lay, cl = self.lay, self.cl
         local = self.data.local_array
         base = int(local.ctypes.data)
         at = int(eo.ctypes.data) if eo.size else 0
@@ -1035,11 +1023,11 @@ class RmaEngine:
         else:
             self._wait_peers_done(op, self.comb_last[creg])
             self.comb_last[creg] = op.epoch
-            eo_off = p["off_comb"] + creg * p["comb_bytes"]
+            eo_off = lay.off_comb + creg * lay.comb_bytes
             local[eo_off: eo_off + nbytes] = _u8(eo)[:nbytes]
         for c in range(2):
-            lo = p["off_comb"] + c * p["comb_bytes"]
-            if lo <= eo_off < lo + p["comb_bytes"]:
+            lo = lay.off_comb + c * lay.comb_bytes
+            if lo <= eo_off < lo + lay.comb_bytes:
                 self.comb_last[c] = op.epoch
         self.data.sync()  # the expert outputs are in memory before peers are told
         info = np.array([eo_off, rows, self.crow_bytes, dispatch_index], "<u8")

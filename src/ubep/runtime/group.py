@@ -23,7 +23,7 @@ import secrets
 import stat
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -31,6 +31,10 @@ from .. import topology as topo
 from ..env import launch_env, timeout_s_from_env
 from ..errors import InvalidArgumentError, PeerLostError, TimeoutError, UbepError
 from .shm import HEADER_BYTES, Segment, remove_dead_owners_segments
+
+if TYPE_CHECKING:
+    from ..buffer import BufferConfig
+    from .layout import SegmentLayout
 
 __all__ = ["GlobalMemory", "Group", "ProcessGroup", "ShmGlobalMemory", "group_from_env"]
 
@@ -62,8 +66,9 @@ class GlobalMemory(Protocol):
     def close(self) -> None:
         """Release this rank's mappings (local, not collective)."""
 
-    def make_engine(self, params: dict[str, int]) -> Any:
-        """A data-plane engine for these regions (only when ``addresses`` is ``None``)."""
+    def make_engine(self, config: BufferConfig, layout: SegmentLayout) -> Any:
+        """A data-plane engine for these regions (only when ``addresses`` is ``None``) of a
+        Buffer with this config and segment layout."""
 
 
 class ProcessGroup(Protocol):
@@ -104,7 +109,7 @@ class ShmGlobalMemory:
             seg.close()
         self.segments = []
 
-    def make_engine(self, params: dict[str, int]) -> Any:
+    def make_engine(self, config: BufferConfig, layout: SegmentLayout) -> Any:
         raise UbepError("shared-memory regions are load/store reachable: use the native engine")
 
 
