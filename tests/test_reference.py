@@ -577,3 +577,40 @@ def test_dtype_of_and_errors():
     assert err.value.argument == "dtype"
     with pytest.raises(InvalidArgumentError):
         dtypes.FP16.to_float32(np.zeros(2, np.float32))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_float64_option_accumulates_in_float64_in_the_reference_order(layout):
+    """float64=True (the torch test world's gradient checks): float64 payloads and weights move
+    unchanged and combine sums in float64, term by term in the documented order (a Python-float
+    oracle per token); without the option float64 is refused."""
+    rng = np.random.default_rng(5)
+    E, K, H = 4, 3, 5  # 2 ranks
+    xs = [rng.standard_normal((n, H)) for n in (4, 3)]
+    idxs = [uniform_topk(len(x), E, K, seed=r, mask_prob=0.2) for r, x in enumerate(xs)]
+    ws = [rng.standard_normal(i.shape) for i in idxs]
+    with pytest.raises(InvalidArgumentError):
+        reference.dispatch(xs, idxs, ws, E, layout=layout)
+    refs = reference.dispatch(xs, idxs, ws, E, layout=layout, float64=True)
+    for res in refs:
+        assert res.recv_x.dtype == np.float64 and res.recv_topk_weights.dtype == np.float64
+        for row in range(len(res.recv_src_rank)):
+            s, t = res.recv_src_rank[row], res.recv_src_token[row]
+            assert np.array_equal(res.recv_x[row], xs[s][t])
+    outs = [rng.standard_normal(res.recv_x.shape) for res in refs]
+    new_w = [rng.standard_normal(i.shape) for i in idxs] if layout == "expert" else None
+    ys = reference.combine(outs, refs, float64=True, topk_weights=new_w)
+    for s, y in enumerate(ys):
+        assert y.dtype == np.float64
+        for t in range(len(xs[s])):
+            acc = 0.0
+            terms = []  # (k or destination rank, value): the order of the sum
+            for r, res in enumerate(refs):
+                rows = np.nonzero((res.recv_src_rank == s) & (res.recv_src_token == t))[0]
+                for row in rows:
+                    k = int(res.recv_src_k[row])
+                    w = float(new_w[s][t, k]) if new_w is not None else 1.0
+                    terms.append((k if layout == "expert" else r, w * outs[r][row]))
+            for _, v in sorted(terms, key=lambda kv: kv[0]):
+                acc = acc + v
+            assert np.array_equal(y[t], np.zeros(H) + acc)
