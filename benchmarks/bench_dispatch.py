@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
-from benchmarks.harness import Stats, format_table
+from benchmarks.harness import Stats, collective_spans, format_table
 
 NUM_EXPERTS = 64
 NUM_TOPK = 8
@@ -147,12 +147,10 @@ class _Running:
 
 
 def _timed_once(group: Any, fn: Callable[[], object]) -> tuple[float, int, int]:
-    group.barrier()
-    mono = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
-    start = time.perf_counter_ns()
-    fn()
-    end = time.perf_counter_ns()
-    return (end - start) / 1e3, mono, time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+    """One timed call after a barrier: microseconds and its CLOCK_MONOTONIC start and end
+    (harness.collective_spans; the engine's trace uses the same clock)."""
+    start, end = (int(v) for v in collective_spans(group.barrier, fn, 0, 1)[0])
+    return (end - start) / 1e3, start, end
 
 
 def _measure_group(group: Any, cases: list[Case], warmup: int, repeats: int,

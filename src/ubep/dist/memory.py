@@ -32,7 +32,7 @@ import numpy as np
 from ..errors import UbepError
 
 if TYPE_CHECKING:
-    from ..buffer import BufferConfig
+    from ..config import BufferConfig
     from ..runtime.layout import SegmentLayout
     from .group import DistGroup
 

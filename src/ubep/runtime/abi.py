@@ -38,7 +38,7 @@ from ..errors import (
 )
 
 if TYPE_CHECKING:
-    from ..buffer import BufferConfig
+    from ..config import BufferConfig
     from .layout import SegmentLayout
 
 __all__ = [
