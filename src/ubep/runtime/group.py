@@ -30,10 +30,14 @@ import numpy as np
 from .. import topology as topo
 from ..env import launch_env, timeout_s_from_env
 from ..errors import InvalidArgumentError, PeerLostError, TimeoutError, UbepError
+
+# the liveness test and start times are the reaper's (standard library only; one copy)
+from .reaper import alive as process_alive
+from .reaper import start_time_of as process_start_time
 from .shm import HEADER_BYTES, Segment, remove_dead_owners_segments
 
 if TYPE_CHECKING:
-    from ..buffer import BufferConfig
+    from ..config import BufferConfig
     from .layout import SegmentLayout
 
 __all__ = ["GlobalMemory", "Group", "ProcessGroup", "ShmGlobalMemory", "group_from_env"]
@@ -123,38 +127,6 @@ class PeerProcess:
 
     def alive(self) -> bool:
         return process_alive(self.pid, self.start_time)
-
-
-def process_start_time(pid: int) -> int:
-    """Start time of ``pid`` in clock ticks since boot (0 if unknown on this platform)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return 0
-    # Field 2 (comm) may contain spaces and parentheses: split after the last ')'.
-    fields = raw[raw.rfind(b")") + 2:].split()
-    return int(fields[19])  # field 22 overall
-
-
-def process_alive(pid: int, start_time: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return True
-    fields = raw[raw.rfind(b")") + 2:].split()
-    if fields and fields[0] in (b"Z", b"X"):
-        return False  # exited, not yet reaped by its parent
-    return not start_time or int(fields[19]) == start_time
 
 
 class Group:
@@ -251,19 +223,7 @@ class Group:
         timeout = self.default_timeout_s if timeout_s is None else float(timeout_s)
         self._seq += 1
         seq = self._seq
-        _write_json(self._path(f"ag.{seq}.{self.rank}.json"), {"value": value})
-        out: list[Any] = [None] * self.num_ranks
-        found = [False] * self.num_ranks
-
-        def missing() -> list[int]:
-            for r in range(self.num_ranks):
-                if not found[r]:
-                    got = _read_json(self._path(f"ag.{seq}.{r}.json"))
-                    if got is not None:
-                        out[r], found[r] = got["value"], True
-            return [r for r in range(self.num_ranks) if not found[r]]
-
-        self._poll(missing, time.monotonic() + timeout, f"allgather {seq}")
+        out = self._gather(f"ag.{seq}", value, timeout, f"allgather {seq}")
         # Everyone has entered exchange `seq`, hence finished reading exchange `seq - 1`.
         if seq >= 2:
             _remove(self._path(f"ag.{seq - 1}.{self.rank}.json"))
@@ -280,19 +240,24 @@ class Group:
         if not key or any(not (c.isalnum() or c in "_.-") for c in key):
             raise InvalidArgumentError("key", key, "must be non-empty [A-Za-z0-9_.-]")
         timeout = self.default_timeout_s if timeout_s is None else float(timeout_s)
-        _write_json(self._path(f"x.{key}.{self.rank}.json"), {"value": value})
+        return self._gather(f"x.{key}", value, timeout, f"exchange {key}")
+
+    def _gather(self, name: str, value: Any, timeout: float, what: str) -> list[Any]:
+        """Write ``value`` as ``<name>.<rank>.json``, then read every rank's file of ``name``
+        (polling until ``timeout`` seconds from now; ``what`` names the wait in errors)."""
+        _write_json(self._path(f"{name}.{self.rank}.json"), {"value": value})
         out: list[Any] = [None] * self.num_ranks
         found = [False] * self.num_ranks
 
         def missing() -> list[int]:
             for r in range(self.num_ranks):
                 if not found[r]:
-                    got = _read_json(self._path(f"x.{key}.{r}.json"))
+                    got = _read_json(self._path(f"{name}.{r}.json"))
                     if got is not None:
                         out[r], found[r] = got["value"], True
             return [r for r in range(self.num_ranks) if not found[r]]
 
-        self._poll(missing, time.monotonic() + timeout, f"exchange {key}")
+        self._poll(missing, time.monotonic() + timeout, what)
         return out
 
     def map_global(
