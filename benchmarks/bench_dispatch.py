@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
-from benchmarks.harness import Stats, format_table
+from benchmarks.harness import Stats, collective_spans, format_table
 
 NUM_EXPERTS = 64
 NUM_TOPK = 8
@@ -57,14 +57,17 @@ def cases_for(quick: bool, hot: bool) -> list[Case]:
     shapes = [(128, 2048, "bf16"), (128, 7168, "uint8")]
     if not quick:
         shapes += [(512, 2048, "bf16"), (512, 7168, "uint8")]
-    modes = [("asp", "sp"), ("asp", "sw"), ("asp", "tff"), ("asp", "dc"), ("bsp", "sw")]
+    from ubep.modes import LAYOUTS, supports
+
+    # the quick run: the ASP modes and the BSP baseline; the full run: every engine x sync
+    picked = [("asp", "sp"), ("asp", "sw"), ("asp", "tff"), ("asp", "dc"), ("bsp", "sw")]
     if not quick:
-        modes += [("bsp", "sp"), ("bsp", "tff"), ("bsp", "dc")]
+        picked += [("bsp", "sp"), ("bsp", "tff"), ("bsp", "dc")]
     out = []
     for tokens, hidden, dtype in shapes:
-        for layout in ("rank", "expert"):
-            for engine, sync in modes:
-                if sync == "sp" and dtype == "uint8":
+        for layout in LAYOUTS:
+            for engine, sync in picked:
+                if not supports(sync, dtype):
                     continue  # no free sentinel in a 1-byte type
                 out.append(Case(tokens, hidden, dtype, layout, engine, sync, "uniform"))
                 if hot and (engine, sync) in (("asp", "sp"), ("asp", "dc"), ("bsp", "sw")):
@@ -144,12 +147,10 @@ class _Running:
 
 
 def _timed_once(group: Any, fn: Callable[[], object]) -> tuple[float, int, int]:
-    group.barrier()
-    mono = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
-    start = time.perf_counter_ns()
-    fn()
-    end = time.perf_counter_ns()
-    return (end - start) / 1e3, mono, time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+    """One timed call after a barrier: microseconds and its CLOCK_MONOTONIC start and end
+    (harness.collective_spans; the engine's trace uses the same clock)."""
+    start, end = (int(v) for v in collective_spans(group.barrier, fn, 0, 1)[0])
+    return (end - start) / 1e3, start, end
 
 
 def _measure_group(group: Any, cases: list[Case], warmup: int, repeats: int,

@@ -12,7 +12,7 @@ Systems (rows of the table):
 * ``dist-rma-tcp``: the same with ``UBEP_DIST_FORCE_RMA=1`` and ``--mca btl self,tcp``: every rank
   its own host, every row through ``MPI_Put``/``MPI_Get`` (Open MPI ``osc/rdma`` over TCP
   loopback), the Python RMA engine (``ubep.dist.engine``).
-* ``mpi-a2av`` / ``mpi-a2av-tcp``: what a user writes with MPI today (benchmarks/peers_kernels.py:
+* ``mpi-a2av`` / ``mpi-a2av-tcp``: what a user writes with MPI today (benchmarks/peers/kernels.py:
   counts ``Alltoall``, pack, payload and metadata ``Alltoallv``, reorder) on Open MPI's default
   transports and on TCP.
 
@@ -39,7 +39,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -49,7 +48,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # as an mpiexec script
 
-from benchmarks.harness import Stats, format_table
+from benchmarks.harness import Stats, format_table, time_collective
 
 __all__ = ["Case", "main"]
 
@@ -69,25 +68,21 @@ class Case:
 def _cases(quick: bool) -> list[Case]:
     shapes = [(128, 2048, "bf16")] if quick else [
         (128, 2048, "bf16"), (512, 2048, "bf16"), (128, 7168, "uint8"), (512, 7168, "uint8")]
-    return [Case(t, h, d, lay) for t, h, d in shapes for lay in ("expert", "rank")]
+    from ubep.modes import LAYOUTS
+
+    return [Case(t, h, d, lay) for t, h, d in shapes for lay in LAYOUTS]
 
 
 def _inputs(case: Case, num_ranks: int) -> Any:
-    from benchmarks.peers import Shape, make_inputs
+    from benchmarks.peers.workload import Shape, make_inputs
 
     return make_inputs(Shape(num_ranks, case.tokens, case.hidden, case.dtype, "uniform"))
 
 
 def _timed(barrier: Callable[[], object], fn: Callable[[], object], warmup: int,
            repeats: int) -> list[float]:
-    out = []
-    for i in range(warmup + repeats):
-        barrier()
-        start = time.perf_counter_ns()
-        fn()
-        if i >= warmup:
-            out.append((time.perf_counter_ns() - start) / 1e3)
-    return out
+    """Per-iteration microseconds of this rank (harness.time_collective)."""
+    return (time_collective(barrier, fn, warmup, repeats) / 1e3).tolist()
 
 
 # --- ubep on any group (ubep.launch or ubep.dist) -------------------------------------------
@@ -95,7 +90,7 @@ def _timed(barrier: Callable[[], object], fn: Callable[[], object], warmup: int,
 
 def ubep_rank(group: Any, cases: list[Case], warmup: int, repeats: int) -> list[dict[str, Any]]:
     """Per (case, engine x sync): this rank's per-iteration microseconds and rows sent."""
-    from benchmarks.peers import NUM_EXPERTS, NUM_TOPK
+    from benchmarks.peers.workload import NUM_EXPERTS, NUM_TOPK
 
     from ubep.buffer import Buffer, BufferConfig
 
@@ -123,13 +118,13 @@ def ubep_rank(group: Any, cases: list[Case], warmup: int, repeats: int) -> list[
     return out
 
 
-# --- plain MPI Alltoallv (benchmarks/peers_kernels.py) -------------------------------------------
+# --- plain MPI Alltoallv (benchmarks/peers/kernels.py) -------------------------------------------
 
 
 def a2av_rank(comm: Any, cases: list[Case], warmup: int, repeats: int) -> list[dict[str, Any]]:
-    from benchmarks.peers import NUM_EXPERTS, NUM_TOPK
-    from benchmarks.peers_kernels import make_peer
-    from benchmarks.peers_mpi_worker import MpiExchange
+    from benchmarks.peers.kernels import make_peer
+    from benchmarks.peers.mpi_worker import MpiExchange
+    from benchmarks.peers.workload import NUM_EXPERTS, NUM_TOPK
 
     ex = MpiExchange(comm)
     r = ex.rank

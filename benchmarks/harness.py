@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 
 __all__ = [
-    "Stats", "concurrent_copy", "format_table", "print_table", "round_repeats", "time_repeats",
+    "Stats", "collective_spans", "concurrent_copy", "format_table", "print_table", "round_repeats",
+    "time_collective", "time_repeats",
 ]
 
 
@@ -63,6 +64,35 @@ def time_repeats(fn: Callable[[], object], repeats: int = 20, warmup: int = 3) -
         fn()
         samples_us.append((time.perf_counter_ns() - start) / 1e3)
     return Stats.from_samples_us(samples_us)
+
+
+def collective_spans(barrier: Callable[[], object], fn: Callable[[], object], warmup: int,
+                     repeats: int) -> np.ndarray:
+    """The timing loop of a collective, as every benchmark of one: ``warmup + repeats`` times,
+    ``barrier()`` (so every rank starts together), then this rank times its own ``fn()``;
+    returns the ``[repeats, 2]`` int64 ``(start_ns, end_ns)`` of the timed calls.
+
+    The clock is ``time.perf_counter_ns`` (CLOCK_MONOTONIC on Linux: one clock for every process
+    of a host, and the one the native engine's trace uses). A caller that wants the maximum over
+    ranks gathers the samples once at the end: a reduction inside the loop would add its own
+    latency to the next iteration's skew.
+    """
+    spans = np.empty((repeats, 2), dtype=np.int64)
+    for i in range(warmup + repeats):
+        barrier()
+        start = time.perf_counter_ns()
+        fn()
+        end = time.perf_counter_ns()
+        if i >= warmup:
+            spans[i - warmup] = (start, end)
+    return spans
+
+
+def time_collective(barrier: Callable[[], object], fn: Callable[[], object], warmup: int,
+                    repeats: int) -> np.ndarray:
+    """:func:`collective_spans` as ``[repeats]`` float64 durations in ns (this rank's calls)."""
+    spans = collective_spans(barrier, fn, warmup, repeats)
+    return (spans[:, 1] - spans[:, 0]).astype(np.float64)
 
 
 def round_repeats(repeats: int, rounds: int) -> list[int]:

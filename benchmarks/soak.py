@@ -34,18 +34,15 @@ from typing import Any
 
 import numpy as np
 
-from ubep import reference, routing
+from ubep import modes, reference, routing
 from ubep.buffer import Buffer, BufferConfig
 from ubep.errors import RemoteError, UbepError
 from ubep.runtime import launch
+from ubep.testing import FIELDS, any_bits_payload, same_bits
 
 __all__ = ["FAULT_KINDS", "Block", "Call", "Fault", "FaultSettings", "check_contracts",
            "draw_fault", "format_fault_summary", "make_blocks", "run_fault_soak", "run_soak"]
 
-_STORAGE: dict[str, Any] = {"bf16": np.uint16, "fp16": np.float16, "fp32": np.float32,
-                            "int8": np.int8, "uint8": np.uint8}
-_FIELDS = ("recv_x", "recv_topk_idx", "recv_topk_weights", "num_recv_tokens_per_expert",
-           "recv_src_rank", "recv_src_token", "recv_src_k")
 
 
 @dataclass(frozen=True)
@@ -87,8 +84,8 @@ def make_blocks(num_ranks: int, iterations: int, seed: int, calls_per_block: int
     blocks: list[Block] = []
     left = iterations
     while left > 0:
-        sync = str(rng.choice(["sw", "tff", "dc", "sp"]))
-        dtypes = ["bf16", "fp16", "fp32"] + ([] if sync == "sp" else ["int8", "uint8"])
+        sync = str(rng.choice(list(modes.SYNCS)))
+        dtypes = list(modes.dtypes_for(sync))
         local = int(rng.choice([1, 2, 4]))
         num_experts = local * num_ranks
         num_topk = int(rng.integers(1, min(8, num_experts) + 1))
@@ -96,9 +93,9 @@ def make_blocks(num_ranks: int, iterations: int, seed: int, calls_per_block: int
         n = int(min(left, calls_per_block))
         calls = [_draw_call(rng, num_ranks, max_tokens) for _ in range(n)]
         blocks.append(Block(
-            engine=str(rng.choice(["asp", "bsp"])),
+            engine=str(rng.choice(list(modes.ENGINES))),
             sync=sync,
-            layout=str(rng.choice(["expert", "rank"])),
+            layout=str(rng.choice(list(modes.LAYOUTS))),
             dtype=str(rng.choice(dtypes)),
             hidden=int(rng.choice([8, 56, 256, 520, 2048])),
             num_topk=num_topk,
@@ -123,23 +120,6 @@ def _draw_call(rng: np.random.Generator, num_ranks: int, max_tokens: int) -> Cal
     return Call(tuple(int(t) for t in tokens), kind, int(rng.integers(1 << 30)))
 
 
-def _payload(rng: np.random.Generator, dtype: str, tokens: int, hidden: int) -> np.ndarray:
-    if dtype == "bf16":
-        bits = rng.integers(0, 1 << 16, size=(tokens, hidden), dtype=np.uint16)
-        bits[bits == 0x7FA5] = 0x3F80  # any bits but the SP sentinel (NaN/Inf included)
-        return bits
-    if dtype == "fp16":
-        bits = rng.integers(0, 1 << 16, size=(tokens, hidden), dtype=np.uint16)
-        bits[bits == 0x7CA5] = 0x3C00
-        return bits.view(np.float16)
-    if dtype == "fp32":
-        bits = rng.integers(0, 1 << 32, size=(tokens, hidden), dtype=np.uint32)
-        bits[bits == 0x7FA5A5A5] = 0x3F800000
-        return bits.view(np.float32)
-    info = np.iinfo(_STORAGE[dtype])
-    return rng.integers(info.min, info.max + 1, size=(tokens, hidden), dtype=_STORAGE[dtype])
-
-
 def _routing(call: Call, rank: int, tokens: int, num_experts: int, num_topk: int) -> np.ndarray:
     seed = call.seed * 1000 + rank
     if call.routing == "zipf":
@@ -161,7 +141,7 @@ def _inputs(block: Block, call: Call) -> tuple[list[np.ndarray], list[np.ndarray
     xs, idxs, ws = [], [], []
     for r, t in enumerate(call.tokens):
         rng = np.random.default_rng([call.seed, r])
-        xs.append(_payload(rng, block.dtype, t, block.hidden))
+        xs.append(any_bits_payload(rng, block.dtype, t, block.hidden))
         idxs.append(_routing(call, r, t, block.num_experts, block.num_topk))
         ws.append((rng.standard_normal((t, block.num_topk)) * 2).astype(np.float32))
     return xs, idxs, ws
@@ -169,23 +149,18 @@ def _inputs(block: Block, call: Call) -> tuple[list[np.ndarray], list[np.ndarray
 
 def _outputs(block: Block, refs: list[Any], seed: int) -> list[np.ndarray]:
     """Expert outputs: recv_x itself (float payloads; NaN/Inf included) or seeded bf16."""
-    if block.dtype in ("bf16", "fp16", "fp32"):
+    if block.dtype in modes.FLOAT_DTYPE_NAMES:
         return [np.ascontiguousarray(ref.recv_x) for ref in refs]
     outs = []
     for q, ref in enumerate(refs):
         rng = np.random.default_rng([seed, q, 7])
-        outs.append(_payload(rng, "bf16", ref.recv_x.shape[0], block.hidden))
+        outs.append(any_bits_payload(rng, "bf16", ref.recv_x.shape[0], block.hidden))
     return outs
-
-
-def _same(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and bool(np.array_equal(
-        np.ascontiguousarray(a).view(np.uint8), np.ascontiguousarray(b).view(np.uint8)))
 
 
 def _dispatch_diffs(res: Any, ref: Any) -> list[str]:
     """The dispatch fields of ``res`` that differ from the reference's, bit for bit."""
-    return [f for f in _FIELDS if not _same(getattr(res, f), getattr(ref, f))]
+    return [f for f in FIELDS if not same_bits(getattr(res, f), getattr(ref, f))]
 
 
 def _progress_bar(group: Any, total: int, desc: str) -> Any:
@@ -224,7 +199,7 @@ def _worker(group: Any, blocks: list[Block], progress: bool) -> dict[str, Any]:
                 else:
                     eo = outs[r]
                 y = buf.combine(eo, res.handle)
-                if not _same(y, reference.combine(outs, refs)[r]):
+                if not same_bits(y, reference.combine(outs, refs)[r]):
                     errors.append(f"{where}: combine differs")
                 calls += 1
                 if bar is not None:
@@ -509,7 +484,7 @@ class _FaultRank:
             self.wrong.append(where | {"what": f"a {entry['kind']} combine returned data"})
             return True
         self.calls_checked += 1
-        if not _same(y, reference.combine(outs, refs)[r]):
+        if not same_bits(y, reference.combine(outs, refs)[r]):
             self.wrong.append(where | {"what": "combine differs"})
         return False
 

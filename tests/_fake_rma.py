@@ -119,8 +119,8 @@ class FakeMemory:
     def close(self) -> None:
         pass
 
-    def make_engine(self, params: dict[str, int]) -> RmaEngine:
-        return RmaEngine(params, self)  # type: ignore[arg-type]
+    def make_engine(self, config: Any, layout: Any) -> RmaEngine:
+        return RmaEngine(config, layout, self)  # type: ignore[arg-type]
 
     def _issue(self, dst: int, op: Callable[[], None]) -> None:
         flag = [False]

@@ -13,13 +13,13 @@ from typing import Any
 
 import numpy as np
 
-from ubep import reference, routing
+from ubep import modes, testing
 from ubep.buffer import Buffer, BufferConfig
 
-# One implementation of the seeded payloads and of the bit-exact comparison serves the runtime
-# tests and `python -m ubep.dist.selftest` (which users run on their own MPI jobs).
-from ubep.dist.selftest import FIELDS, bits, compare, expert_outputs
-from ubep.dist.selftest import payload as random_payload
+# One implementation of the seeded payloads and of the bit-exact comparison (ubep.testing)
+# serves the runtime tests, the benchmarks and `python -m ubep.dist.selftest`.
+from ubep.testing import FIELDS, bits, compare, expert_outputs
+from ubep.testing import payload as random_payload
 
 __all__ = [
     "FIELDS",
@@ -54,26 +54,27 @@ class Case:
 
 
 AXES: dict[str, tuple[Any, ...]] = {
-    "engine": ("asp", "bsp"),
-    "sync": ("sw", "tff", "dc", "sp"),
-    "layout": ("expert", "rank"),
-    "dtype": ("bf16", "fp16", "fp32", "int8", "uint8"),
+    "engine": modes.ENGINES,
+    "sync": modes.SYNCS,
+    "layout": modes.LAYOUTS,
+    "dtype": modes.DTYPE_NAMES,
     "ranks": (2, 4),
     "hidden": (2048, 7168),
     "routing": ("uniform", "hot"),
 }
 
 
-def _valid(values: dict[str, Any]) -> bool:
-    return not (values["sync"] == "sp" and values["dtype"] in ("int8", "uint8"))
-
-
 def pairwise_cases() -> list[Case]:
     """A deterministic greedy pairwise cover of AXES (every valid pair of values of two axes
     appears in some case), far smaller than the full product."""
     names = list(AXES)
-    candidates = [dict(zip(names, v, strict=True)) for v in itertools.product(*AXES.values())]
-    candidates = [c for c in candidates if _valid(c)]
+    rest = list(AXES)[4:]  # the axes beyond the mode's (engine, sync, layout, dtype)
+    candidates = [
+        {"engine": m.engine, "sync": m.sync, "layout": m.layout, "dtype": m.dtype}
+        | dict(zip(rest, v, strict=True))
+        for m in modes.enumerate_modes()
+        for v in itertools.product(*(AXES[a] for a in rest))
+    ]
 
     def pairs(c: dict[str, Any]) -> set[tuple[str, Any, str, Any]]:
         return {(a, c[a], b, c[b]) for a, b in itertools.combinations(names, 2)}
@@ -92,34 +93,8 @@ def pairwise_cases() -> list[Case]:
 def make_inputs(
     case: Case, num_experts: int, tokens: list[int], seed: int, kind: str
 ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
-    """Per-rank ``x``, ``topk_idx``, ``topk_weights`` (seeded; identical on every rank).
-
-    ``kind``: ``"uniform"`` (10% masked slots), ``"hot"`` (70% of picks on 2 experts) or
-    ``"one"`` (every token to expert 0 and nothing else).
-    """
-    xs, idxs, ws = [], [], []
-    for r, t in enumerate(tokens):
-        rng = np.random.default_rng([seed, r])
-        xs.append(random_payload(rng, case.dtype, t, case.hidden))
-        if kind == "one":
-            idx = np.full((t, 4), -1, dtype=np.int64)
-            idx[:, 0] = 0
-        elif kind == "hot":
-            idx = routing.hot_experts_topk(t, num_experts, 4, hot_experts=2, hot_share=0.7,
-                                           seed=seed * 1000 + r)
-        else:
-            idx = routing.uniform_topk(t, num_experts, 4, seed=seed * 1000 + r, mask_prob=0.1)
-        idxs.append(idx)
-        ws.append(rng.random((t, 4), dtype=np.float32))
-    return xs, idxs, ws
-
-
-
-
-
-
-
-
+    """Per-rank inputs of ``case`` (``ubep.testing.inputs``, top-4)."""
+    return testing.inputs(case.dtype, num_experts, 4, case.hidden, tokens, seed, kind)
 
 
 def run_case(group: Any, case: Case, *, max_tokens: int, steps: list[tuple[list[int], str]],
@@ -131,18 +106,6 @@ def run_case(group: Any, case: Case, *, max_tokens: int, steps: list[tuple[list[
         for i, (tokens, kind) in enumerate(steps):
             s = seed * 100 + i
             xs, idxs, ws = make_inputs(case, cfg.num_experts, tokens, s, kind)
-            r = group.rank
-            res = buf.dispatch(xs[r], idxs[r], ws[r])
-            refs = reference.dispatch(xs, idxs, ws, cfg.num_experts, layout=cfg.layout)
-            errors += [f"{case} step {i}: {e}" for e in compare(res, refs[r])]
-            outs = [expert_outputs(cfg.dtype, ref.recv_x, s * 10 + q) for q, ref in enumerate(refs)]
-            if zero_copy:
-                eo = buf.get_combine_buffer(res.handle)
-                eo[...] = outs[r]
-            else:
-                eo = outs[r]
-            y = buf.combine(eo, res.handle)
-            y_ref = reference.combine(outs, refs)[r]
-            if y.dtype != y_ref.dtype or not np.array_equal(bits(y), bits(y_ref)):
-                errors.append(f"{case} step {i}: combine differs")
+            errors += [f"{case} step {i}: {e}"
+                       for e in testing.check_call(buf, xs, idxs, ws, s, zero_copy=zero_copy)]
     return errors

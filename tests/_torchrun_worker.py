@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 import ubep
-from ubep.dist import selftest
+from ubep import testing
 
 # (layout, torch dtype, sync): a BF16 expert-layout case and an FP8 rank-layout case (FP8 moves
 # as opaque bytes; combine takes BF16 expert outputs).
@@ -55,14 +55,14 @@ def case_inputs(
     _, dtype, _ = CASES[case]
     tokens = [MAX_TOKENS - 3 * r for r in range(num_ranks)]  # unequal, as real batches are
     name = ubep.dtypes.dtype_of(dtype).name
-    return selftest.inputs(name, EXPERTS_PER_RANK * num_ranks, TOP_K, HIDDEN, tokens, seed,
+    return testing.inputs(name, EXPERTS_PER_RANK * num_ranks, TOP_K, HIDDEN, tokens, seed,
                            "uniform")
 
 
 def expert_outputs(case: int, recv_x: np.ndarray, seed: int) -> np.ndarray:
     """What the 'experts' return (the test recomputes it from the reference's recv_x)."""
     name = ubep.dtypes.dtype_of(CASES[case][1]).name
-    return selftest.expert_outputs(name, recv_x, seed)
+    return testing.expert_outputs(name, recv_x, seed)
 
 
 def hf_prompt(rank: int) -> torch.Tensor:
@@ -107,7 +107,7 @@ def run_dispatch(group: Any, seed: int, out: str, tag: str) -> None:
             assert buf.rank == rank and buf.num_ranks == num_ranks, (buf.rank, rank)
             res = buf.dispatch(xs[rank], idxs[rank], ws[rank], copy=True)
             y = buf.combine(expert_outputs(case, res.recv_x, seed * 100 + rank), res.handle)
-        for f in selftest.FIELDS:
+        for f in testing.FIELDS:
             saved[f"{case}.{f}"] = np.asarray(getattr(res, f))
         saved[f"{case}.y"] = y
     np.savez(os.path.join(out, f"{tag}.{rank}.npz"), **saved)

@@ -1,7 +1,7 @@
 """ubep.dist under mpiexec on this machine: bit-exact against ubep.reference.
 
 Three transports, each in one mpiexec launch that runs every engine x sync x layout (dtypes
-rotated, see ``ubep.dist.selftest.all_modes``) plus a rejected call per mode:
+rotated, see ``ubep.modes.enumerate_modes``) plus a rejected call per mode:
 
 * shared memory: all ranks on one host, the native engine on ``MPI_Win_allocate_shared`` memory;
 * TCP, every rank its own host (``UBEP_DIST_FORCE_RMA=1``, ``--mca btl self,tcp``): every row

@@ -1,10 +1,10 @@
-"""The peers of benchmarks/peers.py compute exactly what ubep.reference computes.
+"""The peers of benchmarks/peers/run.py compute exactly what ubep.reference computes.
 
 Correctness only (timing lives in benchmarks/): the MPI/gloo dispatch and combine the benchmark
 races against ubep must return the reference's rows, metadata and combined outputs bit for bit,
 so the comparison is of the same work. Two levels:
 
-* in process: the numpy kernels (benchmarks/peers_kernels.py) over a thread-backed all-to-all,
+* in process: the numpy kernels (benchmarks/peers/kernels.py) over a thread-backed all-to-all,
   1, 2 and 4 ranks, both layouts, masked slots, a rank with no tokens, BF16 and 1-byte payloads;
 * for real: each peer (Intel MPI, OpenMPI, MPICH via mpi4py; torch.distributed gloo) run by the
   benchmark's own launcher in its own venv at 4 ranks. Skipped, with the reason, where that
@@ -28,19 +28,17 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks import peers  # noqa: E402
 from benchmarks.harness import Stats  # noqa: E402
-from benchmarks.peers_env import PeerEnvError, ensure_env  # noqa: E402
-from benchmarks.peers_kernels import decode_fields, make_peer  # noqa: E402
+from benchmarks.peers import run as peers  # noqa: E402
+from benchmarks.peers import workload  # noqa: E402
+from benchmarks.peers.env import PeerEnvError, ensure_env  # noqa: E402
+from benchmarks.peers.kernels import decode_fields, make_peer  # noqa: E402
 
 from ubep import reference  # noqa: E402
 from ubep.routing import hot_experts_topk, uniform_topk  # noqa: E402
+from ubep.testing import FIELDS  # noqa: E402
 
-NUM_EXPERTS = peers.NUM_EXPERTS
-FIELDS = (
-    "recv_x", "recv_topk_idx", "recv_topk_weights", "num_recv_tokens_per_expert",
-    "recv_src_rank", "recv_src_token", "recv_src_k",
-)
+NUM_EXPERTS = workload.NUM_EXPERTS
 
 
 class ThreadExchange:
@@ -87,7 +85,7 @@ def _bf16(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
 def _inputs(
     tokens: list[int], hidden: int, dtype: str, routing: str, mask_prob: float, seed: int,
     out_dtype: str,
-) -> peers.Inputs:
+) -> workload.Inputs:
     """Per-rank inputs (token counts may differ) with expert outputs per layout.
 
     FP32 expert outputs make the check sensitive to the float32 summation order (a BF16 result
@@ -109,8 +107,8 @@ def _inputs(
             )
         idxs.append(idx)
         ws.append(rng.random((t, 8), dtype=np.float32))
-    shape = peers.Shape(len(tokens), max(tokens), hidden, dtype, routing)
-    inp = peers.Inputs(shape, xs, idxs, ws)
+    shape = workload.Shape(len(tokens), max(tokens), hidden, dtype, routing)
+    inp = workload.Inputs(shape, xs, idxs, ws)
     for layout in peers.LAYOUTS:
         ref = reference.dispatch(xs, idxs, ws, NUM_EXPERTS, layout=layout)
         inp.expert_outs[layout] = [
@@ -121,7 +119,7 @@ def _inputs(
     return inp
 
 
-def _expected(inp: peers.Inputs, layout: str) -> tuple[list[Any], list[np.ndarray]]:
+def _expected(inp: workload.Inputs, layout: str) -> tuple[list[Any], list[np.ndarray]]:
     ref = reference.dispatch(inp.xs, inp.topk_idxs, inp.topk_weights, NUM_EXPERTS, layout=layout)
     return ref, reference.combine(inp.expert_outs[layout], ref)
 
@@ -146,13 +144,13 @@ CHECK_SETS = [
 ]
 
 
-def _check_inputs(num_ranks: int) -> list[peers.Inputs]:
+def _check_inputs(num_ranks: int) -> list[workload.Inputs]:
     return [
         _inputs(tokens[:num_ranks], h, d, rt, m, s, o) for tokens, h, d, rt, m, s, o in CHECK_SETS
     ]
 
 
-def _run_threads(inp: peers.Inputs, layout: str) -> list[dict[str, np.ndarray]]:
+def _run_threads(inp: workload.Inputs, layout: str) -> list[dict[str, np.ndarray]]:
     num_ranks = len(inp.xs)
     shared: dict[str, Any] = {
         "num_ranks": num_ranks, "slots": [None] * num_ranks,
@@ -240,16 +238,16 @@ def test_byte_formula_counts_reference_rows(layout: str) -> None:
     for inp in _check_inputs(4):
         ref, _ = _expected(inp, layout)
         want = [sum(int((res.recv_src_rank == s).sum()) for res in ref) for s in range(4)]
-        assert peers.rows_sent(inp, layout).tolist() == want
-        mean_bytes = np.mean(want) * inp.shape.hidden * peers.ITEMSIZE[inp.shape.dtype]
-        assert peers.bytes_per_rank(inp, layout, "dispatch") == pytest.approx(mean_bytes)
-        assert peers.bytes_per_rank(inp, layout, "combine") == pytest.approx(
+        assert workload.rows_sent(inp, layout).tolist() == want
+        mean_bytes = np.mean(want) * inp.shape.hidden * workload.ITEMSIZE[inp.shape.dtype]
+        assert workload.bytes_per_rank(inp, layout, "dispatch") == pytest.approx(mean_bytes)
+        assert workload.bytes_per_rank(inp, layout, "combine") == pytest.approx(
             np.mean(want) * inp.shape.hidden * 2  # the benchmark combines in BF16
         )
 
 
 def test_table_ratios_use_fastest_mpi_and_floor() -> None:
-    shape = peers.Shape(2, 128, 2048, "bf16", "uniform")
+    shape = workload.Shape(2, 128, 2048, "bf16", "uniform")
     medians = {"impi": 300.0, "openmpi": 200.0, "mpich": 400.0, "gloo": 1000.0, "memcpy": 50.0}
     rows = [
         peers.Row(s, "rank", shape, "dispatch", 1e6, Stats(m * 0.9, m, m * 1.5, 5))
@@ -264,7 +262,7 @@ def test_table_ratios_use_fastest_mpi_and_floor() -> None:
 
 
 def test_floor_report_compares_against_the_fastest_mpi() -> None:
-    shape = peers.Shape(2, 128, 2048, "bf16", "uniform")
+    shape = workload.Shape(2, 128, 2048, "bf16", "uniform")
     medians = {"ubep-asp-sp": 65.0, "impi": 100.0, "openmpi": 90.0, "mpich": 300.0, "gloo": 500.0}
     rows = [
         peers.Row(s, "rank", shape, op, 1e6, Stats(m, m, m, 3))

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from ubep import dtypes, reference
 from ubep.errors import InvalidArgumentError
 from ubep.handle import DispatchHandle
+from ubep.modes import LAYOUTS
 from ubep.routing import get_dispatch_layout, uniform_topk
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -258,14 +259,14 @@ def test_hand_built_rank_layout():
 
 
 @SETTINGS
-@given(cases(), st.sampled_from(["expert", "rank"]))
+@given(cases(), st.sampled_from(LAYOUTS))
 def test_dispatch_matches_brute_force(case, layout):
     xs, idxs, ws, num_experts, _ = case
     check_dispatch_against_brute(xs, idxs, ws, num_experts, layout)
 
 
 @SETTINGS
-@given(cases(), st.sampled_from(["expert", "rank"]))
+@given(cases(), st.sampled_from(LAYOUTS))
 def test_combine_matches_brute_force(case, layout):
     xs, idxs, ws, num_experts, dt = case
     res, rows_per_rank = check_dispatch_against_brute(xs, idxs, ws, num_experts, layout)
@@ -351,7 +352,7 @@ def test_fully_masked_token_combines_to_positive_zero():
     xs = [np.array([[1.0, -2.0], [3.0, 4.0]], np.float32)]
     idxs = [np.array([[-1, -1], [0, -1]])]
     ws = [np.array([[1, 1], [-1, 0]], np.float32)]
-    for layout in ("expert", "rank"):
+    for layout in LAYOUTS:
         res = reference.dispatch(xs, idxs, ws, 2, layout=layout)
         y = reference.combine([np.array([[0.0, -0.0]], np.float32)], res)
         # Token 0 has no slot; token 1 sums +0.0 + (-1 * 0.0) / + (-0.0): always +0.0.
@@ -378,7 +379,7 @@ def test_handles_pickle_and_combine_accepts_handles():
     xs = [np.arange(6, dtype=np.float32).reshape(3, 2)] * 2
     idxs = [uniform_topk(3, 4, 2, seed=r) for r in range(2)]
     ws = [np.ones((3, 2), np.float32)] * 2
-    for layout in ("expert", "rank"):
+    for layout in LAYOUTS:
         res = reference.dispatch(xs, idxs, ws, 4, layout=layout)
         handles = [pickle.loads(pickle.dumps(r.handle)) for r in res]
         assert all(isinstance(h, DispatchHandle) for h in handles)
@@ -393,7 +394,7 @@ def test_combine_needs_only_the_receivers_view():
     xs = [np.arange(12, dtype=np.float32).reshape(6, 2) + 100 * r for r in range(3)]
     idxs = [uniform_topk(6, 6, 3, seed=r, mask_prob=0.2) for r in range(3)]
     ws = [np.full((6, 3), 0.5, np.float32)] * 3
-    for layout in ("expert", "rank"):
+    for layout in LAYOUTS:
         res = reference.dispatch(xs, idxs, ws, 6, layout=layout)
         outs = [r.recv_x for r in res]
         bare = [dataclasses.replace(r.handle, send_dst_row=None) for r in res]
@@ -419,7 +420,7 @@ def test_send_dst_row_points_at_the_row():
     xs = [np.arange(12, dtype=np.float32).reshape(6, 2) + 100 * r for r in range(3)]
     idxs = [uniform_topk(6, 6, 3, seed=r, mask_prob=0.2) for r in range(3)]
     ws = [np.ones((6, 3), np.float32)] * 3
-    for layout in ("expert", "rank"):
+    for layout in LAYOUTS:
         res = reference.dispatch(xs, idxs, ws, 6, layout=layout)
         for s, r in enumerate(res):
             h = r.handle
@@ -576,3 +577,40 @@ def test_dtype_of_and_errors():
     assert err.value.argument == "dtype"
     with pytest.raises(InvalidArgumentError):
         dtypes.FP16.to_float32(np.zeros(2, np.float32))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_float64_option_accumulates_in_float64_in_the_reference_order(layout):
+    """float64=True (the torch test world's gradient checks): float64 payloads and weights move
+    unchanged and combine sums in float64, term by term in the documented order (a Python-float
+    oracle per token); without the option float64 is refused."""
+    rng = np.random.default_rng(5)
+    E, K, H = 4, 3, 5  # 2 ranks
+    xs = [rng.standard_normal((n, H)) for n in (4, 3)]
+    idxs = [uniform_topk(len(x), E, K, seed=r, mask_prob=0.2) for r, x in enumerate(xs)]
+    ws = [rng.standard_normal(i.shape) for i in idxs]
+    with pytest.raises(InvalidArgumentError):
+        reference.dispatch(xs, idxs, ws, E, layout=layout)
+    refs = reference.dispatch(xs, idxs, ws, E, layout=layout, float64=True)
+    for res in refs:
+        assert res.recv_x.dtype == np.float64 and res.recv_topk_weights.dtype == np.float64
+        for row in range(len(res.recv_src_rank)):
+            s, t = res.recv_src_rank[row], res.recv_src_token[row]
+            assert np.array_equal(res.recv_x[row], xs[s][t])
+    outs = [rng.standard_normal(res.recv_x.shape) for res in refs]
+    new_w = [rng.standard_normal(i.shape) for i in idxs] if layout == "expert" else None
+    ys = reference.combine(outs, refs, float64=True, topk_weights=new_w)
+    for s, y in enumerate(ys):
+        assert y.dtype == np.float64
+        for t in range(len(xs[s])):
+            acc = 0.0
+            terms = []  # (k or destination rank, value): the order of the sum
+            for r, res in enumerate(refs):
+                rows = np.nonzero((res.recv_src_rank == s) & (res.recv_src_token == t))[0]
+                for row in rows:
+                    k = int(res.recv_src_k[row])
+                    w = float(new_w[s][t, k]) if new_w is not None else 1.0
+                    terms.append((k if layout == "expert" else r, w * outs[r][row]))
+            for _, v in sorted(terms, key=lambda kv: kv[0]):
+                acc = acc + v
+            assert np.array_equal(y[t], np.zeros(H) + acc)

@@ -21,6 +21,7 @@ from ubep import dtypes, reference
 from ubep.buffer import Buffer, BufferConfig
 from ubep.errors import InvalidArgumentError, RankFailedError, UbepError
 from ubep.flags import DcCodec, SpCodec, SwFlag, TffCodec, as_row_bytes
+from ubep.modes import LAYOUTS
 from ubep.runtime import _native, launch  # type: ignore[attr-defined]
 
 # --- configuration --------------------------------------------------------------------------
@@ -224,7 +225,7 @@ def test_sp_rearms_stale_slots_before_readiness() -> None:
 
 def _worker_sp_check(group: Any, check: int) -> list[str]:
     errors = []
-    for layout in ("expert", "rank"):
+    for layout in LAYOUTS:
         case = Case("asp", "sp", layout, "bf16", 2, 300, "uniform")  # 600-byte rows
         with Buffer(group, case.config(24, sp_check_bytes=check)) as buf:
             for seed in range(5):
@@ -251,7 +252,7 @@ def _worker_nan_combine(group: Any, dtype: str) -> list[str]:
     # Expert outputs full of NaNs of every sign and payload, several meeting in one sum: the
     # result is the canonical NaN wherever a term was NaN, bit for bit with the reference.
     errors = []
-    for layout in ("expert", "rank"):
+    for layout in LAYOUTS:
         case = Case("asp", "sw", layout, dtype, 2, 300, "uniform")
         with Buffer(group, case.config(24)) as buf:
             res, refs = _call(buf, group, case, [24, 24], 3)

@@ -14,6 +14,7 @@ import itertools
 import pytest
 
 from _runtime_support import AXES, Case, pairwise_cases, run_case
+from ubep.modes import LAYOUTS, POLICIES
 from ubep.runtime import launch
 
 CASES = pairwise_cases()
@@ -70,7 +71,7 @@ def test_multicore_plans_bit_exact() -> None:
     BSP splits each phase over the cores and its barrier counts every core."""
     variants = []
     for policy, threads, layout in itertools.product(
-        ("expert_contiguous", "balanced", "hierarchical"), (True, False), ("expert", "rank")
+        POLICIES, (True, False), LAYOUTS
     ):
         case = Case("asp", "dc" if threads else "sp", layout, "bf16", 2, 2048, "hot")
         variants.append((case, {"num_cores": 3, "policy": policy, "threads": threads}))

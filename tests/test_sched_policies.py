@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ubep.errors import InvalidArgumentError
+from ubep.modes import LAYOUTS
 from ubep.routing import get_dispatch_layout, hot_experts_topk, uniform_topk
 from ubep.sched import (
     POLICIES,
@@ -98,7 +99,7 @@ def _check_plan_units(plan: Plan, idx: np.ndarray, topo: Topology, num_experts: 
     assert np.diff(ptr).max() - np.diff(ptr).min() <= 1
 
 
-@pytest.mark.parametrize("layout", ["expert", "rank"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @given(inst=instances())
 @settings(max_examples=40, deadline=None)
 def test_units_match_brute_force(layout: str, inst: tuple) -> None:
@@ -115,7 +116,7 @@ def _expert_token_sorted(plan: Plan) -> bool:
     return bool(np.all(np.diff(key) > 0))
 
 
-@pytest.mark.parametrize("layout", ["expert", "rank"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @given(inst=instances())
 @settings(max_examples=60, deadline=None)
 def test_policy_guarantees(layout: str, inst: tuple) -> None:

@@ -22,6 +22,7 @@ import pytest
 
 from ubep.buffer import Buffer, BufferConfig
 from ubep.errors import RankFailedError, UbepError
+from ubep.modes import LAYOUTS
 from ubep.runtime import _native, launch  # type: ignore[attr-defined]
 from ubep.runtime.abi import (
     CI_BYTES,
@@ -246,7 +247,7 @@ def _worker_forged_routing(group: Any, layout: str) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("layout", ["expert", "rank"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_forged_routing_raises_instead_of_writing_out_of_bounds(layout: str) -> None:
     results = launch(_worker_forged_routing, 2, layout, timeout_s=120)
     victim = results[0]

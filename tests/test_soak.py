@@ -9,13 +9,14 @@ import numpy as np
 from benchmarks.soak import (
     FAULT_KINDS,
     FaultSettings,
-    _same,
     check_contracts,
     draw_fault,
     make_blocks,
     run_fault_soak,
     run_soak,
 )
+
+from ubep.testing import same_bits as _same
 
 
 def test_blocks_cover_every_mode_and_routing_and_are_valid() -> None:

@@ -173,7 +173,7 @@ def test_dispatch_rejects_a_layout_that_does_not_match_topk_idx() -> None:
 
 
 def test_fp8_packing_round_trip_is_within_e4m3_precision() -> None:
-    from ubep.deep_ep import _quantize_fp8
+    from ubep.torch.fp8 import quantize_fp8 as _quantize_fp8
 
     x = torch.randn(4, 256) * torch.tensor([1e-3, 1.0, 30.0, 1e3])[:, None]
     q, s = _quantize_fp8(x, round_scale=False)
@@ -187,7 +187,7 @@ def test_fp8_packing_round_trip_is_within_e4m3_precision() -> None:
 
 def test_normal_mode_fp8_tuple_arrives_bit_for_bit() -> None:
     """(values, scales) rows land where the BF16 rows of the same routing land, unchanged."""
-    from ubep.deep_ep import _quantize_fp8
+    from ubep.torch.fp8 import quantize_fp8 as _quantize_fp8
 
     world = LocalWorld(R, E)
 

@@ -14,10 +14,9 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.torch
 
 from ubep.errors import InvalidArgumentError  # noqa: E402
+from ubep.modes import LAYOUTS  # noqa: E402
 from ubep.torch import LocalWorld, MoELayer, combine, dispatch, run_threads  # noqa: E402
 from ubep.torch._convert import from_numpy, to_numpy  # noqa: E402
-
-LAYOUTS = ["expert", "rank"]
 
 
 # --------------------------------------------------------------------------- conversion

@@ -17,6 +17,7 @@ pytestmark = pytest.mark.torch
 transformers = pytest.importorskip("transformers")
 
 from _hf_configs import VOCAB, tiny_mixtral, tiny_qwen3_moe  # noqa: E402
+from ubep.modes import LAYOUTS  # noqa: E402
 from ubep.runtime import launch  # noqa: E402
 from ubep.torch import MoELayer  # noqa: E402
 from ubep.torch._runtime import make_backend  # noqa: E402
@@ -97,7 +98,7 @@ def _worker(group: Any) -> dict[str, Any]:
     torch.set_num_threads(COMPUTE_THREADS)
     out: dict[str, Any] = {}
     opts = {"timeout_s": 30.0}  # a wait that cannot finish fails the test instead of hanging it
-    for layout in ("expert", "rank"):
+    for layout in LAYOUTS:
         for dtype in (torch.float32, torch.bfloat16):
             backend = make_backend(
                 group,
@@ -137,7 +138,7 @@ def results() -> list[dict[str, Any]]:
     return launch(_worker, R, timeout_s=240)
 
 
-@pytest.mark.parametrize("layout", ["expert", "rank"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_moe_layer_on_two_processes_matches_dense(
     results: list[dict[str, Any]], layout: str, dtype: torch.dtype
@@ -154,7 +155,7 @@ def test_moe_layer_on_two_processes_matches_dense(
             torch.testing.assert_close(got, ref[r], rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("layout", ["expert", "rank"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_training_gradients_on_two_processes_match_dense(
     results: list[dict[str, Any]], layout: str
 ) -> None:
@@ -185,7 +186,7 @@ def test_hf_model_on_two_processes_matches_eager(results: list[dict[str, Any]], 
 def test_decode_cli_ubep_and_gloo_agree_token_for_token() -> None:
     """``ubep decode`` machinery on a tiny shape: the gloo all_to_all baseline is an independent
     implementation of the same experts, so both must produce the same greedy tokens."""
-    from ubep.torch_decode import DecodeConfig, format_table, run_decode
+    from benchmarks.torch_decode import DecodeConfig, format_table, run_decode
 
     cfg = DecodeConfig(
         hidden=64,

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.torch
 
 import _torchrun_worker as worker  # noqa: E402
 from ubep import reference  # noqa: E402
-from ubep.dist.selftest import FIELDS, bits  # noqa: E402
+from ubep.testing import FIELDS, bits  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
 WORKER = TESTS / "_torchrun_worker.py"

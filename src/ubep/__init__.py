@@ -3,7 +3,8 @@
 Re-exports only; nothing heavy is imported here (torch stays optional).
 """
 
-from .buffer import Buffer, BufferConfig, DispatchResult
+from .buffer import Buffer, DispatchResult
+from .config import BufferConfig
 from .dtypes import BF16, FP16, FP32, INT8, UINT8, DType
 from .errors import (
     InvalidArgumentError,

@@ -43,6 +43,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from . import dtypes as _dt
+from .config import BufferConfig
 from .errors import (
     InvalidArgumentError,
     OutOfStepError,
@@ -52,6 +53,7 @@ from .errors import (
 )
 from .group_adapter import as_process_group
 from .handle import DispatchHandle, DispatchResult
+from .modes import ENGINES, SYNCS
 from .routing import experts_per_rank
 from .runtime.abi import (
     E_BAD_INPUT,
@@ -66,6 +68,8 @@ from .runtime.group import GlobalMemory, ProcessGroup
 from .runtime.layout import SegmentLayout, compute_layout
 from .runtime.shm import Segment
 
+# ENGINES and SYNCS stay importable from here (ubep.modes owns them); BufferConfig lives in
+# ubep.config
 __all__ = [
     "ENGINES",
     "SYNCS",
@@ -75,116 +79,7 @@ __all__ = [
     "RuntimeHandle",
 ]
 
-ENGINES = ("asp", "bsp")
-SYNCS = ("sw", "tff", "dc", "sp")
-_LAYOUTS = ("expert", "rank")
-_POLICIES = ("expert_contiguous", "balanced", "hierarchical")
 _T = TypeVar("_T")
-
-
-@dataclass(frozen=True)
-class BufferConfig:
-    """Shape and behaviour of a :class:`Buffer` (identical on every rank).
-
-    Attributes:
-        max_tokens_per_rank: most tokens one rank dispatches in one call.
-        hidden: elements per token row.
-        num_topk: experts per token (``topk_idx`` columns).
-        num_experts: global experts, a multiple of the number of ranks.
-        dtype: payload type, a ``ubep.dtypes`` name (``"bf16"``, ``"fp16"``, ``"fp32"``,
-            ``"int8"``, ``"uint8"``) or a numpy dtype / array of it.
-        layout: ``"expert"`` (one row per (token, expert)) or ``"rank"`` (one per (token, rank)).
-        engine: ``"asp"`` (UBEP task graph) or ``"bsp"`` (CANN-EP-style phases and barriers).
-        sync: ``"sw"``, ``"tff"``, ``"dc"`` or ``"sp"`` (docs/FORMATS.md). SP needs a float
-            payload (1-byte types have no free sentinel).
-        num_cores: cores (threads) per rank; ``None`` = the group topology's ``cores_per_rank``.
-        policy: token scheduler of the ASP send cores (``ubep.sched.schedule``).
-        timeout_s: deadline of every wait inside one call.
-        combine_dtype: type of the expert outputs combine takes and returns; ``None`` = ``dtype``
-            for float payloads, ``"bf16"`` for 1-byte ones (W8A8 dispatch, BF16 combine).
-        threads: run cores as threads (``True``) or all on the calling thread (``False``);
-            ``None`` = threads when ``num_cores * num_ranks`` fits the hardware threads.
-        tff_block_bytes, tff_flag_bytes: TFF block geometry (default 512 = 480 + 32).
-        sp_check_bytes: SP arms and polls the last ``sp_check_bytes`` of each row, which the
-            writer stores after the rest behind a release fence (docs/FORMATS.md); ``0`` arms
-            and polls every element of the row, the paper's SP, which needs no store order.
-    """
-
-    max_tokens_per_rank: int
-    hidden: int
-    num_topk: int
-    num_experts: int
-    dtype: Any
-    layout: str = "expert"
-    engine: str = "asp"
-    sync: str = "sp"
-    num_cores: int | None = None
-    policy: str = "hierarchical"
-    timeout_s: float = 60.0
-    combine_dtype: Any = None
-    threads: bool | None = None
-    tff_block_bytes: int = 512
-    tff_flag_bytes: int = 32
-    sp_check_bytes: int = 32
-
-    def __post_init__(self) -> None:
-        for name in ("max_tokens_per_rank", "hidden", "num_topk", "num_experts"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise InvalidArgumentError(name, value, "must be a positive integer")
-            object.__setattr__(self, name, int(value))
-        if self.num_topk > self.num_experts:
-            raise InvalidArgumentError(
-                "num_topk", self.num_topk, f"must be <= num_experts={self.num_experts}"
-            )
-        dt = _dt.dtype_of(self.dtype, argument="dtype")
-        object.__setattr__(self, "dtype", dt.name)
-        cdt_raw = self.combine_dtype
-        if cdt_raw is None:
-            cdt_raw = dt.name if dt.is_float else "bf16"
-        cdt = _dt.dtype_of(cdt_raw, argument="combine_dtype")
-        if not cdt.is_float:
-            raise InvalidArgumentError("combine_dtype", cdt.name, "must be bf16, fp16 or fp32")
-        if dt.is_float and cdt != dt:
-            raise InvalidArgumentError(
-                "combine_dtype", cdt.name, f"must equal dtype ({dt.name}) for a float payload"
-            )
-        object.__setattr__(self, "combine_dtype", cdt.name)
-        _choice("layout", self.layout, _LAYOUTS)
-        _choice("engine", self.engine, ENGINES)
-        _choice("sync", self.sync, SYNCS)
-        _choice("policy", self.policy, _POLICIES)
-        if self.sync == "sp" and dt.sentinel is None:
-            raise InvalidArgumentError(
-                "sync", "sp",
-                f"{dt.name} payloads have no bit pattern free for a sentinel: use sync='tff' or "
-                "sync='dc'",
-            )
-        if self.num_cores is not None and (
-            isinstance(self.num_cores, bool) or not isinstance(self.num_cores, int)
-            or not 1 <= self.num_cores <= 256
-        ):
-            raise InvalidArgumentError("num_cores", self.num_cores, "must be None or in [1, 256]")
-        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
-            raise InvalidArgumentError("timeout_s", self.timeout_s, "must be > 0")
-        if self.threads is not None and not isinstance(self.threads, bool):
-            raise InvalidArgumentError("threads", self.threads, "must be None, True or False")
-        flag = self.tff_flag_bytes
-        if not isinstance(flag, int) or flag < 8 or flag % 8:
-            raise InvalidArgumentError("tff_flag_bytes", flag, "must be >= 8, a multiple of 8")
-        block = self.tff_block_bytes
-        if not isinstance(block, int) or block % 64 or block <= flag:
-            raise InvalidArgumentError(
-                "tff_block_bytes", block, f"must be a multiple of 64 larger than {flag}"
-            )
-        check = self.sp_check_bytes
-        if isinstance(check, bool) or not isinstance(check, int) or check < 0 or check % 8:
-            raise InvalidArgumentError("sp_check_bytes", check, "must be >= 0, a multiple of 8")
-
-
-def _choice(name: str, value: object, options: tuple[str, ...]) -> None:
-    if value not in options:
-        raise InvalidArgumentError(name, value, f"must be one of {options}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -345,12 +240,12 @@ class Buffer:
         threads = self.config.threads
         if threads is None:
             threads = cores * self.num_ranks <= (os.cpu_count() or 1)
-        params = engine_params(self.config, lay, rank=self.rank, num_ranks=self.num_ranks,
-                               num_cores=cores, threaded=bool(threads) and cores > 1)
         if mem.addresses is not None:
+            params = engine_params(self.config, lay, rank=self.rank, num_ranks=self.num_ranks,
+                                   num_cores=cores, threaded=bool(threads) and cores > 1)
             self._engine = self._native.Engine(params, mem.addresses, mem.pids, mem.start_times)
         else:
-            self._engine = mem.make_engine(params)  # peers on other hosts (ubep.dist)
+            self._engine = mem.make_engine(self.config, lay)  # peers on other hosts (ubep.dist)
         self._engine.reset_all()
         # Every peer has mapped every segment once this barrier completes: unlink the names so
         # nothing survives a crash from here on.

@@ -17,7 +17,7 @@ _COMMAND_MODULES = (
     "ubep.demo",
     "ubep.sim.cli",
     "ubep.doctor",
-    "ubep.torch_decode",
+    "ubep.benchmarks_cli",
 )
 
 

@@ -24,10 +24,10 @@ from typing import Generic, TypeVar
 import numpy as np
 
 from .errors import InvalidArgumentError
+from .modes import LAYOUTS
 
-__all__ = ["LAYOUTS", "DispatchHandle", "DispatchResult"]
+__all__ = ["DispatchHandle", "DispatchResult"]
 
-LAYOUTS = ("expert", "rank")
 H = TypeVar("H")
 
 

@@ -35,10 +35,16 @@ leaves the payload of ``NaN + NaN`` to the implementation.
 INT8, UINT8/FP8). Combine needs float data: ``expert_outs`` must have ``x``'s dtype when ``x`` is
 a float type; when ``x`` was a 1-byte type (W8A8 dispatch), ``expert_outs`` may be any float type
 (the same on every rank) and the output has that type, as in DeepEP's FP8 dispatch / BF16 combine.
+
+**float64** (``float64=True``; only for in-process worlds such as ``ubep.torch.LocalWorld``,
+whose float64 gradient checks need it, never a runtime): payloads and weights may also be
+float64; float64 expert outputs accumulate in float64, in the same order and with the same
+rounding points (every other type still accumulates in float32).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,10 +52,14 @@ import numpy as np
 
 from .dtypes import DType, as_storage, dtype_of
 from .errors import InvalidArgumentError
-from .handle import LAYOUTS, DispatchHandle, DispatchResult
+from .handle import DispatchHandle, DispatchResult
+from .modes import LAYOUTS
 from .routing import experts_per_rank, validate_topk_idx
 
-__all__ = ["RefDispatchResult", "combine", "dispatch"]
+__all__ = ["FP64", "RefDispatchResult", "combine", "dispatch"]
+
+#: The float64 payload type ``float64=True`` admits (module docstring); no runtime moves it.
+FP64 = DType("fp64", np.dtype(np.float64), True, None)
 
 
 # The reference's results are the shared result type, typed with the plain handle.
@@ -66,6 +76,7 @@ class _Inputs:
     local: int  # experts per rank
     num_topk: int
     hidden: int
+    weight_dtype: np.dtype  # float32 (float64 only with float64=True)
 
 
 def dispatch(
@@ -75,6 +86,7 @@ def dispatch(
     num_experts: int,
     *,
     layout: str = "expert",
+    float64: bool = False,
 ) -> list[RefDispatchResult]:
     """Dispatch every rank's tokens to the ranks owning their experts.
 
@@ -85,18 +97,23 @@ def dispatch(
         topk_weights: per rank ``[num_tokens_r, num_topk]`` float32.
         num_experts: global expert count, a multiple of ``len(xs)``.
         layout: ``"expert"`` or ``"rank"`` (module docstring).
+        float64: also accept float64 payloads and weights (module docstring, "float64").
 
     Returns:
         One :class:`RefDispatchResult` per rank, in rank order.
     """
-    inp = _validate_dispatch(xs, topk_idxs, topk_weights, num_experts, layout)
+    inp = _validate_dispatch(xs, topk_idxs, topk_weights, num_experts, layout, float64)
     if layout == "expert":
         return _dispatch_expert(inp, num_experts)
     return _dispatch_rank(inp, num_experts)
 
 
 def combine(
-    expert_outs: Sequence[object], results: Sequence[RefDispatchResult | DispatchHandle]
+    expert_outs: Sequence[object],
+    results: Sequence[RefDispatchResult | DispatchHandle],
+    *,
+    float64: bool = False,
+    topk_weights: Sequence[object | None] | None = None,
 ) -> list[np.ndarray]:
     """Send expert outputs back and reduce them per source token (module docstring).
 
@@ -104,21 +121,36 @@ def combine(
         expert_outs: per rank ``[rows_r, hidden]``, row ``i`` answering row ``i`` of that rank's
             ``recv_x``; a float type (module docstring, "Types").
         results: the per-rank dispatch results (or their handles) of the matching dispatch.
+        float64: also accept float64 expert outputs and weights, accumulated in float64
+            (module docstring, "float64").
+        topk_weights: ``layout="expert"`` only: per rank, the weights to combine with instead
+            of the dispatched ones (``[num_tokens_r, num_topk]``; ``None`` entries keep them).
 
     Returns:
         Per rank ``[num_tokens_r, hidden]`` combined output.
     """
     handles = _validate_handles(results)
-    outs, out_dtype = _validate_expert_outs(expert_outs, handles)
-    outs_f32 = [out_dtype.to_float32(o) for o in outs]
+    if topk_weights is not None:
+        handles = _reweighted(handles, topk_weights, float64)
+    outs, out_dtype = _validate_expert_outs(expert_outs, handles, float64)
+    outs_acc = [_to_acc(out_dtype, o) for o in outs]
     # Where each source row's answer lies is defined by the receivers' recv_src_* (what a
     # backend's receiver knows), not by the optional send_dst_row.
     dst_rows = _dst_rows_from_receivers(handles)
     reduce = _combine_expert if handles[0].layout == "expert" else _combine_rank
     return [
-        out_dtype.from_float32(reduce(h, rows, outs_f32))
+        _from_acc(out_dtype, reduce(h, rows, outs_acc))
         for h, rows in zip(handles, dst_rows, strict=True)
     ]
+
+
+def _to_acc(dtype: DType, a: np.ndarray) -> np.ndarray:
+    """Exact values in the accumulation type: float64 for FP64, float32 for the rest."""
+    return a if dtype is FP64 else dtype.to_float32(a)
+
+
+def _from_acc(dtype: DType, acc: np.ndarray) -> np.ndarray:
+    return acc if dtype is FP64 else dtype.from_float32(acc)
 
 
 # --- dispatch -------------------------------------------------------------------------------
@@ -146,7 +178,7 @@ def _dispatch_expert(inp: _Inputs, num_experts: int) -> list[RefDispatchResult]:
         sl = slice(rank_start[r], rank_start[r + 1])
         r_src, r_tok, r_k = src_all[sl], tok_all[sl], k_all[sl]
         recv_x = _gather_rows(inp.xs, r_src, r_tok, inp)
-        weights = _gather_weights(inp.topk_weights, r_src, r_tok, r_k)
+        weights = _gather_weights(inp.topk_weights, r_src, r_tok, r_k, inp.weight_dtype)
         per_expert = np.bincount(expert[sl] - r * inp.local, minlength=inp.local)
         handle = _make_handle(inp, num_experts, "expert", r, send_dst_row[r], r_src, r_tok, r_k)
         results.append(
@@ -184,12 +216,12 @@ def _dispatch_rank(inp: _Inputs, num_experts: int) -> list[RefDispatchResult]:
             toks.append(t.astype(np.int64))
         r_src, r_tok = np.concatenate(srcs), np.concatenate(toks)
         r_idx = np.empty((len(r_src), inp.num_topk), dtype=np.int64)
-        r_w = np.empty((len(r_src), inp.num_topk), dtype=np.float32)
+        r_w = np.empty((len(r_src), inp.num_topk), dtype=inp.weight_dtype)
         for s in range(inp.num_ranks):
             mine = r_src == s
             here = owner[s][r_tok[mine]] == r
             r_idx[mine] = np.where(here, inp.topk_idxs[s][r_tok[mine]] - r * inp.local, -1)
-            r_w[mine] = np.where(here, inp.topk_weights[s][r_tok[mine]], np.float32(0))
+            r_w[mine] = np.where(here, inp.topk_weights[s][r_tok[mine]], inp.weight_dtype.type(0))
         r_k = np.argmax(r_idx >= 0, axis=1).astype(np.int64)
         per_expert = np.bincount(r_idx[r_idx >= 0], minlength=inp.local).astype(np.int64)
         handle = _make_handle(inp, num_experts, "rank", r, send_dst_row[r], r_src, r_tok, r_k)
@@ -236,9 +268,9 @@ def _gather_rows(
 
 
 def _gather_weights(
-    ws: list[np.ndarray], src: np.ndarray, tok: np.ndarray, k: np.ndarray
+    ws: list[np.ndarray], src: np.ndarray, tok: np.ndarray, k: np.ndarray, dtype: np.dtype
 ) -> np.ndarray:
-    out = np.empty(len(src), dtype=np.float32)
+    out = np.empty(len(src), dtype=dtype)
     for s, w in enumerate(ws):
         mine = src == s
         out[mine] = w[tok[mine], k[mine]]
@@ -316,31 +348,32 @@ def _dst_rows_from_receivers(handles: list[DispatchHandle]) -> list[np.ndarray]:
 
 
 def _combine_expert(
-    h: DispatchHandle, dst_row: np.ndarray, outs_f32: list[np.ndarray]
+    h: DispatchHandle, dst_row: np.ndarray, outs_acc: list[np.ndarray]
 ) -> np.ndarray:
-    acc = np.zeros((h.num_tokens, h.hidden), dtype=np.float32)
+    acc_dtype = outs_acc[0].dtype  # float32 (float64: module docstring)
+    acc = np.zeros((h.num_tokens, h.hidden), dtype=acc_dtype)
     local = h.num_local_experts
     for k in range(h.num_topk):
         tok = np.nonzero(h.topk_idx[:, k] >= 0)[0]
         if not len(tok):
             continue
         dst = h.topk_idx[tok, k] // local
-        term = np.empty((len(tok), h.hidden), dtype=np.float32)
+        term = np.empty((len(tok), h.hidden), dtype=acc_dtype)
         for d in np.unique(dst):
             mine = dst == d
-            term[mine] = outs_f32[d][dst_row[tok[mine], k]]
+            term[mine] = outs_acc[d][dst_row[tok[mine], k]]
         # Two float32 ufuncs: the product is rounded before the add (no FMA), as specified.
-        term = h.topk_weights[tok, k][:, None] * term
+        term = h.topk_weights[tok, k].astype(acc_dtype, copy=False)[:, None] * term
         acc[tok] = acc[tok] + term
     return acc
 
 
-def _combine_rank(h: DispatchHandle, dst_row: np.ndarray, outs_f32: list[np.ndarray]) -> np.ndarray:
-    acc = np.zeros((h.num_tokens, h.hidden), dtype=np.float32)
+def _combine_rank(h: DispatchHandle, dst_row: np.ndarray, outs_acc: list[np.ndarray]) -> np.ndarray:
+    acc = np.zeros((h.num_tokens, h.hidden), dtype=outs_acc[0].dtype)
     for d in range(h.num_ranks):
         tok = np.nonzero(dst_row[:, d] >= 0)[0]
         if len(tok):
-            acc[tok] = acc[tok] + outs_f32[d][dst_row[tok, d]]
+            acc[tok] = acc[tok] + outs_acc[d][dst_row[tok, d]]
     return acc
 
 
@@ -358,8 +391,24 @@ def _as_list(value: object, argument: str, length: int | None) -> list[object]:
     return items
 
 
+def _payload(arr: object, argument: str, float64: bool) -> tuple[np.ndarray, DType]:
+    a = np.asarray(arr)
+    if float64 and a.dtype == np.float64:
+        return a, FP64
+    return as_storage(a, argument=argument)
+
+
+def _weights(arr: object, argument: str, float64: bool) -> np.ndarray:
+    w = np.asarray(arr)
+    if w.dtype != np.float32 and not (float64 and w.dtype == np.float64):
+        raise InvalidArgumentError(argument, w.dtype,
+                                   "must be float32 (or float64)" if float64 else "must be float32")
+    return w
+
+
 def _validate_dispatch(
-    xs: object, topk_idxs: object, topk_weights: object, num_experts: int, layout: str
+    xs: object, topk_idxs: object, topk_weights: object, num_experts: int, layout: str,
+    float64: bool,
 ) -> _Inputs:
     if layout not in LAYOUTS:
         raise InvalidArgumentError("layout", layout, f"must be one of {LAYOUTS}")
@@ -372,7 +421,7 @@ def _validate_dispatch(
     arrays: list[np.ndarray] = []
     dtype: DType | None = None
     for r, x in enumerate(x_list):
-        a, dt = as_storage(x, argument=f"xs[{r}]")
+        a, dt = _payload(x, f"xs[{r}]", float64)
         if a.ndim != 2 or a.shape[1] < 1:
             raise InvalidArgumentError(f"xs[{r}]", a.shape, "must be [num_tokens, hidden>=1]")
         if dtype is not None and (dt != dtype or a.shape[1] != arrays[0].shape[1]):
@@ -394,9 +443,7 @@ def _validate_dispatch(
             raise InvalidArgumentError(
                 f"topk_idxs[{r}]", idx.shape, "num_topk must be >= 1 and equal on every rank"
             )
-        w = np.asarray(w_list[r])
-        if w.dtype != np.float32:
-            raise InvalidArgumentError(f"topk_weights[{r}]", w.dtype, "must be float32")
+        w = _weights(w_list[r], f"topk_weights[{r}]", float64)
         if w.shape != idx.shape:
             raise InvalidArgumentError(
                 f"topk_weights[{r}]", w.shape, f"must match topk_idxs[{r}] {idx.shape}"
@@ -404,7 +451,7 @@ def _validate_dispatch(
         idxs.append(idx)
         ws.append(np.ascontiguousarray(w))
     return _Inputs(arrays, dtype, idxs, ws, num_ranks, local, idxs[0].shape[1],
-                   int(arrays[0].shape[1]))
+                   int(arrays[0].shape[1]), np.result_type(*ws))
 
 
 def _validate_handles(results: object) -> list[DispatchHandle]:
@@ -431,15 +478,34 @@ def _validate_handles(results: object) -> list[DispatchHandle]:
     return handles
 
 
+def _reweighted(handles: list[DispatchHandle], topk_weights: object,
+                float64: bool) -> list[DispatchHandle]:
+    """The handles with the weights of ``topk_weights`` (``None`` entries: unchanged)."""
+    items = _as_list(topk_weights, "topk_weights", len(handles))
+    if handles[0].layout != "expert":
+        raise InvalidArgumentError("topk_weights", "given", "the rank layout combines without "
+                                   "weights")
+    out = []
+    for r, (h, w) in enumerate(zip(handles, items, strict=True)):
+        if w is not None:
+            w = _weights(w, f"topk_weights[{r}]", float64)
+            if w.shape != h.topk_idx.shape:
+                raise InvalidArgumentError(f"topk_weights[{r}]", w.shape,
+                                           f"must match rank {r}'s topk_idx {h.topk_idx.shape}")
+            h = dataclasses.replace(h, topk_weights=w)
+        out.append(h)
+    return out
+
+
 def _validate_expert_outs(
-    expert_outs: object, handles: list[DispatchHandle]
+    expert_outs: object, handles: list[DispatchHandle], float64: bool
 ) -> tuple[list[np.ndarray], DType]:
     items = _as_list(expert_outs, "expert_outs", len(handles))
-    x_dtype = dtype_of(handles[0].x_dtype)
+    x_dtype = FP64 if handles[0].x_dtype == FP64.name else dtype_of(handles[0].x_dtype)
     outs: list[np.ndarray] = []
     out_dtype: DType | None = None
     for r, (item, h) in enumerate(zip(items, handles, strict=True)):
-        a, dt = as_storage(item, argument=f"expert_outs[{r}]")
+        a, dt = _payload(item, f"expert_outs[{r}]", float64)
         if a.shape != (h.num_recv_rows, h.hidden):
             raise InvalidArgumentError(
                 f"expert_outs[{r}]", a.shape,

@@ -59,44 +59,36 @@ finished the call.
 from __future__ import annotations
 
 import functools
-import time
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .. import dtypes as _dt
 from ..errors import InvalidArgumentError, TimeoutError
-from ..runtime.abi import E_BAD_INPUT, E_INTERNAL, E_LOST, E_PEER_LOST, E_REMOTE, E_TIMEOUT
+from ..flags import TffCodec
+from ..runtime.abi import (
+    E_BAD_INPUT,
+    E_INTERNAL,
+    load_native,
+)
 from ..runtime.abi import HEADER_BYTES as _HEADER_BYTES
 from .memory import DistGlobalMemory
+from .protocol import (
+    _LINE,
+    RmaProtocol,
+    _CtrlLayout,
+    _Op,
+    _OpError,
+    _u8,
+    record_check,
+)
+
+if TYPE_CHECKING:
+    from ..config import BufferConfig
+    from ..runtime.layout import SegmentLayout
 
 __all__ = ["RmaEngine", "record_check"]
-
-_SYNCS = ("sw", "tff", "dc", "sp")
-_DT_NAMES = {0: "bf16", 1: "fp16", 2: "fp32", 3: "int8", 4: "uint8"}
-_LINE = 64
-_FAIL_BYTES = 512
-_FAIL_MSG_MAX = 472  # the notice payload: [length u64][code u64][UTF-8 text]
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_LIVENESS_PERIOD_NS = 10_000_000
-
-
-def record_check(payload: np.ndarray, epoch: int) -> int:
-    """Check word of a control record: the DC formula of docs/FORMATS.md over the payload's
-    little-endian u64 words (zero padded), never 0."""
-    raw = np.ascontiguousarray(payload).reshape(-1).view(np.uint8)
-    pad = (-raw.size) % 8
-    if pad:
-        raw = np.concatenate([raw, np.zeros(pad, np.uint8)])
-    words = raw.view("<u8").astype(np.uint64)
-    with np.errstate(over="ignore"):
-        s1 = np.sum(words, dtype=np.uint64)
-        s2 = np.sum(words * np.arange(1, words.size + 1, dtype=np.uint64), dtype=np.uint64)
-        rot = (s2 << np.uint64(29)) | (s2 >> np.uint64(35))
-        value = int(s1 ^ rot ^ (np.uint64(epoch) * _GOLDEN))
-    return value or 1
 
 
 @dataclass
@@ -109,87 +101,30 @@ class _Units:
     to: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
 
 
-class _OpError(Exception):
-    """Ends an operation; becomes the native engine's error tuple."""
-
-    def __init__(self, code: int, peer: int, what: str, arg: str = "", msg: str = "",
-                 core: int = 0) -> None:
-        super().__init__(what)
-        self.code, self.peer, self.what, self.arg, self.msg = code, peer, what, arg, msg
-        self.core = core  # the error tuple's core slot: for E_REMOTE, the remote's code
-
-
-class _Op:
-    def __init__(self, kind: int, epoch: int, timeout_ns: int) -> None:
-        self.kind = kind  # 0 dispatch, 1 combine, 2 wait_done
-        self.epoch = epoch
-        self.par = epoch & 1
-        self.deadline = time.monotonic_ns() + timeout_ns
-
-
-class _CtrlLayout:
-    """Offsets of one rank's control window (records written by peers, indexed by source)."""
-
-    def __init__(self, R: int, E: int, K: int, cap_src_rows: int, expert: bool) -> None:
-        self.R = R
-        self.meta_dtype = np.dtype(
-            [("t", "<i4"), ("k", "<i4"), ("e", "<i4"), ("w", "<f4")] if expert else
-            [("t", "<i4"), ("k", "<i4"), ("e", "<i4", (K,)), ("w", "<f4", (K,))]
-        )
-        self.counts_payload = _align(4 * E + 4 * R, 8)
-        rec = _align(self.counts_payload + 16, _LINE)
-        off = 0
-        self.fail = off
-        off += R * 2 * _FAIL_BYTES
-        self.done = off  # [parity][src] done records
-        off += 2 * R * _LINE
-        self.ready = off  # [parity][src] BSP readiness
-        off += 2 * R * _LINE
-        self.barrier = off  # [phase 1..3][src]
-        off += 3 * R * _LINE
-        self.flag = off  # [parity][src] SW / DC records
-        off += 2 * R * _LINE
-        self.comb_info = off  # [parity][src]
-        off += 2 * R * _LINE
-        self.counts = off  # [parity][src]
-        self.counts_rec = rec
-        off += 2 * R * rec
-        self.meta = _align(off, _LINE)  # [parity][src] per-row metadata
-        self.meta_bytes = _align(max(cap_src_rows, 1) * self.meta_dtype.itemsize, _LINE)
-        off = self.meta + 2 * R * self.meta_bytes
-        self.size_bytes = _align(off, 4096)
-
-    def slot(self, base: int, par: int, src: int, size: int = _LINE) -> int:
-        return base + (par * self.R + src) * size
-
-
-def _align(v: int, a: int) -> int:
-    return -(-v // a) * a
-
-
-class RmaEngine:
+class RmaEngine(RmaProtocol):
     """Dispatch/combine of one Buffer whose peers are (partly) on other hosts."""
 
-    def __init__(self, params: dict[str, int], data: DistGlobalMemory) -> None:
-        p = dict(params)
-        self.p = p
+    def __init__(self, config: BufferConfig, layout: SegmentLayout,
+                 data: DistGlobalMemory) -> None:
+        self.lay = layout
         self.data = data
         self.group = data.group
-        self.rank, self.R, self.L = p["rank"], p["num_ranks"], p["num_local_experts"]
-        self.E, self.K, self.T = p["num_experts"], p["num_topk"], p["max_tokens"]
-        self.hidden, self.isz, self.cisz = p["hidden"], p["itemsize"], p["combine_itemsize"]
-        self.sync = _SYNCS[p["sync"]]
-        self.bsp = p["engine"] == 1
-        self.expert = p["layout"] == 0
-        self.nreg, self.cap_rows, self.cap_src = p["num_regions"], p["cap_rows"], p["cap_src_rows"]
-        self.row_bytes, self.slot_bytes = p["row_bytes"], p["slot_bytes"]
-        self.out_stride, self.crow_bytes = p["out_stride"], p["combine_row_bytes"]
-        self.tff_block, self.tff_flag = p["tff_block_bytes"], p["tff_flag_bytes"]
-        self.tff_payload = self.tff_block - self.tff_flag
-        self.tff_nblocks = -(-self.row_bytes // self.tff_payload)
-        self.seg_size, self.timeout_ns = p["seg_size"], p["timeout_ns"]
-        self.cdtype = _dt.dtype_of(_DT_NAMES[p["combine_dtype"]])
-        self.land_is_out = p["off_land"] == p["off_out"]
+        self.rank, self.R = data.group.rank, data.group.num_ranks
+        self.E, self.K, self.T = config.num_experts, config.num_topk, config.max_tokens_per_rank
+        self.L = self.E // self.R
+        self.hidden = config.hidden
+        self.sync = config.sync
+        self.bsp = config.engine == "bsp"
+        self.expert = config.layout == "expert"
+        self.nreg, self.cap_rows, self.cap_src = (layout.num_regions, layout.cap_rows,
+                                                  layout.cap_src_rows)
+        self.row_bytes, self.slot_bytes = layout.row_bytes, layout.slot_bytes
+        self.out_stride, self.crow_bytes = layout.out_stride, layout.combine_row_bytes
+        self.tff = TffCodec(config.tff_block_bytes, config.tff_flag_bytes)
+        self.tff_nblocks = self.tff.num_blocks(self.row_bytes)
+        self.seg_size, self.timeout_ns = layout.size_bytes, int(config.timeout_s * 1e9)
+        self.cdtype = _dt.dtype_of(config.combine_dtype)
+        self.land_is_out = layout.off_land == layout.off_out
         if self.sync == "sp":
             raise InvalidArgumentError(
                 "sync", "sp",
@@ -266,8 +201,8 @@ class RmaEngine:
                 raise TimeoutError(f"rank {self.rank}: resync: {err.what}") from None
             mem.flush_all()
         self.ctrl.local_array[:] = 0
-        land = self.p["off_land"]
-        self.data.local_array[land: land + self._land_regions() * self.p["land_bytes"]] = 0
+        land = self.lay.off_land
+        self.data.local_array[land: land + self._land_regions() * self.lay.land_bytes] = 0
         self.data.sync()
         self.ctrl.sync()
         self._done_seen = [base_epoch - 1] * self.R
@@ -384,213 +319,6 @@ class RmaEngine:
         meta["t"], meta["k"], meta["e"], meta["w"] = t, k, e, w
         return meta
 
-    # --- records ------------------------------------------------------------------------
-
-    def _put_record(self, mem: DistGlobalMemory, dst: int, off: int, payload: np.ndarray,
-                    epoch: int, extra: np.ndarray | None = None) -> None:
-        """One put of ``[payload][check][epoch]``; ``extra`` (already put) is covered too."""
-        raw = np.ascontiguousarray(payload).reshape(-1).view(np.uint8)
-        body = raw if extra is None else np.concatenate([raw, _u8(extra)])
-        rec = np.zeros(_align(raw.size, 8) + 16, np.uint8)
-        rec[:raw.size] = raw
-        rec[-16:] = np.array([record_check(body, epoch), epoch], "<u8").view(np.uint8)
-        mem.put(dst, off, rec)
-
-    def _read_record(self, off: int, nbytes: int, epoch: int | None,
-                     extra: np.ndarray | None = None) -> tuple[int, np.ndarray] | None:
-        """``(epoch, payload)`` of a complete record in this rank's control window, else None
-        (also when ``epoch`` is given and differs)."""
-        arr = self.ctrl.local_array
-        size = _align(nbytes, 8)
-        got = int(arr[off + size + 8: off + size + 16].view("<u8")[0])
-        if got == 0 or (epoch is not None and got != epoch):
-            return None
-        payload = arr[off: off + nbytes].copy()
-        check = int(arr[off + size: off + size + 8].view("<u8")[0])
-        body = payload if extra is None else np.concatenate([payload, _u8(extra)])
-        if check != record_check(body, got):
-            return None
-        # The epoch word was read first: if it changed meanwhile the record is being rewritten.
-        if int(arr[off + size + 8: off + size + 16].view("<u8")[0]) != got:
-            return None
-        return got, payload
-
-    def _has_record(self, off: int, nbytes: int, epoch: int) -> bool:
-        return self._read_record(off, nbytes, epoch) is not None
-
-    def _done_geq(self, q: int, epoch: int) -> bool:
-        return self._done_of(q) >= epoch
-
-    def _publish_done(self, epoch: int, code: int) -> None:
-        """"Call ``epoch`` is over here, with outcome ``code``" (0 ok) to every rank. One
-        record, so a peer that sees this rank done also sees whether it failed (a failure
-        notice is a separate put, and two puts in flight are not ordered)."""
-        # One slot per epoch parity: two done records in flight to one peer are not ordered,
-        # so the reader takes the larger of both (and remembers it).
-        par = epoch & 1
-        payload = np.array([code], "<u8")
-        for q in range(self.R):
-            self._put_record(self.ctrl, q, self.cl.slot(self.cl.done, par, self.rank), payload,
-                             epoch)
-
-    def _done_of(self, q: int) -> int:
-        """The last call rank ``q`` finished (its outcome in ``_done_code[q]``)."""
-        for par in (0, 1):
-            got = self._read_record(self.cl.slot(self.cl.done, par, q), 8, None)
-            if got is not None and got[0] > self._done_seen[q]:
-                # done only grows: a reordered older record is ignored
-                self._done_seen[q] = got[0]
-                self._done_code[q] = int(got[1].view("<u8")[0])
-        return self._done_seen[q]
-
-    def _publish_failure(self, epoch: int, code: int, message: str) -> None:
-        text = message.encode("utf-8", "replace")[:_FAIL_MSG_MAX]
-        payload = np.zeros(_FAIL_BYTES - 16, np.uint8)
-        payload[:16] = np.array([len(text), code], "<u8").view(np.uint8)
-        payload[16: 16 + len(text)] = np.frombuffer(text, np.uint8)
-        off = self.cl.fail + (self.rank * 2 + (epoch & 1)) * _FAIL_BYTES
-        for q in range(self.R):
-            if q != self.rank:
-                self._put_record(self.ctrl, q, off, payload, epoch)
-
-    # --- waiting ------------------------------------------------------------------------
-
-    def _wait(self, op: _Op, ready: Callable[[], bool], peer: int, what: str,
-              failures: bool = True, needs: Callable[[], Iterable[int]] | None = None) -> None:
-        """Poll ``ready`` (after a memory barrier) until true; deadline, failure notices of
-        peers and liveness of every peer still in the call are checked while waiting.
-
-        ``needs``: the peers whose records of this call ``ready`` still waits for (default
-        ``peer``, if any); one of them that has finished this call with an error or a later
-        call is an error at once (it will send nothing more for this call). Its progress is
-        read before ``ready`` is tried: records of this call left that peer before its later
-        done record did, and a pair of ranks delivers in order on every transport ubep runs
-        on (shared memory: the stores' order; ``osc/rdma`` over TCP: one stream per pair).
-        """
-        if needs is None:
-            needs = functools.partial(list, [peer] if peer >= 0 else [])
-        spins = 0
-        next_live = 0
-        while True:
-            self.ctrl.sync()
-            self.data.sync()
-            checked = failures and op.kind != 2 and spins >= 8
-            past = self._peer_past(op, needs()) if checked else None
-            if ready():
-                return
-            spins += 1
-            self.group.progress()
-            if spins < 8:
-                continue
-            if checked:
-                self._check_failures(op)
-                if past is not None:
-                    raise past
-            now = time.monotonic_ns()
-            if now >= op.deadline:
-                raise _OpError(
-                    E_TIMEOUT, peer,
-                    f"rank {self.rank} core 0 timed out after {self.timeout_ns / 1e9:.3g} s "
-                    f"waiting for {what} (epoch {op.epoch})",
-                )
-            if now >= next_live:
-                next_live = now + _LIVENESS_PERIOD_NS
-                self._check_liveness(op, what)
-            if spins < 200:
-                time.sleep(0)
-            else:
-                time.sleep(50e-6 if spins < 2000 else 5e-4)
-
-    def _complete(self, op: _Op, mem: DistGlobalMemory, dst: int | None, what: str) -> None:
-        """Remote completion of every operation to ``dst`` (``None``: all) within the deadline:
-        poll the requests (``MPI_Test``), then flush, which then has nothing left to wait for.
-        A flush alone would sit in MPI for as long as a stopped peer stays stopped."""
-        self._wait(op, functools.partial(mem.done, dst), -1 if dst is None else dst, what,
-                   needs=tuple)
-        if dst is None:
-            mem.flush_all()
-        else:
-            mem.flush(dst)
-
-    def _check_liveness(self, op: _Op, what: str) -> None:
-        """Every peer that has not finished this call must be alive, not only the one waited
-        for (a peer that finished it and exited is not lost)."""
-        waiting_on = [q for q in range(self.R) if q != self.rank and self._done_of(q) < op.epoch]
-        dead = self.group.dead_peers(waiting_on) if waiting_on else []
-        if dead:
-            q = dead[0]
-            raise _OpError(E_PEER_LOST, q,
-                           f"rank {q} (pid {self.group.pids[q]}) died while rank {self.rank} "
-                           f"core 0 waited for {what}")
-
-    def _notice(self, q: int, epoch: int) -> tuple[int, str] | None:
-        """``(code, message)`` of rank ``q``'s failure notice for call ``epoch``, if here."""
-        off = self.cl.fail + (q * 2 + (epoch & 1)) * _FAIL_BYTES
-        got = self._read_record(off, _FAIL_BYTES - 16, epoch)
-        if got is None:
-            return None
-        n, code = (int(v) for v in got[1][:16].view("<u8"))
-        msg = got[1][16: 16 + min(n, _FAIL_MSG_MAX)].tobytes().decode("utf-8", "replace")
-        return code, msg
-
-    def _check_failures(self, op: _Op) -> None:
-        for q in range(self.R):
-            if q == self.rank:
-                continue
-            got = self._notice(q, op.epoch)
-            if got is None:
-                continue
-            self._check_liveness(op, "a peer that failed this call")
-            code, msg = got
-            raise _OpError(E_REMOTE, q, f"failure notice of rank {q}", msg=msg, core=code)
-
-    def _peer_past(self, op: _Op, peers: Iterable[int]) -> _OpError | None:
-        """The error of the first of ``peers`` that has finished this call with an error
-        (remote failure, its code in ``core``) or finished a later call (this rank lost step:
-        that peer sends nothing more for this call), else None."""
-        for q in peers:
-            if q == self.rank:
-                continue
-            done = self._done_of(q)
-            if done > op.epoch:
-                return _OpError(E_LOST, q, f"rank {q} has finished call {done}, past this "
-                                           f"rank's call {op.epoch}: this rank lost step")
-            if done == op.epoch and self._done_code[q]:
-                got = self._notice(q, op.epoch)
-                msg = got[1] if got else f"rank {q} failed call {op.epoch}"
-                return _OpError(E_REMOTE, q, f"failure of rank {q}", msg=msg,
-                                core=self._done_code[q])
-        return None
-
-    def _check_in_step(self, op: _Op) -> None:
-        """At the start of a call: no peer may have finished it or a later one (a peer cannot
-        complete a call without this rank's part; a failure of it is a remote error)."""
-        self.ctrl.sync()
-        self._check_failures(op)
-        err = self._peer_past(op, range(self.R))
-        if err is not None:
-            raise err
-
-    def _check_outcome(self, op: _Op) -> None:
-        """After this rank completed the call: a peer that failed it (notice, or a done
-        record with an error code) turns the result into that peer's error."""
-        self.ctrl.sync()
-        self._check_failures(op)
-        for q in range(self.R):
-            if q != self.rank and self._done_of(q) == op.epoch and self._done_code[q]:
-                err = self._peer_past(op, [q])
-                assert err is not None
-                raise err
-
-    def _wait_peers_done(self, op: _Op, epoch: int, failures: bool = True) -> None:
-        if epoch <= 0:
-            return
-        for q in range(self.R):
-            if q != self.rank:
-                self._wait(op, functools.partial(self._done_geq, q, epoch), q,
-                           "a peer to finish the call before the last" if op.kind != 2 else
-                           f"rank {q} to finish call {epoch}", failures, needs=tuple)
-
     # --- counts -------------------------------------------------------------------------
 
     def _publish_counts(self, op: _Op, units: _Units) -> None:
@@ -684,11 +412,11 @@ class RmaEngine:
         itself (ASP with SW/DC) there is one per region; otherwise one land region serves every
         call (ubep.runtime.layout): a sender writes it only after this rank published that it
         entered the call (counts / ready record), hence finished reading it for the last one."""
-        return self.p["off_land"] + (reg if self.land_is_out else 0) * self.p["land_bytes"]
+        return self.lay.off_land + (reg if self.land_is_out else 0) * self.lay.land_bytes
 
     def _out_rows(self, reg: int) -> np.ndarray:
         """This rank's out region as ``[cap_rows, row_bytes]`` (strided by out_stride)."""
-        off = self.p["off_out"] + reg * self.p["out_bytes"]
+        off = self.lay.off_out + reg * self.lay.out_bytes
         return np.ndarray((self.cap_rows, self.row_bytes), np.uint8, self.data.local_array,
                           off, (self.out_stride, 1))
 
@@ -705,12 +433,7 @@ class RmaEngine:
             out = np.zeros((m, self.slot_bytes), np.uint8)
             out[:, :self.row_bytes] = rows
             return out
-        P, nb = self.tff_payload, self.tff_nblocks
-        padded = np.zeros((m, nb * P), np.uint8)
-        padded[:, :self.row_bytes] = rows
-        out = np.zeros((m, nb, self.tff_block), np.uint8)
-        out[:, :, :P] = padded.reshape(m, nb, P)
-        return out
+        return self.tff.unflagged(rows)  # the flags go out after a flush (_send_flags)
 
     def _runs(self, pos: np.ndarray) -> list[tuple[int, int]]:
         """Contiguous runs ``(first position, length)`` of sorted-by-run positions."""
@@ -742,18 +465,14 @@ class RmaEngine:
             self._complete(op, self.data, d, f"the rows to rank {d} to complete")
             self._put_record(self.ctrl, d, slot, np.zeros(0, np.uint8), op.epoch)
         elif self.sync == "dc":
-            from ..runtime import _native
-
-            raw = np.ascontiguousarray(rows)
-            total = int(_native.dc_checksum(raw, self.row_bytes, op.epoch)) if len(rows) else 1
-            payload = np.array([len(rows), total], "<u8")
+            payload = np.array([len(rows), self._dc_sum(rows, op.epoch)], "<u8")
             self._put_record(self.ctrl, d, slot, payload, op.epoch)
         elif self.sync == "tff":
             self._complete(op, self.data, d, f"the rows to rank {d} to complete")
             for p0, m in runs:
                 words = np.full(m * self.tff_nblocks, op.epoch, np.uint64)
-                off = self._land(reg) + p0 * self.slot_bytes + self.tff_payload
-                self.data.put_words(d, off, words, self.tff_block)
+                off = self._land(reg) + p0 * self.slot_bytes + self.tff.payload_per_block
+                self.data.put_words(d, off, words, self.tff.block_bytes)
 
     # --- dispatch: ASP ------------------------------------------------------------------
 
@@ -879,21 +598,18 @@ class RmaEngine:
             if count != len(pos):
                 return False
             return self._dc_sum(self._land_slots(reg)[pos], op.epoch) == total
-        slots = self._land_slots(reg)[pos].reshape(len(pos), self.tff_nblocks, self.tff_block)
-        P = self.tff_payload
-        flags = np.ascontiguousarray(slots[:, :, P:P + 8]).view("<u8")
-        if not (flags == op.epoch).all():
+        slots = self._land_slots(reg)[pos]  # a copy: flags and payload read together
+        if not self.tff.row_ready(slots, op.epoch).all():
             return False
         self.data.sync()  # acquire: payload read after the flags
-        payload = slots[:, :, :P].reshape(len(pos), -1)[:, :self.row_bytes]
-        self._out_rows(reg)[pos] = payload
+        self._out_rows(reg)[pos] = self.tff.payload(slots, self.row_bytes)
         return True
 
     def _dc_sum(self, slots: np.ndarray, epoch: int) -> int:
-        from ..runtime import _native
-
+        """DC checksum of rows (raw or in slots: the first ``row_bytes`` of each), the native
+        data plane's (the same bytes as ``ubep.flags.DcCodec().checksum``, faster)."""
         raw = np.ascontiguousarray(slots[:, :self.row_bytes])
-        return int(_native.dc_checksum(raw, self.row_bytes, epoch)) if len(raw) else 1
+        return int(load_native().dc_checksum(raw, self.row_bytes, epoch)) if len(raw) else 1
 
     # --- dispatch: BSP ------------------------------------------------------------------
 
@@ -981,10 +697,7 @@ class RmaEngine:
         if self.sync == "sw":
             self._put_record(self.ctrl, d, slot, np.zeros(0, np.uint8), op.epoch)
         else:
-            from ..runtime import _native
-
-            total = int(_native.dc_checksum(np.ascontiguousarray(payload), self.row_bytes,
-                                            op.epoch))
+            total = self._dc_sum(payload, op.epoch)
             self._put_record(self.ctrl, d, slot, np.array([len(payload), total], "<u8"),
                              op.epoch)
 
@@ -996,16 +709,12 @@ class RmaEngine:
         return count == len(slots) and self._dc_sum(slots, op.epoch) == total
 
     def _source_complete_tff_staged(self, op: _Op, stage: np.ndarray, pos: np.ndarray) -> bool:
-        slots = stage[pos].reshape(len(pos), self.tff_nblocks, self.tff_block)
-        P = self.tff_payload
-        return bool((np.ascontiguousarray(slots[:, :, P:P + 8]).view("<u8") == op.epoch).all())
+        return bool(self.tff.row_ready(stage[pos], op.epoch).all())
 
     def _decode_staged(self, part: np.ndarray) -> np.ndarray:
         if self.sync != "tff":
             return part[:, :self.row_bytes]
-        n = len(part)
-        slots = part.reshape(n, self.tff_nblocks, self.tff_block)
-        return slots[:, :, :self.tff_payload].reshape(n, -1)[:, :self.row_bytes]
+        return self.tff.payload(part, self.row_bytes)
 
     def _barrier(self, op: _Op, phase: int) -> None:
         """Global barrier of all ranks (BSP SyncAll), one record per (phase, source)."""
@@ -1024,7 +733,7 @@ class RmaEngine:
     def _combine(self, op: _Op, eo: np.ndarray, rows: int, h_idx: np.ndarray, h_w: np.ndarray,
                  h_dst: np.ndarray, ntok: int, creg: int, y: np.ndarray,
                  dispatch_index: int) -> bool:
-        p, cl = self.p, self.cl
+        lay, cl = self.lay, self.cl
         local = self.data.local_array
         base = int(local.ctypes.data)
         at = int(eo.ctypes.data) if eo.size else 0
@@ -1036,11 +745,11 @@ class RmaEngine:
         else:
             self._wait_peers_done(op, self.comb_last[creg])
             self.comb_last[creg] = op.epoch
-            eo_off = p["off_comb"] + creg * p["comb_bytes"]
+            eo_off = lay.off_comb + creg * lay.comb_bytes
             local[eo_off: eo_off + nbytes] = _u8(eo)[:nbytes]
         for c in range(2):
-            lo = p["off_comb"] + c * p["comb_bytes"]
-            if lo <= eo_off < lo + p["comb_bytes"]:
+            lo = lay.off_comb + c * lay.comb_bytes
+            if lo <= eo_off < lo + lay.comb_bytes:
                 self.comb_last[c] = op.epoch
         self.data.sync()  # the expert outputs are in memory before peers are told
         info = np.array([eo_off, rows, self.crow_bytes, dispatch_index], "<u8")
@@ -1170,38 +879,6 @@ class RmaEngine:
                 acc[tok] = acc[tok] + part
         out = cd.from_float32(acc)
         y.reshape(-1).view(np.uint8)[:] = out.reshape(-1).view(np.uint8)
-
-    # --- end of an operation ------------------------------------------------------------
-
-    def _finish(self, op: _Op) -> None:
-        # No wait for the puts to complete: the transport keeps their buffers until they do.
-        self._publish_done(op.epoch, 0)
-
-    def _finish_error(self, op: _Op, err: _OpError) -> tuple[int, int, int, str, str, str]:
-        tup = self._tuple(err)
-        # a failure caught from a peer's notice passes that notice's code on: a clean reject
-        # (bad input somewhere) stays clean for every rank, whoever saw it first
-        code = err.core if err.code == E_REMOTE else err.code
-        self._publish_failure(op.epoch, code, _format(self.rank, err))
-        self._publish_done(op.epoch, code)
-        return tup
-
-    def _tuple(self, err: _OpError) -> tuple[int, int, int, str, str, str]:
-        msg = err.msg if err.code in (E_REMOTE, E_BAD_INPUT) else err.what
-        return (err.code, err.peer, err.core, err.arg, err.what, msg)
-
-
-def _format(rank: int, err: _OpError) -> str:
-    if err.code == E_BAD_INPUT:
-        return f"rank {rank}: bad input: {err.arg}={err.msg}: {err.what}"
-    if err.code == E_REMOTE:
-        return f"rank {rank} saw rank {err.peer} fail: {err.msg}"
-    return err.what
-
-
-def _u8(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-
 
 def _rows_of(x: np.ndarray, tokens: np.ndarray, row_bytes: int) -> np.ndarray:
     """Rows ``tokens`` of ``x`` as raw bytes ``[n, row_bytes]`` (one gather)."""

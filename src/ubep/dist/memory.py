@@ -32,6 +32,8 @@ import numpy as np
 from ..errors import UbepError
 
 if TYPE_CHECKING:
+    from ..config import BufferConfig
+    from ..runtime.layout import SegmentLayout
     from .group import DistGroup
 
 __all__ = ["DistGlobalMemory"]
@@ -104,13 +106,13 @@ class DistGlobalMemory:
         """Release this rank's use (local). The windows are freed collectively by the group."""
         self.released = True
 
-    def make_engine(self, params: dict[str, int]) -> Any:
+    def make_engine(self, config: BufferConfig, layout: SegmentLayout) -> Any:
         """The RMA engine (:class:`ubep.dist.engine.RmaEngine`) on these regions."""
         from .engine import RmaEngine
 
         if self._win is None:
             raise UbepError("every rank is on this host: use the native engine")
-        return RmaEngine(params, self)
+        return RmaEngine(config, layout, self)
 
     # --- transport ----------------------------------------------------------------------
 

@@ -17,111 +17,30 @@ rank passed; ``--json`` writes the per-rank findings (rank 0 writes the file).
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .. import reference, routing
-from ..buffer import Buffer, BufferConfig
+from ..buffer import Buffer
+from ..config import BufferConfig
 from ..errors import InvalidArgumentError, RemoteError, UbepError
+from ..modes import SYNCS, Mode, enumerate_modes
+from ..testing import check_call, inputs
 
 __all__ = ["Mode", "all_modes", "check_mode", "main"]
 
-FIELDS = ("recv_x", "recv_topk_idx", "recv_topk_weights", "num_recv_tokens_per_expert",
-          "recv_src_rank", "recv_src_token", "recv_src_k")
-_STORAGE: dict[str, Any] = {"bf16": np.uint16, "fp16": np.float16, "fp32": np.float32,
-                            "int8": np.int8, "uint8": np.uint8}
-
-
-@dataclass(frozen=True)
-class Mode:
-    engine: str
-    sync: str
-    layout: str
-    dtype: str
-
-    @classmethod
-    def parse(cls, text: str) -> Mode:
-        parts = text.split(":")
-        if len(parts) != 4:
-            raise InvalidArgumentError("modes", text, "must be engine:sync:layout:dtype")
-        return cls(*parts)
-
-    def __str__(self) -> str:
-        return f"{self.engine}:{self.sync}:{self.layout}:{self.dtype}"
+# dtypes in turn, floats and 1-byte types alternating, so every sync sees both kinds
+_DTYPE_TURNS = ("bf16", "uint8", "fp32", "int8", "fp16")
 
 
 def all_modes(sp: bool = True) -> list[Mode]:
-    """Every engine x sync x layout, dtypes rotated so each sync sees a float and 1-byte type
-    where it can (SP: float types only)."""
-    out = []
-    dtypes = itertools.cycle(("bf16", "uint8", "fp32", "int8", "fp16"))
-    for engine, sync, layout in itertools.product(("asp", "bsp"), ("sw", "tff", "dc", "sp"),
-                                                  ("expert", "rank")):
-        if sync == "sp" and not sp:
-            continue
-        dt = next(dtypes)
-        if sync == "sp" and dt in ("int8", "uint8"):
-            dt = "bf16"
-        out.append(Mode(engine, sync, layout, dt))
-    return out
-
-
-def payload(rng: np.random.Generator, dtype: str, tokens: int, hidden: int) -> np.ndarray:
-    """Seeded payload: finite floats of moderate size (never an SP sentinel) or any bytes."""
-    if dtype == "bf16":
-        bits = rng.integers(0x3000, 0x4F80, size=(tokens, hidden), dtype=np.uint16)
-        return bits | (rng.integers(0, 2, size=(tokens, hidden), dtype=np.uint16) << 15)
-    if dtype in ("fp16", "fp32"):
-        return (rng.standard_normal((tokens, hidden)) * 4).astype(_STORAGE[dtype])
-    info = np.iinfo(_STORAGE[dtype])
-    return rng.integers(info.min, info.max + 1, size=(tokens, hidden), dtype=_STORAGE[dtype])
-
-
-def inputs(dtype: str, num_experts: int, num_topk: int, hidden: int, tokens: list[int],
-           seed: int, kind: str) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
-    """Per-rank ``x``, ``topk_idx``, ``topk_weights`` (identical on every rank)."""
-    xs, idxs, ws = [], [], []
-    for r, t in enumerate(tokens):
-        rng = np.random.default_rng([seed, r])
-        xs.append(payload(rng, dtype, t, hidden))
-        if kind == "hot":
-            idx = routing.hot_experts_topk(t, num_experts, num_topk, hot_experts=2,
-                                           hot_share=0.7, seed=seed * 1000 + r)
-        else:
-            idx = routing.uniform_topk(t, num_experts, num_topk, seed=seed * 1000 + r,
-                                       mask_prob=0.1)
-        idxs.append(idx)
-        ws.append(rng.random((t, num_topk), dtype=np.float32))
-    return xs, idxs, ws
-
-
-def expert_outputs(dtype: str, recv_x: np.ndarray, seed: int) -> np.ndarray:
-    if dtype in ("bf16", "fp16", "fp32"):
-        return np.ascontiguousarray(recv_x)
-    rng = np.random.default_rng(seed)
-    return payload(rng, "bf16", recv_x.shape[0], recv_x.shape[1])
-
-
-def compare(res: Any, ref: Any) -> list[str]:
-    bad = []
-    for f in FIELDS:
-        a, b = getattr(res, f), getattr(ref, f)
-        if a.shape != b.shape or a.dtype != b.dtype:
-            bad.append(f"{f}: {a.dtype}{a.shape} vs reference {b.dtype}{b.shape}")
-        elif not np.array_equal(bits(a), bits(b)):
-            bad.append(f"{f}: values differ")
-    return bad
-
-
-def bits(a: np.ndarray) -> np.ndarray:
-    """The raw bytes of an array, so NaN payloads and -0 compare exactly."""
-    return np.ascontiguousarray(a).view(np.uint8)
+    """Every engine x sync x layout (``sp=False``: without SP, which cannot run across hosts),
+    one dtype each (:func:`ubep.modes.enumerate_modes` with ``rotate_dtypes``)."""
+    syncs = SYNCS if sp else tuple(s for s in SYNCS if s != "sp")
+    return enumerate_modes(syncs=syncs, dtypes=_DTYPE_TURNS, rotate_dtypes=True)
 
 
 def check_mode(group: Any, mode: Mode, *, max_tokens: int = 24, hidden: int = 256,
@@ -145,20 +64,8 @@ def check_mode(group: Any, mode: Mode, *, max_tokens: int = 24, hidden: int = 25
         for i, (tokens, kind, zero_copy) in enumerate(steps):
             s = seed * 100 + i
             xs, idxs, ws = inputs(mode.dtype, cfg.num_experts, num_topk, hidden, tokens, s, kind)
-            res = buf.dispatch(xs[r], idxs[r], ws[r])
-            refs = reference.dispatch(xs, idxs, ws, cfg.num_experts, layout=cfg.layout)
-            errors += [f"{mode} step {i}: {e}" for e in compare(res, refs[r])]
-            outs = [expert_outputs(mode.dtype, ref.recv_x, s * 10 + q)
-                    for q, ref in enumerate(refs)]
-            if zero_copy:
-                eo = buf.get_combine_buffer(res.handle)
-                eo[...] = outs[r]
-            else:
-                eo = outs[r]
-            y = buf.combine(eo, res.handle)
-            y_ref = reference.combine(outs, refs)[r]
-            if y.dtype != y_ref.dtype or not np.array_equal(bits(y), bits(y_ref)):
-                errors.append(f"{mode} step {i}: combine differs")
+            errors += [f"{mode} step {i}: {e}"
+                       for e in check_call(buf, xs, idxs, ws, s, zero_copy=zero_copy)]
             if faults and i == 0:
                 errors += _bad_call(buf, xs[r], idxs[r], ws[r], r, R, cfg.num_experts)
     return errors

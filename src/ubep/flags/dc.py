@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import InvalidArgumentError
 from ._common import NotReadyError, align_up, check_epoch, check_rows_u8
 
-__all__ = ["DcCodec"]
+__all__ = ["DcCodec", "words_checksum"]
 
 _WORD = np.dtype("<u8")
 _MASK64 = 2**64 - 1
@@ -28,6 +28,20 @@ _GOLDEN = 0x9E3779B97F4A7C15
 
 def _rotl64(v: int, r: int) -> int:
     return ((v << r) | (v >> (64 - r))) & _MASK64
+
+
+def words_checksum(words: np.ndarray, epoch: int) -> int:
+    """The DC formula over uint64 words ``w_0 .. w_{n-1}`` (docs/FORMATS.md): ``s1 = sum w_i``,
+    ``s2 = sum (i + 1) * w_i`` (mod 2^64), ``s1 ^ rotl(s2, 29) ^ epoch * golden``; never 0 (a 0
+    becomes 1). :meth:`DcCodec.checksum` applies it to a batch's checked words; the RMA engine
+    (``ubep.dist.engine.record_check``) to a control record's words."""
+    w = np.asarray(words, dtype=np.uint64).reshape(-1)
+    # numpy uint64 arithmetic wraps, which is exactly "mod 2^64".
+    s1 = int(w.sum(dtype=np.uint64)) if w.size else 0
+    weights = np.arange(1, w.size + 1, dtype=np.uint64)
+    s2 = int((w * weights).sum(dtype=np.uint64)) if w.size else 0
+    value = s1 ^ _rotl64(s2, 29) ^ ((epoch * _GOLDEN) & _MASK64)
+    return value or 1
 
 
 class DcCodec:
@@ -96,14 +110,7 @@ class DcCodec:
 
     def checksum(self, rows_u8: np.ndarray, epoch: int) -> int:
         """The batch checksum (uint64, never 0)."""
-        epoch = check_epoch(epoch)
-        w = self.words(rows_u8)
-        # numpy uint64 arithmetic wraps, which is exactly "mod 2^64".
-        s1 = int(w.sum(dtype=np.uint64)) if w.size else 0
-        weights = np.arange(1, w.size + 1, dtype=np.uint64)
-        s2 = int((w * weights).sum(dtype=np.uint64)) if w.size else 0
-        value = s1 ^ _rotl64(s2, 29) ^ ((epoch * _GOLDEN) & _MASK64)
-        return value or 1
+        return words_checksum(self.words(rows_u8), check_epoch(epoch))
 
     def control(self, rows_u8: np.ndarray, epoch: int) -> np.ndarray:
         """The published control block ``[count, checksum, epoch]``, little-endian uint64."""

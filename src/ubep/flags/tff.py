@@ -73,15 +73,24 @@ class TffCodec:
 
     def encode(self, rows_u8: np.ndarray, epoch: int) -> np.ndarray:
         """``[n, row_bytes]`` uint8 rows -> ``[n, slot_bytes]`` uint8 slots for ``epoch``."""
-        rows = check_rows_u8(rows_u8, "rows_u8")
         epoch = check_epoch(epoch)
+        slots = self.unflagged(rows_u8)
+        blocks = slots.reshape(slots.shape[0], slots.shape[1] // self.block_bytes,
+                               self.block_bytes)
+        P = self.payload_per_block
+        blocks[:, :, P : P + 8] = np.frombuffer(np.array([epoch], _WORD).tobytes(), np.uint8)
+        return slots
+
+    def unflagged(self, rows_u8: np.ndarray) -> np.ndarray:
+        """The slots of ``[n, row_bytes]`` rows with every flag field zero: what a writer that
+        stores the flags later (a separate put, after a flush: the RMA engine) sends first."""
+        rows = check_rows_u8(rows_u8, "rows_u8")
         n, row_bytes = rows.shape
         nblocks, P = self.num_blocks(row_bytes), self.payload_per_block
         blocks = np.zeros((n, nblocks, self.block_bytes), dtype=np.uint8)
         padded = np.zeros((n, nblocks * P), dtype=np.uint8)
         padded[:, :row_bytes] = rows
         blocks[:, :, :P] = padded.reshape(n, nblocks, P)
-        blocks[:, :, P : P + 8] = np.frombuffer(np.array([epoch], _WORD).tobytes(), np.uint8)
         return blocks.reshape(n, nblocks * self.block_bytes)
 
     def _blocks(self, slots: np.ndarray, row_bytes: int | None) -> np.ndarray:
@@ -125,8 +134,12 @@ class TffCodec:
                 f"TFF: {len(missing)} of {len(ready)} rows not complete for epoch {epoch} "
                 f"(first: row {int(missing[0])})"
             )
+        return self.payload(slots, row_bytes).copy()
+
+    def payload(self, slots: np.ndarray, row_bytes: int) -> np.ndarray:
+        """``[n, row_bytes]`` payload of the slots, flags unchecked (for a reader that has
+        checked them already: :meth:`row_ready`); a view where ``slots`` is contiguous."""
         blocks = self._blocks(slots, row_bytes)
         n, nblocks, _ = blocks.shape
         P = self.payload_per_block
-        payload = blocks[:, :, :P].reshape(n, nblocks * P)
-        return payload[:, :row_bytes].copy()
+        return blocks[:, :, :P].reshape(n, nblocks * P)[:, :row_bytes]

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .. import dtypes as _dt
+from .. import modes
 from ..env import wait_yield_us_from_env
 from ..errors import (
     InvalidArgumentError,
@@ -37,7 +38,7 @@ from ..errors import (
 )
 
 if TYPE_CHECKING:
-    from ..buffer import BufferConfig
+    from ..config import BufferConfig
     from .layout import SegmentLayout
 
 __all__ = [
@@ -64,10 +65,11 @@ ABI_VERSION = 2  # abi.h UBEP_ABI_VERSION
 E_OK, E_BAD_INPUT, E_TIMEOUT, E_PEER_LOST, E_REMOTE, E_INTERNAL, E_LOST = range(7)
 ERRORS = {"ok": E_OK, "bad_input": E_BAD_INPUT, "timeout": E_TIMEOUT, "peer_lost": E_PEER_LOST,
           "remote": E_REMOTE, "internal": E_INTERNAL, "lost": E_LOST}
-DTYPES = {"bf16": 0, "fp16": 1, "fp32": 2, "int8": 3, "uint8": 4}
-SYNCS = {"sw": 0, "tff": 1, "dc": 2, "sp": 3}
-ENGINES = {"asp": 0, "bsp": 1}
-LAYOUTS = {"expert": 0, "rank": 1}
+# name -> native code: a name's position in ubep.modes' tuple (abi.h's enums, same order)
+DTYPES: dict[str, int] = {name: code for code, name in enumerate(modes.DTYPE_NAMES)}
+SYNCS: dict[str, int] = {name: code for code, name in enumerate(modes.SYNCS)}
+ENGINES: dict[str, int] = {name: code for code, name in enumerate(modes.ENGINES)}
+LAYOUTS: dict[str, int] = {name: code for code, name in enumerate(modes.LAYOUTS)}
 
 # --- the segment header (written and checked by ubep.runtime.shm; the engine never reads it) ---
 

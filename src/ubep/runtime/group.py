@@ -23,15 +23,22 @@ import secrets
 import stat
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from .. import topology as topo
 from ..env import launch_env, timeout_s_from_env
 from ..errors import InvalidArgumentError, PeerLostError, TimeoutError, UbepError
-from .reaper import alive, start_time_of
+
+# the liveness test and start times are the reaper's (standard library only; one copy)
+from .reaper import alive as process_alive
+from .reaper import start_time_of as process_start_time
 from .shm import HEADER_BYTES, Segment, remove_dead_owners_segments
+
+if TYPE_CHECKING:
+    from ..config import BufferConfig
+    from .layout import SegmentLayout
 
 __all__ = ["GlobalMemory", "Group", "ProcessGroup", "ShmGlobalMemory", "group_from_env"]
 
@@ -63,8 +70,9 @@ class GlobalMemory(Protocol):
     def close(self) -> None:
         """Release this rank's mappings (local, not collective)."""
 
-    def make_engine(self, params: dict[str, int]) -> Any:
-        """A data-plane engine for these regions (only when ``addresses`` is ``None``)."""
+    def make_engine(self, config: BufferConfig, layout: SegmentLayout) -> Any:
+        """A data-plane engine for these regions (only when ``addresses`` is ``None``) of a
+        Buffer with this config and segment layout."""
 
 
 class ProcessGroup(Protocol):
@@ -105,7 +113,7 @@ class ShmGlobalMemory:
             seg.close()
         self.segments = []
 
-    def make_engine(self, params: dict[str, int]) -> Any:
+    def make_engine(self, config: BufferConfig, layout: SegmentLayout) -> Any:
         raise UbepError("shared-memory regions are load/store reachable: use the native engine")
 
 
@@ -119,12 +127,6 @@ class PeerProcess:
 
     def alive(self) -> bool:
         return process_alive(self.pid, self.start_time)
-
-
-# Liveness (pid + start time, Linux /proc): one implementation, in the stdlib-only reaper that
-# also runs without ubep's imports.
-process_start_time = start_time_of
-process_alive = alive
 
 
 class Group:
@@ -221,19 +223,7 @@ class Group:
         timeout = self.default_timeout_s if timeout_s is None else float(timeout_s)
         self._seq += 1
         seq = self._seq
-        _write_json(self._path(f"ag.{seq}.{self.rank}.json"), {"value": value})
-        out: list[Any] = [None] * self.num_ranks
-        found = [False] * self.num_ranks
-
-        def missing() -> list[int]:
-            for r in range(self.num_ranks):
-                if not found[r]:
-                    got = _read_json(self._path(f"ag.{seq}.{r}.json"))
-                    if got is not None:
-                        out[r], found[r] = got["value"], True
-            return [r for r in range(self.num_ranks) if not found[r]]
-
-        self._poll(missing, time.monotonic() + timeout, f"allgather {seq}")
+        out = self._gather(f"ag.{seq}", value, timeout, f"allgather {seq}")
         # Everyone has entered exchange `seq`, hence finished reading exchange `seq - 1`.
         if seq >= 2:
             _remove(self._path(f"ag.{seq - 1}.{self.rank}.json"))
@@ -250,19 +240,24 @@ class Group:
         if not key or any(not (c.isalnum() or c in "_.-") for c in key):
             raise InvalidArgumentError("key", key, "must be non-empty [A-Za-z0-9_.-]")
         timeout = self.default_timeout_s if timeout_s is None else float(timeout_s)
-        _write_json(self._path(f"x.{key}.{self.rank}.json"), {"value": value})
+        return self._gather(f"x.{key}", value, timeout, f"exchange {key}")
+
+    def _gather(self, name: str, value: Any, timeout: float, what: str) -> list[Any]:
+        """Write ``value`` as ``<name>.<rank>.json``, then read every rank's file of ``name``
+        (polling until ``timeout`` seconds from now; ``what`` names the wait in errors)."""
+        _write_json(self._path(f"{name}.{self.rank}.json"), {"value": value})
         out: list[Any] = [None] * self.num_ranks
         found = [False] * self.num_ranks
 
         def missing() -> list[int]:
             for r in range(self.num_ranks):
                 if not found[r]:
-                    got = _read_json(self._path(f"x.{key}.{r}.json"))
+                    got = _read_json(self._path(f"{name}.{r}.json"))
                     if got is not None:
                         out[r], found[r] = got["value"], True
             return [r for r in range(self.num_ranks) if not found[r]]
 
-        self._poll(missing, time.monotonic() + timeout, f"exchange {key}")
+        self._poll(missing, time.monotonic() + timeout, what)
         return out
 
     def map_global(

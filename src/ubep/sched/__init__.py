@@ -9,10 +9,11 @@
 * :func:`partition` / :func:`partition_sweep`: Appendix A's count/send core split.
 """
 
+from ..modes import LAYOUTS, POLICIES
 from .cost import core_times_ns, hop_costs_ns, objective_ns
 from .optimal import OptimalResult, optimal, optimal_classes, optimal_units
 from .partition import CorePartition, PartitionSweep, partition, partition_sweep
-from .plan import LAYOUTS, POLICIES, Plan
+from .plan import Plan
 from .policies import (
     HierarchicalSlices,
     hierarchical_slices,

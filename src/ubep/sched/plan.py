@@ -22,11 +22,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import InvalidArgumentError
+from ..modes import LAYOUTS, POLICIES
 
+# LAYOUTS and POLICIES stay importable from here (ubep.sim imports them); ubep.modes owns them
 __all__ = ["LAYOUTS", "POLICIES", "Plan"]
-
-POLICIES = ("expert_contiguous", "balanced", "hierarchical")
-LAYOUTS = ("expert", "rank")
 
 
 @dataclass(frozen=True)

@@ -57,9 +57,10 @@ from functools import lru_cache
 import numpy as np
 
 from ..errors import InvalidArgumentError
+from ..modes import POLICIES
 from ..topology import Topology
 from .partition import partition
-from .plan import POLICIES, Plan
+from .plan import Plan
 from .search import _search_many
 from .units import SendUnits, send_units
 

@@ -14,9 +14,9 @@ from functools import lru_cache
 import numpy as np
 
 from ..errors import InvalidArgumentError
+from ..modes import LAYOUTS
 from ..routing import experts_per_rank, validate_topk_idx
 from ..topology import Topology
-from .plan import LAYOUTS
 
 __all__ = ["SendUnits", "hop_row", "send_units"]
 

@@ -19,7 +19,7 @@ workers) do not reach it, and it exits on its own within ``_PERIOD_S`` of the la
 
 from __future__ import annotations
 
-import contextlib
+import importlib.util
 import json
 import os
 import select
@@ -27,53 +27,30 @@ import shutil
 import sys
 import tempfile
 import time
+from types import ModuleType
 
-SHM_DIR = "/dev/shm"
 _PERIOD_S = 0.1
-_MARKER = "segment."
-_NAME_PREFIX = "ubep-"
 
 
-def alive(pid: int, start_time: int) -> bool:
-    """Whether ``pid`` still runs and is the process that had ``start_time`` (Linux /proc).
+def _runtime_reaper() -> ModuleType:
+    """``ubep/runtime/reaper.py``, loaded by path: standard library only too, it holds the
+    liveness test and the marker sweep (this file runs with ``-I``, outside the ubep package)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.path.join(os.path.dirname(here), "runtime", "reaper.py")
+    spec = importlib.util.spec_from_file_location("_ubep_runtime_reaper", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-    The same test as ``ubep.runtime.group.process_alive``, repeated here because this file
-    must not import ubep."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return True
-    fields = raw[raw.rfind(b")") + 2:].split()
-    if fields and fields[0] in (b"Z", b"X"):
-        return False
-    return not start_time or int(fields[19]) == start_time
+
+_RUNTIME = _runtime_reaper()
+alive = _RUNTIME.alive
 
 
 def clean(directory: str) -> None:
     """Unlink the marked segments, then remove ``directory``."""
-    try:
-        entries = os.listdir(directory)
-    except FileNotFoundError:
-        return
-    for entry in entries:
-        name = entry[len(_MARKER):]
-        tail = name[len(_NAME_PREFIX):]
-        valid = (
-            entry.startswith(_MARKER) and name.startswith(_NAME_PREFIX) and len(tail) == 32
-            and all(c in "0123456789abcdef" for c in tail)
-        )
-        if valid:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(SHM_DIR, name))
+    _RUNTIME.remove_marked_segments(directory)
     shutil.rmtree(directory, ignore_errors=True)
 
 

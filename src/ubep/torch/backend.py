@@ -21,20 +21,22 @@ expert in order, the rows of every source rank in ascending rank, then ascending
 :class:`LocalWorld` implements the protocol for N ranks that are threads of one process (a
 barrier-based exchange over Python objects). Unlike the runtime it accepts float64 payloads
 (accumulating in float64), which is what the float64 gradient checks need, and it lets unit tests
-run without processes or shared memory. :func:`as_backend` wraps a ``ubep.Buffer``.
+run without processes or shared memory; its results are ``ubep.reference``'s (called with
+``float64=True``): the oracle itself. :func:`as_backend` wraps a ``ubep.Buffer``.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
+from .. import reference
 from ..errors import InvalidArgumentError, TimeoutError
-from ..handle import DispatchResult
+from ..handle import DispatchHandle, DispatchResult
+from ..modes import LAYOUTS
 from ..routing import experts_per_rank, validate_topk_idx
 
 __all__ = [
@@ -46,8 +48,6 @@ __all__ = [
     "as_backend",
     "run_threads",
 ]
-
-LAYOUTS = ("expert", "rank")
 
 
 @runtime_checkable
@@ -66,144 +66,15 @@ class EPBackend(Protocol):
     ) -> np.ndarray: ...
 
 
-# --------------------------------------------------------------------------- float helpers
-def _to_acc(a: np.ndarray) -> np.ndarray:
-    """Exact accumulation-type values of a payload: float64 stays, every other float -> float32."""
-    if a.dtype == np.float64:
-        return a
-    if a.dtype == np.uint16:  # bf16 bits
-        return (a.astype(np.uint32) << np.uint32(16)).view(np.float32)
-    if a.dtype.kind == "f":
-        return a.astype(np.float32)
-    raise InvalidArgumentError("expert_out", a.dtype, "combine needs a float payload")
-
-
-def _from_acc(a: np.ndarray, like: np.dtype) -> np.ndarray:
-    if like == np.float64:
-        return a
-    if like == np.uint16:
-        from ..dtypes import BF16
-
-        return BF16.from_float32(a.astype(np.float32))
-    return a.astype(like)
-
-
 def _weights_array(w: object) -> np.ndarray:
     # float32 like the runtime; float64 is kept so float64 gradient checks stay exact.
     a = np.asarray(w)
     return a if a.dtype == np.float64 else a.astype(np.float32)
 
 
-# --------------------------------------------------------------------------- single-process math
-@dataclass(frozen=True)
-class LocalHandle:
-    """What combine needs to route rows back: per received row its source and slot."""
-
-    layout: str
-    recv_src_rank: np.ndarray
-    recv_src_token: np.ndarray
-    recv_src_k: np.ndarray  # rank layout: the lowest slot whose expert lives here
-    num_tokens: int  # tokens this rank dispatched
-    num_topk: int
-    topk_weights: np.ndarray  # this rank's dispatched weights [num_tokens, num_topk]
-
-
-# Results of the in-process world are the shared result type, typed with its own handle.
-LocalDispatchResult = DispatchResult[LocalHandle]
-
-
-def _dispatch_one(
-    rank: int,
-    xs: Sequence[np.ndarray],
-    idxs: Sequence[np.ndarray],
-    ws: Sequence[np.ndarray],
-    num_experts: int,
-    layout: str,
-) -> LocalDispatchResult:
-    num_ranks = len(xs)
-    per_rank = experts_per_rank(num_experts, num_ranks)
-    lo = rank * per_rank
-    hidden = xs[rank].shape[1]
-    num_topk = idxs[rank].shape[1]
-    src_rank: list[np.ndarray] = []
-    src_token: list[np.ndarray] = []
-    src_k: list[np.ndarray] = []
-    counts = np.zeros(per_rank, dtype=np.int64)
-    if layout == "expert":
-        for local in range(per_rank):
-            for s in range(num_ranks):
-                tok, k = np.nonzero(idxs[s] == lo + local)  # row-major: ascending token
-                src_rank.append(np.full(len(tok), s, dtype=np.int64))
-                src_token.append(tok.astype(np.int64))
-                src_k.append(k.astype(np.int64))
-                counts[local] += len(tok)
-    else:
-        for s in range(num_ranks):
-            here = (idxs[s] >= lo) & (idxs[s] < lo + per_rank)
-            tok = np.nonzero(here.any(axis=1))[0]
-            src_rank.append(np.full(len(tok), s, dtype=np.int64))
-            src_token.append(tok.astype(np.int64))
-            for local in range(per_rank):
-                counts[local] += int((idxs[s][tok] == lo + local).any(axis=1).sum())
-    rr = np.concatenate(src_rank) if src_rank else np.zeros(0, np.int64)
-    tt = np.concatenate(src_token) if src_token else np.zeros(0, np.int64)
-    num_rows = len(rr)
-    recv_x = np.empty((num_rows, hidden), dtype=xs[rank].dtype)
-    for s in range(num_ranks):
-        sel = rr == s
-        recv_x[sel] = xs[s][tt[sel]]
-    if layout == "expert":
-        kk = np.concatenate(src_k) if src_k else np.zeros(0, np.int64)
-        recv_idx = np.empty(num_rows, dtype=np.int64)
-        recv_w = np.empty(num_rows, dtype=ws[rank].dtype)
-        for s in range(num_ranks):
-            sel = rr == s
-            recv_idx[sel] = idxs[s][tt[sel], kk[sel]]  # global expert id, as ubep.reference
-            recv_w[sel] = ws[s][tt[sel], kk[sel]]
-    else:
-        recv_idx = np.full((num_rows, num_topk), -1, dtype=np.int64)
-        recv_w = np.zeros((num_rows, num_topk), dtype=ws[rank].dtype)
-        for s in range(num_ranks):
-            sel = rr == s
-            ids = idxs[s][tt[sel]]
-            local = (ids >= lo) & (ids < lo + per_rank)
-            recv_idx[sel] = np.where(local, ids - lo, -1)
-            recv_w[sel] = np.where(local, ws[s][tt[sel]], 0.0)
-        kk = np.argmax(recv_idx >= 0, axis=1).astype(np.int64)  # lowest local slot
-    handle = LocalHandle(layout, rr, tt, kk, xs[rank].shape[0], num_topk, ws[rank])
-    return LocalDispatchResult(recv_x, recv_idx, recv_w, counts, rr, tt, kk, handle)
-
-
-def _combine_one(
-    rank: int,
-    outs: Sequence[np.ndarray],
-    handles: Sequence[LocalHandle],
-    my_handle: LocalHandle,
-    topk_weights: np.ndarray | None,
-) -> np.ndarray:
-    hidden = outs[rank].shape[1]
-    dtype = outs[rank].dtype
-    acc_dtype = np.float64 if dtype == np.float64 else np.float32
-    if my_handle.layout == "expert":
-        w = my_handle.topk_weights if topk_weights is None else topk_weights
-        # Gather out(t, k) into [num_tokens, num_topk, hidden], then add in ascending k.
-        per_slot = np.zeros((my_handle.num_tokens, my_handle.num_topk, hidden), dtype=acc_dtype)
-        present = np.zeros((my_handle.num_tokens, my_handle.num_topk), dtype=bool)
-        for r, h in enumerate(handles):
-            sel = h.recv_src_rank == rank
-            per_slot[h.recv_src_token[sel], h.recv_src_k[sel]] = _to_acc(outs[r][sel])
-            present[h.recv_src_token[sel], h.recv_src_k[sel]] = True
-        y = np.zeros((my_handle.num_tokens, hidden), dtype=acc_dtype)
-        wa = np.asarray(w).astype(acc_dtype)
-        for k in range(my_handle.num_topk):
-            rows = present[:, k]
-            y[rows] += wa[rows, k, None] * per_slot[rows, k]
-    else:
-        y = np.zeros((my_handle.num_tokens, hidden), dtype=acc_dtype)
-        for r, h in enumerate(handles):
-            sel = h.recv_src_rank == rank
-            y[h.recv_src_token[sel]] += _to_acc(outs[r][sel])
-    return _from_acc(y, dtype)
+# The in-process world's results and handles are the reference's (it computes them).
+LocalHandle = DispatchHandle
+LocalDispatchResult = DispatchResult[DispatchHandle]
 
 
 # --------------------------------------------------------------------------- threads as ranks
@@ -291,7 +162,9 @@ class LocalBackend:
         widths = {a.shape[1] for a in xs}
         if len(widths) != 1:
             raise InvalidArgumentError("x", sorted(widths), "hidden differs between ranks")
-        return _dispatch_one(self.rank, xs, idxs, ws, self.num_experts, self.layout)
+        # float64: the gradient checks' payloads and weights (ubep.reference, "float64")
+        return reference.dispatch(list(xs), list(idxs), list(ws), self.num_experts,
+                                  layout=self.layout, float64=True)[self.rank]
 
     def combine(
         self,
@@ -318,9 +191,11 @@ class LocalBackend:
                 )
         if self.rank == 0:
             self.world.num_calls["combine"] += 1
-        everyone = self.world._exchange(self.rank, (out, handle))
-        outs, handles = zip(*everyone, strict=True)
-        return _combine_one(self.rank, outs, handles, handle, topk_weights)
+        everyone = self.world._exchange(self.rank, (out, handle, topk_weights))
+        outs, handles, weights = zip(*everyone, strict=True)
+        reweighted = None if all(w is None for w in weights) else list(weights)
+        return reference.combine(list(outs), list(handles), float64=True,
+                                 topk_weights=reweighted)[self.rank]
 
 
 T = TypeVar("T")

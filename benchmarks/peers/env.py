@@ -29,7 +29,7 @@ __all__ = [
     "launcher_for",
 ]
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 VENV_CREATE_TIMEOUT_S = 300.0
 PIP_TIMEOUT_S = 1800.0
 STAMP_NAME = ".ubep-peers-stamp"
@@ -123,7 +123,7 @@ def launcher_for(name: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m benchmarks.peers_env [NAME ...]``: build the named (default: all) peer venvs."""
+    """``python -m benchmarks.peers.env [NAME ...]``: build the named (default: all) peer venvs."""
     names = (argv if argv is not None else sys.argv[1:]) or list(PEER_ENVS)
     status = 0
     for name in names:

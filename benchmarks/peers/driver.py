@@ -1,6 +1,6 @@
 """The part of a peer worker that does not depend on the transport: read a plan, time, write.
 
-Runs inside a peer venv (numpy only; see peers_kernels). The parent (benchmarks/peers.py or
+Runs inside a peer venv (numpy only; see kernels.py). The parent (benchmarks/peers/run.py or
 tests/test_peers.py) writes ``plan.json`` and one ``<input>.r<rank>.npz`` per rank into a work
 directory; every rank of the worker reads the plan, runs each case and writes back:
 
@@ -27,14 +27,13 @@ the right row count after the first dispatch, outside the timed region.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from benchmarks.harness import round_repeats
-from benchmarks.peers_kernels import Exchange, PeerDispatch, decode_fields, make_peer
+from benchmarks.harness import round_repeats, time_collective
+from benchmarks.peers.kernels import Exchange, PeerDispatch, decode_fields, make_peer
 
 __all__ = ["run_plan", "time_op"]
 
@@ -46,15 +45,7 @@ def time_op(ex: Exchange, fn: Callable[[], object], warmup: int, repeats: int) -
     own call, and one reduction at the end takes the maximum per iteration (a reduction inside
     the loop would add its own latency to the next iteration's skew).
     """
-    samples = np.empty(repeats, dtype=np.float64)
-    for i in range(warmup + repeats):
-        ex.barrier()
-        start = time.perf_counter_ns()
-        fn()
-        elapsed = time.perf_counter_ns() - start
-        if i >= warmup:
-            samples[i - warmup] = elapsed
-    return ex.max_over_ranks(samples)
+    return ex.max_over_ranks(time_collective(ex.barrier, fn, warmup, repeats))
 
 
 def _synthetic_expert_out(rows: int, hidden: int, dtype: np.dtype, seed: int) -> np.ndarray:

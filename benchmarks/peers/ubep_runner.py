@@ -1,7 +1,7 @@
 """ubep's side of the peers benchmark: ``ubep.Buffer`` on ranks started by ``ubep.launch``.
 
 One launch per rank count runs every (shape, layout, engine x sync) case in sequence, each with
-its own Buffer. Every rank rebuilds the seeded inputs itself (benchmarks.peers.make_inputs), so
+its own Buffer. Every rank rebuilds the seeded inputs itself (workload.make_inputs), so
 nothing but shapes crosses the process boundary, and takes its own rank's tensors: the same
 bytes the peers move.
 
@@ -28,7 +28,7 @@ _LARGE_BYTES = 64 << 20
 
 @dataclass(frozen=True)
 class UbepCase:
-    """One ubep measurement: a shape (benchmarks.peers.Shape), a layout and an engine x sync."""
+    """One ubep measurement: a shape (workload.Shape), a layout and an engine x sync."""
 
     shape: Any
     layout: str
@@ -37,14 +37,9 @@ class UbepCase:
 
 
 def _time(group: Any, fn: Callable[[], object], warmup: int, repeats: int) -> list[float]:
-    out = []
-    for i in range(warmup + repeats):
-        group.barrier()
-        start = time.perf_counter_ns()
-        fn()
-        if i >= warmup:
-            out.append(float(time.perf_counter_ns() - start))
-    return out
+    from benchmarks.harness import time_collective
+
+    return time_collective(group.barrier, fn, warmup, repeats).tolist()
 
 
 def _measure(
@@ -66,7 +61,7 @@ def _rank_main(
     group: Any, cases: Sequence[UbepCase], warmup: int, repeats: int, rounds: int
 ) -> list[dict[str, Any]]:
     from benchmarks.harness import round_repeats
-    from benchmarks.peers import NUM_EXPERTS, make_inputs
+    from benchmarks.peers.workload import NUM_EXPERTS, make_inputs
 
     from ubep.buffer import Buffer, BufferConfig
 

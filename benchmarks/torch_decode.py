@@ -1,4 +1,5 @@
-"""``ubep decode``: end-to-end decode TPOT of a Qwen3-30B-A3B-shaped MoE model on 2 ranks.
+"""``ubep decode`` (or ``python -m benchmarks.torch_decode``): end-to-end decode TPOT of a
+Qwen3-30B-A3B-shaped MoE model on 2 ranks.
 
 The model is Hugging Face transformers' Qwen3-MoE with the MoE layer shape of Qwen3-30B-A3B
 (hidden 2048, 128 experts, top-8, 32 query / 4 KV heads of 128) but fewer layers, a narrower
@@ -20,9 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from ubep.modes import FLOAT_DTYPE_NAMES, LAYOUTS
 
 __all__ = ["DecodeConfig", "DecodeResult", "register", "run_decode"]
 
@@ -135,7 +139,7 @@ def gloo_experts_forward(
     import torch
     import torch.distributed as dist
 
-    from .torch.hf import _expert_ffn
+    from ubep.torch.hf import _expert_ffn
 
     timer: _Timer = self._ubep_gloo_timer
     _WIRE = torch.float16 if hidden_states.element_size() == 2 else hidden_states.dtype
@@ -194,8 +198,7 @@ def _decode_worker(
     from transformers.integrations.moe import ExpertsInterface
 
     import ubep.torch.hf as hf
-
-    from .torch._runtime import make_backend
+    from ubep.torch._runtime import make_backend
 
     torch.set_num_threads(1)  # two ranks share this host's cores
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[cfg.dtype]
@@ -271,7 +274,7 @@ def run_decode(
     """Launch ``cfg.num_ranks`` ranks, decode with each backend, return rank 0's numbers."""
     import numpy as np
 
-    from .runtime import launch
+    from ubep.runtime import launch
 
     per_rank = launch(_decode_worker, cfg.num_ranks, cfg, backends, timeout_s=timeout_s)
     rank0 = per_rank[0]
@@ -365,8 +368,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--prompt-len", type=int, default=d.prompt_len)
     p.add_argument("--layers", type=int, default=d.num_layers)
     p.add_argument("--moe-ffn", type=int, default=d.moe_ffn, help="expert FFN width")
-    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=d.dtype)
-    p.add_argument("--layout", choices=("expert", "rank"), default=d.layout)
+    p.add_argument("--dtype", choices=FLOAT_DTYPE_NAMES, default=d.dtype)
+    p.add_argument("--layout", choices=LAYOUTS, default=d.layout)
     p.add_argument("--engine", default=d.engine)
     p.add_argument("--sync", default=d.sync)
     p.add_argument("--seed", type=int, default=d.seed)
@@ -374,3 +377,15 @@ def register(subparsers: Any) -> None:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole run")
     p.add_argument("--json", help="also write the results here")
     p.set_defaults(func=_main)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.torch_decode [options]`` (the options of ``ubep decode``)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.torch_decode")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["decode", *(sys.argv[1:] if argv is None else argv)])
+    return _main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

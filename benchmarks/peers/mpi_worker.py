@@ -1,7 +1,7 @@
-"""MPI peer worker: ``mpiexec -n N python benchmarks/peers_mpi_worker.py WORKDIR``.
+"""MPI peer worker: ``mpiexec -n N python benchmarks/peers/mpi_worker.py WORKDIR``.
 
 Runs in a peer venv (mpi4py + one MPI wheel + numpy) and executes the plan in WORKDIR
-(benchmarks/peers_driver.py) over MPI_COMM_WORLD: counts with ``Alltoall``, rows with
+(benchmarks/peers/driver.py) over MPI_COMM_WORLD: counts with ``Alltoall``, rows with
 ``Alltoallv`` on a contiguous row datatype (one element per row, so counts never overflow int).
 """
 
@@ -12,14 +12,14 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script in a peer venv
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script in a peer venv
 
-from benchmarks.peers_driver import run_plan
+from benchmarks.peers.driver import run_plan
 from mpi4py import MPI
 
 
 class MpiExchange:
-    """:class:`benchmarks.peers_kernels.Exchange` over an MPI communicator."""
+    """:class:`benchmarks.peers.kernels.Exchange` over an MPI communicator."""
 
     def __init__(self, comm: MPI.Intracomm) -> None:
         self.comm = comm

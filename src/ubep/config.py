@@ -1,0 +1,151 @@
+"""``BufferConfig``: the shape and behaviour of a :class:`ubep.Buffer`, fixed at construction.
+
+A frozen dataclass, validated in ``__post_init__`` (every error an ``InvalidArgumentError``
+naming the field), its fields grouped by section: the shape of a call (what the model gives),
+the transport (how rows move and how receivers learn they arrived), the execution (cores,
+threads, scheduler), the deadline, and the sync formats' geometry. Per-call options are keyword
+arguments of ``dispatch``/``combine``, not fields here. ``ubep.buffer`` re-exports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import dtypes as _dt
+from .errors import InvalidArgumentError
+from .modes import ENGINES, LAYOUTS, POLICIES, SYNCS
+
+__all__ = ["BufferConfig"]
+
+
+@dataclass(frozen=True)
+class BufferConfig:
+    """Shape and behaviour of a :class:`~ubep.Buffer` (identical on every rank).
+
+    Shape of a call:
+        max_tokens_per_rank: most tokens one rank dispatches in one call.
+        hidden: elements per token row.
+        num_topk: experts per token (``topk_idx`` columns).
+        num_experts: global experts, a multiple of the number of ranks.
+        dtype: payload type, a ``ubep.dtypes`` name (``"bf16"``, ``"fp16"``, ``"fp32"``,
+            ``"int8"``, ``"uint8"``) or a numpy dtype / array of it.
+        combine_dtype: type of the expert outputs combine takes and returns; ``None`` = ``dtype``
+            for float payloads, ``"bf16"`` for 1-byte ones (W8A8 dispatch, BF16 combine).
+
+    Transport (``ubep.modes``):
+        layout: ``"expert"`` (one row per (token, expert)) or ``"rank"`` (one per (token, rank)).
+        engine: ``"asp"`` (UBEP task graph) or ``"bsp"`` (CANN-EP-style phases and barriers).
+        sync: ``"sw"``, ``"tff"``, ``"dc"`` or ``"sp"`` (docs/FORMATS.md). SP needs a float
+            payload (1-byte types have no free sentinel).
+
+    Execution:
+        num_cores: cores (threads) per rank; ``None`` = the group topology's ``cores_per_rank``.
+        threads: run cores as threads (``True``) or all on the calling thread (``False``);
+            ``None`` = threads when ``num_cores * num_ranks`` fits the hardware threads.
+        policy: token scheduler of the ASP send cores (``ubep.sched.schedule``).
+
+    Deadline:
+        timeout_s: deadline of every wait inside one call.
+
+    Sync formats:
+        tff_block_bytes, tff_flag_bytes: TFF block geometry (default 512 = 480 + 32).
+        sp_check_bytes: SP arms and polls the last ``sp_check_bytes`` of each row, which the
+            writer stores after the rest behind a release fence (docs/FORMATS.md); ``0`` arms
+            and polls every element of the row, the paper's SP, which needs no store order.
+    """
+
+    # --- shape of a call
+    max_tokens_per_rank: int
+    hidden: int
+    num_topk: int
+    num_experts: int
+    dtype: Any
+    combine_dtype: Any = None
+    # --- transport
+    layout: str = "expert"
+    engine: str = "asp"
+    sync: str = "sp"
+    # --- execution
+    num_cores: int | None = None
+    threads: bool | None = None
+    policy: str = "hierarchical"
+    # --- deadline
+    timeout_s: float = 60.0
+    # --- sync formats
+    tff_block_bytes: int = 512
+    tff_flag_bytes: int = 32
+    sp_check_bytes: int = 32
+
+    def __post_init__(self) -> None:
+        self._check_shape()
+        self._check_transport()
+        self._check_execution()
+        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
+            raise InvalidArgumentError("timeout_s", self.timeout_s, "must be > 0")
+        self._check_formats()
+
+    def _check_shape(self) -> None:
+        for name in ("max_tokens_per_rank", "hidden", "num_topk", "num_experts"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise InvalidArgumentError(name, value, "must be a positive integer")
+            object.__setattr__(self, name, int(value))
+        if self.num_topk > self.num_experts:
+            raise InvalidArgumentError(
+                "num_topk", self.num_topk, f"must be <= num_experts={self.num_experts}"
+            )
+        dt = _dt.dtype_of(self.dtype, argument="dtype")
+        object.__setattr__(self, "dtype", dt.name)
+        cdt_raw = self.combine_dtype
+        if cdt_raw is None:
+            cdt_raw = dt.name if dt.is_float else "bf16"
+        cdt = _dt.dtype_of(cdt_raw, argument="combine_dtype")
+        if not cdt.is_float:
+            raise InvalidArgumentError("combine_dtype", cdt.name, "must be bf16, fp16 or fp32")
+        if dt.is_float and cdt != dt:
+            raise InvalidArgumentError(
+                "combine_dtype", cdt.name, f"must equal dtype ({dt.name}) for a float payload"
+            )
+        object.__setattr__(self, "combine_dtype", cdt.name)
+
+    def _check_transport(self) -> None:
+        _choice("layout", self.layout, LAYOUTS)
+        _choice("engine", self.engine, ENGINES)
+        _choice("sync", self.sync, SYNCS)
+        if self.sync == "sp" and _dt.dtype_of(self.dtype).sentinel is None:
+            raise InvalidArgumentError(
+                "sync", "sp",
+                f"{self.dtype} payloads have no bit pattern free for a sentinel: use "
+                "sync='tff' or sync='dc'",
+            )
+
+    def _check_execution(self) -> None:
+        _choice("policy", self.policy, POLICIES)
+        if self.num_cores is not None and (
+            isinstance(self.num_cores, bool) or not isinstance(self.num_cores, int)
+            or not 1 <= self.num_cores <= 256
+        ):
+            raise InvalidArgumentError("num_cores", self.num_cores, "must be None or in [1, 256]")
+        if self.threads is not None and not isinstance(self.threads, bool):
+            raise InvalidArgumentError("threads", self.threads, "must be None, True or False")
+
+    def _check_formats(self) -> None:
+        flag = self.tff_flag_bytes
+        if not isinstance(flag, int) or flag < 8 or flag % 8:
+            raise InvalidArgumentError("tff_flag_bytes", flag, "must be >= 8, a multiple of 8")
+        block = self.tff_block_bytes
+        if not isinstance(block, int) or block % 64 or block <= flag:
+            raise InvalidArgumentError(
+                "tff_block_bytes", block, f"must be a multiple of 64 larger than {flag}"
+            )
+        check = self.sp_check_bytes
+        if isinstance(check, bool) or not isinstance(check, int) or check < 0 or check % 8:
+            raise InvalidArgumentError("sp_check_bytes", check, "must be >= 0, a multiple of 8")
+
+
+def _choice(name: str, value: object, options: tuple[str, ...]) -> None:
+    if value not in options:
+        raise InvalidArgumentError(name, value, f"must be one of {options}")

@@ -1,0 +1,129 @@
+"""The names of ubep's modes, in one place: engines, sync modes, layouts, scheduling policies and
+payload types, as ``Literal`` types and as tuples in their canonical order, plus the one
+enumeration of the valid engine x sync x layout x dtype combinations that tests, the MPI
+selftest, the soak and the peers benchmark run.
+
+Pure Python (no numpy, no torch): everything that validates or enumerates a mode name imports it
+from here. The native codes of these names (their position in the tuples) are
+:mod:`ubep.runtime.abi`'s business.
+
+The one rule between the axes: SP needs a bit pattern the payload never holds (its sentinel), so
+it runs only with float payloads (:func:`supports`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+__all__ = [
+    "DTYPE_NAMES",
+    "ENGINES",
+    "FLOAT_DTYPE_NAMES",
+    "LAYOUTS",
+    "POLICIES",
+    "SYNCS",
+    "DTypeName",
+    "Engine",
+    "Layout",
+    "Mode",
+    "Policy",
+    "Sync",
+    "dtypes_for",
+    "enumerate_modes",
+    "supports",
+]
+
+Engine = Literal["asp", "bsp"]
+"""``asp``: UBEP's task graph (counts, then sends as soon as they are known); ``bsp``: the
+CANN-EP-style baseline (phases separated by global barriers)."""
+
+Sync = Literal["sw", "tff", "dc", "sp"]
+"""How a receiver learns that rows arrived (docs/FORMATS.md): stop-and-wait flag, token-flag
+fusion, data checksum, sentinel polling."""
+
+Layout = Literal["expert", "rank"]
+"""``expert``: one received row per (token, expert); ``rank``: one per (token, destination
+rank) (ubep.reference)."""
+
+Policy = Literal["expert_contiguous", "balanced", "hierarchical"]
+"""Token schedulers of the ASP send cores (ubep.sched)."""
+
+DTypeName = Literal["bf16", "fp16", "fp32", "int8", "uint8"]
+"""Payload types (ubep.dtypes); 1-byte types carry FP8 / W8A8 data."""
+
+ENGINES: tuple[Engine, ...] = get_args(Engine)
+SYNCS: tuple[Sync, ...] = get_args(Sync)
+LAYOUTS: tuple[Layout, ...] = get_args(Layout)
+POLICIES: tuple[Policy, ...] = get_args(Policy)
+DTYPE_NAMES: tuple[DTypeName, ...] = get_args(DTypeName)
+FLOAT_DTYPE_NAMES: tuple[DTypeName, ...] = ("bf16", "fp16", "fp32")
+
+
+def supports(sync: str, dtype: str) -> bool:
+    """Whether sync mode ``sync`` can carry payload type ``dtype`` (SP: float types only)."""
+    return sync != "sp" or dtype in FLOAT_DTYPE_NAMES
+
+
+def dtypes_for(sync: str) -> tuple[DTypeName, ...]:
+    """The payload types ``sync`` can carry, in :data:`DTYPE_NAMES` order."""
+    return tuple(d for d in DTYPE_NAMES if supports(sync, d))
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One engine x sync x layout x dtype combination, written ``engine:sync:layout:dtype``."""
+
+    engine: str
+    sync: str
+    layout: str
+    dtype: str
+
+    @classmethod
+    def parse(cls, text: str) -> Mode:
+        """``"asp:dc:expert:bf16"`` -> ``Mode``; anything else is an ``InvalidArgumentError``
+        naming ``modes``."""
+        from .errors import InvalidArgumentError
+
+        parts = text.split(":")
+        if len(parts) != 4:
+            raise InvalidArgumentError("modes", text, "must be engine:sync:layout:dtype")
+        return cls(*parts)
+
+    def __str__(self) -> str:
+        return f"{self.engine}:{self.sync}:{self.layout}:{self.dtype}"
+
+
+def enumerate_modes(
+    *,
+    engines: Sequence[str] = ENGINES,
+    syncs: Sequence[str] = SYNCS,
+    layouts: Sequence[str] = LAYOUTS,
+    dtypes: Sequence[str] = DTYPE_NAMES,
+    rotate_dtypes: bool = False,
+) -> list[Mode]:
+    """The valid modes over the given axes (default: all of them), in product order (engine,
+    then sync, then layout, then dtype), SP only with float payloads.
+
+    ``rotate_dtypes``: one dtype per engine x sync x layout instead of every one, taken in turn
+    from ``dtypes`` (an SP mode whose turn falls on a 1-byte type gets the first float type of
+    ``dtypes``), so that every sync sees float and 1-byte payloads at a fraction of the full
+    product's cost.
+    """
+    if not rotate_dtypes:
+        return [Mode(e, s, lay, d) for e, s, lay, d in itertools.product(engines, syncs, layouts,
+                                                                         dtypes)
+                if supports(s, d)]
+    turn = itertools.cycle(dtypes)
+    first_float = next((d for d in dtypes if d in FLOAT_DTYPE_NAMES), None)
+    out = []
+    for e, s, lay in itertools.product(engines, syncs, layouts):
+        d = next(turn)
+        if not supports(s, d):
+            if first_float is None:
+                continue
+            d = first_float
+        out.append(Mode(e, s, lay, d))
+    return out

@@ -1,0 +1,136 @@
+"""Seeded inputs and bit-exact comparison with :mod:`ubep.reference`, shared by the tests, the
+benchmarks and ``python -m ubep.dist.selftest`` (which users run on their own MPI jobs).
+
+Every rank of a check regenerates *all* ranks' inputs from one seed (:func:`inputs`), so each
+can compute the reference on its own and compare only its own result (:func:`check_call`).
+Comparisons are of raw bytes (:func:`bits`): NaN payloads and ``-0.0`` compare exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import dtypes as _dt
+from . import reference, routing
+from .modes import FLOAT_DTYPE_NAMES
+
+__all__ = [
+    "FIELDS",
+    "any_bits_payload",
+    "bits",
+    "check_call",
+    "compare",
+    "expert_outputs",
+    "inputs",
+    "payload",
+    "same_bits",
+]
+
+#: The dispatch result's fields a backend must match bit for bit (the handle aside).
+FIELDS = ("recv_x", "recv_topk_idx", "recv_topk_weights", "num_recv_tokens_per_expert",
+          "recv_src_rank", "recv_src_token", "recv_src_k")
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    """The raw bytes of an array, so NaN payloads and -0 compare exactly."""
+    return np.ascontiguousarray(a).view(np.uint8)
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    """Same shape, same dtype, same bytes."""
+    return a.shape == b.shape and a.dtype == b.dtype and bool(np.array_equal(bits(a), bits(b)))
+
+
+def compare(res: Any, ref: Any) -> list[str]:
+    """The :data:`FIELDS` of dispatch result ``res`` that differ from ``ref``'s, described."""
+    bad = []
+    for f in FIELDS:
+        a, b = getattr(res, f), getattr(ref, f)
+        if a.shape != b.shape or a.dtype != b.dtype:
+            bad.append(f"{f}: {a.dtype}{a.shape} vs reference {b.dtype}{b.shape}")
+        elif not np.array_equal(bits(a), bits(b)):
+            bad.append(f"{f}: values differ")
+    return bad
+
+
+def payload(rng: np.random.Generator, dtype: str, tokens: int, hidden: int) -> np.ndarray:
+    """Seeded payload: finite floats of moderate size (never an SP sentinel) or any bytes."""
+    storage = _dt.dtype_of(dtype).storage
+    if dtype == "bf16":
+        raw = rng.integers(0x3000, 0x4F80, size=(tokens, hidden), dtype=np.uint16)
+        return raw | (rng.integers(0, 2, size=(tokens, hidden), dtype=np.uint16) << 15)
+    if dtype in FLOAT_DTYPE_NAMES:
+        return (rng.standard_normal((tokens, hidden)) * 4).astype(storage)
+    info = np.iinfo(storage)
+    return rng.integers(info.min, info.max + 1, size=(tokens, hidden), dtype=storage)
+
+
+def any_bits_payload(rng: np.random.Generator, dtype: str, tokens: int,
+                     hidden: int) -> np.ndarray:
+    """Seeded payload of any bit patterns (NaN and Inf included) but the SP sentinel, which
+    becomes 1.0: what a long soak moves."""
+    dt = _dt.dtype_of(dtype)
+    if dt.sentinel is None:
+        return payload(rng, dtype, tokens, hidden)  # every byte pattern already
+    raw = rng.integers(0, 1 << (8 * dt.itemsize), size=(tokens, hidden), dtype=dt.bits_dtype)
+    one = dt.from_float32(np.ones(1, np.float32)).view(dt.bits_dtype)[0]
+    raw[raw == dt.sentinel] = one
+    return raw.view(dt.storage)
+
+
+def inputs(dtype: str, num_experts: int, num_topk: int, hidden: int, tokens: list[int],
+           seed: int, kind: str) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+    """Per-rank ``x``, ``topk_idx``, ``topk_weights`` (seeded; identical on every rank).
+
+    ``kind``: ``"uniform"`` (10% masked slots), ``"hot"`` (70% of picks on 2 experts) or
+    ``"one"`` (every token to expert 0 and nothing else).
+    """
+    xs, idxs, ws = [], [], []
+    for r, t in enumerate(tokens):
+        rng = np.random.default_rng([seed, r])
+        xs.append(payload(rng, dtype, t, hidden))
+        if kind == "one":
+            idx = np.full((t, num_topk), -1, dtype=np.int64)
+            idx[:, 0] = 0
+        elif kind == "hot":
+            idx = routing.hot_experts_topk(t, num_experts, num_topk, hot_experts=2,
+                                           hot_share=0.7, seed=seed * 1000 + r)
+        else:
+            idx = routing.uniform_topk(t, num_experts, num_topk, seed=seed * 1000 + r,
+                                       mask_prob=0.1)
+        idxs.append(idx)
+        ws.append(rng.random((t, num_topk), dtype=np.float32))
+    return xs, idxs, ws
+
+
+def expert_outputs(dtype: str, recv_x: np.ndarray, seed: int) -> np.ndarray:
+    """Expert outputs for ``recv_x``: itself for float payloads, seeded BF16 for 1-byte ones."""
+    if dtype in FLOAT_DTYPE_NAMES:
+        return np.ascontiguousarray(recv_x)
+    rng = np.random.default_rng(seed)
+    return payload(rng, "bf16", recv_x.shape[0], recv_x.shape[1])
+
+
+def check_call(buf: Any, xs: list[np.ndarray], idxs: list[np.ndarray], ws: list[np.ndarray],
+               seed: int, *, zero_copy: bool = False) -> list[str]:
+    """One dispatch and one combine on ``buf`` (this rank: ``buf.rank``) with every rank's
+    inputs given, compared with the reference bit for bit; returns the mismatches. Expert
+    outputs: :func:`expert_outputs` seeded ``seed * 10 + rank``; ``zero_copy``: written into
+    ``buf.get_combine_buffer`` first."""
+    cfg, r = buf.config, buf.rank
+    res = buf.dispatch(xs[r], idxs[r], ws[r])
+    refs = reference.dispatch(xs, idxs, ws, cfg.num_experts, layout=cfg.layout)
+    errors = compare(res, refs[r])
+    outs = [expert_outputs(cfg.dtype, ref.recv_x, seed * 10 + q) for q, ref in enumerate(refs)]
+    if zero_copy:
+        eo = buf.get_combine_buffer(res.handle)
+        eo[...] = outs[r]
+    else:
+        eo = outs[r]
+    y = buf.combine(eo, res.handle)
+    y_ref = reference.combine(outs, refs)[r]
+    if y.dtype != y_ref.dtype or not np.array_equal(bits(y), bits(y_ref)):
+        errors.append("combine differs")
+    return errors

@@ -1,0 +1,833 @@
+"""DeepEP's ``Buffer`` on ubep: a DeepEP program runs on CPUs by changing its import.
+
+::
+
+    import deep_ep                   ->  from ubep import deep_ep
+    from deep_ep import Buffer       ->  from ubep.deep_ep import Buffer
+
+(``ubep.deep_ep`` re-exports this module, ``ubep.torch.deep_ep``; the value types live in
+``ubep.torch.deep_ep_types``, the FP8 casts in ``ubep.torch.fp8``.)
+
+    buffer = Buffer(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode=True, ...)
+
+The API is DeepEP v1's (``deep_ep/buffer.py``, the last release before V2): the constructor with
+its parameter names and positional order, every method the intranode and low-latency paths use,
+the same defaults and the same returned tuples. ``group`` is a ``torch.distributed`` process
+group (as in DeepEP), a ubep group (``ubep.launch``, ``ubep.dist``), or ``comm=`` an mpi4py
+communicator; :class:`ubep.torch.LocalBackend` (threads as ranks) is accepted for tests.
+
+Normal-mode ``dispatch``/``combine`` run on ubep buffers with ``layout="rank"`` (one row per
+(token, destination rank), DeepEP's normal mode); the low-latency pair on ``layout="expert"``
+(one row per (token, expert), packed per local expert). The data always moves through ubep's
+shared memory, never through the torch backend. ubep buffers are created on first use per
+shape; that first call is collective, as every call is. Calls are synchronous, so events and
+receive hooks have nothing left to wait for. Handles are frozen dataclasses that index and unpack
+like DeepEP's tuples and hold the same values where a CPU has the same meaning.
+
+docs/PORTING.md lists what still differs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import fields
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import InvalidArgumentError, RemoteError
+from ..group_adapter import as_process_group, is_torch_group
+from ..routing import get_dispatch_layout as _layout
+from ._convert import PAYLOAD_DTYPES, from_numpy, to_numpy
+from .backend import EPBackend, LocalBackend
+from .deep_ep_types import (
+    Config,
+    EventHandle,
+    EventOverlap,
+    LowLatencyHandle,
+    NormalHandle,
+    _event,
+    _Route,
+)
+from .fp8 import FP8_BLOCK, UE8M0_PACK, pack_ue8m0, quantize_fp8
+
+__all__ = [
+    "Buffer",
+    "Config",
+    "EventHandle",
+    "EventOverlap",
+    "LowLatencyHandle",
+    "NormalHandle",
+    "topk_idx_t",
+]
+
+#: dtype of ``topk_idx`` tensors (DeepEP: chosen at compile time, normally ``torch.int64``).
+topk_idx_t = torch.int64
+
+# BufferConfig fields the facade sets itself from each call's shapes.
+_SHAPE_FIELDS = (
+    "max_tokens_per_rank", "hidden", "num_topk", "num_experts", "dtype", "layout", "combine_dtype"
+)
+
+
+# --------------------------------------------------------------------------- the Buffer
+class Buffer:
+    """DeepEP's ``Buffer`` on ubep (see the module docstring and docs/PORTING.md).
+
+    Arguments as DeepEP v1's, in its order. ``num_nvl_bytes``, ``num_rdma_bytes``,
+    ``num_qps_per_rank``, ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``, ``use_fabric``
+    and ``enable_shrink`` configure NVLink/RDMA/NVSHMEM memory and have no CPU meaning: they are
+    accepted and kept as attributes. ubep's own keyword-only options: ``max_tokens_per_rank``
+    (normal-mode capacity per rank; the low-latency pair uses its
+    ``num_max_dispatch_tokens_per_rank``) and any ``ubep.BufferConfig`` field that is not a
+    shape (``engine``, ``sync``, ``timeout_s``, ...), checked here.
+
+    Attributes (DeepEP's): ``num_sms``, ``rank``, ``group_size``, ``group``, ``num_nvl_bytes``,
+    ``num_rdma_bytes``, ``low_latency_mode``, ``explicitly_destroy``, ``enable_shrink``.
+    """
+
+    num_sms: int = 20
+
+    def __init__(
+        self,
+        group: Any,
+        num_nvl_bytes: int = 0,
+        num_rdma_bytes: int = 0,
+        low_latency_mode: bool = False,
+        num_qps_per_rank: int = 24,
+        allow_nvlink_for_low_latency_mode: bool = True,
+        allow_mnnvl: bool = False,
+        use_fabric: bool = False,
+        explicitly_destroy: bool = False,
+        enable_shrink: bool = False,
+        comm: Any = None,
+        *,
+        max_tokens_per_rank: int = 4096,
+        **ubep_options: Any,
+    ) -> None:
+        _check_ubep_options(ubep_options)
+        if isinstance(max_tokens_per_rank, bool) or not isinstance(max_tokens_per_rank, int) or (
+            max_tokens_per_rank < 1
+        ):
+            raise InvalidArgumentError(
+                "max_tokens_per_rank", max_tokens_per_rank, "must be a positive integer"
+            )
+        self._ep = _ep_group(group, comm)
+        self.group = group if group is not None else comm
+        self.rank = int(self._ep.rank)
+        self.group_size = int(self._ep.num_ranks)
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        self.low_latency_mode = low_latency_mode
+        self.num_qps_per_rank = num_qps_per_rank
+        self.allow_nvlink_for_low_latency_mode = allow_nvlink_for_low_latency_mode
+        self.allow_mnnvl = allow_mnnvl
+        self.use_fabric = use_fabric
+        self.explicitly_destroy = explicitly_destroy
+        self.enable_shrink = enable_shrink
+        self.max_tokens_per_rank = max_tokens_per_rank
+        self.ubep_options = ubep_options
+        self._backends: dict[tuple[Any, ...], EPBackend] = {}
+        # get_next_low_latency_combine_buffer's tensors, by (local experts, slots, hidden)
+        self._ll_combine_staging: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._destroyed = False
+
+    # ------------------------------------------------------------------ static helpers
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """True: FP8 (e4m3) payloads work, the capability DeepEP's SM90 build gates."""
+        return True
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """Kept for DeepEP code (ubep's cores are threads, see ``BufferConfig.num_cores``)."""
+        if new_num_sms % 2:
+            raise InvalidArgumentError("new_num_sms", new_num_sms, "must be even (as DeepEP)")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        return EventOverlap(EventHandle())
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """A default :class:`Config` for any rank count (DeepEP: a table of tuned ones)."""
+        return Config(Buffer.num_sms)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        return Config(Buffer.num_sms)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(
+        num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
+    ) -> int:
+        """Bytes of BF16 receive rows a rank may need in low-latency mode (informational)."""
+        return int(num_max_dispatch_tokens_per_rank * num_ranks * hidden * 2 * 2)
+
+    def get_comm_stream(self) -> Any:
+        """The CPU stream (calls run on the caller's thread; there is no communication stream)."""
+        return torch.cpu.current_stream()
+
+    def destroy(self) -> None:
+        """Release every ubep buffer of this facade (needs ``explicitly_destroy=True``)."""
+        if not self.explicitly_destroy:
+            raise InvalidArgumentError("explicitly_destroy", False, "must be set to call destroy()")
+        for backend in self._backends.values():
+            close = getattr(backend, "close", None)
+            if close is not None:
+                close()
+        self._backends.clear()
+        self._ll_combine_staging.clear()
+        self._destroyed = True
+
+    def clean_low_latency_buffer(
+        self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int
+    ) -> None:
+        """No-op: every ubep flag carries its call's epoch, so buffers never need cleaning."""
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Unmasking is a no-op (no rank is ever masked); ubep cannot mask a rank: a lost rank
+        fails every later call with ``PeerLostError`` instead."""
+        if mask:
+            raise NotImplementedError(
+                "ubep cannot mask a rank (DeepEP's shrink mode); a lost peer fails every later "
+                "call with ubep.PeerLostError (docs/PORTING.md)"
+            )
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Fill ``mask_status [num_ranks]`` with 0: no rank is masked."""
+        mask_status.zero_()
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """No-op: no rank is masked."""
+
+    def get_local_buffer_tensor(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise NotImplementedError(
+            "ubep does not expose a raw NVLink/RDMA buffer (docs/PORTING.md); "
+            "get_next_low_latency_combine_buffer gives the low-latency combine's input buffer"
+        )
+
+    # ------------------------------------------------------------------ internals
+    def _backend(
+        self,
+        layout: str,
+        hidden: int,
+        num_topk: int,
+        num_experts: int,
+        dtype: torch.dtype,
+        max_tokens: int,
+        combine_dtype: torch.dtype | None = None,
+    ) -> EPBackend:
+        if self._destroyed:
+            raise InvalidArgumentError("self", "destroyed", "this Buffer was destroyed")
+        if isinstance(self._ep, LocalBackend):
+            return self._ep.with_layout(layout)
+        key = (layout, hidden, num_topk, num_experts, dtype, max_tokens, combine_dtype)
+        if key not in self._backends:
+            from ._runtime import make_backend, ubep_dtype_name
+
+            options = dict(self.ubep_options)
+            if combine_dtype is not None:
+                options["combine_dtype"] = ubep_dtype_name(combine_dtype)
+            if dtype in (torch.uint8, torch.int8) and options.get("sync", "sp") == "sp":
+                # FP8 rows have no free bit pattern for SP's sentinel: use token-flag fusion.
+                options["sync"] = "tff"
+            self._backends[key] = make_backend(
+                self._ep,
+                hidden=hidden,
+                num_topk=num_topk,
+                num_experts=num_experts,
+                dtype=dtype,
+                max_tokens_per_rank=max_tokens,
+                layout=layout,
+                **options,
+            )
+        return self._backends[key]
+
+    def _send(
+        self,
+        layout: str,
+        x: torch.Tensor,
+        scales: torch.Tensor | None,
+        idx: np.ndarray,
+        w: np.ndarray,
+        num_experts: int,
+        max_tokens: int,
+    ) -> tuple[Any, EPBackend, np.ndarray | None]:
+        """Dispatch ``x`` (and FP8 ``scales``); returns the result of the rows' dispatch, the
+        backend they went through and the received scales (or None).
+
+        FP8 values travel as bytes on a buffer whose combine takes BF16 (DeepEP's FP8 dispatch /
+        BF16 combine); the scales take a second, narrow dispatch along the same routing, which
+        delivers them in the same row order (dispatch is deterministic).
+        """
+        if scales is None:
+            backend = self._backend(
+                layout, x.shape[1], idx.shape[1], num_experts, x.dtype, max_tokens
+            )
+            return backend.dispatch(to_numpy(x), idx, w), backend, None
+        values = x.contiguous().view(torch.uint8)
+        backend = self._backend(
+            layout, x.shape[1], idx.shape[1], num_experts, torch.uint8, max_tokens,
+            combine_dtype=torch.bfloat16,
+        )
+        res = backend.dispatch(to_numpy(values), idx, w)
+        sb = self._backend(
+            layout, scales.shape[1], idx.shape[1], num_experts, torch.float32, max_tokens
+        )
+        res_s = sb.dispatch(to_numpy(scales.to(torch.float32).contiguous()), idx, w)
+        return res, backend, np.array(res_s.recv_x)
+
+    def _allgather(self, value: Any) -> list[Any]:
+        gather: Callable[[Any], list[Any]] = self._ep.allgather
+        return list(gather(value))
+
+    def _agree(self, check: Callable[[], Any], summary: Callable[[Any], Any]) -> tuple[Any, list]:
+        """Run the local ``check`` then exchange ``summary(result)`` with every rank, so that a
+        rank's bad input fails the call on every rank (RemoteError on the others) instead of
+        leaving them waiting in a collective. Returns ``(result, everyone's summaries)``."""
+        failure: InvalidArgumentError | None = None
+        try:
+            result = check()
+            mine: list[Any] = [None, summary(result)]
+        except InvalidArgumentError as exc:
+            failure, result, mine = exc, None, [f"rank {self.rank}: {exc}", None]
+        everyone = self._allgather(mine)
+        if failure is not None:
+            raise failure
+        for r, (error, _) in enumerate(everyone):
+            if error is not None:
+                raise RemoteError(r, error)
+        return result, [s for _, s in everyone]
+
+    # ------------------------------------------------------------------ normal mode
+    def get_dispatch_layout(
+        self,
+        topk_idx: torch.Tensor,
+        num_experts: int,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> tuple[torch.Tensor, None, torch.Tensor, torch.Tensor, EventOverlap]:
+        """``(num_tokens_per_rank, num_tokens_per_rdma_rank=None, num_tokens_per_expert,
+        is_token_in_rank, event)``; counts are int32 like DeepEP's."""
+        lay = _layout(to_numpy(topk_idx, argument="topk_idx"), num_experts, self.group_size)
+        return (
+            torch.from_numpy(lay.num_tokens_per_rank.astype(np.int32)),
+            None,
+            torch.from_numpy(lay.num_tokens_per_expert.astype(np.int32)),
+            torch.from_numpy(lay.is_token_in_rank),
+            _event(async_finish),
+        )
+
+    def dispatch(
+        self,
+        x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        handle: NormalHandle | None = None,
+        num_tokens_per_rank: torch.Tensor | None = None,
+        num_tokens_per_rdma_rank: torch.Tensor | None = None,
+        is_token_in_rank: torch.Tensor | None = None,
+        num_tokens_per_expert: torch.Tensor | None = None,
+        topk_idx: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+        expert_alignment: int = 1,
+        num_worst_tokens: int = 0,
+        config: Config | None = None,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, list[int] | None, Any, EventOverlap]:
+        """Normal-mode dispatch: ``(recv_x, recv_topk_idx, recv_topk_weights,
+        num_recv_tokens_per_expert_list, handle, event)``.
+
+        Rows go to the ranks marked in ``is_token_in_rank`` (computed from ``topk_idx`` when only
+        that is given); without ``topk_idx``/``topk_weights``, ``recv_topk_idx`` and
+        ``recv_topk_weights`` are None, as in DeepEP. With ``handle`` (cached mode, e.g. the
+        backward of combine) the rows follow the handle and only ``recv_x`` is returned. With
+        ``num_worst_tokens > 0`` the outputs have that many rows (the received ones first,
+        ``recv_topk_idx`` -1 after them) and the per-expert list is empty.
+        """
+        scales: torch.Tensor | None = None
+        if isinstance(x, tuple):
+            x, scales = x
+        if handle is not None:
+            return self._cached_dispatch(x, scales, handle, topk_idx, topk_weights, async_finish)
+        route, summaries = self._agree(
+            lambda: self._route(
+                x, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
+                num_tokens_per_expert, num_worst_tokens,
+            ),
+            lambda r: [
+                [int(v) for v in r.is_token_in_rank.sum(axis=0)],
+                [int(v) for v in r.num_tokens_per_expert],
+            ],
+        )
+        sent = np.array([s[0] for s in summaries], dtype=np.int64)  # [src, dst] tokens
+        num_experts = route.num_experts
+        if any(len(s[1]) != num_experts for s in summaries):
+            raise InvalidArgumentError(
+                "num_tokens_per_expert", num_experts, "differs between ranks (same num_experts)"
+            )
+        most = int(sent.sum(axis=0).max(initial=0))
+        if num_worst_tokens and most > num_worst_tokens:
+            raise InvalidArgumentError(
+                "num_worst_tokens", num_worst_tokens, f"a rank receives {most} tokens"
+            )
+        res, backend, recv_scales = self._send(
+            "rank", x, scales, route.topk_idx, route.topk_weights, route.num_experts,
+            self.max_tokens_per_rank,
+        )
+        rows = len(res.recv_src_rank)
+        out_rows = num_worst_tokens if num_worst_tokens > 0 else rows
+        recv = self._recv_rows(res.recv_x, recv_scales, x.dtype, scales is not None, out_rows)
+        new_handle = self._normal_handle(res, backend, route, sent, out_rows)
+        recv_idx = recv_w = None
+        if route.with_topk:
+            recv_idx = torch.full((out_rows, route.topk_idx.shape[1]), -1, dtype=topk_idx_t)
+            recv_idx[:rows] = torch.from_numpy(np.asarray(res.recv_topk_idx))
+            recv_w = torch.zeros((out_rows, route.topk_idx.shape[1]), dtype=torch.float32)
+            recv_w[:rows] = torch.from_numpy(np.asarray(res.recv_topk_weights))
+        counts: list[int] = []
+        if num_worst_tokens == 0:
+            local = slice(self.rank * num_experts // self.group_size,
+                          (self.rank + 1) * num_experts // self.group_size)
+            per_expert = np.array([s[1][local] for s in summaries], dtype=np.int64).sum(axis=0)
+            align = max(int(expert_alignment), 1)
+            counts = [math.ceil(int(c) / align) * align for c in per_expert]
+        return recv, recv_idx, recv_w, counts, new_handle, _event(async_finish)
+
+    def _route(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor | None,
+        topk_weights: torch.Tensor | None,
+        num_tokens_per_rank: torch.Tensor | None,
+        is_token_in_rank: torch.Tensor | None,
+        num_tokens_per_expert: torch.Tensor | None,
+        num_worst_tokens: int,
+    ) -> _Route:
+        """Check one rank's normal-mode arguments and build the routing its rows follow."""
+        if not isinstance(x, torch.Tensor) or x.dim() != 2:
+            raise InvalidArgumentError("x", getattr(x, "shape", x), "must be [tokens, hidden]")
+        if isinstance(num_worst_tokens, bool) or not isinstance(num_worst_tokens, int) or (
+            num_worst_tokens < 0
+        ):
+            raise InvalidArgumentError("num_worst_tokens", num_worst_tokens, "must be an int >= 0")
+        if num_tokens_per_expert is None:
+            raise InvalidArgumentError(
+                "num_tokens_per_expert", None, "needed (get_dispatch_layout's output, as DeepEP)"
+            )
+        per_expert = np.asarray(
+            to_numpy(num_tokens_per_expert, argument="num_tokens_per_expert"), dtype=np.int64
+        )
+        num_experts = int(per_expert.size)
+        if num_experts % self.group_size:
+            raise InvalidArgumentError(
+                "num_tokens_per_expert", num_experts,
+                f"needs a multiple of num_ranks={self.group_size} experts",
+            )
+        R, T = self.group_size, x.shape[0]
+        if (topk_idx is None) != (topk_weights is None):
+            raise InvalidArgumentError(
+                "topk_weights" if topk_weights is None else "topk_idx", None,
+                "topk_idx and topk_weights go together",
+            )
+        if topk_idx is not None and topk_weights is not None:
+            idx = np.ascontiguousarray(to_numpy(topk_idx, argument="topk_idx"), dtype=np.int64)
+            w = np.ascontiguousarray(
+                to_numpy(topk_weights.float(), argument="topk_weights"), dtype=np.float32
+            )
+            if idx.shape[0] != T or w.shape != idx.shape:
+                raise InvalidArgumentError(
+                    "topk_idx", idx.shape, f"needs [num_tokens={T}, k] like topk_weights"
+                )
+            lay = _layout(idx, num_experts, R)
+            self._check_given("num_tokens_per_expert", per_expert, lay.num_tokens_per_expert)
+            self._check_given("is_token_in_rank", is_token_in_rank, lay.is_token_in_rank)
+            self._check_given("num_tokens_per_rank", num_tokens_per_rank, lay.num_tokens_per_rank)
+            return _Route(idx, w, lay.is_token_in_rank, per_expert, num_experts, True)
+        if is_token_in_rank is None:
+            raise InvalidArgumentError(
+                "is_token_in_rank", None, "needed when dispatching without topk_idx (as DeepEP)"
+            )
+        in_rank = np.asarray(to_numpy(is_token_in_rank, argument="is_token_in_rank"), dtype=bool)
+        if in_rank.shape != (T, R):
+            raise InvalidArgumentError(
+                "is_token_in_rank", in_rank.shape, f"must be [num_tokens={T}, num_ranks={R}]"
+            )
+        self._check_given("num_tokens_per_rank", num_tokens_per_rank, in_rank.sum(axis=0))
+        # One column per rank holding that rank's first expert: ubep's rank layout then sends
+        # exactly one row per marked (token, rank), as DeepEP does from is_token_in_rank.
+        first = np.arange(R, dtype=np.int64) * (num_experts // R)
+        idx = np.where(in_rank, first[None, :], -1)
+        return _Route(idx, np.zeros(idx.shape, np.float32), in_rank, per_expert, num_experts, False)
+
+    @staticmethod
+    def _check_given(name: str, given: Any, expected: np.ndarray) -> None:
+        if given is None:
+            return
+        value = given if isinstance(given, np.ndarray) else to_numpy(given, argument=name)
+        if value.shape != expected.shape or not np.array_equal(value, expected):
+            raise InvalidArgumentError(name, "mismatch", "does not match the routing (topk_idx)")
+
+    def _recv_rows(
+        self,
+        recv_x: np.ndarray,
+        recv_scales: np.ndarray | None,
+        dtype: torch.dtype,
+        fp8: bool,
+        out_rows: int,
+    ) -> Any:
+        rows = _padded(from_numpy(recv_x, torch.uint8 if fp8 else dtype), out_rows)
+        if not fp8:
+            return rows
+        assert recv_scales is not None
+        return rows.view(dtype), _padded(torch.from_numpy(recv_scales), out_rows)
+
+    def _normal_handle(
+        self, res: Any, backend: EPBackend, route: _Route, sent: np.ndarray, out_rows: int
+    ) -> NormalHandle:
+        in_rank = route.is_token_in_rank
+        rows = len(res.recv_src_rank)
+        src_idx = np.full(out_rows, -1, dtype=np.int32)
+        src_idx[:rows] = np.asarray(res.recv_src_token)
+        send_head = np.where(in_rank, np.cumsum(in_rank, axis=0, dtype=np.int64) - 1, -1)
+        return NormalHandle(
+            rank_prefix_matrix=torch.from_numpy(np.cumsum(sent, axis=0).astype(np.int32)),
+            channel_prefix_matrix=torch.from_numpy(sent[self.rank].astype(np.int32)[:, None]),
+            recv_channel_prefix_matrix=torch.zeros((self.group_size, 1), dtype=torch.int32),
+            recv_src_idx=torch.from_numpy(src_idx),
+            is_token_in_rank=torch.from_numpy(in_rank.copy()),
+            send_head=torch.from_numpy(send_head.astype(np.int32)),
+            inner=res.handle,
+            backend=backend,
+            topk_idx=route.topk_idx,
+            num_experts=route.num_experts,
+            num_recv_rows=rows,
+        )
+
+    def _cached_dispatch(
+        self,
+        x: torch.Tensor,
+        scales: torch.Tensor | None,
+        handle: NormalHandle,
+        topk_idx: torch.Tensor | None,
+        topk_weights: torch.Tensor | None,
+        async_finish: bool,
+    ) -> tuple[Any, None, None, None, None, EventOverlap]:
+        if not isinstance(handle, NormalHandle):
+            raise InvalidArgumentError(
+                "handle", type(handle).__name__, "must be the handle a normal dispatch returned"
+            )
+        if topk_idx is not None or topk_weights is not None:
+            raise InvalidArgumentError("handle", "given", "cached dispatch takes no topk_idx")
+        idx = handle.topk_idx
+        res, _, recv_scales = self._send(
+            "rank", x, scales, idx, np.zeros(idx.shape, np.float32), handle.num_experts,
+            self.max_tokens_per_rank,
+        )
+        out_rows = int(handle.recv_src_idx.shape[0])
+        recv = self._recv_rows(res.recv_x, recv_scales, x.dtype, scales is not None, out_rows)
+        return recv, None, None, None, None, _event(async_finish)
+
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: NormalHandle,
+        topk_weights: torch.Tensor | None = None,
+        bias: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+        config: Config | None = None,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:
+        """Normal-mode combine (sum without weights): ``(combined_x, combined_topk_weights,
+        event)``; ``topk_weights [rows, num_topk]`` are summed the same way (float32). ``x`` has
+        one row per received row (or ``num_worst_tokens`` rows, the padding ignored)."""
+        if not isinstance(handle, NormalHandle):
+            raise InvalidArgumentError(
+                "handle", type(handle).__name__, "must be the handle a normal dispatch returned"
+            )
+        n = handle.num_recv_rows
+        if x.shape[0] not in (n, handle.recv_src_idx.shape[0]):
+            raise InvalidArgumentError("x", tuple(x.shape), f"needs {n} rows")
+        backend = handle.backend
+        y = from_numpy(backend.combine(to_numpy(x[:n]), handle.inner), x.dtype)
+        combined_w = None
+        if topk_weights is not None:
+            combined_w = self._combine_small(backend, topk_weights[:n], handle)
+        if bias is not None:
+            # Both biases are added in float32 and rounded once, as DeepEP adds them in the
+            # reduction (rounding after each would lose a bit more with two).
+            total = y.float()
+            for b in bias if isinstance(bias, tuple) else (bias,):
+                total = total + b.float()
+            y = total.to(x.dtype)
+        return y, combined_w, _event(async_finish)
+
+    def _combine_small(
+        self, backend: EPBackend, values: torch.Tensor, handle: NormalHandle
+    ) -> torch.Tensor:
+        # Per-row metadata ([rows, num_topk] float32) is tiny: gather it everywhere and let each
+        # source add up the rows that came from it, in ascending destination rank (float32).
+        # Plain lists: the runtime group's allgather carries JSON. float32 -> float (double) ->
+        # float32 is exact, so the sum below sees the very values the receivers held.
+        column = handle.rank_prefix_matrix[:, self.rank].numpy()
+        src_rank = np.repeat(np.arange(self.group_size), np.diff(column, prepend=0))
+        everyone = self._allgather(
+            [
+                src_rank.tolist(),
+                handle.recv_src_idx[: handle.num_recv_rows].tolist(),
+                values.detach().float().tolist(),
+            ]
+        )
+        acc = np.zeros((handle.num_tokens, values.shape[1]), dtype=np.float32)
+        for src_ranks, src_token, vals in everyone:
+            mine = np.asarray(src_ranks, dtype=np.int64) == self.rank
+            rows = np.asarray(vals, dtype=np.float32).reshape(-1, values.shape[1])
+            np.add.at(acc, np.asarray(src_token, dtype=np.int64)[mine], rows[mine])
+        return torch.from_numpy(acc)
+
+    # ------------------------------------------------------------------ low-latency mode
+    def low_latency_dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        num_max_dispatch_tokens_per_rank: int,
+        num_experts: int,
+        cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+        dispatch_wait_recv_cost_stats: torch.Tensor | None = None,
+        use_fp8: bool = True,
+        round_scale: bool = False,
+        use_ue8m0: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+    ) -> tuple[Any, torch.Tensor, LowLatencyHandle, EventOverlap, Callable[[], None] | None]:
+        """``(recv_x, recv_count, handle, event, hook)``. ``recv_x`` is
+        ``[num_local_experts, num_max_dispatch_tokens_per_rank * num_ranks, hidden]`` BF16, or
+        with ``use_fp8`` a tuple (FP8 e4m3 values, ``[..., hidden // 128]`` float32 scales, or
+        with ``use_ue8m0`` ``[..., hidden // 512]`` int32 packed UE8M0 exponents); only the first
+        ``recv_count[e]`` rows of expert ``e`` are valid (the rest are zero). ``hook`` is a
+        no-op callable with ``return_recv_hook``, else None (as DeepEP)."""
+        num_tokens, hidden = x.shape
+        if num_tokens > num_max_dispatch_tokens_per_rank:
+            raise InvalidArgumentError(
+                "x", num_tokens,
+                f"exceeds num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}",
+            )
+        if use_ue8m0 and not (use_fp8 and round_scale):
+            raise InvalidArgumentError(
+                "use_ue8m0", True, "needs use_fp8=True and round_scale=True (as DeepEP)"
+            )
+        idx_np = np.ascontiguousarray(to_numpy(topk_idx, argument="topk_idx"), dtype=np.int64)
+        values: torch.Tensor = x.contiguous()
+        scales: torch.Tensor | None = None
+        if use_fp8:
+            block = FP8_BLOCK * (UE8M0_PACK if use_ue8m0 else 1)
+            if hidden % block:
+                raise InvalidArgumentError("x", hidden, f"hidden must be a multiple of {block}")
+            values, scales = quantize_fp8(x, round_scale)
+        # Unit weights travel with the rows; low_latency_combine gets the real ones.
+        res, backend, recv_scales = self._send(
+            "expert", values, scales, idx_np, np.ones(idx_np.shape, np.float32), num_experts,
+            num_max_dispatch_tokens_per_rank,
+        )
+        counts = np.asarray(res.num_recv_tokens_per_expert, dtype=np.int64)
+        slots = num_max_dispatch_tokens_per_rank * self.group_size
+        packed = _pack_per_expert(from_numpy(res.recv_x, torch.uint8 if use_fp8 else x.dtype),
+                                  counts, slots)
+        if cumulative_local_expert_recv_stats is not None:
+            cumulative_local_expert_recv_stats += torch.from_numpy(counts).to(
+                cumulative_local_expert_recv_stats.dtype
+            )
+        recv_x: Any = packed
+        if use_fp8:
+            assert recv_scales is not None
+            packed_scales = _pack_per_expert(torch.from_numpy(recv_scales), counts, slots)
+            if use_ue8m0:
+                packed_scales = pack_ue8m0(packed_scales)
+            recv_x = (packed.view(torch.float8_e4m3fn), packed_scales)
+        src_info, layout_range = self._ll_layout(res, counts, slots)
+        handle = LowLatencyHandle(
+            src_info=src_info,
+            layout_range=layout_range,
+            num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
+            hidden=hidden,
+            num_experts=num_experts,
+            inner=res.handle,
+            backend=backend,
+            counts=counts,
+            topk_idx=idx_np,
+        )
+        hook = _noop_hook if return_recv_hook else None
+        return recv_x, torch.from_numpy(counts.astype(np.int32)), handle, _event(async_finish), hook
+
+    def _ll_layout(
+        self, res: Any, counts: np.ndarray, slots: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepEP's ``src_info`` and ``layout_range`` of ubep's expert-major rows (per local
+        expert: source ranks ascending, then tokens ascending)."""
+        num_local = len(counts)
+        expert_of_row = np.repeat(np.arange(num_local), counts)
+        slot_of_row = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        src_info = np.full((num_local, slots), -1, dtype=np.int32)
+        src_info[expert_of_row, slot_of_row] = np.asarray(res.recv_src_token)
+        per_src = np.zeros((num_local, self.group_size), dtype=np.int64)
+        np.add.at(per_src, (expert_of_row, np.asarray(res.recv_src_rank, dtype=np.int64)), 1)
+        begin = np.cumsum(per_src, axis=1) - per_src
+        layout_range = (begin << 32) | per_src
+        return torch.from_numpy(src_info), torch.from_numpy(layout_range)
+
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        """The tensor ``low_latency_combine(..., zero_copy=True)`` reads the expert outputs from:
+        ``[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]`` BF16, to
+        fill in place. Not collective. That combine packs the valid rows straight into ubep's
+        combine buffer in shared memory (``ubep.Buffer.get_combine_buffer``), which the reduce
+        then reads without another copy; ``x`` is ignored, as DeepEP."""
+        if not isinstance(handle, LowLatencyHandle):
+            raise InvalidArgumentError(
+                "handle", type(handle).__name__, "must come from low_latency_dispatch"
+            )
+        key = self._staging_key(handle)
+        if key not in self._ll_combine_staging:
+            self._ll_combine_staging[key] = torch.zeros(key, dtype=torch.bfloat16)
+        return self._ll_combine_staging[key]
+
+    def _staging_key(self, handle: LowLatencyHandle) -> tuple[int, int, int]:
+        slots = handle.num_max_dispatch_tokens_per_rank * self.group_size
+        return len(handle.counts), slots, handle.hidden
+
+    def low_latency_combine(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        handle: LowLatencyHandle,
+        use_logfmt: bool = False,
+        zero_copy: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+        out: torch.Tensor | None = None,
+        combine_wait_recv_cost_stats: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, EventOverlap, Callable[[], None] | None]:
+        """Reduce **with weights**: ``(combined_x [num_tokens, hidden], event, hook)``; ``x`` is
+        the packed ``[num_local_experts, slots, hidden]`` expert output (ignored with
+        ``zero_copy``: the rows come from :meth:`get_next_low_latency_combine_buffer`).
+        ``topk_idx`` is the dispatch's, where a slot may be set to -1 to drop it."""
+        if not isinstance(handle, LowLatencyHandle):
+            raise InvalidArgumentError(
+                "handle", type(handle).__name__, "must come from low_latency_dispatch"
+            )
+        idx = to_numpy(topk_idx, argument="topk_idx")
+        if idx.shape != handle.topk_idx.shape or not np.all((idx == handle.topk_idx) | (idx == -1)):
+            raise InvalidArgumentError(
+                "topk_idx", tuple(idx.shape), "must be the dispatch's topk_idx (-1 drops a slot)"
+            )
+        w = np.ascontiguousarray(to_numpy(topk_weights.float(), argument="topk_weights"))
+        w = np.where(idx == -1, np.float32(0), w).astype(np.float32)
+        source = x
+        if zero_copy:
+            staging = self._ll_combine_staging.get(self._staging_key(handle))
+            if staging is None:
+                raise InvalidArgumentError(
+                    "zero_copy", True, "fill get_next_low_latency_combine_buffer(handle) first"
+                )
+            source = staging
+        rows = _combine_input(handle, source)
+        y = from_numpy(handle.backend.combine(rows, handle.inner, w), source.dtype)
+        if out is not None:
+            out.copy_(y)
+            y = out
+        return y, _event(async_finish), (_noop_hook if return_recv_hook else None)
+
+
+# --------------------------------------------------------------------------- helpers
+def _check_ubep_options(options: dict[str, Any]) -> None:
+    """Every extra keyword must be a ``ubep.BufferConfig`` option with a valid value, so a typo
+    fails at construction, not at the first call."""
+    from ..config import BufferConfig
+
+    allowed = {f.name for f in fields(BufferConfig)} - set(_SHAPE_FIELDS)
+    for name, value in options.items():
+        if name not in allowed:
+            raise InvalidArgumentError(
+                name, value,
+                f"is neither a DeepEP Buffer argument nor a ubep.BufferConfig option "
+                f"({', '.join(sorted(allowed))})",
+            )
+    # The shape here is a placeholder; the options' own checks are what runs.
+    BufferConfig(
+        max_tokens_per_rank=1, hidden=1, num_topk=1, num_experts=1, dtype="bf16", **options
+    )
+
+
+def _ep_group(group: Any, comm: Any) -> Any:
+    """The ubep group behind DeepEP's ``group`` (or ``comm``)."""
+    if group is None and comm is None:
+        raise InvalidArgumentError("group", None, "either 'group' or 'comm' must be given")
+    if group is None:
+        from ..dist import init
+
+        return init(comm)
+    if isinstance(group, LocalBackend):
+        return group
+    if is_torch_group(group):
+        # Collective the first time per torch group; every ubep buffer of it shares the result.
+        return as_process_group(group)
+    if all(isinstance(getattr(group, a, None), int) for a in ("rank", "num_ranks")) and hasattr(
+        group, "allgather"
+    ):
+        return group
+    raise InvalidArgumentError(
+        "group", type(group).__name__,
+        "must be a torch.distributed ProcessGroup or a ubep group (ubep.launch, ubep.dist)",
+    )
+
+
+def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` with zero rows appended up to ``rows`` (an owned tensor either way)."""
+    out = torch.zeros((rows, *t.shape[1:]), dtype=t.dtype)
+    out[: t.shape[0]] = t
+    return out
+
+
+def _pack_per_expert(rows: torch.Tensor, counts: np.ndarray, slots: int) -> torch.Tensor:
+    """Expert-major rows -> ``[num_local_experts, slots, ...]``, zeros after each count."""
+    packed = torch.zeros((len(counts), slots, *rows.shape[1:]), dtype=rows.dtype)
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        packed[e, :n] = rows[start : start + n]
+        start += n
+    return packed
+
+
+def _combine_input(handle: LowLatencyHandle, source: torch.Tensor) -> np.ndarray:
+    """The valid rows of ``source [num_local_experts, slots, hidden]``, expert-major, as the
+    combine input: written straight into ubep's combine buffer when the backend has one (its
+    combine then reads them in place), else into a new array."""
+    counts = handle.counts
+    n, hidden = int(counts.sum()), handle.hidden
+    if source.dim() != 3 or source.shape[0] != len(counts) or source.shape[2] != hidden:
+        raise InvalidArgumentError(
+            "x", tuple(source.shape), f"must be [{len(counts)}, slots, {hidden}]"
+        )
+    buffer = getattr(handle.backend, "buffer", None)
+    if buffer is not None:
+        rows = np.asarray(buffer.get_combine_buffer(handle.inner))
+    else:
+        rows = np.empty((n, hidden), dtype=PAYLOAD_DTYPES[source.dtype])
+    dst = from_numpy(rows, torch.bfloat16 if rows.dtype == np.uint16 else None)
+    if dst.dtype != source.dtype:
+        raise InvalidArgumentError("x", source.dtype, f"must be {dst.dtype} (the combine dtype)")
+    start = 0
+    for e, c in enumerate(counts.tolist()):
+        dst[start : start + c] = source[e, :c]
+        start += c
+    return rows
+
+
+def _noop_hook() -> None:
+    """Receive hook: the data has already arrived (calls are synchronous)."""
