@@ -40,7 +40,14 @@ if TYPE_CHECKING:
     from ..config import BufferConfig
     from .layout import SegmentLayout
 
-__all__ = ["GlobalMemory", "Group", "ProcessGroup", "ShmGlobalMemory", "group_from_env"]
+__all__ = [
+    "GlobalMemory",
+    "Group",
+    "ProcessGroup",
+    "ShmGlobalMemory",
+    "group_from_env",
+    "map_shm_global",
+]
 
 _GROUP_SEGMENT_BYTES = 4096
 _BARRIER_OFFSET = HEADER_BYTES  # u64 counter: number of barriers this rank has entered
@@ -270,30 +277,7 @@ class Group:
         has mapped it (after a barrier).
         """
         self._check_open()
-        own = Segment.create(
-            size_bytes, group_id=self.group_id, owner_rank=self.rank, kind=kind,
-            marker_dir=self.rendezvous,
-        )
-        segs: list[Segment] = []
-        try:
-            names = self.allgather(own.name, timeout_s)
-            for r, name in enumerate(names):
-                if r == self.rank:
-                    segs.append(own)
-                else:
-                    segs.append(Segment.open_peer(
-                        name, size_bytes=size_bytes, group_id=self.group_id, owner_rank=r,
-                        kind=kind,
-                    ))
-        except BaseException:
-            for seg in segs:
-                seg.close()
-            if own not in segs:
-                own.close()
-            raise
-        pids = [p.pid for p in self.peers]
-        starts = [p.start_time or process_start_time(p.pid) for p in self.peers]
-        return ShmGlobalMemory(segs, self.rank, pids, starts)
+        return map_shm_global(self, size_bytes, kind, timeout_s)
 
     def check_peers(self) -> None:
         """Raise ``PeerLostError`` if any peer process has died."""
@@ -451,6 +435,38 @@ class Group:
         raw = _read_json(self._path("hello.0.json"))
         assert raw is not None
         return bytes.fromhex(raw["group_id"])
+
+
+def map_shm_global(
+    group: Any, size_bytes: int, kind: str, timeout_s: float | None = None
+) -> ShmGlobalMemory:
+    """The shared-memory :class:`GlobalMemory` of a one-host group (``Group``, the torch
+    group): create this rank's segment (named in ``group.rendezvous`` until it is unlinked),
+    exchange the names with ``group.allgather`` and map every peer's (collective)."""
+    own = Segment.create(
+        size_bytes, group_id=group.group_id, owner_rank=group.rank, kind=kind,
+        marker_dir=group.rendezvous,
+    )
+    segs: list[Segment] = []
+    try:
+        names = group.allgather(own.name, timeout_s)
+        for r, name in enumerate(names):
+            if r == group.rank:
+                segs.append(own)
+            else:
+                segs.append(Segment.open_peer(
+                    name, size_bytes=size_bytes, group_id=group.group_id, owner_rank=r,
+                    kind=kind,
+                ))
+    except BaseException:
+        for seg in segs:
+            seg.close()
+        if own not in segs:
+            own.close()
+        raise
+    pids = [p.pid for p in group.peers]
+    starts = [p.start_time or process_start_time(p.pid) for p in group.peers]
+    return ShmGlobalMemory(segs, group.rank, pids, starts)
 
 
 def group_from_env(

@@ -46,8 +46,7 @@ import torch.distributed as dist
 from .. import topology as topo
 from ..env import timeout_s_from_env
 from ..errors import InvalidArgumentError, PeerLostError, TimeoutError, UbepError
-from ..runtime.group import PeerProcess, ShmGlobalMemory, process_start_time
-from ..runtime.shm import Segment
+from ..runtime.group import PeerProcess, ShmGlobalMemory, map_shm_global, process_start_time
 
 __all__ = ["TorchGroup", "check_same_host", "from_torch", "host_identity"]
 
@@ -206,29 +205,7 @@ class TorchGroup:
         it if this process is killed first); call ``unlink()`` once every peer has mapped it
         (after a barrier), as :class:`ubep.Buffer` does."""
         self._check_open()
-        own = Segment.create(
-            size_bytes, group_id=self.group_id, owner_rank=self.rank, kind=kind,
-            marker_dir=self.rendezvous,
-        )
-        segs: list[Segment] = []
-        try:
-            names = self.allgather(own.name, timeout_s)
-            for r, name in enumerate(names):
-                if r == self.rank:
-                    segs.append(own)
-                    continue
-                segs.append(Segment.open_peer(
-                    name, size_bytes=size_bytes, group_id=self.group_id, owner_rank=r, kind=kind,
-                ))
-        except BaseException:
-            for seg in segs:
-                seg.close()
-            if own not in segs:
-                own.close()
-            raise
-        pids = [p.pid for p in self.peers]
-        starts = [p.start_time or process_start_time(p.pid) for p in self.peers]
-        return ShmGlobalMemory(segs, self.rank, pids, starts)
+        return map_shm_global(self, size_bytes, kind, timeout_s)
 
     def check_peers(self) -> None:
         """Raise ``ubep.PeerLostError`` if any peer process has died."""
