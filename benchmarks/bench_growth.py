@@ -232,6 +232,8 @@ def run(ranks: Sequence[int], sizes: Sequence[int], modes: Sequence[tuple[str, s
                                f"{case.target_bytes} B: Buffers need {need / 2**30:.1f} GiB")
             else:
                 cases.append(case)
+        if not cases:
+            continue
         nbytes = [bytes_per_rank(c, num_ranks) for c in cases]
         distinct = sorted({int(b) for b in nbytes})
         floor_stats = dict(zip(distinct, concurrent_copy(
@@ -376,8 +378,9 @@ def main(argv: list[str] | None = None) -> int:
                           in modes], "repeats": repeats, "rounds": rounds, "warmup": args.warmup}
     result["machine"] = {"cpus": os.cpu_count(), "load_before": load,
                          "load_after": os.getloadavg()[0], "seconds": time.monotonic() - start}
-    text = (header(result, ranks) + "\n\n" + tables(result) + f"\n\n({result['machine']['seconds']:.0f}"
-            f" s, {repeats} repeats in {rounds} rounds after {args.warmup} warm-up each; load "
+    seconds = result["machine"]["seconds"]
+    text = (header(result, ranks) + "\n\n" + tables(result) + f"\n\n({seconds:.0f} s, "
+            f"{repeats} repeats in {rounds} rounds after {args.warmup} warm-up each; load "
             f"{load:.2f} -> {result['machine']['load_after']:.2f})")
     print(text)
     if args.out:
