@@ -254,8 +254,14 @@ def run(ranks: Sequence[int], sizes: Sequence[int], modes: Sequence[tuple[str, s
     return {"rows": rows, "floor": floors, "skipped": skipped}
 
 
+# The L3 (32 MiB here) holds a 2-rank copy's source and destination up to ~4 MB per rank:
+# one line across that cliff fits neither side, so each series is also fitted per regime.
+REGIMES = {"all": (0.0, math.inf), "<=4MB": (0.0, 4.5e6), ">=4MB": (4.0e6, math.inf)}
+
+
 def series_fits(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """One fit per (ranks, layout, mode, op) and per (ranks, layout) floor."""
+    """One fit per (ranks, layout, mode, op) and per (ranks, layout) floor, per size regime
+    (``REGIMES``) that holds at least two sizes."""
     groups: dict[tuple[int, str, str, str], list[tuple[float, float]]] = {}
     for r in result["rows"]:
         for op in OPS:
@@ -265,15 +271,19 @@ def series_fits(result: dict[str, Any]) -> list[dict[str, Any]]:
         if (r["bytes_per_rank"], r["floor"]["median_us"]) not in groups.get(floor_key, []):
             groups.setdefault(floor_key, []).append((r["bytes_per_rank"], r["floor"]["median_us"]))
     out = []
-    for (ranks, layout, mode, op), pts in groups.items():
-        if len({b for b, _ in pts}) < 2:
-            continue
-        f = fit_line([b for b, _ in pts], [t for _, t in pts])
-        out.append({"ranks": ranks, "layout": layout, "mode": mode, "op": op,
-                    "intercept_us": f.intercept_us, "ns_per_kb": f.ns_per_kb, "gbps": f.gbps,
-                    "points": len(pts)})
+    for (ranks, layout, mode, op), every in groups.items():
+        for regime, (lo, hi) in REGIMES.items():
+            pts = [(b, t) for b, t in every if lo <= b <= hi]
+            if len({b for b, _ in pts}) < 2 or (regime != "all" and len(pts) == len(every)):
+                continue
+            f = fit_line([b for b, _ in pts], [t for _, t in pts])
+            out.append({"ranks": ranks, "layout": layout, "mode": mode, "op": op,
+                        "regime": regime, "intercept_us": f.intercept_us,
+                        "ns_per_kb": f.ns_per_kb, "gbps": f.gbps, "points": len(pts)})
     order = {"dispatch": 0, "combine": 1, "floor": 2}
-    return sorted(out, key=lambda f: (f["ranks"], f["layout"] != "rank", order[f["op"]]))
+    regimes = list(REGIMES)
+    return sorted(out, key=lambda f: (f["ranks"], regimes.index(f["regime"]),
+                                      f["layout"] != "rank", order[f["op"]]))
 
 
 def header(result: dict[str, Any], ranks: Sequence[int]) -> str:
@@ -286,7 +296,8 @@ def header(result: dict[str, Any], ranks: Sequence[int]) -> str:
         "floor = harness.concurrent_copy: as many processes as ranks each copying bytes_per_rank",
         "  at once (first start to last end), same run; x_floor = median / floor median.",
         "fit: Theil-Sen line of median time vs bytes: intercept = fixed cost per call (us),",
-        "  slope = per-byte cost (ns/KB; GB/s = bytes per us / 1e3 at that slope).",
+        "  slope = per-byte cost (ns/KB; GB/s = 1 / slope); over all sizes and per regime",
+        "  (<=4MB: the copies stay in the 32 MiB L3; >=4MB: they stream from DRAM).",
     ]
     over = [r for r in ranks if r > cpus]
     if over:
@@ -303,8 +314,9 @@ def tables(result: dict[str, Any]) -> str:
               int(r["bytes_per_rank"]), r[op]["min_us"], r[op]["median_us"], r[op]["max_us"],
               r["floor"]["median_us"], r[op]["median_us"] / r["floor"]["median_us"]]
              for r in result["rows"] for op in OPS]
-    fcols = ["ranks", "layout", "mode", "op", "fixed_us", "ns_per_kb", "gbps", "points"]
-    ftable = [[f["ranks"], f["layout"], f["mode"], f["op"], f["intercept_us"], f["ns_per_kb"],
+    fcols = ["ranks", "sizes", "layout", "mode", "op", "fixed_us", "ns_per_kb", "gbps", "points"]
+    ftable = [[f["ranks"], f["regime"], f["layout"], f["mode"], f["op"], f["intercept_us"],
+               f["ns_per_kb"],
                f["gbps"], f["points"]] for f in result["fits"]]
     return (format_table(cols, table, float_digits=1) + "\n\nFits (fixed cost per call and "
             "per-byte cost; memcpy = the floor):\n" + format_table(fcols, ftable, float_digits=2))
@@ -361,7 +373,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="Buffers kept alive across rounds (all ranks); others are rebuilt")
     parser.add_argument("--out", default=None, help="write growth.{txt,json,png} here")
     parser.add_argument("--timeout", type=float, default=3600.0)
+    parser.add_argument("--replot", default=None,
+                        help="re-fit and re-render a growth.json (to --out, else stdout only)")
     args = parser.parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            write_outputs(json.load(f), args.out)
+        return 0
     ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else (
         [2] if args.quick else [2, 4])
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else (
@@ -373,25 +391,30 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     result = run(ranks, sizes, modes, args.warmup, repeats, rounds,
                  int(args.mem_gib * 2**30), int(args.keep_gib * 2**30), args.timeout)
-    result["fits"] = series_fits(result)
     result["settings"] = {"ranks": ranks, "sizes": list(sizes), "modes": [f"{e}+{s}" for e, s
                           in modes], "repeats": repeats, "rounds": rounds, "warmup": args.warmup}
     result["machine"] = {"cpus": os.cpu_count(), "load_before": load,
                          "load_after": os.getloadavg()[0], "seconds": time.monotonic() - start}
-    seconds = result["machine"]["seconds"]
-    text = (header(result, ranks) + "\n\n" + tables(result) + f"\n\n({seconds:.0f} s, "
-            f"{repeats} repeats in {rounds} rounds after {args.warmup} warm-up each; load "
-            f"{load:.2f} -> {result['machine']['load_after']:.2f})")
-    print(text)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "growth.txt"), "w") as f:
-            f.write(text + "\n")
-        with open(os.path.join(args.out, "growth.json"), "w") as f:
-            json.dump(result, f, indent=1)
-        plot(result, os.path.join(args.out, "growth.png"))
+    write_outputs(result, args.out)
     return 0
 
+
+def write_outputs(result: dict[str, Any], out: str | None) -> None:
+    """Fit, print, and (with ``out``) write growth.{txt,json,png}."""
+    result["fits"] = series_fits(result)
+    st, machine = result["settings"], result["machine"]
+    text = (header(result, st["ranks"]) + "\n\n" + tables(result) + f"\n\n("
+            f"{machine['seconds']:.0f} s, {st['repeats']} repeats in {st['rounds']} rounds after "
+            f"{st['warmup']} warm-up each; load {machine['load_before']:.2f} -> "
+            f"{machine['load_after']:.2f})")
+    print(text)
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "growth.txt"), "w") as f:
+            f.write(text + "\n")
+        with open(os.path.join(out, "growth.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        plot(result, os.path.join(out, "growth.png"))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -85,13 +85,36 @@ def test_quick_path_structure(tmp_path: Path) -> None:
         for op in ("dispatch", "combine", "floor"):
             s = r[op]
             assert s["repeats"] == 2 and 0 < s["min_us"] <= s["median_us"] <= s["max_us"]
-    # one fit per (layout, mode, op) plus the floor per layout, each over both sizes
+    # one fit per (layout, mode, op) plus the floor per layout, each over both sizes; both
+    # sizes are in the <=4MB regime, so no per-regime fit repeats the "all" one
+    assert {f["regime"] for f in data["fits"]} == {"all"}
     keys = {(f["layout"], f["mode"], f["op"]) for f in data["fits"]}
     assert keys == {(lay, m, op) for lay in ("rank", "expert") for m in modes
                     for op in ("dispatch", "combine")} | {
         ("rank", "memcpy", "floor"), ("expert", "memcpy", "floor")}
     assert all(f["points"] == 2 for f in data["fits"])
     assert data["skipped"] == []
+    # --replot re-fits the JSON alone: the same fits, the same table
+    again = tmp_path / "again"
+    assert growth.main(["--replot", str(tmp_path / "growth.json"), "--out", str(again)]) == 0
+    assert json.loads((again / "growth.json").read_text())["fits"] == data["fits"]
+    assert (again / "growth.txt").read_text() == text
+
+
+def test_regime_fits_split_at_the_cache_cliff() -> None:
+    # a series with two lines: 1 us + 0.01 us/KB below 4 MB, 0.05 us/KB above
+    def t(b: float) -> float:
+        return 1.0 + b / 1024 * (0.01 if b <= 4.5e6 else 0.05)
+
+    sizes = [16384.0 * 4**i for i in range(7)]
+    rows = [{"ranks": 2, "layout": "rank", "mode": "asp+sw", "bytes_per_rank": b,
+             "dispatch": {"median_us": t(b)}, "combine": {"median_us": t(b)},
+             "floor": {"median_us": t(b)}} for b in sizes]
+    fits = {(f["regime"], f["op"]): f for f in growth.series_fits({"rows": rows})}
+    low, high = fits[("<=4MB", "dispatch")], fits[(">=4MB", "dispatch")]
+    assert low["points"] == 5 and high["points"] == 3  # 4 MB sits in both
+    assert low["intercept_us"] == pytest.approx(1.0) and low["ns_per_kb"] == pytest.approx(10.0)
+    assert high["points"] == 3 and fits[("all", "floor")]["points"] == 7
 
 
 def test_oversize_cases_are_skipped_and_said() -> None:
