@@ -236,13 +236,16 @@ def run(ranks: Sequence[int], sizes: Sequence[int], modes: Sequence[tuple[str, s
             continue
         nbytes = [bytes_per_rank(c, num_ranks) for c in cases]
         distinct = sorted({int(b) for b in nbytes})
-        floor_stats = dict(zip(distinct, concurrent_copy(
-            num_ranks, distinct, repeats=sum(per_round), warmup=warmup, rounds=len(per_round),
-            timeout_s=timeout_s), strict=True))
-        floors += [{"ranks": num_ranks, "bytes_per_rank": b, **asdict(s)}
-                   for b, s in floor_stats.items()]
+        before = _floor(num_ranks, distinct, per_round, warmup, timeout_s)
         per_rank = launch(_rank_main, num_ranks, cases, warmup, per_round, keep_bytes,
                           timeout_s=timeout_s)
+        after = _floor(num_ranks, distinct, per_round, warmup, timeout_s)
+        # the floor is the best the host did in this run: a burst of outside load in one of
+        # the two passes (they are seconds apart) would otherwise skew every ratio of that size
+        floor_stats = {b: min(before[b], after[b], key=lambda st: st.median_us) for b in distinct}
+        floors += [{"ranks": num_ranks, "bytes_per_rank": b, **asdict(floor_stats[b]),
+                    "median_us_before": before[b].median_us,
+                    "median_us_after": after[b].median_us} for b in distinct]
         for i, case in enumerate(cases):
             row: dict[str, Any] = {"ranks": num_ranks, **asdict(case), "mode": case.mode,
                                    "bytes_per_rank": nbytes[i]}
@@ -257,6 +260,13 @@ def run(ranks: Sequence[int], sizes: Sequence[int], modes: Sequence[tuple[str, s
 # The L3 (32 MiB here) holds a 2-rank copy's source and destination up to ~4 MB per rank:
 # one line across that cliff fits neither side, so each series is also fitted per regime.
 REGIMES = {"all": (0.0, math.inf), "<=4MB": (0.0, 4.5e6), ">=4MB": (4.0e6, math.inf)}
+
+
+def _floor(num_ranks: int, sizes: list[int], per_round: list[int], warmup: int,
+           timeout_s: float) -> dict[int, Stats]:
+    stats = concurrent_copy(num_ranks, sizes, repeats=sum(per_round), warmup=warmup,
+                            rounds=len(per_round), timeout_s=timeout_s)
+    return dict(zip(sizes, stats, strict=True))
 
 
 def series_fits(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -294,7 +304,8 @@ def header(result: dict[str, Any], ranks: Sequence[int]) -> str:
         "  included; combine reduces the same rows (BF16), so the same bytes.",
         "time = max over ranks per iteration; min/median/max over the repeats (split over rounds).",
         "floor = harness.concurrent_copy: as many processes as ranks each copying bytes_per_rank",
-        "  at once (first start to last end), same run; x_floor = median / floor median.",
+        "  at once (first start to last end), same run, once before and once after the ranks'",
+        "  cases: the pass with the lower median; x_floor = median / floor median.",
         "fit: Theil-Sen line of median time vs bytes: intercept = fixed cost per call (us),",
         "  slope = per-byte cost (ns/KB; GB/s = 1 / slope); over all sizes and per regime",
         "  (<=4MB: the copies stay in the 32 MiB L3; >=4MB: they stream from DRAM).",
