@@ -1,7 +1,7 @@
 """Growth: dispatch and combine time vs bytes per rank (16 KB .. 64 MB) beside the memcpy floor.
 
-    python -m benchmarks.bench_growth --quick              # 2 ranks, 3 sizes (~1 min)
-    python -m benchmarks.bench_growth --out benchmarks/results   # full run (~10-15 min, 2 cores)
+    python -m benchmarks.bench_growth --quick              # 2 ranks, 3 sizes (~5 s)
+    python -m benchmarks.bench_growth --out benchmarks/results   # full run (~3 min, 2 cores)
     python -m benchmarks.bench_growth --all                # also asp+tff and asp+dc
 
 Sweep: per target size (16 KB .. 64 MB, x4 apart), BF16 rows of hidden 1024 (< 64 KB), 2048
@@ -371,7 +371,7 @@ def plot(result: dict[str, Any], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="2 ranks, 3 sizes (~1 min)")
+    parser.add_argument("--quick", action="store_true", help="2 ranks, 3 sizes (~5 s)")
     parser.add_argument("--all", action="store_true", help="also asp+tff and asp+dc")
     parser.add_argument("--ranks", default=None, help="comma-separated rank counts (2,4)")
     parser.add_argument("--sizes", default=None, help="comma-separated target bytes per rank")
