@@ -1,0 +1,124 @@
+"""benchmarks/bench_growth.py: the fit against closed forms, the byte formula against the
+Buffer's own row count, and the output structure of the quick path (no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from itertools import combinations
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+# benchmarks/ is a top-level folder, not an installed package (see test_peers.py)
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks import bench_growth as growth  # noqa: E402
+
+
+def test_fit_recovers_an_exact_line() -> None:
+    x = [16384.0 * 4**i for i in range(6)]
+    y = [7.5 + 0.0004 * b for b in x]  # 7.5 us fixed, 0.4 ns/B = 409.6 ns/KB = 2.5 GB/s
+    fit = growth.fit_line(x, y)
+    assert fit.intercept_us == pytest.approx(7.5, rel=1e-9)
+    assert fit.slope_us_per_byte == pytest.approx(0.0004, rel=1e-12)
+    assert fit.ns_per_kb == pytest.approx(409.6, rel=1e-9)
+    assert fit.gbps == pytest.approx(2.5, rel=1e-9)
+
+
+def test_fit_ignores_one_outlier() -> None:
+    # Theil-Sen: with 6 points, one wild one leaves the median pairwise slope on the line
+    x = np.array([1e4, 4e4, 1.6e5, 6.4e5, 2.56e6, 1.024e7])
+    y = 20.0 + 1e-4 * x
+    y[2] *= 10.0
+    fit = growth.fit_line(x.tolist(), y.tolist())
+    assert fit.slope_us_per_byte == pytest.approx(1e-4, rel=1e-9)
+    assert fit.intercept_us == pytest.approx(20.0, rel=1e-9)
+
+
+def test_fit_rejects_degenerate_input() -> None:
+    with pytest.raises(ValueError, match="need >= 2"):
+        growth.fit_line([1.0], [2.0])
+    with pytest.raises(ValueError, match="same bytes"):
+        growth.fit_line([4.0, 4.0], [1.0, 2.0])
+
+
+def test_rows_per_token_is_the_closed_form() -> None:
+    # rank layout: E[distinct destination ranks] of 8 distinct experts out of 64; brute force
+    # over every 8-subset is too big, so check against a hypergeometric sum per rank
+    for ranks in (2, 4, 8):
+        local = 64 // ranks
+        p_hit = 1.0 - math.comb(64 - local, 8) / math.comb(64, 8)
+        assert growth.rows_per_token("rank", ranks) == pytest.approx(ranks * p_hit)
+    assert growth.rows_per_token("expert", 4) == 8.0
+    # small world brute force: 4 experts, 2 ranks, top-2 -> every pair's distinct ranks
+    pairs = list(combinations(range(4), 2))
+    assert np.mean([len({e // 2 for e in p}) for p in pairs]) == pytest.approx(
+        2 * (1 - math.comb(2, 2) / math.comb(4, 2)))
+
+
+def test_quick_path_structure(tmp_path: Path) -> None:
+    sizes = [16384, 65536]
+    argv = ["--quick", "--sizes", ",".join(map(str, sizes)), "--repeats", "2", "--rounds", "2",
+            "--warmup", "1", "--out", str(tmp_path)]
+    assert growth.main(argv) == 0
+    text = (tmp_path / "growth.txt").read_text()
+    assert "rows = (token, expert)" in text and "Fits" in text
+    data = json.loads((tmp_path / "growth.json").read_text())
+    assert (tmp_path / "growth.png").stat().st_size > 0
+    rows = data["rows"]
+    modes = {f"{e}+{s}" for e, s in growth.MAIN_MODES}
+    assert {(r["layout"], r["mode"], r["target_bytes"]) for r in rows} == {
+        (lay, m, s) for lay in ("rank", "expert") for m in modes for s in sizes}
+    for r in rows:
+        assert r["ranks"] == 2
+        # the byte formula, recomputed from the routing (the ranks checked it against the
+        # Buffer's handle before timing)
+        expect = np.mean([growth.rows_sent(growth.Case(
+            r["target_bytes"], r["tokens"], r["hidden"], r["layout"], r["engine"], r["sync"]),
+            rank, 2) for rank in range(2)]) * r["hidden"] * 2
+        assert r["bytes_per_rank"] == pytest.approx(expect)
+        for op in ("dispatch", "combine", "floor"):
+            s = r[op]
+            assert s["repeats"] == 2 and 0 < s["min_us"] <= s["median_us"] <= s["max_us"]
+    # one fit per (layout, mode, op) plus the floor per layout, each over both sizes; both
+    # sizes are in the <=4MB regime, so no per-regime fit repeats the "all" one
+    assert {f["regime"] for f in data["fits"]} == {"all"}
+    keys = {(f["layout"], f["mode"], f["op"]) for f in data["fits"]}
+    assert keys == {(lay, m, op) for lay in ("rank", "expert") for m in modes
+                    for op in ("dispatch", "combine")} | {
+        ("rank", "memcpy", "floor"), ("expert", "memcpy", "floor")}
+    assert all(f["points"] == 2 for f in data["fits"])
+    assert data["skipped"] == []
+    # --replot re-fits the JSON alone: the same fits, the same table
+    again = tmp_path / "again"
+    assert growth.main(["--replot", str(tmp_path / "growth.json"), "--out", str(again)]) == 0
+    assert json.loads((again / "growth.json").read_text())["fits"] == data["fits"]
+    assert (again / "growth.txt").read_text() == text
+
+
+def test_regime_fits_split_at_the_cache_cliff() -> None:
+    # a series with two lines: 1 us + 0.01 us/KB below 4 MB, 0.05 us/KB above
+    def t(b: float) -> float:
+        return 1.0 + b / 1024 * (0.01 if b <= 4.5e6 else 0.05)
+
+    sizes = [16384.0 * 4**i for i in range(7)]
+    rows = [{"ranks": 2, "layout": "rank", "mode": "asp+sw", "bytes_per_rank": b,
+             "dispatch": {"median_us": t(b)}, "combine": {"median_us": t(b)},
+             "floor": {"median_us": t(b)}} for b in sizes]
+    fits = {(f["regime"], f["op"]): f for f in growth.series_fits({"rows": rows})}
+    low, high = fits[("<=4MB", "dispatch")], fits[(">=4MB", "dispatch")]
+    assert low["points"] == 5 and high["points"] == 3  # 4 MB sits in both
+    assert low["intercept_us"] == pytest.approx(1.0) and low["ns_per_kb"] == pytest.approx(10.0)
+    assert high["points"] == 3 and fits[("all", "floor")]["points"] == 7
+
+
+def test_oversize_cases_are_skipped_and_said() -> None:
+    result = growth.run([2], [16384], [("asp", "sw")], warmup=0, repeats=1, rounds=1,
+                        mem_bytes=0, keep_bytes=0)
+    assert result["rows"] == [] and len(result["skipped"]) == 2
+    assert "SKIPPED (memory)" in growth.header(result, [2])
