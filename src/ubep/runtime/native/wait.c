@@ -69,7 +69,7 @@ static int process_alive(int pid, unsigned long long start) {
     return strtoull(p, NULL, 10) == start;
 }
 
-static int check_liveness(op_t *op, int core, const char *what, int peer);
+static int check_liveness(op_t *op, int core, const char *what);
 
 /* Peer q's failure notice for this call, if it published one: returns its code and copies
  * the message; 0 if there is none; -1 for a notice whose checksum does not hold. */
@@ -105,7 +105,7 @@ int check_failures(op_t *op, int core) {
         if (code < 0) return op_error(op, E_LOST, core, q, "%s in call %llu", msg,
                                       (unsigned long long)op->epoch);
         /* a failure caused by a dead rank is reported as that (PeerLostError everywhere) */
-        if (check_liveness(op, core, "a peer that failed this call", -1)) return E_PEER_LOST;
+        if (check_liveness(op, core, "a peer that failed this call")) return E_PEER_LOST;
         int expected = 0;
         if (atomic_compare_exchange_strong(&op->err, &expected, E_REMOTE)) {
             op->err_core = core;
@@ -122,10 +122,9 @@ int check_failures(op_t *op, int core) {
 
 /* Every peer that has not finished this call must be alive (not only the one awaited: a core
  * waiting for rank 1 must still see rank 2 die). A rank that finished the call and exited is
- * not lost for it. `peer` only names the awaited rank in messages. */
-static int check_liveness(op_t *op, int core, const char *what, int peer) {
+ * not lost for it. `what` (the awaited thing, naming its rank) goes into the message. */
+static int check_liveness(op_t *op, int core, const char *what) {
     engine_t *g = op->g;
-    (void)peer;
     for (int q = 0; q < g->R; q++) {
         if (q == g->rank || rd_word(word(g, q, g->off_done)) >= op->epoch) continue;
         if (!process_alive(g->pids[q], g->starts[q]))
@@ -182,7 +181,7 @@ int wait_step(op_t *op, waiter_t *w, int core, int peer, const char *fmt, ...) {
                             (double)op->g->timeout_ns / 1e9, what,
                             (unsigned long long)op->epoch);
         w->next_live = t + 10000000LL;
-        rc = check_liveness(op, core, what, peer);
+        rc = check_liveness(op, core, what);
         if (!rc) rc = check_kinds(op, core);
         if (rc) return rc;
     }
