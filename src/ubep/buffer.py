@@ -67,6 +67,7 @@ from .runtime.abi import (
 from .runtime.group import GlobalMemory, ProcessGroup
 from .runtime.layout import SegmentLayout, compute_layout
 from .runtime.shm import Segment
+from .sched import CoreSplit, Plan, core_split, schedule
 
 # ENGINES and SYNCS stay importable from here (ubep.modes owns them); BufferConfig lives in
 # ubep.config
@@ -119,14 +120,14 @@ class Engine(Protocol):
         self, x: np.ndarray, topk_idx: np.ndarray, topk_weights: np.ndarray, num_tokens: int,
         epoch: int, index: int, recv_topk_idx: np.ndarray, recv_topk_weights: np.ndarray,
         recv_src_rank: np.ndarray, recv_src_token: np.ndarray, recv_src_k: np.ndarray,
-        counts: np.ndarray, send_dst_row: np.ndarray, plan: tuple[Any, ...] | None,
+        counts: np.ndarray, send_dst_row: np.ndarray, plan: Plan | CoreSplit | None,
     ) -> int | tuple[int, int, int, str, str, str]:
         """One dispatch. Output arrays have capacity ``cap_rows`` rows; ``counts`` is
         ``[num_local_experts + num_ranks]``: rows per local expert, then rows received from each
         source rank; ``send_dst_row`` is ``[num_tokens, num_topk or num_ranks]``. ``index`` is the
-        dispatch's sequence number (receive region ``index % num_regions``). ``plan`` is
-        ``(send_token, send_k, send_expert, send_dst_rank, send_slot, core_ptr, num_send_cores)``
-        or ``None``. Returns the number of received rows."""
+        dispatch's sequence number (receive region ``index % num_regions``). ``plan``: what
+        each core does (:meth:`Buffer._plan`), ``None`` for one core. Returns the number of
+        received rows."""
 
     def combine(
         self, expert_out: np.ndarray, num_rows: int, topk_idx: np.ndarray,
@@ -640,33 +641,28 @@ class Buffer:
         w = np.array(w, order="C")  # owned: the handle keeps it
         return xa, idx, w
 
-    def _plan(self, idx: np.ndarray) -> tuple[Any, ...] | None:
-        """The Plan of ``ubep.sched.schedule`` when several cores send (ASP).
+    def _plan(self, idx: np.ndarray) -> Plan | CoreSplit | None:
+        """What each core of this rank does (ASP with more than one core; one core validates,
+        counts and sends in one pass).
 
-        With one send core every policy assigns every unit to it, so the engine's own
-        by-destination order is used and the scheduler (0.2-0.5 ms of numpy per call, more than
-        the whole dispatch at small batches) is not called. ``schedule`` always keeps at least one
-        count core, so fewer than three cores never yield two send cores.
+        Appendix A's split gives count cores and send cores; count cores run beside the send
+        cores, as the simulator models them. With several send cores the engine executes
+        ``ubep.sched.schedule``'s Plan unit by unit (its numpy costs 0.1-0.3 ms per call). With
+        one send core every policy gives it every unit, so only the split is passed and the
+        engine sends its own per-destination buckets, destinations whose counts are in first.
         """
-        if self.config.engine != "asp" or self.num_cores < 3 or idx.shape[0] == 0:
+        cores = self.num_cores
+        if self.config.engine != "asp" or cores < 2 or idx.shape[0] == 0:
             return None
-        from .sched import schedule
-
-        topo = dataclasses.replace(self.group.topology, cores_per_rank=self.num_cores)
-        plan = schedule(
-            idx, topo, rank=self.rank, num_experts=self.config.num_experts,
-            policy=self.config.policy, layout=self.config.layout,
-        )
-        if plan.num_send_cores < 2:
-            return None
-        return (
-            np.ascontiguousarray(plan.send_token, dtype=np.int64),
-            np.ascontiguousarray(plan.send_k, dtype=np.int64),
-            np.ascontiguousarray(plan.send_expert, dtype=np.int64),
-            np.ascontiguousarray(plan.send_dst_rank, dtype=np.int64),
-            np.ascontiguousarray(plan.send_slot, dtype=np.int64),
-            np.ascontiguousarray(plan.core_ptr, dtype=np.int64),
-            int(plan.num_send_cores),
+        cfg = self.config
+        split = core_split(cores, cfg.num_experts, cfg.num_topk, idx.shape[0])
+        if split.num_send_cores < 2:
+            return split
+        topo = dataclasses.replace(self.group.topology, cores_per_rank=cores)
+        return schedule(
+            idx, topo, rank=self.rank, num_experts=cfg.num_experts, policy=cfg.policy,
+            layout=cfg.layout, num_send_cores=split.num_send_cores,
+            num_count_cores=split.num_count_cores,
         )
 
     def _check_handle(self, handle: object) -> DispatchHandle:

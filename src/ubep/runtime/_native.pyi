@@ -9,8 +9,9 @@ from typing import Any
 
 import numpy as np
 
+from ubep.sched import CoreSplit, Plan
+
 _ErrorTuple = tuple[int, int, int, str, bytes, bytes]
-_Plan = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]
 
 ABI: int
 KERNELS: str
@@ -47,7 +48,7 @@ class Engine:
         recv_src_k: np.ndarray,
         counts: np.ndarray,
         send_dst_row: np.ndarray,
-        plan: _Plan | None,
+        plan: Plan | CoreSplit | None,
         /,
     ) -> int | _ErrorTuple: ...
     def combine(
@@ -73,6 +74,7 @@ class Engine:
     def comb_last_epoch(self, region: int, /) -> int: ...
     def close(self) -> None: ...
     def trace(self) -> tuple[int, ...]: ...
+    def core_log(self) -> tuple[list[list[int]], list[list[int]]]: ...
 
 def copy(dst: Any, src: Any, element_safe: int = 0, /) -> None:
     """The data plane's copy (``element_safe``: SP's untorn-element copy)."""

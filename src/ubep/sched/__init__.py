@@ -13,9 +13,10 @@ from ..modes import LAYOUTS, POLICIES
 from .cost import core_times_ns, hop_costs_ns, objective_ns
 from .optimal import OptimalResult, optimal, optimal_classes, optimal_units
 from .partition import CorePartition, PartitionSweep, partition, partition_sweep
-from .plan import Plan
+from .plan import CoreSplit, Plan
 from .policies import (
     HierarchicalSlices,
+    core_split,
     hierarchical_slices,
     hop_quotas,
     remapped_expert_order,
@@ -28,12 +29,14 @@ __all__ = [
     "LAYOUTS",
     "POLICIES",
     "CorePartition",
+    "CoreSplit",
     "HierarchicalSlices",
     "OptimalResult",
     "PartitionSweep",
     "Plan",
     "SearchResult",
     "SendUnits",
+    "core_split",
     "core_times_ns",
     "hierarchical_slices",
     "hop_costs_ns",

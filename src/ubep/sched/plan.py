@@ -25,7 +25,25 @@ from ..errors import InvalidArgumentError
 from ..modes import LAYOUTS, POLICIES
 
 # LAYOUTS and POLICIES stay importable from here (ubep.sim imports them); ubep.modes owns them
-__all__ = ["LAYOUTS", "POLICIES", "Plan"]
+__all__ = ["LAYOUTS", "POLICIES", "CoreSplit", "Plan", "count_expert_ptr"]
+
+
+def count_expert_ptr(num_count_cores: int, num_experts: int) -> np.ndarray:
+    """``[num_count_cores + 1]`` int64: count core ``c`` owns the contiguous experts
+    ``[ptr[c], ptr[c+1])`` (an even split)."""
+    return (np.arange(num_count_cores + 1, dtype=np.int64) * num_experts) // num_count_cores
+
+
+@dataclass(frozen=True)
+class CoreSplit:
+    """A rank's count/send core split without send units: what the runtime executes when one
+    core sends (every policy gives that core every unit, and the engine's per-destination
+    buckets, in the order destinations' counts arrive, are that plan's units). Fields as
+    :class:`Plan`'s of the same names."""
+
+    num_send_cores: int
+    num_count_cores: int
+    count_expert_ptr: np.ndarray
 
 
 @dataclass(frozen=True)

@@ -60,12 +60,13 @@ from ..errors import InvalidArgumentError
 from ..modes import POLICIES
 from ..topology import Topology
 from .partition import partition
-from .plan import Plan
+from .plan import CoreSplit, Plan, count_expert_ptr
 from .search import _search_many
 from .units import SendUnits, send_units
 
 __all__ = [
     "HierarchicalSlices",
+    "core_split",
     "hierarchical_slices",
     "hop_quotas",
     "remapped_expert_order",
@@ -107,7 +108,7 @@ def schedule(
         order, core = _hierarchical(units, n_send, num_experts, topology)
     core_ptr = np.zeros(n_send + 1, dtype=np.int64)
     np.cumsum(np.bincount(core, minlength=n_send), out=core_ptr[1:])
-    count_ptr = (np.arange(n_count + 1, dtype=np.int64) * num_experts) // n_count
+    count_ptr = count_expert_ptr(n_count, num_experts)
     return Plan(
         rank=int(rank),
         num_ranks=topology.num_ranks,
@@ -142,6 +143,20 @@ def _check_cores(name: str, value: int | None, cores: int) -> None:
         )
 
 
+@lru_cache(maxsize=256)
+def core_split(cores: int, num_experts: int, num_topk: int, num_tokens: int) -> CoreSplit:
+    """Appendix A's split of ``cores`` for a batch (what :func:`schedule` uses when no split
+    is given), with the count cores' experts; cached: the runtime asks once per batch size."""
+    if cores == 1:
+        n_send, n_count = 1, 1
+    else:
+        part = partition(cores, num_experts, max(1, num_topk), max(1, num_tokens))
+        n_send, n_count = part.num_send_cores, part.num_count_cores
+    ptr = count_expert_ptr(n_count, num_experts)
+    ptr.flags.writeable = False  # shared by every caller of the cache
+    return CoreSplit(num_send_cores=n_send, num_count_cores=n_count, count_expert_ptr=ptr)
+
+
 def _core_split(
     cores: int,
     num_send_cores: int | None,
@@ -157,10 +172,8 @@ def _core_split(
         return int(num_send_cores), max(1, cores - int(num_send_cores))
     if num_count_cores is not None:
         return max(1, cores - int(num_count_cores)), int(num_count_cores)
-    if cores == 1:
-        return 1, 1
-    part = partition(cores, num_experts, max(1, units.num_topk), max(1, units.num_tokens))
-    return part.num_send_cores, part.num_count_cores
+    split = core_split(cores, num_experts, units.num_topk, units.num_tokens)
+    return split.num_send_cores, split.num_count_cores
 
 
 def _expert_contiguous(

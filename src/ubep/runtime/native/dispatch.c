@@ -41,16 +41,25 @@ static int bad_expert(op_t *op, int64_t t, int k, int64_t e, int dup) {
                      "(num_experts)", (long long)t, k, op->g->E);
 }
 
-/* One pass over topk_idx: validate it (range, duplicates), count per expert and per
- * destination, put every send unit into its destination's bucket (ascending token; the bucket
- * of the i-th destination in send order r+1, r+2, ..., r starts at i * cap_src_rows), copy the
- * routing into this rank's own route area (int32), and check the SP sentinel. Nothing a peer
- * can see is written here. */
-int dispatch_validate(op_t *op) {
+/* my first batch rank per local expert of d at d (position order = expert, token) */
+static void batch_ranks(engine_t *g, int d) {
+    int64_t acc = 0;
+    for (int el = 0; el < g->L; el++) {
+        g->my_rank_in_batch[d * g->L + el] = acc;
+        acc += g->cnt[d * g->L + el];
+    }
+}
+
+/* One pass over topk_idx: validate it (range, duplicates; not again when ubep.sched built the
+ * plan's units from it), copy the routing into this rank's own route area (int32), check the SP
+ * sentinel, and with `count` (no count tasks: one core, or BSP) count per expert and per
+ * destination and fill every destination's bucket (count_dst's work for all of them at once).
+ * Nothing a peer can see is written here. */
+int dispatch_validate(op_t *op, int count) {
     engine_t *g = op->g;
-    const int K = g->K, E = g->E, L = g->L, R = g->R, r = g->rank;
+    const int K = g->K, E = g->E, R = g->R, r = g->rank;
     const int64_t T = op->ntok, cap = g->cap_src_rows;
-    const int expert = g->layout == LAY_EXPERT, sp = g->sync == SYNC_SP;
+    const int expert = g->layout == LAY_EXPERT, sp = g->sync == SYNC_SP, check = !op->checked;
     int64_t *restrict cnt = g->cnt, *restrict units_to = g->units_to;
     int64_t *restrict rows_to = g->rows_to;
     const int32_t *restrict e2d = g->e2d;
@@ -62,9 +71,11 @@ int dispatch_validate(op_t *op) {
     const int64_t *restrict topk = op->topk;
     int64_t bstart[64];
     for (int d = 0; d < R; d++) bstart[d] = (int64_t)((d - r - 1 + 2 * R) % R) * cap;
-    memset(cnt, 0, sizeof(int64_t) * (size_t)E);
-    memset(units_to, 0, sizeof(int64_t) * (size_t)R);
-    memset(rows_to, 0, sizeof(int64_t) * (size_t)R);
+    if (count) {
+        memset(cnt, 0, sizeof(int64_t) * (size_t)E);
+        memset(units_to, 0, sizeof(int64_t) * (size_t)R);
+        memset(rows_to, 0, sizeof(int64_t) * (size_t)R);
+    }
     for (int64_t t = 0; t < T; t++) {
         const int64_t *row = topk + t * K;
         uint64_t seen_dst = 0; /* R <= 64 enforced at init */
@@ -73,14 +84,18 @@ int dispatch_validate(op_t *op) {
             int64_t e = row[k];
             ridx[t * K + k] = (int32_t)e;
             if (e < 0) {
-                if (e != -1) { g->stamp_gen = gen; return bad_expert(op, t, k, e, 0); }
+                if (check && e != -1) { g->stamp_gen = gen; return bad_expert(op, t, k, e, 0); }
                 continue;
             }
-            if (e >= E) { g->stamp_gen = gen; return bad_expert(op, t, k, e, 0); }
-            if (stamp[e] == gen) { g->stamp_gen = gen; return bad_expert(op, t, k, e, 1); }
-            stamp[e] = gen;
+            if (check) {
+                if (e >= E) { g->stamp_gen = gen; return bad_expert(op, t, k, e, 0); }
+                if (stamp[e] == gen) { g->stamp_gen = gen; return bad_expert(op, t, k, e, 1); }
+                stamp[e] = gen;
+            }
             int d = e2d[e];
             int first = !(seen_dst >> d & 1);
+            seen_dst |= 1ULL << d;
+            if (!count) continue;
             if (expert || first) {
                 int64_t u = bstart[d] + units_to[d];
                 ut[u] = (int32_t)t;
@@ -90,10 +105,7 @@ int dispatch_validate(op_t *op) {
                 units_to[d]++;
             }
             cnt[e]++;
-            if (first) {
-                seen_dst |= 1ULL << d;
-                rows_to[d]++;
-            }
+            if (first) rows_to[d]++;
         }
         if (sp && seen_dst &&
             has_pattern(op->x + t * g->row_bytes, g->row_bytes, g->isz, g->sentinel)) {
@@ -106,16 +118,10 @@ int dispatch_validate(op_t *op) {
         }
     }
     g->stamp_gen = gen;
+    if (!count) return 0;
     if (expert)
         for (int d = 0; d < R; d++) rows_to[d] = units_to[d];
-    /* my first batch rank per expert at its destination (position order = expert, token) */
-    for (int d = 0; d < R; d++) {
-        int64_t acc = 0;
-        for (int el = 0; el < L; el++) {
-            g->my_rank_in_batch[d * L + el] = acc;
-            acc += cnt[d * L + el];
-        }
-    }
+    for (int d = 0; d < R; d++) batch_ranks(g, d);
     return 0;
 }
 
@@ -144,10 +150,23 @@ static void sp_rearm(engine_t *g, uint8_t *base, int64_t n) {
                      g->sentinel);
 }
 
-/* publish my routing (for receivers' metadata), my readiness and my counts */
+/* my count record for destination d: rows, counts per local expert of d, checksum, epoch */
+static void publish_counts(op_t *op, int d) {
+    engine_t *g = op->g;
+    const int L = g->L;
+    inbox_rec_t *ib = inbox(g, d, g->rank, op->par);
+    uint32_t *c = ib->counts;
+    for (int el = 0; el < L; el++) c[el] = (uint32_t)g->cnt[d * L + el];
+    st_rlx(&ib->rows, (uint64_t)g->rows_to[d]);
+    st_rlx(&ib->sum, counts_sum(op->epoch, (uint64_t)g->rows_to[d], c, L));
+    st_rel(&ib->counts_epoch, op->epoch);
+}
+
+/* publish my routing (for receivers' metadata), my readiness and (without count tasks) my
+ * counts */
 int dispatch_publish(op_t *op) {
     engine_t *g = op->g;
-    const int K = g->K, L = g->L, R = g->R;
+    const int K = g->K, R = g->R;
     int reg = (int)(op->n % g->nreg);
     int rc;
     if (g->sync == SYNC_SP && (rc = ensure_clean(op))) return rc;
@@ -167,20 +186,78 @@ int dispatch_publish(op_t *op) {
     }
     pub_word(word(g, g->rank, g->off_recv_ready), op->epoch);
     op->published_ready = 1;
-    if (g->eng == ENG_BSP) {
+    if (g->eng == ENG_BSP || op->plan.num_count_cores) {
         ring_all(g);
-        return 0; /* BSP sends counts after its first barrier */
+        return 0; /* BSP sends counts after its first barrier; count tasks publish their own */
     }
-    for (int i = 0; i < R; i++) {
-        int d = (g->rank + 1 + i) % R;
-        inbox_rec_t *ib = inbox(g, d, g->rank, op->par);
-        uint32_t *c = ib->counts;
-        for (int el = 0; el < L; el++) c[el] = (uint32_t)g->cnt[d * L + el];
-        st_rlx(&ib->rows, (uint64_t)g->rows_to[d]);
-        st_rlx(&ib->sum, counts_sum(op->epoch, (uint64_t)g->rows_to[d], c, L));
-        st_rel(&ib->counts_epoch, op->epoch);
-    }
+    for (int i = 0; i < R; i++) publish_counts(op, (g->rank + 1 + i) % R);
     ring_all(g); /* every sender to every rank reads these counts */
+    return 0;
+}
+
+/* The count task of destination d (ASP with count cores): count my picks of each of d's
+ * experts and my rows to d, fill d's bucket unless the plan has units, then publish the count
+ * record. topk_idx was validated by the prepare phase. */
+static void count_dst(op_t *op, int d) {
+    engine_t *g = op->g;
+    const int K = g->K, L = g->L, expert = g->layout == LAY_EXPERT, fill = !op->plan.have_units;
+    const int64_t T = op->ntok, b0 = bucket_start(g, (d - g->rank - 1 + 2 * g->R) % g->R);
+    const int32_t *restrict e2d = g->e2d, *restrict e2l = g->e2l;
+    const int64_t *restrict topk = op->topk;
+    int64_t *restrict cnt = g->cnt + (int64_t)d * L;
+    int64_t units = 0, rows = 0;
+    memset(cnt, 0, sizeof(int64_t) * (size_t)L);
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t *row = topk + t * K;
+        int hit = 0;
+        for (int k = 0; k < K; k++) {
+            int64_t e = row[k];
+            if (e < 0 || e2d[e] != d) continue;
+            int el = e2l[e];
+            if (expert || !hit) {
+                if (fill) {
+                    int64_t u = b0 + units;
+                    g->u_t[u] = (int32_t)t;
+                    g->u_k[u] = k;
+                    g->u_e[u] = (int32_t)e;
+                    g->u_slot[u] = (int32_t)(expert ? cnt[el] : rows);
+                }
+                units++;
+            }
+            cnt[el]++;
+            hit = 1;
+        }
+        rows += hit;
+    }
+    g->units_to[d] = units;
+    g->rows_to[d] = expert ? units : rows;
+    batch_ranks(g, d);
+    atomic_store_explicit(&g->remaining[d], units, memory_order_relaxed);
+    publish_counts(op, d); /* its release store publishes the above to this rank's senders */
+    atomic_store_explicit(&g->counted[d], op->epoch, memory_order_release);
+    ring(g, d);
+}
+
+/* count core c: the destinations whose first expert is in its range, in expert order (the
+ * simulator's count chunks) */
+static int ph_d_count(op_t *op, int core) {
+    engine_t *g = op->g;
+    const plan_t *p = &op->plan;
+    g->core_dsts[core] = 0;
+    if (!p->num_count_cores) { /* the prepare phase counted and published for everyone */
+        for (int i = 0; core == 0 && i < g->R; i++)
+            g->core_dst_log[g->core_dsts[0]++] = (g->rank + 1 + i) % g->R;
+        return 0;
+    }
+    for (int c = 0; c < p->num_count_cores; c++) {
+        if ((p->num_send_cores + c) % g->C != core) continue;
+        for (int d = 0; d < g->R; d++) {
+            int64_t first = (int64_t)d * g->L;
+            if (first < p->count_expert_ptr[c] || first >= p->count_expert_ptr[c + 1]) continue;
+            count_dst(op, d);
+            g->core_dst_log[(int64_t)core * g->R + g->core_dsts[core]++] = d;
+        }
+    }
     return 0;
 }
 
@@ -192,7 +269,7 @@ static int ph_d_prepare(op_t *op, int core) {
     int rc = wait_peers_done(op, op->epoch >= 2 ? op->epoch - 2 : 0, 0);
     if (rc) return rc;
     TRACE(op->g, core, 1);
-    if ((rc = dispatch_validate(op))) return rc;
+    if ((rc = dispatch_validate(op, !op->plan.num_count_cores))) return rc;
     TRACE(op->g, core, 2);
     reset_send_state(op);
     rc = dispatch_publish(op);
@@ -370,8 +447,10 @@ static void unit_done(op_t *op, int d) {
 
 void reset_send_state(op_t *op) {
     engine_t *g = op->g;
+    for (int c = 0; c < g->C; c++) g->core_units[c] = 0;
     for (int d = 0; d < g->R; d++) {
-        atomic_store(&g->remaining[d], g->units_to[d]);
+        /* count tasks set their destinations' (count_dst) */
+        if (!op->plan.num_count_cores) atomic_store(&g->remaining[d], g->units_to[d]);
         atomic_store(&g->dc_s1[d], 0);
         atomic_store(&g->dc_s2[d], 0);
         g->core_ready[d] = 0;
@@ -380,30 +459,46 @@ void reset_send_state(op_t *op) {
         op->o_dst_row[i] = -1;
 }
 
-/* ASP send, no plan (one send core): destinations whose counts are in go first */
+/* My counts to d are known (a count task may still be at work on them): d's units, 1; not yet,
+ * 0. Without count tasks the prepare phase counted everything. */
+static int counted(op_t *op, int d) {
+    return !op->plan.num_count_cores ||
+           atomic_load_explicit(&op->g->counted[d], memory_order_acquire) == op->epoch;
+}
+
+static void log_unit(op_t *op, int core, int64_t t, int k) {
+    engine_t *g = op->g;
+    g->core_unit_log[(int64_t)core * g->T * g->K + g->core_units[core]++] = (int32_t)(t * g->K + k);
+}
+
+/* ASP send, one send core: destinations whose counts are in go first. A destination this rank
+ * sends nothing learns that from the counts, so it is not waited for (it may well have
+ * finished the call already). */
 static int send_canonical(op_t *op, int core) {
     engine_t *g = op->g;
     const int R = g->R;
     int64_t *bases = g->core_base + (int64_t)core * R * g->L;
-    int pending[64], np = 0;
-    /* index into the send order; a destination this rank sends nothing learns that from the
-     * counts, so it is not waited for (it may well have finished the call already) */
-    for (int i = 0; i < R; i++)
-        if (g->units_to[(g->rank + 1 + i) % R]) pending[np++] = i;
+    int pending[64], np = 0; /* index into the send order */
+    for (int i = 0; i < R; i++) pending[np++] = i;
     waiter_t w;
     waiter_init(&w);
     while (np) {
         int progressed = 0;
         for (int j = 0; j < np;) {
             int i = pending[j], d = (g->rank + 1 + i) % R;
-            int ready = dst_ready(op, d);
-            if (ready < 0) return dst_gone(op, core, d);
-            if (!ready) { j++; continue; }
-            int rc = compute_bases(op, core, d, g->rank, bases);
-            if (rc) return rc;
-            for (int64_t u = bucket_start(g, i), end = u + g->units_to[d]; u < end; u++)
-                send_unit(op, core, g->u_t[u], g->u_k[u], g->u_e[u], d, g->u_slot[u], bases);
-            finish_dst(op, d);
+            if (!counted(op, d)) { j++; continue; }
+            if (g->units_to[d]) {
+                int ready = dst_ready(op, d);
+                if (ready < 0) return dst_gone(op, core, d);
+                if (!ready) { j++; continue; }
+                int rc = compute_bases(op, core, d, g->rank, bases);
+                if (rc) return rc;
+                for (int64_t u = bucket_start(g, i), end = u + g->units_to[d]; u < end; u++) {
+                    send_unit(op, core, g->u_t[u], g->u_k[u], g->u_e[u], d, g->u_slot[u], bases);
+                    log_unit(op, core, g->u_t[u], g->u_k[u]);
+                }
+                finish_dst(op, d);
+            }
             pending[j] = pending[--np];
             progressed = 1;
             waiter_init(&w);
@@ -420,21 +515,23 @@ static int send_canonical(op_t *op, int core) {
 /* ASP send by the Plan from ubep.sched: plan core j runs on thread j % C, in plan order */
 static int send_planned(op_t *op, int core) {
     engine_t *g = op->g;
+    const plan_t *p = &op->plan;
     const int R = g->R, L = g->L;
     int64_t *bases = g->core_base + (int64_t)core * R * L;
     int64_t *ready = g->core_ready + (int64_t)core * R;
     for (int d = 0; d < R; d++) ready[d] = 0;
-    for (int j = core; j < op->plan_cores; j += g->C) {
-        for (int64_t u = op->p_ptr[j]; u < op->p_ptr[j + 1]; u++) {
-            int d = (int)op->p_d[u];
+    for (int j = core; j < p->num_send_cores; j += g->C) {
+        for (int64_t u = p->core_ptr[j]; u < p->core_ptr[j + 1]; u++) {
+            int d = (int)p->dst_rank[u];
             if (!ready[d]) {
                 int rc = wait_dst(op, core, d);
                 if (!rc) rc = compute_bases(op, core, d, g->rank, bases + (int64_t)d * L);
                 if (rc) return rc;
                 ready[d] = 1;
             }
-            send_unit(op, core, op->p_t[u], (int)op->p_k[u], (int)op->p_e[u], d, op->p_slot[u],
+            send_unit(op, core, p->token[u], (int)p->k[u], (int)p->expert[u], d, p->slot[u],
                       bases + (int64_t)d * L);
+            log_unit(op, core, p->token[u], (int)p->k[u]);
             unit_done(op, d);
         }
     }
@@ -442,7 +539,9 @@ static int send_planned(op_t *op, int core) {
 }
 
 static int ph_d_send(op_t *op, int core) {
-    int rc = op->have_plan ? send_planned(op, core) : core == 0 ? send_canonical(op, core) : 0;
+    int rc = op->plan.have_units ? send_planned(op, core)
+             : core == 0         ? send_canonical(op, core)
+                                 : 0;
     TRACE(op->g, core, 4);
     return rc;
 }
@@ -724,6 +823,7 @@ static int ph_d_receive(op_t *op, int core) {
 
 static const phase_t ASP_DISPATCH_PHASES[] = {
     {ph_d_prepare, 0, 1},
+    {ph_d_count, 1, 0}, /* no barrier: a thread goes on to its sends, others still count */
     {ph_d_send, 1, 0},
     {ph_d_receive, 1, 0},
 };

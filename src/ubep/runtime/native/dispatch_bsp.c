@@ -207,7 +207,7 @@ static int ph_bsp_prepare(op_t *op, int core) {
     pub_word(word(op->g, op->g->rank, op->g->off_entered), op->epoch << 2 | (uint64_t)op->kind);
     int rc = wait_peers_done(op, op->epoch >= 2 ? op->epoch - 2 : 0, 0);
     if (rc) return rc;
-    if ((rc = dispatch_validate(op))) return rc;
+    if ((rc = dispatch_validate(op, 1))) return rc;
     reset_send_state(op);
     return dispatch_publish(op);
 }

@@ -36,6 +36,19 @@ typedef struct {
     int sync_after; /* in-process barrier of this rank's cores after the phase */
 } phase_t;
 
+/* The Plan of ubep.sched (ubep/sched/plan.py), as ASP dispatch executes it: send core j runs on
+ * thread j % C, count core c on thread (num_send_cores + c) % C; a thread runs its count tasks
+ * before its sends. Count core c counts and publishes the destinations whose first expert lies
+ * in [count_expert_ptr[c], count_expert_ptr[c + 1]). Without units (one send core), the send
+ * core sends the buckets the count tasks fill, destinations whose counts are in first. */
+typedef struct plan {
+    int num_send_cores, num_count_cores; /* 0, 0: no plan (one core: validate, count and send) */
+    const int64_t *count_expert_ptr;     /* [num_count_cores + 1] */
+    int have_units;
+    const int64_t *core_ptr;             /* [num_send_cores + 1] CSR offsets into the units */
+    const int64_t *token, *k, *expert, *dst_rank, *hop, *slot; /* [units] */
+} plan_t;
+
 typedef struct engine {
     PyObject_HEAD
     /* Configuration, read once from the parameters (module.c's PARAMS table maps each key of
@@ -90,6 +103,7 @@ typedef struct engine {
     int64_t *my_rank_in_batch; /* [E] first batch rank of my rows of expert e at its dst */
     _Atomic int64_t *remaining; /* [R] */
     _Atomic uint64_t *dc_s1, *dc_s2; /* [R] */
+    _Atomic uint64_t *counted; /* [R] epoch whose counts to each rank a count task published */
     int64_t *core_base;    /* [C][R][L] my partition start per (dst, local expert) */
     int64_t *core_ready;   /* [C][R] dst bases computed for this op (epoch) */
     int64_t *rx_base;      /* [C][R][L] receive: start of source s's rows of expert e */
@@ -120,6 +134,11 @@ typedef struct engine {
      * sentinel in its last use; the rest still hold it. Re-armed when the region is reused. */
     int64_t sp_dirty[8];
     int in_use;            /* an operation is running (re-entrancy guard) */
+    /* what each core did in the last dispatch (tests compare it with the simulator's spec):
+     * core_units[c] units sent by core c, their (token * K + k) in core_unit_log[c][...];
+     * core_dsts[c] count records core c published, their destinations in core_dst_log[c][...] */
+    int64_t *core_units, *core_dsts;
+    int32_t *core_unit_log, *core_dst_log;
     int64_t trace[16];     /* core 0's phase timestamps of the last call (ns), for profiling */
 } engine_t;
 
@@ -135,8 +154,9 @@ typedef struct op {
     int64_t ntok;
     const int64_t *topk;
     const float *w;
-    int have_plan, plan_cores;
-    const int64_t *p_t, *p_k, *p_e, *p_d, *p_slot, *p_ptr;
+    plan_t plan; /* ASP: the cores' tasks (module.c reads it from ubep.sched's Plan) */
+    int checked; /* topk_idx was validated by ubep.sched (the plan's units): range and
+                  * duplicates are not checked twice */
     /* dispatch outputs */
     int64_t *o_idx, *o_src_rank, *o_src_tok, *o_src_k, *o_nrecv, *o_dst_row;
     float *o_w;
@@ -320,7 +340,7 @@ void run_op(op_t *op, const phase_list_t *phases);
 /* dispatch.c: what the BSP phases share with ASP dispatch */
 void reset_land(engine_t *g);
 int ensure_clean(op_t *op);
-int dispatch_validate(op_t *op);
+int dispatch_validate(op_t *op, int count);
 int dispatch_publish(op_t *op);
 void reset_send_state(op_t *op);
 int dst_gone(op_t *op, int core, int d);

@@ -153,6 +153,8 @@ static void engine_free_scratch(engine_t *g) {
     free(g->route_snap); free(g->ci_off); free(g->ci_rows);
     free(g->threads); free(g->e2d); free(g->e2l);
     free((void *)g->term_ptr); free(g->term_w);
+    free((void *)g->counted);
+    free(g->core_units); free(g->core_dsts); free(g->core_unit_log); free(g->core_dst_log);
     g->base = NULL;
 }
 
@@ -214,6 +216,11 @@ static int engine_init(engine_t *g, PyObject *args, PyObject *kwds) {
     int maxt = g->K > R ? g->K : R;
     g->term_ptr = calloc((size_t)C * maxt, sizeof(void *));
     g->term_w = calloc((size_t)C * maxt, sizeof(float));
+    g->counted = calloc((size_t)R, sizeof(uint64_t));
+    g->core_units = calloc((size_t)C, sizeof(int64_t));
+    g->core_dsts = calloc((size_t)C, sizeof(int64_t));
+    g->core_unit_log = calloc((size_t)C * (size_t)(g->T * g->K) + 1, sizeof(int32_t));
+    g->core_dst_log = calloc((size_t)C * R, sizeof(int32_t));
     if (g->e2d && g->e2l)
         for (int e = 0; e < E; e++) { g->e2d[e] = e / L; g->e2l[e] = e % L; }
     const void *scratch[] = {
@@ -221,7 +228,8 @@ static int engine_init(engine_t *g, PyObject *args, PyObject *kwds) {
         g->u_slot, g->stamp, g->my_rank_in_batch, (const void *)g->remaining,
         (const void *)g->dc_s1, (const void *)g->dc_s2, g->core_base, g->core_ready, g->rx_base,
         g->rx_rows, g->rx_cnt, g->tx_rows, g->tx_cnt, g->route_snap, g->ci_off, g->ci_rows,
-        g->e2d, g->e2l, (const void *)g->term_ptr, g->term_w,
+        g->e2d, g->e2l, (const void *)g->term_ptr, g->term_w, (const void *)g->counted, g->core_units,
+        g->core_dsts, g->core_unit_log, g->core_dst_log,
     };
     int missing = 0;
     for (size_t i = 0; i < sizeof scratch / sizeof scratch[0]; i++) missing |= !scratch[i];
@@ -250,6 +258,7 @@ typedef struct {
     Py_buffer b;
     int held;
 } pbuf_t;
+#define NBUF_DISPATCH 18 /* 10 arguments, 8 plan arrays */
 
 static int get_buf(PyObject *o, pbuf_t *pb, int writable, const char *name, int64_t min_bytes) {
     pb->held = 0;
@@ -281,10 +290,83 @@ static void op_init(op_t *op, engine_t *g, int kind, uint64_t epoch) {
     op->err_peer = -1;
 }
 
+/* an int64 (itemsize 8) array attribute of the plan, at least n elements */
+static int plan_array(PyObject *plan, const char *name, pbuf_t *pb, int64_t n,
+                      const int64_t **out) {
+    PyObject *a = PyObject_GetAttrString(plan, name);
+    if (!a) return -1;
+    char what[48];
+    snprintf(what, sizeof what, "plan.%s", name);
+    int rc = get_buf(a, pb, 0, what, n * 8);
+    Py_DECREF(a); /* the buffer holds its own reference */
+    if (!rc && pb->b.itemsize != 8) {
+        PyErr_Format(PyExc_ValueError, "%s must be int64", what);
+        rc = -1;
+    }
+    if (!rc) *out = pb->b.buf;
+    return rc;
+}
+
+static int plan_int(PyObject *plan, const char *name, int lo, int hi, int *out) {
+    PyObject *a = PyObject_GetAttrString(plan, name);
+    if (!a) return -1;
+    long v = PyLong_AsLong(a);
+    Py_DECREF(a);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    if (v < lo || v > hi) {
+        PyErr_Format(PyExc_ValueError, "plan.%s = %ld out of range [%d, %d]", name, v, lo, hi);
+        return -1;
+    }
+    *out = (int)v;
+    return 0;
+}
+
+/* The Plan of ubep.sched (or its CoreSplit: the core split without units) into op->plan, read
+ * by field name; the unit arrays are bounds-checked (they index x, topk_idx and peers' rows). */
+static int read_plan(PyObject *plan, op_t *op, pbuf_t *b) {
+    engine_t *g = op->g;
+    plan_t *p = &op->plan;
+    int64_t T = op->ntok, K = g->K;
+    if (plan_int(plan, "num_send_cores", 1, 1 << 16, &p->num_send_cores) ||
+        plan_int(plan, "num_count_cores", 1, 1 << 16, &p->num_count_cores) ||
+        plan_array(plan, "count_expert_ptr", &b[0], p->num_count_cores + 1, &p->count_expert_ptr))
+        return -1;
+    if (!PyObject_HasAttrString(plan, "core_ptr")) return 0; /* a CoreSplit */
+    if (plan_array(plan, "core_ptr", &b[1], p->num_send_cores + 1, &p->core_ptr)) return -1;
+    int64_t nu = p->core_ptr[p->num_send_cores];
+    if (nu < 0 || nu > T * K) {
+        PyErr_SetString(PyExc_ValueError, "plan: bad unit count");
+        return -1;
+    }
+    if (plan_array(plan, "send_token", &b[2], nu, &p->token) ||
+        plan_array(plan, "send_k", &b[3], nu, &p->k) ||
+        plan_array(plan, "send_expert", &b[4], nu, &p->expert) ||
+        plan_array(plan, "send_dst_rank", &b[5], nu, &p->dst_rank) ||
+        plan_array(plan, "send_hop", &b[6], nu, &p->hop) ||
+        plan_array(plan, "send_slot", &b[7], nu, &p->slot))
+        return -1;
+    for (int j = 0; j < p->num_send_cores; j++)
+        if (p->core_ptr[j] > p->core_ptr[j + 1] || p->core_ptr[j] < 0) {
+            PyErr_SetString(PyExc_ValueError, "plan: core_ptr not non-decreasing");
+            return -1;
+        }
+    for (int64_t u = 0; u < nu; u++)
+        if (p->dst_rank[u] < 0 || p->dst_rank[u] >= g->R || p->expert[u] < 0 ||
+            p->expert[u] >= g->E || p->token[u] < 0 || p->token[u] >= T || p->k[u] < 0 ||
+            p->k[u] >= K || p->slot[u] < 0 || p->slot[u] >= g->cap_src_rows ||
+            g->e2d[p->expert[u]] != p->dst_rank[u]) {
+            PyErr_SetString(PyExc_ValueError, "plan: a unit out of range");
+            return -1;
+        }
+    p->have_units = 1;
+    op->checked = 1; /* ubep.sched validated topk_idx when it built these units */
+    return 0;
+}
+
 /* dispatch(x, topk_idx, topk_weights, num_tokens, epoch, index, recv_topk_idx,
  *          recv_topk_weights, recv_src_rank, recv_src_token, recv_src_k, counts, send_dst_row,
- *          plan) -> rows received | error tuple; plan: None or (send_token, send_k,
- *          send_expert, send_dst_rank, send_slot, core_ptr, num_send_cores) */
+ *          plan) -> rows received | error tuple; plan: None (one core), ubep.sched's Plan or
+ *          CoreSplit (read_plan) */
 static PyObject *engine_dispatch(engine_t *g, PyObject *args) {
     PyObject *ox, *oidx, *ow, *o1, *o2, *o3, *o4, *o5, *o6, *o7, *plan;
     unsigned long long epoch;
@@ -297,7 +379,7 @@ static PyObject *engine_dispatch(engine_t *g, PyObject *args) {
         return NULL;
     }
     const int K = g->K;
-    pbuf_t b[16];
+    pbuf_t b[NBUF_DISPATCH];
     memset(b, 0, sizeof b);
     int64_t nrows = g->cap_rows;
     int64_t dst_w = g->layout == LAY_EXPERT ? K : g->R;
@@ -316,48 +398,19 @@ static PyObject *engine_dispatch(engine_t *g, PyObject *args) {
         get_buf(o5, &b[7], 1, "recv_src_k", nrows * 8) ||
         get_buf(o6, &b[8], 1, "num_recv_tokens_per_expert", (g->L + g->R) * 8) ||
         get_buf(o7, &b[9], 1, "send_dst_row", ntok * dst_w * 8)) {
-        rel_bufs(b, 16);
+        rel_bufs(b, NBUF_DISPATCH);
         return NULL;
     }
     op_t *op = calloc(1, sizeof(op_t));
-    if (!op) { rel_bufs(b, 16); return PyErr_NoMemory(); }
+    if (!op) { rel_bufs(b, NBUF_DISPATCH); return PyErr_NoMemory(); }
     op_init(op, g, 0, epoch);
     op->n = n;
     op->x = b[0].b.buf; op->ntok = ntok; op->topk = b[1].b.buf; op->w = b[2].b.buf;
     op->o_idx = b[3].b.buf; op->o_w = b[4].b.buf; op->o_src_rank = b[5].b.buf;
     op->o_src_tok = b[6].b.buf; op->o_src_k = b[7].b.buf; op->o_nrecv = b[8].b.buf;
     op->o_dst_row = b[9].b.buf;
-    if (plan != Py_None) {
-        PyObject *pt, *pk, *pe, *pd, *ps, *pp;
-        int pc;
-        if (!PyArg_ParseTuple(plan, "OOOOOOi", &pt, &pk, &pe, &pd, &ps, &pp, &pc)) {
-            rel_bufs(b, 16); free(op); return NULL;
-        }
-        if (get_buf(pp, &b[10], 0, "plan.core_ptr", (int64_t)(pc + 1) * 8)) {
-            rel_bufs(b, 16); free(op); return NULL;
-        }
-        int64_t nu = ((const int64_t *)b[10].b.buf)[pc];
-        if (nu < 0 || nu > ntok * K ||
-            get_buf(pt, &b[11], 0, "plan.send_token", nu * 8) ||
-            get_buf(pk, &b[12], 0, "plan.send_k", nu * 8) ||
-            get_buf(pe, &b[13], 0, "plan.send_expert", nu * 8)) {
-            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "plan: bad unit count");
-            rel_bufs(b, 16); free(op); return NULL;
-        }
-        if (get_buf(pd, &b[14], 0, "plan.send_dst_rank", nu * 8) ||
-            get_buf(ps, &b[15], 0, "plan.send_slot", nu * 8)) {
-            rel_bufs(b, 16); free(op); return NULL;
-        }
-        const int64_t *pdst = b[14].b.buf, *pexp = b[13].b.buf;
-        for (int64_t u = 0; u < nu; u++)
-            if (pdst[u] < 0 || pdst[u] >= g->R || pexp[u] < 0 || pexp[u] >= g->E) {
-                rel_bufs(b, 16); free(op);
-                PyErr_SetString(PyExc_ValueError, "plan: destination or expert out of range");
-                return NULL;
-            }
-        op->have_plan = 1; op->plan_cores = pc;
-        op->p_ptr = b[10].b.buf; op->p_t = b[11].b.buf; op->p_k = b[12].b.buf;
-        op->p_e = b[13].b.buf; op->p_d = b[14].b.buf; op->p_slot = b[15].b.buf;
+    if (plan != Py_None && read_plan(plan, op, &b[10])) {
+        rel_bufs(b, NBUF_DISPATCH); free(op); return NULL;
     }
     g->in_use = 1;
     int64_t n_recv;
@@ -367,7 +420,7 @@ static PyObject *engine_dispatch(engine_t *g, PyObject *args) {
     n_recv = op->n_recv;
     Py_END_ALLOW_THREADS
     g->in_use = 0;
-    rel_bufs(b, 16);
+    rel_bufs(b, NBUF_DISPATCH);
     PyObject *res = atomic_load(&op->err) ? error_tuple(op) : PyLong_FromLongLong(n_recv);
     free(op);
     return res;
@@ -562,7 +615,32 @@ static PyObject *engine_close(engine_t *g, PyObject *noargs) {
     Py_RETURN_NONE;
 }
 
+/* ([units of core c: token * K + k, in the order sent], [destinations whose counts core c
+ * published, in order]) per core, of the last dispatch */
+static PyObject *engine_core_log(engine_t *g, PyObject *noargs) {
+    (void)noargs;
+    PyObject *units = PyList_New(g->C), *dsts = PyList_New(g->C);
+    if (!units || !dsts) goto fail;
+    for (int c = 0; c < g->C; c++) {
+        PyObject *u = PyList_New(g->core_units[c]), *d = PyList_New(g->core_dsts[c]);
+        if (!u || !d) { Py_XDECREF(u); Py_XDECREF(d); goto fail; }
+        for (int64_t i = 0; i < g->core_units[c]; i++)
+            PyList_SET_ITEM(u, i, PyLong_FromLong(g->core_unit_log[(int64_t)c * g->T * g->K + i]));
+        for (int64_t i = 0; i < g->core_dsts[c]; i++)
+            PyList_SET_ITEM(d, i, PyLong_FromLong(g->core_dst_log[(int64_t)c * g->R + i]));
+        PyList_SET_ITEM(units, c, u);
+        PyList_SET_ITEM(dsts, c, d);
+    }
+    return Py_BuildValue("(NN)", units, dsts);
+fail:
+    Py_XDECREF(units);
+    Py_XDECREF(dsts);
+    return NULL;
+}
+
 static PyMethodDef engine_methods[] = {
+    {"core_log", (PyCFunction)engine_core_log, METH_NOARGS,
+     "per core: the units it sent and the count records it published in the last dispatch"},
     {"dispatch", (PyCFunction)engine_dispatch, METH_VARARGS, "one dispatch (ubep.buffer.Engine)"},
     {"combine", (PyCFunction)engine_combine, METH_VARARGS, "one combine (ubep.buffer.Engine)"},
     {"fail", (PyCFunction)engine_fail, METH_VARARGS, "publish a failure notice"},
