@@ -191,7 +191,7 @@ def _forge_dispatch(buf: Buffer, epoch: int, index: int, counts: list[int], rows
     _u64(seg1, rt + ROUTE_NTOK, route.shape[0])
     _u64(seg1, rt + ROUTE_SUM, _native.route_sum(epoch, route.shape[0], flat, weights))
     _u64(seg1, rt + ROUTE_EPOCH, epoch)
-    _word(seg1, lay.off_recv_ready, epoch)
+    _word(seg1, lay.off_recv_ready + 16 * (epoch & 1), epoch)  # readiness by parity
     assert cfg.num_topk == route.shape[1]
 
 

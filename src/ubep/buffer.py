@@ -37,8 +37,9 @@ import os
 import secrets
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar, overload
 
 import numpy as np
 
@@ -52,7 +53,7 @@ from .errors import (
     UbepError,
 )
 from .group_adapter import as_process_group
-from .handle import DispatchHandle, DispatchResult
+from .handle import DispatchHandle, DispatchResult, PendingCall
 from .modes import ENGINES, SYNCS
 from .routing import experts_per_rank
 from .runtime.abi import (
@@ -121,21 +122,29 @@ class Engine(Protocol):
         epoch: int, index: int, recv_topk_idx: np.ndarray, recv_topk_weights: np.ndarray,
         recv_src_rank: np.ndarray, recv_src_token: np.ndarray, recv_src_k: np.ndarray,
         counts: np.ndarray, send_dst_row: np.ndarray, plan: Plan | CoreSplit | None,
-    ) -> int | tuple[int, int, int, str, str, str]:
+        split: bool,
+    ) -> int | tuple[int, int, int, str, str, str] | None:
         """One dispatch. Output arrays have capacity ``cap_rows`` rows; ``counts`` is
         ``[num_local_experts + num_ranks]``: rows per local expert, then rows received from each
         source rank; ``send_dst_row`` is ``[num_tokens, num_topk or num_ranks]``. ``index`` is the
         dispatch's sequence number (receive region ``index % num_regions``). ``plan``: what
         each core does (:meth:`Buffer._plan`), ``None`` for one core. Returns the number of
-        received rows."""
+        received rows; with ``split`` ``None`` once the first half ran (:meth:`complete` runs
+        the rest), unless the engine ran the whole call."""
 
     def combine(
         self, expert_out: np.ndarray, num_rows: int, topk_idx: np.ndarray,
         topk_weights: np.ndarray, send_dst_row: np.ndarray, num_tokens: int, epoch: int,
-        region: int, y: np.ndarray, dispatch_index: int,
-    ) -> int | tuple[int, int, int, str, str, str]:
+        region: int, y: np.ndarray, dispatch_index: int, split: bool,
+    ) -> int | tuple[int, int, int, str, str, str] | None:
         """One combine into ``y`` of the outputs of dispatch ``dispatch_index`` (every rank must
         name the same one); returns 1 if ``expert_out`` was used in place (zero-copy)."""
+
+    def complete(self, epoch: int) -> int | tuple[int, int, int, str, str, str]:
+        """The second half of the oldest split-phase call (``epoch``): its result."""
+
+    def abandon(self, epoch: int, message: str) -> None:
+        """The oldest split-phase call fails here without its second half (notice to peers)."""
 
     def fail(
         self, epoch: int, code: int, message: str, finished: int, timeout_s: float
@@ -189,6 +198,7 @@ class Buffer:
         self._segments: list[Segment] = []
         self._memory: GlobalMemory | None = None
         self._engine: Engine | Any = None
+        self._in_flight: list[_InFlight] = []  # split-phase calls awaiting their hook, in order
         # Construction is collective: every rank validates, then all exchange the outcome, so a
         # config only one rank rejects fails on every rank instead of pairing with its next one.
         error: Exception | None = None
@@ -286,9 +296,22 @@ class Buffer:
 
     # --- operations ---------------------------------------------------------------------
 
+    @overload
     def dispatch(
-        self, x: object, topk_idx: object, topk_weights: object, *, copy: bool = False
-    ) -> DispatchResult[RuntimeHandle]:
+        self, x: object, topk_idx: object, topk_weights: object, *, copy: bool = ...,
+        return_recv_hook: Literal[False] = ...,
+    ) -> DispatchResult[RuntimeHandle]: ...
+
+    @overload
+    def dispatch(
+        self, x: object, topk_idx: object, topk_weights: object, *, copy: bool = ...,
+        return_recv_hook: Literal[True],
+    ) -> PendingCall[DispatchResult[RuntimeHandle]]: ...
+
+    def dispatch(
+        self, x: object, topk_idx: object, topk_weights: object, *, copy: bool = False,
+        return_recv_hook: bool = False,
+    ) -> DispatchResult[RuntimeHandle] | PendingCall[DispatchResult[RuntimeHandle]]:
         """Send every token to the ranks of its experts (collective).
 
         Args:
@@ -297,6 +320,11 @@ class Buffer:
             topk_idx: ``[num_tokens, num_topk]`` integer global expert ids, -1 = masked slot.
             topk_weights: ``[num_tokens, num_topk]`` float32.
             copy: return ``recv_x`` as an owned array instead of a view.
+            return_recv_hook: return as soon as this rank's sends are out, with a
+                :class:`~ubep.handle.PendingCall` whose ``hook()`` runs the receive half and
+                returns the result (DeepEP's low-latency hook). Two calls (dispatch or combine)
+                may be in flight per Buffer; a third is refused on every rank until the first's
+                hook ran.
 
         Raises:
             InvalidArgumentError: bad input on this rank (nothing was sent; the next call works).
@@ -306,13 +334,15 @@ class Buffer:
         """
         self._enter()
         try:
-            return self._dispatch(x, topk_idx, topk_weights, copy)
+            return self._dispatch(x, topk_idx, topk_weights, copy, return_recv_hook)
         finally:
             self._lock.release()
 
     def _dispatch(
-        self, x: object, topk_idx: object, topk_weights: object, copy: bool
-    ) -> DispatchResult[RuntimeHandle]:
+        self, x: object, topk_idx: object, topk_weights: object, copy: bool, hook: bool
+    ) -> DispatchResult[RuntimeHandle] | PendingCall[DispatchResult[RuntimeHandle]]:
+        self._complete_staged_dispatch()
+        self._check_in_flight()
         self._epoch += 1
         epoch = self._epoch
         index = self._num_dispatches
@@ -333,7 +363,7 @@ class Buffer:
             stage = _NATIVE
             got = self._engine.dispatch(
                 xa, idx, w, ntok, epoch, index, o_idx, o_w, meta[0], meta[1], meta[2], counts,
-                o_dst, plan,
+                o_dst, plan, hook or bool(self._in_flight),
             )
             stage = _AFTER
             if type(got) is tuple:
@@ -346,7 +376,19 @@ class Buffer:
                 # rejected as cleanly, did not count one either)
                 self._num_dispatches = index
             raise err from None
-        n = int(got)  # type: ignore[arg-type]  # an error tuple was raised above
+
+        def finish(n: int) -> DispatchResult[RuntimeHandle]:
+            return self._dispatch_result(n, index, ntok, copy, o_idx, o_w, meta, counts, o_dst,
+                                         idx, w)
+
+        return self._issued("dispatch", epoch, got, finish, hook, index)
+
+    def _dispatch_result(
+        self, n: int, index: int, ntok: int, copy: bool, o_idx: np.ndarray, o_w: np.ndarray,
+        meta: np.ndarray, counts: np.ndarray, o_dst: np.ndarray, idx: np.ndarray, w: np.ndarray,
+    ) -> DispatchResult[RuntimeHandle]:
+        cfg, lay = self.config, self.layout
+        L, R = self.num_local_experts, self.num_ranks
         recv_x = self._recv_views[index % lay.num_regions][:n]
         if copy:
             recv_x = recv_x.copy()
@@ -386,7 +428,20 @@ class Buffer:
             handle=handle,
         )
 
-    def combine(self, expert_out: object, handle: DispatchHandle) -> np.ndarray:
+    @overload
+    def combine(
+        self, expert_out: object, handle: DispatchHandle, *,
+        return_recv_hook: Literal[False] = ...,
+    ) -> np.ndarray: ...
+
+    @overload
+    def combine(
+        self, expert_out: object, handle: DispatchHandle, *, return_recv_hook: Literal[True],
+    ) -> PendingCall[np.ndarray]: ...
+
+    def combine(
+        self, expert_out: object, handle: DispatchHandle, *, return_recv_hook: bool = False
+    ) -> np.ndarray | PendingCall[np.ndarray]:
         """Bring expert outputs back and reduce them per source token (collective).
 
         Args:
@@ -394,6 +449,9 @@ class Buffer:
                 answering row ``i`` of this rank's ``recv_x``.
             handle: ``result.handle`` of a dispatch on this Buffer (since its last resync);
                 every rank must pass the handle of the same dispatch.
+            return_recv_hook: as :meth:`dispatch`: return once this rank's expert outputs are
+                published; ``hook()`` reduces and returns ``y``. ``expert_out`` must not change
+                until then.
 
         Returns:
             ``[handle.num_tokens, hidden]`` owned array: expert layout ``y[t] = sum_k w[t,k] *
@@ -401,11 +459,14 @@ class Buffer:
         """
         self._enter()
         try:
-            return self._combine(expert_out, handle)
+            return self._combine(expert_out, handle, return_recv_hook)
         finally:
             self._lock.release()
 
-    def _combine(self, expert_out: object, handle: DispatchHandle) -> np.ndarray:
+    def _combine(
+        self, expert_out: object, handle: DispatchHandle, hook: bool
+    ) -> np.ndarray | PendingCall[np.ndarray]:
+        self._check_in_flight()
         self._epoch += 1
         epoch = self._epoch
         stage = _BEFORE
@@ -418,13 +479,106 @@ class Buffer:
             got = self._engine.combine(
                 eo, h.num_recv_rows, h.topk_idx, h.topk_weights, h.send_dst_row, h.num_tokens,
                 epoch, creg, y, h.dispatch_index,  # type: ignore[attr-defined]
+                hook or bool(self._in_flight),
             )
             stage = _AFTER
             if type(got) is tuple:
                 raise self._error(got)
         except BaseException as exc:
             raise self._failed(epoch, stage, exc)[0] from None
-        return y
+        return self._issued("combine", epoch, got, lambda n: y, hook, None)
+
+    # --- split-phase calls (return_recv_hook) -------------------------------------------
+
+    def _check_in_flight(self) -> None:
+        """A third call while two await their hooks would reuse the receive region and the
+        control records of the first: refused here, before it exists (nothing advances, no
+        peer is told: peers that made the call wait, within their deadline, for this rank to
+        call the hooks and make it again)."""
+        if len(self._in_flight) >= _MAX_IN_FLIGHT:
+            calls = ", ".join(str(c.epoch) for c in self._in_flight)
+            raise UbepError(
+                f"rank {self.rank}: call refused: calls {calls} were issued with "
+                "return_recv_hook=True and their hook() was not called; at most "
+                f"{_MAX_IN_FLIGHT} calls may be in flight on a Buffer: call the hooks, then "
+                "make this call again"
+            )
+
+    def _issued(
+        self, kind: str, epoch: int, got: object, finish: Callable[[int], Any], hook: bool,
+        index: int | None,
+    ) -> Any:
+        """A call whose first half ran (``got is None``: its second half waits for the hook)
+        or all of it: the result, or (``hook``) the pending call that hands it out."""
+        call: PendingCall[Any] = PendingCall(kind, self.rank, epoch,
+                                             lambda: self._hook(epoch))
+        if got is None:
+            self._in_flight.append(_InFlight(epoch, call, finish, index))
+        else:  # the engine ran the whole call (one that needs no second half)
+            call._settle(True, finish(int(got)))  # type: ignore[call-overload]
+        if hook:
+            return call
+        if got is None:
+            self._complete_through(epoch)
+        return call.hook()
+
+    def _complete_staged_dispatch(self) -> None:
+        """Engines that stage rows in one land region (BSP; ASP with TFF) must finish reading
+        a dispatch before peers may write the next one there: a dispatch in flight completes
+        before the next dispatch makes the region ready (its hook then returns at once)."""
+        if self.layout.num_land_regions > 1:
+            return
+        staged = [c.epoch for c in self._in_flight if c.index is not None]
+        if staged:
+            self._complete_through(staged[-1])
+            if self._lost is not None:
+                raise OutOfStepError(f"rank {self.rank}: the Buffer lost step with its peers "
+                                     f"({self._lost}); call resync() on every rank")
+
+    def _hook(self, epoch: int) -> None:
+        """``PendingCall.hook``: complete every call up to ``epoch``, in issue order."""
+        if not any(c.epoch == epoch for c in self._in_flight):
+            return  # settled meanwhile (by a later call or a resync)
+        self._enter()
+        try:
+            self._complete_through(epoch)
+        finally:
+            self._lock.release()
+
+    def _complete_through(self, epoch: int) -> None:
+        while self._in_flight and self._in_flight[0].epoch <= epoch:
+            c = self._in_flight[0]
+            stage = _NATIVE
+            try:
+                got = self._engine.complete(c.epoch)
+                del self._in_flight[0]
+                stage = _AFTER
+                if isinstance(got, tuple):
+                    raise self._error(got)
+                c.call._settle(True, c.finish(int(got)))
+            except BaseException as exc:
+                if stage == _NATIVE and self._in_flight and self._in_flight[0] is c:
+                    del self._in_flight[0]
+                err, clean = self._failed(c.epoch, stage, exc)
+                if clean and not self._in_flight and c.index is not None:
+                    self._num_dispatches = c.index  # as a blocking dispatch's clean reject
+                elif clean and self._in_flight:
+                    self._mark_lost(f"call {c.epoch} failed with a later call in flight: {err}")
+                c.call._settle(False, err)
+                if self._lost is not None or self._dead is not None:
+                    self._abandon_in_flight(f"call {c.epoch} failed: {err}")
+                if not isinstance(exc, Exception):
+                    raise  # an interrupt reaches the caller as such
+
+    def _abandon_in_flight(self, cause: str) -> None:
+        """Calls still waiting for their hook fail here (their peers learn it by notice)."""
+        while self._in_flight:
+            c = self._in_flight.pop(0)
+            with contextlib.suppress(Exception):
+                self._engine.abandon(c.epoch, f"rank {self.rank}: call {c.epoch} abandoned: "
+                                              f"{cause}")
+            c.call._settle(False, OutOfStepError(
+                f"rank {self.rank}: call {c.epoch} did not complete: {cause}"))
 
     def get_combine_buffer(self, handle: DispatchHandle) -> np.ndarray:
         """A writable ``[handle.num_recv_rows, hidden]`` array in this rank's segment: write the
@@ -464,6 +618,7 @@ class Buffer:
             if self._dead is not None:
                 raise PeerLostError(f"rank {self.rank}: cannot resync, a peer died: {self._dead}")
             timeout = float(self.config.timeout_s if timeout_s is None else timeout_s)
+            self._abandon_in_flight("resync() was called before its hook")
             gen = self._generation + 1
             mine = {"epoch": self._epoch, "dispatches": self._num_dispatches}
             # Phase 1: every rank is out of its calls (nobody writes a peer's segment any more).
@@ -492,6 +647,7 @@ class Buffer:
                             "another thread (or in the code this signal handler interrupted) is "
                             "still running")
         try:
+            self._abandon_in_flight("the Buffer was closed before its hook")
             self._closed = True
             self._teardown()
         finally:
@@ -564,8 +720,10 @@ class Buffer:
         if not isinstance(exc, UbepError) and isinstance(exc, Exception):
             exc = UbepError(f"rank {self.rank}: call {epoch} rejected: "
                             f"{type(exc).__name__}: {exc}")
-        got = self._engine.fail(epoch, E_BAD_INPUT, f"rank {self.rank}: {exc}", 1,
-                                float(self.config.timeout_s))
+        # with calls in flight this one is not finished by itself: done words say "every call
+        # up to here is finished", so the notice goes out without one
+        got = self._engine.fail(epoch, E_BAD_INPUT, f"rank {self.rank}: {exc}",
+                                0 if self._in_flight else 1, float(self.config.timeout_s))
         if type(got) is tuple:  # the peers never finished the call before last: out of step
             self._mark_lost(f"rejected call {epoch} could not be announced: "
                             f"{self._error(got)}")
@@ -751,6 +909,19 @@ def _new_frozen(cls: type[_T], **fields: Any) -> _T:
     assert set(fields) == set(cls.__dataclass_fields__)  # type: ignore[attr-defined]
     obj.__dict__.update(fields)
     return obj
+
+
+_MAX_IN_FLIGHT = 2  # split-phase calls per Buffer (the engine's MAX_PENDING)
+
+
+@dataclass
+class _InFlight:
+    """A split-phase call whose second half has not run."""
+
+    epoch: int
+    call: PendingCall[Any]
+    finish: Callable[[int], Any]  # the engine's result -> the call's result
+    index: int | None  # dispatch index (None: combine)
 
 
 # stages of a call, for _failed: before the data plane, inside it, after it returned

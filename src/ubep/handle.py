@@ -18,15 +18,16 @@ A handle describes its rank in both roles:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, UbepError
 from .modes import LAYOUTS
 
-__all__ = ["DispatchHandle", "DispatchResult"]
+__all__ = ["DispatchHandle", "DispatchResult", "PendingCall"]
 
 H = TypeVar("H")
 
@@ -137,3 +138,64 @@ class DispatchHandle:
     @property
     def num_local_experts(self) -> int:
         return self.num_experts // self.num_ranks
+
+
+T = TypeVar("T")
+
+# what a finished call's result holds, refused by name on a pending call
+_RESULT_FIELDS = frozenset(
+    ("recv_x", "recv_topk_idx", "recv_topk_weights", "num_recv_tokens_per_expert",
+     "recv_src_rank", "recv_src_token", "recv_src_k", "handle", "y", "shape", "dtype")
+)
+
+
+class PendingCall(Generic[T]):
+    """A dispatch or combine issued with ``return_recv_hook=True``: this rank's sends are out,
+    its receive half runs when :meth:`hook` (or :meth:`wait`) is called, which returns the
+    call's result (a :class:`DispatchResult`, or the combined ``y``) or raises the call's error.
+
+    Until then the result is not readable: ``pending.recv_x`` raises instead of handing back a
+    region peers are still writing. Calling the hook again returns the same result (or raises
+    the same error). Hooks may come in any order; a Buffer completes its calls in issue order.
+    """
+
+    __slots__ = ("_complete", "_kind", "_outcome", "_rank", "epoch")
+
+    def __init__(self, kind: str, rank: int, epoch: int, complete: Callable[[], None]) -> None:
+        self._kind, self._rank, self.epoch = kind, rank, epoch
+        self._complete = complete
+        self._outcome: tuple[bool, Any] | None = None
+
+    @property
+    def done(self) -> bool:
+        """The receive half has run (the hook returns at once)."""
+        return self._outcome is not None
+
+    def hook(self) -> T:
+        """Run the receive half (if no later call's hook ran it already) and return the result."""
+        if self._outcome is None:
+            self._complete()
+        assert self._outcome is not None  # _complete always settles this call
+        ok, value = self._outcome
+        if not ok:
+            raise value
+        return value
+
+    wait = hook  # DeepEP's EventOverlap / torch futures spelling
+
+    def _settle(self, ok: bool, value: Any) -> None:
+        if self._outcome is None:
+            self._outcome = (ok, value)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _RESULT_FIELDS:
+            raise UbepError(
+                f"rank {self._rank}: {name} of {self._kind} call {self.epoch} is not ready: it "
+                "was issued with return_recv_hook=True; call .hook() (or .wait()) first and use "
+                "what it returns"
+            )
+        raise AttributeError(name)
+
+    def __repr__(self) -> str:
+        state = "done" if self.done else "receive pending"
+        return f"PendingCall({self._kind}, call {self.epoch}, {state})"

@@ -221,9 +221,11 @@ class RmaEngine(RmaProtocol):
         self, x: np.ndarray, topk_idx: np.ndarray, topk_weights: np.ndarray, ntok: int,
         epoch: int, index: int, o_idx: np.ndarray, o_w: np.ndarray, o_rank: np.ndarray,
         o_tok: np.ndarray, o_k: np.ndarray, o_nrecv: np.ndarray, o_dst: np.ndarray,
-        plan: Any,
+        plan: Any, split: bool = False,
     ) -> Any:
-        del plan  # one thread: rows go destination by destination (module docstring)
+        # one thread: rows go destination by destination (module docstring); a split-phase
+        # call runs whole here (no second half: Buffer settles its hook at once)
+        del plan, split
         op = _Op(0, epoch, self.timeout_ns)
         self._reap()
         try:
@@ -249,7 +251,9 @@ class RmaEngine(RmaProtocol):
     def combine(
         self, eo: np.ndarray, rows: int, h_idx: np.ndarray, h_w: np.ndarray, h_dst: np.ndarray,
         ntok: int, epoch: int, creg: int, y: np.ndarray, dispatch_index: int = 0,
+        split: bool = False,
     ) -> Any:
+        del split  # as dispatch: the whole call runs here
         op = _Op(1, epoch, self.timeout_ns)
         self._reap()
         try:

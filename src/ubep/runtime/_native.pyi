@@ -49,8 +49,9 @@ class Engine:
         counts: np.ndarray,
         send_dst_row: np.ndarray,
         plan: Plan | CoreSplit | None,
+        split: bool,
         /,
-    ) -> int | _ErrorTuple: ...
+    ) -> int | _ErrorTuple | None: ...
     def combine(
         self,
         expert_out: np.ndarray,
@@ -63,8 +64,11 @@ class Engine:
         region: int,
         y: np.ndarray,
         dispatch_index: int,
+        split: bool,
         /,
-    ) -> int | _ErrorTuple: ...
+    ) -> int | _ErrorTuple | None: ...
+    def complete(self, epoch: int, /) -> int | _ErrorTuple: ...
+    def abandon(self, epoch: int, message: str, /) -> None: ...
     def fail(
         self, epoch: int, code: int, message: str, finished: int, timeout_s: float, /
     ) -> int | _ErrorTuple: ...

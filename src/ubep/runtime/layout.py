@@ -10,7 +10,8 @@ region             contents
 header [256 B]     magic, version, owner rank, size, pid, group id (ubep.runtime.shm)
 fail   [2x512 B]   failure notices by epoch parity: ``[epoch][len | code << 32][message][sum]``
 entered / done     u64 epoch of the last call this rank entered / finished (credits)
-recv_ready         u64 epoch whose receive region this rank has made ready for writers
+recv_ready [2]     by epoch parity (words at +0, +16): the epoch whose receive region this
+                   rank has made ready for writers
 doorbell           u32 eventcount peers ring after a publication, u32 sleepers at +32
 comb_info [2x64]   by epoch parity: ``[offset][rows][stride][epoch][index][sum]`` (outputs)
 barrier [C x 64]   BSP global barrier arrivals, one word per core (target = epoch*4+phase)

@@ -120,7 +120,7 @@ ABI_OFFSET(route_rec_t, ntok, 0);
 ABI_OFFSET(route_rec_t, epoch, 8);
 ABI_OFFSET(route_rec_t, sum, 16);
 ABI_OFFSET(route_rec_t, idx, 64);
-_Static_assert(sizeof(word_t) <= LINE_BYTES && sizeof(doorbell_t) <= LINE_BYTES, "a line");
+_Static_assert(2 * sizeof(word_t) <= LINE_BYTES && sizeof(doorbell_t) <= LINE_BYTES, "a line");
 _Static_assert(sizeof(comb_info_rec_t) == 64, "comb_info_rec_t is one line");
 _Static_assert(sizeof(fail_rec_t) == 512, "fail_rec_t is 8 lines");
 _Static_assert(sizeof(inbox_rec_t) == 192 && sizeof(route_rec_t) == 64, "record headers");

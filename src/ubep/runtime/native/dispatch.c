@@ -184,7 +184,7 @@ int dispatch_publish(op_t *op) {
         sp_rearm(g, land(g, g->rank, reg), g->sp_dirty[reg]);
         g->sp_dirty[reg] = 0;
     }
-    pub_word(word(g, g->rank, g->off_recv_ready), op->epoch);
+    pub_word(ready_word(g, g->rank, op->epoch), op->epoch);
     op->published_ready = 1;
     if (g->eng == ENG_BSP || op->plan.num_count_cores) {
         ring_all(g);
@@ -278,12 +278,12 @@ static int ph_d_prepare(op_t *op, int core) {
 }
 
 /* Destination d has published readiness and every source has published counts to d: 1;
- * not yet: 0; d has published readiness for a later call, so it left this one without the
- * rows this rank still has for it: -1 (see dst_gone). Readiness must be this call's exactly:
- * rows of this call must never land in a region a later call has armed. */
+ * not yet: 0; d has published readiness for a later call of this parity, so it left this one
+ * without the rows this rank still has for it: -1 (see dst_gone). Readiness must be this
+ * call's exactly: rows of this call must never land in a region a later call has armed. */
 static int dst_ready(op_t *op, int d) {
     engine_t *g = op->g;
-    uint64_t ready = rd_word(word(g, d, g->off_recv_ready));
+    uint64_t ready = rd_word(ready_word(g, d, op->epoch));
     if (ready != op->epoch) return ready > op->epoch ? -1 : 0;
     for (int s = 0; s < g->R; s++)
         if (ld_acq(&inbox(g, d, s, op->par)->counts_epoch) != op->epoch) return 0;
@@ -827,4 +827,4 @@ static const phase_t ASP_DISPATCH_PHASES[] = {
     {ph_d_send, 1, 0},
     {ph_d_receive, 1, 0},
 };
-const phase_list_t ASP_DISPATCH = PHASE_LIST(ASP_DISPATCH_PHASES);
+const phase_list_t ASP_DISPATCH = PHASE_LIST(ASP_DISPATCH_PHASES, 3);

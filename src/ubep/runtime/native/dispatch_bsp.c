@@ -59,7 +59,7 @@ static int ph_bsp_send(op_t *op, int core) {
             waiter_t w;
             waiter_init(&w);
             uint64_t at;
-            while ((at = rd_word(word(g, d, g->off_recv_ready))) != op->epoch) {
+            while ((at = rd_word(ready_word(g, d, op->epoch))) != op->epoch) {
                 if (at > op->epoch) return dst_gone(op, core, d);
                 int rc = wait_step(op, &w, core, d, "staging area of rank %d", d);
                 if (rc) return rc;
@@ -224,4 +224,4 @@ static const phase_t BSP_DISPATCH_PHASES[] = {
     {ph_bsp_reorder, 1, 1},  /* CalCumSum + Token-Reordering */
     {ph_bsp_dst_rows, 0, 0},
 };
-const phase_list_t BSP_DISPATCH = PHASE_LIST(BSP_DISPATCH_PHASES);
+const phase_list_t BSP_DISPATCH = PHASE_LIST(BSP_DISPATCH_PHASES, 5);

@@ -26,6 +26,7 @@
 #pragma GCC visibility push(hidden)
 
 #define MAX_WHAT 160
+#define MAX_PENDING 2 /* split-phase calls in flight per engine (two-batch overlap) */
 #define MAX_MSG 512
 
 struct op;
@@ -124,6 +125,10 @@ typedef struct engine {
     _Atomic int stopping;
     struct op *job_op;
     const struct phase_list *job_phases;
+    int job_first, job_end; /* the phases of job_phases the cores run */
+    /* split-phase calls whose second half has not run, oldest first (module.c's call_t) */
+    struct call *pending[MAX_PENDING];
+    int npending;
     _Atomic uint32_t tb_count, tb_gen;
     /* BSP with SP: the staging region must hold the sentinel wherever a peer may write.
      * Consumed rows are refilled at once; a failed call can leave rows behind: then the whole
@@ -185,6 +190,11 @@ typedef struct op {
 /* addresses in the segments */
 static inline word_t *word(engine_t *g, int rank, int64_t off) {
     return (word_t *)(g->base[rank] + off);
+}
+/* recv_ready by epoch parity (two words on one line): a rank one call ahead (a split-phase
+ * call in flight) has made its next region ready while peers still send this call's rows */
+static inline word_t *ready_word(engine_t *g, int rank, uint64_t epoch) {
+    return (word_t *)(g->base[rank] + g->off_recv_ready) + (epoch & 1);
 }
 static inline inbox_rec_t *inbox(engine_t *g, int dst, int src, int par) {
     return (inbox_rec_t *)(g->base[dst] + g->off_inbox + ((int64_t)src * 2 + par) * g->inbox_bytes);
@@ -311,11 +321,15 @@ static inline void get_tff_row(engine_t *g, uint8_t *dst, const uint8_t *slot) {
 }
 
 /* phase lists (dispatch.c, dispatch_bsp.c, combine.c), run by team.c */
+/* A split-phase call (return_recv_hook) runs phases [0, split) when it is issued: this rank's
+ * sends, and whatever its peers need from it to send theirs; [split, num_phases) when its hook
+ * is called: the receive half. */
 typedef struct phase_list {
     const phase_t *phase;
     int num_phases;
+    int split;
 } phase_list_t;
-#define PHASE_LIST(a) {(a), (int)(sizeof(a) / sizeof((a)[0]))}
+#define PHASE_LIST(a, split) {(a), (int)(sizeof(a) / sizeof((a)[0])), (split)}
 extern const phase_list_t ASP_DISPATCH, BSP_DISPATCH, ASP_COMBINE, BSP_COMBINE;
 
 /* wait.c: errors, failure notices, liveness, waits, end of an operation */
@@ -335,7 +349,7 @@ void finish_op(op_t *op);
 /* team.c: the cores of a rank */
 int start_threads(engine_t *g);
 void engine_stop(engine_t *g);
-void run_op(op_t *op, const phase_list_t *phases);
+void run_op(op_t *op, const phase_list_t *phases, int first, int end);
 
 /* dispatch.c: what the BSP phases share with ASP dispatch */
 void reset_land(engine_t *g);

@@ -158,10 +158,13 @@ static void engine_free_scratch(engine_t *g) {
     g->base = NULL;
 }
 
+static void call_free(struct call *c);
+
 static void engine_dealloc(engine_t *g) {
     Py_BEGIN_ALLOW_THREADS
     engine_stop(g);
     Py_END_ALLOW_THREADS
+    while (g->npending) call_free(g->pending[--g->npending]); /* never completed: buffers */
     engine_free_scratch(g);
     Py_TYPE(g)->tp_free((PyObject *)g);
 }
@@ -363,28 +366,132 @@ static int read_plan(PyObject *plan, op_t *op, pbuf_t *b) {
     return 0;
 }
 
+/* One call and the argument buffers it holds until it completes (a split-phase call holds
+ * them between its two halves; the Python side keeps the arrays alive as long). */
+typedef struct call {
+    op_t op;
+    pbuf_t b[NBUF_DISPATCH];
+    const phase_list_t *phases;
+} call_t;
+
+static void call_free(struct call *c) {
+    rel_bufs(c->b, NBUF_DISPATCH);
+    free(c);
+}
+
+/* the result of a finished call (frees it): rows received (dispatch) or whether the expert
+ * outputs were used in place (combine), or the error tuple */
+static PyObject *call_result(call_t *c) {
+    op_t *op = &c->op;
+    PyObject *res = atomic_load(&op->err) ? error_tuple(op)
+                    : op->kind == 0        ? PyLong_FromLongLong(op->n_recv)
+                                           : PyLong_FromLong(op->zero_copy);
+    call_free(c);
+    return res;
+}
+
+/* Run a call: all of it, or (split) its first half, after which it waits in g->pending for
+ * complete(); a first half that failed has finished the call (its notice is out). */
+static PyObject *call_run(engine_t *g, call_t *c, int split) {
+    op_t *op = &c->op;
+    if (split && g->npending == MAX_PENDING) {
+        call_free(c);
+        PyErr_SetString(PyExc_RuntimeError, "engine: too many split-phase calls in flight");
+        return NULL;
+    }
+    int end = split ? c->phases->split : c->phases->num_phases;
+    g->in_use = 1;
+    Py_BEGIN_ALLOW_THREADS
+    run_op(op, c->phases, 0, end);
+    if (!split || atomic_load(&op->err)) finish_op(op);
+    Py_END_ALLOW_THREADS
+    g->in_use = 0;
+    if (split && !atomic_load(&op->err)) {
+        g->pending[g->npending++] = c;
+        Py_RETURN_NONE;
+    }
+    return call_result(c);
+}
+
+/* the oldest pending call, if it is call `epoch` (calls complete in issue order: a finished
+ * call's `done` word says every earlier call is finished too) */
+static call_t *oldest_pending(engine_t *g, unsigned long long epoch) {
+    if (!g->npending || g->pending[0]->op.epoch != epoch) {
+        PyErr_Format(PyExc_ValueError, "engine: call %llu is not the oldest call in flight", epoch);
+        return NULL;
+    }
+    call_t *c = g->pending[0];
+    for (int i = 1; i < g->npending; i++) g->pending[i - 1] = g->pending[i];
+    g->npending--;
+    return c;
+}
+
+/* complete(epoch) -> result of dispatch / combine | error tuple: the second half of the oldest
+ * split-phase call, with a fresh deadline (its hook may come late) */
+static PyObject *engine_complete(engine_t *g, PyObject *args) {
+    unsigned long long epoch;
+    if (!PyArg_ParseTuple(args, "K", &epoch)) return NULL;
+    if (g->in_use) {
+        PyErr_SetString(PyExc_RuntimeError, "engine: another call is in progress on this buffer");
+        return NULL;
+    }
+    call_t *c = oldest_pending(g, epoch);
+    if (!c) return NULL;
+    op_t *op = &c->op;
+    op->deadline = now_ns() + g->timeout_ns;
+    g->in_use = 1;
+    Py_BEGIN_ALLOW_THREADS
+    run_op(op, c->phases, c->phases->split, c->phases->num_phases);
+    finish_op(op);
+    Py_END_ALLOW_THREADS
+    g->in_use = 0;
+    return call_result(c);
+}
+
+/* abandon(epoch, message): the oldest split-phase call fails here without its second half (the
+ * Buffer lost step, or closes): its notice tells peers, its buffers are released */
+static PyObject *engine_abandon(engine_t *g, PyObject *args) {
+    unsigned long long epoch;
+    const char *msg;
+    if (!PyArg_ParseTuple(args, "Ks", &epoch, &msg)) return NULL;
+    call_t *c = oldest_pending(g, epoch);
+    if (!c) return NULL;
+    op_t *op = &c->op;
+    snprintf(op->what, sizeof op->what, "%s", msg);
+    atomic_store(&op->err, E_LOST);
+    Py_BEGIN_ALLOW_THREADS
+    finish_op(op);
+    Py_END_ALLOW_THREADS
+    call_free(c);
+    Py_RETURN_NONE;
+}
+
 /* dispatch(x, topk_idx, topk_weights, num_tokens, epoch, index, recv_topk_idx,
  *          recv_topk_weights, recv_src_rank, recv_src_token, recv_src_k, counts, send_dst_row,
- *          plan) -> rows received | error tuple; plan: None (one core), ubep.sched's Plan or
- *          CoreSplit (read_plan) */
+ *          plan, split) -> rows received | None (split: the first half ran, complete() runs
+ *          the rest) | error tuple; plan: None (one core), ubep.sched's Plan or CoreSplit
+ *          (read_plan) */
 static PyObject *engine_dispatch(engine_t *g, PyObject *args) {
     PyObject *ox, *oidx, *ow, *o1, *o2, *o3, *o4, *o5, *o6, *o7, *plan;
     unsigned long long epoch;
     long long n, ntok;
-    if (!PyArg_ParseTuple(args, "OOOLKLOOOOOOOO", &ox, &oidx, &ow, &ntok, &epoch, &n, &o1, &o2, &o3,
-                          &o4, &o5, &o6, &o7, &plan))
+    int split;
+    if (!PyArg_ParseTuple(args, "OOOLKLOOOOOOOOp", &ox, &oidx, &ow, &ntok, &epoch, &n, &o1, &o2,
+                          &o3, &o4, &o5, &o6, &o7, &plan, &split))
         return NULL;
     if (g->in_use) {
         PyErr_SetString(PyExc_RuntimeError, "engine: another call is in progress on this buffer");
         return NULL;
     }
     const int K = g->K;
-    pbuf_t b[NBUF_DISPATCH];
-    memset(b, 0, sizeof b);
+    call_t *c = calloc(1, sizeof(call_t));
+    if (!c) return PyErr_NoMemory();
+    pbuf_t *b = c->b;
     int64_t nrows = g->cap_rows;
     int64_t dst_w = g->layout == LAY_EXPERT ? K : g->R;
     int64_t meta_w = g->layout == LAY_EXPERT ? 1 : K;
     if (ntok < 0 || ntok > g->T) {
+        free(c);
         PyErr_SetString(PyExc_ValueError, "engine: num_tokens out of range");
         return NULL;
     }
@@ -398,11 +505,10 @@ static PyObject *engine_dispatch(engine_t *g, PyObject *args) {
         get_buf(o5, &b[7], 1, "recv_src_k", nrows * 8) ||
         get_buf(o6, &b[8], 1, "num_recv_tokens_per_expert", (g->L + g->R) * 8) ||
         get_buf(o7, &b[9], 1, "send_dst_row", ntok * dst_w * 8)) {
-        rel_bufs(b, NBUF_DISPATCH);
+        call_free(c);
         return NULL;
     }
-    op_t *op = calloc(1, sizeof(op_t));
-    if (!op) { rel_bufs(b, NBUF_DISPATCH); return PyErr_NoMemory(); }
+    op_t *op = &c->op;
     op_init(op, g, 0, epoch);
     op->n = n;
     op->x = b[0].b.buf; op->ntok = ntok; op->topk = b[1].b.buf; op->w = b[2].b.buf;
@@ -410,33 +516,25 @@ static PyObject *engine_dispatch(engine_t *g, PyObject *args) {
     op->o_src_tok = b[6].b.buf; op->o_src_k = b[7].b.buf; op->o_nrecv = b[8].b.buf;
     op->o_dst_row = b[9].b.buf;
     if (plan != Py_None && read_plan(plan, op, &b[10])) {
-        rel_bufs(b, NBUF_DISPATCH); free(op); return NULL;
+        call_free(c);
+        return NULL;
     }
-    g->in_use = 1;
-    int64_t n_recv;
-    Py_BEGIN_ALLOW_THREADS
-    run_op(op, g->eng == ENG_ASP ? &ASP_DISPATCH : &BSP_DISPATCH);
-    finish_op(op);
-    n_recv = op->n_recv;
-    Py_END_ALLOW_THREADS
-    g->in_use = 0;
-    rel_bufs(b, NBUF_DISPATCH);
-    PyObject *res = atomic_load(&op->err) ? error_tuple(op) : PyLong_FromLongLong(n_recv);
-    free(op);
-    return res;
+    c->phases = g->eng == ENG_ASP ? &ASP_DISPATCH : &BSP_DISPATCH;
+    return call_run(g, c, split);
 }
 
 /* combine(expert_out, num_rows, topk_idx, topk_weights, send_dst_row, num_tokens, epoch,
- *         region, y, dispatch_index) -> 1 if expert_out was used in place, else 0 | error
- *         tuple; every rank must name the same dispatch */
+ *         region, y, dispatch_index, split) -> 1 if expert_out was used in place, else 0 |
+ *         None (split, as dispatch) | error tuple; every rank must name the same dispatch */
 static PyObject *engine_combine(engine_t *g, PyObject *args) {
     PyObject *oeo, *oidx, *ow, *odr, *oy;
     long long rows, ntok;
     unsigned long long epoch;
     int creg;
     unsigned long long index;
-    if (!PyArg_ParseTuple(args, "OLOOOLKiOK", &oeo, &rows, &oidx, &ow, &odr, &ntok, &epoch, &creg,
-                          &oy, &index))
+    int split;
+    if (!PyArg_ParseTuple(args, "OLOOOLKiOKp", &oeo, &rows, &oidx, &ow, &odr, &ntok, &epoch,
+                          &creg, &oy, &index, &split))
         return NULL;
     if (g->in_use) {
         PyErr_SetString(PyExc_RuntimeError, "engine: another call is in progress on this buffer");
@@ -444,22 +542,22 @@ static PyObject *engine_combine(engine_t *g, PyObject *args) {
     }
     const int K = g->K;
     int64_t dst_w = g->layout == LAY_EXPERT ? K : g->R;
-    pbuf_t b[5];
-    memset(b, 0, sizeof b);
     if (rows < 0 || rows > g->cap_rows || ntok < 0 || ntok > g->T || creg < 0 || creg > 1) {
         PyErr_SetString(PyExc_ValueError, "engine: combine sizes out of range");
         return NULL;
     }
+    call_t *c = calloc(1, sizeof(call_t));
+    if (!c) return PyErr_NoMemory();
+    pbuf_t *b = c->b;
     if (get_buf(oeo, &b[0], 0, "expert_out", rows * g->crow_bytes) ||
         get_buf(oidx, &b[1], 0, "handle.topk_idx", ntok * K * 8) ||
         get_buf(ow, &b[2], 0, "handle.topk_weights", ntok * K * 4) ||
         get_buf(odr, &b[3], 0, "handle.send_dst_row", ntok * dst_w * 8) ||
         get_buf(oy, &b[4], 1, "y", ntok * g->hidden * g->cisz)) {
-        rel_bufs(b, 5);
+        call_free(c);
         return NULL;
     }
-    op_t *op = calloc(1, sizeof(op_t));
-    if (!op) { rel_bufs(b, 5); return PyErr_NoMemory(); }
+    op_t *op = &c->op;
     op_init(op, g, 1, epoch);
     op->dispatch_index = index;
     op->eo = b[0].b.buf;
@@ -475,16 +573,8 @@ static PyObject *engine_combine(engine_t *g, PyObject *args) {
     }
     op->h_idx = b[1].b.buf; op->h_w = b[2].b.buf; op->h_dst_row = b[3].b.buf; op->h_ntok = ntok;
     op->y = b[4].b.buf;
-    g->in_use = 1;
-    Py_BEGIN_ALLOW_THREADS
-    run_op(op, g->eng == ENG_ASP ? &ASP_COMBINE : &BSP_COMBINE);
-    finish_op(op);
-    Py_END_ALLOW_THREADS
-    g->in_use = 0;
-    rel_bufs(b, 5);
-    PyObject *res = atomic_load(&op->err) ? error_tuple(op) : PyLong_FromLong(op->zero_copy);
-    free(op);
-    return res;
+    c->phases = g->eng == ENG_ASP ? &ASP_COMBINE : &BSP_COMBINE;
+    return call_run(g, c, split);
 }
 
 /* fail(epoch, code, message, finished, timeout_s) -> 0 | 1 | error tuple: publish "call `epoch`
@@ -550,7 +640,8 @@ static PyObject *engine_resync(engine_t *g, PyObject *args) {
     for (int reg = 0; reg < g->nreg; reg++) memset(route(g, g->rank, reg), 0, sizeof(route_rec_t));
     pub_word(word(g, g->rank, g->off_entered), (base - 1) << 2);
     pub_word(word(g, g->rank, g->off_done), base - 1);
-    pub_word(word(g, g->rank, g->off_recv_ready), 0);
+    pub_word(ready_word(g, g->rank, 0), 0);
+    pub_word(ready_word(g, g->rank, 1), 0);
     atomic_store(sleepers(g, g->rank), 0);
     if (g->sync == SYNC_SP) reset_land(g);
     g->land_dirty = 0;
@@ -643,6 +734,10 @@ static PyMethodDef engine_methods[] = {
      "per core: the units it sent and the count records it published in the last dispatch"},
     {"dispatch", (PyCFunction)engine_dispatch, METH_VARARGS, "one dispatch (ubep.buffer.Engine)"},
     {"combine", (PyCFunction)engine_combine, METH_VARARGS, "one combine (ubep.buffer.Engine)"},
+    {"complete", (PyCFunction)engine_complete, METH_VARARGS,
+     "the second half of the oldest split-phase call"},
+    {"abandon", (PyCFunction)engine_abandon, METH_VARARGS,
+     "fail the oldest split-phase call without its second half"},
     {"fail", (PyCFunction)engine_fail, METH_VARARGS, "publish a failure notice"},
     {"resync", (PyCFunction)engine_resync, METH_VARARGS, "forget every call before an epoch"},
     {"wait_done", (PyCFunction)engine_wait_done, METH_VARARGS, "wait for peers' progress"},

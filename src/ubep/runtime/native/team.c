@@ -26,8 +26,8 @@ static void team_barrier(engine_t *g) {
     }
 }
 
-static void run_phases_core(op_t *op, const phase_t *ph, int nph, int core) {
-    for (int p = 0; p < nph; p++) {
+static void run_phases_core(op_t *op, const phase_t *ph, int first, int nph, int core) {
+    for (int p = first; p < nph; p++) {
         if (!atomic_load(&op->abort) && (ph[p].all_cores || core == 0)) ph[p].fn(op, core);
         if (ph[p].sync_after) team_barrier(op->g);
     }
@@ -46,7 +46,7 @@ static void *worker_main(void *arg) {
         }
         seen = atomic_load(&g->job_gen);
         if (atomic_load(&g->stopping)) break;
-        run_phases_core(g->job_op, g->job_phases->phase, g->job_phases->num_phases, core);
+        run_phases_core(g->job_op, g->job_phases->phase, g->job_first, g->job_end, core);
         team_barrier(g); /* completion */
     }
     return NULL;
@@ -70,23 +70,26 @@ int start_threads(engine_t *g) {
     return 0;
 }
 
-void run_op(op_t *op, const phase_list_t *phases) {
+/* phases [first, end) of an operation: all of them, or one half of a split-phase call (its
+ * completion barrier orders the halves: every core finished the first before the second runs) */
+void run_op(op_t *op, const phase_list_t *phases, int first, int end) {
     engine_t *g = op->g;
     const phase_t *ph = phases->phase;
-    const int nph = phases->num_phases;
     if (g->C == 1) {
-        run_phases_core(op, ph, nph, 0);
+        run_phases_core(op, ph, first, end, 0);
     } else if (g->threaded) {
         g->job_op = op;
         g->job_phases = phases;
+        g->job_first = first;
+        g->job_end = end;
         atomic_fetch_add(&g->job_gen, 1);
         futex_wake(&g->job_gen, INT32_MAX);
-        run_phases_core(op, ph, nph, 0);
+        run_phases_core(op, ph, first, end, 0);
         team_barrier(g);
     } else {
         /* more cores than hardware threads: the calling thread plays every core, phase by
          * phase (phases never wait on another core of the same rank) */
-        for (int p = 0; p < nph; p++)
+        for (int p = first; p < end; p++)
             for (int c = 0; c < (ph[p].all_cores ? g->C : 1); c++)
                 if (!atomic_load(&op->abort)) ph[p].fn(op, c);
     }
