@@ -465,3 +465,60 @@ def test_mask_buffer_api_answers_no_rank_masked() -> None:
     buf.low_latency_clean_mask_buffer()
     with pytest.raises(NotImplementedError, match="mask"):
         buf.low_latency_update_mask_buffer(0, True)
+
+
+def two_batch_flow(group: Any, rank: int) -> dict[str, Any]:
+    """DeepEP's two-batch overlap: batch A with ``return_recv_hook``, batch B with
+    ``async_finish``, both in flight before either receives; the same batches blocking."""
+    buf = Buffer(group, low_latency_mode=True)
+    x, idx, w = _inputs(rank)
+    xb = (x.float() * 0.5).to(torch.bfloat16)  # batch B: other payload, same routing
+    recv_a, count_a, ha, _, hook_a = buf.low_latency_dispatch(
+        x, idx, LL_MAX_TOKENS, E, use_fp8=False, return_recv_hook=True)
+    recv_b, count_b, hb, event_b, _ = buf.low_latency_dispatch(
+        xb, idx, LL_MAX_TOKENS, E, use_fp8=False, async_finish=True)
+    unfilled = not bool(recv_a.any()) and int(count_a.sum()) == 0
+    try:
+        buf.low_latency_combine(recv_a, idx, w, ha)
+        refused = False
+    except InvalidArgumentError:
+        refused = True
+    hook_a()
+    event_b.current_stream_wait()
+    first = rank * (E // R)
+
+    def expert(recv: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(recv.shape, dtype=torch.bfloat16)
+        for e in range(E // R):
+            n = int(count[e])
+            out[e, :n] = (recv[e, :n].float() * _scale(torch.tensor(first + e))).to(torch.bfloat16)
+        return out
+
+    ya, _, hook_ya = buf.low_latency_combine(expert(recv_a, count_a), idx, w, ha,
+                                             return_recv_hook=True)
+    yb, event_yb, _ = buf.low_latency_combine(expert(recv_b, count_b), idx, w, hb,
+                                              async_finish=True)
+    event_yb.current_stream_wait()  # B's combine first: A's completes in issue order
+    hook_ya()
+    blocking = []
+    for xx in (x, xb):
+        recv, count, h, _, _ = buf.low_latency_dispatch(xx, idx, LL_MAX_TOKENS, E,
+                                                           use_fp8=False)
+        blocking.append(buf.low_latency_combine(expert(recv, count), idx, w, h)[0])
+    return {"unfilled": unfilled, "refused": refused, "ys": (ya, yb), "blocking": tuple(blocking)}
+
+
+def check_two_batches(rank: int, got: dict[str, Any]) -> None:
+    assert got["unfilled"], "recv_x held data before its hook"
+    assert got["refused"], "combine took a handle whose dispatch had not received"
+    x, idx, w = _inputs(rank)
+    for y, y_blocking, scale in zip(got["ys"], got["blocking"], (1.0, 0.5), strict=True):
+        assert torch.equal(torch.as_tensor(y), torch.as_tensor(y_blocking))
+        torch.testing.assert_close(torch.as_tensor(y).float(), scale * _dense(x, idx, w),
+                                   rtol=2e-2, atol=2e-2)
+
+
+def test_two_batch_overlap_matches_blocking_calls() -> None:
+    world = LocalWorld(R, E)
+    for r, got in enumerate(run_threads(lambda r: two_batch_flow(world.backend(r), r), R)):
+        check_two_batches(r, got)

@@ -7,6 +7,8 @@ gradients of a whole MoE layer can be compared with a dense single-process float
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -60,18 +62,25 @@ def _expert_maps(num_experts: int, hidden: int) -> torch.Tensor:
     return torch.randn(num_experts, hidden, hidden, generator=g, dtype=torch.float64) / hidden
 
 
-def _pipeline(world: LocalWorld, rank: int, maps: torch.Tensor, idx: torch.Tensor):
-    """f(x, w) = combine(expert_e(dispatch(x)), weights w) on this rank."""
+def _pipeline(world: LocalWorld, rank: int, maps: torch.Tensor, idx: torch.Tensor,
+              hooked: bool = False):
+    """f(x, w) = combine(expert_e(dispatch(x)), weights w) on this rank (``hooked``: both calls
+    split-phase, received through their hooks)."""
     backend = world.backend(rank)
     per_rank = world.num_experts // world.num_ranks
     first = rank * per_rank
 
+    def combine_(out: torch.Tensor, handle: Any) -> torch.Tensor:
+        return combine(out, handle, return_recv_hook=True).hook() if hooked else combine(
+            out, handle)
+
     def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        res = dispatch(backend, x, idx, w)
+        res = dispatch(backend, x, idx, w, return_recv_hook=hooked)
+        res = res.hook() if hooked else res
         if world.layout == "expert":
             expert = res.recv_topk_idx  # global expert id of each row
             out = torch.einsum("nh,nkh->nk", res.recv_x, maps[expert].transpose(1, 2))
-            return combine(out, res.handle)
+            return combine_(out, res.handle)
         # rank layout: the caller applies its local experts and their weights
         out = torch.zeros_like(res.recv_x)
         for k in range(idx.shape[1]):
@@ -81,7 +90,7 @@ def _pipeline(world: LocalWorld, rank: int, maps: torch.Tensor, idx: torch.Tenso
                 "nh,nkh->nk", res.recv_x, maps[first + local.clamp(min=0)].transpose(1, 2)
             )
             out = out + torch.where(ok[:, None], res.recv_topk_weights[:, k, None] * mapped, 0.0)
-        return combine(out, res.handle)
+        return combine_(out, res.handle)
 
     return f
 
@@ -128,9 +137,11 @@ def test_gradcheck_dispatch_combine_on_two_ranks(layout: str) -> None:
     assert run_threads(body, R, timeout_s=120) == [True, True]
 
 
+@pytest.mark.parametrize("hooked", [False, True])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_gradients_match_dense_reference(layout: str) -> None:
-    """Gradients w.r.t. x and routing weights equal a dense float64 computation (3 ranks)."""
+def test_gradients_match_dense_reference(layout: str, hooked: bool) -> None:
+    """Gradients w.r.t. x and routing weights equal a dense float64 computation (3 ranks), with
+    blocking calls and with split-phase calls received through their hooks."""
     R, E, H, K, T = 3, 6, 5, 3, 4
     world = LocalWorld(R, E, layout=layout)
     maps = _expert_maps(E, H)
@@ -153,7 +164,7 @@ def test_gradients_match_dense_reference(layout: str) -> None:
     def body(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x = xs[rank].clone().requires_grad_(True)
         w = ws[rank].clone().requires_grad_(True)
-        y = _pipeline(world, rank, maps, idxs[rank])(x, w)
+        y = _pipeline(world, rank, maps, idxs[rank], hooked)(x, w)
         (y * probes[rank]).sum().backward()
         assert x.grad is not None and w.grad is not None
         return y.detach(), x.grad, w.grad

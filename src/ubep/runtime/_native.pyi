@@ -49,7 +49,7 @@ class Engine:
         counts: np.ndarray,
         send_dst_row: np.ndarray,
         plan: Plan | CoreSplit | None,
-        split: bool,
+        split: bool = False,
         /,
     ) -> int | _ErrorTuple | None: ...
     def combine(
@@ -64,7 +64,7 @@ class Engine:
         region: int,
         y: np.ndarray,
         dispatch_index: int,
-        split: bool,
+        split: bool = False,
         /,
     ) -> int | _ErrorTuple | None: ...
     def complete(self, epoch: int, /) -> int | _ErrorTuple: ...

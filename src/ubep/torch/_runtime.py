@@ -47,14 +47,29 @@ class RuntimeBackend:
     def combine(
         self, expert_out: np.ndarray, handle: Any, topk_weights: np.ndarray | None = None
     ) -> np.ndarray:
-        if topk_weights is not None:
-            if self.layout != "expert":
-                raise InvalidArgumentError(
-                    "topk_weights", "given", "the rank layout combines without weights"
-                )
-            w = np.ascontiguousarray(topk_weights, dtype=np.float32)
-            handle = dataclasses.replace(handle, topk_weights=w)
-        return np.asarray(self.buffer.combine(expert_out, handle))
+        return np.asarray(self.buffer.combine(expert_out, self._weighted(handle, topk_weights)))
+
+    def dispatch_async(self, x: np.ndarray, topk_idx: np.ndarray, topk_weights: np.ndarray) -> Any:
+        """:meth:`dispatch` with ``return_recv_hook=True``: a ``ubep.PendingCall``."""
+        return self.buffer.dispatch(x, topk_idx, np.asarray(topk_weights, dtype=np.float32),
+                                    return_recv_hook=True)
+
+    def combine_async(
+        self, expert_out: np.ndarray, handle: Any, topk_weights: np.ndarray | None = None
+    ) -> Any:
+        """:meth:`combine` with ``return_recv_hook=True``: a ``ubep.PendingCall``."""
+        return self.buffer.combine(expert_out, self._weighted(handle, topk_weights),
+                                   return_recv_hook=True)
+
+    def _weighted(self, handle: Any, topk_weights: np.ndarray | None) -> Any:
+        if topk_weights is None:
+            return handle
+        if self.layout != "expert":
+            raise InvalidArgumentError(
+                "topk_weights", "given", "the rank layout combines without weights"
+            )
+        w = np.ascontiguousarray(topk_weights, dtype=np.float32)
+        return dataclasses.replace(handle, topk_weights=w)
 
     def allgather(self, value: Any) -> list[Any]:
         return list(self.group.allgather(value))

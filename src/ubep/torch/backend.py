@@ -46,6 +46,8 @@ __all__ = [
     "LocalHandle",
     "LocalWorld",
     "as_backend",
+    "issue_combine",
+    "issue_dispatch",
     "run_threads",
 ]
 
@@ -64,6 +66,40 @@ class EPBackend(Protocol):
     def combine(
         self, expert_out: np.ndarray, handle: Any, topk_weights: np.ndarray | None = None
     ) -> np.ndarray: ...
+
+
+class _Done:
+    """A call that finished when it was issued (a backend without split-phase calls): its hook
+    returns the result at once."""
+
+    done = True
+
+    def __init__(self, result: Any) -> None:
+        self._result = result
+
+    def hook(self) -> Any:
+        return self._result
+
+    wait = hook
+
+
+def issue_dispatch(backend: EPBackend, x: np.ndarray, topk_idx: np.ndarray,
+                   topk_weights: np.ndarray) -> Any:
+    """A dispatch whose receive half runs at ``.hook()`` where the backend can split it
+    (``ubep.Buffer``'s ``return_recv_hook``), else a finished one with the same interface."""
+    issue = getattr(backend, "dispatch_async", None)
+    if issue is not None:
+        return issue(x, topk_idx, topk_weights)
+    return _Done(backend.dispatch(x, topk_idx, topk_weights))
+
+
+def issue_combine(backend: EPBackend, expert_out: np.ndarray, handle: Any,
+                  topk_weights: np.ndarray | None = None) -> Any:
+    """:func:`issue_dispatch` for combine: ``.hook()`` returns ``y``."""
+    issue = getattr(backend, "combine_async", None)
+    if issue is not None:
+        return issue(expert_out, handle, topk_weights)
+    return _Done(backend.combine(expert_out, handle, topk_weights))
 
 
 def _weights_array(w: object) -> np.ndarray:

@@ -41,7 +41,7 @@ from ..errors import InvalidArgumentError, RemoteError
 from ..group_adapter import as_process_group, is_torch_group
 from ..routing import get_dispatch_layout as _layout
 from ._convert import PAYLOAD_DTYPES, from_numpy, to_numpy
-from .backend import EPBackend, LocalBackend
+from .backend import EPBackend, LocalBackend, _Done, issue_combine, issue_dispatch
 from .deep_ep_types import (
     Config,
     EventHandle,
@@ -256,30 +256,35 @@ class Buffer:
         w: np.ndarray,
         num_experts: int,
         max_tokens: int,
-    ) -> tuple[Any, EPBackend, np.ndarray | None]:
-        """Dispatch ``x`` (and FP8 ``scales``); returns the result of the rows' dispatch, the
-        backend they went through and the received scales (or None).
+        split: bool = False,
+    ) -> tuple[Callable[[], tuple[Any, np.ndarray | None]], EPBackend]:
+        """Dispatch ``x`` (and FP8 ``scales``). Returns ``receive``, which returns the result of
+        the rows' dispatch and the received scales (or None), and the backend the rows go
+        through. With ``split`` the dispatches are only issued (``return_recv_hook``) and
+        ``receive`` runs their receive halves.
 
         FP8 values travel as bytes on a buffer whose combine takes BF16 (DeepEP's FP8 dispatch /
         BF16 combine); the scales take a second, narrow dispatch along the same routing, which
         delivers them in the same row order (dispatch is deterministic).
         """
+        send = issue_dispatch if split else _dispatch_done
         if scales is None:
             backend = self._backend(
                 layout, x.shape[1], idx.shape[1], num_experts, x.dtype, max_tokens
             )
-            return backend.dispatch(to_numpy(x), idx, w), backend, None
+            rows = send(backend, to_numpy(x), idx, w)
+            return (lambda: (rows.hook(), None)), backend
         values = x.contiguous().view(torch.uint8)
         backend = self._backend(
             layout, x.shape[1], idx.shape[1], num_experts, torch.uint8, max_tokens,
             combine_dtype=torch.bfloat16,
         )
-        res = backend.dispatch(to_numpy(values), idx, w)
+        rows = send(backend, to_numpy(values), idx, w)
         sb = self._backend(
             layout, scales.shape[1], idx.shape[1], num_experts, torch.float32, max_tokens
         )
-        res_s = sb.dispatch(to_numpy(scales.to(torch.float32).contiguous()), idx, w)
-        return res, backend, np.array(res_s.recv_x)
+        scale_rows = send(sb, to_numpy(scales.to(torch.float32).contiguous()), idx, w)
+        return (lambda: (rows.hook(), np.array(scale_rows.hook().recv_x))), backend
 
     def _allgather(self, value: Any) -> list[Any]:
         gather: Callable[[Any], list[Any]] = self._ep.allgather
@@ -376,10 +381,11 @@ class Buffer:
             raise InvalidArgumentError(
                 "num_worst_tokens", num_worst_tokens, f"a rank receives {most} tokens"
             )
-        res, backend, recv_scales = self._send(
+        receive, backend = self._send(
             "rank", x, scales, route.topk_idx, route.topk_weights, route.num_experts,
             self.max_tokens_per_rank,
         )
+        res, recv_scales = receive()
         rows = len(res.recv_src_rank)
         out_rows = num_worst_tokens if num_worst_tokens > 0 else rows
         recv = self._recv_rows(res.recv_x, recv_scales, x.dtype, scales is not None, out_rows)
@@ -525,10 +531,11 @@ class Buffer:
         if topk_idx is not None or topk_weights is not None:
             raise InvalidArgumentError("handle", "given", "cached dispatch takes no topk_idx")
         idx = handle.topk_idx
-        res, _, recv_scales = self._send(
+        receive, _ = self._send(
             "rank", x, scales, idx, np.zeros(idx.shape, np.float32), handle.num_experts,
             self.max_tokens_per_rank,
         )
+        res, recv_scales = receive()
         out_rows = int(handle.recv_src_idx.shape[0])
         recv = self._recv_rows(res.recv_x, recv_scales, x.dtype, scales is not None, out_rows)
         return recv, None, None, None, None, _event(async_finish)
@@ -610,8 +617,12 @@ class Buffer:
         ``[num_local_experts, num_max_dispatch_tokens_per_rank * num_ranks, hidden]`` BF16, or
         with ``use_fp8`` a tuple (FP8 e4m3 values, ``[..., hidden // 128]`` float32 scales, or
         with ``use_ue8m0`` ``[..., hidden // 512]`` int32 packed UE8M0 exponents); only the first
-        ``recv_count[e]`` rows of expert ``e`` are valid (the rest are zero). ``hook`` is a
-        no-op callable with ``return_recv_hook``, else None (as DeepEP)."""
+        ``recv_count[e]`` rows of expert ``e`` are valid (the rest are zero).
+
+        ``return_recv_hook``: the call returns once this rank's rows are sent, with ``hook``
+        (else None), which receives: ``recv_x``, ``recv_count`` and ``handle`` hold the data
+        only after it ran (as DeepEP). ``async_finish``: the same, received by
+        ``event.current_stream_wait()`` (DeepEP refuses both at once, so does ubep)."""
         num_tokens, hidden = x.shape
         if num_tokens > num_max_dispatch_tokens_per_rank:
             raise InvalidArgumentError(
@@ -622,6 +633,7 @@ class Buffer:
             raise InvalidArgumentError(
                 "use_ue8m0", True, "needs use_fp8=True and round_scale=True (as DeepEP)"
             )
+        _check_async(async_finish, return_recv_hook)
         idx_np = np.ascontiguousarray(to_numpy(topk_idx, argument="topk_idx"), dtype=np.int64)
         values: torch.Tensor = x.contiguous()
         scales: torch.Tensor | None = None
@@ -631,55 +643,44 @@ class Buffer:
                 raise InvalidArgumentError("x", hidden, f"hidden must be a multiple of {block}")
             values, scales = quantize_fp8(x, round_scale)
         # Unit weights travel with the rows; low_latency_combine gets the real ones.
-        res, backend, recv_scales = self._send(
+        receive, backend = self._send(
             "expert", values, scales, idx_np, np.ones(idx_np.shape, np.float32), num_experts,
-            num_max_dispatch_tokens_per_rank,
+            num_max_dispatch_tokens_per_rank, split=async_finish or return_recv_hook,
         )
-        counts = np.asarray(res.num_recv_tokens_per_expert, dtype=np.int64)
         slots = num_max_dispatch_tokens_per_rank * self.group_size
-        packed = _pack_per_expert(from_numpy(res.recv_x, torch.uint8 if use_fp8 else x.dtype),
-                                  counts, slots)
-        if cumulative_local_expert_recv_stats is not None:
-            cumulative_local_expert_recv_stats += torch.from_numpy(counts).to(
-                cumulative_local_expert_recv_stats.dtype
-            )
-        recv_x: Any = packed
-        if use_fp8:
-            assert recv_scales is not None
-            packed_scales = _pack_per_expert(torch.from_numpy(recv_scales), counts, slots)
-            if use_ue8m0:
-                packed_scales = pack_ue8m0(packed_scales)
-            recv_x = (packed.view(torch.float8_e4m3fn), packed_scales)
-        src_info, layout_range = self._ll_layout(res, counts, slots)
+        num_local = num_experts // self.group_size
+        out = _LowLatencyOutputs(num_local, slots, hidden, self.group_size,
+                                 torch.uint8 if use_fp8 else x.dtype, use_fp8, use_ue8m0)
         handle = LowLatencyHandle(
-            src_info=src_info,
-            layout_range=layout_range,
+            src_info=out.src_info,
+            layout_range=out.layout_range,
             num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
             hidden=hidden,
             num_experts=num_experts,
-            inner=res.handle,
+            inner=None,
             backend=backend,
-            counts=counts,
+            counts=np.zeros(num_local, dtype=np.int64),
             topk_idx=idx_np,
         )
-        hook = _noop_hook if return_recv_hook else None
-        return recv_x, torch.from_numpy(counts.astype(np.int32)), handle, _event(async_finish), hook
 
-    def _ll_layout(
-        self, res: Any, counts: np.ndarray, slots: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """DeepEP's ``src_info`` and ``layout_range`` of ubep's expert-major rows (per local
-        expert: source ranks ascending, then tokens ascending)."""
-        num_local = len(counts)
-        expert_of_row = np.repeat(np.arange(num_local), counts)
-        slot_of_row = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-        src_info = np.full((num_local, slots), -1, dtype=np.int32)
-        src_info[expert_of_row, slot_of_row] = np.asarray(res.recv_src_token)
-        per_src = np.zeros((num_local, self.group_size), dtype=np.int64)
-        np.add.at(per_src, (expert_of_row, np.asarray(res.recv_src_rank, dtype=np.int64)), 1)
-        begin = np.cumsum(per_src, axis=1) - per_src
-        layout_range = (begin << 32) | per_src
-        return torch.from_numpy(src_info), torch.from_numpy(layout_range)
+        def finish() -> None:
+            if handle.inner is not None:
+                return
+            res, recv_scales = receive()
+            counts = np.asarray(res.num_recv_tokens_per_expert, dtype=np.int64)
+            out.fill(res, recv_scales, counts)
+            stats = cumulative_local_expert_recv_stats
+            if stats is not None:
+                stats.add_(torch.from_numpy(counts).to(stats.dtype))
+            handle.counts[:] = counts
+            # the handle was handed out before the rows arrived: its inner handle is set once
+            # here (LowLatencyHandle is frozen to its users, not to its maker)
+            object.__setattr__(handle, "inner", res.handle)
+
+        if not (async_finish or return_recv_hook):
+            finish()
+        return (out.recv_x, out.recv_count, handle, _event(async_finish, finish),
+                finish if return_recv_hook else None)
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """The tensor ``low_latency_combine(..., zero_copy=True)`` reads the expert outputs from:
@@ -716,11 +717,19 @@ class Buffer:
         """Reduce **with weights**: ``(combined_x [num_tokens, hidden], event, hook)``; ``x`` is
         the packed ``[num_local_experts, slots, hidden]`` expert output (ignored with
         ``zero_copy``: the rows come from :meth:`get_next_low_latency_combine_buffer`).
-        ``topk_idx`` is the dispatch's, where a slot may be set to -1 to drop it."""
+        ``topk_idx`` is the dispatch's, where a slot may be set to -1 to drop it.
+        ``return_recv_hook`` / ``async_finish``: as :meth:`low_latency_dispatch`; the combined
+        ``x`` holds the sums once the hook (or the event's wait) ran."""
         if not isinstance(handle, LowLatencyHandle):
             raise InvalidArgumentError(
                 "handle", type(handle).__name__, "must come from low_latency_dispatch"
             )
+        if handle.inner is None:
+            raise InvalidArgumentError(
+                "handle", "pending", "its dispatch has not received yet: call the dispatch's "
+                "hook() (or its event's current_stream_wait()) first"
+            )
+        _check_async(async_finish, return_recv_hook)
         idx = to_numpy(topk_idx, argument="topk_idx")
         if idx.shape != handle.topk_idx.shape or not np.all((idx == handle.topk_idx) | (idx == -1)):
             raise InvalidArgumentError(
@@ -737,11 +746,25 @@ class Buffer:
                 )
             source = staging
         rows = _combine_input(handle, source)
-        y = from_numpy(handle.backend.combine(rows, handle.inner, w), source.dtype)
-        if out is not None:
-            out.copy_(y)
-            y = out
-        return y, _event(async_finish), (_noop_hook if return_recv_hook else None)
+        split = async_finish or return_recv_hook
+        call = (issue_combine if split else _combine_done)(handle.backend, rows, handle.inner, w)
+        if not split:
+            y = from_numpy(call.hook(), source.dtype)
+            if out is not None:
+                out.copy_(y)
+                y = out
+            return y, _event(False), None
+        y = out if out is not None else torch.empty((len(idx), handle.hidden),
+                                                     dtype=source.dtype)
+
+        filled: list[bool] = []
+
+        def finish() -> None:
+            if not filled:
+                y.copy_(from_numpy(call.hook(), source.dtype))
+                filled.append(True)
+
+        return y, _event(async_finish, finish), (finish if return_recv_hook else None)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -794,14 +817,13 @@ def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
     return out
 
 
-def _pack_per_expert(rows: torch.Tensor, counts: np.ndarray, slots: int) -> torch.Tensor:
-    """Expert-major rows -> ``[num_local_experts, slots, ...]``, zeros after each count."""
-    packed = torch.zeros((len(counts), slots, *rows.shape[1:]), dtype=rows.dtype)
+def _pack_per_expert(rows: torch.Tensor, counts: np.ndarray, packed: torch.Tensor) -> None:
+    """Expert-major rows into ``packed [num_local_experts, slots, ...]`` (zeros after each
+    count: ``packed`` comes zeroed)."""
     start = 0
     for e, n in enumerate(counts.tolist()):
         packed[e, :n] = rows[start : start + n]
         start += n
-    return packed
 
 
 def _combine_input(handle: LowLatencyHandle, source: torch.Tensor) -> np.ndarray:
@@ -829,5 +851,70 @@ def _combine_input(handle: LowLatencyHandle, source: torch.Tensor) -> np.ndarray
     return rows
 
 
-def _noop_hook() -> None:
-    """Receive hook: the data has already arrived (calls are synchronous)."""
+def _check_async(async_finish: bool, return_recv_hook: bool) -> None:
+    if async_finish and return_recv_hook:
+        raise InvalidArgumentError(
+            "async_finish", True, "cannot be combined with return_recv_hook (as DeepEP)"
+        )
+
+
+def _dispatch_done(backend: EPBackend, x: np.ndarray, idx: np.ndarray, w: np.ndarray) -> Any:
+    return _Done(backend.dispatch(x, idx, w))
+
+
+def _combine_done(backend: EPBackend, rows: np.ndarray, inner: Any, w: np.ndarray) -> Any:
+    return _Done(backend.combine(rows, inner, w))
+
+
+class _LowLatencyOutputs:
+    """What a low-latency dispatch hands out before its rows arrive (DeepEP's tensors are
+    allocated by the call and filled by its kernel): filled in place by :meth:`fill`."""
+
+    def __init__(self, num_local: int, slots: int, hidden: int, num_ranks: int,
+                 dtype: torch.dtype, use_fp8: bool, use_ue8m0: bool) -> None:
+        self.slots, self.use_fp8, self.use_ue8m0 = slots, use_fp8, use_ue8m0
+        self.rows = torch.zeros((num_local, slots, hidden), dtype=dtype)
+        self.scales: torch.Tensor | None = None
+        if use_fp8:
+            width = hidden // FP8_BLOCK // (UE8M0_PACK if use_ue8m0 else 1)
+            self.scales = torch.zeros((num_local, slots, width),
+                                      dtype=torch.int32 if use_ue8m0 else torch.float32)
+        self.recv_count = torch.zeros(num_local, dtype=torch.int32)
+        self.src_info = torch.full((num_local, slots), -1, dtype=torch.int32)
+        self.layout_range = torch.zeros((num_local, num_ranks), dtype=torch.int64)
+
+    @property
+    def recv_x(self) -> Any:
+        if self.scales is None:
+            return self.rows
+        return (self.rows.view(torch.float8_e4m3fn), self.scales)
+
+    def fill(self, res: Any, recv_scales: np.ndarray | None, counts: np.ndarray) -> None:
+        rows = from_numpy(res.recv_x, self.rows.dtype)
+        _pack_per_expert(rows, counts, self.rows)
+        if self.scales is not None:
+            assert recv_scales is not None
+            packed = torch.zeros((len(counts), self.slots, recv_scales.shape[1]))
+            _pack_per_expert(torch.from_numpy(recv_scales), counts, packed)
+            self.scales.copy_(pack_ue8m0(packed) if self.use_ue8m0 else packed)
+        self.recv_count.copy_(torch.from_numpy(counts.astype(np.int32)))
+        src_info, layout_range = _ll_layout(res, counts, self.slots, self.layout_range.shape[1])
+        self.src_info.copy_(src_info)
+        self.layout_range.copy_(layout_range)
+
+
+def _ll_layout(
+    res: Any, counts: np.ndarray, slots: int, num_ranks: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepEP's ``src_info`` and ``layout_range`` of ubep's expert-major rows (per local
+    expert: source ranks ascending, then tokens ascending)."""
+    num_local = len(counts)
+    expert_of_row = np.repeat(np.arange(num_local), counts)
+    slot_of_row = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    src_info = np.full((num_local, slots), -1, dtype=np.int32)
+    src_info[expert_of_row, slot_of_row] = np.asarray(res.recv_src_token)
+    per_src = np.zeros((num_local, num_ranks), dtype=np.int64)
+    np.add.at(per_src, (expert_of_row, np.asarray(res.recv_src_rank, dtype=np.int64)), 1)
+    begin = np.cumsum(per_src, axis=1) - per_src
+    layout_range = (begin << 32) | per_src
+    return torch.from_numpy(src_info), torch.from_numpy(layout_range)

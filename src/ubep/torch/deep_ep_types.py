@@ -4,7 +4,7 @@ dispatch's checked routing."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -17,15 +17,23 @@ __all__ = ["Config", "EventHandle", "EventOverlap", "LowLatencyHandle", "NormalH
 
 
 class EventHandle:
-    """DeepEP's CUDA event (recorded on the current stream). Every ubep call has finished when it
-    returns, so there is nothing to record or wait for."""
+    """DeepEP's CUDA event (recorded on the current stream). Here: the rest of a call issued
+    with ``async_finish`` (its receive half), run once by :meth:`current_stream_wait`; an event
+    of a finished call has nothing to wait for."""
+
+    def __init__(self, wait: Callable[[], None] | None = None) -> None:
+        self._wait = wait
 
     def current_stream_wait(self) -> None:
-        """Nothing to wait for."""
+        """Complete the call the event belongs to (at most once)."""
+        wait, self._wait = self._wait, None
+        if wait is not None:
+            wait()
 
 
 class EventOverlap:
-    """DeepEP's event wrapper: ``current_stream_wait()`` and ``with`` both return at once."""
+    """DeepEP's event wrapper: ``current_stream_wait()`` (and leaving ``with``) completes the
+    call the event belongs to."""
 
     def __init__(self, event: EventHandle | None = None, extra_tensors: Any = None) -> None:
         self.event = event
@@ -43,9 +51,9 @@ class EventOverlap:
             self.event.current_stream_wait()
 
 
-def _event(async_finish: bool) -> EventOverlap:
+def _event(async_finish: bool, wait: Callable[[], None] | None = None) -> EventOverlap:
     # DeepEP returns an event only with async_finish (its current_stream_wait asserts one).
-    return EventOverlap(EventHandle() if async_finish else None)
+    return EventOverlap(EventHandle(wait) if async_finish else None)
 
 
 @dataclass(frozen=True)

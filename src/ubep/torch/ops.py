@@ -30,9 +30,9 @@ import torch
 
 from ..errors import InvalidArgumentError
 from ._convert import PAYLOAD_DTYPES, from_numpy, to_numpy
-from .backend import EPBackend, as_backend
+from .backend import EPBackend, as_backend, issue_combine, issue_dispatch
 
-__all__ = ["DispatchResult", "Handle", "combine", "dispatch"]
+__all__ = ["DispatchResult", "Handle", "PendingOp", "combine", "dispatch"]
 
 
 @dataclass(frozen=True)
@@ -133,8 +133,10 @@ class _Dispatch(torch.autograd.Function):
         topk_idx: np.ndarray,
         keep: bool,
         box: list[Any],
+        issued: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        res = backend.dispatch(
+        # issued: the split-phase call dispatch(return_recv_hook=True) started; else a call now
+        res = issued.hook() if issued is not None else backend.dispatch(
             _payload(x, "x"),
             topk_idx,
             to_numpy(_weights(topk_weights), argument="topk_weights"),
@@ -163,7 +165,7 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def backward(
         ctx: Any, grad_recv_x: torch.Tensor | None, grad_recv_w: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None, None]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None, None, None]:
         backend: EPBackend = ctx.backend
         expert = ctx.layout == "expert"
         rows = ctx.recv_topk_idx.shape[0]
@@ -185,20 +187,20 @@ class _Dispatch(torch.autograd.Function):
             payload = _padded_columns(g.detach().double().numpy(), None, ctx.hidden, ctx.x_dtype)
             back = from_numpy(backend.combine(payload, ctx.handle, None), ctx.x_dtype)
             grad_w = back[:, : ctx.num_topk].to(ctx.w_dtype)
-        return grad_x, grad_w, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, expert_out: torch.Tensor, topk_weights: torch.Tensor, handle: Handle
+        ctx: Any, expert_out: torch.Tensor, topk_weights: torch.Tensor, handle: Handle,
+        issued: Any,
     ) -> torch.Tensor:
         backend = handle.backend
         expert = backend.layout == "expert"
-        w_np = (
-            to_numpy(_weights(topk_weights.detach()), argument="topk_weights") if expert else None
-        )
-        y = backend.combine(_payload(expert_out, "expert_out"), handle.inner, w_np)
+        w_np = _combine_weights(backend, topk_weights)
+        y = issued.hook() if issued is not None else backend.combine(
+            _payload(expert_out, "expert_out"), handle.inner, w_np)
         ctx.handle = handle
         ctx.expert = expert
         ctx.w_np = w_np
@@ -210,13 +212,13 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def backward(
         ctx: Any, grad_y: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         h: Handle = ctx.handle
         backend = h.backend
         dtype = h.dtype
         needs_out, needs_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and ctx.expert
         if not (needs_out or needs_w):
-            return None, None, None
+            return None, None, None, None
         # The adjoint of the sum is a copy: dispatch grad_y along the same routing. Same inputs
         # give the same row order, so row j here is row j of the forward dispatch.
         weights = ctx.w_np if ctx.expert else np.zeros(h.topk_idx.shape, dtype=np.float32)
@@ -242,7 +244,34 @@ class _Combine(torch.autograd.Function):
             ones = np.ones(h.topk_idx.shape, dtype=np.float32)
             back = from_numpy(backend.combine(payload, h.inner, ones), dtype)
             grad_w = back[:, : h.topk_idx.shape[1]].to(ctx.w_dtype)
-        return grad_out, grad_w, None
+        return grad_out, grad_w, None, None
+
+
+def _combine_weights(backend: EPBackend, topk_weights: torch.Tensor) -> np.ndarray | None:
+    if backend.layout != "expert":
+        return None
+    return to_numpy(_weights(topk_weights.detach()), argument="topk_weights")
+
+
+class PendingOp:
+    """:func:`dispatch` / :func:`combine` with ``return_recv_hook=True``: the call is out,
+    ``hook()`` (or ``wait()``) receives and returns what the blocking call returns (the autograd
+    node is recorded then). A second ``hook()`` returns the same object."""
+
+    def __init__(self, finish: Any) -> None:
+        self._finish = finish
+        self._result: Any = None
+
+    @property
+    def done(self) -> bool:
+        return self._finish is None
+
+    def hook(self) -> Any:
+        if self._finish is not None:
+            self._result, self._finish = self._finish(), None
+        return self._result
+
+    wait = hook
 
 
 def _check_width(hidden: int, num_topk: int) -> None:
@@ -255,9 +284,12 @@ def _check_width(hidden: int, num_topk: int) -> None:
 
 
 def dispatch(
-    buffer: Any, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
-) -> DispatchResult:
+    buffer: Any, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+    return_recv_hook: bool = False,
+) -> Any:
     """Send each token of ``x`` to the ranks of its experts (differentiable in ``x`` and weights).
+    Returns a :class:`DispatchResult`, or with ``return_recv_hook`` a :class:`PendingOp` whose
+    ``hook()`` returns it (this rank's rows are sent; the receive runs in the hook).
 
     Args:
         buffer: a ``ubep.Buffer`` or any :class:`~ubep.torch.backend.EPBackend`.
@@ -279,8 +311,23 @@ def dispatch(
     if x.ndim != 2:
         raise InvalidArgumentError("x", tuple(x.shape), "must be 2-D [num_tokens, hidden]")
     idx_np = np.ascontiguousarray(to_numpy(topk_idx, argument="topk_idx"))
+    grad = torch.is_grad_enabled()
+    if not return_recv_hook:
+        return _dispatch_result(x, topk_weights, backend, idx_np, grad, None)
+    issued = issue_dispatch(backend, _payload(x, "x"), idx_np,
+                            to_numpy(_weights(topk_weights), argument="topk_weights"))
+
+    def finish() -> DispatchResult:
+        with torch.set_grad_enabled(grad):
+            return _dispatch_result(x, topk_weights, backend, idx_np, grad, issued)
+
+    return PendingOp(finish)
+
+
+def _dispatch_result(x: torch.Tensor, topk_weights: torch.Tensor, backend: EPBackend,
+                     idx_np: np.ndarray, grad: bool, issued: Any) -> DispatchResult:
     box: list[Any] = []
-    recv_x, recv_w = _Dispatch.apply(x, topk_weights, backend, idx_np, torch.is_grad_enabled(), box)
+    recv_x, recv_w = _Dispatch.apply(x, topk_weights, backend, idx_np, grad, box, issued)
     res = box[0]
     src_k = getattr(res, "recv_src_k", None)
     handle = Handle(
@@ -305,9 +352,11 @@ def dispatch(
 
 
 def combine(
-    expert_out: torch.Tensor, handle: Handle, topk_weights: torch.Tensor | None = None
-) -> torch.Tensor:
+    expert_out: torch.Tensor, handle: Handle, topk_weights: torch.Tensor | None = None,
+    return_recv_hook: bool = False,
+) -> Any:
     """Bring expert outputs back to their source tokens and reduce them (differentiable).
+    Returns ``y``, or with ``return_recv_hook`` a :class:`PendingOp` whose ``hook()`` does.
 
     Expert layout: ``y[t] = sum_k w[t, k] * expert_out(t, k)`` with ``w = topk_weights`` if given,
     else the weights given to :func:`dispatch` (their gradient flows back to that tensor).
@@ -340,5 +389,16 @@ def combine(
             raise InvalidArgumentError(
                 "topk_weights", tuple(w.shape), f"must be {handle.topk_idx.shape}"
             )
-    y: torch.Tensor = _Combine.apply(expert_out, w, handle)
-    return y
+    if not return_recv_hook:
+        y: torch.Tensor = _Combine.apply(expert_out, w, handle, None)
+        return y
+    issued = issue_combine(handle.backend, _payload(expert_out, "expert_out"), handle.inner,
+                           _combine_weights(handle.backend, w))
+    grad = torch.is_grad_enabled()
+
+    def finish() -> torch.Tensor:
+        with torch.set_grad_enabled(grad):
+            out: torch.Tensor = _Combine.apply(expert_out, w, handle, issued)
+            return out
+
+    return PendingOp(finish)

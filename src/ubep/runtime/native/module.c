@@ -475,8 +475,8 @@ static PyObject *engine_dispatch(engine_t *g, PyObject *args) {
     PyObject *ox, *oidx, *ow, *o1, *o2, *o3, *o4, *o5, *o6, *o7, *plan;
     unsigned long long epoch;
     long long n, ntok;
-    int split;
-    if (!PyArg_ParseTuple(args, "OOOLKLOOOOOOOOp", &ox, &oidx, &ow, &ntok, &epoch, &n, &o1, &o2,
+    int split = 0;
+    if (!PyArg_ParseTuple(args, "OOOLKLOOOOOOOO|p", &ox, &oidx, &ow, &ntok, &epoch, &n, &o1, &o2,
                           &o3, &o4, &o5, &o6, &o7, &plan, &split))
         return NULL;
     if (g->in_use) {
@@ -532,8 +532,8 @@ static PyObject *engine_combine(engine_t *g, PyObject *args) {
     unsigned long long epoch;
     int creg;
     unsigned long long index;
-    int split;
-    if (!PyArg_ParseTuple(args, "OLOOOLKiOKp", &oeo, &rows, &oidx, &ow, &odr, &ntok, &epoch,
+    int split = 0;
+    if (!PyArg_ParseTuple(args, "OLOOOLKiOK|p", &oeo, &rows, &oidx, &ow, &odr, &ntok, &epoch,
                           &creg, &oy, &index, &split))
         return NULL;
     if (g->in_use) {
