@@ -35,16 +35,17 @@ import contextlib
 import dataclasses
 import os
 import secrets
-import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, TypeVar, overload
+from typing import Any, Literal, TypeVar, overload
 
 import numpy as np
 
 from . import dtypes as _dt
+from .call_args import check_dispatch_args, is_c, to_array
 from .config import BufferConfig
+from .engine import Engine, RuntimeHandle
 from .errors import (
     InvalidArgumentError,
     OutOfStepError,
@@ -82,92 +83,6 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
-
-
-@dataclass(frozen=True, eq=False)
-class RuntimeHandle(DispatchHandle):
-    """A :class:`ubep.handle.DispatchHandle` that also remembers which dispatch of which Buffer
-    made it: ``buffer_uid`` (the same on every rank of one Buffer), ``generation`` (the Buffer's
-    resync count) and ``dispatch_index``. Combine accepts only a handle of its own Buffer and
-    generation, and only when every rank passes the handle of the same dispatch."""
-
-    dispatch_index: int = -1
-    buffer_uid: int = 0
-    generation: int = -1
-
-
-
-
-class Engine(Protocol):
-    """The data-plane protocol :class:`Buffer` drives: ``ubep.runtime._native.Engine`` (one host,
-    loads and stores on shared memory) and any other engine a ``GlobalMemory.make_engine``
-    returns (e.g. MPI RMA across hosts). Constructed with ``(params, addresses, pids,
-    start_times)`` where ``params`` is :func:`ubep.runtime.abi.engine_params`.
-
-    Every collective method returns either its result or an error tuple
-    ``(code, peer, core, argument, what, message)`` (``what`` and ``message`` as bytes: peers
-    write them) with ``code`` 1 bad input (``message`` is the offending value), 2 timeout, 3 peer
-    lost, 4 remote failure (``message`` is the peer's notice, ``core`` the code it carries), 5
-    internal, 6 out of step; :meth:`Buffer._error` turns it into the exception.
-
-    The call protocol both engines keep: every record a peer reads carries the call's epoch and
-    is only accepted for exactly that epoch (count, routing and combine records also carry a
-    checksum; progress words their complement); a call that succeeds here but finds a peer's
-    failure notice for it fails; a waiting core checks the liveness of every peer that has not
-    finished the call.
-    """
-
-    def dispatch(
-        self, x: np.ndarray, topk_idx: np.ndarray, topk_weights: np.ndarray, num_tokens: int,
-        epoch: int, index: int, recv_topk_idx: np.ndarray, recv_topk_weights: np.ndarray,
-        recv_src_rank: np.ndarray, recv_src_token: np.ndarray, recv_src_k: np.ndarray,
-        counts: np.ndarray, send_dst_row: np.ndarray, plan: Plan | CoreSplit | None,
-        split: bool,
-    ) -> int | tuple[int, int, int, str, str, str] | None:
-        """One dispatch. Output arrays have capacity ``cap_rows`` rows; ``counts`` is
-        ``[num_local_experts + num_ranks]``: rows per local expert, then rows received from each
-        source rank; ``send_dst_row`` is ``[num_tokens, num_topk or num_ranks]``. ``index`` is the
-        dispatch's sequence number (receive region ``index % num_regions``). ``plan``: what
-        each core does (:meth:`Buffer._plan`), ``None`` for one core. Returns the number of
-        received rows; with ``split`` ``None`` once the first half ran (:meth:`complete` runs
-        the rest), unless the engine ran the whole call."""
-
-    def combine(
-        self, expert_out: np.ndarray, num_rows: int, topk_idx: np.ndarray,
-        topk_weights: np.ndarray, send_dst_row: np.ndarray, num_tokens: int, epoch: int,
-        region: int, y: np.ndarray, dispatch_index: int, split: bool,
-    ) -> int | tuple[int, int, int, str, str, str] | None:
-        """One combine into ``y`` of the outputs of dispatch ``dispatch_index`` (every rank must
-        name the same one); returns 1 if ``expert_out`` was used in place (zero-copy)."""
-
-    def complete(self, epoch: int) -> int | tuple[int, int, int, str, str, str]:
-        """The second half of the oldest split-phase call (``epoch``): its result."""
-
-    def abandon(self, epoch: int, message: str) -> None:
-        """The oldest split-phase call fails here without its second half (notice to peers)."""
-
-    def fail(
-        self, epoch: int, code: int, message: str, finished: int, timeout_s: float
-    ) -> int | tuple[int, int, int, str, str, str]:
-        """Publish "call ``epoch`` failed here, for reason ``code``" (1: rejected before anything
-        reached a peer; 6: this rank lost step), once every peer finished call ``epoch - 2``
-        (waiting at most ``timeout_s``; 0: not at all, then return 1 and publish nothing).
-        ``finished``: also mark call ``epoch`` finished here."""
-
-    def resync(self, base_epoch: int) -> None:
-        """Forget every call before ``base_epoch`` (local; no peer may be inside a call)."""
-
-    def wait_done(self, epoch: int, timeout_s: float) -> int | tuple[int, int, int, str, str, str]:
-        """Wait until every peer has finished call ``epoch``."""
-
-    def comb_last_epoch(self, region: int) -> int:
-        """Epoch of the last combine that used combine region ``region`` (0 or 1)."""
-
-    def reset_all(self) -> None:
-        """Prepare the receive regions (SP: fill them with the sentinel)."""
-
-    def close(self) -> None:
-        """Stop the engine's threads (local)."""
 
 
 class Buffer:
@@ -756,48 +671,7 @@ class Buffer:
     def _check_dispatch_args(
         self, x: object, topk_idx: object, topk_weights: object
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        cfg = self.config
-        storage = self._dtype.storage
-        xa = _to_array(x, "x")
-        if xa.dtype != storage:
-            xa, dt = _dt.as_storage(xa, argument="x")
-            if dt != self._dtype:
-                raise InvalidArgumentError("x", dt.name, f"must have the Buffer's dtype "
-                                                         f"({self._dtype.name})")
-        if xa.ndim != 2 or xa.shape[1] != cfg.hidden:
-            raise InvalidArgumentError("x", xa.shape, f"must be [num_tokens, {cfg.hidden}]")
-        ntok = xa.shape[0]
-        if ntok > cfg.max_tokens_per_rank:
-            raise InvalidArgumentError(
-                "x", xa.shape, f"has more tokens than max_tokens_per_rank="
-                               f"{cfg.max_tokens_per_rank}"
-            )
-        if not xa.flags.c_contiguous:
-            xa = np.ascontiguousarray(xa)
-        idx = _to_array(topk_idx, "topk_idx")
-        if idx.shape != (ntok, cfg.num_topk):
-            raise InvalidArgumentError(
-                "topk_idx", idx.shape, f"must be [num_tokens={ntok}, num_topk={cfg.num_topk}]"
-            )
-        if idx.dtype != np.int64 or not idx.flags.c_contiguous:
-            if idx.dtype.kind not in "iu":
-                raise InvalidArgumentError("topk_idx", idx.dtype, "must be an integer array")
-            if idx.dtype.kind == "u" and idx.size and int(idx.max()) >= cfg.num_experts:
-                # would wrap to a negative id (2**64 - 1 -> -1, a masked slot) as int64
-                bad = int(idx.max())
-                raise InvalidArgumentError(
-                    "topk_idx", bad, f"expert id out of range [-1, {cfg.num_experts}) "
-                    "(num_experts)")
-            idx = np.ascontiguousarray(idx, dtype=np.int64)
-        else:
-            idx = idx.copy()  # the handle keeps it: the caller may reuse its array
-        w = _to_array(topk_weights, "topk_weights")
-        if w.dtype != np.float32:
-            raise InvalidArgumentError("topk_weights", w.dtype, "must be float32")
-        if w.shape != idx.shape:
-            raise InvalidArgumentError("topk_weights", w.shape, f"must match topk_idx {idx.shape}")
-        w = np.array(w, order="C")  # owned: the handle keeps it
-        return xa, idx, w
+        return check_dispatch_args(self.config, self._dtype, x, topk_idx, topk_weights)
 
     def _plan(self, idx: np.ndarray) -> Plan | CoreSplit | None:
         """What each core of this rank does (ASP with more than one core; one core validates,
@@ -855,7 +729,7 @@ class Buffer:
         self, expert_out: object, handle: DispatchHandle
     ) -> tuple[DispatchHandle, np.ndarray]:
         h = self._check_handle(handle)
-        eo = _to_array(expert_out, "expert_out")
+        eo = to_array(expert_out, "expert_out")
         if eo.dtype != self._cdtype.storage:
             eo, dt = _dt.as_storage(eo, argument="expert_out")
             if dt != self._cdtype:
@@ -874,8 +748,8 @@ class Buffer:
                 "handle", "send_dst_row=None", "needs send_dst_row (a handle of Buffer.dispatch)"
             )
         if not (
-            _is_c(h.topk_idx, np.int64) and _is_c(h.topk_weights, np.float32)
-            and _is_c(h.send_dst_row, np.int64)
+            is_c(h.topk_idx, np.int64) and is_c(h.topk_weights, np.float32)
+            and is_c(h.send_dst_row, np.int64)
         ):
             h = dataclasses.replace(
                 h,
@@ -926,28 +800,6 @@ class _InFlight:
 
 # stages of a call, for _failed: before the data plane, inside it, after it returned
 _BEFORE, _NATIVE, _AFTER = 0, 1, 2
-
-
-def _to_array(obj: object, argument: str) -> np.ndarray:
-    """``obj`` as a numpy array (a CPU torch tensor without a copy, BF16 as uint16 bits);
-    anything numpy cannot convert is an ``InvalidArgumentError`` naming the argument."""
-    if type(obj) is np.ndarray:
-        return obj
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(obj, torch.Tensor):
-        from .torch._convert import to_numpy
-
-        return to_numpy(obj, argument=argument)
-    try:
-        return np.asarray(obj)
-    except (ValueError, TypeError, OverflowError) as exc:
-        raise InvalidArgumentError(
-            argument, type(obj).__name__, f"cannot be converted to an array: {exc}"
-        ) from None
-
-
-def _is_c(a: np.ndarray, dtype: type) -> bool:
-    return a.dtype == dtype and bool(a.flags.c_contiguous)
 
 
 def _combine_region(h: DispatchHandle) -> int:

@@ -24,7 +24,7 @@ OFFSETS: dict[str, int]
 PARAMS: tuple[str, ...]
 
 class Engine:
-    """The native engine of one Buffer (``ubep.buffer.Engine`` describes the protocol)."""
+    """The native engine of one Buffer (``ubep.engine.Engine`` describes the protocol)."""
 
     def __init__(
         self,

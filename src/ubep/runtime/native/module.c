@@ -13,7 +13,7 @@
  *     every rank's segment in this process, pids and start times the peer processes (liveness).
  *   - Methods take arrays as C-contiguous buffers, their sizes checked against the parameters,
  *     and return their result or an error tuple (code, peer, core, argument, what: bytes,
- *     message: bytes), abi.ErrorRecord; ubep.buffer.Engine documents each method.
+ *     message: bytes), abi.ErrorRecord; ubep.engine.Engine documents each method.
  *   - The codes (E_*, DT_*, SYNC_*, ENG_*, LAY_*) and the offsets inside the control records
  *     are abi.h's. The module exports them (ERRORS, DTYPES, SYNCS, ENGINES, LAYOUTS, OFFSETS,
  *     PARAMS, ABI) and abi.load_native() refuses a build whose exports differ from abi.py's.
@@ -732,8 +732,8 @@ fail:
 static PyMethodDef engine_methods[] = {
     {"core_log", (PyCFunction)engine_core_log, METH_NOARGS,
      "per core: the units it sent and the count records it published in the last dispatch"},
-    {"dispatch", (PyCFunction)engine_dispatch, METH_VARARGS, "one dispatch (ubep.buffer.Engine)"},
-    {"combine", (PyCFunction)engine_combine, METH_VARARGS, "one combine (ubep.buffer.Engine)"},
+    {"dispatch", (PyCFunction)engine_dispatch, METH_VARARGS, "one dispatch (ubep.engine.Engine)"},
+    {"combine", (PyCFunction)engine_combine, METH_VARARGS, "one combine (ubep.engine.Engine)"},
     {"complete", (PyCFunction)engine_complete, METH_VARARGS,
      "the second half of the oldest split-phase call"},
     {"abandon", (PyCFunction)engine_abandon, METH_VARARGS,

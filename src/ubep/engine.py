@@ -1,0 +1,100 @@
+"""The data-plane protocol a :class:`ubep.Buffer` drives (the native engine on one host,
+``ubep.dist``'s MPI RMA engine across hosts) and the handle a Buffer's dispatch returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from .handle import DispatchHandle
+from .sched import CoreSplit, Plan
+
+__all__ = ["Engine", "RuntimeHandle"]
+
+
+@dataclass(frozen=True, eq=False)
+class RuntimeHandle(DispatchHandle):
+    """A :class:`ubep.handle.DispatchHandle` that also remembers which dispatch of which Buffer
+    made it: ``buffer_uid`` (the same on every rank of one Buffer), ``generation`` (the Buffer's
+    resync count) and ``dispatch_index``. Combine accepts only a handle of its own Buffer and
+    generation, and only when every rank passes the handle of the same dispatch."""
+
+    dispatch_index: int = -1
+    buffer_uid: int = 0
+    generation: int = -1
+
+
+
+
+class Engine(Protocol):
+    """The data-plane protocol :class:`Buffer` drives: ``ubep.runtime._native.Engine`` (one host,
+    loads and stores on shared memory) and any other engine a ``GlobalMemory.make_engine``
+    returns (e.g. MPI RMA across hosts). Constructed with ``(params, addresses, pids,
+    start_times)`` where ``params`` is :func:`ubep.runtime.abi.engine_params`.
+
+    Every collective method returns either its result or an error tuple
+    ``(code, peer, core, argument, what, message)`` (``what`` and ``message`` as bytes: peers
+    write them) with ``code`` 1 bad input (``message`` is the offending value), 2 timeout, 3 peer
+    lost, 4 remote failure (``message`` is the peer's notice, ``core`` the code it carries), 5
+    internal, 6 out of step; :meth:`Buffer._error` turns it into the exception.
+
+    The call protocol both engines keep: every record a peer reads carries the call's epoch and
+    is only accepted for exactly that epoch (count, routing and combine records also carry a
+    checksum; progress words their complement); a call that succeeds here but finds a peer's
+    failure notice for it fails; a waiting core checks the liveness of every peer that has not
+    finished the call.
+    """
+
+    def dispatch(
+        self, x: np.ndarray, topk_idx: np.ndarray, topk_weights: np.ndarray, num_tokens: int,
+        epoch: int, index: int, recv_topk_idx: np.ndarray, recv_topk_weights: np.ndarray,
+        recv_src_rank: np.ndarray, recv_src_token: np.ndarray, recv_src_k: np.ndarray,
+        counts: np.ndarray, send_dst_row: np.ndarray, plan: Plan | CoreSplit | None,
+        split: bool,
+    ) -> int | tuple[int, int, int, str, str, str] | None:
+        """One dispatch. Output arrays have capacity ``cap_rows`` rows; ``counts`` is
+        ``[num_local_experts + num_ranks]``: rows per local expert, then rows received from each
+        source rank; ``send_dst_row`` is ``[num_tokens, num_topk or num_ranks]``. ``index`` is the
+        dispatch's sequence number (receive region ``index % num_regions``). ``plan``: what
+        each core does (:meth:`Buffer._plan`), ``None`` for one core. Returns the number of
+        received rows; with ``split`` ``None`` once the first half ran (:meth:`complete` runs
+        the rest), unless the engine ran the whole call."""
+
+    def combine(
+        self, expert_out: np.ndarray, num_rows: int, topk_idx: np.ndarray,
+        topk_weights: np.ndarray, send_dst_row: np.ndarray, num_tokens: int, epoch: int,
+        region: int, y: np.ndarray, dispatch_index: int, split: bool,
+    ) -> int | tuple[int, int, int, str, str, str] | None:
+        """One combine into ``y`` of the outputs of dispatch ``dispatch_index`` (every rank must
+        name the same one); returns 1 if ``expert_out`` was used in place (zero-copy)."""
+
+    def complete(self, epoch: int) -> int | tuple[int, int, int, str, str, str]:
+        """The second half of the oldest split-phase call (``epoch``): its result."""
+
+    def abandon(self, epoch: int, message: str) -> None:
+        """The oldest split-phase call fails here without its second half (notice to peers)."""
+
+    def fail(
+        self, epoch: int, code: int, message: str, finished: int, timeout_s: float
+    ) -> int | tuple[int, int, int, str, str, str]:
+        """Publish "call ``epoch`` failed here, for reason ``code``" (1: rejected before anything
+        reached a peer; 6: this rank lost step), once every peer finished call ``epoch - 2``
+        (waiting at most ``timeout_s``; 0: not at all, then return 1 and publish nothing).
+        ``finished``: also mark call ``epoch`` finished here."""
+
+    def resync(self, base_epoch: int) -> None:
+        """Forget every call before ``base_epoch`` (local; no peer may be inside a call)."""
+
+    def wait_done(self, epoch: int, timeout_s: float) -> int | tuple[int, int, int, str, str, str]:
+        """Wait until every peer has finished call ``epoch``."""
+
+    def comb_last_epoch(self, region: int) -> int:
+        """Epoch of the last combine that used combine region ``region`` (0 or 1)."""
+
+    def reset_all(self) -> None:
+        """Prepare the receive regions (SP: fill them with the sentinel)."""
+
+    def close(self) -> None:
+        """Stop the engine's threads (local)."""
