@@ -104,7 +104,9 @@ def _bits(a: np.ndarray) -> np.ndarray:
 
 
 def _round_shift(m: np.ndarray, shift: np.ndarray) -> np.ndarray:
-    """``m / 2^shift`` rounded to nearest, ties to even (uint32 ``m < 2^24``, ``1 <= shift <= 31``)."""
+    """``m / 2^shift`` rounded to nearest, ties to even (uint32 ``m < 2^24``, shift 1..31):
+    the quotient, plus one if the remainder is above half, or exactly half with an odd
+    quotient. (The C kernels use the equivalent bias form; the tests compare the two.)"""
     q = m >> shift
     rem = m & ((_U32(1) << shift) - _U32(1))
     half = _U32(1) << (shift - _U32(1))
@@ -199,7 +201,8 @@ def block_scales(amax: np.ndarray, fmt: str, *, round_scale: bool = False) -> np
     """Rule 3: the float32 scale of each block from its float32 ``amax``."""
     qfmt = _format(fmt)
     amax = np.asarray(amax, dtype=np.float32)
-    scale = np.maximum(amax, AMAX_FLOOR) / np.float32(qfmt.qmax)  # NaN propagates
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN and inf blocks are defined
+        scale = np.maximum(amax, AMAX_FLOOR) / np.float32(qfmt.qmax)  # NaN propagates
     if round_scale:
         scale = ue8m0_ceil(scale)
     scale = np.array(scale, dtype=np.float32, copy=True)
@@ -230,7 +233,8 @@ def quantize(
     # max over |x| propagates NaN (np.max does), as rule 2 wants
     amax = np.abs(blocks).max(axis=-1)
     scales = block_scales(amax, qfmt.name, round_scale=round_scale)
-    v = blocks / scales[..., None]  # float32 / float32: one IEEE rounding
+    with np.errstate(invalid="ignore"):  # inf / inf and NaN are defined (rules 4-6)
+        v = blocks / scales[..., None]  # float32 / float32: one IEEE rounding
     convert = float32_to_e4m3 if qfmt.name == "e4m3" else float32_to_int8
     return convert(v).reshape(num_tokens, hidden), scales
 
