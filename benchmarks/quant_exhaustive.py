@@ -10,7 +10,8 @@ be, since ``|x| <= amax``), both signs, goes through
 * an independent oracle: torch's ``Tensor.to(torch.float8_e4m3fn)`` (if installed) for E4M3,
   ``numpy.rint`` (ties to even) for INT8;
 
-and all must agree bit for bit. About 2.3e9 values per format; a few minutes on one core.
+and all must agree bit for bit. About 2.3e9 values per format; measured 129 s (E4M3) and
+203 s (INT8) on the 2-core development machine under load, all equal.
 
     python benchmarks/quant_exhaustive.py [--chunk-log2 22]
 """
