@@ -89,6 +89,20 @@ def dc_checksum(rows: Any, row_bytes: int, epoch: int, /) -> int:
 def convert(acc_f32: Any, out: Any, dtype_code: int, /) -> None:
     """Round float32 values to ``dtype_code`` with combine's rounding routine."""
 
+def quantize_rows(
+    x: Any,
+    fmt: str,
+    round_scale: bool,
+    values_out: Any,
+    scales_out: Any,
+    generic: bool = False,
+    /,
+) -> None:
+    """``ubep.quant.quantize`` natively (``quant_row_e4m3`` / ``quant_row_int8`` per row):
+    ``x [rows, hidden]`` uint16 (BF16 bits), float16 or float32 into ``values_out``
+    (``rows * hidden`` bytes) and ``scales_out`` (``rows * hidden // 128`` float32);
+    ``generic``: the baseline build of the row loop rather than the selected (AVX2) one."""
+
 def counts_sum(epoch: int, rows: int, counts: Any, /) -> int: ...
 def route_sum(epoch: int, ntok: int, idx: Any, weights: Any, /) -> int: ...
 def comb_info_sum(

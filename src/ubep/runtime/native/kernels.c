@@ -69,10 +69,31 @@ void select_kernels(void) {
         ROUND[DT_FP32] = round_fp32_avx2;
         REDUCE[DT_BF16] = reduce_bf16_avx2;
         REDUCE[DT_FP32] = reduce_fp32_avx2;
+        QUANT_ROW = quant_row_avx2;
         if (__builtin_cpu_supports("f16c")) {
             ROUND[DT_FP16] = round_fp16_hw;
             REDUCE[DT_FP16] = reduce_fp16_hw;
         }
     }
 #endif
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Quantisation (kernels.h; ubep.quant is the definition) */
+
+void quant_row_generic(const void *x, int dt, int64_t hidden, void *values, float *scales,
+                       int round_scale, int is_int8) {
+    quant_row_body(x, dt, hidden, values, scales, round_scale, is_int8);
+}
+
+quant_row_fn QUANT_ROW = quant_row_generic;
+
+void quant_row_e4m3(const void *x, int x_dtype, int64_t hidden, uint8_t *values, float *scales,
+                    int round_scale) {
+    QUANT_ROW(x, x_dtype, hidden, values, scales, round_scale, 0);
+}
+
+void quant_row_int8(const void *x, int x_dtype, int64_t hidden, int8_t *values, float *scales,
+                    int round_scale) {
+    QUANT_ROW(x, x_dtype, hidden, values, scales, round_scale, 1);
 }

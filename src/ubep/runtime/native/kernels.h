@@ -246,6 +246,142 @@ static inline void round_tail(int dt, void *y, const float *acc, int64_t i0, int
     for (int64_t i = i0; i < n; i++) store_f32(dt, y, i, acc[i]);
 }
 
+/* Quantisation, bit-exact with ubep.quant (its docstring states the rules; docs/FORMATS.md the
+ * row format): one float32 scale per QUANT_BLOCK channels, values = x / scale (a float32
+ * division, never a multiply by the reciprocal, which rounds twice) converted below. The
+ * conversions are integer arithmetic on the float32 bits, so they depend neither on compiler
+ * FP8 support nor on the FPU rounding mode. */
+#define QUANT_BLOCK 128
+#define E4M3_NAN 0x7Fu
+#define E4M3_MAX_BITS 0x43E00000u     /* 448.0f */
+#define INT8_MAX_BITS 0x42FE0000u     /* 127.0f */
+#define QUANT_AMAX_FLOOR 0x1.a36e2ep-14f /* np.float32(1e-4), DeepEP's kFP8Margin */
+
+/* The helpers below are branch-free (selects, no early return) so that the per-block loops
+ * vectorise: kernels.c compiles them for the baseline, kernels_x86.c for AVX2 (per-lane
+ * shifts), from this one source. */
+
+/* m / 2^shift rounded to nearest, ties to even (m < 2^24, 1 <= shift <= 25): add half an
+ * ulp less one, plus the kept lsb, then truncate (the bias form vectorises; ubep.quant spells
+ * out rem > half or a tie with an odd lsb, and the tests compare the two) */
+static inline uint32_t round_shift(uint32_t m, uint32_t shift) {
+    return (m + ((1u << (shift - 1u)) - 1u) + ((m >> shift) & 1u)) >> shift;
+}
+
+/* float32 -> float8_e4m3fn bits: round to nearest even; finite values above 448 and +-inf
+ * saturate to +-448 (0x7E / 0xFE, CUDA's __NV_SATFINITE); every NaN gives 0x7F. */
+static inline uint8_t f32_to_e4m3(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint32_t sign = (u >> 24) & 0x80u, mag = u & 0x7FFFFFFFu;
+    /* saturating before rounding = after (448 is representable, rounding is monotone), and
+     * the rounding below cannot carry into 0x7F */
+    uint32_t sat = mag < E4M3_MAX_BITS ? mag : E4M3_MAX_BITS;
+    /* normal result (>= 2^-6): rebias the exponent 127 -> 7 and round off 20 mantissa bits */
+    uint32_t t = sat - (120u << 23);
+    uint32_t normal = (t + 0x7FFFFu + ((t >> 20) & 1u)) >> 20;
+    /* subnormal result: the value in units of 2^-9 rounded; exponents <= 116 give 0 */
+    uint32_t e = sat >> 23;
+    uint32_t sub = round_shift((sat & 0x7FFFFFu) | 0x800000u, e <= 116u ? 25u : 141u - e);
+    uint32_t code = (sat >= 0x3C800000u ? normal : sub) | sign;
+    return (uint8_t)(mag > 0x7F800000u ? E4M3_NAN : code);
+}
+
+/* float32 -> int8: round to nearest even, clamp to [-127, 127], NaN gives 0 */
+static inline int8_t f32_to_int8(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint32_t mag = u & 0x7FFFFFFFu;
+    uint32_t sat = mag < INT8_MAX_BITS ? mag : INT8_MAX_BITS;
+    uint32_t e = sat >> 23; /* |f| = (hidden bit | mantissa) * 2^(e - 150); e <= 125: < 0.5 */
+    int32_t q = (int32_t)round_shift((sat & 0x7FFFFFu) | 0x800000u, e <= 125u ? 25u : 150u - e);
+    q = (u >> 31) ? -q : q;
+    return (int8_t)(mag > 0x7F800000u ? 0 : q);
+}
+
+static inline void quant_load_block(const void *x, int dt, int64_t off, float *buf) {
+    /* the dtype switch sits outside the loops, so each loop is one conversion */
+    if (dt == DT_BF16) {
+        const uint16_t *p = (const uint16_t *)x + off;
+        for (int i = 0; i < QUANT_BLOCK; i++) buf[i] = bf16_to_f32(p[i]);
+    } else if (dt == DT_FP16) {
+        const uint16_t *p = (const uint16_t *)x + off;
+        for (int i = 0; i < QUANT_BLOCK; i++) buf[i] = fp16_to_f32_sw(p[i]);
+    } else {
+        memcpy(buf, (const float *)x + off, sizeof(float) * QUANT_BLOCK);
+    }
+}
+
+/* max |x| of a block as float32 bits: for non-negative floats the integer order is the float
+ * order and every NaN is above inf, so a NaN anywhere makes the result NaN (ubep.quant rule 2) */
+static inline uint32_t quant_amax_bits(const float *buf) {
+    uint32_t amax = 0;
+    for (int i = 0; i < QUANT_BLOCK; i++) {
+        uint32_t u;
+        memcpy(&u, &buf[i], 4);
+        u &= 0x7FFFFFFFu;
+        amax = u > amax ? u : amax;
+    }
+    return amax;
+}
+
+static inline float quant_scale(uint32_t amax_bits, float qmax, int round_scale) {
+    float s;
+    if (amax_bits > 0x7F800000u) { /* NaN block: the canonical quiet NaN */
+        uint32_t nan = CANON_NAN_F32;
+        memcpy(&s, &nan, 4);
+        return s;
+    }
+    float amax;
+    memcpy(&amax, &amax_bits, 4);
+    s = (amax > QUANT_AMAX_FLOOR ? amax : QUANT_AMAX_FLOOR) / qmax;
+    if (round_scale) { /* UE8M0: the smallest power of two >= s (inf stays inf) */
+        uint32_t u;
+        memcpy(&u, &s, 4);
+        if ((u & 0x7F800000u) != 0x7F800000u && (u & 0x7FFFFFu))
+            u = (u & 0x7F800000u) + 0x800000u;
+        memcpy(&s, &u, 4);
+    }
+    return s;
+}
+
+/* The row loop, one source for the generic and the AVX2 build (quant_row_fn); always inlined,
+ * since a call would run it with the caller's baseline target, not vectorised */
+__attribute__((always_inline)) static inline void quant_row_body(const void *x, int dt, int64_t hidden, void *values,
+                                  float *scales, int round_scale, int is_int8) {
+    float buf[QUANT_BLOCK];
+    for (int64_t b = 0; b < hidden / QUANT_BLOCK; b++) {
+        int64_t off = b * QUANT_BLOCK;
+        quant_load_block(x, dt, off, buf);
+        float s = quant_scale(quant_amax_bits(buf), is_int8 ? 127.0f : 448.0f, round_scale);
+        scales[b] = s;
+        if (is_int8) {
+            int8_t *v = (int8_t *)values + off;
+            for (int i = 0; i < QUANT_BLOCK; i++) v[i] = f32_to_int8(buf[i] / s);
+        } else {
+            uint8_t *v = (uint8_t *)values + off;
+            for (int i = 0; i < QUANT_BLOCK; i++) v[i] = f32_to_e4m3(buf[i] / s);
+        }
+    }
+}
+
+typedef void (*quant_row_fn)(const void *x, int dt, int64_t hidden, void *values, float *scales,
+                             int round_scale, int is_int8);
+extern quant_row_fn QUANT_ROW; /* quant_row_body: generic or AVX2 (select_kernels) */
+void quant_row_generic(const void *x, int dt, int64_t hidden, void *values, float *scales,
+                       int round_scale, int is_int8);
+#if UBEP_X86
+void quant_row_avx2(const void *x, int dt, int64_t hidden, void *values, float *scales,
+                    int round_scale, int is_int8);
+#endif
+
+/* One token row: hidden (a multiple of QUANT_BLOCK) elements of x (DT_BF16, DT_FP16 or
+ * DT_FP32) -> values[hidden] and scales[hidden / QUANT_BLOCK], reading x once. */
+void quant_row_e4m3(const void *x, int x_dtype, int64_t hidden, uint8_t *values, float *scales,
+                    int round_scale);
+void quant_row_int8(const void *x, int x_dtype, int64_t hidden, int8_t *values, float *scales,
+                    int round_scale);
+
 #pragma GCC visibility pop
 
 #endif /* UBEP_KERNELS_H */

@@ -239,4 +239,11 @@ AVX2_F16C void reduce_fp16_hw(void *y, const void *const *src, const float *w, i
     reduce_tail(DT_FP16, y, src, w, nt, i, n, weighted);
 }
 
+/* The quantiser's row loop compiled for AVX2: the same source as the generic one
+ * (kernels.h), vectorised by the compiler (vdivps, per-lane vpsrlvd for the rounding). */
+AVX2 void quant_row_avx2(const void *x, int dt, int64_t hidden, void *values, float *scales,
+                         int round_scale, int is_int8) {
+    quant_row_body(x, dt, hidden, values, scales, round_scale, is_int8);
+}
+
 #endif /* UBEP_X86 */

@@ -825,6 +825,61 @@ static PyObject *mod_convert(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* quantize_rows(x, fmt, round_scale, values_out, scales_out, generic=0): quant_row_e4m3 /
+ * quant_row_int8 over every row of x [rows, hidden] (uint16 = BF16 bits, float16 or float32),
+ * for tests against ubep.quant. fmt: "e4m3" or "int8"; generic: the baseline build of the row
+ * loop instead of the one select_kernels() picked (AVX2 here), so tests cover both. */
+static PyObject *mod_quantize_rows(PyObject *self, PyObject *args) {
+    PyObject *ox, *ov, *os;
+    const char *fmt;
+    int round_scale, generic = 0;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OspOO|p", &ox, &fmt, &round_scale, &ov, &os, &generic))
+        return NULL;
+    int is_int8 = !strcmp(fmt, "int8");
+    if (!is_int8 && strcmp(fmt, "e4m3")) {
+        PyErr_SetString(PyExc_ValueError, "fmt: must be \"e4m3\" or \"int8\"");
+        return NULL;
+    }
+    pbuf_t b[3];
+    memset(b, 0, sizeof b);
+    if (PyObject_GetBuffer(ox, &b[0].b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return NULL;
+    b[0].held = 1;
+    const char *f = b[0].b.format ? b[0].b.format : "B";
+    if (*f == '<' || *f == '=' || *f == '@') f++;
+    int dt = !strcmp(f, "H") ? DT_BF16 : !strcmp(f, "e") ? DT_FP16 : !strcmp(f, "f") ? DT_FP32 : -1;
+    if (dt < 0 || b[0].b.ndim != 2 || b[0].b.shape[1] % QUANT_BLOCK) {
+        rel_bufs(b, 1);
+        PyErr_SetString(PyExc_ValueError,
+                        "x: must be [rows, hidden] uint16 (BF16), float16 or float32 with "
+                        "hidden a multiple of 128");
+        return NULL;
+    }
+    int64_t rows = b[0].b.shape[0], hidden = b[0].b.shape[1], nb = hidden / QUANT_BLOCK;
+    if (get_buf(ov, &b[1], 1, "values_out", rows * hidden) ||
+        get_buf(os, &b[2], 1, "scales_out", rows * nb * (int64_t)sizeof(float))) {
+        rel_bufs(b, 3);
+        return NULL;
+    }
+    const uint8_t *x = b[0].b.buf;
+    uint8_t *v = b[1].b.buf;
+    float *sc = b[2].b.buf;
+    int64_t isz = b[0].b.itemsize;
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *xr = x + r * hidden * isz;
+        if (generic)
+            quant_row_generic(xr, dt, hidden, v + r * hidden, sc + r * nb, round_scale, is_int8);
+        else if (is_int8)
+            quant_row_int8(xr, dt, hidden, (int8_t *)v + r * hidden, sc + r * nb, round_scale);
+        else
+            quant_row_e4m3(xr, dt, hidden, v + r * hidden, sc + r * nb, round_scale);
+    }
+    Py_END_ALLOW_THREADS
+    rel_bufs(b, 3);
+    Py_RETURN_NONE;
+}
+
 /* Checksums of the control records, for tests that forge records a peer could write
  * (the bounds checks behind the checksums must hold on their own). */
 static PyObject *mod_counts_sum(PyObject *self, PyObject *args) {
@@ -870,6 +925,8 @@ static PyMethodDef module_methods[] = {
     {"copy", mod_copy, METH_VARARGS, "copy(dst, src, element_safe=0): the data plane's copy"},
     {"dc_checksum", mod_dc_checksum, METH_VARARGS, "dc_checksum(rows, row_bytes, epoch)"},
     {"convert", mod_convert, METH_VARARGS, "convert(acc_f32, out, dtype_code)"},
+    {"quantize_rows", mod_quantize_rows, METH_VARARGS,
+     "quantize_rows(x, fmt, round_scale, values_out, scales_out, generic=0): ubep.quant"},
     {NULL, NULL, 0, NULL},
 };
 
