@@ -18,8 +18,8 @@ _ARGS = ["-O3", "-std=c11", "-ffp-contract=off", "-fno-strict-aliasing", "-fvisi
 
 _NATIVE = "src/ubep/runtime/native/"
 _SOURCES = ["module.c", "kernels.c", "kernels_x86.c", "wait.c", "team.c", "dispatch.c",
-            "dispatch_bsp.c", "combine.c"]
-_HEADERS = ["abi.h", "sync.h", "kernels.h", "engine.h"]
+            "dispatch_bsp.c", "combine.c", "hooks.c"]
+_HEADERS = ["abi.h", "sync.h", "kernels.h", "engine.h", "pybuf.h"]
 
 ext_modules = []
 if sys.platform.startswith("linux"):

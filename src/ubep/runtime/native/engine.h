@@ -346,6 +346,9 @@ void publish_failure(engine_t *g, uint64_t epoch, int code, const char *msg);
 void format_error(op_t *op, char *buf, size_t n);
 void finish_op(op_t *op);
 
+/* hooks.c: the module functions (kernels and checksums for tests and benchmarks) */
+extern PyMethodDef HOOK_METHODS[];
+
 /* team.c: the cores of a rank */
 int start_threads(engine_t *g);
 void engine_stop(engine_t *g);

@@ -1,0 +1,175 @@
+/* Module functions: the data plane's kernels and the control records' checksums, exposed for
+ * tests and benchmarks (a test forges a record a peer could write; a benchmark times a copy). */
+#include "engine.h" /* first: Python.h precedes the standard headers */
+
+#include <string.h>
+
+#include "pybuf.h"
+
+/* module-level helpers for benchmarks and tests */
+static PyObject *mod_copy(PyObject *self, PyObject *args) {
+    PyObject *od, *os;
+    int which = 0;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OO|i", &od, &os, &which)) return NULL;
+    pbuf_t b[2];
+    memset(b, 0, sizeof b);
+    if (get_buf(od, &b[0], 1, "dst", 0) || get_buf(os, &b[1], 0, "src", 0)) {
+        rel_bufs(b, 2);
+        return NULL;
+    }
+    int64_t n = b[0].b.len < b[1].b.len ? b[0].b.len : b[1].b.len;
+    Py_BEGIN_ALLOW_THREADS
+    (which ? copy_elem : copy_fast)(b[0].b.buf, b[1].b.buf, n);
+    Py_END_ALLOW_THREADS
+    rel_bufs(b, 2);
+    Py_RETURN_NONE;
+}
+
+static PyObject *mod_dc_checksum(PyObject *self, PyObject *args) {
+    PyObject *o;
+    long long row_bytes;
+    unsigned long long epoch;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OLK", &o, &row_bytes, &epoch)) return NULL;
+    pbuf_t b;
+    if (get_buf(o, &b, 0, "rows", 0)) { rel_bufs(&b, 1); return NULL; }
+    if (row_bytes < 1 || b.b.len % row_bytes) {
+        rel_bufs(&b, 1);
+        PyErr_SetString(PyExc_ValueError, "rows: length must be a multiple of row_bytes");
+        return NULL;
+    }
+    uint64_t sum = dc_batch_sum(b.b.buf, row_bytes, b.b.len / row_bytes, row_bytes, epoch);
+    rel_bufs(&b, 1);
+    return PyLong_FromUnsignedLongLong(sum);
+}
+
+static PyObject *mod_convert(PyObject *self, PyObject *args) {
+    /* convert(acc_f32, out, dtype): combine's float32 -> dtype rounding (ROUND), for tests */
+    PyObject *oa, *oo;
+    int dt;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOi", &oa, &oo, &dt)) return NULL;
+    if (dt < 0 || dt > 2) { PyErr_SetString(PyExc_ValueError, "dtype code"); return NULL; }
+    pbuf_t b[2];
+    memset(b, 0, sizeof b);
+    if (get_buf(oa, &b[0], 0, "acc", 0) || get_buf(oo, &b[1], 1, "out", 0)) {
+        rel_bufs(b, 2);
+        return NULL;
+    }
+    int64_t n = b[0].b.len / 4;
+    int osz = dt == DT_FP32 ? 4 : 2;
+    if (b[1].b.len < n * osz) {
+        rel_bufs(b, 2);
+        PyErr_SetString(PyExc_ValueError, "out");
+        return NULL;
+    }
+    ROUND[dt](b[1].b.buf, b[0].b.buf, n);
+    rel_bufs(b, 2);
+    Py_RETURN_NONE;
+}
+
+/* quantize_rows(x, fmt, round_scale, values_out, scales_out, generic=0): quant_row_e4m3 /
+ * quant_row_int8 over every row of x [rows, hidden] (uint16 = BF16 bits, float16 or float32),
+ * for tests against ubep.quant. fmt: "e4m3" or "int8"; generic: the baseline build of the row
+ * loop instead of the one select_kernels() picked (AVX2 here), so tests cover both. */
+static PyObject *mod_quantize_rows(PyObject *self, PyObject *args) {
+    PyObject *ox, *ov, *os;
+    const char *fmt;
+    int round_scale, generic = 0;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OspOO|p", &ox, &fmt, &round_scale, &ov, &os, &generic))
+        return NULL;
+    int is_int8 = !strcmp(fmt, "int8");
+    if (!is_int8 && strcmp(fmt, "e4m3")) {
+        PyErr_SetString(PyExc_ValueError, "fmt: must be \"e4m3\" or \"int8\"");
+        return NULL;
+    }
+    pbuf_t b[3];
+    memset(b, 0, sizeof b);
+    if (PyObject_GetBuffer(ox, &b[0].b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return NULL;
+    b[0].held = 1;
+    const char *f = b[0].b.format ? b[0].b.format : "B";
+    if (*f == '<' || *f == '=' || *f == '@') f++;
+    int dt = !strcmp(f, "H") ? DT_BF16 : !strcmp(f, "e") ? DT_FP16 : !strcmp(f, "f") ? DT_FP32 : -1;
+    if (dt < 0 || b[0].b.ndim != 2 || b[0].b.shape[1] % QUANT_BLOCK) {
+        rel_bufs(b, 1);
+        PyErr_SetString(PyExc_ValueError,
+                        "x: must be [rows, hidden] uint16 (BF16), float16 or float32 with "
+                        "hidden a multiple of 128");
+        return NULL;
+    }
+    int64_t rows = b[0].b.shape[0], hidden = b[0].b.shape[1], nb = hidden / QUANT_BLOCK;
+    if (get_buf(ov, &b[1], 1, "values_out", rows * hidden) ||
+        get_buf(os, &b[2], 1, "scales_out", rows * nb * (int64_t)sizeof(float))) {
+        rel_bufs(b, 3);
+        return NULL;
+    }
+    const uint8_t *x = b[0].b.buf;
+    uint8_t *v = b[1].b.buf;
+    float *sc = b[2].b.buf;
+    int64_t isz = b[0].b.itemsize;
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *xr = x + r * hidden * isz;
+        if (generic)
+            quant_row_generic(xr, dt, hidden, v + r * hidden, sc + r * nb, round_scale, is_int8);
+        else if (is_int8)
+            quant_row_int8(xr, dt, hidden, (int8_t *)v + r * hidden, sc + r * nb, round_scale);
+        else
+            quant_row_e4m3(xr, dt, hidden, v + r * hidden, sc + r * nb, round_scale);
+    }
+    Py_END_ALLOW_THREADS
+    rel_bufs(b, 3);
+    Py_RETURN_NONE;
+}
+
+/* Checksums of the control records, for tests that forge records a peer could write
+ * (the bounds checks behind the checksums must hold on their own). */
+static PyObject *mod_counts_sum(PyObject *self, PyObject *args) {
+    unsigned long long epoch, rows;
+    PyObject *oc;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KKO", &epoch, &rows, &oc)) return NULL;
+    pbuf_t b;
+    if (get_buf(oc, &b, 0, "counts", 0)) { rel_bufs(&b, 1); return NULL; }
+    uint64_t s = counts_sum(epoch, rows, b.b.buf, (int)(b.b.len / 4));
+    rel_bufs(&b, 1);
+    return PyLong_FromUnsignedLongLong(s);
+}
+
+static PyObject *mod_route_sum(PyObject *self, PyObject *args) {
+    unsigned long long epoch, ntok;
+    PyObject *oi, *ow;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KKOO", &epoch, &ntok, &oi, &ow)) return NULL;
+    pbuf_t b[2];
+    memset(b, 0, sizeof b);
+    if (get_buf(oi, &b[0], 0, "idx", 0) || get_buf(ow, &b[1], 0, "weights", b[0].b.len)) {
+        rel_bufs(b, 2);
+        return NULL;
+    }
+    uint64_t s = route_sum(epoch, ntok, b[0].b.buf, b[1].b.buf, b[0].b.len / 4);
+    rel_bufs(b, 2);
+    return PyLong_FromUnsignedLongLong(s);
+}
+
+static PyObject *mod_comb_info_sum(PyObject *self, PyObject *args) {
+    unsigned long long epoch, off, rows, stride, index;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KKKKK", &epoch, &off, &rows, &stride, &index)) return NULL;
+    return PyLong_FromUnsignedLongLong(comb_info_sum(epoch, off, rows, stride, index));
+}
+
+PyMethodDef HOOK_METHODS[] = {
+    {"counts_sum", mod_counts_sum, METH_VARARGS, "counts_sum(epoch, rows, counts_u32)"},
+    {"route_sum", mod_route_sum, METH_VARARGS, "route_sum(epoch, ntok, idx_i32, weights_f32)"},
+    {"comb_info_sum", mod_comb_info_sum, METH_VARARGS,
+     "comb_info_sum(epoch, offset, rows, stride, dispatch_index)"},
+    {"copy", mod_copy, METH_VARARGS, "copy(dst, src, element_safe=0): the data plane's copy"},
+    {"dc_checksum", mod_dc_checksum, METH_VARARGS, "dc_checksum(rows, row_bytes, epoch)"},
+    {"convert", mod_convert, METH_VARARGS, "convert(acc_f32, out, dtype_code)"},
+    {"quantize_rows", mod_quantize_rows, METH_VARARGS,
+     "quantize_rows(x, fmt, round_scale, values_out, scales_out, generic=0): ubep.quant"},
+    {NULL, NULL, 0, NULL},
+};
