@@ -43,6 +43,7 @@ from typing import Any, Literal, TypeVar, overload
 import numpy as np
 
 from . import dtypes as _dt
+from . import quant as _quant
 from .call_args import check_dispatch_args, is_c, to_array
 from .config import BufferConfig
 from .engine import Engine, RuntimeHandle
@@ -182,15 +183,15 @@ class Buffer:
             seg[lay.off_out + i * lay.out_bytes: lay.off_out + (i + 1) * lay.out_bytes]
             for i in range(lay.num_regions)
         ]
-        # Full-capacity read-only recv_x views, sliced per call (building one costs ~2 us).
-        self._recv_views = []
-        for region in self._out_regions:
-            view = np.ndarray(
-                (lay.cap_rows, self.config.hidden), dtype=self._dtype.storage, buffer=region,
-                strides=(lay.out_stride, self._dtype.itemsize),
-            )
-            view.flags.writeable = False
-            self._recv_views.append(view)
+        # Full-capacity read-only recv_x views, sliced per call (building one costs ~2 us);
+        # quantised rows: the values, and the float32 scales after them in each row
+        cfg = self.config
+        values = self._dtype.storage if cfg.quant is None else _quant.FORMATS[cfg.quant].storage
+        self._recv_views = [_rows_view(r, lay, values, 0, cfg.hidden) for r in self._out_regions]
+        self._scale_views = [] if cfg.quant is None else [
+            _rows_view(r, lay, np.dtype(np.float32), cfg.hidden, cfg.hidden // _quant.QUANT_BLOCK)
+            for r in self._out_regions
+        ]
         self._comb_regions = [
             seg[lay.off_comb + i * lay.comb_bytes: lay.off_comb + (i + 1) * lay.comb_bytes]
             for i in range(2)
@@ -305,8 +306,10 @@ class Buffer:
         cfg, lay = self.config, self.layout
         L, R = self.num_local_experts, self.num_ranks
         recv_x = self._recv_views[index % lay.num_regions][:n]
+        scales = self._scale_views[index % lay.num_regions][:n] if self._scale_views else None
         if copy:
             recv_x = recv_x.copy()
+            scales = None if scales is None else scales.copy()
         # shared by the result and the handle, and what combine trusts: not writable
         for owned in (meta, o_dst, idx, w):
             owned.flags.writeable = False
@@ -341,6 +344,7 @@ class Buffer:
             recv_src_token=src_token,
             recv_src_k=src_k,
             handle=handle,
+            recv_x_scales=scales,
         )
 
     @overload
@@ -573,6 +577,7 @@ class Buffer:
             self._engine.close()
         self._out_regions = []
         self._recv_views = []
+        self._scale_views = []
         self._comb_regions = []
         if self._memory is not None:
             self._memory.close()
@@ -807,6 +812,16 @@ def _combine_region(h: DispatchHandle) -> int:
     return int(index) % 2 if index >= 0 else 0
 
 
+def _rows_view(region: np.ndarray, lay: SegmentLayout, dtype: np.dtype, offset: int,
+               width: int) -> np.ndarray:
+    """Read-only ``[cap_rows, width]`` view of ``dtype`` elements starting ``offset`` bytes into
+    each row of a receive region."""
+    view = np.ndarray((lay.cap_rows, width), dtype=dtype, buffer=region, offset=offset,
+                      strides=(lay.out_stride, dtype.itemsize))
+    view.flags.writeable = False
+    return view
+
+
 def _layout_of(config: BufferConfig, num_ranks: int, num_cores: int) -> SegmentLayout:
     dt = _dt.dtype_of(config.dtype)
     cdt = _dt.dtype_of(config.combine_dtype)
@@ -824,4 +839,5 @@ def _layout_of(config: BufferConfig, num_ranks: int, num_cores: int) -> SegmentL
         sync=config.sync,
         tff_block_bytes=config.tff_block_bytes,
         tff_flag_bytes=config.tff_flag_bytes,
+        row_bytes=None if config.quant is None else _quant.row_bytes(config.hidden),
     )

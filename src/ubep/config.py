@@ -34,6 +34,11 @@ class BufferConfig:
             ``"int8"``, ``"uint8"``) or a numpy dtype / array of it.
         combine_dtype: type of the expert outputs combine takes and returns; ``None`` = ``dtype``
             for float payloads, ``"bf16"`` for 1-byte ones (W8A8 dispatch, BF16 combine).
+        quant: ``None``, ``"e4m3"`` or ``"int8"``: dispatch quantises each token of the float
+            ``x`` (one float32 scale per 128 channels, ``ubep.quant``) and the receivers get
+            ``recv_x`` 1-byte and ``recv_x_scales`` float32; combine stays in ``dtype``.
+            Needs ``hidden`` a multiple of 128 and a sync other than SP.
+        quant_round_scale: UE8M0 scales (powers of two, rounded up) with ``quant``.
 
     Transport (``ubep.modes``):
         layout: ``"expert"`` (one row per (token, expert)) or ``"rank"`` (one per (token, rank)).
@@ -64,6 +69,8 @@ class BufferConfig:
     num_experts: int
     dtype: Any
     combine_dtype: Any = None
+    quant: str | None = None
+    quant_round_scale: bool = False
     # --- transport
     layout: str = "expert"
     engine: str = "asp"
@@ -110,11 +117,30 @@ class BufferConfig:
                 "combine_dtype", cdt.name, f"must equal dtype ({dt.name}) for a float payload"
             )
         object.__setattr__(self, "combine_dtype", cdt.name)
+        self._check_quant(dt)
+
+    def _check_quant(self, dt: _dt.DType) -> None:
+        if not isinstance(self.quant_round_scale, bool):
+            raise InvalidArgumentError("quant_round_scale", self.quant_round_scale,
+                                       "must be True or False")
+        if self.quant is None:
+            return
+        _choice("quant", self.quant, ("e4m3", "int8"))
+        if not dt.is_float:
+            raise InvalidArgumentError("dtype", dt.name, "quant needs a float x (bf16, fp16, fp32)")
+        if self.hidden % 128:
+            raise InvalidArgumentError(
+                "hidden", self.hidden, "must be a multiple of 128 with quant (one scale per "
+                "128 channels)")
 
     def _check_transport(self) -> None:
         _choice("layout", self.layout, LAYOUTS)
         _choice("engine", self.engine, ENGINES)
         _choice("sync", self.sync, SYNCS)
+        if self.sync == "sp" and self.quant is not None:
+            raise InvalidArgumentError(
+                "sync", "sp", f"quantised rows ({self.quant} values and float32 scales) have "
+                "no bit pattern free for a sentinel: use sync='sw', 'tff' or 'dc'")
         if self.sync == "sp" and _dt.dtype_of(self.dtype).sentinel is None:
             raise InvalidArgumentError(
                 "sync", "sp",

@@ -45,6 +45,9 @@ class DispatchResult(Generic[H]):
         num_recv_tokens_per_expert: ``[num_local_experts]`` int64.
         recv_src_rank, recv_src_token, recv_src_k: ``[rows]`` int64, origin of each row.
         handle: what the backend's combine needs (:class:`DispatchHandle` or a subclass).
+        recv_x_scales: with a quantised dispatch (``BufferConfig.quant``) ``[rows, hidden //
+            128]`` float32, one scale per 128 channels of ``recv_x`` (then 1-byte ``uint8`` E4M3
+            bits or ``int8``); else None.
     """
 
     recv_x: np.ndarray
@@ -55,6 +58,7 @@ class DispatchResult(Generic[H]):
     recv_src_token: np.ndarray
     recv_src_k: np.ndarray
     handle: H
+    recv_x_scales: np.ndarray | None = None
 
 
 @dataclass(frozen=True, eq=False)

@@ -58,6 +58,7 @@ __all__ = [
     "float32_to_e4m3",
     "float32_to_int8",
     "quantize",
+    "row_bytes",
     "ue8m0_ceil",
 ]
 
@@ -90,6 +91,12 @@ FORMATS: dict[str, QuantFormat] = {
     "e4m3": QuantFormat("e4m3", 448.0, np.dtype(np.uint8)),
     "int8": QuantFormat("int8", 127.0, np.dtype(np.int8)),
 }
+
+
+def row_bytes(hidden: int) -> int:
+    """Bytes of one quantised row on the wire: ``hidden`` 1-byte values, then ``hidden // 128``
+    float32 scales (4-byte aligned: ``hidden`` is a multiple of 128)."""
+    return hidden + 4 * (hidden // QUANT_BLOCK)
 
 
 def _format(fmt: str) -> QuantFormat:

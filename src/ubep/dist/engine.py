@@ -106,6 +106,10 @@ class RmaEngine(RmaProtocol):
 
     def __init__(self, config: BufferConfig, layout: SegmentLayout,
                  data: DistGlobalMemory) -> None:
+        if config.quant is not None:
+            raise InvalidArgumentError(
+                "quant", config.quant, "quantised dispatch runs on the native engine (one "
+                "host); the MPI RMA engine moves rows as they are")
         self.lay = layout
         self.data = data
         self.group = data.group

@@ -20,6 +20,7 @@ DTYPES: dict[str, int]
 SYNCS: dict[str, int]
 ENGINES: dict[str, int]
 LAYOUTS: dict[str, int]
+QUANTS: dict[str, int]
 OFFSETS: dict[str, int]
 PARAMS: tuple[str, ...]
 

@@ -70,6 +70,8 @@ DTYPES: dict[str, int] = {name: code for code, name in enumerate(modes.DTYPE_NAM
 SYNCS: dict[str, int] = {name: code for code, name in enumerate(modes.SYNCS)}
 ENGINES: dict[str, int] = {name: code for code, name in enumerate(modes.ENGINES)}
 LAYOUTS: dict[str, int] = {name: code for code, name in enumerate(modes.LAYOUTS)}
+# BufferConfig.quant ("none" for None) -> the engine's code (abi.h QUANT_*)
+QUANTS: dict[str, int] = {"none": 0, "e4m3": 1, "int8": 2}
 
 # --- the segment header (written and checked by ubep.runtime.shm; the engine never reads it) ---
 
@@ -122,7 +124,7 @@ PARAMS = (
     "off_recv_ready", "off_doorbell", "off_comb_info", "off_barrier", "off_inbox",
     "inbox_bytes", "off_route", "route_stride", "route_w_off", "off_land", "land_bytes",
     "off_out", "out_bytes", "off_comb", "comb_bytes", "seg_size", "timeout_ns", "yield_ns",
-    "sp_check_bytes",
+    "sp_check_bytes", "quant", "quant_round_scale",
 )
 
 
@@ -164,6 +166,8 @@ def engine_params(
         timeout_ns=int(config.timeout_s * 1e9),
         yield_ns=int(wait_yield_us_from_env() * 1e3),
         sp_check_bytes=config.sp_check_bytes,
+        quant=QUANTS[config.quant or "none"],
+        quant_round_scale=int(config.quant_round_scale),
     )
     return params
 
@@ -242,7 +246,8 @@ def check_native(native: Any) -> None:
     """Raise ``ImportError`` unless ``native`` exports exactly this module's ABI."""
     ours: dict[str, object] = {
         "ABI": ABI_VERSION, "ERRORS": ERRORS, "DTYPES": DTYPES, "SYNCS": SYNCS,
-        "ENGINES": ENGINES, "LAYOUTS": LAYOUTS, "OFFSETS": OFFSETS, "PARAMS": PARAMS,
+        "ENGINES": ENGINES, "LAYOUTS": LAYOUTS, "QUANTS": QUANTS, "OFFSETS": OFFSETS,
+        "PARAMS": PARAMS,
     }
     for name, want in ours.items():
         got = getattr(native, name, None)

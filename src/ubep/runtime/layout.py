@@ -101,11 +101,13 @@ def compute_layout(
     sync: str,
     tff_block_bytes: int,
     tff_flag_bytes: int,
+    row_bytes: int | None = None,
 ) -> SegmentLayout:
-    """Lay out one rank's segment for a Buffer of this shape."""
+    """Lay out one rank's segment for a Buffer of this shape (``row_bytes``: a row on the
+    wire, when it is not ``hidden * itemsize``: quantised rows)."""
     R, C, T, K = num_ranks, num_cores, max_tokens, num_topk
     L = num_experts // num_ranks
-    row_bytes = hidden * itemsize
+    row_bytes = hidden * itemsize if row_bytes is None else row_bytes
     cap_src_rows = T * min(K, L) if layout == "expert" else T
     cap_rows = R * cap_src_rows
     if sync == "tff":

@@ -14,6 +14,8 @@
 
 /* codes shared with Python (the names are ubep.runtime.abi's dict keys) */
 enum { DT_BF16 = 0, DT_FP16 = 1, DT_FP32 = 2, DT_INT8 = 3, DT_UINT8 = 4 };
+/* dispatch quantises rows (BufferConfig.quant): none, E4M3 or INT8 values + float32 scales */
+enum { QUANT_NONE = 0, QUANT_E4M3 = 1, QUANT_INT8 = 2 };
 enum { SYNC_SW = 0, SYNC_TFF = 1, SYNC_DC = 2, SYNC_SP = 3 };
 enum { ENG_ASP = 0, ENG_BSP = 1 };
 enum { LAY_EXPERT = 0, LAY_RANK = 1 };

@@ -821,6 +821,29 @@ static int ph_d_receive(op_t *op, int core) {
     return rc;
 }
 
+/* Quantised rows (BufferConfig.quant): every token once, each core its share, into qstage, the
+ * rows every destination then gets a plain copy of (a token goes to up to top-k rows: one
+ * quantisation each, not one per row). Local work: before anything is sent. */
+int ph_d_quant(op_t *op, int core) {
+    engine_t *g = op->g;
+    int64_t lo = op->ntok * core / g->C, hi = op->ntok * (core + 1) / g->C;
+    for (int64_t t = lo; t < hi; t++) {
+        uint8_t *row = g->qstage + t * g->row_bytes;
+        QUANT_ROW(op->x_in + t * g->x_row_bytes, g->dt, g->hidden, row,
+                  (float *)(row + g->hidden), g->quant_round, g->quant == QUANT_INT8);
+    }
+    return 0;
+}
+
+static const phase_t ASP_DISPATCH_QUANT_PHASES[] = {
+    {ph_d_quant, 1, 1},
+    {ph_d_prepare, 0, 1},
+    {ph_d_count, 1, 0},
+    {ph_d_send, 1, 0},
+    {ph_d_receive, 1, 0},
+};
+const phase_list_t ASP_DISPATCH_QUANT = PHASE_LIST(ASP_DISPATCH_QUANT_PHASES, 4);
+
 static const phase_t ASP_DISPATCH_PHASES[] = {
     {ph_d_prepare, 0, 1},
     {ph_d_count, 1, 0}, /* no barrier: a thread goes on to its sends, others still count */

@@ -89,8 +89,13 @@ typedef struct engine {
     int64_t timeout_ns;    /* timeout_ns: deadline of every wait of one call */
     int64_t yield_ns;      /* yield_ns: a wait yields this long before it sleeps */
     int64_t sp_tail;       /* sp_check_bytes: SP's armed and polled tail of a row (0: all) */
+    int quant;             /* quant: QUANT_* (rows are quantised once per token, kernels.h) */
+    int quant_round;       /* quant_round_scale: UE8M0 scales */
     /* derived */
     int64_t tff_payload, tff_nblocks; /* payload bytes per TFF block, blocks per row */
+    int64_t x_row_bytes;   /* a row of the caller's x: row_bytes, or hidden * itemsize when
+                            * rows are quantised (row_bytes is then the quantised row) */
+    uint8_t *qstage;       /* quant: [T][row_bytes] this call's quantised rows (the send source) */
     uint8_t **base;
     int *pids;
     unsigned long long *starts;
@@ -155,7 +160,8 @@ typedef struct op {
     int par;      /* epoch parity: which inbox / comb_info slot */
     int64_t deadline;
     /* dispatch inputs */
-    const uint8_t *x;
+    const uint8_t *x;     /* the rows sent: the caller's x, or the quantised rows (qstage) */
+    const uint8_t *x_in;  /* the caller's x */
     int64_t ntok;
     const int64_t *topk;
     const float *w;
@@ -331,6 +337,9 @@ typedef struct phase_list {
 } phase_list_t;
 #define PHASE_LIST(a, split) {(a), (int)(sizeof(a) / sizeof((a)[0])), (split)}
 extern const phase_list_t ASP_DISPATCH, BSP_DISPATCH, ASP_COMBINE, BSP_COMBINE;
+/* dispatch with quantised rows: a quant phase (every core its share of the tokens) first */
+extern const phase_list_t ASP_DISPATCH_QUANT, BSP_DISPATCH_QUANT;
+int ph_d_quant(op_t *op, int core);
 
 /* wait.c: errors, failure notices, liveness, waits, end of an operation */
 int op_error(op_t *op, int code, int core, int peer, const char *fmt, ...)

@@ -101,6 +101,8 @@ static const param_t PARAMS[] = {
     PARAM("timeout_ns", timeout_ns, P_I64),
     PARAM("yield_ns", yield_ns, P_I64),
     PARAM("sp_check_bytes", sp_tail, P_I64),
+    PARAM("quant", quant, P_INT),
+    PARAM("quant_round_scale", quant_round, P_INT),
 };
 #define NUM_PARAMS ((Py_ssize_t)(sizeof PARAMS / sizeof PARAMS[0]))
 
@@ -155,7 +157,7 @@ static void engine_free_scratch(engine_t *g) {
     free(g->route_snap); free(g->ci_off); free(g->ci_rows);
     free(g->threads); free(g->e2d); free(g->e2l);
     free((void *)g->term_ptr); free(g->term_w);
-    free((void *)g->counted);
+    free((void *)g->counted); free(g->qstage);
     free(g->core_units); free(g->core_dsts); free(g->core_unit_log); free(g->core_dst_log);
     g->base = NULL;
 }
@@ -181,10 +183,13 @@ static int engine_init(engine_t *g, PyObject *args, PyObject *kwds) {
     if (g->isz > 1) g->sp_tail -= g->sp_tail % g->isz;
     if (g->R < 1 || g->R > 64 || g->C < 1 || g->C > 256 || g->L < 1 || g->K < 1 ||
         g->cdt < 0 || g->cdt > 2 || g->rank < 0 || g->rank >= g->R || g->nreg < 1 ||
-        g->nreg > 8 || (g->nland != 1 && g->nland != g->nreg)) {
+        g->nreg > 8 || (g->nland != 1 && g->nland != g->nreg) || g->quant < QUANT_NONE ||
+        g->quant > QUANT_INT8 || (g->quant && (g->dt > DT_FP32 || g->hidden % QUANT_BLOCK ||
+                                               g->sync == SYNC_SP))) {
         PyErr_SetString(PyExc_ValueError, "engine: parameters out of range (num_ranks <= 64)");
         return -1;
     }
+    g->x_row_bytes = g->quant ? (int64_t)g->hidden * g->isz : g->row_bytes;
     g->tff_payload = g->tff_block - g->tff_flag;
     g->tff_nblocks = g->tff_payload > 0 ? (g->row_bytes + g->tff_payload - 1) / g->tff_payload : 0;
     if (!PySequence_Check(bases) || PySequence_Size(bases) != g->R ||
@@ -222,6 +227,7 @@ static int engine_init(engine_t *g, PyObject *args, PyObject *kwds) {
     g->term_ptr = calloc((size_t)C * maxt, sizeof(void *));
     g->term_w = calloc((size_t)C * maxt, sizeof(float));
     g->counted = calloc((size_t)R, sizeof(uint64_t));
+    g->qstage = calloc(g->quant ? (size_t)g->T * (size_t)g->row_bytes + 1 : 1, 1);
     g->core_units = calloc((size_t)C, sizeof(int64_t));
     g->core_dsts = calloc((size_t)C, sizeof(int64_t));
     g->core_unit_log = calloc((size_t)C * (size_t)(g->T * g->K) + 1, sizeof(int32_t));
@@ -233,7 +239,7 @@ static int engine_init(engine_t *g, PyObject *args, PyObject *kwds) {
         g->u_slot, g->stamp, g->my_rank_in_batch, (const void *)g->remaining,
         (const void *)g->dc_s1, (const void *)g->dc_s2, g->core_base, g->core_ready, g->rx_base,
         g->rx_rows, g->rx_cnt, g->tx_rows, g->tx_cnt, g->route_snap, g->ci_off, g->ci_rows,
-        g->e2d, g->e2l, (const void *)g->term_ptr, g->term_w, (const void *)g->counted, g->core_units,
+        g->e2d, g->e2l, (const void *)g->term_ptr, g->term_w, (const void *)g->counted, g->qstage, g->core_units,
         g->core_dsts, g->core_unit_log, g->core_dst_log,
     };
     int missing = 0;
@@ -471,7 +477,7 @@ static PyObject *engine_dispatch(engine_t *g, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "engine: num_tokens out of range");
         return NULL;
     }
-    if (get_buf(ox, &b[0], 0, "x", ntok * g->row_bytes) ||
+    if (get_buf(ox, &b[0], 0, "x", ntok * g->x_row_bytes) ||
         get_buf(oidx, &b[1], 0, "topk_idx", ntok * K * 8) ||
         get_buf(ow, &b[2], 0, "topk_weights", ntok * K * 4) ||
         get_buf(o1, &b[3], 1, "recv_topk_idx", nrows * meta_w * 8) ||
@@ -487,7 +493,8 @@ static PyObject *engine_dispatch(engine_t *g, PyObject *args) {
     op_t *op = &c->op;
     op_init(op, g, 0, epoch);
     op->n = n;
-    op->x = b[0].b.buf; op->ntok = ntok; op->topk = b[1].b.buf; op->w = b[2].b.buf;
+    op->x_in = b[0].b.buf; op->ntok = ntok; op->topk = b[1].b.buf; op->w = b[2].b.buf;
+    op->x = g->quant ? g->qstage : op->x_in; /* quantised rows: the quant phase fills them */
     op->o_idx = b[3].b.buf; op->o_w = b[4].b.buf; op->o_src_rank = b[5].b.buf;
     op->o_src_tok = b[6].b.buf; op->o_src_k = b[7].b.buf; op->o_nrecv = b[8].b.buf;
     op->o_dst_row = b[9].b.buf;
@@ -495,7 +502,8 @@ static PyObject *engine_dispatch(engine_t *g, PyObject *args) {
         call_free(c);
         return NULL;
     }
-    c->phases = g->eng == ENG_ASP ? &ASP_DISPATCH : &BSP_DISPATCH;
+    c->phases = g->eng == ENG_ASP ? (g->quant ? &ASP_DISPATCH_QUANT : &ASP_DISPATCH)
+                                  : (g->quant ? &BSP_DISPATCH_QUANT : &BSP_DISPATCH);
     return call_run(g, c, split);
 }
 
@@ -764,6 +772,8 @@ static const named_t SYNC_CODES[] = {
 };
 static const named_t ENGINE_CODES[] = {{"asp", ENG_ASP}, {"bsp", ENG_BSP}};
 static const named_t LAYOUT_CODES[] = {{"expert", LAY_EXPERT}, {"rank", LAY_RANK}};
+static const named_t QUANT_CODES[] = {
+    {"none", QUANT_NONE}, {"e4m3", QUANT_E4M3}, {"int8", QUANT_INT8}};
 #define AT(name, rec, field) {name, (long long)offsetof(rec, field)}
 static const named_t RECORD_OFFSETS[] = {
     {"HEADER_BYTES", HEADER_BYTES},
@@ -837,6 +847,7 @@ static int add_exports(PyObject *m) {
         add_named(m, "SYNCS", SYNC_CODES, NAMED_LEN(SYNC_CODES)) ||
         add_named(m, "ENGINES", ENGINE_CODES, NAMED_LEN(ENGINE_CODES)) ||
         add_named(m, "LAYOUTS", LAYOUT_CODES, NAMED_LEN(LAYOUT_CODES)) ||
+        add_named(m, "QUANTS", QUANT_CODES, NAMED_LEN(QUANT_CODES)) ||
         add_named(m, "OFFSETS", RECORD_OFFSETS, NAMED_LEN(RECORD_OFFSETS)))
         return -1;
     if (PyModule_AddIntConstant(m, "ABI", UBEP_ABI_VERSION) < 0 ||
