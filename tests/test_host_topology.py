@@ -3,7 +3,10 @@ expected hop matrix is a closed form of the rank numbers, written out independen
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -156,3 +159,41 @@ def test_this_host_has_one_class_between_ranks() -> None:
     assert t.num_ranks == 2 and t.hop(0, 0) == 0 and t.hop(0, 1) >= 1
     if len(set(cpu_domains()["llc"].values())) <= 1:
         assert t == topo.host(2, 1)
+
+
+_ENV_CHILD = """
+import json, os, sys
+import ubep.runtime.group as G
+from ubep.runtime.host_topology import host_topology
+rank = int(os.environ["UBEP_RANK"])
+seen = []
+G.own_cpus = lambda: [3 - rank]  # as if rank r were pinned to CPU 3 - r
+def recording(cpu_sets):
+    seen.append([list(s) for s in cpu_sets])
+    return host_topology(cpu_sets, cores_per_rank=1, sysfs_root=sys.argv[1])
+G.host_topology = recording
+g = G.group_from_env()
+print(json.dumps({"seen": seen, "hops": g.topology.hop_matrix().tolist()}))
+g.close()
+"""
+
+
+def test_the_group_builds_its_topology_from_every_ranks_affinity(tmp_path: Path) -> None:
+    """Two env-launched ranks publish their (faked) affinities at rendezvous; each builds the
+    topology from both, in rank order."""
+    root = two_sockets_two_llcs(tmp_path / "sys")
+    rdv = tmp_path / "rdv"
+    rdv.mkdir(mode=0o700)
+    procs = [subprocess.Popen(
+        [sys.executable, "-c", _ENV_CHILD, root], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env=dict(os.environ, UBEP_RANK=str(r), UBEP_WORLD_SIZE="2",
+                            UBEP_RENDEZVOUS=str(rdv)),
+    ) for r in range(2)]
+    outs = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=120)
+        assert p.returncode == 0, stderr
+        outs.append(json.loads(stdout.strip().splitlines()[-1]))
+    for out in outs:
+        assert out["seen"] == [[3], [2]]
+        assert out["hops"] == [[0, 1], [1, 0]]  # CPUs 3 and 2 share an LLC: one class
