@@ -195,5 +195,5 @@ def test_the_group_builds_its_topology_from_every_ranks_affinity(tmp_path: Path)
         assert p.returncode == 0, stderr
         outs.append(json.loads(stdout.strip().splitlines()[-1]))
     for out in outs:
-        assert out["seen"] == [[3], [2]]
+        assert out["seen"] == [[[3], [2]]]  # one call, both ranks in rank order
         assert out["hops"] == [[0, 1], [1, 0]]  # CPUs 3 and 2 share an LLC: one class
