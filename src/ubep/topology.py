@@ -148,6 +148,13 @@ NVL72_CORES = 48
 # ~0.2 us); memcpy ~12.7 GB/s in one process. Hop 0 is a copy inside the rank's own memory.
 HOST_LATENCY_NS = (100.0, 200.0)
 HOST_BANDWIDTH_GBPS = 12.7
+# ASSUMED, not measured (this 2-core VM has one class between ranks): on hosts where /sys shows
+# ranks pinned to different last-level caches, packages or NUMA nodes
+# (``ubep.runtime.host_topology``), each farther class costs twice the latency of the one before,
+# as core-to-core cache-line transfers roughly do on current x86 servers (same L3 < across L3s
+# < across sockets). The bandwidth stays 12.7 GB/s in every class: one core's memcpy, not the
+# socket interconnect, bounds a rank's copy.
+HOST_FARTHER_LATENCY_FACTOR = 2.0
 
 
 def cm384(num_ranks: int, ranks_per_node: int = 16, cores_per_rank: int = CM384_CORES) -> Topology:
@@ -195,7 +202,11 @@ def nvl576(num_ranks: int = 576, cores_per_rank: int = NVL72_CORES) -> Topology:
 
 
 def host(num_ranks: int, cores_per_rank: int | None = None) -> Topology:
-    """This machine: ranks are processes on one host, one hop apart (shared memory)."""
+    """This machine: ranks are processes on one host, one hop apart (shared memory).
+
+    The groups build their topology with ``ubep.runtime.host_topology.host_topology``, which is
+    this preset unless the ranks' CPU affinities and ``/sys`` show more than one class between
+    ranks (shared last-level caches, packages, NUMA nodes)."""
     if cores_per_rank is None:
         cores_per_rank = max(1, min(4, (os.cpu_count() or 1) // max(1, num_ranks)))
     return Topology(

@@ -33,6 +33,7 @@ from .. import topology as topo
 from ..env import dist_ranks_per_host_from_env, timeout_s_from_env
 from ..errors import InvalidArgumentError, PeerLostError, TimeoutError, UbepError
 from ..runtime.group import process_alive, process_start_time
+from ..runtime.poll import Backoff, wait_until
 from .memory import DistGlobalMemory
 
 __all__ = ["DistGroup", "init", "load_mpi"]
@@ -42,7 +43,8 @@ __all__ = ["DistGroup", "init", "load_mpi"]
 _HOST_LATENCY_NS = topo.HOST_LATENCY_NS
 _NET_LATENCY_NS = 2000.0
 _NET_BANDWIDTH_GBPS = 12.0
-_LIVENESS_PERIOD_S = 0.02
+# Test() drives MPI progress: poll hot for 1000 tests, then sleep (up to 1 ms) between tests.
+_BACKOFF = Backoff(spin_polls=1000, sleep_slope=1.0)
 
 
 def load_mpi() -> Any:
@@ -263,23 +265,19 @@ class DistGroup:
         # A request that timed out stays posted (MPI cannot cancel a collective): after a
         # TimeoutError or PeerLostError here the group is not usable any more.
         timeout = self.default_timeout_s if timeout_s is None else float(timeout_s)
-        deadline = time.monotonic() + timeout
-        next_check = time.monotonic() + _LIVENESS_PERIOD_S
-        spins = 0
-        while not request.Test():
-            spins += 1
-            now = time.monotonic()
-            if now >= next_check:
-                next_check = now + _LIVENESS_PERIOD_S
-                dead = self.dead_peers()
-                if dead:
-                    raise PeerLostError(
-                        f"rank {self.rank}: rank(s) {dead} died while this rank waited in {what}"
-                    )
-            if now >= deadline:
-                raise TimeoutError(f"rank {self.rank}: {what} timed out after {timeout:.3g} s")
-            if spins > 1000:
-                time.sleep(min(1e-3, spins * 1e-6))
+
+        def check_peers() -> None:
+            dead = self.dead_peers()
+            if dead:
+                raise PeerLostError(
+                    f"rank {self.rank}: rank(s) {dead} died while this rank waited in {what}"
+                )
+
+        def timed_out(waited_s: float) -> BaseException:
+            return TimeoutError(f"rank {self.rank}: {what} timed out after {timeout:.3g} s")
+
+        wait_until(request.Test, time.monotonic() + timeout, check_peers=check_peers,
+                   timed_out=timed_out, backoff=_BACKOFF)
 
     def _free_released(self, timeout_s: float | None, everything: bool = False) -> None:
         """Free, on every rank, the windows every rank has released (collective)."""

@@ -30,6 +30,8 @@ import numpy as np
 from .. import topology as topo
 from ..env import launch_env, timeout_s_from_env
 from ..errors import InvalidArgumentError, PeerLostError, TimeoutError, UbepError
+from .host_topology import host_topology, own_cpus
+from .poll import Backoff, wait_until
 
 # the liveness test and start times are the reaper's (standard library only; one copy)
 from .reaper import alive as process_alive
@@ -51,8 +53,8 @@ __all__ = [
 
 _GROUP_SEGMENT_BYTES = 4096
 _BARRIER_OFFSET = HEADER_BYTES  # u64 counter: number of barriers this rank has entered
-_LIVENESS_PERIOD_S = 0.02
-_YIELD_S = 0.05  # waits yield this long before they start to sleep
+# spin 64 polls, yield for 50 ms, then sleep up to 1 ms (see Group._poll)
+_BACKOFF = Backoff(spin_polls=64, yield_s=0.05, sleep_slope=0.1)
 
 
 class GlobalMemory(Protocol):
@@ -145,7 +147,9 @@ class Group:
     Attributes:
         rank: this process's rank.
         num_ranks: number of ranks.
-        topology: the fabric model (default :func:`ubep.topology.host`).
+        topology: the fabric model (default: the host's, from the ranks' CPU affinities and
+            ``/sys``, :func:`ubep.runtime.host_topology.host_topology`; on a host that shows one
+            class between ranks that is :func:`ubep.topology.host`).
         group_id: 16 random bytes shared by the group (stamped into every segment header).
         rendezvous: the rendezvous directory.
         peers: liveness handles of every rank (this one included).
@@ -165,15 +169,13 @@ class Group:
             raise InvalidArgumentError("num_ranks", num_ranks, "must be a positive integer")
         if not isinstance(rank, int) or not 0 <= rank < num_ranks:
             raise InvalidArgumentError("rank", rank, f"must be in [0, {num_ranks})")
-        if topology is None:
-            topology = topo.host(num_ranks)
-        if topology.num_ranks != num_ranks:
+        if topology is not None and topology.num_ranks != num_ranks:
             raise InvalidArgumentError(
                 "topology", topology.name, f"has {topology.num_ranks} ranks, group has {num_ranks}"
             )
         self.rank = rank
         self.num_ranks = num_ranks
-        self.topology = topology
+        self.topology = topology or topo.host(num_ranks)  # from /sys once every rank said hello
         self.rendezvous = rendezvous
         self.default_timeout_s = timeout_s_from_env() if timeout_s is None else float(timeout_s)
         self._seq = 0  # allgather sequence number
@@ -187,6 +189,8 @@ class Group:
             hello = self._rendezvous(group_id, deadline)
             self.group_id: bytes = bytes.fromhex(hello[0]["group_id"])
             self.peers = [PeerProcess(r, h["pid"], h["start_time"]) for r, h in enumerate(hello)]
+            if topology is None:
+                self.topology = host_topology([h.get("cpus") for h in hello])
             self._segments = self._map_group_segments(hello)
             self._counters = [
                 seg.array[_BARRIER_OFFSET:_BARRIER_OFFSET + 8].view(np.uint64)
@@ -314,43 +318,35 @@ class Group:
         return os.path.join(self.rendezvous, name)
 
     def _poll(self, missing: Callable[[], list[int]], deadline: float, what: str) -> None:
-        """Wait until ``missing()`` is empty: spin, then yield, then sleep; check liveness.
+        """Wait until ``missing()`` (the ranks not there yet) is empty, checking liveness.
 
         Yielding (not sleeping) for the first 50 ms keeps the exit skew of a barrier at a few
         microseconds, which benchmarks that time one call between two barriers rely on.
         """
-        spins = 0
-        start = time.monotonic()
-        next_check = start + _LIVENESS_PERIOD_S
-        while True:
-            left = missing()
-            if not left:
-                return
-            spins += 1
-            if spins < 64:
-                continue
-            now = time.monotonic()
-            if now >= next_check:
-                next_check = now + _LIVENESS_PERIOD_S
-                # Before the rendezvous completes, a rank that said hello and died is as lost as
-                # one missing later (it will never reach the barrier).
-                known = self.peers if hasattr(self, "peers") else list(self._known.values())
-                dead = [p.rank for p in known if p.rank != self.rank and not p.alive()
-                        and (p.rank in left or not hasattr(self, "peers"))]
-                if dead:
-                    remove_dead_owners_segments(self.rendezvous)
-                    raise PeerLostError(
-                        f"rank {self.rank}: rank(s) {dead} died while this rank waited in {what}"
-                    )
-            if now >= deadline:
+        left: list[int] = []
+
+        def ready() -> bool:
+            left[:] = missing()
+            return not left
+
+        def check_peers() -> None:
+            # Before the rendezvous completes, a rank that said hello and died is as lost as
+            # one missing later (it will never reach the barrier).
+            known = self.peers if hasattr(self, "peers") else list(self._known.values())
+            dead = [p.rank for p in known if p.rank != self.rank and not p.alive()
+                    and (p.rank in left or not hasattr(self, "peers"))]
+            if dead:
                 remove_dead_owners_segments(self.rendezvous)
-                raise TimeoutError(
-                    f"rank {self.rank}: {what} timed out waiting for rank(s) {left}"
+                raise PeerLostError(
+                    f"rank {self.rank}: rank(s) {dead} died while this rank waited in {what}"
                 )
-            if now - start < _YIELD_S:
-                os.sched_yield()
-            else:
-                time.sleep(min(1e-3, (now - start - _YIELD_S) * 0.1 + 1e-5))
+
+        def timed_out(waited_s: float) -> BaseException:
+            remove_dead_owners_segments(self.rendezvous)
+            return TimeoutError(f"rank {self.rank}: {what} timed out waiting for rank(s) {left}")
+
+        wait_until(ready, deadline, check_peers=check_peers, timed_out=timed_out,
+                   backoff=_BACKOFF)
 
     def _rendezvous(self, group_id: bytes | None, deadline: float) -> list[dict[str, Any]]:
         if self.rank == 0 and group_id is None:
@@ -367,6 +363,7 @@ class Group:
             "pid": os.getpid(),
             "uid": os.getuid(),
             "start_time": process_start_time(os.getpid()),
+            "cpus": own_cpus(),  # the host topology's hop classes
             "segment": self._own_segment.name,
             "group_id": group_id.hex() if group_id is not None else None,
         }

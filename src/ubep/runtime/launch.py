@@ -52,6 +52,7 @@ __all__ = ["launch"]
 # After the first failure, how long the other ranks get to finish or fail on their own.
 _GRACE_S = 10.0
 _CONSEQUENTIAL = (PeerLostError.__name__, RemoteError.__name__)
+_REAPER_START_S = 30.0  # a stdlib-only script: tens of ms, unless the host is overloaded
 _REAPER_EXIT_S = 10.0
 _PR_SET_PDEATHSIG = 1
 
@@ -135,35 +136,23 @@ def launch(
         _stop_reaper(reaper)  # it removes the directory
 
 
-def _start_reaper() -> tuple[subprocess.Popen[str], str]:
+def _start_reaper() -> tuple[subprocess.Popen[bytes], str]:
     """The reaper process (its own session) and the rendezvous directory it created."""
-    proc = subprocess.Popen(
-        [sys.executable, "-I", "-S", _reaper.__file__], stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE, text=True, start_new_session=True,
-    )
-    assert proc.stdout is not None
-    path = proc.stdout.readline().strip()
+    proc, path = _reaper.spawn(_REAPER_START_S)
     if not path:
-        proc.kill()
-        proc.wait()
-        raise UbepError(f"ubep.launch: the reaper process exited with code {proc.poll()} "
-                        "before creating the rendezvous directory")
+        raise UbepError(f"ubep.launch: the reaper process did not start (exit code "
+                        f"{proc.returncode}) and created no rendezvous directory")
     return proc, path
 
 
-def _register(reaper: subprocess.Popen[str], pid: int | None) -> None:
-    assert reaper.stdin is not None and pid is not None
-    reaper.stdin.write(f"{pid} {_reaper.start_time_of(pid)}\n")
-    reaper.stdin.flush()
+def _register(reaper: subprocess.Popen[bytes], pid: int | None) -> None:
+    assert pid is not None
+    _reaper.feed(reaper, [(pid, _reaper.start_time_of(pid))])
 
 
-def _stop_reaper(reaper: subprocess.Popen[str]) -> None:
+def _stop_reaper(reaper: subprocess.Popen[bytes]) -> None:
     """End of input: the reaper sees every rank gone, removes the directory and exits."""
-    assert reaper.stdin is not None and reaper.stdout is not None
-    reaper.stdin.close()
-    with contextlib.suppress(subprocess.TimeoutExpired):  # then it finishes on its own
-        reaper.wait(_REAPER_EXIT_S)
-    reaper.stdout.close()
+    _reaper.end_feed(reaper, _REAPER_EXIT_S)
 
 
 def _collect(procs: list[Any], readers: list[Connection], timeout_s: float) -> list[Any]:

@@ -1,18 +1,21 @@
-"""Clean-up that survives SIGKILL of a whole ``ubep.launch`` job: the reaper process.
+"""Clean-up that survives SIGKILL of a whole job: the reaper process of ``ubep.launch`` and of a
+torch.distributed-backed group (``ubep.torch.group``, for jobs ``torchrun`` started).
 
-``ubep.launch`` starts this file as a script (``python -I reaper.py``: standard library only,
-nothing of ubep is imported, so it starts in a few tens of milliseconds) in a session of its own,
-so a signal to the job's process group does not reach it. The reaper
+The job's feeder (the ``ubep.launch`` parent, or group rank 0 of a torch group) starts this file
+as a script (``python -I -S reaper.py FEEDER_PID FEEDER_START``: standard library only, nothing
+of ubep is imported, so it starts in a few tens of milliseconds) in a session of its own, so a
+signal to the job's process group does not reach it. One protocol for both:
 
-1. creates the private rendezvous directory (mode 0700) and writes its path to stdout: the
-   directory exists only while a reaper is there to remove it;
-2. reads the pids of the ranks from stdin as the launcher starts them (``<pid> <start time>``
-   per line);
-3. at end of file on stdin (the launcher returned, raised, or was killed: the kernel closes
-   the pipe in every case) waits until every rank has exited (ranks die with their launcher,
-   see ``launch._child_main``), then unlinks every shared-memory segment whose name is recorded
-   in the directory (a marker is written before the segment is created) and removes the
-   directory.
+1. it creates the private directory (``mkdtemp``, mode 0700) and writes its path to stdout:
+   the directory exists only while a reaper is there to remove it;
+2. it reads the ranks from stdin, ``<pid> <start time>`` per line, as the feeder learns them
+   (the launcher as it starts each rank; torch rank 0 all at once after the bootstrap);
+3. at end of file on stdin (the feeder closed it, returned, raised or was killed: the kernel
+   closes the pipe in every case), or once the feeder is gone, it waits until every listed rank
+   and the creator of every recorded segment has exited (ranks of ``ubep.launch`` die with their
+   launcher, see ``launch._child_main``; ranks of torchrun run as long as the job), then unlinks
+   every shared-memory segment whose name is recorded in the directory (a marker is written
+   before the segment is created) and removes the directory.
 
 The same marker sweep is used by the launcher itself, and by the ranks of an env-var launch
 (``remove_dead_owners_segments``: only segments whose creator process is gone).
@@ -22,15 +25,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
 
 SHM_DIR = "/dev/shm"
 MARKER_PREFIX = "segment."
-_RANKS_EXIT_S = 30.0  # a rank killed by its parent's death is gone in milliseconds
-_POLL_S = 0.02
+# How often the feeder's (stdin open), then the ranks' liveness is checked: a torchrun job runs
+# for hours beside its reaper, which must stay cheap; a finished launch's ranks are gone at once.
+_POLL_S = 0.1
 
 
 def valid_segment_name(name: str) -> bool:
@@ -133,31 +139,101 @@ def remove_dead_owners_segments(marker_dir: str) -> list[str]:
     return removed
 
 
-def _wait_gone(ranks: list[tuple[int, int]]) -> None:
-    deadline = time.monotonic() + _RANKS_EXIT_S
-    while any(alive(p, s) for p, s in ranks) and time.monotonic() < deadline:
+# --- the feeder's side (ubep.launch, ubep.torch.group) ------------------------------------
+
+
+def spawn(timeout_s: float) -> tuple[subprocess.Popen[bytes], str]:
+    """Start the reaper of this process's job (its own session, this process its feeder).
+
+    Returns the process and the private directory it created; the directory is ``""`` when the
+    reaper reported none within ``timeout_s`` seconds (it is then killed; the caller raises).
+    Its stderr is closed: it outlives the job, and must not hold a launcher's log pipe open.
+    """
+    me = os.getpid()
+    proc = subprocess.Popen(
+        [sys.executable, "-I", "-S", os.path.abspath(__file__), str(me), str(start_time_of(me))],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], max(0.0, timeout_s))
+    directory = proc.stdout.readline().decode().strip() if ready else ""
+    proc.stdout.close()
+    if not directory:
+        proc.kill()
+        proc.wait()
+    return proc, directory
+
+
+def feed(proc: subprocess.Popen[bytes], ranks: list[tuple[int, int]]) -> None:
+    """List ranks, ``(pid, start time)`` each, to the reaper ``proc``."""
+    assert proc.stdin is not None
+    proc.stdin.write("".join(f"{pid} {start}\n" for pid, start in ranks).encode())
+    proc.stdin.flush()
+
+
+def end_feed(proc: subprocess.Popen[bytes], wait_s: float = 0.0) -> None:
+    """End the list (the reaper cleans up once the listed ranks are gone); wait up to ``wait_s``
+    seconds for it to exit (0: do not wait). A reaper that already died is no error here."""
+    assert proc.stdin is not None
+    with contextlib.suppress(OSError):
+        proc.stdin.close()
+    if wait_s > 0:
+        with contextlib.suppress(subprocess.TimeoutExpired):  # then it finishes on its own
+            proc.wait(wait_s)
+
+
+# --- the reaper's side ----------------------------------------------------------------------
+
+
+def _read_ranks(feeder: tuple[int, int] | None) -> list[tuple[int, int]]:
+    """The ``(pid, start time)`` lines of stdin until end of file, or until ``feeder`` is gone
+    (a child that inherited the pipe may hold it open after the feeder died)."""
+    ranks: list[tuple[int, int]] = []
+    pending = b""
+    fd = sys.stdin.fileno()
+    while True:
+        ready, _, _ = select.select([fd], [], [], _POLL_S)
+        if ready:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            *lines, pending = (pending + chunk).split(b"\n")
+            ranks += _parse(lines)
+        elif feeder is not None and not alive(*feeder):
+            break
+    return ranks + _parse([pending])
+
+
+def _parse(lines: list[bytes]) -> list[tuple[int, int]]:
+    out = []
+    for line in lines:
+        with contextlib.suppress(ValueError):
+            pid, start = (int(v) for v in line.split())
+            out.append((pid, start))
+    return out
+
+
+def _wait_gone(processes: list[tuple[int, int]]) -> None:
+    while any(alive(pid, start) for pid, start in processes):
         time.sleep(_POLL_S)
 
 
-def main() -> int:
-    rendezvous = tempfile.mkdtemp(prefix="ubep-rdv-")
+def main(argv: list[str]) -> int:
+    feeder = (int(argv[1]), int(argv[2])) if len(argv) == 3 else None
+    directory = tempfile.mkdtemp(prefix="ubep-rdv-")
     try:
-        sys.stdout.write(rendezvous + "\n")
+        sys.stdout.write(directory + "\n")
         sys.stdout.flush()
-        ranks: list[tuple[int, int]] = []
-        for line in sys.stdin:  # until the launcher closes the pipe or dies
-            with contextlib.suppress(ValueError):
-                pid, start = (int(v) for v in line.split())
-                ranks.append((pid, start))
-        # Ranks get SIGKILL when the launcher dies, a moment after the pipe closed: wait for
-        # the ranks the launcher registered and for the creator of every recorded segment.
+        ranks = _read_ranks(feeder)
+        # The ranks the feeder listed, and the creator of every recorded segment.
         _wait_gone(ranks)
-        _wait_gone([o for _, m in _markers(rendezvous) if (o := _owner(m)) is not None])
+        _wait_gone([o for _, m in _markers(directory) if (o := _owner(m)) is not None])
     finally:
-        remove_marked_segments(rendezvous)
-        shutil.rmtree(rendezvous, ignore_errors=True)
+        remove_marked_segments(directory)
+        shutil.rmtree(directory, ignore_errors=True)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv))

@@ -20,21 +20,21 @@ exactly as in a group of ``ubep.launch``:
   (``ubep.runtime.shm.Segment``: 0600, a 128-bit random name, header-checked by every mapper),
   names exchanged over the torch group, unlinked by ``Buffer`` once every peer mapped them.
 * **Cleanup**: torchrun gives no rendezvous directory and no parent that cleans up after its
-  children, so group rank 0 starts a tiny cleaner process (``_reaper.py``, standard library
-  only, its own session) that creates the group's private directory (segment markers) and,
-  once every rank's process is gone, unlinks whatever segment a killed rank left named and
-  removes the directory. Nothing of the group survives its processes, SIGKILL included.
+  children, so group rank 0 starts the reaper ``ubep.launch`` uses (:mod:`ubep.runtime.reaper`,
+  standard library only, its own session, the same protocol) that creates the group's private
+  directory (segment markers) and, once every rank's process is gone, unlinks whatever segment a
+  killed rank left named and removes the directory. Nothing of the group survives its
+  processes, SIGKILL included.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
-import select
 import socket
 import subprocess
-import sys
 import threading
 import time
 from typing import Any
@@ -46,12 +46,15 @@ import torch.distributed as dist
 from .. import topology as topo
 from ..env import timeout_s_from_env
 from ..errors import InvalidArgumentError, PeerLostError, TimeoutError, UbepError
+from ..runtime import reaper as _reaper_script
 from ..runtime.group import PeerProcess, ShmGlobalMemory, map_shm_global, process_start_time
+from ..runtime.host_topology import host_topology, own_cpus
+from ..runtime.poll import Backoff, wait_until
 
 __all__ = ["TorchGroup", "check_same_host", "from_torch", "host_identity"]
 
-_LIVENESS_PERIOD_S = 0.02
-_REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_reaper.py")
+# Sleep a little between polls, longer the longer the wait: control-plane calls are rare.
+_BACKOFF = Backoff(sleep_slope=0.05)
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
 # Backends that run collectives on CPU tensors (the control plane's JSON bytes).
 _CPU_BACKENDS = ("gloo", "mpi", "ucc")
@@ -117,7 +120,8 @@ class TorchGroup:
         torch_group: the torch.distributed group it runs over.
         rank: this process's rank in ``torch_group`` (not the world rank).
         num_ranks: ranks in ``torch_group``.
-        topology: the fabric model (default :func:`ubep.topology.host`).
+        topology: the fabric model (default: the host's, from the ranks' CPU affinities and
+            ``/sys``, :func:`ubep.runtime.host_topology.host_topology`).
         group_id: 16 random bytes from group rank 0 (stamped into every segment header).
         rendezvous: the group's private directory (segment markers; removed by the cleaner).
         peers: liveness handles of every rank, in group-rank order.
@@ -130,14 +134,12 @@ class TorchGroup:
         self.torch_group = group
         self.rank = int(dist.get_rank(group))
         self.num_ranks = int(dist.get_world_size(group))
-        if topology is None:
-            topology = topo.host(self.num_ranks)
-        if topology.num_ranks != self.num_ranks:
+        if topology is not None and topology.num_ranks != self.num_ranks:
             raise InvalidArgumentError(
                 "topology", topology.name,
                 f"has {topology.num_ranks} ranks, the torch group has {self.num_ranks}",
             )
-        self.topology = topology
+        self.topology = topology or topo.host(self.num_ranks)  # from /sys after the bootstrap
         self.default_timeout_s = timeout_s_from_env() if timeout_s is None else float(timeout_s)
         self.closed = False
         self.peers: list[PeerProcess] = []
@@ -147,6 +149,7 @@ class TorchGroup:
             "pid": os.getpid(),
             "start_time": process_start_time(os.getpid()),
             "uid": os.getuid(),
+            "cpus": own_cpus(),  # the host topology's hop classes
             **host_identity(),
         }
         if self.rank == 0:
@@ -167,6 +170,8 @@ class TorchGroup:
         self.group_id: bytes = bytes.fromhex(hellos[0]["group_id"])
         self.rendezvous: str = hellos[0]["dir"]
         self.peers = [PeerProcess(r, h["pid"], h["start_time"]) for r, h in enumerate(hellos)]
+        if topology is None:
+            self.topology = host_topology([h["cpus"] for h in hellos])
 
     # --- ProcessGroup -------------------------------------------------------------------
 
@@ -265,26 +270,23 @@ class TorchGroup:
     def _wait(self, work: Any, deadline: float, what: str) -> None:
         """Poll a torch Work until done, the deadline, or a dead peer (then the torch group has a
         collective in flight and cannot be used for more collectives: the error says so)."""
-        start = time.monotonic()
-        next_check = start + _LIVENESS_PERIOD_S
-        while not work.is_completed():
-            now = time.monotonic()
-            if now >= next_check:
-                next_check = now + _LIVENESS_PERIOD_S
-                dead = self._dead()
-                if dead:
-                    raise PeerLostError(
-                        f"rank {self.rank}: rank(s) {dead} died while this rank waited in {what} "
-                        "(the torch.distributed group is unusable from here)"
-                    )
-            if now >= deadline:
-                raise TimeoutError(
-                    f"rank {self.rank}: {what} over the torch.distributed group timed out after "
-                    f"{now - start:.1f}s (a rank is missing or at another call; the torch group "
-                    "is unusable from here)"
+        def check_peers() -> None:
+            dead = self._dead()
+            if dead:
+                raise PeerLostError(
+                    f"rank {self.rank}: rank(s) {dead} died while this rank waited in {what} "
+                    "(the torch.distributed group is unusable from here)"
                 )
-            # Sleep a little, longer the longer the wait: control-plane calls are rare.
-            time.sleep(min(1e-3, (now - start) * 0.05 + 1e-5))
+
+        def timed_out(waited_s: float) -> BaseException:
+            return TimeoutError(
+                f"rank {self.rank}: {what} over the torch.distributed group timed out after "
+                f"{waited_s:.1f}s (a rank is missing or at another call; the torch group "
+                "is unusable from here)"
+            )
+
+        wait_until(work.is_completed, deadline, check_peers=check_peers, timed_out=timed_out,
+                   backoff=_BACKOFF)
         try:
             work.wait()
         except RuntimeError as exc:
@@ -297,32 +299,18 @@ class TorchGroup:
 
     def _start_reaper(self, deadline: float) -> str:
         """Start the cleaner (group rank 0) and return the private directory it created."""
-        me = os.getpid()
-        self._reaper = subprocess.Popen(
-            [sys.executable, "-I", "-S", _REAPER, str(me), str(process_start_time(me))],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        assert self._reaper.stdout is not None
-        ready, _, _ = select.select(
-            [self._reaper.stdout], [], [], max(0.0, deadline - time.monotonic())
-        )
-        line = self._reaper.stdout.readline().decode().strip() if ready else ""
-        self._reaper.stdout.close()
-        if not line:
+        self._reaper, directory = _reaper_script.spawn(deadline - time.monotonic())
+        if not directory:
             raise UbepError(f"rank {self.rank}: the group's cleaner process did not start")
-        return line
+        return directory
 
     def _watch(self, processes: list[tuple[int, int]]) -> None:
         """Hand the cleaner the processes it waits for (group rank 0)."""
-        reaper = self._reaper
-        if reaper is None or reaper.stdin is None:
+        if self._reaper is None:
             return
-        try:
-            reaper.stdin.write((json.dumps(processes) + "\n").encode())
-            reaper.stdin.close()
-        except OSError:
-            pass  # it died: nothing we can do from here but keep running
+        with contextlib.suppress(OSError):  # it died: nothing to do from here but keep running
+            _reaper_script.feed(self._reaper, processes)
+        _reaper_script.end_feed(self._reaper)
 
 
 def _check_torch_group(group: Any) -> None:

@@ -54,32 +54,33 @@ AVX2 void fill_avx2(uint8_t *d, int64_t n, int isz, uint64_t pattern) {
         for (; i < n; i += 4) *(uint32_t *)(d + i) = (uint32_t)pattern;
 }
 
-AVX2 int has_pattern2_avx2(const uint16_t *p, int64_t n, uint16_t v) {
-    __m256i pat = _mm256_set1_epi16((short)v), acc = _mm256_setzero_si256();
-    int64_t i = 0;
-    for (; i + 64 <= n; i += 64) {
-        __m256i a = _mm256_cmpeq_epi16(_mm256_loadu_si256((const __m256i *)(p + i)), pat);
-        __m256i b = _mm256_cmpeq_epi16(_mm256_loadu_si256((const __m256i *)(p + i + 16)), pat);
-        __m256i c = _mm256_cmpeq_epi16(_mm256_loadu_si256((const __m256i *)(p + i + 32)), pat);
-        __m256i e = _mm256_cmpeq_epi16(_mm256_loadu_si256((const __m256i *)(p + i + 48)), pat);
+/* Sentinel scans: whether any `width`-byte element (2 or 4) of the `nbytes` bytes at p (a
+ * multiple of 128) equals the element broadcast in `pat`. Four vectors per step, the hits OR-ed
+ * into one accumulator tested once at the end. `width` is a constant at both call sites, so the
+ * branch folds away and each wrapper compiles to the loop it had when it was written out. */
+AVX2 static inline __m256i lanes_equal(const uint8_t *p, __m256i pat, int width) {
+    __m256i x = _mm256_loadu_si256((const __m256i *)p);
+    return width == 2 ? _mm256_cmpeq_epi16(x, pat) : _mm256_cmpeq_epi32(x, pat);
+}
+AVX2 static inline int any_lane_equal(const uint8_t *p, int64_t nbytes, __m256i pat, int width) {
+    __m256i acc = _mm256_setzero_si256();
+    for (int64_t i = 0; i < nbytes; i += 128) {
+        __m256i a = lanes_equal(p + i, pat, width), b = lanes_equal(p + i + 32, pat, width);
+        __m256i c = lanes_equal(p + i + 64, pat, width), e = lanes_equal(p + i + 96, pat, width);
         acc = _mm256_or_si256(acc, _mm256_or_si256(_mm256_or_si256(a, b), _mm256_or_si256(c, e)));
     }
-    int any = !_mm256_testz_si256(acc, acc);
-    for (; i < n; i++) any |= (p[i] == v);
+    return !_mm256_testz_si256(acc, acc);
+}
+AVX2 int has_pattern2_avx2(const uint16_t *p, int64_t n, uint16_t v) {
+    int64_t body = n > 0 ? n & ~(int64_t)63 : 0; /* 128 bytes per vector step */
+    int any = any_lane_equal((const uint8_t *)p, body * 2, _mm256_set1_epi16((short)v), 2);
+    for (int64_t i = body; i < n; i++) any |= (p[i] == v);
     return any;
 }
 AVX2 int has_pattern4_avx2(const uint32_t *p, int64_t n, uint32_t v) {
-    __m256i pat = _mm256_set1_epi32((int)v), acc = _mm256_setzero_si256();
-    int64_t i = 0;
-    for (; i + 32 <= n; i += 32) {
-        __m256i a = _mm256_cmpeq_epi32(_mm256_loadu_si256((const __m256i *)(p + i)), pat);
-        __m256i b = _mm256_cmpeq_epi32(_mm256_loadu_si256((const __m256i *)(p + i + 8)), pat);
-        __m256i c = _mm256_cmpeq_epi32(_mm256_loadu_si256((const __m256i *)(p + i + 16)), pat);
-        __m256i e = _mm256_cmpeq_epi32(_mm256_loadu_si256((const __m256i *)(p + i + 24)), pat);
-        acc = _mm256_or_si256(acc, _mm256_or_si256(_mm256_or_si256(a, b), _mm256_or_si256(c, e)));
-    }
-    int any = !_mm256_testz_si256(acc, acc);
-    for (; i < n; i++) any |= (p[i] == v);
+    int64_t body = n > 0 ? n & ~(int64_t)31 : 0;
+    int any = any_lane_equal((const uint8_t *)p, body * 4, _mm256_set1_epi32((int)v), 4);
+    for (int64_t i = body; i < n; i++) any |= (p[i] == v);
     return any;
 }
 
