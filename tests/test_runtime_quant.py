@@ -3,7 +3,8 @@ equal ``ubep.quant.quantize`` of the reference's received rows, bit for bit; eve
 (metadata, combine in BF16) equals the reference as for any dispatch.
 
 Quantisation is per row, so quantising the rows a rank receives (the oracle) and quantising
-each token before it is sent (the engine) must give the same bytes.
+each token before it is sent (the engine, or the caller with ``x_scales``) must give the same
+bytes.
 """
 
 from __future__ import annotations
@@ -39,12 +40,16 @@ CASES: list[dict[str, Any]] = [
 ]
 
 
-def _one(buf: Buffer, seed: int, hooked: bool) -> list[str]:
+def _one(buf: Buffer, seed: int, hooked: bool, prequant: bool) -> list[str]:
     cfg, r = buf.config, buf.rank
     assert cfg.quant is not None
     xs, idxs, ws = testing.inputs(cfg.dtype, EXPERTS, TOPK, HIDDEN, [13, 9], seed, "uniform")
     xs[0][0, :128] = 0  # a zero block: the floor scale
-    res = buf.dispatch(xs[r], idxs[r], ws[r], return_recv_hook=hooked)
+    if prequant:  # DeepEP's normal-mode FP8 input: quantised by the caller, sent as it is
+        vals, sc = quant.quantize(xs[r], cfg.quant, round_scale=cfg.quant_round_scale)
+        res = buf.dispatch(vals, idxs[r], ws[r], x_scales=sc, return_recv_hook=hooked)
+    else:
+        res = buf.dispatch(xs[r], idxs[r], ws[r], return_recv_hook=hooked)
     res = res.hook() if hooked else res
     refs = reference.dispatch(xs, idxs, ws, EXPERTS, layout=cfg.layout)
     values, scales = quant.quantize(refs[r].recv_x, cfg.quant, round_scale=cfg.quant_round_scale)
@@ -64,8 +69,9 @@ def _worker(group: Any, cases: list[dict[str, Any]]) -> list[str]:
     errors: list[str] = []
     for i, case in enumerate(cases):
         with Buffer(group, _config(**case)) as buf:
-            for step in range(2):
-                errors += [f"{case} step {step}: {e}" for e in _one(buf, 10 * i + step, step == 1)]
+            for step in range(3):
+                errors += [f"{case} step {step}: {e}"
+                           for e in _one(buf, 10 * i + step, step == 1, step == 2)]
     return errors
 
 
@@ -85,3 +91,18 @@ def test_quant_config_errors_name_the_argument(kw: dict[str, Any], argument: str
     with pytest.raises(InvalidArgumentError) as info:
         _config(**kw)
     assert info.value.argument == argument
+
+
+def test_prequantised_rows_need_a_quantising_buffer() -> None:
+    from ubep.call_args import pack_quantized
+
+    values, scales = quant.quantize(np.ones((2, HIDDEN), np.float32), "e4m3")
+    with pytest.raises(InvalidArgumentError) as info:
+        pack_quantized(_config(quant=None), values, scales)
+    assert info.value.argument == "x_scales"
+    with pytest.raises(InvalidArgumentError) as info:
+        pack_quantized(_config(), values, scales[:, :1])
+    assert info.value.argument == "x_scales"
+    rows = pack_quantized(_config(), values, scales)
+    assert rows.shape == (2, quant.row_bytes(HIDDEN))
+    assert np.array_equal(rows[:, HIDDEN:].copy().view(np.float32), scales)

@@ -522,3 +522,39 @@ def test_two_batch_overlap_matches_blocking_calls() -> None:
     world = LocalWorld(R, E)
     for r, got in enumerate(run_threads(lambda r: two_batch_flow(world.backend(r), r), R)):
         check_two_batches(r, got)
+
+
+def normal_fp8_flow(group: Any, rank: int) -> tuple[Any, Any, Any, Any]:
+    """Normal-mode dispatch of rows the caller quantised (DeepEP's ``x = (fp8, scales)``), plain
+    and cached: the received values and scales, and the BF16 dispatch of the same routing."""
+    from ubep.torch.fp8 import quantize_fp8
+
+    buf = Buffer(group, max_tokens_per_rank=max(NUM_TOKENS))
+    x, idx, w = _inputs(rank)
+    q, s = quantize_fp8(x, False)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+    layout = {"num_tokens_per_rank": per_rank, "is_token_in_rank": in_rank,
+              "num_tokens_per_expert": per_expert}
+    (rq, rs), _, _, _, handle, _ = buf.dispatch((q, s), topk_idx=idx, topk_weights=w, **layout)
+    (cq, cs), *_ = buf.dispatch((q, s), handle=handle)
+    plain, *_ = buf.dispatch(x, topk_idx=idx, topk_weights=w, **layout)
+    return rq.view(torch.uint8), rs, plain, torch.equal(cq.view(torch.uint8), rq.view(
+        torch.uint8)) and torch.equal(cs, rs)
+
+
+def check_normal_fp8(got: tuple[Any, Any, Any, Any]) -> None:
+    """The rows arrive as sent: quantising the BF16 rows received gives the same bytes."""
+    from ubep.torch.fp8 import quantize_fp8
+
+    rq, rs, plain, cached_ok = (torch.as_tensor(g) if not isinstance(g, bool) else g
+                                for g in got)
+    q, s = quantize_fp8(plain.to(torch.bfloat16), False)
+    assert torch.equal(rq.to(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(rs.float(), s)
+    assert cached_ok
+
+
+def test_normal_mode_fp8_rows_arrive_as_sent() -> None:
+    world = LocalWorld(R, E)
+    for got in run_threads(lambda r: normal_fp8_flow(world.backend(r), r), R):
+        check_normal_fp8(got)

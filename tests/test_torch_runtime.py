@@ -125,6 +125,7 @@ def _worker(group: Any) -> dict[str, Any]:
     out["deep_ep-normal"] = dep.normal_flow(group, group.rank)
     out["deep_ep-ll-fp8"] = dep.low_latency_flow(group, group.rank, True)
     out["deep_ep-two-batch"] = dep.two_batch_flow(group, group.rank)
+    out["deep_ep-normal-fp8"] = dep.normal_fp8_flow(group, group.rank)
     hf.register(group, layout="expert", max_tokens_per_rank=16, **opts)
     for name, make_cfg in (("qwen3", _qwen3), ("mixtral", _mixtral)):
         model = _build(make_cfg, "ubep")
@@ -221,6 +222,8 @@ def test_deep_ep_facade_on_two_processes(results: list[dict[str, Any]]) -> None:
         y, combined_w, cached_ok = results[r]["deep_ep-normal"]
         dep.check_normal(r, _t(y, torch.bfloat16), _t(combined_w), cached_ok)
         dep.check_low_latency(r, _t(results[r]["deep_ep-ll-fp8"], torch.bfloat16), True)
+        rq, rs, plain, cached_ok = results[r]["deep_ep-normal-fp8"]
+        dep.check_normal_fp8((_t(rq, torch.uint8), _t(rs), _t(plain, torch.bfloat16), cached_ok))
         two = results[r]["deep_ep-two-batch"]
         dep.check_two_batches(r, {
             **two, "ys": [_t(y, torch.bfloat16) for y in two["ys"]],

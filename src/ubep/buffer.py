@@ -215,18 +215,18 @@ class Buffer:
     @overload
     def dispatch(
         self, x: object, topk_idx: object, topk_weights: object, *, copy: bool = ...,
-        return_recv_hook: Literal[False] = ...,
+        return_recv_hook: Literal[False] = ..., x_scales: object = ...,
     ) -> DispatchResult[RuntimeHandle]: ...
 
     @overload
     def dispatch(
         self, x: object, topk_idx: object, topk_weights: object, *, copy: bool = ...,
-        return_recv_hook: Literal[True],
+        return_recv_hook: Literal[True], x_scales: object = ...,
     ) -> PendingCall[DispatchResult[RuntimeHandle]]: ...
 
     def dispatch(
         self, x: object, topk_idx: object, topk_weights: object, *, copy: bool = False,
-        return_recv_hook: bool = False,
+        return_recv_hook: bool = False, x_scales: object = None,
     ) -> DispatchResult[RuntimeHandle] | PendingCall[DispatchResult[RuntimeHandle]]:
         """Send every token to the ranks of its experts (collective).
 
@@ -236,6 +236,9 @@ class Buffer:
             topk_idx: ``[num_tokens, num_topk]`` integer global expert ids, -1 = masked slot.
             topk_weights: ``[num_tokens, num_topk]`` float32.
             copy: return ``recv_x`` as an owned array instead of a view.
+            x_scales: with ``BufferConfig.quant``, ``x`` may come quantised already (DeepEP's
+                normal-mode FP8 input): 1-byte values and these float32 ``[num_tokens, hidden
+                // 128]`` scales travel as they are.
             return_recv_hook: return as soon as this rank's sends are out, with a
                 :class:`~ubep.handle.PendingCall` whose ``hook()`` runs the receive half and
                 returns the result (DeepEP's low-latency hook). Two calls (dispatch or combine)
@@ -250,12 +253,13 @@ class Buffer:
         """
         self._enter()
         try:
-            return self._dispatch(x, topk_idx, topk_weights, copy, return_recv_hook)
+            return self._dispatch(x, topk_idx, topk_weights, copy, return_recv_hook, x_scales)
         finally:
             self._lock.release()
 
     def _dispatch(
-        self, x: object, topk_idx: object, topk_weights: object, copy: bool, hook: bool
+        self, x: object, topk_idx: object, topk_weights: object, copy: bool, hook: bool,
+        x_scales: object,
     ) -> DispatchResult[RuntimeHandle] | PendingCall[DispatchResult[RuntimeHandle]]:
         self._complete_staged_dispatch()
         self._check_in_flight()
@@ -265,7 +269,7 @@ class Buffer:
         self._num_dispatches += 1
         stage = _BEFORE
         try:
-            xa, idx, w = self._check_dispatch_args(x, topk_idx, topk_weights)
+            xa, idx, w = self._check_dispatch_args(x, topk_idx, topk_weights, x_scales)
             plan = self._plan(idx)
             cfg, lay = self.config, self.layout
             ntok = xa.shape[0]
@@ -279,7 +283,7 @@ class Buffer:
             stage = _NATIVE
             got = self._engine.dispatch(
                 xa, idx, w, ntok, epoch, index, o_idx, o_w, meta[0], meta[1], meta[2], counts,
-                o_dst, plan, hook or bool(self._in_flight),
+                o_dst, plan, hook or bool(self._in_flight), x_scales is not None,
             )
             stage = _AFTER
             if type(got) is tuple:
@@ -674,9 +678,10 @@ class Buffer:
             raise
 
     def _check_dispatch_args(
-        self, x: object, topk_idx: object, topk_weights: object
+        self, x: object, topk_idx: object, topk_weights: object, x_scales: object = None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return check_dispatch_args(self.config, self._dtype, x, topk_idx, topk_weights)
+        return check_dispatch_args(self.config, self._dtype, x, topk_idx, topk_weights,
+                                   x_scales)
 
     def _plan(self, idx: np.ndarray) -> Plan | CoreSplit | None:
         """What each core of this rank does (ASP with more than one core; one core validates,

@@ -11,15 +11,20 @@ from . import dtypes as _dt
 from .config import BufferConfig
 from .errors import InvalidArgumentError
 
-__all__ = ["check_dispatch_args", "is_c", "to_array"]
+__all__ = ["check_dispatch_args", "is_c", "pack_quantized", "to_array"]
 
 
 def check_dispatch_args(
-    cfg: BufferConfig, dtype: _dt.DType, x: object, topk_idx: object, topk_weights: object
+    cfg: BufferConfig, dtype: _dt.DType, x: object, topk_idx: object, topk_weights: object,
+    x_scales: object = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``x`` in the Buffer's storage dtype, ``topk_idx`` an owned C-contiguous int64 copy,
-    ``topk_weights`` an owned float32 copy (the handle keeps both): shapes and dtypes checked,
-    each failure an ``InvalidArgumentError`` naming the argument."""
+    """``x`` in the Buffer's storage dtype (with ``x_scales``: :func:`pack_quantized`'s rows),
+    ``topk_idx`` an owned C-contiguous int64 copy, ``topk_weights`` an owned float32 copy (the
+    handle keeps both): shapes and dtypes checked, each failure an ``InvalidArgumentError``
+    naming the argument."""
+    if x_scales is not None:
+        xa = pack_quantized(cfg, x, x_scales)
+        return (xa, *_check_routing(cfg, xa.shape[0], topk_idx, topk_weights))
     storage = dtype.storage
     xa = to_array(x, "x")
     if xa.dtype != storage:
@@ -37,6 +42,11 @@ def check_dispatch_args(
         )
     if not xa.flags.c_contiguous:
         xa = np.ascontiguousarray(xa)
+    return (xa, *_check_routing(cfg, ntok, topk_idx, topk_weights))
+
+
+def _check_routing(cfg: BufferConfig, ntok: int, topk_idx: object,
+                   topk_weights: object) -> tuple[np.ndarray, np.ndarray]:
     idx = to_array(topk_idx, "topk_idx")
     if idx.shape != (ntok, cfg.num_topk):
         raise InvalidArgumentError(
@@ -60,7 +70,28 @@ def check_dispatch_args(
     if w.shape != idx.shape:
         raise InvalidArgumentError("topk_weights", w.shape, f"must match topk_idx {idx.shape}")
     w = np.array(w, order="C")  # owned: the handle keeps it
-    return xa, idx, w
+    return idx, w
+
+
+def pack_quantized(cfg: BufferConfig, x: object, x_scales: object) -> np.ndarray:
+    """Rows already quantised by the caller (DeepEP's normal-mode FP8 ``x``): 1-byte values
+    ``[num_tokens, hidden]`` and float32 ``x_scales [num_tokens, hidden // 128]`` packed into
+    the rows a quantised Buffer sends (``[num_tokens, ubep.quant.row_bytes(hidden)]`` bytes)."""
+    if cfg.quant is None:
+        raise InvalidArgumentError("x_scales", "given", "needs a Buffer with BufferConfig.quant")
+    values = to_array(x, "x")
+    if values.dtype.itemsize != 1 or values.ndim != 2 or values.shape[1] != cfg.hidden:
+        raise InvalidArgumentError(
+            "x", f"{values.dtype}{values.shape}", f"with x_scales must be 1-byte values "
+            f"[num_tokens, {cfg.hidden}]")
+    scales = to_array(x_scales, "x_scales")
+    blocks = cfg.hidden // 128
+    if scales.dtype != np.float32 or scales.shape != (values.shape[0], blocks):
+        raise InvalidArgumentError(
+            "x_scales", f"{scales.dtype}{scales.shape}",
+            f"must be float32 [{values.shape[0]}, {blocks}]")
+    return np.ascontiguousarray(np.concatenate(
+        [values.view(np.uint8), scales.view(np.uint8)], axis=1))
 
 
 def to_array(obj: object, argument: str) -> np.ndarray:

@@ -52,7 +52,7 @@ class Engine(Protocol):
         epoch: int, index: int, recv_topk_idx: np.ndarray, recv_topk_weights: np.ndarray,
         recv_src_rank: np.ndarray, recv_src_token: np.ndarray, recv_src_k: np.ndarray,
         counts: np.ndarray, send_dst_row: np.ndarray, plan: Plan | CoreSplit | None,
-        split: bool,
+        split: bool, prequant: bool,
     ) -> int | tuple[int, int, int, str, str, str] | None:
         """One dispatch. Output arrays have capacity ``cap_rows`` rows; ``counts`` is
         ``[num_local_experts + num_ranks]``: rows per local expert, then rows received from each

@@ -225,11 +225,11 @@ class RmaEngine(RmaProtocol):
         self, x: np.ndarray, topk_idx: np.ndarray, topk_weights: np.ndarray, ntok: int,
         epoch: int, index: int, o_idx: np.ndarray, o_w: np.ndarray, o_rank: np.ndarray,
         o_tok: np.ndarray, o_k: np.ndarray, o_nrecv: np.ndarray, o_dst: np.ndarray,
-        plan: Any, split: bool = False,
+        plan: Any, split: bool = False, prequant: bool = False,
     ) -> Any:
         # one thread: rows go destination by destination (module docstring); a split-phase
         # call runs whole here (no second half: Buffer settles its hook at once)
-        del plan, split
+        del plan, split, prequant  # prequant: quantised Buffers are refused at construction
         op = _Op(0, epoch, self.timeout_ns)
         self._reap()
         try:

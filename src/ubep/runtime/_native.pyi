@@ -51,6 +51,7 @@ class Engine:
         send_dst_row: np.ndarray,
         plan: Plan | CoreSplit | None,
         split: bool = False,
+        prequant: bool = False,
         /,
     ) -> int | _ErrorTuple | None: ...
     def combine(

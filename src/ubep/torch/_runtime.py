@@ -41,18 +41,21 @@ class RuntimeBackend:
         self.layout = str(config.layout)
         self.hidden = int(config.hidden)
 
-    def dispatch(self, x: np.ndarray, topk_idx: np.ndarray, topk_weights: np.ndarray) -> Any:
-        return self.buffer.dispatch(x, topk_idx, np.asarray(topk_weights, dtype=np.float32))
+    def dispatch(self, x: np.ndarray, topk_idx: np.ndarray, topk_weights: np.ndarray,
+                 x_scales: np.ndarray | None = None) -> Any:
+        return self.buffer.dispatch(x, topk_idx, np.asarray(topk_weights, dtype=np.float32),
+                                    x_scales=x_scales)
 
     def combine(
         self, expert_out: np.ndarray, handle: Any, topk_weights: np.ndarray | None = None
     ) -> np.ndarray:
         return np.asarray(self.buffer.combine(expert_out, self._weighted(handle, topk_weights)))
 
-    def dispatch_async(self, x: np.ndarray, topk_idx: np.ndarray, topk_weights: np.ndarray) -> Any:
+    def dispatch_async(self, x: np.ndarray, topk_idx: np.ndarray, topk_weights: np.ndarray,
+                       x_scales: np.ndarray | None = None) -> Any:
         """:meth:`dispatch` with ``return_recv_hook=True``: a ``ubep.PendingCall``."""
         return self.buffer.dispatch(x, topk_idx, np.asarray(topk_weights, dtype=np.float32),
-                                    return_recv_hook=True)
+                                    return_recv_hook=True, x_scales=x_scales)
 
     def combine_async(
         self, expert_out: np.ndarray, handle: Any, topk_weights: np.ndarray | None = None

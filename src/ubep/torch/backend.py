@@ -84,13 +84,15 @@ class _Done:
 
 
 def issue_dispatch(backend: EPBackend, x: np.ndarray, topk_idx: np.ndarray,
-                   topk_weights: np.ndarray) -> Any:
+                   topk_weights: np.ndarray, x_scales: np.ndarray | None = None) -> Any:
     """A dispatch whose receive half runs at ``.hook()`` where the backend can split it
-    (``ubep.Buffer``'s ``return_recv_hook``), else a finished one with the same interface."""
+    (``ubep.Buffer``'s ``return_recv_hook``), else a finished one with the same interface.
+    ``x_scales``: ``x`` is quantised already (a quantising ``ubep.Buffer`` only)."""
     issue = getattr(backend, "dispatch_async", None)
+    extra = {} if x_scales is None else {"x_scales": x_scales}
     if issue is not None:
-        return issue(x, topk_idx, topk_weights)
-    return _Done(backend.dispatch(x, topk_idx, topk_weights))
+        return issue(x, topk_idx, topk_weights, **extra)
+    return _Done(backend.dispatch(x, topk_idx, topk_weights, **extra))
 
 
 def issue_combine(backend: EPBackend, expert_out: np.ndarray, handle: Any,

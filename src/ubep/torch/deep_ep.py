@@ -39,6 +39,7 @@ import torch
 
 from ..errors import InvalidArgumentError, RemoteError
 from ..group_adapter import as_process_group, is_torch_group
+from ..quant import quantize
 from ..routing import get_dispatch_layout as _layout
 from ._convert import PAYLOAD_DTYPES, from_numpy, to_numpy
 from .backend import EPBackend, LocalBackend, _Done, issue_combine, issue_dispatch
@@ -51,7 +52,7 @@ from .deep_ep_types import (
     _event,
     _Route,
 )
-from .fp8 import FP8_BLOCK, UE8M0_PACK, pack_ue8m0, quantize_fp8
+from .fp8 import FP8_BLOCK, UE8M0_PACK, pack_ue8m0
 
 __all__ = [
     "Buffer",
@@ -220,19 +221,25 @@ class Buffer:
         dtype: torch.dtype,
         max_tokens: int,
         combine_dtype: torch.dtype | None = None,
+        quant: str | None = None,
+        round_scale: bool = False,
     ) -> EPBackend:
         if self._destroyed:
             raise InvalidArgumentError("self", "destroyed", "this Buffer was destroyed")
         if isinstance(self._ep, LocalBackend):
             return self._ep.with_layout(layout)
-        key = (layout, hidden, num_topk, num_experts, dtype, max_tokens, combine_dtype)
+        key = (layout, hidden, num_topk, num_experts, dtype, max_tokens, combine_dtype, quant,
+               round_scale)
         if key not in self._backends:
             from ._runtime import make_backend, ubep_dtype_name
 
             options = dict(self.ubep_options)
             if combine_dtype is not None:
                 options["combine_dtype"] = ubep_dtype_name(combine_dtype)
-            if dtype in (torch.uint8, torch.int8) and options.get("sync", "sp") == "sp":
+            if quant is not None:
+                options.update(quant=quant, quant_round_scale=round_scale)
+            one_byte = dtype in (torch.uint8, torch.int8) or quant is not None
+            if one_byte and options.get("sync", "sp") == "sp":
                 # FP8 rows have no free bit pattern for SP's sentinel: use token-flag fusion.
                 options["sync"] = "tff"
             self._backends[key] = make_backend(
@@ -257,33 +264,41 @@ class Buffer:
         num_experts: int,
         max_tokens: int,
         split: bool = False,
+        round_scale: bool | None = None,
     ) -> tuple[Callable[[], tuple[Any, np.ndarray | None]], EPBackend]:
-        """Dispatch ``x`` (and FP8 ``scales``). Returns ``receive``, which returns the result of
-        the rows' dispatch and the received scales (or None), and the backend the rows go
-        through. With ``split`` the dispatches are only issued (``return_recv_hook``) and
-        ``receive`` runs their receive halves.
+        """Dispatch ``x``. Returns ``receive``, which returns the dispatch's result and the
+        received float32 scales (or None), and the backend the rows go through. With ``split``
+        the dispatch is only issued (``return_recv_hook``) and ``receive`` runs its receive half.
 
-        FP8 values travel as bytes on a buffer whose combine takes BF16 (DeepEP's FP8 dispatch /
-        BF16 combine); the scales take a second, narrow dispatch along the same routing, which
-        delivers them in the same row order (dispatch is deterministic).
+        FP8 (DeepEP's FP8 dispatch / BF16 combine) is one dispatch on a quantising Buffer
+        (``BufferConfig.quant``, combine in BF16): with ``round_scale`` not None (low-latency,
+        ``x`` BF16) the engine quantises each token once; with ``scales`` (normal mode, ``x``
+        already FP8) values and scales travel as they are. The in-process world has no
+        engine: values and scales take two of its (reference) dispatches.
         """
         send = issue_dispatch if split else _dispatch_done
+        shape = (layout, x.shape[1], idx.shape[1], num_experts)
+        fp8 = round_scale is not None or scales is not None
+        if fp8 and not isinstance(self._ep, LocalBackend):
+            backend = self._backend(*shape, torch.bfloat16 if scales is not None else x.dtype,
+                                    max_tokens, combine_dtype=torch.bfloat16, quant="e4m3",
+                                    round_scale=bool(round_scale))
+            if scales is None:
+                call = send(backend, to_numpy(x), idx, w)
+            else:
+                call = send(backend, to_numpy(x.contiguous().view(torch.uint8)), idx, w,
+                            to_numpy(scales.to(torch.float32).contiguous()))
+            return (lambda: _with_scales(call.hook())), backend
+        if round_scale is not None:  # the in-process world quantises with ubep.quant
+            values_np, scales_np = quantize(to_numpy(x), "e4m3", round_scale=round_scale)
+            x, scales = torch.from_numpy(values_np), torch.from_numpy(scales_np)
+        backend = self._backend(*shape, torch.uint8 if fp8 else x.dtype, max_tokens)
+        rows = send(backend, to_numpy(x.contiguous().view(torch.uint8) if fp8 else x), idx, w)
         if scales is None:
-            backend = self._backend(
-                layout, x.shape[1], idx.shape[1], num_experts, x.dtype, max_tokens
-            )
-            rows = send(backend, to_numpy(x), idx, w)
             return (lambda: (rows.hook(), None)), backend
-        values = x.contiguous().view(torch.uint8)
-        backend = self._backend(
-            layout, x.shape[1], idx.shape[1], num_experts, torch.uint8, max_tokens,
-            combine_dtype=torch.bfloat16,
-        )
-        rows = send(backend, to_numpy(values), idx, w)
-        sb = self._backend(
-            layout, scales.shape[1], idx.shape[1], num_experts, torch.float32, max_tokens
-        )
-        scale_rows = send(sb, to_numpy(scales.to(torch.float32).contiguous()), idx, w)
+        scale_rows = send(self._backend(layout, scales.shape[1], idx.shape[1], num_experts,
+                                        torch.float32, max_tokens),
+                          to_numpy(scales.to(torch.float32).contiguous()), idx, w)
         return (lambda: (rows.hook(), np.array(scale_rows.hook().recv_x))), backend
 
     def _allgather(self, value: Any) -> list[Any]:
@@ -635,17 +650,15 @@ class Buffer:
             )
         _check_async(async_finish, return_recv_hook)
         idx_np = np.ascontiguousarray(to_numpy(topk_idx, argument="topk_idx"), dtype=np.int64)
-        values: torch.Tensor = x.contiguous()
-        scales: torch.Tensor | None = None
         if use_fp8:
             block = FP8_BLOCK * (UE8M0_PACK if use_ue8m0 else 1)
             if hidden % block:
                 raise InvalidArgumentError("x", hidden, f"hidden must be a multiple of {block}")
-            values, scales = quantize_fp8(x, round_scale)
         # Unit weights travel with the rows; low_latency_combine gets the real ones.
         receive, backend = self._send(
-            "expert", values, scales, idx_np, np.ones(idx_np.shape, np.float32), num_experts,
-            num_max_dispatch_tokens_per_rank, split=async_finish or return_recv_hook,
+            "expert", x.contiguous(), None, idx_np, np.ones(idx_np.shape, np.float32),
+            num_experts, num_max_dispatch_tokens_per_rank, split=async_finish or return_recv_hook,
+            round_scale=round_scale if use_fp8 else None,
         )
         slots = num_max_dispatch_tokens_per_rank * self.group_size
         num_local = num_experts // self.group_size
@@ -851,6 +864,10 @@ def _combine_input(handle: LowLatencyHandle, source: torch.Tensor) -> np.ndarray
     return rows
 
 
+def _with_scales(res: Any) -> tuple[Any, np.ndarray | None]:
+    return res, res.recv_x_scales
+
+
 def _check_async(async_finish: bool, return_recv_hook: bool) -> None:
     if async_finish and return_recv_hook:
         raise InvalidArgumentError(
@@ -858,8 +875,11 @@ def _check_async(async_finish: bool, return_recv_hook: bool) -> None:
         )
 
 
-def _dispatch_done(backend: EPBackend, x: np.ndarray, idx: np.ndarray, w: np.ndarray) -> Any:
-    return _Done(backend.dispatch(x, idx, w))
+def _dispatch_done(backend: EPBackend, x: np.ndarray, idx: np.ndarray, w: np.ndarray,
+                   x_scales: np.ndarray | None = None) -> Any:
+    if x_scales is None:
+        return _Done(backend.dispatch(x, idx, w))
+    return _Done(backend.dispatch(x, idx, w, x_scales=x_scales))  # type: ignore[call-arg]
 
 
 def _combine_done(backend: EPBackend, rows: np.ndarray, inner: Any, w: np.ndarray) -> Any:

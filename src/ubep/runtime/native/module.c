@@ -457,10 +457,15 @@ static PyObject *engine_dispatch(engine_t *g, PyObject *args) {
     PyObject *ox, *oidx, *ow, *o1, *o2, *o3, *o4, *o5, *o6, *o7, *plan;
     unsigned long long epoch;
     long long n, ntok;
-    int split = 0;
-    if (!PyArg_ParseTuple(args, "OOOLKLOOOOOOOO|p", &ox, &oidx, &ow, &ntok, &epoch, &n, &o1, &o2,
-                          &o3, &o4, &o5, &o6, &o7, &plan, &split))
+    int split = 0, prequant = 0;
+    if (!PyArg_ParseTuple(args, "OOOLKLOOOOOOOO|pp", &ox, &oidx, &ow, &ntok, &epoch, &n, &o1, &o2,
+                          &o3, &o4, &o5, &o6, &o7, &plan, &split, &prequant))
         return NULL;
+    if (prequant && !g->quant) {
+        PyErr_SetString(PyExc_ValueError, "engine: quantised rows need a quantising engine");
+        return NULL;
+    }
+    const int quant = g->quant && !prequant; /* this call quantises x */
     if (g->in_use) {
         PyErr_SetString(PyExc_RuntimeError, "engine: another call is in progress on this buffer");
         return NULL;
@@ -477,7 +482,7 @@ static PyObject *engine_dispatch(engine_t *g, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "engine: num_tokens out of range");
         return NULL;
     }
-    if (get_buf(ox, &b[0], 0, "x", ntok * g->x_row_bytes) ||
+    if (get_buf(ox, &b[0], 0, "x", ntok * (quant ? g->x_row_bytes : g->row_bytes)) ||
         get_buf(oidx, &b[1], 0, "topk_idx", ntok * K * 8) ||
         get_buf(ow, &b[2], 0, "topk_weights", ntok * K * 4) ||
         get_buf(o1, &b[3], 1, "recv_topk_idx", nrows * meta_w * 8) ||
@@ -494,7 +499,7 @@ static PyObject *engine_dispatch(engine_t *g, PyObject *args) {
     op_init(op, g, 0, epoch);
     op->n = n;
     op->x_in = b[0].b.buf; op->ntok = ntok; op->topk = b[1].b.buf; op->w = b[2].b.buf;
-    op->x = g->quant ? g->qstage : op->x_in; /* quantised rows: the quant phase fills them */
+    op->x = quant ? g->qstage : op->x_in; /* quantised rows: the quant phase fills them */
     op->o_idx = b[3].b.buf; op->o_w = b[4].b.buf; op->o_src_rank = b[5].b.buf;
     op->o_src_tok = b[6].b.buf; op->o_src_k = b[7].b.buf; op->o_nrecv = b[8].b.buf;
     op->o_dst_row = b[9].b.buf;
@@ -502,8 +507,8 @@ static PyObject *engine_dispatch(engine_t *g, PyObject *args) {
         call_free(c);
         return NULL;
     }
-    c->phases = g->eng == ENG_ASP ? (g->quant ? &ASP_DISPATCH_QUANT : &ASP_DISPATCH)
-                                  : (g->quant ? &BSP_DISPATCH_QUANT : &BSP_DISPATCH);
+    c->phases = g->eng == ENG_ASP ? (quant ? &ASP_DISPATCH_QUANT : &ASP_DISPATCH)
+                                  : (quant ? &BSP_DISPATCH_QUANT : &BSP_DISPATCH);
     return call_run(g, c, split);
 }
 
