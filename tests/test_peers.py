@@ -31,14 +31,10 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.harness import Stats  # noqa: E402
+from benchmarks.peers import check, workload  # noqa: E402
 from benchmarks.peers import run as peers  # noqa: E402
-from benchmarks.peers import workload  # noqa: E402
 from benchmarks.peers.env import PeerEnvError, ensure_env  # noqa: E402
 from benchmarks.peers.kernels import decode_fields, make_peer  # noqa: E402
-
-from ubep import reference  # noqa: E402
-from ubep.routing import hot_experts_topk, uniform_topk  # noqa: E402
-from ubep.testing import FIELDS  # noqa: E402
 
 NUM_EXPERTS = workload.NUM_EXPERTS
 
@@ -79,77 +75,15 @@ class ThreadExchange:
         return np.maximum.reduce(self._post(values.copy()))
 
 
-def _bf16(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
-    vals = rng.standard_normal(shape, dtype=np.float32)
-    return (vals.view(np.uint32) >> np.uint32(16)).astype(np.uint16)
-
-
-def _inputs(
-    tokens: list[int], hidden: int, dtype: str, routing: str, mask_prob: float, seed: int,
-    out_dtype: str,
-) -> workload.Inputs:
-    """Per-rank inputs (token counts may differ) with expert outputs per layout.
-
-    FP32 expert outputs make the check sensitive to the float32 summation order (a BF16 result
-    would round most order differences away).
-    """
-    rng = np.random.default_rng(seed)
-    xs, idxs, ws = [], [], []
-    for r, t in enumerate(tokens):
-        if dtype == "bf16":
-            xs.append(_bf16(rng, (t, hidden)))
-        else:
-            xs.append(rng.integers(0, 256, (t, hidden), dtype=np.uint8))
-        if routing == "uniform":
-            idx = uniform_topk(t, NUM_EXPERTS, 8, seed=seed + r, mask_prob=mask_prob)
-        else:
-            idx = hot_experts_topk(
-                t, NUM_EXPERTS, 8, hot_experts=3, hot_share=0.6, seed=seed + r,
-                mask_prob=mask_prob,
-            )
-        idxs.append(idx)
-        ws.append(rng.random((t, 8), dtype=np.float32))
-    shape = workload.Shape(len(tokens), max(tokens), hidden, dtype, routing)
-    inp = workload.Inputs(shape, xs, idxs, ws)
-    for layout in peers.LAYOUTS:
-        ref = reference.dispatch(xs, idxs, ws, NUM_EXPERTS, layout=layout)
-        inp.expert_outs[layout] = [
-            _bf16(rng, (len(res.recv_x), hidden)) if out_dtype == "bf16"
-            else rng.standard_normal((len(res.recv_x), hidden), dtype=np.float32)
-            for res in ref
-        ]
-    return inp
-
-
-def _expected(inp: workload.Inputs, layout: str) -> tuple[list[Any], list[np.ndarray]]:
-    ref = reference.dispatch(inp.xs, inp.topk_idxs, inp.topk_weights, NUM_EXPERTS, layout=layout)
-    return ref, reference.combine(inp.expert_outs[layout], ref)
+_check_inputs = check.check_inputs
+_expected = check.expected
 
 
 def _assert_same(got: dict[str, np.ndarray], ref: Any, ref_y: np.ndarray, where: str) -> None:
-    for name in FIELDS:
-        want = np.asarray(getattr(ref, name))
-        have = np.asarray(got[name])
-        assert have.shape == want.shape, f"{where} {name}: shape {have.shape} != {want.shape}"
-        # Bit patterns, not values: -0.0 vs +0.0 or NaN payloads must match too.
-        assert have.tobytes() == want.astype(have.dtype).tobytes(), f"{where} {name} differs"
-        assert have.dtype.kind == want.dtype.kind, f"{where} {name}: dtype {have.dtype}"
-    assert got["combined"].dtype == ref_y.dtype
-    assert got["combined"].tobytes() == ref_y.tobytes(), f"{where} combine output differs"
-
-
-# tokens per rank, hidden, x dtype, routing, mask probability, seed, combine dtype. A 1-byte x
-# combines in any float type (reference, "Types"): FP32 here, BF16 in the benchmark.
-CHECK_SETS = [
-    ([23, 0, 17, 9], 64, "bf16", "uniform", 0.15, 3, "bf16"),
-    ([12, 31, 5, 20], 48, "uint8", "hot", 0.0, 11, "fp32"),
-]
-
-
-def _check_inputs(num_ranks: int) -> list[workload.Inputs]:
-    return [
-        _inputs(tokens[:num_ranks], h, d, rt, m, s, o) for tokens, h, d, rt, m, s, o in CHECK_SETS
-    ]
+    try:
+        check.assert_same(got, ref, ref_y, where)
+    except check.PeerCheckError as exc:
+        pytest.fail(str(exc))
 
 
 def _run_threads(
@@ -237,27 +171,14 @@ def test_peer_matches_reference(system: str, tmp_path: Path) -> None:
         ensure_env(system, quiet=True)
     except PeerEnvError as exc:
         pytest.skip(f"{system} environment cannot be built here: {exc}")
-    num_ranks = 4
-    inputs = _check_inputs(num_ranks)
-    cases = peers.write_workdir(
-        tmp_path, inputs, peers.Settings(warmup=0, repeats=2, timeout_s=180.0), check=True
-    )
-    info = peers.run_peer(system, num_ranks, tmp_path, timeout_s=180.0)
+    # The benchmark's own pre-timing check (benchmarks/peers/check.py): every variant's rows,
+    # metadata and combine output against ubep.reference, at 4 ranks.
+    try:
+        variants = check.check_peer(system, 4, tmp_path)
+    except check.PeerCheckError as exc:
+        pytest.fail(str(exc))
     # Every peer venv has torch (benchmarks/peers/env.py): both local-work variants ran.
-    assert info["variants"] == ["torch", "numpy"]
-    for case in cases:
-        inp = inputs[case["index"]]
-        ref, ref_y = _expected(inp, case["layout"])
-        times = np.load(tmp_path / f"{case['id']}.times.npz")
-        sent_by_ref = [int(sum((res.recv_src_rank == s).sum() for res in ref))
-                       for s in range(num_ranks)]
-        for variant in info["variants"]:
-            for r in range(num_ranks):
-                with np.load(tmp_path / f"{case['id']}.{variant}.r{r}.out.npz") as data:
-                    got = {name: data[name] for name in data.files}
-                _assert_same(got, ref[r], ref_y[r], f"{system}-{variant} {case['id']} rank {r}")
-            # The worker's own count of rows sent is the byte formula's row count.
-            assert times[f"{variant}.rows_sent"].astype(np.int64).tolist() == sent_by_ref
+    assert variants == ["torch", "numpy"]
 
 
 @pytest.mark.parametrize("layout", peers.LAYOUTS)

@@ -136,6 +136,7 @@ class Settings:
     timeout_s: float
     layouts: tuple[str, ...] = LAYOUTS
     rounds: int = 1  # passes through all cases, each timing repeats / rounds iterations
+    check: bool = True  # each peer's variants against ubep.reference first (peers/check.py)
 
 
 # --- peers ----------------------------------------------------------------------------------
@@ -290,13 +291,26 @@ def run_peer(system: str, num_ranks: int, workdir: Path, timeout_s: float) -> di
 
 
 def _peer_rows(
-    system: str, inputs_list: Sequence[Inputs], settings: Settings, scratch: Path
+    system: str, inputs_list: Sequence[Inputs], settings: Settings, scratch: Path,
+    checked: list[str],
 ) -> tuple[list[Row], str]:
-    """Run one peer on every shape (one launch per rank count); rows and its version string."""
+    """Run one peer on every shape (one launch per rank count); rows and its version string.
+
+    With ``settings.check``, each rank count starts with the bit-exactness check of every
+    variant (peers/check.py; raises PeerCheckError, so a peer that differs is not timed) and
+    appends ``"<peer>-<variant> x<ranks>"`` to ``checked``.
+    """
+    from benchmarks.peers.check import check_peer
+
     rows: list[Row] = []
     version = ""
     for num_ranks in sorted({inp.shape.num_ranks for inp in inputs_list}):
         group = [inp for inp in inputs_list if inp.shape.num_ranks == num_ranks]
+        if settings.check:
+            variants = check_peer(system, num_ranks, scratch)
+            checked += [f"{system}-{v} x{num_ranks}" for v in variants]
+            print(f"[peers] {system} x{num_ranks}: {', '.join(variants)} match ubep.reference "
+                  "bit for bit", file=sys.stderr, flush=True)
         workdir = Path(tempfile.mkdtemp(prefix=f"{system}{num_ranks}-", dir=scratch))
         cases = write_workdir(workdir, group, settings)
         info = run_peer(system, num_ranks, workdir, settings.timeout_s)
@@ -665,6 +679,17 @@ def write_plot(rows: Sequence[Row], path: Path) -> None:
 # --- main -----------------------------------------------------------------------------------
 
 
+FULL_RUN_HELP = """\
+the full run (committed results; quiet host, nothing else running):
+  python -m benchmarks.peers --wait-quiet 600 --json benchmarks/results/peers.json \\
+      --plot benchmarks/results/peers.png | tee benchmarks/results/peers.txt
+  16 shapes x 2 layouts, every ubep mode, 3 MPIs + gloo x torch/numpy local work, memcpy;
+  30 repeats in 3 rounds: about FULL_RUN_MIN minutes on this 2-core host (the peer venvs,
+  ~4 GB, are built first on a fresh checkout: a few minutes more).
+reduced run (2 and 4 ranks, the default shapes, few repeats): add --repeats 6 --rounds 1
+  --warmup 2 (about REDUCED_RUN_MIN minutes)."""
+
+
 def shapes_for(quick: bool) -> list[Shape]:
     if quick:
         return [Shape(r, 128, 2048, "bf16", "uniform") for r in (2, 4)]
@@ -679,7 +704,8 @@ def shapes_for(quick: bool) -> list[Shape]:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m benchmarks.peers", description=(__doc__ or "").split("\n")[0]
+        prog="python -m benchmarks.peers", description=(__doc__ or "").split("\n")[0],
+        epilog=FULL_RUN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--quick", action="store_true",
                    help="2 shapes, rank layout, few repeats (< 45 s on a quiet host)")
@@ -698,6 +724,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=0.0, help="per launch, seconds")
     p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
                    help="first wait up to SECONDS for the 1-min load average to drop below 0.5")
+    p.add_argument("--no-check", action="store_true",
+                   help="skip the bit-exactness check of each peer variant against "
+                        "ubep.reference that precedes its timing (~5 s per peer and rank count)")
     return p.parse_args(argv)
 
 
@@ -722,9 +751,12 @@ def _selected(spec: str) -> list[str]:
 
 
 def collect(
-    systems: Iterable[str], inputs_list: Sequence[Inputs], settings: Settings
+    systems: Iterable[str], inputs_list: Sequence[Inputs], settings: Settings,
+    checked: list[str] | None = None,
 ) -> tuple[list[Row], dict[str, str], dict[str, str]]:
-    """Run every selected system; returns rows, versions and why a system has no rows."""
+    """Run every selected system; returns rows, versions and why a system has no rows (the
+    peer variants found bit-exact are appended to ``checked``)."""
+    checked = [] if checked is None else checked
     rows: list[Row] = []
     versions: dict[str, str] = {}
     skipped: dict[str, str] = {}
@@ -744,7 +776,8 @@ def collect(
                 elif system == "memcpy":
                     rows += memcpy_rows(inputs_list, settings)
                 else:
-                    got, versions[system] = _peer_rows(system, inputs_list, settings, scratch)
+                    got, versions[system] = _peer_rows(system, inputs_list, settings, scratch,
+                                                       checked)
                     rows += got
             except (PeerEnvError, RuntimeError, UbepError) as exc:
                 skipped[system] = f"{type(exc).__name__}: {exc}"
@@ -765,6 +798,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rounds=args.rounds if args.rounds is not None else (1 if args.quick else 3),
         timeout_s=args.timeout or (60.0 if args.quick else 900.0),
         layouts=_layouts(args.layouts, args.quick),
+        check=not args.no_check,
     )
     deadline = time.monotonic() + args.wait_quiet
     while os.getloadavg()[0] >= QUIET_LOAD and time.monotonic() < deadline:
@@ -778,7 +812,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         wanted = {int(r) for r in args.ranks.split(",")}
         shapes = [s for s in shapes if s.num_ranks in wanted]
     inputs_list = [make_inputs(s) for s in shapes]
-    all_rows, versions, skipped = collect(_selected(args.systems), inputs_list, settings)
+    checked: list[str] = []
+    all_rows, versions, skipped = collect(_selected(args.systems), inputs_list, settings, checked)
     rows = [r for r in all_rows if r.op in OPS]
     exchange_rows = [r for r in all_rows if r.op in EXCHANGE_OPS.values()]
 
@@ -792,6 +827,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{system}: {version}")
     for system, reason in skipped.items():
         print(f"{system}: NOT MEASURED: {reason}")
+    if checked:
+        print(f"bit for bit equal to ubep.reference before timing: {', '.join(checked)}")
     print(exchange_report(rows, exchange_rows))
     print(floor_report(rows, shapes))
     from benchmarks.peers.sim import sim_report
@@ -805,6 +842,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "rows": [r.to_json() for r in rows],
             "payload_exchange": [r.to_json() for r in exchange_rows],
             "not_measured": skipped,
+            "bit_exact_checked": checked,
             "simulator": sim_rows,
         }
         args.json.write_text(json.dumps(doc, indent=1))
