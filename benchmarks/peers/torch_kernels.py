@@ -2,8 +2,8 @@
 
 The same dispatch/combine as benchmarks/peers/kernels.py (same exchanges, same row orders, same
 results: ``ubep.reference`` bit for bit, tests/test_peers_torch.py), with pack, reorder and
-reduce done the way a torch MoE layer does them: ``index_select`` to pack and reorder,
-``index_copy_`` to undo the reorder, and the weighted reduce as the rows widened to float32
+reduce done the way a torch MoE layer does them: ``index_select`` to pack, reorder and undo the
+reorder, and the weighted reduce as the rows widened to float32
 (``copy_``) times their weights (``mul_``, product rounded to float32), one ``index_add_`` into a
 float32 accumulator, then one cast to the output type. The numpy kernels stay as the extra rows
 ``<peer>-numpy``; these are ``<peer>-torch``.
@@ -173,6 +173,8 @@ class TorchExpertLayoutPeer(_TorchPeerBase):
         # Combine's add order: each token's rows by ascending k (the reference's order).
         k_major = torch.argsort(kk * num_tokens + tok)
         self._perm, self._k_major = perm, k_major
+        self._unperm = torch.empty_like(perm)
+        self._unperm[perm] = torch.arange(n_recv)
         self._tok_k = tok.index_select(0, k_major)
         self._w_k = weights.index_select(0, k_major).unsqueeze(1)
         self._counts = (send_counts, recv_counts)
@@ -193,7 +195,9 @@ class TorchExpertLayoutPeer(_TorchPeerBase):
         """
         send_counts, recv_counts = self._counts
         n_recv, n_send = len(self._perm), len(self._k_major)
-        self._back_send.t[:n_recv].index_copy_(0, self._perm, expert_out)  # rows per source
+        # Undo the receive reorder (rows per source again) as a gather by the inverse
+        # permutation: index_copy_ (the scatter) measured 8x slower here (~750 vs ~90 us).
+        torch.index_select(expert_out, 0, self._unperm, out=self._back_send.t[:n_recv])
         back = self._back_recv.np[:n_send]
         self._back = (self._back_send.np[:n_recv], recv_counts, back, send_counts)
         self.ex.alltoallv_rows(*self._back)
