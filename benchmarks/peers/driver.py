@@ -153,9 +153,12 @@ def run_plan(ex: Exchange, workdir: Path, library_version: str) -> None:
                 "variants": list(variants)}
         (workdir / "worker.json").write_text(json.dumps(info))
     times: dict[str, dict[str, list[np.ndarray]]] = {c["id"]: {} for c in plan["cases"]}
-    for repeats in round_repeats(int(plan["repeats"]), int(plan.get("rounds", 1))):
-        for case in plan["cases"]:
-            _run_case(ex, workdir, case, plan, repeats, times[case["id"]], variants)
+    for i, repeats in enumerate(round_repeats(int(plan["repeats"]), int(plan.get("rounds", 1)))):
+        for j, case in enumerate(plan["cases"]):
+            # Which variant goes first alternates over cases and rounds, so a drift in outside
+            # load (or a warm cache) does not favour one of them everywhere.
+            order = variants if (i + j) % 2 == 0 else variants[::-1]
+            _run_case(ex, workdir, case, plan, repeats, times[case["id"]], order)
             ex.barrier()
     if ex.rank == 0:
         for case_id, got in times.items():

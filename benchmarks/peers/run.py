@@ -684,10 +684,12 @@ the full run (committed results; quiet host, nothing else running):
   python -m benchmarks.peers --wait-quiet 600 --json benchmarks/results/peers.json \\
       --plot benchmarks/results/peers.png | tee benchmarks/results/peers.txt
   16 shapes x 2 layouts, every ubep mode, 3 MPIs + gloo x torch/numpy local work, memcpy;
-  30 repeats in 3 rounds: about FULL_RUN_MIN minutes on this 2-core host (the peer venvs,
-  ~4 GB, are built first on a fresh checkout: a few minutes more).
+  30 repeats in 3 rounds after 5 warm-up each: expect about 25 minutes on this 2-core host
+  (an estimate: the numpy-only full run took 14.4 min; the torch rows, the combine exchange and
+  the bit-exactness checks double the peers' share). The peer venvs (~4.3 GB with torch) are
+  built first on a fresh checkout: ~8 minutes more.
 reduced run (2 and 4 ranks, the default shapes, few repeats): add --repeats 6 --rounds 1
-  --warmup 2 (about REDUCED_RUN_MIN minutes)."""
+  --warmup 2 (17 min here under a load average of 6-12; less on a quiet host)."""
 
 
 def shapes_for(quick: bool) -> list[Shape]:
@@ -708,7 +710,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         epilog=FULL_RUN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--quick", action="store_true",
-                   help="2 shapes, rank layout, few repeats (< 45 s on a quiet host)")
+                   help="2 shapes, rank layout, few repeats (~1-2 min)")
     p.add_argument("--json", type=Path, help="write the rows and machine info here")
     p.add_argument("--plot", type=Path, help="write a PNG of latency per system and shape")
     p.add_argument("--systems", default="all",
