@@ -6,9 +6,11 @@ so the comparison is of the same work. Two levels:
 
 * in process: the numpy kernels (benchmarks/peers/kernels.py) over a thread-backed all-to-all,
   1, 2 and 4 ranks, both layouts, masked slots, a rank with no tokens, BF16 and 1-byte payloads;
+  the torch kernels (benchmarks/peers/torch_kernels.py) likewise at 1 and 4 ranks;
 * for real: each peer (Intel MPI, OpenMPI, MPICH via mpi4py; torch.distributed gloo) run by the
-  benchmark's own launcher in its own venv at 4 ranks. Skipped, with the reason, where that
-  venv cannot be built (no registry, no torch wheel on disk).
+  benchmark's own launcher in its own venv at 4 ranks, every local-work variant it runs (torch
+  and numpy). Skipped, with the reason, where that venv cannot be built (no registry, no torch
+  wheel on disk).
 """
 
 from __future__ import annotations
@@ -29,14 +31,10 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.harness import Stats  # noqa: E402
+from benchmarks.peers import check, workload  # noqa: E402
 from benchmarks.peers import run as peers  # noqa: E402
-from benchmarks.peers import workload  # noqa: E402
 from benchmarks.peers.env import PeerEnvError, ensure_env  # noqa: E402
 from benchmarks.peers.kernels import decode_fields, make_peer  # noqa: E402
-
-from ubep import reference  # noqa: E402
-from ubep.routing import hot_experts_topk, uniform_topk  # noqa: E402
-from ubep.testing import FIELDS  # noqa: E402
 
 NUM_EXPERTS = workload.NUM_EXPERTS
 
@@ -77,80 +75,20 @@ class ThreadExchange:
         return np.maximum.reduce(self._post(values.copy()))
 
 
-def _bf16(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
-    vals = rng.standard_normal(shape, dtype=np.float32)
-    return (vals.view(np.uint32) >> np.uint32(16)).astype(np.uint16)
-
-
-def _inputs(
-    tokens: list[int], hidden: int, dtype: str, routing: str, mask_prob: float, seed: int,
-    out_dtype: str,
-) -> workload.Inputs:
-    """Per-rank inputs (token counts may differ) with expert outputs per layout.
-
-    FP32 expert outputs make the check sensitive to the float32 summation order (a BF16 result
-    would round most order differences away).
-    """
-    rng = np.random.default_rng(seed)
-    xs, idxs, ws = [], [], []
-    for r, t in enumerate(tokens):
-        if dtype == "bf16":
-            xs.append(_bf16(rng, (t, hidden)))
-        else:
-            xs.append(rng.integers(0, 256, (t, hidden), dtype=np.uint8))
-        if routing == "uniform":
-            idx = uniform_topk(t, NUM_EXPERTS, 8, seed=seed + r, mask_prob=mask_prob)
-        else:
-            idx = hot_experts_topk(
-                t, NUM_EXPERTS, 8, hot_experts=3, hot_share=0.6, seed=seed + r,
-                mask_prob=mask_prob,
-            )
-        idxs.append(idx)
-        ws.append(rng.random((t, 8), dtype=np.float32))
-    shape = workload.Shape(len(tokens), max(tokens), hidden, dtype, routing)
-    inp = workload.Inputs(shape, xs, idxs, ws)
-    for layout in peers.LAYOUTS:
-        ref = reference.dispatch(xs, idxs, ws, NUM_EXPERTS, layout=layout)
-        inp.expert_outs[layout] = [
-            _bf16(rng, (len(res.recv_x), hidden)) if out_dtype == "bf16"
-            else rng.standard_normal((len(res.recv_x), hidden), dtype=np.float32)
-            for res in ref
-        ]
-    return inp
-
-
-def _expected(inp: workload.Inputs, layout: str) -> tuple[list[Any], list[np.ndarray]]:
-    ref = reference.dispatch(inp.xs, inp.topk_idxs, inp.topk_weights, NUM_EXPERTS, layout=layout)
-    return ref, reference.combine(inp.expert_outs[layout], ref)
+_check_inputs = check.check_inputs
+_expected = check.expected
 
 
 def _assert_same(got: dict[str, np.ndarray], ref: Any, ref_y: np.ndarray, where: str) -> None:
-    for name in FIELDS:
-        want = np.asarray(getattr(ref, name))
-        have = np.asarray(got[name])
-        assert have.shape == want.shape, f"{where} {name}: shape {have.shape} != {want.shape}"
-        # Bit patterns, not values: -0.0 vs +0.0 or NaN payloads must match too.
-        assert have.tobytes() == want.astype(have.dtype).tobytes(), f"{where} {name} differs"
-        assert have.dtype.kind == want.dtype.kind, f"{where} {name}: dtype {have.dtype}"
-    assert got["combined"].dtype == ref_y.dtype
-    assert got["combined"].tobytes() == ref_y.tobytes(), f"{where} combine output differs"
+    try:
+        check.assert_same(got, ref, ref_y, where)
+    except check.PeerCheckError as exc:
+        pytest.fail(str(exc))
 
 
-# tokens per rank, hidden, x dtype, routing, mask probability, seed, combine dtype. A 1-byte x
-# combines in any float type (reference, "Types"): FP32 here, BF16 in the benchmark.
-CHECK_SETS = [
-    ([23, 0, 17, 9], 64, "bf16", "uniform", 0.15, 3, "bf16"),
-    ([12, 31, 5, 20], 48, "uint8", "hot", 0.0, 11, "fp32"),
-]
-
-
-def _check_inputs(num_ranks: int) -> list[workload.Inputs]:
-    return [
-        _inputs(tokens[:num_ranks], h, d, rt, m, s, o) for tokens, h, d, rt, m, s, o in CHECK_SETS
-    ]
-
-
-def _run_threads(inp: workload.Inputs, layout: str) -> list[dict[str, np.ndarray]]:
+def _run_threads(
+    inp: workload.Inputs, layout: str, variant: str = "numpy"
+) -> list[dict[str, np.ndarray]]:
     num_ranks = len(inp.xs)
     shared: dict[str, Any] = {
         "num_ranks": num_ranks, "slots": [None] * num_ranks,
@@ -161,17 +99,26 @@ def _run_threads(inp: workload.Inputs, layout: str) -> list[dict[str, np.ndarray
 
     def rank_main(r: int) -> None:
         try:
-            peer = make_peer(
-                layout, ThreadExchange(shared, r), num_experts=NUM_EXPERTS, num_topk=8,
-                max_tokens=max(x.shape[0] for x in inp.xs), hidden=inp.shape.hidden,
-                x_dtype=inp.xs[r].dtype, out_dtype=inp.expert_outs[layout][r].dtype,
-            )
+            kw: dict[str, Any] = {
+                "num_experts": NUM_EXPERTS, "num_topk": 8,
+                "max_tokens": max(x.shape[0] for x in inp.xs), "hidden": inp.shape.hidden,
+                "x_dtype": inp.xs[r].dtype, "out_dtype": inp.expert_outs[layout][r].dtype,
+            }
+            ex = ThreadExchange(shared, r)
+            if variant == "torch":
+                from benchmarks.peers.torch_kernels import make_torch_peer
+
+                peer: Any = make_torch_peer(layout, ex, **kw)
+            else:
+                peer = make_peer(layout, ex, **kw)
+            args = peer.prepare(inp.xs[r], inp.topk_idxs[r], inp.topk_weights[r])
+            (expert_out,) = peer.prepare(inp.expert_outs[layout][r])
             for _ in range(2):  # a second call reuses the buffers: results must not change
-                d = peer.dispatch(inp.xs[r], inp.topk_idxs[r], inp.topk_weights[r])
+                d = peer.dispatch(*args)
                 out = decode_fields(d, layout, r, 8)
                 out["recv_x"] = d.recv_x.copy()
-                out["num_recv_tokens_per_expert"] = d.num_recv_tokens_per_expert
-                out["combined"] = peer.combine(inp.expert_outs[layout][r])
+                out["num_recv_tokens_per_expert"] = np.asarray(d.num_recv_tokens_per_expert)
+                out["combined"] = np.array(peer.combine(expert_out), copy=True)
             outs[r] = out
         except BaseException as exc:  # surfaced in the test thread below
             errors.append(exc)
@@ -197,6 +144,18 @@ def test_kernels_match_reference_in_process(num_ranks: int, layout: str) -> None
             _assert_same(outs[r], ref[r], ref_y[r], f"{layout} rank {r}/{num_ranks}")
 
 
+@pytest.mark.torch
+@pytest.mark.parametrize("layout", peers.LAYOUTS)
+@pytest.mark.parametrize("num_ranks", [1, 4])
+def test_torch_kernels_match_reference_in_process(num_ranks: int, layout: str) -> None:
+    pytest.importorskip("torch")
+    for inp in _check_inputs(num_ranks):
+        ref, ref_y = _expected(inp, layout)
+        outs = _run_threads(inp, layout, variant="torch")
+        for r in range(num_ranks):
+            _assert_same(outs[r], ref[r], ref_y[r], f"torch {layout} rank {r}/{num_ranks}")
+
+
 PEERS = [
     pytest.param("impi", marks=pytest.mark.mpi),
     pytest.param("openmpi", marks=pytest.mark.mpi),
@@ -212,24 +171,14 @@ def test_peer_matches_reference(system: str, tmp_path: Path) -> None:
         ensure_env(system, quiet=True)
     except PeerEnvError as exc:
         pytest.skip(f"{system} environment cannot be built here: {exc}")
-    num_ranks = 4
-    inputs = _check_inputs(num_ranks)
-    cases = peers.write_workdir(
-        tmp_path, inputs, peers.Settings(warmup=0, repeats=2, timeout_s=180.0), check=True
-    )
-    peers.run_peer(system, num_ranks, tmp_path, timeout_s=180.0)
-    for case in cases:
-        inp = inputs[case["index"]]
-        ref, ref_y = _expected(inp, case["layout"])
-        for r in range(num_ranks):
-            with np.load(tmp_path / f"{case['id']}.r{r}.out.npz") as data:
-                got = {name: data[name] for name in data.files}
-            _assert_same(got, ref[r], ref_y[r], f"{system} {case['id']} rank {r}")
-        # The worker's own count of rows sent is the byte formula's row count.
-        times = np.load(tmp_path / f"{case['id']}.times.npz")
-        sent_by_ref = [int(sum((res.recv_src_rank == s).sum() for res in ref))
-                       for s in range(num_ranks)]
-        assert times["rows_sent"].astype(np.int64).tolist() == sent_by_ref
+    # The benchmark's own pre-timing check (benchmarks/peers/check.py): every variant's rows,
+    # metadata and combine output against ubep.reference, at 4 ranks.
+    try:
+        variants = check.check_peer(system, 4, tmp_path)
+    except check.PeerCheckError as exc:
+        pytest.fail(str(exc))
+    # Every peer venv has torch (benchmarks/peers/env.py): both local-work variants ran.
+    assert variants == ["torch", "numpy"]
 
 
 @pytest.mark.parametrize("layout", peers.LAYOUTS)
@@ -246,9 +195,12 @@ def test_byte_formula_counts_reference_rows(layout: str) -> None:
         )
 
 
-def test_table_ratios_use_fastest_mpi_and_floor() -> None:
+def test_table_ratios_use_fastest_mpi_variant_and_floor() -> None:
     shape = workload.Shape(2, 128, 2048, "bf16", "uniform")
-    medians = {"impi": 300.0, "openmpi": 200.0, "mpich": 400.0, "gloo": 1000.0, "memcpy": 50.0}
+    # The fastest MPI variant is openmpi with numpy local work (200); a bare peer name is an
+    # exchange-alone row and never counts as an MPI variant.
+    medians = {"impi-torch": 300.0, "openmpi-torch": 250.0, "openmpi-numpy": 200.0,
+               "mpich-numpy": 400.0, "gloo-torch": 150.0, "memcpy": 50.0}
     rows = [
         peers.Row(s, "rank", shape, "dispatch", 1e6, Stats(m * 0.9, m, m * 1.5, 5))
         for s, m in medians.items()
@@ -261,26 +213,39 @@ def test_table_ratios_use_fastest_mpi_and_floor() -> None:
         assert cells[system][col["algbw_gbps"]] == pytest.approx(1e6 / (med * 1e3))
 
 
-def test_floor_report_compares_against_the_fastest_mpi() -> None:
+def test_floor_report_compares_against_the_fastest_variant() -> None:
     shape = workload.Shape(2, 128, 2048, "bf16", "uniform")
-    medians = {"ubep-asp-sp": 65.0, "impi": 100.0, "openmpi": 90.0, "mpich": 300.0, "gloo": 500.0}
+    medians = {"ubep-asp-sp": 55.0, "impi-torch": 100.0, "impi-numpy": 150.0,
+               "openmpi-numpy": 120.0, "openmpi-torch": 90.0, "mpich-torch": 300.0,
+               "gloo-numpy": 500.0, "gloo-torch": 400.0,
+               "openmpi": 20.0, "gloo": 10.0}  # exchange-alone rows: not variants
     rows = [
         peers.Row(s, "rank", shape, op, 1e6, Stats(m, m, m, 3))
         for s, m in medians.items() for op in peers.OPS
     ]
     report = peers.floor_report(rows, [shape]).splitlines()
     by_name = {line.split("  ubep")[0].strip(): line.split() for line in report[2:]}
-    # Best MPI is openmpi (90): 65/90 = 0.72 > 0.7 fails; 65/500 = 0.13 > 0.12 fails too.
+    # Best MPI is openmpi-torch (90): 55/90 = 0.61 > 0.6 fails; gloo's best is 400:
+    # 55/400 = 0.1375 > 0.12 fails too.
     assert by_name["dispatch vs best MPI"][-1] == "FAIL"
-    assert float(by_name["dispatch vs best MPI"][-3]) == pytest.approx(65 / 90, abs=1e-3)
+    assert float(by_name["dispatch vs best MPI"][-3]) == pytest.approx(55 / 90, abs=1e-3)
+    assert float(by_name["dispatch vs gloo"][-3]) == pytest.approx(55 / 400, abs=1e-3)
     assert by_name["dispatch vs gloo"][-1] == "FAIL"
-    faster = [replace(r, stats=Stats(50.0, 50.0, 50.0, 3)) if r.system == "ubep-asp-sp" else r
+    faster = [replace(r, stats=Stats(45.0, 45.0, 45.0, 3)) if r.system == "ubep-asp-sp" else r
               for r in rows]
     report = peers.floor_report(faster, [shape]).splitlines()
     verdicts = {line.split("  ubep")[0].strip(): line.split()[-1] for line in report[2:]}
     assert verdicts == {
-        "dispatch vs best MPI": "PASS",  # 50/90 = 0.56
-        "dispatch vs gloo": "PASS",  # 50/500 = 0.10
-        "combine vs best MPI": "PASS",
+        "dispatch vs best MPI": "PASS",  # 45/90 = 0.5 <= 0.6
+        "dispatch vs gloo": "PASS",  # 45/400 = 0.11
+        "combine vs best MPI": "PASS",  # 0.5 <= 0.5
         "combine vs gloo": "PASS",
     }
+
+
+def test_transport_names() -> None:
+    assert peers.transport("openmpi-torch") == "openmpi"
+    assert peers.transport("gloo-numpy") == "gloo"
+    assert peers.transport("ubep-asp-sp") == "ubep-asp-sp"
+    assert peers.is_mpi("impi-numpy") and not peers.is_mpi("impi")
+    assert not peers.is_mpi("gloo-torch")

@@ -1,16 +1,19 @@
 """The part of a peer worker that does not depend on the transport: read a plan, time, write.
 
-Runs inside a peer venv (numpy only; see kernels.py). The parent (benchmarks/peers/run.py or
+Runs inside a peer venv (numpy, and torch where it imports; see kernels.py and
+torch_kernels.py). Every case runs once per local-work variant: ``torch`` (torch ops, what an MoE
+user writes) when torch imports, then ``numpy`` (kernels.py). The parent (benchmarks/peers/run.py or
 tests/test_peers.py) writes ``plan.json`` and one ``<input>.r<rank>.npz`` per rank into a work
 directory; every rank of the worker reads the plan, runs each case and writes back:
 
-* ``<case>.times.npz`` (rank 0): ``dispatch_ns`` and ``combine_ns``, one entry per timed
-  iteration, each the maximum over ranks of that iteration (barrier before every iteration),
-  ``exchange_ns`` likewise for the payload exchange alone (diagnostic), and ``rows_sent``
-  ``[num_ranks]``, the payload rows each rank sent in dispatch;
-* with ``"check": true``, ``<case>.r<rank>.out.npz`` on every rank: the dispatch result and the
-  combine output, for comparison with ubep.reference in the parent;
-* ``worker.json`` (rank 0): the library's version string and the worker's own settings.
+* ``<case>.times.npz`` (rank 0): per variant ``V``, ``V.dispatch_ns`` and ``V.combine_ns``, one
+  entry per timed iteration, each the maximum over ranks of that iteration (barrier before
+  every iteration), and ``V.rows_sent`` ``[num_ranks]``, the payload rows each rank sent in
+  dispatch; once per case, ``dispatch_exchange_ns`` and ``combine_exchange_ns``, the payload
+  exchange alone (the already-packed rows' Alltoallv / all_to_all_single: the transport's share);
+* with ``"check": true``, ``<case>.<V>.r<rank>.out.npz`` on every rank: the dispatch result and
+  the combine output of variant ``V``, for comparison with ubep.reference in the parent;
+* ``worker.json`` (rank 0): the library's version string, the variants run, the settings.
 
 Plan format::
 
@@ -56,65 +59,106 @@ def _synthetic_expert_out(rows: int, hidden: int, dtype: np.dtype, seed: int) ->
     return values.astype(dtype)
 
 
-def _run_case(
+def local_work_variants() -> tuple[str, ...]:
+    """The local-work kernels this venv can run: torch first (what an MoE user writes) when
+    torch imports, numpy always (the extra row)."""
+    try:
+        import torch
+    except ImportError:
+        return ("numpy",)
+    torch.set_num_threads(1)  # one rank = one thread of compute, as for ubep's ranks
+    return ("torch", "numpy")
+
+
+def _make(variant: str, layout: str, ex: Exchange, **kw: Any) -> Any:
+    if variant == "torch":
+        from benchmarks.peers.torch_kernels import make_torch_peer
+
+        return make_torch_peer(layout, ex, **kw)
+    return make_peer(layout, ex, **kw)
+
+
+def _run_variant(
     ex: Exchange, workdir: Path, case: dict[str, Any], plan: dict[str, Any], repeats: int,
-    times: dict[str, list[np.ndarray]],
+    times: dict[str, list[np.ndarray]], variant: str, data: Any, time_exchange: bool,
 ) -> None:
-    data = np.load(workdir / f"{case['input']}.r{ex.rank}.npz")
-    x, topk_idx, topk_weights = data["x"], data["topk_idx"], data["topk_weights"]
+    x_np, topk_idx_np, w_np = data["x"], data["topk_idx"], data["topk_weights"]
     out_dtype = np.dtype(case["out_dtype"])
-    peer = make_peer(
+    peer = _make(
+        variant,
         case["layout"],
         ex,
         num_experts=int(case["num_experts"]),
-        num_topk=int(topk_idx.shape[1]),
-        max_tokens=int(case.get("max_tokens", x.shape[0])),
-        hidden=int(x.shape[1]),
-        x_dtype=x.dtype,
+        num_topk=int(topk_idx_np.shape[1]),
+        max_tokens=int(case.get("max_tokens", x_np.shape[0])),
+        hidden=int(x_np.shape[1]),
+        x_dtype=x_np.dtype,
         out_dtype=out_dtype,
     )
+    # The caller's tensors in the peer's own type (torch views), outside the timed region.
+    x, topk_idx, topk_weights = peer.prepare(x_np, topk_idx_np, w_np)
     first: PeerDispatch = peer.dispatch(x, topk_idx, topk_weights)
     if "expert_out" in data:
-        expert_out = np.ascontiguousarray(data["expert_out"])
+        expert_out_np = np.ascontiguousarray(data["expert_out"])
     else:
-        expert_out = _synthetic_expert_out(
-            first.num_recv_rows, x.shape[1], out_dtype, int(case.get("seed", 0)) + ex.rank
+        expert_out_np = _synthetic_expert_out(
+            first.num_recv_rows, x_np.shape[1], out_dtype, int(case.get("seed", 0)) + ex.rank
         )
+    (expert_out,) = peer.prepare(expert_out_np)
     if plan.get("check"):
-        y = peer.combine(expert_out)
         fields: dict[str, Any] = decode_fields(
-            first, case["layout"], ex.rank, int(topk_idx.shape[1])
+            first, case["layout"], ex.rank, int(topk_idx_np.shape[1])
         )
         fields.update(
-            recv_x=first.recv_x,
+            recv_x=first.recv_x.copy(),
             num_recv_tokens_per_expert=first.num_recv_tokens_per_expert,
-            combined=y,
         )
-        np.savez(workdir / f"{case['id']}.r{ex.rank}.out.npz", **fields)
+        fields["combined"] = peer.combine(expert_out).copy()
+        np.savez(workdir / f"{case['id']}.{variant}.r{ex.rank}.out.npz", **fields)
     warmup = int(plan["warmup"])
-    times.setdefault("dispatch_ns", []).append(
+    times.setdefault(f"{variant}.dispatch_ns", []).append(
         time_op(ex, lambda: peer.dispatch(x, topk_idx, topk_weights), warmup, repeats))
-    times.setdefault("exchange_ns", []).append(
-        time_op(ex, peer.payload_exchange, warmup, repeats))
+    if time_exchange:  # the same bytes whatever the local work: timed once per case
+        times.setdefault("dispatch_exchange_ns", []).append(
+            time_op(ex, peer.payload_exchange, warmup, repeats))
     # Combine reuses the last dispatch's bookkeeping (the "handle"); same routing every time.
-    times.setdefault("combine_ns", []).append(
+    times.setdefault(f"{variant}.combine_ns", []).append(
         time_op(ex, lambda: peer.combine(expert_out), warmup, repeats))
+    if time_exchange:
+        times.setdefault("combine_exchange_ns", []).append(
+            time_op(ex, peer.combine_exchange, warmup, repeats))
     # Rows each rank sent (one-hot max = an all-gather): the parent checks the byte formula.
     rows_sent = np.zeros(ex.num_ranks)
     rows_sent[ex.rank] = first.num_sent_rows
-    times["rows_sent"] = [ex.max_over_ranks(rows_sent)]
+    times[f"{variant}.rows_sent"] = [ex.max_over_ranks(rows_sent)]
+
+
+def _run_case(
+    ex: Exchange, workdir: Path, case: dict[str, Any], plan: dict[str, Any], repeats: int,
+    times: dict[str, list[np.ndarray]], variants: tuple[str, ...],
+) -> None:
+    with np.load(workdir / f"{case['input']}.r{ex.rank}.npz") as npz:
+        data = {name: npz[name] for name in npz.files}
+    for i, variant in enumerate(variants):
+        # One variant's buffers at a time (the 4-rank shapes hold several hundred MB each).
+        _run_variant(ex, workdir, case, plan, repeats, times, variant, data, time_exchange=i == 0)
 
 
 def run_plan(ex: Exchange, workdir: Path, library_version: str) -> None:
     """Run every case of ``workdir/plan.json`` on this rank (all ranks call it together)."""
     plan = json.loads((workdir / "plan.json").read_text())
+    variants = local_work_variants()
     if ex.rank == 0:
-        info = {"library_version": library_version, "num_ranks": ex.num_ranks}
+        info = {"library_version": library_version, "num_ranks": ex.num_ranks,
+                "variants": list(variants)}
         (workdir / "worker.json").write_text(json.dumps(info))
     times: dict[str, dict[str, list[np.ndarray]]] = {c["id"]: {} for c in plan["cases"]}
-    for repeats in round_repeats(int(plan["repeats"]), int(plan.get("rounds", 1))):
-        for case in plan["cases"]:
-            _run_case(ex, workdir, case, plan, repeats, times[case["id"]])
+    for i, repeats in enumerate(round_repeats(int(plan["repeats"]), int(plan.get("rounds", 1)))):
+        for j, case in enumerate(plan["cases"]):
+            # Which variant goes first alternates over cases and rounds, so a drift in outside
+            # load (or a warm cache) does not favour one of them everywhere.
+            order = variants if (i + j) % 2 == 0 else variants[::-1]
+            _run_case(ex, workdir, case, plan, repeats, times[case["id"]], order)
             ex.barrier()
     if ex.rank == 0:
         for case_id, got in times.items():

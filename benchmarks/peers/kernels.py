@@ -161,8 +161,10 @@ class _PeerBase:
         self._recv_meta = _prefault((max_recv, meta_width), np.int32)
         self._back_send = _prefault((max_recv, hidden), self.out_dtype)
         self._back_recv = _prefault((max_send, hidden), self.out_dtype)
-        # The last dispatch's payload exchange arguments (for payload_exchange()).
+        # The last dispatch's payload exchange and the last combine's send-back arguments
+        # (for payload_exchange() and combine_exchange()).
         self._payload: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._back: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
 
     @staticmethod
     def _capacity(num_ranks: int, max_tokens: int, num_topk: int) -> tuple[int, int, int]:
@@ -175,6 +177,17 @@ class _PeerBase:
         if self._payload is None:
             raise RuntimeError("payload_exchange() needs a dispatch first")
         self.ex.alltoallv_rows(*self._payload)
+
+    def combine_exchange(self) -> None:
+        """Repeat only the last combine's send-back exchange (diagnostic, as payload_exchange)."""
+        if self._back is None:
+            raise RuntimeError("combine_exchange() needs a combine first")
+        self.ex.alltoallv_rows(*self._back)
+
+    @staticmethod
+    def prepare(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+        """The caller's arrays as this peer takes them (numpy: as they are)."""
+        return arrays
 
 
 class ExpertLayoutPeer(_PeerBase):
@@ -245,7 +258,8 @@ class ExpertLayoutPeer(_PeerBase):
         back_send = self._back_send[:n_recv]
         back_send[self._perm] = expert_out  # undo the receive reorder: rows per source again
         back = self._back_recv[:n_send]
-        self.ex.alltoallv_rows(back_send, self._recv_counts, back, self._send_counts)
+        self._back = (back_send, self._recv_counts, back, self._send_counts)
+        self.ex.alltoallv_rows(*self._back)
 
         pos: np.ndarray = self._pos
         acc = np.zeros((pos.shape[0], self.hidden), dtype=np.float32)
@@ -324,9 +338,8 @@ class RankLayoutPeer(_PeerBase):
         """Sum the rows sent back by each destination rank, ascending, onto this rank's tokens."""
         n_send = len(self._tok)
         back = self._back_recv[:n_send]
-        self.ex.alltoallv_rows(
-            np.ascontiguousarray(expert_out), self._recv_counts, back, self._send_counts
-        )
+        self._back = (np.ascontiguousarray(expert_out), self._recv_counts, back, self._send_counts)
+        self.ex.alltoallv_rows(*self._back)
         acc = np.zeros((self._num_tokens, self.hidden), dtype=np.float32)
         for d in range(self.num_ranks):
             lo, hi = self._dst_start[d], self._dst_start[d + 1]
