@@ -239,7 +239,7 @@ class Buffer:
             if quant is not None:
                 options.update(quant=quant, quant_round_scale=round_scale)
             one_byte = dtype in (torch.uint8, torch.int8) or quant is not None
-            if one_byte and options.get("sync", "sp") == "sp":
+            if one_byte and options.get("sync") == "sp":
                 # FP8 rows have no free bit pattern for SP's sentinel: use token-flag fusion.
                 options["sync"] = "tff"
             self._backends[key] = make_backend(
