@@ -835,19 +835,13 @@ int ph_d_quant(op_t *op, int core) {
     return 0;
 }
 
-static const phase_t ASP_DISPATCH_QUANT_PHASES[] = {
-    {ph_d_quant, 1, 1},
-    {ph_d_prepare, 0, 1},
-    {ph_d_count, 1, 0},
-    {ph_d_send, 1, 0},
-    {ph_d_receive, 1, 0},
-};
-const phase_list_t ASP_DISPATCH_QUANT = PHASE_LIST(ASP_DISPATCH_QUANT_PHASES, 4);
+int op_quantises(const op_t *op) { return op->quant; }
 
 static const phase_t ASP_DISPATCH_PHASES[] = {
-    {ph_d_prepare, 0, 1},
-    {ph_d_count, 1, 0}, /* no barrier: a thread goes on to its sends, others still count */
-    {ph_d_send, 1, 0},
-    {ph_d_receive, 1, 0},
+    {ph_d_quant, 1, 1, op_quantises},
+    {ph_d_prepare, 0, 1, NULL},
+    {ph_d_count, 1, 0, NULL}, /* no barrier: a thread goes on to its sends, others still count */
+    {ph_d_send, 1, 0, NULL},
+    {ph_d_receive, 1, 0, NULL},
 };
-const phase_list_t ASP_DISPATCH = PHASE_LIST(ASP_DISPATCH_PHASES, 3);
+const phase_list_t ASP_DISPATCH = PHASE_LIST(ASP_DISPATCH_PHASES, 4);

@@ -213,30 +213,17 @@ static int ph_bsp_prepare(op_t *op, int core) {
 }
 
 static const phase_t BSP_DISPATCH_PHASES[] = {
-    {ph_bsp_prepare, 0, 1},  /* Init */
-    {ph_bsp_send, 1, 1},     /* Token-Sending */
-    {ph_b1_arrive, 1, 1},    /* SyncAll */
-    {ph_b1_wait, 1, 1},
-    {ph_bsp_flags, 1, 1},    /* SendFlag & TokenCnt */
-    {ph_bsp_verify, 1, 1},   /* Verification */
-    {ph_b2_arrive, 1, 1},    /* SyncAll */
-    {ph_b2_wait, 1, 1},
-    {ph_bsp_reorder, 1, 1},  /* CalCumSum + Token-Reordering */
-    {ph_bsp_dst_rows, 0, 0},
+    {ph_d_quant, 1, 1, op_quantises}, /* quantised rows only */
+    {ph_bsp_prepare, 0, 1, NULL},  /* Init */
+    {ph_bsp_send, 1, 1, NULL},     /* Token-Sending */
+    {ph_b1_arrive, 1, 1, NULL},    /* SyncAll */
+    {ph_b1_wait, 1, 1, NULL},
+    {ph_bsp_flags, 1, 1, NULL},    /* SendFlag & TokenCnt */
+    {ph_bsp_verify, 1, 1, NULL},   /* Verification */
+    {ph_b2_arrive, 1, 1, NULL},    /* SyncAll */
+    {ph_b2_wait, 1, 1, NULL},
+    {ph_bsp_reorder, 1, 1, NULL},  /* CalCumSum + Token-Reordering */
+    {ph_bsp_dst_rows, 0, 0, NULL},
 };
-const phase_list_t BSP_DISPATCH = PHASE_LIST(BSP_DISPATCH_PHASES, 5);
+const phase_list_t BSP_DISPATCH = PHASE_LIST(BSP_DISPATCH_PHASES, 6);
 
-static const phase_t BSP_DISPATCH_QUANT_PHASES[] = {
-    {ph_d_quant, 1, 1},
-    {ph_bsp_prepare, 0, 1},  /* Init */
-    {ph_bsp_send, 1, 1},     /* Token-Sending */
-    {ph_b1_arrive, 1, 1},    /* SyncAll */
-    {ph_b1_wait, 1, 1},
-    {ph_bsp_flags, 1, 1},    /* SendFlag & TokenCnt */
-    {ph_bsp_verify, 1, 1},   /* Verification */
-    {ph_b2_arrive, 1, 1},    /* SyncAll */
-    {ph_b2_wait, 1, 1},
-    {ph_bsp_reorder, 1, 1},  /* CalCumSum + Token-Reordering */
-    {ph_bsp_dst_rows, 0, 0},
-};
-const phase_list_t BSP_DISPATCH_QUANT = PHASE_LIST(BSP_DISPATCH_QUANT_PHASES, 6);

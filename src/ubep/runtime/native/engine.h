@@ -35,6 +35,7 @@ typedef struct {
     phase_fn fn;
     int all_cores;  /* 0: core 0 only */
     int sync_after; /* in-process barrier of this rank's cores after the phase */
+    int (*when)(const struct op *op); /* NULL, or the phase (and its barrier) runs only if true */
 } phase_t;
 
 /* The Plan of ubep.sched (ubep/sched/plan.py), as ASP dispatch executes it: send core j runs on
@@ -162,6 +163,7 @@ typedef struct op {
     /* dispatch inputs */
     const uint8_t *x;     /* the rows sent: the caller's x, or the quantised rows (qstage) */
     const uint8_t *x_in;  /* the caller's x */
+    int quant;            /* this call quantises x_in into qstage (ph_d_quant) */
     int64_t ntok;
     const int64_t *topk;
     const float *w;
@@ -337,9 +339,9 @@ typedef struct phase_list {
 } phase_list_t;
 #define PHASE_LIST(a, split) {(a), (int)(sizeof(a) / sizeof((a)[0])), (split)}
 extern const phase_list_t ASP_DISPATCH, BSP_DISPATCH, ASP_COMBINE, BSP_COMBINE;
-/* dispatch with quantised rows: a quant phase (every core its share of the tokens) first */
-extern const phase_list_t ASP_DISPATCH_QUANT, BSP_DISPATCH_QUANT;
+/* dispatch with quantised rows (op->quant): a first phase, every core its share of the tokens */
 int ph_d_quant(op_t *op, int core);
+int op_quantises(const op_t *op);
 
 /* wait.c: errors, failure notices, liveness, waits, end of an operation */
 int op_error(op_t *op, int code, int core, int peer, const char *fmt, ...)

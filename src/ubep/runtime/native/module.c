@@ -507,8 +507,8 @@ static PyObject *engine_dispatch(engine_t *g, PyObject *args) {
         call_free(c);
         return NULL;
     }
-    c->phases = g->eng == ENG_ASP ? (quant ? &ASP_DISPATCH_QUANT : &ASP_DISPATCH)
-                                  : (quant ? &BSP_DISPATCH_QUANT : &BSP_DISPATCH);
+    op->quant = quant;
+    c->phases = g->eng == ENG_ASP ? &ASP_DISPATCH : &BSP_DISPATCH;
     return call_run(g, c, split);
 }
 
