@@ -433,6 +433,8 @@ class Buffer:
     ) -> Any:
         """A call whose first half ran (``got is None``: its second half waits for the hook)
         or all of it: the result, or (``hook``) the pending call that hands it out."""
+        if got is not None and not hook:  # the common blocking call: no pending object
+            return finish(int(got))  # type: ignore[call-overload]
         call: PendingCall[Any] = PendingCall(kind, self.rank, epoch,
                                              lambda: self._hook(epoch))
         if got is None:

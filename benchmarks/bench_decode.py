@@ -1,0 +1,225 @@
+"""Decode-sized calls, phase by phase: where a dispatch and a combine of a few tokens spend their
+time (issue 17), beside the floor of one flag round trip plus the copy.
+
+Per case (2 ranks, 1-16 tokens per rank, hidden 2048 / 7168 BF16, top-8 of 64 experts, both
+layouts, the default sync and SP), every call is split into:
+
+* ``python_pre``: from the call until the native engine is entered (argument checks, the
+  Plan, output allocation);
+* ``native``: the engine's one C call (GIL released): validation, counts, sends, waits;
+* ``python_post``: from the engine's return to the result (views, handle, result object);
+
+and the engine's own trace of core 0 (``Engine.trace()``, last call of each case) splits
+``native`` into prepare (validate, count, publish), send and receive.
+
+Floor = one cross-process flag one-way latency (benchmarks/host_micro.c's ping-pong, half the
+round trip) + the copy of the bytes this rank sends at the measured memcpy rate (harness
+``concurrent_copy`` of the same size, two processes at once). Bytes per rank = rows sent x
+hidden x 2 (rank layout: one row per (token, destination rank); expert layout: one per
+(token, expert)).
+
+    python -m benchmarks.bench_decode [--quick] [--repeats N] [--out DIR]
+
+Writes ``decode.txt`` and ``decode.json`` (default ``benchmarks/results/``). Medians of
+``--repeats`` calls per case (min and max beside), all cases in one process tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from benchmarks.harness import concurrent_copy, format_table
+
+from ubep import testing
+from ubep.buffer import Buffer, BufferConfig
+from ubep.runtime import launch
+
+NUM_EXPERTS, NUM_TOPK, RANKS = 64, 8, 2
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@dataclass(frozen=True)
+class Case:
+    tokens: int
+    hidden: int
+    layout: str
+    sync: str
+
+
+@dataclass(frozen=True)
+class Row:
+    """One case's medians (min/max of the totals) in microseconds."""
+
+    case: Case
+    bytes_per_rank: int
+    dispatch_us: tuple[float, float, float]
+    dispatch_pre_us: float
+    dispatch_native_us: float
+    dispatch_post_us: float
+    combine_us: tuple[float, float, float]
+    combine_pre_us: float
+    combine_native_us: float
+    combine_post_us: float
+    trace_us: tuple[float, ...]  # core 0: prepare done, send done, receive done (last call)
+
+
+class _Timed:
+    """The Buffer's engine with its dispatch/combine entry and exit times recorded."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self.spans: dict[str, list[tuple[int, int]]] = {"dispatch": [], "combine": []}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def _call(self, kind: str, *args: Any) -> Any:
+        t0 = time.perf_counter_ns()
+        got = getattr(self._engine, kind)(*args)
+        self.spans[kind].append((t0, time.perf_counter_ns()))
+        return got
+
+    def dispatch(self, *args: Any) -> Any:
+        return self._call("dispatch", *args)
+
+    def combine(self, *args: Any) -> Any:
+        return self._call("combine", *args)
+
+
+def _split(outer: list[tuple[int, int]], inner: list[tuple[int, int]]) -> tuple[float, ...]:
+    """Medians (us) of pre, native and post, and min/median/max of the total."""
+    pre = [b[0] - a[0] for a, b in zip(outer, inner, strict=True)]
+    nat = [b[1] - b[0] for b in inner]
+    post = [a[1] - b[1] for a, b in zip(outer, inner, strict=True)]
+    tot = [a[1] - a[0] for a in outer]
+    med = statistics.median
+    return (med(pre) / 1e3, med(nat) / 1e3, med(post) / 1e3,
+            min(tot) / 1e3, med(tot) / 1e3, max(tot) / 1e3)
+
+
+def _rank(group: Any, cases: list[Case], repeats: int) -> list[dict[str, Any]]:
+    out = []
+    for i, case in enumerate(cases):
+        cfg = BufferConfig(max_tokens_per_rank=max(16, case.tokens), hidden=case.hidden,
+                           num_topk=NUM_TOPK, num_experts=NUM_EXPERTS, dtype="bf16",
+                           layout=case.layout, sync=case.sync, num_cores=1)
+        xs, idxs, ws = testing.inputs("bf16", NUM_EXPERTS, NUM_TOPK, case.hidden,
+                                      [case.tokens] * RANKS, i, "uniform")
+        r = group.rank
+        with Buffer(group, cfg) as buf:
+            errors = testing.check_call(buf, xs, idxs, ws, i)  # the timed calls are right
+            timed = _Timed(buf._engine)
+            buf._engine = timed
+            res = buf.dispatch(xs[r], idxs[r], ws[r])
+            eo = np.array(res.recv_x)
+            outer: dict[str, list[tuple[int, int]]] = {"dispatch": [], "combine": []}
+            for rep in range(repeats + 20):
+                if rep % 25 == 0:
+                    group.barrier(30.0)
+                t0 = time.perf_counter_ns()
+                res = buf.dispatch(xs[r], idxs[r], ws[r])
+                t1 = time.perf_counter_ns()
+                buf.combine(eo[: len(res.recv_x)], res.handle)
+                t2 = time.perf_counter_ns()
+                outer["dispatch"].append((t0, t1))
+                outer["combine"].append((t1, t2))
+            trace = buf._engine.trace()
+            buf._engine = timed._engine
+        warm = slice(20, None)  # the first calls warm caches and wake-ups
+        out.append({
+            "errors": errors,
+            "dispatch": _split(outer["dispatch"][warm], timed.spans["dispatch"][-repeats:]),
+            "combine": _split(outer["combine"][warm], timed.spans["combine"][-repeats:]),
+            "trace": [(trace[k] - trace[0]) / 1e3 for k in (3, 4, 7)],
+        })
+    return out
+
+
+def _bytes_per_rank(case: Case, seed: int) -> int:
+    _, idxs, _ = testing.inputs("bf16", NUM_EXPERTS, NUM_TOPK, 8, [case.tokens] * RANKS, seed,
+                                "uniform")
+    idx = idxs[0]
+    if case.layout == "expert":
+        rows = int((idx >= 0).sum())
+    else:
+        owner = np.where(idx >= 0, idx // (NUM_EXPERTS // RANKS), -1)
+        rows = sum(len(set(row[row >= 0].tolist())) for row in owner)
+    return rows * case.hidden * 2
+
+
+def _flag_oneway_us() -> float:
+    from benchmarks.host_micro import Micro, build
+
+    return Micro(build()).flag_oneway_ns(RANKS) / 1e3
+
+
+def run(cases: list[Case], repeats: int) -> tuple[list[Row], float, list[float]]:
+    per_rank = launch(_rank, RANKS, cases, repeats, timeout_s=1800)
+    sizes = [_bytes_per_rank(c, i) for i, c in enumerate(cases)]
+    copies = concurrent_copy(RANKS, sizes, repeats=max(20, repeats // 10))
+    flag_us = _flag_oneway_us()
+    rows = []
+    for i, case in enumerate(cases):
+        mine = [pr[i] for pr in per_rank]
+        bad = [e for m in mine for e in m["errors"]]
+        if bad:
+            raise RuntimeError(f"{case}: results differ from ubep.reference: {bad[:3]}")
+        d, c = mine[0]["dispatch"], mine[0]["combine"]
+        rows.append(Row(case=case, bytes_per_rank=sizes[i],
+                        dispatch_us=(d[3], d[4], d[5]), dispatch_pre_us=d[0],
+                        dispatch_native_us=d[1], dispatch_post_us=d[2],
+                        combine_us=(c[3], c[4], c[5]), combine_pre_us=c[0],
+                        combine_native_us=c[1], combine_post_us=c[2],
+                        trace_us=tuple(mine[0]["trace"])))
+    return rows, flag_us, [s.median_us for s in copies]
+
+
+def table(rows: list[Row], flag_us: float, copy_us: list[float]) -> str:
+    head = ["tokens", "hidden", "layout", "sync", "KB/rank", "disp med", "pre", "native", "post",
+            "comb med", "pre", "native", "post", "floor", "disp/floor", "comb/floor"]
+    body = []
+    for row, cp in zip(rows, copy_us, strict=True):
+        floor = flag_us + cp
+        c = row.case
+        body.append([c.tokens, c.hidden, c.layout, c.sync, row.bytes_per_rank / 1024,
+                     row.dispatch_us[1], row.dispatch_pre_us, row.dispatch_native_us,
+                     row.dispatch_post_us, row.combine_us[1], row.combine_pre_us,
+                     row.combine_native_us, row.combine_post_us, floor,
+                     row.dispatch_us[1] / floor, row.combine_us[1] / floor])
+    return format_table(head, body)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="16 tokens x 2048 only, 200 calls")
+    ap.add_argument("--repeats", type=int, default=1000)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    if args.quick:
+        cases = [Case(16, 2048, lay, "auto") for lay in ("rank", "expert")]
+        repeats = 200
+    else:
+        cases = [Case(t, h, lay, s) for t in (1, 4, 16) for h in (2048, 7168)
+                 for lay in ("rank", "expert") for s in ("auto", "sp")]
+        repeats = args.repeats
+    rows, flag_us, copy_us = run(cases, repeats)
+    text = (f"decode-sized calls, {RANKS} ranks, top-{NUM_TOPK} of {NUM_EXPERTS}, BF16, "
+            f"{repeats} calls per case (medians, us); floor = flag one-way {flag_us:.2f} us + "
+            "copy of the bytes sent\n" + table(rows, flag_us, copy_us))
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "decode.txt").write_text(text + "\n")
+    (args.out / "decode.json").write_text(json.dumps(
+        {"flag_oneway_us": flag_us, "copy_us": copy_us,
+         "rows": [asdict(r) for r in rows]}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
