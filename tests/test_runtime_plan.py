@@ -45,9 +45,9 @@ class PlanCase:
         )
 
 
-# Splits (Appendix A at 64+ picks per rank, else more count cores): 4 cores at 24 tokens = 3 send
-# + 1 count (the Plan's units); 3 cores at 1 token = 1 send + 2 count (one destination each);
-# 4 cores at 1 token = 1 + 3 (experts split unevenly over the count cores); 2 cores = 1 + 1.
+# Splits (Appendix A's partition; small batches get more count cores): 4 cores at 24 tokens = 3
+# send + 1 count (the Plan's units); 3 cores at 1 token = 1 send (the engine's buckets) + 2
+# count (one destination each); 4 cores at 1 token = 2 + 2; 2 cores = 1 + 1.
 CASES = [
     PlanCase("expert", "sw", 4, True, 24, 16),
     PlanCase("rank", "dc", 4, False, 24, 16),
