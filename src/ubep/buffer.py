@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import secrets
 import threading
@@ -275,11 +276,8 @@ class Buffer:
             ntok = xa.shape[0]
             cap, K, L, R = lay.cap_rows, cfg.num_topk, self.num_local_experts, self.num_ranks
             expert = cfg.layout == "expert"
-            o_idx = np.empty(cap if expert else (cap, K), np.int64)
+            o_idx, meta, counts, o_dst = _int64_outputs(cap, K, L, R, ntok, expert)
             o_w = np.empty(cap if expert else (cap, K), np.float32)
-            meta = np.empty((3, cap), np.int64)  # recv_src_rank, recv_src_token, recv_src_k
-            counts = np.empty(L + R, np.int64)  # per local expert, then rows per source rank
-            o_dst = np.empty((ntok, K if expert else R), np.int64)
             stage = _NATIVE
             got = self._engine.dispatch(
                 xa, idx, w, ntok, epoch, index, o_idx, o_w, meta[0], meta[1], meta[2], counts,
@@ -792,9 +790,14 @@ def _new_frozen(cls: type[_T], **fields: Any) -> _T:
     than the rest of the Python side together. Every field must be given.
     """
     obj = object.__new__(cls)
-    assert set(fields) == set(cls.__dataclass_fields__)  # type: ignore[attr-defined]
+    assert fields.keys() == _field_names(cls)  # type: ignore[arg-type]
     obj.__dict__.update(fields)
     return obj
+
+
+@functools.cache
+def _field_names(cls: type) -> frozenset[str]:
+    return frozenset(cls.__dataclass_fields__)  # type: ignore[attr-defined]
 
 
 _MAX_IN_FLIGHT = 2  # split-phase calls per Buffer (the engine's MAX_PENDING)
@@ -812,6 +815,21 @@ class _InFlight:
 
 # stages of a call, for _failed: before the data plane, inside it, after it returned
 _BEFORE, _NATIVE, _AFTER = 0, 1, 2
+
+
+def _int64_outputs(cap: int, K: int, L: int, R: int, ntok: int,
+                   expert: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A dispatch's int64 outputs as views of one allocation (one malloc, not four):
+    ``recv_topk_idx``, ``meta`` (recv_src_rank, recv_src_token, recv_src_k), ``counts`` (per
+    local expert, then rows per source rank) and ``send_dst_row``."""
+    w_idx, w_dst = (1, K) if expert else (K, R)
+    a = cap * w_idx
+    b = a + 3 * cap
+    c = b + L + R
+    block = np.empty(c + ntok * w_dst, np.int64)
+    o_idx = block[:a]
+    return (o_idx if expert else o_idx.reshape(cap, K), block[a:b].reshape(3, cap), block[b:c],
+            block[c:].reshape(ntok, w_dst))
 
 
 def _combine_region(h: DispatchHandle) -> int:
