@@ -25,10 +25,11 @@ Schedules (one step = every layer for both micro-batches; every rank runs the sa
 * ``serial``: blocking calls, micro-batch A's layer, then B's;
 * ``overlap``: DeepEP's two-batch overlap with ``return_recv_hook=True``, per layer
   ``attn(A); dA = dispatch(A); attn(B); rA = dA.hook(); dB = dispatch(B); expert(rA);
-  cA = combine(A); rB = dB.hook(); expert(rB); cB = combine(B)``; the combine hooks
-  ``yA = cA.hook()`` / ``yB = cB.hook()`` run just before each micro-batch's next attention
-  (after the last layer: at the end), so B's combine is in flight during the next ``attn(A)``.
-  Never more than two calls are in flight on the Buffer;
+  cA = combine(A); rB = dB.hook(); expert(rB); cB = combine(B); yA = cA.hook();
+  yB = cB.hook()``. Never more than two calls are in flight on the Buffer;
+* ``overlap_x``: the same, with each combine hook moved to just before that micro-batch's next
+  attention (after the last layer: at the end), so B's combine is in flight during the next
+  layer's ``attn(A)``: the order ``ubep decode --overlap`` runs in;
 * ``compute``: the serial step without dispatch/combine (experts read the rows and residuals
   the ``y`` the serial step received, recorded once);
 * ``comm``: only the serial step's dispatch/combine calls, on its recorded inputs.
@@ -39,8 +40,10 @@ outputs once against the same step run in one process on ``ubep.reference`` (the
 
 Skew (``--skews``): ``none``; ``rank1``: rank 1 runs its attention matmuls twice (always the
 slower rank); ``alternate``: rank 0 does so for micro-batch A and rank 1 for B (each rank is the
-slow one once per layer, as when the micro-batches' sequences differ per rank). Outputs do not
-change with skew (the repeat computes the same values).
+slow one once per layer, as when the micro-batches' sequences differ per rank); ``experts``: the
+same alternating extra time (one more attention-sized matmul pair), but spent before the
+experts, i.e. between a dispatch's hook and the combine (an expert load imbalance). Outputs do
+not change with skew (the extra matmuls compute values that are thrown away or the same).
 
 What can overlap here: a rank is one process on one core (``num_cores=1``: no engine threads)
 and BLAS is pinned to one thread (``ubep.launch`` sets ``OPENBLAS_NUM_THREADS=1``; recorded), so
@@ -72,8 +75,8 @@ NUM_EXPERTS = 128
 NUM_TOPK = 8
 NUM_RANKS = 2
 MICRO = ("A", "B")
-SKEWS = ("none", "rank1", "alternate")
-SCHEDULES = ("serial", "overlap", "compute", "comm")
+SKEWS = ("none", "rank1", "alternate", "experts")
+SCHEDULES = ("serial", "overlap", "overlap_x", "compute", "comm")
 SKEW_REPEATS = 2  # the slow side runs its attention matmuls this many times
 WIDTH_STEP = 16  # attention widths are multiples of this
 CALIBRATION_WIDTHS = (64, 512)  # compute time is fitted as a line through these two widths
@@ -164,13 +167,17 @@ def from_bf16(bits: np.ndarray) -> np.ndarray:
 
 
 def attention_repeats(skew: str, rank: int, micro: int) -> int:
-    if skew == "none":
-        return 1
-    if skew == "rank1":
-        return SKEW_REPEATS if rank == 1 else 1
-    if skew == "alternate":
-        return SKEW_REPEATS if rank == micro else 1
-    raise ValueError(f"skew={skew!r}: must be one of {SKEWS}")
+    """How many times this rank runs micro-batch ``micro``'s attention matmuls (module doc)."""
+    if skew not in SKEWS:
+        raise ValueError(f"skew={skew!r}: must be one of {SKEWS}")
+    slow = (skew == "rank1" and rank == 1) or (skew == "alternate" and rank == micro)
+    return SKEW_REPEATS if slow else 1
+
+
+def expert_burns(skew: str, rank: int, micro: int) -> int:
+    """How many extra attention-sized matmul pairs this rank runs before micro-batch ``micro``'s
+    experts (the ``experts`` skew: an expert load imbalance, alternating like ``alternate``)."""
+    return SKEW_REPEATS - 1 if skew == "experts" and rank == micro else 0
 
 
 def reference_step(tokens: int, weights: Sequence[LayerWeights],
@@ -201,6 +208,7 @@ class _Step:
         self.buf, self.rank, self.case, self.weights = buf, rank, case, weights
         self.h0 = [initial_state(case.tokens, rank, m) for m in range(len(MICRO))]
         self.reps = [attention_repeats(case.skew, rank, m) for m in range(len(MICRO))]
+        self.burns = [expert_burns(case.skew, rank, m) for m in range(len(MICRO))]
         # per (layer, micro): dispatch inputs, received rows + expert ids, expert outputs, y
         self.sent: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = []
         self.recv: list[list[tuple[np.ndarray, np.ndarray]]] = []
@@ -229,17 +237,46 @@ class _Step:
             self.ys.append(ys)
         return h
 
+    def _experts(self, micro: int, h_attn: np.ndarray, lw: LayerWeights, recv_x: np.ndarray,
+                 recv_expert: np.ndarray) -> np.ndarray:
+        for _ in range(self.burns[micro]):
+            attention(h_attn, lw)  # the experts skew: time, no effect on the values
+        return experts(recv_x, recv_expert)
+
     def serial(self) -> list[np.ndarray]:
         buf, h = self.buf, list(self.h0)
         for lw in self.weights:
             for m in range(len(MICRO)):
                 h_attn = attention(h[m], lw, self.reps[m])
                 res = buf.dispatch(*route(h_attn, lw))
-                y = buf.combine(experts(res.recv_x, res.recv_topk_idx), res.handle)
+                y = buf.combine(self._experts(m, h_attn, lw, res.recv_x, res.recv_topk_idx),
+                                res.handle)
                 h[m] = residual(h_attn, y)
         return h
 
     def overlap(self) -> list[np.ndarray]:
+        """DeepEP's two-batch schedule, layer by layer (both combine hooks end the layer)."""
+        buf, (ra, rb) = self.buf, self.reps
+        h_a, h_b = self.h0
+        for lw in self.weights:
+            a_attn = attention(h_a, lw, ra)
+            d_a = buf.dispatch(*route(a_attn, lw), return_recv_hook=True)
+            b_attn = attention(h_b, lw, rb)
+            r_a = d_a.hook()
+            d_b = buf.dispatch(*route(b_attn, lw), return_recv_hook=True)
+            out_a = self._experts(0, a_attn, lw, r_a.recv_x, r_a.recv_topk_idx)
+            c_a = buf.combine(out_a, r_a.handle, return_recv_hook=True)
+            r_b = d_b.hook()
+            out_b = self._experts(1, b_attn, lw, r_b.recv_x, r_b.recv_topk_idx)
+            c_b = buf.combine(out_b, r_b.handle, return_recv_hook=True)
+            h_a = residual(a_attn, c_a.hook())
+            h_b = residual(b_attn, c_b.hook())
+        return [h_a, h_b]
+
+    def overlap_x(self) -> list[np.ndarray]:
+        """:meth:`overlap` with each combine hook moved to just before that micro-batch's next
+        attention: B's combine stays in flight during the next layer's ``attn(A)`` (what
+        ``ubep decode --overlap`` does)."""
         buf, (ra, rb) = self.buf, self.reps
         h_a, h_b = self.h0
         c_a = c_b = None  # combine calls in flight, with the h_attn they add to
@@ -253,10 +290,10 @@ class _Step:
             b_attn = attention(h_b, lw, rb)
             r_a = d_a.hook()
             d_b = buf.dispatch(*route(b_attn, lw), return_recv_hook=True)
-            out_a = experts(r_a.recv_x, r_a.recv_topk_idx)
+            out_a = self._experts(0, a_attn, lw, r_a.recv_x, r_a.recv_topk_idx)
             c_a = (buf.combine(out_a, r_a.handle, return_recv_hook=True), a_attn)
             r_b = d_b.hook()
-            out_b = experts(r_b.recv_x, r_b.recv_topk_idx)
+            out_b = self._experts(1, b_attn, lw, r_b.recv_x, r_b.recv_topk_idx)
             c_b = (buf.combine(out_b, r_b.handle, return_recv_hook=True), b_attn)
         assert c_a is not None and c_b is not None
         return [residual(c_a[1], c_a[0].hook()), residual(c_b[1], c_b[0].hook())]
@@ -267,7 +304,7 @@ class _Step:
             for m in range(len(MICRO)):
                 h_attn = attention(h[m], lw, self.reps[m])
                 route(h_attn, lw)
-                experts(*self.recv[layer][m])
+                self._experts(m, h_attn, lw, *self.recv[layer][m])
                 h[m] = residual(h_attn, self.ys[layer][m])
         return h
 
@@ -408,6 +445,7 @@ def derive(row: dict[str, Any]) -> dict[str, Any]:
         out[stat] = {"hidden_us": t["serial"] - t["overlap"], "floor_us": floor,
                      "overlap_over_floor": t["overlap"] / floor,
                      "overlap_over_serial": t["overlap"] / t["serial"],
+                     "overlap_x_over_serial": t["overlap_x"] / t["serial"],
                      "serial_over_floor": t["serial"] / floor}
     return out
 
@@ -419,13 +457,16 @@ def header(result: dict[str, Any]) -> str:
         f"{NUM_TOPK}, BF16, layout=expert, {st['engine']}+{st['sync']}, 1 core per rank), "
         f"{NUM_RANKS} ranks, 2 micro-batches of `tokens` tokens per rank.",
         "serial = blocking calls, A then B per layer; overlap = DeepEP's two-batch schedule with",
-        "  return_recv_hook; compute = the step without dispatch/combine; comm = only the calls;",
+        "  return_recv_hook; overlap_x = the same with the combine hooks moved to just before",
+        "  the micro-batch's next attention (as ubep decode --overlap); compute = the step",
+        "  without dispatch/combine; comm = only the calls;",
         "  floor = max(compute, comm); hidden = serial - overlap. Per case the median and the",
         "  minimum (us) over the repeats of the per-iteration maximum over ranks (outside load",
         "  only adds time, so the minimum is the undisturbed cost); max in the JSON.",
         "exact: every timed serial/overlap/compute iteration's outputs equal the recorded serial",
         "  step bit for bit on every rank, and that equals the step on ubep.reference.",
-        "skew: rank1 = rank 1's attention x2 always; alternate = rank 0's x2 on A, rank 1's on B.",
+        "skew: rank1 = rank 1's attention x2 always; alternate = rank 0's x2 on A, rank 1's on B;",
+        "  experts = that alternating extra time spent before the experts instead.",
         "compute stand-in: attention width n calibrated so one micro-batch-layer's attention ~",
         "  its dispatch+combine (minima, us per micro-batch-layer):" if cal else
         "  its dispatch+combine (here: widths given, no calibration)",
@@ -438,15 +479,17 @@ def header(result: dict[str, Any]) -> str:
 
 
 def table(result: dict[str, Any]) -> str:
-    cols = ["tokens", "skew", "n", "stat", "serial_us", "overlap_us", "compute_us", "comm_us",
-            "hidden_us", "floor_us", "ovl/floor", "ovl/serial", "exact"]
+    cols = ["tokens", "skew", "n", "stat", "serial_us", "overlap_us", "overlap_x_us",
+            "compute_us", "comm_us", "hidden_us", "floor_us", "ovl/floor", "ovl/serial",
+            "ovl_x/serial", "exact"]
     rows = []
     for r in result["rows"]:
         exact = "yes" if r["exact_vs_reference"] and not any(r["mismatches"].values()) else "NO"
         rows += [[r["tokens"], r["skew"], r["width"], stat,
                   *(r[s][f"{stat}_us"] for s in SCHEDULES), r[stat]["hidden_us"],
                   r[stat]["floor_us"], r[stat]["overlap_over_floor"],
-                  r[stat]["overlap_over_serial"], exact] for stat in STATS]
+                  r[stat]["overlap_over_serial"], r[stat]["overlap_x_over_serial"], exact]
+                 for stat in STATS]
     return format_table(cols, rows, float_digits=2)
 
 
@@ -458,7 +501,7 @@ def plot(result: dict[str, Any], path: str) -> None:
 
     rows = result["rows"]
     fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(rows) + 2), 4.5))
-    bars = ("serial", "overlap", "compute", "comm")
+    bars = SCHEDULES
     width = 0.8 / (len(bars) + 1)
     x = np.arange(len(rows))
     for j, name in enumerate(bars):
@@ -506,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="attention width n for every token count (skips calibration)")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=None)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--engine", default="asp")
     parser.add_argument("--sync", default="sp")
     parser.add_argument("--out", default=None, help="write overlap.{txt,json,png} here")
@@ -516,8 +559,9 @@ def main(argv: list[str] | None = None) -> int:
         [16] if args.quick else [16, 64])
     skews = args.skews.split(",") if args.skews else list(SKEWS)
     layers = args.layers or (2 if args.quick else 4)
-    repeats = args.repeats or (10 if args.quick else 40)
-    rounds = args.rounds or (2 if args.quick else 4)
+    # many short rounds: load from outside that comes and goes lands on every schedule alike
+    repeats = args.repeats or (10 if args.quick else 60)
+    rounds = args.rounds or (2 if args.quick else 12)
     widths = {t: args.width for t in tokens} if args.width else None
     load = os.getloadavg()[0]
     start = time.monotonic()
