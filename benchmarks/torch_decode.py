@@ -14,15 +14,30 @@ Reported per backend: TPOT (wall time of one decode step: one new token for ever
 P50/P99 over ``--steps`` steps after ``--warmup`` steps, the time spent inside dispatch/combine
 (resp. the all-to-alls) per step, and its share of the step. torch is imported lazily, so
 ``ubep --help`` works without it.
+
+``--overlap`` adds two ubep rows that split every rank's batch into two micro-batches of
+``batch / 2`` sequences (each with its own KV cache): ``ubep-2mb`` runs them one after the
+other with blocking calls, ``ubep-tbo`` with DeepEP's two-batch overlap: every MoE layer issues
+``ubep.torch.dispatch(..., return_recv_hook=True)`` and hands over to the other micro-batch,
+whose attention runs while the rows travel; back at the hook it runs its experts, issues
+``combine(..., return_recv_hook=True)`` and hands over again (the two micro-batches are two
+threads of which exactly one runs at a time, handing over at these points, so the model code
+stays transformers'). The prefill runs blocking for both. ``ubep-tbo`` must give the same
+logits as ``ubep-2mb`` bit for bit at every step (``exact_vs_2mb``); its comm time is the time
+spent blocked in the issue and hook calls (what overlap did not hide).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import hashlib
 import json
 import os
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -54,6 +69,7 @@ class DecodeConfig:
     sync: str = "sp"
     seed: int = 0
     num_ranks: int = 2
+    timeout_s: float = 120.0  # deadline of one hand-over between micro-batches (--overlap)
 
 
 @dataclass(frozen=True)
@@ -68,6 +84,7 @@ class DecodeResult:
     comm_p50_ms: float
     comm_share: float  # sum(comm) / sum(step) over the measured steps
     tokens_match_ubep: bool  # greedy tokens equal to the ubep run's (same model, same inputs)
+    exact_vs_2mb: bool | None = None  # ubep-tbo: every step's logits equal ubep-2mb's, bit for bit
 
 
 def _qwen3_config(cfg: DecodeConfig) -> Any:
@@ -125,6 +142,128 @@ class _TimedBackend:
             return self.inner.combine(*args)
         finally:
             self.timer.seconds += time.perf_counter() - t0
+
+    # split-phase (ubep.torch's return_recv_hook): the issue and the hook are both timed
+    def dispatch_async(self, *args: Any) -> Any:
+        return self._timed_issue(self.inner.dispatch_async, *args)
+
+    def combine_async(self, *args: Any) -> Any:
+        return self._timed_issue(self.inner.combine_async, *args)
+
+    def _timed_issue(self, issue: Callable[..., Any], *args: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return _TimedPending(issue(*args), self.timer)
+        finally:
+            self.timer.seconds += time.perf_counter() - t0
+
+
+class _TimedPending:
+    """A ``ubep.PendingCall`` whose hook adds its wall time to a timer."""
+
+    def __init__(self, inner: Any, timer: _Timer) -> None:
+        self.inner, self.timer = inner, timer
+
+    def hook(self) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self.inner.hook()
+        finally:
+            self.timer.seconds += time.perf_counter() - t0
+
+    wait = hook
+
+
+class TwoBatch:
+    """Two micro-batches as two threads of which exactly one runs: ``run(fa, fb)`` runs ``fa``
+    here and ``fb`` on a helper thread, starting with ``fa``; :meth:`switch` hands over to the
+    other (unless it has finished) and returns when it hands back. What runs, and in which
+    order, is therefore fixed by the switch points (deterministic, no data race). Every wait
+    has a deadline (``timeout_s``)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self._cond = threading.Condition()
+        self._turn = 0
+        self._done = [True, True]
+        self._timeout_s = timeout_s
+        self._local = threading.local()
+
+    def switch(self) -> None:
+        me = getattr(self._local, "index", None)
+        if me is None:
+            raise RuntimeError("TwoBatch.switch() outside TwoBatch.run()")
+        with self._cond:
+            if self._done[1 - me]:
+                return
+            self._turn = 1 - me
+            self._cond.notify_all()
+            self._wait_turn(me)
+
+    def _wait_turn(self, me: int) -> None:
+        if not self._cond.wait_for(lambda: self._turn == me, timeout=self._timeout_s):
+            raise TimeoutError(f"micro-batch {me}: the other micro-batch did not hand back "
+                               f"within {self._timeout_s} s")
+
+    def run(self, fa: Callable[[], Any], fb: Callable[[], Any]) -> list[Any]:
+        results: list[Any] = [None, None]
+        errors: list[BaseException] = []
+
+        def body(index: int, fn: Callable[[], Any]) -> None:
+            self._local.index = index
+            try:
+                with self._cond:
+                    self._wait_turn(index)
+                results[index] = fn()
+            except BaseException as exc:  # re-raised by run() on the calling thread
+                errors.append(exc)
+            finally:
+                with self._cond:
+                    self._done[index] = True
+                    self._turn = 1 - index
+                    self._cond.notify_all()
+                self._local.index = None
+
+        with self._cond:
+            self._done, self._turn = [False, False], 0
+        helper = threading.Thread(target=body, args=(1, fb), name="micro-batch-B", daemon=True)
+        helper.start()
+        body(0, fa)
+        helper.join(self._timeout_s)
+        if helper.is_alive():
+            raise TimeoutError(f"micro-batch B did not finish within {self._timeout_s} s")
+        if errors:
+            raise errors[0]
+        return results
+
+
+TBO_NAME = "ubep_tbo"
+
+
+def tbo_experts_forward(
+    self: Any, hidden_states: Any, top_k_index: Any, top_k_weights: Any
+) -> Any:
+    """The ``ubep_tbo`` experts implementation: ubep's experts forward with both calls
+    split-phase, handing over to the other micro-batch while each is in flight."""
+    import torch
+
+    from ubep.torch.hf import _local_experts
+    from ubep.torch.ops import combine, dispatch
+
+    two: TwoBatch = self._ubep_two_batch
+    backend = self._ubep_backend
+    if getattr(backend, "dispatch_async", None) is None:
+        raise TypeError(f"{type(backend).__name__} has no split-phase calls (dispatch_async): "
+                        "ubep_tbo would run blocking")
+    num_tokens = hidden_states.shape[0]
+    idx = top_k_index.to(torch.int64).reshape(num_tokens, -1)
+    w = top_k_weights.reshape(num_tokens, -1).to(torch.float32)
+    x = hidden_states.contiguous()
+    pending = dispatch(backend, x, idx, w, return_recv_hook=True)
+    two.switch()  # the other micro-batch's attention runs while these rows travel
+    res = pending.hook()
+    done = combine(_local_experts(self, backend, res, x), res.handle, return_recv_hook=True)
+    two.switch()
+    return done.hook()
 
 
 def gloo_experts_forward(
@@ -209,10 +348,11 @@ def _decode_worker(
         model = AutoModelForCausalLM.from_config(_qwen3_config(cfg), dtype=dtype).eval()
         hf.register(None)
         ExpertsInterface.register("gloo_a2a", gloo_experts_forward)
+        ExpertsInterface.register(TBO_NAME, tbo_experts_forward)
         hf.shard_experts(model, group.rank, group.num_ranks)
         timer = _Timer()
         max_tokens = cfg.batch * cfg.prompt_len
-        if "ubep" in backends:
+        if any(b.startswith("ubep") for b in backends):
             backend = make_backend(
                 group,
                 hidden=cfg.hidden,
@@ -225,18 +365,24 @@ def _decode_worker(
                 sync=cfg.sync,
             )
             hf.attach(model, _TimedBackend(backend, timer))
+        two = TwoBatch(cfg.timeout_s)
         for m in hf._experts_modules(model):
             m._ubep_gloo_timer = timer
             m._ubep_num_experts = cfg.num_experts
+            m._ubep_two_batch = two
         gen = torch.Generator().manual_seed(cfg.seed * 7919 + group.rank)
         prompt = torch.randint(0, cfg.vocab, (cfg.batch, cfg.prompt_len), generator=gen)
         out: list[dict[str, Any]] = []
         for name in backends:
-            model.set_experts_implementation("ubep" if name == "ubep" else "gloo_a2a")
-            step_s, comm_s, tokens = _decode(model, prompt, cfg, timer, group)
-            out.append(
-                {"backend": name, "step_s": step_s, "comm_s": comm_s, "tokens": np.asarray(tokens)}
-            )
+            if name in MICRO_BACKENDS:
+                step_s, comm_s, tokens, digests = _decode_micro(
+                    model, prompt, cfg, timer, group, two if name == "ubep-tbo" else None)
+            else:
+                model.set_experts_implementation("ubep" if name == "ubep" else "gloo_a2a")
+                step_s, comm_s, tokens = _decode(model, prompt, cfg, timer, group)
+                digests = []
+            out.append({"backend": name, "step_s": step_s, "comm_s": comm_s,
+                        "tokens": np.asarray(tokens), "digests": digests})
         return out
     finally:
         dist.destroy_process_group()
@@ -268,6 +414,60 @@ def _decode(
     return step_s, comm_s, tokens
 
 
+MICRO_BACKENDS = ("ubep-2mb", "ubep-tbo")
+BACKENDS = ("ubep", "gloo", *MICRO_BACKENDS)
+
+
+def _digest(logits: Any) -> str:
+    """The bits of a step's logits (float32 holds every BF16/FP16 value exactly)."""
+    return hashlib.sha256(logits.float().contiguous().numpy().tobytes()).hexdigest()
+
+
+def _decode_micro(
+    model: Any, prompt: Any, cfg: DecodeConfig, timer: _Timer, group: Any, two: TwoBatch | None
+) -> tuple[list[float], list[float], list[list[int]], list[str]]:
+    """Decode the batch as two micro-batches (own KV caches): one after the other with blocking
+    calls (``two`` None) or overlapped (``two``: the ``ubep_tbo`` experts and two threads).
+    Returns step seconds, comm seconds, tokens and per-step logits digests."""
+    import torch
+    from transformers import DynamicCache
+
+    half = prompt.shape[0] // 2
+    parts = [prompt[:half], prompt[half:]]
+    caches = [DynamicCache(config=model.config) for _ in parts]
+
+    def forward(i: int, ids: Any) -> Any:
+        with torch.no_grad():  # grad mode is per thread: the helper thread sets its own
+            return model(input_ids=ids, cache=caches[i], use_cache=True).logits[:, -1]
+
+    model.set_experts_implementation("ubep")
+    nxt = [forward(i, p).argmax(-1, keepdim=True) for i, p in enumerate(parts)]
+    if two is not None:
+        model.set_experts_implementation(TBO_NAME)
+    timer.take()
+    step_s, comm_s, tokens, digests = [], [], [], []
+    try:
+        for step in range(cfg.warmup + cfg.steps):
+            group.barrier()  # start every step together, so a step's time is its own
+            t0 = time.perf_counter()
+            if two is None:
+                logits = [forward(0, nxt[0]), forward(1, nxt[1])]
+            else:
+                logits = two.run(functools.partial(forward, 0, nxt[0]),
+                                 functools.partial(forward, 1, nxt[1]))
+            nxt = [lg.argmax(-1, keepdim=True) for lg in logits]
+            dt = time.perf_counter() - t0
+            comm = timer.take()
+            tokens.append(torch.cat(nxt).squeeze(1).tolist())
+            digests.append(_digest(torch.cat(logits)))
+            if step >= cfg.warmup:
+                step_s.append(dt)
+                comm_s.append(comm)
+    finally:
+        model.set_experts_implementation("ubep")
+    return step_s, comm_s, tokens, digests
+
+
 def run_decode(
     cfg: DecodeConfig, backends: tuple[str, ...] = ("ubep", "gloo"), *, timeout_s: float = 900.0
 ) -> list[DecodeResult]:
@@ -276,9 +476,23 @@ def run_decode(
 
     from ubep.runtime import launch
 
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown:
+        raise ValueError(f"backends {unknown}: must be among {BACKENDS}")
+    if any(b in MICRO_BACKENDS for b in backends) and (cfg.batch < 2 or cfg.batch % 2):
+        raise ValueError(f"batch={cfg.batch}: two micro-batches need an even batch >= 2")
     per_rank = launch(_decode_worker, cfg.num_ranks, cfg, backends, timeout_s=timeout_s)
     rank0 = per_rank[0]
     ubep_tokens = next((r["tokens"] for r in rank0 if r["backend"] == "ubep"), None)
+    # the overlapped schedule against the serial one, on every rank, every step
+    by_name = [{r["backend"]: r for r in rank} for rank in per_rank]
+    exact = None
+    if "ubep-tbo" in backends and "ubep-2mb" in backends:
+        exact = all(
+            len(rk["ubep-tbo"]["digests"]) == cfg.warmup + cfg.steps
+            and rk["ubep-tbo"]["digests"] == rk["ubep-2mb"]["digests"]
+            and np.array_equal(rk["ubep-tbo"]["tokens"], rk["ubep-2mb"]["tokens"])
+            for rk in by_name)
     results = []
     for r in rank0:
         step = np.asarray(r["step_s"]) * 1e3
@@ -295,6 +509,7 @@ def run_decode(
                 tokens_match_ubep=bool(
                     ubep_tokens is not None and np.array_equal(r["tokens"], ubep_tokens)
                 ),
+                exact_vs_2mb=exact if r["backend"] == "ubep-tbo" else None,
             )
         )
     return results
@@ -317,12 +532,17 @@ def format_table(cfg: DecodeConfig, results: list[DecodeResult]) -> str:
         "comm_share",
         "tokens_match_ubep",
     )
+    if any(r.exact_vs_2mb is not None for r in results):
+        cols = (*cols, "exact_vs_2mb")
+        head += ("\n# ubep-2mb / ubep-tbo: two micro-batches of batch/2, blocking / two-batch "
+                 "overlap (return_recv_hook); comm = time blocked in dispatch/combine and hooks")
     lines = [head, "  ".join(f"{c:>17}" for c in cols)]
     for r in results:
         row = asdict(r)
         lines.append(
             "  ".join(
-                f"{row[c]:>17.3f}" if isinstance(row[c], float) else f"{row[c]!s:>17}" for c in cols
+                f"{row[c]:>17.3f}" if isinstance(row[c], float)
+                else f"{'-' if row[c] is None else row[c]!s:>17}" for c in cols
             )
         )
     return "\n".join(lines)
@@ -345,6 +565,8 @@ def _main(args: argparse.Namespace) -> int:
     if cfg.steps < 1:
         raise SystemExit("--steps must be >= 1")
     backends = tuple(b for b in args.backends.split(",") if b)
+    if args.overlap:
+        backends += tuple(b for b in MICRO_BACKENDS if b not in backends)
     results = run_decode(cfg, backends, timeout_s=args.timeout)
     print(format_table(cfg, results))
     if args.json:
@@ -373,7 +595,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--engine", default=d.engine)
     p.add_argument("--sync", default=d.sync)
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--backends", default="ubep,gloo", help="comma list of ubep, gloo")
+    p.add_argument("--backends", default="ubep,gloo",
+                   help=f"comma list of {', '.join(BACKENDS)}")
+    p.add_argument("--overlap", action="store_true",
+                   help="also two micro-batches per rank: ubep-2mb (blocking) and ubep-tbo "
+                        "(two-batch overlap with return_recv_hook), checked bit for bit")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole run")
     p.add_argument("--json", help="also write the results here")
     p.set_defaults(func=_main)

@@ -187,7 +187,8 @@ def test_hf_model_on_two_processes_matches_eager(results: list[dict[str, Any]], 
 
 def test_decode_cli_ubep_and_gloo_agree_token_for_token() -> None:
     """``ubep decode`` machinery on a tiny shape: the gloo all_to_all baseline is an independent
-    implementation of the same experts, so both must produce the same greedy tokens."""
+    implementation of the same experts, so both must produce the same greedy tokens; with
+    ``--overlap``'s rows, the two-batch overlap equals the serial micro-batches bit for bit."""
     from benchmarks.torch_decode import DecodeConfig, format_table, run_decode
 
     cfg = DecodeConfig(
@@ -206,9 +207,13 @@ def test_decode_cli_ubep_and_gloo_agree_token_for_token() -> None:
         warmup=1,
         dtype="fp32",
     )
-    results = run_decode(cfg, ("ubep", "gloo"), timeout_s=180)
-    assert [r.backend for r in results] == ["ubep", "gloo"]
-    assert all(r.tokens_match_ubep for r in results)
+    # --overlap's rows ride along (one launch): two micro-batches blocking / overlapped with
+    # return_recv_hook, whose logits must agree bit for bit at every step
+    results = run_decode(cfg, ("ubep", "gloo", "ubep-2mb", "ubep-tbo"), timeout_s=180)
+    assert [r.backend for r in results] == ["ubep", "gloo", "ubep-2mb", "ubep-tbo"]
+    assert results[0].tokens_match_ubep and results[1].tokens_match_ubep
+    assert results[3].exact_vs_2mb is True
+    assert [r.exact_vs_2mb for r in results[:3]] == [None, None, None]
     for r in results:
         assert 0 < r.tpot_min_ms <= r.tpot_p50_ms <= r.tpot_p99_ms <= r.tpot_max_ms
         assert 0 < r.comm_share < 1
