@@ -146,4 +146,4 @@ static const phase_t BSP_COMBINE_PHASES[] = {
     {ph_cb_wait, 1, 1, NULL},
     {ph_c_reduce, 1, 0, NULL},
 };
-const phase_list_t BSP_COMBINE = PHASE_LIST(BSP_COMBINE_PHASES, 4);
+const phase_list_t BSP_COMBINE = PHASE_LIST(BSP_COMBINE_PHASES, 3);

@@ -132,9 +132,17 @@ typedef struct engine {
     struct op *job_op;
     const struct phase_list *job_phases;
     int job_first, job_end; /* the phases of job_phases the cores run */
-    /* split-phase calls whose second half has not run, oldest first (module.c's call_t) */
+    /* split-phase calls not yet completed, oldest first (module.c's call_t); their second
+     * halves run on the background core, one at a time, in issue order */
     struct call *pending[MAX_PENDING];
     int npending;
+    pthread_t bg_thread;
+    int bg_started;
+    _Atomic uint32_t bg_gen;  /* bumped to hand the background core a call (bg_op) */
+    _Atomic uint32_t bg_idle; /* 1: no second half is running (futex word) */
+    struct op *bg_op;
+    const struct phase_list *bg_phases;
+    _Atomic uint32_t *bg_done; /* the handed-over call's done word */
     _Atomic uint32_t tb_count, tb_gen;
     /* BSP with SP: the staging region must hold the sentinel wherever a peer may write.
      * Consumed rows are refilled at once; a failed call can leave rows behind: then the whole
@@ -329,9 +337,11 @@ static inline void get_tff_row(engine_t *g, uint8_t *dst, const uint8_t *slot) {
 }
 
 /* phase lists (dispatch.c, dispatch_bsp.c, combine.c), run by team.c */
-/* A split-phase call (return_recv_hook) runs phases [0, split) when it is issued: this rank's
- * sends, and whatever its peers need from it to send theirs; [split, num_phases) when its hook
- * is called: the receive half. */
+/* A split-phase call (return_recv_hook) runs phases [0, split) in the caller's thread: the
+ * local work (quantisation, validation, counts) and what peers need from this rank to send
+ * (readiness, counts, routing; combine: the expert outputs); phases [split, num_phases) --
+ * sends that wait for a destination, the receive, every wait on a peer -- run on the engine's
+ * background core while the caller goes on; its hook collects the result. */
 typedef struct phase_list {
     const phase_t *phase;
     int num_phases;
@@ -363,6 +373,10 @@ extern PyMethodDef HOOK_METHODS[];
 /* team.c: the cores of a rank */
 int start_threads(engine_t *g);
 void engine_stop(engine_t *g);
+/* the background core (split-phase calls): hand it phases [split, end) of an operation and
+ * return; bg_quiesce waits until it is idle (every engine method does, first) */
+int bg_start(engine_t *g, op_t *op, const phase_list_t *phases, _Atomic uint32_t *done);
+void bg_quiesce(engine_t *g);
 void run_op(op_t *op, const phase_list_t *phases, int first, int end);
 
 /* dispatch.c: what the BSP phases share with ASP dispatch */

@@ -354,7 +354,28 @@ typedef struct call {
     op_t op;
     pbuf_t b[NBUF_DISPATCH];
     const phase_list_t *phases;
+    _Atomic uint32_t done; /* split-phase: the background core finished the second half */
 } call_t;
+
+/* the background core idle, with the GIL released (every method that touches the engine's
+ * state calls this first: a second half may still be running) */
+static void quiesce(engine_t *g) {
+    if (!g->bg_started || atomic_load(&g->bg_idle)) return;
+    Py_BEGIN_ALLOW_THREADS
+    bg_quiesce(g);
+    Py_END_ALLOW_THREADS
+}
+
+/* a split-phase call's second half is done (the background core ran it) */
+static void wait_call(call_t *c) {
+    if (atomic_load(&c->done)) return;
+    Py_BEGIN_ALLOW_THREADS
+    while (!atomic_load(&c->done)) {
+        struct timespec ts = {0, 1000000};
+        futex_wait(&c->done, 0, &ts);
+    }
+    Py_END_ALLOW_THREADS
+}
 
 static void call_free(struct call *c) {
     rel_bufs(c->b, NBUF_DISPATCH);
@@ -372,8 +393,10 @@ static PyObject *call_result(call_t *c) {
     return res;
 }
 
-/* Run a call: all of it, or (split) its first half, after which it waits in g->pending for
- * complete(); a first half that failed has finished the call (its notice is out). */
+/* Run a call: all of it, or (split) its first half -- the local work, and what peers need
+ * from this rank -- after which the background core runs the rest while the caller goes on,
+ * and the call waits in g->pending for complete(); a first half that failed has finished the
+ * call (its notice is out). */
 static PyObject *call_run(engine_t *g, call_t *c, int split) {
     op_t *op = &c->op;
     if (split && g->npending == MAX_PENDING) {
@@ -381,10 +404,15 @@ static PyObject *call_run(engine_t *g, call_t *c, int split) {
         PyErr_SetString(PyExc_RuntimeError, "engine: too many split-phase calls in flight");
         return NULL;
     }
+    quiesce(g); /* the previous call's second half uses the engine's state */
     int end = split ? c->phases->split : c->phases->num_phases;
     g->in_use = 1;
     Py_BEGIN_ALLOW_THREADS
     run_op(op, c->phases, 0, end);
+    if (split && !atomic_load(&op->err) && bg_start(g, op, c->phases, &c->done)) {
+        run_op(op, c->phases, end, c->phases->num_phases); /* no thread: the rest here */
+        split = 0;
+    }
     if (!split || atomic_load(&op->err)) finish_op(op);
     Py_END_ALLOW_THREADS
     g->in_use = 0;
@@ -408,8 +436,8 @@ static call_t *oldest_pending(engine_t *g, unsigned long long epoch) {
     return c;
 }
 
-/* complete(epoch) -> result of dispatch / combine | error tuple: the second half of the oldest
- * split-phase call, with a fresh deadline (its hook may come late) */
+/* complete(epoch) -> result of dispatch / combine | error tuple: the oldest split-phase call,
+ * once the background core has run its second half */
 static PyObject *engine_complete(engine_t *g, PyObject *args) {
     unsigned long long epoch;
     if (!PyArg_ParseTuple(args, "K", &epoch)) return NULL;
@@ -419,14 +447,7 @@ static PyObject *engine_complete(engine_t *g, PyObject *args) {
     }
     call_t *c = oldest_pending(g, epoch);
     if (!c) return NULL;
-    op_t *op = &c->op;
-    op->deadline = now_ns() + g->timeout_ns;
-    g->in_use = 1;
-    Py_BEGIN_ALLOW_THREADS
-    run_op(op, c->phases, c->phases->split, c->phases->num_phases);
-    finish_op(op);
-    Py_END_ALLOW_THREADS
-    g->in_use = 0;
+    wait_call(c);
     return call_result(c);
 }
 
@@ -438,12 +459,13 @@ static PyObject *engine_abandon(engine_t *g, PyObject *args) {
     if (!PyArg_ParseTuple(args, "Ks", &epoch, &msg)) return NULL;
     call_t *c = oldest_pending(g, epoch);
     if (!c) return NULL;
-    op_t *op = &c->op;
-    snprintf(op->what, sizeof op->what, "%s", msg);
-    atomic_store(&op->err, E_LOST);
-    Py_BEGIN_ALLOW_THREADS
-    finish_op(op);
-    Py_END_ALLOW_THREADS
+    wait_call(c); /* its second half ran (or failed) on the background core */
+    if (!atomic_load(&c->op.err)) {
+        /* it completed here, but this rank lost step: peers still in it fail too */
+        Py_BEGIN_ALLOW_THREADS
+        publish_failure(g, epoch, E_LOST, msg);
+        Py_END_ALLOW_THREADS
+    }
     call_free(c);
     Py_RETURN_NONE;
 }
@@ -573,6 +595,7 @@ static PyObject *engine_combine(engine_t *g, PyObject *args) {
  * is written only once every peer has finished that call, waiting at most timeout_s (0: do not
  * wait; then nothing is published and the result is 1). */
 static PyObject *engine_fail(engine_t *g, PyObject *args) {
+    quiesce(g);
     unsigned long long epoch;
     int code, finished;
     const char *msg;
@@ -614,6 +637,7 @@ static PyObject *engine_fail(engine_t *g, PyObject *args) {
  * this segment meanwhile). Control records of this rank's segment are cleared, progress words
  * say "finished everything before base_epoch", SP regions are re-armed. */
 static PyObject *engine_resync(engine_t *g, PyObject *args) {
+    quiesce(g);
     unsigned long long base;
     if (!PyArg_ParseTuple(args, "K", &base)) return NULL;
     if (base < 2) {
@@ -642,6 +666,7 @@ static PyObject *engine_resync(engine_t *g, PyObject *args) {
 
 /* wait_done(epoch, timeout_s) -> 0 | error tuple: every peer has finished call `epoch` */
 static PyObject *engine_wait_done(engine_t *g, PyObject *args) {
+    quiesce(g);
     unsigned long long epoch;
     double timeout;
     if (!PyArg_ParseTuple(args, "Kd", &epoch, &timeout)) return NULL;
@@ -662,6 +687,7 @@ static PyObject *engine_wait_done(engine_t *g, PyObject *args) {
 
 /* reset_all(): fill the SP land region(s) with the sentinel (construction) */
 static PyObject *engine_reset_all(engine_t *g, PyObject *noargs) {
+    quiesce(g);
     (void)noargs;
     if (g->sync != SYNC_SP) Py_RETURN_NONE;
     Py_BEGIN_ALLOW_THREADS
@@ -673,6 +699,7 @@ static PyObject *engine_reset_all(engine_t *g, PyObject *noargs) {
 }
 
 static PyObject *engine_trace(engine_t *g, PyObject *noargs) {
+    quiesce(g);
     (void)noargs;
     PyObject *t = PyTuple_New(16);
     if (!t) return NULL;
@@ -681,6 +708,7 @@ static PyObject *engine_trace(engine_t *g, PyObject *noargs) {
 }
 
 static PyObject *engine_comb_last_epoch(engine_t *g, PyObject *args) {
+    quiesce(g);
     int c;
     if (!PyArg_ParseTuple(args, "i", &c)) return NULL;
     if (c < 0 || c > 1) { PyErr_SetString(PyExc_ValueError, "region"); return NULL; }
@@ -688,6 +716,7 @@ static PyObject *engine_comb_last_epoch(engine_t *g, PyObject *args) {
 }
 
 static PyObject *engine_close(engine_t *g, PyObject *noargs) {
+    quiesce(g);
     (void)noargs;
     Py_BEGIN_ALLOW_THREADS
     engine_stop(g);
@@ -698,6 +727,7 @@ static PyObject *engine_close(engine_t *g, PyObject *noargs) {
 /* ([units of core c: token * K + k, in the order sent], [destinations whose counts core c
  * published, in order]) per core, of the last dispatch */
 static PyObject *engine_core_log(engine_t *g, PyObject *noargs) {
+    quiesce(g);
     (void)noargs;
     PyObject *units = PyList_New(g->C), *dsts = PyList_New(g->C);
     if (!units || !dsts) goto fail;

@@ -97,7 +97,60 @@ void run_op(op_t *op, const phase_list_t *phases, int first, int end) {
     }
 }
 
+/* The background core: runs the second halves of split-phase calls (sends, waits, receive,
+ * the end of the operation) while the caller's thread goes back to Python, one at a time. */
+static void *bg_main(void *arg) {
+    engine_t *g = arg;
+    uint32_t seen = 0;
+    for (;;) {
+        while (atomic_load(&g->bg_gen) == seen && !atomic_load(&g->stopping))
+            futex_wait(&g->bg_gen, seen, NULL);
+        if (atomic_load(&g->stopping)) break;
+        seen = atomic_load(&g->bg_gen);
+        op_t *op = g->bg_op;
+        run_op(op, g->bg_phases, g->bg_phases->split, g->bg_phases->num_phases);
+        finish_op(op);
+        atomic_store(g->bg_done, 1);
+        futex_wake(g->bg_done, INT32_MAX);
+        atomic_store(&g->bg_idle, 1);
+        futex_wake(&g->bg_idle, INT32_MAX);
+    }
+    return NULL;
+}
+
+int bg_start(engine_t *g, op_t *op, const phase_list_t *phases, _Atomic uint32_t *done) {
+    if (!g->bg_started) {
+        atomic_store(&g->bg_idle, 1);
+        if (pthread_create(&g->bg_thread, NULL, bg_main, g) != 0) return -1;
+        g->bg_started = 1;
+    }
+    g->bg_op = op;
+    g->bg_phases = phases;
+    g->bg_done = done;
+    atomic_store(&g->bg_idle, 0);
+    atomic_fetch_add(&g->bg_gen, 1);
+    futex_wake(&g->bg_gen, INT32_MAX);
+    return 0;
+}
+
+/* Every wait of the background call has a deadline, so this ends. */
+void bg_quiesce(engine_t *g) {
+    if (!g->bg_started) return;
+    while (!atomic_load(&g->bg_idle)) {
+        struct timespec ts = {0, 1000000};
+        futex_wait(&g->bg_idle, 0, &ts);
+    }
+}
+
 void engine_stop(engine_t *g) {
+    if (g->bg_started) {
+        bg_quiesce(g);
+        atomic_store(&g->stopping, 1);
+        atomic_fetch_add(&g->bg_gen, 1);
+        futex_wake(&g->bg_gen, INT32_MAX);
+        pthread_join(g->bg_thread, NULL);
+        g->bg_started = 0;
+    }
     atomic_store(&g->stopping, 1);
     if (g->nthreads_started) {
         atomic_fetch_add(&g->job_gen, 1);
