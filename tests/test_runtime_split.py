@@ -26,7 +26,7 @@ HIDDEN, TOPK, EXPERTS, TOKENS = 128, 4, 8, 12
 def _config(engine: str, sync: str, layout: str, **extra: Any) -> BufferConfig:
     return BufferConfig(
         max_tokens_per_rank=TOKENS, hidden=HIDDEN, num_topk=TOPK, num_experts=EXPERTS,
-        dtype="bf16", layout=layout, engine=engine, sync=sync, timeout_s=30.0, **extra,
+        dtype="bf16", layout=layout, engine=engine, sync=sync, **({"timeout_s": 30.0} | extra),
     )
 
 
@@ -130,3 +130,54 @@ def test_split_phase_calls_bit_exact_every_mode() -> None:
     results = launch(_worker, 2, cases, timeout_s=300)
     errors = [e for r in results for e in r]
     assert not errors, "\n".join(errors[:20])
+
+
+def _worker_late_peer(group: Any) -> dict[str, Any]:
+    """Rank 1 misses the deadline of rank 0's split-phase dispatch: rank 0's issue returns at
+    once, its hook raises (never stale rows), both ranks resync and the next calls are right."""
+    from ubep.errors import OutOfStepError
+
+    cfg = _config("asp", "sw", "rank", timeout_s=1.5)
+    r, out = group.rank, {}
+    with Buffer(group, cfg) as buf:
+        a = _Batch(cfg, r, 2, 1)
+        if r == 0:
+            t0 = time.perf_counter()
+            pending = a.dispatch(buf, True)
+            out["issue_s"] = time.perf_counter() - t0
+            try:
+                pending.hook()
+                out["hook"] = "returned"
+            except UbepError as exc:
+                out["hook"] = type(exc).__name__
+            try:
+                pending.hook()  # the same error again, not a result
+                out["again"] = "returned"
+            except UbepError as exc:
+                out["again"] = type(exc).__name__
+        else:
+            time.sleep(3.0)  # past rank 0's deadline
+            try:
+                a.dispatch(buf, False)
+                out["late"] = "returned"
+            except UbepError as exc:
+                out["late"] = type(exc).__name__
+        try:
+            buf.dispatch(a.xs[r], a.idxs[r], a.ws[r])
+            out["before_resync"] = "accepted"
+        except OutOfStepError:
+            out["before_resync"] = "refused"
+        buf.resync(20.0)
+        b = _Batch(cfg, r, 2, 2)
+        out["after"] = b.check(b.dispatch(buf, True).hook(), "after resync")
+    return out
+
+
+def test_late_peer_fails_the_hook_and_resync_recovers() -> None:
+    outs = launch(_worker_late_peer, 2, timeout_s=120)
+    assert outs[0]["issue_s"] < 1.0, outs[0]  # the issue did not wait for the late peer
+    assert outs[0]["hook"] in ("TimeoutError", "OutOfStepError"), outs[0]
+    assert outs[0]["again"] == outs[0]["hook"], outs[0]
+    assert outs[1]["late"] != "returned", outs[1]
+    for out in outs:
+        assert out["before_resync"] == "refused" and out["after"] == [], out
