@@ -791,7 +791,7 @@ def _new_frozen(cls: type[_T], **fields: Any) -> _T:
     """
     obj = object.__new__(cls)
     assert fields.keys() == _field_names(cls)  # type: ignore[arg-type]
-    obj.__dict__.update(fields)
+    object.__setattr__(obj, "__dict__", fields)  # the call's own fresh dict: no copy
     return obj
 
 
