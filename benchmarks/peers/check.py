@@ -1,7 +1,7 @@
 """Bit-exactness of every peer variant against ``ubep.reference``, run by the benchmark itself.
 
 Before a peer is timed at a rank count, its worker runs a check plan in its own venv (the same
-worker, kernels and launcher as the timed run): small inputs of both payload types and both
+worker, kernels and launcher as the timed run): small inputs of every payload type, both
 routings, with masked slots and a rank with no tokens, both layouts, every local-work variant
 the venv has (torch and numpy), and FP8 rows (values + scales, quantised by the parent, and by
 the ``torch+q`` variant itself in torch ops: both must equal ``ubep.quant.quantize`` of the

@@ -430,6 +430,8 @@ def ubep_rows(
                     # SP needs a bit pattern the payload never holds; 1-byte types have none.
                     unsupported[f"ubep-{engine}-{sync} x {inp.shape.dtype}"] = (
                         "SP needs a sentinel; 1-byte payloads have none (use tff or dc)"
+                        if not inp.shape.quantised else
+                        "SP is refused with quant: FP8 rows hold 1-byte values (use sw, tff, dc)"
                     )
             for layout in settings.layouts:
                 cases += [(inp, UbepCase(inp.shape, m.layout, m.engine, m.sync))
@@ -767,13 +769,15 @@ FULL_RUN_HELP = """\
 the full run (committed results; quiet host, nothing else running):
   python -m benchmarks.peers --wait-quiet 600 --json benchmarks/results/peers.json \\
       --plot benchmarks/results/peers.png | tee benchmarks/results/peers.txt
-  16 shapes x 2 layouts, every ubep mode, 3 MPIs + gloo x torch/numpy local work, memcpy;
-  30 repeats in 3 rounds after 5 warm-up each: expect about 25 minutes on this 2-core host
-  (an estimate: the numpy-only full run took 14.4 min; the torch rows, the combine exchange and
-  the bit-exactness checks double the peers' share). The peer venvs (~4.3 GB with torch) are
-  built first on a fresh checkout: ~8 minutes more.
+  20 shapes (16 BF16/1-byte, 4 FP8) x 2 layouts, every ubep mode (FP8: also +q), 3 MPIs +
+  gloo x torch/numpy local work (FP8: also torch+q), memcpy; 30 repeats in 3 rounds after 5
+  warm-up each: expect about 30 minutes on this 2-core host (an estimate: the numpy-only full
+  run of 16 shapes took 14.4 min; the torch rows, the combine exchange and the bit-exactness
+  checks double the peers' share; the 4 FP8 shapes add about a quarter). The peer venvs
+  (~4.3 GB with torch) are built first on a fresh checkout: ~8 minutes more.
 reduced run (2 and 4 ranks, the default shapes, few repeats): add --repeats 6 --rounds 1
-  --warmup 2 (17 min here under a load average of 6-12; less on a quiet host)."""
+  --warmup 2 (17 min here under a load average of 6-12 before the FP8 shapes, which alone took
+  4.7 min so; less on a quiet host)."""
 
 
 def shapes_for(quick: bool) -> list[Shape]:
