@@ -130,6 +130,7 @@ class Row:
             "tokens_per_rank": self.shape.tokens_per_rank,
             "hidden": self.shape.hidden,
             "dtype": self.dtype,
+            "payload": self.shape.dtype,  # the shape's dispatch payload (tells fp8 from bf16)
             "routing": self.shape.routing,
             "op": self.op,
             "bytes_per_rank": self.bytes_per_rank,
@@ -481,7 +482,8 @@ def table_rows(rows: Sequence[Row]) -> list[list[object]]:
     out: list[list[object]] = []
     order = {s: i for i, s in enumerate(SYSTEM_ORDER)}
     for key in sorted(groups, key=lambda k: (k[0], k[1].routing, k[1].num_ranks,
-                                              k[1].tokens_per_rank, k[1].hidden, OPS.index(k[2]))):
+                                              k[1].tokens_per_rank, k[1].hidden, OPS.index(k[2]),
+                                              k[1].dtype)):
         members = sorted(groups[key], key=lambda r: order.get(r.system, 99))
         # A quantising row (FP8, "+q") is compared with the quantising MPI rows, the others
         # with the MPI rows that move the caller's rows as they are: the same work each.
@@ -493,9 +495,11 @@ def table_rows(rows: Sequence[Row]) -> list[list[object]]:
         floor = next((r.stats.median_us for r in members if r.system == "memcpy"), float("nan"))
         for r in members:
             med = r.stats.median_us
+            # combine after a 1-byte / FP8 dispatch: "uint8>bf16", "fp8>bf16"
+            dtype = r.dtype if r.dtype == r.shape.dtype else f"{r.shape.dtype}>{r.dtype}"
             out.append([
                 r.layout, r.shape.routing, r.system, r.shape.num_ranks, r.shape.tokens_per_rank,
-                r.shape.hidden, r.dtype, r.op, round(r.bytes_per_rank), r.stats.min_us, med,
+                r.shape.hidden, dtype, r.op, round(r.bytes_per_rank), r.stats.min_us, med,
                 r.stats.max_us, r.bytes_per_rank / (med * 1e3),
                 med / best_mpi[quantises(r.system)], med / floor,
             ])
@@ -506,7 +510,8 @@ BYTE_FORMULA = """\
 bytes = payload bytes one rank sends (mean over ranks), the same for every system:
   layout=expert: tokens x top-k x hidden x bytes/elem      (one row per valid (token, expert))
   layout=rank:   sum_d num_tokens_per_rank[d] x hidden x bytes/elem  (one row per (token, dst rank))
-  dispatch moves x's type; combine moves BF16 rows back (a 1-byte dispatch combines in BF16).
+  dispatch moves x's type; combine moves BF16 rows back (a 1-byte dispatch combines in BF16;
+  its dtype reads uint8>bf16 / fp8>bf16).
   e.g. expert, 128 tokens, top-8, hidden 2048, BF16: 128 x 8 x 2048 x 2 = 4,194,304 B
   fp8: x is BF16 and travels quantised, E4M3 values + a float32 scale per 128 channels:
   hidden + hidden/32 bytes per row (ubep.quant.row_bytes; 0.52x BF16's).
