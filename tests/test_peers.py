@@ -99,19 +99,26 @@ def _run_threads(
 
     def rank_main(r: int) -> None:
         try:
+            arrays = workload.peer_arrays(inp, r)  # FP8: the packed rows, and x_bf16
+            x = arrays["x_bf16"] if variant == "torch+q" else arrays["x"]
             kw: dict[str, Any] = {
                 "num_experts": NUM_EXPERTS, "num_topk": 8,
                 "max_tokens": max(x.shape[0] for x in inp.xs), "hidden": inp.shape.hidden,
-                "x_dtype": inp.xs[r].dtype, "out_dtype": inp.expert_outs[layout][r].dtype,
+                "x_dtype": x.dtype, "out_dtype": inp.expert_outs[layout][r].dtype,
+                "x_width": x.shape[1],
             }
             ex = ThreadExchange(shared, r)
-            if variant == "torch":
+            if variant == "torch+q":
+                from benchmarks.peers.torch_kernels import make_torch_quantising_peer
+
+                peer: Any = make_torch_quantising_peer(layout, ex, **kw)
+            elif variant == "torch":
                 from benchmarks.peers.torch_kernels import make_torch_peer
 
-                peer: Any = make_torch_peer(layout, ex, **kw)
+                peer = make_torch_peer(layout, ex, **kw)
             else:
                 peer = make_peer(layout, ex, **kw)
-            args = peer.prepare(inp.xs[r], inp.topk_idxs[r], inp.topk_weights[r])
+            args = peer.prepare(x, inp.topk_idxs[r], inp.topk_weights[r])
             (expert_out,) = peer.prepare(inp.expert_outs[layout][r])
             for _ in range(2):  # a second call reuses the buffers: results must not change
                 d = peer.dispatch(*args)
@@ -151,9 +158,44 @@ def test_torch_kernels_match_reference_in_process(num_ranks: int, layout: str) -
     pytest.importorskip("torch")
     for inp in _check_inputs(num_ranks):
         ref, ref_y = _expected(inp, layout)
-        outs = _run_threads(inp, layout, variant="torch")
-        for r in range(num_ranks):
-            _assert_same(outs[r], ref[r], ref_y[r], f"torch {layout} rank {r}/{num_ranks}")
+        # FP8: the rows the caller quantised, and the peer that quantises in torch ops itself
+        for variant in ("torch", "torch+q") if inp.shape.quantised else ("torch",):
+            outs = _run_threads(inp, layout, variant=variant)
+            for r in range(num_ranks):
+                _assert_same(outs[r], ref[r], ref_y[r], f"{variant} {layout} rank {r}/{num_ranks}")
+
+
+def test_check_sets_cover_fp8_with_a_zero_block() -> None:
+    # The FP8 check set: BF16 tokens, more than one scale block, and a block of zeros (the
+    # floor scale), on ranks that have tokens.
+    (inp,) = [i for i in _check_inputs(4) if i.shape.quantised]
+    assert inp.shape.hidden % 128 == 0 and inp.shape.hidden > 128
+    assert all(x.dtype == np.uint16 for x in inp.xs)
+    assert all(not x[0, :128].any() for x in inp.xs if len(x))
+
+
+@pytest.mark.torch
+def test_torch_fp8_quantiser_equals_ubep_quant() -> None:
+    pytest.importorskip("torch")
+    from benchmarks.peers.torch_kernels import TorchFp8Quantiser, as_torch
+
+    from ubep import quant
+
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((37, 512), dtype=np.float32) * 30).astype(np.float32)
+    x[3, 128:256] = 0  # the floor scale
+    x[5, :128] *= 1e-7  # amax under the floor
+    x[6, 0] = 1e30  # one huge element: the rest of its block rounds to (signed) zero
+    x[7] = -x[7]
+    bf16 = (x.view(np.uint32) >> np.uint32(16)).astype(np.uint16)
+    q = TorchFp8Quantiser(64, 512)
+    packed = q(as_torch(bf16)).numpy()
+    values, scales = quant.quantize(bf16, "e4m3")
+    assert packed.shape == (37, quant.row_bytes(512))
+    assert np.array_equal(packed[:, :512], values)
+    assert np.array_equal(packed[:, 512:].copy().view(np.float32).view(np.uint32),
+                          scales.view(np.uint32))
+    assert np.array_equal(workload.pack_fp8(bf16), packed)
 
 
 PEERS = [
@@ -177,8 +219,9 @@ def test_peer_matches_reference(system: str, tmp_path: Path) -> None:
         variants = check.check_peer(system, 4, tmp_path)
     except check.PeerCheckError as exc:
         pytest.fail(str(exc))
-    # Every peer venv has torch (benchmarks/peers/env.py): both local-work variants ran.
-    assert variants == ["torch", "numpy"]
+    # Every peer venv has torch (benchmarks/peers/env.py): both local-work variants ran, and
+    # on the FP8 check set the one that quantises in torch ops.
+    assert variants == ["torch", "numpy", "torch+q"]
 
 
 @pytest.mark.parametrize("layout", peers.LAYOUTS)
@@ -188,7 +231,10 @@ def test_byte_formula_counts_reference_rows(layout: str) -> None:
         ref, _ = _expected(inp, layout)
         want = [sum(int((res.recv_src_rank == s).sum()) for res in ref) for s in range(4)]
         assert workload.rows_sent(inp, layout).tolist() == want
-        mean_bytes = np.mean(want) * inp.shape.hidden * workload.ITEMSIZE[inp.shape.dtype]
+        h = inp.shape.hidden
+        # FP8 rows: h E4M3 values + h/128 float32 scales
+        per_row = {"bf16": 2 * h, "uint8": h, "fp8": h + 4 * (h // 128)}[inp.shape.dtype]
+        mean_bytes = np.mean(want) * per_row
         assert workload.bytes_per_rank(inp, layout, "dispatch") == pytest.approx(mean_bytes)
         assert workload.bytes_per_rank(inp, layout, "combine") == pytest.approx(
             np.mean(want) * inp.shape.hidden * 2  # the benchmark combines in BF16
@@ -243,9 +289,44 @@ def test_floor_report_compares_against_the_fastest_variant() -> None:
     }
 
 
+def test_quantising_rows_are_compared_with_quantising_mpi_rows() -> None:
+    shape = workload.Shape(2, 128, 2048, "fp8", "uniform")
+    medians = {"ubep-asp-sw": 40.0, "ubep-asp-sw+q": 60.0, "openmpi-torch": 100.0,
+               "openmpi-torch+q": 300.0, "mpich-torch+q": 250.0}
+    rows = [peers.Row(s, "rank", shape, "dispatch", 1e6, Stats(m, m, m, 3))
+            for s, m in medians.items()]
+    col = peers.TABLE_COLUMNS.index("ratio_vs_best_mpi")
+    ratio = {c[2]: c[col] for c in peers.table_rows(rows)}
+    assert ratio["ubep-asp-sw"] == pytest.approx(40 / 100)
+    assert ratio["ubep-asp-sw+q"] == pytest.approx(60 / 250)
+    assert ratio["openmpi-torch+q"] == pytest.approx(300 / 250)
+
+
+def test_fp8_report_ratios_against_bf16_of_the_same_shape() -> None:
+    fp8 = workload.Shape(2, 128, 2048, "fp8", "uniform")
+    bf16 = replace(fp8, dtype="bf16")
+    rows = [
+        peers.Row("ubep-asp-sw", "rank", fp8, "dispatch", 520.0, Stats(30, 30, 30, 3)),
+        peers.Row("ubep-bsp-sw", "rank", fp8, "dispatch", 520.0, Stats(20, 20, 20, 3)),
+        peers.Row("ubep-asp-sw+q", "rank", fp8, "dispatch", 520.0, Stats(45, 45, 45, 3)),
+        peers.Row("ubep-asp-sp", "rank", bf16, "dispatch", 1000.0, Stats(50, 50, 50, 3)),
+        peers.Row("ubep-asp-sw", "rank", bf16, "dispatch", 1000.0, Stats(80, 80, 80, 3)),
+    ]
+    lines = peers.fp8_report(rows).splitlines()
+    ubep = next(line.split() for line in lines if "caller-quantised" in line)
+    # fastest fp8 ubep row (bsp-sw, 20) over the fastest bf16 ubep row (asp-sp, 50)
+    assert "ubep-bsp-sw" in ubep and "ubep-asp-sp" in ubep
+    assert float(ubep[-2]) == pytest.approx(0.52) and float(ubep[-1]) == pytest.approx(0.4)
+    engine = next(line.split() for line in lines if "engine quantises" in line)
+    assert float(engine[-1]) == pytest.approx(45 / 50)
+
+
 def test_transport_names() -> None:
     assert peers.transport("openmpi-torch") == "openmpi"
     assert peers.transport("gloo-numpy") == "gloo"
     assert peers.transport("ubep-asp-sp") == "ubep-asp-sp"
+    assert peers.transport("mpich-torch+q") == "mpich"
+    assert peers.is_mpi("mpich-torch+q") and peers.quantises("mpich-torch+q")
+    assert peers.quantises("ubep-bsp-dc+q") and not peers.quantises("ubep-bsp-dc")
     assert peers.is_mpi("impi-numpy") and not peers.is_mpi("impi")
     assert not peers.is_mpi("gloo-torch")

@@ -1,23 +1,27 @@
 """Bit-exactness of every peer variant against ``ubep.reference``, run by the benchmark itself.
 
 Before a peer is timed at a rank count, its worker runs a check plan in its own venv (the same
-worker, kernels and launcher as the timed run): small inputs of both payload types and both
+worker, kernels and launcher as the timed run): small inputs of every payload type, both
 routings, with masked slots and a rank with no tokens, both layouts, every local-work variant
-the venv has (torch and numpy). Every rank's dispatch fields and combine output must equal the
+the venv has (torch and numpy), and FP8 rows (values + scales, quantised by the parent, and by
+the ``torch+q`` variant itself in torch ops: both must equal ``ubep.quant.quantize`` of the
+reference's received BF16 rows). Every rank's dispatch fields and combine output must equal the
 reference's bit for bit; a variant that differs is not timed (the run reports why), since its
 time would be that of other work. tests/test_peers.py runs the same comparison at 4 ranks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from benchmarks.peers import workload
+from benchmarks.peers.driver import case_variants
 
-from ubep import reference
+from ubep import quant, reference
 from ubep.routing import hot_experts_topk, uniform_topk
 from ubep.testing import FIELDS
 
@@ -49,8 +53,10 @@ def make_check_inputs(
     rng = np.random.default_rng(seed)
     xs, idxs, ws = [], [], []
     for r, t in enumerate(tokens):
-        xs.append(_bf16(rng, (t, hidden)) if dtype == "bf16"
+        xs.append(_bf16(rng, (t, hidden)) if dtype in ("bf16", "fp8")
                   else rng.integers(0, 256, (t, hidden), dtype=np.uint8))
+        if dtype == "fp8" and t:
+            xs[-1][0, :quant.QUANT_BLOCK] = 0  # a zero block: the floor scale
         if routing == "uniform":
             idx = uniform_topk(t, NUM_EXPERTS, NUM_TOPK, seed=seed + r, mask_prob=mask_prob)
         else:
@@ -75,6 +81,8 @@ def make_check_inputs(
 CHECK_SETS = [
     ([23, 0, 17, 9], 64, "bf16", "uniform", 0.15, 3, "bf16"),
     ([12, 31, 5, 20], 48, "uint8", "hot", 0.0, 11, "fp32"),
+    # FP8: BF16 tokens that travel quantised (two scale blocks per row), combine in BF16
+    ([9, 14, 0, 21], 256, "fp8", "uniform", 0.1, 5, "bf16"),
 ]
 
 
@@ -85,9 +93,15 @@ def check_inputs(num_ranks: int) -> list[workload.Inputs]:
 
 
 def expected(inp: workload.Inputs, layout: str) -> tuple[list[Any], list[np.ndarray]]:
-    """The reference's per-rank dispatch results and combine outputs."""
+    """The reference's per-rank dispatch results and combine outputs. For an FP8 shape the
+    expected ``recv_x`` is ``ubep.quant.quantize`` of the reference's received BF16 rows,
+    packed as the rows travel (values, then the scales' bytes): equal bytes = equal values and
+    equal scales. Combine takes BF16 expert outputs either way."""
     ref = reference.dispatch(inp.xs, inp.topk_idxs, inp.topk_weights, NUM_EXPERTS, layout=layout)
-    return ref, reference.combine(inp.expert_outs[layout], ref)
+    y = reference.combine(inp.expert_outs[layout], ref)
+    if inp.shape.quantised:
+        ref = [dataclasses.replace(res, recv_x=workload.pack_fp8(res.recv_x)) for res in ref]
+    return ref, y
 
 
 def assert_same(got: dict[str, np.ndarray], ref: Any, ref_y: np.ndarray, where: str) -> None:
@@ -119,15 +133,18 @@ def check_peer(system: str, num_ranks: int, scratch: Path) -> list[str]:
     settings = run.Settings(warmup=0, repeats=1, timeout_s=CHECK_TIMEOUT_S)
     cases = run.write_workdir(workdir, inputs, settings, check=True)
     info = run.run_peer(system, num_ranks, workdir, CHECK_TIMEOUT_S)
-    variants = [str(v) for v in info["variants"]]
+    venv_variants = tuple(str(v) for v in info["variants"])
+    variants: list[str] = []
     for case in cases:
         ref, ref_y = expected(inputs[case["index"]], case["layout"])
         # The worker's own count of rows each rank sent is the reference's (the byte formula).
         sent_by_ref = [int(sum((res.recv_src_rank == s).sum() for res in ref))
                        for s in range(num_ranks)]
+        mine = case_variants(case, venv_variants)
+        variants += [v for v in mine if v not in variants]
         with np.load(workdir / f"{case['id']}.times.npz") as times:
-            sent = {v: times[f"{v}.rows_sent"].astype(np.int64).tolist() for v in variants}
-        for variant in variants:
+            sent = {v: times[f"{v}.rows_sent"].astype(np.int64).tolist() for v in mine}
+        for variant in mine:
             if sent[variant] != sent_by_ref:
                 raise PeerCheckError(f"{system}-{variant} x{num_ranks} {case['id']}: rows sent "
                                   f"{sent[variant]} != the reference's {sent_by_ref}")

@@ -6,7 +6,8 @@ user writes) when torch imports, then ``numpy`` (kernels.py). The parent (benchm
 tests/test_peers.py) writes ``plan.json`` and one ``<input>.r<rank>.npz`` per rank into a work
 directory; every rank of the worker reads the plan, runs each case and writes back:
 
-* ``<case>.times.npz`` (rank 0): per variant ``V``, ``V.dispatch_ns`` and ``V.combine_ns``, one
+* ``<case>.times.npz`` (rank 0): per variant ``V``, ``V.dispatch_ns`` and ``V.combine_ns`` (none
+  for ``torch+q``: its combine is ``torch``'s), one
   entry per timed iteration, each the maximum over ranks of that iteration (barrier before
   every iteration), and ``V.rows_sent`` ``[num_ranks]``, the payload rows each rank sent in
   dispatch; once per case, ``dispatch_exchange_ns`` and ``combine_exchange_ns``, the payload
@@ -22,7 +23,11 @@ Plan format::
                 "out_dtype": "uint16", "seed": 7}]}
 
 An input file holds ``x`` (storage dtype), ``topk_idx`` (int64) and ``topk_weights`` (float32),
-and optionally ``expert_out`` (the combine input, in receive order; only the parent knows the
+for an FP8 case (``"quant": "e4m3"`` and ``"hidden"`` in the case) also ``x_bf16``: then ``x`` is
+the quantised rows packed as they travel (``uint8``, values then scales), which the ``torch`` and
+``numpy`` variants move, and ``x_bf16`` the BF16 tokens the ``torch+q`` variant quantises itself
+(torch ops, torch_kernels.TorchFp8Quantiser) before the same dispatch; and optionally
+``expert_out`` (the combine input, in receive order; only the parent knows the
 reference row count, so it is given in check mode). Without it the worker makes a seeded one of
 the right row count after the first dispatch, outside the timed region.
 """
@@ -70,7 +75,22 @@ def local_work_variants() -> tuple[str, ...]:
     return ("torch", "numpy")
 
 
+QUANT_VARIANT = "torch+q"  # an FP8 case's torch peer that quantises BF16 x itself first
+
+
+def case_variants(case: dict[str, Any], variants: tuple[str, ...]) -> tuple[str, ...]:
+    """The variants of one case: the venv's, and for an FP8 case (``"quant"`` in the plan)
+    with torch, also the one that quantises before it dispatches (the whole FP8 dispatch)."""
+    if case.get("quant") and "torch" in variants:
+        return (*variants, QUANT_VARIANT)
+    return variants
+
+
 def _make(variant: str, layout: str, ex: Exchange, **kw: Any) -> Any:
+    if variant == QUANT_VARIANT:
+        from benchmarks.peers.torch_kernels import make_torch_quantising_peer
+
+        return make_torch_quantising_peer(layout, ex, **kw)
     if variant == "torch":
         from benchmarks.peers.torch_kernels import make_torch_peer
 
@@ -82,7 +102,12 @@ def _run_variant(
     ex: Exchange, workdir: Path, case: dict[str, Any], plan: dict[str, Any], repeats: int,
     times: dict[str, list[np.ndarray]], variant: str, data: Any, time_exchange: bool,
 ) -> None:
-    x_np, topk_idx_np, w_np = data["x"], data["topk_idx"], data["topk_weights"]
+    quantises = variant == QUANT_VARIANT
+    # An FP8 case's input holds both x (the packed rows the other variants move) and x_bf16
+    # (what the quantising variant starts from); combine rows are hidden (BF16) wide.
+    x_np = data["x_bf16"] if quantises else data["x"]
+    topk_idx_np, w_np = data["topk_idx"], data["topk_weights"]
+    hidden = int(case.get("hidden", x_np.shape[1]))
     out_dtype = np.dtype(case["out_dtype"])
     peer = _make(
         variant,
@@ -91,9 +116,10 @@ def _run_variant(
         num_experts=int(case["num_experts"]),
         num_topk=int(topk_idx_np.shape[1]),
         max_tokens=int(case.get("max_tokens", x_np.shape[0])),
-        hidden=int(x_np.shape[1]),
+        hidden=hidden,
         x_dtype=x_np.dtype,
         out_dtype=out_dtype,
+        x_width=int(x_np.shape[1]),
     )
     # The caller's tensors in the peer's own type (torch views), outside the timed region.
     x, topk_idx, topk_weights = peer.prepare(x_np, topk_idx_np, w_np)
@@ -102,7 +128,7 @@ def _run_variant(
         expert_out_np = np.ascontiguousarray(data["expert_out"])
     else:
         expert_out_np = _synthetic_expert_out(
-            first.num_recv_rows, x_np.shape[1], out_dtype, int(case.get("seed", 0)) + ex.rank
+            first.num_recv_rows, hidden, out_dtype, int(case.get("seed", 0)) + ex.rank
         )
     (expert_out,) = peer.prepare(expert_out_np)
     if plan.get("check"):
@@ -122,8 +148,10 @@ def _run_variant(
         times.setdefault("dispatch_exchange_ns", []).append(
             time_op(ex, peer.payload_exchange, warmup, repeats))
     # Combine reuses the last dispatch's bookkeeping (the "handle"); same routing every time.
-    times.setdefault(f"{variant}.combine_ns", []).append(
-        time_op(ex, lambda: peer.combine(expert_out), warmup, repeats))
+    # The quantising variant's combine is the torch variant's, already timed.
+    if not quantises:
+        times.setdefault(f"{variant}.combine_ns", []).append(
+            time_op(ex, lambda: peer.combine(expert_out), warmup, repeats))
     if time_exchange:
         times.setdefault("combine_exchange_ns", []).append(
             time_op(ex, peer.combine_exchange, warmup, repeats))
@@ -139,9 +167,13 @@ def _run_case(
 ) -> None:
     with np.load(workdir / f"{case['input']}.r{ex.rank}.npz") as npz:
         data = {name: npz[name] for name in npz.files}
-    for i, variant in enumerate(variants):
+    # The exchange alone is timed by the first variant that moves the given rows as they are
+    # (the quantising one times no combine, whose exchange would repeat).
+    timer = next(v for v in variants if v != QUANT_VARIANT)
+    for variant in variants:
         # One variant's buffers at a time (the 4-rank shapes hold several hundred MB each).
-        _run_variant(ex, workdir, case, plan, repeats, times, variant, data, time_exchange=i == 0)
+        _run_variant(ex, workdir, case, plan, repeats, times, variant, data,
+                     time_exchange=variant == timer)
 
 
 def run_plan(ex: Exchange, workdir: Path, library_version: str) -> None:
@@ -157,7 +189,8 @@ def run_plan(ex: Exchange, workdir: Path, library_version: str) -> None:
         for j, case in enumerate(plan["cases"]):
             # Which variant goes first alternates over cases and rounds, so a drift in outside
             # load (or a warm cache) does not favour one of them everywhere.
-            order = variants if (i + j) % 2 == 0 else variants[::-1]
+            mine = case_variants(case, variants)
+            order = mine if (i + j) % 2 == 0 else mine[::-1]
             _run_case(ex, workdir, case, plan, repeats, times[case["id"]], order)
             ex.barrier()
     if ex.rank == 0:

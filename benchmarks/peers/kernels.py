@@ -21,7 +21,8 @@ The results are those of ``ubep.reference`` bit for bit (tests/test_peers.py che
   ``y[t] = sum over destination ranks ascending of the returned row``, float32.
 
 Payloads are numpy storage arrays as in ``ubep.dtypes``: BF16 as ``uint16`` bit patterns, 1-byte
-types as ``uint8``/``int8``; combine works on BF16, FP16 or FP32 expert outputs.
+types as ``uint8``/``int8``, FP8 rows as ``uint8`` rows of values then scales (``x_width`` bytes,
+wider than combine's ``hidden``); combine works on BF16, FP16 or FP32 expert outputs.
 """
 
 from __future__ import annotations
@@ -143,6 +144,7 @@ class _PeerBase:
         hidden: int,
         x_dtype: np.dtype,
         out_dtype: np.dtype,
+        x_width: int | None = None,
     ) -> None:
         if num_experts % ex.num_ranks:
             raise ValueError(f"num_experts={num_experts} must be a multiple of {ex.num_ranks}")
@@ -154,9 +156,11 @@ class _PeerBase:
         self.hidden = hidden
         self.x_dtype = np.dtype(x_dtype)
         self.out_dtype = np.dtype(out_dtype)
+        # Dispatch rows may be wider than combine's (FP8: values + scales per row).
+        x_width = hidden if x_width is None else x_width
         meta_width, max_send, max_recv = self._capacity(ex.num_ranks, max_tokens, num_topk)
-        self._send_x = _prefault((max_send, hidden), self.x_dtype)
-        self._recv_x = _prefault((max_recv, hidden), self.x_dtype)
+        self._send_x = _prefault((max_send, x_width), self.x_dtype)
+        self._recv_x = _prefault((max_recv, x_width), self.x_dtype)
         self._send_meta = _prefault((max_send, meta_width), np.int32)
         self._recv_meta = _prefault((max_recv, meta_width), np.int32)
         self._back_send = _prefault((max_recv, hidden), self.out_dtype)
@@ -405,12 +409,14 @@ def make_peer(
     hidden: int,
     x_dtype: np.dtype,
     out_dtype: np.dtype,
+    x_width: int | None = None,
 ) -> ExpertLayoutPeer | RankLayoutPeer:
-    """The peer implementation of ``layout`` (``"expert"`` or ``"rank"``)."""
+    """The peer implementation of ``layout`` (``"expert"`` or ``"rank"``); dispatch rows are
+    ``x_width`` elements of ``x_dtype`` (default ``hidden``), combine rows ``hidden``."""
     if layout not in ("expert", "rank"):
         raise ValueError(f"layout={layout!r}: must be 'expert' or 'rank'")
     kw = {
         "num_experts": num_experts, "num_topk": num_topk, "max_tokens": max_tokens,
-        "hidden": hidden, "x_dtype": x_dtype, "out_dtype": out_dtype,
+        "hidden": hidden, "x_dtype": x_dtype, "out_dtype": out_dtype, "x_width": x_width,
     }
     return ExpertLayoutPeer(ex, **kw) if layout == "expert" else RankLayoutPeer(ex, **kw)

@@ -40,17 +40,20 @@ from typing import Any
 
 import numpy as np
 from benchmarks.harness import Stats, concurrent_copy, format_table
+from benchmarks.peers.driver import case_variants
 from benchmarks.peers.env import PEER_ENVS, PeerEnvError, ensure_env, env_python, launcher_for
 from benchmarks.peers.workload import (
     HOT_SHARE,
     NUM_EXPERTS,
     NUM_TOPK,
+    QUANT,
     STORAGE,
     Inputs,
     Shape,
     bytes_per_rank,
     hot_ids,
     make_inputs,
+    peer_arrays,
     rows_sent,
 )
 
@@ -73,6 +76,11 @@ PEER_SYSTEMS = (*MPI_SYSTEMS, "gloo")
 # A peer's local work (pack, reorder, reduce): torch ops (torch_kernels.py, what an MoE user
 # writes) and numpy (kernels.py, the extra row). Its rows are "<peer>-<variant>".
 VARIANTS = ("torch", "numpy")
+# FP8 shapes only: torch local work that quantises BF16 x itself first (the whole FP8 dispatch,
+# as ubep's "+q" rows); the plain variants move rows the caller quantised already.
+QUANT_VARIANT = "torch+q"
+ALL_VARIANTS = (*VARIANTS, QUANT_VARIANT)
+QUANT_SUFFIX = "+q"  # ubep-<engine>-<sync>+q: the engine quantises BF16 x (FP8 shapes)
 # every engine x sync mode (SP only where the payload has a sentinel: ubep.modes.supports)
 UBEP_MODES = tuple((e, s) for e in modes.ENGINES for s in modes.SYNCS)
 LAYOUTS = modes.LAYOUTS
@@ -85,7 +93,12 @@ EXCHANGE_OPS = {"dispatch": "dispatch_exchange", "combine": "combine_exchange"}
 def transport(system: str) -> str:
     """The peer a row's system runs on (``openmpi-torch`` -> ``openmpi``); others unchanged."""
     head, _, tail = system.rpartition("-")
-    return head if tail in VARIANTS and head in PEER_SYSTEMS else system
+    return head if tail in ALL_VARIANTS and head in PEER_SYSTEMS else system
+
+
+def quantises(system: str) -> bool:
+    """A row whose dispatch includes quantising BF16 x (``ubep-...+q``, ``<peer>-torch+q``)."""
+    return system.endswith(QUANT_SUFFIX)
 
 
 def is_mpi(system: str) -> bool:
@@ -117,6 +130,7 @@ class Row:
             "tokens_per_rank": self.shape.tokens_per_rank,
             "hidden": self.shape.hidden,
             "dtype": self.dtype,
+            "payload": self.shape.dtype,  # the shape's dispatch payload (tells fp8 from bf16)
             "routing": self.shape.routing,
             "op": self.op,
             "bytes_per_rank": self.bytes_per_rank,
@@ -148,21 +162,16 @@ def write_workdir(
     """Write plan.json and the per-rank input files; return the plan's cases."""
     cases = []
     for i, inp in enumerate(inputs_list):
+        arrays = [peer_arrays(inp, r) for r in range(inp.shape.num_ranks)]
         for r in range(inp.shape.num_ranks):
-            np.savez(
-                workdir / f"i{i}.r{r}.npz",
-                x=inp.xs[r], topk_idx=inp.topk_idxs[r], topk_weights=inp.topk_weights[r],
-            )
+            np.savez(workdir / f"i{i}.r{r}.npz", **arrays[r])
         for layout in settings.layouts:
             case_id = f"i{i}-{layout}"
             if check and layout in inp.expert_outs:
                 # Check runs carry their expert outputs in a per-layout input file.
                 for r in range(inp.shape.num_ranks):
-                    np.savez(
-                        workdir / f"{case_id}.r{r}.npz",
-                        x=inp.xs[r], topk_idx=inp.topk_idxs[r], topk_weights=inp.topk_weights[r],
-                        expert_out=inp.expert_outs[layout][r],
-                    )
+                    np.savez(workdir / f"{case_id}.r{r}.npz", **arrays[r],
+                             expert_out=inp.expert_outs[layout][r])
             has_out = check and layout in inp.expert_outs
             cases.append({
                 "id": case_id,
@@ -177,6 +186,8 @@ def write_workdir(
                 ),
                 "seed": i,
                 "shape": asdict(inp.shape),
+                "hidden": inp.shape.hidden,  # combine's row width (FP8 dispatch rows are wider)
+                **({"quant": QUANT} if inp.shape.quantised else {}),
             })
     plan = {
         "warmup": settings.warmup, "repeats": settings.repeats, "rounds": settings.rounds,
@@ -319,11 +330,13 @@ def _peer_rows(
             inp = group[case["index"]]
             times = np.load(workdir / f"{case['id']}.times.npz")
             expected = rows_sent(inp, case["layout"])
-            for variant in info["variants"]:
+            for variant in case_variants(case, tuple(info["variants"])):
                 sent = times[f"{variant}.rows_sent"].astype(np.int64)
                 if not np.array_equal(sent, expected):
                     raise RuntimeError(f"{system}-{variant}: rows sent {sent} != {expected}")
                 for op in OPS:
+                    if f"{variant}.{op}_ns" not in times:
+                        continue  # torch+q: its combine is torch's
                     stats = Stats.from_samples_us((times[f"{variant}.{op}_ns"] / 1e3).tolist())
                     nbytes = bytes_per_rank(inp, case["layout"], op)
                     rows.append(Row(f"{system}-{variant}", case["layout"], inp.shape, op,
@@ -411,12 +424,15 @@ def ubep_rows(
         group = [inp for inp in inputs_list if inp.shape.num_ranks == num_ranks]
         cases = []
         for inp in group:
-            dtype = inp.shape.dtype
+            # FP8 rows are 1-byte values + scales: no sentinel either (the Buffer refuses SP).
+            dtype = "uint8" if inp.shape.quantised else inp.shape.dtype
             for engine, sync in UBEP_MODES:
                 if not modes.supports(sync, dtype):
                     # SP needs a bit pattern the payload never holds; 1-byte types have none.
-                    unsupported[f"ubep-{engine}-{sync} x {dtype}"] = (
+                    unsupported[f"ubep-{engine}-{sync} x {inp.shape.dtype}"] = (
                         "SP needs a sentinel; 1-byte payloads have none (use tff or dc)"
+                        if not inp.shape.quantised else
+                        "SP is refused with quant: FP8 rows hold 1-byte values (use sw, tff, dc)"
                     )
             for layout in settings.layouts:
                 cases += [(inp, UbepCase(inp.shape, m.layout, m.engine, m.sync))
@@ -427,10 +443,15 @@ def ubep_rows(
             if not np.array_equal(times["rows_sent"], expected):
                 raise RuntimeError(f"ubep: rows sent {times['rows_sent']} != {expected}")
             system = f"ubep-{case.engine}-{case.sync}"
-            for op in OPS:
-                stats = Stats.from_samples_us((np.asarray(times[op]) / 1e3).tolist())
+            # FP8: dispatch of the caller's quantised rows (x_scales=), and "+q" the engine
+            # quantising BF16 x, the same bytes on the wire; one combine (BF16) for both.
+            timed = [(system, op, op) for op in OPS]
+            if "dispatch_q" in times:
+                timed.append((system + QUANT_SUFFIX, "dispatch", "dispatch_q"))
+            for name, op, key in timed:
+                stats = Stats.from_samples_us((np.asarray(times[key]) / 1e3).tolist())
                 nbytes = bytes_per_rank(inp, case.layout, op)
-                rows.append(Row(system, case.layout, inp.shape, op, nbytes, stats))
+                rows.append(Row(name, case.layout, inp.shape, op, nbytes, stats))
     return rows, unsupported
 
 
@@ -439,7 +460,8 @@ def ubep_rows(
 
 SYSTEM_ORDER = (
     [f"ubep-{e}-{s}" for e, s in UBEP_MODES]
-    + [f"{p}-{v}" for p in PEER_SYSTEMS for v in VARIANTS]
+    + [f"ubep-{e}-{s}{QUANT_SUFFIX}" for e, s in UBEP_MODES]
+    + [f"{p}-{v}" for p in PEER_SYSTEMS for v in ALL_VARIANTS]
     + [*PEER_SYSTEMS, "memcpy"]  # the bare peer names: exchange-alone rows
 )
 TABLE_COLUMNS = [
@@ -460,17 +482,26 @@ def table_rows(rows: Sequence[Row]) -> list[list[object]]:
     out: list[list[object]] = []
     order = {s: i for i, s in enumerate(SYSTEM_ORDER)}
     for key in sorted(groups, key=lambda k: (k[0], k[1].routing, k[1].num_ranks,
-                                              k[1].tokens_per_rank, k[1].hidden, OPS.index(k[2]))):
+                                              k[1].tokens_per_rank, k[1].hidden, OPS.index(k[2]),
+                                              k[1].dtype)):
         members = sorted(groups[key], key=lambda r: order.get(r.system, 99))
-        mpi = [r.stats.median_us for r in members if is_mpi(r.system)]
-        best_mpi = min(mpi) if mpi else float("nan")
+        # A quantising row (FP8, "+q") is compared with the quantising MPI rows, the others
+        # with the MPI rows that move the caller's rows as they are: the same work each.
+        best_mpi = {
+            q: min((r.stats.median_us for r in members
+                    if is_mpi(r.system) and quantises(r.system) == q), default=float("nan"))
+            for q in (False, True)
+        }
         floor = next((r.stats.median_us for r in members if r.system == "memcpy"), float("nan"))
         for r in members:
             med = r.stats.median_us
+            # combine after a 1-byte / FP8 dispatch: "uint8>bf16", "fp8>bf16"
+            dtype = r.dtype if r.dtype == r.shape.dtype else f"{r.shape.dtype}>{r.dtype}"
             out.append([
                 r.layout, r.shape.routing, r.system, r.shape.num_ranks, r.shape.tokens_per_rank,
-                r.shape.hidden, r.dtype, r.op, round(r.bytes_per_rank), r.stats.min_us, med,
-                r.stats.max_us, r.bytes_per_rank / (med * 1e3), med / best_mpi, med / floor,
+                r.shape.hidden, dtype, r.op, round(r.bytes_per_rank), r.stats.min_us, med,
+                r.stats.max_us, r.bytes_per_rank / (med * 1e3),
+                med / best_mpi[quantises(r.system)], med / floor,
             ])
     return out
 
@@ -479,11 +510,17 @@ BYTE_FORMULA = """\
 bytes = payload bytes one rank sends (mean over ranks), the same for every system:
   layout=expert: tokens x top-k x hidden x bytes/elem      (one row per valid (token, expert))
   layout=rank:   sum_d num_tokens_per_rank[d] x hidden x bytes/elem  (one row per (token, dst rank))
-  dispatch moves x's type; combine moves BF16 rows back (a 1-byte dispatch combines in BF16).
+  dispatch moves x's type; combine moves BF16 rows back (a 1-byte dispatch combines in BF16;
+  its dtype reads uint8>bf16 / fp8>bf16).
   e.g. expert, 128 tokens, top-8, hidden 2048, BF16: 128 x 8 x 2048 x 2 = 4,194,304 B
+  fp8: x is BF16 and travels quantised, E4M3 values + a float32 scale per 128 channels:
+  hidden + hidden/32 bytes per row (ubep.quant.row_bytes; 0.52x BF16's).
 <peer>-torch: local work in torch ops, <peer>-numpy: in numpy, the same exchanges.
+fp8 dispatch: ubep-<engine>-<sync> and <peer>-torch/-numpy move rows the caller quantised
+  (x_scales= / packed values+scales rows); ubep-...+q (the engine quantises) and
+  <peer>-torch+q (torch quantises first) are the whole FP8 dispatch from BF16 x.
 algbw_gbps = bytes / median; ratio_vs_best_mpi = median / min over the MPI variants' medians
-  ({impi, openmpi, mpich} x {torch, numpy});
+  ({impi, openmpi, mpich} x {torch, numpy}; for a +q row the MPI torch+q rows);
 ratio_vs_floor = median / memcpy median, memcpy = every rank's process copying its bytes at
   once (np.copyto). Time = max over ranks per iteration (barrier before)."""
 
@@ -595,6 +632,57 @@ def exchange_report(rows: Sequence[Row], exchange_rows: Sequence[Row]) -> str:
             "reduce:\n" + format_table(cols, cells, float_digits=1))
 
 
+def _fastest(rows: Sequence[Row], pick: Any) -> Row | None:
+    chosen = [r for r in rows if pick(r.system)]
+    return min(chosen, key=lambda r: r.stats.median_us) if chosen else None
+
+
+FP8_CLASSES = (
+    # (label, which fp8 rows, which bf16 rows it is set against)
+    ("ubep, caller-quantised rows", lambda s: s.startswith("ubep-") and not quantises(s),
+     lambda s: s.startswith("ubep-")),
+    ("ubep+q, engine quantises", lambda s: s.startswith("ubep-") and quantises(s),
+     lambda s: s.startswith("ubep-")),
+    ("best MPI, packed rows", lambda s: is_mpi(s) and not quantises(s), is_mpi),
+    ("best MPI torch+q", lambda s: is_mpi(s) and quantises(s), is_mpi),
+)
+
+
+def fp8_report(rows: Sequence[Row]) -> str:
+    """FP8 dispatch against BF16 dispatch of the same shape (ranks, tokens, hidden, routing),
+    fastest row of each kind (medians): bytes ratio and time ratio; n/a where that BF16 shape
+    was not measured."""
+    fp8 = [r for r in rows if r.shape.quantised and r.op == "dispatch"]
+    if not fp8:
+        return ""
+    by_key: dict[tuple[str, Shape], list[Row]] = {}
+    for r in rows:
+        if r.op == "dispatch":
+            by_key.setdefault((r.layout, r.shape), []).append(r)
+    cells = []
+    for layout, shape in sorted({(r.layout, r.shape) for r in fp8},
+                                key=lambda k: (k[0], k[1].num_ranks, k[1].hidden)):
+        bf16_shape = Shape(shape.num_ranks, shape.tokens_per_rank, shape.hidden, "bf16",
+                           shape.routing)
+        for label, pick, pick_bf16 in FP8_CLASSES:
+            mine = _fastest(by_key[(layout, shape)], pick)
+            if mine is None:
+                continue
+            base = _fastest([r for r in by_key.get((layout, bf16_shape), [])
+                             if not quantises(r.system)], pick_bf16)
+            nan = float("nan")
+            cells.append([
+                layout, shape.label, label, mine.system, mine.stats.median_us,
+                base.system if base else "n/a", base.stats.median_us if base else nan,
+                mine.bytes_per_rank / base.bytes_per_rank if base else nan,
+                mine.stats.median_us / base.stats.median_us if base else nan,
+            ])
+    cols = ["layout", "shape", "kind", "fp8_system", "fp8_us", "bf16_system", "bf16_us",
+            "bytes_ratio", "time_ratio"]
+    return ("FP8 dispatch vs BF16 dispatch of the same shape (fastest row of each kind, "
+            "medians; ratio = fp8 / bf16):\n" + format_table(cols, cells, float_digits=3))
+
+
 def machine_info(versions: dict[str, str], load_at_start: float) -> dict[str, Any]:
     cpu = ""
     try:
@@ -624,14 +712,17 @@ def _style(system: str) -> tuple[Any, str]:
     import matplotlib
 
     syncs = modes.SYNCS
+    q = quantises(system)  # FP8 with quantisation included: diamonds
+    base = system.removesuffix(QUANT_SUFFIX)
     for engine, cmap, marker in (("asp", "Blues", "o"), ("bsp", "Oranges", "s")):
         prefix = f"ubep-{engine}-"
-        if system.startswith(prefix):
-            shade = 0.45 + 0.5 * syncs.index(system[len(prefix):]) / (len(syncs) - 1)
-            return matplotlib.colormaps[cmap](shade), marker
+        if base.startswith(prefix):
+            shade = 0.45 + 0.5 * syncs.index(base[len(prefix):]) / (len(syncs) - 1)
+            return matplotlib.colormaps[cmap](shade), "D" if q else marker
     peers = {"impi": "tab:green", "openmpi": "tab:red", "mpich": "tab:purple", "gloo": "tab:gray"}
     # torch local work: filled up-triangles; numpy (the extra rows): down-triangles.
-    return peers.get(transport(system), "k"), "v" if system.endswith("-numpy") else "^"
+    marker = "d" if q else "v" if system.endswith("-numpy") else "^"
+    return peers.get(transport(system), "k"), marker
 
 
 def write_plot(rows: Sequence[Row], path: Path) -> None:
@@ -683,13 +774,15 @@ FULL_RUN_HELP = """\
 the full run (committed results; quiet host, nothing else running):
   python -m benchmarks.peers --wait-quiet 600 --json benchmarks/results/peers.json \\
       --plot benchmarks/results/peers.png | tee benchmarks/results/peers.txt
-  16 shapes x 2 layouts, every ubep mode, 3 MPIs + gloo x torch/numpy local work, memcpy;
-  30 repeats in 3 rounds after 5 warm-up each: expect about 25 minutes on this 2-core host
-  (an estimate: the numpy-only full run took 14.4 min; the torch rows, the combine exchange and
-  the bit-exactness checks double the peers' share). The peer venvs (~4.3 GB with torch) are
-  built first on a fresh checkout: ~8 minutes more.
+  20 shapes (16 BF16/1-byte, 4 FP8) x 2 layouts, every ubep mode (FP8: also +q), 3 MPIs +
+  gloo x torch/numpy local work (FP8: also torch+q), memcpy; 30 repeats in 3 rounds after 5
+  warm-up each: expect about 30 minutes on this 2-core host (an estimate: the numpy-only full
+  run of 16 shapes took 14.4 min; the torch rows, the combine exchange and the bit-exactness
+  checks double the peers' share; the 4 FP8 shapes add about a quarter). The peer venvs
+  (~4.3 GB with torch) are built first on a fresh checkout: ~8 minutes more.
 reduced run (2 and 4 ranks, the default shapes, few repeats): add --repeats 6 --rounds 1
-  --warmup 2 (17 min here under a load average of 6-12; less on a quiet host)."""
+  --warmup 2 (17 min here under a load average of 6-12 before the FP8 shapes, which alone took
+  4.7 min so; less on a quiet host)."""
 
 
 def shapes_for(quick: bool) -> list[Shape]:
@@ -701,6 +794,10 @@ def shapes_for(quick: bool) -> list[Shape]:
         for r in (2, 4)
         for t in (128, 512)
         for h, d in ((2048, "bf16"), (7168, "uint8"))
+    ] + [
+        # FP8 (BF16 x sent quantised): ~half of BF16's bytes; beside the 128-token BF16 shape
+        # at 2048 (the fp8 report's ratio) and at DeepSeek's 7168.
+        Shape(r, 128, h, "fp8", "uniform") for r in (2, 4) for h in (2048, 7168)
     ]
 
 
@@ -721,6 +818,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="passes through all cases, repeats split among them, so that a burst of "
                         "outside load hits a slice of every case, not all of one (default 1 / 3)")
     p.add_argument("--ranks", default="", help="comma list of rank counts (default 2,4)")
+    p.add_argument("--dtypes", default="",
+                   help="comma list of the payload types to run, of bf16,uint8,fp8 (default all)")
     p.add_argument("--layouts", default="",
                    help="comma list of rank,expert (default both; --quick: rank)")
     p.add_argument("--timeout", type=float, default=0.0, help="per launch, seconds")
@@ -813,6 +912,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.ranks:
         wanted = {int(r) for r in args.ranks.split(",")}
         shapes = [s for s in shapes if s.num_ranks in wanted]
+    if args.dtypes:
+        kinds = {d.strip() for d in args.dtypes.split(",") if d.strip()}
+        if not kinds or not kinds <= {"bf16", "uint8", "fp8"}:
+            raise SystemExit(f"--dtypes: {args.dtypes!r}; choose from bf16, uint8, fp8")
+        shapes = [s for s in shapes if s.dtype in kinds]
     inputs_list = [make_inputs(s) for s in shapes]
     checked: list[str] = []
     all_rows, versions, skipped = collect(_selected(args.systems), inputs_list, settings, checked)
@@ -832,6 +936,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if checked:
         print(f"bit for bit equal to ubep.reference before timing: {', '.join(checked)}")
     print(exchange_report(rows, exchange_rows))
+    print(fp8_report(rows))
     print(floor_report(rows, shapes))
     from benchmarks.peers.sim import sim_report
 

@@ -28,8 +28,6 @@ import numpy as np
 
 __all__ = ["predict", "sim_report"]
 
-ITEMSIZE = {"bf16": 2, "uint8": 1}
-
 
 def predict(
     topk_idxs: Sequence[np.ndarray], *, num_experts: int, hidden: int, dtype: str, layout: str,
@@ -37,6 +35,8 @@ def predict(
 ) -> float:
     """The simulator's latency in us for one call on this host (analytic executor); the host
     fabric of calib.json, or with its copy rate replaced by ``core_bandwidth_gbps``."""
+    from benchmarks.peers.workload import row_bytes as workload_row_bytes
+
     from ubep.sim import make_plans, simulate
     from ubep.sim.calib import load_fabric
     from ubep.topology import host
@@ -51,7 +51,7 @@ def predict(
         cores = {"num_send_cores": 1, "num_count_cores": 1}
     plans = make_plans(list(topk_idxs), topo, num_experts=num_experts, policy="hierarchical",
                        layout=layout, **cores)
-    row_bytes = hidden * ITEMSIZE[dtype]
+    row_bytes = workload_row_bytes(dtype, hidden)
     fabric = load_fabric("host")
     if core_bandwidth_gbps is not None:
         fabric = fabric.with_values(core_bandwidth_gbps=core_bandwidth_gbps)
@@ -65,6 +65,8 @@ def _engine_sync(system: str) -> tuple[str, str]:
 
 
 def _not_modelled(system: str) -> bool:
+    if system.endswith("+q"):
+        return True  # the engine's quantisation is no task of the simulator's graph
     engine, sync = _engine_sync(system)
     return engine == "bsp" and sync != "sw"
 
@@ -127,7 +129,7 @@ def sim_report(
                              f"over {len(errs)} rows")
     if skipped:
         lines.append(f"  not modelled: {', '.join(skipped)} (the simulator's BSP is the paper's "
-                     "baseline, BSP+SW)")
+                     "baseline, BSP+SW; it has no quantisation task for '+q')")
     cols = ["system", "layout", "shape", "op", "measured_us", "calib_us", "calib_err_pct",
             "run_us", "run_err_pct"]
     lines.append(format_table(cols, cells, float_digits=1))

@@ -28,7 +28,15 @@ import numpy as np
 import torch
 from benchmarks.peers.kernels import Exchange, PeerDispatch, _prefault
 
-__all__ = ["TorchExpertLayoutPeer", "TorchRankLayoutPeer", "as_torch", "make_torch_peer"]
+__all__ = [
+    "TorchExpertLayoutPeer",
+    "TorchFp8Quantiser",
+    "TorchQuantisingPeer",
+    "TorchRankLayoutPeer",
+    "as_torch",
+    "make_torch_peer",
+    "make_torch_quantising_peer",
+]
 
 
 def as_torch(arr: np.ndarray) -> torch.Tensor:
@@ -68,6 +76,7 @@ class _TorchPeerBase:
         hidden: int,
         x_dtype: np.dtype,
         out_dtype: np.dtype,
+        x_width: int | None = None,
     ) -> None:
         if num_experts % ex.num_ranks:
             raise ValueError(f"num_experts={num_experts} must be a multiple of {ex.num_ranks}")
@@ -77,9 +86,10 @@ class _TorchPeerBase:
         self.local = num_experts // ex.num_ranks
         self.num_topk = num_topk
         self.hidden = hidden
+        x_width = hidden if x_width is None else x_width  # FP8 rows: values + scales
         max_send, max_recv = self._capacity(ex.num_ranks, max_tokens, num_topk)
-        self._send_x = _Buf((max_send, hidden), np.dtype(x_dtype))
-        self._recv_x = _Buf((max_recv, hidden), np.dtype(x_dtype))
+        self._send_x = _Buf((max_send, x_width), np.dtype(x_dtype))
+        self._recv_x = _Buf((max_recv, x_width), np.dtype(x_dtype))
         self._send_meta = _Buf((max_send, self.META_WIDTH), np.int32)
         self._recv_meta = _Buf((max_recv, self.META_WIDTH), np.int32)
         self._back_send = _Buf((max_recv, hidden), np.dtype(out_dtype))
@@ -296,6 +306,90 @@ def _block_transpose(counts: torch.Tensor) -> torch.Tensor:
     out_start = torch.cumsum(cnt_t, 0) - cnt_t
     total = int(flat.sum())
     return torch.repeat_interleave(start_t - out_start, cnt_t) + torch.arange(total)
+
+
+FP8_BLOCK = 128  # channels per scale (ubep.quant.QUANT_BLOCK; no ubep in the peer venvs)
+FP8_MAX = 448.0  # largest float8_e4m3fn magnitude
+AMAX_FLOOR = 1e-4  # a block's amax floor (DeepEP's; rounded to float32 by clamp_min)
+
+
+def fp8_row_width(hidden: int) -> int:
+    """Bytes of one packed FP8 row: the values, then the float32 scales (ubep.quant.row_bytes)."""
+    return hidden + 4 * (hidden // FP8_BLOCK)
+
+
+class TorchFp8Quantiser:
+    """Per-token, per-128-channel E4M3 quantisation in torch ops, into packed rows (the E4M3
+    values, then the float32 scales' bytes), the layout the FP8 peers move.
+
+    What a torch MoE user writes (DeepEP's ``per_token_cast_to_fp8``), with ``ubep.quant``'s
+    rules so the bytes are ubep's bit for bit (the check compares them): ``amax`` of ``|x|`` per
+    block, ``scale = max(amax, 1e-4) / 448`` and ``x / scale`` as float32 *divisions* (DeepEP
+    multiplies by ``448 / amax``, one rounding more), then ``float8_e4m3fn``'s
+    round-to-nearest-even cast (saturating, as ubep's). NaN inputs are outside the benchmark
+    (torch keeps a NaN's sign, ubep does not). Buffers allocated once, as the peers' others.
+    """
+
+    def __init__(self, max_tokens: int, hidden: int) -> None:
+        if hidden % FP8_BLOCK:
+            raise ValueError(f"hidden={hidden} must be a multiple of {FP8_BLOCK}")
+        self.hidden = hidden
+        self.width = fp8_row_width(hidden)
+        self._packed = _Buf((max_tokens, self.width), np.uint8)
+        self._xf = _Buf((max_tokens, hidden), np.float32)
+        self._absx = _Buf((max_tokens, hidden), np.float32)
+        self._scales = _Buf((max_tokens, hidden // FP8_BLOCK), np.float32)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Quantise BF16 ``x [t, hidden]``; returns the packed rows ``uint8 [t, width]`` (a view
+        into a reusable buffer, valid until the next call)."""
+        t, nb = x.shape[0], self.hidden // FP8_BLOCK
+        xf = self._xf.t[:t]
+        xf.copy_(x)  # exact: every BF16 value is a float32
+        absx = self._absx.t[:t]
+        torch.abs(xf, out=absx)
+        scales = self._scales.t[:t]
+        torch.amax(absx.view(t, nb, FP8_BLOCK), dim=-1, out=scales)
+        scales.clamp_min_(AMAX_FLOOR).div_(FP8_MAX)
+        xf.view(t, nb, FP8_BLOCK).div_(scales.unsqueeze(-1))
+        packed = self._packed.t[:t]
+        packed[:, : self.hidden].view(torch.float8_e4m3fn).copy_(xf)
+        packed[:, self.hidden :].view(torch.float32).copy_(scales)
+        return packed
+
+
+class TorchQuantisingPeer:
+    """The whole FP8 dispatch of a torch user: quantise BF16 x (:class:`TorchFp8Quantiser`),
+    then the torch peer's dispatch of the packed rows; combine is the inner peer's (BF16)."""
+
+    def __init__(self, inner: TorchExpertLayoutPeer | TorchRankLayoutPeer, max_tokens: int,
+                 hidden: int) -> None:
+        self.inner = inner
+        self.quantise = TorchFp8Quantiser(max_tokens, hidden)
+
+    prepare = staticmethod(_TorchPeerBase.prepare)
+
+    def dispatch(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
+    ) -> PeerDispatch:
+        return self.inner.dispatch(self.quantise(x), topk_idx, topk_weights)
+
+    def combine(self, expert_out: torch.Tensor) -> np.ndarray:
+        return self.inner.combine(expert_out)
+
+    def payload_exchange(self) -> None:
+        self.inner.payload_exchange()
+
+    def combine_exchange(self) -> None:
+        self.inner.combine_exchange()
+
+
+def make_torch_quantising_peer(layout: str, ex: Exchange, **kw: Any) -> TorchQuantisingPeer:
+    """:class:`TorchQuantisingPeer` of ``layout``; keywords as ``make_torch_peer`` with ``hidden``
+    the BF16 width (the packed rows' width follows from it)."""
+    packed = {"x_dtype": np.dtype(np.uint8), "x_width": fp8_row_width(kw["hidden"])}
+    inner = make_torch_peer(layout, ex, **(kw | packed))
+    return TorchQuantisingPeer(inner, kw["max_tokens"], kw["hidden"])
 
 
 def make_torch_peer(

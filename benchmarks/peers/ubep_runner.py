@@ -9,6 +9,11 @@ Timing mirrors the peer workers: barrier, each rank times its own call; the pare
 maximum over ranks per iteration. Combine reads the expert outputs from
 ``buf.get_combine_buffer(handle)``, where a ubep user's experts write them (filled before the
 timed loop): the peers likewise send straight from the array the experts produced.
+
+An FP8 shape (workload.Shape.dtype "fp8") runs a quantising Buffer (``dtype="bf16",
+quant="e4m3"``) and times two dispatches on it: the caller's rows quantised beforehand
+(``x_scales=``, the bytes the peers move) and BF16 x quantised by the engine (the whole FP8
+dispatch); one combine, BF16, for both.
 """
 
 from __future__ import annotations
@@ -45,28 +50,37 @@ def _time(group: Any, fn: Callable[[], object], warmup: int, repeats: int) -> li
 def _measure(
     group: Any, buf: Any, x: np.ndarray, idx: np.ndarray, w: np.ndarray, warmup: int, repeats: int
 ) -> dict[str, Any]:
-    dispatch_ns = _time(group, lambda: buf.dispatch(x, idx, w), warmup, repeats)
+    got: dict[str, Any] = {}
+    if buf.config.quant is not None:
+        from ubep.quant import quantize
+
+        # The caller's quantised rows (outside the timed region): the bytes the peers move.
+        values, scales = quantize(x, buf.config.quant)
+        got["dispatch"] = _time(
+            group, lambda: buf.dispatch(values, idx, w, x_scales=scales), warmup, repeats)
+        # The whole FP8 dispatch: BF16 x in, the engine quantises each token once.
+        got["dispatch_q"] = _time(group, lambda: buf.dispatch(x, idx, w), warmup, repeats)
+    else:
+        got["dispatch"] = _time(group, lambda: buf.dispatch(x, idx, w), warmup, repeats)
     res = buf.dispatch(x, idx, w)
     send_dst_row = np.asarray(res.handle.send_dst_row)
     out = buf.get_combine_buffer(res.handle)
     vals = np.random.default_rng(group.rank).standard_normal(out.shape, dtype=np.float32)
     out[...] = (vals.view(np.uint32) >> np.uint32(16)).astype(np.uint16)  # BF16 expert outputs
-    combine_ns = _time(group, lambda: buf.combine(out, res.handle), warmup, repeats)
-    return {
-        "dispatch": dispatch_ns, "combine": combine_ns, "rows_sent": int((send_dst_row >= 0).sum())
-    }
+    got["combine"] = _time(group, lambda: buf.combine(out, res.handle), warmup, repeats)
+    return got | {"rows_sent": int((send_dst_row >= 0).sum())}
 
 
 def _rank_main(
     group: Any, cases: Sequence[UbepCase], warmup: int, repeats: int, rounds: int
 ) -> list[dict[str, Any]]:
     from benchmarks.harness import round_repeats
-    from benchmarks.peers.workload import NUM_EXPERTS, make_inputs
+    from benchmarks.peers.workload import NUM_EXPERTS, QUANT, make_inputs
 
     from ubep.buffer import Buffer, BufferConfig
 
     r = group.rank
-    results: list[dict[str, Any]] = [{"dispatch": [], "combine": []} for _ in cases]
+    results: list[dict[str, Any]] = [{} for _ in cases]
     inputs: dict[Any, Any] = {}
     large = False
     for per_round in round_repeats(repeats, rounds):
@@ -74,10 +88,12 @@ def _rank_main(
             if case.shape not in inputs:
                 inputs = {case.shape: make_inputs(case.shape)}  # one shape's tensors at a time
             inp = inputs[case.shape]
+            fp8 = case.shape.dtype == "fp8"  # BF16 x, quantised rows on the wire
             cfg = BufferConfig(
                 max_tokens_per_rank=case.shape.tokens_per_rank, hidden=case.shape.hidden,
                 num_topk=inp.topk_idxs[r].shape[1], num_experts=NUM_EXPERTS,
-                dtype=case.shape.dtype, layout=case.layout, engine=case.engine, sync=case.sync,
+                dtype="bf16" if fp8 else case.shape.dtype, quant=QUANT if fp8 else None,
+                layout=case.layout, engine=case.engine, sync=case.sync,
             )
             if large:
                 # The last Buffer's segments (up to ~0.5 GB a rank) are still being freed by
@@ -87,8 +103,9 @@ def _rank_main(
             with Buffer(group, cfg) as buf:
                 got = _measure(group, buf, inp.xs[r], inp.topk_idxs[r], inp.topk_weights[r],
                                warmup, per_round)
-            result["dispatch"] += got["dispatch"]
-            result["combine"] += got["combine"]
+            for key, samples in got.items():
+                if key != "rows_sent":
+                    result[key] = result.get(key, []) + samples
             result["rows_sent"] = got["rows_sent"]
     return results
 
@@ -97,7 +114,9 @@ def run_ubep_cases(
     cases: Sequence[UbepCase], num_ranks: int, *, warmup: int, repeats: int, timeout_s: float,
     rounds: int = 1,
 ) -> list[dict[str, Any]]:
-    """Per case: ``dispatch``/``combine`` per-iteration ns (max over ranks), ``rows_sent``; the
+    """Per case: ``dispatch``/``combine`` per-iteration ns (max over ranks), for an FP8 shape
+    also ``dispatch_q`` (``dispatch`` sends the caller's quantised rows, ``x_scales=``;
+    ``dispatch_q`` BF16 x that the engine quantises), ``rows_sent``; the
     repeats are split over ``rounds`` passes through all cases (harness.round_repeats)."""
     from ubep.runtime import launch
 
@@ -106,9 +125,8 @@ def run_ubep_cases(
     merged = []
     for i in range(len(cases)):
         ranks = [per_rank[r][i] for r in range(num_ranks)]
-        merged.append({
-            "dispatch": np.max([rk["dispatch"] for rk in ranks], axis=0),
-            "combine": np.max([rk["combine"] for rk in ranks], axis=0),
+        timed = [k for k in ranks[0] if k != "rows_sent"]
+        merged.append({k: np.max([rk[k] for rk in ranks], axis=0) for k in timed} | {
             "rows_sent": np.array([rk["rows_sent"] for rk in ranks], dtype=np.int64),
         })
     return merged
