@@ -27,7 +27,6 @@ Writes ``decode.txt`` and ``decode.json`` (default ``benchmarks/results/``). Med
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -35,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from benchmarks.harness import concurrent_copy, format_table
+from benchmarks.harness import concurrent_copy, format_table, save_results
 
 from ubep import testing
 from ubep.buffer import Buffer, BufferConfig
@@ -213,12 +212,8 @@ def main(argv: list[str] | None = None) -> None:
     text = (f"decode-sized calls, {RANKS} ranks, top-{NUM_TOPK} of {NUM_EXPERTS}, BF16, "
             f"{repeats} calls per case (medians, us); floor = flag one-way {flag_us:.2f} us + "
             "copy of the bytes sent\n" + table(rows, flag_us, copy_us))
-    print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "decode.txt").write_text(text + "\n")
-    (args.out / "decode.json").write_text(json.dumps(
-        {"flag_oneway_us": flag_us, "copy_us": copy_us,
-         "rows": [asdict(r) for r in rows]}, indent=1) + "\n")
+    save_results(str(args.out), "decode", text, {
+        "flag_oneway_us": flag_us, "copy_us": copy_us, "rows": [asdict(r) for r in rows]})
 
 
 if __name__ == "__main__":

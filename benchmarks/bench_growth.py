@@ -35,7 +35,14 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
-from benchmarks.harness import Stats, concurrent_copy, format_table, round_repeats, time_collective
+from benchmarks.harness import (
+    Stats,
+    concurrent_copy,
+    format_table,
+    round_repeats,
+    save_results,
+    time_collective,
+)
 
 NUM_EXPERTS = 64
 NUM_TOPK = 8
@@ -418,14 +425,7 @@ def write_outputs(result: dict[str, Any], out: str | None) -> None:
             f"{machine['seconds']:.0f} s, {st['repeats']} repeats in {st['rounds']} rounds after "
             f"{st['warmup']} warm-up each; load {machine['load_before']:.2f} -> "
             f"{machine['load_after']:.2f})")
-    print(text)
-    if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "growth.txt"), "w") as f:
-            f.write(text + "\n")
-        with open(os.path.join(out, "growth.json"), "w") as f:
-            json.dump(result, f, indent=1)
-        plot(result, os.path.join(out, "growth.png"))
+    save_results(out, "growth", text, result, plot)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -59,7 +59,6 @@ through all cases (``harness.round_repeats``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -68,7 +67,13 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
-from benchmarks.harness import Stats, format_table, round_repeats, time_collective
+from benchmarks.harness import (
+    Stats,
+    format_table,
+    round_repeats,
+    save_results,
+    time_collective,
+)
 
 HIDDEN = 2048
 NUM_EXPERTS = 128
@@ -529,14 +534,7 @@ def write_outputs(result: dict[str, Any], out: str | None) -> None:
             f"{st['repeats']} repeats in {st['rounds']} rounds after {st['warmup']} warm-up each; "
             f"load {machine['load_before']:.2f} -> {machine['load_after']:.2f}, "
             f"{machine['cpus']} cpus)")
-    print(text)
-    if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "overlap.txt"), "w") as f:
-            f.write(text + "\n")
-        with open(os.path.join(out, "overlap.json"), "w") as f:
-            json.dump(result, f, indent=1)
-        plot(result, os.path.join(out, "overlap.png"))
+    save_results(out, "overlap", text, result, plot)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,7 @@ import numpy as np
 
 __all__ = [
     "Stats", "collective_spans", "concurrent_copy", "format_table", "print_table", "round_repeats",
-    "time_collective", "time_repeats",
+    "save_results", "time_collective", "time_repeats",
 ]
 
 
@@ -168,6 +168,24 @@ def concurrent_copy(
     ns = np.array([per_rank[r] for r in range(num_procs)], dtype=np.int64)  # [rank, size, rep, 2]
     span_us = (ns[..., 1].max(axis=0) - ns[..., 0].min(axis=0)) / 1e3  # [size, repeat]
     return [Stats.from_samples_us(row.tolist()) for row in span_us]
+
+
+def save_results(out: str | None, stem: str, text: str, result: dict[str, Any],
+                 plot: Callable[[dict[str, Any], str], None] | None = None) -> None:
+    """Print ``text``; with ``out``, write ``stem.txt``, ``stem.json`` (``result``) and, with
+    ``plot``, ``stem.png`` there."""
+    import json
+
+    print(text)
+    if not out:
+        return
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{stem}.txt"), "w") as f:
+        f.write(text + "\n")
+    with open(os.path.join(out, f"{stem}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    if plot is not None:
+        plot(result, os.path.join(out, f"{stem}.png"))
 
 
 def _cell(value: object, float_digits: int) -> str:

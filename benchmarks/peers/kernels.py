@@ -131,6 +131,18 @@ def _prefault(shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
     return buf
 
 
+def set_shape(peer: Any, ex: Exchange, num_experts: int, num_topk: int, hidden: int) -> None:
+    """The shape attributes every peer (numpy or torch local work) keeps."""
+    if num_experts % ex.num_ranks:
+        raise ValueError(f"num_experts={num_experts} must be a multiple of {ex.num_ranks}")
+    peer.ex = ex
+    peer.num_ranks = ex.num_ranks
+    peer.num_experts = num_experts
+    peer.local = num_experts // ex.num_ranks
+    peer.num_topk = num_topk
+    peer.hidden = hidden
+
+
 class _PeerBase:
     """Buffers and shape bookkeeping shared by both layouts."""
 
@@ -146,14 +158,7 @@ class _PeerBase:
         out_dtype: np.dtype,
         x_width: int | None = None,
     ) -> None:
-        if num_experts % ex.num_ranks:
-            raise ValueError(f"num_experts={num_experts} must be a multiple of {ex.num_ranks}")
-        self.ex = ex
-        self.num_ranks = ex.num_ranks
-        self.num_experts = num_experts
-        self.local = num_experts // ex.num_ranks
-        self.num_topk = num_topk
-        self.hidden = hidden
+        set_shape(self, ex, num_experts, num_topk, hidden)
         self.x_dtype = np.dtype(x_dtype)
         self.out_dtype = np.dtype(out_dtype)
         # Dispatch rows may be wider than combine's (FP8: values + scales per row).

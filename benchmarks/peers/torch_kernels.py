@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from benchmarks.peers.kernels import Exchange, PeerDispatch, _prefault
+from benchmarks.peers.kernels import Exchange, PeerDispatch, _prefault, set_shape
 
 __all__ = [
     "TorchExpertLayoutPeer",
@@ -78,14 +78,7 @@ class _TorchPeerBase:
         out_dtype: np.dtype,
         x_width: int | None = None,
     ) -> None:
-        if num_experts % ex.num_ranks:
-            raise ValueError(f"num_experts={num_experts} must be a multiple of {ex.num_ranks}")
-        self.ex = ex
-        self.num_ranks = ex.num_ranks
-        self.num_experts = num_experts
-        self.local = num_experts // ex.num_ranks
-        self.num_topk = num_topk
-        self.hidden = hidden
+        set_shape(self, ex, num_experts, num_topk, hidden)
         x_width = hidden if x_width is None else x_width  # FP8 rows: values + scales
         max_send, max_recv = self._capacity(ex.num_ranks, max_tokens, num_topk)
         self._send_x = _Buf((max_send, x_width), np.dtype(x_dtype))
