@@ -29,10 +29,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import InvalidArgumentError
+from ..sched.combine import combine_plans
 from ..sched.plan import Plan
 from ..topology import Topology
 from .analytic import run_analytic
-from .combine import combine_plans
 from .fabric import FabricModel
 from .spec import RowCosts, build_spec
 
