@@ -64,7 +64,9 @@ class Micro:
         processes). Passes alternate between ``copies`` copies of their buffers: the runtime
         alternates two receive regions between calls, so a case's working set is two copies
         of its rows. ``cold``: every pass starts with its buffers flushed from the caches
-        (bench_dispatch interleaves its cases, whose buffers evict each other's)."""
+        (bench_dispatch interleaves its cases, whose buffers evict each other's), all
+        processes together, and the per-process values are first quartiles over passes
+        (passes cut by other processes' time slices left out)."""
         rows = max(1, int(rows))
         key = (procs, row_bytes, rows, writer, reader, terms, copies, cold)
         if key not in self.cache:
