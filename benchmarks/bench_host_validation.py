@@ -58,27 +58,20 @@ def _host_case(case: bd.Case, ranks: int, op: str) -> HostCase:
                     sync=case.sync, op=op, num_experts=bd.NUM_EXPERTS, num_topk=bd.NUM_TOPK)
 
 
-def _timer(micro: Micro, case: bd.Case, ranks: int, op: str, idxs: list[np.ndarray],
-           copy_ns_per_byte: float | None) -> Any:
-    """Per-row pass costs at this case's working set: rows per rank (send/receive passes),
-    tokens (SP's scan of x, the combine's reduction), in two alternating copies (the runtime's
-    two receive regions). With ``copy_ns_per_byte`` (the run's memcpy floor at the same bytes)
-    they are rescaled to that memcpy; without, the raw microbenchmark (measuring only)."""
+def _timer(micro: Micro, case: bd.Case, ranks: int, op: str, idxs: list[np.ndarray]) -> Any:
+    """Per-row pass costs at this case's working set (host_micro, cold, the runtime's kernels):
+    rows per rank for the send and receive passes, tokens for SP's scan of x and the combine's
+    reduction (``terms`` rows per token)."""
     hc = _host_case(case, ranks, op)
     rows = round(_rows_per_rank(idxs, case.layout, bd.NUM_EXPERTS))
 
     def timer(writer: str, reader: str, terms: int) -> tuple[float, float]:
         b, n = hc.row_bytes, rows
-        if reader == "reduce":
+        if reader.startswith("reduce"):
             b, n = hc.hidden * 2, case.tokens
         elif writer == "scan":
             n = case.tokens
-        if copy_ns_per_byte is None:  # measuring ahead: the pairs scaled() will use
-            cpus = os.cpu_count() or 1
-            w, r = micro.rows(min(ranks, max(2, cpus - cpus % 2)), b, n, writer, reader,
-                              terms)[:2]
-            return w, r
-        return micro.scaled(ranks, b, n, writer, reader, terms, copy_ns_per_byte)
+        return micro.per_row_ns(ranks, b, n, writer, reader, terms)
 
     return timer
 
@@ -106,21 +99,20 @@ def _premeasure(micro: Micro, ranks: list[int], cases: list[bd.Case]) -> None:
             idxs = _routing(case, r)
             for op in ("dispatch", "combine"):
                 hc = _host_case(case, r, op)
-                timer = _timer(micro, case, r, op, idxs, None)
+                timer = _timer(micro, case, r, op, idxs)
                 for w, rd, t in kernel_passes(hc, combine_terms(idxs, hc)).values():
                     timer(w, rd, t)
 
 
-def fixed_cost(micro: Micro, flags: dict[int, float], tiny_row: dict[str, Any], op: str,
-               copy_ns_per_byte: float) -> dict[str, float]:
-    """From the 64-element-row call: fixed = measured - model(fixed=0), at least 0. The model's
-    share prices the small call's passes at the case's memcpy rate per byte (the small call's
-    own floor is mostly np.copyto's per-call overhead, not a rate)."""
+def fixed_cost(micro: Micro, flags: dict[int, float], tiny_row: dict[str, Any],
+               op: str) -> dict[str, float]:
+    """From the 64-element-row call: fixed = measured - model(fixed=0), at least 0 (the small
+    call's own row passes priced by host_micro at its 128-byte rows)."""
     case, r = _case_of(tiny_row), tiny_row["ranks"]
     idxs = _routing(case, r)
     measured = tiny_row[op]["median_us"] * 1e3
     model0 = predict_host(_host_case(case, r, op), idxs, fixed_ns=0.0, flag_oneway_ns=flags[r],
-                          timer=_timer(micro, case, r, op, idxs, copy_ns_per_byte))
+                          timer=_timer(micro, case, r, op, idxs))
     return {"tiny_measured_ns": measured, "tiny_model_ns": model0,
             "fixed_ns": max(0.0, measured - model0)}
 
@@ -161,9 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         idxs = _routing(case, r)
         for op in ("dispatch", "combine"):
             key = (r, case.tokens, case.dtype, case.engine, case.sync, case.layout)
-            f = fixed_cost(micro, flags, tiny_by[key], op, _copy_ns_per_byte(row))
+            f = fixed_cost(micro, flags, tiny_by[key], op)
             fixed[(*key, op)] = f
-            timer = _timer(micro, case, r, op, idxs, _copy_ns_per_byte(row))
+            timer = _timer(micro, case, r, op, idxs)
             pred = predict_host(_host_case(case, r, op), idxs, fixed_ns=f["fixed_ns"],
                                 flag_oneway_ns=flags[r], timer=timer) / 1e3
             meas = row[op]["median_us"]
@@ -187,8 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         "# measured = median over repeats of the max over ranks (bench_dispatch); predicted = "
         "ubep.sim.host.predict_host from: fixed = the same call with "
         f"{TINY_HIDDEN}-element rows minus the model's share of it; row passes = "
-        "host_micro.c's costs relative to its memcpy, times memcpy_gbps (bench_dispatch's "
-        "memcpy floor of the row's bytes, same run); flag latency = host_micro's round trip / 2",
+        "host_micro.c's passes (the runtime's kernels, caches flushed before each pass, ns per "
+        "row) times the oversubscription factor; flag latency = host_micro's round trip / 2; "
+        "memcpy_gbps = bench_dispatch's memcpy floor (shown, not used)",
     ]
     cols = ["ranks", "tokens", "hidden", "dtype", "layout", "engine", "sync", "op",
             "measured_us", "predicted_us", "error_pct", "fixed_us", "memcpy_gbps"]

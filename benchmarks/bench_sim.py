@@ -12,9 +12,9 @@ import time
 
 from benchmarks.harness import print_table, time_repeats
 
+from ubep.sched.combine import combine_plans
 from ubep.sim.analytic import run_analytic
 from ubep.sim.calib import load_fabric, topology_for
-from ubep.sim.combine import combine_plans
 from ubep.sim.spec import build_spec
 from ubep.sim.workload import CANN_EP, UBEP, Workload, plans_for, run_case
 

@@ -48,8 +48,9 @@ def test_canonical_plans_follow_the_engines_send_order(layout: str) -> None:
         np.testing.assert_array_equal(plan.send_hop, (plan.send_dst_rank != r).astype(int))
 
 
-@pytest.mark.parametrize(("sync", "reader"), [("sw", "-"), ("sp", "tail")])
-def test_predict_host_two_ranks_closed_form(sync: str, reader: str) -> None:
+@pytest.mark.parametrize(("sync", "writer", "reader"), [("sw", "copy", "-"),
+                                                         ("sp", "spw", "sptail")])
+def test_predict_host_two_ranks_closed_form(sync: str, writer: str, reader: str) -> None:
     # Each rank's one token picks an expert of the peer (k=0) and one of its own (k=1).
     idxs = [np.array([[2, 0]]), np.array([[0, 2]])]
     a, b, c, fixed, lat = 300.0, 500.0, 70.0, 10_000.0, 400.0
@@ -57,7 +58,7 @@ def test_predict_host_two_ranks_closed_form(sync: str, reader: str) -> None:
     # reads them (SW's peer rows are the same pass: b = a there, and SW reads nothing)
     if sync == "sw":
         b, c = a, 0.0
-    costs = {("copy", "-"): (a, 0.0), ("copy", reader): (b, c), ("scan", "-"): (0.0, 0.0)}
+    costs = {("copy", "-"): (a, 0.0), (writer, reader): (b, c), ("scan", "-"): (0.0, 0.0)}
 
     def timer(writer: str, rd: str, terms: int) -> tuple[float, float]:
         return costs[(writer, rd)]

@@ -7,9 +7,11 @@
 * :func:`objective_ns` / :func:`core_times_ns`: objective (1) of a plan.
 * :func:`optimal`: exact optimum of (1) by MILP (scipy / HiGHS).
 * :func:`partition` / :func:`partition_sweep`: Appendix A's count/send core split.
+* :func:`combine_plans`: every rank's combine plan, the dispatch plans reversed.
 """
 
 from ..modes import LAYOUTS, POLICIES
+from .combine import combine_plans
 from .cost import core_times_ns, hop_costs_ns, objective_ns
 from .optimal import OptimalResult, optimal, optimal_classes, optimal_units
 from .partition import CorePartition, PartitionSweep, partition, partition_sweep
@@ -36,6 +38,7 @@ __all__ = [
     "Plan",
     "SearchResult",
     "SendUnits",
+    "combine_plans",
     "core_split",
     "core_times_ns",
     "hierarchical_slices",

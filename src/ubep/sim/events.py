@@ -1,10 +1,8 @@
 """Event-driven executor: the model of docs/SIMULATOR.md, one event at a time.
 
-The core is SimPy's idea in a few lines: an :class:`Environment` owns the clock and a heap of
-``(time, priority, seq, event)``; an :class:`Event` runs its callbacks when popped; a
-:class:`Process` is a generator that yields events and is resumed when they fire. Two shared
-resources sit on top: :class:`SharedEngine` (processor sharing of one rank's send cores, with the
-per-core speed falling as more cores send at once) and :class:`Port` (a FIFO link end).
+The kernel (clock, events, processes) is :mod:`ubep.sim.des`. Two shared resources sit on top:
+:class:`SharedEngine` (processor sharing of one rank's send cores, with the per-core speed
+falling as more cores send at once) and :class:`Port` (a FIFO link end).
 
 Every core of every rank is a process that walks its tasks exactly as the engine prescribes, so
 this mode is meant for small cases and for checking :mod:`ubep.sim.analytic`, which computes the
@@ -16,119 +14,30 @@ next), so a choice sees everything that happened at that instant.
 from __future__ import annotations
 
 import heapq
-import itertools
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from functools import partial
-from typing import Any
 
 import numpy as np
 
 from ..topology import Topology
+from .des import LATE, NORMAL, TIE_NS, Environment, Event, Process, ProcessGenerator, then, tie_key
 from .fabric import FabricModel
 from .spec import OpSpec
 from .timeline import SimResult, TaskTimeline
 
-__all__ = ["Environment", "Event", "Port", "Process", "SharedEngine", "run_events", "then"]
-
-NORMAL, LATE = 0, 1
-# Times closer than this count as simultaneous when a port or consumer picks what to serve next,
-# so float noise cannot reorder rows that the model considers tied (analytic mode: the same rule).
-TIE_NS = 1e-3
-
-
-def tie_key(time: float) -> int:
-    return round(time / TIE_NS)
-ProcessGenerator = Generator["Event", Any, Any]
-
-
-class Environment:
-    """The clock and the event heap."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-        self._heap: list[tuple[float, int, int, Event]] = []
-        self._seq = itertools.count()
-
-    def schedule(self, event: Event, delay: float = 0.0, priority: int = NORMAL) -> None:
-        heapq.heappush(self._heap, (self.now + delay, priority, next(self._seq), event))
-
-    def event(self) -> Event:
-        return Event(self)
-
-    def timeout(self, delay: float, priority: int = NORMAL) -> Event:
-        ev = Event(self)
-        ev.triggered = True
-        self.schedule(ev, max(0.0, delay), priority)
-        return ev
-
-    def at(self, time: float, priority: int = NORMAL) -> Event:
-        """An event that fires at absolute ``time`` (now if that is in the past)."""
-        return self.timeout(time - self.now, priority)
-
-    def process(self, generator: ProcessGenerator) -> Process:
-        return Process(self, generator)
-
-    def run(self) -> None:
-        while self._heap:
-            time, _, _, event = heapq.heappop(self._heap)
-            self.now = time
-            event.fire()
-
-
-class Event:
-    """Something that happens once; callbacks run when the heap pops it."""
-
-    def __init__(self, env: Environment) -> None:
-        self.env = env
-        self.callbacks: list[Callable[[Event], None]] = []
-        self.triggered = False
-        self.processed = False
-        self.value: Any = None
-
-    def succeed(self, value: Any = None, priority: int = NORMAL) -> Event:
-        if not self.triggered:
-            self.triggered = True
-            self.value = value
-            self.env.schedule(self, 0.0, priority)
-        return self
-
-    def fire(self) -> None:
-        self.processed = True
-        callbacks, self.callbacks = self.callbacks, []
-        for callback in callbacks:
-            callback(self)
-
-
-def then(event: Event, action: Callable[[], object]) -> None:
-    """Run ``action()`` when ``event`` fires."""
-    def fire(_ev: Event) -> None:
-        action()
-
-    event.callbacks.append(fire)
-
-
-class Process(Event):
-    """A generator driven by the events it yields; fires when the generator returns."""
-
-    def __init__(self, env: Environment, generator: ProcessGenerator) -> None:
-        super().__init__(env)
-        self._gen = generator
-        start = env.event()
-        start.callbacks.append(self._resume)
-        start.succeed()
-
-    def _resume(self, event: Event) -> None:
-        try:
-            target = self._gen.send(event.value)
-        except StopIteration as stop:
-            self.succeed(stop.value)
-            return
-        if target.processed:  # already happened: resume at once (next heap pop)
-            again = self.env.event()
-            again.callbacks.append(self._resume)
-            again.succeed(target.value)
-        else:
-            target.callbacks.append(self._resume)
+__all__ = [
+    "LATE",
+    "NORMAL",
+    "TIE_NS",
+    "Environment",
+    "Event",
+    "Port",
+    "Process",
+    "SharedEngine",
+    "run_events",
+    "then",
+    "tie_key",
+]
 
 
 class SharedEngine:

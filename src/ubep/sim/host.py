@@ -29,10 +29,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import InvalidArgumentError
+from ..sched.combine import combine_plans
 from ..sched.plan import Plan
 from ..topology import Topology
 from .analytic import run_analytic
-from .combine import combine_plans
 from .fabric import FabricModel
 from .spec import RowCosts, build_spec
 
@@ -126,13 +126,16 @@ def host_fabric(fixed_ns: float, flag_oneway_ns: float) -> FabricModel:
 
 
 def kernel_passes(case: HostCase, terms: int) -> dict[str, tuple[str, str, int]]:
-    """Which microbenchmark pass prices which row cost of ``case`` (the runtime's algorithm)."""
+    """Which microbenchmark pass prices which row cost of ``case``: the runtime's own kernels,
+    called as dispatch.c / dispatch_bsp.c / combine.c call them (docs/SIMULATOR.md, 6)."""
     if case.op == "combine":  # zero-copy pull: the home rank reads and reduces every row
-        return {"consume": ("-", "reduce", terms)}
-    tff = case.sync == "tff"
-    writer = "tff" if tff else "copy"
+        # REDUCE[bf16] weighted by topk_weights (expert layout), a plain sum (rank layout)
+        return {"consume": ("-", "reduce" if case.layout == "expert" else "reduce_rank", terms)}
+    # writer of a peer row: SP = element-safe body, fence, tail (put_sp_row); TFF = blocks
+    writer = {"tff": "tff", "sp": "spw"}.get(case.sync, "copy")
     if case.engine == "asp":
-        reader = {"sw": "-", "sp": "tail", "tff": "untff", "dc": "dc"}[case.sync]
+        # SP: tail check, then the tail re-armed for the next use of the region
+        reader = {"sw": "-", "sp": "sptail", "tff": "untff", "dc": "dc"}[case.sync]
         out = {"own": ("copy", "-", 1), "send": (writer, reader, 1)}
         if case.sync == "dc":
             out["checksum"] = ("dc", "-", 1)  # the sender's word sums over its own rows

@@ -209,7 +209,7 @@ def build_spec(
 ) -> OpSpec:
     """Gather every rank's transfers and the engine's chunks and items into an :class:`OpSpec`.
 
-    For ``op="combine"`` pass the combine plans (:func:`ubep.sim.combine.combine_plans`): each
+    For ``op="combine"`` pass the combine plans (:func:`ubep.sched.combine.combine_plans`): each
     unit sends one expert output row back to ``send_dst_rank``, and a receive item is one token
     ``(dst, send_token)`` reduced over all of its rows.
 

@@ -15,14 +15,11 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 from ..routing import hot_experts_topk, uniform_topk, zipf_topk
+from ..sched.combine import combine_plans
 from ..sched.plan import Plan
 from ..topology import Topology
-from .analytic import run_analytic
-from .api import MODES, make_plans
-from .combine import combine_plans
-from .events import run_events
+from .api import make_plans, simulate
 from .fabric import ENGINES, SYNC_MODES, FabricModel
-from .spec import build_spec
 from .timeline import SimResult
 
 __all__ = [
@@ -215,8 +212,6 @@ def run_case(
     mode: str = "analytic",
 ) -> SimResult:
     """Simulate one dispatch (or combine) call of ``workload`` under ``system``."""
-    if mode not in MODES:
-        raise InvalidArgumentError("mode", mode, f"must be one of {MODES}")
     # The fabric only matters to planning through ASP's default core split; leave it out of
     # the cache key otherwise, so a calibration fit re-times cached plans.
     default_split = system.num_send_cores is None and system.num_count_cores is None
@@ -226,7 +221,5 @@ def run_case(
     if op == "combine":
         plans = combine_plans(plans, topology, policy=system.policy)
         row_bytes = workload.hidden * workload.combine_itemsize
-    spec = build_spec(plans, topology, fabric, engine=system.engine, sync=system.sync,
-                      row_bytes=row_bytes, op=op)
-    runner = run_analytic if mode == "analytic" else run_events
-    return runner(spec, topology, fabric)
+    return simulate(plans, topology, fabric, engine=system.engine, sync=system.sync,
+                    row_bytes=row_bytes, op=op, mode=mode)
