@@ -322,13 +322,15 @@ class _Step:
         return self.expected
 
 
-def _config(max_tokens: int, engine: str, sync: str) -> Any:
+def _config(max_tokens: int, engine: str, sync: str, background: bool | None = None) -> Any:
     from ubep.buffer import BufferConfig
 
-    # one core per rank, on the calling thread: 2 ranks on this 2-core host (module doc)
+    # one core per rank, on the calling thread: 2 ranks on this 2-core host (module doc);
+    # background: split-phase second halves on the engine's background core (None: when the
+    # host has a hardware thread to spare per rank, BufferConfig.background)
     return BufferConfig(max_tokens_per_rank=max_tokens, hidden=HIDDEN, num_topk=NUM_TOPK,
                         num_experts=NUM_EXPERTS, dtype="bf16", layout="expert", engine=engine,
-                        sync=sync, num_cores=1, threads=False)
+                        sync=sync, num_cores=1, threads=False, background=background)
 
 
 def _min_us(group: Any, fn: Callable[[], object], repeats: int) -> float:
@@ -370,13 +372,13 @@ def _collecting(fn: Callable[[], list[np.ndarray]],
 
 def _rank_main(group: Any, cases: list[Case], widths: dict[int, int], warmup: int,
                per_round: list[int], engine: str, sync: str,
-               calibration_repeats: int) -> dict[str, Any]:
+               calibration_repeats: int, background: bool | None = None) -> dict[str, Any]:
     from ubep.buffer import Buffer
 
     blas = {v: os.environ.get(v) for v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
     samples = [{s: [] for s in SCHEDULES} for _ in cases]
     mismatches = [{s: 0 for s in SCHEDULES} for _ in cases]
-    with Buffer(group, _config(max(c.tokens for c in cases), engine, sync)) as buf:
+    with Buffer(group, _config(max(c.tokens for c in cases), engine, sync, background)) as buf:
         calibration = []
         for tokens in sorted({c.tokens for c in cases}):
             if tokens not in widths:
@@ -402,7 +404,8 @@ def _rank_main(group: Any, cases: list[Case], widths: dict[int, int], warmup: in
 # --------------------------------------------------------------------------- the parent
 def run(tokens: Sequence[int], skews: Sequence[str], layers: int, warmup: int, repeats: int,
         rounds: int, widths: dict[int, int] | None = None, engine: str = "asp", sync: str = "sp",
-        calibration_repeats: int = 20, timeout_s: float = 1800.0) -> dict[str, Any]:
+        calibration_repeats: int = 20, timeout_s: float = 1800.0,
+        background: bool | None = None) -> dict[str, Any]:
     """Measure every case; returns ``{"rows", "calibration", "blas", "oracle_ok"}``."""
     from ubep.runtime import launch
 
@@ -411,7 +414,7 @@ def run(tokens: Sequence[int], skews: Sequence[str], layers: int, warmup: int, r
     cases = [Case(t, s, layers) for t in tokens for s in skews]
     per_rank = launch(_rank_main, NUM_RANKS, cases, dict(widths or {}), warmup,
                       round_repeats(repeats, rounds), engine, sync, calibration_repeats,
-                      timeout_s=timeout_s)
+                      background, timeout_s=timeout_s)
     used = per_rank[0]["widths"]
     oracle: dict[int, list[list[np.ndarray]]] = {}
     rows = []
@@ -550,6 +553,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--engine", default="asp")
     parser.add_argument("--sync", default="sp")
+    parser.add_argument("--background", choices=("auto", "on", "off"), default="auto",
+                        help="split-phase second halves on the engine's background core "
+                             "(BufferConfig.background; auto: when a hardware thread is spare)")
     parser.add_argument("--out", default=None, help="write overlap.{txt,json,png} here")
     parser.add_argument("--timeout", type=float, default=1800.0)
     args = parser.parse_args(argv)
@@ -564,10 +570,11 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()[0]
     start = time.monotonic()
     result = run(tokens, skews, layers, args.warmup, repeats, rounds, widths, args.engine,
-                 args.sync, calibration_repeats=10 if args.quick else 30, timeout_s=args.timeout)
+                 args.sync, calibration_repeats=10 if args.quick else 30, timeout_s=args.timeout,
+                 background={"auto": None, "on": True, "off": False}[args.background])
     result["settings"] = {"tokens": tokens, "skews": skews, "layers": layers, "repeats": repeats,
                           "rounds": rounds, "warmup": args.warmup, "engine": args.engine,
-                          "sync": args.sync}
+                          "sync": args.sync, "background": args.background}
     result["machine"] = {"cpus": os.cpu_count(), "load_before": load,
                          "load_after": os.getloadavg()[0], "seconds": time.monotonic() - start}
     write_outputs(result, args.out)

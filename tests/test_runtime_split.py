@@ -122,10 +122,15 @@ def _worker(group: Any, cases: list[tuple[str, str, str, dict[str, Any]]]) -> li
 
 
 def test_split_phase_calls_bit_exact_every_mode() -> None:
+    # every engine x sync x layout on the background core and without it (the caller sends at
+    # the call and receives in the hook), alternating, and each mode once more the other way
     cases: list[tuple[str, str, str, dict[str, Any]]] = [
-        (e, s, lay, {}) for e, s, lay in itertools.product(ENGINES, SYNCS, LAYOUTS)
+        (e, s, lay, {"background": i % 2 == 0})
+        for i, (e, s, lay) in enumerate(itertools.product(ENGINES, SYNCS, LAYOUTS))
     ]
-    cases.append(("asp", "sp", "rank", {"num_cores": 3, "threads": True}))
+    cases += [(e, s, "expert", {"background": i % 2 == 1})
+              for i, (e, s) in enumerate(itertools.product(ENGINES, SYNCS))]
+    cases.append(("asp", "sp", "rank", {"num_cores": 3, "threads": True, "background": True}))
     cases.append(("bsp", "dc", "expert", {"num_cores": 2, "threads": False}))
     results = launch(_worker, 2, cases, timeout_s=300)
     errors = [e for r in results for e in r]
@@ -137,7 +142,7 @@ def _worker_late_peer(group: Any) -> dict[str, Any]:
     once, its hook raises (never stale rows), both ranks resync and the next calls are right."""
     from ubep.errors import OutOfStepError
 
-    cfg = _config("asp", "sw", "rank", timeout_s=1.5)
+    cfg = _config("asp", "sw", "rank", timeout_s=1.5, background=True)
     r, out = group.rank, {}
     with Buffer(group, cfg) as buf:
         a = _Batch(cfg, r, 2, 1)

@@ -169,8 +169,12 @@ class Buffer:
         if threads is None:
             threads = cores * self.num_ranks <= (os.cpu_count() or 1)
         if mem.addresses is not None:
+            background = self.config.background
+            if background is None:
+                background = (cores + 1) * self.num_ranks <= (os.cpu_count() or 1)
             params = engine_params(self.config, lay, rank=self.rank, num_ranks=self.num_ranks,
-                                   num_cores=cores, threaded=bool(threads) and cores > 1)
+                                   num_cores=cores, threaded=bool(threads) and cores > 1,
+                                   background=background)
             self._engine = self._native.Engine(params, mem.addresses, mem.pids, mem.start_times)
         else:
             self._engine = mem.make_engine(self.config, lay)  # peers on other hosts (ubep.dist)

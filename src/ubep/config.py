@@ -60,6 +60,11 @@ class BufferConfig:
         threads: run cores as threads (``True``) or all on the calling thread (``False``);
             ``None`` = threads when ``num_cores * num_ranks`` fits the hardware threads.
         policy: token scheduler of the ASP send cores (``ubep.sched.schedule``).
+        background: split-phase calls (``return_recv_hook``) run their sends and waits on a
+            background core while the caller computes (``True``), or the caller sends at the
+            call and receives in the hook (``False``); ``None`` = background when the host has
+            a hardware thread to spare for it on every rank (``(num_cores + 1) * num_ranks``
+            fits): on a CPU the background core competes with the caller's compute otherwise.
 
     Deadline:
         timeout_s: deadline of every wait inside one call.
@@ -88,6 +93,7 @@ class BufferConfig:
     num_cores: int | None = None
     threads: bool | None = None
     policy: str = "hierarchical"
+    background: bool | None = None
     # --- deadline
     timeout_s: float = 60.0
     # --- sync formats
@@ -168,6 +174,9 @@ class BufferConfig:
             raise InvalidArgumentError("num_cores", self.num_cores, "must be None or in [1, 256]")
         if self.threads is not None and not isinstance(self.threads, bool):
             raise InvalidArgumentError("threads", self.threads, "must be None, True or False")
+        if self.background is not None and not isinstance(self.background, bool):
+            raise InvalidArgumentError("background", self.background,
+                                       "must be None, True or False")
 
     def _check_formats(self) -> None:
         flag = self.tff_flag_bytes

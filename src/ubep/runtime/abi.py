@@ -124,7 +124,7 @@ PARAMS = (
     "off_recv_ready", "off_doorbell", "off_comb_info", "off_barrier", "off_inbox",
     "inbox_bytes", "off_route", "route_stride", "route_w_off", "off_land", "land_bytes",
     "off_out", "out_bytes", "off_comb", "comb_bytes", "seg_size", "timeout_ns", "yield_ns",
-    "sp_check_bytes", "quant", "quant_round_scale",
+    "sp_check_bytes", "quant", "quant_round_scale", "background",
 )
 
 
@@ -136,6 +136,7 @@ def engine_params(
     num_ranks: int,
     num_cores: int,
     threaded: bool,
+    background: bool = False,
 ) -> dict[str, int]:
     """The parameters an engine is built with (``Engine(params, addresses, pids, starts)``):
     exactly the keys of :data:`PARAMS`."""
@@ -168,6 +169,7 @@ def engine_params(
         sp_check_bytes=config.sp_check_bytes,
         quant=QUANTS[config.quant or "none"],
         quant_round_scale=int(config.quant_round_scale),
+        background=int(background),
     )
     return params
 

@@ -137,7 +137,7 @@ static const phase_t ASP_COMBINE_PHASES[] = {
     {ph_c_publish, 0, 1, NULL},
     {ph_c_reduce, 1, 0, NULL},
 };
-const phase_list_t ASP_COMBINE = PHASE_LIST(ASP_COMBINE_PHASES, 3);
+const phase_list_t ASP_COMBINE = PHASE_LIST(ASP_COMBINE_PHASES, 3, 3);
 static const phase_t BSP_COMBINE_PHASES[] = {
     {ph_c_prepare, 0, 1, NULL},
     {ph_c_copy, 1, 1, NULL},
@@ -146,4 +146,4 @@ static const phase_t BSP_COMBINE_PHASES[] = {
     {ph_cb_wait, 1, 1, NULL},
     {ph_c_reduce, 1, 0, NULL},
 };
-const phase_list_t BSP_COMBINE = PHASE_LIST(BSP_COMBINE_PHASES, 3);
+const phase_list_t BSP_COMBINE = PHASE_LIST(BSP_COMBINE_PHASES, 3, 4);

@@ -844,4 +844,4 @@ static const phase_t ASP_DISPATCH_PHASES[] = {
     {ph_d_send, 1, 0, NULL},
     {ph_d_receive, 1, 0, NULL},
 };
-const phase_list_t ASP_DISPATCH = PHASE_LIST(ASP_DISPATCH_PHASES, 3);
+const phase_list_t ASP_DISPATCH = PHASE_LIST(ASP_DISPATCH_PHASES, 3, 4);

@@ -225,5 +225,5 @@ static const phase_t BSP_DISPATCH_PHASES[] = {
     {ph_bsp_reorder, 1, 1, NULL},  /* CalCumSum + Token-Reordering */
     {ph_bsp_dst_rows, 0, 0, NULL},
 };
-const phase_list_t BSP_DISPATCH = PHASE_LIST(BSP_DISPATCH_PHASES, 2);
+const phase_list_t BSP_DISPATCH = PHASE_LIST(BSP_DISPATCH_PHASES, 2, 6);
 

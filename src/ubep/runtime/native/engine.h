@@ -92,6 +92,7 @@ typedef struct engine {
     int64_t sp_tail;       /* sp_check_bytes: SP's armed and polled tail of a row (0: all) */
     int quant;             /* quant: QUANT_* (rows are quantised once per token, kernels.h) */
     int quant_round;       /* quant_round_scale: UE8M0 scales */
+    int background;        /* background: split-phase second halves on the background core */
     /* derived */
     int64_t tff_payload, tff_nblocks; /* payload bytes per TFF block, blocks per row */
     int64_t x_row_bytes;   /* a row of the caller's x: row_bytes, or hidden * itemsize when
@@ -188,6 +189,10 @@ typedef struct op {
     const int64_t *h_idx, *h_dst_row; const float *h_w; int64_t h_ntok;
     uint8_t *y;
     _Atomic int armed; /* waits of this call that registered as sleepers on the doorbell */
+    /* a second half on the background core while the caller computes: its waits sleep on the
+     * doorbell at once instead of spinning and yielding (the cores are the caller's); cleared
+     * when the caller's hook waits for it */
+    _Atomic int patient;
     /* errors */
     _Atomic int err;
     _Atomic int abort;
@@ -345,9 +350,11 @@ static inline void get_tff_row(engine_t *g, uint8_t *dst, const uint8_t *slot) {
 typedef struct phase_list {
     const phase_t *phase;
     int num_phases;
-    int split;
+    int split;    /* the background core's first phase */
+    int split_fg; /* without one (engine.background == 0): the caller's hook runs from here;
+                   * the call itself sent what it could (waiting for destinations) */
 } phase_list_t;
-#define PHASE_LIST(a, split) {(a), (int)(sizeof(a) / sizeof((a)[0])), (split)}
+#define PHASE_LIST(a, split, split_fg) {(a), (int)(sizeof(a) / sizeof((a)[0])), (split), (split_fg)}
 extern const phase_list_t ASP_DISPATCH, BSP_DISPATCH, ASP_COMBINE, BSP_COMBINE;
 /* dispatch with quantised rows (op->quant): a first phase, every core its share of the tokens */
 int ph_d_quant(op_t *op, int core);

@@ -103,6 +103,7 @@ static const param_t PARAMS[] = {
     PARAM("sp_check_bytes", sp_tail, P_I64),
     PARAM("quant", quant, P_INT),
     PARAM("quant_round_scale", quant_round, P_INT),
+    PARAM("background", background, P_INT),
 };
 #define NUM_PARAMS ((Py_ssize_t)(sizeof PARAMS / sizeof PARAMS[0]))
 
@@ -405,13 +406,17 @@ static PyObject *call_run(engine_t *g, call_t *c, int split) {
         return NULL;
     }
     quiesce(g); /* the previous call's second half uses the engine's state */
-    int end = split ? c->phases->split : c->phases->num_phases;
+    int end = !split ? c->phases->num_phases : g->background ? c->phases->split
+                                                              : c->phases->split_fg;
     g->in_use = 1;
     Py_BEGIN_ALLOW_THREADS
     run_op(op, c->phases, 0, end);
-    if (split && !atomic_load(&op->err) && bg_start(g, op, c->phases, &c->done)) {
-        run_op(op, c->phases, end, c->phases->num_phases); /* no thread: the rest here */
-        split = 0;
+    if (split && g->background) {
+        atomic_store(&op->patient, 1);
+        if (!atomic_load(&op->err) && bg_start(g, op, c->phases, &c->done)) {
+            run_op(op, c->phases, end, c->phases->num_phases); /* no thread: the rest here */
+            split = 0;
+        }
     }
     if (!split || atomic_load(&op->err)) finish_op(op);
     Py_END_ALLOW_THREADS
@@ -447,6 +452,18 @@ static PyObject *engine_complete(engine_t *g, PyObject *args) {
     }
     call_t *c = oldest_pending(g, epoch);
     if (!c) return NULL;
+    if (!g->background) { /* the caller runs the second half, here */
+        op_t *op = &c->op;
+        op->deadline = now_ns() + g->timeout_ns; /* the hook may come late */
+        g->in_use = 1;
+        Py_BEGIN_ALLOW_THREADS
+        run_op(op, c->phases, c->phases->split_fg, c->phases->num_phases);
+        finish_op(op);
+        Py_END_ALLOW_THREADS
+        g->in_use = 0;
+        return call_result(c);
+    }
+    atomic_store(&c->op.patient, 0); /* the caller waits now: the background core may spin */
     wait_call(c);
     return call_result(c);
 }
@@ -459,6 +476,15 @@ static PyObject *engine_abandon(engine_t *g, PyObject *args) {
     if (!PyArg_ParseTuple(args, "Ks", &epoch, &msg)) return NULL;
     call_t *c = oldest_pending(g, epoch);
     if (!c) return NULL;
+    if (!g->background) { /* its second half never ran: it fails here */
+        snprintf(c->op.what, sizeof c->op.what, "%s", msg);
+        atomic_store(&c->op.err, E_LOST);
+        Py_BEGIN_ALLOW_THREADS
+        finish_op(&c->op);
+        Py_END_ALLOW_THREADS
+        call_free(c);
+        Py_RETURN_NONE;
+    }
     wait_call(c); /* its second half ran (or failed) on the background core */
     if (!atomic_load(&c->op.err)) {
         /* it completed here, but this rank lost step: peers still in it fail too */

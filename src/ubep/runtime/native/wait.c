@@ -156,8 +156,9 @@ static int check_kinds(op_t *op, int core) {
  * description (printf-style) is only formatted if the wait fails. */
 int wait_step(op_t *op, waiter_t *w, int core, int peer, const char *fmt, ...) {
     if (atomic_load_explicit(&op->abort, memory_order_relaxed)) return -1;
+    const int patient = atomic_load_explicit(&op->patient, memory_order_relaxed);
     uint32_t it = ++w->iter;
-    if (it < 32) {
+    if (it < (patient ? 2u : 32u)) {
         cpu_relax();
         return 0;
     }
@@ -186,7 +187,7 @@ int wait_step(op_t *op, waiter_t *w, int core, int peer, const char *fmt, ...) {
         if (rc) return rc;
     }
     engine_t *g = op->g;
-    if (t - w->start < g->yield_ns) {
+    if (!patient && t - w->start < g->yield_ns) {
         sched_yield();
         return 0;
     }
