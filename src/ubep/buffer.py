@@ -486,7 +486,15 @@ class Buffer:
             except BaseException as exc:
                 if stage == _NATIVE and self._in_flight and self._in_flight[0] is c:
                     del self._in_flight[0]
-                err, clean = self._failed(c.epoch, stage, exc)
+                if stage == _NATIVE:
+                    # the call's first half reached the peers: never a clean reject here
+                    self._mark_lost(f"call {c.epoch} was cut short by {type(exc).__name__}")
+                    err, clean = exc, False
+                    if isinstance(exc, Exception) and not isinstance(exc, UbepError):
+                        err = OutOfStepError(f"rank {self.rank}: call {c.epoch} did not "
+                                             f"complete: {type(exc).__name__}: {exc}")
+                else:
+                    err, clean = self._failed(c.epoch, stage, exc)
                 if clean and not self._in_flight and c.index is not None:
                     self._num_dispatches = c.index  # as a blocking dispatch's clean reject
                 elif clean and self._in_flight:
