@@ -25,7 +25,9 @@ __all__ = ["AUTO_SYNC", "BufferConfig"]
 # fence round trip per batch across the fabric -- does not exist, and SW moves the fewest bytes
 # (TFF adds 32 B of flag per 480 B, DC reads every row again for its checksum, SP re-arms the
 # regions): benchmarks/results/growth.* (one quiet run, 2 ranks) measured asp+sp at 1.1-1.3x
-# asp+sw per byte with the same fixed cost. The simulator keeps the paper's modes.
+# asp+sw per byte with the same fixed cost, and the peers benchmark's full run over its 16 BF16
+# shapes asp+sp dispatch at a median 1.16x asp+sw (combine 0.98-0.99x); SP wins only some small
+# rank-layout shapes. The simulator keeps the paper's modes.
 AUTO_SYNC = "sw"
 
 
