@@ -84,11 +84,13 @@ class _Done:
 
 
 def issue_dispatch(backend: EPBackend, x: np.ndarray, topk_idx: np.ndarray,
-                   topk_weights: np.ndarray, x_scales: np.ndarray | None = None) -> Any:
+                   topk_weights: np.ndarray, x_scales: np.ndarray | None = None, *,
+                   split: bool = True) -> Any:
     """A dispatch whose receive half runs at ``.hook()`` where the backend can split it
-    (``ubep.Buffer``'s ``return_recv_hook``), else a finished one with the same interface.
-    ``x_scales``: ``x`` is quantised already (a quantising ``ubep.Buffer`` only)."""
-    issue = getattr(backend, "dispatch_async", None)
+    (``ubep.Buffer``'s ``return_recv_hook``) and ``split`` asks for it, else a finished one
+    with the same interface. ``x_scales``: ``x`` is quantised already (a quantising
+    ``ubep.Buffer`` only)."""
+    issue = getattr(backend, "dispatch_async", None) if split else None
     extra = {} if x_scales is None else {"x_scales": x_scales}
     if issue is not None:
         return issue(x, topk_idx, topk_weights, **extra)
@@ -96,9 +98,9 @@ def issue_dispatch(backend: EPBackend, x: np.ndarray, topk_idx: np.ndarray,
 
 
 def issue_combine(backend: EPBackend, expert_out: np.ndarray, handle: Any,
-                  topk_weights: np.ndarray | None = None) -> Any:
+                  topk_weights: np.ndarray | None = None, *, split: bool = True) -> Any:
     """:func:`issue_dispatch` for combine: ``.hook()`` returns ``y``."""
-    issue = getattr(backend, "combine_async", None)
+    issue = getattr(backend, "combine_async", None) if split else None
     if issue is not None:
         return issue(expert_out, handle, topk_weights)
     return _Done(backend.combine(expert_out, handle, topk_weights))

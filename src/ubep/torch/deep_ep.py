@@ -29,6 +29,7 @@ docs/PORTING.md lists what still differs.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import fields
@@ -42,7 +43,7 @@ from ..group_adapter import as_process_group, is_torch_group
 from ..quant import quantize
 from ..routing import get_dispatch_layout as _layout
 from ._convert import from_numpy, to_numpy
-from .backend import EPBackend, LocalBackend, _Done, issue_combine, issue_dispatch
+from .backend import EPBackend, LocalBackend, issue_combine, issue_dispatch
 from .deep_ep_lowlatency import LowLatencyOutputs, combine_input
 from .deep_ep_types import (
     Config,
@@ -277,7 +278,7 @@ class Buffer:
         already FP8) values and scales travel as they are. The in-process world has no
         engine: values and scales take two of its (reference) dispatches.
         """
-        send = issue_dispatch if split else _dispatch_done
+        send = functools.partial(issue_dispatch, split=split)
         shape = (layout, x.shape[1], idx.shape[1], num_experts)
         fp8 = round_scale is not None or scales is not None
         if fp8 and not isinstance(self._ep, LocalBackend):
@@ -761,7 +762,7 @@ class Buffer:
             source = staging
         rows = combine_input(handle, source)
         split = async_finish or return_recv_hook
-        call = (issue_combine if split else _combine_done)(handle.backend, rows, handle.inner, w)
+        call = issue_combine(handle.backend, rows, handle.inner, w, split=split)
         if not split:
             y = from_numpy(call.hook(), source.dtype)
             if out is not None:
@@ -840,16 +841,5 @@ def _check_async(async_finish: bool, return_recv_hook: bool) -> None:
         raise InvalidArgumentError(
             "async_finish", True, "cannot be combined with return_recv_hook (as DeepEP)"
         )
-
-
-def _dispatch_done(backend: EPBackend, x: np.ndarray, idx: np.ndarray, w: np.ndarray,
-                   x_scales: np.ndarray | None = None) -> Any:
-    if x_scales is None:
-        return _Done(backend.dispatch(x, idx, w))
-    return _Done(backend.dispatch(x, idx, w, x_scales=x_scales))  # type: ignore[call-arg]
-
-
-def _combine_done(backend: EPBackend, rows: np.ndarray, inner: Any, w: np.ndarray) -> Any:
-    return _Done(backend.combine(rows, inner, w))
 
 
