@@ -45,6 +45,7 @@ __all__ = [
     "LocalDispatchResult",
     "LocalHandle",
     "LocalWorld",
+    "PendingOp",
     "as_backend",
     "issue_combine",
     "issue_dispatch",
@@ -68,16 +69,29 @@ class EPBackend(Protocol):
     ) -> np.ndarray: ...
 
 
-class _Done:
-    """A call that finished when it was issued (a backend without split-phase calls): its hook
-    returns the result at once."""
+class PendingOp:
+    """A call issued with ``return_recv_hook=True`` (:mod:`ubep.torch.ops`, the DeepEP facade):
+    ``hook()`` (or ``wait()``) runs ``finish`` once and returns what the blocking call returns;
+    a second ``hook()`` returns the same object. :meth:`settled` wraps a call that finished when
+    it was issued (a backend without split-phase calls)."""
 
-    done = True
+    def __init__(self, finish: Any) -> None:
+        self._finish = finish
+        self._result: Any = None
 
-    def __init__(self, result: Any) -> None:
-        self._result = result
+    @classmethod
+    def settled(cls, result: Any) -> PendingOp:
+        op = cls(None)
+        op._result = result
+        return op
+
+    @property
+    def done(self) -> bool:
+        return self._finish is None
 
     def hook(self) -> Any:
+        if self._finish is not None:
+            self._result, self._finish = self._finish(), None
         return self._result
 
     wait = hook
@@ -94,7 +108,7 @@ def issue_dispatch(backend: EPBackend, x: np.ndarray, topk_idx: np.ndarray,
     extra = {} if x_scales is None else {"x_scales": x_scales}
     if issue is not None:
         return issue(x, topk_idx, topk_weights, **extra)
-    return _Done(backend.dispatch(x, topk_idx, topk_weights, **extra))
+    return PendingOp.settled(backend.dispatch(x, topk_idx, topk_weights, **extra))
 
 
 def issue_combine(backend: EPBackend, expert_out: np.ndarray, handle: Any,
@@ -103,7 +117,7 @@ def issue_combine(backend: EPBackend, expert_out: np.ndarray, handle: Any,
     issue = getattr(backend, "combine_async", None) if split else None
     if issue is not None:
         return issue(expert_out, handle, topk_weights)
-    return _Done(backend.combine(expert_out, handle, topk_weights))
+    return PendingOp.settled(backend.combine(expert_out, handle, topk_weights))
 
 
 def _weights_array(w: object) -> np.ndarray:

@@ -30,7 +30,7 @@ import torch
 
 from ..errors import InvalidArgumentError
 from ._convert import PAYLOAD_DTYPES, from_numpy, to_numpy
-from .backend import EPBackend, as_backend, issue_combine, issue_dispatch
+from .backend import EPBackend, PendingOp, as_backend, issue_combine, issue_dispatch
 
 __all__ = ["DispatchResult", "Handle", "PendingOp", "combine", "dispatch"]
 
@@ -251,27 +251,6 @@ def _combine_weights(backend: EPBackend, topk_weights: torch.Tensor) -> np.ndarr
     if backend.layout != "expert":
         return None
     return to_numpy(_weights(topk_weights.detach()), argument="topk_weights")
-
-
-class PendingOp:
-    """:func:`dispatch` / :func:`combine` with ``return_recv_hook=True``: the call is out,
-    ``hook()`` (or ``wait()``) receives and returns what the blocking call returns (the autograd
-    node is recorded then). A second ``hook()`` returns the same object."""
-
-    def __init__(self, finish: Any) -> None:
-        self._finish = finish
-        self._result: Any = None
-
-    @property
-    def done(self) -> bool:
-        return self._finish is None
-
-    def hook(self) -> Any:
-        if self._finish is not None:
-            self._result, self._finish = self._finish(), None
-        return self._result
-
-    wait = hook
 
 
 def _check_width(hidden: int, num_topk: int) -> None:
