@@ -120,6 +120,14 @@ class _Timer:
         s, self.seconds = self.seconds, 0.0
         return s
 
+    def time(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, its wall time added (also when it raises)."""
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
 
 class _TimedBackend:
     """Wraps an EPBackend, adding the wall time of every dispatch/combine to a timer."""
@@ -130,32 +138,17 @@ class _TimedBackend:
         self.num_experts, self.layout = inner.num_experts, inner.layout
 
     def dispatch(self, *args: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return self.inner.dispatch(*args)
-        finally:
-            self.timer.seconds += time.perf_counter() - t0
+        return self.timer.time(self.inner.dispatch, *args)
 
     def combine(self, *args: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return self.inner.combine(*args)
-        finally:
-            self.timer.seconds += time.perf_counter() - t0
+        return self.timer.time(self.inner.combine, *args)
 
     # split-phase (ubep.torch's return_recv_hook): the issue and the hook are both timed
     def dispatch_async(self, *args: Any) -> Any:
-        return self._timed_issue(self.inner.dispatch_async, *args)
+        return _TimedPending(self.timer.time(self.inner.dispatch_async, *args), self.timer)
 
     def combine_async(self, *args: Any) -> Any:
-        return self._timed_issue(self.inner.combine_async, *args)
-
-    def _timed_issue(self, issue: Callable[..., Any], *args: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return _TimedPending(issue(*args), self.timer)
-        finally:
-            self.timer.seconds += time.perf_counter() - t0
+        return _TimedPending(self.timer.time(self.inner.combine_async, *args), self.timer)
 
 
 class _TimedPending:
@@ -165,11 +158,7 @@ class _TimedPending:
         self.inner, self.timer = inner, timer
 
     def hook(self) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return self.inner.hook()
-        finally:
-            self.timer.seconds += time.perf_counter() - t0
+        return self.timer.time(self.inner.hook)
 
     wait = hook
 
