@@ -1,7 +1,8 @@
 """Build hook for the native data plane (C11); everything else is in pyproject.toml.
 
-The extension needs only a C11 compiler (gcc or clang) and the Python headers: no numpy headers
-(arrays cross the boundary through the buffer protocol), no CPU flags beyond the baseline
+The extension needs a C11 compiler (gcc or clang), the Python headers and numpy's headers (arrays
+cross the boundary through the buffer protocol; the fast path of blocking calls builds its
+results with numpy's C API: fastpath.c), no CPU flags beyond the baseline
 (AVX2 / F16C kernels are compiled with target attributes and picked at run time).
 ``-ffp-contract=off`` keeps combine's product and sum separately rounded, bit-exact with
 ``ubep.reference``.
@@ -9,6 +10,7 @@ The extension needs only a C11 compiler (gcc or clang) and the Python headers: n
 
 import sys
 
+import numpy
 from setuptools import Extension, setup
 
 # -fvisibility=hidden: the parts of the core reach each other's globals without the GOT; only
@@ -18,8 +20,8 @@ _ARGS = ["-O3", "-std=c11", "-ffp-contract=off", "-fno-strict-aliasing", "-fvisi
 
 _NATIVE = "src/ubep/runtime/native/"
 _SOURCES = ["module.c", "kernels.c", "kernels_x86.c", "wait.c", "team.c", "dispatch.c",
-            "dispatch_bsp.c", "combine.c", "hooks.c"]
-_HEADERS = ["abi.h", "sync.h", "kernels.h", "engine.h", "pybuf.h"]
+            "dispatch_bsp.c", "combine.c", "hooks.c", "fastpath.c"]
+_HEADERS = ["abi.h", "sync.h", "kernels.h", "engine.h", "pybuf.h", "calls.h", "fastpath.h"]
 
 ext_modules = []
 if sys.platform.startswith("linux"):
@@ -29,6 +31,7 @@ if sys.platform.startswith("linux"):
             sources=[_NATIVE + name for name in _SOURCES],
             depends=[_NATIVE + name for name in _HEADERS],
             define_macros=[("_GNU_SOURCE", None)],
+            include_dirs=[numpy.get_include()],
             extra_compile_args=_ARGS,
             libraries=["pthread"],
         )

@@ -6,8 +6,11 @@ layouts, the default sync and SP), every call is split into:
 
 * ``python_pre``: from the call until the native engine is entered (argument checks, the
   Plan, output allocation);
-* ``native``: the engine's one C call (GIL released): validation, counts, sends, waits;
-* ``python_post``: from the engine's return to the result (views, handle, result object);
+* ``native``: the engine's one C call: validation, counts, sends, waits (GIL released) and,
+  on the one-call path of blocking calls (runtime/native/fastpath.c), the argument checks,
+  the output allocation and the result objects too;
+* ``python_post``: from the engine's return to the result (on the general path: views,
+  handle, result object);
 
 and the engine's own trace of core 0 (``Engine.trace()``, last call of each case) splits
 ``native`` into prepare (validate, count, publish), send and receive.
@@ -80,16 +83,28 @@ class _Timed:
         return getattr(self._engine, name)
 
     def _call(self, kind: str, *args: Any) -> Any:
-        t0 = time.perf_counter_ns()
-        got = getattr(self._engine, kind)(*args)
-        self.spans[kind].append((t0, time.perf_counter_ns()))
-        return got
+        return self._call_as(kind, kind, *args)
 
     def dispatch(self, *args: Any) -> Any:
         return self._call("dispatch", *args)
 
     def combine(self, *args: Any) -> Any:
         return self._call("combine", *args)
+
+    # the one-call path of blocking calls (runtime/native/fastpath.c): its native span also
+    # builds the result objects that the general path builds in python_post
+    def dispatch_fast(self, *args: Any) -> Any:
+        return self._call_as("dispatch", "dispatch_fast", *args)
+
+    def combine_fast(self, *args: Any) -> Any:
+        return self._call_as("combine", "combine_fast", *args)
+
+    def _call_as(self, kind: str, method: str, *args: Any) -> Any:
+        t0 = time.perf_counter_ns()
+        got = getattr(self._engine, method)(*args)
+        if got is not None:  # None: not the fast path's case, the general path follows
+            self.spans[kind].append((t0, time.perf_counter_ns()))
+        return got
 
 
 def _split(outer: list[tuple[int, int]], inner: list[tuple[int, int]]) -> tuple[float, ...]:
@@ -116,6 +131,7 @@ def _rank(group: Any, cases: list[Case], repeats: int) -> list[dict[str, Any]]:
             errors = testing.check_call(buf, xs, idxs, ws, i)  # the timed calls are right
             timed = _Timed(buf._engine)
             buf._engine = timed
+            buf._fast = timed  # the one-call path too
             res = buf.dispatch(xs[r], idxs[r], ws[r])
             eo = np.array(res.recv_x)
             outer: dict[str, list[tuple[int, int]]] = {"dispatch": [], "combine": []}
@@ -130,7 +146,7 @@ def _rank(group: Any, cases: list[Case], repeats: int) -> list[dict[str, Any]]:
                 outer["dispatch"].append((t0, t1))
                 outer["combine"].append((t1, t2))
             trace = buf._engine.trace()
-            buf._engine = timed._engine
+            buf._engine = buf._fast = timed._engine
         warm = slice(20, None)  # the first calls warm caches and wake-ups
         out.append({
             "errors": errors,

@@ -47,7 +47,7 @@ from . import dtypes as _dt
 from . import quant as _quant
 from .call_args import check_dispatch_args, is_c, to_array
 from .config import BufferConfig
-from .engine import Engine, RuntimeHandle
+from .engine import Engine, FastCalls, RuntimeHandle
 from .errors import (
     InvalidArgumentError,
     OutOfStepError,
@@ -116,6 +116,7 @@ class Buffer:
         self._memory: GlobalMemory | None = None
         self._engine: Engine | Any = None
         self._in_flight: list[_InFlight] = []  # split-phase calls awaiting their hook, in order
+        self._fast: FastCalls | None = None  # the one-call path of blocking calls
         # Construction is collective: every rank validates, then all exchange the outcome, so a
         # config only one rank rejects fails on every rank instead of pairing with its next one.
         error: Exception | None = None
@@ -201,6 +202,15 @@ class Buffer:
             seg[lay.off_comb + i * lay.comb_bytes: lay.off_comb + (i + 1) * lay.comb_bytes]
             for i in range(2)
         ]
+        if hasattr(self._engine, "set_fast"):  # the native engine's one-call path
+            self._fast = self._engine
+            self._fast.set_fast(
+                DispatchResult, RuntimeHandle,
+                {"buffer_uid": self._uid, "rank": self.rank, "layout": cfg.layout,
+                 "hidden": cfg.hidden, "num_ranks": self.num_ranks,
+                 "num_experts": cfg.num_experts, "x_dtype": self._dtype.name},
+                self._recv_views, self._scale_views or None, self._dtype.storage,
+                self._cdtype.storage)
 
     @staticmethod
     def size_hint(config: BufferConfig, num_ranks: int, num_cores: int | None = None) -> int:
@@ -274,6 +284,21 @@ class Buffer:
         self._num_dispatches += 1
         stage = _BEFORE
         try:
+            fast = self._fast
+            if fast is not None and not (copy or hook or self._in_flight) and x_scales is None:
+                # the common blocking call: checked, run and its result built in one native
+                # call; None: not its case (other types, bad input), nothing was done
+                plan = self._split_plan(x)
+                if plan is not _NO_SPLIT:
+                    stage = _NATIVE
+                    got = fast.dispatch_fast(x, topk_idx, topk_weights, epoch, index,
+                                             self._generation, plan)
+                    if got is not None:
+                        stage = _AFTER
+                        if type(got) is tuple:
+                            raise self._error(got)
+                        return got
+                    stage = _BEFORE
             xa, idx, w = self._check_dispatch_args(x, topk_idx, topk_weights, x_scales)
             plan = self._plan(idx)
             cfg, lay = self.config, self.layout
@@ -396,6 +421,17 @@ class Buffer:
         epoch = self._epoch
         stage = _BEFORE
         try:
+            fast = self._fast
+            if fast is not None and not (hook or self._in_flight):  # as dispatch's one call
+                stage = _NATIVE
+                got = fast.combine_fast(expert_out, handle, epoch, self._generation,
+                                        self._num_dispatches)
+                if got is not None:
+                    stage = _AFTER
+                    if type(got) is tuple:
+                        raise self._error(got)
+                    return got
+                stage = _BEFORE
             h, eo = self._check_combine_args(expert_out, handle)
             creg = _combine_region(h)
             assert h.send_dst_row is not None  # checked by _check_combine_args
@@ -719,6 +755,20 @@ class Buffer:
             num_count_cores=split.num_count_cores,
         )
 
+    def _split_plan(self, x: object) -> CoreSplit | object | None:
+        """The plan of a blocking call's one native call: None (one core, or BSP) or the
+        cached core split; ``_NO_SPLIT`` when the call needs ``ubep.sched``'s full Plan (or
+        ``x`` is not an array): the general path."""
+        if self.num_cores < 2 or self.config.engine != "asp":
+            return None
+        if type(x) is not np.ndarray or x.ndim != 2:
+            return _NO_SPLIT
+        if x.shape[0] == 0:
+            return None
+        cfg = self.config
+        split = core_split(self.num_cores, cfg.num_experts, cfg.num_topk, x.shape[0])
+        return split if split.num_send_cores < 2 else _NO_SPLIT
+
     def _check_handle(self, handle: object) -> DispatchHandle:
         if not isinstance(handle, DispatchHandle):
             raise InvalidArgumentError("handle", type(handle).__name__, "must be a dispatch handle")
@@ -824,6 +874,8 @@ class _InFlight:
     finish: Callable[[int], Any]  # the engine's result -> the call's result
     index: int | None  # dispatch index (None: combine)
 
+
+_NO_SPLIT = object()  # Buffer._split_plan: the call needs the general path
 
 # stages of a call, for _failed: before the data plane, inside it, after it returned
 _BEFORE, _NATIVE, _AFTER = 0, 1, 2

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -26,6 +26,32 @@ class RuntimeHandle(DispatchHandle):
     generation: int = -1
 
 
+
+
+class FastCalls(Protocol):
+    """The one-call path of blocking calls that the native engine adds
+    (``runtime/native/fastpath.c``): arguments checked, the call run and its result built in
+    one C call. Each returns None when the call is not its case (nothing was done: the general
+    path follows), else the call's result or an error tuple."""
+
+    def set_fast(
+        self, result_type: type, handle_type: type, handle_const: dict[str, Any],
+        recv_views: list[Any], scale_views: list[Any] | None, x_dtype: Any, combine_dtype: Any,
+    ) -> None:
+        """What the results are built from: the types, the handle's per-Buffer fields and the
+        receive regions' full-capacity views (once per Buffer)."""
+
+    def dispatch_fast(
+        self, x: object, topk_idx: object, topk_weights: object, epoch: int, index: int,
+        generation: int, plan: Any,
+    ) -> Any:
+        """A whole blocking dispatch: its ``DispatchResult``."""
+
+    def combine_fast(
+        self, expert_out: object, handle: object, epoch: int, generation: int,
+        num_dispatches: int,
+    ) -> Any:
+        """A whole blocking combine: ``y``."""
 
 
 class Engine(Protocol):

@@ -51,6 +51,8 @@ typedef struct plan {
     const int64_t *token, *k, *expert, *dst_rank, *hop, *slot; /* [units] */
 } plan_t;
 
+typedef struct fast fast_t;
+
 typedef struct engine {
     PyObject_HEAD
     /* Configuration, read once from the parameters (module.c's PARAMS table maps each key of
@@ -160,6 +162,7 @@ typedef struct engine {
     int64_t *core_units, *core_dsts;
     int32_t *core_unit_log, *core_dst_log;
     int64_t trace[16];     /* core 0's phase timestamps of the last call (ns), for profiling */
+    struct fast *fast;     /* fastpath.c: what blocking calls build their results from */
 } engine_t;
 
 typedef struct op {

@@ -29,6 +29,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "calls.h"
+#include "fastpath.h"
 #include "pybuf.h"
 
 static PyObject *error_tuple(op_t *op) {
@@ -163,13 +165,13 @@ static void engine_free_scratch(engine_t *g) {
     g->base = NULL;
 }
 
-static void call_free(struct call *c);
 
 static void engine_dealloc(engine_t *g) {
     Py_BEGIN_ALLOW_THREADS
     engine_stop(g);
     Py_END_ALLOW_THREADS
     while (g->npending) call_free(g->pending[--g->npending]); /* never completed: buffers */
+    fast_free(g);
     engine_free_scratch(g);
     Py_TYPE(g)->tp_free((PyObject *)g);
 }
@@ -349,14 +351,6 @@ static int read_plan(PyObject *plan, op_t *op, pbuf_t *b) {
     return 0;
 }
 
-/* One call and the argument buffers it holds until it completes (a split-phase call holds
- * them between its two halves; the Python side keeps the arrays alive as long). */
-typedef struct call {
-    op_t op;
-    pbuf_t b[NBUF_DISPATCH];
-    const phase_list_t *phases;
-    _Atomic uint32_t done; /* split-phase: the background core finished the second half */
-} call_t;
 
 /* the background core idle, with the GIL released (every method that touches the engine's
  * state calls this first: a second half may still be running) */
@@ -378,7 +372,7 @@ static void wait_call(call_t *c) {
     Py_END_ALLOW_THREADS
 }
 
-static void call_free(struct call *c) {
+void call_free(call_t *c) {
     rel_bufs(c->b, NBUF_DISPATCH);
     free(c);
 }
@@ -398,7 +392,7 @@ static PyObject *call_result(call_t *c) {
  * from this rank -- after which the background core runs the rest while the caller goes on,
  * and the call waits in g->pending for complete(); a first half that failed has finished the
  * call (its notice is out). */
-static PyObject *call_run(engine_t *g, call_t *c, int split) {
+PyObject *call_run(engine_t *g, call_t *c, int split) {
     op_t *op = &c->op;
     if (split && g->npending == MAX_PENDING) {
         call_free(c);
@@ -502,116 +496,144 @@ static PyObject *engine_abandon(engine_t *g, PyObject *args) {
  *          the rest) | error tuple; plan: None (one core), ubep.sched's Plan or CoreSplit
  *          (read_plan) */
 static PyObject *engine_dispatch(engine_t *g, PyObject *args) {
-    PyObject *ox, *oidx, *ow, *o1, *o2, *o3, *o4, *o5, *o6, *o7, *plan;
-    unsigned long long epoch;
-    long long n, ntok;
-    int split = 0, prequant = 0;
-    if (!PyArg_ParseTuple(args, "OOOLKLOOOOOOOO|pp", &ox, &oidx, &ow, &ntok, &epoch, &n, &o1, &o2,
-                          &o3, &o4, &o5, &o6, &o7, &plan, &split, &prequant))
+    dispatch_args_t a;
+    PyObject **o = a.out;
+    int split = 0;
+    a.prequant = 0;
+    if (!PyArg_ParseTuple(args, "OOOLKLOOOOOOOO|pp", &a.x, &a.topk_idx, &a.topk_weights,
+                          &a.num_tokens, &a.epoch, &a.index, &o[0], &o[1], &o[2], &o[3], &o[4],
+                          &o[5], &o[6], &a.plan, &split, &a.prequant))
         return NULL;
-    if (prequant && !g->quant) {
+    call_t *c = dispatch_call(g, &a);
+    return c ? call_run(g, c, split) : NULL;
+}
+
+static int dispatch_bufs(engine_t *g, const dispatch_args_t *a, pbuf_t *b, int64_t ntok);
+
+call_t *dispatch_call(engine_t *g, const dispatch_args_t *a) {
+    if (a->prequant && !g->quant) {
         PyErr_SetString(PyExc_ValueError, "engine: quantised rows need a quantising engine");
         return NULL;
     }
-    const int quant = g->quant && !prequant; /* this call quantises x */
+    const int quant = g->quant && !a->prequant; /* this call quantises x */
     if (g->in_use) {
         PyErr_SetString(PyExc_RuntimeError, "engine: another call is in progress on this buffer");
         return NULL;
     }
-    const int K = g->K;
-    call_t *c = calloc(1, sizeof(call_t));
-    if (!c) return PyErr_NoMemory();
-    pbuf_t *b = c->b;
-    int64_t nrows = g->cap_rows;
-    int64_t dst_w = g->layout == LAY_EXPERT ? K : g->R;
-    int64_t meta_w = g->layout == LAY_EXPERT ? 1 : K;
+    const long long ntok = a->num_tokens;
     if (ntok < 0 || ntok > g->T) {
-        free(c);
         PyErr_SetString(PyExc_ValueError, "engine: num_tokens out of range");
         return NULL;
     }
-    if (get_buf(ox, &b[0], 0, "x", ntok * (quant ? g->x_row_bytes : g->row_bytes)) ||
-        get_buf(oidx, &b[1], 0, "topk_idx", ntok * K * 8) ||
-        get_buf(ow, &b[2], 0, "topk_weights", ntok * K * 4) ||
-        get_buf(o1, &b[3], 1, "recv_topk_idx", nrows * meta_w * 8) ||
-        get_buf(o2, &b[4], 1, "recv_topk_weights", nrows * meta_w * 4) ||
-        get_buf(o3, &b[5], 1, "recv_src_rank", nrows * 8) ||
-        get_buf(o4, &b[6], 1, "recv_src_token", nrows * 8) ||
-        get_buf(o5, &b[7], 1, "recv_src_k", nrows * 8) ||
-        get_buf(o6, &b[8], 1, "num_recv_tokens_per_expert", (g->L + g->R) * 8) ||
-        get_buf(o7, &b[9], 1, "send_dst_row", ntok * dst_w * 8)) {
+    call_t *c = calloc(1, sizeof(call_t));
+    if (!c) return (call_t *)PyErr_NoMemory();
+    pbuf_t *b = c->b;
+    PyObject *const *o = a->out;
+    if (get_buf(a->x, &b[0], 0, "x", ntok * (quant ? g->x_row_bytes : g->row_bytes)) ||
+        (o[0] && dispatch_bufs(g, a, b, ntok))) {
         call_free(c);
         return NULL;
     }
     op_t *op = &c->op;
-    op_init(op, g, 0, epoch);
-    op->n = n;
-    op->x_in = b[0].b.buf; op->ntok = ntok; op->topk = b[1].b.buf; op->w = b[2].b.buf;
+    op_init(op, g, 0, a->epoch);
+    op->n = a->index;
+    op->x_in = b[0].b.buf; op->ntok = ntok;
     op->x = quant ? g->qstage : op->x_in; /* quantised rows: the quant phase fills them */
-    op->o_idx = b[3].b.buf; op->o_w = b[4].b.buf; op->o_src_rank = b[5].b.buf;
-    op->o_src_tok = b[6].b.buf; op->o_src_k = b[7].b.buf; op->o_nrecv = b[8].b.buf;
-    op->o_dst_row = b[9].b.buf;
-    if (plan != Py_None && read_plan(plan, op, &b[10])) {
+    if (o[0]) {
+        op->topk = b[1].b.buf; op->w = b[2].b.buf;
+        op->o_idx = b[3].b.buf; op->o_w = b[4].b.buf; op->o_src_rank = b[5].b.buf;
+        op->o_src_tok = b[6].b.buf; op->o_src_k = b[7].b.buf; op->o_nrecv = b[8].b.buf;
+        op->o_dst_row = b[9].b.buf;
+    } else {
+        op->topk = a->direct.topk; op->w = a->direct.w;
+        op->o_idx = a->direct.o_idx; op->o_w = a->direct.o_w;
+        op->o_src_rank = a->direct.o_src_rank; op->o_src_tok = a->direct.o_src_tok;
+        op->o_src_k = a->direct.o_src_k; op->o_nrecv = a->direct.o_nrecv;
+        op->o_dst_row = a->direct.o_dst_row;
+    }
+    if (a->plan != Py_None && read_plan(a->plan, op, &b[10])) {
         call_free(c);
         return NULL;
     }
     op->quant = quant;
     c->phases = g->eng == ENG_ASP ? &ASP_DISPATCH : &BSP_DISPATCH;
-    return call_run(g, c, split);
+    return c;
+}
+
+/* the routing and output buffers of a dispatch given as Python objects */
+static int dispatch_bufs(engine_t *g, const dispatch_args_t *a, pbuf_t *b, int64_t ntok) {
+    const int K = g->K;
+    PyObject *const *o = a->out;
+    int64_t nrows = g->cap_rows;
+    int64_t dst_w = g->layout == LAY_EXPERT ? K : g->R;
+    int64_t meta_w = g->layout == LAY_EXPERT ? 1 : K;
+    return get_buf(a->topk_idx, &b[1], 0, "topk_idx", ntok * K * 8) ||
+        get_buf(a->topk_weights, &b[2], 0, "topk_weights", ntok * K * 4) ||
+        get_buf(o[0], &b[3], 1, "recv_topk_idx", nrows * meta_w * 8) ||
+        get_buf(o[1], &b[4], 1, "recv_topk_weights", nrows * meta_w * 4) ||
+        get_buf(o[2], &b[5], 1, "recv_src_rank", nrows * 8) ||
+        get_buf(o[3], &b[6], 1, "recv_src_token", nrows * 8) ||
+        get_buf(o[4], &b[7], 1, "recv_src_k", nrows * 8) ||
+        get_buf(o[5], &b[8], 1, "num_recv_tokens_per_expert", (g->L + g->R) * 8) ||
+        get_buf(o[6], &b[9], 1, "send_dst_row", ntok * dst_w * 8);
 }
 
 /* combine(expert_out, num_rows, topk_idx, topk_weights, send_dst_row, num_tokens, epoch,
  *         region, y, dispatch_index, split) -> 1 if expert_out was used in place, else 0 |
  *         None (split, as dispatch) | error tuple; every rank must name the same dispatch */
 static PyObject *engine_combine(engine_t *g, PyObject *args) {
-    PyObject *oeo, *oidx, *ow, *odr, *oy;
-    long long rows, ntok;
-    unsigned long long epoch;
-    int creg;
-    unsigned long long index;
+    combine_args_t a;
     int split = 0;
-    if (!PyArg_ParseTuple(args, "OLOOOLKiOK|p", &oeo, &rows, &oidx, &ow, &odr, &ntok, &epoch,
-                          &creg, &oy, &index, &split))
+    if (!PyArg_ParseTuple(args, "OLOOOLKiOK|p", &a.expert_out, &a.rows, &a.topk_idx,
+                          &a.topk_weights, &a.send_dst_row, &a.num_tokens, &a.epoch, &a.region,
+                          &a.y, &a.dispatch_index, &split))
         return NULL;
+    call_t *c = combine_call(g, &a);
+    return c ? call_run(g, c, split) : NULL;
+}
+
+call_t *combine_call(engine_t *g, const combine_args_t *a) {
     if (g->in_use) {
         PyErr_SetString(PyExc_RuntimeError, "engine: another call is in progress on this buffer");
         return NULL;
     }
     const int K = g->K;
+    const long long rows = a->rows, ntok = a->num_tokens;
     int64_t dst_w = g->layout == LAY_EXPERT ? K : g->R;
-    if (rows < 0 || rows > g->cap_rows || ntok < 0 || ntok > g->T || creg < 0 || creg > 1) {
+    if (rows < 0 || rows > g->cap_rows || ntok < 0 || ntok > g->T || a->region < 0 ||
+        a->region > 1) {
         PyErr_SetString(PyExc_ValueError, "engine: combine sizes out of range");
         return NULL;
     }
     call_t *c = calloc(1, sizeof(call_t));
-    if (!c) return PyErr_NoMemory();
+    if (!c) return (call_t *)PyErr_NoMemory();
     pbuf_t *b = c->b;
-    if (get_buf(oeo, &b[0], 0, "expert_out", rows * g->crow_bytes) ||
-        get_buf(oidx, &b[1], 0, "handle.topk_idx", ntok * K * 8) ||
-        get_buf(ow, &b[2], 0, "handle.topk_weights", ntok * K * 4) ||
-        get_buf(odr, &b[3], 0, "handle.send_dst_row", ntok * dst_w * 8) ||
-        get_buf(oy, &b[4], 1, "y", ntok * g->hidden * g->cisz)) {
+    if (get_buf(a->expert_out, &b[0], 0, "expert_out", rows * g->crow_bytes) ||
+        get_buf(a->topk_idx, &b[1], 0, "handle.topk_idx", ntok * K * 8) ||
+        get_buf(a->topk_weights, &b[2], 0, "handle.topk_weights", ntok * K * 4) ||
+        get_buf(a->send_dst_row, &b[3], 0, "handle.send_dst_row", ntok * dst_w * 8) ||
+        get_buf(a->y, &b[4], 1, "y", ntok * g->hidden * g->cisz)) {
         call_free(c);
         return NULL;
     }
     op_t *op = &c->op;
-    op_init(op, g, 1, epoch);
-    op->dispatch_index = index;
+    op_init(op, g, 1, a->epoch);
+    op->dispatch_index = a->dispatch_index;
     op->eo = b[0].b.buf;
     op->eo_rows = rows;
-    op->creg = creg;
+    op->creg = a->region;
     uintptr_t mine = (uintptr_t)g->base[g->rank], at = (uintptr_t)op->eo;
     uint64_t end = at + (uint64_t)rows * (uint64_t)g->crow_bytes;
     if (at >= mine + HEADER_BYTES && end <= mine + (uint64_t)g->seg_size) {
         op->zero_copy = 1; /* the expert outputs already live in this rank's segment */
         op->eo_off = (int64_t)(at - mine);
     } else {
-        op->eo_off = g->off_comb + (int64_t)creg * g->comb_bytes;
+        op->eo_off = g->off_comb + (int64_t)a->region * g->comb_bytes;
     }
     op->h_idx = b[1].b.buf; op->h_w = b[2].b.buf; op->h_dst_row = b[3].b.buf; op->h_ntok = ntok;
     op->y = b[4].b.buf;
     c->phases = g->eng == ENG_ASP ? &ASP_COMBINE : &BSP_COMBINE;
-    return call_run(g, c, split);
+    return c;
 }
 
 /* fail(epoch, code, message, finished, timeout_s) -> 0 | 1 | error tuple: publish "call `epoch`
@@ -779,6 +801,12 @@ static PyMethodDef engine_methods[] = {
      "per core: the units it sent and the count records it published in the last dispatch"},
     {"dispatch", (PyCFunction)engine_dispatch, METH_VARARGS, "one dispatch (ubep.engine.Engine)"},
     {"combine", (PyCFunction)engine_combine, METH_VARARGS, "one combine (ubep.engine.Engine)"},
+    {"set_fast", (PyCFunction)engine_set_fast, METH_VARARGS,
+     "what blocking calls build their results from (fastpath.c)"},
+    {"dispatch_fast", (PyCFunction)engine_dispatch_fast, METH_VARARGS,
+     "a whole blocking dispatch in one call: its DispatchResult, an error tuple or None"},
+    {"combine_fast", (PyCFunction)engine_combine_fast, METH_VARARGS,
+     "a whole blocking combine in one call: y, an error tuple or None"},
     {"complete", (PyCFunction)engine_complete, METH_VARARGS,
      "the second half of the oldest split-phase call"},
     {"abandon", (PyCFunction)engine_abandon, METH_VARARGS,
@@ -918,6 +946,7 @@ static int add_exports(PyObject *m) {
 }
 
 PyMODINIT_FUNC PyInit__native(void) {
+    import_array(); /* numpy's C API (fastpath.c); returns NULL with ImportError if missing */
     select_kernels();
     if (PyType_Ready(&EngineType) < 0) return NULL;
     PyObject *m = PyModule_Create(&native_module);

@@ -1,0 +1,59 @@
+/* A native call and its argument buffers, shared by the Engine's methods (module.c) and the
+ * one-call fast path of blocking calls (fastpath.c). */
+#ifndef UBEP_CALLS_H
+#define UBEP_CALLS_H
+
+#include "engine.h"
+#include "pybuf.h"
+
+/* One call and the argument buffers it holds until it completes (a split-phase call holds
+ * them between its two halves; the Python side keeps the arrays alive as long). */
+typedef struct call {
+    op_t op;
+    pbuf_t b[NBUF_DISPATCH];
+    const phase_list_t *phases;
+    _Atomic uint32_t done; /* split-phase: the background core finished the second half */
+} call_t;
+
+/* The objects of one dispatch (engine.dispatch's arguments, ubep.engine.Engine). */
+typedef struct {
+    PyObject *x, *topk_idx, *topk_weights;
+    long long num_tokens;
+    unsigned long long epoch;
+    long long index;
+    PyObject *out[7]; /* recv_topk_idx, recv_topk_weights, recv_src_rank, recv_src_token,
+                       * recv_src_k, counts (per local expert, then rows per source rank),
+                       * send_dst_row */
+    PyObject *plan;   /* None, ubep.sched's Plan or CoreSplit */
+    int prequant;     /* x holds quantised rows already */
+    /* out[0] == NULL: topk_idx, topk_weights and the outputs are memory the caller allocated
+     * for this call's sizes (fastpath.c's blocks) instead of Python buffers */
+    struct {
+        const int64_t *topk;
+        const float *w;
+        int64_t *o_idx, *o_src_rank, *o_src_tok, *o_src_k, *o_nrecv, *o_dst_row;
+        float *o_w;
+    } direct;
+} dispatch_args_t;
+
+/* The objects of one combine (engine.combine's arguments). */
+typedef struct {
+    PyObject *expert_out;
+    long long rows;
+    PyObject *topk_idx, *topk_weights, *send_dst_row;
+    long long num_tokens;
+    unsigned long long epoch;
+    int region;
+    PyObject *y;
+    unsigned long long dispatch_index;
+} combine_args_t;
+
+/* A call ready to run (its buffers held, sizes checked), or NULL with an exception set. */
+call_t *dispatch_call(engine_t *g, const dispatch_args_t *a);
+call_t *combine_call(engine_t *g, const combine_args_t *a);
+/* Run a call (all of it, or with split its first half); returns engine.dispatch/combine's
+ * result and frees the call unless it stays pending. */
+PyObject *call_run(engine_t *g, call_t *c, int split);
+void call_free(call_t *c);
+
+#endif /* UBEP_CALLS_H */

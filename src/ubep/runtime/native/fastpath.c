@@ -1,0 +1,356 @@
+/* The one-call fast path of blocking calls (issue 17: decode-sized calls).
+ *
+ * A decode step dispatches a few tokens; building its arguments and its result in Python cost
+ * more than the native call (~60 numpy and attribute operations, 8-10 us). Here one C call
+ * checks the arguments, allocates the outputs, runs the call and builds the result objects
+ * (numpy views of two owned blocks and of the receive region, ubep.handle's DispatchResult and
+ * RuntimeHandle) -- the same objects, field for field, that ubep.buffer builds on its general
+ * path.
+ *
+ * Only the common case comes here: exact numpy arrays of the Buffer's dtypes, C-contiguous,
+ * the shapes the Buffer expects, a handle of this Buffer. Anything else returns None before
+ * anything is touched, and ubep.buffer takes its general path, which converts (torch tensors,
+ * other integer dtypes) or raises the InvalidArgumentError that names the argument.
+ */
+#include "engine.h" /* first: Python.h precedes the standard headers */
+
+#include <string.h>
+
+#define NO_IMPORT_ARRAY
+#include "calls.h"
+#include "fastpath.h"
+
+/* result and handle field names, interned once */
+enum {
+    K_RECV_X, K_RECV_TOPK_IDX, K_RECV_TOPK_WEIGHTS, K_NUM_RECV_TOKENS_PER_EXPERT,
+    K_RECV_SRC_RANK, K_RECV_SRC_TOKEN, K_RECV_SRC_K, K_HANDLE, K_RECV_X_SCALES,
+    K_NUM_TOKENS, K_TOPK_IDX, K_TOPK_WEIGHTS, K_NUM_RECV_ROWS_PER_RANK, K_SEND_DST_ROW,
+    K_DISPATCH_INDEX, K_GENERATION, K_BUFFER_UID, K_RANK, K_LAYOUT, K_HIDDEN, K_NUM_RANKS,
+    K_NUM_EXPERTS, K_X_DTYPE, NUM_KEYS
+};
+static const char *const KEY_NAMES[NUM_KEYS] = {
+    "recv_x", "recv_topk_idx", "recv_topk_weights", "num_recv_tokens_per_expert",
+    "recv_src_rank", "recv_src_token", "recv_src_k", "handle", "recv_x_scales",
+    "num_tokens", "topk_idx", "topk_weights", "num_recv_rows_per_rank", "send_dst_row",
+    "dispatch_index", "generation", "buffer_uid", "rank", "layout", "hidden", "num_ranks",
+    "num_experts", "x_dtype",
+};
+/* the handle fields that are the same for every call of a Buffer */
+#define FIRST_CONST_KEY K_BUFFER_UID
+
+struct fast {
+    PyObject *result_type, *handle_type; /* ubep.handle.DispatchResult, ubep.engine.RuntimeHandle */
+    PyObject *handle_const;              /* dict: the handle's per-Buffer fields */
+    PyObject *recv_views[8];             /* [cap_rows, hidden] read-only view of each region */
+    PyObject *scale_views[8];            /* quantised rows: their float32 scales, else NULL */
+    PyArray_Descr *x_descr, *c_descr;    /* storage dtype of x, of expert_out and y */
+    PyObject *keys[NUM_KEYS];
+};
+
+void fast_free(engine_t *g) {
+    fast_t *f = g->fast;
+    if (!f) return;
+    g->fast = NULL;
+    Py_XDECREF(f->result_type);
+    Py_XDECREF(f->handle_type);
+    Py_XDECREF(f->handle_const);
+    for (int i = 0; i < 8; i++) {
+        Py_XDECREF(f->recv_views[i]);
+        Py_XDECREF(f->scale_views[i]);
+    }
+    Py_XDECREF(f->x_descr);
+    Py_XDECREF(f->c_descr);
+    for (int i = 0; i < NUM_KEYS; i++) Py_XDECREF(f->keys[i]);
+    free(f);
+}
+
+/* a full-capacity read-only view of a region as ubep.buffer builds it */
+static int region_view_ok(engine_t *g, PyObject *v, int64_t width_bytes) {
+    if (!PyArray_CheckExact(v)) return 0;
+    PyArrayObject *a = (PyArrayObject *)v;
+    return PyArray_NDIM(a) == 2 && PyArray_DIM(a, 0) == g->cap_rows &&
+           PyArray_DIM(a, 1) * PyArray_ITEMSIZE(a) == width_bytes &&
+           PyArray_STRIDE(a, 0) == g->out_stride;
+}
+
+/* set_fast(DispatchResult, RuntimeHandle, handle_const, recv_views, scale_views, x_dtype,
+ *          combine_dtype): what the fast path builds its results from (once per Buffer) */
+PyObject *engine_set_fast(engine_t *g, PyObject *args) {
+    PyObject *rt, *ht, *hc, *rv, *sv, *xd, *cd;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!OO&O&", &PyType_Type, &rt, &PyType_Type, &ht,
+                          &PyDict_Type, &hc, &PyList_Type, &rv, &sv, PyArray_DescrConverter, &xd,
+                          PyArray_DescrConverter, &cd))
+        return NULL;
+    fast_t *f = calloc(1, sizeof(fast_t));
+    if (!f) return PyErr_NoMemory();
+    f->x_descr = (PyArray_Descr *)xd;
+    f->c_descr = (PyArray_Descr *)cd;
+    Py_INCREF(rt); f->result_type = rt;
+    Py_INCREF(ht); f->handle_type = ht;
+    f->handle_const = PyDict_Copy(hc);
+    fast_t *old = g->fast;
+    g->fast = f;
+    if (old) { engine_t tmp = {.fast = old}; fast_free(&tmp); }
+    int ok = f->handle_const != NULL && PyList_GET_SIZE(rv) == g->nreg &&
+             (sv == Py_None || (PyList_Check(sv) && PyList_GET_SIZE(sv) == g->nreg));
+    for (int i = 0; ok && i < NUM_KEYS; i++)
+        ok = (f->keys[i] = PyUnicode_InternFromString(KEY_NAMES[i])) != NULL;
+    for (int r = 0; ok && r < g->nreg; r++) {
+        PyObject *v = PyList_GET_ITEM(rv, r);
+        ok = region_view_ok(g, v, g->quant ? g->hidden : g->row_bytes);
+        if (ok) { Py_INCREF(v); f->recv_views[r] = v; }
+        if (ok && sv != Py_None) {
+            PyObject *s = PyList_GET_ITEM(sv, r);
+            ok = region_view_ok(g, s, (int64_t)(g->hidden / QUANT_BLOCK) * 4);
+            if (ok) { Py_INCREF(s); f->scale_views[r] = s; }
+        }
+    }
+    if (ok && (sv == Py_None) != !g->quant) ok = 0;
+    if (!ok) {
+        fast_free(g);
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "engine.set_fast: views do not match the engine");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* ---- argument checks: 1 if `o` is exactly what the native call reads, else 0 ------------- */
+
+static int exact(PyObject *o, int type_num, npy_intp rows, npy_intp cols) {
+    if (!PyArray_CheckExact(o)) return 0;
+    PyArrayObject *a = (PyArrayObject *)o;
+    return PyArray_TYPE(a) == type_num && PyArray_NDIM(a) == 2 && PyArray_DIM(a, 0) == rows &&
+           PyArray_DIM(a, 1) == cols && PyArray_IS_C_CONTIGUOUS(a) && PyArray_ISALIGNED(a) &&
+           PyArray_ISNOTSWAPPED(a);
+}
+
+/* ---- result building ------------------------------------------------------------------- */
+
+/* a view of `base`'s memory (base keeps it alive) */
+static PyObject *view(PyObject *base, PyArray_Descr *d, int nd, npy_intp *dims,
+                      npy_intp *strides, void *data, int writable) {
+    Py_INCREF(d);
+    PyObject *a = PyArray_NewFromDescr(&PyArray_Type, d, nd, dims, strides, data,
+                                       writable ? NPY_ARRAY_WRITEABLE : 0, NULL);
+    if (!a) return NULL;
+    Py_INCREF(base);
+    if (PyArray_SetBaseObject((PyArrayObject *)a, base) < 0) {
+        Py_DECREF(a);
+        return NULL;
+    }
+    return a;
+}
+
+/* an instance of a frozen dataclass with `fields` as its __dict__ (steals fields), without
+ * __init__: what ubep.buffer._new_frozen does */
+static PyObject *frozen(PyObject *type, PyObject *fields) {
+    PyTypeObject *t = (PyTypeObject *)type;
+    PyObject *obj = t->tp_alloc(t, 0);
+    if (obj && PyObject_GenericSetDict(obj, fields, NULL) < 0) Py_CLEAR(obj);
+    Py_DECREF(fields);
+    return obj;
+}
+
+static int put(PyObject *d, PyObject *key, PyObject *v) { /* steals v */
+    if (!v) return -1;
+    int rc = PyDict_SetItem(d, key, v);
+    Py_DECREF(v);
+    return rc;
+}
+
+/* The outputs of one dispatch: one int64 block (recv_topk_idx | recv_src_rank, _token, _k |
+ * counts per local expert, then rows per source rank | send_dst_row | topk_idx) and one
+ * float32 block (recv_topk_weights | topk_weights): two allocations, not eleven. */
+typedef struct {
+    PyObject *i64, *f32;
+    int64_t *o_idx, *meta, *counts, *dst, *idx;
+    float *o_w, *w;
+    int64_t w_idx, w_dst; /* row widths of recv_topk_idx, send_dst_row */
+} outputs_t;
+
+static int alloc_outputs(engine_t *g, int64_t ntok, outputs_t *o) {
+    const int64_t cap = g->cap_rows, K = g->K, L = g->L, R = g->R;
+    const int expert = g->layout == LAY_EXPERT;
+    o->w_idx = expert ? 1 : K;
+    o->w_dst = expert ? K : R;
+    npy_intp n64 = cap * o->w_idx + 3 * cap + L + R + ntok * o->w_dst + ntok * K;
+    npy_intp n32 = cap * o->w_idx + ntok * K;
+    o->i64 = PyArray_SimpleNew(1, &n64, NPY_INT64);
+    o->f32 = o->i64 ? PyArray_SimpleNew(1, &n32, NPY_FLOAT32) : NULL;
+    if (!o->f32) {
+        Py_CLEAR(o->i64);
+        return -1;
+    }
+    o->o_idx = PyArray_DATA((PyArrayObject *)o->i64);
+    o->meta = o->o_idx + cap * o->w_idx;
+    o->counts = o->meta + 3 * cap;
+    o->dst = o->counts + L + R;
+    o->idx = o->dst + ntok * o->w_dst;
+    o->o_w = PyArray_DATA((PyArrayObject *)o->f32);
+    o->w = o->o_w + cap * o->w_idx;
+    return 0;
+}
+
+/* 1-D or 2-D ([rows, width]) C-order view */
+static PyObject *rows_of(PyObject *base, int type_num, void *data, int64_t rows, int64_t width,
+                         int two_d, int writable) {
+    PyArray_Descr *d = PyArray_DescrFromType(type_num);
+    npy_intp dims[2] = {rows, width};
+    PyObject *v = view(base, d, two_d ? 2 : 1, dims, NULL, data, writable);
+    Py_DECREF(d);
+    return v;
+}
+
+/* the view of the first n rows of a full-capacity region view */
+static PyObject *head_rows(PyObject *full, int64_t n) {
+    PyArrayObject *a = (PyArrayObject *)full;
+    npy_intp dims[2] = {n, PyArray_DIM(a, 1)};
+    return view(full, PyArray_DESCR(a), 2, dims, PyArray_STRIDES(a), PyArray_DATA(a), 0);
+}
+
+static PyObject *build_dispatch_result(engine_t *g, const outputs_t *o, int64_t ntok,
+                                       int64_t n, long long index, PyObject *generation) {
+    fast_t *f = g->fast;
+    PyObject **k = f->keys;
+    const int64_t cap = g->cap_rows, K = g->K, L = g->L, R = g->R;
+    const int expert = g->layout == LAY_EXPERT;
+    int reg = (int)(index % g->nreg);
+    PyObject *res = PyDict_New(), *h = PyDict_Copy(f->handle_const);
+    if (!res || !h) goto fail;
+    /* shared by the result and the handle, and what combine trusts: read-only */
+    PyObject *src[3];
+    for (int i = 0; i < 3; i++) {
+        src[i] = rows_of(o->i64, NPY_INT64, o->meta + i * cap, n, 1, 0, 0);
+        if (!src[i] || PyDict_SetItem(res, k[K_RECV_SRC_RANK + i], src[i]) < 0 ||
+            PyDict_SetItem(h, k[K_RECV_SRC_RANK + i], src[i]) < 0) {
+            Py_XDECREF(src[i]);
+            goto fail;
+        }
+        Py_DECREF(src[i]);
+    }
+    if (put(res, k[K_RECV_X], head_rows(f->recv_views[reg], n)) ||
+        put(res, k[K_RECV_TOPK_IDX], rows_of(o->i64, NPY_INT64, o->o_idx, n, K, !expert, 1)) ||
+        put(res, k[K_RECV_TOPK_WEIGHTS], rows_of(o->f32, NPY_FLOAT32, o->o_w, n, K, !expert, 1)) ||
+        put(res, k[K_NUM_RECV_TOKENS_PER_EXPERT],
+            rows_of(o->i64, NPY_INT64, o->counts, L, 1, 0, 1)) ||
+        put(res, k[K_RECV_X_SCALES], f->scale_views[reg] ? head_rows(f->scale_views[reg], n)
+                                                          : Py_NewRef(Py_None)) ||
+        put(h, k[K_NUM_TOKENS], PyLong_FromLongLong(ntok)) ||
+        put(h, k[K_TOPK_IDX], rows_of(o->i64, NPY_INT64, o->idx, ntok, K, 1, 0)) ||
+        put(h, k[K_TOPK_WEIGHTS], rows_of(o->f32, NPY_FLOAT32, o->w, ntok, K, 1, 0)) ||
+        put(h, k[K_NUM_RECV_ROWS_PER_RANK], rows_of(o->i64, NPY_INT64, o->counts + L, R, 1, 0, 1)) ||
+        put(h, k[K_SEND_DST_ROW], rows_of(o->i64, NPY_INT64, o->dst, ntok, o->w_dst, 1, 0)) ||
+        put(h, k[K_DISPATCH_INDEX], PyLong_FromLongLong(index)) ||
+        PyDict_SetItem(h, k[K_GENERATION], generation) < 0)
+        goto fail;
+    PyObject *handle = frozen(f->handle_type, h);
+    h = NULL;
+    if (put(res, k[K_HANDLE], handle)) goto fail;
+    return frozen(f->result_type, res);
+fail:
+    Py_XDECREF(res);
+    Py_XDECREF(h);
+    return NULL;
+}
+
+/* dispatch_fast(x, topk_idx, topk_weights, epoch, index, generation, plan) -> None (not this
+ * path's case: nothing was done) | DispatchResult | error tuple */
+PyObject *engine_dispatch_fast(engine_t *g, PyObject *args) {
+    dispatch_args_t a;
+    PyObject *generation;
+    if (!PyArg_ParseTuple(args, "OOOKLOO", &a.x, &a.topk_idx, &a.topk_weights, &a.epoch,
+                          &a.index, &generation, &a.plan))
+        return NULL;
+    fast_t *f = g->fast;
+    if (!f || !PyArray_CheckExact(a.x) || PyArray_NDIM((PyArrayObject *)a.x) != 2)
+        Py_RETURN_NONE;
+    npy_intp ntok = PyArray_DIM((PyArrayObject *)a.x, 0);
+    if (ntok > g->T || !exact(a.x, f->x_descr->type_num, ntok, g->hidden) ||
+        !exact(a.topk_idx, NPY_INT64, ntok, g->K) || !exact(a.topk_weights, NPY_FLOAT32, ntok, g->K))
+        Py_RETURN_NONE;
+    outputs_t o;
+    if (alloc_outputs(g, ntok, &o)) return NULL;
+    /* owned copies: the handle keeps them, the caller may reuse its arrays */
+    memcpy(o.idx, PyArray_DATA((PyArrayObject *)a.topk_idx), (size_t)ntok * g->K * 8);
+    memcpy(o.w, PyArray_DATA((PyArrayObject *)a.topk_weights), (size_t)ntok * g->K * 4);
+    a.num_tokens = ntok;
+    a.prequant = 0;
+    a.out[0] = NULL; /* the blocks' parts, directly */
+    a.direct.topk = o.idx; a.direct.w = o.w;
+    a.direct.o_idx = o.o_idx; a.direct.o_w = o.o_w;
+    a.direct.o_src_rank = o.meta; a.direct.o_src_tok = o.meta + g->cap_rows;
+    a.direct.o_src_k = o.meta + 2 * g->cap_rows;
+    a.direct.o_nrecv = o.counts; a.direct.o_dst_row = o.dst;
+    call_t *c = dispatch_call(g, &a);
+    PyObject *res = c ? call_run(g, c, 0) : NULL;
+    if (res && PyLong_Check(res)) {
+        long long n = PyLong_AsLongLong(res);
+        Py_DECREF(res);
+        res = build_dispatch_result(g, &o, ntok, n, a.index, generation);
+    }
+    Py_DECREF(o.i64);
+    Py_DECREF(o.f32);
+    return res;
+}
+
+/* the handle's field `key` (a borrowed reference), or NULL if absent */
+static PyObject *field(PyObject *d, PyObject *key) { return PyDict_GetItemWithError(d, key); }
+
+/* combine_fast(expert_out, handle, epoch, generation, num_dispatches) -> None (not this
+ * path's case) | y | error tuple */
+PyObject *engine_combine_fast(engine_t *g, PyObject *args) {
+    PyObject *eo, *handle, *generation;
+    unsigned long long epoch;
+    long long num_dispatches;
+    if (!PyArg_ParseTuple(args, "OOKOL", &eo, &handle, &epoch, &generation, &num_dispatches))
+        return NULL;
+    fast_t *f = g->fast;
+    if (!f || (PyObject *)Py_TYPE(handle) != f->handle_type) Py_RETURN_NONE;
+    PyObject *d = PyObject_GenericGetDict(handle, NULL);
+    if (!d) return NULL;
+    PyObject **k = f->keys, *res = NULL;
+    /* this Buffer's handle, of this generation, of a dispatch that happened */
+    for (int i = FIRST_CONST_KEY; i < NUM_KEYS; i++) {
+        PyObject *mine = PyDict_GetItemWithError(f->handle_const, k[i]), *theirs = field(d, k[i]);
+        int eq = mine && theirs ? PyObject_RichCompareBool(mine, theirs, Py_EQ) : 0;
+        if (eq != 1) goto not_mine; /* -1: an error is set */
+    }
+    PyObject *gen = field(d, k[K_GENERATION]), *oi = field(d, k[K_DISPATCH_INDEX]),
+             *on = field(d, k[K_NUM_TOKENS]), *idx = field(d, k[K_TOPK_IDX]),
+             *w = field(d, k[K_TOPK_WEIGHTS]), *dr = field(d, k[K_SEND_DST_ROW]),
+             *src = field(d, k[K_RECV_SRC_RANK]);
+    if (!gen || !oi || !on || !idx || !w || !dr || !src || !PyLong_CheckExact(oi) ||
+        !PyLong_CheckExact(on) || !PyArray_CheckExact(src) ||
+        PyObject_RichCompareBool(gen, generation, Py_EQ) != 1)
+        goto not_mine;
+    long long index = PyLong_AsLongLong(oi), ntok = PyLong_AsLongLong(on);
+    npy_intp rows = PyArray_DIM((PyArrayObject *)src, 0);
+    int64_t w_dst = g->layout == LAY_EXPERT ? g->K : g->R;
+    if (PyErr_Occurred() || index < 0 || index >= num_dispatches || ntok < 0 || ntok > g->T ||
+        rows > g->cap_rows || !exact(idx, NPY_INT64, ntok, g->K) ||
+        !exact(w, NPY_FLOAT32, ntok, g->K) || !exact(dr, NPY_INT64, ntok, w_dst) ||
+        !exact(eo, f->c_descr->type_num, rows, g->hidden))
+        goto not_mine;
+    npy_intp dims[2] = {ntok, g->hidden};
+    Py_INCREF(f->c_descr);
+    PyObject *y = PyArray_NewFromDescr(&PyArray_Type, f->c_descr, 2, dims, NULL, NULL, 0, NULL);
+    if (!y) goto done;
+    combine_args_t a = {.expert_out = eo, .rows = rows, .topk_idx = idx, .topk_weights = w,
+                        .send_dst_row = dr, .num_tokens = ntok, .epoch = epoch,
+                        .region = (int)(index % 2), .y = y, .dispatch_index = (uint64_t)index};
+    call_t *c = combine_call(g, &a);
+    res = c ? call_run(g, c, 0) : NULL;
+    if (res && PyLong_Check(res)) {
+        Py_DECREF(res);
+        res = y;
+    } else {
+        Py_DECREF(y);
+    }
+    goto done;
+not_mine:
+    if (!PyErr_Occurred()) res = Py_NewRef(Py_None);
+done:
+    Py_DECREF(d);
+    return res;
+}

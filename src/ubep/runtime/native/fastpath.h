@@ -1,0 +1,19 @@
+/* The one-call fast path of blocking calls (fastpath.c): the Engine methods it adds, and the
+ * numpy C API it builds results with (module.c imports it once, at module load). */
+#ifndef UBEP_FASTPATH_H
+#define UBEP_FASTPATH_H
+
+#include "engine.h"
+
+#define PY_ARRAY_UNIQUE_SYMBOL ubep_native_ARRAY_API
+/* builds against numpy 2.x headers run on numpy >= 1.24 (pyproject's floor) */
+#define NPY_NO_DEPRECATED_API NPY_1_22_API_VERSION
+#define NPY_TARGET_VERSION NPY_1_22_API_VERSION
+#include <numpy/arrayobject.h>
+
+PyObject *engine_set_fast(engine_t *g, PyObject *args);
+PyObject *engine_dispatch_fast(engine_t *g, PyObject *args);
+PyObject *engine_combine_fast(engine_t *g, PyObject *args);
+void fast_free(engine_t *g);
+
+#endif /* UBEP_FASTPATH_H */
