@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from _runtime_support import Case, bits, compare, make_inputs
-from ubep import dtypes, reference
+from ubep import dtypes, reference, testing
 from ubep.buffer import Buffer, BufferConfig
 from ubep.errors import InvalidArgumentError, RankFailedError, UbepError
 from ubep.flags import DcCodec, SpCodec, SwFlag, TffCodec, as_row_bytes
@@ -122,6 +122,31 @@ def test_two_buffers_many_calls_views_and_combine_buffers() -> None:
         assert out["size_hint"] and out["view_valid"] and out["read_only"]
         assert out["copy_owned"] and out["distinct_combine_buffers"] and out["zero_copy_combine"]
         assert "closed" in out["closed"]
+
+
+def _worker_combine_order(group: Any, layout: str) -> list[str]:
+    """Combines of dispatches made before the last one, each with fresh expert outputs: the
+    peers' rows a combine copies into the segment come from its own dispatch's record, never
+    from a later dispatch that reused the receive region."""
+    case = Case("asp", "sw", layout, "bf16", 2, 128, "uniform")
+    cfg = case.config(8)
+    r, errors = group.rank, []
+    with Buffer(group, cfg) as buf:
+        calls = [_call(buf, group, case, [8, 6], seed) for seed in range(3)]  # A, B, C
+        for n, i in enumerate((0, 2, 1, 1)):  # A (region reused by C), C, B, B again
+            res, refs = calls[i]
+            outs = [testing.payload(np.random.default_rng(100 * n + q), "bf16",
+                                    len(ref.recv_x), 128) for q, ref in enumerate(refs)]
+            y = buf.combine(outs[r], res.handle)
+            if not np.array_equal(bits(y), bits(reference.combine(outs, refs)[r])):
+                errors.append(f"combine {n} of dispatch {i}")
+    return errors
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_combine_of_earlier_dispatches(layout: str) -> None:
+    for errors in launch(_worker_combine_order, 2, layout, timeout_s=120):
+        assert errors == []
 
 
 def _worker_mismatch(group: Any) -> None:
@@ -296,8 +321,16 @@ def test_native_dc_checksum_equals_codec(row_bytes: int) -> None:
             assert _native.dc_checksum(rows, row_bytes, epoch) == DcCodec().checksum(rows, epoch)
 
 
+@pytest.fixture(params=[0, 1, 2], ids=["generic", "avx2", "avx512"])
+def kernel_set(request: pytest.FixtureRequest) -> Any:
+    """Every kernel set this CPU has (a level it lacks runs the best one below it)."""
+    name = _native.use_kernels(request.param)
+    yield name
+    _native.use_kernels(2)
+
+
 @pytest.mark.parametrize("name", ["bf16", "fp16", "fp32"])
-def test_native_rounding_equals_dtypes(name: str) -> None:
+def test_native_rounding_equals_dtypes(name: str, kernel_set: str) -> None:
     rng = np.random.default_rng(0)
     special = np.array(
         [0.0, -0.0, np.inf, -np.inf, 65504.0, 65520.0, 65519.99, 6.0e-8, 2.98e-8, 1e-45,
@@ -319,3 +352,34 @@ def test_native_rounding_equals_dtypes(name: str) -> None:
     nan = np.isnan(values)
     assert nan.sum() > 10
     assert (want.view(dt.bits_dtype)[nan] == dtypes.CANONICAL_NAN[name]).all()
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_native_reduce_equals_float32_sums(name: str, weighted: bool, kernel_set: str) -> None:
+    """Combine's reduction, every kernel set: float32 terms summed in order from +0.0, the
+    product rounded before the add, then rounded to the dtype (ubep.reference's arithmetic,
+    here in numpy float32). Lengths off the vector widths exercise the tails."""
+    dt = dtypes.dtype_of(name)
+    rng = np.random.default_rng(7)
+    for nt in (1, 2, 5, -2):
+        n = 2 * 64 * 16 + 37
+        with np.errstate(over="ignore"):
+            values = (rng.standard_normal((abs(nt), n)) * 50).astype(np.float32)
+            values.flat[rng.choice(abs(nt) * n, 40, replace=False)] = rng.choice(
+                np.array([np.inf, -np.inf, np.nan, -0.0, 1e-39, -3e-41, 65504.0], np.float32), 40)
+            rows = dt.from_float32(values)
+        w = rng.standard_normal(abs(nt)).astype(np.float32)
+        if nt == -2:  # w x - w x: 0 when the product is rounded first, its rounding error when
+            nt = 2  # fused (an FMA), which survives any output rounding
+            rows[1], w[1] = rows[0], -w[0]
+        acc = np.zeros(n, np.float32)
+        with np.errstate(invalid="ignore", over="ignore"):
+            for j in range(nt):
+                term = dt.to_float32(rows[j])
+                acc = acc + (w[j] * term if weighted else term)
+            want = dt.from_float32(acc)
+        got = np.empty_like(want)
+        _native.reduce_rows(np.ascontiguousarray(rows), nt, w, got, _native.DTYPES[name],
+                            weighted)
+        assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), (nt, kernel_set)

@@ -79,6 +79,32 @@ class Engine:
     def reset_all(self) -> None: ...
     def comb_last_epoch(self, region: int, /) -> int: ...
     def close(self) -> None: ...
+    def set_fast(
+        self,
+        result_type: type,
+        handle_type: type,
+        handle_const: dict[str, Any],
+        recv_views: list[np.ndarray],
+        scale_views: list[np.ndarray] | None,
+        x_dtype: Any,
+        combine_dtype: Any,
+        /,
+    ) -> None: ...
+    def dispatch_fast(
+        self,
+        x: object,
+        topk_idx: object,
+        topk_weights: object,
+        epoch: int,
+        index: int,
+        generation: int,
+        plan: CoreSplit | None,
+        /,
+    ) -> Any: ...
+    def combine_fast(
+        self, expert_out: object, handle: object, epoch: int, generation: int,
+        num_dispatches: int, /,
+    ) -> Any: ...
     def trace(self) -> tuple[int, ...]: ...
     def core_log(self) -> tuple[list[list[int]], list[list[int]]]: ...
 
@@ -90,6 +116,16 @@ def dc_checksum(rows: Any, row_bytes: int, epoch: int, /) -> int:
 
 def convert(acc_f32: Any, out: Any, dtype_code: int, /) -> None:
     """Round float32 values to ``dtype_code`` with combine's rounding routine."""
+
+def reduce_rows(
+    rows: Any, nt: int, weights: Any, out: Any, dtype_code: int, weighted: bool, /
+) -> None:
+    """Combine's reduction (``REDUCE[dtype_code]``) of the ``nt`` rows of ``rows`` into
+    ``out`` (each row as long as ``out``), weighted by ``weights`` (float32) or not."""
+
+def use_kernels(level: int, /) -> str:
+    """Install the best kernel set up to ``level`` (0 generic, 1 AVX2, 2 AVX-512) that this
+    CPU has and return its name; 2 is the module's default (tests run every set)."""
 
 def quantize_rows(
     x: Any,

@@ -20,13 +20,28 @@ static int ph_c_prepare(op_t *op, int core) {
     return 0;
 }
 
+/* rows [lo, hi) of expert_out into the segment, this core's share of them */
+static void copy_rows(op_t *op, int core, int64_t lo, int64_t hi) {
+    engine_t *g = op->g;
+    int64_t a = lo + (hi - lo) * core / g->C, b = lo + (hi - lo) * (core + 1) / g->C;
+    uint8_t *dst = g->base[g->rank] + op->eo_off;
+    if (a < b)
+        copy_fast(dst + a * g->crow_bytes, op->eo + a * g->crow_bytes, (b - a) * g->crow_bytes);
+}
+
+/* Only the rows peers pull are copied: the rows of this rank's own tokens are reduced from
+ * expert_out where it lies (ph_c_reduce). Which rows came from peers is the dispatch's own
+ * record (engine.h, peer_rows); without one (a dispatch older than the region's last), all. */
 static int ph_c_copy(op_t *op, int core) {
     engine_t *g = op->g;
     if (op->zero_copy) return 0;
-    int64_t lo = op->eo_rows * core / g->C, hi = op->eo_rows * (core + 1) / g->C;
-    uint8_t *dst = g->base[g->rank] + op->eo_off;
-    if (lo < hi)
-        copy_fast(dst + lo * g->crow_bytes, op->eo + lo * g->crow_bytes, (hi - lo) * g->crow_bytes);
+    int reg = (int)(op->dispatch_index % (uint64_t)g->nreg);
+    if (g->peer_rows[reg].index1 != op->dispatch_index + 1 || g->peer_rows[reg].rows != op->eo_rows) {
+        copy_rows(op, core, 0, op->eo_rows);
+        return 0;
+    }
+    const int64_t *runs = g->peer_runs + (int64_t)reg * (g->L + 2) * 2;
+    for (int i = 0; i < g->peer_rows[reg].nruns; i++) copy_rows(op, core, runs[2 * i], runs[2 * i + 1]);
     return 0;
 }
 
@@ -53,6 +68,12 @@ static int ph_c_publish(op_t *op, int core) {
 
 static int ph_cb_arrive(op_t *op, int core) { return barrier_arrive(op, core, 3); }
 static int ph_cb_wait(op_t *op, int core) { return barrier_wait(op, core, 3); }
+
+/* expert output row `pos` of rank d: this rank's own from expert_out itself */
+static inline const uint8_t *row_of(op_t *op, int d, const int64_t *coff, int64_t pos) {
+    engine_t *g = op->g;
+    return (d == g->rank ? op->eo : g->base[d] + coff[d]) + pos * g->crow_bytes;
+}
 
 static int ph_c_reduce(op_t *op, int core) {
     engine_t *g = op->g;
@@ -114,7 +135,7 @@ static int ph_c_reduce(op_t *op, int core) {
                 if (pos < 0 || pos >= crows[d])
                     return op_error(op, E_INTERNAL, core, d, "handle row %lld outside rank %d's "
                                     "%lld expert outputs", (long long)pos, d, (long long)crows[d]);
-                tp[nt] = g->base[d] + coff[d] + pos * g->crow_bytes;
+                tp[nt] = row_of(op, d, coff, pos);
                 tw[nt++] = op->h_w[t * K + k];
             }
         } else {
@@ -124,7 +145,7 @@ static int ph_c_reduce(op_t *op, int core) {
                 if (pos >= crows[d])
                     return op_error(op, E_INTERNAL, core, d, "handle row %lld outside rank %d's "
                                     "%lld expert outputs", (long long)pos, d, (long long)crows[d]);
-                tp[nt] = g->base[d] + coff[d] + pos * g->crow_bytes;
+                tp[nt] = row_of(op, d, coff, pos);
                 tw[nt++] = 1.0f;
             }
         }

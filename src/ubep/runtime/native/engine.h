@@ -155,6 +155,12 @@ typedef struct engine {
     /* SP in place (rows land in recv_x): rows [0, sp_dirty[reg]) of region reg lost their
      * sentinel in its last use; the rest still hold it. Re-armed when the region is reused. */
     int64_t sp_dirty[8];
+    /* Combine copies into the segment only the rows peers pull: the rows of a receive
+     * region's last dispatch that came from peers, as runs [lo, hi) (peer_runs: [nreg][L + 2]
+     * pairs). Its own tokens' rows it reduces from the caller's expert_out where they lie.
+     * index1 = dispatch index + 1 of the record (0: none), rows = rows received then. */
+    struct { uint64_t index1; int64_t rows; int nruns; } peer_rows[8];
+    int64_t *peer_runs;
     int in_use;            /* an operation is running (re-entrancy guard) */
     /* what each core did in the last dispatch (tests compare it with the simulator's spec):
      * core_units[c] units sent by core c, their (token * K + k) in core_unit_log[c][...];

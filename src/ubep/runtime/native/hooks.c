@@ -161,7 +161,52 @@ static PyObject *mod_comb_info_sum(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLongLong(comb_info_sum(epoch, off, rows, stride, index));
 }
 
+static PyObject *mod_reduce_rows(PyObject *self, PyObject *args) {
+    /* reduce_rows(rows, weights_f32, out, dtype_code, weighted): REDUCE[dtype] of the nt rows
+     * of `rows` ([nt, n] of dtype) into out ([n]), for tests against ubep.reference */
+    PyObject *orows, *ow, *oo;
+    int dt, weighted, nt;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OiOOip", &orows, &nt, &ow, &oo, &dt, &weighted)) return NULL;
+    if (dt < 0 || dt > 2 || nt < 1 || nt > 64) {
+        PyErr_SetString(PyExc_ValueError, "dtype code or number of rows");
+        return NULL;
+    }
+    pbuf_t b[3];
+    memset(b, 0, sizeof b);
+    int isz = dt == DT_FP32 ? 4 : 2;
+    if (get_buf(orows, &b[0], 0, "rows", 0) || get_buf(ow, &b[1], 0, "weights", nt * 4) ||
+        get_buf(oo, &b[2], 1, "out", 0)) {
+        rel_bufs(b, 3);
+        return NULL;
+    }
+    int64_t n = b[2].b.len / isz;
+    if (b[0].b.len < nt * n * isz) {
+        rel_bufs(b, 3);
+        PyErr_SetString(PyExc_ValueError, "rows must hold nt rows of out's length");
+        return NULL;
+    }
+    const void *src[64];
+    for (int j = 0; j < nt; j++) src[j] = (const uint8_t *)b[0].b.buf + (int64_t)j * n * isz;
+    REDUCE[dt](b[2].b.buf, src, b[1].b.buf, nt, n, weighted);
+    rel_bufs(b, 3);
+    Py_RETURN_NONE;
+}
+
+static PyObject *mod_use_kernels(PyObject *self, PyObject *args) {
+    /* use_kernels(level) -> name: the best kernel set up to level (0 generic, 1 AVX2, 2
+     * AVX-512) this CPU has, for tests that run every set; 2 restores the module's default */
+    int level;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "i", &level)) return NULL;
+    return PyUnicode_FromString(select_kernels_upto(level));
+}
+
 PyMethodDef HOOK_METHODS[] = {
+    {"reduce_rows", mod_reduce_rows, METH_VARARGS,
+     "reduce_rows(rows, nt, weights, out, dtype_code, weighted): combine's REDUCE"},
+    {"use_kernels", mod_use_kernels, METH_VARARGS,
+     "use_kernels(level) -> kernel set name (0 generic, 1 avx2, 2 avx512; tests)"},
     {"counts_sum", mod_counts_sum, METH_VARARGS, "counts_sum(epoch, rows, counts_u32)"},
     {"route_sum", mod_route_sum, METH_VARARGS, "route_sum(epoch, ntok, idx_i32, weights_f32)"},
     {"comb_info_sum", mod_comb_info_sum, METH_VARARGS,

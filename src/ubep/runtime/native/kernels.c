@@ -56,28 +56,6 @@ reduce_fn REDUCE[3] = {reduce_bf16_c, reduce_fp16_c, reduce_fp32_c};
 
 const char *kernel_set = "generic";
 
-void select_kernels(void) {
-#if UBEP_X86
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2")) {
-        kernel_set = "avx2";
-        fill_vector_ok = 1;
-        copy_elem = copy_avx2;
-        has2 = has_pattern2_avx2;
-        has4 = has_pattern4_avx2;
-        ROUND[DT_BF16] = round_bf16_avx2;
-        ROUND[DT_FP32] = round_fp32_avx2;
-        REDUCE[DT_BF16] = reduce_bf16_avx2;
-        REDUCE[DT_FP32] = reduce_fp32_avx2;
-        QUANT_ROW = quant_row_avx2;
-        if (__builtin_cpu_supports("f16c")) {
-            ROUND[DT_FP16] = round_fp16_hw;
-            REDUCE[DT_FP16] = reduce_fp16_hw;
-        }
-    }
-#endif
-}
-
 /* ---------------------------------------------------------------------------------------- */
 /* Quantisation (kernels.h; ubep.quant is the definition) */
 
@@ -96,4 +74,45 @@ void quant_row_e4m3(const void *x, int x_dtype, int64_t hidden, uint8_t *values,
 void quant_row_int8(const void *x, int x_dtype, int64_t hidden, int8_t *values, float *scales,
                     int round_scale) {
     QUANT_ROW(x, x_dtype, hidden, values, scales, round_scale, 1);
+}
+
+void select_kernels(void) { select_kernels_upto(2); }
+
+const char *select_kernels_upto(int level) {
+    kernel_set = "generic";
+    fill_vector_ok = 0;
+    copy_elem = copy_generic;
+    has2 = has_pattern2;
+    has4 = has_pattern4;
+    ROUND[DT_BF16] = round_bf16_c; ROUND[DT_FP16] = round_fp16_c; ROUND[DT_FP32] = round_fp32_c;
+    REDUCE[DT_BF16] = reduce_bf16_c; REDUCE[DT_FP16] = reduce_fp16_c;
+    REDUCE[DT_FP32] = reduce_fp32_c;
+    QUANT_ROW = quant_row_generic;
+#if UBEP_X86
+    __builtin_cpu_init();
+    if (level >= 1 && __builtin_cpu_supports("avx2")) {
+        kernel_set = "avx2";
+        fill_vector_ok = 1;
+        copy_elem = copy_avx2;
+        has2 = has_pattern2_avx2;
+        has4 = has_pattern4_avx2;
+        ROUND[DT_BF16] = round_bf16_avx2;
+        ROUND[DT_FP32] = round_fp32_avx2;
+        REDUCE[DT_BF16] = reduce_bf16_avx2;
+        REDUCE[DT_FP32] = reduce_fp32_avx2;
+        QUANT_ROW = quant_row_avx2;
+        if (__builtin_cpu_supports("f16c")) {
+            ROUND[DT_FP16] = round_fp16_hw;
+            REDUCE[DT_FP16] = reduce_fp16_hw;
+        }
+        if (level >= 2 && __builtin_cpu_supports("avx512f")) {
+            kernel_set = "avx512";
+            ROUND[DT_BF16] = round_bf16_avx512;
+            REDUCE[DT_BF16] = reduce_bf16_avx512;
+        }
+    }
+#else
+    (void)level;
+#endif
+    return kernel_set;
 }

@@ -39,6 +39,9 @@ extern round_fn ROUND[3];
 extern reduce_fn REDUCE[3];
 extern const char *kernel_set;
 void select_kernels(void);
+/* the best kernel set up to `level` (0 generic, 1 AVX2, 2 AVX-512) this CPU has: its name
+ * (tests run every set the CPU has; select_kernels() is the best of all) */
+const char *select_kernels_upto(int level);
 
 #if UBEP_X86
 /* kernels_x86.c: compiled with target attributes, called only where the CPU has them */
@@ -55,6 +58,9 @@ void reduce_fp32_avx2(void *y, const void *const *src, const float *w, int nt, i
                       int weighted);
 void reduce_fp16_hw(void *y, const void *const *src, const float *w, int nt, int64_t n,
                     int weighted);
+void round_bf16_avx512(void *y, const float *acc, int64_t n);
+void reduce_bf16_avx512(void *y, const void *const *src, const float *w, int nt, int64_t n,
+                        int weighted);
 #endif
 
 static inline void copy_tail(uint8_t *d, const uint8_t *s, int64_t n) {

@@ -240,6 +240,66 @@ AVX2_F16C void reduce_fp16_hw(void *y, const void *const *src, const float *w, i
     reduce_tail(DT_FP16, y, src, w, nt, i, n, weighted);
 }
 
+/* ---------------------------------------------------------------------------------------- */
+/* AVX-512 versions of the BF16 reduction and rounding (decode-sized combines are bound by this
+ * arithmetic, not by memory): the same integer rounding and the same float32 operations in the
+ * same order as the AVX2 blocks above, 16 lanes wide, so every kernel set gives the same bits. */
+#define AVX512 __attribute__((target("avx512f")))
+
+AVX512 static inline __m512 bf16x16_to_f32(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+/* round to nearest even, as f32x8_to_bf16; the caller has checked there is no NaN */
+AVX512 static inline __m256i f32x16_to_bf16(__m512 f) {
+    const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7FFF);
+    __m512i u = _mm512_castps_si512(f);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, bias)), 16));
+}
+AVX512 static inline void store32_bf16_512(uint16_t *out, __m512 a0, __m512 a1) {
+    if (_mm512_cmp_ps_mask(a0, a0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(a1, a1, _CMP_UNORD_Q)) {
+        float tmp[32]; /* NaN: the canonical one (scalar, rare) */
+        _mm512_storeu_ps(tmp, a0);
+        _mm512_storeu_ps(tmp + 16, a1);
+        for (int k = 0; k < 32; k++) store_f32(DT_BF16, out, k, tmp[k]);
+        return;
+    }
+    _mm256_storeu_si256((__m256i *)out, f32x16_to_bf16(a0));
+    _mm256_storeu_si256((__m256i *)(out + 16), f32x16_to_bf16(a1));
+}
+AVX512 void round_bf16_avx512(void *y, const float *acc, int64_t n) {
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32)
+        store32_bf16_512((uint16_t *)y + i, _mm512_loadu_ps(acc + i), _mm512_loadu_ps(acc + i + 16));
+    round_tail(DT_BF16, y, acc, i, n);
+}
+/* a = a + t for the four accumulators of a 64-wide block, t = fl32(w * f) when weighted */
+AVX512 static inline void add4_512(__m512 a[4], __m512 f[4], int weighted, float w) {
+    __m512 ww = _mm512_set1_ps(w);
+    for (int k = 0; k < 4; k++) a[k] = _mm512_add_ps(a[k], weighted ? _mm512_mul_ps(ww, f[k]) : f[k]);
+}
+AVX512 void reduce_bf16_avx512(void *y, const void *const *src, const float *w, int nt,
+                               int64_t n, int weighted) {
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                       _mm512_setzero_ps()};
+        for (int j = 0; j < nt; j++) {
+            const uint16_t *v = (const uint16_t *)src[j] + i;
+            __m512i h0 = _mm512_loadu_si512((const void *)v);
+            __m512i h1 = _mm512_loadu_si512((const void *)(v + 32));
+            __m512 f[4] = {bf16x16_to_f32(_mm512_castsi512_si256(h0)),
+                           bf16x16_to_f32(_mm512_extracti64x4_epi64(h0, 1)),
+                           bf16x16_to_f32(_mm512_castsi512_si256(h1)),
+                           bf16x16_to_f32(_mm512_extracti64x4_epi64(h1, 1))};
+            add4_512(a, f, weighted, weighted ? w[j] : 0.0f);
+        }
+        store32_bf16_512((uint16_t *)y + i, a[0], a[1]);
+        store32_bf16_512((uint16_t *)y + i + 32, a[2], a[3]);
+    }
+    reduce_tail(DT_BF16, y, src, w, nt, i, n, weighted);
+}
+
 /* The quantiser's row loop compiled for AVX2: the same source as the generic one
  * (kernels.h), vectorised by the compiler (vdivps, per-lane vpsrlvd for the rounding). */
 AVX2 void quant_row_avx2(const void *x, int dt, int64_t hidden, void *values, float *scales,

@@ -157,7 +157,7 @@ static void engine_free_scratch(engine_t *g) {
     free(g->my_rank_in_batch); free((void *)g->remaining); free((void *)g->dc_s1);
     free((void *)g->dc_s2); free(g->core_base); free(g->core_ready); free(g->rx_base);
     free(g->rx_rows); free(g->rx_cnt); free(g->tx_rows); free(g->tx_cnt);
-    free(g->route_snap); free(g->ci_off); free(g->ci_rows);
+    free(g->route_snap); free(g->ci_off); free(g->ci_rows); free(g->peer_runs);
     free(g->threads); free(g->e2d); free(g->e2l);
     free((void *)g->term_ptr); free(g->term_w);
     free((void *)g->counted); free(g->qstage);
@@ -225,6 +225,7 @@ static int engine_init(engine_t *g, PyObject *args, PyObject *kwds) {
     g->tx_cnt = calloc((size_t)C * R * L, sizeof(uint32_t));
     g->route_snap = calloc((size_t)C * 2 * (size_t)(g->T * g->K) + 1, sizeof(uint32_t));
     g->ci_off = calloc((size_t)C * R, 8); g->ci_rows = calloc((size_t)C * R, 8);
+    g->peer_runs = calloc((size_t)g->nreg * (size_t)(L + 2) * 2, sizeof(int64_t));
     g->e2d = calloc((size_t)E, sizeof(int32_t)); g->e2l = calloc((size_t)E, sizeof(int32_t));
     int maxt = g->K > R ? g->K : R;
     g->term_ptr = calloc((size_t)C * maxt, sizeof(void *));
@@ -243,7 +244,7 @@ static int engine_init(engine_t *g, PyObject *args, PyObject *kwds) {
         (const void *)g->dc_s1, (const void *)g->dc_s2, g->core_base, g->core_ready, g->rx_base,
         g->rx_rows, g->rx_cnt, g->tx_rows, g->tx_cnt, g->route_snap, g->ci_off, g->ci_rows,
         g->e2d, g->e2l, (const void *)g->term_ptr, g->term_w, (const void *)g->counted, g->qstage, g->core_units,
-        g->core_dsts, g->core_unit_log, g->core_dst_log,
+        g->core_dsts, g->core_unit_log, g->core_dst_log, g->peer_runs,
     };
     int missing = 0;
     for (size_t i = 0; i < sizeof scratch / sizeof scratch[0]; i++) missing |= !scratch[i];
@@ -708,6 +709,7 @@ static PyObject *engine_resync(engine_t *g, PyObject *args) {
     g->land_dirty = 0;
     memset(g->sp_dirty, 0, sizeof g->sp_dirty);
     g->comb_last_epoch[0] = g->comb_last_epoch[1] = 0;
+    memset(g->peer_rows, 0, sizeof g->peer_rows);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }

@@ -263,12 +263,37 @@ void format_error(op_t *op, char *buf, size_t n) {
     }
 }
 
+/* After a dispatch: which of the rows it received came from peers (engine.h, peer_rows),
+ * from the engine's own metadata, never from anything the caller can touch later. */
+static void record_peer_rows(engine_t *g, op_t *op) {
+    int reg = (int)(op->n % g->nreg);
+    int64_t *runs = g->peer_runs + (int64_t)reg * (g->L + 2) * 2;
+    int nruns = 0;
+    g->peer_rows[reg].index1 = 0;
+    for (int64_t i = 0; i < op->n_recv;) {
+        if (op->o_src_rank[i] == g->rank) { i++; continue; }
+        int64_t lo = i;
+        while (i < op->n_recv && op->o_src_rank[i] != g->rank) i++;
+        if (nruns == g->L + 2) return; /* more runs than the layouts make: no record */
+        runs[2 * nruns] = lo;
+        runs[2 * nruns + 1] = i;
+        nruns++;
+    }
+    g->peer_rows[reg].rows = op->n_recv;
+    g->peer_rows[reg].nruns = nruns;
+    g->peer_rows[reg].index1 = (uint64_t)op->n + 1;
+}
+
 void finish_op(op_t *op) {
     engine_t *g = op->g;
     /* A peer may have failed this call although this rank got everything it needed (it timed
      * out on a slow third rank, say): then the call failed, here too. */
     if (!atomic_load(&op->err)) check_failures(op, 0);
     int err = atomic_load(&op->err);
+    if (op->kind == 0) {
+        if (err) g->peer_rows[op->n % g->nreg].index1 = 0;
+        else record_peer_rows(g, op);
+    }
     if (err) {
         char buf[MAX_MSG];
         format_error(op, buf, sizeof buf);
