@@ -303,6 +303,45 @@ def series_fits(result: dict[str, Any]) -> list[dict[str, Any]]:
                                       f["layout"] != "rank", order[f["op"]]))
 
 
+# Issue 17's targets: dispatch and combine within these multiples of the floor, 256 KB .. 64 MB
+TARGET_X_FLOOR = {2: 1.25, 4: 1.4}
+TARGET_MIN_BYTES = 250_000
+
+
+def limits(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every ASP case (BSP is the baseline) over its target (``TARGET_X_FLOOR``) and what
+    limits it, measured: the
+    series' fixed cost per call (its intercept, ``<=4MB`` regime where fitted, beyond the
+    floor's own intercept) or its per-byte cost. ``x_floor_per_byte`` is the ratio with that
+    fixed cost taken off: within the target, the fixed cost is the limit; above, the bytes."""
+    fits = {(f["ranks"], f["layout"], f["mode"], f["op"], f["regime"]): f
+            for f in result.get("fits") or series_fits(result)}
+
+    def intercept(ranks: int, layout: str, mode: str, op: str) -> float:
+        f = fits.get((ranks, layout, mode, op, "<=4MB")) or fits.get(
+            (ranks, layout, mode, op, "all"))
+        return f["intercept_us"] if f else 0.0
+
+    out = []
+    for r in result["rows"]:
+        target = TARGET_X_FLOOR.get(r["ranks"])
+        floor = r["floor"]["median_us"]
+        if target is None or r["bytes_per_rank"] < TARGET_MIN_BYTES:
+            continue
+        for op in OPS:
+            med = r[op]["median_us"]
+            if med <= target * floor or r["mode"].startswith("bsp"):  # BSP: the baseline
+                continue
+            fixed = max(0.0, intercept(r["ranks"], r["layout"], r["mode"], op)
+                         - max(0.0, intercept(r["ranks"], r["layout"], "memcpy", "floor")))
+            per_byte = (med - fixed) / floor
+            out.append({"ranks": r["ranks"], "layout": r["layout"], "mode": r["mode"],
+                        "op": op, "bytes": int(r["bytes_per_rank"]), "x_floor": med / floor,
+                        "fixed_us": fixed, "x_floor_per_byte": per_byte,
+                        "limit": "fixed cost" if per_byte <= target else "per-byte cost"})
+    return out
+
+
 def header(result: dict[str, Any], ranks: Sequence[int]) -> str:
     cpus = os.cpu_count() or 1
     lines = [
@@ -336,8 +375,17 @@ def tables(result: dict[str, Any]) -> str:
     ftable = [[f["ranks"], f["regime"], f["layout"], f["mode"], f["op"], f["intercept_us"],
                f["ns_per_kb"],
                f["gbps"], f["points"]] for f in result["fits"]]
+    over = limits(result)
+    lcols = ["ranks", "layout", "mode", "op", "bytes", "x_floor", "fixed_us",
+             "x_floor_per_byte", "limit"]
+    ltable = [[x[c] for c in lcols] for x in over]
+    targets = ", ".join(f"{t}x at {r} ranks" for r, t in TARGET_X_FLOOR.items())
     return (format_table(cols, table, float_digits=1) + "\n\nFits (fixed cost per call and "
-            "per-byte cost; memcpy = the floor):\n" + format_table(fcols, ftable, float_digits=2))
+            "per-byte cost; memcpy = the floor):\n" + format_table(fcols, ftable, float_digits=2)
+            + f"\n\nOver the target ({targets}, >= 256 KB) and what limits each: fixed_us = "
+            "the series' fitted fixed cost beyond the floor's; x_floor_per_byte = (median - "
+            "fixed_us) / floor:\n" + (format_table(lcols, ltable, float_digits=2) if ltable
+                                      else "(none)"))
 
 
 def plot(result: dict[str, Any], path: str) -> None:

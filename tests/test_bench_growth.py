@@ -122,3 +122,34 @@ def test_oversize_cases_are_skipped_and_said() -> None:
                         mem_bytes=0, keep_bytes=0)
     assert result["rows"] == [] and len(result["skipped"]) == 2
     assert "SKIPPED (memory)" in growth.header(result, [2])
+
+
+def test_limits_name_the_fixed_or_the_per_byte_cost() -> None:
+    # floor = 1 us + 1 ns/B; series A = 201 us + 1 ns/B (a fixed cost), B = 1 us + 2 ns/B (the
+    # bytes), both exact lines: closed-form ratios at each size
+    sizes = [2.0**18, 2.0**20, 2.0**22]
+
+    def row(mode: str, fixed: float, slope: float, b: float) -> dict[str, object]:
+        t = fixed + slope * b / 1e3
+        stats = {"min_us": t, "median_us": t, "max_us": t}
+        return {"ranks": 2, "layout": "rank", "mode": mode, "bytes_per_rank": b,
+                "dispatch": stats, "combine": stats,
+                "floor": {"min_us": 1 + b / 1e3, "median_us": 1 + b / 1e3,
+                          "max_us": 1 + b / 1e3}}
+
+    rows = [row("asp+sw", 201.0, 1.0, b) for b in sizes] + [
+        row("asp+sp", 1.0, 2.0, b) for b in sizes] + [row("bsp+sw", 1.0, 9.0, b) for b in sizes]
+    got = growth.limits({"rows": rows})
+    assert {x["mode"] for x in got} == {"asp+sw", "asp+sp"}  # BSP is the baseline
+    for x in got:
+        floor = 1 + x["bytes"] / 1e3
+        if x["mode"] == "asp+sw":  # over the target while 200 us weigh: the fixed cost
+            assert x["limit"] == "fixed cost"
+            assert x["fixed_us"] == pytest.approx(200.0, rel=1e-6)
+            assert x["x_floor"] == pytest.approx((201 + x["bytes"] / 1e3) / floor)
+        else:  # twice the floor's per-byte cost at every size
+            assert x["limit"] == "per-byte cost"
+            assert x["x_floor_per_byte"] == pytest.approx((1 + 2 * x["bytes"] / 1e3) / floor)
+    sw_sizes = sorted(x["bytes"] for x in got if x["mode"] == "asp+sw" and x["op"] == "dispatch")
+    # 201 + b/1e3 <= 1.25 (1 + b/1e3)  <=>  b >= 799 KB: only 256 KB is over
+    assert sw_sizes == [2**18]
