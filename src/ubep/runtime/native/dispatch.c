@@ -379,10 +379,13 @@ static void put_row(op_t *op, int d, int64_t pos, const uint8_t *src) {
         copy_fast(outreg(g, d, reg) + pos * g->out_stride, src, g->row_bytes);
         return;
     }
-    uint8_t *slot = land(g, d, reg) + pos * g->slot_bytes;
     if (g->sync == SYNC_TFF) {
-        put_tff_row(g, slot, src, op->epoch);
-    } else if (g->sync == SYNC_SP) {
+        put_tff_in_place(g, outreg(g, d, reg) + pos * g->out_stride, tff_words(g, d, reg, pos),
+                         src, op->epoch);
+        return;
+    }
+    uint8_t *slot = land(g, d, reg) + pos * g->slot_bytes;
+    if (g->sync == SYNC_SP) {
         put_sp_row(g, slot, src);
     } else {
         copy_fast(slot, src, g->row_bytes);
@@ -689,9 +692,10 @@ typedef struct {
 } rx_cursor_t;
 
 /* Consume whatever has landed from source s without blocking: returns 1 when all its rows are
- * complete (decoded into out for TFF), 0 when some are still missing, -1 on error (recorded). */
-static int recv_progress(op_t *op, int core, int s, const int64_t *rx_base, uint8_t *land_base,
-                         uint8_t *out_base, rx_cursor_t *c) {
+ * complete (they are in recv_x: every ASP mode lands in place), 0 when some are still missing,
+ * -1 on error (recorded). */
+static int recv_progress(op_t *op, int core, int s, const int64_t *rx_base,
+                         const uint8_t *land_base, rx_cursor_t *c) {
     engine_t *g = op->g;
     inbox_rec_t *ib = inbox(g, g->rank, s, op->par);
     int64_t expect = RX_ROWS(g, core)[s];
@@ -718,25 +722,27 @@ static int recv_progress(op_t *op, int core, int s, const int64_t *rx_base, uint
                ld_rlx(&ib->dc_sum) == dc_finish(s1, s2, op->epoch);
     }
     const int expert = g->layout == LAY_EXPERT;
-    const int nblocks = expert ? g->L : 1;
+    const int nruns = expert ? g->L : 1;
     const uint32_t *cnt = RX_CNT(g, core) + (int64_t)s * g->L;
-    for (; c->el < nblocks; c->el++, c->off = 0) {
+    const int64_t nb = g->tff_nblocks;
+    for (; c->el < nruns; c->el++, c->off = 0) {
         int64_t n = expert ? (int64_t)cnt[c->el] : expect;
         int64_t p0 = rx_base[s * g->L + (expert ? c->el : 0)];
-        for (; c->off < n; c->off++, c->rank++) {
-            int64_t pos = p0 + c->off;
-            const uint8_t *slot = land_base + pos * g->slot_bytes;
-            if (g->sync == SYNC_SP) {
-                int64_t body = g->row_bytes - g->sp_tail;
-                if (has_pattern(slot + body, g->sp_tail, g->isz, g->sentinel)) return 0;
-                continue; /* in place: the row is recv_x already */
-            }
-            for (int64_t b = 0; b < g->tff_nblocks; b++) /* TFF: the whole row, then copy */
-                if (tff_flag(g, slot, b) != op->epoch) return 0;
-            get_tff_row(g, out_base + pos * g->out_stride, slot);
+        if (g->sync == SYNC_TFF) { /* in place: the run's epoch words are contiguous */
+            const uint64_t *words = (const uint64_t *)(land_base + p0 * g->slot_bytes);
+            int64_t i = tff_first_missing(words, c->off * nb, n * nb, op->epoch);
+            c->rank += i / nb - c->off;
+            c->off = i / nb;
+            if (c->off < n) return 0;
+            continue;
+        }
+        for (; c->off < n; c->off++, c->rank++) { /* SP: in place, the row is recv_x already */
+            const uint8_t *slot = land_base + (p0 + c->off) * g->slot_bytes;
+            if (has_pattern(slot + g->row_bytes - g->sp_tail, g->sp_tail, g->isz, g->sentinel))
+                return 0;
         }
     }
-    atomic_thread_fence(memory_order_acquire);
+    atomic_thread_fence(memory_order_acquire); /* the rows after the words / sentinels seen */
     return 1;
 }
 
@@ -752,13 +758,13 @@ static int recv_sources(op_t *op, int core, const int64_t *rx_base, int reg) {
         cur[n].off = cur[n].rank = 0;
         n++;
     }
-    uint8_t *land_base = land(g, g->rank, reg), *out_base = outreg(g, g->rank, reg);
+    const uint8_t *land_base = land(g, g->rank, reg);
     waiter_t w;
     waiter_init(&w);
     while (n) {
         int completed = 0;
         for (int i = 0; i < n;) {
-            int rc = recv_progress(op, core, src[i], rx_base, land_base, out_base, &cur[i]);
+            int rc = recv_progress(op, core, src[i], rx_base, land_base, &cur[i]);
             if (rc < 0) return -1;
             if (rc == 1) {
                 src[i] = src[n - 1];
