@@ -125,16 +125,17 @@ int dispatch_validate(op_t *op, int count) {
     return 0;
 }
 
-/* SP writer: the row's body, a release fence, then its armed tail (the last sp_tail bytes).
- * A reader that finds no sentinel left in the tail has, after its acquire fence, the whole
- * row: the fence orders the body's stores before the tail's (on x86 it only stops the compiler,
- * TSO keeps store order; on Arm it is a DMB). Element-safe copies: no element tears. With
+/* SP writer: the row's body, a store fence, then its armed tail (the last sp_tail bytes). A
+ * reader that finds no sentinel left in the tail has, after its acquire fence, the whole row:
+ * the fence orders the body's stores before the tail's (SFENCE on x86, for the fast-string
+ * stores of the libc copy the body takes, a DMB on Arm). Nobody polls the body, so any copy
+ * will do there; the tail is polled, so it is copied element-safe (no element tears). With
  * sp_tail == row_bytes this is plain SP, every element armed and polled. */
 static void put_sp_row(engine_t *g, uint8_t *slot, const uint8_t *src) {
     int64_t body = g->row_bytes - g->sp_tail;
     if (body > 0) {
-        copy_elem(slot, src, body);
-        atomic_thread_fence(memory_order_release);
+        copy_fast(slot, src, body);
+        store_fence();
     }
     copy_elem(slot + body, src + body, g->sp_tail);
 }
