@@ -416,7 +416,16 @@ static void finish_dst(op_t *op, int d) {
     ring(g, d);
 }
 
-static void send_unit(op_t *op, int core, int64_t t, int k, int e, int d, int64_t slot,
+/* DC: the row sums of the token a send loop summed last. A token's rows to one destination
+ * follow each other in its bucket (expert layout: up to top-k of them, the same bytes), so its
+ * sums are computed once, not once per row. */
+typedef struct {
+    int64_t t;
+    uint64_t A, B;
+} dc_memo_t;
+#define DC_MEMO_INIT {-1, 0, 0}
+
+static void send_unit(op_t *op, dc_memo_t *memo, int64_t t, int k, int e, int d, int64_t slot,
                       const int64_t *bases) {
     engine_t *g = op->g;
     int64_t pos = unit_pos(g, bases, e, slot);
@@ -425,10 +434,13 @@ static void send_unit(op_t *op, int core, int64_t t, int k, int e, int d, int64_
     if (g->layout == LAY_EXPERT) op->o_dst_row[t * g->K + k] = pos;
     else op->o_dst_row[t * g->R + d] = pos;
     if (g->sync == SYNC_DC && g->eng == ENG_ASP && d != g->rank) {
-        uint64_t A, B;
         int64_t W = (g->row_bytes + 7) / 8;
         int64_t brank = g->layout == LAY_EXPERT ? g->my_rank_in_batch[e] + slot : slot;
-        dc_row_sums(src, g->row_bytes, &A, &B);
+        if (memo->t != t) {
+            DC_ROW_SUMS(src, g->row_bytes, &memo->A, &memo->B);
+            memo->t = t;
+        }
+        uint64_t A = memo->A, B = memo->B;
         if (g->C > 1) {
             atomic_fetch_add(&g->dc_s1[d], A);
             atomic_fetch_add(&g->dc_s2[d], (uint64_t)brank * (uint64_t)W * A + B);
@@ -437,7 +449,6 @@ static void send_unit(op_t *op, int core, int64_t t, int k, int e, int d, int64_
             g->dc_s2[d] += (uint64_t)brank * (uint64_t)W * A + B;
         }
     }
-    (void)core;
 }
 
 static void unit_done(op_t *op, int d) {
@@ -497,8 +508,9 @@ static int send_canonical(op_t *op, int core) {
                 if (!ready) { j++; continue; }
                 int rc = compute_bases(op, core, d, g->rank, bases);
                 if (rc) return rc;
+                dc_memo_t memo = DC_MEMO_INIT;
                 for (int64_t u = bucket_start(g, i), end = u + g->units_to[d]; u < end; u++) {
-                    send_unit(op, core, g->u_t[u], g->u_k[u], g->u_e[u], d, g->u_slot[u], bases);
+                    send_unit(op, &memo, g->u_t[u], g->u_k[u], g->u_e[u], d, g->u_slot[u], bases);
                     log_unit(op, core, g->u_t[u], g->u_k[u]);
                 }
                 finish_dst(op, d);
@@ -524,6 +536,7 @@ static int send_planned(op_t *op, int core) {
     int64_t *bases = g->core_base + (int64_t)core * R * L;
     int64_t *ready = g->core_ready + (int64_t)core * R;
     for (int d = 0; d < R; d++) ready[d] = 0;
+    dc_memo_t memo = DC_MEMO_INIT;
     for (int j = core; j < p->num_send_cores; j += g->C) {
         for (int64_t u = p->core_ptr[j]; u < p->core_ptr[j + 1]; u++) {
             int d = (int)p->dst_rank[u];
@@ -533,7 +546,7 @@ static int send_planned(op_t *op, int core) {
                 if (rc) return rc;
                 ready[d] = 1;
             }
-            send_unit(op, core, p->token[u], (int)p->k[u], (int)p->expert[u], d, p->slot[u],
+            send_unit(op, &memo, p->token[u], (int)p->k[u], (int)p->expert[u], d, p->slot[u],
                       bases + (int64_t)d * L);
             log_unit(op, core, p->token[u], (int)p->k[u]);
             unit_done(op, d);
@@ -714,7 +727,7 @@ static int recv_progress(op_t *op, int core, int s, const int64_t *rx_base,
         uint64_t s1 = 0, s2 = 0;
         FOR_SOURCE_ROWS(g, core, s, rx_base, pos, rank_, {
             uint64_t A, B;
-            dc_row_sums(land_base + pos * g->slot_bytes, g->row_bytes, &A, &B);
+            DC_ROW_SUMS(land_base + pos * g->slot_bytes, g->row_bytes, &A, &B);
             s1 += A;
             s2 += (uint64_t)rank_ * (uint64_t)W * A + B;
         });
