@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import numpy as np
 import pytest
 
 from ubep import reference, testing
