@@ -437,7 +437,7 @@ static void send_unit(op_t *op, dc_memo_t *memo, int64_t t, int k, int e, int d,
         int64_t W = (g->row_bytes + 7) / 8;
         int64_t brank = g->layout == LAY_EXPERT ? g->my_rank_in_batch[e] + slot : slot;
         if (memo->t != t) {
-            DC_ROW_SUMS(src, g->row_bytes, &memo->A, &memo->B);
+            dc_row_sums(src, g->row_bytes, &memo->A, &memo->B);
             memo->t = t;
         }
         uint64_t A = memo->A, B = memo->B;
@@ -727,7 +727,7 @@ static int recv_progress(op_t *op, int core, int s, const int64_t *rx_base,
         uint64_t s1 = 0, s2 = 0;
         FOR_SOURCE_ROWS(g, core, s, rx_base, pos, rank_, {
             uint64_t A, B;
-            DC_ROW_SUMS(land_base + pos * g->slot_bytes, g->row_bytes, &A, &B);
+            dc_row_sums(land_base + pos * g->slot_bytes, g->row_bytes, &A, &B);
             s1 += A;
             s2 += (uint64_t)rank_ * (uint64_t)W * A + B;
         });

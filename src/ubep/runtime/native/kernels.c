@@ -19,11 +19,6 @@ copy_fn copy_fast = copy_libc;    /* any copy followed by a fenced flag */
 
 int fill_vector_ok = 0;
 
-static void dc_row_sums_generic(const uint8_t *p, int64_t nbytes, uint64_t *A, uint64_t *B) {
-    dc_row_sums(p, nbytes, A, B);
-}
-dc_sums_fn DC_ROW_SUMS = dc_row_sums_generic;
-
 static int has_pattern2(const uint16_t *p, int64_t n, uint16_t v) {
     int any = 0;
     for (int64_t i = 0; i < n; i++) any |= (p[i] == v);
@@ -68,7 +63,6 @@ void select_kernels(void) {
         kernel_set = "avx2";
         fill_vector_ok = 1;
         copy_elem = copy_avx2;
-        DC_ROW_SUMS = dc_row_sums_avx2;
         has2 = has_pattern2_avx2;
         has4 = has_pattern4_avx2;
         ROUND[DT_BF16] = round_bf16_avx2;

@@ -94,8 +94,7 @@ static inline int has_pattern(const uint8_t *p, int64_t nbytes, int isz, uint64_
  * (docs/FORMATS.md with check_bytes=None and block_bytes a multiple of 8). For one row this
  * returns A = sum w_j and B = sum (j+1) w_j (mod 2^64), so that a batch is
  * s1 = sum A, s2 = sum (rank * W * A + B) whatever order rows are visited in. */
-__attribute__((always_inline)) static inline void dc_row_sums(const uint8_t *p, int64_t nbytes,
-                                                              uint64_t *A, uint64_t *B) {
+static inline void dc_row_sums(const uint8_t *p, int64_t nbytes, uint64_t *A, uint64_t *B) {
     int64_t nw = nbytes / 8, nq = nw / 4;
     uint64_t a[4] = {0, 0, 0, 0}, c[4] = {0, 0, 0, 0};
     for (int64_t q = 0; q < nq; q++) {
@@ -127,13 +126,6 @@ __attribute__((always_inline)) static inline void dc_row_sums(const uint8_t *p, 
     *A = sa;
     *B = sb;
 }
-
-/* dc_row_sums compiled for the CPU (select_kernels: the AVX2 build vectorises the four lanes) */
-typedef void (*dc_sums_fn)(const uint8_t *p, int64_t nbytes, uint64_t *A, uint64_t *B);
-extern dc_sums_fn DC_ROW_SUMS;
-#if UBEP_X86
-void dc_row_sums_avx2(const uint8_t *p, int64_t nbytes, uint64_t *A, uint64_t *B);
-#endif
 
 #define DC_GOLDEN 0x9E3779B97F4A7C15ULL
 static inline uint64_t rotl64(uint64_t v, int r) { return (v << r) | (v >> (64 - r)); }

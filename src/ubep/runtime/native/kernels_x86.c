@@ -240,11 +240,6 @@ AVX2_F16C void reduce_fp16_hw(void *y, const void *const *src, const float *w, i
     reduce_tail(DT_FP16, y, src, w, nt, i, n, weighted);
 }
 
-/* DC row sums compiled for AVX2: the same source as the generic one (kernels.h) */
-AVX2 void dc_row_sums_avx2(const uint8_t *p, int64_t nbytes, uint64_t *A, uint64_t *B) {
-    dc_row_sums(p, nbytes, A, B);
-}
-
 /* The quantiser's row loop compiled for AVX2: the same source as the generic one
  * (kernels.h), vectorised by the compiler (vdivps, per-lane vpsrlvd for the rounding). */
 AVX2 void quant_row_avx2(const void *x, int dt, int64_t hidden, void *values, float *scales,
