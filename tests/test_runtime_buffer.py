@@ -194,7 +194,12 @@ def _worker_formats(group: Any) -> dict[str, bool]:
             slots = _land(buf, 0).reshape(-1, buf.layout.slot_bytes)[mine]
             ctl = _inbox(buf, peer, epoch).view(np.uint64)
             if sync == "tff":
-                out["tff"] = bool(np.array_equal(slots, TffCodec().encode(rows, epoch)))
+                # ASP lands in place: recv_x holds the rows, each land slot the row's epoch
+                # words, one per block of the format (TffCodec's blocks)
+                words = slots.view(np.uint64)
+                out["tff"] = (words.shape[1] == TffCodec().num_blocks(600)
+                              and bool((words == epoch).all())
+                              and bool(np.array_equal(as_row_bytes(res.recv_x[mine]), rows)))
             elif sync == "dc":
                 out["dc"] = bool(np.array_equal(ctl[16:19], DcCodec().control(rows, epoch)))
             elif sync == "sw":

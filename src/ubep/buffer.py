@@ -17,11 +17,11 @@ Results match :func:`ubep.reference.dispatch` / :func:`ubep.reference.combine` b
 (field names, row order and dtypes included).
 
 Lifetimes: ``res.recv_x`` is a read-only *view* of the receive region (no copy: that is what
-makes dispatch one memcpy with SW, DC and SP). It stays valid until the second dispatch after it
+makes dispatch one memcpy in every ASP sync mode). It stays valid until the second dispatch after it
 is called (the view of dispatch ``n`` survives dispatch ``n+1``; dispatch ``n+2`` may reuse its
 memory, and SP re-arms it then). Pass ``copy=True`` for an owned array. Every other field, the
-handle included, is an owned array. With TFF the rows land in separate slots of 480-byte blocks
-and flags, and the receiver moves each one into ``recv_x`` as it completes.
+handle included, is an owned array. With TFF each block's epoch word lands beside the rows, in a
+word array of its own (ubep.runtime.layout).
 
 Combine reads the expert outputs where they lie: if ``expert_out`` already lives in this rank's
 segment (``buf.get_combine_buffer(handle)``, or ``res.recv_x`` itself) nothing is copied;
@@ -486,7 +486,7 @@ class Buffer:
         return call.hook()
 
     def _complete_staged_dispatch(self) -> None:
-        """Engines that stage rows in one land region (BSP; ASP with TFF) must finish reading
+        """Engines that stage rows in one land region (BSP) must finish reading
         a dispatch before peers may write the next one there: a dispatch in flight completes
         before the next dispatch makes the region ready (its hook then returns at once)."""
         if self.layout.num_land_regions > 1:

@@ -14,10 +14,12 @@ element atomicity: only accumulate operations are atomic per element, and only w
 each other). Hence:
 
 * ``sw``: rows, ``flush(dst)``, then the flag record: stop and wait.
-* ``tff``: rows go out with their block flags zero, ``flush(dst)``, then one strided put writes
-  the epoch word of every block (a vector datatype). The receiver still learns arrival from the
-  epoch inside each block (docs/FORMATS.md), but a flush separates payload and flags: over RMA,
-  TFF costs what SW costs.
+* ``tff``: ASP puts the rows straight into ``recv_x`` (as SW does), ``flush(dst)``, then one
+  put writes the epoch word of every block into the rows' word slots (ubep.runtime.layout);
+  BSP stages rows as blocks with their flags zero, flushes, then one strided put writes each
+  block's epoch word (a vector datatype). The receiver still learns arrival from the epoch of
+  each block (docs/FORMATS.md), but a flush separates payload and flags: over RMA, TFF costs
+  what SW costs.
 * ``dc``: rows and the ``[count][checksum][epoch]`` record go out together, no flush at all: the
   receiver recomputes the checksum and retries until it matches. DC tolerates any arrival order,
   so it is the one mode that saves the flush round trip over RMA.
@@ -129,6 +131,7 @@ class RmaEngine(RmaProtocol):
         self.seg_size, self.timeout_ns = layout.size_bytes, int(config.timeout_s * 1e9)
         self.cdtype = _dt.dtype_of(config.combine_dtype)
         self.land_is_out = layout.off_land == layout.off_out
+        self.tff_in_place = self.sync == "tff" and not self.bsp  # rows in out, words in land
         if self.sync == "sp":
             raise InvalidArgumentError(
                 "sync", "sp",
@@ -416,11 +419,12 @@ class RmaEngine(RmaProtocol):
     # --- dispatch: sending --------------------------------------------------------------
 
     def _land(self, reg: int) -> int:
-        """Offset of the land region of dispatch region ``reg``. Where rows land in recv_x
-        itself (ASP with SW/DC) there is one per region; otherwise one land region serves every
-        call (ubep.runtime.layout): a sender writes it only after this rank published that it
-        entered the call (counts / ready record), hence finished reading it for the last one."""
-        return self.lay.off_land + (reg if self.land_is_out else 0) * self.lay.land_bytes
+        """Offset of the land region of dispatch region ``reg``. ASP has one per region (the
+        rows in recv_x itself; TFF: the rows' epoch words); BSP stages in one land region for
+        every call (ubep.runtime.layout): a sender writes it only after this rank published
+        that it entered the call (counts / ready record), hence finished reading it for the
+        last one."""
+        return self.lay.off_land + (reg % self.lay.num_land_regions) * self.lay.land_bytes
 
     def _out_rows(self, reg: int) -> np.ndarray:
         """This rank's out region as ``[cap_rows, row_bytes]`` (strided by out_stride)."""
@@ -435,10 +439,11 @@ class RmaEngine(RmaProtocol):
     def _encode(self, rows: np.ndarray) -> np.ndarray:
         """Rows as slots: raw (SW/DC, padded to slot_bytes) or TFF blocks with zero flags."""
         m = rows.shape[0]
-        if self.sync != "tff":
-            if self.slot_bytes == self.row_bytes:
+        if self.sync != "tff" or self.tff_in_place:
+            width = self.out_stride if self.tff_in_place else self.slot_bytes
+            if width == self.row_bytes:
                 return rows
-            out = np.zeros((m, self.slot_bytes), np.uint8)
+            out = np.zeros((m, width), np.uint8)
             out[:, :self.row_bytes] = rows
             return out
         return self.tff.unflagged(rows)  # the flags go out after a flush (_send_flags)
@@ -459,8 +464,11 @@ class RmaEngine(RmaProtocol):
         flat = slots.reshape(len(rows), -1)
         at = 0
         runs = self._runs(pos)
+        base, stride = self._land(reg), self.slot_bytes
+        if self.tff_in_place:
+            base, stride = self.lay.off_out + reg * self.lay.out_bytes, self.out_stride
         for p0, m in runs:
-            self.data.put(d, self._land(reg) + p0 * self.slot_bytes, flat[at: at + m])
+            self.data.put(d, base + p0 * stride, flat[at: at + m])
             at += m
         if self.bsp:
             return  # flags after the barrier
@@ -479,8 +487,12 @@ class RmaEngine(RmaProtocol):
             self._complete(op, self.data, d, f"the rows to rank {d} to complete")
             for p0, m in runs:
                 words = np.full(m * self.tff_nblocks, op.epoch, np.uint64)
-                off = self._land(reg) + p0 * self.slot_bytes + self.tff.payload_per_block
-                self.data.put_words(d, off, words, self.tff.block_bytes)
+                off = self._land(reg) + p0 * self.slot_bytes
+                if self.tff_in_place:
+                    self.data.put(d, off, words)
+                else:
+                    self.data.put_words(d, off + self.tff.payload_per_block, words,
+                                        self.tff.block_bytes)
 
     # --- dispatch: ASP ------------------------------------------------------------------
 
@@ -606,11 +618,10 @@ class RmaEngine(RmaProtocol):
             if count != len(pos):
                 return False
             return self._dc_sum(self._land_slots(reg)[pos], op.epoch) == total
-        slots = self._land_slots(reg)[pos]  # a copy: flags and payload read together
-        if not self.tff.row_ready(slots, op.epoch).all():
+        words = self._land_slots(reg)[pos].view("<u8")  # in place: the rows are in recv_x
+        if not (words == op.epoch).all():
             return False
-        self.data.sync()  # acquire: payload read after the flags
-        self._out_rows(reg)[pos] = self.tff.payload(slots, self.row_bytes)
+        self.data.sync()  # acquire: recv_x read after the words
         return True
 
     def _dc_sum(self, slots: np.ndarray, epoch: int) -> int:

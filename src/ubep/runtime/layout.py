@@ -19,17 +19,24 @@ inbox [R x 2]      per (source, epoch parity): ``[counts epoch][rows][sum]``, SW
                    DC ``[count][checksum][epoch]``, per-local-expert counts (u32)
 route [nreg]       per dispatch (index mod nreg): the sender's routing, read by receivers
                    for their metadata: ``[num_tokens][epoch][sum]``, topk_idx i32, weights f32
-land [nland]       where senders write rows (ASP: final positions; BSP: staging partitioned
-                   by source), each slot encoded for the sync mode (FORMATS.md)
+land [nland]       what senders write for a receiver to poll, one slot per row: ASP with
+                   SW/DC/SP the rows themselves at their final positions (land = out); ASP
+                   with TFF the rows' epoch words (u64 per block of the row, the rows go to
+                   out); BSP staging partitioned by source, each slot encoded for the sync
+                   mode (FORMATS.md)
 out [nreg]         ``recv_x`` (raw rows); the same memory as ``land`` for ASP with SW/DC/SP
 comb [2]           expert outputs for combine (unless the caller's already live here)
 =================  =====================================================================
 
-``nreg = 2``: the ``recv_x`` of dispatch ``n`` stays valid while dispatch ``n+1`` runs. Where
-land and out differ (ASP with TFF: the receiver strips the block flags; BSP: staging), one land
-region is enough (``nland = 1``): a peer writes it for the next call only after this rank has
-published that it finished with it. ASP with SP lands rows in ``recv_x`` too and re-arms a
-region's sentinels when the region is reused.
+``nreg = 2``: the ``recv_x`` of dispatch ``n`` stays valid while dispatch ``n+1`` runs. ASP
+lands every row in ``recv_x`` itself (one copy) and double-buffers its land regions (``nland =
+nreg``), so a dispatch in flight never forces the previous one to finish first: with TFF the
+sender stores each block of a row straight into ``recv_x``, then the block's epoch word with a
+release store into the land region (the flags live apart from the payload, so no copy ever
+writes both); epochs, never cleared, tell this call's words from stale ones. ASP with SP re-arms
+a region's sentinels when the region is reused. BSP stages rows (``nland = 1``): a peer writes
+the staging region for the next call only after this rank has published that it finished with
+it.
 """
 
 from __future__ import annotations
@@ -110,14 +117,16 @@ def compute_layout(
     row_bytes = hidden * itemsize if row_bytes is None else row_bytes
     cap_src_rows = T * min(K, L) if layout == "expert" else T
     cap_rows = R * cap_src_rows
-    if sync == "tff":
-        payload = tff_block_bytes - tff_flag_bytes
-        slot_bytes = -(-row_bytes // payload) * tff_block_bytes
-    else:
-        slot_bytes = _align(row_bytes)
     nreg = 2
     land_is_out = engine == "asp" and sync in ("sw", "dc", "sp")
-    nland = nreg if land_is_out else 1
+    tff_blocks = -(-row_bytes // (tff_block_bytes - tff_flag_bytes))
+    if sync == "tff" and engine == "asp":
+        slot_bytes = tff_blocks * 8  # in place: a row's epoch words, one per block
+    elif sync == "tff":
+        slot_bytes = tff_blocks * tff_block_bytes  # staged: blocks of payload + flag
+    else:
+        slot_bytes = _align(row_bytes)
+    nland = nreg if engine == "asp" else 1
     out_stride = slot_bytes if land_is_out else _align(row_bytes)
     combine_row_bytes = hidden * combine_itemsize
 

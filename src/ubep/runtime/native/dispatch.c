@@ -125,16 +125,17 @@ int dispatch_validate(op_t *op, int count) {
     return 0;
 }
 
-/* SP writer: the row's body, a release fence, then its armed tail (the last sp_tail bytes).
- * A reader that finds no sentinel left in the tail has, after its acquire fence, the whole
- * row: the fence orders the body's stores before the tail's (on x86 it only stops the compiler,
- * TSO keeps store order; on Arm it is a DMB). Element-safe copies: no element tears. With
+/* SP writer: the row's body, a store fence, then its armed tail (the last sp_tail bytes). A
+ * reader that finds no sentinel left in the tail has, after its acquire fence, the whole row:
+ * the fence orders the body's stores before the tail's (SFENCE on x86, for the fast-string
+ * stores of the libc copy the body takes, a DMB on Arm). Nobody polls the body, so any copy
+ * will do there; the tail is polled, so it is copied element-safe (no element tears). With
  * sp_tail == row_bytes this is plain SP, every element armed and polled. */
 static void put_sp_row(engine_t *g, uint8_t *slot, const uint8_t *src) {
     int64_t body = g->row_bytes - g->sp_tail;
     if (body > 0) {
-        copy_elem(slot, src, body);
-        atomic_thread_fence(memory_order_release);
+        copy_fast(slot, src, body);
+        store_fence();
     }
     copy_elem(slot + body, src + body, g->sp_tail);
 }
@@ -379,10 +380,13 @@ static void put_row(op_t *op, int d, int64_t pos, const uint8_t *src) {
         copy_fast(outreg(g, d, reg) + pos * g->out_stride, src, g->row_bytes);
         return;
     }
-    uint8_t *slot = land(g, d, reg) + pos * g->slot_bytes;
     if (g->sync == SYNC_TFF) {
-        put_tff_row(g, slot, src, op->epoch);
-    } else if (g->sync == SYNC_SP) {
+        put_tff_in_place(g, outreg(g, d, reg) + pos * g->out_stride, tff_words(g, d, reg, pos),
+                         src, op->epoch);
+        return;
+    }
+    uint8_t *slot = land(g, d, reg) + pos * g->slot_bytes;
+    if (g->sync == SYNC_SP) {
         put_sp_row(g, slot, src);
     } else {
         copy_fast(slot, src, g->row_bytes);
@@ -412,7 +416,16 @@ static void finish_dst(op_t *op, int d) {
     ring(g, d);
 }
 
-static void send_unit(op_t *op, int core, int64_t t, int k, int e, int d, int64_t slot,
+/* DC: the row sums of the token a send loop summed last. A token's rows to one destination
+ * follow each other in its bucket (expert layout: up to top-k of them, the same bytes), so its
+ * sums are computed once, not once per row. */
+typedef struct {
+    int64_t t;
+    uint64_t A, B;
+} dc_memo_t;
+#define DC_MEMO_INIT {-1, 0, 0}
+
+static void send_unit(op_t *op, dc_memo_t *memo, int64_t t, int k, int e, int d, int64_t slot,
                       const int64_t *bases) {
     engine_t *g = op->g;
     int64_t pos = unit_pos(g, bases, e, slot);
@@ -421,10 +434,13 @@ static void send_unit(op_t *op, int core, int64_t t, int k, int e, int d, int64_
     if (g->layout == LAY_EXPERT) op->o_dst_row[t * g->K + k] = pos;
     else op->o_dst_row[t * g->R + d] = pos;
     if (g->sync == SYNC_DC && g->eng == ENG_ASP && d != g->rank) {
-        uint64_t A, B;
         int64_t W = (g->row_bytes + 7) / 8;
         int64_t brank = g->layout == LAY_EXPERT ? g->my_rank_in_batch[e] + slot : slot;
-        dc_row_sums(src, g->row_bytes, &A, &B);
+        if (memo->t != t) {
+            dc_row_sums(src, g->row_bytes, &memo->A, &memo->B);
+            memo->t = t;
+        }
+        uint64_t A = memo->A, B = memo->B;
         if (g->C > 1) {
             atomic_fetch_add(&g->dc_s1[d], A);
             atomic_fetch_add(&g->dc_s2[d], (uint64_t)brank * (uint64_t)W * A + B);
@@ -433,7 +449,6 @@ static void send_unit(op_t *op, int core, int64_t t, int k, int e, int d, int64_
             g->dc_s2[d] += (uint64_t)brank * (uint64_t)W * A + B;
         }
     }
-    (void)core;
 }
 
 static void unit_done(op_t *op, int d) {
@@ -493,8 +508,9 @@ static int send_canonical(op_t *op, int core) {
                 if (!ready) { j++; continue; }
                 int rc = compute_bases(op, core, d, g->rank, bases);
                 if (rc) return rc;
+                dc_memo_t memo = DC_MEMO_INIT;
                 for (int64_t u = bucket_start(g, i), end = u + g->units_to[d]; u < end; u++) {
-                    send_unit(op, core, g->u_t[u], g->u_k[u], g->u_e[u], d, g->u_slot[u], bases);
+                    send_unit(op, &memo, g->u_t[u], g->u_k[u], g->u_e[u], d, g->u_slot[u], bases);
                     log_unit(op, core, g->u_t[u], g->u_k[u]);
                 }
                 finish_dst(op, d);
@@ -520,6 +536,7 @@ static int send_planned(op_t *op, int core) {
     int64_t *bases = g->core_base + (int64_t)core * R * L;
     int64_t *ready = g->core_ready + (int64_t)core * R;
     for (int d = 0; d < R; d++) ready[d] = 0;
+    dc_memo_t memo = DC_MEMO_INIT;
     for (int j = core; j < p->num_send_cores; j += g->C) {
         for (int64_t u = p->core_ptr[j]; u < p->core_ptr[j + 1]; u++) {
             int d = (int)p->dst_rank[u];
@@ -529,7 +546,7 @@ static int send_planned(op_t *op, int core) {
                 if (rc) return rc;
                 ready[d] = 1;
             }
-            send_unit(op, core, p->token[u], (int)p->k[u], (int)p->expert[u], d, p->slot[u],
+            send_unit(op, &memo, p->token[u], (int)p->k[u], (int)p->expert[u], d, p->slot[u],
                       bases + (int64_t)d * L);
             log_unit(op, core, p->token[u], (int)p->k[u]);
             unit_done(op, d);
@@ -689,9 +706,10 @@ typedef struct {
 } rx_cursor_t;
 
 /* Consume whatever has landed from source s without blocking: returns 1 when all its rows are
- * complete (decoded into out for TFF), 0 when some are still missing, -1 on error (recorded). */
-static int recv_progress(op_t *op, int core, int s, const int64_t *rx_base, uint8_t *land_base,
-                         uint8_t *out_base, rx_cursor_t *c) {
+ * complete (they are in recv_x: every ASP mode lands in place), 0 when some are still missing,
+ * -1 on error (recorded). */
+static int recv_progress(op_t *op, int core, int s, const int64_t *rx_base,
+                         const uint8_t *land_base, rx_cursor_t *c) {
     engine_t *g = op->g;
     inbox_rec_t *ib = inbox(g, g->rank, s, op->par);
     int64_t expect = RX_ROWS(g, core)[s];
@@ -718,25 +736,27 @@ static int recv_progress(op_t *op, int core, int s, const int64_t *rx_base, uint
                ld_rlx(&ib->dc_sum) == dc_finish(s1, s2, op->epoch);
     }
     const int expert = g->layout == LAY_EXPERT;
-    const int nblocks = expert ? g->L : 1;
+    const int nruns = expert ? g->L : 1;
     const uint32_t *cnt = RX_CNT(g, core) + (int64_t)s * g->L;
-    for (; c->el < nblocks; c->el++, c->off = 0) {
+    const int64_t nb = g->tff_nblocks;
+    for (; c->el < nruns; c->el++, c->off = 0) {
         int64_t n = expert ? (int64_t)cnt[c->el] : expect;
         int64_t p0 = rx_base[s * g->L + (expert ? c->el : 0)];
-        for (; c->off < n; c->off++, c->rank++) {
-            int64_t pos = p0 + c->off;
-            const uint8_t *slot = land_base + pos * g->slot_bytes;
-            if (g->sync == SYNC_SP) {
-                int64_t body = g->row_bytes - g->sp_tail;
-                if (has_pattern(slot + body, g->sp_tail, g->isz, g->sentinel)) return 0;
-                continue; /* in place: the row is recv_x already */
-            }
-            for (int64_t b = 0; b < g->tff_nblocks; b++) /* TFF: the whole row, then copy */
-                if (tff_flag(g, slot, b) != op->epoch) return 0;
-            get_tff_row(g, out_base + pos * g->out_stride, slot);
+        if (g->sync == SYNC_TFF) { /* in place: the run's epoch words are contiguous */
+            const uint64_t *words = (const uint64_t *)(land_base + p0 * g->slot_bytes);
+            int64_t i = tff_first_missing(words, c->off * nb, n * nb, op->epoch);
+            c->rank += i / nb - c->off;
+            c->off = i / nb;
+            if (c->off < n) return 0;
+            continue;
+        }
+        for (; c->off < n; c->off++, c->rank++) { /* SP: in place, the row is recv_x already */
+            const uint8_t *slot = land_base + (p0 + c->off) * g->slot_bytes;
+            if (has_pattern(slot + g->row_bytes - g->sp_tail, g->sp_tail, g->isz, g->sentinel))
+                return 0;
         }
     }
-    atomic_thread_fence(memory_order_acquire);
+    atomic_thread_fence(memory_order_acquire); /* the rows after the words / sentinels seen */
     return 1;
 }
 
@@ -752,13 +772,13 @@ static int recv_sources(op_t *op, int core, const int64_t *rx_base, int reg) {
         cur[n].off = cur[n].rank = 0;
         n++;
     }
-    uint8_t *land_base = land(g, g->rank, reg), *out_base = outreg(g, g->rank, reg);
+    const uint8_t *land_base = land(g, g->rank, reg);
     waiter_t w;
     waiter_init(&w);
     while (n) {
         int completed = 0;
         for (int i = 0; i < n;) {
-            int rc = recv_progress(op, core, src[i], rx_base, land_base, out_base, &cur[i]);
+            int rc = recv_progress(op, core, src[i], rx_base, land_base, &cur[i]);
             if (rc < 0) return -1;
             if (rc == 1) {
                 src[i] = src[n - 1];

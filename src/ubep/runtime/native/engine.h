@@ -324,8 +324,8 @@ static inline int64_t unit_pos(engine_t *g, const int64_t *bases, int e, int64_t
         }                                                                                  \
     } while (0)
 
-/* TFF (docs/FORMATS.md): a row as blocks of tff_payload bytes, each followed by its flag, the
- * call's epoch, stored with release after the payload. Used by ASP and BSP dispatch. */
+/* TFF staged (docs/FORMATS.md; BSP): a row as blocks of tff_payload bytes, each followed by its
+ * flag, the call's epoch, stored with release after the payload. */
 static inline void put_tff_row(engine_t *g, uint8_t *slot, const uint8_t *src, uint64_t epoch) {
     for (int64_t b = 0; b < g->tff_nblocks; b++) {
         int64_t off = b * g->tff_payload, len = g->row_bytes - off;
@@ -337,7 +337,30 @@ static inline void put_tff_row(engine_t *g, uint8_t *slot, const uint8_t *src, u
         st_rel(blk + g->tff_payload, epoch); /* the block's flag, after its payload */
     }
 }
-/* the flag of block b of a TFF slot */
+/* ASP TFF lands in place (layout.py): the row goes straight to its final place in recv_x,
+ * then each block's epoch word is release-stored into the row's word slot in the land region,
+ * apart from the payload, so no copy ever writes payload and flag together (MEMORY-MODEL.md).
+ * The row is one copy_fast (libc: fast-string stores out of cache, which beat vector stores by
+ * 10-25% there), so a store fence (SFENCE + release) orders it before the words, as SW orders
+ * its rows before its flag. A block's word is still stored after that block's payload; the
+ * words just all follow the row's last block. */
+static inline uint64_t *tff_words(engine_t *g, int rank, int reg, int64_t pos) {
+    return (uint64_t *)(land(g, rank, reg) + pos * g->slot_bytes);
+}
+static inline void put_tff_in_place(engine_t *g, uint8_t *dst, uint64_t *words,
+                                    const uint8_t *src, uint64_t epoch) {
+    copy_fast(dst, src, g->row_bytes);
+    store_fence();
+    for (int64_t b = 0; b < g->tff_nblocks; b++) st_rel(&words[b], epoch);
+}
+/* words [i, end) of a run of rows' epoch words: the index of the first that is not `epoch`
+ * (relaxed loads: the caller issues one acquire fence before it lets anyone read the rows) */
+static inline int64_t tff_first_missing(const uint64_t *words, int64_t i, int64_t end,
+                                        uint64_t epoch) {
+    while (i < end && ld_rlx(&words[i]) == epoch) i++;
+    return i;
+}
+/* the flag of block b of a TFF slot (BSP staging) */
 static inline uint64_t tff_flag(engine_t *g, const uint8_t *slot, int64_t b) {
     return ld_acq(slot + b * g->tff_block + g->tff_payload);
 }
