@@ -148,7 +148,9 @@ def _bad_dispatch(kind: str, cfg: BufferConfig, x: np.ndarray, idx: np.ndarray, 
     elif kind == "sentinel":
         idx[row, 0] = param % cfg.num_experts  # the poisoned row is really sent
         idx[row, 1:] = -1
-        x.view(_UINT[x.itemsize])[row, param % HIDDEN] = SENTINEL[cfg.dtype]
+        # in the part the receiver polls: the armed tail (sp_check_bytes), or the whole row
+        polled = cfg.sp_check_bytes // x.itemsize or HIDDEN
+        x.view(_UINT[x.itemsize])[row, HIDDEN - 1 - param % polled] = SENTINEL[cfg.dtype]
     return x, idx, w
 
 

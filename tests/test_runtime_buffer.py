@@ -261,6 +261,23 @@ def _worker_sp_check(group: Any, check: int) -> list[str]:
             for seed in range(5):
                 res, refs = _call(buf, group, case, [24, 17], seed)
                 errors += [f"{layout} {seed}: {e}" for e in compare(res, refs[group.rank])]
+            # the sentinel in the body of every rank's row 3: nobody's flag under a tail, it
+            # travels bit-exact; polled (the whole row), it is refused on every rank
+            xs, idxs, ws = make_inputs(case, buf.config.num_experts, [24, 17], 9, case.routing)
+            for x in xs:
+                x[3, 0] = dtypes.BF16.sentinel
+            r = group.rank
+            if check == 0 or check >= 600:
+                try:
+                    buf.dispatch(xs[r], idxs[r], ws[r])
+                    errors.append(f"{layout}: a polled sentinel was sent")
+                except InvalidArgumentError as exc:
+                    if exc.argument != "x":
+                        errors.append(f"{layout}: refused naming {exc.argument}")
+            else:
+                res = buf.dispatch(xs[r], idxs[r], ws[r])
+                refs = reference.dispatch(xs, idxs, ws, buf.config.num_experts, layout=layout)
+                errors += [f"{layout} body sentinel: {e}" for e in compare(res, refs[r])]
     return errors
 
 

@@ -107,8 +107,11 @@ int dispatch_validate(op_t *op, int count) {
             cnt[e]++;
             if (first) rows_to[d]++;
         }
+        /* only what the receiver polls must be free of the sentinel: the armed tail (the
+         * whole row with sp_check_bytes=0); a sentinel in the body travels as any payload */
         if (sp && seen_dst &&
-            has_pattern(op->x + t * g->row_bytes, g->row_bytes, g->isz, g->sentinel)) {
+            has_pattern(op->x + (t + 1) * g->row_bytes - g->sp_tail, g->sp_tail, g->isz,
+                        g->sentinel)) {
             char v[32];
             snprintf(v, sizeof v, "row %lld", (long long)t);
             g->stamp_gen = gen;
