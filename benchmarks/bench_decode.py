@@ -69,7 +69,8 @@ class Row:
     combine_pre_us: float
     combine_native_us: float
     combine_post_us: float
-    trace_us: tuple[float, ...]  # core 0: prepare done, send done, receive done (last call)
+    dispatch_phases_us: dict[str, float]  # core 0's native phases, medians (DISPATCH_MARKS)
+    combine_phases_us: dict[str, float]  # COMBINE_MARKS
 
 
 class _Timed:
@@ -118,6 +119,20 @@ def _split(outer: list[tuple[int, int]], inner: list[tuple[int, int]]) -> tuple[
             min(tot) / 1e3, med(tot) / 1e3, max(tot) / 1e3)
 
 
+# the engine's trace points (core 0; Engine.trace()) that bound each native phase:
+# dispatch.c 0 entered, 3 counts published, 4 rows sent, 7 rows received; combine.c 8 entered,
+# 9 peers one call behind at most, 10 expert outputs copied, 11 peers' outputs published, 12
+# reduced
+DISPATCH_MARKS = {"prepare": (0, 3), "send": (3, 4), "receive": (4, 7)}
+COMBINE_MARKS = {"wait": (8, 9), "copy": (9, 10), "peers": (10, 11), "reduce": (11, 12)}
+
+
+def _phases(traces: list[tuple[int, ...]], marks: dict[str, tuple[int, int]]) -> dict[str, float]:
+    """Median duration (us) of each phase over the calls."""
+    return {name: statistics.median(t[b] - t[a] for t in traces) / 1e3
+            for name, (a, b) in marks.items()}
+
+
 def _rank(group: Any, cases: list[Case], repeats: int) -> list[dict[str, Any]]:
     out = []
     for i, case in enumerate(cases):
@@ -135,6 +150,7 @@ def _rank(group: Any, cases: list[Case], repeats: int) -> list[dict[str, Any]]:
             res = buf.dispatch(xs[r], idxs[r], ws[r])
             eo = np.array(res.recv_x)
             outer: dict[str, list[tuple[int, int]]] = {"dispatch": [], "combine": []}
+            traces = []
             for rep in range(repeats + 20):
                 if rep % 25 == 0:
                     group.barrier(30.0)
@@ -145,14 +161,15 @@ def _rank(group: Any, cases: list[Case], repeats: int) -> list[dict[str, Any]]:
                 t2 = time.perf_counter_ns()
                 outer["dispatch"].append((t0, t1))
                 outer["combine"].append((t1, t2))
-            trace = buf._engine.trace()
+                traces.append(buf._engine.trace())  # both calls' (combine writes 8..12)
             buf._engine = buf._fast = timed._engine
         warm = slice(20, None)  # the first calls warm caches and wake-ups
         out.append({
             "errors": errors,
             "dispatch": _split(outer["dispatch"][warm], timed.spans["dispatch"][-repeats:]),
             "combine": _split(outer["combine"][warm], timed.spans["combine"][-repeats:]),
-            "trace": [(trace[k] - trace[0]) / 1e3 for k in (3, 4, 7)],
+            "dispatch_phases": _phases(traces[20:], DISPATCH_MARKS),
+            "combine_phases": _phases(traces[20:], COMBINE_MARKS),
         })
     return out
 
@@ -192,7 +209,8 @@ def run(cases: list[Case], repeats: int) -> tuple[list[Row], float, list[float]]
                         dispatch_native_us=d[1], dispatch_post_us=d[2],
                         combine_us=(c[3], c[4], c[5]), combine_pre_us=c[0],
                         combine_native_us=c[1], combine_post_us=c[2],
-                        trace_us=tuple(mine[0]["trace"])))
+                        dispatch_phases_us=mine[0]["dispatch_phases"],
+                        combine_phases_us=mine[0]["combine_phases"]))
     return rows, flag_us, [s.median_us for s in copies]
 
 
@@ -208,7 +226,14 @@ def table(rows: list[Row], flag_us: float, copy_us: list[float]) -> str:
                      row.dispatch_post_us, row.combine_us[1], row.combine_pre_us,
                      row.combine_native_us, row.combine_post_us, floor,
                      row.dispatch_us[1] / floor, row.combine_us[1] / floor])
-    return format_table(head, body)
+    phead = ["tokens", "hidden", "layout", "sync", *("disp " + k for k in DISPATCH_MARKS),
+             *("comb " + k for k in COMBINE_MARKS)]
+    pbody = [[r.case.tokens, r.case.hidden, r.case.layout, r.case.sync,
+              *r.dispatch_phases_us.values(), *r.combine_phases_us.values()] for r in rows]
+    return (format_table(head, body) + "\n\nnative phases of core 0 (engine trace points, "
+            "medians, us): dispatch prepare (validate, count, publish) / send / receive; "
+            "combine wait (peers one call behind) / copy (the rows peers pull) / peers (their "
+            "outputs published) / reduce\n" + format_table(phead, pbody))
 
 
 def main(argv: list[str] | None = None) -> None:
