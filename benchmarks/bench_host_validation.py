@@ -27,7 +27,7 @@ from benchmarks import bench_dispatch as bd
 from benchmarks.harness import format_table
 from benchmarks.host_micro import Micro, build
 
-from ubep.sim.host import HostCase, combine_terms, kernel_passes, predict_host
+from ubep.sim.host import HostCase, combine_row_map, combine_terms, kernel_passes, predict_host
 
 # The fixed-cost microbenchmark: the same call with 64-element rows. It has the case's
 # tokens, routing, layout, engine, sync and ranks, so every per-call, per-token and per-row
@@ -60,16 +60,19 @@ def _host_case(case: bd.Case, ranks: int, op: str) -> HostCase:
 
 def _timer(micro: Micro, case: bd.Case, ranks: int, op: str, idxs: list[np.ndarray]) -> Any:
     """Per-row pass costs at this case's working set (host_micro, cold, the runtime's kernels):
-    rows per rank for the send and receive passes, tokens for SP's scan of x and the combine's
-    reduction (``terms`` rows per token)."""
+    rows per rank for the send and receive passes, tokens for SP's scan of x; the combine's
+    reduction reads every rank's rows where the runtime's combine reads them
+    (``combine_row_map``) and is priced per row reduced."""
     hc = _host_case(case, ranks, op)
     rows = round(_rows_per_rank(idxs, case.layout, bd.NUM_EXPERTS))
+    rowmap = combine_row_map(idxs, bd.NUM_EXPERTS, case.layout) if op == "combine" else None
 
     def timer(writer: str, reader: str, terms: int) -> tuple[float, float]:
         b, n = hc.row_bytes, rows
         if reader.startswith("reduce"):
-            b, n = hc.hidden * 2, case.tokens
-        elif writer == "scan":
+            return micro.per_row_ns(ranks, hc.hidden * 2, case.tokens, writer, reader, terms,
+                                    rowmap=rowmap)
+        if writer == "scan":
             n = case.tokens
         return micro.per_row_ns(ranks, b, n, writer, reader, terms)
 
@@ -141,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     micro_s = time.monotonic() - start
     load_mid = os.getloadavg()
     shares = {r: micro.cpu_share(r) for r in ranks}
+    measured_shares = {r: micro.measured_share(r) for r in ranks}
     tiny_rows = bd.run(ranks, tiny, args.warmup, repeats, False, 1800.0)
     rows = bd.run(ranks, cases, args.warmup, repeats, False, 1800.0)
     load_after = os.getloadavg()
@@ -176,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
         f"microbenchmarks {load_mid[0]:.2f}, after the matrix {load_after[0]:.2f} (1-min)",
         "# flag one-way latency (ns) by ranks: "
         + ", ".join(f"{r}: {v:.0f}" for r, v in flags.items()),
+        "# oversubscription factor (derived: ranks / CPUs, at least 1) by ranks: "
+        + ", ".join(f"{r}: {v:.2f}" for r, v in shares.items())
+        + "; measured call-like cross-check (not used): "
+        + ", ".join(f"{r}: {v:.2f}" for r, v in measured_shares.items()),
         "# measured = median over repeats of the max over ranks (bench_dispatch); predicted = "
         "ubep.sim.host.predict_host from: fixed = the same call with "
         f"{TINY_HIDDEN}-element rows minus the model's share of it; row passes = "
@@ -205,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                               "sync": k[4], "layout": k[5], "op": k[6], **v}
                              for k, v in fixed.items()],
                    "cpu_share": {str(k): v for k, v in shares.items()},
+                   "cpu_share_measured": {str(k): v for k, v in measured_shares.items()},
                    "micro": [{"key": list(map(str, k)), "values": list(v)}
                              for k, v in micro.cache.items()],
                    "summary": summary, "rows": out_rows}

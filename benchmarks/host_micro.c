@@ -142,17 +142,39 @@ static void k_fill(void) {
     int64_t s = al64(B);
     for (int64_t r = 0; r < N; r++) fill_pattern(dst + r * s, B, 2, 0x7FA5);
 }
-/* combine.c ph_c_reduce: per token, the engine's fused REDUCE[bf16] over TERMS rows of the
- * pool (src, N * TERMS rows; weighted as the expert layout, unweighted as the rank layout) */
+/* combine.c ph_c_reduce: per token, the engine's fused REDUCE[bf16] over its rows (weighted as
+ * the expert layout, unweighted as the rank layout). With a row map (MAP, see main) the rows
+ * are where the runtime puts them: rank d's expert outputs in segment SEG[d], token t's rows
+ * at MAP[t] (d, row) in combine.c's order; without one, TERMS rows per token back to back in
+ * the pool (src, N * TERMS rows). The order matters: reading the same bytes as the rank
+ * layout's per-rank streams runs ~3x faster than as adjacent pairs (docs/SIMULATOR.md, 6). */
 static int WEIGHTED = 1;
+static const int32_t *MAP; /* [N][MAPW][2] of this process's rank, -1 = no row */
+static int MAPW;
+static uint8_t *SEG[64];
+static int64_t map_rows(void) {
+    int64_t n = 0;
+    for (int64_t i = 0; i < N * MAPW; i++) n += MAP[2 * i] >= 0;
+    return n;
+}
 static void k_reduce_any(void) {
     const void *tp[64];
     float tw[64];
     int nt = TERMS > 64 ? 64 : (int)TERMS;
     for (int64_t t = 0; t < N; t++) {
-        for (int k = 0; k < nt; k++) {
-            tp[k] = src + (t * TERMS + k) * B;
-            tw[k] = 0.125f * (float)(k + 1);
+        if (MAP) {
+            nt = 0;
+            for (int k = 0; k < MAPW && k < 64; k++) {
+                const int32_t *m = MAP + 2 * (t * MAPW + k);
+                if (m[0] < 0) continue;
+                tp[nt] = SEG[m[0]] + (int64_t)m[1] * B;
+                tw[nt++] = 0.125f * (float)(k + 1);
+            }
+        } else {
+            for (int k = 0; k < nt; k++) {
+                tp[k] = src + (t * TERMS + k) * B;
+                tw[k] = 0.125f * (float)(k + 1);
+            }
         }
         /* y 16 bytes past a page start, as numpy's np.empty puts combine's output (a y at
          * the same address bits 0-11 as its source rows would add 4K-aliasing stalls the
@@ -271,6 +293,38 @@ int main(int argc, char **argv) {
     TERMS = argc > 7 ? atoll(argv[7]) : 1;
     int64_t copies = argc > 8 ? atoll(argv[8]) : 1;
     int cold = argc > 9 ? atoi(argv[9]) : 0;
+    /* MAP (reduce readers): int32 R, T, W, then [R][T][W][2] (rank d, row) per token, -1 = none
+     * (ubep.sim.host.combine_row_map); process p reduces rank p's tokens (p < R) */
+    int32_t *map_all = NULL, map_r = 0;
+    if (argc > 10 && strcmp(argv[10], "-")) {
+        FILE *f = fopen(argv[10], "rb");
+        int32_t hdr[3];
+        if (!f || fread(hdr, sizeof hdr, 1, f) != 1 || hdr[0] < 1 || hdr[0] > 64 ||
+            hdr[1] != N || hdr[2] < 1 || hdr[2] > 64) {
+            fprintf(stderr, "bad MAP file %s (tokens must be ROWS)\n", argv[10]);
+            return 2;
+        }
+        size_t cnt = (size_t)hdr[0] * (size_t)hdr[1] * (size_t)hdr[2] * 2;
+        map_all = malloc(cnt * sizeof(int32_t));
+        if (fread(map_all, sizeof(int32_t), cnt, f) != cnt) { fprintf(stderr, "short MAP\n"); return 2; }
+        fclose(f);
+        map_r = hdr[0];
+        MAPW = hdr[2];
+        /* the R segments' expert outputs, shared and written once, as bench_dispatch's */
+        int64_t rows[64] = {0};
+        for (size_t i = 0; i < cnt; i += 2)
+            if (map_all[i] >= 0 && map_all[i + 1] + 1 > rows[map_all[i]])
+                rows[map_all[i]] = map_all[i + 1] + 1;
+        for (int d = 0; d < map_r; d++) {
+            size_t n = ((size_t)(rows[d] > 0 ? rows[d] : 1) * (size_t)B + 4095) / 4096 * 4096;
+            SEG[d] = shared(n);
+            for (size_t i = 0; i < n / 2; i++) {
+                uint32_t x = (uint32_t)((i + (size_t)d * 7919) * 2654435761u) >> 7;
+                ((uint16_t *)SEG[d])[i] = (uint16_t)((x & 1) << 15 | (120 + (x >> 1) % 10) << 7 |
+                                                     (x >> 5 & 0x7F));
+            }
+        }
+    }
 
     int is_flag = !strcmp(argv[1], "flag");
     kern_t wr = is_flag ? NULL : find(argv[1]);
@@ -302,10 +356,10 @@ int main(int argc, char **argv) {
         if (fork() == 0) {
             if (is_flag) {
                 spin_barrier(ctl, procs);
-                out[4 * p] = flag_run(words, p, millis);
-                out[4 * p + 1] = out[4 * p + 2] = out[4 * p + 3] = 0;
+                out[8 * p] = flag_run(words, p, millis);
                 _exit(0);
             }
+            if (map_all) MAP = map_all + (size_t)(p % map_r) * (size_t)N * (size_t)MAPW * 2;
             uint8_t *src_all = shared(pool * (size_t)copies + 64);
             src = src_all;
             size_t auxbytes = (size_t)N * (size_t)al64(B) + (size_t)N * (size_t)TERMS * 8 + 64;
@@ -336,7 +390,7 @@ int main(int argc, char **argv) {
                            (size_t)(N * (TERMS > 1 ? TERMS : 1) * B));
             /* the bulk memcpy's destination is private, as bench_dispatch's np.copyto floor */
             uint8_t *bulk_dst = shared(pool + 64);
-            static int64_t rw[100000], rr[100000], bb[100000];
+            static int64_t rw[100000], rr[100000], bb[100000], aw[100000], ar[100000];
             int64_t n = 0, stop, t_all = 0;
             int64_t passes = 0, exchanges = 0; /* pass barriers, all-waits crossed */
             for (int warm = 1; warm >= 0; warm--) {
@@ -354,7 +408,12 @@ int main(int argc, char **argv) {
                         evict(src, pool);
                         evict(mine, xbytes);
                         evict(aux, auxbytes);
-                        if (rd == k_reduce || rd == k_reduce_rank) evict(theirs, xbytes);
+                        if ((rd == k_reduce || rd == k_reduce_rank) && MAP) {
+                            for (int64_t i = 0; i < N * MAPW; i++)
+                                if (MAP[2 * i] >= 0) evict(SEG[MAP[2 * i]] + (int64_t)MAP[2 * i + 1] * B, (size_t)B);
+                        } else if (rd == k_reduce || rd == k_reduce_rank) {
+                            evict(theirs, xbytes);
+                        }
                         /* every process starts the pass together, as a call's ranks do after
                          * its barrier (they share the memory bandwidth); process 0 decides
                          * when to stop, so that all make the same number of passes */
@@ -394,6 +453,8 @@ int main(int argc, char **argv) {
                     k_bulk();
                     int64_t t3 = now_ns(), tb = t3 - t2b > 0 ? t3 - t2b : 1;
                     /* per pass, relative to the bulk memcpy timed next to it (ppm) */
+                    aw[n] = t1 - t0;
+                    ar[n] = t2 - t1;
                     rw[n] = (t1 - t0) * 1000000 / tb;
                     rr[n] = (t2 - t1) * 1000000 / tb;
                     bb[n] = tb;
@@ -403,6 +464,8 @@ int main(int argc, char **argv) {
                 if (p == 0) atomic_store(&ctl[4], n);
             }
             qsort(rw, (size_t)n, sizeof(int64_t), cmp64);
+            qsort(aw, (size_t)n, sizeof(int64_t), cmp64);
+            qsort(ar, (size_t)n, sizeof(int64_t), cmp64);
             qsort(rr, (size_t)n, sizeof(int64_t), cmp64);
             qsort(bb, (size_t)n, sizeof(int64_t), cmp64);
             /* CPU share: the wall time of a whole pass on average over the median pass time
@@ -416,10 +479,13 @@ int main(int argc, char **argv) {
              * host is often cut by other processes' time slices, which the model leaves out
              * (it predicts the machine to itself); the quartile keeps the uninterrupted ones */
             int64_t q = cold ? n / 4 : n / 2;
-            out[4 * p] = rw[q];
-            out[4 * p + 1] = rr[q];
-            out[4 * p + 2] = bb[q];
-            out[4 * p + 3] = med_pass > 0 && n > 0 ? (t_all / n) * 1000000 / med_pass : 0;
+            out[8 * p] = rw[q];
+            out[8 * p + 1] = rr[q];
+            out[8 * p + 2] = bb[q];
+            out[8 * p + 3] = med_pass > 0 && n > 0 ? (t_all / n) * 1000000 / med_pass : 0;
+            out[8 * p + 4] = aw[q]; /* the passes' own times (ns), same quantile */
+            out[8 * p + 5] = ar[q];
+            out[8 * p + 6] = MAP ? map_rows() : N; /* rows (tokens) of the reader pass */
             _exit(0);
         }
     }
@@ -442,7 +508,9 @@ int main(int argc, char **argv) {
         free(l);
     }
     for (int p = 0; p < procs; p++)
-        printf("%lld %lld %lld %lld %lld\n", (long long)out[4 * p], (long long)out[4 * p + 1],
-               (long long)out[4 * p + 2], (long long)out[4 * p + 3], (long long)lat_med);
+        printf("%lld %lld %lld %lld %lld %lld %lld %lld\n", (long long)out[8 * p],
+               (long long)out[8 * p + 1], (long long)out[8 * p + 2], (long long)out[8 * p + 3],
+               (long long)lat_med, (long long)out[8 * p + 4], (long long)out[8 * p + 5],
+               (long long)out[8 * p + 6]);
     return 0;
 }

@@ -6,8 +6,8 @@
   interleaved cases evict each other), all processes starting each pass together (a call's
   ranks share the memory bandwidth), in writer/reader pairs, alternating two copies of the
   buffers as the runtime alternates its two receive regions (one for the combine's reduce);
-* oversubscription: a call-like pass (copy, then wait for every process) of R processes over
-  that of as many as CPUs;
+* oversubscription: processor sharing, R / CPUs (derived; a call-like pass of R processes
+  over that of as many as CPUs is measured beside it as a cross-check);
 * the cross-process flag round trip (spin, then sched_yield), with as many processes as ranks.
 
 The per-call fixed cost (bench_host_validation.py) is the same call with 64-element rows.
@@ -18,6 +18,7 @@ model built from them with that matrix.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import statistics
 import subprocess
@@ -25,6 +26,8 @@ import sysconfig
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 HERE = Path(__file__).resolve().parent
 NATIVE = HERE.parent / "src" / "ubep" / "runtime" / "native"
@@ -58,36 +61,55 @@ class Micro:
         return [tuple(float(v) for v in line.split()) for line in got if line.strip()]
 
     def rows(self, procs: int, row_bytes: int, rows: int, writer: str, reader: str,
-             terms: int = 1, copies: int = 2, cold: bool = True) -> tuple[float, ...]:
-        """``(writer / bulk, reader / bulk, bulk ns)``: the median over passes of each pass's
-        time relative to a memcpy of the same bytes timed beside it (median over rounds and
-        processes). Passes alternate between ``copies`` copies of their buffers: the runtime
-        alternates two receive regions between calls, so a case's working set is two copies
-        of its rows. ``cold``: every pass starts with its buffers flushed from the caches
-        (bench_dispatch interleaves its cases, whose buffers evict each other's), all
-        processes together, and the per-process values are first quartiles over passes
-        (passes cut by other processes' time slices left out)."""
+             terms: int = 1, copies: int = 2, cold: bool = True,
+             rowmap: np.ndarray | None = None) -> tuple[float, ...]:
+        """``(writer / bulk, reader / bulk, bulk ns, CPU share, call latency ns, writer ns,
+        reader ns, reader rows)``, each the median over rounds of the median over processes.
+        Ratios are per pass relative to a memcpy of the same bytes timed beside it; the
+        ``ns`` values are the passes' own times. Passes alternate between ``copies`` copies of
+        their buffers: the runtime alternates two receive regions between calls, so a case's
+        working set is two copies of its rows. ``cold``: every pass starts with its buffers
+        flushed from the caches (bench_dispatch interleaves its cases, whose buffers evict
+        each other's), all processes together, and the per-process values are first quartiles
+        over passes (passes cut by other processes' time slices left out). ``rowmap``
+        (reduce readers): ``[R, T, M, 2]`` (rank, row) per token
+        (:func:`ubep.sim.host.combine_row_map`): the reduce reads the rows where the runtime's
+        combine reads them, process ``p`` as rank ``p``."""
         rows = max(1, int(rows))
-        key = (procs, row_bytes, rows, writer, reader, terms, copies, cold)
+        digest = hashlib.sha1(rowmap.tobytes()).hexdigest()[:16] if rowmap is not None else "-"
+        key = (procs, row_bytes, rows, writer, reader, terms, copies, cold, digest)
         if key not in self.cache:
+            path = "-"
+            if rowmap is not None:
+                path = str(self._map_file(rowmap, digest))
             per = []
             for _ in range(self.rounds):
                 got = self._run([writer, reader, str(row_bytes), str(rows), str(procs),
-                                 str(self.millis), str(terms), str(copies), str(int(cold))])
-                per.append(tuple(statistics.median(g[i] for g in got) for i in range(4)))
-            self.cache[key] = (statistics.median(p[0] for p in per) / 1e6,
-                               statistics.median(p[1] for p in per) / 1e6,
-                               statistics.median(p[2] for p in per),
-                               statistics.median(p[3] for p in per) / 1e6)
+                                 str(self.millis), str(terms), str(copies), str(int(cold)),
+                                 path])
+                per.append(tuple(statistics.median(g[i] for g in got) for i in range(8)))
+            med = [statistics.median(p[i] for p in per) for i in range(8)]
+            self.cache[key] = (med[0] / 1e6, med[1] / 1e6, med[2], med[3] / 1e6, med[4],
+                               med[5], med[6], med[7])
         return self.cache[key]
 
+    def _map_file(self, rowmap: np.ndarray, digest: str) -> Path:
+        """host_micro.c's MAP file: int32 R, T, M, then the ``[R, T, M, 2]`` map."""
+        path = self.binary.parent / f"rowmap-{digest}.bin"
+        if not path.exists():
+            with open(path, "wb") as f:
+                np.asarray(rowmap.shape[:3], dtype=np.int32).tofile(f)
+                np.ascontiguousarray(rowmap, dtype=np.int32).tofile(f)
+        return path
+
     def per_row_ns(self, procs: int, row_bytes: int, rows: int, writer: str, reader: str,
-                   terms: int) -> tuple[float, float]:
+                   terms: int, rowmap: np.ndarray | None = None) -> tuple[float, float]:
         """ns per row of the writer and the reader pass, cold (:meth:`rows`), times the
-        oversubscription factor (:meth:`cpu_share`). Absolute times: most passes are not
-        memory-bound (the reduce converts and adds, SP and DC compare and sum), so rescaling
-        them by a memcpy rate measured elsewhere would charge them a slowdown they do not
-        have."""
+        oversubscription factor (:meth:`cpu_share`). Absolute times (the first quartile of
+        each pass's own time): most passes are not memory-bound (the reduce converts and
+        adds, SP and DC compare and sum), so rescaling them by a memcpy rate measured
+        elsewhere would charge them a slowdown they do not have. With ``rowmap`` the reader's
+        rows are the rows the map names (the reduce's: ns per row reduced)."""
         # A pass is timed uninterrupted only with one process per CPU: with more, a
         # multi-millisecond pass is cut by time slices; the sharing is cpu_share's factor.
         cpus = os.cpu_count() or 1
@@ -95,19 +117,29 @@ class Micro:
         # the reduce reads the expert outputs, one buffer where the experts left them (no
         # alternating receive regions): one copy
         copies = 1 if reader.startswith("reduce") else 2
-        w, r, bulk_ns = self.rows(pairs, row_bytes, rows, writer, reader, terms, copies)[:3]
-        share = self.cpu_share(procs) / max(1, int(rows))
-        return w * bulk_ns * share, r * bulk_ns * share
+        got = self.rows(pairs, row_bytes, rows, writer, reader, terms, copies, rowmap=rowmap)
+        w_ns, r_ns, r_rows = got[5], got[6], got[7]
+        share = self.cpu_share(procs)
+        return w_ns * share / max(1, int(rows)), r_ns * share / max(1.0, r_rows)
 
     def cpu_share(self, procs: int) -> float:
-        """Oversubscription as time-slicing: the latency of a call-like pass of ``procs``
-        processes (each copies 1 MB, then waits, spinning then yielding as the engine's waits
-        do, until every process has copied; a call's ranks each wait for all peers' rows) over
-        that of as many processes as CPUs. Per run the slowest process's own pass is taken at
-        its 10th percentile over passes (the time slices our own processes take from each
-        other are in every pass, outside load only in some); median over alternating runs.
-        1 up to a process per CPU; ~2 for four ranks on two CPUs, where each CPU must run two
-        ranks' work before the last rank has its rows. The row passes are multiplied by it."""
+        """Oversubscription as processor sharing (derived, not measured): ``procs / CPUs`` when
+        there are more ranks than CPUs, else 1. Each CPU must run ``procs / CPUs`` ranks' row
+        passes before the last rank has all its rows, and the engine's waits spin briefly,
+        then ``sched_yield``, so a waiting rank hands its CPU to a rank with work instead of
+        idling it; the scheduler's slices (~4 ms here: the preemption gap a pass shows when
+        another process is runnable on its CPU) only decide the order, not the total. The row
+        passes are multiplied by it. :meth:`measured_share` is the call-like cross-check."""
+        cpus = os.cpu_count() or 1
+        return procs / cpus if procs > cpus else 1.0
+
+    def measured_share(self, procs: int) -> float:
+        """Cross-check of :meth:`cpu_share` (reported, not used): the latency of a call-like
+        pass of ``procs`` processes (each copies 1 MB, then waits, spinning then yielding as
+        the engine's waits do, until every process has copied) over that of as many processes
+        as CPUs; per run the slowest process's pass at its 10th percentile over passes; median
+        over 5 alternating runs. Outside load (other processes' time slices) raises it above
+        ``procs / CPUs``: it measured 1.8-3.8 for 4 on 2 CPUs at loads 4-8."""
         key = ("share", procs)
         if key not in self.cache:
             cpus = os.cpu_count() or 1
@@ -120,10 +152,7 @@ class Micro:
                         ["copy", "all", "4096", "256", str(p), str(self.millis * 2), "1", "2",
                          "1"])) for p in (procs, base)]
                     ratios.append(got[0] / max(got[1], 1.0))
-            # R ranks on C CPUs: each CPU runs R/C ranks' work, so more than R/C is outside
-            # load, which the model leaves out (measured 1.8-3.8 for 4 on 2 under loads 4-8)
-            bound = procs / cpus if procs > cpus else 1.0
-            self.cache[key] = (min(bound, max(1.0, statistics.median(ratios))),)
+            self.cache[key] = (statistics.median(ratios),)
         return self.cache[key][0]
 
     def flag_oneway_ns(self, procs: int) -> float:

@@ -13,7 +13,7 @@ from ubep.errors import InvalidArgumentError
 from ubep.routing import uniform_topk
 from ubep.sim.calib import AIV_ASSUMPTIONS, aiv_costs, fabric_variants, load_fabric
 from ubep.sim.experiments import exchange_latency_ns
-from ubep.sim.host import HostCase, canonical_plans, predict_host
+from ubep.sim.host import HostCase, canonical_plans, combine_row_map, predict_host
 from ubep.sim.workload import UBEP, Workload, run_case
 from ubep.topology import cm384
 
@@ -117,3 +117,51 @@ def test_exchange_microbenchmark_sw_pays_a_round_trip() -> None:
     # SW: fence (2 L) + flag flight (L) on top of the store's flight; SP: the flight alone.
     two_hop = topo.latency_ns[1]
     assert sw - sp >= 2 * two_hop - 1e-6
+
+
+@pytest.mark.parametrize(("ranks", "layout"), [(2, "expert"), (2, "rank"), (4, "rank")])
+def test_combine_row_map_is_where_the_runtime_puts_the_rows(ranks: int, layout: str) -> None:
+    E, T, K = 8, 6, 3
+    idxs = [uniform_topk(T, E, K, seed=10 + r) for r in range(ranks)]
+    epr = E // ranks
+    # Brute force from the receive order (docs/PORTING.md): rank d's rows by local expert,
+    # then source rank, then token (layout "expert"); by source rank, then token ("rank").
+    recv: dict[int, list[tuple[int, int, int]]] = {d: [] for d in range(ranks)}
+    for d in range(ranks):
+        if layout == "expert":
+            for e in range(d * epr, (d + 1) * epr):
+                recv[d] += [(src, t, e) for src in range(ranks) for t in range(T)
+                            if e in idxs[src][t].tolist()]
+        else:
+            recv[d] += [(src, t, -1) for src in range(ranks) for t in range(T)
+                        if any(int(e) // epr == d for e in idxs[src][t])]
+    got = combine_row_map(idxs, E, layout)
+    for r in range(ranks):
+        for t in range(T):
+            if layout == "expert":
+                want = [(int(e) // epr, recv[int(e) // epr].index((r, t, int(e))))
+                        for e in idxs[r][t]]
+            else:
+                dests = sorted({int(e) // epr for e in idxs[r][t]})
+                want = [(d, recv[d].index((r, t, -1))) if d in dests else (-1, -1)
+                        for d in range(ranks)]
+            assert [tuple(v) for v in got[r, t].tolist()] == want
+
+
+def test_predict_host_combine_is_the_busiest_ranks_reduction() -> None:
+    # ASP combine, one core per rank, no latency: the call is the fixed cost plus the rank
+    # with the most rows reducing them one after the other, at the timer's cost per row.
+    # experts 0-1 live on rank 0, 2-3 on rank 1; rows per rank: expert layout 4 and 4 (one
+    # per pick), rank layout 2 (rank 0: each token to one rank) and 3 (rank 1: 1 + 2)
+    idxs = [np.array([[0, 1], [2, 3]]), np.array([[0, 1], [0, 2]])]
+    per_row, fixed = 250.0, 1_000.0
+
+    def timer(writer: str, rd: str, terms: int) -> tuple[float, float]:
+        assert rd in ("reduce", "reduce_rank")
+        return 0.0, per_row
+
+    for layout, rows in (("expert", 4), ("rank", 3)):
+        case = HostCase(ranks=2, tokens=2, hidden=64, itemsize=2, layout=layout, engine="asp",
+                        sync="sw", op="combine", num_experts=4, num_topk=2)
+        got = predict_host(case, idxs, fixed_ns=fixed, flag_oneway_ns=0.0, timer=timer)
+        assert got == pytest.approx(fixed + rows * per_row, abs=1e-3)

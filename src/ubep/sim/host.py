@@ -36,10 +36,11 @@ from .analytic import run_analytic
 from .fabric import FabricModel
 from .spec import RowCosts, build_spec
 
-__all__ = ["HostCase", "KernelTimer", "canonical_plans", "host_fabric", "host_topology",
-           "kernel_passes", "predict_host"]
+__all__ = ["HostCase", "KernelTimer", "canonical_plans", "combine_row_map", "host_fabric",
+           "host_topology", "kernel_passes", "predict_host"]
 
-# (writer kernel, reader kernel, terms) -> ns per row of the working set, measured.
+# (writer kernel, reader kernel, terms) -> ns per row of the working set, measured (for the
+# combine's reduce: ns per row reduced, the rows read where the runtime reads them).
 KernelTimer = Callable[[str, str, int], tuple[float, float]]
 
 
@@ -106,6 +107,47 @@ def canonical_plans(topk_idxs: Sequence[np.ndarray], num_experts: int,
     return plans
 
 
+def combine_row_map(topk_idxs: Sequence[np.ndarray], num_experts: int,
+                    layout: str) -> np.ndarray:
+    """Where the combine of each rank reads each of its tokens' rows: ``[R, T, M, 2]`` int32
+    ``(rank d, row p of d's expert outputs)``, ``-1`` where a token has fewer rows, in the
+    order combine.c reduces them (k = 0..K-1 for layout "expert", d = 0..R-1 for "rank").
+
+    Rank ``d``'s expert outputs are its received rows in receive order (docs/PORTING.md): by
+    local expert, then source rank, then slot (layout "expert"); by source rank, then slot
+    ("rank"); slots are the senders' (:func:`canonical_plans`, token order). Which rows a
+    token's reduction reads, and how far apart, is what the reduce microbenchmark must
+    reproduce: reading the same bytes in another order costs up to 3x more on this host
+    (docs/SIMULATOR.md, 6)."""
+    if layout not in ("expert", "rank"):
+        raise InvalidArgumentError("layout", layout, "must be 'expert' or 'rank'")
+    R = len(topk_idxs)
+    T = max((np.asarray(i).shape[0] for i in topk_idxs), default=0)
+    K = max((np.asarray(i).shape[1] for i in topk_idxs), default=0)
+    epr = num_experts // R
+    plans = canonical_plans(topk_idxs, num_experts, layout)
+    # rows every source sends to each group (expert, or destination rank)
+    groups = num_experts if layout == "expert" else R
+    sent = np.zeros((groups, R), dtype=np.int64)  # [group, src]
+    for p in plans:
+        key = p.send_expert if layout == "expert" else p.send_dst_rank
+        sent[:, p.rank] = np.bincount(key, minlength=groups)
+    # the first row of (group, src) on the group's rank: groups of one rank back to back
+    first = np.zeros_like(sent)
+    for d in range(R):
+        gs = np.arange(d * epr, (d + 1) * epr) if layout == "expert" else np.array([d])
+        block = sent[gs].ravel()
+        first[gs] = (np.cumsum(block) - block).reshape(len(gs), R)
+    width = K if layout == "expert" else R
+    out = np.full((R, T, width, 2), -1, dtype=np.int32)
+    for p in plans:
+        key = p.send_expert if layout == "expert" else p.send_dst_rank
+        col = p.send_k if layout == "expert" else p.send_dst_rank
+        out[p.rank, p.send_token, col, 0] = p.send_dst_rank
+        out[p.rank, p.send_token, col, 1] = first[key, p.rank] + p.send_slot
+    return out
+
+
 def host_topology(num_ranks: int, flag_oneway_ns: float) -> Topology:
     """One core per rank; a peer is one flag latency away; no link serialises (the copy is the
     transfer, and the copy is in the row costs)."""
@@ -153,8 +195,9 @@ def _row_costs(case: HostCase, timer: KernelTimer, terms: int) -> tuple[RowCosts
     """Per-hop row costs and the per-call extra (SP's sentinel scan of ``x``)."""
     passes = kernel_passes(case, terms)
     if case.op == "combine":
-        _, per_token = timer(*passes["consume"])
-        return RowCosts(send_ns=(0.0,), consume_ns=(per_token / max(terms, 1),)), 0.0
+        # ns per row reduced, the rows read where combine.c reads them (combine_row_map)
+        _, per_row = timer(*passes["consume"])
+        return RowCosts(send_ns=(0.0,), consume_ns=(per_row,)), 0.0
     w, r = timer(*passes["send"])
     extra = 0.0
     if "validate" in passes:

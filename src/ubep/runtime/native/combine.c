@@ -7,16 +7,16 @@
 
 static int ph_c_prepare(op_t *op, int core) {
     engine_t *g = op->g;
-    TRACE(g, core, 8);
+    TRACE(g, core, 8); /* combine's phase marks: slots 8-13 (dispatch uses 0-7) */
     pub_word(word(g, g->rank, g->off_entered), op->epoch << 2 | (uint64_t)op->kind);
     int rc = wait_peers_done(op, op->epoch >= 2 ? op->epoch - 2 : 0, 0);
     if (rc) return rc;
-    TRACE(g, core, 9);
     if (!op->zero_copy) {
         /* the region's previous readers must be done before it is overwritten */
         if ((rc = wait_peers_done(op, g->comb_last_epoch[op->creg], 0))) return rc;
         g->comb_last_epoch[op->creg] = op->epoch;
     }
+    TRACE(g, core, 9);
     return 0;
 }
 
@@ -48,8 +48,8 @@ static int ph_c_copy(op_t *op, int core) {
 static int ph_c_publish(op_t *op, int core) {
     engine_t *g = op->g;
     (void)core;
-    comb_info_rec_t *ci = comb_info(g, g->rank, op->par);
     TRACE(g, core, 10);
+    comb_info_rec_t *ci = comb_info(g, g->rank, op->par);
     store_fence();
     st_rlx(&ci->off, (uint64_t)op->eo_off);
     st_rlx(&ci->rows, (uint64_t)op->eo_rows);
@@ -63,6 +63,7 @@ static int ph_c_publish(op_t *op, int core) {
         int64_t lo = g->off_comb + c * g->comb_bytes;
         if (op->eo_off >= lo && op->eo_off < lo + g->comb_bytes) g->comb_last_epoch[c] = op->epoch;
     }
+    TRACE(g, core, 11);
     return 0;
 }
 
@@ -115,7 +116,7 @@ static int ph_c_reduce(op_t *op, int core) {
         coff[q] = (int64_t)off;
         crows[q] = (int64_t)rows;
     }
-    TRACE(g, core, 11);
+    TRACE(g, core, 12);
     const int cd = g->cdt;
     const int maxt = K > R ? K : R;
     const void **tp = g->term_ptr + (int64_t)core * maxt;
@@ -152,7 +153,7 @@ static int ph_c_reduce(op_t *op, int core) {
         REDUCE[cd](op->y + t * (int64_t)g->hidden * g->cisz, tp, tw, nt, g->hidden,
                    g->layout == LAY_EXPERT);
     }
-    TRACE(g, core, 12);
+    TRACE(g, core, 13);
     return 0;
 }
 
