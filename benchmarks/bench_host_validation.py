@@ -72,7 +72,7 @@ def _timer(micro: Micro, case: bd.Case, ranks: int, op: str, idxs: list[np.ndarr
         if reader.startswith("reduce"):
             return micro.per_row_ns(ranks, hc.hidden * 2, case.tokens, writer, reader, terms,
                                     rowmap=rowmap)
-        if writer == "scan":
+        if writer in ("scan", "tail"):  # SP's sentinel check of x: once per token
             n = case.tokens
         return micro.per_row_ns(ranks, b, n, writer, reader, terms)
 

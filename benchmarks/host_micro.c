@@ -8,10 +8,13 @@
  *   bulk    one memcpy of ROWS x TERMS x ROW_BYTES bytes into a private buffer, timed in every
  *           pass next to the others (the unit the others are expressed in)
  *   copy    copy_fast of each row into a 64-byte aligned slot              (SW / DC / reorder)
- *   spw     SP writer: copy_elem of the body, release fence, copy_elem of the 32 B tail
+ *   spw     SP writer: copy_fast of the body, store fence, copy_elem of the 32 B tail
+ *   tffw    TFF in place (ASP): copy_fast of the row, store fence, one release-stored 8 B
+ *           epoch word per 480 B block in a word array
+ *   tffr    its receiver: the words checked, nothing copied
  *   tff     each row cut into 480 B pieces (copy_elem), each + a release-stored 8 B epoch in a
- *           512 B block
- *   untff   the 480 B pieces of each block copied back into a row    (TFF receive / reorder)
+ *           512 B block                                               (BSP staging)
+ *   untff   the 480 B pieces of each block copied back into a row    (BSP TFF receive)
  *   scan    has_pattern over every row                                 (SP full check)
  *   tail    has_pattern over the last 32 B of each row
  *   sptail  SP receiver (ASP): tail check of each row, then the tails re-armed (fill_pattern)
@@ -84,14 +87,35 @@ static void k_copy(void) {
     int64_t s = al64(B);
     for (int64_t r = 0; r < N; r++) copy_fast(dst + r * s, src + r * B, B);
 }
-/* SP writer (dispatch.c put_sp_row): element-safe body, release fence, element-safe 32 B tail */
+/* SP writer (dispatch.c put_sp_row): the body by copy_fast (nobody polls it), a store fence,
+ * then the polled 32 B tail element-safe */
 static void k_spw(void) {
     int64_t s = al64(B), body = B - 32;
     for (int64_t r = 0; r < N; r++) {
-        copy_elem(dst + r * s, src + r * B, body);
-        atomic_thread_fence(memory_order_release);
+        copy_fast(dst + r * s, src + r * B, body);
+        store_fence();
         copy_elem(dst + r * s + body, src + r * B + body, 32);
     }
+}
+/* TFF in place (engine.h put_tff_in_place): the row to its final place, a store fence, then
+ * one release-stored 8 B epoch word per 480 B block in a word array after the rows */
+static uint64_t *tff_words(uint8_t *base) { return (uint64_t *)(base + N * al64(B)); }
+static void k_tffw(void) {
+    int64_t s = al64(B), nb = (B + 479) / 480;
+    uint64_t *w = tff_words(dst);
+    for (int64_t r = 0; r < N; r++) {
+        copy_fast(dst + r * s, src + r * B, B);
+        store_fence();
+        for (int64_t b = 0; b < nb; b++) st_rel(&w[r * nb + b], (uint64_t)r + 1);
+    }
+}
+/* its receiver (dispatch.c recv_progress): every word of each row checked, nothing copied */
+static void k_tffr(void) {
+    int64_t nb = (B + 479) / 480;
+    const uint64_t *w = tff_words(dst);
+    for (int64_t r = 0; r < N; r++)
+        for (int64_t b = 0; b < nb; b++) sink += ld_rlx(&w[r * nb + b]) == 0;
+    atomic_thread_fence(memory_order_acquire);
 }
 static void k_bulk(void) { memcpy(dst, src, (size_t)(N * (TERMS > 1 ? TERMS : 1) * B)); }
 static void k_tff(void) {
@@ -272,6 +296,7 @@ static int64_t flag_run(_Atomic uint64_t *words, int me, int64_t millis) {
 static kern_t find(const char *name) {
     struct { const char *name; kern_t fn; } table[] = {
         {"bulk", k_bulk}, {"copy", k_copy}, {"tff", k_tff}, {"untff", k_untff}, {"scan", k_scan},
+        {"tffw", k_tffw}, {"tffr", k_tffr},
         {"tail", k_tail}, {"dc", k_dc}, {"fill", k_fill}, {"reduce", k_reduce}, {"reduce_rank", k_reduce_rank}, {"spw", k_spw}, {"sptail", k_sptail},
         {"picks", k_picks}, {"out", k_out}, {"bsp_sp", k_bsp_sp}, {"bsp_dc", k_bsp_dc},
     };
@@ -347,7 +372,8 @@ int main(int argc, char **argv) {
     if (words) memset((void *)words, 0, (size_t)procs * 64 + 64);
     int64_t slot = ((B + 479) / 480) * 512;
     if (slot < al64(B)) slot = al64(B);
-    size_t xbytes = (size_t)N * (size_t)(TERMS > 1 ? TERMS : 1) * (size_t)slot + 64;
+    size_t xbytes = (size_t)N * (size_t)(TERMS > 1 ? TERMS : 1) * (size_t)slot +
+                    (size_t)N * (size_t)((B + 479) / 480) * 8 + 64; /* + k_tffw's words */
     size_t pool = (size_t)(N * (TERMS > 1 ? TERMS : 1)) * (size_t)al64(B);
     if (copies < 1) copies = 1;
     if (copies > 256) copies = 256;

@@ -58,7 +58,7 @@ def test_predict_host_two_ranks_closed_form(sync: str, writer: str, reader: str)
     # reads them (SW's peer rows are the same pass: b = a there, and SW reads nothing)
     if sync == "sw":
         b, c = a, 0.0
-    costs = {("copy", "-"): (a, 0.0), (writer, reader): (b, c), ("scan", "-"): (0.0, 0.0)}
+    costs = {("copy", "-"): (a, 0.0), (writer, reader): (b, c), ("tail", "-"): (0.0, 0.0)}
 
     def timer(writer: str, rd: str, terms: int) -> tuple[float, float]:
         return costs[(writer, rd)]

@@ -173,11 +173,13 @@ def kernel_passes(case: HostCase, terms: int) -> dict[str, tuple[str, str, int]]
     if case.op == "combine":  # zero-copy pull: the home rank reads and reduces every row
         # REDUCE[bf16] weighted by topk_weights (expert layout), a plain sum (rank layout)
         return {"consume": ("-", "reduce" if case.layout == "expert" else "reduce_rank", terms)}
-    # writer of a peer row: SP = element-safe body, fence, tail (put_sp_row); TFF = blocks
-    writer = {"tff": "tff", "sp": "spw"}.get(case.sync, "copy")
+    # writer of a peer row: SP = body, fence, element-safe tail (put_sp_row); TFF = in place
+    # with epoch words (ASP, put_tff_in_place) or staged 512 B blocks (BSP)
+    writer = {"tff": "tffw" if case.engine == "asp" else "tff", "sp": "spw"}.get(case.sync,
+                                                                                  "copy")
     if case.engine == "asp":
-        # SP: tail check, then the tail re-armed for the next use of the region
-        reader = {"sw": "-", "sp": "sptail", "tff": "untff", "dc": "dc"}[case.sync]
+        # SP: tail check, then the tail re-armed for the next use of the region; TFF: words
+        reader = {"sw": "-", "sp": "sptail", "tff": "tffr", "dc": "dc"}[case.sync]
         out = {"own": ("copy", "-", 1), "send": (writer, reader, 1)}
         if case.sync == "dc":
             out["checksum"] = ("dc", "-", 1)  # the sender's word sums over its own rows
@@ -187,7 +189,7 @@ def kernel_passes(case: HostCase, terms: int) -> dict[str, tuple[str, str, int]]
         if case.sync == "dc":
             out["checksum"] = ("dc", "-", 1)
     if case.sync == "sp":
-        out["validate"] = ("scan", "-", 1)  # every token is checked for the sentinel
+        out["validate"] = ("tail", "-", 1)  # every token's polled tail checked for the sentinel
     return out
 
 
