@@ -88,9 +88,9 @@ def _worker_bad_input(group: Any) -> dict[str, Any]:
         log["too_many"] = _outcome(lambda: call(
             x=big if r == 1 else None, idx=np.zeros((17, 4), np.int64) - 1 if r == 1 else None,
             w=np.zeros((17, 4), np.float32) if r == 1 else None))
-        # 4. rank 0: the SP sentinel inside the payload
+        # 4. rank 0: the SP sentinel in the part of a row the receiver polls (its tail)
         poisoned = xs[0].copy()
-        poisoned[5, 7] = sentinel
+        poisoned[5, -1] = sentinel
         log["sentinel"] = _outcome(lambda: call(x=poisoned if r == 0 else None))
         # 5. rank 1: the same expert twice in one row
         dup = idxs[1].copy()
