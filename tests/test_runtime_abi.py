@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import types
 
+import numpy as np
 import pytest
 
 from ubep.buffer import BufferConfig
@@ -16,7 +17,7 @@ from ubep.errors import (
     TimeoutError,
     UbepError,
 )
-from ubep.runtime import abi
+from ubep.runtime import _native, abi  # type: ignore[attr-defined]
 from ubep.runtime.layout import compute_layout
 
 
@@ -73,3 +74,37 @@ def test_error_record_becomes_its_exception(code: int, cls: type[UbepError]) -> 
     assert type(exc) is cls
     assert rec.what == "what \ufffd"  # bytes a peer wrote, decoded without failing
     assert rec.clean == (code in (abi.E_BAD_INPUT, abi.E_REMOTE))
+
+
+# --- control-record checksums (abi.h), against their sequential definition -----------------
+
+_M64 = (1 << 64) - 1
+
+
+def _mix64(h: int, v: int) -> int:
+    h ^= (v + 0x9E3779B97F4A7C15 + (h << 6) + (h >> 2)) & _M64
+    return (h * 0xBF58476D1CE4E5B9) & _M64
+
+
+def _fletcher(h: int, *parts: np.ndarray) -> int:
+    """Word by word, as the record format defines it: a += p, b += a (mod 2^64)."""
+    a, b, n = 1, 0, 0
+    for part in parts:
+        for p in part.astype(np.uint64).tolist():
+            a = (a + p) & _M64
+            b = (b + a) & _M64
+            n += 1
+    return _mix64(_mix64(h, a), (b + n) & _M64)
+
+
+def test_record_checksums_equal_their_definition() -> None:
+    rng = np.random.default_rng(3)
+    for n in (0, 1, 7, 2048):
+        idx = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+        w = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+        epoch, ntok = int(rng.integers(1, 2**62)), n // 8
+        want = _fletcher(_mix64(_mix64(0x726F757465, epoch), ntok), idx, w)
+        assert _native.route_sum(epoch, ntok, idx, w) == want
+        cnt = idx[: min(n, 64)]
+        want = _fletcher(_mix64(_mix64(0x636F756E7473, epoch), n), cnt)
+        assert _native.counts_sum(epoch, n, cnt) == want

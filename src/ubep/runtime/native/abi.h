@@ -135,16 +135,19 @@ static inline uint64_t mix64(uint64_t h, uint64_t v) {
     h ^= v + 0x9E3779B97F4A7C15ULL + (h << 6) + (h >> 2);
     return h * 0xBF58476D1CE4E5B9ULL;
 }
-/* two Fletcher lanes over 32-bit words, folded at the end: ~1 ns per word */
+/* Two Fletcher lanes over 32-bit words, folded at the end: a_i = a_{i-1} + p_i and
+ * b_i = b_{i-1} + a_i (mod 2^64). Computed in closed form, b += n a + sum_i (n - i) p_i over
+ * the n words (0-based i): the same values, without the chain from one word to the next, so
+ * the loop vectorises (a routing record of 128 tokens x top-8 is 2048 words per source). */
 typedef struct { uint64_t a, b, n; } fletcher_t;
 static inline void fletcher_add(fletcher_t *f, const uint32_t *p, int64_t n) {
-    uint64_t a = f->a, b = f->b;
+    uint64_t s = 0, ws = 0;
     for (int64_t i = 0; i < n; i++) {
-        a += p[i];
-        b += a;
+        s += p[i];
+        ws += (uint64_t)p[i] * (uint64_t)(n - i);
     }
-    f->a = a;
-    f->b = b;
+    f->b += (uint64_t)n * f->a + ws;
+    f->a += s;
     f->n += (uint64_t)n;
 }
 static inline uint64_t fletcher_end(uint64_t h, const fletcher_t *f) {
