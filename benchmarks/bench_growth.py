@@ -312,7 +312,8 @@ def limits(result: dict[str, Any]) -> list[dict[str, Any]]:
     """Every ASP case (BSP is the baseline) over its target (``TARGET_X_FLOOR``) and what
     limits it, measured: the
     series' fixed cost per call (its intercept, ``<=4MB`` regime where fitted, beyond the
-    floor's own intercept) or its per-byte cost. ``x_floor_per_byte`` is the ratio with that
+    floor's own intercept) or its size-proportional cost (per byte, and per token: the tokens
+    of a case grow with its bytes). ``x_floor_per_byte`` is the ratio with that
     fixed cost taken off: within the target, the fixed cost is the limit; above, the bytes."""
     fits = {(f["ranks"], f["layout"], f["mode"], f["op"], f["regime"]): f
             for f in result.get("fits") or series_fits(result)}
@@ -338,7 +339,7 @@ def limits(result: dict[str, Any]) -> list[dict[str, Any]]:
             out.append({"ranks": r["ranks"], "layout": r["layout"], "mode": r["mode"],
                         "op": op, "bytes": int(r["bytes_per_rank"]), "x_floor": med / floor,
                         "fixed_us": fixed, "x_floor_per_byte": per_byte,
-                        "limit": "fixed cost" if per_byte <= target else "per-byte cost"})
+                        "limit": "fixed cost" if per_byte <= target else "size-proportional"})
     return out
 
 

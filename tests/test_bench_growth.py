@@ -148,7 +148,7 @@ def test_limits_name_the_fixed_or_the_per_byte_cost() -> None:
             assert x["fixed_us"] == pytest.approx(200.0, rel=1e-6)
             assert x["x_floor"] == pytest.approx((201 + x["bytes"] / 1e3) / floor)
         else:  # twice the floor's per-byte cost at every size
-            assert x["limit"] == "per-byte cost"
+            assert x["limit"] == "size-proportional"
             assert x["x_floor_per_byte"] == pytest.approx((1 + 2 * x["bytes"] / 1e3) / floor)
     sw_sizes = sorted(x["bytes"] for x in got if x["mode"] == "asp+sw" and x["op"] == "dispatch")
     # 201 + b/1e3 <= 1.25 (1 + b/1e3)  <=>  b >= 799 KB: only 256 KB is over
