@@ -23,11 +23,11 @@ __all__ = ["AUTO_SYNC", "BufferConfig"]
 # sync="auto": on CPUs a stop-and-wait flag is one ordinary store after the rows (x86 keeps
 # store order; Arm needs only a release store), so the paper's reason for Data-as-Flag -- a
 # fence round trip per batch across the fabric -- does not exist, and SW moves the fewest bytes
-# (TFF adds 32 B of flag per 480 B, DC reads every row again for its checksum, SP re-arms the
-# regions): benchmarks/results/growth.* (one quiet run, 2 ranks) measured asp+sp at 1.1-1.3x
-# asp+sw per byte with the same fixed cost, and the peers benchmark's full run over its 16 BF16
-# shapes asp+sp dispatch at a median 1.16x asp+sw (combine 0.98-0.99x); SP wins only some small
-# rank-layout shapes. The simulator keeps the paper's modes.
+# (TFF adds an 8 B epoch word per 480 B, DC reads every row again for its checksum, SP re-arms
+# the regions). The peers benchmark's full run over its 16 BF16 shapes (benchmarks/results/
+# peers.*) measured dispatch medians relative to asp+sw of 0.98 for asp+tff (rows in place),
+# 1.04 for asp+sp and 1.75 for asp+dc: TFF ties SW, SP and DC cost more, so SW. The simulator
+# keeps the paper's modes.
 AUTO_SYNC = "sw"
 
 
