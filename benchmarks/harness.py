@@ -116,12 +116,11 @@ def _spin_barrier(slots: Any, rank: int, target: int) -> None:
 
 def _copy_worker(
     slots: Any, out: Any, rank: int, sizes_bytes: Sequence[int], rounds: Sequence[int],
-    warmup: int,
+    warmup: int, destinations: int = 1,
 ) -> None:
     # Pre-faulted buffers (a first touch page-faults at a fraction of copy speed).
     src = np.ones(max(sizes_bytes) + 64, dtype=np.uint8)
-    dst = np.zeros_like(src)
-    dst.fill(1)
+    dsts = [np.ones_like(src) for _ in range(destinations)]
     spans: list[list[tuple[int, int]]] = [[] for _ in sizes_bytes]
     iteration = 0
     for repeats in rounds:
@@ -130,7 +129,7 @@ def _copy_worker(
                 iteration += 1
                 _spin_barrier(slots, rank, iteration)
                 start = time.perf_counter_ns()  # CLOCK_MONOTONIC: one clock for all processes
-                np.copyto(dst[:n], src[:n])
+                np.copyto(dsts[iteration % destinations][:n], src[:n])
                 if i >= warmup:
                     got.append((start, time.perf_counter_ns()))
     out.put((rank, spans))
@@ -138,14 +137,17 @@ def _copy_worker(
 
 def concurrent_copy(
     num_procs: int, sizes_bytes: Sequence[int], repeats: int = 20, warmup: int = 3,
-    timeout_s: float = 600.0, rounds: int = 1,
+    timeout_s: float = 600.0, rounds: int = 1, destinations: int = 1,
 ) -> list[Stats]:
     """The memcpy floor of a ``num_procs``-rank operation: per size, ``num_procs`` processes each
     copy ``size`` bytes at the same time (a barrier before every iteration); an iteration lasts
     from the first copy's start to the last copy's end. The ranks of a collective share the
     memory system and, when there are more of them than cores, the cores: then the copies take
     turns, as the ranks do, and one process copying alone is not a floor they can reach.
-    ``rounds``: the repeats are split over that many passes through the sizes."""
+    ``rounds``: the repeats are split over that many passes through the sizes.
+    ``destinations``: each process's copies alternate between that many destination buffers,
+    as a Buffer's dispatches alternate between its two receive regions (the working set a
+    floor of one buffer pair keeps in the last-level cache, two may not)."""
     if num_procs < 1:
         raise ValueError(f"num_procs={num_procs}: must be >= 1")
     per_round = round_repeats(repeats, rounds)
@@ -153,7 +155,7 @@ def concurrent_copy(
     slots, out = ctx.RawArray("q", num_procs), ctx.Queue()
     procs = [
         ctx.Process(target=_copy_worker, args=(slots, out, r, list(sizes_bytes), per_round,
-                                               warmup), daemon=True)
+                                               warmup, destinations), daemon=True)
         for r in range(num_procs)
     ]
     for p in procs:

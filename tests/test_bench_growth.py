@@ -135,7 +135,8 @@ def test_limits_name_the_fixed_or_the_per_byte_cost() -> None:
         return {"ranks": 2, "layout": "rank", "mode": mode, "bytes_per_rank": b,
                 "dispatch": stats, "combine": stats,
                 "floor": {"min_us": 1 + b / 1e3, "median_us": 1 + b / 1e3,
-                          "max_us": 1 + b / 1e3}}
+                          "max_us": 1 + b / 1e3},
+                "floor_two_destinations": {"median_us": 2 * (1 + b / 1e3)}}
 
     rows = [row("asp+sw", 201.0, 1.0, b) for b in sizes] + [
         row("asp+sp", 1.0, 2.0, b) for b in sizes] + [row("bsp+sw", 1.0, 9.0, b) for b in sizes]
@@ -143,6 +144,7 @@ def test_limits_name_the_fixed_or_the_per_byte_cost() -> None:
     assert {x["mode"] for x in got} == {"asp+sw", "asp+sp"}  # BSP is the baseline
     for x in got:
         floor = 1 + x["bytes"] / 1e3
+        assert x["x_floor_two_dst"] == pytest.approx(x["x_floor"] / 2)
         if x["mode"] == "asp+sw":  # over the target while 200 us weigh: the fixed cost
             assert x["limit"] == "fixed cost"
             assert x["fixed_us"] == pytest.approx(200.0, rel=1e-6)
