@@ -291,12 +291,9 @@ class Buffer:
                 plan = self._split_plan(x)
                 if plan is not _NO_SPLIT:
                     stage = _NATIVE
-                    got = fast.dispatch_fast(x, topk_idx, topk_weights, epoch, index,
-                                             self._generation, plan)
+                    got = self._fast_answer(fast.dispatch_fast(
+                        x, topk_idx, topk_weights, epoch, index, self._generation, plan))
                     if got is not None:
-                        stage = _AFTER
-                        if type(got) is tuple:
-                            raise self._error(got)
                         return got
                     stage = _BEFORE
             xa, idx, w = self._check_dispatch_args(x, topk_idx, topk_weights, x_scales)
@@ -424,12 +421,9 @@ class Buffer:
             fast = self._fast
             if fast is not None and not (hook or self._in_flight):  # as dispatch's one call
                 stage = _NATIVE
-                got = fast.combine_fast(expert_out, handle, epoch, self._generation,
-                                        self._num_dispatches)
+                got = self._fast_answer(fast.combine_fast(
+                    expert_out, handle, epoch, self._generation, self._num_dispatches))
                 if got is not None:
-                    stage = _AFTER
-                    if type(got) is tuple:
-                        raise self._error(got)
                     return got
                 stage = _BEFORE
             h, eo = self._check_combine_args(expert_out, handle)
@@ -754,6 +748,14 @@ class Buffer:
             layout=cfg.layout, num_send_cores=split.num_send_cores,
             num_count_cores=split.num_count_cores,
         )
+
+    def _fast_answer(self, got: Any) -> Any:
+        """What a one-call entry returned: None (not its case: nothing was done), the call's
+        result, or the engine's error tuple, raised here (``_failed`` classifies a UbepError
+        from inside the data plane as it does one from after it)."""
+        if type(got) is tuple:
+            raise self._error(got)
+        return got
 
     def _split_plan(self, x: object) -> CoreSplit | object | None:
         """The plan of a blocking call's one native call: None (one core, or BSP) or the
