@@ -105,7 +105,8 @@ const char *select_kernels_upto(int level) {
             ROUND[DT_FP16] = round_fp16_hw;
             REDUCE[DT_FP16] = reduce_fp16_hw;
         }
-        if (level >= 2 && __builtin_cpu_supports("avx512f")) {
+        if (level >= 2 && __builtin_cpu_supports("avx512f") &&
+            __builtin_cpu_supports("avx512bw")) {
             kernel_set = "avx512";
             ROUND[DT_BF16] = round_bf16_avx512;
             REDUCE[DT_BF16] = reduce_bf16_avx512;

@@ -243,56 +243,70 @@ AVX2_F16C void reduce_fp16_hw(void *y, const void *const *src, const float *w, i
 /* ---------------------------------------------------------------------------------------- */
 /* AVX-512 versions of the BF16 reduction and rounding (decode-sized combines are bound by this
  * arithmetic, not by memory): the same integer rounding and the same float32 operations in the
- * same order as the AVX2 blocks above, 16 lanes wide, so every kernel set gives the same bits. */
-#define AVX512 __attribute__((target("avx512f")))
+ * same order as the AVX2 blocks above, 16 lanes wide, so every kernel set gives the same bits.
+ * A 32-element block of BF16 is widened with one unpack per half (the low / high four words of
+ * each 128-bit lane, shifted into the high half of a float32), and narrowed back with one
+ * saturating pack per lane, which undoes the unpacks' order exactly: 2 + 1 instructions per 32
+ * elements instead of 4 + 4 for widen-all-then-narrow. Each element keeps its own lane through
+ * the sums, so the order of the elements inside the registers changes nothing else. */
+#define AVX512 __attribute__((target("avx512f,avx512bw")))
 
-AVX512 static inline __m512 bf16x16_to_f32(__m256i h) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-/* round to nearest even, as f32x8_to_bf16; the caller has checked there is no NaN */
-AVX512 static inline __m256i f32x16_to_bf16(__m512 f) {
+/* the original index of lane j of the "lo" (0) or "hi" (1) half of a 32-element block */
+static inline int unpacked_index(int half, int j) { return (j / 4) * 8 + half * 4 + j % 4; }
+
+/* round to nearest even, as f32x8_to_bf16, into the low 16 bits of each 32-bit lane (no NaN) */
+AVX512 static inline __m512i rne_bf16(__m512 f) {
     const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7FFF);
     __m512i u = _mm512_castps_si512(f);
     __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, bias)), 16));
+    return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, bias)), 16);
 }
-AVX512 static inline void store32_bf16_512(uint16_t *out, __m512 a0, __m512 a1) {
-    if (_mm512_cmp_ps_mask(a0, a0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(a1, a1, _CMP_UNORD_Q)) {
-        float tmp[32]; /* NaN: the canonical one (scalar, rare) */
-        _mm512_storeu_ps(tmp, a0);
-        _mm512_storeu_ps(tmp + 16, a1);
-        for (int k = 0; k < 32; k++) store_f32(DT_BF16, out, k, tmp[k]);
+/* 32 outputs from the sums of the lo and hi halves of a block */
+AVX512 static inline void store32_bf16_512(uint16_t *out, __m512 lo, __m512 hi) {
+    if (_mm512_cmp_ps_mask(lo, lo, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(hi, hi, _CMP_UNORD_Q)) {
+        float tmp[2][16]; /* NaN: the canonical one (scalar, rare) */
+        _mm512_storeu_ps(tmp[0], lo);
+        _mm512_storeu_ps(tmp[1], hi);
+        for (int h = 0; h < 2; h++)
+            for (int j = 0; j < 16; j++) store_f32(DT_BF16, out, unpacked_index(h, j), tmp[h][j]);
         return;
     }
-    _mm256_storeu_si256((__m256i *)out, f32x16_to_bf16(a0));
-    _mm256_storeu_si256((__m256i *)(out + 16), f32x16_to_bf16(a1));
+    _mm512_storeu_si512((void *)out, _mm512_packus_epi32(rne_bf16(lo), rne_bf16(hi)));
 }
 AVX512 void round_bf16_avx512(void *y, const float *acc, int64_t n) {
+    /* the sums in the unpacked order, so that convert() tests the very store combine uses */
+    const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25,
+                                             26, 27);
+    const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(4));
     int64_t i = 0;
-    for (; i + 32 <= n; i += 32)
-        store32_bf16_512((uint16_t *)y + i, _mm512_loadu_ps(acc + i), _mm512_loadu_ps(acc + i + 16));
+    for (; i + 32 <= n; i += 32) {
+        __m512 a0 = _mm512_loadu_ps(acc + i), a1 = _mm512_loadu_ps(acc + i + 16);
+        store32_bf16_512((uint16_t *)y + i, _mm512_permutex2var_ps(a0, lo_idx, a1),
+                         _mm512_permutex2var_ps(a0, hi_idx, a1));
+    }
     round_tail(DT_BF16, y, acc, i, n);
-}
-/* a = a + t for the four accumulators of a 64-wide block, t = fl32(w * f) when weighted */
-AVX512 static inline void add4_512(__m512 a[4], __m512 f[4], int weighted, float w) {
-    __m512 ww = _mm512_set1_ps(w);
-    for (int k = 0; k < 4; k++) a[k] = _mm512_add_ps(a[k], weighted ? _mm512_mul_ps(ww, f[k]) : f[k]);
 }
 AVX512 void reduce_bf16_avx512(void *y, const void *const *src, const float *w, int nt,
                                int64_t n, int weighted) {
+    const __m512i zero = _mm512_setzero_si512();
     int64_t i = 0;
     for (; i + 64 <= n; i += 64) {
+        /* a[0], a[1]: lo and hi halves of elements i..i+31; a[2], a[3]: of i+32..i+63 */
         __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                        _mm512_setzero_ps()};
         for (int j = 0; j < nt; j++) {
             const uint16_t *v = (const uint16_t *)src[j] + i;
             __m512i h0 = _mm512_loadu_si512((const void *)v);
             __m512i h1 = _mm512_loadu_si512((const void *)(v + 32));
-            __m512 f[4] = {bf16x16_to_f32(_mm512_castsi512_si256(h0)),
-                           bf16x16_to_f32(_mm512_extracti64x4_epi64(h0, 1)),
-                           bf16x16_to_f32(_mm512_castsi512_si256(h1)),
-                           bf16x16_to_f32(_mm512_extracti64x4_epi64(h1, 1))};
-            add4_512(a, f, weighted, weighted ? w[j] : 0.0f);
+            __m512 f[4] = {_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, h0)),
+                           _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, h0)),
+                           _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, h1)),
+                           _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, h1))};
+            if (weighted) { /* t = fl32(w * f), rounded before the add (-ffp-contract=off) */
+                __m512 ww = _mm512_set1_ps(w[j]);
+                for (int k = 0; k < 4; k++) f[k] = _mm512_mul_ps(ww, f[k]);
+            }
+            for (int k = 0; k < 4; k++) a[k] = _mm512_add_ps(a[k], f[k]);
         }
         store32_bf16_512((uint16_t *)y + i, a[0], a[1]);
         store32_bf16_512((uint16_t *)y + i + 32, a[2], a[3]);
