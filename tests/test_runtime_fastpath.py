@@ -19,7 +19,7 @@ import pytest
 
 from ubep import reference, testing
 from ubep.buffer import Buffer, BufferConfig
-from ubep.errors import InvalidArgumentError
+from ubep.errors import InvalidArgumentError, UbepError
 from ubep.runtime import launch
 
 E, K, H = 16, 4, 256
@@ -174,3 +174,40 @@ def test_fast_path_leaks_nothing() -> None:
     # calls would add > 1 MB
     for grown in launch(_worker_leak, 2, timeout_s=120):
         assert grown < 64 * 1024
+
+
+def _worker_review(group: Any) -> dict[str, Any]:
+    """Two findings of the review of the one-call path, as regressions."""
+    cfg = BufferConfig(max_tokens_per_rank=8, hidden=H, num_topk=K, num_experts=E,
+                       dtype="bf16", layout="rank", num_cores=1)
+    xs, idxs, ws = testing.inputs("bf16", E, K, H, [8, 8], 2, "uniform")
+    r, out = group.rank, {}
+    buf = Buffer(group, cfg)
+    res = buf.dispatch(xs[r], idxs[r], ws[r])
+    eo = np.array(res.recv_x)
+    # a handle whose recv_src_rank was forced to a 0-d array: the one-call path must hand it
+    # to the general path (which rejects it on every rank), never read its missing dimension
+    forged = dataclasses.replace(res.handle)
+    object.__setattr__(forged, "recv_src_rank", np.array(3))
+    try:
+        buf.combine(eo, forged)
+        out["forged"] = "accepted"
+    except UbepError as exc:
+        out["forged"] = type(exc).__name__
+    out["next_call_right"] = testing.check_call(buf, xs, idxs, ws, 3) == []
+    # close() drops every mapping of the segments, the engine's views included, while the
+    # Buffer object itself is still referenced
+    names = [seg.name for seg in buf._segments]
+    del res, forged  # the caller's own views (recv_x) keep a mapping alive, by design
+    buf.close()
+    with open("/proc/self/maps") as f:
+        maps = f.read()
+    out["still_mapped"] = [n for n in names if n in maps]
+    return out
+
+
+def test_forged_handle_and_close_after_review() -> None:
+    for got in launch(_worker_review, 2, timeout_s=120):
+        assert got["forged"] in ("UbepError", "InvalidArgumentError", "RemoteError")
+        assert got["next_call_right"]
+        assert got["still_mapped"] == []

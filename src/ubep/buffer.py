@@ -619,8 +619,9 @@ class Buffer:
             self._lock.release()
 
     def _teardown(self) -> None:
+        self._fast = None
         if self._engine is not None:
-            self._engine.close()
+            self._engine.close()  # also drops the engine's views of the receive regions
         self._out_regions = []
         self._recv_views = []
         self._scale_views = []

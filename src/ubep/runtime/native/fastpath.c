@@ -77,12 +77,19 @@ static int region_view_ok(engine_t *g, PyObject *v, int64_t width_bytes) {
  *          combine_dtype): what the fast path builds its results from (once per Buffer) */
 PyObject *engine_set_fast(engine_t *g, PyObject *args) {
     PyObject *rt, *ht, *hc, *rv, *sv, *xd, *cd;
+    xd = cd = NULL;
     if (!PyArg_ParseTuple(args, "O!O!O!O!OO&O&", &PyType_Type, &rt, &PyType_Type, &ht,
                           &PyDict_Type, &hc, &PyList_Type, &rv, &sv, PyArray_DescrConverter, &xd,
-                          PyArray_DescrConverter, &cd))
+                          PyArray_DescrConverter, &cd)) {
+        Py_XDECREF(xd); /* converted before a later argument failed */
         return NULL;
+    }
     fast_t *f = calloc(1, sizeof(fast_t));
-    if (!f) return PyErr_NoMemory();
+    if (!f) {
+        Py_DECREF(xd);
+        Py_DECREF(cd);
+        return PyErr_NoMemory();
+    }
     f->x_descr = (PyArray_Descr *)xd;
     f->c_descr = (PyArray_Descr *)cd;
     Py_INCREF(rt); f->result_type = rt;
@@ -311,18 +318,25 @@ PyObject *engine_combine_fast(engine_t *g, PyObject *args) {
     if (!d) return NULL;
     PyObject **k = f->keys, *res = NULL;
     /* this Buffer's handle, of this generation, of a dispatch that happened */
+    /* only exact ints and strs are compared: no user __eq__ runs while borrowed references
+     * into the handle's __dict__ are held */
     for (int i = FIRST_CONST_KEY; i < NUM_KEYS; i++) {
         PyObject *mine = PyDict_GetItemWithError(f->handle_const, k[i]), *theirs = field(d, k[i]);
-        int eq = mine && theirs ? PyObject_RichCompareBool(mine, theirs, Py_EQ) : 0;
-        if (eq != 1) goto not_mine; /* -1: an error is set */
+        if (!mine || !theirs || Py_TYPE(theirs) != Py_TYPE(mine) ||
+            !(PyLong_CheckExact(theirs) || PyUnicode_CheckExact(theirs)) ||
+            PyObject_RichCompareBool(mine, theirs, Py_EQ) != 1)
+            goto not_mine; /* an error may be set (not_mine keeps it) */
     }
-    PyObject *gen = field(d, k[K_GENERATION]), *oi = field(d, k[K_DISPATCH_INDEX]),
-             *on = field(d, k[K_NUM_TOKENS]), *idx = field(d, k[K_TOPK_IDX]),
-             *w = field(d, k[K_TOPK_WEIGHTS]), *dr = field(d, k[K_SEND_DST_ROW]),
-             *src = field(d, k[K_RECV_SRC_RANK]);
-    if (!gen || !oi || !on || !idx || !w || !dr || !src || !PyLong_CheckExact(oi) ||
-        !PyLong_CheckExact(on) || !PyArray_CheckExact(src) ||
+    PyObject *gen = field(d, k[K_GENERATION]);
+    if (!gen || !PyLong_CheckExact(gen) || !PyLong_CheckExact(generation) ||
         PyObject_RichCompareBool(gen, generation, Py_EQ) != 1)
+        goto not_mine;
+    PyObject *oi = field(d, k[K_DISPATCH_INDEX]), *on = field(d, k[K_NUM_TOKENS]),
+             *idx = field(d, k[K_TOPK_IDX]), *w = field(d, k[K_TOPK_WEIGHTS]),
+             *dr = field(d, k[K_SEND_DST_ROW]), *src = field(d, k[K_RECV_SRC_RANK]);
+    if (!oi || !on || !idx || !w || !dr || !src || !PyLong_CheckExact(oi) ||
+        !PyLong_CheckExact(on) || !PyArray_CheckExact(src) ||
+        PyArray_NDIM((PyArrayObject *)src) != 1)
         goto not_mine;
     long long index = PyLong_AsLongLong(oi), ntok = PyLong_AsLongLong(on);
     npy_intp rows = PyArray_DIM((PyArrayObject *)src, 0);

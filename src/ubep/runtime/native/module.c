@@ -522,8 +522,8 @@ call_t *dispatch_call(engine_t *g, const dispatch_args_t *a) {
         return NULL;
     }
     const long long ntok = a->num_tokens;
-    if (ntok < 0 || ntok > g->T) {
-        PyErr_SetString(PyExc_ValueError, "engine: num_tokens out of range");
+    if (ntok < 0 || ntok > g->T || a->index < 0) {
+        PyErr_SetString(PyExc_ValueError, "engine: num_tokens or dispatch index out of range");
         return NULL;
     }
     call_t *c = calloc(1, sizeof(call_t));
@@ -771,6 +771,7 @@ static PyObject *engine_close(engine_t *g, PyObject *noargs) {
     Py_BEGIN_ALLOW_THREADS
     engine_stop(g);
     Py_END_ALLOW_THREADS
+    fast_free(g); /* its views of the receive regions must not keep the segments mapped */
     Py_RETURN_NONE;
 }
 
