@@ -277,7 +277,10 @@ PyObject *engine_dispatch_fast(engine_t *g, PyObject *args) {
         !exact(a.topk_idx, NPY_INT64, ntok, g->K) || !exact(a.topk_weights, NPY_FLOAT32, ntok, g->K))
         Py_RETURN_NONE;
     outputs_t o;
-    if (alloc_outputs(g, ntok, &o)) return NULL;
+    if (alloc_outputs(g, ntok, &o)) { /* nothing was done: the general path allocates (and */
+        PyErr_Clear();               /* fails, if it must) before the call, a clean reject */
+        Py_RETURN_NONE;
+    }
     /* owned copies: the handle keeps them, the caller may reuse its arrays */
     memcpy(o.idx, PyArray_DATA((PyArrayObject *)a.topk_idx), (size_t)ntok * g->K * 8);
     memcpy(o.w, PyArray_DATA((PyArrayObject *)a.topk_weights), (size_t)ntok * g->K * 4);
@@ -349,7 +352,10 @@ PyObject *engine_combine_fast(engine_t *g, PyObject *args) {
     npy_intp dims[2] = {ntok, g->hidden};
     Py_INCREF(f->c_descr);
     PyObject *y = PyArray_NewFromDescr(&PyArray_Type, f->c_descr, 2, dims, NULL, NULL, 0, NULL);
-    if (!y) goto done;
+    if (!y) { /* as dispatch's outputs: the general path's allocation is a clean reject */
+        PyErr_Clear();
+        goto not_mine;
+    }
     combine_args_t a = {.expert_out = eo, .rows = rows, .topk_idx = idx, .topk_weights = w,
                         .send_dst_row = dr, .num_tokens = ntok, .epoch = epoch,
                         .region = (int)(index % 2), .y = y, .dispatch_index = (uint64_t)index};
