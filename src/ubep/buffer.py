@@ -736,14 +736,11 @@ class Buffer:
         one send core every policy gives it every unit, so only the split is passed and the
         engine sends its own per-destination buckets, destinations whose counts are in first.
         """
-        cores = self.num_cores
-        if self.config.engine != "asp" or cores < 2 or idx.shape[0] == 0:
-            return None
-        cfg = self.config
-        split = core_split(cores, cfg.num_experts, cfg.num_topk, idx.shape[0])
-        if split.num_send_cores < 2:
+        split = self._core_split(idx.shape[0])
+        if split is None or split.num_send_cores < 2:
             return split
-        topo = dataclasses.replace(self.group.topology, cores_per_rank=cores)
+        cfg = self.config
+        topo = dataclasses.replace(self.group.topology, cores_per_rank=self.num_cores)
         return schedule(
             idx, topo, rank=self.rank, num_experts=cfg.num_experts, policy=cfg.policy,
             layout=cfg.layout, num_send_cores=split.num_send_cores,
@@ -766,11 +763,16 @@ class Buffer:
             return None
         if type(x) is not np.ndarray or x.ndim != 2:
             return _NO_SPLIT
-        if x.shape[0] == 0:
-            return None
+        split = self._core_split(x.shape[0])
+        return _NO_SPLIT if split is not None and split.num_send_cores >= 2 else split
+
+    def _core_split(self, num_tokens: int) -> CoreSplit | None:
+        """Appendix A's count/send split of this rank's cores for ``num_tokens`` (cached per
+        batch size), or None: one core, BSP, or no tokens (one pass does everything)."""
         cfg = self.config
-        split = core_split(self.num_cores, cfg.num_experts, cfg.num_topk, x.shape[0])
-        return split if split.num_send_cores < 2 else _NO_SPLIT
+        if cfg.engine != "asp" or self.num_cores < 2 or num_tokens == 0:
+            return None
+        return core_split(self.num_cores, cfg.num_experts, cfg.num_topk, num_tokens)
 
     def _check_handle(self, handle: object) -> DispatchHandle:
         if not isinstance(handle, DispatchHandle):
