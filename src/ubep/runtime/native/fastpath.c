@@ -47,10 +47,8 @@ struct fast {
     PyObject *keys[NUM_KEYS];
 };
 
-void fast_free(engine_t *g) {
-    fast_t *f = g->fast;
+static void release(fast_t *f) {
     if (!f) return;
-    g->fast = NULL;
     Py_XDECREF(f->result_type);
     Py_XDECREF(f->handle_type);
     Py_XDECREF(f->handle_const);
@@ -62,6 +60,12 @@ void fast_free(engine_t *g) {
     Py_XDECREF(f->c_descr);
     for (int i = 0; i < NUM_KEYS; i++) Py_XDECREF(f->keys[i]);
     free(f);
+}
+
+void fast_free(engine_t *g) {
+    fast_t *f = g->fast;
+    g->fast = NULL;
+    release(f);
 }
 
 /* a full-capacity read-only view of a region as ubep.buffer builds it */
@@ -97,7 +101,7 @@ PyObject *engine_set_fast(engine_t *g, PyObject *args) {
     f->handle_const = PyDict_Copy(hc);
     fast_t *old = g->fast;
     g->fast = f;
-    if (old) { engine_t tmp = {.fast = old}; fast_free(&tmp); }
+    release(old);
     int ok = f->handle_const != NULL && PyList_GET_SIZE(rv) == g->nreg &&
              (sv == Py_None || (PyList_Check(sv) && PyList_GET_SIZE(sv) == g->nreg));
     for (int i = 0; ok && i < NUM_KEYS; i++)
