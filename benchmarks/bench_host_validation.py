@@ -4,9 +4,11 @@
     python -m benchmarks.bench_host_validation --quick         # 2 ranks, 128 tokens (debugging)
     python -m benchmarks.bench_host_validation --out benchmarks/results/host_validation
 
-One run: (1) the microbenchmarks of benchmarks/host_micro.py (row passes at each case's working
-set, flag round trip, the tiny-call fixed cost per engine x sync x layout x ranks), (2)
-bench_dispatch's matrix measured as bench_dispatch measures it (same cases, inputs, timing), (3)
+One run: per unit (a rank count x one shape's cases, which bench_dispatch interleaves), (1) the
+microbenchmarks of benchmarks/host_micro.py (row passes at each case's working set, the
+tiny-call fixed cost per engine x sync x layout; the flag round trip once per run), then (2)
+bench_dispatch's matrix measured as bench_dispatch measures it (same cases, inputs, timing), a
+unit's (2) right after its (1) because this host's speed drifts within minutes; and (3)
 ``ubep.sim.host.predict_host`` for every case from (1) alone, printed beside (2) with the
 relative error, the median and the worst |error|. Nothing in (3) reads (2).
 """
@@ -95,6 +97,15 @@ def _case_of(row: dict[str, Any]) -> bd.Case:
                                           "sync", "routing")})
 
 
+def _units(ranks: list[int], cases: list[bd.Case]) -> list[tuple[int, list[bd.Case]]]:
+    """The run's units: per rank count, the cases of one shape (bench_dispatch interleaves
+    them), in the matrix's order."""
+    shapes: dict[tuple[int, int, str], list[bd.Case]] = {}
+    for case in cases:
+        shapes.setdefault((case.tokens, case.hidden, case.dtype), []).append(case)
+    return [(r, members) for r in ranks for members in shapes.values()]
+
+
 def _premeasure(micro: Micro, ranks: list[int], cases: list[bd.Case]) -> None:
     """Every microbenchmark the predictions will need, before the matrix runs."""
     for r in ranks:
@@ -138,15 +149,22 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     micro = Micro(build(), millis=args.millis, rounds=args.rounds)
     flags = {r: micro.flag_oneway_ns(r) for r in ranks}
-    tiny = sorted({_tiny(c) for c in cases},
-                  key=lambda c: (c.tokens, c.dtype, c.layout, c.engine, c.sync))
-    _premeasure(micro, ranks, cases + tiny)
-    micro_s = time.monotonic() - start
-    load_mid = os.getloadavg()
     shares = {r: micro.cpu_share(r) for r in ranks}
     measured_shares = {r: micro.measured_share(r) for r in ranks}
-    tiny_rows = bd.run(ranks, tiny, args.warmup, repeats, False, 1800.0)
-    rows = bd.run(ranks, cases, args.warmup, repeats, False, 1800.0)
+    tiny_rows: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
+    micro_s, load_units = 0.0, []
+    for r, members in _units(ranks, cases):
+        # a unit's microbenchmarks right before its matrix: this host's speed drifts up to 2x
+        # within minutes, so a pass measured minutes away prices another machine
+        tiny = sorted({_tiny(c) for c in members},
+                      key=lambda c: (c.tokens, c.dtype, c.layout, c.engine, c.sync))
+        t0 = time.monotonic()
+        _premeasure(micro, [r], members + tiny)
+        micro_s += time.monotonic() - t0
+        tiny_rows += bd.run([r], tiny, args.warmup, repeats, False, 1800.0)
+        rows += bd.run([r], members, args.warmup, repeats, False, 1800.0)
+        load_units.append(os.getloadavg()[0])
     load_after = os.getloadavg()
     tiny_by = {(t["ranks"], t["tokens"], t["dtype"], t["engine"], t["sync"], t["layout"]): t
                for t in tiny_rows}
@@ -176,8 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     summary = _summary(out_rows)
     lines = [
         "# Host validation: ubep.sim host model (microbenchmark constants only) vs bench_dispatch",
-        f"# {os.cpu_count()} CPUs; load average before {load_before[0]:.2f}, after the "
-        f"microbenchmarks {load_mid[0]:.2f}, after the matrix {load_after[0]:.2f} (1-min)",
+        f"# {os.cpu_count()} CPUs; load average before {load_before[0]:.2f}, after each unit "
+        f"(ranks x shape: its microbenchmarks, then its matrix) "
+        + " ".join(f"{v:.2f}" for v in load_units) + " (1-min)",
         "# flag one-way latency (ns) by ranks: "
         + ", ".join(f"{r}: {v:.0f}" for r, v in flags.items()),
         "# oversubscription factor (derived: ranks / CPUs, at least 1) by ranks: "
@@ -207,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         base.parent.mkdir(parents=True, exist_ok=True)
         base.with_suffix(".txt").write_text(text + "\n", encoding="utf-8")
         payload = {"machine": {"cpus": os.cpu_count(), "load_before": load_before,
-                               "load_after_micro": load_mid, "load_after": load_after},
+                               "load_after_units": load_units, "load_after": load_after},
                    "flag_oneway_ns": {str(k): v for k, v in flags.items()},
                    "fixed": [{"ranks": k[0], "tokens": k[1], "dtype": k[2], "engine": k[3],
                               "sync": k[4], "layout": k[5], "op": k[6], **v}

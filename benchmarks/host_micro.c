@@ -173,6 +173,7 @@ static void k_fill(void) {
  * the pool (src, N * TERMS rows). The order matters: reading the same bytes as the rank
  * layout's per-rank streams runs ~3x faster than as adjacent pairs (docs/SIMULATOR.md, 6). */
 static int WEIGHTED = 1;
+enum { Y_OFF = 2048 + 16 }; /* the reduce's output offset in its buffer, see k_reduce_any */
 static const int32_t *MAP; /* [N][MAPW][2] of this process's rank, -1 = no row */
 static int MAPW;
 static uint8_t *SEG[64];
@@ -200,10 +201,13 @@ static void k_reduce_any(void) {
                 tw[k] = 0.125f * (float)(k + 1);
             }
         }
-        /* y 16 bytes past a page start, as numpy's np.empty puts combine's output (a y at
-         * the same address bits 0-11 as its source rows would add 4K-aliasing stalls the
-         * runtime does not have) */
-        REDUCE[DT_BF16](dst + 16 + t * (B / 2 * 2), tp, tw, nt, B / 2, WEIGHTED);
+        /* y half a page past the rows' page offset (Y_OFF). The runtime's y is a block of its
+         * process heap; its page offset is the allocator's (1024 and 2192 measured in a 2-rank
+         * 512-token combine loop), not a fixed one. Stores that lie a few bytes past the next
+         * loads' address bits 0-11 (y at page + 16 over rows at page + 0) 4K-alias them: the
+         * loads wait on the stores, which cost this pass 1.2-4.5x with two rows per token and
+         * that the runtime does not have (docs/SIMULATOR.md, 6) */
+        REDUCE[DT_BF16](dst + Y_OFF + t * (B / 2 * 2), tp, tw, nt, B / 2, WEIGHTED);
     }
 }
 static void k_reduce(void) { WEIGHTED = 1; k_reduce_any(); }
@@ -388,7 +392,7 @@ int main(int argc, char **argv) {
             if (map_all) MAP = map_all + (size_t)(p % map_r) * (size_t)N * (size_t)MAPW * 2;
             uint8_t *src_all = shared(pool * (size_t)copies + 64);
             src = src_all;
-            size_t auxbytes = (size_t)N * (size_t)al64(B) + (size_t)N * (size_t)TERMS * 8 + 64;
+            size_t auxbytes = (size_t)N * (size_t)al64(B) + (size_t)N * (size_t)TERMS * 8 + 64 + Y_OFF;
             aux = shared(auxbytes);
             /* normal BF16 values (exponents 2^-7 .. 2^2, either sign), as expert outputs are:
              * subnormal or NaN inputs would put microcode assists into the reduce's multiplies */
@@ -397,7 +401,7 @@ int main(int argc, char **argv) {
                 ((uint16_t *)src)[i] = (uint16_t)((x & 1) << 15 | (120 + (x >> 1) % 10) << 7 |
                                                   (x >> 5 & 0x7F));
             }
-            int64_t *idx = (int64_t *)(aux + (size_t)N * (size_t)al64(B));
+            int64_t *idx = (int64_t *)(aux + Y_OFF + (size_t)N * (size_t)al64(B));
             for (int64_t i = 0; i < N * TERMS; i++) idx[i] = (i * 37 + i / TERMS) % 64;
             idxp = idx;
             size_t stride = xbytes * (size_t)procs;
