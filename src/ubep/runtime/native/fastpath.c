@@ -45,6 +45,9 @@ struct fast {
     PyObject *scale_views[8];            /* quantised rows: their float32 scales, else NULL */
     PyArray_Descr *x_descr, *c_descr;    /* storage dtype of x, of expert_out and y */
     PyObject *keys[NUM_KEYS];
+    /* handle_const's values by key (borrowed: handle_const holds them), NULL where absent;
+     * looked up once here instead of once per combine */
+    PyObject *const_vals[NUM_KEYS];
 };
 
 static void release(fast_t *f) {
@@ -106,6 +109,10 @@ PyObject *engine_set_fast(engine_t *g, PyObject *args) {
              (sv == Py_None || (PyList_Check(sv) && PyList_GET_SIZE(sv) == g->nreg));
     for (int i = 0; ok && i < NUM_KEYS; i++)
         ok = (f->keys[i] = PyUnicode_InternFromString(KEY_NAMES[i])) != NULL;
+    for (int i = FIRST_CONST_KEY; ok && i < NUM_KEYS; i++) {
+        f->const_vals[i] = PyDict_GetItemWithError(f->handle_const, f->keys[i]);
+        ok = !PyErr_Occurred();
+    }
     for (int r = 0; ok && r < g->nreg; r++) {
         PyObject *v = PyList_GET_ITEM(rv, r);
         ok = region_view_ok(g, v, g->quant ? g->hidden : g->row_bytes);
@@ -328,7 +335,7 @@ PyObject *engine_combine_fast(engine_t *g, PyObject *args) {
     /* only exact ints and strs are compared: no user __eq__ runs while borrowed references
      * into the handle's __dict__ are held */
     for (int i = FIRST_CONST_KEY; i < NUM_KEYS; i++) {
-        PyObject *mine = PyDict_GetItemWithError(f->handle_const, k[i]), *theirs = field(d, k[i]);
+        PyObject *mine = f->const_vals[i], *theirs = field(d, k[i]);
         if (!mine || !theirs || Py_TYPE(theirs) != Py_TYPE(mine) ||
             !(PyLong_CheckExact(theirs) || PyUnicode_CheckExact(theirs)) ||
             PyObject_RichCompareBool(mine, theirs, Py_EQ) != 1)
@@ -360,9 +367,14 @@ PyObject *engine_combine_fast(engine_t *g, PyObject *args) {
         PyErr_Clear();
         goto not_mine;
     }
+    /* every array was checked exact above: its memory is passed as is (no buffer protocol) */
     combine_args_t a = {.expert_out = eo, .rows = rows, .topk_idx = idx, .topk_weights = w,
                         .send_dst_row = dr, .num_tokens = ntok, .epoch = epoch,
-                        .region = (int)(index % 2), .y = y, .dispatch_index = (uint64_t)index};
+                        .region = (int)(index % 2), .y = y, .dispatch_index = (uint64_t)index,
+                        .direct = 1,
+                        .mem = {PyArray_DATA((PyArrayObject *)eo), PyArray_DATA((PyArrayObject *)idx),
+                                PyArray_DATA((PyArrayObject *)w), PyArray_DATA((PyArrayObject *)dr),
+                                PyArray_DATA((PyArrayObject *)y)}};
     call_t *c = combine_call(g, &a);
     res = c ? call_run(g, c, 0) : NULL;
     if (res && PyLong_Check(res)) {

@@ -375,6 +375,7 @@ static void wait_call(call_t *c) {
 
 void call_free(call_t *c) {
     rel_bufs(c->b, NBUF_DISPATCH);
+    for (int i = 0; i < 5; i++) Py_XDECREF(c->keep[i]);
     free(c);
 }
 
@@ -583,7 +584,7 @@ static int dispatch_bufs(engine_t *g, const dispatch_args_t *a, pbuf_t *b, int64
  *         region, y, dispatch_index, split) -> 1 if expert_out was used in place, else 0 |
  *         None (split, as dispatch) | error tuple; every rank must name the same dispatch */
 static PyObject *engine_combine(engine_t *g, PyObject *args) {
-    combine_args_t a;
+    combine_args_t a = {0};
     int split = 0;
     if (!PyArg_ParseTuple(args, "OLOOOLKiOK|p", &a.expert_out, &a.rows, &a.topk_idx,
                           &a.topk_weights, &a.send_dst_row, &a.num_tokens, &a.epoch, &a.region,
@@ -609,18 +610,29 @@ call_t *combine_call(engine_t *g, const combine_args_t *a) {
     call_t *c = calloc(1, sizeof(call_t));
     if (!c) return (call_t *)PyErr_NoMemory();
     pbuf_t *b = c->b;
-    if (get_buf(a->expert_out, &b[0], 0, "expert_out", rows * g->crow_bytes) ||
-        get_buf(a->topk_idx, &b[1], 0, "handle.topk_idx", ntok * K * 8) ||
-        get_buf(a->topk_weights, &b[2], 0, "handle.topk_weights", ntok * K * 4) ||
-        get_buf(a->send_dst_row, &b[3], 0, "handle.send_dst_row", ntok * dst_w * 8) ||
-        get_buf(a->y, &b[4], 1, "y", ntok * g->hidden * g->cisz)) {
-        call_free(c);
-        return NULL;
+    PyObject *arr[5] = {a->expert_out, a->topk_idx, a->topk_weights, a->send_dst_row, a->y};
+    void *mem[5];
+    if (a->direct) {
+        for (int i = 0; i < 5; i++) {
+            Py_INCREF(arr[i]);
+            c->keep[i] = arr[i];
+            mem[i] = a->mem[i];
+        }
+    } else {
+        if (get_buf(arr[0], &b[0], 0, "expert_out", rows * g->crow_bytes) ||
+            get_buf(arr[1], &b[1], 0, "handle.topk_idx", ntok * K * 8) ||
+            get_buf(arr[2], &b[2], 0, "handle.topk_weights", ntok * K * 4) ||
+            get_buf(arr[3], &b[3], 0, "handle.send_dst_row", ntok * dst_w * 8) ||
+            get_buf(arr[4], &b[4], 1, "y", ntok * g->hidden * g->cisz)) {
+            call_free(c);
+            return NULL;
+        }
+        for (int i = 0; i < 5; i++) mem[i] = b[i].b.buf;
     }
     op_t *op = &c->op;
     op_init(op, g, 1, a->epoch);
     op->dispatch_index = a->dispatch_index;
-    op->eo = b[0].b.buf;
+    op->eo = mem[0];
     op->eo_rows = rows;
     op->creg = a->region;
     uintptr_t mine = (uintptr_t)g->base[g->rank], at = (uintptr_t)op->eo;
@@ -631,8 +643,8 @@ call_t *combine_call(engine_t *g, const combine_args_t *a) {
     } else {
         op->eo_off = g->off_comb + (int64_t)a->region * g->comb_bytes;
     }
-    op->h_idx = b[1].b.buf; op->h_w = b[2].b.buf; op->h_dst_row = b[3].b.buf; op->h_ntok = ntok;
-    op->y = b[4].b.buf;
+    op->h_idx = mem[1]; op->h_w = mem[2]; op->h_dst_row = mem[3]; op->h_ntok = ntok;
+    op->y = mem[4];
     c->phases = g->eng == ENG_ASP ? &ASP_COMBINE : &BSP_COMBINE;
     return c;
 }
