@@ -1,0 +1,162 @@
+"""Data-as-Flag vs stop-and-wait, paired: ASP dispatch in every sync mode, call for call.
+
+    python -m benchmarks.bench_sync --quick                # 2 ranks, 3 sizes (~10 s)
+    python -m benchmarks.bench_sync --out benchmarks/results   # full run (~1 min, 2 cores)
+
+Issue 17 asks for asp+sp within 1.1x of asp+sw at every size. bench_growth times each case in
+blocks of calls, in a fixed order, so two modes' medians come from different seconds of a host
+whose speed drifts within seconds; their ratio moved 0.85-1.6x between runs. Here the modes of
+one case (bench_growth's sizes and routing: ``bench_growth.cases_for``) have a Buffer each and
+take turns call by call, in an order rotated every iteration (none is always first after the
+barrier), so every iteration holds one call of each mode made within a few milliseconds:
+
+* time of a call: from the barrier, each rank times its own dispatch; an iteration's time is
+  the maximum over ranks (``harness.time_collective``'s convention);
+* per mode: min / median / max over the iterations;
+* ``x_sw``: the median over iterations of the paired ratio mode / asp+sw (same iteration);
+* ``x_floor``: median / the memcpy floor (``harness.concurrent_copy``: as many processes as
+  ranks each copying bytes_per_rank at once, same run, before the calls). Pessimistic here:
+  four Buffers' receive regions take turns, four times one Buffer's working set, so from a few
+  MB the calls miss the L3 where the floor's one destination does not; bench_growth is the
+  floor comparison.
+
+Bytes one rank sends = rows x hidden x 2 (BF16), as bench_growth. Only dispatch is timed: an
+ASP combine runs the same code in every sync mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+from benchmarks import bench_growth as growth
+from benchmarks.harness import (
+    Stats,
+    collective_spans,
+    concurrent_copy,
+    format_table,
+    save_results,
+)
+
+MODES = ("sw", "sp", "tff", "dc")
+FULL_SIZES = tuple(16384 << (2 * i) for i in range(6))  # 16 KB .. 16 MB
+QUICK_SIZES = (16384, 262144, 4194304)
+
+
+def rotation(iteration: int, modes: Sequence[str]) -> list[str]:
+    """The order of iteration ``iteration``: every mode once, starting one further each time."""
+    n = len(modes)
+    return [modes[(iteration + j) % n] for j in range(n)]
+
+
+def paired_ratio(times: dict[str, np.ndarray], mode: str, base: str = "sw") -> float:
+    """Median over iterations of ``times[mode][i] / times[base][i]``."""
+    return float(np.median(times[mode] / times[base]))
+
+
+def _rank_main(group: Any, cases: list[growth.Case], warmup: int,
+               iterations: int) -> list[dict[str, list[int]]]:
+    """Per case (one per layout and size: its ``sync`` is ignored), every mode's call times
+    (ns) on this rank, iteration by iteration."""
+    from ubep.buffer import Buffer
+
+    out = []
+    for case in cases:
+        x, idx, w = growth.inputs(case, group.rank)
+        bufs = {}
+        try:
+            for sync in MODES:
+                cfg = growth._config(growth.Case(case.target_bytes, case.tokens, case.hidden,
+                                                 case.layout, "asp", sync))
+                bufs[sync] = Buffer(group, cfg)
+            times: dict[str, list[int]] = {m: [] for m in MODES}
+            for i in range(warmup + iterations):
+                for sync in rotation(i, MODES):
+                    call = functools.partial(bufs[sync].dispatch, x, idx, w)
+                    span = collective_spans(group.barrier, call, 0, 1)[0]
+                    if i >= warmup:
+                        times[sync].append(int(span[1] - span[0]))
+            out.append(times)
+        finally:
+            for buf in bufs.values():
+                buf.close()
+    return out
+
+
+def run(ranks: Sequence[int], sizes: Sequence[int], warmup: int, iterations: int,
+        timeout_s: float = 1800.0) -> list[dict[str, Any]]:
+    from ubep.runtime import launch
+
+    rows: list[dict[str, Any]] = []
+    for num_ranks in ranks:
+        cases = growth.cases_for(sizes, num_ranks, [("asp", "sw")])
+        nbytes = [growth.bytes_per_rank(c, num_ranks) for c in cases]
+        distinct = sorted({int(b) for b in nbytes})
+        floors = dict(zip(distinct, concurrent_copy(num_ranks, distinct, repeats=iterations,
+                                                    warmup=warmup, timeout_s=timeout_s),
+                          strict=True))
+        per_rank = launch(_rank_main, num_ranks, cases, warmup, iterations,
+                          timeout_s=timeout_s)
+        for i, case in enumerate(cases):
+            worst = {m: np.max(np.array([r[i][m] for r in per_rank], dtype=np.float64), axis=0)
+                     for m in MODES}  # per iteration, the slowest rank
+            floor = floors[int(nbytes[i])]
+            for m in MODES:
+                st = Stats.from_samples_us((worst[m] / 1e3).tolist())
+                rows.append({"ranks": num_ranks, "layout": case.layout, "tokens": case.tokens,
+                             "hidden": case.hidden, "bytes_per_rank": nbytes[i],
+                             "mode": f"asp+{m}", **asdict(st), "x_sw": paired_ratio(worst, m),
+                             "floor_median_us": floor.median_us,
+                             "x_floor": st.median_us / floor.median_us})
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    cols = ["ranks", "layout", "tokens", "hidden", "bytes", "mode", "min_us", "median_us",
+            "max_us", "x_sw", "floor_us", "x_floor"]
+    body = [[r["ranks"], r["layout"], r["tokens"], r["hidden"], int(r["bytes_per_rank"]),
+             r["mode"], r["min_us"], r["median_us"], r["max_us"], r["x_sw"],
+             r["floor_median_us"], r["x_floor"]] for r in rows]
+    worst = {m: max((r["x_sw"] for r in rows if r["mode"] == f"asp+{m}"), default=float("nan"))
+             for m in MODES[1:]}
+    head = ("ASP dispatch per sync mode, paired call by call (rotated order); x_sw = median over "
+            "iterations of mode / asp+sw in the same iteration; time = max over ranks per "
+            "iteration; bytes = rows x hidden x 2 per rank; floor = concurrent memcpy of those "
+            "bytes by every rank at once")
+    tail = "worst x_sw over sizes: " + ", ".join(f"asp+{m} {v:.2f}" for m, v in worst.items())
+    return f"{head}\n{format_table(cols, body, float_digits=2)}\n{tail}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="2 ranks, 3 sizes")
+    parser.add_argument("--ranks", default=None, help="comma-separated rank counts (2,4)")
+    parser.add_argument("--sizes", default=None, help="comma-separated target bytes per rank")
+    parser.add_argument("--iterations", type=int, default=None)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--out", default=None, help="write sync.{txt,json} here")
+    args = parser.parse_args(argv)
+    ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else (
+        [2] if args.quick else [2, 4])
+    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else (
+        QUICK_SIZES if args.quick else FULL_SIZES)
+    iterations = args.iterations or (30 if args.quick else 200)
+    load, start = os.getloadavg()[0], time.monotonic()
+    rows = run(ranks, sizes, args.warmup, iterations)
+    result = {"rows": rows, "settings": {"ranks": ranks, "sizes": list(sizes),
+                                         "iterations": iterations, "warmup": args.warmup},
+              "machine": {"cpus": os.cpu_count(), "load_before": load,
+                          "load_after": os.getloadavg()[0],
+                          "seconds": time.monotonic() - start}}
+    save_results(args.out, "sync", table(rows), result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
