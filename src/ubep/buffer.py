@@ -401,8 +401,11 @@ class Buffer:
                 until then.
 
         Returns:
-            ``[handle.num_tokens, hidden]`` owned array: expert layout ``y[t] = sum_k w[t,k] *
-            out(t,k)``, rank layout ``y[t] = sum over ranks of the rows sent back``.
+            ``[handle.num_tokens, hidden]`` array that only the caller holds (from 4 MiB, a
+            view of one of two blocks the Buffer hands out again once nothing references the
+            earlier ``y`` in them, not even a view or a tensor over it): expert layout
+            ``y[t] = sum_k w[t,k] * out(t,k)``, rank layout ``y[t] = sum over ranks of the rows
+            sent back``.
         """
         self._enter()
         try:

@@ -48,6 +48,9 @@ struct fast {
     /* handle_const's values by key (borrowed: handle_const holds them), NULL where absent;
      * looked up once here instead of once per combine */
     PyObject *const_vals[NUM_KEYS];
+    /* combine outputs of at least Y_POOL_MIN_BYTES: blocks of the largest y this Buffer can
+     * return, handed out again once no array views them (new_y) */
+    PyObject *y_blocks[2];
 };
 
 static void release(fast_t *f) {
@@ -62,6 +65,7 @@ static void release(fast_t *f) {
     Py_XDECREF(f->x_descr);
     Py_XDECREF(f->c_descr);
     for (int i = 0; i < NUM_KEYS; i++) Py_XDECREF(f->keys[i]);
+    for (int i = 0; i < 2; i++) Py_XDECREF(f->y_blocks[i]); /* views keep theirs alive */
     free(f);
 }
 
@@ -158,6 +162,37 @@ static PyObject *view(PyObject *base, PyArray_Descr *d, int nd, npy_intp *dims,
         return NULL;
     }
     return a;
+}
+
+/* A combine's y. A big one comes from a block the Buffer keeps: a fresh allocation of that size
+ * is fresh pages from the kernel every call (glibc maps anything above its threshold, at most
+ * 32 MiB, anew and unmaps it on free), zero-filled and faulted in one by one -- 547 faults and
+ * about a third of a 2-rank 2346-token hidden-7168 combine. A block is handed out again only
+ * when nothing but this pool holds it: every array that views y, and every object that keeps
+ * such an array (a view, a memoryview, a torch tensor from torch.from_numpy), holds a reference
+ * that leads to the block, so a y the caller still has is never written. Two blocks, so that a
+ * caller keeping each y until the next call's returns (two micro-batches) still reuses them. */
+#define Y_POOL_MIN_BYTES ((npy_intp)1 << 22)
+static PyObject *new_y(engine_t *g, fast_t *f, npy_intp ntok) {
+    npy_intp dims[2] = {ntok, g->hidden};
+    npy_intp nbytes = ntok * g->hidden * (npy_intp)g->cisz;
+    if (nbytes < Y_POOL_MIN_BYTES) {
+        Py_INCREF(f->c_descr);
+        return PyArray_NewFromDescr(&PyArray_Type, f->c_descr, 2, dims, NULL, NULL, 0, NULL);
+    }
+    int pick = -1;
+    for (int i = 0; i < 2 && pick < 0; i++)
+        if (!f->y_blocks[i] || Py_REFCNT(f->y_blocks[i]) == 1) pick = i;
+    if (pick < 0) pick = 0; /* both in use: a new block replaces one (its views keep it) */
+    if (!f->y_blocks[pick] || Py_REFCNT(f->y_blocks[pick]) != 1) {
+        /* the largest y this Buffer returns, so one block serves every batch size */
+        npy_intp cap = (npy_intp)g->T * g->hidden * (npy_intp)g->cisz;
+        PyObject *b = PyArray_SimpleNew(1, &cap, NPY_UINT8);
+        if (!b) return NULL;
+        Py_XSETREF(f->y_blocks[pick], b);
+    }
+    PyObject *b = f->y_blocks[pick];
+    return view(b, f->c_descr, 2, dims, NULL, PyArray_DATA((PyArrayObject *)b), 1);
 }
 
 /* an instance of a frozen dataclass with `fields` as its __dict__ (steals fields), without
@@ -360,9 +395,7 @@ PyObject *engine_combine_fast(engine_t *g, PyObject *args) {
         !exact(w, NPY_FLOAT32, ntok, g->K) || !exact(dr, NPY_INT64, ntok, w_dst) ||
         !exact(eo, f->c_descr->type_num, rows, g->hidden))
         goto not_mine;
-    npy_intp dims[2] = {ntok, g->hidden};
-    Py_INCREF(f->c_descr);
-    PyObject *y = PyArray_NewFromDescr(&PyArray_Type, f->c_descr, 2, dims, NULL, NULL, 0, NULL);
+    PyObject *y = new_y(g, f, (npy_intp)ntok);
     if (!y) { /* as dispatch's outputs: the general path's allocation is a clean reject */
         PyErr_Clear();
         goto not_mine;
