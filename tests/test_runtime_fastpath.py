@@ -213,75 +213,97 @@ def test_forged_handle_and_close_after_review() -> None:
         assert got["still_mapped"] == []
 
 
-BIG_T, BIG_H = 512, 4096  # y of 512 x 4096 BF16 = 4 MiB: fastpath.c's Y_POOL_MIN_BYTES
+POOL_T, POOL_H = 256, 2048  # y of 256 x 2048 BF16 = 1 MiB, with the pool's threshold lowered
 
 
 def _worker_y_pool(group: Any) -> dict[str, Any]:
-    """Big combine outputs come from the Buffer's blocks, and a block goes out again only when
-    no array (or array holder) of the caller's views it any more."""
-    cfg = BufferConfig(max_tokens_per_rank=BIG_T, hidden=BIG_H, num_topk=K, num_experts=E,
+    """Big combine outputs come from the Buffer's two blocks (the threshold lowered to 1 MiB by
+    the test hook), and a block goes out again only when nothing of the caller's views it."""
+    from ubep.runtime import _native
+
+    old = _native.y_pool_min_bytes(1 << 20)
+    try:
+        return _y_pool_calls(group)
+    finally:
+        _native.y_pool_min_bytes(old)
+
+
+def _y_pool_calls(group: Any) -> dict[str, Any]:
+    from ubep.runtime import _native
+
+    cfg = BufferConfig(max_tokens_per_rank=POOL_T, hidden=POOL_H, num_topk=K, num_experts=E,
                        dtype="bf16", layout="rank", num_cores=1)
-    xs, idxs, ws = testing.inputs("bf16", E, K, BIG_H, [BIG_T] * 2, 4, "uniform")
+    xs, idxs, ws = testing.inputs("bf16", E, K, POOL_H, [POOL_T] * 2, 4, "uniform")
     r, errors = group.rank, []
     with Buffer(group, cfg) as buf:
         res = buf.dispatch(xs[r], idxs[r], ws[r])
         refs = reference.dispatch(xs, idxs, ws, E, layout="rank")
         outs = [[testing.payload(np.random.default_rng(v * 10 + q), "bf16", len(ref.recv_x),
-                                 BIG_H) for q, ref in enumerate(refs)] for v in range(2)]
+                                 POOL_H) for q, ref in enumerate(refs)] for v in range(2)]
         want = [reference.combine(o, refs)[r] for o in outs]
         if np.array_equal(testing.bits(want[0]), testing.bits(want[1])):
             errors.append("the two payloads must give different y")
 
-        def check(y: np.ndarray, v: int, name: str) -> None:
+        def combine(v: int, name: str) -> np.ndarray:
+            y = buf.combine(outs[v][r], res.handle)
             if not np.array_equal(testing.bits(y), testing.bits(want[v])):
                 errors.append(f"{name}: values")
+            return y
 
-        y1 = buf.combine(outs[0][r], res.handle)
-        check(y1, 0, "y1")
-        pooled = y1.base is not None and y1.base.nbytes == BIG_T * BIG_H * 2
-        y2 = buf.combine(outs[1][r], res.handle)  # y1 is held: y2 must not be written over it
-        y3 = buf.combine(outs[0][r], res.handle)  # both held: a new block
-        check(y1, 0, "y1 after y2, y3")
-        check(y2, 1, "y2 after y3")
-        check(y3, 0, "y3")
+        def same(y: np.ndarray, v: int, name: str) -> None:
+            if not np.array_equal(testing.bits(y), testing.bits(want[v][:, : y.shape[1]])):
+                errors.append(f"{name} was written over")
+
+        # ids, not references: a reference would hold a block (the pool keeps them alive)
+        y1 = combine(0, "y1")
+        y2 = combine(1, "y2")  # y1 holds block 0: block 1
+        blocks = [id(y1.base), id(y2.base)]
+        y3 = combine(0, "y3")  # both held: an array of its own
+        own = [y3.base is None]
+        same(y1, 0, "y1")
+        same(y2, 1, "y2")
         shared = [np.shares_memory(a, b) for a, b in ((y1, y2), (y1, y3), (y2, y3))]
-        view = y1[:, :8]  # a view keeps y1's block
+        view = y2[:, :8]  # keeps block 1
         del y1, y2, y3
-        y4 = buf.combine(outs[1][r], res.handle)
-        y5 = buf.combine(outs[1][r], res.handle)
-        if not np.array_equal(testing.bits(view), testing.bits(want[0][:, :8])):
-            errors.append("a view of y1 was written over")
-        check(y4, 1, "y4")
-        check(y5, 1, "y5")
-        del y4, y5, view
-        y6 = buf.combine(outs[0][r], res.handle)
-        block = id(y6.base)  # (an id, not a reference: a reference would hold the block)
-        del y6
-        y7 = buf.combine(outs[1][r], res.handle)  # nothing holds the block: it is reused
-        reused = id(y7.base) == block  # the pool kept the block alive: the id is its own
-        check(y7, 1, "y7")
+        y4 = combine(1, "y4")  # block 0 again
+        y5 = combine(1, "y5")  # block 0 held by y4, block 1 by the view: its own
+        same(view, 1, "a view of y2")
+        order = [id(y4.base) == blocks[0], y5.base is None]
+        del y4, y5
         torch_kept = None
         try:
             import torch
         except ImportError:
             pass
         else:
-            t = torch.from_numpy(y7)
-            del y7
-            y8 = buf.combine(outs[0][r], res.handle)
-            torch_kept = bool(np.array_equal(t.numpy(), want[1])) and not np.shares_memory(
-                t.numpy(), y8)
-            check(y8, 0, "y8")
-            del y8
-        kept = buf.combine(outs[0][r], res.handle)
-    check(kept, 0, "y after the Buffer closed")  # its block outlives the Buffer
-    return {"errors": errors, "pooled": pooled, "shared": shared, "reused": reused,
-            "torch_kept": torch_kept}
+            t = torch.from_numpy(combine(0, "y6"))  # block 0, held by the tensor only
+            y7 = combine(1, "y7")  # both held: its own
+            torch_kept = y7.base is None and bool(np.array_equal(t.numpy(), want[0]))
+            del t, y7
+        del view
+        # a block holds at most twice its y: a quarter-size y (256 KiB, the threshold lowered
+        # again) does not get a free 1 MiB block but one of its own size in its place
+        _native.y_pool_min_bytes(64 << 10)
+        small = buf.dispatch(xs[r][: POOL_T // 4], idxs[r][: POOL_T // 4],
+                             ws[r][: POOL_T // 4])
+        eo = testing.payload(np.random.default_rng(r), "bf16", len(small.recv_x), POOL_H)
+        y_small = buf.combine(eo, small.handle)
+        sizes = [y_small.base is not None and y_small.base.nbytes == y_small.nbytes]
+        del y_small
+        _native.y_pool_min_bytes(1 << 20)
+        res = buf.dispatch(xs[r], idxs[r], ws[r])  # the full-size handle again
+        kept = combine(0, "y after the Buffer closed")
+    same(kept, 0, "y after the Buffer closed")  # its block outlives the Buffer
+    return {"errors": errors, "blocks": blocks, "own": own, "shared": shared, "order": order,
+            "torch_kept": torch_kept, "sizes": sizes}
 
 
 def test_big_combine_outputs_reuse_a_block_only_when_nothing_views_it() -> None:
     for got in launch(_worker_y_pool, 2, timeout_s=120):
         assert got["errors"] == [], "\n".join(got["errors"])
-        assert got["pooled"] and got["reused"]
+        assert got["blocks"][0] != got["blocks"][1]  # two distinct blocks
+        assert got["own"] == [True]
         assert got["shared"] == [False, False, False]
+        assert got["order"] == [True, True]
         assert got["torch_kept"] in (None, True)
+        assert got["sizes"] == [True]

@@ -401,11 +401,12 @@ class Buffer:
                 until then.
 
         Returns:
-            ``[handle.num_tokens, hidden]`` array that only the caller holds (from 4 MiB, a
-            view of one of two blocks the Buffer hands out again once nothing references the
-            earlier ``y`` in them, not even a view or a tensor over it): expert layout
+            ``[handle.num_tokens, hidden]`` array nothing else writes: expert layout
             ``y[t] = sum_k w[t,k] * out(t,k)``, rank layout ``y[t] = sum over ranks of the rows
-            sent back``.
+            sent back``. From 32 MiB, a blocking call of exact numpy arrays returns a view
+            (``y.base`` is a uint8 block, ``OWNDATA`` is False) of one of two blocks the Buffer
+            hands out again only once nothing references the earlier ``y`` in it, not even a
+            view or a tensor over it.
         """
         self._enter()
         try:

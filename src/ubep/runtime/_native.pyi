@@ -123,6 +123,10 @@ def reduce_rows(
     """Combine's reduction (``REDUCE[dtype_code]``) of the ``nt`` rows of ``rows`` into
     ``out`` (each row as long as ``out``), weighted by ``weights`` (float32) or not."""
 
+def y_pool_min_bytes(bytes: int = 0, /) -> int:
+    """The size from which a one-call combine's output is a view of one of the Buffer's two
+    reusable blocks (32 MiB by default); ``bytes > 0`` sets it. Returns the previous value."""
+
 def use_kernels(level: int, /) -> str:
     """Install the best kernel set up to ``level`` (0 generic, 1 AVX2, 2 AVX-512) that this
     CPU has and return its name; 2 is the module's default (tests run every set)."""

@@ -48,8 +48,7 @@ struct fast {
     /* handle_const's values by key (borrowed: handle_const holds them), NULL where absent;
      * looked up once here instead of once per combine */
     PyObject *const_vals[NUM_KEYS];
-    /* combine outputs of at least Y_POOL_MIN_BYTES: blocks of the largest y this Buffer can
-     * return, handed out again once no array views them (new_y) */
+    /* big combine outputs: blocks handed out again once nothing views them (new_y) */
     PyObject *y_blocks[2];
 };
 
@@ -164,30 +163,44 @@ static PyObject *view(PyObject *base, PyArray_Descr *d, int nd, npy_intp *dims,
     return a;
 }
 
-/* A combine's y. A big one comes from a block the Buffer keeps: a fresh allocation of that size
- * is fresh pages from the kernel every call (glibc maps anything above its threshold, at most
- * 32 MiB, anew and unmaps it on free), zero-filled and faulted in one by one -- 547 faults and
- * about a third of a 2-rank 2346-token hidden-7168 combine. A block is handed out again only
- * when nothing but this pool holds it: every array that views y, and every object that keeps
- * such an array (a view, a memoryview, a torch tensor from torch.from_numpy), holds a reference
- * that leads to the block, so a y the caller still has is never written. Two blocks, so that a
- * caller keeping each y until the next call's returns (two micro-batches) still reuses them. */
-#define Y_POOL_MIN_BYTES ((npy_intp)1 << 22)
+/* A combine's y. One above glibc's mapping ceiling (32 MiB on 64-bit: anything larger is mapped
+ * anew and unmapped on free, whatever the allocator's adaptive threshold) would be fresh
+ * zero-filled pages, faulted in one by one, every call: 547 faults and about a third of a
+ * 2-rank 2346-token hidden-7168 combine (33.6 MB). So a y that big is a view of one of two blocks
+ * the Buffer keeps, and a block goes out again only when nothing but this pool holds it: every
+ * array that views y, and every object that keeps such an array (a view, a memoryview, a torch
+ * tensor from torch.from_numpy, a DLPack capsule), holds a reference that leads to the block,
+ * so a y the caller still has is never written. Two blocks, so that a caller keeping each y
+ * until the next call's returns (two micro-batches) still reuses them; with both held, y is an
+ * array of its own, as below the threshold. A block is at most twice the y it holds. */
+static npy_intp y_pool_min_bytes = (npy_intp)32 << 20;
+
+npy_intp fast_y_pool_min(npy_intp bytes) {
+    npy_intp old = y_pool_min_bytes;
+    if (bytes > 0) y_pool_min_bytes = bytes;
+    return old;
+}
+
+static int block_free(PyObject *b) { return !b || Py_REFCNT(b) == 1; }
+static int block_fits(PyObject *b, npy_intp nbytes) {
+    npy_intp have = b ? PyArray_NBYTES((PyArrayObject *)b) : 0;
+    return have >= nbytes && have <= 2 * nbytes;
+}
+
 static PyObject *new_y(engine_t *g, fast_t *f, npy_intp ntok) {
     npy_intp dims[2] = {ntok, g->hidden};
     npy_intp nbytes = ntok * g->hidden * (npy_intp)g->cisz;
-    if (nbytes < Y_POOL_MIN_BYTES) {
+    int pick = -1;
+    for (int pass = 0; nbytes >= y_pool_min_bytes && pass < 2 && pick < 0; pass++)
+        for (int i = 0; i < 2 && pick < 0; i++) /* a free block that fits, else any free one */
+            if (block_free(f->y_blocks[i]) && (pass || block_fits(f->y_blocks[i], nbytes)))
+                pick = i;
+    if (pick < 0) {
         Py_INCREF(f->c_descr);
         return PyArray_NewFromDescr(&PyArray_Type, f->c_descr, 2, dims, NULL, NULL, 0, NULL);
     }
-    int pick = -1;
-    for (int i = 0; i < 2 && pick < 0; i++)
-        if (!f->y_blocks[i] || Py_REFCNT(f->y_blocks[i]) == 1) pick = i;
-    if (pick < 0) pick = 0; /* both in use: a new block replaces one (its views keep it) */
-    if (!f->y_blocks[pick] || Py_REFCNT(f->y_blocks[pick]) != 1) {
-        /* the largest y this Buffer returns, so one block serves every batch size */
-        npy_intp cap = (npy_intp)g->T * g->hidden * (npy_intp)g->cisz;
-        PyObject *b = PyArray_SimpleNew(1, &cap, NPY_UINT8);
+    if (!block_fits(f->y_blocks[pick], nbytes)) { /* nobody else holds it: replaced, freed */
+        PyObject *b = PyArray_SimpleNew(1, &nbytes, NPY_UINT8);
         if (!b) return NULL;
         Py_XSETREF(f->y_blocks[pick], b);
     }

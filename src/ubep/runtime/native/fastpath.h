@@ -15,5 +15,8 @@ PyObject *engine_set_fast(engine_t *g, PyObject *args);
 PyObject *engine_dispatch_fast(engine_t *g, PyObject *args);
 PyObject *engine_combine_fast(engine_t *g, PyObject *args);
 void fast_free(engine_t *g);
+/* the size from which combine outputs come from the Buffer's blocks; bytes > 0 sets it (tests);
+ * returns the previous value */
+npy_intp fast_y_pool_min(npy_intp bytes);
 
 #endif /* UBEP_FASTPATH_H */

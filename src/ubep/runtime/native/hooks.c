@@ -5,6 +5,8 @@
 #include <string.h>
 
 #include "pybuf.h"
+#define NO_IMPORT_ARRAY
+#include "fastpath.h"
 
 /* module-level helpers for benchmarks and tests */
 static PyObject *mod_copy(PyObject *self, PyObject *args) {
@@ -202,7 +204,18 @@ static PyObject *mod_use_kernels(PyObject *self, PyObject *args) {
     return PyUnicode_FromString(select_kernels_upto(level));
 }
 
+static PyObject *mod_y_pool_min_bytes(PyObject *self, PyObject *args) {
+    /* y_pool_min_bytes(bytes=0) -> the previous value: from which size combine outputs come
+     * from the Buffer's blocks (fastpath.c new_y); tests lower it to reach the pool cheaply */
+    long long bytes = 0;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "|L", &bytes)) return NULL;
+    return PyLong_FromLongLong((long long)fast_y_pool_min((npy_intp)bytes));
+}
+
 PyMethodDef HOOK_METHODS[] = {
+    {"y_pool_min_bytes", mod_y_pool_min_bytes, METH_VARARGS,
+     "y_pool_min_bytes(bytes=0) -> previous value (0 reads it; tests)"},
     {"reduce_rows", mod_reduce_rows, METH_VARARGS,
      "reduce_rows(rows, nt, weights, out, dtype_code, weighted): combine's REDUCE"},
     {"use_kernels", mod_use_kernels, METH_VARARGS,
