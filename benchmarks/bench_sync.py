@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench_sync --quick                # 2 ranks, 3 sizes (~10 s)
     python -m benchmarks.bench_sync --out benchmarks/results   # full run (~1 min, 2 cores)
+    python -m benchmarks.bench_sync --replot results/sync.json --out DIR   # re-draw
 
 Issue 17 asks for asp+sp within 1.1x of asp+sw at every size. bench_growth times each case in
 blocks of calls, in a fixed order, so two modes' medians come from different seconds of a host
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import time
 from collections.abc import Sequence
@@ -133,6 +135,38 @@ def table(rows: list[dict[str, Any]]) -> str:
     return f"{head}\n{format_table(cols, body, float_digits=2)}\n{tail}"
 
 
+def plot(result: dict[str, Any], path: str) -> None:
+    """x_sw against bytes per rank, a panel per rank count, the 1.1 target drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    ranks = sorted({r["ranks"] for r in rows})
+    fig, axes = plt.subplots(1, len(ranks), figsize=(6 * len(ranks) + 2, 4.5), squeeze=False)
+    styles = {"rank": "-", "expert": "--"}
+    for ax, nr in zip(axes[0], ranks, strict=True):
+        for i, mode in enumerate(MODES[1:]):
+            for layout in ("rank", "expert"):
+                pts = sorted((r["bytes_per_rank"], r["x_sw"]) for r in rows
+                             if r["ranks"] == nr and r["layout"] == layout
+                             and r["mode"] == f"asp+{mode}")
+                if pts:
+                    ax.plot(*zip(*pts, strict=True), styles[layout], marker="o", ms=3,
+                            color=f"C{i}", label=f"asp+{mode} {layout}")
+        ax.axhline(1.0, color="black", lw=1)
+        ax.axhline(1.1, color="red", lw=1, ls=":", label="1.1 (issue 17's SP target)")
+        ax.set(xscale="log", title=f"ASP dispatch / asp+sw, paired, {nr} ranks",
+               xlabel="bytes per rank", ylabel="median paired ratio to asp+sw")
+        ax.grid(True, which="both", alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center right", fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1 - 2.2 / fig.get_figwidth(), 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 ranks, 3 sizes")
@@ -140,8 +174,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default=None, help="comma-separated target bytes per rank")
     parser.add_argument("--iterations", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--out", default=None, help="write sync.{txt,json} here")
+    parser.add_argument("--out", default=None, help="write sync.{txt,json,png} here")
+    parser.add_argument("--replot", default=None,
+                        help="re-render a sync.json (to --out, else stdout only)")
     args = parser.parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            old = json.load(f)
+        save_results(args.out, "sync", table(old["rows"]), old, plot)
+        return 0
     ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else (
         [2] if args.quick else [2, 4])
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else (
@@ -154,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
               "machine": {"cpus": os.cpu_count(), "load_before": load,
                           "load_after": os.getloadavg()[0],
                           "seconds": time.monotonic() - start}}
-    save_results(args.out, "sync", table(rows), result)
+    save_results(args.out, "sync", table(rows), result, plot)
     return 0
 
 
