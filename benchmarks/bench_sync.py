@@ -8,13 +8,18 @@ Issue 17 asks for asp+sp within 1.1x of asp+sw at every size. bench_growth times
 blocks of calls, in a fixed order, so two modes' medians come from different seconds of a host
 whose speed drifts within seconds; their ratio moved 0.85-1.6x between runs. Here the modes of
 one case (bench_growth's sizes and routing: ``bench_growth.cases_for``) have a Buffer each and
-take turns call by call, in an order rotated every iteration (none is always first after the
-barrier), so every iteration holds one call of each mode made within a few milliseconds:
+take turns call by call, in an order shuffled every iteration (none is always first after the
+barrier or always after the same mode), so every iteration holds one call of each mode made
+within a few milliseconds:
 
 * time of a call: from the barrier, each rank times its own dispatch; an iteration's time is
   the maximum over ranks (``harness.time_collective``'s convention);
 * per mode: min / median / max over the iterations;
-* ``x_sw``: the median over iterations of the paired ratio mode / asp+sw (same iteration);
+* ``x_sw``: per round, the median over iterations of the paired ratio mode / asp+sw (same
+  iteration); then the median over ``--rounds`` rounds, each with freshly mapped Buffers
+  (``x_sw_rounds``: every round's; the table shows their range). One run of a single set of
+  Buffers read SP / SW 1.49 with a tight interval where another read 1.08: where a Buffer's
+  pages lie moves all of its calls;
 * ``x_floor``: median / the memcpy floor (``harness.concurrent_copy``: as many processes as
   ranks each copying bytes_per_rank at once, same run, before the calls). Pessimistic here:
   four Buffers' receive regions take turns, four times one Buffer's working set, so from a few
@@ -43,6 +48,7 @@ from benchmarks.harness import (
     collective_spans,
     concurrent_copy,
     format_table,
+    round_repeats,
     save_results,
 )
 
@@ -51,10 +57,13 @@ FULL_SIZES = tuple(16384 << (2 * i) for i in range(6))  # 16 KB .. 16 MB
 QUICK_SIZES = (16384, 262144, 4194304)
 
 
-def rotation(iteration: int, modes: Sequence[str]) -> list[str]:
-    """The order of iteration ``iteration``: every mode once, starting one further each time."""
-    n = len(modes)
-    return [modes[(iteration + j) % n] for j in range(n)]
+def call_order(iteration: int, modes: Sequence[str]) -> list[str]:
+    """The order of iteration ``iteration``: every mode once, shuffled by a generator seeded
+    with the iteration (so every rank makes the same calls in the same order). A rotation
+    would put the same mode before each mode every time (DC's big reads before SW, SW before
+    SP); shuffled, every mode follows every other about equally often."""
+    order = np.random.default_rng([29, iteration]).permutation(len(modes))
+    return [modes[int(j)] for j in order]
 
 
 def paired_ratio(times: dict[str, np.ndarray], mode: str, base: str = "sw") -> float:
@@ -62,39 +71,52 @@ def paired_ratio(times: dict[str, np.ndarray], mode: str, base: str = "sw") -> f
     return float(np.median(times[mode] / times[base]))
 
 
-def _rank_main(group: Any, cases: list[growth.Case], warmup: int,
-               iterations: int) -> list[dict[str, list[int]]]:
-    """Per case (one per layout and size: its ``sync`` is ignored), every mode's call times
-    (ns) on this rank, iteration by iteration."""
+def round_ratios(rounds: list[dict[str, np.ndarray]], mode: str,
+                 base: str = "sw") -> list[float]:
+    """:func:`paired_ratio` of each round (each round has its own, freshly mapped Buffers)."""
+    return [paired_ratio(times, mode, base) for times in rounds]
+
+
+def _rank_main(group: Any, cases: list[growth.Case], warmup: int, per_round: list[int],
+               ) -> list[list[dict[str, list[int]]]]:
+    """Per case (one per layout and size: its ``sync`` is ignored) and round, every mode's call
+    times (ns) on this rank, iteration by iteration. Each round maps fresh Buffers, created in
+    a shuffled order: on this VM the same calls run up to 1.5x slower on one process's or one
+    segment's pages than on another's, for as long as they live, which pairing within one set
+    of Buffers cannot cancel."""
     from ubep.buffer import Buffer
 
     out = []
     for case in cases:
         x, idx, w = growth.inputs(case, group.rank)
-        bufs = {}
-        try:
-            for sync in MODES:
-                cfg = growth._config(growth.Case(case.target_bytes, case.tokens, case.hidden,
-                                                 case.layout, "asp", sync))
-                bufs[sync] = Buffer(group, cfg)
-            times: dict[str, list[int]] = {m: [] for m in MODES}
-            for i in range(warmup + iterations):
-                for sync in rotation(i, MODES):
-                    call = functools.partial(bufs[sync].dispatch, x, idx, w)
-                    span = collective_spans(group.barrier, call, 0, 1)[0]
-                    if i >= warmup:
-                        times[sync].append(int(span[1] - span[0]))
-            out.append(times)
-        finally:
-            for buf in bufs.values():
-                buf.close()
+        per: list[dict[str, list[int]]] = []
+        for rnd, iterations in enumerate(per_round):
+            bufs = {}
+            try:
+                for sync in call_order(rnd, MODES):
+                    cfg = growth._config(growth.Case(case.target_bytes, case.tokens,
+                                                     case.hidden, case.layout, "asp", sync))
+                    bufs[sync] = Buffer(group, cfg)
+                times: dict[str, list[int]] = {m: [] for m in MODES}
+                for i in range(warmup + iterations):
+                    for sync in call_order(i, MODES):
+                        call = functools.partial(bufs[sync].dispatch, x, idx, w)
+                        span = collective_spans(group.barrier, call, 0, 1)[0]
+                        if i >= warmup:
+                            times[sync].append(int(span[1] - span[0]))
+                per.append(times)
+            finally:
+                for buf in bufs.values():
+                    buf.close()
+        out.append(per)
     return out
 
 
 def run(ranks: Sequence[int], sizes: Sequence[int], warmup: int, iterations: int,
-        timeout_s: float = 1800.0) -> list[dict[str, Any]]:
+        rounds: int = 5, timeout_s: float = 1800.0) -> list[dict[str, Any]]:
     from ubep.runtime import launch
 
+    per_round = round_repeats(iterations, rounds)
     rows: list[dict[str, Any]] = []
     for num_ranks in ranks:
         cases = growth.cases_for(sizes, num_ranks, [("asp", "sw")])
@@ -103,17 +125,21 @@ def run(ranks: Sequence[int], sizes: Sequence[int], warmup: int, iterations: int
         floors = dict(zip(distinct, concurrent_copy(num_ranks, distinct, repeats=iterations,
                                                     warmup=warmup, timeout_s=timeout_s),
                           strict=True))
-        per_rank = launch(_rank_main, num_ranks, cases, warmup, iterations,
+        per_rank = launch(_rank_main, num_ranks, cases, warmup, per_round,
                           timeout_s=timeout_s)
         for i, case in enumerate(cases):
-            worst = {m: np.max(np.array([r[i][m] for r in per_rank], dtype=np.float64), axis=0)
-                     for m in MODES}  # per iteration, the slowest rank
+            # per round and iteration, the slowest rank
+            worst = [{m: np.max(np.array([r[i][k][m] for r in per_rank], dtype=np.float64),
+                                axis=0) for m in MODES} for k in range(len(per_round))]
             floor = floors[int(nbytes[i])]
             for m in MODES:
-                st = Stats.from_samples_us((worst[m] / 1e3).tolist())
+                st = Stats.from_samples_us(
+                    (np.concatenate([w[m] for w in worst]) / 1e3).tolist())
+                by_round = round_ratios(worst, m)
                 rows.append({"ranks": num_ranks, "layout": case.layout, "tokens": case.tokens,
                              "hidden": case.hidden, "bytes_per_rank": nbytes[i],
-                             "mode": f"asp+{m}", **asdict(st), "x_sw": paired_ratio(worst, m),
+                             "mode": f"asp+{m}", **asdict(st),
+                             "x_sw": float(np.median(by_round)), "x_sw_rounds": by_round,
                              "floor_median_us": floor.median_us,
                              "x_floor": st.median_us / floor.median_us})
     return rows
@@ -121,14 +147,16 @@ def run(ranks: Sequence[int], sizes: Sequence[int], warmup: int, iterations: int
 
 def table(rows: list[dict[str, Any]]) -> str:
     cols = ["ranks", "layout", "tokens", "hidden", "bytes", "mode", "min_us", "median_us",
-            "max_us", "x_sw", "floor_us", "x_floor"]
+            "max_us", "x_sw", "x_sw_rounds", "floor_us", "x_floor"]
     body = [[r["ranks"], r["layout"], r["tokens"], r["hidden"], int(r["bytes_per_rank"]),
              r["mode"], r["min_us"], r["median_us"], r["max_us"], r["x_sw"],
+             f"{min(r['x_sw_rounds']):.2f}-{max(r['x_sw_rounds']):.2f}",
              r["floor_median_us"], r["x_floor"]] for r in rows]
     worst = {m: max((r["x_sw"] for r in rows if r["mode"] == f"asp+{m}"), default=float("nan"))
              for m in MODES[1:]}
-    head = ("ASP dispatch per sync mode, paired call by call (rotated order); x_sw = median over "
-            "iterations of mode / asp+sw in the same iteration; time = max over ranks per "
+    head = ("ASP dispatch per sync mode, paired call by call (shuffled order); x_sw = median over "
+            "iterations of mode / asp+sw in the same iteration, median over rounds of fresh "
+            "Buffers (x_sw_rounds: the rounds' range); time = max over ranks per "
             "iteration; bytes = rows x hidden x 2 per rank; floor = concurrent memcpy of those "
             "bytes by every rank at once")
     tail = "worst x_sw over sizes: " + ", ".join(f"asp+{m} {v:.2f}" for m, v in worst.items())
@@ -174,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default=None, help="comma-separated target bytes per rank")
     parser.add_argument("--iterations", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=None, help="sets of fresh Buffers (5)")
     parser.add_argument("--out", default=None, help="write sync.{txt,json,png} here")
     parser.add_argument("--replot", default=None,
                         help="re-render a sync.json (to --out, else stdout only)")
@@ -189,9 +218,11 @@ def main(argv: list[str] | None = None) -> int:
         QUICK_SIZES if args.quick else FULL_SIZES)
     iterations = args.iterations or (30 if args.quick else 200)
     load, start = os.getloadavg()[0], time.monotonic()
-    rows = run(ranks, sizes, args.warmup, iterations)
+    rounds = args.rounds or (2 if args.quick else 5)
+    rows = run(ranks, sizes, args.warmup, iterations, rounds)
     result = {"rows": rows, "settings": {"ranks": ranks, "sizes": list(sizes),
-                                         "iterations": iterations, "warmup": args.warmup},
+                                         "iterations": iterations, "rounds": rounds,
+                                         "warmup": args.warmup},
               "machine": {"cpus": os.cpu_count(), "load_before": load,
                           "load_after": os.getloadavg()[0],
                           "seconds": time.monotonic() - start}}

@@ -3,6 +3,7 @@ quick path's output structure (no timing assertions)."""
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -17,14 +18,24 @@ if str(REPO_ROOT) not in sys.path:
 from benchmarks import bench_sync  # noqa: E402
 
 
-def test_rotation_puts_every_mode_first_equally_often() -> None:
+def test_call_order_mixes_positions_and_predecessors() -> None:
     modes = bench_sync.MODES
-    orders = [bench_sync.rotation(i, modes) for i in range(4 * len(modes))]
-    for order in orders:  # each iteration calls every mode once
-        assert sorted(order) == sorted(modes)
-    for position in range(len(modes)):  # and each mode sits in each position equally often
-        counts = {m: sum(o[position] == m for o in orders) for m in modes}
-        assert set(counts.values()) == {4}
+    orders = [bench_sync.call_order(i, modes) for i in range(1200)]
+    assert orders[7] == bench_sync.call_order(7, modes)  # every rank computes the same order
+    follows: dict[tuple[str, str], int] = {}
+    for prev, order in itertools.pairwise(orders):
+        assert sorted(order) == sorted(modes)  # each iteration calls every mode once
+        chain = [prev[-1], *order]
+        for a, b in itertools.pairwise(chain):
+            follows[(a, b)] = follows.get((a, b), 0) + 1
+    # each mode first about equally often (1200 / 4 = 300 each; binomial sd ~15)
+    firsts = {m: sum(o[0] == m for o in orders) for m in modes}
+    assert all(240 <= n <= 360 for n in firsts.values()), firsts
+    # and each mode follows each other one (a rotation would give one predecessor only)
+    for m in modes:
+        before = {a: n for (a, b), n in follows.items() if b == m and a != m}
+        assert set(before) == set(modes) - {m}, (m, before)
+        assert min(before.values()) > 0.5 * max(before.values()), (m, before)
 
 
 def test_paired_ratio_is_the_median_of_per_iteration_ratios() -> None:
@@ -38,12 +49,25 @@ def test_paired_ratio_is_the_median_of_per_iteration_ratios() -> None:
     assert bench_sync.paired_ratio(times, "sp") == pytest.approx(ratios[50], rel=1e-12)
 
 
+def test_round_ratios_are_each_rounds_paired_median() -> None:
+    rng = np.random.default_rng(5)
+    rounds = []
+    for factor in (1.02, 1.30, 1.05):  # one round on slow pages
+        sw = rng.uniform(10, 20, 41)
+        rounds.append({"sw": sw, "sp": factor * sw})
+    got = bench_sync.round_ratios(rounds, "sp")
+    assert got == pytest.approx([1.02, 1.30, 1.05], rel=1e-12)
+    assert float(np.median(got)) == pytest.approx(1.05, rel=1e-12)  # the slow round left out
+
+
 def test_quick_run_rows() -> None:
-    rows = bench_sync.run([2], [16384], warmup=1, iterations=3)
+    rows = bench_sync.run([2], [16384], warmup=1, iterations=4, rounds=2)
     assert {r["mode"] for r in rows} == {f"asp+{m}" for m in bench_sync.MODES}
     assert {r["layout"] for r in rows} == {"rank", "expert"}
     for r in rows:
         assert r["min_us"] <= r["median_us"] <= r["max_us"]
+        assert len(r["x_sw_rounds"]) == 2
+        assert min(r["x_sw_rounds"]) <= r["x_sw"] <= max(r["x_sw_rounds"])
         if r["mode"] == "asp+sw":
-            assert r["x_sw"] == 1.0
+            assert r["x_sw"] == 1.0 and r["x_sw_rounds"] == [1.0, 1.0]
     assert "worst x_sw" in bench_sync.table(rows)
