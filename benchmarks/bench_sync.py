@@ -49,6 +49,7 @@ from benchmarks.harness import (
     concurrent_copy,
     format_table,
     round_repeats,
+    save_figure,
     save_results,
 )
 
@@ -188,11 +189,7 @@ def plot(result: dict[str, Any], path: str) -> None:
         ax.set(xscale="log", title=f"ASP dispatch / asp+sw, paired, {nr} ranks",
                xlabel="bytes per rank", ylabel="median paired ratio to asp+sw")
         ax.grid(True, which="both", alpha=0.3)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="center right", fontsize=8)
-    fig.tight_layout(rect=(0, 0, 1 - 2.2 / fig.get_figwidth(), 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, axes, path, legend_width_in=2.2)
 
 
 def main(argv: list[str] | None = None) -> int:

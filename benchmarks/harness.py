@@ -190,6 +190,18 @@ def save_results(out: str | None, stem: str, text: str, result: dict[str, Any],
         plot(result, os.path.join(out, f"{stem}.png"))
 
 
+def save_figure(fig: Any, axes: Any, path: str, legend_width_in: float) -> None:
+    """The benchmarks' figure ending: one legend for all panels (the first panel's entries) in
+    a ``legend_width_in`` inch strip at the right, then the PNG at ``path``."""
+    import matplotlib.pyplot as plt
+
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center right", fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1 - legend_width_in / fig.get_figwidth(), 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _cell(value: object, float_digits: int) -> str:
     if isinstance(value, float):
         return f"{value:.{float_digits}f}"
