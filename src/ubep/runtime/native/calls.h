@@ -11,7 +11,7 @@
 typedef struct call {
     op_t op;
     pbuf_t b[NBUF_DISPATCH];
-    /* a direct call's arrays (combine_args_t.direct), held until the call is freed: another
+    /* a direct combine's arrays (combine_args_t.direct), held until the call is freed: another
      * thread may replace a handle's fields while this call runs without the GIL */
     PyObject *keep[5];
     const phase_list_t *phases;
@@ -49,12 +49,16 @@ typedef struct {
     int region;
     PyObject *y;
     unsigned long long dispatch_index;
-    /* 1: the five arrays are exact numpy arrays of the Buffer's dtypes, C-contiguous, aligned
-     * and of the call's shapes (fastpath.c checked): their memory is read directly, without
-     * the buffer protocol, at `mem` (expert_out, topk_idx, topk_weights, send_dst_row, y);
-     * 0: any buffer, checked here */
-    int direct;
-    void *mem[5];
+    /* direct.y == NULL: the five arguments are any buffers, checked here. Else they are exact
+     * numpy arrays of the Buffer's dtypes, C-contiguous, aligned and of the call's shapes
+     * (fastpath.c checked), read at these addresses without the buffer protocol (as
+     * dispatch_args_t.direct) */
+    struct {
+        const uint8_t *expert_out;
+        const int64_t *topk_idx, *send_dst_row;
+        const float *topk_weights;
+        uint8_t *y;
+    } direct;
 } combine_args_t;
 
 /* A call ready to run (its buffers held, sizes checked), or NULL with an exception set. */

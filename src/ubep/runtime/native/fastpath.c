@@ -417,10 +417,11 @@ PyObject *engine_combine_fast(engine_t *g, PyObject *args) {
     combine_args_t a = {.expert_out = eo, .rows = rows, .topk_idx = idx, .topk_weights = w,
                         .send_dst_row = dr, .num_tokens = ntok, .epoch = epoch,
                         .region = (int)(index % 2), .y = y, .dispatch_index = (uint64_t)index,
-                        .direct = 1,
-                        .mem = {PyArray_DATA((PyArrayObject *)eo), PyArray_DATA((PyArrayObject *)idx),
-                                PyArray_DATA((PyArrayObject *)w), PyArray_DATA((PyArrayObject *)dr),
-                                PyArray_DATA((PyArrayObject *)y)}};
+                        .direct = {.expert_out = PyArray_DATA((PyArrayObject *)eo),
+                                   .topk_idx = PyArray_DATA((PyArrayObject *)idx),
+                                   .send_dst_row = PyArray_DATA((PyArrayObject *)dr),
+                                   .topk_weights = PyArray_DATA((PyArrayObject *)w),
+                                   .y = PyArray_DATA((PyArrayObject *)y)}};
     call_t *c = combine_call(g, &a);
     res = c ? call_run(g, c, 0) : NULL;
     if (res && PyLong_Check(res)) {

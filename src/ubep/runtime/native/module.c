@@ -611,28 +611,27 @@ call_t *combine_call(engine_t *g, const combine_args_t *a) {
     if (!c) return (call_t *)PyErr_NoMemory();
     pbuf_t *b = c->b;
     PyObject *arr[5] = {a->expert_out, a->topk_idx, a->topk_weights, a->send_dst_row, a->y};
-    void *mem[5];
-    if (a->direct) {
-        for (int i = 0; i < 5; i++) {
-            Py_INCREF(arr[i]);
-            c->keep[i] = arr[i];
-            mem[i] = a->mem[i];
-        }
-    } else {
-        if (get_buf(arr[0], &b[0], 0, "expert_out", rows * g->crow_bytes) ||
-            get_buf(arr[1], &b[1], 0, "handle.topk_idx", ntok * K * 8) ||
-            get_buf(arr[2], &b[2], 0, "handle.topk_weights", ntok * K * 4) ||
-            get_buf(arr[3], &b[3], 0, "handle.send_dst_row", ntok * dst_w * 8) ||
-            get_buf(arr[4], &b[4], 1, "y", ntok * g->hidden * g->cisz)) {
-            call_free(c);
-            return NULL;
-        }
-        for (int i = 0; i < 5; i++) mem[i] = b[i].b.buf;
+    if (a->direct.y) {
+        for (int i = 0; i < 5; i++) c->keep[i] = Py_NewRef(arr[i]);
+    } else if (get_buf(arr[0], &b[0], 0, "expert_out", rows * g->crow_bytes) ||
+               get_buf(arr[1], &b[1], 0, "handle.topk_idx", ntok * K * 8) ||
+               get_buf(arr[2], &b[2], 0, "handle.topk_weights", ntok * K * 4) ||
+               get_buf(arr[3], &b[3], 0, "handle.send_dst_row", ntok * dst_w * 8) ||
+               get_buf(arr[4], &b[4], 1, "y", ntok * g->hidden * g->cisz)) {
+        call_free(c);
+        return NULL;
     }
     op_t *op = &c->op;
     op_init(op, g, 1, a->epoch);
     op->dispatch_index = a->dispatch_index;
-    op->eo = mem[0];
+    if (a->direct.y) {
+        op->eo = a->direct.expert_out; op->h_idx = a->direct.topk_idx;
+        op->h_w = a->direct.topk_weights; op->h_dst_row = a->direct.send_dst_row;
+        op->y = a->direct.y;
+    } else {
+        op->eo = b[0].b.buf; op->h_idx = b[1].b.buf; op->h_w = b[2].b.buf;
+        op->h_dst_row = b[3].b.buf; op->y = b[4].b.buf;
+    }
     op->eo_rows = rows;
     op->creg = a->region;
     uintptr_t mine = (uintptr_t)g->base[g->rank], at = (uintptr_t)op->eo;
@@ -643,8 +642,7 @@ call_t *combine_call(engine_t *g, const combine_args_t *a) {
     } else {
         op->eo_off = g->off_comb + (int64_t)a->region * g->comb_bytes;
     }
-    op->h_idx = mem[1]; op->h_w = mem[2]; op->h_dst_row = mem[3]; op->h_ntok = ntok;
-    op->y = mem[4];
+    op->h_ntok = ntok;
     c->phases = g->eng == ENG_ASP ? &ASP_COMBINE : &BSP_COMBINE;
     return c;
 }
