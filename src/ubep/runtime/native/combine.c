@@ -40,7 +40,7 @@ static int ph_c_copy(op_t *op, int core) {
         copy_rows(op, core, 0, op->eo_rows);
         return 0;
     }
-    const int64_t *runs = g->peer_runs + (int64_t)reg * (g->L + 2) * 2;
+    const int64_t *runs = peer_runs_of(g, reg);
     for (int i = 0; i < g->peer_rows[reg].nruns; i++) copy_rows(op, core, runs[2 * i], runs[2 * i + 1]);
     return 0;
 }

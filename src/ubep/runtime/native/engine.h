@@ -156,7 +156,7 @@ typedef struct engine {
      * sentinel in its last use; the rest still hold it. Re-armed when the region is reused. */
     int64_t sp_dirty[8];
     /* Combine copies into the segment only the rows peers pull: the rows of a receive
-     * region's last dispatch that came from peers, as runs [lo, hi) (peer_runs: [nreg][L + 2]
+     * region's last dispatch that came from peers, as runs [lo, hi) (peer_runs_of: [nreg][L + 2]
      * pairs). Its own tokens' rows it reduces from the caller's expert_out where they lie.
      * index1 = dispatch index + 1 of the record (0: none), rows = rows received then. */
     struct { uint64_t index1; int64_t rows; int nruns; } peer_rows[8];
@@ -295,6 +295,12 @@ static inline fail_rec_t *fail_block(engine_t *g, int rank, uint64_t epoch) {
 
 /* bucket of the i-th destination in send order */
 static inline int64_t bucket_start(engine_t *g, int i) { return (int64_t)i * g->cap_src_rows; }
+
+/* the [lo, hi) runs of region reg's peer_rows record: at most MAX_PEER_RUNS(g) pairs */
+#define MAX_PEER_RUNS(g) ((g)->L + 2)
+static inline int64_t *peer_runs_of(engine_t *g, int reg) {
+    return g->peer_runs + (int64_t)reg * MAX_PEER_RUNS(g) * 2;
+}
 
 #define TRACE(g, core, i) do { if ((core) == 0) (g)->trace[i] = now_ns(); } while (0)
 

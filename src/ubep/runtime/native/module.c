@@ -225,7 +225,7 @@ static int engine_init(engine_t *g, PyObject *args, PyObject *kwds) {
     g->tx_cnt = calloc((size_t)C * R * L, sizeof(uint32_t));
     g->route_snap = calloc((size_t)C * 2 * (size_t)(g->T * g->K) + 1, sizeof(uint32_t));
     g->ci_off = calloc((size_t)C * R, 8); g->ci_rows = calloc((size_t)C * R, 8);
-    g->peer_runs = calloc((size_t)g->nreg * (size_t)(L + 2) * 2, sizeof(int64_t));
+    g->peer_runs = calloc((size_t)g->nreg * (size_t)MAX_PEER_RUNS(g) * 2, sizeof(int64_t));
     g->e2d = calloc((size_t)E, sizeof(int32_t)); g->e2l = calloc((size_t)E, sizeof(int32_t));
     int maxt = g->K > R ? g->K : R;
     g->term_ptr = calloc((size_t)C * maxt, sizeof(void *));

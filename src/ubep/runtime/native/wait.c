@@ -267,14 +267,14 @@ void format_error(op_t *op, char *buf, size_t n) {
  * from the engine's own metadata, never from anything the caller can touch later. */
 static void record_peer_rows(engine_t *g, op_t *op) {
     int reg = (int)(op->n % g->nreg);
-    int64_t *runs = g->peer_runs + (int64_t)reg * (g->L + 2) * 2;
+    int64_t *runs = peer_runs_of(g, reg);
     int nruns = 0;
     g->peer_rows[reg].index1 = 0;
     for (int64_t i = 0; i < op->n_recv;) {
         if (op->o_src_rank[i] == g->rank) { i++; continue; }
         int64_t lo = i;
         while (i < op->n_recv && op->o_src_rank[i] != g->rank) i++;
-        if (nruns == g->L + 2) return; /* more runs than the layouts make: no record */
+        if (nruns == MAX_PEER_RUNS(g)) return; /* more runs than the layouts make: no record */
         runs[2 * nruns] = lo;
         runs[2 * nruns + 1] = i;
         nruns++;
