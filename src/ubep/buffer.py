@@ -762,9 +762,7 @@ class Buffer:
     def _split_plan(self, x: object) -> CoreSplit | object | None:
         """The plan of a blocking call's one native call: None (one core, or BSP) or the
         cached core split; ``_NO_SPLIT`` when the call needs ``ubep.sched``'s full Plan (or
-        ``x`` is not an array): the general path."""
-        if self.num_cores < 2 or self.config.engine != "asp":
-            return None
+        ``x`` is not a 2-D array, which the one call would refuse): the general path."""
         if type(x) is not np.ndarray or x.ndim != 2:
             return _NO_SPLIT
         split = self._core_split(x.shape[0])
