@@ -164,7 +164,7 @@ static PyObject *mod_comb_info_sum(PyObject *self, PyObject *args) {
 }
 
 static PyObject *mod_reduce_rows(PyObject *self, PyObject *args) {
-    /* reduce_rows(rows, weights_f32, out, dtype_code, weighted): REDUCE[dtype] of the nt rows
+    /* reduce_rows(rows, nt, weights_f32, out, dtype_code, weighted): REDUCE[dtype] of the nt rows
      * of `rows` ([nt, n] of dtype) into out ([n]), for tests against ubep.reference */
     PyObject *orows, *ow, *oo;
     int dt, weighted, nt;
