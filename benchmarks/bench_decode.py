@@ -113,14 +113,14 @@ class _Timed:
         return got
 
 
-def _clean_pass(group: Any, buf: Any, x: Any, idx: Any, w: Any,
-                repeats: int) -> dict[str, list[int]]:
-    """The totals: dispatch then combine, ``repeats`` times (after 20 untimed), nothing but
-    the calls inside the timed spans (the phase split's pass puts a Python proxy around the
-    engine, whose own calls and clock reads would be counted as ubep's)."""
+def _timed_calls(group: Any, buf: Any, x: Any, idx: Any, w: Any, repeats: int,
+                 ) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, ...]]]:
+    """``repeats`` dispatch + combine pairs after 20 untimed ones (a barrier every 25), nothing
+    but the call inside each timed span: each call's (start, end) and the engine's trace after
+    the pair (both calls' trace points: combine writes 8..13)."""
     res = buf.dispatch(x, idx, w)
     eo = np.array(res.recv_x)
-    spans: dict[str, list[int]] = {"dispatch": [], "combine": []}
+    disp, comb, traces = [], [], []
     for rep in range(repeats + 20):
         if rep % 25 == 0:
             group.barrier(30.0)
@@ -131,20 +131,20 @@ def _clean_pass(group: Any, buf: Any, x: Any, idx: Any, w: Any,
         t2 = time.perf_counter_ns()
         buf.combine(mine, res.handle)
         t3 = time.perf_counter_ns()
-        if rep >= 20:
-            spans["dispatch"].append(t1 - t0)
-            spans["combine"].append(t3 - t2)
-    return spans
+        disp.append((t0, t1))
+        comb.append((t2, t3))
+        traces.append(buf._engine.trace())
+    return disp[20:], comb[20:], traces[20:]  # the first calls warm caches and wake-ups
 
 
 def _split(outer: list[tuple[int, int]], inner: list[tuple[int, int]],
-           clean: list[int]) -> tuple[float, ...]:
+           clean: list[tuple[int, int]]) -> tuple[float, ...]:
     """Medians (us) of pre, native and post (the proxied pass), and min/median/max of the
     total (the clean pass)."""
     pre = [b[0] - a[0] for a, b in zip(outer, inner, strict=True)]
     nat = [b[1] - b[0] for b in inner]
     post = [a[1] - b[1] for a, b in zip(outer, inner, strict=True)]
-    tot = clean
+    tot = [b - a for a, b in clean]
     med = statistics.median
     return (med(pre) / 1e3, med(nat) / 1e3, med(post) / 1e3,
             min(tot) / 1e3, med(tot) / 1e3, max(tot) / 1e3)
@@ -175,37 +175,17 @@ def _rank(group: Any, cases: list[Case], repeats: int) -> list[dict[str, Any]]:
         r = group.rank
         with Buffer(group, cfg) as buf:
             errors = testing.check_call(buf, xs, idxs, ws, i)  # the timed calls are right
-            clean = _clean_pass(group, buf, xs[r], idxs[r], ws[r], repeats)
+            clean_d, clean_c, _ = _timed_calls(group, buf, xs[r], idxs[r], ws[r], repeats)
             timed = _Timed(buf._engine)
-            buf._engine = timed
-            buf._fast = timed  # the one-call path too
-            res = buf.dispatch(xs[r], idxs[r], ws[r])
-            eo = np.array(res.recv_x)
-            outer: dict[str, list[tuple[int, int]]] = {"dispatch": [], "combine": []}
-            traces = []
-            for rep in range(repeats + 20):
-                if rep % 25 == 0:
-                    group.barrier(30.0)
-                t0 = time.perf_counter_ns()
-                res = buf.dispatch(xs[r], idxs[r], ws[r])
-                t1 = time.perf_counter_ns()
-                mine = eo[: len(res.recv_x)]
-                t1b = time.perf_counter_ns()
-                buf.combine(mine, res.handle)
-                t2 = time.perf_counter_ns()
-                outer["dispatch"].append((t0, t1))
-                outer["combine"].append((t1b, t2))
-                traces.append(buf._engine.trace())  # both calls' (combine writes 8..12)
+            buf._engine = buf._fast = timed  # the one-call path too
+            outer_d, outer_c, traces = _timed_calls(group, buf, xs[r], idxs[r], ws[r], repeats)
             buf._engine = buf._fast = timed._engine
-        warm = slice(20, None)  # the first calls warm caches and wake-ups
         out.append({
             "errors": errors,
-            "dispatch": _split(outer["dispatch"][warm], timed.spans["dispatch"][-repeats:],
-                               clean["dispatch"]),
-            "combine": _split(outer["combine"][warm], timed.spans["combine"][-repeats:],
-                              clean["combine"]),
-            "dispatch_phases": _phases(traces[20:], DISPATCH_MARKS),
-            "combine_phases": _phases(traces[20:], COMBINE_MARKS),
+            "dispatch": _split(outer_d, timed.spans["dispatch"][-repeats:], clean_d),
+            "combine": _split(outer_c, timed.spans["combine"][-repeats:], clean_c),
+            "dispatch_phases": _phases(traces, DISPATCH_MARKS),
+            "combine_phases": _phases(traces, COMBINE_MARKS),
         })
     return out
 
