@@ -177,6 +177,15 @@ def _measure_group(group: Any, cases: list[Case], warmup: int, repeats: int,
             r.buf.close()
 
 
+def shape_groups(cases: list[Case]) -> list[list[Case]]:
+    """The cases of each shape (tokens, hidden, dtype), in first-seen order: the groups whose
+    cases one run interleaves (bench_host_validation measures them as the same units)."""
+    groups: dict[tuple[int, int, str], list[Case]] = {}
+    for case in cases:
+        groups.setdefault((case.tokens, case.hidden, case.dtype), []).append(case)
+    return list(groups.values())
+
+
 def _rank_main(group: Any, cases: list[Case], warmup: int, repeats: int,
                breakdown: bool, interleave_bytes: int) -> list[dict[str, Any]]:
     """Cases of one shape are interleaved when their Buffers fit in ``interleave_bytes`` (all
@@ -184,10 +193,7 @@ def _rank_main(group: Any, cases: list[Case], warmup: int, repeats: int,
     from ubep.buffer import Buffer
 
     out: list[dict[str, Any]] = []
-    groups: dict[tuple[int, int, str], list[Case]] = {}
-    for case in cases:
-        groups.setdefault((case.tokens, case.hidden, case.dtype), []).append(case)
-    for members in groups.values():
+    for members in shape_groups(cases):
         total = sum(Buffer.size_hint(_config(c), group.num_ranks) for c in members)
         if total * group.num_ranks <= interleave_bytes:
             out += _measure_group(group, members, warmup, repeats, breakdown)

@@ -100,22 +100,19 @@ def _case_of(row: dict[str, Any]) -> bd.Case:
 def _units(ranks: list[int], cases: list[bd.Case]) -> list[tuple[int, list[bd.Case]]]:
     """The run's units: per rank count, the cases of one shape (bench_dispatch interleaves
     them), in the matrix's order."""
-    shapes: dict[tuple[int, int, str], list[bd.Case]] = {}
+    return [(r, members) for r in ranks for members in bd.shape_groups(cases)]
+
+
+def _premeasure(micro: Micro, ranks: int, cases: list[bd.Case]) -> None:
+    """Every microbenchmark the predictions of ``cases`` at ``ranks`` will need, before their
+    matrix runs."""
     for case in cases:
-        shapes.setdefault((case.tokens, case.hidden, case.dtype), []).append(case)
-    return [(r, members) for r in ranks for members in shapes.values()]
-
-
-def _premeasure(micro: Micro, ranks: list[int], cases: list[bd.Case]) -> None:
-    """Every microbenchmark the predictions will need, before the matrix runs."""
-    for r in ranks:
-        for case in cases:
-            idxs = _routing(case, r)
-            for op in ("dispatch", "combine"):
-                hc = _host_case(case, r, op)
-                timer = _timer(micro, case, r, op, idxs)
-                for w, rd, t in kernel_passes(hc, combine_terms(idxs, hc)).values():
-                    timer(w, rd, t)
+        idxs = _routing(case, ranks)
+        for op in ("dispatch", "combine"):
+            hc = _host_case(case, ranks, op)
+            timer = _timer(micro, case, ranks, op, idxs)
+            for w, rd, t in kernel_passes(hc, combine_terms(idxs, hc)).values():
+                timer(w, rd, t)
 
 
 def fixed_cost(micro: Micro, flags: dict[int, float], tiny_row: dict[str, Any],
@@ -160,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         tiny = sorted({_tiny(c) for c in members},
                       key=lambda c: (c.tokens, c.dtype, c.layout, c.engine, c.sync))
         t0 = time.monotonic()
-        _premeasure(micro, [r], members + tiny)
+        _premeasure(micro, r, members + tiny)
         micro_s += time.monotonic() - t0
         tiny_rows += bd.run([r], tiny, args.warmup, repeats, False, 1800.0)
         rows += bd.run([r], members, args.warmup, repeats, False, 1800.0)
