@@ -97,11 +97,22 @@ static void k_spw(void) {
         copy_elem(dst + r * s + body, src + r * B + body, 32);
     }
 }
+/* normal BF16 values (exponents 2^-7 .. 2^2, either sign), as expert outputs are: subnormal or
+ * NaN inputs would put microcode assists into the reduce's multiplies; `seed` offsets the
+ * sequence (each segment its own values) */
+static void fill_normal_bf16(uint16_t *p, size_t n, size_t seed) {
+    for (size_t i = 0; i < n; i++) {
+        uint32_t x = (uint32_t)((i + seed) * 2654435761u) >> 7;
+        p[i] = (uint16_t)((x & 1) << 15 | (120 + (x >> 1) % 10) << 7 | (x >> 5 & 0x7F));
+    }
+}
+/* TFF blocks of a row: 480 B of payload each (the engine's tff_payload) */
+static int64_t tff_nblocks(void) { return (B + 479) / 480; }
 /* TFF in place (engine.h put_tff_in_place): the row to its final place, a store fence, then
  * one release-stored 8 B epoch word per 480 B block in a word array after the rows */
 static uint64_t *tff_words(uint8_t *base) { return (uint64_t *)(base + N * al64(B)); }
 static void k_tffw(void) {
-    int64_t s = al64(B), nb = (B + 479) / 480;
+    int64_t s = al64(B), nb = tff_nblocks();
     uint64_t *w = tff_words(dst);
     for (int64_t r = 0; r < N; r++) {
         copy_fast(dst + r * s, src + r * B, B);
@@ -111,7 +122,7 @@ static void k_tffw(void) {
 }
 /* its receiver (dispatch.c recv_progress): every word of each row checked, nothing copied */
 static void k_tffr(void) {
-    int64_t nb = (B + 479) / 480;
+    int64_t nb = tff_nblocks();
     const uint64_t *w = tff_words(dst);
     for (int64_t r = 0; r < N; r++)
         for (int64_t b = 0; b < nb; b++) sink += ld_rlx(&w[r * nb + b]) == 0;
@@ -119,7 +130,7 @@ static void k_tffr(void) {
 }
 static void k_bulk(void) { memcpy(dst, src, (size_t)(N * (TERMS > 1 ? TERMS : 1) * B)); }
 static void k_tff(void) {
-    int64_t nb = (B + 479) / 480;
+    int64_t nb = tff_nblocks();
     for (int64_t r = 0; r < N; r++) {
         uint8_t *slot = dst + r * nb * 512;
         for (int64_t b = 0; b < nb; b++) {
@@ -133,7 +144,7 @@ static void k_tff(void) {
     }
 }
 static void k_untff(void) {
-    int64_t nb = (B + 479) / 480;
+    int64_t nb = tff_nblocks();
     for (int64_t r = 0; r < N; r++) {
         const uint8_t *slot = dst + r * nb * 512;
         for (int64_t b = 0; b < nb; b++) {
@@ -347,11 +358,7 @@ int main(int argc, char **argv) {
         for (int d = 0; d < map_r; d++) {
             size_t n = ((size_t)(rows[d] > 0 ? rows[d] : 1) * (size_t)B + 4095) / 4096 * 4096;
             SEG[d] = shared(n);
-            for (size_t i = 0; i < n / 2; i++) {
-                uint32_t x = (uint32_t)((i + (size_t)d * 7919) * 2654435761u) >> 7;
-                ((uint16_t *)SEG[d])[i] = (uint16_t)((x & 1) << 15 | (120 + (x >> 1) % 10) << 7 |
-                                                     (x >> 5 & 0x7F));
-            }
+            fill_normal_bf16((uint16_t *)SEG[d], n / 2, (size_t)d * 7919);
         }
     }
 
@@ -374,10 +381,10 @@ int main(int argc, char **argv) {
     memset(lat, 0, (size_t)MAXLAT * (size_t)procs * 2 * sizeof(int64_t));
     _Atomic uint64_t *words = is_flag ? shared((size_t)procs * 64 + 64) : NULL;
     if (words) memset((void *)words, 0, (size_t)procs * 64 + 64);
-    int64_t slot = ((B + 479) / 480) * 512;
+    int64_t slot = tff_nblocks() * 512;
     if (slot < al64(B)) slot = al64(B);
     size_t xbytes = (size_t)N * (size_t)(TERMS > 1 ? TERMS : 1) * (size_t)slot +
-                    (size_t)N * (size_t)((B + 479) / 480) * 8 + 64; /* + k_tffw's words */
+                    (size_t)N * (size_t)tff_nblocks() * 8 + 64; /* + k_tffw's words */
     size_t pool = (size_t)(N * (TERMS > 1 ? TERMS : 1)) * (size_t)al64(B);
     if (copies < 1) copies = 1;
     if (copies > 256) copies = 256;
@@ -394,13 +401,7 @@ int main(int argc, char **argv) {
             src = src_all;
             size_t auxbytes = (size_t)N * (size_t)al64(B) + (size_t)N * (size_t)TERMS * 8 + 64 + Y_OFF;
             aux = shared(auxbytes);
-            /* normal BF16 values (exponents 2^-7 .. 2^2, either sign), as expert outputs are:
-             * subnormal or NaN inputs would put microcode assists into the reduce's multiplies */
-            for (size_t i = 0; i < pool * (size_t)copies / 2; i++) {
-                uint32_t x = (uint32_t)(i * 2654435761u) >> 7;
-                ((uint16_t *)src)[i] = (uint16_t)((x & 1) << 15 | (120 + (x >> 1) % 10) << 7 |
-                                                  (x >> 5 & 0x7F));
-            }
+            fill_normal_bf16((uint16_t *)src, pool * (size_t)copies / 2, 0);
             int64_t *idx = (int64_t *)(aux + Y_OFF + (size_t)N * (size_t)al64(B));
             for (int64_t i = 0; i < N * TERMS; i++) idx[i] = (i * 37 + i / TERMS) % 64;
             idxp = idx;
