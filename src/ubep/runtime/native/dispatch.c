@@ -605,13 +605,20 @@ int recv_bases(op_t *op, int core, int64_t *rx_base, int64_t *n_out) {
     return 0;
 }
 
-/* Source s's routing of this call (topk_idx as int32, then weights as float bits), copied into
- * this core's scratch and verified. */
+/* Source s's routing of this call (topk_idx as int32, then weights as float bits): a peer's is
+ * copied into this core's scratch and verified (the peer may rewrite its record once this call
+ * is over for it); this rank's own is read in place. */
 static int read_route(op_t *op, int core, int s, uint64_t *ntok_out, const int32_t **idx,
                       const float **wt) {
     engine_t *g = op->g;
     const int64_t K = g->K;
     const route_rec_t *rt = route(g, s, (int)(op->n % g->nreg));
+    if (s == g->rank) { /* written by this call's prepare phase, and by nobody else */
+        *ntok_out = (uint64_t)op->ntok;
+        *idx = rt->idx;
+        *wt = (const float *)route_weights(g, rt);
+        return 0;
+    }
     uint64_t ntok = ld_rlx(&rt->ntok), sum = ld_rlx(&rt->sum);
     if (ntok > (uint64_t)g->T || ld_rlx(&rt->epoch) != op->epoch)
         return op_error(op, E_LOST, core, s, "rank %d's routing is not for call %llu", s,
@@ -676,23 +683,30 @@ int recv_metadata(op_t *op, int core, int s, const int64_t *rx_base) {
     } else {
         int64_t p = rx_base[s * L], end = p + RX_ROWS(g, core)[s];
         for (int64_t t = 0; t < (int64_t)ntok; t++) {
-            int first = -1;
-            for (int k = 0; k < K; k++) {
-                int64_t e = idx[t * K + k];
-                if (e >= lo && e < hi) { first = k; break; }
+            const int32_t *ti = idx + t * K;
+            if (p >= end) { /* every row is filled: a token that lands here is one too many */
+                for (int k = 0; k < K; k++)
+                    if ((uint64_t)(ti[k] - lo) < (uint64_t)L)
+                        return op_error(op, E_INTERNAL, core, s, "rank %d's routing disagrees "
+                                        "with its row count", s);
+                continue;
             }
-            if (first < 0) continue;
-            if (p >= end) return op_error(op, E_INTERNAL, core, s, "rank %d's routing disagrees "
-                                          "with its row count", s);
+            /* One pass that writes row p whether or not the token lands here, with no branch
+             * per pick (which picks land is as random as the routing): a token that does not
+             * land leaves row p to the next one that does, or to the count check below. */
+            int64_t *ri = op->o_idx + p * K;
+            float *rw = op->o_w + p * K;
+            int first = K;
+            for (int k = K - 1; k >= 0; k--) {
+                int here = (uint64_t)(ti[k] - lo) < (uint64_t)L;
+                ri[k] = here ? ti[k] - lo : -1;
+                rw[k] = here ? wt[t * K + k] : 0.0f;
+                first = here ? k : first;
+            }
+            if (first == K) continue;
             op->o_src_rank[p] = s;
             op->o_src_tok[p] = t;
             op->o_src_k[p] = first;
-            for (int k = 0; k < K; k++) {
-                int64_t e = idx[t * K + k];
-                int here = e >= lo && e < hi;
-                op->o_idx[p * K + k] = here ? e - lo : -1;
-                op->o_w[p * K + k] = here ? wt[t * K + k] : 0.0f;
-            }
             p++;
         }
         if (p != end) return op_error(op, E_INTERNAL, core, s, "rank %d's routing disagrees "
