@@ -24,22 +24,19 @@ are (token, expert) pairs for ``layout=expert`` and (token, destination rank) pa
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
-from benchmarks.harness import Stats, collective_spans, format_table
+from benchmarks.harness import DISPATCH_PHASES, Stats, format_table, phase_medians, traced_call
 
 NUM_EXPERTS = 64
 NUM_TOPK = 8
-PHASES = ("py_in", "wait_prev", "validate", "publish", "send", "counts_in", "metadata",
-          "data_wait", "py_out")
+PHASES = DISPATCH_PHASES
 
 
 @dataclass(frozen=True)
@@ -94,15 +91,6 @@ def inputs(case: Case, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return x, idx, w
 
 
-def _breakdown(rows: list[list[int]]) -> list[float]:
-    """Median phase durations (us) from the engine's core-0 timestamps (see native/module.c)."""
-    per = []
-    for mono_in, mono_out, *tr in rows:
-        marks = [mono_in, *tr[:8], mono_out]
-        per.append([(b - a) / 1e3 for a, b in itertools.pairwise(marks)])
-    return [float(v) for v in np.median(np.array(per), axis=0)]
-
-
 def _config(case: Case) -> Any:
     from ubep.buffer import BufferConfig
 
@@ -146,13 +134,6 @@ class _Running:
         np.copyto(self.dst, self.src)
 
 
-def _timed_once(group: Any, fn: Callable[[], object]) -> tuple[float, int, int]:
-    """One timed call after a barrier: microseconds and its CLOCK_MONOTONIC start and end
-    (harness.collective_spans; the engine's trace uses the same clock)."""
-    start, end = (int(v) for v in collective_spans(group.barrier, fn, 0, 1)[0])
-    return (end - start) / 1e3, start, end
-
-
 def _measure_group(group: Any, cases: list[Case], warmup: int, repeats: int,
                    breakdown: bool) -> list[dict[str, Any]]:
     """Interleave the cases: every repeat times each case once, so all of them see the same
@@ -162,15 +143,17 @@ def _measure_group(group: Any, cases: list[Case], warmup: int, repeats: int,
         for i in range(warmup + repeats):
             for run_ in running:
                 for op in ("dispatch", "combine", "memcpy"):
-                    us, mono_in, mono_out = _timed_once(group, getattr(run_, op))
+                    traced = op == "dispatch" and breakdown
+                    call = traced_call(group.barrier, getattr(run_, op),
+                                       run_.buf._engine.trace if traced else lambda: ())
                     if i < warmup:
                         continue
-                    run_.samples[op].append(us)
-                    if op == "dispatch" and breakdown:
-                        run_.trace.append([mono_in, mono_out, *run_.buf._engine.trace()])
+                    run_.samples[op].append((call[1] - call[0]) / 1e3)
+                    if traced:
+                        run_.trace.append(call)
         return [{
             "case": asdict(r.case), **r.samples, "rows_sent": r.rows_sent,
-            "breakdown": _breakdown(r.trace) if r.trace else None,
+            "breakdown": phase_medians(r.trace, "dispatch") if r.trace else None,
         } for r in running]
     finally:
         for r in running:

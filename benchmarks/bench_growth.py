@@ -36,13 +36,17 @@ from typing import Any
 
 import numpy as np
 from benchmarks.harness import (
+    COMBINE_PHASES,
+    DISPATCH_PHASES,
     Stats,
     concurrent_copy,
     format_table,
+    phase_medians,
     round_repeats,
     save_figure,
     save_results,
     time_collective,
+    traced_call,
 )
 
 NUM_EXPERTS = 64
@@ -192,24 +196,43 @@ class _Running:
         self.buf.combine(self.eo, self.res.handle)
 
 
+# Calls traced per ASP case and op after its last round's timing: the engine's phases of rank 0
+TRACED_CALLS = 20
+PHASES = {"dispatch": DISPATCH_PHASES, "combine": COMBINE_PHASES}
+
+
+def _traced_phases(group: Any, run_: _Running) -> dict[str, dict[str, float]]:
+    """Median duration (us) of each phase of each op (harness.phase_medians), this rank."""
+    out = {}
+    for op in OPS:
+        calls = [traced_call(group.barrier, getattr(run_, op), run_.buf._engine.trace)
+                 for _ in range(TRACED_CALLS)]
+        out[op] = dict(zip(PHASES[op], phase_medians(calls, op), strict=True))
+    return out
+
+
 def _rank_main(group: Any, cases: list[Case], warmup: int, per_round: list[int],
-               keep_bytes: int) -> list[dict[str, list[float]]]:
+               keep_bytes: int) -> list[dict[str, Any]]:
     """Every round passes through every case; a size's Buffers stay alive across rounds when
-    all kept ones fit in ``keep_bytes`` (all ranks), else they are rebuilt each round."""
-    samples: list[dict[str, list[float]]] = [{op: [] for op in OPS} for _ in cases]
+    all kept ones fit in ``keep_bytes`` (all ranks), else they are rebuilt each round. After
+    the last round's timing, an ASP case's calls are traced (``phases``), apart from the timed
+    ones: reading the trace is a Python call between calls."""
+    samples: list[dict[str, Any]] = [{op: [] for op in OPS} for _ in cases]
     by_size: dict[int, list[int]] = {}
     for i, case in enumerate(cases):
         by_size.setdefault(case.target_bytes, []).append(i)
     kept: dict[int, _Running] = {}
     budget = keep_bytes
     try:
-        for repeats in per_round:
+        for n, repeats in enumerate(per_round):
             for members in by_size.values():
                 for i in members:
                     run_ = kept.get(i) or _Running(group, cases[i])
                     for op in OPS:
                         ns = time_collective(group.barrier, getattr(run_, op), warmup, repeats)
                         samples[i][op] += (ns / 1e3).tolist()
+                    if n == len(per_round) - 1 and cases[i].engine == "asp":
+                        samples[i]["phases"] = _traced_phases(group, run_)
                     size = buffer_bytes(cases[i], group.num_ranks)
                     if i not in kept and size <= budget and len(per_round) > 1:
                         kept[i], budget = run_, budget - size
@@ -264,6 +287,8 @@ def run(ranks: Sequence[int], sizes: Sequence[int], modes: Sequence[tuple[str, s
             for op in OPS:
                 worst = np.max(np.array([r[i][op] for r in per_rank]), axis=0)  # max over ranks
                 row[op] = asdict(Stats.from_samples_us(worst.tolist()))
+            if "phases" in per_rank[0][i]:
+                row["phases_rank0"] = per_rank[0][i]["phases"]
             row["floor"] = asdict(floor_stats[int(nbytes[i])])
             row["floor_two_destinations"] = asdict(two[int(nbytes[i])])
             rows.append(row)
@@ -315,13 +340,33 @@ TARGET_X_FLOOR = {2: 1.25, 4: 1.4}
 TARGET_MIN_BYTES = 250_000
 
 
+# The engine's phases (harness.DISPATCH_PHASES / COMBINE_PHASES) in four parts: Python and the
+# native call's entry and exit; local per-token work (validation, the routing record, the
+# received rows' metadata); waiting for peers to reach a step (the previous call, their counts
+# or their published outputs); moving the rows (copying them out, waiting for the peers' to
+# land; the combine's copy of the rows peers pull and its reduce).
+PARTS = {
+    "dispatch": {"entry": ("py_in", "py_out"), "local": ("validate", "publish", "metadata"),
+                 "sync": ("wait_prev", "counts_in"), "data": ("send", "data_wait")},
+    "combine": {"entry": ("py_in", "py_out"), "local": (),
+                "sync": ("wait_prev", "publish", "peers"), "data": ("copy", "reduce")},
+}
+PART_NAMES = {"entry": "entry/exit", "local": "per-token bookkeeping", "sync": "waits on peers"}
+
+
+def parts(phases: dict[str, float], op: str) -> dict[str, float]:
+    """``phases`` (one op's phase medians, us) summed into ``PARTS``."""
+    return {part: sum(phases[p] for p in names) for part, names in PARTS[op].items()}
+
+
 def limits(result: dict[str, Any]) -> list[dict[str, Any]]:
     """Every ASP case (BSP is the baseline) over its target (``TARGET_X_FLOOR``) and what
-    limits it, measured: the
-    series' fixed cost per call (its intercept, ``<=4MB`` regime where fitted, beyond the
-    floor's own intercept) or its size-proportional cost (per byte, and per token: the tokens
-    of a case grow with its bytes). ``x_floor_per_byte`` is the ratio with that
-    fixed cost taken off: within the target, the fixed cost is the limit; above, the bytes."""
+    limits it, measured. With the engine's phases (``phases_rank0``): moving the rows when they
+    alone take more than the target (``data_x_floor``), else the largest other part (entry /
+    exit, per-token bookkeeping or waits on peers: work a copy does not have). Without them
+    (an older JSON): the series' fixed cost per call (its intercept, ``<=4MB`` regime where
+    fitted, beyond the floor's own intercept) or its size-proportional cost;
+    ``x_floor_per_byte`` is the ratio with that fixed cost taken off."""
     fits = {(f["ranks"], f["layout"], f["mode"], f["op"], f["regime"]): f
             for f in result.get("fits") or series_fits(result)}
 
@@ -344,11 +389,19 @@ def limits(result: dict[str, Any]) -> list[dict[str, Any]]:
                          - max(0.0, intercept(r["ranks"], r["layout"], "memcpy", "floor")))
             per_byte = (med - fixed) / floor
             two = (r.get("floor_two_destinations") or {}).get("median_us")
-            out.append({"ranks": r["ranks"], "layout": r["layout"], "mode": r["mode"],
-                        "op": op, "bytes": int(r["bytes_per_rank"]), "x_floor": med / floor,
-                        "x_floor_two_dst": med / two if two else math.nan,
-                        "fixed_us": fixed, "x_floor_per_byte": per_byte,
-                        "limit": "fixed cost" if per_byte <= target else "size-proportional"})
+            x = {"ranks": r["ranks"], "layout": r["layout"], "mode": r["mode"], "op": op,
+                 "bytes": int(r["bytes_per_rank"]), "x_floor": med / floor,
+                 "x_floor_two_dst": med / two if two else math.nan, "fixed_us": fixed,
+                 "x_floor_per_byte": per_byte,
+                 "limit": "fixed cost" if per_byte <= target else "size-proportional"}
+            phases = (r.get("phases_rank0") or {}).get(op)
+            if phases:
+                split = parts(phases, op)
+                x |= {f"{part}_us": us for part, us in split.items()}
+                x["data_x_floor"] = split["data"] / floor
+                x["limit"] = "moving the rows" if split["data"] > target * floor else (
+                    PART_NAMES[max(PART_NAMES, key=lambda p: split[p])])
+            out.append(x)
     return out
 
 
@@ -387,15 +440,23 @@ def tables(result: dict[str, Any]) -> str:
                f["gbps"], f["points"]] for f in result["fits"]]
     over = limits(result)
     lcols = ["ranks", "layout", "mode", "op", "bytes", "x_floor", "x_floor_two_dst",
-             "fixed_us", "x_floor_per_byte", "limit"]
-    ltable = [[x[c] for c in lcols] for x in over]
+             "fixed_us", "x_floor_per_byte", "entry_us", "local_us", "sync_us", "data_us",
+             "data_x_floor", "limit"]
+    ltable = [[x.get(c, math.nan) for c in lcols] for x in over]
     targets = ", ".join(f"{t}x at {r} ranks" for r, t in TARGET_X_FLOOR.items())
     return (format_table(cols, table, float_digits=1) + "\n\nFits (fixed cost per call and "
             "per-byte cost; memcpy = the floor):\n" + format_table(fcols, ftable, float_digits=2)
             + f"\n\nOver the target ({targets}, >= 256 KB) and what limits each: fixed_us = "
             "the series' fitted fixed cost beyond the floor's; x_floor_per_byte = (median - "
             "fixed_us) / floor; x_floor_two_dst = median / the floor whose copies alternate "
-            "between two destinations, as dispatches alternate between two receive regions:\n"
+            "between two destinations, as dispatches alternate between two receive regions. "
+            f"Measured on rank 0 (engine trace, median of {TRACED_CALLS} calls after the "
+            "timed ones): entry_us = Python and the native call's entry and exit; local_us = "
+            "validation, the routing record and the received rows' metadata; sync_us = "
+            "waiting for peers to reach a step; data_us = copying the rows out and waiting for "
+            "the peers' to land (combine: copying the rows peers pull, and the reduce); "
+            "data_x_floor = data_us / floor. limit = moving the rows if data_x_floor is over "
+            "the target, else the largest other part:\n"
             + (format_table(lcols, ltable, float_digits=2) if ltable else "(none)"))
 
 

@@ -13,6 +13,7 @@ callables include the ~100 ns clock overhead; batch them inside ``fn`` if that m
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing as mp
 import os
 import statistics
@@ -24,8 +25,9 @@ from typing import Any
 import numpy as np
 
 __all__ = [
-    "Stats", "collective_spans", "concurrent_copy", "format_table", "print_table", "round_repeats",
-    "save_results", "time_collective", "time_repeats",
+    "COMBINE_PHASES", "DISPATCH_PHASES", "Stats", "collective_spans", "concurrent_copy",
+    "format_table", "phase_medians", "print_table", "round_repeats", "save_results",
+    "time_collective", "time_repeats", "traced_call",
 ]
 
 
@@ -93,6 +95,36 @@ def time_collective(barrier: Callable[[], object], fn: Callable[[], object], war
     """:func:`collective_spans` as ``[repeats]`` float64 durations in ns (this rank's calls)."""
     spans = collective_spans(barrier, fn, warmup, repeats)
     return (spans[:, 1] - spans[:, 0]).astype(np.float64)
+
+
+# The native engine's core-0 trace points (``Engine.trace()``, same clock as collective_spans):
+# dispatch.c 0 entered, 1 peers at most one call behind, 2 validated, 3 published, 4 rows sent,
+# 5 counts in, 6 metadata filled, 7 rows received; combine.c 8 entered, 9 peers at most one
+# call behind, 10 expert outputs copied, 11 published, 12 peers' outputs published, 13 reduced.
+TRACE_SLOTS = {"dispatch": (0, 7), "combine": (8, 13)}
+DISPATCH_PHASES = ("py_in", "wait_prev", "validate", "publish", "send", "counts_in",
+                   "metadata", "data_wait", "py_out")
+COMBINE_PHASES = ("py_in", "wait_prev", "copy", "publish", "peers", "reduce", "py_out")
+
+
+def traced_call(barrier: Callable[[], object], fn: Callable[[], object],
+                trace: Callable[[], Sequence[int]]) -> list[int]:
+    """One collective call as :func:`collective_spans` times it, then the engine's trace of it:
+    ``[start_ns, end_ns, *trace]``."""
+    start, end = (int(v) for v in collective_spans(barrier, fn, 0, 1)[0])
+    return [start, end, *trace()]
+
+
+def phase_medians(calls: Sequence[Sequence[int]], op: str) -> list[float]:
+    """Median duration (us) of each phase of ``op`` (``DISPATCH_PHASES`` / ``COMBINE_PHASES``)
+    over :func:`traced_call` rows: from the call's start through the trace points of ``op`` to
+    its end (``py_in`` / ``py_out``: Python and the native call's entry and exit)."""
+    first, last = TRACE_SLOTS[op]
+    per = []
+    for start, end, *tr in calls:
+        marks = [start, *tr[first:last + 1], end]
+        per.append([(b - a) / 1e3 for a, b in itertools.pairwise(marks)])
+    return [float(v) for v in np.median(np.array(per), axis=0)]
 
 
 def round_repeats(repeats: int, rounds: int) -> list[int]:

@@ -61,6 +61,37 @@ def test_rows_per_token_is_the_closed_form() -> None:
         2 * (1 - math.comb(2, 2) / math.comb(4, 2)))
 
 
+def test_limits_name_the_measured_part_when_the_phases_are_there() -> None:
+    # one 1 MB case 2x its 100 us floor (target 1.25x); the engine's phases say where: the rows
+    # move at the floor (data 90 us) and 60 us of validation and metadata lie beside them, or
+    # the rows alone take 150 us
+    floor = {"min_us": 100.0, "median_us": 100.0, "max_us": 100.0}
+    stats = {"min_us": 200.0, "median_us": 200.0, "max_us": 200.0}
+    comb = {"py_in": 1.0, "wait_prev": 1.0, "copy": 10.0, "publish": 1.0, "peers": 1.0,
+            "reduce": 140.0, "py_out": 2.0}
+
+    def row(disp: dict[str, float]) -> dict[str, object]:
+        return {"ranks": 2, "layout": "rank", "mode": "asp+sw", "bytes_per_rank": 2.0**20,
+                "dispatch": stats, "combine": stats, "floor": floor,
+                "phases_rank0": {"dispatch": disp, "combine": comb}}
+
+    local = {"py_in": 3.0, "wait_prev": 1.0, "validate": 20.0, "publish": 10.0, "send": 60.0,
+             "counts_in": 1.0, "metadata": 30.0, "data_wait": 30.0, "py_out": 4.0}
+    moving = local | {"validate": 2.0, "publish": 1.0, "metadata": 2.0, "data_wait": 90.0}
+    for disp, want in ((local, "per-token bookkeeping"), (moving, "moving the rows")):
+        got = {x["op"]: x for x in growth.limits({"rows": [row(disp)]})}
+        d = got["dispatch"]
+        assert d["limit"] == want
+        assert d["entry_us"] == pytest.approx(disp["py_in"] + disp["py_out"])
+        assert d["local_us"] == pytest.approx(disp["validate"] + disp["publish"]
+                                              + disp["metadata"])
+        assert d["sync_us"] == pytest.approx(disp["wait_prev"] + disp["counts_in"])
+        assert d["data_x_floor"] == pytest.approx((disp["send"] + disp["data_wait"]) / 100.0)
+        # the combine's copy and reduce (150 us) are over 1.25 x 100 us on their own
+        assert got["combine"]["limit"] == "moving the rows"
+        assert got["combine"]["data_us"] == pytest.approx(150.0)
+
+
 def test_quick_path_structure(tmp_path: Path) -> None:
     sizes = [16384, 65536]
     argv = ["--quick", "--sizes", ",".join(map(str, sizes)), "--repeats", "2", "--rounds", "2",
@@ -85,6 +116,10 @@ def test_quick_path_structure(tmp_path: Path) -> None:
         for op in ("dispatch", "combine", "floor"):
             s = r[op]
             assert s["repeats"] == 2 and 0 < s["min_us"] <= s["median_us"] <= s["max_us"]
+        # the traced phases of ASP cases: every phase of each op, each a duration
+        assert ("phases_rank0" in r) == (r["engine"] == "asp")
+        for op, phases in r.get("phases_rank0", {}).items():
+            assert set(phases) == set(growth.PHASES[op]) and min(phases.values()) >= 0
     # one fit per (layout, mode, op) plus the floor per layout, each over both sizes; both
     # sizes are in the <=4MB regime, so no per-regime fit repeats the "all" one
     assert {f["regime"] for f in data["fits"]} == {"all"}
