@@ -342,31 +342,35 @@ TARGET_MIN_BYTES = 250_000
 
 # The engine's phases (harness.DISPATCH_PHASES / COMBINE_PHASES) in four parts: Python and the
 # native call's entry and exit; local per-token work (validation, the routing record, the
-# received rows' metadata); waiting for peers to reach a step (the previous call, their counts
-# or their published outputs); moving the rows (copying them out, waiting for the peers' to
-# land; the combine's copy of the rows peers pull and its reduce).
+# received rows' metadata); waiting for peers (to leave the previous call, for their counts,
+# their rows or their published outputs); this rank's own copy (dispatch: its rows out;
+# combine: the rows peers pull, then the reduce).
 PARTS = {
     "dispatch": {"entry": ("py_in", "py_out"), "local": ("validate", "publish", "metadata"),
-                 "sync": ("wait_prev", "counts_in"), "data": ("send", "data_wait")},
+                 "wait": ("wait_prev", "counts_in", "data_wait"), "copy": ("send",)},
     "combine": {"entry": ("py_in", "py_out"), "local": (),
-                "sync": ("wait_prev", "publish", "peers"), "data": ("copy", "reduce")},
+                "wait": ("wait_prev", "publish", "peers"), "copy": ("copy", "reduce")},
 }
-PART_NAMES = {"entry": "entry/exit", "local": "per-token bookkeeping", "sync": "waits on peers"}
+PART_NAMES = {"entry": "entry/exit", "local": "per-token bookkeeping", "wait": "waits on peers",
+              "rest": "the slowest rank"}
 
 
-def parts(phases: dict[str, float], op: str) -> dict[str, float]:
-    """``phases`` (one op's phase medians, us) summed into ``PARTS``."""
-    return {part: sum(phases[p] for p in names) for part, names in PARTS[op].items()}
+def parts(phases: dict[str, float], op: str, median_us: float) -> dict[str, float]:
+    """``phases`` (rank 0's phase medians of one op, us) summed into ``PARTS``, and ``rest``:
+    the case's median (the slowest rank's time per call) beyond rank 0's call."""
+    out = {part: sum(phases[p] for p in names) for part, names in PARTS[op].items()}
+    out["rest"] = max(0.0, median_us - sum(phases.values()))
+    return out
 
 
 def limits(result: dict[str, Any]) -> list[dict[str, Any]]:
     """Every ASP case (BSP is the baseline) over its target (``TARGET_X_FLOOR``) and what
-    limits it, measured. With the engine's phases (``phases_rank0``): moving the rows when they
-    alone take more than the target (``data_x_floor``), else the largest other part (entry /
-    exit, per-token bookkeeping or waits on peers: work a copy does not have). Without them
-    (an older JSON): the series' fixed cost per call (its intercept, ``<=4MB`` regime where
-    fitted, beyond the floor's own intercept) or its size-proportional cost;
-    ``x_floor_per_byte`` is the ratio with that fixed cost taken off."""
+    limits it, measured. With the engine's phases (``phases_rank0``): this rank's own copy
+    when it alone takes more than the target (``copy_x_floor``), else the largest other part
+    (entry / exit, per-token bookkeeping, waits on peers, or the slowest rank: work a copy does
+    not have). Without them (an older JSON): the series' fixed cost per call (its intercept,
+    ``<=4MB`` regime where fitted, beyond the floor's own intercept) or its size-proportional
+    cost; ``x_floor_per_byte`` is the ratio with that fixed cost taken off."""
     fits = {(f["ranks"], f["layout"], f["mode"], f["op"], f["regime"]): f
             for f in result.get("fits") or series_fits(result)}
 
@@ -396,10 +400,10 @@ def limits(result: dict[str, Any]) -> list[dict[str, Any]]:
                  "limit": "fixed cost" if per_byte <= target else "size-proportional"}
             phases = (r.get("phases_rank0") or {}).get(op)
             if phases:
-                split = parts(phases, op)
+                split = parts(phases, op, med)
                 x |= {f"{part}_us": us for part, us in split.items()}
-                x["data_x_floor"] = split["data"] / floor
-                x["limit"] = "moving the rows" if split["data"] > target * floor else (
+                x["copy_x_floor"] = split["copy"] / floor
+                x["limit"] = "moving the rows" if split["copy"] > target * floor else (
                     PART_NAMES[max(PART_NAMES, key=lambda p: split[p])])
             out.append(x)
     return out
@@ -440,8 +444,8 @@ def tables(result: dict[str, Any]) -> str:
                f["gbps"], f["points"]] for f in result["fits"]]
     over = limits(result)
     lcols = ["ranks", "layout", "mode", "op", "bytes", "x_floor", "x_floor_two_dst",
-             "fixed_us", "x_floor_per_byte", "entry_us", "local_us", "sync_us", "data_us",
-             "data_x_floor", "limit"]
+             "fixed_us", "x_floor_per_byte", "entry_us", "local_us", "wait_us", "rest_us",
+             "copy_us", "copy_x_floor", "limit"]
     ltable = [[x.get(c, math.nan) for c in lcols] for x in over]
     targets = ", ".join(f"{t}x at {r} ranks" for r, t in TARGET_X_FLOOR.items())
     return (format_table(cols, table, float_digits=1) + "\n\nFits (fixed cost per call and "
@@ -452,11 +456,12 @@ def tables(result: dict[str, Any]) -> str:
             "between two destinations, as dispatches alternate between two receive regions. "
             f"Measured on rank 0 (engine trace, median of {TRACED_CALLS} calls after the "
             "timed ones): entry_us = Python and the native call's entry and exit; local_us = "
-            "validation, the routing record and the received rows' metadata; sync_us = "
-            "waiting for peers to reach a step; data_us = copying the rows out and waiting for "
-            "the peers' to land (combine: copying the rows peers pull, and the reduce); "
-            "data_x_floor = data_us / floor. limit = moving the rows if data_x_floor is over "
-            "the target, else the largest other part:\n"
+            "validation, the routing record and the received rows' metadata; wait_us = "
+            "waiting for peers (to leave the previous call, for their counts, rows or "
+            "outputs); rest_us = the median (slowest rank per call) beyond rank 0's call; "
+            "copy_us = this rank's own copy (dispatch: its rows out; combine: the rows peers "
+            "pull, and the reduce); copy_x_floor = copy_us / floor. limit = moving the rows "
+            "if copy_x_floor is over the target, else the largest other part:\n"
             + (format_table(lcols, ltable, float_digits=2) if ltable else "(none)"))
 
 
