@@ -193,32 +193,41 @@ static int64_t map_rows(void) {
     for (int64_t i = 0; i < N * MAPW; i++) n += MAP[2 * i] >= 0;
     return n;
 }
-static void k_reduce_any(void) {
-    const void *tp[64];
-    float tw[64];
-    int nt = TERMS > 64 ? 64 : (int)TERMS;
-    for (int64_t t = 0; t < N; t++) {
-        if (MAP) {
-            nt = 0;
-            for (int k = 0; k < MAPW && k < 64; k++) {
-                const int32_t *m = MAP + 2 * (t * MAPW + k);
-                if (m[0] < 0) continue;
-                tp[nt] = SEG[m[0]] + (int64_t)m[1] * B;
-                tw[nt++] = 0.125f * (float)(k + 1);
-            }
-        } else {
-            for (int k = 0; k < nt; k++) {
-                tp[k] = src + (t * TERMS + k) * B;
-                tw[k] = 0.125f * (float)(k + 1);
-            }
+/* token t's rows and weights into tp / tw (as combine.c's token_terms): how many */
+static int token_terms(int64_t t, const void **tp, float *tw) {
+    int nt = 0;
+    if (MAP) {
+        for (int k = 0; k < MAPW && k < 64; k++) {
+            const int32_t *m = MAP + 2 * (t * MAPW + k);
+            if (m[0] < 0) continue;
+            tp[nt] = SEG[m[0]] + (int64_t)m[1] * B;
+            tw[nt++] = 0.125f * (float)(k + 1);
         }
+        return nt;
+    }
+    for (; nt < TERMS && nt < 64; nt++) {
+        tp[nt] = src + (t * TERMS + nt) * B;
+        tw[nt] = 0.125f * (float)(nt + 1);
+    }
+    return nt;
+}
+static void k_reduce_any(void) {
+    const void *tp[2][64];
+    float tw[2][64];
+    /* a token ahead, as combine.c: the reduce prefetches the next token's rows */
+    int nt = N > 0 ? token_terms(0, tp[0], tw[0]) : 0;
+    for (int64_t t = 0; t < N; t++) {
+        int cur = (int)(t & 1);
+        int nn = t + 1 < N ? token_terms(t + 1, tp[!cur], tw[!cur]) : 0;
         /* y half a page past the rows' page offset (Y_OFF). The runtime's y is a block of its
          * process heap; its page offset is the allocator's (1024 and 2192 measured in a 2-rank
          * 512-token combine loop), not a fixed one. Stores that lie a few bytes past the next
          * loads' address bits 0-11 (y at page + 16 over rows at page + 0) 4K-alias them: the
          * loads wait on the stores, which cost this pass 1.2-4.5x with two rows per token and
          * that the runtime does not have (docs/SIMULATOR.md, 6) */
-        REDUCE[DT_BF16](dst + Y_OFF + t * (B / 2 * 2), tp, tw, nt, B / 2, WEIGHTED);
+        REDUCE[DT_BF16](dst + Y_OFF + t * (B / 2 * 2), tp[cur], tw[cur], nt, B / 2, WEIGHTED,
+                        tp[!cur], nn);
+        nt = nn;
     }
 }
 static void k_reduce(void) { WEIGHTED = 1; k_reduce_any(); }

@@ -13,7 +13,14 @@ import numpy as np
 import pytest
 
 from ubep import topology as topo
-from ubep.runtime.host_topology import cpu_domains, host_levels, host_topology, parse_cpulist
+from ubep.runtime.host_topology import (
+    cpu_domains,
+    host_levels,
+    host_topology,
+    last_level_cache_bytes,
+    own_cpus,
+    parse_cpulist,
+)
 
 
 def _cpulist(cpus: list[int]) -> str:
@@ -148,6 +155,23 @@ def test_missing_or_garbled_sys_gives_one_class(tmp_path: Path) -> None:
     assert host_levels([{c} for c in range(8)], root) == (("numa", 4),)
     (tmp_path / "devices/system/node/node1/cpulist").unlink()
     assert host_levels([{c} for c in range(8)], root) == ()  # CPUs 4-7 in no known node
+
+
+def test_last_level_cache_size_is_the_highest_level_that_reads(tmp_path: Path) -> None:
+    root = two_sockets_two_llcs(tmp_path)
+    first = min(own_cpus() or [0])
+    cache = tmp_path / f"devices/system/cpu/cpu{first}/cache"
+    if not cache.exists():  # this process may run on CPUs the fake tree has not
+        pytest.skip(f"the fake /sys has no cpu{first}")
+    assert last_level_cache_bytes(root) is None  # no size files
+    for i, size in enumerate(["48K", "32K", "2048K", "32768K"]):
+        (cache / f"index{i}" / "size").write_text(size + "\n")
+    assert last_level_cache_bytes(root) == 32 << 20
+    (cache / "index3" / "size").write_text("a lot\n")  # unreadable: the L2 is the last that reads
+    assert last_level_cache_bytes(root) == 2 << 20
+    (cache / "index2" / "size").write_text("1M")
+    assert last_level_cache_bytes(root) == 1 << 20
+    assert last_level_cache_bytes(str(tmp_path / "absent")) is None
 
 
 def test_this_host_has_one_class_between_ranks() -> None:

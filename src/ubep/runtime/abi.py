@@ -36,6 +36,7 @@ from ..errors import (
     TimeoutError,
     UbepError,
 )
+from .host_topology import last_level_cache_bytes
 
 if TYPE_CHECKING:
     from ..config import BufferConfig
@@ -124,8 +125,14 @@ PARAMS = (
     "off_recv_ready", "off_doorbell", "off_comb_info", "off_barrier", "off_inbox",
     "inbox_bytes", "off_route", "route_stride", "route_w_off", "off_land", "land_bytes",
     "off_out", "out_bytes", "off_comb", "comb_bytes", "seg_size", "timeout_ns", "yield_ns",
-    "sp_check_bytes", "quant", "quant_round_scale", "background",
+    "sp_check_bytes", "quant", "quant_round_scale", "background", "llc_bytes",
 )
+
+
+@functools.cache
+def _llc_bytes() -> int:
+    """The last-level cache combine.c sizes its prefetching by; 32 MiB where /sys is mute."""
+    return last_level_cache_bytes() or 32 << 20
 
 
 def engine_params(
@@ -170,6 +177,7 @@ def engine_params(
         quant=QUANTS[config.quant or "none"],
         quant_round_scale=int(config.quant_round_scale),
         background=int(background),
+        llc_bytes=_llc_bytes(),
     )
     return params
 

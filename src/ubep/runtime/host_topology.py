@@ -42,7 +42,10 @@ from collections.abc import Iterable, Sequence
 
 from .. import topology as topo
 
-__all__ = ["LEVELS", "cpu_domains", "host_levels", "host_topology", "own_cpus", "parse_cpulist"]
+__all__ = [
+    "LEVELS", "cpu_domains", "host_levels", "host_topology", "last_level_cache_bytes", "own_cpus",
+    "parse_cpulist",
+]
 
 # Finest first, in the nominal order of the classes; the kept ones are re-sorted by domain size.
 LEVELS = ("llc", "package", "numa")
@@ -179,22 +182,46 @@ def _block_size(domains: list[int | None]) -> int | None:
     return lengths.pop() if len(lengths) == 1 and distinct else None
 
 
-def _last_level_cache(cache_dir: str) -> set[int] | None:
-    """CPUs sharing this CPU's highest-level data or unified cache, or ``None`` if unknown."""
-    best: tuple[int, set[int]] | None = None
-    for index in sorted(glob.glob(os.path.join(glob.escape(cache_dir), "index*"))):
+def _data_caches(cache_dir: str) -> list[str]:
+    """This CPU's data and unified cache ``index*`` directories, highest level first."""
+    found = []
+    for index in glob.glob(os.path.join(glob.escape(cache_dir), "index*")):
         level = _read_int(os.path.join(index, "level"))
         kind = _read(os.path.join(index, "type"))
+        if level is not None and kind is not None and kind.strip() != "Instruction":
+            found.append((-level, index))
+    return [index for _, index in sorted(found)]
+
+
+def _last_level_cache(cache_dir: str) -> set[int] | None:
+    """CPUs sharing this CPU's highest-level data or unified cache whose CPU list reads, or
+    ``None`` if none does."""
+    for index in _data_caches(cache_dir):
         text = _read(os.path.join(index, "shared_cpu_list"))
-        if level is None or text is None or (kind or "").strip() == "Instruction":
-            continue
         try:
-            shared = parse_cpulist(text)
+            if text is not None:
+                return parse_cpulist(text)
         except ValueError:
-            continue
-        if best is None or level > best[0]:
-            best = (level, shared)
-    return None if best is None else best[1]
+            pass
+    return None
+
+
+_SIZE = re.compile(r"^\s*(\d+)\s*([KMG]?)\s*$")
+
+
+def last_level_cache_bytes(sysfs_root: str = "/sys") -> int | None:
+    """Size of the highest-level cache (whose size reads) of the first CPU this process may run
+    on: ``/sys``'s ``cache/index*/size``, e.g. ``32768K``; ``None`` if unknown. (glibc's
+    ``sysconf(_SC_LEVEL3_CACHE_SIZE)`` reads CPUID, which on this VM reports 384 MiB: the whole
+    package's L3, not the 32 MiB one this CPU shares.)"""
+    cpus = own_cpus()
+    cache_dir = os.path.join(sysfs_root, "devices", "system", "cpu",
+                             f"cpu{min(cpus) if cpus else 0}", "cache")
+    for index in _data_caches(cache_dir):
+        m = _SIZE.match(_read(os.path.join(index, "size")) or "")
+        if m:
+            return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2)]
+    return None
 
 
 def _listdir(path: str) -> list[str]:

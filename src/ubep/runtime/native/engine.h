@@ -91,6 +91,7 @@ typedef struct engine {
     int64_t seg_size;      /* seg_size: bytes of each rank's segment (layout.py: size_bytes) */
     int64_t timeout_ns;    /* timeout_ns: deadline of every wait of one call */
     int64_t yield_ns;      /* yield_ns: a wait yields this long before it sleeps */
+    int64_t llc_bytes;     /* llc_bytes: the last-level cache (combine.c: when to prefetch) */
     int64_t sp_tail;       /* sp_check_bytes: SP's armed and polled tail of a row (0: all) */
     int quant;             /* quant: QUANT_* (rows are quantised once per token, kernels.h) */
     int quant_round;       /* quant_round_scale: UE8M0 scales */
@@ -122,8 +123,8 @@ typedef struct engine {
     int64_t *tx_rows;      /* [C][R] send: verified copy of a destination's row counts */
     uint32_t *tx_cnt;      /* [C][R][L] send: verified copy of a destination's counts */
     uint32_t *route_snap;  /* [C][2 * T * K] receive: verified copy of a source's routing */
-    const void **term_ptr; /* [C][max(K, R)] combine: the rows one token sums */
-    float *term_w;         /* [C][max(K, R)] and their weights */
+    const void **term_ptr; /* [C][2][max(K, R)] combine: the rows one token sums, the next's */
+    float *term_w;         /* [C][2][max(K, R)] and their weights */
     int64_t *ci_off, *ci_rows; /* [C][R] peers' combine data */
     int32_t *e2d, *e2l;    /* [E] owner rank and local index of each expert (no division) */
     uint64_t comb_last_epoch[2];

@@ -190,7 +190,7 @@ static PyObject *mod_reduce_rows(PyObject *self, PyObject *args) {
     }
     const void *src[64];
     for (int j = 0; j < nt; j++) src[j] = (const uint8_t *)b[0].b.buf + (int64_t)j * n * isz;
-    REDUCE[dt](b[2].b.buf, src, b[1].b.buf, nt, n, weighted);
+    REDUCE[dt](b[2].b.buf, src, b[1].b.buf, nt, n, weighted, NULL, 0);
     rel_bufs(b, 3);
     Py_RETURN_NONE;
 }

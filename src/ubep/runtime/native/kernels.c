@@ -45,12 +45,22 @@ static void round_fp32_c(void *y, const float *acc, int64_t n) {
 
 round_fn ROUND[3] = {round_bf16_c, round_fp16_c, round_fp32_c};
 
+/* the generic kernels (no SIMD: not the host of big combines) leave `next` to the hardware */
 static void reduce_bf16_c(void *y, const void *const *s, const float *w, int nt, int64_t n,
-                          int wt) { reduce_tail(DT_BF16, y, s, w, nt, 0, n, wt); }
+                          int wt, const void *const *next, int nnext) {
+    (void)next, (void)nnext;
+    reduce_tail(DT_BF16, y, s, w, nt, 0, n, wt);
+}
 static void reduce_fp16_c(void *y, const void *const *s, const float *w, int nt, int64_t n,
-                          int wt) { reduce_tail(DT_FP16, y, s, w, nt, 0, n, wt); }
+                          int wt, const void *const *next, int nnext) {
+    (void)next, (void)nnext;
+    reduce_tail(DT_FP16, y, s, w, nt, 0, n, wt);
+}
 static void reduce_fp32_c(void *y, const void *const *s, const float *w, int nt, int64_t n,
-                          int wt) { reduce_tail(DT_FP32, y, s, w, nt, 0, n, wt); }
+                          int wt, const void *const *next, int nnext) {
+    (void)next, (void)nnext;
+    reduce_tail(DT_FP32, y, s, w, nt, 0, n, wt);
+}
 
 reduce_fn REDUCE[3] = {reduce_bf16_c, reduce_fp16_c, reduce_fp32_c};
 

@@ -23,7 +23,17 @@ typedef void (*copy_fn)(uint8_t *dst, const uint8_t *src, int64_t n);
  * every source row is read once, the accumulators stay in registers, the output is written
  * once. Bit-exact with ubep.reference (same order, product rounded before the add). */
 typedef void (*reduce_fn)(void *y, const void *const *src, const float *w, int nt, int64_t n,
-                          int weighted);
+                          int weighted, const void *const *next, int nnext);
+/* The SIMD kernels also bring the next output row's nnext sources (`next`, none if 0) into L2
+ * as they go: bytes [off, off + bytes) of each while the same bytes of this row's are summed,
+ * so a row ahead of the loads. That distance covers DRAM's latency, which the hardware
+ * prefetcher alone does not where rows lie apart and cross pages: a 2-rank combine of 2340
+ * tokens x hidden 7168, streaming from memory, went from 7.0 to 3.8-4.0 ms with it (4 KB and
+ * 8 KB ahead measured the same; 2 KB ahead into L1, no gain). */
+static inline void prefetch_next(const void *const *next, int nnext, int64_t off, int bytes) {
+    for (int j = 0; j < nnext; j++)
+        for (int b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)next[j] + off + b, 0, 2);
+}
 /* The output stage of REDUCE[dt] alone: y[i] = round(acc[i]) to dt, through the very code
  * REDUCE[dt] stores with (kernels_x86.c's store blocks, round_tail / store_f32 here), so that
  * convert() tests the rounding combine does, bit for bit. */
@@ -53,14 +63,14 @@ void round_bf16_avx2(void *y, const float *acc, int64_t n);
 void round_fp32_avx2(void *y, const float *acc, int64_t n);
 void round_fp16_hw(void *y, const float *acc, int64_t n);
 void reduce_bf16_avx2(void *y, const void *const *src, const float *w, int nt, int64_t n,
-                      int weighted);
+                      int weighted, const void *const *next, int nnext);
 void reduce_fp32_avx2(void *y, const void *const *src, const float *w, int nt, int64_t n,
-                      int weighted);
+                      int weighted, const void *const *next, int nnext);
 void reduce_fp16_hw(void *y, const void *const *src, const float *w, int nt, int64_t n,
-                    int weighted);
+                    int weighted, const void *const *next, int nnext);
 void round_bf16_avx512(void *y, const float *acc, int64_t n);
 void reduce_bf16_avx512(void *y, const void *const *src, const float *w, int nt, int64_t n,
-                        int weighted);
+                        int weighted, const void *const *next, int nnext);
 #endif
 
 static inline void copy_tail(uint8_t *d, const uint8_t *s, int64_t n) {

@@ -185,11 +185,12 @@ AVX2 static inline void add4(__m256 a[4], __m256 f0, __m256 f1, __m256 f2, __m25
 
 /* REDUCE[dt]: y[i] = round(sum_j t_j[i]) (kernels.h), 32 (16) accumulators in registers */
 AVX2 void reduce_bf16_avx2(void *y, const void *const *src, const float *w, int nt, int64_t n,
-                           int weighted) {
+                           int weighted, const void *const *next, int nnext) {
     int64_t i = 0;
     for (; i + 32 <= n; i += 32) {
         __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                        _mm256_setzero_ps()};
+        prefetch_next(next, nnext, i * 2, 64);
         for (int j = 0; j < nt; j++) {
             const uint16_t *v = (const uint16_t *)src[j] + i;
             __m256i h0 = _mm256_loadu_si256((const __m256i *)v);
@@ -204,11 +205,12 @@ AVX2 void reduce_bf16_avx2(void *y, const void *const *src, const float *w, int 
     reduce_tail(DT_BF16, y, src, w, nt, i, n, weighted);
 }
 AVX2 void reduce_fp32_avx2(void *y, const void *const *src, const float *w, int nt, int64_t n,
-                           int weighted) {
+                           int weighted, const void *const *next, int nnext) {
     int64_t i = 0;
     for (; i + 32 <= n; i += 32) {
         __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                        _mm256_setzero_ps()};
+        prefetch_next(next, nnext, i * 4, 128);
         for (int j = 0; j < nt; j++) {
             const float *v = (const float *)src[j] + i;
             add4(a, _mm256_loadu_ps(v), _mm256_loadu_ps(v + 8), _mm256_loadu_ps(v + 16),
@@ -219,10 +221,11 @@ AVX2 void reduce_fp32_avx2(void *y, const void *const *src, const float *w, int 
     reduce_tail(DT_FP32, y, src, w, nt, i, n, weighted);
 }
 AVX2_F16C void reduce_fp16_hw(void *y, const void *const *src, const float *w, int nt, int64_t n,
-                              int weighted) {
+                              int weighted, const void *const *next, int nnext) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
         __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+        if (i % 32 == 0) prefetch_next(next, nnext, i * 2, 64);
         for (int j = 0; j < nt; j++) {
             const uint16_t *v = (const uint16_t *)src[j] + i;
             __m256 f0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)v));
@@ -287,10 +290,11 @@ AVX512 void round_bf16_avx512(void *y, const float *acc, int64_t n) {
     round_tail(DT_BF16, y, acc, i, n);
 }
 AVX512 void reduce_bf16_avx512(void *y, const void *const *src, const float *w, int nt,
-                               int64_t n, int weighted) {
+                               int64_t n, int weighted, const void *const *next, int nnext) {
     const __m512i zero = _mm512_setzero_si512();
     int64_t i = 0;
     for (; i + 64 <= n; i += 64) {
+        prefetch_next(next, nnext, i * 2, 128);
         /* a[0], a[1]: lo and hi halves of elements i..i+31; a[2], a[3]: of i+32..i+63 */
         __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                        _mm512_setzero_ps()};

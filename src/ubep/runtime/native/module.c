@@ -106,6 +106,7 @@ static const param_t PARAMS[] = {
     PARAM("quant", quant, P_INT),
     PARAM("quant_round_scale", quant_round, P_INT),
     PARAM("background", background, P_INT),
+    PARAM("llc_bytes", llc_bytes, P_I64),
 };
 #define NUM_PARAMS ((Py_ssize_t)(sizeof PARAMS / sizeof PARAMS[0]))
 
@@ -228,8 +229,8 @@ static int engine_init(engine_t *g, PyObject *args, PyObject *kwds) {
     g->peer_runs = calloc((size_t)g->nreg * (size_t)MAX_PEER_RUNS(g) * 2, sizeof(int64_t));
     g->e2d = calloc((size_t)E, sizeof(int32_t)); g->e2l = calloc((size_t)E, sizeof(int32_t));
     int maxt = g->K > R ? g->K : R;
-    g->term_ptr = calloc((size_t)C * maxt, sizeof(void *));
-    g->term_w = calloc((size_t)C * maxt, sizeof(float));
+    g->term_ptr = calloc((size_t)C * 2 * maxt, sizeof(void *)); /* 2: this token's, the next's */
+    g->term_w = calloc((size_t)C * 2 * maxt, sizeof(float));
     g->counted = calloc((size_t)R, sizeof(uint64_t));
     g->qstage = calloc(g->quant ? (size_t)g->T * (size_t)g->row_bytes + 1 : 1, 1);
     g->core_units = calloc((size_t)C, sizeof(int64_t));
