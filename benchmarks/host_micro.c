@@ -31,7 +31,7 @@
  *           sched_yield): with COLD, the fifth number printed is then a call's latency of
  *           PROCS ranks that each write and wait for all others (oversubscription)
  *
- * Usage: host_micro WRITER READER ROW_BYTES ROWS PROCS MILLIS [TERMS [COPIES [COLD]]]
+ * Usage: host_micro WRITER READER ROW_BYTES ROWS PROCS MILLIS [TERMS [COPIES [COLD [MAP [LLC]]]]]
  *        host_micro flag - 8 1 PROCS MILLIS
  * Runs PROCS processes at once in pairs (p, p^1), free-running for MILLIS ms after one warm-up:
  * each pass, process p runs WRITER into its outgoing buffer X[p] (a shared mapping, pre-faulted)
@@ -184,6 +184,7 @@ static void k_fill(void) {
  * the pool (src, N * TERMS rows). The order matters: reading the same bytes as the rank
  * layout's per-rank streams runs ~3x faster than as adjacent pairs (docs/SIMULATOR.md, 6). */
 static int WEIGHTED = 1;
+static int PREFETCH; /* combine.c's rule: prefetch the next token's rows (set in main) */
 enum { Y_OFF = 2048 + 16 }; /* the reduce's output offset in its buffer, see k_reduce_any */
 static const int32_t *MAP; /* [N][MAPW][2] of this process's rank, -1 = no row */
 static int MAPW;
@@ -226,7 +227,7 @@ static void k_reduce_any(void) {
          * loads wait on the stores, which cost this pass 1.2-4.5x with two rows per token and
          * that the runtime does not have (docs/SIMULATOR.md, 6) */
         REDUCE[DT_BF16](dst + Y_OFF + t * (B / 2 * 2), tp[cur], tw[cur], nt, B / 2, WEIGHTED,
-                        tp[!cur], nn);
+                        tp[!cur], PREFETCH ? nn : 0);
         nt = nn;
     }
 }
@@ -342,6 +343,7 @@ int main(int argc, char **argv) {
     TERMS = argc > 7 ? atoll(argv[7]) : 1;
     int64_t copies = argc > 8 ? atoll(argv[8]) : 1;
     int cold = argc > 9 ? atoi(argv[9]) : 0;
+    int64_t llc = argc > 11 ? atoll(argv[11]) : (int64_t)32 << 20;
     /* MAP (reduce readers): int32 R, T, W, then [R][T][W][2] (rank d, row) per token, -1 = none
      * (ubep.sim.host.combine_row_map); process p reduces rank p's tokens (p < R) */
     int32_t *map_all = NULL, map_r = 0;
@@ -371,6 +373,9 @@ int main(int argc, char **argv) {
         }
     }
 
+    /* combine.c: tokens of at most 4 rows whose rows overflow a rank's share of the LLC */
+    int64_t terms_max = map_all ? MAPW : TERMS;
+    PREFETCH = terms_max <= 4 && N * terms_max * B > llc / procs;
     int is_flag = !strcmp(argv[1], "flag");
     kern_t wr = is_flag ? NULL : find(argv[1]);
     int all_wait = !strcmp(argv[2], "all");

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ubep.runtime.abi import llc_bytes
+
 HERE = Path(__file__).resolve().parent
 NATIVE = HERE.parent / "src" / "ubep" / "runtime" / "native"
 
@@ -86,7 +88,7 @@ class Micro:
             for _ in range(self.rounds):
                 got = self._run([writer, reader, str(row_bytes), str(rows), str(procs),
                                  str(self.millis), str(terms), str(copies), str(int(cold)),
-                                 path])
+                                 path, str(llc_bytes())])
                 per.append(tuple(statistics.median(g[i] for g in got) for i in range(8)))
             med = [statistics.median(p[i] for p in per) for i in range(8)]
             self.cache[key] = (med[0] / 1e6, med[1] / 1e6, med[2], med[3] / 1e6, med[4],

@@ -56,6 +56,7 @@ __all__ = [
     "ErrorRecord",
     "check_native",
     "engine_params",
+    "llc_bytes",
     "load_native",
 ]
 
@@ -130,7 +131,7 @@ PARAMS = (
 
 
 @functools.cache
-def _llc_bytes() -> int:
+def llc_bytes() -> int:
     """The last-level cache combine.c sizes its prefetching by; 32 MiB where /sys is mute."""
     return last_level_cache_bytes() or 32 << 20
 
@@ -177,7 +178,7 @@ def engine_params(
         quant=QUANTS[config.quant or "none"],
         quant_round_scale=int(config.quant_round_scale),
         background=int(background),
-        llc_bytes=_llc_bytes(),
+        llc_bytes=llc_bytes(),
     )
     return params
 
