@@ -196,7 +196,7 @@ class _Running:
         self.buf.combine(self.eo, self.res.handle)
 
 
-# Calls traced per ASP case and op after its last round's timing: the engine's phases of rank 0
+# Calls traced per ASP case and op after its last round's timing: the engine's phases
 TRACED_CALLS = 20
 PHASES = {"dispatch": DISPATCH_PHASES, "combine": COMBINE_PHASES}
 
@@ -209,6 +209,17 @@ def _traced_phases(group: Any, run_: _Running) -> dict[str, dict[str, float]]:
                  for _ in range(TRACED_CALLS)]
         out[op] = dict(zip(PHASES[op], phase_medians(calls, op), strict=True))
     return out
+
+
+def _slowest_phases(per_rank: list[dict[str, dict[str, float]]]
+                    ) -> tuple[dict[str, dict[str, float]], dict[str, int]]:
+    """Per op, the phases of the rank whose traced calls took longest (the one a collective
+    waits for), and which rank that is."""
+    phases, rank = {}, {}
+    for op in OPS:
+        rank[op] = max(range(len(per_rank)), key=lambda r: sum(per_rank[r][op].values()))
+        phases[op] = per_rank[rank[op]][op]
+    return phases, rank
 
 
 def _rank_main(group: Any, cases: list[Case], warmup: int, per_round: list[int],
@@ -288,7 +299,8 @@ def run(ranks: Sequence[int], sizes: Sequence[int], modes: Sequence[tuple[str, s
                 worst = np.max(np.array([r[i][op] for r in per_rank]), axis=0)  # max over ranks
                 row[op] = asdict(Stats.from_samples_us(worst.tolist()))
             if "phases" in per_rank[0][i]:
-                row["phases_rank0"] = per_rank[0][i]["phases"]
+                row["phases"], row["phases_rank"] = _slowest_phases([r[i]["phases"] for r in
+                                                                     per_rank])
             row["floor"] = asdict(floor_stats[int(nbytes[i])])
             row["floor_two_destinations"] = asdict(two[int(nbytes[i])])
             rows.append(row)
@@ -356,8 +368,9 @@ PART_NAMES = {"entry": "entry/exit", "local": "per-token bookkeeping", "wait": "
 
 
 def parts(phases: dict[str, float], op: str, median_us: float) -> dict[str, float]:
-    """``phases`` (rank 0's phase medians of one op, us) summed into ``PARTS``, and ``rest``:
-    the case's median (the slowest rank's time per call) beyond rank 0's call."""
+    """``phases`` (the slowest rank's phase medians of one op, us) summed into ``PARTS``, and
+    ``rest``: the case's median (per call, the maximum over ranks) beyond that rank's median
+    call: the ranks' skew, which rank is slowest changing from call to call."""
     out = {part: sum(phases[p] for p in names) for part, names in PARTS[op].items()}
     out["rest"] = max(0.0, median_us - sum(phases.values()))
     return out
@@ -365,7 +378,7 @@ def parts(phases: dict[str, float], op: str, median_us: float) -> dict[str, floa
 
 def limits(result: dict[str, Any]) -> list[dict[str, Any]]:
     """Every ASP case (BSP is the baseline) over its target (``TARGET_X_FLOOR``) and what
-    limits it, measured. With the engine's phases (``phases_rank0``): this rank's own copy
+    limits it, measured. With the engine's phases (``phases``, of the slowest rank): its own copy
     when it alone takes more than the target (``copy_x_floor``), else the largest other part
     (entry / exit, per-token bookkeeping, waits on peers, or the slowest rank: work a copy does
     not have). Without them (an older JSON): the series' fixed cost per call (its intercept,
@@ -398,7 +411,7 @@ def limits(result: dict[str, Any]) -> list[dict[str, Any]]:
                  "x_floor_two_dst": med / two if two else math.nan, "fixed_us": fixed,
                  "x_floor_per_byte": per_byte,
                  "limit": "fixed cost" if per_byte <= target else "size-proportional"}
-            phases = (r.get("phases_rank0") or {}).get(op)
+            phases = (r.get("phases") or {}).get(op)
             if phases:
                 split = parts(phases, op, med)
                 x |= {f"{part}_us": us for part, us in split.items()}
@@ -454,11 +467,11 @@ def tables(result: dict[str, Any]) -> str:
             "the series' fitted fixed cost beyond the floor's; x_floor_per_byte = (median - "
             "fixed_us) / floor; x_floor_two_dst = median / the floor whose copies alternate "
             "between two destinations, as dispatches alternate between two receive regions. "
-            f"Measured on rank 0 (engine trace, median of {TRACED_CALLS} calls after the "
+            f"Measured on the slowest rank (engine trace, median of {TRACED_CALLS} calls after the "
             "timed ones): entry_us = Python and the native call's entry and exit; local_us = "
             "validation, the routing record and the received rows' metadata; wait_us = "
             "waiting for peers (to leave the previous call, for their counts, rows or "
-            "outputs); rest_us = the median (slowest rank per call) beyond rank 0's call; "
+            "outputs); rest_us = the median (the slowest rank per call) beyond that rank's; "
             "copy_us = this rank's own copy (dispatch: its rows out; combine: the rows peers "
             "pull, and the reduce); copy_x_floor = copy_us / floor. limit = moving the rows "
             "if copy_x_floor is over the target, else the largest other part:\n"
