@@ -150,10 +150,8 @@ def _split(outer: list[tuple[int, int]], inner: list[tuple[int, int]],
             min(tot) / 1e3, med(tot) / 1e3, max(tot) / 1e3)
 
 
-# the engine's trace points (core 0; Engine.trace()) that bound each native phase:
-# dispatch.c 0 entered, 3 counts published, 4 rows sent, 7 rows received; combine.c 8 entered,
-# 9 peers one call behind at most, 10 expert outputs copied, 11 published, 12 peers' outputs
-# published, 13 reduced
+# the engine's trace points (core 0; Engine.trace(), listed at harness.TRACE_SLOTS) that
+# bound each native phase, coarser than harness.DISPATCH_PHASES / COMBINE_PHASES
 DISPATCH_MARKS = {"prepare": (0, 3), "send": (3, 4), "receive": (4, 7)}
 COMBINE_MARKS = {"wait": (8, 9), "copy": (9, 10), "peers": (10, 12), "reduce": (12, 13)}
 

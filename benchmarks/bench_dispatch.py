@@ -32,7 +32,14 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
-from benchmarks.harness import DISPATCH_PHASES, Stats, format_table, phase_medians, traced_call
+from benchmarks.harness import (
+    DISPATCH_PHASES,
+    Stats,
+    format_table,
+    int_list,
+    phase_medians,
+    traced_call,
+)
 
 NUM_EXPERTS = 64
 NUM_TOPK = 8
@@ -253,8 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="write the rows to this file")
     parser.add_argument("--timeout", type=float, default=1800.0)
     args = parser.parse_args(argv)
-    ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else (
-        [2] if args.quick else [2, 4])
+    ranks = int_list(args.ranks, [2] if args.quick else [2, 4])
     repeats = args.repeats or (30 if args.quick else 50)
     load = os.getloadavg()[0]
     if load > 1.0:

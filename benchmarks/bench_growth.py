@@ -41,6 +41,8 @@ from benchmarks.harness import (
     Stats,
     concurrent_copy,
     format_table,
+    int_list,
+    machine_since,
     phase_medians,
     round_repeats,
     save_figure,
@@ -532,10 +534,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.replot) as f:
             write_outputs(json.load(f), args.out)
         return 0
-    ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else (
-        [2] if args.quick else [2, 4])
-    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else (
-        QUICK_SIZES if args.quick else FULL_SIZES)
+    ranks = int_list(args.ranks, [2] if args.quick else [2, 4])
+    sizes = int_list(args.sizes, QUICK_SIZES if args.quick else FULL_SIZES)
     repeats = args.repeats or (10 if args.quick else 30)
     rounds = args.rounds or (2 if args.quick else 3)
     modes = MAIN_MODES + (EXTRA_MODES if args.all else ())
@@ -545,8 +545,7 @@ def main(argv: list[str] | None = None) -> int:
                  int(args.mem_gib * 2**30), int(args.keep_gib * 2**30), args.timeout)
     result["settings"] = {"ranks": ranks, "sizes": list(sizes), "modes": [f"{e}+{s}" for e, s
                           in modes], "repeats": repeats, "rounds": rounds, "warmup": args.warmup}
-    result["machine"] = {"cpus": os.cpu_count(), "load_before": load,
-                         "load_after": os.getloadavg()[0], "seconds": time.monotonic() - start}
+    result["machine"] = machine_since(load, start)
     write_outputs(result, args.out)
     return 0
 

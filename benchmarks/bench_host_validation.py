@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 from benchmarks import bench_dispatch as bd
-from benchmarks.harness import format_table
+from benchmarks.harness import format_table, int_list
 from benchmarks.host_micro import Micro, build
 
 from ubep.sim.host import HostCase, combine_row_map, combine_terms, kernel_passes, predict_host
@@ -138,8 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="microbenchmark rounds (median)")
     parser.add_argument("--out", default=None, help="write OUT.txt and OUT.json")
     args = parser.parse_args(argv)
-    ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else (
-        [2] if args.quick else [2, 4])
+    ranks = int_list(args.ranks, [2] if args.quick else [2, 4])
     repeats = args.repeats or (30 if args.quick else 50)
     cases = bd.cases_for(args.quick, False)
     load_before = os.getloadavg()

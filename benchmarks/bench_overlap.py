@@ -70,6 +70,8 @@ import numpy as np
 from benchmarks.harness import (
     Stats,
     format_table,
+    int_list,
+    machine_since,
     round_repeats,
     save_results,
     time_collective,
@@ -559,8 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="write overlap.{txt,json,png} here")
     parser.add_argument("--timeout", type=float, default=1800.0)
     args = parser.parse_args(argv)
-    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else (
-        [16] if args.quick else [16, 64])
+    tokens = int_list(args.tokens, [16] if args.quick else [16, 64])
     skews = args.skews.split(",") if args.skews else list(SKEWS)
     layers = args.layers or (2 if args.quick else 4)
     # many short rounds: load from outside that comes and goes lands on every schedule alike
@@ -575,8 +576,7 @@ def main(argv: list[str] | None = None) -> int:
     result["settings"] = {"tokens": tokens, "skews": skews, "layers": layers, "repeats": repeats,
                           "rounds": rounds, "warmup": args.warmup, "engine": args.engine,
                           "sync": args.sync, "background": args.background}
-    result["machine"] = {"cpus": os.cpu_count(), "load_before": load,
-                         "load_after": os.getloadavg()[0], "seconds": time.monotonic() - start}
+    result["machine"] = machine_since(load, start)
     write_outputs(result, args.out)
     return 0 if result["oracle_ok"] else 1
 

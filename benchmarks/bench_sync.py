@@ -48,6 +48,8 @@ from benchmarks.harness import (
     collective_spans,
     concurrent_copy,
     format_table,
+    int_list,
+    machine_since,
     round_repeats,
     save_figure,
     save_results,
@@ -209,10 +211,8 @@ def main(argv: list[str] | None = None) -> int:
             old = json.load(f)
         save_results(args.out, "sync", table(old["rows"]), old, plot)
         return 0
-    ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else (
-        [2] if args.quick else [2, 4])
-    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else (
-        QUICK_SIZES if args.quick else FULL_SIZES)
+    ranks = int_list(args.ranks, [2] if args.quick else [2, 4])
+    sizes = int_list(args.sizes, QUICK_SIZES if args.quick else FULL_SIZES)
     iterations = args.iterations or (30 if args.quick else 200)
     load, start = os.getloadavg()[0], time.monotonic()
     rounds = args.rounds or (2 if args.quick else 5)
@@ -220,9 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"rows": rows, "settings": {"ranks": ranks, "sizes": list(sizes),
                                          "iterations": iterations, "rounds": rounds,
                                          "warmup": args.warmup},
-              "machine": {"cpus": os.cpu_count(), "load_before": load,
-                          "load_after": os.getloadavg()[0],
-                          "seconds": time.monotonic() - start}}
+              "machine": machine_since(load, start)}
     save_results(args.out, "sync", table(rows), result, plot)
     return 0
 

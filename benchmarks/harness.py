@@ -26,7 +26,8 @@ import numpy as np
 
 __all__ = [
     "COMBINE_PHASES", "DISPATCH_PHASES", "Stats", "collective_spans", "concurrent_copy",
-    "format_table", "phase_medians", "print_table", "round_repeats", "save_results",
+    "format_table", "int_list", "machine_since", "phase_medians", "print_table",
+    "round_repeats", "save_results",
     "time_collective", "time_repeats", "traced_call",
 ]
 
@@ -125,6 +126,18 @@ def phase_medians(calls: Sequence[Sequence[int]], op: str) -> list[float]:
         marks = [start, *tr[first:last + 1], end]
         per.append([(b - a) / 1e3 for a, b in itertools.pairwise(marks)])
     return [float(v) for v in np.median(np.array(per), axis=0)]
+
+
+def int_list(text: str | None, default: Sequence[int]) -> list[int]:
+    """A comma-separated command-line list (``--ranks 2,4``), or ``default`` without one."""
+    return [int(v) for v in text.split(",")] if text else list(default)
+
+
+def machine_since(load_before: float, start: float) -> dict[str, Any]:
+    """The ``machine`` record of a run that began at ``start`` (``time.monotonic()``) under a
+    1-minute load average of ``load_before``: CPUs, the load before and now, seconds taken."""
+    return {"cpus": os.cpu_count(), "load_before": load_before,
+            "load_after": os.getloadavg()[0], "seconds": time.monotonic() - start}
 
 
 def round_repeats(repeats: int, rounds: int) -> list[int]:
