@@ -26,8 +26,8 @@ __all__ = ["AUTO_SYNC", "BufferConfig"]
 # (TFF adds an 8 B epoch word per 480 B, DC reads every row again for its checksum, SP re-arms
 # the regions). The peers benchmark's full runs over its 16 BF16 shapes (benchmarks/results/
 # peers.*) measured dispatch medians relative to asp+sw of 1.08 and 0.98 for asp+tff (rows in
-# place), 1.14 and 1.04 for asp+sp, 1.96 and 1.75 for asp+dc: none beats SW, so SW. The
-# simulator keeps the paper's modes.
+# place), 1.14 and 1.04 for asp+sp, 1.96 and 1.75 for asp+dc: none is faster beyond noise, so
+# SW. The simulator keeps the paper's modes.
 AUTO_SYNC = "sw"
 
 
