@@ -1,4 +1,4 @@
-"""ubep.dist next to the shared-memory runtime and plain MPI ``Alltoallv``, same shapes, same run.
+"""ubep.mpi next to the shared-memory runtime and plain MPI ``Alltoallv``, same shapes, same run.
 
     python -m benchmarks.bench_dist                 # 2 ranks, 128 and 512 tokens, both payloads
     python -m benchmarks.bench_dist --quick         # 2 ranks, 128 tokens, BF16 only
@@ -7,11 +7,11 @@
 Systems (rows of the table):
 
 * ``shm``: ``ubep.Buffer`` on ranks from ``ubep.launch`` (POSIX shared memory, native engine).
-* ``dist-shm``: ``ubep.Buffer`` on ``ubep.dist.init()`` under mpiexec, one host: the native engine
+* ``dist-shm``: ``ubep.Buffer`` on ``ubep.mpi.init()`` under mpiexec, one host: the native engine
   on ``MPI_Win_allocate_shared`` memory.
 * ``dist-rma-tcp``: the same with ``UBEP_DIST_FORCE_RMA=1`` and ``--mca btl self,tcp``: every rank
   its own host, every row through ``MPI_Put``/``MPI_Get`` (Open MPI ``osc/rdma`` over TCP
-  loopback), the Python RMA engine (``ubep.dist.engine``).
+  loopback), the Python RMA engine (``ubep.mpi.engine``).
 * ``mpi-a2av`` / ``mpi-a2av-tcp``: what a user writes with MPI today (benchmarks/peers/kernels.py:
   counts ``Alltoall``, pack, payload and metadata ``Alltoallv``, reorder) on Open MPI's default
   transports and on TCP.
@@ -85,7 +85,7 @@ def _timed(barrier: Callable[[], object], fn: Callable[[], object], warmup: int,
     return (time_collective(barrier, fn, warmup, repeats) / 1e3).tolist()
 
 
-# --- ubep on any group (ubep.launch or ubep.dist) -------------------------------------------
+# --- ubep on any group (ubep.launch or ubep.mpi) -------------------------------------------
 
 
 def ubep_rank(group: Any, cases: list[Case], warmup: int, repeats: int) -> list[dict[str, Any]]:
@@ -153,9 +153,9 @@ def _mpi_worker(kind: str, spec: str, out: str) -> None:
     job = json.loads(Path(spec).read_text())
     cases = [Case(**c) for c in job["cases"]]
     if kind == "ubep":
-        import ubep.dist
+        import ubep.mpi
 
-        group = ubep.dist.init()
+        group = ubep.mpi.init()
         found = ubep_rank(group, cases, job["warmup"], job["repeats"])
         every = group.allgather(found)
         if group.rank == 0:

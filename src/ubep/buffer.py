@@ -95,7 +95,7 @@ class Buffer:
         group: the ranks: a ``torch.distributed`` process group (the world or a
             ``new_group`` subgroup, under torchrun; ranks in the group's order), a
             :class:`~ubep.runtime.group.Group` (``ubep.launch``) or any
-            :class:`~ubep.runtime.group.ProcessGroup` (``ubep.dist.init()`` under mpiexec).
+            :class:`~ubep.runtime.group.ProcessGroup` (``ubep.mpi.init()`` under mpiexec).
         config: :class:`BufferConfig` (must be equal on every rank).
     """
 
@@ -178,7 +178,7 @@ class Buffer:
                                    background=background)
             self._engine = self._native.Engine(params, mem.addresses, mem.pids, mem.start_times)
         else:
-            self._engine = mem.make_engine(self.config, lay)  # peers on other hosts (ubep.dist)
+            self._engine = mem.make_engine(self.config, lay)  # peers on other hosts (ubep.mpi)
         self._engine.reset_all()
         # Every peer has mapped every segment once this barrier completes: unlink the names so
         # nothing survives a crash from here on.

@@ -5,7 +5,7 @@ segments), core count (oversubscription makes runs slow, never wrong), the nativ
 build, MPI for multi-host runs (mpi4py, the MPI library wheel, an ``mpiexec``, running as root),
 torch (optional) and matplotlib (plots), then prints a verdict per way of running ubep.
 
-``ubep doctor --mpi`` also *runs* ``ubep.dist`` on this machine under ``mpiexec`` (2 ranks):
+``ubep doctor --mpi`` also *runs* ``ubep.mpi`` on this machine under ``mpiexec`` (2 ranks):
 once on shared memory and once with every rank its own host over TCP (one-sided RMA), each
 checked bit for bit against the reference (about 10-20 s). Nothing else starts processes.
 """
@@ -40,7 +40,7 @@ class Check:
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("doctor", help="check what works on this machine")
     parser.add_argument("--mpi", action="store_true",
-                        help="also run ubep.dist under mpiexec (shared memory and TCP RMA)")
+                        help="also run ubep.mpi under mpiexec (shared memory and TCP RMA)")
     parser.set_defaults(func=_main)
 
 
@@ -78,13 +78,13 @@ def verdicts(checks: list[Check]) -> list[str]:
     ]
     mpi_ready = ok.get("mpi4py", False) and ok.get("mpiexec", False)
     if not mpi_ready:
-        lines.append("ubep.dist under mpiexec: not available (see mpi4py / mpiexec above)")
+        lines.append("ubep.mpi under mpiexec: not available (see mpi4py / mpiexec above)")
     else:
         probed = {c.name: c.ok for c in checks if c.name.startswith("mpi run")}
         if not probed:
-            lines.append("ubep.dist under mpiexec: installed (run `ubep doctor --mpi` to try it)")
+            lines.append("ubep.mpi under mpiexec: installed (run `ubep doctor --mpi` to try it)")
         for name, good in probed.items():
-            lines.append(f"ubep.dist, {name[len('mpi run: '):]}: "
+            lines.append(f"ubep.mpi, {name[len('mpi run: '):]}: "
                          + ("works" if good else "FAILED (see above)"))
     if ok.get("cores") is False:
         lines.append("speed: more ranks x cores than hardware threads run correctly but slowly")
@@ -95,7 +95,7 @@ def _shm() -> Check:
     path = "/dev/shm"
     if not os.path.isdir(path) or not os.access(path, os.W_OK):
         return Check(path, False, "missing or not writable",
-                     "the shared-memory runtime cannot run; use ubep.dist (MPI) instead")
+                     "the shared-memory runtime cannot run; use ubep.mpi (MPI) instead")
     usage = shutil.disk_usage(path)
     gib = 1 << 30
     detail = f"{usage.free / gib:.1f} GiB free of {usage.total / gib:.1f} GiB"
@@ -194,7 +194,7 @@ def _probe_env() -> dict[str, str]:
 
 
 def mpi_probe(num_ranks: int = 2) -> list[Check]:
-    """Run the ubep.dist selftest under mpiexec: shared memory, then TCP RMA (every rank its own
+    """Run the ubep.mpi selftest under mpiexec: shared memory, then TCP RMA (every rank its own
     host). Returns one check per transport."""
     launcher = mpi_launcher()
     if launcher is None or _version("mpi4py") is None:
@@ -208,7 +208,7 @@ def mpi_probe(num_ranks: int = 2) -> list[Check]:
     for name, mca, extra in runs:
         with tempfile.TemporaryDirectory(prefix="ubep-doctor-") as tmp:
             cmd = [launcher, "--oversubscribe", *mca, "-n", str(num_ranks), sys.executable,
-                   "-m", "ubep.dist.selftest", "--modes", "asp:dc:expert:bf16,bsp:tff:rank:uint8",
+                   "-m", "ubep.mpi.selftest", "--modes", "asp:dc:expert:bf16,bsp:tff:rank:uint8",
                    "--json", os.path.join(tmp, "out.json")]
             try:
                 proc = subprocess.run(cmd, env=_probe_env() | extra, capture_output=True,

@@ -1,5 +1,5 @@
 """The data-plane protocol a :class:`ubep.Buffer` drives (the native engine on one host,
-``ubep.dist``'s MPI RMA engine across hosts) and the handle a Buffer's dispatch returns."""
+``ubep.mpi``'s MPI RMA engine across hosts) and the handle a Buffer's dispatch returns."""
 
 from __future__ import annotations
 

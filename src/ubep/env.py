@@ -23,7 +23,7 @@ Tuning and debugging:
   sleeps in the kernel until a peer rings its doorbell (default 50 us). Lower it when ranks
   outnumber the cores; raise it to trade CPU for latency on an idle host.
 
-Multi-host (``ubep.dist``, read by :func:`ubep.dist.init` when ``ranks_per_host`` is not given):
+Multi-host (``ubep.mpi``, read by :func:`ubep.mpi.init` when ``ranks_per_host`` is not given):
 
 * ``UBEP_DIST_RANKS_PER_HOST``: treat every ``k`` consecutive MPI ranks as one host (``k`` must
   divide the ranks of each real host). Ranks of different (virtual) hosts exchange rows with MPI
@@ -55,8 +55,8 @@ ENV_VARS: dict[str, str] = {
     "UBEP_RENDEZVOUS": "private (0700) directory the ranks rendezvous in (env-var launch)",
     "UBEP_TIMEOUT_S": "default deadline of group set-up and barriers, seconds (default 120)",
     "UBEP_WAIT_YIELD_US": "spin/yield time of a data-plane wait before it sleeps (default 50)",
-    "UBEP_DIST_RANKS_PER_HOST": "ubep.dist: every k consecutive MPI ranks form one (virtual) host",
-    "UBEP_DIST_FORCE_RMA": "ubep.dist: 1 = every rank its own host (all rows over MPI RMA)",
+    "UBEP_DIST_RANKS_PER_HOST": "ubep.mpi: every k consecutive MPI ranks form one (virtual) host",
+    "UBEP_DIST_FORCE_RMA": "ubep.mpi: 1 = every rank its own host (all rows over MPI RMA)",
 }
 
 DEFAULT_TIMEOUT_S = 120.0

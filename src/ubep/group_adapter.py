@@ -1,7 +1,7 @@
 """Turn whatever group a caller hands ubep into a :class:`ubep.runtime.group.ProcessGroup`.
 
 ``ubep.Buffer(group, ...)`` accepts a ubep group (``ubep.launch``, ``group_from_env``,
-``ubep.dist.init``) or a ``torch.distributed.ProcessGroup`` (``dist.group.WORLD``,
+``ubep.mpi.init``) or a ``torch.distributed.ProcessGroup`` (``dist.group.WORLD``,
 ``dist.new_group(ranks)``). The torch case is detected without importing torch: a torch group
 can only exist if ``torch.distributed`` is already imported, so ``import ubep`` stays torch-free.
 """

@@ -34,7 +34,7 @@ def words_checksum(words: np.ndarray, epoch: int) -> int:
     """The DC formula over uint64 words ``w_0 .. w_{n-1}`` (docs/FORMATS.md): ``s1 = sum w_i``,
     ``s2 = sum (i + 1) * w_i`` (mod 2^64), ``s1 ^ rotl(s2, 29) ^ epoch * golden``; never 0 (a 0
     becomes 1). :meth:`DcCodec.checksum` applies it to a batch's checked words; the RMA engine
-    (``ubep.dist.engine.record_check``) to a control record's words."""
+    (``ubep.mpi.engine.record_check``) to a control record's words."""
     w = np.asarray(words, dtype=np.uint64).reshape(-1)
     # numpy uint64 arithmetic wraps, which is exactly "mod 2^64".
     s1 = int(w.sum(dtype=np.uint64)) if w.size else 0

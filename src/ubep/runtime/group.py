@@ -10,7 +10,7 @@ Liveness: a peer is alive while its pid exists, is not a zombie and still has th
 had at rendezvous (so a recycled pid is not mistaken for it).
 
 Global memory (:meth:`Group.map_global`): one segment per rank, every peer's mapped here. Other
-group kinds (``ubep.dist.DistGroup`` over MPI) implement the same :class:`ProcessGroup` protocol,
+group kinds (``ubep.mpi.MpiGroup`` over MPI) implement the same :class:`ProcessGroup` protocol,
 so :class:`ubep.Buffer` runs on any of them.
 """
 
@@ -85,7 +85,7 @@ class GlobalMemory(Protocol):
 
 
 class ProcessGroup(Protocol):
-    """What :class:`ubep.Buffer` needs from a group of ranks (``Group``, ``ubep.dist``)."""
+    """What :class:`ubep.Buffer` needs from a group of ranks (``Group``, ``ubep.mpi``)."""
 
     rank: int
     num_ranks: int

@@ -13,7 +13,7 @@
 The API is DeepEP v1's (``deep_ep/buffer.py``, the last release before V2): the constructor with
 its parameter names and positional order, every method the intranode and low-latency paths use,
 the same defaults and the same returned tuples. ``group`` is a ``torch.distributed`` process
-group (as in DeepEP), a ubep group (``ubep.launch``, ``ubep.dist``), or ``comm=`` an mpi4py
+group (as in DeepEP), a ubep group (``ubep.launch``, ``ubep.mpi``), or ``comm=`` an mpi4py
 communicator; :class:`ubep.torch.LocalBackend` (threads as ranks) is accepted for tests.
 
 Normal-mode ``dispatch``/``combine`` run on ubep buffers with ``layout="rank"`` (one row per
@@ -807,7 +807,7 @@ def _ep_group(group: Any, comm: Any) -> Any:
     if group is None and comm is None:
         raise InvalidArgumentError("group", None, "either 'group' or 'comm' must be given")
     if group is None:
-        from ..dist import init
+        from ..mpi import init
 
         return init(comm)
     if isinstance(group, LocalBackend):
@@ -821,7 +821,7 @@ def _ep_group(group: Any, comm: Any) -> Any:
         return group
     raise InvalidArgumentError(
         "group", type(group).__name__,
-        "must be a torch.distributed ProcessGroup or a ubep group (ubep.launch, ubep.dist)",
+        "must be a torch.distributed ProcessGroup or a ubep group (ubep.launch, ubep.mpi)",
     )
 
 

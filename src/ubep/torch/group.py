@@ -10,7 +10,7 @@ exactly as in a group of ``ubep.launch``:
   rank 0 adds a 16-byte group id and a private directory. Ranks are numbered by their rank *in
   the torch group* (``dist.get_rank(group)``), not the world's. Ranks on different hosts (host
   name or ``/proc/sys/kernel/random/boot_id`` differ) are refused: shared memory cannot reach
-  them, and ``ubep.dist`` (MPI) is what runs across hosts.
+  them, and ``ubep.mpi`` (MPI) is what runs across hosts.
 * **Control plane**: :meth:`TorchGroup.allgather` / :meth:`exchange` / :meth:`barrier` are
   asynchronous torch collectives (JSON values), polled against a deadline and the liveness of
   every peer, so a dead or missing rank raises ``ubep.PeerLostError`` / ``ubep.TimeoutError``
@@ -97,7 +97,7 @@ def host_identity() -> dict[str, str]:
 
 
 def check_same_host(hellos: list[dict[str, Any]]) -> None:
-    """Raise ``ubep.UbepError`` naming ``ubep.dist`` if the ranks (``hellos`` in group-rank order,
+    """Raise ``ubep.UbepError`` naming ``ubep.mpi`` if the ranks (``hellos`` in group-rank order,
     each with ``host`` and ``boot_id``) are not all on one host."""
     hosts: dict[tuple[str, str], list[int]] = {}
     for rank, h in enumerate(hellos):
@@ -108,7 +108,7 @@ def check_same_host(hellos: list[dict[str, Any]]) -> None:
         raise UbepError(
             f"the ranks of this torch.distributed group are on {len(hosts)} hosts ({where}). "
             "ubep on a torch.distributed group moves rows through shared memory and needs every "
-            "rank on one host; across hosts use ubep.dist (ubep.dist.init() under mpiexec, "
+            "rank on one host; across hosts use ubep.mpi (ubep.mpi.init() under mpiexec, "
             "docs/MULTIHOST.md), or give ubep one group per host (dist.new_group)."
         )
 

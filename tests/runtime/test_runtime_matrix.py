@@ -13,7 +13,7 @@ import itertools
 
 import pytest
 
-from _runtime_support import AXES, Case, pairwise_cases, run_case
+from tests._runtime_support import AXES, Case, pairwise_cases, run_case
 from ubep.modes import LAYOUTS, POLICIES
 from ubep.runtime import launch
 

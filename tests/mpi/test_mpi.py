@@ -1,4 +1,4 @@
-"""ubep.dist under mpiexec on this machine: bit-exact against ubep.reference.
+"""ubep.mpi under mpiexec on this machine: bit-exact against ubep.reference.
 
 Three transports, each in one mpiexec launch that runs every engine x sync x layout (dtypes
 rotated, see ``ubep.modes.enumerate_modes``) plus a rejected call per mode:
@@ -73,7 +73,7 @@ def mpirun(num_ranks: int, argv: list[str], *, mca: tuple[str, ...] = _QUIET,
 def _selftest(tmp_path: Path, num_ranks: int, mca: tuple[str, ...], env: dict[str, str],
               hosts: int) -> None:
     out = tmp_path / "selftest.json"
-    mpirun(num_ranks, ["-m", "ubep.dist.selftest", "--faults", "--json", str(out)], mca=mca,
+    mpirun(num_ranks, ["-m", "ubep.mpi.selftest", "--faults", "--json", str(out)], mca=mca,
            env=env)
     every = json.loads(out.read_text())
     assert len(every) == num_ranks
@@ -187,9 +187,9 @@ def _worker_sigstop(group: Any, out: str) -> dict[str, Any]:
 
 
 def _worker_main(name: str, out: str) -> None:
-    import ubep.dist
+    import ubep.mpi
 
-    group = ubep.dist.init()
+    group = ubep.mpi.init()
     if name == "_worker_sigstop":
         result = _worker_sigstop(group, str(Path(out).parent))
     else:

@@ -1,4 +1,4 @@
-"""The call protocol of the RMA engine (:mod:`ubep.dist.engine`, "Call protocol"): its control
+"""The call protocol of the RMA engine (:mod:`ubep.mpi.engine`, "Call protocol"): its control
 window's layout, the self-checking records peers write there (``[payload][check][epoch]``),
 done records and failure notices, and the bounded waits that check deadline, failure notices,
 peer progress and liveness while they poll. :class:`RmaProtocol` is the engine's base class:

@@ -1,7 +1,7 @@
-"""An in-process stand-in for ``ubep.dist`` over RMA: ranks are threads of this process.
+"""An in-process stand-in for ``ubep.mpi`` over RMA: ranks are threads of this process.
 
 :class:`FakeWorld` gives each rank a :class:`FakeGroup` whose global memory has no load/store
-addresses, so :class:`ubep.Buffer` drives the real :class:`ubep.dist.engine.RmaEngine` on it. The
+addresses, so :class:`ubep.Buffer` drives the real :class:`ubep.mpi.engine.RmaEngine` on it. The
 transport copies a put or get at once, except to a rank in ``world.stopped``: those operations
 stay pending (``done()`` is False) until :meth:`FakeWorld.resume`, as an emulated-RMA put to a
 SIGSTOPped process does. ``world.dead`` is what the liveness check reports.
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ubep import topology as topo
-from ubep.dist.engine import RmaEngine
+from ubep.mpi.engine import RmaEngine
 
 
 class FakeWorld:

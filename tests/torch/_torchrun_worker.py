@@ -17,7 +17,7 @@ Scenarios:
   hf         a tiny Qwen3-MoE with experts_implementation="ubep" on dist.group.WORLD; rank 0 hits
              EOS first (ARGS: the EOS token id); generate with synced_gpus=True and with
              ubep.torch.hf.generate.
-  other_host rank 1 claims another boot id: every rank must get ubep's error naming ubep.dist.
+  other_host rank 1 claims another boot id: every rank must get ubep's error naming ubep.mpi.
   kill       (last) map_global's segments exist (not yet unlinked) when every rank SIGKILLs
              itself; the group's cleaner must remove them and its directory.
 """

@@ -34,7 +34,7 @@ from ..errors import UbepError
 if TYPE_CHECKING:
     from ..config import BufferConfig
     from ..runtime.layout import SegmentLayout
-    from .group import DistGroup
+    from .group import MpiGroup
 
 __all__ = ["DistGlobalMemory"]
 
@@ -43,7 +43,7 @@ _PAGE = mmap.PAGESIZE
 
 
 class DistGlobalMemory:
-    """One rank's region of a global memory object of a :class:`~ubep.dist.DistGroup`.
+    """One rank's region of a global memory object of a :class:`~ubep.mpi.MpiGroup`.
 
     Attributes (the :class:`ubep.runtime.group.GlobalMemory` protocol):
         addresses: every rank's region address in this process when all ranks share this host
@@ -54,7 +54,7 @@ class DistGlobalMemory:
         released: :meth:`close` was called (the group frees the windows collectively later).
     """
 
-    def __init__(self, group: DistGroup, size_bytes: int, kind: str) -> None:
+    def __init__(self, group: MpiGroup, size_bytes: int, kind: str) -> None:
         self.group = group
         self.kind = kind
         self.size_bytes = size_bytes
@@ -107,7 +107,7 @@ class DistGlobalMemory:
         self.released = True
 
     def make_engine(self, config: BufferConfig, layout: SegmentLayout) -> Any:
-        """The RMA engine (:class:`ubep.dist.engine.RmaEngine`) on these regions."""
+        """The RMA engine (:class:`ubep.mpi.engine.RmaEngine`) on these regions."""
         from .engine import RmaEngine
 
         if self._win is None:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 # benchmarks/ is a top-level folder, not an installed package (see test_peers.py)
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 

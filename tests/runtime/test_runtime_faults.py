@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from _runtime_support import Case, bits, compare, make_inputs
+from tests._runtime_support import Case, bits, compare, make_inputs
 from ubep import reference
 from ubep.buffer import Buffer
 from ubep.errors import (

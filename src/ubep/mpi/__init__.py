@@ -1,9 +1,9 @@
-"""``ubep.dist``: the same :class:`ubep.Buffer` across hosts, on MPI-3 one-sided communication.
+"""``ubep.mpi``: the same :class:`ubep.Buffer` across hosts, on MPI-3 one-sided communication.
 
 Run under ``mpiexec -n N python script.py`` and build the group with :func:`init`::
 
-    import ubep, ubep.dist
-    group = ubep.dist.init()                    # MPI.COMM_WORLD
+    import ubep, ubep.mpi
+    group = ubep.mpi.init()                    # MPI.COMM_WORLD
     with ubep.Buffer(group, cfg) as buf:        # exactly as with a group from ubep.launch
         res = buf.dispatch(x, topk_idx, topk_weights)
 
@@ -13,7 +13,7 @@ Run under ``mpiexec -n N python script.py`` and build the group with :func:`init
 * Between hosts, rows move by ``MPI_Put`` into the receiver's window under one passive-target
   epoch (``MPI_Win_lock_all``); flags are 8-byte epoch words put after ``MPI_Win_flush``, and
   receivers poll their own window (``MPI_Win_sync``), so SW/TFF/DC and the ASP/BSP engines keep
-  the meaning of docs/FORMATS.md. SP is refused across hosts (see :mod:`ubep.dist.engine`).
+  the meaning of docs/FORMATS.md. SP is refused across hosts (see :mod:`ubep.mpi.engine`).
 * Topology: ``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`` gives the ranks of each host; same
   host = hop 1, another host = hop 2 (hierarchical scheduler input).
 
@@ -22,6 +22,6 @@ docs/MULTIHOST.md says how to run on real hosts. ``UBEP_DIST_FORCE_RMA=1`` or
 several hosts, to test the cross-host path.
 """
 
-from .group import DistGroup, init
+from .group import MpiGroup, init
 
-__all__ = ["DistGroup", "init"]
+__all__ = ["MpiGroup", "init"]

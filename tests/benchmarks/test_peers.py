@@ -26,7 +26,7 @@ import pytest
 
 # benchmarks/ is a top-level folder, not an installed package: make it importable however
 # pytest was started (``python -m pytest`` already has the repo root on sys.path).
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from _runtime_support import bits, compare, random_payload
+from tests._runtime_support import bits, compare, random_payload
 from ubep import reference, routing
 from ubep.buffer import Buffer, BufferConfig
 from ubep.runtime import launch

@@ -1,4 +1,4 @@
-"""ubep.dist pieces that need no MPI: host layout rules, discovered topology, env variables,
+"""ubep.mpi pieces that need no MPI: host layout rules, discovered topology, env variables,
 control-record checks."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ubep.dist.engine import record_check
-from ubep.dist.group import _hosts, discovered_topology
 from ubep.env import dist_ranks_per_host_from_env
 from ubep.errors import InvalidArgumentError
+from ubep.mpi.engine import record_check
+from ubep.mpi.group import _hosts, discovered_topology
 
 
 def test_hosts_from_leaders_contiguous_and_split() -> None:
@@ -117,8 +117,8 @@ def test_doctor_reports_mpi_pieces_and_verdicts() -> None:
     lines = verdicts(broken)
     assert "DOES NOT WORK" in lines[0] and "not available" in lines[1]
     probed = [*ok, Check("mpi run: shared memory", True, ""), Check("mpi run: TCP RMA", False, "")]
-    assert verdicts(probed)[1:3] == ["ubep.dist, shared memory: works",
-                                     "ubep.dist, TCP RMA: FAILED (see above)"]
+    assert verdicts(probed)[1:3] == ["ubep.mpi, shared memory: works",
+                                     "ubep.mpi, TCP RMA: FAILED (see above)"]
 
 
 # --- the RMA engine's call protocol, on an in-process transport (tests/_fake_rma.py) ----------
@@ -175,7 +175,7 @@ def _recording(buf: Any) -> list[Any]:
 def test_rma_fail_codes_reach_peers_in_the_core_slot() -> None:
     """fail(epoch, code, message): code 6 (lost) on rank 1 is rank 0's remote error with 6 in
     the core slot; rank 2 gets the same; the next call works (bit-exact)."""
-    from _fake_rma import FakeWorld, run_ranks
+    from tests.mpi._fake_rma import FakeWorld, run_ranks
     from ubep.buffer import Buffer
     from ubep.errors import RemoteError
 
@@ -211,7 +211,7 @@ def test_rma_failure_after_completion_turns_the_result_into_an_error() -> None:
     error (code 4, remote code 2 in core), not its result."""
     import threading
 
-    from _fake_rma import FakeWorld, run_ranks
+    from tests.mpi._fake_rma import FakeWorld, run_ranks
     from ubep.buffer import Buffer
     from ubep.errors import RemoteError
 
@@ -251,7 +251,7 @@ def test_rma_liveness_checks_every_peer_still_in_the_call() -> None:
     once. A peer that finished the call before dying is not lost: then it is a timeout."""
     import time
 
-    from _fake_rma import FakeWorld, run_ranks
+    from tests.mpi._fake_rma import FakeWorld, run_ranks
     from ubep.buffer import Buffer
 
     world = FakeWorld(R3)
@@ -282,10 +282,10 @@ def test_rma_peer_past_this_call_is_an_error_never_data() -> None:
     1: E_LOST (6) naming rank 1 at once, not a wait until the timeout."""
     import time
 
-    from _fake_rma import FakeWorld, run_ranks
+    from tests.mpi._fake_rma import FakeWorld, run_ranks
     from ubep.buffer import Buffer
-    from ubep.dist.engine import _Op
     from ubep.errors import UbepError
+    from ubep.mpi.engine import _Op
 
     def body(g: Any) -> Any:
         with Buffer(g, _cfg(timeout_s=3.0)) as buf:
@@ -319,7 +319,7 @@ def test_rma_stopped_peer_gives_timeout_at_the_deadline_and_resync_recovers() ->
     and forgets the combine regions."""
     import time
 
-    from _fake_rma import FakeWorld, run_ranks
+    from tests.mpi._fake_rma import FakeWorld, run_ranks
     from ubep.buffer import Buffer
     from ubep.errors import RemoteError, TimeoutError
 
@@ -375,7 +375,7 @@ def test_rma_stopped_peer_gives_timeout_at_the_deadline_and_resync_recovers() ->
 def test_rma_completed_operations_are_dropped_without_a_flush() -> None:
     """ASP + DC never flushes: completed puts (and their buffers) are still dropped at the next
     call, so a long run holds one call's worth, not every call's."""
-    from _fake_rma import FakeWorld, run_ranks
+    from tests.mpi._fake_rma import FakeWorld, run_ranks
     from ubep.buffer import Buffer
 
     def body(g: Any) -> list[int]:

@@ -139,7 +139,7 @@ def test_a_group_across_hosts_is_refused_naming_ubep_dist(
     out, _ = two_rank_job
     for r in range(2):
         message = json.loads((out / f"other_host.{r}.json").read_text())["message"]
-        assert "2 hosts" in message and "ubep.dist" in message, message
+        assert "2 hosts" in message and "ubep.mpi" in message, message
 
 
 def test_killed_ranks_leave_no_segment_and_no_directory(

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ubep.runtime import launch
 
-EXAMPLES = str(Path(__file__).resolve().parents[1] / "examples")
+EXAMPLES = str(Path(__file__).resolve().parents[2] / "examples")
 
 
 def test_two_batch_overlap_example_matches_the_reference() -> None:

@@ -68,7 +68,7 @@ def test_same_host_check() -> None:
         ([_hello("a", "b1"), _hello("a", "b2")], r"on 2 hosts .*ranks \[0\];.*ranks \[1\]"),
     ]
     for hellos, where in cases:
-        with pytest.raises(ubep.UbepError, match=where + r".*use ubep\.dist"):
+        with pytest.raises(ubep.UbepError, match=where + r".*use ubep\.mpi"):
             check_same_host(hellos)
 
 

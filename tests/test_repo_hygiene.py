@@ -1,0 +1,86 @@
+"""What the repository tracks must work on a machine that never saw it.
+
+The oracle is git's own index: a tracked symbolic link (mode 120000) points into the machine it
+was made on; a file under a virtual-environment or build folder is that machine's output; text
+naming an absolute home or work path of a build machine does not exist on a fresh clone.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# Path parts that only a build or an install makes: none of them belongs in the repository.
+GENERATED_PARTS = frozenset(
+    {".venv", ".venv-peers", "venv", "site-packages", "build", "dist", "__pycache__", ".eggs"}
+)
+# Absolute paths of a developer's or CI's machine (a home, the work tree, a worktree of it).
+MACHINE_PATH = re.compile(r"(?<![\w.])/(?:work|home|Users|root)/[\w.-]+")
+
+
+def _index() -> list[tuple[str, str]]:
+    """(mode, path) of every tracked file, or skip where this is no git checkout."""
+    if shutil.which("git") is None or not (REPO_ROOT / ".git").exists():
+        pytest.skip("not a git checkout (an installed or unpacked copy)")
+    out = subprocess.run(
+        ["git", "-C", str(REPO_ROOT), "ls-files", "-s", "-z"],
+        check=True,
+        capture_output=True,
+    ).stdout.decode()
+    entries = []
+    for record in filter(None, out.split("\0")):
+        meta, path = record.split("\t", 1)
+        entries.append((meta.split()[0], path))
+    return entries
+
+
+def test_no_tracked_symbolic_link() -> None:
+    links = [path for mode, path in _index() if mode == "120000"]
+    assert links == [], f"tracked symbolic links (they point into one machine): {links}"
+
+
+def test_no_tracked_file_under_a_generated_folder() -> None:
+    generated = [
+        path
+        for _, path in _index()
+        if GENERATED_PARTS.intersection(Path(path).parts[:-1])
+        or path.endswith((".so", ".pyc", ".o"))
+    ]
+    assert generated == [], f"tracked build or environment output: {generated}"
+
+
+def test_no_text_names_a_build_machine_path() -> None:
+    hits = []
+    for mode, path in _index():
+        if mode == "120000":
+            continue
+        data = (REPO_ROOT / path).read_bytes()
+        if b"\0" in data[:8192]:
+            continue  # binary (a plot): no path a reader could follow
+        for lineno, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
+            if MACHINE_PATH.search(line):
+                hits.append(f"{path}:{lineno}: {line.strip()[:100]}")
+    assert hits == [], "absolute paths of a build machine:\n" + "\n".join(hits)
+
+
+def test_ignore_patterns_match_links_as_well_as_folders() -> None:
+    # ``.venv-peers/`` in .gitignore matches a folder only; a link of that name slipped through.
+    for name in (".venv", ".venv-peers", "build"):
+        probe = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "check-ignore", "--no-index", "-q", name],
+            check=False,
+        )
+        assert probe.returncode == 0, f"{name} (a file or a link) is not ignored"
+
+
+def test_the_guard_itself_sees_a_link() -> None:
+    # The pattern and the mode test must catch what they are for, or the tests above cannot fail.
+    assert MACHINE_PATH.search("ln -s /work/wt-f15/.venv-peers")
+    assert not MACHINE_PATH.search("shm segments live in /dev/shm/ubep-x")
+    assert GENERATED_PARTS.intersection(Path("src/ubep/dist/engine.py").parts[:-1])
