@@ -45,12 +45,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # as an mpiexec script
-
 from benchmarks.harness import Stats, format_table, time_collective
 
 __all__ = ["Case", "main"]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent  # the mpiexec ranks run -m from here
 
 _MODES = (("asp", "dc"), ("asp", "sw"))
 _TCP = ["--mca", "btl", "self,tcp", "--mca", "osc", "sm,rdma"]
@@ -187,10 +186,10 @@ def _mpiexec(num_ranks: int, kind: str, job: dict[str, Any], mca: list[str],
         if os.geteuid() == 0:
             full_env |= {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
         cmd = [launcher, "--oversubscribe", *mca, "-n", str(num_ranks), sys.executable,
-               str(Path(__file__).resolve()), "--worker", kind, str(spec), str(out)]
+               "-m", "benchmarks.bench_dist", "--worker", kind, str(spec), str(out)]
         try:
             proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True,
-                                  timeout=timeout_s, check=False)
+                                  timeout=timeout_s, check=False, cwd=REPO_ROOT)
         except subprocess.TimeoutExpired:
             return f"timed out after {timeout_s:.0f} s"
         if proc.returncode != 0 or not out.exists():

@@ -396,7 +396,7 @@ def test_fuzzed_bad_input_fails_cleanly_on_every_rank(pool: FuzzPool,
 
 @pytest.mark.mpi
 def test_fuzzed_bad_input_over_mpi_rma(tmp_path: Path) -> None:
-    from test_dist_mpi import _TCP, mpirun
+    from tests.mpi.test_mpi import _TCP, mpirun
 
     rng = random.Random(11)
     kinds = [k for k in ALL_KINDS if k != "sentinel"]  # no SP across hosts
@@ -405,7 +405,7 @@ def test_fuzzed_bad_input_over_mpi_rma(tmp_path: Path) -> None:
               "buffer": rng.randint(1, len(BUFFERS) - 1)} for k in kinds]
     spec, out = tmp_path / "cases.json", tmp_path / "out.json"
     spec.write_text(json.dumps(cases))
-    mpirun(2, [str(Path(__file__).resolve()), str(spec), str(out)], mca=_TCP,
+    mpirun(2, ["-m", "tests.test_fuzz", str(spec), str(out)], mca=_TCP,
            env={"UBEP_DIST_FORCE_RMA": "1"})
     _check(cases, json.loads(out.read_text()))
 

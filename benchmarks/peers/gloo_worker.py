@@ -1,6 +1,6 @@
 """torch.distributed (gloo) peer worker: one process per rank, started by benchmarks/peers/run.py.
 
-``python benchmarks/peers/gloo_worker.py WORKDIR RANK WORLD_SIZE STORE_FILE`` in the gloo venv
+``python -m benchmarks.peers.gloo_worker WORKDIR RANK WORLD_SIZE STORE_FILE`` in the gloo venv
 (torch 2.13.0 CPU + numpy). Rendezvous through a FileStore (no TCP port to pick or collide on);
 rows move with ``all_to_all_single`` and split sizes, on byte views of the numpy buffers
 (``torch.from_numpy`` shares memory, so no copy is added on either side).
@@ -13,12 +13,10 @@ from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script in a peer venv
-
-import torch
 import torch.distributed as dist
 from benchmarks.peers.driver import run_plan
+
+import torch
 
 RENDEZVOUS_TIMEOUT_S = 120.0
 

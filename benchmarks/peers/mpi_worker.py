@@ -1,4 +1,4 @@
-"""MPI peer worker: ``mpiexec -n N python benchmarks/peers/mpi_worker.py WORKDIR``.
+"""MPI peer worker: ``mpiexec -n N python -m benchmarks.peers.mpi_worker WORKDIR`` (repo root).
 
 Runs in a peer venv (mpi4py + one MPI wheel + numpy) and executes the plan in WORKDIR
 (benchmarks/peers/driver.py) over MPI_COMM_WORLD: counts with ``Alltoall``, rows with
@@ -11,9 +11,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script in a peer venv
-
 from benchmarks.peers.driver import run_plan
 from mpi4py import MPI
 

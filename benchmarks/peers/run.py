@@ -41,7 +41,14 @@ from typing import Any
 import numpy as np
 from benchmarks.harness import Stats, concurrent_copy, format_table
 from benchmarks.peers.driver import case_variants
-from benchmarks.peers.env import PEER_ENVS, PeerEnvError, ensure_env, env_python, launcher_for
+from benchmarks.peers.env import (
+    PEER_ENVS,
+    REPO_ROOT,
+    PeerEnvError,
+    ensure_env,
+    env_python,
+    launcher_for,
+)
 from benchmarks.peers.workload import (
     HOT_SHARE,
     NUM_EXPERTS,
@@ -70,7 +77,6 @@ __all__ = [
     "write_workdir",
 ]
 
-BENCH_DIR = Path(__file__).resolve().parent
 MPI_SYSTEMS = ("impi", "openmpi", "mpich")
 PEER_SYSTEMS = (*MPI_SYSTEMS, "gloo")
 # A peer's local work (pack, reorder, reduce): torch ops (torch_kernels.py, what an MoE user
@@ -213,7 +219,7 @@ def mpi_command(system: str, num_ranks: int, workdir: Path) -> list[str]:
         if os.geteuid() == 0:
             cmd.append("--allow-run-as-root")
         cmd.append("--oversubscribe")  # 4 ranks > 2 cores; OpenMPI then yields when idle
-    cmd += ["-n", str(num_ranks), str(env_python(system)), str(BENCH_DIR / "mpi_worker.py")]
+    cmd += ["-n", str(num_ranks), str(env_python(system)), "-m", "benchmarks.peers.mpi_worker"]
     return [*cmd, str(workdir)]
 
 
@@ -280,14 +286,15 @@ def run_peer(system: str, num_ranks: int, workdir: Path, timeout_s: float) -> di
         else:
             store = workdir / "gloo.store"
             store.unlink(missing_ok=True)
-            script = str(BENCH_DIR / "gloo_worker.py")
+            module = ["-m", "benchmarks.peers.gloo_worker"]
             cmd = [
-                [str(env_python(system)), script, str(workdir), str(r), str(num_ranks), str(store)]
+                [str(env_python(system)), *module, str(workdir), str(r), str(num_ranks), str(store)]
                 for r in range(num_ranks)
             ]
         procs = [
             subprocess.Popen(
-                c, stdout=out, stderr=subprocess.STDOUT, env=_worker_env(), start_new_session=True
+                c, stdout=out, stderr=subprocess.STDOUT, env=_worker_env(), start_new_session=True,
+                cwd=REPO_ROOT,  # the workers run as ``-m benchmarks.peers.*`` modules
             )
             for c in cmd
         ]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from itertools import combinations
 from pathlib import Path
 
@@ -13,11 +12,7 @@ import numpy as np
 import pytest
 
 # benchmarks/ is a top-level folder, not an installed package (see test_peers.py)
-REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from benchmarks import bench_growth as growth  # noqa: E402
+from benchmarks import bench_growth as growth
 
 
 def test_fit_recovers_an_exact_line() -> None:

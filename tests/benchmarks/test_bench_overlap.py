@@ -6,20 +6,15 @@ test (one launch of the model for all its rows)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from benchmarks.torch_decode import TwoBatch
 
 # benchmarks/ is a top-level folder, not an installed package (see test_peers.py)
-REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from benchmarks import bench_overlap as bench  # noqa: E402
-from benchmarks.torch_decode import TwoBatch  # noqa: E402
+from benchmarks import bench_overlap as bench
 
 WIDTH = 16  # the smallest attention width: no calibration
 

@@ -4,18 +4,12 @@ quick path's output structure (no timing assertions)."""
 from __future__ import annotations
 
 import itertools
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 # benchmarks/ is a top-level folder, not an installed package (see test_peers.py)
-REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from benchmarks import bench_sync  # noqa: E402
+from benchmarks import bench_sync
 
 
 def test_call_order_mixes_positions_and_predecessors() -> None:

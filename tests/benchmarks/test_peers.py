@@ -15,7 +15,6 @@ so the comparison is of the same work. Two levels:
 
 from __future__ import annotations
 
-import sys
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -23,18 +22,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-
-# benchmarks/ is a top-level folder, not an installed package: make it importable however
-# pytest was started (``python -m pytest`` already has the repo root on sys.path).
-REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from benchmarks.harness import Stats  # noqa: E402
-from benchmarks.peers import check, workload  # noqa: E402
-from benchmarks.peers import run as peers  # noqa: E402
-from benchmarks.peers.env import PeerEnvError, ensure_env  # noqa: E402
-from benchmarks.peers.kernels import decode_fields, make_peer  # noqa: E402
+from benchmarks.harness import Stats
+from benchmarks.peers import check, workload
+from benchmarks.peers import run as peers
+from benchmarks.peers.env import PeerEnvError, ensure_env
+from benchmarks.peers.kernels import decode_fields, make_peer
 
 NUM_EXPERTS = workload.NUM_EXPERTS
 

@@ -3,17 +3,9 @@ received FP8 rows against ubep.quant of the oracle's rows, the combine bit for b
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
+from examples import two_batch_overlap as example
 from ubep.runtime import launch
-
-EXAMPLES = str(Path(__file__).resolve().parents[2] / "examples")
 
 
 def test_two_batch_overlap_example_matches_the_reference() -> None:
-    if EXAMPLES not in sys.path:
-        sys.path.insert(0, EXAMPLES)  # spawned ranks get the parent's sys.path
-    example = importlib.import_module("two_batch_overlap")
     assert launch(example.run, example.RANKS, timeout_s=120) == [True] * example.RANKS

@@ -9,8 +9,8 @@ rotated, see ``ubep.modes.enumerate_modes``) plus a rejected call per mode:
 * two virtual hosts of two ranks (``UBEP_DIST_RANKS_PER_HOST=2``): loads/stores inside a host,
   RMA over TCP between hosts.
 
-The same file is the mpiexec worker for the smaller checks (``python test_dist_mpi.py NAME
-OUT``): results travel as JSON files, never through stdout.
+The same file is the mpiexec worker for the smaller checks (``python -m tests.mpi.test_mpi NAME
+OUT``, from the repository root): results travel as JSON files, never through stdout.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ import pytest
 
 pytestmark = pytest.mark.mpi
 
-_HERE = Path(__file__).resolve()
+REPO_ROOT = Path(__file__).resolve().parents[2]
+_WORKER = ["-m", "tests.mpi.test_mpi"]  # this file as a module, run from REPO_ROOT
 _TCP = ("--mca", "btl", "self,tcp", "--mca", "osc", "sm,rdma")
 _QUIET = ("--mca", "osc", "^ucx")  # the wheel's osc/ucx prints an error when it has no device
 
@@ -50,7 +51,8 @@ def _skip_reason() -> str | None:
 
 def mpirun(num_ranks: int, argv: list[str], *, mca: tuple[str, ...] = _QUIET,
            env: dict[str, str] | None = None, timeout_s: float = 180.0) -> None:
-    """Run ``python argv...`` on ``num_ranks`` ranks; fail with the output on a non-zero exit."""
+    """Run ``python argv...`` on ``num_ranks`` ranks from the repository root (so ``-m tests.*``
+    resolves); fail with the output on a non-zero exit."""
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
@@ -61,7 +63,7 @@ def mpirun(num_ranks: int, argv: list[str], *, mca: tuple[str, ...] = _QUIET,
     cmd = [str(_mpiexec()), "--oversubscribe", *mca, "-n", str(num_ranks), sys.executable, *argv]
     try:
         proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True,
-                              timeout=timeout_s, check=False)
+                              timeout=timeout_s, check=False, cwd=REPO_ROOT)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"mpiexec timed out after {timeout_s} s: {' '.join(cmd)}\n{exc.stdout!r}\n"
                     f"{exc.stderr!r}")
@@ -204,7 +206,7 @@ def _worker_main(name: str, out: str) -> None:
 def _run_worker(tmp_path: Path, name: str, num_ranks: int, mca: tuple[str, ...],
                 env: dict[str, str]) -> list[Any]:
     out = tmp_path / f"{name}.json"
-    mpirun(num_ranks, [str(_HERE), name, str(out)], mca=mca, env=env, timeout_s=120)
+    mpirun(num_ranks, [*_WORKER, name, str(out)], mca=mca, env=env, timeout_s=120)
     result: list[Any] = json.loads(out.read_text())
     return result
 
@@ -237,7 +239,7 @@ def test_sp_is_refused_across_hosts_naming_sync(tmp_path: Path) -> None:
 
 
 def test_sigstopped_rank_gives_timeout_at_the_deadline_over_tcp_rma(tmp_path: Path) -> None:
-    """Finding 5 of issue 12: with one rank stopped, survivors raise at ``timeout_s`` (not
+    """With one rank stopped, survivors raise at ``timeout_s`` (not
     after the stop, from inside ``MPI_Win_flush``) in a flushing ASP and BSP mode; after SIGCONT
     the stopped rank fails the call too and the group builds a working Buffer."""
     import signal
@@ -250,10 +252,10 @@ def test_sigstopped_rank_gives_timeout_at_the_deadline_over_tcp_rma(tmp_path: Pa
     env = dict(os.environ) | {"UBEP_DIST_FORCE_RMA": "1", "OMP_NUM_THREADS": "1"}
     if os.geteuid() == 0:
         env |= {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-    cmd = [str(_mpiexec()), "--oversubscribe", *_TCP, "-n", "3", sys.executable, str(_HERE),
+    cmd = [str(_mpiexec()), "--oversubscribe", *_TCP, "-n", "3", sys.executable, *_WORKER,
            "_worker_sigstop", str(out)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True, cwd=REPO_ROOT)
     try:
         for i in range(2):
             deadline = time.monotonic() + 60

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -205,15 +206,12 @@ def test_no_segment_survives_a_launch() -> None:
     assert not [n for n in names[0] if os.path.exists(os.path.join(SHM_DIR, n))]
 
 
-# --- nothing outlives a SIGKILL (issue 12, finding 8) ----------------------------------------
+# --- nothing outlives a SIGKILL --------------------------------------------------------------
 
-_LAUNCHER = """
-import sys
-sys.path.insert(0, {tests!r})
-import ubep
-from test_runtime_launch import _worker_linger
-ubep.launch(_worker_linger, 2, timeout_s=300)
-"""
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# The launching parent is this module run as ``python -m tests.runtime.test_runtime_launch``
+# from the repository root; its ranks import _worker_linger from the package, not __main__.
+_LAUNCHER = ["-m", "tests.runtime.test_runtime_launch"]
 
 
 def _worker_linger(group: Any) -> None:
@@ -275,9 +273,8 @@ def test_nothing_survives_sigkill_of_the_launcher_or_the_whole_job(tmp_path: Any
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     env = dict(os.environ, TMPDIR=str(tmp))
-    code = _LAUNCHER.format(tests=os.path.dirname(os.path.abspath(__file__)))
-    parent = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    parent = subprocess.Popen([sys.executable, *_LAUNCHER], env=env, start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO_ROOT)
     try:
         _wait_for(lambda: any(tmp.glob("ubep-rdv-*")), 60, "the rendezvous directory")
         rdv = next(tmp.glob("ubep-rdv-*"))
@@ -300,3 +297,13 @@ def test_nothing_survives_sigkill_of_the_launcher_or_the_whole_job(tmp_path: Any
     assert names, "the job had created no segment: the test did not exercise the window"
     assert not [n for n in names if os.path.exists(os.path.join(SHM_DIR, n))]
     assert not list(tmp.iterdir())
+
+
+def _launch_lingering_job() -> None:
+    from tests.runtime.test_runtime_launch import _worker_linger as linger
+
+    launch(linger, 2, timeout_s=300)
+
+
+if __name__ == "__main__":
+    _launch_lingering_job()

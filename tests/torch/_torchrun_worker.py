@@ -1,6 +1,9 @@
-"""The per-rank program of tests/test_torchrun.py, started by a real ``torchrun``.
+"""The per-rank program of tests/torch/test_torchrun.py, started by a real ``torchrun``.
 
-    torchrun --standalone --nproc-per-node N tests/_torchrun_worker.py SCENARIO[,...] OUT_DIR [ARGS]
+    torchrun --standalone --nproc-per-node N -m tests.torch._torchrun_worker \
+        SCENARIO[,...] OUT_DIR [ARGS]
+
+(from the repository root, so ``tests`` and ``examples`` import as packages).
 
 Each rank initialises torch.distributed (gloo, torchrun's env:// rendezvous), runs the scenarios
 in order and
@@ -32,9 +35,9 @@ import sys
 from typing import Any
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
+import torch
 import ubep
 from ubep import testing
 
@@ -66,7 +69,7 @@ def expert_outputs(case: int, recv_x: np.ndarray, seed: int) -> np.ndarray:
 
 
 def hf_prompt(rank: int) -> torch.Tensor:
-    from _hf_configs import VOCAB
+    from tests.torch._hf_configs import VOCAB
 
     return torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(rank))
 
@@ -74,7 +77,7 @@ def hf_prompt(rank: int) -> torch.Tensor:
 def hf_model(impl: str) -> Any:
     import transformers
 
-    from _hf_configs import tiny_qwen3_moe
+    from tests.torch._hf_configs import tiny_qwen3_moe
 
     torch.manual_seed(0)
     cfg = tiny_qwen3_moe(HF_EXPERTS, HF_TOP_K, norm_topk_prob=True)
@@ -123,8 +126,7 @@ def run_subgroups(out: str) -> None:
 
 def run_example(out: str) -> None:
     """examples/torchrun_dispatch.py's check, on this job's world group."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-    import torchrun_dispatch
+    from examples import torchrun_dispatch
 
     ok = torchrun_dispatch.run(dist.group.WORLD)
     with open(os.path.join(out, f"example.{dist.get_rank()}.json"), "w") as f:

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.torch
 transformers = pytest.importorskip("transformers")
 
 import ubep.torch.hf as hf  # noqa: E402
-from _hf_configs import VOCAB, tiny_llama4, tiny_mixtral, tiny_qwen3_moe  # noqa: E402
+from tests.torch._hf_configs import VOCAB, tiny_llama4, tiny_mixtral, tiny_qwen3_moe  # noqa: E402
 from ubep.errors import InvalidArgumentError, TimeoutError  # noqa: E402
 from ubep.torch import LocalWorld, run_threads  # noqa: E402
 

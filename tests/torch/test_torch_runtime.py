@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.torch
 transformers = pytest.importorskip("transformers")
 
-from _hf_configs import VOCAB, tiny_mixtral, tiny_qwen3_moe  # noqa: E402
+from tests.torch._hf_configs import VOCAB, tiny_mixtral, tiny_qwen3_moe  # noqa: E402
 from ubep.modes import LAYOUTS  # noqa: E402
 from ubep.runtime import launch  # noqa: E402
 from ubep.torch import MoELayer  # noqa: E402

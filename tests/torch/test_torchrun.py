@@ -1,6 +1,7 @@
 """ubep under a real ``torchrun`` (``python -m torch.distributed.run --standalone``: a free port).
 
-Two jobs run tests/_torchrun_worker.py (4 ranks; 2 ranks, which also runs the example's check),
+Two jobs run tests/torch/_torchrun_worker.py as a module (4 ranks; 2 ranks, which also runs the
+example's check),
 and the tests compare what the ranks saved with single-process oracles: ``ubep.reference`` bit
 for bit, the eager Hugging Face model for generate(). A job costs seconds (process start-up and
 ``import torch``), so each one covers several checks.
@@ -22,23 +23,23 @@ import pytest
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.torch
 
-import _torchrun_worker as worker  # noqa: E402
+from tests.torch import _torchrun_worker as worker  # noqa: E402
 from ubep import reference  # noqa: E402
 from ubep.testing import FIELDS, bits  # noqa: E402
 
-TESTS = Path(__file__).resolve().parent
-WORKER = TESTS / "_torchrun_worker.py"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+WORKER = "tests.torch._torchrun_worker"  # run with ``-m`` from REPO_ROOT
 JOB_TIMEOUT_S = 180.0
 
 
-def _torchrun(nproc: int, script: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    """Run ``torchrun --standalone --nproc-per-node nproc script args`` to completion."""
+def _torchrun(nproc: int, module: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``torchrun --standalone --nproc-per-node nproc -m module args`` to completion."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", str(script), *args]
+           f"--nproc-per-node={nproc}", "-m", module, *args]
     # One BLAS/OpenMP thread per rank: ranks outnumber cores, and nothing here may depend on it.
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, start_new_session=True)
+                            env=env, start_new_session=True, cwd=REPO_ROOT)
     try:
         out, err = proc.communicate(timeout=JOB_TIMEOUT_S)
     except subprocess.TimeoutExpired:

@@ -33,7 +33,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from support import (
     BF16_TOL,
@@ -54,6 +53,7 @@ from support import (
     spawn,
 )
 
+import torch
 from ubep import deep_ep  # a DeepEP program has `import deep_ep` here
 
 SEED = 23

@@ -32,7 +32,6 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from support import (
     BF16_TOL,
@@ -50,6 +49,7 @@ from support import (
     spawn,
 )
 
+import torch
 from ubep import deep_ep  # a DeepEP program has `import deep_ep` here
 
 SEED = 11

@@ -1,0 +1,1 @@
+"""Runnable examples; tests import them as ``examples.<name>`` from the repository root."""
