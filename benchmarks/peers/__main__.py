@@ -1,7 +1,7 @@
-"""``python -m benchmarks.peers`` (benchmarks/peers/run.py)."""
+"""``python -m benchmarks.peers`` (benchmarks/peers/cli.py)."""
 
 import sys
 
-from benchmarks.peers.run import main
+from benchmarks.peers.cli import main
 
 sys.exit(main())

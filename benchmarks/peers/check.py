@@ -7,7 +7,8 @@ the venv has (torch and numpy), and FP8 rows (values + scales, quantised by the 
 the ``torch+q`` variant itself in torch ops: both must equal ``ubep.quant.quantize`` of the
 reference's received BF16 rows). Every rank's dispatch fields and combine output must equal the
 reference's bit for bit; a variant that differs is not timed (the run reports why), since its
-time would be that of other work. tests/test_peers.py runs the same comparison at 4 ranks.
+time would be that of other work. tests/benchmarks/test_peers.py runs the same comparison at 4
+ranks.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from benchmarks.peers import workload
+from benchmarks.peers import launch, workload
 from benchmarks.peers.driver import case_variants
 
 from ubep import quant, reference
@@ -126,13 +127,11 @@ def check_peer(system: str, num_ranks: int, scratch: Path) -> list[str]:
 
     Raises PeerCheckError naming the first variant, case and rank that differ.
     """
-    from benchmarks.peers import run
-
     workdir = Path(tempfile.mkdtemp(prefix=f"check-{system}{num_ranks}-", dir=scratch))
     inputs = check_inputs(num_ranks)
-    settings = run.Settings(warmup=0, repeats=1, timeout_s=CHECK_TIMEOUT_S)
-    cases = run.write_workdir(workdir, inputs, settings, check=True)
-    info = run.run_peer(system, num_ranks, workdir, CHECK_TIMEOUT_S)
+    settings = launch.Settings(warmup=0, repeats=1, timeout_s=CHECK_TIMEOUT_S)
+    cases = launch.write_workdir(workdir, inputs, settings, check=True)
+    info = launch.run_peer(system, num_ranks, workdir, CHECK_TIMEOUT_S)
     venv_variants = tuple(str(v) for v in info["variants"])
     variants: list[str] = []
     for case in cases:

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from benchmarks.harness import Stats
 from benchmarks.peers import check, workload
-from benchmarks.peers import run as peers
+from benchmarks.peers import report as peers
 from benchmarks.peers.env import PeerEnvError, ensure_env
 from benchmarks.peers.kernels import decode_fields, make_peer
 

@@ -1,4 +1,4 @@
-"""The quick soak (benchmarks/soak.py --quick): 500 random calls on 2, 3 and 4 ranks, each
+"""The quick soak (python -m benchmarks.soak --quick): 500 random calls on 2, 3 and 4 ranks, each
 checked bit for bit against ubep.reference; plus checks that the random plan covers what it
 claims (every engine, sync, layout, dtype, routing kind, zero-copy, empty ranks). And a short
 fault soak (--faults): random faults between and during checked calls, zero wrong answers."""
@@ -6,15 +6,15 @@ fault soak (--faults): random faults between and during checked calls, zero wron
 from __future__ import annotations
 
 import numpy as np
-from benchmarks.soak import (
+from benchmarks.soak.calls import run_soak
+from benchmarks.soak.faults import (
     FAULT_KINDS,
     FaultSettings,
     check_contracts,
     draw_fault,
-    make_blocks,
     run_fault_soak,
-    run_soak,
 )
+from benchmarks.soak.plan import make_blocks
 
 from ubep.testing import same_bits as _same
 

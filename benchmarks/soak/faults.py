@@ -1,243 +1,47 @@
-"""Soak: thousands of dispatch/combine calls with random shapes, skews and modes, every one
-checked bit for bit against ``ubep.reference``.
+"""The fault soak (``python -m benchmarks.soak --faults``).
 
-    python -m benchmarks.soak                      # 10,000 iterations (2, 3 and 4 ranks)
-    python -m benchmarks.soak --quick              # 500 iterations, < 60 s on 2 cores
-    python -m benchmarks.soak --iterations 2000 --seed 7 --ranks 2,3
-
-The run is a list of *blocks*, all drawn from ``--seed``: one Buffer per block (engine x sync x
-layout x dtype, hidden, top-k, experts, max tokens per rank, cores per rank, zero-copy
-combine or not), then a series of calls on it, each with its own tokens per rank (0 to the
-maximum, sometimes 0 on a rank), routing (uniform with masked slots, Zipf, hot experts, every
-token to one expert) and payload seed. Consecutive calls on one Buffer are the point: reused
-receive regions, epochs, parity slots and SP resets are what a long run exercises.
-
-Every rank rebuilds all ranks' inputs from the seed, runs the call and compares its own result
-with the reference (every dispatch field and the combined output, bit for bit: a NaN result is
-the canonical quiet NaN on both sides, ``ubep.dtypes.CANONICAL_NAN``); a progress bar runs on
-rank 0. The exit status is 0 only if every call matched. ``--json`` writes the findings.
+Every rank runs dispatch + combine pairs on a Buffer with a short deadline and, drawn from a
+seed shared by all ranks and indexed by the call epoch (``buf._epoch + 1``, equal on every rank
+for the same collective call, even after resyncs), injects a fault into some of them. Inputs
+are drawn from the same key, so every rank can compute the reference of exactly the call the
+ranks made together. A rank whose call failed with anything but a clean rejection is out of
+step: it stops calling and meets the others in an exchange of "lost / pairs done" flags (a
+peer still calling fails its next call, since this rank no longer takes part), after which
+every rank resyncs. The exchange is also how a block ends: every rank there, none lost.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import os
 import signal
-import sys
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from benchmarks.soak.plan import (
+    Block,
+    Call,
+    call_inputs,
+    dispatch_diffs,
+    draw_call,
+    expert_outputs,
+    make_blocks,
+    progress_bar,
+)
 
-from ubep import modes, reference, routing
-from ubep.buffer import Buffer, BufferConfig
+from ubep import reference
+from ubep.buffer import Buffer
 from ubep.errors import RemoteError, UbepError
 from ubep.runtime import launch
-from ubep.testing import FIELDS, any_bits_payload, same_bits
+from ubep.testing import same_bits
 
-__all__ = ["FAULT_KINDS", "Block", "Call", "Fault", "FaultSettings", "check_contracts",
-           "draw_fault", "format_fault_summary", "make_blocks", "run_fault_soak", "run_soak"]
+__all__ = ["FAULT_KINDS", "Fault", "FaultSettings", "check_contracts", "draw_fault",
+           "format_fault_summary", "run_fault_soak"]
 
-
-
-@dataclass(frozen=True)
-class Call:
-    tokens: tuple[int, ...]  # per rank
-    routing: str  # uniform / zipf / hot / one
-    seed: int
-
-
-@dataclass(frozen=True)
-class Block:
-    engine: str
-    sync: str
-    layout: str
-    dtype: str
-    hidden: int
-    num_topk: int
-    num_experts: int
-    max_tokens: int
-    num_cores: int
-    zero_copy: bool
-    calls: tuple[Call, ...] = field(default=())
-
-    def config(self, timeout_s: float = 60.0) -> BufferConfig:
-        return BufferConfig(
-            max_tokens_per_rank=self.max_tokens, hidden=self.hidden, num_topk=self.num_topk,
-            num_experts=self.num_experts, dtype=self.dtype, layout=self.layout,
-            engine=self.engine, sync=self.sync, num_cores=self.num_cores, timeout_s=timeout_s,
-        )
-
-    def mode(self) -> str:
-        return f"{self.engine}:{self.sync}:{self.layout}:{self.dtype}"
-
-
-def make_blocks(num_ranks: int, iterations: int, seed: int, calls_per_block: int = 12) -> list[
-        Block]:
-    """Random blocks totalling ``iterations`` calls (deterministic in ``seed``)."""
-    rng = np.random.default_rng([seed, num_ranks])
-    blocks: list[Block] = []
-    left = iterations
-    while left > 0:
-        sync = str(rng.choice(list(modes.SYNCS)))
-        dtypes = list(modes.dtypes_for(sync))
-        local = int(rng.choice([1, 2, 4]))
-        num_experts = local * num_ranks
-        num_topk = int(rng.integers(1, min(8, num_experts) + 1))
-        max_tokens = int(rng.choice([1, 4, 16, 33, 64]))
-        n = int(min(left, calls_per_block))
-        calls = [_draw_call(rng, num_ranks, max_tokens) for _ in range(n)]
-        blocks.append(Block(
-            engine=str(rng.choice(list(modes.ENGINES))),
-            sync=sync,
-            layout=str(rng.choice(list(modes.LAYOUTS))),
-            dtype=str(rng.choice(dtypes)),
-            hidden=int(rng.choice([8, 56, 256, 520, 2048])),
-            num_topk=num_topk,
-            num_experts=num_experts,
-            max_tokens=max_tokens,
-            num_cores=int(rng.choice([1, 2, 3])),
-            zero_copy=bool(rng.random() < 0.3),
-            calls=tuple(calls),
-        ))
-        left -= n
-    return blocks
-
-
-def _draw_call(rng: np.random.Generator, num_ranks: int, max_tokens: int) -> Call:
-    """One call's tokens per rank, routing kind and payload seed."""
-    tokens = rng.integers(0, max_tokens + 1, size=num_ranks)
-    if rng.random() < 0.15:
-        tokens[rng.integers(num_ranks)] = 0
-    if rng.random() < 0.2:
-        tokens[:] = max_tokens
-    kind = str(rng.choice(["uniform", "zipf", "hot", "one"], p=[0.4, 0.25, 0.25, 0.1]))
-    return Call(tuple(int(t) for t in tokens), kind, int(rng.integers(1 << 30)))
-
-
-def _routing(call: Call, rank: int, tokens: int, num_experts: int, num_topk: int) -> np.ndarray:
-    seed = call.seed * 1000 + rank
-    if call.routing == "zipf":
-        return routing.zipf_topk(tokens, num_experts, num_topk, alpha=1.2, seed=seed,
-                                 mask_prob=0.05)
-    if call.routing == "hot" and num_experts > 1:
-        hot = max(1, min(num_experts - 1, 2))
-        return routing.hot_experts_topk(tokens, num_experts, num_topk, hot_experts=hot,
-                                        hot_share=0.7, seed=seed, mask_prob=0.05)
-    if call.routing == "one":
-        idx = np.full((tokens, num_topk), -1, np.int64)
-        idx[:, 0] = call.seed % num_experts
-        return idx
-    return routing.uniform_topk(tokens, num_experts, num_topk, seed=seed, mask_prob=0.1)
-
-
-def _inputs(block: Block, call: Call) -> tuple[list[np.ndarray], list[np.ndarray],
-                                               list[np.ndarray]]:
-    xs, idxs, ws = [], [], []
-    for r, t in enumerate(call.tokens):
-        rng = np.random.default_rng([call.seed, r])
-        xs.append(any_bits_payload(rng, block.dtype, t, block.hidden))
-        idxs.append(_routing(call, r, t, block.num_experts, block.num_topk))
-        ws.append((rng.standard_normal((t, block.num_topk)) * 2).astype(np.float32))
-    return xs, idxs, ws
-
-
-def _outputs(block: Block, refs: list[Any], seed: int) -> list[np.ndarray]:
-    """Expert outputs: recv_x itself (float payloads; NaN/Inf included) or seeded bf16."""
-    if block.dtype in modes.FLOAT_DTYPE_NAMES:
-        return [np.ascontiguousarray(ref.recv_x) for ref in refs]
-    outs = []
-    for q, ref in enumerate(refs):
-        rng = np.random.default_rng([seed, q, 7])
-        outs.append(any_bits_payload(rng, "bf16", ref.recv_x.shape[0], block.hidden))
-    return outs
-
-
-def _dispatch_diffs(res: Any, ref: Any) -> list[str]:
-    """The dispatch fields of ``res`` that differ from the reference's, bit for bit."""
-    return [f for f in FIELDS if not same_bits(getattr(res, f), getattr(ref, f))]
-
-
-def _progress_bar(group: Any, total: int, desc: str) -> Any:
-    """A tqdm bar on rank 0 (None elsewhere or without tqdm)."""
-    if group.rank != 0:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    # a thread lock: tqdm's default multiprocessing lock leaks a semaphore per rank
-    tqdm.set_lock(threading.RLock())
-    return tqdm(total=total, unit="call", desc=f"{desc} {group.num_ranks} ranks",
-                file=sys.stderr, mininterval=0.5)
-
-
-def _worker(group: Any, blocks: list[Block], progress: bool) -> dict[str, Any]:
-    r = group.rank
-    bar = _progress_bar(group, sum(len(b.calls) for b in blocks), "soak") if progress else None
-    errors: list[str] = []
-    calls = 0
-    for bi, block in enumerate(blocks):
-        with Buffer(group, block.config()) as buf:
-            for ci, call in enumerate(block.calls):
-                where = f"block {bi} ({block.mode()} hidden {block.hidden}) call {ci}"
-                xs, idxs, ws = _inputs(block, call)
-                res = buf.dispatch(xs[r], idxs[r], ws[r])
-                refs = reference.dispatch(xs, idxs, ws, block.num_experts, layout=block.layout)
-                np.seterr(over="ignore", invalid="ignore")  # NaN/Inf payloads are valid data
-                for f in _dispatch_diffs(res, refs[r]):
-                    errors.append(f"{where}: dispatch {f} differs")
-                outs = _outputs(block, refs, call.seed)
-                if block.zero_copy:
-                    eo = buf.get_combine_buffer(res.handle)
-                    eo[...] = outs[r]
-                else:
-                    eo = outs[r]
-                y = buf.combine(eo, res.handle)
-                if not same_bits(y, reference.combine(outs, refs)[r]):
-                    errors.append(f"{where}: combine differs")
-                calls += 1
-                if bar is not None:
-                    bar.update(1)
-    if bar is not None:
-        bar.close()
-    return {"rank": r, "calls": calls, "errors": errors[:50], "num_errors": len(errors)}
-
-
-def run_soak(iterations: int, ranks: list[int], seed: int, *, progress: bool = True,
-             timeout_s: float = 3600.0) -> dict[str, Any]:
-    """Run the soak; return ``{"ranks": {R: [per-rank findings]}, "seconds", "ok"}``."""
-    share = [iterations // len(ranks) + (i < iterations % len(ranks)) for i in range(len(ranks))]
-    out: dict[str, Any] = {"ranks": {}, "blocks": {}, "seconds": {}}
-    for num_ranks, n in zip(ranks, share, strict=True):
-        if not n:
-            continue
-        blocks = make_blocks(num_ranks, n, seed)
-        t0 = time.monotonic()
-        found = launch(_worker, num_ranks, blocks, progress, timeout_s=timeout_s)
-        out["seconds"][num_ranks] = time.monotonic() - t0
-        out["ranks"][num_ranks] = found
-        out["blocks"][num_ranks] = len(blocks)
-    out["ok"] = all(f["num_errors"] == 0 for v in out["ranks"].values() for f in v)
-    out["calls"] = sum(f["calls"] for v in out["ranks"].values() for f in v[:1])
-    return out
-
-
-# --- fault soak (--faults) -------------------------------------------------------------------
-#
-# Every rank runs dispatch + combine pairs on a Buffer with a short deadline and, drawn from a
-# seed shared by all ranks and indexed by the call epoch (``buf._epoch + 1``, equal on every rank
-# for the same collective call, even after resyncs), injects a fault into some of them. Inputs
-# are drawn from the same key, so every rank can compute the reference of exactly the call the
-# ranks made together. A rank whose call failed with anything but a clean rejection is out of
-# step: it stops calling and meets the others in an exchange of "lost / pairs done" flags (a
-# peer still calling fails its next call, since this rank no longer takes part), after which
-# every rank resyncs. The exchange is also how a block ends: every rank there, none lost.
 
 FAULT_KINDS = ("sigstop", "thread", "stale_handle", "bad_input", "garbage", "mismatch")
 _BAD_DISPATCH = ("x_shape", "x_dtype", "expert_range", "expert_negative", "expert_uint64",
@@ -311,7 +115,7 @@ def draw_fault(settings: FaultSettings, num_ranks: int, block_index: int,
 
 def _epoch_call(seed: int, num_ranks: int, block_index: int, epoch: int, block: Block) -> Call:
     """The inputs of the pair that starts at call ``epoch`` (the same on every rank)."""
-    return _draw_call(np.random.default_rng([seed, num_ranks, block_index, epoch]), num_ranks,
+    return draw_call(np.random.default_rng([seed, num_ranks, block_index, epoch]), num_ranks,
                       block.max_tokens)
 
 
@@ -420,9 +224,9 @@ class _FaultRank:
         r, epoch = self.rank, buf._epoch + 1
         fault = draw_fault(self.settings, self.num_ranks, bi, epoch)
         call = _epoch_call(self.settings.seed, self.num_ranks, bi, epoch, block)
-        xs, idxs, ws = _inputs(block, call)
+        xs, idxs, ws = call_inputs(block, call)
         refs = reference.dispatch(xs, idxs, ws, block.num_experts, layout=block.layout)
-        outs = _outputs(block, refs, call.seed)
+        outs = expert_outputs(block, refs, call.seed)
         entry: dict[str, Any] = {"block": bi, "epoch": epoch, "gen": buf._generation,
                                  "kind": fault.kind if fault else "none", "d": "-", "c": "-",
                                  "inj": False}
@@ -458,7 +262,7 @@ class _FaultRank:
             self.wrong.append(where | {"what": "a bad or mismatched dispatch returned data"})
             return True
         self.calls_checked += 1
-        diffs = _dispatch_diffs(res, refs[r])
+        diffs = dispatch_diffs(res, refs[r])
         if diffs:
             self.wrong.append(where | {"what": f"dispatch fields differ: {diffs}"})
         self.prev = (res.handle, outs[r])
@@ -566,7 +370,7 @@ def _fault_worker(group: Any, blocks: list[Block], settings: FaultSettings,
                   progress: bool) -> dict[str, Any]:
     np.seterr(over="ignore", invalid="ignore")  # NaN/Inf payloads are valid data
     total = sum(len(b.calls) for b in blocks)
-    bar = _progress_bar(group, total, "fault soak") if progress else None
+    bar = progress_bar(group, total, "fault soak") if progress else None
     me = _FaultRank(group, settings, bar)
     try:
         for bi, block in enumerate(blocks):
@@ -756,63 +560,3 @@ def format_fault_summary(result: dict[str, Any]) -> str:
                  f"answers, {result['violations']} violations)")
     return "\n".join(lines)
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--iterations", type=int, default=None,
-                        help="calls (--faults: dispatch+combine pairs); default 10,000 (2,000)")
-    parser.add_argument("--quick", action="store_true", help="500 iterations (--faults: 200)")
-    parser.add_argument("--ranks", default=None,
-                        help="rank counts, comma-separated (default 2,3,4; --faults: 3,2)")
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--faults", action="store_true", help="inject faults (see above)")
-    parser.add_argument("--fault-rate", type=float, default=FaultSettings.rate)
-    parser.add_argument("--fault-timeout-s", type=float, default=FaultSettings.timeout_s,
-                        help="the Buffers' timeout_s in the fault soak")
-    parser.add_argument("--fault-kinds", default=",".join(FAULT_KINDS),
-                        help="the fault kinds to inject, comma-separated")
-    parser.add_argument("--json", default=None, help="write the findings here")
-    parser.add_argument("--no-progress", action="store_true")
-    args = parser.parse_args(argv)
-    if args.faults:
-        return _main_faults(args)
-    iterations = 500 if args.quick else args.iterations or 10_000
-    ranks = [int(v) for v in (args.ranks or "2,3,4").split(",")]
-    result = run_soak(iterations, ranks, args.seed, progress=not args.no_progress)
-    for num_ranks, found in result["ranks"].items():
-        bad = sum(f["num_errors"] for f in found)
-        print(f"{num_ranks} ranks: {found[0]['calls']} calls in {result['blocks'][num_ranks]} "
-              f"buffers, {result['seconds'][num_ranks]:.1f} s, mismatches: {bad}")
-        for f in found:
-            for e in f["errors"][:10]:
-                print(f"  rank {f['rank']}: {e}")
-    print("soak:", "PASS" if result["ok"] else "FAIL", f"({result['calls']} calls, seed "
-          f"{args.seed})")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result | {"settings": vars(args)}, fh, indent=1, default=str)
-    return 0 if result["ok"] else 1
-
-
-def _main_faults(args: argparse.Namespace) -> int:
-    iterations = 200 if args.quick else args.iterations or 2_000
-    ranks = [int(v) for v in (args.ranks or "3,2").split(",")]
-    kinds = tuple(args.fault_kinds.split(","))
-    unknown = set(kinds) - set(FAULT_KINDS)
-    if unknown:
-        parser_error = f"--fault-kinds: unknown {sorted(unknown)} (known: {FAULT_KINDS})"
-        print(parser_error, file=sys.stderr)
-        return 2
-    settings = FaultSettings(seed=args.seed, timeout_s=args.fault_timeout_s,
-                             rate=args.fault_rate, kinds=kinds)
-    result = run_fault_soak(iterations, ranks, settings, progress=not args.no_progress)
-    print(format_fault_summary(result))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result | {"argv": vars(args)}, fh, indent=1, default=str)
-    return 0 if result["ok"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
