@@ -1,5 +1,5 @@
 """Decode-sized calls, phase by phase: where a dispatch and a combine of a few tokens spend their
-time (issue 17), beside the floor of one flag round trip plus the copy.
+time, beside the floor of one flag round trip plus the copy.
 
 Per case (2 ranks, 1-16 tokens per rank, hidden 2048 / 7168 BF16, top-8 of 64 experts, both
 layouts, the default sync and SP), every call is split into:

@@ -349,7 +349,7 @@ def series_fits(result: dict[str, Any]) -> list[dict[str, Any]]:
                                       f["layout"] != "rank", order[f["op"]]))
 
 
-# Issue 17's targets: dispatch and combine within these multiples of the floor, 256 KB .. 64 MB
+# The targets: dispatch and combine within these multiples of the floor, 256 KB .. 64 MB
 TARGET_X_FLOOR = {2: 1.25, 4: 1.4}
 TARGET_MIN_BYTES = 250_000
 

@@ -4,7 +4,7 @@
     python -m benchmarks.bench_sync --out benchmarks/results   # full run (~1 min, 2 cores)
     python -m benchmarks.bench_sync --replot results/sync.json --out DIR   # re-draw
 
-Issue 17 asks for asp+sp within 1.1x of asp+sw at every size. bench_growth times each case in
+The target is asp+sp within 1.1x of asp+sw at every size. bench_growth times each case in
 blocks of calls, in a fixed order, so two modes' medians come from different seconds of a host
 whose speed drifts within seconds; their ratio moved 0.85-1.6x between runs. Here the modes of
 one case (bench_growth's sizes and routing: ``bench_growth.cases_for``) have a Buffer each and
@@ -188,7 +188,7 @@ def plot(result: dict[str, Any], path: str) -> None:
                     ax.plot(*zip(*pts, strict=True), styles[layout], marker="o", ms=3,
                             color=f"C{i}", label=f"asp+{mode} {layout}")
         ax.axhline(1.0, color="black", lw=1)
-        ax.axhline(1.1, color="red", lw=1, ls=":", label="1.1 (issue 17's SP target)")
+        ax.axhline(1.1, color="red", lw=1, ls=":", label="1.1 (the SP target)")
         ax.set(xscale="log", title=f"ASP dispatch / asp+sw, paired, {nr} ranks",
                xlabel="bytes per rank", ylabel="median paired ratio to asp+sw")
         ax.grid(True, which="both", alpha=0.3)

@@ -111,7 +111,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def _layouts(spec: str, quick: bool) -> tuple[str, ...]:
     if not spec:
-        return ("rank",) if quick else LAYOUTS  # the floors of issue 6 are rank-layout ones
+        return ("rank",) if quick else LAYOUTS  # the floors are rank-layout ones
     chosen = tuple(s.strip() for s in spec.split(",") if s.strip())
     if not chosen or any(c not in LAYOUTS for c in chosen):
         raise SystemExit(f"--layouts: {spec!r}; choose from {LAYOUTS}")

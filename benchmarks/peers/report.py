@@ -59,7 +59,7 @@ def is_mpi(system: str) -> bool:
 
 @dataclass(frozen=True)
 class Row:
-    """One measured (system, layout, shape, op); ``to_json`` gives the issue's JSON row."""
+    """One measured (system, layout, shape, op); ``to_json`` gives its JSON row."""
 
     system: str
     layout: str
@@ -160,7 +160,7 @@ ratio_vs_floor = median / memcpy median, memcpy = every rank's process copying i
 
 @dataclass(frozen=True)
 class Floor:
-    """One target of issue 6: ``system``'s median over ``versus``'s median must be <= ``limit``
+    """One floor: ``system``'s median over ``versus``'s median must be <= ``limit``
     (a NaN limit: reported for information only)."""
 
     name: str
@@ -173,11 +173,10 @@ class Floor:
 
 
 def floors_for(shapes: Sequence[Shape]) -> list[Floor]:
-    """The issue's floors that the measured shapes allow checking."""
+    """The floors that the measured shapes allow checking."""
     small2 = Shape(2, 128, 2048, "bf16", "uniform")
     small4 = Shape(4, 128, 2048, "bf16", "uniform")
-    # Issue 17 (the honest peers): against the fastest MPI variant, torch or numpy local work.
-    # The gloo limits are issue 6's, now against gloo's fastest variant too.
+    # Against the fastest MPI variant (torch or numpy local work), and gloo's fastest variant.
     out = [
         Floor("dispatch vs best MPI", "ubep-asp-sp", "best_mpi", small2, "rank", "dispatch", 0.6),
         Floor("dispatch vs gloo", "ubep-asp-sp", "gloo", small2, "rank", "dispatch", 0.12),
@@ -234,9 +233,9 @@ def floor_report(rows: Sequence[Row], shapes: Sequence[Shape]) -> str:
         lines.append([f.name, f.system, f.versus, f.shape.label, f.layout, f.op, ratio,
                       f.limit, verdict])
     if not lines:
-        return "floors: none of the issue's floor shapes was measured"
+        return "floors: none of the floor shapes was measured"
     cols = ["floor", "system", "versus", "shape", "layout", "op", "ratio", "limit", "verdict"]
-    return ("floors of issues 6 and 17 (medians; best_mpi / gloo = the fastest variant):\n"
+    return ("floors (medians; best_mpi / gloo = the fastest variant):\n"
             + format_table(cols, lines, float_digits=3))
 
 

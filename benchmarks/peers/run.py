@@ -141,7 +141,7 @@ def _run_ubep_with_retry(
     """``run_ubep_cases``, retried when a peer's segment vanished during Buffer setup.
 
     That happens when something else on the machine unlinks ``/dev/shm/ubep-*`` names between
-    their creation and the peers' open (a concurrent test session's leak check does); it says
+    their creation and the peers' open (a concurrent test run's leak check does); it says
     nothing about ubep's speed, so the launch is repeated instead of dropping every ubep row.
     """
     from benchmarks.peers.ubep_runner import run_ubep_cases
