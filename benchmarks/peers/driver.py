@@ -2,9 +2,10 @@
 
 Runs inside a peer venv (numpy, and torch where it imports; see kernels.py and
 torch_kernels.py). Every case runs once per local-work variant: ``torch`` (torch ops, what an MoE
-user writes) when torch imports, then ``numpy`` (kernels.py). The parent (benchmarks/peers/run.py or
-tests/test_peers.py) writes ``plan.json`` and one ``<input>.r<rank>.npz`` per rank into a work
-directory; every rank of the worker reads the plan, runs each case and writes back:
+user writes) when torch imports, then ``numpy`` (kernels.py). The parent
+(benchmarks/peers/launch.py or tests/benchmarks/test_peers.py) writes ``plan.json`` and one
+``<input>.r<rank>.npz`` per rank into a work directory; every rank of the worker reads the plan,
+runs each case and writes back:
 
 * ``<case>.times.npz`` (rank 0): per variant ``V``, ``V.dispatch_ns`` and ``V.combine_ns`` (none
   for ``torch+q``: its combine is ``torch``'s), one

@@ -1,4 +1,4 @@
-"""torch.distributed (gloo) peer worker: one process per rank, started by benchmarks/peers/run.py.
+"""torch.distributed (gloo) peer worker: one process per rank, started by peers/launch.py.
 
 ``python -m benchmarks.peers.gloo_worker WORKDIR RANK WORLD_SIZE STORE_FILE`` in the gloo venv
 (torch 2.13.0 CPU + numpy). Rendezvous through a FileStore (no TCP port to pick or collide on);

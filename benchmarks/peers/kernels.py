@@ -7,7 +7,7 @@ the way a careful user would: buffers allocated once at their worst-case size an
 (a fresh ``np.empty`` per call would page-fault at ~1.7 GB/s on this host and make the peers look
 worse than they are), one ``np.take`` per pack, one exchange per tensor.
 
-The results are those of ``ubep.reference`` bit for bit (tests/test_peers.py checks it):
+The results are those of ``ubep.reference`` bit for bit (tests/benchmarks/test_peers.py checks it):
 
 * ``layout="expert"``: one row per valid ``(token, k)``. Sender: counts per expert (one
   ``Alltoall`` of ``[num_ranks, num_local_experts]``), pack rows in (expert, token) order, payload

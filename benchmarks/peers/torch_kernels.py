@@ -1,7 +1,7 @@
 """The peers' local work in torch ops: what an MoE user writes around an all-to-all.
 
 The same dispatch/combine as benchmarks/peers/kernels.py (same exchanges, same row orders, same
-results: ``ubep.reference`` bit for bit, tests/test_peers_torch.py), with pack, reorder and
+results: ``ubep.reference`` bit for bit, tests/benchmarks/test_peers.py), with pack, reorder and
 reduce done the way a torch MoE layer does them: ``index_select`` to pack, reorder and undo the
 reorder, and the weighted reduce as the rows widened to float32
 (``copy_``) times their weights (``mul_``, product rounded to float32), one ``index_add_`` into a

@@ -1,6 +1,6 @@
 """The peers benchmark's workload: shapes, the seeded inputs every system gets (the same
 tensors), and the bytes a rank sends (the table's byte formula). Imported by the parent
-(benchmarks/peers/run.py), by ubep's ranks (ubep_runner.py) and by benchmarks/bench_dist.py."""
+(benchmarks/peers/launch.py), by ubep's ranks (ubep_runner.py) and by benchmarks/bench_dist.py."""
 
 from __future__ import annotations
 
