@@ -42,8 +42,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from benchmarks.harness import concurrent_copy, format_table, save_results
 
+from benchmarks.harness import concurrent_copy, format_table, save_results
 from ubep import testing
 from ubep.buffer import Buffer, BufferConfig
 from ubep.runtime import launch

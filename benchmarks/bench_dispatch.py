@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+
 from benchmarks.harness import (
     DISPATCH_PHASES,
     Stats,

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from benchmarks.harness import Stats, format_table, time_collective
 
 __all__ = ["Case", "main"]
@@ -90,7 +91,6 @@ def _timed(barrier: Callable[[], object], fn: Callable[[], object], warmup: int,
 def ubep_rank(group: Any, cases: list[Case], warmup: int, repeats: int) -> list[dict[str, Any]]:
     """Per (case, engine x sync): this rank's per-iteration microseconds and rows sent."""
     from benchmarks.peers.workload import NUM_EXPERTS, NUM_TOPK
-
     from ubep.buffer import Buffer, BufferConfig
 
     r = group.rank

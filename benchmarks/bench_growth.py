@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+
 from benchmarks.harness import (
     COMBINE_PHASES,
     DISPATCH_PHASES,

@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from benchmarks.harness import format_table, int_list
-from benchmarks.host_micro import Micro, build
 
 from benchmarks import bench_dispatch as bd
+from benchmarks.harness import format_table, int_list
+from benchmarks.host_micro import Micro, build
 from ubep.sim.host import HostCase, combine_row_map, combine_terms, kernel_passes, predict_host
 
 # The fixed-cost microbenchmark: the same call with 64-element rows. It has the case's

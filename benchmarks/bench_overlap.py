@@ -29,7 +29,7 @@ Schedules (one step = every layer for both micro-batches; every rank runs the sa
   yB = cB.hook()``. Never more than two calls are in flight on the Buffer;
 * ``overlap_x``: the same, with each combine hook moved to just before that micro-batch's next
   attention (after the last layer: at the end), so B's combine is in flight during the next
-  layer's ``attn(A)``: the order ``ubep decode --overlap`` runs in;
+  layer's ``attn(A)``: the order ``python -m benchmarks.torch_decode --overlap`` runs in;
 * ``compute``: the serial step without dispatch/combine (experts read the rows and residuals
   the ``y`` the serial step received, recorded once);
 * ``comm``: only the serial step's dispatch/combine calls, on its recorded inputs.
@@ -67,6 +67,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+
 from benchmarks.harness import (
     Stats,
     format_table,
@@ -283,7 +284,7 @@ class _Step:
     def overlap_x(self) -> list[np.ndarray]:
         """:meth:`overlap` with each combine hook moved to just before that micro-batch's next
         attention: B's combine stays in flight during the next layer's ``attn(A)`` (what
-        ``ubep decode --overlap`` does)."""
+        ``python -m benchmarks.torch_decode --overlap`` does)."""
         buf, (ra, rb) = self.buf, self.reps
         h_a, h_b = self.h0
         c_a = c_b = None  # combine calls in flight, with the h_attn they add to

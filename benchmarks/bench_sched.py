@@ -25,8 +25,8 @@ from dataclasses import asdict, dataclass
 from functools import partial
 
 import numpy as np
-from benchmarks.harness import Stats, format_table, time_repeats
 
+from benchmarks.harness import Stats, format_table, time_repeats
 from ubep.routing import hot_experts_topk, uniform_topk, zipf_topk
 from ubep.sched import POLICIES, objective_ns, optimal, schedule
 from ubep.sim.calib import load_fabric

@@ -11,7 +11,6 @@ import argparse
 import time
 
 from benchmarks.harness import print_table, time_repeats
-
 from ubep.sched.combine import combine_plans
 from ubep.sim.analytic import run_analytic
 from ubep.sim.calib import load_fabric, topology_for

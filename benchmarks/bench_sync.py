@@ -42,6 +42,8 @@ from dataclasses import asdict
 from typing import Any
 
 import numpy as np
+
+from benchmarks import bench_growth as growth
 from benchmarks.harness import (
     Stats,
     collective_spans,
@@ -53,8 +55,6 @@ from benchmarks.harness import (
     save_figure,
     save_results,
 )
-
-from benchmarks import bench_growth as growth
 
 MODES = ("sw", "sp", "tff", "dc")
 FULL_SIZES = tuple(16384 << (2 * i) for i in range(6))  # 16 KB .. 16 MB

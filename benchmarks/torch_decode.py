@@ -234,6 +234,7 @@ def tbo_experts_forward(
     """The ``ubep_tbo`` experts implementation: ubep's experts forward with both calls
     split-phase, handing over to the other micro-batch while each is in flight."""
     import torch
+
     from ubep.torch.hf import _local_experts
     from ubep.torch.ops import combine, dispatch
 
@@ -263,9 +264,9 @@ def gloo_experts_forward(
     the expert ids, one of the rows; local experts run on their rows (one matmul per expert);
     one all-to-all brings the rows back and the source adds ``w * out`` in float32.
     """
+    import torch
     import torch.distributed as dist
 
-    import torch
     from ubep.torch.hf import _expert_ffn
 
     timer: _Timer = self._ubep_gloo_timer
@@ -319,11 +320,11 @@ def _decode_worker(
     group: Any, cfg: DecodeConfig, backends: tuple[str, ...]
 ) -> list[dict[str, Any]]:
     import numpy as np
+    import torch
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
     from transformers.integrations.moe import ExpertsInterface
 
-    import torch
     import ubep.torch.hf as hf
     from ubep.torch._runtime import make_backend
 
@@ -379,9 +380,8 @@ def _decode_worker(
 def _decode(
     model: Any, prompt: Any, cfg: DecodeConfig, timer: _Timer, group: Any
 ) -> tuple[list[float], list[float], list[list[int]]]:
-    from transformers import DynamicCache
-
     import torch
+    from transformers import DynamicCache
 
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
@@ -418,9 +418,8 @@ def _decode_micro(
     """Decode the batch as two micro-batches (own KV caches): one after the other with blocking
     calls (``two`` None) or overlapped (``two``: the ``ubep_tbo`` experts and two threads).
     Returns step seconds, comm seconds, tokens and per-step logits digests."""
-    from transformers import DynamicCache
-
     import torch
+    from transformers import DynamicCache
 
     half = prompt.shape[0] // 2
     parts = [prompt[:half], prompt[half:]]

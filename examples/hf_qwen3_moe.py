@@ -9,9 +9,9 @@ result is compared with the plain eager model in this process.
 
 from __future__ import annotations
 
+import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-import torch
 import ubep.torch.hf
 from ubep.runtime import Group, launch
 

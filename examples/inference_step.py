@@ -10,8 +10,8 @@ float32 accumulation order).
 from __future__ import annotations
 
 import numpy as np
-
 import torch
+
 from ubep.buffer import Buffer, BufferConfig
 from ubep.runtime import Group, launch
 from ubep.torch import MoELayer

@@ -13,9 +13,9 @@ from __future__ import annotations
 import sys
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
-import torch
 import ubep
 from ubep import reference, routing
 

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import sys
 
-import torch.distributed as dist
-
 import torch
-import ubep
+import torch.distributed as dist
 from torch import nn
+
+import ubep
 from ubep.torch import MoELayer
 
 HIDDEN, FFN, EXPERTS, TOP_K, TOKENS, STEPS = 64, 32, 8, 2, 16, 5

@@ -81,6 +81,7 @@ def test_ignore_patterns_match_links_as_well_as_folders() -> None:
 
 def test_the_guard_itself_sees_a_link() -> None:
     # The pattern and the mode test must catch what they are for, or the tests above cannot fail.
-    assert MACHINE_PATH.search("ln -s /work/wt-f15/.venv-peers")
+    root = "/" + "work"  # spelled apart, or this very line would be a hit
+    assert MACHINE_PATH.search(f"ln -s {root}/wt-x/.venv-peers")
     assert not MACHINE_PATH.search("shm segments live in /dev/shm/ubep-x")
     assert GENERATED_PARTS.intersection(Path("src/ubep/dist/engine.py").parts[:-1])

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from benchmarks.peers import launch, workload
 from benchmarks.peers.driver import case_variants
-
 from ubep import quant, reference
 from ubep.routing import hot_experts_topk, uniform_topk
 from ubep.testing import FIELDS

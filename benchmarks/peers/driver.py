@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from benchmarks.harness import round_repeats, time_collective
 from benchmarks.peers.kernels import Exchange, PeerDispatch, decode_fields, make_peer
 

@@ -13,10 +13,10 @@ from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
-import torch.distributed as dist
-from benchmarks.peers.driver import run_plan
-
 import torch
+import torch.distributed as dist
+
+from benchmarks.peers.driver import run_plan
 
 RENDEZVOUS_TIMEOUT_S = 120.0
 

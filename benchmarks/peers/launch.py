@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from benchmarks.peers.env import PEER_ENVS, REPO_ROOT, ensure_env, env_python, launcher_for
 from benchmarks.peers.workload import (
     NUM_EXPERTS,
@@ -24,7 +25,6 @@ from benchmarks.peers.workload import (
     Inputs,
     peer_arrays,
 )
-
 from ubep import modes
 
 __all__ = ["Settings", "mpi_command", "run_peer", "write_workdir"]

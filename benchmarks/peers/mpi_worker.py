@@ -11,8 +11,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from benchmarks.peers.driver import run_plan
 from mpi4py import MPI
+
+from benchmarks.peers.driver import run_plan
 
 
 class MpiExchange:

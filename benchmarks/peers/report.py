@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from benchmarks.harness import Stats, format_table
 from benchmarks.peers.workload import (
     Shape,
 )
-
 from ubep import modes
 
 __all__ = ["MPI_SYSTEMS", "Row", "floor_report", "table_rows", "write_plot"]

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from benchmarks.harness import Stats, concurrent_copy
 from benchmarks.peers.check import check_peer
 from benchmarks.peers.driver import case_variants
@@ -45,7 +46,6 @@ from benchmarks.peers.workload import (
     bytes_per_rank,
     rows_sent,
 )
-
 from ubep import modes
 from ubep.errors import UbepError
 

@@ -36,7 +36,6 @@ def predict(
     """The simulator's latency in us for one call on this host (analytic executor); the host
     fabric of calib.json, or with its copy rate replaced by ``core_bandwidth_gbps``."""
     from benchmarks.peers.workload import row_bytes as workload_row_bytes
-
     from ubep.sim import make_plans, simulate
     from ubep.sim.calib import load_fabric
     from ubep.topology import host

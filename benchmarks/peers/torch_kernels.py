@@ -25,9 +25,9 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from benchmarks.peers.kernels import Exchange, PeerDispatch, _prefault, set_shape
-
 import torch
+
+from benchmarks.peers.kernels import Exchange, PeerDispatch, _prefault, set_shape
 
 __all__ = [
     "TorchExpertLayoutPeer",

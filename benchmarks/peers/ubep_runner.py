@@ -76,7 +76,6 @@ def _rank_main(
 ) -> list[dict[str, Any]]:
     from benchmarks.harness import round_repeats
     from benchmarks.peers.workload import NUM_EXPERTS, QUANT, make_inputs
-
     from ubep.buffer import Buffer, BufferConfig
 
     r = group.rank

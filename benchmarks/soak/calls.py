@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 import numpy as np
+
 from benchmarks.soak.plan import (
     Block,
     call_inputs,
@@ -15,7 +16,6 @@ from benchmarks.soak.plan import (
     make_blocks,
     progress_bar,
 )
-
 from ubep import reference
 from ubep.buffer import Buffer
 from ubep.runtime import launch

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
 from benchmarks.soak.plan import (
     Block,
     Call,
@@ -32,7 +33,6 @@ from benchmarks.soak.plan import (
     make_blocks,
     progress_bar,
 )
-
 from ubep import reference
 from ubep.buffer import Buffer
 from ubep.errors import RemoteError, UbepError

@@ -17,7 +17,6 @@ _COMMAND_MODULES = (
     "ubep.demo",
     "ubep.sim.cli",
     "ubep.doctor",
-    "ubep.benchmarks_cli",
 )
 
 

@@ -16,7 +16,18 @@ import numpy as np
 
 from . import dtypes as _dt
 from .errors import InvalidArgumentError
-from .modes import ENGINES, LAYOUTS, POLICIES, SYNCS
+from .modes import (
+    ENGINES,
+    LAYOUTS,
+    POLICIES,
+    QUANTS,
+    SYNCS,
+    Engine,
+    Layout,
+    Policy,
+    Quant,
+    SyncChoice,
+)
 
 __all__ = ["AUTO_SYNC", "BufferConfig"]
 
@@ -85,16 +96,16 @@ class BufferConfig:
     num_experts: int
     dtype: Any
     combine_dtype: Any = None
-    quant: str | None = None
+    quant: Quant | None = None
     quant_round_scale: bool = False
     # --- transport
-    layout: str = "expert"
-    engine: str = "asp"
-    sync: str = "auto"
+    layout: Layout = "expert"
+    engine: Engine = "asp"
+    sync: SyncChoice = "auto"
     # --- execution
     num_cores: int | None = None
     threads: bool | None = None
-    policy: str = "hierarchical"
+    policy: Policy = "hierarchical"
     background: bool | None = None
     # --- deadline
     timeout_s: float = 60.0
@@ -142,7 +153,7 @@ class BufferConfig:
                                        "must be True or False")
         if self.quant is None:
             return
-        _choice("quant", self.quant, ("e4m3", "int8"))
+        _choice("quant", self.quant, QUANTS)
         if not dt.is_float:
             raise InvalidArgumentError("dtype", dt.name, "quant needs a float x (bf16, fp16, fp32)")
         if self.hidden % 128:

@@ -65,7 +65,8 @@ _REQUIRED = ("/dev/shm", "native data plane")
 
 def run_checks() -> list[Check]:
     return [_shm(), _leftovers(), _cores(), _native(), *_mpi(),
-            _module("torch", "ubep.torch, ubep decode"), _module("matplotlib", "--plot outputs")]
+            _module("torch", "ubep.torch, python -m benchmarks.torch_decode"),
+            _module("matplotlib", "--plot outputs")]
 
 
 def verdicts(checks: list[Check]) -> list[str]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal, cast, get_args
 
 __all__ = [
     "DTYPE_NAMES",
@@ -24,13 +24,16 @@ __all__ = [
     "FLOAT_DTYPE_NAMES",
     "LAYOUTS",
     "POLICIES",
+    "QUANTS",
     "SYNCS",
     "DTypeName",
     "Engine",
     "Layout",
     "Mode",
     "Policy",
+    "Quant",
     "Sync",
+    "SyncChoice",
     "dtypes_for",
     "enumerate_modes",
     "supports",
@@ -51,6 +54,13 @@ rank) (ubep.reference)."""
 Policy = Literal["expert_contiguous", "balanced", "hierarchical"]
 """Token schedulers of the ASP send cores (ubep.sched)."""
 
+Quant = Literal["e4m3", "int8"]
+"""Formats of quantised dispatch (ubep.quant): FP8 E4M3 or INT8, one float32 scale per 128
+channels."""
+
+SyncChoice = Literal["auto", "sw", "tff", "dc", "sp"]
+"""What ``BufferConfig.sync`` takes: a :data:`Sync` or ``auto`` (the fastest on the machine)."""
+
 DTypeName = Literal["bf16", "fp16", "fp32", "int8", "uint8"]
 """Payload types (ubep.dtypes); 1-byte types carry FP8 / W8A8 data."""
 
@@ -59,6 +69,7 @@ SYNCS: tuple[Sync, ...] = get_args(Sync)
 LAYOUTS: tuple[Layout, ...] = get_args(Layout)
 POLICIES: tuple[Policy, ...] = get_args(Policy)
 DTYPE_NAMES: tuple[DTypeName, ...] = get_args(DTypeName)
+QUANTS: tuple[Quant, ...] = get_args(Quant)
 FLOAT_DTYPE_NAMES: tuple[DTypeName, ...] = ("bf16", "fp16", "fp32")
 
 
@@ -76,10 +87,10 @@ def dtypes_for(sync: str) -> tuple[DTypeName, ...]:
 class Mode:
     """One engine x sync x layout x dtype combination, written ``engine:sync:layout:dtype``."""
 
-    engine: str
-    sync: str
-    layout: str
-    dtype: str
+    engine: Engine
+    sync: Sync
+    layout: Layout
+    dtype: DTypeName
 
     @classmethod
     def parse(cls, text: str) -> Mode:
@@ -90,7 +101,13 @@ class Mode:
         parts = text.split(":")
         if len(parts) != 4:
             raise InvalidArgumentError("modes", text, "must be engine:sync:layout:dtype")
-        return cls(*parts)
+        engine, sync, layout, dtype = parts
+        for what, value, options in (("engine", engine, ENGINES), ("sync", sync, SYNCS),
+                                     ("layout", layout, LAYOUTS), ("dtype", dtype, DTYPE_NAMES)):
+            if value not in options:
+                raise InvalidArgumentError("modes", text, f"{what} must be one of {options}")
+        return cls(cast(Engine, engine), cast(Sync, sync), cast(Layout, layout),
+                   cast(DTypeName, dtype))
 
     def __str__(self) -> str:
         return f"{self.engine}:{self.sync}:{self.layout}:{self.dtype}"
@@ -98,10 +115,10 @@ class Mode:
 
 def enumerate_modes(
     *,
-    engines: Sequence[str] = ENGINES,
-    syncs: Sequence[str] = SYNCS,
-    layouts: Sequence[str] = LAYOUTS,
-    dtypes: Sequence[str] = DTYPE_NAMES,
+    engines: Sequence[Engine] = ENGINES,
+    syncs: Sequence[Sync] = SYNCS,
+    layouts: Sequence[Layout] = LAYOUTS,
+    dtypes: Sequence[DTypeName] = DTYPE_NAMES,
     rotate_dtypes: bool = False,
 ) -> list[Mode]:
     """The valid modes over the given axes (default: all of them), in product order (engine,

@@ -1,7 +1,7 @@
-"""benchmarks/bench_overlap.py and ``ubep decode --overlap``: the two-batch overlap schedule gives
-the serial schedule's outputs bit for bit, and both equal the step run on ``ubep.reference``
-(no timing assertions). ``ubep decode --overlap``'s rows run in test_torch_runtime.py's decode
-test (one launch of the model for all its rows)."""
+"""benchmarks/bench_overlap.py and ``python -m benchmarks.torch_decode --overlap``: the
+two-batch overlap schedule gives the serial schedule's outputs bit for bit, and both equal the
+step run on ``ubep.reference`` (no timing assertions). The decode benchmark's ``--overlap`` rows
+run in test_torch_runtime.py's decode test (one launch of the model for all its rows)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from benchmarks.torch_decode import TwoBatch
 
 # benchmarks/ is a top-level folder, not an installed package (see test_peers.py)
 from benchmarks import bench_overlap as bench
+from benchmarks.torch_decode import TwoBatch
 
 WIDTH = 16  # the smallest attention width: no calibration
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from benchmarks.harness import Stats
 from benchmarks.peers import check, workload
 from benchmarks.peers import report as peers
@@ -170,7 +171,6 @@ def test_check_sets_cover_fp8_with_a_zero_block() -> None:
 def test_torch_fp8_quantiser_equals_ubep_quant() -> None:
     pytest.importorskip("torch")
     from benchmarks.peers.torch_kernels import TorchFp8Quantiser, as_torch
-
     from ubep import quant
 
     rng = np.random.default_rng(7)

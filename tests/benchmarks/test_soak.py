@@ -6,6 +6,7 @@ fault soak (--faults): random faults between and during checked calls, zero wron
 from __future__ import annotations
 
 import numpy as np
+
 from benchmarks.soak.calls import run_soak
 from benchmarks.soak.faults import (
     FAULT_KINDS,
@@ -15,7 +16,6 @@ from benchmarks.soak.faults import (
     run_fault_soak,
 )
 from benchmarks.soak.plan import make_blocks
-
 from ubep.testing import same_bits as _same
 
 

@@ -94,7 +94,7 @@ def test_quant_config_errors_name_the_argument(kw: dict[str, Any], argument: str
 
 
 def test_prequantised_rows_need_a_quantising_buffer() -> None:
-    from ubep.call_args import pack_quantized
+    from ubep.buffer.checks import pack_quantized
 
     values, scales = quant.quantize(np.ones((2, HIDDEN), np.float32), "e4m3")
     with pytest.raises(InvalidArgumentError) as info:

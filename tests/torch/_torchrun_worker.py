@@ -35,9 +35,9 @@ import sys
 from typing import Any
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
-import torch
 import ubep
 from ubep import testing
 

@@ -14,8 +14,8 @@ pytestmark = pytest.mark.torch
 
 import ubep  # noqa: E402
 from ubep.dtypes import BF16, FP16, FP32, INT8, UINT8, dtype_of  # noqa: E402
-from ubep.group_adapter import as_process_group, is_torch_group  # noqa: E402
 from ubep.torch.group import TorchGroup, check_same_host  # noqa: E402
+from ubep.torch_bridge import as_process_group, is_torch_group  # noqa: E402
 
 TORCH_TO_UBEP = [
     (torch.bfloat16, BF16),
@@ -85,7 +85,7 @@ def test_only_torch_process_groups_are_adapted() -> None:
 def test_import_ubep_and_its_dtypes_stay_torch_free() -> None:
     code = (
         "import sys, ubep, numpy as np\n"
-        "from ubep.group_adapter import as_process_group\n"
+        "from ubep.torch_bridge import as_process_group\n"
         "g = object(); assert as_process_group(g) is g\n"
         "assert ubep.dtypes.dtype_of(np.uint16).name == 'bf16'\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"

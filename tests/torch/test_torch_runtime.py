@@ -186,7 +186,8 @@ def test_hf_model_on_two_processes_matches_eager(results: list[dict[str, Any]], 
 
 
 def test_decode_cli_ubep_and_gloo_agree_token_for_token() -> None:
-    """``ubep decode`` machinery on a tiny shape: the gloo all_to_all baseline is an independent
+    """The decode benchmark's (``python -m benchmarks.torch_decode``) machinery on a tiny shape:
+    the gloo all_to_all baseline is an independent
     implementation of the same experts, so both must produce the same greedy tokens; with
     ``--overlap``'s rows, the two-batch overlap equals the serial micro-batches bit for bit."""
     from benchmarks.torch_decode import DecodeConfig, format_table, run_decode

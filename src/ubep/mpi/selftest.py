@@ -27,13 +27,13 @@ import numpy as np
 from ..buffer import Buffer
 from ..config import BufferConfig
 from ..errors import InvalidArgumentError, RemoteError, UbepError
-from ..modes import SYNCS, Mode, enumerate_modes
+from ..modes import SYNCS, DTypeName, Mode, enumerate_modes
 from ..testing import check_call, inputs
 
 __all__ = ["Mode", "all_modes", "check_mode", "main"]
 
 # dtypes in turn, floats and 1-byte types alternating, so every sync sees both kinds
-_DTYPE_TURNS = ("bf16", "uint8", "fp32", "int8", "fp16")
+_DTYPE_TURNS: tuple[DTypeName, ...] = ("bf16", "uint8", "fp32", "int8", "fp16")
 
 
 def all_modes(sp: bool = True) -> list[Mode]:

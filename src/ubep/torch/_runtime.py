@@ -18,6 +18,7 @@ import torch
 
 from ..dtypes import dtype_of
 from ..errors import InvalidArgumentError
+from ..modes import Layout
 
 __all__ = ["RuntimeBackend", "make_backend", "ubep_dtype_name"]
 
@@ -91,7 +92,7 @@ def make_backend(
     num_experts: int,
     dtype: torch.dtype,
     max_tokens_per_rank: int = 4096,
-    layout: str = "expert",
+    layout: Layout = "expert",
     **options: Any,
 ) -> RuntimeBackend:
     """Create a ``ubep.Buffer`` on ``group`` for this shape (collective: every rank calls it)."""

@@ -39,9 +39,10 @@ import numpy as np
 import torch
 
 from ..errors import InvalidArgumentError, RemoteError
-from ..group_adapter import as_process_group, is_torch_group
+from ..modes import Layout
 from ..quant import quantize
 from ..routing import get_dispatch_layout as _layout
+from ..torch_bridge import as_process_group, is_torch_group
 from ._convert import from_numpy, to_numpy
 from .backend import EPBackend, LocalBackend, issue_combine, issue_dispatch
 from .deep_ep_lowlatency import LowLatencyOutputs, combine_input
@@ -216,7 +217,7 @@ class Buffer:
     # ------------------------------------------------------------------ internals
     def _backend(
         self,
-        layout: str,
+        layout: Layout,
         hidden: int,
         num_topk: int,
         num_experts: int,
@@ -258,7 +259,7 @@ class Buffer:
 
     def _send(
         self,
-        layout: str,
+        layout: Layout,
         x: torch.Tensor,
         scales: torch.Tensor | None,
         idx: np.ndarray,

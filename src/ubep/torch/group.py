@@ -1,7 +1,7 @@
 """A ubep process group over a ``torch.distributed`` process group (``torchrun`` programs).
 
 ``ubep.Buffer(dist.group.WORLD, cfg)`` (or any ``dist.new_group(ranks)`` subgroup) lands here
-through :func:`ubep.group_adapter.as_process_group`; :func:`from_torch` is the same thing by
+through :func:`ubep.torch_bridge.as_process_group`; :func:`from_torch` is the same thing by
 hand. The torch group carries only the control plane; rows still move through shared memory,
 exactly as in a group of ``ubep.launch``:
 

@@ -193,7 +193,7 @@ def _group_allgather(model: nn.Module) -> Callable[[Any], list[Any]]:
     group = _registry.get("group")
     if group is None:
         raise InvalidArgumentError("group", None, _FORGOT_REGISTER)
-    from ..group_adapter import as_process_group
+    from ..torch_bridge import as_process_group
 
     return as_process_group(group).allgather
 

@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from support import (
     BF16_TOL,
@@ -53,7 +54,6 @@ from support import (
     spawn,
 )
 
-import torch
 from ubep import deep_ep  # a DeepEP program has `import deep_ep` here
 
 SEED = 23

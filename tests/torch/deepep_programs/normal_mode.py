@@ -32,6 +32,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from support import (
     BF16_TOL,
@@ -49,7 +50,6 @@ from support import (
     spawn,
 )
 
-import torch
 from ubep import deep_ep  # a DeepEP program has `import deep_ep` here
 
 SEED = 11

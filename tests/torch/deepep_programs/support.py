@@ -14,9 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
-import torch.distributed as dist
-
 import torch
+import torch.distributed as dist
 
 FP8_BLOCK = 128  # channels that share one FP8 scale (DeepEP's per-token, per-128 cast)
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn

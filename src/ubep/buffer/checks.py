@@ -1,17 +1,22 @@
-"""Argument checks of :class:`ubep.Buffer`'s calls that need nothing but the config: array
-conversion (numpy, CPU torch tensors) and the shapes and dtypes of a dispatch's inputs."""
+"""Argument checks of a Buffer's calls, all before any peer memory is touched: array conversion
+(numpy, CPU torch tensors), the shapes and dtypes of a dispatch's inputs, and whether a combine's
+handle and expert outputs belong to this Buffer and dispatch. Each failure is an
+``InvalidArgumentError`` naming the argument."""
 
 from __future__ import annotations
 
-import sys
+import dataclasses
 
 import numpy as np
 
-from . import dtypes as _dt
-from .config import BufferConfig
-from .errors import InvalidArgumentError
+from .. import dtypes as _dt
+from ..config import BufferConfig
+from ..errors import InvalidArgumentError
+from ..handle import DispatchHandle
+from ..torch_bridge import is_torch_tensor, tensor_to_numpy
+from .state import BufferState
 
-__all__ = ["check_dispatch_args", "is_c", "pack_quantized", "to_array"]
+__all__ = ["ArgChecks", "check_dispatch_args", "is_c", "pack_quantized", "to_array"]
 
 
 def check_dispatch_args(
@@ -99,11 +104,8 @@ def to_array(obj: object, argument: str) -> np.ndarray:
     anything numpy cannot convert is an ``InvalidArgumentError`` naming the argument."""
     if type(obj) is np.ndarray:
         return obj
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(obj, torch.Tensor):
-        from .torch._convert import to_numpy
-
-        return to_numpy(obj, argument=argument)
+    if is_torch_tensor(obj):
+        return tensor_to_numpy(obj, argument)
     try:
         return np.asarray(obj)
     except (ValueError, TypeError, OverflowError) as exc:
@@ -114,3 +116,75 @@ def to_array(obj: object, argument: str) -> np.ndarray:
 
 def is_c(a: np.ndarray, dtype: type) -> bool:
     return a.dtype == dtype and bool(a.flags.c_contiguous)
+
+
+class ArgChecks(BufferState):
+    """The checks that need the Buffer's state (its uid, generation and layout)."""
+
+    def _check_dispatch_args(
+        self, x: object, topk_idx: object, topk_weights: object, x_scales: object = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return check_dispatch_args(self.config, self._dtype, x, topk_idx, topk_weights,
+                                   x_scales)
+
+    def _check_handle(self, handle: object) -> DispatchHandle:
+        if not isinstance(handle, DispatchHandle):
+            raise InvalidArgumentError("handle", type(handle).__name__, "must be a dispatch handle")
+        cfg = self.config
+        if (handle.rank, handle.num_ranks, handle.layout, handle.num_experts, handle.hidden) != (
+            self.rank, self.num_ranks, cfg.layout, cfg.num_experts, cfg.hidden
+        ) or handle.topk_idx.shape[1:] != (cfg.num_topk,):
+            raise InvalidArgumentError(
+                "handle", (handle.rank, handle.layout, handle.hidden),
+                "comes from a dispatch of another rank or Buffer shape",
+            )
+        if handle.num_tokens > cfg.max_tokens_per_rank or (
+            handle.num_recv_rows > self.layout.cap_rows
+        ):
+            raise InvalidArgumentError("handle", handle.num_tokens, "exceeds this Buffer's size")
+        if getattr(handle, "buffer_uid", None) != self._uid:
+            raise InvalidArgumentError(
+                "handle", type(handle).__name__, "does not come from a dispatch of this Buffer"
+            )
+        if getattr(handle, "generation", None) != self._generation or not (
+            0 <= getattr(handle, "dispatch_index", -1) < self._num_dispatches
+        ):
+            raise InvalidArgumentError(
+                "handle", f"dispatch {getattr(handle, 'dispatch_index', -1)}",
+                "comes from before this Buffer's last resync()",
+            )
+        return handle
+
+    def _check_combine_args(
+        self, expert_out: object, handle: DispatchHandle
+    ) -> tuple[DispatchHandle, np.ndarray]:
+        h = self._check_handle(handle)
+        eo = to_array(expert_out, "expert_out")
+        if eo.dtype != self._cdtype.storage:
+            eo, dt = _dt.as_storage(eo, argument="expert_out")
+            if dt != self._cdtype:
+                raise InvalidArgumentError(
+                    "expert_out", dt.name, f"must have combine_dtype ({self._cdtype.name})"
+                )
+        if eo.shape != (h.num_recv_rows, self.config.hidden):
+            raise InvalidArgumentError(
+                "expert_out", eo.shape,
+                f"must be ({h.num_recv_rows}, {self.config.hidden}): one row per received row",
+            )
+        if not eo.flags.c_contiguous:
+            eo = np.ascontiguousarray(eo)
+        if h.send_dst_row is None:
+            raise InvalidArgumentError(
+                "handle", "send_dst_row=None", "needs send_dst_row (a handle of Buffer.dispatch)"
+            )
+        if not (
+            is_c(h.topk_idx, np.int64) and is_c(h.topk_weights, np.float32)
+            and is_c(h.send_dst_row, np.int64)
+        ):
+            h = dataclasses.replace(
+                h,
+                topk_idx=np.ascontiguousarray(h.topk_idx, dtype=np.int64),
+                topk_weights=np.ascontiguousarray(h.topk_weights, dtype=np.float32),
+                send_dst_row=np.ascontiguousarray(h.send_dst_row, dtype=np.int64),
+            )
+        return h, eo

@@ -31,63 +31,42 @@ one pass (float32 accumulation in the reference's order).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import os
 import secrets
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Literal, TypeVar, overload
+from typing import Any, Literal, overload
 
 import numpy as np
 
-from . import dtypes as _dt
-from . import quant as _quant
-from .call_args import check_dispatch_args, is_c, to_array
-from .config import BufferConfig
-from .engine import Engine, FastCalls, RuntimeHandle
-from .errors import (
-    InvalidArgumentError,
-    OutOfStepError,
-    PeerLostError,
-    RemoteError,
-    UbepError,
-)
-from .group_adapter import as_process_group
-from .handle import DispatchHandle, DispatchResult, PendingCall
-from .modes import ENGINES, SYNCS
-from .routing import experts_per_rank
-from .runtime.abi import (
-    E_BAD_INPUT,
-    E_LOST,
-    E_PEER_LOST,
-    E_REMOTE,
-    ErrorRecord,
-    engine_params,
-    load_native,
-)
-from .runtime.group import GlobalMemory, ProcessGroup
-from .runtime.layout import SegmentLayout, compute_layout
-from .runtime.shm import Segment
-from .sched import CoreSplit, Plan, core_split, schedule
+from .. import dtypes as _dt
+from .. import quant as _quant
+from ..config import BufferConfig
+from ..engine import RuntimeHandle
+from ..errors import InvalidArgumentError, RemoteError, UbepError
+from ..handle import DispatchHandle, DispatchResult, PendingCall
+from ..routing import experts_per_rank
+from ..runtime.abi import engine_params, load_native
+from ..runtime.group import ProcessGroup
+from ..sched import CoreSplit, Plan, core_split, schedule
+from ..torch_bridge import as_process_group
+from .checks import ArgChecks
+from .inflight import InFlightCalls
+from .regions import combine_region as _combine_region
+from .regions import int64_outputs as _int64_outputs
+from .regions import layout_of as _layout_of
+from .regions import new_frozen as _new_frozen
+from .regions import rows_view as _rows_view
+from .state import AFTER as _AFTER
+from .state import BEFORE as _BEFORE
+from .state import NATIVE as _NATIVE
 
-# ENGINES and SYNCS stay importable from here (ubep.modes owns them); BufferConfig lives in
-# ubep.config
-__all__ = [
-    "ENGINES",
-    "SYNCS",
-    "Buffer",
-    "BufferConfig",
-    "DispatchResult",
-    "RuntimeHandle",
-]
+__all__ = ["Buffer"]
 
-_T = TypeVar("_T")
+_NO_SPLIT = object()  # Buffer._split_plan: the call needs the general path
 
 
-class Buffer:
+class Buffer(InFlightCalls, ArgChecks):
     """Dispatch/combine buffers of one rank (collective constructor: every rank builds one with
     the same config, in the same order).
 
@@ -99,6 +78,7 @@ class Buffer:
         config: :class:`BufferConfig` (must be equal on every rank).
     """
 
+
     def __init__(self, group: ProcessGroup, config: BufferConfig) -> None:
         group = as_process_group(group)  # a torch.distributed group -> ubep.torch.group
         self.group = group
@@ -109,14 +89,14 @@ class Buffer:
         self._num_dispatches = 0
         self._generation = 0  # resyncs so far
         self._lock = threading.Lock()  # one call at a time (a second thread is refused)
-        self._dead: str | None = None  # a peer died: refused for good
-        self._lost: str | None = None  # out of step: refused until resync()
+        self._dead = None  # a peer died: refused for good
+        self._lost = None  # out of step: refused until resync()
         self._closed = False
-        self._segments: list[Segment] = []
-        self._memory: GlobalMemory | None = None
-        self._engine: Engine | Any = None
-        self._in_flight: list[_InFlight] = []  # split-phase calls awaiting their hook, in order
-        self._fast: FastCalls | None = None  # the one-call path of blocking calls
+        self._segments = []
+        self._memory = None
+        self._engine = None
+        self._in_flight = []  # split-phase calls awaiting their hook, in order
+        self._fast = None  # the one-call path of blocking calls
         # Construction is collective: every rank validates, then all exchange the outcome, so a
         # config only one rank rejects fails on every rank instead of pairing with its next one.
         error: Exception | None = None
@@ -140,7 +120,7 @@ class Buffer:
             raise InvalidArgumentError(
                 "config", config, "differs between ranks (every rank needs the same BufferConfig)"
             )
-        self._uid: int = everyone[0]["uid"]
+        self._uid = everyone[0]["uid"]
         try:
             self._setup()
         except BaseException:
@@ -155,10 +135,8 @@ class Buffer:
         self.num_cores = config.num_cores or self.group.topology.cores_per_rank
         self._dtype = _dt.dtype_of(config.dtype)
         self._cdtype = _dt.dtype_of(config.combine_dtype)
-        self.layout: SegmentLayout = _layout_of(config, self.num_ranks, self.num_cores)
+        self.layout = _layout_of(config, self.num_ranks, self.num_cores)
         self._native = load_native()
-
-    # --- construction -------------------------------------------------------------------
 
     def _setup(self) -> None:
         g, lay = self.group, self.layout
@@ -220,25 +198,21 @@ class Buffer:
             raise InvalidArgumentError("config", type(config).__name__, "must be a BufferConfig")
         experts_per_rank(config.num_experts, num_ranks)
         if num_cores is None:
-            from .topology import host
+            from ..topology import host
 
             num_cores = config.num_cores or host(num_ranks).cores_per_rank
         return _layout_of(config, num_ranks, num_cores).size_bytes
-
-    # --- operations ---------------------------------------------------------------------
 
     @overload
     def dispatch(
         self, x: object, topk_idx: object, topk_weights: object, *, copy: bool = ...,
         return_recv_hook: Literal[False] = ..., x_scales: object = ...,
     ) -> DispatchResult[RuntimeHandle]: ...
-
     @overload
     def dispatch(
         self, x: object, topk_idx: object, topk_weights: object, *, copy: bool = ...,
         return_recv_hook: Literal[True], x_scales: object = ...,
     ) -> PendingCall[DispatchResult[RuntimeHandle]]: ...
-
     def dispatch(
         self, x: object, topk_idx: object, topk_weights: object, *, copy: bool = False,
         return_recv_hook: bool = False, x_scales: object = None,
@@ -380,12 +354,10 @@ class Buffer:
         self, expert_out: object, handle: DispatchHandle, *,
         return_recv_hook: Literal[False] = ...,
     ) -> np.ndarray: ...
-
     @overload
     def combine(
         self, expert_out: object, handle: DispatchHandle, *, return_recv_hook: Literal[True],
     ) -> PendingCall[np.ndarray]: ...
-
     def combine(
         self, expert_out: object, handle: DispatchHandle, *, return_recv_hook: bool = False
     ) -> np.ndarray | PendingCall[np.ndarray]:
@@ -447,108 +419,6 @@ class Buffer:
             raise self._failed(epoch, stage, exc)[0] from None
         return self._issued("combine", epoch, got, lambda n: y, hook, None)
 
-    # --- split-phase calls (return_recv_hook) -------------------------------------------
-
-    def _check_in_flight(self) -> None:
-        """A third call while two await their hooks would reuse the receive region and the
-        control records of the first: refused here, before it exists (nothing advances, no
-        peer is told: peers that made the call wait, within their deadline, for this rank to
-        call the hooks and make it again)."""
-        if len(self._in_flight) >= _MAX_IN_FLIGHT:
-            calls = ", ".join(str(c.epoch) for c in self._in_flight)
-            raise UbepError(
-                f"rank {self.rank}: call refused: calls {calls} were issued with "
-                "return_recv_hook=True and their hook() was not called; at most "
-                f"{_MAX_IN_FLIGHT} calls may be in flight on a Buffer: call the hooks, then "
-                "make this call again"
-            )
-
-    def _issued(
-        self, kind: str, epoch: int, got: object, finish: Callable[[int], Any], hook: bool,
-        index: int | None,
-    ) -> Any:
-        """A call whose first half ran (``got is None``: its second half waits for the hook)
-        or all of it: the result, or (``hook``) the pending call that hands it out."""
-        if got is not None and not hook:  # the common blocking call: no pending object
-            return finish(int(got))  # type: ignore[call-overload]
-        call: PendingCall[Any] = PendingCall(kind, self.rank, epoch,
-                                             lambda: self._hook(epoch))
-        if got is None:
-            self._in_flight.append(_InFlight(epoch, call, finish, index))
-        else:  # the engine ran the whole call (one that needs no second half)
-            call._settle(True, finish(int(got)))  # type: ignore[call-overload]
-        if hook:
-            return call
-        if got is None:
-            self._complete_through(epoch)
-        return call.hook()
-
-    def _complete_staged_dispatch(self) -> None:
-        """Engines that stage rows in one land region (BSP) must finish reading
-        a dispatch before peers may write the next one there: a dispatch in flight completes
-        before the next dispatch makes the region ready (its hook then returns at once)."""
-        if self.layout.num_land_regions > 1:
-            return
-        staged = [c.epoch for c in self._in_flight if c.index is not None]
-        if staged:
-            self._complete_through(staged[-1])
-            if self._lost is not None:
-                raise OutOfStepError(f"rank {self.rank}: the Buffer lost step with its peers "
-                                     f"({self._lost}); call resync() on every rank")
-
-    def _hook(self, epoch: int) -> None:
-        """``PendingCall.hook``: complete every call up to ``epoch``, in issue order."""
-        if not any(c.epoch == epoch for c in self._in_flight):
-            return  # settled meanwhile (by a later call or a resync)
-        self._enter()
-        try:
-            self._complete_through(epoch)
-        finally:
-            self._lock.release()
-
-    def _complete_through(self, epoch: int) -> None:
-        while self._in_flight and self._in_flight[0].epoch <= epoch:
-            c = self._in_flight[0]
-            stage = _NATIVE
-            try:
-                got = self._engine.complete(c.epoch)
-                del self._in_flight[0]
-                stage = _AFTER
-                if isinstance(got, tuple):
-                    raise self._error(got)
-                c.call._settle(True, c.finish(int(got)))
-            except BaseException as exc:
-                if stage == _NATIVE and self._in_flight and self._in_flight[0] is c:
-                    del self._in_flight[0]
-                if stage == _NATIVE:
-                    # the call's first half reached the peers: never a clean reject here
-                    self._mark_lost(f"call {c.epoch} was cut short by {type(exc).__name__}")
-                    err, clean = exc, False
-                    if isinstance(exc, Exception) and not isinstance(exc, UbepError):
-                        err = OutOfStepError(f"rank {self.rank}: call {c.epoch} did not "
-                                             f"complete: {type(exc).__name__}: {exc}")
-                else:
-                    err, clean = self._failed(c.epoch, stage, exc)
-                if clean and not self._in_flight and c.index is not None:
-                    self._num_dispatches = c.index  # as a blocking dispatch's clean reject
-                elif clean and self._in_flight:
-                    self._mark_lost(f"call {c.epoch} failed with a later call in flight: {err}")
-                c.call._settle(False, err)
-                if self._lost is not None or self._dead is not None:
-                    self._abandon_in_flight(f"call {c.epoch} failed: {err}")
-                if not isinstance(exc, Exception):
-                    raise  # an interrupt reaches the caller as such
-
-    def _abandon_in_flight(self, cause: str) -> None:
-        """Calls still waiting for their hook fail here (their peers learn it by notice)."""
-        while self._in_flight:
-            c = self._in_flight.pop(0)
-            with contextlib.suppress(Exception):
-                self._engine.abandon(c.epoch, f"rank {self.rank}: call {c.epoch} abandoned: "
-                                              f"{cause}")
-            c.call._settle(False, OutOfStepError(
-                f"rank {self.rank}: call {c.epoch} did not complete: {cause}"))
-
     def get_combine_buffer(self, handle: DispatchHandle) -> np.ndarray:
         """A writable ``[handle.num_recv_rows, hidden]`` array in this rank's segment: write the
         expert outputs here and pass it to :meth:`combine` to skip the copy (zero-copy combine).
@@ -566,44 +436,6 @@ class Buffer:
             return np.ndarray((rows, hidden), dtype=self._cdtype.storage, buffer=region)
         finally:
             self._lock.release()
-
-    def resync(self, timeout_s: float | None = None) -> None:
-        """Re-establish agreement with the peers after a lost step (collective: every rank).
-
-        After a timeout, a peer's failure mid-call, corrupt control data or mismatched calls,
-        the Buffer refuses calls (:class:`ubep.OutOfStepError`); ``resync`` waits until every
-        rank has left its calls on this Buffer and entered ``resync`` (at most ``timeout_s``,
-        default ``config.timeout_s``; a timed-out resync can simply be called again), clears
-        every rank's control records, re-arms the receive regions and agrees on the next call's
-        sequence number. Handles and ``recv_x`` views from before are invalid afterwards.
-        Harmless on a Buffer that did not lose step, as long as every rank calls it. A dead
-        peer cannot be resynced with (build a new group).
-        """
-        if not self._lock.acquire(blocking=False):
-            raise UbepError(f"rank {self.rank}: another call is in progress on this Buffer")
-        try:
-            if self._closed:
-                raise UbepError(f"rank {self.rank}: the Buffer is closed")
-            if self._dead is not None:
-                raise PeerLostError(f"rank {self.rank}: cannot resync, a peer died: {self._dead}")
-            timeout = float(self.config.timeout_s if timeout_s is None else timeout_s)
-            self._abandon_in_flight("resync() was called before its hook")
-            gen = self._generation + 1
-            mine = {"epoch": self._epoch, "dispatches": self._num_dispatches}
-            # Phase 1: every rank is out of its calls (nobody writes a peer's segment any more).
-            states = self._exchange(f"resync.{self._uid}.{gen}.enter", mine, timeout)
-            base = max(int(s["epoch"]) for s in states) + 2
-            self._engine.resync(base)
-            # Phase 2: every rank has cleared its segment before anyone starts a call.
-            self._exchange(f"resync.{self._uid}.{gen}.done", base, timeout)
-            self._epoch = base - 1
-            self._num_dispatches = max(int(s["dispatches"]) for s in states)
-            self._generation = gen
-            self._lost = None
-        finally:
-            self._lock.release()
-
-    # --- lifetime -----------------------------------------------------------------------
 
     def close(self) -> None:
         """Stop the engine's threads and unmap the segments (local, not collective; views into
@@ -648,87 +480,6 @@ class Buffer:
             f"layout={c.layout}, dtype={c.dtype}, hidden={c.hidden}, "
             f"max_tokens_per_rank={c.max_tokens_per_rank}, cores={self.num_cores})"
         )
-
-    # --- internals ----------------------------------------------------------------------
-
-    def _enter(self) -> None:
-        """Start a call: this thread alone, on a usable Buffer. Refusing changes nothing (no
-        counter advances, nothing is published): the refused call never existed."""
-        if not self._lock.acquire(blocking=False):
-            raise UbepError(
-                f"rank {self.rank}: another call is in progress on this Buffer (a second thread "
-                "or a signal handler): calls on one Buffer must not overlap"
-            )
-        if self._closed or self._dead is not None or self._lost is not None:
-            self._lock.release()
-            if self._closed:
-                raise UbepError(f"rank {self.rank}: the Buffer is closed")
-            if self._dead is not None:
-                raise PeerLostError(f"rank {self.rank}: Buffer unusable after a lost peer: "
-                                    f"{self._dead}")
-            raise OutOfStepError(
-                f"rank {self.rank}: the Buffer lost step with its peers ({self._lost}); call "
-                "resync() on every rank (or build a new Buffer) before the next call"
-            )
-
-    def _failed(self, epoch: int, stage: int, exc: BaseException) -> tuple[BaseException, bool]:
-        """The exception a call raises for ``exc``, after telling the peers what they need, and
-        whether the call was rejected cleanly (on this rank or, by its notice, on a peer).
-
-        Before the data plane ran (``_BEFORE``; or the engine refused its arguments, an
-        ``Exception`` at ``_NATIVE``) nothing of the call reached a peer: a clean reject, the
-        peers get its failure notice and every rank stays in step. Anything else escaping the
-        data plane (an interrupt at ``_NATIVE``) leaves the outcome unknown: lost step.
-        """
-        if stage == _AFTER or (isinstance(exc, UbepError) and stage != _BEFORE):
-            # the engine's own error, classified by _error
-            clean = isinstance(exc, InvalidArgumentError) or (
-                isinstance(exc, RemoteError) and exc.clean)
-            return exc, clean
-        if stage == _NATIVE and (not isinstance(exc, Exception) or isinstance(exc, MemoryError)):
-            self._mark_lost(f"call {epoch} was interrupted by {type(exc).__name__}")
-            return exc, False
-        if not isinstance(exc, UbepError) and isinstance(exc, Exception):
-            exc = UbepError(f"rank {self.rank}: call {epoch} rejected: "
-                            f"{type(exc).__name__}: {exc}")
-        # with calls in flight this one is not finished by itself: done words say "every call
-        # up to here is finished", so the notice goes out without one
-        got = self._engine.fail(epoch, E_BAD_INPUT, f"rank {self.rank}: {exc}",
-                                0 if self._in_flight else 1, float(self.config.timeout_s))
-        if type(got) is tuple:  # the peers never finished the call before last: out of step
-            self._mark_lost(f"rejected call {epoch} could not be announced: "
-                            f"{self._error(got)}")
-            return exc, False
-        return exc, True
-
-    def _mark_lost(self, cause: str) -> None:
-        """Refuse calls until resync, and tell peers ahead of time (best effort: only if the
-        notice slot is free) so their next call fails at once instead of at its deadline."""
-        if self._lost is not None or self._dead is not None:
-            return
-        self._lost = cause
-        with contextlib.suppress(Exception):
-            self._engine.fail(self._epoch + 1, E_LOST,
-                              f"rank {self.rank} lost step ({cause}): call resync() on every "
-                              "rank", 0, 0.0)
-
-    def _exchange(self, key: str, value: Any, timeout_s: float) -> list[Any]:
-        """Group-wide exchange keyed by ``key``: a retry after a timeout pairs with the peers'
-        first attempt (group kinds without keyed exchanges fall back to ``allgather``)."""
-        exchange = getattr(self.group, "exchange", None)
-        try:
-            if exchange is not None:
-                return list(exchange(key, value, timeout_s))
-            return list(self.group.allgather(value, timeout_s))
-        except PeerLostError as exc:
-            self._dead = str(exc)
-            raise
-
-    def _check_dispatch_args(
-        self, x: object, topk_idx: object, topk_weights: object, x_scales: object = None
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return check_dispatch_args(self.config, self._dtype, x, topk_idx, topk_weights,
-                                   x_scales)
 
     def _plan(self, idx: np.ndarray) -> Plan | CoreSplit | None:
         """What each core of this rank does (ASP with more than one core; one core validates,
@@ -775,165 +526,3 @@ class Buffer:
         if cfg.engine != "asp" or self.num_cores < 2 or num_tokens == 0:
             return None
         return core_split(self.num_cores, cfg.num_experts, cfg.num_topk, num_tokens)
-
-    def _check_handle(self, handle: object) -> DispatchHandle:
-        if not isinstance(handle, DispatchHandle):
-            raise InvalidArgumentError("handle", type(handle).__name__, "must be a dispatch handle")
-        cfg = self.config
-        if (handle.rank, handle.num_ranks, handle.layout, handle.num_experts, handle.hidden) != (
-            self.rank, self.num_ranks, cfg.layout, cfg.num_experts, cfg.hidden
-        ) or handle.topk_idx.shape[1:] != (cfg.num_topk,):
-            raise InvalidArgumentError(
-                "handle", (handle.rank, handle.layout, handle.hidden),
-                "comes from a dispatch of another rank or Buffer shape",
-            )
-        if handle.num_tokens > cfg.max_tokens_per_rank or (
-            handle.num_recv_rows > self.layout.cap_rows
-        ):
-            raise InvalidArgumentError("handle", handle.num_tokens, "exceeds this Buffer's size")
-        if getattr(handle, "buffer_uid", None) != self._uid:
-            raise InvalidArgumentError(
-                "handle", type(handle).__name__, "does not come from a dispatch of this Buffer"
-            )
-        if getattr(handle, "generation", None) != self._generation or not (
-            0 <= getattr(handle, "dispatch_index", -1) < self._num_dispatches
-        ):
-            raise InvalidArgumentError(
-                "handle", f"dispatch {getattr(handle, 'dispatch_index', -1)}",
-                "comes from before this Buffer's last resync()",
-            )
-        return handle
-
-    def _check_combine_args(
-        self, expert_out: object, handle: DispatchHandle
-    ) -> tuple[DispatchHandle, np.ndarray]:
-        h = self._check_handle(handle)
-        eo = to_array(expert_out, "expert_out")
-        if eo.dtype != self._cdtype.storage:
-            eo, dt = _dt.as_storage(eo, argument="expert_out")
-            if dt != self._cdtype:
-                raise InvalidArgumentError(
-                    "expert_out", dt.name, f"must have combine_dtype ({self._cdtype.name})"
-                )
-        if eo.shape != (h.num_recv_rows, self.config.hidden):
-            raise InvalidArgumentError(
-                "expert_out", eo.shape,
-                f"must be ({h.num_recv_rows}, {self.config.hidden}): one row per received row",
-            )
-        if not eo.flags.c_contiguous:
-            eo = np.ascontiguousarray(eo)
-        if h.send_dst_row is None:
-            raise InvalidArgumentError(
-                "handle", "send_dst_row=None", "needs send_dst_row (a handle of Buffer.dispatch)"
-            )
-        if not (
-            is_c(h.topk_idx, np.int64) and is_c(h.topk_weights, np.float32)
-            and is_c(h.send_dst_row, np.int64)
-        ):
-            h = dataclasses.replace(
-                h,
-                topk_idx=np.ascontiguousarray(h.topk_idx, dtype=np.int64),
-                topk_weights=np.ascontiguousarray(h.topk_weights, dtype=np.float32),
-                send_dst_row=np.ascontiguousarray(h.send_dst_row, dtype=np.int64),
-            )
-        return h, eo
-
-    def _error(self, info: tuple[int, int, int, str, Any, Any]) -> UbepError:
-        """The exception of an engine's error tuple (``ubep.runtime.abi.ErrorRecord``); every
-        error but a clean reject (bad input here or on a peer) leaves the Buffer out of step."""
-        rec = ErrorRecord.from_tuple(info)  # what/message written by peers: any bytes at all
-        if rec.code == E_PEER_LOST:
-            self._dead = rec.what
-        elif rec.code == E_REMOTE and not rec.clean:
-            self._mark_lost(f"rank {rec.peer} failed call {self._epoch}: {rec.message}")
-        elif not rec.clean:
-            self._mark_lost(rec.what)
-        return rec.to_exception(self.rank)
-
-
-def _new_frozen(cls: type[_T], **fields: Any) -> _T:
-    """Build a frozen dataclass instance without ``__init__``/``__post_init__``.
-
-    Only for results this module assembles itself, whose consistency holds by construction:
-    the generated frozen ``__init__`` plus the handle's checks cost ~12 us per dispatch, more
-    than the rest of the Python side together. Every field must be given.
-    """
-    obj = object.__new__(cls)
-    assert fields.keys() == _field_names(cls)  # type: ignore[arg-type]
-    object.__setattr__(obj, "__dict__", fields)  # the call's own fresh dict: no copy
-    return obj
-
-
-@functools.cache
-def _field_names(cls: type) -> frozenset[str]:
-    return frozenset(cls.__dataclass_fields__)  # type: ignore[attr-defined]
-
-
-_MAX_IN_FLIGHT = 2  # split-phase calls per Buffer (the engine's MAX_PENDING)
-
-
-@dataclass
-class _InFlight:
-    """A split-phase call whose second half has not run."""
-
-    epoch: int
-    call: PendingCall[Any]
-    finish: Callable[[int], Any]  # the engine's result -> the call's result
-    index: int | None  # dispatch index (None: combine)
-
-
-_NO_SPLIT = object()  # Buffer._split_plan: the call needs the general path
-
-# stages of a call, for _failed: before the data plane, inside it, after it returned
-_BEFORE, _NATIVE, _AFTER = 0, 1, 2
-
-
-def _int64_outputs(cap: int, K: int, L: int, R: int, ntok: int,
-                   expert: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """A dispatch's int64 outputs as views of one allocation (one malloc, not four):
-    ``recv_topk_idx``, ``meta`` (recv_src_rank, recv_src_token, recv_src_k), ``counts`` (per
-    local expert, then rows per source rank) and ``send_dst_row``."""
-    w_idx, w_dst = (1, K) if expert else (K, R)
-    a = cap * w_idx
-    b = a + 3 * cap
-    c = b + L + R
-    block = np.empty(c + ntok * w_dst, np.int64)
-    o_idx = block[:a]
-    return (o_idx if expert else o_idx.reshape(cap, K), block[a:b].reshape(3, cap), block[b:c],
-            block[c:].reshape(ntok, w_dst))
-
-
-def _combine_region(h: DispatchHandle) -> int:
-    index = getattr(h, "dispatch_index", -1)
-    return int(index) % 2 if index >= 0 else 0
-
-
-def _rows_view(region: np.ndarray, lay: SegmentLayout, dtype: np.dtype, offset: int,
-               width: int) -> np.ndarray:
-    """Read-only ``[cap_rows, width]`` view of ``dtype`` elements starting ``offset`` bytes into
-    each row of a receive region."""
-    view = np.ndarray((lay.cap_rows, width), dtype=dtype, buffer=region, offset=offset,
-                      strides=(lay.out_stride, dtype.itemsize))
-    view.flags.writeable = False
-    return view
-
-
-def _layout_of(config: BufferConfig, num_ranks: int, num_cores: int) -> SegmentLayout:
-    dt = _dt.dtype_of(config.dtype)
-    cdt = _dt.dtype_of(config.combine_dtype)
-    return compute_layout(
-        num_ranks=num_ranks,
-        num_cores=num_cores,
-        num_experts=config.num_experts,
-        num_topk=config.num_topk,
-        max_tokens=config.max_tokens_per_rank,
-        hidden=config.hidden,
-        itemsize=dt.itemsize,
-        combine_itemsize=cdt.itemsize,
-        layout=config.layout,
-        engine=config.engine,
-        sync=config.sync,
-        tff_block_bytes=config.tff_block_bytes,
-        tff_flag_bytes=config.tff_flag_bytes,
-        row_bytes=None if config.quant is None else _quant.row_bytes(config.hidden),
-    )

@@ -1,0 +1,15 @@
+"""``ubep.Buffer``: expert-parallel dispatch and combine between the ranks of a group.
+
+The package is cut by job: :mod:`.buffer` the public class and its calls, :mod:`.inflight` the
+split-phase calls in flight, :mod:`.step` keeping step with the peers and ``resync``,
+:mod:`.checks` argument checking, :mod:`.regions` where results live, :mod:`.state` the state
+they share. The engine protocol the Buffer drives is :mod:`ubep.engine`.
+"""
+
+from ..config import BufferConfig
+from ..engine import RuntimeHandle
+from ..handle import DispatchResult
+from ..modes import ENGINES, SYNCS
+from .buffer import Buffer
+
+__all__ = ["ENGINES", "SYNCS", "Buffer", "BufferConfig", "DispatchResult", "RuntimeHandle"]

@@ -1,0 +1,59 @@
+"""What a :class:`~ubep.buffer.Buffer` holds, declared once for the modules that act on it.
+
+The Buffer's behaviour is split by job (the calls, the calls in flight, keeping step, argument
+checks); each job is a mixin over this state, so every module sees the same typed attributes.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..config import BufferConfig
+from ..dtypes import DType
+from ..runtime.group import GlobalMemory, ProcessGroup
+from ..runtime.layout import SegmentLayout
+from ..runtime.shm import Segment
+
+if TYPE_CHECKING:
+    from ..engine import Engine, FastCalls
+    from .inflight import InFlight
+
+__all__ = ["BufferState"]
+
+# stages of a call, for StepKeeping._failed: before the data plane, inside it, after it returned
+BEFORE, NATIVE, AFTER = 0, 1, 2
+
+
+class BufferState:
+    """The attributes of one rank's Buffer (set in ``Buffer.__init__`` / ``_setup``)."""
+
+    group: ProcessGroup
+    config: BufferConfig
+    rank: int
+    num_ranks: int
+    num_cores: int
+    num_local_experts: int
+    layout: SegmentLayout
+    _uid: int
+    _epoch: int  # sequence number of the last call (every rank agrees on it)
+    _num_dispatches: int
+    _generation: int  # resyncs so far
+    _lock: threading.Lock  # one call at a time (a second thread is refused)
+    _dead: str | None  # a peer died: refused for good
+    _lost: str | None  # out of step: refused until resync()
+    _closed: bool
+    _segments: list[Segment]
+    _memory: GlobalMemory | None
+    _engine: Engine | Any
+    _in_flight: list[InFlight]  # split-phase calls awaiting their hook, in issue order
+    _fast: FastCalls | None  # the one-call path of blocking calls
+    _dtype: DType
+    _cdtype: DType
+    _native: Any
+    _out_regions: list[np.ndarray]
+    _recv_views: list[np.ndarray]
+    _scale_views: list[np.ndarray]
+    _comb_regions: list[np.ndarray]

@@ -1,0 +1,155 @@
+"""Keeping step with the peers: entering a call, classifying a failure, losing step, the
+engine's error records, and ``resync``.
+
+A call returns the right answer or raises on every rank. A clean reject (bad input found before
+anything reached a peer) keeps every rank in step; anything else that may leave the ranks
+disagreeing marks the Buffer out of step, and it refuses calls until every rank has resynced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from ..errors import (
+    InvalidArgumentError,
+    OutOfStepError,
+    PeerLostError,
+    RemoteError,
+    UbepError,
+)
+from ..runtime.abi import E_BAD_INPUT, E_LOST, E_PEER_LOST, E_REMOTE, ErrorRecord
+from .state import AFTER as _AFTER
+from .state import BEFORE as _BEFORE
+from .state import NATIVE as _NATIVE
+from .state import BufferState
+
+__all__ = ["StepKeeping"]
+
+
+class StepKeeping(BufferState):
+    """Call entry, failure handling and resync of a Buffer."""
+
+    def _abandon_in_flight(self, cause: str) -> None:  # InFlightCalls has the calls
+        raise NotImplementedError
+
+    def resync(self, timeout_s: float | None = None) -> None:
+        """Re-establish agreement with the peers after a lost step (collective: every rank).
+
+        After a timeout, a peer's failure mid-call, corrupt control data or mismatched calls,
+        the Buffer refuses calls (:class:`ubep.OutOfStepError`); ``resync`` waits until every
+        rank has left its calls on this Buffer and entered ``resync`` (at most ``timeout_s``,
+        default ``config.timeout_s``; a timed-out resync can simply be called again), clears
+        every rank's control records, re-arms the receive regions and agrees on the next call's
+        sequence number. Handles and ``recv_x`` views from before are invalid afterwards.
+        Harmless on a Buffer that did not lose step, as long as every rank calls it. A dead
+        peer cannot be resynced with (build a new group).
+        """
+        if not self._lock.acquire(blocking=False):
+            raise UbepError(f"rank {self.rank}: another call is in progress on this Buffer")
+        try:
+            if self._closed:
+                raise UbepError(f"rank {self.rank}: the Buffer is closed")
+            if self._dead is not None:
+                raise PeerLostError(f"rank {self.rank}: cannot resync, a peer died: {self._dead}")
+            timeout = float(self.config.timeout_s if timeout_s is None else timeout_s)
+            self._abandon_in_flight("resync() was called before its hook")
+            gen = self._generation + 1
+            mine = {"epoch": self._epoch, "dispatches": self._num_dispatches}
+            # Phase 1: every rank is out of its calls (nobody writes a peer's segment any more).
+            states = self._exchange(f"resync.{self._uid}.{gen}.enter", mine, timeout)
+            base = max(int(s["epoch"]) for s in states) + 2
+            self._engine.resync(base)
+            # Phase 2: every rank has cleared its segment before anyone starts a call.
+            self._exchange(f"resync.{self._uid}.{gen}.done", base, timeout)
+            self._epoch = base - 1
+            self._num_dispatches = max(int(s["dispatches"]) for s in states)
+            self._generation = gen
+            self._lost = None
+        finally:
+            self._lock.release()
+
+    def _enter(self) -> None:
+        """Start a call: this thread alone, on a usable Buffer. Refusing changes nothing (no
+        counter advances, nothing is published): the refused call never existed."""
+        if not self._lock.acquire(blocking=False):
+            raise UbepError(
+                f"rank {self.rank}: another call is in progress on this Buffer (a second thread "
+                "or a signal handler): calls on one Buffer must not overlap"
+            )
+        if self._closed or self._dead is not None or self._lost is not None:
+            self._lock.release()
+            if self._closed:
+                raise UbepError(f"rank {self.rank}: the Buffer is closed")
+            if self._dead is not None:
+                raise PeerLostError(f"rank {self.rank}: Buffer unusable after a lost peer: "
+                                    f"{self._dead}")
+            raise OutOfStepError(
+                f"rank {self.rank}: the Buffer lost step with its peers ({self._lost}); call "
+                "resync() on every rank (or build a new Buffer) before the next call"
+            )
+
+    def _failed(self, epoch: int, stage: int, exc: BaseException) -> tuple[BaseException, bool]:
+        """The exception a call raises for ``exc``, after telling the peers what they need, and
+        whether the call was rejected cleanly (on this rank or, by its notice, on a peer).
+
+        Before the data plane ran (``_BEFORE``; or the engine refused its arguments, an
+        ``Exception`` at ``_NATIVE``) nothing of the call reached a peer: a clean reject, the
+        peers get its failure notice and every rank stays in step. Anything else escaping the
+        data plane (an interrupt at ``_NATIVE``) leaves the outcome unknown: lost step.
+        """
+        if stage == _AFTER or (isinstance(exc, UbepError) and stage != _BEFORE):
+            # the engine's own error, classified by _error
+            clean = isinstance(exc, InvalidArgumentError) or (
+                isinstance(exc, RemoteError) and exc.clean)
+            return exc, clean
+        if stage == _NATIVE and (not isinstance(exc, Exception) or isinstance(exc, MemoryError)):
+            self._mark_lost(f"call {epoch} was interrupted by {type(exc).__name__}")
+            return exc, False
+        if not isinstance(exc, UbepError) and isinstance(exc, Exception):
+            exc = UbepError(f"rank {self.rank}: call {epoch} rejected: "
+                            f"{type(exc).__name__}: {exc}")
+        # with calls in flight this one is not finished by itself: done words say "every call
+        # up to here is finished", so the notice goes out without one
+        got = self._engine.fail(epoch, E_BAD_INPUT, f"rank {self.rank}: {exc}",
+                                0 if self._in_flight else 1, float(self.config.timeout_s))
+        if type(got) is tuple:  # the peers never finished the call before last: out of step
+            self._mark_lost(f"rejected call {epoch} could not be announced: "
+                            f"{self._error(got)}")
+            return exc, False
+        return exc, True
+
+    def _mark_lost(self, cause: str) -> None:
+        """Refuse calls until resync, and tell peers ahead of time (best effort: only if the
+        notice slot is free) so their next call fails at once instead of at its deadline."""
+        if self._lost is not None or self._dead is not None:
+            return
+        self._lost = cause
+        with contextlib.suppress(Exception):
+            self._engine.fail(self._epoch + 1, E_LOST,
+                              f"rank {self.rank} lost step ({cause}): call resync() on every "
+                              "rank", 0, 0.0)
+
+    def _exchange(self, key: str, value: Any, timeout_s: float) -> list[Any]:
+        """Group-wide exchange keyed by ``key``: a retry after a timeout pairs with the peers'
+        first attempt (group kinds without keyed exchanges fall back to ``allgather``)."""
+        exchange = getattr(self.group, "exchange", None)
+        try:
+            if exchange is not None:
+                return list(exchange(key, value, timeout_s))
+            return list(self.group.allgather(value, timeout_s))
+        except PeerLostError as exc:
+            self._dead = str(exc)
+            raise
+
+    def _error(self, info: tuple[int, int, int, str, Any, Any]) -> UbepError:
+        """The exception of an engine's error tuple (``ubep.runtime.abi.ErrorRecord``); every
+        error but a clean reject (bad input here or on a peer) leaves the Buffer out of step."""
+        rec = ErrorRecord.from_tuple(info)  # what/message written by peers: any bytes at all
+        if rec.code == E_PEER_LOST:
+            self._dead = rec.what
+        elif rec.code == E_REMOTE and not rec.clean:
+            self._mark_lost(f"rank {rec.peer} failed call {self._epoch}: {rec.message}")
+        elif not rec.clean:
+            self._mark_lost(rec.what)
+        return rec.to_exception(self.rank)
