@@ -1,5 +1,6 @@
-"""The quantiser (ubep.quant) against closed forms, the native kernels against ubep.quant bit for
-bit, and ubep.quant against torch's own FP8 cast when torch is installed.
+"""The quantiser (ubep.quant) against closed forms and brute-force searches (the native kernels
+are checked against it in tests/runtime/test_native_quant.py, torch's cast in
+tests/torch/test_torch_fp8.py).
 
 benchmarks/quant_exhaustive.py extends the conversion checks to every float32 the quantiser
 can produce (too long for the suite).
@@ -7,11 +8,12 @@ can produce (too long for the suite).
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import pytest
 
+from tests._quant_support import F32_NAN, FORMATS
+from tests._quant_support import bits as _bits
+from tests._quant_support import probe_floats as _probe_floats
 from ubep import InvalidArgumentError
 from ubep.quant import (
     dequantize,
@@ -21,31 +23,18 @@ from ubep.quant import (
     quantize,
     ue8m0_ceil,
 )
-from ubep.runtime import abi
 
-FORMATS = ("e4m3", "int8")
 FORMAT_QMAX = {"e4m3": 448.0, "int8": 127.0}
-F32_NAN = 0x7FC00000
 
 
 def _f32(bits: np.ndarray | list[int]) -> np.ndarray:
     return np.asarray(bits, dtype=np.uint32).view(np.float32)
 
 
-def _bits(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
 
 
-def _bf16_patterns() -> np.ndarray:
-    return np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
 
 
-def _probe_floats() -> np.ndarray:
-    """Every BF16 pattern with low halves that sit on, just below and just above each rounding
-    boundary the 8 or fewer kept bits can have (the bits below them only act as a sticky bit)."""
-    hi = np.arange(1 << 16, dtype=np.uint32) << np.uint32(16)
-    lows = np.array([0, 1, 0x3FFF, 0x4000, 0x7FFF, 0x8000, 0x8001, 0xFFFF], dtype=np.uint32)
-    return (hi[:, None] | lows[None, :]).ravel().view(np.float32)
 
 
 def _e4m3_brute(a: np.ndarray) -> np.ndarray:
@@ -72,30 +61,10 @@ def _e4m3_value(code: int) -> float:
     return -mag if code & 0x80 else mag
 
 
-@pytest.fixture(scope="module")
-def native() -> Any:
-    return abi.load_native()
 
 
-def _native_quantize(
-    native: Any, x: np.ndarray, fmt: str, round_scale: bool
-) -> tuple[np.ndarray, np.ndarray]:
-    """The selected build (AVX2 on x86) and the generic one; they must agree to be returned."""
-    rows, hidden = x.shape
-    out = []
-    for generic in (False, True):
-        values = np.full((rows, hidden), 0x55, dtype=np.uint8 if fmt == "e4m3" else np.int8)
-        scales = np.full((rows, hidden // 128), -1.0, dtype=np.float32)
-        native.quantize_rows(np.ascontiguousarray(x), fmt, round_scale, values, scales, generic)
-        out.append((values, scales))
-    _assert_same(out[0], out[1])
-    return out[0]
 
 
-def _assert_same(got: tuple[np.ndarray, np.ndarray], want: tuple[np.ndarray, np.ndarray]) -> None:
-    assert got[0].dtype == want[0].dtype
-    np.testing.assert_array_equal(got[0], want[0])
-    np.testing.assert_array_equal(_bits(got[1]), _bits(want[1]))
 
 
 # ------------------------------------------------------------------ conversions (numpy)
@@ -272,136 +241,3 @@ def test_dequantize_checks_shapes() -> None:
     assert info.value.argument == "values"
 
 
-# ------------------------------------------------------------------ native == numpy
-def _anchored_blocks(patterns: np.ndarray, anchor: float) -> np.ndarray:
-    """BF16 rows whose every block starts with ``anchor`` followed by the finite patterns of
-    magnitude <= anchor, so that ``anchor`` sets each block's scale."""
-    x = (patterns.astype(np.uint32) << np.uint32(16)).view(np.float32)
-    keep = patterns[np.isfinite(x) & (np.abs(x) <= anchor)]
-    pad = (-len(keep)) % 127
-    keep = np.concatenate([keep, np.zeros(pad, np.uint16)]).reshape(-1, 127)
-    head_bits = int(_bits(np.array([anchor], np.float32))[0]) >> 16
-    head = np.full((len(keep), 1), head_bits, np.uint16)
-    rows = np.concatenate([head, keep], axis=1)  # [blocks, 128]
-    return rows.reshape(-1, 8 * 128) if len(rows) % 8 == 0 else rows
-
-
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("round_scale", [False, True])
-def test_native_equals_numpy_on_every_bf16_pattern(
-    native: Any, fmt: str, round_scale: bool
-) -> None:
-    patterns = _bf16_patterns()
-    rng = np.random.default_rng(7)
-    mixed = rng.permutation(patterns).reshape(64, 1024)  # NaN, inf, subnormals: everything
-    _assert_same(_native_quantize(native, mixed, fmt, round_scale),
-                 quantize(mixed, fmt, round_scale=round_scale))
-    # the same patterns under a few fixed scales (bf16 anchors exact)
-    for anchor in (2.0**-120, 1.0, 448.0, 1.5 * 2.0**127):
-        x = _anchored_blocks(patterns, anchor)
-        _assert_same(_native_quantize(native, x, fmt, round_scale),
-                     quantize(x, fmt, round_scale=round_scale))
-
-
-@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.uint16])
-def test_native_equals_numpy_on_random_rows(native: Any, dtype: type) -> None:
-    rng = np.random.default_rng(8)
-    x32 = (rng.standard_normal((16, 2048)) * np.exp(rng.uniform(-12, 12, (16, 2048))))
-    x32 = x32.astype(np.float32)
-    x32[3, 100:228] = 0.0
-    x32[4, 7] = np.nan
-    x32[5, 9] = -np.inf
-    if dtype is np.uint16:
-        x = (_bits(x32) >> np.uint32(16)).astype(np.uint16)
-    else:
-        with np.errstate(over="ignore"):  # float16 overflows to inf: part of the test
-            x = x32.astype(dtype)
-    for fmt in FORMATS:
-        for round_scale in (False, True):
-            _assert_same(_native_quantize(native, x, fmt, round_scale),
-                         quantize(x, fmt, round_scale=round_scale))
-
-
-def test_native_float32_conversion_through_unit_scales(native: Any) -> None:
-    """With round_scale and a block maximum in (224, 448] the scale is exactly 1, so the native
-    values are the conversion of the float32 inputs themselves: every probe value <= 448."""
-    a = _probe_floats()
-    a = a[np.isfinite(a) & (np.abs(a) <= 256.0)]
-    a = a[: len(a) // 127 * 127].reshape(-1, 127)
-    x = np.concatenate([np.full((len(a), 1), 256.0, np.float32), a], axis=1)
-    values, scales = _native_quantize(native, x, "e4m3", True)
-    assert (scales == 1.0).all()
-    np.testing.assert_array_equal(values[:, 1:], float32_to_e4m3(a))
-
-
-def test_native_refuses_bad_rows(native: Any) -> None:
-    out = np.zeros(1024, np.uint8)
-    sc = np.zeros(8, np.float32)
-    with pytest.raises(ValueError, match="x:"):
-        native.quantize_rows(np.zeros((2, 200), np.float32), "e4m3", False, out, sc)
-    with pytest.raises(ValueError, match="fmt"):
-        native.quantize_rows(np.zeros((2, 128), np.float32), "e5m2", False, out, sc)
-    with pytest.raises(ValueError, match="scales_out"):
-        native.quantize_rows(np.zeros((2, 512), np.float32), "int8", False, out, sc[:1])
-
-
-# ------------------------------------------------------------------ numpy == torch
-def _torch_reference(x: Any, round_scale: bool) -> tuple[np.ndarray, np.ndarray]:
-    """The quantiser written with torch's own ops and its own float8 cast."""
-    import torch
-
-    t, h = x.shape
-    blocks = x.to(torch.float32).reshape(t, h // 128, 128)
-    scale = blocks.abs().amax(dim=-1).clamp(min=1e-4) / 448.0
-    if round_scale:  # exact: frexp gives mantissa in [0.5, 1); 0.5 means a power of two
-        mant, exp = torch.frexp(scale)
-        keep = (mant == 0.5) | ~torch.isfinite(scale)
-        scale = torch.where(keep, scale, torch.ldexp(torch.ones_like(scale), exp))
-    q = (blocks / scale[..., None]).to(torch.float8_e4m3fn).reshape(t, h)
-    return q.view(torch.uint8).numpy(), scale.numpy()
-
-
-@pytest.mark.parametrize("round_scale", [False, True])
-def test_numpy_equals_torch(round_scale: bool) -> None:
-    torch = pytest.importorskip("torch")
-    from ubep.torch.fp8 import quantize_fp8
-
-    g = torch.Generator().manual_seed(9)
-    x = torch.randn(64, 1024, generator=g) * torch.exp(torch.randn(64, 1024, generator=g) * 4)
-    x = x.to(torch.bfloat16)
-    x[1, :128] = 0.0
-    x[2, 3] = float("inf")
-    x[3, 5] = float("nan")
-    values, scales = quantize(x.view(torch.uint16).numpy(), "e4m3", round_scale=round_scale)
-    want_v, want_s = _torch_reference(x, round_scale)
-    nan = (want_v & 0x7F) == 0x7F  # torch keeps a NaN's sign (0xFF), ubep writes 0x7F
-    assert nan.any() and (values[nan] == 0x7F).all()
-    np.testing.assert_array_equal(values[~nan], want_v[~nan])
-    s_nan = np.isnan(want_s)
-    np.testing.assert_array_equal(_bits(scales[~s_nan]), _bits(want_s[~s_nan]))
-    assert (_bits(scales[s_nan]) == F32_NAN).all()
-    q, s = quantize_fp8(x, round_scale)  # the facade's entry point is ubep.quant itself
-    assert q.dtype == torch.float8_e4m3fn
-    np.testing.assert_array_equal(q.view(torch.uint8).numpy(), values)
-    np.testing.assert_array_equal(_bits(s.numpy()), _bits(scales))
-
-
-def test_torch_float8_cast_agrees_with_the_conversion() -> None:
-    torch = pytest.importorskip("torch")
-    a = _probe_floats()
-    got = torch.from_numpy(a.copy()).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
-    mine = float32_to_e4m3(a)
-    nan = np.isnan(a)
-    np.testing.assert_array_equal(mine[~nan], got[~nan])  # saturation included
-    assert ((got[nan] & 0x7F) == 0x7F).all() and (mine[nan] == 0x7F).all()
-
-
-def test_torch_log2_rounding_is_exact_for_bf16_block_maxima() -> None:
-    """The old torch formula ``exp2(ceil(log2(scale)))`` equals ue8m0_ceil whenever amax is a
-    BF16 value (every positive finite one is checked), so BF16 callers saw no change."""
-    torch = pytest.importorskip("torch")
-    pos = np.arange(1, 0x7F80, dtype=np.uint32) << np.uint32(16)
-    amax = np.maximum(pos.view(np.float32), np.float32(1e-4))
-    scale = amax / np.float32(448.0)
-    old = torch.exp2(torch.ceil(torch.log2(torch.from_numpy(scale)))).numpy()
-    np.testing.assert_array_equal(_bits(old), _bits(ue8m0_ceil(scale)))
