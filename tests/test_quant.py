@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from tests._quant_support import F32_NAN, FORMATS
+from tests._quant_support import assert_same as _assert_same
 from tests._quant_support import bits as _bits
 from tests._quant_support import probe_floats as _probe_floats
 from ubep import InvalidArgumentError
