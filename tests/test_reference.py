@@ -1,4 +1,4 @@
-"""Tests of the reference oracle (ubep.reference), its handle and ubep.dtypes.
+"""Tests of the reference oracle (ubep.reference) and its handle.
 
 The oracle here is a second, deliberately naive implementation written from the specification
 (Python loops over ranks, experts, tokens and slots; float32 scalar arithmetic; an exact-fraction
@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
-import struct
-from fractions import Fraction
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests._dtype_oracle import bits, from_f32_oracle, to_f32_oracle
 from ubep import dtypes, reference
 from ubep.errors import InvalidArgumentError
 from ubep.handle import DispatchHandle
@@ -26,56 +25,6 @@ from ubep.routing import get_dispatch_layout, uniform_topk
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ALL_DTYPES = [dtypes.BF16, dtypes.FP16, dtypes.FP32, dtypes.INT8, dtypes.UINT8]
 FLOAT_DTYPES = [dtypes.BF16, dtypes.FP16, dtypes.FP32]
-
-
-def bits(a: np.ndarray) -> np.ndarray:
-    """Bit patterns, so -0.0 != +0.0 and the comparison is exact."""
-    a = np.ascontiguousarray(a)
-    return a.view(f"u{a.dtype.itemsize}")
-
-
-# --- independent oracle ------------------------------------------------------------------------
-
-
-def bf16_value(p: int) -> Fraction:
-    """Exact value of a non-NaN BF16 pattern; exponent 255 with mantissa 0 reads as 2^128,
-    the "next value" round-to-nearest compares against before overflowing to inf."""
-    sign = -1 if p & 0x8000 else 1
-    exp, mant = (p >> 7) & 0xFF, p & 0x7F
-    if exp == 0:
-        return sign * Fraction(mant, 128) * Fraction(2) ** -126
-    return sign * (1 + Fraction(mant, 128)) * Fraction(2) ** (exp - 127)
-
-
-def f32_to_bf16_oracle(f: float) -> int:
-    b = struct.unpack("<I", struct.pack("<f", f))[0]
-    if f != f:
-        return (b >> 16) | 0x40
-    sign, mag = b & 0x80000000, b & 0x7FFFFFFF
-    lo = mag >> 16
-    if lo == 0x7F80:  # inf stays inf
-        return (sign >> 16) | lo
-    exact = Fraction(struct.unpack("<f", struct.pack("<I", mag))[0])
-    d_lo, d_hi = exact - bf16_value(lo), bf16_value(lo + 1) - exact
-    pick = lo if d_lo < d_hi or (d_lo == d_hi and lo % 2 == 0) else lo + 1
-    return (sign >> 16) | pick
-
-
-def to_f32_oracle(dt: dtypes.DType, a: np.ndarray) -> np.ndarray:
-    if dt is dtypes.BF16:
-        # Built from Python ints: going through a Python float would quiet signalling NaNs.
-        return np.array([int(v) << 16 for v in a.ravel()], dtype=np.uint32).view(
-            np.float32
-        ).reshape(a.shape)
-    return a.astype(np.float32)
-
-
-def from_f32_oracle(dt: dtypes.DType, a: np.ndarray) -> np.ndarray:
-    if dt is dtypes.BF16:
-        return np.array(
-            [f32_to_bf16_oracle(float(v)) for v in a.ravel()], dtype=np.uint16
-        ).reshape(a.shape)
-    return a.astype(dt.storage)
 
 
 def brute_dispatch(xs, idxs, ws, num_experts, layout):
@@ -512,71 +461,6 @@ def test_combine_rejects_bad_input():
             reference.combine(o, r)
         assert err.value.argument == argument, (argument, err.value)
 
-
-# --- dtypes ------------------------------------------------------------------------------------
-
-
-def test_bf16_round_trip_against_exact_rounding():
-    rng = np.random.default_rng(0)
-    special = np.array(
-        [0.0, -0.0, 1.0, -1.0, np.inf, -np.inf, 3.3895314e38, 3.4028235e38, 1e-45, -1e-40,
-         1.00390625, 1.01171875, 1.0078125 + 2**-23],  # ties to even down / up, and just above
-        dtype=np.float32,
-    )
-    random_bits = rng.integers(0, 2**32, size=3000, dtype=np.uint64).astype(np.uint32)
-    vals = np.concatenate([special, random_bits.view(np.float32)])
-    vals = vals[~np.isnan(vals)]
-    got = dtypes.BF16.from_float32(vals)
-    want = from_f32_oracle(dtypes.BF16, vals)
-    np.testing.assert_array_equal(got, want)
-    # Every BF16 pattern converts to float32 exactly and back to itself (NaNs stay NaN).
-    all_bf16 = np.arange(2**16, dtype=np.uint32).astype(np.uint16)
-    f = dtypes.BF16.to_float32(all_bf16)
-    np.testing.assert_array_equal(bits(f), bits(to_f32_oracle(dtypes.BF16, all_bf16)))
-    back = dtypes.BF16.from_float32(f)
-    nan = np.isnan(f)
-    np.testing.assert_array_equal(back[~nan], all_bf16[~nan])
-    assert np.isnan(dtypes.BF16.to_float32(back[nan])).all()
-
-
-def test_bf16_to_float32_is_the_top_half():
-    patterns = np.array([0x0000, 0x8000, 0x3F80, 0xC2F7, 0x7F80, 0x0001], dtype=np.uint16)
-    got = dtypes.BF16.to_float32(patterns)
-    np.testing.assert_array_equal(got, to_f32_oracle(dtypes.BF16, patterns))
-    assert got.tolist()[:4] == [0.0, -0.0, 1.0, -123.5]
-
-
-def test_sentinels_are_signalling_nans():
-    for dt, exp_mask, quiet_bit in [
-        (dtypes.BF16, 0x7F80, 0x0040),
-        (dtypes.FP16, 0x7C00, 0x0200),
-        (dtypes.FP32, 0x7F800000, 0x00400000),
-    ]:
-        s = dt.sentinel
-        assert s is not None
-        assert s & exp_mask == exp_mask and s & (quiet_bit - 1) != 0 and not s & quiet_bit
-        sentinel_value = np.array([s], dtype=dt.bits_dtype).view(dt.storage)
-        # Arithmetic on it yields a quiet NaN, never the sentinel again.
-        f = dt.to_float32(sentinel_value)
-        with np.errstate(invalid="ignore"):
-            produced = dt.from_float32((f * np.float32(1)) + np.float32(0))
-        assert not dt.contains_sentinel(produced)
-        assert dt.contains_sentinel(np.concatenate([np.zeros(3, dt.storage), sentinel_value]))
-    assert dtypes.INT8.sentinel is None and dtypes.UINT8.sentinel is None
-
-
-def test_dtype_of_and_errors():
-    assert dtypes.dtype_of(np.zeros(2, np.uint16)) is dtypes.BF16
-    assert dtypes.dtype_of("fp16") is dtypes.FP16
-    assert dtypes.dtype_of(np.float32) is dtypes.FP32
-    for bad in (np.float64, np.int32, "bf8"):
-        with pytest.raises(InvalidArgumentError):
-            dtypes.dtype_of(bad)
-    with pytest.raises(InvalidArgumentError) as err:
-        dtypes.INT8.to_float32(np.zeros(2, np.int8))
-    assert err.value.argument == "dtype"
-    with pytest.raises(InvalidArgumentError):
-        dtypes.FP16.to_float32(np.zeros(2, np.float32))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
