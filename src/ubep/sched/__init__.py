@@ -1,4 +1,4 @@
-"""Token scheduling: Plan, the three policies, quaternary search, objective (1), MILP optimum.
+"""Token scheduling: Plan, the baselines and the hierarchical scheduler, quaternary search, objective (1), MILP optimum.
 
 * :func:`schedule` turns one rank's ``topk_idx`` into a :class:`Plan` with policy
   ``expert_contiguous`` (CANN-EP baseline), ``balanced`` (UBEP w/o mapping) or ``hierarchical``
@@ -13,17 +13,11 @@
 from ..modes import LAYOUTS, POLICIES
 from .combine import combine_plans
 from .cost import core_times_ns, hop_costs_ns, objective_ns
+from .hierarchical import HierarchicalSlices, hierarchical_slices, hop_quotas, remapped_expert_order
 from .optimal import OptimalResult, optimal, optimal_classes, optimal_units
 from .partition import CorePartition, PartitionSweep, partition, partition_sweep
 from .plan import CoreSplit, Plan
-from .policies import (
-    HierarchicalSlices,
-    core_split,
-    hierarchical_slices,
-    hop_quotas,
-    remapped_expert_order,
-    schedule,
-)
+from .policies import core_split, schedule
 from .search import SearchResult, prefix_from_expert_list, quaternary_search, quaternary_search_many
 from .units import SendUnits, hop_row, send_units
 

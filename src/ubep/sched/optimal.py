@@ -40,8 +40,8 @@ import numpy as np
 from ..errors import InvalidArgumentError
 from ..topology import Topology
 from .cost import hop_costs_ns
+from .hierarchical import hop_quotas
 from .plan import Plan
-from .policies import hop_quotas
 
 __all__ = ["METHODS", "OptimalResult", "optimal", "optimal_classes", "optimal_units"]
 
