@@ -1,4 +1,5 @@
-"""Token scheduling: Plan, the baselines and the hierarchical scheduler, quaternary search, objective (1), MILP optimum.
+"""Token scheduling: Plan, the baselines and the hierarchical scheduler, quaternary search,
+objective (1), MILP optimum.
 
 * :func:`schedule` turns one rank's ``topk_idx`` into a :class:`Plan` with policy
   ``expert_contiguous`` (CANN-EP baseline), ``balanced`` (UBEP w/o mapping) or ``hierarchical``
