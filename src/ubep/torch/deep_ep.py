@@ -44,8 +44,8 @@ from ..quant import quantize
 from ..routing import get_dispatch_layout as _layout
 from ..torch_bridge import as_process_group, is_torch_group
 from ._convert import from_numpy, to_numpy
-from .backend import EPBackend, LocalBackend, issue_combine, issue_dispatch
-from .deep_ep_lowlatency import LowLatencyOutputs, combine_input
+from .backend import EPBackend, LocalBackend, issue_dispatch
+from .deep_ep_lowlatency import LowLatencyCalls
 from .deep_ep_types import (
     Config,
     EventHandle,
@@ -55,7 +55,6 @@ from .deep_ep_types import (
     _event,
     _Route,
 )
-from .fp8 import FP8_BLOCK, UE8M0_PACK
 
 __all__ = [
     "Buffer",
@@ -77,7 +76,7 @@ _SHAPE_FIELDS = (
 
 
 # --------------------------------------------------------------------------- the Buffer
-class Buffer:
+class Buffer(LowLatencyCalls):
     """DeepEP's ``Buffer`` on ubep (see the module docstring and docs/PORTING.md).
 
     Arguments as DeepEP v1's, in its order. ``num_nvl_bytes``, ``num_rdma_bytes``,
@@ -616,173 +615,6 @@ class Buffer:
             np.add.at(acc, np.asarray(src_token, dtype=np.int64)[mine], rows[mine])
         return torch.from_numpy(acc)
 
-    # ------------------------------------------------------------------ low-latency mode
-    def low_latency_dispatch(
-        self,
-        x: torch.Tensor,
-        topk_idx: torch.Tensor,
-        num_max_dispatch_tokens_per_rank: int,
-        num_experts: int,
-        cumulative_local_expert_recv_stats: torch.Tensor | None = None,
-        dispatch_wait_recv_cost_stats: torch.Tensor | None = None,
-        use_fp8: bool = True,
-        round_scale: bool = False,
-        use_ue8m0: bool = False,
-        async_finish: bool = False,
-        return_recv_hook: bool = False,
-    ) -> tuple[Any, torch.Tensor, LowLatencyHandle, EventOverlap, Callable[[], None] | None]:
-        """``(recv_x, recv_count, handle, event, hook)``. ``recv_x`` is
-        ``[num_local_experts, num_max_dispatch_tokens_per_rank * num_ranks, hidden]`` BF16, or
-        with ``use_fp8`` a tuple (FP8 e4m3 values, ``[..., hidden // 128]`` float32 scales, or
-        with ``use_ue8m0`` ``[..., hidden // 512]`` int32 packed UE8M0 exponents); only the first
-        ``recv_count[e]`` rows of expert ``e`` are valid (the rest are zero).
-
-        ``return_recv_hook``: the call returns once this rank's rows are sent, with ``hook``
-        (else None), which receives: ``recv_x``, ``recv_count`` and ``handle`` hold the data
-        only after it ran (as DeepEP). ``async_finish``: the same, received by
-        ``event.current_stream_wait()`` (DeepEP refuses both at once, so does ubep)."""
-        num_tokens, hidden = x.shape
-        if num_tokens > num_max_dispatch_tokens_per_rank:
-            raise InvalidArgumentError(
-                "x", num_tokens,
-                f"exceeds num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}",
-            )
-        if use_ue8m0 and not (use_fp8 and round_scale):
-            raise InvalidArgumentError(
-                "use_ue8m0", True, "needs use_fp8=True and round_scale=True (as DeepEP)"
-            )
-        _check_async(async_finish, return_recv_hook)
-        idx_np = np.ascontiguousarray(to_numpy(topk_idx, argument="topk_idx"), dtype=np.int64)
-        if use_fp8:
-            block = FP8_BLOCK * (UE8M0_PACK if use_ue8m0 else 1)
-            if hidden % block:
-                raise InvalidArgumentError("x", hidden, f"hidden must be a multiple of {block}")
-        # Unit weights travel with the rows; low_latency_combine gets the real ones.
-        receive, backend = self._send(
-            "expert", x.contiguous(), None, idx_np, np.ones(idx_np.shape, np.float32),
-            num_experts, num_max_dispatch_tokens_per_rank, split=async_finish or return_recv_hook,
-            round_scale=round_scale if use_fp8 else None,
-        )
-        slots = num_max_dispatch_tokens_per_rank * self.group_size
-        num_local = num_experts // self.group_size
-        out = LowLatencyOutputs(num_local, slots, hidden, self.group_size,
-                                 torch.uint8 if use_fp8 else x.dtype, use_fp8, use_ue8m0)
-        handle = LowLatencyHandle(
-            src_info=out.src_info,
-            layout_range=out.layout_range,
-            num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
-            hidden=hidden,
-            num_experts=num_experts,
-            inner=None,
-            backend=backend,
-            counts=np.zeros(num_local, dtype=np.int64),
-            topk_idx=idx_np,
-        )
-
-        def finish() -> None:
-            if handle.inner is not None:
-                return
-            res, recv_scales = receive()
-            counts = np.asarray(res.num_recv_tokens_per_expert, dtype=np.int64)
-            out.fill(res, recv_scales, counts)
-            stats = cumulative_local_expert_recv_stats
-            if stats is not None:
-                stats.add_(torch.from_numpy(counts).to(stats.dtype))
-            handle.counts[:] = counts
-            # the handle was handed out before the rows arrived: its inner handle is set once
-            # here (LowLatencyHandle is frozen to its users, not to its maker)
-            object.__setattr__(handle, "inner", res.handle)
-
-        if not (async_finish or return_recv_hook):
-            finish()
-        return (out.recv_x, out.recv_count, handle, _event(async_finish, finish),
-                finish if return_recv_hook else None)
-
-    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
-        """The tensor ``low_latency_combine(..., zero_copy=True)`` reads the expert outputs from:
-        ``[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]`` BF16, to
-        fill in place. Not collective. That combine packs the valid rows straight into ubep's
-        combine buffer in shared memory (``ubep.Buffer.get_combine_buffer``), which the reduce
-        then reads without another copy; ``x`` is ignored, as DeepEP."""
-        if not isinstance(handle, LowLatencyHandle):
-            raise InvalidArgumentError(
-                "handle", type(handle).__name__, "must come from low_latency_dispatch"
-            )
-        key = self._staging_key(handle)
-        if key not in self._ll_combine_staging:
-            self._ll_combine_staging[key] = torch.zeros(key, dtype=torch.bfloat16)
-        return self._ll_combine_staging[key]
-
-    def _staging_key(self, handle: LowLatencyHandle) -> tuple[int, int, int]:
-        slots = handle.num_max_dispatch_tokens_per_rank * self.group_size
-        return len(handle.counts), slots, handle.hidden
-
-    def low_latency_combine(
-        self,
-        x: torch.Tensor,
-        topk_idx: torch.Tensor,
-        topk_weights: torch.Tensor,
-        handle: LowLatencyHandle,
-        use_logfmt: bool = False,
-        zero_copy: bool = False,
-        async_finish: bool = False,
-        return_recv_hook: bool = False,
-        out: torch.Tensor | None = None,
-        combine_wait_recv_cost_stats: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, EventOverlap, Callable[[], None] | None]:
-        """Reduce **with weights**: ``(combined_x [num_tokens, hidden], event, hook)``; ``x`` is
-        the packed ``[num_local_experts, slots, hidden]`` expert output (ignored with
-        ``zero_copy``: the rows come from :meth:`get_next_low_latency_combine_buffer`).
-        ``topk_idx`` is the dispatch's, where a slot may be set to -1 to drop it.
-        ``return_recv_hook`` / ``async_finish``: as :meth:`low_latency_dispatch`; the combined
-        ``x`` holds the sums once the hook (or the event's wait) ran."""
-        if not isinstance(handle, LowLatencyHandle):
-            raise InvalidArgumentError(
-                "handle", type(handle).__name__, "must come from low_latency_dispatch"
-            )
-        if handle.inner is None:
-            raise InvalidArgumentError(
-                "handle", "pending", "its dispatch has not received yet: call the dispatch's "
-                "hook() (or its event's current_stream_wait()) first"
-            )
-        _check_async(async_finish, return_recv_hook)
-        idx = to_numpy(topk_idx, argument="topk_idx")
-        if idx.shape != handle.topk_idx.shape or not np.all((idx == handle.topk_idx) | (idx == -1)):
-            raise InvalidArgumentError(
-                "topk_idx", tuple(idx.shape), "must be the dispatch's topk_idx (-1 drops a slot)"
-            )
-        w = np.ascontiguousarray(to_numpy(topk_weights.float(), argument="topk_weights"))
-        w = np.where(idx == -1, np.float32(0), w).astype(np.float32)
-        source = x
-        if zero_copy:
-            staging = self._ll_combine_staging.get(self._staging_key(handle))
-            if staging is None:
-                raise InvalidArgumentError(
-                    "zero_copy", True, "fill get_next_low_latency_combine_buffer(handle) first"
-                )
-            source = staging
-        rows = combine_input(handle, source)
-        split = async_finish or return_recv_hook
-        call = issue_combine(handle.backend, rows, handle.inner, w, split=split)
-        if not split:
-            y = from_numpy(call.hook(), source.dtype)
-            if out is not None:
-                out.copy_(y)
-                y = out
-            return y, _event(False), None
-        y = out if out is not None else torch.empty((len(idx), handle.hidden),
-                                                     dtype=source.dtype)
-
-        filled: list[bool] = []
-
-        def finish() -> None:
-            if not filled:
-                y.copy_(from_numpy(call.hook(), source.dtype))
-                filled.append(True)
-
-        return y, _event(async_finish, finish), (finish if return_recv_hook else None)
-
-
 # --------------------------------------------------------------------------- helpers
 def _check_ubep_options(options: dict[str, Any]) -> None:
     """Every extra keyword must be a ``ubep.BufferConfig`` option with a valid value, so a typo
@@ -835,12 +667,3 @@ def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 def _with_scales(res: Any) -> tuple[Any, np.ndarray | None]:
     return res, res.recv_x_scales
-
-
-def _check_async(async_finish: bool, return_recv_hook: bool) -> None:
-    if async_finish and return_recv_hook:
-        raise InvalidArgumentError(
-            "async_finish", True, "cannot be combined with return_recv_hook (as DeepEP)"
-        )
-
-
