@@ -120,7 +120,7 @@ def _worker(group: Any) -> dict[str, Any]:
                     **{n: p.grad for n, p in layer.named_parameters()},
                 }
             backend.close()
-    import test_torch_deep_ep as dep  # the DeepEP flows, here on the real runtime
+    from tests.torch import test_torch_deep_ep as dep  # the DeepEP flows, here on the real runtime
 
     out["deep_ep-normal"] = dep.normal_flow(group, group.rank)
     out["deep_ep-ll-fp8"] = dep.low_latency_flow(group, group.rank, True)
@@ -222,7 +222,7 @@ def test_decode_cli_ubep_and_gloo_agree_token_for_token() -> None:
 
 
 def test_deep_ep_facade_on_two_processes(results: list[dict[str, Any]]) -> None:
-    import test_torch_deep_ep as dep
+    from tests.torch import test_torch_deep_ep as dep
 
     for r in range(R):
         y, combined_w, cached_ok = results[r]["deep_ep-normal"]
