@@ -52,11 +52,7 @@ from ..sched import CoreSplit, Plan, core_split, schedule
 from ..torch_bridge import as_process_group
 from .checks import ArgChecks
 from .inflight import InFlightCalls
-from .regions import combine_region as _combine_region
-from .regions import int64_outputs as _int64_outputs
-from .regions import layout_of as _layout_of
-from .regions import new_frozen as _new_frozen
-from .regions import rows_view as _rows_view
+from .regions import combine_region, int64_outputs, layout_of, new_frozen, rows_view
 from .state import AFTER as _AFTER
 from .state import BEFORE as _BEFORE
 from .state import NATIVE as _NATIVE
@@ -135,7 +131,7 @@ class Buffer(InFlightCalls, ArgChecks):
         self.num_cores = config.num_cores or self.group.topology.cores_per_rank
         self._dtype = _dt.dtype_of(config.dtype)
         self._cdtype = _dt.dtype_of(config.combine_dtype)
-        self.layout = _layout_of(config, self.num_ranks, self.num_cores)
+        self.layout = layout_of(config, self.num_ranks, self.num_cores)
         self._native = load_native()
 
     def _setup(self) -> None:
@@ -171,9 +167,9 @@ class Buffer(InFlightCalls, ArgChecks):
         # quantised rows: the values, and the float32 scales after them in each row
         cfg = self.config
         values = self._dtype.storage if cfg.quant is None else _quant.FORMATS[cfg.quant].storage
-        self._recv_views = [_rows_view(r, lay, values, 0, cfg.hidden) for r in self._out_regions]
+        self._recv_views = [rows_view(r, lay, values, 0, cfg.hidden) for r in self._out_regions]
         self._scale_views = [] if cfg.quant is None else [
-            _rows_view(r, lay, np.dtype(np.float32), cfg.hidden, cfg.hidden // _quant.QUANT_BLOCK)
+            rows_view(r, lay, np.dtype(np.float32), cfg.hidden, cfg.hidden // _quant.QUANT_BLOCK)
             for r in self._out_regions
         ]
         self._comb_regions = [
@@ -201,7 +197,7 @@ class Buffer(InFlightCalls, ArgChecks):
             from ..topology import host
 
             num_cores = config.num_cores or host(num_ranks).cores_per_rank
-        return _layout_of(config, num_ranks, num_cores).size_bytes
+        return layout_of(config, num_ranks, num_cores).size_bytes
 
     @overload
     def dispatch(
@@ -276,7 +272,7 @@ class Buffer(InFlightCalls, ArgChecks):
             ntok = xa.shape[0]
             cap, K, L, R = lay.cap_rows, cfg.num_topk, self.num_local_experts, self.num_ranks
             expert = cfg.layout == "expert"
-            o_idx, meta, counts, o_dst = _int64_outputs(cap, K, L, R, ntok, expert)
+            o_idx, meta, counts, o_dst = int64_outputs(cap, K, L, R, ntok, expert)
             o_w = np.empty(cap if expert else (cap, K), np.float32)
             stage = _NATIVE
             got = self._engine.dispatch(
@@ -316,7 +312,7 @@ class Buffer(InFlightCalls, ArgChecks):
         for owned in (meta, o_dst, idx, w):
             owned.flags.writeable = False
         src_rank, src_token, src_k = meta[0, :n], meta[1, :n], meta[2, :n]
-        handle = _new_frozen(
+        handle = new_frozen(
             RuntimeHandle,
             layout=cfg.layout,
             rank=self.rank,
@@ -336,7 +332,7 @@ class Buffer(InFlightCalls, ArgChecks):
             buffer_uid=self._uid,
             generation=self._generation,
         )
-        return _new_frozen(
+        return new_frozen(
             DispatchResult,
             recv_x=recv_x,
             recv_topk_idx=o_idx[:n],
@@ -403,7 +399,7 @@ class Buffer(InFlightCalls, ArgChecks):
                     return got
                 stage = _BEFORE
             h, eo = self._check_combine_args(expert_out, handle)
-            creg = _combine_region(h)
+            creg = combine_region(h)
             assert h.send_dst_row is not None  # checked by _check_combine_args
             y = np.empty((h.num_tokens, self.config.hidden), dtype=self._cdtype.storage)
             stage = _NATIVE
@@ -426,7 +422,7 @@ class Buffer(InFlightCalls, ArgChecks):
         self._enter()
         try:
             h = self._check_handle(handle)
-            creg = _combine_region(h)
+            creg = combine_region(h)
             last = int(self._engine.comb_last_epoch(creg))
             got = self._engine.wait_done(last, float(self.config.timeout_s))
             if type(got) is tuple:

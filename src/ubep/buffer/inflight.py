@@ -22,7 +22,6 @@ from .step import StepKeeping
 __all__ = ["MAX_IN_FLIGHT", "InFlight", "InFlightCalls"]
 
 MAX_IN_FLIGHT = 2  # split-phase calls per Buffer (the engine's MAX_PENDING)
-_MAX_IN_FLIGHT = MAX_IN_FLIGHT
 
 
 @dataclass
@@ -35,8 +34,6 @@ class InFlight:
     index: int | None  # dispatch index (None: combine)
 
 
-_InFlight = InFlight
-
 
 class InFlightCalls(StepKeeping):
     """The Buffer's split-phase bookkeeping."""
@@ -46,12 +43,12 @@ class InFlightCalls(StepKeeping):
         control records of the first: refused here, before it exists (nothing advances, no
         peer is told: peers that made the call wait, within their deadline, for this rank to
         call the hooks and make it again)."""
-        if len(self._in_flight) >= _MAX_IN_FLIGHT:
+        if len(self._in_flight) >= MAX_IN_FLIGHT:
             calls = ", ".join(str(c.epoch) for c in self._in_flight)
             raise UbepError(
                 f"rank {self.rank}: call refused: calls {calls} were issued with "
                 "return_recv_hook=True and their hook() was not called; at most "
-                f"{_MAX_IN_FLIGHT} calls may be in flight on a Buffer: call the hooks, then "
+                f"{MAX_IN_FLIGHT} calls may be in flight on a Buffer: call the hooks, then "
                 "make this call again"
             )
 
@@ -66,7 +63,7 @@ class InFlightCalls(StepKeeping):
         call: PendingCall[Any] = PendingCall(kind, self.rank, epoch,
                                              lambda: self._hook(epoch))
         if got is None:
-            self._in_flight.append(_InFlight(epoch, call, finish, index))
+            self._in_flight.append(InFlight(epoch, call, finish, index))
         else:  # the engine ran the whole call (one that needs no second half)
             call._settle(True, finish(int(got)))  # type: ignore[call-overload]
         if hook:

@@ -20,7 +20,7 @@ __all__ = ["combine_region", "int64_outputs", "layout_of", "new_frozen", "rows_v
 _T = TypeVar("_T")
 
 
-def _new_frozen(cls: type[_T], **fields: Any) -> _T:
+def new_frozen(cls: type[_T], **fields: Any) -> _T:
     """Build a frozen dataclass instance without ``__init__``/``__post_init__``.
 
     Only for results this module assembles itself, whose consistency holds by construction:
@@ -38,7 +38,7 @@ def _field_names(cls: type) -> frozenset[str]:
     return frozenset(cls.__dataclass_fields__)  # type: ignore[attr-defined]
 
 
-def _int64_outputs(cap: int, K: int, L: int, R: int, ntok: int,
+def int64_outputs(cap: int, K: int, L: int, R: int, ntok: int,
                    expert: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """A dispatch's int64 outputs as views of one allocation (one malloc, not four):
     ``recv_topk_idx``, ``meta`` (recv_src_rank, recv_src_token, recv_src_k), ``counts`` (per
@@ -53,12 +53,12 @@ def _int64_outputs(cap: int, K: int, L: int, R: int, ntok: int,
             block[c:].reshape(ntok, w_dst))
 
 
-def _combine_region(h: DispatchHandle) -> int:
+def combine_region(h: DispatchHandle) -> int:
     index = getattr(h, "dispatch_index", -1)
     return int(index) % 2 if index >= 0 else 0
 
 
-def _rows_view(region: np.ndarray, lay: SegmentLayout, dtype: np.dtype, offset: int,
+def rows_view(region: np.ndarray, lay: SegmentLayout, dtype: np.dtype, offset: int,
                width: int) -> np.ndarray:
     """Read-only ``[cap_rows, width]`` view of ``dtype`` elements starting ``offset`` bytes into
     each row of a receive region."""
@@ -68,7 +68,7 @@ def _rows_view(region: np.ndarray, lay: SegmentLayout, dtype: np.dtype, offset: 
     return view
 
 
-def _layout_of(config: BufferConfig, num_ranks: int, num_cores: int) -> SegmentLayout:
+def layout_of(config: BufferConfig, num_ranks: int, num_cores: int) -> SegmentLayout:
     dt = _dt.dtype_of(config.dtype)
     cdt = _dt.dtype_of(config.combine_dtype)
     return compute_layout(
@@ -89,8 +89,3 @@ def _layout_of(config: BufferConfig, num_ranks: int, num_cores: int) -> SegmentL
     )
 
 
-new_frozen = _new_frozen
-int64_outputs = _int64_outputs
-combine_region = _combine_region
-rows_view = _rows_view
-layout_of = _layout_of
