@@ -1,6 +1,6 @@
 /* The ABI shared with Python: codes, the control records as structs, their checksums.
  *
- * ubep/runtime/abi.py holds the same numbers on the Python side; module.c exports them (codes
+ * ubep/runtime/abi.py holds the same numbers on the Python side; exports.c exports them (codes
  * as dicts, record offsets computed with offsetof) and abi.py compares them when it loads the
  * module, so a stale build fails at load with a message that says so. */
 #ifndef UBEP_ABI_H

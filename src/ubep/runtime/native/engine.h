@@ -5,7 +5,9 @@
  * DC sums, conversions, reductions), wait.c (errors, notices, liveness, waits, end of an
  * operation), team.c (cores: threads, in-process barrier, phase runner), dispatch.c (ASP
  * dispatch and what BSP shares with it), dispatch_bsp.c (BSP dispatch and the global barrier),
- * combine.c, module.c (the Python type and module functions). */
+ * combine.c, module.c (the Engine type, its parameters), calls.c (a call's lifecycle), control.c
+ * (the control methods), exports.c (the ABI exports, module init), fastpath.c (whole blocking
+ * calls). */
 #ifndef UBEP_ENGINE_H
 #define UBEP_ENGINE_H
 
@@ -136,7 +138,7 @@ typedef struct engine {
     struct op *job_op;
     const struct phase_list *job_phases;
     int job_first, job_end; /* the phases of job_phases the cores run */
-    /* split-phase calls not yet completed, oldest first (module.c's call_t); their second
+    /* split-phase calls not yet completed, oldest first (calls.h's call_t); their second
      * halves run on the background core, one at a time, in issue order */
     struct call *pending[MAX_PENDING];
     int npending;
@@ -186,7 +188,7 @@ typedef struct op {
     int64_t ntok;
     const int64_t *topk;
     const float *w;
-    plan_t plan; /* ASP: the cores' tasks (module.c reads it from ubep.sched's Plan) */
+    plan_t plan; /* ASP: the cores' tasks (calls.c reads it from ubep.sched's Plan) */
     int checked; /* topk_idx was validated by ubep.sched (the plan's units): range and
                   * duplicates are not checked twice */
     /* dispatch outputs */
