@@ -22,6 +22,7 @@ ENGINES: dict[str, int]
 LAYOUTS: dict[str, int]
 QUANTS: dict[str, int]
 OFFSETS: dict[str, int]
+TRACE: dict[str, int]
 PARAMS: tuple[str, ...]
 
 class Engine:

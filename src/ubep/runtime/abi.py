@@ -2,7 +2,7 @@
 
 One home for what Python and C must agree on:
 
-* the codes: errors, payload types, sync modes, engines, layouts;
+* the codes: errors, payload types, sync modes, engines, layouts, trace slots;
 * the fixed offsets inside the segment header and inside the control records (where each record
   sits in a segment is :mod:`ubep.runtime.layout`'s business; what lies at which byte of a
   record is fixed here and in ``abi.h``);
@@ -53,6 +53,7 @@ __all__ = [
     "OFFSETS",
     "PARAMS",
     "SYNCS",
+    "TRACE",
     "ErrorRecord",
     "check_native",
     "engine_params",
@@ -74,6 +75,14 @@ ENGINES: dict[str, int] = {name: code for code, name in enumerate(modes.ENGINES)
 LAYOUTS: dict[str, int] = {name: code for code, name in enumerate(modes.LAYOUTS)}
 # BufferConfig.quant ("none" for None) -> the engine's code (abi.h QUANT_*)
 QUANTS: dict[str, int] = {"none": 0, "e4m3": 1, "int8": 2}
+
+# the engine's trace slots (abi.h TRACE_*): core 0's stamp as each phase of the last call ends
+TRACE: dict[str, int] = {
+    "d_enter": 0, "d_prev_done": 1, "d_validated": 2, "d_published": 3, "d_sent": 4,
+    "d_counts_in": 5, "d_metadata": 6, "d_data_in": 7,
+    "c_enter": 8, "c_prev_done": 9, "c_copied": 10, "c_published": 11, "c_peers": 12,
+    "c_reduced": 13, "slots": 16,
+}
 
 # --- the segment header (written and checked by ubep.runtime.shm; the engine never reads it) ---
 
@@ -258,7 +267,7 @@ def check_native(native: Any) -> None:
     ours: dict[str, object] = {
         "ABI": ABI_VERSION, "ERRORS": ERRORS, "DTYPES": DTYPES, "SYNCS": SYNCS,
         "ENGINES": ENGINES, "LAYOUTS": LAYOUTS, "QUANTS": QUANTS, "OFFSETS": OFFSETS,
-        "PARAMS": PARAMS,
+        "PARAMS": PARAMS, "TRACE": TRACE,
     }
     for name, want in ours.items():
         got = getattr(native, name, None)

@@ -7,7 +7,7 @@
 
 static int ph_c_prepare(op_t *op, int core) {
     engine_t *g = op->g;
-    TRACE(g, core, 8); /* combine's phase marks: slots 8-13 (dispatch uses 0-7) */
+    TRACE(g, core, TRACE_C_ENTER);
     pub_word(word(g, g->rank, g->off_entered), op->epoch << 2 | (uint64_t)op->kind);
     int rc = wait_peers_done(op, op->epoch >= 2 ? op->epoch - 2 : 0, 0);
     if (rc) return rc;
@@ -16,7 +16,7 @@ static int ph_c_prepare(op_t *op, int core) {
         if ((rc = wait_peers_done(op, g->comb_last_epoch[op->creg], 0))) return rc;
         g->comb_last_epoch[op->creg] = op->epoch;
     }
-    TRACE(g, core, 9);
+    TRACE(g, core, TRACE_C_PREV_DONE);
     return 0;
 }
 
@@ -48,7 +48,7 @@ static int ph_c_copy(op_t *op, int core) {
 static int ph_c_publish(op_t *op, int core) {
     engine_t *g = op->g;
     (void)core;
-    TRACE(g, core, 10);
+    TRACE(g, core, TRACE_C_COPIED);
     comb_info_rec_t *ci = comb_info(g, g->rank, op->par);
     store_fence();
     st_rlx(&ci->off, (uint64_t)op->eo_off);
@@ -63,7 +63,7 @@ static int ph_c_publish(op_t *op, int core) {
         int64_t lo = g->off_comb + c * g->comb_bytes;
         if (op->eo_off >= lo && op->eo_off < lo + g->comb_bytes) g->comb_last_epoch[c] = op->epoch;
     }
-    TRACE(g, core, 11);
+    TRACE(g, core, TRACE_C_PUBLISHED);
     return 0;
 }
 
@@ -154,7 +154,7 @@ static int ph_c_reduce(op_t *op, int core) {
         coff[q] = (int64_t)off;
         crows[q] = (int64_t)rows;
     }
-    TRACE(g, core, 12);
+    TRACE(g, core, TRACE_C_PEERS);
     const int maxt = K > R ? K : R;
     const void **tp[2] = {g->term_ptr + (int64_t)core * 2 * maxt,
                           g->term_ptr + ((int64_t)core * 2 + 1) * maxt};
@@ -178,7 +178,7 @@ static int ph_c_reduce(op_t *op, int core) {
                        g->layout == LAY_EXPERT, tp[!cur], prefetch ? nn : 0);
         nt = nn;
     }
-    TRACE(g, core, 13);
+    TRACE(g, core, TRACE_C_REDUCED);
     return 0;
 }
 

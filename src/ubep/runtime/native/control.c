@@ -124,9 +124,9 @@ PyObject *engine_reset_all(engine_t *g, PyObject *noargs) {
 PyObject *engine_trace(engine_t *g, PyObject *noargs) {
     quiesce(g);
     (void)noargs;
-    PyObject *t = PyTuple_New(16);
+    PyObject *t = PyTuple_New(TRACE_SLOTS);
     if (!t) return NULL;
-    for (int i = 0; i < 16; i++) PyTuple_SET_ITEM(t, i, PyLong_FromLongLong(g->trace[i]));
+    for (int i = 0; i < TRACE_SLOTS; i++) PyTuple_SET_ITEM(t, i, PyLong_FromLongLong(g->trace[i]));
     return t;
 }
 

@@ -267,17 +267,17 @@ static int ph_d_count(op_t *op, int core) {
 
 static int ph_d_prepare(op_t *op, int core) {
     (void)core;
-    TRACE(op->g, core, 0);
+    TRACE(op->g, core, TRACE_D_ENTER);
     /* the route area validation writes was read by peers two calls ago: wait for them first */
     pub_word(word(op->g, op->g->rank, op->g->off_entered), op->epoch << 2 | (uint64_t)op->kind);
     int rc = wait_peers_done(op, op->epoch >= 2 ? op->epoch - 2 : 0, 0);
     if (rc) return rc;
-    TRACE(op->g, core, 1);
+    TRACE(op->g, core, TRACE_D_PREV_DONE);
     if ((rc = dispatch_validate(op, !op->plan.num_count_cores))) return rc;
-    TRACE(op->g, core, 2);
+    TRACE(op->g, core, TRACE_D_VALIDATED);
     reset_send_state(op);
     rc = dispatch_publish(op);
-    TRACE(op->g, core, 3);
+    TRACE(op->g, core, TRACE_D_PUBLISHED);
     return rc;
 }
 
@@ -562,7 +562,7 @@ static int ph_d_send(op_t *op, int core) {
     int rc = op->plan.have_units ? send_planned(op, core)
              : core == 0         ? send_canonical(op, core)
                                  : 0;
-    TRACE(op->g, core, 4);
+    TRACE(op->g, core, TRACE_D_SENT);
     return rc;
 }
 
@@ -843,7 +843,7 @@ static int ph_d_receive(op_t *op, int core) {
     int64_t n = 0;
     int rc = recv_bases(op, core, rx_base, &n);
     if (rc) return rc;
-    TRACE(g, core, 5);
+    TRACE(g, core, TRACE_D_COUNTS_IN);
     int reg = (int)(op->n % g->nreg);
     if (core == 0) {
         op->n_recv = n;
@@ -852,9 +852,9 @@ static int ph_d_receive(op_t *op, int core) {
     for (int s = core; s < R; s += g->C) {
         if ((rc = recv_metadata(op, core, s, rx_base))) return rc;
     }
-    TRACE(g, core, 6);
+    TRACE(g, core, TRACE_D_METADATA);
     rc = recv_sources(op, core, rx_base, reg);
-    TRACE(g, core, 7);
+    TRACE(g, core, TRACE_D_DATA_IN);
     return rc;
 }
 

@@ -170,7 +170,7 @@ typedef struct engine {
      * core_dsts[c] count records core c published, their destinations in core_dst_log[c][...] */
     int64_t *core_units, *core_dsts;
     int32_t *core_unit_log, *core_dst_log;
-    int64_t trace[16];     /* core 0's phase timestamps of the last call (ns), for profiling */
+    int64_t trace[TRACE_SLOTS];     /* core 0's phase timestamps of the last call (ns), for profiling */
     struct fast *fast;     /* fastpath.c: what blocking calls build their results from */
 } engine_t;
 

@@ -35,6 +35,15 @@ static const named_t ENGINE_CODES[] = {{"asp", ENG_ASP}, {"bsp", ENG_BSP}};
 static const named_t LAYOUT_CODES[] = {{"expert", LAY_EXPERT}, {"rank", LAY_RANK}};
 static const named_t QUANT_CODES[] = {
     {"none", QUANT_NONE}, {"e4m3", QUANT_E4M3}, {"int8", QUANT_INT8}};
+static const named_t TRACE_CODES[] = {
+    {"d_enter", TRACE_D_ENTER}, {"d_prev_done", TRACE_D_PREV_DONE},
+    {"d_validated", TRACE_D_VALIDATED}, {"d_published", TRACE_D_PUBLISHED},
+    {"d_sent", TRACE_D_SENT}, {"d_counts_in", TRACE_D_COUNTS_IN},
+    {"d_metadata", TRACE_D_METADATA}, {"d_data_in", TRACE_D_DATA_IN},
+    {"c_enter", TRACE_C_ENTER}, {"c_prev_done", TRACE_C_PREV_DONE},
+    {"c_copied", TRACE_C_COPIED}, {"c_published", TRACE_C_PUBLISHED},
+    {"c_peers", TRACE_C_PEERS}, {"c_reduced", TRACE_C_REDUCED}, {"slots", TRACE_SLOTS},
+};
 #define AT(name, rec, field) {name, (long long)offsetof(rec, field)}
 static const named_t RECORD_OFFSETS[] = {
     {"HEADER_BYTES", HEADER_BYTES},
@@ -100,6 +109,7 @@ static int add_exports(PyObject *m) {
         add_named(m, "ENGINES", ENGINE_CODES, NAMED_LEN(ENGINE_CODES)) ||
         add_named(m, "LAYOUTS", LAYOUT_CODES, NAMED_LEN(LAYOUT_CODES)) ||
         add_named(m, "QUANTS", QUANT_CODES, NAMED_LEN(QUANT_CODES)) ||
+        add_named(m, "TRACE", TRACE_CODES, NAMED_LEN(TRACE_CODES)) ||
         add_named(m, "OFFSETS", RECORD_OFFSETS, NAMED_LEN(RECORD_OFFSETS)))
         return -1;
     if (PyModule_AddIntConstant(m, "ABI", UBEP_ABI_VERSION) < 0 ||
