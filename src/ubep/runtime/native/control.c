@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "calls.h"
+#include "flags.h"
 #define NO_IMPORT_ARRAY
 #include "fastpath.h"
 #include "methods.h"
@@ -78,7 +79,7 @@ PyObject *engine_resync(engine_t *g, PyObject *args) {
     pub_word(ready_word(g, g->rank, 0), 0);
     pub_word(ready_word(g, g->rank, 1), 0);
     atomic_store(sleepers(g, g->rank), 0);
-    if (g->sync == SYNC_SP) reset_land(g);
+    if (flag_sentinel(g)) reset_land(g);
     g->land_dirty = 0;
     memset(g->sp_dirty, 0, sizeof g->sp_dirty);
     g->comb_last_epoch[0] = g->comb_last_epoch[1] = 0;
@@ -112,7 +113,7 @@ PyObject *engine_wait_done(engine_t *g, PyObject *args) {
 PyObject *engine_reset_all(engine_t *g, PyObject *noargs) {
     quiesce(g);
     (void)noargs;
-    if (g->sync != SYNC_SP) Py_RETURN_NONE;
+    if (!flag_sentinel(g)) Py_RETURN_NONE;
     Py_BEGIN_ALLOW_THREADS
     reset_land(g);
     g->land_dirty = 0;

@@ -31,6 +31,7 @@
 #include <string.h>
 
 #include "calls.h"
+#include "flags.h"
 #define NO_IMPORT_ARRAY
 #include "fastpath.h"
 #include "methods.h"
@@ -195,7 +196,7 @@ static int engine_init(engine_t *g, PyObject *args, PyObject *kwds) {
         g->cdt < 0 || g->cdt > 2 || g->rank < 0 || g->rank >= g->R || g->nreg < 1 ||
         g->nreg > 8 || (g->nland != 1 && g->nland != g->nreg) || g->quant < QUANT_NONE ||
         g->quant > QUANT_INT8 || (g->quant && (g->dt > DT_FP32 || g->hidden % QUANT_BLOCK ||
-                                               g->sync == SYNC_SP))) {
+                                               flag_sentinel(g)))) {
         PyErr_SetString(PyExc_ValueError, "engine: parameters out of range (num_ranks <= 64)");
         return -1;
     }
