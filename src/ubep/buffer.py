@@ -47,7 +47,7 @@ from . import dtypes as _dt
 from . import quant as _quant
 from .call_args import check_dispatch_args, is_c, to_array
 from .config import BufferConfig
-from .engine import Engine, FastCalls, RuntimeHandle
+from .engine import CombineCall, DispatchCall, Engine, FastCalls, RuntimeHandle
 from .errors import (
     InvalidArgumentError,
     OutOfStepError,
@@ -305,12 +305,12 @@ class Buffer:
             o_idx, meta, counts, o_dst = _int64_outputs(cap, K, L, R, ntok, expert)
             o_w = np.empty(cap if expert else (cap, K), np.float32)
             stage = _NATIVE
-            got = self._engine.dispatch(
+            got = self._engine.dispatch(DispatchCall(
                 xa, idx, w, ntok, epoch, index, o_idx, o_w, meta[0], meta[1], meta[2], counts,
                 o_dst, plan, hook or bool(self._in_flight), x_scales is not None,
-            )
+            ))
             stage = _AFTER
-            if type(got) is tuple:
+            if type(got) is ErrorRecord:
                 raise self._error(got)
         except BaseException as exc:
             err, clean = self._failed(epoch, stage, exc)
@@ -435,13 +435,13 @@ class Buffer:
             assert h.send_dst_row is not None  # checked by _check_combine_args
             y = np.empty((h.num_tokens, self.config.hidden), dtype=self._cdtype.storage)
             stage = _NATIVE
-            got = self._engine.combine(
+            got = self._engine.combine(CombineCall(
                 eo, h.num_recv_rows, h.topk_idx, h.topk_weights, h.send_dst_row, h.num_tokens,
                 epoch, creg, y, h.dispatch_index,  # type: ignore[attr-defined]
                 hook or bool(self._in_flight),
-            )
+            ))
             stage = _AFTER
-            if type(got) is tuple:
+            if type(got) is ErrorRecord:
                 raise self._error(got)
         except BaseException as exc:
             raise self._failed(epoch, stage, exc)[0] from None
@@ -514,7 +514,7 @@ class Buffer:
                 got = self._engine.complete(c.epoch)
                 del self._in_flight[0]
                 stage = _AFTER
-                if isinstance(got, tuple):
+                if isinstance(got, ErrorRecord):
                     raise self._error(got)
                 c.call._settle(True, c.finish(int(got)))
             except BaseException as exc:
@@ -559,7 +559,7 @@ class Buffer:
             creg = _combine_region(h)
             last = int(self._engine.comb_last_epoch(creg))
             got = self._engine.wait_done(last, float(self.config.timeout_s))
-            if type(got) is tuple:
+            if type(got) is ErrorRecord:
                 raise self._error(got)
             rows, hidden = h.num_recv_rows, self.config.hidden
             region = self._comb_regions[creg]
@@ -695,7 +695,7 @@ class Buffer:
         # up to here is finished", so the notice goes out without one
         got = self._engine.fail(epoch, E_BAD_INPUT, f"rank {self.rank}: {exc}",
                                 0 if self._in_flight else 1, float(self.config.timeout_s))
-        if type(got) is tuple:  # the peers never finished the call before last: out of step
+        if type(got) is ErrorRecord:  # peers never finished the call before last: out of step
             self._mark_lost(f"rejected call {epoch} could not be announced: "
                             f"{self._error(got)}")
             return exc, False
@@ -753,9 +753,9 @@ class Buffer:
 
     def _fast_answer(self, got: Any) -> Any:
         """What a one-call entry returned: None (not its case: nothing was done), the call's
-        result, or the engine's error tuple, raised here (``_failed`` classifies a UbepError
+        result, or the engine's ErrorRecord, raised here (``_failed`` classifies a UbepError
         from inside the data plane as it does one from after it)."""
-        if type(got) is tuple:
+        if type(got) is ErrorRecord:
             raise self._error(got)
         return got
 
@@ -838,10 +838,9 @@ class Buffer:
             )
         return h, eo
 
-    def _error(self, info: tuple[int, int, int, str, Any, Any]) -> UbepError:
-        """The exception of an engine's error tuple (``ubep.runtime.abi.ErrorRecord``); every
-        error but a clean reject (bad input here or on a peer) leaves the Buffer out of step."""
-        rec = ErrorRecord.from_tuple(info)  # what/message written by peers: any bytes at all
+    def _error(self, rec: ErrorRecord) -> UbepError:
+        """The exception of an engine's error record; every error but a clean reject (bad
+        input here or on a peer) leaves the Buffer out of step."""
         if rec.code == E_PEER_LOST:
             self._dead = rec.what
         elif rec.code == E_REMOTE and not rec.clean:

@@ -67,11 +67,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import dtypes as _dt
+from ..engine import CombineCall, DispatchCall
 from ..errors import InvalidArgumentError, TimeoutError
 from ..flags import TffCodec
 from ..runtime.abi import (
     E_BAD_INPUT,
     E_INTERNAL,
+    ErrorRecord,
     load_native,
 )
 from ..runtime.abi import HEADER_BYTES as _HEADER_BYTES
@@ -216,23 +218,22 @@ class RmaEngine(RmaProtocol):
         self._done_code = [0] * self.R
         self.comb_last = [0, 0]
 
-    def wait_done(self, epoch: int, timeout_s: float) -> Any:
+    def wait_done(self, epoch: int, timeout_s: float) -> int | ErrorRecord:
         op = _Op(2, epoch, int(timeout_s * 1e9))
         try:
             self._wait_peers_done(op, epoch)
         except _OpError as err:
-            return self._tuple(err)
+            return self._record(err)
         return 0
 
-    def dispatch(
-        self, x: np.ndarray, topk_idx: np.ndarray, topk_weights: np.ndarray, ntok: int,
-        epoch: int, index: int, o_idx: np.ndarray, o_w: np.ndarray, o_rank: np.ndarray,
-        o_tok: np.ndarray, o_k: np.ndarray, o_nrecv: np.ndarray, o_dst: np.ndarray,
-        plan: Any, split: bool = False, prequant: bool = False,
-    ) -> Any:
+    def dispatch(self, call: DispatchCall, /) -> int | ErrorRecord:
         # one thread: rows go destination by destination (module docstring); a split-phase
-        # call runs whole here (no second half: Buffer settles its hook at once)
-        del plan, split, prequant  # prequant: quantised Buffers are refused at construction
+        # call runs whole here (no second half: Buffer settles its hook at once); plan unused,
+        # prequant too: quantised Buffers are refused at construction
+        x, topk_idx, topk_weights, ntok = call.x, call.topk_idx, call.topk_weights, call.num_tokens
+        epoch, index, o_dst = call.epoch, call.index, call.send_dst_row
+        o_idx, o_w, o_rank = call.recv_topk_idx, call.recv_topk_weights, call.recv_src_rank
+        o_tok, o_k, o_nrecv = call.recv_src_token, call.recv_src_k, call.counts
         op = _Op(0, epoch, self.timeout_ns)
         self._reap()
         try:
@@ -252,15 +253,15 @@ class RmaEngine(RmaProtocol):
         try:
             self._check_outcome(op)
         except _OpError as err:
-            return self._tuple(err)
+            return self._record(err)
         return n
 
-    def combine(
-        self, eo: np.ndarray, rows: int, h_idx: np.ndarray, h_w: np.ndarray, h_dst: np.ndarray,
-        ntok: int, epoch: int, creg: int, y: np.ndarray, dispatch_index: int = 0,
-        split: bool = False,
-    ) -> Any:
-        del split  # as dispatch: the whole call runs here
+    def combine(self, call: CombineCall, /) -> int | ErrorRecord:
+        # as dispatch: the whole call runs here (split unused)
+        eo, rows, h_idx, h_w, h_dst = (call.expert_out, call.num_rows, call.topk_idx,
+                                       call.topk_weights, call.send_dst_row)
+        ntok, epoch, creg, y = call.num_tokens, call.epoch, call.region, call.y
+        dispatch_index = call.dispatch_index
         op = _Op(1, epoch, self.timeout_ns)
         self._reap()
         try:
@@ -276,7 +277,7 @@ class RmaEngine(RmaProtocol):
             self._wait_peers_done(op, epoch, failures=False)
             self._check_outcome(op)
         except _OpError as err:
-            return self._tuple(err)
+            return self._record(err)
         return int(zero_copy)
 
     # --- validation and routing ---------------------------------------------------------

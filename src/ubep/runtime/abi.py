@@ -8,8 +8,8 @@ One home for what Python and C must agree on:
   record is fixed here and in ``abi.h``);
 * the engine's parameters, built from a :class:`~ubep.buffer.BufferConfig` and a
   :class:`~ubep.runtime.layout.SegmentLayout` (:func:`engine_params`);
-* the error record an engine returns and its conversion to an exception
-  (:class:`ErrorRecord`).
+* the error record an engine returns (the native engine builds it from the type handed over
+  at load) and its conversion to an exception (:class:`ErrorRecord`).
 
 :func:`load_native` imports ``ubep.runtime._native`` and compares what it exports (codes, record
 offsets, parameter keys, ABI version) with this module: a build older or newer than the Python
@@ -195,14 +195,11 @@ def engine_params(
 # --- the error record ------------------------------------------------------------------------
 
 
-def _text(raw: Any) -> str:
-    return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
-
-
 @dataclass(frozen=True)
 class ErrorRecord:
-    """What an engine returns instead of a result: the tuple ``(code, peer, core, argument,
-    what, message)``, ``what`` and ``message`` as bytes (peers write them) or str.
+    """What an engine returns instead of a result. The native engine builds it from this type
+    (:func:`load_native` hands it over once), decoding ``what`` and ``message`` without failing:
+    peers write them, any bytes at all.
 
     Attributes:
         code: ``E_*`` (1 bad input, 2 timeout, 3 peer lost, 4 remote failure, 5 internal,
@@ -220,11 +217,6 @@ class ErrorRecord:
     argument: str
     what: str
     message: str
-
-    @classmethod
-    def from_tuple(cls, info: tuple[int, int, int, str, Any, Any]) -> ErrorRecord:
-        code, peer, core, argument, what, message = info
-        return cls(int(code), int(peer), int(core), str(argument), _text(what), _text(message))
 
     @property
     def clean(self) -> bool:
@@ -291,4 +283,5 @@ def load_native() -> Any:
             f"the Python headers). Original error: {exc}"
         ) from exc
     check_native(_native)
+    _native.set_error_type(ErrorRecord)
     return _native

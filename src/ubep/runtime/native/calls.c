@@ -4,6 +4,7 @@
  * and abandon; fastpath.c builds calls through the same functions. */
 #include "engine.h" /* first: Python.h precedes the standard headers */
 
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -11,15 +12,64 @@
 #include "calls.h"
 #include "methods.h"
 
-PyObject *error_tuple(op_t *op) {
+/* ubep.runtime.abi.ErrorRecord: what a failed call returns, handed over once (set_error_type,
+ * from abi.load_native) */
+static PyObject *error_type;
+
+PyObject *engine_set_error_type(PyObject *module, PyObject *type) {
+    (void)module;
+    if (!PyType_Check(type)) {
+        PyErr_SetString(PyExc_TypeError, "set_error_type: a type is needed");
+        return NULL;
+    }
+    Py_XSETREF(error_type, Py_NewRef(type));
+    Py_RETURN_NONE;
+}
+
+/* text a peer may have written: any bytes at all, decoded without failing */
+static PyObject *peer_text(const char *s) {
+    return PyUnicode_DecodeUTF8(s, (Py_ssize_t)strlen(s), "replace");
+}
+
+PyObject *error_record(op_t *op) {
+    if (!error_type) {
+        PyErr_SetString(PyExc_RuntimeError, "engine: no error record type (load the module "
+                        "through ubep.runtime.abi.load_native)");
+        return NULL;
+    }
     int err = atomic_load(&op->err);
     char buf[MAX_MSG];
     format_error(op, buf, sizeof buf);
-    /* E_REMOTE: the notice's code in the core slot; the message as bytes (a peer wrote it) */
+    /* E_REMOTE: the notice's code in the core slot; its message, as a peer wrote it */
     const char *msg = err == E_REMOTE || err == E_BAD_INPUT ? op->msg : buf;
-    return Py_BuildValue("(iiisy#y#)", err, op->err_peer,
-                         err == E_REMOTE ? op->remote_code : op->err_core, op->arg, op->what,
-                         (Py_ssize_t)strlen(op->what), msg, (Py_ssize_t)strlen(msg));
+    PyObject *what = peer_text(op->what), *message = peer_text(msg);
+    if (!what || !message) {
+        Py_XDECREF(what);
+        Py_XDECREF(message);
+        return NULL;
+    }
+    return PyObject_CallFunction(error_type, "iiisNN", err, op->err_peer,
+                                 err == E_REMOTE ? op->remote_code : op->err_core, op->arg, what,
+                                 message);
+}
+
+/* The fields of a call record (ubep.engine.DispatchCall / CombineCall), read by name as
+ * read_plan reads the Plan: new references, or -1 with an exception set and none held. */
+static int record_fields(PyObject *rec, const char *const *names, PyObject **interned, int n,
+                         PyObject **out) {
+    for (int i = 0; i < n; i++) {
+        if (!interned[i] && !(interned[i] = PyUnicode_InternFromString(names[i]))) goto fail;
+        if (!(out[i] = PyObject_GetAttr(rec, interned[i]))) goto fail;
+        continue;
+    fail:
+        while (i--) Py_DECREF(out[i]);
+        return -1;
+    }
+    return 0;
+}
+
+static void drop_fields(PyObject **f, int n) {
+    for (int i = 0; i < n; i++) Py_DECREF(f[i]);
 }
 
 
@@ -133,10 +183,10 @@ void call_free(call_t *c) {
 }
 
 /* the result of a finished call (frees it): rows received (dispatch) or whether the expert
- * outputs were used in place (combine), or the error tuple */
+ * outputs were used in place (combine), or the ErrorRecord */
 static PyObject *call_result(call_t *c) {
     op_t *op = &c->op;
-    PyObject *res = atomic_load(&op->err) ? error_tuple(op)
+    PyObject *res = atomic_load(&op->err) ? error_record(op)
                     : op->kind == 0        ? PyLong_FromLongLong(op->n_recv)
                                            : PyLong_FromLong(op->zero_copy);
     call_free(c);
@@ -190,7 +240,7 @@ static call_t *oldest_pending(engine_t *g, unsigned long long epoch) {
     return c;
 }
 
-/* complete(epoch) -> result of dispatch / combine | error tuple: the oldest split-phase call,
+/* complete(epoch) -> result of dispatch / combine | ErrorRecord: the oldest split-phase call,
  * once the background core has run its second half */
 PyObject *engine_complete(engine_t *g, PyObject *args) {
     unsigned long long epoch;
@@ -245,22 +295,37 @@ PyObject *engine_abandon(engine_t *g, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* dispatch(x, topk_idx, topk_weights, num_tokens, epoch, index, recv_topk_idx,
- *          recv_topk_weights, recv_src_rank, recv_src_token, recv_src_k, counts, send_dst_row,
- *          plan, split) -> rows received | None (split: the first half ran, complete() runs
- *          the rest) | error tuple; plan: None (one core), ubep.sched's Plan or CoreSplit
- *          (read_plan) */
-PyObject *engine_dispatch(engine_t *g, PyObject *args) {
+enum { D_X, D_TOPK_IDX, D_TOPK_WEIGHTS, D_NUM_TOKENS, D_EPOCH, D_INDEX, D_OUT, D_PLAN = D_OUT + 7,
+       D_SPLIT, D_PREQUANT, D_FIELDS };
+static const char *const DISPATCH_FIELDS[D_FIELDS] = {
+    "x", "topk_idx", "topk_weights", "num_tokens", "epoch", "index", "recv_topk_idx",
+    "recv_topk_weights", "recv_src_rank", "recv_src_token", "recv_src_k", "counts",
+    "send_dst_row", "plan", "split", "prequant",
+};
+
+/* dispatch(call: ubep.engine.DispatchCall) -> rows received | None (call.split: the first half
+ * ran, complete() runs the rest) | ErrorRecord; call.plan: None (one core), ubep.sched's Plan or
+ * CoreSplit (read_plan) */
+PyObject *engine_dispatch(engine_t *g, PyObject *rec) {
+    static PyObject *names[D_FIELDS];
+    PyObject *f[D_FIELDS];
+    if (record_fields(rec, DISPATCH_FIELDS, names, D_FIELDS, f)) return NULL;
     dispatch_args_t a;
-    PyObject **o = a.out;
-    int split = 0;
-    a.prequant = 0;
-    if (!PyArg_ParseTuple(args, "OOOLKLOOOOOOOO|pp", &a.x, &a.topk_idx, &a.topk_weights,
-                          &a.num_tokens, &a.epoch, &a.index, &o[0], &o[1], &o[2], &o[3], &o[4],
-                          &o[5], &o[6], &a.plan, &split, &a.prequant))
-        return NULL;
-    call_t *c = dispatch_call(g, &a);
-    return c ? call_run(g, c, split) : NULL;
+    a.x = f[D_X]; a.topk_idx = f[D_TOPK_IDX]; a.topk_weights = f[D_TOPK_WEIGHTS];
+    for (int i = 0; i < 7; i++) a.out[i] = f[D_OUT + i];
+    a.plan = f[D_PLAN];
+    a.num_tokens = PyLong_AsLongLong(f[D_NUM_TOKENS]);
+    a.epoch = PyLong_AsUnsignedLongLong(f[D_EPOCH]);
+    a.index = PyLong_AsLongLong(f[D_INDEX]);
+    int split = PyObject_IsTrue(f[D_SPLIT]);
+    a.prequant = PyObject_IsTrue(f[D_PREQUANT]);
+    PyObject *res = NULL;
+    if (!PyErr_Occurred() && split >= 0 && a.prequant >= 0) {
+        call_t *c = dispatch_call(g, &a);
+        res = c ? call_run(g, c, split) : NULL;
+    }
+    drop_fields(f, D_FIELDS);
+    return res;
 }
 
 static int dispatch_bufs(engine_t *g, const dispatch_args_t *a, pbuf_t *b, int64_t ntok);
@@ -333,18 +398,36 @@ static int dispatch_bufs(engine_t *g, const dispatch_args_t *a, pbuf_t *b, int64
         get_buf(o[6], &b[9], 1, "send_dst_row", ntok * dst_w * 8);
 }
 
-/* combine(expert_out, num_rows, topk_idx, topk_weights, send_dst_row, num_tokens, epoch,
- *         region, y, dispatch_index, split) -> 1 if expert_out was used in place, else 0 |
- *         None (split, as dispatch) | error tuple; every rank must name the same dispatch */
-PyObject *engine_combine(engine_t *g, PyObject *args) {
+enum { C_EXPERT_OUT, C_NUM_ROWS, C_TOPK_IDX, C_TOPK_WEIGHTS, C_SEND_DST_ROW, C_NUM_TOKENS,
+       C_EPOCH, C_REGION, C_Y, C_DISPATCH_INDEX, C_SPLIT, C_FIELDS };
+static const char *const COMBINE_FIELDS[C_FIELDS] = {
+    "expert_out", "num_rows", "topk_idx", "topk_weights", "send_dst_row", "num_tokens", "epoch",
+    "region", "y", "dispatch_index", "split",
+};
+
+/* combine(call: ubep.engine.CombineCall) -> 1 if expert_out was used in place, else 0 | None
+ * (call.split, as dispatch) | ErrorRecord; every rank must name the same dispatch */
+PyObject *engine_combine(engine_t *g, PyObject *rec) {
+    static PyObject *names[C_FIELDS];
+    PyObject *f[C_FIELDS];
+    if (record_fields(rec, COMBINE_FIELDS, names, C_FIELDS, f)) return NULL;
     combine_args_t a = {0};
-    int split = 0;
-    if (!PyArg_ParseTuple(args, "OLOOOLKiOK|p", &a.expert_out, &a.rows, &a.topk_idx,
-                          &a.topk_weights, &a.send_dst_row, &a.num_tokens, &a.epoch, &a.region,
-                          &a.y, &a.dispatch_index, &split))
-        return NULL;
-    call_t *c = combine_call(g, &a);
-    return c ? call_run(g, c, split) : NULL;
+    a.expert_out = f[C_EXPERT_OUT]; a.topk_idx = f[C_TOPK_IDX];
+    a.topk_weights = f[C_TOPK_WEIGHTS]; a.send_dst_row = f[C_SEND_DST_ROW]; a.y = f[C_Y];
+    a.rows = PyLong_AsLongLong(f[C_NUM_ROWS]);
+    a.num_tokens = PyLong_AsLongLong(f[C_NUM_TOKENS]);
+    a.epoch = PyLong_AsUnsignedLongLong(f[C_EPOCH]);
+    long region = PyLong_AsLong(f[C_REGION]);
+    a.region = region < INT_MIN || region > INT_MAX ? -1 : (int)region;
+    a.dispatch_index = PyLong_AsUnsignedLongLong(f[C_DISPATCH_INDEX]);
+    int split = PyObject_IsTrue(f[C_SPLIT]);
+    PyObject *res = NULL;
+    if (!PyErr_Occurred() && split >= 0) {
+        call_t *c = combine_call(g, &a);
+        res = c ? call_run(g, c, split) : NULL;
+    }
+    drop_fields(f, C_FIELDS);
+    return res;
 }
 
 call_t *combine_call(engine_t *g, const combine_args_t *a) {

@@ -69,10 +69,10 @@ call_t *combine_call(engine_t *g, const combine_args_t *a);
 PyObject *call_run(engine_t *g, call_t *c, int split);
 void call_free(call_t *c);
 
-/* shared with control.c: an operation's start, its error record, and the background core idle
+/* shared with control.c: an operation's start, its error record (an ubep.runtime.abi.ErrorRecord), and the background core idle
  * (every method that touches the engine's state calls quiesce first) */
 void op_init(op_t *op, engine_t *g, int kind, uint64_t epoch);
-PyObject *error_tuple(op_t *op);
+PyObject *error_record(op_t *op);
 void quiesce(engine_t *g);
 
 #endif /* UBEP_CALLS_H */

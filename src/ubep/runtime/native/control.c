@@ -11,7 +11,7 @@
 #include "fastpath.h"
 #include "methods.h"
 
-/* fail(epoch, code, message, finished, timeout_s) -> 0 | 1 | error tuple: publish "call `epoch`
+/* fail(epoch, code, message, finished, timeout_s) -> 0 | 1 | ErrorRecord: publish "call `epoch`
  * failed here" for a call rejected before the native code ran (finished=1: this rank is done
  * with it), or, finished=0, tell peers ahead of time that the next call cannot run here (a
  * Buffer that lost step). The notice slot of `epoch` last held the notice of `epoch - 2`: it
@@ -50,7 +50,7 @@ PyObject *engine_fail(engine_t *g, PyObject *args) {
     int armed = atomic_load(&op->armed);
     if (armed) atomic_fetch_sub(sleepers(g, g->rank), (uint32_t)armed);
     Py_END_ALLOW_THREADS
-    PyObject *res = rc > 0 ? error_tuple(op) : PyLong_FromLong(rc ? 1 : 0);
+    PyObject *res = rc > 0 ? error_record(op) : PyLong_FromLong(rc ? 1 : 0);
     free(op);
     return res;
 }
@@ -88,7 +88,7 @@ PyObject *engine_resync(engine_t *g, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* wait_done(epoch, timeout_s) -> 0 | error tuple: every peer has finished call `epoch` */
+/* wait_done(epoch, timeout_s) -> 0 | ErrorRecord: every peer has finished call `epoch` */
 PyObject *engine_wait_done(engine_t *g, PyObject *args) {
     quiesce(g);
     unsigned long long epoch;
@@ -104,7 +104,7 @@ PyObject *engine_wait_done(engine_t *g, PyObject *args) {
     int armed = atomic_load(&op->armed);
     if (armed) atomic_fetch_sub(sleepers(g, g->rank), (uint32_t)armed);
     Py_END_ALLOW_THREADS
-    PyObject *res = rc ? error_tuple(op) : PyLong_FromLong(0);
+    PyObject *res = rc ? error_record(op) : PyLong_FromLong(0);
     free(op);
     return res;
 }

@@ -118,6 +118,13 @@ static int add_exports(PyObject *m) {
     return 0;
 }
 
+/* the module functions of the ABI itself (hooks.c's are for tests and benchmarks) */
+static PyMethodDef ABI_METHODS[] = {
+    {"set_error_type", (PyCFunction)engine_set_error_type, METH_O,
+     "the type failed calls return (ubep.runtime.abi.ErrorRecord), handed over once"},
+    {NULL, NULL, 0, NULL},
+};
+
 PyMODINIT_FUNC PyInit__native(void) {
     import_array(); /* numpy's C API (fastpath.c); returns NULL with ImportError if missing */
     select_kernels();
@@ -130,7 +137,7 @@ PyMODINIT_FUNC PyInit__native(void) {
         Py_DECREF(m);
         return NULL;
     }
-    if (add_exports(m) < 0) {
+    if (PyModule_AddFunctions(m, ABI_METHODS) < 0 || add_exports(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -321,7 +321,7 @@ fail:
 }
 
 /* dispatch_fast(x, topk_idx, topk_weights, epoch, index, generation, plan) -> None (not this
- * path's case: nothing was done) | DispatchResult | error tuple */
+ * path's case: nothing was done) | DispatchResult | ErrorRecord */
 PyObject *engine_dispatch_fast(engine_t *g, PyObject *args) {
     dispatch_args_t a;
     PyObject *generation;
@@ -367,7 +367,7 @@ PyObject *engine_dispatch_fast(engine_t *g, PyObject *args) {
 static PyObject *field(PyObject *d, PyObject *key) { return PyDict_GetItemWithError(d, key); }
 
 /* combine_fast(expert_out, handle, epoch, generation, num_dispatches) -> None (not this
- * path's case) | y | error tuple */
+ * path's case) | y | ErrorRecord */
 PyObject *engine_combine_fast(engine_t *g, PyObject *args) {
     PyObject *eo, *handle, *generation;
     unsigned long long epoch;

@@ -12,8 +12,10 @@
  *     PARAMS (read through the {key, offsetof} table below), addresses the base address of
  *     every rank's segment in this process, pids and start times the peer processes (liveness).
  *   - Methods take arrays as C-contiguous buffers, their sizes checked against the parameters,
- *     and return their result or an error tuple (code, peer, core, argument, what: bytes,
- *     message: bytes), abi.ErrorRecord; ubep.engine.Engine documents each method.
+ *     and return their result or an abi.ErrorRecord (built from the type abi.load_native hands
+ *     over with set_error_type); dispatch and combine take one call record
+ *     (ubep.engine.DispatchCall, CombineCall) read by field name; ubep.engine.Engine documents
+ *     each method.
  *   - The codes (E_*, DT_*, SYNC_*, ENG_*, LAY_*, TRACE_*) and the offsets inside the control
  *     records are abi.h's. exports.c exports them and abi.load_native() refuses a build whose
  *     exports differ from abi.py's.
@@ -280,14 +282,16 @@ static int engine_init(engine_t *g, PyObject *args, PyObject *kwds) {
 static PyMethodDef engine_methods[] = {
     {"core_log", (PyCFunction)engine_core_log, METH_NOARGS,
      "per core: the units it sent and the count records it published in the last dispatch"},
-    {"dispatch", (PyCFunction)engine_dispatch, METH_VARARGS, "one dispatch (ubep.engine.Engine)"},
-    {"combine", (PyCFunction)engine_combine, METH_VARARGS, "one combine (ubep.engine.Engine)"},
+    {"dispatch", (PyCFunction)engine_dispatch, METH_O,
+     "one dispatch of an ubep.engine.DispatchCall (ubep.engine.Engine)"},
+    {"combine", (PyCFunction)engine_combine, METH_O,
+     "one combine of an ubep.engine.CombineCall (ubep.engine.Engine)"},
     {"set_fast", (PyCFunction)engine_set_fast, METH_VARARGS,
      "what blocking calls build their results from (fastpath.c)"},
     {"dispatch_fast", (PyCFunction)engine_dispatch_fast, METH_VARARGS,
-     "a whole blocking dispatch in one call: its DispatchResult, an error tuple or None"},
+     "a whole blocking dispatch in one call: its DispatchResult, an ErrorRecord or None"},
     {"combine_fast", (PyCFunction)engine_combine_fast, METH_VARARGS,
-     "a whole blocking combine in one call: y, an error tuple or None"},
+     "a whole blocking combine in one call: y, an ErrorRecord or None"},
     {"complete", (PyCFunction)engine_complete, METH_VARARGS,
      "the second half of the oldest split-phase call"},
     {"abandon", (PyCFunction)engine_abandon, METH_VARARGS,
