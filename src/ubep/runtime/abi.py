@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -275,7 +276,8 @@ def check_native(native: Any) -> None:
 def load_native() -> Any:
     """``ubep.runtime._native``, checked against this module (:func:`check_native`)."""
     try:
-        from . import _native
+        # by its full name: an import through this package's __init__ would tie the two
+        _native = importlib.import_module(f"{__package__}._native")
     except ImportError as exc:
         raise ImportError(
             "ubep's native data plane (ubep.runtime._native) is not built. Install ubep with "
