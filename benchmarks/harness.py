@@ -24,8 +24,6 @@ from typing import Any
 
 import numpy as np
 
-from ubep.runtime.abi import TRACE
-
 __all__ = [
     "COMBINE_PHASES", "DISPATCH_PHASES", "Stats", "collective_spans", "concurrent_copy",
     "format_table", "int_list", "machine_since", "phase_medians", "print_table",
@@ -101,10 +99,10 @@ def time_collective(barrier: Callable[[], object], fn: Callable[[], object], war
 
 
 # The native engine's core-0 trace points (``Engine.trace()``, same clock as collective_spans):
-# the slots of each operation's phase marks, first and last (abi.h's TRACE_* enum, exported and
-# checked at load as ubep.runtime.abi.TRACE).
-TRACE_SLOTS = {"dispatch": (TRACE["d_enter"], TRACE["d_data_in"]),
-               "combine": (TRACE["c_enter"], TRACE["c_reduced"])}
+# dispatch.c 0 entered, 1 peers at most one call behind, 2 validated, 3 published, 4 rows sent,
+# 5 counts in, 6 metadata filled, 7 rows received; combine.c 8 entered, 9 peers at most one
+# call behind, 10 expert outputs copied, 11 published, 12 peers' outputs published, 13 reduced.
+TRACE_SLOTS = {"dispatch": (0, 7), "combine": (8, 13)}
 DISPATCH_PHASES = ("py_in", "wait_prev", "validate", "publish", "send", "counts_in",
                    "metadata", "data_wait", "py_out")
 COMBINE_PHASES = ("py_in", "wait_prev", "copy", "publish", "peers", "reduce", "py_out")
