@@ -3,9 +3,10 @@
 :class:`DispatchResult` is the one result type of every backend (the reference oracle, the
 runtime, the torch test world): the same fields, so results compare field by field.
 
-One handle per rank per dispatch, returned inside the dispatch result (``result.handle``) by the
-reference oracle and by every backend. It holds plain numpy arrays, ints and short strings only,
-so it pickles, crosses process boundaries and never pins a communication buffer.
+One handle per rank per dispatch (a :class:`RuntimeHandle` from a Buffer), returned inside the
+dispatch result (``result.handle``) by the reference oracle and by every backend. It holds
+plain numpy arrays, ints and short strings only, so it pickles, crosses process boundaries and
+never pins a communication buffer.
 
 A handle describes its rank in both roles:
 
@@ -27,7 +28,7 @@ import numpy as np
 from .errors import InvalidArgumentError, UbepError
 from .modes import LAYOUTS
 
-__all__ = ["DispatchHandle", "DispatchResult", "PendingCall"]
+__all__ = ["DispatchHandle", "DispatchResult", "PendingCall", "RuntimeHandle"]
 
 H = TypeVar("H")
 
@@ -142,6 +143,18 @@ class DispatchHandle:
     @property
     def num_local_experts(self) -> int:
         return self.num_experts // self.num_ranks
+
+
+@dataclass(frozen=True, eq=False)
+class RuntimeHandle(DispatchHandle):
+    """A :class:`ubep.handle.DispatchHandle` that also remembers which dispatch of which Buffer
+    made it: ``buffer_uid`` (the same on every rank of one Buffer), ``generation`` (the Buffer's
+    resync count) and ``dispatch_index``. Combine accepts only a handle of its own Buffer and
+    generation, and only when every rank passes the handle of the same dispatch."""
+
+    dispatch_index: int = -1
+    buffer_uid: int = 0
+    generation: int = -1
 
 
 T = TypeVar("T")

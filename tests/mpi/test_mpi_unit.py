@@ -157,7 +157,7 @@ def _checked_call(buf: Any, r: int, seed: int) -> bool:
 
 
 def _recording(buf: Any) -> list[Any]:
-    """Every value the Buffer's engine returns from dispatch/combine (the error tuples)."""
+    """Every value the Buffer's engine returns from dispatch/combine (the error records)."""
     seen: list[Any] = []
     eng = buf._engine
     for name in ("dispatch", "combine"):
@@ -196,13 +196,13 @@ def test_rma_fail_codes_reach_peers_in_the_core_slot() -> None:
             return got, _checked_call(buf, g.rank, 2)
 
     out = run_ranks(FakeWorld(R3), body)
-    tuples = [out[r][0] for r in (0, 2)]
-    for code, _peer, core, _arg, _what, msg in tuples:
+    records = [out[r][0] for r in (0, 2)]
+    for rec in records:
         # rank 1's notice, or the notice of the other rank that saw it first: either way the
         # code of the original failure is passed on (6, lost step)
-        assert code == 4 and "rank 1 lost step" in msg
-        assert core == 6
-    assert 1 in {t[1] for t in tuples}  # the first to fail failed on rank 1's notice
+        assert rec.code == 4 and "rank 1 lost step" in rec.message
+        assert rec.core == 6
+    assert 1 in {rec.peer for rec in records}  # the first to fail failed on rank 1's notice
     assert all(ok for _, ok in out)
 
 
@@ -243,7 +243,7 @@ def test_rma_failure_after_completion_turns_the_result_into_an_error() -> None:
             return None
 
     got = run_ranks(FakeWorld(R3), body)[0]
-    assert got[:3] == (4, 1, 2)
+    assert (got.code, got.peer, got.core) == (4, 1, 2)
 
 
 def test_rma_liveness_checks_every_peer_still_in_the_call() -> None:
@@ -272,8 +272,9 @@ def test_rma_liveness_checks_every_peer_still_in_the_call() -> None:
             return after_done, lost, time.monotonic() - t0
 
     after_done, lost, elapsed = run_ranks(world, body)[0]
-    assert after_done[0] == 2  # E_TIMEOUT: rank 2 is not lost for call 1
-    assert lost[:2] == (3, 2) and elapsed < 2.0  # E_PEER_LOST naming rank 2, long before 3 s
+    assert after_done.code == 2  # E_TIMEOUT: rank 2 is not lost for call 1
+    # E_PEER_LOST naming rank 2, long before 3 s
+    assert (lost.code, lost.peer) == (3, 2) and elapsed < 2.0
 
 
 def test_rma_peer_past_this_call_is_an_error_never_data() -> None:
@@ -309,7 +310,7 @@ def test_rma_peer_past_this_call_is_an_error_never_data() -> None:
 
     (as_call_1, as_call_3), lost, lost_s = run_ranks(FakeWorld(R3), body)[0]
     assert as_call_1 is None and as_call_3
-    assert lost[:2] == (6, 1) and lost_s < 1.0
+    assert (lost.code, lost.peer) == (6, 1) and lost_s < 1.0
 
 
 def test_rma_stopped_peer_gives_timeout_at_the_deadline_and_resync_recovers() -> None:

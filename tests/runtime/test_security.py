@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from ubep.buffer import Buffer, BufferConfig
+from ubep.engine import DispatchCall
 from ubep.errors import RankFailedError, UbepError
 from ubep.modes import LAYOUTS
 from ubep.runtime import _native, launch  # type: ignore[attr-defined]
@@ -42,6 +43,7 @@ from ubep.runtime.abi import (
     ROUTE_IDX,
     ROUTE_NTOK,
     ROUTE_SUM,
+    ErrorRecord,
 )
 from ubep.runtime.abi import IN_COUNTS as INBOX_COUNTS
 from ubep.runtime.shm import SHM_DIR, Segment
@@ -237,9 +239,9 @@ def _worker_forged_routing(group: Any, layout: str) -> dict[str, Any]:
             meta = [_guarded((cap,), np.int64, spare) for _ in range(3)]
             counts, counts_all = _guarded((L + R,), np.int64, spare)
             o_dst = np.empty((T, K if layout == "expert" else R), np.int64)
-            got = buf._engine.dispatch(x, idx, w, T, 1, 0, o_idx, o_w, meta[0][0], meta[1][0],
-                                       meta[2][0], counts, o_dst, None)
-            out["error"] = got if isinstance(got, tuple) else None
+            got = buf._engine.dispatch(DispatchCall(x, idx, w, T, 1, 0, o_idx, o_w, meta[0][0],
+                                                    meta[1][0], meta[2][0], counts, o_dst))
+            out["error"] = got if isinstance(got, ErrorRecord) else None
             tails = [a.view(np.uint8)[-spare * a.itemsize:] for a in
                      (idx_all, w_all, counts_all, *(m[1] for m in meta))]
             out["canaries_intact"] = all(bool((t == CANARY).all()) for t in tails)
@@ -252,9 +254,8 @@ def test_forged_routing_raises_instead_of_writing_out_of_bounds(layout: str) -> 
     results = launch(_worker_forged_routing, 2, layout, timeout_s=120)
     victim = results[0]
     assert victim["canaries_intact"], "the receiver wrote past its output arrays"
-    code, peer, _core, _arg, what, _msg = victim["error"]
-    what = what.decode()  # the engine hands peer-influenced text over as bytes
-    assert code == 5 and peer == 1 and "rank 1's routing disagrees" in what, victim["error"]
+    rec = victim["error"]
+    assert rec.code == 5 and rec.peer == 1 and "rank 1's routing disagrees" in rec.what, rec
 
 
 def _worker_forged_counts(group: Any) -> str:

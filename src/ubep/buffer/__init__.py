@@ -7,8 +7,7 @@ they share. The engine protocol the Buffer drives is :mod:`ubep.engine`.
 """
 
 from ..config import BufferConfig
-from ..engine import RuntimeHandle
-from ..handle import DispatchResult
+from ..handle import DispatchResult, RuntimeHandle
 from ..modes import ENGINES, SYNCS
 from .buffer import Buffer
 

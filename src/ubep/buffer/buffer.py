@@ -42,11 +42,11 @@ import numpy as np
 from .. import dtypes as _dt
 from .. import quant as _quant
 from ..config import BufferConfig
-from ..engine import RuntimeHandle
+from ..engine import CombineCall, DispatchCall
 from ..errors import InvalidArgumentError, RemoteError, UbepError
-from ..handle import DispatchHandle, DispatchResult, PendingCall
+from ..handle import DispatchHandle, DispatchResult, PendingCall, RuntimeHandle
 from ..routing import experts_per_rank
-from ..runtime.abi import engine_params, load_native
+from ..runtime.abi import ErrorRecord, engine_params, load_native
 from ..runtime.group import ProcessGroup
 from ..sched import CoreSplit, Plan, core_split, schedule
 from ..torch_bridge import as_process_group
@@ -275,12 +275,14 @@ class Buffer(InFlightCalls, ArgChecks):
             o_idx, meta, counts, o_dst = int64_outputs(cap, K, L, R, ntok, expert)
             o_w = np.empty(cap if expert else (cap, K), np.float32)
             stage = _NATIVE
-            got = self._engine.dispatch(
-                xa, idx, w, ntok, epoch, index, o_idx, o_w, meta[0], meta[1], meta[2], counts,
-                o_dst, plan, hook or bool(self._in_flight), x_scales is not None,
-            )
+            got = self._engine.dispatch(DispatchCall(
+                x=xa, topk_idx=idx, topk_weights=w, num_tokens=ntok, epoch=epoch, index=index,
+                recv_topk_idx=o_idx, recv_topk_weights=o_w, recv_src_rank=meta[0],
+                recv_src_token=meta[1], recv_src_k=meta[2], counts=counts, send_dst_row=o_dst,
+                plan=plan, split=hook or bool(self._in_flight), prequant=x_scales is not None,
+            ))
             stage = _AFTER
-            if type(got) is tuple:
+            if type(got) is ErrorRecord:
                 raise self._error(got)
         except BaseException as exc:
             err, clean = self._failed(epoch, stage, exc)
@@ -403,13 +405,15 @@ class Buffer(InFlightCalls, ArgChecks):
             assert h.send_dst_row is not None  # checked by _check_combine_args
             y = np.empty((h.num_tokens, self.config.hidden), dtype=self._cdtype.storage)
             stage = _NATIVE
-            got = self._engine.combine(
-                eo, h.num_recv_rows, h.topk_idx, h.topk_weights, h.send_dst_row, h.num_tokens,
-                epoch, creg, y, h.dispatch_index,  # type: ignore[attr-defined]
-                hook or bool(self._in_flight),
-            )
+            got = self._engine.combine(CombineCall(
+                expert_out=eo, num_rows=h.num_recv_rows, topk_idx=h.topk_idx,
+                topk_weights=h.topk_weights, send_dst_row=h.send_dst_row,
+                num_tokens=h.num_tokens, epoch=epoch, region=creg, y=y,
+                dispatch_index=h.dispatch_index,  # type: ignore[attr-defined]
+                split=hook or bool(self._in_flight),
+            ))
             stage = _AFTER
-            if type(got) is tuple:
+            if type(got) is ErrorRecord:
                 raise self._error(got)
         except BaseException as exc:
             raise self._failed(epoch, stage, exc)[0] from None
@@ -425,7 +429,7 @@ class Buffer(InFlightCalls, ArgChecks):
             creg = combine_region(h)
             last = int(self._engine.comb_last_epoch(creg))
             got = self._engine.wait_done(last, float(self.config.timeout_s))
-            if type(got) is tuple:
+            if type(got) is ErrorRecord:
                 raise self._error(got)
             rows, hidden = h.num_recv_rows, self.config.hidden
             region = self._comb_regions[creg]
@@ -500,9 +504,9 @@ class Buffer(InFlightCalls, ArgChecks):
 
     def _fast_answer(self, got: Any) -> Any:
         """What a one-call entry returned: None (not its case: nothing was done), the call's
-        result, or the engine's error tuple, raised here (``_failed`` classifies a UbepError
+        result, or the engine's ErrorRecord, raised here (``_failed`` classifies a UbepError
         from inside the data plane as it does one from after it)."""
-        if type(got) is tuple:
+        if type(got) is ErrorRecord:
             raise self._error(got)
         return got
 

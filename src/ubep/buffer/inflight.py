@@ -15,6 +15,7 @@ from typing import Any
 
 from ..errors import OutOfStepError, UbepError
 from ..handle import PendingCall
+from ..runtime.abi import ErrorRecord
 from .state import AFTER as _AFTER
 from .state import NATIVE as _NATIVE
 from .step import StepKeeping
@@ -103,7 +104,7 @@ class InFlightCalls(StepKeeping):
                 got = self._engine.complete(c.epoch)
                 del self._in_flight[0]
                 stage = _AFTER
-                if isinstance(got, tuple):
+                if isinstance(got, ErrorRecord):
                     raise self._error(got)
                 c.call._settle(True, c.finish(int(got)))
             except BaseException as exc:

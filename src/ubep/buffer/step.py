@@ -113,7 +113,7 @@ class StepKeeping(BufferState):
         # up to here is finished", so the notice goes out without one
         got = self._engine.fail(epoch, E_BAD_INPUT, f"rank {self.rank}: {exc}",
                                 0 if self._in_flight else 1, float(self.config.timeout_s))
-        if type(got) is tuple:  # the peers never finished the call before last: out of step
+        if type(got) is ErrorRecord:  # peers never finished the call before last: out of step
             self._mark_lost(f"rejected call {epoch} could not be announced: "
                             f"{self._error(got)}")
             return exc, False
@@ -142,10 +142,9 @@ class StepKeeping(BufferState):
             self._dead = str(exc)
             raise
 
-    def _error(self, info: tuple[int, int, int, str, Any, Any]) -> UbepError:
-        """The exception of an engine's error tuple (``ubep.runtime.abi.ErrorRecord``); every
-        error but a clean reject (bad input here or on a peer) leaves the Buffer out of step."""
-        rec = ErrorRecord.from_tuple(info)  # what/message written by peers: any bytes at all
+    def _error(self, rec: ErrorRecord) -> UbepError:
+        """The exception of an engine's error record; every error but a clean reject (bad
+        input here or on a peer) leaves the Buffer out of step."""
         if rec.code == E_PEER_LOST:
             self._dead = rec.what
         elif rec.code == E_REMOTE and not rec.clean:

@@ -67,22 +67,22 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import dtypes as _dt
+from ..engine import CombineCall, DispatchCall
 from ..errors import InvalidArgumentError, TimeoutError
 from ..flags import TffCodec
 from ..runtime.abi import (
     E_BAD_INPUT,
     E_INTERNAL,
+    ErrorRecord,
     load_native,
 )
-from ..runtime.abi import HEADER_BYTES as _HEADER_BYTES
+from .combine import RmaCombine
 from .memory import DistGlobalMemory
 from .protocol import (
     _LINE,
-    RmaProtocol,
     _CtrlLayout,
     _Op,
     _OpError,
-    _u8,
     record_check,
 )
 
@@ -103,7 +103,7 @@ class _Units:
     to: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
 
 
-class RmaEngine(RmaProtocol):
+class RmaEngine(RmaCombine):
     """Dispatch/combine of one Buffer whose peers are (partly) on other hosts."""
 
     def __init__(self, config: BufferConfig, layout: SegmentLayout,
@@ -216,23 +216,22 @@ class RmaEngine(RmaProtocol):
         self._done_code = [0] * self.R
         self.comb_last = [0, 0]
 
-    def wait_done(self, epoch: int, timeout_s: float) -> Any:
+    def wait_done(self, epoch: int, timeout_s: float) -> int | ErrorRecord:
         op = _Op(2, epoch, int(timeout_s * 1e9))
         try:
             self._wait_peers_done(op, epoch)
         except _OpError as err:
-            return self._tuple(err)
+            return self._record(err)
         return 0
 
-    def dispatch(
-        self, x: np.ndarray, topk_idx: np.ndarray, topk_weights: np.ndarray, ntok: int,
-        epoch: int, index: int, o_idx: np.ndarray, o_w: np.ndarray, o_rank: np.ndarray,
-        o_tok: np.ndarray, o_k: np.ndarray, o_nrecv: np.ndarray, o_dst: np.ndarray,
-        plan: Any, split: bool = False, prequant: bool = False,
-    ) -> Any:
+    def dispatch(self, call: DispatchCall, /) -> int | ErrorRecord:
         # one thread: rows go destination by destination (module docstring); a split-phase
-        # call runs whole here (no second half: Buffer settles its hook at once)
-        del plan, split, prequant  # prequant: quantised Buffers are refused at construction
+        # call runs whole here (no second half: Buffer settles its hook at once); plan unused,
+        # prequant too: quantised Buffers are refused at construction
+        x, topk_idx, topk_weights, ntok = call.x, call.topk_idx, call.topk_weights, call.num_tokens
+        epoch, index, o_dst = call.epoch, call.index, call.send_dst_row
+        o_idx, o_w, o_rank = call.recv_topk_idx, call.recv_topk_weights, call.recv_src_rank
+        o_tok, o_k, o_nrecv = call.recv_src_token, call.recv_src_k, call.counts
         op = _Op(0, epoch, self.timeout_ns)
         self._reap()
         try:
@@ -252,15 +251,15 @@ class RmaEngine(RmaProtocol):
         try:
             self._check_outcome(op)
         except _OpError as err:
-            return self._tuple(err)
+            return self._record(err)
         return n
 
-    def combine(
-        self, eo: np.ndarray, rows: int, h_idx: np.ndarray, h_w: np.ndarray, h_dst: np.ndarray,
-        ntok: int, epoch: int, creg: int, y: np.ndarray, dispatch_index: int = 0,
-        split: bool = False,
-    ) -> Any:
-        del split  # as dispatch: the whole call runs here
+    def combine(self, call: CombineCall, /) -> int | ErrorRecord:
+        # as dispatch: the whole call runs here (split unused)
+        eo, rows, h_idx, h_w, h_dst = (call.expert_out, call.num_rows, call.topk_idx,
+                                       call.topk_weights, call.send_dst_row)
+        ntok, epoch, creg, y = call.num_tokens, call.epoch, call.region, call.y
+        dispatch_index = call.dispatch_index
         op = _Op(1, epoch, self.timeout_ns)
         self._reap()
         try:
@@ -276,7 +275,7 @@ class RmaEngine(RmaProtocol):
             self._wait_peers_done(op, epoch, failures=False)
             self._check_outcome(op)
         except _OpError as err:
-            return self._tuple(err)
+            return self._record(err)
         return int(zero_copy)
 
     # --- validation and routing ---------------------------------------------------------
@@ -746,158 +745,6 @@ class RmaEngine(RmaProtocol):
             arrived = functools.partial(
                 self._has_record, cl.barrier + ((phase - 1) * self.R + q) * _LINE, 0, op.epoch)
             self._wait(op, arrived, q, f"global barrier {phase} (rank {q})")
-
-    # --- combine ------------------------------------------------------------------------
-
-    def _combine(self, op: _Op, eo: np.ndarray, rows: int, h_idx: np.ndarray, h_w: np.ndarray,
-                 h_dst: np.ndarray, ntok: int, creg: int, y: np.ndarray,
-                 dispatch_index: int) -> bool:
-        lay, cl = self.lay, self.cl
-        local = self.data.local_array
-        base = int(local.ctypes.data)
-        at = int(eo.ctypes.data) if eo.size else 0
-        nbytes = rows * self.crow_bytes
-        zero_copy = base + _HEADER_BYTES <= at and at + nbytes <= base + self.seg_size
-        self._wait_peers_done(op, op.epoch - 2)
-        if zero_copy:
-            eo_off = at - base
-        else:
-            self._wait_peers_done(op, self.comb_last[creg])
-            self.comb_last[creg] = op.epoch
-            eo_off = lay.off_comb + creg * lay.comb_bytes
-            local[eo_off: eo_off + nbytes] = _u8(eo)[:nbytes]
-        for c in range(2):
-            lo = lay.off_comb + c * lay.comb_bytes
-            if lo <= eo_off < lo + lay.comb_bytes:
-                self.comb_last[c] = op.epoch
-        self.data.sync()  # the expert outputs are in memory before peers are told
-        info = np.array([eo_off, rows, self.crow_bytes, dispatch_index], "<u8")
-        for q in range(self.R):
-            self._put_record(self.ctrl, q, cl.slot(cl.comb_info, op.par, self.rank), info,
-                             op.epoch)
-        if self.bsp:
-            # descriptors complete before the barrier
-            self._complete(op, self.ctrl, None, "the expert-output descriptors to complete")
-            self._barrier(op, 3)
-        self._check_same_dispatch(op, dispatch_index)
-        needed = self._needed_rows(h_idx, h_dst, ntok)
-        fetched: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        order = sorted(needed, key=lambda q: (q - self.rank) % self.R)
-        for q in order:  # every get in flight at once, then complete them
-            fetched[q] = self._fetch(op, q, needed[q])
-        self._wait(op, lambda: all(self.data.done(q) for q in order), -1,
-                   "the expert outputs of every rank to arrive", needs=tuple)
-        self._reduce(h_idx[:ntok], h_w[:ntok], h_dst[:ntok], fetched, y)
-        return zero_copy
-
-    def _needed_rows(self, h_idx: np.ndarray, h_dst: np.ndarray, ntok: int) -> dict[int,
-                                                                                     np.ndarray]:
-        """Per destination, the sorted unique rows this rank sent there."""
-        out: dict[int, np.ndarray] = {}
-        if self.expert:
-            idx = h_idx[:ntok]
-            if ((idx < -1) | (idx >= self.E)).any():
-                raise _OpError(E_INTERNAL, -1, "handle names an expert out of range")
-            dst = np.where(idx >= 0, idx // self.L, -1)
-            for q in range(self.R):
-                pos = h_dst[:ntok][dst == q]
-                if len(pos):
-                    out[q] = np.unique(pos)
-        else:
-            for q in range(self.R):
-                pos = h_dst[:ntok, q]
-                pos = pos[pos >= 0]
-                if len(pos):
-                    out[q] = np.unique(pos)
-        return out
-
-    def _descriptor(self, op: _Op, q: int) -> np.ndarray:
-        """``[offset, rows, stride, dispatch index]`` of ``q``'s expert outputs for this call."""
-        slot = self.cl.slot(self.cl.comb_info, op.par, q)
-        box: list[np.ndarray] = []
-
-        def ready() -> bool:
-            got = self._read_record(slot, 32, op.epoch)
-            if got is not None:
-                box.append(got[1].view("<u8"))
-            return got is not None
-
-        if self.bsp:
-            self.ctrl.sync()
-            if not ready():
-                raise _OpError(E_INTERNAL, q, f"rank {q}'s expert outputs missing after the "
-                                              "barrier")
-        else:
-            self._wait(op, ready, q, f"the expert outputs of rank {q}")
-        return box[0]
-
-    def _check_same_dispatch(self, op: _Op, index: int) -> None:
-        """Every rank combines the outputs of the same dispatch (else bad input everywhere)."""
-        for q in range(self.R):
-            theirs = int(self._descriptor(op, q)[3])
-            if theirs != index:
-                raise _OpError(
-                    E_BAD_INPUT, self.rank,
-                    f"ranks combine different dispatches (rank {q} passed the handle of "
-                    f"dispatch {theirs}): every rank must pass the handle of the same dispatch",
-                    arg="handle", msg=f"dispatch {index}")
-
-    def _fetch(self, op: _Op, q: int, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Start fetching rows ``pos`` of ``q``'s expert outputs (``MPI_Get``) into a new array
-        (complete once ``self.data.done(q)``)."""
-        off, nrows, stride, _index = (int(v) for v in self._descriptor(op, q))
-        if (stride != self.crow_bytes or nrows > self.cap_rows or off < _HEADER_BYTES
-                or off + nrows * stride > self.seg_size):
-            raise _OpError(E_INTERNAL, q, f"rank {q} published expert outputs outside its "
-                                          "segment")
-        if pos[0] < 0 or pos[-1] >= nrows:
-            bad = int(pos[-1] if pos[-1] >= nrows else pos[0])
-            raise _OpError(E_INTERNAL, q, f"handle row {bad} outside rank {q}'s {nrows} expert "
-                                          "outputs")
-        rows = np.empty((len(pos), self.crow_bytes), np.uint8)
-        runs = [(off + p0 * stride, m * stride) for p0, m in self._runs(pos)]
-        self.data.get_runs(q, runs, rows)
-        return pos, rows
-
-    def _reduce(self, idx: np.ndarray, w: np.ndarray, dst_row: np.ndarray,
-                fetched: dict[int, tuple[np.ndarray, np.ndarray]], y: np.ndarray) -> None:
-        """The reference's arithmetic (ubep.reference: float32, product rounded, masked slots
-        skipped, ascending k or destination), one gather and two in-place ufuncs per term."""
-        cd, H = self.cdtype, self.hidden
-        ntok = idx.shape[0]
-        acc = np.zeros((ntok, H), np.float32)
-        qs = sorted(fetched)
-        base = dict(zip(qs, np.cumsum([0] + [len(fetched[q][0]) for q in qs])[:-1], strict=True))
-        rows = (np.concatenate([cd.to_float32(fetched[q][1].view(cd.storage).reshape(-1, H))
-                                for q in qs]) if qs else np.zeros((0, H), np.float32))
-        if self.expert:
-            valid = idx >= 0
-            owner = np.where(valid, idx // self.L, -1)
-            coeff = w
-        else:
-            valid = dst_row >= 0
-            owner = np.where(valid, np.arange(self.R)[None, :], -1)
-            coeff = None
-        where = np.zeros(valid.shape, np.int64)  # row of each term in `rows`
-        for q in qs:
-            sel = owner == q
-            where[sel] = base[q] + np.searchsorted(fetched[q][0], dst_row[sel])
-        term = np.empty((ntok, H), np.float32)
-        for k in range(valid.shape[1]):
-            vk = valid[:, k]
-            if vk.all():
-                np.take(rows, where[:, k], axis=0, out=term)
-                if coeff is not None:
-                    np.multiply(coeff[:, k, None], term, out=term)
-                np.add(acc, term, out=acc)
-            elif vk.any():
-                tok = np.nonzero(vk)[0]
-                part = rows[where[tok, k]]
-                if coeff is not None:
-                    part = coeff[tok, k][:, None] * part
-                acc[tok] = acc[tok] + part
-        out = cd.from_float32(acc)
-        y.reshape(-1).view(np.uint8)[:] = out.reshape(-1).view(np.uint8)
 
 def _rows_of(x: np.ndarray, tokens: np.ndarray, row_bytes: int) -> np.ndarray:
     """Rows ``tokens`` of ``x`` as raw bytes ``[n, row_bytes]`` (one gather)."""

@@ -25,7 +25,7 @@ import os
 import secrets
 import socket
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -34,7 +34,12 @@ from ..env import dist_ranks_per_host_from_env, timeout_s_from_env
 from ..errors import InvalidArgumentError, PeerLostError, TimeoutError, UbepError
 from ..runtime.group import process_alive, process_start_time
 from ..runtime.poll import Backoff, wait_until
+from .engine import RmaEngine
 from .memory import DistGlobalMemory
+
+if TYPE_CHECKING:
+    from ..config import BufferConfig
+    from ..runtime.layout import SegmentLayout
 
 __all__ = ["MpiGroup", "init", "load_mpi"]
 
@@ -228,6 +233,12 @@ class MpiGroup:
         mem = DistGlobalMemory(self, size_bytes, kind)
         self._windows.append(mem)
         return mem
+
+    def rma_engine(
+        self, config: BufferConfig, layout: SegmentLayout, mem: DistGlobalMemory
+    ) -> RmaEngine:
+        """The data plane of a Buffer across hosts: the RMA engine on ``mem``'s windows."""
+        return RmaEngine(config, layout, mem)
 
     def progress(self) -> None:
         """Let MPI make progress (targets of emulated RMA must poll; see docs/MULTIHOST.md)."""

@@ -107,12 +107,11 @@ class DistGlobalMemory:
         self.released = True
 
     def make_engine(self, config: BufferConfig, layout: SegmentLayout) -> Any:
-        """The RMA engine (:class:`ubep.mpi.engine.RmaEngine`) on these regions."""
-        from .engine import RmaEngine
-
+        """The RMA engine (:class:`ubep.mpi.engine.RmaEngine`) on these regions, which the
+        group builds (:meth:`ubep.mpi.group.MpiGroup.rma_engine`): the memory knows no engine."""
         if self._win is None:
             raise UbepError("every rank is on this host: use the native engine")
-        return RmaEngine(config, layout, self)
+        return self.group.rma_engine(config, layout, self)
 
     # --- transport ----------------------------------------------------------------------
 

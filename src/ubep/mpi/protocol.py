@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..flags.dc import words_checksum
-from ..runtime.abi import E_BAD_INPUT, E_LOST, E_PEER_LOST, E_REMOTE, E_TIMEOUT
+from ..runtime.abi import E_BAD_INPUT, E_LOST, E_PEER_LOST, E_REMOTE, E_TIMEOUT, ErrorRecord
 from .memory import DistGlobalMemory
 
 __all__ = ["RmaProtocol", "record_check"]
@@ -320,18 +320,18 @@ class RmaProtocol:
         # No wait for the puts to complete: the transport keeps their buffers until they do.
         self._publish_done(op.epoch, 0)
 
-    def _finish_error(self, op: _Op, err: _OpError) -> tuple[int, int, int, str, str, str]:
-        tup = self._tuple(err)
+    def _finish_error(self, op: _Op, err: _OpError) -> ErrorRecord:
+        rec = self._record(err)
         # a failure caught from a peer's notice passes that notice's code on: a clean reject
         # (bad input somewhere) stays clean for every rank, whoever saw it first
         code = err.core if err.code == E_REMOTE else err.code
         self._publish_failure(op.epoch, code, _format(self.rank, err))
         self._publish_done(op.epoch, code)
-        return tup
+        return rec
 
-    def _tuple(self, err: _OpError) -> tuple[int, int, int, str, str, str]:
+    def _record(self, err: _OpError) -> ErrorRecord:
         msg = err.msg if err.code in (E_REMOTE, E_BAD_INPUT) else err.what
-        return (err.code, err.peer, err.core, err.arg, err.what, msg)
+        return ErrorRecord(err.code, err.peer, err.core, err.arg, err.what, msg)
 
 def _format(rank: int, err: _OpError) -> str:
     if err.code == E_BAD_INPUT:

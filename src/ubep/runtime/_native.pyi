@@ -1,17 +1,18 @@
 """Typed stub of ``ubep.runtime._native``, the C11 data plane (src/ubep/runtime/native/).
 
 Arrays cross as C-contiguous buffers (numpy arrays); sizes are checked against the engine's
-parameters. Collective methods return their result or an error tuple
-``(code, peer, core, argument, what, message)`` (``ubep.runtime.abi.ErrorRecord``).
+parameters. Collective methods return their result or an ``ubep.runtime.abi.ErrorRecord``
+(built from the type :func:`set_error_type` hands over); dispatch and combine take one call
+record (``ubep.engine.DispatchCall``, ``CombineCall``), read by field name.
 """
 
 from typing import Any
 
 import numpy as np
 
-from ubep.sched import CoreSplit, Plan
-
-_ErrorTuple = tuple[int, int, int, str, bytes, bytes]
+from ubep.engine import CombineCall, DispatchCall
+from ubep.runtime.abi import ErrorRecord
+from ubep.sched import CoreSplit
 
 ABI: int
 KERNELS: str
@@ -22,6 +23,7 @@ ENGINES: dict[str, int]
 LAYOUTS: dict[str, int]
 QUANTS: dict[str, int]
 OFFSETS: dict[str, int]
+TRACE: dict[str, int]
 PARAMS: tuple[str, ...]
 
 class Engine:
@@ -34,48 +36,15 @@ class Engine:
         pids: list[int],
         start_times: list[int],
     ) -> None: ...
-    def dispatch(
-        self,
-        x: np.ndarray,
-        topk_idx: np.ndarray,
-        topk_weights: np.ndarray,
-        num_tokens: int,
-        epoch: int,
-        index: int,
-        recv_topk_idx: np.ndarray,
-        recv_topk_weights: np.ndarray,
-        recv_src_rank: np.ndarray,
-        recv_src_token: np.ndarray,
-        recv_src_k: np.ndarray,
-        counts: np.ndarray,
-        send_dst_row: np.ndarray,
-        plan: Plan | CoreSplit | None,
-        split: bool = False,
-        prequant: bool = False,
-        /,
-    ) -> int | _ErrorTuple | None: ...
-    def combine(
-        self,
-        expert_out: np.ndarray,
-        num_rows: int,
-        topk_idx: np.ndarray,
-        topk_weights: np.ndarray,
-        send_dst_row: np.ndarray,
-        num_tokens: int,
-        epoch: int,
-        region: int,
-        y: np.ndarray,
-        dispatch_index: int,
-        split: bool = False,
-        /,
-    ) -> int | _ErrorTuple | None: ...
-    def complete(self, epoch: int, /) -> int | _ErrorTuple: ...
+    def dispatch(self, call: DispatchCall, /) -> int | ErrorRecord | None: ...
+    def combine(self, call: CombineCall, /) -> int | ErrorRecord | None: ...
+    def complete(self, epoch: int, /) -> int | ErrorRecord: ...
     def abandon(self, epoch: int, message: str, /) -> None: ...
     def fail(
         self, epoch: int, code: int, message: str, finished: int, timeout_s: float, /
-    ) -> int | _ErrorTuple: ...
+    ) -> int | ErrorRecord: ...
     def resync(self, base_epoch: int, /) -> None: ...
-    def wait_done(self, epoch: int, timeout_s: float, /) -> int | _ErrorTuple: ...
+    def wait_done(self, epoch: int, timeout_s: float, /) -> int | ErrorRecord: ...
     def reset_all(self) -> None: ...
     def comb_last_epoch(self, region: int, /) -> int: ...
     def close(self) -> None: ...
@@ -107,6 +76,9 @@ class Engine:
     ) -> Any: ...
     def trace(self) -> tuple[int, ...]: ...
     def core_log(self) -> tuple[list[list[int]], list[list[int]]]: ...
+
+def set_error_type(error_type: type[ErrorRecord], /) -> None:
+    """The type failed calls return (``ubep.runtime.abi.load_native`` hands it over)."""
 
 def copy(dst: Any, src: Any, element_safe: int = 0, /) -> None:
     """The data plane's copy (``element_safe``: SP's untorn-element copy)."""

@@ -2,14 +2,14 @@
 
 One home for what Python and C must agree on:
 
-* the codes: errors, payload types, sync modes, engines, layouts;
+* the codes: errors, payload types, sync modes, engines, layouts, trace slots;
 * the fixed offsets inside the segment header and inside the control records (where each record
   sits in a segment is :mod:`ubep.runtime.layout`'s business; what lies at which byte of a
   record is fixed here and in ``abi.h``);
 * the engine's parameters, built from a :class:`~ubep.buffer.BufferConfig` and a
   :class:`~ubep.runtime.layout.SegmentLayout` (:func:`engine_params`);
-* the error record an engine returns and its conversion to an exception
-  (:class:`ErrorRecord`).
+* the error record an engine returns (the native engine builds it from the type handed over
+  at load) and its conversion to an exception (:class:`ErrorRecord`).
 
 :func:`load_native` imports ``ubep.runtime._native`` and compares what it exports (codes, record
 offsets, parameter keys, ABI version) with this module: a build older or newer than the Python
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ __all__ = [
     "OFFSETS",
     "PARAMS",
     "SYNCS",
+    "TRACE",
     "ErrorRecord",
     "check_native",
     "engine_params",
@@ -74,6 +76,14 @@ ENGINES: dict[str, int] = {name: code for code, name in enumerate(modes.ENGINES)
 LAYOUTS: dict[str, int] = {name: code for code, name in enumerate(modes.LAYOUTS)}
 # BufferConfig.quant ("none" for None) -> the engine's code (abi.h QUANT_*)
 QUANTS: dict[str, int] = {"none": 0, "e4m3": 1, "int8": 2}
+
+# the engine's trace slots (abi.h TRACE_*): core 0's stamp as each phase of the last call ends
+TRACE: dict[str, int] = {
+    "d_enter": 0, "d_prev_done": 1, "d_validated": 2, "d_published": 3, "d_sent": 4,
+    "d_counts_in": 5, "d_metadata": 6, "d_data_in": 7,
+    "c_enter": 8, "c_prev_done": 9, "c_copied": 10, "c_published": 11, "c_peers": 12,
+    "c_reduced": 13, "slots": 16,
+}
 
 # --- the segment header (written and checked by ubep.runtime.shm; the engine never reads it) ---
 
@@ -186,14 +196,11 @@ def engine_params(
 # --- the error record ------------------------------------------------------------------------
 
 
-def _text(raw: Any) -> str:
-    return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
-
-
 @dataclass(frozen=True)
 class ErrorRecord:
-    """What an engine returns instead of a result: the tuple ``(code, peer, core, argument,
-    what, message)``, ``what`` and ``message`` as bytes (peers write them) or str.
+    """What an engine returns instead of a result. The native engine builds it from this type
+    (:func:`load_native` hands it over once), decoding ``what`` and ``message`` without failing:
+    peers write them, any bytes at all.
 
     Attributes:
         code: ``E_*`` (1 bad input, 2 timeout, 3 peer lost, 4 remote failure, 5 internal,
@@ -211,11 +218,6 @@ class ErrorRecord:
     argument: str
     what: str
     message: str
-
-    @classmethod
-    def from_tuple(cls, info: tuple[int, int, int, str, Any, Any]) -> ErrorRecord:
-        code, peer, core, argument, what, message = info
-        return cls(int(code), int(peer), int(core), str(argument), _text(what), _text(message))
 
     @property
     def clean(self) -> bool:
@@ -258,7 +260,7 @@ def check_native(native: Any) -> None:
     ours: dict[str, object] = {
         "ABI": ABI_VERSION, "ERRORS": ERRORS, "DTYPES": DTYPES, "SYNCS": SYNCS,
         "ENGINES": ENGINES, "LAYOUTS": LAYOUTS, "QUANTS": QUANTS, "OFFSETS": OFFSETS,
-        "PARAMS": PARAMS,
+        "PARAMS": PARAMS, "TRACE": TRACE,
     }
     for name, want in ours.items():
         got = getattr(native, name, None)
@@ -274,7 +276,8 @@ def check_native(native: Any) -> None:
 def load_native() -> Any:
     """``ubep.runtime._native``, checked against this module (:func:`check_native`)."""
     try:
-        from . import _native
+        # by its full name: an import through this package's __init__ would tie the two
+        _native = importlib.import_module(f"{__package__}._native")
     except ImportError as exc:
         raise ImportError(
             "ubep's native data plane (ubep.runtime._native) is not built. Install ubep with "
@@ -282,4 +285,5 @@ def load_native() -> Any:
             f"the Python headers). Original error: {exc}"
         ) from exc
     check_native(_native)
+    _native.set_error_type(ErrorRecord)
     return _native

@@ -1,6 +1,6 @@
 /* The ABI shared with Python: codes, the control records as structs, their checksums.
  *
- * ubep/runtime/abi.py holds the same numbers on the Python side; module.c exports them (codes
+ * ubep/runtime/abi.py holds the same numbers on the Python side; exports.c exports them (codes
  * as dicts, record offsets computed with offsetof) and abi.py compares them when it loads the
  * module, so a stale build fails at load with a message that says so. */
 #ifndef UBEP_ABI_H
@@ -19,11 +19,31 @@ enum { QUANT_NONE = 0, QUANT_E4M3 = 1, QUANT_INT8 = 2 };
 enum { SYNC_SW = 0, SYNC_TFF = 1, SYNC_DC = 2, SYNC_SP = 3 };
 enum { ENG_ASP = 0, ENG_BSP = 1 };
 enum { LAY_EXPERT = 0, LAY_RANK = 1 };
-/* Error codes of the error tuple and of failure notices. E_LOST: the ranks are out of step (a
+/* Error codes of error records (ubep.runtime.abi.ErrorRecord) and of failure notices. E_LOST: the ranks are out of step (a
  * peer left this call without finishing it, called another operation, or corrupt control data
  * was found): the Buffer needs a resync. */
 enum { E_OK = 0, E_BAD_INPUT = 1, E_TIMEOUT = 2, E_PEER_LOST = 3, E_REMOTE = 4, E_INTERNAL = 5,
        E_LOST = 6 };
+/* The trace slots (Engine.trace): core 0's CLOCK_MONOTONIC stamp as each phase of the last call
+ * ends (ENTER: the call's native part begins). Each span between two stamps is one phase of
+ * the paper's task graph; benchmarks/harness.py names them. */
+enum {
+    TRACE_D_ENTER = 0,      /* dispatch: the native part begins */
+    TRACE_D_PREV_DONE = 1,  /* peers finished call epoch - 2 (its route area is free) */
+    TRACE_D_VALIDATED = 2,  /* routing validated and counted */
+    TRACE_D_PUBLISHED = 3,  /* counts and routing published */
+    TRACE_D_SENT = 4,       /* rows sent */
+    TRACE_D_COUNTS_IN = 5,  /* every source's counts read, receive bases known */
+    TRACE_D_METADATA = 6,   /* receive metadata written */
+    TRACE_D_DATA_IN = 7,    /* every row arrived */
+    TRACE_C_ENTER = 8,      /* combine: the native part begins */
+    TRACE_C_PREV_DONE = 9,  /* peers finished the calls whose regions this one reuses */
+    TRACE_C_COPIED = 10,    /* expert outputs in this rank's segment */
+    TRACE_C_PUBLISHED = 11, /* combine info published */
+    TRACE_C_PEERS = 12,     /* every peer's combine info read */
+    TRACE_C_REDUCED = 13,   /* outputs reduced */
+    TRACE_SLOTS = 16
+};
 
 /* ---------------------------------------------------------------------------------------- */
 /* Control records in a rank's segment (docs/FORMATS.md, "Control records"). ubep/runtime/

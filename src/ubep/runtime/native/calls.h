@@ -1,4 +1,4 @@
-/* A native call and its argument buffers, shared by the Engine's methods (module.c) and the
+/* A native call and its argument buffers, shared by the Engine's methods (calls.c) and the
  * one-call fast path of blocking calls (fastpath.c). */
 #ifndef UBEP_CALLS_H
 #define UBEP_CALLS_H
@@ -68,5 +68,11 @@ call_t *combine_call(engine_t *g, const combine_args_t *a);
  * result and frees the call unless it stays pending. */
 PyObject *call_run(engine_t *g, call_t *c, int split);
 void call_free(call_t *c);
+
+/* shared with control.c: an operation's start, its error record (an ubep.runtime.abi.ErrorRecord), and the background core idle
+ * (every method that touches the engine's state calls quiesce first) */
+void op_init(op_t *op, engine_t *g, int kind, uint64_t epoch);
+PyObject *error_record(op_t *op);
+void quiesce(engine_t *g);
 
 #endif /* UBEP_CALLS_H */

@@ -3,11 +3,13 @@
  * pass, in ubep.reference's order. */
 #include "engine.h" /* first: Python.h precedes the standard headers */
 
+#include "phases.h"
+
 #include <stdio.h>
 
-static int ph_c_prepare(op_t *op, int core) {
+int ph_c_prepare(op_t *op, int core) {
     engine_t *g = op->g;
-    TRACE(g, core, 8); /* combine's phase marks: slots 8-13 (dispatch uses 0-7) */
+    TRACE(g, core, TRACE_C_ENTER);
     pub_word(word(g, g->rank, g->off_entered), op->epoch << 2 | (uint64_t)op->kind);
     int rc = wait_peers_done(op, op->epoch >= 2 ? op->epoch - 2 : 0, 0);
     if (rc) return rc;
@@ -16,7 +18,7 @@ static int ph_c_prepare(op_t *op, int core) {
         if ((rc = wait_peers_done(op, g->comb_last_epoch[op->creg], 0))) return rc;
         g->comb_last_epoch[op->creg] = op->epoch;
     }
-    TRACE(g, core, 9);
+    TRACE(g, core, TRACE_C_PREV_DONE);
     return 0;
 }
 
@@ -32,7 +34,7 @@ static void copy_rows(op_t *op, int core, int64_t lo, int64_t hi) {
 /* Only the rows peers pull are copied: the rows of this rank's own tokens are reduced from
  * expert_out where it lies (ph_c_reduce). Which rows came from peers is the dispatch's own
  * record (engine.h, peer_rows); without one (a dispatch older than the region's last), all. */
-static int ph_c_copy(op_t *op, int core) {
+int ph_c_copy(op_t *op, int core) {
     engine_t *g = op->g;
     if (op->zero_copy) return 0;
     int reg = (int)(op->dispatch_index % (uint64_t)g->nreg);
@@ -45,10 +47,10 @@ static int ph_c_copy(op_t *op, int core) {
     return 0;
 }
 
-static int ph_c_publish(op_t *op, int core) {
+int ph_c_publish(op_t *op, int core) {
     engine_t *g = op->g;
     (void)core;
-    TRACE(g, core, 10);
+    TRACE(g, core, TRACE_C_COPIED);
     comb_info_rec_t *ci = comb_info(g, g->rank, op->par);
     store_fence();
     st_rlx(&ci->off, (uint64_t)op->eo_off);
@@ -63,12 +65,10 @@ static int ph_c_publish(op_t *op, int core) {
         int64_t lo = g->off_comb + c * g->comb_bytes;
         if (op->eo_off >= lo && op->eo_off < lo + g->comb_bytes) g->comb_last_epoch[c] = op->epoch;
     }
-    TRACE(g, core, 11);
+    TRACE(g, core, TRACE_C_PUBLISHED);
     return 0;
 }
 
-static int ph_cb_arrive(op_t *op, int core) { return barrier_arrive(op, core, 3); }
-static int ph_cb_wait(op_t *op, int core) { return barrier_wait(op, core, 3); }
 
 /* expert output row `pos` of rank d: this rank's own from expert_out itself */
 static inline const uint8_t *row_of(op_t *op, int d, const int64_t *coff, int64_t pos) {
@@ -114,7 +114,7 @@ static int token_terms(op_t *op, int core, int64_t t, const int64_t *coff, const
     return nt;
 }
 
-static int ph_c_reduce(op_t *op, int core) {
+int ph_c_reduce(op_t *op, int core) {
     engine_t *g = op->g;
     const int R = g->R, K = g->K;
     int64_t *coff = g->ci_off + (int64_t)core * R, *crows = g->ci_rows + (int64_t)core * R;
@@ -154,7 +154,7 @@ static int ph_c_reduce(op_t *op, int core) {
         coff[q] = (int64_t)off;
         crows[q] = (int64_t)rows;
     }
-    TRACE(g, core, 12);
+    TRACE(g, core, TRACE_C_PEERS);
     const int maxt = K > R ? K : R;
     const void **tp[2] = {g->term_ptr + (int64_t)core * 2 * maxt,
                           g->term_ptr + ((int64_t)core * 2 + 1) * maxt};
@@ -178,23 +178,6 @@ static int ph_c_reduce(op_t *op, int core) {
                        g->layout == LAY_EXPERT, tp[!cur], prefetch ? nn : 0);
         nt = nn;
     }
-    TRACE(g, core, 13);
+    TRACE(g, core, TRACE_C_REDUCED);
     return 0;
 }
-
-static const phase_t ASP_COMBINE_PHASES[] = {
-    {ph_c_prepare, 0, 1, NULL},
-    {ph_c_copy, 1, 1, NULL},
-    {ph_c_publish, 0, 1, NULL},
-    {ph_c_reduce, 1, 0, NULL},
-};
-const phase_list_t ASP_COMBINE = PHASE_LIST(ASP_COMBINE_PHASES, 3, 3);
-static const phase_t BSP_COMBINE_PHASES[] = {
-    {ph_c_prepare, 0, 1, NULL},
-    {ph_c_copy, 1, 1, NULL},
-    {ph_c_publish, 0, 1, NULL},
-    {ph_cb_arrive, 1, 1, NULL},
-    {ph_cb_wait, 1, 1, NULL},
-    {ph_c_reduce, 1, 0, NULL},
-};
-const phase_list_t BSP_COMBINE = PHASE_LIST(BSP_COMBINE_PHASES, 3, 4);

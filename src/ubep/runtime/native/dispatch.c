@@ -1,36 +1,14 @@
-/* Dispatch, ASP (the UBEP task graph): validate and count, publish counts and routing, send
- * rows straight to their final position as each destination's counts arrive, receive sources
- * in arrival order. Validation, counts, bases and metadata are shared with BSP
- * (dispatch_bsp.c). */
-#include "engine.h" /* first: Python.h precedes the standard headers */
+/* Dispatch, what ASP and BSP share: validate and count, publish counts and routing, read and
+ * verify counts, compute bases, fill the receive metadata; and ASP's receive, which consumes
+ * sources in arrival order. ASP's count tasks and sends are dispatch_send.c's, BSP's phases
+ * dispatch_bsp.c's, the task graphs phases.c's. */
+#include "flags.h" /* first: engine.h's Python.h precedes the standard headers */
+
+#include "phases.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-void reset_land(engine_t *g) {
-    for (int reg = 0; reg < g->nland; reg++) {
-        uint8_t *b = land(g, g->rank, reg);
-        for (int64_t r = 0; r < g->cap_rows; r++)
-            fill_pattern(b + r * g->slot_bytes, g->row_bytes, g->isz, g->sentinel);
-    }
-}
-
-/* SP: make the land region whole again after a failed call, before peers may write it */
-int ensure_clean(op_t *op) {
-    engine_t *g = op->g;
-    if (!g->land_dirty) return 0;
-    waiter_t w;
-    waiter_init(&w);
-    while (!peers_done_geq(g, g->land_dirty_epoch)) {
-        int rc = wait_step(op, &w, 0, -1, "peers to finish the failed call %llu",
-                           (unsigned long long)g->land_dirty_epoch);
-        if (rc) return rc;
-    }
-    reset_land(g);
-    g->land_dirty = 0;
-    return 0;
-}
 
 static int bad_expert(op_t *op, int64_t t, int k, int64_t e, int dup) {
     char v[32];
@@ -42,7 +20,7 @@ static int bad_expert(op_t *op, int64_t t, int k, int64_t e, int dup) {
 }
 
 /* my first batch rank per local expert of d at d (position order = expert, token) */
-static void batch_ranks(engine_t *g, int d) {
+void batch_ranks(engine_t *g, int d) {
     int64_t acc = 0;
     for (int el = 0; el < g->L; el++) {
         g->my_rank_in_batch[d * g->L + el] = acc;
@@ -59,7 +37,7 @@ int dispatch_validate(op_t *op, int count) {
     engine_t *g = op->g;
     const int K = g->K, E = g->E, R = g->R, r = g->rank;
     const int64_t T = op->ntok, cap = g->cap_src_rows;
-    const int expert = g->layout == LAY_EXPERT, sp = g->sync == SYNC_SP, check = !op->checked;
+    const int expert = g->layout == LAY_EXPERT, sp = flag_sentinel(g), check = !op->checked;
     int64_t *restrict cnt = g->cnt, *restrict units_to = g->units_to;
     int64_t *restrict rows_to = g->rows_to;
     const int32_t *restrict e2d = g->e2d;
@@ -128,34 +106,8 @@ int dispatch_validate(op_t *op, int count) {
     return 0;
 }
 
-/* SP writer: the row's body, a store fence, then its armed tail (the last sp_tail bytes). A
- * reader that finds no sentinel left in the tail has, after its acquire fence, the whole row:
- * the fence orders the body's stores before the tail's (SFENCE on x86, for the fast-string
- * stores of the libc copy the body takes, a DMB on Arm). Nobody polls the body, so any copy
- * will do there; the tail is polled, so it is copied element-safe (no element tears). With
- * sp_tail == row_bytes this is plain SP, every element armed and polled. */
-static void put_sp_row(engine_t *g, uint8_t *slot, const uint8_t *src) {
-    int64_t body = g->row_bytes - g->sp_tail;
-    if (body > 0) {
-        copy_fast(slot, src, body);
-        store_fence();
-    }
-    copy_elem(slot + body, src + body, g->sp_tail);
-}
-
-/* SP: put the sentinel back into the armed part of rows [0, n) of a land region */
-static void sp_rearm(engine_t *g, uint8_t *base, int64_t n) {
-    if (g->sp_tail == g->row_bytes) {
-        fill_pattern(base, n * g->slot_bytes, g->isz, g->sentinel);
-        return;
-    }
-    for (int64_t r = 0; r < n; r++)
-        fill_pattern(base + r * g->slot_bytes + g->row_bytes - g->sp_tail, g->sp_tail, g->isz,
-                     g->sentinel);
-}
-
 /* my count record for destination d: rows, counts per local expert of d, checksum, epoch */
-static void publish_counts(op_t *op, int d) {
+void publish_counts(op_t *op, int d) {
     engine_t *g = op->g;
     const int L = g->L;
     inbox_rec_t *ib = inbox(g, d, g->rank, op->par);
@@ -173,7 +125,7 @@ int dispatch_publish(op_t *op) {
     const int K = g->K, R = g->R;
     int reg = (int)(op->n % g->nreg);
     int rc;
-    if (g->sync == SYNC_SP && (rc = ensure_clean(op))) return rc;
+    if (flag_sentinel(g) && (rc = ensure_clean(op))) return rc;
     route_rec_t *rt = route(g, g->rank, reg); /* topk_idx was copied by dispatch_validate */
     float *rw = (float *)(route_weights(g, rt));
     memcpy(rw, op->w, sizeof(float) * (size_t)(op->ntok * K));
@@ -182,12 +134,7 @@ int dispatch_publish(op_t *op) {
                                      (const uint32_t *)rt->idx, (const uint32_t *)rw,
                                      op->ntok * K));
     st_rlx(&rt->epoch, op->epoch);
-    if (g->sync == SYNC_SP && land_is_out(g) && g->sp_dirty[reg]) {
-        /* SP in place: the region's last use left data where peers may write now; the user's
-         * view of it has expired (recv_x lives until the second dispatch after it) */
-        sp_rearm(g, land(g, g->rank, reg), g->sp_dirty[reg]);
-        g->sp_dirty[reg] = 0;
-    }
+    flag_rearm_used(g, reg);
     pub_word(ready_word(g, g->rank, op->epoch), op->epoch);
     op->published_ready = 1;
     if (g->eng == ENG_BSP || op->plan.num_count_cores) {
@@ -197,101 +144,6 @@ int dispatch_publish(op_t *op) {
     for (int i = 0; i < R; i++) publish_counts(op, (g->rank + 1 + i) % R);
     ring_all(g); /* every sender to every rank reads these counts */
     return 0;
-}
-
-/* The count task of destination d (ASP with count cores): count my picks of each of d's
- * experts and my rows to d, fill d's bucket unless the plan has units, then publish the count
- * record. topk_idx was validated by the prepare phase. */
-static void count_dst(op_t *op, int d) {
-    engine_t *g = op->g;
-    const int K = g->K, L = g->L, expert = g->layout == LAY_EXPERT, fill = !op->plan.have_units;
-    const int64_t T = op->ntok, b0 = bucket_start(g, (d - g->rank - 1 + 2 * g->R) % g->R);
-    const int32_t *restrict e2d = g->e2d, *restrict e2l = g->e2l;
-    const int64_t *restrict topk = op->topk;
-    int64_t *restrict cnt = g->cnt + (int64_t)d * L;
-    int64_t units = 0, rows = 0;
-    memset(cnt, 0, sizeof(int64_t) * (size_t)L);
-    for (int64_t t = 0; t < T; t++) {
-        const int64_t *row = topk + t * K;
-        int hit = 0;
-        for (int k = 0; k < K; k++) {
-            int64_t e = row[k];
-            if (e < 0 || e2d[e] != d) continue;
-            int el = e2l[e];
-            if (expert || !hit) {
-                if (fill) {
-                    int64_t u = b0 + units;
-                    g->u_t[u] = (int32_t)t;
-                    g->u_k[u] = k;
-                    g->u_e[u] = (int32_t)e;
-                    g->u_slot[u] = (int32_t)(expert ? cnt[el] : rows);
-                }
-                units++;
-            }
-            cnt[el]++;
-            hit = 1;
-        }
-        rows += hit;
-    }
-    g->units_to[d] = units;
-    g->rows_to[d] = expert ? units : rows;
-    batch_ranks(g, d);
-    atomic_store_explicit(&g->remaining[d], units, memory_order_relaxed);
-    publish_counts(op, d); /* its release store publishes the above to this rank's senders */
-    atomic_store_explicit(&g->counted[d], op->epoch, memory_order_release);
-    ring(g, d);
-}
-
-/* count core c: the destinations whose first expert is in its range, in expert order (the
- * simulator's count chunks) */
-static int ph_d_count(op_t *op, int core) {
-    engine_t *g = op->g;
-    const plan_t *p = &op->plan;
-    g->core_dsts[core] = 0;
-    if (!p->num_count_cores) { /* the prepare phase counted and published for everyone */
-        for (int i = 0; core == 0 && i < g->R; i++)
-            g->core_dst_log[g->core_dsts[0]++] = (g->rank + 1 + i) % g->R;
-        return 0;
-    }
-    for (int c = 0; c < p->num_count_cores; c++) {
-        if ((p->num_send_cores + c) % g->C != core) continue;
-        for (int d = 0; d < g->R; d++) {
-            int64_t first = (int64_t)d * g->L;
-            if (first < p->count_expert_ptr[c] || first >= p->count_expert_ptr[c + 1]) continue;
-            count_dst(op, d);
-            g->core_dst_log[(int64_t)core * g->R + g->core_dsts[core]++] = d;
-        }
-    }
-    return 0;
-}
-
-static int ph_d_prepare(op_t *op, int core) {
-    (void)core;
-    TRACE(op->g, core, 0);
-    /* the route area validation writes was read by peers two calls ago: wait for them first */
-    pub_word(word(op->g, op->g->rank, op->g->off_entered), op->epoch << 2 | (uint64_t)op->kind);
-    int rc = wait_peers_done(op, op->epoch >= 2 ? op->epoch - 2 : 0, 0);
-    if (rc) return rc;
-    TRACE(op->g, core, 1);
-    if ((rc = dispatch_validate(op, !op->plan.num_count_cores))) return rc;
-    TRACE(op->g, core, 2);
-    reset_send_state(op);
-    rc = dispatch_publish(op);
-    TRACE(op->g, core, 3);
-    return rc;
-}
-
-/* Destination d has published readiness and every source has published counts to d: 1;
- * not yet: 0; d has published readiness for a later call of this parity, so it left this one
- * without the rows this rank still has for it: -1 (see dst_gone). Readiness must be this
- * call's exactly: rows of this call must never land in a region a later call has armed. */
-static int dst_ready(op_t *op, int d) {
-    engine_t *g = op->g;
-    uint64_t ready = rd_word(ready_word(g, d, op->epoch));
-    if (ready != op->epoch) return ready > op->epoch ? -1 : 0;
-    for (int s = 0; s < g->R; s++)
-        if (ld_acq(&inbox(g, d, s, op->par)->counts_epoch) != op->epoch) return 0;
-    return 1;
 }
 
 /* d moved past this call while this rank still had rows for it: d failed the call (its
@@ -363,106 +215,6 @@ int compute_bases(op_t *op, int core, int d, int src, int64_t *out) {
     return 0;
 }
 
-static int wait_dst(op_t *op, int core, int d) {
-    waiter_t w;
-    waiter_init(&w);
-    int ready;
-    while ((ready = dst_ready(op, d)) != 1) {
-        if (ready < 0) return dst_gone(op, core, d);
-        int rc = wait_step(op, &w, core, d, "receive readiness and counts of rank %d", d);
-        if (rc) return rc;
-    }
-    return 0;
-}
-
-/* write one row to its slot in destination d (encoded for the sync mode) */
-static void put_row(op_t *op, int d, int64_t pos, const uint8_t *src) {
-    engine_t *g = op->g;
-    int reg = (int)(op->n % g->nreg);
-    if (g->eng == ENG_ASP && d == g->rank) { /* own rows: nobody polls them */
-        copy_fast(outreg(g, d, reg) + pos * g->out_stride, src, g->row_bytes);
-        return;
-    }
-    if (g->sync == SYNC_TFF) {
-        put_tff_in_place(g, outreg(g, d, reg) + pos * g->out_stride, tff_words(g, d, reg, pos),
-                         src, op->epoch);
-        return;
-    }
-    uint8_t *slot = land(g, d, reg) + pos * g->slot_bytes;
-    if (g->sync == SYNC_SP) {
-        put_sp_row(g, slot, src);
-    } else {
-        copy_fast(slot, src, g->row_bytes);
-    }
-}
-
-/* the last unit to d is written: publish the per-(source, destination) flag of SW / DC */
-static void finish_dst(op_t *op, int d) {
-    engine_t *g = op->g;
-    if (d == g->rank || g->eng == ENG_BSP) return;
-    if (g->sync == SYNC_SP || g->sync == SYNC_TFF) { /* data-as-flag: nothing to publish */
-        ring(g, d);
-        return;
-    }
-    inbox_rec_t *ib = inbox(g, d, g->rank, op->par);
-    if (g->sync == SYNC_SW) {
-        store_fence();
-        st_rlx(&ib->sw_count, (uint64_t)g->rows_to[d]);
-        st_rel(&ib->sw_epoch, op->epoch);
-    } else if (g->sync == SYNC_DC) {
-        store_fence();
-        uint64_t sum = dc_finish(atomic_load(&g->dc_s1[d]), atomic_load(&g->dc_s2[d]), op->epoch);
-        st_rlx(&ib->dc_count, (uint64_t)g->rows_to[d]);
-        st_rlx(&ib->dc_sum, sum);
-        st_rel(&ib->dc_epoch, op->epoch);
-    }
-    ring(g, d);
-}
-
-/* DC: the row sums of the token a send loop summed last. A token's rows to one destination
- * follow each other in its bucket (expert layout: up to top-k of them, the same bytes), so its
- * sums are computed once, not once per row. */
-typedef struct {
-    int64_t t;
-    uint64_t A, B;
-} dc_memo_t;
-#define DC_MEMO_INIT {-1, 0, 0}
-
-static void send_unit(op_t *op, dc_memo_t *memo, int64_t t, int k, int e, int d, int64_t slot,
-                      const int64_t *bases) {
-    engine_t *g = op->g;
-    int64_t pos = unit_pos(g, bases, e, slot);
-    const uint8_t *src = op->x + t * g->row_bytes;
-    put_row(op, d, pos, src);
-    if (g->layout == LAY_EXPERT) op->o_dst_row[t * g->K + k] = pos;
-    else op->o_dst_row[t * g->R + d] = pos;
-    if (g->sync == SYNC_DC && g->eng == ENG_ASP && d != g->rank) {
-        int64_t W = (g->row_bytes + 7) / 8;
-        int64_t brank = g->layout == LAY_EXPERT ? g->my_rank_in_batch[e] + slot : slot;
-        if (memo->t != t) {
-            dc_row_sums(src, g->row_bytes, &memo->A, &memo->B);
-            memo->t = t;
-        }
-        uint64_t A = memo->A, B = memo->B;
-        if (g->C > 1) {
-            atomic_fetch_add(&g->dc_s1[d], A);
-            atomic_fetch_add(&g->dc_s2[d], (uint64_t)brank * (uint64_t)W * A + B);
-        } else {
-            g->dc_s1[d] += A;
-            g->dc_s2[d] += (uint64_t)brank * (uint64_t)W * A + B;
-        }
-    }
-}
-
-static void unit_done(op_t *op, int d) {
-    engine_t *g = op->g;
-    if (g->C > 1) {
-        if (atomic_fetch_sub(&g->remaining[d], 1) == 1) finish_dst(op, d);
-    } else if (--g->remaining[d] == 0) {
-        finish_dst(op, d);
-    }
-}
-
 void reset_send_state(op_t *op) {
     engine_t *g = op->g;
     for (int c = 0; c < g->C; c++) g->core_units[c] = 0;
@@ -475,95 +227,6 @@ void reset_send_state(op_t *op) {
     }
     for (int64_t i = 0; i < op->ntok * (g->layout == LAY_EXPERT ? g->K : g->R); i++)
         op->o_dst_row[i] = -1;
-}
-
-/* My counts to d are known (a count task may still be at work on them): d's units, 1; not yet,
- * 0. Without count tasks the prepare phase counted everything. */
-static int counted(op_t *op, int d) {
-    return !op->plan.num_count_cores ||
-           atomic_load_explicit(&op->g->counted[d], memory_order_acquire) == op->epoch;
-}
-
-static void log_unit(op_t *op, int core, int64_t t, int k) {
-    engine_t *g = op->g;
-    g->core_unit_log[(int64_t)core * g->T * g->K + g->core_units[core]++] = (int32_t)(t * g->K + k);
-}
-
-/* ASP send, one send core: destinations whose counts are in go first. A destination this rank
- * sends nothing learns that from the counts, so it is not waited for (it may well have
- * finished the call already). */
-static int send_canonical(op_t *op, int core) {
-    engine_t *g = op->g;
-    const int R = g->R;
-    int64_t *bases = g->core_base + (int64_t)core * R * g->L;
-    int pending[64], np = 0; /* index into the send order */
-    for (int i = 0; i < R; i++) pending[np++] = i;
-    waiter_t w;
-    waiter_init(&w);
-    while (np) {
-        int progressed = 0;
-        for (int j = 0; j < np;) {
-            int i = pending[j], d = (g->rank + 1 + i) % R;
-            if (!counted(op, d)) { j++; continue; }
-            if (g->units_to[d]) {
-                int ready = dst_ready(op, d);
-                if (ready < 0) return dst_gone(op, core, d);
-                if (!ready) { j++; continue; }
-                int rc = compute_bases(op, core, d, g->rank, bases);
-                if (rc) return rc;
-                dc_memo_t memo = DC_MEMO_INIT;
-                for (int64_t u = bucket_start(g, i), end = u + g->units_to[d]; u < end; u++) {
-                    send_unit(op, &memo, g->u_t[u], g->u_k[u], g->u_e[u], d, g->u_slot[u], bases);
-                    log_unit(op, core, g->u_t[u], g->u_k[u]);
-                }
-                finish_dst(op, d);
-            }
-            pending[j] = pending[--np];
-            progressed = 1;
-            waiter_init(&w);
-        }
-        if (!progressed && np) {
-            int d = (g->rank + 1 + pending[0]) % R;
-            int rc = wait_step(op, &w, core, d, "receive readiness and counts of rank %d", d);
-            if (rc) return rc;
-        }
-    }
-    return 0;
-}
-
-/* ASP send by the Plan from ubep.sched: plan core j runs on thread j % C, in plan order */
-static int send_planned(op_t *op, int core) {
-    engine_t *g = op->g;
-    const plan_t *p = &op->plan;
-    const int R = g->R, L = g->L;
-    int64_t *bases = g->core_base + (int64_t)core * R * L;
-    int64_t *ready = g->core_ready + (int64_t)core * R;
-    for (int d = 0; d < R; d++) ready[d] = 0;
-    dc_memo_t memo = DC_MEMO_INIT;
-    for (int j = core; j < p->num_send_cores; j += g->C) {
-        for (int64_t u = p->core_ptr[j]; u < p->core_ptr[j + 1]; u++) {
-            int d = (int)p->dst_rank[u];
-            if (!ready[d]) {
-                int rc = wait_dst(op, core, d);
-                if (!rc) rc = compute_bases(op, core, d, g->rank, bases + (int64_t)d * L);
-                if (rc) return rc;
-                ready[d] = 1;
-            }
-            send_unit(op, &memo, p->token[u], (int)p->k[u], (int)p->expert[u], d, p->slot[u],
-                      bases + (int64_t)d * L);
-            log_unit(op, core, p->token[u], (int)p->k[u]);
-            unit_done(op, d);
-        }
-    }
-    return 0;
-}
-
-static int ph_d_send(op_t *op, int core) {
-    int rc = op->plan.have_units ? send_planned(op, core)
-             : core == 0         ? send_canonical(op, core)
-                                 : 0;
-    TRACE(op->g, core, 4);
-    return rc;
 }
 
 /* receiver: wait for the counts of every source, copy and verify them (this core reads only its
@@ -715,68 +378,6 @@ int recv_metadata(op_t *op, int core, int s, const int64_t *rx_base) {
     return 0;
 }
 
-/* How far a source's rows have been consumed, in position (= batch rank) order. */
-typedef struct {
-    int el;        /* local expert (expert layout); 0 for the rank layout */
-    int64_t off;   /* rows done inside that expert's block from this source */
-    int64_t rank;  /* rows done in total */
-} rx_cursor_t;
-
-/* Consume whatever has landed from source s without blocking: returns 1 when all its rows are
- * complete (they are in recv_x: every ASP mode lands in place), 0 when some are still missing,
- * -1 on error (recorded). */
-static int recv_progress(op_t *op, int core, int s, const int64_t *rx_base,
-                         const uint8_t *land_base, rx_cursor_t *c) {
-    engine_t *g = op->g;
-    inbox_rec_t *ib = inbox(g, g->rank, s, op->par);
-    int64_t expect = RX_ROWS(g, core)[s];
-    if (g->sync == SYNC_SW) {
-        if (ld_acq(&ib->sw_epoch) != op->epoch) return 0;
-        if ((int64_t)ld_rlx(&ib->sw_count) != expect)
-            return op_error(op, E_INTERNAL, core, s, "SW flag of rank %d announces %llu rows, "
-                            "counts said %lld", s, (unsigned long long)ld_rlx(&ib->sw_count),
-                            (long long)expect), -1;
-        return 1;
-    }
-    if (g->sync == SYNC_DC) {
-        if (ld_acq(&ib->dc_epoch) != op->epoch) return 0;
-        int64_t W = (g->row_bytes + 7) / 8;
-        uint64_t s1 = 0, s2 = 0;
-        FOR_SOURCE_ROWS(g, core, s, rx_base, pos, rank_, {
-            uint64_t A, B;
-            dc_row_sums(land_base + pos * g->slot_bytes, g->row_bytes, &A, &B);
-            s1 += A;
-            s2 += (uint64_t)rank_ * (uint64_t)W * A + B;
-        });
-        /* a mismatch means rows of this epoch are still landing (or a stale batch): retry */
-        return (int64_t)ld_rlx(&ib->dc_count) == expect &&
-               ld_rlx(&ib->dc_sum) == dc_finish(s1, s2, op->epoch);
-    }
-    const int expert = g->layout == LAY_EXPERT;
-    const int nruns = expert ? g->L : 1;
-    const uint32_t *cnt = RX_CNT(g, core) + (int64_t)s * g->L;
-    const int64_t nb = g->tff_nblocks;
-    for (; c->el < nruns; c->el++, c->off = 0) {
-        int64_t n = expert ? (int64_t)cnt[c->el] : expect;
-        int64_t p0 = rx_base[s * g->L + (expert ? c->el : 0)];
-        if (g->sync == SYNC_TFF) { /* in place: the run's epoch words are contiguous */
-            const uint64_t *words = (const uint64_t *)(land_base + p0 * g->slot_bytes);
-            int64_t i = tff_first_missing(words, c->off * nb, n * nb, op->epoch);
-            c->rank += i / nb - c->off;
-            c->off = i / nb;
-            if (c->off < n) return 0;
-            continue;
-        }
-        for (; c->off < n; c->off++, c->rank++) { /* SP: in place, the row is recv_x already */
-            const uint8_t *slot = land_base + (p0 + c->off) * g->slot_bytes;
-            if (has_pattern(slot + g->row_bytes - g->sp_tail, g->sp_tail, g->isz, g->sentinel))
-                return 0;
-        }
-    }
-    atomic_thread_fence(memory_order_acquire); /* the rows after the words / sentinels seen */
-    return 1;
-}
-
 /* ASP receive of this core's sources: consume whichever source has data, in arrival order */
 static int recv_sources(op_t *op, int core, const int64_t *rx_base, int reg) {
     engine_t *g = op->g;
@@ -795,7 +396,7 @@ static int recv_sources(op_t *op, int core, const int64_t *rx_base, int reg) {
     while (n) {
         int completed = 0;
         for (int i = 0; i < n;) {
-            int rc = recv_progress(op, core, src[i], rx_base, land_base, &cur[i]);
+            int rc = flag_arrived(op, core, src[i], rx_base, land_base, &cur[i]);
             if (rc < 0) return -1;
             if (rc == 1) {
                 src[i] = src[n - 1];
@@ -816,8 +417,7 @@ static int recv_sources(op_t *op, int core, const int64_t *rx_base, int reg) {
             continue;
         }
         int rc = wait_step(op, &w, core, src[0], "%s rows from rank %d (row %lld of its batch)",
-                 g->sync == SYNC_SP ? "SP" : g->sync == SYNC_TFF ? "TFF" : g->sync == SYNC_SW
-                 ? "the SW flag of" : "a DC batch matching its checksum of", src[0],
+                           flag_awaited(g), src[0],
                  (long long)cur[0].rank);
         if (rc) return rc;
     }
@@ -836,14 +436,14 @@ void recv_counts_out(op_t *op, int core) {
     for (int s = 0; s < g->R; s++) op->o_nrecv[g->L + s] = RX_ROWS(g, core)[s];
 }
 
-static int ph_d_receive(op_t *op, int core) {
+int ph_d_receive(op_t *op, int core) {
     engine_t *g = op->g;
     const int R = g->R, L = g->L;
     int64_t *rx_base = g->rx_base + (int64_t)core * R * L;
     int64_t n = 0;
     int rc = recv_bases(op, core, rx_base, &n);
     if (rc) return rc;
-    TRACE(g, core, 5);
+    TRACE(g, core, TRACE_D_COUNTS_IN);
     int reg = (int)(op->n % g->nreg);
     if (core == 0) {
         op->n_recv = n;
@@ -852,9 +452,9 @@ static int ph_d_receive(op_t *op, int core) {
     for (int s = core; s < R; s += g->C) {
         if ((rc = recv_metadata(op, core, s, rx_base))) return rc;
     }
-    TRACE(g, core, 6);
+    TRACE(g, core, TRACE_D_METADATA);
     rc = recv_sources(op, core, rx_base, reg);
-    TRACE(g, core, 7);
+    TRACE(g, core, TRACE_D_DATA_IN);
     return rc;
 }
 
@@ -873,12 +473,3 @@ int ph_d_quant(op_t *op, int core) {
 }
 
 int op_quantises(const op_t *op) { return op->quant; }
-
-static const phase_t ASP_DISPATCH_PHASES[] = {
-    {ph_d_quant, 1, 1, op_quantises},
-    {ph_d_prepare, 0, 1, NULL},
-    {ph_d_count, 1, 0, NULL}, /* no barrier: a thread goes on to its sends, others still count */
-    {ph_d_send, 1, 0, NULL},
-    {ph_d_receive, 1, 0, NULL},
-};
-const phase_list_t ASP_DISPATCH = PHASE_LIST(ASP_DISPATCH_PHASES, 3, 4);

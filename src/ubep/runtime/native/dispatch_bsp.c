@@ -1,7 +1,9 @@
 /* Dispatch, BSP (the CANN-EP-style baseline): rows to per-source staging, a global barrier,
  * flags and counts, verification, a second barrier, then reordering. The global barrier is
  * BSP combine's too. */
-#include "engine.h" /* first: Python.h precedes the standard headers */
+#include "flags.h" /* first: engine.h's Python.h precedes the standard headers */
+
+#include "phases.h"
 
 #include <string.h>
 
@@ -39,15 +41,11 @@ int barrier_wait(op_t *op, int core, int phase) {
     }
     return 0;
 }
-static int ph_b1_arrive(op_t *op, int core) { return barrier_arrive(op, core, 1); }
-static int ph_b1_wait(op_t *op, int core) { return barrier_wait(op, core, 1); }
-static int ph_b2_arrive(op_t *op, int core) { return barrier_arrive(op, core, 2); }
-static int ph_b2_wait(op_t *op, int core) { return barrier_wait(op, core, 2); }
 
 /* Token-Sending: rows go to the destination's staging partition of this source, at the slot
  * the sender computes alone (regions partitioned by (source, expert)). Work is split across
  * cores by unit index; the destination's readiness (its staging area is clean) is checked. */
-static int ph_bsp_send(op_t *op, int core) {
+int ph_bsp_send(op_t *op, int core) {
     engine_t *g = op->g;
     const int R = g->R;
     int reg = (int)(op->n % g->nreg);
@@ -72,20 +70,14 @@ static int ph_bsp_send(op_t *op, int core) {
             int64_t pos = (int64_t)g->rank * g->cap_src_rows + slot;
             const uint8_t *src = op->x + (int64_t)g->u_t[u] * g->row_bytes;
             uint8_t *slotp = land(g, d, reg) + pos * g->slot_bytes;
-            if (g->sync == SYNC_TFF) {
-                put_tff_row(g, slotp, src, op->epoch);
-            } else if (g->sync == SYNC_SP) {
-                copy_elem(slotp, src, g->row_bytes);
-            } else {
-                copy_fast(slotp, src, g->row_bytes);
-            }
+            flag_put_staged(g, slotp, src, op->epoch);
         }
     }
     return 0;
 }
 
 /* SendFlag & TokenCnt: counts, SW flag, DC checksum (over the staged rows, slot order) */
-static int ph_bsp_flags(op_t *op, int core) {
+int ph_bsp_flags(op_t *op, int core) {
     engine_t *g = op->g;
     const int R = g->R, L = g->L;
     int reg = (int)(op->n % g->nreg);
@@ -95,16 +87,8 @@ static int ph_bsp_flags(op_t *op, int core) {
         for (int el = 0; el < L; el++) c[el] = (uint32_t)g->cnt[d * L + el];
         st_rlx(&ib->rows, (uint64_t)g->rows_to[d]);
         st_rlx(&ib->sum, counts_sum(op->epoch, (uint64_t)g->rows_to[d], c, L));
-        if (g->sync == SYNC_SW) {
-            st_rlx(&ib->sw_count, (uint64_t)g->rows_to[d]);
-            st_rel(&ib->sw_epoch, op->epoch);
-        } else if (g->sync == SYNC_DC) {
-            uint8_t *part = land(g, d, reg) + (int64_t)g->rank * g->cap_src_rows * g->slot_bytes;
-            st_rlx(&ib->dc_count, (uint64_t)g->rows_to[d]);
-            st_rlx(&ib->dc_sum, dc_batch_sum(part, g->slot_bytes, g->rows_to[d], g->row_bytes,
-                                             op->epoch));
-            st_rel(&ib->dc_epoch, op->epoch);
-        }
+        flag_publish_staged(op, d, land(g, d, reg) +
+                                       (int64_t)g->rank * g->cap_src_rows * g->slot_bytes);
         st_rel(&ib->counts_epoch, op->epoch);
         ring(g, d);
     }
@@ -112,7 +96,7 @@ static int ph_bsp_flags(op_t *op, int core) {
 }
 
 /* Verification: every core polls a subset of the sources' flags / data */
-static int ph_bsp_verify(op_t *op, int core) {
+int ph_bsp_verify(op_t *op, int core) {
     engine_t *g = op->g;
     const int R = g->R;
     int reg = (int)(op->n % g->nreg);
@@ -128,21 +112,7 @@ static int ph_bsp_verify(op_t *op, int core) {
         int rc = read_counts(op, core, g->rank, s, &n, RX_CNT(g, core) + (int64_t)s * g->L);
         if (rc) return rc;
         uint8_t *part = land(g, g->rank, reg) + (int64_t)s * g->cap_src_rows * g->slot_bytes;
-        int ok = 1;
-        if (g->sync == SYNC_SW) {
-            ok = ld_acq(&ib->sw_epoch) == op->epoch && (int64_t)ld_rlx(&ib->sw_count) == n;
-        } else if (g->sync == SYNC_DC) {
-            ok = ld_acq(&ib->dc_epoch) == op->epoch && (int64_t)ld_rlx(&ib->dc_count) == n &&
-                 ld_rlx(&ib->dc_sum) ==
-                     dc_batch_sum(part, g->slot_bytes, n, g->row_bytes, op->epoch);
-        } else if (g->sync == SYNC_SP) {
-            for (int64_t i = 0; i < n && ok; i++)
-                ok = !has_pattern(part + i * g->slot_bytes, g->row_bytes, g->isz, g->sentinel);
-        } else {
-            for (int64_t i = 0; i < n && ok; i++)
-                for (int64_t b = 0; b < g->tff_nblocks && ok; b++)
-                    ok = tff_flag(g, part + i * g->slot_bytes, b) == op->epoch;
-        }
+        int ok = flag_verify_staged(op, s, part, n);
         if (!ok)
             return op_error(op, E_INTERNAL, core, s, "verification of rank %d's rows failed after "
                             "the barrier", s);
@@ -151,7 +121,7 @@ static int ph_bsp_verify(op_t *op, int core) {
 }
 
 /* CalCumSum + Token-Reordering: copy staged rows to their final position, fill metadata */
-static int ph_bsp_reorder(op_t *op, int core) {
+int ph_bsp_reorder(op_t *op, int core) {
     engine_t *g = op->g;
     const int R = g->R, L = g->L;
     int64_t *rx_base = g->rx_base + (int64_t)core * R * L;
@@ -170,20 +140,14 @@ static int ph_bsp_reorder(op_t *op, int core) {
         FOR_SOURCE_ROWS(g, core, s, rx_base, pos, rank_, {
             const uint8_t *slot = part + rank_ * g->slot_bytes;
             uint8_t *dst = out + pos * g->out_stride;
-            if (g->sync == SYNC_TFF) {
-                get_tff_row(g, dst, slot);
-            } else {
-                copy_fast(dst, slot, g->row_bytes);
-                if (g->sync == SYNC_SP)  /* consumed: refill for the next call */
-                    fill_pattern((uint8_t *)slot, g->row_bytes, g->isz, g->sentinel);
-            }
+            flag_unstage(g, dst, (uint8_t *)slot);
         });
     }
     return 0;
 }
 
 /* send_dst_row of the BSP path: final positions, computed once the counts are known */
-static int ph_bsp_dst_rows(op_t *op, int core) {
+int ph_bsp_dst_rows(op_t *op, int core) {
     engine_t *g = op->g;
     const int R = g->R, L = g->L;
     int64_t *bases = g->core_base + (int64_t)core * R * L;
@@ -202,7 +166,7 @@ static int ph_bsp_dst_rows(op_t *op, int core) {
     return 0;
 }
 
-static int ph_bsp_prepare(op_t *op, int core) {
+int ph_bsp_prepare(op_t *op, int core) {
     (void)core;
     pub_word(word(op->g, op->g->rank, op->g->off_entered), op->epoch << 2 | (uint64_t)op->kind);
     int rc = wait_peers_done(op, op->epoch >= 2 ? op->epoch - 2 : 0, 0);
@@ -211,19 +175,4 @@ static int ph_bsp_prepare(op_t *op, int core) {
     reset_send_state(op);
     return dispatch_publish(op);
 }
-
-static const phase_t BSP_DISPATCH_PHASES[] = {
-    {ph_d_quant, 1, 1, op_quantises}, /* quantised rows only */
-    {ph_bsp_prepare, 0, 1, NULL},  /* Init */
-    {ph_bsp_send, 1, 1, NULL},     /* Token-Sending */
-    {ph_b1_arrive, 1, 1, NULL},    /* SyncAll */
-    {ph_b1_wait, 1, 1, NULL},
-    {ph_bsp_flags, 1, 1, NULL},    /* SendFlag & TokenCnt */
-    {ph_bsp_verify, 1, 1, NULL},   /* Verification */
-    {ph_b2_arrive, 1, 1, NULL},    /* SyncAll */
-    {ph_b2_wait, 1, 1, NULL},
-    {ph_bsp_reorder, 1, 1, NULL},  /* CalCumSum + Token-Reordering */
-    {ph_bsp_dst_rows, 0, 0, NULL},
-};
-const phase_list_t BSP_DISPATCH = PHASE_LIST(BSP_DISPATCH_PHASES, 2, 6);
 

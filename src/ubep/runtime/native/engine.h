@@ -5,7 +5,10 @@
  * DC sums, conversions, reductions), wait.c (errors, notices, liveness, waits, end of an
  * operation), team.c (cores: threads, in-process barrier, phase runner), dispatch.c (ASP
  * dispatch and what BSP shares with it), dispatch_bsp.c (BSP dispatch and the global barrier),
- * combine.c, module.c (the Python type and module functions). */
+ * combine.c, phases.c (the four task graphs), flags.h/.c (the sync modes), dispatch_send.c
+ * (ASP's count tasks and sends), module.c (the Engine type, its parameters), calls.c (a call's lifecycle), control.c
+ * (the control methods), exports.c (the ABI exports, module init), fastpath.c (whole blocking
+ * calls). */
 #ifndef UBEP_ENGINE_H
 #define UBEP_ENGINE_H
 
@@ -136,7 +139,7 @@ typedef struct engine {
     struct op *job_op;
     const struct phase_list *job_phases;
     int job_first, job_end; /* the phases of job_phases the cores run */
-    /* split-phase calls not yet completed, oldest first (module.c's call_t); their second
+    /* split-phase calls not yet completed, oldest first (calls.h's call_t); their second
      * halves run on the background core, one at a time, in issue order */
     struct call *pending[MAX_PENDING];
     int npending;
@@ -168,7 +171,7 @@ typedef struct engine {
      * core_dsts[c] count records core c published, their destinations in core_dst_log[c][...] */
     int64_t *core_units, *core_dsts;
     int32_t *core_unit_log, *core_dst_log;
-    int64_t trace[16];     /* core 0's phase timestamps of the last call (ns), for profiling */
+    int64_t trace[TRACE_SLOTS];     /* core 0's phase timestamps of the last call (ns), for profiling */
     struct fast *fast;     /* fastpath.c: what blocking calls build their results from */
 } engine_t;
 
@@ -186,7 +189,7 @@ typedef struct op {
     int64_t ntok;
     const int64_t *topk;
     const float *w;
-    plan_t plan; /* ASP: the cores' tasks (module.c reads it from ubep.sched's Plan) */
+    plan_t plan; /* ASP: the cores' tasks (calls.c reads it from ubep.sched's Plan) */
     int checked; /* topk_idx was validated by ubep.sched (the plan's units): range and
                   * duplicates are not checked twice */
     /* dispatch outputs */
@@ -331,56 +334,7 @@ static inline int64_t unit_pos(engine_t *g, const int64_t *bases, int e, int64_t
         }                                                                                  \
     } while (0)
 
-/* TFF staged (docs/FORMATS.md; BSP): a row as blocks of tff_payload bytes, each followed by its
- * flag, the call's epoch, stored with release after the payload. */
-static inline void put_tff_row(engine_t *g, uint8_t *slot, const uint8_t *src, uint64_t epoch) {
-    for (int64_t b = 0; b < g->tff_nblocks; b++) {
-        int64_t off = b * g->tff_payload, len = g->row_bytes - off;
-        if (len > g->tff_payload) len = g->tff_payload;
-        uint8_t *blk = slot + b * g->tff_block;
-        copy_elem(blk, src + off, len);
-        if (len < g->tff_payload) memset(blk + len, 0, (size_t)(g->tff_payload - len));
-        if (g->tff_flag > 8) memset(blk + g->tff_payload + 8, 0, (size_t)(g->tff_flag - 8));
-        st_rel(blk + g->tff_payload, epoch); /* the block's flag, after its payload */
-    }
-}
-/* ASP TFF lands in place (layout.py): the row goes straight to its final place in recv_x,
- * then each block's epoch word is release-stored into the row's word slot in the land region,
- * apart from the payload, so no copy ever writes payload and flag together (MEMORY-MODEL.md).
- * The row is one copy_fast (libc: fast-string stores out of cache, which beat vector stores by
- * 10-25% there), so a store fence (SFENCE + release) orders it before the words, as SW orders
- * its rows before its flag. A block's word is still stored after that block's payload; the
- * words just all follow the row's last block. */
-static inline uint64_t *tff_words(engine_t *g, int rank, int reg, int64_t pos) {
-    return (uint64_t *)(land(g, rank, reg) + pos * g->slot_bytes);
-}
-static inline void put_tff_in_place(engine_t *g, uint8_t *dst, uint64_t *words,
-                                    const uint8_t *src, uint64_t epoch) {
-    copy_fast(dst, src, g->row_bytes);
-    store_fence();
-    for (int64_t b = 0; b < g->tff_nblocks; b++) st_rel(&words[b], epoch);
-}
-/* words [i, end) of a run of rows' epoch words: the index of the first that is not `epoch`
- * (relaxed loads: the caller issues one acquire fence before it lets anyone read the rows) */
-static inline int64_t tff_first_missing(const uint64_t *words, int64_t i, int64_t end,
-                                        uint64_t epoch) {
-    while (i < end && ld_rlx(&words[i]) == epoch) i++;
-    return i;
-}
-/* the flag of block b of a TFF slot (BSP staging) */
-static inline uint64_t tff_flag(engine_t *g, const uint8_t *slot, int64_t b) {
-    return ld_acq(slot + b * g->tff_block + g->tff_payload);
-}
-/* a complete TFF row, without its flags */
-static inline void get_tff_row(engine_t *g, uint8_t *dst, const uint8_t *slot) {
-    for (int64_t b = 0; b < g->tff_nblocks; b++) {
-        int64_t off = b * g->tff_payload, len = g->row_bytes - off;
-        if (len > g->tff_payload) len = g->tff_payload;
-        copy_fast(dst + off, slot + b * g->tff_block, len);
-    }
-}
-
-/* phase lists (dispatch.c, dispatch_bsp.c, combine.c), run by team.c */
+/* the task graphs as phase lists (phases.c), run by team.c */
 /* A split-phase call (return_recv_hook) runs phases [0, split) in the caller's thread: the
  * local work (quantisation, validation, counts) and what peers need from this rank to send
  * (readiness, counts, routing; combine: the expert outputs); phases [split, num_phases) --
@@ -395,9 +349,6 @@ typedef struct phase_list {
 } phase_list_t;
 #define PHASE_LIST(a, split, split_fg) {(a), (int)(sizeof(a) / sizeof((a)[0])), (split), (split_fg)}
 extern const phase_list_t ASP_DISPATCH, BSP_DISPATCH, ASP_COMBINE, BSP_COMBINE;
-/* dispatch with quantised rows (op->quant): a first phase, every core its share of the tokens */
-int ph_d_quant(op_t *op, int core);
-int op_quantises(const op_t *op);
 
 /* wait.c: errors, failure notices, liveness, waits, end of an operation */
 int op_error(op_t *op, int code, int core, int peer, const char *fmt, ...)
@@ -425,9 +376,9 @@ int bg_start(engine_t *g, op_t *op, const phase_list_t *phases, _Atomic uint32_t
 void bg_quiesce(engine_t *g);
 void run_op(op_t *op, const phase_list_t *phases, int first, int end);
 
-/* dispatch.c: what the BSP phases share with ASP dispatch */
-void reset_land(engine_t *g);
-int ensure_clean(op_t *op);
+/* dispatch.c: what the BSP phases and ASP's sends (dispatch_send.c) share */
+void batch_ranks(engine_t *g, int d);
+void publish_counts(op_t *op, int d);
 int dispatch_validate(op_t *op, int count);
 int dispatch_publish(op_t *op);
 void reset_send_state(op_t *op);

@@ -39,7 +39,7 @@ static const char *const KEY_NAMES[NUM_KEYS] = {
 #define FIRST_CONST_KEY K_BUFFER_UID
 
 struct fast {
-    PyObject *result_type, *handle_type; /* ubep.handle.DispatchResult, ubep.engine.RuntimeHandle */
+    PyObject *result_type, *handle_type; /* ubep.handle.DispatchResult, ubep.handle.RuntimeHandle */
     PyObject *handle_const;              /* dict: the handle's per-Buffer fields */
     PyObject *recv_views[8];             /* [cap_rows, hidden] read-only view of each region */
     PyObject *scale_views[8];            /* quantised rows: their float32 scales, else NULL */
@@ -321,7 +321,7 @@ fail:
 }
 
 /* dispatch_fast(x, topk_idx, topk_weights, epoch, index, generation, plan) -> None (not this
- * path's case: nothing was done) | DispatchResult | error tuple */
+ * path's case: nothing was done) | DispatchResult | ErrorRecord */
 PyObject *engine_dispatch_fast(engine_t *g, PyObject *args) {
     dispatch_args_t a;
     PyObject *generation;
@@ -367,7 +367,7 @@ PyObject *engine_dispatch_fast(engine_t *g, PyObject *args) {
 static PyObject *field(PyObject *d, PyObject *key) { return PyDict_GetItemWithError(d, key); }
 
 /* combine_fast(expert_out, handle, epoch, generation, num_dispatches) -> None (not this
- * path's case) | y | error tuple */
+ * path's case) | y | ErrorRecord */
 PyObject *engine_combine_fast(engine_t *g, PyObject *args) {
     PyObject *eo, *handle, *generation;
     unsigned long long epoch;

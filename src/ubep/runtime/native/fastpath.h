@@ -1,5 +1,5 @@
 /* The one-call fast path of blocking calls (fastpath.c): the Engine methods it adds, and the
- * numpy C API it builds results with (module.c imports it once, at module load). */
+ * numpy C API it builds results with (exports.c imports it once, at module load). */
 #ifndef UBEP_FASTPATH_H
 #define UBEP_FASTPATH_H
 

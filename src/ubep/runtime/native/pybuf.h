@@ -1,4 +1,4 @@
-/* Python buffers of the arguments a native call takes (module.c, hooks.c): held until the call
+/* Python buffers of the arguments a native call takes (calls.c, hooks.c): held until the call
  * is done, sizes checked against what the call will touch. */
 #ifndef UBEP_PYBUF_H
 #define UBEP_PYBUF_H

@@ -3,7 +3,7 @@
  * Every wait spins briefly, then yields, then sleeps on its rank's doorbell, and checks a
  * deadline, the failure notices of the peers and (every 10 ms) that the peer processes are
  * alive. */
-#include "engine.h" /* first: Python.h precedes the standard headers */
+#include "flags.h" /* first: engine.h's Python.h precedes the standard headers */
 
 #include <errno.h>
 #include <fcntl.h>
@@ -299,16 +299,7 @@ void finish_op(op_t *op) {
         format_error(op, buf, sizeof buf);
         publish_failure(g, op->epoch, err == E_REMOTE ? op->remote_code : err, buf);
     }
-    if (op->kind == 0 && g->sync == SYNC_SP && land_is_out(g) && op->published_ready) {
-        /* rows [0, n_recv) now hold data; after a failure, any row a peer may have reached */
-        int64_t *dirty = &g->sp_dirty[op->n % g->nreg];
-        int64_t used = err ? g->cap_rows : op->n_recv;
-        if (used > *dirty) *dirty = used;
-    } else if (op->kind == 0 && g->sync == SYNC_SP && err && op->published_ready) {
-        /* peers may have written rows this call never consumed: reset all before reuse */
-        g->land_dirty = 1;
-        g->land_dirty_epoch = op->epoch;
-    }
+    flag_dispatch_done(op, err);
     pub_word(word(g, g->rank, g->off_done), op->epoch);
     ring_all(g);
     int armed = atomic_load(&op->armed);
