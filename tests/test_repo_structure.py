@@ -1,0 +1,251 @@
+"""The tree keeps the shape docs/ARCHITECTURE.md draws.
+
+Three rules, each checked from the source itself (the oracle is Python's own parser):
+
+* no circle between modules of ``ubep`` or ``benchmarks``, through any import that can run (a
+  lazy import inside a function counts: it hides a circle, it does not open it; one under
+  ``TYPE_CHECKING`` never runs);
+* the core (every ``ubep`` module outside the torch layer) never imports the torch layer or the
+  source tree's ``benchmarks``, lazily or not; ``ubep.torch_bridge`` is the one door to
+  ``ubep.torch`` and ``ubep.deep_ep`` is the documented re-export of the facade;
+* no source file over :data:`MAX_LINES` lines.
+
+Each checker is also run on a small made-up tree that breaks its rule, so a checker that went
+blind fails here too.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MAX_LINES = 800
+SOURCE_SUFFIXES = (".py", ".pyi", ".c", ".h")
+# the torch layer and the modules allowed to reach it
+TORCH_LAYER = ("ubep.torch", "ubep.deep_ep")
+TORCH_DOOR = "ubep.torch_bridge"
+FORBIDDEN_FROM_CORE = ("ubep.torch", "ubep.deep_ep", "benchmarks")
+
+
+def _module_files() -> dict[str, Path]:
+    """Module name -> file, for the ``ubep`` package and the ``benchmarks`` tree."""
+    found: dict[str, Path] = {}
+    for root, top in ((REPO_ROOT / "src", REPO_ROOT / "src" / "ubep"),
+                      (REPO_ROOT, REPO_ROOT / "benchmarks")):
+        for path in top.rglob("*.py"):
+            if "results" in path.relative_to(top).parts:
+                continue
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _statements(body: Iterable[ast.stmt], *, into_functions: bool) -> Iterator[ast.stmt]:
+    """The statements that can run: every block but ``if TYPE_CHECKING``; with
+    ``into_functions=False`` only those that run when the module loads (functions' bodies
+    excluded, classes' bodies included)."""
+    for node in body:
+        yield node
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            yield from _statements(node.orelse, into_functions=into_functions)
+            continue
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and not into_functions:
+            continue
+        for field in ("body", "orelse", "finalbody", "handlers"):
+            block = getattr(node, field, None)
+            if isinstance(block, list):
+                inner = [b for b in block if isinstance(b, ast.stmt)]
+                for handler in block:
+                    if isinstance(handler, ast.ExceptHandler):
+                        inner.extend(handler.body)
+                yield from _statements(inner, into_functions=into_functions)
+
+
+def _targets(module: str, is_package: bool, node: ast.stmt, known: Iterable[str]) -> list[str]:
+    """The modules of ``known`` an import statement of ``module`` names (``from pkg import name``
+    names ``pkg.name`` when that is a module, else ``pkg``)."""
+    names = set(known)
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names if alias.name in names]
+    if not isinstance(node, ast.ImportFrom):
+        return []
+    base = node.module or ""
+    if node.level:
+        package = module.split(".") if is_package else module.split(".")[:-1]
+        package = package[: len(package) - node.level + 1]
+        base = ".".join([*package, base] if base else package)
+    out = []
+    for alias in node.names:
+        full = f"{base}.{alias.name}"
+        if full in names:
+            out.append(full)
+        elif base in names:
+            out.append(base)
+    return out
+
+
+def import_graph(sources: Mapping[str, tuple[str, bool]], *, load_time_only: bool
+                 ) -> dict[str, set[str]]:
+    """Module -> modules it imports, from ``{module: (source text, is_package)}``."""
+    graph: dict[str, set[str]] = {}
+    for module, (text, is_package) in sources.items():
+        tree = ast.parse(text)
+        nodes = _statements(tree.body, into_functions=not load_time_only)
+        graph[module] = {
+            t for node in nodes for t in _targets(module, is_package, node, sources)
+            if t != module
+        }
+    return graph
+
+
+def circles(graph: Mapping[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def _in(module: str, prefixes: Iterable[str]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def core_reaches_torch(graph: Mapping[str, set[str]]) -> list[tuple[str, str]]:
+    """(core module, forbidden module) pairs: the core importing the torch layer or benchmarks."""
+    return sorted(
+        (module, target)
+        for module, targets in graph.items()
+        if _in(module, ("ubep",)) and not _in(module, TORCH_LAYER) and module != TORCH_DOOR
+        for target in targets if _in(target, FORBIDDEN_FROM_CORE)
+    )
+
+
+def _repo_sources() -> dict[str, tuple[str, bool]]:
+    return {
+        module: (path.read_text(), path.name == "__init__.py")
+        for module, path in _module_files().items()
+    }
+
+
+def long_files(paths: Iterable[Path], limit: int, root: Path = REPO_ROOT
+               ) -> list[tuple[str, int]]:
+    """(path under ``root``, lines) of every file over ``limit`` lines."""
+    out = []
+    for path in paths:
+        lines = path.read_text(errors="replace").count("\n")
+        if lines > limit:
+            out.append((str(path.relative_to(root)), lines))
+    return sorted(out)
+
+
+def _source_files() -> Iterator[Path]:
+    for top in ("src", "benchmarks", "tests"):
+        for path in (REPO_ROOT / top).rglob("*"):
+            rel = path.relative_to(REPO_ROOT).parts
+            if path.suffix in SOURCE_SUFFIXES and "results" not in rel and "build" not in rel:
+                yield path
+
+
+def test_no_circle_between_modules() -> None:
+    graph = import_graph(_repo_sources(), load_time_only=False)
+    assert len(graph) > 80, "the module scan found too little: the tree moved"
+    assert circles(graph) == []
+
+
+def test_core_never_imports_the_torch_layer_or_benchmarks() -> None:
+    graph = import_graph(_repo_sources(), load_time_only=False)
+    assert any(_in(t, ("ubep.torch",)) for t in graph[TORCH_DOOR]), (
+        "the bridge no longer reaches the torch layer: the rule checks nothing"
+    )
+    assert core_reaches_torch(graph) == []
+
+
+def test_no_source_file_over_the_limit() -> None:
+    assert long_files(_source_files(), MAX_LINES) == []
+
+
+# The checkers on made-up trees that break each rule.
+
+_CIRCLE = {
+    "ubep": ("from . import a\n", True),
+    "ubep.a": ("from .b import thing\n", False),
+    "ubep.b": ("from ubep import a\n", False),
+    "ubep.c": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import d\n", False),
+    "ubep.d": ("def f():\n    from . import c\n", False),
+}
+
+
+def test_circle_checker_follows_imports_that_can_run() -> None:
+    graph = import_graph(_CIRCLE, load_time_only=True)
+    assert graph["ubep.a"] == {"ubep.b"}  # `from .b import thing`: the module b
+    assert graph["ubep.b"] == {"ubep.a"}  # `from ubep import a`: the submodule a
+    assert graph["ubep.c"] == set() and graph["ubep.d"] == set()
+    assert circles(graph) == [["ubep.a", "ubep.b"]]  # the package only imports a: no circle
+    lazy = import_graph(_CIRCLE, load_time_only=False)
+    assert lazy["ubep.c"] == set() and lazy["ubep.d"] == {"ubep.c"}
+
+
+def test_torch_checker_sees_lazy_imports_and_allows_the_bridge() -> None:
+    tree = {
+        "ubep.core": ("def f():\n    import ubep.torch.group\n", False),
+        "ubep.torch_bridge": ("def g():\n    from .torch import group\n", False),
+        "ubep.torch": ("", True),
+        "ubep.torch.group": ("from ubep import core\n", False),
+        "ubep.tool": ("import benchmarks.harness\n", False),
+        "benchmarks.harness": ("", False),
+    }
+    graph = import_graph(tree, load_time_only=False)
+    assert core_reaches_torch(graph) == [
+        ("ubep.core", "ubep.torch.group"), ("ubep.tool", "benchmarks.harness"),
+    ]
+
+
+def test_length_checker_counts_lines(tmp_path: Path) -> None:
+    short, long = tmp_path / "short.c", tmp_path / "long.c"
+    short.write_text("x\n" * 3)
+    long.write_text("x\n" * 4)
+    assert long_files([short, long], 3, root=tmp_path) == [("long.c", 4)]
