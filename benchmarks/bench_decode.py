@@ -47,6 +47,7 @@ from benchmarks.harness import concurrent_copy, format_table, save_results
 from ubep import testing
 from ubep.buffer import Buffer, BufferConfig
 from ubep.runtime import launch
+from ubep.runtime.abi import TRACE
 
 NUM_EXPERTS, NUM_TOPK, RANKS = 64, 8, 2
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -150,10 +151,15 @@ def _split(outer: list[tuple[int, int]], inner: list[tuple[int, int]],
             min(tot) / 1e3, med(tot) / 1e3, max(tot) / 1e3)
 
 
-# the engine's trace points (core 0; Engine.trace(), listed at harness.TRACE_SLOTS) that
-# bound each native phase, coarser than harness.DISPATCH_PHASES / COMBINE_PHASES
-DISPATCH_MARKS = {"prepare": (0, 3), "send": (3, 4), "receive": (4, 7)}
-COMBINE_MARKS = {"wait": (8, 9), "copy": (9, 10), "peers": (10, 12), "reduce": (12, 13)}
+# the engine's trace points (core 0; Engine.trace(), abi.h's TRACE_* enum) that bound each
+# native phase, coarser than harness.DISPATCH_PHASES / COMBINE_PHASES
+DISPATCH_MARKS = {"prepare": (TRACE["d_enter"], TRACE["d_published"]),
+                  "send": (TRACE["d_published"], TRACE["d_sent"]),
+                  "receive": (TRACE["d_sent"], TRACE["d_data_in"])}
+COMBINE_MARKS = {"wait": (TRACE["c_enter"], TRACE["c_prev_done"]),
+                 "copy": (TRACE["c_prev_done"], TRACE["c_copied"]),
+                 "peers": (TRACE["c_copied"], TRACE["c_peers"]),
+                 "reduce": (TRACE["c_peers"], TRACE["c_reduced"])}
 
 
 def _phases(traces: list[tuple[int, ...]], marks: dict[str, tuple[int, int]]) -> dict[str, float]:

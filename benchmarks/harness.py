@@ -98,11 +98,9 @@ def time_collective(barrier: Callable[[], object], fn: Callable[[], object], war
     return (spans[:, 1] - spans[:, 0]).astype(np.float64)
 
 
-# The native engine's core-0 trace points (``Engine.trace()``, same clock as collective_spans):
-# dispatch.c 0 entered, 1 peers at most one call behind, 2 validated, 3 published, 4 rows sent,
-# 5 counts in, 6 metadata filled, 7 rows received; combine.c 8 entered, 9 peers at most one
-# call behind, 10 expert outputs copied, 11 published, 12 peers' outputs published, 13 reduced.
-TRACE_SLOTS = {"dispatch": (0, 7), "combine": (8, 13)}
+# The phases between the native engine's core-0 trace points (``Engine.trace()``, the clock of
+# collective_spans; the points are abi.h's TRACE_* enum, ``ubep.runtime.abi.TRACE``), framed by
+# the Python entry and exit.
 DISPATCH_PHASES = ("py_in", "wait_prev", "validate", "publish", "send", "counts_in",
                    "metadata", "data_wait", "py_out")
 COMBINE_PHASES = ("py_in", "wait_prev", "copy", "publish", "peers", "reduce", "py_out")
@@ -116,11 +114,20 @@ def traced_call(barrier: Callable[[], object], fn: Callable[[], object],
     return [start, end, *trace()]
 
 
+def trace_range(op: str) -> tuple[int, int]:
+    """The first and last trace slot of ``op`` ("dispatch" or "combine"), read from ubep's ABI
+    at call time: peers' environments import this module without ubep and never trace."""
+    from ubep.runtime.abi import TRACE
+
+    first, last = {"dispatch": ("d_enter", "d_data_in"), "combine": ("c_enter", "c_reduced")}[op]
+    return TRACE[first], TRACE[last]
+
+
 def phase_medians(calls: Sequence[Sequence[int]], op: str) -> list[float]:
     """Median duration (us) of each phase of ``op`` (``DISPATCH_PHASES`` / ``COMBINE_PHASES``)
     over :func:`traced_call` rows: from the call's start through the trace points of ``op`` to
     its end (``py_in`` / ``py_out``: Python and the native call's entry and exit)."""
-    first, last = TRACE_SLOTS[op]
+    first, last = trace_range(op)
     per = []
     for start, end, *tr in calls:
         marks = [start, *tr[first:last + 1], end]
