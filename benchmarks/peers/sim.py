@@ -118,7 +118,7 @@ def sim_report(
         out.append({**r.to_json(), "predicted_us": pred, "error_pct": err,
                     "predicted_run_copy_rate_us": pred_bw, "error_run_copy_rate_pct": err_bw})
     lines = ["simulator (ubep.sim, host fabric, analytic) vs measured ubep medians; "
-             "'calib' = calib.json as shipped, 'run' = its copy rate replaced by this run's "
+             "'calib' = calib.json as shipped, 'run' = its copy rate replaced by the measured "
              "memcpy floor at the same bytes:"]
     for ranks in sorted({o["ranks"] for o in out}):
         for key, label in (("error_pct", "calib"), ("error_run_copy_rate_pct", "run")):
