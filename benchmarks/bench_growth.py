@@ -285,7 +285,7 @@ def run(ranks: Sequence[int], sizes: Sequence[int], modes: Sequence[tuple[str, s
         per_rank = launch(_rank_main, num_ranks, cases, warmup, per_round, keep_bytes,
                           timeout_s=timeout_s)
         after = _floor(num_ranks, distinct, per_round, warmup, timeout_s)
-        # the floor is the best the host did in this run: a burst of outside load in one of
+        # the floor is the best the host did in either pass: a burst of outside load in one of
         # the two passes (they are seconds apart) would otherwise skew every ratio of that size
         floor_stats = {b: min(before[b], after[b], key=lambda st: st.median_us) for b in distinct}
         # the floor again with each copy alternating between two destinations, as dispatches

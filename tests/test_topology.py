@@ -1,5 +1,5 @@
 """Tests of ubep.topology: hop classes against a brute-force definition, presets against
-shared/docs/CALIBRATION.md (numbers typed in here from the document), validation."""
+docs/CALIBRATION.md (numbers typed in here from the document), validation."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def test_hop_and_hop_matrix_match_brute_force(topo):
 
 
 def test_cm384_hops_and_constants():
-    # CALIBRATION.md, Table 2: intra-NPU 218 ns, one hop 929 ns, two hops 2500 ns; ~392 GB/s
+    # docs/CALIBRATION.md, Table 2: intra-NPU 218 ns, one hop 929 ns, two hops 2500 ns; ~392 GB/s
     # per NPU, uniform across hops; 48 AIVs per die; 16-NPU nodes.
     topo = cm384(64)
     assert topo.latency_ns == (218.0, 929.0, 2500.0)

@@ -206,7 +206,7 @@ def floors_for(shapes: Sequence[Shape]) -> list[Floor]:
 
 
 def floor_report(rows: Sequence[Row], shapes: Sequence[Shape]) -> str:
-    """PASS/FAIL per floor (medians of this run); a missing system reads ``n/a``."""
+    """PASS/FAIL per floor (medians of the measured sweep); a missing system reads ``n/a``."""
     med = {(r.system, r.layout, r.shape, r.op): r.stats.median_us for r in rows}
     lines = []
     for f in floors_for(shapes):

@@ -11,10 +11,10 @@ this 2-core host the ranks time-share the cores, so its 4-rank predictions run l
 ranks / cores.
 
 Two predictions per row: the host fabric of calib.json as shipped (its copy rate is
-CALIBRATION.md's 256 MiB memcpy, a DRAM rate), and the same model with the copy rate of this
-run's memcpy floor at the same bytes (the rows here are cache-resident). The second isolates
-the model's structure (task graph, flags, barriers) from that one constant; nothing is fitted
-to ubep's own timings.
+docs/CALIBRATION.md's 256 MiB memcpy, a DRAM rate), and the same model with the copy rate of
+the memcpy floor measured beside the peers at the same bytes (the rows here are
+cache-resident). The second isolates the model's structure (task graph, flags, barriers) from
+that one constant; nothing is fitted to ubep's own timings.
 """
 
 from __future__ import annotations
@@ -87,8 +87,9 @@ def sim_report(
     except (ImportError, ValueError, KeyError) as exc:
         return f"simulator: not available ({type(exc).__name__}: {exc})", []
     by_shape = {inp.shape: inp for inp in inputs_list}
-    # The same run's memcpy floor at the same bytes: the copy rate the ranks actually see
-    # (cache-resident at these sizes), where calib.json's is CALIBRATION.md's 256 MiB memcpy.
+    # The memcpy floor measured beside the peers at the same bytes: the copy rate the ranks
+    # actually see (cache-resident at these sizes), where calib.json's is docs/CALIBRATION.md's
+    # 256 MiB memcpy.
     # The floor spans all ranks' copies; with more ranks than cores they took turns, and the
     # simulator, which runs every rank at once, needs the rate of one copy while it runs.
     cores = os.cpu_count() or 1
@@ -117,7 +118,7 @@ def sim_report(
         out.append({**r.to_json(), "predicted_us": pred, "error_pct": err,
                     "predicted_run_copy_rate_us": pred_bw, "error_run_copy_rate_pct": err_bw})
     lines = ["simulator (ubep.sim, host fabric, analytic) vs measured ubep medians; "
-             "'calib' = calib.json as shipped, 'run' = its copy rate replaced by this run's "
+             "'calib' = calib.json as shipped, 'run' = its copy rate replaced by the measured "
              "memcpy floor at the same bytes:"]
     for ranks in sorted({o["ranks"] for o in out}):
         for key, label in (("error_pct", "calib"), ("error_run_copy_rate_pct", "run")):

@@ -65,8 +65,9 @@ def run_demo(
     )
     _check_reference(topk_idxs, num_experts, seed)
     rank = 0
-    # Objective (1) with the per-unit costs the simulator fitted for CM384 (CALIBRATION.md only):
-    # a core waits a share of each unit's hop latency, so the hop mix of a core matters.
+    # Objective (1) with the per-unit costs the simulator fitted for CM384 (to
+    # docs/CALIBRATION.md only): a core waits a share of each unit's hop latency, so the hop mix
+    # of a core matters.
     fabric = load_fabric("cm384")
     issue_ns, exposure = fabric.issue_ns, fabric.latency_exposure
     header = (

@@ -6,7 +6,7 @@ switch, and so on for deeper fabrics. ``domain_sizes[h]`` is the number of conse
 share hop class ``h`` or lower: two ranks are at hop ``h`` when ``h`` is the first class whose
 domain holds both (the last class holds everything).
 
-Constants of the presets come from shared/docs/CALIBRATION.md; each cites its row.
+Constants of the presets come from docs/CALIBRATION.md; each cites its row.
 """
 
 from __future__ import annotations
@@ -128,24 +128,24 @@ def _default_domains(num_hops: int, ranks_per_node: int) -> tuple[int, ...]:
     )
 
 
-# CALIBRATION.md, "From the UBEP paper": Table 2 latencies (intra-NPU 218 ns, one hop 929 ns,
-# two hops 2500 ns), uniform bandwidth across hops, UB about 392 GB/s per NPU, 48 AIVs per die,
-# 16-NPU nodes under a tier-2 switch in the evaluation deployment.
+# docs/CALIBRATION.md, "From the UBEP paper": Table 2 latencies (intra-NPU 218 ns, one hop
+# 929 ns, two hops 2500 ns), uniform bandwidth across hops, UB about 392 GB/s per NPU, 48 AIVs per
+# die, 16-NPU nodes under a tier-2 switch in the evaluation deployment.
 CM384_LATENCY_NS = (218.0, 929.0, 2500.0)
 CM384_BANDWIDTH_GBPS = 392.0
 CM384_CORES = 48
 
-# CALIBRATION.md, "Other public measurements": NVL72 900 GB/s unidirectional per GPU, one
-# NVSwitch tier. Latency: NCCL tuner NVLink LL per-step latency 0.6 us (one hop); the local class
-# reuses CM384's intra-die figure since both are on-package HBM accesses.
+# docs/CALIBRATION.md, "Other public measurements": NVL72 900 GB/s unidirectional per GPU,
+# one NVSwitch tier. Latency: NCCL tuner NVLink LL per-step latency 0.6 us (one hop); the local
+# class reuses CM384's intra-die figure since both are on-package HBM accesses.
 NVL72_LATENCY_NS = (218.0, 600.0)
 NVL72_BANDWIDTH_GBPS = 900.0
 # An H100/B200-class GPU has 132-148 SMs; a comm kernel typically gets ~24-32 of them. We model
 # 48 "cores" so schedules are comparable with CM384 (documented choice, not a measurement).
 NVL72_CORES = 48
 
-# CALIBRATION.md, "This host": cross-process flag round trip with spin ~0.4 us (so one way
-# ~0.2 us); memcpy ~12.7 GB/s in one process. Hop 0 is a copy inside the rank's own memory.
+# docs/CALIBRATION.md, "This host": cross-process flag round trip with spin ~0.4 us (so one
+# way ~0.2 us); memcpy ~12.7 GB/s in one process. Hop 0 is a copy inside the rank's own memory.
 HOST_LATENCY_NS = (100.0, 200.0)
 HOST_BANDWIDTH_GBPS = 12.7
 # ASSUMED, not measured (this 2-core VM has one class between ranks): on hosts where /sys shows

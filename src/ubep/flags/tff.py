@@ -6,10 +6,10 @@ are the epoch (little-endian uint64) and the rest zero. The writer stores a bloc
 its epoch word with a separate release store; the reader takes a block as complete iff its epoch
 word equals the expected epoch, and a row iff all its blocks are.
 
-On a CPU a block is not written atomically (MEMORY-MODEL.md), so the guarantee rests entirely on
-that order: a writer that stores the flag with (or before) the payload exposes torn blocks, and
-no reader-side check can tell. The epoch, not a clear-to-zero, rejects a stale block left by the
-previous call, so buffers are reused without clearing.
+On a CPU a block is not written atomically (docs/MEMORY-MODEL.md), so the guarantee rests
+entirely on that order: a writer that stores the flag with (or before) the payload exposes torn
+blocks, and no reader-side check can tell. The epoch, not a clear-to-zero, rejects a stale
+block left by the previous call, so buffers are reused without clearing.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ Model. Unit ``i`` of hop class ``h`` costs
 the share of a unit's one-way latency its core waits before it can issue the next one (bounded
 outstanding stores on a load/store fabric); with the default 0 the transfer term is
 hop-independent and only the RTT term sees the topology, which is the paper's reading of (1).
-``ubep.sim`` fits ``issue_ns`` and ``latency_exposure`` per fabric from CALIBRATION.md. A core ``j``
-with unit set ``M_j`` finishes at::
+``ubep.sim`` fits ``issue_ns`` and ``latency_exposure`` per fabric from docs/CALIBRATION.md. A
+core ``j`` with unit set ``M_j`` finishes at::
 
     T_j = sum_{i in M_j} l_i + max_{i in M_j} RTT_i          (0 for an empty core)
 

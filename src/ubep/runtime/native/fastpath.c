@@ -1,4 +1,4 @@
-/* The one-call fast path of blocking calls (issue 17: decode-sized calls).
+/* The one-call fast path of blocking calls (decode-sized calls).
  *
  * A decode step dispatches a few tokens; building its arguments and its result in Python cost
  * more than the native call (~60 numpy and attribute operations, 8-10 us). Here one C call
