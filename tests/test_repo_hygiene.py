@@ -85,3 +85,51 @@ def test_the_guard_itself_sees_a_link() -> None:
     assert MACHINE_PATH.search(f"ln -s {root}/wt-x/.venv-peers")
     assert not MACHINE_PATH.search("shm segments live in /dev/shm/ubep-x")
     assert GENERATED_PARTS.intersection(Path("src/ubep/dist/engine.py").parts[:-1])
+
+
+# A Markdown link target: `[text](target)`, the target up to a space, `)` or `#`.
+MD_LINK = re.compile(r"\]\(([^)\s#]+)[^)]*\)")
+# A path that leaves the clone (a sibling checkout of the sources the docs were written from).
+OUTSIDE_PATH = re.compile(r"(?:\.\./)+shared\b|\bshared/(?:docs|paper)/")
+
+
+def _broken_links(doc: Path, root: Path) -> list[str]:
+    """Links of ``doc`` that a reader of a clone under ``root`` cannot follow: a web address
+    (the repository speaks for itself), or a relative path that does not exist in the clone."""
+    out = []
+    for target in MD_LINK.findall(doc.read_text()):
+        if "://" in target or target.startswith("mailto:"):
+            out.append(target)
+            continue
+        resolved = (doc.parent / target).resolve()
+        if not resolved.is_relative_to(root) or not resolved.exists():
+            out.append(target)
+    return out
+
+
+def test_every_doc_link_stays_inside_the_clone() -> None:
+    broken = []
+    for _, path in _index():
+        if path.endswith(".md"):
+            broken += [f"{path}: {t}" for t in _broken_links(REPO_ROOT / path, REPO_ROOT)]
+    assert broken == [], "links a clone cannot follow:\n" + "\n".join(broken)
+
+
+def test_no_text_points_outside_the_clone() -> None:
+    hits = []
+    for mode, path in _index():
+        if mode == "120000" or path == "tests/test_repo_hygiene.py":
+            continue
+        text = (REPO_ROOT / path).read_bytes().decode("utf-8", "replace")
+        hits += [f"{path}:{n}" for n, line in enumerate(text.splitlines(), 1)
+                 if OUTSIDE_PATH.search(line)]
+    assert hits == [], f"paths outside the clone: {hits}"
+
+
+def test_the_link_guard_sees_a_broken_and_an_outside_link(tmp_path: Path) -> None:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "A.md").write_text("x\n")
+    doc = tmp_path / "README.md"
+    doc.write_text("[a](docs/A.md#s) [b](docs/B.md) [c](../x/C.md) [d](https://example.org)\n")
+    assert _broken_links(doc, tmp_path) == ["docs/B.md", "../x/C.md", "https://example.org"]
+    assert OUTSIDE_PATH.search("see ../shared/docs/X.md") and not OUTSIDE_PATH.search("shm")

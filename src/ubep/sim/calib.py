@@ -3,7 +3,7 @@
 ``calib.json`` (next to this module, versioned with the code) holds, per fabric family, every
 constant of :class:`~ubep.sim.fabric.FabricModel` with its kind and source:
 
-* ``fitted``: set by :func:`fit` (scipy least squares) to the rows of shared/docs/CALIBRATION.md
+* ``fitted``: set by :func:`fit` (scipy least squares) to the rows of docs/CALIBRATION.md
   listed in :func:`targets` with ``fitted=True``;
 * ``derived``: a closed-form reading of one CALIBRATION.md row (e.g. a poll is a local read, so
   it costs Table 2's intra-NPU latency);
@@ -503,7 +503,7 @@ def calibrate(*, max_nfev: int = 80, progress: Callable[[str], None] | None = No
     ho = _fit_host(start_fabric("host", cm))
     data: dict[str, Any] = {
         "version": 1,
-        "about": "Fabric constants of ubep.sim, fitted only to shared/docs/CALIBRATION.md. "
+        "about": "Fabric constants of ubep.sim, fitted only to docs/CALIBRATION.md. "
                  "Regenerate with `ubep sim calibrate --write`. kinds: fitted | derived | "
                  "assumed | tied | borrowed.",
         "fabrics": {

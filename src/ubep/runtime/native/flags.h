@@ -37,7 +37,7 @@ static inline void put_tff_row(engine_t *g, uint8_t *slot, const uint8_t *src, u
 }
 /* ASP TFF lands in place (layout.py): the row goes straight to its final place in recv_x,
  * then each block's epoch word is release-stored into the row's word slot in the land region,
- * apart from the payload, so no copy ever writes payload and flag together (MEMORY-MODEL.md).
+ * apart from the payload, so no copy ever writes payload and flag together (docs/MEMORY-MODEL.md).
  * The row is one copy_fast (libc: fast-string stores out of cache, which beat vector stores by
  * 10-25% there), so a store fence (SFENCE + release) orders it before the words, as SW orders
  * its rows before its flag. A block's word is still stored after that block's payload; the
