@@ -8,7 +8,12 @@ on its own and compare only its own result; a launch runs many cases to amortise
 from __future__ import annotations
 
 import itertools
+import os
+import signal
+import threading
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -109,3 +114,15 @@ def run_case(group: Any, case: Case, *, max_tokens: int, steps: list[tuple[list[
             errors += [f"{case} step {i}: {e}"
                        for e in testing.check_call(buf, xs, idxs, ws, s, zero_copy=zero_copy)]
     return errors
+
+
+def kill_self_later(delay_s: float, stamp: str) -> None:
+    """SIGKILL this process from a thread after ``delay_s``, first writing the monotonic time of
+    death to the file ``stamp`` (what a test measures the survivors' reaction from)."""
+
+    def die() -> None:
+        time.sleep(delay_s)
+        Path(stamp).write_text(repr(time.monotonic()))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=die, daemon=True).start()

@@ -30,6 +30,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests._runtime_support import kill_self_later
 from ubep import reference, routing
 from ubep.buffer import Buffer, BufferConfig
 from ubep.errors import InvalidArgumentError, RankFailedError, RemoteError, UbepError
@@ -439,12 +440,7 @@ def _worker_killed(group: Any, mode: tuple[str, str, str, str], delay_s: float,
         Path(f"{stamp}.names.{r}").write_text(json.dumps(names))
         group.barrier(30)
         if r == group.num_ranks - 1:
-            def die() -> None:
-                time.sleep(delay_s)
-                Path(stamp).write_text(repr(time.monotonic()))
-                os.kill(os.getpid(), signal.SIGKILL)
-
-            threading.Thread(target=die, daemon=True).start()
+            kill_self_later(delay_s, stamp)
         try:
             for _ in range(1_000_000):
                 res = buf.dispatch(xs[r], idxs[r], ws[r])

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests._runtime_support import Case, bits, compare, make_inputs
+from tests._runtime_support import Case, bits, compare, kill_self_later, make_inputs
 from ubep import reference
 from ubep.buffer import Buffer
 from ubep.errors import (
@@ -168,12 +167,7 @@ def _worker_killed(group: Any, stamp: str) -> tuple[str, float]:
                                    cfg.num_experts, [64, 64, 64], 9, "uniform")
         r = group.rank
         if r == 2:
-            def die() -> None:
-                time.sleep(0.5)
-                Path(stamp).write_text(repr(time.monotonic()))
-                os.kill(os.getpid(), signal.SIGKILL)
-
-            threading.Thread(target=die, daemon=True).start()
+            kill_self_later(0.5, stamp)
         try:
             for _ in range(1_000_000):
                 res = buf.dispatch(xs[r], idxs[r], ws[r])
