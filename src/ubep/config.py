@@ -19,11 +19,13 @@ from .errors import InvalidArgumentError
 from .modes import (
     ENGINES,
     LAYOUTS,
+    PEER_LOSS,
     POLICIES,
     QUANTS,
     SYNCS,
     Engine,
     Layout,
+    PeerLoss,
     Policy,
     Quant,
     SyncChoice,
@@ -79,8 +81,11 @@ class BufferConfig:
             a hardware thread to spare for it on every rank (``(num_cores + 1) * num_ranks``
             fits): on a CPU the background core competes with the caller's compute otherwise.
 
-    Deadline:
+    Deadline and peer loss:
         timeout_s: deadline of every wait inside one call.
+        on_peer_loss: ``"raise"`` (a dead or silent peer fails the call on every rank and the
+            Buffer refuses until resynced) or ``"mask"`` (the survivors agree on the lost ranks,
+            complete the call without them and keep serving: ``ubep.buffer.elastic``).
 
     Sync formats:
         tff_block_bytes, tff_flag_bytes: TFF block geometry (default 512 = 480 + 32).
@@ -109,6 +114,7 @@ class BufferConfig:
     background: bool | None = None
     # --- deadline
     timeout_s: float = 60.0
+    on_peer_loss: PeerLoss = "raise"
     # --- sync formats
     tff_block_bytes: int = 512
     tff_flag_bytes: int = 32
@@ -120,6 +126,9 @@ class BufferConfig:
         self._check_execution()
         if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
             raise InvalidArgumentError("timeout_s", self.timeout_s, "must be > 0")
+        if self.on_peer_loss not in PEER_LOSS:
+            raise InvalidArgumentError("on_peer_loss", self.on_peer_loss,
+                                       f"must be one of {PEER_LOSS}")
         self._check_formats()
 
     def _check_shape(self) -> None:

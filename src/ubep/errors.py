@@ -15,6 +15,7 @@ __all__ = [
     "OutOfStepError",
     "PeerLostError",
     "RankFailedError",
+    "RankMaskedError",
     "RemoteError",
     "TimeoutError",
     "UbepError",
@@ -45,6 +46,12 @@ class TimeoutError(UbepError, builtins.TimeoutError):
 
 class PeerLostError(UbepError, ConnectionError):
     """A peer rank died (its process is gone) while this rank depended on it."""
+
+
+class RankMaskedError(PeerLostError):
+    """The survivors of a masking Buffer (``on_peer_loss="mask"``) agreed that this rank is lost
+    (it died to them, or was stopped or too slow past the deadline): it is out of the group and
+    every call on the Buffer raises this until it rejoins."""
 
 
 class RemoteError(UbepError):

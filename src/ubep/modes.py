@@ -23,6 +23,7 @@ __all__ = [
     "ENGINES",
     "FLOAT_DTYPE_NAMES",
     "LAYOUTS",
+    "PEER_LOSS",
     "POLICIES",
     "QUANTS",
     "SYNCS",
@@ -30,6 +31,7 @@ __all__ = [
     "Engine",
     "Layout",
     "Mode",
+    "PeerLoss",
     "Policy",
     "Quant",
     "Sync",
@@ -54,6 +56,11 @@ rank) (ubep.reference)."""
 Policy = Literal["expert_contiguous", "balanced", "hierarchical"]
 """Token schedulers of the ASP send cores (ubep.sched)."""
 
+PeerLoss = Literal["raise", "mask"]
+"""What a Buffer does when a peer dies or stops answering: ``raise`` on every rank (the Buffer
+refuses until resynced), or ``mask`` the peer on every survivor and keep serving
+(``ubep.buffer.elastic``)."""
+
 Quant = Literal["e4m3", "int8"]
 """Formats of quantised dispatch (ubep.quant): FP8 E4M3 or INT8, one float32 scale per 128
 channels."""
@@ -68,6 +75,7 @@ ENGINES: tuple[Engine, ...] = get_args(Engine)
 SYNCS: tuple[Sync, ...] = get_args(Sync)
 LAYOUTS: tuple[Layout, ...] = get_args(Layout)
 POLICIES: tuple[Policy, ...] = get_args(Policy)
+PEER_LOSS: tuple[PeerLoss, ...] = get_args(PeerLoss)
 DTYPE_NAMES: tuple[DTypeName, ...] = get_args(DTypeName)
 QUANTS: tuple[Quant, ...] = get_args(Quant)
 FLOAT_DTYPE_NAMES: tuple[DTypeName, ...] = ("bf16", "fp16", "fp32")

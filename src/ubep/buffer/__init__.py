@@ -3,12 +3,15 @@
 The package is cut by job: :mod:`.buffer` the public class and its calls, :mod:`.inflight` the
 split-phase calls in flight, :mod:`.step` keeping step with the peers and ``resync``,
 :mod:`.checks` argument checking, :mod:`.regions` where results live, :mod:`.state` the state
-they share. The engine protocol the Buffer drives is :mod:`ubep.engine`.
+they share, :mod:`.elastic` the Buffer that masks lost peers. The engine protocol the Buffer
+drives is :mod:`ubep.engine`.
 """
 
 from ..config import BufferConfig
 from ..handle import DispatchResult, RuntimeHandle
 from ..modes import ENGINES, SYNCS
 from .buffer import Buffer
+from .elastic import MaskingBuffer  # registers itself: Buffer(on_peer_loss="mask") builds one
 
-__all__ = ["ENGINES", "SYNCS", "Buffer", "BufferConfig", "DispatchResult", "RuntimeHandle"]
+__all__ = ["ENGINES", "SYNCS", "Buffer", "BufferConfig", "DispatchResult", "MaskingBuffer",
+           "RuntimeHandle"]

@@ -35,7 +35,8 @@ import dataclasses
 import os
 import secrets
 import threading
-from typing import Any, Literal, overload
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal, cast, overload
 
 import numpy as np
 
@@ -74,6 +75,19 @@ class Buffer(InFlightCalls, ArgChecks):
         config: :class:`BufferConfig` (must be equal on every rank).
     """
 
+
+    # the class that serves on_peer_loss="mask" (ubep.buffer.elastic registers it on import,
+    # so this module needs no import of it)
+    masking_class: ClassVar[Callable[[Any, BufferConfig], Any] | None] = None
+
+    def __new__(cls, group: ProcessGroup, config: BufferConfig) -> Buffer:
+        masking = Buffer.masking_class
+        if cls is Buffer and masking is not None and isinstance(config, BufferConfig) and (
+            config.on_peer_loss == "mask"
+        ):
+            # a MaskingBuffer: the same calls over the ranks still alive (ubep.buffer.elastic)
+            return cast(Buffer, masking(group, config))
+        return super().__new__(cls)
 
     def __init__(self, group: ProcessGroup, config: BufferConfig) -> None:
         group = as_process_group(group)  # a torch.distributed group -> ubep.torch.group

@@ -6,6 +6,6 @@ space, and a native (C11) data plane that runs the BSP and ASP engines.
 """
 
 from .group import Group, group_from_env
-from .launch import launch
+from .launch import LostRank, launch
 
-__all__ = ["Group", "group_from_env", "launch"]
+__all__ = ["Group", "LostRank", "group_from_env", "launch"]

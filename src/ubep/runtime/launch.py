@@ -28,6 +28,7 @@ import pickle
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -47,7 +48,7 @@ from . import reaper as _reaper
 from .group import Group
 from .shm import remove_marked_segments
 
-__all__ = ["launch"]
+__all__ = ["LostRank", "launch"]
 
 # After the first failure, how long the other ranks get to finish or fail on their own.
 _GRACE_S = 10.0
@@ -81,6 +82,7 @@ def launch(
     *args: Any,
     timeout_s: float = 120.0,
     topology: Topology | None = None,
+    keep_survivors: bool = False,
 ) -> list[Any]:
     """Run ``fn(group, *args)`` on ``num_ranks`` new processes; return their results in rank order.
 
@@ -90,9 +92,13 @@ def launch(
         *args: passed to ``fn`` after the group (must pickle).
         timeout_s: deadline for the whole run; past it every rank is killed.
         topology: the group's topology (default ``ubep.topology.host(num_ranks)``).
+        keep_survivors: for ranks that serve on after a peer's loss (a Buffer with
+            ``on_peer_loss="mask"``): a rank that fails does not end the others; its entry
+            in the result is a :class:`LostRank`, the others' are their return values.
 
     Raises:
-        RankFailedError: a rank raised or died (message holds its traceback).
+        RankFailedError: a rank raised or died (message holds its traceback); not with
+            ``keep_survivors``.
         ubep.TimeoutError: the run passed ``timeout_s``.
     """
     if not isinstance(num_ranks, int) or num_ranks < 1:
@@ -124,7 +130,7 @@ def launch(
                 writer.close()
                 procs.append(proc)
                 readers.append(reader)
-        return _collect(procs, readers, timeout_s)
+        return _collect(procs, readers, timeout_s, keep_survivors)
     finally:
         for proc in procs:
             if proc.is_alive():
@@ -155,7 +161,8 @@ def _stop_reaper(reaper: subprocess.Popen[bytes]) -> None:
     _reaper.end_feed(reaper, _REAPER_EXIT_S)
 
 
-def _collect(procs: list[Any], readers: list[Connection], timeout_s: float) -> list[Any]:
+def _collect(procs: list[Any], readers: list[Connection], timeout_s: float,
+             keep_survivors: bool) -> list[Any]:
     num_ranks = len(procs)
     deadline = time.monotonic() + timeout_s
     results: dict[int, Any] = {}
@@ -166,7 +173,7 @@ def _collect(procs: list[Any], readers: list[Connection], timeout_s: float) -> l
     by_sentinel = {p.sentinel: i for i, p in enumerate(procs)}
     while pending:
         now = time.monotonic()
-        if first_failure_s is not None:
+        if first_failure_s is not None and not keep_survivors:
             deadline = min(deadline, first_failure_s + _GRACE_S)
         if now >= deadline:
             break
@@ -201,9 +208,28 @@ def _collect(procs: list[Any], readers: list[Connection], timeout_s: float) -> l
         for rank in pending:
             failures[rank] = ("", "killed: still running after another rank failed", "", None,
                               None)
+    if failures and keep_survivors and not pending:
+        return [results[r] if r in results else LostRank(r, failures[r][1], failures[r][4])
+                for r in range(num_ranks)]
     if failures:
         raise _failure(failures, results)
     return [results[r] for r in range(num_ranks)]
+
+
+@dataclass(frozen=True)
+class LostRank:
+    """The entry of a rank that failed in ``launch(..., keep_survivors=True)``.
+
+    Attributes:
+        rank: the rank.
+        description: what ended it (its exception's message, or how the process exited).
+        exitcode: the process exit code (negative: the signal that killed it), ``None`` when
+            it raised.
+    """
+
+    rank: int
+    description: str
+    exitcode: int | None
 
 
 def _failure(
