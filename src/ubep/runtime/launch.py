@@ -28,10 +28,10 @@ import pickle
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
