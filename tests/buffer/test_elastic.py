@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 
 from tests._runtime_support import Case, make_inputs
-from ubep import reference
+from ubep import modes, reference
 from ubep.buffer import Buffer
 from ubep.errors import InvalidArgumentError, RankMaskedError
 from ubep.runtime import LostRank, launch
@@ -63,17 +64,35 @@ def _masked(buf: Any) -> list[int]:
     return [int(r) for r in np.flatnonzero(buf.mask_status())]
 
 
+def _kill_when(progress: list[int], call: int, delay_s: float) -> None:
+    """SIGKILL this process ``delay_s`` after it enters call ``call``: inside that call or the
+    next, wherever that lands in the task graph."""
+    def kill() -> None:
+        while progress[0] < call:
+            time.sleep(1e-4)
+        time.sleep(delay_s)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=kill, daemon=True).start()
+
+
 def _serve(group: Any, case: Case, fault: str, out: str) -> Any:
     """CALLS dispatch + combine pairs; the victim's ``fault`` strikes in call LOSS_AT: killed
     before its dispatch, killed before its combine, or stopped before its dispatch (rank 0 wakes
-    it once the survivors are past the loss). Survivors return their mismatches and masks."""
+    it once the survivors are past the loss); or ``kill_anytime``: SIGKILL from a thread a
+    moment into the calls, wherever the victim then is (inside a dispatch or a combine, between
+    them, while survivors are one call apart). Survivors return their mismatches and masks."""
     cfg = case.config(TOKENS, on_peer_loss="mask", timeout_s=1.0)
     r = group.rank
     errors: list[str] = []
     masks: list[list[int]] = []
     names: set[str] = set()
     with Buffer(group, cfg) as buf:
+        progress = [0]
+        if r == VICTIM and fault == "kill_anytime":
+            _kill_when(progress, LOSS_AT, 1e-3 * modes.SYNCS.index(case.sync))
         for i in range(CALLS):
+            progress[0] = i
             names.update(seg.name for seg in buf._inner._segments)
             inputs = make_inputs(case, cfg.num_experts, [TOKENS] * NUM_RANKS, 7 * i + 1, "uniform")
             xs, idxs, ws = inputs
@@ -95,6 +114,8 @@ def _serve(group: Any, case: Case, fault: str, out: str) -> Any:
                     os.kill(group.peers[VICTIM].pid, signal.SIGCONT)
                 time.sleep(2.5 * cfg.timeout_s)  # the woken rank runs into the old segments
         names.update(seg.name for seg in buf._inner._segments)
+        if r == VICTIM:
+            time.sleep(30)  # a victim that outran its killer thread dies here
     Path(f"{out}.{r}").write_text("\n".join(sorted(names)))
     return errors, masks
 
@@ -121,6 +142,29 @@ def test_survivors_mask_a_killed_rank_and_stay_bit_exact(tmp_path: Path, case: C
     names = {n for r in range(VICTIM) for n in Path(f"{out}.{r}").read_text().split()}
     assert len(names) == NUM_RANKS + VICTIM  # the first Buffer's segments, then the members'
     assert not [n for n in names if os.path.exists(os.path.join(SHM_DIR, n))]
+
+
+def _every_mode() -> list[Case]:
+    return [Case(e, s, lay, "bf16", NUM_RANKS, 256, "uniform")
+            for e in modes.ENGINES for s in modes.SYNCS for lay in modes.LAYOUTS]
+
+
+@pytest.mark.parametrize("case", _every_mode(), ids=lambda c: f"{c.engine}-{c.sync}-{c.layout}")
+def test_a_rank_killed_mid_call_is_masked_under_every_mode(tmp_path: Path, case: Case) -> None:
+    out = str(tmp_path / "segments")
+    results = launch(_serve, NUM_RANKS, case, "kill_anytime", out, timeout_s=120,
+                     keep_survivors=True)
+    assert isinstance(results[VICTIM], LostRank)
+    seen = []
+    for r in range(VICTIM):
+        errors, masks = results[r]
+        assert errors == [], (r, errors[:3])
+        # unmasked until the loss, masked from then on
+        lost_from = next((i for i, m in enumerate(masks) if m), len(masks))
+        assert masks == [[]] * lost_from + [[VICTIM]] * (CALLS - lost_from), masks
+        seen.append(lost_from)
+    # a survivor may finish the call the loss struck in (unmasked) while another redoes it
+    assert max(seen) - min(seen) <= 1, seen
 
 
 def test_a_stopped_rank_wakes_masked_and_never_reaches_the_survivors(tmp_path: Path) -> None:
