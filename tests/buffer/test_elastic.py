@@ -8,8 +8,12 @@ reference combine of the masked dispatch. It knows nothing of how the Buffer rec
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -23,7 +27,7 @@ from ubep import modes, reference
 from ubep.buffer import Buffer
 from ubep.errors import InvalidArgumentError, RankMaskedError
 from ubep.runtime import LostRank, launch
-from ubep.runtime.membership import _publish_once, agree
+from ubep.runtime.membership import Roster, agree, publish_once
 from ubep.runtime.shm import SHM_DIR
 from ubep.testing import bits, compare
 
@@ -32,6 +36,8 @@ VICTIM = 3
 TOKENS = 24
 CALLS = 10
 LOSS_AT = 3  # the victim's fault strikes in this call (0-based)
+JOIN_AT = 6  # a new process takes the victim's place before this call
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def masked_oracle(xs: list[np.ndarray], idxs: list[np.ndarray], ws: list[np.ndarray],
@@ -48,7 +54,7 @@ def masked_oracle(xs: list[np.ndarray], idxs: list[np.ndarray], ws: list[np.ndar
     return reference.dispatch(xs2, idxs2, ws2, num_experts, layout=layout)
 
 
-def _check(res: Any, y: np.ndarray, inputs: Any, masks: tuple[list[int], list[int]],
+def check_pair(res: Any, y: np.ndarray, inputs: Any, masks: tuple[list[int], list[int]],
            cfg: Any, rank: int) -> list[str]:
     xs, idxs, ws = inputs
     mask_d, mask_c = masks
@@ -58,6 +64,17 @@ def _check(res: Any, y: np.ndarray, inputs: Any, masks: tuple[list[int], list[in
     if not np.array_equal(bits(y), bits(y_ref)):
         errors.append("combine differs")
     return errors
+
+
+def call_inputs(case: Case, cfg: Any, call: int) -> Any:
+    """Every rank's inputs of call ``call`` (seeded: the same in every process)."""
+    return make_inputs(case, cfg.num_experts, [TOKENS] * NUM_RANKS, 7 * call + 1, "uniform")
+
+
+def _start_newcomer(group: Any, case: Case, out: str) -> subprocess.Popen[bytes]:
+    argv = [sys.executable, "-m", "tests.buffer._rejoin_worker", group.rendezvous,
+            str(VICTIM), json.dumps(dataclasses.asdict(case)), str(JOIN_AT), f"{out}.newcomer"]
+    return subprocess.Popen(argv, cwd=REPO_ROOT)
 
 
 def _masked(buf: Any) -> list[int]:
@@ -94,10 +111,13 @@ def _serve(group: Any, case: Case, fault: str, out: str) -> Any:
         for i in range(CALLS):
             progress[0] = i
             names.update(seg.name for seg in buf._inner._segments)
-            inputs = make_inputs(case, cfg.num_experts, [TOKENS] * NUM_RANKS, 7 * i + 1, "uniform")
+            if fault == "rejoin" and i == JOIN_AT:
+                newcomer = _start_newcomer(group, case, out) if r == 0 else None
+                assert buf.admit([VICTIM], timeout_s=30.0) == (VICTIM,)
+            inputs = call_inputs(case, cfg, i)
             xs, idxs, ws = inputs
-            if r == VICTIM and i == LOSS_AT and fault in ("kill_dispatch", "stop"):
-                os.kill(os.getpid(), signal.SIGKILL if fault == "kill_dispatch" else signal.SIGSTOP)
+            if r == VICTIM and i == LOSS_AT and fault in ("kill_dispatch", "stop", "rejoin"):
+                os.kill(os.getpid(), signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
             try:
                 res = buf.dispatch(xs[r], idxs[r], ws[r])
                 mask_d = _masked(buf)
@@ -107,7 +127,7 @@ def _serve(group: Any, case: Case, fault: str, out: str) -> Any:
             except RankMaskedError:
                 return ("masked", i, _masked(buf))
             masks.append(_masked(buf))
-            errors += [f"call {i}: {e}" for e in _check(res, y, inputs, (mask_d, masks[-1]),
+            errors += [f"call {i}: {e}" for e in check_pair(res, y, inputs, (mask_d, masks[-1]),
                                                          cfg, r)]
             if fault == "stop" and i == LOSS_AT + 2:
                 if r == 0:
@@ -116,6 +136,9 @@ def _serve(group: Any, case: Case, fault: str, out: str) -> Any:
         names.update(seg.name for seg in buf._inner._segments)
         if r == VICTIM:
             time.sleep(30)  # a victim that outran its killer thread dies here
+    if fault == "rejoin" and r == 0:
+        assert newcomer is not None
+        newcomer.wait(60)
     Path(f"{out}.{r}").write_text("\n".join(sorted(names)))
     return errors, masks
 
@@ -178,10 +201,28 @@ def test_a_stopped_rank_wakes_masked_and_never_reaches_the_survivors(tmp_path: P
         assert masks[LOSS_AT:] == [[VICTIM]] * (CALLS - LOSS_AT)
 
 
+def test_a_new_process_rejoins_as_the_lost_rank_and_calls_run_over_all_again(
+        tmp_path: Path) -> None:
+    case = Case("asp", "tff", "expert", "bf16", NUM_RANKS, 256, "uniform")
+    out = str(tmp_path / "segments")
+    results = launch(_serve, NUM_RANKS, case, "rejoin", out, timeout_s=120, keep_survivors=True)
+    assert isinstance(results[VICTIM], LostRank)
+    for r in range(VICTIM):
+        errors, masks = results[r]
+        assert errors == [], (r, errors[:3])
+        assert masks == [[]] * LOSS_AT + [[VICTIM]] * (JOIN_AT - LOSS_AT) + [[]] * (
+            CALLS - JOIN_AT)
+    newcomer = json.loads(Path(f"{out}.newcomer").read_text())
+    assert newcomer["errors"] == [] and newcomer["masks"] == [[]]
+    names = {n for r in range(VICTIM) for n in Path(f"{out}.{r}").read_text().split()}
+    assert len(names) == NUM_RANKS + VICTIM + NUM_RANKS  # before, masked, rejoined
+    assert not [n for n in names if os.path.exists(os.path.join(SHM_DIR, n))]
+
+
 def _agree_without(group: Any, absent: int) -> Any:
     if group.rank == absent:
         time.sleep(1.5)  # alive but silent past the deadline, then late
-    decision = agree(group, "t", range(group.num_ranks), {"rank": group.rank}, 0.5)
+    decision = agree(Roster.of(group), "t", {"rank": group.rank}, 0.5)
     return decision.members, decision.masked, decision.states
 
 
@@ -195,8 +236,8 @@ def test_agreement_is_one_decision_and_a_late_rank_reads_itself_masked() -> None
 
 def test_the_first_published_decision_wins(tmp_path: Path) -> None:
     path = str(tmp_path / "decision.json")
-    _publish_once(path, {"members": [0, 1]})
-    _publish_once(path, {"members": [0]})
+    publish_once(path, {"members": [0, 1]})
+    publish_once(path, {"members": [0]})
     assert Path(path).read_text() == '{"members": [0, 1]}'
     assert sorted(os.listdir(tmp_path)) == ["decision.json"]  # no temporary file left
 

@@ -35,7 +35,6 @@ import dataclasses
 import os
 import secrets
 import threading
-from collections.abc import Callable
 from typing import Any, ClassVar, Literal, cast, overload
 
 import numpy as np
@@ -78,7 +77,7 @@ class Buffer(InFlightCalls, ArgChecks):
 
     # the class that serves on_peer_loss="mask" (ubep.buffer.elastic registers it on import,
     # so this module needs no import of it)
-    masking_class: ClassVar[Callable[[Any, BufferConfig], Any] | None] = None
+    masking_class: ClassVar[type[Any] | None] = None
 
     def __new__(cls, group: ProcessGroup, config: BufferConfig) -> Buffer:
         masking = Buffer.masking_class
@@ -88,6 +87,20 @@ class Buffer(InFlightCalls, ArgChecks):
             # a MaskingBuffer: the same calls over the ranks still alive (ubep.buffer.elastic)
             return cast(Buffer, masking(group, config))
         return super().__new__(cls)
+
+    @staticmethod
+    def rejoin(rendezvous: str, rank: int, config: BufferConfig, *,
+               timeout_s: float | None = None) -> Any:
+        """From a new process, join a running Buffer with ``on_peer_loss="mask"`` as the lost
+        ``rank``, once its members call ``admit()`` (:meth:`ubep.buffer.MaskingBuffer.rejoin`;
+        docs/ELASTIC.md)."""
+        masking = Buffer.masking_class
+        if not isinstance(config, BufferConfig) or config.on_peer_loss != "mask" or (
+            masking is None
+        ):
+            raise InvalidArgumentError("config", config,
+                                       "rejoin needs a BufferConfig with on_peer_loss='mask'")
+        return masking.rejoin(rendezvous, rank, config, timeout_s=timeout_s)
 
     def __init__(self, group: ProcessGroup, config: BufferConfig) -> None:
         group = as_process_group(group)  # a torch.distributed group -> ubep.torch.group

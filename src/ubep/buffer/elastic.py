@@ -36,7 +36,7 @@ than the call that saw the loss cannot be combined afterwards (dispatch again).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -54,7 +54,14 @@ from ..errors import (
 from ..handle import DispatchHandle, DispatchResult
 from ..routing import experts_per_rank
 from ..runtime.group import Group
-from ..runtime.membership import MemberGroup, agree
+from ..runtime.membership import (
+    MemberGroup,
+    Roster,
+    admit,
+    agree,
+    request_join,
+    roster_of_record,
+)
 from ..torch_bridge import as_process_group
 from .buffer import Buffer
 
@@ -89,16 +96,19 @@ class MaskingBuffer:
                 "on_peer_loss", "mask", "needs a one-host ubep Group (ubep.launch or an "
                 f"environment launch), not {type(group).__name__}: its control plane must "
                 "outlive a process")
-        self.group = group
-        self.config = config
-        self.rank = group.rank
-        self.num_ranks = group.num_ranks
-        self.num_experts = config.num_experts
-        self.num_local_experts = experts_per_rank(config.num_experts, group.num_ranks)
-        self.members: tuple[int, ...] = tuple(range(group.num_ranks))
+        self._start(config, Roster.of(group), group.num_ranks)
         self._inner = Buffer(group, self._inner_config())
         self._uid = self._inner._uid  # agreed by every rank at construction
-        self._losses = 0
+
+    def _start(self, config: BufferConfig, roster: Roster, num_ranks: int) -> None:
+        self.config = config
+        self.rank = roster.rank
+        self.num_ranks = num_ranks
+        self.num_experts = config.num_experts
+        self.num_local_experts = experts_per_rank(config.num_experts, num_ranks)
+        self._roster = roster
+        self._losses = 0  # losses and admissions so far: their agreements' names
+        self._admits = 0
         self._calls = 0
         self._masked: str | None = None
         self._last_dispatch: _Kept | None = None
@@ -155,6 +165,61 @@ class MaskingBuffer:
                 raise
         raise PeerLostError(f"rank {self.rank}: call {kept.call} lost a member in every "
                             f"recovery round") from cause
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The ranks serving, ascending (original numbers)."""
+        return self._roster.members
+
+    def admit(self, ranks: Sequence[int] = (), timeout_s: float | None = None
+              ) -> tuple[int, ...]:
+        """Let in every process waiting in :meth:`rejoin` as a masked rank (collective over the
+        members, between calls: no handle of before survives it), first waiting up to
+        ``timeout_s`` (default ``config.timeout_s``) for those of ``ranks`` (the replacements
+        an orchestrator started). After it the newcomers are members again and calls run over
+        them too, bit-exact. Returns the ranks admitted (none: nothing changes)."""
+        self._check_call(False)
+        bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < self.num_ranks)
+               or r in self.members]
+        if bad:
+            raise InvalidArgumentError("ranks", list(ranks),
+                                       f"must be masked ranks (members: {list(self.members)})")
+        wait = float(self.config.timeout_s if timeout_s is None else timeout_s)
+        self._admits += 1
+        key = f"{self._uid:x}.a{self._admits}"
+        roster, record = admit(self._roster, key, self.num_ranks, {
+            "uid": self._uid, "num_ranks": self.num_ranks, "calls": self._calls,
+            "losses": self._losses,
+            "admits": self._admits, "group_id": self._roster.group_id.hex(),
+            "cores_per_rank": self._roster.cores_per_rank,
+            "timeout_s": self._roster.default_timeout_s,
+        }, expect=tuple(ranks), timeout_s=wait)
+        joined = tuple(sorted(int(r) for r in record["joiners"]))
+        if joined:
+            self._rebuild(roster, key)
+        return joined
+
+    @classmethod
+    def rejoin(cls, rendezvous: str, rank: int, config: BufferConfig, *,
+               timeout_s: float | None = None) -> MaskingBuffer:
+        """Join the masking Buffer whose group meets in ``rendezvous`` as ``rank`` (a masked
+        one: the number of a lost rank), from a new process: waits (at most ``timeout_s``,
+        default ``config.timeout_s``) until the members call :meth:`admit`, then builds the
+        Buffer with them. ``config`` must be the members' config."""
+        wait = float(config.timeout_s if timeout_s is None else timeout_s)
+        record = request_join(rendezvous, rank, wait)
+        self = object.__new__(cls)
+        self._start(config, roster_of_record(rank, None, record, rendezvous),
+                    int(record["num_ranks"]))
+        self._uid = int(record["uid"])
+        self._calls = int(record["calls"])
+        self._losses = int(record["losses"])
+        self._admits = int(record["admits"])
+        self._inner = Buffer(MemberGroup(self._roster, f"{self._uid:x}.a{self._admits}"),
+                             self._inner_config())
+        if len(self._roster.members) != self.num_ranks:
+            self._to_inner = self._expert_table()
+        return self
 
     def mask_status(self) -> np.ndarray:
         """``[num_ranks]`` int32, 1 for a masked rank: the same on every survivor."""
@@ -230,20 +295,16 @@ class MaskingBuffer:
         ``kept.call - 1``, then run this call again (``again``)."""
         self._losses += 1
         key = f"{self._uid:x}.{self._losses}"
-        decision = agree(self.group, key, self.members, {"call": kept.call, "op": kept.op},
+        decision = agree(self._roster, key, {"call": kept.call, "op": kept.op},
                          float(self.config.timeout_s))
         if self.rank not in decision.members:
-            self.members = decision.members  # mask_status() shows what the survivors decided
+            # mask_status() shows what the survivors decided
+            self._roster = dataclasses.replace(self._roster, members=decision.members)
             self._masked = (f"rank {self.rank} was masked by the survivors "
                             f"{list(decision.members)} after: {cause}")
             self._inner.close()
             raise RankMaskedError(self._masked) from cause
-        old_inner = self._inner
-        self.members = decision.members
-        self._moved.clear()
-        self._inner = Buffer(MemberGroup(self.group, self.members, key), self._inner_config())
-        old_inner.close()
-        self._to_inner = self._expert_table()
+        self._rebuild(self._roster.with_members(decision.members), key)
         first = min(int(s["call"]) for s in decision.states)
         first_op = next(s["op"] for s in decision.states if int(s["call"]) == first)
         if kept.call not in (first, first + 1):
@@ -281,6 +342,16 @@ class MaskingBuffer:
         assert d.result is not None
         again = self._dispatch(d.x, d.topk_idx, d.topk_weights, False, None)
         self._moved[id(d.handle)] = (d.handle, d.result, again)
+
+    def _rebuild(self, roster: Roster, key: str) -> None:
+        """A fresh Buffer over the members of ``roster`` (collective over them)."""
+        old = self._inner
+        self._roster = roster
+        self._moved.clear()
+        self._inner = Buffer(MemberGroup(roster, key), self._inner_config())
+        old.close()
+        everyone = len(roster.members) == self.num_ranks
+        self._to_inner = None if everyone else self._expert_table()
 
     def _expert_table(self) -> np.ndarray:
         """Original expert id + 1 -> expert id of the members' Buffer, -1 for a masked rank's."""

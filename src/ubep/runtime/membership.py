@@ -17,18 +17,20 @@ A rank missing from the decision is masked for good: it learns so when it reads 
 (a stopped rank that wakes reads it too), and it never learns the names of the segments the
 survivors map next, so nothing it writes after waking reaches them.
 
-:class:`MemberGroup` is the control plane of the survivors: a :class:`~ubep.runtime.group.Group`
-restricted to them, renumbered ``0 .. len(members) - 1`` in ascending original rank, so a Buffer
-built on it is an ordinary Buffer over fewer ranks.
+:class:`Roster` names the members (original ranks, their processes, where they meet); a
+newcomer that rejoins is added to it. :class:`MemberGroup` is the control plane of a roster: a
+group of the members only, renumbered ``0 .. len(members) - 1`` in ascending original rank, so a
+Buffer built on it is an ordinary Buffer over those ranks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,8 +45,13 @@ from .group import (  # the rendezvous directory's atomic JSON files, as the gro
     map_shm_global,
 )
 from .poll import Backoff, wait_until
+from .reaper import alive as process_alive
+from .reaper import start_time_of as process_start_time
 
-__all__ = ["Decision", "MemberGroup", "agree", "new_key"]
+__all__ = [
+    "Decision", "MemberGroup", "Roster", "admit", "agree", "path_of", "publish_once",
+    "read_json", "request_join", "roster_of_record",
+]
 
 # proposals arrive within microseconds of each other when every member is alive; a stopped
 # member is waited for up to the deadline, so the poll backs off to sleeping
@@ -64,27 +71,27 @@ class Decision:
         return self.states[self.members.index(rank)]
 
 
-def agree(group: Group, key: str, members: Sequence[int], state: Any,
-          timeout_s: float) -> Decision:
-    """The one decision of the members of ``members`` (original ranks, this one included) on who
-    goes on, under ``key`` (unique per loss; every member must use the same). Collective over
-    the members still running; returns at the latest ``timeout_s`` after the last of them
-    entered. The decision may leave out this rank (the caller then raises ``RankMaskedError``).
+def agree(roster: Roster, key: str, state: Any, timeout_s: float) -> Decision:
+    """The one decision of the members of ``roster`` on who goes on, under ``key`` (unique per
+    loss; every member must use the same). Collective over the members still running; returns
+    at the latest ``timeout_s`` after the last of them entered. The decision may leave out this
+    rank (the caller then raises ``RankMaskedError``).
     """
-    _write_json(_path(group, key, f"p.{group.rank}"), {"state": state})
+    members = roster.members
+    _write_json(_path(roster, key, f"p.{roster.rank}"), {"state": state})
     seen: dict[int, Any] = {}
     out: list[int] = []
 
     def settled() -> bool:
-        if os.path.exists(_path(group, key, "decision")):
+        if os.path.exists(_path(roster, key, "decision")):
             return True
         out[:] = []
         for r in members:
             if r not in seen:
-                got = _read_json(_path(group, key, f"p.{r}"))
+                got = _read_json(_path(roster, key, f"p.{r}"))
                 if got is not None:
                     seen[r] = got["state"]
-                elif group.peers[r].alive():
+                elif roster.procs[r].alive():
                     out.append(r)
         return not out
 
@@ -95,35 +102,72 @@ def agree(group: Group, key: str, members: Sequence[int], state: Any,
         wait_until(settled, time.monotonic() + timeout_s, check_peers=lambda: None,
                    timed_out=give_up, backoff=_BACKOFF)
     survivors = tuple(sorted(seen))
-    _publish_once(_path(group, key, "decision"), {
+    publish_once(_path(roster, key, "decision"), {
         "members": list(survivors),
         "states": [seen[r] for r in survivors],
         "masked": sorted(set(members) - set(survivors)),
     })
-    got = _read_json(_path(group, key, "decision"))
+    got = _read_json(_path(roster, key, "decision"))
     assert got is not None  # published by this rank or an earlier one, never removed
     return Decision(tuple(got["members"]), tuple(got["states"]), tuple(got["masked"]))
 
 
-class MemberGroup:
-    """The ranks ``members`` of ``parent`` (ascending original ranks) as a group of their own:
-    ``rank`` and ``num_ranks`` renumbered, exchanges and barriers among the members only, under
-    ``key`` (unique per membership), global memory mapped among them. Implements
-    :class:`~ubep.runtime.group.ProcessGroup`."""
+@dataclass(frozen=True)
+class Roster:
+    """The members of a group that outlives its processes: their original ranks, how to tell
+    each is alive, and where they meet.
 
-    def __init__(self, parent: Group, members: Sequence[int], key: str) -> None:
-        if parent.rank not in members:
-            raise PeerLostError(f"rank {parent.rank} is not a member of {list(members)}")
-        self.parent = parent
-        self.members = tuple(sorted(members))
+    Attributes:
+        rank: this process's original rank.
+        members: original ranks, ascending (this one included).
+        procs: liveness of every member by original rank (pid and start time).
+        rendezvous: the private directory the group meets in.
+        group_id: the id stamped into the group's segments.
+        cores_per_rank: cores of each rank (the members' topology).
+        default_timeout_s: the deadline of a control-plane wait.
+    """
+
+    rank: int
+    members: tuple[int, ...]
+    procs: Mapping[int, PeerProcess]
+    rendezvous: str
+    group_id: bytes
+    cores_per_rank: int
+    default_timeout_s: float
+
+    @staticmethod
+    def of(group: Group) -> Roster:
+        """Every rank of ``group``."""
+        return Roster(group.rank, tuple(range(group.num_ranks)),
+                      {p.rank: p for p in group.peers}, group.rendezvous, group.group_id,
+                      group.topology.cores_per_rank, group.default_timeout_s)
+
+    def with_members(self, members: Sequence[int],
+                     joined: Mapping[int, PeerProcess] | None = None) -> Roster:
+        procs = {**self.procs, **(joined or {})}
+        return dataclasses.replace(self, members=tuple(sorted(members)),
+                                   procs={r: procs[r] for r in members})
+
+
+class MemberGroup:
+    """The members of ``roster`` as a group of their own: ``rank`` and ``num_ranks`` renumbered
+    ``0 .. len(members) - 1`` in ascending original rank, exchanges and barriers among the
+    members only, under ``key`` (unique per membership), global memory mapped among them.
+    Implements :class:`~ubep.runtime.group.ProcessGroup`."""
+
+    def __init__(self, roster: Roster, key: str) -> None:
+        if roster.rank not in roster.members:
+            raise PeerLostError(f"rank {roster.rank} is not a member of {list(roster.members)}")
+        self.roster = roster
+        self.members = roster.members
         self.key = key
-        self.rank = self.members.index(parent.rank)
+        self.rank = self.members.index(roster.rank)
         self.num_ranks = len(self.members)
-        self.topology = topo.host(self.num_ranks, parent.topology.cores_per_rank)
-        self.group_id = parent.group_id
-        self.rendezvous = parent.rendezvous
-        self.default_timeout_s = parent.default_timeout_s
-        self.peers = [PeerProcess(i, parent.peers[r].pid, parent.peers[r].start_time)
+        self.topology = topo.host(self.num_ranks, roster.cores_per_rank)
+        self.group_id = roster.group_id
+        self.rendezvous = roster.rendezvous
+        self.default_timeout_s = roster.default_timeout_s
+        self.peers = [PeerProcess(i, roster.procs[r].pid, roster.procs[r].start_time)
                       for i, r in enumerate(self.members)]
         self._seq = 0
 
@@ -135,13 +179,13 @@ class MemberGroup:
         """:meth:`Group.exchange` among the members (keys live under this membership's)."""
         timeout = self.default_timeout_s if timeout_s is None else float(timeout_s)
         name = f"{self.key}.{key}"
-        _write_json(_path(self.parent, name, str(self.rank)), {"value": value})
+        _write_json(_path(self, name, str(self.rank)), {"value": value})
         got: dict[int, Any] = {}
 
         def missing() -> list[int]:
             for i in range(self.num_ranks):
                 if i not in got:
-                    v = _read_json(_path(self.parent, name, str(i)))
+                    v = _read_json(_path(self, name, str(i)))
                     if v is not None:
                         got[i] = v["value"]
             return [i for i in range(self.num_ranks) if i not in got]
@@ -159,7 +203,7 @@ class MemberGroup:
     def check_peers(self) -> None:
         dead = [self.members[p.rank] for p in self.peers if not p.alive()]
         if dead:
-            raise PeerLostError(f"rank {self.parent.rank}: peer rank(s) {dead} died")
+            raise PeerLostError(f"rank {self.roster.rank}: peer rank(s) {dead} died")
 
     def _wait(self, missing: Any, timeout_s: float, what: str) -> None:
         left: list[int] = []
@@ -171,27 +215,32 @@ class MemberGroup:
         def check_peers() -> None:
             dead = [self.members[i] for i in left if not self.peers[i].alive()]
             if dead:
-                raise PeerLostError(f"rank {self.parent.rank}: rank(s) {dead} died while this "
+                raise PeerLostError(f"rank {self.roster.rank}: rank(s) {dead} died while this "
                                     f"rank waited in {what}")
 
         def timed_out(waited_s: float) -> BaseException:
-            return TimeoutError(f"rank {self.parent.rank}: {what} timed out waiting for rank(s) "
+            return TimeoutError(f"rank {self.roster.rank}: {what} timed out waiting for rank(s) "
                                 f"{[self.members[i] for i in left]}")
 
         wait_until(ready, time.monotonic() + timeout_s, check_peers=check_peers,
                    timed_out=timed_out, backoff=_BACKOFF)
 
 
-def new_key() -> str:
-    """A fresh name space for one loss's agreement (random: a rejoined group never reuses one)."""
-    return secrets.token_hex(8)
-
-
 def _path(group: Any, key: str, part: str) -> str:
     return os.path.join(group.rendezvous, f"el.{key}.{part}.json")
 
 
-def _publish_once(path: str, obj: object) -> None:
+def path_of(rendezvous: str, name: str) -> str:
+    """The file ``name`` of the membership's name space in ``rendezvous``."""
+    return os.path.join(rendezvous, f"el.{name}.json")
+
+
+def read_json(path: str) -> Any:
+    """A membership file's content, or None while it does not exist."""
+    return _read_json(path)
+
+
+def publish_once(path: str, obj: object) -> None:
     """Write ``obj`` at ``path`` unless something is there already (first writer wins)."""
     tmp = f"{path}.{os.getpid()}.new"
     _write_json(tmp, obj)
@@ -201,3 +250,80 @@ def _publish_once(path: str, obj: object) -> None:
         pass
     finally:
         os.unlink(tmp)
+
+
+# --- letting a new process in --------------------------------------------------------------
+
+
+def request_join(rendezvous: str, rank: int, timeout_s: float) -> dict[str, Any]:
+    """Ask the members meeting in ``rendezvous`` to let this process in as ``rank``; return the
+    admission record once they have (:func:`admit`), or raise ``TimeoutError``."""
+    nonce = secrets.token_hex(8)
+    me = {"pid": os.getpid(), "start_time": process_start_time(os.getpid()), "nonce": nonce}
+    _write_json(path_of(rendezvous, f"join.{rank}"), me)
+    got: list[Any] = []
+
+    def admitted() -> bool:
+        got[:] = [_read_json(path_of(rendezvous, f"admitted.{nonce}"))]
+        return got[0] is not None
+
+    def timed_out(waited_s: float) -> BaseException:
+        return TimeoutError(f"rank {rank}: no member admitted this process within "
+                            f"{waited_s:.1f} s (the members call admit() between calls)")
+
+    wait_until(admitted, time.monotonic() + timeout_s, check_peers=lambda: None,
+               timed_out=timed_out, backoff=_BACKOFF)
+    record: dict[str, Any] = got[0]
+    return record
+
+
+def admit(roster: Roster, key: str, num_ranks: int, extra: dict[str, Any],
+          expect: Sequence[int] = (), timeout_s: float = 0.0) -> tuple[Roster, dict[str, Any]]:
+    """Let in every process that asked to join as a rank that is not a member (collective over
+    the members, between calls), first waiting up to ``timeout_s`` for the requests of the
+    ranks ``expect``: one decision, the first published, names the joiners; the record
+    (members, every member's process, ``extra``) is handed to each joiner. Returns the new
+    roster and the record."""
+    joiners: dict[str, Any] = {}
+
+    def asked() -> bool:
+        for r in range(num_ranks):
+            if r in roster.members or str(r) in joiners:
+                continue
+            req = _read_json(path_of(roster.rendezvous, f"join.{r}"))
+            if req is not None and process_alive(int(req["pid"]), int(req["start_time"])):
+                joiners[str(r)] = req
+        return all(str(r) in joiners for r in expect)
+
+    def late(waited_s: float) -> BaseException:
+        return TimeoutError("")  # the deadline ends the wait; the decision names who came
+
+    with contextlib.suppress(TimeoutError):
+        wait_until(asked, time.monotonic() + timeout_s, check_peers=lambda: None,
+                   timed_out=late, backoff=_BACKOFF)
+    procs = {str(r): [p.pid, p.start_time] for r, p in roster.procs.items()}
+    procs |= {r: [int(q["pid"]), int(q["start_time"])] for r, q in joiners.items()}
+    publish_once(_path(roster, key, "admit"), {
+        "joiners": joiners, "members": sorted([*roster.members, *map(int, joiners)]),
+        "procs": procs, **extra,
+    })
+    record = _read_json(_path(roster, key, "admit"))
+    assert record is not None
+    for req in record["joiners"].values():
+        _write_json(path_of(roster.rendezvous, f"admitted.{req['nonce']}"), record)
+    return roster_of_record(roster.rank, roster, record), record
+
+
+def roster_of_record(rank: int, like: Roster | None, record: dict[str, Any],
+                     rendezvous: str | None = None) -> Roster:
+    """The roster an admission record describes, seen from ``rank``."""
+    procs = {int(r): PeerProcess(int(r), int(p[0]), int(p[1]))
+             for r, p in record["procs"].items()}
+    members = tuple(int(r) for r in record["members"])
+    if like is not None:
+        return dataclasses.replace(like, rank=rank, members=members,
+                                   procs={r: procs[r] for r in members})
+    assert rendezvous is not None
+    return Roster(rank, members, {r: procs[r] for r in members}, rendezvous,
+                  bytes.fromhex(record["group_id"]), int(record["cores_per_rank"]),
+                  float(record["timeout_s"]))
