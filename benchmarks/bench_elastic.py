@@ -165,7 +165,7 @@ def _loss_run(shape: Shape, deadline_s: float, fault: str, tmp: str) -> dict[str
     results = launch(_lose, 3, shape, deadline_s, fault, stamp, timeout_s=300,
                      keep_survivors=True)
     killed = int(Path(stamp).read_text())
-    survivors = [res for res in results[:2]]
+    survivors = results[:2]
     row = {"recovery_us": (max(s["lost_end_ns"] for s in survivors) - killed) / 1e3,
            "steady_us": max(s["steady_ns"] for s in survivors) / 1e3}
     if fault == "rejoin":

@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import dtypes as _dt
 from ..config import BufferConfig
 from ..errors import (
     InvalidArgumentError,
@@ -64,6 +65,7 @@ from ..runtime.membership import (
 )
 from ..torch_bridge import as_process_group
 from .buffer import Buffer
+from .checks import check_dispatch_args
 
 __all__ = ["MaskingBuffer"]
 
@@ -189,10 +191,7 @@ class MaskingBuffer:
         key = f"{self._uid:x}.a{self._admits}"
         roster, record = admit(self._roster, key, self.num_ranks, {
             "uid": self._uid, "num_ranks": self.num_ranks, "calls": self._calls,
-            "losses": self._losses,
-            "admits": self._admits, "group_id": self._roster.group_id.hex(),
-            "cores_per_rank": self._roster.cores_per_rank,
-            "timeout_s": self._roster.default_timeout_s,
+            "losses": self._losses, "admits": self._admits,
         }, expect=tuple(ranks), timeout_s=wait)
         joined = tuple(sorted(int(r) for r in record["joiners"]))
         if joined:
@@ -209,16 +208,13 @@ class MaskingBuffer:
         wait = float(config.timeout_s if timeout_s is None else timeout_s)
         record = request_join(rendezvous, rank, wait)
         self = object.__new__(cls)
-        self._start(config, roster_of_record(rank, None, record, rendezvous),
+        self._start(config, roster_of_record(rank, record, rendezvous),
                     int(record["num_ranks"]))
         self._uid = int(record["uid"])
         self._calls = int(record["calls"])
         self._losses = int(record["losses"])
         self._admits = int(record["admits"])
-        self._inner = Buffer(MemberGroup(self._roster, f"{self._uid:x}.a{self._admits}"),
-                             self._inner_config())
-        if len(self._roster.members) != self.num_ranks:
-            self._to_inner = self._expert_table()
+        self._open(self._roster, f"{self._uid:x}.a{self._admits}")
         return self
 
     def mask_status(self) -> np.ndarray:
@@ -256,14 +252,15 @@ class MaskingBuffer:
         table = self._to_inner
         if table is None:
             return self._inner.dispatch(x, topk_idx, topk_weights, copy=copy, x_scales=x_scales)
-        idx = np.asarray(topk_idx)
-        if idx.ndim != 2:
-            raise InvalidArgumentError("topk_idx", idx.shape, "must be [num_tokens, num_topk]")
-        if idx.size and (int(idx.min()) < -1 or int(idx.max()) >= self.num_experts):
-            raise InvalidArgumentError("topk_idx", int(idx.max()),
-                                       f"must be in [-1, {self.num_experts})")
-        res = self._inner.dispatch(x, table[idx.astype(np.int64) + 1], topk_weights,
-                                   copy=copy, x_scales=x_scales)
+        # the Buffer's own checks, against the original expert count; the ids' range is the
+        # native engine's check, needed here before they index the table
+        _, idx, w = check_dispatch_args(self.config, _dt.dtype_of(self.config.dtype), x,
+                                        topk_idx, topk_weights, x_scales)
+        bad = idx[(idx < -1) | (idx >= self.num_experts)]
+        if bad.size:
+            raise InvalidArgumentError("topk_idx", int(bad[0]), "expert id out of range "
+                                       f"[-1, {self.num_experts}) (num_experts)")
+        res = self._inner.dispatch(x, table[idx + 1], w, copy=copy, x_scales=x_scales)
         return self._outer_result(res)
 
     def _outer_result(self, res: DispatchResult[Any]) -> DispatchResult[Any]:
@@ -271,14 +268,10 @@ class MaskingBuffer:
         members = np.asarray(self.members, dtype=np.int64)
         idx = res.recv_topk_idx
         if self.config.layout == "expert":  # global ids; the rank layout's are local
-            idx = self._to_outer_experts(idx)
+            L = self.num_local_experts
+            idx = np.where(idx < 0, idx, members[np.maximum(idx, 0) // L] * L + idx % L)
         return dataclasses.replace(res, recv_src_rank=members[res.recv_src_rank],
                                    recv_topk_idx=idx)
-
-    def _to_outer_experts(self, idx: np.ndarray) -> np.ndarray:
-        L = self.num_local_experts
-        members = np.asarray(self.members, dtype=np.int64)
-        return np.where(idx < 0, idx, members[np.maximum(idx, 0) // L] * L + idx % L)
 
     def _combine(self, expert_out: object, handle: DispatchHandle) -> np.ndarray:
         moved = self._moved.get(id(handle))
@@ -344,12 +337,17 @@ class MaskingBuffer:
         self._moved[id(d.handle)] = (d.handle, d.result, again)
 
     def _rebuild(self, roster: Roster, key: str) -> None:
-        """A fresh Buffer over the members of ``roster`` (collective over them)."""
+        """A fresh Buffer over the members of ``roster`` in place of the current one."""
         old = self._inner
+        self._open(roster, key)
+        old.close()
+
+    def _open(self, roster: Roster, key: str) -> None:
+        """Serve over the members of ``roster``: build their Buffer (collective over them,
+        under ``key``) and the expert-id table to it."""
         self._roster = roster
         self._moved.clear()
         self._inner = Buffer(MemberGroup(roster, key), self._inner_config())
-        old.close()
         everyone = len(roster.members) == self.num_ranks
         self._to_inner = None if everyone else self._expert_table()
 

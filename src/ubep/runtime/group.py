@@ -47,6 +47,7 @@ __all__ = [
     "Group",
     "ProcessGroup",
     "ShmGlobalMemory",
+    "gather_files",
     "group_from_env",
     "map_shm_global",
 ]
@@ -256,20 +257,9 @@ class Group:
     def _gather(self, name: str, value: Any, timeout: float, what: str) -> list[Any]:
         """Write ``value`` as ``<name>.<rank>.json``, then read every rank's file of ``name``
         (polling until ``timeout`` seconds from now; ``what`` names the wait in errors)."""
-        _write_json(self._path(f"{name}.{self.rank}.json"), {"value": value})
-        out: list[Any] = [None] * self.num_ranks
-        found = [False] * self.num_ranks
-
-        def missing() -> list[int]:
-            for r in range(self.num_ranks):
-                if not found[r]:
-                    got = _read_json(self._path(f"{name}.{r}.json"))
-                    if got is not None:
-                        out[r], found[r] = got["value"], True
-            return [r for r in range(self.num_ranks) if not found[r]]
-
-        self._poll(missing, time.monotonic() + timeout, what)
-        return out
+        return gather_files(lambda r: self._path(f"{name}.{r}.json"), self.rank,
+                            self.num_ranks, value,
+                            lambda missing: self._poll(missing, time.monotonic() + timeout, what))
 
     def map_global(
         self, size_bytes: int, kind: str, timeout_s: float | None = None
@@ -464,6 +454,27 @@ def map_shm_global(
     pids = [p.pid for p in group.peers]
     starts = [p.start_time or process_start_time(p.pid) for p in group.peers]
     return ShmGlobalMemory(segs, group.rank, pids, starts)
+
+
+def gather_files(path: Callable[[int], str], rank: int, num_ranks: int, value: Any,
+                 wait: Callable[[Callable[[], list[int]]], None]) -> list[Any]:
+    """One exchange through files: write ``value`` at ``path(rank)``, then read every rank's
+    file, ``wait(missing)`` polling ``missing()`` (the ranks whose file is not there yet) until
+    it is empty. Every rank's value, in rank order."""
+    _write_json(path(rank), {"value": value})
+    out: list[Any] = [None] * num_ranks
+    found = [False] * num_ranks
+
+    def missing() -> list[int]:
+        for r in range(num_ranks):
+            if not found[r]:
+                got = _read_json(path(r))
+                if got is not None:
+                    out[r], found[r] = got["value"], True
+        return [r for r in range(num_ranks) if not found[r]]
+
+    wait(missing)
+    return out
 
 
 def group_from_env(

@@ -42,6 +42,7 @@ from .group import (  # the rendezvous directory's atomic JSON files, as the gro
     ShmGlobalMemory,
     _read_json,
     _write_json,
+    gather_files,
     map_shm_global,
 )
 from .poll import Backoff, wait_until
@@ -49,8 +50,8 @@ from .reaper import alive as process_alive
 from .reaper import start_time_of as process_start_time
 
 __all__ = [
-    "Decision", "MemberGroup", "Roster", "admit", "agree", "path_of", "publish_once",
-    "read_json", "request_join", "roster_of_record",
+    "Decision", "MemberGroup", "Roster", "admit", "agree", "publish_once", "request_join",
+    "roster_of_record",
 ]
 
 # proposals arrive within microseconds of each other when every member is alive; a stopped
@@ -66,9 +67,6 @@ class Decision:
     members: tuple[int, ...]
     states: tuple[Any, ...]  # one per member, what it passed to agree()
     masked: tuple[int, ...]
-
-    def state_of(self, rank: int) -> Any:
-        return self.states[self.members.index(rank)]
 
 
 def agree(roster: Roster, key: str, state: Any, timeout_s: float) -> Decision:
@@ -142,11 +140,10 @@ class Roster:
                       {p.rank: p for p in group.peers}, group.rendezvous, group.group_id,
                       group.topology.cores_per_rank, group.default_timeout_s)
 
-    def with_members(self, members: Sequence[int],
-                     joined: Mapping[int, PeerProcess] | None = None) -> Roster:
-        procs = {**self.procs, **(joined or {})}
+    def with_members(self, members: Sequence[int]) -> Roster:
+        """This roster without the ranks not in ``members``."""
         return dataclasses.replace(self, members=tuple(sorted(members)),
-                                   procs={r: procs[r] for r in members})
+                                   procs={r: self.procs[r] for r in members})
 
 
 class MemberGroup:
@@ -179,19 +176,9 @@ class MemberGroup:
         """:meth:`Group.exchange` among the members (keys live under this membership's)."""
         timeout = self.default_timeout_s if timeout_s is None else float(timeout_s)
         name = f"{self.key}.{key}"
-        _write_json(_path(self, name, str(self.rank)), {"value": value})
-        got: dict[int, Any] = {}
-
-        def missing() -> list[int]:
-            for i in range(self.num_ranks):
-                if i not in got:
-                    v = _read_json(_path(self, name, str(i)))
-                    if v is not None:
-                        got[i] = v["value"]
-            return [i for i in range(self.num_ranks) if i not in got]
-
-        self._wait(missing, timeout, f"exchange {key}")
-        return [got[i] for i in range(self.num_ranks)]
+        return gather_files(lambda i: _path(self, name, str(i)), self.rank, self.num_ranks,
+                            value, lambda missing: self._wait(missing, timeout,
+                                                              f"exchange {key}"))
 
     def barrier(self, timeout_s: float | None = None) -> None:
         self.allgather(None, timeout_s)
@@ -227,17 +214,12 @@ class MemberGroup:
 
 
 def _path(group: Any, key: str, part: str) -> str:
-    return os.path.join(group.rendezvous, f"el.{key}.{part}.json")
+    return _file(group.rendezvous, f"{key}.{part}")
 
 
-def path_of(rendezvous: str, name: str) -> str:
+def _file(rendezvous: str, name: str) -> str:
     """The file ``name`` of the membership's name space in ``rendezvous``."""
     return os.path.join(rendezvous, f"el.{name}.json")
-
-
-def read_json(path: str) -> Any:
-    """A membership file's content, or None while it does not exist."""
-    return _read_json(path)
 
 
 def publish_once(path: str, obj: object) -> None:
@@ -260,11 +242,11 @@ def request_join(rendezvous: str, rank: int, timeout_s: float) -> dict[str, Any]
     admission record once they have (:func:`admit`), or raise ``TimeoutError``."""
     nonce = secrets.token_hex(8)
     me = {"pid": os.getpid(), "start_time": process_start_time(os.getpid()), "nonce": nonce}
-    _write_json(path_of(rendezvous, f"join.{rank}"), me)
+    _write_json(_file(rendezvous, f"join.{rank}"), me)
     got: list[Any] = []
 
     def admitted() -> bool:
-        got[:] = [_read_json(path_of(rendezvous, f"admitted.{nonce}"))]
+        got[:] = [_read_json(_file(rendezvous, f"admitted.{nonce}"))]
         return got[0] is not None
 
     def timed_out(waited_s: float) -> BaseException:
@@ -290,7 +272,7 @@ def admit(roster: Roster, key: str, num_ranks: int, extra: dict[str, Any],
         for r in range(num_ranks):
             if r in roster.members or str(r) in joiners:
                 continue
-            req = _read_json(path_of(roster.rendezvous, f"join.{r}"))
+            req = _read_json(_file(roster.rendezvous, f"join.{r}"))
             if req is not None and process_alive(int(req["pid"]), int(req["start_time"])):
                 joiners[str(r)] = req
         return all(str(r) in joiners for r in expect)
@@ -305,25 +287,22 @@ def admit(roster: Roster, key: str, num_ranks: int, extra: dict[str, Any],
     procs |= {r: [int(q["pid"]), int(q["start_time"])] for r, q in joiners.items()}
     publish_once(_path(roster, key, "admit"), {
         "joiners": joiners, "members": sorted([*roster.members, *map(int, joiners)]),
-        "procs": procs, **extra,
+        "procs": procs, "group_id": roster.group_id.hex(),
+        "cores_per_rank": roster.cores_per_rank, "timeout_s": roster.default_timeout_s,
+        **extra,
     })
     record = _read_json(_path(roster, key, "admit"))
     assert record is not None
     for req in record["joiners"].values():
-        _write_json(path_of(roster.rendezvous, f"admitted.{req['nonce']}"), record)
-    return roster_of_record(roster.rank, roster, record), record
+        _write_json(_file(roster.rendezvous, f"admitted.{req['nonce']}"), record)
+    return roster_of_record(roster.rank, record, roster.rendezvous), record
 
 
-def roster_of_record(rank: int, like: Roster | None, record: dict[str, Any],
-                     rendezvous: str | None = None) -> Roster:
-    """The roster an admission record describes, seen from ``rank``."""
+def roster_of_record(rank: int, record: dict[str, Any], rendezvous: str) -> Roster:
+    """The roster an admission record of :func:`admit` describes, seen from ``rank``."""
+    members = tuple(int(r) for r in record["members"])
     procs = {int(r): PeerProcess(int(r), int(p[0]), int(p[1]))
              for r, p in record["procs"].items()}
-    members = tuple(int(r) for r in record["members"])
-    if like is not None:
-        return dataclasses.replace(like, rank=rank, members=members,
-                                   procs={r: procs[r] for r in members})
-    assert rendezvous is not None
     return Roster(rank, members, {r: procs[r] for r in members}, rendezvous,
                   bytes.fromhex(record["group_id"]), int(record["cores_per_rank"]),
                   float(record["timeout_s"]))
