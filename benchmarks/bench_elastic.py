@@ -3,9 +3,11 @@
     python -m benchmarks.bench_elastic                      # all three parts, default sizes
     python -m benchmarks.bench_elastic --repeats 5 --out benchmarks/results
 
-1. **Steady state** (2 ranks). Three things are timed side by side in one process tree:
-   a plain Buffer, a masking Buffer (``on_peer_loss="mask"``) and the memcpy floor. The two
-   Buffers' calls alternate in rounds. One sample is a dispatch plus its combine, from a
+1. **Steady state** (2 ranks). Timed side by side in one process tree: a plain Buffer, a
+   masking Buffer (``on_peer_loss="mask"``), a Buffer with an expert map (``expert_map``:
+   the same physical slots, ``REPLICATED`` experts of each rank with a replica on the other,
+   the caller routing in logical ids), a masking Buffer with that map, and the memcpy floor.
+   The Buffers' calls alternate in rounds. One sample is a dispatch plus its combine, from a
    barrier to the slowest rank's end.
    - Byte formula: a dispatch moves ``T * K * H * 2`` B per rank (BF16 rows, expert
      layout). Its combine reads the same bytes and writes ``K`` times fewer. The floor is one
@@ -44,6 +46,7 @@ import numpy as np
 from benchmarks.harness import Stats, collective_spans, concurrent_copy, save_results
 from ubep import testing
 from ubep.buffer import Buffer, BufferConfig
+from ubep.expert_map import ExpertMap
 from ubep.runtime import launch
 
 __all__ = ["Shape", "main"]
@@ -51,6 +54,7 @@ __all__ = ["Shape", "main"]
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LOSS_AT = 5  # the victim's fault strikes before this call
 DEADLINES_S = (0.1, 0.5, 2.0)
+REPLICATED = 2  # steady state: experts of each rank with a replica on the other rank
 
 
 @dataclass(frozen=True)
@@ -60,15 +64,29 @@ class Shape:
     num_topk: int = 8
     experts_per_rank: int = 8
 
-    def config(self, num_ranks: int, timeout_s: float, on_peer_loss: str) -> BufferConfig:
+    def config(self, num_ranks: int, timeout_s: float, on_peer_loss: str,
+               expert_map: ExpertMap | None = None) -> BufferConfig:
         return BufferConfig(max_tokens_per_rank=self.tokens, hidden=self.hidden,
                             num_topk=self.num_topk, num_experts=self.experts_per_rank * num_ranks,
-                            dtype="bf16", timeout_s=timeout_s,
+                            dtype="bf16", timeout_s=timeout_s, expert_map=expert_map,
                             on_peer_loss=on_peer_loss)  # type: ignore[arg-type]
 
-    def inputs(self, num_ranks: int, call: int) -> Any:
-        return testing.inputs("bf16", self.experts_per_rank * num_ranks, self.num_topk,
-                              self.hidden, [self.tokens] * num_ranks, call, "uniform")
+    def inputs(self, num_ranks: int, call: int, num_experts: int | None = None) -> Any:
+        experts = self.experts_per_rank * num_ranks if num_experts is None else num_experts
+        return testing.inputs("bf16", experts, self.num_topk, self.hidden,
+                              [self.tokens] * num_ranks, call, "uniform")
+
+    def expert_map(self, num_ranks: int) -> ExpertMap:
+        """The physical slots of the plain shape: ``experts_per_rank - REPLICATED`` logical
+        experts per rank, and the last REPLICATED slots of each rank holding replicas of the
+        first REPLICATED experts of the next rank."""
+        L, own = self.experts_per_rank, self.experts_per_rank - REPLICATED
+        replicas = [[r * L + j] for r in range(num_ranks) for j in range(own)]
+        for r in range(num_ranks):
+            nxt = (r + 1) % num_ranks
+            for j in range(REPLICATED):
+                replicas[nxt * own + j].append(r * L + own + j)
+        return ExpertMap(replicas)
 
     @property
     def dispatch_bytes(self) -> int:
@@ -84,17 +102,27 @@ def _pair(buf: Any, x: np.ndarray, idx: np.ndarray, w: np.ndarray) -> None:
 # --- 1. steady state --------------------------------------------------------------------
 
 
+STEADY = ("plain", "mask", "map", "mask+map")
+
+
 def _steady(group: Any, shape: Shape, repeats: int, rounds: int) -> dict[str, list[int]]:
     r, n = group.rank, group.num_ranks
-    xs, idxs, ws = shape.inputs(n, 0)
-    spans: dict[str, list[int]] = {"plain": [], "mask": []}
+    emap = shape.expert_map(n)
+    physical = shape.inputs(n, 0)
+    logical = shape.inputs(n, 0, emap.num_logical)  # the map's callers route in logical ids
+    spans: dict[str, list[int]] = {name: [] for name in STEADY}
     with Buffer(group, shape.config(n, 30.0, "raise")) as plain, \
-            Buffer(group, shape.config(n, 30.0, "mask")) as masking:
+            Buffer(group, shape.config(n, 30.0, "mask")) as masking, \
+            Buffer(group, shape.config(n, 30.0, "raise", emap)) as mapped, \
+            Buffer(group, shape.config(n, 30.0, "mask", emap)) as both:
+        bufs = {"plain": (plain, physical), "mask": (masking, physical),
+                "map": (mapped, logical), "mask+map": (both, logical)}
         for _ in range(rounds):
-            for name, buf in (("plain", plain), ("mask", masking)):
-                got = collective_spans(group.barrier, lambda b=buf: _pair(b, xs[r], idxs[r],
-                                                                           ws[r]),
-                                       3, max(1, repeats // rounds))
+            for name in STEADY:
+                buf, (xs, idxs, ws) = bufs[name]
+                got = collective_spans(
+                    group.barrier, lambda b=buf, x=xs[r], i=idxs[r], w=ws[r]: _pair(b, x, i, w),
+                    3, max(1, repeats // rounds))
                 spans[name] += got.ravel().tolist()
     return spans
 
@@ -196,15 +224,21 @@ def main(argv: list[str] | None = None) -> None:
         return
     shape = Shape()
     lines = [f"shape: {shape}; byte formula: dispatch = T * K * H * 2 = {shape.dispatch_bytes} B"
-             " per rank; floor: one copy of that by each rank at once", "",
+             " per rank; floor: one copy of that by each rank at once; expert map: "
+             f"{shape.experts_per_rank - REPLICATED} logical experts per rank, {REPLICATED} of "
+             "each with a replica on the next rank", "",
              "1. steady state, 2 ranks (us per dispatch + combine)",
              f"{'':14s} {'min':>10s} {'median':>10s} {'max':>10s}  ratio to plain  to floor"]
     per_rank = launch(_steady, 2, shape, args.steady_repeats, 4, timeout_s=600)
-    plain, masking = _slowest(per_rank, "plain"), _slowest(per_rank, "mask")
+    steady = {name: _slowest(per_rank, name) for name in STEADY}
+    plain = steady["plain"]
     floor = concurrent_copy(2, [shape.dispatch_bytes], repeats=args.steady_repeats)[0]
-    result: dict[str, Any] = {"shape": shape.__dict__, "steady": {
-        "plain": plain.__dict__, "mask": masking.__dict__, "floor": floor.__dict__}}
-    for name, s in (("plain Buffer", plain), ("masking Buffer", masking), ("memcpy floor", floor)):
+    result: dict[str, Any] = {"shape": shape.__dict__, "replicated_per_rank": REPLICATED,
+                              "steady": {name: s.__dict__ for name, s in steady.items()}
+                              | {"floor": floor.__dict__}}
+    names = {"plain": "plain Buffer", "mask": "masking Buffer", "map": "expert map",
+             "mask+map": "masking + map"}
+    for name, s in [*((names[k], v) for k, v in steady.items()), ("memcpy floor", floor)]:
         lines.append(f"{name:14s} {_fmt(s)}  {s.median_us / plain.median_us:14.2f}"
                      f"  {s.median_us / floor.median_us:8.2f}")
     lines += ["", "2. loss, 3 ranks: victim's fault -> the survivors' call that saw it ends (us)",
