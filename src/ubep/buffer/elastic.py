@@ -113,7 +113,9 @@ class MaskingBuffer:
             raise InvalidArgumentError(
                 "on_peer_loss", "mask", "needs a one-host ubep Group (ubep.launch or an "
                 f"environment launch), not {type(group).__name__}: its control plane must "
-                "outlive a process")
+                "outlive a process. Over MPI (ubep.mpi) a lost rank is not masked: with "
+                "on_peer_loss='raise' every survivor raises within the deadline "
+                "(docs/MULTIHOST.md)")
         self._start(config, Roster.of(group), group.num_ranks, group.topology.hop_matrix())
         self._inner = Buffer(group, self._inner_config())
         self._uid = self._inner._uid  # agreed by every rank at construction
