@@ -11,7 +11,8 @@ from ubep.buffer import BufferConfig
 from ubep.errors import InvalidArgumentError
 from ubep.expert_map import ExpertMap, replica_table, route_topk
 from ubep.routing import uniform_topk
-from ubep.topology import Topology, host
+from ubep.sched import objective_ns, schedule, send_units
+from ubep.topology import Topology, cm384, host
 
 
 def brute_force(idx: np.ndarray, emap: ExpertMap, src: int, hops: np.ndarray,
@@ -120,3 +121,32 @@ def test_the_oracle_with_a_map_is_the_oracle_of_the_physical_routing() -> None:
         assert np.array_equal(g.recv_topk_idx, w.recv_topk_idx)
         assert np.array_equal(g.recv_src_rank, w.recv_src_rank)
     assert not any(len(g.recv_x) and (g.recv_topk_idx // per_rank == 2).any() for g in got)
+
+
+def test_the_scheduler_sees_a_nearer_replica_as_a_shorter_hop() -> None:
+    """Two nodes of 16 ranks (cm384); the experts of rank 20 (the other node from rank 0) have
+    a replica on rank 5 (rank 0's node): routed from rank 0, their picks become hop-1 units,
+    and the plan's objective (1) with latencies exposed drops."""
+    topo = cm384(32)
+    per_rank = 4
+    replicas = [[r * 2 * per_rank + j] for r in range(32) for j in range(per_rank)]
+    slots = 2 * 32 * per_rank  # 2 * per_rank slots per rank: the second half are spares
+    for j in range(per_rank):  # rank 5's spares hold the replicas
+        replicas[20 * per_rank + j].append(5 * 2 * per_rank + per_rank + j)
+    emap = ExpertMap(replicas)
+    idx = uniform_topk(256, emap.num_logical, 8, seed=1)
+    hops = topo.hop_matrix()
+    near = route_topk(idx, replica_table(emap, hops[0], [], slots // 32))
+    primary = route_topk(idx, replica_table(ExpertMap([[r[0]] for r in replicas]), hops[0],
+                                            [], slots // 32))
+    units = {name: send_units(i, topo, rank=0, num_experts=slots)
+             for name, i in (("near", near), ("primary", primary))}
+    moved = int(np.isin(idx, np.arange(20 * per_rank, 21 * per_rank)).sum())
+    assert moved > 0
+    far = {name: int((u.hop == 2).sum()) for name, u in units.items()}
+    assert far["primary"] - far["near"] == moved  # every pick of rank 20 now stays in the node
+    # with the hop latencies exposed (cm384: hop 2 costs more than hop 1), the plan is faster
+    cost = {name: objective_ns(schedule(i, topo, rank=0, num_experts=slots), topo,
+                               token_bytes=7168 * 2, latency_exposure=1.0)
+            for name, i in (("near", near), ("primary", primary))}
+    assert cost["near"] < cost["primary"]

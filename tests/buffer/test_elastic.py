@@ -227,20 +227,24 @@ def _serve(group: Any, case: Case, fault: str, out: str, plan: Plan = Plan()) ->
     return errors, masks
 
 
-def _segments_gone(out: str, expected_count: int) -> None:
+def _segments_gone(out: str, rebuilds: list[int]) -> None:
+    """Every segment a survivor mapped is gone from /dev/shm. ``rebuilds``: the members of each
+    Buffer the survivors built, in order; a healthy rank descheduled past the deadline on a
+    loaded host makes the survivors agree once more over the same members (new segments, the
+    same mask), so a membership may repeat."""
     names = {n for r in range(VICTIM) for n in Path(f"{out}.{r}").read_text().split()}
-    assert len(names) == expected_count
+    assert len(names) >= sum(rebuilds), (len(names), rebuilds)
     assert not [n for n in names if os.path.exists(os.path.join(SHM_DIR, n))]
 
 
-# a few representative modes for the long runs: every engine, sync and layout at least once
+# a few representative modes for the long runs (every engine, sync and layout at least once
+# with the stop test's asp-sp-expert; the fault before a dispatch, with a map, is the stop)
 LONG_RUNS = [
     ("kill_dispatch", Case("asp", "sw", "expert", "bf16", NUM_RANKS, 256, "uniform"), False),
     ("kill_combine", Case("bsp", "tff", "rank", "bf16", NUM_RANKS, 256, "uniform"), False),
-    ("kill_between", Case("asp", "dc", "rank", "fp16", NUM_RANKS, 128, "uniform"), False),
-    ("kill_dispatch", Case("bsp", "sp", "rank", "bf16", NUM_RANKS, 256, "uniform"), True),
     ("kill_combine", Case("asp", "sw", "expert", "bf16", NUM_RANKS, 256, "uniform"), True),
     ("kill_between", Case("bsp", "dc", "expert", "bf16", NUM_RANKS, 128, "uniform"), True),
+    ("kill_between", Case("asp", "dc", "rank", "fp16", NUM_RANKS, 128, "uniform"), False),
 ]
 
 
@@ -267,7 +271,7 @@ def test_survivors_serve_on_bit_exact_then_a_replacement_rejoins(
     newcomer = json.loads(Path(f"{out}.newcomer").read_text())
     assert newcomer["errors"] == [] and newcomer["masks"] == [[]]
     assert newcomer["calls"] == AFTER
-    _segments_gone(out, NUM_RANKS + VICTIM + NUM_RANKS)  # before, masked, rejoined
+    _segments_gone(out, [NUM_RANKS, VICTIM, NUM_RANKS])  # before, masked, rejoined
 
 
 def _every_mode() -> list[Case]:
@@ -291,7 +295,7 @@ def test_a_rank_killed_mid_call_is_masked_under_every_mode(tmp_path: Path, case:
         seen.append(lost_from)
     # a survivor may finish the call the loss struck in (unmasked) while another redoes it
     assert max(seen) - min(seen) <= 1, seen
-    _segments_gone(out, NUM_RANKS + VICTIM)
+    _segments_gone(out, [NUM_RANKS, VICTIM])
 
 
 @pytest.mark.parametrize("replicas", [False, True], ids=["plain", "map"])
@@ -307,7 +311,7 @@ def test_a_stopped_rank_wakes_masked_and_never_reaches_the_survivors(
         errors, masks = results[r]
         assert errors == [], (r, errors[:3])
         assert masks == [[]] * LOSS_AT + [[VICTIM]] * AFTER
-    _segments_gone(out, NUM_RANKS + VICTIM)
+    _segments_gone(out, [NUM_RANKS, VICTIM])
 
 
 def _agree_without(group: Any, absent: int) -> Any:
