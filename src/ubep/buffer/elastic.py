@@ -14,9 +14,11 @@ a call fails because a peer died or stopped answering within the deadline, every
 What callers see, as DeepEP's shrink mode defines it: ranks keep their original numbers;
 received rows and counts exclude the masked ranks' tokens (``recv_src_rank`` in original
 ranks); a top-k slot whose expert lives on a masked rank is dropped before dispatch, so it
-contributes nothing to combine (``y`` is the weighted sum over the remaining slots);
-:meth:`MaskingBuffer.mask_status` is the same vector on every survivor. A masked rank's calls
-raise :class:`ubep.RankMaskedError`.
+contributes nothing to combine (``y`` is the weighted sum over the remaining slots), unless
+``config.expert_map`` gives it a live replica (``ubep.expert_map``: the members' Buffer routes
+logical ids itself, ``ubep.buffer.replicas``); :meth:`MaskingBuffer.mask_status` is the same
+vector on every survivor. A masked rank's calls raise :class:`ubep.RankMaskedError`.
+:meth:`MaskingBuffer.mask_ranks` masks ranks on request through the same agreement.
 
 The call that saw the loss. Calls are collective and in order, so at a loss every survivor is
 in call ``e`` or ``e + 1`` (a rank may finish call ``e`` while a slower one fails in it). The
@@ -26,11 +28,16 @@ last dispatch's ``x``/``topk_idx``/``topk_weights`` and the last combine's ``exp
 referenced, not copied: they must not change until the next call on the Buffer returns) and
 keeps the result it already returned. A combine first needs its dispatch over the members: that
 dispatch is replayed from the kept inputs, and the expert outputs are re-ordered from the old
-receive order to the new by each row's origin.
+receive order to the new by each row's origin. With an expert map, a replayed dispatch keeps
+the routing it was issued with (picks on the lost rank dropped): a survivor may hold its rows.
+
+Split-phase calls (``return_recv_hook=True``) are not replayed: a loss while any is open makes
+every survivor agree, rebuild and raise :class:`ubep.CallLostError` (in the call the loss
+struck, or in its next one on a survivor that had finished it); the next call is served.
 
 Limits today: a one-host :class:`~ubep.runtime.group.Group` (``ubep.launch``, an environment
-launch); blocking calls only (``return_recv_hook`` is refused); a handle from a dispatch older
-than the call that saw the loss cannot be combined afterwards (dispatch again).
+launch); a handle from a dispatch older than the call that saw the loss cannot be combined
+afterwards (dispatch again).
 """
 
 from __future__ import annotations
