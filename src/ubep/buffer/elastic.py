@@ -222,6 +222,9 @@ class MaskingBuffer:
         an orchestrator started). After it the newcomers are members again and calls run over
         them too, bit-exact. Returns the ranks admitted (none: nothing changes)."""
         self._check_call()
+        if self._open:
+            raise InvalidArgumentError("ranks", list(ranks), "admit runs between calls: "
+                                       "split-phase calls are still waiting for their hooks")
         bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < self.num_ranks)
                or r in self.members]
         if bad:
@@ -362,6 +365,11 @@ class MaskingBuffer:
         except _LOSS as exc:
             self._split_loss(o.call, o.op, exc)
             return
+        except BaseException as exc:  # not a loss (an interrupt, a bug): the call fails as such
+            o.outer._settle(False, exc)
+            if o in self._open:
+                self._open.remove(o)
+            raise
         else:
             if o.to_inner is not None and o.op == "dispatch":
                 value = self._outer_result(value)
