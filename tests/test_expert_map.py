@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ubep import reference
+from ubep import expert_map, reference
 from ubep.buffer import BufferConfig
 from ubep.errors import InvalidArgumentError
 from ubep.expert_map import ExpertMap, replica_table, route_topk
@@ -48,9 +48,13 @@ TWO_TIERS = Topology(num_ranks=8, ranks_per_node=4, cores_per_rank=1,
                      latency_ns=(0.0, 1.0, 5.0), bandwidth_gbps=(1.0, 1.0, 1.0))
 
 
+@pytest.mark.parametrize("lookup", [True, False], ids=["lookup", "per-pick"])
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("topology", [host(8), TWO_TIERS], ids=["one-tier", "two-tiers"])
-def test_routing_matches_the_rule_pick_by_pick(seed: int, topology: Topology) -> None:
+def test_routing_matches_the_rule_pick_by_pick(seed: int, topology: Topology, lookup: bool,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    if not lookup:  # the path of maps whose lookup table would be too large
+        monkeypatch.setattr(expert_map, "_LOOKUP_MAX", 0)
     rng = np.random.default_rng(seed)
     R, per_rank, logical = 8, 6, 30
     emap = random_map(rng, R * per_rank, logical)
@@ -58,7 +62,9 @@ def test_routing_matches_the_rule_pick_by_pick(seed: int, topology: Topology) ->
     idx = uniform_topk(40, logical, 5, seed=seed, mask_prob=0.1)
     for masked in (set(), {int(rng.integers(R))}, {1, 2, 5}):
         for src in range(R):
-            got = route_topk(idx, replica_table(emap, hops[src], sorted(masked), per_rank))
+            table = replica_table(emap, hops[src], sorted(masked), per_rank)
+            assert (table.by_token is not None) == lookup
+            got = route_topk(idx, table)
             assert np.array_equal(got, brute_force(idx, emap, src, hops, masked, per_rank))
 
 

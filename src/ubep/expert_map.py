@@ -17,6 +17,7 @@ picks of one token never meet on one slot: the slots of distinct logical experts
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,6 +26,9 @@ import numpy as np
 from .errors import InvalidArgumentError
 
 __all__ = ["ExpertMap", "ReplicaTable", "replica_table", "route_topk"]
+
+# entries of ReplicaTable.by_token at most (8 MiB): beyond, the rule is computed per pick
+_LOOKUP_MAX = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -110,10 +114,17 @@ class ReplicaTable:
     Attributes:
         slots: ``[num_logical, max_replicas]`` int64, the candidates in the map's order, then -1.
         count: ``[num_logical]`` int64, candidates per expert (0: no live replica).
+        by_token: ``[num_logical + 1, period]`` int64: row ``e + 1`` is the slot the pick of
+            expert ``e`` goes to for each token index mod ``period`` (the least common multiple
+            of the counts); row 0 (a -1 pick) and experts with no candidate are -1. The rule
+            in one lookup; ``None`` when the period would be large (then computed per pick).
+        period: its number of columns.
     """
 
     slots: np.ndarray
     count: np.ndarray
+    by_token: np.ndarray | None
+    period: int
 
 
 def replica_table(expert_map: ExpertMap, hop_row: np.ndarray, masked: Sequence[int],
@@ -133,13 +144,25 @@ def replica_table(expert_map: ExpertMap, hop_row: np.ndarray, masked: Sequence[i
         near = [s for s in live if int(hops[s // slots_per_rank]) == nearest]
         slots[e, :len(near)] = near
         count[e] = len(near)
-    return ReplicaTable(slots, count)
+    period = math.lcm(*(int(n) for n in count if n > 0)) if count.any() else 1
+    if period * (expert_map.num_logical + 1) > _LOOKUP_MAX:
+        return ReplicaTable(slots, count, None, period)
+    by_token = np.full((expert_map.num_logical + 1, period), -1, dtype=np.int64)
+    served = count > 0
+    col = np.arange(period, dtype=np.int64)
+    by_token[1:][served] = slots[served][np.arange(int(served.sum()))[:, None],
+                                         col[None, :] % count[served][:, None]]
+    return ReplicaTable(slots, count, by_token, period)
 
 
 def route_topk(topk_idx: np.ndarray, table: ReplicaTable) -> np.ndarray:
     """Physical ``topk_idx`` (int64, -1 = dropped) of a logical one (ids in ``[-1,
     num_logical)``, checked by the caller) by the module's rule."""
     idx = np.asarray(topk_idx, dtype=np.int64)
+    if table.by_token is not None:  # one lookup by (expert, token index mod period)
+        col = np.arange(idx.shape[0], dtype=np.int64) % table.period
+        out: np.ndarray = table.by_token[idx + 1, col[:, None]]
+        return out
     valid = idx >= 0
     e = np.where(valid, idx, 0)
     n = table.count[e]

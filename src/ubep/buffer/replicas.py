@@ -16,7 +16,6 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 from ..expert_map import ExpertMap, ReplicaTable, replica_table, route_topk
-from ..routing import validate_topk_idx
 from .checks import to_array
 
 __all__ = ["LogicalRouting"]
@@ -60,9 +59,15 @@ class LogicalRouting:
                                        f"must be [num_tokens, num_topk={self.num_topk}]")
         if idx.dtype.kind not in "iu":
             raise InvalidArgumentError("topk_idx", idx.dtype, "must be an integer array")
-        # logical ids: range [-1, num_logical) and no expert twice in a row (two picks of one
-        # expert would meet on one slot)
-        idx = validate_topk_idx(idx, self.expert_map.num_logical, argument="topk_idx")
+        idx = np.ascontiguousarray(idx, dtype=np.int64)
+        # logical ids in [-1, num_logical); one expert twice in a row needs no check here: both
+        # picks meet on one slot, which the engine refuses as it refuses any repeated id
+        if idx.size:
+            lo, hi = int(idx.min()), int(idx.max())
+            if lo < -1 or hi >= self.expert_map.num_logical:
+                raise InvalidArgumentError(
+                    "topk_idx", lo if lo < -1 else hi, "logical expert id out of range [-1, "
+                    f"{self.expert_map.num_logical}) (expert_map.num_logical)")
         pinned, self._pinned = self._pinned, None
         if pinned is not None and pinned.shape == idx.shape:
             phys = pinned  # to_inner drops the slots of the masked ranks
