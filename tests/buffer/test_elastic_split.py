@@ -122,7 +122,8 @@ def _mask_on_request(group: Any, case: Case) -> Any:
             assert r == MASKED and i == MASK_AT
             buf.close()
             # the same process comes back as a newcomer (DeepEP: clean the mask buffer)
-            buf = Buffer.rejoin(group.rendezvous, MASKED, cfg, timeout_s=60.0)
+            assert buf.rendezvous == group.rendezvous
+            buf = Buffer.rejoin(buf.rendezvous, MASKED, cfg, timeout_s=60.0)
             i = REJOIN_AT
             masks.append(_masked(buf))
             continue

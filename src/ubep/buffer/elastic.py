@@ -214,6 +214,12 @@ class MaskingBuffer:
         """The ranks serving, ascending (original numbers)."""
         return self._roster.members
 
+    @property
+    def rendezvous(self) -> str:
+        """The directory the group meets in: what :meth:`rejoin` needs to come back (a rank
+        masked on request rejoins from the same process, once the members :meth:`admit` it)."""
+        return self._roster.rendezvous
+
     def admit(self, ranks: Sequence[int] = (), timeout_s: float | None = None
               ) -> tuple[int, ...]:
         """Let in every process waiting in :meth:`rejoin` as a masked rank (collective over the
