@@ -112,21 +112,33 @@ class LowLatencyProgram:
         )
         self.stats = torch.zeros(self.num_local_experts, dtype=torch.int32)
         self.expected_stats = torch.zeros(self.num_local_experts, dtype=torch.int32)
+        # ranks the references leave out (shrink_mode.py masks failed ranks; here none)
+        self.masked: set[int] = set()
+
+    def owner(self, expert: int) -> int:
+        return expert // self.num_local_experts
+
+    def tokens_from(self, src: int, expert: int) -> list[int]:
+        """Rank ``src``'s tokens routed to ``expert`` (none from a masked rank)."""
+        return [] if src in self.masked else self.inputs[src].tokens_for_expert(expert)
 
     # ---------------------------------------------------------------- references
     def expected_counts(self) -> list[int]:
         first = self.rank * self.num_local_experts
         return [
-            sum(len(i.tokens_for_expert(first + e)) for i in self.inputs)
+            sum(len(self.tokens_from(src, first + e)) for src in range(self.num_ranks))
             for e in range(self.num_local_experts)
         ]
 
     def expected_combined(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(sum_k w_k * factor(expert_k) * x, the same sum of magnitudes)`` in float64."""
+        """``(sum_k w_k * factor(expert_k) * x, the same sum of magnitudes)`` in float64, over
+        the slots whose expert lives on a rank that is not masked."""
         x = self.mine.x.double()
         total = torch.zeros_like(x)
         magnitude = torch.zeros_like(x)
         for t, k in torch.nonzero(self.mine.topk_idx >= 0).tolist():
+            if self.owner(int(self.topk_idx[t, k])) in self.masked:
+                continue
             term = float(self.mine.topk_weights[t, k]) * expert_factor(int(self.topk_idx[t, k]))
             total[t] += term * x[t]
             magnitude[t] += abs(term) * x[t].abs()
@@ -214,7 +226,7 @@ class LowLatencyProgram:
         expert = self.rank * self.num_local_experts + e
         covered = torch.zeros(count, dtype=torch.bool)
         for src, begin, n, tokens in self.ranges(handle, e):
-            expected_tokens = self.inputs[src].tokens_for_expert(expert)
+            expected_tokens = self.tokens_from(src, expert)
             assert n == len(expected_tokens), f"{mode}: expert {expert} from rank {src}: {n}"
             if n == 0:
                 continue  # DeepEP leaves an empty range's begin unspecified

@@ -1,0 +1,163 @@
+"""ubep.deep_ep's surface beyond DeepEP's intranode and low-latency calls, on real processes
+(``ubep.launch``): the raw buffer tensors in shared memory, the internode pair on one host, and
+masking a rank on request in shrink mode; each against a closed form or ``ubep.reference``.
+(The constructor's order and the mask API without shrink are in test_torch_deep_ep.py; the
+internode pair across hosts and ``comm=`` in tests/mpi/test_mpi_deep_ep.py; the shrink program
+in test_deepep_programs.py.)"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.torch
+
+from tests.torch import _deepep_oracle as oracle  # noqa: E402
+from ubep import reference  # noqa: E402
+from ubep.errors import InvalidArgumentError, RankMaskedError  # noqa: E402
+from ubep.runtime import launch  # noqa: E402
+from ubep.runtime.launch import LostRank  # noqa: E402
+
+NVL_BYTES, RDMA_BYTES = 4096, 1024
+
+
+def _shm() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+def _raw_worker(group: Any) -> dict[str, Any]:
+    from ubep.deep_ep import Buffer
+
+    buf = Buffer(group, NVL_BYTES, RDMA_BYTES, explicitly_destroy=True)
+    nvl = buf.get_local_buffer_tensor(torch.int32)  # the whole NVL buffer
+    nvl.copy_(torch.arange(nvl.numel(), dtype=torch.int32) + 1000 * group.rank)
+    rdma = buf.get_local_buffer_tensor(torch.float32, torch.Size([4, 8]), 64, True)
+    rdma.fill_(group.rank + 0.5)
+    group.barrier()  # every rank wrote
+    peer = 1 - group.rank
+    out = {
+        "numel": nvl.numel(),
+        "peer_nvl": buf.get_peer_buffer_tensor(peer, torch.int32).clone().numpy(),
+        "peer_rdma": buf.get_peer_buffer_tensor(peer, torch.float32, (4, 8), 64, True).clone()
+        .numpy(),
+        # a second view at byte offset 8 is the same memory: its first element is nvl[2]
+        "offset_view": buf.get_local_buffer_tensor(torch.int32, offset=8)[:3].clone().numpy(),
+    }
+    with pytest.raises(InvalidArgumentError, match="size"):
+        buf.get_local_buffer_tensor(torch.int32, torch.Size([NVL_BYTES]))
+    with pytest.raises(InvalidArgumentError, match="offset"):
+        buf.get_local_buffer_tensor(torch.int32, offset=NVL_BYTES + 4)
+    group.barrier()  # every rank read its peer before the regions go
+    buf.destroy()
+    with pytest.raises(InvalidArgumentError, match="destroyed"):
+        buf.get_local_buffer_tensor(torch.int32)
+    return out
+
+
+def test_local_buffer_tensor_is_shared_memory_peers_see() -> None:
+    before = _shm()
+    for rank, got in enumerate(launch(_raw_worker, 2, timeout_s=120)):
+        peer = 1 - rank
+        assert got["numel"] == NVL_BYTES // 4
+        np.testing.assert_array_equal(got["peer_nvl"], np.arange(NVL_BYTES // 4) + 1000 * peer)
+        np.testing.assert_array_equal(got["peer_rdma"], np.full((4, 8), peer + 0.5, np.float32))
+        np.testing.assert_array_equal(got["offset_view"], np.arange(2, 5) + 1000 * rank)
+    assert _shm() <= before
+
+
+def _internode_worker(group: Any) -> dict[str, Any]:
+    from ubep.deep_ep import Buffer
+
+    buf = Buffer(group, max_tokens_per_rank=8, timeout_s=60.0)
+    return {"internode": oracle.normal_flow(buf, group.rank, internode=True),
+            "normal": oracle.normal_flow(buf, group.rank, internode=False)}
+
+
+def test_internode_pair_on_one_host_matches_reference_and_deepeps_handle() -> None:
+    num_ranks = 3
+    res, ys = oracle.normal_reference(num_ranks)
+    for rank, got in enumerate(launch(_internode_worker, num_ranks, timeout_s=120)):
+        oracle.check_normal(got["internode"], rank, num_ranks, [0] * num_ranks, res, ys)
+        oracle.check_normal(got["normal"], rank, num_ranks, None, res, ys)
+        assert got["normal"]["type"] == "NormalHandle" and got["internode"]["per_rdma"] is None
+
+
+# --- shrink mode: a rank masked on request ------------------------------------------------
+
+SHRINK_RANKS, VICTIM, MAX_TOKENS = 3, 2, 8
+
+
+def _ll_round(buf: Any, rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """One low-latency round trip with identity experts: (valid received rows, combined y)."""
+    x, idx, w = oracle.inputs(rank)
+    recv, count, handle, _, hook = buf.low_latency_dispatch(
+        x, idx, MAX_TOKENS, oracle.E, use_fp8=False, return_recv_hook=True)
+    hook()  # a masking Buffer runs the call at once; the hook still completes it
+    rows = torch.cat([recv[e, : int(c)] for e, c in enumerate(count.tolist())])
+    y, _, _ = buf.low_latency_combine(recv, idx, w, handle)
+    return rows.float().numpy(), y.float().numpy()
+
+
+def _shrink_worker(group: Any) -> dict[str, Any]:
+    from ubep.deep_ep import Buffer
+
+    buf = Buffer(group, 0, 0, True, enable_shrink=True, timeout_s=60.0)
+    out: dict[str, Any] = {"full": _ll_round(buf, group.rank)}
+    buf.clean_low_latency_buffer(MAX_TOKENS, oracle.H, oracle.E)  # a barrier of the members
+    buf.low_latency_update_mask_buffer(VICTIM, True)  # every rank, the victim too
+    if group.rank == VICTIM:
+        with pytest.raises(RankMaskedError):
+            _ll_round(buf, group.rank)
+        return {"masked": True}
+    status = torch.full((SHRINK_RANKS,), 7, dtype=torch.int32)
+    buf.low_latency_query_mask_buffer(status)
+    out["status"] = status.numpy()
+    out["masked"] = _ll_round(buf, group.rank)
+    buf.low_latency_update_mask_buffer(VICTIM, True)  # masked already: nothing happens
+    with pytest.raises(InvalidArgumentError, match="rejoin"):
+        buf.low_latency_update_mask_buffer(VICTIM, False)
+    with pytest.raises(InvalidArgumentError, match="enable_shrink"):
+        buf.dispatch(torch.zeros(1, oracle.H), num_tokens_per_expert=torch.zeros(oracle.E))
+    out["again"] = _ll_round(buf, group.rank)
+    return out
+
+
+def _ll_reference(masked: set[int]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Expert-layout reference with the masked ranks' tokens gone and their experts' slots -1
+    (DeepEP's shrink semantics, docs/ELASTIC.md)."""
+    per = oracle.E // SHRINK_RANKS
+    xs, idxs, ws = [], [], []
+    for r in range(SHRINK_RANKS):
+        x, idx, w = oracle.inputs(r)
+        idx = idx.clone()
+        idx[(idx >= 0) & torch.isin(idx // per, torch.tensor(sorted(masked) or [-1]))] = -1
+        keep = slice(0, 0) if r in masked else slice(None)
+        xs.append(x[keep].view(torch.int16).numpy().view(np.uint16))
+        idxs.append(idx[keep].numpy())
+        ws.append(w[keep].numpy())
+    res = reference.dispatch(xs, idxs, ws, oracle.E, layout="expert")
+    ys = reference.combine([r.recv_x for r in res], res)
+    return ([oracle.bf16_as_f32(r.recv_x) for r in res], [oracle.bf16_as_f32(y) for y in ys])
+
+
+def test_shrink_mode_masks_a_rank_on_request_and_serves_the_rest_bit_exact() -> None:
+    before = _shm()
+    got = launch(_shrink_worker, SHRINK_RANKS, timeout_s=180, keep_survivors=True)
+    assert not any(isinstance(g, LostRank) for g in got), got
+    assert got[VICTIM] == {"masked": True}
+    full_rows, full_y = _ll_reference(set())
+    rows, ys = _ll_reference({VICTIM})
+    for rank in range(SHRINK_RANKS):
+        if rank == VICTIM:
+            continue
+        np.testing.assert_array_equal(got[rank]["full"][0], full_rows[rank])
+        np.testing.assert_array_equal(got[rank]["full"][1], full_y[rank])
+        np.testing.assert_array_equal(got[rank]["status"], [0, 0, 1])
+        for key in ("masked", "again"):
+            np.testing.assert_array_equal(got[rank][key][0], rows[rank])
+            np.testing.assert_array_equal(got[rank][key][1], ys[rank])
+    assert _shm() <= before
