@@ -144,6 +144,8 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls):
         # get_next_low_latency_combine_buffer's tensors, by (local experts, slots, hidden)
         self._ll_combine_staging: dict[tuple[int, int, int], torch.Tensor] = {}
         self._raw = RawBuffers(self._ep, {False: num_nvl_bytes, True: num_rdma_bytes})
+        # the MPI group this facade made from comm= is its own to close (destroy)
+        self._own_group = self._ep if group is None else None
         self._shrink: ShrinkGroup | None = None
         if enable_shrink:
             self._shrink = open_shrink_group(self._ep, self.ubep_options)
@@ -187,7 +189,8 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls):
         return torch.cpu.current_stream()
 
     def destroy(self) -> None:
-        """Release every ubep buffer of this facade (needs ``explicitly_destroy=True``)."""
+        """Release every ubep buffer of this facade, and the MPI group it made from ``comm``
+        (needs ``explicitly_destroy=True``, as DeepEP's; collective then)."""
         if not self.explicitly_destroy:
             raise InvalidArgumentError("explicitly_destroy", False, "must be set to call destroy()")
         for backend in self._backends.values():
@@ -199,6 +202,8 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls):
         self._raw.close()
         if self._shrink is not None:
             self._shrink.close()
+        if self._own_group is not None:
+            self._own_group.close()  # frees its MPI windows (collective, as DeepEP's destroy)
         self._destroyed = True
 
     def get_local_buffer_tensor(
