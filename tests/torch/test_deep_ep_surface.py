@@ -86,9 +86,9 @@ def test_internode_pair_on_one_host_matches_reference_and_deepeps_handle() -> No
         assert got["normal"]["type"] == "NormalHandle" and got["internode"]["per_rdma"] is None
 
 
-# --- shrink mode: a rank masked on request ------------------------------------------------
+# --- shrink mode: a rank that dies, a rank masked on request ------------------------------
 
-SHRINK_RANKS, VICTIM, MAX_TOKENS = 3, 2, 8
+SHRINK_RANKS, DEAD, VICTIM, MAX_TOKENS = 3, 1, 2, 8
 
 
 def _ll_round(buf: Any, rank: int) -> tuple[np.ndarray, np.ndarray]:
@@ -102,20 +102,28 @@ def _ll_round(buf: Any, rank: int) -> tuple[np.ndarray, np.ndarray]:
     return rows.float().numpy(), y.float().numpy()
 
 
+def _status(buf: Any) -> np.ndarray:
+    status = torch.full((SHRINK_RANKS,), 7, dtype=torch.int32)
+    buf.low_latency_query_mask_buffer(status)
+    return status.numpy()
+
+
 def _shrink_worker(group: Any) -> dict[str, Any]:
     from ubep.deep_ep import Buffer
 
     buf = Buffer(group, 0, 0, True, enable_shrink=True, timeout_s=60.0)
     out: dict[str, Any] = {"full": _ll_round(buf, group.rank)}
     buf.clean_low_latency_buffer(MAX_TOKENS, oracle.H, oracle.E)  # a barrier of the members
-    buf.low_latency_update_mask_buffer(VICTIM, True)  # every rank, the victim too
+    if group.rank == DEAD:
+        os._exit(3)  # dies before its next dispatch: the others see its pid gone at once
+    out["dead"] = _ll_round(buf, group.rank)
+    out["status_dead"] = _status(buf)
+    buf.low_latency_update_mask_buffer(VICTIM, True)  # every member, the victim too
     if group.rank == VICTIM:
         with pytest.raises(RankMaskedError):
             _ll_round(buf, group.rank)
-        return {"masked": True}
-    status = torch.full((SHRINK_RANKS,), 7, dtype=torch.int32)
-    buf.low_latency_query_mask_buffer(status)
-    out["status"] = status.numpy()
+        return {"masked": True, "full": out["full"], "dead": out["dead"]}
+    out["status"] = _status(buf)
     out["masked"] = _ll_round(buf, group.rank)
     buf.low_latency_update_mask_buffer(VICTIM, True)  # masked already: nothing happens
     with pytest.raises(InvalidArgumentError, match="rejoin"):
@@ -123,6 +131,8 @@ def _shrink_worker(group: Any) -> dict[str, Any]:
     with pytest.raises(InvalidArgumentError, match="enable_shrink"):
         buf.dispatch(torch.zeros(1, oracle.H), num_tokens_per_expert=torch.zeros(oracle.E))
     out["again"] = _ll_round(buf, group.rank)
+    buf.low_latency_clean_mask_buffer()  # the mask stays: those ranks are gone
+    out["status_clean"] = _status(buf)
     return out
 
 
@@ -144,20 +154,24 @@ def _ll_reference(masked: set[int]) -> tuple[list[np.ndarray], list[np.ndarray]]
     return ([oracle.bf16_as_f32(r.recv_x) for r in res], [oracle.bf16_as_f32(y) for y in ys])
 
 
-def test_shrink_mode_masks_a_rank_on_request_and_serves_the_rest_bit_exact() -> None:
+def _check_round(got: tuple[np.ndarray, np.ndarray], rank: int, masked: set[int]) -> None:
+    rows, ys = _ll_reference(masked)
+    np.testing.assert_array_equal(got[0], rows[rank])
+    np.testing.assert_array_equal(got[1], ys[rank])
+
+
+def test_shrink_mode_masks_a_dead_rank_and_one_on_request_serving_on_bit_exact() -> None:
     before = _shm()
     got = launch(_shrink_worker, SHRINK_RANKS, timeout_s=180, keep_survivors=True)
-    assert not any(isinstance(g, LostRank) for g in got), got
-    assert got[VICTIM] == {"masked": True}
-    full_rows, full_y = _ll_reference(set())
-    rows, ys = _ll_reference({VICTIM})
-    for rank in range(SHRINK_RANKS):
-        if rank == VICTIM:
-            continue
-        np.testing.assert_array_equal(got[rank]["full"][0], full_rows[rank])
-        np.testing.assert_array_equal(got[rank]["full"][1], full_y[rank])
-        np.testing.assert_array_equal(got[rank]["status"], [0, 0, 1])
-        for key in ("masked", "again"):
-            np.testing.assert_array_equal(got[rank][key][0], rows[rank])
-            np.testing.assert_array_equal(got[rank][key][1], ys[rank])
+    assert isinstance(got[DEAD], LostRank)
+    assert got[VICTIM]["masked"]
+    for rank in (0, VICTIM):
+        _check_round(got[rank]["full"], rank, set())
+        _check_round(got[rank]["dead"], rank, {DEAD})
+    survivor = got[0]
+    np.testing.assert_array_equal(survivor["status_dead"], [0, 1, 0])
+    np.testing.assert_array_equal(survivor["status"], [0, 1, 1])
+    _check_round(survivor["masked"], 0, {DEAD, VICTIM})
+    _check_round(survivor["again"], 0, {DEAD, VICTIM})
+    np.testing.assert_array_equal(survivor["status_clean"], [0, 1, 1])
     assert _shm() <= before

@@ -10,19 +10,23 @@
 
     buffer = Buffer(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode=True, ...)
 
-The API is DeepEP v1's (``deep_ep/buffer.py``, the last release before V2): the constructor with
-its parameter names and positional order, every method the intranode and low-latency paths use,
-the same defaults and the same returned tuples. ``group`` is a ``torch.distributed`` process
-group (as in DeepEP), a ubep group (``ubep.launch``, ``ubep.mpi``), or ``comm=`` an mpi4py
-communicator; :class:`ubep.torch.LocalBackend` (threads as ranks) is accepted for tests.
+The API is DeepEP's V1 ``Buffer`` as DeepEP's head has it (``deep_ep/buffers/legacy.py``,
+formerly ``deep_ep/buffer.py``): the constructor with its parameter names and positional order,
+every method of the intranode, internode and low-latency paths, the same defaults and the same
+returned tuples. ``group`` is a ``torch.distributed`` process group (as in DeepEP), a ubep group
+(``ubep.launch``, ``ubep.mpi``), or ``None`` with ``comm=`` an mpi4py communicator (ubep's MPI
+engine, across hosts too); :class:`ubep.torch.LocalBackend` (threads as ranks) is accepted for
+tests.
 
-Normal-mode ``dispatch``/``combine`` run on ubep buffers with ``layout="rank"`` (one row per
-(token, destination rank), DeepEP's normal mode); the low-latency pair on ``layout="expert"``
-(one row per (token, expert), packed per local expert). The data always moves through ubep's
-shared memory, never through the torch backend. ubep buffers are created on first use per
-shape; that first call is collective, as every call is. Calls are synchronous, so events and
-receive hooks have nothing left to wait for. Handles are frozen dataclasses that index and unpack
-like DeepEP's tuples and hold the same values where a CPU has the same meaning.
+Normal-mode ``dispatch``/``combine`` (and the internode pair, :mod:`.deep_ep_internode`) run on
+ubep buffers with ``layout="rank"`` (one row per (token, destination rank), DeepEP's normal
+mode); the low-latency pair on ``layout="expert"`` (one row per (token, expert), packed per
+local expert). The data always moves through ubep's engines, never through the torch backend.
+ubep buffers are created on first use per shape; that first call is collective, as every call
+is. With ``enable_shrink`` the low-latency pair runs on masking Buffers and a lost rank is
+masked as DeepEP's shrink mode masks it (:mod:`.deep_ep_shrink`). Calls are synchronous, so
+events and receive hooks have nothing left to wait for. Handles are frozen dataclasses that
+index and unpack like DeepEP's tuples and hold the same values where a CPU has the same meaning.
 
 docs/PORTING.md lists what still differs.
 """
@@ -86,11 +90,14 @@ _SHAPE_FIELDS = (
 class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls):
     """DeepEP's ``Buffer`` on ubep (see the module docstring and docs/PORTING.md).
 
-    Arguments as DeepEP v1's, in its order. ``num_nvl_bytes``, ``num_rdma_bytes``,
-    ``num_qps_per_rank``, ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``, ``use_fabric``
-    and ``enable_shrink`` configure NVLink/RDMA/NVSHMEM memory and have no CPU meaning: they are
-    accepted and kept as attributes. ubep's own keyword-only options: ``max_tokens_per_rank``
-    (normal-mode capacity per rank; the low-latency pair uses its
+    Arguments as DeepEP's, in its order. ``num_nvl_bytes`` and ``num_rdma_bytes`` size the raw
+    buffers of :meth:`get_local_buffer_tensor` (ubep sizes its own memory from the calls'
+    shapes); ``num_qps_per_rank``, ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl`` and
+    keyword-only ``use_fabric`` (DeepEP v1.2's, before ``explicitly_destroy``) configure
+    NVLink/RDMA/NVSHMEM and are kept as attributes. ``explicitly_destroy`` allows
+    :meth:`destroy`. ``enable_shrink``: DeepEP's shrink mode (the mask buffer; a lost rank is
+    masked, ``ubep.torch.deep_ep_shrink``). ubep's own keyword-only options:
+    ``max_tokens_per_rank`` (normal-mode capacity per rank; the low-latency pair uses its
     ``num_max_dispatch_tokens_per_rank``) and any ``ubep.BufferConfig`` field that is not a
     shape (``engine``, ``sync``, ``timeout_s``, ...), checked here.
 
@@ -118,6 +125,9 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls):
         **ubep_options: Any,
     ) -> None:
         _check_ubep_options(ubep_options)
+        for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidArgumentError(name, value, "must be an int >= 0 (bytes)")
         if isinstance(max_tokens_per_rank, bool) or not isinstance(max_tokens_per_rank, int) or (
             max_tokens_per_rank < 1
         ):

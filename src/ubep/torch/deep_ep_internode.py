@@ -153,10 +153,12 @@ class InternodeCalls:
         head = np.full((n, len(local)), -1, dtype=np.int64)
         meta[:, 0] = self._host_of[src_rank]
         for s in np.unique(src_rank):
-            went = [set(d) for d in dests[s]]
+            went = np.zeros((len(dests[s]), self.group_size), dtype=bool)
+            for t, ranks in enumerate(dests[s]):
+                went[t, ranks] = True
             rows = np.flatnonzero(src_rank == s)
             for j, p in enumerate(local):
-                mask = np.array([int(p) in d for d in went], dtype=bool)
+                mask = went[:, p]
                 before = np.cumsum(mask) - 1  # the token's index among s's tokens sent to p
                 start = int(prefix[s - 1, p]) if s > 0 else 0
                 hit = mask[src_token[rows]]
