@@ -39,6 +39,8 @@ Api = Literal["dispatch", "combine", "clean"]
 class ShrinkProgram(LowLatencyProgram):
     """This rank's side: the low-latency program with DeepEP's simulated failures."""
 
+    shrink = True
+
     def __init__(self, rank: int, group: torch.distributed.ProcessGroup,
                  args: argparse.Namespace) -> None:
         super().__init__(rank, group, sizes_of(args))
