@@ -29,7 +29,7 @@ def _shm() -> set[str]:
     return set(os.listdir("/dev/shm"))
 
 
-def _raw_worker(group: Any) -> dict[str, Any]:
+def _raw_buffers(group: Any) -> dict[str, Any]:
     from ubep.deep_ep import Buffer
 
     buf = Buffer(group, NVL_BYTES, RDMA_BYTES, explicitly_destroy=True)
@@ -38,7 +38,7 @@ def _raw_worker(group: Any) -> dict[str, Any]:
     rdma = buf.get_local_buffer_tensor(torch.float32, torch.Size([4, 8]), 64, True)
     rdma.fill_(group.rank + 0.5)
     group.barrier()  # every rank wrote
-    peer = 1 - group.rank
+    peer = (group.rank + 1) % group.num_ranks
     out = {
         "numel": nvl.numel(),
         "peer_nvl": buf.get_peer_buffer_tensor(peer, torch.int32).clone().numpy(),
@@ -58,32 +58,32 @@ def _raw_worker(group: Any) -> dict[str, Any]:
     return out
 
 
-def test_local_buffer_tensor_is_shared_memory_peers_see() -> None:
-    before = _shm()
-    for rank, got in enumerate(launch(_raw_worker, 2, timeout_s=120)):
-        peer = 1 - rank
-        assert got["numel"] == NVL_BYTES // 4
-        np.testing.assert_array_equal(got["peer_nvl"], np.arange(NVL_BYTES // 4) + 1000 * peer)
-        np.testing.assert_array_equal(got["peer_rdma"], np.full((4, 8), peer + 0.5, np.float32))
-        np.testing.assert_array_equal(got["offset_view"], np.arange(2, 5) + 1000 * rank)
-    assert _shm() <= before
-
-
-def _internode_worker(group: Any) -> dict[str, Any]:
+def _worker(group: Any) -> dict[str, Any]:
     from ubep.deep_ep import Buffer
 
     buf = Buffer(group, max_tokens_per_rank=8, timeout_s=60.0)
-    return {"internode": oracle.normal_flow(buf, group.rank, internode=True),
+    return {"raw": _raw_buffers(group),
+            "internode": oracle.normal_flow(buf, group.rank, internode=True),
             "normal": oracle.normal_flow(buf, group.rank, internode=False)}
 
 
-def test_internode_pair_on_one_host_matches_reference_and_deepeps_handle() -> None:
+def test_raw_buffers_and_the_internode_pair_on_one_host() -> None:
+    """get_local_buffer_tensor is shared memory its peers see (closed form); the internode pair
+    on one host matches ubep.reference and DeepEP's handle (brute force)."""
     num_ranks = 3
+    before = _shm()
     res, ys = oracle.normal_reference(num_ranks)
-    for rank, got in enumerate(launch(_internode_worker, num_ranks, timeout_s=120)):
+    for rank, got in enumerate(launch(_worker, num_ranks, timeout_s=120)):
+        peer = (rank + 1) % num_ranks
+        raw = got["raw"]
+        assert raw["numel"] == NVL_BYTES // 4
+        np.testing.assert_array_equal(raw["peer_nvl"], np.arange(NVL_BYTES // 4) + 1000 * peer)
+        np.testing.assert_array_equal(raw["peer_rdma"], np.full((4, 8), peer + 0.5, np.float32))
+        np.testing.assert_array_equal(raw["offset_view"], np.arange(2, 5) + 1000 * rank)
         oracle.check_normal(got["internode"], rank, num_ranks, [0] * num_ranks, res, ys)
         oracle.check_normal(got["normal"], rank, num_ranks, None, res, ys)
         assert got["normal"]["type"] == "NormalHandle" and got["internode"]["per_rdma"] is None
+    assert _shm() <= before
 
 
 # --- shrink mode: a rank that dies, a rank masked on request ------------------------------

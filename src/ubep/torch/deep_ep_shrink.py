@@ -14,6 +14,9 @@ on one membership:
   Buffers (they are rebuilt over the members on their next use);
 * ``clean_low_latency_buffer`` is a barrier of the members (DeepEP's clean is where its
   kernels meet too), and a rank missing there is agreed on and masked;
+* ``low_latency_update_mask_buffer(rank, True)`` is an exchange of the members, each naming
+  the ranks it masks; the union is masked on all of them at once (DeepEP's is a local write,
+  which would let two ranks serve with different masks);
 * each change of members is a *generation*, published once in the rendezvous directory (the
   first writer wins, as with every agreement). Every member checks for the next generation
   before each call, so a rank that was silent while the others moved on reads that it is
@@ -175,10 +178,6 @@ class ShrinkGroup:
         for b in self._buffers:
             b.close()
         self._buffers = []
-
-    def check(self) -> None:
-        """Raise :class:`RankMaskedError` if this rank was masked."""
-        self._catch_up()
 
     # --- generations ---------------------------------------------------------------------
 
