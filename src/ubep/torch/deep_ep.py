@@ -443,7 +443,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls):
         ``recv_topk_idx`` -1 after them) and the per-expert list is empty.
         """
         self._check_normal_mode()
-        if self._num_hosts() > 1 and not isinstance(handle, NormalHandle):
+        if isinstance(handle, InternodeHandle) or (self._num_hosts() > 1 and handle is None):
             # the group spans hosts: DeepEP's internode path (it refuses num_worst_tokens there)
             if num_worst_tokens:
                 raise InvalidArgumentError("num_worst_tokens", num_worst_tokens,
