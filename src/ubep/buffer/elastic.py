@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import topology as topo
 from ..config import BufferConfig
 from ..errors import (
     CallLostError,
@@ -173,14 +174,19 @@ class MaskingBuffer:
         return res
 
     def combine(self, expert_out: object, handle: DispatchHandle, *,
-                return_recv_hook: bool = False) -> Any:
-        """:meth:`ubep.Buffer.combine` over the members (module docstring)."""
+                return_recv_hook: bool = False, topk_weights: object = None) -> Any:
+        """:meth:`ubep.Buffer.combine` over the members (module docstring). ``topk_weights``
+        (``[num_tokens, num_topk]``, this rank's): weights in place of the dispatched ones (the
+        DeepEP facade's low-latency combine takes them here; the handle must stay the one
+        dispatch returned, which is how a combine after a loss finds its rows)."""
         self._check_call()
         if return_recv_hook:
-            return self._split_call("combine", lambda: self._combine(expert_out, handle, True),
-                                    None)
-        kept = _Kept(self._calls + 1, "combine", expert_out=expert_out, handle=handle)
-        y: np.ndarray = self._serve(kept, lambda: self._combine(expert_out, handle))
+            return self._split_call("combine", lambda: self._combine(
+                expert_out, handle, topk_weights, True), None)
+        kept = _Kept(self._calls + 1, "combine", expert_out=expert_out, handle=handle,
+                     topk_weights=topk_weights)
+        y: np.ndarray = self._serve(kept, lambda: self._combine(expert_out, handle,
+                                                                topk_weights))
         self._last_combine = kept
         return y
 
@@ -298,6 +304,20 @@ class MaskingBuffer:
         self._admits = int(record["admits"])
         self._requests = int(record["requests"])
         self._build(self._roster, f"{self._uid:x}.a{self._admits}")
+        return self
+
+    @classmethod
+    def over_members(cls, roster: Roster, num_ranks: int, config: BufferConfig,
+                     key: str) -> MaskingBuffer:
+        """A masking Buffer over the members of ``roster`` only (collective over them, under
+        ``key``, unique per build): for a caller that keeps its own mask of a group of
+        ``num_ranks`` (the DeepEP facade's shrink mode) and builds Buffers after a loss. An
+        expert map routes by this host's hop classes (``ubep.topology.host``)."""
+        self = object.__new__(cls)
+        self._start(config, roster, num_ranks,
+                    topo.host(num_ranks, roster.cores_per_rank).hop_matrix())
+        self._build(roster, key)
+        self._uid = self._inner._uid
         return self
 
     def mask_status(self) -> np.ndarray:
@@ -450,14 +470,17 @@ class MaskingBuffer:
         return dataclasses.replace(res, recv_src_rank=members[res.recv_src_rank],
                                    recv_topk_idx=idx)
 
-    def _combine(self, expert_out: object, handle: DispatchHandle, hook: bool = False) -> Any:
+    def _combine(self, expert_out: object, handle: DispatchHandle,
+                 topk_weights: object = None, hook: bool = False) -> Any:
         inner: Any = self._inner  # the hook flag picks the overload
         moved = self._moved.get(id(handle))
         if moved is None or moved[0] is not handle:
-            return inner.combine(expert_out, handle, return_recv_hook=hook)
+            return inner.combine(expert_out, _weighted(handle, topk_weights),
+                                 return_recv_hook=hook)
         _, before, replay = moved
         rows = _rows_in_new_order(before, replay, self.config.layout)
-        return inner.combine(np.asarray(expert_out)[rows], replay.handle, return_recv_hook=hook)
+        return inner.combine(np.asarray(expert_out)[rows], _weighted(replay.handle, topk_weights),
+                             return_recv_hook=hook)
 
     # --- the loss ------------------------------------------------------------------------
 
@@ -531,7 +554,7 @@ class MaskingBuffer:
             c = self._last_combine
             if c is None or c.call != first:
                 raise OutOfStepError(f"rank {self.rank}: call {first} was not kept")
-            self._combine(c.expert_out, c.handle)
+            self._combine(c.expert_out, c.handle, c.topk_weights)
 
     def _replay(self, d: _Kept) -> None:
         assert d.result is not None
@@ -568,6 +591,14 @@ class MaskingBuffer:
     def _check_call(self) -> None:
         if self._masked is not None:
             raise RankMaskedError(self._masked)
+
+
+def _weighted(handle: DispatchHandle, topk_weights: object) -> DispatchHandle:
+    """``handle`` combining with ``topk_weights`` (None: the dispatched weights)."""
+    if topk_weights is None:
+        return handle
+    return dataclasses.replace(handle, topk_weights=np.ascontiguousarray(topk_weights,
+                                                                         dtype=np.float32))
 
 
 def _rows_in_new_order(old: DispatchResult[Any], new: DispatchResult[Any],
