@@ -138,32 +138,40 @@ def aiv_costs(clock_ghz: float, instr_cycles: float) -> dict[str, float]:
 
 
 def fabric_variants(family: str = "cm384") -> dict[str, FabricModel]:
-    """The fabric at the nominal assumptions and at the corners of their ranges.
+    """The fabric at the nominal assumed constants and at the two ends of their spread.
 
-    Keys: ``nominal``, ``low`` (every assumption at its cheap end), ``high`` (every one at its
-    costly end) and, per assumption ``a``, ``a:low`` / ``a:high`` (that one moved alone) for
-    the sensitivity tables. Every derived cost grows with the instruction latency and falls
-    with the clock, and every latency the model computes is non-decreasing in every cost, so
-    ``low`` / ``high`` bound the prediction over the whole box of assumptions.
+    Keys: ``nominal``, ``low`` (every assumed constant at its cheap end), ``high`` (every one
+    at its costly end) and, per constant ``a``, ``a:low`` / ``a:high`` (that one moved alone)
+    for the sensitivity tables. After ``ubep sim calibrate`` the nominal values are the fitted
+    ones and the ends are the spread of the leave-one-out fits (the fit's own uncertainty);
+    without a fit (or under ``use_fit(False)``) they are the first-principles values and the
+    documented ranges. Every cost grows with each constant in its cost direction, and every
+    latency the model computes is non-decreasing in every cost, so ``low`` / ``high`` bound
+    the prediction over the box (up to Appendix A's re-partition, which is not monotone).
     """
+    from .fit import ASSUMED, COST_SIGN, apply_assumed
+
     base = load_fabric(family)
     if family != "cm384":
         return {"nominal": base, "low": base, "high": base}
-    nominal = {k: float(v["value"]) for k, v in AIV_ASSUMPTIONS.items()}
-    cheap = {"aiv_clock_ghz": 1, "vector_instr_cycles": 0}  # index of the cheap end of a range
+    fitted = load_calibration()["fabrics"]["cm384"].get("fit") if _USE_FIT[0] else None
+    if fitted:
+        nominal = {k: float(v) for k, v in fitted["values"].items()}
+        ends = {k: (float(min(v)), float(max(v))) for k, v in fitted["loo_spread"].items()}
+    else:
+        nominal = {k: float(a["value"]) for k, a in ASSUMED.items()}
+        ends = {k: (float(a["range"][0]), float(a["range"][1])) for k, a in ASSUMED.items()}
 
-    def at(values: dict[str, float]) -> FabricModel:
-        return base.with_values(**aiv_costs(values["aiv_clock_ghz"],
-                                            values["vector_instr_cycles"]))
+    def end(name: str, costly: bool) -> float:
+        lo, hi = ends[name]
+        return hi if (COST_SIGN[name] > 0) == costly else lo
 
-    out = {"nominal": at(nominal)}
-    for end, name in ((0, "low"), (1, "high")):
-        vals = {k: float(AIV_ASSUMPTIONS[k]["range"][cheap[k] if end == 0 else 1 - cheap[k]])
-                for k in nominal}
-        out[name] = at(vals)
+    out = {"nominal": apply_assumed(base, nominal)}
+    out["low"] = apply_assumed(base, {k: end(k, False) for k in nominal})
+    out["high"] = apply_assumed(base, {k: end(k, True) for k in nominal})
     for k in nominal:
-        for end, name in ((cheap[k], "low"), (1 - cheap[k], "high")):
-            out[f"{k}:{name}"] = at({**nominal, k: float(AIV_ASSUMPTIONS[k]["range"][end])})
+        out[f"{k}:low"] = apply_assumed(base, {**nominal, k: end(k, False)})
+        out[f"{k}:high"] = apply_assumed(base, {**nominal, k: end(k, True)})
     return out
 
 
@@ -264,6 +272,15 @@ def targets(family: str) -> list[Target]:
 # The data file
 
 
+_USE_FIT = [True]
+
+
+def use_fit(flag: bool) -> None:
+    """``False``: :func:`load_fabric` and :func:`fabric_variants` give the first-principles
+    values of the assumed constants (``ubep sim all --no-fit``) instead of the fitted ones."""
+    _USE_FIT[0] = bool(flag)
+
+
 @lru_cache(maxsize=4)
 def _read(path: str) -> dict[str, Any]:
     with open(path, encoding="utf-8") as fh:
@@ -290,7 +307,12 @@ def load_fabric(family: str, path: Path | None = None) -> FabricModel:
     entry = fabrics[family]
     if "same_as" in entry:
         return fabric_for(fabrics[entry["same_as"]], family)
-    return fabric_for(entry, family)
+    fabric = fabric_for(entry, family)
+    if family == "cm384" and not _USE_FIT[0]:
+        from .fit import apply_assumed
+
+        fabric = apply_assumed(fabric, {})
+    return fabric
 
 
 def residuals(family: str, fabric: FabricModel | None = None) -> list[Residual]:
@@ -373,7 +395,7 @@ def to_entry(fabric: FabricModel, kinds: dict[str, tuple[str, str]],
     """A calib.json entry: every constant with its kind and source, plus current residuals."""
     constants = {}
     for name, value in fabric.as_dict().items():
-        if name == "name":
+        if name == "name" or name not in kinds:  # a mechanism the family leaves at its default
             continue
         kind, source = kinds[name]
         constants[name] = {"value": value, "kind": kind, "source": source}
@@ -424,6 +446,16 @@ START: dict[str, dict[str, tuple[float, str, str]]] = {
         "tff_flag_bytes": (32, "derived", "UBEP paper Section 3.4: 32 B flag + 480 B payload"),
         "count_pick_ns": (_AIV["count_pick_ns"], "derived", _AIV_SRC + ": 4 B per pick over a "
                           "256 B vector per cycle"),
+        "fence_rtt_fraction": (1.0, "assumed", "ubep.sim.fit.ASSUMED: fitted to the UBEP "
+                               "training set by `ubep sim calibrate`"),
+        "metadata_ratio": (0.132, "derived", "UBEP paper evaluation text (CALIBRATION.md): "
+                           "UBEP's communication volume is 13.2 % above the baseline's"),
+        "aux_cores_at_256": (12.0, "derived", "UBEP paper evaluation text (CALIBRATION.md): at "
+                             "256 ranks 12 AIVs go to routing and checksum work"),
+        "cumsum_group_sync_ns": (654.0, "assumed", "ubep.sim.fit.ASSUMED: fitted to the UBEP "
+                                 "training set by `ubep sim calibrate`"),
+        "poll_lanes": (64, "derived", "one 256 B vector load of the AIV (Hot Chips 2019 DaVinci) "
+                       "reads 64 int32 count / flag words that lie side by side"),
     },
     "nvl72": {
         "init_ns": (14_000.0, "fitted", _FIT_NV),

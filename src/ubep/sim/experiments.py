@@ -16,8 +16,9 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 from ..modes import SYNCS
-from .calib import AIV_ASSUMPTIONS, fabric_variants, load_fabric, topology_for
+from .calib import fabric_variants, load_fabric, topology_for
 from .fabric import FabricModel
+from .fit import ASSUMED
 from .timeline import TASKS
 from .workload import (
     CANN_EP,
@@ -114,7 +115,7 @@ def _sensitivity(fn: Callable[[FabricModel], float], family: str) -> list[dict[s
         return []
     nominal = fn(var["nominal"])
     out = []
-    for name, a in AIV_ASSUMPTIONS.items():
+    for name, a in ASSUMED.items():
         lo, hi = fn(var[f"{name}:low"]), fn(var[f"{name}:high"])
         out.append({"constant": name, "range": a["range"], "kind": a["kind"],
                     "nominal_us": _us(nominal), "at_cheap_end_us": _us(lo),
@@ -264,8 +265,9 @@ def hotshare(family: str = "cm384", fabric: FabricModel | None = None) -> Experi
         hier = run_case(w, UBEP, topo, fab)
         rows.append((share, _us(cann.latency_ns), round(sync / (a2a + sync), 3), _us(ubep),
                      _us(lo), _us(hi), round(cann.latency_ns / ubep, 2),
-                     _us(cann.send_latency_ns().max()), _us(nomap.send_latency_ns().max()),
-                     _us(hier.send_latency_ns().max())))
+                     _us(cann.send_latency_ns(until="ack").max()),
+                     _us(nomap.send_latency_ns(until="ack").max()),
+                     _us(hier.send_latency_ns(until="ack").max())))
     return ExperimentResult(
         "hotshare", f"Unstated skew: hot-expert share of the picks, EP{ranks}, 256 experts "
         f"({family})",
@@ -369,8 +371,8 @@ def fig9(family: str = "cm384", fabric: FabricModel | None = None) -> Experiment
     for key, s in (("cann_ep", CANN_EP), ("balanced", UBEP_NO_MAPPING),
                    ("hierarchical", UBEP)):
         res = run_case(w, s, topo, fab)
-        lat = res.send_latency_ns()
-        land = res.send_latency_ns(until="land")
+        lat = res.send_latency_ns(until="ack")
+        land = res.send_latency_ns(until="issue")
         busy = lat[lat > 0]
         worst = int(np.argmax(lat.max(axis=1)))
         per_core[key] = (lat[worst] / 1e3).round(3).tolist()
@@ -382,17 +384,18 @@ def fig9(family: str = "cm384", fabric: FabricModel | None = None) -> Experiment
     return ExperimentResult(
         "fig9", f"Figure 9: per-core token-send latency, EP{ranks}, 256 experts, 8 hot ({family})",
         ("system", "key", "send_cores", "max_core_us", "median_core_us", "max/mean",
-         "max_core_to_land_us", "dispatch_us"),
+         "max_core_issue_us", "dispatch_us"),
         tuple(rows),
-        ("per-core token-send latency = a send core's Token-Sending time (first issue to last "
-         "issue), statistics over every send core of every rank; max_core_to_land_us runs to "
-         "the landing of the core's last unit (adds queueing at hot receivers' ports)",
+        ("per-core token-send latency = from a send core's first issue until its stores are "
+         "acknowledged (program (1): the sum of its issue times plus the round trip of its "
+         "farthest row, with queueing at hot receivers' ports), over every send core of every "
+         "rank; max_core_issue_us stops at the core's last issue",
          "each system uses its own core split (CANN EP: all 48 cores send; UBEP: Appendix A "
          "partition)",
          "batch 64 (EXPERIMENTS.md default); ASSUMED: the 8 hot experts take 50 % of the picks "
          "(`ubep sim hotshare` sweeps 25-75 %); a core's send time does not depend on the "
-         "assumed AIV constants (no interval)", *_family_note(family)),
-        {"max_core_latency_us": maxima, "max_core_to_land_latency_us": land_maxima,
+         "assumed constants (no interval)", *_family_note(family)),
+        {"max_core_latency_us": maxima, "max_core_issue_latency_us": land_maxima,
          "slowest_rank_core_latency_us": per_core,
          "provenance": provenance(family, ("hot_share 0.5 (range 0.25-0.75)",))},
     )
