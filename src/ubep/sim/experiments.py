@@ -35,6 +35,9 @@ __all__ = ["EXPERIMENTS", "ExperimentResult", "run_experiment"]
 # CALIBRATION.md, Table 4 baseline rows (for side-by-side display only).
 CANN_TABLE4_US = {16: 103.0, 32: 120.0, 64: 139.0, 128: 144.0, 256: 151.0}
 MAX_RANKS = {"cm384": 384, "nvl72": 72, "nvl576": 576, "host": 64}
+INTERVAL_NOTE = ("interval: the fitted constants at the ends of their leave-one-out spread "
+                 "(`--no-fit`: the assumed constants over their ranges); the hull with the "
+                 "nominal value")
 
 
 @dataclass(frozen=True)
@@ -186,9 +189,8 @@ def table4(family: str = "cm384", fabric: FabricModel | None = None) -> Experime
         tuple(rows),
         ("bandwidth = tokens x top-k x hidden x bytes / latency = 7.34 MB / latency, per rank",
          "CANN EP = bsp + expert_contiguous + sw (calibrated); UBEP = asp + hierarchical + sp "
-         "(predicted, never fitted)",
-         "UBEP interval: every assumed constant over its range (calib.json 'assumptions'; "
-         "exact bounds, the latency is monotone in each)", *_family_note(family)),
+         "(its assumed constants fitted to the training set, EP16 and EP64 among it)",
+         INTERVAL_NOTE, *_family_note(family)),
         {"rows": data, "family": family, "sensitivity": sens,
          "provenance": provenance(family)},
     )
@@ -240,7 +242,7 @@ def fig7(family: str = "cm384", fabric: FabricModel | None = None, *,
          "defaults (EXPERIMENTS.md): 128 ranks, batch 64, 1 expert per NPU; panel c: x = ranks",
          f"panel c ASSUMES 8 hot experts take {hot_share:.0%} of the picks (the paper does not "
          "state the skew; `ubep sim hotshare` sweeps 25-75 %)",
-         "lo/hi: UBEP over the assumed constants' ranges (CANN EP is calibrated: lo = hi)",
+         "lo/hi: " + INTERVAL_NOTE + " (CANN EP is calibrated: lo = hi)",
          *_family_note(family)),
         {"provenance": provenance(family, (f"panel c hot_share {hot_share} (range 0.25-0.75)",)),
          "sensitivity": _sens_at(f"EP{ranks_a}, batch 64", partial(
@@ -352,7 +354,7 @@ def fig8(family: str = "cm384", fabric: FabricModel | None = None) -> Experiment
          "47), on the slowest rank: mean time per core of the group in each task",
          "SendFlag & Verification = barriers + flags + verification (BSP) or TokenCnt + count "
          "polling (ASP); which cores count is the model's Appendix A partition",
-         "UBEP improvement over CANN EP per batch (interval over the assumed constants): "
+         "UBEP improvement over CANN EP per batch (interval: the leave-one-out spread): "
          + "; ".join(f"batch {b}: {v['improvement_pct']} % [{v['interval_pct'][0]}, "
                      f"{v['interval_pct'][1]}]" for b, v in improvement.items()),
          *_family_note(family)),
@@ -479,7 +481,7 @@ def fig10(family: str = "cm384", fabric: FabricModel | None = None) -> Experimen
          f"SW = CANN EP's stop-and-wait (store, fence = one round trip, flag); TFF carries "
          f"{fab.tff_flag_bytes} B of flag per {fab.atomic_bytes} B block; DC a checksum step per "
          "block and a checksum message per batch; SP a sentinel check per block and the reset",
-         "lo/hi: over the assumed AIV constants (the per-block vector steps)",
+         "lo/hi: " + INTERVAL_NOTE,
          *_family_note(family)),
         {"provenance": provenance(family, ("one message per rank pair",)),
          "sensitivity": _fig10_sensitivity(family, fabric)},
@@ -517,7 +519,7 @@ def fig12(family: str = "cm384", fabric: FabricModel | None = None) -> Experimen
          "sync_share"),
         tuple(rows),
         ("panels a/b: x = ranks; c/d: x = batch; 1 expert per NPU, top-8, hidden 7168, 1 B",
-         "all_to_all and other (sync) as in Figure 7; lo/hi: UBEP over the assumed constants",
+         "all_to_all and other (sync) as in Figure 7; lo/hi: UBEP, " + INTERVAL_NOTE,
          *_family_note(family)),
         {"provenance": provenance(family),
          "sensitivity": _sens_at("EP64, batch 32", partial(

@@ -220,6 +220,18 @@ def _bounds(names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     return np.log([_range(n)[0] for n in names]), np.log([_range(n)[1] for n in names])
 
 
+def bound_side(name: str, value: float) -> str:
+    """``"lower"`` / ``"upper"`` when ``value`` lies within 1 % of the log-range of a bound of
+    ``name``'s range, else ``""``."""
+    a, b = np.log(_range(name))
+    x = np.log(value)
+    if x - a < 0.01 * (b - a):
+        return "lower"
+    if b - x < 0.01 * (b - a):
+        return "upper"
+    return ""
+
+
 def fit(base: FabricModel, points: Sequence[TrainingPoint] | None = None, *,
         start: dict[str, float] | None = None, max_nfev: int = 12, tol: float = 1e-3,
         jac: np.ndarray | None = None, baseline: bool = True,
@@ -264,11 +276,10 @@ def fit(base: FabricModel, points: Sequence[TrainingPoint] | None = None, *,
     values = values_of(sol.x)
     fab = apply_assumed(base, values)
     at_bound = {}
-    for n, x, a, b in zip(names, sol.x, lo, hi, strict=True):
-        if x - a < 1e-3 * (b - a):
-            at_bound[n] = "lower"
-        elif b - x < 1e-3 * (b - a):
-            at_bound[n] = "upper"
+    for n, x in zip(names, sol.x, strict=True):
+        side = bound_side(n, float(np.exp(x)))
+        if side:
+            at_bound[n] = side
     return FitResult(values, at_bound, {p.name: p.residual(fab) for p in pts},
                      {p.name: p.evaluate(fab) for p in pts}, float(sol.cost),
                      np.asarray(sol.jac, dtype=np.float64))

@@ -51,11 +51,17 @@ def fit_markdown(path: Path | None = None) -> str:
             f"{_ok(t['residual'])} / {_ok(t['loo_residual'])} |")
     lines += ["", "Latencies are in us; an improvement is shown as a percentage "
               "(1 - UBEP / CANN EP) and its error in percentage points.", "",
-              "| constant | first principles | range | fitted | moved | at a bound |",
-              "|---|---|---|---|---|---|"]
+              "| baseline row | paper | model | error | residual |", "|---|---|---|---|---|"]
+    for t in fit.get("baseline", []):
+        lines.append(f"| {t['name']} | {t['paper']} | {t['model_value']:.4g} | "
+                     f"{t['model_value'] / t['paper_value'] - 1:+.1%} | {t['residual']:+.2f} |")
+    lines += ["", "Constants moved by the fit (assumed: from the first-principles value; fitted: "
+              "CANN EP's, from the baseline fit):", "",
+              "| constant | kind | before | range | fitted | moved | at a bound |",
+              "|---|---|---|---|---|---|---|"]
     for name, c in fit["constants"].items():
         moved = c["value"] / c["first_principles"] - 1
-        lines.append(f"| {name} | {c['first_principles']:.4g} | {c['range']} | "
+        lines.append(f"| {name} | {c['kind']} | {c['first_principles']:.4g} | {c['range']} | "
                      f"{c['value']:.4g} | {moved:+.0%} | {c['at_bound'] or '-'} |")
     spread = fit.get("loo_spread", {})
     lines += ["", "Leave-one-out spread of each constant (the interval of every prediction): "
