@@ -30,6 +30,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 from ..topology import Topology, cm384, host, nvl72, nvl576
+from .assumed import AIV_ASSUMPTIONS, ASSUMED, COST_SIGN, aiv_costs, apply_assumed
 from .fabric import FAMILIES, FabricModel
 from .workload import CANN_EP, System, Workload, run_case
 
@@ -92,51 +93,6 @@ class Residual:
 # ----------------------------------------------------------------------------------------------
 # UBEP's own vector work, derived from the AIV's width and clock (docs/SIMULATOR.md, 3.1)
 
-# Public Ascend 910-class figures. DaVinci vector unit: 2048 bit = 256 B per cycle (Liao et al.,
-# "DaVinci: A Scalable Architecture for Neural Network Computing", Hot Chips 31, 2019). Clock:
-# Ascend 910 runs its DaVinci cores at 1.0 GHz (256 TFLOPS FP16 = 32 cores x 16^3 MACs x 2 x
-# 1 GHz, Huawei Ascend 910 announcement, 2019); later 910B/910C parts are reported at up to
-# ~1.8 GHz: the clock is an assumed range. The fixed issue-to-result latency of one vector
-# instruction (scalar unit dispatch, UB access, pipeline drain) is not public: assumed range.
-AIV_VECTOR_BYTES = 256
-AIV_ASSUMPTIONS: dict[str, dict[str, Any]] = {
-    "aiv_clock_ghz": {
-        "value": 1.4, "range": [1.0, 1.8], "kind": "assumed",
-        "source": "Ascend 910 DaVinci cores at 1.0 GHz (2019 announcement: 256 TFLOPS FP16 = 32 "
-                  "cores x 4096 MACs x 2 x 1 GHz); 910B/910C reported up to ~1.8 GHz; nominal "
-                  "= midpoint",
-    },
-    "vector_instr_cycles": {
-        "value": 24.0, "range": [8.0, 64.0], "kind": "assumed",
-        "source": "fixed latency of one vector instruction (dispatch by the scalar unit, UB "
-                  "read, pipeline): not public; range from a short SIMD pipeline (8) to one "
-                  "with a UB round trip per instruction (64); nominal ~ geometric mean",
-    },
-}
-
-
-def aiv_costs(clock_ghz: float, instr_cycles: float) -> dict[str, float]:
-    """UBEP's per-operation vector costs (ns) from the AIV clock and instruction latency.
-
-    * ``vector_op_ns``: one compare / checksum step over one 512 B atomic block's 32 B marker:
-      one vector instruction (``instr_cycles``) plus ``ceil(32 / 256)`` = 1 cycle of data;
-    * ``count_expert_ns`` + ``count_pick_ns`` per pick: a VectorCount of one expert id over the
-      rank's ``T x K`` int32 picks: one instruction plus ``4 T K / 256`` cycles;
-    * ``cumsum_entry_ns``: a prefix sum over ``R x L`` int32 counts in 64-lane vectors takes
-      ``log2(64) = 6`` dependent instructions per 64 entries.
-    """
-    if not clock_ghz > 0 or not instr_cycles >= 0:
-        raise InvalidArgumentError("clock_ghz", (clock_ghz, instr_cycles), "must be > 0, >= 0")
-    cycle = 1.0 / clock_ghz
-    lanes = AIV_VECTOR_BYTES // 4
-    return {
-        "vector_op_ns": (instr_cycles + 1.0) * cycle,
-        "count_expert_ns": instr_cycles * cycle,
-        "count_pick_ns": 4.0 / AIV_VECTOR_BYTES * cycle,
-        "cumsum_entry_ns": 6.0 * instr_cycles / lanes * cycle,
-    }
-
-
 def fabric_variants(family: str = "cm384") -> dict[str, FabricModel]:
     """The fabric at the nominal assumed constants and at the two ends of their spread.
 
@@ -149,8 +105,6 @@ def fabric_variants(family: str = "cm384") -> dict[str, FabricModel]:
     latency the model computes is non-decreasing in every cost, so ``low`` / ``high`` bound
     the prediction over the box (up to Appendix A's re-partition, which is not monotone).
     """
-    from .fit import ASSUMED, COST_SIGN, apply_assumed
-
     base = load_fabric(family)
     if family != "cm384":
         return {"nominal": base, "low": base, "high": base}
@@ -309,8 +263,6 @@ def load_fabric(family: str, path: Path | None = None) -> FabricModel:
         return fabric_for(fabrics[entry["same_as"]], family)
     fabric = fabric_for(entry, family)
     if family == "cm384" and not _USE_FIT[0]:
-        from .fit import apply_assumed
-
         fabric = apply_assumed(fabric, {})
     return fabric
 
@@ -421,7 +373,7 @@ _FIT_NV = "fit: TensorRT-LLM NVL72 dispatch rows (batch 128, EP8-64) and the 18-
 _AIV = aiv_costs(AIV_ASSUMPTIONS["aiv_clock_ghz"]["value"],
                  AIV_ASSUMPTIONS["vector_instr_cycles"]["value"])
 _AIV_SRC = ("derived from the AIV (256 B vector, Hot Chips 2019 DaVinci) at the assumed clock "
-            "and vector instruction latency (calib.json 'assumptions', ubep.sim.calib.aiv_costs)")
+            "and vector instruction latency (calib.json 'assumptions', ubep.sim.assumed.aiv_costs)")
 
 START: dict[str, dict[str, tuple[float, str, str]]] = {
     "cm384": {
@@ -446,13 +398,13 @@ START: dict[str, dict[str, tuple[float, str, str]]] = {
         "tff_flag_bytes": (32, "derived", "UBEP paper Section 3.4: 32 B flag + 480 B payload"),
         "count_pick_ns": (_AIV["count_pick_ns"], "derived", _AIV_SRC + ": 4 B per pick over a "
                           "256 B vector per cycle"),
-        "fence_rtt_fraction": (1.0, "assumed", "ubep.sim.fit.ASSUMED: fitted to the UBEP "
+        "fence_rtt_fraction": (1.0, "assumed", "ubep.sim.assumed.ASSUMED: fitted to the UBEP "
                                "training set by `ubep sim calibrate`"),
         "metadata_ratio": (0.132, "derived", "UBEP paper evaluation text (CALIBRATION.md): "
                            "UBEP's communication volume is 13.2 % above the baseline's"),
         "aux_cores_at_256": (12.0, "derived", "UBEP paper evaluation text (CALIBRATION.md): at "
                              "256 ranks 12 AIVs go to routing and checksum work"),
-        "cumsum_group_sync_ns": (654.0, "assumed", "ubep.sim.fit.ASSUMED: fitted to the UBEP "
+        "cumsum_group_sync_ns": (654.0, "assumed", "ubep.sim.assumed.ASSUMED: fitted to the UBEP "
                                  "training set by `ubep sim calibrate`"),
         "poll_lanes": (64, "derived", "one 256 B vector load of the AIV (Hot Chips 2019 DaVinci) "
                        "reads 64 int32 count / flag words that lie side by side"),

@@ -16,9 +16,9 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 from ..modes import SYNCS
+from .assumed import ASSUMED
 from .calib import fabric_variants, load_fabric, topology_for
 from .fabric import FabricModel
-from .fit import ASSUMED
 from .timeline import TASKS
 from .workload import (
     CANN_EP,

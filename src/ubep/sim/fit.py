@@ -23,7 +23,14 @@ from typing import Any
 import numpy as np
 
 from ..errors import InvalidArgumentError
-from .calib import AIV_ASSUMPTIONS, aiv_costs, topology_for
+from .assumed import (
+    ASSUMED,
+    BASELINE_FREE,
+    apply_assumed,
+    bound_side,
+    value_range,
+)
+from .calib import topology_for
 from .fabric import FabricModel
 from .workload import CANN_EP, UBEP, UBEP_NO_MAPPING, Workload, run_case
 
@@ -39,51 +46,6 @@ __all__ = [
     "leave_one_out",
     "training_set",
 ]
-
-_TWO_HOP = "CALIBRATION.md Table 2: two-hop latency 2500 ns"
-ASSUMED: dict[str, dict[str, Any]] = {
-    **AIV_ASSUMPTIONS,
-    "fence_rtt_fraction": {
-        "value": 1.0, "range": [0.25, 1.0], "kind": "assumed",
-        "source": "a stop-and-wait fence waits for the store's acknowledgement (1 round trip); "
-                  "a fabric that reports completion at the first switch waits less (1/4: the "
-                  "NPU-to-tier-1 leg of a two-hop round trip, " + _TWO_HOP + ")",
-    },
-    "cumsum_group_sync_ns": {
-        "value": 654.0, "range": [218.0, 5000.0], "kind": "assumed",
-        "source": "one partial-sum hand-off between AIVs through HBM: a write, a flag and a "
-                  "read, 3 x the intra-NPU access of 218 ns (CALIBRATION.md Table 2); up to a "
-                  "scalar-unit synchronisation of a few microseconds",
-    },
-}
-# CANN EP's own fitted constants (ubep.sim.calib.FREE): fitted together with the assumed ones,
-# since both price the baseline rows and the training set's CANN EP numbers.
-_BASE_SRC = ("fit: Table 4 CANN EP rows, CloudMatrix dispatch rows, SyncAll share and the "
-             "training set (CANN EP's Figure 9 maximum, the improvements over CANN EP)")
-BASELINE_FREE: dict[str, dict[str, Any]] = {
-    "init_ns": {"range": [5_000.0, 60_000.0], "source": _BASE_SRC},
-    "issue_ns": {"range": [10.0, 2_000.0], "source": _BASE_SRC + "; flag_ns tied to it"},
-    "latency_exposure": {"range": [0.01, 1.0], "source": _BASE_SRC},
-    "barrier_ns": {"range": [500.0, 40_000.0], "source": _BASE_SRC},
-}
-# Which way each constant makes a latency longer (+1: larger is costlier; -1: a faster clock).
-COST_SIGN = {"aiv_clock_ghz": -1, "vector_instr_cycles": 1, "fence_rtt_fraction": 1,
-             "cumsum_group_sync_ns": 1, "init_ns": 1, "issue_ns": 1, "latency_exposure": 1,
-             "barrier_ns": 1}
-
-
-def apply_assumed(base: FabricModel, values: dict[str, float]) -> FabricModel:
-    """``base`` with the assumed constants ``values`` (missing ones at their first-principles
-    value) and the costs derived from them; baseline constants in ``values``
-    (:data:`BASELINE_FREE`) replace those of ``base`` (``flag_ns`` tied to ``issue_ns``)."""
-    v = {k: float(values.get(k, a["value"])) for k, a in ASSUMED.items()}
-    fixed = {k: float(values[k]) for k in BASELINE_FREE if k in values}
-    if "issue_ns" in fixed:
-        fixed["flag_ns"] = fixed["issue_ns"]
-    return base.with_values(**aiv_costs(v["aiv_clock_ghz"], v["vector_instr_cycles"]),
-                            fence_rtt_fraction=v["fence_rtt_fraction"],
-                            cumsum_group_sync_ns=v["cumsum_group_sync_ns"], **fixed)
-
 
 @dataclass(frozen=True)
 class TrainingPoint:
@@ -212,24 +174,8 @@ class FitResult:
     jac: np.ndarray
 
 
-def _range(name: str) -> list[float]:
-    return list(ASSUMED[name]["range"] if name in ASSUMED else BASELINE_FREE[name]["range"])
-
-
 def _bounds(names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    return np.log([_range(n)[0] for n in names]), np.log([_range(n)[1] for n in names])
-
-
-def bound_side(name: str, value: float) -> str:
-    """``"lower"`` / ``"upper"`` when ``value`` lies within 1 % of the log-range of a bound of
-    ``name``'s range, else ``""``."""
-    a, b = np.log(_range(name))
-    x = np.log(value)
-    if x - a < 0.01 * (b - a):
-        return "lower"
-    if b - x < 0.01 * (b - a):
-        return "upper"
-    return ""
+    return np.log([value_range(n)[0] for n in names]), np.log([value_range(n)[1] for n in names])
 
 
 def fit(base: FabricModel, points: Sequence[TrainingPoint] | None = None, *,

@@ -32,6 +32,7 @@ __all__ = [
     "System",
     "Workload",
     "aux_cores",
+    "clear_plans",
     "core_split",
     "partition_constants",
     "plans_for",
@@ -225,6 +226,11 @@ def _plans(workload: Workload, system: System, topology: Topology, n_s: int | No
                             num_experts=workload.num_experts(topology.num_ranks),
                             policy=system.policy, num_send_cores=n_s, num_count_cores=n_c,
                             layout=system.layout))
+
+
+def clear_plans() -> None:
+    """Forget the cached plans (a benchmark of planning)."""
+    _plans.cache_clear()
 
 
 def plans_for(workload: Workload, system: System, topology: Topology,
