@@ -175,3 +175,29 @@ def test_fit_moves_the_baseline_constants_with_the_assumed_ones() -> None:
     fab = apply_assumed(base, res.values)
     assert fab.barrier_ns == pytest.approx(4000.0, rel=1e-3)
     assert fab.flag_ns == pytest.approx(res.values["issue_ns"])  # tied to issue_ns
+
+
+def test_variants_use_the_fit_or_the_first_principles() -> None:
+    from ubep.sim.assumed import aiv_costs
+    from ubep.sim.calib import fabric_variants, load_calibration, use_fit
+
+    fit_entry = load_calibration()["fabrics"]["cm384"]["fit"]
+    fitted = fabric_variants("cm384")
+    v = fit_entry["values"]
+    assert fitted["nominal"].fence_rtt_fraction == pytest.approx(v["fence_rtt_fraction"])
+    assert fitted["nominal"].init_ns == pytest.approx(v["init_ns"])
+    # The ends are the leave-one-out spread, in each constant's cost direction.
+    spread = fit_entry["loo_spread"]
+    assert fitted["high"].cumsum_group_sync_ns == pytest.approx(max(spread["cumsum_group_sync_ns"]))
+    assert fitted["low"].fence_rtt_fraction == pytest.approx(min(spread["fence_rtt_fraction"]))
+    assert fitted["low"].vector_op_ns == pytest.approx(aiv_costs(
+        max(spread["aiv_clock_ghz"]), min(spread["vector_instr_cycles"]))["vector_op_ns"])
+    use_fit(False)
+    try:
+        first = fabric_variants("cm384")
+    finally:
+        use_fit(True)
+    assert first["nominal"].fence_rtt_fraction == ASSUMED["fence_rtt_fraction"]["value"]
+    assert first["nominal"].vector_op_ns == pytest.approx(aiv_costs(1.4, 24.0)["vector_op_ns"])
+    assert first["high"].fence_rtt_fraction == ASSUMED["fence_rtt_fraction"]["range"][1]
+    assert first["low"].cumsum_group_sync_ns == ASSUMED["cumsum_group_sync_ns"]["range"][0]
