@@ -139,3 +139,77 @@ def _worker_clean(group: Any) -> list[str]:
 def test_clean_calls_with_integrity_are_bit_exact() -> None:
     logs = launch(_worker_clean, 2, timeout_s=600)
     assert logs == [[], []], logs
+
+
+# --- the documented format (docs/FORMATS.md, "Row checksums"), reimplemented here ----------
+
+_M = (1 << 64) - 1
+
+
+def _mix64(h: int, v: int) -> int:
+    h ^= (v + 0x9E3779B97F4A7C15 + (h << 6) + (h >> 2)) & _M
+    return (h * 0xBF58476D1CE4E5B9) & _M
+
+
+def _row_sum(row: bytes) -> int:
+    n = len(row)
+    padded = row + bytes(-n % 32)
+    a, c = [0] * 4, [0] * 4
+    for g in range(0, len(padded), 32):
+        for lane in range(4):
+            w = int.from_bytes(padded[g + 8 * lane:g + 8 * lane + 8], "little")
+            a[lane] = (a[lane] + w) & _M
+            c[lane] = (c[lane] + a[lane]) & _M
+    h = _mix64(0x726F7773756D, n)
+    for lane in range(4):
+        h = _mix64(_mix64(h, a[lane]), c[lane])
+    return h
+
+
+def _row_check(row: bytes, epoch: int, pos: int) -> int:
+    return _mix64(_mix64(_row_sum(row) ^ 0x726F77, epoch), pos)
+
+
+@pytest.mark.parametrize("level", [0, 1])  # the generic kernel, AVX2 where the CPU has it
+@pytest.mark.parametrize("row_bytes", [1, 7, 8, 24, 32, 40, 253, 256, 4096 + 12])
+def test_the_native_row_sum_is_the_documented_one(row_bytes: int, level: int) -> None:
+    from ubep.runtime.abi import load_native
+
+    native = load_native()
+    rows = np.random.default_rng(row_bytes).integers(0, 256, 5 * row_bytes, dtype=np.uint8)
+    native.use_kernels(level)
+    try:
+        got = np.frombuffer(native.row_sums(rows, row_bytes), dtype="<u8").tolist()
+    finally:
+        native.use_kernels(2)
+    raw = rows.tobytes()
+    assert got == [_row_sum(raw[i * row_bytes:(i + 1) * row_bytes]) for i in range(5)]
+    # one changed word always changes the sum
+    changed = bytearray(raw[:row_bytes])
+    changed[row_bytes // 2] ^= 0x10
+    assert _row_sum(bytes(changed)) != got[0]
+
+
+def _worker_stored(group: Any) -> list[str]:
+    """After a dispatch, the checksums beside recv_x (ASP: by row) are the documented ones."""
+    case = Case("asp", "sw", "expert", "bf16", 2, HIDDEN, "uniform")
+    cfg = case.config(8, integrity="checksum")
+    bad = []
+    with Buffer(group, cfg) as buf:
+        lay = buf.layout
+        for _ in range(3):
+            reg = buf._num_dispatches % lay.num_regions
+            xs, idxs, ws = make_inputs(case, cfg.num_experts, [8, 8], buf._epoch + 1, "uniform")
+            res = buf.dispatch(xs[group.rank], idxs[group.rank], ws[group.rank])
+            seg = buf._segments[group.rank].array
+            at = lay.off_rsum + reg * lay.rsum_bytes
+            stored = seg[at:at + 8 * len(res.recv_x)].view("<u8").tolist()
+            rows = [np.ascontiguousarray(res.recv_x[p]).tobytes() for p in range(len(res.recv_x))]
+            want = [_row_check(row, buf._epoch, p) for p, row in enumerate(rows)]
+            bad += [f"row {p}" for p, (s, w) in enumerate(zip(stored, want, strict=True)) if s != w]
+            assert len(rows) > 0
+    return bad
+
+
+def test_the_stored_checksums_follow_the_documented_format() -> None:
+    assert launch(_worker_stored, 2, timeout_s=120) == [[], []]

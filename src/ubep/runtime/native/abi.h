@@ -8,7 +8,6 @@
 
 #include <stddef.h>
 #include <stdint.h>
-#include <string.h>
 
 /* Version of this ABI: bumped whenever a code, a record or a parameter changes meaning. */
 #define UBEP_ABI_VERSION 3
@@ -203,38 +202,8 @@ static inline uint64_t comb_info_sum(uint64_t epoch, uint64_t off, uint64_t rows
     return mix64(mix64(mix64(mix64(mix64(0x636F6D62ULL, epoch), off), rows), stride), index);
 }
 
-/* integrity="checksum": the checksum of one row (docs/INTEGRITY.md). Four multiply-xor lanes
- * over the row's 8-byte words (word i to lane i mod 4; a short tail zero-padded into lane 1),
- * folded with the length: changing any one word always changes the result (xor with a word and
- * multiplication by an odd constant are both bijections of a lane), and four independent
- * chains run at about a word per cycle in plain C, the same code on every machine, so sender
- * and receiver can never disagree on the function. */
-#define ROW_SUM_P 0x9FB21C651E98DF25ULL
-static inline uint64_t row_sum(const uint8_t *p, int64_t n) {
-    uint64_t h0 = 0x243F6A8885A308D3ULL, h1 = 0x13198A2E03707344ULL;
-    uint64_t h2 = 0xA4093822299F31D0ULL, h3 = 0x082EFA98EC4E6C89ULL;
-    int64_t i = 0;
-    for (; i + 32 <= n; i += 32) {
-        uint64_t w[4];
-        memcpy(w, p + i, sizeof w);
-        h0 = (h0 ^ w[0]) * ROW_SUM_P;
-        h1 = (h1 ^ w[1]) * ROW_SUM_P;
-        h2 = (h2 ^ w[2]) * ROW_SUM_P;
-        h3 = (h3 ^ w[3]) * ROW_SUM_P;
-    }
-    for (; i + 8 <= n; i += 8) {
-        uint64_t w;
-        memcpy(&w, p + i, sizeof w);
-        h0 = (h0 ^ w) * ROW_SUM_P;
-    }
-    if (i < n) {
-        uint64_t w = 0;
-        memcpy(&w, p + i, (size_t)(n - i));
-        h1 = (h1 ^ w) * ROW_SUM_P;
-    }
-    return mix64(mix64(mix64(mix64((uint64_t)n, h0), h1), h2), h3);
-}
-/* what a row's sender stores: its sum bound to the call and the row's position, so a stale row
+/* integrity="checksum": what a row's sender stores (docs/FORMATS.md, "Row checksums"): the
+ * row's sum (row_sum, kernels.h) bound to the call and the row's position, so a stale row
  * (another call's, with that call's checksum) or a row in the wrong place fails too */
 static inline uint64_t row_check(uint64_t sum, uint64_t epoch, int64_t pos) {
     return mix64(mix64(sum ^ 0x726F77ULL, epoch), (uint64_t)pos);
