@@ -37,9 +37,18 @@ static void copy_rows(op_t *op, int core, int64_t lo, int64_t hi) {
     engine_t *g = op->g;
     int64_t a = lo + (hi - lo) * core / g->C, b = lo + (hi - lo) * (core + 1) / g->C;
     uint8_t *dst = g->base[g->rank] + op->eo_off;
-    if (a < b)
-        copy_fast(dst + a * g->crow_bytes, op->eo + a * g->crow_bytes, (b - a) * g->crow_bytes);
-    if (g->integrity) sum_rows(op, a, b);
+    if (!g->integrity) {
+        if (a < b)
+            copy_fast(dst + a * g->crow_bytes, op->eo + a * g->crow_bytes, (b - a) * g->crow_bytes);
+        return;
+    }
+    /* in pieces of about 32 KB, each summed right after its copy, while it is in the cache */
+    int64_t step = (32768 + g->crow_bytes - 1) / g->crow_bytes;
+    for (int64_t r = a; r < b; r += step) {
+        int64_t e = r + step < b ? r + step : b;
+        copy_fast(dst + r * g->crow_bytes, op->eo + r * g->crow_bytes, (e - r) * g->crow_bytes);
+        sum_rows(op, r, e);
+    }
 }
 
 /* Only the rows peers pull are copied: the rows of this rank's own tokens are reduced from
