@@ -1,9 +1,9 @@
-"""Never a wrong answer (issue 12): after each fault a hostile user could cause, every rank gets
+"""Never a wrong answer: after each fault a hostile user could cause, every rank gets
 an exception or the reference's answer, a Buffer that lost step refuses until ``resync()``, and
 after ``resync()`` calls are bit-exact again.
 
-Each finding of the issue has its test here (the SIGKILL / rendezvous leftovers and the MPI
-waits are in test_runtime_launch.py and test_dist_mpi.py). Every rank checks its own result
+Each fault has its test here (the SIGKILL / rendezvous leftovers are in test_runtime_launch.py,
+the MPI waits in tests/mpi/). Every rank checks its own result
 against ``ubep.reference`` on inputs seeded by the call's sequence number (``buf._epoch + 1``),
 which the protocol keeps equal on every rank of one collective call.
 """

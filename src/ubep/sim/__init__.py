@@ -4,16 +4,16 @@ See docs/SIMULATOR.md for the model and its calibration.
 """
 
 from .api import MODES, make_plans, simulate
-from .fabric import ENGINES, SYNC_MODES, FabricModel, SyncCosts, sync_costs
+from .fabric import FAMILIES, FabricModel, Family, SyncCosts, sync_costs
 from .spec import OpSpec, Transfers, build_spec, transfers
 from .timeline import TASKS, SimResult, TaskSpan, TaskTimeline
 
 __all__ = [
-    "ENGINES",
+    "FAMILIES",
     "MODES",
-    "SYNC_MODES",
     "TASKS",
     "FabricModel",
+    "Family",
     "OpSpec",
     "SimResult",
     "SyncCosts",

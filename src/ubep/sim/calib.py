@@ -30,7 +30,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 from ..topology import Topology, cm384, host, nvl72, nvl576
-from .fabric import FabricModel
+from .fabric import FAMILIES, FabricModel
 from .workload import CANN_EP, System, Workload, run_case
 
 __all__ = [
@@ -51,7 +51,6 @@ __all__ = [
 ]
 
 CALIB_PATH = Path(str(resources.files("ubep.sim").joinpath("calib.json")))
-FAMILIES = ("cm384", "nvl72", "nvl576", "host")
 
 # TensorRT-LLM's one-sided NVL72 all-to-all, as the ASP graph with per-pair stop-and-wait flags:
 # every token goes once to each destination rank (DeepEP's normal layout), BF16 payload.

@@ -8,11 +8,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..modes import ENGINES, LAYOUTS, POLICIES, SYNCS
 from .experiments import ALIASES, EXPERIMENTS
+from .fabric import FAMILIES, FITTED_FAMILIES
+from .workload import ROUTINGS
 
 __all__ = ["register"]
-
-FAMILIES = ("cm384", "nvl72", "nvl576", "host")
 
 
 def register(subparsers: Any) -> None:
@@ -34,7 +35,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--no-plot", action="store_true", help="tables and JSON only")
     p.set_defaults(func=_all)
     p = sub.add_parser("calibrate", help="print the calibration residuals (optionally refit)")
-    p.add_argument("--family", choices=("cm384", "nvl72", "host"), default=None,
+    p.add_argument("--family", choices=FITTED_FAMILIES, default=None,
                    help="one fabric family (default: all)")
     p.add_argument("--refit", action="store_true",
                    help="rerun the least-squares fit (minutes) before printing")
@@ -49,11 +50,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--itemsize", type=int, default=1)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--experts-per-rank", type=int, default=1)
-    p.add_argument("--routing", choices=("uniform", "zipf", "hot"), default="uniform")
-    p.add_argument("--engine", choices=("bsp", "asp"), default="asp")
-    p.add_argument("--policy", choices=("expert_contiguous", "balanced", "hierarchical"),
-                   default="hierarchical")
-    p.add_argument("--sync", choices=("sw", "tff", "dc", "sp"), default="sp")
+    p.add_argument("--routing", choices=ROUTINGS, default="uniform")
+    p.add_argument("--engine", choices=ENGINES, default="asp")
+    p.add_argument("--policy", choices=POLICIES, default="hierarchical")
+    p.add_argument("--sync", choices=SYNCS, default="sp")
+    p.add_argument("--layout", choices=LAYOUTS, default="expert")
     p.add_argument("--op", choices=("dispatch", "combine"), default="dispatch")
     p.add_argument("--mode", choices=("analytic", "events"), default="analytic")
     p.add_argument("--json", metavar="PATH", help="write the per-task spans as JSON")
@@ -97,7 +98,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     if args.write and not args.refit:
         print("--write needs --refit", file=sys.stderr)
         return 2
-    families = [args.family] if args.family else ["cm384", "nvl72", "host"]
+    families = [args.family] if args.family else list(FITTED_FAMILIES)
     path = CALIB_PATH
     with tempfile.TemporaryDirectory() as tmp:
         if args.refit:
@@ -123,8 +124,8 @@ def _run(args: argparse.Namespace) -> int:
                  num_topk=args.topk, experts_per_rank=args.experts_per_rank,
                  routing=args.routing)
     cores: Any = "all" if args.engine == "bsp" else None
-    system = System("cli", args.engine, args.policy, args.sync, num_send_cores=cores,
-                    num_count_cores=cores)
+    system = System("cli", args.engine, args.policy, args.sync, layout=args.layout,
+                    num_send_cores=cores, num_count_cores=cores)
     res = run_case(w, system, topo, fabric, op=args.op, mode=args.mode)
     print(f"{args.op} on {topo.name}: {res.latency_ns / 1e3:.2f} us ({args.engine}, "
           f"{args.policy}, {args.sync}, {args.mode}); slowest rank {res.slowest_rank}")

@@ -20,17 +20,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 
 from ..errors import InvalidArgumentError
+from ..modes import SYNCS
 from ..topology import Topology
 
-__all__ = ["ENGINES", "SYNC_MODES", "FabricModel", "SyncCosts", "sync_costs"]
+__all__ = ["FAMILIES", "FITTED_FAMILIES", "FabricModel", "Family", "SyncCosts", "sync_costs"]
 
-ENGINES = ("bsp", "asp")
-SYNC_MODES = ("sw", "tff", "dc", "sp")
+Family = Literal["cm384", "nvl72", "nvl576", "host"]
+"""The fabric presets of the simulator: CM384 (two switch tiers), NVL72 (one NVSwitch tier),
+NVL576 (an extrapolation on NVL72's constants) and this host."""
+
+FAMILIES: tuple[Family, ...] = get_args(Family)
+FITTED_FAMILIES: tuple[Family, ...] = ("cm384", "nvl72", "host")
+"""Families with constants of their own (NVL576 borrows NVL72's)."""
 
 
 @dataclass(frozen=True)
@@ -144,8 +150,8 @@ class SyncCosts:
 
 def sync_costs(sync: str, row_bytes: int, fabric: FabricModel) -> SyncCosts:
     """Per-row costs of ``sync`` in {"sw", "tff", "dc", "sp"} for rows of ``row_bytes``."""
-    if sync not in SYNC_MODES:
-        raise InvalidArgumentError("sync", sync, f"must be one of {SYNC_MODES}")
+    if sync not in SYNCS:
+        raise InvalidArgumentError("sync", sync, f"must be one of {SYNCS}")
     if not isinstance(row_bytes, (int, np.integer)) or row_bytes < 1:
         raise InvalidArgumentError("row_bytes", row_bytes, "must be a positive integer")
     blocks = -(-int(row_bytes) // fabric.atomic_bytes)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import InvalidArgumentError
+from ..modes import LAYOUTS, Engine, Layout, Sync
 from ..sched.combine import combine_plans
 from ..sched.plan import Plan
 from ..topology import Topology
@@ -52,9 +53,9 @@ class HostCase:
     tokens: int
     hidden: int
     itemsize: int
-    layout: str
-    engine: str
-    sync: str
+    layout: Layout
+    engine: Engine
+    sync: Sync
     op: str
     num_experts: int = 64
     num_topk: int = 8
@@ -62,8 +63,8 @@ class HostCase:
     def __post_init__(self) -> None:
         if self.op not in ("dispatch", "combine"):
             raise InvalidArgumentError("op", self.op, "must be 'dispatch' or 'combine'")
-        if self.layout not in ("expert", "rank"):
-            raise InvalidArgumentError("layout", self.layout, "must be 'expert' or 'rank'")
+        if self.layout not in LAYOUTS:
+            raise InvalidArgumentError("layout", self.layout, f"must be one of {LAYOUTS}")
 
     @property
     def row_bytes(self) -> int:
@@ -119,8 +120,8 @@ def combine_row_map(topk_idxs: Sequence[np.ndarray], num_experts: int,
     token's reduction reads, and how far apart, is what the reduce microbenchmark must
     reproduce: reading the same bytes in another order costs up to 3x more on this host
     (docs/SIMULATOR.md, 6)."""
-    if layout not in ("expert", "rank"):
-        raise InvalidArgumentError("layout", layout, "must be 'expert' or 'rank'")
+    if layout not in LAYOUTS:
+        raise InvalidArgumentError("layout", layout, f"must be one of {LAYOUTS}")
     R = len(topk_idxs)
     T = max((np.asarray(i).shape[0] for i in topk_idxs), default=0)
     K = max((np.asarray(i).shape[1] for i in topk_idxs), default=0)

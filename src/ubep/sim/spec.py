@@ -17,9 +17,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import InvalidArgumentError
+from ..modes import ENGINES, SYNCS
 from ..sched.plan import Plan
 from ..topology import Topology
-from .fabric import ENGINES, SYNC_MODES, FabricModel, sync_costs
+from .fabric import FabricModel, sync_costs
 
 __all__ = ["OPS", "OpSpec", "RowCosts", "Transfers", "build_spec", "transfers"]
 
@@ -59,8 +60,8 @@ def transfers(
         raise InvalidArgumentError("plan", type(plan).__name__, "must be a ubep.sched.Plan")
     if not isinstance(row_bytes, (int, np.integer)) or row_bytes < 1:
         raise InvalidArgumentError("row_bytes", row_bytes, "must be a positive integer")
-    if sync not in SYNC_MODES:
-        raise InvalidArgumentError("sync", sync, f"must be one of {SYNC_MODES}")
+    if sync not in SYNCS:
+        raise InvalidArgumentError("sync", sync, f"must be one of {SYNCS}")
     if not 8 <= flag_bytes < block_bytes:
         raise InvalidArgumentError("flag_bytes", flag_bytes, f"must be in [8, {block_bytes})")
     if sync == "tff":

@@ -10,16 +10,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import Literal, get_args
 
 import numpy as np
 
 from ..errors import InvalidArgumentError
+from ..modes import ENGINES, LAYOUTS, SYNCS, Engine, Layout, Policy, Sync
 from ..routing import hot_experts_topk, uniform_topk, zipf_topk
 from ..sched.combine import combine_plans
 from ..sched.plan import Plan
 from ..topology import Topology
 from .api import make_plans, simulate
-from .fabric import ENGINES, SYNC_MODES, FabricModel
+from .fabric import FabricModel
 from .timeline import SimResult
 
 __all__ = [
@@ -35,7 +37,8 @@ __all__ = [
     "run_case",
 ]
 
-ROUTINGS = ("uniform", "zipf", "hot")
+Routing = Literal["uniform", "zipf", "hot"]
+ROUTINGS: tuple[Routing, ...] = get_args(Routing)
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,7 @@ class Workload:
     itemsize: int = 1
     num_topk: int = 8
     experts_per_rank: int = 1
-    routing: str = "uniform"
+    routing: Routing = "uniform"
     alpha: float = 1.0
     hot_experts: int = 8
     hot_share: float = 0.5
@@ -99,18 +102,20 @@ class System:
     """
 
     name: str
-    engine: str
-    policy: str
-    sync: str
-    layout: str = "expert"
+    engine: Engine
+    policy: Policy
+    sync: Sync
+    layout: Layout = "expert"
     num_send_cores: int | str | None = None
     num_count_cores: int | str | None = None
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise InvalidArgumentError("engine", self.engine, f"must be one of {ENGINES}")
-        if self.sync not in SYNC_MODES:
-            raise InvalidArgumentError("sync", self.sync, f"must be one of {SYNC_MODES}")
+        if self.sync not in SYNCS:
+            raise InvalidArgumentError("sync", self.sync, f"must be one of {SYNCS}")
+        if self.layout not in LAYOUTS:
+            raise InvalidArgumentError("layout", self.layout, f"must be one of {LAYOUTS}")
 
     def with_(self, **changes: object) -> System:
         return replace(self, **changes)  # type: ignore[arg-type]

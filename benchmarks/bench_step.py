@@ -1,0 +1,375 @@
+"""A decode step as a serving engine runs it, and what ubep's two calls cost inside it.
+
+Per step, on every rank (2 ranks, one process each, ``ubep.launch``):
+
+1. a barrier (the step starts together, as the previous layer's combine leaves the ranks);
+2. **attention stand-in**: a pass that reads ``evict_bytes`` (4 x this host's last-level cache,
+   so none of the previous step's lines survive, as the attention weights and KV cache of a
+   real layer evict them);
+3. **arrival skew**: a spin of a delay drawn per (step, rank) from the case's distribution
+   (``none``: 0; ``exp10``: exponential, mean 10 us; seeded), so the ranks reach the
+   dispatch apart as they do when attention's work differs;
+4. ``dispatch`` of the step's tokens (routing: uniform, Zipf alpha 1.2, or hot experts: 70 % of
+   the picks on 2 experts; seeded per step);
+5. a grouped expert matmul over the received rows (per local expert: ``x @ W_up``, SiLU,
+   ``@ W_down``, float32, intermediate ``EXPERT_INTER``; one weight pair stands for every local
+   expert: a real model's do not fit here, and the matmul's job is the time and the cache state
+   between the calls);
+6. ``combine`` of the expert outputs.
+
+Clocks are ``CLOCK_MONOTONIC`` (``time.perf_counter_ns`` and the engine's trace stamps), shared by
+the processes of this host, so per call the parent reads
+
+* ``span``: from the first rank's entry to the last rank's exit (what the layer waits);
+* ``tail``: from the last rank's entry to the last rank's exit (the call once every rank is in:
+  what ubep controls; with skew ``none`` it is close to ``span``);
+* the phases of the slowest rank (the one that exits last), from the engine's trace of core 0:
+  dispatch ``py_in`` (Python entry: checks, up to the native call), ``wait_prev`` (peers done with
+  the region this call reuses), ``validate`` (routing checked and counted), ``publish`` (counts
+  and the routing record out), ``send`` (rows copied), ``counts_in`` (every peer's counts),
+  ``metadata`` (received rows' metadata), ``data_wait`` (every row in), ``py_out`` (result
+  objects, exit); combine ``py_in``, ``wait_prev``, ``copy``, ``publish``, ``peers``,
+  ``reduce``, ``py_out``;
+
+each as min / median / p99 over the steps, and the communication's share of the step (the two
+calls' spans over the step, medians). Floor of a call: the copy of the bytes one rank sends
+(``harness.concurrent_copy``, both ranks at once) + one cross-process flag one-way latency
+(benchmarks/host_micro.c). Bytes a rank sends = rows x hidden x 2 (BF16; one row
+per (token, expert) pick: the expert-major layout of DeepEP's low-latency mode, which decode
+uses).
+
+    python -m benchmarks.bench_step [--quick] [--steps N] [--out DIR]
+
+Writes ``step.txt`` and ``step.json`` (default ``benchmarks/results/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.harness import (
+    COMBINE_PHASES,
+    DISPATCH_PHASES,
+    concurrent_copy,
+    format_table,
+    save_results,
+    trace_range,
+)
+from ubep import reference, routing, testing
+from ubep.buffer import Buffer, BufferConfig
+from ubep.runtime import launch
+
+RANKS = 2
+RESULTS = Path(__file__).resolve().parent / "results"
+EXPERT_INTER = 256  # the stand-in experts' intermediate size
+
+
+@dataclass(frozen=True)
+class Model:
+    """The MoE shape a case takes (hidden size, routed experts, top-k)."""
+
+    name: str
+    hidden: int
+    num_experts: int
+    num_topk: int
+
+
+MODELS = {m.name: m for m in (
+    Model("qwen3-30b", 2048, 128, 8),
+    Model("dsv3", 7168, 256, 8),
+    Model("e896-k16", 2048, 896, 16),
+    Model("e2048-k32", 2048, 2048, 32),
+)}
+ROUTINGS = ("uniform", "zipf1.2", "hot")
+SKEWS = ("none", "exp10")
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    tokens: int
+    routing: str
+    skew: str
+    engine: str
+
+
+@dataclass(frozen=True)
+class Spread:
+    """min / median / p99 of one quantity over the steps, microseconds."""
+
+    min_us: float
+    median_us: float
+    p99_us: float
+
+    @classmethod
+    def of(cls, samples_ns: list[int] | np.ndarray) -> Spread:
+        a = np.asarray(samples_ns, dtype=np.float64) / 1e3
+        return cls(float(a.min()), float(np.median(a)), float(np.percentile(a, 99)))
+
+
+@dataclass(frozen=True)
+class Row:
+    case: Case
+    bytes_per_rank: int
+    step: Spread
+    comm_share: float  # (dispatch span + combine span) / step, medians over steps
+    dispatch_span: Spread
+    dispatch_tail: Spread
+    combine_span: Spread
+    combine_tail: Spread
+    dispatch_phases: dict[str, Spread]  # of the slowest rank
+    combine_phases: dict[str, Spread]
+
+
+def _evict_bytes() -> int:
+    """4 x the last-level cache (from /sys; 32 MiB when it cannot be read)."""
+    try:
+        text = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+        llc = int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]]
+    except (OSError, ValueError, KeyError):
+        llc = 8 << 20
+    return 4 * llc
+
+
+def _topk_idx(case: Case, model: Model, step: int, rank: int) -> np.ndarray:
+    seed = (step * 7919 + rank) * 31 + ROUTINGS.index(case.routing)
+    if case.routing == "zipf1.2":
+        return routing.zipf_topk(case.tokens, model.num_experts, model.num_topk, alpha=1.2,
+                                 seed=seed)
+    if case.routing == "hot":
+        return routing.hot_experts_topk(case.tokens, model.num_experts, model.num_topk,
+                                        hot_experts=2, hot_share=0.7, seed=seed)
+    return routing.uniform_topk(case.tokens, model.num_experts, model.num_topk, seed=seed)
+
+
+def _skew_ns(skew: str, step: int, rank: int) -> int:
+    if skew == "none":
+        return 0
+    return int(np.random.default_rng([step, rank, 17]).exponential(10_000.0))
+
+
+def _spin_until(t_ns: int) -> None:
+    while time.perf_counter_ns() < t_ns:
+        pass
+
+
+def _experts(recv_x: np.ndarray, counts: list[int], w_up: np.ndarray,
+             w_down: np.ndarray) -> np.ndarray:
+    """The grouped matmul: each local expert's rows through the stand-in FFN, BF16 out."""
+    out = np.empty(recv_x.shape, dtype=recv_x.dtype)
+    start = 0
+    for n in counts:
+        rows = recv_x[start:start + n].view(np.uint16).astype(np.uint32) << 16
+        h = rows.view(np.float32) @ w_up
+        with np.errstate(over="ignore"):  # exp(-h) overflows to inf for h << 0: SiLU -> 0
+            h *= 1.0 / (1.0 + np.exp(-h))
+        y = (h @ w_down).view(np.uint32)
+        out[start:start + n] = (y >> 16).astype(np.uint16).view(out.dtype)
+        start += n
+    return out
+
+
+def _run_case(group: Any, buf: Any, case: Case, model: Model, steps: int, warmup: int,
+              evict: np.ndarray, w_up: np.ndarray, w_down: np.ndarray) -> dict[str, Any]:
+    """One case on this rank: per step its times (ns) and the engine's trace."""
+    r = group.rank
+    x, w = _tokens(case, model, r)
+    stamps, traces, errors = [], [], []
+    for step in range(steps + warmup):
+        idx = _topk_idx(case, model, step, r)
+        group.barrier(60.0)
+        t0 = time.perf_counter_ns()
+        float(evict.sum())  # attention stand-in: every line of the evict buffer read
+        _spin_until(time.perf_counter_ns() + _skew_ns(case.skew, step, r))
+        d0 = time.perf_counter_ns()
+        res = buf.dispatch(x, idx, w)
+        d1 = time.perf_counter_ns()
+        out = _experts(np.asarray(res.recv_x), list(res.num_recv_tokens_per_expert), w_up,
+                       w_down)
+        c0 = time.perf_counter_ns()
+        y = buf.combine(out, res.handle)
+        c1 = time.perf_counter_ns()
+        if step < warmup:
+            continue
+        stamps.append((t0, d0, d1, c0, c1))
+        traces.append(tuple(buf._engine.trace()))
+        if step == warmup:  # one checked step per case: the timed calls are right
+            errors += _check(case, model, step, res, y, r, w_up, w_down)
+    return {"stamps": stamps, "traces": traces, "errors": errors}
+
+
+def _check(case: Case, model: Model, step: int, res: Any, y: np.ndarray, rank: int,
+           w_up: np.ndarray, w_down: np.ndarray) -> list[str]:
+    """This rank's dispatch and combine against ubep.reference (every rank's inputs rebuilt from
+    the seeds, every rank's expert outputs from the reference's dispatch)."""
+    xs, idxs, ws = [], [], []
+    for r in range(RANKS):
+        x, w = _tokens(case, model, r)
+        xs.append(x)
+        ws.append(w)
+        idxs.append(_topk_idx(case, model, step, r))
+    refs = reference.dispatch(xs, idxs, ws, model.num_experts, layout="expert")
+    outs = [_experts(ref.recv_x, list(ref.num_recv_tokens_per_expert), w_up, w_down)
+            for ref in refs]
+    errors = testing.compare(res, refs[rank])
+    if not testing.same_bits(y, reference.combine(outs, refs)[rank]):
+        errors.append("combine: differs from the reference")
+    return errors
+
+
+def _tokens(case: Case, model: Model, rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """This rank's ``x`` and ``topk_weights`` (seeded; the same for every step)."""
+    rng = np.random.default_rng([rank, 5])
+    return (testing.payload(rng, "bf16", case.tokens, model.hidden),
+            rng.random((case.tokens, model.num_topk), dtype=np.float32))
+
+
+def _rank(group: Any, cases: list[Case], steps: int, warmup: int) -> list[dict[str, Any]]:
+    evict = np.ones(_evict_bytes() // 4, dtype=np.float32)
+    out: list[dict[str, Any]] = []
+    keyed = itertools.groupby(cases, key=lambda c: (c.model, c.tokens, c.engine))
+    for (name, tokens, engine), group_cases in keyed:
+        model = MODELS[name]
+        rng = np.random.default_rng(3)
+        w_up = (rng.standard_normal((model.hidden, EXPERT_INTER), dtype=np.float32)
+                / np.float32(np.sqrt(model.hidden)))
+        w_down = (rng.standard_normal((EXPERT_INTER, model.hidden), dtype=np.float32)
+                  / np.float32(np.sqrt(EXPERT_INTER)))
+        cfg = BufferConfig(max_tokens_per_rank=max(16, tokens), hidden=model.hidden,
+                           num_topk=model.num_topk, num_experts=model.num_experts, dtype="bf16",
+                           layout="expert", engine=engine, num_cores=1)
+        with Buffer(group, cfg) as buf:
+            out += [_run_case(group, buf, c, model, steps, warmup, evict, w_up, w_down)
+                    for c in group_cases]
+    return out
+
+
+def _phases(per_rank: list[dict[str, Any]], slowest: np.ndarray, op: str) -> dict[str, Spread]:
+    """The phases of ``op`` on the slowest rank of each step: from the call's entry through
+    core 0's trace points to its exit; empty where the engine does not trace ``op`` (BSP's
+    dispatch)."""
+    first, last = trace_range(op)
+    if not any(tr[first] for pr in per_rank for tr in pr["traces"]):
+        return {}
+    names = DISPATCH_PHASES if op == "dispatch" else COMBINE_PHASES
+    enter, leave = (1, 2) if op == "dispatch" else (3, 4)
+    per_step = []
+    for s, r in enumerate(slowest):
+        st, tr = per_rank[r]["stamps"][s], per_rank[r]["traces"][s]
+        marks = [st[enter], *tr[first:last + 1], st[leave]]
+        per_step.append(np.diff(marks))
+    cols = np.array(per_step)
+    return {n: Spread.of(cols[:, i]) for i, n in enumerate(names)}
+
+
+def _summarise(case: Case, per_rank: list[dict[str, Any]], bytes_per_rank: int) -> Row:
+    st = np.array([pr["stamps"] for pr in per_rank])  # [rank, step, 5]
+    t0, d0, d1, c0, c1 = (st[:, :, i] for i in range(5))
+    d_span, c_span = d1.max(0) - d0.min(0), c1.max(0) - c0.min(0)
+    step = c1.max(0) - t0.min(0)
+    return Row(
+        case=case, bytes_per_rank=bytes_per_rank, step=Spread.of(step),
+        comm_share=float(np.median(d_span + c_span) / np.median(step)),
+        dispatch_span=Spread.of(d_span), dispatch_tail=Spread.of(d1.max(0) - d0.max(0)),
+        combine_span=Spread.of(c_span), combine_tail=Spread.of(c1.max(0) - c0.max(0)),
+        dispatch_phases=_phases(per_rank, d1.argmax(0), "dispatch"),
+        combine_phases=_phases(per_rank, c1.argmax(0), "combine"))
+
+
+def _bytes_per_rank(case: Case) -> int:
+    """The bytes rank 0 sends per step (expert layout: one BF16 row per (token, expert) pick;
+    every slot of these routings is a pick)."""
+    model = MODELS[case.model]
+    return case.tokens * model.num_topk * model.hidden * 2
+
+
+def _flag_oneway_us() -> float:
+    from benchmarks.host_micro import Micro, build
+
+    return Micro(build()).flag_oneway_ns(RANKS) / 1e3
+
+
+def run(cases: list[Case], steps: int, warmup: int) -> tuple[list[Row], float, list[float]]:
+    sizes = [_bytes_per_rank(c) for c in cases]
+    per_rank = launch(_rank, RANKS, cases, steps, warmup, timeout_s=3600)
+    copies = concurrent_copy(RANKS, sorted(set(sizes)), repeats=50, rounds=2)
+    copy_us = dict(zip(sorted(set(sizes)), (c.median_us for c in copies), strict=True))
+    rows = []
+    for i, case in enumerate(cases):
+        mine = [pr[i] for pr in per_rank]
+        bad = [e for m in mine for e in m["errors"]]
+        if bad:
+            raise RuntimeError(f"{case}: results differ from ubep.reference: {bad[:3]}")
+        rows.append(_summarise(case, mine, sizes[i]))
+    return rows, _flag_oneway_us(), [copy_us[s] for s in sizes]
+
+
+def _fmt(s: Spread) -> str:
+    return f"{s.min_us:.1f}/{s.median_us:.1f}/{s.p99_us:.1f}"
+
+
+def _phase_cells(phases: dict[str, Spread], names: tuple[str, ...]) -> list[str]:
+    return [f"{phases[n].median_us:.1f}/{phases[n].p99_us:.1f}" if phases else "-"
+            for n in names]
+
+
+def table(rows: list[Row], flag_us: float, copy_us: list[float]) -> str:
+    head = ["model", "tok", "routing", "skew", "eng", "KB/rank", "step med", "comm %",
+            "disp span", "disp tail", "comb span", "comb tail", "floor", "tail/floor d/c"]
+    body = []
+    for row, cp in zip(rows, copy_us, strict=True):
+        c, floor = row.case, flag_us + cp
+        body.append([c.model, c.tokens, c.routing, c.skew, c.engine, row.bytes_per_rank / 1024,
+                     row.step.median_us, 100 * row.comm_share, _fmt(row.dispatch_span),
+                     _fmt(row.dispatch_tail), _fmt(row.combine_span), _fmt(row.combine_tail),
+                     floor, f"{row.dispatch_tail.median_us / floor:.2f}/"
+                            f"{row.combine_tail.median_us / floor:.2f}"])
+    phead = ["model", "tok", "routing", "skew", "eng", *("d " + p for p in DISPATCH_PHASES),
+             *("c " + p for p in COMBINE_PHASES)]
+    pbody = [[r.case.model, r.case.tokens, r.case.routing, r.case.skew, r.case.engine,
+              *_phase_cells(r.dispatch_phases, DISPATCH_PHASES),
+              *_phase_cells(r.combine_phases, COMBINE_PHASES)] for r in rows]
+    return (format_table(head, body, float_digits=1)
+            + "\n\nspans and tails min/median/p99 us; floor = flag one-way + copy of the bytes "
+              "sent; tail/floor: medians\n\nphases of the slowest rank, median/p99 us (engine "
+              "trace of core 0)\n" + format_table(phead, pbody))
+
+
+def cases_for(quick: bool) -> list[Case]:
+    if quick:
+        return [Case("qwen3-30b", 16, r, s, e) for e in ("asp", "bsp") for r in ("uniform",)
+                for s in SKEWS]
+    base = [Case(m, t, r, s, e) for m in ("qwen3-30b", "dsv3") for t in (1, 16, 128)
+            for e in ("asp", "bsp") for r in ROUTINGS for s in SKEWS]
+    scale = [Case(m, 16, r, "none", e) for m in ("e896-k16", "e2048-k32")
+             for e in ("asp", "bsp") for r in ("uniform", "zipf1.2")]
+    return base + scale
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="Qwen3-30B shape, 16 tokens, uniform, both engines and skews")
+    ap.add_argument("--steps", type=int, default=200, help="timed steps per case")
+    ap.add_argument("--warmup", type=int, default=10, help="untimed steps before each case")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    cases = cases_for(args.quick)
+    rows, flag_us, copy_us = run(cases, args.steps, args.warmup)
+    text = (f"decode steps, {RANKS} ranks, BF16, expert layout, {args.steps} steps per case after "
+            f"{args.warmup} untimed; evict {_evict_bytes() >> 20} MiB per step; expert FFN "
+            f"intermediate {EXPERT_INTER}\n" + table(rows, flag_us, copy_us))
+    save_results(str(args.out), "step", text, {
+        "flag_oneway_us": flag_us, "copy_us": copy_us, "evict_bytes": _evict_bytes(),
+        "rows": [asdict(r) for r in rows]})
+
+
+if __name__ == "__main__":
+    main()

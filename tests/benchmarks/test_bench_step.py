@@ -1,0 +1,94 @@
+"""benchmarks/bench_step.py: spans, tails and the slowest rank's phases against hand-computed
+values, the stand-in experts against a per-row loop, and the quick path's structure (no timing
+assertions)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks import bench_step as step
+from benchmarks.harness import COMBINE_PHASES, DISPATCH_PHASES, trace_range
+
+
+def _trace(op: str, start: int, gaps: list[int]) -> dict[int, int]:
+    """Trace slots of ``op`` from ``start``, consecutive ones ``gaps`` apart."""
+    first, last = trace_range(op)
+    assert len(gaps) == last - first
+    return {first + i: start + sum(gaps[:i]) for i in range(last - first + 1)}
+
+
+def test_spans_tails_and_the_slowest_ranks_phases() -> None:
+    # 2 ranks, 1 step: rank 1 enters dispatch later and leaves it last; rank 0 leaves combine
+    # last. Stamps are (t0, d0, d1, c0, c1) in ns.
+    stamps = [(0, 100, 1_000, 2_000, 2_900), (50, 400, 1_200, 2_100, 2_800)]
+    d_gaps = [10, 20, 30, 40, 50, 60, 70]
+    c_gaps = [5, 10, 15, 20, 25]
+    traces = []
+    for r in range(2):
+        tr = [0] * 16
+        for slot, t in {**_trace("dispatch", stamps[r][1] + 100 + r, d_gaps),
+                        **_trace("combine", stamps[r][3] + 50 + r, c_gaps)}.items():
+            tr[slot] = t
+        traces.append(tr)
+    per_rank = [{"stamps": [stamps[r]], "traces": [traces[r]]} for r in range(2)]
+    row = step._summarise(step.Case("qwen3-30b", 16, "uniform", "none", "asp"), per_rank, 1)
+    assert row.dispatch_span.median_us == pytest.approx((1_200 - 100) / 1e3)
+    assert row.dispatch_tail.median_us == pytest.approx((1_200 - 400) / 1e3)
+    assert row.combine_span.median_us == pytest.approx((2_900 - 2_000) / 1e3)
+    assert row.combine_tail.median_us == pytest.approx((2_900 - 2_100) / 1e3)
+    assert row.step.median_us == pytest.approx(2_900 / 1e3)
+    assert row.comm_share == pytest.approx((1_100 + 900) / 2_900)
+    # dispatch phases are rank 1's (it left last): entry gap 101, the trace gaps, then exit
+    d_end = 400 + 101 + sum(d_gaps)
+    expect_d = [101, *d_gaps, 1_200 - d_end]
+    assert list(row.dispatch_phases) == list(DISPATCH_PHASES)
+    assert [s.median_us for s in row.dispatch_phases.values()] == pytest.approx(
+        [v / 1e3 for v in expect_d])
+    # combine phases are rank 0's
+    c_end = 2_000 + 50 + sum(c_gaps)
+    expect_c = [50, *c_gaps, 2_900 - c_end]
+    assert list(row.combine_phases) == list(COMBINE_PHASES)
+    assert [s.median_us for s in row.combine_phases.values()] == pytest.approx(
+        [v / 1e3 for v in expect_c])
+
+
+def test_untraced_ops_have_no_phases() -> None:
+    per_rank = [{"stamps": [(0, 1, 2, 3, 4)], "traces": [[0] * 16]} for _ in range(2)]
+    row = step._summarise(step.Case("qwen3-30b", 1, "uniform", "none", "bsp"), per_rank, 1)
+    assert row.dispatch_phases == {} and row.combine_phases == {}
+
+
+def test_experts_are_each_rows_ffn() -> None:
+    rng = np.random.default_rng(0)
+    hidden, inter = 16, 8
+    w_up = rng.standard_normal((hidden, inter), dtype=np.float32)
+    w_down = rng.standard_normal((inter, hidden), dtype=np.float32)
+    x = (rng.standard_normal((7, hidden), dtype=np.float32).view(np.uint32) >> 16).astype(
+        np.uint16)
+    got = step._experts(x, [3, 0, 4], w_up, w_down)
+    as_f64 = (got.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    for i in range(7):  # row by row in float64: the same FFN; BF16 keeps 8 bits of mantissa
+        f = (x[i].astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        h = f @ w_up.astype(np.float64)
+        want = (h / (1.0 + np.exp(-h))) @ w_down.astype(np.float64)
+        assert as_f64[i] == pytest.approx(want, rel=2**-6, abs=1e-4)
+
+
+def test_quick_path_structure(tmp_path: Path) -> None:
+    step.main(["--quick", "--steps", "2", "--warmup", "1", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "step.json").read_text())
+    cases = {(r["case"]["engine"], r["case"]["skew"]) for r in data["rows"]}
+    assert cases == {(e, s) for e in ("asp", "bsp") for s in step.SKEWS}
+    for r in data["rows"]:
+        assert r["bytes_per_rank"] == 16 * 8 * 2048 * 2
+        for key in ("step", "dispatch_span", "dispatch_tail", "combine_span", "combine_tail"):
+            s = r[key]
+            assert 0 < s["min_us"] <= s["median_us"] <= s["p99_us"]
+        assert r["dispatch_tail"]["median_us"] <= r["dispatch_span"]["median_us"]
+        assert set(r["combine_phases"]) == set(COMBINE_PHASES)
+        assert bool(r["dispatch_phases"]) == (r["case"]["engine"] == "asp")
+    assert "phases of the slowest rank" in (tmp_path / "step.txt").read_text()
