@@ -186,7 +186,8 @@ def _records_names() -> tuple[str, ...]:
 
 
 @pytest.mark.parametrize(("engine", "sync", "layout"),
-                         [("bsp", "tff", "rank"), ("asp", "sw", "expert")])
+                         [("bsp", "tff", "rank"), ("asp", "sw", "expert"), ("asp", "dc", "rank"),
+                          ("bsp", "sp", "expert")])
 def test_garbage_in_every_control_record_at_every_phase(
         engine: str, sync: str, layout: str) -> None:
     logs = launch(_worker_every_record, 2, engine, sync, layout, timeout_s=600)
