@@ -216,31 +216,49 @@ def test_normal_mode_fp8_tuple_arrives_bit_for_bit() -> None:
 
 
 # --------------------------------------------------------------------------- DeepEP drop-in
-DEEPEP_INIT = [  # deep_ep/buffer.py (v1), Buffer.__init__, in order
+DEEPEP_INIT = [  # DeepEP head's V1 Buffer (deep_ep/buffers/legacy.py), in its order
     "group", "num_nvl_bytes", "num_rdma_bytes", "low_latency_mode", "num_qps_per_rank",
-    "allow_nvlink_for_low_latency_mode", "allow_mnnvl", "use_fabric", "explicitly_destroy",
-    "enable_shrink", "comm",
+    "allow_nvlink_for_low_latency_mode", "allow_mnnvl", "explicitly_destroy", "enable_shrink",
+    "comm",
 ]
 
 
 def test_constructor_takes_deepeps_arguments_in_deepeps_order() -> None:
     import inspect
 
-    params = list(inspect.signature(Buffer.__init__).parameters)[1:]
-    assert params[: len(DEEPEP_INIT)] == DEEPEP_INIT
+    params = inspect.signature(Buffer.__init__).parameters
+    assert list(params)[1: len(DEEPEP_INIT) + 1] == DEEPEP_INIT
+    # DeepEP v1.2's use_fabric (dropped from the head's positions) is still taken by keyword
+    assert params["use_fabric"].kind is inspect.Parameter.KEYWORD_ONLY
     world = LocalWorld(R, E)
 
-    def body(rank: int) -> tuple[bool, bool, bool, int]:
+    def body(rank: int) -> tuple[Any, ...]:
         # Positionally, as DeepEP code passes them; GPU-only options must not break a call.
-        buf = Buffer(world.backend(rank), 1 << 30, 1 << 30, True, 12, False, True, True, True, True)
+        buf = Buffer(world.backend(rank), 1 << 30, 1 << 29, True, 12, False, True, True, False,
+                     None, use_fabric=True)
         x, idx, w = _inputs(rank)
         _, _, per_expert, _in_rank, _ = buf.get_dispatch_layout(idx, E)
         recv, *_ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_tokens_per_expert=per_expert)
-        buf.destroy()  # explicitly_destroy (9th) was True
-        return buf.use_fabric, buf.explicitly_destroy, buf.enable_shrink, recv.shape[0]
+        got = (buf.num_nvl_bytes, buf.num_rdma_bytes, buf.low_latency_mode, buf.num_qps_per_rank,
+               buf.allow_nvlink_for_low_latency_mode, buf.allow_mnnvl, buf.explicitly_destroy,
+               buf.enable_shrink, buf.use_fabric, recv.shape[0])
+        buf.destroy()  # explicitly_destroy (8th) was True
+        with pytest.raises(InvalidArgumentError, match="destroyed"):
+            buf.dispatch(x, topk_idx=idx, topk_weights=w, num_tokens_per_expert=per_expert)
+        return got
 
-    for use_fabric, destroy, shrink, rows in run_threads(body, R):
-        assert use_fabric and destroy and shrink and rows > 0
+    for got in run_threads(body, R):
+        assert got[:-1] == (1 << 30, 1 << 29, True, 12, False, True, True, False, True)
+        assert got[-1] > 0
+
+
+def test_destroy_needs_explicitly_destroy_and_shrink_needs_a_process_group() -> None:
+    backend = LocalWorld(1, E).backend(0)
+    with pytest.raises(InvalidArgumentError, match="explicitly_destroy"):
+        Buffer(backend).destroy()
+    # enable_shrink (9th) masks lost processes: threads as ranks have none to lose
+    with pytest.raises(InvalidArgumentError, match="enable_shrink"):
+        Buffer(backend, 0, 0, True, 24, True, False, False, True)
 
 
 def test_constructor_rejects_unknown_options_and_bad_values_at_once() -> None:
@@ -456,15 +474,33 @@ def test_zero_copy_combine_reads_the_next_combine_buffer_and_masked_slots_drop()
         assert torch.equal(y_dropped, y_zero_w)  # a -1 slot contributes nothing
 
 
-def test_mask_buffer_api_answers_no_rank_masked() -> None:
-    buf = Buffer(LocalWorld(1, E).backend(0), enable_shrink=True)
+def test_mask_buffer_needs_enable_shrink_as_deepep() -> None:
+    buf = Buffer(LocalWorld(1, E).backend(0))
     status = torch.ones(1, dtype=torch.int32)
-    buf.low_latency_query_mask_buffer(status)
-    assert status.tolist() == [0]
-    buf.low_latency_update_mask_buffer(0, False)
-    buf.low_latency_clean_mask_buffer()
-    with pytest.raises(NotImplementedError, match="mask"):
-        buf.low_latency_update_mask_buffer(0, True)
+    for call in (lambda: buf.low_latency_query_mask_buffer(status),
+                 lambda: buf.low_latency_update_mask_buffer(0, True),
+                 lambda: buf.low_latency_update_mask_buffer(0, False),
+                 buf.low_latency_clean_mask_buffer):
+        with pytest.raises(InvalidArgumentError, match="enable_shrink"):
+            call()
+    assert status.tolist() == [1]
+
+
+def test_local_buffer_tensor_views_deepeps_byte_ranges() -> None:
+    buf = Buffer(LocalWorld(1, E).backend(0), 64, 32)
+    nvl = buf.get_local_buffer_tensor(torch.int32)
+    nvl.copy_(torch.arange(16, dtype=torch.int32))
+    assert nvl.numel() == 16  # num_nvl_bytes / 4
+    # offset in bytes (as DeepEP's), size in elements, shaped
+    view = buf.get_local_buffer_tensor(torch.int16, torch.Size([3, 2]), offset=8)
+    assert view.shape == (3, 2) and view.view(torch.int32).flatten().tolist() == [2, 3, 4]
+    view[0, 0] = 99  # the same memory
+    assert int(nvl[2]) == 99
+    assert buf.get_local_buffer_tensor(torch.uint8, use_rdma_buffer=True).numel() == 32
+    with pytest.raises(InvalidArgumentError, match="size"):
+        buf.get_local_buffer_tensor(torch.int32, torch.Size([17]))
+    with pytest.raises(InvalidArgumentError, match="dtype"):
+        buf.get_local_buffer_tensor("int32")  # type: ignore[arg-type]
 
 
 def two_batch_flow(group: Any, rank: int) -> dict[str, Any]:

@@ -135,11 +135,16 @@ class MaskingBuffer:
         return res
 
     def combine(self, expert_out: object, handle: DispatchHandle, *,
-                return_recv_hook: bool = False) -> np.ndarray:
-        """:meth:`ubep.Buffer.combine` over the members (module docstring)."""
+                return_recv_hook: bool = False, topk_weights: object = None) -> np.ndarray:
+        """:meth:`ubep.Buffer.combine` over the members (module docstring). ``topk_weights``
+        (``[num_tokens, num_topk]``, this rank's): weights in place of the dispatched ones (the
+        DeepEP facade's low-latency combine takes them here; the handle must stay the one
+        dispatch returned, which is how a combine after a loss finds its rows)."""
         self._check_call(return_recv_hook)
-        kept = _Kept(self._calls + 1, "combine", expert_out=expert_out, handle=handle)
-        y: np.ndarray = self._serve(kept, lambda: self._combine(expert_out, handle))
+        kept = _Kept(self._calls + 1, "combine", expert_out=expert_out, handle=handle,
+                     topk_weights=topk_weights)
+        y: np.ndarray = self._serve(kept, lambda: self._combine(expert_out, handle,
+                                                                topk_weights))
         self._last_combine = kept
         return y
 
@@ -217,6 +222,18 @@ class MaskingBuffer:
         self._open(self._roster, f"{self._uid:x}.a{self._admits}")
         return self
 
+    @classmethod
+    def over_members(cls, roster: Roster, num_ranks: int, config: BufferConfig,
+                     key: str) -> MaskingBuffer:
+        """A masking Buffer over the members of ``roster`` only (collective over them, under
+        ``key``, unique per build): for a caller that keeps its own mask of a group of
+        ``num_ranks`` (the DeepEP facade's shrink mode) and builds Buffers after a loss."""
+        self = object.__new__(cls)
+        self._start(config, roster, num_ranks)
+        self._open(roster, key)
+        self._uid = self._inner._uid
+        return self
+
     def mask_status(self) -> np.ndarray:
         """``[num_ranks]`` int32, 1 for a masked rank: the same on every survivor."""
         status = np.ones(self.num_ranks, dtype=np.int32)
@@ -273,13 +290,15 @@ class MaskingBuffer:
         return dataclasses.replace(res, recv_src_rank=members[res.recv_src_rank],
                                    recv_topk_idx=idx)
 
-    def _combine(self, expert_out: object, handle: DispatchHandle) -> np.ndarray:
+    def _combine(self, expert_out: object, handle: DispatchHandle,
+                 topk_weights: object = None) -> np.ndarray:
         moved = self._moved.get(id(handle))
         if moved is None or moved[0] is not handle:
-            return self._inner.combine(expert_out, handle)
+            return self._inner.combine(expert_out, _weighted(handle, topk_weights))
         _, before, replay = moved
         rows = _rows_in_new_order(before, replay, self.config.layout)
-        return self._inner.combine(np.asarray(expert_out)[rows], replay.handle)
+        return self._inner.combine(np.asarray(expert_out)[rows],
+                                   _weighted(replay.handle, topk_weights))
 
     # --- the loss ------------------------------------------------------------------------
 
@@ -329,7 +348,7 @@ class MaskingBuffer:
             c = self._last_combine
             if c is None or c.call != first:
                 raise OutOfStepError(f"rank {self.rank}: call {first} was not kept")
-            self._combine(c.expert_out, c.handle)
+            self._combine(c.expert_out, c.handle, c.topk_weights)
 
     def _replay(self, d: _Kept) -> None:
         assert d.result is not None
@@ -370,6 +389,14 @@ class MaskingBuffer:
             raise InvalidArgumentError("return_recv_hook", True,
                                        "split-phase calls are not maskable yet "
                                        "(on_peer_loss='mask' runs blocking calls)")
+
+
+def _weighted(handle: DispatchHandle, topk_weights: object) -> DispatchHandle:
+    """``handle`` combining with ``topk_weights`` (None: the dispatched weights)."""
+    if topk_weights is None:
+        return handle
+    return dataclasses.replace(handle, topk_weights=np.ascontiguousarray(topk_weights,
+                                                                         dtype=np.float32))
 
 
 def _rows_in_new_order(old: DispatchResult[Any], new: DispatchResult[Any],

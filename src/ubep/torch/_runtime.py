@@ -20,7 +20,7 @@ from ..dtypes import dtype_of
 from ..errors import InvalidArgumentError
 from ..modes import Layout
 
-__all__ = ["RuntimeBackend", "make_backend", "ubep_dtype_name"]
+__all__ = ["RuntimeBackend", "buffer_config", "make_backend", "ubep_dtype_name"]
 
 def ubep_dtype_name(dtype: torch.dtype) -> str:
     """The ``ubep.dtypes`` name of a torch payload dtype (``torch.bfloat16`` -> ``"bf16"``;
@@ -84,8 +84,7 @@ class RuntimeBackend:
             close()
 
 
-def make_backend(
-    group: Any,
+def buffer_config(
     *,
     hidden: int,
     num_topk: int,
@@ -94,11 +93,11 @@ def make_backend(
     max_tokens_per_rank: int = 4096,
     layout: Layout = "expert",
     **options: Any,
-) -> RuntimeBackend:
-    """Create a ``ubep.Buffer`` on ``group`` for this shape (collective: every rank calls it)."""
-    from ..buffer import Buffer, BufferConfig
+) -> Any:
+    """The ``ubep.BufferConfig`` of one shape (``options``: any other BufferConfig field)."""
+    from ..buffer import BufferConfig
 
-    config = BufferConfig(
+    return BufferConfig(
         max_tokens_per_rank=max_tokens_per_rank,
         hidden=hidden,
         num_topk=num_topk,
@@ -107,4 +106,11 @@ def make_backend(
         layout=layout,
         **options,
     )
-    return RuntimeBackend(Buffer(group, config))
+
+
+def make_backend(group: Any, **shape_and_options: Any) -> RuntimeBackend:
+    """Create a ``ubep.Buffer`` on ``group`` for this shape (collective: every rank calls it);
+    the keywords are :func:`buffer_config`'s."""
+    from ..buffer import Buffer
+
+    return RuntimeBackend(Buffer(group, buffer_config(**shape_and_options)))

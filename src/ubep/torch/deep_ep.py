@@ -10,19 +10,23 @@
 
     buffer = Buffer(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode=True, ...)
 
-The API is DeepEP v1's (``deep_ep/buffer.py``, the last release before V2): the constructor with
-its parameter names and positional order, every method the intranode and low-latency paths use,
-the same defaults and the same returned tuples. ``group`` is a ``torch.distributed`` process
-group (as in DeepEP), a ubep group (``ubep.launch``, ``ubep.mpi``), or ``comm=`` an mpi4py
-communicator; :class:`ubep.torch.LocalBackend` (threads as ranks) is accepted for tests.
+The API is DeepEP's V1 ``Buffer`` as DeepEP's head has it (``deep_ep/buffers/legacy.py``,
+formerly ``deep_ep/buffer.py``): the constructor with its parameter names and positional order,
+every method of the intranode, internode and low-latency paths, the same defaults and the same
+returned tuples. ``group`` is a ``torch.distributed`` process group (as in DeepEP), a ubep group
+(``ubep.launch``, ``ubep.mpi``), or ``None`` with ``comm=`` an mpi4py communicator (ubep's MPI
+engine, across hosts too); :class:`ubep.torch.LocalBackend` (threads as ranks) is accepted for
+tests.
 
-Normal-mode ``dispatch``/``combine`` run on ubep buffers with ``layout="rank"`` (one row per
-(token, destination rank), DeepEP's normal mode); the low-latency pair on ``layout="expert"``
-(one row per (token, expert), packed per local expert). The data always moves through ubep's
-shared memory, never through the torch backend. ubep buffers are created on first use per
-shape; that first call is collective, as every call is. Calls are synchronous, so events and
-receive hooks have nothing left to wait for. Handles are frozen dataclasses that index and unpack
-like DeepEP's tuples and hold the same values where a CPU has the same meaning.
+Normal-mode ``dispatch``/``combine`` (and the internode pair, :mod:`.deep_ep_internode`) run on
+ubep buffers with ``layout="rank"`` (one row per (token, destination rank), DeepEP's normal
+mode); the low-latency pair on ``layout="expert"`` (one row per (token, expert), packed per
+local expert). The data always moves through ubep's engines, never through the torch backend.
+ubep buffers are created on first use per shape; that first call is collective, as every call
+is. With ``enable_shrink`` the low-latency pair runs on masking Buffers and a lost rank is
+masked as DeepEP's shrink mode masks it (:mod:`.deep_ep_shrink`). Calls are synchronous, so
+events and receive hooks have nothing left to wait for. Handles are frozen dataclasses that
+index and unpack like DeepEP's tuples and hold the same values where a CPU has the same meaning.
 
 docs/PORTING.md lists what still differs.
 """
@@ -33,7 +37,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import fields
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -45,11 +49,15 @@ from ..routing import get_dispatch_layout as _layout
 from ..torch_bridge import as_process_group, is_torch_group
 from ._convert import from_numpy, to_numpy
 from .backend import EPBackend, LocalBackend, issue_dispatch
+from .deep_ep_internode import InternodeCalls, hosts_of
 from .deep_ep_lowlatency import LowLatencyCalls
+from .deep_ep_memory import RawBuffers
+from .deep_ep_shrink import MaskedBackend, ShrinkCalls, ShrinkGroup, open_shrink_group
 from .deep_ep_types import (
     Config,
     EventHandle,
     EventOverlap,
+    InternodeHandle,
     LowLatencyHandle,
     NormalHandle,
     _event,
@@ -61,10 +69,13 @@ __all__ = [
     "Config",
     "EventHandle",
     "EventOverlap",
+    "InternodeHandle",
     "LowLatencyHandle",
     "NormalHandle",
     "topk_idx_t",
 ]
+
+T = TypeVar("T")
 
 #: dtype of ``topk_idx`` tensors (DeepEP: chosen at compile time, normally ``torch.int64``).
 topk_idx_t = torch.int64
@@ -76,14 +87,17 @@ _SHAPE_FIELDS = (
 
 
 # --------------------------------------------------------------------------- the Buffer
-class Buffer(LowLatencyCalls):
+class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls):
     """DeepEP's ``Buffer`` on ubep (see the module docstring and docs/PORTING.md).
 
-    Arguments as DeepEP v1's, in its order. ``num_nvl_bytes``, ``num_rdma_bytes``,
-    ``num_qps_per_rank``, ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``, ``use_fabric``
-    and ``enable_shrink`` configure NVLink/RDMA/NVSHMEM memory and have no CPU meaning: they are
-    accepted and kept as attributes. ubep's own keyword-only options: ``max_tokens_per_rank``
-    (normal-mode capacity per rank; the low-latency pair uses its
+    Arguments as DeepEP's, in its order. ``num_nvl_bytes`` and ``num_rdma_bytes`` size the raw
+    buffers of :meth:`get_local_buffer_tensor` (ubep sizes its own memory from the calls'
+    shapes); ``num_qps_per_rank``, ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl`` and
+    keyword-only ``use_fabric`` (DeepEP v1.2's, before ``explicitly_destroy``) configure
+    NVLink/RDMA/NVSHMEM and are kept as attributes. ``explicitly_destroy`` allows
+    :meth:`destroy`. ``enable_shrink``: DeepEP's shrink mode (the mask buffer; a lost rank is
+    masked, ``ubep.torch.deep_ep_shrink``). ubep's own keyword-only options:
+    ``max_tokens_per_rank`` (normal-mode capacity per rank; the low-latency pair uses its
     ``num_max_dispatch_tokens_per_rank``) and any ``ubep.BufferConfig`` field that is not a
     shape (``engine``, ``sync``, ``timeout_s``, ...), checked here.
 
@@ -102,15 +116,18 @@ class Buffer(LowLatencyCalls):
         num_qps_per_rank: int = 24,
         allow_nvlink_for_low_latency_mode: bool = True,
         allow_mnnvl: bool = False,
-        use_fabric: bool = False,
         explicitly_destroy: bool = False,
         enable_shrink: bool = False,
         comm: Any = None,
         *,
+        use_fabric: bool = False,
         max_tokens_per_rank: int = 4096,
         **ubep_options: Any,
     ) -> None:
         _check_ubep_options(ubep_options)
+        for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidArgumentError(name, value, "must be an int >= 0 (bytes)")
         if isinstance(max_tokens_per_rank, bool) or not isinstance(max_tokens_per_rank, int) or (
             max_tokens_per_rank < 1
         ):
@@ -121,6 +138,7 @@ class Buffer(LowLatencyCalls):
         self.group = group if group is not None else comm
         self.rank = int(self._ep.rank)
         self.group_size = int(self._ep.num_ranks)
+        self._host_of = hosts_of(self._ep, self.group_size)
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = low_latency_mode
@@ -135,6 +153,12 @@ class Buffer(LowLatencyCalls):
         self._backends: dict[tuple[Any, ...], EPBackend] = {}
         # get_next_low_latency_combine_buffer's tensors, by (local experts, slots, hidden)
         self._ll_combine_staging: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._raw = RawBuffers(self._ep, {False: num_nvl_bytes, True: num_rdma_bytes})
+        # the MPI group this facade made from comm= is its own to close (destroy)
+        self._own_group = self._ep if group is None else None
+        self._shrink: ShrinkGroup | None = None
+        if enable_shrink:
+            self._shrink = open_shrink_group(self._ep, self.ubep_options)
         self._destroyed = False
 
     # ------------------------------------------------------------------ static helpers
@@ -175,7 +199,8 @@ class Buffer(LowLatencyCalls):
         return torch.cpu.current_stream()
 
     def destroy(self) -> None:
-        """Release every ubep buffer of this facade (needs ``explicitly_destroy=True``)."""
+        """Release every ubep buffer of this facade, and the MPI group it made from ``comm``
+        (needs ``explicitly_destroy=True``, as DeepEP's; collective then)."""
         if not self.explicitly_destroy:
             raise InvalidArgumentError("explicitly_destroy", False, "must be set to call destroy()")
         for backend in self._backends.values():
@@ -184,36 +209,57 @@ class Buffer(LowLatencyCalls):
                 close()
         self._backends.clear()
         self._ll_combine_staging.clear()
+        self._raw.close()
+        if self._shrink is not None:
+            self._shrink.close()
+        if self._own_group is not None:
+            self._own_group.close()  # frees its MPI windows (collective, as DeepEP's destroy)
         self._destroyed = True
 
-    def clean_low_latency_buffer(
-        self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int
-    ) -> None:
-        """No-op: every ubep flag carries its call's epoch, so buffers never need cleaning."""
+    def get_local_buffer_tensor(
+        self,
+        dtype: torch.dtype,
+        size: torch.Size | None = None,
+        offset: int = 0,
+        use_rdma_buffer: bool = False,
+    ) -> torch.Tensor:
+        """This rank's raw buffer as a ``dtype`` tensor (DeepEP's): the NVL buffer of
+        ``num_nvl_bytes``, or with ``use_rdma_buffer`` the RDMA one of ``num_rdma_bytes``, from
+        byte ``offset``; the first ``size.numel()`` elements shaped ``size`` when given. The
+        memory is this rank's region of the group's shared memory, mapped by every peer; the
+        first request of each buffer maps it and is collective (``ubep.torch.deep_ep_memory``)."""
+        self._check_alive()
+        return self._raw.tensor(dtype, size, offset, use_rdma_buffer)
 
-    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
-        """Unmasking is a no-op (no rank is ever masked); ubep cannot mask a rank: a lost rank
-        fails every later call with ``PeerLostError`` instead."""
-        if mask:
-            raise NotImplementedError(
-                "ubep cannot mask a rank (DeepEP's shrink mode); a lost peer fails every later "
-                "call with ubep.PeerLostError (docs/PORTING.md)"
-            )
-
-    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
-        """Fill ``mask_status [num_ranks]`` with 0: no rank is masked."""
-        mask_status.zero_()
-
-    def low_latency_clean_mask_buffer(self) -> None:
-        """No-op: no rank is masked."""
-
-    def get_local_buffer_tensor(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        raise NotImplementedError(
-            "ubep does not expose a raw NVLink/RDMA buffer (docs/PORTING.md); "
-            "get_next_low_latency_combine_buffer gives the low-latency combine's input buffer"
-        )
+    def get_peer_buffer_tensor(
+        self,
+        rank: int,
+        dtype: torch.dtype,
+        size: torch.Size | None = None,
+        offset: int = 0,
+        use_rdma_buffer: bool = False,
+    ) -> torch.Tensor:
+        """ubep's addition: :meth:`get_local_buffer_tensor` of peer ``rank``, the memory DeepEP's
+        kernels reach through NVLink (one host; a view, so writes go both ways)."""
+        self._check_alive()
+        return self._raw.tensor(dtype, size, offset, use_rdma_buffer, rank=rank)
 
     # ------------------------------------------------------------------ internals
+    def _check_alive(self) -> None:
+        if self._destroyed:
+            raise InvalidArgumentError("self", "destroyed", "this Buffer was destroyed")
+
+    def _check_normal_mode(self) -> None:
+        if self._shrink is not None:
+            raise InvalidArgumentError(
+                "enable_shrink", True, "normal-mode dispatch/combine do not mask ranks (DeepEP's "
+                "shrink mode is its low-latency pair's): use a Buffer without enable_shrink")
+
+    def _collective(self, run: Callable[[], T]) -> T:
+        """Run one low-latency call; in shrink mode over the members (a rank lost in it is
+        masked, ubep.torch.deep_ep_shrink)."""
+        return run() if self._shrink is None else self._shrink.call(run)
+
     def _backend(
         self,
         layout: Layout,
@@ -226,34 +272,34 @@ class Buffer(LowLatencyCalls):
         quant: str | None = None,
         round_scale: bool = False,
     ) -> EPBackend:
-        if self._destroyed:
-            raise InvalidArgumentError("self", "destroyed", "this Buffer was destroyed")
+        self._check_alive()
         if isinstance(self._ep, LocalBackend):
             return self._ep.with_layout(layout)
         key = (layout, hidden, num_topk, num_experts, dtype, max_tokens, combine_dtype, quant,
                round_scale)
-        if key not in self._backends:
-            from ._runtime import make_backend, ubep_dtype_name
+        cached = self._backends.get(key)
+        if cached is not None and (
+            self._shrink is None or self._shrink.current(getattr(cached, "buffer", None))
+        ):
+            return cached
+        from ._runtime import buffer_config, make_backend, ubep_dtype_name
 
-            options = dict(self.ubep_options)
-            if combine_dtype is not None:
-                options["combine_dtype"] = ubep_dtype_name(combine_dtype)
-            if quant is not None:
-                options.update(quant=quant, quant_round_scale=round_scale)
-            one_byte = dtype in (torch.uint8, torch.int8) or quant is not None
-            if one_byte and options.get("sync") == "sp":
-                # FP8 rows have no free bit pattern for SP's sentinel: use token-flag fusion.
-                options["sync"] = "tff"
-            self._backends[key] = make_backend(
-                self._ep,
-                hidden=hidden,
-                num_topk=num_topk,
-                num_experts=num_experts,
-                dtype=dtype,
-                max_tokens_per_rank=max_tokens,
-                layout=layout,
-                **options,
-            )
+        options = dict(self.ubep_options)
+        if combine_dtype is not None:
+            options["combine_dtype"] = ubep_dtype_name(combine_dtype)
+        if quant is not None:
+            options.update(quant=quant, quant_round_scale=round_scale)
+        one_byte = dtype in (torch.uint8, torch.int8) or quant is not None
+        if one_byte and options.get("sync") == "sp":
+            # FP8 rows have no free bit pattern for SP's sentinel: use token-flag fusion.
+            options["sync"] = "tff"
+        shape = dict(hidden=hidden, num_topk=num_topk, num_experts=num_experts, dtype=dtype,
+                     max_tokens_per_rank=max_tokens, layout=layout, **options)
+        if self._shrink is None:
+            self._backends[key] = make_backend(self._ep, **shape)
+        else:  # over the members (a shrink-mode facade: ubep.torch.deep_ep_shrink)
+            config = buffer_config(on_peer_loss="mask", **shape)
+            self._backends[key] = MaskedBackend(self._shrink.build(config))
         return self._backends[key]
 
     def _send(
@@ -278,6 +324,25 @@ class Buffer(LowLatencyCalls):
         already FP8) values and scales travel as they are. The in-process world has no
         engine: values and scales take two of its (reference) dispatches.
         """
+        if self._shrink is not None:  # masking Buffers run blocking calls
+            shrink = self._shrink
+            return shrink.call(lambda: self._send_rows(layout, x, scales, idx, w, num_experts,
+                                                        max_tokens, False, round_scale))
+        return self._send_rows(layout, x, scales, idx, w, num_experts, max_tokens, split,
+                               round_scale)
+
+    def _send_rows(
+        self,
+        layout: Layout,
+        x: torch.Tensor,
+        scales: torch.Tensor | None,
+        idx: np.ndarray,
+        w: np.ndarray,
+        num_experts: int,
+        max_tokens: int,
+        split: bool,
+        round_scale: bool | None,
+    ) -> tuple[Callable[[], tuple[Any, np.ndarray | None]], EPBackend]:
         send = functools.partial(issue_dispatch, split=split)
         shape = (layout, x.shape[1], idx.shape[1], num_experts)
         fp8 = round_scale is not None or scales is not None
@@ -333,13 +398,18 @@ class Buffer(LowLatencyCalls):
         previous_event: EventOverlap | None = None,
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
-    ) -> tuple[torch.Tensor, None, torch.Tensor, torch.Tensor, EventOverlap]:
-        """``(num_tokens_per_rank, num_tokens_per_rdma_rank=None, num_tokens_per_expert,
-        is_token_in_rank, event)``; counts are int32 like DeepEP's."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, EventOverlap]:
+        """``(num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert,
+        is_token_in_rank, event)``; counts are int32 like DeepEP's. ``num_tokens_per_rdma_rank``
+        (tokens per host) is None when the group is on one host, as DeepEP's intranode one."""
         lay = _layout(to_numpy(topk_idx, argument="topk_idx"), num_experts, self.group_size)
+        per_host = None
+        if self._num_hosts() > 1:
+            per_host = torch.from_numpy(
+                self._tokens_per_host(lay.is_token_in_rank).sum(axis=0).astype(np.int32))
         return (
             torch.from_numpy(lay.num_tokens_per_rank.astype(np.int32)),
-            None,
+            per_host,
             torch.from_numpy(lay.num_tokens_per_expert.astype(np.int32)),
             torch.from_numpy(lay.is_token_in_rank),
             _event(async_finish),
@@ -372,6 +442,38 @@ class Buffer(LowLatencyCalls):
         ``num_worst_tokens > 0`` the outputs have that many rows (the received ones first,
         ``recv_topk_idx`` -1 after them) and the per-expert list is empty.
         """
+        self._check_normal_mode()
+        if isinstance(handle, InternodeHandle) or (self._num_hosts() > 1 and handle is None):
+            # the group spans hosts: DeepEP's internode path (it refuses num_worst_tokens there)
+            if num_worst_tokens:
+                raise InvalidArgumentError("num_worst_tokens", num_worst_tokens,
+                                           "internode dispatch does not support it (as DeepEP)")
+            return self.internode_dispatch(
+                x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, config,
+                previous_event, async_finish, allocate_on_comm_stream)
+        return self._normal_dispatch(
+            x, handle, num_tokens_per_rank=num_tokens_per_rank,
+            num_tokens_per_rdma_rank=num_tokens_per_rdma_rank, is_token_in_rank=is_token_in_rank,
+            num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx,
+            topk_weights=topk_weights, expert_alignment=expert_alignment,
+            num_worst_tokens=num_worst_tokens, async_finish=async_finish)
+
+    def _normal_dispatch(
+        self,
+        x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        handle: NormalHandle | None,
+        *,
+        num_tokens_per_rank: torch.Tensor | None = None,
+        num_tokens_per_rdma_rank: torch.Tensor | None = None,
+        is_token_in_rank: torch.Tensor | None = None,
+        num_tokens_per_expert: torch.Tensor | None = None,
+        topk_idx: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+        expert_alignment: int = 1,
+        num_worst_tokens: int = 0,
+        async_finish: bool = False,
+    ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, list[int] | None, Any, EventOverlap]:
         scales: torch.Tensor | None = None
         if isinstance(x, tuple):
             x, scales = x
@@ -379,8 +481,8 @@ class Buffer(LowLatencyCalls):
             return self._cached_dispatch(x, scales, handle, topk_idx, topk_weights, async_finish)
         route, summaries = self._agree(
             lambda: self._route(
-                x, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
-                num_tokens_per_expert, num_worst_tokens,
+                x, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                is_token_in_rank, num_tokens_per_expert, num_worst_tokens,
             ),
             lambda r: [
                 [int(v) for v in r.is_token_in_rank.sum(axis=0)],
@@ -428,6 +530,7 @@ class Buffer(LowLatencyCalls):
         topk_idx: torch.Tensor | None,
         topk_weights: torch.Tensor | None,
         num_tokens_per_rank: torch.Tensor | None,
+        num_tokens_per_rdma_rank: torch.Tensor | None,
         is_token_in_rank: torch.Tensor | None,
         num_tokens_per_expert: torch.Tensor | None,
         num_worst_tokens: int,
@@ -471,6 +574,8 @@ class Buffer(LowLatencyCalls):
             self._check_given("num_tokens_per_expert", per_expert, lay.num_tokens_per_expert)
             self._check_given("is_token_in_rank", is_token_in_rank, lay.is_token_in_rank)
             self._check_given("num_tokens_per_rank", num_tokens_per_rank, lay.num_tokens_per_rank)
+            self._check_given("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank,
+                              self._tokens_per_host(lay.is_token_in_rank).sum(axis=0))
             return _Route(idx, w, lay.is_token_in_rank, per_expert, num_experts, True)
         if is_token_in_rank is None:
             raise InvalidArgumentError(
@@ -482,6 +587,8 @@ class Buffer(LowLatencyCalls):
                 "is_token_in_rank", in_rank.shape, f"must be [num_tokens={T}, num_ranks={R}]"
             )
         self._check_given("num_tokens_per_rank", num_tokens_per_rank, in_rank.sum(axis=0))
+        self._check_given("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank,
+                          self._tokens_per_host(in_rank).sum(axis=0))
         # One column per rank holding that rank's first expert: ubep's rank layout then sends
         # exactly one row per marked (token, rank), as DeepEP does from is_token_in_rank.
         first = np.arange(R, dtype=np.int64) * (num_experts // R)
@@ -570,7 +677,22 @@ class Buffer(LowLatencyCalls):
     ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:
         """Normal-mode combine (sum without weights): ``(combined_x, combined_topk_weights,
         event)``; ``topk_weights [rows, num_topk]`` are summed the same way (float32). ``x`` has
-        one row per received row (or ``num_worst_tokens`` rows, the padding ignored)."""
+        one row per received row (or ``num_worst_tokens`` rows, the padding ignored). An
+        :class:`InternodeHandle` goes to :meth:`internode_combine`, as in DeepEP."""
+        self._check_normal_mode()
+        if isinstance(handle, InternodeHandle):
+            return self.internode_combine(x, handle, topk_weights, bias, config, previous_event,
+                                          async_finish, allocate_on_comm_stream)
+        return self._normal_combine(x, handle, topk_weights, bias, async_finish)
+
+    def _normal_combine(
+        self,
+        x: torch.Tensor,
+        handle: NormalHandle,
+        topk_weights: torch.Tensor | None,
+        bias: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None,
+        async_finish: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:
         if not isinstance(handle, NormalHandle):
             raise InvalidArgumentError(
                 "handle", type(handle).__name__, "must be the handle a normal dispatch returned"

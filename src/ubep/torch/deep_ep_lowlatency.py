@@ -39,7 +39,9 @@ def combine_input(handle: LowLatencyHandle, source: torch.Tensor) -> np.ndarray:
         raise InvalidArgumentError(
             "x", tuple(source.shape), f"must be [{len(counts)}, slots, {hidden}]"
         )
-    buffer = getattr(handle.backend, "buffer", None)
+    # a masking Buffer re-orders a handle's rows after a loss: no packing into its buffer
+    zero_copy = getattr(handle.backend, "zero_copy", True)
+    buffer = getattr(handle.backend, "buffer", None) if zero_copy else None
     if buffer is not None:
         rows = np.asarray(buffer.get_combine_buffer(handle.inner))
     else:
@@ -117,6 +119,7 @@ class LowLatencyCalls:
     group_size: int
     _ll_combine_staging: dict[tuple[int, int, int], torch.Tensor]
     _send: Callable[..., tuple[Callable[[], tuple[Any, np.ndarray | None]], EPBackend]]
+    _collective: Callable[[Callable[[], Any]], Any]
 
     def low_latency_dispatch(
         self,
@@ -263,9 +266,10 @@ class LowLatencyCalls:
                 )
             source = staging
         rows = combine_input(handle, source)
-        split = async_finish or return_recv_hook
-        call = issue_combine(handle.backend, rows, handle.inner, w, split=split)
-        if not split:
+        split = (async_finish or return_recv_hook) and getattr(handle.backend, "can_split", True)
+        call = self._collective(
+            lambda: issue_combine(handle.backend, rows, handle.inner, w, split=split))
+        if not (async_finish or return_recv_hook):
             y = from_numpy(call.hook(), source.dtype)
             if out is not None:
                 out.copy_(y)

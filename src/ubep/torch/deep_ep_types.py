@@ -13,7 +13,9 @@ import torch
 
 from .backend import EPBackend
 
-__all__ = ["Config", "EventHandle", "EventOverlap", "LowLatencyHandle", "NormalHandle"]
+__all__ = [
+    "Config", "EventHandle", "EventOverlap", "InternodeHandle", "LowLatencyHandle", "NormalHandle",
+]
 
 
 class EventHandle:
@@ -196,3 +198,65 @@ class _Route:
     num_tokens_per_expert: np.ndarray  # [num_experts] int64
     num_experts: int
     with_topk: bool
+
+
+@dataclass(frozen=True, eq=False)
+class InternodeHandle(_DeepEPTuple):
+    """What ``internode_dispatch`` returns as ``handle`` (and ``dispatch`` when the group spans
+    hosts); ``internode_combine`` and cached dispatch take it.
+
+    Indexes like DeepEP's ``(is_token_in_rank, rdma_channel_prefix_matrix,
+    gbl_channel_prefix_matrix, recv_rdma_channel_prefix_matrix, recv_rdma_rank_prefix_sum,
+    recv_gbl_channel_prefix_matrix, recv_gbl_rank_prefix_sum, recv_src_meta, send_rdma_head,
+    send_nvl_head)``. DeepEP's "RDMA ranks" are hosts here (``H`` of them; ``P`` ranks per
+    host), and every row goes straight from its source rank to its destination rank in one
+    channel (DeepEP forwards through the rank of the same local index on the destination
+    host), so the fields describe the direct path:
+
+    Attributes:
+        is_token_in_rank: ``[num_tokens, num_ranks]`` bool, where this rank's tokens went.
+        rdma_channel_prefix_matrix: ``[H, 1]`` int32, tokens this rank sent to each host.
+        gbl_channel_prefix_matrix: ``[num_ranks, 1]`` int32, tokens this rank sent to each rank.
+        recv_rdma_channel_prefix_matrix: ``[H, 1]`` int32, rows this rank received from each
+            host.
+        recv_rdma_rank_prefix_sum: ``[H]`` int32, their inclusive prefix sum over hosts.
+        recv_gbl_channel_prefix_matrix: ``[num_ranks, 1]`` int32, the first row of each source
+            rank's block in ``recv_x``.
+        recv_gbl_rank_prefix_sum: ``[num_ranks]`` int32, inclusive prefix sum of the rows from
+            each source rank: rows from rank ``i`` are ``recv_x[s[i-1]:s[i]]`` (DeepEP's
+            ``handle[-4]``).
+        recv_src_meta: ``[num_recv_tokens, 8]`` uint8, per row two int32 (DeepEP's
+            ``SourceMeta``): the source host, and a bit per rank of this host (local index)
+            that received the same token.
+        send_rdma_head: ``[num_tokens, H]`` int32, the token's index among the tokens this rank
+            sent to that host, -1 if none went there.
+        send_nvl_head: ``[num_recv_tokens, P]`` int32, for each received row, the row of the
+            same token in ``recv_x`` of each rank of this host (local index), -1 where it did
+            not go.
+        base: the rank-layout handle the rows went through (:class:`NormalHandle`).
+    """
+
+    _TUPLE_FIELDS: ClassVar[tuple[str, ...]] = (
+        "is_token_in_rank",
+        "rdma_channel_prefix_matrix",
+        "gbl_channel_prefix_matrix",
+        "recv_rdma_channel_prefix_matrix",
+        "recv_rdma_rank_prefix_sum",
+        "recv_gbl_channel_prefix_matrix",
+        "recv_gbl_rank_prefix_sum",
+        "recv_src_meta",
+        "send_rdma_head",
+        "send_nvl_head",
+    )
+
+    is_token_in_rank: torch.Tensor
+    rdma_channel_prefix_matrix: torch.Tensor
+    gbl_channel_prefix_matrix: torch.Tensor
+    recv_rdma_channel_prefix_matrix: torch.Tensor
+    recv_rdma_rank_prefix_sum: torch.Tensor
+    recv_gbl_channel_prefix_matrix: torch.Tensor
+    recv_gbl_rank_prefix_sum: torch.Tensor
+    recv_src_meta: torch.Tensor
+    send_rdma_head: torch.Tensor
+    send_nvl_head: torch.Tensor
+    base: NormalHandle = field(repr=False)

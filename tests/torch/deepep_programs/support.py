@@ -42,8 +42,14 @@ class Sizes:
         return self.num_tokens + rank
 
 
-def parse_args(description: str, defaults: Sizes) -> argparse.Namespace:
+def parse_args(
+    description: str, defaults: Sizes,
+    more: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> argparse.Namespace:
+    """The programs' options (``more`` adds a program's own)."""
     parser = argparse.ArgumentParser(description=description)
+    if more is not None:
+        more(parser)
     parser.add_argument("--num-processes", type=int, default=2, help="ranks to spawn")
     parser.add_argument("--num-tokens", type=int, default=defaults.num_tokens)
     parser.add_argument("--hidden", type=int, default=defaults.hidden)
