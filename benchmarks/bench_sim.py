@@ -15,7 +15,7 @@ from ubep.sched.combine import combine_plans
 from ubep.sim.analytic import run_analytic
 from ubep.sim.calib import load_fabric, topology_for
 from ubep.sim.spec import build_spec
-from ubep.sim.workload import CANN_EP, UBEP, Workload, plans_for, run_case
+from ubep.sim.workload import CANN_EP, UBEP, Workload, clear_plans, plans_for, run_case
 
 
 def main() -> None:
@@ -29,7 +29,7 @@ def main() -> None:
         w = Workload()
 
         def plan(system=system, w=w):  # type: ignore[no-untyped-def]
-            plans_for.cache_clear()
+            clear_plans()
             return plans_for(w, system, topo, fab)
 
         plans = plan()
@@ -40,7 +40,7 @@ def main() -> None:
             return run_analytic(spec, topo, fab)
 
         def both(system=system, w=w):  # type: ignore[no-untyped-def]
-            plans_for.cache_clear()
+            clear_plans()
             return run_case(w, system, topo, fab)
 
         for label, fn in (("plan x256", plan), ("simulate", sim), ("plan + simulate", both)):

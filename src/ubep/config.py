@@ -19,12 +19,14 @@ from .errors import InvalidArgumentError
 from .expert_map import ExpertMap
 from .modes import (
     ENGINES,
+    INTEGRITY,
     LAYOUTS,
     PEER_LOSS,
     POLICIES,
     QUANTS,
     SYNCS,
     Engine,
+    Integrity,
     Layout,
     PeerLoss,
     Policy,
@@ -74,6 +76,12 @@ class BufferConfig:
         sync: ``"sw"``, ``"tff"``, ``"dc"`` or ``"sp"`` (docs/FORMATS.md; SP needs a float
             payload: 1-byte types have no free sentinel), or ``"auto"`` (the default): the
             fastest on this kind of machine, resolved at construction (:data:`AUTO_SYNC`).
+        integrity: ``"off"`` (the default) or ``"checksum"``: every row's sender writes a
+            64-bit checksum of it (with the call and the row's position) beside the row, its
+            receiver checks it, in dispatch (the rows in ``recv_x``) and in combine (the expert
+            outputs it pulls), and every rank waits for every other's check before it returns:
+            a row changed between send and receive fails the call on every rank, which then
+            needs ``resync()`` (docs/INTEGRITY.md). The one-host engine only.
 
     Execution:
         num_cores: cores (threads) per rank; ``None`` = the group topology's ``cores_per_rank``.
@@ -113,6 +121,7 @@ class BufferConfig:
     layout: Layout = "expert"
     engine: Engine = "asp"
     sync: SyncChoice = "auto"
+    integrity: Integrity = "off"
     # --- execution
     num_cores: int | None = None
     threads: bool | None = None
@@ -190,6 +199,7 @@ class BufferConfig:
         _choice("layout", self.layout, LAYOUTS)
         _choice("engine", self.engine, ENGINES)
         _choice("sync", self.sync, (*SYNCS, "auto"))
+        _choice("integrity", self.integrity, INTEGRITY)
         if self.sync == "auto":
             object.__setattr__(self, "sync", AUTO_SYNC)
         if self.sync == "sp" and self.quant is not None:

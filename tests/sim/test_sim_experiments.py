@@ -46,3 +46,21 @@ def test_run_command_and_bad_experiment(tmp_path: Path) -> None:
     assert {s["task"] for s in data["spans"]} >= {"init", "send", "consume"}
     with pytest.raises(InvalidArgumentError):
         run_experiment("fig99")
+
+
+def test_report_shows_the_stored_fit(tmp_path: Path) -> None:
+    from ubep.sim.calib import load_calibration
+    from ubep.sim.fit import training_set
+
+    assert main(["sim", "report", "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "fit.md").read_text()
+    fit = load_calibration()["fabrics"]["cm384"]["fit"]
+    # One row per training point, with its residual and leave-one-out error as stored.
+    for point, row in zip(training_set(), fit["training"], strict=True):
+        assert row["name"] == point.name
+        line = next(ln for ln in text.splitlines() if ln.startswith(f"| {point.name} |"))
+        assert f"{row['residual']:+.2f}" in line
+        assert (abs(row["residual"]) <= 1) == ("| yes /" in line)
+    for name, c in fit["constants"].items():
+        assert f"| {name} | {c['kind']} |" in text
+    assert (tmp_path / "fit_training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

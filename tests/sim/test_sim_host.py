@@ -11,7 +11,14 @@ import pytest
 
 from ubep.errors import InvalidArgumentError
 from ubep.routing import uniform_topk
-from ubep.sim.calib import AIV_ASSUMPTIONS, aiv_costs, fabric_variants, load_fabric
+from ubep.sim.calib import (
+    AIV_ASSUMPTIONS,
+    aiv_costs,
+    fabric_variants,
+    load_calibration,
+    load_fabric,
+    use_fit,
+)
 from ubep.sim.experiments import exchange_latency_ns
 from ubep.sim.host import HostCase, canonical_plans, combine_row_map, predict_host
 from ubep.sim.workload import UBEP, Workload, run_case
@@ -88,12 +95,21 @@ def test_aiv_costs_formulas_and_stored_constants() -> None:
     assert got["count_expert_ns"] == pytest.approx(5.0)
     assert got["count_pick_ns"] == pytest.approx(4.0 / 256 / 2.0)
     assert got["cumsum_entry_ns"] == pytest.approx(6 * 10.0 / 64 / 2.0)
-    # calib.json's derived constants are the formulas at the nominal assumptions
+    # calib.json's derived constants are the formulas at the fitted assumptions, and at the
+    # first-principles ones without the fit
+    fitted = load_calibration()["fabrics"]["cm384"]["fit"]["values"]
+    fab = load_fabric("cm384")
+    for name, value in aiv_costs(fitted["aiv_clock_ghz"], fitted["vector_instr_cycles"]).items():
+        assert getattr(fab, name) == pytest.approx(value)
     nominal = aiv_costs(AIV_ASSUMPTIONS["aiv_clock_ghz"]["value"],
                         AIV_ASSUMPTIONS["vector_instr_cycles"]["value"])
-    fab = load_fabric("cm384")
+    use_fit(False)
+    try:
+        first = load_fabric("cm384")
+    finally:
+        use_fit(True)
     for name, value in nominal.items():
-        assert getattr(fab, name) == pytest.approx(value)
+        assert getattr(first, name) == pytest.approx(value)
     for a in AIV_ASSUMPTIONS.values():
         lo, hi = a["range"]
         assert lo <= a["value"] <= hi and a["kind"] == "assumed" and a["source"]
@@ -114,9 +130,15 @@ def test_exchange_microbenchmark_sw_pays_a_round_trip() -> None:
     topo = cm384(16)
     fab = load_fabric("cm384")
     sw, sp = (exchange_latency_ns(topo, fab, s, 100) for s in ("sw", "sp"))
-    # SW: fence (2 L) + flag flight (L) on top of the store's flight; SP: the flight alone.
-    two_hop = topo.latency_ns[1]
-    assert sw - sp >= 2 * two_hop - 1e-6
+    # SW: its share of a round trip as a fence, then the flag, whose flight follows; SP: the
+    # store's flight, then one sentinel check and the reset of the 100 B row.
+    one_hop = topo.latency_ns[1]
+    sp_extra = fab.vector_op_ns + 100 / fab.core_bandwidth_gbps
+    assert sw - sp >= fab.fence_rtt_fraction * 2 * one_hop + fab.flag_ns - sp_extra - 1e-6
+    full = fab.with_values(fence_rtt_fraction=1.0)
+    sw_full = exchange_latency_ns(topo, full, "sw", 100)
+    assert sw_full - sw == pytest.approx((1 - fab.fence_rtt_fraction)
+                                         * (2 * one_hop + 100 / topo.bandwidth_gbps[1]))
 
 
 @pytest.mark.parametrize(("ranks", "layout"), [(2, "expert"), (2, "rank"), (4, "rank")])

@@ -186,6 +186,10 @@ class Buffer(InFlightCalls, ArgChecks):
                                    background=background)
             self._engine = self._native.Engine(params, mem.addresses, mem.pids, mem.start_times)
         else:
+            if self.config.integrity != "off":  # the same on every rank: all peers remote
+                raise InvalidArgumentError(
+                    "integrity", self.config.integrity,
+                    "row checksums are implemented by the one-host engine only (docs/INTEGRITY.md)")
             self._engine = mem.make_engine(self.config, lay)  # peers on other hosts (ubep.mpi)
         self._engine.reset_all()
         # Every peer has mapped every segment once this barrier completes: unlink the names so

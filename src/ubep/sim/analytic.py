@@ -99,6 +99,13 @@ def _ps_times(spec: OpSpec, fabric: FabricModel, t0: float) -> tuple[np.ndarray,
     order = np.argsort(core_total, axis=1, kind="stable")
     core_end = np.empty_like(core_total)
     np.put_along_axis(core_end, order, np.where(levels > 0, tau, t0), axis=1)
+    # A core's own stalls (fences) delay its later units by their running sum; the shared work
+    # above is timed as if the core kept its share meanwhile (docs/SIMULATOR.md 1.2).
+    if spec.unit_stall_ns.any():
+        stalls = np.concatenate(([0.0], np.cumsum(spec.unit_stall_ns)))
+        unit_end = unit_end + stalls[1:] - stalls[spec.core_ptr[:-1]][unit_cell]
+        core_stall = (stalls[spec.core_ptr[1:]] - stalls[spec.core_ptr[:-1]]).reshape(R, n_s)
+        core_end = core_end + core_stall
     return unit_end, core_end
 
 
@@ -155,17 +162,32 @@ def _chunk_entries(spec: OpSpec, topology: Topology, start: np.ndarray) -> tuple
 
 
 def _poll_scan(spec: OpSpec, recv: np.ndarray, poll: np.ndarray, land: np.ndarray,
-               core_start: np.ndarray, poll_ns: float) -> np.ndarray:
-    """``[R, n]`` when each poll core has seen all of its entries (stop-and-wait scan in static
-    order: ``v = max(v, land) + poll_ns``), starting at ``core_start [R, n]``."""
+               core_start: np.ndarray, poll_ns: float, lanes: int = 1) -> np.ndarray:
+    """``[R, n]`` when each poll core has seen all of its entries: a stop-and-wait scan in
+    static order, ``lanes`` entries per poll (``v = max(v, last land of the block) +
+    poll_ns``), starting at ``core_start [R, n]``."""
     done = core_start.copy()
     if recv.size:
         cell = recv * spec.cores_per_rank + poll
+        if lanes > 1:  # entries of a cell are consecutive: cut them into blocks of `lanes`
+            starts = np.flatnonzero(np.concatenate(([True], cell[1:] != cell[:-1])))
+            index = np.arange(cell.size) - np.repeat(starts, np.diff(np.append(starts,
+                                                                               cell.size)))
+            block = _dense(cell * (cell.size + 1) + index // lanes)
+            size = int(block[-1]) + 1
+            land = _group_max(block, land, size)
+            cell = _first_of_block(cell, block, size)
         fin = _fifo(cell, land, np.full(land.size, poll_ns), core_start.ravel()[cell])
         flat = done.ravel()
         np.maximum.at(flat, cell, fin)
         done = flat.reshape(done.shape)
     return done
+
+
+def _first_of_block(values: np.ndarray, block: np.ndarray, size: int) -> np.ndarray:
+    out = np.zeros(size, dtype=values.dtype)
+    out[block[::-1]] = values[::-1]
+    return out
 
 
 def run_analytic(spec: OpSpec, topology: Topology, fabric: FabricModel) -> SimResult:
@@ -190,6 +212,8 @@ def run_analytic(spec: OpSpec, topology: Topology, fabric: FabricModel) -> SimRe
     flat_land = np.zeros(R * n_s)
     np.maximum.at(flat_land, cell, land)
     core_land = flat_land.reshape(R, n_s)
+    flat_ack = np.zeros(R * n_s)
+    np.maximum.at(flat_ack, cell, ack)
 
     avail = np.full((R, n), t0)  # when each core may start consuming items
     offsets_ready = np.full(R, -np.inf)
@@ -202,7 +226,8 @@ def run_analytic(spec: OpSpec, topology: Topology, fabric: FabricModel) -> SimRe
         flag_end = _phase_ends(spec, b1)
         parts.append(("flag", rr.ravel(), cc.ravel(), np.repeat(b1, n), flag_end.ravel()))
         recv, poll, eland = _chunk_entries(spec, topology, b1)
-        ver_end = _poll_scan(spec, recv, poll, eland, flag_end, fabric.poll_ns)
+        ver_end = _poll_scan(spec, recv, poll, eland, flag_end, fabric.poll_ns,
+                             fabric.poll_lanes)
         parts.append(("verify", rr.ravel(), cc.ravel(), flag_end.ravel(), ver_end.ravel()))
         b2 = ver_end.max(axis=1) + fabric.barrier_ns
         parts.append(("barrier", rr.ravel(), cc.ravel(), ver_end.ravel(), np.repeat(b2, n)))
@@ -222,7 +247,8 @@ def run_analytic(spec: OpSpec, topology: Topology, fabric: FabricModel) -> SimRe
             parts.append(("count", cr.ravel(), ccore.ravel(), np.full(cr.size, t0),
                           count_end[:, cores].ravel()))
             recv, poll, eland = _chunk_entries(spec, topology, starts)
-            ver_end = _poll_scan(spec, recv, poll, eland, count_end, fabric.poll_ns)
+            ver_end = _poll_scan(spec, recv, poll, eland, count_end, fabric.poll_ns,
+                                 fabric.poll_lanes)
             parts.append(("verify", cr.ravel(), ccore.ravel(), count_end[:, cores].ravel(),
                           ver_end[:, cores].ravel()))
             cum_start = ver_end[:, cores].max(axis=1)
@@ -248,6 +274,7 @@ def run_analytic(spec: OpSpec, topology: Topology, fabric: FabricModel) -> SimRe
         timeline=TaskTimeline.build(parts), unit_end_ns=unit_end, unit_land_ns=land,
         unit_ready_ns=ready, core_send_end_ns=np.where(has, core_end, 0.0),
         core_land_end_ns=core_land, item_end_ns=item_end, consume_work_ns=consume_work,
+        core_ack_end_ns=flat_ack.reshape(R, n_s),
     )
 
 

@@ -30,6 +30,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 from ..topology import Topology, cm384, host, nvl72, nvl576
+from .assumed import AIV_ASSUMPTIONS, ASSUMED, COST_SIGN, aiv_costs, apply_assumed
 from .fabric import FAMILIES, FabricModel
 from .workload import CANN_EP, System, Workload, run_case
 
@@ -92,78 +93,39 @@ class Residual:
 # ----------------------------------------------------------------------------------------------
 # UBEP's own vector work, derived from the AIV's width and clock (docs/SIMULATOR.md, 3.1)
 
-# Public Ascend 910-class figures. DaVinci vector unit: 2048 bit = 256 B per cycle (Liao et al.,
-# "DaVinci: A Scalable Architecture for Neural Network Computing", Hot Chips 31, 2019). Clock:
-# Ascend 910 runs its DaVinci cores at 1.0 GHz (256 TFLOPS FP16 = 32 cores x 16^3 MACs x 2 x
-# 1 GHz, Huawei Ascend 910 announcement, 2019); later 910B/910C parts are reported at up to
-# ~1.8 GHz: the clock is an assumed range. The fixed issue-to-result latency of one vector
-# instruction (scalar unit dispatch, UB access, pipeline drain) is not public: assumed range.
-AIV_VECTOR_BYTES = 256
-AIV_ASSUMPTIONS: dict[str, dict[str, Any]] = {
-    "aiv_clock_ghz": {
-        "value": 1.4, "range": [1.0, 1.8], "kind": "assumed",
-        "source": "Ascend 910 DaVinci cores at 1.0 GHz (2019 announcement: 256 TFLOPS FP16 = 32 "
-                  "cores x 4096 MACs x 2 x 1 GHz); 910B/910C reported up to ~1.8 GHz; nominal "
-                  "= midpoint",
-    },
-    "vector_instr_cycles": {
-        "value": 24.0, "range": [8.0, 64.0], "kind": "assumed",
-        "source": "fixed latency of one vector instruction (dispatch by the scalar unit, UB "
-                  "read, pipeline): not public; range from a short SIMD pipeline (8) to one "
-                  "with a UB round trip per instruction (64); nominal ~ geometric mean",
-    },
-}
-
-
-def aiv_costs(clock_ghz: float, instr_cycles: float) -> dict[str, float]:
-    """UBEP's per-operation vector costs (ns) from the AIV clock and instruction latency.
-
-    * ``vector_op_ns``: one compare / checksum step over one 512 B atomic block's 32 B marker:
-      one vector instruction (``instr_cycles``) plus ``ceil(32 / 256)`` = 1 cycle of data;
-    * ``count_expert_ns`` + ``count_pick_ns`` per pick: a VectorCount of one expert id over the
-      rank's ``T x K`` int32 picks: one instruction plus ``4 T K / 256`` cycles;
-    * ``cumsum_entry_ns``: a prefix sum over ``R x L`` int32 counts in 64-lane vectors takes
-      ``log2(64) = 6`` dependent instructions per 64 entries.
-    """
-    if not clock_ghz > 0 or not instr_cycles >= 0:
-        raise InvalidArgumentError("clock_ghz", (clock_ghz, instr_cycles), "must be > 0, >= 0")
-    cycle = 1.0 / clock_ghz
-    lanes = AIV_VECTOR_BYTES // 4
-    return {
-        "vector_op_ns": (instr_cycles + 1.0) * cycle,
-        "count_expert_ns": instr_cycles * cycle,
-        "count_pick_ns": 4.0 / AIV_VECTOR_BYTES * cycle,
-        "cumsum_entry_ns": 6.0 * instr_cycles / lanes * cycle,
-    }
-
-
 def fabric_variants(family: str = "cm384") -> dict[str, FabricModel]:
-    """The fabric at the nominal assumptions and at the corners of their ranges.
+    """The fabric at the nominal assumed constants and at the two ends of their spread.
 
-    Keys: ``nominal``, ``low`` (every assumption at its cheap end), ``high`` (every one at its
-    costly end) and, per assumption ``a``, ``a:low`` / ``a:high`` (that one moved alone) for
-    the sensitivity tables. Every derived cost grows with the instruction latency and falls
-    with the clock, and every latency the model computes is non-decreasing in every cost, so
-    ``low`` / ``high`` bound the prediction over the whole box of assumptions.
+    Keys: ``nominal``, ``low`` (every assumed constant at its cheap end), ``high`` (every one
+    at its costly end) and, per constant ``a``, ``a:low`` / ``a:high`` (that one moved alone)
+    for the sensitivity tables. After ``ubep sim calibrate`` the nominal values are the fitted
+    ones and the ends are the spread of the leave-one-out fits (the fit's own uncertainty);
+    without a fit (or under ``use_fit(False)``) they are the first-principles values and the
+    documented ranges. Every cost grows with each constant in its cost direction, and every
+    latency the model computes is non-decreasing in every cost, so ``low`` / ``high`` bound
+    the prediction over the box (up to Appendix A's re-partition, which is not monotone).
     """
     base = load_fabric(family)
     if family != "cm384":
         return {"nominal": base, "low": base, "high": base}
-    nominal = {k: float(v["value"]) for k, v in AIV_ASSUMPTIONS.items()}
-    cheap = {"aiv_clock_ghz": 1, "vector_instr_cycles": 0}  # index of the cheap end of a range
+    fitted = load_calibration()["fabrics"]["cm384"].get("fit") if _USE_FIT[0] else None
+    if fitted:
+        nominal = {k: float(v) for k, v in fitted["values"].items()}
+        ends = {k: (float(min(v)), float(max(v))) for k, v in fitted["loo_spread"].items()}
+    else:
+        nominal = {k: float(a["value"]) for k, a in ASSUMED.items()}
+        ends = {k: (float(a["range"][0]), float(a["range"][1])) for k, a in ASSUMED.items()}
 
-    def at(values: dict[str, float]) -> FabricModel:
-        return base.with_values(**aiv_costs(values["aiv_clock_ghz"],
-                                            values["vector_instr_cycles"]))
+    def end(name: str, costly: bool) -> float:
+        lo, hi = ends[name]
+        return hi if (COST_SIGN[name] > 0) == costly else lo
 
-    out = {"nominal": at(nominal)}
-    for end, name in ((0, "low"), (1, "high")):
-        vals = {k: float(AIV_ASSUMPTIONS[k]["range"][cheap[k] if end == 0 else 1 - cheap[k]])
-                for k in nominal}
-        out[name] = at(vals)
+    out = {"nominal": apply_assumed(base, nominal)}
+    out["low"] = apply_assumed(base, {k: end(k, False) for k in nominal})
+    out["high"] = apply_assumed(base, {k: end(k, True) for k in nominal})
     for k in nominal:
-        for end, name in ((cheap[k], "low"), (1 - cheap[k], "high")):
-            out[f"{k}:{name}"] = at({**nominal, k: float(AIV_ASSUMPTIONS[k]["range"][end])})
+        out[f"{k}:low"] = apply_assumed(base, {**nominal, k: end(k, False)})
+        out[f"{k}:high"] = apply_assumed(base, {**nominal, k: end(k, True)})
     return out
 
 
@@ -264,6 +226,15 @@ def targets(family: str) -> list[Target]:
 # The data file
 
 
+_USE_FIT = [True]
+
+
+def use_fit(flag: bool) -> None:
+    """``False``: :func:`load_fabric` and :func:`fabric_variants` give the first-principles
+    values of the assumed constants (``ubep sim all --no-fit``) instead of the fitted ones."""
+    _USE_FIT[0] = bool(flag)
+
+
 @lru_cache(maxsize=4)
 def _read(path: str) -> dict[str, Any]:
     with open(path, encoding="utf-8") as fh:
@@ -290,7 +261,10 @@ def load_fabric(family: str, path: Path | None = None) -> FabricModel:
     entry = fabrics[family]
     if "same_as" in entry:
         return fabric_for(fabrics[entry["same_as"]], family)
-    return fabric_for(entry, family)
+    fabric = fabric_for(entry, family)
+    if family == "cm384" and not _USE_FIT[0]:
+        fabric = apply_assumed(fabric, {})
+    return fabric
 
 
 def residuals(family: str, fabric: FabricModel | None = None) -> list[Residual]:
@@ -373,7 +347,7 @@ def to_entry(fabric: FabricModel, kinds: dict[str, tuple[str, str]],
     """A calib.json entry: every constant with its kind and source, plus current residuals."""
     constants = {}
     for name, value in fabric.as_dict().items():
-        if name == "name":
+        if name == "name" or name not in kinds:  # a mechanism the family leaves at its default
             continue
         kind, source = kinds[name]
         constants[name] = {"value": value, "kind": kind, "source": source}
@@ -399,7 +373,7 @@ _FIT_NV = "fit: TensorRT-LLM NVL72 dispatch rows (batch 128, EP8-64) and the 18-
 _AIV = aiv_costs(AIV_ASSUMPTIONS["aiv_clock_ghz"]["value"],
                  AIV_ASSUMPTIONS["vector_instr_cycles"]["value"])
 _AIV_SRC = ("derived from the AIV (256 B vector, Hot Chips 2019 DaVinci) at the assumed clock "
-            "and vector instruction latency (calib.json 'assumptions', ubep.sim.calib.aiv_costs)")
+            "and vector instruction latency (calib.json 'assumptions', ubep.sim.assumed.aiv_costs)")
 
 START: dict[str, dict[str, tuple[float, str, str]]] = {
     "cm384": {
@@ -424,6 +398,16 @@ START: dict[str, dict[str, tuple[float, str, str]]] = {
         "tff_flag_bytes": (32, "derived", "UBEP paper Section 3.4: 32 B flag + 480 B payload"),
         "count_pick_ns": (_AIV["count_pick_ns"], "derived", _AIV_SRC + ": 4 B per pick over a "
                           "256 B vector per cycle"),
+        "fence_rtt_fraction": (1.0, "assumed", "ubep.sim.assumed.ASSUMED: fitted to the UBEP "
+                               "training set by `ubep sim calibrate`"),
+        "metadata_ratio": (0.132, "derived", "UBEP paper evaluation text (CALIBRATION.md): "
+                           "UBEP's communication volume is 13.2 % above the baseline's"),
+        "aux_cores_at_256": (12.0, "derived", "UBEP paper evaluation text (CALIBRATION.md): at "
+                             "256 ranks 12 AIVs go to routing and checksum work"),
+        "cumsum_group_sync_ns": (654.0, "assumed", "ubep.sim.assumed.ASSUMED: fitted to the UBEP "
+                                 "training set by `ubep sim calibrate`"),
+        "poll_lanes": (64, "derived", "one 256 B vector load of the AIV (Hot Chips 2019 DaVinci) "
+                       "reads 64 int32 count / flag words that lie side by side"),
     },
     "nvl72": {
         "init_ns": (14_000.0, "fitted", _FIT_NV),

@@ -33,14 +33,27 @@ def register(subparsers: Any) -> None:
     _common(p)
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
     p.add_argument("--no-plot", action="store_true", help="tables and JSON only")
+    p.add_argument("--no-fit", action="store_true",
+                   help="first-principles values of the assumed constants, not the fitted ones")
     p.set_defaults(func=_all)
-    p = sub.add_parser("calibrate", help="print the calibration residuals (optionally refit)")
+    p = sub.add_parser("calibrate", help="fit UBEP's assumed constants to the training set "
+                       "(writes calib.json), print residuals and leave-one-out errors")
     p.add_argument("--family", choices=FITTED_FAMILIES, default=None,
-                   help="one fabric family (default: all)")
-    p.add_argument("--refit", action="store_true",
-                   help="rerun the least-squares fit (minutes) before printing")
-    p.add_argument("--write", action="store_true", help="with --refit: save calib.json")
+                   help="baseline residuals of one fabric family (default: all)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="fit into a temporary copy; leave calib.json as it is")
+    p.add_argument("--no-loo", action="store_true", help="skip the leave-one-out refits")
+    p.add_argument("--max-nfev", type=int, default=12,
+                   help="residual evaluations of the fit (default 12)")
+    p.add_argument("--refit-baseline", action="store_true",
+                   help="first rerun the baseline fit of every family's fabric constants from "
+                        "their starting values (minutes)")
     p.set_defaults(func=_calibrate)
+    p = sub.add_parser("report", help="the fit: residuals, leave-one-out errors, moved "
+                       "constants, and a predicted-vs-paper plot of the training points")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="write DIR/fit.md and DIR/fit_training.png")
+    p.set_defaults(func=_report)
     p = sub.add_parser("run", help="simulate one dispatch/combine call and print its timeline")
     _common(p)
     p.add_argument("--ranks", type=int, default=64)
@@ -82,8 +95,10 @@ def _experiment(args: argparse.Namespace) -> int:
 
 
 def _all(args: argparse.Namespace) -> int:
+    from .calib import use_fit
     from .report import run_all
 
+    use_fit(not args.no_fit)
     report = run_all(args.out, family=args.family, plot=not args.no_plot,
                      progress=True)
     print(f"wrote {report}")
@@ -91,26 +106,46 @@ def _all(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
+    import shutil
     import tempfile
 
     from .calib import CALIB_PATH, calibrate, load_fabric, residuals
+    from .fit import calibrate as fit_assumed
+    from .report import fit_markdown
 
-    if args.write and not args.refit:
-        print("--write needs --refit", file=sys.stderr)
-        return 2
     families = [args.family] if args.family else list(FITTED_FAMILIES)
-    path = CALIB_PATH
     with tempfile.TemporaryDirectory() as tmp:
-        if args.refit:
-            path = CALIB_PATH if args.write else Path(tmp) / "calib.json"
+        path = CALIB_PATH
+        if args.dry_run:
+            path = Path(tmp) / "calib.json"
+            shutil.copy(CALIB_PATH, path)
+        if args.refit_baseline:
             calibrate(path=path, progress=lambda msg: print(msg, file=sys.stderr))
+        fit_assumed(path, loo=not args.no_loo, max_nfev=args.max_nfev,
+                    progress=lambda msg: print(msg, file=sys.stderr))
+        print(fit_markdown(path))
         for family in families:
             fabric = load_fabric(family, path)
-            print(f"# {family} ({path.name}): target, measured, model, relative error, role")
+            print(f"# {family} baseline rows ({path.name}): target, measured, model, error, role")
             for r in residuals(family, fabric):
                 role = "fit" if r.fitted else "validation"
                 print(f"{r.name:36s} {r.measured:9.3f} {r.model:9.3f} {r.unit:5s} "
                       f"{r.rel_error:+7.1%}  {role}")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from .report import fit_markdown, plot_training
+
+    text = fit_markdown()
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "fit.md").write_text(text + "\n![training](fit_training.png)\n",
+                                    encoding="utf-8")
+        plot_training(out / "fit_training.png")
+        print(f"wrote {out / 'fit.md'} and {out / 'fit_training.png'}")
     return 0
 
 

@@ -161,6 +161,7 @@ class _EventRun:
         self.item_end = np.zeros(num_items)
         self.core_send_end = np.zeros((R, spec.num_send_cores))
         self.core_land_end = np.zeros((R, spec.num_send_cores))
+        self.core_ack_end = np.zeros((R, spec.num_send_cores))
         self.rank_end = np.zeros(R)
         # Receive items: rows still missing, ready time so far, consumers per (rank, core).
         self.item_missing = np.bincount(spec.unit_item, minlength=num_items)
@@ -208,17 +209,26 @@ class _EventRun:
     def send_core(self, r: int, j: int) -> ProcessGenerator:
         start = self.env.now
         units = self.units_of(r, j)
+        stalled = 0.0  # the core's own stalls so far: they delay its later units (1.2)
         for u in units:
             yield self.engines[r].work(float(self.spec.unit_work_ns[u]))
-            self.unit_end[u] = self.env.now
-            self.env.process(self.fly(u))
-            if self.batched and self._last_in_batch(u):
-                lat = self.lat[self.spec.unit_hop[u]]
-                then(self.env.timeout(lat),
-                     partial(self.batch_signal_at, int(self.spec.unit_batch[u])))
+            stalled += float(self.spec.unit_stall_ns[u])
+            self.unit_end[u] = self.env.now + stalled
+            if stalled:
+                then(self.env.timeout(stalled), partial(self._issue, u))
+            else:
+                self._issue(u)
         if len(units):
+            if stalled:
+                yield self.env.timeout(stalled)
             self.core_send_end[r, j] = self.env.now
             self.span("send", r, j, start)
+
+    def _issue(self, u: int, _ev: Event | None = None) -> None:
+        self.env.process(self.fly(u))
+        if self.batched and self._last_in_batch(u):
+            lat = self.lat[self.spec.unit_hop[u]]
+            then(self.env.timeout(lat), partial(self.batch_signal_at, int(self.spec.unit_batch[u])))
 
     def _last_in_batch(self, u: int) -> bool:
         # A batch is one core's rows to one destination: its last row is its highest unit.
@@ -243,6 +253,7 @@ class _EventRun:
             self.rank_end[src] = max(self.rank_end[src], self.env.now)
         self.landed(u)
         yield self.env.timeout(self.lat[hop])  # the acknowledgement travels back
+        self.core_ack_end[src, j] = max(self.core_ack_end[src, j], self.env.now)
         self.acked(u)
 
     def landed(self, u: int) -> None:
@@ -300,10 +311,14 @@ class _EventRun:
             then(self.env.timeout(self.lat[self.hops[r, d]]), entry.succeed)
 
     def poll(self, r: int, core: int) -> ProcessGenerator:
-        """Stop-and-wait scan of this core's entries in their static order."""
-        for ev in self.entries[r].get(core, []):
-            if not ev.processed:
-                yield ev
+        """Stop-and-wait scan of this core's entries in their static order, ``poll_lanes``
+        entries per poll."""
+        entries = self.entries[r].get(core, [])
+        lanes = int(self.fab.poll_lanes)
+        for first in range(0, len(entries), lanes):
+            for ev in entries[first:first + lanes]:
+                if not ev.processed:
+                    yield ev
             yield self.env.timeout(self.fab.poll_ns)
 
     def consume(self, r: int, core: int) -> ProcessGenerator:
@@ -419,5 +434,5 @@ class _EventRun:
             timeline=timeline, unit_end_ns=self.unit_end, unit_land_ns=self.unit_land,
             unit_ready_ns=self.unit_ready, core_send_end_ns=self.core_send_end,
             core_land_end_ns=self.core_land_end, item_end_ns=self.item_end,
-            consume_work_ns=consume_work,
+            consume_work_ns=consume_work, core_ack_end_ns=self.core_ack_end,
         )

@@ -16,7 +16,8 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 from ..modes import SYNCS
-from .calib import AIV_ASSUMPTIONS, fabric_variants, load_fabric, topology_for
+from .assumed import ASSUMED
+from .calib import fabric_variants, load_fabric, topology_for
 from .fabric import FabricModel
 from .timeline import TASKS
 from .workload import (
@@ -34,6 +35,9 @@ __all__ = ["EXPERIMENTS", "ExperimentResult", "run_experiment"]
 # CALIBRATION.md, Table 4 baseline rows (for side-by-side display only).
 CANN_TABLE4_US = {16: 103.0, 32: 120.0, 64: 139.0, 128: 144.0, 256: 151.0}
 MAX_RANKS = {"cm384": 384, "nvl72": 72, "nvl576": 576, "host": 64}
+INTERVAL_NOTE = ("interval: the fitted constants at the ends of their leave-one-out spread "
+                 "(`--no-fit`: the assumed constants over their ranges); the hull with the "
+                 "nominal value")
 
 
 @dataclass(frozen=True)
@@ -114,7 +118,7 @@ def _sensitivity(fn: Callable[[FabricModel], float], family: str) -> list[dict[s
         return []
     nominal = fn(var["nominal"])
     out = []
-    for name, a in AIV_ASSUMPTIONS.items():
+    for name, a in ASSUMED.items():
         lo, hi = fn(var[f"{name}:low"]), fn(var[f"{name}:high"])
         out.append({"constant": name, "range": a["range"], "kind": a["kind"],
                     "nominal_us": _us(nominal), "at_cheap_end_us": _us(lo),
@@ -185,9 +189,8 @@ def table4(family: str = "cm384", fabric: FabricModel | None = None) -> Experime
         tuple(rows),
         ("bandwidth = tokens x top-k x hidden x bytes / latency = 7.34 MB / latency, per rank",
          "CANN EP = bsp + expert_contiguous + sw (calibrated); UBEP = asp + hierarchical + sp "
-         "(predicted, never fitted)",
-         "UBEP interval: every assumed constant over its range (calib.json 'assumptions'; "
-         "exact bounds, the latency is monotone in each)", *_family_note(family)),
+         "(its assumed constants fitted to the training set, EP16 and EP64 among it)",
+         INTERVAL_NOTE, *_family_note(family)),
         {"rows": data, "family": family, "sensitivity": sens,
          "provenance": provenance(family)},
     )
@@ -239,7 +242,7 @@ def fig7(family: str = "cm384", fabric: FabricModel | None = None, *,
          "defaults (EXPERIMENTS.md): 128 ranks, batch 64, 1 expert per NPU; panel c: x = ranks",
          f"panel c ASSUMES 8 hot experts take {hot_share:.0%} of the picks (the paper does not "
          "state the skew; `ubep sim hotshare` sweeps 25-75 %)",
-         "lo/hi: UBEP over the assumed constants' ranges (CANN EP is calibrated: lo = hi)",
+         "lo/hi: " + INTERVAL_NOTE + " (CANN EP is calibrated: lo = hi)",
          *_family_note(family)),
         {"provenance": provenance(family, (f"panel c hot_share {hot_share} (range 0.25-0.75)",)),
          "sensitivity": _sens_at(f"EP{ranks_a}, batch 64", partial(
@@ -264,8 +267,9 @@ def hotshare(family: str = "cm384", fabric: FabricModel | None = None) -> Experi
         hier = run_case(w, UBEP, topo, fab)
         rows.append((share, _us(cann.latency_ns), round(sync / (a2a + sync), 3), _us(ubep),
                      _us(lo), _us(hi), round(cann.latency_ns / ubep, 2),
-                     _us(cann.send_latency_ns().max()), _us(nomap.send_latency_ns().max()),
-                     _us(hier.send_latency_ns().max())))
+                     _us(cann.send_latency_ns(until="ack").max()),
+                     _us(nomap.send_latency_ns(until="ack").max()),
+                     _us(hier.send_latency_ns(until="ack").max())))
     return ExperimentResult(
         "hotshare", f"Unstated skew: hot-expert share of the picks, EP{ranks}, 256 experts "
         f"({family})",
@@ -350,7 +354,7 @@ def fig8(family: str = "cm384", fabric: FabricModel | None = None) -> Experiment
          "47), on the slowest rank: mean time per core of the group in each task",
          "SendFlag & Verification = barriers + flags + verification (BSP) or TokenCnt + count "
          "polling (ASP); which cores count is the model's Appendix A partition",
-         "UBEP improvement over CANN EP per batch (interval over the assumed constants): "
+         "UBEP improvement over CANN EP per batch (interval: the leave-one-out spread): "
          + "; ".join(f"batch {b}: {v['improvement_pct']} % [{v['interval_pct'][0]}, "
                      f"{v['interval_pct'][1]}]" for b, v in improvement.items()),
          *_family_note(family)),
@@ -369,8 +373,8 @@ def fig9(family: str = "cm384", fabric: FabricModel | None = None) -> Experiment
     for key, s in (("cann_ep", CANN_EP), ("balanced", UBEP_NO_MAPPING),
                    ("hierarchical", UBEP)):
         res = run_case(w, s, topo, fab)
-        lat = res.send_latency_ns()
-        land = res.send_latency_ns(until="land")
+        lat = res.send_latency_ns(until="ack")
+        land = res.send_latency_ns(until="issue")
         busy = lat[lat > 0]
         worst = int(np.argmax(lat.max(axis=1)))
         per_core[key] = (lat[worst] / 1e3).round(3).tolist()
@@ -382,17 +386,18 @@ def fig9(family: str = "cm384", fabric: FabricModel | None = None) -> Experiment
     return ExperimentResult(
         "fig9", f"Figure 9: per-core token-send latency, EP{ranks}, 256 experts, 8 hot ({family})",
         ("system", "key", "send_cores", "max_core_us", "median_core_us", "max/mean",
-         "max_core_to_land_us", "dispatch_us"),
+         "max_core_issue_us", "dispatch_us"),
         tuple(rows),
-        ("per-core token-send latency = a send core's Token-Sending time (first issue to last "
-         "issue), statistics over every send core of every rank; max_core_to_land_us runs to "
-         "the landing of the core's last unit (adds queueing at hot receivers' ports)",
+        ("per-core token-send latency = from a send core's first issue until its stores are "
+         "acknowledged (program (1): the sum of its issue times plus the round trip of its "
+         "farthest row, with queueing at hot receivers' ports), over every send core of every "
+         "rank; max_core_issue_us stops at the core's last issue",
          "each system uses its own core split (CANN EP: all 48 cores send; UBEP: Appendix A "
          "partition)",
          "batch 64 (EXPERIMENTS.md default); ASSUMED: the 8 hot experts take 50 % of the picks "
          "(`ubep sim hotshare` sweeps 25-75 %); a core's send time does not depend on the "
-         "assumed AIV constants (no interval)", *_family_note(family)),
-        {"max_core_latency_us": maxima, "max_core_to_land_latency_us": land_maxima,
+         "assumed constants (no interval)", *_family_note(family)),
+        {"max_core_latency_us": maxima, "max_core_issue_latency_us": land_maxima,
          "slowest_rank_core_latency_us": per_core,
          "provenance": provenance(family, ("hot_share 0.5 (range 0.25-0.75)",))},
     )
@@ -476,7 +481,7 @@ def fig10(family: str = "cm384", fabric: FabricModel | None = None) -> Experimen
          f"SW = CANN EP's stop-and-wait (store, fence = one round trip, flag); TFF carries "
          f"{fab.tff_flag_bytes} B of flag per {fab.atomic_bytes} B block; DC a checksum step per "
          "block and a checksum message per batch; SP a sentinel check per block and the reset",
-         "lo/hi: over the assumed AIV constants (the per-block vector steps)",
+         "lo/hi: " + INTERVAL_NOTE,
          *_family_note(family)),
         {"provenance": provenance(family, ("one message per rank pair",)),
          "sensitivity": _fig10_sensitivity(family, fabric)},
@@ -514,7 +519,7 @@ def fig12(family: str = "cm384", fabric: FabricModel | None = None) -> Experimen
          "sync_share"),
         tuple(rows),
         ("panels a/b: x = ranks; c/d: x = batch; 1 expert per NPU, top-8, hidden 7168, 1 B",
-         "all_to_all and other (sync) as in Figure 7; lo/hi: UBEP over the assumed constants",
+         "all_to_all and other (sync) as in Figure 7; lo/hi: UBEP, " + INTERVAL_NOTE,
          *_family_note(family)),
         {"provenance": provenance(family),
          "sensitivity": _sens_at("EP64, batch 32", partial(

@@ -62,6 +62,18 @@ class FabricModel:
         vector_op_ns: one vector compare / checksum step over one atomic block.
         atomic_bytes: atomic write granularity of the fabric (UB: 512 B); the TFF block size.
         tff_flag_bytes: flag bytes inside a TFF block (32 B on UB).
+        fence_rtt_fraction: share of a store's round trip a stop-and-wait fence waits before
+            the flag may follow (1 = the full acknowledgement; less where the fabric reports
+            completion before the acknowledgement is back at the core).
+        metadata_ratio: UBEP's extra wire bytes per dispatched row over the payload (metadata
+            and flags carried with the data), as a fraction of the row.
+        aux_cores_at_256: cores an ASP rank gives to routing and checksum work at 256 ranks,
+            taken from sending (scaled with the rank count, ``workload.aux_cores``).
+        poll_lanes: count / flag words one poll reads and checks at once (a vector load of
+            the words that lie side by side in the receive area; 1 = one word per poll).
+        cumsum_group_sync_ns: CalCumSum's hand-off per core of the count group: each count
+            core's partial prefix sums reach the core that publishes the offsets through
+            shared memory (one write, flag and read), one core after another.
     """
 
     name: str
@@ -80,6 +92,11 @@ class FabricModel:
     atomic_bytes: int = 512
     tff_flag_bytes: int = 32
     count_pick_ns: float = 0.0
+    fence_rtt_fraction: float = 1.0
+    metadata_ratio: float = 0.0
+    aux_cores_at_256: float = 0.0
+    cumsum_group_sync_ns: float = 0.0
+    poll_lanes: int = 1
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -93,6 +110,11 @@ class FabricModel:
         for name in ("core_bandwidth_gbps", "contention_cores", "contention_sharpness"):
             if getattr(self, name) <= 0:
                 raise InvalidArgumentError(name, getattr(self, name), "must be > 0")
+        if self.poll_lanes < 1 or int(self.poll_lanes) != self.poll_lanes:
+            raise InvalidArgumentError("poll_lanes", self.poll_lanes, "must be an integer >= 1")
+        if self.fence_rtt_fraction > 1:
+            raise InvalidArgumentError("fence_rtt_fraction", self.fence_rtt_fraction,
+                                       "must be <= 1")
         if self.latency_exposure > 1:
             raise InvalidArgumentError("latency_exposure", self.latency_exposure, "must be <= 1")
         if not 8 <= self.tff_flag_bytes < self.atomic_bytes:

@@ -9,7 +9,7 @@ from typing import Any
 from .calib import load_calibration
 from .experiments import EXPERIMENTS, ExperimentResult, run_experiment
 
-__all__ = ["calibration_markdown", "run_all"]
+__all__ = ["calibration_markdown", "fit_markdown", "plot_training", "run_all"]
 
 
 def calibration_markdown(family: str = "cm384") -> str:
@@ -29,6 +29,95 @@ def calibration_markdown(family: str = "cm384") -> str:
         lines.append(f"| {r['name']} | {r['measured']} | {r['model']} | {r['rel_error']:+.1%} | "
                      f"{'yes' if r['fitted'] else 'validation'} |")
     return "\n".join(lines) + "\n"
+
+
+def fit_markdown(path: Path | None = None) -> str:
+    """The fit of the assumed constants (``ubep sim calibrate``) as markdown: each training
+    point's residual and leave-one-out error, and which constants moved and by how much."""
+    entry = load_calibration(Path(path) if path else None)["fabrics"]["cm384"]
+    fit = entry.get("fit")
+    if not fit:
+        return "No fit in calib.json: run `ubep sim calibrate`.\n"
+    lines = ["## Fit of UBEP's assumed constants to the training set", "",
+             fit["about"], "",
+             "| training point | paper | model | error | residual | leave-one-out prediction "
+             "| leave-one-out error | within tolerance (fit / LOO) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for t in fit["training"]:
+        lines.append(
+            f"| {t['name']} | {t['paper']} | {_shown(t, t['model_value'])} | "
+            f"{_err(t, t['model_value'])} | {t['residual']:+.2f} | "
+            f"{_shown(t, t['loo_predicted'])} | {_err(t, t['loo_predicted'])} | "
+            f"{_ok(t['residual'])} / {_ok(t['loo_residual'])} |")
+    lines += ["", "Latencies are in us; an improvement is shown as a percentage "
+              "(1 - UBEP / CANN EP) and its error in percentage points.", "",
+              "| baseline row | paper | model | error | residual |", "|---|---|---|---|---|"]
+    for t in fit.get("baseline", []):
+        lines.append(f"| {t['name']} | {t['paper']} | {t['model_value']:.4g} | "
+                     f"{t['model_value'] / t['paper_value'] - 1:+.1%} | {t['residual']:+.2f} |")
+    lines += ["", "Constants moved by the fit (assumed: from the first-principles value; fitted: "
+              "CANN EP's, from the baseline fit):", "",
+              "| constant | kind | before | range | fitted | moved | at a bound |",
+              "|---|---|---|---|---|---|---|"]
+    for name, c in fit["constants"].items():
+        moved = c["value"] / c["first_principles"] - 1
+        lines.append(f"| {name} | {c['kind']} | {c['first_principles']:.4g} | {c['range']} | "
+                     f"{c['value']:.4g} | {moved:+.0%} | {c['at_bound'] or '-'} |")
+    spread = fit.get("loo_spread", {})
+    lines += ["", "Leave-one-out spread of each constant (the interval of every prediction): "
+              + "; ".join(f"{k} {min(v):.4g}-{max(v):.4g}" for k, v in spread.items())]
+    return "\n".join(lines) + "\n"
+
+
+def _is_gain(t: dict[str, Any]) -> bool:
+    return str(t["paper"]).endswith("%")
+
+
+def _shown(t: dict[str, Any], value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{100 * (1 - value):.1f} %" if _is_gain(t) else f"{value:.1f}"
+
+
+def _err(t: dict[str, Any], value: float | None) -> str:
+    if value is None:
+        return "-"
+    if _is_gain(t):
+        return f"{100 * (t['paper_value'] - value):+.1f} pp"
+    return f"{value / t['paper_value'] - 1:+.1%}"
+
+
+def _ok(residual: float | None) -> str:
+    return "-" if residual is None else ("yes" if abs(residual) <= 1 else "no")
+
+
+def plot_training(path: Path) -> Path:
+    """Predicted against paper value of every training point (fit and leave-one-out)."""
+    from .plots import _pyplot
+
+    fit = load_calibration()["fabrics"]["cm384"].get("fit") or {"training": []}
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    for t in fit["training"]:
+        scale = (lambda v: 100 * (1 - v)) if _is_gain(t) else (lambda v: v)
+        paper = scale(t["paper_value"])
+        ax.plot(paper, scale(t["model_value"]), "o", color="#2ca02c")
+        if t["loo_predicted"] is not None:
+            ax.plot(paper, scale(t["loo_predicted"]), "x", color="#d62728")
+        ax.annotate(t["name"], (paper, scale(t["model_value"])), fontsize=6)
+    top = max(1.0, ax.get_xlim()[1], ax.get_ylim()[1])
+    ax.plot([0, top], [0, top], "--", color="#999999", lw=0.8)
+    ax.plot([0, top], [0, 1.1 * top], ":", color="#bbbbbb", lw=0.8)
+    ax.plot([0, top], [0, 0.9 * top], ":", color="#bbbbbb", lw=0.8)
+    ax.set_xlabel("paper (us, or improvement %)")
+    ax.set_ylabel("model (o: fit, x: leave-one-out)")
+    ax.set_title("UBEP training set: predicted against paper", fontsize=9)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
 
 
 def _provenance_md(result: ExperimentResult, family: str) -> list[str]:
@@ -92,11 +181,13 @@ def run_all(out_dir: str | Path, *, family: str = "cm384", names: list[str] | No
         body += _provenance_md(result, family)
         sections.append("\n".join(body))
     head = [f"# ubep superpod simulator report ({family})", "",
-            "Baseline rows are the calibrated model; every UBEP number is a prediction "
-            "(nothing about UBEP was fitted), given with the interval its assumed constants "
-            "span (lo/hi columns). Each experiment lists what is calibrated, derived and "
+            "Baseline rows are the calibrated model; UBEP's assumed constants are fitted to "
+            "the training set of docs/CALIBRATION.md (section Fit below) and every other UBEP "
+            "number is a prediction, given with the interval the leave-one-out fits span "
+            "(lo/hi columns). Each experiment lists what is calibrated, derived and "
             "assumed. Model: docs/SIMULATOR.md.", "",
-            "## Calibration", "", calibration_markdown(family), ""]
+            "## Calibration", "", calibration_markdown(family), "",
+            fit_markdown() if family == "cm384" else "", ""]
     report = out / "report.md"
     report.write_text("\n".join(head + sections), encoding="utf-8")
     return report

@@ -116,8 +116,10 @@ class OpSpec:
 
     Units (``[U]``, sorted by ``(src, core, issue order)``): ``unit_src, unit_core, unit_hop,
     unit_dst, unit_wire_bytes, unit_work_ns`` (core work before contention, sync extras and the
-    DC checksum message included), ``unit_batch`` (``(src, core, dst)``: the DC checksum /
-    ASP SW flag batch) and ``unit_item`` (receive item it feeds).
+    DC checksum message included), ``unit_stall_ns`` (the issuing core's own wait after the
+    unit, outside the shared send machinery: ASP SW's fence), ``unit_batch``
+    (``(src, core, dst)``: the DC checksum / ASP SW flag batch) and ``unit_item`` (receive item
+    it feeds).
     ``core_ptr [num_ranks * num_send_cores + 1]``: units of ``(rank r, send core j)`` are
     ``core_ptr[r*n_s + j] : core_ptr[r*n_s + j + 1]``.
 
@@ -145,6 +147,7 @@ class OpSpec:
     unit_dst: np.ndarray
     unit_wire_bytes: np.ndarray
     unit_work_ns: np.ndarray
+    unit_stall_ns: np.ndarray
     unit_batch: np.ndarray
     unit_item: np.ndarray
     core_ptr: np.ndarray
@@ -245,6 +248,8 @@ def build_spec(
     slot = np.concatenate([t.slot for t in trs])
     token = np.concatenate([t.src_token for t in trs])
     wire = np.concatenate([t.nbytes for t in trs]).astype(np.float64)
+    if engine == "asp" and op == "dispatch" and row_costs is None:
+        wire = wire * (1.0 + fabric.metadata_ratio)  # metadata and flags ride with the rows
     counts = np.stack([np.bincount(t.core, minlength=n_s)[:n_s] for t in trs])
     core_ptr = np.zeros(num_ranks * n_s + 1, dtype=np.int64)
     np.cumsum(counts.ravel(), out=core_ptr[1:])
@@ -253,6 +258,7 @@ def build_spec(
         work = fabric.unit_work_ns(wire, hop, topology) + costs.sender_extra_ns
     else:
         work = row_costs.per_hop("send_ns", hop)
+    stall = np.zeros(work.size)
     # Batches: one core's rows to one destination. DC ends each with a checksum message; ASP's
     # SW ends each with a fence -- the core stalls for the round trip of its last store -- and a
     # flag. (BSP's SW flags come after the barrier instead; its batches are unused.)
@@ -261,9 +267,13 @@ def build_spec(
     if sync == "dc":
         work = work + np.where(last, fabric.flag_ns, 0.0)
     elif sync == "sw" and engine == "asp":
+        # The fence is the core's own wait for its acknowledgement: it holds no share of the
+        # rank's send machinery (a stall, not work), then the flag is one more store.
         lat = np.asarray(topology.latency_ns, dtype=np.float64)[hop]
         bw = np.asarray(topology.bandwidth_gbps, dtype=np.float64)[hop]
-        work = work + np.where(last, 2 * lat + wire / bw + fabric.flag_ns, 0.0)
+        fence = fabric.fence_rtt_fraction * (2 * lat + wire / bw)
+        stall = stall + np.where(last, fence, 0.0)
+        work = work + np.where(last, fabric.flag_ns, 0.0)
 
     consume = n if engine == "bsp" else min(n, n_s + n_c)
     # Consuming a row is a local copy (a hop-0 move of its wire bytes) plus the sync checks.
@@ -306,11 +316,15 @@ def build_spec(
     chunk_offset = _chunk_offsets(chunk_core, chunk_dst, chunk_experts, fabric, topology, fenced,
                                   picks)
     cumsum_ns = fabric.cumsum_entry_ns * num_ranks * epr if op == "dispatch" else 0.0
+    if op == "dispatch" and engine == "asp":
+        # The count group's partial sums are handed to the publishing core one by one.
+        cumsum_ns += fabric.cumsum_group_sync_ns * n_c
     return OpSpec(
         op=op, engine=engine, sync=sync, num_ranks=num_ranks, cores_per_rank=n,
         num_send_cores=n_s, num_count_cores=n_c, num_local_experts=epr,
         unit_src=src, unit_core=core, unit_hop=hop, unit_dst=dst, unit_wire_bytes=wire,
-        unit_work_ns=work, unit_batch=batch, unit_item=item.astype(np.int64), core_ptr=core_ptr,
+        unit_work_ns=work, unit_stall_ns=stall, unit_batch=batch,
+        unit_item=item.astype(np.int64), core_ptr=core_ptr,
         chunk_core=chunk_core, chunk_dst=chunk_dst, chunk_offset_ns=chunk_offset,
         poll_first=poll_first, poll_cores=poll_cores, cumsum_ns=cumsum_ns,
         item_rank=np.asarray(item_rank, dtype=np.int64),
@@ -379,7 +393,8 @@ def _chunk_offsets(core: np.ndarray, dst: np.ndarray, experts: np.ndarray, fabri
         return np.zeros((R, 0))
     lat = np.asarray(topology.latency_ns, dtype=np.float64)
     hops = topology.hop_matrix().astype(np.int64)
-    fence = 2.0 * lat[hops[:, dst]] if fenced else np.zeros((R, dst.size))
+    fence = (2.0 * fabric.fence_rtt_fraction * lat[hops[:, dst]] if fenced
+             else np.zeros((R, dst.size)))
     per_expert = fabric.count_expert_ns + picks * fabric.count_pick_ns
     cost = experts * per_expert + fabric.flag_ns + fence
     # Chunks are grouped by core (consecutive): cumulative sum that restarts at each core.

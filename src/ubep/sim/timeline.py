@@ -108,6 +108,9 @@ class SimResult:
         unit_ready_ns: ``[U]`` when the receiver may consume it (sync mode decides).
         core_send_end_ns: ``[num_ranks, num_send_cores]`` each send core's last issue.
         core_land_end_ns: ``[num_ranks, num_send_cores]`` when each send core's last unit landed.
+        core_ack_end_ns: ``[num_ranks, num_send_cores]`` when the acknowledgement of each send
+            core's last store is back: the core's stores are complete (program (1) of the
+            paper: the sum of the core's issue times plus the round trip of its farthest row).
         item_end_ns: ``[I]`` when each receive item was consumed.
         consume_work_ns: ``[num_ranks]`` core time spent consuming items (without the waits
             for items to become ready that consume spans include).
@@ -127,6 +130,7 @@ class SimResult:
     core_land_end_ns: np.ndarray
     item_end_ns: np.ndarray
     consume_work_ns: np.ndarray
+    core_ack_end_ns: np.ndarray
 
     @property
     def slowest_rank(self) -> int:
@@ -135,14 +139,16 @@ class SimResult:
     def send_latency_ns(self, *, until: str = "issue") -> np.ndarray:
         """``[num_ranks, num_send_cores]`` per-core token-send latency (0 for a core without
         units): from the start of its send task until its last unit is issued
-        (``until="issue"``, the core's own Token-Sending time) or has landed (``"land"``,
-        which adds flight and queueing at the receivers' ports)."""
+        (``until="issue"``, the core's own Token-Sending time), has landed (``"land"``,
+        which adds flight and queueing at the receivers' ports) or is acknowledged (``"ack"``:
+        the core's stores are complete, so the hop mix of its rows sets the end)."""
         m = self.timeline.mask(task="send")
         start = np.zeros_like(self.core_land_end_ns)
         start[self.timeline.rank[m], self.timeline.core[m]] = self.timeline.start_ns[m]
-        end = {"issue": self.core_send_end_ns, "land": self.core_land_end_ns}.get(until)
+        end = {"issue": self.core_send_end_ns, "land": self.core_land_end_ns,
+               "ack": self.core_ack_end_ns}.get(until)
         if end is None:
-            raise InvalidArgumentError("until", until, "must be 'issue' or 'land'")
+            raise InvalidArgumentError("until", until, "must be 'issue', 'land' or 'ack'")
         return np.where(end > 0, end - start, 0.0)
 
     def task_span_ns(self, rank: int | None = None) -> dict[str, float]:

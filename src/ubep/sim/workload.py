@@ -31,6 +31,9 @@ __all__ = [
     "UBEP_NO_MAPPING",
     "System",
     "Workload",
+    "aux_cores",
+    "clear_plans",
+    "core_split",
     "partition_constants",
     "plans_for",
     "routing_for",
@@ -184,27 +187,58 @@ def _cores(value: int | str | None, topology: Topology) -> int | None:
     return value
 
 
-@lru_cache(maxsize=12)  # an EP256 plan set is ~20 MB: keep the cache small
-def plans_for(workload: Workload, system: System, topology: Topology,
-              fabric: FabricModel | None = None) -> tuple[Plan, ...]:
-    """Every rank's dispatch plan (cached). ``fabric`` sets the ASP default core split."""
-    routing = routing_for(workload, topology.num_ranks)
-    num_experts = workload.num_experts(topology.num_ranks)
+def core_split(workload: Workload, system: System, topology: Topology,
+               fabric: FabricModel | None = None) -> tuple[int | None, int | None]:
+    """``(num_send_cores, num_count_cores)`` of ``system`` (``None``: ubep.sched's default).
+
+    ASP's default is Appendix A's partition with :func:`partition_constants` of ``fabric``,
+    less the routing / checksum cores that large rank counts take from sending
+    (:func:`aux_cores`)."""
     n_s = _cores(system.num_send_cores, topology)
     n_c = _cores(system.num_count_cores, topology)
     if system.engine == "asp" and n_s is None and n_c is None and fabric is not None \
             and topology.cores_per_rank >= 2:
         from ..sched.partition import partition
 
+        num_experts = workload.num_experts(topology.num_ranks)
+        aux = aux_cores(topology.num_ranks, fabric)
         alpha, beta, b_count = partition_constants(
             topology, fabric, workload.row_bytes, num_experts,
             workload.tokens_per_rank * workload.num_topk)
-        part = partition(topology.cores_per_rank, num_experts, workload.num_topk,
+        part = partition(topology.cores_per_rank - aux, num_experts, workload.num_topk,
                          workload.tokens_per_rank, alpha=alpha, beta=beta, b_count=b_count)
         n_s, n_c = part.num_send_cores, part.num_count_cores
-    return tuple(make_plans(list(routing), topology, num_experts=num_experts,
+    return n_s, n_c
+
+
+def aux_cores(num_ranks: int, fabric: FabricModel) -> int:
+    """Cores an ASP rank gives to routing and checksum work (taken from sending):
+    ``round(aux_cores_at_256 * num_ranks / 256)``, the paper's 12 AIVs at 256 ranks scaled
+    with the rank count (the routing and checksum work grows with the destinations)."""
+    return round(fabric.aux_cores_at_256 * num_ranks / 256)
+
+
+@lru_cache(maxsize=24)  # an EP256 plan set is ~20 MB: keep the cache small
+def _plans(workload: Workload, system: System, topology: Topology, n_s: int | None,
+           n_c: int | None) -> tuple[Plan, ...]:
+    routing = routing_for(workload, topology.num_ranks)
+    return tuple(make_plans(list(routing), topology,
+                            num_experts=workload.num_experts(topology.num_ranks),
                             policy=system.policy, num_send_cores=n_s, num_count_cores=n_c,
                             layout=system.layout))
+
+
+def clear_plans() -> None:
+    """Forget the cached plans (a benchmark of planning)."""
+    _plans.cache_clear()
+
+
+def plans_for(workload: Workload, system: System, topology: Topology,
+              fabric: FabricModel | None = None) -> tuple[Plan, ...]:
+    """Every rank's dispatch plan (cached by core split, so that a fit re-times cached plans).
+    ``fabric`` sets the ASP default core split (:func:`core_split`)."""
+    n_s, n_c = core_split(workload, system, topology, fabric)
+    return _plans(workload, system.with_(name=""), topology, n_s, n_c)
 
 
 def run_case(
@@ -217,11 +251,7 @@ def run_case(
     mode: str = "analytic",
 ) -> SimResult:
     """Simulate one dispatch (or combine) call of ``workload`` under ``system``."""
-    # The fabric only matters to planning through ASP's default core split; leave it out of
-    # the cache key otherwise, so a calibration fit re-times cached plans.
-    default_split = system.num_send_cores is None and system.num_count_cores is None
-    plans = plans_for(workload, system, topology,
-                      fabric if system.engine == "asp" and default_split else None)
+    plans = plans_for(workload, system, topology, fabric)
     row_bytes = workload.row_bytes
     if op == "combine":
         plans = combine_plans(plans, topology, policy=system.policy)

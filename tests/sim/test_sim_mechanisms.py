@@ -1,0 +1,203 @@
+"""The mechanisms of the fitted model, each on a small case computed by hand from its
+definition in docs/SIMULATOR.md (section 1.10), and the fit's machinery on closed-form
+training points."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.sim.test_sim_model import ROW, fabric, plan, speed, two_ranks
+from ubep.errors import InvalidArgumentError
+from ubep.sim import build_spec, simulate
+from ubep.sim.fit import ASSUMED, TrainingPoint, apply_assumed, fit, leave_one_out
+from ubep.sim.workload import UBEP, Workload, aux_cores, core_split
+from ubep.topology import cm384
+
+
+@pytest.mark.parametrize("mode", ["analytic", "events"])
+def test_fence_stall_leaves_the_shared_machinery_to_the_other_core(mode: str) -> None:
+    # Two cores, one row each to rank 1 (ASP SW: each row is its core's batch, so each core
+    # fences after it): both rows share the machinery at speed(2); each core then stalls for
+    # its own share of the round trip, which delays nothing of the other core.
+    f, topo = fabric(flag_ns=0.0, fence_rtt_fraction=0.5), two_ranks(cores=3)
+    plans = [plan(0, [(0, 0, 1, 0), (1, 1, 1, 1)], n_send=2, n_count=1, topo=topo),
+             plan(1, [], n_send=2, n_count=1, topo=topo)]
+    res = simulate(plans, topo, f, engine="asp", sync="sw", row_bytes=ROW, mode=mode)
+    w = 100 + ROW / 10 + 0.5 * 400
+    stall = 0.5 * (2 * 400 + ROW / 20)
+    end = 1000 + w / speed(f, 2) + stall
+    np.testing.assert_allclose(res.unit_end_ns, [end, end], atol=1e-6)
+    np.testing.assert_allclose(res.core_send_end_ns[0], [end, end], atol=1e-6)
+
+
+def test_store_completion_ends_at_the_farthest_acknowledgement() -> None:
+    # Program (1): a core is done when its last store is acknowledged. One core sends a local
+    # row then a remote one; the other core sends one local row.
+    f, topo = fabric(contention_cores=1e6), two_ranks(cores=3)  # speed 1: no contention
+    plans = [plan(0, [(0, 0, 0, 0), (0, 1, 1, 0), (1, 2, 0, 1)], n_send=2, n_count=1,
+                  topo=topo),
+             plan(1, [], n_send=2, n_count=1, topo=topo)]
+    res = simulate(plans, topo, f, engine="asp", sync="sp", row_bytes=ROW)
+    w_local, w_remote = 100 + ROW / 10 + 0.5 * 50, 100 + ROW / 10 + 0.5 * 400
+    remote_end = 1000 + w_local + w_remote
+    ack_core0 = remote_end + ROW / 20 + 400 + 400  # serialise, fly, acknowledgement back
+    ack_core1 = 1000 + w_local + 50 + 50
+    lat = res.send_latency_ns(until="ack")
+    np.testing.assert_allclose(lat[0], [ack_core0 - 1000, ack_core1 - 1000], atol=1e-2)
+    np.testing.assert_allclose(res.send_latency_ns()[0], [remote_end - 1000, w_local],
+                               atol=1e-6)
+    with pytest.raises(InvalidArgumentError):
+        res.send_latency_ns(until="never")
+
+
+def test_metadata_rides_with_asp_dispatch_rows_only() -> None:
+    f, topo = fabric(metadata_ratio=0.132), two_ranks()
+    plans = [plan(0, [(0, 0, 1, 0)], n_send=1, n_count=1), plan(1, [], n_send=1, n_count=1)]
+    asp = build_spec(plans, topo, f, engine="asp", sync="sp", row_bytes=ROW)
+    bsp = build_spec(plans, topo, f, engine="bsp", sync="sw", row_bytes=ROW)
+    assert asp.unit_wire_bytes[0] == pytest.approx(ROW * 1.132)
+    assert bsp.unit_wire_bytes[0] == ROW
+    # The extra bytes cost the core its copy time: 0.132 * ROW / core rate more work.
+    assert asp.unit_work_ns[0] - bsp.unit_work_ns[0] == pytest.approx(0.132 * ROW / 10)
+
+
+def test_cumsum_hands_each_count_cores_partial_sums_on() -> None:
+    f, topo = fabric(cumsum_entry_ns=2.0, cumsum_group_sync_ns=300.0), two_ranks(cores=4)
+    for n_count in (1, 2):
+        plans = [plan(r, [(0, 0, 1 - r, 0)], n_send=1, n_count=n_count, topo=topo)
+                 for r in (0, 1)]
+        spec = build_spec(plans, topo, f, engine="asp", sync="sp", row_bytes=ROW)
+        # R x L = 2 entries at 2 ns, plus one hand-off per count core.
+        assert spec.cumsum_ns == pytest.approx(2 * 2.0 + n_count * 300.0)
+        bsp = build_spec([plan(r, [(0, 0, 1 - r, 0)], n_send=1, n_count=n_count, topo=topo)
+                          for r in (0, 1)], topo, f, engine="bsp", sync="sw", row_bytes=ROW)
+        assert bsp.cumsum_ns == pytest.approx(2 * 2.0)  # every BSP core sums for itself
+
+
+def test_bsp_chunk_fence_takes_its_share_of_the_round_trip() -> None:
+    f, topo = fabric(count_expert_ns=5.0, flag_ns=20.0, fence_rtt_fraction=0.25), two_ranks()
+    plans = [plan(r, [(0, 0, 1 - r, 0)], n_send=2, n_count=2) for r in (0, 1)]
+    spec = build_spec(plans, topo, f, engine="bsp", sync="sw", row_bytes=ROW)
+    # Core c of rank r counts expert c (rank c) and fences to it: 5 + 0.25 * 2 L + 20.
+    lat = np.array([[50.0, 400.0], [400.0, 50.0]])
+    expect = 5 + 0.25 * 2 * lat + 20
+    np.testing.assert_allclose(spec.chunk_offset_ns, expect)
+
+
+def test_aux_cores_scale_with_ranks_and_leave_the_partition() -> None:
+    f = fabric(aux_cores_at_256=12.0, poll_ns=200.0, count_expert_ns=10.0)
+    assert [aux_cores(r, f) for r in (16, 64, 128, 256)] == [1, 3, 6, 12]
+    assert aux_cores(256, fabric()) == 0
+    w = Workload(tokens_per_rank=64)
+    n_s, n_c = core_split(w, UBEP, cm384(64), f)
+    assert n_s is not None and n_c is not None and n_s + n_c == 48 - 3
+
+
+def test_fabric_rejects_a_fence_longer_than_the_round_trip() -> None:
+    with pytest.raises(InvalidArgumentError) as exc:
+        fabric(fence_rtt_fraction=1.5)
+    assert exc.value.argument == "fence_rtt_fraction"
+
+
+def _point(name: str, target: float, key: str) -> TrainingPoint:
+    return TrainingPoint(name, "closed form", str(target), target, 0.1,
+                         lambda f: float(getattr(f, key)))
+
+
+def test_fit_recovers_constants_in_log_space_and_reports_bounds() -> None:
+    base = fabric()
+    # count_pick_ns = 4 / 256 / clock pins the clock, vector_op_ns = (c0 + 1) / clock then
+    # the instruction latency; a target beyond its range leaves a constant at its bound,
+    # reported as such.
+    clock, c0 = 1.2, 40.0
+    pts = [_point("vec", (c0 + 1) / clock, "vector_op_ns"),
+           _point("pick", 4 / 256 / clock, "count_pick_ns"),
+           _point("fence", 0.1, "fence_rtt_fraction")]
+    res = fit(base, pts, max_nfev=200, tol=1e-12, baseline=False)
+    assert res.values["vector_instr_cycles"] == pytest.approx(c0, rel=1e-3)
+    assert res.values["aiv_clock_ghz"] == pytest.approx(clock, rel=1e-3)
+    assert res.values["fence_rtt_fraction"] == pytest.approx(ASSUMED["fence_rtt_fraction"]
+                                                             ["range"][0])
+    assert res.at_bound == {"fence_rtt_fraction": "lower"}
+    assert abs(res.residuals["vec"]) < 1e-3
+    # log(0.25 / 0.1) / log(1.1): the bound's residual, in tolerances
+    assert res.residuals["fence"] == pytest.approx(np.log(2.5) / np.log(1.1), rel=1e-3)
+    fab = apply_assumed(base, res.values)
+    assert fab.count_expert_ns == pytest.approx(c0 / clock, rel=1e-3)
+
+
+def test_leave_one_out_predicts_each_point_from_the_others() -> None:
+    base = fabric()
+    # Two points fix the same constant: without one, the other still predicts it exactly;
+    # the third point alone fixes the clock, so without it the clock stays where it was.
+    pts = [_point("a", 30.0, "count_expert_ns"), _point("b", 30.0, "count_expert_ns"),
+           _point("fence", 0.5, "fence_rtt_fraction")]
+    full = fit(base, pts, max_nfev=200, tol=1e-12, baseline=False)
+    rows = leave_one_out(base, full, pts, max_nfev=200)
+    assert [r["name"] for r in rows] == ["a", "b", "fence"]
+    assert rows[0]["predicted"] == pytest.approx(30.0, rel=1e-3)
+    assert rows[1]["predicted"] == pytest.approx(30.0, rel=1e-3)
+    assert rows[2]["values"]["fence_rtt_fraction"] == pytest.approx(0.5, rel=1e-2)
+    with pytest.raises(InvalidArgumentError):
+        fit(base, [], baseline=False)
+
+
+@pytest.mark.parametrize("mode", ["analytic", "events"])
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_vector_poll_reads_lanes_words_at_once(mode: str, lanes: int) -> None:
+    f = fabric(count_expert_ns=5.0, flag_ns=20.0, poll_ns=500.0, poll_lanes=lanes)
+    topo = two_ranks(cores=2)
+    plans = [plan(r, [(0, 0, 1 - r, 0)], n_send=1, n_count=1, topo=topo) for r in (0, 1)]
+    res = simulate(plans, topo, f, engine="asp", sync="sp", row_bytes=ROW, mode=mode)
+    # The count core writes its word for rank 0, then for rank 1: done at 1000 + 2 x 25.
+    # Rank 0's words: its own (offset 25, lands 50 later), rank 1's (offset 25, lands 400
+    # later); the scan starts when the core's own writes are done.
+    start, lands = 1000 + 50, (1000 + 25 + 50, 1000 + 25 + 400)
+    if lanes == 1:
+        expect = max(max(start, lands[0]) + 500, lands[1]) + 500
+    else:
+        expect = max(start, *lands) + 500
+    (span,) = res.timeline.spans(rank=0, core=1, task="verify")
+    assert span.end_ns == pytest.approx(expect, abs=1e-6)
+    with pytest.raises(InvalidArgumentError):
+        fabric(poll_lanes=0)
+
+
+def test_fit_moves_the_baseline_constants_with_the_assumed_ones() -> None:
+    base = fabric(barrier_ns=1000.0)
+    # A point on barrier_ns (a baseline constant) and one on the clock: both are fitted.
+    pts = [_point("barrier", 4000.0, "barrier_ns"), _point("pick", 4 / 256 / 1.6,
+                                                           "count_pick_ns")]
+    res = fit(base, pts, max_nfev=200, tol=1e-12)
+    assert res.values["barrier_ns"] == pytest.approx(4000.0, rel=1e-3)
+    assert res.values["aiv_clock_ghz"] == pytest.approx(1.6, rel=1e-3)
+    fab = apply_assumed(base, res.values)
+    assert fab.barrier_ns == pytest.approx(4000.0, rel=1e-3)
+    assert fab.flag_ns == pytest.approx(res.values["issue_ns"])  # tied to issue_ns
+
+
+def test_variants_use_the_fit_or_the_first_principles() -> None:
+    from ubep.sim.assumed import aiv_costs
+    from ubep.sim.calib import fabric_variants, load_calibration, use_fit
+
+    fit_entry = load_calibration()["fabrics"]["cm384"]["fit"]
+    fitted = fabric_variants("cm384")
+    v = fit_entry["values"]
+    assert fitted["nominal"].fence_rtt_fraction == pytest.approx(v["fence_rtt_fraction"])
+    assert fitted["nominal"].init_ns == pytest.approx(v["init_ns"])
+    # The ends are the leave-one-out spread, in each constant's cost direction.
+    spread = fit_entry["loo_spread"]
+    assert fitted["high"].cumsum_group_sync_ns == pytest.approx(max(spread["cumsum_group_sync_ns"]))
+    assert fitted["low"].fence_rtt_fraction == pytest.approx(min(spread["fence_rtt_fraction"]))
+    assert fitted["low"].vector_op_ns == pytest.approx(aiv_costs(
+        max(spread["aiv_clock_ghz"]), min(spread["vector_instr_cycles"]))["vector_op_ns"])
+    use_fit(False)
+    try:
+        first = fabric_variants("cm384")
+    finally:
+        use_fit(True)
+    assert first["nominal"].fence_rtt_fraction == ASSUMED["fence_rtt_fraction"]["value"]
+    assert first["nominal"].vector_op_ns == pytest.approx(aiv_costs(1.4, 24.0)["vector_op_ns"])
+    assert first["high"].fence_rtt_fraction == ASSUMED["fence_rtt_fraction"]["range"][1]
+    assert first["low"].cumsum_group_sync_ns == ASSUMED["cumsum_group_sync_ns"]["range"][0]
