@@ -448,7 +448,9 @@ def exchange_latency_ns(topology: Any, fabric: FabricModel, sync: str, size_byte
     send = tuple(float(fabric.issue_ns + costs.wire_bytes / fabric.core_bandwidth_gbps
                        + fabric.latency_exposure * lat[h] + costs.sender_extra_ns)
                  for h in range(topology.num_hops))
-    row_costs = RowCosts(send_ns=send, consume_ns=(costs.receiver_extra_ns,))
+    wait = tuple(float(w) for w in fabric.exposed_wait_ns(np.arange(topology.num_hops),
+                                                          topology))
+    row_costs = RowCosts(send_ns=send, consume_ns=(costs.receiver_extra_ns,), send_wait_ns=wait)
     fab = fabric.with_values(init_ns=0.0)
     spec = build_spec(plans, topology, fab, engine="asp", sync=sync, row_bytes=size_bytes,
                       row_costs=row_costs)
