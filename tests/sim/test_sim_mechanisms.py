@@ -231,3 +231,30 @@ def test_fabric_rejects_a_core_wait_over_one_latency() -> None:
     with pytest.raises(InvalidArgumentError) as exc:
         fabric(core_wait_fraction=1.5)
     assert exc.value.argument == "core_wait_fraction"
+
+
+def test_hierarchical_mapping_lowers_the_largest_wait_sum() -> None:
+    # Real plans of ubep.sched on 8 ranks in 2 nodes of 4 (hops 0/1/2), 6 send cores. Without
+    # contention and with equal work per row, a core's send end is closed-form: Init + rows x
+    # work + sum of its own waits (core_wait_fraction * L[h] per row). The hierarchical mapping
+    # caps every core's share of each hop class (ceil(V_h / n)); balanced slices do not, so
+    # the core with the most two-hop rows ends later.
+    from ubep.routing import uniform_topk
+    from ubep.sim import make_plans
+
+    topo = cm384(8, ranks_per_node=4, cores_per_rank=8)
+    f = fabric(latency_exposure=0.0, core_wait_fraction=0.5, contention_cores=1e9)
+    idx = [uniform_topk(16, 16, 4, seed=r) for r in range(8)]
+    lat = np.asarray(topo.latency_ns)
+    largest = {}
+    for policy in ("balanced", "hierarchical"):
+        plans = make_plans(idx, topo, num_experts=16, policy=policy, num_send_cores=6,
+                           num_count_cores=2)
+        res = simulate(plans, topo, f, engine="asp", sync="sp", row_bytes=ROW)
+        for r, p in enumerate(plans):
+            rows = np.bincount(p.send_core, minlength=6)
+            waits = np.bincount(p.send_core, weights=0.5 * lat[p.send_hop], minlength=6)
+            want = np.where(rows > 0, 1000 + rows * (100 + ROW / 10) + waits, 0.0)
+            np.testing.assert_allclose(res.core_send_end_ns[r], want, atol=1e-6)
+        largest[policy] = float(res.core_send_end_ns.max())
+    assert largest["hierarchical"] < largest["balanced"]
