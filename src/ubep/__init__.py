@@ -7,6 +7,7 @@ from .buffer import Buffer, DispatchResult
 from .config import BufferConfig
 from .dtypes import BF16, FP16, FP32, INT8, UINT8, DType
 from .errors import (
+    CallLostError,
     InvalidArgumentError,
     OutOfStepError,
     PeerLostError,
@@ -15,6 +16,7 @@ from .errors import (
     TimeoutError,
     UbepError,
 )
+from .expert_map import ExpertMap
 from .handle import DispatchHandle
 from .routing import DispatchLayout, get_dispatch_layout
 from .runtime import Group, launch
@@ -31,10 +33,12 @@ __all__ = [
     "UINT8",
     "Buffer",
     "BufferConfig",
+    "CallLostError",
     "DType",
     "DispatchHandle",
     "DispatchLayout",
     "DispatchResult",
+    "ExpertMap",
     "Group",
     "InvalidArgumentError",
     "OutOfStepError",

@@ -16,14 +16,17 @@ import numpy as np
 
 from . import dtypes as _dt
 from .errors import InvalidArgumentError
+from .expert_map import ExpertMap
 from .modes import (
     ENGINES,
+    INTEGRITY,
     LAYOUTS,
     PEER_LOSS,
     POLICIES,
     QUANTS,
     SYNCS,
     Engine,
+    Integrity,
     Layout,
     PeerLoss,
     Policy,
@@ -62,6 +65,10 @@ class BufferConfig:
             ``recv_x`` 1-byte and ``recv_x_scales`` float32; combine stays in ``dtype``.
             Needs ``hidden`` a multiple of 128 and a sync other than SP.
         quant_round_scale: UE8M0 scales (powers of two, rounded up) with ``quant``.
+        expert_map: ``None`` or a :class:`~ubep.expert_map.ExpertMap` (or a sequence of
+            sequences of slot ids, made one): redundant experts. ``num_experts`` then counts
+            physical slots, ``topk_idx`` names logical experts ``[-1, expert_map.num_logical)``
+            and dispatch sends each pick to one live replica (``ubep.expert_map``'s rule).
 
     Transport (``ubep.modes``):
         layout: ``"expert"`` (one row per (token, expert)) or ``"rank"`` (one per (token, rank)).
@@ -69,6 +76,12 @@ class BufferConfig:
         sync: ``"sw"``, ``"tff"``, ``"dc"`` or ``"sp"`` (docs/FORMATS.md; SP needs a float
             payload: 1-byte types have no free sentinel), or ``"auto"`` (the default): the
             fastest on this kind of machine, resolved at construction (:data:`AUTO_SYNC`).
+        integrity: ``"off"`` (the default) or ``"checksum"``: every row's sender writes a
+            64-bit checksum of it (with the call and the row's position) beside the row, its
+            receiver checks it, in dispatch (the rows in ``recv_x``) and in combine (the expert
+            outputs it pulls), and every rank waits for every other's check before it returns:
+            a row changed between send and receive fails the call on every rank, which then
+            needs ``resync()`` (docs/INTEGRITY.md). The one-host engine only.
 
     Execution:
         num_cores: cores (threads) per rank; ``None`` = the group topology's ``cores_per_rank``.
@@ -103,10 +116,12 @@ class BufferConfig:
     combine_dtype: Any = None
     quant: Quant | None = None
     quant_round_scale: bool = False
+    expert_map: ExpertMap | None = None
     # --- transport
     layout: Layout = "expert"
     engine: Engine = "asp"
     sync: SyncChoice = "auto"
+    integrity: Integrity = "off"
     # --- execution
     num_cores: int | None = None
     threads: bool | None = None
@@ -137,7 +152,8 @@ class BufferConfig:
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise InvalidArgumentError(name, value, "must be a positive integer")
             object.__setattr__(self, name, int(value))
-        if self.num_topk > self.num_experts:
+        self._check_expert_map()
+        if self.expert_map is None and self.num_topk > self.num_experts:
             raise InvalidArgumentError(
                 "num_topk", self.num_topk, f"must be <= num_experts={self.num_experts}"
             )
@@ -155,6 +171,15 @@ class BufferConfig:
             )
         object.__setattr__(self, "combine_dtype", cdt.name)
         self._check_quant(dt)
+
+    def _check_expert_map(self) -> None:
+        m = self.expert_map
+        if m is None:
+            return
+        if not isinstance(m, ExpertMap):
+            m = ExpertMap(m)  # validates, naming expert_map
+            object.__setattr__(self, "expert_map", m)
+        m.check_shape(self.num_experts, self.num_topk)
 
     def _check_quant(self, dt: _dt.DType) -> None:
         if not isinstance(self.quant_round_scale, bool):
@@ -174,6 +199,7 @@ class BufferConfig:
         _choice("layout", self.layout, LAYOUTS)
         _choice("engine", self.engine, ENGINES)
         _choice("sync", self.sync, (*SYNCS, "auto"))
+        _choice("integrity", self.integrity, INTEGRITY)
         if self.sync == "auto":
             object.__setattr__(self, "sync", AUTO_SYNC)
         if self.sync == "sp" and self.quant is not None:

@@ -11,7 +11,11 @@ with
 * ``UBEP_RENDEZVOUS``: path of a directory, private to the job (owned by the user, mode 0700,
   empty at start), on a filesystem every rank sees (one host: any local directory). Ranks
   exchange their process ids and shared-memory segment names through small files there. Create
-  it fresh per job (``mktemp -d``) and remove it afterwards.
+  it fresh per job (``mktemp -d``) and remove it afterwards. A rank that dies while it sets up
+  a group or a Buffer leaves a segment that only its peers have not yet mapped; a surviving rank
+  removes it (while it waits, when the set-up fails, when it closes its group). If no rank
+  survived, run ``python -m ubep.runtime.reaper --sweep DIR`` before removing the directory:
+  it removes every segment the directory records whose creator is gone.
 
 and call :func:`ubep.runtime.group_from_env` in each process.
 

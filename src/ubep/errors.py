@@ -11,6 +11,7 @@ import builtins
 from typing import Any
 
 __all__ = [
+    "CallLostError",
     "InvalidArgumentError",
     "OutOfStepError",
     "PeerLostError",
@@ -52,6 +53,13 @@ class RankMaskedError(PeerLostError):
     """The survivors of a masking Buffer (``on_peer_loss="mask"``) agreed that this rank is lost
     (it died to them, or was stopped or too slow past the deadline): it is out of the group and
     every call on the Buffer raises this until it rejoins."""
+
+
+class CallLostError(PeerLostError):
+    """A masking Buffer lost a rank while split-phase calls (``return_recv_hook=True``) were
+    open: the survivors masked it and serve the next call over the members, but the calls open
+    at the loss did not complete. Every survivor raises this, in the call the loss struck or,
+    on a survivor that had finished that call, in its next one."""
 
 
 class RemoteError(UbepError):

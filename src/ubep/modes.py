@@ -22,6 +22,7 @@ __all__ = [
     "DTYPE_NAMES",
     "ENGINES",
     "FLOAT_DTYPE_NAMES",
+    "INTEGRITY",
     "LAYOUTS",
     "PEER_LOSS",
     "POLICIES",
@@ -29,6 +30,7 @@ __all__ = [
     "SYNCS",
     "DTypeName",
     "Engine",
+    "Integrity",
     "Layout",
     "Mode",
     "PeerLoss",
@@ -61,6 +63,10 @@ PeerLoss = Literal["raise", "mask"]
 refuses until resynced), or ``mask`` the peer on every survivor and keep serving
 (``ubep.buffer.elastic``)."""
 
+Integrity = Literal["off", "checksum"]
+"""End-to-end integrity of the rows (docs/INTEGRITY.md): ``off``, or ``checksum``: a 64-bit
+checksum per row written by its sender and checked by its receiver, dispatch and combine."""
+
 Quant = Literal["e4m3", "int8"]
 """Formats of quantised dispatch (ubep.quant): FP8 E4M3 or INT8, one float32 scale per 128
 channels."""
@@ -76,6 +82,7 @@ SYNCS: tuple[Sync, ...] = get_args(Sync)
 LAYOUTS: tuple[Layout, ...] = get_args(Layout)
 POLICIES: tuple[Policy, ...] = get_args(Policy)
 PEER_LOSS: tuple[PeerLoss, ...] = get_args(PeerLoss)
+INTEGRITY: tuple[Integrity, ...] = get_args(Integrity)
 DTYPE_NAMES: tuple[DTypeName, ...] = get_args(DTypeName)
 QUANTS: tuple[Quant, ...] = get_args(Quant)
 FLOAT_DTYPE_NAMES: tuple[DTypeName, ...] = ("bf16", "fp16", "fp32")

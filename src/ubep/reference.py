@@ -22,6 +22,13 @@ where the slot's expert lives on ``r``, else -1; ``recv_topk_weights`` = the wei
 expert ``e``. Combine takes one row per received row (the caller applied its local experts and
 weights) and returns ``y[t] = sum over destination ranks ascending of the row sent back``.
 
+**Redundant experts and masked ranks** (``expert_map``, ``mask``): ``topk_idxs`` then name
+logical experts and each rank's picks are first routed to physical slots by
+``ubep.expert_map``'s rule (the code a Buffer runs), with the masked ranks' replicas out; a
+masked rank sends nothing (its inputs count as empty). ``num_experts`` counts physical slots
+and everything above applies to the physical routing. A ``mask`` without a map drops every pick
+of an expert on a masked rank (DeepEP's shrink mode).
+
 **Combine arithmetic, bit-exact**: per element, ``acc = +0.0f``; for each term in the order above
 ``acc = fl32(acc + fl32(w * out))`` (expert layout; the product is rounded to float32 *before*
 the add: no fused multiply-add, so native code needs ``-ffp-contract=off``) or
@@ -52,9 +59,11 @@ import numpy as np
 
 from .dtypes import DType, as_storage, dtype_of
 from .errors import InvalidArgumentError
+from .expert_map import ExpertMap, replica_table, route_topk
 from .handle import DispatchHandle, DispatchResult
 from .modes import LAYOUTS
 from .routing import experts_per_rank, validate_topk_idx
+from .topology import Topology, host
 
 __all__ = ["FP64", "RefDispatchResult", "combine", "dispatch"]
 
@@ -87,6 +96,9 @@ def dispatch(
     *,
     layout: str = "expert",
     float64: bool = False,
+    expert_map: ExpertMap | None = None,
+    mask: Sequence[int] | np.ndarray | None = None,
+    topology: Topology | None = None,
 ) -> list[RefDispatchResult]:
     """Dispatch every rank's tokens to the ranks owning their experts.
 
@@ -98,10 +110,16 @@ def dispatch(
         num_experts: global expert count, a multiple of ``len(xs)``.
         layout: ``"expert"`` or ``"rank"`` (module docstring).
         float64: also accept float64 payloads and weights (module docstring, "float64").
+        expert_map: logical experts -> physical slots (module docstring, "Redundant experts").
+        mask: ``[num_ranks]``, nonzero for a masked rank (a Buffer's ``mask_status()``).
+        topology: the hop classes the routing rule reads (default ``ubep.topology.host``).
 
     Returns:
         One :class:`RefDispatchResult` per rank, in rank order.
     """
+    if expert_map is not None or mask is not None:
+        xs, topk_idxs, topk_weights = _physical(xs, topk_idxs, topk_weights, num_experts,
+                                                expert_map, mask, topology)
     inp = _validate_dispatch(xs, topk_idxs, topk_weights, num_experts, layout, float64)
     if layout == "expert":
         return _dispatch_expert(inp, num_experts)
@@ -142,6 +160,39 @@ def combine(
         _from_acc(out_dtype, reduce(h, rows, outs_acc))
         for h, rows in zip(handles, dst_rows, strict=True)
     ]
+
+
+def _physical(
+    xs: Sequence[object], topk_idxs: Sequence[object], topk_weights: Sequence[object],
+    num_experts: int, expert_map: ExpertMap | None, mask: object, topology: Topology | None,
+) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+    """Every rank's inputs routed to physical slots, the masked ranks' emptied."""
+    x_list = _as_list(xs, "xs", None)
+    R = len(x_list)
+    idx_list = _as_list(topk_idxs, "topk_idxs", R)
+    w_list = _as_list(topk_weights, "topk_weights", R)
+    slots_per_rank = experts_per_rank(num_experts, R)
+    emap = ExpertMap.identity(num_experts) if expert_map is None else expert_map
+    if not isinstance(emap, ExpertMap):
+        raise InvalidArgumentError("expert_map", type(emap).__name__, "must be an ExpertMap")
+    m = np.zeros(R, dtype=bool) if mask is None else np.asarray(mask) != 0
+    if m.shape != (R,):
+        raise InvalidArgumentError("mask", m.shape, f"must be [num_ranks={R}]")
+    masked = [int(r) for r in np.flatnonzero(m)]
+    hops = (host(R) if topology is None else topology).hop_matrix()
+    if hops.shape != (R, R):
+        raise InvalidArgumentError("topology", hops.shape, f"must have {R} ranks")
+    out_x, out_idx, out_w = [], [], []
+    for r in range(R):
+        x, w = np.asarray(x_list[r]), np.asarray(w_list[r])
+        idx = validate_topk_idx(idx_list[r], emap.num_logical, argument=f"topk_idxs[{r}]",
+                                num_tokens=x.shape[0] if x.ndim else None)
+        phys = route_topk(idx, replica_table(emap, hops[r], masked, slots_per_rank))
+        keep = slice(0, 0) if m[r] else slice(None)
+        out_x.append(x[keep])
+        out_idx.append(phys[keep])
+        out_w.append(w[keep])
+    return out_x, out_idx, out_w
 
 
 def _to_acc(dtype: DType, a: np.ndarray) -> np.ndarray:

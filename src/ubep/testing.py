@@ -121,7 +121,9 @@ def check_call(buf: Any, xs: list[np.ndarray], idxs: list[np.ndarray], ws: list[
     ``buf.get_combine_buffer`` first."""
     cfg, r = buf.config, buf.rank
     res = buf.dispatch(xs[r], idxs[r], ws[r])
-    refs = reference.dispatch(xs, idxs, ws, cfg.num_experts, layout=cfg.layout)
+    routing: dict[str, Any] = {} if cfg.expert_map is None else {
+        "expert_map": cfg.expert_map, "topology": buf.group.topology}  # redundant experts
+    refs = reference.dispatch(xs, idxs, ws, cfg.num_experts, layout=cfg.layout, **routing)
     errors = compare(res, refs[r])
     outs = [expert_outputs(cfg.dtype, ref.recv_x, seed * 10 + q) for q, ref in enumerate(refs)]
     if zero_copy:

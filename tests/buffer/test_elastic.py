@@ -2,8 +2,9 @@
 
 The oracle is ``ubep.reference`` given the mask as DeepEP's shrink mode defines it: a masked
 rank sends no tokens, and every top-k slot whose expert lives on a masked rank is dropped (-1)
-before dispatch; experts are the identity (``expert_out = recv_x``), so combine's oracle is the
-reference combine of the masked dispatch. It knows nothing of how the Buffer recovers.
+before dispatch; with an expert map, the picks go to the live replicas (``expected``); experts
+are the identity (``expert_out = recv_x``), so combine's oracle is the reference combine of the
+masked dispatch. It knows nothing of how the Buffer recovers.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +25,11 @@ import numpy as np
 import pytest
 
 from tests._runtime_support import Case, make_inputs
+from tests.buffer.test_expert_map_buffer import replicated_map
 from ubep import modes, reference
 from ubep.buffer import Buffer
 from ubep.errors import InvalidArgumentError, RankMaskedError
+from ubep.expert_map import ExpertMap, replica_table, route_topk
 from ubep.runtime import LostRank, launch
 from ubep.runtime.membership import Roster, agree, publish_once
 from ubep.runtime.shm import SHM_DIR
@@ -36,13 +40,31 @@ VICTIM = 3
 TOKENS = 24
 CALLS = 10
 LOSS_AT = 3  # the victim's fault strikes in this call (0-based)
-JOIN_AT = 6  # a new process takes the victim's place before this call
+AFTER = 200  # calls the survivors serve after the loss, then the full group after a rejoin
 REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One run: ``calls`` calls, the fault in call LOSS_AT, a new process admitted as the
+    victim before call ``join_at`` (None: never), an expert map replicating the victim's
+    experts on the survivors (``replicas``)."""
+
+    calls: int = CALLS
+    join_at: int | None = None
+    replicas: bool = False
+
+
+def victim_map() -> ExpertMap:
+    """Six logical experts per rank (8 slots per rank); the victim's six are replicated on the
+    two spare slots of each survivor (tests.buffer.test_expert_map_buffer.replicated_map)."""
+    return replicated_map(NUM_RANKS, VICTIM)
 
 
 def masked_oracle(xs: list[np.ndarray], idxs: list[np.ndarray], ws: list[np.ndarray],
                   masked: list[int], num_experts: int, layout: str) -> list[Any]:
-    """The reference dispatch of the unmasked ranks' tokens to the unmasked ranks' experts."""
+    """The reference dispatch of the unmasked ranks' tokens to the unmasked ranks' experts
+    (``idxs`` in physical ids)."""
     L = num_experts // len(xs)
     xs2, idxs2, ws2 = [], [], []
     for r, (x, idx, w) in enumerate(zip(xs, idxs, ws, strict=True)):
@@ -54,26 +76,76 @@ def masked_oracle(xs: list[np.ndarray], idxs: list[np.ndarray], ws: list[np.ndar
     return reference.dispatch(xs2, idxs2, ws2, num_experts, layout=layout)
 
 
-def check_pair(res: Any, y: np.ndarray, inputs: Any, masks: tuple[list[int], list[int]],
-           cfg: Any, rank: int) -> list[str]:
+def expected(inputs: Any, cfg: Any, masked: list[int], issued: bool, topology: Any) -> list[Any]:
+    """The oracle of one call under ``masked``. Without a map, a masked rank's experts' picks
+    are dropped. With one, the call that saw the loss (``issued``) keeps the routing it was
+    issued with (the replicas chosen with no rank masked) minus the masked ranks; every later
+    call routes to the live replicas."""
     xs, idxs, ws = inputs
-    mask_d, mask_c = masks
-    errors = compare(res, masked_oracle(xs, idxs, ws, mask_d, cfg.num_experts, cfg.layout)[rank])
-    refs = masked_oracle(xs, idxs, ws, mask_c, cfg.num_experts, cfg.layout)
-    y_ref = reference.combine([ref.recv_x for ref in refs], refs)[rank]
-    if not np.array_equal(bits(y), bits(y_ref)):
+    E, emap = cfg.num_experts, cfg.expert_map
+    if emap is None:
+        return masked_oracle(xs, idxs, ws, masked, E, cfg.layout)
+    if issued:
+        hops = topology.hop_matrix()
+        phys = [route_topk(idx, replica_table(emap, hops[r], [], E // NUM_RANKS))
+                for r, idx in enumerate(idxs)]
+        return masked_oracle(xs, phys, ws, masked, E, cfg.layout)
+    mask = np.isin(np.arange(NUM_RANKS), masked)
+    return reference.dispatch(xs, idxs, ws, E, layout=cfg.layout, expert_map=emap, mask=mask,
+                              topology=topology)
+
+
+def check_call(res: Any, y: np.ndarray, inputs: Any, masks: tuple[list[int], ...], cfg: Any,
+               rank: int, topology: Any) -> list[str]:
+    """One dispatch and combine of ``rank``, given the mask before the call, after its dispatch
+    and after its combine, against the oracle (experts are the identity: ``expert_out =
+    recv_x``). With a map holding a replica of every masked expert, once the call that saw the
+    loss is over nothing is dropped: every pick is sent, and (expert layout) ``y`` equals the
+    unmasked oracle's."""
+    before, mask_d, mask_c = masks
+    memo: dict[Any, list[Any]] = {}
+
+    def oracle(masked: list[int]) -> list[Any]:
+        issued = masked != before and cfg.expert_map is not None  # no map: the same routing
+        key = (tuple(masked), issued)
+        if key not in memo:
+            memo[key] = expected(inputs, cfg, masked, issued, topology)
+        return memo[key]
+
+    def combined(refs: list[Any]) -> np.ndarray:
+        return reference.combine([ref.recv_x for ref in refs], refs)[rank]
+
+    errors = compare(res, oracle(mask_d)[rank])
+    if not np.array_equal(bits(y), bits(combined(oracle(mask_c)))):
         errors.append("combine differs")
+    if cfg.expert_map is not None and before == mask_c and mask_c:
+        # nothing dropped: every pick of this rank was sent (to a replica) ...
+        if not np.array_equal(res.handle.topk_idx >= 0, inputs[1][rank] >= 0):
+            errors.append("a pick was dropped")
+        # ... and in the expert layout (y = sum of w * expert(x) over the picks) the combine
+        # equals the unmasked oracle's
+        if cfg.layout == "expert" and not np.array_equal(bits(y), bits(combined(oracle([])))):
+            errors.append("combine differs from the unmasked oracle: a pick was dropped")
     return errors
 
 
 def call_inputs(case: Case, cfg: Any, call: int) -> Any:
-    """Every rank's inputs of call ``call`` (seeded: the same in every process)."""
-    return make_inputs(case, cfg.num_experts, [TOKENS] * NUM_RANKS, 7 * call + 1, "uniform")
+    """Every rank's inputs of call ``call`` (seeded: the same in every process), in logical
+    expert ids."""
+    num = cfg.num_experts if cfg.expert_map is None else cfg.expert_map.num_logical
+    return make_inputs(case, num, [TOKENS] * NUM_RANKS, 7 * call + 1, "uniform")
 
 
-def _start_newcomer(group: Any, case: Case, out: str) -> subprocess.Popen[bytes]:
+def config(case: Case, plan: Plan) -> Any:
+    return case.config(TOKENS, on_peer_loss="mask", timeout_s=1.0,
+                       expert_map=victim_map() if plan.replicas else None)
+
+
+def _start_newcomer(group: Any, case: Case, plan: Plan, out: str) -> subprocess.Popen[bytes]:
     argv = [sys.executable, "-m", "tests.buffer._rejoin_worker", group.rendezvous,
-            str(VICTIM), json.dumps(dataclasses.asdict(case)), str(JOIN_AT), f"{out}.newcomer"]
+            str(VICTIM), json.dumps(dataclasses.asdict(case)), json.dumps(
+                dataclasses.asdict(plan)), json.dumps(dataclasses.asdict(group.topology)),
+            f"{out}.newcomer"]
     return subprocess.Popen(argv, cwd=REPO_ROOT)
 
 
@@ -93,42 +165,55 @@ def _kill_when(progress: list[int], call: int, delay_s: float) -> None:
     threading.Thread(target=kill, daemon=True).start()
 
 
-def _serve(group: Any, case: Case, fault: str, out: str) -> Any:
-    """CALLS dispatch + combine pairs; the victim's ``fault`` strikes in call LOSS_AT: killed
-    before its dispatch, killed before its combine, or stopped before its dispatch (rank 0 wakes
-    it once the survivors are past the loss); or ``kill_anytime``: SIGKILL from a thread a
-    moment into the calls, wherever the victim then is (inside a dispatch or a combine, between
-    them, while survivors are one call apart). Survivors return their mismatches and masks."""
-    cfg = case.config(TOKENS, on_peer_loss="mask", timeout_s=1.0)
+def _fault(r: int, i: int, fault: str, where: str) -> None:
+    """The victim's fault, if it strikes here: ``where`` is "dispatch" (entering call i's
+    dispatch), "combine" (entering its combine) or "after" (call i's combine returned)."""
+    if r != VICTIM:
+        return
+    if where == "dispatch" and i == LOSS_AT and fault in ("kill_dispatch", "stop"):
+        os.kill(os.getpid(), signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
+    if where == "combine" and i == LOSS_AT and fault == "kill_combine":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if where == "after" and i == LOSS_AT - 1 and fault == "kill_between":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _serve(group: Any, case: Case, fault: str, out: str, plan: Plan = Plan()) -> Any:
+    """``plan.calls`` dispatch + combine pairs; the victim's ``fault`` strikes in call LOSS_AT
+    (:func:`_fault`; a stopped victim is woken by rank 0 once the survivors are past the
+    loss), or ``kill_anytime``: SIGKILL from a thread a moment into the calls, wherever the
+    victim then is. Survivors return their mismatches and masks."""
+    cfg = config(case, plan)
     r = group.rank
     errors: list[str] = []
     masks: list[list[int]] = []
     names: set[str] = set()
+    newcomer = None
     with Buffer(group, cfg) as buf:
         progress = [0]
         if r == VICTIM and fault == "kill_anytime":
             _kill_when(progress, LOSS_AT, 1e-3 * modes.SYNCS.index(case.sync))
-        for i in range(CALLS):
+        for i in range(plan.calls):
             progress[0] = i
             names.update(seg.name for seg in buf._inner._segments)
-            if fault == "rejoin" and i == JOIN_AT:
-                newcomer = _start_newcomer(group, case, out) if r == 0 else None
+            if i == plan.join_at:
+                newcomer = _start_newcomer(group, case, plan, out) if r == 0 else None
                 assert buf.admit([VICTIM], timeout_s=30.0) == (VICTIM,)
             inputs = call_inputs(case, cfg, i)
             xs, idxs, ws = inputs
-            if r == VICTIM and i == LOSS_AT and fault in ("kill_dispatch", "stop", "rejoin"):
-                os.kill(os.getpid(), signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
+            before = _masked(buf)
             try:
+                _fault(r, i, fault, "dispatch")
                 res = buf.dispatch(xs[r], idxs[r], ws[r])
                 mask_d = _masked(buf)
-                if r == VICTIM and i == LOSS_AT and fault == "kill_combine":
-                    os.kill(os.getpid(), signal.SIGKILL)
+                _fault(r, i, fault, "combine")
                 y = buf.combine(np.ascontiguousarray(res.recv_x), res.handle)
+                _fault(r, i, fault, "after")
             except RankMaskedError:
                 return ("masked", i, _masked(buf))
             masks.append(_masked(buf))
-            errors += [f"call {i}: {e}" for e in check_pair(res, y, inputs, (mask_d, masks[-1]),
-                                                         cfg, r)]
+            errors += [f"call {i}: {e}" for e in check_call(
+                res, y, inputs, (before, mask_d, masks[-1]), cfg, r, group.topology)]
             if fault == "stop" and i == LOSS_AT + 2:
                 if r == 0:
                     os.kill(group.peers[VICTIM].pid, signal.SIGCONT)
@@ -136,35 +221,57 @@ def _serve(group: Any, case: Case, fault: str, out: str) -> Any:
         names.update(seg.name for seg in buf._inner._segments)
         if r == VICTIM:
             time.sleep(30)  # a victim that outran its killer thread dies here
-    if fault == "rejoin" and r == 0:
-        assert newcomer is not None
+    if newcomer is not None:
         newcomer.wait(60)
     Path(f"{out}.{r}").write_text("\n".join(sorted(names)))
     return errors, masks
 
 
-CASES = [
-    Case("asp", "sw", "expert", "bf16", NUM_RANKS, 256, "uniform"),
-    Case("bsp", "tff", "rank", "bf16", NUM_RANKS, 256, "uniform"),
+def _segments_gone(out: str, rebuilds: list[int]) -> None:
+    """Every segment a survivor mapped is gone from /dev/shm. ``rebuilds``: the members of each
+    Buffer the survivors built, in order; a healthy rank descheduled past the deadline on a
+    loaded host makes the survivors agree once more over the same members (new segments, the
+    same mask), so a membership may repeat."""
+    names = {n for r in range(VICTIM) for n in Path(f"{out}.{r}").read_text().split()}
+    assert len(names) >= sum(rebuilds), (len(names), rebuilds)
+    assert not [n for n in names if os.path.exists(os.path.join(SHM_DIR, n))]
+
+
+# a few representative modes for the long runs (every engine, sync and layout at least once
+# with the stop test's asp-sp-expert; the fault before a dispatch, with a map, is the stop)
+LONG_RUNS = [
+    ("kill_dispatch", Case("asp", "sw", "expert", "bf16", NUM_RANKS, 256, "uniform"), False),
+    ("kill_combine", Case("bsp", "tff", "rank", "bf16", NUM_RANKS, 256, "uniform"), False),
+    ("kill_combine", Case("asp", "sw", "expert", "bf16", NUM_RANKS, 256, "uniform"), True),
+    ("kill_between", Case("bsp", "dc", "expert", "bf16", NUM_RANKS, 128, "uniform"), True),
+    ("kill_between", Case("asp", "dc", "rank", "fp16", NUM_RANKS, 128, "uniform"), False),
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.engine}-{c.sync}-{c.layout}")
-@pytest.mark.parametrize("fault", ["kill_dispatch", "kill_combine"])
-def test_survivors_mask_a_killed_rank_and_stay_bit_exact(tmp_path: Path, case: Case,
-                                                          fault: str) -> None:
+@pytest.mark.parametrize("fault, case, replicas", LONG_RUNS,
+                         ids=[f"{f}-{c.engine}-{c.sync}-{c.layout}{'-map' * m}"
+                              for f, c, m in LONG_RUNS])
+def test_survivors_serve_on_bit_exact_then_a_replacement_rejoins(
+        tmp_path: Path, fault: str, case: Case, replicas: bool) -> None:
+    """The victim is killed; the survivors serve AFTER calls bit-exact against the oracle with
+    the mask (with a map: the unmasked oracle's combine, nothing dropped), every survivor with
+    the same mask; then a new process takes the victim's place and AFTER calls over the full
+    group are bit-exact; no segment is left."""
     out = str(tmp_path / "segments")
-    results = launch(_serve, NUM_RANKS, case, fault, out, timeout_s=120, keep_survivors=True)
+    join_at = LOSS_AT + AFTER
+    plan = Plan(calls=join_at + AFTER, join_at=join_at, replicas=replicas)
+    results = launch(_serve, NUM_RANKS, case, fault, out, plan, timeout_s=600,
+                     keep_survivors=True)
     lost = results[VICTIM]
     assert isinstance(lost, LostRank) and lost.exitcode == -signal.SIGKILL
     for r in range(VICTIM):
         errors, masks = results[r]
         assert errors == [], (r, errors[:3])
-        assert masks[:LOSS_AT] == [[]] * LOSS_AT
-        assert masks[LOSS_AT:] == [[VICTIM]] * (CALLS - LOSS_AT)
-    names = {n for r in range(VICTIM) for n in Path(f"{out}.{r}").read_text().split()}
-    assert len(names) == NUM_RANKS + VICTIM  # the first Buffer's segments, then the members'
-    assert not [n for n in names if os.path.exists(os.path.join(SHM_DIR, n))]
+        assert masks == [[]] * LOSS_AT + [[VICTIM]] * AFTER + [[]] * AFTER
+    newcomer = json.loads(Path(f"{out}.newcomer").read_text())
+    assert newcomer["errors"] == [] and newcomer["masks"] == [[]]
+    assert newcomer["calls"] == AFTER
+    _segments_gone(out, [NUM_RANKS, VICTIM, NUM_RANKS])  # before, masked, rejoined
 
 
 def _every_mode() -> list[Case]:
@@ -188,35 +295,23 @@ def test_a_rank_killed_mid_call_is_masked_under_every_mode(tmp_path: Path, case:
         seen.append(lost_from)
     # a survivor may finish the call the loss struck in (unmasked) while another redoes it
     assert max(seen) - min(seen) <= 1, seen
+    _segments_gone(out, [NUM_RANKS, VICTIM])
 
 
-def test_a_stopped_rank_wakes_masked_and_never_reaches_the_survivors(tmp_path: Path) -> None:
+@pytest.mark.parametrize("replicas", [False, True], ids=["plain", "map"])
+def test_a_stopped_rank_wakes_masked_and_never_reaches_the_survivors(
+        tmp_path: Path, replicas: bool) -> None:
     case = Case("asp", "sp", "expert", "bf16", NUM_RANKS, 256, "uniform")
-    results = launch(_serve, NUM_RANKS, case, "stop", str(tmp_path / "s"), timeout_s=120,
+    plan = Plan(calls=LOSS_AT + AFTER, replicas=replicas)
+    out = str(tmp_path / "s")
+    results = launch(_serve, NUM_RANKS, case, "stop", out, plan, timeout_s=600,
                      keep_survivors=True)
     assert results[VICTIM] == ("masked", LOSS_AT, [VICTIM])
     for r in range(VICTIM):
         errors, masks = results[r]
         assert errors == [], (r, errors[:3])
-        assert masks[LOSS_AT:] == [[VICTIM]] * (CALLS - LOSS_AT)
-
-
-def test_a_new_process_rejoins_as_the_lost_rank_and_calls_run_over_all_again(
-        tmp_path: Path) -> None:
-    case = Case("asp", "tff", "expert", "bf16", NUM_RANKS, 256, "uniform")
-    out = str(tmp_path / "segments")
-    results = launch(_serve, NUM_RANKS, case, "rejoin", out, timeout_s=120, keep_survivors=True)
-    assert isinstance(results[VICTIM], LostRank)
-    for r in range(VICTIM):
-        errors, masks = results[r]
-        assert errors == [], (r, errors[:3])
-        assert masks == [[]] * LOSS_AT + [[VICTIM]] * (JOIN_AT - LOSS_AT) + [[]] * (
-            CALLS - JOIN_AT)
-    newcomer = json.loads(Path(f"{out}.newcomer").read_text())
-    assert newcomer["errors"] == [] and newcomer["masks"] == [[]]
-    names = {n for r in range(VICTIM) for n in Path(f"{out}.{r}").read_text().split()}
-    assert len(names) == NUM_RANKS + VICTIM + NUM_RANKS  # before, masked, rejoined
-    assert not [n for n in names if os.path.exists(os.path.join(SHM_DIR, n))]
+        assert masks == [[]] * LOSS_AT + [[VICTIM]] * AFTER
+    _segments_gone(out, [NUM_RANKS, VICTIM])
 
 
 def _agree_without(group: Any, absent: int) -> Any:

@@ -20,6 +20,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -188,10 +189,54 @@ def _worker_sigstop(group: Any, out: str) -> dict[str, Any]:
     return outcome
 
 
+_KILL_TIMEOUT_S = 3.0
+
+
+def _worker_kill(group: Any, out: str) -> None:
+    """Masking is refused over MPI, naming on_peer_loss; then the last rank SIGKILLs itself
+    before a call and every survivor must raise within the deadline. Each survivor writes its
+    outcome to ``out/kill.<rank>.json`` and leaves at once (the job cannot finish collectively
+    without the dead rank)."""
+    import signal
+    import time
+
+    from ubep.buffer import Buffer, BufferConfig
+    from ubep.errors import InvalidArgumentError, UbepError
+
+    R, r = group.num_ranks, group.rank
+    base = dict(max_tokens_per_rank=8, hidden=64, num_topk=2, num_experts=2 * R, dtype="bf16",
+                timeout_s=_KILL_TIMEOUT_S)
+    try:
+        Buffer(group, BufferConfig(**base, on_peer_loss="mask")).close()  # type: ignore[arg-type]
+        refused = "built"
+    except InvalidArgumentError as exc:
+        refused = f"{exc.argument}: {exc.problem}"
+    x = np.full((8, 64), r + 1, np.uint16)
+    idx = np.tile(np.arange(0, 2 * R, R, dtype=np.int64), (8, 1))  # every rank gets rows
+    w = np.ones((8, 2), np.float32)
+    with Buffer(group, BufferConfig(**base)) as buf:  # type: ignore[arg-type]
+        buf.dispatch(x, idx, w)  # warm: every window touched once
+        group.barrier(60)
+        if r == R - 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        t0 = time.monotonic()
+        try:
+            buf.dispatch(x, idx, w)
+            got, message = "ok", ""
+        except UbepError as exc:
+            got, message = type(exc).__name__, str(exc)
+        elapsed = time.monotonic() - t0
+        Path(out, f"kill.{r}.json").write_text(json.dumps(
+            {"refused": refused, "error": got, "message": message, "elapsed_s": elapsed}))
+    os._exit(0)  # no collective teardown with a dead rank
+
+
 def _worker_main(name: str, out: str) -> None:
     import ubep.mpi
 
     group = ubep.mpi.init()
+    if name == "_worker_kill":
+        _worker_kill(group, str(Path(out).parent))
     if name == "_worker_sigstop":
         result = _worker_sigstop(group, str(Path(out).parent))
     else:
@@ -286,6 +331,42 @@ def test_sigstopped_rank_gives_timeout_at_the_deadline_over_tcp_rma(tmp_path: Pa
         assert "TimeoutError" in {every[r][mode]["error"] for r in (0, 1)}, every
         assert every[2][mode]["error"] in ("TimeoutError", "RemoteError"), every[2]
     assert all(e["after"] for e in every)
+
+
+@pytest.mark.parametrize("transport", ["shared", "tcp"])
+def test_a_killed_rank_makes_every_survivor_raise_within_the_deadline(
+        tmp_path: Path, transport: str) -> None:
+    """3 ranks; masking is refused over MPI (naming on_peer_loss); one rank is SIGKILLed before
+    a call and both survivors raise within the deadline. ``--with-ft ulfm`` keeps mpiexec from
+    ending the survivors when the rank dies (docs/MULTIHOST.md)."""
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    env = dict(os.environ) | {"OMP_NUM_THREADS": "1"}
+    mca = _QUIET
+    if transport == "tcp":
+        env["UBEP_DIST_FORCE_RMA"] = "1"
+        mca = _TCP
+    if os.geteuid() == 0:
+        env |= {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    cmd = [str(_mpiexec()), "--oversubscribe", "--with-ft", "ulfm", *mca, "-n", "3",
+           sys.executable, *_WORKER, "_worker_kill", str(tmp_path / "kill.json")]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True, cwd=REPO_ROOT)
+    try:
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+    for r in (0, 1):
+        path = tmp_path / f"kill.{r}.json"
+        assert path.exists(), (r, output[-4000:])
+        got = json.loads(path.read_text())
+        assert got["refused"].startswith("on_peer_loss:"), got
+        assert "MPI" in got["refused"], got
+        assert got["error"] in ("PeerLostError", "TimeoutError", "RemoteError"), got
+        assert got["elapsed_s"] <= _KILL_TIMEOUT_S + _STOP_MARGIN_S, got
 
 
 def test_doctor_mpi_probe_runs_both_transports() -> None:

@@ -53,6 +53,7 @@ from ..torch_bridge import as_process_group
 from .checks import ArgChecks
 from .inflight import InFlightCalls
 from .regions import combine_region, int64_outputs, layout_of, new_frozen, rows_view
+from .replicas import LogicalRouting
 from .state import AFTER as _AFTER
 from .state import BEFORE as _BEFORE
 from .state import NATIVE as _NATIVE
@@ -120,6 +121,7 @@ class Buffer(InFlightCalls, ArgChecks):
         self._engine = None
         self._in_flight = []  # split-phase calls awaiting their hook, in order
         self._fast = None  # the one-call path of blocking calls
+        self._route = None  # expert_map's routing (_configure)
         # Construction is collective: every rank validates, then all exchange the outcome, so a
         # config only one rank rejects fails on every rank instead of pairing with its next one.
         error: Exception | None = None
@@ -160,6 +162,11 @@ class Buffer(InFlightCalls, ArgChecks):
         self._cdtype = _dt.dtype_of(config.combine_dtype)
         self.layout = layout_of(config, self.num_ranks, self.num_cores)
         self._native = load_native()
+        # redundant experts: a caller's logical topk_idx -> the physical slots sent to
+        # (ubep.expert_map); a masking Buffer installs its own over its members' Buffer
+        self._route = None if config.expert_map is None else LogicalRouting(
+            config.expert_map, config.num_experts, self.num_ranks,
+            self.group.topology.hop_matrix()[self.rank], config.num_topk)
 
     def _setup(self) -> None:
         g, lay = self.group, self.layout
@@ -179,6 +186,10 @@ class Buffer(InFlightCalls, ArgChecks):
                                    background=background)
             self._engine = self._native.Engine(params, mem.addresses, mem.pids, mem.start_times)
         else:
+            if self.config.integrity != "off":  # the same on every rank: all peers remote
+                raise InvalidArgumentError(
+                    "integrity", self.config.integrity,
+                    "row checksums are implemented by the one-host engine only (docs/INTEGRITY.md)")
             self._engine = mem.make_engine(self.config, lay)  # peers on other hosts (ubep.mpi)
         self._engine.reset_all()
         # Every peer has mapped every segment once this barrier completes: unlink the names so
@@ -281,6 +292,8 @@ class Buffer(InFlightCalls, ArgChecks):
         self._num_dispatches += 1
         stage = _BEFORE
         try:
+            if self._route is not None:  # logical ids -> physical slots (checked: a clean reject)
+                topk_idx = self._route(topk_idx)
             fast = self._fast
             if fast is not None and not (copy or hook or self._in_flight) and x_scales is None:
                 # the common blocking call: checked, run and its result built in one native

@@ -14,9 +14,11 @@ a call fails because a peer died or stopped answering within the deadline, every
 What callers see, as DeepEP's shrink mode defines it: ranks keep their original numbers;
 received rows and counts exclude the masked ranks' tokens (``recv_src_rank`` in original
 ranks); a top-k slot whose expert lives on a masked rank is dropped before dispatch, so it
-contributes nothing to combine (``y`` is the weighted sum over the remaining slots);
-:meth:`MaskingBuffer.mask_status` is the same vector on every survivor. A masked rank's calls
-raise :class:`ubep.RankMaskedError`.
+contributes nothing to combine (``y`` is the weighted sum over the remaining slots), unless
+``config.expert_map`` gives it a live replica (``ubep.expert_map``: the members' Buffer routes
+logical ids itself, ``ubep.buffer.replicas``); :meth:`MaskingBuffer.mask_status` is the same
+vector on every survivor. A masked rank's calls raise :class:`ubep.RankMaskedError`.
+:meth:`MaskingBuffer.mask_ranks` masks ranks on request through the same agreement.
 
 The call that saw the loss. Calls are collective and in order, so at a loss every survivor is
 in call ``e`` or ``e + 1`` (a rank may finish call ``e`` while a slower one fails in it). The
@@ -26,11 +28,16 @@ last dispatch's ``x``/``topk_idx``/``topk_weights`` and the last combine's ``exp
 referenced, not copied: they must not change until the next call on the Buffer returns) and
 keeps the result it already returned. A combine first needs its dispatch over the members: that
 dispatch is replayed from the kept inputs, and the expert outputs are re-ordered from the old
-receive order to the new by each row's origin.
+receive order to the new by each row's origin. With an expert map, a replayed dispatch keeps
+the routing it was issued with (picks on the lost rank dropped): a survivor may hold its rows.
+
+Split-phase calls (``return_recv_hook=True``) are not replayed: a loss while any is open makes
+every survivor agree, rebuild and raise :class:`ubep.CallLostError` (in the call the loss
+struck, or in its next one on a survivor that had finished it); the next call is served.
 
 Limits today: a one-host :class:`~ubep.runtime.group.Group` (``ubep.launch``, an environment
-launch); blocking calls only (``return_recv_hook`` is refused); a handle from a dispatch older
-than the call that saw the loss cannot be combined afterwards (dispatch again).
+launch); a handle from a dispatch older than the call that saw the loss cannot be combined
+afterwards (dispatch again).
 """
 
 from __future__ import annotations
@@ -41,9 +48,10 @@ from typing import Any
 
 import numpy as np
 
-from .. import dtypes as _dt
+from .. import topology as topo
 from ..config import BufferConfig
 from ..errors import (
+    CallLostError,
     InvalidArgumentError,
     OutOfStepError,
     PeerLostError,
@@ -52,10 +60,12 @@ from ..errors import (
     TimeoutError,
     UbepError,
 )
-from ..handle import DispatchHandle, DispatchResult
+from ..expert_map import ExpertMap
+from ..handle import DispatchHandle, DispatchResult, PendingCall
 from ..routing import experts_per_rank
 from ..runtime.group import Group
 from ..runtime.membership import (
+    Decision,
     MemberGroup,
     Roster,
     admit,
@@ -65,7 +75,7 @@ from ..runtime.membership import (
 )
 from ..torch_bridge import as_process_group
 from .buffer import Buffer
-from .checks import check_dispatch_args
+from .replicas import LogicalRouting
 
 __all__ = ["MaskingBuffer"]
 
@@ -85,6 +95,20 @@ class _Kept:
     topk_weights: Any = None
     expert_out: Any = None
     handle: Any = None  # the dispatch handle (combine: the one it used)
+    physical: np.ndarray | None = None  # a dispatch's routing in original slots (None: topk_idx)
+
+
+@dataclasses.dataclass(eq=False)
+class _Open:
+    """A split-phase call awaiting its hook: the caller's pending call and the members'."""
+
+    call: int
+    op: str
+    outer: PendingCall[Any]
+    inner: PendingCall[Any]
+    kept: _Kept | None  # a dispatch's inputs (kept as the last dispatch once it completes)
+    physical: np.ndarray | None
+    to_inner: np.ndarray | None  # the members' numbering it was issued under
 
 
 class MaskingBuffer:
@@ -97,12 +121,16 @@ class MaskingBuffer:
             raise InvalidArgumentError(
                 "on_peer_loss", "mask", "needs a one-host ubep Group (ubep.launch or an "
                 f"environment launch), not {type(group).__name__}: its control plane must "
-                "outlive a process")
-        self._start(config, Roster.of(group), group.num_ranks)
+                "outlive a process. Over MPI (ubep.mpi) a lost rank is not masked: with "
+                "on_peer_loss='raise' every survivor raises within the deadline "
+                "(docs/MULTIHOST.md)")
+        self._start(config, Roster.of(group), group.num_ranks, group.topology.hop_matrix())
         self._inner = Buffer(group, self._inner_config())
         self._uid = self._inner._uid  # agreed by every rank at construction
+        self._install_route()
 
-    def _start(self, config: BufferConfig, roster: Roster, num_ranks: int) -> None:
+    def _start(self, config: BufferConfig, roster: Roster, num_ranks: int,
+               hops: np.ndarray) -> None:
         self.config = config
         self.rank = roster.rank
         self.num_ranks = num_ranks
@@ -119,28 +147,42 @@ class MaskingBuffer:
         # result of its replay over the members): what combine re-orders rows by
         self._moved: dict[int, tuple[Any, DispatchResult[Any], DispatchResult[Any]]] = {}
         self._to_inner: np.ndarray | None = None  # None while every rank is a member
+        self._open: list[_Open] = []  # split-phase calls awaiting their hook, in issue order
+        self._requests = 0  # mask_ranks() calls so far: their agreements' names
+        self._hops = np.asarray(hops)  # the group's hop classes: the replica rule reads them
+        # logical experts -> physical slots (without a map: expert e on slot e)
+        self._map = config.expert_map or ExpertMap.identity(config.num_experts)
 
     # --- calls ---------------------------------------------------------------------------
 
     def dispatch(self, x: object, topk_idx: object, topk_weights: object, *,
                  copy: bool = False, return_recv_hook: bool = False,
-                 x_scales: object = None) -> DispatchResult[Any]:
+                 x_scales: object = None) -> Any:
         """:meth:`ubep.Buffer.dispatch` over the members (module docstring)."""
-        self._check_call(return_recv_hook)
+        self._check_call()
+        if return_recv_hook:
+            return self._split_call("dispatch", lambda: self._inner.dispatch(
+                x, topk_idx, topk_weights, copy=copy, return_recv_hook=True,
+                x_scales=x_scales), _Kept(0, "dispatch", x=x, topk_idx=topk_idx,
+                                          topk_weights=topk_weights))
         kept = _Kept(self._calls + 1, "dispatch", x=x, topk_idx=topk_idx,
                      topk_weights=topk_weights)
         res: DispatchResult[Any] = self._serve(kept, lambda: self._dispatch(
             x, topk_idx, topk_weights, copy, x_scales))
-        self._last_dispatch = dataclasses.replace(kept, handle=res.handle, result=res)
+        self._last_dispatch = dataclasses.replace(kept, handle=res.handle, result=res,
+                                                  physical=self._physical())
         return res
 
     def combine(self, expert_out: object, handle: DispatchHandle, *,
-                return_recv_hook: bool = False, topk_weights: object = None) -> np.ndarray:
+                return_recv_hook: bool = False, topk_weights: object = None) -> Any:
         """:meth:`ubep.Buffer.combine` over the members (module docstring). ``topk_weights``
         (``[num_tokens, num_topk]``, this rank's): weights in place of the dispatched ones (the
         DeepEP facade's low-latency combine takes them here; the handle must stay the one
         dispatch returned, which is how a combine after a loss finds its rows)."""
-        self._check_call(return_recv_hook)
+        self._check_call()
+        if return_recv_hook:
+            return self._split_call("combine", lambda: self._combine(
+                expert_out, handle, topk_weights, True), None)
         kept = _Kept(self._calls + 1, "combine", expert_out=expert_out, handle=handle,
                      topk_weights=topk_weights)
         y: np.ndarray = self._serve(kept, lambda: self._combine(expert_out, handle,
@@ -158,8 +200,8 @@ class MaskingBuffer:
                 if cause is None:
                     return run()
                 return self._recover(kept, cause, run)
-            except RankMaskedError:
-                raise  # the survivors went on without this rank
+            except (RankMaskedError, CallLostError):
+                raise  # the survivors went on without this rank / without this call
             except RemoteError as exc:
                 if exc.clean:  # a peer rejected its input on every rank: not a loss
                     self._calls -= 1
@@ -178,6 +220,12 @@ class MaskingBuffer:
         """The ranks serving, ascending (original numbers)."""
         return self._roster.members
 
+    @property
+    def rendezvous(self) -> str:
+        """The directory the group meets in: what :meth:`rejoin` needs to come back (a rank
+        masked on request rejoins from the same process, once the members :meth:`admit` it)."""
+        return self._roster.rendezvous
+
     def admit(self, ranks: Sequence[int] = (), timeout_s: float | None = None
               ) -> tuple[int, ...]:
         """Let in every process waiting in :meth:`rejoin` as a masked rank (collective over the
@@ -185,7 +233,10 @@ class MaskingBuffer:
         ``timeout_s`` (default ``config.timeout_s``) for those of ``ranks`` (the replacements
         an orchestrator started). After it the newcomers are members again and calls run over
         them too, bit-exact. Returns the ranks admitted (none: nothing changes)."""
-        self._check_call(False)
+        self._check_call()
+        if self._open:
+            raise InvalidArgumentError("ranks", list(ranks), "admit runs between calls: "
+                                       "split-phase calls are still waiting for their hooks")
         bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < self.num_ranks)
                or r in self.members]
         if bad:
@@ -196,12 +247,44 @@ class MaskingBuffer:
         key = f"{self._uid:x}.a{self._admits}"
         roster, record = admit(self._roster, key, self.num_ranks, {
             "uid": self._uid, "num_ranks": self.num_ranks, "calls": self._calls,
-            "losses": self._losses, "admits": self._admits,
+            "losses": self._losses, "admits": self._admits, "requests": self._requests,
+            "hops": self._hops.tolist(),
         }, expect=tuple(ranks), timeout_s=wait)
         joined = tuple(sorted(int(r) for r in record["joiners"]))
         if joined:
             self._rebuild(roster, key)
         return joined
+
+    def mask_ranks(self, ranks: Sequence[int], timeout_s: float | None = None) -> np.ndarray:
+        """Mask ``ranks`` on request (an application that knows a rank is bad: DeepEP's
+        ``low_latency_update_mask_buffer(rank, True)``). Collective over the members, between
+        calls, each passing the ranks it wants masked (they may differ: their union is masked).
+        It runs through the loss agreement (one decision, first published wins), so every
+        survivor ends with the same mask; a member that does not take part within
+        ``timeout_s`` (default ``config.timeout_s``) is masked too. The survivors rebuild over
+        the rest; a rank masked here gets the mask back, and its next call raises
+        ``RankMaskedError``. Returns :meth:`mask_status`."""
+        self._check_call()
+        if self._open:
+            raise InvalidArgumentError("ranks", list(ranks), "mask_ranks runs between calls: "
+                                       "split-phase calls are still waiting for their hooks")
+        ok = isinstance(ranks, Sequence) and not isinstance(ranks, str) and all(
+            isinstance(r, (int, np.integer)) and not isinstance(r, bool) for r in ranks)
+        want = sorted({int(r) for r in ranks}) if ok else []
+        if not ok or any(not 0 <= r < self.num_ranks for r in want):
+            raise InvalidArgumentError("ranks", ranks, f"must be rank numbers in [0, "
+                                       f"{self.num_ranks})")
+        self._requests += 1
+        key = f"{self._uid:x}.m{self._requests}"
+        wait = float(self.config.timeout_s if timeout_s is None else timeout_s)
+        decision = agree(self._roster, key, {"call": self._calls, "mask": want}, wait)
+        masked = {r for s in decision.states for r in s["mask"]}
+        members = tuple(r for r in decision.members if r not in masked)
+        if self.rank not in members:
+            self._leave(members, "on request")
+        elif members != self.members:
+            self._rebuild(self._roster.with_members(members), key)
+        return self.mask_status()
 
     @classmethod
     def rejoin(cls, rendezvous: str, rank: int, config: BufferConfig, *,
@@ -214,12 +297,13 @@ class MaskingBuffer:
         record = request_join(rendezvous, rank, wait)
         self = object.__new__(cls)
         self._start(config, roster_of_record(rank, record, rendezvous),
-                    int(record["num_ranks"]))
+                    int(record["num_ranks"]), np.asarray(record["hops"], dtype=np.int8))
         self._uid = int(record["uid"])
         self._calls = int(record["calls"])
         self._losses = int(record["losses"])
         self._admits = int(record["admits"])
-        self._open(self._roster, f"{self._uid:x}.a{self._admits}")
+        self._requests = int(record["requests"])
+        self._build(self._roster, f"{self._uid:x}.a{self._admits}")
         return self
 
     @classmethod
@@ -227,10 +311,12 @@ class MaskingBuffer:
                      key: str) -> MaskingBuffer:
         """A masking Buffer over the members of ``roster`` only (collective over them, under
         ``key``, unique per build): for a caller that keeps its own mask of a group of
-        ``num_ranks`` (the DeepEP facade's shrink mode) and builds Buffers after a loss."""
+        ``num_ranks`` (the DeepEP facade's shrink mode) and builds Buffers after a loss. An
+        expert map routes by this host's hop classes (``ubep.topology.host``)."""
         self = object.__new__(cls)
-        self._start(config, roster, num_ranks)
-        self._open(roster, key)
+        self._start(config, roster, num_ranks,
+                    topo.host(num_ranks, roster.cores_per_rank).hop_matrix())
+        self._build(roster, key)
         self._uid = self._inner._uid
         return self
 
@@ -241,11 +327,11 @@ class MaskingBuffer:
         return status
 
     def get_combine_buffer(self, handle: DispatchHandle) -> np.ndarray:
-        self._check_call(False)
+        self._check_call()
         return self._inner.get_combine_buffer(handle)
 
     def resync(self, timeout_s: float | None = None) -> None:
-        self._check_call(False)
+        self._check_call()
         self._inner.resync(timeout_s)
 
     def close(self) -> None:
@@ -262,23 +348,117 @@ class MaskingBuffer:
             raise AttributeError(name)
         return getattr(self._inner, name)
 
+    # --- split-phase calls ----------------------------------------------------------------
+
+    def _split_call(self, op: str, issue: Callable[[], Any], kept: _Kept | None) -> Any:
+        """Issue a split-phase call over the members; its hook completes it. A loss while any
+        is open is not replayed: every survivor agrees, rebuilds and raises ``CallLostError``
+        (``_lost_open_calls``), and serves the next call over the members."""
+        self._calls += 1
+        call = self._calls
+        if self._inner._route is not None:
+            self._inner._route.last_physical = None
+        try:
+            inner = issue()
+        except RankMaskedError:
+            raise
+        except (RemoteError, InvalidArgumentError) as exc:
+            if isinstance(exc, InvalidArgumentError) or exc.clean:
+                self._calls -= 1  # rejected on every rank: the call never happened
+                raise
+            raise self._split_loss(call, op, exc) from exc
+        except _LOSS as exc:
+            raise self._split_loss(call, op, exc) from exc
+        holder: list[_Open] = []
+        outer: PendingCall[Any] = PendingCall(op, self.rank, call,
+                                              lambda: self._complete_split(holder[0]))
+        holder.append(_Open(call, op, outer, inner, kept, self._physical(), self._to_inner))
+        self._open.append(holder[0])
+        return outer
+
+    def _complete_split(self, o: _Open) -> None:
+        """``PendingCall.hook`` of a split-phase call on this Buffer."""
+        if self._masked is not None:
+            o.outer._settle(False, RankMaskedError(self._masked))
+            return
+        try:
+            value = o.inner.hook()
+        except RemoteError as exc:
+            if not exc.clean:
+                self._split_loss(o.call, o.op, exc)  # settles o
+                return
+            o.outer._settle(False, exc)
+        except _LOSS as exc:
+            self._split_loss(o.call, o.op, exc)
+            return
+        except BaseException as exc:  # not a loss (an interrupt, a bug): the call fails as such
+            o.outer._settle(False, exc)
+            if o in self._open:
+                self._open.remove(o)
+            raise
+        else:
+            if o.to_inner is not None and o.op == "dispatch":
+                value = self._outer_result(value)
+            if o.kept is not None:
+                self._last_dispatch = dataclasses.replace(
+                    o.kept, call=o.call, handle=value.handle, result=value, physical=o.physical)
+            o.outer._settle(True, value)
+        if o in self._open:
+            self._open.remove(o)
+
+    def _split_loss(self, call: int, op: str, cause: BaseException) -> BaseException:
+        """A loss while split-phase calls are open: agree and rebuild like a blocking call's
+        loss, then fail every open call (returns the error; ``RankMaskedError`` when this rank
+        is the one masked)."""
+        self._losses += 1
+        key = f"{self._uid:x}.{self._losses}"
+        try:
+            decision = self._agree_on_loss(key, call, op, cause, split=True)
+        except RankMaskedError as exc:
+            return exc
+        return self._lost_open_calls(call, op, decision)
+
+    def _lost_open_calls(self, call: int, op: str, decision: Decision) -> CallLostError:
+        """Every survivor raises this for a loss with split-phase calls open (nothing is
+        replayed: a hook's inputs are the caller's until it runs); the open calls fail with it."""
+        err = CallLostError(
+            f"rank {self.rank}: call {call} ({op}) did not complete: rank(s) "
+            f"{list(decision.masked)} were lost while split-phase calls were open; the "
+            f"survivors {list(decision.members)} masked them and serve the next call")
+        for o in self._open:
+            o.outer._settle(False, err)
+        self._open.clear()
+        return err
+
     # --- one call over the members -------------------------------------------------------
 
     def _dispatch(self, x: object, topk_idx: object, topk_weights: object, copy: bool,
                   x_scales: object) -> DispatchResult[Any]:
-        table = self._to_inner
-        if table is None:
-            return self._inner.dispatch(x, topk_idx, topk_weights, copy=copy, x_scales=x_scales)
-        # the Buffer's own checks, against the original expert count; the ids' range is the
-        # native engine's check, needed here before they index the table
-        _, idx, w = check_dispatch_args(self.config, _dt.dtype_of(self.config.dtype), x,
-                                        topk_idx, topk_weights, x_scales)
-        bad = idx[(idx < -1) | (idx >= self.num_experts)]
-        if bad.size:
-            raise InvalidArgumentError("topk_idx", int(bad[0]), "expert id out of range "
-                                       f"[-1, {self.num_experts}) (num_experts)")
-        res = self._inner.dispatch(x, table[idx + 1], w, copy=copy, x_scales=x_scales)
-        return self._outer_result(res)
+        # the members' Buffer routes topk_idx itself (_install_route), inside its call: bad ids
+        # are a clean reject on every rank
+        if self._inner._route is not None:
+            self._inner._route.last_physical = None  # what _recover finds: this call's routing
+        res = self._inner.dispatch(x, topk_idx, topk_weights, copy=copy, x_scales=x_scales)
+        return res if self._to_inner is None else self._outer_result(res)
+
+    def _install_route(self) -> None:
+        """Give the members' Buffer the routing of logical ids to its slots: the map's rule
+        with the masked ranks out, then the members' renumbering (none is needed while every
+        rank is a member and there is no map)."""
+        everyone = len(self.members) == self.num_ranks
+        self._to_inner = None if everyone else self._expert_table()
+        if everyone and self.config.expert_map is None:
+            self._inner._route = None
+            return
+        masked = [r for r in range(self.num_ranks) if r not in self.members]
+        self._inner._route = LogicalRouting(
+            self._map, self.num_experts, self.num_ranks, self._hops[self.rank],
+            self.config.num_topk, masked, self._to_inner)
+
+    def _physical(self) -> np.ndarray | None:
+        """The routing of the last dispatch in original slots (None: it was topk_idx)."""
+        route = self._inner._route
+        return None if route is None else route.last_physical
 
     def _outer_result(self, res: DispatchResult[Any]) -> DispatchResult[Any]:
         """The inner Buffer's result in original rank numbers and expert ids."""
@@ -291,14 +471,16 @@ class MaskingBuffer:
                                    recv_topk_idx=idx)
 
     def _combine(self, expert_out: object, handle: DispatchHandle,
-                 topk_weights: object = None) -> np.ndarray:
+                 topk_weights: object = None, hook: bool = False) -> Any:
+        inner: Any = self._inner  # the hook flag picks the overload
         moved = self._moved.get(id(handle))
         if moved is None or moved[0] is not handle:
-            return self._inner.combine(expert_out, _weighted(handle, topk_weights))
+            return inner.combine(expert_out, _weighted(handle, topk_weights),
+                                 return_recv_hook=hook)
         _, before, replay = moved
         rows = _rows_in_new_order(before, replay, self.config.layout)
-        return self._inner.combine(np.asarray(expert_out)[rows],
-                                   _weighted(replay.handle, topk_weights))
+        return inner.combine(np.asarray(expert_out)[rows], _weighted(replay.handle, topk_weights),
+                             return_recv_hook=hook)
 
     # --- the loss ------------------------------------------------------------------------
 
@@ -307,16 +489,10 @@ class MaskingBuffer:
         ``kept.call - 1``, then run this call again (``again``)."""
         self._losses += 1
         key = f"{self._uid:x}.{self._losses}"
-        decision = agree(self._roster, key, {"call": kept.call, "op": kept.op},
-                         float(self.config.timeout_s))
-        if self.rank not in decision.members:
-            # mask_status() shows what the survivors decided
-            self._roster = dataclasses.replace(self._roster, members=decision.members)
-            self._masked = (f"rank {self.rank} was masked by the survivors "
-                            f"{list(decision.members)} after: {cause}")
-            self._inner.close()
-            raise RankMaskedError(self._masked) from cause
-        self._rebuild(self._roster.with_members(decision.members), key)
+        issued = self._physical()  # this call's routing, if it is a dispatch that got that far
+        decision = self._agree_on_loss(key, kept.call, kept.op, cause)
+        if any(s.get("split") for s in decision.states):
+            raise self._lost_open_calls(kept.call, kept.op, decision) from cause
         first = min(int(s["call"]) for s in decision.states)
         first_op = next(s["op"] for s in decision.states if int(s["call"]) == first)
         if kept.call not in (first, first + 1):
@@ -326,7 +502,37 @@ class MaskingBuffer:
             self._replay_dispatch_of_combine(kept if kept.call == first else self._last_combine)
         if kept.call == first + 1:
             self._replay_finished(first_op, first)
+        elif kept.op == "dispatch" and issued is not None:
+            self._pin(issued)  # the call that saw the loss keeps the routing it was issued with
         return again()
+
+    def _agree_on_loss(self, key: str, call: int, op: str, cause: BaseException,
+                       split: bool = False) -> Decision:
+        """The survivors' decision on a loss; this rank masked: raise ``RankMaskedError``, else
+        rebuild over the members. ``split``: the loss struck with split-phase calls open (then
+        no survivor replays: every one raises)."""
+        state = {"call": call, "op": op, "split": split or bool(self._open)}
+        decision = agree(self._roster, key, state, float(self.config.timeout_s))
+        if self.rank not in decision.members:
+            self._leave(decision.members, f"after: {cause}")
+            raise RankMaskedError(self._masked) from cause
+        self._rebuild(self._roster.with_members(decision.members), key)
+        return decision
+
+    def _leave(self, members: tuple[int, ...], why: str) -> None:
+        """This rank is masked: mask_status() shows what the survivors decided, every call in
+        flight and after raises ``RankMaskedError``."""
+        self._roster = dataclasses.replace(self._roster, members=members)
+        self._masked = f"rank {self.rank} was masked by the survivors {list(members)} {why}"
+        for o in self._open:
+            o.outer._settle(False, RankMaskedError(self._masked))
+        self._open.clear()
+        self._inner.close()
+
+    def _pin(self, physical: np.ndarray | None) -> None:
+        route = self._inner._route
+        if physical is not None and route is not None:
+            route.pin(physical)
 
     def _replay_dispatch_of_combine(self, combine: _Kept | None) -> None:
         """Dispatch again, over the members, the last dispatch: the one whose handle the
@@ -352,23 +558,23 @@ class MaskingBuffer:
 
     def _replay(self, d: _Kept) -> None:
         assert d.result is not None
+        self._pin(d.physical)
         again = self._dispatch(d.x, d.topk_idx, d.topk_weights, False, None)
         self._moved[id(d.handle)] = (d.handle, d.result, again)
 
     def _rebuild(self, roster: Roster, key: str) -> None:
         """A fresh Buffer over the members of ``roster`` in place of the current one."""
         old = self._inner
-        self._open(roster, key)
+        self._build(roster, key)
         old.close()
 
-    def _open(self, roster: Roster, key: str) -> None:
+    def _build(self, roster: Roster, key: str) -> None:
         """Serve over the members of ``roster``: build their Buffer (collective over them,
         under ``key``) and the expert-id table to it."""
         self._roster = roster
         self._moved.clear()
         self._inner = Buffer(MemberGroup(roster, key), self._inner_config())
-        everyone = len(roster.members) == self.num_ranks
-        self._to_inner = None if everyone else self._expert_table()
+        self._install_route()
 
     def _expert_table(self) -> np.ndarray:
         """Original expert id + 1 -> expert id of the members' Buffer, -1 for a masked rank's."""
@@ -379,16 +585,12 @@ class MaskingBuffer:
         return table
 
     def _inner_config(self) -> BufferConfig:
-        return dataclasses.replace(self.config, on_peer_loss="raise",
+        return dataclasses.replace(self.config, on_peer_loss="raise", expert_map=None,
                                    num_experts=self.num_local_experts * len(self.members))
 
-    def _check_call(self, hook: bool) -> None:
+    def _check_call(self) -> None:
         if self._masked is not None:
             raise RankMaskedError(self._masked)
-        if hook:
-            raise InvalidArgumentError("return_recv_hook", True,
-                                       "split-phase calls are not maskable yet "
-                                       "(on_peer_loss='mask' runs blocking calls)")
 
 
 def _weighted(handle: DispatchHandle, topk_weights: object) -> DispatchHandle:

@@ -85,6 +85,7 @@ def layout_of(config: BufferConfig, num_ranks: int, num_cores: int) -> SegmentLa
         sync=config.sync,
         tff_block_bytes=config.tff_block_bytes,
         tff_flag_bytes=config.tff_flag_bytes,
+        integrity=config.integrity == "checksum",
         row_bytes=None if config.quant is None else _quant.row_bytes(config.hidden),
     )
 

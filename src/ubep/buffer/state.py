@@ -20,6 +20,7 @@ from ..runtime.shm import Segment
 if TYPE_CHECKING:
     from ..engine import Engine, FastCalls
     from .inflight import InFlight
+    from .replicas import LogicalRouting
 
 __all__ = ["BufferState"]
 
@@ -50,6 +51,7 @@ class BufferState:
     _engine: Engine | Any
     _in_flight: list[InFlight]  # split-phase calls awaiting their hook, in issue order
     _fast: FastCalls | None  # the one-call path of blocking calls
+    _route: LogicalRouting | None  # expert_map: logical topk_idx -> physical slots
     _dtype: DType
     _cdtype: DType
     _native: Any

@@ -73,6 +73,7 @@ from ..flags import TffCodec
 from ..runtime.abi import (
     E_BAD_INPUT,
     E_INTERNAL,
+    E_PEER_LOST,
     ErrorRecord,
     load_native,
 )
@@ -225,6 +226,28 @@ class RmaEngine(RmaCombine):
         return 0
 
     def dispatch(self, call: DispatchCall, /) -> int | ErrorRecord:
+        try:
+            return self._dispatch_call(call)
+        except self.data.mpi.Exception as exc:
+            return self._mpi_failure(exc)
+
+    def combine(self, call: CombineCall, /) -> int | ErrorRecord:
+        try:
+            return self._combine_call(call)
+        except self.data.mpi.Exception as exc:
+            return self._mpi_failure(exc)
+
+    def _mpi_failure(self, exc: BaseException) -> ErrorRecord:
+        """An error MPI raised inside a call: how MPI reports a failed process when the job
+        runs with fault tolerance (``mpiexec --with-ft ulfm``); without it ``mpiexec`` ends the
+        job instead. Nothing is announced to the peers (a put to a failed process may never
+        complete): each survivor learns it from MPI, within the call's deadline. The Buffer
+        raises ``PeerLostError`` and refuses calls: ubep.mpi does not mask a lost rank."""
+        return ErrorRecord(E_PEER_LOST, -1, 0, "", f"rank {self.rank}: MPI reported a failure "
+                           f"({exc}); ubep.mpi does not mask a lost rank (on_peer_loss='mask' "
+                           "runs on one host): build a new group of the survivors", "")
+
+    def _dispatch_call(self, call: DispatchCall, /) -> int | ErrorRecord:
         # one thread: rows go destination by destination (module docstring); a split-phase
         # call runs whole here (no second half: Buffer settles its hook at once); plan unused,
         # prequant too: quantised Buffers are refused at construction
@@ -254,7 +277,7 @@ class RmaEngine(RmaCombine):
             return self._record(err)
         return n
 
-    def combine(self, call: CombineCall, /) -> int | ErrorRecord:
+    def _combine_call(self, call: CombineCall, /) -> int | ErrorRecord:
         # as dispatch: the whole call runs here (split unused)
         eo, rows, h_idx, h_w, h_dst = (call.expert_out, call.num_rows, call.topk_idx,
                                        call.topk_weights, call.send_dst_row)

@@ -62,6 +62,7 @@ class DistGlobalMemory:
         self._freed = False
         mpi = group.mpi
         self._mpi = mpi
+        self.mpi = mpi  # mpi4py.MPI (its Exception: how MPI reports a failed process)
         host = group.host_comm
         info = mpi.Info.Create()
         # One page-aligned allocation per rank (madvise needs page alignment).

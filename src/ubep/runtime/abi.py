@@ -62,7 +62,7 @@ __all__ = [
     "load_native",
 ]
 
-ABI_VERSION = 2  # abi.h UBEP_ABI_VERSION
+ABI_VERSION = 3  # abi.h UBEP_ABI_VERSION
 
 # --- codes -------------------------------------------------------------------------------------
 
@@ -136,7 +136,8 @@ PARAMS = (
     "off_recv_ready", "off_doorbell", "off_comb_info", "off_barrier", "off_inbox",
     "inbox_bytes", "off_route", "route_stride", "route_w_off", "off_land", "land_bytes",
     "off_out", "out_bytes", "off_comb", "comb_bytes", "seg_size", "timeout_ns", "yield_ns",
-    "sp_check_bytes", "quant", "quant_round_scale", "background", "llc_bytes",
+    "sp_check_bytes", "quant", "quant_round_scale", "background", "llc_bytes", "off_rsum",
+    "rsum_bytes", "integrity",
 )
 
 
@@ -189,6 +190,7 @@ def engine_params(
         quant_round_scale=int(config.quant_round_scale),
         background=int(background),
         llc_bytes=llc_bytes(),
+        integrity=int(config.integrity == "checksum"),
     )
     return params
 

@@ -36,7 +36,7 @@ from .poll import Backoff, wait_until
 # the liveness test and start times are the reaper's (standard library only; one copy)
 from .reaper import alive as process_alive
 from .reaper import start_time_of as process_start_time
-from .shm import HEADER_BYTES, Segment, remove_dead_owners_segments
+from .shm import HEADER_BYTES, Segment, forget_segment, remove_dead_owners_segments
 
 if TYPE_CHECKING:
     from ..config import BufferConfig
@@ -75,7 +75,8 @@ class GlobalMemory(Protocol):
     start_times: list[int]
 
     def unlink(self) -> None:
-        """Drop every name of this rank's region (call once every peer has mapped it)."""
+        """Drop every name of every rank's region (call once every peer has mapped them: any
+        rank may, so a rank that dies right after the mapping leaves nothing named)."""
 
     def close(self) -> None:
         """Release this rank's mappings (local, not collective)."""
@@ -105,9 +106,11 @@ class ShmGlobalMemory:
     """:class:`GlobalMemory` of one host: a POSIX shared-memory segment per rank."""
 
     def __init__(
-        self, segments: list[Segment], rank: int, pids: list[int], start_times: list[int]
+        self, segments: list[Segment], rank: int, pids: list[int], start_times: list[int],
+        marker_dir: str,
     ) -> None:
         self.segments = segments
+        self.marker_dir = marker_dir
         self.rank = rank
         self.addresses: list[int] | None = [s.address for s in segments]
         self.local_array = segments[rank].array
@@ -115,7 +118,7 @@ class ShmGlobalMemory:
         self.start_times = start_times
 
     def unlink(self) -> None:
-        self.segments[self.rank].unlink()
+        unlink_all(self.segments, self.marker_dir)
 
     def close(self) -> None:
         self.local_array = np.zeros(0, dtype=np.uint8)
@@ -207,7 +210,7 @@ class Group:
                 seg.close()
             remove_dead_owners_segments(rendezvous)
             raise
-        self._segments[rank].unlink()
+        unlink_all(self._segments, rendezvous)
 
     # --- public -------------------------------------------------------------------------
 
@@ -288,6 +291,9 @@ class Group:
         for seg in self._segments:
             seg.close()
         self._segments = []
+        # A peer that died while it set up an object (its segment mapped by nobody yet) is
+        # swept here at the latest: the rendezvous directory may be removed once ranks exit.
+        remove_dead_owners_segments(self.rendezvous)
 
     def __enter__(self) -> Group:
         return self
@@ -320,6 +326,13 @@ class Group:
             return not left
 
         def check_peers() -> None:
+            # A creator that died before its peers mapped its segment: reclaimed now, whether
+            # or not this wait needs it (a rank that dies before its hello is known only so).
+            swept = remove_dead_owners_segments(self.rendezvous)
+            if swept and not hasattr(self, "peers"):
+                raise PeerLostError(f"rank {self.rank}: a rank died during the rendezvous "
+                                    f"(its segment(s) {swept} removed) while this rank waited "
+                                    f"in {what}")
             # Before the rendezvous completes, a rank that said hello and died is as lost as
             # one missing later (it will never reach the barrier).
             known = self.peers if hasattr(self, "peers") else list(self._known.values())
@@ -453,7 +466,20 @@ def map_shm_global(
         raise
     pids = [p.pid for p in group.peers]
     starts = [p.start_time or process_start_time(p.pid) for p in group.peers]
-    return ShmGlobalMemory(segs, group.rank, pids, starts)
+    return ShmGlobalMemory(segs, group.rank, pids, starts, group.rendezvous)
+
+
+def unlink_all(segments: list[Segment], marker_dir: str) -> None:
+    """Unlink every segment of one object, this rank's and its peers', with their markers.
+
+    Only once every rank has mapped them all (after the barrier that follows the mapping):
+    each rank does it, so the names go even if their creator dies before its own unlink.
+    """
+    for seg in segments:
+        if seg.created:
+            seg.unlink()
+        else:
+            forget_segment(marker_dir, seg.name)
 
 
 def gather_files(path: Callable[[int], str], rank: int, num_ranks: int, value: Any,

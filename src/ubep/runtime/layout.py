@@ -26,6 +26,9 @@ land [nland]       what senders write for a receiver to poll, one slot per row: 
                    mode (FORMATS.md)
 out [nreg]         ``recv_x`` (raw rows); the same memory as ``land`` for ASP with SW/DC/SP
 comb [2]           expert outputs for combine (unless the caller's already live here)
+rsum [nreg + 2]    ``integrity="checksum"`` only (else empty): u64 row checksums, written by
+                   each row's sender: per receive region (ASP: by row of ``recv_x``; BSP: by
+                   staging slot), then per combine parity (by row of the published outputs)
 =================  =====================================================================
 
 ``nreg = 2``: the ``recv_x`` of dispatch ``n`` stays valid while dispatch ``n+1`` runs. ASP
@@ -86,6 +89,8 @@ class SegmentLayout:
     out_bytes: int
     off_comb: int
     comb_bytes: int
+    off_rsum: int
+    rsum_bytes: int
     size_bytes: int
 
     def as_params(self) -> dict[str, int]:
@@ -109,9 +114,11 @@ def compute_layout(
     tff_block_bytes: int,
     tff_flag_bytes: int,
     row_bytes: int | None = None,
+    integrity: bool = False,
 ) -> SegmentLayout:
     """Lay out one rank's segment for a Buffer of this shape (``row_bytes``: a row on the
-    wire, when it is not ``hidden * itemsize``: quantised rows)."""
+    wire, when it is not ``hidden * itemsize``: quantised rows; ``integrity``: room for the
+    row checksums)."""
     R, C, T, K = num_ranks, num_cores, max_tokens, num_topk
     L = num_experts // num_ranks
     row_bytes = hidden * itemsize if row_bytes is None else row_bytes
@@ -159,6 +166,9 @@ def compute_layout(
     off_comb = off
     comb_bytes = _align(max(cap_rows, 1) * combine_row_bytes, _PAGE)
     off += 2 * comb_bytes
+    off_rsum = off
+    rsum_bytes = _align(max(cap_rows, 1) * 8) if integrity else 0
+    off += (nreg + 2) * rsum_bytes
     return SegmentLayout(
         num_regions=nreg,
         num_land_regions=nland,
@@ -186,5 +196,7 @@ def compute_layout(
         out_bytes=out_bytes,
         off_comb=off_comb,
         comb_bytes=comb_bytes,
+        off_rsum=off_rsum,
+        rsum_bytes=rsum_bytes,
         size_bytes=_align(off, _PAGE),
     )

@@ -18,7 +18,9 @@ signal to the job's process group does not reach it. One protocol for both:
    before the segment is created) and removes the directory.
 
 The same marker sweep is used by the launcher itself, and by the ranks of an env-var launch
-(``remove_dead_owners_segments``: only segments whose creator process is gone).
+(``remove_dead_owners_segments``: only segments whose creator process is gone). A job script of
+an env-var launch whose ranks all died runs it before removing its rendezvous directory:
+``python -m ubep.runtime.reaper --sweep DIR``.
 """
 
 from __future__ import annotations
@@ -118,6 +120,12 @@ def _unlink(name: str, marker: str) -> bool:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(marker)
     return removed
+
+
+def forget_segment(marker_dir: str, name: str) -> None:
+    """Unlink segment ``name`` and its marker in ``marker_dir`` (either may be gone already):
+    what any rank does for every segment of an object once every peer has mapped it."""
+    _unlink(name, os.path.join(marker_dir, MARKER_PREFIX + name))
 
 
 def remove_marked_segments(marker_dir: str) -> list[str]:
@@ -220,6 +228,10 @@ def _wait_gone(processes: list[tuple[int, int]]) -> None:
 
 
 def main(argv: list[str]) -> int:
+    if len(argv) == 3 and argv[1] == "--sweep":  # a job script's: the dead creators' segments
+        for name in remove_dead_owners_segments(argv[2]):
+            sys.stdout.write(f"removed {name}\n")
+        return 0
     feeder = (int(argv[1]), int(argv[2])) if len(argv) == 3 else None
     directory = tempfile.mkdtemp(prefix="ubep-rdv-")
     try:

@@ -5,10 +5,13 @@ maps every peer's. Creation is ``os.open`` on ``/dev/shm`` with ``O_CREAT | O_EX
 and mode 0600 under an unguessable name ``ubep-<32 hex>``; a peer that maps it checks, on the
 open file, that it is a regular file owned by this user with mode 0600 and exactly the size it
 expects, and then the header (magic, version, group id, owner rank, size) before trusting any
-byte. The owner unlinks the name as soon as every peer has mapped it, so a crash afterwards
-leaves nothing behind; before that, the name is recorded (with the creating process) in a marker
-file in the (private) rendezvous directory, so that whoever outlives the creator can remove it:
-the launcher, its reaper process (:mod:`ubep.runtime.reaper`) or a peer rank.
+byte. Every rank unlinks every name of an object (and its marker) as soon as every peer has
+mapped it (after the barrier that follows the mapping; :func:`forget_segment`), so a crash
+afterwards leaves nothing behind, whichever rank dies; before that, the name is recorded (with
+the creating process) in a marker file in the (private) rendezvous directory, so that whoever
+outlives the creator can remove it: the launcher, its reaper process
+(:mod:`ubep.runtime.reaper`) or a peer rank, which sweeps the markers of dead creators while it
+waits on the control plane, when a set-up fails and when it closes its group.
 
 Header (first 256 bytes, little-endian)::
 
@@ -35,6 +38,7 @@ import numpy as np
 from ..errors import InvalidArgumentError, UbepError
 from .abi import HEADER, HEADER_BYTES
 from .reaper import (
+    forget_segment,
     remove_dead_owners_segments,
     remove_marked_segments,
     valid_segment_name,
@@ -45,6 +49,7 @@ __all__ = [
     "HEADER_BYTES",
     "SHM_DIR",
     "Segment",
+    "forget_segment",
     "new_segment_name",
     "remove_dead_owners_segments",
     "remove_marked_segments",

@@ -10,7 +10,7 @@
 #include <stdint.h>
 
 /* Version of this ABI: bumped whenever a code, a record or a parameter changes meaning. */
-#define UBEP_ABI_VERSION 2
+#define UBEP_ABI_VERSION 3
 
 /* codes shared with Python (the names are ubep.runtime.abi's dict keys) */
 enum { DT_BF16 = 0, DT_FP16 = 1, DT_FP32 = 2, DT_INT8 = 3, DT_UINT8 = 4 };
@@ -200,6 +200,13 @@ static inline uint64_t notice_sum(uint64_t epoch, uint64_t lencode, const uint8_
 static inline uint64_t comb_info_sum(uint64_t epoch, uint64_t off, uint64_t rows, uint64_t stride,
                                      uint64_t index) {
     return mix64(mix64(mix64(mix64(mix64(0x636F6D62ULL, epoch), off), rows), stride), index);
+}
+
+/* integrity="checksum": what a row's sender stores (docs/FORMATS.md, "Row checksums"): the
+ * row's sum (row_sum, kernels.h) bound to the call and the row's position, so a stale row
+ * (another call's, with that call's checksum) or a row in the wrong place fails too */
+static inline uint64_t row_check(uint64_t sum, uint64_t epoch, int64_t pos) {
+    return mix64(mix64(sum ^ 0x726F77ULL, epoch), (uint64_t)pos);
 }
 
 #endif /* UBEP_ABI_H */

@@ -22,13 +22,33 @@ int ph_c_prepare(op_t *op, int core) {
     return 0;
 }
 
+/* integrity: the checksums of expert output rows [a, b), from the caller's expert_out (what
+ * this rank means, whatever happens to the segment's copy), stored before the combine info */
+static void sum_rows(op_t *op, int64_t a, int64_t b) {
+    engine_t *g = op->g;
+    uint64_t *sums = rsum_comb(g, g->rank, op->par);
+    for (int64_t r = a; r < b; r++)
+        st_rlx(&sums[r], row_check(row_sum(op->eo + r * g->crow_bytes, g->crow_bytes), op->epoch,
+                                   r));
+}
+
 /* rows [lo, hi) of expert_out into the segment, this core's share of them */
 static void copy_rows(op_t *op, int core, int64_t lo, int64_t hi) {
     engine_t *g = op->g;
     int64_t a = lo + (hi - lo) * core / g->C, b = lo + (hi - lo) * (core + 1) / g->C;
     uint8_t *dst = g->base[g->rank] + op->eo_off;
-    if (a < b)
-        copy_fast(dst + a * g->crow_bytes, op->eo + a * g->crow_bytes, (b - a) * g->crow_bytes);
+    if (!g->integrity) {
+        if (a < b)
+            copy_fast(dst + a * g->crow_bytes, op->eo + a * g->crow_bytes, (b - a) * g->crow_bytes);
+        return;
+    }
+    /* in pieces of about 32 KB, each summed right after its copy, while it is in the cache */
+    int64_t step = (32768 + g->crow_bytes - 1) / g->crow_bytes;
+    for (int64_t r = a; r < b; r += step) {
+        int64_t e = r + step < b ? r + step : b;
+        copy_fast(dst + r * g->crow_bytes, op->eo + r * g->crow_bytes, (e - r) * g->crow_bytes);
+        sum_rows(op, r, e);
+    }
 }
 
 /* Only the rows peers pull are copied: the rows of this rank's own tokens are reduced from
@@ -36,7 +56,11 @@ static void copy_rows(op_t *op, int core, int64_t lo, int64_t hi) {
  * record (engine.h, peer_rows); without one (a dispatch older than the region's last), all. */
 int ph_c_copy(op_t *op, int core) {
     engine_t *g = op->g;
-    if (op->zero_copy) return 0;
+    if (op->zero_copy) {
+        if (g->integrity) /* the outputs already lie in the segment: sum them where they are */
+            sum_rows(op, op->eo_rows * core / g->C, op->eo_rows * (core + 1) / g->C);
+        return 0;
+    }
     int reg = (int)(op->dispatch_index % (uint64_t)g->nreg);
     if (g->peer_rows[reg].index1 != op->dispatch_index + 1 || g->peer_rows[reg].rows != op->eo_rows) {
         copy_rows(op, core, 0, op->eo_rows);
@@ -76,6 +100,18 @@ static inline const uint8_t *row_of(op_t *op, int d, const int64_t *coff, int64_
     return (d == g->rank ? op->eo : g->base[d] + coff[d]) + pos * g->crow_bytes;
 }
 
+/* integrity: a peer's expert output row against the checksum its owner stored (0: it holds) */
+static int check_row(op_t *op, int core, int d, int64_t pos, const uint8_t *row) {
+    engine_t *g = op->g;
+    if (!g->integrity || d == g->rank) return 0;
+    if (row_check(row_sum(row, g->crow_bytes), op->epoch, pos) ==
+        ld_rlx(&rsum_comb(g, d, op->par)[pos]))
+        return 0;
+    return op_error(op, E_LOST, core, d, "expert output row %lld of rank %d in call %llu fails "
+                    "its checksum: it changed between rank %d and rank %d", (long long)pos, d,
+                    (unsigned long long)op->epoch, d, g->rank), -1;
+}
+
 /* token t's rows (from the handle, bounded by what each rank published) and weights into tp /
  * tw: how many, or -1 (recorded) if the handle names a row no rank published */
 static int token_terms(op_t *op, int core, int64_t t, const int64_t *coff, const int64_t *crows,
@@ -97,6 +133,7 @@ static int token_terms(op_t *op, int core, int64_t t, const int64_t *coff, const
                                 "%lld expert outputs", (long long)pos, d, (long long)crows[d]),
                        -1;
             tp[nt] = row_of(op, d, coff, pos);
+            if (check_row(op, core, d, pos, tp[nt])) return -1;
             tw[nt++] = op->h_w[t * K + k];
         }
     } else {
@@ -108,6 +145,7 @@ static int token_terms(op_t *op, int core, int64_t t, const int64_t *coff, const
                                 "%lld expert outputs", (long long)pos, d, (long long)crows[d]),
                        -1;
             tp[nt] = row_of(op, d, coff, pos);
+            if (check_row(op, core, d, pos, tp[nt])) return -1;
             tw[nt++] = 1.0f;
         }
     }

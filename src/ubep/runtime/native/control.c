@@ -67,6 +67,7 @@ PyObject *engine_resync(engine_t *g, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "engine.resync: base_epoch must be >= 2");
         return NULL;
     }
+    g->poke.armed = 0; /* a test's write armed for a call that never ran */
     Py_BEGIN_ALLOW_THREADS
     uint8_t *me = g->base[g->rank];
     memset(me + g->off_fail, 0, 2 * sizeof(fail_rec_t));
@@ -119,6 +120,35 @@ PyObject *engine_reset_all(engine_t *g, PyObject *noargs) {
     g->land_dirty = 0;
     memset(g->sp_dirty, 0, sizeof g->sp_dirty);
     Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* poke(kind, phase, rank, offset, data): arm a one-shot write of `data` into rank `rank`'s
+ * segment at `offset`, made by core 0 as the next operation of `kind` (0 dispatch, 1 combine)
+ * reaches phase `phase` of its phase list (phases.c). For tests that put garbage into a
+ * control record at a chosen moment; nothing of the library calls it. */
+PyObject *engine_poke(engine_t *g, PyObject *args) {
+    quiesce(g);
+    int kind, phase, rank;
+    long long off;
+    Py_buffer b;
+    if (!PyArg_ParseTuple(args, "iiiLy*", &kind, &phase, &rank, &off, &b)) return NULL;
+    int bad = kind < 0 || kind > 1 || phase < 0 || rank < 0 || rank >= g->R || off < HEADER_BYTES ||
+              b.len < 1 || b.len > MAX_POKE || off + b.len > g->seg_size;
+    if (!bad) {
+        memcpy(g->poke.data, b.buf, (size_t)b.len);
+        g->poke.kind = kind;
+        g->poke.phase = phase;
+        g->poke.rank = rank;
+        g->poke.off = off;
+        g->poke.len = b.len;
+        g->poke.armed = 1;
+    }
+    PyBuffer_Release(&b);
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "poke: kind, phase, rank or bytes out of range");
+        return NULL;
+    }
     Py_RETURN_NONE;
 }
 

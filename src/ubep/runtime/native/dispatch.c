@@ -29,7 +29,7 @@ void batch_ranks(engine_t *g, int d) {
 }
 
 /* One pass over topk_idx: validate it (range, duplicates; not again when ubep.sched built the
- * plan's units from it), copy the routing into this rank's own route area (int32), check the SP
+ * plan's units from it), copy the routing into this rank's private route copy (int32), check the SP
  * sentinel, and with `count` (no count tasks: one core, or BSP) count per expert and per
  * destination and fill every destination's bucket (count_dst's work for all of them at once).
  * Nothing a peer can see is written here. */
@@ -45,7 +45,7 @@ int dispatch_validate(op_t *op, int count) {
     int32_t *restrict us = g->u_slot;
     uint64_t *restrict stamp = g->stamp;
     uint64_t gen = g->stamp_gen;
-    int32_t *restrict ridx = route(g, r, (int)(op->n % g->nreg))->idx;
+    int32_t *restrict ridx = (int32_t *)own_route(g, op->n);
     const int64_t *restrict topk = op->topk;
     int64_t bstart[64];
     for (int d = 0; d < R; d++) bstart[d] = (int64_t)((d - r - 1 + 2 * R) % R) * cap;
@@ -126,13 +126,16 @@ int dispatch_publish(op_t *op) {
     int reg = (int)(op->n % g->nreg);
     int rc;
     if (flag_sentinel(g) && (rc = ensure_clean(op))) return rc;
-    route_rec_t *rt = route(g, g->rank, reg); /* topk_idx was copied by dispatch_validate */
-    float *rw = (float *)(route_weights(g, rt));
-    memcpy(rw, op->w, sizeof(float) * (size_t)(op->ntok * K));
+    /* From the private copy (dispatch_validate wrote topk_idx there): the checksum covers what
+     * this rank meant, not what its segment holds, which any writer can change meanwhile. */
+    route_rec_t *rt = route(g, g->rank, reg);
+    uint32_t *own = own_route(g, op->n);
+    const int64_t nk = op->ntok * K;
+    memcpy(own + nk, op->w, sizeof(float) * (size_t)nk);
+    memcpy(rt->idx, own, sizeof(uint32_t) * (size_t)nk);
+    memcpy(route_weights(g, rt), own + nk, sizeof(uint32_t) * (size_t)nk);
     st_rlx(&rt->ntok, (uint64_t)op->ntok);
-    st_rlx(&rt->sum, route_sum(op->epoch, (uint64_t)op->ntok,
-                                     (const uint32_t *)rt->idx, (const uint32_t *)rw,
-                                     op->ntok * K));
+    st_rlx(&rt->sum, route_sum(op->epoch, (uint64_t)op->ntok, own, own + nk, nk));
     st_rlx(&rt->epoch, op->epoch);
     flag_rearm_used(g, reg);
     pub_word(ready_word(g, g->rank, op->epoch), op->epoch);
@@ -270,16 +273,18 @@ int recv_bases(op_t *op, int core, int64_t *rx_base, int64_t *n_out) {
 
 /* Source s's routing of this call (topk_idx as int32, then weights as float bits): a peer's is
  * copied into this core's scratch and verified (the peer may rewrite its record once this call
- * is over for it); this rank's own is read in place. */
+ * is over for it); this rank's own comes from its private copy, never from its segment (bytes a
+ * third party writes there would otherwise become this rank's recv_topk_idx and weights). */
 static int read_route(op_t *op, int core, int s, uint64_t *ntok_out, const int32_t **idx,
                       const float **wt) {
     engine_t *g = op->g;
     const int64_t K = g->K;
     const route_rec_t *rt = route(g, s, (int)(op->n % g->nreg));
-    if (s == g->rank) { /* written by this call's prepare phase, and by nobody else */
+    if (s == g->rank) {
+        const uint32_t *own = own_route(g, op->n);
         *ntok_out = (uint64_t)op->ntok;
-        *idx = rt->idx;
-        *wt = (const float *)route_weights(g, rt);
+        *idx = (const int32_t *)own;
+        *wt = (const float *)(own + op->ntok * K);
         return 0;
     }
     uint64_t ntok = ld_rlx(&rt->ntok), sum = ld_rlx(&rt->sum);
@@ -435,6 +440,26 @@ void recv_counts_out(op_t *op, int core) {
     }
     for (int s = 0; s < g->R; s++) op->o_nrecv[g->L + s] = RX_ROWS(g, core)[s];
 }
+
+/* integrity: every row of recv_x against the checksum its sender stored (this core's share;
+ * after an in-process barrier, so this rank's own rows, sent by any core, are in too) */
+int ph_d_check(op_t *op, int core) {
+    engine_t *g = op->g;
+    int reg = (int)(op->n % g->nreg);
+    const uint8_t *out = outreg(g, g->rank, reg);
+    const uint64_t *sums = rsum_rows(g, g->rank, reg);
+    int64_t lo = op->n_recv * core / g->C, hi = op->n_recv * (core + 1) / g->C;
+    for (int64_t p = lo; p < hi; p++)
+        if (row_check(row_sum(out + p * g->out_stride, g->row_bytes), op->epoch, p) !=
+            ld_rlx(&sums[p]))
+            return op_error(op, E_LOST, core, (int)op->o_src_rank[p], "row %lld of call %llu "
+                            "(from rank %lld) fails its checksum: it changed between its "
+                            "sender and rank %d", (long long)p, (unsigned long long)op->epoch,
+                            (long long)op->o_src_rank[p], g->rank);
+    return 0;
+}
+
+int op_checks_rows(const op_t *op) { return op->g->integrity; }
 
 int ph_d_receive(op_t *op, int core) {
     engine_t *g = op->g;

@@ -70,6 +70,9 @@ int ph_bsp_send(op_t *op, int core) {
             int64_t pos = (int64_t)g->rank * g->cap_src_rows + slot;
             const uint8_t *src = op->x + (int64_t)g->u_t[u] * g->row_bytes;
             uint8_t *slotp = land(g, d, reg) + pos * g->slot_bytes;
+            if (g->integrity) /* before the slot: the barrier's store fence orders both */
+                st_rlx(&rsum_rows(g, d, reg)[pos],
+                       row_check(row_sum(src, g->row_bytes), op->epoch, pos));
             flag_put_staged(g, slotp, src, op->epoch);
         }
     }
@@ -134,14 +137,25 @@ int ph_bsp_reorder(op_t *op, int core) {
         recv_counts_out(op, core);
     }
     uint8_t *stage = land(g, g->rank, reg), *out = outreg(g, g->rank, reg);
+    const uint64_t *sums = g->integrity ? rsum_rows(g, g->rank, reg) : NULL;
     for (int s = core; s < R; s += g->C) {
         if ((rc = recv_metadata(op, core, s, rx_base))) return rc;
         uint8_t *part = stage + (int64_t)s * g->cap_src_rows * g->slot_bytes;
+        int64_t bad = -1;
         FOR_SOURCE_ROWS(g, core, s, rx_base, pos, rank_, {
             const uint8_t *slot = part + rank_ * g->slot_bytes;
             uint8_t *dst = out + pos * g->out_stride;
             flag_unstage(g, dst, (uint8_t *)slot);
+            /* the row as recv_x holds it, against what its sender summed */
+            int64_t at = (int64_t)s * g->cap_src_rows + rank_;
+            if (sums && bad < 0 &&
+                row_check(row_sum(dst, g->row_bytes), op->epoch, at) != ld_rlx(&sums[at]))
+                bad = pos;
         });
+        if (bad >= 0)
+            return op_error(op, E_LOST, core, s, "row %lld of call %llu from rank %d fails its "
+                            "checksum: it changed between its sender and rank %d",
+                            (long long)bad, (unsigned long long)op->epoch, s, g->rank);
     }
     return 0;
 }

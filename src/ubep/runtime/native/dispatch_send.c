@@ -117,6 +117,8 @@ static void put_row(op_t *op, int d, int64_t pos, const uint8_t *src) {
     engine_t *g = op->g;
     int reg = (int)(op->n % g->nreg);
     if (g->eng == ENG_ASP && d == g->rank) { /* own rows: nobody polls them */
+        if (g->integrity) /* ...but they are checked like any other (ph_d_check) */
+            rsum_rows(g, d, reg)[pos] = row_check(row_sum(src, g->row_bytes), op->epoch, pos);
         copy_fast(outreg(g, d, reg) + pos * g->out_stride, src, g->row_bytes);
         return;
     }

@@ -31,6 +31,7 @@
 #define MAX_WHAT 160
 #define MAX_PENDING 2 /* split-phase calls in flight per engine (two-batch overlap) */
 #define MAX_MSG 512
+#define MAX_POKE 4096
 
 struct op;
 typedef int (*phase_fn)(struct op *op, int core);
@@ -99,6 +100,8 @@ typedef struct engine {
     int quant;             /* quant: QUANT_* (rows are quantised once per token, kernels.h) */
     int quant_round;       /* quant_round_scale: UE8M0 scales */
     int background;        /* background: split-phase second halves on the background core */
+    int integrity;         /* integrity: 1 = row checksums (docs/INTEGRITY.md) */
+    int64_t off_rsum, rsum_bytes; /* off_rsum, rsum_bytes: the row checksum arrays (layout.py) */
     /* derived */
     int64_t tff_payload, tff_nblocks; /* payload bytes per TFF block, blocks per row */
     int64_t x_row_bytes;   /* a row of the caller's x: row_bytes, or hidden * itemsize when
@@ -126,6 +129,9 @@ typedef struct engine {
     int64_t *tx_rows;      /* [C][R] send: verified copy of a destination's row counts */
     uint32_t *tx_cnt;      /* [C][R][L] send: verified copy of a destination's counts */
     uint32_t *route_snap;  /* [C][2 * T * K] receive: verified copy of a source's routing */
+    uint32_t *route_own;   /* [nreg][2 * T * K] this rank's routing of each region's dispatch
+                            * (topk_idx as int32, weights as float bits): what it publishes and
+                            * reads of its own, so no byte of its segment is trusted for it */
     const void **term_ptr; /* [C][2][max(K, R)] combine: the rows one token sums, the next's */
     float *term_w;         /* [C][2][max(K, R)] and their weights */
     int64_t *ci_off, *ci_rows; /* [C][R] peers' combine data */
@@ -172,6 +178,10 @@ typedef struct engine {
     int64_t *core_units, *core_dsts;
     int32_t *core_unit_log, *core_dst_log;
     int64_t trace[TRACE_SLOTS];     /* core 0's phase timestamps of the last call (ns), for profiling */
+    /* Fault injection for tests (Engine.poke): once, as core 0 of the next operation of `kind`
+     * reaches phase `phase` of its list, `len` bytes of `data` go to rank `rank`'s segment at
+     * `off`: a third party writing a chosen record at a chosen moment. */
+    struct { int armed, kind, phase, rank; int64_t off, len; uint8_t data[MAX_POKE]; } poke;
     struct fast *fast;     /* fastpath.c: what blocking calls build their results from */
 } engine_t;
 
@@ -239,12 +249,23 @@ static inline comb_info_rec_t *comb_info(engine_t *g, int rank, int par) {
 static inline route_rec_t *route(engine_t *g, int rank, int slot) {
     return (route_rec_t *)(g->base[rank] + g->off_route + (int64_t)slot * g->route_stride);
 }
+static inline uint32_t *own_route(engine_t *g, int64_t n) {
+    return g->route_own + (n % g->nreg) * 2 * (int64_t)g->T * g->K;
+}
 static inline float *route_weights(engine_t *g, const route_rec_t *rt) {
     return (float *)((uint8_t *)rt + g->route_w_off); /* the segment is writable */
 }
 static inline uint8_t *land(engine_t *g, int rank, int reg) {
     /* nland is 1 (a separate land region, reused every call) or nreg (land == out) */
     return g->base[rank] + g->off_land + (int64_t)(reg % g->nland) * g->land_bytes;
+}
+/* integrity: rank's row checksums of receive region reg (ASP: by row of recv_x; BSP: by staging
+ * slot), and of its published expert outputs of epoch parity par (by row) */
+static inline uint64_t *rsum_rows(engine_t *g, int rank, int reg) {
+    return (uint64_t *)(g->base[rank] + g->off_rsum + (int64_t)reg * g->rsum_bytes);
+}
+static inline uint64_t *rsum_comb(engine_t *g, int rank, int par) {
+    return (uint64_t *)(g->base[rank] + g->off_rsum + (int64_t)(g->nreg + par) * g->rsum_bytes);
 }
 static inline uint8_t *outreg(engine_t *g, int rank, int reg) {
     return g->base[rank] + g->off_out + (int64_t)reg * g->out_bytes;
@@ -368,6 +389,7 @@ void finish_op(op_t *op);
 extern PyMethodDef HOOK_METHODS[];
 
 /* team.c: the cores of a rank */
+void maybe_poke(op_t *op, int phase);
 int start_threads(engine_t *g);
 void engine_stop(engine_t *g);
 /* the background core (split-phase calls): hand it phases [split, end) of an operation and

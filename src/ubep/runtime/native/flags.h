@@ -90,6 +90,9 @@ static inline void put_sp_row(engine_t *g, uint8_t *slot, const uint8_t *src) {
 /* ASP: one row to position pos of destination d's region reg, encoded for the mode */
 static inline void flag_put_row(engine_t *g, int d, int reg, int64_t pos, const uint8_t *src,
                                 uint64_t epoch) {
+    /* the row's checksum first: every mode's flag follows it behind a store fence */
+    if (g->integrity) st_rlx(&rsum_rows(g, d, reg)[pos],
+                             row_check(row_sum(src, g->row_bytes), epoch, pos));
     if (g->sync == SYNC_TFF) {
         put_tff_in_place(g, outreg(g, d, reg) + pos * g->out_stride, tff_words(g, d, reg, pos),
                          src, epoch);

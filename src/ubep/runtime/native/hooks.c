@@ -163,6 +163,32 @@ static PyObject *mod_comb_info_sum(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLongLong(comb_info_sum(epoch, off, rows, stride, index));
 }
 
+/* row_sums(rows, row_bytes) -> bytes: the u64 row_sum (abi.h, integrity="checksum") of every
+ * row_bytes-long row of the buffer, for the test of the documented formula and the benchmark */
+static PyObject *mod_row_sums(PyObject *self, PyObject *args) {
+    PyObject *o;
+    long long row_bytes;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OL", &o, &row_bytes)) return NULL;
+    pbuf_t b;
+    if (get_buf(o, &b, 0, "rows", 0)) { rel_bufs(&b, 1); return NULL; }
+    if (row_bytes < 1 || b.b.len % row_bytes) {
+        rel_bufs(&b, 1);
+        PyErr_SetString(PyExc_ValueError, "rows: length must be a multiple of row_bytes");
+        return NULL;
+    }
+    int64_t n = b.b.len / row_bytes;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n * 8));
+    if (!out) { rel_bufs(&b, 1); return NULL; }
+    uint64_t *sums = (uint64_t *)PyBytes_AS_STRING(out);
+    const uint8_t *rows = b.b.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t i = 0; i < n; i++) sums[i] = row_sum(rows + i * row_bytes, row_bytes);
+    Py_END_ALLOW_THREADS
+    rel_bufs(&b, 1);
+    return out;
+}
+
 static PyObject *mod_reduce_rows(PyObject *self, PyObject *args) {
     /* reduce_rows(rows, nt, weights_f32, out, dtype_code, weighted): REDUCE[dtype] of the nt rows
      * of `rows` ([nt, n] of dtype) into out ([n]), for tests against ubep.reference */
@@ -222,6 +248,7 @@ PyMethodDef HOOK_METHODS[] = {
      "use_kernels(level) -> kernel set name (0 generic, 1 avx2, 2 avx512; tests)"},
     {"counts_sum", mod_counts_sum, METH_VARARGS, "counts_sum(epoch, rows, counts_u32)"},
     {"route_sum", mod_route_sum, METH_VARARGS, "route_sum(epoch, ntok, idx_i32, weights_f32)"},
+    {"row_sums", mod_row_sums, METH_VARARGS, "row_sums(rows, row_bytes) -> u64 bytes per row"},
     {"comb_info_sum", mod_comb_info_sum, METH_VARARGS,
      "comb_info_sum(epoch, offset, rows, stride, dispatch_index)"},
     {"copy", mod_copy, METH_VARARGS, "copy(dst, src, element_safe=0): the data plane's copy"},

@@ -14,6 +14,24 @@ static void copy_generic(uint8_t *d, const uint8_t *s, int64_t n) {
 
 static void copy_libc(uint8_t *d, const uint8_t *s, int64_t n) { memcpy(d, s, (size_t)n); }
 
+uint64_t row_sum_generic(const uint8_t *p, int64_t n) {
+    uint64_t a[4] = {0, 0, 0, 0}, c[4] = {0, 0, 0, 0}, w[4];
+    for (int64_t i = 0; i < n; i += 32) {
+        if (n - i >= 32) {
+            memcpy(w, p + i, 32);
+        } else { /* the last group, zero-padded */
+            memset(w, 0, sizeof w);
+            memcpy(w, p + i, (size_t)(n - i));
+        }
+        for (int l = 0; l < 4; l++) {
+            a[l] += w[l];
+            c[l] += a[l];
+        }
+    }
+    return row_fold(n, a, c);
+}
+row_sum_fn ROW_SUM = row_sum_generic;
+
 copy_fn copy_elem = copy_generic; /* element-safe copy (SP) */
 copy_fn copy_fast = copy_libc;    /* any copy followed by a fenced flag */
 
@@ -98,6 +116,7 @@ const char *select_kernels_upto(int level) {
     REDUCE[DT_BF16] = reduce_bf16_c; REDUCE[DT_FP16] = reduce_fp16_c;
     REDUCE[DT_FP32] = reduce_fp32_c;
     QUANT_ROW = quant_row_generic;
+    ROW_SUM = row_sum_generic;
 #if UBEP_X86
     __builtin_cpu_init();
     if (level >= 1 && __builtin_cpu_supports("avx2")) {
@@ -111,6 +130,7 @@ const char *select_kernels_upto(int level) {
         REDUCE[DT_BF16] = reduce_bf16_avx2;
         REDUCE[DT_FP32] = reduce_fp32_avx2;
         QUANT_ROW = quant_row_avx2;
+        ROW_SUM = row_sum_avx2;
         if (__builtin_cpu_supports("f16c")) {
             ROUND[DT_FP16] = round_fp16_hw;
             REDUCE[DT_FP16] = reduce_fp16_hw;

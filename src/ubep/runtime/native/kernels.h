@@ -49,6 +49,21 @@ extern round_fn ROUND[3];
 extern reduce_fn REDUCE[3];
 extern const char *kernel_set;
 void select_kernels(void);
+
+/* integrity="checksum": the sum of one row (docs/FORMATS.md, "Row checksums"), Fletcher's two
+ * sums per lane over four lanes of 8-byte words (word i to lane i mod 4, the row zero-padded to
+ * whole 32-byte groups): a_l = sum of the lane's words, c_l = sum of its running a_l (so a
+ * word's place counts), folded with the length. Any one changed word changes a_l. Generic C or
+ * AVX2 (one vector add pair per 32 bytes), picked by select_kernels(), the same values. */
+typedef uint64_t (*row_sum_fn)(const uint8_t *p, int64_t n);
+extern row_sum_fn ROW_SUM;
+uint64_t row_sum_generic(const uint8_t *p, int64_t n);
+static inline uint64_t row_sum(const uint8_t *p, int64_t n) { return ROW_SUM(p, n); }
+static inline uint64_t row_fold(int64_t n, const uint64_t a[4], const uint64_t c[4]) {
+    uint64_t h = mix64(0x726F7773756DULL, (uint64_t)n);
+    for (int l = 0; l < 4; l++) h = mix64(mix64(h, a[l]), c[l]);
+    return h;
+}
 /* the best kernel set up to `level` (0 generic, 1 AVX2, 2 AVX-512) this CPU has: its name
  * (tests run every set the CPU has; select_kernels() is the best of all) */
 const char *select_kernels_upto(int level);
@@ -56,6 +71,7 @@ const char *select_kernels_upto(int level);
 #if UBEP_X86
 /* kernels_x86.c: compiled with target attributes, called only where the CPU has them */
 void copy_avx2(uint8_t *d, const uint8_t *s, int64_t n);
+uint64_t row_sum_avx2(const uint8_t *p, int64_t n);
 void fill_avx2(uint8_t *d, int64_t n, int isz, uint64_t pattern);
 int has_pattern2_avx2(const uint16_t *p, int64_t n, uint16_t v);
 int has_pattern4_avx2(const uint32_t *p, int64_t n, uint32_t v);

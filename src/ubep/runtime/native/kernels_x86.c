@@ -7,6 +7,26 @@
 #define AVX2 __attribute__((target("avx2")))
 #define AVX2_F16C __attribute__((target("avx2,f16c")))
 
+/* row_sum_generic's lanes, one ymm register each for the a and c sums */
+AVX2 uint64_t row_sum_avx2(const uint8_t *p, int64_t n) {
+    __m256i a = _mm256_setzero_si256(), c = _mm256_setzero_si256();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        a = _mm256_add_epi64(a, _mm256_loadu_si256((const __m256i *)(p + i)));
+        c = _mm256_add_epi64(c, a);
+    }
+    if (i < n) { /* the last group, zero-padded */
+        uint8_t last[32] = {0};
+        memcpy(last, p + i, (size_t)(n - i));
+        a = _mm256_add_epi64(a, _mm256_loadu_si256((const __m256i *)last));
+        c = _mm256_add_epi64(c, a);
+    }
+    uint64_t la[4], lc[4];
+    _mm256_storeu_si256((__m256i *)la, a);
+    _mm256_storeu_si256((__m256i *)lc, c);
+    return row_fold(n, la, lc);
+}
+
 AVX2 void copy_avx2(uint8_t *d, const uint8_t *s, int64_t n) {
     /* align the destination first: a vector store that splits a cache line costs ~2x */
     int64_t head = (int64_t)((32 - ((uintptr_t)d & 31)) & 31);

@@ -20,6 +20,7 @@ PyObject *engine_resync(engine_t *g, PyObject *args);
 PyObject *engine_wait_done(engine_t *g, PyObject *args);
 PyObject *engine_reset_all(engine_t *g, PyObject *noargs);
 PyObject *engine_trace(engine_t *g, PyObject *noargs);
+PyObject *engine_poke(engine_t *g, PyObject *args);
 PyObject *engine_comb_last_epoch(engine_t *g, PyObject *args);
 PyObject *engine_close(engine_t *g, PyObject *noargs);
 PyObject *engine_core_log(engine_t *g, PyObject *noargs);

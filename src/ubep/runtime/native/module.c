@@ -101,6 +101,9 @@ static const param_t PARAMS[] = {
     PARAM("quant_round_scale", quant_round, P_INT),
     PARAM("background", background, P_INT),
     PARAM("llc_bytes", llc_bytes, P_I64),
+    PARAM("off_rsum", off_rsum, P_I64),
+    PARAM("rsum_bytes", rsum_bytes, P_I64),
+    PARAM("integrity", integrity, P_INT),
 };
 #define NUM_PARAMS ((Py_ssize_t)(sizeof PARAMS / sizeof PARAMS[0]))
 
@@ -167,7 +170,7 @@ static void engine_free_scratch(engine_t *g) {
     free(g->my_rank_in_batch); free((void *)g->remaining); free((void *)g->dc_s1);
     free((void *)g->dc_s2); free(g->core_base); free(g->core_ready); free(g->rx_base);
     free(g->rx_rows); free(g->rx_cnt); free(g->tx_rows); free(g->tx_cnt);
-    free(g->route_snap); free(g->ci_off); free(g->ci_rows); free(g->peer_runs);
+    free(g->route_snap); free(g->route_own); free(g->ci_off); free(g->ci_rows); free(g->peer_runs);
     free(g->threads); free(g->e2d); free(g->e2l);
     free((void *)g->term_ptr); free(g->term_w);
     free((void *)g->counted); free(g->qstage);
@@ -197,7 +200,8 @@ static int engine_init(engine_t *g, PyObject *args, PyObject *kwds) {
     if (g->R < 1 || g->R > 64 || g->C < 1 || g->C > 256 || g->L < 1 || g->K < 1 ||
         g->cdt < 0 || g->cdt > 2 || g->rank < 0 || g->rank >= g->R || g->nreg < 1 ||
         g->nreg > 8 || (g->nland != 1 && g->nland != g->nreg) || g->quant < QUANT_NONE ||
-        g->quant > QUANT_INT8 || (g->quant && (g->dt > DT_FP32 || g->hidden % QUANT_BLOCK ||
+        g->quant > QUANT_INT8 || (g->integrity && g->rsum_bytes < g->cap_rows * 8) ||
+        (g->quant && (g->dt > DT_FP32 || g->hidden % QUANT_BLOCK ||
                                                flag_sentinel(g)))) {
         PyErr_SetString(PyExc_ValueError, "engine: parameters out of range (num_ranks <= 64)");
         return -1;
@@ -234,6 +238,7 @@ static int engine_init(engine_t *g, PyObject *args, PyObject *kwds) {
     g->tx_rows = calloc((size_t)C * R, sizeof(int64_t));
     g->tx_cnt = calloc((size_t)C * R * L, sizeof(uint32_t));
     g->route_snap = calloc((size_t)C * 2 * (size_t)(g->T * g->K) + 1, sizeof(uint32_t));
+    g->route_own = calloc((size_t)g->nreg * 2 * (size_t)(g->T * g->K) + 1, sizeof(uint32_t));
     g->ci_off = calloc((size_t)C * R, 8); g->ci_rows = calloc((size_t)C * R, 8);
     g->peer_runs = calloc((size_t)g->nreg * (size_t)MAX_PEER_RUNS(g) * 2, sizeof(int64_t));
     g->e2d = calloc((size_t)E, sizeof(int32_t)); g->e2l = calloc((size_t)E, sizeof(int32_t));
@@ -252,7 +257,7 @@ static int engine_init(engine_t *g, PyObject *args, PyObject *kwds) {
         g->base, g->pids, g->starts, g->cnt, g->units_to, g->rows_to, g->u_t, g->u_k, g->u_e,
         g->u_slot, g->stamp, g->my_rank_in_batch, (const void *)g->remaining,
         (const void *)g->dc_s1, (const void *)g->dc_s2, g->core_base, g->core_ready, g->rx_base,
-        g->rx_rows, g->rx_cnt, g->tx_rows, g->tx_cnt, g->route_snap, g->ci_off, g->ci_rows,
+        g->rx_rows, g->rx_cnt, g->tx_rows, g->tx_cnt, g->route_snap, g->route_own, g->ci_off, g->ci_rows,
         g->e2d, g->e2l, (const void *)g->term_ptr, g->term_w, (const void *)g->counted, g->qstage, g->core_units,
         g->core_dsts, g->core_unit_log, g->core_dst_log, g->peer_runs,
     };
@@ -303,6 +308,8 @@ static PyMethodDef engine_methods[] = {
     {"comb_last_epoch", (PyCFunction)engine_comb_last_epoch, METH_VARARGS,
      "epoch of the last combine that used combine region c"},
     {"close", (PyCFunction)engine_close, METH_NOARGS, "stop worker threads"},
+    {"poke", (PyCFunction)engine_poke, METH_VARARGS,
+     "poke(kind, phase, rank, offset, data): tests' one-shot write into a segment mid-call"},
     {"trace", (PyCFunction)engine_trace, METH_NOARGS,
      "core 0's phase timestamps (CLOCK_MONOTONIC ns) of the last dispatch, for profiling"},
     {NULL, NULL, 0, NULL},

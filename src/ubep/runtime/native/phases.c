@@ -13,12 +13,20 @@ static int ph_b2_wait(op_t *op, int core) { return barrier_wait(op, core, 2); }
 static int ph_cb_arrive(op_t *op, int core) { return barrier_arrive(op, core, 3); }
 static int ph_cb_wait(op_t *op, int core) { return barrier_wait(op, core, 3); }
 
+static int ph_none(op_t *op, int core) {
+    (void)op;
+    (void)core;
+    return 0;
+}
+
 static const phase_t ASP_DISPATCH_PHASES[] = {
     {ph_d_quant, 1, 1, op_quantises},
     {ph_d_prepare, 0, 1, NULL},
     {ph_d_count, 1, 0, NULL}, /* no barrier: a thread goes on to its sends, others still count */
     {ph_d_send, 1, 0, NULL},
     {ph_d_receive, 1, 0, NULL},
+    {ph_none, 0, 1, op_checks_rows}, /* integrity: every core's rows are in (its barrier) */
+    {ph_d_check, 1, 0, op_checks_rows},
 };
 const phase_list_t ASP_DISPATCH = PHASE_LIST(ASP_DISPATCH_PHASES, 3, 4);
 

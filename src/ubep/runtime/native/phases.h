@@ -9,6 +9,8 @@
 int ph_d_quant(op_t *op, int core);
 int op_quantises(const op_t *op);
 int ph_d_receive(op_t *op, int core);
+int ph_d_check(op_t *op, int core);
+int op_checks_rows(const op_t *op);
 
 /* dispatch_send.c: ASP's prepare, count tasks and sends */
 int ph_d_prepare(op_t *op, int core);

@@ -26,8 +26,17 @@ static void team_barrier(engine_t *g) {
     }
 }
 
+void maybe_poke(op_t *op, int phase) {
+    engine_t *g = op->g;
+    if (!g->poke.armed || g->poke.kind != op->kind || g->poke.phase != phase) return;
+    g->poke.armed = 0;
+    memcpy(g->base[g->poke.rank] + g->poke.off, g->poke.data, (size_t)g->poke.len);
+    atomic_thread_fence(memory_order_seq_cst);
+}
+
 static void run_phases_core(op_t *op, const phase_t *ph, int first, int nph, int core) {
     for (int p = first; p < nph; p++) {
+        if (core == 0) maybe_poke(op, p);
         if (ph[p].when && !ph[p].when(op)) continue; /* the same on every core */
         if (!atomic_load(&op->abort) && (ph[p].all_cores || core == 0)) ph[p].fn(op, core);
         if (ph[p].sync_after) team_barrier(op->g);
@@ -91,7 +100,7 @@ void run_op(op_t *op, const phase_list_t *phases, int first, int end) {
         /* more cores than hardware threads: the calling thread plays every core, phase by
          * phase (phases never wait on another core of the same rank) */
         for (int p = first; p < end; p++)
-            for (int c = 0; c < (ph[p].all_cores ? g->C : 1) && (!ph[p].when || ph[p].when(op));
+            for (int c = (maybe_poke(op, p), 0); c < (ph[p].all_cores ? g->C : 1) && (!ph[p].when || ph[p].when(op));
                  c++)
                 if (!atomic_load(&op->abort)) ph[p].fn(op, c);
     }

@@ -284,6 +284,25 @@ static void record_peer_rows(engine_t *g, op_t *op) {
     g->peer_rows[reg].index1 = (uint64_t)op->n + 1;
 }
 
+/* integrity: this rank's done word is out; wait until every peer's is (a peer that found a
+ * corrupt row published its failure notice before its done word), so a call one rank found
+ * corrupt fails on every rank. Returns the error code, 0 if every peer checked its rows. */
+static int wait_peers_checked(op_t *op) {
+    engine_t *g = op->g;
+    for (int q = 0; q < g->R; q++) {
+        if (q == g->rank) continue;
+        waiter_t w;
+        waiter_init(&w);
+        while (rd_word(word(g, q, g->off_done)) < op->epoch) {
+            int rc = wait_step(op, &w, 0, q, "rank %d to check the rows of call %llu", q,
+                               (unsigned long long)op->epoch);
+            if (rc) return atomic_load(&op->err) ? atomic_load(&op->err) : rc;
+        }
+    }
+    check_failures(op, 0);
+    return atomic_load(&op->err);
+}
+
 void finish_op(op_t *op) {
     engine_t *g = op->g;
     /* A peer may have failed this call although this rank got everything it needed (it timed
@@ -302,6 +321,13 @@ void finish_op(op_t *op) {
     flag_dispatch_done(op, err);
     pub_word(word(g, g->rank, g->off_done), op->epoch);
     ring_all(g);
+    if (!err && g->integrity && op->kind != 2 && (err = wait_peers_checked(op))) {
+        /* a peer failed the call after this rank had finished it: no result here either */
+        if (op->kind == 0) g->peer_rows[op->n % g->nreg].index1 = 0;
+        char buf[MAX_MSG];
+        format_error(op, buf, sizeof buf);
+        publish_failure(g, op->epoch, err == E_REMOTE ? op->remote_code : err, buf);
+    }
     int armed = atomic_load(&op->armed);
     if (armed) atomic_fetch_sub(sleepers(g, g->rank), (uint32_t)armed);
 }
