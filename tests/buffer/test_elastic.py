@@ -19,6 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -33,7 +34,7 @@ from ubep.expert_map import ExpertMap, replica_table, route_topk
 from ubep.runtime import LostRank, launch
 from ubep.runtime.membership import Roster, agree, publish_once
 from ubep.runtime.shm import SHM_DIR
-from ubep.testing import bits, compare
+from ubep.testing import FIELDS, bits, compare
 
 NUM_RANKS = 4
 VICTIM = 3
@@ -48,11 +49,17 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 class Plan:
     """One run: ``calls`` calls, the fault in call LOSS_AT, a new process admitted as the
     victim before call ``join_at`` (None: never), an expert map replicating the victim's
-    experts on the survivors (``replicas``)."""
+    experts on the survivors (``replicas``).
+
+    ``timeout_s``: a killed rank is found by its pid at once, whatever the deadline; the
+    deadline is what a healthy survivor may take between two calls before the others mask it
+    (docs/ELASTIC.md, what the deadline trades). The kill runs keep it far above a descheduled
+    rank's stall on a loaded host; the stop runs need it short, since they wait it out."""
 
     calls: int = CALLS
     join_at: int | None = None
     replicas: bool = False
+    timeout_s: float = 10.0  # the Buffer's deadline (config)
 
 
 def victim_map() -> ExpertMap:
@@ -137,7 +144,7 @@ def call_inputs(case: Case, cfg: Any, call: int) -> Any:
 
 
 def config(case: Case, plan: Plan) -> Any:
-    return case.config(TOKENS, on_peer_loss="mask", timeout_s=1.0,
+    return case.config(TOKENS, on_peer_loss="mask", timeout_s=plan.timeout_s,
                        expert_map=victim_map() if plan.replicas else None)
 
 
@@ -151,6 +158,14 @@ def _start_newcomer(group: Any, case: Case, plan: Plan, out: str) -> subprocess.
 
 def _masked(buf: Any) -> list[int]:
     return [int(r) for r in np.flatnonzero(buf.mask_status())]
+
+
+def _snapshot(res: Any) -> Any:
+    """What :func:`check_call` reads of a dispatch result, copied out of the receive region
+    (which a later call reuses)."""
+    fields = {f: np.array(getattr(res, f)) for f in FIELDS}
+    handle = SimpleNamespace(topk_idx=np.array(res.handle.topk_idx))
+    return SimpleNamespace(**fields, handle=handle)
 
 
 def _kill_when(progress: list[int], call: int, delay_s: float) -> None:
@@ -187,6 +202,7 @@ def _serve(group: Any, case: Case, fault: str, out: str, plan: Plan = Plan()) ->
     r = group.rank
     errors: list[str] = []
     masks: list[list[int]] = []
+    done: list[tuple[int, Any, np.ndarray, tuple[list[int], ...]]] = []
     names: set[str] = set()
     newcomer = None
     with Buffer(group, cfg) as buf:
@@ -212,8 +228,9 @@ def _serve(group: Any, case: Case, fault: str, out: str, plan: Plan = Plan()) ->
             except RankMaskedError:
                 return ("masked", i, _masked(buf))
             masks.append(_masked(buf))
-            errors += [f"call {i}: {e}" for e in check_call(
-                res, y, inputs, (before, mask_d, masks[-1]), cfg, r, group.topology)]
+            # checked after the loop: between two calls a survivor does nothing the deadline
+            # could mistake for a hang
+            done.append((i, _snapshot(res), np.array(y), (before, mask_d, masks[-1])))
             if fault == "stop" and i == LOSS_AT + 2:
                 if r == 0:
                     os.kill(group.peers[VICTIM].pid, signal.SIGCONT)
@@ -224,6 +241,9 @@ def _serve(group: Any, case: Case, fault: str, out: str, plan: Plan = Plan()) ->
     if newcomer is not None:
         newcomer.wait(60)
     Path(f"{out}.{r}").write_text("\n".join(sorted(names)))
+    for i, res, y, seen in done:
+        errors += [f"call {i}: {e}" for e in check_call(
+            res, y, call_inputs(case, cfg, i), seen, cfg, r, group.topology)]
     return errors, masks
 
 
@@ -302,7 +322,7 @@ def test_a_rank_killed_mid_call_is_masked_under_every_mode(tmp_path: Path, case:
 def test_a_stopped_rank_wakes_masked_and_never_reaches_the_survivors(
         tmp_path: Path, replicas: bool) -> None:
     case = Case("asp", "sp", "expert", "bf16", NUM_RANKS, 256, "uniform")
-    plan = Plan(calls=LOSS_AT + AFTER, replicas=replicas)
+    plan = Plan(calls=LOSS_AT + AFTER, replicas=replicas, timeout_s=1.0)
     out = str(tmp_path / "s")
     results = launch(_serve, NUM_RANKS, case, "stop", out, plan, timeout_s=600,
                      keep_survivors=True)
