@@ -182,13 +182,14 @@ def _kill_when(progress: list[int], call: int, delay_s: float) -> None:
 
 def _fault(r: int, i: int, fault: str, where: str) -> None:
     """The victim's fault, if it strikes here: ``where`` is "dispatch" (entering call i's
-    dispatch), "combine" (entering its combine) or "after" (call i's combine returned)."""
+    dispatch), "combine" (entering its combine: its dispatch done, its rows with the peers) or
+    "after" (call i's combine returned)."""
     if r != VICTIM:
         return
     if where == "dispatch" and i == LOSS_AT and fault in ("kill_dispatch", "stop"):
         os.kill(os.getpid(), signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
-    if where == "combine" and i == LOSS_AT and fault == "kill_combine":
-        os.kill(os.getpid(), signal.SIGKILL)
+    if where == "combine" and i == LOSS_AT and fault in ("kill_combine", "stop_combine"):
+        os.kill(os.getpid(), signal.SIGSTOP if fault == "stop_combine" else signal.SIGKILL)
     if where == "after" and i == LOSS_AT - 1 and fault == "kill_between":
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -231,7 +232,7 @@ def _serve(group: Any, case: Case, fault: str, out: str, plan: Plan = Plan()) ->
             # checked after the loop: between two calls a survivor does nothing the deadline
             # could mistake for a hang
             done.append((i, _snapshot(res), np.array(y), (before, mask_d, masks[-1])))
-            if fault == "stop" and i == LOSS_AT + 2:
+            if fault.startswith("stop") and i == LOSS_AT + 2:
                 if r == 0:
                     os.kill(group.peers[VICTIM].pid, signal.SIGCONT)
                 time.sleep(2.5 * cfg.timeout_s)  # the woken rank runs into the old segments
@@ -331,6 +332,35 @@ def test_a_stopped_rank_wakes_masked_and_never_reaches_the_survivors(
         errors, masks = results[r]
         assert errors == [], (r, errors[:3])
         assert masks == [[]] * LOSS_AT + [[VICTIM]] * AFTER
+    _segments_gone(out, [NUM_RANKS, VICTIM])
+
+
+def _stop_cases() -> list[tuple[str, Case]]:
+    """Every engine x sync once, the layouts and the two stop points taken in turn."""
+    out = []
+    for n, (e, s) in enumerate((e, s) for e in modes.ENGINES for s in modes.SYNCS):
+        fault = ("stop", "stop_combine")[(n // 2) % 2]
+        out.append((fault, Case(e, s, modes.LAYOUTS[n % 2], "bf16", NUM_RANKS, 256, "uniform")))
+    return out
+
+
+@pytest.mark.parametrize("fault, case", _stop_cases(),
+                         ids=[f"{f}-{c.engine}-{c.sync}-{c.layout}" for f, c in _stop_cases()])
+def test_a_stopped_rank_wakes_masked_under_every_engine_and_sync(
+        tmp_path: Path, fault: str, case: Case) -> None:
+    """SIGSTOP past the deadline before a dispatch, or between a dispatch and its combine (its
+    rows already with the peers, its combine still to write), then SIGCONT: the woken rank
+    raises RankMaskedError, and the survivors' calls after the loss, bit-exact against the
+    masked oracle, show nothing it wrote after waking."""
+    plan = Plan(calls=LOSS_AT + 6, timeout_s=1.0)
+    out = str(tmp_path / "s")
+    results = launch(_serve, NUM_RANKS, case, fault, out, plan, timeout_s=300,
+                     keep_survivors=True)
+    assert results[VICTIM] == ("masked", LOSS_AT, [VICTIM])
+    for r in range(VICTIM):
+        errors, masks = results[r]
+        assert errors == [], (r, errors[:3])
+        assert masks == [[]] * LOSS_AT + [[VICTIM]] * 6
     _segments_gone(out, [NUM_RANKS, VICTIM])
 
 
