@@ -15,6 +15,7 @@ from typing import Literal, get_args
 import numpy as np
 
 from ..errors import InvalidArgumentError
+from ..expert_map import ExpertMap
 from ..modes import ENGINES, LAYOUTS, SYNCS, Engine, Layout, Policy, Sync
 from ..routing import hot_experts_topk, uniform_topk, zipf_topk
 from ..sched.combine import combine_plans
@@ -34,6 +35,7 @@ __all__ = [
     "aux_cores",
     "clear_plans",
     "core_split",
+    "hot_ids_for",
     "partition_constants",
     "plans_for",
     "routing_for",
@@ -57,6 +59,11 @@ class Workload:
             the picks; the hot set is the same on every rank).
         combine_itemsize: bytes per element of the combine payload (expert outputs, BF16).
         seed: base seed; rank ``r`` uses ``seed + r``.
+        expert_map: redundant experts (``ubep.expert_map``): the routing draws logical ids
+            ``[0, expert_map.num_logical)`` and each pick goes to one live replica among the
+            ``num_ranks * experts_per_rank`` physical slots. ``None``: one slot per expert.
+        masked_ranks: ranks out of service (lost peers): they send nothing and no pick goes
+            to their slots (``ubep.sim.replicas``).
     """
 
     tokens_per_rank: int = 128
@@ -70,6 +77,8 @@ class Workload:
     hot_share: float = 0.5
     combine_itemsize: int = 2
     seed: int = 0
+    expert_map: ExpertMap | None = None
+    masked_ranks: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("tokens_per_rank", "hidden", "itemsize", "num_topk", "experts_per_rank",
@@ -79,13 +88,24 @@ class Workload:
                 raise InvalidArgumentError(name, value, "must be a positive integer")
         if self.routing not in ROUTINGS:
             raise InvalidArgumentError("routing", self.routing, f"must be one of {ROUTINGS}")
+        if self.expert_map is not None and not isinstance(self.expert_map, ExpertMap):
+            raise InvalidArgumentError("expert_map", type(self.expert_map).__name__,
+                                       "must be a ubep.ExpertMap")
+        object.__setattr__(self, "masked_ranks", tuple(self.masked_ranks))
 
     @property
     def row_bytes(self) -> int:
         return self.hidden * self.itemsize
 
     def num_experts(self, num_ranks: int) -> int:
+        """Physical expert slots."""
         return num_ranks * self.experts_per_rank
+
+    def num_logical(self, num_ranks: int) -> int:
+        """Experts the routing picks from (the map's logical experts, else the slots)."""
+        if self.expert_map is None:
+            return self.num_experts(num_ranks)
+        return self.expert_map.num_logical
 
     def payload_bytes(self) -> int:
         """Table 4's byte count: tokens x top-k x hidden x itemsize (per rank)."""
@@ -130,16 +150,30 @@ UBEP = System("UBEP", "asp", "hierarchical", "sp")
 UBEP_NO_MAPPING = System("UBEP w/o mapping", "asp", "balanced", "sp")
 
 
-@lru_cache(maxsize=64)
 def routing_for(workload: Workload, num_ranks: int) -> tuple[np.ndarray, ...]:
-    """Every rank's seeded ``topk_idx`` (read-only arrays)."""
-    num_experts = workload.num_experts(num_ranks)
+    """Every rank's seeded ``topk_idx`` (read-only arrays; logical ids with an expert map).
+    The map and the mask do not change the draw: one cache entry serves every map."""
+    base = workload.with_(expert_map=None, masked_ranks=())
+    return _routing(base, num_ranks, workload.num_logical(num_ranks))
+
+
+def hot_ids_for(workload: Workload, num_ranks: int) -> np.ndarray:
+    """The (logical) hot experts of a ``routing="hot"`` workload, sorted."""
+    return _hot_ids(workload.seed, workload.num_logical(num_ranks), workload.hot_experts)
+
+
+def _hot_ids(seed: int, num_experts: int, hot_experts: int) -> np.ndarray:
+    rng = np.random.default_rng(seed + 10_007)
+    return np.sort(rng.choice(num_experts, hot_experts, replace=False))
+
+
+@lru_cache(maxsize=64)
+def _routing(workload: Workload, num_ranks: int, num_experts: int) -> tuple[np.ndarray, ...]:
     if workload.num_topk > num_experts:
         raise InvalidArgumentError("num_topk", workload.num_topk, f"exceeds {num_experts} experts")
     hot_ids = None
     if workload.routing == "hot":
-        rng = np.random.default_rng(workload.seed + 10_007)
-        hot_ids = np.sort(rng.choice(num_experts, workload.hot_experts, replace=False))
+        hot_ids = _hot_ids(workload.seed, num_experts, workload.hot_experts)
     if workload.routing == "zipf":
         # One draw for all ranks, so that every rank shares the same popular experts.
         every = zipf_topk(workload.tokens_per_rank * num_ranks, num_experts, workload.num_topk,
@@ -201,7 +235,7 @@ def core_split(workload: Workload, system: System, topology: Topology,
         from ..sched.partition import partition
 
         num_experts = workload.num_experts(topology.num_ranks)
-        aux = aux_cores(topology.num_ranks, fabric)
+        aux = aux_cores(topology.num_ranks, fabric, topology.cores_per_rank)
         alpha, beta, b_count = partition_constants(
             topology, fabric, workload.row_bytes, num_experts,
             workload.tokens_per_rank * workload.num_topk)
@@ -211,11 +245,19 @@ def core_split(workload: Workload, system: System, topology: Topology,
     return n_s, n_c
 
 
-def aux_cores(num_ranks: int, fabric: FabricModel) -> int:
+def aux_cores(num_ranks: int, fabric: FabricModel, cores_per_rank: int | None = None) -> int:
     """Cores an ASP rank gives to routing and checksum work (taken from sending):
     ``round(aux_cores_at_256 * num_ranks / 256)``, the paper's 12 AIVs at 256 ranks scaled
-    with the rank count (the routing and checksum work grows with the destinations)."""
-    return round(fabric.aux_cores_at_256 * num_ranks / 256)
+    with the rank count (the routing and checksum work grows with the destinations).
+
+    With ``cores_per_rank`` given, at most ``cores_per_rank - cores_per_rank // 4``: a rank
+    keeps a quarter of its cores to count and send. The cap binds only beyond 768 ranks of 48
+    cores (EP 1024, an extrapolation: 36 of 48 cores), where the linear scaling alone would
+    leave no core to send."""
+    aux = round(fabric.aux_cores_at_256 * num_ranks / 256)
+    if cores_per_rank is not None:
+        aux = min(aux, cores_per_rank - cores_per_rank // 4)
+    return aux
 
 
 @lru_cache(maxsize=24)  # an EP256 plan set is ~20 MB: keep the cache small
@@ -225,7 +267,8 @@ def _plans(workload: Workload, system: System, topology: Topology, n_s: int | No
     return tuple(make_plans(list(routing), topology,
                             num_experts=workload.num_experts(topology.num_ranks),
                             policy=system.policy, num_send_cores=n_s, num_count_cores=n_c,
-                            layout=system.layout))
+                            layout=system.layout, expert_map=workload.expert_map,
+                            masked_ranks=workload.masked_ranks))
 
 
 def clear_plans() -> None:
