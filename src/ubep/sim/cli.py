@@ -11,6 +11,7 @@ from typing import Any
 from ..modes import ENGINES, LAYOUTS, POLICIES, SYNCS
 from .experiments import ALIASES, EXPERIMENTS
 from .fabric import FAMILIES, FITTED_FAMILIES
+from .whatif import WHATIFS
 from .workload import ROUTINGS
 
 __all__ = ["register"]
@@ -21,7 +22,7 @@ def register(subparsers: Any) -> None:
     sim = subparsers.add_parser("sim", help="superpod simulator: paper experiments and what-ifs",
                                 description="Time ubep's plans on modelled fabrics.")
     sub = sim.add_subparsers(dest="sim_command", required=True, metavar="SIM_COMMAND")
-    for name, fn in EXPERIMENTS.items():
+    for name, fn in {**EXPERIMENTS, **WHATIFS}.items():
         aliases = [old for old, new in ALIASES.items() if new == name]
         p = sub.add_parser(name, aliases=aliases,
                            help=(fn.__doc__ or "").strip().splitlines()[0])
@@ -82,7 +83,10 @@ def _common(p: argparse.ArgumentParser) -> None:
 def _experiment(args: argparse.Namespace) -> int:
     from .experiments import run_experiment
 
-    result = run_experiment(args.experiment, args.family)
+    if args.experiment in WHATIFS:
+        result = WHATIFS[args.experiment](args.family)
+    else:
+        result = run_experiment(args.experiment, args.family)
     print(result.table())
     if args.json:
         Path(args.json).write_text(json.dumps(result.to_json(), indent=1) + "\n",
