@@ -21,6 +21,7 @@ import numpy as np
 from ..topology import Topology
 from .events import TIE_NS
 from .fabric import FabricModel
+from .order import lex_order
 from .spec import OpSpec
 from .timeline import SimResult, TaskTimeline
 
@@ -119,12 +120,12 @@ def _fly(spec: OpSpec, topology: Topology, unit_end: np.ndarray) -> np.ndarray:
     if remote.size:
         service = spec.unit_wire_bytes[remote] / bw[hop[remote]]
         src, end = spec.unit_src[remote], unit_end[remote]
-        order = np.lexsort((remote, _tie(end), src))
+        order = lex_order((remote, _tie(end), src))
         depart = np.empty(remote.size)
         depart[order] = _fifo(src[order], end[order], service[order])
         arrive = depart + lat[hop[remote]]
         dst = spec.unit_dst[remote]
-        order = np.lexsort((remote, _tie(arrive), dst))
+        order = lex_order((remote, _tie(arrive), dst))
         got = np.empty(remote.size)
         got[order] = _cut_through(dst[order], arrive[order], service[order])
         land[remote] = got
@@ -152,12 +153,12 @@ def _chunk_entries(spec: OpSpec, topology: Topology, start: np.ndarray) -> tuple
     dst = spec.chunk_dst[chunk]
     land = start[src] + spec.chunk_offset_ns[src, chunk] + lat[hops[src, dst]]
     # Scan order on the receiver: by source, then chunk; entry e goes to poll core e mod P.
-    order = np.lexsort((chunk, src, dst))
+    order = lex_order((chunk, src, dst))
     dst_o = dst[order]
     first = np.searchsorted(dst_o, np.arange(R))
     entry = np.arange(order.size) - first[dst_o]
     poll = spec.poll_first + entry % spec.poll_cores
-    order2 = np.lexsort((entry, poll, dst_o))
+    order2 = lex_order((entry, poll, dst_o))
     return dst_o[order2], poll[order2], land[order][order2]
 
 
@@ -308,7 +309,7 @@ def _consume(spec: OpSpec, item_ready: np.ndarray, avail: np.ndarray) -> tuple[
     """Each core consumes its items in order of readiness (a non-idling FIFO server)."""
     n = spec.cores_per_rank
     cell = spec.item_rank * n + spec.item_core
-    order = np.lexsort((np.arange(spec.num_items), _tie(item_ready), cell))
+    order = lex_order((np.arange(spec.num_items), _tie(item_ready), cell))
     c = cell[order]
     fin = np.empty(spec.num_items)
     fin[order] = _fifo(c, item_ready[order], spec.item_cost_ns[order], avail.ravel()[c])

@@ -71,6 +71,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--layout", choices=LAYOUTS, default="expert")
     p.add_argument("--op", choices=("dispatch", "combine"), default="dispatch")
     p.add_argument("--mode", choices=("analytic", "events"), default="analytic")
+    p.add_argument("--expert-map", metavar="PATH", default=None,
+                   help="redundant experts: a JSON list, logical expert -> its physical slots "
+                        "(slots: ranks x experts-per-rank; topk picks logical experts)")
+    p.add_argument("--masked-ranks", metavar="R,R,...", default="",
+                   help="ranks out of service: they send nothing, their experts' picks go to "
+                        "replicas")
     p.add_argument("--json", metavar="PATH", help="write the per-task spans as JSON")
     p.set_defaults(func=_run)
 
@@ -159,9 +165,15 @@ def _run(args: argparse.Namespace) -> int:
 
     fabric = load_fabric(args.family)
     topo = topology_for(args.family, args.ranks, args.cores)
+    from ..expert_map import ExpertMap
+
+    emap = None
+    if args.expert_map:
+        emap = ExpertMap(json.loads(Path(args.expert_map).read_text(encoding="utf-8")))
+    masked = tuple(int(r) for r in args.masked_ranks.split(",") if r.strip())
     w = Workload(tokens_per_rank=args.tokens, hidden=args.hidden, itemsize=args.itemsize,
                  num_topk=args.topk, experts_per_rank=args.experts_per_rank,
-                 routing=args.routing)
+                 routing=args.routing, expert_map=emap, masked_ranks=masked)
     cores: Any = "all" if args.engine == "bsp" else None
     system = System("cli", args.engine, args.policy, args.sync, layout=args.layout,
                     num_send_cores=cores, num_count_cores=cores)

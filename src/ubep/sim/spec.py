@@ -21,6 +21,7 @@ from ..modes import ENGINES, SYNCS
 from ..sched.plan import Plan
 from ..topology import Topology
 from .fabric import FabricModel, sync_costs
+from .order import lex_order
 
 __all__ = ["OPS", "OpSpec", "RowCosts", "Transfers", "build_spec", "transfers"]
 
@@ -289,9 +290,9 @@ def build_spec(
         # layout; row p of rank d goes to core p mod consume, a static split fixed before any
         # data lands.
         if plans[0].layout == "rank":
-            order = np.lexsort((slot, src, dst))
+            order = lex_order((slot, src, dst))
         else:
-            order = np.lexsort((slot, src, expert, dst))
+            order = lex_order((slot, src, expert, dst))
         item = np.empty_like(order)
         item[order] = np.arange(order.size)
         item_rank = dst[order]
