@@ -10,7 +10,8 @@ from tests.sim.test_sim_model import fabric, speed
 from ubep.errors import InvalidArgumentError
 from ubep.expert_map import ExpertMap, replica_table, route_topk
 from ubep.sim import build_spec, make_plans, simulate
-from ubep.sim.workload import UBEP, Workload, plans_for, routing_for, run_case
+from ubep.sim.whatif import hot_replica_map
+from ubep.sim.workload import UBEP, Workload, hot_ids_for, plans_for, routing_for, run_case
 from ubep.topology import Topology, cm384
 
 ROW = 100_000  # large rows: the data, not the count words, sets the latency
@@ -103,3 +104,27 @@ def test_bad_map_or_mask_names_the_argument() -> None:
         make_plans([np.array([[3]]), *idx[1:]], topo, num_experts=8, policy="balanced",
                    expert_map=ExpertMap(((4,), (0,))))
     assert exc.value.argument == "topk_per_rank"
+
+
+def test_hot_replicas_on_every_node_take_the_hot_picks_off_tier_2() -> None:
+    # Figure 9's set-up (`ubep sim replicas`): a hot pick whose home is on another node goes
+    # to the replica on the sender's node; every other pick keeps its hop.
+    topo = cm384(64)
+    base = Workload(tokens_per_rank=64, experts_per_rank=4, routing="hot", hot_experts=8)
+    hot = hot_ids_for(base, 64)
+    emap = hot_replica_map(topo, 4, hot)
+    nodes = [{(s // 5) // 16 for s in emap.replicas[int(h)]} for h in hot]
+    assert all(n == {0, 1, 2, 3} for n in nodes)  # one slot per node
+    primaries = ExpertMap(tuple((emap.replicas[e][0],) for e in range(256)))
+    spare = base.with_(experts_per_rank=5)
+    system = UBEP.with_(num_send_cores=24, num_count_cores=12)
+    hop = {}
+    for name, m in (("none", primaries), ("every node", emap)):
+        plans = plans_for(spare.with_(expert_map=m), system, topo)
+        hop[name] = np.concatenate([p.send_hop for p in plans])
+    far_hot = 0
+    for r, idx in enumerate(routing_for(base, 64)):
+        far_hot += int((np.isin(idx, hot) & ((idx // 4) // 16 != r // 16)).sum())
+    assert far_hot > 0
+    assert int((hop["none"] == 2).sum()) - int((hop["every node"] == 2).sum()) == far_hot
+    assert hop["none"].size == hop["every node"].size  # nothing dropped
