@@ -45,6 +45,7 @@ from ..config import BufferConfig
 from ..engine import CombineCall, DispatchCall
 from ..errors import InvalidArgumentError, RemoteError, UbepError
 from ..handle import DispatchHandle, DispatchResult, PendingCall, RuntimeHandle
+from ..m2n import physical_config
 from ..routing import experts_per_rank
 from ..runtime.abi import ErrorRecord, engine_params, load_native
 from ..runtime.group import ProcessGroup
@@ -122,6 +123,7 @@ class Buffer(InFlightCalls, ArgChecks):
         self._in_flight = []  # split-phase calls awaiting their hook, in order
         self._fast = None  # the one-call path of blocking calls
         self._route = None  # expert_map's routing (_configure)
+        self.expert_ranks: tuple[int, ...] | None = None  # M2N roles (_configure)
         # Construction is collective: every rank validates, then all exchange the outcome, so a
         # config only one rank rejects fails on every rank instead of pairing with its next one.
         error: Exception | None = None
@@ -156,6 +158,11 @@ class Buffer(InFlightCalls, ArgChecks):
         """Local validation and derived sizes (raises ``InvalidArgumentError``)."""
         if not isinstance(config, BufferConfig):
             raise InvalidArgumentError("config", type(config).__name__, "must be a BufferConfig")
+        # M2N (expert_ranks, None without): the physical config, an expert map of the
+        # placement (ubep.m2n)
+        self.expert_ranks = config.expert_ranks
+        config = physical_config(config, self.num_ranks)
+        self.config = config
         self.num_local_experts = experts_per_rank(config.num_experts, self.num_ranks)
         self.num_cores = config.num_cores or self.group.topology.cores_per_rank
         self._dtype = _dt.dtype_of(config.dtype)
@@ -227,9 +234,14 @@ class Buffer(InFlightCalls, ArgChecks):
     @staticmethod
     def size_hint(config: BufferConfig, num_ranks: int, num_cores: int | None = None) -> int:
         """Bytes of shared memory one rank's Buffer maps for itself (each rank maps every
-        peer's too, but only its own is backed by its memory)."""
+        peer's too, but only its own is backed by its memory).
+
+        With ``expert_ranks`` (M2N) every rank maps the same size, a sender too: its receive
+        regions stay sized as an expert rank's (the native engine places every rank's regions
+        at the same offsets), though nothing is ever sent to them."""
         if not isinstance(config, BufferConfig):
             raise InvalidArgumentError("config", type(config).__name__, "must be a BufferConfig")
+        config = physical_config(config, num_ranks)
         experts_per_rank(config.num_experts, num_ranks)
         if num_cores is None:
             from ..topology import host
