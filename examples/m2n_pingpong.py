@@ -93,9 +93,12 @@ def check(rank: int, which: int, layer: int, res: ubep.DispatchResult, y: np.nda
     refs = reference.dispatch(xs, idxs, ws, NUM_EXPERTS, expert_ranks=EXPERT_RANKS)
     outs = [experts(ref.recv_x, q) for q, ref in enumerate(refs)]
     y_ref = reference.combine(outs, refs)[rank]
-    sender_empty = rank in EXPERT_RANKS or res.recv_x.shape[0] == 0
+    sender_empty = rank in EXPERT_RANKS or (
+        res.recv_x.shape[0] == 0 and res.num_recv_tokens_per_expert.shape == (0,))
     return (sender_empty and np.array_equal(res.recv_x, refs[rank].recv_x)
             and np.array_equal(res.recv_topk_idx, refs[rank].recv_topk_idx)
+            and np.array_equal(res.num_recv_tokens_per_expert,
+                               refs[rank].num_recv_tokens_per_expert)
             and np.array_equal(y, y_ref))
 
 

@@ -28,7 +28,8 @@ logical experts and each rank's picks are first routed to physical slots by
 masked rank sends nothing (its inputs count as empty). ``num_experts`` counts physical slots
 and everything above applies to the physical routing. A ``mask`` without a map drops every pick
 of an expert on a masked rank (DeepEP's shrink mode). ``expert_ranks`` (M2N, ``ubep.m2n``) is
-such a map: ``num_experts`` then counts the logical experts, and ``recv_topk_idx`` names slots.
+such a map: ``num_experts`` then counts the logical experts, ``recv_topk_idx`` names slots,
+and a rank not in ``expert_ranks`` gets a ``num_recv_tokens_per_expert`` of length 0.
 
 **Combine arithmetic, bit-exact**: per element, ``acc = +0.0f``; for each term in the order above
 ``acc = fl32(acc + fl32(w * out))`` (expert layout; the product is rounded to float32 *before*
@@ -135,8 +136,15 @@ def dispatch(
                                                 expert_map, mask, topology)
     inp = _validate_dispatch(xs, topk_idxs, topk_weights, num_experts, layout, float64)
     if layout == "expert":
-        return _dispatch_expert(inp, num_experts)
-    return _dispatch_rank(inp, num_experts)
+        out = _dispatch_expert(inp, num_experts)
+    else:
+        out = _dispatch_rank(inp, num_experts)
+    if expert_ranks is not None:  # M2N: a sender holds no expert
+        for r, res in enumerate(out):
+            if r not in expert_ranks:
+                out[r] = dataclasses.replace(
+                    res, num_recv_tokens_per_expert=res.num_recv_tokens_per_expert[:0])
+    return out
 
 
 def combine(

@@ -50,8 +50,9 @@ def _serve(group: Any, roles: list[tuple[str, tuple[str, str, str]]]) -> list[st
                 errors += [f"{name} {mode} step {step}: {e}"
                            for e in testing.check_call(buf, xs, idxs, ws, seed)]
                 res = buf.dispatch(xs[buf.rank], idxs[buf.rank], ws[buf.rank])
-                if buf.rank not in expert_ranks and res.recv_x.shape[0] != 0:
-                    errors.append(f"{name} {mode}: sender {buf.rank} received rows")
+                if buf.rank not in expert_ranks and (
+                        res.recv_x.shape[0] or res.num_recv_tokens_per_expert.shape != (0,)):
+                    errors.append(f"{name} {mode}: sender {buf.rank} received rows or counts")
                 buf.combine(res.recv_x, res.handle)
     return errors
 
@@ -82,6 +83,7 @@ def test_the_oracle_places_the_experts_on_the_expert_ranks_only() -> None:
         want = 0 if owner is None else sum(int((idx[idx >= 0] // 6 == owner).sum())
                                            for idx in idxs)
         assert ref.recv_x.shape[0] == want, (r, want)
+        assert ref.num_recv_tokens_per_expert.shape == ((0,) if owner is None else (6,))
         if owner is not None:
             assert want > 0
             assert np.all(logical_experts(ref.recv_topk_idx, emap) // 6 == owner)

@@ -124,6 +124,7 @@ class Buffer(InFlightCalls, ArgChecks):
         self._fast = None  # the one-call path of blocking calls
         self._route = None  # expert_map's routing (_configure)
         self.expert_ranks: tuple[int, ...] | None = None  # M2N roles (_configure)
+        self._no_experts = False  # an M2N sender (_configure)
         # Construction is collective: every rank validates, then all exchange the outcome, so a
         # config only one rank rejects fails on every rank instead of pairing with its next one.
         error: Exception | None = None
@@ -161,6 +162,8 @@ class Buffer(InFlightCalls, ArgChecks):
         # M2N (expert_ranks, None without): the physical config, an expert map of the
         # placement (ubep.m2n)
         self.expert_ranks = config.expert_ranks
+        self._no_experts = config.expert_ranks is not None and self.rank not in (
+            config.expert_ranks)
         config = physical_config(config, self.num_ranks)
         self.config = config
         self.num_local_experts = experts_per_rank(config.num_experts, self.num_ranks)
@@ -316,6 +319,9 @@ class Buffer(InFlightCalls, ArgChecks):
                     got = self._fast_answer(fast.dispatch_fast(
                         x, topk_idx, topk_weights, epoch, index, self._generation, plan))
                     if got is not None:
+                        if self._no_experts:  # an M2N sender: no local expert to count
+                            object.__setattr__(got, "num_recv_tokens_per_expert",
+                                               got.num_recv_tokens_per_expert[:0])
                         return got
                     stage = _BEFORE
             xa, idx, w = self._check_dispatch_args(x, topk_idx, topk_weights, x_scales)
@@ -391,7 +397,7 @@ class Buffer(InFlightCalls, ArgChecks):
             recv_x=recv_x,
             recv_topk_idx=o_idx[:n],
             recv_topk_weights=o_w[:n],
-            num_recv_tokens_per_expert=counts[:L],
+            num_recv_tokens_per_expert=counts[:0 if self._no_experts else L],
             recv_src_rank=src_rank,
             recv_src_token=src_token,
             recv_src_k=src_k,
