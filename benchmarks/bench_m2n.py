@@ -169,7 +169,7 @@ def _mpi_peer(shape: Shape, repeats: int, out: str) -> None:
     xs, idxs, ws = shape.inputs(True, 0)
     phys = _physical(shape, (xs, idxs, ws))
     slots = shape.num_experts // len(EXPERT_RANKS) * RANKS
-    peer = make_peer(ex, "expert", num_experts=slots, num_topk=shape.num_topk,
+    peer = make_peer("expert", ex, num_experts=slots, num_topk=shape.num_topk,
                      max_tokens=shape.tokens, hidden=shape.hidden, x_dtype=np.dtype(np.uint16),
                      out_dtype=np.dtype(np.uint16))
     # correct before timed: the peer's receive and combine against the oracle with the roles
@@ -185,7 +185,7 @@ def _mpi_peer(shape: Shape, repeats: int, out: str) -> None:
 
     spans = collective_spans(ex.barrier, pair, 3, repeats)
     every = comm.gather({"ok": ok, "spans": spans.ravel().tolist(),
-                         "library": MPI.Get_library_version().strip().splitlines()[0]}, root=0)
+                         "library": MPI.Get_library_version().strip().split(",")[0]}, root=0)
     ex.free()
     if r == 0:
         Path(out).write_text(json.dumps(every))
