@@ -19,6 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -33,7 +34,7 @@ from ubep.expert_map import ExpertMap, replica_table, route_topk
 from ubep.runtime import LostRank, launch
 from ubep.runtime.membership import Roster, agree, publish_once
 from ubep.runtime.shm import SHM_DIR
-from ubep.testing import bits, compare
+from ubep.testing import FIELDS, bits, compare
 
 NUM_RANKS = 4
 VICTIM = 3
@@ -48,11 +49,17 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 class Plan:
     """One run: ``calls`` calls, the fault in call LOSS_AT, a new process admitted as the
     victim before call ``join_at`` (None: never), an expert map replicating the victim's
-    experts on the survivors (``replicas``)."""
+    experts on the survivors (``replicas``).
+
+    ``timeout_s``: a killed rank is found by its pid at once, whatever the deadline; the
+    deadline is what a healthy survivor may take between two calls before the others mask it
+    (docs/ELASTIC.md, what the deadline trades). The kill runs keep it far above a descheduled
+    rank's stall on a loaded host; the stop runs need it short, since they wait it out."""
 
     calls: int = CALLS
     join_at: int | None = None
     replicas: bool = False
+    timeout_s: float = 10.0  # the Buffer's deadline (config)
 
 
 def victim_map() -> ExpertMap:
@@ -137,7 +144,7 @@ def call_inputs(case: Case, cfg: Any, call: int) -> Any:
 
 
 def config(case: Case, plan: Plan) -> Any:
-    return case.config(TOKENS, on_peer_loss="mask", timeout_s=1.0,
+    return case.config(TOKENS, on_peer_loss="mask", timeout_s=plan.timeout_s,
                        expert_map=victim_map() if plan.replicas else None)
 
 
@@ -151,6 +158,14 @@ def _start_newcomer(group: Any, case: Case, plan: Plan, out: str) -> subprocess.
 
 def _masked(buf: Any) -> list[int]:
     return [int(r) for r in np.flatnonzero(buf.mask_status())]
+
+
+def _snapshot(res: Any) -> Any:
+    """What :func:`check_call` reads of a dispatch result, copied out of the receive region
+    (which a later call reuses)."""
+    fields = {f: np.array(getattr(res, f)) for f in FIELDS}
+    handle = SimpleNamespace(topk_idx=np.array(res.handle.topk_idx))
+    return SimpleNamespace(**fields, handle=handle)
 
 
 def _kill_when(progress: list[int], call: int, delay_s: float) -> None:
@@ -167,13 +182,14 @@ def _kill_when(progress: list[int], call: int, delay_s: float) -> None:
 
 def _fault(r: int, i: int, fault: str, where: str) -> None:
     """The victim's fault, if it strikes here: ``where`` is "dispatch" (entering call i's
-    dispatch), "combine" (entering its combine) or "after" (call i's combine returned)."""
+    dispatch), "combine" (entering its combine: its dispatch done, its rows with the peers) or
+    "after" (call i's combine returned)."""
     if r != VICTIM:
         return
     if where == "dispatch" and i == LOSS_AT and fault in ("kill_dispatch", "stop"):
         os.kill(os.getpid(), signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
-    if where == "combine" and i == LOSS_AT and fault == "kill_combine":
-        os.kill(os.getpid(), signal.SIGKILL)
+    if where == "combine" and i == LOSS_AT and fault in ("kill_combine", "stop_combine"):
+        os.kill(os.getpid(), signal.SIGSTOP if fault == "stop_combine" else signal.SIGKILL)
     if where == "after" and i == LOSS_AT - 1 and fault == "kill_between":
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -187,6 +203,7 @@ def _serve(group: Any, case: Case, fault: str, out: str, plan: Plan = Plan()) ->
     r = group.rank
     errors: list[str] = []
     masks: list[list[int]] = []
+    done: list[tuple[int, Any, np.ndarray, tuple[list[int], ...]]] = []
     names: set[str] = set()
     newcomer = None
     with Buffer(group, cfg) as buf:
@@ -212,9 +229,10 @@ def _serve(group: Any, case: Case, fault: str, out: str, plan: Plan = Plan()) ->
             except RankMaskedError:
                 return ("masked", i, _masked(buf))
             masks.append(_masked(buf))
-            errors += [f"call {i}: {e}" for e in check_call(
-                res, y, inputs, (before, mask_d, masks[-1]), cfg, r, group.topology)]
-            if fault == "stop" and i == LOSS_AT + 2:
+            # checked after the loop: between two calls a survivor does nothing the deadline
+            # could mistake for a hang
+            done.append((i, _snapshot(res), np.array(y), (before, mask_d, masks[-1])))
+            if fault.startswith("stop") and i == LOSS_AT + 2:
                 if r == 0:
                     os.kill(group.peers[VICTIM].pid, signal.SIGCONT)
                 time.sleep(2.5 * cfg.timeout_s)  # the woken rank runs into the old segments
@@ -224,6 +242,9 @@ def _serve(group: Any, case: Case, fault: str, out: str, plan: Plan = Plan()) ->
     if newcomer is not None:
         newcomer.wait(60)
     Path(f"{out}.{r}").write_text("\n".join(sorted(names)))
+    for i, res, y, seen in done:
+        errors += [f"call {i}: {e}" for e in check_call(
+            res, y, call_inputs(case, cfg, i), seen, cfg, r, group.topology)]
     return errors, masks
 
 
@@ -302,7 +323,7 @@ def test_a_rank_killed_mid_call_is_masked_under_every_mode(tmp_path: Path, case:
 def test_a_stopped_rank_wakes_masked_and_never_reaches_the_survivors(
         tmp_path: Path, replicas: bool) -> None:
     case = Case("asp", "sp", "expert", "bf16", NUM_RANKS, 256, "uniform")
-    plan = Plan(calls=LOSS_AT + AFTER, replicas=replicas)
+    plan = Plan(calls=LOSS_AT + AFTER, replicas=replicas, timeout_s=1.0)
     out = str(tmp_path / "s")
     results = launch(_serve, NUM_RANKS, case, "stop", out, plan, timeout_s=600,
                      keep_survivors=True)
@@ -311,6 +332,35 @@ def test_a_stopped_rank_wakes_masked_and_never_reaches_the_survivors(
         errors, masks = results[r]
         assert errors == [], (r, errors[:3])
         assert masks == [[]] * LOSS_AT + [[VICTIM]] * AFTER
+    _segments_gone(out, [NUM_RANKS, VICTIM])
+
+
+def _stop_cases() -> list[tuple[str, Case]]:
+    """Every engine x sync once, the layouts and the two stop points taken in turn."""
+    out = []
+    for n, (e, s) in enumerate((e, s) for e in modes.ENGINES for s in modes.SYNCS):
+        fault = ("stop", "stop_combine")[(n // 2) % 2]
+        out.append((fault, Case(e, s, modes.LAYOUTS[n % 2], "bf16", NUM_RANKS, 256, "uniform")))
+    return out
+
+
+@pytest.mark.parametrize("fault, case", _stop_cases(),
+                         ids=[f"{f}-{c.engine}-{c.sync}-{c.layout}" for f, c in _stop_cases()])
+def test_a_stopped_rank_wakes_masked_under_every_engine_and_sync(
+        tmp_path: Path, fault: str, case: Case) -> None:
+    """SIGSTOP past the deadline before a dispatch, or between a dispatch and its combine (its
+    rows already with the peers, its combine still to write), then SIGCONT: the woken rank
+    raises RankMaskedError, and the survivors' calls after the loss, bit-exact against the
+    masked oracle, show nothing it wrote after waking."""
+    plan = Plan(calls=LOSS_AT + 6, timeout_s=1.0)
+    out = str(tmp_path / "s")
+    results = launch(_serve, NUM_RANKS, case, fault, out, plan, timeout_s=300,
+                     keep_survivors=True)
+    assert results[VICTIM] == ("masked", LOSS_AT, [VICTIM])
+    for r in range(VICTIM):
+        errors, masks = results[r]
+        assert errors == [], (r, errors[:3])
+        assert masks == [[]] * LOSS_AT + [[VICTIM]] * 6
     _segments_gone(out, [NUM_RANKS, VICTIM])
 
 

@@ -201,3 +201,60 @@ def test_variants_use_the_fit_or_the_first_principles() -> None:
     assert first["nominal"].vector_op_ns == pytest.approx(aiv_costs(1.4, 24.0)["vector_op_ns"])
     assert first["high"].fence_rtt_fraction == ASSUMED["fence_rtt_fraction"]["range"][1]
     assert first["low"].cumsum_group_sync_ns == ASSUMED["cumsum_group_sync_ns"]["range"][0]
+
+
+@pytest.mark.parametrize("mode", ["analytic", "events"])
+def test_exposed_wait_makes_the_far_core_finish_last(mode: str) -> None:
+    # Core 0 sends two rows to rank 1 (hop 1, 400 ns); core 1 two rows to its own rank (hop 0,
+    # 50 ns). Their shared work is equal (no processor-shared latency: latency_exposure 0), so
+    # both reach the end of their work together at speed(2); then each core's own waits add
+    # core_wait_fraction * L[h] per row, which nothing of the other core shortens.
+    f = fabric(latency_exposure=0.0, core_wait_fraction=0.5)
+    topo = two_ranks(cores=3)
+    plans = [plan(0, [(0, 0, 1, 0), (0, 1, 1, 1), (1, 2, 0, 0), (1, 3, 0, 1)], n_send=2,
+                  n_count=1, topo=topo),
+             plan(1, [], n_send=2, n_count=1, topo=topo)]
+    res = simulate(plans, topo, f, engine="asp", sync="sp", row_bytes=ROW, mode=mode)
+    w = 100 + ROW / 10
+    first, second = 1000 + w / speed(f, 2), 1000 + 2 * w / speed(f, 2)
+    # Unit i of a core ends at its processor-sharing time plus its waits so far.
+    np.testing.assert_allclose(res.unit_end_ns, [first + 200, second + 400, first + 25,
+                                                 second + 50], atol=1e-6)
+    np.testing.assert_allclose(res.core_send_end_ns[0], [second + 400, second + 50], atol=1e-6)
+    # The gap between the far and the near core is their waits' difference, whatever the
+    # contention: the hop mix of a core, not the rank's load, sets it.
+    assert res.core_send_end_ns[0, 0] - res.core_send_end_ns[0, 1] == pytest.approx(
+        2 * 0.5 * (400 - 50))
+
+
+def test_fabric_rejects_a_core_wait_over_one_latency() -> None:
+    with pytest.raises(InvalidArgumentError) as exc:
+        fabric(core_wait_fraction=1.5)
+    assert exc.value.argument == "core_wait_fraction"
+
+
+def test_hierarchical_mapping_lowers_the_largest_wait_sum() -> None:
+    # Real plans of ubep.sched on 8 ranks in 2 nodes of 4 (hops 0/1/2), 6 send cores. Without
+    # contention and with equal work per row, a core's send end is closed-form: Init + rows x
+    # work + sum of its own waits (core_wait_fraction * L[h] per row). The hierarchical mapping
+    # caps every core's share of each hop class (ceil(V_h / n)); balanced slices do not, so
+    # the core with the most two-hop rows ends later.
+    from ubep.routing import uniform_topk
+    from ubep.sim import make_plans
+
+    topo = cm384(8, ranks_per_node=4, cores_per_rank=8)
+    f = fabric(latency_exposure=0.0, core_wait_fraction=0.5, contention_cores=1e9)
+    idx = [uniform_topk(16, 16, 4, seed=r) for r in range(8)]
+    lat = np.asarray(topo.latency_ns)
+    largest = {}
+    for policy in ("balanced", "hierarchical"):
+        plans = make_plans(idx, topo, num_experts=16, policy=policy, num_send_cores=6,
+                           num_count_cores=2)
+        res = simulate(plans, topo, f, engine="asp", sync="sp", row_bytes=ROW)
+        for r, p in enumerate(plans):
+            rows = np.bincount(p.send_core, minlength=6)
+            waits = np.bincount(p.send_core, weights=0.5 * lat[p.send_hop], minlength=6)
+            want = np.where(rows > 0, 1000 + rows * (100 + ROW / 10) + waits, 0.0)
+            np.testing.assert_allclose(res.core_send_end_ns[r], want, atol=1e-6)
+        largest[policy] = float(res.core_send_end_ns.max())
+    assert largest["hierarchical"] < largest["balanced"]

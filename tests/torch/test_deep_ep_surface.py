@@ -16,6 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.torch
 
+from tests._shm import leaked_since, ubep_segments  # noqa: E402
 from tests.torch import _deepep_oracle as oracle  # noqa: E402
 from ubep import reference  # noqa: E402
 from ubep.errors import InvalidArgumentError, RankMaskedError  # noqa: E402
@@ -23,10 +24,6 @@ from ubep.runtime import launch  # noqa: E402
 from ubep.runtime.launch import LostRank  # noqa: E402
 
 NVL_BYTES, RDMA_BYTES = 4096, 1024
-
-
-def _shm() -> set[str]:
-    return set(os.listdir("/dev/shm"))
 
 
 def _raw_buffers(group: Any) -> dict[str, Any]:
@@ -71,7 +68,7 @@ def test_raw_buffers_and_the_internode_pair_on_one_host() -> None:
     """get_local_buffer_tensor is shared memory its peers see (closed form); the internode pair
     on one host matches ubep.reference and DeepEP's handle (brute force)."""
     num_ranks = 3
-    before = _shm()
+    before = ubep_segments()
     res, ys = oracle.normal_reference(num_ranks)
     for rank, got in enumerate(launch(_worker, num_ranks, timeout_s=120)):
         peer = (rank + 1) % num_ranks
@@ -83,7 +80,7 @@ def test_raw_buffers_and_the_internode_pair_on_one_host() -> None:
         oracle.check_normal(got["internode"], rank, num_ranks, [0] * num_ranks, res, ys)
         oracle.check_normal(got["normal"], rank, num_ranks, None, res, ys)
         assert got["normal"]["type"] == "NormalHandle" and got["internode"]["per_rdma"] is None
-    assert _shm() <= before
+    assert leaked_since(before) == []
 
 
 # --- shrink mode: a rank that dies, a rank masked on request ------------------------------
@@ -161,7 +158,7 @@ def _check_round(got: tuple[np.ndarray, np.ndarray], rank: int, masked: set[int]
 
 
 def test_shrink_mode_masks_a_dead_rank_and_one_on_request_serving_on_bit_exact() -> None:
-    before = _shm()
+    before = ubep_segments()
     got = launch(_shrink_worker, SHRINK_RANKS, timeout_s=180, keep_survivors=True)
     assert isinstance(got[DEAD], LostRank)
     assert got[VICTIM]["masked"]
@@ -174,4 +171,4 @@ def test_shrink_mode_masks_a_dead_rank_and_one_on_request_serving_on_bit_exact()
     _check_round(survivor["masked"], 0, {DEAD, VICTIM})
     _check_round(survivor["again"], 0, {DEAD, VICTIM})
     np.testing.assert_array_equal(survivor["status_clean"], [0, 1, 1])
-    assert _shm() <= before
+    assert leaked_since(before) == []

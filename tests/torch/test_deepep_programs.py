@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._shm import leaked_since, ubep_segments
+
 pytest.importorskip("torch")
 pytestmark = pytest.mark.torch
 
@@ -75,7 +77,7 @@ SHRINK_CHECKS = 8 * 4
 
 
 def test_deepep_shrink_program_masks_the_failed_ranks(tmp_path: Path) -> None:
-    before = set(os.listdir("/dev/shm"))
+    before = ubep_segments()
     out = _run("shrink_mode.py", SHRINK_RANKS, tmp_path / "rendezvous",
                "--fail-ranks", ",".join(map(str, SHRINK_FAILED)), "--num-experts", "20",
                env={"UBEP_TIMEOUT_S": SHRINK_DEADLINE_S})
@@ -85,4 +87,4 @@ def test_deepep_shrink_program_masks_the_failed_ranks(tmp_path: Path) -> None:
         else:
             line = f"shrink_mode: rank {rank} of {SHRINK_RANKS}: {SHRINK_CHECKS} cases passed"
         assert line in out, f"rank {rank}:\n{out[-4000:]}"
-    assert not {n for n in set(os.listdir("/dev/shm")) - before if n.startswith("ubep")}
+    assert leaked_since(before) == []

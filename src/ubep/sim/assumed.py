@@ -2,7 +2,8 @@
 
 The AIV's vector costs follow from its width, clock and instruction latency
 (:func:`aiv_costs`); the clock, the instruction latency, the share of a round trip a
-stop-and-wait fence waits and CalCumSum's hand-off per count core are not measured by any row:
+stop-and-wait fence waits, CalCumSum's hand-off per count core and the share of a store's latency
+a core waits itself are not measured by any row:
 each has a first-principles value and a documented plausible range (:data:`ASSUMED`), and
 :mod:`ubep.sim.fit` fits them, together with CANN EP's own fitted constants
 (:data:`BASELINE_FREE`), to the training set. :func:`apply_assumed` makes the fabric of a set of
@@ -91,6 +92,14 @@ ASSUMED: dict[str, dict[str, Any]] = {
                   "read, 3 x the intra-NPU access of 218 ns (CALIBRATION.md Table 2); up to a "
                   "scalar-unit synchronisation of a few microseconds",
     },
+    "core_wait_fraction": {
+        "value": 0.1, "range": [0.01, 1.0], "kind": "assumed",
+        "source": "share of a store's one-way latency the issuing AIV itself waits before its "
+                  "next store (few outstanding stores per AIV; UBEP paper Sections 2.3 and 3.3: "
+                  "each token costs its core a share of its hop's round trip): not public; "
+                  "from nearly fire-and-forget (0.01) to one store in flight per one-way "
+                  "latency (1); nominal = geometric mean",
+    },
 }
 # CANN EP's own fitted constants (ubep.sim.calib.FREE): fitted together with the assumed ones,
 # since both price the baseline rows and the training set's CANN EP numbers.
@@ -104,8 +113,8 @@ BASELINE_FREE: dict[str, dict[str, Any]] = {
 }
 # Which way each constant makes a latency longer (+1: larger is costlier; -1: a faster clock).
 COST_SIGN = {"aiv_clock_ghz": -1, "vector_instr_cycles": 1, "fence_rtt_fraction": 1,
-             "cumsum_group_sync_ns": 1, "init_ns": 1, "issue_ns": 1, "latency_exposure": 1,
-             "barrier_ns": 1}
+             "cumsum_group_sync_ns": 1, "core_wait_fraction": 1, "init_ns": 1, "issue_ns": 1,
+             "latency_exposure": 1, "barrier_ns": 1}
 
 
 def apply_assumed(base: FabricModel, values: dict[str, float]) -> FabricModel:
@@ -118,7 +127,8 @@ def apply_assumed(base: FabricModel, values: dict[str, float]) -> FabricModel:
         fixed["flag_ns"] = fixed["issue_ns"]
     return base.with_values(**aiv_costs(v["aiv_clock_ghz"], v["vector_instr_cycles"]),
                             fence_rtt_fraction=v["fence_rtt_fraction"],
-                            cumsum_group_sync_ns=v["cumsum_group_sync_ns"], **fixed)
+                            cumsum_group_sync_ns=v["cumsum_group_sync_ns"],
+                            core_wait_fraction=v["core_wait_fraction"], **fixed)
 
 
 def value_range(name: str) -> list[float]:

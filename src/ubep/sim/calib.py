@@ -408,6 +408,8 @@ START: dict[str, dict[str, tuple[float, str, str]]] = {
                                  "training set by `ubep sim calibrate`"),
         "poll_lanes": (64, "derived", "one 256 B vector load of the AIV (Hot Chips 2019 DaVinci) "
                        "reads 64 int32 count / flag words that lie side by side"),
+        "core_wait_fraction": (0.1, "assumed", "ubep.sim.assumed.ASSUMED: fitted to the UBEP "
+                               "training set by `ubep sim calibrate`"),
     },
     "nvl72": {
         "init_ns": (14_000.0, "fitted", _FIT_NV),

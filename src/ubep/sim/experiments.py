@@ -389,14 +389,15 @@ def fig9(family: str = "cm384", fabric: FabricModel | None = None) -> Experiment
          "max_core_issue_us", "dispatch_us"),
         tuple(rows),
         ("per-core token-send latency = from a send core's first issue until its stores are "
-         "acknowledged (program (1): the sum of its issue times plus the round trip of its "
-         "farthest row, with queueing at hot receivers' ports), over every send core of every "
-         "rank; max_core_issue_us stops at the core's last issue",
+         "acknowledged (program (1): its issue times and its own waits plus the round trip of "
+         "its farthest row, with queueing at hot receivers' ports), over every send core of "
+         "every rank; max_core_issue_us stops after the core's last issue and wait",
          "each system uses its own core split (CANN EP: all 48 cores send; UBEP: Appendix A "
          "partition)",
          "batch 64 (EXPERIMENTS.md default); ASSUMED: the 8 hot experts take 50 % of the picks "
-         "(`ubep sim hotshare` sweeps 25-75 %); a core's send time does not depend on the "
-         "assumed constants (no interval)", *_family_note(family)),
+         "(`ubep sim hotshare` sweeps 25-75 %); of the assumed constants only "
+         "core_wait_fraction moves a core's send time (its own waits); no interval is "
+         "computed", *_family_note(family)),
         {"max_core_latency_us": maxima, "max_core_issue_latency_us": land_maxima,
          "slowest_rank_core_latency_us": per_core,
          "provenance": provenance(family, ("hot_share 0.5 (range 0.25-0.75)",))},
@@ -448,7 +449,9 @@ def exchange_latency_ns(topology: Any, fabric: FabricModel, sync: str, size_byte
     send = tuple(float(fabric.issue_ns + costs.wire_bytes / fabric.core_bandwidth_gbps
                        + fabric.latency_exposure * lat[h] + costs.sender_extra_ns)
                  for h in range(topology.num_hops))
-    row_costs = RowCosts(send_ns=send, consume_ns=(costs.receiver_extra_ns,))
+    wait = tuple(float(w) for w in fabric.exposed_wait_ns(np.arange(topology.num_hops),
+                                                          topology))
+    row_costs = RowCosts(send_ns=send, consume_ns=(costs.receiver_extra_ns,), send_wait_ns=wait)
     fab = fabric.with_values(init_ns=0.0)
     spec = build_spec(plans, topology, fab, engine="asp", sync=sync, row_bytes=size_bytes,
                       row_costs=row_costs)

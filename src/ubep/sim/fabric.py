@@ -5,7 +5,8 @@ hop classes, one-way latency and per-rank bandwidth per hop class. :class:`Fabri
 a core does with them. The equations are written out in docs/SIMULATOR.md; in short:
 
 * a send unit of ``b`` wire bytes and hop class ``h`` is ``w = issue_ns + b / core_bandwidth +
-  latency_exposure * latency_ns[h]`` nanoseconds of work for the core that issues it;
+  latency_exposure * latency_ns[h]`` nanoseconds of work for the core that issues it, then the
+  core's own exposed wait ``core_wait_fraction * latency_ns[h]`` (a stall: the core's alone);
 * ``k`` cores of one rank sending at once each progress at ``speed(k)`` work-ns per ns
   (processor sharing; Figure 3b's per-core efficiency is ``speed(k) / speed(8)``);
 * a unit then crosses the source port (FIFO at ``bandwidth_gbps[h]``), flies ``latency_ns[h]``
@@ -48,8 +49,8 @@ class FabricModel:
         init_ns: kernel launch and Init phase (tokens staged into core-local buffers).
         issue_ns: fixed core time per send unit (descriptor, local staging, store issue).
         core_bandwidth_gbps: bytes per ns one core moves when it runs alone.
-        latency_exposure: share of a unit's one-way latency the issuing core waits
-            (1 = stop-and-wait per unit, 0 = fire-and-forget).
+        latency_exposure: share of a unit's one-way latency for which the unit holds the
+            rank's shared send machinery (its outstanding-store slots; processor-shared work).
         contention_cores, contention_sharpness: ``speed(k) = (1 + (k/k_sat)^p)^(-1/p)``.
         barrier_ns: intrinsic cost of one SyncAll (on top of waiting for the slowest core).
         flag_ns: core time to write one flag / count / checksum word to a peer.
@@ -74,6 +75,9 @@ class FabricModel:
         cumsum_group_sync_ns: CalCumSum's hand-off per core of the count group: each count
             core's partial prefix sums reach the core that publishes the offsets through
             shared memory (one write, flag and read), one core after another.
+        core_wait_fraction: share of a unit's one-way latency its issuing core itself waits
+            after the unit (the AIV's few outstanding stores): a stall of that core alone
+            (:meth:`exposed_wait_ns`), so a core's hop mix sets its finishing time.
     """
 
     name: str
@@ -97,6 +101,7 @@ class FabricModel:
     aux_cores_at_256: float = 0.0
     cumsum_group_sync_ns: float = 0.0
     poll_lanes: int = 1
+    core_wait_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -114,6 +119,9 @@ class FabricModel:
             raise InvalidArgumentError("poll_lanes", self.poll_lanes, "must be an integer >= 1")
         if self.fence_rtt_fraction > 1:
             raise InvalidArgumentError("fence_rtt_fraction", self.fence_rtt_fraction,
+                                       "must be <= 1")
+        if self.core_wait_fraction > 1:
+            raise InvalidArgumentError("core_wait_fraction", self.core_wait_fraction,
                                        "must be <= 1")
         if self.latency_exposure > 1:
             raise InvalidArgumentError("latency_exposure", self.latency_exposure, "must be <= 1")
@@ -136,12 +144,22 @@ class FabricModel:
 
     def unit_work_ns(self, wire_bytes: np.ndarray, hop: np.ndarray,
                      topology: Topology) -> np.ndarray:
-        """Core work of send units before contention: issue + bytes / core rate + exposed
-        latency."""
+        """Core work of send units before contention: issue + bytes / core rate + the share of
+        the latency a row holds the rank's shared send machinery (its outstanding-store
+        slots)."""
         lat = np.asarray(topology.latency_ns, dtype=np.float64)[hop]
         return self.issue_ns + np.asarray(wire_bytes) / self.core_bandwidth_gbps + (
             self.latency_exposure * lat
         )
+
+    def exposed_wait_ns(self, hop: np.ndarray, topology: Topology) -> np.ndarray:
+        """The issuing core's own wait after each send unit of hop class ``hop``:
+        ``core_wait_fraction * latency_ns[hop]``. An AIV has few stores of its own in flight,
+        so it waits for a share of each store's latency before it issues more; the wait is the
+        core's (a stall, docs/SIMULATOR.md 1.2), which no other core's early finish shortens,
+        so a core whose rows go far finishes later than one whose rows stay near."""
+        lat = np.asarray(topology.latency_ns, dtype=np.float64)[np.asarray(hop)]
+        return self.core_wait_fraction * lat
 
     def with_values(self, **values: float) -> FabricModel:
         """A copy with some constants replaced (validated)."""

@@ -88,15 +88,17 @@ class RowCosts:
 
     ``send_ns[h]``: sender core time for one row of hop class ``h`` (0 = own rank, 1 = a peer;
     the last entry serves every higher class); ``consume_ns[h]``: receiver core time for one row
-    that arrived over hop class ``h``. Everything else (batches, flags, barriers, waits, the
-    executors) is the model as for any fabric.
+    that arrived over hop class ``h``; ``send_wait_ns[h]``: the sender core's own wait after the
+    row (a stall, outside the shared send machinery; default none). Everything else (batches,
+    flags, barriers, waits, the executors) is the model as for any fabric.
     """
 
     send_ns: tuple[float, ...]
     consume_ns: tuple[float, ...]
+    send_wait_ns: tuple[float, ...] = (0.0,)
 
     def __post_init__(self) -> None:
-        for name in ("send_ns", "consume_ns"):
+        for name in ("send_ns", "consume_ns", "send_wait_ns"):
             values = getattr(self, name)
             if not values or any(not (v >= 0) for v in values):
                 raise InvalidArgumentError(name, values, "must be a non-empty tuple of >= 0")
@@ -117,7 +119,7 @@ class OpSpec:
     Units (``[U]``, sorted by ``(src, core, issue order)``): ``unit_src, unit_core, unit_hop,
     unit_dst, unit_wire_bytes, unit_work_ns`` (core work before contention, sync extras and the
     DC checksum message included), ``unit_stall_ns`` (the issuing core's own wait after the
-    unit, outside the shared send machinery: ASP SW's fence), ``unit_batch``
+    unit, outside the shared send machinery: its exposed wait and ASP SW's fence), ``unit_batch``
     (``(src, core, dst)``: the DC checksum / ASP SW flag batch) and ``unit_item`` (receive item
     it feeds).
     ``core_ptr [num_ranks * num_send_cores + 1]``: units of ``(rank r, send core j)`` are
@@ -256,9 +258,11 @@ def build_spec(
 
     if row_costs is None:
         work = fabric.unit_work_ns(wire, hop, topology) + costs.sender_extra_ns
+        # Exposed wait: the core's own stall per row, a share of the row's hop latency.
+        stall = fabric.exposed_wait_ns(hop, topology)
     else:
         work = row_costs.per_hop("send_ns", hop)
-    stall = np.zeros(work.size)
+        stall = row_costs.per_hop("send_wait_ns", hop)
     # Batches: one core's rows to one destination. DC ends each with a checksum message; ASP's
     # SW ends each with a fence -- the core stalls for the round trip of its last store -- and a
     # flag. (BSP's SW flags come after the barrier instead; its batches are unused.)
