@@ -38,11 +38,11 @@ def _config(expert_ranks: tuple[int, ...], mode: tuple[str, str, str], **extra: 
                         expert_ranks=expert_ranks, timeout_s=60.0, **extra)
 
 
-def _serve(group: Any, roles: list[tuple[str, tuple[str, str, str]]]) -> list[str]:
+def _serve(group: Any, roles: list[tuple[str, tuple[str, str, str], int]]) -> list[str]:
     errors: list[str] = []
-    for name, mode in roles:
+    for name, mode, cores in roles:
         expert_ranks, tokens = ROLES[name]
-        with Buffer(group, _config(expert_ranks, mode)) as buf:
+        with Buffer(group, _config(expert_ranks, mode, num_cores=cores)) as buf:
             for step in range(2):
                 seed = 1000 * step + len(errors)
                 xs, idxs, ws = testing.inputs("bf16", EXPERTS, 4, 256, tokens, seed,
@@ -57,17 +57,20 @@ def _serve(group: Any, roles: list[tuple[str, tuple[str, str, str]]]) -> list[st
     return errors
 
 
-def _plan() -> list[tuple[str, tuple[str, str, str]]]:
-    """Every mode for the disjoint 2->2, a rotating quarter of them for each other role set."""
-    plan = [("2->2", m) for m in MODES]
+def _plan() -> list[tuple[str, tuple[str, str, str], int]]:
+    """Every mode for the disjoint 2->2, a rotating quarter of them for each other role set;
+    one core per rank, and three (count and send cores: ubep.sched's Plan of the physical
+    routing) for ASP in both layouts."""
+    plan = [("2->2", m, 1) for m in MODES]
     for i, name in enumerate(("1->3", "3->1", "hybrid")):
-        plan += [(name, MODES[j]) for j in range(i, len(MODES), 4)]
+        plan += [(name, MODES[j], 1) for j in range(i, len(MODES), 4)]
+    plan += [("hybrid", ("asp", "sw", "expert"), 3), ("1->3", ("asp", "tff", "rank"), 3)]
     return plan
 
 
 def test_every_role_set_is_bit_exact_against_the_oracle_with_the_roles() -> None:
     plan = _plan()
-    assert {m for _, m in plan} == set(MODES) and len(plan) == 28
+    assert {m for _, m, _ in plan} == set(MODES) and len(plan) == 30
     assert launch(_serve, RANKS, plan, timeout_s=600) == [[]] * RANKS
 
 
