@@ -17,6 +17,7 @@ import numpy as np
 from . import dtypes as _dt
 from .errors import InvalidArgumentError
 from .expert_map import ExpertMap
+from .m2n import check_expert_ranks
 from .modes import (
     ENGINES,
     INTEGRITY,
@@ -69,6 +70,13 @@ class BufferConfig:
             sequences of slot ids, made one): redundant experts. ``num_experts`` then counts
             physical slots, ``topk_idx`` names logical experts ``[-1, expert_map.num_logical)``
             and dispatch sends each pick to one live replica (``ubep.expert_map``'s rule).
+        expert_ranks: ``None`` (every rank holds ``num_experts // num_ranks`` experts) or the
+            ranks that hold all the experts (M2N, ``ubep.m2n``, docs/M2N.md): ``num_experts``
+            logical experts spread over them in that order, ``num_experts //
+            len(expert_ranks)`` each; the other ranks only send and combine. Not with
+            ``expert_map`` (an M2N placement is a map of its own) nor ``on_peer_loss="mask"``.
+            The Buffer runs the physical config (``ubep.m2n.physical_config``): ``buf.config``
+            is that one.
 
     Transport (``ubep.modes``):
         layout: ``"expert"`` (one row per (token, expert)) or ``"rank"`` (one per (token, rank)).
@@ -117,6 +125,7 @@ class BufferConfig:
     quant: Quant | None = None
     quant_round_scale: bool = False
     expert_map: ExpertMap | None = None
+    expert_ranks: tuple[int, ...] | None = None
     # --- transport
     layout: Layout = "expert"
     engine: Engine = "asp"
@@ -145,6 +154,9 @@ class BufferConfig:
             raise InvalidArgumentError("on_peer_loss", self.on_peer_loss,
                                        f"must be one of {PEER_LOSS}")
         self._check_formats()
+        if self.expert_ranks is not None and self.on_peer_loss == "mask":
+            raise InvalidArgumentError("expert_ranks", list(self.expert_ranks), "cannot be "
+                                       "combined with on_peer_loss='mask'")
 
     def _check_shape(self) -> None:
         for name in ("max_tokens_per_rank", "hidden", "num_topk", "num_experts"):
@@ -153,6 +165,13 @@ class BufferConfig:
                 raise InvalidArgumentError(name, value, "must be a positive integer")
             object.__setattr__(self, name, int(value))
         self._check_expert_map()
+        if self.expert_ranks is not None:
+            if self.expert_map is not None:
+                raise InvalidArgumentError(
+                    "expert_ranks", self.expert_ranks, "cannot be combined with expert_map (an "
+                    "M2N placement is an expert map of its own)")
+            object.__setattr__(self, "expert_ranks",
+                               check_expert_ranks(self.expert_ranks, self.num_experts))
         if self.expert_map is None and self.num_topk > self.num_experts:
             raise InvalidArgumentError(
                 "num_topk", self.num_topk, f"must be <= num_experts={self.num_experts}"

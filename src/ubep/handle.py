@@ -43,7 +43,8 @@ class DispatchResult(Generic[H]):
         recv_topk_idx: int64; ``layout="expert"``: ``[rows]`` global expert id of each row;
             ``layout="rank"``: ``[rows, num_topk]`` local expert ids, -1 elsewhere.
         recv_topk_weights: float32, shaped like ``recv_topk_idx`` (0 where the id is -1).
-        num_recv_tokens_per_expert: ``[num_local_experts]`` int64.
+        num_recv_tokens_per_expert: ``[num_local_experts]`` int64; length 0 on a rank that
+            holds no expert (an M2N sender, ``BufferConfig(expert_ranks=)``).
         recv_src_rank, recv_src_token, recv_src_k: ``[rows]`` int64, origin of each row.
         handle: what the backend's combine needs (:class:`DispatchHandle` or a subclass).
         recv_x_scales: with a quantised dispatch (``BufferConfig.quant``) ``[rows, hidden //

@@ -27,7 +27,9 @@ logical experts and each rank's picks are first routed to physical slots by
 ``ubep.expert_map``'s rule (the code a Buffer runs), with the masked ranks' replicas out; a
 masked rank sends nothing (its inputs count as empty). ``num_experts`` counts physical slots
 and everything above applies to the physical routing. A ``mask`` without a map drops every pick
-of an expert on a masked rank (DeepEP's shrink mode).
+of an expert on a masked rank (DeepEP's shrink mode). ``expert_ranks`` (M2N, ``ubep.m2n``) is
+such a map: ``num_experts`` then counts the logical experts, ``recv_topk_idx`` names slots,
+and a rank not in ``expert_ranks`` gets a ``num_recv_tokens_per_expert`` of length 0.
 
 **Combine arithmetic, bit-exact**: per element, ``acc = +0.0f``; for each term in the order above
 ``acc = fl32(acc + fl32(w * out))`` (expert layout; the product is rounded to float32 *before*
@@ -61,6 +63,7 @@ from .dtypes import DType, as_storage, dtype_of
 from .errors import InvalidArgumentError
 from .expert_map import ExpertMap, replica_table, route_topk
 from .handle import DispatchHandle, DispatchResult
+from .m2n import m2n_expert_map
 from .modes import LAYOUTS
 from .routing import experts_per_rank, validate_topk_idx
 from .topology import Topology, host
@@ -99,6 +102,7 @@ def dispatch(
     expert_map: ExpertMap | None = None,
     mask: Sequence[int] | np.ndarray | None = None,
     topology: Topology | None = None,
+    expert_ranks: Sequence[int] | None = None,
 ) -> list[RefDispatchResult]:
     """Dispatch every rank's tokens to the ranks owning their experts.
 
@@ -113,17 +117,34 @@ def dispatch(
         expert_map: logical experts -> physical slots (module docstring, "Redundant experts").
         mask: ``[num_ranks]``, nonzero for a masked rank (a Buffer's ``mask_status()``).
         topology: the hop classes the routing rule reads (default ``ubep.topology.host``).
+        expert_ranks: M2N (``ubep.m2n``): the ranks holding the ``num_experts`` logical
+            experts; the call then runs the placement's expert map over ``num_experts //
+            len(expert_ranks)`` slots per rank, as a Buffer with the same ``expert_ranks``.
 
     Returns:
         One :class:`RefDispatchResult` per rank, in rank order.
     """
+    if expert_ranks is not None:
+        if expert_map is not None:
+            raise InvalidArgumentError("expert_ranks", expert_ranks,
+                                       "cannot be combined with expert_map")
+        num_ranks = len(_as_list(xs, "xs", None))
+        expert_map = m2n_expert_map(num_experts, expert_ranks, num_ranks)
+        num_experts = num_experts // len(expert_ranks) * num_ranks
     if expert_map is not None or mask is not None:
         xs, topk_idxs, topk_weights = _physical(xs, topk_idxs, topk_weights, num_experts,
                                                 expert_map, mask, topology)
     inp = _validate_dispatch(xs, topk_idxs, topk_weights, num_experts, layout, float64)
     if layout == "expert":
-        return _dispatch_expert(inp, num_experts)
-    return _dispatch_rank(inp, num_experts)
+        out = _dispatch_expert(inp, num_experts)
+    else:
+        out = _dispatch_rank(inp, num_experts)
+    if expert_ranks is not None:  # M2N: a sender holds no expert
+        for r, res in enumerate(out):
+            if r not in expert_ranks:
+                out[r] = dataclasses.replace(
+                    res, num_recv_tokens_per_expert=res.num_recv_tokens_per_expert[:0])
+    return out
 
 
 def combine(

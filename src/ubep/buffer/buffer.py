@@ -45,6 +45,7 @@ from ..config import BufferConfig
 from ..engine import CombineCall, DispatchCall
 from ..errors import InvalidArgumentError, RemoteError, UbepError
 from ..handle import DispatchHandle, DispatchResult, PendingCall, RuntimeHandle
+from ..m2n import physical_config
 from ..routing import experts_per_rank
 from ..runtime.abi import ErrorRecord, engine_params, load_native
 from ..runtime.group import ProcessGroup
@@ -122,6 +123,8 @@ class Buffer(InFlightCalls, ArgChecks):
         self._in_flight = []  # split-phase calls awaiting their hook, in order
         self._fast = None  # the one-call path of blocking calls
         self._route = None  # expert_map's routing (_configure)
+        self.expert_ranks: tuple[int, ...] | None = None  # M2N roles (_configure)
+        self._no_experts = False  # an M2N sender (_configure)
         # Construction is collective: every rank validates, then all exchange the outcome, so a
         # config only one rank rejects fails on every rank instead of pairing with its next one.
         error: Exception | None = None
@@ -156,6 +159,13 @@ class Buffer(InFlightCalls, ArgChecks):
         """Local validation and derived sizes (raises ``InvalidArgumentError``)."""
         if not isinstance(config, BufferConfig):
             raise InvalidArgumentError("config", type(config).__name__, "must be a BufferConfig")
+        # M2N (expert_ranks, None without): the physical config, an expert map of the
+        # placement (ubep.m2n)
+        self.expert_ranks = config.expert_ranks
+        self._no_experts = config.expert_ranks is not None and self.rank not in (
+            config.expert_ranks)
+        config = physical_config(config, self.num_ranks)
+        self.config = config
         self.num_local_experts = experts_per_rank(config.num_experts, self.num_ranks)
         self.num_cores = config.num_cores or self.group.topology.cores_per_rank
         self._dtype = _dt.dtype_of(config.dtype)
@@ -227,9 +237,14 @@ class Buffer(InFlightCalls, ArgChecks):
     @staticmethod
     def size_hint(config: BufferConfig, num_ranks: int, num_cores: int | None = None) -> int:
         """Bytes of shared memory one rank's Buffer maps for itself (each rank maps every
-        peer's too, but only its own is backed by its memory)."""
+        peer's too, but only its own is backed by its memory).
+
+        With ``expert_ranks`` (M2N) every rank maps the same size, a sender too: its receive
+        regions stay sized as an expert rank's (the native engine places every rank's regions
+        at the same offsets), though nothing is ever sent to them."""
         if not isinstance(config, BufferConfig):
             raise InvalidArgumentError("config", type(config).__name__, "must be a BufferConfig")
+        config = physical_config(config, num_ranks)
         experts_per_rank(config.num_experts, num_ranks)
         if num_cores is None:
             from ..topology import host
@@ -304,6 +319,9 @@ class Buffer(InFlightCalls, ArgChecks):
                     got = self._fast_answer(fast.dispatch_fast(
                         x, topk_idx, topk_weights, epoch, index, self._generation, plan))
                     if got is not None:
+                        if self._no_experts:  # an M2N sender: no local expert to count
+                            object.__setattr__(got, "num_recv_tokens_per_expert",
+                                               got.num_recv_tokens_per_expert[:0])
                         return got
                     stage = _BEFORE
             xa, idx, w = self._check_dispatch_args(x, topk_idx, topk_weights, x_scales)
@@ -379,7 +397,7 @@ class Buffer(InFlightCalls, ArgChecks):
             recv_x=recv_x,
             recv_topk_idx=o_idx[:n],
             recv_topk_weights=o_w[:n],
-            num_recv_tokens_per_expert=counts[:L],
+            num_recv_tokens_per_expert=counts[:0 if self._no_experts else L],
             recv_src_rank=src_rank,
             recv_src_token=src_token,
             recv_src_k=src_k,

@@ -744,6 +744,9 @@ def _check_ubep_options(options: dict[str, Any]) -> None:
     from ..config import BufferConfig
 
     allowed = {f.name for f in fields(BufferConfig)} - set(_SHAPE_FIELDS)
+    if "expert_ranks" in options:  # M2N is ubep.Buffer's (docs/M2N.md), not this facade's
+        raise InvalidArgumentError("expert_ranks", options["expert_ranks"],
+                                   "is not a DeepEP facade option: M2N runs on ubep.Buffer")
     for name, value in options.items():
         if name not in allowed:
             raise InvalidArgumentError(

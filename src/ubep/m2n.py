@@ -1,0 +1,89 @@
+"""M2N: attention ranks send, expert ranks hold every expert (``BufferConfig(expert_ranks=)``).
+
+An M2N placement is an expert map: the ``num_experts`` logical experts are spread over the
+ranks of ``expert_ranks`` in that order, ``S = num_experts // len(expert_ranks)`` each, and a
+Buffer of ``R`` ranks gets ``S`` physical slots per rank (``S * R`` in all). Logical expert
+``e`` lives on slot ``expert_ranks[e // S] * S + e % S``; the slots of the other ranks (the
+senders) serve no expert, so nothing is ever routed to them. The Buffer, the oracle
+(``ubep.reference.dispatch(..., expert_ranks=)``) and the scheduler all run the expert map's
+physical routing (``ubep.expert_map``), so every engine, sync mode and layout, and the MPI
+engine, serve M2N as they serve a map.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .errors import InvalidArgumentError
+from .expert_map import ExpertMap
+
+if TYPE_CHECKING:
+    from .config import BufferConfig
+
+__all__ = ["check_expert_ranks", "logical_experts", "m2n_expert_map", "physical_config"]
+
+
+def check_expert_ranks(expert_ranks: object, num_experts: int) -> tuple[int, ...]:
+    """``expert_ranks`` as a tuple of ints, refused (naming it) when empty, with a repeated or
+    negative rank, or when ``num_experts`` does not divide evenly over it. Ranks beyond the
+    group are refused by :func:`m2n_expert_map` (the group size is known there)."""
+    if isinstance(expert_ranks, (str, bytes)) or not isinstance(
+            expert_ranks, (Sequence, np.ndarray)):
+        raise InvalidArgumentError("expert_ranks", expert_ranks,
+                                   "must be None or a sequence of rank numbers")
+    ranks = []
+    for r in expert_ranks:
+        if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or r < 0:
+            raise InvalidArgumentError("expert_ranks", list(expert_ranks),
+                                       "rank numbers must be integers >= 0")
+        ranks.append(int(r))
+    if not ranks:
+        raise InvalidArgumentError("expert_ranks", ranks, "needs at least one expert rank")
+    if len(set(ranks)) != len(ranks):
+        raise InvalidArgumentError("expert_ranks", ranks, "names a rank twice")
+    if num_experts % len(ranks):
+        raise InvalidArgumentError(
+            "expert_ranks", ranks, f"num_experts={num_experts} is not a multiple of its "
+            f"{len(ranks)} expert ranks")
+    return tuple(ranks)
+
+
+def m2n_expert_map(num_experts: int, expert_ranks: Sequence[int], num_ranks: int) -> ExpertMap:
+    """The expert map of an M2N placement: logical ``e`` -> slot ``expert_ranks[e // S] * S +
+    e % S`` (``S = num_experts // len(expert_ranks)`` slots per rank over ``num_ranks``)."""
+    ranks = check_expert_ranks(expert_ranks, num_experts)
+    out = [r for r in ranks if r >= num_ranks]
+    if out:
+        raise InvalidArgumentError("expert_ranks", list(ranks), f"rank {out[0]} is out of range "
+                                   f"[0, {num_ranks}) (the group's ranks)")
+    per_rank = num_experts // len(ranks)
+    return ExpertMap(tuple((ranks[e // per_rank] * per_rank + e % per_rank,)
+                           for e in range(num_experts)))
+
+
+def physical_config(config: BufferConfig, num_ranks: int) -> BufferConfig:
+    """The config a Buffer of ``num_ranks`` runs for an M2N ``config``: ``num_experts`` counts
+    the physical slots (``S`` per rank) and ``expert_map`` is the placement's. Any other config
+    is returned as is."""
+    if config.expert_ranks is None:
+        return config
+    emap = m2n_expert_map(config.num_experts, config.expert_ranks, num_ranks)
+    per_rank = config.num_experts // len(config.expert_ranks)
+    return dataclasses.replace(config, num_experts=per_rank * num_ranks, expert_ranks=None,
+                               expert_map=emap)
+
+
+def logical_experts(slots: np.ndarray, expert_map: ExpertMap) -> np.ndarray:
+    """Logical expert of each physical slot id in ``slots`` (-1 stays -1): what a receiver's
+    ``recv_topk_idx`` (slot ids) names in the caller's ids."""
+    top = max(max(s) for s in expert_map.replicas)
+    table = np.full(top + 2, -1, dtype=np.int64)
+    for e, replicas in enumerate(expert_map.replicas):
+        table[np.asarray(replicas) + 1] = e
+    idx = np.asarray(slots, dtype=np.int64)
+    out: np.ndarray = np.where(idx <= top, table[np.minimum(idx, top) + 1], -1)
+    return out
