@@ -133,3 +133,12 @@ def test_the_link_guard_sees_a_broken_and_an_outside_link(tmp_path: Path) -> Non
     doc.write_text("[a](docs/A.md#s) [b](docs/B.md) [c](../x/C.md) [d](https://example.org)\n")
     assert _broken_links(doc, tmp_path) == ["docs/B.md", "../x/C.md", "https://example.org"]
     assert OUTSIDE_PATH.search("see ../shared/docs/X.md") and not OUTSIDE_PATH.search("shm")
+
+
+README_MAX_LINES = 250  # what ubep is, the two commands, one example per face, then links
+
+
+def test_the_readme_stays_a_front_page() -> None:
+    lines = (REPO_ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines"
+    assert any("Quick start" in line for line in lines)
