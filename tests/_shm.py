@@ -11,6 +11,7 @@ import os
 import struct
 
 from ubep.runtime.abi import HDR_PID as _PID_OFFSET
+from ubep.runtime.reaper import alive
 from ubep.runtime.shm import SHM_DIR
 
 __all__ = ["leaked_since", "ubep_segments"]
@@ -36,19 +37,9 @@ def _owner_pid(name: str) -> int | None:
     return _PID.unpack(raw)[0] if len(raw) == _PID.size else None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _leaked(name: str) -> bool:
     pid = _owner_pid(name)
-    return pid is None or pid == os.getpid() or not _alive(pid)
+    return pid is None or pid == os.getpid() or not alive(pid, 0)
 
 
 def leaked_since(before: set[str]) -> list[str]:
