@@ -46,7 +46,13 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.harness import Stats, collective_spans, concurrent_copy, save_results
+from benchmarks.harness import (
+    Stats,
+    collective_spans,
+    concurrent_copy,
+    dispatch_combine,
+    save_results,
+)
 from ubep import testing
 from ubep.buffer import Buffer, BufferConfig
 from ubep.expert_map import ExpertMap
@@ -97,11 +103,6 @@ class Shape:
         return self.tokens * self.num_topk * self.hidden * 2
 
 
-def _pair(buf: Any, x: np.ndarray, idx: np.ndarray, w: np.ndarray) -> None:
-    res = buf.dispatch(x, idx, w)
-    buf.combine(res.recv_x, res.handle)
-
-
 # --- 1. steady state --------------------------------------------------------------------
 
 
@@ -124,7 +125,8 @@ def _steady(group: Any, shape: Shape, repeats: int, rounds: int) -> dict[str, li
             for name in STEADY:
                 buf, (xs, idxs, ws) = bufs[name]
                 got = collective_spans(
-                    group.barrier, lambda b=buf, x=xs[r], i=idxs[r], w=ws[r]: _pair(b, x, i, w),
+                    group.barrier,
+                    lambda b=buf, x=xs[r], i=idxs[r], w=ws[r]: dispatch_combine(b, x, i, w),
                     3, max(1, repeats // rounds))
                 spans[name] += got.ravel().tolist()
     return spans
@@ -158,7 +160,7 @@ def _lose(group: Any, shape: Shape, deadline_s: float, fault: str, stamp: str) -
                 buf.admit([victim], timeout_s=60.0)
                 out["admit_ns"] = time.perf_counter_ns() - start
             start = time.perf_counter_ns()
-            _pair(buf, xs[r], idxs[r], ws[r])
+            dispatch_combine(buf, xs[r], idxs[r], ws[r])
             end = time.perf_counter_ns()
             if i == LOSS_AT:
                 out["lost_end_ns"] = end
@@ -188,7 +190,7 @@ def _join(rendezvous: str, rank: int, num_ranks: int, deadline_s: float, shape: 
                        timeout_s=60.0) as buf:
         for i in range(call, LOSS_AT + 3):
             xs, idxs, ws = shape.inputs(num_ranks, i)
-            _pair(buf, xs[rank], idxs[rank], ws[rank])
+            dispatch_combine(buf, xs[rank], idxs[rank], ws[rank])
 
 
 def _loss_run(shape: Shape, deadline_s: float, fault: str, tmp: str) -> dict[str, float] | None:

@@ -52,7 +52,13 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.harness import Stats, collective_spans, concurrent_copy, save_results
+from benchmarks.harness import (
+    Stats,
+    collective_spans,
+    concurrent_copy,
+    dispatch_combine,
+    save_results,
+)
 from ubep import testing
 from ubep.buffer import Buffer, BufferConfig
 from ubep.expert_map import replica_table, route_topk
@@ -98,11 +104,6 @@ class Shape:
         return self.tokens * self.num_topk * self.hidden * 2
 
 
-def _pair(buf: Any, x: np.ndarray, idx: np.ndarray, w: np.ndarray) -> None:
-    res = buf.dispatch(x, idx, w)
-    buf.combine(res.recv_x, res.handle)
-
-
 def _pipeline(buf: Any, a: tuple[np.ndarray, ...], b: tuple[np.ndarray, ...]) -> None:
     pa = buf.dispatch(*a, return_recv_hook=True)
     ra = pa.hook()
@@ -128,9 +129,10 @@ def _serve(group: Any, shape: Shape, repeats: int, rounds: int) -> dict[str, lis
             if errors:
                 raise AssertionError(f"rank {r}, {case}: {errors}")
         work = {
-            "m2n": lambda: _pair(m2n, *mine["a"]),
-            "co-located": lambda: _pair(col, *mine["co"]),
-            "back-to-back": lambda: (_pair(m2n, *mine["a"]), _pair(m2n, *mine["b"])),
+            "m2n": lambda: dispatch_combine(m2n, *mine["a"]),
+            "co-located": lambda: dispatch_combine(col, *mine["co"]),
+            "back-to-back": lambda: (dispatch_combine(m2n, *mine["a"]),
+                                     dispatch_combine(m2n, *mine["b"])),
             "pipeline": lambda: _pipeline(m2n, mine["a"], mine["b"]),
         }
         for _ in range(rounds):

@@ -26,6 +26,7 @@ import numpy as np
 
 __all__ = [
     "COMBINE_PHASES", "DISPATCH_PHASES", "Stats", "collective_spans", "concurrent_copy",
+    "dispatch_combine",
     "format_table", "int_list", "machine_since", "phase_medians", "print_table",
     "round_repeats", "save_results",
     "time_collective", "time_repeats", "traced_call",
@@ -51,6 +52,13 @@ class Stats:
             max_us=float(max(samples_us)),
             repeats=len(samples_us),
         )
+
+
+def dispatch_combine(buf: Any, x: Any, topk_idx: Any, topk_weights: Any) -> None:
+    """One dispatch and the combine of its rows as they came (identity experts): the pair the
+    call benchmarks time."""
+    res = buf.dispatch(x, topk_idx, topk_weights)
+    buf.combine(res.recv_x, res.handle)
 
 
 def time_repeats(fn: Callable[[], object], repeats: int = 20, warmup: int = 3) -> Stats:
