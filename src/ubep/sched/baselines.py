@@ -18,7 +18,8 @@ import numpy as np
 
 from .units import SendUnits
 
-__all__ = ["balanced", "equal_bounds", "expert_contiguous", "expert_token_order"]
+__all__ = ["balanced", "equal_bounds", "expert_contiguous", "expert_token_order",
+           "token_round_robin"]
 
 
 def expert_contiguous(
@@ -37,6 +38,15 @@ def balanced(units: SendUnits, n: int) -> tuple[np.ndarray, np.ndarray]:
     bounds = equal_bounds(units.num_units, n)
     core = np.searchsorted(bounds[1:], np.arange(units.num_units), side="right")
     return order, core
+
+
+def token_round_robin(units: SendUnits, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """DeepEP's low-latency send loop (``for token = core; token < T; token += n``): token ``t``
+    goes to core ``t mod n``, which issues its rows token by token, each token's rows in
+    ``k`` order; ``(order, core)``. It balances tokens, not rows, and ignores hops: a core
+    gets ``ceil(T/n)`` or ``floor(T/n)`` tokens whatever their picks."""
+    order = np.lexsort((units.k, units.token, units.token % n))
+    return order, (units.token[order] % n).astype(np.int64)
 
 
 def expert_token_order(units: SendUnits) -> np.ndarray:

@@ -16,7 +16,7 @@ import numpy as np
 from ..errors import InvalidArgumentError
 from ..modes import POLICIES
 from ..topology import Topology
-from .baselines import balanced, expert_contiguous
+from .baselines import balanced, expert_contiguous, token_round_robin
 from .hierarchical import hierarchical
 from .partition import partition
 from .plan import CoreSplit, Plan, count_expert_ptr
@@ -55,6 +55,8 @@ def schedule(
         order, core = expert_contiguous(units, n_send, num_experts)
     elif policy == "balanced":
         order, core = balanced(units, n_send)
+    elif policy == "token_round_robin":
+        order, core = token_round_robin(units, n_send)
     else:
         order, core = hierarchical(units, n_send, num_experts, topology)
     core_ptr = np.zeros(n_send + 1, dtype=np.int64)
