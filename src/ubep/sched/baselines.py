@@ -7,6 +7,8 @@ distance.
 * ``balanced`` (UBEP without mapping): the units in ``(expert, token)`` order are cut into ``n``
   contiguous slices; the first ``U mod n`` cores get ``ceil(U/n)`` units, the rest
   ``floor(U/n)``. Topology-agnostic; issue order stays ``(expert, token)``.
+* ``token_round_robin`` (DeepEP's low-latency send loop): token ``t`` on core ``t mod n``, its
+  rows in ``k`` order. Whole tokens are balanced, rows and hops are not.
 
 In the rank layout the "expert" of a unit is its ``send_expert`` (the token's lowest-k expert on
 that rank), so expert ownership and ``(expert, token)`` order are defined the same way.

@@ -2,8 +2,9 @@
 
 ``schedule`` builds the send units of one rank (``ubep.sched.units``), splits the rank's cores
 into count and send cores (Appendix A's partition model unless given), and hands the units to one
-of three policies: the baselines ``expert_contiguous`` (CANN-EP) and ``balanced`` (UBEP without
-mapping) in :mod:`ubep.sched.baselines`, and UBEP's ``hierarchical`` remap-and-slice scheduler in
+of four policies: the baselines ``expert_contiguous``, ``token_round_robin`` (DeepEP's send
+loop; the simulator's CANN EP) and ``balanced`` (UBEP without mapping) in
+:mod:`ubep.sched.baselines`, and UBEP's ``hierarchical`` remap-and-slice scheduler in
 :mod:`ubep.sched.hierarchical`.
 """
 

@@ -188,7 +188,7 @@ def table4(family: str = "cm384", fabric: FabricModel | None = None) -> Experime
          "cann_gbps", "ubep_gbps", "ubep_gbps_interval", "speedup", "speedup_interval"),
         tuple(rows),
         ("bandwidth = tokens x top-k x hidden x bytes / latency = 7.34 MB / latency, per rank",
-         "CANN EP = bsp + expert_contiguous + sw (calibrated); UBEP = asp + hierarchical + sp "
+         "CANN EP = bsp + token_round_robin + sw (calibrated); UBEP = asp + hierarchical + sp "
          "(its assumed constants fitted to the training set, EP16 and EP64 among it)",
          INTERVAL_NOTE, *_family_note(family)),
         {"rows": data, "family": family, "sensitivity": sens,
