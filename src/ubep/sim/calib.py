@@ -178,7 +178,7 @@ def targets(family: str) -> list[Target]:
         for k, eff in zip((16, 24, 32, 48), (0.767, 0.576, 0.456, 0.311), strict=True):
             out.append(Target(f"fig3b_efficiency_{k}_cores", family, fig3b, eff, "ratio", True,
                               1.0, _efficiency(k)))
-        t4 = "UBEP paper Table 4, CANN EP on CM384 (bsp + token_round_robin + sw)"
+        t4 = "UBEP paper Table 4, CANN EP on CM384 (bsp + expert_contiguous + sw)"
         for r, lat in zip(TABLE4_EPS, (103.0, 120.0, 139.0, 144.0, 151.0), strict=True):
             out.append(Target(f"table4_cann_ep{r}_dispatch", family, t4, lat, "us", True, 1.0,
                               _latency_us(family, r, Workload(), CANN_EP)))

@@ -144,7 +144,7 @@ class System:
         return replace(self, **changes)  # type: ignore[arg-type]
 
 
-CANN_EP = System("CANN EP", "bsp", "token_round_robin", "sw", num_send_cores="all",
+CANN_EP = System("CANN EP", "bsp", "expert_contiguous", "sw", num_send_cores="all",
                  num_count_cores="all")
 UBEP = System("UBEP", "asp", "hierarchical", "sp")
 UBEP_NO_MAPPING = System("UBEP w/o mapping", "asp", "balanced", "sp")
