@@ -313,3 +313,21 @@ def test_program1_hierarchical_mapping_beats_balanced_slices() -> None:
             np.testing.assert_allclose(got[r], want, atol=1e-3)
         largest[policy] = float(got.max())
     assert largest["hierarchical"] < largest["balanced"]
+
+
+def test_one_vector_step_checks_the_markers_of_check_lanes_blocks() -> None:
+    # A 7168 B row is 14 atomic blocks of 512 B (TFF: 15 blocks of 480 B payload). With 8
+    # markers per vector step, a check takes ceil(14 / 8) = 2 steps (TFF ceil(15 / 8) = 2);
+    # with one block per step, 14 (15).
+    from ubep.sim.fabric import sync_costs
+
+    for lanes, steps, tff_steps in ((8, 2, 2), (1, 14, 15), (14, 1, 2)):
+        f = fabric(vector_op_ns=10.0, check_lanes=lanes)
+        sp, dc, tff = (sync_costs(s, 7168, f) for s in ("sp", "dc", "tff"))
+        assert sp.receiver_extra_ns == pytest.approx(steps * 10.0 + 7168 / 10.0)
+        assert (dc.sender_extra_ns, dc.receiver_extra_ns) == (steps * 10.0, steps * 10.0)
+        assert tff.receiver_extra_ns == tff_steps * 10.0
+        assert (sp.blocks, tff.blocks) == (14, 15)
+    with pytest.raises(InvalidArgumentError) as exc:
+        fabric(check_lanes=0)
+    assert exc.value.argument == "check_lanes"
