@@ -255,12 +255,14 @@ def leave_one_out(base: FabricModel, full: FitResult,
     return out
 
 
-def calibrate(path: Any = None, *, loo: bool = True, max_nfev: int = 12,
+def calibrate(path: Any = None, *, loo: bool = True, max_nfev: int = 12, warm: bool = False,
               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Fit the assumed constants, run the leave-one-out refits and write calib.json (``path``,
     default: the packaged file): the fitted values into ``constants`` (kind ``assumed``,
     value fitted), and a ``fit`` section with each constant's first-principles value, range,
     fitted value, bound status and source rows, the residuals and the leave-one-out table.
+    ``warm``: start from the values of the fit stored in ``path`` (clipped into the ranges)
+    rather than from the first-principles values: a refit after a change of the model.
 
     The assumed constants also price CANN EP's counts, sums and fences, so CANN EP's own
     fitted constants are fitted with them, to the baseline rows and the training set."""
@@ -277,7 +279,11 @@ def calibrate(path: Any = None, *, loo: bool = True, max_nfev: int = 12,
         base = load_fabric("cm384", Path(path) if path else None)
     finally:
         use_fit(True)
-    full = fit(base, max_nfev=max_nfev, progress=progress)
+    start = None
+    if warm:
+        stored = load_calibration(Path(path) if path else None)["fabrics"]["cm384"]
+        start = dict(stored.get("fit", {}).get("values", {})) or None
+    full = fit(base, start=start, max_nfev=max_nfev, progress=progress)
     rows = leave_one_out(base, full, progress=progress) if loo else []
     loo_rows = rows
     fab = apply_assumed(base, full.values)
