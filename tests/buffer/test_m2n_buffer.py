@@ -53,6 +53,8 @@ def _serve(group: Any, roles: list[tuple[str, tuple[str, str, str], int]]) -> li
                 if buf.rank not in expert_ranks and (
                         res.recv_x.shape[0] or res.num_recv_tokens_per_expert.shape != (0,)):
                     errors.append(f"{name} {mode}: sender {buf.rank} received rows or counts")
+                if buf.config.num_experts != EXPERTS or buf.config.expert_ranks != expert_ranks:
+                    errors.append(f"{name} {mode}: buf.config is not the caller's")
                 buf.combine(res.recv_x, res.handle)
     return errors
 
@@ -87,9 +89,15 @@ def test_the_oracle_places_the_experts_on_the_expert_ranks_only() -> None:
                                            for idx in idxs)
         assert ref.recv_x.shape[0] == want, (r, want)
         assert ref.num_recv_tokens_per_expert.shape == ((0,) if owner is None else (6,))
-        if owner is not None:
+        if owner is not None:  # logical ids, local expert e % 6, ascending per rank
             assert want > 0
-            assert np.all(logical_experts(ref.recv_topk_idx, emap) // 6 == owner)
+            assert np.all(ref.recv_topk_idx // 6 == owner)
+            assert np.all(np.diff(ref.recv_topk_idx % 6) >= 0)
+            want_ids = sorted(int(e) for idx in idxs for e in idx[idx >= 0].ravel()
+                              if e // 6 == owner)
+            assert sorted(ref.recv_topk_idx.tolist()) == want_ids
+            slots = emap.replicas
+            assert np.all([slots[e][0] // 6 == r for e in ref.recv_topk_idx])
 
 
 def test_bad_role_sets_are_refused_at_the_config_naming_expert_ranks() -> None:
