@@ -138,12 +138,3 @@ def test_the_m2n_map_spreads_the_experts_over_the_expert_ranks_in_order() -> Non
     emap = m2n_expert_map(6, (2, 0), 3)  # 3 experts each: 0..2 on rank 2, 3..5 on rank 0
     assert emap.replicas == ((6,), (7,), (8,), (0,), (1,), (2,))
     assert logical_experts(np.array([6, 2, -1, 3]), emap).tolist() == [0, 5, -1, -1]
-
-
-def test_the_deep_ep_facade_refuses_expert_ranks_naming_it() -> None:
-    pytest.importorskip("torch")
-    from ubep.torch.deep_ep import _check_ubep_options
-
-    with pytest.raises(InvalidArgumentError) as info:
-        _check_ubep_options({"expert_ranks": (1,)})
-    assert info.value.argument == "expert_ranks"

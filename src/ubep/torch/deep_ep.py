@@ -43,7 +43,6 @@ import numpy as np
 import torch
 
 from ..errors import InvalidArgumentError, RemoteError
-from ..m2n import check_expert_ranks
 from ..modes import Layout
 from ..quant import quantize
 from ..routing import get_dispatch_layout as _layout
@@ -52,6 +51,7 @@ from ._convert import from_numpy, to_numpy
 from .backend import EPBackend, LocalBackend, issue_dispatch
 from .deep_ep_internode import InternodeCalls, hosts_of
 from .deep_ep_lowlatency import LowLatencyCalls
+from .deep_ep_m2n import M2NCalls, check_facade_expert_ranks
 from .deep_ep_memory import RawBuffers
 from .deep_ep_shrink import MaskedBackend, ShrinkCalls, ShrinkGroup, open_shrink_group
 from .deep_ep_types import (
@@ -88,7 +88,7 @@ _SHAPE_FIELDS = (
 
 
 # --------------------------------------------------------------------------- the Buffer
-class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls):
+class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
     """DeepEP's ``Buffer`` on ubep (see the module docstring and docs/PORTING.md).
 
     Arguments as DeepEP's, in its order. ``num_nvl_bytes`` and ``num_rdma_bytes`` size the raw
@@ -102,11 +102,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls):
     ``num_max_dispatch_tokens_per_rank``) and any ``ubep.BufferConfig`` field that is not a
     shape (``engine``, ``sync``, ``timeout_s``, ...), checked here.
 
-    ``expert_ranks=(...)`` (ubep's, keyword-only): M2N, the ranks that hold the experts
-    (``ubep.m2n``, docs/M2N.md). The low-latency pair then spreads ``num_experts`` over them
-    in that order, ``num_experts // len(expert_ranks)`` each; the other ranks only send and
-    combine and get per-expert tensors with 0 local experts (``[0, slots, hidden]``). Normal
-    mode, shrink mode and the in-process world refuse it, naming it.
+    ``expert_ranks=(...)``: the low-latency pair's M2N mode (:mod:`.deep_ep_m2n`).
 
     Attributes (DeepEP's): ``num_sms``, ``rank``, ``group_size``, ``group``, ``num_nvl_bytes``,
     ``num_rdma_bytes``, ``low_latency_mode``, ``explicitly_destroy``, ``enable_shrink``.
@@ -146,7 +142,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls):
         self.group = group if group is not None else comm
         self.rank = int(self._ep.rank)
         self.group_size = int(self._ep.num_ranks)
-        self.expert_ranks = _check_facade_expert_ranks(
+        self.expert_ranks = check_facade_expert_ranks(
             expert_ranks, self.group_size, enable_shrink, isinstance(self._ep, LocalBackend))
         self._host_of = hosts_of(self._ep, self.group_size)
         self.num_nvl_bytes = num_nvl_bytes
@@ -159,7 +155,8 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls):
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = enable_shrink
         self.max_tokens_per_rank = max_tokens_per_rank
-        self.ubep_options = ubep_options
+        roles = {} if self.expert_ranks is None else {"expert_ranks": self.expert_ranks}
+        self.ubep_options = ubep_options | roles  # M2N's roles reach each call's BufferConfig
         self._backends: dict[tuple[Any, ...], EPBackend] = {}
         # get_next_low_latency_combine_buffer's tensors, by (local experts, slots, hidden)
         self._ll_combine_staging: dict[tuple[int, int, int], torch.Tensor] = {}
@@ -266,20 +263,6 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls):
                 "enable_shrink", True, "normal-mode dispatch/combine do not mask ranks (DeepEP's "
                 "shrink mode is its low-latency pair's): use a Buffer without enable_shrink")
 
-    def _check_no_m2n(self) -> None:
-        if self.expert_ranks is not None:
-            raise InvalidArgumentError(
-                "expert_ranks", list(self.expert_ranks), "M2N runs on the low-latency pair "
-                "(low_latency_dispatch / low_latency_combine), not on normal-mode calls")
-
-    def _num_local_experts(self, num_experts: int) -> int:
-        """How many of ``num_experts`` this rank holds (``num_experts // num_ranks``;
-        with ``expert_ranks``, ``num_experts // len(expert_ranks)`` on an expert rank and 0 on
-        a sender): the first dimension of the low-latency pair's per-expert tensors."""
-        if self.expert_ranks is None:
-            return num_experts // self.group_size
-        return num_experts // len(self.expert_ranks) if self.rank in self.expert_ranks else 0
-
     def _collective(self, run: Callable[[], T]) -> T:
         """Run one low-latency call; in shrink mode over the members (a rank lost in it is
         masked, ubep.torch.deep_ep_shrink)."""
@@ -310,8 +293,6 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls):
         from ._runtime import buffer_config, make_backend, ubep_dtype_name
 
         options = dict(self.ubep_options)
-        if self.expert_ranks is not None:
-            options["expert_ranks"] = self.expert_ranks
         if combine_dtype is not None:
             options["combine_dtype"] = ubep_dtype_name(combine_dtype)
         if quant is not None:
@@ -783,28 +764,6 @@ def _check_ubep_options(options: dict[str, Any]) -> None:
     BufferConfig(
         max_tokens_per_rank=1, hidden=1, num_topk=1, num_experts=1, dtype="bf16", **options
     )
-
-
-def _check_facade_expert_ranks(expert_ranks: Any, num_ranks: int, shrink: bool,
-                               local: bool) -> tuple[int, ...] | None:
-    """The facade's ``expert_ranks`` checked as far as it can be before ``num_experts`` is
-    known (each call's BufferConfig checks that it divides): refused, naming it, with shrink
-    mode (masking Buffers serve no M2N) or the in-process world (no ubep Buffer under it)."""
-    if expert_ranks is None:
-        return None
-    ranks = check_expert_ranks(expert_ranks, 0)  # 0 experts divide over any count
-    out = [r for r in ranks if r >= num_ranks]
-    if out:
-        raise InvalidArgumentError("expert_ranks", list(ranks), f"rank {out[0]} is out of range "
-                                   f"[0, {num_ranks}) (the group's ranks)")
-    if shrink:
-        raise InvalidArgumentError("expert_ranks", list(ranks), "cannot be combined with "
-                                   "enable_shrink (a masking Buffer serves no M2N placement)")
-    if local:
-        raise InvalidArgumentError("expert_ranks", list(ranks), "needs a ubep group (ubep."
-                                   "launch, ubep.mpi, torch.distributed), not the in-process "
-                                   "world")
-    return ranks
 
 
 def _ep_group(group: Any, comm: Any) -> Any:
