@@ -114,7 +114,8 @@ def test_bad_role_sets_are_refused_at_the_config_naming_expert_ranks() -> None:
     assert info.value.argument == "expert_ranks"
     with pytest.raises(InvalidArgumentError) as info:
         _config((1,), MODES[0], on_peer_loss="mask")
-    assert info.value.argument == "expert_ranks"
+    assert info.value.argument == "expert_ranks"  # and says what to use instead
+    assert "on_peer_loss='raise'" in str(info.value)
 
 
 def _out_of_range(group: Any) -> list[str]:
