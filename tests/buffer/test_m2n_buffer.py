@@ -100,6 +100,23 @@ def test_the_oracle_places_the_experts_on_the_expert_ranks_only() -> None:
             assert np.all([slots[e][0] // 6 == r for e in ref.recv_topk_idx])
 
 
+def test_the_rank_layout_names_local_experts_as_co_located_experts_do() -> None:
+    """Rank layout, roles (3, 1): a row's id in slot k is the pick's local expert e % 6 where
+    e lives on the receiver ((3, 1)[e // 6]), else -1 (closed form from the inputs)."""
+    xs, idxs, ws = testing.inputs("bf16", EXPERTS, 4, 64, [10, 7, 0, 3], 6, "uniform")
+    refs = reference.dispatch(xs, idxs, ws, EXPERTS, layout="rank", expert_ranks=(3, 1))
+    for r, ref in enumerate(refs):
+        for row, (src, tok) in enumerate(zip(ref.recv_src_rank, ref.recv_src_token,
+                                             strict=True)):
+            picks = idxs[int(src)][int(tok)]
+            want = [int(e) % 6 if e >= 0 and (3, 1)[int(e) // 6] == r else -1 for e in picks]
+            assert ref.recv_topk_idx[row].tolist() == want, (r, row)
+        # one row per token with a pick on r (a sender receives none)
+        place = (3, 1).index(r) if r in (3, 1) else -1
+        assert ref.recv_x.shape[0] == sum(
+            int(np.any((i >= 0) & (i // 6 == place), axis=1).sum()) for i in idxs)
+
+
 def test_bad_role_sets_are_refused_at_the_config_naming_expert_ranks() -> None:
     for bad in ((), (1, 1), (-1,), ("a",), (True,), "13"):
         with pytest.raises(InvalidArgumentError) as info:
