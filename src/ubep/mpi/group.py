@@ -36,6 +36,7 @@ from ..runtime.group import process_alive, process_start_time
 from ..runtime.poll import Backoff, wait_until
 from .engine import RmaEngine
 from .memory import DistGlobalMemory
+from .watchdog import CallRunner
 
 if TYPE_CHECKING:
     from ..config import BufferConfig
@@ -119,6 +120,7 @@ class MpiGroup:
         self.rank: int = self.comm.Get_rank()
         self.num_ranks: int = self.comm.Get_size()
         self._closed = False
+        self._runner: CallRunner | None = None  # the RMA engines' MPI thread, made on first use
         self._windows: list[DistGlobalMemory] = []  # creation order (frees are collective)
         self.pids: list[int] = []  # filled by the first allgather (no liveness check before)
         self.start_times: list[int] = []
@@ -240,6 +242,19 @@ class MpiGroup:
         """The data plane of a Buffer across hosts: the RMA engine on ``mem``'s windows."""
         return RmaEngine(config, layout, mem)
 
+    @property
+    def runner(self) -> CallRunner:
+        """The thread every RMA engine call of this group runs on (ubep.mpi.watchdog)."""
+        if self._runner is None:
+            serialized = self.mpi.Query_thread() >= self.mpi.THREAD_SERIALIZED
+            self._runner = CallRunner(f"rank {self.rank}", threaded=serialized, owns_mpi=True)
+        return self._runner
+
+    @property
+    def wedged(self) -> bool:
+        """Whether a call stayed inside MPI past its deadline: the group is unusable."""
+        return self._runner is not None and self._runner.wedged
+
     def progress(self) -> None:
         """Let MPI make progress (targets of emulated RMA must poll; see docs/MULTIHOST.md)."""
         self.comm.Iprobe(self.mpi.ANY_SOURCE, self.mpi.ANY_TAG)
@@ -251,8 +266,12 @@ class MpiGroup:
             return
         for mem in self._windows:
             mem.close()
-        self._free_released(None, everything=True)
         self._closed = True
+        if self.wedged:
+            return  # a thread is inside MPI: nothing collective can run (ubep.mpi.watchdog)
+        if self._runner is not None:
+            self._runner.stop()
+        self._free_released(None, everything=True)
         self.host_comm.Free()
         self.comm.Free()
 
@@ -271,6 +290,9 @@ class MpiGroup:
     def _check_open(self) -> None:
         if self._closed:
             raise UbepError(f"rank {self.rank}: the group is closed")
+        if self.wedged:
+            raise PeerLostError(f"rank {self.rank}: a call is still inside MPI after a peer "
+                                "failure; build a new group of the survivors")
 
     def _wait(self, request: Any, timeout_s: float | None, what: str) -> None:
         # A request that timed out stays posted (MPI cannot cancel a collective): after a
