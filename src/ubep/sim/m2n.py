@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 
@@ -282,3 +283,27 @@ def _pool_hops(family: str) -> str:
                                for h in np.unique(pair))
             out.append(f"{place} N={n}: {shares}")
     return "; ".join(out)
+
+
+def draw(plt: Any, r: ExperimentResult) -> Any:
+    """The layer per expert-die count: one bar per placement and system, its interval as an
+    error bar (``ubep sim m2n --plot``)."""
+    fig, ax = plt.subplots(figsize=(10, 3.6))
+    rows = r.data["rows"]
+    places, systems = ("colocated", "pooled", "mixed"), [s.name for s in M2N_SYSTEMS]
+    colors = {"CANN EP": "#d62728", "UBEP w/o mapping": "#ff7f0e", "UBEP": "#2ca02c"}
+    hatches = {"colocated": "", "pooled": "//", "mixed": ".."}
+    width = 0.8 / (len(places) * len(systems))
+    for i, (place, name) in enumerate((p, s) for p in places for s in systems):
+        got = [row for row in rows if row["placement"] == place and row["system"] == name]
+        x = np.arange(len(got)) + (i - (len(places) * len(systems) - 1) / 2) * width
+        y = np.array([row["layer_us"] for row in got])
+        band = np.array([row["layer_interval_us"] for row in got]).T
+        ax.bar(x, y, width, color=colors[name], hatch=hatches[place], edgecolor="black",
+               linewidth=0.3, label=f"{place}, {name}",
+               yerr=np.abs(band - y), error_kw={"elinewidth": 0.6, "capsize": 1.5})
+    ax.set_xticks(range(len(EXPERT_DIES)))
+    ax.set_xticklabels([f"{n} expert dies ({ATTENTION_DIES + n} dies)" for n in EXPERT_DIES])
+    ax.set_ylabel("dispatch + combine (us), predicted")
+    ax.legend(fontsize=6, ncol=3)
+    return fig
