@@ -264,10 +264,11 @@ class RmaEngine(RmaCombine):
         runs with fault tolerance (``mpiexec --with-ft ulfm``); without it ``mpiexec`` ends the
         job instead. Nothing is announced to the peers (a put to a failed process may never
         complete): each survivor learns it from MPI, within the call's deadline. The Buffer
-        raises ``PeerLostError`` and refuses calls: ubep.mpi does not mask a lost rank."""
+        raises ``PeerLostError`` and refuses calls; a masking Buffer agrees on the survivors
+        (ubep.mpi.membership) and serves on."""
         return ErrorRecord(E_PEER_LOST, -1, 0, "", f"rank {self.rank}: MPI reported a failure "
-                           f"({exc}); ubep.mpi does not mask a lost rank (on_peer_loss='mask' "
-                           "runs on one host): build a new group of the survivors", "")
+                           f"({exc}); with on_peer_loss='raise' build a new group of the "
+                           "survivors (on_peer_loss='mask' does it by itself)", "")
 
     def _dispatch_call(self, call: DispatchCall, /) -> int | ErrorRecord:
         # one thread: rows go destination by destination (module docstring); a split-phase

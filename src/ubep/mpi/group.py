@@ -35,6 +35,7 @@ from ..errors import InvalidArgumentError, PeerLostError, TimeoutError, UbepErro
 from ..runtime.group import process_alive, process_start_time
 from ..runtime.poll import Backoff, wait_until
 from .engine import RmaEngine
+from .membership import MpiPlane
 from .memory import DistGlobalMemory
 from .watchdog import CallRunner
 
@@ -120,6 +121,7 @@ class MpiGroup:
         self.rank: int = self.comm.Get_rank()
         self.num_ranks: int = self.comm.Get_size()
         self._closed = False
+        self._lost = False  # abandoned after a loss (abandon)
         self._runner: CallRunner | None = None  # the RMA engines' MPI thread, made on first use
         self._windows: list[DistGlobalMemory] = []  # creation order (frees are collective)
         self.pids: list[int] = []  # filled by the first allgather (no liveness check before)
@@ -250,6 +252,19 @@ class MpiGroup:
             self._runner = CallRunner(f"rank {self.rank}", threaded=serialized, owns_mpi=True)
         return self._runner
 
+    def membership_plane(self) -> Any:
+        """The control plane of a masking Buffer on this group (ubep.mpi.membership)."""
+        return MpiPlane(self, MpiGroup, discovered_topology)
+
+    def abandon(self) -> None:
+        """Stop using this group without a collective: the survivors of a loss agreed on a
+        new communicator (ubep.mpi.membership). Its windows stay mapped until the process
+        ends; every later use raises."""
+        self._lost = True
+        if self._runner is not None and not self._runner.wedged:
+            self._runner.stop()
+            self._runner = None
+
     @property
     def wedged(self) -> bool:
         """Whether a call stayed inside MPI past its deadline: the group is unusable."""
@@ -267,8 +282,8 @@ class MpiGroup:
         for mem in self._windows:
             mem.close()
         self._closed = True
-        if self.wedged:
-            return  # a thread is inside MPI: nothing collective can run (ubep.mpi.watchdog)
+        if self.wedged or self._lost:
+            return  # a thread is inside MPI, or a member is gone: nothing collective can run
         if self._runner is not None:
             self._runner.stop()
         self._free_released(None, everything=True)
@@ -293,6 +308,9 @@ class MpiGroup:
         if self.wedged:
             raise PeerLostError(f"rank {self.rank}: a call is still inside MPI after a peer "
                                 "failure; build a new group of the survivors")
+        if self._lost:
+            raise PeerLostError(f"rank {self.rank}: this group lost a member; a masking "
+                                "Buffer's survivors went on in a new group")
 
     def _wait(self, request: Any, timeout_s: float | None, what: str) -> None:
         # A request that timed out stays posted (MPI cannot cancel a collective): after a

@@ -10,6 +10,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 from .experiments import ExperimentResult
+from .m2n import draw as m2n_draw
 
 __all__ = ["plot"]
 
@@ -32,7 +33,7 @@ def plot(result: ExperimentResult, path: str | Path) -> Path:
     """Write ``result``'s figure to ``path`` (PNG) and return the path."""
     drawers = {"table4": _table4, "fig7": _fig7, "fig8": _fig8, "fig9": _fig9,
                "fig10": _fig10, "fig11": _tpot, "fig12": _fig7, "fig13": _topk,
-               "fig14": _partition, "hotshare": _hotshare}
+               "fig14": _partition, "hotshare": _hotshare, "m2n": m2n_draw}
     if result.name not in drawers:
         raise InvalidArgumentError("result", result.name, f"no plot for {result.name}")
     plt = _pyplot()
