@@ -55,7 +55,7 @@ Layout = Literal["expert", "rank"]
 """``expert``: one received row per (token, expert); ``rank``: one per (token, destination
 rank) (ubep.reference)."""
 
-Policy = Literal["expert_contiguous", "balanced", "hierarchical", "token_round_robin"]
+Policy = Literal["expert_contiguous", "balanced", "hierarchical"]
 """Token schedulers of the ASP send cores (ubep.sched)."""
 
 PeerLoss = Literal["raise", "mask"]

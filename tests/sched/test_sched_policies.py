@@ -282,16 +282,3 @@ def test_bad_input(kwargs: dict, argument: str) -> None:
     with pytest.raises(InvalidArgumentError) as err:
         schedule(idx, cm384(16), **args)  # type: ignore[arg-type]
     assert err.value.argument == argument
-
-
-def test_token_round_robin_deals_tokens_like_deepeps_send_loop() -> None:
-    # DeepEP's low-latency send loop: core j sends tokens j, j + n, j + 2n, ..., each token's
-    # rows in k order. 5 tokens x top-2 on 4 ranks of one expert each, 2 send cores.
-    topo = cm384(4, cores_per_rank=4)
-    idx = np.array([[1, 2], [3, 0], [2, 1], [0, 3], [1, 3]], dtype=np.int64)
-    p = schedule(idx, topo, rank=0, num_experts=4, policy="token_round_robin",
-                 num_send_cores=2, num_count_cores=2)
-    assert p.send_core.tolist() == [0] * 6 + [1] * 4
-    assert p.send_token.tolist() == [0, 0, 2, 2, 4, 4, 1, 1, 3, 3]
-    assert p.send_expert.tolist() == [1, 2, 2, 1, 1, 3, 3, 0, 0, 3]
-    assert p.core_ptr.tolist() == [0, 6, 10]

@@ -36,8 +36,7 @@ def oracle(idx: np.ndarray, num_experts: int, num_ranks: int, layout: str) -> se
 
 
 @pytest.mark.parametrize("layout", ["expert", "rank"])
-@pytest.mark.parametrize("policy", ["expert_contiguous", "balanced", "hierarchical",
-                                    "token_round_robin"])
+@pytest.mark.parametrize("policy", ["expert_contiguous", "balanced", "hierarchical"])
 def test_transfers_match_topk_oracle(policy: str, layout: str) -> None:
     topo = cm384(8, ranks_per_node=4, cores_per_rank=6)
     num_experts = 16

@@ -7,8 +7,6 @@ distance.
 * ``balanced`` (UBEP without mapping): the units in ``(expert, token)`` order are cut into ``n``
   contiguous slices; the first ``U mod n`` cores get ``ceil(U/n)`` units, the rest
   ``floor(U/n)``. Topology-agnostic; issue order stays ``(expert, token)``.
-* ``token_round_robin`` (DeepEP's low-latency send loop): token ``t`` on core ``t mod n``, its
-  rows in ``k`` order. Whole tokens are balanced, rows and hops are not.
 
 In the rank layout the "expert" of a unit is its ``send_expert`` (the token's lowest-k expert on
 that rank), so expert ownership and ``(expert, token)`` order are defined the same way.
@@ -20,8 +18,7 @@ import numpy as np
 
 from .units import SendUnits
 
-__all__ = ["balanced", "equal_bounds", "expert_contiguous", "expert_token_order",
-           "token_round_robin"]
+__all__ = ["balanced", "equal_bounds", "expert_contiguous", "expert_token_order"]
 
 
 def expert_contiguous(
@@ -40,15 +37,6 @@ def balanced(units: SendUnits, n: int) -> tuple[np.ndarray, np.ndarray]:
     bounds = equal_bounds(units.num_units, n)
     core = np.searchsorted(bounds[1:], np.arange(units.num_units), side="right")
     return order, core
-
-
-def token_round_robin(units: SendUnits, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """DeepEP's low-latency send loop (``for token = core; token < T; token += n``): token ``t``
-    goes to core ``t mod n``, which issues its rows token by token, each token's rows in
-    ``k`` order; ``(order, core)``. It balances tokens, not rows, and ignores hops: a core
-    gets ``ceil(T/n)`` or ``floor(T/n)`` tokens whatever their picks."""
-    order = np.lexsort((units.k, units.token, units.token % n))
-    return order, (units.token[order] % n).astype(np.int64)
 
 
 def expert_token_order(units: SendUnits) -> np.ndarray:

@@ -4,10 +4,10 @@ The dispatch plans say which rows each rank receives; combine reverses them. A c
 rank ``r`` is one row ``(src rank s, token t, k)`` that ``r`` received, now sent back to ``s``
 (``send_dst_rank = s``, ``send_token = t``). Core assignment follows the dispatch policy:
 
-* ``expert_contiguous``, ``balanced`` and ``token_round_robin``: contiguous equal slices of
-  the receive buffer (``(expert, src, slot)`` order in the expert layout, ``(src, slot)`` in
-  the rank layout) (CANN EP splits its combine by rows; a one-expert rank would otherwise
-  put every row on one core);
+* ``expert_contiguous`` and ``balanced``: contiguous equal slices of the receive buffer
+  (``(expert, src, slot)`` order in the expert layout, ``(src, slot)`` in the rank layout)
+  (CANN EP splits its combine by rows; a one-expert rank would otherwise put every row on one
+  core);
 * ``hierarchical``: rows in hop-class order dealt round robin over the send cores, so every core
   has the same number of rows (within one) and the same mix of hop classes; farthest hop first
   inside a core.

@@ -2,9 +2,8 @@
 
 ``schedule`` builds the send units of one rank (``ubep.sched.units``), splits the rank's cores
 into count and send cores (Appendix A's partition model unless given), and hands the units to one
-of four policies: the baselines ``expert_contiguous``, ``token_round_robin`` (DeepEP's send
-loop; the simulator's CANN EP) and ``balanced`` (UBEP without mapping) in
-:mod:`ubep.sched.baselines`, and UBEP's ``hierarchical`` remap-and-slice scheduler in
+of three policies: the baselines ``expert_contiguous`` (CANN-EP) and ``balanced`` (UBEP without
+mapping) in :mod:`ubep.sched.baselines`, and UBEP's ``hierarchical`` remap-and-slice scheduler in
 :mod:`ubep.sched.hierarchical`.
 """
 
@@ -17,7 +16,7 @@ import numpy as np
 from ..errors import InvalidArgumentError
 from ..modes import POLICIES
 from ..topology import Topology
-from .baselines import balanced, expert_contiguous, token_round_robin
+from .baselines import balanced, expert_contiguous
 from .hierarchical import hierarchical
 from .partition import partition
 from .plan import CoreSplit, Plan, count_expert_ptr
@@ -56,8 +55,6 @@ def schedule(
         order, core = expert_contiguous(units, n_send, num_experts)
     elif policy == "balanced":
         order, core = balanced(units, n_send)
-    elif policy == "token_round_robin":
-        order, core = token_round_robin(units, n_send)
     else:
         order, core = hierarchical(units, n_send, num_experts, topology)
     core_ptr = np.zeros(n_send + 1, dtype=np.int64)
