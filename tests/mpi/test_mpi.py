@@ -229,6 +229,31 @@ def _worker_kill(group: Any, out: str) -> None:
 _MASK_CALLS = 24  # calls after the loss, each checked against the oracle
 
 
+def _wait_for_file(path: Path, timeout_s: float = 90.0) -> None:
+    import time
+
+    end = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < end, f"{path} did not appear"
+        time.sleep(0.05)
+
+
+def _stop_then_raise(buf: Any, x: Any, idx: Any, w: Any, out: str, r: int) -> None:
+    """SIGSTOP this rank (its pid in ``stopped.json``); once the test continues it, its call
+    must raise: write what it raised and leave."""
+    import signal
+
+    Path(out, "stopped.json").write_text(json.dumps({"pid": os.getpid()}))
+    os.kill(os.getpid(), signal.SIGSTOP)
+    try:
+        buf.dispatch(x, idx, w)
+        woke = "returned"
+    except Exception as exc:  # what it raised is the result
+        woke = f"{type(exc).__name__}: {exc}"
+    Path(out, f"mask.{r}.json").write_text(json.dumps({"woke": woke}))
+    os._exit(0)
+
+
 def _worker_mask(group: Any, out: str) -> None:
     """A masking Buffer over MPI (ULFM): the last rank SIGKILLs itself at ``UBEP_TEST_KILL_AT``
     (its second dispatch, its second combine, or between the second and third calls); every
@@ -258,6 +283,12 @@ def _worker_mask(group: Any, out: str) -> None:
             xs, idxs, ws = make_inputs(case, cfg.num_experts, [8] * R, 7 * call + 1, "uniform")
             if r == R - 1 and call == 1 and kill_at == "dispatch":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if r == R - 1 and call == 1 and kill_at == "stop":
+                _stop_then_raise(buf, xs[r], idxs[r], ws[r], out, r)
+            if kill_at == "stop" and call == 2:
+                Path(out, f"past.{r}").write_text("")
+            if kill_at == "stop" and call == 2 + _MASK_CALLS // 2:
+                _wait_for_file(Path(out, "continued"))  # the rest overlaps the woken rank
             res = buf.dispatch(xs[r], idxs[r], ws[r])
             mask_d = masked_now()
             if r == R - 1 and call == 1 and kill_at == "combine":
@@ -381,14 +412,23 @@ def test_sigstopped_rank_gives_timeout_at_the_deadline_over_tcp_rma(tmp_path: Pa
     assert all(e["after"] for e in every)
 
 
-def _run_ft_job(tmp_path: Path, worker: str, transport: str, env: dict[str, str]) -> str:
+# Open MPI's heartbeat detector, on its own thread (a rank busy in Python still beats), with a
+# timeout below the Buffers' deadline: a stopped rank counts as failed to ULFM's shrink
+_DETECTOR = ("--mca", "mpi_ft_detector", "true", "--mca", "mpi_ft_detector_thread", "true",
+             "--mca", "mpi_ft_detector_period", "0.5", "--mca", "mpi_ft_detector_timeout",
+             "1.6")
+
+
+def _run_ft_job(tmp_path: Path, worker: str, transport: str, env: dict[str, str],
+                mca: tuple[str, ...] = (), while_running: Any = None) -> str:
     """3 ranks of ``worker`` under ``mpiexec --with-ft ulfm`` (which keeps mpiexec from ending
-    the survivors when a rank dies, docs/MULTIHOST.md); the job's output."""
+    the survivors when a rank dies, docs/MULTIHOST.md), with ``mca`` added; the job's output.
+    ``while_running()`` runs once the job started."""
     env = dict(os.environ) | {"OMP_NUM_THREADS": "1"} | env
-    mca = _QUIET
+    mca = (*_QUIET, *mca)
     if transport == "tcp":
         env["UBEP_DIST_FORCE_RMA"] = "1"
-        mca = _TCP
+        mca = (*_TCP, *mca[len(_QUIET):])
     if os.geteuid() == 0:
         env |= {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
     cmd = [str(_mpiexec()), "--oversubscribe", "--with-ft", "ulfm", *mca, "-n", "3",
@@ -396,6 +436,8 @@ def _run_ft_job(tmp_path: Path, worker: str, transport: str, env: dict[str, str]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True, cwd=REPO_ROOT)
     try:
+        if while_running is not None:
+            while_running()
         output, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
@@ -450,6 +492,41 @@ def test_a_killed_rank_is_masked_over_mpi_and_the_survivors_stay_bit_exact(
     assert got[0]["masks"] == got[1]["masks"]
     masks = got[0]["masks"]
     assert masks[0] == [] and masks[-1] == [2]  # served over all three, then over 0 and 1
+
+
+def test_a_stopped_rank_is_masked_over_mpi_with_the_failure_detector(tmp_path: Path) -> None:
+    """3 ranks, ``on_peer_loss="mask"``, Open MPI's heartbeat detector on (its timeout below
+    the Buffer's): the last rank SIGSTOPs itself before its second dispatch; the survivors
+    mask it and serve on; it is continued while they still serve, and every survivor call,
+    before and after it woke, stays bit-exact (nothing it does reaches them: their windows
+    are new). The woken rank does not serve again: its call raises, or Open MPI ends the
+    process it declared failed (docs/MULTIHOST.md)."""
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    env = {"UBEP_TEST_KILL_AT": "stop", "UBEP_TEST_ENGINE": "asp", "UBEP_TEST_SYNC": "dc",
+           "UBEP_TEST_LAYOUT": "expert"}
+
+    def continue_victim() -> None:
+        _wait_for_file(tmp_path / "stopped.json")
+        victim = json.loads((tmp_path / "stopped.json").read_text())["pid"]
+        for r in (0, 1):  # both survivors past the loss, serving without it
+            _wait_for_file(tmp_path / f"past.{r}")
+        os.kill(victim, signal.SIGCONT)
+        (tmp_path / "continued").write_text("")
+
+    output = _run_ft_job(tmp_path, "_worker_mask", "tcp", env, mca=_DETECTOR,
+                         while_running=continue_victim)
+    got = []
+    for r in (0, 1):
+        path = tmp_path / f"mask.{r}.json"
+        assert path.exists(), (r, output[-4000:])
+        got.append(json.loads(path.read_text()))
+        assert got[-1]["errors"] == [], got[-1]["errors"][:5]
+    assert got[0]["masks"] == got[1]["masks"] == [[]] + [[2]] * (1 + _MASK_CALLS)
+    woke = tmp_path / "mask.2.json"
+    if woke.exists():
+        assert json.loads(woke.read_text())["woke"] != "returned"
 
 
 def test_doctor_mpi_probe_runs_both_transports() -> None:
