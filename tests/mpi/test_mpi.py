@@ -243,7 +243,9 @@ def _stop_then_raise(buf: Any, x: Any, idx: Any, w: Any, out: str, r: int) -> No
     must raise: write what it raised and leave."""
     import signal
 
-    Path(out, "stopped.json").write_text(json.dumps({"pid": os.getpid()}))
+    tmp = Path(out, "stopped.json.tmp")  # renamed: the test never reads it half written
+    tmp.write_text(json.dumps({"pid": os.getpid()}))
+    tmp.rename(Path(out, "stopped.json"))
     os.kill(os.getpid(), signal.SIGSTOP)
     try:
         buf.dispatch(x, idx, w)

@@ -15,7 +15,8 @@ The survivors then build an ``MpiGroup`` (ubep.mpi.group) on the shrunk communic
 windows, which a lost process never maps. The old windows are not freed (a collective with a
 dead member cannot complete): they stay until the process ends.
 
-Bounds. Steps 1-3 run on a worker thread under the call's deadline (``ubep.mpi.watchdog``). A
+Bounds. Steps 1-3 run on a worker thread under twice the call's deadline (a survivor may still
+be polling in its call for one deadline before it enters the shrink; ``ubep.mpi.watchdog``). A
 *dead* process is left out by ULFM at once. A *stopped* one is alive to ULFM: ``Shrink`` waits
 for it unless Open MPI's heartbeat detector declares it failed (``--mca mpi_ft_detector true``,
 with ``mpi_ft_detector_timeout`` below the Buffer's ``timeout_s``); without the detector the
@@ -95,11 +96,13 @@ class MpiPlane:
 
         runner = CallRunner(f"rank {roster.rank} agreement", owns_mpi=True)
         try:
-            new, gathered = runner.run(revoke_shrink_gather, timeout_s)
+            # a survivor may still sit in its call for up to one deadline (its RMA polls are not
+            # interrupted by the revoke) before it enters the shrink: two deadlines in all
+            new, gathered = runner.run(revoke_shrink_gather, 2 * timeout_s)
         except (WedgedError, mpi.Exception) as exc:
             raise PeerLostError(
                 f"rank {roster.rank}: the survivors' agreement (MPI_Comm_shrink) did not finish "
-                f"within {timeout_s:.3g} s ({exc}); a stopped rank is masked over MPI only with "
+                f"within {2 * timeout_s:.3g} s ({exc}); a stopped rank is masked over MPI only with "
                 "Open MPI's failure detector on (docs/MULTIHOST.md)") from None
         runner.stop()
         got = sorted((int(r), s) for r, s in gathered)
