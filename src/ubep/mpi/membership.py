@@ -101,9 +101,9 @@ class MpiPlane:
             new, gathered = runner.run(revoke_shrink_gather, 2 * timeout_s)
         except (WedgedError, mpi.Exception) as exc:
             raise PeerLostError(
-                f"rank {roster.rank}: the survivors' agreement (MPI_Comm_shrink) did not finish "
-                f"within {2 * timeout_s:.3g} s ({exc}); a stopped rank is masked over MPI only with "
-                "Open MPI's failure detector on (docs/MULTIHOST.md)") from None
+                f"rank {roster.rank}: the survivors' agreement (MPI_Comm_shrink) did not "
+                f"finish within {2 * timeout_s:.3g} s ({exc}); a stopped rank is masked over "
+                "MPI only with Open MPI's failure detector on (docs/MULTIHOST.md)") from None
         runner.stop()
         got = sorted((int(r), s) for r, s in gathered)
         survivors = tuple(r for r, _ in got)
