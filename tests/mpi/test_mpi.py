@@ -466,6 +466,17 @@ def test_a_killed_rank_makes_every_survivor_raise_within_the_deadline(
         assert got["elapsed_s"] <= _KILL_TIMEOUT_S + _STOP_MARGIN_S, got
 
 
+def _survivors_checked(tmp_path: Path, output: str) -> list[Any]:
+    """Both survivors' records of a ``_worker_mask`` job, each with no oracle mismatch."""
+    got = []
+    for r in (0, 1):
+        path = tmp_path / f"mask.{r}.json"
+        assert path.exists(), (r, output[-4000:])
+        got.append(json.loads(path.read_text()))
+        assert got[-1]["errors"] == [], got[-1]["errors"][:5]
+    return got
+
+
 @pytest.mark.parametrize(("transport", "kill_at", "engine", "sync", "layout"), [
     ("tcp", "dispatch", "asp", "dc", "expert"),
     ("tcp", "combine", "bsp", "tff", "rank"),
@@ -485,12 +496,7 @@ def test_a_killed_rank_is_masked_over_mpi_and_the_survivors_stay_bit_exact(
     output = _run_ft_job(tmp_path, "_worker_mask", transport, {
         "UBEP_TEST_KILL_AT": kill_at, "UBEP_TEST_ENGINE": engine, "UBEP_TEST_SYNC": sync,
         "UBEP_TEST_LAYOUT": layout})
-    got = []
-    for r in (0, 1):
-        path = tmp_path / f"mask.{r}.json"
-        assert path.exists(), (r, output[-4000:])
-        got.append(json.loads(path.read_text()))
-        assert got[-1]["errors"] == [], got[-1]["errors"][:5]
+    got = _survivors_checked(tmp_path, output)
     assert got[0]["masks"] == got[1]["masks"]
     masks = got[0]["masks"]
     assert masks[0] == [] and masks[-1] == [2]  # served over all three, then over 0 and 1
@@ -519,12 +525,7 @@ def test_a_stopped_rank_is_masked_over_mpi_with_the_failure_detector(tmp_path: P
 
     output = _run_ft_job(tmp_path, "_worker_mask", "tcp", env, mca=_DETECTOR,
                          while_running=continue_victim)
-    got = []
-    for r in (0, 1):
-        path = tmp_path / f"mask.{r}.json"
-        assert path.exists(), (r, output[-4000:])
-        got.append(json.loads(path.read_text()))
-        assert got[-1]["errors"] == [], got[-1]["errors"][:5]
+    got = _survivors_checked(tmp_path, output)
     assert got[0]["masks"] == got[1]["masks"] == [[]] + [[2]] * (1 + _MASK_CALLS)
     woke = tmp_path / "mask.2.json"
     if woke.exists():
