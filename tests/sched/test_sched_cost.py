@@ -150,6 +150,23 @@ def test_methods_agree_on_cm384_shapes(counts: list[int]) -> None:
     assert a.y.sum(axis=1).max() <= -(-sum(counts) // 48)
 
 
+def test_per_core_program_stopped_before_its_first_incumbent_still_answers() -> None:
+    """A time limit too short for the solver's first solution gives a feasible assignment
+    (every unit placed, within the per-core cap) whose objective and bound bracket the
+    optimum of the configurations program, never an error."""
+    topo = cm384(256)
+    counts = [7, 112, 137]
+    l_ns = np.full(3, TOKEN_BYTES / 392.0)
+    rtt_ns = 2 * np.asarray(topo.latency_ns)
+    best = optimal_classes(counts, l_ns, rtt_ns, 48, method="configurations", time_limit_s=60)
+    cut = optimal_classes(counts, l_ns, rtt_ns, 48, method="cores", time_limit_s=1e-6)
+    assert best.status == "optimal"
+    if cut.status == "time_limit":
+        np.testing.assert_array_equal(cut.y.sum(axis=0), counts)
+        assert cut.y.sum(axis=1).max() <= -(-sum(counts) // 48)
+    assert cut.bound_ns <= best.objective_ns + 1e-6 <= cut.objective_ns + 2e-6
+
+
 def test_optimal_accepts_hop_arrays() -> None:
     topo = cm384(32)
     hops = np.array([0, 1, 1, 2, 2, 2, 2])

@@ -383,8 +383,14 @@ def _solve_aggregated(
     res = milp(c, constraints=LinearConstraint(a, lo, hi), integrality=integrality,
                bounds=Bounds(np.zeros(num_vars), upper), options={"time_limit": limit})
     secs = time.perf_counter() - start
-    if res.x is None:  # pragma: no cover - the program is always feasible (cap * n >= m)
-        raise RuntimeError(f"MILP found no solution: {res.message}")
+    if res.x is None:
+        # The program is always feasible (cap * n >= m): the time limit came before the
+        # solver's first incumbent. Report the equal-quota assignment (feasible, what the
+        # hierarchical policy does) with the best lower bound known, never an error.
+        y = hop_quotas(v, n)
+        dual = float(getattr(res, "mip_dual_bound", None) or 0.0)
+        bound = max(_pigeonhole_bound(v, l_g, rtt_g, n), dual if np.isfinite(dual) else 0.0)
+        return y, _objective(y, l_g, rtt_g), bound, "time_limit", secs
     y = np.rint(res.x[:ny]).astype(np.int64).reshape(g_num, n).T
     # Re-evaluate (1) on the integer solution instead of trusting the solver's float T.
     has = y > 0
