@@ -10,6 +10,8 @@ Every peer venv gets torch (the peers' local work runs in torch ops when it is i
 to the CPU wheel 2.13.0 that lies on this machine's disk (pip finds it through
 ``PIP_FIND_LINKS``). The pin names the ``+cpu`` local version on purpose: PyPI has no such file,
 so where the wheel is missing pip fails at once instead of fetching a multi-GB CUDA build.
+When the interpreter building the venvs has that pin already, the venvs share its torch
+(``benchmarks/peers/shared_layer.py``) instead of unpacking their own.
 """
 
 from __future__ import annotations
