@@ -75,8 +75,8 @@ class BufferConfig:
             logical experts spread over them in that order, ``num_experts //
             len(expert_ranks)`` each; the other ranks only send and combine. Not with
             ``expert_map`` (an M2N placement is a map of its own) nor ``on_peer_loss="mask"``.
-            The Buffer runs the physical config (``ubep.m2n.physical_config``): ``buf.config``
-            is that one.
+            The engine runs the physical config (``ubep.m2n.physical_config``); ``buf.config``
+            stays this one, and received ids are logical experts.
 
     Transport (``ubep.modes``):
         layout: ``"expert"`` (one row per (token, expert)) or ``"rank"`` (one per (token, rank)).
@@ -155,8 +155,12 @@ class BufferConfig:
                                        f"must be one of {PEER_LOSS}")
         self._check_formats()
         if self.expert_ranks is not None and self.on_peer_loss == "mask":
-            raise InvalidArgumentError("expert_ranks", list(self.expert_ranks), "cannot be "
-                                       "combined with on_peer_loss='mask'")
+            # a masking Buffer re-routes over an expert map of its own, and an M2N placement
+            # is one already; a lost expert rank would also take all of its experts with it
+            raise InvalidArgumentError(
+                "expert_ranks", list(self.expert_ranks), "cannot be combined with "
+                "on_peer_loss='mask' (M2N is an expert map, and masking runs its own): use "
+                "on_peer_loss='raise' (docs/M2N.md, Limits)")
 
     def _check_shape(self) -> None:
         for name in ("max_tokens_per_rank", "hidden", "num_topk", "num_experts"):

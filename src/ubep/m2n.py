@@ -8,13 +8,17 @@ senders) serve no expert, so nothing is ever routed to them. The Buffer, the ora
 (``ubep.reference.dispatch(..., expert_ranks=)``) and the scheduler all run the expert map's
 physical routing (``ubep.expert_map``), so every engine, sync mode and layout, and the MPI
 engine, serve M2N as they serve a map.
+
+What a caller sees is logical: ``buf.config`` is the config it passed, and the expert layout's
+``recv_topk_idx`` names logical experts (:func:`slot_shift`). The rank layout's ids are local
+(``e % S``), the same in both numberings.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -24,7 +28,8 @@ from .expert_map import ExpertMap
 if TYPE_CHECKING:
     from .config import BufferConfig
 
-__all__ = ["check_expert_ranks", "logical_experts", "m2n_expert_map", "physical_config"]
+__all__ = ["check_expert_ranks", "logical_experts", "logical_result", "m2n_expert_map",
+           "physical_config", "slot_shift"]
 
 
 def check_expert_ranks(expert_ranks: object, num_experts: int) -> tuple[int, ...]:
@@ -87,3 +92,25 @@ def logical_experts(slots: np.ndarray, expert_map: ExpertMap) -> np.ndarray:
     idx = np.asarray(slots, dtype=np.int64)
     out: np.ndarray = np.where(idx <= top, table[np.minimum(idx, top) + 1], -1)
     return out
+
+
+def slot_shift(config: BufferConfig, rank: int, num_ranks: int) -> int:
+    """What turns a physical slot id received by ``rank`` into its logical expert id, in the
+    expert layout (0 otherwise, and on a sender, which receives nothing). Every row ``rank``
+    receives names one of its own slots ``rank * S + j``, logical expert ``p * S + j`` where
+    ``p`` is ``rank``'s place in ``expert_ranks``: one constant per rank."""
+    ranks = config.expert_ranks
+    if ranks is None or config.layout != "expert" or rank not in ranks:
+        return 0
+    return (ranks.index(rank) - rank) * (config.num_experts // len(ranks))
+
+
+def logical_result(res: Any, sender: bool, shift: int) -> None:
+    """Turn a dispatch result of an M2N Buffer's one-call path (built by the native engine on
+    physical slots) into the caller's numbering, in place: ``recv_topk_idx`` shifted
+    (:func:`slot_shift`), and no per-expert counts on a ``sender``."""
+    if shift:
+        object.__setattr__(res, "recv_topk_idx", res.recv_topk_idx + shift)
+    if sender:
+        object.__setattr__(res, "num_recv_tokens_per_expert",
+                           res.num_recv_tokens_per_expert[:0])

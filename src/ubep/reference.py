@@ -28,8 +28,10 @@ logical experts and each rank's picks are first routed to physical slots by
 masked rank sends nothing (its inputs count as empty). ``num_experts`` counts physical slots
 and everything above applies to the physical routing. A ``mask`` without a map drops every pick
 of an expert on a masked rank (DeepEP's shrink mode). ``expert_ranks`` (M2N, ``ubep.m2n``) is
-such a map: ``num_experts`` then counts the logical experts, ``recv_topk_idx`` names slots,
-and a rank not in ``expert_ranks`` gets a ``num_recv_tokens_per_expert`` of length 0.
+such a map: ``num_experts`` then counts the logical experts, the expert layout's
+``recv_topk_idx`` names them too (expert ``e`` is local expert ``e % S`` of ``expert_ranks[e //
+S]``, ``S = num_experts // len(expert_ranks)``), and a rank not in ``expert_ranks`` gets a
+``num_recv_tokens_per_expert`` of length 0.
 
 **Combine arithmetic, bit-exact**: per element, ``acc = +0.0f``; for each term in the order above
 ``acc = fl32(acc + fl32(w * out))`` (expert layout; the product is rounded to float32 *before*
@@ -139,11 +141,15 @@ def dispatch(
         out = _dispatch_expert(inp, num_experts)
     else:
         out = _dispatch_rank(inp, num_experts)
-    if expert_ranks is not None:  # M2N: a sender holds no expert
+    if expert_ranks is not None:  # M2N: a sender holds no expert; ids are logical
         for r, res in enumerate(out):
             if r not in expert_ranks:
                 out[r] = dataclasses.replace(
                     res, num_recv_tokens_per_expert=res.num_recv_tokens_per_expert[:0])
+            elif layout == "expert":  # slot r * S + j is logical expert p * S + j
+                S = num_experts // num_ranks
+                shift = (list(expert_ranks).index(r) - r) * S
+                out[r] = dataclasses.replace(res, recv_topk_idx=res.recv_topk_idx + shift)
     return out
 
 

@@ -123,12 +123,10 @@ def check_call(buf: Any, xs: list[np.ndarray], idxs: list[np.ndarray], ws: list[
     res = buf.dispatch(xs[r], idxs[r], ws[r])
     routing: dict[str, Any] = {} if cfg.expert_map is None else {
         "expert_map": cfg.expert_map, "topology": buf.group.topology}  # redundant experts
-    num_experts = cfg.num_experts
-    m2n = getattr(buf, "expert_ranks", None)
-    if m2n is not None:  # M2N: the oracle takes the roles (cfg is the Buffer's physical one)
+    m2n = getattr(cfg, "expert_ranks", None)
+    if m2n is not None:  # M2N: the oracle takes the roles (and the logical num_experts)
         routing = {"expert_ranks": m2n, "topology": buf.group.topology}
-        num_experts = buf.num_local_experts * len(m2n)
-    refs = reference.dispatch(xs, idxs, ws, num_experts, layout=cfg.layout, **routing)
+    refs = reference.dispatch(xs, idxs, ws, cfg.num_experts, layout=cfg.layout, **routing)
     errors = compare(res, refs[r])
     outs = [expert_outputs(cfg.dtype, ref.recv_x, seed * 10 + q) for q, ref in enumerate(refs)]
     if zero_copy:

@@ -53,6 +53,8 @@ def _serve(group: Any, roles: list[tuple[str, tuple[str, str, str], int]]) -> li
                 if buf.rank not in expert_ranks and (
                         res.recv_x.shape[0] or res.num_recv_tokens_per_expert.shape != (0,)):
                     errors.append(f"{name} {mode}: sender {buf.rank} received rows or counts")
+                if buf.config.num_experts != EXPERTS or buf.config.expert_ranks != expert_ranks:
+                    errors.append(f"{name} {mode}: buf.config is not the caller's")
                 buf.combine(res.recv_x, res.handle)
     return errors
 
@@ -87,9 +89,32 @@ def test_the_oracle_places_the_experts_on_the_expert_ranks_only() -> None:
                                            for idx in idxs)
         assert ref.recv_x.shape[0] == want, (r, want)
         assert ref.num_recv_tokens_per_expert.shape == ((0,) if owner is None else (6,))
-        if owner is not None:
+        if owner is not None:  # logical ids, local expert e % 6, ascending per rank
             assert want > 0
-            assert np.all(logical_experts(ref.recv_topk_idx, emap) // 6 == owner)
+            assert np.all(ref.recv_topk_idx // 6 == owner)
+            assert np.all(np.diff(ref.recv_topk_idx % 6) >= 0)
+            want_ids = sorted(int(e) for idx in idxs for e in idx[idx >= 0].ravel()
+                              if e // 6 == owner)
+            assert sorted(ref.recv_topk_idx.tolist()) == want_ids
+            slots = emap.replicas
+            assert np.all([slots[e][0] // 6 == r for e in ref.recv_topk_idx])
+
+
+def test_the_rank_layout_names_local_experts_as_co_located_experts_do() -> None:
+    """Rank layout, roles (3, 1): a row's id in slot k is the pick's local expert e % 6 where
+    e lives on the receiver ((3, 1)[e // 6]), else -1 (closed form from the inputs)."""
+    xs, idxs, ws = testing.inputs("bf16", EXPERTS, 4, 64, [10, 7, 0, 3], 6, "uniform")
+    refs = reference.dispatch(xs, idxs, ws, EXPERTS, layout="rank", expert_ranks=(3, 1))
+    for r, ref in enumerate(refs):
+        for row, (src, tok) in enumerate(zip(ref.recv_src_rank, ref.recv_src_token,
+                                             strict=True)):
+            picks = idxs[int(src)][int(tok)]
+            want = [int(e) % 6 if e >= 0 and (3, 1)[int(e) // 6] == r else -1 for e in picks]
+            assert ref.recv_topk_idx[row].tolist() == want, (r, row)
+        # one row per token with a pick on r (a sender receives none)
+        place = (3, 1).index(r) if r in (3, 1) else -1
+        assert ref.recv_x.shape[0] == sum(
+            int(np.any((i >= 0) & (i // 6 == place), axis=1).sum()) for i in idxs)
 
 
 def test_bad_role_sets_are_refused_at_the_config_naming_expert_ranks() -> None:
@@ -106,7 +131,8 @@ def test_bad_role_sets_are_refused_at_the_config_naming_expert_ranks() -> None:
     assert info.value.argument == "expert_ranks"
     with pytest.raises(InvalidArgumentError) as info:
         _config((1,), MODES[0], on_peer_loss="mask")
-    assert info.value.argument == "expert_ranks"
+    assert info.value.argument == "expert_ranks"  # and says what to use instead
+    assert "on_peer_loss='raise'" in str(info.value)
 
 
 def _out_of_range(group: Any) -> list[str]:
@@ -130,12 +156,3 @@ def test_the_m2n_map_spreads_the_experts_over_the_expert_ranks_in_order() -> Non
     emap = m2n_expert_map(6, (2, 0), 3)  # 3 experts each: 0..2 on rank 2, 3..5 on rank 0
     assert emap.replicas == ((6,), (7,), (8,), (0,), (1,), (2,))
     assert logical_experts(np.array([6, 2, -1, 3]), emap).tolist() == [0, 5, -1, -1]
-
-
-def test_the_deep_ep_facade_refuses_expert_ranks_naming_it() -> None:
-    pytest.importorskip("torch")
-    from ubep.torch.deep_ep import _check_ubep_options
-
-    with pytest.raises(InvalidArgumentError) as info:
-        _check_ubep_options({"expert_ranks": (1,)})
-    assert info.value.argument == "expert_ranks"

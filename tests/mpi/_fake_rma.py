@@ -4,7 +4,9 @@
 addresses, so :class:`ubep.Buffer` drives the real :class:`ubep.mpi.engine.RmaEngine` on it. The
 transport copies a put or get at once, except to a rank in ``world.stopped``: those operations
 stay pending (``done()`` is False) until :meth:`FakeWorld.resume`, as an emulated-RMA put to a
-SIGSTOPped process does. ``world.dead`` is what the liveness check reports.
+SIGSTOPped process does. ``world.dead`` is what the liveness check reports. An operation to a
+rank in ``world.wedging`` never returns until :meth:`FakeWorld.unwedge`, as Open MPI's TCP
+one-sided component can spin inside ``MPI_Rput`` to a process that just died.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numpy as np
 
 from ubep import topology as topo
 from ubep.mpi.engine import RmaEngine
+from ubep.mpi.watchdog import CallRunner
 
 
 class FakeWorld:
@@ -27,6 +30,8 @@ class FakeWorld:
         self.regions: dict[int, list[np.ndarray | None]] = {}  # per global object, per rank
         self.stopped: set[int] = set()
         self.dead: set[int] = set()
+        self.wedging: set[int] = set()
+        self._unwedged = threading.Event()
         self._barrier = threading.Barrier(num_ranks)
         self._values: list[Any] = [None] * num_ranks
         self._pending: list[Callable[[], None]] = []
@@ -57,12 +62,18 @@ class FakeWorld:
 
     def transfer(self, dst: int, op: Callable[[], None]) -> bool:
         """Run ``op`` now unless ``dst`` is stopped (then at resume); whether it ran."""
+        if dst in self.wedging:
+            self._unwedged.wait()
         with self.lock:
             if dst in self.stopped:
                 self._pending.append(op)
                 return False
         op()
         return True
+
+    def unwedge(self) -> None:
+        """Let every operation stuck on a ``wedging`` rank return (the test's threads end)."""
+        self._unwedged.set()
 
     def resume(self, rank: int) -> None:
         with self.lock:
@@ -81,6 +92,7 @@ class FakeGroup:
         self.pids = [os.getpid()] * world.num_ranks
         self.start_times = [0] * world.num_ranks
         self._objects = 0
+        self.runner = CallRunner(f"fake rank {rank}")
 
     def barrier(self, timeout_s: float | None = None) -> None:
         self.world.exchange(self.rank, None, timeout_s or 30.0)

@@ -193,24 +193,19 @@ _KILL_TIMEOUT_S = 3.0
 
 
 def _worker_kill(group: Any, out: str) -> None:
-    """Masking is refused over MPI, naming on_peer_loss; then the last rank SIGKILLs itself
-    before a call and every survivor must raise within the deadline. Each survivor writes its
+    """With ``on_peer_loss="raise"`` the last rank SIGKILLs itself before a call and every
+    survivor must raise within the deadline. Each survivor writes its
     outcome to ``out/kill.<rank>.json`` and leaves at once (the job cannot finish collectively
     without the dead rank)."""
     import signal
     import time
 
     from ubep.buffer import Buffer, BufferConfig
-    from ubep.errors import InvalidArgumentError, UbepError
+    from ubep.errors import UbepError
 
     R, r = group.num_ranks, group.rank
     base = dict(max_tokens_per_rank=8, hidden=64, num_topk=2, num_experts=2 * R, dtype="bf16",
                 timeout_s=_KILL_TIMEOUT_S)
-    try:
-        Buffer(group, BufferConfig(**base, on_peer_loss="mask")).close()  # type: ignore[arg-type]
-        refused = "built"
-    except InvalidArgumentError as exc:
-        refused = f"{exc.argument}: {exc.problem}"
     x = np.full((8, 64), r + 1, np.uint16)
     idx = np.tile(np.arange(0, 2 * R, R, dtype=np.int64), (8, 1))  # every rank gets rows
     w = np.ones((8, 2), np.float32)
@@ -227,8 +222,90 @@ def _worker_kill(group: Any, out: str) -> None:
             got, message = type(exc).__name__, str(exc)
         elapsed = time.monotonic() - t0
         Path(out, f"kill.{r}.json").write_text(json.dumps(
-            {"refused": refused, "error": got, "message": message, "elapsed_s": elapsed}))
+            {"error": got, "message": message, "elapsed_s": elapsed}))
     os._exit(0)  # no collective teardown with a dead rank
+
+
+_MASK_CALLS = 24  # calls after the loss, each checked against the oracle
+
+
+def _wait_for_file(path: Path, timeout_s: float = 90.0) -> None:
+    import time
+
+    end = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < end, f"{path} did not appear"
+        time.sleep(0.05)
+
+
+def _stop_then_raise(buf: Any, x: Any, idx: Any, w: Any, out: str, r: int) -> None:
+    """SIGSTOP this rank (its pid in ``stopped.json``); once the test continues it, its call
+    must raise: write what it raised and leave."""
+    import signal
+
+    Path(out, "stopped.json").write_text(json.dumps({"pid": os.getpid()}))
+    os.kill(os.getpid(), signal.SIGSTOP)
+    try:
+        buf.dispatch(x, idx, w)
+        woke = "returned"
+    except Exception as exc:  # what it raised is the result
+        woke = f"{type(exc).__name__}: {exc}"
+    Path(out, f"mask.{r}.json").write_text(json.dumps({"woke": woke}))
+    os._exit(0)
+
+
+def _worker_mask(group: Any, out: str) -> None:
+    """A masking Buffer over MPI (ULFM): the last rank SIGKILLs itself at ``UBEP_TEST_KILL_AT``
+    (its second dispatch, its second combine, or between the second and third calls); every
+    survivor checks each call, the one that saw the loss included, against the oracle of the
+    mask it reports after that dispatch and that combine, and writes ``mask.<rank>.json``."""
+    import signal
+
+    from tests._runtime_support import Case, make_inputs
+    from tests.buffer.test_elastic import masked_oracle
+    from ubep import reference
+    from ubep.buffer import Buffer
+    from ubep.testing import bits, compare
+
+    R, r = group.num_ranks, group.rank
+    kill_at = os.environ["UBEP_TEST_KILL_AT"]
+    case = Case(os.environ["UBEP_TEST_ENGINE"], os.environ["UBEP_TEST_SYNC"],
+                os.environ["UBEP_TEST_LAYOUT"], "bf16", R, 64, "uniform")
+    cfg = case.config(8, on_peer_loss="mask", timeout_s=_KILL_TIMEOUT_S)
+    errors: list[str] = []
+    masks: list[list[int]] = []
+
+    def masked_now() -> list[int]:
+        return [q for q, m in enumerate(buf.mask_status()) if m]
+
+    with Buffer(group, cfg) as buf:
+        for call in range(2 + _MASK_CALLS):
+            xs, idxs, ws = make_inputs(case, cfg.num_experts, [8] * R, 7 * call + 1, "uniform")
+            if r == R - 1 and call == 1 and kill_at == "dispatch":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if r == R - 1 and call == 1 and kill_at == "stop":
+                _stop_then_raise(buf, xs[r], idxs[r], ws[r], out, r)
+            if kill_at == "stop" and call == 2:
+                Path(out, f"past.{r}").write_text("")
+            if kill_at == "stop" and call == 2 + _MASK_CALLS // 2:
+                _wait_for_file(Path(out, "continued"))  # the rest overlaps the woken rank
+            res = buf.dispatch(xs[r], idxs[r], ws[r])
+            mask_d = masked_now()
+            if r == R - 1 and call == 1 and kill_at == "combine":
+                os.kill(os.getpid(), signal.SIGKILL)
+            y = buf.combine(res.recv_x, res.handle)
+            mask_c = masked_now()
+            if r == R - 1 and call == 1 and kill_at == "between":
+                os.kill(os.getpid(), signal.SIGKILL)
+            ref_d = masked_oracle(xs, idxs, ws, mask_d, cfg.num_experts, cfg.layout)
+            ref_c = masked_oracle(xs, idxs, ws, mask_c, cfg.num_experts, cfg.layout)
+            errors += [f"call {call}: {e}" for e in compare(res, ref_d[r])]
+            want = reference.combine([ref.recv_x for ref in ref_c], ref_c)[r]
+            if not np.array_equal(bits(y), bits(want)):
+                errors.append(f"call {call}: combine differs")
+            masks.append(mask_c)
+    Path(out, f"mask.{r}.json").write_text(json.dumps({"errors": errors, "masks": masks}))
+    os._exit(0)  # the job's communicator has a dead member: no collective teardown
 
 
 def _worker_main(name: str, out: str) -> None:
@@ -237,6 +314,8 @@ def _worker_main(name: str, out: str) -> None:
     group = ubep.mpi.init()
     if name == "_worker_kill":
         _worker_kill(group, str(Path(out).parent))
+    if name == "_worker_mask":
+        _worker_mask(group, str(Path(out).parent))
     if name == "_worker_sigstop":
         result = _worker_sigstop(group, str(Path(out).parent))
     else:
@@ -333,40 +412,121 @@ def test_sigstopped_rank_gives_timeout_at_the_deadline_over_tcp_rma(tmp_path: Pa
     assert all(e["after"] for e in every)
 
 
-@pytest.mark.parametrize("transport", ["shared", "tcp"])
-def test_a_killed_rank_makes_every_survivor_raise_within_the_deadline(
-        tmp_path: Path, transport: str) -> None:
-    """3 ranks; masking is refused over MPI (naming on_peer_loss); one rank is SIGKILLed before
-    a call and both survivors raise within the deadline. ``--with-ft ulfm`` keeps mpiexec from
-    ending the survivors when the rank dies (docs/MULTIHOST.md)."""
-    reason = _skip_reason()
-    if reason:
-        pytest.skip(reason)
-    env = dict(os.environ) | {"OMP_NUM_THREADS": "1"}
-    mca = _QUIET
+# Open MPI's heartbeat detector, on its own thread (a rank busy in Python still beats), with a
+# timeout below the Buffers' deadline: a stopped rank counts as failed to ULFM's shrink
+_DETECTOR = ("--mca", "mpi_ft_detector", "true", "--mca", "mpi_ft_detector_thread", "true",
+             "--mca", "mpi_ft_detector_period", "0.5", "--mca", "mpi_ft_detector_timeout",
+             "1.6")
+
+
+def _run_ft_job(tmp_path: Path, worker: str, transport: str, env: dict[str, str],
+                mca: tuple[str, ...] = (), while_running: Any = None) -> str:
+    """3 ranks of ``worker`` under ``mpiexec --with-ft ulfm`` (which keeps mpiexec from ending
+    the survivors when a rank dies, docs/MULTIHOST.md), with ``mca`` added; the job's output.
+    ``while_running()`` runs once the job started."""
+    env = dict(os.environ) | {"OMP_NUM_THREADS": "1"} | env
+    mca = (*_QUIET, *mca)
     if transport == "tcp":
         env["UBEP_DIST_FORCE_RMA"] = "1"
-        mca = _TCP
+        mca = (*_TCP, *mca[len(_QUIET):])
     if os.geteuid() == 0:
         env |= {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
     cmd = [str(_mpiexec()), "--oversubscribe", "--with-ft", "ulfm", *mca, "-n", "3",
-           sys.executable, *_WORKER, "_worker_kill", str(tmp_path / "kill.json")]
+           sys.executable, *_WORKER, worker, str(tmp_path / f"{worker}.json")]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True, cwd=REPO_ROOT)
     try:
+        if while_running is not None:
+            while_running()
         output, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             output, _ = proc.communicate()
+    return output.replace("\x00", "")
+
+
+@pytest.mark.parametrize("transport", ["shared", "tcp"])
+def test_a_killed_rank_makes_every_survivor_raise_within_the_deadline(
+        tmp_path: Path, transport: str) -> None:
+    """3 ranks, ``on_peer_loss="raise"``: one rank is SIGKILLed before a call and both
+    survivors raise within the deadline (a survivor whose put MPI never returns from too:
+    ubep.mpi.watchdog)."""
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    output = _run_ft_job(tmp_path, "_worker_kill", transport, {})
     for r in (0, 1):
         path = tmp_path / f"kill.{r}.json"
         assert path.exists(), (r, output[-4000:])
         got = json.loads(path.read_text())
-        assert got["refused"].startswith("on_peer_loss:"), got
-        assert "MPI" in got["refused"], got
         assert got["error"] in ("PeerLostError", "TimeoutError", "RemoteError"), got
         assert got["elapsed_s"] <= _KILL_TIMEOUT_S + _STOP_MARGIN_S, got
+
+
+@pytest.mark.parametrize(("transport", "kill_at", "engine", "sync", "layout"), [
+    ("tcp", "dispatch", "asp", "dc", "expert"),
+    ("tcp", "combine", "bsp", "tff", "rank"),
+    ("tcp", "between", "asp", "sw", "rank"),
+    ("shared", "combine", "asp", "sp", "expert"),
+])
+def test_a_killed_rank_is_masked_over_mpi_and_the_survivors_stay_bit_exact(
+        tmp_path: Path, transport: str, kill_at: str, engine: str, sync: str,
+        layout: str) -> None:
+    """3 ranks, ``on_peer_loss="mask"`` over MPI (ULFM's shrink is the agreement): the last
+    rank dies at its second dispatch, its second combine or between calls; both survivors
+    end with the same mask, and every call of theirs, the one that saw the loss included, is
+    bit-exact against the oracle of the mask it reports."""
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    output = _run_ft_job(tmp_path, "_worker_mask", transport, {
+        "UBEP_TEST_KILL_AT": kill_at, "UBEP_TEST_ENGINE": engine, "UBEP_TEST_SYNC": sync,
+        "UBEP_TEST_LAYOUT": layout})
+    got = []
+    for r in (0, 1):
+        path = tmp_path / f"mask.{r}.json"
+        assert path.exists(), (r, output[-4000:])
+        got.append(json.loads(path.read_text()))
+        assert got[-1]["errors"] == [], got[-1]["errors"][:5]
+    assert got[0]["masks"] == got[1]["masks"]
+    masks = got[0]["masks"]
+    assert masks[0] == [] and masks[-1] == [2]  # served over all three, then over 0 and 1
+
+
+def test_a_stopped_rank_is_masked_over_mpi_with_the_failure_detector(tmp_path: Path) -> None:
+    """3 ranks, ``on_peer_loss="mask"``, Open MPI's heartbeat detector on (its timeout below
+    the Buffer's): the last rank SIGSTOPs itself before its second dispatch; the survivors
+    mask it and serve on; it is continued while they still serve, and every survivor call,
+    before and after it woke, stays bit-exact (nothing it does reaches them: their windows
+    are new). The woken rank does not serve again: its call raises, or Open MPI ends the
+    process it declared failed (docs/MULTIHOST.md)."""
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    env = {"UBEP_TEST_KILL_AT": "stop", "UBEP_TEST_ENGINE": "asp", "UBEP_TEST_SYNC": "dc",
+           "UBEP_TEST_LAYOUT": "expert"}
+
+    def continue_victim() -> None:
+        _wait_for_file(tmp_path / "stopped.json")
+        victim = json.loads((tmp_path / "stopped.json").read_text())["pid"]
+        for r in (0, 1):  # both survivors past the loss, serving without it
+            _wait_for_file(tmp_path / f"past.{r}")
+        os.kill(victim, signal.SIGCONT)
+        (tmp_path / "continued").write_text("")
+
+    output = _run_ft_job(tmp_path, "_worker_mask", "tcp", env, mca=_DETECTOR,
+                         while_running=continue_victim)
+    got = []
+    for r in (0, 1):
+        path = tmp_path / f"mask.{r}.json"
+        assert path.exists(), (r, output[-4000:])
+        got.append(json.loads(path.read_text()))
+        assert got[-1]["errors"] == [], got[-1]["errors"][:5]
+    assert got[0]["masks"] == got[1]["masks"] == [[]] + [[2]] * (1 + _MASK_CALLS)
+    woke = tmp_path / "mask.2.json"
+    if woke.exists():
+        assert json.loads(woke.read_text())["woke"] != "returned"
 
 
 def test_doctor_mpi_probe_runs_both_transports() -> None:

@@ -373,6 +373,44 @@ def test_rma_stopped_peer_gives_timeout_at_the_deadline_and_resync_recovers() ->
     assert all(cleared and forgot and ok for _, _, cleared, forgot, ok in out)
 
 
+def test_rma_call_stuck_inside_mpi_raises_peer_lost_and_the_group_refuses() -> None:
+    """A put to a rank that just died never returns (Open MPI's TCP one-sided component can
+    spin in MPI_Rput): each survivor's call raises PeerLostError by itself (the watchdog, not
+    the stuck put), the next call refuses at once, and the group says it is wedged."""
+    from tests.mpi._fake_rma import FakeWorld, run_ranks
+    from ubep.buffer import Buffer
+    from ubep.errors import PeerLostError
+
+    world = FakeWorld(R3)
+
+    def body(g: Any) -> Any:
+        buf = Buffer(g, _cfg(engine="asp", sync="dc", timeout_s=0.5))
+        ok = _checked_call(buf, g.rank, 5)
+        g.barrier()
+        if g.rank == 2:
+            return ok, "dead", "", False  # this rank "dies": it never calls again
+        world.wedging.add(2)
+        world.dead.add(2)
+        xs, idxs, ws = _inputs(6)
+        outcome = []
+        for _ in range(2):
+            try:
+                buf.dispatch(xs[g.rank], idxs[g.rank], ws[g.rank])
+                outcome.append("ok")
+            except PeerLostError as exc:
+                outcome.append(str(exc))
+        return ok, outcome[0], outcome[1], g.runner.wedged
+
+    try:
+        out = run_ranks(world, body, timeout_s=30.0)
+    finally:
+        world.unwedge()
+    assert all(ok for ok, *_ in out)
+    for first, second, wedged in (o[1:] for o in out[:2]):
+        assert "still inside MPI" in first, first
+        assert second != "ok" and wedged
+
+
 def test_rma_completed_operations_are_dropped_without_a_flush() -> None:
     """ASP + DC never flushes: completed puts (and their buffers) are still dropped at the next
     call, so a long run holds one call's worth, not every call's."""

@@ -35,6 +35,10 @@ def test_fig9_keys_and_ordering() -> None:
     assert set(maxima) == {"cann_ep", "balanced", "hierarchical"}
     # Hot experts pile onto the few cores that own them under expert_contiguous.
     assert maxima["cann_ep"] > maxima["hierarchical"]
+    # Program (1) (no receiver queueing): the hierarchical mapping evens out the two-hop rows
+    # per core, so its largest issue-plus-round-trip time is below the balanced slices'.
+    own = res.to_json()["max_core_program1_us"]
+    assert own["cann_ep"] > own["balanced"] > own["hierarchical"]
 
 
 def test_run_command_and_bad_experiment(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from ubep.errors import InvalidArgumentError
 from ubep.sim import build_spec, simulate
 from ubep.sim.fit import ASSUMED, TrainingPoint, apply_assumed, fit, leave_one_out
 from ubep.sim.workload import UBEP, Workload, aux_cores, core_split
-from ubep.topology import cm384
+from ubep.topology import Topology, cm384
 
 
 @pytest.mark.parametrize("mode", ["analytic", "events"])
@@ -258,3 +258,76 @@ def test_hierarchical_mapping_lowers_the_largest_wait_sum() -> None:
             np.testing.assert_allclose(res.core_send_end_ns[r], want, atol=1e-6)
         largest[policy] = float(res.core_send_end_ns.max())
     assert largest["hierarchical"] < largest["balanced"]
+
+
+@pytest.mark.parametrize("mode", ["analytic", "events"])
+def test_program1_adds_the_largest_round_trip_through_the_link(mode: str) -> None:
+    # Program (1) of the paper per core: its issue time plus the largest round trip of its
+    # rows, a round trip being the row's occupancy of the rank's link (wait behind other
+    # cores' rows + its own serialisation) and 2 L[h]; no receiver queueing. Cores 0 and 1
+    # each send one row to rank 1 at the same instant (no contention: speed 1); the port
+    # serves core 0's row first (lower unit id), so core 1's row waits one serialisation.
+    # Core 2 sends one local row: its round trip is 2 L[0].
+    f, topo = fabric(contention_cores=1e9), two_ranks(cores=4)
+    plans = [plan(0, [(0, 0, 1, 0), (1, 1, 1, 1), (2, 2, 0, 0)], n_send=3, n_count=1,
+                  topo=topo),
+             plan(1, [], n_send=3, n_count=1, topo=topo)]
+    res = simulate(plans, topo, f, engine="asp", sync="sp", row_bytes=ROW, mode=mode)
+    w_far, w_near = 100 + ROW / 10 + 0.5 * 400, 100 + ROW / 10 + 0.5 * 50
+    s = ROW / 20  # serialisation at 20 GB/s
+    np.testing.assert_allclose(res.core_rtt_ns[0], [s + 800, 2 * s + 800, 100], atol=1e-6)
+    np.testing.assert_allclose(res.send_latency_ns(until="rtt")[0],
+                               [w_far + s + 800, w_far + 2 * s + 800, w_near + 100], atol=1e-6)
+    # The receiver's port is not in it: rank 1 lands both rows one serialisation apart, so
+    # core 1's acknowledgement comes no earlier than program (1) says.
+    assert res.send_latency_ns(until="ack")[0, 1] >= res.send_latency_ns(until="rtt")[0, 1]
+    assert res.send_latency_ns(until="rtt")[1].tolist() == [0.0, 0.0, 0.0]
+
+
+def test_program1_hierarchical_mapping_beats_balanced_slices() -> None:
+    # Real plans on 8 ranks in 2 nodes of 4 (hops 0/1/2), 6 send cores, no contention and a
+    # link so fast that no row waits: program (1) per core is closed form, rows x work + the
+    # core's own waits (core_wait_fraction * L[h] per row) + 2 L of its farthest row. Balanced
+    # slices give some cores only two-hop rows; the hierarchical mapping caps each core's
+    # share of every hop class, so the largest value falls.
+    from ubep.routing import uniform_topk
+    from ubep.sim import make_plans
+
+    topo = Topology(num_ranks=8, ranks_per_node=4, cores_per_rank=8,
+                    latency_ns=(218.0, 929.0, 2500.0), bandwidth_gbps=(1e9, 1e9, 1e9))
+    f = fabric(latency_exposure=0.0, core_wait_fraction=0.5, contention_cores=1e9)
+    idx = [uniform_topk(16, 16, 4, seed=r) for r in range(8)]
+    lat = np.asarray(topo.latency_ns)
+    largest = {}
+    for policy in ("balanced", "hierarchical"):
+        plans = make_plans(idx, topo, num_experts=16, policy=policy, num_send_cores=6,
+                           num_count_cores=2)
+        res = simulate(plans, topo, f, engine="asp", sync="sp", row_bytes=ROW)
+        got = res.send_latency_ns(until="rtt")
+        for r, p in enumerate(plans):
+            rows = np.bincount(p.send_core, minlength=6)
+            waits = np.bincount(p.send_core, weights=0.5 * lat[p.send_hop], minlength=6)
+            far = np.zeros(6)
+            np.maximum.at(far, p.send_core, 2 * lat[p.send_hop])
+            want = np.where(rows > 0, rows * (100 + ROW / 10) + waits + far, 0.0)
+            np.testing.assert_allclose(got[r], want, atol=1e-3)
+        largest[policy] = float(got.max())
+    assert largest["hierarchical"] < largest["balanced"]
+
+
+def test_one_vector_step_checks_the_markers_of_check_lanes_blocks() -> None:
+    # A 7168 B row is 14 atomic blocks of 512 B (TFF: 15 blocks of 480 B payload). With 8
+    # markers per vector step, a check takes ceil(14 / 8) = 2 steps (TFF ceil(15 / 8) = 2);
+    # with one block per step, 14 (15).
+    from ubep.sim.fabric import sync_costs
+
+    for lanes, steps, tff_steps in ((8, 2, 2), (1, 14, 15), (14, 1, 2)):
+        f = fabric(vector_op_ns=10.0, check_lanes=lanes)
+        sp, dc, tff = (sync_costs(s, 7168, f) for s in ("sp", "dc", "tff"))
+        assert sp.receiver_extra_ns == pytest.approx(steps * 10.0 + 7168 / 10.0)
+        assert (dc.sender_extra_ns, dc.receiver_extra_ns) == (steps * 10.0, steps * 10.0)
+        assert tff.receiver_extra_ns == tff_steps * 10.0
+        assert (sp.blocks, tff.blocks) == (14, 15)
+    with pytest.raises(InvalidArgumentError) as exc:
+        fabric(check_lanes=0)
+    assert exc.value.argument == "check_lanes"

@@ -45,7 +45,7 @@ from ..config import BufferConfig
 from ..engine import CombineCall, DispatchCall
 from ..errors import InvalidArgumentError, RemoteError, UbepError
 from ..handle import DispatchHandle, DispatchResult, PendingCall, RuntimeHandle
-from ..m2n import physical_config
+from ..m2n import logical_result, physical_config, slot_shift
 from ..routing import experts_per_rank
 from ..runtime.abi import ErrorRecord, engine_params, load_native
 from ..runtime.group import ProcessGroup
@@ -107,7 +107,8 @@ class Buffer(InFlightCalls, ArgChecks):
     def __init__(self, group: ProcessGroup, config: BufferConfig) -> None:
         group = as_process_group(group)  # a torch.distributed group -> ubep.torch.group
         self.group = group
-        self.config = config
+        self.config = config  # the caller's (M2N: logical experts and roles)
+        self._cfg = config  # the one the engine runs (_configure)
         self.rank = group.rank
         self.num_ranks = group.num_ranks
         self._epoch = 0  # sequence number of the last call (every rank agrees on it)
@@ -125,6 +126,7 @@ class Buffer(InFlightCalls, ArgChecks):
         self._route = None  # expert_map's routing (_configure)
         self.expert_ranks: tuple[int, ...] | None = None  # M2N roles (_configure)
         self._no_experts = False  # an M2N sender (_configure)
+        self._m2n_shift = 0  # M2N, expert layout: slot id + shift = logical id (_configure)
         # Construction is collective: every rank validates, then all exchange the outcome, so a
         # config only one rank rejects fails on every rank instead of pairing with its next one.
         error: Exception | None = None
@@ -159,13 +161,15 @@ class Buffer(InFlightCalls, ArgChecks):
         """Local validation and derived sizes (raises ``InvalidArgumentError``)."""
         if not isinstance(config, BufferConfig):
             raise InvalidArgumentError("config", type(config).__name__, "must be a BufferConfig")
-        # M2N (expert_ranks, None without): the physical config, an expert map of the
-        # placement (ubep.m2n)
+        # M2N (expert_ranks, None without): the engine runs the physical config, an expert
+        # map of the placement (ubep.m2n); self.config stays the caller's
+        self.config = config
         self.expert_ranks = config.expert_ranks
         self._no_experts = config.expert_ranks is not None and self.rank not in (
             config.expert_ranks)
+        self._m2n_shift = slot_shift(config, self.rank, self.num_ranks)
         config = physical_config(config, self.num_ranks)
-        self.config = config
+        self._cfg = config
         self.num_local_experts = experts_per_rank(config.num_experts, self.num_ranks)
         self.num_cores = config.num_cores or self.group.topology.cores_per_rank
         self._dtype = _dt.dtype_of(config.dtype)
@@ -184,27 +188,27 @@ class Buffer(InFlightCalls, ArgChecks):
         self._memory = mem
         self._segments = list(getattr(mem, "segments", []))
         cores = self.num_cores
-        threads = self.config.threads
+        threads = self._cfg.threads
         if threads is None:
             threads = cores * self.num_ranks <= (os.cpu_count() or 1)
         if mem.addresses is not None:
-            background = self.config.background
+            background = self._cfg.background
             if background is None:
                 background = (cores + 1) * self.num_ranks <= (os.cpu_count() or 1)
-            params = engine_params(self.config, lay, rank=self.rank, num_ranks=self.num_ranks,
+            params = engine_params(self._cfg, lay, rank=self.rank, num_ranks=self.num_ranks,
                                    num_cores=cores, threaded=bool(threads) and cores > 1,
                                    background=background)
             self._engine = self._native.Engine(params, mem.addresses, mem.pids, mem.start_times)
         else:
-            if self.config.integrity != "off":  # the same on every rank: all peers remote
+            if self._cfg.integrity != "off":  # the same on every rank: all peers remote
                 raise InvalidArgumentError(
-                    "integrity", self.config.integrity,
+                    "integrity", self._cfg.integrity,
                     "row checksums are implemented by the one-host engine only (docs/INTEGRITY.md)")
-            self._engine = mem.make_engine(self.config, lay)  # peers on other hosts (ubep.mpi)
+            self._engine = mem.make_engine(self._cfg, lay)  # peers on other hosts (ubep.mpi)
         self._engine.reset_all()
         # Every peer has mapped every segment once this barrier completes: unlink the names so
         # nothing survives a crash from here on.
-        g.barrier(self.config.timeout_s)
+        g.barrier(self._cfg.timeout_s)
         mem.unlink()
         seg = mem.local_array
         self._out_regions = [
@@ -213,7 +217,7 @@ class Buffer(InFlightCalls, ArgChecks):
         ]
         # Full-capacity read-only recv_x views, sliced per call (building one costs ~2 us);
         # quantised rows: the values, and the float32 scales after them in each row
-        cfg = self.config
+        cfg = self._cfg
         values = self._dtype.storage if cfg.quant is None else _quant.FORMATS[cfg.quant].storage
         self._recv_views = [rows_view(r, lay, values, 0, cfg.hidden) for r in self._out_regions]
         self._scale_views = [] if cfg.quant is None else [
@@ -319,14 +323,13 @@ class Buffer(InFlightCalls, ArgChecks):
                     got = self._fast_answer(fast.dispatch_fast(
                         x, topk_idx, topk_weights, epoch, index, self._generation, plan))
                     if got is not None:
-                        if self._no_experts:  # an M2N sender: no local expert to count
-                            object.__setattr__(got, "num_recv_tokens_per_expert",
-                                               got.num_recv_tokens_per_expert[:0])
+                        if self.expert_ranks is not None:  # M2N: the caller's ids
+                            logical_result(got, self._no_experts, self._m2n_shift)
                         return got
                     stage = _BEFORE
             xa, idx, w = self._check_dispatch_args(x, topk_idx, topk_weights, x_scales)
             plan = self._plan(idx)
-            cfg, lay = self.config, self.layout
+            cfg, lay = self._cfg, self.layout
             ntok = xa.shape[0]
             cap, K, L, R = lay.cap_rows, cfg.num_topk, self.num_local_experts, self.num_ranks
             expert = cfg.layout == "expert"
@@ -361,7 +364,7 @@ class Buffer(InFlightCalls, ArgChecks):
         self, n: int, index: int, ntok: int, copy: bool, o_idx: np.ndarray, o_w: np.ndarray,
         meta: np.ndarray, counts: np.ndarray, o_dst: np.ndarray, idx: np.ndarray, w: np.ndarray,
     ) -> DispatchResult[RuntimeHandle]:
-        cfg, lay = self.config, self.layout
+        cfg, lay = self._cfg, self.layout
         L, R = self.num_local_experts, self.num_ranks
         recv_x = self._recv_views[index % lay.num_regions][:n]
         scales = self._scale_views[index % lay.num_regions][:n] if self._scale_views else None
@@ -395,7 +398,7 @@ class Buffer(InFlightCalls, ArgChecks):
         return new_frozen(
             DispatchResult,
             recv_x=recv_x,
-            recv_topk_idx=o_idx[:n],
+            recv_topk_idx=o_idx[:n] + self._m2n_shift if self._m2n_shift else o_idx[:n],
             recv_topk_weights=o_w[:n],
             num_recv_tokens_per_expert=counts[:0 if self._no_experts else L],
             recv_src_rank=src_rank,
@@ -461,7 +464,7 @@ class Buffer(InFlightCalls, ArgChecks):
             h, eo = self._check_combine_args(expert_out, handle)
             creg = combine_region(h)
             assert h.send_dst_row is not None  # checked by _check_combine_args
-            y = np.empty((h.num_tokens, self.config.hidden), dtype=self._cdtype.storage)
+            y = np.empty((h.num_tokens, self._cfg.hidden), dtype=self._cdtype.storage)
             stage = _NATIVE
             got = self._engine.combine(CombineCall(
                 expert_out=eo, num_rows=h.num_recv_rows, topk_idx=h.topk_idx,
@@ -486,10 +489,10 @@ class Buffer(InFlightCalls, ArgChecks):
             h = self._check_handle(handle)
             creg = combine_region(h)
             last = int(self._engine.comb_last_epoch(creg))
-            got = self._engine.wait_done(last, float(self.config.timeout_s))
+            got = self._engine.wait_done(last, float(self._cfg.timeout_s))
             if type(got) is ErrorRecord:
                 raise self._error(got)
-            rows, hidden = h.num_recv_rows, self.config.hidden
+            rows, hidden = h.num_recv_rows, self._cfg.hidden
             region = self._comb_regions[creg]
             return np.ndarray((rows, hidden), dtype=self._cdtype.storage, buffer=region)
         finally:
@@ -501,7 +504,7 @@ class Buffer(InFlightCalls, ArgChecks):
         another thread is waited for (at most its deadline): its cores use the segments."""
         if self._closed:
             return
-        if not self._lock.acquire(timeout=float(self.config.timeout_s) + 5.0):
+        if not self._lock.acquire(timeout=float(self._cfg.timeout_s) + 5.0):
             raise UbepError(f"rank {self.rank}: cannot close the Buffer: a call on it in "
                             "another thread (or in the code this signal handler interrupted) is "
                             "still running")
@@ -532,7 +535,7 @@ class Buffer(InFlightCalls, ArgChecks):
         self.close()
 
     def __repr__(self) -> str:
-        c = self.config
+        c = self._cfg
         return (
             f"Buffer(rank={self.rank}/{self.num_ranks}, engine={c.engine}, sync={c.sync}, "
             f"layout={c.layout}, dtype={c.dtype}, hidden={c.hidden}, "
@@ -552,7 +555,7 @@ class Buffer(InFlightCalls, ArgChecks):
         split = self._core_split(idx.shape[0])
         if split is None or split.num_send_cores < 2:
             return split
-        cfg = self.config
+        cfg = self._cfg
         topo = dataclasses.replace(self.group.topology, cores_per_rank=self.num_cores)
         return schedule(
             idx, topo, rank=self.rank, num_experts=cfg.num_experts, policy=cfg.policy,
@@ -580,7 +583,7 @@ class Buffer(InFlightCalls, ArgChecks):
     def _core_split(self, num_tokens: int) -> CoreSplit | None:
         """Appendix A's count/send split of this rank's cores for ``num_tokens`` (cached per
         batch size), or None: one core, BSP, or no tokens (one pass does everything)."""
-        cfg = self.config
+        cfg = self._cfg
         if cfg.engine != "asp" or self.num_cores < 2 or num_tokens == 0:
             return None
         return core_split(self.num_cores, cfg.num_experts, cfg.num_topk, num_tokens)

@@ -124,13 +124,13 @@ class ArgChecks(BufferState):
     def _check_dispatch_args(
         self, x: object, topk_idx: object, topk_weights: object, x_scales: object = None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return check_dispatch_args(self.config, self._dtype, x, topk_idx, topk_weights,
+        return check_dispatch_args(self._cfg, self._dtype, x, topk_idx, topk_weights,
                                    x_scales)
 
     def _check_handle(self, handle: object) -> DispatchHandle:
         if not isinstance(handle, DispatchHandle):
             raise InvalidArgumentError("handle", type(handle).__name__, "must be a dispatch handle")
-        cfg = self.config
+        cfg = self._cfg
         if (handle.rank, handle.num_ranks, handle.layout, handle.num_experts, handle.hidden) != (
             self.rank, self.num_ranks, cfg.layout, cfg.num_experts, cfg.hidden
         ) or handle.topk_idx.shape[1:] != (cfg.num_topk,):
@@ -166,10 +166,10 @@ class ArgChecks(BufferState):
                 raise InvalidArgumentError(
                     "expert_out", dt.name, f"must have combine_dtype ({self._cdtype.name})"
                 )
-        if eo.shape != (h.num_recv_rows, self.config.hidden):
+        if eo.shape != (h.num_recv_rows, self._cfg.hidden):
             raise InvalidArgumentError(
                 "expert_out", eo.shape,
-                f"must be ({h.num_recv_rows}, {self.config.hidden}): one row per received row",
+                f"must be ({h.num_recv_rows}, {self._cfg.hidden}): one row per received row",
             )
         if not eo.flags.c_contiguous:
             eo = np.ascontiguousarray(eo)

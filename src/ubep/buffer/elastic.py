@@ -35,8 +35,10 @@ Split-phase calls (``return_recv_hook=True``) are not replayed: a loss while any
 every survivor agree, rebuild and raise :class:`ubep.CallLostError` (in the call the loss
 struck, or in its next one on a survivor that had finished it); the next call is served.
 
-Limits today: a one-host :class:`~ubep.runtime.group.Group` (``ubep.launch``, an environment
-launch); a handle from a dispatch older than the call that saw the loss cannot be combined
+The agreement and the members' group come from a *plane*: on one host the rendezvous
+directory (:class:`~ubep.runtime.group.Group`: ``ubep.launch``, an environment launch); over MPI
+ULFM's revoke + shrink (``ubep.mpi.membership``, which masks dead ranks only and lets none back
+in). Limit: a handle from a dispatch older than the call that saw the loss cannot be combined
 afterwards (dispatch again).
 """
 
@@ -79,6 +81,18 @@ from .replicas import LogicalRouting
 
 __all__ = ["MaskingBuffer"]
 
+
+class _OneHostPlane:
+    """The control plane of a masking Buffer on one host: the rendezvous directory's
+    agreement and member groups (ubep.runtime.membership). ``ubep.mpi.membership.MpiPlane``
+    is the other one."""
+
+    agree = staticmethod(agree)
+    member_group = MemberGroup
+
+
+_ONE_HOST = _OneHostPlane()
+
 # what a call raises when the group under it broke (a clean reject is bad input, not a loss)
 _LOSS = (PeerLostError, TimeoutError, OutOfStepError)
 
@@ -117,21 +131,26 @@ class MaskingBuffer:
 
     def __init__(self, group: Any, config: BufferConfig) -> None:
         group = as_process_group(group)
-        if not isinstance(group, Group):
+        if isinstance(group, Group):
+            plane: Any = _ONE_HOST
+            roster: Any = Roster.of(group)
+        elif hasattr(group, "membership_plane"):  # ubep.mpi: ULFM's agreement
+            plane = group.membership_plane()
+            roster = plane.roster
+        else:
             raise InvalidArgumentError(
-                "on_peer_loss", "mask", "needs a one-host ubep Group (ubep.launch or an "
-                f"environment launch), not {type(group).__name__}: its control plane must "
-                "outlive a process. Over MPI (ubep.mpi) a lost rank is not masked: with "
-                "on_peer_loss='raise' every survivor raises within the deadline "
-                "(docs/MULTIHOST.md)")
-        self._start(config, Roster.of(group), group.num_ranks, group.topology.hop_matrix())
+                "on_peer_loss", "mask", "needs a ubep Group (ubep.launch, an environment "
+                f"launch) or an MPI group (ubep.mpi.init), not {type(group).__name__}: its "
+                "control plane must outlive a process")
+        self._start(config, roster, group.num_ranks, group.topology.hop_matrix(), plane)
         self._inner = Buffer(group, self._inner_config())
         self._uid = self._inner._uid  # agreed by every rank at construction
         self._install_route()
 
-    def _start(self, config: BufferConfig, roster: Roster, num_ranks: int,
-               hops: np.ndarray) -> None:
+    def _start(self, config: BufferConfig, roster: Any, num_ranks: int,
+               hops: np.ndarray, plane: Any = None) -> None:
         self.config = config
+        self._plane = _ONE_HOST if plane is None else plane  # agreement + member groups
         self.rank = roster.rank
         self.num_ranks = num_ranks
         self.num_experts = config.num_experts
@@ -242,6 +261,7 @@ class MaskingBuffer:
         if bad:
             raise InvalidArgumentError("ranks", list(ranks),
                                        f"must be masked ranks (members: {list(self.members)})")
+        self._one_host("admit")
         wait = float(self.config.timeout_s if timeout_s is None else timeout_s)
         self._admits += 1
         key = f"{self._uid:x}.a{self._admits}"
@@ -277,6 +297,7 @@ class MaskingBuffer:
         self._requests += 1
         key = f"{self._uid:x}.m{self._requests}"
         wait = float(self.config.timeout_s if timeout_s is None else timeout_s)
+        self._one_host("mask_ranks")
         decision = agree(self._roster, key, {"call": self._calls, "mask": want}, wait)
         masked = {r for s in decision.states for r in s["mask"]}
         members = tuple(r for r in decision.members if r not in masked)
@@ -512,7 +533,7 @@ class MaskingBuffer:
         rebuild over the members. ``split``: the loss struck with split-phase calls open (then
         no survivor replays: every one raises)."""
         state = {"call": call, "op": op, "split": split or bool(self._open)}
-        decision = agree(self._roster, key, state, float(self.config.timeout_s))
+        decision = self._plane.agree(self._roster, key, state, float(self.config.timeout_s))
         if self.rank not in decision.members:
             self._leave(decision.members, f"after: {cause}")
             raise RankMaskedError(self._masked) from cause
@@ -573,7 +594,7 @@ class MaskingBuffer:
         under ``key``) and the expert-id table to it."""
         self._roster = roster
         self._moved.clear()
-        self._inner = Buffer(MemberGroup(roster, key), self._inner_config())
+        self._inner = Buffer(self._plane.member_group(roster, key), self._inner_config())
         self._install_route()
 
     def _expert_table(self) -> np.ndarray:
@@ -587,6 +608,12 @@ class MaskingBuffer:
     def _inner_config(self) -> BufferConfig:
         return dataclasses.replace(self.config, on_peer_loss="raise", expert_map=None,
                                    num_experts=self.num_local_experts * len(self.members))
+
+    def _one_host(self, what: str) -> None:
+        if self._plane is not _ONE_HOST:
+            raise UbepError(f"rank {self.rank}: {what} needs a one-host group: over MPI a "
+                            "lost rank is masked (ULFM's shrink), but ranks are not masked on "
+                            "request nor let back in (docs/ELASTIC.md)")
 
     def _check_call(self) -> None:
         if self._masked is not None:

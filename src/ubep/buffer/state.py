@@ -32,7 +32,8 @@ class BufferState:
     """The attributes of one rank's Buffer (set in ``Buffer.__init__`` / ``_setup``)."""
 
     group: ProcessGroup
-    config: BufferConfig
+    config: BufferConfig  # the caller's (M2N: logical experts and expert_ranks)
+    _cfg: BufferConfig  # the one the engine runs (M2N: physical slots, ubep.m2n)
     rank: int
     num_ranks: int
     num_cores: int

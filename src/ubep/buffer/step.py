@@ -52,7 +52,7 @@ class StepKeeping(BufferState):
                 raise UbepError(f"rank {self.rank}: the Buffer is closed")
             if self._dead is not None:
                 raise PeerLostError(f"rank {self.rank}: cannot resync, a peer died: {self._dead}")
-            timeout = float(self.config.timeout_s if timeout_s is None else timeout_s)
+            timeout = float(self._cfg.timeout_s if timeout_s is None else timeout_s)
             self._abandon_in_flight("resync() was called before its hook")
             gen = self._generation + 1
             mine = {"epoch": self._epoch, "dispatches": self._num_dispatches}
@@ -112,7 +112,7 @@ class StepKeeping(BufferState):
         # with calls in flight this one is not finished by itself: done words say "every call
         # up to here is finished", so the notice goes out without one
         got = self._engine.fail(epoch, E_BAD_INPUT, f"rank {self.rank}: {exc}",
-                                0 if self._in_flight else 1, float(self.config.timeout_s))
+                                0 if self._in_flight else 1, float(self._cfg.timeout_s))
         if type(got) is ErrorRecord:  # peers never finished the call before last: out of step
             self._mark_lost(f"rejected call {epoch} could not be announced: "
                             f"{self._error(got)}")

@@ -61,6 +61,7 @@ finished the call.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -68,7 +69,7 @@ import numpy as np
 
 from .. import dtypes as _dt
 from ..engine import CombineCall, DispatchCall
-from ..errors import InvalidArgumentError, TimeoutError
+from ..errors import InvalidArgumentError, PeerLostError, TimeoutError
 from ..flags import TffCodec
 from ..runtime.abi import (
     E_BAD_INPUT,
@@ -86,6 +87,7 @@ from .protocol import (
     _OpError,
     record_check,
 )
+from .watchdog import WedgedError
 
 if TYPE_CHECKING:
     from ..config import BufferConfig
@@ -181,11 +183,17 @@ class RmaEngine(RmaCombine):
         notices to arrive (``timeout_s`` is unused): a stopped peer gets them when it runs again.
         """
         del timeout_s
-        self._reap()
-        self._publish_failure(epoch, int(code), message)
-        if finished:
-            self._publish_done(epoch, int(code))
-        return 0
+
+        def notify() -> int:
+            self._reap()
+            self._publish_failure(epoch, int(code), message)
+            if finished:
+                self._publish_done(epoch, int(code))
+            return 0
+
+        # puts only, nothing waited for: the deadline is the grace alone
+        outcome = self._guarded(notify, 0)
+        return outcome if isinstance(outcome, int) else 0
 
     def resync(self, base_epoch: int) -> None:
         """Forget every call before ``base_epoch`` (local; ``Buffer.resync`` runs it between two
@@ -200,6 +208,11 @@ class RmaEngine(RmaCombine):
         epoch used before, so that a record of an old call that lands after the clear never
         equals a new call's epoch.
         """
+        outcome = self._guarded(functools.partial(self._resync, base_epoch), self.timeout_ns)
+        if not isinstance(outcome, int):
+            raise PeerLostError(outcome.what)
+
+    def _resync(self, base_epoch: int) -> int:
         op = _Op(2, base_epoch, self.timeout_ns)
         for mem in (self.data, self.ctrl):
             try:
@@ -216,24 +229,33 @@ class RmaEngine(RmaCombine):
         self._done_seen = [base_epoch - 1] * self.R
         self._done_code = [0] * self.R
         self.comb_last = [0, 0]
+        return 0
 
     def wait_done(self, epoch: int, timeout_s: float) -> int | ErrorRecord:
         op = _Op(2, epoch, int(timeout_s * 1e9))
-        try:
-            self._wait_peers_done(op, epoch)
-        except _OpError as err:
-            return self._record(err)
-        return 0
+
+        def wait() -> int | ErrorRecord:
+            try:
+                self._wait_peers_done(op, epoch)
+            except _OpError as err:
+                return self._record(err)
+            return 0
+
+        return self._guarded(wait, int(timeout_s * 1e9))
 
     def dispatch(self, call: DispatchCall, /) -> int | ErrorRecord:
-        try:
-            return self._dispatch_call(call)
-        except self.data.mpi.Exception as exc:
-            return self._mpi_failure(exc)
+        return self._guarded(functools.partial(self._dispatch_call, call), self.timeout_ns)
 
     def combine(self, call: CombineCall, /) -> int | ErrorRecord:
+        return self._guarded(functools.partial(self._combine_call, call), self.timeout_ns)
+
+    def _guarded(self, fn: Callable[[], int | ErrorRecord], timeout_ns: int) -> int | ErrorRecord:
+        """``fn`` on the group's MPI thread under ``timeout_ns`` (ubep.mpi.watchdog): an error
+        MPI raises, or a call MPI never returns from, is a lost peer."""
         try:
-            return self._combine_call(call)
+            return self.group.runner.run(fn, timeout_ns / 1e9)
+        except WedgedError as exc:
+            return self._mpi_failure(exc)
         except self.data.mpi.Exception as exc:
             return self._mpi_failure(exc)
 
@@ -242,10 +264,11 @@ class RmaEngine(RmaCombine):
         runs with fault tolerance (``mpiexec --with-ft ulfm``); without it ``mpiexec`` ends the
         job instead. Nothing is announced to the peers (a put to a failed process may never
         complete): each survivor learns it from MPI, within the call's deadline. The Buffer
-        raises ``PeerLostError`` and refuses calls: ubep.mpi does not mask a lost rank."""
+        raises ``PeerLostError`` and refuses calls; a masking Buffer agrees on the survivors
+        (ubep.mpi.membership) and serves on."""
         return ErrorRecord(E_PEER_LOST, -1, 0, "", f"rank {self.rank}: MPI reported a failure "
-                           f"({exc}); ubep.mpi does not mask a lost rank (on_peer_loss='mask' "
-                           "runs on one host): build a new group of the survivors", "")
+                           f"({exc}); with on_peer_loss='raise' build a new group of the "
+                           "survivors (on_peer_loss='mask' does it by itself)", "")
 
     def _dispatch_call(self, call: DispatchCall, /) -> int | ErrorRecord:
         # one thread: rows go destination by destination (module docstring); a split-phase

@@ -35,7 +35,9 @@ from ..errors import InvalidArgumentError, PeerLostError, TimeoutError, UbepErro
 from ..runtime.group import process_alive, process_start_time
 from ..runtime.poll import Backoff, wait_until
 from .engine import RmaEngine
+from .membership import MpiPlane
 from .memory import DistGlobalMemory
+from .watchdog import CallRunner
 
 if TYPE_CHECKING:
     from ..config import BufferConfig
@@ -119,6 +121,8 @@ class MpiGroup:
         self.rank: int = self.comm.Get_rank()
         self.num_ranks: int = self.comm.Get_size()
         self._closed = False
+        self._lost = False  # abandoned after a loss (abandon)
+        self._runner: CallRunner | None = None  # the RMA engines' MPI thread, made on first use
         self._windows: list[DistGlobalMemory] = []  # creation order (frees are collective)
         self.pids: list[int] = []  # filled by the first allgather (no liveness check before)
         self.start_times: list[int] = []
@@ -240,6 +244,32 @@ class MpiGroup:
         """The data plane of a Buffer across hosts: the RMA engine on ``mem``'s windows."""
         return RmaEngine(config, layout, mem)
 
+    @property
+    def runner(self) -> CallRunner:
+        """The thread every RMA engine call of this group runs on (ubep.mpi.watchdog)."""
+        if self._runner is None:
+            serialized = self.mpi.Query_thread() >= self.mpi.THREAD_SERIALIZED
+            self._runner = CallRunner(f"rank {self.rank}", threaded=serialized, owns_mpi=True)
+        return self._runner
+
+    def membership_plane(self) -> Any:
+        """The control plane of a masking Buffer on this group (ubep.mpi.membership)."""
+        return MpiPlane(self, MpiGroup, discovered_topology)
+
+    def abandon(self) -> None:
+        """Stop using this group without a collective: the survivors of a loss agreed on a
+        new communicator (ubep.mpi.membership). Its windows stay mapped until the process
+        ends; every later use raises."""
+        self._lost = True
+        if self._runner is not None and not self._runner.wedged:
+            self._runner.stop()
+            self._runner = None
+
+    @property
+    def wedged(self) -> bool:
+        """Whether a call stayed inside MPI past its deadline: the group is unusable."""
+        return self._runner is not None and self._runner.wedged
+
     def progress(self) -> None:
         """Let MPI make progress (targets of emulated RMA must poll; see docs/MULTIHOST.md)."""
         self.comm.Iprobe(self.mpi.ANY_SOURCE, self.mpi.ANY_TAG)
@@ -251,8 +281,12 @@ class MpiGroup:
             return
         for mem in self._windows:
             mem.close()
-        self._free_released(None, everything=True)
         self._closed = True
+        if self.wedged or self._lost:
+            return  # a thread is inside MPI, or a member is gone: nothing collective can run
+        if self._runner is not None:
+            self._runner.stop()
+        self._free_released(None, everything=True)
         self.host_comm.Free()
         self.comm.Free()
 
@@ -271,6 +305,12 @@ class MpiGroup:
     def _check_open(self) -> None:
         if self._closed:
             raise UbepError(f"rank {self.rank}: the group is closed")
+        if self.wedged:
+            raise PeerLostError(f"rank {self.rank}: a call is still inside MPI after a peer "
+                                "failure; build a new group of the survivors")
+        if self._lost:
+            raise PeerLostError(f"rank {self.rank}: this group lost a member; a masking "
+                                "Buffer's survivors went on in a new group")
 
     def _wait(self, request: Any, timeout_s: float | None, what: str) -> None:
         # A request that timed out stays posted (MPI cannot cancel a collective): after a

@@ -110,12 +110,15 @@ def _ps_times(spec: OpSpec, fabric: FabricModel, t0: float) -> tuple[np.ndarray,
     return unit_end, core_end
 
 
-def _fly(spec: OpSpec, topology: Topology, unit_end: np.ndarray) -> np.ndarray:
-    """Landing times: source port FIFO, flight latency, cut-through destination port."""
+def _fly(spec: OpSpec, topology: Topology,
+         unit_end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Landing times and departure times (a hop-0 unit departs when issued): source port FIFO,
+    flight latency, cut-through destination port."""
     lat = np.asarray(topology.latency_ns, dtype=np.float64)
     bw = np.asarray(topology.bandwidth_gbps, dtype=np.float64)
     hop = spec.unit_hop
     land = unit_end + lat[hop]
+    depart_all = unit_end.copy()
     remote = np.flatnonzero(hop > 0)
     if remote.size:
         service = spec.unit_wire_bytes[remote] / bw[hop[remote]]
@@ -123,13 +126,27 @@ def _fly(spec: OpSpec, topology: Topology, unit_end: np.ndarray) -> np.ndarray:
         order = lex_order((remote, _tie(end), src))
         depart = np.empty(remote.size)
         depart[order] = _fifo(src[order], end[order], service[order])
+        depart_all[remote] = depart
         arrive = depart + lat[hop[remote]]
         dst = spec.unit_dst[remote]
         order = lex_order((remote, _tie(arrive), dst))
         got = np.empty(remote.size)
         got[order] = _cut_through(dst[order], arrive[order], service[order])
         land[remote] = got
-    return land
+    return land, depart_all
+
+
+def core_round_trip_ns(spec: OpSpec, topology: Topology, unit_end: np.ndarray,
+                       unit_depart: np.ndarray) -> np.ndarray:
+    """``[R, n_s]`` the largest round trip of each send core's rows, program (1)'s
+    ``max_i RTT_i``: a row's round trip is its occupancy of the rank's link (the wait behind
+    the other cores' rows in the source port, plus its own serialisation: ``depart - end``)
+    plus the flight out and the acknowledgement back, ``2 L[h]``. No receiver queueing."""
+    lat = np.asarray(topology.latency_ns, dtype=np.float64)
+    rtt = unit_depart - unit_end + 2.0 * lat[spec.unit_hop]
+    out = np.zeros(spec.num_ranks * spec.num_send_cores)
+    np.maximum.at(out, spec.unit_src * spec.num_send_cores + spec.unit_core, rtt)
+    return out.reshape(spec.num_ranks, spec.num_send_cores)
 
 
 def _group_max(group: np.ndarray, values: np.ndarray, size: int) -> np.ndarray:
@@ -203,7 +220,7 @@ def run_analytic(spec: OpSpec, topology: Topology, fabric: FabricModel) -> SimRe
     parts.append(("init", rr.ravel(), cc.ravel(), np.zeros(rr.size), np.full(rr.size, t0)))
 
     unit_end, core_end = _ps_times(spec, fabric, t0)
-    land = _fly(spec, topology, unit_end)
+    land, depart = _fly(spec, topology, unit_end)
     ack = land + lat[spec.unit_hop]
     core_units = np.diff(spec.core_ptr).reshape(R, n_s)
     has = core_units > 0
@@ -276,6 +293,7 @@ def run_analytic(spec: OpSpec, topology: Topology, fabric: FabricModel) -> SimRe
         unit_ready_ns=ready, core_send_end_ns=np.where(has, core_end, 0.0),
         core_land_end_ns=core_land, item_end_ns=item_end, consume_work_ns=consume_work,
         core_ack_end_ns=flat_ack.reshape(R, n_s),
+        core_rtt_ns=core_round_trip_ns(spec, topology, unit_end, depart),
     )
 
 

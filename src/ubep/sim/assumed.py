@@ -57,8 +57,9 @@ AIV_ASSUMPTIONS: dict[str, dict[str, Any]] = {
 def aiv_costs(clock_ghz: float, instr_cycles: float) -> dict[str, float]:
     """UBEP's per-operation vector costs (ns) from the AIV clock and instruction latency.
 
-    * ``vector_op_ns``: one compare / checksum step over one 512 B atomic block's 32 B marker:
-      one vector instruction (``instr_cycles``) plus ``ceil(32 / 256)`` = 1 cycle of data;
+    * ``vector_op_ns``: one compare / checksum step over the 32 B markers of up to
+      ``check_lanes`` = 8 atomic blocks gathered side by side (256 B): one vector instruction
+      (``instr_cycles``) plus 1 cycle of data;
     * ``count_expert_ns`` + ``count_pick_ns`` per pick: a VectorCount of one expert id over the
       rank's ``T x K`` int32 picks: one instruction plus ``4 T K / 256`` cycles;
     * ``cumsum_entry_ns``: a prefix sum over ``R x L`` int32 counts in 64-lane vectors takes

@@ -408,6 +408,9 @@ START: dict[str, dict[str, tuple[float, str, str]]] = {
                                  "training set by `ubep sim calibrate`"),
         "poll_lanes": (64, "derived", "one 256 B vector load of the AIV (Hot Chips 2019 DaVinci) "
                        "reads 64 int32 count / flag words that lie side by side"),
+        "check_lanes": (8, "derived", "one 256 B vector (Hot Chips 2019 DaVinci) holds the 32 B "
+                        "markers of 8 atomic blocks, gathered by one strided copy (UBEP paper "
+                        "Section 3.4: a 32 B flag / marker per 512 B DataBlock)"),
         "core_wait_fraction": (0.1, "assumed", "ubep.sim.assumed.ASSUMED: fitted to the UBEP "
                                "training set by `ubep sim calibrate`"),
     },

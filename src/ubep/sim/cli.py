@@ -46,6 +46,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--no-loo", action="store_true", help="skip the leave-one-out refits")
     p.add_argument("--max-nfev", type=int, default=12,
                    help="residual evaluations of the fit (default 12)")
+    p.add_argument("--warm", action="store_true",
+                   help="start from the fit stored in calib.json, not from the "
+                        "first-principles values")
     p.add_argument("--refit-baseline", action="store_true",
                    help="first rerun the baseline fit of every family's fabric constants from "
                         "their starting values (minutes)")
@@ -131,7 +134,7 @@ def _calibrate(args: argparse.Namespace) -> int:
             shutil.copy(CALIB_PATH, path)
         if args.refit_baseline:
             calibrate(path=path, progress=lambda msg: print(msg, file=sys.stderr))
-        fit_assumed(path, loo=not args.no_loo, max_nfev=args.max_nfev,
+        fit_assumed(path, loo=not args.no_loo, max_nfev=args.max_nfev, warm=args.warm,
                     progress=lambda msg: print(msg, file=sys.stderr))
         print(fit_markdown(path))
         for family in families:

@@ -162,6 +162,7 @@ class _EventRun:
         self.core_send_end = np.zeros((R, spec.num_send_cores))
         self.core_land_end = np.zeros((R, spec.num_send_cores))
         self.core_ack_end = np.zeros((R, spec.num_send_cores))
+        self.core_rtt = np.zeros((R, spec.num_send_cores))
         self.rank_end = np.zeros(R)
         # Receive items: rows still missing, ready time so far, consumers per (rank, core).
         self.item_missing = np.bincount(spec.unit_item, minlength=num_items)
@@ -237,17 +238,22 @@ class _EventRun:
     def fly(self, u: int) -> ProcessGenerator:
         s = self.spec
         src, dst, hop = int(s.unit_src[u]), int(s.unit_dst[u]), int(s.unit_hop[u])
+        j = int(s.unit_core[u])
         if hop == 0:
+            rtt = 2.0 * self.lat[0]
+            self.core_rtt[src, j] = max(self.core_rtt[src, j], rtt)
             yield self.env.timeout(self.lat[0])
             land = self.env.now
         else:
             service = float(s.unit_wire_bytes[u]) / self.bw[hop]
             depart = yield self.egress[src].send(u, service)
+            # program (1)'s round trip: link occupancy (depart - issue) + out and back
+            rtt = depart - self.unit_end[u] + 2.0 * self.lat[hop]
+            self.core_rtt[src, j] = max(self.core_rtt[src, j], rtt)
             yield self.env.at(depart + self.lat[hop])
             land = yield self.ingress[dst].send(u, service)
             yield self.env.at(land)
         self.unit_land[u] = land
-        j = int(s.unit_core[u])
         self.core_land_end[src, j] = max(self.core_land_end[src, j], self.env.now)
         if s.engine == "asp":  # an ASP rank is done once its own writes have landed, too
             self.rank_end[src] = max(self.rank_end[src], self.env.now)
@@ -435,4 +441,5 @@ class _EventRun:
             unit_ready_ns=self.unit_ready, core_send_end_ns=self.core_send_end,
             core_land_end_ns=self.core_land_end, item_end_ns=self.item_end,
             consume_work_ns=consume_work, core_ack_end_ns=self.core_ack_end,
+            core_rtt_ns=self.core_rtt,
         )

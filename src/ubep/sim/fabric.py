@@ -78,6 +78,9 @@ class FabricModel:
         core_wait_fraction: share of a unit's one-way latency its issuing core itself waits
             after the unit (the AIV's few outstanding stores): a stall of that core alone
             (:meth:`exposed_wait_ns`), so a core's hop mix sets its finishing time.
+        check_lanes: atomic blocks whose markers one vector compare / checksum step covers
+            (a strided copy gathers the 32 B marker of each block side by side: one 256 B
+            vector holds 8); 1 = one step per block.
     """
 
     name: str
@@ -102,6 +105,7 @@ class FabricModel:
     cumsum_group_sync_ns: float = 0.0
     poll_lanes: int = 1
     core_wait_fraction: float = 0.0
+    check_lanes: int = 1
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -115,8 +119,10 @@ class FabricModel:
         for name in ("core_bandwidth_gbps", "contention_cores", "contention_sharpness"):
             if getattr(self, name) <= 0:
                 raise InvalidArgumentError(name, getattr(self, name), "must be > 0")
-        if self.poll_lanes < 1 or int(self.poll_lanes) != self.poll_lanes:
-            raise InvalidArgumentError("poll_lanes", self.poll_lanes, "must be an integer >= 1")
+        for name in ("poll_lanes", "check_lanes"):
+            lanes = getattr(self, name)
+            if lanes < 1 or int(lanes) != lanes:
+                raise InvalidArgumentError(name, lanes, "must be an integer >= 1")
         if self.fence_rtt_fraction > 1:
             raise InvalidArgumentError("fence_rtt_fraction", self.fence_rtt_fraction,
                                        "must be <= 1")
@@ -195,19 +201,22 @@ def sync_costs(sync: str, row_bytes: int, fabric: FabricModel) -> SyncCosts:
     if not isinstance(row_bytes, (int, np.integer)) or row_bytes < 1:
         raise InvalidArgumentError("row_bytes", row_bytes, "must be a positive integer")
     blocks = -(-int(row_bytes) // fabric.atomic_bytes)
+    lanes = int(fabric.check_lanes)
+    # One vector step checks the markers of ``check_lanes`` blocks at once.
+    steps = -(-blocks // lanes)
     if sync == "tff":
         payload = fabric.atomic_bytes - fabric.tff_flag_bytes
         tff_blocks = -(-int(row_bytes) // payload)
         # Receiver checks one flag per block; the flag rides inside the block the sender stages.
         return SyncCosts(tff_blocks * fabric.atomic_bytes, 0.0,
-                         tff_blocks * fabric.vector_op_ns, tff_blocks)
+                         -(-tff_blocks // lanes) * fabric.vector_op_ns, tff_blocks)
     if sync == "dc":
         # Sender accumulates the leading bytes of every block into the checksum; the receiver
         # recomputes it over the same blocks.
-        extra = blocks * fabric.vector_op_ns
+        extra = steps * fabric.vector_op_ns
         return SyncCosts(int(row_bytes), extra, extra, blocks)
     if sync == "sp":
         # Receiver compares every block against the sentinel, then resets the row to it.
         reset = row_bytes / fabric.core_bandwidth_gbps
-        return SyncCosts(int(row_bytes), 0.0, blocks * fabric.vector_op_ns + reset, blocks)
+        return SyncCosts(int(row_bytes), 0.0, steps * fabric.vector_op_ns + reset, blocks)
     return SyncCosts(int(row_bytes), 0.0, 0.0, blocks)

@@ -10,6 +10,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 from .experiments import ExperimentResult
+from .m2n import draw as m2n_draw
 
 __all__ = ["plot"]
 
@@ -32,7 +33,7 @@ def plot(result: ExperimentResult, path: str | Path) -> Path:
     """Write ``result``'s figure to ``path`` (PNG) and return the path."""
     drawers = {"table4": _table4, "fig7": _fig7, "fig8": _fig8, "fig9": _fig9,
                "fig10": _fig10, "fig11": _tpot, "fig12": _fig7, "fig13": _topk,
-               "fig14": _partition, "hotshare": _hotshare}
+               "fig14": _partition, "hotshare": _hotshare, "m2n": m2n_draw}
     if result.name not in drawers:
         raise InvalidArgumentError("result", result.name, f"no plot for {result.name}")
     plt = _pyplot()
@@ -141,9 +142,14 @@ def _fig9(plt: Any, r: ExperimentResult) -> Any:
     a.set_ylabel("token-send latency (us)")
     a.legend(fontsize=7)
     keys = list(r.data["max_core_latency_us"])
-    b.bar(keys, [r.data["max_core_latency_us"][k] for k in keys],
-          color=[colors[k] for k in keys])
+    x = np.arange(len(keys))
+    b.bar(x - 0.2, [r.data["max_core_latency_us"][k] for k in keys], 0.4,
+          color=[colors[k] for k in keys], label="until acknowledged")
+    b.bar(x + 0.2, [r.data["max_core_program1_us"][k] for k in keys], 0.4,
+          color=[colors[k] for k in keys], alpha=0.45, hatch="//", label="program (1)")
+    b.set_xticks(x, keys)
     b.set_ylabel("max per-core latency (us)")
+    b.legend(fontsize=7)
     return fig
 
 

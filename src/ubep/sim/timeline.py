@@ -111,6 +111,10 @@ class SimResult:
         core_ack_end_ns: ``[num_ranks, num_send_cores]`` when the acknowledgement of each send
             core's last store is back: the core's stores are complete (program (1) of the
             paper: the sum of the core's issue times plus the round trip of its farthest row).
+        core_rtt_ns: ``[num_ranks, num_send_cores]`` the largest round trip of each send core's
+            rows (program (1)'s ``max_i RTT_i``): the row's occupancy of its rank's link
+            (queueing behind other cores' rows and its own serialisation) plus ``2 L[h]``;
+            0 for a core without units.
         item_end_ns: ``[I]`` when each receive item was consumed.
         consume_work_ns: ``[num_ranks]`` core time spent consuming items (without the waits
             for items to become ready that consume spans include).
@@ -131,6 +135,7 @@ class SimResult:
     item_end_ns: np.ndarray
     consume_work_ns: np.ndarray
     core_ack_end_ns: np.ndarray
+    core_rtt_ns: np.ndarray
 
     @property
     def slowest_rank(self) -> int:
@@ -140,15 +145,20 @@ class SimResult:
         """``[num_ranks, num_send_cores]`` per-core token-send latency (0 for a core without
         units): from the start of its send task until its last unit is issued
         (``until="issue"``, the core's own Token-Sending time), has landed (``"land"``,
-        which adds flight and queueing at the receivers' ports) or is acknowledged (``"ack"``:
-        the core's stores are complete, so the hop mix of its rows sets the end)."""
+        which adds flight and queueing at the receivers' ports), is acknowledged (``"ack"``)
+        or, ``"rtt"``, program (1) of the paper: the core's issue time (``"issue"``: its rows'
+        work and its own waits) plus the largest round trip of its rows through the rank's
+        link (:attr:`core_rtt_ns`), without queueing at the receivers."""
         m = self.timeline.mask(task="send")
         start = np.zeros_like(self.core_land_end_ns)
         start[self.timeline.rank[m], self.timeline.core[m]] = self.timeline.start_ns[m]
         end = {"issue": self.core_send_end_ns, "land": self.core_land_end_ns,
-               "ack": self.core_ack_end_ns}.get(until)
+               "ack": self.core_ack_end_ns,
+               "rtt": np.where(self.core_send_end_ns > 0,
+                               self.core_send_end_ns + self.core_rtt_ns, 0.0)}.get(until)
         if end is None:
-            raise InvalidArgumentError("until", until, "must be 'issue', 'land' or 'ack'")
+            raise InvalidArgumentError("until", until,
+                                       "must be 'issue', 'land', 'ack' or 'rtt'")
         return np.where(end > 0, end - start, 0.0)
 
     def task_span_ns(self, rank: int | None = None) -> dict[str, float]:

@@ -1,9 +1,11 @@
-"""What-ifs beyond the paper's figures: redundant experts and EP 1024 (extrapolations).
+"""What-ifs beyond the paper's figures: redundant experts, EP 1024 and M2N (predictions).
 
 ``replicas``: Figure 9's set-up (EP64, 256 experts, 8 hot, batch 64) with EPLB-style replicas of
 the hot experts, one on every node, routed by ``ubep.expert_map``'s rule. ``ep1024``: Table 4's
 workload at 1024 ranks on a CM384-like and an NVL576-like fabric, with the wall time of each
-configuration. Every number is a prediction of the model (docs/SIMULATOR.md).
+configuration. ``m2n``: attention dies dispatching to disjoint expert dies, against co-located
+EP on the same dies (``ubep.sim.m2n``). Every number is a prediction of the model
+(docs/SIMULATOR.md).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from ..topology import Topology
 from .calib import load_fabric, topology_for
 from .experiments import INTERVAL_NOTE, ExperimentResult, _band, _latency, _us, provenance
 from .fabric import FabricModel
+from .m2n import m2n  # its own module: M2N deployments
 from .workload import (
     CANN_EP,
     UBEP,
@@ -171,4 +174,5 @@ def ep1024(family: str = "cm384", fabric: FabricModel | None = None) -> Experime
     )
 
 
-WHATIFS: dict[str, Callable[..., ExperimentResult]] = {"replicas": replicas, "ep1024": ep1024}
+WHATIFS: dict[str, Callable[..., ExperimentResult]] = {"replicas": replicas, "ep1024": ep1024,
+                                                       "m2n": m2n}

@@ -51,6 +51,7 @@ from ._convert import from_numpy, to_numpy
 from .backend import EPBackend, LocalBackend, issue_dispatch
 from .deep_ep_internode import InternodeCalls, hosts_of
 from .deep_ep_lowlatency import LowLatencyCalls
+from .deep_ep_m2n import M2NCalls, check_facade_expert_ranks
 from .deep_ep_memory import RawBuffers
 from .deep_ep_shrink import MaskedBackend, ShrinkCalls, ShrinkGroup, open_shrink_group
 from .deep_ep_types import (
@@ -87,7 +88,7 @@ _SHAPE_FIELDS = (
 
 
 # --------------------------------------------------------------------------- the Buffer
-class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls):
+class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
     """DeepEP's ``Buffer`` on ubep (see the module docstring and docs/PORTING.md).
 
     Arguments as DeepEP's, in its order. ``num_nvl_bytes`` and ``num_rdma_bytes`` size the raw
@@ -100,6 +101,8 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls):
     ``max_tokens_per_rank`` (normal-mode capacity per rank; the low-latency pair uses its
     ``num_max_dispatch_tokens_per_rank``) and any ``ubep.BufferConfig`` field that is not a
     shape (``engine``, ``sync``, ``timeout_s``, ...), checked here.
+
+    ``expert_ranks=(...)``: the low-latency pair's M2N mode (:mod:`.deep_ep_m2n`).
 
     Attributes (DeepEP's): ``num_sms``, ``rank``, ``group_size``, ``group``, ``num_nvl_bytes``,
     ``num_rdma_bytes``, ``low_latency_mode``, ``explicitly_destroy``, ``enable_shrink``.
@@ -122,6 +125,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls):
         *,
         use_fabric: bool = False,
         max_tokens_per_rank: int = 4096,
+        expert_ranks: Any = None,
         **ubep_options: Any,
     ) -> None:
         _check_ubep_options(ubep_options)
@@ -138,6 +142,8 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls):
         self.group = group if group is not None else comm
         self.rank = int(self._ep.rank)
         self.group_size = int(self._ep.num_ranks)
+        self.expert_ranks = check_facade_expert_ranks(
+            expert_ranks, self.group_size, enable_shrink, isinstance(self._ep, LocalBackend))
         self._host_of = hosts_of(self._ep, self.group_size)
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
@@ -149,7 +155,8 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls):
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = enable_shrink
         self.max_tokens_per_rank = max_tokens_per_rank
-        self.ubep_options = ubep_options
+        roles = {} if self.expert_ranks is None else {"expert_ranks": self.expert_ranks}
+        self.ubep_options = ubep_options | roles  # M2N's roles reach each call's BufferConfig
         self._backends: dict[tuple[Any, ...], EPBackend] = {}
         # get_next_low_latency_combine_buffer's tensors, by (local experts, slots, hidden)
         self._ll_combine_staging: dict[tuple[int, int, int], torch.Tensor] = {}
@@ -250,6 +257,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls):
             raise InvalidArgumentError("self", "destroyed", "this Buffer was destroyed")
 
     def _check_normal_mode(self) -> None:
+        self._check_no_m2n()
         if self._shrink is not None:
             raise InvalidArgumentError(
                 "enable_shrink", True, "normal-mode dispatch/combine do not mask ranks (DeepEP's "
@@ -474,6 +482,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls):
         num_worst_tokens: int = 0,
         async_finish: bool = False,
     ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, list[int] | None, Any, EventOverlap]:
+        self._check_no_m2n()  # also the internode path's
         scales: torch.Tensor | None = None
         if isinstance(x, tuple):
             x, scales = x
@@ -743,10 +752,7 @@ def _check_ubep_options(options: dict[str, Any]) -> None:
     fails at construction, not at the first call."""
     from ..config import BufferConfig
 
-    allowed = {f.name for f in fields(BufferConfig)} - set(_SHAPE_FIELDS)
-    if "expert_ranks" in options:  # M2N is ubep.Buffer's (docs/M2N.md), not this facade's
-        raise InvalidArgumentError("expert_ranks", options["expert_ranks"],
-                                   "is not a DeepEP facade option: M2N runs on ubep.Buffer")
+    allowed = {f.name for f in fields(BufferConfig)} - set(_SHAPE_FIELDS) - {"expert_ranks"}
     for name, value in options.items():
         if name not in allowed:
             raise InvalidArgumentError(

@@ -120,6 +120,7 @@ class LowLatencyCalls:
     _ll_combine_staging: dict[tuple[int, int, int], torch.Tensor]
     _send: Callable[..., tuple[Callable[[], tuple[Any, np.ndarray | None]], EPBackend]]
     _collective: Callable[[Callable[[], Any]], Any]
+    _num_local_experts: Callable[[int], int]
 
     def low_latency_dispatch(
         self,
@@ -168,7 +169,7 @@ class LowLatencyCalls:
             round_scale=round_scale if use_fp8 else None,
         )
         slots = num_max_dispatch_tokens_per_rank * self.group_size
-        num_local = num_experts // self.group_size
+        num_local = self._num_local_experts(num_experts)  # M2N: 0 on a sender
         out = LowLatencyOutputs(num_local, slots, hidden, self.group_size,
                                  torch.uint8 if use_fp8 else x.dtype, use_fp8, use_ue8m0)
         handle = LowLatencyHandle(
