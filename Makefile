@@ -16,10 +16,13 @@ $(BASE_STAMP): pyproject.toml setup.py
 	$(PIP) -e '.[plot]'
 	touch $@
 
-$(TEST_STAMP): $(BASE_STAMP)
+# One editable install with every extra: pip builds the C core once (installing '.[plot]' first
+# and then the rest would build it twice). The same install is what `make demo` needs.
+$(TEST_STAMP): pyproject.toml setup.py
+	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) '$(TORCH_PIN)'
-	$(PIP) '$(TORCH_PIN)' -e '.[dev,torch,mpi]'
-	touch $@
+	$(PIP) '$(TORCH_PIN)' -e '.[plot,dev,torch,mpi]'
+	touch $(BASE_STAMP) $@
 
 venv: $(TEST_STAMP)
 

