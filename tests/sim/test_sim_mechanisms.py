@@ -4,6 +4,8 @@ training points."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -233,24 +235,34 @@ def test_fabric_rejects_a_core_wait_over_one_latency() -> None:
     assert exc.value.argument == "core_wait_fraction"
 
 
+def _two_node_runs(topo: Any) -> list[tuple[str, list[Any], Any]]:
+    """Real plans of ubep.sched (balanced, then hierarchical) for 8 ranks of 16 tokens top-4
+    on ``topo``, 6 send cores, simulated without contention and with each core waiting half
+    of every row's latency itself."""
+    from ubep.routing import uniform_topk
+    from ubep.sim import make_plans
+
+    f = fabric(latency_exposure=0.0, core_wait_fraction=0.5, contention_cores=1e9)
+    idx = [uniform_topk(16, 16, 4, seed=r) for r in range(8)]
+    runs = []
+    for policy in ("balanced", "hierarchical"):
+        plans = make_plans(idx, topo, num_experts=16, policy=policy, num_send_cores=6,
+                           num_count_cores=2)
+        runs.append((policy, plans, simulate(plans, topo, f, engine="asp", sync="sp",
+                                             row_bytes=ROW)))
+    return runs
+
+
 def test_hierarchical_mapping_lowers_the_largest_wait_sum() -> None:
     # Real plans of ubep.sched on 8 ranks in 2 nodes of 4 (hops 0/1/2), 6 send cores. Without
     # contention and with equal work per row, a core's send end is closed-form: Init + rows x
     # work + sum of its own waits (core_wait_fraction * L[h] per row). The hierarchical mapping
     # caps every core's share of each hop class (ceil(V_h / n)); balanced slices do not, so
     # the core with the most two-hop rows ends later.
-    from ubep.routing import uniform_topk
-    from ubep.sim import make_plans
-
     topo = cm384(8, ranks_per_node=4, cores_per_rank=8)
-    f = fabric(latency_exposure=0.0, core_wait_fraction=0.5, contention_cores=1e9)
-    idx = [uniform_topk(16, 16, 4, seed=r) for r in range(8)]
     lat = np.asarray(topo.latency_ns)
     largest = {}
-    for policy in ("balanced", "hierarchical"):
-        plans = make_plans(idx, topo, num_experts=16, policy=policy, num_send_cores=6,
-                           num_count_cores=2)
-        res = simulate(plans, topo, f, engine="asp", sync="sp", row_bytes=ROW)
+    for policy, plans, res in _two_node_runs(topo):
         for r, p in enumerate(plans):
             rows = np.bincount(p.send_core, minlength=6)
             waits = np.bincount(p.send_core, weights=0.5 * lat[p.send_hop], minlength=6)
@@ -290,19 +302,11 @@ def test_program1_hierarchical_mapping_beats_balanced_slices() -> None:
     # core's own waits (core_wait_fraction * L[h] per row) + 2 L of its farthest row. Balanced
     # slices give some cores only two-hop rows; the hierarchical mapping caps each core's
     # share of every hop class, so the largest value falls.
-    from ubep.routing import uniform_topk
-    from ubep.sim import make_plans
-
     topo = Topology(num_ranks=8, ranks_per_node=4, cores_per_rank=8,
                     latency_ns=(218.0, 929.0, 2500.0), bandwidth_gbps=(1e9, 1e9, 1e9))
-    f = fabric(latency_exposure=0.0, core_wait_fraction=0.5, contention_cores=1e9)
-    idx = [uniform_topk(16, 16, 4, seed=r) for r in range(8)]
     lat = np.asarray(topo.latency_ns)
     largest = {}
-    for policy in ("balanced", "hierarchical"):
-        plans = make_plans(idx, topo, num_experts=16, policy=policy, num_send_cores=6,
-                           num_count_cores=2)
-        res = simulate(plans, topo, f, engine="asp", sync="sp", row_bytes=ROW)
+    for policy, plans, res in _two_node_runs(topo):
         got = res.send_latency_ns(until="rtt")
         for r, p in enumerate(plans):
             rows = np.bincount(p.send_core, minlength=6)
