@@ -253,6 +253,7 @@ class MaskingBuffer:
         an orchestrator started). After it the newcomers are members again and calls run over
         them too, bit-exact. Returns the ranks admitted (none: nothing changes)."""
         self._check_call()
+        self._one_host("admit")
         if self._open:
             raise InvalidArgumentError("ranks", list(ranks), "admit runs between calls: "
                                        "split-phase calls are still waiting for their hooks")
@@ -261,7 +262,6 @@ class MaskingBuffer:
         if bad:
             raise InvalidArgumentError("ranks", list(ranks),
                                        f"must be masked ranks (members: {list(self.members)})")
-        self._one_host("admit")
         wait = float(self.config.timeout_s if timeout_s is None else timeout_s)
         self._admits += 1
         key = f"{self._uid:x}.a{self._admits}"
@@ -285,6 +285,7 @@ class MaskingBuffer:
         the rest; a rank masked here gets the mask back, and its next call raises
         ``RankMaskedError``. Returns :meth:`mask_status`."""
         self._check_call()
+        self._one_host("mask_ranks")
         if self._open:
             raise InvalidArgumentError("ranks", list(ranks), "mask_ranks runs between calls: "
                                        "split-phase calls are still waiting for their hooks")
@@ -297,7 +298,6 @@ class MaskingBuffer:
         self._requests += 1
         key = f"{self._uid:x}.m{self._requests}"
         wait = float(self.config.timeout_s if timeout_s is None else timeout_s)
-        self._one_host("mask_ranks")
         decision = agree(self._roster, key, {"call": self._calls, "mask": want}, wait)
         masked = {r for s in decision.states for r in s["mask"]}
         members = tuple(r for r in decision.members if r not in masked)

@@ -74,7 +74,6 @@ class MpiPlane:
         self._make_group = make_group
         self._topology_of = topology_of
         self.roster = MpiRoster(group.rank, tuple(range(group.num_ranks)))
-        self.hops = group.topology.hop_matrix()
         self._host_of = list(group.host_of)  # by original rank
         self._timeout_s = group.default_timeout_s
         self._next: Any = None  # the shrunk communicator of the last agreement
