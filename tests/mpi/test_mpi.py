@@ -267,6 +267,7 @@ def _worker_mask(group: Any, out: str) -> None:
     from tests.buffer.test_elastic import masked_oracle
     from ubep import reference
     from ubep.buffer import Buffer
+    from ubep.errors import UbepError
     from ubep.testing import bits, compare
 
     R, r = group.num_ranks, group.rank
@@ -306,6 +307,13 @@ def _worker_mask(group: Any, out: str) -> None:
             if not np.array_equal(bits(y), bits(want)):
                 errors.append(f"call {call}: combine differs")
             masks.append(mask_c)
+        for refused in (lambda: buf.mask_ranks([]), lambda: buf.admit()):
+            try:
+                refused()
+                errors.append("mask_ranks/admit served over MPI")
+            except UbepError as exc:
+                if "one-host group" not in str(exc):
+                    errors.append(f"refused for another reason: {exc}")
     Path(out, f"mask.{r}.json").write_text(json.dumps({"errors": errors, "masks": masks}))
     os._exit(0)  # the job's communicator has a dead member: no collective teardown
 
