@@ -335,3 +335,57 @@ def test_one_vector_step_checks_the_markers_of_check_lanes_blocks() -> None:
     with pytest.raises(InvalidArgumentError) as exc:
         fabric(check_lanes=0)
     assert exc.value.argument == "check_lanes"
+
+
+@pytest.mark.parametrize("mode", ["analytic", "events"])
+def test_receiver_drain_floors_the_acknowledged_send_time(mode: str) -> None:
+    # Receiver port drain: rank 1 takes three remote rows of ROW bytes at 20 GB/s, so its
+    # drain is 3 * ROW / 20 ns, rank 0's nothing. Three cores of rank 0 issue one row each at
+    # once (no contention): the rows leave and land one serialisation apart, so the last is
+    # acknowledged at work + drain + 2 L -- the floor every core mapping meets, because a
+    # port is work-conserving.
+    from ubep.sim.spec import receiver_drain_ns
+
+    f, topo = fabric(contention_cores=1e9), two_ranks(cores=4)
+    plans = [plan(0, [(0, 0, 1, 0), (1, 1, 1, 1), (2, 2, 1, 2)], n_send=3, n_count=1,
+                  topo=topo),
+             plan(1, [], n_send=3, n_count=1, topo=topo)]
+    spec = build_spec(plans, topo, f, engine="asp", sync="sp", row_bytes=ROW)
+    s = ROW / 20
+    np.testing.assert_allclose(receiver_drain_ns(spec, topo), [0.0, 3 * s])
+    res = simulate(plans, topo, f, engine="asp", sync="sp", row_bytes=ROW, mode=mode)
+    w = 100 + ROW / 10 + 0.5 * 400
+    np.testing.assert_allclose(res.send_latency_ns(until="ack")[0],
+                               [w + s + 800, w + 2 * s + 800, w + 3 * s + 800], atol=1e-2)
+
+
+def test_unstated_hot_share_comes_from_the_fabric() -> None:
+    # A skewed workload that leaves its hot share unstated takes the fabric's (the fitted
+    # set-up unknown); a stated one is kept; apply_assumed sets it like the other assumed
+    # constants, and a share outside (0, 1) is refused by name.
+    from ubep.sim.workload import CANN_EP, hot_ids_for, plans_for
+
+    topo = cm384(16, ranks_per_node=8, cores_per_rank=8)
+    w = Workload(tokens_per_rank=32, experts_per_rank=2, routing="hot", hot_experts=2)
+    f = apply_assumed(fabric(), {"hot_share": 0.3})
+    assert f.hot_share == 0.3
+    assert w.resolved(f).hot_share == 0.3
+    assert w.with_(hot_share=0.6).resolved(f).hot_share == 0.6
+    assert Workload().resolved(f).hot_share is None  # uniform routing: no share
+    hot = hot_ids_for(w, 16)
+    share_of_hot = []
+    for share in (0.3, 0.7):
+        g = f.with_values(hot_share=share)
+        got = plans_for(w, CANN_EP, topo, g)
+        want = plans_for(w.with_(hot_share=share), CANN_EP, topo, g)
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(a.send_expert, b.send_expert)
+        picks = np.concatenate([p.send_expert for p in got])
+        share_of_hot.append(float(np.isin(picks, hot).mean()))
+    assert share_of_hot[0] < share_of_hot[1]
+    for bad in (0.0, 1.0):
+        with pytest.raises(InvalidArgumentError) as exc:
+            fabric(hot_share=bad)
+        assert exc.value.argument == "hot_share"
+        with pytest.raises(InvalidArgumentError):
+            Workload(routing="hot", hot_share=bad)

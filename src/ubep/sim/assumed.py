@@ -2,8 +2,9 @@
 
 The AIV's vector costs follow from its width, clock and instruction latency
 (:func:`aiv_costs`); the clock, the instruction latency, the share of a round trip a
-stop-and-wait fence waits, CalCumSum's hand-off per count core and the share of a store's latency
-a core waits itself are not measured by any row:
+stop-and-wait fence waits, CalCumSum's hand-off per count core, the share of a store's latency
+a core waits itself and the hot experts' share of the picks in the paper's skewed set-ups (not a
+cost, a set-up unknown) are not measured by any row:
 each has a first-principles value and a documented plausible range (:data:`ASSUMED`), and
 :mod:`ubep.sim.fit` fits them, together with CANN EP's own fitted constants
 (:data:`BASELINE_FREE`), to the training set. :func:`apply_assumed` makes the fabric of a set of
@@ -101,6 +102,13 @@ ASSUMED: dict[str, dict[str, Any]] = {
                   "from nearly fire-and-forget (0.01) to one store in flight per one-way "
                   "latency (1); nominal = geometric mean",
     },
+    "hot_share": {
+        "value": 0.5, "range": [0.25, 0.75], "kind": "assumed",
+        "source": "the hot experts' share of the picks in the paper's skewed set-ups (Figure "
+                  "9, Figure 7(c)): the paper states eight hot experts, not their share "
+                  "(EXPERIMENTS.md); nominal an even split, range the `ubep sim hotshare` "
+                  "sweep (25-75 %); Figure 9's two maxima measure it",
+    },
 }
 # CANN EP's own fitted constants (ubep.sim.calib.FREE): fitted together with the assumed ones,
 # since both price the baseline rows and the training set's CANN EP numbers.
@@ -114,8 +122,8 @@ BASELINE_FREE: dict[str, dict[str, Any]] = {
 }
 # Which way each constant makes a latency longer (+1: larger is costlier; -1: a faster clock).
 COST_SIGN = {"aiv_clock_ghz": -1, "vector_instr_cycles": 1, "fence_rtt_fraction": 1,
-             "cumsum_group_sync_ns": 1, "core_wait_fraction": 1, "init_ns": 1, "issue_ns": 1,
-             "latency_exposure": 1, "barrier_ns": 1}
+             "cumsum_group_sync_ns": 1, "core_wait_fraction": 1, "hot_share": 1, "init_ns": 1,
+             "issue_ns": 1, "latency_exposure": 1, "barrier_ns": 1}
 
 
 def apply_assumed(base: FabricModel, values: dict[str, float]) -> FabricModel:
@@ -129,7 +137,8 @@ def apply_assumed(base: FabricModel, values: dict[str, float]) -> FabricModel:
     return base.with_values(**aiv_costs(v["aiv_clock_ghz"], v["vector_instr_cycles"]),
                             fence_rtt_fraction=v["fence_rtt_fraction"],
                             cumsum_group_sync_ns=v["cumsum_group_sync_ns"],
-                            core_wait_fraction=v["core_wait_fraction"], **fixed)
+                            core_wait_fraction=v["core_wait_fraction"],
+                            hot_share=v["hot_share"], **fixed)
 
 
 def value_range(name: str) -> list[float]:

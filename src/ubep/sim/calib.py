@@ -413,6 +413,9 @@ START: dict[str, dict[str, tuple[float, str, str]]] = {
                         "Section 3.4: a 32 B flag / marker per 512 B DataBlock)"),
         "core_wait_fraction": (0.1, "assumed", "ubep.sim.assumed.ASSUMED: fitted to the UBEP "
                                "training set by `ubep sim calibrate`"),
+        "hot_share": (0.5, "assumed", "ubep.sim.assumed.ASSUMED: the skewed set-ups' unstated "
+                      "hot share, fitted to the UBEP training set (Figure 9) by `ubep sim "
+                      "calibrate`"),
     },
     "nvl72": {
         "init_ns": (14_000.0, "fitted", _FIT_NV),

@@ -19,6 +19,7 @@ from ..modes import SYNCS
 from .assumed import ASSUMED
 from .calib import fabric_variants, load_fabric, topology_for
 from .fabric import FabricModel
+from .spec import build_spec, receiver_drain_ns
 from .timeline import TASKS
 from .workload import (
     CANN_EP,
@@ -27,6 +28,7 @@ from .workload import (
     System,
     Workload,
     partition_constants,
+    plans_for,
     run_case,
 )
 
@@ -210,9 +212,11 @@ def _split_row(panel: str, x: int, system: System, workload: Workload, family: s
 
 
 def fig7(family: str = "cm384", fabric: FabricModel | None = None, *,
-         hot_share: float = 0.5) -> ExperimentResult:
-    """All-to-all vs synchronisation time vs batch size, ranks and experts (EXPERIMENTS.md)."""
+         hot_share: float | None = None) -> ExperimentResult:
+    """All-to-all vs synchronisation time vs batch size, ranks and experts (EXPERIMENTS.md).
+    ``hot_share`` of panel c: ``None`` = the calibrated share (fitted to Figure 9)."""
     fab = fabric or load_fabric(family)
+    share = fab.hot_share if hot_share is None else hot_share
     rows = []
     systems = (CANN_EP, UBEP)
     ranks_a = min(128, MAX_RANKS[family])
@@ -240,11 +244,12 @@ def fig7(family: str = "cm384", fabric: FabricModel | None = None, *,
          "reorder) on the slowest rank; sync = latency - all_to_all (barriers, flags, "
          "verification, waiting)",
          "defaults (EXPERIMENTS.md): 128 ranks, batch 64, 1 expert per NPU; panel c: x = ranks",
-         f"panel c ASSUMES 8 hot experts take {hot_share:.0%} of the picks (the paper does not "
-         "state the skew; `ubep sim hotshare` sweeps 25-75 %)",
+         f"panel c: 8 hot experts take {share:.0%} of the picks (the paper does not state the "
+         "skew: " + ("fitted to Figure 9's two maxima" if hot_share is None else "ASSUMED")
+         + "; `ubep sim hotshare` sweeps 25-75 %)",
          "lo/hi: " + INTERVAL_NOTE + " (CANN EP is calibrated: lo = hi)",
          *_family_note(family)),
-        {"provenance": provenance(family, (f"panel c hot_share {hot_share} (range 0.25-0.75)",)),
+        {"provenance": provenance(family, (f"panel c hot_share {share:.3g} (range 0.25-0.75)",)),
          "sensitivity": _sens_at(f"EP{ranks_a}, batch 64", partial(
              _latency, Workload(tokens_per_rank=64), UBEP, topology_for(family, ranks_a)),
              family, fabric)},
@@ -257,7 +262,7 @@ def hotshare(family: str = "cm384", fabric: FabricModel | None = None) -> Experi
     ranks = min(64, MAX_RANKS[family])
     topo = topology_for(family, ranks)
     rows = []
-    for share in (0.25, 0.5, 0.75):
+    for share in sorted({0.25, round(fab.hot_share, 3), 0.5, 0.75}):
         w = Workload(tokens_per_rank=64, experts_per_rank=256 // ranks, routing="hot",
                      hot_experts=8, hot_share=share)
         cann = run_case(w, CANN_EP, topo, fab)
@@ -276,13 +281,14 @@ def hotshare(family: str = "cm384", fabric: FabricModel | None = None) -> Experi
         ("hot_share", "cann_us", "cann_sync_share", "ubep_us", "ubep_lo_us", "ubep_hi_us",
          "speedup", "fig9_cann_max_core_us", "fig9_nomap_max_core_us", "fig9_ubep_max_core_us"),
         tuple(rows),
-        ("the paper states 8 hot experts but not their share; 0.5 is the value the other "
-         "experiments assume", "batch 64, top-8", *_family_note(family)),
+        ("the paper states 8 hot experts but not their share; the other skewed experiments "
+         f"use {fab.hot_share:.3g}, fitted to Figure 9's two maxima (calib.json hot_share)",
+         "batch 64, top-8", *_family_note(family)),
         {"provenance": provenance(family, ("hot_share swept 0.25-0.75",)),
-         "sensitivity": _sens_at("hot share 0.5", partial(
+         "sensitivity": _sens_at(f"hot share {fab.hot_share:.3g}", partial(
              _latency, Workload(tokens_per_rank=64, experts_per_rank=256 // ranks,
-                                routing="hot", hot_experts=8, hot_share=0.5), UBEP, topo),
-             family, fabric)},
+                                routing="hot", hot_experts=8, hot_share=fab.hot_share), UBEP,
+             topo), family, fabric)},
     )
 
 
@@ -367,12 +373,15 @@ def fig9(family: str = "cm384", fabric: FabricModel | None = None) -> Experiment
     fab = fabric or load_fabric(family)
     ranks = min(64, MAX_RANKS[family])
     w = Workload(tokens_per_rank=64, experts_per_rank=256 // ranks, routing="hot",
-                 hot_experts=8)
+                 hot_experts=8).resolved(fab)
     topo = topology_for(family, ranks)
     rows, per_core, maxima, land_maxima, program1 = [], {}, {}, {}, {}
     for key, s in (("cann_ep", CANN_EP), ("balanced", UBEP_NO_MAPPING),
                    ("hierarchical", UBEP)):
         res = run_case(w, s, topo, fab)
+        spec = build_spec(plans_for(w, s, topo, fab), topo, fab, engine=s.engine, sync=s.sync,
+                          row_bytes=w.row_bytes)
+        drain = float(receiver_drain_ns(spec, topo).max())
         lat = res.send_latency_ns(until="ack")
         land = res.send_latency_ns(until="issue")
         own = res.send_latency_ns(until="rtt")
@@ -384,11 +393,11 @@ def fig9(family: str = "cm384", fabric: FabricModel | None = None) -> Experiment
         program1[key] = _us(own.max())
         rows.append((s.name, key, lat.shape[1], _us(busy.max()), _us(np.median(busy)),
                      round(float(busy.max() / busy.mean()), 2), _us(own.max()),
-                     _us(land.max()), _us(res.latency_ns)))
+                     _us(land.max()), _us(drain), _us(res.latency_ns)))
     return ExperimentResult(
         "fig9", f"Figure 9: per-core token-send latency, EP{ranks}, 256 experts, 8 hot ({family})",
         ("system", "key", "send_cores", "max_core_us", "median_core_us", "max/mean",
-         "max_core_program1_us", "max_core_issue_us", "dispatch_us"),
+         "max_core_program1_us", "max_core_issue_us", "hot_port_drain_us", "dispatch_us"),
         tuple(rows),
         ("per-core token-send latency (max_core_us, the fitted quantity) = from a send "
          "core's first issue until its stores are acknowledged, with queueing at hot "
@@ -396,17 +405,20 @@ def fig9(family: str = "cm384", fabric: FabricModel | None = None) -> Experiment
          "program (1) of the paper: the core's issue time (its rows' work and its own waits, "
          "which grow with its hop mix) plus the largest round trip of its rows through the "
          "rank's link, no receiver queueing; max_core_issue_us stops after the core's last "
-         "issue and wait",
+         "issue and wait; hot_port_drain_us = the hottest receiver's remote bytes / its port "
+         "bandwidth: every mapping's max_core_us is at least this + 2 L (a port is "
+         "work-conserving)",
          "each system uses its own core split (CANN EP: all 48 cores send; UBEP: Appendix A "
          "partition)",
-         "batch 64 (EXPERIMENTS.md default); ASSUMED: the 8 hot experts take 50 % of the picks "
-         "(`ubep sim hotshare` sweeps 25-75 %); of the assumed constants only "
-         "core_wait_fraction moves a core's send time (its own waits); no interval is "
-         "computed", *_family_note(family)),
+         f"batch 64 (EXPERIMENTS.md default); the 8 hot experts take {w.hot_share:.1%} of "
+         "the picks (unstated by the paper: fitted to this figure's two maxima, calib.json "
+         "hot_share; `ubep sim hotshare` sweeps 25-75 %); no interval is computed",
+         *_family_note(family)),
         {"max_core_latency_us": maxima, "max_core_issue_latency_us": land_maxima,
          "max_core_program1_us": program1,
          "slowest_rank_core_latency_us": per_core,
-         "provenance": provenance(family, ("hot_share 0.5 (range 0.25-0.75)",))},
+         "provenance": provenance(family, (f"hot_share {w.hot_share:.3g} (fitted; range "
+                                           "0.25-0.75)",))},
     )
 
 

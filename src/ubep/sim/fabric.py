@@ -81,6 +81,12 @@ class FabricModel:
         check_lanes: atomic blocks whose markers one vector compare / checksum step covers
             (a strided copy gathers the 32 B marker of each block side by side: one 256 B
             vector holds 8); 1 = one step per block.
+        hot_share: the hot experts' share of the picks of a skewed (``routing="hot"``)
+            workload that does not state it (``Workload.hot_share=None``). Not a property of
+            the fabric but a set-up unknown of the paper's skewed experiments: it is carried
+            here so that the fit to the training set (Figure 9 measures it), its
+            leave-one-out spread and the prediction intervals treat it like the other
+            assumed constants.
     """
 
     name: str
@@ -106,6 +112,7 @@ class FabricModel:
     poll_lanes: int = 1
     core_wait_fraction: float = 0.0
     check_lanes: int = 1
+    hot_share: float = 0.5
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -129,6 +136,8 @@ class FabricModel:
         if self.core_wait_fraction > 1:
             raise InvalidArgumentError("core_wait_fraction", self.core_wait_fraction,
                                        "must be <= 1")
+        if not 0 < self.hot_share < 1:
+            raise InvalidArgumentError("hot_share", self.hot_share, "must lie in (0, 1)")
         if self.latency_exposure > 1:
             raise InvalidArgumentError("latency_exposure", self.latency_exposure, "must be <= 1")
         if not 8 <= self.tff_flag_bytes < self.atomic_bytes:

@@ -23,7 +23,8 @@ from ..topology import Topology
 from .fabric import FabricModel, sync_costs
 from .order import lex_order
 
-__all__ = ["OPS", "OpSpec", "RowCosts", "Transfers", "build_spec", "transfers"]
+__all__ = ["OPS", "OpSpec", "RowCosts", "Transfers", "build_spec", "receiver_drain_ns",
+           "transfers"]
 
 OPS = ("dispatch", "combine")
 
@@ -335,6 +336,20 @@ def build_spec(
         item_rank=np.asarray(item_rank, dtype=np.int64),
         item_core=np.asarray(item_core, dtype=np.int64), item_cost_ns=item_cost,
     )
+
+
+def receiver_drain_ns(spec: OpSpec, topology: Topology) -> np.ndarray:
+    """``[R]``: the time each rank's port needs to take in its remote rows,
+    ``sum_{u: dst_u = d, h_u > 0} b_u / B[h_u]``.
+
+    A port is work-conserving (docs/SIMULATOR.md 1.3): whatever the senders' core mappings and
+    issue orders, the last remote row into ``d`` lands no earlier than the first one's
+    arrival plus this drain, so every mapping's largest acknowledged per-core send time is at
+    least ``drain + 2 L`` plus the first row's own work (Figure 9's floor)."""
+    remote = spec.unit_hop > 0
+    bw = np.asarray(topology.bandwidth_gbps, dtype=np.float64)[spec.unit_hop[remote]]
+    return np.bincount(spec.unit_dst[remote], weights=spec.unit_wire_bytes[remote] / bw,
+                       minlength=spec.num_ranks)
 
 
 def _first_of(values: np.ndarray, group: np.ndarray, num_groups: int) -> np.ndarray:

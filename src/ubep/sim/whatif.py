@@ -96,7 +96,8 @@ def replicas(family: str = "cm384", fabric: FabricModel | None = None) -> Experi
          "max_rows_per_rank"),
         tuple(rows),
         ("PREDICTION of the model: 64 ranks (4 nodes x 16), 256 logical experts, top-8, batch "
-         "64, the 8 hot experts take 50 % of the picks (ASSUMED, as fig9)",
+         f"64, the 8 hot experts take {fab.hot_share:.1%} of the picks (fitted to Figure 9, "
+         "calib.json hot_share)",
          "replicas: each hot expert keeps its home slot and gets one replica on each other "
          "node, in a fifth (spare) slot per rank; a pick goes to the replica on the sender's "
          "nearest tier, round-robin by token (ubep.expert_map's rule)",
@@ -106,7 +107,7 @@ def replicas(family: str = "cm384", fabric: FabricModel | None = None) -> Experi
          "no replicas (5 slots): the same slot count as with replicas, so the count phase "
          "costs the same; CANN EP has no interval (calibrated)", INTERVAL_NOTE),
         {"rows": data, "hot_experts": [int(h) for h in hot], "provenance": provenance(
-            family, ("hot_share 0.5 (range 0.25-0.75)",))},
+            family, (f"hot_share {fab.hot_share:.3g} (fitted; range 0.25-0.75)",))},
     )
 
 

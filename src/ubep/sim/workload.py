@@ -56,7 +56,10 @@ class Workload:
         num_topk: experts per token.
         experts_per_rank: ``num_experts = num_ranks * experts_per_rank``.
         routing: "uniform", "zipf" (``alpha``) or "hot" (``hot_experts`` get ``hot_share`` of
-            the picks; the hot set is the same on every rank).
+            the picks; the hot set is the same on every rank). ``hot_share=None``: the share
+            the paper leaves unstated, taken from the fabric's calibration
+            (``FabricModel.hot_share``, fitted to Figure 9) by :func:`run_case` and
+            :func:`plans_for`.
         combine_itemsize: bytes per element of the combine payload (expert outputs, BF16).
         seed: base seed; rank ``r`` uses ``seed + r``.
         expert_map: redundant experts (``ubep.expert_map``): the routing draws logical ids
@@ -74,7 +77,7 @@ class Workload:
     routing: Routing = "uniform"
     alpha: float = 1.0
     hot_experts: int = 8
-    hot_share: float = 0.5
+    hot_share: float | None = None
     combine_itemsize: int = 2
     seed: int = 0
     expert_map: ExpertMap | None = None
@@ -86,6 +89,8 @@ class Workload:
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or value < 1:
                 raise InvalidArgumentError(name, value, "must be a positive integer")
+        if self.hot_share is not None and not 0 < self.hot_share < 1:
+            raise InvalidArgumentError("hot_share", self.hot_share, "must lie in (0, 1) or be None")
         if self.routing not in ROUTINGS:
             raise InvalidArgumentError("routing", self.routing, f"must be one of {ROUTINGS}")
         if self.expert_map is not None and not isinstance(self.expert_map, ExpertMap):
@@ -113,6 +118,14 @@ class Workload:
 
     def with_(self, **changes: object) -> Workload:
         return replace(self, **changes)  # type: ignore[arg-type]
+
+    def resolved(self, fabric: FabricModel | None) -> Workload:
+        """This workload with an unstated hot share (``None``) set from ``fabric``'s
+        calibration (0.5 without a fabric: ``FabricModel``'s default)."""
+        if self.routing != "hot" or self.hot_share is not None:
+            return self
+        return self.with_(hot_share=fabric.hot_share if fabric is not None else
+                          FabricModel.hot_share)
 
 
 @dataclass(frozen=True)
@@ -153,7 +166,7 @@ UBEP_NO_MAPPING = System("UBEP w/o mapping", "asp", "balanced", "sp")
 def routing_for(workload: Workload, num_ranks: int) -> tuple[np.ndarray, ...]:
     """Every rank's seeded ``topk_idx`` (read-only arrays; logical ids with an expert map).
     The map and the mask do not change the draw: one cache entry serves every map."""
-    base = workload.with_(expert_map=None, masked_ranks=())
+    base = workload.resolved(None).with_(expert_map=None, masked_ranks=())
     return _routing(base, num_ranks, workload.num_logical(num_ranks))
 
 
@@ -187,8 +200,10 @@ def _routing(workload: Workload, num_ranks: int, num_experts: int) -> tuple[np.n
         elif workload.routing == "zipf":
             idx = np.ascontiguousarray(parts[r])
         else:
+            share = workload.resolved(None).hot_share
+            assert share is not None  # resolved: a hot workload always has a share
             idx = hot_experts_topk(workload.tokens_per_rank, num_experts, workload.num_topk,
-                                   hot_experts=workload.hot_experts, hot_share=workload.hot_share,
+                                   hot_experts=workload.hot_experts, hot_share=share,
                                    hot_ids=hot_ids, seed=seed)
         idx.flags.writeable = False
         out.append(idx)
@@ -279,7 +294,9 @@ def clear_plans() -> None:
 def plans_for(workload: Workload, system: System, topology: Topology,
               fabric: FabricModel | None = None) -> tuple[Plan, ...]:
     """Every rank's dispatch plan (cached by core split, so that a fit re-times cached plans).
-    ``fabric`` sets the ASP default core split (:func:`core_split`)."""
+    ``fabric`` sets the ASP default core split (:func:`core_split`) and an unstated hot share
+    (:meth:`Workload.resolved`)."""
+    workload = workload.resolved(fabric)
     n_s, n_c = core_split(workload, system, topology, fabric)
     return _plans(workload, system.with_(name=""), topology, n_s, n_c)
 
