@@ -389,3 +389,24 @@ def test_unstated_hot_share_comes_from_the_fabric() -> None:
         assert exc.value.argument == "hot_share"
         with pytest.raises(InvalidArgumentError):
             Workload(routing="hot", hot_share=bad)
+
+
+def test_a_baseline_row_stays_within_its_bound() -> None:
+    # Two closed-form points on the fence share: a training point wants 0.8, a baseline row
+    # 0.5, both with a 10 % tolerance. Unbounded least squares in log space meets them at the
+    # geometric mean, the row log(1.6) / log(1.1) / 2 = 2.47 tolerances off. As a bound row
+    # it is a constraint: the objective beyond its bound rises BOUND_STIFFNESS times faster,
+    # which here leaves the optimum at the bound itself (residual 1: 0.5 x 1.1 = 0.55).
+    from ubep.sim.fit import BOUND_STIFFNESS, stiff
+
+    base = fabric()
+    want = _point("train", 0.8, "fence_rtt_fraction")
+    row = _point("row", 0.5, "fence_rtt_fraction")
+    free = fit(base, [want, row], max_nfev=200, tol=1e-12, baseline=False)
+    assert free.residuals["row"] == pytest.approx(np.log(1.6) / np.log(1.1) / 2, rel=1e-3)
+    bound = TrainingPoint(row.name, row.source, row.shown, row.paper, row.tolerance,
+                          row.evaluate, bound=True)
+    res = fit(base, [want, bound], max_nfev=200, tol=1e-12, baseline=False)
+    assert res.residuals["row"] == pytest.approx(1.0, abs=1e-3)
+    assert res.values["fence_rtt_fraction"] == pytest.approx(0.55, rel=1e-3)
+    assert stiff(0.5) == 0.5 and stiff(-2.0) == -(1 + BOUND_STIFFNESS)
