@@ -16,7 +16,7 @@ of its error. The spread of the leave-one-out values is the interval of every pr
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
@@ -61,16 +61,11 @@ class TrainingPoint:
     paper: float
     tolerance: float
     evaluate: Callable[[FabricModel], float]
-    bound: bool = False
+    bound: bool = False  # a baseline row: the fit treats its tolerance as a bound (stiff)
 
     def residual(self, fabric: FabricModel) -> float:
         """``log(model / paper) / log(1 + tolerance)``: within tolerance iff ``|r| <= 1``."""
         return float(np.log(self.evaluate(fabric) / self.paper) / np.log1p(self.tolerance))
-
-    def objective(self, fabric: FabricModel) -> float:
-        """What the fit minimises: :meth:`residual`, and for a ``bound`` row (a baseline row
-        with a stated calibration bound) :data:`BOUND_STIFFNESS` times steeper beyond it."""
-        return stiff(self.residual(fabric)) if self.bound else self.residual(fabric)
 
 
 # A baseline row is a constraint as well as a target: CANN EP's calibration bounds (5 %) are the
@@ -197,7 +192,7 @@ class FitResult:
     residuals: dict[str, float]
     model: dict[str, float]
     cost: float
-    jac: np.ndarray
+    jac: np.ndarray  # of the plain residuals (before :func:`stiff`), rows: points
 
 
 def _bounds(names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -232,21 +227,27 @@ def fit(base: FabricModel, points: Sequence[TrainingPoint] | None = None, *,
     def values_of(x: np.ndarray) -> dict[str, float]:
         return {n: float(np.exp(v)) for n, v in zip(names, x, strict=True)}
 
+    raw = np.zeros(len(pts))  # the plain residuals of the last evaluation
+
     def resid(x: np.ndarray) -> np.ndarray:
         fab = apply_assumed(base, values_of(x))
-        out = np.array([p.objective(fab) for p in pts])
+        raw[:] = [p.residual(fab) for p in pts]
+        out = np.array([stiff(r) if p.bound else r for p, r in zip(pts, raw, strict=True)])
         if progress is not None:
             progress(f"cost {0.5 * float(out @ out):.4f} residuals "
                      + " ".join(f"{v:+.2f}" for v in out) + " at "
                      + " ".join(f"{k}={v:.4g}" for k, v in values_of(x).items()))
         return out
 
+    # A fixed Jacobian is of the plain residuals: each bound row's slope is applied at the
+    # point evaluated last (least_squares asks for the Jacobian where it last evaluated).
     kwargs: dict[str, Any] = {"diff_step": 0.05} if jac is None else {
-        "jac": lambda _x: jac}
+        "jac": lambda _x: jac * _slopes(pts, raw)[:, None]}
     sol = least_squares(resid, x0, bounds=(lo, hi), max_nfev=max_nfev, xtol=tol, ftol=tol,
                         **kwargs)
     values = values_of(sol.x)
     fab = apply_assumed(base, values)
+    resid(sol.x)  # raw = the plain residuals at the solution
     at_bound = {}
     for n, x in zip(names, sol.x, strict=True):
         side = bound_side(n, float(np.exp(x)))
@@ -254,7 +255,13 @@ def fit(base: FabricModel, points: Sequence[TrainingPoint] | None = None, *,
             at_bound[n] = side
     return FitResult(values, at_bound, {p.name: p.residual(fab) for p in pts},
                      {p.name: p.evaluate(fab) for p in pts}, float(sol.cost),
-                     np.asarray(sol.jac, dtype=np.float64))
+                     np.asarray(sol.jac, dtype=np.float64) / _slopes(pts, raw)[:, None])
+
+
+def _slopes(pts: Sequence[TrainingPoint], raw: np.ndarray) -> np.ndarray:
+    """d objective / d residual of each point at the plain residuals ``raw``."""
+    return np.array([BOUND_STIFFNESS if p.bound and abs(r) > 1 else 1.0
+                     for p, r in zip(pts, raw, strict=True)])
 
 
 def leave_one_out(base: FabricModel, full: FitResult,
@@ -262,8 +269,11 @@ def leave_one_out(base: FabricModel, full: FitResult,
                   progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """Refit without each training point and predict it. Each refit starts from the full
     fit's values and keeps its Jacobian (the other points' rows): Gauss-Newton steps of at
-    most ``max_nfev`` residual evaluations, not a new finite-difference Jacobian per step."""
-    pts = list(points if points is not None else training_set() + baseline_rows())
+    most ``max_nfev`` residual evaluations, not a new finite-difference Jacobian per step.
+    The steps are on the plain residuals: a baseline row the full fit left at its bound would
+    otherwise reject every step of a fixed linear model that cannot see the stiff side."""
+    pts = [replace(p, bound=False)
+           for p in (points if points is not None else training_set() + baseline_rows())]
     held = len(training_set()) if points is None else len(pts)
     out = []
     for i, p in enumerate(pts[:held]):
