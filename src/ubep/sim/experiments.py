@@ -284,7 +284,9 @@ def hotshare(family: str = "cm384", fabric: FabricModel | None = None) -> Experi
         tuple(rows),
         ("the paper states 8 hot experts but not their share; the other skewed experiments "
          f"use {fab.hot_share:.3g}, fitted to Figure 9's two maxima (calib.json hot_share)",
-         "batch 64, top-8", *_family_note(family)),
+         "batch 64, top-8; the fig9_* columns: one hot-expert draw (the first of Figure 9's "
+         "8, where two hot experts share a CANN EP core), not Figure 9's median",
+         *_family_note(family)),
         {"provenance": provenance(family, ("hot_share swept 0.25-0.75",)),
          "sensitivity": _sens_at(f"hot share {fab.hot_share:.3g}", partial(
              _latency, Workload(tokens_per_rank=64, experts_per_rank=256 // ranks,

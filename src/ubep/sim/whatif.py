@@ -97,7 +97,8 @@ def replicas(family: str = "cm384", fabric: FabricModel | None = None) -> Experi
         tuple(rows),
         ("PREDICTION of the model: 64 ranks (4 nodes x 16), 256 logical experts, top-8, batch "
          f"64, the 8 hot experts take {fab.hot_share:.1%} of the picks (fitted to Figure 9, "
-         "calib.json hot_share)",
+         "calib.json hot_share); one hot-expert draw (the first of Figure 9's 8, where two "
+         "hot experts share a CANN EP core), not Figure 9's median",
          "replicas: each hot expert keeps its home slot and gets one replica on each other "
          "node, in a fifth (spare) slot per rank; a pick goes to the replica on the sender's "
          "nearest tier, round-robin by token (ubep.expert_map's rule)",
