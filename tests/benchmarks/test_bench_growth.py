@@ -56,6 +56,22 @@ def test_rows_per_token_is_the_closed_form() -> None:
         2 * (1 - math.comb(2, 2) / math.comb(4, 2)))
 
 
+def test_large_expert_shapes_send_their_target_and_label_their_series() -> None:
+    # 2048 experts top-32 over 2 ranks, rank layout: a token reaches both ranks unless all 32
+    # picks fall in one half (probability 2 * C(1024, 32) / C(2048, 32), about 1e-9)
+    shape = (2048, 32)
+    assert growth.rows_per_token("rank", 2, *shape) == pytest.approx(
+        2 * (1 - math.comb(1024, 32) / math.comb(2048, 32)))
+    cases = growth.cases_for([1 << 20], 2, growth.MAIN_MODES, shape)
+    assert {c.mode for c in cases} == {f"{e}+{s} e2048k32" for e, s in growth.MAIN_MODES}
+    for c in cases:
+        sent = np.mean([growth.rows_sent(c, r, 2) for r in range(2)]) * c.hidden * 2
+        # tokens were rounded to whole rows: within one token's rows of the target
+        per_token = growth.rows_per_token(c.layout, 2, *shape) * c.hidden * 2
+        assert abs(sent - (1 << 20)) <= per_token
+        assert growth._config(c).num_experts == 2048 and growth._config(c).num_topk == 32
+
+
 def test_the_phases_are_the_slowest_ranks_per_op() -> None:
     per_rank = [{"dispatch": {"a": 5.0, "b": 1.0}, "combine": {"a": 1.0, "b": 1.0}},
                 {"dispatch": {"a": 2.0, "b": 3.0}, "combine": {"a": 0.5, "b": 2.0}},
@@ -105,8 +121,8 @@ def test_limits_name_the_measured_part_when_the_phases_are_there() -> None:
 
 def test_quick_path_structure(tmp_path: Path) -> None:
     sizes = [16384, 65536]
-    argv = ["--quick", "--sizes", ",".join(map(str, sizes)), "--repeats", "2", "--rounds", "2",
-            "--warmup", "1", "--out", str(tmp_path)]
+    argv = ["--quick", "--no-scale", "--sizes", ",".join(map(str, sizes)), "--repeats", "2",
+            "--rounds", "2", "--warmup", "1", "--out", str(tmp_path)]
     assert growth.main(argv) == 0
     text = (tmp_path / "growth.txt").read_text()
     assert "rows = (token, expert)" in text and "Fits" in text
