@@ -95,5 +95,5 @@ def test_quick_path_structure(tmp_path: Path) -> None:
         assert r["dispatch_tail"]["median_us"] <= r["dispatch_span"]["median_us"]
         assert set(r["combine_phases"]) == set(COMBINE_PHASES)
         assert set(r["dispatch_phases"]) == set(DISPATCH_PHASES)  # both engines trace
-        assert 0 < r["cold_copy"]["min_us"]
+        assert r["cold_copy"]["min_us"] > 0
     assert "phases of the slowest rank" in (tmp_path / "step.txt").read_text()
