@@ -172,6 +172,10 @@ class Buffer(InFlightCalls, ArgChecks):
         self._cfg = config
         self.num_local_experts = experts_per_rank(config.num_experts, self.num_ranks)
         self.num_cores = config.num_cores or self.group.topology.cores_per_rank
+        # every blocking call may take the one native call without a Plan (one core, or BSP),
+        # and its result needs no translation (M2N's logical ids)
+        self._one_call = (config.engine != "asp" or self.num_cores < 2) and (
+            self.expert_ranks is None)
         self._dtype = _dt.dtype_of(config.dtype)
         self._cdtype = _dt.dtype_of(config.combine_dtype)
         self.layout = layout_of(config, self.num_ranks, self.num_cores)
@@ -293,9 +297,46 @@ class Buffer(InFlightCalls, ArgChecks):
             ubep.TimeoutError, PeerLostError, OutOfStepError: the Buffer lost step with its
                 peers and refuses calls until :meth:`resync` (a dead peer: for good).
         """
+        fast = self._fast
+        if (fast is not None and self._one_call and self._route is None
+                and not (copy or return_recv_hook or self._in_flight) and x_scales is None):
+            got = self._hot_dispatch(fast, x, topk_idx, topk_weights)
+            if got is not None:
+                return got  # type: ignore[no-any-return]
         self._enter()
         try:
             return self._dispatch(x, topk_idx, topk_weights, copy, return_recv_hook, x_scales)
+        finally:
+            self._lock.release()
+
+    def _hot_dispatch(self, fast: Any, x: object, topk_idx: object,
+                      topk_weights: object) -> Any:
+        """The common blocking dispatch in one native call with the least Python around it (a
+        decode step's calls cost microseconds: each Python call and attribute read counts).
+        None: not its case (the Buffer refuses calls, another call holds it, or the arrays are
+        not exactly what the native call reads); nothing was done, and the general path takes
+        it (and raises what it must)."""
+        if not self._lock.acquire(False):
+            return None
+        try:
+            if self._closed or self._dead is not None or self._lost is not None:
+                return None
+            epoch = self._epoch = self._epoch + 1
+            index = self._num_dispatches
+            self._num_dispatches = index + 1
+            try:
+                got = fast.dispatch_fast(x, topk_idx, topk_weights, epoch, index,
+                                         self._generation, None)
+                if type(got) is ErrorRecord:
+                    raise self._error(got)
+            except BaseException as exc:
+                err, clean = self._failed(epoch, _NATIVE, exc)
+                if clean:  # as _dispatch: no dispatch happened
+                    self._num_dispatches = index
+                raise err from None
+            if got is None:  # not its case: the call never existed
+                self._epoch, self._num_dispatches = epoch - 1, index
+            return got
         finally:
             self._lock.release()
 
@@ -439,9 +480,36 @@ class Buffer(InFlightCalls, ArgChecks):
             hands out again only once nothing references the earlier ``y`` in it, not even a
             view or a tensor over it.
         """
+        fast = self._fast
+        if fast is not None and not (return_recv_hook or self._in_flight):
+            y = self._hot_combine(fast, expert_out, handle)
+            if y is not None:
+                return y  # type: ignore[no-any-return]
         self._enter()
         try:
             return self._combine(expert_out, handle, return_recv_hook)
+        finally:
+            self._lock.release()
+
+    def _hot_combine(self, fast: Any, expert_out: object, handle: DispatchHandle) -> Any:
+        """The common blocking combine in one native call (as :meth:`_hot_dispatch`); None:
+        not its case, nothing was done."""
+        if not self._lock.acquire(False):
+            return None
+        try:
+            if self._closed or self._dead is not None or self._lost is not None:
+                return None
+            epoch = self._epoch = self._epoch + 1
+            try:
+                got = fast.combine_fast(expert_out, handle, epoch, self._generation,
+                                        self._num_dispatches)
+                if type(got) is ErrorRecord:
+                    raise self._error(got)
+            except BaseException as exc:
+                raise self._failed(epoch, _NATIVE, exc)[0] from None
+            if got is None:
+                self._epoch = epoch - 1
+            return got
         finally:
             self._lock.release()
 
