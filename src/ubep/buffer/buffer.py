@@ -302,7 +302,7 @@ class Buffer(InFlightCalls, ArgChecks):
                 and not (copy or return_recv_hook or self._in_flight) and x_scales is None):
             got = self._hot_dispatch(fast, x, topk_idx, topk_weights)
             if got is not None:
-                return got  # type: ignore[no-any-return]
+                return got
         self._enter()
         try:
             return self._dispatch(x, topk_idx, topk_weights, copy, return_recv_hook, x_scales)
@@ -484,7 +484,7 @@ class Buffer(InFlightCalls, ArgChecks):
         if fast is not None and not (return_recv_hook or self._in_flight):
             y = self._hot_combine(fast, expert_out, handle)
             if y is not None:
-                return y  # type: ignore[no-any-return]
+                return y
         self._enter()
         try:
             return self._combine(expert_out, handle, return_recv_hook)
