@@ -531,7 +531,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="2 ranks, 3 sizes (~5 s)")
     parser.add_argument("--all", action="store_true", help="also asp+tff and asp+dc")
     parser.add_argument("--no-scale", action="store_true",
-                        help="leave out the 896/16 and 2048/32 expert shapes")
+                        help="leave out the 896/16 and 2048/32 expert shapes (also left out "
+                             "with --sizes)")
     parser.add_argument("--ranks", default=None, help="comma-separated rank counts (2,4)")
     parser.add_argument("--sizes", default=None, help="comma-separated target bytes per rank")
     parser.add_argument("--repeats", type=int, default=None)
@@ -557,7 +558,9 @@ def main(argv: list[str] | None = None) -> int:
     modes = MAIN_MODES + (EXTRA_MODES if args.all else ())
     load = os.getloadavg()[0]
     start = time.monotonic()
-    scale = () if args.no_scale else (SCALE_SIZES[1:2] if args.quick else SCALE_SIZES)
+    # explicit --sizes: exactly those cases (compare_builds runs an older bench_growth beside)
+    scale = () if args.no_scale or args.sizes else (
+        SCALE_SIZES[1:2] if args.quick else SCALE_SIZES)
     result = run(ranks, sizes, modes, args.warmup, repeats, rounds,
                  int(args.mem_gib * 2**30), int(args.keep_gib * 2**30), args.timeout, scale)
     result["settings"] = {"ranks": ranks, "sizes": list(sizes), "modes": [f"{e}+{s}" for e, s
