@@ -300,7 +300,7 @@ class Buffer(InFlightCalls, ArgChecks):
         fast = self._fast
         if (fast is not None and self._one_call and self._route is None
                 and not (copy or return_recv_hook or self._in_flight) and x_scales is None):
-            got = self._hot_dispatch(fast, x, topk_idx, topk_weights)
+            got = self._hot_call(fast.dispatch_fast, (x, topk_idx, topk_weights), True)
             if got is not None:
                 return got
         self._enter()
@@ -309,24 +309,26 @@ class Buffer(InFlightCalls, ArgChecks):
         finally:
             self._lock.release()
 
-    def _hot_dispatch(self, fast: Any, x: object, topk_idx: object,
-                      topk_weights: object) -> Any:
-        """The common blocking dispatch in one native call with the least Python around it (a
-        decode step's calls cost microseconds: each Python call and attribute read counts).
-        None: not its case (the Buffer refuses calls, another call holds it, or the arrays are
-        not exactly what the native call reads); nothing was done, and the general path takes
-        it (and raises what it must)."""
+    def _hot_call(self, fast_call: Any, args: tuple[object, ...], dispatch: bool) -> Any:
+        """A common blocking call (``fast_call``: the engine's ``dispatch_fast`` or
+        ``combine_fast``) in one native call with the least Python around it: a decode step's
+        calls cost microseconds, and every Python call and attribute read counts. None: not
+        its case (the Buffer refuses calls, another call holds it, or the arrays are not exactly
+        what the native call reads); nothing was done, and the general path takes it (and
+        raises what it must)."""
         if not self._lock.acquire(False):
             return None
         try:
             if self._closed or self._dead is not None or self._lost is not None:
                 return None
             epoch = self._epoch = self._epoch + 1
-            index = self._num_dispatches
-            self._num_dispatches = index + 1
+            index = self._num_dispatches  # a combine: the dispatches made so far
             try:
-                got = fast.dispatch_fast(x, topk_idx, topk_weights, epoch, index,
-                                         self._generation, None)
+                if dispatch:
+                    self._num_dispatches = index + 1
+                    got = fast_call(*args, epoch, index, self._generation, None)
+                else:
+                    got = fast_call(*args, epoch, self._generation, index)
                 if type(got) is ErrorRecord:
                     raise self._error(got)
             except BaseException as exc:
@@ -482,34 +484,12 @@ class Buffer(InFlightCalls, ArgChecks):
         """
         fast = self._fast
         if fast is not None and not (return_recv_hook or self._in_flight):
-            y = self._hot_combine(fast, expert_out, handle)
+            y = self._hot_call(fast.combine_fast, (expert_out, handle), False)
             if y is not None:
                 return y
         self._enter()
         try:
             return self._combine(expert_out, handle, return_recv_hook)
-        finally:
-            self._lock.release()
-
-    def _hot_combine(self, fast: Any, expert_out: object, handle: DispatchHandle) -> Any:
-        """The common blocking combine in one native call (as :meth:`_hot_dispatch`); None:
-        not its case, nothing was done."""
-        if not self._lock.acquire(False):
-            return None
-        try:
-            if self._closed or self._dead is not None or self._lost is not None:
-                return None
-            epoch = self._epoch = self._epoch + 1
-            try:
-                got = fast.combine_fast(expert_out, handle, epoch, self._generation,
-                                        self._num_dispatches)
-                if type(got) is ErrorRecord:
-                    raise self._error(got)
-            except BaseException as exc:
-                raise self._failed(epoch, _NATIVE, exc)[0] from None
-            if got is None:
-                self._epoch = epoch - 1
-            return got
         finally:
             self._lock.release()
 
