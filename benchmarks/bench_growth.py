@@ -374,9 +374,10 @@ TARGET_MIN_BYTES = 250_000
 # their rows or their published outputs); this rank's own copy (dispatch: its rows out;
 # combine: the rows peers pull, then the reduce).
 PARTS = {
-    "dispatch": {"entry": ("py_in", "py_out"), "local": ("validate", "publish", "metadata"),
+    "dispatch": {"entry": ("py_in", "args", "py_out"),
+                 "local": ("validate", "publish", "metadata"),
                  "wait": ("wait_prev", "counts_in", "data_wait"), "copy": ("send",)},
-    "combine": {"entry": ("py_in", "py_out"), "local": (),
+    "combine": {"entry": ("py_in", "args", "py_out"), "local": (),
                 "wait": ("wait_prev", "publish", "peers"), "copy": ("copy", "reduce")},
 }
 PART_NAMES = {"entry": "entry/exit", "local": "per-token bookkeeping", "wait": "waits on peers",
@@ -386,8 +387,9 @@ PART_NAMES = {"entry": "entry/exit", "local": "per-token bookkeeping", "wait": "
 def parts(phases: dict[str, float], op: str, median_us: float) -> dict[str, float]:
     """``phases`` (the slowest rank's phase medians of one op, us) summed into ``PARTS``, and
     ``rest``: the case's median (per call, the maximum over ranks) beyond that rank's median
-    call: the ranks' skew, which rank is slowest changing from call to call."""
-    out = {part: sum(phases[p] for p in names) for part, names in PARTS[op].items()}
+    call: the ranks' skew, which rank is slowest changing from call to call. (A JSON written
+    before ``args`` was traced has it inside ``py_in``.)"""
+    out = {part: sum(phases.get(p, 0.0) for p in names) for part, names in PARTS[op].items()}
     out["rest"] = max(0.0, median_us - sum(phases.values()))
     return out
 

@@ -34,11 +34,12 @@ the processes of this host, so per call the parent reads
   experts ran than another's (its received rows differ). It is in the combine's ``span`` (the
   first rank in waits for the last one's outputs) but not ubep's: read the combine's ``tail``;
 * the phases of the slowest rank (the one that exits last), from the engine's trace of core 0:
-  dispatch ``py_in`` (Python entry: checks, up to the native call), ``wait_prev`` (peers done with
+  dispatch ``py_in`` (Python, up to the native call), ``args`` (the native call reads and checks
+  its arrays, takes the result's blocks), ``wait_prev`` (peers done with
   the region this call reuses), ``validate`` (routing checked and counted), ``publish`` (counts
   and the routing record out), ``send`` (rows copied), ``counts_in`` (every peer's counts),
   ``metadata`` (received rows' metadata), ``data_wait`` (every row in), ``py_out`` (result
-  objects, exit); combine ``py_in``, ``wait_prev``, ``copy``, ``publish``, ``peers``,
+  objects, exit); combine ``py_in``, ``args``, ``wait_prev``, ``copy``, ``publish``, ``peers``,
   ``reduce``, ``py_out``;
 
 each as min / median / p99 over the steps, and the communication's share of the step (the two
@@ -74,6 +75,7 @@ from benchmarks.harness import (
     concurrent_copy,
     format_table,
     save_results,
+    trace_marks,
     trace_range,
 )
 from ubep import reference, routing, testing
@@ -295,7 +297,7 @@ def _phases(per_rank: list[dict[str, Any]], slowest: np.ndarray, op: str) -> dic
     """The phases of ``op`` on the slowest rank of each step: from the call's entry through
     core 0's trace points to its exit; empty where the engine did not trace ``op``
     (BSP's dispatch names its own phases by the same slots: abi.h)."""
-    first, last = trace_range(op)
+    first, _ = trace_range(op)
     if not any(tr[first] for pr in per_rank for tr in pr["traces"]):
         return {}
     names = DISPATCH_PHASES if op == "dispatch" else COMBINE_PHASES
@@ -303,7 +305,7 @@ def _phases(per_rank: list[dict[str, Any]], slowest: np.ndarray, op: str) -> dic
     per_step = []
     for s, r in enumerate(slowest):
         st, tr = per_rank[r]["stamps"][s], per_rank[r]["traces"][s]
-        marks = [st[enter], *tr[first:last + 1], st[leave]]
+        marks = [st[enter], *trace_marks(op, tr), st[leave]]
         per_step.append(np.diff(marks))
     cols = np.array(per_step)
     return {n: Spread.of(cols[:, i]) for i, n in enumerate(names)}

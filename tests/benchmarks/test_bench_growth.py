@@ -87,7 +87,7 @@ def test_limits_name_the_measured_part_when_the_phases_are_there() -> None:
     # any part); or the copy alone at 1.5x; or a rank done in 121 us, the ranks' skew adding 79
     floor = {"min_us": 100.0, "median_us": 100.0, "max_us": 100.0}
     stats = {"min_us": 200.0, "median_us": 200.0, "max_us": 200.0}
-    comb = {"py_in": 1.0, "wait_prev": 1.0, "copy": 10.0, "publish": 1.0, "peers": 1.0,
+    comb = {"py_in": 1.0, "args": 1.0, "wait_prev": 1.0, "copy": 10.0, "publish": 1.0, "peers": 1.0,
             "reduce": 140.0, "py_out": 2.0}
 
     def row(disp: dict[str, float]) -> dict[str, object]:
@@ -95,8 +95,8 @@ def test_limits_name_the_measured_part_when_the_phases_are_there() -> None:
                 "dispatch": stats, "combine": stats, "floor": floor,
                 "phases": {"dispatch": disp, "combine": comb}}
 
-    local = {"py_in": 3.0, "wait_prev": 1.0, "validate": 20.0, "publish": 10.0, "send": 60.0,
-             "counts_in": 1.0, "metadata": 30.0, "data_wait": 20.0, "py_out": 4.0}
+    local = {"py_in": 3.0, "args": 2.0, "wait_prev": 1.0, "validate": 20.0, "publish": 10.0,
+             "send": 60.0, "counts_in": 1.0, "metadata": 30.0, "data_wait": 20.0, "py_out": 4.0}
     moving = local | {"send": 150.0, "data_wait": 0.0, "validate": 1.0, "metadata": 0.0,
                       "publish": 10.0}
     late = local | {"validate": 1.0, "publish": 1.0, "metadata": 1.0, "data_wait": 49.0}
@@ -107,7 +107,7 @@ def test_limits_name_the_measured_part_when_the_phases_are_there() -> None:
         got = {x["op"]: x for x in growth.limits({"rows": [row(disp)]})}
         d = got["dispatch"]
         assert d["limit"] == want
-        assert d["entry_us"] == pytest.approx(disp["py_in"] + disp["py_out"])
+        assert d["entry_us"] == pytest.approx(disp["py_in"] + disp["args"] + disp["py_out"])
         assert d["local_us"] == pytest.approx(disp["validate"] + disp["publish"]
                                               + disp["metadata"])
         assert d["wait_us"] == pytest.approx(disp["wait_prev"] + disp["counts_in"]

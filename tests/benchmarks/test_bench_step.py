@@ -12,21 +12,24 @@ import pytest
 
 from benchmarks import bench_step as step
 from benchmarks.harness import COMBINE_PHASES, DISPATCH_PHASES, trace_range
+from ubep.runtime.abi import TRACE
 
 
 def _trace(op: str, start: int, gaps: list[int]) -> dict[int, int]:
-    """Trace slots of ``op`` from ``start``, consecutive ones ``gaps`` apart."""
+    """Trace slots of ``op``: the native call's entry at ``start``, then its task graph's
+    stamps, consecutive ones ``gaps`` apart."""
     first, last = trace_range(op)
-    assert len(gaps) == last - first
-    return {first + i: start + sum(gaps[:i]) for i in range(last - first + 1)}
+    slots = [TRACE["d_native" if op == "dispatch" else "c_native"], *range(first, last + 1)]
+    assert len(gaps) == len(slots) - 1
+    return {slot: start + sum(gaps[:i]) for i, slot in enumerate(slots)}
 
 
 def test_spans_tails_and_the_slowest_ranks_phases() -> None:
     # 2 ranks, 1 step: rank 1 enters dispatch later and leaves it last; rank 0 leaves combine
     # last. Stamps are (t0, d0, d1, c0, c1) in ns.
     stamps = [(0, 100, 1_000, 2_000, 2_900), (50, 400, 1_200, 2_100, 2_800)]
-    d_gaps = [10, 20, 30, 40, 50, 60, 70]
-    c_gaps = [5, 10, 15, 20, 25]
+    d_gaps = [5, 10, 20, 30, 40, 50, 60, 70]
+    c_gaps = [3, 5, 10, 15, 20, 25]
     traces = []
     for r in range(2):
         tr = [0] * 16

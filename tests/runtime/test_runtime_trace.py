@@ -1,6 +1,7 @@
-"""The engine's trace (``Engine.trace()``): per call, core 0's stamps of its phase ends, on the
-clock ``time.perf_counter_ns`` reads (CLOCK_MONOTONIC), in task-graph order and inside the call,
-for both engines (what benchmarks/bench_step.py and bench_growth.py read the phases from)."""
+"""The engine's trace (``Engine.trace()``): per call, the native call's entry and core 0's stamps
+of its phase ends, on the clock ``time.perf_counter_ns`` reads (CLOCK_MONOTONIC), in order and
+inside the call, for both engines (what benchmarks/bench_step.py and bench_growth.py read the
+phases from)."""
 
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ def _rank(group: object, engine: str) -> list[tuple[int, int, list[int]]]:
             buf.combine(np.asarray(res.recv_x).copy(), res.handle)
             t3 = time.perf_counter_ns()
             c = list(buf._engine.trace())
-            out += [(t0, t1, d[TRACE["d_enter"]:TRACE["d_data_in"] + 1]),
-                    (t2, t3, c[TRACE["c_enter"]:TRACE["c_reduced"] + 1])]
+            out += [(t0, t1, [d[TRACE["d_native"]], *d[TRACE["d_enter"]:TRACE["d_data_in"] + 1]]),
+                    (t2, t3, [c[TRACE["c_native"]], *c[TRACE["c_enter"]:TRACE["c_reduced"] + 1]])]
     return out
 
 

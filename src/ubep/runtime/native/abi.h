@@ -45,6 +45,8 @@ enum {
     TRACE_C_PUBLISHED = 11, /* combine info published */
     TRACE_C_PEERS = 12,     /* every peer's combine info read */
     TRACE_C_REDUCED = 13,   /* outputs reduced */
+    TRACE_D_NATIVE = 14,    /* dispatch: the native call entered, its arguments not yet read */
+    TRACE_C_NATIVE = 15,    /* combine: the same */
     TRACE_SLOTS = 16
 };
 

@@ -443,6 +443,7 @@ static PyObject *refill(fast_t *f, int reg, int64_t n, long long index, PyObject
 /* dispatch_fast(x, topk_idx, topk_weights, epoch, index, generation, plan) -> None (not this
  * path's case: nothing was done) | DispatchResult | ErrorRecord */
 PyObject *engine_dispatch_fast(engine_t *g, PyObject *args) {
+    g->trace[TRACE_D_NATIVE] = now_ns(); /* the general path stamps again if it takes the call */
     dispatch_args_t a;
     PyObject *generation;
     if (!PyArg_ParseTuple(args, "OOOKLOO", &a.x, &a.topk_idx, &a.topk_weights, &a.epoch,
@@ -502,6 +503,7 @@ static PyObject *field(PyObject *d, PyObject *key) { return PyDict_GetItemWithEr
 /* combine_fast(expert_out, handle, epoch, generation, num_dispatches) -> None (not this
  * path's case) | y | ErrorRecord */
 PyObject *engine_combine_fast(engine_t *g, PyObject *args) {
+    g->trace[TRACE_C_NATIVE] = now_ns();
     PyObject *eo, *handle, *generation;
     unsigned long long epoch;
     long long num_dispatches;
