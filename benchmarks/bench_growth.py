@@ -7,7 +7,9 @@
 Sweep: per target size (16 KB .. 64 MB, x4 apart), BF16 rows of hidden 1024 (< 64 KB), 2048
 (<= 1 MB) or 7168 (bigger), top-8 of 64 experts, seeded uniform routing, tokens per rank chosen
 so one rank sends about the target; both layouts, 2 and 4 ranks, the main modes (asp+sw, asp+sp,
-bsp+sw). Every case has its own Buffer.
+bsp+sw). The large-expert shapes (896 experts top-16, 2048 experts top-32: ``SCALE_SHAPES``) run
+the same modes at ``SCALE_SIZES``; their series are labelled ``e896k16`` / ``e2048k32`` after the
+mode. Every case has its own Buffer.
 
 Bytes one rank sends = rows x hidden x 2 (mean over ranks), rows = (token, expert) pairs for
 layout=expert, (token, destination rank) pairs for layout=rank, the rank's own rows included.
@@ -57,6 +59,8 @@ NUM_TOPK = 8
 ITEMSIZE = 2  # BF16
 FULL_SIZES = tuple(16384 << (2 * i) for i in range(7))  # 16 KB .. 64 MB
 QUICK_SIZES = (16384, 262144, 4194304)
+SCALE_SHAPES = ((896, 16), (2048, 32))  # (num_experts, num_topk) beside 64 / 8
+SCALE_SIZES = (262144, 1048576, 4194304)
 MAIN_MODES = (("asp", "sw"), ("asp", "sp"), ("bsp", "sw"))
 EXTRA_MODES = (("asp", "tff"), ("asp", "dc"))
 OPS = ("dispatch", "combine")
@@ -70,10 +74,15 @@ class Case:
     layout: str
     engine: str
     sync: str
+    num_experts: int = NUM_EXPERTS
+    num_topk: int = NUM_TOPK
 
     @property
     def mode(self) -> str:
-        return f"{self.engine}+{self.sync}"
+        """The series label: engine+sync, and the shape when it is not 64 experts top-8."""
+        shape = ("" if (self.num_experts, self.num_topk) == (NUM_EXPERTS, NUM_TOPK)
+                 else f" e{self.num_experts}k{self.num_topk}")
+        return f"{self.engine}+{self.sync}{shape}"
 
 
 @dataclass(frozen=True)
@@ -106,13 +115,14 @@ def fit_line(bytes_: Sequence[float], times_us: Sequence[float]) -> Fit:
     return Fit(intercept_us=float(np.median(y - slope * x)), slope_us_per_byte=slope)
 
 
-def rows_per_token(layout: str, ranks: int) -> float:
+def rows_per_token(layout: str, ranks: int, num_experts: int = NUM_EXPERTS,
+                   num_topk: int = NUM_TOPK) -> float:
     """Expected rows a token sends: top-k for the expert layout; for the rank layout the
     expected number of distinct destination ranks of k distinct uniform experts."""
     if layout == "expert":
-        return float(NUM_TOPK)
-    local = NUM_EXPERTS // ranks
-    miss = math.comb(NUM_EXPERTS - local, NUM_TOPK) / math.comb(NUM_EXPERTS, NUM_TOPK)
+        return float(num_topk)
+    local = num_experts // ranks
+    miss = math.comb(num_experts - local, num_topk) / math.comb(num_experts, num_topk)
     return ranks * (1.0 - miss)
 
 
@@ -120,14 +130,15 @@ def hidden_for(target_bytes: int) -> int:
     return 1024 if target_bytes < 65536 else 2048 if target_bytes <= 1 << 20 else 7168
 
 
-def cases_for(sizes: Sequence[int], ranks: int, modes: Sequence[tuple[str, str]]) -> list[Case]:
+def cases_for(sizes: Sequence[int], ranks: int, modes: Sequence[tuple[str, str]],
+              shape: tuple[int, int] = (NUM_EXPERTS, NUM_TOPK)) -> list[Case]:
     out = []
     for target in sizes:
         hidden = hidden_for(target)
         for layout in ("rank", "expert"):
-            per_token = rows_per_token(layout, ranks) * hidden * ITEMSIZE
+            per_token = rows_per_token(layout, ranks, *shape) * hidden * ITEMSIZE
             tokens = max(1, round(target / per_token))
-            out += [Case(target, tokens, hidden, layout, e, s) for e, s in modes]
+            out += [Case(target, tokens, hidden, layout, e, s, *shape) for e, s in modes]
     return out
 
 
@@ -137,8 +148,8 @@ def inputs(case: Case, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     rng = np.random.default_rng([17, rank, case.tokens, case.hidden])
     x = (rng.standard_normal((case.tokens, case.hidden), dtype=np.float32)
          .view(np.uint32) >> np.uint32(16)).astype(np.uint16)
-    idx = routing.uniform_topk(case.tokens, NUM_EXPERTS, NUM_TOPK, seed=100 + rank)
-    w = rng.random((case.tokens, NUM_TOPK), dtype=np.float32)
+    idx = routing.uniform_topk(case.tokens, case.num_experts, case.num_topk, seed=100 + rank)
+    w = rng.random((case.tokens, case.num_topk), dtype=np.float32)
     return x, idx, w
 
 
@@ -148,7 +159,7 @@ def rows_sent(case: Case, rank: int, ranks: int) -> int:
     _, idx, _ = inputs(case, rank)
     if case.layout == "expert":
         return int((idx >= 0).sum())
-    dst = np.where(idx >= 0, idx // (NUM_EXPERTS // ranks), -1)
+    dst = np.where(idx >= 0, idx // (case.num_experts // ranks), -1)
     return int(sum(len(set(row[row >= 0].tolist())) for row in dst))
 
 
@@ -161,8 +172,8 @@ def _config(case: Case) -> Any:
     from ubep.buffer import BufferConfig
 
     return BufferConfig(
-        max_tokens_per_rank=case.tokens, hidden=case.hidden, num_topk=NUM_TOPK,
-        num_experts=NUM_EXPERTS, dtype="bf16", layout=case.layout, engine=case.engine,
+        max_tokens_per_rank=case.tokens, hidden=case.hidden, num_topk=case.num_topk,
+        num_experts=case.num_experts, dtype="bf16", layout=case.layout, engine=case.engine,
         sync=case.sync,
     )
 
@@ -260,7 +271,7 @@ def _rank_main(group: Any, cases: list[Case], warmup: int, per_round: list[int],
 
 def run(ranks: Sequence[int], sizes: Sequence[int], modes: Sequence[tuple[str, str]],
         warmup: int, repeats: int, rounds: int, mem_bytes: int, keep_bytes: int,
-        timeout_s: float = 1800.0) -> dict[str, Any]:
+        timeout_s: float = 1800.0, scale_sizes: Sequence[int] = ()) -> dict[str, Any]:
     """Measure every rank count; returns ``{"rows", "floor", "skipped"}`` (see the module doc)."""
     from ubep.runtime import launch
 
@@ -270,7 +281,9 @@ def run(ranks: Sequence[int], sizes: Sequence[int], modes: Sequence[tuple[str, s
     skipped: list[str] = []
     for num_ranks in ranks:
         cases = []
-        for case in cases_for(sizes, num_ranks, modes):
+        every = cases_for(sizes, num_ranks, modes) + [
+            c for shape in SCALE_SHAPES for c in cases_for(scale_sizes, num_ranks, modes, shape)]
+        for case in every:
             need = buffer_bytes(case, num_ranks)
             if need > mem_bytes:
                 skipped.append(f"{num_ranks} ranks {case.layout} {case.mode} "
@@ -361,9 +374,10 @@ TARGET_MIN_BYTES = 250_000
 # their rows or their published outputs); this rank's own copy (dispatch: its rows out;
 # combine: the rows peers pull, then the reduce).
 PARTS = {
-    "dispatch": {"entry": ("py_in", "py_out"), "local": ("validate", "publish", "metadata"),
+    "dispatch": {"entry": ("py_in", "args", "py_out"),
+                 "local": ("validate", "publish", "metadata"),
                  "wait": ("wait_prev", "counts_in", "data_wait"), "copy": ("send",)},
-    "combine": {"entry": ("py_in", "py_out"), "local": (),
+    "combine": {"entry": ("py_in", "args", "py_out"), "local": (),
                 "wait": ("wait_prev", "publish", "peers"), "copy": ("copy", "reduce")},
 }
 PART_NAMES = {"entry": "entry/exit", "local": "per-token bookkeeping", "wait": "waits on peers",
@@ -373,8 +387,9 @@ PART_NAMES = {"entry": "entry/exit", "local": "per-token bookkeeping", "wait": "
 def parts(phases: dict[str, float], op: str, median_us: float) -> dict[str, float]:
     """``phases`` (the slowest rank's phase medians of one op, us) summed into ``PARTS``, and
     ``rest``: the case's median (per call, the maximum over ranks) beyond that rank's median
-    call: the ranks' skew, which rank is slowest changing from call to call."""
-    out = {part: sum(phases[p] for p in names) for part, names in PARTS[op].items()}
+    call: the ranks' skew, which rank is slowest changing from call to call. (A JSON written
+    before ``args`` was traced has it inside ``py_in``.)"""
+    out = {part: sum(phases.get(p, 0.0) for p in names) for part, names in PARTS[op].items()}
     out["rest"] = max(0.0, median_us - sum(phases.values()))
     return out
 
@@ -517,6 +532,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 ranks, 3 sizes (~5 s)")
     parser.add_argument("--all", action="store_true", help="also asp+tff and asp+dc")
+    parser.add_argument("--no-scale", action="store_true",
+                        help="leave out the 896/16 and 2048/32 expert shapes (also left out "
+                             "with --sizes)")
     parser.add_argument("--ranks", default=None, help="comma-separated rank counts (2,4)")
     parser.add_argument("--sizes", default=None, help="comma-separated target bytes per rank")
     parser.add_argument("--repeats", type=int, default=None)
@@ -542,8 +560,11 @@ def main(argv: list[str] | None = None) -> int:
     modes = MAIN_MODES + (EXTRA_MODES if args.all else ())
     load = os.getloadavg()[0]
     start = time.monotonic()
+    # explicit --sizes: exactly those cases (compare_builds runs an older bench_growth beside)
+    scale = () if args.no_scale or args.sizes else (
+        SCALE_SIZES[1:2] if args.quick else SCALE_SIZES)
     result = run(ranks, sizes, modes, args.warmup, repeats, rounds,
-                 int(args.mem_gib * 2**30), int(args.keep_gib * 2**30), args.timeout)
+                 int(args.mem_gib * 2**30), int(args.keep_gib * 2**30), args.timeout, scale)
     result["settings"] = {"ranks": ranks, "sizes": list(sizes), "modes": [f"{e}+{s}" for e, s
                           in modes], "repeats": repeats, "rounds": rounds, "warmup": args.warmup}
     result["machine"] = machine_since(load, start)

@@ -17,23 +17,37 @@ Per step, on every rank (2 ranks, one process each, ``ubep.launch``):
    between the calls);
 6. ``combine`` of the expert outputs.
 
+The tokens are BF16 roundings of standard normal activations, as a layer's hidden states are
+(``testing.payload``'s wide-exponent BF16, which the correctness tests move, overflows the
+stand-in FFN into infinities and subnormals whose float arithmetic is ~100x slower: a 48 ms
+"expert" phase whose difference between the ranks read as a 4-9 ms combine). Each rank's BLAS
+runs one thread (``OMP_NUM_THREADS=1``, torchrun's default; ``OPENBLAS_NUM_THREADS=1``): one
+rank per core, as serving engines pin them.
+
 Clocks are ``CLOCK_MONOTONIC`` (``time.perf_counter_ns`` and the engine's trace stamps), shared by
 the processes of this host, so per call the parent reads
 
 * ``span``: from the first rank's entry to the last rank's exit (what the layer waits);
 * ``tail``: from the last rank's entry to the last rank's exit (the call once every rank is in:
   what ubep controls; with skew ``none`` it is close to ``span``);
+* ``experts skew``: the last rank's combine entry minus the first's: how much longer one rank's
+  experts ran than another's (its received rows differ). It is in the combine's ``span`` (the
+  first rank in waits for the last one's outputs) but not ubep's: read the combine's ``tail``;
 * the phases of the slowest rank (the one that exits last), from the engine's trace of core 0:
-  dispatch ``py_in`` (Python entry: checks, up to the native call), ``wait_prev`` (peers done with
+  dispatch ``py_in`` (Python, up to the native call), ``args`` (the native call reads and checks
+  its arrays, takes the result's blocks), ``wait_prev`` (peers done with
   the region this call reuses), ``validate`` (routing checked and counted), ``publish`` (counts
   and the routing record out), ``send`` (rows copied), ``counts_in`` (every peer's counts),
   ``metadata`` (received rows' metadata), ``data_wait`` (every row in), ``py_out`` (result
-  objects, exit); combine ``py_in``, ``wait_prev``, ``copy``, ``publish``, ``peers``,
+  objects, exit); combine ``py_in``, ``args``, ``wait_prev``, ``copy``, ``publish``, ``peers``,
   ``reduce``, ``py_out``;
 
 each as min / median / p99 over the steps, and the communication's share of the step (the two
 calls' spans over the step, medians). Floor of a call: the copy of the bytes one rank sends
-(``harness.concurrent_copy``, both ranks at once) + one cross-process flag one-way latency
+(``harness.concurrent_copy``, both ranks at once, warm caches) + one cross-process flag one-way
+latency; the **cold floor** is the same copy made the way the calls make it in a step: after
+the attention stand-in's eviction (source and destination cold; both ranks at once,
+``COLD_COPIES`` samples per case)
 (benchmarks/host_micro.c). Bytes a rank sends = rows x hidden x 2 (BF16; one row
 per (token, expert) pick: the expert-major layout of DeepEP's low-latency mode, which decode
 uses).
@@ -47,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -60,15 +75,21 @@ from benchmarks.harness import (
     concurrent_copy,
     format_table,
     save_results,
+    trace_marks,
     trace_range,
 )
 from ubep import reference, routing, testing
 from ubep.buffer import Buffer, BufferConfig
+from ubep.dtypes import dtype_of
 from ubep.runtime import launch
 
 RANKS = 2
 RESULTS = Path(__file__).resolve().parent / "results"
-EXPERT_INTER = 256  # the stand-in experts' intermediate size
+# the stand-in experts' intermediate size: small, so that a DeepSeek-V3 step of 128 tokens (1024
+# received rows of 7168) stays near 50 ms on a CPU whose sgemm runs ~10 GFLOP/s a core; the
+# eviction, not the matmul, sets the cache state the calls meet
+EXPERT_INTER = 16
+COLD_COPIES = 30  # cold-floor samples per case
 
 
 @dataclass(frozen=True)
@@ -124,6 +145,8 @@ class Row:
     dispatch_tail: Spread
     combine_span: Spread
     combine_tail: Spread
+    experts_skew: Spread  # last rank's combine entry - first rank's
+    cold_copy: Spread  # the cold floor's copy: per sample the slower rank's
     dispatch_phases: dict[str, Spread]  # of the slowest rank
     combine_phases: dict[str, Spread]
 
@@ -176,10 +199,27 @@ def _experts(recv_x: np.ndarray, counts: list[int], w_up: np.ndarray,
     return out
 
 
+def _cold_copies(group: Any, size_bytes: int, evict: np.ndarray) -> list[int]:
+    """The cold floor's copy: ``size_bytes`` from a cold source to a cold destination right after
+    the eviction, both ranks at once (ns per sample)."""
+    src = np.ones(size_bytes, np.uint8)
+    dst = np.zeros(size_bytes, np.uint8)
+    out = []
+    for _ in range(COLD_COPIES):
+        group.barrier(60.0)
+        float(evict.sum())
+        t = time.perf_counter_ns()
+        np.copyto(dst, src)
+        out.append(time.perf_counter_ns() - t)
+    return out
+
+
 def _run_case(group: Any, buf: Any, case: Case, model: Model, steps: int, warmup: int,
               evict: np.ndarray, w_up: np.ndarray, w_down: np.ndarray) -> dict[str, Any]:
-    """One case on this rank: per step its times (ns) and the engine's trace."""
+    """One case on this rank: per step its times (ns) and the engine's trace; the cold floor's
+    copies."""
     r = group.rank
+    cold = _cold_copies(group, _bytes_per_rank(case), evict)
     x, w = _tokens(case, model, r)
     stamps, traces, errors = [], [], []
     for step in range(steps + warmup):
@@ -202,7 +242,7 @@ def _run_case(group: Any, buf: Any, case: Case, model: Model, steps: int, warmup
         traces.append(tuple(buf._engine.trace()))
         if step == warmup:  # one checked step per case: the timed calls are right
             errors += _check(case, model, step, res, y, r, w_up, w_down)
-    return {"stamps": stamps, "traces": traces, "errors": errors}
+    return {"stamps": stamps, "traces": traces, "errors": errors, "cold_copy_ns": cold}
 
 
 def _check(case: Case, model: Model, step: int, res: Any, y: np.ndarray, rank: int,
@@ -225,10 +265,12 @@ def _check(case: Case, model: Model, step: int, res: Any, y: np.ndarray, rank: i
 
 
 def _tokens(case: Case, model: Model, rank: int) -> tuple[np.ndarray, np.ndarray]:
-    """This rank's ``x`` and ``topk_weights`` (seeded; the same for every step)."""
+    """This rank's ``x`` (BF16 of standard normal activations) and ``topk_weights`` (seeded;
+    the same for every step)."""
     rng = np.random.default_rng([rank, 5])
-    return (testing.payload(rng, "bf16", case.tokens, model.hidden),
-            rng.random((case.tokens, model.num_topk), dtype=np.float32))
+    x = dtype_of("bf16").from_float32(rng.standard_normal((case.tokens, model.hidden),
+                                                          dtype=np.float32))
+    return x, rng.random((case.tokens, model.num_topk), dtype=np.float32)
 
 
 def _rank(group: Any, cases: list[Case], steps: int, warmup: int) -> list[dict[str, Any]]:
@@ -253,9 +295,9 @@ def _rank(group: Any, cases: list[Case], steps: int, warmup: int) -> list[dict[s
 
 def _phases(per_rank: list[dict[str, Any]], slowest: np.ndarray, op: str) -> dict[str, Spread]:
     """The phases of ``op`` on the slowest rank of each step: from the call's entry through
-    core 0's trace points to its exit; empty where the engine does not trace ``op`` (BSP's
-    dispatch)."""
-    first, last = trace_range(op)
+    core 0's trace points to its exit; empty where the engine did not trace ``op``
+    (BSP's dispatch names its own phases by the same slots: abi.h)."""
+    first, _ = trace_range(op)
     if not any(tr[first] for pr in per_rank for tr in pr["traces"]):
         return {}
     names = DISPATCH_PHASES if op == "dispatch" else COMBINE_PHASES
@@ -263,7 +305,7 @@ def _phases(per_rank: list[dict[str, Any]], slowest: np.ndarray, op: str) -> dic
     per_step = []
     for s, r in enumerate(slowest):
         st, tr = per_rank[r]["stamps"][s], per_rank[r]["traces"][s]
-        marks = [st[enter], *tr[first:last + 1], st[leave]]
+        marks = [st[enter], *trace_marks(op, tr), st[leave]]
         per_step.append(np.diff(marks))
     cols = np.array(per_step)
     return {n: Spread.of(cols[:, i]) for i, n in enumerate(names)}
@@ -279,6 +321,8 @@ def _summarise(case: Case, per_rank: list[dict[str, Any]], bytes_per_rank: int) 
         comm_share=float(np.median(d_span + c_span) / np.median(step)),
         dispatch_span=Spread.of(d_span), dispatch_tail=Spread.of(d1.max(0) - d0.max(0)),
         combine_span=Spread.of(c_span), combine_tail=Spread.of(c1.max(0) - c0.max(0)),
+        experts_skew=Spread.of(c0.max(0) - c0.min(0)),
+        cold_copy=Spread.of(np.array([pr["cold_copy_ns"] for pr in per_rank]).max(0)),
         dispatch_phases=_phases(per_rank, d1.argmax(0), "dispatch"),
         combine_phases=_phases(per_rank, c1.argmax(0), "combine"))
 
@@ -296,8 +340,14 @@ def _flag_oneway_us() -> float:
     return Micro(build()).flag_oneway_ns(RANKS) / 1e3
 
 
+# one BLAS thread per rank (torchrun's default): read by the ranks' numpy, which they import
+# after the spawn
+ONE_THREAD = {v: "1" for v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+
+
 def run(cases: list[Case], steps: int, warmup: int) -> tuple[list[Row], float, list[float]]:
     sizes = [_bytes_per_rank(c) for c in cases]
+    os.environ.update(ONE_THREAD)
     per_rank = launch(_rank, RANKS, cases, steps, warmup, timeout_s=3600)
     copies = concurrent_copy(RANKS, sorted(set(sizes)), repeats=50, rounds=2)
     copy_us = dict(zip(sorted(set(sizes)), (c.median_us for c in copies), strict=True))
@@ -322,24 +372,54 @@ def _phase_cells(phases: dict[str, Spread], names: tuple[str, ...]) -> list[str]
 
 def table(rows: list[Row], flag_us: float, copy_us: list[float]) -> str:
     head = ["model", "tok", "routing", "skew", "eng", "KB/rank", "step med", "comm %",
-            "disp span", "disp tail", "comb span", "comb tail", "floor", "tail/floor d/c"]
+            "disp span", "disp tail", "experts skew", "comb span", "comb tail", "floor",
+            "cold floor", "tail/floor d/c", "tail/cold d/c"]
     body = []
     for row, cp in zip(rows, copy_us, strict=True):
         c, floor = row.case, flag_us + cp
+        cold = flag_us + row.cold_copy.median_us
         body.append([c.model, c.tokens, c.routing, c.skew, c.engine, row.bytes_per_rank / 1024,
                      row.step.median_us, 100 * row.comm_share, _fmt(row.dispatch_span),
-                     _fmt(row.dispatch_tail), _fmt(row.combine_span), _fmt(row.combine_tail),
-                     floor, f"{row.dispatch_tail.median_us / floor:.2f}/"
-                            f"{row.combine_tail.median_us / floor:.2f}"])
+                     _fmt(row.dispatch_tail), _fmt(row.experts_skew), _fmt(row.combine_span),
+                     _fmt(row.combine_tail),
+                     floor, cold, f"{row.dispatch_tail.median_us / floor:.2f}/"
+                                  f"{row.combine_tail.median_us / floor:.2f}",
+                     f"{row.dispatch_tail.median_us / cold:.2f}/"
+                     f"{row.combine_tail.median_us / cold:.2f}"])
     phead = ["model", "tok", "routing", "skew", "eng", *("d " + p for p in DISPATCH_PHASES),
              *("c " + p for p in COMBINE_PHASES)]
     pbody = [[r.case.model, r.case.tokens, r.case.routing, r.case.skew, r.case.engine,
               *_phase_cells(r.dispatch_phases, DISPATCH_PHASES),
               *_phase_cells(r.combine_phases, COMBINE_PHASES)] for r in rows]
     return (format_table(head, body, float_digits=1)
-            + "\n\nspans and tails min/median/p99 us; floor = flag one-way + copy of the bytes "
-              "sent; tail/floor: medians\n\nphases of the slowest rank, median/p99 us (engine "
+            + "\n\nspans, tails and the experts' skew min/median/p99 us (experts skew: last "
+              "combine entry - first, in the combine's span, not ubep's); floor = flag one-way "
+              "+ copy of the bytes sent (warm); cold floor = flag one-way + the same copy right "
+              "after the eviction; ratios: medians\n\n" + _engines_table(rows)
+            + "\n\nphases of the slowest rank, median/p99 us (engine "
               "trace of core 0)\n" + format_table(phead, pbody))
+
+
+def _engines_table(rows: list[Row]) -> str:
+    """ASP against BSP per case, median and p99: the dispatch's span (arrival skew included)
+    and the combine's tail (the experts' skew left out)."""
+    by = {(r.case.model, r.case.tokens, r.case.routing, r.case.skew, r.case.engine): r
+          for r in rows}
+    head = ["model", "tok", "routing", "skew", "disp span med a/b", "disp span p99 a/b",
+            "comb tail med a/b", "comb tail p99 a/b", "bsp/asp p99 d/c"]
+    body = []
+    for (m, t, ro, sk, eng), a in by.items():
+        b = by.get((m, t, ro, sk, "bsp"))
+        if eng != "asp" or b is None:
+            continue
+        body.append([m, t, ro, sk,
+                     f"{a.dispatch_span.median_us:.1f}/{b.dispatch_span.median_us:.1f}",
+                     f"{a.dispatch_span.p99_us:.1f}/{b.dispatch_span.p99_us:.1f}",
+                     f"{a.combine_tail.median_us:.1f}/{b.combine_tail.median_us:.1f}",
+                     f"{a.combine_tail.p99_us:.1f}/{b.combine_tail.p99_us:.1f}",
+                     f"{b.dispatch_span.p99_us / a.dispatch_span.p99_us:.2f}/"
+                     f"{b.combine_tail.p99_us / a.combine_tail.p99_us:.2f}"])
+    return ("ASP (a) against BSP (b), us\n" + format_table(head, body)) if body else ""
 
 
 def cases_for(quick: bool) -> list[Case]:

@@ -25,11 +25,23 @@ from typing import Any
 import numpy as np
 
 __all__ = [
-    "COMBINE_PHASES", "DISPATCH_PHASES", "Stats", "collective_spans", "concurrent_copy",
+    "COMBINE_PHASES",
+    "DISPATCH_PHASES",
+    "Stats",
+    "collective_spans",
+    "concurrent_copy",
     "dispatch_combine",
-    "format_table", "int_list", "machine_since", "phase_medians", "print_table",
-    "round_repeats", "save_results",
-    "time_collective", "time_repeats", "traced_call",
+    "format_table",
+    "int_list",
+    "machine_since",
+    "phase_medians",
+    "print_table",
+    "round_repeats",
+    "save_results",
+    "time_collective",
+    "time_repeats",
+    "trace_marks",
+    "traced_call",
 ]
 
 
@@ -108,10 +120,12 @@ def time_collective(barrier: Callable[[], object], fn: Callable[[], object], war
 
 # The phases between the native engine's core-0 trace points (``Engine.trace()``, the clock of
 # collective_spans; the points are abi.h's TRACE_* enum, ``ubep.runtime.abi.TRACE``), framed by
-# the Python entry and exit.
-DISPATCH_PHASES = ("py_in", "wait_prev", "validate", "publish", "send", "counts_in",
+# the Python entry and exit: ``py_in`` is Python up to the native call, ``args`` the native
+# call's reading and checking of its arguments (and the result's blocks), up to the task graph;
+# ``py_out`` from the last phase to the return in Python (the call's end, the result built).
+DISPATCH_PHASES = ("py_in", "args", "wait_prev", "validate", "publish", "send", "counts_in",
                    "metadata", "data_wait", "py_out")
-COMBINE_PHASES = ("py_in", "wait_prev", "copy", "publish", "peers", "reduce", "py_out")
+COMBINE_PHASES = ("py_in", "args", "wait_prev", "copy", "publish", "peers", "reduce", "py_out")
 
 
 def traced_call(barrier: Callable[[], object], fn: Callable[[], object],
@@ -123,22 +137,32 @@ def traced_call(barrier: Callable[[], object], fn: Callable[[], object],
 
 
 def trace_range(op: str) -> tuple[int, int]:
-    """The first and last trace slot of ``op`` ("dispatch" or "combine"), read from ubep's ABI
-    at call time: peers' environments import this module without ubep and never trace."""
+    """The first and last trace slot of ``op``'s task graph ("dispatch" or "combine"), read from
+    ubep's ABI at call time: peers' environments import this module without ubep and never
+    trace."""
     from ubep.runtime.abi import TRACE
 
     first, last = {"dispatch": ("d_enter", "d_data_in"), "combine": ("c_enter", "c_reduced")}[op]
     return TRACE[first], TRACE[last]
 
 
+def trace_marks(op: str, trace: Sequence[int]) -> list[int]:
+    """The stamps of ``op`` in phase order: the native call's entry, then its task graph's
+    (``DISPATCH_PHASES`` / ``COMBINE_PHASES`` between a call's start, these and its end)."""
+    from ubep.runtime.abi import TRACE
+
+    first, last = trace_range(op)
+    return [trace[TRACE["d_native" if op == "dispatch" else "c_native"]],
+            *trace[first:last + 1]]
+
+
 def phase_medians(calls: Sequence[Sequence[int]], op: str) -> list[float]:
     """Median duration (us) of each phase of ``op`` (``DISPATCH_PHASES`` / ``COMBINE_PHASES``)
     over :func:`traced_call` rows: from the call's start through the trace points of ``op`` to
     its end (``py_in`` / ``py_out``: Python and the native call's entry and exit)."""
-    first, last = trace_range(op)
     per = []
     for start, end, *tr in calls:
-        marks = [start, *tr[first:last + 1], end]
+        marks = [start, *trace_marks(op, tr), end]
         per.append([(b - a) / 1e3 for a, b in itertools.pairwise(marks)])
     return [float(v) for v in np.median(np.array(per), axis=0)]
 

@@ -56,6 +56,22 @@ def test_rows_per_token_is_the_closed_form() -> None:
         2 * (1 - math.comb(2, 2) / math.comb(4, 2)))
 
 
+def test_large_expert_shapes_send_their_target_and_label_their_series() -> None:
+    # 2048 experts top-32 over 2 ranks, rank layout: a token reaches both ranks unless all 32
+    # picks fall in one half (probability 2 * C(1024, 32) / C(2048, 32), about 1e-9)
+    shape = (2048, 32)
+    assert growth.rows_per_token("rank", 2, *shape) == pytest.approx(
+        2 * (1 - math.comb(1024, 32) / math.comb(2048, 32)))
+    cases = growth.cases_for([1 << 20], 2, growth.MAIN_MODES, shape)
+    assert {c.mode for c in cases} == {f"{e}+{s} e2048k32" for e, s in growth.MAIN_MODES}
+    for c in cases:
+        sent = np.mean([growth.rows_sent(c, r, 2) for r in range(2)]) * c.hidden * 2
+        # tokens were rounded to whole rows: within one token's rows of the target
+        per_token = growth.rows_per_token(c.layout, 2, *shape) * c.hidden * 2
+        assert abs(sent - (1 << 20)) <= per_token
+        assert growth._config(c).num_experts == 2048 and growth._config(c).num_topk == 32
+
+
 def test_the_phases_are_the_slowest_ranks_per_op() -> None:
     per_rank = [{"dispatch": {"a": 5.0, "b": 1.0}, "combine": {"a": 1.0, "b": 1.0}},
                 {"dispatch": {"a": 2.0, "b": 3.0}, "combine": {"a": 0.5, "b": 2.0}},
@@ -71,7 +87,7 @@ def test_limits_name_the_measured_part_when_the_phases_are_there() -> None:
     # any part); or the copy alone at 1.5x; or a rank done in 121 us, the ranks' skew adding 79
     floor = {"min_us": 100.0, "median_us": 100.0, "max_us": 100.0}
     stats = {"min_us": 200.0, "median_us": 200.0, "max_us": 200.0}
-    comb = {"py_in": 1.0, "wait_prev": 1.0, "copy": 10.0, "publish": 1.0, "peers": 1.0,
+    comb = {"py_in": 1.0, "args": 1.0, "wait_prev": 1.0, "copy": 10.0, "publish": 1.0, "peers": 1.0,
             "reduce": 140.0, "py_out": 2.0}
 
     def row(disp: dict[str, float]) -> dict[str, object]:
@@ -79,8 +95,8 @@ def test_limits_name_the_measured_part_when_the_phases_are_there() -> None:
                 "dispatch": stats, "combine": stats, "floor": floor,
                 "phases": {"dispatch": disp, "combine": comb}}
 
-    local = {"py_in": 3.0, "wait_prev": 1.0, "validate": 20.0, "publish": 10.0, "send": 60.0,
-             "counts_in": 1.0, "metadata": 30.0, "data_wait": 20.0, "py_out": 4.0}
+    local = {"py_in": 3.0, "args": 2.0, "wait_prev": 1.0, "validate": 20.0, "publish": 10.0,
+             "send": 60.0, "counts_in": 1.0, "metadata": 30.0, "data_wait": 20.0, "py_out": 4.0}
     moving = local | {"send": 150.0, "data_wait": 0.0, "validate": 1.0, "metadata": 0.0,
                       "publish": 10.0}
     late = local | {"validate": 1.0, "publish": 1.0, "metadata": 1.0, "data_wait": 49.0}
@@ -91,7 +107,7 @@ def test_limits_name_the_measured_part_when_the_phases_are_there() -> None:
         got = {x["op"]: x for x in growth.limits({"rows": [row(disp)]})}
         d = got["dispatch"]
         assert d["limit"] == want
-        assert d["entry_us"] == pytest.approx(disp["py_in"] + disp["py_out"])
+        assert d["entry_us"] == pytest.approx(disp["py_in"] + disp["args"] + disp["py_out"])
         assert d["local_us"] == pytest.approx(disp["validate"] + disp["publish"]
                                               + disp["metadata"])
         assert d["wait_us"] == pytest.approx(disp["wait_prev"] + disp["counts_in"]
@@ -105,8 +121,8 @@ def test_limits_name_the_measured_part_when_the_phases_are_there() -> None:
 
 def test_quick_path_structure(tmp_path: Path) -> None:
     sizes = [16384, 65536]
-    argv = ["--quick", "--sizes", ",".join(map(str, sizes)), "--repeats", "2", "--rounds", "2",
-            "--warmup", "1", "--out", str(tmp_path)]
+    argv = ["--quick", "--no-scale", "--sizes", ",".join(map(str, sizes)), "--repeats", "2",
+            "--rounds", "2", "--warmup", "1", "--out", str(tmp_path)]
     assert growth.main(argv) == 0
     text = (tmp_path / "growth.txt").read_text()
     assert "rows = (token, expert)" in text and "Fits" in text

@@ -12,21 +12,24 @@ import pytest
 
 from benchmarks import bench_step as step
 from benchmarks.harness import COMBINE_PHASES, DISPATCH_PHASES, trace_range
+from ubep.runtime.abi import TRACE
 
 
 def _trace(op: str, start: int, gaps: list[int]) -> dict[int, int]:
-    """Trace slots of ``op`` from ``start``, consecutive ones ``gaps`` apart."""
+    """Trace slots of ``op``: the native call's entry at ``start``, then its task graph's
+    stamps, consecutive ones ``gaps`` apart."""
     first, last = trace_range(op)
-    assert len(gaps) == last - first
-    return {first + i: start + sum(gaps[:i]) for i in range(last - first + 1)}
+    slots = [TRACE["d_native" if op == "dispatch" else "c_native"], *range(first, last + 1)]
+    assert len(gaps) == len(slots) - 1
+    return {slot: start + sum(gaps[:i]) for i, slot in enumerate(slots)}
 
 
 def test_spans_tails_and_the_slowest_ranks_phases() -> None:
     # 2 ranks, 1 step: rank 1 enters dispatch later and leaves it last; rank 0 leaves combine
     # last. Stamps are (t0, d0, d1, c0, c1) in ns.
     stamps = [(0, 100, 1_000, 2_000, 2_900), (50, 400, 1_200, 2_100, 2_800)]
-    d_gaps = [10, 20, 30, 40, 50, 60, 70]
-    c_gaps = [5, 10, 15, 20, 25]
+    d_gaps = [5, 10, 20, 30, 40, 50, 60, 70]
+    c_gaps = [3, 5, 10, 15, 20, 25]
     traces = []
     for r in range(2):
         tr = [0] * 16
@@ -34,12 +37,15 @@ def test_spans_tails_and_the_slowest_ranks_phases() -> None:
                         **_trace("combine", stamps[r][3] + 50 + r, c_gaps)}.items():
             tr[slot] = t
         traces.append(tr)
-    per_rank = [{"stamps": [stamps[r]], "traces": [traces[r]]} for r in range(2)]
+    per_rank = [{"stamps": [stamps[r]], "traces": [traces[r]], "cold_copy_ns": [300 + 200 * r]}
+                for r in range(2)]
     row = step._summarise(step.Case("qwen3-30b", 16, "uniform", "none", "asp"), per_rank, 1)
     assert row.dispatch_span.median_us == pytest.approx((1_200 - 100) / 1e3)
     assert row.dispatch_tail.median_us == pytest.approx((1_200 - 400) / 1e3)
     assert row.combine_span.median_us == pytest.approx((2_900 - 2_000) / 1e3)
     assert row.combine_tail.median_us == pytest.approx((2_900 - 2_100) / 1e3)
+    assert row.experts_skew.median_us == pytest.approx((2_100 - 2_000) / 1e3)
+    assert row.cold_copy.median_us == pytest.approx(500 / 1e3)  # the slower rank's copy
     assert row.step.median_us == pytest.approx(2_900 / 1e3)
     assert row.comm_share == pytest.approx((1_100 + 900) / 2_900)
     # dispatch phases are rank 1's (it left last): entry gap 101, the trace gaps, then exit
@@ -57,7 +63,8 @@ def test_spans_tails_and_the_slowest_ranks_phases() -> None:
 
 
 def test_untraced_ops_have_no_phases() -> None:
-    per_rank = [{"stamps": [(0, 1, 2, 3, 4)], "traces": [[0] * 16]} for _ in range(2)]
+    per_rank = [{"stamps": [(0, 1, 2, 3, 4)], "traces": [[0] * 16], "cold_copy_ns": [1]}
+                for _ in range(2)]
     row = step._summarise(step.Case("qwen3-30b", 1, "uniform", "none", "bsp"), per_rank, 1)
     assert row.dispatch_phases == {} and row.combine_phases == {}
 
@@ -90,5 +97,6 @@ def test_quick_path_structure(tmp_path: Path) -> None:
             assert 0 < s["min_us"] <= s["median_us"] <= s["p99_us"]
         assert r["dispatch_tail"]["median_us"] <= r["dispatch_span"]["median_us"]
         assert set(r["combine_phases"]) == set(COMBINE_PHASES)
-        assert bool(r["dispatch_phases"]) == (r["case"]["engine"] == "asp")
+        assert set(r["dispatch_phases"]) == set(DISPATCH_PHASES)  # both engines trace
+        assert r["cold_copy"]["min_us"] > 0
     assert "phases of the slowest rank" in (tmp_path / "step.txt").read_text()

@@ -172,6 +172,10 @@ class Buffer(InFlightCalls, ArgChecks):
         self._cfg = config
         self.num_local_experts = experts_per_rank(config.num_experts, self.num_ranks)
         self.num_cores = config.num_cores or self.group.topology.cores_per_rank
+        # every blocking call may take the one native call without a Plan (one core, or BSP),
+        # and its result needs no translation (M2N's logical ids)
+        self._one_call = (config.engine != "asp" or self.num_cores < 2) and (
+            self.expert_ranks is None)
         self._dtype = _dt.dtype_of(config.dtype)
         self._cdtype = _dt.dtype_of(config.combine_dtype)
         self.layout = layout_of(config, self.num_ranks, self.num_cores)
@@ -293,9 +297,48 @@ class Buffer(InFlightCalls, ArgChecks):
             ubep.TimeoutError, PeerLostError, OutOfStepError: the Buffer lost step with its
                 peers and refuses calls until :meth:`resync` (a dead peer: for good).
         """
+        fast = self._fast
+        if (fast is not None and self._one_call and self._route is None
+                and not (copy or return_recv_hook or self._in_flight) and x_scales is None):
+            got = self._hot_call(fast.dispatch_fast, (x, topk_idx, topk_weights), True)
+            if got is not None:
+                return got
         self._enter()
         try:
             return self._dispatch(x, topk_idx, topk_weights, copy, return_recv_hook, x_scales)
+        finally:
+            self._lock.release()
+
+    def _hot_call(self, fast_call: Any, args: tuple[object, ...], dispatch: bool) -> Any:
+        """A common blocking call (``fast_call``: the engine's ``dispatch_fast`` or
+        ``combine_fast``) in one native call with the least Python around it: a decode step's
+        calls cost microseconds, and every Python call and attribute read counts. None: not
+        its case (the Buffer refuses calls, another call holds it, or the arrays are not exactly
+        what the native call reads); nothing was done, and the general path takes it (and
+        raises what it must)."""
+        if not self._lock.acquire(False):
+            return None
+        try:
+            if self._closed or self._dead is not None or self._lost is not None:
+                return None
+            epoch = self._epoch = self._epoch + 1
+            index = self._num_dispatches  # a combine: the dispatches made so far
+            try:
+                if dispatch:
+                    self._num_dispatches = index + 1
+                    got = fast_call(*args, epoch, index, self._generation, None)
+                else:
+                    got = fast_call(*args, epoch, self._generation, index)
+                if type(got) is ErrorRecord:
+                    raise self._error(got)
+            except BaseException as exc:
+                err, clean = self._failed(epoch, _NATIVE, exc)
+                if clean:  # as _dispatch: no dispatch happened
+                    self._num_dispatches = index
+                raise err from None
+            if got is None:  # not its case: the call never existed
+                self._epoch, self._num_dispatches = epoch - 1, index
+            return got
         finally:
             self._lock.release()
 
@@ -439,6 +482,11 @@ class Buffer(InFlightCalls, ArgChecks):
             hands out again only once nothing references the earlier ``y`` in it, not even a
             view or a tensor over it.
         """
+        fast = self._fast
+        if fast is not None and not (return_recv_hook or self._in_flight):
+            y = self._hot_call(fast.combine_fast, (expert_out, handle), False)
+            if y is not None:
+                return y
         self._enter()
         try:
             return self._combine(expert_out, handle, return_recv_hook)

@@ -52,6 +52,7 @@ class BufferState:
     _engine: Engine | Any
     _in_flight: list[InFlight]  # split-phase calls awaiting their hook, in issue order
     _fast: FastCalls | None  # the one-call path of blocking calls
+    _one_call: bool  # every blocking call may take it (no Plan, no M2N translation)
     _route: LogicalRouting | None  # expert_map: logical topk_idx -> physical slots
     _dtype: DType
     _cdtype: DType

@@ -82,7 +82,7 @@ TRACE: dict[str, int] = {
     "d_enter": 0, "d_prev_done": 1, "d_validated": 2, "d_published": 3, "d_sent": 4,
     "d_counts_in": 5, "d_metadata": 6, "d_data_in": 7,
     "c_enter": 8, "c_prev_done": 9, "c_copied": 10, "c_published": 11, "c_peers": 12,
-    "c_reduced": 13, "slots": 16,
+    "c_reduced": 13, "d_native": 14, "c_native": 15, "slots": 16,
 }
 
 # --- the segment header (written and checked by ubep.runtime.shm; the engine never reads it) ---

@@ -26,7 +26,10 @@ enum { E_OK = 0, E_BAD_INPUT = 1, E_TIMEOUT = 2, E_PEER_LOST = 3, E_REMOTE = 4, 
        E_LOST = 6 };
 /* The trace slots (Engine.trace): core 0's CLOCK_MONOTONIC stamp as each phase of the last call
  * ends (ENTER: the call's native part begins). Each span between two stamps is one phase of
- * the paper's task graph; benchmarks/harness.py names them. */
+ * the paper's task graph; benchmarks/harness.py names them. BSP's dispatch stamps the same
+ * slots at its own phase ends: SENT after Token-Sending, COUNTS_IN after the first SyncAll and
+ * the verification of flags and counts, METADATA after the second SyncAll and the reordering
+ * (rows and metadata together), DATA_IN once send_dst_row is known. */
 enum {
     TRACE_D_ENTER = 0,      /* dispatch: the native part begins */
     TRACE_D_PREV_DONE = 1,  /* peers finished call epoch - 2 (its route area is free) */
@@ -42,6 +45,8 @@ enum {
     TRACE_C_PUBLISHED = 11, /* combine info published */
     TRACE_C_PEERS = 12,     /* every peer's combine info read */
     TRACE_C_REDUCED = 13,   /* outputs reduced */
+    TRACE_D_NATIVE = 14,    /* dispatch: the native call entered, its arguments not yet read */
+    TRACE_C_NATIVE = 15,    /* combine: the same */
     TRACE_SLOTS = 16
 };
 

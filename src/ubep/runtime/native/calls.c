@@ -307,6 +307,7 @@ static const char *const DISPATCH_FIELDS[D_FIELDS] = {
  * ran, complete() runs the rest) | ErrorRecord; call.plan: None (one core), ubep.sched's Plan or
  * CoreSplit (read_plan) */
 PyObject *engine_dispatch(engine_t *g, PyObject *rec) {
+    g->trace[TRACE_D_NATIVE] = now_ns();
     static PyObject *names[D_FIELDS];
     PyObject *f[D_FIELDS];
     if (record_fields(rec, DISPATCH_FIELDS, names, D_FIELDS, f)) return NULL;
@@ -408,6 +409,7 @@ static const char *const COMBINE_FIELDS[C_FIELDS] = {
 /* combine(call: ubep.engine.CombineCall) -> 1 if expert_out was used in place, else 0 | None
  * (call.split, as dispatch) | ErrorRecord; every rank must name the same dispatch */
 PyObject *engine_combine(engine_t *g, PyObject *rec) {
+    g->trace[TRACE_C_NATIVE] = now_ns();
     static PyObject *names[C_FIELDS];
     PyObject *f[C_FIELDS];
     if (record_fields(rec, COMBINE_FIELDS, names, C_FIELDS, f)) return NULL;

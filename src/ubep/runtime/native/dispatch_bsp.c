@@ -76,6 +76,7 @@ int ph_bsp_send(op_t *op, int core) {
             flag_put_staged(g, slotp, src, op->epoch);
         }
     }
+    TRACE(g, core, TRACE_D_SENT);
     return 0;
 }
 
@@ -120,6 +121,7 @@ int ph_bsp_verify(op_t *op, int core) {
             return op_error(op, E_INTERNAL, core, s, "verification of rank %d's rows failed after "
                             "the barrier", s);
     }
+    TRACE(g, core, TRACE_D_COUNTS_IN); /* BSP: the first barrier, flags and counts verified */
     return 0;
 }
 
@@ -157,6 +159,7 @@ int ph_bsp_reorder(op_t *op, int core) {
                             "checksum: it changed between its sender and rank %d",
                             (long long)bad, (unsigned long long)op->epoch, s, g->rank);
     }
+    TRACE(g, core, TRACE_D_METADATA); /* BSP: the second barrier, rows reordered with metadata */
     return 0;
 }
 
@@ -177,16 +180,21 @@ int ph_bsp_dst_rows(op_t *op, int core) {
             else op->o_dst_row[(int64_t)g->u_t[u] * g->R + d] = pos;
         }
     }
+    TRACE(g, core, TRACE_D_DATA_IN); /* BSP: send_dst_row known */
     return 0;
 }
 
 int ph_bsp_prepare(op_t *op, int core) {
-    (void)core;
+    TRACE(op->g, core, TRACE_D_ENTER);
     pub_word(word(op->g, op->g->rank, op->g->off_entered), op->epoch << 2 | (uint64_t)op->kind);
     int rc = wait_peers_done(op, op->epoch >= 2 ? op->epoch - 2 : 0, 0);
     if (rc) return rc;
+    TRACE(op->g, core, TRACE_D_PREV_DONE);
     if ((rc = dispatch_validate(op, 1))) return rc;
+    TRACE(op->g, core, TRACE_D_VALIDATED);
     reset_send_state(op);
-    return dispatch_publish(op);
+    rc = dispatch_publish(op);
+    TRACE(op->g, core, TRACE_D_PUBLISHED);
+    return rc;
 }
 

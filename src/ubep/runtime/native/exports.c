@@ -42,7 +42,8 @@ static const named_t TRACE_CODES[] = {
     {"d_metadata", TRACE_D_METADATA}, {"d_data_in", TRACE_D_DATA_IN},
     {"c_enter", TRACE_C_ENTER}, {"c_prev_done", TRACE_C_PREV_DONE},
     {"c_copied", TRACE_C_COPIED}, {"c_published", TRACE_C_PUBLISHED},
-    {"c_peers", TRACE_C_PEERS}, {"c_reduced", TRACE_C_REDUCED}, {"slots", TRACE_SLOTS},
+    {"c_peers", TRACE_C_PEERS}, {"c_reduced", TRACE_C_REDUCED}, {"d_native", TRACE_D_NATIVE},
+    {"c_native", TRACE_C_NATIVE}, {"slots", TRACE_SLOTS},
 };
 #define AT(name, rec, field) {name, (long long)offsetof(rec, field)}
 static const named_t RECORD_OFFSETS[] = {

@@ -38,6 +38,16 @@ static const char *const KEY_NAMES[NUM_KEYS] = {
 /* the handle fields that are the same for every call of a Buffer */
 #define FIRST_CONST_KEY K_BUFFER_UID
 
+/* Every object of one dispatch result the fast path built: the result, its handle, their
+ * __dict__s, the two blocks and the array views of them (and of the receive region). */
+enum { KO_RES, KO_RES_DICT, KO_HANDLE, KO_HANDLE_DICT, KO_I64, KO_F32, KO_VIEWS };
+#define KEPT_MAX 24
+typedef struct {
+    PyObject *obj[KEPT_MAX];
+    Py_ssize_t refs[KEPT_MAX]; /* each one's count when only the graph and this cache hold it */
+    int n;
+} kept_t;
+
 struct fast {
     PyObject *result_type, *handle_type; /* ubep.handle.DispatchResult, ubep.handle.RuntimeHandle */
     PyObject *handle_const;              /* dict: the handle's per-Buffer fields */
@@ -50,10 +60,19 @@ struct fast {
     PyObject *const_vals[NUM_KEYS];
     /* big combine outputs: blocks handed out again once nothing views them (new_y) */
     PyObject *y_blocks[2];
+    /* per receive region, the last dispatch result built (reused: kept_free) */
+    kept_t kept[8];
+    int64_t kept_ntok[8];
 };
+
+static void kept_drop(kept_t *k) {
+    for (int i = 0; i < k->n; i++) Py_DECREF(k->obj[i]);
+    k->n = 0;
+}
 
 static void release(fast_t *f) {
     if (!f) return;
+    for (int i = 0; i < 8; i++) kept_drop(&f->kept[i]);
     Py_XDECREF(f->result_type);
     Py_XDECREF(f->handle_type);
     Py_XDECREF(f->handle_const);
@@ -235,19 +254,12 @@ typedef struct {
     int64_t w_idx, w_dst; /* row widths of recv_topk_idx, send_dst_row */
 } outputs_t;
 
-static int alloc_outputs(engine_t *g, int64_t ntok, outputs_t *o) {
-    const int64_t cap = g->cap_rows, K = g->K, L = g->L, R = g->R;
+/* the parts of the two blocks (laid out for ntok tokens) */
+static void point_outputs(engine_t *g, int64_t ntok, outputs_t *o) {
+    const int64_t cap = g->cap_rows, L = g->L, R = g->R;
     const int expert = g->layout == LAY_EXPERT;
-    o->w_idx = expert ? 1 : K;
-    o->w_dst = expert ? K : R;
-    npy_intp n64 = cap * o->w_idx + 3 * cap + L + R + ntok * o->w_dst + ntok * K;
-    npy_intp n32 = cap * o->w_idx + ntok * K;
-    o->i64 = PyArray_SimpleNew(1, &n64, NPY_INT64);
-    o->f32 = o->i64 ? PyArray_SimpleNew(1, &n32, NPY_FLOAT32) : NULL;
-    if (!o->f32) {
-        Py_CLEAR(o->i64);
-        return -1;
-    }
+    o->w_idx = expert ? 1 : g->K;
+    o->w_dst = expert ? g->K : R;
     o->o_idx = PyArray_DATA((PyArrayObject *)o->i64);
     o->meta = o->o_idx + cap * o->w_idx;
     o->counts = o->meta + 3 * cap;
@@ -255,6 +267,21 @@ static int alloc_outputs(engine_t *g, int64_t ntok, outputs_t *o) {
     o->idx = o->dst + ntok * o->w_dst;
     o->o_w = PyArray_DATA((PyArrayObject *)o->f32);
     o->w = o->o_w + cap * o->w_idx;
+}
+
+static int alloc_outputs(engine_t *g, int64_t ntok, outputs_t *o) {
+    const int64_t cap = g->cap_rows, K = g->K, L = g->L, R = g->R;
+    const int expert = g->layout == LAY_EXPERT;
+    const int64_t w_idx = expert ? 1 : K, w_dst = expert ? K : R;
+    npy_intp n64 = cap * w_idx + 3 * cap + L + R + ntok * w_dst + ntok * K;
+    npy_intp n32 = cap * w_idx + ntok * K;
+    o->i64 = PyArray_SimpleNew(1, &n64, NPY_INT64);
+    o->f32 = o->i64 ? PyArray_SimpleNew(1, &n32, NPY_FLOAT32) : NULL;
+    if (!o->f32) {
+        Py_CLEAR(o->i64);
+        return -1;
+    }
+    point_outputs(g, ntok, o);
     return 0;
 }
 
@@ -320,9 +347,103 @@ fail:
     return NULL;
 }
 
+/* ---- reusing a region's last result ------------------------------------------------------
+ *
+ * Building a result (two blocks, eleven views, two dicts, two objects) and freeing the one
+ * before it is most of a small dispatch's exit. So the fast path keeps the last result it built
+ * per receive region, and a dispatch into that region with the same number of tokens refills it
+ * in place (the views' row counts, the handle's index, tokens and generation) when nothing but
+ * the result's own graph and this cache refers to any of its objects: every refcount equal to
+ * the one taken when the result was handed out, minus the caller's reference, and no weak
+ * reference to any. Whatever the caller kept (the result, its handle, a field, a slice of one:
+ * a numpy view keeps the block under it alive, a memoryview or tensor keeps its array) makes a
+ * count differ, and a new result is built: a result anyone can still reach is never written. */
+
+static int has_weakrefs(PyObject *o) {
+    Py_ssize_t off = Py_TYPE(o)->tp_weaklistoffset;
+    return off > 0 && *(PyObject **)((char *)o + off) != NULL;
+}
+
+static int kept_free(const kept_t *k) {
+    if (k->n == 0) return 0;
+    for (int i = 0; i < k->n; i++) /* None (recv_x_scales of unquantised rows) is shared */
+        if (k->obj[i] != Py_None &&
+            (Py_REFCNT(k->obj[i]) != k->refs[i] || has_weakrefs(k->obj[i])))
+            return 0;
+    return 1;
+}
+
+static int kept_add(kept_t *k, PyObject *o) { /* a new reference, held by the cache */
+    if (!o || k->n == KEPT_MAX) return -1;
+    Py_INCREF(o);
+    k->obj[k->n++] = o;
+    return 0;
+}
+
+/* keys of the views, in the order keep() adds them after KO_VIEWS */
+enum { KV_RES_FIELDS = 6, KV_HANDLE_FIELDS = 4 };
+static const int VIEW_RES_KEYS[KV_RES_FIELDS] = {
+    K_RECV_X, K_RECV_X_SCALES, K_RECV_TOPK_IDX, K_RECV_TOPK_WEIGHTS, K_RECV_SRC_RANK + 0,
+    K_NUM_RECV_TOKENS_PER_EXPERT};
+static const int VIEW_HANDLE_KEYS[KV_HANDLE_FIELDS] = {
+    K_TOPK_IDX, K_TOPK_WEIGHTS, K_NUM_RECV_ROWS_PER_RANK, K_SEND_DST_ROW};
+
+/* Remember `res` (just built for region reg from blocks o) as that region's result to refill. */
+static void keep(fast_t *f, int reg, int64_t ntok, PyObject *res, const outputs_t *o) {
+    kept_t *k = &f->kept[reg];
+    kept_drop(k);
+    PyObject *d = PyObject_GenericGetDict(res, NULL), *hd = NULL;
+    PyObject *h = d ? PyDict_GetItemWithError(d, f->keys[K_HANDLE]) : NULL;
+    int ok = kept_add(k, res) == 0 && kept_add(k, d) == 0 && kept_add(k, h) == 0;
+    if (ok) hd = PyObject_GenericGetDict(h, NULL);
+    ok = ok && kept_add(k, hd) == 0 && kept_add(k, o->i64) == 0 && kept_add(k, o->f32) == 0;
+    for (int i = 0; ok && i < KV_RES_FIELDS; i++) {
+        PyObject *v = PyDict_GetItemWithError(d, f->keys[VIEW_RES_KEYS[i]]);
+        ok = v != NULL && kept_add(k, v) == 0;
+    }
+    for (int i = 1; ok && i < 3; i++) /* recv_src_token, recv_src_k */
+        ok = kept_add(k, PyDict_GetItemWithError(d, f->keys[K_RECV_SRC_RANK + i])) == 0;
+    for (int i = 0; ok && i < KV_HANDLE_FIELDS; i++)
+        ok = kept_add(k, PyDict_GetItemWithError(hd, f->keys[VIEW_HANDLE_KEYS[i]])) == 0;
+    Py_XDECREF(d);
+    Py_XDECREF(hd);
+    if (!ok) { /* not kept: the next dispatch builds anew */
+        PyErr_Clear();
+        kept_drop(k);
+        return;
+    }
+    for (int i = 0; i < k->n; i++) k->refs[i] = Py_REFCNT(k->obj[i]);
+    k->refs[KO_RES] -= 1; /* the caller's */
+    f->kept_ntok[reg] = ntok;
+}
+
+static void set_rows(PyObject *a, npy_intp rows) {
+    if (a == Py_None) return; /* recv_x_scales without quantised rows */
+    PyArray_DIMS((PyArrayObject *)a)[0] = rows;
+    PyArray_UpdateFlags((PyArrayObject *)a, NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_F_CONTIGUOUS);
+}
+
+/* The kept result of region reg, refilled for this call (n rows received): a new reference. */
+static PyObject *refill(fast_t *f, int reg, int64_t n, long long index, PyObject *generation) {
+    kept_t *k = &f->kept[reg];
+    PyObject **v = k->obj + KO_VIEWS;
+    /* recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_rank; then
+     * recv_src_token, recv_src_k (after the counts); the handle's rows are the call's tokens,
+     * the same number (kept_ntok) */
+    for (int i = 0; i < 5; i++) set_rows(v[i], n);
+    set_rows(v[KV_RES_FIELDS], n);
+    set_rows(v[KV_RES_FIELDS + 1], n);
+    PyObject *hd = k->obj[KO_HANDLE_DICT], **key = f->keys;
+    if (put(hd, key[K_DISPATCH_INDEX], PyLong_FromLongLong(index)) ||
+        PyDict_SetItem(hd, key[K_GENERATION], generation) < 0)
+        return NULL;
+    return Py_NewRef(k->obj[KO_RES]);
+}
+
 /* dispatch_fast(x, topk_idx, topk_weights, epoch, index, generation, plan) -> None (not this
  * path's case: nothing was done) | DispatchResult | ErrorRecord */
 PyObject *engine_dispatch_fast(engine_t *g, PyObject *args) {
+    g->trace[TRACE_D_NATIVE] = now_ns(); /* the general path stamps again if it takes the call */
     dispatch_args_t a;
     PyObject *generation;
     if (!PyArg_ParseTuple(args, "OOOKLOO", &a.x, &a.topk_idx, &a.topk_weights, &a.epoch,
@@ -336,8 +457,14 @@ PyObject *engine_dispatch_fast(engine_t *g, PyObject *args) {
         !exact(a.topk_idx, NPY_INT64, ntok, g->K) || !exact(a.topk_weights, NPY_FLOAT32, ntok, g->K))
         Py_RETURN_NONE;
     outputs_t o;
-    if (alloc_outputs(g, ntok, &o)) { /* nothing was done: the general path allocates (and */
-        PyErr_Clear();               /* fails, if it must) before the call, a clean reject */
+    int reg = (int)(a.index % g->nreg);
+    int reuse = f->kept_ntok[reg] == ntok && kept_free(&f->kept[reg]);
+    if (reuse) { /* the kept result's blocks: its arrays are refilled below */
+        o.i64 = Py_NewRef(f->kept[reg].obj[KO_I64]);
+        o.f32 = Py_NewRef(f->kept[reg].obj[KO_F32]);
+        point_outputs(g, ntok, &o);
+    } else if (alloc_outputs(g, ntok, &o)) { /* nothing was done: the general path */
+        PyErr_Clear(); /* allocates (and fails, if it must) before the call, a clean reject */
         Py_RETURN_NONE;
     }
     /* owned copies: the handle keeps them, the caller may reuse its arrays */
@@ -356,7 +483,14 @@ PyObject *engine_dispatch_fast(engine_t *g, PyObject *args) {
     if (res && PyLong_Check(res)) {
         long long n = PyLong_AsLongLong(res);
         Py_DECREF(res);
-        res = build_dispatch_result(g, &o, ntok, n, a.index, generation);
+        res = reuse ? refill(f, reg, n, a.index, generation)
+                    : build_dispatch_result(g, &o, ntok, n, a.index, generation);
+        if (res && !reuse) {
+            Py_DECREF(o.i64); /* keep() counts the references the result holds */
+            Py_DECREF(o.f32);
+            keep(f, reg, ntok, res, &o);
+            return res;
+        }
     }
     Py_DECREF(o.i64);
     Py_DECREF(o.f32);
@@ -369,6 +503,7 @@ static PyObject *field(PyObject *d, PyObject *key) { return PyDict_GetItemWithEr
 /* combine_fast(expert_out, handle, epoch, generation, num_dispatches) -> None (not this
  * path's case) | y | ErrorRecord */
 PyObject *engine_combine_fast(engine_t *g, PyObject *args) {
+    g->trace[TRACE_C_NATIVE] = now_ns();
     PyObject *eo, *handle, *generation;
     unsigned long long epoch;
     long long num_dispatches;
