@@ -272,6 +272,14 @@ def test_hierarchical_mapping_lowers_the_largest_wait_sum() -> None:
     assert largest["hierarchical"] < largest["balanced"]
 
 
+def _one_row_per_core(rows: list[tuple[int, int, int, int]]) -> tuple[Any, Any, list[Any]]:
+    """Two ranks of 4 cores, no contention: rank 0 issues ``rows`` (one per send core, all at
+    once), rank 1 nothing; 3 send cores and 1 count core each."""
+    f, topo = fabric(contention_cores=1e9), two_ranks(cores=4)
+    return f, topo, [plan(0, rows, n_send=3, n_count=1, topo=topo),
+                     plan(1, [], n_send=3, n_count=1, topo=topo)]
+
+
 @pytest.mark.parametrize("mode", ["analytic", "events"])
 def test_program1_adds_the_largest_round_trip_through_the_link(mode: str) -> None:
     # Program (1) of the paper per core: its issue time plus the largest round trip of its
@@ -280,10 +288,7 @@ def test_program1_adds_the_largest_round_trip_through_the_link(mode: str) -> Non
     # each send one row to rank 1 at the same instant (no contention: speed 1); the port
     # serves core 0's row first (lower unit id), so core 1's row waits one serialisation.
     # Core 2 sends one local row: its round trip is 2 L[0].
-    f, topo = fabric(contention_cores=1e9), two_ranks(cores=4)
-    plans = [plan(0, [(0, 0, 1, 0), (1, 1, 1, 1), (2, 2, 0, 0)], n_send=3, n_count=1,
-                  topo=topo),
-             plan(1, [], n_send=3, n_count=1, topo=topo)]
+    f, topo, plans = _one_row_per_core([(0, 0, 1, 0), (1, 1, 1, 1), (2, 2, 0, 0)])
     res = simulate(plans, topo, f, engine="asp", sync="sp", row_bytes=ROW, mode=mode)
     w_far, w_near = 100 + ROW / 10 + 0.5 * 400, 100 + ROW / 10 + 0.5 * 50
     s = ROW / 20  # serialisation at 20 GB/s
@@ -346,10 +351,7 @@ def test_receiver_drain_floors_the_acknowledged_send_time(mode: str) -> None:
     # port is work-conserving.
     from ubep.sim.spec import receiver_drain_ns
 
-    f, topo = fabric(contention_cores=1e9), two_ranks(cores=4)
-    plans = [plan(0, [(0, 0, 1, 0), (1, 1, 1, 1), (2, 2, 1, 2)], n_send=3, n_count=1,
-                  topo=topo),
-             plan(1, [], n_send=3, n_count=1, topo=topo)]
+    f, topo, plans = _one_row_per_core([(0, 0, 1, 0), (1, 1, 1, 1), (2, 2, 1, 2)])
     spec = build_spec(plans, topo, f, engine="asp", sync="sp", row_bytes=ROW)
     s = ROW / 20
     np.testing.assert_allclose(receiver_drain_ns(spec, topo), [0.0, 3 * s])
