@@ -352,7 +352,7 @@ fail:
  * Building a result (two blocks, eleven views, two dicts, two objects) and freeing the one
  * before it is most of a small dispatch's exit. So the fast path keeps the last result it built
  * per receive region, and a dispatch into that region with the same number of tokens refills it
- * in place (the views' row counts, the handle's index, tokens and generation) when nothing but
+ * in place (the views' row counts, the handle's dispatch index and generation) when nothing but
  * the result's own graph and this cache refers to any of its objects: every refcount equal to
  * the one taken when the result was handed out, minus the caller's reference, and no weak
  * reference to any. Whatever the caller kept (the result, its handle, a field, a slice of one:
