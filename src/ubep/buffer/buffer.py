@@ -357,9 +357,13 @@ class Buffer(InFlightCalls, ArgChecks):
             if self._route is not None:  # logical ids -> physical slots (checked: a clean reject)
                 topk_idx = self._route(topk_idx)
             fast = self._fast
-            if fast is not None and not (copy or hook or self._in_flight) and x_scales is None:
-                # the common blocking call: checked, run and its result built in one native
-                # call; None: not its case (other types, bad input), nothing was done
+            # a call Buffer._hot_call can take was offered to it already (not again here)
+            offered = self._one_call and self._route is None
+            if fast is not None and not (copy or hook or self._in_flight or offered) and (
+                    x_scales is None):
+                # the blocking call with a Plan's core split, an expert map or M2N ids: checked,
+                # run and its result built in one native call; None: not its case (other types,
+                # bad input), nothing was done
                 plan = self._split_plan(x)
                 if plan is not _NO_SPLIT:
                     stage = _NATIVE
@@ -501,14 +505,8 @@ class Buffer(InFlightCalls, ArgChecks):
         epoch = self._epoch
         stage = _BEFORE
         try:
-            fast = self._fast
-            if fast is not None and not (hook or self._in_flight):  # as dispatch's one call
-                stage = _NATIVE
-                got = self._fast_answer(fast.combine_fast(
-                    expert_out, handle, epoch, self._generation, self._num_dispatches))
-                if got is not None:
-                    return got
-                stage = _BEFORE
+            # (a blocking call of exact arrays was offered to the one native call already,
+            # Buffer._hot_call: what comes here converts or raises)
             h, eo = self._check_combine_args(expert_out, handle)
             creg = combine_region(h)
             assert h.send_dst_row is not None  # checked by _check_combine_args

@@ -46,6 +46,7 @@ typedef struct {
     PyObject *obj[KEPT_MAX];
     Py_ssize_t refs[KEPT_MAX]; /* each one's count when only the graph and this cache hold it */
     int n;
+    int64_t ntok; /* the call's tokens: the blocks are laid out for them */
 } kept_t;
 
 struct fast {
@@ -62,7 +63,6 @@ struct fast {
     PyObject *y_blocks[2];
     /* per receive region, the last dispatch result built (reused: kept_free) */
     kept_t kept[8];
-    int64_t kept_ntok[8];
 };
 
 static void kept_drop(kept_t *k) {
@@ -414,7 +414,7 @@ static void keep(fast_t *f, int reg, int64_t ntok, PyObject *res, const outputs_
     }
     for (int i = 0; i < k->n; i++) k->refs[i] = Py_REFCNT(k->obj[i]);
     k->refs[KO_RES] -= 1; /* the caller's */
-    f->kept_ntok[reg] = ntok;
+    k->ntok = ntok;
 }
 
 static void set_rows(PyObject *a, npy_intp rows) {
@@ -429,7 +429,7 @@ static PyObject *refill(fast_t *f, int reg, int64_t n, long long index, PyObject
     PyObject **v = k->obj + KO_VIEWS;
     /* recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_rank; then
      * recv_src_token, recv_src_k (after the counts); the handle's rows are the call's tokens,
-     * the same number (kept_ntok) */
+     * the same number (kept_t.ntok) */
     for (int i = 0; i < 5; i++) set_rows(v[i], n);
     set_rows(v[KV_RES_FIELDS], n);
     set_rows(v[KV_RES_FIELDS + 1], n);
@@ -458,7 +458,7 @@ PyObject *engine_dispatch_fast(engine_t *g, PyObject *args) {
         Py_RETURN_NONE;
     outputs_t o;
     int reg = (int)(a.index % g->nreg);
-    int reuse = f->kept_ntok[reg] == ntok && kept_free(&f->kept[reg]);
+    int reuse = f->kept[reg].ntok == ntok && kept_free(&f->kept[reg]);
     if (reuse) { /* the kept result's blocks: its arrays are refilled below */
         o.i64 = Py_NewRef(f->kept[reg].obj[KO_I64]);
         o.f32 = Py_NewRef(f->kept[reg].obj[KO_F32]);
