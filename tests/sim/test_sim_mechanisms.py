@@ -412,3 +412,31 @@ def test_a_baseline_row_stays_within_its_bound() -> None:
     assert res.residuals["row"] == pytest.approx(1.0, abs=1e-3)
     assert res.values["fence_rtt_fraction"] == pytest.approx(0.55, rel=1e-3)
     assert stiff(0.5) == 0.5 and stiff(-2.0) == -(1 + BOUND_STIFFNESS)
+
+
+def _curved(name: str, target: float, key: str, offset: float) -> TrainingPoint:
+    # ``constant + offset``: not a power of the constant, so not linear in log space.
+    return TrainingPoint(name, "closed form", str(target), target, 0.1,
+                         lambda f: float(getattr(f, key)) + offset)
+
+
+def test_leave_one_out_refit_converges_where_the_quick_steps_do_not() -> None:
+    # Two points on the fence share, f + 0.05 = 0.95 and f + 0.5 = 0.8: the full fit lies
+    # between them. Without the first, the refit fits the second exactly (f = 0.3) and
+    # predicts the first as 0.3 + 0.05 = 0.35; without the second, f = 0.9 and the
+    # prediction is 0.9 + 0.5 = 1.4. One quick Gauss-Newton evaluation on the full fit's
+    # Jacobian cannot get there (it never moves off the full fit).
+    base = fabric()
+    pts = [_curved("a", 0.95, "fence_rtt_fraction", 0.05),
+           _curved("b", 0.8, "fence_rtt_fraction", 0.5)]
+    full = fit(base, pts, max_nfev=200, tol=1e-12, baseline=False)
+    assert 0.3 < full.values["fence_rtt_fraction"] < 0.9
+    rows = leave_one_out(base, full, pts, max_nfev=200, tol=1e-12)
+    assert [r["converged"] for r in rows] == [True, True]
+    assert rows[0]["values"]["fence_rtt_fraction"] == pytest.approx(0.3, rel=1e-4)
+    assert rows[0]["predicted"] == pytest.approx(0.35, rel=1e-4)
+    assert rows[1]["values"]["fence_rtt_fraction"] == pytest.approx(0.9, rel=1e-4)
+    assert rows[1]["predicted"] == pytest.approx(1.4, rel=1e-4)
+    quick = leave_one_out(base, full, pts, refit=False, max_nfev=1)
+    assert quick[0]["predicted"] == pytest.approx(full.model["a"], rel=1e-9)
+    assert quick[0]["converged"] is False

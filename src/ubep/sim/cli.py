@@ -44,6 +44,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="fit into a temporary copy; leave calib.json as it is")
     p.add_argument("--no-loo", action="store_true", help="skip the leave-one-out refits")
+    p.add_argument("--quick-loo", action="store_true",
+                   help="leave-one-out as Gauss-Newton steps on the full fit's Jacobian "
+                        "instead of a full refit per point (about a minute instead of ~15)")
+    p.add_argument("--loo-max-nfev", type=int, default=None,
+                   help="residual evaluations of each leave-one-out refit (default 12; "
+                        "quick: 4)")
     p.add_argument("--max-nfev", type=int, default=12,
                    help="residual evaluations of the fit (default 12)")
     p.add_argument("--warm", action="store_true",
@@ -135,6 +141,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         if args.refit_baseline:
             calibrate(path=path, progress=lambda msg: print(msg, file=sys.stderr))
         fit_assumed(path, loo=not args.no_loo, max_nfev=args.max_nfev, warm=args.warm,
+                    loo_refit=not args.quick_loo, loo_max_nfev=args.loo_max_nfev,
                     progress=lambda msg: print(msg, file=sys.stderr))
         print(fit_markdown(path))
         for family in families:

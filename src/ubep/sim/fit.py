@@ -193,6 +193,8 @@ class FitResult:
     model: dict[str, float]
     cost: float
     jac: np.ndarray  # of the plain residuals (before :func:`stiff`), rows: points
+    converged: bool = True  # scipy's tolerances met (False: stopped at max_nfev)
+    nfev: int = 0  # residual evaluations (without the finite differences)
 
 
 def _bounds(names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -201,7 +203,7 @@ def _bounds(names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
 
 def fit(base: FabricModel, points: Sequence[TrainingPoint] | None = None, *,
         start: dict[str, float] | None = None, max_nfev: int = 12, tol: float = 1e-3,
-        jac: np.ndarray | None = None, baseline: bool = True,
+        jac: np.ndarray | None = None, jac0: np.ndarray | None = None, baseline: bool = True,
         progress: Callable[[str], None] | None = None) -> FitResult:
     """Bounded least squares over the log of every assumed constant (scipy's trust-region
     reflective method), starting from ``start`` (default: the first-principles values), and
@@ -209,9 +211,12 @@ def fit(base: FabricModel, points: Sequence[TrainingPoint] | None = None, *,
     from ``base``'s values).
 
     ``jac``: a fixed Jacobian (rows: ``points``; columns: :data:`ASSUMED` in log space), as
-    the leave-one-out refits use; by default finite differences of 5 % in log space (the
-    model is piecewise smooth: core splits and port orders switch). ``max_nfev`` counts
-    evaluations of the residuals, not those of the finite differences."""
+    the quick leave-one-out steps use; by default forward differences of
+    :data:`DIFF_STEP` in log space (the model is piecewise smooth: core splits and port
+    orders switch). ``jac0``: the Jacobian of the plain residuals at the start, used for the
+    first step in place of its finite differences (a warm refit that starts where that
+    Jacobian was taken, as a leave-one-out refit does from the full fit). ``max_nfev``
+    counts evaluations of the residuals, not those of the finite differences."""
     from scipy.optimize import least_squares
 
     pts = list(points if points is not None else training_set() + baseline_rows())
@@ -229,9 +234,12 @@ def fit(base: FabricModel, points: Sequence[TrainingPoint] | None = None, *,
 
     raw = np.zeros(len(pts))  # the plain residuals of the last evaluation
 
-    def resid(x: np.ndarray) -> np.ndarray:
+    def plain(x: np.ndarray) -> np.ndarray:
         fab = apply_assumed(base, values_of(x))
-        raw[:] = [p.residual(fab) for p in pts]
+        return np.array([p.residual(fab) for p in pts])
+
+    def resid(x: np.ndarray) -> np.ndarray:
+        raw[:] = plain(x)
         out = np.array([stiff(r) if p.bound else r for p, r in zip(pts, raw, strict=True)])
         if progress is not None:
             progress(f"cost {0.5 * float(out @ out):.4f} residuals "
@@ -239,12 +247,21 @@ def fit(base: FabricModel, points: Sequence[TrainingPoint] | None = None, *,
                      + " ".join(f"{k}={v:.4g}" for k, v in values_of(x).items()))
         return out
 
-    # A fixed Jacobian is of the plain residuals: each bound row's slope is applied at the
-    # point evaluated last (least_squares asks for the Jacobian where it last evaluated).
-    kwargs: dict[str, Any] = {"diff_step": 0.05} if jac is None else {
-        "jac": lambda _x: jac * _slopes(pts, raw)[:, None]}
+    first = [jac0 if jac0 is not None else jac]
+
+    def jacobian(x: np.ndarray) -> np.ndarray:
+        # The Jacobian is of the plain residuals: each bound row's slope is applied at the
+        # point evaluated last (least_squares asks for the Jacobian where it last evaluated).
+        slopes = _slopes(pts, raw)[:, None]
+        if jac is not None:
+            return jac * slopes
+        if first[0] is not None and np.array_equal(x, x0):
+            j, first[0] = first[0], None
+            return j * slopes
+        return forward_jacobian(plain, x, raw.copy(), lo, hi) * slopes
+
     sol = least_squares(resid, x0, bounds=(lo, hi), max_nfev=max_nfev, xtol=tol, ftol=tol,
-                        **kwargs)
+                        jac=jacobian)
     values = values_of(sol.x)
     fab = apply_assumed(base, values)
     resid(sol.x)  # raw = the plain residuals at the solution
@@ -255,7 +272,28 @@ def fit(base: FabricModel, points: Sequence[TrainingPoint] | None = None, *,
             at_bound[n] = side
     return FitResult(values, at_bound, {p.name: p.residual(fab) for p in pts},
                      {p.name: p.evaluate(fab) for p in pts}, float(sol.cost),
-                     np.asarray(sol.jac, dtype=np.float64) / _slopes(pts, raw)[:, None])
+                     np.asarray(sol.jac, dtype=np.float64) / _slopes(pts, raw)[:, None],
+                     converged=bool(sol.status > 0), nfev=int(sol.nfev))
+
+
+# Forward-difference step of the Jacobian, in log space, relative to ``max(1, |log value|)``
+# (scipy's ``diff_step`` rule): wide enough to step over the model's small discontinuities.
+DIFF_STEP = 0.05
+
+
+def forward_jacobian(fun: Callable[[np.ndarray], np.ndarray], x: np.ndarray, f0: np.ndarray,
+                     lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """``d fun / d x`` at ``x`` (``f0 = fun(x)``) by forward differences of
+    :data:`DIFF_STEP`, stepping backwards where a forward step would leave the bounds."""
+    out = np.empty((f0.size, x.size))
+    for j in range(x.size):
+        h = DIFF_STEP * max(1.0, abs(float(x[j])))
+        if x[j] + h > hi[j]:
+            h = -h
+        xh = x.copy()
+        xh[j] += h
+        out[:, j] = (fun(xh) - f0) / (xh[j] - x[j])
+    return out
 
 
 def _slopes(pts: Sequence[TrainingPoint], raw: np.ndarray) -> np.ndarray:
@@ -265,30 +303,49 @@ def _slopes(pts: Sequence[TrainingPoint], raw: np.ndarray) -> np.ndarray:
 
 
 def leave_one_out(base: FabricModel, full: FitResult,
-                  points: Sequence[TrainingPoint] | None = None, *, max_nfev: int = 4,
+                  points: Sequence[TrainingPoint] | None = None, *, refit: bool = True,
+                  max_nfev: int | None = None, tol: float = 1e-3,
                   progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
-    """Refit without each training point and predict it. Each refit starts from the full
-    fit's values and keeps its Jacobian (the other points' rows): Gauss-Newton steps of at
-    most ``max_nfev`` residual evaluations, not a new finite-difference Jacobian per step.
-    The steps are on the plain residuals: a baseline row the full fit left at its bound would
-    otherwise reject every step of a fixed linear model that cannot see the stiff side."""
-    pts = [replace(p, bound=False)
-           for p in (points if points is not None else training_set() + baseline_rows())]
+    """Refit without each training point and predict it.
+
+    ``refit=True`` (default): each refit is the full fit's own problem without the point --
+    the same objective, bounds and baseline constraints -- warm-started at the full fit's
+    values, its first step on the full fit's Jacobian rows of the other points, every later
+    step on fresh finite differences, run until scipy's tolerances ``tol`` are met (or
+    ``max_nfev`` residual evaluations, default 12; the row says whether it converged).
+
+    ``refit=False``: the quick estimate -- Gauss-Newton steps that keep the full fit's
+    Jacobian (at most ``max_nfev`` evaluations, default 4) on the plain residuals (a
+    baseline row the full fit left at its bound would otherwise reject every step of a fixed
+    linear model that cannot see the stiff side). It cannot see how the other points' slopes
+    change away from the full fit, so it understates the error of a point that alone sets a
+    constant."""
+    given = list(points if points is not None else training_set() + baseline_rows())
+    pts = given if refit else [replace(p, bound=False) for p in given]
     held = len(training_set()) if points is None else len(pts)
+    budget = max_nfev if max_nfev is not None else (12 if refit else 4)
     out = []
     for i, p in enumerate(pts[:held]):
         if progress is not None:
             progress(f"leave-one-out: without {p.name}")
         rows = np.delete(full.jac, i, axis=0)
-        res = fit(base, pts[:i] + pts[i + 1:], start=full.values, max_nfev=max_nfev,
-                  jac=rows, baseline=set(full.values) > set(ASSUMED))
+        others = pts[:i] + pts[i + 1:]
+        base_free = set(full.values) > set(ASSUMED)
+        if refit:
+            res = fit(base, others, start=full.values, max_nfev=budget, tol=tol, jac0=rows,
+                      baseline=base_free, progress=progress)
+        else:
+            res = fit(base, others, start=full.values, max_nfev=budget, tol=tol, jac=rows,
+                      baseline=base_free)
         fab = apply_assumed(base, res.values)
         out.append({"name": p.name, "paper": p.paper, "predicted": p.evaluate(fab),
-                    "residual": p.residual(fab), "values": res.values})
+                    "residual": p.residual(fab), "values": res.values,
+                    "converged": res.converged, "nfev": res.nfev})
     return out
 
 
 def calibrate(path: Any = None, *, loo: bool = True, max_nfev: int = 12, warm: bool = False,
+              loo_refit: bool = True, loo_max_nfev: int | None = None,
               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Fit the assumed constants, run the leave-one-out refits and write calib.json (``path``,
     default: the packaged file): the fitted values into ``constants`` (kind ``assumed``,
@@ -296,6 +353,8 @@ def calibrate(path: Any = None, *, loo: bool = True, max_nfev: int = 12, warm: b
     fitted value, bound status and source rows, the residuals and the leave-one-out table.
     ``warm``: start from the values of the fit stored in ``path`` (clipped into the ranges)
     rather than from the first-principles values: a refit after a change of the model.
+    ``loo_refit``: each leave-one-out point is a full refit (:func:`leave_one_out`); the
+    quick Gauss-Newton estimate is stored beside it (``loo_quick_*``) for comparison.
 
     The assumed constants also price CANN EP's counts, sums and fences, so CANN EP's own
     fitted constants are fitted with them, to the baseline rows and the training set."""
@@ -317,7 +376,10 @@ def calibrate(path: Any = None, *, loo: bool = True, max_nfev: int = 12, warm: b
         stored = load_calibration(Path(path) if path else None)["fabrics"]["cm384"]
         start = dict(stored.get("fit", {}).get("values", {})) or None
     full = fit(base, start=start, max_nfev=max_nfev, progress=progress)
-    rows = leave_one_out(base, full, progress=progress) if loo else []
+    rows = leave_one_out(base, full, refit=loo_refit, max_nfev=loo_max_nfev,
+                         progress=progress) if loo else []
+    quick = (leave_one_out(base, full, refit=False, progress=progress) if loo and loo_refit
+             else [{}] * len(training_set()))
     loo_rows = rows
     fab = apply_assumed(base, full.values)
     data = load_calibration(Path(path) if path else None)
@@ -347,8 +409,13 @@ def calibrate(path: Any = None, *, loo: bool = True, max_nfev: int = 12, warm: b
              "model_value": round(full.model[p.name], 4), "tolerance": round(p.tolerance, 4),
              "residual": round(full.residuals[p.name], 3),
              "loo_predicted": round(r["predicted"], 4) if loo else None,
-             "loo_residual": round(r["residual"], 3) if loo else None}
-            for p, r in zip(pts, loo_rows or [{}] * len(pts), strict=True)],
+             "loo_residual": round(r["residual"], 3) if loo else None,
+             "loo_converged": r.get("converged"), "loo_nfev": r.get("nfev"),
+             **({"loo_quick_predicted": round(q["predicted"], 4),
+                 "loo_quick_residual": round(q["residual"], 3)} if q else {})}
+            for p, r, q in zip(pts, loo_rows or [{}] * len(pts), quick, strict=True)],
+        "loo_method": ("full refit per point (warm start, to convergence)" if loo_refit
+                       else "Gauss-Newton steps on the full fit's Jacobian"),
         "baseline": [
             {"name": p.name, "source": p.source, "paper": p.shown, "paper_value": p.paper,
              "model_value": round(full.model[p.name], 4), "tolerance": p.tolerance,

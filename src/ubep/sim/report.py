@@ -38,17 +38,28 @@ def fit_markdown(path: Path | None = None) -> str:
     fit = entry.get("fit")
     if not fit:
         return "No fit in calib.json: run `ubep sim calibrate`.\n"
+    quick = any("loo_quick_predicted" in t for t in fit["training"])
     lines = ["## Fit of UBEP's assumed constants to the training set", "",
              fit["about"], "",
+             f"Leave-one-out: {fit.get('loo_method', 'Gauss-Newton steps on the full fit\'s '
+                                                   'Jacobian')}"
+             + ("; beside it, the quick estimate (Gauss-Newton steps on the full fit's "
+                "Jacobian)." if quick else "."), "",
              "| training point | paper | model | error | residual | leave-one-out prediction "
-             "| leave-one-out error | within tolerance (fit / LOO) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| leave-one-out error | within tolerance (fit / LOO) |"
+             + (" quick LOO error | LOO refit converged |" if quick else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|---|" if quick else "")]
     for t in fit["training"]:
-        lines.append(
-            f"| {t['name']} | {t['paper']} | {_shown(t, t['model_value'])} | "
-            f"{_err(t, t['model_value'])} | {t['residual']:+.2f} | "
-            f"{_shown(t, t['loo_predicted'])} | {_err(t, t['loo_predicted'])} | "
-            f"{_ok(t['residual'])} / {_ok(t['loo_residual'])} |")
+        row = (f"| {t['name']} | {t['paper']} | {_shown(t, t['model_value'])} | "
+               f"{_err(t, t['model_value'])} | {t['residual']:+.2f} | "
+               f"{_shown(t, t['loo_predicted'])} | {_err(t, t['loo_predicted'])} | "
+               f"{_ok(t['residual'])} / {_ok(t['loo_residual'])} |")
+        if quick:
+            conv = t.get("loo_converged")
+            row += (f" {_err(t, t.get('loo_quick_predicted'))} | "
+                    f"{'-' if conv is None else ('yes' if conv else 'no')} "
+                    f"({t.get('loo_nfev', '-')} evaluations) |")
+        lines.append(row)
     lines += ["", "Latencies are in us; an improvement is shown as a percentage "
               "(1 - UBEP / CANN EP) and its error in percentage points.", "",
               "| baseline row | paper | model | error | residual |", "|---|---|---|---|---|"]
