@@ -41,8 +41,7 @@ def fit_markdown(path: Path | None = None) -> str:
     quick = any("loo_quick_predicted" in t for t in fit["training"])
     lines = ["## Fit of UBEP's assumed constants to the training set", "",
              fit["about"], "",
-             f"Leave-one-out: {fit.get('loo_method', 'Gauss-Newton steps on the full fit\'s '
-                                                   'Jacobian')}"
+             "Leave-one-out: " + str(fit.get("loo_method", _QUICK_LOO))
              + ("; beside it, the quick estimate (Gauss-Newton steps on the full fit's "
                 "Jacobian)." if quick else "."), "",
              "| training point | paper | model | error | residual | leave-one-out prediction "
@@ -78,6 +77,9 @@ def fit_markdown(path: Path | None = None) -> str:
     lines += ["", "Leave-one-out spread of each constant (the interval of every prediction): "
               + "; ".join(f"{k} {min(v):.4g}-{max(v):.4g}" for k, v in spread.items())]
     return "\n".join(lines) + "\n"
+
+
+_QUICK_LOO = "Gauss-Newton steps on the full fit's Jacobian"
 
 
 def _is_gain(t: dict[str, Any]) -> bool:
