@@ -440,3 +440,19 @@ def test_leave_one_out_refit_converges_where_the_quick_steps_do_not() -> None:
     quick = leave_one_out(base, full, pts, refit=False, max_nfev=1)
     assert quick[0]["predicted"] == pytest.approx(full.model["a"], rel=1e-9)
     assert quick[0]["converged"] is False
+
+
+def test_cold_leave_one_out_does_not_start_from_what_the_point_taught() -> None:
+    # "fence" alone sets the fence share (0.5); "vec" sets vector_op_ns. The full fit meets
+    # both, so without "fence" the others are stationary wherever the fence share lies: a
+    # warm refit keeps the full fit's 0.5 (it predicts the point it never saw exactly), a
+    # cold one keeps the first-principles value, 1.0, and predicts 1.0.
+    base = fabric()
+    pts = [_point("fence", 0.5, "fence_rtt_fraction"), _point("vec", 30.0, "vector_op_ns")]
+    full = fit(base, pts, max_nfev=200, tol=1e-12, baseline=False)
+    warm = leave_one_out(base, full, pts, max_nfev=200, tol=1e-12)
+    cold = leave_one_out(base, full, pts, max_nfev=200, tol=1e-12, cold=True)
+    assert warm[0]["predicted"] == pytest.approx(0.5, rel=1e-6)
+    first = ASSUMED["fence_rtt_fraction"]["value"]
+    assert cold[0]["predicted"] == pytest.approx(first, rel=1e-6)
+    assert cold[1]["predicted"] == pytest.approx(apply_assumed(base, {}).vector_op_ns, rel=1e-6)

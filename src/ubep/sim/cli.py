@@ -47,6 +47,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--quick-loo", action="store_true",
                    help="leave-one-out as Gauss-Newton steps on the full fit's Jacobian "
                         "instead of a full refit per point (about a minute instead of ~15)")
+    p.add_argument("--cold-loo", action="store_true",
+                   help="start each leave-one-out refit from the first-principles values, "
+                        "as the fit itself starts, not from the full fit")
     p.add_argument("--loo-max-nfev", type=int, default=None,
                    help="residual evaluations of each leave-one-out refit (default 12; "
                         "quick: 4)")
@@ -142,6 +145,7 @@ def _calibrate(args: argparse.Namespace) -> int:
             calibrate(path=path, progress=lambda msg: print(msg, file=sys.stderr))
         fit_assumed(path, loo=not args.no_loo, max_nfev=args.max_nfev, warm=args.warm,
                     loo_refit=not args.quick_loo, loo_max_nfev=args.loo_max_nfev,
+                    loo_cold=args.cold_loo,
                     progress=lambda msg: print(msg, file=sys.stderr))
         print(fit_markdown(path))
         for family in families:

@@ -304,7 +304,7 @@ def _slopes(pts: Sequence[TrainingPoint], raw: np.ndarray) -> np.ndarray:
 
 def leave_one_out(base: FabricModel, full: FitResult,
                   points: Sequence[TrainingPoint] | None = None, *, refit: bool = True,
-                  max_nfev: int | None = None, tol: float = 1e-3,
+                  max_nfev: int | None = None, tol: float = 1e-3, cold: bool = False,
                   progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """Refit without each training point and predict it.
 
@@ -313,6 +313,12 @@ def leave_one_out(base: FabricModel, full: FitResult,
     values, its first step on the full fit's Jacobian rows of the other points, every later
     step on fresh finite differences, run until scipy's tolerances ``tol`` are met (or
     ``max_nfev`` residual evaluations, default 12; the row says whether it converged).
+    ``cold``: each refit starts where the full fit starts without ``start`` -- the
+    first-principles values and ``base``'s baseline constants -- so that nothing of the
+    left-out point is in its start. A warm refit cannot leave the full fit when the point's
+    residual is near 0: the full fit is then already stationary for the other points (the
+    point adds ``r_i * J_i ~ 0`` to the gradient), and the refit stops within the
+    tolerances where it started, whatever the other points leave undetermined.
 
     ``refit=False``: the quick estimate -- Gauss-Newton steps that keep the full fit's
     Jacobian (at most ``max_nfev`` evaluations, default 4) on the plain residuals (a
@@ -331,7 +337,10 @@ def leave_one_out(base: FabricModel, full: FitResult,
         rows = np.delete(full.jac, i, axis=0)
         others = pts[:i] + pts[i + 1:]
         base_free = set(full.values) > set(ASSUMED)
-        if refit:
+        if refit and cold:
+            res = fit(base, others, max_nfev=budget, tol=tol, baseline=base_free,
+                      progress=progress)
+        elif refit:
             res = fit(base, others, start=full.values, max_nfev=budget, tol=tol, jac0=rows,
                       baseline=base_free, progress=progress)
         else:
@@ -345,7 +354,7 @@ def leave_one_out(base: FabricModel, full: FitResult,
 
 
 def calibrate(path: Any = None, *, loo: bool = True, max_nfev: int = 12, warm: bool = False,
-              loo_refit: bool = True, loo_max_nfev: int | None = None,
+              loo_refit: bool = True, loo_max_nfev: int | None = None, loo_cold: bool = False,
               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Fit the assumed constants, run the leave-one-out refits and write calib.json (``path``,
     default: the packaged file): the fitted values into ``constants`` (kind ``assumed``,
@@ -354,7 +363,8 @@ def calibrate(path: Any = None, *, loo: bool = True, max_nfev: int = 12, warm: b
     ``warm``: start from the values of the fit stored in ``path`` (clipped into the ranges)
     rather than from the first-principles values: a refit after a change of the model.
     ``loo_refit``: each leave-one-out point is a full refit (:func:`leave_one_out`); the
-    quick Gauss-Newton estimate is stored beside it (``loo_quick_*``) for comparison.
+    quick Gauss-Newton estimate is stored beside it (``loo_quick_*``) for comparison;
+    ``loo_cold``: the refits start from the first-principles values, not the full fit's.
 
     The assumed constants also price CANN EP's counts, sums and fences, so CANN EP's own
     fitted constants are fitted with them, to the baseline rows and the training set."""
@@ -376,7 +386,7 @@ def calibrate(path: Any = None, *, loo: bool = True, max_nfev: int = 12, warm: b
         stored = load_calibration(Path(path) if path else None)["fabrics"]["cm384"]
         start = dict(stored.get("fit", {}).get("values", {})) or None
     full = fit(base, start=start, max_nfev=max_nfev, progress=progress)
-    rows = leave_one_out(base, full, refit=loo_refit, max_nfev=loo_max_nfev,
+    rows = leave_one_out(base, full, refit=loo_refit, max_nfev=loo_max_nfev, cold=loo_cold,
                          progress=progress) if loo else []
     quick = (leave_one_out(base, full, refit=False, progress=progress) if loo and loo_refit
              else [{}] * len(training_set()))
@@ -414,7 +424,9 @@ def calibrate(path: Any = None, *, loo: bool = True, max_nfev: int = 12, warm: b
              **({"loo_quick_predicted": round(q["predicted"], 4),
                  "loo_quick_residual": round(q["residual"], 3)} if q else {})}
             for p, r, q in zip(pts, loo_rows or [{}] * len(pts), quick, strict=True)],
-        "loo_method": ("full refit per point (warm start, to convergence)" if loo_refit
+        "loo_method": (("full refit per point from the first-principles values, as the "
+                        "fit itself" if loo_cold else "full refit per point (warm start at the "
+                        "full fit, to convergence)") if loo_refit
                        else "Gauss-Newton steps on the full fit's Jacobian"),
         "baseline": [
             {"name": p.name, "source": p.source, "paper": p.shown, "paper_value": p.paper,
