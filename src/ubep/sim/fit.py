@@ -247,7 +247,7 @@ def fit(base: FabricModel, points: Sequence[TrainingPoint] | None = None, *,
                      + " ".join(f"{k}={v:.4g}" for k, v in values_of(x).items()))
         return out
 
-    first = [jac0 if jac0 is not None else jac]
+    initial_jac: list[np.ndarray | None] = [jac0]
 
     def jacobian(x: np.ndarray) -> np.ndarray:
         # The Jacobian is of the plain residuals: each bound row's slope is applied at the
@@ -255,8 +255,8 @@ def fit(base: FabricModel, points: Sequence[TrainingPoint] | None = None, *,
         slopes = _slopes(pts, raw)[:, None]
         if jac is not None:
             return jac * slopes
-        if first[0] is not None and np.array_equal(x, x0):
-            j, first[0] = first[0], None
+        if initial_jac[0] is not None and np.array_equal(x, x0):
+            j, initial_jac[0] = initial_jac[0], None
             return j * slopes
         return forward_jacobian(plain, x, raw.copy(), lo, hi) * slopes
 
