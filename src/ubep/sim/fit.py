@@ -296,9 +296,18 @@ def forward_jacobian(fun: Callable[[np.ndarray], np.ndarray], x: np.ndarray, f0:
     return out
 
 
+# A bound row within this much of its bound is given the stiff side's slope in the Jacobian.
+# At the bound the objective has a kink (slope 1 inside, BOUND_STIFFNESS outside); a fit that
+# ends on it (a baseline row at exactly its bound) would otherwise hand a refit a linear model
+# that prices a step across the bound ten times too cheaply, and every such step is rejected
+# until the step tolerance stops the refit where it started.
+KINK_BAND = 0.01
+
+
 def _slopes(pts: Sequence[TrainingPoint], raw: np.ndarray) -> np.ndarray:
-    """d objective / d residual of each point at the plain residuals ``raw``."""
-    return np.array([BOUND_STIFFNESS if p.bound and abs(r) > 1 else 1.0
+    """d objective / d residual of each point at the plain residuals ``raw`` (the stiff
+    side's for a bound row on or past its bound, :data:`KINK_BAND`)."""
+    return np.array([BOUND_STIFFNESS if p.bound and abs(r) > 1 - KINK_BAND else 1.0
                      for p, r in zip(pts, raw, strict=True)])
 
 
