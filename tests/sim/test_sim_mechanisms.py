@@ -460,3 +460,46 @@ def test_cold_leave_one_out_does_not_start_from_what_the_point_taught() -> None:
     first = ASSUMED["fence_rtt_fraction"]["value"]
     assert cold[0]["predicted"] == pytest.approx(first, rel=1e-6)
     assert cold[1]["predicted"] == pytest.approx(apply_assumed(base, {}).vector_op_ns, rel=1e-6)
+
+
+def test_dissemination_rounds_follow_the_tiers() -> None:
+    from ubep.sim.fabric import dissemination_ns
+
+    # CM384: 16 ranks per node, L = (218, 929, 2500) ns. log2(16) = 4 rounds inside a node,
+    # then log2(nodes) rounds across the tier-2 switch.
+    assert dissemination_ns(cm384(16)) == pytest.approx(4 * 929)
+    assert dissemination_ns(cm384(64)) == pytest.approx(4 * 929 + 2 * 2500)
+    assert dissemination_ns(cm384(256)) == pytest.approx(4 * 929 + 4 * 2500)
+    assert dissemination_ns(cm384(20)) == pytest.approx(4 * 929 + 1 * 2500)  # 2 nodes
+    assert dissemination_ns(cm384(8)) == pytest.approx(3 * 929)
+    assert dissemination_ns(cm384(2)) == pytest.approx(929)
+    with pytest.raises(InvalidArgumentError) as exc:
+        fabric(syncall_global=2)
+    assert exc.value.argument == "syncall_global"
+
+
+@pytest.mark.parametrize("mode", ["analytic", "events"])
+@pytest.mark.parametrize("scope", [0, 1])
+def test_a_global_syncall_waits_for_every_rank(mode: str, scope: int) -> None:
+    # Rank 0: core 0 sends a row to rank 1, core 1 one to itself; rank 1 keeps both rows.
+    # Per-rank SyncAll: rank 1's first barrier ends after its own local acknowledgements.
+    # Global: both ranks wait for rank 0's remote acknowledgement, then barrier_ns and one
+    # flag round inside the node (2 ranks: ceil(log2 2) = 1 round of L[1] = 400 ns).
+    f = fabric(barrier_ns=300.0, contention_cores=1e6, syncall_global=scope)
+    topo = two_ranks()
+    plans = [plan(0, [(0, 0, 1, 0), (1, 1, 0, 0)], n_send=2, n_count=2),
+             plan(1, [(0, 0, 1, 0), (1, 1, 1, 0)], n_send=2, n_count=2)]
+    res = simulate(plans, topo, f, engine="bsp", sync="sw", row_bytes=ROW, mode=mode)
+    lat0, lat1 = 50.0, 400.0
+    remote_ack = 1000 + 100 + 100 + 0.5 * lat1 + ROW / 20 + 2 * lat1
+    local_ack = 1000 + 100 + 100 + 0.5 * lat0 + 2 * lat0
+    if scope:
+        b1 = {0: remote_ack + 300 + lat1, 1: remote_ack + 300 + lat1}
+    else:
+        b1 = {0: remote_ack + 300, 1: local_ack + 300}
+    for r in (0, 1):
+        first = min(b.end_ns for b in res.timeline.spans(rank=r, task="barrier"))
+        assert first == pytest.approx(b1[r], abs=1e-2)
+    if scope:  # the second SyncAll releases every rank at once
+        ends = {max(b.end_ns for b in res.timeline.spans(rank=r, task="barrier")) for r in (0, 1)}
+        assert max(ends) - min(ends) < 1e-6

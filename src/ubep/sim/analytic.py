@@ -239,7 +239,7 @@ def run_analytic(spec: OpSpec, topology: Topology, fabric: FabricModel) -> SimRe
         arrive = np.full((R, n), t0)
         arrive[:, :n_s] = core_end
         data_done = _group_max(spec.unit_src, ack, R)
-        b1 = np.maximum(arrive.max(axis=1), data_done) + fabric.barrier_ns
+        b1 = _syncall(np.maximum(arrive.max(axis=1), data_done), fabric, topology)
         parts.append(("barrier", rr.ravel(), cc.ravel(), arrive.ravel(), np.repeat(b1, n)))
         flag_end = _phase_ends(spec, b1)
         parts.append(("flag", rr.ravel(), cc.ravel(), np.repeat(b1, n), flag_end.ravel()))
@@ -247,7 +247,7 @@ def run_analytic(spec: OpSpec, topology: Topology, fabric: FabricModel) -> SimRe
         ver_end = _poll_scan(spec, recv, poll, eland, flag_end, fabric.poll_ns,
                              fabric.poll_lanes)
         parts.append(("verify", rr.ravel(), cc.ravel(), flag_end.ravel(), ver_end.ravel()))
-        b2 = ver_end.max(axis=1) + fabric.barrier_ns
+        b2 = _syncall(ver_end.max(axis=1), fabric, topology)
         parts.append(("barrier", rr.ravel(), cc.ravel(), ver_end.ravel(), np.repeat(b2, n)))
         cum_end = b2 + spec.cumsum_ns
         if spec.cumsum_ns > 0:
@@ -295,6 +295,14 @@ def run_analytic(spec: OpSpec, topology: Topology, fabric: FabricModel) -> SimRe
         core_ack_end_ns=flat_ack.reshape(R, n_s),
         core_rtt_ns=core_round_trip_ns(spec, topology, unit_end, depart),
     )
+
+
+def _syncall(arrived: np.ndarray, fabric: FabricModel, topology: Topology) -> np.ndarray:
+    """``[R]`` when each rank's SyncAll releases, from when the rank's last core arrived: a
+    per-rank SyncAll waits for its own cores, a global one for every rank's."""
+    if fabric.syncall_global:
+        arrived = np.full(arrived.shape, arrived.max(initial=0.0))
+    return arrived + fabric.syncall_ns(topology)
 
 
 def _phase_ends(spec: OpSpec, start: np.ndarray) -> np.ndarray:

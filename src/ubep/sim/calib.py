@@ -416,6 +416,12 @@ START: dict[str, dict[str, tuple[float, str, str]]] = {
         "hot_share": (0.5, "assumed", "ubep.sim.assumed.ASSUMED: the skewed set-ups' unstated "
                       "hot share, fitted to the UBEP training set (Figure 9) by `ubep sim "
                       "calibrate`"),
+        "syncall_global": (0, "derived", "Ascend's SyncAll joins the cores of one kernel (one "
+                           "rank); cross-rank completion comes from the flags. The paper's "
+                           "'global barriers' (Figure 2) read as a barrier of every rank "
+                           "(1: a tier-aware dissemination barrier) is a what-if: refitted, it "
+                           "fits the training set worse, with four constants at a bound "
+                           "(docs/SIMULATOR.md 3.2)"),
     },
     "nvl72": {
         "init_ns": (14_000.0, "fitted", _FIT_NV),

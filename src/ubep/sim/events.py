@@ -349,8 +349,8 @@ class _EventRun:
             self.spans.append(("consume", r, core, first, free))
 
     # -- engines ---------------------------------------------------------------------------
-    def bsp_core(self, r: int, j: int, barrier: list[Event], arrived: list[int]) -> \
-            ProcessGenerator:
+    def bsp_core(self, r: int, j: int, barrier: list[Event], arrived: list[int],
+                 ranks: range) -> ProcessGenerator:
         yield self.env.timeout(self.fab.init_ns)
         self.span("init", r, j, 0.0)
         if j < self.spec.num_send_cores:
@@ -358,8 +358,8 @@ class _EventRun:
         for phase in range(2):
             t = self.env.now
             arrived[phase] += 1
-            if arrived[phase] == self.spec.cores_per_rank:
-                self.env.process(self.bsp_barrier(r, phase, barrier))
+            if arrived[phase] == self.spec.cores_per_rank * len(ranks):
+                self.env.process(self.bsp_barrier(ranks, phase, barrier))
             yield barrier[phase]
             self.span("barrier", r, j, t)
             if phase == 0:
@@ -376,10 +376,12 @@ class _EventRun:
         yield self.env.process(self.consume(r, j))
         self.rank_end[r] = max(self.rank_end[r], self.env.now)
 
-    def bsp_barrier(self, r: int, phase: int, barrier: list[Event]) -> ProcessGenerator:
-        if phase == 0 and not self.data_done[r].processed:
-            yield self.data_done[r]  # SyncAll also waits until every write is acknowledged
-        yield self.env.timeout(self.fab.barrier_ns)
+    def bsp_barrier(self, ranks: range, phase: int, barrier: list[Event]) -> ProcessGenerator:
+        # ``ranks``: the ranks whose cores the SyncAll joins (one, or every rank if global)
+        for r in ranks:
+            if phase == 0 and not self.data_done[r].processed:
+                yield self.data_done[r]  # SyncAll also waits until every write is acknowledged
+        yield self.env.timeout(self.fab.syncall_ns(self.topo))
         barrier[phase].succeed()
 
     def asp_send(self, r: int, j: int) -> ProcessGenerator:
@@ -414,11 +416,13 @@ class _EventRun:
     def run(self) -> SimResult:
         s, env = self.spec, self.env
         R = s.num_ranks
+        shared = ([env.event(), env.event()], [0, 0]) if self.fab.syncall_global else None
         for r in range(R):
             if s.engine == "bsp":
-                barrier, arrived = [env.event(), env.event()], [0, 0]
+                barrier, arrived = shared or ([env.event(), env.event()], [0, 0])
+                joined = range(R) if shared else range(r, r + 1)
                 for j in range(s.cores_per_rank):
-                    env.process(self.bsp_core(r, j, barrier, arrived))
+                    env.process(self.bsp_core(r, j, barrier, arrived, joined))
             else:
                 for j in range(s.num_send_cores):
                     env.process(self.asp_send(r, j))

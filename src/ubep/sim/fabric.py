@@ -29,7 +29,8 @@ from ..errors import InvalidArgumentError
 from ..modes import SYNCS
 from ..topology import Topology
 
-__all__ = ["FAMILIES", "FITTED_FAMILIES", "FabricModel", "Family", "SyncCosts", "sync_costs"]
+__all__ = ["FAMILIES", "FITTED_FAMILIES", "FabricModel", "Family", "SyncCosts", "dissemination_ns",
+           "sync_costs"]
 
 Family = Literal["cm384", "nvl72", "nvl576", "host"]
 """The fabric presets of the simulator: CM384 (two switch tiers), NVL72 (one NVSwitch tier),
@@ -87,6 +88,13 @@ class FabricModel:
             here so that the fit to the training set (Figure 9 measures it), its
             leave-one-out spread and the prediction intervals treat it like the other
             assumed constants.
+        syncall_global: 1 if a BSP SyncAll is a barrier of every rank's cores (the paper's
+            "global barriers": Phase 3's SyncAll ensures all token data of every rank has
+            been written, Phase 4's confirms global completion), 0 if it joins the cores of
+            one rank only. A global SyncAll ends when the last core of the last rank has
+            arrived (and, the first, when every rank's stores are acknowledged), plus its
+            intrinsic ``barrier_ns`` and the flag rounds of a tier-aware dissemination
+            barrier (:func:`dissemination_ns`).
     """
 
     name: str
@@ -113,6 +121,7 @@ class FabricModel:
     core_wait_fraction: float = 0.0
     check_lanes: int = 1
     hot_share: float = 0.5
+    syncall_global: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -136,6 +145,8 @@ class FabricModel:
         if self.core_wait_fraction > 1:
             raise InvalidArgumentError("core_wait_fraction", self.core_wait_fraction,
                                        "must be <= 1")
+        if self.syncall_global not in (0, 1):
+            raise InvalidArgumentError("syncall_global", self.syncall_global, "must be 0 or 1")
         if not 0 < self.hot_share < 1:
             raise InvalidArgumentError("hot_share", self.hot_share, "must lie in (0, 1)")
         if self.latency_exposure > 1:
@@ -166,6 +177,12 @@ class FabricModel:
         return self.issue_ns + np.asarray(wire_bytes) / self.core_bandwidth_gbps + (
             self.latency_exposure * lat
         )
+
+    def syncall_ns(self, topology: Topology) -> float:
+        """What a SyncAll adds after its last arrival: ``barrier_ns``, plus, for a global
+        SyncAll, the flag rounds between the ranks (:func:`dissemination_ns`)."""
+        rounds = dissemination_ns(topology) if self.syncall_global else 0.0
+        return float(self.barrier_ns) + rounds
 
     def exposed_wait_ns(self, hop: np.ndarray, topology: Topology) -> np.ndarray:
         """The issuing core's own wait after each send unit of hop class ``hop``:
@@ -229,3 +246,18 @@ def sync_costs(sync: str, row_bytes: int, fabric: FabricModel) -> SyncCosts:
         reset = row_bytes / fabric.core_bandwidth_gbps
         return SyncCosts(int(row_bytes), 0.0, steps * fabric.vector_op_ns + reset, blocks)
     return SyncCosts(int(row_bytes), 0.0, 0.0, blocks)
+
+
+def dissemination_ns(topology: Topology) -> float:
+    """The flag rounds of a tier-aware dissemination barrier over every rank: in round ``k``
+    each rank writes a flag to a partner ``2^k`` away and waits for the flag of the rank
+    ``2^k`` behind it, first among the ranks of its node (``ceil(log2(ranks_per_node))``
+    rounds of one one-hop latency ``L[1]``), then among the same-position ranks of the nodes
+    (``ceil(log2(num_nodes))`` rounds of the farthest latency ``L[H-1]``). 0 for one rank."""
+    lat = np.asarray(topology.latency_ns, dtype=np.float64)
+    if topology.num_ranks <= 1:
+        return 0.0
+    per_node = min(topology.ranks_per_node, topology.num_ranks)
+    inner = math.ceil(math.log2(per_node)) if per_node > 1 else 0
+    outer = math.ceil(math.log2(topology.num_nodes)) if topology.num_nodes > 1 else 0
+    return float(inner * lat[min(1, lat.size - 1)] + outer * lat[-1])
