@@ -66,7 +66,7 @@ def fit_markdown(path: Path | None = None) -> str:
         lines.append(f"| {t['name']} | {t['paper']} | {t['model_value']:.4g} | "
                      f"{t['model_value'] / t['paper_value'] - 1:+.1%} | {t['residual']:+.2f} |")
     lines += ["", "Constants moved by the fit (assumed: from the first-principles value; fitted: "
-              "CANN EP's, from the baseline fit):", "",
+              "CANN EP's, from the stored constants the fit started from):", "",
               "| constant | kind | before | range | fitted | moved | at a bound |",
               "|---|---|---|---|---|---|---|"]
     for name, c in fit["constants"].items():
