@@ -33,14 +33,22 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.harness import (Stats, collective_spans, concurrent_copy, format_table,
-                                machine_since, save_results, time_repeats)
+from benchmarks.harness import (
+    Stats,
+    collective_spans,
+    concurrent_copy,
+    dispatch_combine,
+    format_table,
+    machine_since,
+    save_results,
+    time_repeats,
+)
 from ubep import testing
 from ubep.buffer import Buffer, BufferConfig
 from ubep.modes import POLICIES
 from ubep.routing import uniform_topk
 from ubep.runtime import _native, launch
-from ubep.sched import CoreSplit, Plan, ScheduleSpec, core_split, schedule, schedule_spec
+from ubep.sched import CoreSplit, Plan, ScheduleSpec, schedule, schedule_spec
 from ubep.topology import cm384
 
 NUM_TOPK, SEND_CORES = 8, 48
@@ -128,12 +136,7 @@ def _runtime_worker(group: Any, tokens_list: list[int], blocks: int,
             spans: dict[str, list[np.ndarray]] = {k: [] for k in bufs}
             for b in range(blocks):
                 for name in (("native", "python") if b % 2 == 0 else ("python", "native")):
-                    buf = bufs[name]
-
-                    def call(buf: Buffer = buf) -> None:
-                        res = buf.dispatch(xs[r], idxs[r], ws[r])
-                        buf.combine(res.recv_x, res.handle)
-
+                    call = partial(dispatch_combine, bufs[name], xs[r], idxs[r], ws[r])
                     spans[name].append(collective_spans(group.barrier, call, 2, per_block))
             for name, got in spans.items():
                 s = np.concatenate(got)
