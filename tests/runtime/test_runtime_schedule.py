@@ -1,17 +1,22 @@
 """The native scheduler (``schedule.c``) builds the Plan ``ubep.sched.schedule`` builds, unit for
 unit: same units, same order, same cores, for every policy and layout, on topologies of one to
 three hop classes (including one whose latencies are not ascending, so the issue order is not
-the hop order), skewed and masked routings, and more send cores than units."""
+the hop order), skewed and masked routings, and more send cores than units; and a Buffer whose
+engine plans refuses bad routing on every rank before it plans."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 import pytest
 
+from ubep import testing
+from ubep.buffer import Buffer, BufferConfig
+from ubep.errors import InvalidArgumentError, RemoteError
 from ubep.modes import LAYOUTS, POLICIES
-from ubep.runtime import _native
+from ubep.runtime import _native, launch
 from ubep.sched import Plan, ScheduleSpec, core_split, schedule, schedule_spec
 from ubep.topology import Topology, cm384, host, nvl72
 
@@ -108,3 +113,33 @@ def test_native_scheduler_refuses_a_bad_spec() -> None:
     bad_hop = dataclasses.replace(spec, hop_of_rank=np.array([0, 2], dtype=np.int64))
     with pytest.raises(ValueError, match="hop class"):
         native_plan(idx, bad_hop, "expert", 2, 8)
+
+
+def _worker_bad_routing(group: Any) -> list[Any]:
+    """Four cores per rank (the native scheduler plans): rank 1 sends an id out of range, then
+    a row naming one expert twice; every rank must refuse each call cleanly, then serve."""
+    cfg = BufferConfig(max_tokens_per_rank=24, hidden=64, num_topk=4, num_experts=16,
+                       dtype="bf16", layout="rank", engine="asp", sync="sw", num_cores=4,
+                       threads=False, policy="hierarchical", timeout_s=60.0)
+    r, out = group.rank, []
+    with Buffer(group, cfg) as buf:
+        for case in ("range", "duplicate", "good"):
+            xs, idxs, ws = testing.inputs("bf16", 16, 4, 64, [24, 24], 3, "uniform")
+            if case == "range":
+                idxs[1][5, 2] = 16
+            elif case == "duplicate":
+                idxs[1][7, 3] = idxs[1][7, 0]
+            try:
+                out.append((case, testing.check_call(buf, xs, idxs, ws, 1)))
+            except InvalidArgumentError as exc:
+                out.append((case, ("InvalidArgumentError", exc.argument)))
+            except RemoteError as exc:
+                out.append((case, ("RemoteError", exc.clean)))
+    return out
+
+
+def test_bad_routing_is_refused_on_every_rank_before_the_native_plan() -> None:
+    got = launch(_worker_bad_routing, 2, timeout_s=120)
+    for r, calls in enumerate(got):
+        bad = ("InvalidArgumentError", "topk_idx") if r == 1 else ("RemoteError", True)
+        assert calls == [("range", bad), ("duplicate", bad), ("good", [])], (r, calls)
