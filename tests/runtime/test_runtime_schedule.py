@@ -121,7 +121,7 @@ def _worker_bad_routing(group: Any) -> list[Any]:
     cfg = BufferConfig(max_tokens_per_rank=24, hidden=64, num_topk=4, num_experts=16,
                        dtype="bf16", layout="rank", engine="asp", sync="sw", num_cores=4,
                        threads=False, policy="hierarchical", timeout_s=60.0)
-    r, out = group.rank, []
+    out: list[Any] = []
     with Buffer(group, cfg) as buf:
         for case in ("range", "duplicate", "good"):
             xs, idxs, ws = testing.inputs("bf16", 16, 4, 64, [24, 24], 3, "uniform")
