@@ -21,7 +21,7 @@ _ARGS = ["-O3", "-std=c11", "-ffp-contract=off", "-fno-strict-aliasing", "-fvisi
 _NATIVE = "src/ubep/runtime/native/"
 _SOURCES = ["module.c", "calls.c", "control.c", "exports.c", "kernels.c", "kernels_x86.c",
             "wait.c", "team.c", "flags.c", "phases.c", "dispatch.c", "dispatch_send.c",
-            "dispatch_bsp.c", "combine.c", "hooks.c", "fastpath.c"]
+            "dispatch_bsp.c", "combine.c", "hooks.c", "fastpath.c", "schedule.c"]
 _HEADERS = ["abi.h", "sync.h", "kernels.h", "engine.h", "flags.h", "phases.h", "pybuf.h",
             "calls.h", "methods.h", "fastpath.h"]
 

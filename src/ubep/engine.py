@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from .sched import CoreSplit, Plan
+from .sched import CoreSplit, Plan, ScheduleSpec
 
 if TYPE_CHECKING:
     from .runtime.abi import ErrorRecord
@@ -25,7 +25,9 @@ class DispatchCall:
 
     Attributes:
         index: the dispatch's sequence number (receive region ``index % num_regions``).
-        plan: what each core does (``Buffer._plan``), ``None`` for one core.
+        plan: what each core does (``Buffer._plan``): ``None`` for one core, else the core
+            split, with the scheduler's tables for several send cores (the engine builds the
+            units), or a whole ``Plan``.
         split: run only the first half (``Engine.complete`` runs the rest).
         prequant: ``x`` holds quantised rows already.
     """
@@ -43,7 +45,7 @@ class DispatchCall:
     recv_src_k: np.ndarray
     counts: np.ndarray
     send_dst_row: np.ndarray
-    plan: Plan | CoreSplit | None = None
+    plan: Plan | CoreSplit | ScheduleSpec | None = None
     split: bool = False
     prequant: bool = False
 

@@ -27,16 +27,18 @@ def test_native_exports_equal_abi() -> None:
     assert native.OFFSETS == abi.OFFSETS
     assert native.PARAMS == abi.PARAMS
     assert (native.ERRORS, native.DTYPES, native.SYNCS, native.ENGINES, native.LAYOUTS,
-            native.QUANTS, native.TRACE) == (abi.ERRORS, abi.DTYPES, abi.SYNCS, abi.ENGINES,
-                                             abi.LAYOUTS, abi.QUANTS, abi.TRACE)
+            native.QUANTS, native.TRACE, native.POLICIES) == (
+        abi.ERRORS, abi.DTYPES, abi.SYNCS, abi.ENGINES, abi.LAYOUTS, abi.QUANTS, abi.TRACE,
+        abi.POLICIES)
 
 
-@pytest.mark.parametrize("name", ["ABI", "SYNCS", "QUANTS", "OFFSETS", "PARAMS", "TRACE"])
+@pytest.mark.parametrize("name", ["ABI", "SYNCS", "QUANTS", "OFFSETS", "PARAMS", "TRACE",
+                                  "POLICIES"])
 def test_a_stale_build_is_refused_by_name(name: str) -> None:
     native = abi.load_native()
     fake = types.SimpleNamespace(**{k: getattr(native, k) for k in (
         "ABI", "ERRORS", "DTYPES", "SYNCS", "ENGINES", "LAYOUTS", "QUANTS", "OFFSETS",
-        "PARAMS", "TRACE")})
+        "PARAMS", "TRACE", "POLICIES")})
     abi.check_native(fake)  # a faithful copy passes
     value = getattr(fake, name)
     if isinstance(value, dict):

@@ -1,5 +1,7 @@
 """The runtime executes the Plan the simulator times: per core, the units each core sent and
 the count records each count core published, against ``ubep.sim``'s OpSpec of the same inputs.
+With several send cores the engine builds that Plan itself (the native scheduler), so this is
+also its test end to end, for every policy.
 
 Each rank runs one dispatch and combine (checked bit for bit against ``ubep.reference``) and
 returns its engine's per-core log. The oracle is independent of the engine: ``ubep.sched`` plans
@@ -35,12 +37,13 @@ class PlanCase:
     threads: bool
     tokens: int
     num_experts: int
+    policy: str = "hierarchical"
 
     def config(self) -> BufferConfig:
         return BufferConfig(
             max_tokens_per_rank=32, hidden=HIDDEN, num_topk=TOPK, num_experts=self.num_experts,
             dtype="bf16", layout=self.layout, engine="asp", sync=self.sync,
-            num_cores=self.num_cores, threads=self.threads, policy="hierarchical",
+            num_cores=self.num_cores, threads=self.threads, policy=self.policy,
             timeout_s=60.0,
         )
 
@@ -54,6 +57,8 @@ CASES = [
     PlanCase("rank", "tff", 3, True, 1, 16),
     PlanCase("expert", "sp", 4, True, 1, 16),
     PlanCase("rank", "sw", 2, True, 16, 8),
+    PlanCase("rank", "sw", 4, False, 24, 16, "balanced"),
+    PlanCase("expert", "dc", 4, True, 24, 16, "expert_contiguous"),
 ]
 
 
@@ -75,7 +80,7 @@ def _worker(group: Any, cases: list[PlanCase]) -> list[tuple[list[str], Any]]:
 def _oracle(case: PlanCase, idxs: list[np.ndarray]) -> Any:
     topo = dataclasses.replace(host(2), cores_per_rank=case.num_cores)
     split = core_split(case.num_cores, case.num_experts, TOPK, case.tokens)
-    plans = [schedule(idx, topo, rank=r, num_experts=case.num_experts, policy="hierarchical",
+    plans = [schedule(idx, topo, rank=r, num_experts=case.num_experts, policy=case.policy,
                       layout=case.layout, num_send_cores=split.num_send_cores,
                       num_count_cores=split.num_count_cores) for r, idx in enumerate(idxs)]
     spec = build_spec(plans, topo, load_fabric("cm384"), engine="asp", sync=case.sync,

@@ -49,7 +49,7 @@ from ..m2n import logical_result, physical_config, slot_shift
 from ..routing import experts_per_rank
 from ..runtime.abi import ErrorRecord, engine_params, load_native
 from ..runtime.group import ProcessGroup
-from ..sched import CoreSplit, Plan, core_split, schedule
+from ..sched import CoreSplit, ScheduleSpec, core_split, schedule_spec
 from ..torch_bridge import as_process_group
 from .checks import ArgChecks
 from .inflight import InFlightCalls
@@ -172,10 +172,11 @@ class Buffer(InFlightCalls, ArgChecks):
         self._cfg = config
         self.num_local_experts = experts_per_rank(config.num_experts, self.num_ranks)
         self.num_cores = config.num_cores or self.group.topology.cores_per_rank
-        # every blocking call may take the one native call without a Plan (one core, or BSP),
-        # and its result needs no translation (M2N's logical ids)
-        self._one_call = (config.engine != "asp" or self.num_cores < 2) and (
-            self.expert_ranks is None)
+        # every blocking call may take the one native call: its result needs no translation
+        # (M2N's logical ids); with ASP on several cores it carries its core split
+        self._one_call = self.expert_ranks is None
+        self._planned = config.engine == "asp" and self.num_cores >= 2
+        self._splits: dict[int, CoreSplit | ScheduleSpec | None] = {}
         self._dtype = _dt.dtype_of(config.dtype)
         self._cdtype = _dt.dtype_of(config.combine_dtype)
         self.layout = layout_of(config, self.num_ranks, self.num_cores)
@@ -300,16 +301,19 @@ class Buffer(InFlightCalls, ArgChecks):
         fast = self._fast
         if (fast is not None and self._one_call and self._route is None
                 and not (copy or return_recv_hook or self._in_flight) and x_scales is None):
-            got = self._hot_call(fast.dispatch_fast, (x, topk_idx, topk_weights), True)
-            if got is not None:
-                return got
+            plan = self._split_plan(x) if self._planned else None
+            if plan is not _NO_SPLIT:
+                got = self._hot_call(fast.dispatch_fast, (x, topk_idx, topk_weights), True, plan)
+                if got is not None:
+                    return got
         self._enter()
         try:
             return self._dispatch(x, topk_idx, topk_weights, copy, return_recv_hook, x_scales)
         finally:
             self._lock.release()
 
-    def _hot_call(self, fast_call: Any, args: tuple[object, ...], dispatch: bool) -> Any:
+    def _hot_call(self, fast_call: Any, args: tuple[object, ...], dispatch: bool,
+                  plan: object = None) -> Any:
         """A common blocking call (``fast_call``: the engine's ``dispatch_fast`` or
         ``combine_fast``) in one native call with the least Python around it: a decode step's
         calls cost microseconds, and every Python call and attribute read counts. None: not
@@ -326,7 +330,7 @@ class Buffer(InFlightCalls, ArgChecks):
             try:
                 if dispatch:
                     self._num_dispatches = index + 1
-                    got = fast_call(*args, epoch, index, self._generation, None)
+                    got = fast_call(*args, epoch, index, self._generation, plan)
                 else:
                     got = fast_call(*args, epoch, self._generation, index)
                 if type(got) is ErrorRecord:
@@ -361,7 +365,7 @@ class Buffer(InFlightCalls, ArgChecks):
             offered = self._one_call and self._route is None
             if fast is not None and not (copy or hook or self._in_flight or offered) and (
                     x_scales is None):
-                # the blocking call with a Plan's core split, an expert map or M2N ids: checked,
+                # the blocking call with an expert map or M2N ids: checked,
                 # run and its result built in one native call; None: not its case (other types,
                 # bad input), nothing was done
                 plan = self._split_plan(x)
@@ -588,26 +592,10 @@ class Buffer(InFlightCalls, ArgChecks):
             f"max_tokens_per_rank={c.max_tokens_per_rank}, cores={self.num_cores})"
         )
 
-    def _plan(self, idx: np.ndarray) -> Plan | CoreSplit | None:
+    def _plan(self, idx: np.ndarray) -> CoreSplit | ScheduleSpec | None:
         """What each core of this rank does (ASP with more than one core; one core validates,
-        counts and sends in one pass).
-
-        Appendix A's split gives count cores and send cores; count cores run beside the send
-        cores, as the simulator models them. With several send cores the engine executes
-        ``ubep.sched.schedule``'s Plan unit by unit (its numpy costs 0.1-0.3 ms per call). With
-        one send core every policy gives it every unit, so only the split is passed and the
-        engine sends its own per-destination buckets, destinations whose counts are in first.
-        """
-        split = self._core_split(idx.shape[0])
-        if split is None or split.num_send_cores < 2:
-            return split
-        cfg = self._cfg
-        topo = dataclasses.replace(self.group.topology, cores_per_rank=self.num_cores)
-        return schedule(
-            idx, topo, rank=self.rank, num_experts=cfg.num_experts, policy=cfg.policy,
-            layout=cfg.layout, num_send_cores=split.num_send_cores,
-            num_count_cores=split.num_count_cores,
-        )
+        counts and sends in one pass): :meth:`_core_split`'s answer for this batch."""
+        return self._core_split(idx.shape[0])
 
     def _fast_answer(self, got: Any) -> Any:
         """What a one-call entry returned: None (not its case: nothing was done), the call's
@@ -617,19 +605,29 @@ class Buffer(InFlightCalls, ArgChecks):
             raise self._error(got)
         return got
 
-    def _split_plan(self, x: object) -> CoreSplit | object | None:
-        """The plan of a blocking call's one native call: None (one core, or BSP) or the
-        cached core split; ``_NO_SPLIT`` when the call needs ``ubep.sched``'s full Plan (or
-        ``x`` is not a 2-D array, which the one call would refuse): the general path."""
+    def _split_plan(self, x: object) -> CoreSplit | ScheduleSpec | object | None:
+        """The plan of a blocking call's one native call (:meth:`_core_split`), or
+        ``_NO_SPLIT`` when ``x`` is not a 2-D array (which the one call would refuse): the
+        general path."""
         if type(x) is not np.ndarray or x.ndim != 2:
             return _NO_SPLIT
-        split = self._core_split(x.shape[0])
-        return _NO_SPLIT if split is not None and split.num_send_cores >= 2 else split
+        return self._core_split(x.shape[0])
 
-    def _core_split(self, num_tokens: int) -> CoreSplit | None:
-        """Appendix A's count/send split of this rank's cores for ``num_tokens`` (cached per
-        batch size), or None: one core, BSP, or no tokens (one pass does everything)."""
+    def _core_split(self, num_tokens: int) -> CoreSplit | ScheduleSpec | None:
+        """The cores' tasks for a batch of ``num_tokens`` (cached per batch size): None (one
+        core, BSP, or no tokens: one pass does everything); Appendix A's count/send split; with
+        two or more send cores, the split and the scheduler's tables (``ScheduleSpec``): the
+        engine builds the Plan of ``config.policy`` itself from the routing it validates, the
+        Plan ``ubep.sched.schedule`` would give, with no Python per call."""
+        got = self._splits.get(num_tokens, _NO_SPLIT)
+        if got is not _NO_SPLIT:
+            return cast("CoreSplit | ScheduleSpec | None", got)
         cfg = self._cfg
-        if cfg.engine != "asp" or self.num_cores < 2 or num_tokens == 0:
-            return None
-        return core_split(self.num_cores, cfg.num_experts, cfg.num_topk, num_tokens)
+        split: CoreSplit | ScheduleSpec | None = None
+        if self._planned and num_tokens > 0:
+            split = core_split(self.num_cores, cfg.num_experts, cfg.num_topk, num_tokens)
+            if split.num_send_cores >= 2:
+                split = schedule_spec(split, self.group.topology, rank=self.rank,
+                                      num_experts=cfg.num_experts, policy=cfg.policy)
+        self._splits[num_tokens] = split
+        return split

@@ -19,6 +19,7 @@ from ..runtime.shm import Segment
 
 if TYPE_CHECKING:
     from ..engine import Engine, FastCalls
+    from ..sched import CoreSplit, ScheduleSpec
     from .inflight import InFlight
     from .replicas import LogicalRouting
 
@@ -52,7 +53,9 @@ class BufferState:
     _engine: Engine | Any
     _in_flight: list[InFlight]  # split-phase calls awaiting their hook, in issue order
     _fast: FastCalls | None  # the one-call path of blocking calls
-    _one_call: bool  # every blocking call may take it (no Plan, no M2N translation)
+    _one_call: bool  # every blocking call may take it (no M2N translation)
+    _planned: bool  # ASP on several cores: a call carries its cores' tasks (Buffer._core_split)
+    _splits: dict[int, CoreSplit | ScheduleSpec | None]  # per batch size
     _route: LogicalRouting | None  # expert_map: logical topk_idx -> physical slots
     _dtype: DType
     _cdtype: DType

@@ -21,6 +21,7 @@ DTYPES: dict[str, int]
 SYNCS: dict[str, int]
 ENGINES: dict[str, int]
 LAYOUTS: dict[str, int]
+POLICIES: dict[str, int]
 QUANTS: dict[str, int]
 OFFSETS: dict[str, int]
 TRACE: dict[str, int]
@@ -117,6 +118,19 @@ def quantize_rows(
     ``x [rows, hidden]`` uint16 (BF16 bits), float16 or float32 into ``values_out``
     (``rows * hidden`` bytes) and ``scales_out`` (``rows * hidden // 128`` float32);
     ``generic``: the baseline build of the row loop rather than the selected (AVX2) one."""
+
+def schedule(
+    topk_idx_i32: Any,
+    spec: tuple[int, int, int, int, int, int, Any, Any, Any],
+    out_units: Any,
+    out_core_ptr: Any,
+    /,
+) -> int:
+    """The native scheduler alone: ``spec`` is ``(policy_code, expert_layout, num_ranks,
+    num_experts, num_topk, num_send_cores, hop_of_rank, hop_issue_rank, remapped_expert)``;
+    fills ``out_units`` (int64 ``[6, num_tokens * num_topk]``: token, k, expert, destination,
+    hop, slot per unit in issue order) and ``out_core_ptr`` (int64 ``[num_send_cores + 1]``);
+    returns the number of units."""
 
 def counts_sum(epoch: int, rows: int, counts: Any, /) -> int: ...
 def route_sum(epoch: int, ntok: int, idx: Any, weights: Any, /) -> int: ...

@@ -53,6 +53,7 @@ __all__ = [
     "LAYOUTS",
     "OFFSETS",
     "PARAMS",
+    "POLICIES",
     "SYNCS",
     "TRACE",
     "ErrorRecord",
@@ -74,6 +75,8 @@ DTYPES: dict[str, int] = {name: code for code, name in enumerate(modes.DTYPE_NAM
 SYNCS: dict[str, int] = {name: code for code, name in enumerate(modes.SYNCS)}
 ENGINES: dict[str, int] = {name: code for code, name in enumerate(modes.ENGINES)}
 LAYOUTS: dict[str, int] = {name: code for code, name in enumerate(modes.LAYOUTS)}
+# the native scheduler's policies (schedule.h SCHED_*; ubep.sched.ScheduleSpec.policy_code)
+POLICIES: dict[str, int] = {name: code for code, name in enumerate(modes.POLICIES)}
 # BufferConfig.quant ("none" for None) -> the engine's code (abi.h QUANT_*)
 QUANTS: dict[str, int] = {"none": 0, "e4m3": 1, "int8": 2}
 
@@ -262,7 +265,7 @@ def check_native(native: Any) -> None:
     ours: dict[str, object] = {
         "ABI": ABI_VERSION, "ERRORS": ERRORS, "DTYPES": DTYPES, "SYNCS": SYNCS,
         "ENGINES": ENGINES, "LAYOUTS": LAYOUTS, "QUANTS": QUANTS, "OFFSETS": OFFSETS,
-        "PARAMS": PARAMS, "TRACE": TRACE,
+        "PARAMS": PARAMS, "TRACE": TRACE, "POLICIES": POLICIES,
     }
     for name, want in ours.items():
         got = getattr(native, name, None)

@@ -17,8 +17,8 @@ from .cost import core_times_ns, hop_costs_ns, objective_ns
 from .hierarchical import HierarchicalSlices, hierarchical_slices, hop_quotas, remapped_expert_order
 from .optimal import OptimalResult, optimal, optimal_classes, optimal_units
 from .partition import CorePartition, PartitionSweep, partition, partition_sweep
-from .plan import CoreSplit, Plan
-from .policies import core_split, schedule
+from .plan import CoreSplit, Plan, ScheduleSpec
+from .policies import core_split, schedule, schedule_spec
 from .search import SearchResult, prefix_from_expert_list, quaternary_search, quaternary_search_many
 from .units import SendUnits, hop_row, send_units
 
@@ -31,6 +31,7 @@ __all__ = [
     "OptimalResult",
     "PartitionSweep",
     "Plan",
+    "ScheduleSpec",
     "SearchResult",
     "SendUnits",
     "combine_plans",
@@ -51,5 +52,6 @@ __all__ = [
     "quaternary_search_many",
     "remapped_expert_order",
     "schedule",
+    "schedule_spec",
     "send_units",
 ]

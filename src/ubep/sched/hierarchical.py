@@ -52,6 +52,7 @@ __all__ = [
     "HierarchicalSlices",
     "hierarchical",
     "hierarchical_slices",
+    "hop_issue_rank",
     "hop_quotas",
     "remapped_expert_order",
 ]
@@ -186,13 +187,13 @@ def hierarchical(
     chunk = np.searchsorted(chunk_start, np.arange(units.num_units), side="right") - 1
     core = chunk % n
     hop = chunk // n
-    key = core * num_hops + _farthest_first_rank(topology)[hop]
+    key = core * num_hops + hop_issue_rank(topology)[hop]
     issue = np.argsort(key, kind="stable")
     return seq[issue], core[issue]
 
 
 @lru_cache(maxsize=256)
-def _farthest_first_rank(topology: Topology) -> np.ndarray:
+def hop_issue_rank(topology: Topology) -> np.ndarray:
     """Issue rank of each hop class inside a core: largest latency first (ties: larger hop).
 
     A core issues its units back to back, each taking ``l`` to issue and completing ``RTT`` after

@@ -25,7 +25,7 @@ from ..errors import InvalidArgumentError
 from ..modes import LAYOUTS, POLICIES
 
 # LAYOUTS and POLICIES stay importable from here (ubep.sim imports them); ubep.modes owns them
-__all__ = ["LAYOUTS", "POLICIES", "CoreSplit", "Plan", "count_expert_ptr"]
+__all__ = ["LAYOUTS", "POLICIES", "CoreSplit", "Plan", "ScheduleSpec", "count_expert_ptr"]
 
 
 def count_expert_ptr(num_count_cores: int, num_experts: int) -> np.ndarray:
@@ -44,6 +44,35 @@ class CoreSplit:
     num_send_cores: int
     num_count_cores: int
     count_expert_ptr: np.ndarray
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """A rank's count/send split with what the runtime's native scheduler needs to build the
+    :class:`Plan` of a call itself, from the routing it validates (no Python per call): the
+    policy and its tables for this rank and this number of send cores. The native scheduler
+    reproduces :func:`ubep.sched.schedule`'s Plan unit for unit. Fields as :class:`CoreSplit`'s,
+    and:
+
+    Attributes:
+        policy: the scheduler; ``policy_code`` its index in :data:`POLICIES`.
+        num_hops: hop classes of the topology.
+        hop_of_rank: ``[num_ranks]`` int64 hop class from this rank to each rank.
+        hop_issue_rank: ``[num_hops]`` int64 position of each hop class in a core's issue order
+            (hierarchical: farthest first).
+        remapped_expert: ``[num_experts]`` int64 each expert's position in the remapped order
+            for ``num_send_cores`` rows (the logical matrix transposition).
+    """
+
+    num_send_cores: int
+    num_count_cores: int
+    count_expert_ptr: np.ndarray
+    policy: str
+    policy_code: int
+    num_hops: int
+    hop_of_rank: np.ndarray
+    hop_issue_rank: np.ndarray
+    remapped_expert: np.ndarray
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,12 @@ from ..errors import InvalidArgumentError
 from ..modes import POLICIES
 from ..topology import Topology
 from .baselines import balanced, expert_contiguous
-from .hierarchical import hierarchical
+from .hierarchical import hierarchical, hop_issue_rank, remapped_expert_order
 from .partition import partition
-from .plan import CoreSplit, Plan, count_expert_ptr
-from .units import SendUnits, send_units
+from .plan import CoreSplit, Plan, ScheduleSpec, count_expert_ptr
+from .units import SendUnits, hop_row, send_units
 
-__all__ = ["core_split", "schedule"]
+__all__ = ["core_split", "schedule", "schedule_spec"]
 
 
 def schedule(
@@ -120,3 +120,23 @@ def _core_split(
         return max(1, cores - int(num_count_cores)), int(num_count_cores)
     split = core_split(cores, num_experts, units.num_topk, units.num_tokens)
     return split.num_send_cores, split.num_count_cores
+
+
+def schedule_spec(split: CoreSplit, topology: Topology, *, rank: int, num_experts: int,
+                  policy: str = "hierarchical") -> ScheduleSpec:
+    """What the runtime's native scheduler needs to build ``rank``'s Plan under ``split``
+    (:class:`ScheduleSpec`); a Buffer makes one per batch size and reuses it."""
+    if policy not in POLICIES:
+        raise InvalidArgumentError("policy", policy, f"must be one of {POLICIES}")
+    n = split.num_send_cores
+    return ScheduleSpec(
+        num_send_cores=n,
+        num_count_cores=split.num_count_cores,
+        count_expert_ptr=split.count_expert_ptr,
+        policy=policy,
+        policy_code=POLICIES.index(policy),
+        num_hops=topology.num_hops,
+        hop_of_rank=hop_row(topology, rank),
+        hop_issue_rank=hop_issue_rank(topology),
+        remapped_expert=remapped_expert_order(num_experts, n),
+    )

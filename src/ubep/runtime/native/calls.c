@@ -114,6 +114,40 @@ static int plan_int(PyObject *plan, const char *name, int lo, int hi, int *out) 
     return 0;
 }
 
+/* A ScheduleSpec of ubep.sched (the split and the tables the native scheduler needs) into
+ * op->plan.spec, checked; the engine's scheduler work space sized for it. The units are built
+ * by the prepare phase, after it validated the routing. */
+static int read_spec(PyObject *plan, op_t *op, pbuf_t *b) {
+    engine_t *g = op->g;
+    plan_t *p = &op->plan;
+    sched_spec_t *s = &p->spec;
+    s->expert_layout = g->layout == LAY_EXPERT;
+    s->R = g->R; s->E = g->E; s->K = g->K; s->L = g->L; s->n = p->num_send_cores;
+    if (plan_int(plan, "policy_code", SCHED_EXPERT_CONTIGUOUS, SCHED_HIERARCHICAL, &s->policy) ||
+        plan_int(plan, "num_hops", 1, 64, &s->H) ||
+        plan_array(plan, "hop_of_rank", &b[1], g->R, &s->hop) ||
+        plan_array(plan, "hop_issue_rank", &b[2], s->H, &s->issue) ||
+        plan_array(plan, "remapped_expert", &b[3], g->E, &s->rpos))
+        return -1;
+    const char *bad = sched_spec_check(s);
+    if (bad) {
+        PyErr_Format(PyExc_ValueError, "plan: %s", bad);
+        return -1;
+    }
+    sched_work_t *w = &g->sched;
+    if (!sched_work_ok(w) || w->H != s->H || w->n < s->n) {
+        sched_work_free(w);
+        sched_work_init(w, (int64_t)g->T * g->K, s->H, g->E, g->R, s->n > g->C ? s->n : g->C);
+        if (!sched_work_ok(w)) {
+            sched_work_free(w);
+            PyErr_NoMemory();
+            return -1;
+        }
+    }
+    p->native = 1;
+    return 0;
+}
+
 /* The Plan of ubep.sched (or its CoreSplit: the core split without units) into op->plan, read
  * by field name; the unit arrays are bounds-checked (they index x, topk_idx and peers' rows). */
 static int read_plan(PyObject *plan, op_t *op, pbuf_t *b) {
@@ -124,6 +158,7 @@ static int read_plan(PyObject *plan, op_t *op, pbuf_t *b) {
         plan_int(plan, "num_count_cores", 1, 1 << 16, &p->num_count_cores) ||
         plan_array(plan, "count_expert_ptr", &b[0], p->num_count_cores + 1, &p->count_expert_ptr))
         return -1;
+    if (PyObject_HasAttrString(plan, "policy_code")) return read_spec(plan, op, b);
     if (!PyObject_HasAttrString(plan, "core_ptr")) return 0; /* a CoreSplit */
     if (plan_array(plan, "core_ptr", &b[1], p->num_send_cores + 1, &p->core_ptr)) return -1;
     int64_t nu = p->core_ptr[p->num_send_cores];

@@ -71,6 +71,19 @@ int ph_d_count(op_t *op, int core) {
     return 0;
 }
 
+/* the Plan's units, from the routing dispatch_validate has just checked and copied (int32):
+ * the native scheduler (schedule.c), before any core sends */
+static void build_units(op_t *op) {
+    engine_t *g = op->g;
+    plan_t *p = &op->plan;
+    sched_work_t *w = &g->sched;
+    sched_build(&p->spec, (const int32_t *)own_route(g, op->n), op->ntok, w);
+    p->core_ptr = w->core_ptr;
+    p->token = w->token; p->k = w->k; p->expert = w->expert;
+    p->dst_rank = w->dst; p->hop = w->hop; p->slot = w->slot;
+    p->have_units = 1;
+}
+
 int ph_d_prepare(op_t *op, int core) {
     (void)core;
     TRACE(op->g, core, TRACE_D_ENTER);
@@ -80,6 +93,7 @@ int ph_d_prepare(op_t *op, int core) {
     if (rc) return rc;
     TRACE(op->g, core, TRACE_D_PREV_DONE);
     if ((rc = dispatch_validate(op, !op->plan.num_count_cores))) return rc;
+    if (op->plan.native) build_units(op);
     TRACE(op->g, core, TRACE_D_VALIDATED);
     reset_send_state(op);
     rc = dispatch_publish(op);

@@ -22,6 +22,7 @@
 
 #include "abi.h"
 #include "kernels.h"
+#include "schedule.h"
 #include "sync.h"
 
 /* what the parts share stays inside the module: accessed without the GOT (-fvisibility=hidden
@@ -46,10 +47,14 @@ typedef struct {
  * thread j % C, count core c on thread (num_send_cores + c) % C; a thread runs its count tasks
  * before its sends. Count core c counts and publishes the destinations whose first expert lies
  * in [count_expert_ptr[c], count_expert_ptr[c + 1]). Without units (one send core), the send
- * core sends the buckets the count tasks fill, destinations whose counts are in first. */
+ * core sends the buckets the count tasks fill, destinations whose counts are in first. With a
+ * ScheduleSpec (`native`), the prepare phase builds the units itself (schedule.c) from the
+ * routing it has just validated, into the engine's work space. */
 typedef struct plan {
     int num_send_cores, num_count_cores; /* 0, 0: no plan (one core: validate, count and send) */
     const int64_t *count_expert_ptr;     /* [num_count_cores + 1] */
+    int native;                          /* the units are this call's to build (spec) */
+    sched_spec_t spec;
     int have_units;
     const int64_t *core_ptr;             /* [num_send_cores + 1] CSR offsets into the units */
     const int64_t *token, *k, *expert, *dst_rank, *hop, *slot; /* [units] */
@@ -177,6 +182,7 @@ typedef struct engine {
      * core_dsts[c] count records core c published, their destinations in core_dst_log[c][...] */
     int64_t *core_units, *core_dsts;
     int32_t *core_unit_log, *core_dst_log;
+    sched_work_t sched; /* the native scheduler's work space and Plan (on first use) */
     int64_t trace[TRACE_SLOTS];     /* core 0's phase timestamps of the last call (ns), for profiling */
     /* Fault injection for tests (Engine.poke): once, as core 0 of the next operation of `kind`
      * reaches phase `phase` of its list, `len` bytes of `data` go to rank `rank`'s segment at

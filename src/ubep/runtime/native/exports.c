@@ -33,6 +33,10 @@ static const named_t SYNC_CODES[] = {
 };
 static const named_t ENGINE_CODES[] = {{"asp", ENG_ASP}, {"bsp", ENG_BSP}};
 static const named_t LAYOUT_CODES[] = {{"expert", LAY_EXPERT}, {"rank", LAY_RANK}};
+static const named_t POLICY_CODES[] = {
+    {"expert_contiguous", SCHED_EXPERT_CONTIGUOUS}, {"balanced", SCHED_BALANCED},
+    {"hierarchical", SCHED_HIERARCHICAL},
+};
 static const named_t QUANT_CODES[] = {
     {"none", QUANT_NONE}, {"e4m3", QUANT_E4M3}, {"int8", QUANT_INT8}};
 static const named_t TRACE_CODES[] = {
@@ -110,6 +114,7 @@ static int add_exports(PyObject *m) {
         add_named(m, "ENGINES", ENGINE_CODES, NAMED_LEN(ENGINE_CODES)) ||
         add_named(m, "LAYOUTS", LAYOUT_CODES, NAMED_LEN(LAYOUT_CODES)) ||
         add_named(m, "QUANTS", QUANT_CODES, NAMED_LEN(QUANT_CODES)) ||
+        add_named(m, "POLICIES", POLICY_CODES, NAMED_LEN(POLICY_CODES)) ||
         add_named(m, "TRACE", TRACE_CODES, NAMED_LEN(TRACE_CODES)) ||
         add_named(m, "OFFSETS", RECORD_OFFSETS, NAMED_LEN(RECORD_OFFSETS)))
         return -1;

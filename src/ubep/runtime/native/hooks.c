@@ -239,7 +239,70 @@ static PyObject *mod_y_pool_min_bytes(PyObject *self, PyObject *args) {
     return PyLong_FromLongLong((long long)fast_y_pool_min((npy_intp)bytes));
 }
 
+/* schedule(topk_idx_i32, spec tuple, out_units int64 [6, cap], out_core_ptr int64 [n + 1])
+ * -> units: the native scheduler alone (tests compare it with ubep.sched.schedule).
+ * spec: (policy, expert_layout, R, E, K, n, hop [R], issue [H], rpos [E]) */
+static PyObject *mod_schedule(PyObject *self, PyObject *args) {
+    PyObject *oroute, *ohop, *oissue, *orpos, *ounits, *optr;
+    sched_spec_t s;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "O(iiiiiiOOO)OO", &oroute, &s.policy, &s.expert_layout, &s.R,
+                          &s.E, &s.K, &s.n, &ohop, &oissue, &orpos, &ounits, &optr))
+        return NULL;
+    pbuf_t b[6];
+    memset(b, 0, sizeof b);
+    PyObject *res = NULL;
+    if (s.R < 1 || s.E < 1 || s.K < 1 || s.n < 1 || s.E % s.R) {
+        PyErr_SetString(PyExc_ValueError, "spec: sizes");
+        return NULL;
+    }
+    s.L = s.E / s.R;
+    if (get_buf(oroute, &b[0], 0, "topk_idx", 0) || get_buf(ohop, &b[1], 0, "hop", s.R * 8) ||
+        get_buf(oissue, &b[2], 0, "issue", 8) || get_buf(orpos, &b[3], 0, "rpos", s.E * 8) ||
+        get_buf(ounits, &b[4], 1, "out_units", 0) ||
+        get_buf(optr, &b[5], 1, "out_core_ptr", (s.n + 1) * 8))
+        goto done;
+    s.H = (int)(b[2].b.len / 8);
+    s.hop = b[1].b.buf; s.issue = b[2].b.buf; s.rpos = b[3].b.buf;
+    int64_t T = b[0].b.len / 4 / s.K, cap = T * s.K;
+    const char *bad = sched_spec_check(&s);
+    if (bad || b[4].b.len < cap * 6 * 8) {
+        PyErr_SetString(PyExc_ValueError, bad ? bad : "out_units too small");
+        goto done;
+    }
+    const int32_t *route = b[0].b.buf;
+    for (int64_t i = 0; i < cap; i++)
+        if (route[i] < -1 || route[i] >= s.E) {
+            PyErr_SetString(PyExc_ValueError, "topk_idx: expert id out of range");
+            goto done;
+        }
+    /* one work space kept across calls (the GIL serialises them), as an engine keeps its own:
+     * a timed call then prices the scheduler, not fresh pages */
+    static sched_work_t w;
+    if (!sched_work_ok(&w) || w.cap < cap || w.H != s.H || w.E != s.E || w.R != s.R ||
+        w.n < s.n) {
+        sched_work_free(&w);
+        sched_work_init(&w, cap, s.H, s.E, s.R, s.n);
+        if (!sched_work_ok(&w)) {
+            sched_work_free(&w);
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    int64_t nu = sched_build(&s, route, T, &w);
+    int64_t *out = b[4].b.buf;
+    const int64_t *cols[6] = {w.token, w.k, w.expert, w.dst, w.hop, w.slot};
+    for (int c = 0; c < 6; c++) memcpy(out + c * cap, cols[c], (size_t)nu * 8);
+    memcpy(b[5].b.buf, w.core_ptr, (size_t)(s.n + 1) * 8);
+    res = PyLong_FromLongLong(nu);
+done:
+    rel_bufs(b, 6);
+    return res;
+}
+
 PyMethodDef HOOK_METHODS[] = {
+    {"schedule", mod_schedule, METH_VARARGS,
+     "schedule(topk_i32, spec, out_units, out_core_ptr) -> units: the native scheduler (tests)"},
     {"y_pool_min_bytes", mod_y_pool_min_bytes, METH_VARARGS,
      "y_pool_min_bytes(bytes=0) -> previous value (0 reads it; tests)"},
     {"reduce_rows", mod_reduce_rows, METH_VARARGS,

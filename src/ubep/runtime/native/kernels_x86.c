@@ -110,9 +110,6 @@ AVX2 int has_pattern4_avx2(const uint32_t *p, int64_t n, uint32_t v) {
  * blocks and the same scalar tail (store_f32), so what the tests check is what combine writes.
  * A NaN sum becomes the canonical quiet NaN of the output type (ubep.dtypes does the same). */
 
-AVX2 static inline __m256 bf16x8_to_f32(__m128i h) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
 /* round to nearest even; the caller has checked there is no NaN */
 AVX2 static inline __m256i f32x8_to_bf16(__m256 f) {
     const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7FFF);
@@ -120,7 +117,25 @@ AVX2 static inline __m256i f32x8_to_bf16(__m256 f) {
     __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
     return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, bias)), 16);
 }
-AVX2 static inline void store32_bf16(uint16_t *out, __m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+/* bf16 -> float32 by interleaving 16 values with zeros (a bf16 is a float32's high half): one
+ * shuffle per 8 values where widening and shifting take two plus a lane extract (the reduce is
+ * compute-bound where 256-bit ops issue as two halves, as on Zen 1). Per 128-bit lane, `lo`
+ * holds values 0-3 and 8-11, `hi` 4-7 and 12-15: the accumulators of a 32-wide block keep that
+ * order (the sums are element-wise, so the order changes no bit), and packus, which works per
+ * lane, puts them back in order when they are stored (store32_bf16, `interleaved`). */
+AVX2 static inline __m256 bf16_lo_f32(__m256i h) {
+    return _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), h));
+}
+AVX2 static inline __m256 bf16_hi_f32(__m256i h) {
+    return _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), h));
+}
+/* where value i of accumulator q (a0..a3, i = 0..7) belongs in the 32-wide block */
+static inline int interleaved_at(int q, int i) { return (q >> 1) * 16 + (i >> 2) * 8 + (q & 1) * 4 + (i & 3); }
+
+/* a0..a3 hold values 0-31 in order, or (`interleaved`) in bf16_lo_f32 / bf16_hi_f32's order of
+ * two 16-value loads */
+AVX2 static inline void store32_bf16(uint16_t *out, __m256 a0, __m256 a1, __m256 a2, __m256 a3,
+                                     int interleaved) {
     __m256 un = _mm256_or_ps(
         _mm256_or_ps(_mm256_cmp_ps(a0, a0, _CMP_UNORD_Q), _mm256_cmp_ps(a1, a1, _CMP_UNORD_Q)),
         _mm256_or_ps(_mm256_cmp_ps(a2, a2, _CMP_UNORD_Q), _mm256_cmp_ps(a3, a3, _CMP_UNORD_Q)));
@@ -130,14 +145,16 @@ AVX2 static inline void store32_bf16(uint16_t *out, __m256 a0, __m256 a1, __m256
         _mm256_storeu_ps(tmp + 8, a1);
         _mm256_storeu_ps(tmp + 16, a2);
         _mm256_storeu_ps(tmp + 24, a3);
-        for (int k = 0; k < 32; k++) store_f32(DT_BF16, out, k, tmp[k]);
+        for (int k = 0; k < 32; k++)
+            store_f32(DT_BF16, out, interleaved ? interleaved_at(k >> 3, k & 7) : k, tmp[k]);
         return;
     }
-    /* packus works per 128-bit lane: permute the 64-bit quarters back into order */
-    __m256i p0 = _mm256_permute4x64_epi64(
-        _mm256_packus_epi32(f32x8_to_bf16(a0), f32x8_to_bf16(a1)), 0xD8);
-    __m256i p1 = _mm256_permute4x64_epi64(
-        _mm256_packus_epi32(f32x8_to_bf16(a2), f32x8_to_bf16(a3)), 0xD8);
+    __m256i p0 = _mm256_packus_epi32(f32x8_to_bf16(a0), f32x8_to_bf16(a1));
+    __m256i p1 = _mm256_packus_epi32(f32x8_to_bf16(a2), f32x8_to_bf16(a3));
+    if (!interleaved) { /* packus works per 128-bit lane: the 64-bit quarters back into order */
+        p0 = _mm256_permute4x64_epi64(p0, 0xD8);
+        p1 = _mm256_permute4x64_epi64(p1, 0xD8);
+    }
     _mm256_storeu_si256((__m256i *)out, p0);
     _mm256_storeu_si256((__m256i *)(out + 16), p1);
 }
@@ -169,7 +186,7 @@ AVX2 void round_bf16_avx2(void *y, const float *acc, int64_t n) {
     int64_t i = 0;
     for (; i + 32 <= n; i += 32)
         store32_bf16((uint16_t *)y + i, _mm256_loadu_ps(acc + i), _mm256_loadu_ps(acc + i + 8),
-                     _mm256_loadu_ps(acc + i + 16), _mm256_loadu_ps(acc + i + 24));
+                     _mm256_loadu_ps(acc + i + 16), _mm256_loadu_ps(acc + i + 24), 0);
     round_tail(DT_BF16, y, acc, i, n);
 }
 AVX2 void round_fp32_avx2(void *y, const float *acc, int64_t n) {
@@ -215,12 +232,10 @@ AVX2 void reduce_bf16_avx2(void *y, const void *const *src, const float *w, int 
             const uint16_t *v = (const uint16_t *)src[j] + i;
             __m256i h0 = _mm256_loadu_si256((const __m256i *)v);
             __m256i h1 = _mm256_loadu_si256((const __m256i *)(v + 16));
-            add4(a, bf16x8_to_f32(_mm256_castsi256_si128(h0)),
-                 bf16x8_to_f32(_mm256_extracti128_si256(h0, 1)),
-                 bf16x8_to_f32(_mm256_castsi256_si128(h1)),
-                 bf16x8_to_f32(_mm256_extracti128_si256(h1, 1)), weighted, weighted ? w[j] : 0.0f);
+            add4(a, bf16_lo_f32(h0), bf16_hi_f32(h0), bf16_lo_f32(h1), bf16_hi_f32(h1), weighted,
+                 weighted ? w[j] : 0.0f);
         }
-        store32_bf16((uint16_t *)y + i, a[0], a[1], a[2], a[3]);
+        store32_bf16((uint16_t *)y + i, a[0], a[1], a[2], a[3], 1);
     }
     reduce_tail(DT_BF16, y, src, w, nt, i, n, weighted);
 }

@@ -175,6 +175,7 @@ static void engine_free_scratch(engine_t *g) {
     free((void *)g->term_ptr); free(g->term_w);
     free((void *)g->counted); free(g->qstage);
     free(g->core_units); free(g->core_dsts); free(g->core_unit_log); free(g->core_dst_log);
+    sched_work_free(&g->sched);
     g->base = NULL;
 }
 
