@@ -398,10 +398,10 @@ def test_a_baseline_row_stays_within_its_bound() -> None:
     # 0.5, both with a 10 % tolerance. Unbounded least squares in log space meets them at the
     # geometric mean, the row log(1.6) / log(1.1) / 2 = 2.47 tolerances off. As a bound row
     # it is a constraint: the objective beyond its bound rises BOUND_STIFFNESS times faster,
-    # which here leaves the optimum at the bound itself (residual 1: 0.5 x 1.1 = 0.55). The
-    # Jacobian prices a row within KINK_BAND of its bound at the stiff slope, so the fit ends
-    # in that band, at most KINK_BAND tolerances inside the bound.
-    from ubep.sim.fit import BOUND_STIFFNESS, KINK_BAND, stiff
+    # which leaves the optimum near the bound (residual 1: 0.5 x 1.1 = 0.55). The slope
+    # rises from 1 to BOUND_STIFFNESS over +-STIFF_BAND: the optimum is where the training
+    # point's pull, 1 per tolerance, meets the row's: log(0.8 / x) / log(1.1) = stiff * slope.
+    from ubep.sim.fit import BOUND_STIFFNESS, STIFF_BAND, stiff, stiff_slope
 
     base = fabric()
     want = _point("train", 0.8, "fence_rtt_fraction")
@@ -411,11 +411,17 @@ def test_a_baseline_row_stays_within_its_bound() -> None:
     bound = TrainingPoint(row.name, row.source, row.shown, row.paper, row.tolerance,
                           row.evaluate, bound=True)
     res = fit(base, [want, bound], max_nfev=200, tol=1e-12, baseline=False)
-    assert 1 - KINK_BAND <= res.residuals["row"] <= 1 + 1e-3
-    assert res.values["fence_rtt_fraction"] == pytest.approx(
-        0.5 * 1.1 ** res.residuals["row"], rel=1e-6)
-    assert res.values["fence_rtt_fraction"] == pytest.approx(0.55, rel=1e-3)
+    r = res.residuals["row"]
+    assert 1 - STIFF_BAND <= r <= 1 + STIFF_BAND
+    # stationarity of (r_train^2 + stiff(r)^2) / 2 along log(fence): r_train = r - 2.47 * 2
+    r_train = res.residuals["train"]
+    assert r_train == pytest.approx(r - np.log(1.6) / np.log(1.1), abs=1e-6)
+    assert r_train + stiff(r) * stiff_slope(r) == pytest.approx(0.0, abs=1e-4)
     assert stiff(0.5) == 0.5 and stiff(-2.0) == -(1 + BOUND_STIFFNESS)
+    b = STIFF_BAND
+    assert stiff(1 - b) == pytest.approx(1 - b) and stiff(1 + b) == pytest.approx(
+        1 + BOUND_STIFFNESS * b)
+    assert stiff_slope(1 - b) == 1.0 and stiff_slope(1 + b) == BOUND_STIFFNESS
 
 
 def _curved(name: str, target: float, key: str, offset: float) -> TrainingPoint:

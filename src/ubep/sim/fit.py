@@ -38,6 +38,7 @@ __all__ = [
     "ASSUMED",
     "BASELINE_FREE",
     "BOUND_STIFFNESS",
+    "STIFF_BAND",
     "FitResult",
     "TrainingPoint",
     "apply_assumed",
@@ -46,6 +47,7 @@ __all__ = [
     "fit",
     "leave_one_out",
     "stiff",
+    "stiff_slope",
     "training_set",
 ]
 
@@ -71,13 +73,31 @@ class TrainingPoint:
 # A baseline row is a constraint as well as a target: CANN EP's calibration bounds (5 %) are the
 # precondition of every improvement the training set states, so the fit may not buy a training
 # point by moving a baseline row past its bound. Beyond it the row's residual grows this much
-# faster (continuous at the bound).
+# faster. The slope rises from 1 to BOUND_STIFFNESS over +-STIFF_BAND tolerances around the
+# bound (a quadratic blend): with a kink there, a fit that ends on it would hand every refit a
+# linear model that is wrong on one side of the bound, and the refit would reject its steps
+# until the step tolerance stopped it where it started.
 BOUND_STIFFNESS = 10.0
+STIFF_BAND = 0.05
 
 
 def stiff(r: float) -> float:
-    """``r`` within ``[-1, 1]``; beyond, ``sign(r) (1 + BOUND_STIFFNESS (|r| - 1))``."""
-    return r if abs(r) <= 1 else float(np.sign(r)) * (1 + BOUND_STIFFNESS * (abs(r) - 1))
+    """``r`` within ``[-1 + b, 1 - b]`` (``b`` = :data:`STIFF_BAND`); beyond ``1 + b`` in
+    magnitude, ``sign(r) (1 + BOUND_STIFFNESS (|r| - 1))``; in between the quadratic that
+    joins them with a continuous slope."""
+    a, k, b = abs(r), BOUND_STIFFNESS, STIFF_BAND
+    if a <= 1 - b:
+        return r
+    out = 1 + k * (a - 1) if a >= 1 + b else a + (k - 1) * (a - 1 + b) ** 2 / (4 * b)
+    return float(np.sign(r)) * out
+
+
+def stiff_slope(r: float) -> float:
+    """``d stiff / d r``: 1 inside the band, :data:`BOUND_STIFFNESS` beyond it."""
+    a, k, b = abs(r), BOUND_STIFFNESS, STIFF_BAND
+    if a <= 1 - b:
+        return 1.0
+    return k if a >= 1 + b else 1 + (k - 1) * (a - 1 + b) / (2 * b)
 
 
 @lru_cache(maxsize=64)
@@ -296,18 +316,9 @@ def forward_jacobian(fun: Callable[[np.ndarray], np.ndarray], x: np.ndarray, f0:
     return out
 
 
-# A bound row within this much of its bound is given the stiff side's slope in the Jacobian.
-# At the bound the objective has a kink (slope 1 inside, BOUND_STIFFNESS outside); a fit that
-# ends on it (a baseline row at exactly its bound) would otherwise hand a refit a linear model
-# that prices a step across the bound ten times too cheaply, and every such step is rejected
-# until the step tolerance stops the refit where it started.
-KINK_BAND = 0.01
-
-
 def _slopes(pts: Sequence[TrainingPoint], raw: np.ndarray) -> np.ndarray:
-    """d objective / d residual of each point at the plain residuals ``raw`` (the stiff
-    side's for a bound row on or past its bound, :data:`KINK_BAND`)."""
-    return np.array([BOUND_STIFFNESS if p.bound and abs(r) > 1 - KINK_BAND else 1.0
+    """d objective / d residual of each point at the plain residuals ``raw``."""
+    return np.array([stiff_slope(float(r)) if p.bound else 1.0
                      for p, r in zip(pts, raw, strict=True)])
 
 
