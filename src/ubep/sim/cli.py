@@ -46,7 +46,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--no-loo", action="store_true", help="skip the leave-one-out refits")
     p.add_argument("--quick-loo", action="store_true",
                    help="leave-one-out as Gauss-Newton steps on the full fit's Jacobian "
-                        "instead of a full refit per point (about a minute instead of ~15)")
+                        "instead of a full refit per point (about a minute instead of ~10)")
     p.add_argument("--cold-loo", action="store_true",
                    help="start each leave-one-out refit from the first-principles values, "
                         "as the fit itself starts, not from the full fit")
