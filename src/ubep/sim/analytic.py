@@ -294,6 +294,7 @@ def run_analytic(spec: OpSpec, topology: Topology, fabric: FabricModel) -> SimRe
         core_land_end_ns=core_land, item_end_ns=item_end, consume_work_ns=consume_work,
         core_ack_end_ns=flat_ack.reshape(R, n_s),
         core_rtt_ns=core_round_trip_ns(spec, topology, unit_end, depart),
+        cores_per_rank=n,
     )
 
 

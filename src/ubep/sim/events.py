@@ -445,5 +445,5 @@ class _EventRun:
             unit_ready_ns=self.unit_ready, core_send_end_ns=self.core_send_end,
             core_land_end_ns=self.core_land_end, item_end_ns=self.item_end,
             consume_work_ns=consume_work, core_ack_end_ns=self.core_ack_end,
-            core_rtt_ns=self.core_rtt,
+            core_rtt_ns=self.core_rtt, cores_per_rank=s.cores_per_rank,
         )

@@ -118,6 +118,8 @@ class SimResult:
         item_end_ns: ``[I]`` when each receive item was consumed.
         consume_work_ns: ``[num_ranks]`` core time spent consuming items (without the waits
             for items to become ready that consume spans include).
+        cores_per_rank: the AIVs of a rank (0: unknown, the cores that appear in the
+            timeline); the per-AIV views count every one of them.
     """
 
     op: str
@@ -136,6 +138,7 @@ class SimResult:
     consume_work_ns: np.ndarray
     core_ack_end_ns: np.ndarray
     core_rtt_ns: np.ndarray
+    cores_per_rank: int = 0
 
     @property
     def slowest_rank(self) -> int:
@@ -188,3 +191,38 @@ class SimResult:
         a2a = work / max(1, cores.size)
         total = float(self.rank_end_ns[r])
         return a2a, total - a2a
+
+    def _aivs(self, rank: int) -> int:
+        m = self.timeline.rank == rank
+        seen = int(self.timeline.core[m].max(initial=-1)) + 1
+        return max(self.cores_per_rank, seen)
+
+    def aiv_end_ns(self, rank: int | None = None) -> np.ndarray:
+        """``[cores_per_rank]`` each AIV's time on ``rank`` (default: the slowest): from the
+        call's start to the end of the AIV's last task (reordering included; a BSP core's
+        tasks run to the last barrier and past it). An AIV without a task in the model (the
+        routing and checksum cores an ASP rank sets aside, whose work is not timed) is 0."""
+        r = self.slowest_rank if rank is None else rank
+        out = np.zeros(self._aivs(r))
+        m = self.timeline.rank == r
+        np.maximum.at(out, self.timeline.core[m], self.timeline.end_ns[m])
+        return out
+
+    def aiv_sum_ns(self, rank: int | None = None) -> float:
+        """Per-AIV time of Figures 7, 8 and 12: the sum over the rank's AIVs of
+        :meth:`aiv_end_ns` (default: the slowest rank, whose end is the operator latency).
+        Under BSP every AIV waits for the last one at each barrier, so this is about
+        ``cores_per_rank x latency``; under ASP an AIV stops when its own tasks end."""
+        return float(self.aiv_end_ns(rank).sum())
+
+    def aiv_split_ns(self, rank: int | None = None) -> tuple[float, float]:
+        """``(all_to_all_ns, other_ns)`` of :meth:`aiv_sum_ns`, summed over the rank's AIVs:
+        all-to-all is the work of moving and ordering data (init, send, count, cumsum and
+        the reordering work without its waits), other = the AIV sum - all-to-all (barriers,
+        flags, verification and every wait for data, other cores or other ranks)."""
+        r = self.slowest_rank if rank is None else rank
+        tl = self.timeline
+        work = sum(tl.busy_ns(rank=r, task=t) for t in ("init", "send", "count", "cumsum"))
+        work += float(self.consume_work_ns[r])
+        total = self.aiv_sum_ns(r)
+        return work, total - work
