@@ -98,6 +98,10 @@ def _latency(workload: Workload, system: System, topology: Any, fabric: FabricMo
     return run_case(workload, system, topology, fabric).latency_ns
 
 
+def _aiv_sum(workload: Workload, system: System, topology: Any, fabric: FabricModel) -> float:
+    return run_case(workload, system, topology, fabric).aiv_sum_ns()
+
+
 def _band(fn: Callable[[FabricModel], float], family: str,
           fabric: FabricModel | None) -> tuple[float, float, float]:
     """``(nominal, low, high)`` of a UBEP prediction over the box of assumed constants (exact
@@ -199,17 +203,41 @@ def table4(family: str = "cm384", fabric: FabricModel | None = None) -> Experime
     )
 
 
-def _split_row(panel: str, x: int, system: System, workload: Workload, family: str,
-               ranks: int, fab: FabricModel, fabric: FabricModel | None) -> tuple[Any, ...]:
+def _split_rows(panel: str, x: int, workload: Workload, family: str, ranks: int,
+                fab: FabricModel, fabric: FabricModel | None) -> list[tuple[Any, ...]]:
+    """One bar pair of Figures 7 / 12: per system, the per-AIV time (the sum over the slowest
+    rank's AIVs of each AIV's time, :meth:`SimResult.aiv_sum_ns`) split into all-to-all work
+    and the rest, the operator latency beside it, and UBEP's improvement of both."""
     topo = topology_for(family, ranks)
-    res = run_case(workload, system, topo, fab)
-    a2a, sync = res.sync_split_ns()
-    lo = hi = res.latency_ns
-    if system.engine == "asp":  # UBEP: the interval over the assumed constants
-        _, lo, hi = _band(lambda f: run_case(workload, system, topo, f).latency_ns, family,
-                          fabric)
-    return (panel, x, system.name, _us(res.latency_ns), _us(lo), _us(hi), _us(a2a), _us(sync),
-            round(sync / (a2a + sync), 3))
+    out = []
+    cann = run_case(workload, CANN_EP, topo, fab)
+    for system in (CANN_EP, UBEP):
+        res = cann if system is CANN_EP else run_case(workload, system, topo, fab)
+        a2a, other = res.aiv_split_ns()
+        total = a2a + other
+        row: tuple[Any, ...] = (panel, x, system.name, _us(res.latency_ns), _us(total))
+        gain: tuple[Any, ...] = ("-", "-", "-")
+        lo = hi = total
+        if system.engine == "asp":  # UBEP: the interval over the assumed constants
+            _, lo, hi = _band(partial(_aiv_sum, workload, UBEP, topo), family, fabric)
+            c = cann.aiv_sum_ns()
+            gain = (round(100 * (1 - total / c), 1), f"{100 * (1 - hi / c):.1f}-"
+                    f"{100 * (1 - lo / c):.1f}",
+                    round(100 * (1 - res.latency_ns / cann.latency_ns), 1))
+        out.append((*row, _us(lo), _us(hi), _us(a2a), _us(other), round(other / total, 3),
+                    *gain))
+    return out
+
+
+SPLIT_COLUMNS = ("panel", "x", "system", "latency_us", "aiv_sum_us", "aiv_lo_us", "aiv_hi_us",
+                 "all_to_all_us", "other_us", "other_share", "improvement_pct",
+                 "improvement_interval", "latency_improvement_pct")
+SPLIT_NOTE = ("aiv_sum = per-AIV time, the sum over the slowest rank's AIVs of each AIV's time "
+              "(call start to the end of its last task; the routing and checksum AIVs, whose "
+              "work is not timed, 0); all_to_all = the AIVs' work moving and ordering data "
+              "(init, send, count, cumsum, reorder), summed; other = aiv_sum - all_to_all "
+              "(barriers, flags, verification, waiting); improvement = 1 - UBEP / CANN EP of "
+              "aiv_sum, latency_improvement the same of the operator latency")
 
 
 def fig7(family: str = "cm384", fabric: FabricModel | None = None, *,
@@ -219,36 +247,27 @@ def fig7(family: str = "cm384", fabric: FabricModel | None = None, *,
     fab = fabric or load_fabric(family)
     share = fab.hot_share if hot_share is None else hot_share
     rows = []
-    systems = (CANN_EP, UBEP)
     ranks_a = min(128, MAX_RANKS[family])
     for batch in (8, 16, 32, 64, 128):
-        for s in systems:
-            rows.append(_split_row(f"a: batch (EP{ranks_a})", batch, s,
-                                   Workload(tokens_per_rank=batch), family, ranks_a, fab, fabric))
+        rows += _split_rows(f"a: batch (EP{ranks_a})", batch, Workload(tokens_per_rank=batch),
+                            family, ranks_a, fab, fabric)
     for r in _eps(family, (64, 128, 256)):
-        for s in systems:
-            rows.append(_split_row("b: ranks (batch 64)", r, s, Workload(tokens_per_rank=64),
-                                   family, r, fab, fabric))
+        rows += _split_rows("b: ranks (batch 64)", r, Workload(tokens_per_rank=64), family, r,
+                            fab, fabric)
     for experts, eps in ((128, (64, 128)), (256, (64, 128, 256))):
         for r in _eps(family, eps):
             w = Workload(tokens_per_rank=64, experts_per_rank=experts // r, routing="hot",
                          hot_experts=8, hot_share=hot_share)
-            for s in systems:
-                rows.append(_split_row(f"c: E={experts}, 8 hot", r, s, w, family, r, fab,
-                                       fabric))
+            rows += _split_rows(f"c: E={experts}, 8 hot", r, w, family, r, fab, fabric)
     return ExperimentResult(
-        "fig7", f"Figure 7: latency split into all-to-all and synchronisation ({family})",
-        ("panel", "x", "system", "latency_us", "lo_us", "hi_us", "all_to_all_us", "sync_us",
-         "sync_share"),
-        tuple(rows),
-        ("all_to_all = mean core time moving/ordering data (init, send, count, cumsum, "
-         "reorder) on the slowest rank; sync = latency - all_to_all (barriers, flags, "
-         "verification, waiting)",
+        "fig7", f"Figure 7: per-AIV time split into all-to-all and synchronisation ({family})",
+        SPLIT_COLUMNS, tuple(rows),
+        (SPLIT_NOTE,
          "defaults (EXPERIMENTS.md): 128 ranks, batch 64, 1 expert per NPU; panel c: x = ranks",
          f"panel c: 8 hot experts take {share:.0%} of the picks (the paper does not state the "
          "skew: " + ("fitted to Figure 9's two maxima" if hot_share is None else "ASSUMED")
          + "; `ubep sim hotshare` sweeps 25-75 %)",
-         "lo/hi: " + INTERVAL_NOTE + " (CANN EP is calibrated: lo = hi)",
+         "aiv_lo/hi: " + INTERVAL_NOTE + " (CANN EP is calibrated: lo = hi)",
          *_family_note(family)),
         {"provenance": provenance(family, (f"panel c hot_share {share:.3g} (range 0.25-0.75)",)),
          "sensitivity": _sens_at(f"EP{ranks_a}, batch 64", partial(
@@ -267,7 +286,7 @@ def hotshare(family: str = "cm384", fabric: FabricModel | None = None) -> Experi
         w = Workload(tokens_per_rank=64, experts_per_rank=256 // ranks, routing="hot",
                      hot_experts=8, hot_share=share)
         cann = run_case(w, CANN_EP, topo, fab)
-        a2a, sync = cann.sync_split_ns()
+        a2a, sync = cann.aiv_split_ns()
         ubep, lo, hi = _band(partial(_latency, w, UBEP, topo), family, fabric)
         nomap = run_case(w, UBEP_NO_MAPPING, topo, fab)
         hier = run_case(w, UBEP, topo, fab)
@@ -337,11 +356,11 @@ def fig8(family: str = "cm384", fabric: FabricModel | None = None) -> Experiment
     gantt: dict[str, Any] = {}
     improvement = {}
     for batch in (32, 64, 128):
-        lat = {}
+        lat, aiv = {}, {}
         for s in (CANN_EP, UBEP):
             got, res = _phase_rows(batch, s, fab, family, ranks)
             rows.extend(got)
-            lat[s.engine] = res.latency_ns
+            lat[s.engine], aiv[s.engine] = res.latency_ns, res.aiv_sum_ns()
             r = res.slowest_rank
             m = res.timeline.mask(rank=r)
             gantt[f"{s.name}|{batch}"] = {
@@ -350,11 +369,15 @@ def fig8(family: str = "cm384", fabric: FabricModel | None = None) -> Experiment
                 "start_us": (res.timeline.start_ns[m] / 1e3).round(3).tolist(),
                 "end_us": (res.timeline.end_ns[m] / 1e3).round(3).tolist(),
             }
-        _, lo, hi = _band(partial(_latency, Workload(tokens_per_rank=batch), UBEP,
-                                  topology_for(family, ranks)), family, fabric)
-        improvement[batch] = {"improvement_pct": round(100 * (1 - lat["asp"] / lat["bsp"]), 1),
-                              "interval_pct": [round(100 * (1 - hi / lat["bsp"]), 1),
-                                               round(100 * (1 - lo / lat["bsp"]), 1)]}
+        w, topo = Workload(tokens_per_rank=batch), topology_for(family, ranks)
+        _, lo, hi = _band(partial(_aiv_sum, w, UBEP, topo), family, fabric)
+        improvement[batch] = {
+            "improvement_pct": round(100 * (1 - aiv["asp"] / aiv["bsp"]), 1),
+            "interval_pct": [round(100 * (1 - hi / aiv["bsp"]), 1),
+                             round(100 * (1 - lo / aiv["bsp"]), 1)],
+            "aiv_sum_us": {"cann_ep": _us(aiv["bsp"]), "ubep": _us(aiv["asp"])},
+            "latency_us": {"cann_ep": _us(lat["bsp"]), "ubep": _us(lat["asp"])},
+            "latency_improvement_pct": round(100 * (1 - lat["asp"] / lat["bsp"]), 1)}
     return ExperimentResult(
         "fig8", f"Figure 8: task-wise breakdown at EP{ranks} ({family})",
         ("batch", "system", "aiv_group", "task", "mean_us_per_core", "latency_us"),
@@ -363,9 +386,12 @@ def fig8(family: str = "cm384", fabric: FabricModel | None = None) -> Experiment
          "47), on the slowest rank: mean time per core of the group in each task",
          "SendFlag & Verification = barriers + flags + verification (BSP) or TokenCnt + count "
          "polling (ASP); which cores count is the model's Appendix A partition",
-         "UBEP improvement over CANN EP per batch (interval: the leave-one-out spread): "
+         "UBEP improvement over CANN EP per batch, of the per-AIV time (the sum over the "
+         "slowest rank's AIVs of each AIV's time, as Figure 7; interval: the leave-one-out "
+         "spread), and of the operator latency: "
          + "; ".join(f"batch {b}: {v['improvement_pct']} % [{v['interval_pct'][0]}, "
-                     f"{v['interval_pct'][1]}]" for b, v in improvement.items()),
+                     f"{v['interval_pct'][1]}], latency {v['latency_improvement_pct']} %"
+                     for b, v in improvement.items()),
          *_family_note(family)),
         {"gantt": gantt, "improvement": improvement, "provenance": provenance(family)},
     )
@@ -546,21 +572,17 @@ def fig12(family: str = "cm384", fabric: FabricModel | None = None) -> Experimen
     rows = []
     for batch in (32, 128):
         for r in _eps(family, (64, 128, 256)):
-            for s in (CANN_EP, UBEP):
-                rows.append(_split_row(f"{'a' if batch == 32 else 'b'}: batch {batch}", r, s,
-                                       Workload(tokens_per_rank=batch), family, r, fab, fabric))
+            rows += _split_rows(f"{'a' if batch == 32 else 'b'}: batch {batch}", r,
+                                Workload(tokens_per_rank=batch), family, r, fab, fabric)
     for r in _eps(family, (64, 256)):
         for batch in (8, 16, 32, 64, 128):
-            for s in (CANN_EP, UBEP):
-                rows.append(_split_row(f"{'c' if r == 64 else 'd'}: EP{r}", batch, s,
-                                       Workload(tokens_per_rank=batch), family, r, fab, fabric))
+            rows += _split_rows(f"{'c' if r == 64 else 'd'}: EP{r}", batch,
+                                Workload(tokens_per_rank=batch), family, r, fab, fabric)
     return ExperimentResult(
-        "fig12", f"Figure 12: all-to-all vs other time ({family})",
-        ("panel", "x", "system", "latency_us", "lo_us", "hi_us", "all_to_all_us", "sync_us",
-         "sync_share"),
-        tuple(rows),
+        "fig12", f"Figure 12: all-to-all vs other per-AIV time ({family})",
+        SPLIT_COLUMNS, tuple(rows),
         ("panels a/b: x = ranks; c/d: x = batch; 1 expert per NPU, top-8, hidden 7168, 1 B",
-         "all_to_all and other (sync) as in Figure 7; lo/hi: UBEP, " + INTERVAL_NOTE,
+         SPLIT_NOTE + " (as Figure 7)", "aiv_lo/hi: UBEP, " + INTERVAL_NOTE,
          *_family_note(family)),
         {"provenance": provenance(family),
          "sensitivity": _sens_at("EP64, batch 32", partial(

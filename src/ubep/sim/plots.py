@@ -92,18 +92,19 @@ def _fig7(plt: Any, r: ExperimentResult) -> Any:
         for i, sname in enumerate(systems):
             got = {row[1]: row for row in rows if row[2] == sname}
             pos = np.arange(len(xs)) + (i - (len(systems) - 1) / 2) * width
-            a2a = [got[x][6] for x in xs]
-            sync = [got[x][7] for x in xs]
-            lat = np.array([got[x][3] for x in xs], dtype=float)
-            err = [lat - np.array([got[x][4] for x in xs]), np.array([got[x][5] for x in xs])
-                   - lat]
+            # columns: experiments.SPLIT_COLUMNS (the per-AIV time, summed over the AIVs)
+            a2a = [got[x][7] for x in xs]
+            sync = [got[x][8] for x in xs]
+            aiv = np.array([got[x][4] for x in xs], dtype=float)
+            err = [aiv - np.array([got[x][5] for x in xs]), np.array([got[x][6] for x in xs])
+                   - aiv]
             ax.bar(pos, a2a, width, color="#1f77b4" if i == 0 else "#2ca02c",
                    label=f"{sname} all-to-all")
             ax.bar(pos, sync, width, bottom=a2a, color="#d62728" if i == 0 else "#ff7f0e",
                    label=f"{sname} sync", alpha=0.8, yerr=err, capsize=2)
         ax.set_xticks(np.arange(len(xs)), [str(x) for x in xs])
         ax.set_title(panel, fontsize=8)
-        ax.set_ylabel("latency (us)")
+        ax.set_ylabel("per-AIV time, sum over the AIVs (us)")
     np.atleast_1d(axes)[0].legend(fontsize=6)
     return fig
 

@@ -175,23 +175,6 @@ class SimResult:
                 out[name] = float(self.timeline.end_ns[m].max() - self.timeline.start_ns[m].min())
         return out
 
-    def sync_split_ns(self, rank: int | None = None) -> tuple[float, float]:
-        """``(all_to_all_ns, sync_ns)`` on ``rank`` (default: slowest) with
-        ``all_to_all + sync = rank latency``: all-to-all is the mean over the rank's cores of the
-        time spent moving and ordering data (init, send, count, cumsum, consume); the rest is the
-        BSP cost -- barriers, flags, verification and waiting for other cores or ranks."""
-        r = self.slowest_rank if rank is None else rank
-        tl = self.timeline
-        m = tl.rank == r
-        cores = np.unique(tl.core[m])
-        work = 0.0
-        for name in ("init", "send", "count", "cumsum"):
-            work += tl.busy_ns(rank=r, task=name)
-        work += float(self.consume_work_ns[r])
-        a2a = work / max(1, cores.size)
-        total = float(self.rank_end_ns[r])
-        return a2a, total - a2a
-
     def _aivs(self, rank: int) -> int:
         m = self.timeline.rank == rank
         seen = int(self.timeline.core[m].max(initial=-1)) + 1
