@@ -295,12 +295,20 @@ def test_survivors_serve_on_bit_exact_then_a_replacement_rejoins(
     _segments_gone(out, [NUM_RANKS, VICTIM, NUM_RANKS])  # before, masked, rejoined
 
 
-def _every_mode() -> list[Case]:
-    return [Case(e, s, lay, "bf16", NUM_RANKS, 256, "uniform")
-            for e in modes.ENGINES for s in modes.SYNCS for lay in modes.LAYOUTS]
+def _every_mode() -> list[Any]:
+    """Every engine x sync x layout. The default run takes each engine x sync once with the
+    layouts in turn; the other half runs with ``pytest -m matrix`` (the whole matrix)."""
+    out = []
+    for i, e in enumerate(modes.ENGINES):
+        for j, s in enumerate(modes.SYNCS):
+            for k, lay in enumerate(modes.LAYOUTS):
+                marks = () if k == (i + j) % 2 else (pytest.mark.matrix,)
+                out.append(pytest.param(Case(e, s, lay, "bf16", NUM_RANKS, 256, "uniform"),
+                                        marks=marks, id=f"{e}-{s}-{lay}"))
+    return out
 
 
-@pytest.mark.parametrize("case", _every_mode(), ids=lambda c: f"{c.engine}-{c.sync}-{c.layout}")
+@pytest.mark.parametrize("case", _every_mode())
 def test_a_rank_killed_mid_call_is_masked_under_every_mode(tmp_path: Path, case: Case) -> None:
     out = str(tmp_path / "segments")
     results = launch(_serve, NUM_RANKS, case, "kill_anytime", out, timeout_s=120,
@@ -335,17 +343,20 @@ def test_a_stopped_rank_wakes_masked_and_never_reaches_the_survivors(
     _segments_gone(out, [NUM_RANKS, VICTIM])
 
 
-def _stop_cases() -> list[tuple[str, Case]]:
-    """Every engine x sync once, the layouts and the two stop points taken in turn."""
+def _stop_cases() -> list[Any]:
+    """Every engine x sync once, the layouts and the two stop points taken in turn. The default
+    run takes each sync once (both engines, layouts and stop points twice each); the other
+    half runs with ``pytest -m matrix``."""
     out = []
     for n, (e, s) in enumerate((e, s) for e in modes.ENGINES for s in modes.SYNCS):
         fault = ("stop", "stop_combine")[(n // 2) % 2]
-        out.append((fault, Case(e, s, modes.LAYOUTS[n % 2], "bf16", NUM_RANKS, 256, "uniform")))
+        case = Case(e, s, modes.LAYOUTS[n % 2], "bf16", NUM_RANKS, 256, "uniform")
+        marks = () if n // len(modes.SYNCS) == (n % len(modes.SYNCS)) % 2 else (pytest.mark.matrix,)
+        out.append(pytest.param(fault, case, marks=marks, id=f"{fault}-{e}-{s}-{case.layout}"))
     return out
 
 
-@pytest.mark.parametrize("fault, case", _stop_cases(),
-                         ids=[f"{f}-{c.engine}-{c.sync}-{c.layout}" for f, c in _stop_cases()])
+@pytest.mark.parametrize("fault, case", _stop_cases())
 def test_a_stopped_rank_wakes_masked_under_every_engine_and_sync(
         tmp_path: Path, fault: str, case: Case) -> None:
     """SIGSTOP past the deadline before a dispatch, or between a dispatch and its combine (its

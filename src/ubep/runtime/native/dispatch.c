@@ -30,10 +30,10 @@ void batch_ranks(engine_t *g, int d) {
 
 /* One pass over topk_idx: validate it (range, duplicates; not again when ubep.sched built the
  * plan's units from it), copy the routing into this rank's private route copy (int32), check the SP
- * sentinel, and with `count` (no count tasks: one core, or BSP) count per expert and per
- * destination and fill every destination's bucket (count_dst's work for all of them at once).
- * Nothing a peer can see is written here. */
-int dispatch_validate(op_t *op, int count) {
+ * sentinel, and with `count` count per expert and per destination; with `fill` also fill every
+ * destination's bucket (count_dst's work for all of them at once; a plan with units needs no
+ * buckets). Nothing a peer can see is written here. */
+int dispatch_validate(op_t *op, int count, int fill) {
     engine_t *g = op->g;
     const int K = g->K, E = g->E, R = g->R, r = g->rank;
     const int64_t T = op->ntok, cap = g->cap_src_rows;
@@ -75,11 +75,13 @@ int dispatch_validate(op_t *op, int count) {
             seen_dst |= 1ULL << d;
             if (!count) continue;
             if (expert || first) {
-                int64_t u = bstart[d] + units_to[d];
-                ut[u] = (int32_t)t;
-                uk[u] = k;
-                ue[u] = (int32_t)e;
-                us[u] = (int32_t)(expert ? cnt[e] : rows_to[d]);
+                if (fill) {
+                    int64_t u = bstart[d] + units_to[d];
+                    ut[u] = (int32_t)t;
+                    uk[u] = k;
+                    ue[u] = (int32_t)e;
+                    us[u] = (int32_t)(expert ? cnt[e] : rows_to[d]);
+                }
                 units_to[d]++;
             }
             cnt[e]++;

@@ -190,7 +190,7 @@ int ph_bsp_prepare(op_t *op, int core) {
     int rc = wait_peers_done(op, op->epoch >= 2 ? op->epoch - 2 : 0, 0);
     if (rc) return rc;
     TRACE(op->g, core, TRACE_D_PREV_DONE);
-    if ((rc = dispatch_validate(op, 1))) return rc;
+    if ((rc = dispatch_validate(op, 1, 1))) return rc;
     TRACE(op->g, core, TRACE_D_VALIDATED);
     reset_send_state(op);
     rc = dispatch_publish(op);

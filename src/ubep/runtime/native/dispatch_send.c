@@ -5,12 +5,26 @@
 
 #include "phases.h"
 
-/* The count task of destination d (ASP with count cores): count my picks of each of d's
- * experts and my rows to d, fill d's bucket unless the plan has units, then publish the count
- * record. topk_idx was validated by the prepare phase. */
+/* The count task of destination d (ASP with count cores): publish my count record for d. With
+ * the plan's units the prepare phase counted every destination in its pass over topk_idx (one
+ * pass per call, whatever the number of count tasks); without them (one send core sending the
+ * buckets) this task counts my picks of each of d's experts and my rows to d and fills d's
+ * bucket. topk_idx was validated by the prepare phase. */
+static void count_published(op_t *op, int d) {
+    engine_t *g = op->g;
+    atomic_store_explicit(&g->remaining[d], g->units_to[d], memory_order_relaxed);
+    publish_counts(op, d); /* its release store publishes the counts to this rank's senders */
+    atomic_store_explicit(&g->counted[d], op->epoch, memory_order_release);
+    ring(g, d);
+}
+
 static void count_dst(op_t *op, int d) {
     engine_t *g = op->g;
-    const int K = g->K, L = g->L, expert = g->layout == LAY_EXPERT, fill = !op->plan.have_units;
+    if (op->plan.have_units) { /* counts and batch ranks: dispatch_validate's */
+        count_published(op, d);
+        return;
+    }
+    const int K = g->K, L = g->L, expert = g->layout == LAY_EXPERT;
     const int64_t T = op->ntok, b0 = bucket_start(g, (d - g->rank - 1 + 2 * g->R) % g->R);
     const int32_t *restrict e2d = g->e2d, *restrict e2l = g->e2l;
     const int64_t *restrict topk = op->topk;
@@ -25,13 +39,11 @@ static void count_dst(op_t *op, int d) {
             if (e < 0 || e2d[e] != d) continue;
             int el = e2l[e];
             if (expert || !hit) {
-                if (fill) {
-                    int64_t u = b0 + units;
-                    g->u_t[u] = (int32_t)t;
-                    g->u_k[u] = k;
-                    g->u_e[u] = (int32_t)e;
-                    g->u_slot[u] = (int32_t)(expert ? cnt[el] : rows);
-                }
+                int64_t u = b0 + units;
+                g->u_t[u] = (int32_t)t;
+                g->u_k[u] = k;
+                g->u_e[u] = (int32_t)e;
+                g->u_slot[u] = (int32_t)(expert ? cnt[el] : rows);
                 units++;
             }
             cnt[el]++;
@@ -42,10 +54,7 @@ static void count_dst(op_t *op, int d) {
     g->units_to[d] = units;
     g->rows_to[d] = expert ? units : rows;
     batch_ranks(g, d);
-    atomic_store_explicit(&g->remaining[d], units, memory_order_relaxed);
-    publish_counts(op, d); /* its release store publishes the above to this rank's senders */
-    atomic_store_explicit(&g->counted[d], op->epoch, memory_order_release);
-    ring(g, d);
+    count_published(op, d);
 }
 
 /* count core c: the destinations whose first expert is in its range, in expert order (the
@@ -92,7 +101,11 @@ int ph_d_prepare(op_t *op, int core) {
     int rc = wait_peers_done(op, op->epoch >= 2 ? op->epoch - 2 : 0, 0);
     if (rc) return rc;
     TRACE(op->g, core, TRACE_D_PREV_DONE);
-    if ((rc = dispatch_validate(op, !op->plan.num_count_cores))) return rc;
+    /* one pass counts for every destination when there are no count tasks, or when the plan's
+     * units leave the count tasks nothing to fill (they then only publish) */
+    const int units = op->plan.native || op->plan.have_units;
+    const int count = !op->plan.num_count_cores || units;
+    if ((rc = dispatch_validate(op, count, count && !units))) return rc;
     if (op->plan.native) build_units(op);
     TRACE(op->g, core, TRACE_D_VALIDATED);
     reset_send_state(op);

@@ -407,7 +407,7 @@ void run_op(op_t *op, const phase_list_t *phases, int first, int end);
 /* dispatch.c: what the BSP phases and ASP's sends (dispatch_send.c) share */
 void batch_ranks(engine_t *g, int d);
 void publish_counts(op_t *op, int d);
-int dispatch_validate(op_t *op, int count);
+int dispatch_validate(op_t *op, int count, int fill);
 int dispatch_publish(op_t *op);
 void reset_send_state(op_t *op);
 int dst_gone(op_t *op, int core, int d);
