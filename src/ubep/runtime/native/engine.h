@@ -45,9 +45,10 @@ typedef struct {
 
 /* The Plan of ubep.sched (ubep/sched/plan.py), as ASP dispatch executes it: send core j runs on
  * thread j % C, count core c on thread (num_send_cores + c) % C; a thread runs its count tasks
- * before its sends. Count core c counts and publishes the destinations whose first expert lies
- * in [count_expert_ptr[c], count_expert_ptr[c + 1]). Without units (one send core), the send
- * core sends the buckets the count tasks fill, destinations whose counts are in first. With a
+ * before its sends. Count core c publishes the count records of the destinations whose first
+ * expert lies in [count_expert_ptr[c], count_expert_ptr[c + 1]): with units, what the prepare
+ * phase's one pass over topk_idx counted; without units (one send core), it counts them and
+ * fills their buckets, which the send core sends, destinations whose counts are in first. With a
  * ScheduleSpec (`native`), the prepare phase builds the units itself (schedule.c) from the
  * routing it has just validated, into the engine's work space. */
 typedef struct plan {
