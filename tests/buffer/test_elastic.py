@@ -259,7 +259,9 @@ def _segments_gone(out: str, rebuilds: list[int]) -> None:
 
 
 # a few representative modes for the long runs (every engine, sync and layout at least once
-# with the stop test's asp-sp-expert; the fault before a dispatch, with a map, is the stop)
+# with the stop test's asp-sp-expert; the fault before a dispatch, with a map, is the stop).
+# The default run takes each fault, engine and layout once and the map once; the other two run
+# with ``pytest -m matrix``.
 LONG_RUNS = [
     ("kill_dispatch", Case("asp", "sw", "expert", "bf16", NUM_RANKS, 256, "uniform"), False),
     ("kill_combine", Case("bsp", "tff", "rank", "bf16", NUM_RANKS, 256, "uniform"), False),
@@ -267,11 +269,13 @@ LONG_RUNS = [
     ("kill_between", Case("bsp", "dc", "expert", "bf16", NUM_RANKS, 128, "uniform"), True),
     ("kill_between", Case("asp", "dc", "rank", "fp16", NUM_RANKS, 128, "uniform"), False),
 ]
+_LONG_MATRIX = {2, 4}  # indices of LONG_RUNS under the matrix marker
 
 
-@pytest.mark.parametrize("fault, case, replicas", LONG_RUNS,
-                         ids=[f"{f}-{c.engine}-{c.sync}-{c.layout}{'-map' * m}"
-                              for f, c, m in LONG_RUNS])
+@pytest.mark.parametrize("fault, case, replicas", [
+    pytest.param(f, c, m, id=f"{f}-{c.engine}-{c.sync}-{c.layout}{'-map' * m}",
+                 marks=(pytest.mark.matrix,) if i in _LONG_MATRIX else ())
+    for i, (f, c, m) in enumerate(LONG_RUNS)])
 def test_survivors_serve_on_bit_exact_then_a_replacement_rejoins(
         tmp_path: Path, fault: str, case: Case, replicas: bool) -> None:
     """The victim is killed; the survivors serve AFTER calls bit-exact against the oracle with
@@ -327,7 +331,8 @@ def test_a_rank_killed_mid_call_is_masked_under_every_mode(tmp_path: Path, case:
     _segments_gone(out, [NUM_RANKS, VICTIM])
 
 
-@pytest.mark.parametrize("replicas", [False, True], ids=["plain", "map"])
+@pytest.mark.parametrize("replicas", [pytest.param(False, marks=pytest.mark.matrix), True],
+                         ids=["plain", "map"])
 def test_a_stopped_rank_wakes_masked_and_never_reaches_the_survivors(
         tmp_path: Path, replicas: bool) -> None:
     case = Case("asp", "sp", "expert", "bf16", NUM_RANKS, 256, "uniform")

@@ -261,7 +261,7 @@ def _install_construction_check() -> None:
             _check_driven(self, f"experts_implementation={impl!r}")
 
     post_init._ubep_checks_experts = True  # type: ignore[attr-defined]
-    PreTrainedModel.post_init = post_init  # type: ignore[method-assign]
+    PreTrainedModel.post_init = post_init
 
 
 def _install() -> None:
