@@ -190,10 +190,12 @@ def test_torch_fp8_quantiser_equals_ubep_quant() -> None:
     assert np.array_equal(workload.pack_fp8(bf16), packed)
 
 
+# Open MPI (ubep's own MPI) and gloo (torch.distributed) by default; the other two MPIs, each
+# a peer environment of its own to build, with ``pytest -m matrix``
 PEERS = [
-    pytest.param("impi", marks=pytest.mark.mpi),
+    pytest.param("impi", marks=(pytest.mark.mpi, pytest.mark.matrix)),
     pytest.param("openmpi", marks=pytest.mark.mpi),
-    pytest.param("mpich", marks=pytest.mark.mpi),
+    pytest.param("mpich", marks=(pytest.mark.mpi, pytest.mark.matrix)),
     pytest.param("gloo", marks=pytest.mark.torch),
 ]
 
