@@ -5,11 +5,8 @@
 
 #include "phases.h"
 
-/* The count task of destination d (ASP with count cores): publish my count record for d. With
- * the plan's units the prepare phase counted every destination in its pass over topk_idx (one
- * pass per call, whatever the number of count tasks); without them (one send core sending the
- * buckets) this task counts my picks of each of d's experts and my rows to d and fills d's
- * bucket. topk_idx was validated by the prepare phase. */
+/* d's counts are complete: arm its senders' countdown, publish my count record for d, mark it
+ * counted and wake whoever waits on d */
 static void count_published(op_t *op, int d) {
     engine_t *g = op->g;
     atomic_store_explicit(&g->remaining[d], g->units_to[d], memory_order_relaxed);
@@ -18,6 +15,11 @@ static void count_published(op_t *op, int d) {
     ring(g, d);
 }
 
+/* The count task of destination d (ASP with count cores): publish my count record for d. With
+ * the plan's units the prepare phase counted every destination in its pass over topk_idx (one
+ * pass per call, whatever the number of count tasks); without them (one send core sending the
+ * buckets) this task counts my picks of each of d's experts and my rows to d and fills d's
+ * bucket. topk_idx was validated by the prepare phase. */
 static void count_dst(op_t *op, int d) {
     engine_t *g = op->g;
     if (op->plan.have_units) { /* counts and batch ranks: dispatch_validate's */
