@@ -47,8 +47,10 @@ calls' spans over the step, medians). Floor of a call: the copy of the bytes one
 (``harness.concurrent_copy``, both ranks at once, warm caches) + one cross-process flag one-way
 latency; the **cold floor** is the same copy made the way the calls make it in a step: after
 the attention stand-in's eviction (source and destination cold; both ranks at once,
-``COLD_COPIES`` samples per case)
-(benchmarks/host_micro.c). Bytes a rank sends = rows x hidden x 2 (BF16; one row
+``COLD_COPIES`` samples per case; the flag latency from benchmarks/host_micro.c). The
+**cold call** is one ``np.copyto`` of 64 bytes made the same way: the least a Python call into
+native code costs in a step; each call's entry and exit (``py_in`` + ``args`` + ``py_out`` of
+the slowest rank) is set against it. Bytes a rank sends = rows x hidden x 2 (BF16; one row
 per (token, expert) pick: the expert-major layout of DeepEP's low-latency mode, which decode
 uses).
 
@@ -147,8 +149,11 @@ class Row:
     combine_tail: Spread
     experts_skew: Spread  # last rank's combine entry - first rank's
     cold_copy: Spread  # the cold floor's copy: per sample the slower rank's
+    cold_call: Spread  # one np.copyto of 64 bytes after the eviction: per sample the slower rank's
     dispatch_phases: dict[str, Spread]  # of the slowest rank
     combine_phases: dict[str, Spread]
+    dispatch_entry_exit: Spread | None  # py_in + args + py_out of the slowest rank, per step
+    combine_entry_exit: Spread | None
 
 
 def _evict_bytes() -> int:
@@ -199,19 +204,23 @@ def _experts(recv_x: np.ndarray, counts: list[int], w_up: np.ndarray,
     return out
 
 
-def _cold_copies(group: Any, size_bytes: int, evict: np.ndarray) -> list[int]:
-    """The cold floor's copy: ``size_bytes`` from a cold source to a cold destination right after
-    the eviction, both ranks at once (ns per sample)."""
+def _cold_samples(group: Any, size_bytes: int, evict: np.ndarray) -> tuple[list[int], list[int]]:
+    """Right after the eviction, both ranks at once (ns per sample): the cold floor's copy
+    (``size_bytes`` from a cold source to a cold destination), and the cold call (one
+    ``np.copyto`` of 64 bytes: the least a Python call into native code costs in the step, the
+    interpreter's and numpy's code and data coming back from memory)."""
     src = np.ones(size_bytes, np.uint8)
     dst = np.zeros(size_bytes, np.uint8)
-    out = []
+    tiny_src, tiny_dst = np.ones(64, np.uint8), np.zeros(64, np.uint8)
+    copies, calls = [], []
     for _ in range(COLD_COPIES):
-        group.barrier(60.0)
-        float(evict.sum())
-        t = time.perf_counter_ns()
-        np.copyto(dst, src)
-        out.append(time.perf_counter_ns() - t)
-    return out
+        for a, b, out in ((dst, src, copies), (tiny_dst, tiny_src, calls)):
+            group.barrier(60.0)
+            float(evict.sum())
+            t = time.perf_counter_ns()
+            np.copyto(a, b)
+            out.append(time.perf_counter_ns() - t)
+    return copies, calls
 
 
 def _run_case(group: Any, buf: Any, case: Case, model: Model, steps: int, warmup: int,
@@ -219,7 +228,7 @@ def _run_case(group: Any, buf: Any, case: Case, model: Model, steps: int, warmup
     """One case on this rank: per step its times (ns) and the engine's trace; the cold floor's
     copies."""
     r = group.rank
-    cold = _cold_copies(group, _bytes_per_rank(case), evict)
+    cold, cold_call = _cold_samples(group, _bytes_per_rank(case), evict)
     x, w = _tokens(case, model, r)
     stamps, traces, errors = [], [], []
     for step in range(steps + warmup):
@@ -242,7 +251,8 @@ def _run_case(group: Any, buf: Any, case: Case, model: Model, steps: int, warmup
         traces.append(tuple(buf._engine.trace()))
         if step == warmup:  # one checked step per case: the timed calls are right
             errors += _check(case, model, step, res, y, r, w_up, w_down)
-    return {"stamps": stamps, "traces": traces, "errors": errors, "cold_copy_ns": cold}
+    return {"stamps": stamps, "traces": traces, "errors": errors, "cold_copy_ns": cold,
+            "cold_call_ns": cold_call}
 
 
 def _check(case: Case, model: Model, step: int, res: Any, y: np.ndarray, rank: int,
@@ -293,13 +303,19 @@ def _rank(group: Any, cases: list[Case], steps: int, warmup: int) -> list[dict[s
     return out
 
 
-def _phases(per_rank: list[dict[str, Any]], slowest: np.ndarray, op: str) -> dict[str, Spread]:
+# the parts of a call that are Python and the native call's entry and exit, not its work
+ENTRY_EXIT = ("py_in", "args", "py_out")
+
+
+def _phases(per_rank: list[dict[str, Any]], slowest: np.ndarray,
+            op: str) -> tuple[dict[str, Spread], Spread | None]:
     """The phases of ``op`` on the slowest rank of each step: from the call's entry through
-    core 0's trace points to its exit; empty where the engine did not trace ``op``
-    (BSP's dispatch names its own phases by the same slots: abi.h)."""
+    core 0's trace points to its exit, and their ENTRY_EXIT part summed per step; empty and None
+    where the engine did not trace ``op`` (BSP's dispatch names its own phases by the same
+    slots: abi.h)."""
     first, _ = trace_range(op)
     if not any(tr[first] for pr in per_rank for tr in pr["traces"]):
-        return {}
+        return {}, None
     names = DISPATCH_PHASES if op == "dispatch" else COMBINE_PHASES
     enter, leave = (1, 2) if op == "dispatch" else (3, 4)
     per_step = []
@@ -308,7 +324,8 @@ def _phases(per_rank: list[dict[str, Any]], slowest: np.ndarray, op: str) -> dic
         marks = [st[enter], *trace_marks(op, tr), st[leave]]
         per_step.append(np.diff(marks))
     cols = np.array(per_step)
-    return {n: Spread.of(cols[:, i]) for i, n in enumerate(names)}
+    entry_exit = cols[:, [names.index(n) for n in ENTRY_EXIT]].sum(axis=1)
+    return {n: Spread.of(cols[:, i]) for i, n in enumerate(names)}, Spread.of(entry_exit)
 
 
 def _summarise(case: Case, per_rank: list[dict[str, Any]], bytes_per_rank: int) -> Row:
@@ -316,6 +333,8 @@ def _summarise(case: Case, per_rank: list[dict[str, Any]], bytes_per_rank: int) 
     t0, d0, d1, c0, c1 = (st[:, :, i] for i in range(5))
     d_span, c_span = d1.max(0) - d0.min(0), c1.max(0) - c0.min(0)
     step = c1.max(0) - t0.min(0)
+    d_phases, d_entry_exit = _phases(per_rank, d1.argmax(0), "dispatch")
+    c_phases, c_entry_exit = _phases(per_rank, c1.argmax(0), "combine")
     return Row(
         case=case, bytes_per_rank=bytes_per_rank, step=Spread.of(step),
         comm_share=float(np.median(d_span + c_span) / np.median(step)),
@@ -323,8 +342,9 @@ def _summarise(case: Case, per_rank: list[dict[str, Any]], bytes_per_rank: int) 
         combine_span=Spread.of(c_span), combine_tail=Spread.of(c1.max(0) - c0.max(0)),
         experts_skew=Spread.of(c0.max(0) - c0.min(0)),
         cold_copy=Spread.of(np.array([pr["cold_copy_ns"] for pr in per_rank]).max(0)),
-        dispatch_phases=_phases(per_rank, d1.argmax(0), "dispatch"),
-        combine_phases=_phases(per_rank, c1.argmax(0), "combine"))
+        cold_call=Spread.of(np.array([pr["cold_call_ns"] for pr in per_rank]).max(0)),
+        dispatch_phases=d_phases, combine_phases=c_phases,
+        dispatch_entry_exit=d_entry_exit, combine_entry_exit=c_entry_exit)
 
 
 def _bytes_per_rank(case: Case) -> int:
@@ -397,7 +417,29 @@ def table(rows: list[Row], flag_us: float, copy_us: list[float]) -> str:
               "+ copy of the bytes sent (warm); cold floor = flag one-way + the same copy right "
               "after the eviction; ratios: medians\n\n" + _engines_table(rows)
             + "\n\nphases of the slowest rank, median/p99 us (engine "
-              "trace of core 0)\n" + format_table(phead, pbody))
+              "trace of core 0)\n" + format_table(phead, pbody)
+            + "\n\n" + _entry_exit_table(rows))
+
+
+def _entry_exit_table(rows: list[Row]) -> str:
+    """Each call's entry and exit (py_in + args + py_out of the slowest rank) against the cold
+    call: what of the software around the copy any Python API pays in a step, and what is
+    ubep's own."""
+    head = ["model", "tok", "routing", "skew", "eng", "cold call", "d entry+exit", "d x call",
+            "c entry+exit", "c x call"]
+    body = []
+    for r in rows:
+        call = r.cold_call.median_us
+        cells = []
+        for ee in (r.dispatch_entry_exit, r.combine_entry_exit):
+            cells += ([f"{ee.median_us:.1f}/{ee.p99_us:.1f}", f"{ee.median_us / call:.2f}"]
+                      if ee is not None else ["-", "-"])
+        body.append([r.case.model, r.case.tokens, r.case.routing, r.case.skew, r.case.engine,
+                     f"{call:.1f}/{r.cold_call.p99_us:.1f}", *cells])
+    return ("entry and exit (py_in + args + py_out of the slowest rank), median/p99 us, against "
+            "the cold call (one np.copyto of 64 bytes right after the eviction, both ranks at "
+            "once: the least a Python call into native code costs in the step); x call: "
+            "medians\n" + format_table(head, body))
 
 
 def _engines_table(rows: list[Row]) -> str:

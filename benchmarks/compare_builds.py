@@ -51,6 +51,13 @@ class Build:
     checkout: Path
 
 
+def _size_label(size_bytes: int) -> str:
+    """Bytes per rank as a case label: whole MB from 1 MB, KB below (256 KB is not "0 MB")."""
+    if size_bytes >= 1 << 20 and size_bytes % (1 << 20) == 0:
+        return f"{size_bytes >> 20} MB"
+    return f"{size_bytes / 1024:g} KB"
+
+
 @dataclass(frozen=True)
 class CaseKey:
     layout: str
@@ -146,7 +153,7 @@ def table(builds: Sequence[Build], stats: Sequence[dict[CaseKey, list[dict[str, 
     for key in sorted(set(stats[0]) & set(stats[1]),
                       key=lambda k: (k.layout, k.mode, OPS.index(k.op), k.size)):
         a, b = _summary(stats[0][key]), _summary(stats[1][key])
-        cells.append([key.layout, key.mode, key.op, f"{key.size >> 20} MB", *a, *b, b[1] / a[1]])
+        cells.append([key.layout, key.mode, key.op, _size_label(key.size), *a, *b, b[1] / a[1]])
     cols = ["layout", "mode", "op", "size", "A_min_us", "A_med_us", "A_max_us",
             "B_min_us", "B_med_us", "B_max_us", "B/A"]
     head = "\n".join(f"{b.label} = {b.revision} ({b.commit[:10]})" for b in builds)

@@ -37,8 +37,8 @@ def test_spans_tails_and_the_slowest_ranks_phases() -> None:
                         **_trace("combine", stamps[r][3] + 50 + r, c_gaps)}.items():
             tr[slot] = t
         traces.append(tr)
-    per_rank = [{"stamps": [stamps[r]], "traces": [traces[r]], "cold_copy_ns": [300 + 200 * r]}
-                for r in range(2)]
+    per_rank = [{"stamps": [stamps[r]], "traces": [traces[r]], "cold_copy_ns": [300 + 200 * r],
+                 "cold_call_ns": [70 - 20 * r]} for r in range(2)]
     row = step._summarise(step.Case("qwen3-30b", 16, "uniform", "none", "asp"), per_rank, 1)
     assert row.dispatch_span.median_us == pytest.approx((1_200 - 100) / 1e3)
     assert row.dispatch_tail.median_us == pytest.approx((1_200 - 400) / 1e3)
@@ -46,6 +46,7 @@ def test_spans_tails_and_the_slowest_ranks_phases() -> None:
     assert row.combine_tail.median_us == pytest.approx((2_900 - 2_100) / 1e3)
     assert row.experts_skew.median_us == pytest.approx((2_100 - 2_000) / 1e3)
     assert row.cold_copy.median_us == pytest.approx(500 / 1e3)  # the slower rank's copy
+    assert row.cold_call.median_us == pytest.approx(70 / 1e3)  # the slower rank's call
     assert row.step.median_us == pytest.approx(2_900 / 1e3)
     assert row.comm_share == pytest.approx((1_100 + 900) / 2_900)
     # dispatch phases are rank 1's (it left last): entry gap 101, the trace gaps, then exit
@@ -54,19 +55,27 @@ def test_spans_tails_and_the_slowest_ranks_phases() -> None:
     assert list(row.dispatch_phases) == list(DISPATCH_PHASES)
     assert [s.median_us for s in row.dispatch_phases.values()] == pytest.approx(
         [v / 1e3 for v in expect_d])
+    # entry and exit: py_in (the gap to the native call), args (its first trace gap), py_out
+    assert row.dispatch_entry_exit is not None
+    assert row.dispatch_entry_exit.median_us == pytest.approx(
+        (101 + d_gaps[0] + expect_d[-1]) / 1e3)
     # combine phases are rank 0's
     c_end = 2_000 + 50 + sum(c_gaps)
     expect_c = [50, *c_gaps, 2_900 - c_end]
     assert list(row.combine_phases) == list(COMBINE_PHASES)
     assert [s.median_us for s in row.combine_phases.values()] == pytest.approx(
         [v / 1e3 for v in expect_c])
+    assert row.combine_entry_exit is not None
+    assert row.combine_entry_exit.median_us == pytest.approx(
+        (50 + c_gaps[0] + expect_c[-1]) / 1e3)
 
 
 def test_untraced_ops_have_no_phases() -> None:
-    per_rank = [{"stamps": [(0, 1, 2, 3, 4)], "traces": [[0] * 16], "cold_copy_ns": [1]}
-                for _ in range(2)]
+    per_rank = [{"stamps": [(0, 1, 2, 3, 4)], "traces": [[0] * 16], "cold_copy_ns": [1],
+                 "cold_call_ns": [1]} for _ in range(2)]
     row = step._summarise(step.Case("qwen3-30b", 1, "uniform", "none", "bsp"), per_rank, 1)
     assert row.dispatch_phases == {} and row.combine_phases == {}
+    assert row.dispatch_entry_exit is None and row.combine_entry_exit is None
 
 
 def test_experts_are_each_rows_ffn() -> None:
@@ -98,5 +107,9 @@ def test_quick_path_structure(tmp_path: Path) -> None:
         assert r["dispatch_tail"]["median_us"] <= r["dispatch_span"]["median_us"]
         assert set(r["combine_phases"]) == set(COMBINE_PHASES)
         assert set(r["dispatch_phases"]) == set(DISPATCH_PHASES)  # both engines trace
-        assert r["cold_copy"]["min_us"] > 0
-    assert "phases of the slowest rank" in (tmp_path / "step.txt").read_text()
+        assert r["cold_copy"]["min_us"] > 0 and r["cold_call"]["min_us"] > 0
+        for key in ("dispatch_entry_exit", "combine_entry_exit"):  # sums of three phases
+            phases = r[key.split("_")[0] + "_phases"]
+            assert r[key]["min_us"] >= sum(phases[n]["min_us"] for n in step.ENTRY_EXIT) - 1e-6
+    text = (tmp_path / "step.txt").read_text()
+    assert "phases of the slowest rank" in text and "against the cold call" in text
