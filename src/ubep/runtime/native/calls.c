@@ -401,7 +401,7 @@ call_t *dispatch_call(engine_t *g, const dispatch_args_t *a) {
         op->o_src_tok = b[6].b.buf; op->o_src_k = b[7].b.buf; op->o_nrecv = b[8].b.buf;
         op->o_dst_row = b[9].b.buf;
     } else {
-        op->topk = a->direct.topk; op->w = a->direct.w;
+        op->topk = a->direct.topk; op->topk_copy = a->direct.topk_copy; op->w = a->direct.w;
         op->o_idx = a->direct.o_idx; op->o_w = a->direct.o_w;
         op->o_src_rank = a->direct.o_src_rank; op->o_src_tok = a->direct.o_src_tok;
         op->o_src_k = a->direct.o_src_k; op->o_nrecv = a->direct.o_nrecv;

@@ -32,7 +32,8 @@ typedef struct {
     /* out[0] == NULL: topk_idx, topk_weights and the outputs are memory the caller allocated
      * for this call's sizes (fastpath.c's blocks) instead of Python buffers */
     struct {
-        const int64_t *topk;
+        const int64_t *topk; /* the caller's: validation copies it into topk_copy */
+        int64_t *topk_copy;
         const float *w;
         int64_t *o_idx, *o_src_rank, *o_src_tok, *o_src_k, *o_nrecv, *o_dst_row;
         float *o_w;

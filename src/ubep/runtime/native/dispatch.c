@@ -47,6 +47,7 @@ int dispatch_validate(op_t *op, int count, int fill) {
     uint64_t gen = g->stamp_gen;
     int32_t *restrict ridx = (int32_t *)own_route(g, op->n);
     const int64_t *restrict topk = op->topk;
+    int64_t *restrict copy = op->topk_copy; /* the one-call path's owned copy, or NULL */
     int64_t bstart[64];
     for (int d = 0; d < R; d++) bstart[d] = (int64_t)((d - r - 1 + 2 * R) % R) * cap;
     if (count) {
@@ -59,8 +60,9 @@ int dispatch_validate(op_t *op, int count, int fill) {
         uint64_t seen_dst = 0; /* R <= 64 enforced at init */
         gen++;
         for (int k = 0; k < K; k++) {
-            int64_t e = row[k];
+            int64_t e = row[k]; /* read once: what is checked is what is copied */
             ridx[t * K + k] = (int32_t)e;
+            if (copy) copy[t * K + k] = e;
             if (e < 0) {
                 if (check && e != -1) { g->stamp_gen = gen; return bad_expert(op, t, k, e, 0); }
                 continue;
@@ -101,6 +103,10 @@ int dispatch_validate(op_t *op, int count, int fill) {
         }
     }
     g->stamp_gen = gen;
+    if (copy) { /* every later reader (count tasks, the handle) reads the copy */
+        op->topk = copy;
+        op->topk_copy = NULL;
+    }
     if (!count) return 0;
     if (expert)
         for (int d = 0; d < R; d++) rows_to[d] = units_to[d];

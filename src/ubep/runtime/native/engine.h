@@ -205,6 +205,9 @@ typedef struct op {
     int quant;            /* this call quantises x_in into qstage (ph_d_quant) */
     int64_t ntok;
     const int64_t *topk;
+    /* the one-call path: the owned copy of topk_idx (the handle's), written by validation in
+     * its one pass over the caller's array; op->topk then points at it */
+    int64_t *topk_copy;
     const float *w;
     plan_t plan; /* ASP: the cores' tasks (calls.c reads it from ubep.sched's Plan) */
     int checked; /* topk_idx was validated by ubep.sched (the plan's units): range and

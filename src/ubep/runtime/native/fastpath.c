@@ -467,13 +467,14 @@ PyObject *engine_dispatch_fast(engine_t *g, PyObject *args) {
         PyErr_Clear(); /* allocates (and fails, if it must) before the call, a clean reject */
         Py_RETURN_NONE;
     }
-    /* owned copies: the handle keeps them, the caller may reuse its arrays */
-    memcpy(o.idx, PyArray_DATA((PyArrayObject *)a.topk_idx), (size_t)ntok * g->K * 8);
+    /* owned copies: the handle keeps them, the caller may reuse its arrays. topk_idx's is
+     * written by validation as it reads the caller's array (one pass over it per call) */
     memcpy(o.w, PyArray_DATA((PyArrayObject *)a.topk_weights), (size_t)ntok * g->K * 4);
     a.num_tokens = ntok;
     a.prequant = 0;
     a.out[0] = NULL; /* the blocks' parts, directly */
-    a.direct.topk = o.idx; a.direct.w = o.w;
+    a.direct.topk = PyArray_DATA((PyArrayObject *)a.topk_idx);
+    a.direct.topk_copy = o.idx; a.direct.w = o.w;
     a.direct.o_idx = o.o_idx; a.direct.o_w = o.o_w;
     a.direct.o_src_rank = o.meta; a.direct.o_src_tok = o.meta + g->cap_rows;
     a.direct.o_src_k = o.meta + 2 * g->cap_rows;
