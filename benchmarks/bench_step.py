@@ -226,7 +226,7 @@ def _cold_samples(group: Any, size_bytes: int, evict: np.ndarray) -> tuple[list[
 def _run_case(group: Any, buf: Any, case: Case, model: Model, steps: int, warmup: int,
               evict: np.ndarray, w_up: np.ndarray, w_down: np.ndarray) -> dict[str, Any]:
     """One case on this rank: per step its times (ns) and the engine's trace; the cold floor's
-    copies."""
+    copies and the cold calls."""
     r = group.rank
     cold, cold_call = _cold_samples(group, _bytes_per_rank(case), evict)
     x, w = _tokens(case, model, r)
