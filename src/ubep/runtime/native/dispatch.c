@@ -29,8 +29,9 @@ void batch_ranks(engine_t *g, int d) {
 }
 
 /* One pass over topk_idx: validate it (range, duplicates; not again when ubep.sched built the
- * plan's units from it), copy the routing into this rank's private route copy (int32), check the SP
- * sentinel, and with `count` count per expert and per destination; with `fill` also fill every
+ * plan's units from it), copy the routing into this rank's private route copy (int32) and, on
+ * the one-call path, into the handle's owned copy (op->topk_copy), check the SP sentinel, and
+ * with `count` count per expert and per destination; with `fill` also fill every
  * destination's bucket (count_dst's work for all of them at once; a plan with units needs no
  * buckets). Nothing a peer can see is written here. */
 int dispatch_validate(op_t *op, int count, int fill) {
