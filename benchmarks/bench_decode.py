@@ -92,19 +92,13 @@ class _Timed:
     def _call(self, kind: str, *args: Any) -> Any:
         return self._call_as(kind, kind, *args)
 
+    # the engine's one door (ubep.plane.Engine): on a blocking call of exact arrays the native
+    # span also builds the result objects
     def dispatch(self, *args: Any) -> Any:
         return self._call("dispatch", *args)
 
     def combine(self, *args: Any) -> Any:
         return self._call("combine", *args)
-
-    # the one-call path of blocking calls (runtime/native/fastpath.c): its native span also
-    # builds the result objects that the general path builds in python_post
-    def dispatch_fast(self, *args: Any) -> Any:
-        return self._call_as("dispatch", "dispatch_fast", *args)
-
-    def combine_fast(self, *args: Any) -> Any:
-        return self._call_as("combine", "combine_fast", *args)
 
     def _call_as(self, kind: str, method: str, *args: Any) -> Any:
         t0 = time.perf_counter_ns()

@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 import struct
 
-from ubep.runtime.abi import HDR_PID as _PID_OFFSET
-from ubep.runtime.reaper import alive
+from ubep.plane.liveness import alive
+from ubep.plane.records import HDR_PID as _PID_OFFSET
 from ubep.runtime.shm import SHM_DIR
 
 __all__ = ["leaked_since", "ubep_segments"]

@@ -319,7 +319,7 @@ class _FaultRank:
         if kind == "sigstop" and r == 0:
             target = (_stop_peer, self.group.peers[fault.rank].pid, fault)
         elif kind == "garbage" and r == fault.rank:
-            target = (_write_garbage, buf._segments[fault.peer].array, buf.layout, fault)
+            target = (_write_garbage, buf._memory.segments[fault.peer].array, buf.layout, fault)
         elif kind == "thread" and r == fault.rank:
             target = (self._second_thread, buf, second)
         elif kind == "thread" and r == fault.peer:

@@ -84,6 +84,10 @@ class BufferConfig:
         sync: ``"sw"``, ``"tff"``, ``"dc"`` or ``"sp"`` (docs/FORMATS.md; SP needs a float
             payload: 1-byte types have no free sentinel), or ``"auto"`` (the default): the
             fastest on this kind of machine, resolved at construction (:data:`AUTO_SYNC`).
+        transport: the engine's registry row (``ubep.plane.open_engine``): ``"shm"`` (the
+            native engine, one host), ``"mpi"`` (the MPI RMA engine) or a registered one;
+            ``None`` (the default): the group's memory's own (``"shm"`` where every peer is
+            load/store reachable).
         integrity: ``"off"`` (the default) or ``"checksum"``: every row's sender writes a
             64-bit checksum of it (with the call and the row's position) beside the row, its
             receiver checks it, in dispatch (the rows in ``recv_x``) and in combine (the expert
@@ -131,6 +135,7 @@ class BufferConfig:
     engine: Engine = "asp"
     sync: SyncChoice = "auto"
     integrity: Integrity = "off"
+    transport: str | None = None
     # --- execution
     num_cores: int | None = None
     threads: bool | None = None
@@ -223,6 +228,10 @@ class BufferConfig:
         _choice("engine", self.engine, ENGINES)
         _choice("sync", self.sync, (*SYNCS, "auto"))
         _choice("integrity", self.integrity, INTEGRITY)
+        if self.transport is not None and not (isinstance(self.transport, str) and
+                                               self.transport):
+            raise InvalidArgumentError("transport", self.transport,
+                                       "must be None or a registered engine's name")
         if self.sync == "auto":
             object.__setattr__(self, "sync", AUTO_SYNC)
         if self.sync == "sp" and self.quant is not None:

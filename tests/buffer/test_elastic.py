@@ -212,7 +212,7 @@ def _serve(group: Any, case: Case, fault: str, out: str, plan: Plan = Plan()) ->
             _kill_when(progress, LOSS_AT, 1e-3 * modes.SYNCS.index(case.sync))
         for i in range(plan.calls):
             progress[0] = i
-            names.update(seg.name for seg in buf._inner._segments)
+            names.update(seg.name for seg in buf._inner._memory.segments)
             if i == plan.join_at:
                 newcomer = _start_newcomer(group, case, plan, out) if r == 0 else None
                 assert buf.admit([VICTIM], timeout_s=30.0) == (VICTIM,)
@@ -236,7 +236,7 @@ def _serve(group: Any, case: Case, fault: str, out: str, plan: Plan = Plan()) ->
                 if r == 0:
                     os.kill(group.peers[VICTIM].pid, signal.SIGCONT)
                 time.sleep(2.5 * cfg.timeout_s)  # the woken rank runs into the old segments
-        names.update(seg.name for seg in buf._inner._segments)
+        names.update(seg.name for seg in buf._inner._memory.segments)
         if r == VICTIM:
             time.sleep(30)  # a victim that outran its killer thread dies here
     if newcomer is not None:

@@ -76,7 +76,7 @@ def _worker_lifecycle(group: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"errors": []}
     cfg_a, cfg_b = A.config(16), B.config(24)
     buf_a, buf_b = Buffer(group, cfg_a), Buffer(group, cfg_b)
-    out["size_hint"] = buf_a._segments[group.rank].size == Buffer.size_hint(cfg_a, 2)
+    out["size_hint"] = buf_a._memory.segments[group.rank].size == Buffer.size_hint(cfg_a, 2)
     r = group.rank
     views = []
     for i in range(30):  # interleaved calls on two Buffers
@@ -166,13 +166,13 @@ def test_config_must_match_on_every_rank() -> None:
 def _inbox(buf: Buffer, src: int, epoch: int) -> np.ndarray:
     lay = buf.layout
     off = lay.off_inbox + (src * 2 + epoch % 2) * lay.inbox_bytes
-    return buf._segments[buf.rank].array[off: off + lay.inbox_bytes]
+    return buf._memory.segments[buf.rank].array[off: off + lay.inbox_bytes]
 
 
 def _land(buf: Buffer, index: int) -> np.ndarray:
     lay = buf.layout
     off = lay.off_land + (index % lay.num_regions) * lay.land_bytes
-    return buf._segments[buf.rank].array[off: off + lay.land_bytes]
+    return buf._memory.segments[buf.rank].array[off: off + lay.land_bytes]
 
 
 def _worker_formats(group: Any) -> dict[str, bool]:

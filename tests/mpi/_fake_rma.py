@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 
 from ubep import topology as topo
-from ubep.mpi.engine import RmaEngine
 from ubep.mpi.watchdog import CallRunner
 
 
@@ -120,6 +119,7 @@ class FakeMemory:
         self.group = group
         self.index = index
         self.addresses = None
+        self.transport = "mpi"
         self.local_array = group.world.region(index, group.rank, size_bytes)
         self.pids = group.pids
         self.start_times = group.start_times
@@ -130,9 +130,6 @@ class FakeMemory:
 
     def close(self) -> None:
         pass
-
-    def make_engine(self, config: Any, layout: Any) -> RmaEngine:
-        return RmaEngine(config, layout, self)  # type: ignore[arg-type]
 
     def _issue(self, dst: int, op: Callable[[], None]) -> None:
         flag = [False]

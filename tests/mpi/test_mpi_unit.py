@@ -220,7 +220,7 @@ def test_rma_failure_after_completion_turns_the_result_into_an_error() -> None:
     def body(g: Any) -> Any:
         with Buffer(g, _cfg()) as buf:
             seen = _recording(buf)
-            eng = buf._engine
+            eng = buf._engine.kernel  # the RMA engine under the host-memory adapter
             xs, idxs, ws = _inputs(3)
             if g.rank == 0:
                 finish = eng._finish

@@ -17,8 +17,9 @@ from ubep.errors import (
     TimeoutError,
     UbepError,
 )
+from ubep.plane import records
+from ubep.plane.layout import compute_layout
 from ubep.runtime import _native, abi  # type: ignore[attr-defined]
-from ubep.runtime.layout import compute_layout
 
 
 def test_native_exports_equal_abi() -> None:
@@ -33,12 +34,12 @@ def test_native_exports_equal_abi() -> None:
 
 
 @pytest.mark.parametrize("name", ["ABI", "SYNCS", "QUANTS", "OFFSETS", "PARAMS", "TRACE",
-                                  "POLICIES"])
+                                  "POLICIES", "FIELDS"])
 def test_a_stale_build_is_refused_by_name(name: str) -> None:
     native = abi.load_native()
     fake = types.SimpleNamespace(**{k: getattr(native, k) for k in (
         "ABI", "ERRORS", "DTYPES", "SYNCS", "ENGINES", "LAYOUTS", "QUANTS", "OFFSETS",
-        "PARAMS", "TRACE", "POLICIES")})
+        "PARAMS", "TRACE", "POLICIES", "FIELDS")})
     abi.check_native(fake)  # a faithful copy passes
     value = getattr(fake, name)
     if isinstance(value, dict):
@@ -66,15 +67,15 @@ def test_engine_params_have_exactly_the_native_keys() -> None:
 
 @pytest.mark.parametrize(
     ("code", "cls"),
-    [(abi.E_BAD_INPUT, InvalidArgumentError), (abi.E_TIMEOUT, TimeoutError),
-     (abi.E_PEER_LOST, PeerLostError), (abi.E_REMOTE, RemoteError),
-     (abi.E_INTERNAL, UbepError), (abi.E_LOST, OutOfStepError)],
+    [(records.E_BAD_INPUT, InvalidArgumentError), (records.E_TIMEOUT, TimeoutError),
+     (records.E_PEER_LOST, PeerLostError), (records.E_REMOTE, RemoteError),
+     (records.E_INTERNAL, UbepError), (records.E_LOST, OutOfStepError)],
 )
 def test_error_record_becomes_its_exception(code: int, cls: type[UbepError]) -> None:
-    rec = abi.ErrorRecord(code, 1, abi.E_BAD_INPUT, "x", "what", "17")
+    rec = records.ErrorRecord(code, 1, records.E_BAD_INPUT, "x", "what", "17")
     exc = rec.to_exception(0)
     assert type(exc) is cls
-    assert rec.clean == (code in (abi.E_BAD_INPUT, abi.E_REMOTE))
+    assert rec.clean == (code in (records.E_BAD_INPUT, records.E_REMOTE))
 
 
 # --- control-record checksums (abi.h), against their sequential definition -----------------

@@ -19,8 +19,8 @@ from tests._runtime_support import Case, bits, compare, make_inputs
 from ubep import modes, reference
 from ubep.buffer import Buffer
 from ubep.errors import UbepError
+from ubep.plane.records import CI_BYTES, FAIL_BYTES, IN_COUNTS, LINE_BYTES, ROUTE_IDX
 from ubep.runtime import launch
-from ubep.runtime.abi import CI_BYTES, FAIL_BYTES, IN_COUNTS, LINE_BYTES, ROUTE_IDX
 
 # phase lists of phases.c: (kind 0 = dispatch, 1 = combine) -> number of phases
 PHASES = {("asp", 0): 5, ("bsp", 0): 11, ("asp", 1): 4, ("bsp", 1): 6}

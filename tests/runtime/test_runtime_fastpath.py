@@ -30,7 +30,7 @@ class _Spy:
 
     def __init__(self, engine: Any) -> None:
         self._engine = engine
-        self.ran = {"dispatch_fast": 0, "combine_fast": 0}
+        self.ran = {"dispatch": 0, "combine": 0}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
@@ -40,11 +40,11 @@ class _Spy:
         self.ran[name] += got is not None
         return got
 
-    def dispatch_fast(self, *args: Any) -> Any:
-        return self._count("dispatch_fast", *args)
+    def dispatch(self, *args: Any) -> Any:
+        return self._count("dispatch", *args)
 
-    def combine_fast(self, *args: Any) -> Any:
-        return self._count("combine_fast", *args)
+    def combine(self, *args: Any) -> Any:
+        return self._count("combine", *args)
 
 
 def _same(a: Any, b: Any, name: str) -> list[str]:
@@ -141,7 +141,7 @@ def test_fast_path_equals_general_path(layout: str, sync: str, quant: str | None
     for got in launch(_worker, 2, layout, sync, quant, cores, timeout_s=120):
         assert got["errors"] == [], "\n".join(got["errors"])
         # every blocking call of exact arrays took the fast path; the others did not
-        assert got["ran"] == {"dispatch_fast": 3, "combine_fast": 3}
+        assert got["ran"] == {"dispatch": 3, "combine": 3}
         assert got["caught"] == ["x", "topk_weights", "topk_idx", "handle", "handle"]
         assert got["y_shape"] == (4, H)
 
@@ -197,7 +197,7 @@ def _worker_review(group: Any) -> dict[str, Any]:
     out["next_call_right"] = testing.check_call(buf, xs, idxs, ws, 3) == []
     # close() drops every mapping of the segments, the engine's views included, while the
     # Buffer object itself is still referenced
-    names = [seg.name for seg in buf._segments]
+    names = [seg.name for seg in buf._memory.segments]
     del res, forged  # the caller's own views (recv_x) keep a mapping alive, by design
     buf.close()
     with open("/proc/self/maps") as f:

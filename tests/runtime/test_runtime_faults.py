@@ -73,7 +73,7 @@ def _worker_bad_input(group: Any) -> dict[str, Any]:
         # the region the rejected call would land in: no call has used it yet (SP rows land in
         # recv_x itself, one region per dispatch index mod num_regions)
         off = lay.off_land + (buf._num_dispatches % lay.num_land_regions) * lay.land_bytes
-        land = buf._segments[r].array[off: off + lay.land_bytes]
+        land = buf._memory.segments[r].array[off: off + lay.land_bytes]
         slots = land[: lay.cap_rows * lay.slot_bytes].reshape(lay.cap_rows, lay.slot_bytes)
         log["range"] = _outcome(lambda: call(idx=bad if r == 1 else None))
         # nothing reached this rank's landing slots: every slot still holds only the sentinel
@@ -161,7 +161,7 @@ def test_missing_peer_times_out_naming_rank_and_core_then_recovers() -> None:
 def _worker_killed(group: Any, stamp: str) -> tuple[str, float]:
     cfg = Case("asp", "sp", "rank", "bf16", 3, 2048, "uniform").config(64)
     with Buffer(group, cfg) as buf:
-        names = [seg.name for seg in buf._segments]  # every rank's segment, as mapped here
+        names = [seg.name for seg in buf._memory.segments]  # every rank's segment, as mapped here
         Path(f"{stamp}.names").write_text("\n".join(names))
         xs, idxs, ws = make_inputs(Case("asp", "sp", "rank", "bf16", 3, 2048, "uniform"),
                                    cfg.num_experts, [64, 64, 64], 9, "uniform")

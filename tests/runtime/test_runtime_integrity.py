@@ -201,7 +201,7 @@ def _worker_stored(group: Any) -> list[str]:
             reg = buf._num_dispatches % lay.num_regions
             xs, idxs, ws = make_inputs(case, cfg.num_experts, [8, 8], buf._epoch + 1, "uniform")
             res = buf.dispatch(xs[group.rank], idxs[group.rank], ws[group.rank])
-            seg = buf._segments[group.rank].array
+            seg = buf._memory.segments[group.rank].array
             at = lay.off_rsum + reg * lay.rsum_bytes
             stored = seg[at:at + 8 * len(res.recv_x)].view("<u8").tolist()
             rows = [np.ascontiguousarray(res.recv_x[p]).tobytes() for p in range(len(res.recv_x))]

@@ -292,7 +292,7 @@ def _worker_bad_values(group: Any) -> dict[str, Any]:
         if r == 1:
             lay = buf.layout
             epoch = buf._epoch + 1
-            f = buf._segments[1].array[lay.off_fail + (epoch & 1) * 512:]
+            f = buf._memory.segments[1].array[lay.off_fail + (epoch & 1) * 512:]
             msg = b"\xff\xfe invalid utf-8 \xc3\x28 garbage"
             f[16: 16 + len(msg)] = np.frombuffer(msg, np.uint8)
             f[8:16] = np.frombuffer(np.uint64(len(msg) | 4 << 32).tobytes(), np.uint8)
@@ -368,7 +368,7 @@ def _worker_garbage(group: Any, sync: str) -> list[str]:
         lay = buf.layout
         stop = threading.Event()
         if group.rank == 0:
-            peer = buf._segments[1].array
+            peer = buf._memory.segments[1].array
             ctrl = peer[lay.off_fail: lay.off_land]  # notices, progress, inboxes, routing
             rng = np.random.default_rng(11)
 

@@ -1,4 +1,4 @@
-"""ASP TFF lands in place (ubep.runtime.layout): rows go straight into ``recv_x`` and each
+"""ASP TFF lands in place (ubep.plane.layout): rows go straight into ``recv_x`` and each
 block's epoch word into a double-buffered word array, so nothing is staged or copied twice.
 
 Checked against ``ubep.reference`` bit for bit: the segment holds no staging region; a
@@ -17,8 +17,8 @@ import pytest
 from ubep import reference, testing
 from ubep.buffer import Buffer, BufferConfig
 from ubep.flags import TffCodec
+from ubep.plane.layout import compute_layout
 from ubep.runtime import launch
-from ubep.runtime.layout import compute_layout
 
 TOPK, EXPERTS, TOKENS = 4, 8, 12
 

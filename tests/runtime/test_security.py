@@ -3,7 +3,7 @@ writes into shared memory (counts, routing, expert-output descriptors) are bound
 they become positions.
 
 A corrupted peer is played by a rank that, instead of calling dispatch/combine, writes forged
-control words straight into the shared segments (record placement from ``ubep.runtime.layout``,
+control words straight into the shared segments (record placement from ``ubep.plane.layout``,
 offsets inside records from ``ubep.runtime.abi``, docs/FORMATS.md). The victim calls the engine with
 output arrays that sit inside larger canary-filled arrays, so a write past the end is seen.
 (Mode 0600, name format, size/group/owner checks: tests/test_runtime_launch.py.)
@@ -21,11 +21,10 @@ import numpy as np
 import pytest
 
 from ubep.buffer import Buffer, BufferConfig
-from ubep.engine import DispatchCall
 from ubep.errors import RankFailedError, UbepError
 from ubep.modes import LAYOUTS
-from ubep.runtime import _native, launch  # type: ignore[attr-defined]
-from ubep.runtime.abi import (
+from ubep.plane import DispatchCall
+from ubep.plane.records import (
     CI_BYTES,
     CI_EPOCH,
     CI_INDEX,
@@ -45,7 +44,8 @@ from ubep.runtime.abi import (
     ROUTE_SUM,
     ErrorRecord,
 )
-from ubep.runtime.abi import IN_COUNTS as INBOX_COUNTS
+from ubep.plane.records import IN_COUNTS as INBOX_COUNTS
+from ubep.runtime import _native, launch  # type: ignore[attr-defined]
 from ubep.runtime.shm import SHM_DIR, Segment
 
 GID = b"g" * 16
@@ -174,7 +174,7 @@ def _forge_dispatch(buf: Buffer, epoch: int, index: int, counts: list[int], rows
     format, checksums included: what is tested is the bounds checks behind them."""
     lay, cfg = buf.layout, buf.config
     par, reg = epoch & 1, index % lay.num_regions
-    seg0, seg1 = buf._segments[0].array, buf._segments[1].array
+    seg0, seg1 = buf._memory.segments[0].array, buf._memory.segments[1].array
     ib = lay.off_inbox + (1 * 2 + par) * lay.inbox_bytes  # inbox of rank 0 from rank 1
     cnt = np.array(counts, "<u4")
     seg0[ib + INBOX_COUNTS: ib + INBOX_COUNTS + 4 * len(counts)] = cnt.view(np.uint8)
@@ -239,8 +239,9 @@ def _worker_forged_routing(group: Any, layout: str) -> dict[str, Any]:
             meta = [_guarded((cap,), np.int64, spare) for _ in range(3)]
             counts, counts_all = _guarded((L + R,), np.int64, spare)
             o_dst = np.empty((T, K if layout == "expert" else R), np.int64)
-            got = buf._engine.dispatch(DispatchCall(x, idx, w, T, 1, 0, o_idx, o_w, meta[0][0],
-                                                    meta[1][0], meta[2][0], counts, o_dst))
+            got = buf._engine.kernel.run_dispatch(DispatchCall(
+                x, idx, w, T, 1, 0, o_idx, o_w, meta[0][0], meta[1][0], meta[2][0], counts,
+                o_dst))
             out["error"] = got if isinstance(got, ErrorRecord) else None
             tails = [a.view(np.uint8)[-spare * a.itemsize:] for a in
                      (idx_all, w_all, counts_all, *(m[1] for m in meta))]
@@ -292,7 +293,7 @@ def _worker_forged_combine_descriptor(group: Any, what: str) -> str:
         group.barrier(30)
         result = ""
         if group.rank == 1:  # publish a descriptor for combine (epoch 2) instead of calling it
-            seg1 = buf._segments[1].array
+            seg1 = buf._memory.segments[1].array
             ci = buf.layout.off_comb_info + (2 & 1) * CI_BYTES
             lay = buf.layout
             off, rows = {

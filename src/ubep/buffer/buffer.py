@@ -21,7 +21,7 @@ makes dispatch one memcpy in every ASP sync mode). It stays valid until the seco
 is called (the view of dispatch ``n`` survives dispatch ``n+1``; dispatch ``n+2`` may reuse its
 memory, and SP re-arms it then). Pass ``copy=True`` for an owned array. Every other field, the
 handle included, is an owned array. With TFF each block's epoch word lands beside the rows, in a
-word array of its own (ubep.runtime.layout).
+word array of its own (ubep.plane.layout).
 
 Combine reads the expert outputs where they lie: if ``expert_out`` already lives in this rank's
 segment (``buf.get_combine_buffer(handle)``, or ``res.recv_x`` itself) nothing is copied;
@@ -32,7 +32,6 @@ one pass (float32 accumulation in the reference's order).
 from __future__ import annotations
 
 import dataclasses
-import os
 import secrets
 import threading
 from typing import Any, ClassVar, Literal, cast, overload
@@ -42,18 +41,18 @@ import numpy as np
 from .. import dtypes as _dt
 from .. import quant as _quant
 from ..config import BufferConfig
-from ..engine import CombineCall, DispatchCall
 from ..errors import InvalidArgumentError, RemoteError, UbepError
-from ..handle import DispatchHandle, DispatchResult, PendingCall, RuntimeHandle
 from ..m2n import logical_result, physical_config, slot_shift
+from ..plane.protocol import PLAIN, CallOptions, EngineSpec, ProcessGroup
+from ..plane.records import ErrorRecord
+from ..plane.registry import open_engine
+from ..plane.results import DispatchHandle, DispatchResult, PendingCall, RuntimeHandle
 from ..routing import experts_per_rank
-from ..runtime.abi import ErrorRecord, engine_params, load_native
-from ..runtime.group import ProcessGroup
 from ..sched import CoreSplit, ScheduleSpec, core_split, schedule_spec
 from ..torch_bridge import as_process_group
 from .checks import ArgChecks
 from .inflight import InFlightCalls
-from .regions import combine_region, int64_outputs, layout_of, new_frozen, rows_view
+from .regions import layout_of
 from .replicas import LogicalRouting
 from .state import AFTER as _AFTER
 from .state import BEFORE as _BEFORE
@@ -72,7 +71,7 @@ class Buffer(InFlightCalls, ArgChecks):
         group: the ranks: a ``torch.distributed`` process group (the world or a
             ``new_group`` subgroup, under torchrun; ranks in the group's order), a
             :class:`~ubep.runtime.group.Group` (``ubep.launch``) or any
-            :class:`~ubep.runtime.group.ProcessGroup` (``ubep.mpi.init()`` under mpiexec).
+            :class:`~ubep.plane.ProcessGroup` (``ubep.mpi.init()`` under mpiexec).
         config: :class:`BufferConfig` (must be equal on every rank).
     """
 
@@ -118,7 +117,6 @@ class Buffer(InFlightCalls, ArgChecks):
         self._dead = None  # a peer died: refused for good
         self._lost = None  # out of step: refused until resync()
         self._closed = False
-        self._segments = []
         self._memory = None
         self._engine = None
         self._in_flight = []  # split-phase calls awaiting their hook, in order
@@ -180,7 +178,6 @@ class Buffer(InFlightCalls, ArgChecks):
         self._dtype = _dt.dtype_of(config.dtype)
         self._cdtype = _dt.dtype_of(config.combine_dtype)
         self.layout = layout_of(config, self.num_ranks, self.num_cores)
-        self._native = load_native()
         # redundant experts: a caller's logical topk_idx -> the physical slots sent to
         # (ubep.expert_map); a masking Buffer installs its own over its members' Buffer
         self._route = None if config.expert_map is None else LogicalRouting(
@@ -188,60 +185,24 @@ class Buffer(InFlightCalls, ArgChecks):
             self.group.topology.hop_matrix()[self.rank], config.num_topk)
 
     def _setup(self) -> None:
-        g, lay = self.group, self.layout
+        g, lay, cfg = self.group, self.layout, self._cfg
         mem = g.map_global(lay.size_bytes, "buffer")
         self._memory = mem
-        self._segments = list(getattr(mem, "segments", []))
-        cores = self.num_cores
-        threads = self._cfg.threads
-        if threads is None:
-            threads = cores * self.num_ranks <= (os.cpu_count() or 1)
-        if mem.addresses is not None:
-            background = self._cfg.background
-            if background is None:
-                background = (cores + 1) * self.num_ranks <= (os.cpu_count() or 1)
-            params = engine_params(self._cfg, lay, rank=self.rank, num_ranks=self.num_ranks,
-                                   num_cores=cores, threaded=bool(threads) and cores > 1,
-                                   background=background)
-            self._engine = self._native.Engine(params, mem.addresses, mem.pids, mem.start_times)
-        else:
-            if self._cfg.integrity != "off":  # the same on every rank: all peers remote
-                raise InvalidArgumentError(
-                    "integrity", self._cfg.integrity,
-                    "row checksums are implemented by the one-host engine only (docs/INTEGRITY.md)")
-            self._engine = mem.make_engine(self._cfg, lay)  # peers on other hosts (ubep.mpi)
+        # the engine of the config's transport (the memory's by default): a registry row, no
+        # question asked of the memory or the engine
+        values = self._dtype.storage if cfg.quant is None else _quant.FORMATS[cfg.quant].storage
+        self._engine = open_engine(mem, EngineSpec(
+            config=cfg, layout=lay, rank=self.rank, num_ranks=self.num_ranks,
+            num_cores=self.num_cores, uid=self._uid, dtype_name=self._dtype.name,
+            values=np.dtype(values), combine_storage=np.dtype(self._cdtype.storage),
+            scale_cols=0 if cfg.quant is None else cfg.hidden // _quant.QUANT_BLOCK))
+        # an engine that takes a blocking call's arrays unchecked is offered them first
+        self._fast = self._engine if self._engine.takes_unchecked else None
         self._engine.reset_all()
         # Every peer has mapped every segment once this barrier completes: unlink the names so
         # nothing survives a crash from here on.
-        g.barrier(self._cfg.timeout_s)
+        g.barrier(cfg.timeout_s)
         mem.unlink()
-        seg = mem.local_array
-        self._out_regions = [
-            seg[lay.off_out + i * lay.out_bytes: lay.off_out + (i + 1) * lay.out_bytes]
-            for i in range(lay.num_regions)
-        ]
-        # Full-capacity read-only recv_x views, sliced per call (building one costs ~2 us);
-        # quantised rows: the values, and the float32 scales after them in each row
-        cfg = self._cfg
-        values = self._dtype.storage if cfg.quant is None else _quant.FORMATS[cfg.quant].storage
-        self._recv_views = [rows_view(r, lay, values, 0, cfg.hidden) for r in self._out_regions]
-        self._scale_views = [] if cfg.quant is None else [
-            rows_view(r, lay, np.dtype(np.float32), cfg.hidden, cfg.hidden // _quant.QUANT_BLOCK)
-            for r in self._out_regions
-        ]
-        self._comb_regions = [
-            seg[lay.off_comb + i * lay.comb_bytes: lay.off_comb + (i + 1) * lay.comb_bytes]
-            for i in range(2)
-        ]
-        if hasattr(self._engine, "set_fast"):  # the native engine's one-call path
-            self._fast = self._engine
-            self._fast.set_fast(
-                DispatchResult, RuntimeHandle,
-                {"buffer_uid": self._uid, "rank": self.rank, "layout": cfg.layout,
-                 "hidden": cfg.hidden, "num_ranks": self.num_ranks,
-                 "num_experts": cfg.num_experts, "x_dtype": self._dtype.name},
-                self._recv_views, self._scale_views or None, self._dtype.storage,
-                self._cdtype.storage)
 
     @staticmethod
     def size_hint(config: BufferConfig, num_ranks: int, num_cores: int | None = None) -> int:
@@ -313,8 +274,8 @@ class Buffer(InFlightCalls, ArgChecks):
                         index = self._num_dispatches
                         self._num_dispatches = index + 1
                         try:
-                            got = fast.dispatch_fast(x, topk_idx, topk_weights, epoch, index,
-                                                     self._generation, plan)
+                            got = fast.dispatch(x, topk_idx, topk_weights, epoch, index,
+                                                self._generation, plan)
                             if type(got) is ErrorRecord:
                                 raise self._error(got)
                         except BaseException as exc:
@@ -348,44 +309,18 @@ class Buffer(InFlightCalls, ArgChecks):
         epoch = self._epoch
         index = self._num_dispatches
         self._num_dispatches += 1
+        split = hook or bool(self._in_flight)
+        opts = CallOptions(split, copy, x_scales is not None) if (
+            split or copy or x_scales is not None) else PLAIN
         stage = _BEFORE
         try:
             if self._route is not None:  # logical ids -> physical slots (checked: a clean reject)
                 topk_idx = self._route(topk_idx)
-            fast = self._fast
-            # a call the one native call can take was offered to it already, in
-            # Buffer.dispatch (not again here)
-            offered = self._one_call and self._route is None
-            if fast is not None and not (copy or hook or self._in_flight or offered) and (
-                    x_scales is None):
-                # the blocking call with an expert map or M2N ids: checked,
-                # run and its result built in one native call; None: not its case (other types,
-                # bad input), nothing was done
-                plan = self._split_plan(x)
-                if plan is not _NO_SPLIT:
-                    stage = _NATIVE
-                    got = self._fast_answer(fast.dispatch_fast(
-                        x, topk_idx, topk_weights, epoch, index, self._generation, plan))
-                    if got is not None:
-                        if self.expert_ranks is not None:  # M2N: the caller's ids
-                            logical_result(got, self._no_experts, self._m2n_shift)
-                        return got
-                    stage = _BEFORE
             xa, idx, w = self._check_dispatch_args(x, topk_idx, topk_weights, x_scales)
             plan = self._plan(idx)
-            cfg, lay = self._cfg, self.layout
-            ntok = xa.shape[0]
-            cap, K, L, R = lay.cap_rows, cfg.num_topk, self.num_local_experts, self.num_ranks
-            expert = cfg.layout == "expert"
-            o_idx, meta, counts, o_dst = int64_outputs(cap, K, L, R, ntok, expert)
-            o_w = np.empty(cap if expert else (cap, K), np.float32)
             stage = _NATIVE
-            got = self._engine.dispatch(DispatchCall(
-                x=xa, topk_idx=idx, topk_weights=w, num_tokens=ntok, epoch=epoch, index=index,
-                recv_topk_idx=o_idx, recv_topk_weights=o_w, recv_src_rank=meta[0],
-                recv_src_token=meta[1], recv_src_k=meta[2], counts=counts, send_dst_row=o_dst,
-                plan=plan, split=hook or bool(self._in_flight), prequant=x_scales is not None,
-            ))
+            # the one engine call: its result built by the engine (None: the first half ran)
+            got = self._engine.dispatch(xa, idx, w, epoch, index, self._generation, plan, opts)
             stage = _AFTER
             if type(got) is ErrorRecord:
                 raise self._error(got)
@@ -397,60 +332,13 @@ class Buffer(InFlightCalls, ArgChecks):
                 # rejected as cleanly, did not count one either)
                 self._num_dispatches = index
             raise err from None
+        return self._issued("dispatch", epoch, got, self._logical, hook, index)
 
-        def finish(n: int) -> DispatchResult[RuntimeHandle]:
-            return self._dispatch_result(n, index, ntok, copy, o_idx, o_w, meta, counts, o_dst,
-                                         idx, w)
-
-        return self._issued("dispatch", epoch, got, finish, hook, index)
-
-    def _dispatch_result(
-        self, n: int, index: int, ntok: int, copy: bool, o_idx: np.ndarray, o_w: np.ndarray,
-        meta: np.ndarray, counts: np.ndarray, o_dst: np.ndarray, idx: np.ndarray, w: np.ndarray,
-    ) -> DispatchResult[RuntimeHandle]:
-        cfg, lay = self._cfg, self.layout
-        L, R = self.num_local_experts, self.num_ranks
-        recv_x = self._recv_views[index % lay.num_regions][:n]
-        scales = self._scale_views[index % lay.num_regions][:n] if self._scale_views else None
-        if copy:
-            recv_x = recv_x.copy()
-            scales = None if scales is None else scales.copy()
-        # shared by the result and the handle, and what combine trusts: not writable
-        for owned in (meta, o_dst, idx, w):
-            owned.flags.writeable = False
-        src_rank, src_token, src_k = meta[0, :n], meta[1, :n], meta[2, :n]
-        handle = new_frozen(
-            RuntimeHandle,
-            layout=cfg.layout,
-            rank=self.rank,
-            num_ranks=R,
-            num_experts=cfg.num_experts,
-            num_tokens=ntok,
-            hidden=cfg.hidden,
-            x_dtype=self._dtype.name,
-            topk_idx=idx,
-            topk_weights=w,
-            recv_src_rank=src_rank,
-            recv_src_token=src_token,
-            recv_src_k=src_k,
-            num_recv_rows_per_rank=counts[L:],
-            send_dst_row=o_dst,
-            dispatch_index=index,
-            buffer_uid=self._uid,
-            generation=self._generation,
-        )
-        return new_frozen(
-            DispatchResult,
-            recv_x=recv_x,
-            recv_topk_idx=o_idx[:n] + self._m2n_shift if self._m2n_shift else o_idx[:n],
-            recv_topk_weights=o_w[:n],
-            num_recv_tokens_per_expert=counts[:0 if self._no_experts else L],
-            recv_src_rank=src_rank,
-            recv_src_token=src_token,
-            recv_src_k=src_k,
-            handle=handle,
-            recv_x_scales=scales,
-        )
+    def _logical(self, res: DispatchResult[RuntimeHandle]) -> DispatchResult[RuntimeHandle]:
+        """M2N: a result in the caller's numbering (the engine runs physical slots)."""
+        if self.expert_ranks is not None:
+            logical_result(res, self._no_experts, self._m2n_shift)
+        return res
 
     @overload
     def combine(
@@ -492,7 +380,7 @@ class Buffer(InFlightCalls, ArgChecks):
                     epoch = self._epoch = self._epoch + 1
                     index = self._num_dispatches
                     try:
-                        y = fast.combine_fast(expert_out, handle, epoch, self._generation, index)
+                        y = fast.combine(expert_out, handle, epoch, self._generation, index)
                         if type(y) is ErrorRecord:
                             raise self._error(y)
                     except BaseException as exc:
@@ -514,28 +402,21 @@ class Buffer(InFlightCalls, ArgChecks):
         self._check_in_flight()
         self._epoch += 1
         epoch = self._epoch
+        split = hook or bool(self._in_flight)
         stage = _BEFORE
         try:
-            # (a blocking call of exact arrays was offered to the one native call already,
-            # in Buffer.combine: what comes here converts or raises)
+            # (a blocking call of exact arrays was offered to the engine already, in
+            # Buffer.combine: what comes here converts or raises)
             h, eo = self._check_combine_args(expert_out, handle)
-            creg = combine_region(h)
-            assert h.send_dst_row is not None  # checked by _check_combine_args
-            y = np.empty((h.num_tokens, self._cfg.hidden), dtype=self._cdtype.storage)
             stage = _NATIVE
-            got = self._engine.combine(CombineCall(
-                expert_out=eo, num_rows=h.num_recv_rows, topk_idx=h.topk_idx,
-                topk_weights=h.topk_weights, send_dst_row=h.send_dst_row,
-                num_tokens=h.num_tokens, epoch=epoch, region=creg, y=y,
-                dispatch_index=h.dispatch_index,  # type: ignore[attr-defined]
-                split=hook or bool(self._in_flight),
-            ))
+            got = self._engine.combine(eo, h, epoch, self._generation, self._num_dispatches,
+                                       CallOptions(split=True) if split else PLAIN)
             stage = _AFTER
             if type(got) is ErrorRecord:
                 raise self._error(got)
         except BaseException as exc:
             raise self._failed(epoch, stage, exc)[0] from None
-        return self._issued("combine", epoch, got, lambda n: y, hook, None)
+        return self._issued("combine", epoch, got, _same, hook, None)
 
     def get_combine_buffer(self, handle: DispatchHandle) -> np.ndarray:
         """A writable ``[handle.num_recv_rows, hidden]`` array in this rank's segment: write the
@@ -544,14 +425,11 @@ class Buffer(InFlightCalls, ArgChecks):
         self._enter()
         try:
             h = self._check_handle(handle)
-            creg = combine_region(h)
-            last = int(self._engine.comb_last_epoch(creg))
-            got = self._engine.wait_done(last, float(self._cfg.timeout_s))
+            got = self._engine.combine_buffer(int(getattr(h, "dispatch_index", -1)),
+                                              h.num_recv_rows)
             if type(got) is ErrorRecord:
                 raise self._error(got)
-            rows, hidden = h.num_recv_rows, self._cfg.hidden
-            region = self._comb_regions[creg]
-            return np.ndarray((rows, hidden), dtype=self._cdtype.storage, buffer=region)
+            return cast(np.ndarray, got)
         finally:
             self._lock.release()
 
@@ -576,14 +454,9 @@ class Buffer(InFlightCalls, ArgChecks):
         self._fast = None
         if self._engine is not None:
             self._engine.close()  # also drops the engine's views of the receive regions
-        self._out_regions = []
-        self._recv_views = []
-        self._scale_views = []
-        self._comb_regions = []
         if self._memory is not None:
             self._memory.close()
         self._memory = None
-        self._segments = []
 
     def __enter__(self) -> Buffer:
         return self
@@ -603,14 +476,6 @@ class Buffer(InFlightCalls, ArgChecks):
         """What each core of this rank does (ASP with more than one core; one core validates,
         counts and sends in one pass): :meth:`_core_split`'s answer for this batch."""
         return self._core_split(idx.shape[0])
-
-    def _fast_answer(self, got: Any) -> Any:
-        """What a one-call entry returned: None (not its case: nothing was done), the call's
-        result, or the engine's ErrorRecord, raised here (``_failed`` classifies a UbepError
-        from inside the data plane as it does one from after it)."""
-        if type(got) is ErrorRecord:
-            raise self._error(got)
-        return got
 
     def _split_plan(self, x: object) -> CoreSplit | ScheduleSpec | object | None:
         """The plan of a blocking call's one native call (:meth:`_core_split`), or
@@ -638,3 +503,8 @@ class Buffer(InFlightCalls, ArgChecks):
                                       num_experts=cfg.num_experts, policy=cfg.policy)
         self._splits[num_tokens] = split
         return split
+
+
+def _same(y: Any) -> Any:
+    """A combine's result as the engine built it."""
+    return y

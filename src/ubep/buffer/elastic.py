@@ -63,35 +63,16 @@ from ..errors import (
     UbepError,
 )
 from ..expert_map import ExpertMap
-from ..handle import DispatchHandle, DispatchResult, PendingCall
+from ..plane.control import Decision
+from ..plane.registry import control_plane
+from ..plane.results import DispatchHandle, DispatchResult, PendingCall
 from ..routing import experts_per_rank
-from ..runtime.group import Group
-from ..runtime.membership import (
-    Decision,
-    MemberGroup,
-    Roster,
-    admit,
-    agree,
-    request_join,
-    roster_of_record,
-)
 from ..torch_bridge import as_process_group
 from .buffer import Buffer
 from .replicas import LogicalRouting
 
 __all__ = ["MaskingBuffer"]
 
-
-class _OneHostPlane:
-    """The control plane of a masking Buffer on one host: the rendezvous directory's
-    agreement and member groups (ubep.runtime.membership). ``ubep.mpi.membership.MpiPlane``
-    is the other one."""
-
-    agree = staticmethod(agree)
-    member_group = MemberGroup
-
-
-_ONE_HOST = _OneHostPlane()
 
 # what a call raises when the group under it broke (a clean reject is bad input, not a loss)
 _LOSS = (PeerLostError, TimeoutError, OutOfStepError)
@@ -131,9 +112,12 @@ class MaskingBuffer:
 
     def __init__(self, group: Any, config: BufferConfig) -> None:
         group = as_process_group(group)
-        if isinstance(group, Group):
-            plane: Any = _ONE_HOST
-            roster: Any = Roster.of(group)
+        # the group names its control plane: ubep.runtime's Group the rendezvous directory's
+        # ("shm"), ubep.mpi's group ULFM's agreement
+        name = getattr(group, "control_plane", None)
+        if name is not None:
+            plane: Any = control_plane(name).of(group)
+            roster: Any = plane.roster
         elif hasattr(group, "membership_plane"):  # ubep.mpi: ULFM's agreement
             plane = group.membership_plane()
             roster = plane.roster
@@ -150,7 +134,8 @@ class MaskingBuffer:
     def _start(self, config: BufferConfig, roster: Any, num_ranks: int,
                hops: np.ndarray, plane: Any = None) -> None:
         self.config = config
-        self._plane = _ONE_HOST if plane is None else plane  # agreement + member groups
+        # agreement + member groups (a roster of its own: the rendezvous directory's)
+        self._plane = control_plane("shm")(roster) if plane is None else plane
         self.rank = roster.rank
         self.num_ranks = num_ranks
         self.num_experts = config.num_experts
@@ -265,7 +250,7 @@ class MaskingBuffer:
         wait = float(self.config.timeout_s if timeout_s is None else timeout_s)
         self._admits += 1
         key = f"{self._uid:x}.a{self._admits}"
-        roster, record = admit(self._roster, key, self.num_ranks, {
+        roster, record = self._plane.admit(self._roster, key, self.num_ranks, {
             "uid": self._uid, "num_ranks": self.num_ranks, "calls": self._calls,
             "losses": self._losses, "admits": self._admits, "requests": self._requests,
             "hops": self._hops.tolist(),
@@ -298,7 +283,7 @@ class MaskingBuffer:
         self._requests += 1
         key = f"{self._uid:x}.m{self._requests}"
         wait = float(self.config.timeout_s if timeout_s is None else timeout_s)
-        decision = agree(self._roster, key, {"call": self._calls, "mask": want}, wait)
+        decision = self._plane.agree(self._roster, key, {"call": self._calls, "mask": want}, wait)
         masked = {r for s in decision.states for r in s["mask"]}
         members = tuple(r for r in decision.members if r not in masked)
         if self.rank not in members:
@@ -315,10 +300,10 @@ class MaskingBuffer:
         default ``config.timeout_s``) until the members call :meth:`admit`, then builds the
         Buffer with them. ``config`` must be the members' config."""
         wait = float(config.timeout_s if timeout_s is None else timeout_s)
-        record = request_join(rendezvous, rank, wait)
+        roster, record = control_plane("shm").rejoin(rendezvous, rank, wait)
         self = object.__new__(cls)
-        self._start(config, roster_of_record(rank, record, rendezvous),
-                    int(record["num_ranks"]), np.asarray(record["hops"], dtype=np.int8))
+        self._start(config, roster, int(record["num_ranks"]),
+                    np.asarray(record["hops"], dtype=np.int8))
         self._uid = int(record["uid"])
         self._calls = int(record["calls"])
         self._losses = int(record["losses"])
@@ -328,7 +313,7 @@ class MaskingBuffer:
         return self
 
     @classmethod
-    def over_members(cls, roster: Roster, num_ranks: int, config: BufferConfig,
+    def over_members(cls, roster: Any, num_ranks: int, config: BufferConfig,
                      key: str) -> MaskingBuffer:
         """A masking Buffer over the members of ``roster`` only (collective over them, under
         ``key``, unique per build): for a caller that keeps its own mask of a group of
@@ -583,13 +568,13 @@ class MaskingBuffer:
         again = self._dispatch(d.x, d.topk_idx, d.topk_weights, False, None)
         self._moved[id(d.handle)] = (d.handle, d.result, again)
 
-    def _rebuild(self, roster: Roster, key: str) -> None:
+    def _rebuild(self, roster: Any, key: str) -> None:
         """A fresh Buffer over the members of ``roster`` in place of the current one."""
         old = self._inner
         self._build(roster, key)
         old.close()
 
-    def _build(self, roster: Roster, key: str) -> None:
+    def _build(self, roster: Any, key: str) -> None:
         """Serve over the members of ``roster``: build their Buffer (collective over them,
         under ``key``) and the expert-id table to it."""
         self._roster = roster
@@ -610,7 +595,7 @@ class MaskingBuffer:
                                    num_experts=self.num_local_experts * len(self.members))
 
     def _one_host(self, what: str) -> None:
-        if self._plane is not _ONE_HOST:
+        if not self._plane.one_host:
             raise UbepError(f"rank {self.rank}: {what} needs a one-host group: over MPI a "
                             "lost rank is masked (ULFM's shrink), but ranks are not masked on "
                             "request nor let back in (docs/ELASTIC.md)")

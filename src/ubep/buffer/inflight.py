@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import OutOfStepError, UbepError
-from ..handle import PendingCall
-from ..runtime.abi import ErrorRecord
+from ..plane.records import ErrorRecord
+from ..plane.results import PendingCall
 from .state import AFTER as _AFTER
 from .state import NATIVE as _NATIVE
 from .step import StepKeeping
@@ -31,7 +31,7 @@ class InFlight:
 
     epoch: int
     call: PendingCall[Any]
-    finish: Callable[[int], Any]  # the engine's result -> the call's result
+    finish: Callable[[Any], Any]  # the engine's result -> the call's result
     index: int | None  # dispatch index (None: combine)
 
 
@@ -54,19 +54,19 @@ class InFlightCalls(StepKeeping):
             )
 
     def _issued(
-        self, kind: str, epoch: int, got: object, finish: Callable[[int], Any], hook: bool,
+        self, kind: str, epoch: int, got: object, finish: Callable[[Any], Any], hook: bool,
         index: int | None,
     ) -> Any:
         """A call whose first half ran (``got is None``: its second half waits for the hook)
         or all of it: the result, or (``hook``) the pending call that hands it out."""
         if got is not None and not hook:  # the common blocking call: no pending object
-            return finish(int(got))  # type: ignore[call-overload]
+            return finish(got)
         call: PendingCall[Any] = PendingCall(kind, self.rank, epoch,
                                              lambda: self._hook(epoch))
         if got is None:
             self._in_flight.append(InFlight(epoch, call, finish, index))
         else:  # the engine ran the whole call (one that needs no second half)
-            call._settle(True, finish(int(got)))  # type: ignore[call-overload]
+            call._settle(True, finish(got))
         if hook:
             return call
         if got is None:
@@ -106,7 +106,7 @@ class InFlightCalls(StepKeeping):
                 stage = _AFTER
                 if isinstance(got, ErrorRecord):
                     raise self._error(got)
-                c.call._settle(True, c.finish(int(got)))
+                c.call._settle(True, c.finish(got))
             except BaseException as exc:
                 if stage == _NATIVE and self._in_flight and self._in_flight[0] is c:
                     del self._in_flight[0]

@@ -13,12 +13,10 @@ import numpy as np
 
 from ..config import BufferConfig
 from ..dtypes import DType
-from ..runtime.group import GlobalMemory, ProcessGroup
-from ..runtime.layout import SegmentLayout
-from ..runtime.shm import Segment
+from ..plane.layout import SegmentLayout
+from ..plane.protocol import Engine, GlobalMemory, ProcessGroup
 
 if TYPE_CHECKING:
-    from ..engine import Engine, FastCalls
     from ..sched import CoreSplit, ScheduleSpec
     from .inflight import InFlight
     from .replicas import LogicalRouting
@@ -48,19 +46,16 @@ class BufferState:
     _dead: str | None  # a peer died: refused for good
     _lost: str | None  # out of step: refused until resync()
     _closed: bool
-    _segments: list[Segment]
     _memory: GlobalMemory | None
     _engine: Engine | Any
     _in_flight: list[InFlight]  # split-phase calls awaiting their hook, in issue order
-    _fast: FastCalls | None  # the one-call path of blocking calls
+    _fast: Any  # the engine, when it takes blocking calls' arrays unchecked (else None)
     _one_call: bool  # every blocking call may take it (no M2N translation)
     _planned: bool  # ASP on several cores: a call carries its cores' tasks (Buffer._core_split)
     _splits: dict[int, CoreSplit | ScheduleSpec | None]  # per batch size
     _route: LogicalRouting | None  # expert_map: logical topk_idx -> physical slots
     _dtype: DType
     _cdtype: DType
-    _native: Any
-    _out_regions: list[np.ndarray]
     _recv_views: list[np.ndarray]
     _scale_views: list[np.ndarray]
     _comb_regions: list[np.ndarray]

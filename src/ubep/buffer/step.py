@@ -18,7 +18,7 @@ from ..errors import (
     RemoteError,
     UbepError,
 )
-from ..runtime.abi import E_BAD_INPUT, E_LOST, E_PEER_LOST, E_REMOTE, ErrorRecord
+from ..plane.records import E_BAD_INPUT, E_LOST, E_PEER_LOST, E_REMOTE, ErrorRecord
 from .state import AFTER as _AFTER
 from .state import BEFORE as _BEFORE
 from .state import NATIVE as _NATIVE

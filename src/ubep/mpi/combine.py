@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from ..runtime.abi import E_BAD_INPUT, E_INTERNAL
-from ..runtime.abi import HEADER_BYTES as _HEADER_BYTES
+from ..plane.records import E_BAD_INPUT, E_INTERNAL
+from ..plane.records import HEADER_BYTES as _HEADER_BYTES
 from .protocol import RmaProtocol, _Op, _OpError, _u8
 
 __all__ = ["RmaCombine"]

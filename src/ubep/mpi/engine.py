@@ -15,7 +15,7 @@ each other). Hence:
 
 * ``sw``: rows, ``flush(dst)``, then the flag record: stop and wait.
 * ``tff``: ASP puts the rows straight into ``recv_x`` (as SW does), ``flush(dst)``, then one
-  put writes the epoch word of every block into the rows' word slots (ubep.runtime.layout);
+  put writes the epoch word of every block into the rows' word slots (ubep.plane.layout);
   BSP stages rows as blocks with their flags zero, flushes, then one strided put writes each
   block's epoch word (a vector datatype). The receiver still learns arrival from the epoch of
   each block (docs/FORMATS.md), but a flush separates payload and flags: over RMA, TFF costs
@@ -68,16 +68,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import dtypes as _dt
-from ..engine import CombineCall, DispatchCall
 from ..errors import InvalidArgumentError, PeerLostError, TimeoutError
-from ..flags import TffCodec
-from ..runtime.abi import (
-    E_BAD_INPUT,
-    E_INTERNAL,
-    E_PEER_LOST,
-    ErrorRecord,
-    load_native,
-)
+from ..flags import DcCodec, TffCodec
+from ..plane.protocol import CombineCall, DispatchCall
+from ..plane.records import E_BAD_INPUT, E_INTERNAL, E_PEER_LOST, ErrorRecord
 from .combine import RmaCombine
 from .memory import DistGlobalMemory
 from .protocol import (
@@ -91,9 +85,11 @@ from .watchdog import WedgedError
 
 if TYPE_CHECKING:
     from ..config import BufferConfig
-    from ..runtime.layout import SegmentLayout
+    from ..plane.layout import SegmentLayout
 
 __all__ = ["RmaEngine", "record_check"]
+
+_DC = DcCodec()  # the batch checksum of DC (whole rows)
 
 
 @dataclass
@@ -243,10 +239,10 @@ class RmaEngine(RmaCombine):
 
         return self._guarded(wait, int(timeout_s * 1e9))
 
-    def dispatch(self, call: DispatchCall, /) -> int | ErrorRecord:
+    def run_dispatch(self, call: DispatchCall, /) -> int | ErrorRecord:
         return self._guarded(functools.partial(self._dispatch_call, call), self.timeout_ns)
 
-    def combine(self, call: CombineCall, /) -> int | ErrorRecord:
+    def run_combine(self, call: CombineCall, /) -> int | ErrorRecord:
         return self._guarded(functools.partial(self._combine_call, call), self.timeout_ns)
 
     def _guarded(self, fn: Callable[[], int | ErrorRecord], timeout_ns: int) -> int | ErrorRecord:
@@ -466,7 +462,7 @@ class RmaEngine(RmaCombine):
     def _land(self, reg: int) -> int:
         """Offset of the land region of dispatch region ``reg``. ASP has one per region (the
         rows in recv_x itself; TFF: the rows' epoch words); BSP stages in one land region for
-        every call (ubep.runtime.layout): a sender writes it only after this rank published
+        every call (ubep.plane.layout): a sender writes it only after this rank published
         that it entered the call (counts / ready record), hence finished reading it for the
         last one."""
         return self.lay.off_land + (reg % self.lay.num_land_regions) * self.lay.land_bytes
@@ -670,10 +666,10 @@ class RmaEngine(RmaCombine):
         return True
 
     def _dc_sum(self, slots: np.ndarray, epoch: int) -> int:
-        """DC checksum of rows (raw or in slots: the first ``row_bytes`` of each), the native
-        data plane's (the same bytes as ``ubep.flags.DcCodec().checksum``, faster)."""
+        """DC checksum of rows (raw or in slots: the first ``row_bytes`` of each): the format's
+        codec (``ubep.flags.DcCodec``), the same bytes as the native data plane's."""
         raw = np.ascontiguousarray(slots[:, :self.row_bytes])
-        return int(load_native().dc_checksum(raw, self.row_bytes, epoch)) if len(raw) else 1
+        return _DC.checksum(raw, epoch) if len(raw) else 1
 
     # --- dispatch: BSP ------------------------------------------------------------------
 
@@ -796,3 +792,4 @@ def _rows_of(x: np.ndarray, tokens: np.ndarray, row_bytes: int) -> np.ndarray:
     """Rows ``tokens`` of ``x`` as raw bytes ``[n, row_bytes]`` (one gather)."""
     raw = x.view(np.uint8).reshape(x.shape[0], row_bytes)
     return np.take(raw, tokens, axis=0)
+

@@ -25,25 +25,25 @@ import os
 import secrets
 import socket
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from .. import topology as topo
 from ..env import dist_ranks_per_host_from_env, timeout_s_from_env
 from ..errors import InvalidArgumentError, PeerLostError, TimeoutError, UbepError
-from ..runtime.group import process_alive, process_start_time
-from ..runtime.poll import Backoff, wait_until
+from ..plane.control import Backoff, wait_until
+from ..plane.host import HostEngine
+from ..plane.layout import host_regions
+from ..plane.liveness import alive as process_alive
+from ..plane.liveness import start_time_of as process_start_time
+from ..plane.protocol import EngineSpec
 from .engine import RmaEngine
 from .membership import MpiPlane
 from .memory import DistGlobalMemory
 from .watchdog import CallRunner
 
-if TYPE_CHECKING:
-    from ..config import BufferConfig
-    from ..runtime.layout import SegmentLayout
-
-__all__ = ["MpiGroup", "init", "load_mpi"]
+__all__ = ["MpiGroup", "init", "load_mpi", "open_rma"]
 
 # Cross-host hop class. Only the order of hop costs matters to the scheduler; these figures are a
 # commodity RDMA NIC (~2 us one way, ~12 GB/s), documented as an assumption, not a measurement.
@@ -225,7 +225,7 @@ class MpiGroup:
         """This rank's region of ``size_bytes`` in a new global memory object (collective).
 
         One host (and no forced split): a shared window, ``addresses`` set (native engine).
-        Several hosts: ``addresses`` is ``None`` and ``make_engine`` gives the RMA engine.
+        Several hosts: ``addresses`` is ``None`` and the RMA engine serves it (:func:`open_rma`).
         """
         self._check_open()
         if not isinstance(size_bytes, int) or size_bytes < 1:
@@ -237,12 +237,6 @@ class MpiGroup:
         mem = DistGlobalMemory(self, size_bytes, kind)
         self._windows.append(mem)
         return mem
-
-    def rma_engine(
-        self, config: BufferConfig, layout: SegmentLayout, mem: DistGlobalMemory
-    ) -> RmaEngine:
-        """The data plane of a Buffer across hosts: the RMA engine on ``mem``'s windows."""
-        return RmaEngine(config, layout, mem)
 
     @property
     def runner(self) -> CallRunner:
@@ -402,3 +396,18 @@ def discovered_topology(num_ranks: int, ranks_per_host: int) -> topo.Topology:
         domain_sizes=(1, ranks_per_host),
         name=f"mpi-{num_ranks // ranks_per_host}x{ranks_per_host}",
     )
+
+
+def open_rma(memory: Any, spec: EngineSpec) -> HostEngine:
+    """The MPI transport's row of the engine registry (``"mpi"``): the RMA engine on
+    ``memory``'s windows (an MPI group's memory spanning hosts)."""
+    cfg = spec.config
+    if cfg.integrity != "off":  # the same on every rank: all peers remote
+        raise InvalidArgumentError(
+            "integrity", cfg.integrity,
+            "row checksums are implemented by the one-host engine only (docs/INTEGRITY.md)")
+    if memory.transport != "mpi":
+        raise InvalidArgumentError("transport", "mpi", "every rank is on this host: its "
+                                   "memory has no RMA window (use transport='shm')")
+    return HostEngine(RmaEngine(cfg, spec.layout, memory), spec, host_regions(
+        memory.local_array, spec.layout, spec.values, cfg.hidden, spec.scale_cols))

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import PeerLostError, UbepError
-from ..runtime.membership import Decision
+from ..plane.control import Decision
 from .watchdog import CallRunner, WedgedError
 
 __all__ = ["MpiPlane", "MpiRoster"]
@@ -63,6 +63,8 @@ class MpiRoster:
 
 class MpiPlane:
     """The control plane of a masking Buffer on an :class:`~ubep.mpi.group.MpiGroup`."""
+
+    one_host = False  # no masking on request, no admission (ULFM shrinks only)
 
     def __init__(self, group: Any, make_group: Callable[..., Any],
                  topology_of: Callable[[int, int], Any]) -> None:

@@ -32,8 +32,6 @@ import numpy as np
 from ..errors import UbepError
 
 if TYPE_CHECKING:
-    from ..config import BufferConfig
-    from ..runtime.layout import SegmentLayout
     from .group import MpiGroup
 
 __all__ = ["DistGlobalMemory"]
@@ -45,7 +43,7 @@ _PAGE = mmap.PAGESIZE
 class DistGlobalMemory:
     """One rank's region of a global memory object of a :class:`~ubep.mpi.MpiGroup`.
 
-    Attributes (the :class:`ubep.runtime.group.GlobalMemory` protocol):
+    Attributes (the :class:`ubep.plane.protocol.GlobalMemory` protocol):
         addresses: every rank's region address in this process when all ranks share this host
             (the native engine runs on them), else ``None``.
         local_array: this rank's region, ``uint8``, zero-filled at creation.
@@ -84,6 +82,8 @@ class DistGlobalMemory:
         self.start_times = list(group.start_times)
         self._win: Any = None
         self._pending: list[_Pending] = []  # RMA operations not yet seen complete
+        # every region load/store reachable: the native engine ("shm"), else the RMA engine
+        self.transport = "shm" if len(host_ranks) == group.num_ranks else "mpi"
         if len(host_ranks) == group.num_ranks:
             self.addresses: list[int] | None = [
                 int(a.ctypes.data) for a in self.peer_arrays if a is not None
@@ -106,13 +106,6 @@ class DistGlobalMemory:
     def close(self) -> None:
         """Release this rank's use (local). The windows are freed collectively by the group."""
         self.released = True
-
-    def make_engine(self, config: BufferConfig, layout: SegmentLayout) -> Any:
-        """The RMA engine (:class:`ubep.mpi.engine.RmaEngine`) on these regions, which the
-        group builds (:meth:`ubep.mpi.group.MpiGroup.rma_engine`): the memory knows no engine."""
-        if self._win is None:
-            raise UbepError("every rank is on this host: use the native engine")
-        return self.group.rma_engine(config, layout, self)
 
     # --- transport ----------------------------------------------------------------------
 

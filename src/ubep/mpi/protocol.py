@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..flags.dc import words_checksum
-from ..runtime.abi import E_BAD_INPUT, E_LOST, E_PEER_LOST, E_REMOTE, E_TIMEOUT, ErrorRecord
+from ..plane.records import E_BAD_INPUT, E_LOST, E_PEER_LOST, E_REMOTE, E_TIMEOUT, ErrorRecord
 from .memory import DistGlobalMemory
 
 __all__ = ["RmaProtocol", "record_check"]

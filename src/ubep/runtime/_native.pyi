@@ -1,17 +1,20 @@
 """Typed stub of ``ubep.runtime._native``, the C11 data plane (src/ubep/runtime/native/).
 
 Arrays cross as C-contiguous buffers (numpy arrays); sizes are checked against the engine's
-parameters. Collective methods return their result or an ``ubep.runtime.abi.ErrorRecord``
-(built from the type :func:`set_error_type` hands over); dispatch and combine take one call
-record (``ubep.engine.DispatchCall``, ``CombineCall``), read by field name.
+parameters. Collective methods return their result or an ``ubep.plane.records.ErrorRecord``
+(built from the type :func:`set_error_type` hands over). ``dispatch`` / ``combine`` are the
+door of ``ubep.plane.Engine`` (blocking calls of exact arrays run and their results built here;
+calls with options go to the general path :meth:`Engine.set_fast` names); ``run_dispatch`` /
+``run_combine`` take one call record (``ubep.plane.DispatchCall``, ``CombineCall``), read by
+field name, and fill its arrays.
 """
 
 from typing import Any
 
 import numpy as np
 
-from ubep.engine import CombineCall, DispatchCall
-from ubep.runtime.abi import ErrorRecord
+from ubep.plane.protocol import CallOptions, CombineCall, DispatchCall
+from ubep.plane.records import ErrorRecord
 from ubep.sched import CoreSplit
 
 ABI: int
@@ -26,9 +29,10 @@ QUANTS: dict[str, int]
 OFFSETS: dict[str, int]
 TRACE: dict[str, int]
 PARAMS: tuple[str, ...]
+FIELDS: tuple[str, ...]
 
 class Engine:
-    """The native engine of one Buffer (``ubep.engine.Engine`` describes the protocol)."""
+    """The native engine of one Buffer (the kernel of ``ubep.plane.host.HostEngine``)."""
 
     def __init__(
         self,
@@ -37,8 +41,8 @@ class Engine:
         pids: list[int],
         start_times: list[int],
     ) -> None: ...
-    def dispatch(self, call: DispatchCall, /) -> int | ErrorRecord | None: ...
-    def combine(self, call: CombineCall, /) -> int | ErrorRecord | None: ...
+    def run_dispatch(self, call: DispatchCall, /) -> int | ErrorRecord | None: ...
+    def run_combine(self, call: CombineCall, /) -> int | ErrorRecord | None: ...
     def complete(self, epoch: int, /) -> int | ErrorRecord: ...
     def abandon(self, epoch: int, message: str, /) -> None: ...
     def fail(
@@ -58,9 +62,12 @@ class Engine:
         scale_views: list[np.ndarray] | None,
         x_dtype: Any,
         combine_dtype: Any,
+        general_dispatch: Any,
+        general_combine: Any,
+        plain: CallOptions,
         /,
     ) -> None: ...
-    def dispatch_fast(
+    def dispatch(
         self,
         x: object,
         topk_idx: object,
@@ -69,11 +76,12 @@ class Engine:
         index: int,
         generation: int,
         plan: CoreSplit | None,
+        opts: CallOptions | None = None,
         /,
     ) -> Any: ...
-    def combine_fast(
+    def combine(
         self, expert_out: object, handle: object, epoch: int, generation: int,
-        num_dispatches: int, /,
+        num_dispatches: int, opts: CallOptions | None = None, /,
     ) -> Any: ...
     def trace(self) -> tuple[int, ...]: ...
     def poke(self, kind: int, phase: int, rank: int, offset: int, data: bytes, /) -> None: ...

@@ -3,13 +3,11 @@
 One home for what Python and C must agree on:
 
 * the codes: errors, payload types, sync modes, engines, layouts, trace slots;
-* the fixed offsets inside the segment header and inside the control records (where each record
-  sits in a segment is :mod:`ubep.runtime.layout`'s business; what lies at which byte of a
-  record is fixed here and in ``abi.h``);
 * the engine's parameters, built from a :class:`~ubep.buffer.BufferConfig` and a
-  :class:`~ubep.runtime.layout.SegmentLayout` (:func:`engine_params`);
-* the error record an engine returns (the native engine builds it from the type handed over
-  at load) and its conversion to an exception (:class:`ErrorRecord`).
+  :class:`~ubep.plane.layout.SegmentLayout` (:func:`engine_params`).
+
+The error codes, the error record and the control records' offsets every engine shares are
+:mod:`ubep.plane.records`; this module checks the native build against them too.
 
 :func:`load_native` imports ``ubep.runtime._native`` and compares what it exports (codes, record
 offsets, parameter keys, ABI version) with this module: a build older or newer than the Python
@@ -18,37 +16,27 @@ code fails there, with a message that says to rebuild, instead of misreading rec
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
-import struct
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .. import dtypes as _dt
 from .. import modes
 from ..env import wait_yield_us_from_env
-from ..errors import (
-    InvalidArgumentError,
-    OutOfStepError,
-    PeerLostError,
-    RemoteError,
-    TimeoutError,
-    UbepError,
-)
+from ..plane.records import ERRORS, HEADER_BYTES, OFFSETS, ErrorRecord
+from ..plane.results import DispatchResult, RuntimeHandle
 from .host_topology import last_level_cache_bytes
 
 if TYPE_CHECKING:
     from ..config import BufferConfig
-    from .layout import SegmentLayout
+    from ..plane.layout import SegmentLayout
 
+# the shared codes and records are ubep.plane.records' (HEADER_BYTES re-exported for the
+# torch layer's raw buffers)
 __all__ = [
     "ABI_VERSION",
     "DTYPES",
     "ENGINES",
-    "ERRORS",
-    "HEADER",
     "HEADER_BYTES",
     "LAYOUTS",
     "OFFSETS",
@@ -67,9 +55,6 @@ ABI_VERSION = 3  # abi.h UBEP_ABI_VERSION
 
 # --- codes -------------------------------------------------------------------------------------
 
-E_OK, E_BAD_INPUT, E_TIMEOUT, E_PEER_LOST, E_REMOTE, E_INTERNAL, E_LOST = range(7)
-ERRORS = {"ok": E_OK, "bad_input": E_BAD_INPUT, "timeout": E_TIMEOUT, "peer_lost": E_PEER_LOST,
-          "remote": E_REMOTE, "internal": E_INTERNAL, "lost": E_LOST}
 # name -> native code: a name's position in ubep.modes' tuple (abi.h's enums, same order)
 DTYPES: dict[str, int] = {name: code for code, name in enumerate(modes.DTYPE_NAMES)}
 SYNCS: dict[str, int] = {name: code for code, name in enumerate(modes.SYNCS)}
@@ -87,44 +72,6 @@ TRACE: dict[str, int] = {
     "c_enter": 8, "c_prev_done": 9, "c_copied": 10, "c_published": 11, "c_peers": 12,
     "c_reduced": 13, "d_native": 14, "c_native": 15, "slots": 16,
 }
-
-# --- the segment header (written and checked by ubep.runtime.shm; the engine never reads it) ---
-
-HEADER_BYTES = 256
-HEADER = struct.Struct("<8sIIQQ16s16s")  # magic, version, owner rank, size, pid, group id, kind
-HDR_MAGIC, HDR_VERSION, HDR_OWNER, HDR_SIZE, HDR_PID, HDR_GROUP, HDR_KIND = (
-    0, 8, 12, 16, 24, 32, 48)
-
-# --- control records (docs/FORMATS.md "Control records"; abi.h's structs) ---------------------
-
-LINE_BYTES = 64  # every record starts a line of its own
-WORD_CHECK = 8  # a progress word [value u64][~value u64]
-DOORBELL_SLEEPERS = 32  # the doorbell line: [eventcount u32] ... [sleepers u32]
-# an inbox entry (per source and epoch parity)
-IN_COUNTS_EPOCH, IN_ROWS, IN_SUM = 0, 8, 16
-IN_SW_COUNT, IN_SW_EPOCH = 64, 72
-IN_DC_COUNT, IN_DC_SUM, IN_DC_EPOCH = 128, 136, 144
-IN_COUNTS = 192  # u32 counts per local expert
-# the combine info (per epoch parity)
-CI_OFF, CI_ROWS, CI_STRIDE, CI_EPOCH, CI_INDEX, CI_SUM = 0, 8, 16, 24, 32, 40
-CI_BYTES = 64
-# a failure notice (per epoch parity): [epoch][length | code << 32][message][checksum]
-FAIL_EPOCH, FAIL_LEN, FAIL_MSG, FAIL_SUM = 0, 8, 16, 488
-FAIL_MSG_MAX = 472
-FAIL_BYTES = 512
-# the routing of a dispatch: [num_tokens][epoch][checksum], then topk_idx as int32
-ROUTE_NTOK, ROUTE_EPOCH, ROUTE_SUM = 0, 8, 16
-ROUTE_IDX = 64
-
-_OFFSET_NAMES = (
-    "HEADER_BYTES", "LINE_BYTES", "WORD_CHECK", "DOORBELL_SLEEPERS",
-    "IN_COUNTS_EPOCH", "IN_ROWS", "IN_SUM", "IN_SW_COUNT", "IN_SW_EPOCH", "IN_DC_COUNT",
-    "IN_DC_SUM", "IN_DC_EPOCH", "IN_COUNTS",
-    "CI_OFF", "CI_ROWS", "CI_STRIDE", "CI_EPOCH", "CI_INDEX", "CI_SUM", "CI_BYTES",
-    "FAIL_EPOCH", "FAIL_LEN", "FAIL_MSG", "FAIL_MSG_MAX", "FAIL_SUM", "FAIL_BYTES",
-    "ROUTE_NTOK", "ROUTE_EPOCH", "ROUTE_SUM", "ROUTE_IDX",
-)
-OFFSETS: dict[str, int] = {name: globals()[name] for name in _OFFSET_NAMES}
 
 # --- engine parameters -----------------------------------------------------------------------
 
@@ -198,65 +145,6 @@ def engine_params(
     return params
 
 
-# --- the error record ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ErrorRecord:
-    """What an engine returns instead of a result. The native engine builds it from this type
-    (:func:`load_native` hands it over once), decoding ``what`` and ``message`` without failing:
-    peers write them, any bytes at all.
-
-    Attributes:
-        code: ``E_*`` (1 bad input, 2 timeout, 3 peer lost, 4 remote failure, 5 internal,
-            6 out of step).
-        peer: the rank concerned (``-1``: none).
-        core: the core that failed; for ``E_REMOTE`` the code of the peer's notice.
-        argument: bad input: the offending argument's name.
-        what: the description.
-        message: bad input: the offending value; remote: the peer's notice.
-    """
-
-    code: int
-    peer: int
-    core: int
-    argument: str
-    what: str
-    message: str
-
-    @property
-    def clean(self) -> bool:
-        """Rejected before anything of the call reached a peer (here or on the peer whose
-        notice this is): the ranks are still in step."""
-        return self.code == E_BAD_INPUT or (self.code == E_REMOTE and self.core == E_BAD_INPUT)
-
-    def to_exception(self, rank: int) -> UbepError:
-        """The exception this record stands for (:data:`EXCEPTIONS`)."""
-        return EXCEPTIONS.get(self.code, _internal)(self, rank)
-
-
-def _bad_input(rec: ErrorRecord, rank: int) -> UbepError:
-    value: object = rec.message
-    with contextlib.suppress(ValueError):
-        value = int(rec.message)
-    return InvalidArgumentError(rec.argument, value, rec.what)
-
-
-def _internal(rec: ErrorRecord, rank: int) -> UbepError:
-    return UbepError(f"rank {rank}: internal error: {rec.what}")
-
-
-# code -> the exception class it becomes (each built from the record's fields)
-EXCEPTIONS: dict[int, Callable[[ErrorRecord, int], UbepError]] = {
-    E_BAD_INPUT: _bad_input,
-    E_TIMEOUT: lambda rec, rank: TimeoutError(rec.what),
-    E_PEER_LOST: lambda rec, rank: PeerLostError(rec.what),
-    E_REMOTE: lambda rec, rank: RemoteError(rec.peer, rec.message, rec.clean),
-    E_INTERNAL: _internal,
-    E_LOST: lambda rec, rank: OutOfStepError(f"{rec.what}; call resync() on every rank"),
-}
-
-
 # --- loading the native module ---------------------------------------------------------------
 
 
@@ -267,8 +155,14 @@ def check_native(native: Any) -> None:
         "ENGINES": ENGINES, "LAYOUTS": LAYOUTS, "QUANTS": QUANTS, "OFFSETS": OFFSETS,
         "PARAMS": PARAMS, "TRACE": TRACE, "POLICIES": POLICIES,
     }
+    # the result's field names have one source, ubep.plane.results' dataclasses: the one-call
+    # path builds exactly these
+    ours["FIELDS"] = frozenset(DispatchResult.__dataclass_fields__) | frozenset(
+        RuntimeHandle.__dataclass_fields__)
     for name, want in ours.items():
         got = getattr(native, name, None)
+        if name == "FIELDS" and got is not None:
+            got = frozenset(got)
         if got != want:
             raise ImportError(
                 f"ubep's native data plane ({getattr(native, '__file__', native)}) is a stale "

@@ -11,7 +11,7 @@ had at rendezvous (so a recycled pid is not mistaken for it).
 
 Global memory (:meth:`Group.map_global`): one segment per rank, every peer's mapped here. Other
 group kinds (``ubep.mpi.MpiGroup`` over MPI) implement the same :class:`ProcessGroup` protocol,
-so :class:`ubep.Buffer` runs on any of them.
+so :class:`ubep.Buffer` runs on any of them (``ubep.plane.protocol``).
 """
 
 from __future__ import annotations
@@ -23,24 +23,21 @@ import secrets
 import stat
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from .. import topology as topo
 from ..env import launch_env, timeout_s_from_env
 from ..errors import InvalidArgumentError, PeerLostError, TimeoutError, UbepError
+from ..plane.control import Backoff, wait_until
+
+# the liveness test and start times (standard library only; one copy, the reaper's too)
+from ..plane.liveness import alive as process_alive
+from ..plane.liveness import start_time_of as process_start_time
+from ..plane.protocol import GlobalMemory, ProcessGroup
 from .host_topology import host_topology, own_cpus
-from .poll import Backoff, wait_until
-
-# the liveness test and start times are the reaper's (standard library only; one copy)
-from .reaper import alive as process_alive
-from .reaper import start_time_of as process_start_time
 from .shm import HEADER_BYTES, Segment, forget_segment, remove_dead_owners_segments
-
-if TYPE_CHECKING:
-    from ..config import BufferConfig
-    from .layout import SegmentLayout
 
 __all__ = [
     "GlobalMemory",
@@ -58,52 +55,10 @@ _BARRIER_OFFSET = HEADER_BYTES  # u64 counter: number of barriers this rank has 
 _BACKOFF = Backoff(spin_polls=64, yield_s=0.05, sleep_slope=0.1)
 
 
-class GlobalMemory(Protocol):
-    """This rank's view of one global memory object: a region per rank, all usable from here.
-
-    Attributes:
-        addresses: base address in this process of every rank's region (rank order), or ``None``
-            when some peer's region is not reachable with loads and stores from this process
-            (another host): then the data plane comes from :meth:`make_engine`.
-        local_array: this rank's own region, a writable ``uint8`` array.
-        pids, start_times: every rank's process id and start time (liveness; 0 = unknown).
-    """
-
-    addresses: list[int] | None
-    local_array: np.ndarray
-    pids: list[int]
-    start_times: list[int]
-
-    def unlink(self) -> None:
-        """Drop every name of every rank's region (call once every peer has mapped them: any
-        rank may, so a rank that dies right after the mapping leaves nothing named)."""
-
-    def close(self) -> None:
-        """Release this rank's mappings (local, not collective)."""
-
-    def make_engine(self, config: BufferConfig, layout: SegmentLayout) -> Any:
-        """A data-plane engine for these regions (only when ``addresses`` is ``None``) of a
-        Buffer with this config and segment layout."""
-
-
-class ProcessGroup(Protocol):
-    """What :class:`ubep.Buffer` needs from a group of ranks (``Group``, ``ubep.mpi``)."""
-
-    rank: int
-    num_ranks: int
-    topology: topo.Topology
-
-    def barrier(self, timeout_s: float | None = None) -> None: ...
-
-    def allgather(self, value: Any, timeout_s: float | None = None) -> list[Any]: ...
-
-    def map_global(
-        self, size_bytes: int, kind: str, timeout_s: float | None = None
-    ) -> GlobalMemory: ...
-
-
 class ShmGlobalMemory:
     """:class:`GlobalMemory` of one host: a POSIX shared-memory segment per rank."""
+
+    transport = "shm"  # every region is load/store reachable: the native engine
 
     def __init__(
         self, segments: list[Segment], rank: int, pids: list[int], start_times: list[int],
@@ -126,8 +81,6 @@ class ShmGlobalMemory:
             seg.close()
         self.segments = []
 
-    def make_engine(self, config: BufferConfig, layout: SegmentLayout) -> Any:
-        raise UbepError("shared-memory regions are load/store reachable: use the native engine")
 
 
 class PeerProcess:
@@ -158,6 +111,8 @@ class Group:
         rendezvous: the rendezvous directory.
         peers: liveness handles of every rank (this one included).
     """
+
+    control_plane = "shm"  # a masking Buffer agrees through the rendezvous directory
 
     def __init__(
         self,

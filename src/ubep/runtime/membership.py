@@ -36,6 +36,9 @@ from typing import Any
 
 from .. import topology as topo
 from ..errors import PeerLostError, TimeoutError
+from ..plane.control import Backoff, Decision, wait_until
+from ..plane.liveness import alive as process_alive
+from ..plane.liveness import start_time_of as process_start_time
 from .group import (  # the rendezvous directory's atomic JSON files, as the group writes them
     Group,
     PeerProcess,
@@ -45,28 +48,15 @@ from .group import (  # the rendezvous directory's atomic JSON files, as the gro
     gather_files,
     map_shm_global,
 )
-from .poll import Backoff, wait_until
-from .reaper import alive as process_alive
-from .reaper import start_time_of as process_start_time
 
 __all__ = [
-    "Decision", "MemberGroup", "Roster", "admit", "agree", "publish_once", "request_join",
+    "MemberGroup", "OneHostPlane", "Roster", "admit", "agree", "publish_once", "request_join",
     "roster_of_record",
 ]
 
 # proposals arrive within microseconds of each other when every member is alive; a stopped
 # member is waited for up to the deadline, so the poll backs off to sleeping
 _BACKOFF = Backoff(spin_polls=16, yield_s=0.01, sleep_slope=0.1)
-
-
-@dataclass(frozen=True)
-class Decision:
-    """The members that go on after a loss (ascending original rank), what each reported, and
-    the ranks masked by this decision."""
-
-    members: tuple[int, ...]
-    states: tuple[Any, ...]  # one per member, what it passed to agree()
-    masked: tuple[int, ...]
 
 
 def agree(roster: Roster, key: str, state: Any, timeout_s: float) -> Decision:
@@ -144,6 +134,42 @@ class Roster:
         """This roster without the ranks not in ``members``."""
         return dataclasses.replace(self, members=tuple(sorted(members)),
                                    procs={r: self.procs[r] for r in members})
+
+
+class OneHostPlane:
+    """The control plane of a masking Buffer on one host (``ubep.plane.control_plane("shm")``):
+    the rendezvous directory's agreement, member groups and admissions over ``roster``.
+    ``ubep.mpi.membership.MpiPlane`` is the other one."""
+
+    one_host = True
+
+    def __init__(self, roster: Roster) -> None:
+        self.roster = roster
+
+    @classmethod
+    def of(cls, group: Group) -> OneHostPlane:
+        """The plane of every rank of ``group``."""
+        return cls(Roster.of(group))
+
+    @staticmethod
+    def agree(roster: Roster, key: str, state: Any, timeout_s: float) -> Decision:
+        return agree(roster, key, state, timeout_s)
+
+    @staticmethod
+    def member_group(roster: Roster, key: str) -> MemberGroup:
+        return MemberGroup(roster, key)
+
+    @staticmethod
+    def admit(roster: Roster, key: str, num_ranks: int, extra: dict[str, Any],
+              expect: Sequence[int] = (), timeout_s: float = 0.0
+              ) -> tuple[Roster, dict[str, Any]]:
+        return admit(roster, key, num_ranks, extra, expect=expect, timeout_s=timeout_s)
+
+    @staticmethod
+    def rejoin(rendezvous: str, rank: int, timeout_s: float) -> tuple[Roster, dict[str, Any]]:
+        """From a new process: wait to be admitted as ``rank``; its roster and the record."""
+        record = request_join(rendezvous, rank, timeout_s)
+        return roster_of_record(rank, record, rendezvous), record
 
 
 class MemberGroup:

@@ -34,6 +34,13 @@ import sys
 import tempfile
 import time
 
+if __package__:
+    from ..plane.liveness import alive, start_time_of
+else:  # run as a script (``python -I -S reaper.py``): the same file, loaded by its path
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "plane"))
+    from liveness import alive, start_time_of  # type: ignore[no-redef]
+
 SHM_DIR = "/dev/shm"
 MARKER_PREFIX = "segment."
 # How often the feeder's (stdin open), then the ranks' liveness is checked: a torchrun job runs
@@ -46,37 +53,6 @@ def valid_segment_name(name: str) -> bool:
     tail = name[len("ubep-"):]
     return name.startswith("ubep-") and len(tail) == 32 and all(
         c in "0123456789abcdef" for c in tail)
-
-
-def start_time_of(pid: int) -> int:
-    """Start time of ``pid`` in clock ticks since boot (0 if unknown)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return 0
-    return int(raw[raw.rfind(b")") + 2:].split()[19])
-
-
-def alive(pid: int, start_time: int) -> bool:
-    """Whether ``pid`` is running and is the process that had ``start_time`` (0: any)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return True
-    fields = raw[raw.rfind(b")") + 2:].split()
-    if fields and fields[0] in (b"Z", b"X"):
-        return False  # exited, not yet reaped
-    return not start_time or int(fields[19]) == start_time
 
 
 def write_marker(marker_dir: str, name: str) -> str:

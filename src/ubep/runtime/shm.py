@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import InvalidArgumentError, UbepError
-from .abi import HEADER, HEADER_BYTES
+from ..plane.records import HEADER, HEADER_BYTES
 from .reaper import (
     forget_segment,
     remove_dead_owners_segments,

@@ -19,7 +19,7 @@ enum { QUANT_NONE = 0, QUANT_E4M3 = 1, QUANT_INT8 = 2 };
 enum { SYNC_SW = 0, SYNC_TFF = 1, SYNC_DC = 2, SYNC_SP = 3 };
 enum { ENG_ASP = 0, ENG_BSP = 1 };
 enum { LAY_EXPERT = 0, LAY_RANK = 1 };
-/* Error codes of error records (ubep.runtime.abi.ErrorRecord) and of failure notices. E_LOST: the ranks are out of step (a
+/* Error codes of error records (ubep.plane.records.ErrorRecord) and of failure notices. E_LOST: the ranks are out of step (a
  * peer left this call without finishing it, called another operation, or corrupt control data
  * was found): the Buffer needs a resync. */
 enum { E_OK = 0, E_BAD_INPUT = 1, E_TIMEOUT = 2, E_PEER_LOST = 3, E_REMOTE = 4, E_INTERNAL = 5,

@@ -12,7 +12,7 @@
 #include "calls.h"
 #include "methods.h"
 
-/* ubep.runtime.abi.ErrorRecord: what a failed call returns, handed over once (set_error_type,
+/* ubep.plane.records.ErrorRecord: what a failed call returns, handed over once (set_error_type,
  * from abi.load_native) */
 static PyObject *error_type;
 
@@ -53,7 +53,7 @@ PyObject *error_record(op_t *op) {
                                  message);
 }
 
-/* The fields of a call record (ubep.engine.DispatchCall / CombineCall), read by name as
+/* The fields of a call record (ubep.plane.DispatchCall / CombineCall), read by name as
  * read_plan reads the Plan: new references, or -1 with an exception set and none held. */
 static int record_fields(PyObject *rec, const char *const *names, PyObject **interned, int n,
                          PyObject **out) {
@@ -338,7 +338,7 @@ static const char *const DISPATCH_FIELDS[D_FIELDS] = {
     "send_dst_row", "plan", "split", "prequant",
 };
 
-/* dispatch(call: ubep.engine.DispatchCall) -> rows received | None (call.split: the first half
+/* run_dispatch(call: ubep.plane.DispatchCall) -> rows received | None (call.split: the first half
  * ran, complete() runs the rest) | ErrorRecord; call.plan: None (one core), ubep.sched's Plan or
  * CoreSplit (read_plan) */
 PyObject *engine_dispatch(engine_t *g, PyObject *rec) {
@@ -441,7 +441,7 @@ static const char *const COMBINE_FIELDS[C_FIELDS] = {
     "region", "y", "dispatch_index", "split",
 };
 
-/* combine(call: ubep.engine.CombineCall) -> 1 if expert_out was used in place, else 0 | None
+/* run_combine(call: ubep.plane.CombineCall) -> 1 if expert_out was used in place, else 0 | None
  * (call.split, as dispatch) | ErrorRecord; every rank must name the same dispatch */
 PyObject *engine_combine(engine_t *g, PyObject *rec) {
     g->trace[TRACE_C_NATIVE] = now_ns();

@@ -18,7 +18,7 @@ typedef struct call {
     _Atomic uint32_t done; /* split-phase: the background core finished the second half */
 } call_t;
 
-/* The objects of one dispatch (engine.dispatch's arguments, ubep.engine.Engine). */
+/* The objects of one dispatch (engine.dispatch's arguments, ubep.plane.Engine). */
 typedef struct {
     PyObject *x, *topk_idx, *topk_weights;
     long long num_tokens;
@@ -70,7 +70,7 @@ call_t *combine_call(engine_t *g, const combine_args_t *a);
 PyObject *call_run(engine_t *g, call_t *c, int split);
 void call_free(call_t *c);
 
-/* shared with control.c: an operation's start, its error record (an ubep.runtime.abi.ErrorRecord), and the background core idle
+/* shared with control.c: an operation's start, its error record (an ubep.plane.records.ErrorRecord), and the background core idle
  * (every method that touches the engine's state calls quiesce first) */
 void op_init(op_t *op, engine_t *g, int kind, uint64_t epoch);
 PyObject *error_record(op_t *op);

@@ -118,6 +118,11 @@ static int add_exports(PyObject *m) {
         add_named(m, "TRACE", TRACE_CODES, NAMED_LEN(TRACE_CODES)) ||
         add_named(m, "OFFSETS", RECORD_OFFSETS, NAMED_LEN(RECORD_OFFSETS)))
         return -1;
+    PyObject *fields = fast_field_names();
+    if (!fields || PyModule_AddObject(m, "FIELDS", fields) < 0) {
+        Py_XDECREF(fields);
+        return -1;
+    }
     if (PyModule_AddIntConstant(m, "ABI", UBEP_ABI_VERSION) < 0 ||
         PyModule_AddStringConstant(m, "KERNELS", kernel_set) < 0)
         return -1;
@@ -127,7 +132,7 @@ static int add_exports(PyObject *m) {
 /* the module functions of the ABI itself (hooks.c's are for tests and benchmarks) */
 static PyMethodDef ABI_METHODS[] = {
     {"set_error_type", (PyCFunction)engine_set_error_type, METH_O,
-     "the type failed calls return (ubep.runtime.abi.ErrorRecord), handed over once"},
+     "the type failed calls return (ubep.plane.records.ErrorRecord), handed over once"},
     {NULL, NULL, 0, NULL},
 };
 

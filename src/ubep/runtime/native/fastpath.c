@@ -3,14 +3,17 @@
  * A decode step dispatches a few tokens; building its arguments and its result in Python cost
  * more than the native call (~60 numpy and attribute operations, 8-10 us). Here one C call
  * checks the arguments, allocates the outputs, runs the call and builds the result objects
- * (numpy views of two owned blocks and of the receive region, ubep.handle's DispatchResult and
- * RuntimeHandle) -- the same objects, field for field, that ubep.buffer builds on its general
- * path.
+ * (numpy views of two owned blocks and of the receive region, ubep.plane.results'
+ * DispatchResult and RuntimeHandle) -- the same objects, field for field, that the engine's
+ * general path (ubep.plane.host.HostEngine) builds.
  *
- * Only the common case comes here: exact numpy arrays of the Buffer's dtypes, C-contiguous,
- * the shapes the Buffer expects, a handle of this Buffer. Anything else returns None before
- * anything is touched, and ubep.buffer takes its general path, which converts (torch tensors,
- * other integer dtypes) or raises the InvalidArgumentError that names the argument.
+ * These are the engine's door (ubep.plane.Engine.dispatch / combine). Only the common case runs
+ * here: exact numpy arrays of the Buffer's dtypes, C-contiguous, the shapes the Buffer expects,
+ * a handle of this Buffer. Offered anything else without options, it returns None before
+ * anything is touched (ubep.buffer converts, or raises the InvalidArgumentError that names the
+ * argument, and calls again with options); a call with options that are not the plain ones
+ * (split, copy, pre-quantised rows), or with arrays this path does not take, goes to the
+ * general path set_fast names.
  */
 #include "engine.h" /* first: Python.h precedes the standard headers */
 
@@ -35,6 +38,19 @@ static const char *const KEY_NAMES[NUM_KEYS] = {
     "dispatch_index", "generation", "buffer_uid", "rank", "layout", "hidden", "num_ranks",
     "num_experts", "x_dtype",
 };
+PyObject *fast_field_names(void) {
+    PyObject *t = PyTuple_New(NUM_KEYS);
+    for (int i = 0; t && i < NUM_KEYS; i++) {
+        PyObject *s = PyUnicode_FromString(KEY_NAMES[i]);
+        if (!s) {
+            Py_DECREF(t);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(t, i, s);
+    }
+    return t;
+}
+
 /* the handle fields that are the same for every call of a Buffer */
 #define FIRST_CONST_KEY K_BUFFER_UID
 
@@ -50,7 +66,11 @@ typedef struct {
 } kept_t;
 
 struct fast {
-    PyObject *result_type, *handle_type; /* ubep.handle.DispatchResult, ubep.handle.RuntimeHandle */
+    PyObject *result_type, *handle_type; /* ubep.plane.results: DispatchResult, RuntimeHandle */
+    /* the engine's general path (ubep.plane.host.HostEngine, by weak reference): the calls
+     * that come with options or whose arrays this path does not take as they are */
+    PyObject *general_dispatch, *general_combine;
+    PyObject *plain; /* the options object of a plain blocking call (CallOptions()) */
     PyObject *handle_const;              /* dict: the handle's per-Buffer fields */
     PyObject *recv_views[8];             /* [cap_rows, hidden] read-only view of each region */
     PyObject *scale_views[8];            /* quantised rows: their float32 scales, else NULL */
@@ -76,6 +96,9 @@ static void release(fast_t *f) {
     Py_XDECREF(f->result_type);
     Py_XDECREF(f->handle_type);
     Py_XDECREF(f->handle_const);
+    Py_XDECREF(f->general_dispatch);
+    Py_XDECREF(f->general_combine);
+    Py_XDECREF(f->plain);
     for (int i = 0; i < 8; i++) {
         Py_XDECREF(f->recv_views[i]);
         Py_XDECREF(f->scale_views[i]);
@@ -103,13 +126,14 @@ static int region_view_ok(engine_t *g, PyObject *v, int64_t width_bytes) {
 }
 
 /* set_fast(DispatchResult, RuntimeHandle, handle_const, recv_views, scale_views, x_dtype,
- *          combine_dtype): what the fast path builds its results from (once per Buffer) */
+ *          combine_dtype, general_dispatch, general_combine, plain): what the fast path builds
+ *          its results from, and where the other calls go (once per Buffer) */
 PyObject *engine_set_fast(engine_t *g, PyObject *args) {
-    PyObject *rt, *ht, *hc, *rv, *sv, *xd, *cd;
+    PyObject *rt, *ht, *hc, *rv, *sv, *xd, *cd, *gd, *gc, *plain;
     xd = cd = NULL;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!OO&O&", &PyType_Type, &rt, &PyType_Type, &ht,
+    if (!PyArg_ParseTuple(args, "O!O!O!O!OO&O&OOO", &PyType_Type, &rt, &PyType_Type, &ht,
                           &PyDict_Type, &hc, &PyList_Type, &rv, &sv, PyArray_DescrConverter, &xd,
-                          PyArray_DescrConverter, &cd)) {
+                          PyArray_DescrConverter, &cd, &gd, &gc, &plain)) {
         Py_XDECREF(xd); /* converted before a later argument failed */
         return NULL;
     }
@@ -123,6 +147,9 @@ PyObject *engine_set_fast(engine_t *g, PyObject *args) {
     f->c_descr = (PyArray_Descr *)cd;
     Py_INCREF(rt); f->result_type = rt;
     Py_INCREF(ht); f->handle_type = ht;
+    f->general_dispatch = Py_NewRef(gd);
+    f->general_combine = Py_NewRef(gc);
+    f->plain = Py_NewRef(plain);
     f->handle_const = PyDict_Copy(hc);
     fast_t *old = g->fast;
     g->fast = f;
@@ -440,22 +467,38 @@ static PyObject *refill(fast_t *f, int reg, int64_t n, long long index, PyObject
     return Py_NewRef(k->obj[KO_RES]);
 }
 
-/* dispatch_fast(x, topk_idx, topk_weights, epoch, index, generation, plan) -> None (not this
- * path's case: nothing was done) | DispatchResult | ErrorRecord */
+/* Not this path's call. Without options (the Buffer's first offer of the caller's arrays):
+ * None, nothing was done (the Buffer checks and converts them, then calls again with
+ * options). With options: the general path takes it. */
+static PyObject *not_this(PyObject *general, PyObject *opts, PyObject *args) {
+    if (!opts) Py_RETURN_NONE;
+    if (!general) {
+        PyErr_SetString(PyExc_RuntimeError, "engine: no general path (set_fast not called)");
+        return NULL;
+    }
+    return PyObject_Call(general, args, NULL);
+}
+
+/* dispatch(x, topk_idx, topk_weights, epoch, index, generation, plan[, opts]) -> None (no
+ * opts, not this path's case: nothing was done; with split opts: the first half ran) |
+ * DispatchResult | ErrorRecord (ubep.plane.protocol.Engine.dispatch) */
 PyObject *engine_dispatch_fast(engine_t *g, PyObject *args) {
     g->trace[TRACE_D_NATIVE] = now_ns(); /* the general path stamps again if it takes the call */
     dispatch_args_t a;
-    PyObject *generation;
-    if (!PyArg_ParseTuple(args, "OOOKLOO", &a.x, &a.topk_idx, &a.topk_weights, &a.epoch,
-                          &a.index, &generation, &a.plan))
+    PyObject *generation, *opts = NULL;
+    if (!PyArg_ParseTuple(args, "OOOKLOO|O", &a.x, &a.topk_idx, &a.topk_weights, &a.epoch,
+                          &a.index, &generation, &a.plan, &opts))
         return NULL;
     fast_t *f = g->fast;
-    if (!f || !PyArray_CheckExact(a.x) || PyArray_NDIM((PyArrayObject *)a.x) != 2)
-        Py_RETURN_NONE;
+    if (opts == Py_None) opts = NULL;
+    if (!f) return not_this(NULL, opts, args);
+    if (opts && opts != f->plain) return not_this(f->general_dispatch, opts, args);
+    if (!PyArray_CheckExact(a.x) || PyArray_NDIM((PyArrayObject *)a.x) != 2)
+        return not_this(f->general_dispatch, opts, args);
     npy_intp ntok = PyArray_DIM((PyArrayObject *)a.x, 0);
     if (ntok > g->T || !exact(a.x, f->x_descr->type_num, ntok, g->hidden) ||
         !exact(a.topk_idx, NPY_INT64, ntok, g->K) || !exact(a.topk_weights, NPY_FLOAT32, ntok, g->K))
-        Py_RETURN_NONE;
+        return not_this(f->general_dispatch, opts, args);
     outputs_t o;
     int reg = (int)(a.index % g->nreg);
     int reuse = f->kept[reg].ntok == ntok && kept_free(&f->kept[reg]);
@@ -465,7 +508,7 @@ PyObject *engine_dispatch_fast(engine_t *g, PyObject *args) {
         point_outputs(g, ntok, &o);
     } else if (alloc_outputs(g, ntok, &o)) { /* nothing was done: the general path */
         PyErr_Clear(); /* allocates (and fails, if it must) before the call, a clean reject */
-        Py_RETURN_NONE;
+        return not_this(f->general_dispatch, opts, args);
     }
     /* owned copies: the handle keeps them, the caller may reuse its arrays. topk_idx's is
      * written by validation as it reads the caller's array (one pass over it per call) */
@@ -501,17 +544,21 @@ PyObject *engine_dispatch_fast(engine_t *g, PyObject *args) {
 /* the handle's field `key` (a borrowed reference), or NULL if absent */
 static PyObject *field(PyObject *d, PyObject *key) { return PyDict_GetItemWithError(d, key); }
 
-/* combine_fast(expert_out, handle, epoch, generation, num_dispatches) -> None (not this
- * path's case) | y | ErrorRecord */
+/* combine(expert_out, handle, epoch, generation, num_dispatches[, opts]) -> None (as
+ * dispatch) | y | ErrorRecord (ubep.plane.protocol.Engine.combine) */
 PyObject *engine_combine_fast(engine_t *g, PyObject *args) {
     g->trace[TRACE_C_NATIVE] = now_ns();
-    PyObject *eo, *handle, *generation;
+    PyObject *eo, *handle, *generation, *opts = NULL;
     unsigned long long epoch;
     long long num_dispatches;
-    if (!PyArg_ParseTuple(args, "OOKOL", &eo, &handle, &epoch, &generation, &num_dispatches))
+    if (!PyArg_ParseTuple(args, "OOKOL|O", &eo, &handle, &epoch, &generation, &num_dispatches,
+                          &opts))
         return NULL;
     fast_t *f = g->fast;
-    if (!f || (PyObject *)Py_TYPE(handle) != f->handle_type) Py_RETURN_NONE;
+    if (opts == Py_None) opts = NULL;
+    if (!f) return not_this(NULL, opts, args);
+    if ((opts && opts != f->plain) || (PyObject *)Py_TYPE(handle) != f->handle_type)
+        return not_this(f->general_combine, opts, args);
     PyObject *d = PyObject_GenericGetDict(handle, NULL);
     if (!d) return NULL;
     PyObject **k = f->keys, *res = NULL;
@@ -568,7 +615,7 @@ PyObject *engine_combine_fast(engine_t *g, PyObject *args) {
     }
     goto done;
 not_mine:
-    if (!PyErr_Occurred()) res = Py_NewRef(Py_None);
+    if (!PyErr_Occurred()) res = not_this(f->general_combine, opts, args);
 done:
     Py_DECREF(d);
     return res;

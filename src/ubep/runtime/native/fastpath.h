@@ -15,6 +15,9 @@ PyObject *engine_set_fast(engine_t *g, PyObject *args);
 PyObject *engine_dispatch_fast(engine_t *g, PyObject *args);
 PyObject *engine_combine_fast(engine_t *g, PyObject *args);
 void fast_free(engine_t *g);
+/* the result and handle field names the fast path builds (abi.py checks them at load against
+ * ubep.plane.results' dataclasses, their one source) */
+PyObject *fast_field_names(void);
 /* the size from which combine outputs come from the Buffer's blocks; bytes > 0 sets it (tests);
  * returns the previous value */
 npy_intp fast_y_pool_min(npy_intp bytes);

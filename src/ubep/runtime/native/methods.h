@@ -11,7 +11,7 @@ PyObject *engine_combine(engine_t *g, PyObject *args);
 PyObject *engine_complete(engine_t *g, PyObject *args);
 PyObject *engine_abandon(engine_t *g, PyObject *args);
 
-/* calls.c, a module function: the type failed calls return (ubep.runtime.abi.ErrorRecord) */
+/* calls.c, a module function: the type failed calls return (ubep.plane.records.ErrorRecord) */
 PyObject *engine_set_error_type(PyObject *module, PyObject *type);
 
 /* control.c */

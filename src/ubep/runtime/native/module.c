@@ -13,13 +13,13 @@
  *     every rank's segment in this process, pids and start times the peer processes (liveness).
  *   - Methods take arrays as C-contiguous buffers, their sizes checked against the parameters,
  *     and return their result or an abi.ErrorRecord (built from the type abi.load_native hands
- *     over with set_error_type); dispatch and combine take one call record
- *     (ubep.engine.DispatchCall, CombineCall) read by field name; ubep.engine.Engine documents
- *     each method.
+ *     over with set_error_type); run_dispatch and run_combine take one call record
+ *     (ubep.plane.DispatchCall, CombineCall) read by field name; dispatch and combine are
+ *     ubep.plane.Engine's door (fastpath.c).
  *   - The codes (E_*, DT_*, SYNC_*, ENG_*, LAY_*, TRACE_*) and the offsets inside the control
  *     records are abi.h's. exports.c exports them and abi.load_native() refuses a build whose
  *     exports differ from abi.py's.
- *   - Where each record lies in a segment is ubep/runtime/layout.py's (offsets as parameters).
+ *   - Where each record lies in a segment is ubep/plane/layout.py's (offsets as parameters).
  *
  * The methods live by job: calls.c (a call's lifecycle), control.c (notices, resync, waits,
  * introspection), fastpath.c (whole blocking calls); the parts of the core are listed in
@@ -288,16 +288,16 @@ static int engine_init(engine_t *g, PyObject *args, PyObject *kwds) {
 static PyMethodDef engine_methods[] = {
     {"core_log", (PyCFunction)engine_core_log, METH_NOARGS,
      "per core: the units it sent and the count records it published in the last dispatch"},
-    {"dispatch", (PyCFunction)engine_dispatch, METH_O,
-     "one dispatch of an ubep.engine.DispatchCall (ubep.engine.Engine)"},
-    {"combine", (PyCFunction)engine_combine, METH_O,
-     "one combine of an ubep.engine.CombineCall (ubep.engine.Engine)"},
+    {"run_dispatch", (PyCFunction)engine_dispatch, METH_O,
+     "one dispatch of an ubep.plane.DispatchCall: its arrays filled, the rows received"},
+    {"run_combine", (PyCFunction)engine_combine, METH_O,
+     "one combine of an ubep.plane.CombineCall into its y"},
     {"set_fast", (PyCFunction)engine_set_fast, METH_VARARGS,
-     "what blocking calls build their results from (fastpath.c)"},
-    {"dispatch_fast", (PyCFunction)engine_dispatch_fast, METH_VARARGS,
-     "a whole blocking dispatch in one call: its DispatchResult, an ErrorRecord or None"},
-    {"combine_fast", (PyCFunction)engine_combine_fast, METH_VARARGS,
-     "a whole blocking combine in one call: y, an ErrorRecord or None"},
+     "what blocking calls build their results from, where the others go (fastpath.c)"},
+    {"dispatch", (PyCFunction)engine_dispatch_fast, METH_VARARGS,
+     "a dispatch (ubep.plane.Engine): its DispatchResult, an ErrorRecord or None"},
+    {"combine", (PyCFunction)engine_combine_fast, METH_VARARGS,
+     "a combine (ubep.plane.Engine): y, an ErrorRecord or None"},
     {"complete", (PyCFunction)engine_complete, METH_VARARGS,
      "the second half of the oldest split-phase call"},
     {"abandon", (PyCFunction)engine_abandon, METH_VARARGS,
