@@ -45,6 +45,7 @@ from benchmarks.harness import (
 )
 from ubep import testing
 from ubep.buffer import Buffer, BufferConfig
+from ubep.buffer.tasks import NO_SPLIT, CoreTasks
 from ubep.modes import POLICIES
 from ubep.routing import uniform_topk
 from ubep.runtime import _native, launch
@@ -92,25 +93,33 @@ def scheduler_alone(quick: bool, repeats: int) -> tuple[list[list[object]], list
     return rows, records
 
 
-class PythonPlanBuffer(Buffer):
-    """The Buffer made to plan as the runtime did before its native scheduler: ubep.sched's
-    whole Plan, built in numpy on every call, through the general path."""
+class PythonPlanTasks(CoreTasks):
+    """The cores' tasks as the runtime planned before its native scheduler: ubep.sched's whole
+    Plan, built in numpy on every call, through the Buffer's general path."""
 
-    def _split_plan(self, x: object) -> object:
-        from ubep.buffer.buffer import _NO_SPLIT
+    def for_x(self, x: object) -> object:
+        return NO_SPLIT
 
-        return _NO_SPLIT
-
-    def _plan(self, idx: np.ndarray) -> Plan | CoreSplit | ScheduleSpec | None:
-        split = self._core_split(idx.shape[0])
+    def for_idx(self, idx: np.ndarray) -> Plan | CoreSplit | ScheduleSpec | None:
+        split = self.split(idx.shape[0])
         if not isinstance(split, ScheduleSpec):
             return split
-        cfg = self._cfg
-        topo = dataclasses.replace(self.group.topology, cores_per_rank=self.num_cores)
+        cfg = self.config
+        topo = dataclasses.replace(self.topology, cores_per_rank=self.num_cores)
         return schedule(idx, topo, rank=self.rank, num_experts=cfg.num_experts,
                         policy=cfg.policy, layout=cfg.layout,
                         num_send_cores=split.num_send_cores,
                         num_count_cores=split.num_count_cores)
+
+
+class PythonPlanBuffer(Buffer):
+    """The Buffer made to plan as the runtime did before its native scheduler
+    (:class:`PythonPlanTasks`)."""
+
+    def __init__(self, group: Any, config: BufferConfig) -> None:
+        super().__init__(group, config)
+        self._tasks = PythonPlanTasks(self._cfg, self.num_cores, self.group.topology,
+                                      self.rank)
 
 
 def _config(tokens: int) -> BufferConfig:

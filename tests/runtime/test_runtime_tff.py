@@ -60,7 +60,7 @@ def _worker_in_flight(group: Any, layout: str, hidden: int) -> list[str]:
             errors += [f"call {i}: {e}" for e in
                        testing.compare(buf.dispatch(xs[r], idxs[r], ws[r]), refs[r])]
         # Two dispatches in flight: with a staging region, issuing the second would first
-        # finish the first (Buffer._complete_staged_dispatch); in place, nothing does.
+        # finish the first (InFlightCalls.complete_staged); in place, nothing does.
         pending = []
         for i in (2, 3):
             xs, idxs, ws, _ = batches[i]

@@ -31,9 +31,12 @@ one pass (float32 accumulation in the reference's order).
 
 from __future__ import annotations
 
+import abc
 import dataclasses
+import functools
 import secrets
 import threading
+from collections.abc import Callable
 from typing import Any, ClassVar, Literal, cast, overload
 
 import numpy as np
@@ -43,12 +46,11 @@ from .. import quant as _quant
 from ..config import BufferConfig
 from ..errors import InvalidArgumentError, RemoteError, UbepError
 from ..m2n import logical_result, physical_config, slot_shift
-from ..plane.protocol import PLAIN, CallOptions, EngineSpec, ProcessGroup
+from ..plane.protocol import PLAIN, CallOptions, EngineSpec, GlobalMemory, ProcessGroup
 from ..plane.records import ErrorRecord
 from ..plane.registry import open_engine
 from ..plane.results import DispatchHandle, DispatchResult, PendingCall, RuntimeHandle
 from ..routing import experts_per_rank
-from ..sched import CoreSplit, ScheduleSpec, core_split, schedule_spec
 from ..torch_bridge import as_process_group
 from .checks import ArgChecks
 from .inflight import InFlightCalls
@@ -57,13 +59,15 @@ from .replicas import LogicalRouting
 from .state import AFTER as _AFTER
 from .state import BEFORE as _BEFORE
 from .state import NATIVE as _NATIVE
+from .state import InFlight
+from .step import StepKeeping
+from .tasks import NO_SPLIT, CoreTasks
 
 __all__ = ["Buffer"]
 
-_NO_SPLIT = object()  # Buffer._split_plan: the call needs the general path
 
-
-class Buffer(InFlightCalls, ArgChecks):
+# ABCMeta: the masking Buffer registers as a Buffer (``Buffer.register``), holding one
+class Buffer(metaclass=abc.ABCMeta):
     """Dispatch/combine buffers of one rank (collective constructor: every rank builds one with
     the same config, in the same order).
 
@@ -75,6 +79,9 @@ class Buffer(InFlightCalls, ArgChecks):
         config: :class:`BufferConfig` (must be equal on every rank).
     """
 
+
+    num_cores: int
+    num_local_experts: int
 
     # the class that serves on_peer_loss="mask" (ubep.buffer.elastic registers it on import,
     # so this module needs no import of it)
@@ -114,14 +121,18 @@ class Buffer(InFlightCalls, ArgChecks):
         self._num_dispatches = 0
         self._generation = 0  # resyncs so far
         self._lock = threading.Lock()  # one call at a time (a second thread is refused)
-        self._dead = None  # a peer died: refused for good
-        self._lost = None  # out of step: refused until resync()
+        self._dead: str | None = None  # a peer died: refused for good
+        self._lost: str | None = None  # out of step: refused until resync()
         self._closed = False
-        self._memory = None
-        self._engine = None
-        self._in_flight = []  # split-phase calls awaiting their hook, in order
-        self._fast = None  # the one-call path of blocking calls
-        self._route = None  # expert_map's routing (_configure)
+        self._memory: GlobalMemory | None = None
+        self._engine: Any = None
+        self._in_flight: list[InFlight] = []  # split-phase calls awaiting their hook, in order
+        self._fast: Any = None  # the engine, when it takes blocking calls' arrays unchecked
+        self._route: LogicalRouting | None = None  # expert_map's routing (_configure)
+        # the jobs, each an object this Buffer holds (ubep.buffer.state)
+        self._steps = StepKeeping(self)
+        self._calls = InFlightCalls(self)
+        self._checks = ArgChecks(self)
         self.expert_ranks: tuple[int, ...] | None = None  # M2N roles (_configure)
         self._no_experts = False  # an M2N sender (_configure)
         self._m2n_shift = 0  # M2N, expert layout: slot id + shift = logical id (_configure)
@@ -173,8 +184,10 @@ class Buffer(InFlightCalls, ArgChecks):
         # every blocking call may take the one native call: its result needs no translation
         # (M2N's logical ids); with ASP on several cores it carries its core split
         self._one_call = self.expert_ranks is None
-        self._planned = config.engine == "asp" and self.num_cores >= 2
-        self._splits: dict[int, CoreSplit | ScheduleSpec | None] = {}
+        self._tasks = CoreTasks(config, self.num_cores, self.group.topology, self.rank)
+        # M2N: results in the caller's numbering (the engine runs physical slots)
+        self._finish_dispatch: Callable[[Any], Any] = _same if self.expert_ranks is None else (
+            functools.partial(_logical, self._no_experts, self._m2n_shift))
         self._dtype = _dt.dtype_of(config.dtype)
         self._cdtype = _dt.dtype_of(config.combine_dtype)
         self.layout = layout_of(config, self.num_ranks, self.num_cores)
@@ -262,12 +275,12 @@ class Buffer(InFlightCalls, ArgChecks):
         fast = self._fast
         if (fast is not None and self._one_call and self._route is None
                 and not (copy or return_recv_hook or self._in_flight) and x_scales is None):
-            plan = self._split_plan(x) if self._planned else None
+            plan = self._tasks.for_x(x) if self._tasks.planned else None
             # The one native call, written out here and in combine rather than in a helper: a
             # decode step meets this code cold, and a Python frame fewer is a microsecond less.
             # Nothing taken (another call holds the Buffer, it refuses calls, or the native
             # call returns None: not its arrays): the general path takes the call.
-            if plan is not _NO_SPLIT and self._lock.acquire(False):
+            if plan is not NO_SPLIT and self._lock.acquire(False):
                 try:
                     if not (self._closed or self._dead is not None or self._lost is not None):
                         epoch = self._epoch = self._epoch + 1
@@ -277,7 +290,7 @@ class Buffer(InFlightCalls, ArgChecks):
                             got = fast.dispatch(x, topk_idx, topk_weights, epoch, index,
                                                 self._generation, plan)
                             if type(got) is ErrorRecord:
-                                raise self._error(got)
+                                raise self._steps.error(got)
                         except BaseException as exc:
                             raise self._hot_failed(epoch, index, exc) from None
                         if got is not None:
@@ -285,7 +298,7 @@ class Buffer(InFlightCalls, ArgChecks):
                         self._epoch, self._num_dispatches = epoch - 1, index
                 finally:
                     self._lock.release()
-        self._enter()
+        self._steps.enter()
         try:
             return self._dispatch(x, topk_idx, topk_weights, copy, return_recv_hook, x_scales)
         finally:
@@ -294,7 +307,7 @@ class Buffer(InFlightCalls, ArgChecks):
     def _hot_failed(self, epoch: int, index: int, exc: BaseException) -> BaseException:
         """What a failed one native call (dispatch or combine: ``index`` is the dispatches made
         before it) raises; a clean reject leaves no dispatch counted."""
-        err, clean = self._failed(epoch, _NATIVE, exc)
+        err, clean = self._steps.failed(epoch, _NATIVE, exc)
         if clean:
             self._num_dispatches = index
         return err
@@ -303,8 +316,8 @@ class Buffer(InFlightCalls, ArgChecks):
         self, x: object, topk_idx: object, topk_weights: object, copy: bool, hook: bool,
         x_scales: object,
     ) -> DispatchResult[RuntimeHandle] | PendingCall[DispatchResult[RuntimeHandle]]:
-        self._complete_staged_dispatch()
-        self._check_in_flight()
+        self._calls.complete_staged()
+        self._calls.check()
         self._epoch += 1
         epoch = self._epoch
         index = self._num_dispatches
@@ -316,29 +329,23 @@ class Buffer(InFlightCalls, ArgChecks):
         try:
             if self._route is not None:  # logical ids -> physical slots (checked: a clean reject)
                 topk_idx = self._route(topk_idx)
-            xa, idx, w = self._check_dispatch_args(x, topk_idx, topk_weights, x_scales)
-            plan = self._plan(idx)
+            xa, idx, w = self._checks.dispatch_args(x, topk_idx, topk_weights, x_scales)
+            plan = self._tasks.for_idx(idx)
             stage = _NATIVE
             # the one engine call: its result built by the engine (None: the first half ran)
             got = self._engine.dispatch(xa, idx, w, epoch, index, self._generation, plan, opts)
             stage = _AFTER
             if type(got) is ErrorRecord:
-                raise self._error(got)
+                raise self._steps.error(got)
         except BaseException as exc:
-            err, clean = self._failed(epoch, stage, exc)
+            err, clean = self._steps.failed(epoch, stage, exc)
             if clean:
                 # rejected on every rank before anything reached a peer: no dispatch happened,
                 # so no dispatch counter moves (a peer that made a mismatched combine call,
                 # rejected as cleanly, did not count one either)
                 self._num_dispatches = index
             raise err from None
-        return self._issued("dispatch", epoch, got, self._logical, hook, index)
-
-    def _logical(self, res: DispatchResult[RuntimeHandle]) -> DispatchResult[RuntimeHandle]:
-        """M2N: a result in the caller's numbering (the engine runs physical slots)."""
-        if self.expert_ranks is not None:
-            logical_result(res, self._no_experts, self._m2n_shift)
-        return res
+        return self._calls.issued("dispatch", epoch, got, self._finish_dispatch, hook, index)
 
     @overload
     def combine(
@@ -382,7 +389,7 @@ class Buffer(InFlightCalls, ArgChecks):
                     try:
                         y = fast.combine(expert_out, handle, epoch, self._generation, index)
                         if type(y) is ErrorRecord:
-                            raise self._error(y)
+                            raise self._steps.error(y)
                     except BaseException as exc:
                         raise self._hot_failed(epoch, index, exc) from None
                     if y is not None:
@@ -390,7 +397,7 @@ class Buffer(InFlightCalls, ArgChecks):
                     self._epoch = epoch - 1
             finally:
                 self._lock.release()
-        self._enter()
+        self._steps.enter()
         try:
             return self._combine(expert_out, handle, return_recv_hook)
         finally:
@@ -399,7 +406,7 @@ class Buffer(InFlightCalls, ArgChecks):
     def _combine(
         self, expert_out: object, handle: DispatchHandle, hook: bool
     ) -> np.ndarray | PendingCall[np.ndarray]:
-        self._check_in_flight()
+        self._calls.check()
         self._epoch += 1
         epoch = self._epoch
         split = hook or bool(self._in_flight)
@@ -407,28 +414,34 @@ class Buffer(InFlightCalls, ArgChecks):
         try:
             # (a blocking call of exact arrays was offered to the engine already, in
             # Buffer.combine: what comes here converts or raises)
-            h, eo = self._check_combine_args(expert_out, handle)
+            h, eo = self._checks.combine_args(expert_out, handle)
             stage = _NATIVE
             got = self._engine.combine(eo, h, epoch, self._generation, self._num_dispatches,
                                        CallOptions(split=True) if split else PLAIN)
             stage = _AFTER
             if type(got) is ErrorRecord:
-                raise self._error(got)
+                raise self._steps.error(got)
         except BaseException as exc:
-            raise self._failed(epoch, stage, exc)[0] from None
-        return self._issued("combine", epoch, got, _same, hook, None)
+            raise self._steps.failed(epoch, stage, exc)[0] from None
+        return self._calls.issued("combine", epoch, got, _same, hook, None)
+
+    def resync(self, timeout_s: float | None = None) -> None:
+        """Re-establish agreement with the peers after a lost step (collective: every rank;
+        :meth:`ubep.buffer.step.StepKeeping.resync`). Handles and ``recv_x`` views from
+        before are invalid afterwards; a dead peer cannot be resynced with."""
+        self._steps.resync(timeout_s)
 
     def get_combine_buffer(self, handle: DispatchHandle) -> np.ndarray:
         """A writable ``[handle.num_recv_rows, hidden]`` array in this rank's segment: write the
         expert outputs here and pass it to :meth:`combine` to skip the copy (zero-copy combine).
         Handles of consecutive dispatches get different buffers. Not collective."""
-        self._enter()
+        self._steps.enter()
         try:
-            h = self._check_handle(handle)
+            h = self._checks.handle(handle)
             got = self._engine.combine_buffer(int(getattr(h, "dispatch_index", -1)),
                                               h.num_recv_rows)
             if type(got) is ErrorRecord:
-                raise self._error(got)
+                raise self._steps.error(got)
             return cast(np.ndarray, got)
         finally:
             self._lock.release()
@@ -444,7 +457,7 @@ class Buffer(InFlightCalls, ArgChecks):
                             "another thread (or in the code this signal handler interrupted) is "
                             "still running")
         try:
-            self._abandon_in_flight("the Buffer was closed before its hook")
+            self._calls.abandon("the Buffer was closed before its hook")
             self._closed = True
             self._teardown()
         finally:
@@ -472,39 +485,13 @@ class Buffer(InFlightCalls, ArgChecks):
             f"max_tokens_per_rank={c.max_tokens_per_rank}, cores={self.num_cores})"
         )
 
-    def _plan(self, idx: np.ndarray) -> CoreSplit | ScheduleSpec | None:
-        """What each core of this rank does (ASP with more than one core; one core validates,
-        counts and sends in one pass): :meth:`_core_split`'s answer for this batch."""
-        return self._core_split(idx.shape[0])
-
-    def _split_plan(self, x: object) -> CoreSplit | ScheduleSpec | object | None:
-        """The plan of a blocking call's one native call (:meth:`_core_split`), or
-        ``_NO_SPLIT`` when ``x`` is not a 2-D array (which the one call would refuse): the
-        general path."""
-        if type(x) is not np.ndarray or x.ndim != 2:
-            return _NO_SPLIT
-        return self._core_split(x.shape[0])
-
-    def _core_split(self, num_tokens: int) -> CoreSplit | ScheduleSpec | None:
-        """The cores' tasks for a batch of ``num_tokens`` (cached per batch size): None (one
-        core, BSP, or no tokens: one pass does everything); Appendix A's count/send split; with
-        two or more send cores, the split and the scheduler's tables (``ScheduleSpec``): the
-        engine builds the Plan of ``config.policy`` itself from the routing it validates, the
-        Plan ``ubep.sched.schedule`` would give, with no Python per call."""
-        got = self._splits.get(num_tokens, _NO_SPLIT)
-        if got is not _NO_SPLIT:
-            return cast("CoreSplit | ScheduleSpec | None", got)
-        cfg = self._cfg
-        split: CoreSplit | ScheduleSpec | None = None
-        if self._planned and num_tokens > 0:
-            split = core_split(self.num_cores, cfg.num_experts, cfg.num_topk, num_tokens)
-            if split.num_send_cores >= 2:
-                split = schedule_spec(split, self.group.topology, rank=self.rank,
-                                      num_experts=cfg.num_experts, policy=cfg.policy)
-        self._splits[num_tokens] = split
-        return split
-
 
 def _same(y: Any) -> Any:
     """A combine's result as the engine built it."""
     return y
+
+
+def _logical(sender: bool, shift: int, res: Any) -> Any:
+    """An M2N dispatch result in the caller's numbering (``ubep.m2n.logical_result``)."""
+    logical_result(res, sender, shift)
+    return res

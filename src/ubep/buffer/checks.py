@@ -118,36 +118,44 @@ def is_c(a: np.ndarray, dtype: type) -> bool:
     return a.dtype == dtype and bool(a.flags.c_contiguous)
 
 
-class ArgChecks(BufferState):
-    """The checks that need the Buffer's state (its uid, generation and layout)."""
+class ArgChecks:
+    """The checks that need the state of the Buffer ``buf`` (its uid, generation and layout;
+    held as ``buf._checks``)."""
 
-    def _check_dispatch_args(
+    __slots__ = ("buf",)
+
+    def __init__(self, buf: BufferState) -> None:
+        self.buf = buf
+
+    def dispatch_args(
         self, x: object, topk_idx: object, topk_weights: object, x_scales: object = None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return check_dispatch_args(self._cfg, self._dtype, x, topk_idx, topk_weights,
+        b = self.buf
+        return check_dispatch_args(b._cfg, b._dtype, x, topk_idx, topk_weights,
                                    x_scales)
 
-    def _check_handle(self, handle: object) -> DispatchHandle:
+    def handle(self, handle: object) -> DispatchHandle:
+        b = self.buf
         if not isinstance(handle, DispatchHandle):
             raise InvalidArgumentError("handle", type(handle).__name__, "must be a dispatch handle")
-        cfg = self._cfg
+        cfg = b._cfg
         if (handle.rank, handle.num_ranks, handle.layout, handle.num_experts, handle.hidden) != (
-            self.rank, self.num_ranks, cfg.layout, cfg.num_experts, cfg.hidden
+            b.rank, b.num_ranks, cfg.layout, cfg.num_experts, cfg.hidden
         ) or handle.topk_idx.shape[1:] != (cfg.num_topk,):
             raise InvalidArgumentError(
                 "handle", (handle.rank, handle.layout, handle.hidden),
                 "comes from a dispatch of another rank or Buffer shape",
             )
         if handle.num_tokens > cfg.max_tokens_per_rank or (
-            handle.num_recv_rows > self.layout.cap_rows
+            handle.num_recv_rows > b.layout.cap_rows
         ):
             raise InvalidArgumentError("handle", handle.num_tokens, "exceeds this Buffer's size")
-        if getattr(handle, "buffer_uid", None) != self._uid:
+        if getattr(handle, "buffer_uid", None) != b._uid:
             raise InvalidArgumentError(
                 "handle", type(handle).__name__, "does not come from a dispatch of this Buffer"
             )
-        if getattr(handle, "generation", None) != self._generation or not (
-            0 <= getattr(handle, "dispatch_index", -1) < self._num_dispatches
+        if getattr(handle, "generation", None) != b._generation or not (
+            0 <= getattr(handle, "dispatch_index", -1) < b._num_dispatches
         ):
             raise InvalidArgumentError(
                 "handle", f"dispatch {getattr(handle, 'dispatch_index', -1)}",
@@ -155,21 +163,22 @@ class ArgChecks(BufferState):
             )
         return handle
 
-    def _check_combine_args(
+    def combine_args(
         self, expert_out: object, handle: DispatchHandle
     ) -> tuple[DispatchHandle, np.ndarray]:
-        h = self._check_handle(handle)
+        b = self.buf
+        h = self.handle(handle)
         eo = to_array(expert_out, "expert_out")
-        if eo.dtype != self._cdtype.storage:
+        if eo.dtype != b._cdtype.storage:
             eo, dt = _dt.as_storage(eo, argument="expert_out")
-            if dt != self._cdtype:
+            if dt != b._cdtype:
                 raise InvalidArgumentError(
-                    "expert_out", dt.name, f"must have combine_dtype ({self._cdtype.name})"
+                    "expert_out", dt.name, f"must have combine_dtype ({b._cdtype.name})"
                 )
-        if eo.shape != (h.num_recv_rows, self._cfg.hidden):
+        if eo.shape != (h.num_recv_rows, b._cfg.hidden):
             raise InvalidArgumentError(
                 "expert_out", eo.shape,
-                f"must be ({h.num_recv_rows}, {self._cfg.hidden}): one row per received row",
+                f"must be ({h.num_recv_rows}, {b._cfg.hidden}): one row per received row",
             )
         if not eo.flags.c_contiguous:
             eo = np.ascontiguousarray(eo)

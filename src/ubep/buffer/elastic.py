@@ -631,3 +631,4 @@ def _rows_in_new_order(old: DispatchResult[Any], new: DispatchResult[Any],
 
 
 Buffer.masking_class = MaskingBuffer
+Buffer.register(MaskingBuffer)  # a Buffer (it holds one over the members), by registration

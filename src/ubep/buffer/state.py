@@ -1,42 +1,48 @@
-"""What a :class:`~ubep.buffer.Buffer` holds, declared once for the modules that act on it.
+"""What a :class:`~ubep.buffer.Buffer` holds that its collaborators act on, declared once.
 
-The Buffer's behaviour is split by job (the calls, the calls in flight, keeping step, argument
-checks); each job is a mixin over this state, so every module sees the same typed attributes.
+The Buffer's behaviour is split by job: the calls (``buffer.py``), the calls in flight
+(``inflight.py``), keeping step (``step.py``), argument checks (``checks.py``). Each job is an
+object the Buffer holds (``buf._calls``, ``buf._steps``, ``buf._checks``), built with the Buffer
+and typed against this protocol: the state stays the Buffer's, where its hot path reads it.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
-
-import numpy as np
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from ..config import BufferConfig
 from ..dtypes import DType
 from ..plane.layout import SegmentLayout
-from ..plane.protocol import Engine, GlobalMemory, ProcessGroup
+from ..plane.protocol import Engine, ProcessGroup
+from ..plane.results import PendingCall
 
-if TYPE_CHECKING:
-    from ..sched import CoreSplit, ScheduleSpec
-    from .inflight import InFlight
-    from .replicas import LogicalRouting
+__all__ = ["AFTER", "BEFORE", "NATIVE", "BufferState", "InFlight"]
 
-__all__ = ["BufferState"]
-
-# stages of a call, for StepKeeping._failed: before the data plane, inside it, after it returned
+# stages of a call, for StepKeeping.failed: before the data plane, inside it, after it returned
 BEFORE, NATIVE, AFTER = 0, 1, 2
 
 
-class BufferState:
-    """The attributes of one rank's Buffer (set in ``Buffer.__init__`` / ``_setup``)."""
+@dataclass
+class InFlight:
+    """A split-phase call whose second half has not run."""
+
+    epoch: int
+    call: PendingCall[Any]
+    finish: Callable[[Any], Any]  # the engine's result -> the call's result
+    index: int | None  # dispatch index (None: combine)
+
+
+class BufferState(Protocol):
+    """The attributes of one rank's Buffer its collaborators use (set in ``Buffer.__init__`` /
+    ``_setup``)."""
 
     group: ProcessGroup
-    config: BufferConfig  # the caller's (M2N: logical experts and expert_ranks)
     _cfg: BufferConfig  # the one the engine runs (M2N: physical slots, ubep.m2n)
     rank: int
     num_ranks: int
-    num_cores: int
-    num_local_experts: int
     layout: SegmentLayout
     _uid: int
     _epoch: int  # sequence number of the last call (every rank agrees on it)
@@ -46,16 +52,13 @@ class BufferState:
     _dead: str | None  # a peer died: refused for good
     _lost: str | None  # out of step: refused until resync()
     _closed: bool
-    _memory: GlobalMemory | None
     _engine: Engine | Any
     _in_flight: list[InFlight]  # split-phase calls awaiting their hook, in issue order
-    _fast: Any  # the engine, when it takes blocking calls' arrays unchecked (else None)
-    _one_call: bool  # every blocking call may take it (no M2N translation)
-    _planned: bool  # ASP on several cores: a call carries its cores' tasks (Buffer._core_split)
-    _splits: dict[int, CoreSplit | ScheduleSpec | None]  # per batch size
-    _route: LogicalRouting | None  # expert_map: logical topk_idx -> physical slots
     _dtype: DType
     _cdtype: DType
-    _recv_views: list[np.ndarray]
-    _scale_views: list[np.ndarray]
-    _comb_regions: list[np.ndarray]
+    # the collaborators (step.StepKeeping, inflight.InFlightCalls, checks.ArgChecks): typed
+    # where the Buffer builds them, not here, so no module of this package imports another
+    # in a circle
+    _steps: Any
+    _calls: Any
+    _checks: Any

@@ -27,11 +27,14 @@ from .state import BufferState
 __all__ = ["StepKeeping"]
 
 
-class StepKeeping(BufferState):
-    """Call entry, failure handling and resync of a Buffer."""
+class StepKeeping:
+    """Call entry, failure handling and resync of the Buffer ``buf`` (which holds this object
+    as ``buf._steps``; the state it keeps is the Buffer's own, its calls read it)."""
 
-    def _abandon_in_flight(self, cause: str) -> None:  # InFlightCalls has the calls
-        raise NotImplementedError
+    __slots__ = ("buf",)
+
+    def __init__(self, buf: BufferState) -> None:
+        self.buf = buf
 
     def resync(self, timeout_s: float | None = None) -> None:
         """Re-establish agreement with the peers after a lost step (collective: every rank).
@@ -45,51 +48,53 @@ class StepKeeping(BufferState):
         Harmless on a Buffer that did not lose step, as long as every rank calls it. A dead
         peer cannot be resynced with (build a new group).
         """
-        if not self._lock.acquire(blocking=False):
-            raise UbepError(f"rank {self.rank}: another call is in progress on this Buffer")
+        b = self.buf
+        if not b._lock.acquire(blocking=False):
+            raise UbepError(f"rank {b.rank}: another call is in progress on this Buffer")
         try:
-            if self._closed:
-                raise UbepError(f"rank {self.rank}: the Buffer is closed")
-            if self._dead is not None:
-                raise PeerLostError(f"rank {self.rank}: cannot resync, a peer died: {self._dead}")
-            timeout = float(self._cfg.timeout_s if timeout_s is None else timeout_s)
-            self._abandon_in_flight("resync() was called before its hook")
-            gen = self._generation + 1
-            mine = {"epoch": self._epoch, "dispatches": self._num_dispatches}
+            if b._closed:
+                raise UbepError(f"rank {b.rank}: the Buffer is closed")
+            if b._dead is not None:
+                raise PeerLostError(f"rank {b.rank}: cannot resync, a peer died: {b._dead}")
+            timeout = float(b._cfg.timeout_s if timeout_s is None else timeout_s)
+            b._calls.abandon("resync() was called before its hook")
+            gen = b._generation + 1
+            mine = {"epoch": b._epoch, "dispatches": b._num_dispatches}
             # Phase 1: every rank is out of its calls (nobody writes a peer's segment any more).
-            states = self._exchange(f"resync.{self._uid}.{gen}.enter", mine, timeout)
+            states = self.exchange(f"resync.{b._uid}.{gen}.enter", mine, timeout)
             base = max(int(s["epoch"]) for s in states) + 2
-            self._engine.resync(base)
+            b._engine.resync(base)
             # Phase 2: every rank has cleared its segment before anyone starts a call.
-            self._exchange(f"resync.{self._uid}.{gen}.done", base, timeout)
-            self._epoch = base - 1
-            self._num_dispatches = max(int(s["dispatches"]) for s in states)
-            self._generation = gen
-            self._lost = None
+            self.exchange(f"resync.{b._uid}.{gen}.done", base, timeout)
+            b._epoch = base - 1
+            b._num_dispatches = max(int(s["dispatches"]) for s in states)
+            b._generation = gen
+            b._lost = None
         finally:
-            self._lock.release()
+            b._lock.release()
 
-    def _enter(self) -> None:
+    def enter(self) -> None:
         """Start a call: this thread alone, on a usable Buffer. Refusing changes nothing (no
         counter advances, nothing is published): the refused call never existed."""
-        if not self._lock.acquire(blocking=False):
+        b = self.buf
+        if not b._lock.acquire(blocking=False):
             raise UbepError(
-                f"rank {self.rank}: another call is in progress on this Buffer (a second thread "
+                f"rank {b.rank}: another call is in progress on this Buffer (a second thread "
                 "or a signal handler): calls on one Buffer must not overlap"
             )
-        if self._closed or self._dead is not None or self._lost is not None:
-            self._lock.release()
-            if self._closed:
-                raise UbepError(f"rank {self.rank}: the Buffer is closed")
-            if self._dead is not None:
-                raise PeerLostError(f"rank {self.rank}: Buffer unusable after a lost peer: "
-                                    f"{self._dead}")
+        if b._closed or b._dead is not None or b._lost is not None:
+            b._lock.release()
+            if b._closed:
+                raise UbepError(f"rank {b.rank}: the Buffer is closed")
+            if b._dead is not None:
+                raise PeerLostError(f"rank {b.rank}: Buffer unusable after a lost peer: "
+                                    f"{b._dead}")
             raise OutOfStepError(
-                f"rank {self.rank}: the Buffer lost step with its peers ({self._lost}); call "
+                f"rank {b.rank}: the Buffer lost step with its peers ({b._lost}); call "
                 "resync() on every rank (or build a new Buffer) before the next call"
             )
 
-    def _failed(self, epoch: int, stage: int, exc: BaseException) -> tuple[BaseException, bool]:
+    def failed(self, epoch: int, stage: int, exc: BaseException) -> tuple[BaseException, bool]:
         """The exception a call raises for ``exc``, after telling the peers what they need, and
         whether the call was rejected cleanly (on this rank or, by its notice, on a peer).
 
@@ -98,57 +103,61 @@ class StepKeeping(BufferState):
         peers get its failure notice and every rank stays in step. Anything else escaping the
         data plane (an interrupt at ``_NATIVE``) leaves the outcome unknown: lost step.
         """
+        b = self.buf
         if stage == _AFTER or (isinstance(exc, UbepError) and stage != _BEFORE):
             # the engine's own error, classified by _error
             clean = isinstance(exc, InvalidArgumentError) or (
                 isinstance(exc, RemoteError) and exc.clean)
             return exc, clean
         if stage == _NATIVE and (not isinstance(exc, Exception) or isinstance(exc, MemoryError)):
-            self._mark_lost(f"call {epoch} was interrupted by {type(exc).__name__}")
+            self.mark_lost(f"call {epoch} was interrupted by {type(exc).__name__}")
             return exc, False
         if not isinstance(exc, UbepError) and isinstance(exc, Exception):
-            exc = UbepError(f"rank {self.rank}: call {epoch} rejected: "
+            exc = UbepError(f"rank {b.rank}: call {epoch} rejected: "
                             f"{type(exc).__name__}: {exc}")
         # with calls in flight this one is not finished by itself: done words say "every call
         # up to here is finished", so the notice goes out without one
-        got = self._engine.fail(epoch, E_BAD_INPUT, f"rank {self.rank}: {exc}",
-                                0 if self._in_flight else 1, float(self._cfg.timeout_s))
+        got = b._engine.fail(epoch, E_BAD_INPUT, f"rank {b.rank}: {exc}",
+                                0 if b._in_flight else 1, float(b._cfg.timeout_s))
         if type(got) is ErrorRecord:  # peers never finished the call before last: out of step
-            self._mark_lost(f"rejected call {epoch} could not be announced: "
-                            f"{self._error(got)}")
+            self.mark_lost(f"rejected call {epoch} could not be announced: "
+                            f"{self.error(got)}")
             return exc, False
         return exc, True
 
-    def _mark_lost(self, cause: str) -> None:
+    def mark_lost(self, cause: str) -> None:
         """Refuse calls until resync, and tell peers ahead of time (best effort: only if the
         notice slot is free) so their next call fails at once instead of at its deadline."""
-        if self._lost is not None or self._dead is not None:
+        b = self.buf
+        if b._lost is not None or b._dead is not None:
             return
-        self._lost = cause
+        b._lost = cause
         with contextlib.suppress(Exception):
-            self._engine.fail(self._epoch + 1, E_LOST,
-                              f"rank {self.rank} lost step ({cause}): call resync() on every "
+            b._engine.fail(b._epoch + 1, E_LOST,
+                              f"rank {b.rank} lost step ({cause}): call resync() on every "
                               "rank", 0, 0.0)
 
-    def _exchange(self, key: str, value: Any, timeout_s: float) -> list[Any]:
+    def exchange(self, key: str, value: Any, timeout_s: float) -> list[Any]:
         """Group-wide exchange keyed by ``key``: a retry after a timeout pairs with the peers'
         first attempt (group kinds without keyed exchanges fall back to ``allgather``)."""
-        exchange = getattr(self.group, "exchange", None)
+        b = self.buf
+        exchange = getattr(b.group, "exchange", None)
         try:
             if exchange is not None:
                 return list(exchange(key, value, timeout_s))
-            return list(self.group.allgather(value, timeout_s))
+            return list(b.group.allgather(value, timeout_s))
         except PeerLostError as exc:
-            self._dead = str(exc)
+            b._dead = str(exc)
             raise
 
-    def _error(self, rec: ErrorRecord) -> UbepError:
+    def error(self, rec: ErrorRecord) -> UbepError:
         """The exception of an engine's error record; every error but a clean reject (bad
         input here or on a peer) leaves the Buffer out of step."""
+        b = self.buf
         if rec.code == E_PEER_LOST:
-            self._dead = rec.what
+            b._dead = rec.what
         elif rec.code == E_REMOTE and not rec.clean:
-            self._mark_lost(f"rank {rec.peer} failed call {self._epoch}: {rec.message}")
+            self.mark_lost(f"rank {rec.peer} failed call {b._epoch}: {rec.message}")
         elif not rec.clean:
-            self._mark_lost(rec.what)
-        return rec.to_exception(self.rank)
+            self.mark_lost(rec.what)
+        return rec.to_exception(b.rank)

@@ -25,14 +25,11 @@ import ctypes.util
 import functools
 import mmap
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from ..errors import UbepError
-
-if TYPE_CHECKING:
-    from .group import MpiGroup
 
 __all__ = ["DistGlobalMemory"]
 
@@ -52,7 +49,9 @@ class DistGlobalMemory:
         released: :meth:`close` was called (the group frees the windows collectively later).
     """
 
-    def __init__(self, group: MpiGroup, size_bytes: int, kind: str) -> None:
+    def __init__(self, group: Any, size_bytes: int, kind: str) -> None:
+        """``group``: the :class:`~ubep.mpi.group.MpiGroup` (not imported here: the group
+        module builds this one)."""
         self.group = group
         self.kind = kind
         self.size_bytes = size_bytes

@@ -109,9 +109,9 @@ class DispatchCall:
 
     Attributes:
         index: the dispatch's sequence number (receive region ``index % num_regions``).
-        plan: what each core does (``Buffer._plan``): ``None`` for one core, else the core
-            split, with the scheduler's tables for several send cores (the engine builds the
-            units), or a whole ``Plan``.
+        plan: what each core does (``ubep.buffer.tasks.CoreTasks``): ``None`` for one core,
+            else the core split, with the scheduler's tables for several send cores (the engine
+            builds the units), or a whole ``Plan``.
         split: run only the first half (``Engine.complete`` runs the rest).
         prequant: ``x`` holds quantised rows already.
     """
