@@ -69,7 +69,7 @@ import numpy as np
 
 from .. import dtypes as _dt
 from ..errors import InvalidArgumentError, PeerLostError, TimeoutError
-from ..flags import DcCodec, TffCodec
+from ..flags import TffCodec
 from ..plane.protocol import CombineCall, DispatchCall
 from ..plane.records import E_BAD_INPUT, E_INTERNAL, E_PEER_LOST, ErrorRecord
 from .combine import RmaCombine
@@ -81,6 +81,7 @@ from .protocol import (
     _OpError,
     record_check,
 )
+from .syncs import SYNC_ROWS
 from .watchdog import WedgedError
 
 if TYPE_CHECKING:
@@ -89,7 +90,6 @@ if TYPE_CHECKING:
 
 __all__ = ["RmaEngine", "record_check"]
 
-_DC = DcCodec()  # the batch checksum of DC (whole rows)
 
 
 @dataclass
@@ -118,7 +118,6 @@ class RmaEngine(RmaCombine):
         self.E, self.K, self.T = config.num_experts, config.num_topk, config.max_tokens_per_rank
         self.L = self.E // self.R
         self.hidden = config.hidden
-        self.sync = config.sync
         self.bsp = config.engine == "bsp"
         self.expert = config.layout == "expert"
         self.nreg, self.cap_rows, self.cap_src = (layout.num_regions, layout.cap_rows,
@@ -130,14 +129,16 @@ class RmaEngine(RmaCombine):
         self.seg_size, self.timeout_ns = layout.size_bytes, int(config.timeout_s * 1e9)
         self.cdtype = _dt.dtype_of(config.combine_dtype)
         self.land_is_out = layout.off_land == layout.off_out
-        self.tff_in_place = self.sync == "tff" and not self.bsp  # rows in out, words in land
-        if self.sync == "sp":
+        if config.sync not in SYNC_ROWS:  # SP (ubep.mpi.syncs)
             raise InvalidArgumentError(
-                "sync", "sp",
+                "sync", config.sync,
                 "SP cannot run across hosts: MPI_Put gives no element atomicity against the "
                 "receiver's loads, so the sentinel test could accept a torn element; use "
                 "sync='dc' (no flush over RMA), 'tff' or 'sw'",
             )
+        # the sync mode's row, chosen once: the writer's and reader's side of every call
+        self.sync = SYNC_ROWS[config.sync]
+        self.tff_in_place = self.sync.in_place and not self.bsp  # rows in out, words in land
         self.cl = _CtrlLayout(self.R, self.E, self.K, self.cap_src, self.expert)
         self.ctrl = self.group.map_global(self.cl.size_bytes, "rma-ctrl")
         self.comb_last = [0, 0]
@@ -477,18 +478,6 @@ class RmaEngine(RmaCombine):
         return np.ndarray((self.cap_rows, self.slot_bytes), np.uint8, self.data.local_array,
                           self._land(reg), (self.slot_bytes, 1))
 
-    def _encode(self, rows: np.ndarray) -> np.ndarray:
-        """Rows as slots: raw (SW/DC, padded to slot_bytes) or TFF blocks with zero flags."""
-        m = rows.shape[0]
-        if self.sync != "tff" or self.tff_in_place:
-            width = self.out_stride if self.tff_in_place else self.slot_bytes
-            if width == self.row_bytes:
-                return rows
-            out = np.zeros((m, width), np.uint8)
-            out[:, :self.row_bytes] = rows
-            return out
-        return self.tff.unflagged(rows)  # the flags go out after a flush (_send_flags)
-
     def _runs(self, pos: np.ndarray) -> list[tuple[int, int]]:
         """Contiguous runs ``(first position, length)`` of sorted-by-run positions."""
         if not len(pos):
@@ -501,7 +490,7 @@ class RmaEngine(RmaCombine):
     def _send_rows(self, op: _Op, d: int, rows: np.ndarray, pos: np.ndarray, reg: int) -> None:
         """Put ``rows`` (raw, batch order) at slots ``pos`` of ``d``'s land region, then the
         flags of the sync mode."""
-        slots = self._encode(rows)
+        slots = self.sync.encode(self, rows, self.tff_in_place)
         flat = slots.reshape(len(rows), -1)
         at = 0
         runs = self._runs(pos)
@@ -512,28 +501,8 @@ class RmaEngine(RmaCombine):
             self.data.put(d, base + p0 * stride, flat[at: at + m])
             at += m
         if self.bsp:
-            return  # flags after the barrier
-        self._send_flags(op, d, rows, runs, reg)
-
-    def _send_flags(self, op: _Op, d: int, rows: np.ndarray, runs: list[tuple[int, int]],
-                    reg: int) -> None:
-        slot = self.cl.slot(self.cl.flag, op.par, self.rank)
-        if self.sync == "sw":
-            self._complete(op, self.data, d, f"the rows to rank {d} to complete")
-            self._put_record(self.ctrl, d, slot, np.zeros(0, np.uint8), op.epoch)
-        elif self.sync == "dc":
-            payload = np.array([len(rows), self._dc_sum(rows, op.epoch)], "<u8")
-            self._put_record(self.ctrl, d, slot, payload, op.epoch)
-        elif self.sync == "tff":
-            self._complete(op, self.data, d, f"the rows to rank {d} to complete")
-            for p0, m in runs:
-                words = np.full(m * self.tff_nblocks, op.epoch, np.uint64)
-                off = self._land(reg) + p0 * self.slot_bytes
-                if self.tff_in_place:
-                    self.data.put(d, off, words)
-                else:
-                    self.data.put_words(d, off + self.tff.payload_per_block, words,
-                                        self.tff.block_bytes)
+            return  # flags around the barrier
+        self.sync.send_flags(self, op, d, rows, runs, reg)
 
     # --- dispatch: ASP ------------------------------------------------------------------
 
@@ -639,37 +608,12 @@ class RmaEngine(RmaCombine):
 
         def poll() -> bool:
             for s in sorted(pending):
-                if self._source_complete(op, s, positions[s], reg):
+                if self.sync.source_complete(self, op, s, positions[s], reg):
                     pending.discard(s)
             return not pending
 
         self._wait(op, poll, -1, "rows of every source", needs=functools.partial(sorted, pending))
         return n_total
-
-    def _source_complete(self, op: _Op, s: int, pos: np.ndarray, reg: int) -> bool:
-        """Whether source ``s``'s rows have all landed (and, for TFF, decode them)."""
-        slot = self.cl.slot(self.cl.flag, op.par, s)
-        if self.sync == "sw":
-            return self._read_record(slot, 0, op.epoch) is not None
-        if self.sync == "dc":
-            got = self._read_record(slot, 16, op.epoch)
-            if got is None:
-                return False
-            count, total = (int(v) for v in got[1].view("<u8"))
-            if count != len(pos):
-                return False
-            return self._dc_sum(self._land_slots(reg)[pos], op.epoch) == total
-        words = self._land_slots(reg)[pos].view("<u8")  # in place: the rows are in recv_x
-        if not (words == op.epoch).all():
-            return False
-        self.data.sync()  # acquire: recv_x read after the words
-        return True
-
-    def _dc_sum(self, slots: np.ndarray, epoch: int) -> int:
-        """DC checksum of rows (raw or in slots: the first ``row_bytes`` of each): the format's
-        codec (``ubep.flags.DcCodec``), the same bytes as the native data plane's."""
-        raw = np.ascontiguousarray(slots[:, :self.row_bytes])
-        return _DC.checksum(raw, epoch) if len(raw) else 1
 
     # --- dispatch: BSP ------------------------------------------------------------------
 
@@ -695,16 +639,11 @@ class RmaEngine(RmaCombine):
             sent[d] = (payload, self._runs(pos))
         # SyncAll: every row (and every TFF flag) complete at its destination first
         self._complete(op, self.data, None, "the rows to every rank to complete")
-        if self.sync == "tff":
-            for d, (payload, runs) in sent.items():
-                self._send_flags(op, d, payload, runs, reg)
-            self._complete(op, self.data, None, "the flags to every rank to complete")
+        self.sync.flags_before_barrier(self, op, sent, reg)
         self._barrier(op, 1)
         # SendFlag & TokenCnt
         self._publish_counts(op, units)
-        for d, (payload, _runs) in sent.items():
-            if self.sync != "tff":
-                self._send_flags_bsp(op, d, payload)
+        self.sync.flags_after_barrier(self, op, sent)
         cnt, rows, metas = self._counts_table(op)
         self._check_consistency(cnt, rows)
         # Verification
@@ -714,14 +653,7 @@ class RmaEngine(RmaCombine):
             if s == r or not n:
                 continue
             pos = s * self.cap_src + np.arange(n, dtype=np.int64)
-            if self.sync == "tff":
-                ok = self._source_complete_tff_staged(op, stage, pos)
-            else:
-                flag = functools.partial(self._has_record, cl.slot(cl.flag, op.par, s),
-                                         0 if self.sync == "sw" else 16, op.epoch)
-                self._wait(op, flag, s, f"the flag and counts of rank {s}")
-                ok = self.sync == "sw" or self._dc_verified(op, s, stage[pos])
-            if not ok:
+            if not self.sync.staged_verified(self, op, s, stage, pos):
                 raise _OpError(E_INTERNAL, s, f"verification of rank {s}'s rows failed after "
                                               "the barrier")
         self._barrier(op, 2)
@@ -738,7 +670,7 @@ class RmaEngine(RmaCombine):
                 payload = _rows_of(x, units.to[r][0], self.row_bytes)
             else:
                 part = stage[s * self.cap_src: s * self.cap_src + n]
-                payload = self._decode_staged(part)
+                payload = self.sync.decode_staged(self, part)
             if self.expert:
                 dest = np.concatenate([rx[s, el] + np.arange(mine[s, el]) for el in range(self.L)])
             else:
@@ -751,30 +683,6 @@ class RmaEngine(RmaCombine):
                 u = units.to[d]
                 self._record_dst(o_dst, u, d, self._positions(self._bases(cnt, rows, d, r), u, n))
         return n_total
-
-    def _send_flags_bsp(self, op: _Op, d: int, payload: np.ndarray) -> None:
-        slot = self.cl.slot(self.cl.flag, op.par, self.rank)
-        if self.sync == "sw":
-            self._put_record(self.ctrl, d, slot, np.zeros(0, np.uint8), op.epoch)
-        else:
-            total = self._dc_sum(payload, op.epoch)
-            self._put_record(self.ctrl, d, slot, np.array([len(payload), total], "<u8"),
-                             op.epoch)
-
-    def _dc_verified(self, op: _Op, s: int, slots: np.ndarray) -> bool:
-        got = self._read_record(self.cl.slot(self.cl.flag, op.par, s), 16, op.epoch)
-        if got is None:
-            return False
-        count, total = (int(v) for v in got[1].view("<u8"))
-        return count == len(slots) and self._dc_sum(slots, op.epoch) == total
-
-    def _source_complete_tff_staged(self, op: _Op, stage: np.ndarray, pos: np.ndarray) -> bool:
-        return bool(self.tff.row_ready(stage[pos], op.epoch).all())
-
-    def _decode_staged(self, part: np.ndarray) -> np.ndarray:
-        if self.sync != "tff":
-            return part[:, :self.row_bytes]
-        return self.tff.payload(part, self.row_bytes)
 
     def _barrier(self, op: _Op, phase: int) -> None:
         """Global barrier of all ranks (BSP SyncAll), one record per (phase, source)."""
