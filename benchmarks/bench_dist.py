@@ -9,7 +9,7 @@ Systems (rows of the table):
 * ``shm``: ``ubep.Buffer`` on ranks from ``ubep.launch`` (POSIX shared memory, native engine).
 * ``dist-shm``: ``ubep.Buffer`` on ``ubep.mpi.init()`` under mpiexec, one host: the native engine
   on ``MPI_Win_allocate_shared`` memory.
-* ``dist-rma-tcp``: the same with ``UBEP_DIST_FORCE_RMA=1`` and ``--mca btl self,tcp``: every rank
+* ``dist-rma-tcp``: the same with ``UBEP_MPI_FORCE_RMA=1`` and ``--mca btl self,tcp``: every rank
   its own host, every row through ``MPI_Put``/``MPI_Get`` (Open MPI ``osc/rdma`` over TCP
   loopback), the Python RMA engine (``ubep.mpi.engine``).
 * ``mpi-a2av`` / ``mpi-a2av-tcp``: what a user writes with MPI today (benchmarks/peers/kernels.py:
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     rows += _merge("shm", per_rank)
     runs = [
         ("dist-shm", "ubep", _QUIET, {}),
-        ("dist-rma-tcp", "ubep", _TCP, {"UBEP_DIST_FORCE_RMA": "1"}),
+        ("dist-rma-tcp", "ubep", _TCP, {"UBEP_MPI_FORCE_RMA": "1"}),
         ("mpi-a2av", "a2av", _QUIET, {}),
         ("mpi-a2av-tcp", "a2av", _TCP, {}),
     ]

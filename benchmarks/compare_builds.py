@@ -1,7 +1,10 @@
-"""Before/after guard: bench_growth's dispatch and combine, built from two git revisions.
+"""Before/after guard: bench_growth's dispatch and combine (or a decode step, or the peers'
+ubep rows), built from two git revisions.
 
     python -m benchmarks.compare_builds HEAD~1 HEAD                  # 3 alternations, 1 and 16 MB
     python -m benchmarks.compare_builds main mybranch --alternations 5 --repeats 20
+    python -m benchmarks.compare_builds main mybranch --bench step   # bench_step --quick: decode
+    python -m benchmarks.compare_builds main mybranch --bench peers  # peers --quick, ubep rows
 
 Each revision is checked out into its own temporary ``git worktree`` and its C core is built in
 place there (``python setup.py build_ext --inplace``, with this interpreter); no venv is made.
@@ -10,10 +13,16 @@ alike), each one that checkout's ``python -m benchmarks.bench_growth`` at 2 rank
 sizes, both layouts, its main modes, with ``PYTHONPATH`` at that checkout's ``src`` (ahead of
 any installed ubep) and the checkout as working directory.
 
-Per case (layout, mode, op, size) it prints each revision's min / median / max over all its
-runs (the minimum of the runs' minima, the median of their medians, the maximum of their maxima)
-and ``B/A``, the ratio of the two medians: above 1 means B is slower. A short guard, not a
-measurement to commit: on a 2-core host a ratio within about 0.9-1.1 is noise.
+``--bench step`` runs ``python -m benchmarks.bench_step --quick`` instead (a decode step of
+16 tokens, Qwen3-30B's shape, both engines and skews; per case the dispatch and combine span
+and the whole step), ``--bench peers`` ``python -m benchmarks.peers --quick --systems ubep``
+(every ubep row: engine x sync, per shape and op).
+
+Per case (layout, mode, op, size; or the bench's own case) it prints each revision's min /
+median / max over all its runs (the minimum of the runs' minima, the median of their medians,
+the maximum of their maxima; bench_step's max is its p99) and ``B/A``, the ratio of the two
+medians: above 1 means B is slower. A short guard, not a measurement to commit: on a 2-core
+host a ratio within about 0.9-1.1 is noise.
 """
 
 from __future__ import annotations
@@ -127,6 +136,64 @@ def _run_growth(build: Build, args: argparse.Namespace, out: Path) -> list[dict[
     return rows
 
 
+def _run_step(build: Build, args: argparse.Namespace, out: Path) -> list[tuple[tuple, dict]]:
+    """One ``bench_step --quick`` run: per case, the dispatch and combine spans and the step."""
+    out.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "benchmarks.bench_step", "--quick", "--steps",
+           str(args.steps), "--out", str(out)]
+    _call(build, cmd, args)
+    rows = json.loads((out / "step.json").read_text())["rows"]
+    got = []
+    for row in rows:
+        c = row["case"]
+        case = (c["model"], c["tokens"], c["routing"], c["skew"], c["engine"])
+        for what in ("dispatch_span", "combine_span", "step"):
+            sp = row[what]
+            got.append(((*case, what), {"min_us": sp["min_us"], "median_us": sp["median_us"],
+                                        "max_us": sp["p99_us"]}))
+    return got
+
+
+def _run_peers(build: Build, args: argparse.Namespace, out: Path) -> list[tuple[tuple, dict]]:
+    """One ``peers --quick --systems ubep`` run: every ubep row."""
+    out.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "benchmarks.peers", "--quick", "--systems", "ubep",
+           "--no-check", "--json", str(out / "peers.json")]
+    _call(build, cmd, args)
+    rows = json.loads((out / "peers.json").read_text())["rows"]
+    return [((r["system"], r["layout"], r["ranks"], r["tokens_per_rank"], r["hidden"],
+              r["payload"], r["op"]), {k: r[k] for k in ("min_us", "median_us", "max_us")})
+            for r in rows if r["system"].startswith("ubep")]
+
+
+def _call(build: Build, cmd: list[str], args: argparse.Namespace) -> None:
+    proc = subprocess.run(cmd, cwd=build.checkout, env=_env(build), capture_output=True,
+                          text=True, timeout=args.timeout, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"{build.label}: {' '.join(cmd[1:4])} exited {proc.returncode}:\n"
+                         f"{proc.stderr[-3000:]}")
+
+
+# --bench -> (runner, the case columns)
+BENCHES: dict[str, tuple[Any, list[str]]] = {
+    "step": (_run_step, ["model", "tokens", "routing", "skew", "engine", "what"]),
+    "peers": (_run_peers, ["system", "layout", "ranks", "tokens", "hidden", "payload", "op"]),
+}
+
+
+def case_table(builds: Sequence[Build], stats: Sequence[dict[tuple, list[dict[str, float]]]],
+               columns: list[str]) -> str:
+    """As :func:`table`, for a bench's own cases."""
+    cells: list[list[object]] = []
+    for key in sorted(set(stats[0]) & set(stats[1]), key=str):
+        a, b = _summary(stats[0][key]), _summary(stats[1][key])
+        cells.append([*key, *a, *b, b[1] / a[1]])
+    cols = [*columns, "A_min_us", "A_med_us", "A_max_us", "B_min_us", "B_med_us", "B_max_us",
+            "B/A"]
+    head = "\n".join(f"{b.label} = {b.revision} ({b.commit[:10]})" for b in builds)
+    return head + "\n" + format_table(cols, cells, float_digits=2)
+
+
 def _order(alternations: int) -> list[int]:
     """Indices into (A, B): A B, B A, A B, ... so neither always runs first."""
     order: list[int] = []
@@ -173,6 +240,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    default=list(DEFAULT_SIZES), help="bytes per rank, comma-separated")
     p.add_argument("--timeout", type=float, default=600.0, help="per bench_growth run, seconds")
     p.add_argument("--keep", action="store_true", help="leave the checkouts (printed) behind")
+    p.add_argument("--bench", choices=("growth", *BENCHES), default="growth",
+                   help="what each run measures (default growth: bench_growth)")
+    p.add_argument("--steps", type=int, default=200, help="--bench step: timed steps per case")
     return p.parse_args(argv)
 
 
@@ -185,6 +255,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             builds.append(_checkout(label, rev, root))  # listed first: removed if its build fails
             _compile(builds[-1])
             _check_import(builds[-1])
+        if args.bench != "growth":
+            runner, columns = BENCHES[args.bench]
+            cases: list[dict[tuple, list[dict[str, float]]]] = [{}, {}]
+            for n, i in enumerate(_order(args.alternations)):
+                print(f"[compare] run {n + 1}: {builds[i].label}", file=sys.stderr, flush=True)
+                for key, spread in runner(builds[i], args, root / f"run{n}"):
+                    cases[i].setdefault(key, []).append(spread)
+            print(case_table(builds, cases, columns))
+            return 0
         stats: list[dict[CaseKey, list[dict[str, float]]]] = [{}, {}]
         for n, i in enumerate(_order(args.alternations)):
             print(f"[compare] run {n + 1}: {builds[i].label}", file=sys.stderr, flush=True)

@@ -407,7 +407,7 @@ def test_fuzzed_bad_input_over_mpi_rma(tmp_path: Path) -> None:
     spec, out = tmp_path / "cases.json", tmp_path / "out.json"
     spec.write_text(json.dumps(cases))
     mpirun(2, ["-m", "tests.test_fuzz", str(spec), str(out)], mca=_TCP,
-           env={"UBEP_DIST_FORCE_RMA": "1"})
+           env={"UBEP_MPI_FORCE_RMA": "1"})
     _check(cases, json.loads(out.read_text()))
 
 
@@ -436,7 +436,7 @@ def _worker_killed(group: Any, mode: tuple[str, str, str, str], delay_s: float,
         r = group.rank
         # the names of every segment this job maps (group and Buffer, all ranks'), so the test
         # checks this job's segments only (other jobs may share /dev/shm)
-        names = [s.name for s in [*group._segments, *buf._segments]]
+        names = [s.name for s in [*group._segments, *buf._memory.segments]]
         Path(f"{stamp}.names.{r}").write_text(json.dumps(names))
         group.barrier(30)
         if r == group.num_ranks - 1:

@@ -203,7 +203,7 @@ def mpi_probe(num_ranks: int = 2) -> list[Check]:
     runs = [
         ("shared memory", ["--mca", "osc", "^ucx"], {}),
         ("TCP RMA across (virtual) hosts", ["--mca", "btl", "self,tcp", "--mca", "osc",
-                                            "sm,rdma"], {"UBEP_DIST_FORCE_RMA": "1"}),
+                                            "sm,rdma"], {"UBEP_MPI_FORCE_RMA": "1"}),
     ]
     checks = []
     for name, mca, extra in runs:

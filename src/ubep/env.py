@@ -29,17 +29,22 @@ Tuning and debugging:
 
 Multi-host (``ubep.mpi``, read by :func:`ubep.mpi.init` when ``ranks_per_host`` is not given):
 
-* ``UBEP_DIST_RANKS_PER_HOST``: treat every ``k`` consecutive MPI ranks as one host (``k`` must
+* ``UBEP_MPI_RANKS_PER_HOST``: treat every ``k`` consecutive MPI ranks as one host (``k`` must
   divide the ranks of each real host). Ranks of different (virtual) hosts exchange rows with MPI
   RMA only, so one machine can run and test the cross-host path.
-* ``UBEP_DIST_FORCE_RMA``: ``1`` = every rank is its own host (``UBEP_DIST_RANKS_PER_HOST=1``):
+* ``UBEP_MPI_FORCE_RMA``: ``1`` = every rank is its own host (``UBEP_MPI_RANKS_PER_HOST=1``):
   every row goes through ``MPI_Put``/``MPI_Get``, no shared-memory loads or stores between
   ranks. ``0`` or unset: the real hosts.
+
+Their former names ``UBEP_DIST_RANKS_PER_HOST`` and ``UBEP_DIST_FORCE_RMA`` are still read (a
+``DeprecationWarning`` says to rename them) when the new name is unset.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .errors import InvalidArgumentError
@@ -47,8 +52,8 @@ from .errors import InvalidArgumentError
 __all__ = [
     "ENV_VARS",
     "LaunchEnv",
-    "dist_ranks_per_host_from_env",
     "launch_env",
+    "mpi_ranks_per_host_from_env",
     "timeout_s_from_env",
     "wait_yield_us_from_env",
 ]
@@ -59,8 +64,8 @@ ENV_VARS: dict[str, str] = {
     "UBEP_RENDEZVOUS": "private (0700) directory the ranks rendezvous in (env-var launch)",
     "UBEP_TIMEOUT_S": "default deadline of group set-up and barriers, seconds (default 120)",
     "UBEP_WAIT_YIELD_US": "spin/yield time of a data-plane wait before it sleeps (default 50)",
-    "UBEP_DIST_RANKS_PER_HOST": "ubep.mpi: every k consecutive MPI ranks form one (virtual) host",
-    "UBEP_DIST_FORCE_RMA": "ubep.mpi: 1 = every rank its own host (all rows over MPI RMA)",
+    "UBEP_MPI_RANKS_PER_HOST": "ubep.mpi: every k consecutive MPI ranks form one (virtual) host",
+    "UBEP_MPI_FORCE_RMA": "ubep.mpi: 1 = every rank its own host (all rows over MPI RMA)",
 }
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -116,23 +121,40 @@ def timeout_s_from_env(environ: dict[str, str] | None = None) -> float:
     return value
 
 
-def dist_ranks_per_host_from_env(environ: dict[str, str] | None = None) -> int | None:
-    """``UBEP_DIST_RANKS_PER_HOST`` (a positive integer), 1 if ``UBEP_DIST_FORCE_RMA=1``, else
+# a variable's name -> the name it had before (still read, with a DeprecationWarning)
+FORMER_NAMES = {"UBEP_MPI_RANKS_PER_HOST": "UBEP_DIST_RANKS_PER_HOST",
+                "UBEP_MPI_FORCE_RMA": "UBEP_DIST_FORCE_RMA"}
+
+
+def _renamed(env: Mapping[str, str], name: str) -> str | None:
+    """``name``'s value, else its former name's (with a ``DeprecationWarning``), else None."""
+    if name in env:
+        return env[name]
+    old = FORMER_NAMES[name]
+    if old in env:
+        warnings.warn(f"{old} is deprecated: set {name} instead", DeprecationWarning,
+                      stacklevel=3)
+        return env[old]
+    return None
+
+
+def mpi_ranks_per_host_from_env(environ: Mapping[str, str] | None = None) -> int | None:
+    """``UBEP_MPI_RANKS_PER_HOST`` (a positive integer), 1 if ``UBEP_MPI_FORCE_RMA=1``, else
     ``None`` (the real hosts). Setting both is an error unless they agree."""
     env = os.environ if environ is None else environ
-    raw_force = env.get("UBEP_DIST_FORCE_RMA", "0")
+    raw_force = _renamed(env, "UBEP_MPI_FORCE_RMA") or "0"
     if raw_force not in ("0", "1", ""):
-        raise InvalidArgumentError("UBEP_DIST_FORCE_RMA", raw_force, "must be 0 or 1")
+        raise InvalidArgumentError("UBEP_MPI_FORCE_RMA", raw_force, "must be 0 or 1")
     per_host: int | None = None
-    raw = env.get("UBEP_DIST_RANKS_PER_HOST")
+    raw = _renamed(env, "UBEP_MPI_RANKS_PER_HOST")
     if raw:
-        per_host = _int_var("UBEP_DIST_RANKS_PER_HOST", raw)
+        per_host = _int_var("UBEP_MPI_RANKS_PER_HOST", raw)
         if per_host < 1:
-            raise InvalidArgumentError("UBEP_DIST_RANKS_PER_HOST", raw, "must be >= 1")
+            raise InvalidArgumentError("UBEP_MPI_RANKS_PER_HOST", raw, "must be >= 1")
     if raw_force == "1":
         if per_host not in (None, 1):
             raise InvalidArgumentError(
-                "UBEP_DIST_RANKS_PER_HOST", raw, "contradicts UBEP_DIST_FORCE_RMA=1 (which means 1)"
+                "UBEP_MPI_RANKS_PER_HOST", raw, "contradicts UBEP_MPI_FORCE_RMA=1 (which means 1)"
             )
         return 1
     return per_host

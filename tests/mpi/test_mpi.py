@@ -4,9 +4,9 @@ Three transports, each in one mpiexec launch that runs every engine x sync x lay
 rotated, see ``ubep.modes.enumerate_modes``) plus a rejected call per mode:
 
 * shared memory: all ranks on one host, the native engine on ``MPI_Win_allocate_shared`` memory;
-* TCP, every rank its own host (``UBEP_DIST_FORCE_RMA=1``, ``--mca btl self,tcp``): every row
+* TCP, every rank its own host (``UBEP_MPI_FORCE_RMA=1``, ``--mca btl self,tcp``): every row
   and flag through ``MPI_Put``/``MPI_Get`` of Open MPI's ``osc/rdma`` over TCP;
-* two virtual hosts of two ranks (``UBEP_DIST_RANKS_PER_HOST=2``): loads/stores inside a host,
+* two virtual hosts of two ranks (``UBEP_MPI_RANKS_PER_HOST=2``): loads/stores inside a host,
   RMA over TCP between hosts.
 
 The same file is the mpiexec worker for the smaller checks (``python -m tests.mpi.test_mpi NAME
@@ -94,11 +94,11 @@ def test_shared_memory_all_modes_bit_exact(tmp_path: Path) -> None:
 
 
 def test_tcp_rma_every_rank_remote_all_modes_bit_exact(tmp_path: Path) -> None:
-    _selftest(tmp_path, 3, _TCP, {"UBEP_DIST_FORCE_RMA": "1"}, hosts=3)
+    _selftest(tmp_path, 3, _TCP, {"UBEP_MPI_FORCE_RMA": "1"}, hosts=3)
 
 
 def test_two_hosts_of_two_shared_inside_rma_between(tmp_path: Path) -> None:
-    _selftest(tmp_path, 4, _TCP, {"UBEP_DIST_RANKS_PER_HOST": "2"}, hosts=2)
+    _selftest(tmp_path, 4, _TCP, {"UBEP_MPI_RANKS_PER_HOST": "2"}, hosts=2)
 
 
 # --- smaller checks: this file as the mpiexec worker -------------------------------------------
@@ -347,7 +347,7 @@ def _run_worker(tmp_path: Path, name: str, num_ranks: int, mca: tuple[str, ...],
 
 @pytest.mark.parametrize("per_host", [None, 2, 1])
 def test_topology_discovery_matches_host_blocks(tmp_path: Path, per_host: int | None) -> None:
-    env = {} if per_host is None else {"UBEP_DIST_RANKS_PER_HOST": str(per_host)}
+    env = {} if per_host is None else {"UBEP_MPI_RANKS_PER_HOST": str(per_host)}
     every = _run_worker(tmp_path, "_worker_topology", 4, _QUIET if per_host is None else _TCP,
                         env)
     size = 4 if per_host is None else per_host
@@ -364,7 +364,7 @@ def test_topology_discovery_matches_host_blocks(tmp_path: Path, per_host: int | 
 
 
 def test_sp_is_refused_across_hosts_naming_sync(tmp_path: Path) -> None:
-    every = _run_worker(tmp_path, "_worker_sp_refused", 2, _TCP, {"UBEP_DIST_FORCE_RMA": "1"})
+    every = _run_worker(tmp_path, "_worker_sp_refused", 2, _TCP, {"UBEP_MPI_FORCE_RMA": "1"})
     for got in every:
         assert got["outcome"].startswith("sync: SP cannot run across hosts"), got
     # experts 0 and 1 live on rank 0: it gets 4 tokens x 2 experts from each of the 2 ranks
@@ -383,7 +383,7 @@ def test_sigstopped_rank_gives_timeout_at_the_deadline_over_tcp_rma(tmp_path: Pa
     if reason:
         pytest.skip(reason)
     out = tmp_path / "sigstop.json"
-    env = dict(os.environ) | {"UBEP_DIST_FORCE_RMA": "1", "OMP_NUM_THREADS": "1"}
+    env = dict(os.environ) | {"UBEP_MPI_FORCE_RMA": "1", "OMP_NUM_THREADS": "1"}
     if os.geteuid() == 0:
         env |= {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
     cmd = [str(_mpiexec()), "--oversubscribe", *_TCP, "-n", "3", sys.executable, *_WORKER,
@@ -437,7 +437,7 @@ def _run_ft_job(tmp_path: Path, worker: str, transport: str, env: dict[str, str]
     env = dict(os.environ) | {"OMP_NUM_THREADS": "1"} | env
     mca = (*_QUIET, *mca)
     if transport == "tcp":
-        env["UBEP_DIST_FORCE_RMA"] = "1"
+        env["UBEP_MPI_FORCE_RMA"] = "1"
         mca = (*_TCP, *mca[len(_QUIET):])
     if os.geteuid() == 0:
         env |= {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}

@@ -2,7 +2,7 @@
 ubep's MPI engine, bit-exact against ``ubep.reference``.
 
 Two ranks, once on one host (shared memory: ``dispatch`` returns the intranode handle) and once
-as two hosts (``UBEP_DIST_FORCE_RMA=1``: every row over MPI RMA, and ``dispatch``/``combine``
+as two hosts (``UBEP_MPI_FORCE_RMA=1``: every row over MPI RMA, and ``dispatch``/``combine``
 take DeepEP's internode path by themselves, with its internode handle). Each run also calls
 ``internode_dispatch``/``internode_combine`` explicitly, positionally in DeepEP's order. The
 handle is checked field by field against a brute force over both ranks' routing.
@@ -50,7 +50,7 @@ def test_comm_buffer_runs_deepep_normal_mode_on_the_mpi_engine(tmp_path: Path,
     from tests.torch import _deepep_oracle as oracle
 
     out = tmp_path / "deep_ep"
-    env = {"UBEP_DIST_FORCE_RMA": "1"} if hosts == 2 else {}
+    env = {"UBEP_MPI_FORCE_RMA": "1"} if hosts == 2 else {}
     mpirun(NUM_RANKS, ["-m", "tests.mpi.test_mpi_deep_ep", str(out)], env=env, timeout_s=240)
     host_of = list(range(NUM_RANKS)) if hosts == 2 else [0] * NUM_RANKS
     res, ys = oracle.normal_reference(NUM_RANKS)

@@ -48,7 +48,7 @@ def _worker(out: str) -> None:
 def test_m2n_over_tcp_rma_every_rank_remote_is_bit_exact(tmp_path: Path) -> None:
     out = tmp_path / "m2n.json"
     mpirun(3, ["-m", "tests.mpi.test_mpi_m2n", str(out)], mca=_TCP,
-           env={"UBEP_DIST_FORCE_RMA": "1"}, timeout_s=300)
+           env={"UBEP_MPI_FORCE_RMA": "1"}, timeout_s=300)
     every = json.loads(out.read_text())
     assert [e["hosts"] for e in every] == [3, 3, 3]  # every rank remote: the MPI engine
     assert [e["errors"] for e in every] == [[], [], []]

@@ -4,12 +4,13 @@ control-record checks."""
 from __future__ import annotations
 
 import itertools
+import warnings
 from typing import Any
 
 import numpy as np
 import pytest
 
-from ubep.env import dist_ranks_per_host_from_env
+from ubep.env import mpi_ranks_per_host_from_env
 from ubep.errors import InvalidArgumentError
 from ubep.mpi.engine import record_check
 from ubep.mpi.group import _hosts, discovered_topology
@@ -50,24 +51,36 @@ def test_discovered_topology_hops_match_brute_force(num_ranks: int, per_host: in
 
 @pytest.mark.parametrize(
     ("env", "want"),
-    [({}, None), ({"UBEP_DIST_FORCE_RMA": "1"}, 1), ({"UBEP_DIST_FORCE_RMA": "0"}, None),
-     ({"UBEP_DIST_RANKS_PER_HOST": "2"}, 2),
-     ({"UBEP_DIST_RANKS_PER_HOST": "1", "UBEP_DIST_FORCE_RMA": "1"}, 1)],
+    [({}, None), ({"UBEP_MPI_FORCE_RMA": "1"}, 1), ({"UBEP_MPI_FORCE_RMA": "0"}, None),
+     ({"UBEP_MPI_RANKS_PER_HOST": "2"}, 2),
+     ({"UBEP_MPI_RANKS_PER_HOST": "1", "UBEP_MPI_FORCE_RMA": "1"}, 1)],
 )
 def test_env_ranks_per_host(env: dict[str, str], want: int | None) -> None:
-    assert dist_ranks_per_host_from_env(env) == want
+    assert mpi_ranks_per_host_from_env(env) == want
+
+
+def test_env_former_names_still_read_with_a_warning() -> None:
+    with pytest.warns(DeprecationWarning, match="UBEP_DIST_RANKS_PER_HOST is deprecated"):
+        assert mpi_ranks_per_host_from_env({"UBEP_DIST_RANKS_PER_HOST": "2"}) == 2
+    with pytest.warns(DeprecationWarning, match="UBEP_DIST_FORCE_RMA is deprecated"):
+        assert mpi_ranks_per_host_from_env({"UBEP_DIST_FORCE_RMA": "1"}) == 1
+    # the new name wins, and no warning is given for the old one it shadows
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert mpi_ranks_per_host_from_env({"UBEP_MPI_RANKS_PER_HOST": "4",
+                                            "UBEP_DIST_RANKS_PER_HOST": "2"}) == 4
 
 
 @pytest.mark.parametrize(
     ("env", "name"),
-    [({"UBEP_DIST_FORCE_RMA": "yes"}, "UBEP_DIST_FORCE_RMA"),
-     ({"UBEP_DIST_RANKS_PER_HOST": "0"}, "UBEP_DIST_RANKS_PER_HOST"),
-     ({"UBEP_DIST_RANKS_PER_HOST": "two"}, "UBEP_DIST_RANKS_PER_HOST"),
-     ({"UBEP_DIST_RANKS_PER_HOST": "2", "UBEP_DIST_FORCE_RMA": "1"}, "UBEP_DIST_RANKS_PER_HOST")],
+    [({"UBEP_MPI_FORCE_RMA": "yes"}, "UBEP_MPI_FORCE_RMA"),
+     ({"UBEP_MPI_RANKS_PER_HOST": "0"}, "UBEP_MPI_RANKS_PER_HOST"),
+     ({"UBEP_MPI_RANKS_PER_HOST": "two"}, "UBEP_MPI_RANKS_PER_HOST"),
+     ({"UBEP_MPI_RANKS_PER_HOST": "2", "UBEP_MPI_FORCE_RMA": "1"}, "UBEP_MPI_RANKS_PER_HOST")],
 )
 def test_env_rejects_bad_values(env: dict[str, str], name: str) -> None:
     with pytest.raises(InvalidArgumentError) as info:
-        dist_ranks_per_host_from_env(env)
+        mpi_ranks_per_host_from_env(env)
     assert info.value.argument == name
 
 

@@ -17,8 +17,8 @@ Run under ``mpiexec -n N python script.py`` and build the group with :func:`init
 * Topology: ``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`` gives the ranks of each host; same
   host = hop 1, another host = hop 2 (hierarchical scheduler input).
 
-docs/MULTIHOST.md says how to run on real hosts. ``UBEP_DIST_FORCE_RMA=1`` or
-``UBEP_DIST_RANKS_PER_HOST=k`` (or ``init(ranks_per_host=k)``) make one machine look like
+docs/MULTIHOST.md says how to run on real hosts. ``UBEP_MPI_FORCE_RMA=1`` or
+``UBEP_MPI_RANKS_PER_HOST=k`` (or ``init(ranks_per_host=k)``) make one machine look like
 several hosts, to test the cross-host path.
 """
 

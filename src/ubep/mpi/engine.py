@@ -73,7 +73,7 @@ from ..flags import TffCodec
 from ..plane.protocol import CombineCall, DispatchCall
 from ..plane.records import E_BAD_INPUT, E_INTERNAL, E_PEER_LOST, ErrorRecord
 from .combine import RmaCombine
-from .memory import DistGlobalMemory
+from .memory import MpiGlobalMemory
 from .protocol import (
     _LINE,
     _CtrlLayout,
@@ -106,7 +106,7 @@ class RmaEngine(RmaCombine):
     """Dispatch/combine of one Buffer whose peers are (partly) on other hosts."""
 
     def __init__(self, config: BufferConfig, layout: SegmentLayout,
-                 data: DistGlobalMemory) -> None:
+                 data: MpiGlobalMemory) -> None:
         if config.quant is not None:
             raise InvalidArgumentError(
                 "quant", config.quant, "quantised dispatch runs on the native engine (one "

@@ -7,7 +7,7 @@ ranks, topology, barrier, allgather, global memory), built on MPI:
   of a host must be numbered contiguously and every host must hold the same number of ranks
   (``mpiexec --map-by ppr:N:node`` or a hostfile with equal ``slots``), because a
   :class:`ubep.topology.Topology` domain is a block of consecutive ranks. ``ranks_per_host=k``
-  (or ``UBEP_DIST_RANKS_PER_HOST`` / ``UBEP_DIST_FORCE_RMA``) splits a host into smaller virtual
+  (or ``UBEP_MPI_RANKS_PER_HOST`` / ``UBEP_MPI_FORCE_RMA``) splits a host into smaller virtual
   hosts, so one machine can run the cross-host path.
 * **Control plane.** ``barrier`` and ``allgather`` are non-blocking MPI collectives polled with
   a deadline (``ubep.TimeoutError``) and a liveness check of the same-host peers
@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from .. import topology as topo
-from ..env import dist_ranks_per_host_from_env, timeout_s_from_env
+from ..env import mpi_ranks_per_host_from_env, timeout_s_from_env
 from ..errors import InvalidArgumentError, PeerLostError, TimeoutError, UbepError
 from ..plane.control import Backoff, wait_until
 from ..plane.host import HostEngine
@@ -40,7 +40,7 @@ from ..plane.liveness import start_time_of as process_start_time
 from ..plane.protocol import EngineSpec
 from .engine import RmaEngine
 from .membership import MpiPlane
-from .memory import DistGlobalMemory
+from .memory import MpiGlobalMemory
 from .watchdog import CallRunner
 
 __all__ = ["MpiGroup", "init", "load_mpi", "open_rma"]
@@ -79,7 +79,7 @@ def init(
         comm: an ``mpi4py.MPI.Comm`` (default ``MPI.COMM_WORLD``); it is duplicated, so ubep's
             traffic never matches the caller's messages.
         ranks_per_host: treat every ``k`` consecutive ranks as one host (must divide the real
-            hosts). ``None``: ``UBEP_DIST_RANKS_PER_HOST`` / ``UBEP_DIST_FORCE_RMA`` (= 1), else
+            hosts). ``None``: ``UBEP_MPI_RANKS_PER_HOST`` / ``UBEP_MPI_FORCE_RMA`` (= 1), else
             the real hosts. ``1`` makes every peer remote: all rows go through MPI RMA.
         topology: override the discovered topology (must have ``comm.size`` ranks).
         timeout_s: deadline of set-up, barriers and allgathers (default ``UBEP_TIMEOUT_S``).
@@ -87,7 +87,7 @@ def init(
     mpi = load_mpi()
     base = mpi.COMM_WORLD if comm is None else comm
     if ranks_per_host is None:
-        ranks_per_host = dist_ranks_per_host_from_env()
+        ranks_per_host = mpi_ranks_per_host_from_env()
     return MpiGroup(base, ranks_per_host=ranks_per_host, topology=topology, timeout_s=timeout_s)
 
 
@@ -123,7 +123,7 @@ class MpiGroup:
         self._closed = False
         self._lost = False  # abandoned after a loss (abandon)
         self._runner: CallRunner | None = None  # the RMA engines' MPI thread, made on first use
-        self._windows: list[DistGlobalMemory] = []  # creation order (frees are collective)
+        self._windows: list[MpiGlobalMemory] = []  # creation order (frees are collective)
         self.pids: list[int] = []  # filled by the first allgather (no liveness check before)
         self.start_times: list[int] = []
         self.hostnames: list[str] = []
@@ -221,7 +221,7 @@ class MpiGroup:
 
     def map_global(
         self, size_bytes: int, kind: str, timeout_s: float | None = None
-    ) -> DistGlobalMemory:
+    ) -> MpiGlobalMemory:
         """This rank's region of ``size_bytes`` in a new global memory object (collective).
 
         One host (and no forced split): a shared window, ``addresses`` set (native engine).
@@ -234,7 +234,7 @@ class MpiGroup:
         # Window creation is a blocking collective: enter it only once every rank is here (a
         # bounded barrier), so a rank that is stopped or gone fails set-up at the deadline.
         self.barrier(timeout_s)
-        mem = DistGlobalMemory(self, size_bytes, kind)
+        mem = MpiGlobalMemory(self, size_bytes, kind)
         self._windows.append(mem)
         return mem
 
@@ -334,7 +334,7 @@ class MpiGroup:
         else:
             views = self.allgather(released, timeout_s)
             common = set(views[0]).intersection(*map(set, views[1:]))
-        keep: list[DistGlobalMemory] = []
+        keep: list[MpiGlobalMemory] = []
         for i, mem in enumerate(self._windows):
             if i in common:
                 mem.free()

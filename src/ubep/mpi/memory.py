@@ -7,7 +7,7 @@ one host, the same memory is also exposed to every rank by ``MPI_Win_create`` on
 communicator, locked once for the lifetime of the window (``MPI_Win_lock_all``, passive target):
 rows to another host travel by ``MPI_Rput``/``MPI_Rget``.
 
-:class:`DistGlobalMemory` is also the transport of the RMA engine: ``put`` / ``put_words`` /
+:class:`MpiGlobalMemory` is also the transport of the RMA engine: ``put`` / ``put_words`` /
 ``get_runs`` do a store (same host) or a request-based RMA operation (another host); ``done``
 tests the requests (``MPI_Test``, never blocks) and ``flush`` completes them at the target once
 ``done`` holds. Nothing here blocks on a peer: on TCP, ``osc/rdma`` emulates RMA with messages
@@ -31,13 +31,13 @@ import numpy as np
 
 from ..errors import UbepError
 
-__all__ = ["DistGlobalMemory"]
+__all__ = ["MpiGlobalMemory"]
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14: map pages for writing without touching their bytes
 _PAGE = mmap.PAGESIZE
 
 
-class DistGlobalMemory:
+class MpiGlobalMemory:
     """One rank's region of a global memory object of a :class:`~ubep.mpi.MpiGroup`.
 
     Attributes (the :class:`ubep.plane.protocol.GlobalMemory` protocol):

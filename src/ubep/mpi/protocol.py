@@ -16,7 +16,7 @@ import numpy as np
 
 from ..flags.dc import words_checksum
 from ..plane.records import E_BAD_INPUT, E_LOST, E_PEER_LOST, E_REMOTE, E_TIMEOUT, ErrorRecord
-from .memory import DistGlobalMemory
+from .memory import MpiGlobalMemory
 
 __all__ = ["RmaProtocol", "record_check"]
 
@@ -101,15 +101,15 @@ class RmaProtocol:
     R: int
     timeout_ns: int
     group: Any
-    data: DistGlobalMemory
-    ctrl: DistGlobalMemory
+    data: MpiGlobalMemory
+    ctrl: MpiGlobalMemory
     cl: _CtrlLayout
     _done_seen: list[int]
     _done_code: list[int]
 
     # --- records ------------------------------------------------------------------------
 
-    def _put_record(self, mem: DistGlobalMemory, dst: int, off: int, payload: np.ndarray,
+    def _put_record(self, mem: MpiGlobalMemory, dst: int, off: int, payload: np.ndarray,
                     epoch: int, extra: np.ndarray | None = None) -> None:
         """One put of ``[payload][check][epoch]``; ``extra`` (already put) is covered too."""
         raw = np.ascontiguousarray(payload).reshape(-1).view(np.uint8)
@@ -224,7 +224,7 @@ class RmaProtocol:
             else:
                 time.sleep(50e-6 if spins < 2000 else 5e-4)
 
-    def _complete(self, op: _Op, mem: DistGlobalMemory, dst: int | None, what: str) -> None:
+    def _complete(self, op: _Op, mem: MpiGlobalMemory, dst: int | None, what: str) -> None:
         """Remote completion of every operation to ``dst`` (``None``: all) within the deadline:
         poll the requests (``MPI_Test``), then flush, which then has nothing left to wait for.
         A flush alone would sit in MPI for as long as a stopped peer stays stopped."""

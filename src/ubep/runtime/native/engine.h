@@ -1,14 +1,6 @@
 /* The engine and an operation: state, shared-memory addresses, the helpers every phase uses,
- * and the functions the parts of the native core call across files.
- *
- * Files: abi.h (codes, records), sync.h (ordering, futexes), kernels.h/.c/_x86.c (copy, fill,
- * DC sums, conversions, reductions), wait.c (errors, notices, liveness, waits, end of an
- * operation), team.c (cores: threads, in-process barrier, phase runner), dispatch.c (ASP
- * dispatch and what BSP shares with it), dispatch_bsp.c (BSP dispatch and the global barrier),
- * combine.c, phases.c (the four task graphs), flags.h/.c (the sync modes), dispatch_send.c
- * (ASP's count tasks and sends), module.c (the Engine type, its parameters), calls.c (a call's lifecycle), control.c
- * (the control methods), exports.c (the ABI exports, module init), fastpath.c (whole blocking
- * calls). */
+ * and the functions the parts of the native core call across files (the files, one line each:
+ * docs/ARCHITECTURE.md, "Native core"; the build takes every file of this folder). */
 #ifndef UBEP_ENGINE_H
 #define UBEP_ENGINE_H
 
@@ -381,7 +373,7 @@ typedef struct phase_list {
 #define PHASE_LIST(a, split, split_fg) {(a), (int)(sizeof(a) / sizeof((a)[0])), (split), (split_fg)}
 extern const phase_list_t ASP_DISPATCH, BSP_DISPATCH, ASP_COMBINE, BSP_COMBINE;
 
-/* wait.c: errors, failure notices, liveness, waits, end of an operation */
+/* wait.c: errors, failure notices, liveness, waits */
 int op_error(op_t *op, int code, int core, int peer, const char *fmt, ...)
     __attribute__((format(printf, 5, 6)));
 int bad_input(op_t *op, const char *arg, const char *value, const char *fmt, ...)
@@ -393,6 +385,8 @@ int peers_done_geq(engine_t *g, uint64_t epoch);
 int wait_peers_done(op_t *op, uint64_t epoch, int core);
 void publish_failure(engine_t *g, uint64_t epoch, int code, const char *msg);
 void format_error(op_t *op, char *buf, size_t n);
+
+/* finish.c: the end of an operation */
 void finish_op(op_t *op);
 
 /* hooks.c: the module functions (kernels and checksums for tests and benchmarks) */

@@ -1,9 +1,9 @@
-/* Errors, failure notices, liveness and waits; the end of an operation.
+/* Errors, failure notices, liveness and waits (the end of an operation is finish.c's).
  *
  * Every wait spins briefly, then yields, then sleeps on its rank's doorbell, and checks a
  * deadline, the failure notices of the peers and (every 10 ms) that the peer processes are
- * alive. */
-#include "flags.h" /* first: engine.h's Python.h precedes the standard headers */
+ * alive. Nothing here knows the sync modes (flags.c waits through this file). */
+#include "engine.h" /* first: Python.h precedes the standard headers */
 
 #include <errno.h>
 #include <fcntl.h>
@@ -261,73 +261,4 @@ void format_error(op_t *op, char *buf, size_t n) {
         break;
     default: say(buf, n, "%s", op->what); break;
     }
-}
-
-/* After a dispatch: which of the rows it received came from peers (engine.h, peer_rows),
- * from the engine's own metadata, never from anything the caller can touch later. */
-static void record_peer_rows(engine_t *g, op_t *op) {
-    int reg = (int)(op->n % g->nreg);
-    int64_t *runs = peer_runs_of(g, reg);
-    int nruns = 0;
-    g->peer_rows[reg].index1 = 0;
-    for (int64_t i = 0; i < op->n_recv;) {
-        if (op->o_src_rank[i] == g->rank) { i++; continue; }
-        int64_t lo = i;
-        while (i < op->n_recv && op->o_src_rank[i] != g->rank) i++;
-        if (nruns == MAX_PEER_RUNS(g)) return; /* more runs than the layouts make: no record */
-        runs[2 * nruns] = lo;
-        runs[2 * nruns + 1] = i;
-        nruns++;
-    }
-    g->peer_rows[reg].rows = op->n_recv;
-    g->peer_rows[reg].nruns = nruns;
-    g->peer_rows[reg].index1 = (uint64_t)op->n + 1;
-}
-
-/* integrity: this rank's done word is out; wait until every peer's is (a peer that found a
- * corrupt row published its failure notice before its done word), so a call one rank found
- * corrupt fails on every rank. Returns the error code, 0 if every peer checked its rows. */
-static int wait_peers_checked(op_t *op) {
-    engine_t *g = op->g;
-    for (int q = 0; q < g->R; q++) {
-        if (q == g->rank) continue;
-        waiter_t w;
-        waiter_init(&w);
-        while (rd_word(word(g, q, g->off_done)) < op->epoch) {
-            int rc = wait_step(op, &w, 0, q, "rank %d to check the rows of call %llu", q,
-                               (unsigned long long)op->epoch);
-            if (rc) return atomic_load(&op->err) ? atomic_load(&op->err) : rc;
-        }
-    }
-    check_failures(op, 0);
-    return atomic_load(&op->err);
-}
-
-void finish_op(op_t *op) {
-    engine_t *g = op->g;
-    /* A peer may have failed this call although this rank got everything it needed (it timed
-     * out on a slow third rank, say): then the call failed, here too. */
-    if (!atomic_load(&op->err)) check_failures(op, 0);
-    int err = atomic_load(&op->err);
-    if (op->kind == 0) {
-        if (err) g->peer_rows[op->n % g->nreg].index1 = 0;
-        else record_peer_rows(g, op);
-    }
-    if (err) {
-        char buf[MAX_MSG];
-        format_error(op, buf, sizeof buf);
-        publish_failure(g, op->epoch, err == E_REMOTE ? op->remote_code : err, buf);
-    }
-    flag_dispatch_done(op, err);
-    pub_word(word(g, g->rank, g->off_done), op->epoch);
-    ring_all(g);
-    if (!err && g->integrity && op->kind != 2 && (err = wait_peers_checked(op))) {
-        /* a peer failed the call after this rank had finished it: no result here either */
-        if (op->kind == 0) g->peer_rows[op->n % g->nreg].index1 = 0;
-        char buf[MAX_MSG];
-        format_error(op, buf, sizeof buf);
-        publish_failure(g, op->epoch, err == E_REMOTE ? op->remote_code : err, buf);
-    }
-    int armed = atomic_load(&op->armed);
-    if (armed) atomic_fetch_sub(sleepers(g, g->rank), (uint32_t)armed);
 }
