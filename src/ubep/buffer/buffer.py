@@ -50,7 +50,7 @@ from ..routing import experts_per_rank
 from ..runtime.abi import ErrorRecord, engine_params, load_native
 from ..runtime.group import ProcessGroup
 from ..sched import CoreSplit, ScheduleSpec, core_split, schedule_spec
-from ..torch_bridge import as_process_group
+from ..torch_bridge import as_process_group, combine_in_torch, dispatch_in_torch, is_torch_tensor
 from .checks import ArgChecks
 from .inflight import InFlightCalls
 from .regions import combine_region, int64_outputs, layout_of, new_frozen, rows_view
@@ -324,6 +324,10 @@ class Buffer(InFlightCalls, ArgChecks):
                         self._epoch, self._num_dispatches = epoch - 1, index
                 finally:
                     self._lock.release()
+        if is_torch_tensor(x):  # torch in, torch out: the call itself runs on numpy views
+            return cast(Any, dispatch_in_torch(
+                self.dispatch, x, topk_idx, topk_weights, x_scales, self._cfg.quant, copy=copy,
+                return_recv_hook=return_recv_hook))
         self._enter()
         try:
             return self._dispatch(x, topk_idx, topk_weights, copy, return_recv_hook, x_scales)
@@ -502,6 +506,9 @@ class Buffer(InFlightCalls, ArgChecks):
                     self._epoch = epoch - 1
             finally:
                 self._lock.release()
+        if is_torch_tensor(expert_out):  # torch in, torch out (as dispatch)
+            return cast(Any, combine_in_torch(self.combine, expert_out, handle,
+                                              return_recv_hook=return_recv_hook))
         self._enter()
         try:
             return self._combine(expert_out, handle, return_recv_hook)

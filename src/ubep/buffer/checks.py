@@ -114,6 +114,18 @@ def to_array(obj: object, argument: str) -> np.ndarray:
         ) from None
 
 
+def _byte_span(a: np.ndarray) -> tuple[int, int]:
+    """The first and one-past-last byte address ``a`` can reach (numpy's ``byte_bounds``,
+    which moved between numpy 1 and 2)."""
+    lo = hi = int(a.__array_interface__["data"][0])
+    for n, stride in zip(a.shape, a.strides, strict=True):
+        if stride < 0:
+            lo += (n - 1) * stride
+        else:
+            hi += (n - 1) * stride
+    return lo, hi + a.itemsize
+
+
 def is_c(a: np.ndarray, dtype: type) -> bool:
     return a.dtype == dtype and bool(a.flags.c_contiguous)
 
@@ -155,11 +167,43 @@ class ArgChecks(BufferState):
             )
         return handle
 
+    def recv_x_valid(self, handle: DispatchHandle) -> bool:
+        """Whether ``recv_x`` of the dispatch that returned ``handle`` still holds that
+        dispatch's rows: a receive region is reused by the second dispatch after the one that
+        filled it (``dispatch(copy=True)`` gives rows that stay). Local, not collective."""
+        index = getattr(handle, "dispatch_index", -1)
+        return (getattr(handle, "buffer_uid", None) == self._uid
+                and getattr(handle, "generation", None) == self._generation
+                and index >= 0 and self._num_dispatches <= index + self.layout.num_regions)
+
+    def _check_not_overwritten(self, eo: np.ndarray, h: DispatchHandle) -> None:
+        """``expert_out`` must not lie in a receive region that a dispatch after the handle's
+        has filled again: its rows would belong to that later dispatch (a stale ``recv_x``
+        view passed as the expert outputs)."""
+        lay, n = self.layout, self._num_dispatches
+        if not self._out_regions or eo.size == 0:
+            return
+        lo, hi = _byte_span(eo)
+        for r, region in enumerate(self._out_regions):
+            base = region.__array_interface__["data"][0]
+            if hi <= base or lo >= base + region.nbytes or n <= r:
+                continue
+            last = n - 1 - (n - 1 - r) % lay.num_regions  # the latest dispatch into region r
+            index = getattr(h, "dispatch_index", last)
+            if last > index:
+                raise InvalidArgumentError(
+                    "expert_out", f"a view of receive region {r}",
+                    f"was overwritten by dispatch {last} after the handle's dispatch {index} (a "
+                    "recv_x view stays valid until the second dispatch after it): combine "
+                    "before that, or dispatch with copy=True",
+                )
+
     def _check_combine_args(
         self, expert_out: object, handle: DispatchHandle
     ) -> tuple[DispatchHandle, np.ndarray]:
         h = self._check_handle(handle)
         eo = to_array(expert_out, "expert_out")
+        self._check_not_overwritten(eo, h)
         if eo.dtype != self._cdtype.storage:
             eo, dt = _dt.as_storage(eo, argument="expert_out")
             if dt != self._cdtype:
