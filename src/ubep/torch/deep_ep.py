@@ -33,9 +33,10 @@ docs/PORTING.md lists what still differs.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import fields
 from typing import Any, TypeVar
 
@@ -88,6 +89,26 @@ _SHAPE_FIELDS = (
 
 
 # --------------------------------------------------------------------------- the Buffer
+#: the dtypes of DeepEP's dispatched ``x`` (FP8 values travel as their bytes)
+_DISPATCH_DTYPES = frozenset(
+    {torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.uint8,
+     torch.float8_e4m3fn, torch.float8_e5m2})
+
+
+@contextlib.contextmanager
+def deepep_names() -> Iterator[None]:
+    """Raise an error of ubep's Buffer under the names of DeepEP's call: a combine's expert
+    outputs are DeepEP's ``x``, which must keep the dispatched ``x``'s dtype."""
+    try:
+        yield
+    except InvalidArgumentError as exc:
+        if exc.argument != "expert_out":
+            raise
+        problem = exc.problem.replace("must have combine_dtype", "must have the dtype of the "
+                                      "dispatched x, as DeepEP's combine")
+        raise InvalidArgumentError("x", exc.value, problem) from None
+
+
 class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
     """DeepEP's ``Buffer`` on ubep (see the module docstring and docs/PORTING.md).
 
@@ -547,6 +568,10 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         """Check one rank's normal-mode arguments and build the routing its rows follow."""
         if not isinstance(x, torch.Tensor) or x.dim() != 2:
             raise InvalidArgumentError("x", getattr(x, "shape", x), "must be [tokens, hidden]")
+        if x.dtype not in _DISPATCH_DTYPES:
+            raise InvalidArgumentError(
+                "x", x.dtype, "must be torch.bfloat16, float16, float32, int8, uint8 or an FP8 "
+                "type (with its scales: x=(values, scales)), as DeepEP's dispatch")
         if isinstance(num_worst_tokens, bool) or not isinstance(num_worst_tokens, int) or (
             num_worst_tokens < 0
         ):
@@ -565,6 +590,13 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
                 f"needs a multiple of num_ranks={self.group_size} experts",
             )
         R, T = self.group_size, x.shape[0]
+        if self.max_tokens_per_rank < T:
+            raise InvalidArgumentError(
+                "x", tuple(x.shape),
+                f"has {T} tokens, more than this Buffer holds per rank: pass "
+                f"deep_ep.Buffer(group, ..., max_tokens_per_rank={T}) (ubep sizes its receive "
+                "regions from it, not from num_nvl_bytes; docs/PORTING.md)",
+            )
         if (topk_idx is None) != (topk_weights is None):
             raise InvalidArgumentError(
                 "topk_weights" if topk_weights is None else "topk_idx", None,
@@ -709,8 +741,9 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         n = handle.num_recv_rows
         if x.shape[0] not in (n, handle.recv_src_idx.shape[0]):
             raise InvalidArgumentError("x", tuple(x.shape), f"needs {n} rows")
-        backend = handle.backend
-        y = from_numpy(backend.combine(to_numpy(x[:n]), handle.inner), x.dtype)
+        backend = self._own_backend(handle)
+        with deepep_names():
+            y = from_numpy(backend.combine(to_numpy(x[:n]), handle.inner), x.dtype)
         combined_w = None
         if topk_weights is not None:
             combined_w = self._combine_small(backend, topk_weights[:n], handle)
@@ -722,6 +755,16 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
                 total = total + b.float()
             y = total.to(x.dtype)
         return y, combined_w, _event(async_finish)
+
+    def _own_backend(self, handle: Any) -> EPBackend:
+        """The buffer ``handle``'s rows went through, if it is one of this Buffer's."""
+        backend: EPBackend = handle.backend
+        if backend is not self._ep and all(b is not backend for b in self._backends.values()):
+            raise InvalidArgumentError(
+                "handle", type(handle).__name__,
+                "comes from a dispatch of another deep_ep.Buffer: combine on the Buffer that "
+                "dispatched it")
+        return backend
 
     def _combine_small(
         self, backend: EPBackend, values: torch.Tensor, handle: NormalHandle
