@@ -32,6 +32,7 @@ from ..errors import InvalidArgumentError
 from ..topology import Topology, cm384, host, nvl72, nvl576
 from .assumed import AIV_ASSUMPTIONS, ASSUMED, COST_SIGN, aiv_costs, apply_assumed
 from .fabric import FAMILIES, FabricModel
+from .syncs import SW
 from .workload import CANN_EP, System, Workload, run_case
 
 __all__ = [
@@ -55,7 +56,7 @@ CALIB_PATH = Path(str(resources.files("ubep.sim").joinpath("calib.json")))
 
 # TensorRT-LLM's one-sided NVL72 all-to-all, as the ASP graph with per-pair stop-and-wait flags:
 # every token goes once to each destination rank (DeepEP's normal layout), BF16 payload.
-TRTLLM = System("TRT-LLM all-to-all", "asp", "balanced", "sw", layout="rank")
+TRTLLM = System("TRT-LLM all-to-all", "asp", "balanced", SW, layout="rank")
 TABLE4_EPS = (16, 32, 64, 128, 256)
 
 
@@ -411,7 +412,7 @@ START: dict[str, dict[str, tuple[float, str, str]]] = {
         "check_lanes": (8, "derived", "one 256 B vector (Hot Chips 2019 DaVinci) holds the 32 B "
                         "markers of 8 atomic blocks, gathered by one strided copy (UBEP paper "
                         "Section 3.4: a 32 B flag / marker per 512 B DataBlock)"),
-        "core_wait_fraction": (0.1, "assumed", "ubep.sim.assumed.ASSUMED: fitted to the UBEP "
+        "store_window": (8.0, "assumed", "ubep.sim.assumed.ASSUMED: fitted to the UBEP "
                                "training set by `ubep sim calibrate`"),
         "hot_share": (0.5, "assumed", "ubep.sim.assumed.ASSUMED: the skewed set-ups' unstated "
                       "hot share, fitted to the UBEP training set (Figure 9) by `ubep sim "

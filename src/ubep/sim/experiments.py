@@ -20,6 +20,7 @@ from .assumed import ASSUMED
 from .calib import fabric_variants, load_fabric, topology_for
 from .fabric import FabricModel
 from .spec import build_spec, receiver_drain_ns
+from .syncs import DATA_AS_FLAG, SW
 from .timeline import TASKS
 from .workload import (
     CANN_EP,
@@ -269,7 +270,7 @@ def fig7(family: str = "cm384", fabric: FabricModel | None = None, *,
          + "; `ubep sim hotshare` sweeps 25-75 %)",
          "aiv_lo/hi: " + INTERVAL_NOTE + " (CANN EP is calibrated: lo = hi)",
          *_family_note(family)),
-        {"provenance": provenance(family, (f"panel c hot_share {share:.3g} (range 0.25-0.75)",)),
+        {"provenance": provenance(family, (f"panel c hot_share {share:.3g} (range 0.1-0.75)",)),
          "sensitivity": _sens_at(f"EP{ranks_a}, batch 64", partial(
              _latency, Workload(tokens_per_rank=64), UBEP, topology_for(family, ranks_a)),
              family, fabric)},
@@ -513,8 +514,9 @@ def exchange_latency_ns(topology: Any, fabric: FabricModel, sync: str, size_byte
     send = tuple(float(fabric.issue_ns + costs.wire_bytes / fabric.core_bandwidth_gbps
                        + fabric.latency_exposure * lat[h] + costs.sender_extra_ns)
                  for h in range(topology.num_hops))
-    wait = tuple(float(w) for w in fabric.exposed_wait_ns(np.arange(topology.num_hops),
-                                                          topology))
+    wait = tuple(float(w) for w in fabric.window_wait_ns(
+        np.full(topology.num_hops, costs.wire_bytes), np.arange(topology.num_hops),
+        np.asarray(send), topology))
     row_costs = RowCosts(send_ns=send, consume_ns=(costs.receiver_extra_ns,), send_wait_ns=wait)
     fab = fabric.with_values(init_ns=0.0)
     spec = build_spec(plans, topology, fab, engine="asp", sync=sync, row_bytes=size_bytes,
@@ -530,7 +532,7 @@ def fig10(family: str = "cm384", fabric: FabricModel | None = None) -> Experimen
     for r in _eps(family, (16, 32, 64)):
         topo = topology_for(family, r)
         for size in (10, 32, 100, 320, 1000, 3200, 10000):
-            sw = exchange_latency_ns(topo, fab, "sw", size)
+            sw = exchange_latency_ns(topo, fab, SW, size)
             for sync in SYNCS:
                 nom, lo, hi = _band(partial(exchange_latency_ns, topo, sync=sync,
                                             size_bytes=size), family, fabric)
@@ -560,7 +562,7 @@ def _fig10_sensitivity(family: str,
     r = max(_eps(family, (16, 32, 64)))
     topo = topology_for(family, r)
     out: dict[str, list[dict[str, Any]]] = {}
-    for sync in ("tff", "dc", "sp"):
+    for sync in DATA_AS_FLAG:
         out.update(_sens_at(f"{sync.upper()}, {r} ranks, 10 KB", partial(
             exchange_latency_ns, topo, sync=sync, size_bytes=10000), family, fabric))
     return out
