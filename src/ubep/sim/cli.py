@@ -10,7 +10,7 @@ from typing import Any
 
 from ..modes import ENGINES, LAYOUTS, POLICIES, SYNCS
 from .experiments import ALIASES, EXPERIMENTS
-from .fabric import FAMILIES, FITTED_FAMILIES
+from .presets import FAMILIES, FITTED_FAMILIES
 from .syncs import SP
 from .whatif import WHATIFS
 from .workload import ROUTINGS

@@ -19,6 +19,7 @@ from ..modes import SYNCS
 from .assumed import ASSUMED
 from .calib import fabric_variants, load_fabric, topology_for
 from .fabric import FabricModel
+from .presets import PRESETS
 from .spec import build_spec, receiver_drain_ns
 from .syncs import DATA_AS_FLAG, SW
 from .timeline import TASKS
@@ -38,7 +39,7 @@ __all__ = ["EXPERIMENTS", "ExperimentResult", "run_experiment"]
 
 # CALIBRATION.md, Table 4 baseline rows (for side-by-side display only).
 CANN_TABLE4_US = {16: 103.0, 32: 120.0, 64: 139.0, 128: 144.0, 256: 151.0}
-MAX_RANKS = {"cm384": 384, "nvl72": 72, "nvl576": 576, "host": 64}
+MAX_RANKS = {name: row.max_ranks for name, row in PRESETS.items()}
 INTERVAL_NOTE = ("interval: the fitted constants at the ends of their leave-one-out spread "
                  "(`--no-fit`: the assumed constants over their ranges); the hull with the "
                  "nominal value")
@@ -85,10 +86,8 @@ def _us(ns: float) -> float:
 
 
 def _family_note(family: str) -> tuple[str, ...]:
-    if family == "nvl576":
-        return ("NVL576 is an EXTRAPOLATION: no published measurement; NVL72 constants on a "
-                "two-tier topology.",)
-    return ()
+    note = PRESETS[family].note
+    return (note,) if note else ()
 
 
 def _eps(family: str, eps: Sequence[int]) -> list[int]:

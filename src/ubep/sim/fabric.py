@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, Literal, get_args
+from typing import Any
 
 import numpy as np
 
@@ -31,17 +31,7 @@ from ..errors import InvalidArgumentError
 from ..topology import Topology
 from .syncs import sync_mode
 
-__all__ = ["FAMILIES", "FITTED_FAMILIES", "FabricModel", "Family", "SyncCosts", "dissemination_ns",
-           "sync_costs"]
-
-Family = Literal["cm384", "nvl72", "nvl576", "host"]
-"""The fabric presets of the simulator: CM384 (two switch tiers), NVL72 (one NVSwitch tier),
-NVL576 (an extrapolation on NVL72's constants) and this host."""
-
-FAMILIES: tuple[Family, ...] = get_args(Family)
-FITTED_FAMILIES: tuple[Family, ...] = ("cm384", "nvl72", "host")
-"""Families with constants of their own (NVL576 borrows NVL72's)."""
-
+__all__ = ["FabricModel", "SyncCosts", "dissemination_ns", "sync_costs"]
 
 @dataclass(frozen=True)
 class FabricModel:
