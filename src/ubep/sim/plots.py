@@ -17,7 +17,7 @@ __all__ = ["plot"]
 
 TASK_COLORS = {"init": "#bbbbbb", "send": "#1f77b4", "barrier": "#d62728", "flag": "#ff7f0e",
                "verify": "#9467bd", "count": "#8c564b", "cumsum": "#e377c2",
-               "consume": "#2ca02c"}
+               "consume": "#2ca02c", "route": "#17becf", "checksum": "#bcbd22"}
 SYNC_COLORS = {name: mode.colour for name, mode in SYNC_MODES.items()}
 
 
