@@ -97,6 +97,14 @@ def _tensor(value: Any, name: str, dim: int) -> torch.Tensor:
     return value
 
 
+def _as(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Byte rows ``[n, width]`` seen as ``dtype`` (torch cannot view an empty strided slice)."""
+    n, width = raw.shape
+    if n == 0:
+        return torch.zeros((0, width // torch.empty(0, dtype=dtype).element_size()), dtype=dtype)
+    return raw.contiguous().view(dtype)
+
+
 def _wait(event: Any) -> None:
     wait = getattr(event, "current_stream_wait", None)
     if wait is not None:
@@ -255,8 +263,8 @@ class V2Calls:
                 "sf", f"{tuple(sf.shape)} {sf.dtype}",
                 f"must be [num_tokens={x.shape[0]}, packs] of 4-byte scales (torch.float32, or "
                 "torch.int32 packed UE8M0)")
-        raw = torch.cat([x.contiguous().view(torch.uint8),
-                         sf.contiguous().view(torch.uint8).reshape(x.shape[0], -1)], dim=1)
+        scales = sf.contiguous().view(torch.uint8).reshape(x.shape[0], 4 * sf.shape[1])
+        raw = torch.cat([x.contiguous().view(torch.uint8), scales], dim=1)
         return to_numpy(raw, argument="x")
 
     def _dispatch_outputs(self, args: _DispatchArgs, res: Any, sent: np.ndarray, stats: Any,
@@ -265,12 +273,12 @@ class V2Calls:
         R = self.num_ranks
         L, K = args.num_experts // R, args.idx.shape[1]
         A, T_max = args.expert_alignment, args.num_max_tokens_per_rank
-        rec = received(res.recv_src_rank, res.recv_src_token, res.recv_topk_idx, R, L, A)
+        rec = received(res.recv_src_rank, res.recv_src_token, res.recv_topk_idx, R, L, K, A)
         n = rec.num_rows
-        raw = torch.from_numpy(np.array(res.recv_x)[rec.order]).reshape(n, -1)
+        raw = torch.from_numpy(np.array(res.recv_x)[rec.order]).reshape(n, args.payload.shape[1])
         x_bytes = args.x.shape[1] * args.x.element_size()
-        rows = raw[:, :x_bytes].contiguous().view(args.x.dtype)
-        sf_rows = None if args.sf is None else raw[:, x_bytes:].contiguous().view(args.sf.dtype)
+        rows = _as(raw[:, :x_bytes], args.x.dtype)
+        sf_rows = None if args.sf is None else _as(raw[:, x_bytes:], args.sf.dtype)
         w = torch.from_numpy(np.array(res.recv_topk_weights, dtype=np.float32)[rec.order])
         w = w.reshape(n, K)
         worst, worst_expanded = worst_case_rows(R, T_max, K, L, A)
@@ -469,7 +477,8 @@ class V2Calls:
             rows, w, dest = x[torch.from_numpy(rec.slots[r, k])], None, rec.src_rank[r]
         parts = [rows.contiguous().view(torch.uint8)]
         if w is not None:
-            parts.append(w.float().contiguous().view(torch.uint8).reshape(rows.shape[0], -1))
+            w_bytes = w.float().contiguous().view(torch.uint8)
+            parts.append(w_bytes.reshape(rows.shape[0], 4 * w.shape[1]))
         raw = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
         return (to_numpy(raw.contiguous()), np.ascontiguousarray(dest[:, None], dtype=np.int64),
                 int(parts[0].shape[1]))
@@ -480,8 +489,9 @@ class V2Calls:
         src = route.src
         T, K = src.owner.shape
         order = np.lexsort((np.asarray(res.recv_src_token), np.asarray(res.recv_src_rank)))
-        raw = torch.from_numpy(np.array(res.recv_x)[order]).reshape(len(order), -1)
-        rows = raw[:, :row_bytes].contiguous().view(torch.bfloat16)
+        width = row_bytes + (4 * K if with_weights else 0)
+        raw = torch.from_numpy(np.array(res.recv_x)[order]).reshape(len(order), width)
+        rows = _as(raw[:, :row_bytes], torch.bfloat16)
         sender = np.asarray(res.recv_src_rank, dtype=np.int64)[order]
         first = np.searchsorted(sender, np.arange(self.num_ranks))  # first row from each sender
         per_pair = handle.do_expand and not self.allow_multiple_reduction
@@ -502,7 +512,7 @@ class V2Calls:
         combined_x = reduce_at_source(contrib, biases, torch.bfloat16)
         combined_w = None
         if with_weights:
-            w_rows = raw[:, row_bytes:].contiguous().view(torch.float32)
+            w_rows = _as(raw[:, row_bytes:], torch.float32)
             combined_w = torch.zeros((T, K), dtype=torch.float32)
             ok = src.owner >= 0
             t, k = np.nonzero(ok)

@@ -81,12 +81,13 @@ class Received:
 
 
 def received(src_rank: np.ndarray, src_token: np.ndarray, local_idx: np.ndarray,
-             num_ranks: int, num_local_experts: int, expert_alignment: int) -> Received:
+             num_ranks: int, num_local_experts: int, num_topk: int,
+             expert_alignment: int) -> Received:
     """Sort a rank-layout dispatch's rows into the receive order and count them."""
     order = np.lexsort((np.asarray(src_token), np.asarray(src_rank)))
     rank = np.asarray(src_rank, dtype=np.int64)[order]
     token = np.asarray(src_token, dtype=np.int64)[order]
-    idx = np.asarray(local_idx, dtype=np.int64)[order].reshape(len(order), -1)
+    idx = np.asarray(local_idx, dtype=np.int64)[order].reshape(len(order), num_topk)
     counts = np.array([(idx == e).sum() for e in range(num_local_experts)], dtype=np.int64)
     aligned = -(-counts // expert_alignment) * expert_alignment
     start = np.concatenate([[0], np.cumsum(aligned)[:-1]]).astype(np.int64)
