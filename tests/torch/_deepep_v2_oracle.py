@@ -79,10 +79,12 @@ def inputs(shape: Shape, case: Case, rank: int) -> dict[str, Any]:
 
 def expert_rows(src_global: torch.Tensor, k: int, hidden: int) -> torch.Tensor:
     """What an "expert" returns for (token, slot k): a closed form of the token's global index
-    (BF16 rows, distinct per token and slot)."""
+    (BF16 rows, distinct per token and slot). Slots after the first are scaled by ``2 ** 20``:
+    large rows of either sign next to small ones (and the bias), so FP32 partial sums round and
+    a different reduction order changes bits."""
     seed = (src_global.to(torch.float64) * 7 + k + 1)[:, None]
     cols = torch.arange(1, hidden + 1, dtype=torch.float64)[None, :]
-    return torch.sin(seed * cols * 0.37).to(torch.bfloat16)
+    return (torch.sin(seed * cols * 0.37) * 2.0 ** (20 * min(k, 1))).to(torch.bfloat16)
 
 
 def dispatch(shape: Shape, everyone: list[dict[str, Any]], rank: int, fp8: bool) -> dict[str, Any]:

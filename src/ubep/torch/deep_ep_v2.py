@@ -354,15 +354,17 @@ class EPBuffer(_V2Buffer):
         """``(recv_x, recv_topk_idx, recv_topk_weights, handle, event)``; with
         ``defer_epilogue`` the event alone, whose first ``wait()`` returns the first four. The
         handle holds ``topk_idx`` by reference (``do_handle_copy`` must be False, as 2.5)."""
+        refused = None
         if do_handle_copy:
-            raise InvalidArgumentError(
+            refused = InvalidArgumentError(
                 "do_handle_copy", True, "must be False (DeepEP 2.5 no longer copies topk_idx; "
                 "pass a clone of topk_idx if the caller will modify it)")
         return self._v2_dispatch(
             x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, num_experts,
             num_max_tokens_per_rank, expert_alignment, num_sms, previous_event, None,
             async_with_compute_stream, allocate_on_comm_stream, handle, do_cpu_sync, do_expand,
-            do_zero_padding, emit_expert_ids, use_tma_aligned_col_major_sf, defer_epilogue)
+            do_zero_padding, emit_expert_ids, use_tma_aligned_col_major_sf, defer_epilogue,
+            refused)
 
     def combine(self, x: torch.Tensor, handle: EPHandle, topk_weights: torch.Tensor | None = None,
                 bias: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,

@@ -130,15 +130,21 @@ class V2Calls:
                      num_sms: int, previous_event: Any, before_epilogue: Any, async_: bool,
                      allocate_on_comm_stream: bool, handle: Any, do_cpu_sync: Any,
                      do_expand: bool, do_zero_padding: bool, emit_expert_ids: bool,
-                     col_major_sf: bool, defer_epilogue: bool) -> Any:
+                     col_major_sf: bool, defer_epilogue: bool,
+                     refused: InvalidArgumentError | None = None) -> Any:
+        """The V2 dispatch (both APIs' keywords, resolved by the caller); ``refused``: an error
+        the API raises for a keyword it refuses, raised here on every rank."""
         self._flush()
-        args, summaries = self._v1._agree(
-            lambda: self._check_dispatch(
+
+        def check() -> _DispatchArgs:
+            if refused is not None:
+                raise refused
+            return self._check_dispatch(
                 x, topk_idx, topk_weights, stats, num_experts, num_max_tokens_per_rank,
                 expert_alignment, previous_event, async_, allocate_on_comm_stream, handle,
-                do_cpu_sync, do_expand, do_zero_padding, emit_expert_ids, defer_epilogue),
-            lambda a: [len(t) for t in a.src.tokens_to],
-        )
+                do_cpu_sync, do_expand, do_zero_padding, emit_expert_ids, defer_epilogue)
+
+        args, summaries = self._v1._agree(check, lambda a: [len(t) for t in a.src.tokens_to])
         sent = np.array(summaries, dtype=np.int64)  # [source rank, destination rank] tokens
         if previous_event is not None:
             _wait(previous_event)
