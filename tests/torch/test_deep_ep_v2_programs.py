@@ -7,6 +7,7 @@ the redundant-expert pair over a ``BufferAllocator`` plan, and the rest of the s
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -337,3 +338,25 @@ def test_framework_programs_bad_input_lb_and_surface() -> None:
         assert "engram_fetch" in s["refused"]
         assert "destroyed" in got["after_destroy"]
     assert not leaked_since(before)
+
+
+def test_under_torchrun(tmp_path: Any) -> None:
+    """2 ranks under a real torchrun on dist.group.WORLD: each rank checks its compact dispatch
+    against DeepEP's reference algorithm on all_to_all_single (gloo); the combines equal the
+    oracle's bits."""
+    from tests.torch import _torchrun_v2_worker as worker
+    from tests.torch.test_torchrun import _ok, _torchrun
+
+    job = _torchrun(2, "tests.torch._torchrun_v2_worker", str(tmp_path))
+    _ok(job)
+    shape = Shape(num_ranks=2)
+    for rank in range(2):
+        checks = json.loads((tmp_path / f"v2.{rank}.json").read_text())
+        assert checks and all(checks.values()), checks
+        saved = np.load(tmp_path / f"v2.{rank}.npz")
+        inp = oracle.inputs(shape, worker.CASE, rank)
+        for name in ("elastic", "ep"):
+            np.testing.assert_array_equal(saved[f"{name}.combined"], oracle.bits(
+                oracle.combine(shape, inp, rank, reduce_in_local=True)))
+            np.testing.assert_array_equal(saved[f"{name}.e_combined"], oracle.bits(
+                oracle.combine(shape, inp, rank, reduce_in_local=True)))

@@ -320,7 +320,7 @@ class V2Calls:
             if args.with_weights:
                 flat = w.reshape(-1)
                 recv_topk_weights = torch.zeros(out_rows, dtype=torch.float32)
-                recv_topk_weights[valid] = flat[torch.from_numpy(np.where(sel >= 0, sel, 0))][valid]
+                recv_topk_weights[valid] = flat[torch.from_numpy(sel[sel >= 0])]
         else:
             recv_topk_idx = torch.full((out_rows, K), -1, dtype=torch.int64)
             recv_topk_idx[:n] = torch.from_numpy(rec.local_idx)
