@@ -512,9 +512,9 @@ class V2Calls:
                 hit = src.owner == r
                 row_of[hit] = np.broadcast_to(place[:, None], (T, K))[hit]
         use = (src.owner >= 0) if per_pair else src.last
-        contrib = torch.zeros((T, K, rows.shape[1]), dtype=rows.dtype)
-        pick = torch.from_numpy(use)
-        contrib[pick] = rows[torch.from_numpy(row_of[use])]
+        contrib = torch.zeros((K, T, rows.shape[1]), dtype=rows.dtype)  # slot-major: contiguous
+        pick = torch.from_numpy(np.ascontiguousarray(use.T))
+        contrib[pick] = rows[torch.from_numpy(row_of.T[use.T])]
         combined_x = reduce_at_source(contrib, biases, torch.bfloat16)
         combined_w = None
         if with_weights:

@@ -134,25 +134,28 @@ def source_route(topk_idx: np.ndarray, num_experts: int, num_ranks: int) -> Sour
 
 def reduce_local(x: torch.Tensor, slots: np.ndarray) -> torch.Tensor:
     """An expanded combine's per-rank reduction: for each received row, ``+0.0`` plus its
-    expanded rows in slot order in FP32, cast once to ``x.dtype`` (``[n, hidden]``)."""
+    expanded rows in slot order in FP32, cast once to ``x.dtype`` (``[n, hidden]``). A slot
+    that is not local adds +0.0, which leaves the sum as it is (it is never -0.0)."""
     n, num_topk = slots.shape
+    padded = torch.cat([x, torch.zeros((1, x.shape[1]), dtype=x.dtype)])  # row len(x): zeros
+    pick = torch.from_numpy(np.where(slots >= 0, slots, x.shape[0]).T.copy())  # [num_topk, n]
+    terms = padded[pick].float()
     acc = torch.zeros((n, x.shape[1]), dtype=torch.float32)
     for k in range(num_topk):
-        ok = torch.from_numpy(slots[:, k] >= 0)
-        rows = torch.from_numpy(np.where(slots[:, k] >= 0, slots[:, k], 0))
-        acc += torch.where(ok[:, None], x[rows].float(), 0.0)
+        acc.add_(terms[k])
     return acc.to(x.dtype)
 
 
 def reduce_at_source(contrib: torch.Tensor, bias: tuple[torch.Tensor, ...],
                      dtype: torch.dtype) -> torch.Tensor:
-    """The combine's final reduction: ``contrib [num_tokens, num_topk, hidden]`` (zeros where a
+    """The combine's final reduction: ``contrib [num_topk, num_tokens, hidden]`` (zeros where a
     slot contributes nothing) summed over slots in order onto the FP32 bias sum, cast once."""
-    acc = torch.zeros((contrib.shape[0], contrib.shape[2]), dtype=torch.float32)
+    acc = torch.zeros((contrib.shape[1], contrib.shape[2]), dtype=torch.float32)
     if bias:
-        acc = bias[0].float()
+        acc = bias[0].to(torch.float32, copy=True)
         for b in bias[1:]:
             acc = acc + b.float()
-    for k in range(contrib.shape[1]):
-        acc = acc + contrib[:, k].float()
+    terms = contrib.float()
+    for k in range(contrib.shape[0]):
+        acc.add_(terms[k])  # one FP32 add per slot, in slot order
     return acc.to(dtype)
