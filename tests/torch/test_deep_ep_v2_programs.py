@@ -44,13 +44,16 @@ def _vllm_style(buf: Any, inp: dict[str, Any], rank: int) -> dict[str, Any]:
     L = SHAPE.local
     (vals, sf), _, recv_w, handle, _ = buf.dispatch(
         inp["x_fp8"], inp["topk_idx"], inp["topk_weights"], num_experts=SHAPE.num_experts,
-        expert_alignment=4, do_expand=True, do_zero_padding=True, emit_expert_ids=True)
+        expert_alignment=4, do_expand=True, do_zero_padding=True, emit_expert_ids=True,
+        use_tma_aligned_col_major_sf=True)
+    col_major = sf.stride() == (1, -(-sf.shape[0] // 4) * 4)  # DeepEP's TMA-aligned layout
     m_indices = handle.recv_expert_ids
     expert = torch.where(m_indices >= 0, m_indices + rank * L, 0)
     y = (_dequant(vals, sf) * _scale(expert)[:, None] * recv_w[:, None]).to(torch.bfloat16)
     out, _, _ = buf.combine(y, handle)
     starts = [0, *(-(-int(p) // 4) * 4 for p in handle.psum_num_recv_tokens_per_expert[:-1])]
     return {"out": oracle.bits(out), "m_indices": m_indices.numpy(), "starts": starts,
+            "col_major": col_major,
             "counts": handle.num_unaligned_recv_tokens_per_expert.numpy()}
 
 
@@ -62,6 +65,8 @@ class _SGLangStyleDispatcher:
 
     def dispatch_a(self, x: Any, topk_idx: Any, topk_weights: Any) -> None:
         self.event = self.buf.dispatch(x, topk_idx, topk_weights, num_experts=SHAPE.num_experts,
+                                       previous_event=self.buf.capture(),
+                                       allocate_on_comm_stream=True,
                                        async_with_compute_stream=True, defer_epilogue=True)
 
     def dispatch_b(self) -> tuple[Any, Any, Any]:
@@ -268,6 +273,7 @@ def _check_programs(rank: int, got: dict[str, Any]) -> None:
                                             strict=True)):
         assert (m[start: start + count] == le).all()
     assert ((m >= 0).sum()) == got["vllm"]["counts"].sum()
+    assert got["vllm"]["col_major"]
     # SGLang-style: each rank sums its slots in FP32 before the one cast
     owner = torch.where(idx >= 0, idx // SHAPE.local, -1)
     rows = torch.zeros(idx.shape[0], K, SHAPE.hidden, dtype=torch.bfloat16)

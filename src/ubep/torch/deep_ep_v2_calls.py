@@ -298,12 +298,28 @@ class V2Calls:
             stats += torch.from_numpy(rec.counts.astype(np.int32))
         out_rows = expanded_rows if args.do_expand else n_out
         sel = self._row_selection(rec, args.do_expand, out_rows)  # source row of each output row
+        recv_x, recv_topk_idx, recv_topk_weights = self._recv_tensors(
+            args, rec, sel, (rows, sf_rows, w), col_major_sf)
+        if handle is None:
+            handle = self._new_handle(args, rec, sent, n_out, expanded_rows, num_sms,
+                                      emit_expert_ids, sel)
+        elif handle.num_valid_recv_tokens != n:  # the same routing moves the same rows
+            raise InvalidArgumentError("handle", "stale", "its routing no longer matches")
+        return recv_x, recv_topk_idx, recv_topk_weights, handle
+
+    @staticmethod
+    def _recv_tensors(args: _DispatchArgs, rec: Received, sel: np.ndarray,
+                      received_rows: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor],
+                      col_major_sf: bool) -> tuple[Any, Any, Any]:
+        """``(recv_x, recv_topk_idx, recv_topk_weights)`` of ``sel``'s rows (zeros elsewhere)."""
+        rows, sf_rows, w = received_rows
+        out_rows, K = sel.shape[0], args.idx.shape[1]
         valid = torch.from_numpy(sel >= 0)
-        src = torch.from_numpy(np.where(sel >= 0, sel // max(K, 1) if args.do_expand else sel, 0))
+        src = torch.from_numpy(sel[sel >= 0] // K if args.do_expand else sel[sel >= 0])
 
         def place(t: torch.Tensor) -> torch.Tensor:
             out = torch.zeros((out_rows, *t.shape[1:]), dtype=t.dtype)
-            out[valid] = t[src[valid]]
+            out[valid] = t[src]
             return out
 
         recv_x: Any = place(rows)
@@ -318,20 +334,14 @@ class V2Calls:
         recv_topk_idx = recv_topk_weights = None
         if args.do_expand:
             if args.with_weights:
-                flat = w.reshape(-1)
                 recv_topk_weights = torch.zeros(out_rows, dtype=torch.float32)
-                recv_topk_weights[valid] = flat[torch.from_numpy(sel[sel >= 0])]
+                recv_topk_weights[valid] = w.reshape(-1)[torch.from_numpy(sel[sel >= 0])]
         else:
             recv_topk_idx = torch.full((out_rows, K), -1, dtype=torch.int64)
-            recv_topk_idx[:n] = torch.from_numpy(rec.local_idx)
+            recv_topk_idx[: rec.num_rows] = torch.from_numpy(rec.local_idx)
             if args.with_weights:
                 recv_topk_weights = place(w)
-        if handle is None:
-            handle = self._new_handle(args, rec, sent, n_out, expanded_rows, num_sms,
-                                      emit_expert_ids, sel)
-        elif handle.num_valid_recv_tokens != n:  # the same routing moves the same rows
-            raise InvalidArgumentError("handle", "stale", "its routing no longer matches")
-        return recv_x, recv_topk_idx, recv_topk_weights, handle
+        return recv_x, recv_topk_idx, recv_topk_weights
 
     @staticmethod
     def _row_selection(rec: Received, do_expand: bool, out_rows: int) -> np.ndarray:
