@@ -33,11 +33,9 @@ docs/PORTING.md lists what still differs.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-from collections.abc import Callable, Iterator
-from dataclasses import fields
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import numpy as np
@@ -50,6 +48,7 @@ from ..routing import get_dispatch_layout as _layout
 from ..torch_bridge import as_process_group, is_torch_group
 from ._convert import from_numpy, to_numpy
 from .backend import EPBackend, LocalBackend, issue_dispatch
+from .deep_ep_checks import check_dispatch_x, check_ubep_options, deepep_names, own_backend
 from .deep_ep_internode import InternodeCalls, hosts_of
 from .deep_ep_lowlatency import LowLatencyCalls
 from .deep_ep_m2n import M2NCalls, check_facade_expert_ranks
@@ -89,26 +88,6 @@ _SHAPE_FIELDS = (
 
 
 # --------------------------------------------------------------------------- the Buffer
-#: the dtypes of DeepEP's dispatched ``x`` (FP8 values travel as their bytes)
-_DISPATCH_DTYPES = frozenset(
-    {torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.uint8,
-     torch.float8_e4m3fn, torch.float8_e5m2})
-
-
-@contextlib.contextmanager
-def deepep_names() -> Iterator[None]:
-    """Raise an error of ubep's Buffer under the names of DeepEP's call: a combine's expert
-    outputs are DeepEP's ``x``, which must keep the dispatched ``x``'s dtype."""
-    try:
-        yield
-    except InvalidArgumentError as exc:
-        if exc.argument != "expert_out":
-            raise
-        problem = exc.problem.replace("must have combine_dtype", "must have the dtype of the "
-                                      "dispatched x, as DeepEP's combine")
-        raise InvalidArgumentError("x", exc.value, problem) from None
-
-
 class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
     """DeepEP's ``Buffer`` on ubep (see the module docstring and docs/PORTING.md).
 
@@ -149,7 +128,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         expert_ranks: Any = None,
         **ubep_options: Any,
     ) -> None:
-        _check_ubep_options(ubep_options)
+        check_ubep_options(ubep_options, _SHAPE_FIELDS)
         for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InvalidArgumentError(name, value, "must be an int >= 0 (bytes)")
@@ -568,10 +547,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         """Check one rank's normal-mode arguments and build the routing its rows follow."""
         if not isinstance(x, torch.Tensor) or x.dim() != 2:
             raise InvalidArgumentError("x", getattr(x, "shape", x), "must be [tokens, hidden]")
-        if x.dtype not in _DISPATCH_DTYPES:
-            raise InvalidArgumentError(
-                "x", x.dtype, "must be torch.bfloat16, float16, float32, int8, uint8 or an FP8 "
-                "type (with its scales: x=(values, scales)), as DeepEP's dispatch")
+        check_dispatch_x(x, self.max_tokens_per_rank)
         if isinstance(num_worst_tokens, bool) or not isinstance(num_worst_tokens, int) or (
             num_worst_tokens < 0
         ):
@@ -590,13 +566,6 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
                 f"needs a multiple of num_ranks={self.group_size} experts",
             )
         R, T = self.group_size, x.shape[0]
-        if self.max_tokens_per_rank < T:
-            raise InvalidArgumentError(
-                "x", tuple(x.shape),
-                f"has {T} tokens, more than this Buffer holds per rank: pass "
-                f"deep_ep.Buffer(group, ..., max_tokens_per_rank={T}) (ubep sizes its receive "
-                "regions from it, not from num_nvl_bytes; docs/PORTING.md)",
-            )
         if (topk_idx is None) != (topk_weights is None):
             raise InvalidArgumentError(
                 "topk_weights" if topk_weights is None else "topk_idx", None,
@@ -741,7 +710,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         n = handle.num_recv_rows
         if x.shape[0] not in (n, handle.recv_src_idx.shape[0]):
             raise InvalidArgumentError("x", tuple(x.shape), f"needs {n} rows")
-        backend = self._own_backend(handle)
+        backend = own_backend(handle, self._ep, self._backends.values())
         with deepep_names():
             y = from_numpy(backend.combine(to_numpy(x[:n]), handle.inner), x.dtype)
         combined_w = None
@@ -755,18 +724,6 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
                 total = total + b.float()
             y = total.to(x.dtype)
         return y, combined_w, _event(async_finish)
-
-    def _own_backend(self, handle: Any) -> EPBackend:
-        """The buffer ``handle``'s rows went through, if it is one of this Buffer's."""
-        backend: EPBackend = handle.backend
-        if isinstance(self._ep, LocalBackend):  # the in-process world: one backend a layout
-            return backend
-        if all(b is not backend for b in self._backends.values()):
-            raise InvalidArgumentError(
-                "handle", type(handle).__name__,
-                "comes from a dispatch of another deep_ep.Buffer: combine on the Buffer that "
-                "dispatched it")
-        return backend
 
     def _combine_small(
         self, backend: EPBackend, values: torch.Tensor, handle: NormalHandle
@@ -792,25 +749,6 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         return torch.from_numpy(acc)
 
 # --------------------------------------------------------------------------- helpers
-def _check_ubep_options(options: dict[str, Any]) -> None:
-    """Every extra keyword must be a ``ubep.BufferConfig`` option with a valid value, so a typo
-    fails at construction, not at the first call."""
-    from ..config import BufferConfig
-
-    allowed = {f.name for f in fields(BufferConfig)} - set(_SHAPE_FIELDS) - {"expert_ranks"}
-    for name, value in options.items():
-        if name not in allowed:
-            raise InvalidArgumentError(
-                name, value,
-                f"is neither a DeepEP Buffer argument nor a ubep.BufferConfig option "
-                f"({', '.join(sorted(allowed))})",
-            )
-    # The shape here is a placeholder; the options' own checks are what runs.
-    BufferConfig(
-        max_tokens_per_rank=1, hidden=1, num_topk=1, num_experts=1, dtype="bf16", **options
-    )
-
-
 def _ep_group(group: Any, comm: Any) -> Any:
     """The ubep group behind DeepEP's ``group`` (or ``comm``)."""
     if group is None and comm is None:
