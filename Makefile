@@ -9,7 +9,7 @@ BASE_STAMP := $(VENV)/.stamp-base
 TEST_STAMP := $(VENV)/.stamp-test
 TORCH_PIN  := torch==2.13.0
 
-.PHONY: demo test lint venv clean
+.PHONY: demo test lint smoke venv clean
 
 $(BASE_STAMP): pyproject.toml setup.py
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -24,6 +24,7 @@ $(TEST_STAMP): pyproject.toml setup.py
 	$(PIP) '$(TORCH_PIN)' -e '.[plot,dev,torch,mpi]'
 	touch $(BASE_STAMP) $@
 
+# .venv with every extra: torch (the CPU wheel) and torchrun, mpi4py + mpiexec, the dev tools
 venv: $(TEST_STAMP)
 
 demo: $(BASE_STAMP)
@@ -33,8 +34,14 @@ lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(VENV)/bin/mypy
 
+# the full suite on this interpreter, then the smoke suite on every other CPython the package
+# claims (tests/smoke/run_pythons.sh; one the machine lacks is skipped with its reason)
 test: lint
 	$(PY) -m pytest -q
+	tests/smoke/run_pythons.sh
+
+smoke:
+	tests/smoke/run_pythons.sh
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info
+	rm -rf $(VENV) .venv-smoke build src/*.egg-info

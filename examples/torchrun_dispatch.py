@@ -40,23 +40,24 @@ def run(group: dist.ProcessGroup) -> bool:
         dtype=torch.bfloat16, layout="expert",
     )
     everyone = [inputs(r, num_experts) for r in range(world)]
-    xs = [x.view(torch.uint16).numpy() for x, _, _ in everyone]  # BF16 travels as its bits
     with ubep.Buffer(group, cfg) as buf:
-        _, topk_idx, topk_weights = everyone[rank]
-        res = buf.dispatch(xs[rank], topk_idx, topk_weights)
+        x, topk_idx, topk_weights = everyone[rank]
+        res = buf.dispatch(x, topk_idx, topk_weights)  # torch in: torch out, BF16 as BF16
         # Your experts here: one output row per received row (same order). Identity for the
         # check; real experts would write into buf.get_combine_buffer(res.handle).
-        y = buf.combine(res.recv_x, res.handle)
+        y = buf.combine(res.recv_x, res.handle)  # a torch.bfloat16 [TOKENS, HIDDEN] tensor
+        # the oracle works on numpy: BF16 as its uint16 bits
+        recv_bits = res.recv_x.view(torch.uint16).numpy()
+        got = {f: getattr(res, f).numpy() for f in
+               ("num_recv_tokens_per_expert", "recv_src_rank", "recv_src_token")}
+    xs = [x.view(torch.uint16).numpy() for x, _, _ in everyone]
     ref = reference.dispatch(xs, [e[1] for e in everyone], [e[2] for e in everyone], num_experts)
     ref_y = reference.combine([r.recv_x for r in ref], ref)[rank]
-    ok = np.array_equal(res.recv_x, ref[rank].recv_x) and np.array_equal(y, ref_y)
-    ok = ok and all(
-        np.array_equal(getattr(res, f), getattr(ref[rank], f))
-        for f in ("num_recv_tokens_per_expert", "recv_src_rank", "recv_src_token")
-    )
-    y_bf16 = torch.from_numpy(y).view(torch.bfloat16)  # back to a torch BF16 tensor
-    print(f"rank {rank}/{world}: received {res.recv_x.shape[0]} rows, combined "
-          f"{tuple(y_bf16.shape)} {y_bf16.dtype}; equal to ubep.reference: {ok}")
+    ok = np.array_equal(recv_bits, ref[rank].recv_x)
+    ok = ok and np.array_equal(y.view(torch.uint16).numpy(), ref_y)
+    ok = ok and all(np.array_equal(v, getattr(ref[rank], f)) for f, v in got.items())
+    print(f"rank {rank}/{world}: received {recv_bits.shape[0]} rows, combined "
+          f"{tuple(y.shape)} {y.dtype}; equal to ubep.reference: {ok}")
     return ok
 
 

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from ubep.cli import build_parser
 
 CONSOLE_SCRIPT = Path(sys.executable).with_name("ubep")
@@ -33,3 +35,16 @@ def test_python_dash_m_ubep_runs_the_same_cli_as_the_console_script() -> None:
         assert (script.returncode, script.stdout) == (0, module.stdout)
     bad = _run(sys.executable, "-m", "ubep", "no-such-command")
     assert bad.returncode == 2 and "invalid choice: 'no-such-command'" in bad.stderr
+
+
+def test_doctor_says_how_to_get_torch_where_it_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from ubep import doctor
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torch" else real(name, *a))
+    torch_check = next(c for c in doctor.run_checks() if c.name == "torch")
+    assert not torch_check.ok
+    assert "make venv" in torch_check.consequence and "'.[torch]'" in torch_check.consequence

@@ -17,6 +17,7 @@ _COMMAND_MODULES = (
     "ubep.demo",
     "ubep.sim.cli",
     "ubep.doctor",
+    "ubep.trace.cli",
 )
 
 

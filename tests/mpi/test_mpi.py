@@ -44,7 +44,7 @@ def _mpiexec() -> str | None:
 
 def _skip_reason() -> str | None:
     if importlib.util.find_spec("mpi4py") is None:
-        return "mpi4py is not installed (pip install 'ubep[mpi]')"
+        return "mpi4py is not installed (pip install -e '.[mpi]')"
     if _mpiexec() is None:
         return "no mpiexec next to the interpreter or on PATH"
     return None

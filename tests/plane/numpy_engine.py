@@ -168,6 +168,9 @@ class NumpyEngine:
     def combine_buffer(self, index: int, rows: int) -> np.ndarray:
         return np.empty((rows, self.cfg.hidden), self.cdtype.storage)
 
+    def stale_view(self, array: Any, dispatch_index: int, num_dispatches: int) -> None:
+        return None  # every result is a fresh array: no view of this engine's memory
+
     def abandon(self, epoch: int, message: str) -> None:
         self._pending.pop(epoch, None)
         self._notice(epoch, E_LOST, message)

@@ -206,12 +206,15 @@ def test_variants_use_the_fit_or_the_first_principles() -> None:
 
 
 @pytest.mark.parametrize("mode", ["analytic", "events"])
-def test_exposed_wait_makes_the_far_core_finish_last(mode: str) -> None:
-    # Core 0 sends two rows to rank 1 (hop 1, 400 ns); core 1 two rows to its own rank (hop 0,
-    # 50 ns). Their shared work is equal (no processor-shared latency: latency_exposure 0), so
-    # both reach the end of their work together at speed(2); then each core's own waits add
-    # core_wait_fraction * L[h] per row, which nothing of the other core shortens.
-    f = fabric(latency_exposure=0.0, core_wait_fraction=0.5)
+def test_store_window_makes_the_far_core_finish_last(mode: str) -> None:
+    # Two cores with the same rows (two each) and different hop mixes: core 0 sends to rank 1
+    # (hop 1: L = 400 ns), core 1 to its own rank (hop 0: L = 50 ns). Their work is equal (w =
+    # 100 + ROW / 10 = 200 ns, no processor-shared latency), so both reach the end of their
+    # work together at speed(2). Each keeps store_window = 2 stores in flight: by Little's law
+    # a row costs its core rtt / 2, rtt = 2 L + ROW / B (B = 20 GB/s): 850 / 2 = 425 ns for
+    # the far rows, of which the work covers 200 (a 225 ns wait per row); 150 / 2 = 75 ns for
+    # the near rows, which the work covers (no wait).
+    f = fabric(latency_exposure=0.0, store_window=2.0)
     topo = two_ranks(cores=3)
     plans = [plan(0, [(0, 0, 1, 0), (0, 1, 1, 1), (1, 2, 0, 0), (1, 3, 0, 1)], n_send=2,
                   n_count=1, topo=topo),
@@ -219,30 +222,46 @@ def test_exposed_wait_makes_the_far_core_finish_last(mode: str) -> None:
     res = simulate(plans, topo, f, engine="asp", sync="sp", row_bytes=ROW, mode=mode)
     w = 100 + ROW / 10
     first, second = 1000 + w / speed(f, 2), 1000 + 2 * w / speed(f, 2)
+    wait_far = (2 * 400 + ROW / 20) / 2 - w
+    assert wait_far == 225.0
     # Unit i of a core ends at its processor-sharing time plus its waits so far.
-    np.testing.assert_allclose(res.unit_end_ns, [first + 200, second + 400, first + 25,
-                                                 second + 50], atol=1e-6)
-    np.testing.assert_allclose(res.core_send_end_ns[0], [second + 400, second + 50], atol=1e-6)
+    np.testing.assert_allclose(res.unit_end_ns, [first + wait_far, second + 2 * wait_far,
+                                                 first, second], atol=1e-6)
     # The gap between the far and the near core is their waits' difference, whatever the
     # contention: the hop mix of a core, not the rank's load, sets it.
-    assert res.core_send_end_ns[0, 0] - res.core_send_end_ns[0, 1] == pytest.approx(
-        2 * 0.5 * (400 - 50))
+    assert res.core_send_end_ns[0, 0] - res.core_send_end_ns[0, 1] == pytest.approx(450.0)
 
 
-def test_fabric_rejects_a_core_wait_over_one_latency() -> None:
+def test_store_window_is_littles_law() -> None:
+    # One store in flight (window 1): a core sends one row per round trip, whatever its work
+    # below that; with no window (0) it never waits; a window too deep to bind costs nothing.
+    topo = two_ranks()
+    hop = np.array([0, 1])
+    work = np.array([200.0, 200.0])
+    wire = np.array([ROW, ROW])
+    rtt = np.array([2 * 50 + ROW / 20, 2 * 400 + ROW / 20])
+    one = fabric(store_window=1.0).window_wait_ns(wire, hop, work, topo)
+    np.testing.assert_allclose(work + one, np.maximum(rtt, work))
+    np.testing.assert_allclose(fabric(store_window=0.0).window_wait_ns(wire, hop, work, topo),
+                               0.0)
+    np.testing.assert_allclose(fabric(store_window=64.0).window_wait_ns(wire, hop, work, topo),
+                               0.0)
+
+
+def test_fabric_rejects_a_window_under_one_store() -> None:
     with pytest.raises(InvalidArgumentError) as exc:
-        fabric(core_wait_fraction=1.5)
-    assert exc.value.argument == "core_wait_fraction"
+        fabric(store_window=0.5)
+    assert exc.value.argument == "store_window"
 
 
 def _two_node_runs(topo: Any) -> list[tuple[str, list[Any], Any]]:
     """Real plans of ubep.sched (balanced, then hierarchical) for 8 ranks of 16 tokens top-4
-    on ``topo``, 6 send cores, simulated without contention and with each core waiting half
-    of every row's latency itself."""
+    on ``topo``, 6 send cores, simulated without contention and with one store in flight per
+    core (each row costs its core its round trip)."""
     from ubep.routing import uniform_topk
     from ubep.sim import make_plans
 
-    f = fabric(latency_exposure=0.0, core_wait_fraction=0.5, contention_cores=1e9)
+    f = fabric(latency_exposure=0.0, store_window=1.0, contention_cores=1e9)
     idx = [uniform_topk(16, 16, 4, seed=r) for r in range(8)]
     runs = []
     for policy in ("balanced", "hierarchical"):
@@ -256,16 +275,17 @@ def _two_node_runs(topo: Any) -> list[tuple[str, list[Any], Any]]:
 def test_hierarchical_mapping_lowers_the_largest_wait_sum() -> None:
     # Real plans of ubep.sched on 8 ranks in 2 nodes of 4 (hops 0/1/2), 6 send cores. Without
     # contention and with equal work per row, a core's send end is closed-form: Init + rows x
-    # work + sum of its own waits (core_wait_fraction * L[h] per row). The hierarchical mapping
+    # work + sum of its own waits (window 1: rtt[h] - work per row). The hierarchical mapping
     # caps every core's share of each hop class (ceil(V_h / n)); balanced slices do not, so
     # the core with the most two-hop rows ends later.
     topo = cm384(8, ranks_per_node=4, cores_per_rank=8)
-    lat = np.asarray(topo.latency_ns)
+    lat, bw = np.asarray(topo.latency_ns), np.asarray(topo.bandwidth_gbps)
     largest = {}
     for policy, plans, res in _two_node_runs(topo):
         for r, p in enumerate(plans):
             rows = np.bincount(p.send_core, minlength=6)
-            waits = np.bincount(p.send_core, weights=0.5 * lat[p.send_hop], minlength=6)
+            wait = np.maximum(0.0, 2 * lat + ROW / bw - (100 + ROW / 10))
+            waits = np.bincount(p.send_core, weights=wait[p.send_hop], minlength=6)
             want = np.where(rows > 0, 1000 + rows * (100 + ROW / 10) + waits, 0.0)
             np.testing.assert_allclose(res.core_send_end_ns[r], want, atol=1e-6)
         largest[policy] = float(res.core_send_end_ns.max())
@@ -304,7 +324,7 @@ def test_program1_adds_the_largest_round_trip_through_the_link(mode: str) -> Non
 def test_program1_hierarchical_mapping_beats_balanced_slices() -> None:
     # Real plans on 8 ranks in 2 nodes of 4 (hops 0/1/2), 6 send cores, no contention and a
     # link so fast that no row waits: program (1) per core is closed form, rows x work + the
-    # core's own waits (core_wait_fraction * L[h] per row) + 2 L of its farthest row. Balanced
+    # core's own waits (window 1: 2 L[h] - work per row) + 2 L of its farthest row. Balanced
     # slices give some cores only two-hop rows; the hierarchical mapping caps each core's
     # share of every hop class, so the largest value falls.
     topo = Topology(num_ranks=8, ranks_per_node=4, cores_per_rank=8,
@@ -315,7 +335,8 @@ def test_program1_hierarchical_mapping_beats_balanced_slices() -> None:
         got = res.send_latency_ns(until="rtt")
         for r, p in enumerate(plans):
             rows = np.bincount(p.send_core, minlength=6)
-            waits = np.bincount(p.send_core, weights=0.5 * lat[p.send_hop], minlength=6)
+            wait = np.maximum(0.0, 2 * lat + ROW / 1e9 - (100 + ROW / 10))
+            waits = np.bincount(p.send_core, weights=wait[p.send_hop], minlength=6)
             far = np.zeros(6)
             np.maximum.at(far, p.send_core, 2 * lat[p.send_hop])
             want = np.where(rows > 0, rows * (100 + ROW / 10) + waits + far, 0.0)

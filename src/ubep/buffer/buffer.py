@@ -51,7 +51,7 @@ from ..plane.records import ErrorRecord
 from ..plane.registry import open_engine
 from ..plane.results import DispatchHandle, DispatchResult, PendingCall, RuntimeHandle
 from ..routing import experts_per_rank
-from ..torch_bridge import as_process_group
+from ..torch_bridge import as_process_group, combine_in_torch, dispatch_in_torch, is_torch_tensor
 from .checks import ArgChecks
 from .inflight import InFlightCalls
 from .regions import layout_of
@@ -298,6 +298,10 @@ class Buffer(metaclass=abc.ABCMeta):
                         self._epoch, self._num_dispatches = epoch - 1, index
                 finally:
                     self._lock.release()
+        if is_torch_tensor(x):  # torch in, torch out: the call itself runs on numpy views
+            return cast(Any, dispatch_in_torch(
+                self.dispatch, x, topk_idx, topk_weights, x_scales, self._cfg.quant, copy=copy,
+                return_recv_hook=return_recv_hook))
         self._steps.enter()
         try:
             return self._dispatch(x, topk_idx, topk_weights, copy, return_recv_hook, x_scales)
@@ -397,6 +401,9 @@ class Buffer(metaclass=abc.ABCMeta):
                     self._epoch = epoch - 1
             finally:
                 self._lock.release()
+        if is_torch_tensor(expert_out):  # torch in, torch out (as dispatch)
+            return cast(Any, combine_in_torch(self.combine, expert_out, handle,
+                                              return_recv_hook=return_recv_hook))
         self._steps.enter()
         try:
             return self._combine(expert_out, handle, return_recv_hook)
@@ -430,6 +437,11 @@ class Buffer(metaclass=abc.ABCMeta):
         :meth:`ubep.buffer.step.StepKeeping.resync`). Handles and ``recv_x`` views from
         before are invalid afterwards; a dead peer cannot be resynced with."""
         self._steps.resync(timeout_s)
+
+    def recv_x_valid(self, handle: DispatchHandle) -> bool:
+        """Whether ``recv_x`` of the dispatch that returned ``handle`` still holds that
+        dispatch's rows (:meth:`ubep.buffer.checks.ArgChecks.recv_x_valid`). Local."""
+        return self._checks.recv_x_valid(handle)
 
     def get_combine_buffer(self, handle: DispatchHandle) -> np.ndarray:
         """A writable ``[handle.num_recv_rows, hidden]`` array in this rank's segment: write the

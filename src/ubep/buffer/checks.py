@@ -163,12 +163,28 @@ class ArgChecks:
             )
         return handle
 
+    def recv_x_valid(self, handle: DispatchHandle) -> bool:
+        """Whether ``recv_x`` of the dispatch that returned ``handle`` still holds that
+        dispatch's rows: a receive region is reused by the second dispatch after the one that
+        filled it (``dispatch(copy=True)`` gives rows that stay). Local, not collective."""
+        b = self.buf
+        index = getattr(handle, "dispatch_index", -1)
+        return (getattr(handle, "buffer_uid", None) == b._uid
+                and getattr(handle, "generation", None) == b._generation
+                and index >= 0 and b._num_dispatches <= index + b.layout.num_regions)
+
     def combine_args(
         self, expert_out: object, handle: DispatchHandle
     ) -> tuple[DispatchHandle, np.ndarray]:
         b = self.buf
         h = self.handle(handle)
         eo = to_array(expert_out, "expert_out")
+        # a stale recv_x view (its region filled again by a later dispatch): the engine knows
+        # its memory, the Buffer asks
+        stale = b._engine.stale_view(eo, int(getattr(h, "dispatch_index", -1)),
+                                     b._num_dispatches)
+        if stale is not None:
+            raise InvalidArgumentError("expert_out", *stale)
         if eo.dtype != b._cdtype.storage:
             eo, dt = _dt.as_storage(eo, argument="expert_out")
             if dt != b._cdtype:

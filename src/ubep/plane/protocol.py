@@ -242,6 +242,12 @@ class Engine(Protocol):
         ``index`` (a combine of it then copies nothing), once no peer reads the region any
         more; or an ``ErrorRecord``."""
 
+    def stale_view(self, array: Any, dispatch_index: int, num_dispatches: int) -> Any:
+        """Why ``array`` may not be combined as the outputs of dispatch ``dispatch_index`` (of
+        ``num_dispatches`` so far): it is a view of this engine's receive region that a later
+        dispatch filled again. ``(value, problem)`` for the error naming ``expert_out``, else
+        ``None`` (an engine whose results are fresh arrays: always ``None``)."""
+
     def abandon(self, epoch: int, message: str) -> None:
         """The oldest split-phase call fails here without its second half (notice to peers)."""
 

@@ -177,12 +177,20 @@ class PendingCall(Generic[T]):
     the same error). Hooks may come in any order; a Buffer completes its calls in issue order.
     """
 
-    __slots__ = ("_complete", "_kind", "_outcome", "_rank", "epoch")
+    __slots__ = ("_complete", "_convert", "_kind", "_outcome", "_rank", "epoch")
 
     def __init__(self, kind: str, rank: int, epoch: int, complete: Callable[[], None]) -> None:
         self._kind, self._rank, self.epoch = kind, rank, epoch
         self._complete = complete
+        self._convert: Callable[[Any], Any] | None = None
         self._outcome: tuple[bool, Any] | None = None
+
+    def map_result(self, convert: Callable[[Any], Any]) -> None:
+        """Hand the result back through ``convert`` (once, when the call settles): how a call
+        made with torch tensors returns torch tensors from its hook."""
+        self._convert = convert
+        if self._outcome is not None and self._outcome[0]:
+            self._outcome = (True, convert(self._outcome[1]))
 
     @property
     def done(self) -> bool:
@@ -203,6 +211,8 @@ class PendingCall(Generic[T]):
 
     def _settle(self, ok: bool, value: Any) -> None:
         if self._outcome is None:
+            if ok and self._convert is not None:
+                value = self._convert(value)
             self._outcome = (ok, value)
 
     def __getattr__(self, name: str) -> Any:

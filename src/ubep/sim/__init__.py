@@ -1,28 +1,30 @@
 """Superpod simulator: time the Plan that ``ubep.sched`` produces on a modelled fabric.
 
-See docs/SIMULATOR.md for the model and its calibration.
+See docs/SIMULATOR.md for the model and its calibration. The names below load on first use, so
+that ``ubep.sim.presets`` (a fabric and its constants) loads without the executors.
 """
 
-from .api import MODES, make_plans, simulate
-from .fabric import FAMILIES, FabricModel, Family, SyncCosts, sync_costs
-from .spec import OpSpec, Transfers, build_spec, transfers
-from .timeline import TASKS, SimResult, TaskSpan, TaskTimeline
+from __future__ import annotations
 
-__all__ = [
-    "FAMILIES",
-    "MODES",
-    "TASKS",
-    "FabricModel",
-    "Family",
-    "OpSpec",
-    "SimResult",
-    "SyncCosts",
-    "TaskSpan",
-    "TaskTimeline",
-    "Transfers",
-    "build_spec",
-    "make_plans",
-    "simulate",
-    "sync_costs",
-    "transfers",
-]
+from importlib import import_module
+from typing import Any
+
+_WHERE = {
+    "MODES": "api", "make_plans": "api", "simulate": "api",
+    "FabricModel": "fabric", "SyncCosts": "fabric", "sync_costs": "fabric",
+    "FAMILIES": "presets", "Family": "presets",
+    "OpSpec": "spec", "Transfers": "spec", "build_spec": "spec", "transfers": "spec",
+    "TASKS": "timeline", "SimResult": "timeline", "TaskSpan": "timeline",
+    "TaskTimeline": "timeline",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ubep.sim' has no attribute {name!r}")
+    value = getattr(import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value

@@ -23,6 +23,7 @@ from .events import TIE_NS
 from .fabric import FabricModel
 from .order import lex_order
 from .spec import OpSpec
+from .syncs import sync_mode
 from .timeline import SimResult, TaskTimeline
 
 __all__ = ["run_analytic"]
@@ -321,7 +322,7 @@ def _asp_ready(spec: OpSpec, topology: Topology, unit_end: np.ndarray,
                land: np.ndarray) -> np.ndarray:
     """When the receiver may consume each unit under the sync mode (ASP)."""
     lat = np.asarray(topology.latency_ns, dtype=np.float64)[spec.unit_hop]
-    if spec.sync in ("tff", "sp"):
+    if not sync_mode(spec.sync).batch_signal:
         return land  # the data is the flag: usable as soon as it has landed
     # DC / SW: the checksum or flag leaves when the batch's last unit ends (for SW that unit's
     # work includes the fence) and the batch is usable once it and every row have landed.

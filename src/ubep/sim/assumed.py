@@ -2,8 +2,8 @@
 
 The AIV's vector costs follow from its width, clock and instruction latency
 (:func:`aiv_costs`); the clock, the instruction latency, the share of a round trip a
-stop-and-wait fence waits, CalCumSum's hand-off per count core, the share of a store's latency
-a core waits itself and the hot experts' share of the picks in the paper's skewed set-ups (not a
+stop-and-wait fence waits, CalCumSum's hand-off per count core, the stores a core keeps in
+flight and the hot experts' share of the picks in the paper's skewed set-ups (not a
 cost, a set-up unknown) are not measured by any row:
 each has a first-principles value and a documented plausible range (:data:`ASSUMED`), and
 :mod:`ubep.sim.fit` fits them, together with CANN EP's own fitted constants
@@ -94,20 +94,20 @@ ASSUMED: dict[str, dict[str, Any]] = {
                   "read, 3 x the intra-NPU access of 218 ns (CALIBRATION.md Table 2); up to a "
                   "scalar-unit synchronisation of a few microseconds",
     },
-    "core_wait_fraction": {
-        "value": 0.1, "range": [0.01, 1.0], "kind": "assumed",
-        "source": "share of a store's one-way latency the issuing AIV itself waits before its "
-                  "next store (few outstanding stores per AIV; UBEP paper Sections 2.3 and 3.3: "
-                  "each token costs its core a share of its hop's round trip): not public; "
-                  "from nearly fire-and-forget (0.01) to one store in flight per one-way "
-                  "latency (1); nominal = geometric mean",
+    "store_window": {
+        "value": 8.0, "range": [1.0, 64.0], "kind": "assumed",
+        "source": "stores one AIV keeps in flight (its MTE queue of outstanding writes; UBEP "
+                  "paper Sections 2.3 and 3.3: each token costs its core a share of its hop's "
+                  "round trip, Little's law): not public; from one store at a time (1) to a "
+                  "queue deep enough that no row waits (64); nominal = geometric mean",
     },
     "hot_share": {
-        "value": 0.5, "range": [0.25, 0.75], "kind": "assumed",
+        "value": 0.5, "range": [0.1, 0.75], "kind": "assumed",
         "source": "the hot experts' share of the picks in the paper's skewed set-ups (Figure "
                   "9, Figure 7(c)): the paper states eight hot experts, not their share "
-                  "(EXPERIMENTS.md); nominal an even split, range the `ubep sim hotshare` "
-                  "sweep (25-75 %); Figure 9's two maxima measure it",
+                  "(EXPERIMENTS.md); nominal an even split; range from 0.1 (three times the "
+                  "uniform share of 8 of 256 experts, 3.1 %) to 0.75; Figure 9's two maxima "
+                  "measure it",
     },
 }
 # CANN EP's own fitted constants (ubep.sim.calib.FREE): fitted together with the assumed ones,
@@ -122,7 +122,7 @@ BASELINE_FREE: dict[str, dict[str, Any]] = {
 }
 # Which way each constant makes a latency longer (+1: larger is costlier; -1: a faster clock).
 COST_SIGN = {"aiv_clock_ghz": -1, "vector_instr_cycles": 1, "fence_rtt_fraction": 1,
-             "cumsum_group_sync_ns": 1, "core_wait_fraction": 1, "hot_share": 1, "init_ns": 1,
+             "cumsum_group_sync_ns": 1, "store_window": -1, "hot_share": 1, "init_ns": 1,
              "issue_ns": 1, "latency_exposure": 1, "barrier_ns": 1}
 
 
@@ -137,7 +137,7 @@ def apply_assumed(base: FabricModel, values: dict[str, float]) -> FabricModel:
     return base.with_values(**aiv_costs(v["aiv_clock_ghz"], v["vector_instr_cycles"]),
                             fence_rtt_fraction=v["fence_rtt_fraction"],
                             cumsum_group_sync_ns=v["cumsum_group_sync_ns"],
-                            core_wait_fraction=v["core_wait_fraction"],
+                            store_window=v["store_window"],
                             hot_share=v["hot_share"], **fixed)
 
 

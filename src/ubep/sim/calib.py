@@ -21,17 +21,27 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..errors import InvalidArgumentError
-from ..topology import Topology, cm384, host, nvl72, nvl576
+from ..topology import host
 from .assumed import AIV_ASSUMPTIONS, ASSUMED, COST_SIGN, aiv_costs, apply_assumed
-from .fabric import FAMILIES, FabricModel
+from .fabric import FabricModel
+from .presets import (
+    CALIB_PATH,
+    FAMILIES,
+    _read,
+    fabric_for,
+    fit_in_use,
+    load_calibration,
+    load_fabric,
+    topology_for,
+    use_fit,
+)
+from .syncs import SW
 from .workload import CANN_EP, System, Workload, run_case
 
 __all__ = [
@@ -49,13 +59,12 @@ __all__ = [
     "residuals",
     "targets",
     "topology_for",
+    "use_fit",
 ]
-
-CALIB_PATH = Path(str(resources.files("ubep.sim").joinpath("calib.json")))
 
 # TensorRT-LLM's one-sided NVL72 all-to-all, as the ASP graph with per-pair stop-and-wait flags:
 # every token goes once to each destination rank (DeepEP's normal layout), BF16 payload.
-TRTLLM = System("TRT-LLM all-to-all", "asp", "balanced", "sw", layout="rank")
+TRTLLM = System("TRT-LLM all-to-all", "asp", "balanced", SW, layout="rank")
 TABLE4_EPS = (16, 32, 64, 128, 256)
 
 
@@ -108,7 +117,7 @@ def fabric_variants(family: str = "cm384") -> dict[str, FabricModel]:
     base = load_fabric(family)
     if family != "cm384":
         return {"nominal": base, "low": base, "high": base}
-    fitted = load_calibration()["fabrics"]["cm384"].get("fit") if _USE_FIT[0] else None
+    fitted = load_calibration()["fabrics"]["cm384"].get("fit") if fit_in_use() else None
     if fitted:
         nominal = {k: float(v) for k, v in fitted["values"].items()}
         ends = {k: (float(min(v)), float(max(v))) for k, v in fitted["loo_spread"].items()}
@@ -127,20 +136,6 @@ def fabric_variants(family: str = "cm384") -> dict[str, FabricModel]:
         out[f"{k}:low"] = apply_assumed(base, {**nominal, k: end(k, False)})
         out[f"{k}:high"] = apply_assumed(base, {**nominal, k: end(k, True)})
     return out
-
-
-def topology_for(family: str, num_ranks: int, cores_per_rank: int | None = None) -> Topology:
-    """The preset topology of ``family`` for ``num_ranks`` ranks."""
-    if family == "cm384":
-        return cm384(num_ranks) if cores_per_rank is None else cm384(
-            num_ranks, cores_per_rank=cores_per_rank)
-    if family == "nvl72":
-        return nvl72(num_ranks) if cores_per_rank is None else nvl72(num_ranks, cores_per_rank)
-    if family == "nvl576":
-        return nvl576(num_ranks) if cores_per_rank is None else nvl576(num_ranks, cores_per_rank)
-    if family == "host":
-        return host(num_ranks, cores_per_rank)
-    raise InvalidArgumentError("family", family, f"must be one of {FAMILIES}")
 
 
 def _latency_us(family: str, num_ranks: int, workload: Workload, system: System,
@@ -224,47 +219,6 @@ def targets(family: str) -> list[Target]:
 
 # ----------------------------------------------------------------------------------------------
 # The data file
-
-
-_USE_FIT = [True]
-
-
-def use_fit(flag: bool) -> None:
-    """``False``: :func:`load_fabric` and :func:`fabric_variants` give the first-principles
-    values of the assumed constants (``ubep sim all --no-fit``) instead of the fitted ones."""
-    _USE_FIT[0] = bool(flag)
-
-
-@lru_cache(maxsize=4)
-def _read(path: str) -> dict[str, Any]:
-    with open(path, encoding="utf-8") as fh:
-        data: dict[str, Any] = json.load(fh)
-    return data
-
-
-def load_calibration(path: Path | None = None) -> dict[str, Any]:
-    """The parsed calib.json (a fresh copy)."""
-    return json.loads(json.dumps(_read(str(path or CALIB_PATH))))
-
-
-def fabric_for(entry: dict[str, Any], name: str) -> FabricModel:
-    values = {k: v["value"] for k, v in entry["constants"].items()}
-    return FabricModel(name=name, **values)
-
-
-def load_fabric(family: str, path: Path | None = None) -> FabricModel:
-    """The calibrated :class:`FabricModel` of ``family`` ("cm384", "nvl72", "nvl576", "host")."""
-    data = _read(str(path or CALIB_PATH))
-    fabrics = data["fabrics"]
-    if family not in fabrics:
-        raise InvalidArgumentError("family", family, f"must be one of {sorted(fabrics)}")
-    entry = fabrics[family]
-    if "same_as" in entry:
-        return fabric_for(fabrics[entry["same_as"]], family)
-    fabric = fabric_for(entry, family)
-    if family == "cm384" and not _USE_FIT[0]:
-        fabric = apply_assumed(fabric, {})
-    return fabric
 
 
 def residuals(family: str, fabric: FabricModel | None = None) -> list[Residual]:
@@ -411,7 +365,7 @@ START: dict[str, dict[str, tuple[float, str, str]]] = {
         "check_lanes": (8, "derived", "one 256 B vector (Hot Chips 2019 DaVinci) holds the 32 B "
                         "markers of 8 atomic blocks, gathered by one strided copy (UBEP paper "
                         "Section 3.4: a 32 B flag / marker per 512 B DataBlock)"),
-        "core_wait_fraction": (0.1, "assumed", "ubep.sim.assumed.ASSUMED: fitted to the UBEP "
+        "store_window": (8.0, "assumed", "ubep.sim.assumed.ASSUMED: fitted to the UBEP "
                                "training set by `ubep sim calibrate`"),
         "hot_share": (0.5, "assumed", "ubep.sim.assumed.ASSUMED: the skewed set-ups' unstated "
                       "hot share, fitted to the UBEP training set (Figure 9) by `ubep sim "

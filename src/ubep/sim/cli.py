@@ -10,7 +10,8 @@ from typing import Any
 
 from ..modes import ENGINES, LAYOUTS, POLICIES, SYNCS
 from .experiments import ALIASES, EXPERIMENTS
-from .fabric import FAMILIES, FITTED_FAMILIES
+from .presets import FAMILIES, FITTED_FAMILIES
+from .syncs import SP
 from .whatif import WHATIFS
 from .workload import ROUTINGS
 
@@ -79,7 +80,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--routing", choices=ROUTINGS, default="uniform")
     p.add_argument("--engine", choices=ENGINES, default="asp")
     p.add_argument("--policy", choices=POLICIES, default="hierarchical")
-    p.add_argument("--sync", choices=SYNCS, default="sp")
+    p.add_argument("--sync", choices=SYNCS, default=SP)
     p.add_argument("--layout", choices=LAYOUTS, default="expert")
     p.add_argument("--op", choices=("dispatch", "combine"), default="dispatch")
     p.add_argument("--mode", choices=("analytic", "events"), default="analytic")

@@ -23,6 +23,7 @@ from ..topology import Topology
 from .des import LATE, NORMAL, TIE_NS, Environment, Event, Process, ProcessGenerator, then, tie_key
 from .fabric import FabricModel
 from .spec import OpSpec
+from .syncs import sync_mode
 from .timeline import SimResult, TaskTimeline
 
 __all__ = [
@@ -174,7 +175,7 @@ class _EventRun:
                 ev.succeed()
         # ASP DC / SW batches (one core's rows to one destination): rows still to land, and the
         # checksum / flag that follows the batch's last unit.
-        self.batched = spec.engine == "asp" and spec.sync in ("dc", "sw")
+        self.batched = spec.engine == "asp" and bool(sync_mode(spec.sync).batch_signal)
         self.batch_left = dict(zip(*np.unique(spec.unit_batch, return_counts=True), strict=True))
         self.batch_signal = {int(b): -np.inf for b in self.batch_left}
         self.batch_units: dict[int, list[int]] = {}

@@ -19,7 +19,9 @@ from ..modes import SYNCS
 from .assumed import ASSUMED
 from .calib import fabric_variants, load_fabric, topology_for
 from .fabric import FabricModel
+from .presets import PRESETS
 from .spec import build_spec, receiver_drain_ns
+from .syncs import DATA_AS_FLAG, SW
 from .timeline import TASKS
 from .workload import (
     CANN_EP,
@@ -37,7 +39,7 @@ __all__ = ["EXPERIMENTS", "ExperimentResult", "run_experiment"]
 
 # CALIBRATION.md, Table 4 baseline rows (for side-by-side display only).
 CANN_TABLE4_US = {16: 103.0, 32: 120.0, 64: 139.0, 128: 144.0, 256: 151.0}
-MAX_RANKS = {"cm384": 384, "nvl72": 72, "nvl576": 576, "host": 64}
+MAX_RANKS = {name: row.max_ranks for name, row in PRESETS.items()}
 INTERVAL_NOTE = ("interval: the fitted constants at the ends of their leave-one-out spread "
                  "(`--no-fit`: the assumed constants over their ranges); the hull with the "
                  "nominal value")
@@ -84,10 +86,8 @@ def _us(ns: float) -> float:
 
 
 def _family_note(family: str) -> tuple[str, ...]:
-    if family == "nvl576":
-        return ("NVL576 is an EXTRAPOLATION: no published measurement; NVL72 constants on a "
-                "two-tier topology.",)
-    return ()
+    note = PRESETS[family].note
+    return (note,) if note else ()
 
 
 def _eps(family: str, eps: Sequence[int]) -> list[int]:
@@ -233,10 +233,11 @@ SPLIT_COLUMNS = ("panel", "x", "system", "latency_us", "aiv_sum_us", "aiv_lo_us"
                  "all_to_all_us", "other_us", "other_share", "improvement_pct",
                  "improvement_interval", "latency_improvement_pct")
 SPLIT_NOTE = ("aiv_sum = per-AIV time, the sum over the slowest rank's AIVs of each AIV's time "
-              "(call start to the end of its last task; the routing and checksum AIVs, whose "
-              "work is not timed, 0); all_to_all = the AIVs' work moving and ordering data "
-              "(init, send, count, cumsum, reorder), summed; other = aiv_sum - all_to_all "
-              "(barriers, flags, verification, waiting); improvement = 1 - UBEP / CANN EP of "
+              "(call start to the end of its last task; UBEP's routing and checksum AIVs run "
+              "until their checksum has seen the last count word); all_to_all = the AIVs' work "
+              "moving and ordering data (init, send, count, cumsum, routing, reorder), summed; "
+              "other = aiv_sum - all_to_all (barriers, flags, verification, the global "
+              "checksum, waiting); improvement = 1 - UBEP / CANN EP of "
               "aiv_sum, latency_improvement the same of the operator latency")
 
 
@@ -269,7 +270,7 @@ def fig7(family: str = "cm384", fabric: FabricModel | None = None, *,
          + "; `ubep sim hotshare` sweeps 25-75 %)",
          "aiv_lo/hi: " + INTERVAL_NOTE + " (CANN EP is calibrated: lo = hi)",
          *_family_note(family)),
-        {"provenance": provenance(family, (f"panel c hot_share {share:.3g} (range 0.25-0.75)",)),
+        {"provenance": provenance(family, (f"panel c hot_share {share:.3g} (range 0.1-0.75)",)),
          "sensitivity": _sens_at(f"EP{ranks_a}, batch 64", partial(
              _latency, Workload(tokens_per_rank=64), UBEP, topology_for(family, ranks_a)),
              family, fabric)},
@@ -320,7 +321,8 @@ AIV_GROUPS = {"asp": ((0, 42), (42, 46), (46, 47), (47, 48)),
               "bsp": ((0, 45), (45, 46), (46, 47), (47, 48))}
 PHASES = {"Init": ("init",), "Token-Sending": ("send",),
           "SendFlag & Verification": ("flag", "verify", "count", "barrier"),
-          "CalCumSum": ("cumsum",), "Token-Reordering": ("consume",)}
+          "CalCumSum": ("cumsum",), "Token-Reordering": ("consume",),
+          "Routing & Checksum": ("route", "checksum")}
 
 
 def _phase_rows(batch: int, system: System, fab: FabricModel, family: str,
@@ -385,7 +387,9 @@ def fig8(family: str = "cm384", fabric: FabricModel | None = None) -> Experiment
         ("per AIV group of the paper (UBEP 0-41 avg, 42-45, 46, 47; CANN EP 0-44 avg, 45, 46, "
          "47), on the slowest rank: mean time per core of the group in each task",
          "SendFlag & Verification = barriers + flags + verification (BSP) or TokenCnt + count "
-         "polling (ASP); which cores count is the model's Appendix A partition",
+         "polling (ASP); which cores count is the model's Appendix A partition; Routing & "
+         "Checksum = UBEP's routing and checksum AIVs (3 at EP64, the cores after the "
+         "partition's send and count cores)",
          "UBEP improvement over CANN EP per batch, of the per-AIV time (the sum over the "
          "slowest rank's AIVs of each AIV's time, as Figure 7; interval: the leave-one-out "
          "spread), and of the operator latency: "
@@ -513,8 +517,9 @@ def exchange_latency_ns(topology: Any, fabric: FabricModel, sync: str, size_byte
     send = tuple(float(fabric.issue_ns + costs.wire_bytes / fabric.core_bandwidth_gbps
                        + fabric.latency_exposure * lat[h] + costs.sender_extra_ns)
                  for h in range(topology.num_hops))
-    wait = tuple(float(w) for w in fabric.exposed_wait_ns(np.arange(topology.num_hops),
-                                                          topology))
+    wait = tuple(float(w) for w in fabric.window_wait_ns(
+        np.full(topology.num_hops, costs.wire_bytes), np.arange(topology.num_hops),
+        np.asarray(send), topology))
     row_costs = RowCosts(send_ns=send, consume_ns=(costs.receiver_extra_ns,), send_wait_ns=wait)
     fab = fabric.with_values(init_ns=0.0)
     spec = build_spec(plans, topology, fab, engine="asp", sync=sync, row_bytes=size_bytes,
@@ -530,7 +535,7 @@ def fig10(family: str = "cm384", fabric: FabricModel | None = None) -> Experimen
     for r in _eps(family, (16, 32, 64)):
         topo = topology_for(family, r)
         for size in (10, 32, 100, 320, 1000, 3200, 10000):
-            sw = exchange_latency_ns(topo, fab, "sw", size)
+            sw = exchange_latency_ns(topo, fab, SW, size)
             for sync in SYNCS:
                 nom, lo, hi = _band(partial(exchange_latency_ns, topo, sync=sync,
                                             size_bytes=size), family, fabric)
@@ -560,7 +565,7 @@ def _fig10_sensitivity(family: str,
     r = max(_eps(family, (16, 32, 64)))
     topo = topology_for(family, r)
     out: dict[str, list[dict[str, Any]]] = {}
-    for sync in ("tff", "dc", "sp"):
+    for sync in DATA_AS_FLAG:
         out.update(_sens_at(f"{sync.upper()}, {r} ranks, 10 KB", partial(
             exchange_latency_ns, topo, sync=sync, size_bytes=10000), family, fabric))
     return out

@@ -6,7 +6,9 @@ a core does with them. The equations are written out in docs/SIMULATOR.md; in sh
 
 * a send unit of ``b`` wire bytes and hop class ``h`` is ``w = issue_ns + b / core_bandwidth +
   latency_exposure * latency_ns[h]`` nanoseconds of work for the core that issues it, then the
-  core's own exposed wait ``core_wait_fraction * latency_ns[h]`` (a stall: the core's alone);
+  core's own window wait ``max(0, rtt[h] / store_window - w)`` (Little's law: a core with
+  ``store_window`` stores in flight sends at most ``store_window / rtt[h]`` rows per ns, with
+  ``rtt[h] = 2 latency_ns[h] + b / bandwidth_gbps[h]``; a stall: the core's alone);
 * ``k`` cores of one rank sending at once each progress at ``speed(k)`` work-ns per ns
   (processor sharing; Figure 3b's per-core efficiency is ``speed(k) / speed(8)``);
 * a unit then crosses the source port (FIFO at ``bandwidth_gbps[h]``), flies ``latency_ns[h]``
@@ -21,25 +23,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, Literal, get_args
+from typing import Any
 
 import numpy as np
 
 from ..errors import InvalidArgumentError
-from ..modes import SYNCS
 from ..topology import Topology
+from .syncs import sync_mode
 
-__all__ = ["FAMILIES", "FITTED_FAMILIES", "FabricModel", "Family", "SyncCosts", "dissemination_ns",
-           "sync_costs"]
-
-Family = Literal["cm384", "nvl72", "nvl576", "host"]
-"""The fabric presets of the simulator: CM384 (two switch tiers), NVL72 (one NVSwitch tier),
-NVL576 (an extrapolation on NVL72's constants) and this host."""
-
-FAMILIES: tuple[Family, ...] = get_args(Family)
-FITTED_FAMILIES: tuple[Family, ...] = ("cm384", "nvl72", "host")
-"""Families with constants of their own (NVL576 borrows NVL72's)."""
-
+__all__ = ["FabricModel", "SyncCosts", "dissemination_ns", "sync_costs"]
 
 @dataclass(frozen=True)
 class FabricModel:
@@ -76,9 +68,12 @@ class FabricModel:
         cumsum_group_sync_ns: CalCumSum's hand-off per core of the count group: each count
             core's partial prefix sums reach the core that publishes the offsets through
             shared memory (one write, flag and read), one core after another.
-        core_wait_fraction: share of a unit's one-way latency its issuing core itself waits
-            after the unit (the AIV's few outstanding stores): a stall of that core alone
-            (:meth:`exposed_wait_ns`), so a core's hop mix sets its finishing time.
+        store_window: stores one core keeps in flight (its MTE queue of outstanding writes).
+            By Little's law a core whose rows take ``rtt`` each sends at most
+            ``store_window / rtt`` rows per ns: after each unit it stalls ``max(0, rtt /
+            store_window - w)`` (:meth:`window_wait_ns`), a wait of that core alone, so a core
+            whose rows cross tier 2 finishes later than one whose rows stay near, for the same
+            row count. 0 = no window (the core never waits for its own stores).
         check_lanes: atomic blocks whose markers one vector compare / checksum step covers
             (a strided copy gathers the 32 B marker of each block side by side: one 256 B
             vector holds 8); 1 = one step per block.
@@ -118,7 +113,7 @@ class FabricModel:
     aux_cores_at_256: float = 0.0
     cumsum_group_sync_ns: float = 0.0
     poll_lanes: int = 1
-    core_wait_fraction: float = 0.0
+    store_window: float = 0.0
     check_lanes: int = 1
     hot_share: float = 0.5
     syncall_global: int = 0
@@ -142,9 +137,9 @@ class FabricModel:
         if self.fence_rtt_fraction > 1:
             raise InvalidArgumentError("fence_rtt_fraction", self.fence_rtt_fraction,
                                        "must be <= 1")
-        if self.core_wait_fraction > 1:
-            raise InvalidArgumentError("core_wait_fraction", self.core_wait_fraction,
-                                       "must be <= 1")
+        if 0 < self.store_window < 1:
+            raise InvalidArgumentError("store_window", self.store_window,
+                                       "must be 0 (no window) or >= 1 store")
         if self.syncall_global not in (0, 1):
             raise InvalidArgumentError("syncall_global", self.syncall_global, "must be 0 or 1")
         if not 0 < self.hot_share < 1:
@@ -184,14 +179,23 @@ class FabricModel:
         rounds = dissemination_ns(topology) if self.syncall_global else 0.0
         return float(self.barrier_ns) + rounds
 
-    def exposed_wait_ns(self, hop: np.ndarray, topology: Topology) -> np.ndarray:
-        """The issuing core's own wait after each send unit of hop class ``hop``:
-        ``core_wait_fraction * latency_ns[hop]``. An AIV has few stores of its own in flight,
-        so it waits for a share of each store's latency before it issues more; the wait is the
-        core's (a stall, docs/SIMULATOR.md 1.2), which no other core's early finish shortens,
-        so a core whose rows go far finishes later than one whose rows stay near."""
-        lat = np.asarray(topology.latency_ns, dtype=np.float64)[np.asarray(hop)]
-        return self.core_wait_fraction * lat
+    def window_wait_ns(self, wire_bytes: np.ndarray, hop: np.ndarray, work_ns: np.ndarray,
+                       topology: Topology) -> np.ndarray:
+        """The issuing core's own wait after each send unit (Little's law over its store
+        window): ``max(0, (2 L[h] + b / B[h]) / store_window - work_ns)``. A core keeps
+        ``store_window`` stores in flight; each holds its slot for its round trip, so in steady
+        state a unit costs the core ``rtt / store_window``, of which its issue work covers
+        ``work_ns``. The wait is the core's (a stall, docs/SIMULATOR.md 1.2), which no other
+        core's early finish shortens: two cores with the same rows but different hop mixes
+        finish apart by the difference of their rows' round trips over the window. 0 without
+        a window (``store_window == 0``)."""
+        hop = np.asarray(hop)
+        if self.store_window == 0:
+            return np.zeros(hop.shape)
+        lat = np.asarray(topology.latency_ns, dtype=np.float64)[hop]
+        bw = np.asarray(topology.bandwidth_gbps, dtype=np.float64)[hop]
+        rtt = 2.0 * lat + np.asarray(wire_bytes, dtype=np.float64) / bw
+        return np.maximum(0.0, rtt / self.store_window - np.asarray(work_ns))
 
     def with_values(self, **values: float) -> FabricModel:
         """A copy with some constants replaced (validated)."""
@@ -221,31 +225,29 @@ class SyncCosts:
 
 
 def sync_costs(sync: str, row_bytes: int, fabric: FabricModel) -> SyncCosts:
-    """Per-row costs of ``sync`` in {"sw", "tff", "dc", "sp"} for rows of ``row_bytes``."""
-    if sync not in SYNCS:
-        raise InvalidArgumentError("sync", sync, f"must be one of {SYNCS}")
+    """Per-row costs of the sync mode ``sync`` (a row of :data:`ubep.sim.syncs.SYNC_MODES`)
+    for rows of ``row_bytes``."""
+    mode = sync_mode(sync)
     if not isinstance(row_bytes, (int, np.integer)) or row_bytes < 1:
         raise InvalidArgumentError("row_bytes", row_bytes, "must be a positive integer")
     blocks = -(-int(row_bytes) // fabric.atomic_bytes)
     lanes = int(fabric.check_lanes)
     # One vector step checks the markers of ``check_lanes`` blocks at once.
     steps = -(-blocks // lanes)
-    if sync == "tff":
+    if mode.flag_in_block:
         payload = fabric.atomic_bytes - fabric.tff_flag_bytes
-        tff_blocks = -(-int(row_bytes) // payload)
+        flagged = -(-int(row_bytes) // payload)
         # Receiver checks one flag per block; the flag rides inside the block the sender stages.
-        return SyncCosts(tff_blocks * fabric.atomic_bytes, 0.0,
-                         -(-tff_blocks // lanes) * fabric.vector_op_ns, tff_blocks)
-    if sync == "dc":
-        # Sender accumulates the leading bytes of every block into the checksum; the receiver
-        # recomputes it over the same blocks.
-        extra = steps * fabric.vector_op_ns
-        return SyncCosts(int(row_bytes), extra, extra, blocks)
-    if sync == "sp":
-        # Receiver compares every block against the sentinel, then resets the row to it.
-        reset = row_bytes / fabric.core_bandwidth_gbps
-        return SyncCosts(int(row_bytes), 0.0, steps * fabric.vector_op_ns + reset, blocks)
-    return SyncCosts(int(row_bytes), 0.0, 0.0, blocks)
+        return SyncCosts(flagged * fabric.atomic_bytes, 0.0,
+                         -(-flagged // lanes) * fabric.vector_op_ns, flagged)
+    # DC: the sender accumulates the leading bytes of every block into the checksum and the
+    # receiver recomputes it; SP: the receiver compares every block against the sentinel, then
+    # resets the row to it.
+    send = steps * fabric.vector_op_ns if mode.sender_block_steps else 0.0
+    recv = steps * fabric.vector_op_ns if mode.receiver_block_steps else 0.0
+    if mode.receiver_reset:
+        recv += row_bytes / fabric.core_bandwidth_gbps
+    return SyncCosts(int(row_bytes), send, recv, blocks)
 
 
 def dissemination_ns(topology: Topology) -> float:

@@ -32,6 +32,7 @@ from .assumed import (
 )
 from .calib import topology_for
 from .fabric import FabricModel
+from .syncs import DATA_AS_FLAG, SW
 from .workload import CANN_EP, FIG9_SEEDS, UBEP, UBEP_NO_MAPPING, Workload, run_case
 
 __all__ = [
@@ -157,9 +158,9 @@ def fig10_best_ratio(fabric: FabricModel, ranks: int = 16) -> float:
     topo = topology_for("cm384", ranks)
     best = np.inf
     for size in FIG10_SIZES:
-        sw = exchange_latency_ns(topo, fabric, "sw", size)
+        sw = exchange_latency_ns(topo, fabric, SW, size)
         best = min(best, *(exchange_latency_ns(topo, fabric, s, size) / sw
-                           for s in ("tff", "dc", "sp")))
+                           for s in DATA_AS_FLAG))
     return float(best)
 
 

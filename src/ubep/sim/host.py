@@ -36,6 +36,7 @@ from ..topology import Topology
 from .analytic import run_analytic
 from .fabric import FabricModel
 from .spec import RowCosts, build_spec
+from .syncs import sync_mode
 
 __all__ = ["HostCase", "KernelTimer", "canonical_plans", "combine_row_map", "host_fabric",
            "host_topology", "kernel_passes", "predict_host"]
@@ -176,20 +177,17 @@ def kernel_passes(case: HostCase, terms: int) -> dict[str, tuple[str, str, int]]
         return {"consume": ("-", "reduce" if case.layout == "expert" else "reduce_rank", terms)}
     # writer of a peer row: SP = body, fence, element-safe tail (put_sp_row); TFF = in place
     # with epoch words (ASP, put_tff_in_place) or staged 512 B blocks (BSP)
-    writer = {"tff": "tffw" if case.engine == "asp" else "tff", "sp": "spw"}.get(case.sync,
-                                                                                  "copy")
+    # (the mode's row of sim/syncs.py names them); SP's reader checks the tail, then re-arms it
+    # for the next use of the region; TFF's reads the words
+    mode = sync_mode(case.sync)
+    writer = mode.host_pass("writer", case.engine)
+    reader = mode.host_pass("reader", case.engine)
+    out = {"send": (writer, reader, 1)}
     if case.engine == "asp":
-        # SP: tail check, then the tail re-armed for the next use of the region; TFF: words
-        reader = {"sw": "-", "sp": "sptail", "tff": "tffr", "dc": "dc"}[case.sync]
-        out = {"own": ("copy", "-", 1), "send": (writer, reader, 1)}
-        if case.sync == "dc":
-            out["checksum"] = ("dc", "-", 1)  # the sender's word sums over its own rows
-    else:
-        reader = {"sw": "out", "sp": "bsp_sp", "tff": "untff", "dc": "bsp_dc"}[case.sync]
-        out = {"send": (writer, reader, 1)}
-        if case.sync == "dc":
-            out["checksum"] = ("dc", "-", 1)
-    if case.sync == "sp":
+        out = {"own": ("copy", "-", 1), **out}
+    if mode.host_checksum:
+        out["checksum"] = (mode.host_checksum, "-", 1)  # the sender's word sums over its own rows
+    if mode.host_validate:
         out["validate"] = ("tail", "-", 1)  # every token's polled tail checked for the sentinel
     return out
 

@@ -39,6 +39,7 @@ from .api import make_plans, simulate
 from .calib import load_fabric, topology_for
 from .experiments import ExperimentResult, _band, _us, provenance
 from .fabric import FabricModel
+from .presets import PRESETS
 from .workload import CANN_EP, UBEP, UBEP_NO_MAPPING, System, Workload, core_split
 
 __all__ = ["PLACEMENTS", "M2NCase", "m2n", "m2n_plans", "m2n_topology", "time_m2n"]
@@ -147,8 +148,9 @@ def m2n_topology(family: str, num_ranks: int) -> tuple[Topology, str]:
     """The topology of ``num_ranks`` dies of ``family`` and the fabric family that times it:
     NVL72 beyond 72 dies is NVL72 domains under a second switch tier (``nvl576``'s model, an
     extrapolation)."""
-    if family == "nvl72" and num_ranks > 72:
-        family = "nvl576"
+    row = PRESETS[family]
+    if row.wider and num_ranks > row.max_ranks:
+        family = row.wider
     return topology_for(family, num_ranks), family
 
 

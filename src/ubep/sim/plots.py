@@ -11,13 +11,14 @@ import numpy as np
 from ..errors import InvalidArgumentError
 from .experiments import ExperimentResult
 from .m2n import draw as m2n_draw
+from .syncs import SYNC_MODES
 
 __all__ = ["plot"]
 
 TASK_COLORS = {"init": "#bbbbbb", "send": "#1f77b4", "barrier": "#d62728", "flag": "#ff7f0e",
                "verify": "#9467bd", "count": "#8c564b", "cumsum": "#e377c2",
-               "consume": "#2ca02c"}
-SYNC_COLORS = {"sw": "#d62728", "tff": "#1f77b4", "dc": "#ff7f0e", "sp": "#2ca02c"}
+               "consume": "#2ca02c", "route": "#17becf", "checksum": "#bcbd22"}
+SYNC_COLORS = {name: mode.colour for name, mode in SYNC_MODES.items()}
 
 
 def _pyplot() -> Any:

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import InvalidArgumentError
-from ..modes import ENGINES, SYNCS
+from ..modes import ENGINES
 from ..sched.plan import Plan
 from ..topology import Topology
 from .fabric import FabricModel, sync_costs
 from .order import lex_order
+from .syncs import SW, sync_mode
 
 __all__ = ["OPS", "OpSpec", "RowCosts", "Transfers", "build_spec", "receiver_drain_ns",
            "transfers"]
@@ -50,23 +51,23 @@ class Transfers:
 
 
 def transfers(
-    plan: Plan, *, row_bytes: int, sync: str = "sw", block_bytes: int = 512, flag_bytes: int = 32
+    plan: Plan, *, row_bytes: int, sync: str = SW, block_bytes: int = 512, flag_bytes: int = 32
 ) -> Transfers:
     """The ``(dst_rank, slot, src_token, nbytes)`` rows that ``plan`` sends, in issue order.
 
-    ``row_bytes = hidden * itemsize``. Under ``sync="tff"`` every row travels as
-    ``ceil(row_bytes / (block_bytes - flag_bytes))`` blocks of ``block_bytes``; the other modes
-    move the raw row (their flags and checksums are separate, smaller messages).
+    ``row_bytes = hidden * itemsize``. Under a mode whose flag rides in every block (TFF,
+    :attr:`SyncMode.flag_in_block`) every row travels as ``ceil(row_bytes / (block_bytes -
+    flag_bytes))`` blocks of ``block_bytes``; the other modes move the raw row (their flags and
+    checksums are separate, smaller messages).
     """
     if not isinstance(plan, Plan):
         raise InvalidArgumentError("plan", type(plan).__name__, "must be a ubep.sched.Plan")
     if not isinstance(row_bytes, (int, np.integer)) or row_bytes < 1:
         raise InvalidArgumentError("row_bytes", row_bytes, "must be a positive integer")
-    if sync not in SYNCS:
-        raise InvalidArgumentError("sync", sync, f"must be one of {SYNCS}")
+    mode = sync_mode(sync)
     if not 8 <= flag_bytes < block_bytes:
         raise InvalidArgumentError("flag_bytes", flag_bytes, f"must be in [8, {block_bytes})")
-    if sync == "tff":
+    if mode.flag_in_block:
         wire = -(-int(row_bytes) // (block_bytes - flag_bytes)) * block_bytes
     else:
         wire = int(row_bytes)
@@ -228,9 +229,10 @@ def build_spec(
         raise InvalidArgumentError("engine", engine, f"must be one of {ENGINES}")
     if op not in OPS:
         raise InvalidArgumentError("op", op, f"must be one of {OPS}")
-    if engine == "bsp" and sync != "sw" and row_costs is None:
+    mode = sync_mode(sync)
+    if engine == "bsp" and not mode.bsp_after_barrier and row_costs is None:
         raise InvalidArgumentError(
-            "sync", sync, "the BSP engine publishes counts and flags after a barrier: use 'sw'"
+            "sync", sync, f"the BSP engine publishes counts and flags after a barrier: use {SW!r}"
         )
     n_s, n_c = _check_plans(plans, topology)
     n = topology.cores_per_rank
@@ -260,8 +262,8 @@ def build_spec(
 
     if row_costs is None:
         work = fabric.unit_work_ns(wire, hop, topology) + costs.sender_extra_ns
-        # Exposed wait: the core's own stall per row, a share of the row's hop latency.
-        stall = fabric.exposed_wait_ns(hop, topology)
+        # Window wait: the core's own stall per row, its round trip over its store window.
+        stall = fabric.window_wait_ns(wire, hop, work, topology)
     else:
         work = row_costs.per_hop("send_ns", hop)
         stall = row_costs.per_hop("send_wait_ns", hop)
@@ -270,9 +272,9 @@ def build_spec(
     # flag. (BSP's SW flags come after the barrier instead; its batches are unused.)
     batch = (src * n + core) * num_ranks + dst
     last = _last_of_group(batch)
-    if sync == "dc":
+    if mode.batch_signal == "checksum":
         work = work + np.where(last, fabric.flag_ns, 0.0)
-    elif sync == "sw" and engine == "asp":
+    elif mode.batch_signal == "fence" and engine == "asp":
         # The fence is the core's own wait for its acknowledgement: it holds no share of the
         # rank's send machinery (a stall, not work), then the flag is one more store.
         lat = np.asarray(topology.latency_ns, dtype=np.float64)[hop]
@@ -316,7 +318,7 @@ def build_spec(
     )
     # Only BSP's words signal that data is complete (SW: after a fence); ASP's count words are
     # data in their own right, published with one atomic store.
-    fenced = engine == "bsp" and sync == "sw"
+    fenced = engine == "bsp" and mode.batch_signal == "fence"
     # Counting one expert scans every (token, k) pick of the rank once (a vector count).
     picks = max(int(p.num_units) for p in plans) if op == "dispatch" else 0
     chunk_offset = _chunk_offsets(chunk_core, chunk_dst, chunk_experts, fabric, topology, fenced,

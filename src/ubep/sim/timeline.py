@@ -16,8 +16,10 @@ from ..errors import InvalidArgumentError
 __all__ = ["SYNC_TASKS", "TASKS", "SimResult", "TaskSpan", "TaskTimeline"]
 
 # Task names. "flag" is BSP's SendFlag & TokenCnt; "count" is ASP's TokenCnt-Sending; "consume"
-# is Token-Reordering (dispatch) or the weighted reduction (combine).
-TASKS = ("init", "send", "barrier", "flag", "verify", "count", "cumsum", "consume")
+# is Token-Reordering (dispatch) or the weighted reduction (combine); "route" and "checksum" are
+# the work of the cores an ASP rank gives to routing and the global checksum (sim/preprocess.py).
+TASKS = ("init", "send", "barrier", "flag", "verify", "count", "cumsum", "consume", "route",
+         "checksum")
 # Tasks that exist only to synchronise (the "BSP cost" of Figure 7).
 SYNC_TASKS = ("barrier", "flag", "verify")
 
@@ -183,8 +185,8 @@ class SimResult:
     def aiv_end_ns(self, rank: int | None = None) -> np.ndarray:
         """``[cores_per_rank]`` each AIV's time on ``rank`` (default: the slowest): from the
         call's start to the end of the AIV's last task (reordering included; a BSP core's
-        tasks run to the last barrier and past it). An AIV without a task in the model (the
-        routing and checksum cores an ASP rank sets aside, whose work is not timed) is 0."""
+        tasks run to the last barrier and past it; an ASP routing and checksum AIV to the end
+        of its checksum). An AIV without a task (a core no part of the engine uses) is 0."""
         r = self.slowest_rank if rank is None else rank
         out = np.zeros(self._aivs(r))
         m = self.timeline.rank == r
@@ -200,12 +202,14 @@ class SimResult:
 
     def aiv_split_ns(self, rank: int | None = None) -> tuple[float, float]:
         """``(all_to_all_ns, other_ns)`` of :meth:`aiv_sum_ns`, summed over the rank's AIVs:
-        all-to-all is the work of moving and ordering data (init, send, count, cumsum and
-        the reordering work without its waits), other = the AIV sum - all-to-all (barriers,
-        flags, verification and every wait for data, other cores or other ranks)."""
+        all-to-all is the work of moving and ordering data (init, send, count, cumsum, routing
+        and the reordering work without its waits), other = the AIV sum - all-to-all
+        (barriers, flags, verification, the global checksum and every wait for data, other
+        cores or other ranks)."""
         r = self.slowest_rank if rank is None else rank
         tl = self.timeline
-        work = sum(tl.busy_ns(rank=r, task=t) for t in ("init", "send", "count", "cumsum"))
+        work = sum(tl.busy_ns(rank=r, task=t)
+                   for t in ("init", "send", "count", "cumsum", "route"))
         work += float(self.consume_work_ns[r])
         total = self.aiv_sum_ns(r)
         return work, total - work

@@ -108,7 +108,7 @@ def replicas(family: str = "cm384", fabric: FabricModel | None = None) -> Experi
          "no replicas (5 slots): the same slot count as with replicas, so the count phase "
          "costs the same; CANN EP has no interval (calibrated)", INTERVAL_NOTE),
         {"rows": data, "hot_experts": [int(h) for h in hot], "provenance": provenance(
-            family, (f"hot_share {fab.hot_share:.3g} (fitted; range 0.25-0.75)",))},
+            family, (f"hot_share {fab.hot_share:.3g} (fitted; range 0.1-0.75)",))},
     )
 
 

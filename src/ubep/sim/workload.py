@@ -23,6 +23,8 @@ from ..sched.plan import Plan
 from ..topology import Topology
 from .api import make_plans, simulate
 from .fabric import FabricModel
+from .preprocess import with_preprocess
+from .syncs import SP, SW
 from .timeline import SimResult
 
 __all__ = [
@@ -163,10 +165,10 @@ class System:
         return replace(self, **changes)  # type: ignore[arg-type]
 
 
-CANN_EP = System("CANN EP", "bsp", "expert_contiguous", "sw", num_send_cores="all",
+CANN_EP = System("CANN EP", "bsp", "expert_contiguous", SW, num_send_cores="all",
                  num_count_cores="all")
-UBEP = System("UBEP", "asp", "hierarchical", "sp")
-UBEP_NO_MAPPING = System("UBEP w/o mapping", "asp", "balanced", "sp")
+UBEP = System("UBEP", "asp", "hierarchical", SP)
+UBEP_NO_MAPPING = System("UBEP w/o mapping", "asp", "balanced", SP)
 
 
 def routing_for(workload: Workload, num_ranks: int) -> tuple[np.ndarray, ...]:
@@ -318,11 +320,24 @@ def run_case(
     op: str = "dispatch",
     mode: str = "analytic",
 ) -> SimResult:
-    """Simulate one dispatch (or combine) call of ``workload`` under ``system``."""
+    """Simulate one dispatch (or combine) call of ``workload`` under ``system``; an ASP
+    dispatch with routing and checksum cores (:func:`aux_cores`) times their work too
+    (:func:`ubep.sim.preprocess.with_preprocess`)."""
     plans = plans_for(workload, system, topology, fabric)
     row_bytes = workload.row_bytes
+    dispatch = plans
     if op == "combine":
         plans = combine_plans(plans, topology, policy=system.policy)
         row_bytes = workload.hidden * workload.combine_itemsize
-    return simulate(plans, topology, fabric, engine=system.engine, sync=system.sync,
-                    row_bytes=row_bytes, op=op, mode=mode)
+    res = simulate(plans, topology, fabric, engine=system.engine, sync=system.sync,
+                   row_bytes=row_bytes, op=op, mode=mode)
+    if op == "dispatch" and system.engine == "asp" and system.num_send_cores is None \
+            and system.num_count_cores is None:
+        aux = aux_cores(topology.num_ranks, fabric, topology.cores_per_rank)
+        first = dispatch[0].num_send_cores + dispatch[0].num_count_cores
+        aux = min(aux, topology.cores_per_rank - first)
+        res = with_preprocess(res, fabric, aux_cores=aux, first_core=first,
+                              num_local_experts=workload.num_experts(topology.num_ranks)
+                              // topology.num_ranks,
+                              picks=workload.tokens_per_rank * workload.num_topk)
+    return res

@@ -1,6 +1,7 @@
 """PyTorch integration: dispatch/combine on tensors with autograd, a MoE layer, HF experts.
 
-``import ubep.torch`` needs torch (the ``ubep[torch]`` extra); ``import ubep`` does not.
+``import ubep.torch`` needs torch (the ``torch`` extra: ``pip install -e '.[torch]'``);
+``import ubep`` does not.
 
 * :func:`dispatch` / :func:`combine`: torch tensors in and out without copies (BF16 travels as
   its uint16 bits), differentiable (the backward of dispatch is a combine, the backward of

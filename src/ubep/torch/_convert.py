@@ -9,12 +9,17 @@ no element is converted or copied on either side. Only non-contiguous tensors ar
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["PAYLOAD_DTYPES", "from_numpy", "to_numpy"]
+__all__ = [
+    "PAYLOAD_DTYPES", "dispatch_result_to_torch", "from_numpy", "from_numpy_as",
+    "quant_values_dtype", "to_numpy",
+]
 
 #: torch dtypes ubep moves, and the numpy storage dtype each travels in.
 PAYLOAD_DTYPES: dict[torch.dtype, np.dtype] = {
@@ -69,3 +74,33 @@ def from_numpy(a: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
     if dtype is not None and t.dtype != dtype:
         raise InvalidArgumentError("a", arr.dtype, f"does not store {dtype}")
     return t
+
+
+def from_numpy_as(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of ``dtype`` over ``a``'s memory (``a`` holds its storage: ``uint16`` bits for
+    BF16, ``uint8`` bytes for an FP8 type); no copy."""
+    t = from_numpy(a)
+    if t.dtype == dtype:
+        return t
+    if t.element_size() != torch.empty((), dtype=dtype).element_size():
+        raise InvalidArgumentError("a", a.dtype, f"does not store {dtype}")
+    return t.view(dtype)
+
+
+def quant_values_dtype(quant: str) -> torch.dtype:
+    """The torch dtype of a quantised dispatch's ``recv_x`` values (``BufferConfig.quant``)."""
+    return {"e4m3": torch.float8_e4m3fn, "int8": torch.int8}[quant]
+
+
+def dispatch_result_to_torch(res: Any, values: torch.dtype) -> Any:
+    """A ``DispatchResult`` with every array field a tensor over the same memory, ``recv_x``
+    of ``values``; the handle stays as it is (it is the Buffer's, read by combine)."""
+    import dataclasses
+
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(res):
+        v = getattr(res, f.name)
+        if isinstance(v, np.ndarray):
+            v = from_numpy_as(v, values) if f.name == "recv_x" else from_numpy(v)
+        fields[f.name] = v
+    return type(res)(**fields)

@@ -36,7 +36,6 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import fields
 from typing import Any, TypeVar
 
 import numpy as np
@@ -49,6 +48,7 @@ from ..routing import get_dispatch_layout as _layout
 from ..torch_bridge import as_process_group, is_torch_group
 from ._convert import from_numpy, to_numpy
 from .backend import EPBackend, LocalBackend, issue_dispatch
+from .deep_ep_checks import check_dispatch_x, check_ubep_options, deepep_names, own_backend
 from .deep_ep_internode import InternodeCalls, hosts_of
 from .deep_ep_lowlatency import LowLatencyCalls
 from .deep_ep_m2n import M2NCalls, check_facade_expert_ranks
@@ -128,7 +128,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         expert_ranks: Any = None,
         **ubep_options: Any,
     ) -> None:
-        _check_ubep_options(ubep_options)
+        check_ubep_options(ubep_options, _SHAPE_FIELDS)
         for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InvalidArgumentError(name, value, "must be an int >= 0 (bytes)")
@@ -547,6 +547,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         """Check one rank's normal-mode arguments and build the routing its rows follow."""
         if not isinstance(x, torch.Tensor) or x.dim() != 2:
             raise InvalidArgumentError("x", getattr(x, "shape", x), "must be [tokens, hidden]")
+        check_dispatch_x(x, self.max_tokens_per_rank)
         if isinstance(num_worst_tokens, bool) or not isinstance(num_worst_tokens, int) or (
             num_worst_tokens < 0
         ):
@@ -709,8 +710,9 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         n = handle.num_recv_rows
         if x.shape[0] not in (n, handle.recv_src_idx.shape[0]):
             raise InvalidArgumentError("x", tuple(x.shape), f"needs {n} rows")
-        backend = handle.backend
-        y = from_numpy(backend.combine(to_numpy(x[:n]), handle.inner), x.dtype)
+        backend = own_backend(handle, self._ep, self._backends.values())
+        with deepep_names():
+            y = from_numpy(backend.combine(to_numpy(x[:n]), handle.inner), x.dtype)
         combined_w = None
         if topk_weights is not None:
             combined_w = self._combine_small(backend, topk_weights[:n], handle)
@@ -747,25 +749,6 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         return torch.from_numpy(acc)
 
 # --------------------------------------------------------------------------- helpers
-def _check_ubep_options(options: dict[str, Any]) -> None:
-    """Every extra keyword must be a ``ubep.BufferConfig`` option with a valid value, so a typo
-    fails at construction, not at the first call."""
-    from ..config import BufferConfig
-
-    allowed = {f.name for f in fields(BufferConfig)} - set(_SHAPE_FIELDS) - {"expert_ranks"}
-    for name, value in options.items():
-        if name not in allowed:
-            raise InvalidArgumentError(
-                name, value,
-                f"is neither a DeepEP Buffer argument nor a ubep.BufferConfig option "
-                f"({', '.join(sorted(allowed))})",
-            )
-    # The shape here is a placeholder; the options' own checks are what runs.
-    BufferConfig(
-        max_tokens_per_rank=1, hidden=1, num_topk=1, num_experts=1, dtype="bf16", **options
-    )
-
-
 def _ep_group(group: Any, comm: Any) -> Any:
     """The ubep group behind DeepEP's ``group`` (or ``comm``)."""
     if group is None and comm is None:

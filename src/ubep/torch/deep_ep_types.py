@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from ..errors import InvalidArgumentError
 from .backend import EPBackend
 
 __all__ = [
@@ -35,22 +36,47 @@ class EventHandle:
 
 class EventOverlap:
     """DeepEP's event wrapper: ``current_stream_wait()`` (and leaving ``with``) completes the
-    call the event belongs to."""
+    call the event belongs to, then runs the hook registered after the wait (DeepEP V2's
+    epilogue) and returns what it returned (V2's ``defer_epilogue`` results; None otherwise)."""
 
     def __init__(self, event: EventHandle | None = None, extra_tensors: Any = None) -> None:
         self.event = event
         self.extra_tensors = extra_tensors
+        self.hook_after_wait: Callable[[], Any] | None = None
+        self._release_handle_by_call = False
 
-    def current_stream_wait(self) -> None:
+    def current_stream_wait(self, release_handle: bool = False) -> Any:
         if self.event is not None:
             self.event.current_stream_wait()
+        result = None
+        hook, self.hook_after_wait = self.hook_after_wait, None  # consumed even if it raises
+        if hook is not None:
+            result = hook()
+        if release_handle:
+            self.event = None
+        return result
+
+    def wait(self) -> Any:
+        """DeepEP V2's alias of :meth:`current_stream_wait`: the epilogue's result."""
+        return self.current_stream_wait()
+
+    def register_hook_after_wait(self, hook_after_wait: Callable[[], Any]) -> None:
+        """Run ``hook_after_wait`` after the next wait (one hook at a time, as DeepEP)."""
+        if self.hook_after_wait is not None:
+            raise InvalidArgumentError("hook_after_wait", "given",
+                                       "a hook is already registered on this EventOverlap")
+        self.hook_after_wait = hook_after_wait
+
+    def __call__(self, release_handle: bool = False) -> EventOverlap:
+        self._release_handle_by_call = release_handle
+        return self
 
     def __enter__(self) -> EventOverlap:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.event is not None:
-            self.event.current_stream_wait()
+        self.current_stream_wait(self._release_handle_by_call)
+        self._release_handle_by_call = False
 
 
 def _event(async_finish: bool, wait: Callable[[], None] | None = None) -> EventOverlap:

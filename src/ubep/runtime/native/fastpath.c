@@ -255,11 +255,19 @@ static PyObject *new_y(engine_t *g, fast_t *f, npy_intp ntok) {
 }
 
 /* an instance of a frozen dataclass with `fields` as its __dict__ (steals fields), without
- * __init__: what ubep.buffer._new_frozen does */
+ * __init__: what ubep.buffer.regions.new_frozen does. The dict goes in through the type's own
+ * `__dict__` descriptor (object.__setattr__(obj, "__dict__", fields)), not
+ * PyObject_GenericSetDict: from 3.13 an instance keeps its attributes inline, and only the
+ * descriptor retires the inline values so that lookups read the new dict. */
 static PyObject *frozen(PyObject *type, PyObject *fields) {
+    static PyObject *dict_name;
+    if (!dict_name && !(dict_name = PyUnicode_InternFromString("__dict__"))) {
+        Py_DECREF(fields);
+        return NULL;
+    }
     PyTypeObject *t = (PyTypeObject *)type;
     PyObject *obj = t->tp_alloc(t, 0);
-    if (obj && PyObject_GenericSetDict(obj, fields, NULL) < 0) Py_CLEAR(obj);
+    if (obj && PyObject_GenericSetAttr(obj, dict_name, fields) < 0) Py_CLEAR(obj);
     Py_DECREF(fields);
     return obj;
 }
@@ -541,6 +549,20 @@ PyObject *engine_dispatch_fast(engine_t *g, PyObject *args) {
     return res;
 }
 
+/* whether `rows` expert outputs at `at` lie in a receive region that a dispatch after
+ * dispatch `index` has filled again (of `num_dispatches` so far): Buffer._check_not_overwritten */
+static int overwritten(engine_t *g, const void *at, npy_intp rows, long long index,
+                       long long num_dispatches) {
+    const uintptr_t lo = (uintptr_t)at, hi = lo + (uintptr_t)rows * (uintptr_t)g->crow_bytes;
+    for (int r = 0; r < g->nreg && r < num_dispatches; r++) {
+        const uintptr_t base = (uintptr_t)outreg(g, g->rank, r);
+        if (rows == 0 || hi <= base || lo >= base + (uintptr_t)g->out_bytes) continue;
+        const long long last = num_dispatches - 1 - (num_dispatches - 1 - r) % g->nreg;
+        if (last > index) return 1;
+    }
+    return 0;
+}
+
 /* the handle's field `key` (a borrowed reference), or NULL if absent */
 static PyObject *field(PyObject *d, PyObject *key) { return PyDict_GetItemWithError(d, key); }
 
@@ -589,8 +611,9 @@ PyObject *engine_combine_fast(engine_t *g, PyObject *args) {
     if (PyErr_Occurred() || index < 0 || index >= num_dispatches || ntok < 0 || ntok > g->T ||
         rows > g->cap_rows || !exact(idx, NPY_INT64, ntok, g->K) ||
         !exact(w, NPY_FLOAT32, ntok, g->K) || !exact(dr, NPY_INT64, ntok, w_dst) ||
-        !exact(eo, f->c_descr->type_num, rows, g->hidden))
-        goto not_mine;
+        !exact(eo, f->c_descr->type_num, rows, g->hidden) ||
+        overwritten(g, PyArray_DATA((PyArrayObject *)eo), rows, index, num_dispatches))
+        goto not_mine; /* a stale recv_x view: the general path names the dispatch that wrote */
     PyObject *y = new_y(g, f, (npy_intp)ntok);
     if (!y) { /* as dispatch's outputs: the general path's allocation is a clean reject */
         PyErr_Clear();

@@ -1,0 +1,161 @@
+"""DeepEP V2's receive layouts and combine order, from one rank-layout dispatch (numpy, no I/O).
+
+``ubep.torch.deep_ep_v2`` moves every row once through a ubep ``layout="rank"`` dispatch (one
+row per (token, destination rank)); this module turns what a rank received into V2's outputs
+and metadata, and defines the reduction the combine runs at each token's source.
+
+Receive order: rows sorted by ``src_token_global_idx = src_rank * num_max_tokens_per_rank +
+src_token`` (source rank, then token), which is the order DeepEP's ``deterministic=True``
+produces; ubep always produces it.
+
+Expanded layout (``do_expand``): local expert ``e`` owns rows ``[start[e], start[e] +
+count[e])`` with ``start[e] = sum(align(count[j], expert_alignment) for j < e)``; inside a block
+rows follow the receive order (then the top-k slot); the gaps up to the next aligned start are
+zero rows.
+
+Combine order (bit-exact, DeepEP's reference ``combine``): at the source, token ``t``'s result
+is ``acc = float(bias_0) + float(bias_1)`` (or ``+0.0`` without bias), then for ``k = 0 ..
+num_topk - 1`` in order ``acc += c[t, k]`` in FP32, then one cast to BF16. ``c[t, k]`` is the
+row the rank owning ``topk_idx[t, k]`` sent back when ``k`` is that rank's last slot of the
+token, else 0 (a masked slot is 0). Without ``allow_multiple_reduction`` an expanded combine
+sends one row per (token, slot) and ``c[t, k]`` is that row. A rank's row of an expanded combine
+with ``allow_multiple_reduction`` is ``+0.0`` plus its expanded rows in slot order, in FP32, cast
+once to BF16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = [
+    "Received", "SourceRoute", "align", "expanded_slots", "received", "reduce_at_source",
+    "reduce_local", "source_route", "worst_case_rows",
+]
+
+
+def align(value: int, alignment: int) -> int:
+    return -(-int(value) // int(alignment)) * int(alignment)
+
+
+def worst_case_rows(num_ranks: int, num_max_tokens_per_rank: int, num_topk: int,
+                    num_local_experts: int, expert_alignment: int) -> tuple[int, int]:
+    """Rows of the outputs without a CPU sync, as DeepEP allocates them: ``(compact,
+    expanded)``."""
+    compact = num_ranks * num_max_tokens_per_rank
+    expanded = compact * min(num_topk, num_local_experts)
+    expanded += (expert_alignment - 1) * num_local_experts
+    return compact, align(expanded, expert_alignment)
+
+
+@dataclass(frozen=True)
+class Received:
+    """One rank's received rows (in the receive order) and what V2 derives from them.
+
+    Attributes:
+        order: permutation of the engine's rows into the receive order.
+        src_rank, src_token: ``[n]`` int64 origin of each row.
+        local_idx: ``[n, num_topk]`` int64 local expert id of each slot, -1 elsewhere.
+        counts: ``[num_local_experts]`` int64 (row, slot) pairs per local expert.
+        aligned: ``counts`` rounded up to ``expert_alignment``.
+        start: ``[num_local_experts]`` first expanded row of each expert.
+        slots: ``[n, num_topk]`` int64 expanded row of each local slot, -1 elsewhere.
+        rows_per_rank: ``[num_ranks]`` int64 rows from each source rank.
+    """
+
+    order: np.ndarray
+    src_rank: np.ndarray
+    src_token: np.ndarray
+    local_idx: np.ndarray
+    counts: np.ndarray
+    aligned: np.ndarray
+    start: np.ndarray
+    slots: np.ndarray
+    rows_per_rank: np.ndarray
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.src_rank.shape[0])
+
+
+def received(src_rank: np.ndarray, src_token: np.ndarray, local_idx: np.ndarray,
+             num_ranks: int, num_local_experts: int, num_topk: int,
+             expert_alignment: int) -> Received:
+    """Sort a rank-layout dispatch's rows into the receive order and count them."""
+    order = np.lexsort((np.asarray(src_token), np.asarray(src_rank)))
+    rank = np.asarray(src_rank, dtype=np.int64)[order]
+    token = np.asarray(src_token, dtype=np.int64)[order]
+    idx = np.asarray(local_idx, dtype=np.int64)[order].reshape(len(order), num_topk)
+    counts = np.array([(idx == e).sum() for e in range(num_local_experts)], dtype=np.int64)
+    aligned = -(-counts // expert_alignment) * expert_alignment
+    start = np.concatenate([[0], np.cumsum(aligned)[:-1]]).astype(np.int64)
+    return Received(order, rank, token, idx, counts, aligned, start,
+                    expanded_slots(idx, start), np.bincount(rank, minlength=num_ranks))
+
+
+def expanded_slots(local_idx: np.ndarray, start: np.ndarray) -> np.ndarray:
+    """``[n, num_topk]``: the expanded row of each local (row, slot), -1 elsewhere; inside an
+    expert's block in row order, then slot order."""
+    slots = np.full(local_idx.shape, -1, dtype=np.int64)
+    for e, first in enumerate(start.tolist()):
+        rows, ks = np.nonzero(local_idx == e)  # row-major: rows ascending, then slots
+        slots[rows, ks] = first + np.arange(rows.size)
+    return slots
+
+
+@dataclass(frozen=True)
+class SourceRoute:
+    """How a source rank's tokens went out, by destination rank.
+
+    Attributes:
+        owner: ``[num_tokens, num_topk]`` int64 rank owning each slot's expert, -1 if masked.
+        last: ``[num_tokens, num_topk]`` bool, the slot is its rank's last slot of the token.
+        tokens_to: per destination rank, the tokens sent there, ascending.
+    """
+
+    owner: np.ndarray
+    last: np.ndarray
+    tokens_to: list[np.ndarray]
+
+
+def source_route(topk_idx: np.ndarray, num_experts: int, num_ranks: int) -> SourceRoute:
+    per_rank = num_experts // num_ranks
+    owner = np.where(topk_idx >= 0, topk_idx // per_rank, -1).astype(np.int64)
+    last = np.zeros(owner.shape, dtype=bool)
+    num_topk = owner.shape[1]
+    for k in range(num_topk):
+        later = owner[:, k + 1:]
+        last[:, k] = (owner[:, k] >= 0) & ~(later == owner[:, k : k + 1]).any(axis=1)
+    tokens_to = [np.nonzero((owner == r).any(axis=1))[0] for r in range(num_ranks)]
+    return SourceRoute(owner, last, tokens_to)
+
+
+def reduce_local(x: torch.Tensor, slots: np.ndarray) -> torch.Tensor:
+    """An expanded combine's per-rank reduction: for each received row, ``+0.0`` plus its
+    expanded rows in slot order in FP32, cast once to ``x.dtype`` (``[n, hidden]``). A slot
+    that is not local adds +0.0, which leaves the sum as it is (it is never -0.0)."""
+    n, num_topk = slots.shape
+    padded = torch.cat([x, torch.zeros((1, x.shape[1]), dtype=x.dtype)])  # row len(x): zeros
+    pick = torch.from_numpy(np.where(slots >= 0, slots, x.shape[0]).T.copy())  # [num_topk, n]
+    terms = padded[pick].float()
+    acc = torch.zeros((n, x.shape[1]), dtype=torch.float32)
+    for k in range(num_topk):
+        acc.add_(terms[k])
+    return acc.to(x.dtype)
+
+
+def reduce_at_source(contrib: torch.Tensor, bias: tuple[torch.Tensor, ...],
+                     dtype: torch.dtype) -> torch.Tensor:
+    """The combine's final reduction: ``contrib [num_topk, num_tokens, hidden]`` (zeros where a
+    slot contributes nothing) summed over slots in order onto the FP32 bias sum, cast once."""
+    acc = torch.zeros((contrib.shape[1], contrib.shape[2]), dtype=torch.float32)
+    if bias:
+        acc = bias[0].to(torch.float32, copy=True)
+        for b in bias[1:]:
+            acc = acc + b.float()
+    terms = contrib.float()
+    for k in range(contrib.shape[0]):
+        acc.add_(terms[k])  # one FP32 add per slot, in slot order
+    return acc.to(dtype)

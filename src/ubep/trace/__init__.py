@@ -1,0 +1,14 @@
+"""Per-core task timelines in one schema for the runtime and the simulator, exported to the
+Chrome trace event format (Perfetto, ``chrome://tracing``) and drawn as per-core bars.
+
+* :mod:`ubep.trace.spans`: the schema (:class:`Span`, :class:`Trace`) and the simulator's
+  producer (:func:`from_sim`);
+* :mod:`ubep.trace.chrome`: export, load and merge of trace event JSON;
+* :mod:`ubep.trace.plot`: Figure 8/9-style per-core bars from any trace;
+* ``ubep trace plot|merge`` (:mod:`ubep.trace.cli`).
+"""
+
+from .chrome import load, merge, to_chrome, write
+from .spans import TASK_KINDS, Span, Trace, from_sim
+
+__all__ = ["TASK_KINDS", "Span", "Trace", "from_sim", "load", "merge", "to_chrome", "write"]

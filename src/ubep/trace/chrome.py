@@ -1,0 +1,152 @@
+"""Traces in the Chrome trace event format (JSON; Perfetto and ``chrome://tracing`` open it).
+
+One process per (trace, rank), one thread per core and a thread ``calls`` for the calls that
+enclose the tasks; every task a complete event (``ph: "X"``, microseconds) carrying the span's
+fields in ``args``; a flow (``ph: "s"`` -> ``"f"``) from each send to the ``wait`` or
+``reorder`` span on the peer that consumed the same unit, where the trace has one. A written
+file loads back into :class:`~ubep.trace.spans.Trace` objects, and files of several ranks merge
+into one.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..errors import InvalidArgumentError
+from .spans import CallSpan, Span, Trace
+
+__all__ = ["load", "merge", "to_chrome", "write"]
+
+_PIDS_PER_TRACE = 100_000  # pid = trace index * this + rank: ranks of two traces never collide
+_CALLS_TID = 0  # the thread of the call spans; core c is thread c + 1
+_RECEIVERS = ("wait", "reorder")
+
+
+def to_chrome(traces: Sequence[Trace]) -> dict[str, Any]:
+    """The trace event JSON object (``{"traceEvents": [...], "displayTimeUnit": "ns"}``)."""
+    events: list[dict[str, Any]] = []
+    for index, trace in enumerate(traces):
+        base = index * _PIDS_PER_TRACE
+        events += _metadata(trace, base)
+        events += [_call_event(trace, c, base) for c in trace.calls]
+        events += [_task_event(trace, s, base) for s in trace.spans]
+        events += _flows(trace, base, flow_base=index * 10_000_000)
+    return {"traceEvents": events, "displayTimeUnit": "ns"}
+
+
+def write(traces: Sequence[Trace], path: str | Path) -> Path:
+    """Write ``traces`` as one trace event file; returns its path."""
+    out = Path(path)
+    out.write_text(json.dumps(to_chrome(traces)))
+    return out
+
+
+def load(path: str | Path) -> list[Trace]:
+    """The traces a file written by :func:`write` (or :func:`merge`) holds, one per label."""
+    data = json.loads(Path(path).read_text())
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    spans: dict[tuple[str, str], list[Span]] = {}
+    calls: dict[tuple[str, str], list[CallSpan]] = {}
+    for e in events:
+        args = e.get("args", {})
+        if e.get("ph") != "X" or "ubep_label" not in args:
+            continue
+        key = (args["ubep_source"], args["ubep_label"])
+        start, end = args["start_ns"], args["end_ns"]
+        if e.get("cat") == "call":
+            calls.setdefault(key, []).append(CallSpan(args["rank"], e["name"], start, end))
+        else:
+            spans.setdefault(key, []).append(Span(
+                args["rank"], args["core"], e["name"], start, end, args["unit"], args["peer"],
+                args["rows"], args["size_bytes"]))
+    keys = sorted(set(spans) | set(calls))
+    return [Trace(src, label, tuple(spans.get((src, label), ())),
+                  tuple(calls.get((src, label), ()))) for src, label in keys]
+
+
+def merge(paths: Sequence[str | Path], out: str | Path) -> Path:
+    """One trace event file from several (the ranks' own files, or runs to put side by side):
+    the events concatenated; processes that would share a pid get distinct ones."""
+    if not paths:
+        raise InvalidArgumentError("paths", [], "needs at least one trace file")
+    events: list[dict[str, Any]] = []
+    taken: set[int] = set()
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        mine = data["traceEvents"] if isinstance(data, dict) else data
+        pids = {e["pid"] for e in mine if "pid" in e}
+        shift = 0
+        while {p + shift for p in pids} & taken:
+            shift += _PIDS_PER_TRACE
+        for e in mine:
+            events.append(e | {"pid": e["pid"] + shift} if "pid" in e else e)
+        taken |= {p + shift for p in pids}
+    target = Path(out)
+    target.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ns"}))
+    return target
+
+
+def _metadata(trace: Trace, base: int) -> list[dict[str, Any]]:
+    events = []
+    cores = sorted({(s.rank, s.core) for s in trace.spans})
+    for rank in trace.ranks():
+        pid = base + rank
+        events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": _CALLS_TID,
+                       "args": {"name": f"{trace.label} ({trace.source}) rank {rank}"}})
+        events.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": _CALLS_TID,
+                       "args": {"sort_index": pid}})
+        events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": _CALLS_TID,
+                       "args": {"name": "calls"}})
+    for rank, core in cores:
+        events.append({"name": "thread_name", "ph": "M", "pid": base + rank, "tid": core + 1,
+                       "args": {"name": f"core {core}"}})
+    return events
+
+
+def _us(ns: float) -> float:
+    return ns / 1e3
+
+
+def _common_args(trace: Trace) -> dict[str, Any]:
+    return {"ubep_source": trace.source, "ubep_label": trace.label}
+
+
+def _call_event(trace: Trace, c: CallSpan, base: int) -> dict[str, Any]:
+    return {"name": c.name, "cat": "call", "ph": "X", "ts": _us(c.start_ns),
+            "dur": _us(c.end_ns - c.start_ns), "pid": base + c.rank, "tid": _CALLS_TID,
+            "args": _common_args(trace) | {"rank": c.rank, "start_ns": c.start_ns,
+                                           "end_ns": c.end_ns}}
+
+
+def _task_event(trace: Trace, s: Span, base: int) -> dict[str, Any]:
+    return {"name": s.task, "cat": trace.source, "ph": "X", "ts": _us(s.start_ns),
+            "dur": _us(s.duration_ns), "pid": base + s.rank, "tid": s.core + 1,
+            "args": _common_args(trace) | {
+                "rank": s.rank, "core": s.core, "unit": s.unit, "peer": s.peer, "rows": s.rows,
+                "size_bytes": s.size_bytes, "start_ns": s.start_ns, "end_ns": s.end_ns}}
+
+
+def _flows(trace: Trace, base: int, flow_base: int) -> list[dict[str, Any]]:
+    """A flow from each send of ``unit`` to ``peer`` into the first receiving span on ``peer``
+    that names the same unit and this rank as its peer."""
+    receivers: dict[tuple[int, int, int], Span] = {}
+    for s in trace.spans:
+        if s.task in _RECEIVERS and s.unit >= 0 and s.peer >= 0:
+            receivers.setdefault((s.rank, s.peer, s.unit), s)
+    events: list[dict[str, Any]] = []
+    for n, s in enumerate(trace.spans):
+        if s.task != "send" or s.unit < 0 or s.peer < 0:
+            continue
+        recv = receivers.get((s.peer, s.rank, s.unit))
+        if recv is None:
+            continue
+        fid = flow_base + n
+        events.append({"name": "rows", "cat": "flow", "ph": "s", "id": fid, "pid": base + s.rank,
+                       "tid": s.core + 1, "ts": _us((s.start_ns + s.end_ns) / 2)})
+        events.append({"name": "rows", "cat": "flow", "ph": "f", "bp": "e", "id": fid,
+                       "pid": base + recv.rank, "tid": recv.core + 1,
+                       "ts": _us(max(recv.start_ns, s.start_ns))})
+    return events

@@ -1,0 +1,58 @@
+"""Per-core bars of one or more traces side by side (the paper's Figures 8 and 9 as pictures):
+a row per (rank, core), a bar per task coloured by kind, time in microseconds. Measured beside
+predicted, or ASP beside BSP, share one time axis so the eye compares lengths."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..errors import InvalidArgumentError
+from .spans import TASK_KINDS, Trace
+
+__all__ = ["plot_traces"]
+
+_COLOURS = dict(zip(TASK_KINDS, (
+    "#bbbbbb", "#4477aa", "#66ccee", "#aa3377", "#228833", "#ccbb44", "#ee6677", "#000000",
+    "#ee7733", "#0077bb", "#999933", "#882255"), strict=True))
+
+
+def plot_traces(traces: Sequence[Trace], out: str | Path, *, ranks: Sequence[int] | None = None,
+                max_cores: int = 64, title: str | None = None) -> Path:
+    """Draw ``traces`` (one panel each) to ``out`` (PNG); ``ranks``: the ranks to show (default:
+    every rank, up to ``max_cores`` rows a panel, first ranks first)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not traces:
+        raise InvalidArgumentError("traces", [], "needs at least one trace")
+    fig, axes = plt.subplots(1, len(traces), figsize=(6.5 * len(traces), 4.8), squeeze=False,
+                             sharex=True)
+    used: set[str] = set()
+    for ax, trace in zip(axes[0], traces, strict=True):
+        rows = [key for key in trace.by_core() if ranks is None or key[0] in ranks][:max_cores]
+        spans = trace.by_core()
+        origin = min((s.start_ns for key in rows for s in spans[key]), default=0.0)
+        for y, key in enumerate(rows):
+            for s in spans[key]:
+                ax.barh(y, (s.end_ns - s.start_ns) / 1e3, left=(s.start_ns - origin) / 1e3,
+                        height=0.8, color=_COLOURS[s.task], linewidth=0)
+                used.add(s.task)
+        ax.set_yticks(range(len(rows)), [f"r{r} c{c}" for r, c in rows],
+                      fontsize=max(4, 9 - len(rows) // 12))
+        ax.invert_yaxis()
+        ax.set_xlabel("time since the first task (us)")
+        ax.set_title(f"{trace.label} ({'measured' if trace.source == 'runtime' else 'predicted'})",
+                     fontsize=10)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=_COLOURS[t]) for t in TASK_KINDS if t in used]
+    fig.legend(handles, [t for t in TASK_KINDS if t in used], loc="lower center",
+               ncol=min(len(handles), 8), fontsize=8, frameon=False)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    target = Path(out)
+    fig.savefig(target, dpi=130)
+    plt.close(fig)
+    return target

@@ -1,0 +1,111 @@
+"""The timeline schema and its Chrome trace event export: the simulator's spans of a small case
+land in the schema one for one; every exported event carries the format's required fields;
+files load back to the same spans and merge without pid collisions; flows join a send to the
+wait that consumed its unit."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.sim.test_sim_model import ROW, fabric, plan, two_ranks
+from ubep.errors import InvalidArgumentError
+from ubep.sim import simulate
+from ubep.trace import Span, Trace, from_sim, load, merge, to_chrome, write
+from ubep.trace.spans import CallSpan
+
+
+def _sim_trace(engine: str) -> Trace:
+    f, topo = fabric(barrier_ns=500.0), two_ranks(cores=4)
+    plans = [plan(r, [(0, 0, 1 - r, 0), (1, 0, 1 - r, 1)], n_send=2, n_count=1, topo=topo)
+             for r in (0, 1)]
+    res = simulate(plans, topo, f, engine=engine, sync="sw", row_bytes=ROW)
+    return from_sim(res, f"{engine} sw dispatch")
+
+
+@pytest.mark.parametrize("engine", ["asp", "bsp"])
+def test_sim_spans_map_one_for_one_never_overlap_on_a_core_and_nest_in_their_call(
+        engine: str) -> None:
+    f, topo = fabric(barrier_ns=500.0), two_ranks(cores=4)
+    plans = [plan(r, [(0, 0, 1 - r, 0), (1, 0, 1 - r, 1)], n_send=2, n_count=1, topo=topo)
+             for r in (0, 1)]
+    res = simulate(plans, topo, f, engine=engine, sync="sw", row_bytes=ROW)
+    trace = from_sim(res, "case")
+    assert len(trace.spans) == len(res.timeline)
+    assert sum(s.task == "send" for s in trace.spans) == int(
+        (res.timeline.task == 1).sum())  # ubep.sim.timeline.TASKS[1] == "send"
+    ends = {c.rank: c.end_ns for c in trace.calls}
+    for (rank, _), spans in trace.by_core().items():
+        for a, b in itertools.pairwise(spans):
+            assert a.end_ns <= b.start_ns + 1e-9, (a, b)
+        assert all(s.start_ns >= 0.0 and s.end_ns <= ends[rank] + 1e-9 for s in spans)
+
+
+def test_every_event_has_the_trace_event_formats_required_fields(tmp_path: Path) -> None:
+    data = to_chrome([_sim_trace("asp"), _sim_trace("bsp")])
+    json.dumps(data)  # serialisable as it is
+    events = data["traceEvents"]
+    assert events
+    for e in events:
+        assert {"name", "ph", "pid", "tid"} <= set(e), e
+        if e["ph"] != "M":
+            assert isinstance(e["ts"], float | int)
+        if e["ph"] == "X":
+            assert e["dur"] >= 0
+    # one process per (trace, rank): the two traces' rank 0 are different processes
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert len(names) == 4 and len(set(names.values())) == 4
+
+
+def test_a_written_file_loads_back_to_the_same_spans_and_calls(tmp_path: Path) -> None:
+    traces = [_sim_trace("asp"), _sim_trace("bsp")]
+    back = {t.label: t for t in load(write(traces, tmp_path / "t.json"))}
+    assert back.keys() == {t.label for t in traces}
+    for t in traces:
+        assert back[t.label].source == t.source == "sim"
+        assert sorted(back[t.label].spans, key=_key) == sorted(t.spans, key=_key)
+        assert set(back[t.label].calls) == set(t.calls)
+
+
+def _key(s: Span) -> tuple[int, int, float, str]:
+    return (s.rank, s.core, s.start_ns, s.task)
+
+
+def test_rank_files_merge_into_one_and_colliding_runs_get_their_own_pids(
+        tmp_path: Path) -> None:
+    run = _sim_trace("asp")
+    per_rank = [Trace(run.source, run.label, tuple(s for s in run.spans if s.rank == r),
+                      tuple(c for c in run.calls if c.rank == r)) for r in (0, 1)]
+    files = [write([t], tmp_path / f"rank{r}.json") for r, t in enumerate(per_rank)]
+    merged = load(merge(files, tmp_path / "all.json"))
+    assert len(merged) == 1 and sorted(merged[0].spans, key=_key) == sorted(run.spans, key=_key)
+    # the same run twice: its ranks' pids collide, and the second copy moves
+    twice = json.loads(merge([files[0], files[0]], tmp_path / "twice.json").read_text())
+    pids = [e["pid"] for e in twice["traceEvents"] if e["name"] == "process_name"]
+    assert len(pids) == 2 and len(set(pids)) == 2
+
+
+def test_a_flow_joins_each_send_to_the_wait_that_consumed_its_unit() -> None:
+    spans = (
+        Span(0, 0, "send", 0.0, 100.0, unit=3, peer=1, rows=2, size_bytes=512),
+        Span(0, 1, "send", 0.0, 80.0, unit=4, peer=1, rows=1, size_bytes=256),
+        Span(1, 0, "wait", 50.0, 150.0, unit=3, peer=0),
+        Span(1, 0, "reorder", 150.0, 170.0, unit=4, peer=0, rows=1),
+    )
+    events = to_chrome([Trace("runtime", "t", spans, (CallSpan(0, "dispatch", 0, 200),))])
+    flows = [e for e in events["traceEvents"] if e.get("cat") == "flow"]
+    starts = {e["id"]: e for e in flows if e["ph"] == "s"}
+    finishes = {e["id"]: e for e in flows if e["ph"] == "f"}
+    assert starts.keys() == finishes.keys() and len(starts) == 2
+    targets = sorted((starts[i]["tid"], finishes[i]["pid"], finishes[i]["tid"]) for i in starts)
+    assert targets == [(1, 1, 1), (2, 1, 1)]  # core c is thread c + 1; both land on rank 1 core 0
+
+
+def test_a_span_refuses_an_unknown_task_and_a_negative_duration() -> None:
+    with pytest.raises(InvalidArgumentError, match="task"):
+        Span(0, 0, "compute", 0.0, 1.0)
+    with pytest.raises(InvalidArgumentError, match="end_ns"):
+        Span(0, 0, "send", 2.0, 1.0)
