@@ -108,17 +108,7 @@ def launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
 
 def timeout_s_from_env(environ: dict[str, str] | None = None) -> float:
     """``UBEP_TIMEOUT_S`` as a positive float, or the default (120 s)."""
-    env = os.environ if environ is None else environ
-    raw = env.get("UBEP_TIMEOUT_S")
-    if raw is None:
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise InvalidArgumentError("UBEP_TIMEOUT_S", raw, "must be a number of seconds") from None
-    if not value > 0:
-        raise InvalidArgumentError("UBEP_TIMEOUT_S", raw, "must be > 0")
-    return value
+    return _float_var(environ, "UBEP_TIMEOUT_S", DEFAULT_TIMEOUT_S, "seconds", positive=True)
 
 
 # a variable's name -> the name it had before (still read, with a DeprecationWarning)
@@ -162,14 +152,21 @@ def mpi_ranks_per_host_from_env(environ: Mapping[str, str] | None = None) -> int
 
 def wait_yield_us_from_env(environ: dict[str, str] | None = None) -> float:
     """``UBEP_WAIT_YIELD_US`` as a float >= 0, or the default (50 us)."""
+    return _float_var(environ, "UBEP_WAIT_YIELD_US", DEFAULT_WAIT_YIELD_US, "us",
+                      positive=False)
+
+
+def _float_var(environ: dict[str, str] | None, name: str, default: float, unit: str, *,
+               positive: bool) -> float:
+    """Variable ``name`` as a float (> 0, or >= 0 unless ``positive``), or ``default``."""
     env = os.environ if environ is None else environ
-    raw = env.get("UBEP_WAIT_YIELD_US")
+    raw = env.get(name)
     if raw is None:
-        return DEFAULT_WAIT_YIELD_US
+        return default
     try:
         value = float(raw)
     except ValueError:
-        raise InvalidArgumentError("UBEP_WAIT_YIELD_US", raw, "must be a number of us") from None
-    if not value >= 0:
-        raise InvalidArgumentError("UBEP_WAIT_YIELD_US", raw, "must be >= 0")
+        raise InvalidArgumentError(name, raw, f"must be a number of {unit}") from None
+    if not (value > 0 if positive else value >= 0):
+        raise InvalidArgumentError(name, raw, "must be > 0" if positive else "must be >= 0")
     return value
