@@ -80,13 +80,13 @@ class TritonEngine:
     def __init__(self, group: Any, config: TritonConfig) -> None:
         if not isinstance(config, TritonConfig):
             raise InvalidArgumentError("config", type(config).__name__, "must be a TritonConfig")
+        self._kd, self._kc = kernels(config.device)  # refuses first when Triton is missing
         import torch
 
         self._torch = torch
         self.config = config
         self.group = group
         self.rank, self.num_ranks = int(group.rank), int(group.num_ranks)
-        self._kd, self._kc = kernels(config.device)
         self.sync = sync_row(config.sync)
         R, E = self.num_ranks, config.num_experts
         if E % R:
@@ -328,7 +328,7 @@ class TritonEngine:
             canon = np.lexsort((plan.send_slot, bucket, plan.send_dst_rank))
             c_ptr = np.zeros(R + 1, dtype=np.int64)
             np.cumsum(np.bincount(plan.send_dst_rank, minlength=R), out=c_ptr[1:])
-            x64 = xb.view(torch.int64) if self.sync.needs_words else offs
+            x64 = xb.reshape(-1).view(torch.int64) if self.sync.needs_words else offs
             self._launch(kd, "publish_kernel", R, x64, _i64(plan.send_token[canon], dev),
                          _i64(c_ptr, dev), W, me, epoch, mix, lay.dflag,
                          BATCH=self.sync.dispatch_batch, BW=min(_pow2(max(W, 1)), 512))
@@ -418,7 +418,7 @@ class TritonEngine:
         j = np.full(rows, me, dtype=np.int64) if self.rank_layout else h.recv_src_k
         W = lay.comb_row_bytes // 8
         BH, BW = min(_pow2(cfg.hidden), 1024), min(_pow2(max(W, 1)), 512)
-        eo64 = eo.view(torch.int64) if self.sync.needs_words else self.v_ready
+        eo64 = eo.reshape(-1).view(torch.int64) if self.sync.needs_words else self.v_ready
         self._launch(kc, "push_kernel", P, eo, eo64, _i64(h.recv_src_rank, dev),
                      _i64(h.recv_src_token, dev), _i64(j, dev), rows, -(-rows // P) or 1,
                      cfg.hidden, J, lay.comb, lay.comb_stride, lay.cwords, lay.cnblk, lay.cdc,
@@ -440,13 +440,15 @@ class TritonEngine:
 
     # --- resync and close -------------------------------------------------------------------
 
-    def resync(self) -> None:
+    def resync(self, timeout_s: float | None = None) -> None:
         """Bring every rank back in step after a failure (collective; every rank calls it,
         none inside a call): calls resume at an epoch past any rank's, control words are
-        cleared and SP's rows re-armed, handles of earlier dispatches are refused."""
+        cleared and SP's rows re-armed, handles of earlier dispatches are refused.
+        ``timeout_s``: how long to wait for the peers (default: the group's; a peer may
+        still be waiting out a call's deadline when this rank arrives)."""
         self._resyncs += 1
         key = f"triton.resync.{self.uid}.{self._resyncs}"
-        timeout = self.config.timeout_s
+        timeout = timeout_s
         epochs = self.group.exchange(key + ".a", self.epoch, timeout)
         base = max(int(e) for e in epochs) + 2
         # Nobody is inside a call: clear what peers wrote here, then meet again before any
