@@ -89,9 +89,10 @@ def _dc_records(eng: Any, res: Any, ref: Any) -> list[str]:
     return bad
 
 
-def run_cases(group: Any, cases: list[Case], seed: int, order: str | None = None) -> list[str]:
-    """Each case on a fresh engine: three calls, the second with a rank of zero tokens and hot
-    routing (the receive region and routing record reused at both parities)."""
+def run_cases(group: Any, cases: list[Case], seed: int, order: str | None = None,
+              num_steps: int = 3) -> list[str]:
+    """Each case on a fresh engine: ``num_steps`` calls (of three: the second with a rank of
+    zero tokens and hot routing, the third reusing the first's routing-record parity)."""
     R = group.num_ranks
     errors: list[str] = []
     for i, case in enumerate(cases):
@@ -99,7 +100,7 @@ def run_cases(group: Any, cases: list[Case], seed: int, order: str | None = None
             if order is not None:
                 eng.program_order = _orders(order, seed * 100 + i)
             steps = [([5, 7, 3, 9][:R], "uniform"), ([0, 9, 4, 2][:R], "hot"),
-                     ([6, 2, 9, 1][:R], "uniform")]
+                     ([6, 2, 9, 1][:R], "uniform")][:num_steps]
             for j, (tokens, kind) in enumerate(steps):
                 errors += check_call(eng, case, tokens, seed * 1000 + i * 10 + j, kind)
     return errors

@@ -253,12 +253,14 @@ class TritonEngine:
         """Dispatch this rank's tokens (collective): a ``DispatchResult`` of torch tensors
         on the engine's device (``handle``: a ``RuntimeHandle`` of numpy arrays)."""
         epoch = self._begin()
+        # every rank counts every dispatch, refused ones too: the index picks the routing
+        # record's parity, which must be the same on every rank
+        index = self.num_dispatches
+        self.num_dispatches += 1
         try:
             xb, idx, w = self._check_dispatch(x, topk_idx, topk_weights)
         except InvalidArgumentError as err:
             raise self._refuse(epoch, err) from None
-        index = self.num_dispatches
-        self.num_dispatches += 1
         return self._dispatch(epoch, index, xb, idx, w)
 
     def _check_dispatch(self, x: Any, topk_idx: Any, topk_weights: Any) -> tuple[Any, Any, Any]:
@@ -459,6 +461,7 @@ class TritonEngine:
         self._arm_all()
         self.group.exchange(key + ".b", base, timeout)
         self.epoch = base - 1
+        self.num_dispatches = 0  # the routing records' parity, the same on every rank again
         self.generation += 1
         self._lost_step = None
 

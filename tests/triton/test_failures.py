@@ -1,0 +1,63 @@
+"""The Triton engine's failures, ranks as processes under the interpreter: bad input refused
+on every rank before it reaches a peer, a lost peer, a timeout and the resync after it, and a
+clear refusal when Triton is missing."""
+
+from __future__ import annotations
+
+import pytest
+
+import ubep
+from ubep.errors import InvalidArgumentError, UbepError
+from ubep.runtime.launch import LostRank
+from ubep.triton import TritonConfig, _require, open_engine
+
+from ._ranks import Case, bad_input, lost_peer, resync
+from .conftest import needs_triton
+
+
+@needs_triton
+@pytest.mark.parametrize("case", [Case("tff", "expert", "bf16"), Case("sp", "rank", "fp32")],
+                         ids=str)
+def test_bad_input_fails_everywhere_and_the_next_call_works(case: Case) -> None:
+    results = ubep.launch(bad_input, 2, case, timeout_s=600)
+    errors = [e for rank in results for e in rank]
+    assert not errors, "\n".join(errors)
+
+
+@needs_triton
+def test_lost_peer() -> None:
+    results = ubep.launch(lost_peer, 2, Case("sw", "expert", "fp32"), timeout_s=300,
+                          keep_survivors=True)
+    assert isinstance(results[1], LostRank)
+    assert results[0].startswith("ok: PeerLostError"), results[0]
+    assert "[1] died" in results[0], results[0]
+
+
+@needs_triton
+def test_timeout_then_resync() -> None:
+    results = ubep.launch(resync, 2, Case("dc", "expert", "bf16"), timeout_s=300)
+    errors = [e for rank in results for e in rank]
+    assert not errors, "\n".join(errors)
+
+
+def test_refuses_clearly_without_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before it touches the group (None here) or imports anything of Triton."""
+    monkeypatch.setattr(_require, "triton_available", lambda: False)
+    cfg = TritonConfig(max_tokens_per_rank=4, hidden=64, num_topk=2, num_experts=4)
+    with pytest.raises(UbepError, match=r"needs triton and torch.*pip install 'ubep\[triton\]'"):
+        open_engine(None, cfg)
+
+
+@pytest.mark.parametrize(("field", "value"), [("sync", "xx"), ("layout", "row"), ("hidden", 0),
+                                              ("dtype", "fp64"), ("device", "tpu")])
+def test_bad_config_names_the_field(field: str, value: object) -> None:
+    base = {"max_tokens_per_rank": 4, "hidden": 64, "num_topk": 2, "num_experts": 4}
+    with pytest.raises(InvalidArgumentError) as info:
+        TritonConfig(**(base | {field: value}))  # type: ignore[arg-type]
+    assert info.value.argument in (field, "name", "value")
+
+
+def test_sp_refuses_one_byte_payloads() -> None:
+    with pytest.raises(InvalidArgumentError, match="sync"):
+        TritonConfig(max_tokens_per_rank=4, hidden=64, num_topk=2, num_experts=4,
+                     dtype="uint8", sync="sp")
