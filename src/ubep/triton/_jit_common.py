@@ -18,7 +18,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-PENDING, DONE, CORRUPT, REMOTE = 0, 1, 3, 4
+# globals a kernel reads must be constexprs (the engine's host side uses the same numbers)
+PENDING: tl.constexpr = tl.constexpr(0)
+DONE: tl.constexpr = tl.constexpr(1)
+CORRUPT: tl.constexpr = tl.constexpr(3)
+REMOTE: tl.constexpr = tl.constexpr(4)
 
 
 @triton.jit
