@@ -52,7 +52,7 @@ def storage(t: Any, dtype: str) -> np.ndarray:
 
 def check_call(eng: Any, case: Case, tokens: list[int], seed: int, kind: str) -> list[str]:
     """One dispatch and one combine against the reference; the mismatches."""
-    R, r = eng.num_ranks, eng.rank
+    r = eng.rank
     E = eng.config.num_experts
     xs, idxs, ws = testing.inputs(case.dtype, E, NUM_TOPK, case.hidden, tokens, seed, kind)
     res = eng.dispatch(xs[r], idxs[r], ws[r])

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from ..dtypes import dtype_of
 from ..errors import InvalidArgumentError
 from ..modes import FLOAT_DTYPE_NAMES, LAYOUTS, POLICIES, supports
-from .sync import sync_row
+from .sync import DEFAULT_SYNC, sync_row
 
 __all__ = ["TritonConfig"]
 
@@ -33,7 +33,7 @@ class TritonConfig:
     dtype: str = "bf16"
     combine_dtype: str | None = None
     layout: str = "expert"
-    sync: str = "tff"
+    sync: str = DEFAULT_SYNC
     policy: str = "hierarchical"
     timeout_s: float = 60.0
     device: str = "cpu"

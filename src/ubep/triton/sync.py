@@ -25,6 +25,7 @@ __all__ = [
     "BATCH_CHECKSUM",
     "BATCH_FLAG",
     "BATCH_NONE",
+    "DEFAULT_SYNC",
     "ROW_CHECKSUM",
     "ROW_NONE",
     "ROW_SENTINEL",
@@ -69,6 +70,9 @@ SYNC_TABLE: dict[str, SyncRow] = {
     "sp": SyncRow("sp", ROW_SENTINEL, BATCH_NONE, ROW_SENTINEL, BATCH_NONE),
 }
 assert tuple(SYNC_TABLE) == SYNCS  # every mode ubep names has its row
+
+#: The engine's default: data-as-flag per block, no pass over the data to check it.
+DEFAULT_SYNC = "tff"
 
 
 def sync_row(sync: str) -> SyncRow:
