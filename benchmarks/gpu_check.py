@@ -3,8 +3,9 @@ timed against the device's copy floor. One table, in under 5 minutes.
 
     python benchmarks/gpu_check.py [--ranks 2] [--tokens 128] [--hidden 7168] [--repeats 20]
 
-Ranks are processes (``ubep.launch``) sharing the first GPU; their device buffers are shared by
-CUDA IPC handles (``ubep.triton.memory.CudaIpcArena``). Steps:
+Ranks are processes (``ubep.launch``), rank ``r`` on GPU ``r % device_count`` (ranks sharing a
+GPU run time-sliced: correct, and slower than on GPUs of their own); their device buffers are
+shared by CUDA IPC handles (``ubep.triton.memory.CudaIpcArena``). Steps:
 
 1. **Checks**: every sync mode x layout, BF16 and FP32 (and a 1-byte dispatch), three calls
    each, every field of every rank's dispatch result and its combine compared bit for bit with
@@ -48,11 +49,13 @@ def _storage(t: Any) -> np.ndarray:
 
 def _engine(group: Any, sync: str, layout: str, dtype: str, tokens: int, hidden: int,
             topk: int) -> Any:
+    import torch
+
     from ubep.triton import TritonConfig, open_engine
 
     cfg = TritonConfig(max_tokens_per_rank=tokens, hidden=hidden, num_topk=topk,
                        num_experts=8 * group.num_ranks, dtype=dtype, layout=layout, sync=sync,
-                       device="cuda:0", num_send_programs=16, num_count_programs=4,
+                       device=f"cuda:{torch.cuda.current_device()}", num_send_programs=16, num_count_programs=4,
                        timeout_s=60.0)
     return open_engine(group, cfg)
 
@@ -126,6 +129,10 @@ def _bench(group: Any, sync: str, tokens: int, hidden: int, repeats: int) -> dic
 
 
 def _rank(group: Any, sync: str, tokens: int, hidden: int, repeats: int) -> Any:
+    import torch
+
+    # one GPU per rank where there are enough (ranks sharing a GPU run time-sliced)
+    torch.cuda.set_device(group.rank % torch.cuda.device_count())
     started = time.perf_counter()
     errors = _checks(group)
     checks_s = time.perf_counter() - started
@@ -134,7 +141,7 @@ def _rank(group: Any, sync: str, tokens: int, hidden: int, repeats: int) -> Any:
 
 
 def _table(result: dict[str, Any], args: argparse.Namespace, device: str) -> str:
-    lines = [f"Triton engine on {device}: {args.ranks} ranks (processes) on one GPU, BF16, "
+    lines = [f"Triton engine on {device}: {args.ranks} ranks (processes), BF16, "
              f"sync={args.sync}, expert layout, {args.tokens} tokens x top-8 per rank, "
              f"hidden {args.hidden}, {args.repeats} repeats (rank 0)",
              "dispatch bytes = sent rows * hidden * 2; combine bytes = received rows * hidden "
