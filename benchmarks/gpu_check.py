@@ -55,8 +55,8 @@ def _engine(group: Any, sync: str, layout: str, dtype: str, tokens: int, hidden:
 
     cfg = TritonConfig(max_tokens_per_rank=tokens, hidden=hidden, num_topk=topk,
                        num_experts=8 * group.num_ranks, dtype=dtype, layout=layout, sync=sync,
-                       device=f"cuda:{torch.cuda.current_device()}", num_send_programs=16, num_count_programs=4,
-                       timeout_s=60.0)
+                       device=f"cuda:{torch.cuda.current_device()}", num_send_programs=16,
+                       num_count_programs=4, timeout_s=60.0)
     return open_engine(group, cfg)
 
 
