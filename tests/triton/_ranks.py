@@ -6,6 +6,7 @@ and returns the mismatches of its own results, bit for bit (``ubep.testing``).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 from dataclasses import dataclass
@@ -97,8 +98,9 @@ def run_cases(group: Any, cases: list[Case], seed: int, order: str | None = None
     errors: list[str] = []
     for i, case in enumerate(cases):
         with open_engine(group, case.config(R, 9)) as eng:
-            if order is not None:
-                eng.program_order = _orders(order, seed * 100 + i)
+            if order is not None:  # "reverse", "shuffle", or "mixed": the two in turn
+                how = order if order != "mixed" else ("reverse", "shuffle")[i % 2]
+                eng.program_order = _orders(how, seed * 100 + i)
             steps = [([5, 7, 3, 9][:R], "uniform"), ([0, 9, 4, 2][:R], "hot"),
                      ([6, 2, 9, 1][:R], "uniform")][:num_steps]
             for j, (tokens, kind) in enumerate(steps):
@@ -120,13 +122,18 @@ def _orders(how: str, seed: int) -> Any:
     return perm
 
 
+def bad_inputs(group: Any, cases: list[Case]) -> list[str]:
+    """:func:`bad_input` for each case."""
+    return [e for case in cases for e in bad_input(group, case)]
+
+
 def bad_input(group: Any, case: Case) -> list[str]:
     """Rank 1 gives bad input in dispatch, then rank 0 in combine: the offender raises an
     ``InvalidArgumentError`` naming the argument, every peer a clean ``RemoteError`` carrying
     it, nothing reached a peer, and the next call is bit-exact."""
     r = group.rank
     out: list[str] = []
-    with open_engine(group, case.config(group.num_ranks, 9, timeout_s=30.0)) as eng:
+    with open_engine(group, case.config(group.num_ranks, 9, timeout_s=120.0)) as eng:
         out += check_call(eng, case, [4, 5], 1, "uniform")
         xs, idxs, ws = testing.inputs(case.dtype, eng.config.num_experts, NUM_TOPK, case.hidden,
                                       [4, 5], 2, "uniform")
@@ -147,6 +154,18 @@ def bad_input(group: Any, case: Case) -> list[str]:
                                          before[1 * eng.lay.num_buckets:]):
             out.append("rank 1's counts reached rank 0 in the refused call")
         out += check_call(eng, case, [3, 6], 3, "uniform")
+        if eng.sync.armed:  # SP: a payload holding the sentinel is bad input (on rank 0)
+            xs, idxs, ws = testing.inputs(case.dtype, eng.config.num_experts, NUM_TOPK,
+                                          case.hidden, [3, 6], 6, "uniform")
+            xs[0].view(eng.dt.bits_dtype)[1, 5] = eng.dt.sentinel
+            try:
+                eng.dispatch(xs[r], idxs[r], ws[r])
+                out.append(f"rank {r}: a dispatch of the sentinel passed")
+            except InvalidArgumentError as e:
+                out += [] if (r == 0 and e.argument == "x") else [f"rank {r}: {e!r}"]
+            except RemoteError as e:
+                out += [] if (r == 1 and e.clean and "sentinel" in e.message) \
+                    else [f"rank {r}: {e!r}"]
         xs, idxs, ws = testing.inputs(case.dtype, eng.config.num_experts, NUM_TOPK, case.hidden,
                                       [3, 6], 4, "uniform")
         res = eng.dispatch(xs[r], idxs[r], ws[r])
@@ -189,16 +208,21 @@ def resync(group: Any, case: Case) -> list[str]:
     bit-exact; a handle from before the resync is refused."""
     r = group.rank
     out: list[str] = []
-    with open_engine(group, case.config(group.num_ranks, 8, timeout_s=3.0)) as eng:
+    with open_engine(group, case.config(group.num_ranks, 8, timeout_s=120.0)) as eng:
         xs, idxs, ws = testing.inputs(case.dtype, eng.config.num_experts, NUM_TOPK, case.hidden,
                                       [4, 6], 1, "uniform")
         old = eng.dispatch(xs[r], idxs[r], ws[r])
         if r == 0:
+            # a short deadline for the one call meant to time out, the usual for the others
+            # (a loaded machine must not turn an ordinary wait into a timeout)
+            usual = eng.config
+            eng.config = dataclasses.replace(usual, timeout_s=2.0)
             try:
                 eng.dispatch(xs[r], idxs[r], ws[r])
                 out.append("a dispatch without its peer passed")
-            except TimeoutError:
-                pass
+            except TimeoutError as e:
+                out += [] if "still waiting after 2.0 s" in str(e) else [repr(e)]
+            eng.config = usual
             try:
                 eng.dispatch(xs[r], idxs[r], ws[r])
                 out.append("a call after the timeout passed")
