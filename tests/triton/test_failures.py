@@ -61,3 +61,21 @@ def test_sp_refuses_one_byte_payloads() -> None:
     with pytest.raises(InvalidArgumentError, match="sync"):
         TritonConfig(max_tokens_per_rank=4, hidden=64, num_topk=2, num_experts=4,
                      dtype="uint8", sync="sp")
+
+
+def test_from_buffer_config() -> None:
+    """A BufferConfig's fields carried over; what the engine does not serve refused by name."""
+    from ubep.buffer import BufferConfig
+    from ubep.triton import from_buffer_config
+
+    base = {"max_tokens_per_rank": 8, "hidden": 128, "num_topk": 4, "num_experts": 8,
+            "dtype": "bf16", "layout": "rank", "sync": "dc", "timeout_s": 9.0, "num_cores": 3}
+    cfg = from_buffer_config(BufferConfig(**base))
+    assert (cfg.max_tokens_per_rank, cfg.hidden, cfg.num_topk, cfg.num_experts, cfg.dtype,
+            cfg.layout, cfg.sync, cfg.timeout_s, cfg.num_send_programs) == (
+        8, 128, 4, 8, "bf16", "rank", "dc", 9.0, 3)
+    for field, value in (("quant", "e4m3"), ("integrity", "checksum"), ("engine", "bsp"),
+                         ("on_peer_loss", "mask")):
+        with pytest.raises(InvalidArgumentError) as info:
+            from_buffer_config(BufferConfig(**(base | {field: value})))
+        assert info.value.argument == field

@@ -10,14 +10,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ._require import INSTALL_HINT, triton_available
-from .config import TritonConfig
+from .config import TritonConfig, from_buffer_config
 from .sync import SYNC_TABLE, SyncRow, sync_row
 
 if TYPE_CHECKING:
     from .engine import TritonEngine
 
 __all__ = ["INSTALL_HINT", "SYNC_TABLE", "SyncRow", "TritonConfig", "TritonEngine",
-           "open_engine", "sync_row", "triton_available"]
+           "from_buffer_config", "open_engine", "sync_row", "triton_available"]
 
 
 def open_engine(group: Any, config: TritonConfig) -> TritonEngine:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ..dtypes import dtype_of
 from ..errors import InvalidArgumentError
 from ..modes import FLOAT_DTYPE_NAMES, LAYOUTS, POLICIES, supports
 from .sync import DEFAULT_SYNC, sync_row
 
-__all__ = ["TritonConfig"]
+__all__ = ["TritonConfig", "from_buffer_config"]
 
 
 @dataclass(frozen=True)
@@ -84,3 +85,29 @@ class TritonConfig:
         if self.spins is not None:
             return self.spins
         return 1 << 20 if self.device.startswith("cuda") else 64
+
+
+# What a BufferConfig may ask that this engine does not do, with the value it must keep.
+_UNSUPPORTED = (("quant", None), ("expert_map", None), ("expert_ranks", None),
+                ("engine", "asp"), ("integrity", "off"), ("on_peer_loss", "raise"),
+                ("tff_block_bytes", 512), ("tff_flag_bytes", 32))
+
+
+def from_buffer_config(config: Any, *, device: str = "cpu",
+                       num_send_programs: int | None = None) -> TritonConfig:
+    """The :class:`TritonConfig` of a ``ubep.BufferConfig`` (what a registry row opening this
+    engine for a Buffer builds). A field this engine does not serve is refused by name
+    (``InvalidArgumentError``); ``num_cores``, when given and ``num_send_programs`` is not,
+    sets the send programs. ``sp_check_bytes`` does not change results: this engine polls
+    every element of an SP row (docs/FORMATS.md, ``sp_check_bytes = 0``) whatever it is."""
+    for name, keep in _UNSUPPORTED:
+        value = getattr(config, name)
+        if value != keep:
+            raise InvalidArgumentError(name, value, f"the Triton engine needs {name}={keep!r}")
+    send = num_send_programs or getattr(config, "num_cores", None) or 4
+    return TritonConfig(
+        max_tokens_per_rank=config.max_tokens_per_rank, hidden=config.hidden,
+        num_topk=config.num_topk, num_experts=config.num_experts, dtype=config.dtype,
+        combine_dtype=config.combine_dtype, layout=config.layout, sync=config.sync,
+        policy=config.policy, timeout_s=float(config.timeout_s), device=device,
+        num_send_programs=int(send))
