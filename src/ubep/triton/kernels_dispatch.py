@@ -160,7 +160,7 @@ def _rows_of(counts_ptr, s, R, NB, RP: tl.constexpr, NBP: tl.constexpr):
     sr = tl.arange(0, RP)[:, None]
     b = tl.arange(0, NBP)[None, :]
     m = (sr < R) & (b < NB)
-    cnt = tl.load(counts_ptr + sr * NB + b, mask=m, other=0) & 0xFFFFFFFF
+    cnt = tl.load(counts_ptr + sr * NB + b, mask=m, other=0, volatile=True) & 0xFFFFFFFF
     tot = tl.sum(cnt, axis=0)
     first = tl.cumsum(tot, axis=0) - tot + tl.sum(tl.where(sr < s, cnt, 0), axis=0)
     return first, tl.sum(tl.where(sr == s, cnt, 0), axis=0)
@@ -223,7 +223,8 @@ def recv_kernel(table, order, status, counts_ptr, recv_ptr, words_ptr, dflag_ptr
     if tl.load(status + s * 2) != DONE:
         first, nrows = _rows_of(counts_ptr, s, R, NB, RP, NBP)
         # The metadata of s's rows, from s's routing record (published before its counts).
-        Ts = tl.load(region(table, s, OFF_ROUTE, tl.int64))
+        # (volatile: peers' words, acquired by this rank's prefix launch, never from a cache)
+        Ts = tl.load(region(table, s, OFF_ROUTE, tl.int64), volatile=True)
         ridx = region(table, s, OFF_ROUTE + OFF_RIDX, tl.int32)
         rw = region(table, s, OFF_ROUTE + OFF_RW, tl.float32)
         kk = tl.arange(0, KP)
@@ -234,7 +235,8 @@ def recv_kernel(table, order, status, counts_ptr, recv_ptr, words_ptr, dflag_ptr
             for t0 in range(0, Ts, BT):
                 t = t0 + tl.arange(0, BT)
                 m2 = (t[:, None] < Ts) & (kk[None, :] < K)
-                idx = tl.load(ridx + t[:, None] * K + kk[None, :], mask=m2, other=-1)
+                idx = tl.load(ridx + t[:, None] * K + kk[None, :], mask=m2, other=-1,
+                              volatile=True)
                 if RANK_LAYOUT:
                     hit = m2 & (idx >= 0) & (idx // L == me)
                 else:
@@ -249,14 +251,15 @@ def recv_kernel(table, order, status, counts_ptr, recv_ptr, words_ptr, dflag_ptr
                 if RANK_LAYOUT:
                     cell = row[:, None] * K + kk[None, :]
                     keep = got[:, None] & (kk[None, :] < K)
-                    wv = tl.load(rw + t[:, None] * K + kk[None, :], mask=m2, other=0.0)
+                    wv = tl.load(rw + t[:, None] * K + kk[None, :], mask=m2, other=0.0,
+                                 volatile=True)
                     tl.store(m_idx + cell, tl.where(hit, idx - me * L, -1).to(tl.int64),
                              mask=keep)
                     tl.store(m_w + cell, tl.where(hit, wv, 0.0), mask=keep)
                 else:
                     tl.store(m_idx + row, tl.cast(me * L + bb, tl.int64), mask=got)
-                    tl.store(m_w + row, tl.load(rw + t * K + kfirst, mask=got, other=0.0),
-                             mask=got)
+                    tl.store(m_w + row, tl.load(rw + t * K + kfirst, mask=got, other=0.0,
+                                                volatile=True), mask=got)
                 run += tl.sum(c, axis=0)
             bad += (run != _pick(nrows, bb, NBP)).to(tl.int32)
         if bad != 0:
