@@ -248,3 +248,34 @@ def launch_log(group: Any, cases: list[Case]) -> list[tuple[str, list[str], dict
             errors = check_call(eng, case, [4] * group.num_ranks, 1, "uniform")
             assert not errors, errors
     return log
+
+
+def over_callers_memory(group: Any, case: Case) -> list[str]:
+    """The engine on memory its caller mapped and owns (as a Buffer would give a registry
+    row's engine), with the caller's uid and no collective of its own; then the local half of
+    a resync on every rank, and calls exact after it."""
+    from types import SimpleNamespace
+
+    from ubep.triton.engine import TritonEngine
+    from ubep.triton.layout import arena_bytes
+    from ubep.triton.memory import ShmArena
+
+    cfg = case.config(group.num_ranks, 8)
+    mem = group.map_global(arena_bytes(cfg, group.num_ranks), "caller")
+    group.barrier()
+    mem.unlink()
+    view = SimpleNamespace(rank=group.rank, num_ranks=group.num_ranks, topology=group.topology)
+    out: list[str] = []
+    try:
+        eng = TritonEngine(view, cfg, arena=ShmArena.over(mem), uid=7)
+        group.barrier()  # the caller's agreement: every region armed
+        out += check_call(eng, case, [5, 3], 1, "uniform")
+        group.barrier()  # no rank inside a call
+        eng.restart(eng.epoch + 2)
+        group.barrier()
+        out += check_call(eng, case, [2, 8], 2, "hot")
+        eng.close()
+        out += [] if len(mem.local_array) else ["the engine closed its caller's memory"]
+    finally:
+        mem.close()
+    return out

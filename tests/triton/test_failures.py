@@ -11,7 +11,7 @@ from ubep.errors import InvalidArgumentError, UbepError
 from ubep.runtime.launch import LostRank
 from ubep.triton import TritonConfig, _require, open_engine
 
-from ._ranks import Case, bad_inputs, lost_peer, resync
+from ._ranks import Case, bad_inputs, lost_peer, over_callers_memory, resync
 from .conftest import needs_triton
 
 
@@ -79,3 +79,10 @@ def test_from_buffer_config() -> None:
         with pytest.raises(InvalidArgumentError) as info:
             from_buffer_config(BufferConfig(**(base | {field: value})))
         assert info.value.argument == field
+
+
+@needs_triton
+def test_engine_over_a_callers_memory() -> None:
+    results = ubep.launch(over_callers_memory, 2, Case("sp", "expert", "bf16"), timeout_s=300)
+    errors = [e for rank in results for e in rank]
+    assert not errors, "\n".join(errors)

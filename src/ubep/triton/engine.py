@@ -41,7 +41,7 @@ from ..sched.plan import count_expert_ptr
 from . import _tensors as tt
 from ._require import kernels
 from .config import TritonConfig
-from .layout import NOTICE_MESSAGE_BYTES, arena_layout
+from .layout import NOTICE_MESSAGE_BYTES, layout_of
 from .memory import Arena, open_arena
 from .sync import BATCH_NONE, sync_row
 
@@ -77,7 +77,8 @@ class TritonEngine:
             constexprs)`` of every launch (what the ahead-of-time compile check compiles).
     """
 
-    def __init__(self, group: Any, config: TritonConfig) -> None:
+    def __init__(self, group: Any, config: TritonConfig, *, arena: Arena | None = None,
+                 uid: int | None = None) -> None:
         if not isinstance(config, TritonConfig):
             raise InvalidArgumentError("config", type(config).__name__, "must be a TritonConfig")
         self._kd, self._kc = kernels(config.device)  # refuses first when Triton is missing
@@ -94,23 +95,27 @@ class TritonEngine:
         self.local_experts = E // R
         self.rank_layout = config.layout == "rank"
         self.dt, self.out_dt = dtype_of(config.dtype), dtype_of(config.out_dtype)
-        self.lay = arena_layout(
-            num_ranks=R, num_local_experts=self.local_experts,
-            cap_tokens=config.max_tokens_per_rank, num_topk=config.num_topk,
-            row_bytes=config.hidden * self.dt.itemsize,
-            comb_row_bytes=config.hidden * self.out_dt.itemsize, rank_layout=self.rank_layout)
+        self.lay = layout_of(config, R)
         self.device = torch.device(config.device)
         self.program_order: Callable[[str, int], list[int]] | None = None
         self.launch_log: list[tuple[str, list[str], dict[str, Any]]] | None = None
         # the Plan's cores are this engine's programs, whatever the host's core count
         self.topology = replace(group.topology, cores_per_rank=max(
             group.topology.cores_per_rank, config.num_send_programs + config.num_count_programs))
-        self.arena: Arena = open_arena(group, self.lay.size_bytes, self.device, config.timeout_s)
+        # An arena given (and a uid): a caller that owns the memory and the set-up's
+        # agreement (a Buffer) made them; else the engine makes both, collectively.
+        self.arena: Arena = arena if arena is not None else open_arena(
+            group, self.lay.size_bytes, self.device, config.timeout_s)
         try:
+            if self.arena.local.numel() < self.lay.size_bytes:
+                raise InvalidArgumentError("arena", self.arena.local.numel(),
+                                           f"must be >= {self.lay.size_bytes} bytes per rank")
             self._bind()
             self._arm_all()
-            self.uid = int(group.allgather(secrets.randbits(62), config.timeout_s)[0])
-            group.barrier(config.timeout_s)  # every region armed before any rank writes
+            if uid is None:
+                uid = int(group.allgather(secrets.randbits(62), config.timeout_s)[0])
+                group.barrier(config.timeout_s)  # every region armed before any rank writes
+            self.uid = uid
         except BaseException:
             self.arena.close()
             raise
@@ -455,12 +460,18 @@ class TritonEngine:
         base = max(int(e) for e in epochs) + 2
         # Nobody is inside a call: clear what peers wrote here, then meet again before any
         # peer may write for the new epochs.
+        self.restart(base)
+        self.group.exchange(key + ".b", base, timeout)
+
+    def restart(self, base_epoch: int) -> None:
+        """The local half of :meth:`resync` (what a caller that agrees on ``base_epoch`` itself
+        runs on every rank, no peer inside a call, before any rank's next call): control words
+        cleared, SP's rows re-armed, calls resume at ``base_epoch``, earlier handles refused."""
         for v in (self.v_counts, self.v_dflag, self.v_cflag, self.v_ready, self.v_notice,
                   self.v_words, self.v_cwords, self.v_cdc):
             v.zero_()
         self._arm_all()
-        self.group.exchange(key + ".b", base, timeout)
-        self.epoch = base - 1
+        self.epoch = base_epoch - 1
         self.num_dispatches = 0  # the routing records' parity, the same on every rank again
         self.generation += 1
         self._lost_step = None

@@ -29,9 +29,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..dtypes import dtype_of
 from ..runtime.abi import HEADER_BYTES
+from .config import TritonConfig
 
-__all__ = ["NOTICE_MESSAGE_BYTES", "TFF_PAYLOAD_BYTES", "ArenaLayout", "arena_layout"]
+__all__ = ["NOTICE_MESSAGE_BYTES", "TFF_PAYLOAD_BYTES", "ArenaLayout", "arena_bytes",
+           "arena_layout", "layout_of"]
 
 _ALIGN = 64
 TFF_PAYLOAD_BYTES = 480  # docs/FORMATS.md: 512-byte blocks, 32 of them flag
@@ -117,3 +120,18 @@ def arena_layout(*, num_ranks: int, num_local_experts: int, cap_tokens: int, num
         route_w=route_w, recv=recv, words=words, comb=comb, cwords=cwords, cdc=cdc,
         size_bytes=off,
     )
+
+
+def layout_of(config: TritonConfig, num_ranks: int) -> ArenaLayout:
+    """The layout of an engine of ``config`` on ``num_ranks`` ranks."""
+    return arena_layout(
+        num_ranks=num_ranks, num_local_experts=config.num_experts // num_ranks,
+        cap_tokens=config.max_tokens_per_rank, num_topk=config.num_topk,
+        row_bytes=config.hidden * dtype_of(config.dtype).itemsize,
+        comb_row_bytes=config.hidden * dtype_of(config.out_dtype).itemsize,
+        rank_layout=config.layout == "rank")
+
+
+def arena_bytes(config: TritonConfig, num_ranks: int) -> int:
+    """Bytes of one rank's region (what a caller that maps the memory must give each rank)."""
+    return layout_of(config, num_ranks).size_bytes

@@ -15,6 +15,7 @@ import base64
 import pickle
 from typing import Any, Protocol
 
+from ..errors import UbepError
 from ..runtime.group import PeerProcess
 
 __all__ = ["Arena", "CudaIpcArena", "ShmArena", "open_arena"]
@@ -40,17 +41,33 @@ class ShmArena:
     """Shared-memory regions of one host (module docstring)."""
 
     def __init__(self, group: Any, size_bytes: int, timeout_s: float) -> None:
-        import torch
-
-        self._mem = group.map_global(size_bytes, "triton", timeout_s)
+        mem = group.map_global(size_bytes, "triton", timeout_s)
         try:
             group.barrier(timeout_s)  # every rank has mapped every segment: drop the names
         finally:
-            self._mem.unlink()
-        self.local = torch.frombuffer(self._mem.local_array, dtype=torch.uint8)
-        self.addresses = list(self._mem.addresses)
+            mem.unlink()
+        self._over(mem, owned=True)
+
+    @classmethod
+    def over(cls, memory: Any) -> ShmArena:
+        """An arena on a one-host ``GlobalMemory`` its caller mapped, owns and closes (a
+        Buffer's, when a registry row opens this engine); its regions must be at least
+        ``ubep.triton.layout.arena_bytes`` long."""
+        arena = cls.__new__(cls)
+        arena._over(memory, owned=False)
+        return arena
+
+    def _over(self, mem: Any, owned: bool) -> None:
+        import torch
+
+        if mem.addresses is None:
+            raise UbepError("the Triton engine on a CPU needs every rank's region load/store "
+                            "reachable (one host)")
+        self._mem, self._owned = mem, owned
+        self.local = torch.frombuffer(mem.local_array, dtype=torch.uint8)
+        self.addresses = list(mem.addresses)
         self._peers = [PeerProcess(r, p, s) for r, (p, s) in
-                       enumerate(zip(self._mem.pids, self._mem.start_times, strict=True))]
+                       enumerate(zip(mem.pids, mem.start_times, strict=True))]
 
     def peer_bytes(self, rank: int, offset: int, size: int) -> bytes:
         return bytes(self._mem.segments[rank].array[offset:offset + size])
@@ -62,7 +79,8 @@ class ShmArena:
         import torch
 
         self.local = torch.zeros(0, dtype=torch.uint8)
-        self._mem.close()
+        if self._owned:
+            self._mem.close()
 
 
 class CudaIpcArena:
