@@ -136,16 +136,14 @@ FIG9_WORKLOAD = Workload(tokens_per_rank=64, experts_per_rank=4, routing="hot", 
 
 
 def fig9_max_core_us(system: Any, fabric: FabricModel) -> float:
-    """Figure 9's maximum per-core token-send latency as measured: first issue until the core's
-    stores are acknowledged (its hop mix and the receivers' ports set the end), over every
-    send core; the median over the seeded hot-expert placements :data:`FIG9_SEEDS`.
-    Program (1)'s reading (``until="rtt"``, no receiver queueing) is reported beside it by
-    the experiment, not fitted: the paper's two maxima (62.2 us with 43-82 rows on CANN EP's
-    hottest core, 48.1 us with 12-13 rows on every balanced core) cannot both be a core's own
-    time (docs/SIMULATOR.md 5, Figure 9)."""
+    """Figure 9's maximum per-AIV token-send latency (``until="sent"``, docs/SIMULATOR.md
+    1.8): program (1) of the core's own rows (issue time and farthest round trip: its hop mix)
+    plus the mean wait of its rows at the receivers' ports (the contention every core sending
+    there shares), the largest over every send core; the median over the seeded hot-expert
+    placements :data:`FIG9_SEEDS`."""
     topo = topology_for("cm384", 64)
     return float(np.median([run_case(FIG9_WORKLOAD.with_(seed=s), system, topo, fabric)
-                            .send_latency_ns(until="ack").max() for s in FIG9_SEEDS])) / 1e3
+                            .send_latency_ns(until="sent").max() for s in FIG9_SEEDS])) / 1e3
 
 
 FIG10_SIZES = (10, 32, 100, 320, 1000, 3200, 10000)

@@ -24,7 +24,8 @@ from .fabric import FabricModel, sync_costs
 from .order import lex_order
 from .syncs import SW, sync_mode
 
-__all__ = ["OPS", "OpSpec", "RowCosts", "Transfers", "build_spec", "receiver_drain_ns",
+__all__ = ["OPS", "OpSpec", "RowCosts", "Transfers", "build_spec", "core_rx_wait_ns",
+           "receiver_drain_ns",
            "transfers"]
 
 OPS = ("dispatch", "combine")
@@ -338,6 +339,19 @@ def build_spec(
         item_rank=np.asarray(item_rank, dtype=np.int64),
         item_core=np.asarray(item_core, dtype=np.int64), item_cost_ns=item_cost,
     )
+
+
+def core_rx_wait_ns(spec: OpSpec, topology: Topology, land: np.ndarray,
+                    depart: np.ndarray) -> np.ndarray:
+    """``[R, n_s]`` the mean, over each send core's rows, of the row's wait at its receiver's
+    port: ``land - depart - L[h]`` (0 for a hop-0 row)."""
+    lat = np.asarray(topology.latency_ns, dtype=np.float64)
+    wait = np.where(spec.unit_hop > 0, land - depart - lat[spec.unit_hop], 0.0)
+    size = spec.num_ranks * spec.num_send_cores
+    cell = spec.unit_src * spec.num_send_cores + spec.unit_core
+    total = np.bincount(cell, weights=np.maximum(wait, 0.0), minlength=size)
+    rows = np.bincount(cell, minlength=size)
+    return (total / np.maximum(rows, 1)).reshape(spec.num_ranks, spec.num_send_cores)
 
 
 def receiver_drain_ns(spec: OpSpec, topology: Topology) -> np.ndarray:

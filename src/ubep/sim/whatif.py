@@ -77,7 +77,7 @@ def replicas(family: str = "cm384", fabric: FabricModel | None = None) -> Experi
     for label, w in cases:
         for s in (CANN_EP, UBEP):
             res = run_case(w, s, topo, fab)
-            lat = res.send_latency_ns(until="ack")
+            lat = res.send_latency_ns(until="sent")
             hops = np.concatenate([p.send_hop for p in plans_for(w, s, topo, fab)])
             recv = np.bincount(np.concatenate([p.send_dst_rank for p in
                                                plans_for(w, s, topo, fab)]), minlength=ranks)
