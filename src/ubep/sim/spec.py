@@ -24,7 +24,7 @@ from .fabric import FabricModel, sync_costs
 from .order import lex_order
 from .syncs import SW, sync_mode
 
-__all__ = ["OPS", "OpSpec", "RowCosts", "Transfers", "build_spec", "core_rx_wait_ns",
+__all__ = ["OPS", "OpSpec", "RowCosts", "Transfers", "build_spec", "core_rx_wait_ns", "meet_ns",
            "receiver_drain_ns",
            "transfers"]
 
@@ -281,6 +281,8 @@ def build_spec(
         lat = np.asarray(topology.latency_ns, dtype=np.float64)[hop]
         bw = np.asarray(topology.bandwidth_gbps, dtype=np.float64)[hop]
         fence = fabric.fence_rtt_fraction * (2 * lat + wire / bw)
+        if mode.meet and fabric.sw_meet:  # the rank's sending AIVs meet before each flag
+            fence = fence + meet_ns(counts, fabric)[src]
         stall = stall + np.where(last, fence, 0.0)
         work = work + np.where(last, fabric.flag_ns, 0.0)
 
@@ -339,6 +341,13 @@ def build_spec(
         item_rank=np.asarray(item_rank, dtype=np.int64),
         item_core=np.asarray(item_core, dtype=np.int64), item_cost_ns=item_cost,
     )
+
+
+def meet_ns(core_rows: np.ndarray, fabric: FabricModel) -> np.ndarray:
+    """``[R]`` stop-and-wait's cross-AIV meeting before one per-destination flag: ``P x
+    flag_ns`` for the ``P`` AIVs of the rank that send (``core_rows [R, n_s]``: rows per send
+    core), whose adds to one counter serialise (:class:`~ubep.sim.syncs.SyncMode` ``meet``)."""
+    return (np.asarray(core_rows) > 0).sum(axis=1) * float(fabric.flag_ns)
 
 
 def core_rx_wait_ns(spec: OpSpec, topology: Topology, land: np.ndarray,
