@@ -159,11 +159,11 @@ def _fig9(plt: Any, r: ExperimentResult) -> Any:
     bal, hier = reads["balanced"], reads["hierarchical"]
     side = ("below" if r.data["max_core_latency_us"]["hierarchical"]
             < r.data["max_core_latency_us"]["balanced"] else "not below")
-    b.set_title(f"UBEP {side} w/o mapping: program (1) of its cores' own hop mixes "
-                f"{hier['program1']:.1f} vs {bal['program1']:.1f} us,\nlargest mean wait of a "
-                f"core's rows at the receivers {hier['rx_wait']:.1f} vs "
-                f"{bal['rx_wait']:.1f} us); acknowledged, the hot port's drain sets both",
-                fontsize=6)
+    b.set_title(f"UBEP {side} w/o mapping. Program (1), its cores' even hop mixes: "
+                f"{hier['program1']:.1f} vs {bal['program1']:.1f} us;\nlargest mean wait of "
+                f"a core's rows at the receivers: {hier['rx_wait']:.1f} vs "
+                f"{bal['rx_wait']:.1f} us.\nUntil acknowledged, the hottest receiver's "
+                "drain ends every core: no mapping lowers it.", fontsize=6)
     fig.tight_layout()
     return fig
 
