@@ -612,3 +612,25 @@ def test_stop_and_wait_meeting_grows_with_the_sending_aivs(num_ranks: int,
     assert senders * fab.flag_ns - 1e-6 <= sw_gain <= batches * senders * fab.flag_ns + 1e-6
     if batches == 1:
         assert sw_gain == pytest.approx(senders * fab.flag_ns, rel=1e-9)
+
+
+def test_calibrate_remembers_each_points_value_per_fabric(monkeypatch: pytest.MonkeyPatch) -> None:
+    # While calibrate runs, a point evaluated again at the same fabric (a leave-one-out refit
+    # starting where the full fit ended) is not re-simulated; outside it every call simulates.
+    from ubep.sim import fit as fit_mod
+
+    calls: list[float] = []
+
+    def evaluate(f: Any) -> float:
+        calls.append(f.issue_ns)
+        return 2.0 * f.issue_ns
+
+    p = TrainingPoint("memo_probe", "test", "-", 200.0, 0.1, evaluate)
+    a, b = fabric(issue_ns=100.0), fabric(issue_ns=110.0)
+    assert p.residual(a) == p.residual(a) == pytest.approx(0.0)
+    assert len(calls) == 2  # off: every call evaluates
+    monkeypatch.setattr(fit_mod, "_MEMO", [True])
+    monkeypatch.setattr(fit_mod, "_VALUES", {})
+    values = [p.value(a), p.value(b), p.value(a), p.value(b)]
+    assert values == [200.0, 220.0, 200.0, 220.0]
+    assert calls == [100.0, 100.0, 100.0, 110.0]  # one new evaluation per fabric

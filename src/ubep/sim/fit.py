@@ -68,7 +68,25 @@ class TrainingPoint:
 
     def residual(self, fabric: FabricModel) -> float:
         """``log(model / paper) / log(1 + tolerance)``: within tolerance iff ``|r| <= 1``."""
-        return float(np.log(self.evaluate(fabric) / self.paper) / np.log1p(self.tolerance))
+        return float(np.log(self.value(fabric) / self.paper) / np.log1p(self.tolerance))
+
+    def value(self, fabric: FabricModel) -> float:
+        """``evaluate(fabric)``, remembered while :func:`calibrate` runs (its points are
+        :func:`training_set` and :func:`baseline_rows`, one per name): every leave-one-out
+        refit starts where the full fit ended, and a fit asks again for the point it
+        evaluated last."""
+        if not _MEMO[0]:
+            return float(self.evaluate(fabric))
+        key = (self.name, self.paper, fabric)
+        if key not in _VALUES:
+            if len(_VALUES) >= 4096:
+                _VALUES.clear()
+            _VALUES[key] = float(self.evaluate(fabric))
+        return _VALUES[key]
+
+
+_VALUES: dict[tuple[str, float, FabricModel], float] = {}
+_MEMO = [False]
 
 
 # A baseline row is a constraint as well as a target: CANN EP's calibration bounds (5 %) are the
@@ -418,11 +436,16 @@ def calibrate(path: Any = None, *, loo: bool = True, max_nfev: int = 12, warm: b
     if warm:
         stored = load_calibration(Path(path) if path else None)["fabrics"]["cm384"]
         start = dict(stored.get("fit", {}).get("values", {})) or None
-    full = fit(base, start=start, max_nfev=max_nfev, progress=progress)
-    rows = leave_one_out(base, full, refit=loo_refit, max_nfev=loo_max_nfev, cold=loo_cold,
-                         progress=progress) if loo else []
-    quick = (leave_one_out(base, full, refit=False, progress=progress) if loo and loo_refit
-             else [{}] * len(training_set()))
+    _MEMO[0] = True
+    try:
+        full = fit(base, start=start, max_nfev=max_nfev, progress=progress)
+        rows = leave_one_out(base, full, refit=loo_refit, max_nfev=loo_max_nfev, cold=loo_cold,
+                             progress=progress) if loo else []
+        quick = (leave_one_out(base, full, refit=False, progress=progress)
+                 if loo and loo_refit else [{}] * len(training_set()))
+    finally:
+        _MEMO[0] = False
+        _VALUES.clear()
     loo_rows = rows
     fab = apply_assumed(base, full.values)
     data = load_calibration(Path(path) if path else None)
