@@ -18,6 +18,12 @@ from .workload import ROUTINGS
 __all__ = ["register"]
 
 
+def summary(doc: str | None) -> str:
+    """A docstring's first paragraph on one line: a subcommand's whole first sentence, where
+    its first line alone would stop mid-sentence."""
+    return " ".join((doc or "").strip().split("\n\n", 1)[0].split())
+
+
 def register(subparsers: Any) -> None:
     """Add ``sim`` and its subcommands to the ``ubep`` command line."""
     sim = subparsers.add_parser("sim", help="superpod simulator: paper experiments and what-ifs",
@@ -26,7 +32,7 @@ def register(subparsers: Any) -> None:
     for name, fn in {**EXPERIMENTS, **WHATIFS}.items():
         aliases = [old for old, new in ALIASES.items() if new == name]
         p = sub.add_parser(name, aliases=aliases,
-                           help=(fn.__doc__ or "").strip().splitlines()[0])
+                           help=summary(fn.__doc__))
         _common(p)
         p.add_argument("--plot", metavar="PATH", help="write the figure as a PNG")
         p.add_argument("--json", metavar="PATH", help="write the results as JSON")
