@@ -16,7 +16,7 @@
 
 Faults: :meth:`HostBed.cut` and :meth:`HostBed.heal` take a host's link down and up again
 (a partition between it and the rest); :meth:`HostBed.signal_host` signals every process in
-one host.
+one host; :meth:`HostBed.netem` makes its link slow or lossy where the kernel has ``netem``.
 
 Teardown (:meth:`HostBed.close`, idempotent; the fixtures call it in a finalizer) kills every
 process in the hosts' namespaces, deletes the namespaces (their veth ends go with them) and
@@ -188,6 +188,15 @@ class HostBed:
     def cut(self, host: str) -> None:
         """Take ``host``'s link to the bridge down: a partition between it and the rest."""
         _run("ip", "link", "set", f"{self.tag}v{self.hosts.index(host)}", "down")
+
+    def netem(self, host: str, spec: list[str]) -> str | None:
+        """Shape ``host``'s link with ``tc qdisc ... netem SPEC`` (delay, loss); ``None``, or
+        why the kernel does not offer it (no ``sch_netem``)."""
+        proc = _run("ip", "netns", "exec", host, "tc", "qdisc", "add", "dev", "eth0", "root",
+                    "netem", *spec, check=False)
+        if proc.returncode != 0:
+            return f"tc netem is not available here: {proc.stderr.strip()}"
+        return None
 
     def heal(self, host: str) -> None:
         _run("ip", "link", "set", f"{self.tag}v{self.hosts.index(host)}", "up")
