@@ -27,6 +27,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -261,3 +262,30 @@ def test_a_slow_lossy_link_stays_bit_exact(bed2: netns.HostBed, tmp_path: Path) 
     assert code == 0, output[-4000:]
     assert all(f["errors"] == [] and len(f["modes"]) == 12 for f in json.loads(out.read_text()))
     _no_shm_left(bed2)
+
+
+SOAK_ROUNDS = 20
+_SOAK_CASES = [("cut", "dispatch", "mask"), ("cut", "combine", "raise"),
+               ("kill", "dispatch", "mask"), ("stop", "combine", "mask")]
+
+
+@pytest.fixture(scope="module")
+def busy_loop() -> Iterator[None]:
+    """One process spinning on a core for the whole soak (a host that is not idle)."""
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    yield
+    spin.kill()
+    spin.wait()
+
+
+@pytest.mark.matrix
+@pytest.mark.parametrize("round_", range(SOAK_ROUNDS))
+@pytest.mark.parametrize(("fault", "phase", "policy"), _SOAK_CASES)
+def test_fault_soak_beside_a_busy_loop(busy_loop: None, bed: netns.HostBed, tmp_path: Path,
+                                       fault: str, phase: str, policy: str,
+                                       round_: int) -> None:
+    """Each default fault case 20 times in a row beside a busy loop, every invariant checked
+    each time (``pytest -m matrix -x -k soak``)."""
+    got = run_fault(bed, tmp_path, fault, policy, phase)
+    check_fault(got, fault, policy)
+    _no_shm_left(bed)
