@@ -45,14 +45,16 @@ REPO = Path(__file__).resolve().parents[1]
 OUT_DIR = REPO / "benchmarks" / "results"
 
 
-def _shapes(num_ranks: int, quick: bool) -> list[Any]:
+def _shapes(num_ranks: int, quick: bool, tokens: list[int]) -> list[Any]:
+    """The peers benchmark's shapes at ``tokens`` tokens per rank (its 512-token shapes are
+    ``--tokens 128,512``: 28 MiB a rank at 7168 x 1 byte, minutes per call over emulated RMA)."""
     from benchmarks.peers.workload import Shape
 
     if quick:
         return [Shape(num_ranks, 128, 2048, "bf16", "uniform")]
     return [Shape(num_ranks, t, h, d, routing)
             for routing in ("uniform", "hot")
-            for t in (128, 512)
+            for t in tokens
             for h, d in ((2048, "bf16"), (7168, "uint8"))]
 
 
@@ -154,7 +156,7 @@ def _measure_shape(group: Any, comm: Any, shape: Any, warmup: int,
     return got
 
 
-def worker(out: str, quick: bool, warmup: int, repeats: int) -> None:
+def worker(out: str, quick: bool, warmup: int, repeats: int, tokens: list[int]) -> None:
     """One rank of the job (under mpiexec)."""
     from mpi4py import MPI
 
@@ -162,8 +164,12 @@ def worker(out: str, quick: bool, warmup: int, repeats: int) -> None:
 
     group = ubep.mpi.init()
     comm = MPI.COMM_WORLD
-    rows = [_measure_shape(group, comm, shape, warmup, repeats)
-            for shape in _shapes(group.num_ranks, quick)]
+    rows = []
+    t0 = time.monotonic()
+    for shape in _shapes(group.num_ranks, quick, tokens):
+        rows.append(_measure_shape(group, comm, shape, warmup, repeats))
+        if group.rank == 0:
+            print(f"  {shape.label}: done at {time.monotonic() - t0:.0f} s", flush=True)
     if group.rank == 0:
         Path(out).write_text(json.dumps(rows))
     group.close()
@@ -208,11 +214,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="one shape")
+    p.add_argument("--tokens", default="128", help="tokens per rank, comma-separated")
     p.add_argument("--name", default="multihost", help="results file stem")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        worker(args.worker, args.quick, args.warmup, args.repeats)
+        worker(args.worker, args.quick, args.warmup, args.repeats,
+               [int(t) for t in args.tokens.split(",")])
         return 0
     from tests.mpi import netns
     from tests.mpi.multihost import run_job
@@ -226,10 +234,11 @@ def main(argv: list[str] | None = None) -> int:
             netns.HostBed(args.hosts, Path(tmp)) as bed:
         out = Path(tmp) / "rows.json"
         argv2 = ["-m", "benchmarks.bench_multihost", "--worker", str(out), "--repeats",
-                 str(args.repeats), "--warmup", str(args.warmup)] + (["--quick"] * args.quick)
+                 str(args.repeats), "--warmup", str(args.warmup), "--tokens", args.tokens]
+        argv2 += ["--quick"] * args.quick
         code, output = run_job(bed, args.per_host, argv2, timeout_s=1800)
+        print(output[-4000:] if code != 0 else output.replace("\x00", ""), file=sys.stderr)
         if code != 0:
-            print(output[-4000:], file=sys.stderr)
             return 1
         rows = json.loads(out.read_text())
     header = (f"bench_multihost: {args.hosts} namespaced hosts x {args.per_host} ranks "

