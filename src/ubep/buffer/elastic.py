@@ -140,7 +140,7 @@ class MaskingBuffer:
             plane: Any = _ONE_HOST
             roster: Any = Roster.of(group)
         elif hasattr(group, "membership_plane"):  # ubep.mpi: ULFM's agreement
-            plane = group.membership_plane()
+            plane = group.membership_plane(config)  # the quorum: ubep.mpi.quorum
             roster = plane.roster
         else:
             raise InvalidArgumentError(
