@@ -66,6 +66,8 @@ def check_call(eng: Any, case: Case, tokens: list[int], seed: int, kind: str) ->
         if not testing.same_bits(got, want):
             errors.append(f"{case} seed {seed}: {f} {got.dtype}{got.shape} differs from the "
                           f"reference {want.dtype}{want.shape}")
+    if not testing.same_bits(res.handle.send_dst_row, refs[r].handle.send_dst_row):
+        errors.append(f"{case} seed {seed}: handle.send_dst_row differs from the reference")
     if eng.sync.name == "dc":
         errors += _dc_records(eng, res, refs[r])
     outs = [testing.expert_outputs(case.dtype, ref.recv_x, seed * 10 + q)

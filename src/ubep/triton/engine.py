@@ -323,6 +323,11 @@ class TritonEngine:
                    lay.counts, lay.notice, cfg.poll_spins, RP=RP, NBP=NBP)
         bucket = np.zeros_like(plan.send_dst_rank) if self.rank_layout \
             else plan.send_expert - plan.send_dst_rank * L
+        # where each unit's row lands (send_kernel's row), the handle's send_dst_row
+        dst_row = offs.cpu().numpy()[plan.send_dst_rank * NB + bucket] + plan.send_slot
+        send_dst_row = np.full((T, R if self.rank_layout else K), -1, dtype=np.int64)
+        send_dst_row[plan.send_token, plan.send_dst_rank if self.rank_layout
+                     else plan.send_k] = dst_row
         BH = min(_pow2(cfg.hidden), 1024)
         self._launch(kd, "send_kernel", plan.num_send_cores, xb, _i64(plan.send_token, dev),
                      _i64(plan.send_dst_rank, dev), _i64(bucket, dev),
@@ -352,10 +357,11 @@ class TritonEngine:
                    cfg.poll_spins, RANK_LAYOUT=self.rank_layout, ROW=self.sync.dispatch_row,
                    BATCH=self.sync.dispatch_batch, RP=RP, NBP=NBP, KP=KP, BT=BT, BH=BH,
                    BW=min(_pow2(max(W, 1)), 512), NBLKP=_pow2(lay.nblk))
-        return self._result(epoch, index, T, idx, w, meta, m_idx, m_w)
+        return self._result(index, T, idx, w, send_dst_row, meta, m_idx, m_w)
 
-    def _result(self, epoch: int, index: int, T: int, idx: np.ndarray, w: np.ndarray,
-                meta: list[Any], m_idx: Any, m_w: Any) -> DispatchResult[Any]:
+    def _result(self, index: int, T: int, idx: np.ndarray, w: np.ndarray,
+                send_dst_row: np.ndarray, meta: list[Any], m_idx: Any,
+                m_w: Any) -> DispatchResult[Any]:
         torch, cfg, R, L = self._torch, self.config, self.num_ranks, self.local_experts
         counts = (self.v_counts.cpu().numpy() & 0xFFFFFFFF).reshape(R, self.lay.num_buckets)
         rows = int(counts.sum())
@@ -374,7 +380,7 @@ class TritonEngine:
             num_tokens=T, hidden=cfg.hidden, x_dtype=cfg.dtype, topk_idx=idx, topk_weights=w,
             recv_src_rank=src_np, recv_src_token=tok.cpu().numpy(), recv_src_k=k.cpu().numpy(),
             num_recv_rows_per_rank=np.bincount(src_np, minlength=R).astype(np.int64),
-            dispatch_index=index, buffer_uid=self.uid, generation=self.generation)
+            send_dst_row=send_dst_row, dispatch_index=index, buffer_uid=self.uid, generation=self.generation)
         return DispatchResult(recv_x=recv_x, recv_topk_idx=r_idx, recv_topk_weights=r_w,
                               num_recv_tokens_per_expert=per_expert, recv_src_rank=src,
                               recv_src_token=tok, recv_src_k=k, handle=handle)
