@@ -380,7 +380,8 @@ class TritonEngine:
             num_tokens=T, hidden=cfg.hidden, x_dtype=cfg.dtype, topk_idx=idx, topk_weights=w,
             recv_src_rank=src_np, recv_src_token=tok.cpu().numpy(), recv_src_k=k.cpu().numpy(),
             num_recv_rows_per_rank=np.bincount(src_np, minlength=R).astype(np.int64),
-            send_dst_row=send_dst_row, dispatch_index=index, buffer_uid=self.uid, generation=self.generation)
+            send_dst_row=send_dst_row, dispatch_index=index, buffer_uid=self.uid,
+            generation=self.generation)
         return DispatchResult(recv_x=recv_x, recv_topk_idx=r_idx, recv_topk_weights=r_w,
                               num_recv_tokens_per_expert=per_expert, recv_src_rank=src,
                               recv_src_token=tok, recv_src_k=k, handle=handle)
