@@ -281,3 +281,35 @@ def over_callers_memory(group: Any, case: Case) -> list[str]:
     finally:
         mem.close()
     return out
+
+
+def back_to_back(group: Any, case: Case) -> list[str]:
+    """Two dispatches with no call between them, then their combines: rank 1 reads its counts
+    a second late, so rank 0, done with the first dispatch, has released the second's counts
+    by then (they must not land where rank 1 still reads the first's)."""
+    import time
+
+    r = group.rank
+    with open_engine(group, case.config(group.num_ranks, 8, timeout_s=120.0)) as eng:
+        if r == 1:
+            result = eng._result
+
+            def late(*args: Any) -> Any:
+                time.sleep(1.0)
+                return result(*args)
+
+            eng._result = late  # type: ignore[method-assign]
+        E = eng.config.num_experts
+        calls = [testing.inputs(case.dtype, E, NUM_TOPK, case.hidden, tokens, seed, "uniform")
+                 for tokens, seed in (([6, 2], 1), ([3, 8], 2))]
+        got = [eng.dispatch(xs[r], idxs[r], ws[r]) for xs, idxs, ws in calls]
+        out: list[str] = []
+        for (xs, idxs, ws), res, seed in zip(calls, got, (1, 2), strict=True):
+            refs = reference.dispatch(xs, idxs, ws, E, layout=case.layout)
+            out += [f"dispatch {seed}: {e}" for e in testing.compare(res, refs[r])]
+            outs = [testing.expert_outputs(case.dtype, ref.recv_x, seed * 10 + q)
+                    for q, ref in enumerate(refs)]
+            y = eng.combine(outs[r], res.handle)
+            if not testing.same_bits(y, reference.combine(outs, refs)[r]):
+                out.append(f"combine {seed} differs from the reference")
+    return out
