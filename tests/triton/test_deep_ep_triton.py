@@ -1,6 +1,7 @@
 """``deep_ep.Buffer(group, ..., transport="triton")``: DeepEP's normal dispatch and combine run
 on the Triton engine (under Triton's interpreter), bit for bit against dense computations
-every rank makes from every rank's seeded inputs."""
+every rank makes from every rank's seeded inputs; and ``ubep.Buffer`` on it takes torch
+tensors and gives torch tensors, bit for bit against ``ubep.reference``."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from tests.triton.conftest import needs_triton
 torch = pytest.importorskip("torch")
 
 import ubep  # noqa: E402
-from ubep import deep_ep  # noqa: E402
+from ubep import deep_ep, reference, testing  # noqa: E402
 
 _EXPERTS, _HIDDEN, _RANKS = 8, 128, 2
 _TOKENS = (5, 3)
@@ -54,7 +55,7 @@ def _rank_body(group: Any) -> dict[str, Any]:
     y, _, _ = buf.combine(recv_x, handle)
     copies = (_owner(idx)[:, :, None] == torch.arange(_RANKS)).any(dim=1).sum(dim=1)
     engines = {type(b.buffer._engine).__name__ for b in buf._backends.values()}
-    return {
+    return _torch_in_torch_out(group) | {
         "recv_x": torch.equal(recv_x.view(torch.int16), torch.cat(want_x).view(torch.int16)),
         "recv_topk_idx": torch.equal(recv_idx, torch.cat(want_idx)),
         "recv_topk_weights": torch.equal(recv_w, torch.cat(want_w)),
@@ -64,8 +65,27 @@ def _rank_body(group: Any) -> dict[str, Any]:
     }
 
 
+def _torch_in_torch_out(group: Any) -> dict[str, Any]:
+    r = group.rank
+    cfg = ubep.BufferConfig(max_tokens_per_rank=8, hidden=_HIDDEN, num_topk=2,
+                            num_experts=_EXPERTS, dtype="bf16", sync="tff", layout="expert",
+                            transport="triton", timeout_s=120.0)
+    xs, idxs, ws = testing.inputs("bf16", _EXPERTS, 2, _HIDDEN, list(_TOKENS), 3, "uniform")
+    with ubep.Buffer(group, cfg) as buf:
+        res = buf.dispatch(torch.from_numpy(xs[r]).view(torch.bfloat16),
+                           torch.from_numpy(idxs[r]), torch.from_numpy(ws[r]))
+        refs = reference.dispatch(xs, idxs, ws, _EXPERTS)
+        y = buf.combine(res.recv_x, res.handle)  # identity experts
+    want = reference.combine([ref.recv_x for ref in refs], refs)[r]
+    return {"torch_result": testing.compare(res, refs[r]) + (
+                [] if res.recv_x.dtype == torch.bfloat16 else ["recv_x is not a bf16 tensor"]),
+            "torch_y": (isinstance(y, torch.Tensor) and y.dtype == torch.bfloat16
+                        and testing.same_bits(y, want))}
+
+
 @needs_triton
 def test_deep_ep_normal_dispatch_and_combine_on_the_triton_engine() -> None:
     for got in ubep.launch(_rank_body, _RANKS, timeout_s=300.0):
         assert got == {"recv_x": True, "recv_topk_idx": True, "recv_topk_weights": True,
-                       "y": True, "engines": {"TritonPlane"}}
+                       "y": True, "engines": {"TritonPlane"}, "torch_result": [],
+                       "torch_y": True}
