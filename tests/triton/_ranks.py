@@ -150,10 +150,12 @@ def bad_input(group: Any, case: Case) -> list[str]:
         except RemoteError as e:
             out += [] if (r == 0 and e.clean and e.rank == 1 and "topk_idx" in e.message) \
                 else [f"rank {r}: {e!r}"]
-        # the offender released no count word here (its words still carry the last call's)
+        # the offender released no count word here (its words, of both dispatch parities,
+        # still carry the earlier calls')
         group.barrier()
-        if r == 0 and not np.array_equal(eng.v_counts.cpu().numpy()[1 * eng.lay.num_buckets:],
-                                         before[1 * eng.lay.num_buckets:]):
+        shape = (2, group.num_ranks, eng.lay.num_buckets)
+        if r == 0 and not np.array_equal(eng.v_counts.cpu().numpy().reshape(shape)[:, 1],
+                                         before.reshape(shape)[:, 1]):
             out.append("rank 1's counts reached rank 0 in the refused call")
         out += check_call(eng, case, [3, 6], 3, "uniform")
         if eng.sync.armed:  # SP: a payload holding the sentinel is bad input (on rank 0)
