@@ -11,8 +11,8 @@ Buffer's, its exceptions become error records.
 
 Results are the engine's: torch tensors on its device, fresh ones (``recv_x`` is a copy out
 of the receive region), so no result is a view a later dispatch could refill. A split-phase
-call runs whole at issue (the interpreter runs a launch's programs one after another: there is
-no send half to return early from); its hook hands the result out.
+call runs whole at issue (the engine does not split its sequence of launches yet) and its hook
+hands the result out: right, with nothing overlapped.
 """
 
 from __future__ import annotations
