@@ -89,3 +89,34 @@ def test_deep_ep_normal_dispatch_and_combine_on_the_triton_engine() -> None:
         assert got == {"recv_x": True, "recv_topk_idx": True, "recv_topk_weights": True,
                        "y": True, "engines": {"TritonPlane"}, "torch_result": [],
                        "torch_y": True}
+
+
+
+def _low_latency_body(group: Any) -> str:
+    """DeepEP's low-latency round trip (``return_recv_hook=True``: a split-phase dispatch) on
+    the Triton engine, against the dense computation of ``tests/torch``'s flow (its
+    tolerance: experts scale rows in BF16)."""
+    from tests.torch import test_torch_deep_ep as flow
+
+    r = group.rank
+    buf = deep_ep.Buffer(group, low_latency_mode=True, transport="triton", timeout_s=120.0)
+    x, idx, w = flow._inputs(r)
+    recv, count, handle, _, hook = buf.low_latency_dispatch(
+        x, idx, flow.LL_MAX_TOKENS, flow.E, use_fp8=False, return_recv_hook=True)
+    hook()
+    local = flow.E // flow.R
+    out = torch.zeros(recv.shape, dtype=torch.bfloat16)
+    for e in range(local):
+        n = int(count[e])
+        out[e, :n] = (recv[e, :n].float() * flow._scale(torch.tensor(r * local + e))).to(
+            torch.bfloat16)
+    y, _, _ = buf.low_latency_combine(out, idx, w, handle)
+    flow.check_low_latency(r, y, False)
+    return "ok"
+
+
+@needs_triton
+def test_deep_ep_low_latency_round_trip_on_the_triton_engine() -> None:
+    from tests.torch import test_torch_deep_ep as flow
+
+    assert ubep.launch(_low_latency_body, flow.R, timeout_s=300.0) == ["ok"] * flow.R
