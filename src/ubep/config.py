@@ -137,6 +137,10 @@ class BufferConfig:
         on_peer_loss: ``"raise"`` (a dead or silent peer fails the call on every rank and the
             Buffer refuses until resynced) or ``"mask"`` (the survivors agree on the lost ranks,
             complete the call without them and keep serving: ``ubep.buffer.elastic``).
+        min_live_ranks: the quorum of a masking Buffer on an MPI group: the survivors of a
+            loss serve on only when at least this many of the group's ranks agreed, else each
+            raises ``PeerLostError`` naming the quorum; ``None`` = more than half of them
+            (docs/ELASTIC.md, "The quorum").
 
     Sync formats:
         tff_block_bytes, tff_flag_bytes: TFF block geometry (default 512 = 480 + 32).
@@ -170,6 +174,7 @@ class BufferConfig:
     # --- deadline
     timeout_s: float = 60.0
     on_peer_loss: PeerLoss = "raise"
+    min_live_ranks: int | None = None
     # --- sync formats
     tff_block_bytes: int = 512
     tff_flag_bytes: int = 32
@@ -184,6 +189,12 @@ class BufferConfig:
         if self.on_peer_loss not in PEER_LOSS:
             raise InvalidArgumentError("on_peer_loss", self.on_peer_loss,
                                        f"must be one of {PEER_LOSS}")
+        if self.min_live_ranks is not None and (
+                isinstance(self.min_live_ranks, bool)
+                or not isinstance(self.min_live_ranks, (int, np.integer))
+                or self.min_live_ranks < 1):
+            raise InvalidArgumentError("min_live_ranks", self.min_live_ranks,
+                                       "must be None or a positive integer")
         self._check_formats()
         if self.expert_ranks is not None and self.on_peer_loss == "mask":
             # a masking Buffer re-routes over an expert map of its own, and an M2N placement
