@@ -15,6 +15,7 @@ import numpy as np
 from . import dtypes as _dt
 from . import reference, routing
 from .modes import FLOAT_DTYPE_NAMES
+from .torch_bridge import on_host
 
 __all__ = [
     "FIELDS",
@@ -34,20 +35,23 @@ FIELDS = ("recv_x", "recv_topk_idx", "recv_topk_weights", "num_recv_tokens_per_e
 
 
 def bits(a: np.ndarray) -> np.ndarray:
-    """The raw bytes of an array, so NaN payloads and -0 compare exactly."""
-    return np.ascontiguousarray(a).view(np.uint8)
+    """The raw bytes of an array (or of a tensor's storage, on the host), so NaN payloads and
+    -0 compare exactly."""
+    return np.ascontiguousarray(on_host(a)).view(np.uint8)
 
 
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
-    """Same shape, same dtype, same bytes."""
+    """Same shape, same dtype, same bytes (a tensor: of its storage, BF16 as uint16)."""
+    a, b = on_host(a), on_host(b)
     return a.shape == b.shape and a.dtype == b.dtype and bool(np.array_equal(bits(a), bits(b)))
 
 
 def compare(res: Any, ref: Any) -> list[str]:
-    """The :data:`FIELDS` of dispatch result ``res`` that differ from ``ref``'s, described."""
+    """The :data:`FIELDS` of dispatch result ``res`` that differ from ``ref``'s, described
+    (fields may be tensors of an engine's device: compared as their storage on the host)."""
     bad = []
     for f in FIELDS:
-        a, b = getattr(res, f), getattr(ref, f)
+        a, b = on_host(getattr(res, f)), on_host(getattr(ref, f))
         if a.shape != b.shape or a.dtype != b.dtype:
             bad.append(f"{f}: {a.dtype}{a.shape} vs reference {b.dtype}{b.shape}")
         elif not np.array_equal(bits(a), bits(b)):
@@ -136,6 +140,7 @@ def check_call(buf: Any, xs: list[np.ndarray], idxs: list[np.ndarray], ws: list[
         eo = outs[r]
     y = buf.combine(eo, res.handle)
     y_ref = reference.combine(outs, refs)[r]
+    y = on_host(y)
     if y.dtype != y_ref.dtype or not np.array_equal(bits(y), bits(y_ref)):
         errors.append("combine differs")
     return errors

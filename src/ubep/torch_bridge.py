@@ -18,7 +18,7 @@ from .errors import UbepError
 
 __all__ = [
     "as_process_group", "combine_in_torch", "dispatch_in_torch", "is_torch_group",
-    "is_torch_tensor", "tensor_to_numpy",
+    "is_torch_tensor", "on_host", "tensor_to_numpy",
 ]
 
 
@@ -33,6 +33,17 @@ def tensor_to_numpy(tensor: Any, argument: str) -> np.ndarray:
     from .torch._convert import to_numpy
 
     return to_numpy(tensor, argument=argument)
+
+
+def on_host(obj: Any) -> Any:
+    """A result field as a numpy array on the host: a tensor of any device as its storage
+    (BF16 as uint16 bits; a device tensor copied to the host), anything else as it is. What
+    a reader of results takes from an engine whose results are tensors of its device."""
+    if not is_torch_tensor(obj):
+        return obj
+    if obj.device.type != "cpu":
+        obj = obj.cpu()
+    return tensor_to_numpy(obj, "result")
 
 
 def _storage_or_same(obj: object, argument: str) -> object:

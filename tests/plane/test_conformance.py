@@ -2,9 +2,11 @@
 ``ubep.Buffer``, against the single-process oracle (``ubep.reference``, ``ubep.quant``).
 
 Parametrized over the engines (``worlds.ENGINES``): the native one-host engine, the MPI RMA
-engine and the pure-numpy engine of this folder. Each test runs one world per engine (a world
-is a launch: the modes of a test share it). The default run takes a few modes per engine; the
-whole cross product (engine kind x sync x layout x quant) runs under ``-m matrix``.
+engine, the pure-numpy engine of this folder and the Triton engine (under Triton's
+interpreter: its default run takes its own few modes, ``TRITON_LEAN``). Each test runs one
+world per engine (a world is a launch: the modes of a test share it). The default run takes a
+few modes per engine; the whole cross product (engine kind x sync x layout x quant) runs
+under ``-m matrix``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.plane.worlds import ENGINES, LostRank, die, run
+from tests.plane.worlds import ENGINES, LostRank, die, run, transport
 from ubep import Buffer, BufferConfig, reference, testing
 from ubep.errors import (
     InvalidArgumentError,
@@ -44,20 +46,28 @@ ALL_MODES: list[Mode] = [
 LEAN_MODES: list[Mode] = [("asp", "sw", "expert", None), ("bsp", "tff", "rank", None),
                           ("asp", "dc", "rank", "e4m3"), ("bsp", "sp", "expert", None),
                           ("asp", "tff", "expert", "int8")]
+# the Triton engine's (its interpreter is slow): every sync and layout it serves, and one mode
+# of each kind it refuses
+TRITON_LEAN: list[Mode] = [("asp", "sw", "expert", None), ("asp", "tff", "rank", None),
+                           ("asp", "dc", "expert", None), ("asp", "sp", "rank", None),
+                           ("bsp", "tff", "rank", None), ("asp", "dc", "rank", "e4m3")]
 
 
-def _config(mode: Mode, **extra: Any) -> BufferConfig:
+def _config(group: Any, mode: Mode, **extra: Any) -> BufferConfig:
     kind, sync, layout, quant = mode
     return BufferConfig(max_tokens_per_rank=8, hidden=H, num_topk=K, num_experts=E, dtype="bf16",
                         engine=kind, sync=sync, layout=layout, quant=quant, num_cores=1,
-                        **({"timeout_s": 30.0} | extra))
+                        transport=transport(group), **({"timeout_s": 30.0} | extra))
 
 
 def _refused(mode: Mode, engine: str) -> str | None:
-    """The argument an engine refuses a mode by (the RMA engine moves rows as they are: no
-    quantised rows, no SP sentinels), else None."""
+    """The argument an engine refuses a mode by, else None: the RMA engine moves rows as they
+    are (no quantised rows, no SP sentinels); the Triton engine runs ASP (no BSP) on
+    unquantised rows (quant is the field it checks first)."""
     if engine == "mpi":
         return "quant" if mode[3] is not None else "sync" if mode[1] == "sp" else None
+    if engine == "triton":
+        return "quant" if mode[3] is not None else "engine" if mode[0] == "bsp" else None
     return None
 
 
@@ -92,7 +102,7 @@ def _modes_body(group: Any, modes: list[Mode]) -> list[Any]:
     out = []
     for i, mode in enumerate(modes):
         try:
-            buf = Buffer(group, _config(mode))
+            buf = Buffer(group, _config(group, mode))
         except InvalidArgumentError as exc:
             out.append(("refused", exc.argument))
             continue
@@ -115,7 +125,19 @@ def _check_modes(engine: str, modes: list[Mode]) -> None:
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_modes_bit_exact(engine: str) -> None:
-    _check_modes(engine, LEAN_MODES)
+    _check_modes(engine, TRITON_LEAN if engine == "triton" else LEAN_MODES)
+
+
+def _four_body(group: Any, mode: Mode) -> list[str]:
+    """Four ranks, one of them sending nothing."""
+    with Buffer(group, _config(group, mode)) as buf:
+        xs, idxs, ws = testing.inputs("bf16", E, K, H, [6, 4, 0, 5], 11, "uniform")
+        return testing.check_call(buf, xs, idxs, ws, 11)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_four_ranks_bit_exact(engine: str) -> None:
+    assert run(engine, 4, _four_body, ("asp", "dc", "rank", None)) == [[]] * 4
 
 
 @pytest.mark.matrix
@@ -130,11 +152,11 @@ def _routing_body(group: Any) -> list[list[str]]:
     out = []
     # six logical experts on eight slots: experts 0 and 5 have a replica each (slots 6, 7)
     emap = ExpertMap([[0, 6], [1], [2], [3], [4], [5, 7]])
-    with Buffer(group, _config(("asp", "sw", "expert", None), expert_map=emap)) as buf:
+    with Buffer(group, _config(group, ("asp", "sw", "expert", None), expert_map=emap)) as buf:
         xs, idxs, ws = testing.inputs("bf16", E - 2, K, H, TOKENS, 3, "hot")
         out.append(testing.check_call(buf, xs, idxs, ws, 3))
     for layout in LAYOUTS:
-        with Buffer(group, _config(("asp", "tff", layout, None), expert_ranks=(1,))) as buf:
+        with Buffer(group, _config(group, ("asp", "tff", layout, None), expert_ranks=(1,))) as buf:
             xs, idxs, ws = testing.inputs("bf16", E, K, H, TOKENS, 4, "uniform")
             out.append(testing.check_call(buf, xs, idxs, ws, 4))
     return out
@@ -148,7 +170,7 @@ def test_expert_map_and_m2n(engine: str) -> None:
 def _split_body(group: Any, sync: str) -> list[str]:
     """Two dispatches in flight, hooks called out of order, then two combines in flight."""
     r = group.rank
-    with Buffer(group, _config(("asp", sync, "expert", None))) as buf:
+    with Buffer(group, _config(group, ("asp", sync, "expert", None))) as buf:
         ins = [testing.inputs("bf16", E, K, H, TOKENS, s, "uniform") for s in (5, 6)]
         pend = [buf.dispatch(x[r], i[r], w[r], return_recv_hook=True) for x, i, w in ins]
         try:
@@ -180,7 +202,7 @@ def _bad_input_body(group: Any) -> list[Any]:
     wrong width (the Buffer's checks): each a clean reject on every rank, the next call
     right."""
     r, out = group.rank, []
-    with Buffer(group, _config(("asp", "sw", "expert", None))) as buf:
+    with Buffer(group, _config(group, ("asp", "sw", "expert", None))) as buf:
         xs, idxs, ws = testing.inputs("bf16", E, K, H, TOKENS, 8, "uniform")
         bad = [i.copy() for i in idxs]
         bad[1][0, 0] = E + 3
@@ -204,7 +226,7 @@ def test_bad_input_is_a_clean_reject_on_every_rank(engine: str) -> None:
 
 
 def _lost_peer_body(group: Any) -> Any:
-    with Buffer(group, _config(("asp", "dc", "expert", None), timeout_s=20.0)) as buf:
+    with Buffer(group, _config(group, ("asp", "dc", "expert", None), timeout_s=20.0)) as buf:
         xs, idxs, ws = testing.inputs("bf16", E, K, H, TOKENS, 9, "uniform")
         assert testing.check_call(buf, xs, idxs, ws, 9) == []
         group.barrier(20.0)
@@ -230,11 +252,11 @@ def test_a_lost_peer_fails_the_survivors_calls(engine: str) -> None:
     assert got[0] == ("peer lost", True)
 
 
-def _resync_body(group: Any) -> list[Any]:
+def _resync_body(group: Any, mode: Mode, timeout_s: float) -> list[Any]:
     """Rank 1 skips a dispatch: rank 0's times out and the Buffer refuses calls; after resync
     on both, calls are bit-exact again and a handle of before is refused."""
     r, out = group.rank, []
-    with Buffer(group, _config(("bsp", "tff", "rank", None), timeout_s=3.0)) as buf:
+    with Buffer(group, _config(group, mode, timeout_s=timeout_s)) as buf:
         xs, idxs, ws = testing.inputs("bf16", E, K, H, TOKENS, 10, "uniform")
         old = buf.dispatch(xs[r], idxs[r], ws[r])
         group.barrier(30.0)
@@ -261,5 +283,9 @@ def _resync_body(group: Any) -> list[Any]:
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_resync_after_a_lost_step(engine: str) -> None:
-    got = run(engine, R, _resync_body)
+    # the Triton engine runs ASP only, and its calls' waits under the interpreter take far
+    # longer than a native engine's: a deadline its ordinary calls never reach, even loaded
+    mode, timeout_s = (("asp", "tff", "rank", None), 10.0) if engine == "triton" else (
+        ("bsp", "tff", "rank", None), 3.0)
+    got = run(engine, R, _resync_body, mode, timeout_s)
     assert got == [["timeout", "out of step", [], "handle"], [[], "handle"]]

@@ -66,6 +66,8 @@ def check_call(eng: Any, case: Case, tokens: list[int], seed: int, kind: str) ->
         if not testing.same_bits(got, want):
             errors.append(f"{case} seed {seed}: {f} {got.dtype}{got.shape} differs from the "
                           f"reference {want.dtype}{want.shape}")
+    if not testing.same_bits(res.handle.send_dst_row, refs[r].handle.send_dst_row):
+        errors.append(f"{case} seed {seed}: handle.send_dst_row differs from the reference")
     if eng.sync.name == "dc":
         errors += _dc_records(eng, res, refs[r])
     outs = [testing.expert_outputs(case.dtype, ref.recv_x, seed * 10 + q)
@@ -148,10 +150,12 @@ def bad_input(group: Any, case: Case) -> list[str]:
         except RemoteError as e:
             out += [] if (r == 0 and e.clean and e.rank == 1 and "topk_idx" in e.message) \
                 else [f"rank {r}: {e!r}"]
-        # the offender released no count word here (its words still carry the last call's)
+        # the offender released no count word here (its words, of both dispatch parities,
+        # still carry the earlier calls')
         group.barrier()
-        if r == 0 and not np.array_equal(eng.v_counts.cpu().numpy()[1 * eng.lay.num_buckets:],
-                                         before[1 * eng.lay.num_buckets:]):
+        shape = (2, group.num_ranks, eng.lay.num_buckets)
+        if r == 0 and not np.array_equal(eng.v_counts.cpu().numpy().reshape(shape)[:, 1],
+                                         before.reshape(shape)[:, 1]):
             out.append("rank 1's counts reached rank 0 in the refused call")
         out += check_call(eng, case, [3, 6], 3, "uniform")
         if eng.sync.armed:  # SP: a payload holding the sentinel is bad input (on rank 0)
@@ -278,4 +282,36 @@ def over_callers_memory(group: Any, case: Case) -> list[str]:
         out += [] if len(mem.local_array) else ["the engine closed its caller's memory"]
     finally:
         mem.close()
+    return out
+
+
+def back_to_back(group: Any, case: Case) -> list[str]:
+    """Two dispatches with no call between them, then their combines: rank 1 reads its counts
+    a second late, so rank 0, done with the first dispatch, has released the second's counts
+    by then (they must not land where rank 1 still reads the first's)."""
+    import time
+
+    r = group.rank
+    with open_engine(group, case.config(group.num_ranks, 8, timeout_s=120.0)) as eng:
+        if r == 1:
+            result = eng._result
+
+            def late(*args: Any) -> Any:
+                time.sleep(1.0)
+                return result(*args)
+
+            eng._result = late  # type: ignore[method-assign]
+        E = eng.config.num_experts
+        calls = [testing.inputs(case.dtype, E, NUM_TOPK, case.hidden, tokens, seed, "uniform")
+                 for tokens, seed in (([6, 2], 1), ([3, 8], 2))]
+        got = [eng.dispatch(xs[r], idxs[r], ws[r]) for xs, idxs, ws in calls]
+        out: list[str] = []
+        for (xs, idxs, ws), res, seed in zip(calls, got, (1, 2), strict=True):
+            refs = reference.dispatch(xs, idxs, ws, E, layout=case.layout)
+            out += [f"dispatch {seed}: {e}" for e in testing.compare(res, refs[r])]
+            outs = [testing.expert_outputs(case.dtype, ref.recv_x, seed * 10 + q)
+                    for q, ref in enumerate(refs)]
+            y = eng.combine(outs[r], res.handle)
+            if not testing.same_bits(y, reference.combine(outs, refs)[r]):
+                out.append(f"combine {seed} differs from the reference")
     return out

@@ -11,7 +11,7 @@ import pytest
 import ubep
 from ubep.modes import LAYOUTS, SYNCS, dtypes_for
 
-from ._ranks import Case, run_cases
+from ._ranks import Case, back_to_back, run_cases
 from .conftest import needs_triton
 
 pytestmark = needs_triton
@@ -62,3 +62,8 @@ def _matrix() -> list[tuple[int, Case]]:
 @pytest.mark.parametrize(("ranks", "case"), _matrix(), ids=lambda v: str(v))
 def test_matrix(ranks: int, case: Case) -> None:
     _assert_clean(ubep.launch(run_cases, ranks, [case], 4, timeout_s=600))
+
+
+def test_back_to_back_dispatches() -> None:
+    """A rank's next dispatch may release its counts while a peer still reads the last's."""
+    assert ubep.launch(back_to_back, 2, Case("sw", "expert", "bf16"), timeout_s=300) == [[], []]

@@ -48,7 +48,7 @@ from ..errors import InvalidArgumentError, RemoteError, UbepError
 from ..m2n import logical_result, physical_config, slot_shift
 from ..plane.protocol import PLAIN, CallOptions, EngineSpec, GlobalMemory, ProcessGroup
 from ..plane.records import ErrorRecord
-from ..plane.registry import open_engine
+from ..plane.registry import memory_bytes, open_engine
 from ..plane.results import DispatchHandle, DispatchResult, PendingCall, RuntimeHandle
 from ..routing import experts_per_rank
 from ..torch_bridge import as_process_group, combine_in_torch, dispatch_in_torch, is_torch_tensor
@@ -191,6 +191,10 @@ class Buffer(metaclass=abc.ABCMeta):
         self._dtype = _dt.dtype_of(config.dtype)
         self._cdtype = _dt.dtype_of(config.combine_dtype)
         self.layout = layout_of(config, self.num_ranks, self.num_cores)
+        # the bytes each rank maps: the engine's own size where its registry row gives one
+        # (which also refuses, by the field, a config that engine does not serve)
+        self._memory_bytes = memory_bytes(config, self.num_ranks, self.num_cores) or (
+            self.layout.size_bytes)
         # redundant experts: a caller's logical topk_idx -> the physical slots sent to
         # (ubep.expert_map); a masking Buffer installs its own over its members' Buffer
         self._route = None if config.expert_map is None else LogicalRouting(
@@ -199,7 +203,7 @@ class Buffer(metaclass=abc.ABCMeta):
 
     def _setup(self) -> None:
         g, lay, cfg = self.group, self.layout, self._cfg
-        mem = g.map_global(lay.size_bytes, "buffer")
+        mem = g.map_global(self._memory_bytes, "buffer")
         self._memory = mem
         # the engine of the config's transport (the memory's by default): a registry row, no
         # question asked of the memory or the engine
@@ -233,7 +237,8 @@ class Buffer(metaclass=abc.ABCMeta):
             from ..topology import host
 
             num_cores = config.num_cores or host(num_ranks).cores_per_rank
-        return layout_of(config, num_ranks, num_cores).size_bytes
+        return memory_bytes(config, num_ranks, num_cores) or (
+            layout_of(config, num_ranks, num_cores).size_bytes)
 
     @overload
     def dispatch(

@@ -28,12 +28,12 @@ from .protocol import (
     ProcessGroup,
 )
 from .records import ErrorRecord
-from .registry import open_engine, register_engine, transports
+from .registry import memory_bytes, open_engine, register_engine, transports
 from .results import DispatchHandle, DispatchResult, PendingCall, RuntimeHandle
 
 __all__ = [
     "PLAIN", "CallOptions", "CombineCall", "DispatchCall", "DispatchHandle", "DispatchResult",
     "Engine", "EngineSpec", "ErrorRecord", "GlobalMemory", "PendingCall", "ProcessGroup",
-    "RuntimeHandle", "SegmentLayout", "compute_layout", "open_engine", "register_engine",
-    "transports",
+    "RuntimeHandle", "SegmentLayout", "compute_layout", "memory_bytes", "open_engine",
+    "register_engine", "transports",
 ]

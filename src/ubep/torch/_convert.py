@@ -78,8 +78,9 @@ def from_numpy(a: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
 
 def from_numpy_as(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     """A tensor of ``dtype`` over ``a``'s memory (``a`` holds its storage: ``uint16`` bits for
-    BF16, ``uint8`` bytes for an FP8 type); no copy."""
-    t = from_numpy(a)
+    BF16, ``uint8`` bytes for an FP8 type); no copy. A tensor (an engine's result on its
+    device) is viewed as ``dtype`` where it is not one already."""
+    t = a if isinstance(a, torch.Tensor) else from_numpy(a)
     if t.dtype == dtype:
         return t
     if t.element_size() != torch.empty((), dtype=dtype).element_size():

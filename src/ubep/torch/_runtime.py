@@ -19,6 +19,7 @@ import torch
 from ..dtypes import dtype_of
 from ..errors import InvalidArgumentError
 from ..modes import Layout
+from ..torch_bridge import on_host
 
 __all__ = ["RuntimeBackend", "buffer_config", "make_backend", "ubep_dtype_name"]
 
@@ -44,26 +45,31 @@ class RuntimeBackend:
 
     def dispatch(self, x: np.ndarray, topk_idx: np.ndarray, topk_weights: np.ndarray,
                  x_scales: np.ndarray | None = None) -> Any:
-        return self.buffer.dispatch(x, topk_idx, np.asarray(topk_weights, dtype=np.float32),
-                                    x_scales=x_scales)
+        return _host_result(self.buffer.dispatch(
+            x, topk_idx, np.asarray(topk_weights, dtype=np.float32), x_scales=x_scales))
 
     def combine(
         self, expert_out: np.ndarray, handle: Any, topk_weights: np.ndarray | None = None
     ) -> np.ndarray:
-        return np.asarray(self.buffer.combine(expert_out, self._weighted(handle, topk_weights)))
+        return np.asarray(on_host(self.buffer.combine(expert_out,
+                                                      self._weighted(handle, topk_weights))))
 
     def dispatch_async(self, x: np.ndarray, topk_idx: np.ndarray, topk_weights: np.ndarray,
                        x_scales: np.ndarray | None = None) -> Any:
         """:meth:`dispatch` with ``return_recv_hook=True``: a ``ubep.PendingCall``."""
-        return self.buffer.dispatch(x, topk_idx, np.asarray(topk_weights, dtype=np.float32),
+        call = self.buffer.dispatch(x, topk_idx, np.asarray(topk_weights, dtype=np.float32),
                                     return_recv_hook=True, x_scales=x_scales)
+        call.map_result(_host_result)
+        return call
 
     def combine_async(
         self, expert_out: np.ndarray, handle: Any, topk_weights: np.ndarray | None = None
     ) -> Any:
         """:meth:`combine` with ``return_recv_hook=True``: a ``ubep.PendingCall``."""
-        return self.buffer.combine(expert_out, self._weighted(handle, topk_weights),
+        call = self.buffer.combine(expert_out, self._weighted(handle, topk_weights),
                                    return_recv_hook=True)
+        call.map_result(on_host)
+        return call
 
     def _weighted(self, handle: Any, topk_weights: np.ndarray | None) -> Any:
         if topk_weights is None:
@@ -82,6 +88,13 @@ class RuntimeBackend:
         close = getattr(self.buffer, "close", None)
         if close is not None:
             close()
+
+
+def _host_result(res: Any) -> Any:
+    """A dispatch result with every field on the host as numpy storage: what the facade
+    reads (an engine's results may be tensors of its device: ``BufferConfig.transport``)."""
+    fields = {f.name: on_host(getattr(res, f.name)) for f in dataclasses.fields(res)}
+    return type(res)(**fields)
 
 
 def buffer_config(

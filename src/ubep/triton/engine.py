@@ -132,7 +132,7 @@ class TritonEngine:
         torch, lay, loc = self._torch, self.lay, self.arena.local
         i64 = torch.int64
         self.table = torch.tensor(self.arena.addresses, dtype=i64, device=self.device)
-        self.v_counts = tt.view(loc, lay.counts, lay.num_ranks * lay.num_buckets, i64)
+        self.v_counts = tt.view(loc, lay.counts, 2 * lay.num_ranks * lay.num_buckets, i64)
         self.v_dflag = tt.view(loc, lay.dflag, lay.num_ranks * 4, i64)
         self.v_cflag = tt.view(loc, lay.cflag, lay.num_ranks, i64)
         self.v_ready = tt.view(loc, lay.ready, lay.num_ranks, i64)
@@ -314,15 +314,24 @@ class TritonEngine:
         bptr = count_expert_ptr(plan.num_count_cores, R) if self.rank_layout \
             else plan.count_expert_ptr
         KP, BT = _pow2(K), 16
+        # the counts block of this dispatch's parity (layout: a peer may still read the other)
+        parity = index % 2
+        off_counts = lay.counts + parity * R * NB * 8
+        v_counts = self.v_counts[parity * R * NB:(parity + 1) * R * NB]
         self._launch(kd, "count_kernel", plan.num_count_cores, idx_t, T, K, L,
-                     _i64(bptr, dev), me, e32, NB, lay.counts, RANK_LAYOUT=self.rank_layout,
+                     _i64(bptr, dev), me, e32, NB, off_counts, RANK_LAYOUT=self.rank_layout,
                      BT=BT, KP=KP)
         offs = torch.zeros(R * NB, dtype=torch.int64, device=dev)
         RP, NBP = _pow2(R), _pow2(NB)
         self._wait(kd, "prefix_kernel", R, epoch, "counts", offs, me, epoch, e32, R, NB,
-                   lay.counts, lay.notice, cfg.poll_spins, RP=RP, NBP=NBP)
+                   off_counts, lay.notice, cfg.poll_spins, RP=RP, NBP=NBP)
         bucket = np.zeros_like(plan.send_dst_rank) if self.rank_layout \
             else plan.send_expert - plan.send_dst_rank * L
+        # where each unit's row lands (send_kernel's row), the handle's send_dst_row
+        dst_row = offs.cpu().numpy()[plan.send_dst_rank * NB + bucket] + plan.send_slot
+        send_dst_row = np.full((T, R if self.rank_layout else K), -1, dtype=np.int64)
+        send_dst_row[plan.send_token, plan.send_dst_rank if self.rank_layout
+                     else plan.send_k] = dst_row
         BH = min(_pow2(cfg.hidden), 1024)
         self._launch(kd, "send_kernel", plan.num_send_cores, xb, _i64(plan.send_token, dev),
                      _i64(plan.send_dst_rank, dev), _i64(bucket, dev),
@@ -345,19 +354,20 @@ class TritonEngine:
                            device=dev)
         m_w = torch.zeros((cap, K) if self.rank_layout else (cap,), dtype=torch.float32,
                           device=dev)
-        self._wait(kd, "recv_kernel", R, epoch, "rows", self.v_counts, self.v_recv,
+        self._wait(kd, "recv_kernel", R, epoch, "rows", v_counts, self.v_recv,
                    self.v_words, self.v_dflag, *meta, m_idx, m_w, me, epoch, mix, R, NB, L, K,
                    route, lay.route_idx, lay.route_w, lay.notice, cfg.hidden,
                    lay.row_stride // self.dt.itemsize, lay.nblk, W, self.dt.sentinel or 0,
                    cfg.poll_spins, RANK_LAYOUT=self.rank_layout, ROW=self.sync.dispatch_row,
                    BATCH=self.sync.dispatch_batch, RP=RP, NBP=NBP, KP=KP, BT=BT, BH=BH,
                    BW=min(_pow2(max(W, 1)), 512), NBLKP=_pow2(lay.nblk))
-        return self._result(epoch, index, T, idx, w, meta, m_idx, m_w)
+        return self._result(index, T, idx, w, send_dst_row, v_counts, meta, m_idx, m_w)
 
-    def _result(self, epoch: int, index: int, T: int, idx: np.ndarray, w: np.ndarray,
-                meta: list[Any], m_idx: Any, m_w: Any) -> DispatchResult[Any]:
+    def _result(self, index: int, T: int, idx: np.ndarray, w: np.ndarray,
+                send_dst_row: np.ndarray, v_counts: Any, meta: list[Any], m_idx: Any,
+                m_w: Any) -> DispatchResult[Any]:
         torch, cfg, R, L = self._torch, self.config, self.num_ranks, self.local_experts
-        counts = (self.v_counts.cpu().numpy() & 0xFFFFFFFF).reshape(R, self.lay.num_buckets)
+        counts = (v_counts.cpu().numpy() & 0xFFFFFFFF).reshape(R, self.lay.num_buckets)
         rows = int(counts.sum())
         self._dirty_rows = rows
         recv_x = self._recv_rows(rows).clone().view(tt.torch_dtype(cfg.dtype))
@@ -374,7 +384,8 @@ class TritonEngine:
             num_tokens=T, hidden=cfg.hidden, x_dtype=cfg.dtype, topk_idx=idx, topk_weights=w,
             recv_src_rank=src_np, recv_src_token=tok.cpu().numpy(), recv_src_k=k.cpu().numpy(),
             num_recv_rows_per_rank=np.bincount(src_np, minlength=R).astype(np.int64),
-            dispatch_index=index, buffer_uid=self.uid, generation=self.generation)
+            send_dst_row=send_dst_row, dispatch_index=index, buffer_uid=self.uid,
+            generation=self.generation)
         return DispatchResult(recv_x=recv_x, recv_topk_idx=r_idx, recv_topk_weights=r_w,
                               num_recv_tokens_per_expert=per_expert, recv_src_rank=src,
                               recv_src_token=tok, recv_src_k=k, handle=handle)

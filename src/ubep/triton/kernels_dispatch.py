@@ -5,8 +5,8 @@ program), publish, receive. One launch per task; the host runs them in this orde
 
 1. ``count_kernel`` (a program per count core of the Plan): rows per bucket (local expert, or
    destination rank) of this rank's tokens, each released into the destination's count inbox
-   as ``epoch32 << 32 | rows``: the counts are their own flag. This rank's routing record and,
-   under SP, its armed receive rows were written before the launch.
+   of the dispatch's parity as ``epoch32 << 32 | rows``: the counts are their own flag. This
+   rank's routing record and, under SP, its armed receive rows were written before the launch.
 2. ``prefix_kernel`` (a program per destination): waits for every source's counts to that
    destination, then the row where this rank's rows of each bucket start there: rows before
    the bucket, plus the bucket's rows from lower sources. A destination publishes its own

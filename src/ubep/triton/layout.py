@@ -7,7 +7,8 @@ Every area starts 64-byte aligned; the first ``HEADER_BYTES`` belong to the segm
 =============  =======================================================  =====================
 area           contents                                                 written by
 =============  =======================================================  =====================
-counts         ``[R][NB]`` words ``epoch32 << 32 | rows``               each source (release)
+counts[2]      ``[R][NB]`` words ``epoch32 << 32 | rows``, per dispatch   each source (release)
+               parity
 dflag          ``[R][4]`` words ``[count, checksum, epoch, 0]``         each source (SW, DC)
 cflag          ``[R]`` words, epoch                                     each pusher (SW)
 ready          ``[R]`` words, epoch: "source s takes combine rows"      each source (release)
@@ -20,6 +21,11 @@ comb           ``[T][J]`` rows of ``comb_stride`` bytes                 each pus
 cwords         ``[T][J][cnblk]`` TFF words of combine                   each pusher (release)
 cdc            ``[T][J][2]`` words ``[checksum, epoch]``                each pusher (release)
 =============  =======================================================  =====================
+
+Counts come in two blocks, by the dispatch's parity (as routing records): a rank that has
+finished a dispatch releases its next dispatch's counts at once, while a peer may still be
+reading the last one's; the dispatch after that waits (in its prefix) for that peer's counts,
+which the peer releases only once it is done.
 
 ``NB`` (buckets per destination) is ``num_local_experts`` for the expert layout and 1 for the
 rank layout; ``J`` (combine slots per token) is ``num_topk`` or ``num_ranks``.
@@ -98,7 +104,7 @@ def arena_layout(*, num_ranks: int, num_local_experts: int, cap_tokens: int, num
         off = _up(off + n)
         return start
 
-    counts = take(R * nb * 8)
+    counts = take(2 * R * nb * 8)  # the block of parity p at counts + p * R * nb * 8
     dflag = take(R * 32)
     cflag = take(R * 8)
     ready = take(R * 8)
