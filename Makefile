@@ -21,7 +21,7 @@ $(BASE_STAMP): pyproject.toml setup.py
 $(TEST_STAMP): pyproject.toml setup.py
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) '$(TORCH_PIN)'
-	$(PIP) '$(TORCH_PIN)' -e '.[plot,dev,torch,mpi]'
+	$(PIP) '$(TORCH_PIN)' -e '.[plot,dev,torch,mpi,triton]'
 	touch $(BASE_STAMP) $@
 
 # .venv with every extra: torch (the CPU wheel) and torchrun, mpi4py + mpiexec, the dev tools
