@@ -20,9 +20,12 @@ __all__ = ["TASK_KINDS", "CallSpan", "Span", "Trace", "from_sim"]
 #: is a flag or data-as-flag wait; ``reorder`` places received rows (dispatch) and ``reduce``
 #: sums expert outputs (combine); ``barrier``, ``flag`` and ``verify`` exist only to synchronise
 #: (the BSP cost); ``route`` and ``checksum`` are the preprocessing of the cores set aside for
-#: them; ``init`` is a call's set-up.
+#: them (the runtime's ``checksum`` checks rows against their senders' sums); ``init`` is a
+#: call's set-up; ``cumsum`` turns counts into positions (and writes the receive metadata);
+#: ``quant`` quantises rows before they are sent and ``copy`` puts combine's expert outputs
+#: where peers read them (the runtime only). The native engine numbers its kinds in this order.
 TASK_KINDS = ("init", "count", "cumsum", "verify", "send", "wait", "flag", "barrier", "reorder",
-              "reduce", "route", "checksum")
+              "reduce", "route", "checksum", "quant", "copy")
 
 # the simulator's task names (ubep.sim.timeline.TASKS) in this schema's kinds
 _SIM_KIND = {"consume": "reorder", "init": "init", "send": "send", "barrier": "barrier",

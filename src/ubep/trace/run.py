@@ -1,0 +1,89 @@
+"""``ubep trace run``: a quick look at one measured call on this host. Every rank makes a
+Buffer, warms it up untraced, then runs ``iters`` dispatches (each followed by its combine)
+inside :func:`ubep.trace.record`; rank 0 merges the ranks' spans into one trace file."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import routing
+
+__all__ = ["RunCase", "run_traced"]
+
+ROUTINGS = ("uniform", "zipf", "hot")
+
+
+@dataclass(frozen=True)
+class RunCase:
+    """What ``ubep trace run`` measures (one BufferConfig's worth, and the routing)."""
+
+    num_ranks: int = 4
+    num_tokens: int = 128
+    hidden: int = 7168
+    num_experts: int = 64
+    num_topk: int = 8
+    routing: str = "zipf"
+    engine: str = "asp"
+    sync: str = "tff"
+    layout: str = "expert"
+    num_cores: int | None = None
+    iters: int = 1
+    warmup: int = 2
+    combine: bool = True
+    seed: int = 0
+
+
+def topk_of(case: RunCase, rank: int) -> np.ndarray:
+    """Rank ``rank``'s ``topk_idx`` (seeded: the same on every run)."""
+    seed = case.seed * 1000 + rank
+    if case.routing == "zipf":
+        return routing.zipf_topk(case.num_tokens, case.num_experts, case.num_topk, seed=seed)
+    if case.routing == "hot":
+        return routing.hot_experts_topk(case.num_tokens, case.num_experts, case.num_topk,
+                                        hot_experts=2, hot_share=0.7, seed=seed)
+    return routing.uniform_topk(case.num_tokens, case.num_experts, case.num_topk, seed=seed)
+
+
+def config_of(case: RunCase) -> Any:
+    from ..buffer import BufferConfig
+
+    return BufferConfig(max_tokens_per_rank=case.num_tokens, hidden=case.hidden,
+                        num_topk=case.num_topk, num_experts=case.num_experts, dtype="bf16",
+                        layout=case.layout, engine=case.engine, sync=case.sync,
+                        num_cores=case.num_cores)
+
+
+def _rank_main(group: Any, case: RunCase, out: str) -> int:
+    from ..buffer import Buffer
+    from ..testing import payload
+    from .recorder import record
+
+    rng = np.random.default_rng([case.seed, group.rank])
+    x = payload(rng, "bf16", case.num_tokens, case.hidden)
+    idx = topk_of(case, group.rank)
+    w = rng.random((case.num_tokens, case.num_topk), dtype=np.float32)
+    with Buffer(group, config_of(case)) as buf:
+        for _ in range(case.warmup):
+            _call(buf, case, x, idx, w)
+        with record(out):
+            for _ in range(case.iters):
+                _call(buf, case, x, idx, w)
+        return buf.num_cores
+
+
+def _call(buf: Any, case: RunCase, x: np.ndarray, idx: np.ndarray, w: np.ndarray) -> None:
+    res = buf.dispatch(x, idx, w)
+    if case.combine:
+        buf.combine(np.ascontiguousarray(res.recv_x), res.handle)
+
+
+def run_traced(case: RunCase, out: str | Path, timeout_s: float = 300.0) -> Path:
+    """Run ``case`` on ``case.num_ranks`` new processes of this host; the merged trace file."""
+    from ..runtime import launch
+
+    launch(_rank_main, case.num_ranks, case, str(out), timeout_s=timeout_s)
+    return Path(out)
