@@ -83,8 +83,9 @@ def _call(buf: Any, case: Case, xs: list[Any], idxs: list[np.ndarray], ws: list[
     res = pending.hook()
     refs = reference.dispatch(xs, idxs, ws, EXPERTS, layout=case.layout)
     errors = testing.compare(res, refs[r])
-    y = buf.combine(np.ascontiguousarray(res.recv_x), res.handle, return_recv_hook=True).hook()
-    want = reference.combine([ref.recv_x for ref in refs], refs, [x.shape[0] for x in xs])[r]
+    outs = [testing.expert_outputs("bf16", ref.recv_x, seed * 10 + q) for q, ref in enumerate(refs)]
+    y = buf.combine(outs[r], res.handle, return_recv_hook=True).hook()
+    want = reference.combine(outs, refs)[r]
     if not testing.same_bits(y, want):
         errors.append("combine differs from the reference")
     return errors
@@ -169,7 +170,7 @@ def test_send_spans_are_the_plans_units_each_once_in_order(runs: Any, i: int) ->
                         for u in range(plan.core_ptr[j], plan.core_ptr[j + 1])]
                 got = [s.unit for s in sends.get(c, [])]
                 assert got == want, (r, c)
-                assert [s.peer for s in sends.get(c, [])] == plan.dst_rank[want].tolist()
+                assert [s.peer for s in sends.get(c, [])] == plan.send_dst_rank[want].tolist()
 
 
 @pytest.mark.parametrize("i", range(len(CASES)))
@@ -243,3 +244,25 @@ def test_the_simulator_puts_the_send_tasks_on_the_same_cores(runs: Any, i: int) 
 def test_trace_must_be_a_bool() -> None:
     with pytest.raises(InvalidArgumentError, match="trace"):
         dataclasses.replace(CASES[0].config(), trace=1)  # type: ignore[arg-type]
+
+
+def test_a_python_ring_keeps_the_last_spans_in_order_and_decodes_like_the_native_one() -> None:
+    from ubep.trace.recorder import decode
+    from ubep.trace.ring import SpanRing
+
+    ring = SpanRing(2)
+    assert ring.trace_spans() == (b"", (), 0) and ring.t0() == 0  # off: nothing, no clock
+    ring.trace_enable(3)
+    for n in range(5):  # core 1 wraps: 0 and 1 are overwritten
+        ring.rec(1, "send", ring.t0(), unit=n, peer=0, rows=1, size_bytes=8)
+    ring.rec(0, "wait", ring.t0(), peer=1)
+    ring.rec(2, "combine", ring.t0())
+    packed, counts, dropped = ring.trace_spans()
+    assert counts == (1, 3, 1) and dropped == 2
+    spans, calls = decode(packed, counts, rank=5)
+    assert [(s.core, s.task, s.unit) for s in spans] == [
+        (0, "wait", -1), (1, "send", 2), (1, "send", 3), (1, "send", 4)]
+    assert [(c.rank, c.name) for c in calls] == [(5, "combine")]
+    assert ring.trace_spans()[1] == (0, 0, 0)  # read: emptied
+    with pytest.raises(InvalidArgumentError, match="capacity"):
+        ring.trace_enable(-1)

@@ -51,8 +51,8 @@ from ..plane.records import ErrorRecord
 from ..plane.registry import open_engine
 from ..plane.results import DispatchHandle, DispatchResult, PendingCall, RuntimeHandle
 from ..routing import experts_per_rank
-from ..trace import recorder as _trace
 from ..torch_bridge import as_process_group, combine_in_torch, dispatch_in_torch, is_torch_tensor
+from ..trace import recorder as _trace
 from .checks import ArgChecks
 from .inflight import InFlightCalls
 from .regions import layout_of

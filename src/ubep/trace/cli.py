@@ -14,7 +14,7 @@ __all__ = ["register"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("trace", help="per-core task timelines: record, plot and merge trace files")
+    parser = sub.add_parser("trace", help="per-core task timelines: record, plot, merge")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     run = verbs.add_parser("run", help="trace one measured dispatch (and combine) on this host")
     run.add_argument("--ranks", type=int, default=4)

@@ -110,7 +110,8 @@ def detach(buffer: Any) -> None:
     with _lock:
         recorders = list(_recorders)
         _buffers.discard(buffer)
-    if recorders and getattr(buffer, "_trace_capacity", 0):
+    traced = int(getattr(buffer, "_trace_capacity", 0)) > 0
+    if recorders and traced:
         trace = spans_of(buffer)
         for r in recorders:
             r.add(trace, buffer.num_ranks)
@@ -158,9 +159,13 @@ def record(path: str | Path, *, capacity: int = DEFAULT_CAPACITY,
         with _lock:
             _recorders.remove(rec)
             live = [b for b in _buffers if not b._closed]
+            others = bool(_recorders)
         for b in live:
             if getattr(b, "_trace_capacity", 0):
                 rec.add(spans_of(b), b.num_ranks)
+                if not (others or b._cfg.trace):  # traced for this block only: off again
+                    b._engine.trace_enable(0)
+                    b._trace_capacity = 0
         _write(rec, merge_timeout_s)
 
 

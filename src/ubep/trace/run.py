@@ -51,10 +51,10 @@ def topk_of(case: RunCase, rank: int) -> np.ndarray:
 def config_of(case: RunCase) -> Any:
     from ..buffer import BufferConfig
 
+    choices: dict[str, Any] = {"layout": case.layout, "engine": case.engine, "sync": case.sync}
     return BufferConfig(max_tokens_per_rank=case.num_tokens, hidden=case.hidden,
                         num_topk=case.num_topk, num_experts=case.num_experts, dtype="bf16",
-                        layout=case.layout, engine=case.engine, sync=case.sync,
-                        num_cores=case.num_cores)
+                        num_cores=case.num_cores, **choices)
 
 
 def _rank_main(group: Any, case: RunCase, out: str) -> int:
