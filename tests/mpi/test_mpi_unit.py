@@ -236,13 +236,13 @@ def test_rma_failure_after_completion_turns_the_result_into_an_error() -> None:
             eng = buf._engine.kernel  # the RMA engine under the host-memory adapter
             xs, idxs, ws = _inputs(3)
             if g.rank == 0:
-                finish = eng._finish
+                finish = eng.proto.finish
 
                 def late_finish(op: Any) -> None:
                     assert noticed.wait(10)
                     finish(op)
 
-                eng._finish = late_finish
+                eng.proto.finish = late_finish
                 with pytest.raises(RemoteError, match="late failure"):
                     buf.dispatch(xs[0], idxs[0], ws[0])
                 return seen[-1]
@@ -274,7 +274,7 @@ def test_rma_liveness_checks_every_peer_still_in_the_call() -> None:
             eng = buf._engine
             g.barrier()
             if g.rank == 2:  # finished call 1, then died; never enters call 2
-                eng._publish_done(1, 0)
+                eng.proto.publish_done(1, 0)
                 world.dead.add(2)
             g.barrier()
             if g.rank != 0:
@@ -309,7 +309,7 @@ def test_rma_peer_past_this_call_is_an_error_never_data() -> None:
                 units = eng._validate(xs[2], idxs[2], ws[2])
                 eng._publish_counts(_Op(0, 3, 10**9), units)
             if g.rank == 1:
-                eng._publish_done(2, 0)
+                eng.proto.publish_done(2, 0)
             g.barrier()
             if g.rank != 0:
                 return None

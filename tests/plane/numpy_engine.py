@@ -291,7 +291,7 @@ class NumpyEngine:
         src, tok, kk, exp = orders[r]
         recv_x = np.empty((len(src), self.cfg.hidden), posts[0][0].dtype)
         scales = None if posts[0][1] is None else np.empty((len(src), posts[0][1].shape[1]),
-                                                             np.float32)
+                                                           np.float32)
         if expert:
             r_idx, r_w = exp, np.empty(len(src), np.float32)
         else:

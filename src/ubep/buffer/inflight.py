@@ -135,6 +135,6 @@ class InFlightCalls:
             c = b._in_flight.pop(0)
             with contextlib.suppress(Exception):
                 b._engine.abandon(c.epoch, f"rank {b.rank}: call {c.epoch} abandoned: "
-                                              f"{cause}")
+                                  f"{cause}")
             c.call._settle(False, OutOfStepError(
                 f"rank {b.rank}: call {c.epoch} did not complete: {cause}"))

@@ -118,10 +118,10 @@ class StepKeeping:
         # with calls in flight this one is not finished by itself: done words say "every call
         # up to here is finished", so the notice goes out without one
         got = b._engine.fail(epoch, E_BAD_INPUT, f"rank {b.rank}: {exc}",
-                                0 if b._in_flight else 1, float(b._cfg.timeout_s))
+                             0 if b._in_flight else 1, float(b._cfg.timeout_s))
         if type(got) is ErrorRecord:  # peers never finished the call before last: out of step
             self.mark_lost(f"rejected call {epoch} could not be announced: "
-                            f"{self.error(got)}")
+                           f"{self.error(got)}")
             return exc, False
         return exc, True
 
@@ -134,8 +134,8 @@ class StepKeeping:
         b._lost = cause
         with contextlib.suppress(Exception):
             b._engine.fail(b._epoch + 1, E_LOST,
-                              f"rank {b.rank} lost step ({cause}): call resync() on every "
-                              "rank", 0, 0.0)
+                           f"rank {b.rank} lost step ({cause}): call resync() on every "
+                           "rank", 0, 0.0)
 
     def exchange(self, key: str, value: Any, timeout_s: float) -> list[Any]:
         """Group-wide exchange keyed by ``key``: a retry after a timeout pairs with the peers'

@@ -77,6 +77,7 @@ from .combine import RmaCombine
 from .memory import MpiGlobalMemory
 from .protocol import (
     _LINE,
+    RmaProtocol,
     _CtrlLayout,
     _Op,
     _OpError,
@@ -103,7 +104,7 @@ class _Units:
     to: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
 
 
-class RmaEngine(RmaCombine):
+class RmaEngine:
     """Dispatch/combine of one Buffer whose peers are (partly) on other hosts."""
 
     def __init__(self, config: BufferConfig, layout: SegmentLayout,
@@ -112,6 +113,10 @@ class RmaEngine(RmaCombine):
             raise InvalidArgumentError(
                 "quant", config.quant, "quantised dispatch runs on the native engine (one "
                 "host); the MPI RMA engine moves rows as they are")
+        # the jobs, each an object this engine holds: the call protocol (records, waits, the
+        # end of a call) and the combine
+        self.proto = RmaProtocol(self)
+        self.combiner = RmaCombine(self)
         self.lay = layout
         self.data = data
         self.group = data.group
@@ -188,9 +193,9 @@ class RmaEngine(RmaCombine):
 
         def notify() -> int:
             self._reap()
-            self._publish_failure(epoch, int(code), message)
+            self.proto.publish_failure(epoch, int(code), message)
             if finished:
-                self._publish_done(epoch, int(code))
+                self.proto.publish_done(epoch, int(code))
             return 0
 
         # puts only, nothing waited for: the deadline is the grace alone
@@ -218,8 +223,8 @@ class RmaEngine(RmaCombine):
         op = _Op(2, base_epoch, self.timeout_ns)
         for mem in (self.data, self.ctrl):
             try:
-                self._wait(op, mem.done, -1, "this rank's RMA operations of earlier calls",
-                           failures=False, needs=tuple)
+                self.proto.wait(op, mem.done, -1, "this rank's RMA operations of earlier calls",
+                                failures=False, needs=tuple)
             except _OpError as err:
                 raise TimeoutError(f"rank {self.rank}: resync: {err.what}") from None
             mem.flush_all()
@@ -238,9 +243,9 @@ class RmaEngine(RmaCombine):
 
         def wait() -> int | ErrorRecord:
             try:
-                self._wait_peers_done(op, epoch)
+                self.proto.wait_peers_done(op, epoch)
             except _OpError as err:
-                return self._record(err)
+                return self.proto.record(err)
             return 0
 
         return self._guarded(wait, int(timeout_s * 1e9))
@@ -297,7 +302,7 @@ class RmaEngine(RmaCombine):
             t0 = self.spans.t0()
             units = self._validate(x[:ntok], topk_idx[:ntok], topk_weights[:ntok])
             self.spans.rec(0, "init", t0, epoch=op.epoch)
-            self._check_in_step(op)
+            self.proto.check_in_step(op)
             o_dst.reshape(-1)[:] = -1
             reg = index % self.nreg
             if self.bsp:
@@ -307,12 +312,12 @@ class RmaEngine(RmaCombine):
                 n = self._dispatch_asp(op, x, units, reg, o_idx, o_w, o_rank, o_tok, o_k,
                                        o_nrecv, o_dst)
         except _OpError as err:
-            return self._finish_error(op, err)
-        self._finish(op)
+            return self.proto.finish_error(op, err)
+        self.proto.finish(op)
         try:
-            self._check_outcome(op)
+            self.proto.check_outcome(op)
         except _OpError as err:
-            return self._record(err)
+            return self.proto.record(err)
         return n
 
     def _combine_call(self, call: CombineCall, /) -> int | ErrorRecord:
@@ -325,21 +330,21 @@ class RmaEngine(RmaCombine):
         t_call = self.spans.t0()
         self._reap()
         try:
-            self._check_in_step(op)
+            self.proto.check_in_step(op)
             t0 = self.spans.t0()
-            zero_copy = self._combine(op, eo, rows, h_idx, h_w, h_dst, ntok, creg, y,
-                                      dispatch_index)
+            zero_copy = self.combiner.combine(op, eo, rows, h_idx, h_w, h_dst, ntok, creg, y,
+                                              dispatch_index)
             self.spans.rec(0, "reduce", t0, epoch=epoch)
         except _OpError as err:
-            return self._finish_error(op, err)
-        self._finish(op)
+            return self.proto.finish_error(op, err)
+        self.proto.finish(op)
         # Peers pull this rank's expert outputs: stay in MPI until they all have them, so an
         # emulated RMA target (TCP) keeps making progress for them.
         try:
-            self._wait_peers_done(op, epoch, failures=False)
-            self._check_outcome(op)
+            self.proto.wait_peers_done(op, epoch, failures=False)
+            self.proto.check_outcome(op)
         except _OpError as err:
-            return self._record(err)
+            return self.proto.record(err)
         finally:
             self.spans.rec(1, "combine", t_call, epoch=epoch)
         return int(zero_copy)
@@ -408,8 +413,9 @@ class RmaEngine(RmaCombine):
             d = (self.rank + 1 + i) % self.R
             meta = self._meta(units, d)
             self.ctrl.put(d, cl.slot(cl.meta, op.par, self.rank, cl.meta_bytes), meta)
-            self._put_record(self.ctrl, d, cl.slot(cl.counts, op.par, self.rank, cl.counts_rec),
-                             payload, op.epoch, extra=meta)
+            self.proto.put_record(self.ctrl, d,
+                                  cl.slot(cl.counts, op.par, self.rank, cl.counts_rec), payload,
+                                  op.epoch, extra=meta)
 
     def _counts_table(self, op: _Op) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
         """Wait for every source's counts; return ``cnt[s, e]``, ``rows[s, d]`` and each
@@ -428,8 +434,8 @@ class RmaEngine(RmaCombine):
                     pending.discard(s)
             return not pending
 
-        self._wait(op, poll, -1, "the counts of every rank",
-                   needs=functools.partial(sorted, pending))
+        self.proto.wait(op, poll, -1, "the counts of every rank",
+                        needs=functools.partial(sorted, pending))
         return cnt, rows, metas
 
     def _read_counts(self, s: int, op: _Op) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -447,7 +453,7 @@ class RmaEngine(RmaCombine):
             n = 0  # the check below fails unless the record is still arriving
         moff = cl.slot(cl.meta, op.par, s, cl.meta_bytes)
         mbytes = arr[moff: moff + n * cl.meta_dtype.itemsize]
-        if self._read_record(off, size, op.epoch, extra=mbytes) is None:
+        if self.proto.read_record(off, size, op.epoch, extra=mbytes) is None:
             return None
         if (c > self.T).any() or (r > self.cap_src).any():
             raise _OpError(E_INTERNAL, s, f"rank {s} announced counts larger than the Buffer "
@@ -533,7 +539,7 @@ class RmaEngine(RmaCombine):
 
     def _dispatch_asp(self, op: _Op, x: np.ndarray, units: _Units, reg: int,
                       *outs: np.ndarray) -> int:
-        self._wait_peers_done(op, op.epoch - 2)
+        self.proto.wait_peers_done(op, op.epoch - 2)
         self._publish_counts(op, units)
         cnt, rows, metas = self._counts_table(op)
         self._check_consistency(cnt, rows)
@@ -638,7 +644,8 @@ class RmaEngine(RmaCombine):
                     pending.discard(s)
             return not pending
 
-        self._wait(op, poll, -1, "rows of every source", needs=functools.partial(sorted, pending))
+        self.proto.wait(op, poll, -1, "rows of every source",
+                        needs=functools.partial(sorted, pending))
         self.spans.rec(0, "wait", t0, epoch=op.epoch)
         return n_total
 
@@ -647,10 +654,10 @@ class RmaEngine(RmaCombine):
     def _dispatch_bsp(self, op: _Op, x: np.ndarray, units: _Units, reg: int,
                       *outs: np.ndarray) -> int:
         cl, r = self.cl, self.rank
-        self._wait_peers_done(op, op.epoch - 2)
+        self.proto.wait_peers_done(op, op.epoch - 2)
         empty = np.zeros(0, np.uint8)
         for q in range(self.R):  # Init: my staging area is free for this call
-            self._put_record(self.ctrl, q, cl.slot(cl.ready, op.par, r), empty, op.epoch)
+            self.proto.put_record(self.ctrl, q, cl.slot(cl.ready, op.par, r), empty, op.epoch)
         # Token-Sending: each source owns a partition of the staging area, slots by batch rank
         sent: dict[int, tuple[np.ndarray, list[tuple[int, int]]]] = {}
         for i in range(self.R - 1):  # own rows are placed by the reordering below
@@ -658,14 +665,15 @@ class RmaEngine(RmaCombine):
             n = int(units.rows_to[d])
             if not n:
                 continue
-            self._wait(op, functools.partial(self._has_record, cl.slot(cl.ready, op.par, d), 0,
-                                             op.epoch), d, f"staging area of rank {d}")
+            ready = functools.partial(self.proto.has_record, cl.slot(cl.ready, op.par, d), 0,
+                                      op.epoch)
+            self.proto.wait(op, ready, d, f"staging area of rank {d}")
             payload = _rows_of(x, units.to[d][0], self.row_bytes)
             pos = r * self.cap_src + np.arange(n, dtype=np.int64)
             self._send_rows(op, d, payload, pos, reg)
             sent[d] = (payload, self._runs(pos))
         # SyncAll: every row (and every TFF flag) complete at its destination first
-        self._complete(op, self.data, None, "the rows to every rank to complete")
+        self.proto.complete(op, self.data, None, "the rows to every rank to complete")
         self.sync.flags_before_barrier(self, op, sent, reg)
         self._barrier(op, 1)
         # SendFlag & TokenCnt
@@ -717,12 +725,12 @@ class RmaEngine(RmaCombine):
         t0 = self.spans.t0()
         empty = np.zeros(0, np.uint8)
         for q in range(self.R):
-            self._put_record(self.ctrl, q, cl.barrier + ((phase - 1) * self.R + self.rank) * _LINE,
-                             empty, op.epoch)
+            at = cl.barrier + ((phase - 1) * self.R + self.rank) * _LINE
+            self.proto.put_record(self.ctrl, q, at, empty, op.epoch)
         for q in range(self.R):
             arrived = functools.partial(
-                self._has_record, cl.barrier + ((phase - 1) * self.R + q) * _LINE, 0, op.epoch)
-            self._wait(op, arrived, q, f"global barrier {phase} (rank {q})")
+                self.proto.has_record, cl.barrier + ((phase - 1) * self.R + q) * _LINE, 0, op.epoch)
+            self.proto.wait(op, arrived, q, f"global barrier {phase} (rank {q})")
         self.spans.rec(0, "barrier", t0, epoch=op.epoch)
 
 def _rows_of(x: np.ndarray, tokens: np.ndarray, row_bytes: int) -> np.ndarray:

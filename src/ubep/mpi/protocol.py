@@ -95,22 +95,16 @@ def _align(v: int, a: int) -> int:
 
 
 class RmaProtocol:
-    """Records, waits and the end of an operation, on the attributes the engine sets up."""
+    """Records, waits and the end of an operation of the RMA engine ``e`` (held as
+    ``e.proto``), on the windows and control layout the engine sets up."""
 
-    rank: int
-    R: int
-    timeout_ns: int
-    group: Any
-    data: MpiGlobalMemory
-    ctrl: MpiGlobalMemory
-    cl: _CtrlLayout
-    _done_seen: list[int]
-    _done_code: list[int]
+    def __init__(self, e: Any) -> None:
+        self.e = e
 
     # --- records ------------------------------------------------------------------------
 
-    def _put_record(self, mem: MpiGlobalMemory, dst: int, off: int, payload: np.ndarray,
-                    epoch: int, extra: np.ndarray | None = None) -> None:
+    def put_record(self, mem: MpiGlobalMemory, dst: int, off: int, payload: np.ndarray,
+                   epoch: int, extra: np.ndarray | None = None) -> None:
         """One put of ``[payload][check][epoch]``; ``extra`` (already put) is covered too."""
         raw = np.ascontiguousarray(payload).reshape(-1).view(np.uint8)
         body = raw if extra is None else np.concatenate([raw, _u8(extra)])
@@ -119,11 +113,11 @@ class RmaProtocol:
         rec[-16:] = np.array([record_check(body, epoch), epoch], "<u8").view(np.uint8)
         mem.put(dst, off, rec)
 
-    def _read_record(self, off: int, nbytes: int, epoch: int | None,
-                     extra: np.ndarray | None = None) -> tuple[int, np.ndarray] | None:
+    def read_record(self, off: int, nbytes: int, epoch: int | None,
+                    extra: np.ndarray | None = None) -> tuple[int, np.ndarray] | None:
         """``(epoch, payload)`` of a complete record in this rank's control window, else None
         (also when ``epoch`` is given and differs)."""
-        arr = self.ctrl.local_array
+        arr = self.e.ctrl.local_array
         size = _align(nbytes, 8)
         got = int(arr[off + size + 8: off + size + 16].view("<u8")[0])
         if got == 0 or (epoch is not None and got != epoch):
@@ -138,48 +132,51 @@ class RmaProtocol:
             return None
         return got, payload
 
-    def _has_record(self, off: int, nbytes: int, epoch: int) -> bool:
-        return self._read_record(off, nbytes, epoch) is not None
+    def has_record(self, off: int, nbytes: int, epoch: int) -> bool:
+        return self.read_record(off, nbytes, epoch) is not None
 
-    def _done_geq(self, q: int, epoch: int) -> bool:
-        return self._done_of(q) >= epoch
+    def done_geq(self, q: int, epoch: int) -> bool:
+        return self.done_of(q) >= epoch
 
-    def _publish_done(self, epoch: int, code: int) -> None:
+    def publish_done(self, epoch: int, code: int) -> None:
         """"Call ``epoch`` is over here, with outcome ``code``" (0 ok) to every rank. One
         record, so a peer that sees this rank done also sees whether it failed (a failure
         notice is a separate put, and two puts in flight are not ordered)."""
+        e = self.e
         # One slot per epoch parity: two done records in flight to one peer are not ordered,
         # so the reader takes the larger of both (and remembers it).
         par = epoch & 1
         payload = np.array([code], "<u8")
-        for q in range(self.R):
-            self._put_record(self.ctrl, q, self.cl.slot(self.cl.done, par, self.rank), payload,
-                             epoch)
+        for q in range(e.R):
+            self.put_record(e.ctrl, q, e.cl.slot(e.cl.done, par, e.rank), payload,
+                            epoch)
 
-    def _done_of(self, q: int) -> int:
+    def done_of(self, q: int) -> int:
         """The last call rank ``q`` finished (its outcome in ``_done_code[q]``)."""
+        e = self.e
         for par in (0, 1):
-            got = self._read_record(self.cl.slot(self.cl.done, par, q), 8, None)
-            if got is not None and got[0] > self._done_seen[q]:
+            got = self.read_record(e.cl.slot(e.cl.done, par, q), 8, None)
+            if got is not None and got[0] > e._done_seen[q]:
                 # done only grows: a reordered older record is ignored
-                self._done_seen[q] = got[0]
-                self._done_code[q] = int(got[1].view("<u8")[0])
-        return self._done_seen[q]
+                e._done_seen[q] = got[0]
+                e._done_code[q] = int(got[1].view("<u8")[0])
+        return e._done_seen[q]
 
-    def _publish_failure(self, epoch: int, code: int, message: str) -> None:
+    def publish_failure(self, epoch: int, code: int, message: str) -> None:
+        e = self.e
         text = message.encode("utf-8", "replace")[:_FAIL_MSG_MAX]
         payload = np.zeros(_FAIL_BYTES - 16, np.uint8)
         payload[:16] = np.array([len(text), code], "<u8").view(np.uint8)
         payload[16: 16 + len(text)] = np.frombuffer(text, np.uint8)
-        off = self.cl.fail + (self.rank * 2 + (epoch & 1)) * _FAIL_BYTES
-        for q in range(self.R):
-            if q != self.rank:
-                self._put_record(self.ctrl, q, off, payload, epoch)
+        off = e.cl.fail + (e.rank * 2 + (epoch & 1)) * _FAIL_BYTES
+        for q in range(e.R):
+            if q != e.rank:
+                self.put_record(e.ctrl, q, off, payload, epoch)
 
     # --- waiting ------------------------------------------------------------------------
 
-    def _wait(self, op: _Op, ready: Callable[[], bool], peer: int, what: str,
-              failures: bool = True, needs: Callable[[], Iterable[int]] | None = None) -> None:
+    def wait(self, op: _Op, ready: Callable[[], bool], peer: int, what: str,
+             failures: bool = True, needs: Callable[[], Iterable[int]] | None = None) -> None:
         """Poll ``ready`` (after a memory barrier) until true; deadline, failure notices of
         peers and liveness of every peer still in the call are checked while waiting.
 
@@ -190,146 +187,153 @@ class RmaProtocol:
         done record did, and a pair of ranks delivers in order on every transport ubep runs
         on (shared memory: the stores' order; ``osc/rdma`` over TCP: one stream per pair).
         """
+        e = self.e
         if needs is None:
             needs = functools.partial(list, [peer] if peer >= 0 else [])
         spins = 0
         next_live = 0
         while True:
-            self.ctrl.sync()
-            self.data.sync()
+            e.ctrl.sync()
+            e.data.sync()
             checked = failures and op.kind != 2 and spins >= 8
-            past = self._peer_past(op, needs()) if checked else None
+            past = self.peer_past(op, needs()) if checked else None
             if ready():
                 return
             spins += 1
-            self.group.progress()
+            e.group.progress()
             if spins < 8:
                 continue
             if checked:
-                self._check_failures(op)
+                self.check_failures(op)
                 if past is not None:
                     raise past
             now = time.monotonic_ns()
             if now >= op.deadline:
                 raise _OpError(
                     E_TIMEOUT, peer,
-                    f"rank {self.rank} core 0 timed out after {self.timeout_ns / 1e9:.3g} s "
+                    f"rank {e.rank} core 0 timed out after {e.timeout_ns / 1e9:.3g} s "
                     f"waiting for {what} (epoch {op.epoch})",
                 )
             if now >= next_live:
                 next_live = now + _LIVENESS_PERIOD_NS
-                self._check_liveness(op, what)
+                self.check_liveness(op, what)
             if spins < 200:
                 time.sleep(0)
             else:
                 time.sleep(50e-6 if spins < 2000 else 5e-4)
 
-    def _complete(self, op: _Op, mem: MpiGlobalMemory, dst: int | None, what: str) -> None:
+    def complete(self, op: _Op, mem: MpiGlobalMemory, dst: int | None, what: str) -> None:
         """Remote completion of every operation to ``dst`` (``None``: all) within the deadline:
         poll the requests (``MPI_Test``), then flush, which then has nothing left to wait for.
         A flush alone would sit in MPI for as long as a stopped peer stays stopped."""
-        self._wait(op, functools.partial(mem.done, dst), -1 if dst is None else dst, what,
-                   needs=tuple)
+        self.wait(op, functools.partial(mem.done, dst), -1 if dst is None else dst, what,
+                  needs=tuple)
         if dst is None:
             mem.flush_all()
         else:
             mem.flush(dst)
 
-    def _check_liveness(self, op: _Op, what: str) -> None:
+    def check_liveness(self, op: _Op, what: str) -> None:
         """Every peer that has not finished this call must be alive, not only the one waited
         for (a peer that finished it and exited is not lost)."""
-        waiting_on = [q for q in range(self.R) if q != self.rank and self._done_of(q) < op.epoch]
-        dead = self.group.dead_peers(waiting_on) if waiting_on else []
+        e = self.e
+        waiting_on = [q for q in range(e.R) if q != e.rank and self.done_of(q) < op.epoch]
+        dead = e.group.dead_peers(waiting_on) if waiting_on else []
         if dead:
             q = dead[0]
             raise _OpError(E_PEER_LOST, q,
-                           f"rank {q} (pid {self.group.pids[q]}) died while rank {self.rank} "
+                           f"rank {q} (pid {e.group.pids[q]}) died while rank {e.rank} "
                            f"core 0 waited for {what}")
 
-    def _notice(self, q: int, epoch: int) -> tuple[int, str] | None:
+    def notice(self, q: int, epoch: int) -> tuple[int, str] | None:
         """``(code, message)`` of rank ``q``'s failure notice for call ``epoch``, if here."""
-        off = self.cl.fail + (q * 2 + (epoch & 1)) * _FAIL_BYTES
-        got = self._read_record(off, _FAIL_BYTES - 16, epoch)
+        off = self.e.cl.fail + (q * 2 + (epoch & 1)) * _FAIL_BYTES
+        got = self.read_record(off, _FAIL_BYTES - 16, epoch)
         if got is None:
             return None
         n, code = (int(v) for v in got[1][:16].view("<u8"))
         msg = got[1][16: 16 + min(n, _FAIL_MSG_MAX)].tobytes().decode("utf-8", "replace")
         return code, msg
 
-    def _check_failures(self, op: _Op) -> None:
-        for q in range(self.R):
-            if q == self.rank:
+    def check_failures(self, op: _Op) -> None:
+        e = self.e
+        for q in range(e.R):
+            if q == e.rank:
                 continue
-            got = self._notice(q, op.epoch)
+            got = self.notice(q, op.epoch)
             if got is None:
                 continue
-            self._check_liveness(op, "a peer that failed this call")
+            self.check_liveness(op, "a peer that failed this call")
             code, msg = got
             raise _OpError(E_REMOTE, q, f"failure notice of rank {q}", msg=msg, core=code)
 
-    def _peer_past(self, op: _Op, peers: Iterable[int]) -> _OpError | None:
+    def peer_past(self, op: _Op, peers: Iterable[int]) -> _OpError | None:
         """The error of the first of ``peers`` that has finished this call with an error
         (remote failure, its code in ``core``) or finished a later call (this rank lost step:
         that peer sends nothing more for this call), else None."""
+        e = self.e
         for q in peers:
-            if q == self.rank:
+            if q == e.rank:
                 continue
-            done = self._done_of(q)
+            done = self.done_of(q)
             if done > op.epoch:
                 return _OpError(E_LOST, q, f"rank {q} has finished call {done}, past this "
-                                           f"rank's call {op.epoch}: this rank lost step")
-            if done == op.epoch and self._done_code[q]:
-                got = self._notice(q, op.epoch)
+                                f"rank's call {op.epoch}: this rank lost step")
+            if done == op.epoch and e._done_code[q]:
+                got = self.notice(q, op.epoch)
                 msg = got[1] if got else f"rank {q} failed call {op.epoch}"
                 return _OpError(E_REMOTE, q, f"failure of rank {q}", msg=msg,
-                                core=self._done_code[q])
+                                core=e._done_code[q])
         return None
 
-    def _check_in_step(self, op: _Op) -> None:
+    def check_in_step(self, op: _Op) -> None:
         """At the start of a call: no peer may have finished it or a later one (a peer cannot
         complete a call without this rank's part; a failure of it is a remote error)."""
-        self.ctrl.sync()
-        self._check_failures(op)
-        err = self._peer_past(op, range(self.R))
+        e = self.e
+        e.ctrl.sync()
+        self.check_failures(op)
+        err = self.peer_past(op, range(e.R))
         if err is not None:
             raise err
 
-    def _check_outcome(self, op: _Op) -> None:
+    def check_outcome(self, op: _Op) -> None:
         """After this rank completed the call: a peer that failed it (notice, or a done
         record with an error code) turns the result into that peer's error."""
-        self.ctrl.sync()
-        self._check_failures(op)
-        for q in range(self.R):
-            if q != self.rank and self._done_of(q) == op.epoch and self._done_code[q]:
-                err = self._peer_past(op, [q])
+        e = self.e
+        e.ctrl.sync()
+        self.check_failures(op)
+        for q in range(e.R):
+            if q != e.rank and self.done_of(q) == op.epoch and e._done_code[q]:
+                err = self.peer_past(op, [q])
                 assert err is not None
                 raise err
 
-    def _wait_peers_done(self, op: _Op, epoch: int, failures: bool = True) -> None:
+    def wait_peers_done(self, op: _Op, epoch: int, failures: bool = True) -> None:
+        e = self.e
         if epoch <= 0:
             return
-        for q in range(self.R):
-            if q != self.rank:
-                self._wait(op, functools.partial(self._done_geq, q, epoch), q,
-                           "a peer to finish the call before the last" if op.kind != 2 else
-                           f"rank {q} to finish call {epoch}", failures, needs=tuple)
+        for q in range(e.R):
+            if q != e.rank:
+                self.wait(op, functools.partial(self.done_geq, q, epoch), q,
+                          "a peer to finish the call before the last" if op.kind != 2 else
+                          f"rank {q} to finish call {epoch}", failures, needs=tuple)
 
     # --- end of an operation ------------------------------------------------------------
 
-    def _finish(self, op: _Op) -> None:
+    def finish(self, op: _Op) -> None:
         # No wait for the puts to complete: the transport keeps their buffers until they do.
-        self._publish_done(op.epoch, 0)
+        self.publish_done(op.epoch, 0)
 
-    def _finish_error(self, op: _Op, err: _OpError) -> ErrorRecord:
-        rec = self._record(err)
+    def finish_error(self, op: _Op, err: _OpError) -> ErrorRecord:
+        rec = self.record(err)
         # a failure caught from a peer's notice passes that notice's code on: a clean reject
         # (bad input somewhere) stays clean for every rank, whoever saw it first
         code = err.core if err.code == E_REMOTE else err.code
-        self._publish_failure(op.epoch, code, _format(self.rank, err))
-        self._publish_done(op.epoch, code)
+        self.publish_failure(op.epoch, code, _format(self.e.rank, err))
+        self.publish_done(op.epoch, code)
         return rec
 
-    def _record(self, err: _OpError) -> ErrorRecord:
+    def record(self, err: _OpError) -> ErrorRecord:
         msg = err.msg if err.code in (E_REMOTE, E_BAD_INPUT) else err.what
         return ErrorRecord(err.code, err.peer, err.core, err.arg, err.what, msg)
 

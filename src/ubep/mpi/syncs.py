@@ -62,16 +62,16 @@ class SyncRow:
     def send_flags(self, e: Any, op: _Op, d: int, rows: np.ndarray, runs: Runs,
                    reg: int) -> None:
         """ASP: what ``d`` polls, once the rows to it are put."""
-        e._complete(op, e.data, d, f"the rows to rank {d} to complete")
-        e._put_record(e.ctrl, d, e.cl.slot(e.cl.flag, op.par, e.rank), self._flag(e, rows, op),
-                      op.epoch)
+        e.proto.complete(op, e.data, d, f"the rows to rank {d} to complete")
+        e.proto.put_record(e.ctrl, d, e.cl.slot(e.cl.flag, op.par, e.rank), self._flag(e, rows, op),
+                           op.epoch)
 
     def _flag(self, e: Any, rows: np.ndarray, op: _Op) -> np.ndarray:
         return np.zeros(0, np.uint8)
 
     def source_complete(self, e: Any, op: _Op, s: int, pos: np.ndarray, reg: int) -> bool:
         """ASP: whether source ``s``'s rows (at ``pos``) have all landed."""
-        return e._read_record(e.cl.slot(e.cl.flag, op.par, s), 0, op.epoch) is not None
+        return e.proto.read_record(e.cl.slot(e.cl.flag, op.par, s), 0, op.epoch) is not None
 
     def flags_before_barrier(self, e: Any, op: _Op, sent: dict[int, Any], reg: int) -> None:
         """BSP: flags that must be complete before the first barrier (none here)."""
@@ -79,15 +79,15 @@ class SyncRow:
     def flags_after_barrier(self, e: Any, op: _Op, sent: dict[int, Any]) -> None:
         """BSP: the flag records, after the barrier (the rows are complete by then)."""
         for d, (payload, _runs) in sent.items():
-            e._put_record(e.ctrl, d, e.cl.slot(e.cl.flag, op.par, e.rank),
-                          self._flag(e, payload, op), op.epoch)
+            e.proto.put_record(e.ctrl, d, e.cl.slot(e.cl.flag, op.par, e.rank),
+                               self._flag(e, payload, op), op.epoch)
 
     def staged_verified(self, e: Any, op: _Op, s: int, stage: np.ndarray,
                         pos: np.ndarray) -> bool:
         """BSP: wait for source ``s``'s flag record, then whether its staged rows check out."""
-        flag = functools.partial(e._has_record, e.cl.slot(e.cl.flag, op.par, s),
+        flag = functools.partial(e.proto.has_record, e.cl.slot(e.cl.flag, op.par, s),
                                  self.flag_bytes, op.epoch)
-        e._wait(op, flag, s, f"the flag and counts of rank {s}")
+        e.proto.wait(op, flag, s, f"the flag and counts of rank {s}")
         return self._staged_ok(e, op, s, stage[pos])
 
     def _staged_ok(self, e: Any, op: _Op, s: int, slots: np.ndarray) -> bool:
@@ -106,8 +106,8 @@ class DcRow(SyncRow):
 
     def send_flags(self, e: Any, op: _Op, d: int, rows: np.ndarray, runs: Runs,
                    reg: int) -> None:
-        e._put_record(e.ctrl, d, e.cl.slot(e.cl.flag, op.par, e.rank), self._flag(e, rows, op),
-                      op.epoch)
+        e.proto.put_record(e.ctrl, d, e.cl.slot(e.cl.flag, op.par, e.rank), self._flag(e, rows, op),
+                           op.epoch)
 
     def _flag(self, e: Any, rows: np.ndarray, op: _Op) -> np.ndarray:
         return np.array([len(rows), dc_sum(e, rows, op.epoch)], "<u8")
@@ -116,7 +116,7 @@ class DcRow(SyncRow):
         return self._staged_ok(e, op, s, e._land_slots(reg)[pos])
 
     def _staged_ok(self, e: Any, op: _Op, s: int, slots: np.ndarray) -> bool:
-        got = e._read_record(e.cl.slot(e.cl.flag, op.par, s), self.flag_bytes, op.epoch)
+        got = e.proto.read_record(e.cl.slot(e.cl.flag, op.par, s), self.flag_bytes, op.epoch)
         if got is None:
             return False
         count, total = (int(v) for v in got[1].view("<u8"))
@@ -138,7 +138,7 @@ class TffRow(SyncRow):
 
     def send_flags(self, e: Any, op: _Op, d: int, rows: np.ndarray, runs: Runs,
                    reg: int) -> None:
-        e._complete(op, e.data, d, f"the rows to rank {d} to complete")
+        e.proto.complete(op, e.data, d, f"the rows to rank {d} to complete")
         for p0, m in runs:
             words = np.full(m * e.tff_nblocks, op.epoch, np.uint64)
             off = e._land(reg) + p0 * e.slot_bytes
@@ -157,7 +157,7 @@ class TffRow(SyncRow):
     def flags_before_barrier(self, e: Any, op: _Op, sent: dict[int, Any], reg: int) -> None:
         for d, (payload, runs) in sent.items():
             self.send_flags(e, op, d, payload, runs, reg)
-        e._complete(op, e.data, None, "the flags to every rank to complete")
+        e.proto.complete(op, e.data, None, "the flags to every rank to complete")
 
     def flags_after_barrier(self, e: Any, op: _Op, sent: dict[int, Any]) -> None:
         pass  # the words went out with the rows
