@@ -466,6 +466,9 @@ def _engines_table(rows: list[Row]) -> str:
     return ("ASP (a) against BSP (b), us\n" + format_table(head, body)) if body else ""
 
 
+TRACED = " task spans recorded (--trace);"
+
+
 def cases_for(quick: bool) -> list[Case]:
     if quick:
         return [Case("qwen3-30b", 16, r, s, e) for e in ("asp", "bsp") for r in ("uniform",)
@@ -491,7 +494,8 @@ def main(argv: list[str] | None = None) -> None:
     cases = cases_for(args.quick)
     rows, flag_us, copy_us = run(cases, args.steps, args.warmup, args.trace)
     text = (f"decode steps, {RANKS} ranks, BF16, expert layout, {args.steps} steps per case after "
-            f"{args.warmup} untimed;{' task spans recorded;' if args.trace else ''} evict {_evict_bytes() >> 20} MiB per step; expert FFN "
+            f"{args.warmup} untimed;{TRACED if args.trace else ''} evict "
+            f"{_evict_bytes() >> 20} MiB per step; expert FFN "
             f"intermediate {EXPERT_INTER}\n" + table(rows, flag_us, copy_us))
     save_results(str(args.out), "step", text, {
         "flag_oneway_us": flag_us, "copy_us": copy_us, "evict_bytes": _evict_bytes(),
