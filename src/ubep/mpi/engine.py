@@ -334,7 +334,7 @@ class RmaEngine:
             t0 = self.spans.t0()
             zero_copy = self.combiner.combine(op, eo, rows, h_idx, h_w, h_dst, ntok, creg, y,
                                               dispatch_index)
-            self.spans.rec(0, "reduce", t0, epoch=epoch)
+            self.spans.rec(0, "reduce", t0, epoch=epoch, after_last=True)  # BSP: its barrier
         except _OpError as err:
             return self.proto.finish_error(op, err)
         self.proto.finish(op)

@@ -26,6 +26,7 @@ class SpanRing:
         self.capacity = 0
         self._rings: list[list[tuple[int, ...]]] = []
         self._written: list[int] = []
+        self._last_end: list[int] = []
 
     def trace_enable(self, capacity: int) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
@@ -34,19 +35,25 @@ class SpanRing:
         self.on = capacity > 0
         self._rings = [[] for _ in range(self.num_cores + 1)]
         self._written = [0] * (self.num_cores + 1)
+        self._last_end = [0] * (self.num_cores + 1)
 
     def t0(self) -> int:
         """A span's start: 0 when off (no clock read)."""
         return time.monotonic_ns() if self.on else 0
 
     def rec(self, core: int, kind: str, start_ns: int, *, unit: int = -1, peer: int = -1,
-            rows: int = 0, size_bytes: int = 0, epoch: int = 0) -> None:
-        """One span of ``core`` (``num_cores``: the call ring) ending now."""
+            rows: int = 0, size_bytes: int = 0, epoch: int = 0, after_last: bool = False) -> None:
+        """One span of ``core`` (``num_cores``: the call ring) ending now; ``after_last``: it
+        encloses spans recorded meanwhile (a barrier inside a combine) and starts after the
+        last of them, so spans of one core never overlap."""
         if not self.on:
             return
         ring = self._rings[core]
-        rec = (start_ns, time.monotonic_ns(), KIND[kind], unit, peer, epoch & 0x7FFFFFFF, rows,
-               size_bytes)
+        end = time.monotonic_ns()
+        if after_last:
+            start_ns = max(start_ns, self._last_end[core])
+        self._last_end[core] = end
+        rec = (start_ns, end, KIND[kind], unit, peer, epoch & 0x7FFFFFFF, rows, size_bytes)
         n = self._written[core]
         if len(ring) < self.capacity:
             ring.append(rec)
