@@ -30,6 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--iters", type=int, default=1, help="traced calls after the warm-up")
     run.add_argument("--no-combine", action="store_true", help="dispatch only")
     run.add_argument("-o", "--out", required=True, help="trace event JSON to write")
+    run.add_argument("--predicted", default=None, metavar="PATH",
+                     help="also write the simulator's trace of the same Plans (CM384 fabric)")
     run.set_defaults(func=_run)
     plot = verbs.add_parser("plot", help="draw per-core bars of trace files (one panel a trace)")
     plot.add_argument("files", nargs="+", help="trace event JSON files ubep wrote")
@@ -50,6 +52,11 @@ def _run(args: argparse.Namespace) -> int:
                    engine=args.engine, sync=args.sync, layout=args.layout,
                    num_cores=args.cores, iters=args.iters, combine=not args.no_combine)
     print(run_traced(case, args.out))
+    if args.predicted:
+        from .chrome import write
+        from .run import predict
+
+        print(write([predict(case)], args.predicted))
     return 0
 
 

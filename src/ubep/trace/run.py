@@ -12,7 +12,7 @@ import numpy as np
 
 from .. import routing
 
-__all__ = ["RunCase", "run_traced"]
+__all__ = ["RunCase", "predict", "run_traced"]
 
 ROUTINGS = ("uniform", "zipf", "hot")
 
@@ -79,6 +79,28 @@ def _call(buf: Any, case: RunCase, x: np.ndarray, idx: np.ndarray, w: np.ndarray
     res = buf.dispatch(x, idx, w)
     if case.combine:
         buf.combine(np.ascontiguousarray(res.recv_x), res.handle)
+
+
+def predict(case: RunCase, fabric: str = "cm384") -> Any:
+    """The simulator's trace of the same call: every rank's Plan from ``ubep.sched`` with the
+    core split the Buffer uses, timed on ``fabric`` (a calibrated preset)."""
+    import dataclasses
+
+    from ..sched import core_split, schedule
+    from ..sim import simulate
+    from ..sim.calib import load_fabric
+    from ..topology import host
+    from .spans import from_sim
+
+    cores = case.num_cores or host(case.num_ranks).cores_per_rank
+    topo = dataclasses.replace(host(case.num_ranks), cores_per_rank=cores)
+    split = core_split(cores, case.num_experts, case.num_topk, case.num_tokens)
+    plans = [schedule(topk_of(case, r), topo, rank=r, num_experts=case.num_experts,
+                      layout=case.layout, num_send_cores=split.num_send_cores,
+                      num_count_cores=split.num_count_cores) for r in range(case.num_ranks)]
+    res = simulate(plans, topo, load_fabric(fabric), engine=case.engine, sync=case.sync,
+                   row_bytes=case.hidden * 2)
+    return from_sim(res, f"{case.engine}/{case.sync} on {fabric}")
 
 
 def run_traced(case: RunCase, out: str | Path, timeout_s: float = 300.0) -> Path:
