@@ -414,9 +414,8 @@ static int recv_sources(op_t *op, int core, const int64_t *rx_base, int reg) {
             int rc = flag_arrived(op, core, src[i], rx_base, land_base, &cur[i]);
             if (rc < 0) return -1;
             if (rc == 1) { /* every row of src[i] is in: its span since the last one ended */
-                span_rec(op, core, land_is_out(g) ? SK_WAIT : SK_REORDER, t0, -1, src[i],
-                         RX_ROWS(g, core)[src[i]], RX_ROWS(g, core)[src[i]] * g->row_bytes);
-                t0 = span_t0(g);
+                t0 = span_rec(op, core, land_is_out(g) ? SK_WAIT : SK_REORDER, t0, -1, src[i],
+                              RX_ROWS(g, core)[src[i]], RX_ROWS(g, core)[src[i]] * g->row_bytes);
                 src[i] = src[n - 1];
                 cur[i] = cur[n - 1];
                 n--;

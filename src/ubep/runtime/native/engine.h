@@ -352,21 +352,24 @@ static inline int64_t *peer_runs_of(engine_t *g, int reg) {
     return g->peer_runs + (int64_t)reg * MAX_PEER_RUNS(g) * 2;
 }
 
-/* one task span of this core, if tracing is on: the one branch a task pays when it is off */
-static inline void span_rec(op_t *op, int core, int kind, int64_t start_ns, int64_t unit,
-                            int peer, int64_t rows, int64_t size_bytes) {
+/* one task span of this core, if tracing is on (the one branch a task pays when it is off);
+ * returns its end (0 when off): tasks back to back start where the last one ended, one clock
+ * read a span */
+static inline int64_t span_rec(op_t *op, int core, int kind, int64_t start_ns, int64_t unit,
+                               int peer, int64_t rows, int64_t size_bytes) {
     engine_t *g = op->g;
-    if (__builtin_expect(!g->trace_on, 1)) return;
-    int64_t i = g->span_n[core * 8]++;
+    if (__builtin_expect(!g->trace_on, 1)) return 0;
+    int64_t i = g->span_n[core * 8]++, end = now_ns();
     span_t *s = g->spans + core * g->span_cap + i % g->span_cap;
     s->start_ns = start_ns;
-    s->end_ns = now_ns();
+    s->end_ns = end;
     s->kind = kind;
     s->unit = (int32_t)unit;
     s->peer = peer;
     s->epoch = (int32_t)op->epoch;
     s->rows = rows;
     s->size_bytes = size_bytes;
+    return end;
 }
 /* a span's start: 0 when tracing is off (no clock read) */
 static inline int64_t span_t0(const engine_t *g) {
