@@ -63,41 +63,41 @@ def _config(case: Case, trace: bool) -> BufferConfig:
 
 
 def _rank(group: Any, cases: list[Case], warmup: int, repeats: int) -> list[dict[str, Any]]:
+    return [_case(group, case, warmup, repeats) for case in cases]
+
+
+def _case(group: Any, case: Case, warmup: int, repeats: int) -> dict[str, Any]:
     from ubep.testing import payload
 
-    out = []
-    for case in cases:
-        rc = case.run_case()
-        rng = np.random.default_rng([1, group.rank])
-        x = payload(rng, "bf16", case.tokens, case.hidden)
-        idx = topk_of(rc, group.rank)
-        w = rng.random((case.tokens, case.num_topk), dtype=np.float32)
-        with Buffer(group, _config(case, False)) as off, Buffer(group, _config(case, True)) as on:
-            held: dict[str, Any] = {}
+    rng = np.random.default_rng([1, group.rank])
+    x = payload(rng, "bf16", case.tokens, case.hidden)
+    idx = topk_of(case.run_case(), group.rank)
+    w = rng.random((case.tokens, case.num_topk), dtype=np.float32)
+    held: dict[str, Any] = {}
 
-            def dispatch(buf: Any) -> None:
-                held["res"] = buf.dispatch(x, idx, w)
+    def dispatch(buf: Any) -> None:
+        held["res"] = buf.dispatch(x, idx, w)
 
-            def combine(buf: Any) -> None:
-                res = held["res"]
-                buf.combine(res.recv_x, res.handle)
+    def combine(buf: Any) -> None:
+        res = held["res"]
+        buf.combine(res.recv_x, res.handle)
 
-            samples: dict[tuple[str, str], list[int]] = {}
-            spans_per_call = 0
-            for i in range(warmup + repeats):
-                for label, buf in (("off", off), ("on", on)) if i % 2 else (("on", on),
-                                                                             ("off", off)):
-                    for op, fn in (("dispatch", dispatch), ("combine", combine)):
-                        s, e = collective_spans(lambda: group.barrier(60.0),
-                                                lambda fn=fn, buf=buf: fn(buf), 0, 1)[0]
-                        if i >= warmup:
-                            samples.setdefault((label, op), []).append(int(e - s))
-                if i == warmup:
-                    spans_of(on)  # empty the rings: one call's worth next
-                if i == warmup + 1:
-                    spans_per_call = len(spans_of(on).spans)
-            out.append({"samples": samples, "spans": spans_per_call})
-    return out
+    samples: dict[tuple[str, str], list[int]] = {}
+    spans_per_call = 0
+    with Buffer(group, _config(case, False)) as off, Buffer(group, _config(case, True)) as on:
+        for i in range(warmup + repeats):
+            order = (("off", off), ("on", on)) if i % 2 else (("on", on), ("off", off))
+            for label, buf in order:
+                for op, fn in (("dispatch", dispatch), ("combine", combine)):
+                    s, e = collective_spans(lambda: group.barrier(60.0),
+                                            lambda fn=fn, buf=buf: fn(buf), 0, 1)[0]
+                    if i >= warmup:
+                        samples.setdefault((label, op), []).append(int(e - s))
+            if i == warmup:
+                spans_of(on)  # empty the rings: one call's worth next
+            if i == warmup + 1:
+                spans_per_call = len(spans_of(on).spans)
+    return {"samples": samples, "spans": spans_per_call}
 
 
 def _memcpy_us(size: int) -> float:
