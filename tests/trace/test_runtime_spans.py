@@ -266,3 +266,19 @@ def test_a_python_ring_keeps_the_last_spans_in_order_and_decodes_like_the_native
     assert ring.trace_spans()[1] == (0, 0, 0)  # read: emptied
     with pytest.raises(InvalidArgumentError, match="capacity"):
         ring.trace_enable(-1)
+
+
+def test_the_engines_kinds_are_the_schemas_in_order() -> None:
+    """engine.h numbers its span kinds as TASK_KINDS, then the call ring's kinds."""
+    import re
+
+    from ubep.trace.recorder import CALL_KINDS
+    from ubep.trace.spans import TASK_KINDS
+
+    header = (Path(__file__).parents[2] / "src/ubep/runtime/native/engine.h").read_text()
+    body = re.search(r"enum \{\s*(SK_INIT[^}]*)\}", header)
+    assert body is not None
+    names = [n.strip().split("=")[0].strip() for n in re.sub(r"/\*.*?\*/", "", body.group(1),
+                                                               flags=re.S).split(",")]
+    names = [n for n in names if n and n != "SK_OWN"]
+    assert names == [f"SK_{k.upper()}" for k in (*TASK_KINDS, *CALL_KINDS)]

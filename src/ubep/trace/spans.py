@@ -42,8 +42,10 @@ class Span:
         task: one of :data:`TASK_KINDS`.
         start_ns, end_ns: on the trace's clock (the runtime: the host's monotonic clock; the
             simulator: ns from the call's start).
-        unit: the Plan's send unit (``send``), else -1.
-        peer: the other rank (destination of a ``send``, source of a ``wait``), else -1.
+        unit: a ``send``'s unit (the runtime: its index in the Plan, or in the engine's
+            per-destination buckets; BSP: the first of the core's share), else -1.
+        peer: the other rank (destination of a ``send``, source of a ``wait`` or ``reorder``,
+            destination of a ``count``), else -1.
         rows, size_bytes: rows and payload bytes the task moved or read.
     """
 

@@ -28,8 +28,8 @@
 
 /* Task spans (tracing on: Engine.trace_enable): what each core ran, on CLOCK_MONOTONIC (one
  * clock for every rank of a host). The kinds are ubep.trace.spans.TASK_KINDS by index
- * (ubep/trace/native.py checks the two lists agree); the call spans (dispatch, combine) go to
- * one more ring after the cores'. */
+ * (tests/trace/test_runtime_spans.py checks the two lists agree); the call spans (dispatch,
+ * combine) go to one more ring after the cores'. */
 enum {
     SK_INIT, SK_COUNT, SK_CUMSUM, SK_VERIFY, SK_SEND, SK_WAIT, SK_FLAG, SK_BARRIER, SK_REORDER,
     SK_REDUCE, SK_ROUTE, SK_CHECKSUM, SK_QUANT, SK_COPY, SK_DISPATCH, SK_COMBINE,
