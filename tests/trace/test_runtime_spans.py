@@ -282,3 +282,14 @@ def test_the_engines_kinds_are_the_schemas_in_order() -> None:
                                                                flags=re.S).split(",")]
     names = [n for n in names if n and n != "SK_OWN"]
     assert names == [f"SK_{k.upper()}" for k in (*TASK_KINDS, *CALL_KINDS)]
+
+
+@pytest.mark.parametrize("capacity", [0, -1, True, 2.5])
+def test_record_refuses_a_bad_capacity_before_anything_traces(
+        capacity: Any, tmp_path: Path) -> None:
+    from ubep.trace import recorder
+
+    with pytest.raises(InvalidArgumentError, match="capacity"), record(
+            tmp_path / "t.json", capacity=capacity):
+        pass
+    assert not recorder._recorders and not list(tmp_path.iterdir())
