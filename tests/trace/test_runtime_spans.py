@@ -47,12 +47,14 @@ class Case:
     threads: bool
     tokens: int
     hook: bool = False  # split-phase (return_recv_hook)
+    background: bool | None = None  # its second half on the background core
 
     def config(self, trace: bool = True) -> BufferConfig:
         return BufferConfig(
             max_tokens_per_rank=32, hidden=HIDDEN, num_topk=TOPK, num_experts=EXPERTS,
             dtype="bf16", layout=self.layout, engine=self.engine, sync=self.sync,
-            num_cores=self.num_cores, threads=self.threads, timeout_s=60.0, trace=trace)
+            num_cores=self.num_cores, threads=self.threads, timeout_s=60.0, trace=trace,
+            background=self.background)
 
 
 # 4 cores at 24 tokens: 3 send cores + 1 count core (the Plan's units); 3 cores at 1 token: one
@@ -63,8 +65,10 @@ CASES = [
     Case("asp", "rank", "dc", 4, False, 24),
     Case("asp", "expert", "tff", 3, True, 1),
     Case("asp", "expert", "sp", 4, True, 24, hook=True),
+    Case("asp", "rank", "tff", 2, True, 16, hook=True, background=True),
     Case("bsp", "expert", "tff", 4, True, 24),
     Case("bsp", "rank", "sw", 2, False, 16),
+    Case("bsp", "expert", "dc", 2, True, 16, hook=True, background=True),
 ]
 
 
@@ -201,7 +205,7 @@ def test_one_clock_a_send_starts_before_the_receive_it_feeds_ends(runs: Any, i: 
 
 def test_exported_runtime_events_carry_the_required_fields_and_load_back(
         runs: Any, tmp_path: Path) -> None:
-    traces = [_trace(runs, i) for i in (0, 4)]
+    traces = [_trace(runs, i) for i in (0, 5)]
     data = to_chrome(traces)
     for e in data["traceEvents"]:
         assert {"name", "ph", "pid", "tid"} <= set(e), e
