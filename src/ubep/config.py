@@ -9,6 +9,7 @@ arguments of ``dispatch``/``combine``, not fields here. ``ubep.buffer`` re-expor
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,6 @@ import numpy as np
 from . import dtypes as _dt
 from .errors import InvalidArgumentError
 from .expert_map import ExpertMap
-from .m2n import check_expert_ranks
 from .modes import (
     ENGINES,
     INTEGRITY,
@@ -46,6 +46,32 @@ __all__ = ["AUTO_SYNC", "BufferConfig"]
 # place), 1.14 and 1.04 for asp+sp, 1.96 and 1.75 for asp+dc: none is faster beyond noise, so
 # SW. The simulator keeps the paper's modes.
 AUTO_SYNC = "sw"
+
+
+def check_expert_ranks(expert_ranks: object, num_experts: int) -> tuple[int, ...]:
+    """``expert_ranks`` as a tuple of ints, refused (naming it) when empty, with a repeated or
+    negative rank, or when ``num_experts`` does not divide evenly over it. Ranks beyond the
+    group are refused by :func:`m2n_expert_map` (the group size is known there)."""
+    if isinstance(expert_ranks, (str, bytes)) or not isinstance(
+            expert_ranks, (Sequence, np.ndarray)):
+        raise InvalidArgumentError("expert_ranks", expert_ranks,
+                                   "must be None or a sequence of rank numbers")
+    ranks = []
+    for r in expert_ranks:
+        if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or r < 0:
+            raise InvalidArgumentError("expert_ranks", list(expert_ranks),
+                                       "rank numbers must be integers >= 0")
+        ranks.append(int(r))
+    if not ranks:
+        raise InvalidArgumentError("expert_ranks", ranks, "needs at least one expert rank")
+    if len(set(ranks)) != len(ranks):
+        raise InvalidArgumentError("expert_ranks", ranks, "names a rank twice")
+    if num_experts % len(ranks):
+        raise InvalidArgumentError(
+            "expert_ranks", ranks, f"num_experts={num_experts} is not a multiple of its "
+            f"{len(ranks)} expert ranks")
+    return tuple(ranks)
+
 
 
 @dataclass(frozen=True)
@@ -119,6 +145,10 @@ class BufferConfig:
         on_peer_loss: ``"raise"`` (a dead or silent peer fails the call on every rank and the
             Buffer refuses until resynced) or ``"mask"`` (the survivors agree on the lost ranks,
             complete the call without them and keep serving: ``ubep.buffer.elastic``).
+        min_live_ranks: the quorum of a masking Buffer on an MPI group: the survivors of a
+            loss serve on only when at least this many of the group's ranks agreed, else each
+            raises ``PeerLostError`` naming the quorum; ``None`` = more than half of them
+            (docs/ELASTIC.md, "The quorum").
 
     Sync formats:
         tff_block_bytes, tff_flag_bytes: TFF block geometry (default 512 = 480 + 32).
@@ -153,6 +183,7 @@ class BufferConfig:
     # --- deadline
     timeout_s: float = 60.0
     on_peer_loss: PeerLoss = "raise"
+    min_live_ranks: int | None = None
     # --- sync formats
     tff_block_bytes: int = 512
     tff_flag_bytes: int = 32
@@ -169,6 +200,12 @@ class BufferConfig:
         if self.on_peer_loss not in PEER_LOSS:
             raise InvalidArgumentError("on_peer_loss", self.on_peer_loss,
                                        f"must be one of {PEER_LOSS}")
+        if self.min_live_ranks is not None and (
+                isinstance(self.min_live_ranks, bool)
+                or not isinstance(self.min_live_ranks, (int, np.integer))
+                or self.min_live_ranks < 1):
+            raise InvalidArgumentError("min_live_ranks", self.min_live_ranks,
+                                       "must be None or a positive integer")
         self._check_formats()
         if self.expert_ranks is not None and self.on_peer_loss == "mask":
             # a masking Buffer re-routes over an expert map of its own, and an M2N placement

@@ -13,6 +13,7 @@ from typing import Any
 __all__ = [
     "CallLostError",
     "InvalidArgumentError",
+    "NoQuorumError",
     "OutOfStepError",
     "PeerLostError",
     "RankFailedError",
@@ -53,6 +54,12 @@ class RankMaskedError(PeerLostError):
     """The survivors of a masking Buffer (``on_peer_loss="mask"``) agreed that this rank is lost
     (it died to them, or was stopped or too slow past the deadline): it is out of the group and
     every call on the Buffer raises this until it rejoins."""
+
+
+class NoQuorumError(RankMaskedError):
+    """A masking Buffer over MPI lost ranks, and the side this rank is on holds no quorum
+    (more than half of the group's ranks, or ``BufferConfig.min_live_ranks``): it does not
+    serve on, so that at most one side of a partition does (``ubep.mpi.quorum``)."""
 
 
 class CallLostError(PeerLostError):

@@ -18,43 +18,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+# the role check is the config's own (one direction: this module reads configs)
+from .config import BufferConfig, check_expert_ranks
 from .errors import InvalidArgumentError
 from .expert_map import ExpertMap
 
-if TYPE_CHECKING:
-    from .config import BufferConfig
-
 __all__ = ["check_expert_ranks", "logical_experts", "logical_result", "m2n_expert_map",
            "physical_config", "slot_shift"]
-
-
-def check_expert_ranks(expert_ranks: object, num_experts: int) -> tuple[int, ...]:
-    """``expert_ranks`` as a tuple of ints, refused (naming it) when empty, with a repeated or
-    negative rank, or when ``num_experts`` does not divide evenly over it. Ranks beyond the
-    group are refused by :func:`m2n_expert_map` (the group size is known there)."""
-    if isinstance(expert_ranks, (str, bytes)) or not isinstance(
-            expert_ranks, (Sequence, np.ndarray)):
-        raise InvalidArgumentError("expert_ranks", expert_ranks,
-                                   "must be None or a sequence of rank numbers")
-    ranks = []
-    for r in expert_ranks:
-        if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or r < 0:
-            raise InvalidArgumentError("expert_ranks", list(expert_ranks),
-                                       "rank numbers must be integers >= 0")
-        ranks.append(int(r))
-    if not ranks:
-        raise InvalidArgumentError("expert_ranks", ranks, "needs at least one expert rank")
-    if len(set(ranks)) != len(ranks):
-        raise InvalidArgumentError("expert_ranks", ranks, "names a rank twice")
-    if num_experts % len(ranks):
-        raise InvalidArgumentError(
-            "expert_ranks", ranks, f"num_experts={num_experts} is not a multiple of its "
-            f"{len(ranks)} expert ranks")
-    return tuple(ranks)
 
 
 def m2n_expert_map(num_experts: int, expert_ranks: Sequence[int], num_ranks: int) -> ExpertMap:

@@ -23,6 +23,7 @@ def _result(parts: list[tuple[str, list[int], list[int], list[float], list[float
                      core_send_end_ns=np.zeros((2, 2)), core_land_end_ns=np.zeros((2, 2)),
                      item_end_ns=none, consume_work_ns=np.array(consume_work),
                      core_ack_end_ns=np.zeros((2, 2)), core_rtt_ns=np.zeros((2, 2)),
+                         core_rx_wait_ns=np.zeros((2, 2)),
                      cores_per_rank=cores)
 
 

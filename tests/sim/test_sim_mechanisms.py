@@ -530,3 +530,107 @@ def test_a_global_syncall_waits_for_every_rank(mode: str, scope: int) -> None:
     if scope:  # the second SyncAll releases every rank at once
         ends = {max(b.end_ns for b in res.timeline.spans(rank=r, task="barrier")) for r in (0, 1)}
         assert max(ends) - min(ends) < 1e-6
+
+
+@pytest.mark.parametrize("mode", ["analytic", "events"])
+def test_sent_adds_the_mean_wait_at_the_receivers_port(mode: str) -> None:
+    # Figure 9's per-AIV send latency: program (1) of the core's own rows plus the mean wait
+    # of its rows at their receivers' ports. Ranks 0 and 1 each send one row from core 0 to
+    # rank 2 (all one hop, no contention: speed 1). Both rows leave their source ports at
+    # e + s and reach rank 2 together; its port passes one, the other waits one
+    # serialisation s there. Core 1 of each rank sends nothing.
+    f = fabric(contention_cores=1e9)
+    topo = Topology(num_ranks=3, ranks_per_node=3, cores_per_rank=3,
+                    latency_ns=(50.0, 400.0), bandwidth_gbps=(20.0, 20.0))
+    plans = [plan(0, [(0, 0, 2, 0)], n_send=2, n_count=1, num_ranks=3, topo=topo),
+             plan(1, [(0, 0, 2, 0)], n_send=2, n_count=1, num_ranks=3, topo=topo),
+             plan(2, [], n_send=2, n_count=1, num_ranks=3, topo=topo)]
+    res = simulate(plans, topo, f, engine="asp", sync="sp", row_bytes=ROW, mode=mode)
+    w, s = 100 + ROW / 10 + 0.5 * 400, ROW / 20
+    waits = sorted(res.core_rx_wait_ns[:2, 0].tolist())
+    np.testing.assert_allclose(waits, [0.0, s], atol=1e-2)
+    assert res.core_rx_wait_ns[:, 1].tolist() == [0.0, 0.0, 0.0]
+    sent = res.send_latency_ns(until="sent")
+    np.testing.assert_allclose(sorted(sent[:2, 0].tolist()), [w + s + 800, w + 2 * s + 800],
+                               atol=1e-2)
+    np.testing.assert_allclose(sent[:2, 0] - res.send_latency_ns(until="rtt")[:2, 0],
+                               res.core_rx_wait_ns[:2, 0], atol=1e-9)
+    assert sent[2].tolist() == [0.0, 0.0]
+
+
+def test_sent_mean_wait_is_per_core_rows() -> None:
+    # The wait is a mean over the core's own rows, hop-0 rows counting 0: a core with one
+    # local row and one remote row that waited 300 ns shows 150.
+    from ubep.sim.spec import core_rx_wait_ns
+
+    f, topo = fabric(contention_cores=1e9), two_ranks(cores=3)
+    plans = [plan(0, [(0, 0, 0, 0), (0, 1, 1, 0)], n_send=2, n_count=1, topo=topo),
+             plan(1, [], n_send=2, n_count=1, topo=topo)]
+    spec = build_spec(plans, topo, f, engine="asp", sync="sp", row_bytes=ROW)
+    depart = np.array([0.0, 1000.0])
+    land = np.array([500.0, 1000.0 + 400.0 + 300.0])  # hop 1: flight 400, then 300 waiting
+    got = core_rx_wait_ns(spec, topo, land, depart)
+    np.testing.assert_allclose(got, [[150.0, 0.0], [0.0, 0.0]])
+
+
+def _exchange_spec(num_ranks: int, sw_meet: int) -> Any:
+    from ubep.sim.calib import load_fabric
+    from ubep.sim.experiments import _exchange_plans, topology_for
+
+    topo = topology_for("cm384", num_ranks)
+    fab = load_fabric("cm384").with_values(sw_meet=sw_meet)
+    spec = build_spec(_exchange_plans(topo, topo.cores_per_rank), topo, fab, engine="asp",
+                      sync="sw", row_bytes=10)
+    return fab, spec
+
+
+@pytest.mark.parametrize(("num_ranks", "senders"), [(2, 1), (64, 48)])
+def test_stop_and_wait_meeting_grows_with_the_sending_aivs(num_ranks: int,
+                                                           senders: int) -> None:
+    # Figure 10's exchange: every rank writes one message to each of the other R - 1 ranks,
+    # dealt over its 48 AIVs, so P = min(R - 1, 48) AIVs send: 1 at 2 ranks, 48 at 64. Under
+    # stop-and-wait they meet at one counter before each per-destination flag; the P adds
+    # serialise, flag_ns each: the flag waits P x flag_ns more than without the meeting,
+    # every batch of every rank alike (one message per batch here).
+    fab, met = _exchange_spec(num_ranks, 1)
+    _, plain = _exchange_spec(num_ranks, 0)
+    extra = met.unit_stall_ns - plain.unit_stall_ns
+    assert met.unit_batch.size == num_ranks * (num_ranks - 1)  # one row per batch
+    np.testing.assert_allclose(extra, senders * fab.flag_ns, rtol=1e-12)
+    # Data-as-Flag has no meeting: its rows stall the same with and without it.
+    from ubep.sim.experiments import exchange_latency_ns, topology_for
+
+    topo = topology_for("cm384", num_ranks)
+    assert exchange_latency_ns(topo, fab, "sp", 10) == exchange_latency_ns(
+        topo, fab.with_values(sw_meet=0), "sp", 10)
+    sw_gain = (exchange_latency_ns(topo, fab, "sw", 10)
+               - exchange_latency_ns(topo, fab.with_values(sw_meet=0), "sw", 10))
+    # At 2 ranks the one row's flag is the critical path: the latency grows by P x flag_ns.
+    # At 64 ranks 63 messages over 48 AIVs give 15 AIVs two batches (two meetings), so the
+    # last flag comes between one and two meetings later.
+    batches = -(-(num_ranks - 1) // senders)
+    assert senders * fab.flag_ns - 1e-6 <= sw_gain <= batches * senders * fab.flag_ns + 1e-6
+    if batches == 1:
+        assert sw_gain == pytest.approx(senders * fab.flag_ns, rel=1e-9)
+
+
+def test_calibrate_remembers_each_points_value_per_fabric(monkeypatch: pytest.MonkeyPatch) -> None:
+    # While calibrate runs, a point evaluated again at the same fabric (a leave-one-out refit
+    # starting where the full fit ended) is not re-simulated; outside it every call simulates.
+    from ubep.sim import fit as fit_mod
+
+    calls: list[float] = []
+
+    def evaluate(f: Any) -> float:
+        calls.append(f.issue_ns)
+        return 2.0 * f.issue_ns
+
+    p = TrainingPoint("memo_probe", "test", "-", 200.0, 0.1, evaluate)
+    a, b = fabric(issue_ns=100.0), fabric(issue_ns=110.0)
+    assert p.residual(a) == p.residual(a) == pytest.approx(0.0)
+    assert len(calls) == 2  # off: every call evaluates
+    monkeypatch.setattr(fit_mod, "_MEMO", [True])
+    monkeypatch.setattr(fit_mod, "_VALUES", {})
+    values = [p.value(a), p.value(b), p.value(a), p.value(b)]
+    assert values == [200.0, 220.0, 200.0, 220.0]
+    assert calls == [100.0, 100.0, 100.0, 110.0]  # one new evaluation per fabric

@@ -109,3 +109,15 @@ def test_a_span_refuses_an_unknown_task_and_a_negative_duration() -> None:
         Span(0, 0, "compute", 0.0, 1.0)
     with pytest.raises(InvalidArgumentError, match="end_ns"):
         Span(0, 0, "send", 2.0, 1.0)
+
+
+def test_ubep_sim_trace_writes_the_calls_it_timed(tmp_path: Path) -> None:
+    from ubep.cli import main
+
+    out = tmp_path / "sim.json"
+    assert main(["sim", "run", "--ranks", "4", "--tokens", "16", "--hidden", "256", "--topk", "2",
+                 "--engine", "bsp", "--sync", "sw", "--trace", str(out)]) == 0
+    (trace,) = load(out)
+    assert trace.source == "sim" and trace.ranks() == [0, 1, 2, 3]
+    assert {s.task for s in trace.spans} >= {"send", "barrier"}
+    assert all(c.name == "dispatch" for c in trace.calls) and len(trace.calls) == 4

@@ -124,7 +124,7 @@ class MaskingBuffer:
             plane: Any = control_plane(name).of(group)
             roster: Any = plane.roster
         elif hasattr(group, "membership_plane"):  # ubep.mpi: ULFM's agreement
-            plane = group.membership_plane()
+            plane = group.membership_plane(config)  # the quorum: ubep.mpi.quorum
             roster = plane.roster
         else:
             raise InvalidArgumentError(

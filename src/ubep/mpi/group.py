@@ -246,9 +246,11 @@ class MpiGroup:
             self._runner = CallRunner(f"rank {self.rank}", threaded=serialized, owns_mpi=True)
         return self._runner
 
-    def membership_plane(self) -> Any:
-        """The control plane of a masking Buffer on this group (ubep.mpi.membership)."""
-        return MpiPlane(self, MpiGroup, discovered_topology)
+    def membership_plane(self, config: Any = None) -> Any:
+        """The control plane of a masking Buffer on this group (ubep.mpi.membership), with the
+        quorum of ``config`` (a ``BufferConfig``; ``None``: the default quorum)."""
+        return MpiPlane(self, MpiGroup, discovered_topology,
+                        min_live_ranks=getattr(config, "min_live_ranks", None))
 
     def abandon(self) -> None:
         """Stop using this group without a collective: the survivors of a loss agreed on a

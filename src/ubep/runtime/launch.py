@@ -311,6 +311,7 @@ def _child_main(
 ) -> None:
     _die_with_launcher(launcher_pid)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    _mpi_files_in(rendezvous)
     group: Group | None = None
     try:
         group = Group(rank, num_ranks, rendezvous, group_id=group_id, topology=topology,
@@ -326,12 +327,49 @@ def _child_main(
     finally:
         if group is not None:
             group.close()
+    message = _finalize_mpi(message)
     try:
         conn.send(message)
     except Exception as exc:  # the result itself does not pickle
         conn.send(("err", (type(exc).__name__, f"result of fn could not be sent: {exc}",
                            traceback.format_exc(), None)))
     conn.close()
+
+
+# Open MPI's shared-memory transport backs its segment (``sm_segment.<host>.<uid>.<job>.<rank>``)
+# with a file in /dev/shm, and only its launcher's daemon removes it: a rank that imports
+# mpi4py.MPI outside mpiexec is a singleton with no daemon, so the file outlives it, finalized
+# or not. The rank's MPI gets the rendezvous directory instead, which the reaper removes.
+_MPI_BACKING_VAR = "OMPI_MCA_btl_sm_backing_directory"
+
+
+def _mpi_files_in(rendezvous: str) -> None:
+    """Point Open MPI's shared-memory files of this rank into ``rendezvous`` (unless the caller
+    chose a directory); read when ``fn`` first initialises MPI."""
+    if _MPI_BACKING_VAR not in os.environ:
+        os.environ[_MPI_BACKING_VAR] = rendezvous
+
+
+def _finalize_mpi(message: tuple[str, Any]) -> tuple[str, Any]:
+    """Finalize the MPI that ``fn`` initialised (importing ``mpi4py.MPI`` does), before the
+    result goes out: once the launcher has every result it kills what is still running, and a
+    rank killed before mpi4py's exit hook leaves Open MPI's ``sm_segment.*`` files in
+    ``/dev/shm``. A rank whose MPI is wedged (``ubep.mpi.watchdog``) must not enter
+    ``MPI_Finalize``: its exit hook leaves without it."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None:
+        return message
+    watchdog = sys.modules.get("ubep.mpi.watchdog")
+    if watchdog is not None and getattr(watchdog, "_wedged_groups", None):
+        return message
+    try:
+        if mpi.Is_initialized() and not mpi.Is_finalized():
+            mpi.Finalize()
+    except Exception as exc:
+        if message[0] == "ok":
+            return ("err", (type(exc).__name__, f"MPI_Finalize failed: {exc}",
+                            traceback.format_exc(), None))
+    return message
 
 
 def _die_with_launcher(launcher_pid: int) -> None:

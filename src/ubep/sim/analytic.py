@@ -22,7 +22,7 @@ from ..topology import Topology
 from .events import TIE_NS
 from .fabric import FabricModel
 from .order import lex_order
-from .spec import OpSpec
+from .spec import OpSpec, core_rx_wait_ns
 from .syncs import sync_mode
 from .timeline import SimResult, TaskTimeline
 
@@ -295,6 +295,7 @@ def run_analytic(spec: OpSpec, topology: Topology, fabric: FabricModel) -> SimRe
         core_land_end_ns=core_land, item_end_ns=item_end, consume_work_ns=consume_work,
         core_ack_end_ns=flat_ack.reshape(R, n_s),
         core_rtt_ns=core_round_trip_ns(spec, topology, unit_end, depart),
+        core_rx_wait_ns=core_rx_wait_ns(spec, topology, land, depart),
         cores_per_rank=n,
     )
 

@@ -370,6 +370,10 @@ START: dict[str, dict[str, tuple[float, str, str]]] = {
         "hot_share": (0.5, "assumed", "ubep.sim.assumed.ASSUMED: the skewed set-ups' unstated "
                       "hot share, fitted to the UBEP training set (Figure 9) by `ubep sim "
                       "calibrate`"),
+        "sw_meet": (1, "derived", "UBEP paper evaluation text on Figure 10 (CALIBRATION.md): "
+                    "Data-as-Flag gains by removing the stop-and-wait pattern and reducing "
+                    "cross-AIV synchronisation, whose overhead grows with the rank count: CANN "
+                    "EP's AIVs meet at a counter before each per-destination flag"),
         "syncall_global": (0, "derived", "Ascend's SyncAll joins the cores of one kernel (one "
                            "rank); cross-rank completion comes from the flags. The paper's "
                            "'global barriers' (Figure 2) read as a barrier of every rank "

@@ -18,6 +18,12 @@ from .workload import ROUTINGS
 __all__ = ["register"]
 
 
+def summary(doc: str | None) -> str:
+    """A docstring's first paragraph on one line: a subcommand's whole first sentence, where
+    its first line alone would stop mid-sentence."""
+    return " ".join((doc or "").strip().split("\n\n", 1)[0].split())
+
+
 def register(subparsers: Any) -> None:
     """Add ``sim`` and its subcommands to the ``ubep`` command line."""
     sim = subparsers.add_parser("sim", help="superpod simulator: paper experiments and what-ifs",
@@ -26,10 +32,11 @@ def register(subparsers: Any) -> None:
     for name, fn in {**EXPERIMENTS, **WHATIFS}.items():
         aliases = [old for old, new in ALIASES.items() if new == name]
         p = sub.add_parser(name, aliases=aliases,
-                           help=(fn.__doc__ or "").strip().splitlines()[0])
+                           help=summary(fn.__doc__))
         _common(p)
         p.add_argument("--plot", metavar="PATH", help="write the figure as a PNG")
         p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+        _trace_option(p)
         p.set_defaults(func=_experiment, experiment=name)
     p = sub.add_parser("all", help="run every experiment and write DIR/report.md")
     _common(p)
@@ -91,6 +98,7 @@ def register(subparsers: Any) -> None:
                    help="ranks out of service: they send nothing, their experts' picks go to "
                         "replicas")
     p.add_argument("--json", metavar="PATH", help="write the per-task spans as JSON")
+    _trace_option(p)
     p.set_defaults(func=_run)
 
 
@@ -99,13 +107,41 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="fabric preset (nvl576 is an extrapolation)")
 
 
+def _trace_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", metavar="PATH",
+                   help="write the per-core timelines of the calls it timed (the first of each "
+                        "system, at most 8) as a Chrome trace event file (Perfetto; ubep trace "
+                        "plot)")
+
+
+_TRACE_CALLS = 8  # calls a --trace file keeps: an experiment times hundreds
+
+
+def _traced(args: argparse.Namespace, run: Any) -> Any:
+    """``run()``, and with ``--trace`` the calls it timed written to ``args.trace``."""
+    if not getattr(args, "trace", None):
+        return run()
+    from ..trace import from_sim, write
+    from .workload import recording
+
+    with recording() as calls:
+        out = run()
+    first: dict[str, Any] = {}
+    for label, res in calls:
+        if label not in first and len(first) < _TRACE_CALLS:
+            first[label] = res
+    path = write([from_sim(res, label) for label, res in first.items()], args.trace)
+    print(f"wrote {path}: {len(first)} of the {len(calls)} calls timed (the first of each system)")
+    return out
+
+
 def _experiment(args: argparse.Namespace) -> int:
     from .experiments import run_experiment
 
     if args.experiment in WHATIFS:
-        result = WHATIFS[args.experiment](args.family)
+        result = _traced(args, lambda: WHATIFS[args.experiment](args.family))
     else:
-        result = run_experiment(args.experiment, args.family)
+        result = _traced(args, lambda: run_experiment(args.experiment, args.family))
     print(result.table())
     if args.json:
         Path(args.json).write_text(json.dumps(result.to_json(), indent=1) + "\n",
@@ -192,7 +228,7 @@ def _run(args: argparse.Namespace) -> int:
     cores: Any = "all" if args.engine == "bsp" else None
     system = System("cli", args.engine, args.policy, args.sync, layout=args.layout,
                     num_send_cores=cores, num_count_cores=cores)
-    res = run_case(w, system, topo, fabric, op=args.op, mode=args.mode)
+    res = _traced(args, lambda: run_case(w, system, topo, fabric, op=args.op, mode=args.mode))
     print(f"{args.op} on {topo.name}: {res.latency_ns / 1e3:.2f} us ({args.engine}, "
           f"{args.policy}, {args.sync}, {args.mode}); slowest rank {res.slowest_rank}")
     for task, span in res.task_span_ns().items():

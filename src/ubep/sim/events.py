@@ -22,7 +22,7 @@ import numpy as np
 from ..topology import Topology
 from .des import LATE, NORMAL, TIE_NS, Environment, Event, Process, ProcessGenerator, then, tie_key
 from .fabric import FabricModel
-from .spec import OpSpec
+from .spec import OpSpec, core_rx_wait_ns
 from .syncs import sync_mode
 from .timeline import SimResult, TaskTimeline
 
@@ -164,6 +164,7 @@ class _EventRun:
         self.core_land_end = np.zeros((R, spec.num_send_cores))
         self.core_ack_end = np.zeros((R, spec.num_send_cores))
         self.core_rtt = np.zeros((R, spec.num_send_cores))
+        self.unit_depart = np.zeros(spec.num_units)
         self.rank_end = np.zeros(R)
         # Receive items: rows still missing, ready time so far, consumers per (rank, core).
         self.item_missing = np.bincount(spec.unit_item, minlength=num_items)
@@ -254,6 +255,7 @@ class _EventRun:
             yield self.env.at(depart + self.lat[hop])
             land = yield self.ingress[dst].send(u, service)
             yield self.env.at(land)
+            self.unit_depart[u] = depart
         self.unit_land[u] = land
         self.core_land_end[src, j] = max(self.core_land_end[src, j], self.env.now)
         if s.engine == "asp":  # an ASP rank is done once its own writes have landed, too
@@ -446,5 +448,7 @@ class _EventRun:
             unit_ready_ns=self.unit_ready, core_send_end_ns=self.core_send_end,
             core_land_end_ns=self.core_land_end, item_end_ns=self.item_end,
             consume_work_ns=consume_work, core_ack_end_ns=self.core_ack_end,
-            core_rtt_ns=self.core_rtt, cores_per_rank=s.cores_per_rank,
+            core_rtt_ns=self.core_rtt,
+            core_rx_wait_ns=core_rx_wait_ns(s, self.topo, self.unit_land, self.unit_depart),
+            cores_per_rank=s.cores_per_rank,
         )

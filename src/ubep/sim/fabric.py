@@ -90,6 +90,9 @@ class FabricModel:
             arrived (and, the first, when every rank's stores are acknowledged), plus its
             intrinsic ``barrier_ns`` and the flag rounds of a tier-aware dissemination
             barrier (:func:`dissemination_ns`).
+        sw_meet: 1 if an ASP stop-and-wait rank's sending AIVs meet at one counter before
+            each per-destination flag (the sync table's ``meet``: ``P x flag_ns`` for ``P``
+            sending AIVs); 0 where the family's kernels flag per core.
     """
 
     name: str
@@ -117,6 +120,7 @@ class FabricModel:
     check_lanes: int = 1
     hot_share: float = 0.5
     syncall_global: int = 0
+    sw_meet: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -142,6 +146,8 @@ class FabricModel:
                                        "must be 0 (no window) or >= 1 store")
         if self.syncall_global not in (0, 1):
             raise InvalidArgumentError("syncall_global", self.syncall_global, "must be 0 or 1")
+        if self.sw_meet not in (0, 1):
+            raise InvalidArgumentError("sw_meet", self.sw_meet, "must be 0 or 1")
         if not 0 < self.hot_share < 1:
             raise InvalidArgumentError("hot_share", self.hot_share, "must lie in (0, 1)")
         if self.latency_exposure > 1:

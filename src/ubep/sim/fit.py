@@ -68,7 +68,25 @@ class TrainingPoint:
 
     def residual(self, fabric: FabricModel) -> float:
         """``log(model / paper) / log(1 + tolerance)``: within tolerance iff ``|r| <= 1``."""
-        return float(np.log(self.evaluate(fabric) / self.paper) / np.log1p(self.tolerance))
+        return float(np.log(self.value(fabric) / self.paper) / np.log1p(self.tolerance))
+
+    def value(self, fabric: FabricModel) -> float:
+        """``evaluate(fabric)``, remembered while :func:`calibrate` runs (its points are
+        :func:`training_set` and :func:`baseline_rows`, one per name): every leave-one-out
+        refit starts where the full fit ended, and a fit asks again for the point it
+        evaluated last."""
+        if not _MEMO[0]:
+            return float(self.evaluate(fabric))
+        key = (self.name, self.paper, fabric)
+        if key not in _VALUES:
+            if len(_VALUES) >= 4096:
+                _VALUES.clear()
+            _VALUES[key] = float(self.evaluate(fabric))
+        return _VALUES[key]
+
+
+_VALUES: dict[tuple[str, float, FabricModel], float] = {}
+_MEMO = [False]
 
 
 # A baseline row is a constraint as well as a target: CANN EP's calibration bounds (5 %) are the
@@ -136,16 +154,14 @@ FIG9_WORKLOAD = Workload(tokens_per_rank=64, experts_per_rank=4, routing="hot", 
 
 
 def fig9_max_core_us(system: Any, fabric: FabricModel) -> float:
-    """Figure 9's maximum per-core token-send latency as measured: first issue until the core's
-    stores are acknowledged (its hop mix and the receivers' ports set the end), over every
-    send core; the median over the seeded hot-expert placements :data:`FIG9_SEEDS`.
-    Program (1)'s reading (``until="rtt"``, no receiver queueing) is reported beside it by
-    the experiment, not fitted: the paper's two maxima (62.2 us with 43-82 rows on CANN EP's
-    hottest core, 48.1 us with 12-13 rows on every balanced core) cannot both be a core's own
-    time (docs/SIMULATOR.md 5, Figure 9)."""
+    """Figure 9's maximum per-AIV token-send latency (``until="sent"``, docs/SIMULATOR.md
+    1.8): program (1) of the core's own rows (issue time and farthest round trip: its hop mix)
+    plus the mean wait of its rows at the receivers' ports (the contention every core sending
+    there shares), the largest over every send core; the median over the seeded hot-expert
+    placements :data:`FIG9_SEEDS`."""
     topo = topology_for("cm384", 64)
     return float(np.median([run_case(FIG9_WORKLOAD.with_(seed=s), system, topo, fabric)
-                            .send_latency_ns(until="ack").max() for s in FIG9_SEEDS])) / 1e3
+                            .send_latency_ns(until="sent").max() for s in FIG9_SEEDS])) / 1e3
 
 
 FIG10_SIZES = (10, 32, 100, 320, 1000, 3200, 10000)
@@ -420,11 +436,16 @@ def calibrate(path: Any = None, *, loo: bool = True, max_nfev: int = 12, warm: b
     if warm:
         stored = load_calibration(Path(path) if path else None)["fabrics"]["cm384"]
         start = dict(stored.get("fit", {}).get("values", {})) or None
-    full = fit(base, start=start, max_nfev=max_nfev, progress=progress)
-    rows = leave_one_out(base, full, refit=loo_refit, max_nfev=loo_max_nfev, cold=loo_cold,
-                         progress=progress) if loo else []
-    quick = (leave_one_out(base, full, refit=False, progress=progress) if loo and loo_refit
-             else [{}] * len(training_set()))
+    _MEMO[0] = True
+    try:
+        full = fit(base, start=start, max_nfev=max_nfev, progress=progress)
+        rows = leave_one_out(base, full, refit=loo_refit, max_nfev=loo_max_nfev, cold=loo_cold,
+                             progress=progress) if loo else []
+        quick = (leave_one_out(base, full, refit=False, progress=progress)
+                 if loo and loo_refit else [{}] * len(training_set()))
+    finally:
+        _MEMO[0] = False
+        _VALUES.clear()
     loo_rows = rows
     fab = apply_assumed(base, full.values)
     data = load_calibration(Path(path) if path else None)

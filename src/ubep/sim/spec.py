@@ -12,7 +12,8 @@ the analytic executor consume exactly the same input.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -24,7 +25,8 @@ from .fabric import FabricModel, sync_costs
 from .order import lex_order
 from .syncs import SW, sync_mode
 
-__all__ = ["OPS", "OpSpec", "RowCosts", "Transfers", "build_spec", "receiver_drain_ns",
+__all__ = ["OPS", "OpSpec", "RowCosts", "Transfers", "build_spec", "core_rx_wait_ns", "meet_ns",
+           "receiver_drain_ns",
            "transfers"]
 
 OPS = ("dispatch", "combine")
@@ -244,21 +246,12 @@ def build_spec(
     num_experts = plans[0].num_experts
     epr = num_experts // num_ranks
     costs = sync_costs(sync, row_bytes, fabric)
-    trs = [transfers(p, row_bytes=row_bytes, sync=sync, block_bytes=fabric.atomic_bytes,
-                     flag_bytes=fabric.tff_flag_bytes) for p in plans]
-    src = np.concatenate([np.full(t.dst_rank.size, t.src_rank, dtype=np.int64) for t in trs])
-    core = np.concatenate([t.core for t in trs])
-    hop = np.concatenate([t.hop for t in trs])
-    dst = np.concatenate([t.dst_rank for t in trs])
-    expert = np.concatenate([t.expert for t in trs])
-    slot = np.concatenate([t.slot for t in trs])
-    token = np.concatenate([t.src_token for t in trs])
-    wire = np.concatenate([t.nbytes for t in trs]).astype(np.float64)
+    lay = _layout(plans, topology, sync=sync, row_bytes=row_bytes,
+                  block_bytes=fabric.atomic_bytes, flag_bytes=fabric.tff_flag_bytes)
+    src, core, hop, dst = lay.src, lay.core, lay.hop, lay.dst
+    wire, counts, core_ptr = lay.wire, lay.counts, lay.core_ptr
     if engine == "asp" and op == "dispatch" and row_costs is None:
         wire = wire * (1.0 + fabric.metadata_ratio)  # metadata and flags ride with the rows
-    counts = np.stack([np.bincount(t.core, minlength=n_s)[:n_s] for t in trs])
-    core_ptr = np.zeros(num_ranks * n_s + 1, dtype=np.int64)
-    np.cumsum(counts.ravel(), out=core_ptr[1:])
 
     if row_costs is None:
         work = fabric.unit_work_ns(wire, hop, topology) + costs.sender_extra_ns
@@ -270,8 +263,7 @@ def build_spec(
     # Batches: one core's rows to one destination. DC ends each with a checksum message; ASP's
     # SW ends each with a fence -- the core stalls for the round trip of its last store -- and a
     # flag. (BSP's SW flags come after the barrier instead; its batches are unused.)
-    batch = (src * n + core) * num_ranks + dst
-    last = _last_of_group(batch)
+    batch, last = lay.batch, lay.last
     if mode.batch_signal == "checksum":
         work = work + np.where(last, fabric.flag_ns, 0.0)
     elif mode.batch_signal == "fence" and engine == "asp":
@@ -280,6 +272,8 @@ def build_spec(
         lat = np.asarray(topology.latency_ns, dtype=np.float64)[hop]
         bw = np.asarray(topology.bandwidth_gbps, dtype=np.float64)[hop]
         fence = fabric.fence_rtt_fraction * (2 * lat + wire / bw)
+        if mode.meet and fabric.sw_meet:  # the rank's sending AIVs meet before each flag
+            fence = fence + meet_ns(counts, fabric)[src]
         stall = stall + np.where(last, fence, 0.0)
         work = work + np.where(last, fabric.flag_ns, 0.0)
 
@@ -288,31 +282,13 @@ def build_spec(
     row_cost = float(
         fabric.unit_work_ns(np.array([costs.wire_bytes]), np.zeros(1, np.int64), topology)[0]
     ) + costs.receiver_extra_ns
-    if op == "dispatch":
-        # Receive rows in output order (dst, expert, src, slot) -- (dst, src, slot) in the rank
-        # layout; row p of rank d goes to core p mod consume, a static split fixed before any
-        # data lands.
-        if plans[0].layout == "rank":
-            order = lex_order((slot, src, dst))
-        else:
-            order = lex_order((slot, src, expert, dst))
-        item = np.empty_like(order)
-        item[order] = np.arange(order.size)
-        item_rank = dst[order]
-        first = np.searchsorted(item_rank, np.arange(num_ranks))
-        item_core = (np.arange(order.size) - first[item_rank]) % consume
-        item_cost = (np.full(order.size, row_cost) if row_costs is None
-                     else row_costs.per_hop("consume_ns", hop[order]))
-    else:
-        # One item per (receiving rank, token): the reduction over all of the token's rows.
-        key = dst * (int(token.max(initial=0)) + 1) + token
-        uniq, item = np.unique(key, return_inverse=True)
-        item_rank = _first_of(dst, item, uniq.size)
-        item_tok = _first_of(token, item, uniq.size)
-        item_core = item_tok % consume
-        per_row = (np.full(item.size, row_cost) if row_costs is None
-                   else row_costs.per_hop("consume_ns", hop))
-        item_cost = np.bincount(item, weights=per_row, minlength=uniq.size)
+    item, item_rank, item_core, item_hop, item_of_rows = _items(lay, plans[0].layout, op,
+                                                                num_ranks, consume)
+    per_row = (np.full(item_hop.size, row_cost) if row_costs is None
+               else row_costs.per_hop("consume_ns", item_hop))
+    # Dispatch: one item per row; combine: a token's reduction over all of its rows.
+    item_cost = (per_row if item_of_rows is None
+                 else np.bincount(item_of_rows, weights=per_row, minlength=item_rank.size))
     chunk_core, chunk_dst, chunk_experts, poll_first, poll_cores = _chunks(
         op, engine, num_ranks, num_experts, n, n_s, n_c, plans[0].count_expert_ptr
     )
@@ -332,12 +308,131 @@ def build_spec(
         num_send_cores=n_s, num_count_cores=n_c, num_local_experts=epr,
         unit_src=src, unit_core=core, unit_hop=hop, unit_dst=dst, unit_wire_bytes=wire,
         unit_work_ns=work, unit_stall_ns=stall, unit_batch=batch,
-        unit_item=item.astype(np.int64), core_ptr=core_ptr,
+        unit_item=item, core_ptr=core_ptr,
         chunk_core=chunk_core, chunk_dst=chunk_dst, chunk_offset_ns=chunk_offset,
         poll_first=poll_first, poll_cores=poll_cores, cumsum_ns=cumsum_ns,
-        item_rank=np.asarray(item_rank, dtype=np.int64),
-        item_core=np.asarray(item_core, dtype=np.int64), item_cost_ns=item_cost,
+        item_rank=item_rank, item_core=item_core, item_cost_ns=item_cost,
     )
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """The fabric-independent part of a spec: every rank's transfers gathered, the batches
+    and the receive items. A fit re-times the same plans hundreds of times, so it is cached
+    per plan set (:func:`_layout`)."""
+
+    src: np.ndarray
+    core: np.ndarray
+    hop: np.ndarray
+    dst: np.ndarray
+    expert: np.ndarray
+    slot: np.ndarray
+    token: np.ndarray
+    wire: np.ndarray
+    counts: np.ndarray
+    core_ptr: np.ndarray
+    batch: np.ndarray
+    last: np.ndarray
+    items: dict[tuple[str, str, int], Any] = field(default_factory=dict, compare=False)
+
+
+_LAYOUTS: dict[tuple[Any, ...], tuple[Sequence[Plan], _Layout]] = {}
+_LAYOUT_CACHE_SIZE = 64
+
+
+def _layout(plans: Sequence[Plan], topology: Topology, *, sync: str, row_bytes: int,
+            block_bytes: int, flag_bytes: int) -> _Layout:
+    key = (id(plans), topology, sync, row_bytes, block_bytes, flag_bytes)
+    hit = _LAYOUTS.get(key)
+    if hit is not None and hit[0] is plans:  # the same plan objects, not a reused id
+        return hit[1]
+    n, num_ranks = topology.cores_per_rank, topology.num_ranks
+    n_s = plans[0].num_send_cores
+    trs = [transfers(p, row_bytes=row_bytes, sync=sync, block_bytes=block_bytes,
+                     flag_bytes=flag_bytes) for p in plans]
+    src = np.concatenate([np.full(t.dst_rank.size, t.src_rank, dtype=np.int64) for t in trs])
+    core = np.concatenate([t.core for t in trs])
+    dst = np.concatenate([t.dst_rank for t in trs])
+    counts = np.stack([np.bincount(t.core, minlength=n_s)[:n_s] for t in trs])
+    core_ptr = np.zeros(num_ranks * n_s + 1, dtype=np.int64)
+    np.cumsum(counts.ravel(), out=core_ptr[1:])
+    # Batches: one core's rows to one destination.
+    batch = (src * n + core) * num_ranks + dst
+    lay = _Layout(
+        src=src, core=core, hop=np.concatenate([t.hop for t in trs]), dst=dst,
+        expert=np.concatenate([t.expert for t in trs]),
+        slot=np.concatenate([t.slot for t in trs]),
+        token=np.concatenate([t.src_token for t in trs]),
+        wire=np.concatenate([t.nbytes for t in trs]).astype(np.float64), counts=counts,
+        core_ptr=core_ptr, batch=batch, last=_last_of_group(batch))
+    for a in (lay.src, lay.core, lay.hop, lay.dst, lay.wire, lay.counts, lay.core_ptr,
+              lay.batch, lay.last):
+        a.flags.writeable = False  # shared by every spec of these plans
+    if len(_LAYOUTS) >= _LAYOUT_CACHE_SIZE:
+        _LAYOUTS.pop(next(iter(_LAYOUTS)))
+    _LAYOUTS[key] = (plans, lay)
+    return lay
+
+
+def _items(lay: _Layout, layout: str, op: str, num_ranks: int,
+           consume: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+                                  np.ndarray | None]:
+    """``(unit_item, item_rank, item_core, item_hop, item_of_rows)``: the receive items
+    (cached with the layout). Dispatch: one item per row, in output order (dst, expert, src,
+    slot) -- (dst, src, slot) in the rank layout; row p of rank d goes to core p mod
+    ``consume``, a static split fixed before any data lands; ``item_hop`` is each item's
+    row's hop, ``item_of_rows`` None. Combine: one item per (receiving rank, token), reduced
+    over all of its rows; ``item_hop`` the rows' hops, ``item_of_rows`` each row's item."""
+    memo = lay.items
+    key = (layout, op, consume)
+    if key in memo:
+        return memo[key]
+    src, dst, hop = lay.src, lay.dst, lay.hop
+    out: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]
+    if op == "dispatch":
+        if layout == "rank":
+            order = lex_order((lay.slot, src, dst))
+        else:
+            order = lex_order((lay.slot, src, lay.expert, dst))
+        item = np.empty_like(order)
+        item[order] = np.arange(order.size)
+        item_rank = dst[order]
+        first = np.searchsorted(item_rank, np.arange(num_ranks))
+        item_core = (np.arange(order.size) - first[item_rank]) % consume
+        out = (item.astype(np.int64), np.asarray(item_rank, dtype=np.int64),
+               np.asarray(item_core, dtype=np.int64), hop[order], None)
+    else:
+        key_ = dst * (int(lay.token.max(initial=0)) + 1) + lay.token
+        uniq, item = np.unique(key_, return_inverse=True)
+        item_rank = _first_of(dst, item, uniq.size)
+        item_tok = _first_of(lay.token, item, uniq.size)
+        out = (item.astype(np.int64), np.asarray(item_rank, dtype=np.int64),
+               np.asarray(item_tok % consume, dtype=np.int64), hop, item)
+    for a in out:
+        if a is not None:
+            a.flags.writeable = False
+    memo[key] = out
+    return out
+
+
+def meet_ns(core_rows: np.ndarray, fabric: FabricModel) -> np.ndarray:
+    """``[R]`` stop-and-wait's cross-AIV meeting before one per-destination flag: ``P x
+    flag_ns`` for the ``P`` AIVs of the rank that send (``core_rows [R, n_s]``: rows per send
+    core), whose adds to one counter serialise (:class:`~ubep.sim.syncs.SyncMode` ``meet``)."""
+    return (np.asarray(core_rows) > 0).sum(axis=1) * float(fabric.flag_ns)
+
+
+def core_rx_wait_ns(spec: OpSpec, topology: Topology, land: np.ndarray,
+                    depart: np.ndarray) -> np.ndarray:
+    """``[R, n_s]`` the mean, over each send core's rows, of the row's wait at its receiver's
+    port: ``land - depart - L[h]`` (0 for a hop-0 row)."""
+    lat = np.asarray(topology.latency_ns, dtype=np.float64)
+    wait = np.where(spec.unit_hop > 0, land - depart - lat[spec.unit_hop], 0.0)
+    size = spec.num_ranks * spec.num_send_cores
+    cell = spec.unit_src * spec.num_send_cores + spec.unit_core
+    total = np.bincount(cell, weights=np.maximum(wait, 0.0), minlength=size)
+    rows = np.bincount(cell, minlength=size)
+    return (total / np.maximum(rows, 1)).reshape(spec.num_ranks, spec.num_send_cores)
 
 
 def receiver_drain_ns(spec: OpSpec, topology: Topology) -> np.ndarray:

@@ -38,6 +38,11 @@ class SyncMode:
             message), ``""`` (the data is the flag: usable once landed).
         bsp_after_barrier: the BSP engine may run it (its count and flag words follow the
             barrier, fenced).
+        meet: the ASP sender's AIVs meet before each per-destination flag (stop-and-wait's
+            cross-AIV synchronisation): every sending AIV of the rank adds to one counter,
+            the adds serialise at the counter (``flag_ns`` each), so a flag waits ``P x
+            flag_ns`` for ``P`` sending AIVs (docs/SIMULATOR.md 1.4). BSP's SyncAll is its
+            meeting instead.
         colour: the mode's colour in the figures.
         host_writer, host_reader: the host model's microbenchmark passes that price a peer
             row's write and read (``{engine: pass}``; ``"-"``: none).
@@ -58,6 +63,7 @@ class SyncMode:
     host_reader: tuple[tuple[str, str], ...]
     host_checksum: str = ""
     host_validate: bool = False
+    meet: bool = False
 
     @property
     def data_as_flag(self) -> bool:
@@ -71,7 +77,7 @@ class SyncMode:
 
 SYNC_MODES: dict[str, SyncMode] = {m.name: m for m in (
     SyncMode("sw", False, False, False, False, "fence", True, "#d62728",
-             (("asp", "copy"), ("bsp", "copy")), (("asp", "-"), ("bsp", "out"))),
+             (("asp", "copy"), ("bsp", "copy")), (("asp", "-"), ("bsp", "out")), meet=True),
     SyncMode("tff", True, False, False, False, "", False, "#1f77b4",
              (("asp", "tffw"), ("bsp", "tff")), (("asp", "tffr"), ("bsp", "untff"))),
     SyncMode("dc", False, True, True, False, "checksum", False, "#ff7f0e",

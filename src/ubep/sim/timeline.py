@@ -117,6 +117,9 @@ class SimResult:
             rows (program (1)'s ``max_i RTT_i``): the row's occupancy of its rank's link
             (queueing behind other cores' rows and its own serialisation) plus ``2 L[h]``;
             0 for a core without units.
+        core_rx_wait_ns: ``[num_ranks, num_send_cores]`` the mean, over each send core's rows,
+            of a row's wait at its receiver's port (``land - depart - L[h]``: the queue every
+            sender to that receiver shares; 0 for a hop-0 row and a core without units).
         item_end_ns: ``[I]`` when each receive item was consumed.
         consume_work_ns: ``[num_ranks]`` core time spent consuming items (without the waits
             for items to become ready that consume spans include).
@@ -140,6 +143,7 @@ class SimResult:
     consume_work_ns: np.ndarray
     core_ack_end_ns: np.ndarray
     core_rtt_ns: np.ndarray
+    core_rx_wait_ns: np.ndarray
     cores_per_rank: int = 0
 
     @property
@@ -153,17 +157,23 @@ class SimResult:
         which adds flight and queueing at the receivers' ports), is acknowledged (``"ack"``)
         or, ``"rtt"``, program (1) of the paper: the core's issue time (``"issue"``: its rows'
         work and its own waits) plus the largest round trip of its rows through the rank's
-        link (:attr:`core_rtt_ns`), without queueing at the receivers."""
+        link (:attr:`core_rtt_ns`), without queueing at the receivers; ``"sent"``, Figure
+        9's per-AIV token-send latency (docs/SIMULATOR.md 1.8): program (1) plus the mean wait
+        of the core's rows at their receivers' ports (:attr:`core_rx_wait_ns`). Its own rows'
+        hop mix sets the first term (their work, window waits and farthest round trip), the
+        receivers' queues, which every core sending there shares, the second."""
         m = self.timeline.mask(task="send")
         start = np.zeros_like(self.core_land_end_ns)
         start[self.timeline.rank[m], self.timeline.core[m]] = self.timeline.start_ns[m]
         end = {"issue": self.core_send_end_ns, "land": self.core_land_end_ns,
                "ack": self.core_ack_end_ns,
                "rtt": np.where(self.core_send_end_ns > 0,
-                               self.core_send_end_ns + self.core_rtt_ns, 0.0)}.get(until)
+                               self.core_send_end_ns + self.core_rtt_ns, 0.0),
+               "sent": np.where(self.core_send_end_ns > 0, self.core_send_end_ns
+                                + self.core_rtt_ns + self.core_rx_wait_ns, 0.0)}.get(until)
         if end is None:
             raise InvalidArgumentError("until", until,
-                                       "must be 'issue', 'land', 'ack' or 'rtt'")
+                                       "must be 'issue', 'land', 'ack', 'rtt' or 'sent'")
         return np.where(end > 0, end - start, 0.0)
 
     def task_span_ns(self, rank: int | None = None) -> dict[str, float]:

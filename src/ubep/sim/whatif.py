@@ -77,7 +77,7 @@ def replicas(family: str = "cm384", fabric: FabricModel | None = None) -> Experi
     for label, w in cases:
         for s in (CANN_EP, UBEP):
             res = run_case(w, s, topo, fab)
-            lat = res.send_latency_ns(until="ack")
+            lat = res.send_latency_ns(until="sent")
             hops = np.concatenate([p.send_hop for p in plans_for(w, s, topo, fab)])
             recv = np.bincount(np.concatenate([p.send_dst_rank for p in
                                                plans_for(w, s, topo, fab)]), minlength=ranks)
@@ -102,8 +102,9 @@ def replicas(family: str = "cm384", fabric: FabricModel | None = None) -> Experi
          "replicas: each hot expert keeps its home slot and gets one replica on each other "
          "node, in a fifth (spare) slot per rank; a pick goes to the replica on the sender's "
          "nearest tier, round-robin by token (ubep.expert_map's rule)",
-         "max_core_us: Figure 9's per-core token-send latency (first issue to last "
-         "acknowledgement), the maximum over every send core of every rank; hop2_share: rows "
+         "max_core_us: Figure 9's per-AIV token-send latency (program (1) of the core's rows "
+         "+ their mean wait at the receivers' ports), the maximum over every send core of "
+         "every rank; hop2_share: rows "
          "that cross the tier-2 switch; max_rows_per_rank: rows received by the busiest rank",
          "no replicas (5 slots): the same slot count as with replicas, so the count phase "
          "costs the same; CANN EP has no interval (calibrated)", INTERVAL_NOTE),

@@ -8,6 +8,8 @@ not depend on the fabric constants), so a calibration fit re-times the same plan
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Literal, get_args
@@ -311,6 +313,22 @@ def plans_for(workload: Workload, system: System, topology: Topology,
     return _plans(workload, system.with_(name=""), topology, n_s, n_c)
 
 
+# (label, result) of every run_case call while recording() is open (None: not recording)
+_RECORDING: list[tuple[str, SimResult]] | None = None
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[tuple[str, SimResult]]]:
+    """Keep ``(label, SimResult)`` of every :func:`run_case` call made inside (in call order):
+    what ``ubep sim EXPERIMENT --trace`` exports."""
+    global _RECORDING
+    previous, _RECORDING = _RECORDING, []
+    try:
+        yield _RECORDING
+    finally:
+        _RECORDING = previous
+
+
 def run_case(
     workload: Workload,
     system: System,
@@ -340,4 +358,6 @@ def run_case(
                               num_local_experts=workload.num_experts(topology.num_ranks)
                               // topology.num_ranks,
                               picks=workload.tokens_per_rank * workload.num_topk)
+    if _RECORDING is not None:  # ubep sim ... --trace: the calls an experiment times
+        _RECORDING.append((f"{system.name} {op} {topology.num_ranks} ranks", res))
     return res
