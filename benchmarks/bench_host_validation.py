@@ -3,6 +3,7 @@
     python -m benchmarks.bench_host_validation                 # full matrix (several minutes)
     python -m benchmarks.bench_host_validation --quick         # 2 ranks, 128 tokens (debugging)
     python -m benchmarks.bench_host_validation --out benchmarks/results/host_validation
+    python -m benchmarks.bench_host_validation --quick --tasks # and each dispatch task by task
 
 One run: per unit (a rank count x one shape's cases, which bench_dispatch interleaves), (1) the
 microbenchmarks of benchmarks/host_micro.py (row passes at each case's working set, the
@@ -29,6 +30,7 @@ import numpy as np
 from benchmarks import bench_dispatch as bd
 from benchmarks.harness import format_table, int_list
 from benchmarks.host_micro import Micro, build
+from benchmarks.host_tasks import measured_tasks, predicted_tasks, task_rows
 from ubep.sim.host import HostCase, combine_row_map, combine_terms, kernel_passes, predict_host
 
 # The fixed-cost microbenchmark: the same call with 64-element rows. It has the case's
@@ -137,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--millis", type=int, default=60, help="per microbenchmark round")
     parser.add_argument("--rounds", type=int, default=5, help="microbenchmark rounds (median)")
     parser.add_argument("--out", default=None, help="write OUT.txt and OUT.json")
+    parser.add_argument("--tasks", action="store_true",
+                        help="also each dispatch task by task: measured spans (trace=True) "
+                             "beside the host model's timeline (benchmarks/host_tasks.py)")
     args = parser.parse_args(argv)
     ranks = int_list(args.ranks, [2] if args.quick else [2, 4])
     repeats = args.repeats or (30 if args.quick else 50)
@@ -165,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     tiny_by = {(t["ranks"], t["tokens"], t["dtype"], t["engine"], t["sync"], t["layout"]): t
                for t in tiny_rows}
     fixed: dict[tuple[Any, ...], dict[str, float]] = {}
-    table, out_rows = [], []
+    table, out_rows, task_table = [], [], []
     for row in rows:
         case, r = _case_of(row), row["ranks"]
         idxs = _routing(case, r)
@@ -176,6 +181,12 @@ def main(argv: list[str] | None = None) -> int:
             timer = _timer(micro, case, r, op, idxs)
             pred = predict_host(_host_case(case, r, op), idxs, fixed_ns=f["fixed_ns"],
                                 flag_oneway_ns=flags[r], timer=timer) / 1e3
+            if args.tasks and op == "dispatch":
+                task_table += task_rows(
+                    [r, case.tokens, case.hidden, case.layout, case.engine, case.sync],
+                    measured_tasks(case, r),
+                    predicted_tasks(_host_case(case, r, op), idxs, fixed_ns=f["fixed_ns"],
+                                    flag_oneway_ns=flags[r], timer=timer))
             meas = row[op]["median_us"]
             err = 100.0 * (pred - meas) / meas
             table.append([r, case.tokens, case.hidden, case.dtype, case.layout, case.engine,
@@ -209,6 +220,14 @@ def main(argv: list[str] | None = None) -> int:
     cols = ["ranks", "tokens", "hidden", "dtype", "layout", "engine", "sync", "op",
             "measured_us", "predicted_us", "error_pct", "fixed_us", "memcpy_gbps"]
     lines.append(format_table(cols, table, float_digits=1))
+    if task_table:
+        lines += ["", "# dispatch task by task: us a rank's core spends in each kind per call "
+                  "(median over ranks; measured: 20 traced calls after 5; the model folds "
+                  "waiting into the tasks after it, and its init is a call's whole fixed "
+                  "cost, the Python entry and exit included)",
+                  format_table(["ranks", "tokens", "hidden", "layout", "engine", "sync", "task",
+                                "measured_us", "predicted_us", "pred/meas"], task_table,
+                               float_digits=1)]
     lines += ["", "| rows | n | median abs error % | worst abs error % |", "|---|---|---|---|"]
     for name, s in summary.items():
         lines.append(f"| {name} | {s['n']} | {s['median_abs_error_pct']:.1f} | "
@@ -231,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                    "cpu_share_measured": {str(k): v for k, v in measured_shares.items()},
                    "micro": [{"key": list(map(str, k)), "values": list(v)}
                              for k, v in micro.cache.items()],
-                   "summary": summary, "rows": out_rows}
+                   "summary": summary, "rows": out_rows, "tasks": task_table}
         base.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n",
                                              encoding="utf-8")
     return 0

@@ -283,7 +283,8 @@ def _tokens(case: Case, model: Model, rank: int) -> tuple[np.ndarray, np.ndarray
     return x, rng.random((case.tokens, model.num_topk), dtype=np.float32)
 
 
-def _rank(group: Any, cases: list[Case], steps: int, warmup: int) -> list[dict[str, Any]]:
+def _rank(group: Any, cases: list[Case], steps: int, warmup: int,
+          trace: bool = False) -> list[dict[str, Any]]:
     evict = np.ones(_evict_bytes() // 4, dtype=np.float32)
     out: list[dict[str, Any]] = []
     keyed = itertools.groupby(cases, key=lambda c: (c.model, c.tokens, c.engine))
@@ -296,7 +297,7 @@ def _rank(group: Any, cases: list[Case], steps: int, warmup: int) -> list[dict[s
                   / np.float32(np.sqrt(EXPERT_INTER)))
         cfg = BufferConfig(max_tokens_per_rank=max(16, tokens), hidden=model.hidden,
                            num_topk=model.num_topk, num_experts=model.num_experts, dtype="bf16",
-                           layout="expert", engine=engine, num_cores=1)
+                           layout="expert", engine=engine, num_cores=1, trace=trace)
         with Buffer(group, cfg) as buf:
             out += [_run_case(group, buf, c, model, steps, warmup, evict, w_up, w_down)
                     for c in group_cases]
@@ -365,10 +366,11 @@ def _flag_oneway_us() -> float:
 ONE_THREAD = {v: "1" for v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
 
 
-def run(cases: list[Case], steps: int, warmup: int) -> tuple[list[Row], float, list[float]]:
+def run(cases: list[Case], steps: int, warmup: int,
+        trace: bool = False) -> tuple[list[Row], float, list[float]]:
     sizes = [_bytes_per_rank(c) for c in cases]
     os.environ.update(ONE_THREAD)
-    per_rank = launch(_rank, RANKS, cases, steps, warmup, timeout_s=3600)
+    per_rank = launch(_rank, RANKS, cases, steps, warmup, trace, timeout_s=3600)
     copies = concurrent_copy(RANKS, sorted(set(sizes)), repeats=50, rounds=2)
     copy_us = dict(zip(sorted(set(sizes)), (c.median_us for c in copies), strict=True))
     rows = []
@@ -464,6 +466,9 @@ def _engines_table(rows: list[Row]) -> str:
     return ("ASP (a) against BSP (b), us\n" + format_table(head, body)) if body else ""
 
 
+TRACED = " task spans recorded (--trace);"
+
+
 def cases_for(quick: bool) -> list[Case]:
     if quick:
         return [Case("qwen3-30b", 16, r, s, e) for e in ("asp", "bsp") for r in ("uniform",)
@@ -482,11 +487,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=200, help="timed steps per case")
     ap.add_argument("--warmup", type=int, default=10, help="untimed steps before each case")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--trace", action="store_true",
+                    help="every Buffer records its task spans (BufferConfig(trace=True)): "
+                         "the cost of tracing on")
     args = ap.parse_args(argv)
     cases = cases_for(args.quick)
-    rows, flag_us, copy_us = run(cases, args.steps, args.warmup)
+    rows, flag_us, copy_us = run(cases, args.steps, args.warmup, args.trace)
     text = (f"decode steps, {RANKS} ranks, BF16, expert layout, {args.steps} steps per case after "
-            f"{args.warmup} untimed; evict {_evict_bytes() >> 20} MiB per step; expert FFN "
+            f"{args.warmup} untimed;{TRACED if args.trace else ''} evict "
+            f"{_evict_bytes() >> 20} MiB per step; expert FFN "
             f"intermediate {EXPERT_INTER}\n" + table(rows, flag_us, copy_us))
     save_results(str(args.out), "step", text, {
         "flag_oneway_us": flag_us, "copy_us": copy_us, "evict_bytes": _evict_bytes(),

@@ -132,6 +132,14 @@ class BufferConfig:
             a hardware thread to spare for it on every rank (``(num_cores + 1) * num_ranks``
             fits): on a CPU the background core competes with the caller's compute otherwise.
 
+    Tracing:
+        trace: every core records each task it runs (kind, unit, peer, rows, bytes, start and
+            end on the host's monotonic clock) into a ring of the engine's own memory, and
+            every call its span; ``ubep.trace.spans_of(buffer)`` reads them, and
+            ``ubep.trace.record(path)`` turns tracing on for every Buffer in its block and
+            writes one Chrome trace file (docs/TRACING.md). Off by default: off costs one
+            predictable branch per task.
+
     Deadline and peer loss:
         timeout_s: deadline of every wait inside one call.
         on_peer_loss: ``"raise"`` (a dead or silent peer fails the call on every rank and the
@@ -171,6 +179,7 @@ class BufferConfig:
     threads: bool | None = None
     policy: Policy = "hierarchical"
     background: bool | None = None
+    trace: bool = False
     # --- deadline
     timeout_s: float = 60.0
     on_peer_loss: PeerLoss = "raise"
@@ -184,6 +193,8 @@ class BufferConfig:
         self._check_shape()
         self._check_transport()
         self._check_execution()
+        if not isinstance(self.trace, bool):
+            raise InvalidArgumentError("trace", self.trace, "must be True or False")
         if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
             raise InvalidArgumentError("timeout_s", self.timeout_s, "must be > 0")
         if self.on_peer_loss not in PEER_LOSS:

@@ -52,6 +52,7 @@ from ..plane.registry import memory_bytes, open_engine
 from ..plane.results import DispatchHandle, DispatchResult, PendingCall, RuntimeHandle
 from ..routing import experts_per_rank
 from ..torch_bridge import as_process_group, combine_in_torch, dispatch_in_torch, is_torch_tensor
+from ..trace import recorder as _trace
 from .checks import ArgChecks
 from .inflight import InFlightCalls
 from .regions import layout_of
@@ -124,6 +125,7 @@ class Buffer(metaclass=abc.ABCMeta):
         self._dead: str | None = None  # a peer died: refused for good
         self._lost: str | None = None  # out of step: refused until resync()
         self._closed = False
+        self._trace_capacity = 0  # spans each core keeps (ubep.trace.record); 0: no tracing
         self._memory: GlobalMemory | None = None
         self._engine: Any = None
         self._in_flight: list[InFlight] = []  # split-phase calls awaiting their hook, in order
@@ -216,6 +218,7 @@ class Buffer(metaclass=abc.ABCMeta):
         # an engine that takes a blocking call's arrays unchecked is offered them first
         self._fast = self._engine if self._engine.takes_unchecked else None
         self._engine.reset_all()
+        _trace.attach(self)  # BufferConfig.trace, or inside ubep.trace.record()
         # Every peer has mapped every segment once this barrier completes: unlink the names so
         # nothing survives a crash from here on.
         g.barrier(cfg.timeout_s)
@@ -483,6 +486,7 @@ class Buffer(metaclass=abc.ABCMeta):
     def _teardown(self) -> None:
         self._fast = None
         if self._engine is not None:
+            _trace.detach(self)  # a recorder takes the spans before the engine goes
             self._engine.close()  # also drops the engine's views of the receive regions
         if self._memory is not None:
             self._memory.close()

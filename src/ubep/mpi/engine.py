@@ -72,6 +72,7 @@ from ..errors import InvalidArgumentError, PeerLostError, TimeoutError
 from ..flags import TffCodec
 from ..plane.protocol import CombineCall, DispatchCall
 from ..plane.records import E_BAD_INPUT, E_INTERNAL, E_PEER_LOST, ErrorRecord
+from ..trace.ring import SpanRing
 from .combine import RmaCombine
 from .memory import MpiGlobalMemory
 from .protocol import (
@@ -151,6 +152,10 @@ class RmaEngine:
         self._done_seen = [0] * self.R
         self._done_code = [0] * self.R
         self._closed = False
+        # task spans (off unless traced): one core, as the native engine's rings read
+        self.spans = SpanRing(1)
+        self.trace_enable = self.spans.trace_enable
+        self.trace_spans = self.spans.trace_spans
 
     # --- native-engine interface --------------------------------------------------------
 
@@ -281,9 +286,22 @@ class RmaEngine:
         o_idx, o_w, o_rank = call.recv_topk_idx, call.recv_topk_weights, call.recv_src_rank
         o_tok, o_k, o_nrecv = call.recv_src_token, call.recv_src_k, call.counts
         op = _Op(0, epoch, self.timeout_ns)
+        t_call = self.spans.t0()
+        try:
+            return self._dispatch_op(op, x, topk_idx, topk_weights, ntok, index, o_dst,
+                                     o_idx, o_w, o_rank, o_tok, o_k, o_nrecv)
+        finally:
+            self.spans.rec(1, "dispatch", t_call, unit=index, epoch=epoch)
+
+    def _dispatch_op(self, op: _Op, x: np.ndarray, topk_idx: np.ndarray,
+                     topk_weights: np.ndarray, ntok: int, index: int,
+                     o_dst: np.ndarray, *outs: np.ndarray) -> int | ErrorRecord:
+        o_idx, o_w, o_rank, o_tok, o_k, o_nrecv = outs
         self._reap()
         try:
+            t0 = self.spans.t0()
             units = self._validate(x[:ntok], topk_idx[:ntok], topk_weights[:ntok])
+            self.spans.rec(0, "init", t0, epoch=op.epoch)
             self.proto.check_in_step(op)
             o_dst.reshape(-1)[:] = -1
             reg = index % self.nreg
@@ -309,11 +327,14 @@ class RmaEngine:
         ntok, epoch, creg, y = call.num_tokens, call.epoch, call.region, call.y
         dispatch_index = call.dispatch_index
         op = _Op(1, epoch, self.timeout_ns)
+        t_call = self.spans.t0()
         self._reap()
         try:
             self.proto.check_in_step(op)
+            t0 = self.spans.t0()
             zero_copy = self.combiner.combine(op, eo, rows, h_idx, h_w, h_dst, ntok, creg, y,
                                               dispatch_index)
+            self.spans.rec(0, "reduce", t0, epoch=epoch, after_last=True)  # BSP: its barrier
         except _OpError as err:
             return self.proto.finish_error(op, err)
         self.proto.finish(op)
@@ -324,6 +345,8 @@ class RmaEngine:
             self.proto.check_outcome(op)
         except _OpError as err:
             return self.proto.record(err)
+        finally:
+            self.spans.rec(1, "combine", t_call, epoch=epoch)
         return int(zero_copy)
 
     # --- validation and routing ---------------------------------------------------------
@@ -496,6 +519,7 @@ class RmaEngine:
     def _send_rows(self, op: _Op, d: int, rows: np.ndarray, pos: np.ndarray, reg: int) -> None:
         """Put ``rows`` (raw, batch order) at slots ``pos`` of ``d``'s land region, then the
         flags of the sync mode."""
+        t0 = self.spans.t0()
         slots = self.sync.encode(self, rows, self.tff_in_place)
         flat = slots.reshape(len(rows), -1)
         at = 0
@@ -506,9 +530,10 @@ class RmaEngine:
         for p0, m in runs:
             self.data.put(d, base + p0 * stride, flat[at: at + m])
             at += m
-        if self.bsp:
-            return  # flags around the barrier
-        self.sync.send_flags(self, op, d, rows, runs, reg)
+        if not self.bsp:  # BSP: flags around the barrier
+            self.sync.send_flags(self, op, d, rows, runs, reg)
+        self.spans.rec(0, "send", t0, peer=d, rows=len(rows), size_bytes=rows.nbytes,
+                       epoch=op.epoch)
 
     # --- dispatch: ASP ------------------------------------------------------------------
 
@@ -611,6 +636,7 @@ class RmaEngine:
         if staged:
             return n_total
         pending = {s for s in range(self.R) if s != r and rows[s, r] > 0}
+        t0 = self.spans.t0()
 
         def poll() -> bool:
             for s in sorted(pending):
@@ -620,6 +646,7 @@ class RmaEngine:
 
         self.proto.wait(op, poll, -1, "rows of every source",
                         needs=functools.partial(sorted, pending))
+        self.spans.rec(0, "wait", t0, epoch=op.epoch)
         return n_total
 
     # --- dispatch: BSP ------------------------------------------------------------------
@@ -695,6 +722,7 @@ class RmaEngine:
     def _barrier(self, op: _Op, phase: int) -> None:
         """Global barrier of all ranks (BSP SyncAll), one record per (phase, source)."""
         cl = self.cl
+        t0 = self.spans.t0()
         empty = np.zeros(0, np.uint8)
         for q in range(self.R):
             at = cl.barrier + ((phase - 1) * self.R + self.rank) * _LINE
@@ -703,6 +731,7 @@ class RmaEngine:
             arrived = functools.partial(
                 self.proto.has_record, cl.barrier + ((phase - 1) * self.R + q) * _LINE, 0, op.epoch)
             self.proto.wait(op, arrived, q, f"global barrier {phase} (rank {q})")
+        self.spans.rec(0, "barrier", t0, epoch=op.epoch)
 
 def _rows_of(x: np.ndarray, tokens: np.ndarray, row_bytes: int) -> np.ndarray:
     """Rows ``tokens`` of ``x`` as raw bytes ``[n, row_bytes]`` (one gather)."""

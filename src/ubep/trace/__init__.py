@@ -5,10 +5,14 @@ Chrome trace event format (Perfetto, ``chrome://tracing``) and drawn as per-core
   producer (:func:`from_sim`);
 * :mod:`ubep.trace.chrome`: export, load and merge of trace event JSON;
 * :mod:`ubep.trace.plot`: Figure 8/9-style per-core bars from any trace;
-* ``ubep trace plot|merge`` (:mod:`ubep.trace.cli`).
+* :mod:`ubep.trace.recorder`: the runtime's producer: ``BufferConfig(trace=True)`` and
+  ``with ubep.trace.record("step.json"): ...`` around any program;
+* ``ubep trace run|plot|merge`` (:mod:`ubep.trace.cli`).
 """
 
 from .chrome import load, merge, to_chrome, write
-from .spans import TASK_KINDS, Span, Trace, from_sim
+from .recorder import record, spans_of
+from .spans import TASK_KINDS, CallSpan, Span, Trace, from_sim
 
-__all__ = ["TASK_KINDS", "Span", "Trace", "from_sim", "load", "merge", "to_chrome", "write"]
+__all__ = ["TASK_KINDS", "CallSpan", "Span", "Trace", "from_sim", "load", "merge", "record",
+           "spans_of", "to_chrome", "write"]

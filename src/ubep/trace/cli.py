@@ -1,5 +1,7 @@
 """``ubep trace``: look at per-core task timelines.
 
+    ubep trace run --ranks 4 --tokens 128 --hidden 7168 --routing zipf --engine asp \
+        --sync tff -o t.json                        one measured call on this host
     ubep trace plot t.json [more.json ...] -o t.png   per-core bars, one panel per trace
     ubep trace merge rank0.json rank1.json -o all.json   one file for Perfetto
 """
@@ -12,8 +14,25 @@ __all__ = ["register"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("trace", help="per-core task timelines: plot and merge trace files")
+    parser = sub.add_parser("trace", help="per-core task timelines: record, plot, merge")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+    run = verbs.add_parser("run", help="trace one measured dispatch (and combine) on this host")
+    run.add_argument("--ranks", type=int, default=4)
+    run.add_argument("--tokens", type=int, default=128, help="tokens per rank")
+    run.add_argument("--hidden", type=int, default=7168)
+    run.add_argument("--experts", type=int, default=64)
+    run.add_argument("--topk", type=int, default=8)
+    run.add_argument("--routing", choices=("uniform", "zipf", "hot"), default="zipf")
+    run.add_argument("--engine", choices=("asp", "bsp"), default="asp")
+    run.add_argument("--sync", choices=("sw", "tff", "dc", "sp"), default="tff")
+    run.add_argument("--layout", choices=("expert", "rank"), default="expert")
+    run.add_argument("--cores", type=int, default=None, help="cores per rank (default: host's)")
+    run.add_argument("--iters", type=int, default=1, help="traced calls after the warm-up")
+    run.add_argument("--no-combine", action="store_true", help="dispatch only")
+    run.add_argument("-o", "--out", required=True, help="trace event JSON to write")
+    run.add_argument("--predicted", default=None, metavar="PATH",
+                     help="also write the simulator's trace of the same Plans (CM384 fabric)")
+    run.set_defaults(func=_run)
     plot = verbs.add_parser("plot", help="draw per-core bars of trace files (one panel a trace)")
     plot.add_argument("files", nargs="+", help="trace event JSON files ubep wrote")
     plot.add_argument("-o", "--out", required=True, help="PNG to write")
@@ -23,6 +42,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     merge.add_argument("files", nargs="+")
     merge.add_argument("-o", "--out", required=True)
     merge.set_defaults(func=_merge)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from .run import RunCase, run_traced
+
+    case = RunCase(num_ranks=args.ranks, num_tokens=args.tokens, hidden=args.hidden,
+                   num_experts=args.experts, num_topk=args.topk, routing=args.routing,
+                   engine=args.engine, sync=args.sync, layout=args.layout,
+                   num_cores=args.cores, iters=args.iters, combine=not args.no_combine)
+    print(run_traced(case, args.out))
+    if args.predicted:
+        from .chrome import write
+        from .run import predict
+
+        print(write([predict(case)], args.predicted))
+    return 0
 
 
 def _plot(args: argparse.Namespace) -> int:

@@ -14,7 +14,7 @@ __all__ = ["plot_traces"]
 
 _COLOURS = dict(zip(TASK_KINDS, (
     "#bbbbbb", "#4477aa", "#66ccee", "#aa3377", "#228833", "#ccbb44", "#ee6677", "#000000",
-    "#ee7733", "#0077bb", "#999933", "#882255"), strict=True))
+    "#ee7733", "#0077bb", "#999933", "#882255", "#44aa99", "#dddddd"), strict=True))
 
 
 def plot_traces(traces: Sequence[Trace], out: str | Path, *, ranks: Sequence[int] | None = None,
@@ -36,10 +36,13 @@ def plot_traces(traces: Sequence[Trace], out: str | Path, *, ranks: Sequence[int
         spans = trace.by_core()
         origin = min((s.start_ns for key in rows for s in spans[key]), default=0.0)
         for y, key in enumerate(rows):
-            for s in spans[key]:
-                ax.barh(y, (s.end_ns - s.start_ns) / 1e3, left=(s.start_ns - origin) / 1e3,
-                        height=0.8, color=_COLOURS[s.task], linewidth=0)
-                used.add(s.task)
+            bars: dict[str, list[tuple[float, float]]] = {}  # one call per (row, kind): a
+            for s in spans[key]:  # measured dispatch has a span per row sent
+                bars.setdefault(s.task, []).append(((s.start_ns - origin) / 1e3,
+                                                    (s.end_ns - s.start_ns) / 1e3))
+            for task, xs in bars.items():
+                ax.broken_barh(xs, (y - 0.4, 0.8), color=_COLOURS[task], linewidth=0)
+                used.add(task)
         ax.set_yticks(range(len(rows)), [f"r{r} c{c}" for r, c in rows],
                       fontsize=max(4, 9 - len(rows) // 12))
         ax.invert_yaxis()

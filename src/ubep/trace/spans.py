@@ -20,9 +20,12 @@ __all__ = ["TASK_KINDS", "CallSpan", "Span", "Trace", "from_sim"]
 #: is a flag or data-as-flag wait; ``reorder`` places received rows (dispatch) and ``reduce``
 #: sums expert outputs (combine); ``barrier``, ``flag`` and ``verify`` exist only to synchronise
 #: (the BSP cost); ``route`` and ``checksum`` are the preprocessing of the cores set aside for
-#: them; ``init`` is a call's set-up.
+#: them (the runtime's ``checksum`` checks rows against their senders' sums); ``init`` is a
+#: call's set-up; ``cumsum`` turns counts into positions (and writes the receive metadata);
+#: ``quant`` quantises rows before they are sent and ``copy`` puts combine's expert outputs
+#: where peers read them (the runtime only). The native engine numbers its kinds in this order.
 TASK_KINDS = ("init", "count", "cumsum", "verify", "send", "wait", "flag", "barrier", "reorder",
-              "reduce", "route", "checksum")
+              "reduce", "route", "checksum", "quant", "copy")
 
 # the simulator's task names (ubep.sim.timeline.TASKS) in this schema's kinds
 _SIM_KIND = {"consume": "reorder", "init": "init", "send": "send", "barrier": "barrier",
@@ -39,8 +42,10 @@ class Span:
         task: one of :data:`TASK_KINDS`.
         start_ns, end_ns: on the trace's clock (the runtime: the host's monotonic clock; the
             simulator: ns from the call's start).
-        unit: the Plan's send unit (``send``), else -1.
-        peer: the other rank (destination of a ``send``, source of a ``wait``), else -1.
+        unit: a ``send``'s unit (the runtime: its index in the Plan, or in the engine's
+            per-destination buckets; BSP: the first of the core's share), else -1.
+        peer: the other rank (destination of a ``send``, source of a ``wait`` or ``reorder``,
+            destination of a ``count``), else -1.
         rows, size_bytes: rows and payload bytes the task moved or read.
     """
 

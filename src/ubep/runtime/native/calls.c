@@ -79,7 +79,8 @@ void op_init(op_t *op, engine_t *g, int kind, uint64_t epoch) {
     op->kind = kind;
     op->epoch = epoch;
     op->par = (int)(epoch & 1);
-    op->deadline = now_ns() + g->timeout_ns;
+    op->start_ns = now_ns();
+    op->deadline = op->start_ns + g->timeout_ns;
     op->err_peer = -1;
 }
 

@@ -407,12 +407,15 @@ static int recv_sources(op_t *op, int core, const int64_t *rx_base, int reg) {
     const uint8_t *land_base = land(g, g->rank, reg);
     waiter_t w;
     waiter_init(&w);
+    int64_t t0 = span_t0(g);
     while (n) {
         int completed = 0;
         for (int i = 0; i < n;) {
             int rc = flag_arrived(op, core, src[i], rx_base, land_base, &cur[i]);
             if (rc < 0) return -1;
-            if (rc == 1) {
+            if (rc == 1) { /* every row of src[i] is in: its span since the last one ended */
+                t0 = span_rec(op, core, land_is_out(g) ? SK_WAIT : SK_REORDER, t0, -1, src[i],
+                              RX_ROWS(g, core)[src[i]], RX_ROWS(g, core)[src[i]] * g->row_bytes);
                 src[i] = src[n - 1];
                 cur[i] = cur[n - 1];
                 n--;
@@ -475,6 +478,7 @@ int ph_d_receive(op_t *op, int core) {
     const int R = g->R, L = g->L;
     int64_t *rx_base = g->rx_base + (int64_t)core * R * L;
     int64_t n = 0;
+    int64_t t0 = span_t0(g);
     int rc = recv_bases(op, core, rx_base, &n);
     if (rc) return rc;
     TRACE(g, core, TRACE_D_COUNTS_IN);
@@ -486,6 +490,7 @@ int ph_d_receive(op_t *op, int core) {
     for (int s = core; s < R; s += g->C) {
         if ((rc = recv_metadata(op, core, s, rx_base))) return rc;
     }
+    span_rec(op, core, SK_CUMSUM, t0, -1, -1, n, 0); /* counts in, bases and metadata written */
     TRACE(g, core, TRACE_D_METADATA);
     rc = recv_sources(op, core, rx_base, reg);
     TRACE(g, core, TRACE_D_DATA_IN);

@@ -57,12 +57,15 @@ int ph_bsp_send(op_t *op, int core) {
             waiter_t w;
             waiter_init(&w);
             uint64_t at;
+            int64_t t0 = span_t0(g);
             while ((at = rd_word(ready_word(g, d, op->epoch))) != op->epoch) {
                 if (at > op->epoch) return dst_gone(op, core, d);
                 int rc = wait_step(op, &w, core, d, "staging area of rank %d", d);
                 if (rc) return rc;
             }
+            span_rec(op, core, SK_WAIT, t0, -1, d, 0, 0);
         }
+        int64_t t0 = span_t0(g);
         for (int64_t u = lo; u < hi; u++) {
             int64_t slot = g->layout == LAY_EXPERT
                                ? g->my_rank_in_batch[g->u_e[u]] + g->u_slot[u]
@@ -75,6 +78,7 @@ int ph_bsp_send(op_t *op, int core) {
                        row_check(row_sum(src, g->row_bytes), op->epoch, pos));
             flag_put_staged(g, slotp, src, op->epoch);
         }
+        if (lo < hi) span_rec(op, core, SK_SEND, t0, lo, d, hi - lo, (hi - lo) * g->row_bytes);
     }
     TRACE(g, core, TRACE_D_SENT);
     return 0;
@@ -131,8 +135,10 @@ int ph_bsp_reorder(op_t *op, int core) {
     const int R = g->R, L = g->L;
     int64_t *rx_base = g->rx_base + (int64_t)core * R * L;
     int64_t n = 0;
+    int64_t t0 = span_t0(g);
     int rc = recv_bases(op, core, rx_base, &n);
     if (rc) return rc;
+    span_rec(op, core, SK_CUMSUM, t0, -1, -1, n, 0);
     int reg = (int)(op->n % g->nreg);
     if (core == 0) {
         op->n_recv = n;
@@ -141,6 +147,7 @@ int ph_bsp_reorder(op_t *op, int core) {
     uint8_t *stage = land(g, g->rank, reg), *out = outreg(g, g->rank, reg);
     const uint64_t *sums = g->integrity ? rsum_rows(g, g->rank, reg) : NULL;
     for (int s = core; s < R; s += g->C) {
+        t0 = span_t0(g);
         if ((rc = recv_metadata(op, core, s, rx_base))) return rc;
         uint8_t *part = stage + (int64_t)s * g->cap_src_rows * g->slot_bytes;
         int64_t bad = -1;
@@ -158,6 +165,8 @@ int ph_bsp_reorder(op_t *op, int core) {
             return op_error(op, E_LOST, core, s, "row %lld of call %llu from rank %d fails its "
                             "checksum: it changed between its sender and rank %d",
                             (long long)bad, (unsigned long long)op->epoch, s, g->rank);
+        span_rec(op, core, SK_REORDER, t0, -1, s, RX_ROWS(g, core)[s],
+                 RX_ROWS(g, core)[s] * g->row_bytes);
     }
     TRACE(g, core, TRACE_D_METADATA); /* BSP: the second barrier, rows reordered with metadata */
     return 0;

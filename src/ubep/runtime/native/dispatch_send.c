@@ -75,7 +75,9 @@ int ph_d_count(op_t *op, int core) {
         for (int d = 0; d < g->R; d++) {
             int64_t first = (int64_t)d * g->L;
             if (first < p->count_expert_ptr[c] || first >= p->count_expert_ptr[c + 1]) continue;
+            int64_t t0 = span_t0(g);
             count_dst(op, d);
+            span_rec(op, core, SK_COUNT, t0, -1, d, g->rows_to[d], 0);
             g->core_dst_log[(int64_t)core * g->R + g->core_dsts[core]++] = d;
         }
     }
@@ -215,12 +217,15 @@ static int send_canonical(op_t *op, int core) {
                 int ready = dst_ready(op, d);
                 if (ready < 0) return dst_gone(op, core, d);
                 if (!ready) { j++; continue; }
+                int64_t t = span_t0(g);
                 int rc = compute_bases(op, core, d, g->rank, bases);
                 if (rc) return rc;
+                t = span_rec(op, core, SK_CUMSUM, t, -1, d, 0, 0);
                 dc_memo_t memo = DC_MEMO_INIT;
                 for (int64_t u = bucket_start(g, i), end = u + g->units_to[d]; u < end; u++) {
                     send_unit(op, &memo, g->u_t[u], g->u_k[u], g->u_e[u], d, g->u_slot[u], bases);
                     log_unit(op, core, g->u_t[u], g->u_k[u]);
+                    t = span_rec(op, core, SK_SEND, t, u, d, 1, g->row_bytes); /* back to back */
                 }
                 finish_dst(op, d);
             }
@@ -230,7 +235,9 @@ static int send_canonical(op_t *op, int core) {
         }
         if (!progressed && np) {
             int d = (g->rank + 1 + pending[0]) % R;
+            int64_t t0 = span_t0(g);
             int rc = wait_step(op, &w, core, d, "receive readiness and counts of rank %d", d);
+            span_rec(op, core, SK_WAIT, t0, -1, d, 0, 0);
             if (rc) return rc;
         }
     }
@@ -246,19 +253,23 @@ static int send_planned(op_t *op, int core) {
     int64_t *ready = g->core_ready + (int64_t)core * R;
     for (int d = 0; d < R; d++) ready[d] = 0;
     dc_memo_t memo = DC_MEMO_INIT;
+    int64_t t = span_t0(g); /* this core's tasks back to back: each starts where one ended */
     for (int j = core; j < p->num_send_cores; j += g->C) {
         for (int64_t u = p->core_ptr[j]; u < p->core_ptr[j + 1]; u++) {
             int d = (int)p->dst_rank[u];
             if (!ready[d]) {
                 int rc = wait_dst(op, core, d);
+                t = span_rec(op, core, SK_WAIT, t, -1, d, 0, 0);
                 if (!rc) rc = compute_bases(op, core, d, g->rank, bases + (int64_t)d * L);
                 if (rc) return rc;
+                t = span_rec(op, core, SK_CUMSUM, t, -1, d, 0, 0);
                 ready[d] = 1;
             }
             send_unit(op, &memo, p->token[u], (int)p->k[u], (int)p->expert[u], d, p->slot[u],
                       bases + (int64_t)d * L);
             log_unit(op, core, p->token[u], (int)p->k[u]);
             unit_done(op, d);
+            t = span_rec(op, core, SK_SEND, t, u, d, 1, g->row_bytes);
         }
     }
     return 0;

@@ -26,6 +26,21 @@
 #define MAX_MSG 512
 #define MAX_POKE 4096
 
+/* Task spans (tracing on: Engine.trace_enable): what each core ran, on CLOCK_MONOTONIC (one
+ * clock for every rank of a host). The kinds are ubep.trace.spans.TASK_KINDS by index
+ * (tests/trace/test_runtime_spans.py checks the two lists agree); the call spans (dispatch,
+ * combine) go to one more ring after the cores'. */
+enum {
+    SK_INIT, SK_COUNT, SK_CUMSUM, SK_VERIFY, SK_SEND, SK_WAIT, SK_FLAG, SK_BARRIER, SK_REORDER,
+    SK_REDUCE, SK_ROUTE, SK_CHECKSUM, SK_QUANT, SK_COPY, SK_DISPATCH, SK_COMBINE,
+    SK_OWN = -1 /* a phase that records its own, finer spans */
+};
+typedef struct {
+    int64_t start_ns, end_ns;
+    int32_t kind, unit, peer, epoch;
+    int64_t rows, size_bytes;
+} span_t;
+
 struct op;
 typedef int (*phase_fn)(struct op *op, int core);
 typedef struct {
@@ -33,6 +48,7 @@ typedef struct {
     int all_cores;  /* 0: core 0 only */
     int sync_after; /* in-process barrier of this rank's cores after the phase */
     int (*when)(const struct op *op); /* NULL, or the phase (and its barrier) runs only if true */
+    int kind;       /* the task span the phase is (SK_*), or SK_OWN */
 } phase_t;
 
 /* The Plan of ubep.sched (ubep/sched/plan.py), as ASP dispatch executes it: send core j runs on
@@ -176,6 +192,12 @@ typedef struct engine {
     int64_t *core_units, *core_dsts;
     int32_t *core_unit_log, *core_dst_log;
     sched_work_t sched; /* the native scheduler's work space and Plan (on first use) */
+    /* task spans: off (0) unless Engine.trace_enable; ring c in [0, C] holds span_cap spans,
+     * span_n[c * 8] written so far (one cache line a core: no false sharing) */
+    int trace_on;
+    int64_t span_cap;
+    span_t *spans;
+    int64_t *span_n;
     int64_t trace[TRACE_SLOTS];     /* core 0's phase timestamps of the last call (ns), for profiling */
     /* Fault injection for tests (Engine.poke): once, as core 0 of the next operation of `kind`
      * reaches phase `phase` of its list, `len` bytes of `data` go to rank `rank`'s segment at
@@ -191,6 +213,7 @@ typedef struct op {
     int64_t n;    /* dispatch index (region = n % nreg) */
     int par;      /* epoch parity: which inbox / comb_info slot */
     int64_t deadline;
+    int64_t start_ns; /* when the call began (its call span) */
     /* dispatch inputs */
     const uint8_t *x;     /* the rows sent: the caller's x, or the quantised rows (qstage) */
     const uint8_t *x_in;  /* the caller's x */
@@ -327,6 +350,30 @@ static inline int64_t bucket_start(engine_t *g, int i) { return (int64_t)i * g->
 #define MAX_PEER_RUNS(g) ((g)->L + 2)
 static inline int64_t *peer_runs_of(engine_t *g, int reg) {
     return g->peer_runs + (int64_t)reg * MAX_PEER_RUNS(g) * 2;
+}
+
+/* one task span of this core, if tracing is on (the one branch a task pays when it is off);
+ * returns its end (0 when off): tasks back to back start where the last one ended, one clock
+ * read a span */
+static inline int64_t span_rec(op_t *op, int core, int kind, int64_t start_ns, int64_t unit,
+                               int peer, int64_t rows, int64_t size_bytes) {
+    engine_t *g = op->g;
+    if (__builtin_expect(!g->trace_on, 1)) return 0;
+    int64_t i = g->span_n[core * 8]++, end = now_ns();
+    span_t *s = g->spans + core * g->span_cap + i % g->span_cap;
+    s->start_ns = start_ns;
+    s->end_ns = end;
+    s->kind = kind;
+    s->unit = (int32_t)unit;
+    s->peer = peer;
+    s->epoch = (int32_t)op->epoch;
+    s->rows = rows;
+    s->size_bytes = size_bytes;
+    return end;
+}
+/* a span's start: 0 when tracing is off (no clock read) */
+static inline int64_t span_t0(const engine_t *g) {
+    return __builtin_expect(!g->trace_on, 1) ? 0 : now_ns();
 }
 
 #define TRACE(g, core, i) do { if ((core) == 0) (g)->trace[i] = now_ns(); } while (0)

@@ -73,4 +73,9 @@ void finish_op(op_t *op) {
     }
     int armed = atomic_load(&op->armed);
     if (armed) atomic_fetch_sub(sleepers(g, g->rank), (uint32_t)armed);
+    /* the call's span encloses its tasks: from its entry to here (a split-phase call: to the
+     * end of its second half); the ring after the cores' holds them */
+    if (op->kind <= 1)
+        span_rec(op, g->C, op->kind ? SK_COMBINE : SK_DISPATCH, op->start_ns, op->kind ? -1 : op->n,
+                 err, 0, 0);
 }

@@ -25,6 +25,10 @@ PyObject *engine_comb_last_epoch(engine_t *g, PyObject *args);
 PyObject *engine_close(engine_t *g, PyObject *noargs);
 PyObject *engine_core_log(engine_t *g, PyObject *noargs);
 
+/* spans.c: task spans */
+PyObject *engine_trace_enable(engine_t *g, PyObject *args);
+PyObject *engine_trace_spans(engine_t *g, PyObject *noargs);
+
 /* module.c: the type, and the keys of its parameter table (in order) */
 extern PyTypeObject EngineType;
 PyObject *param_keys(void);

@@ -176,6 +176,8 @@ static void engine_free_scratch(engine_t *g) {
     free((void *)g->counted); free(g->qstage);
     free(g->core_units); free(g->core_dsts); free(g->core_unit_log); free(g->core_dst_log);
     sched_work_free(&g->sched);
+    free(g->spans); free(g->span_n);
+    g->spans = NULL; g->span_n = NULL; g->trace_on = 0;
     g->base = NULL;
 }
 
@@ -313,6 +315,10 @@ static PyMethodDef engine_methods[] = {
      "poke(kind, phase, rank, offset, data): tests' one-shot write into a segment mid-call"},
     {"trace", (PyCFunction)engine_trace, METH_NOARGS,
      "core 0's phase timestamps (CLOCK_MONOTONIC ns) of the last dispatch, for profiling"},
+    {"trace_enable", (PyCFunction)engine_trace_enable, METH_VARARGS,
+     "trace_enable(capacity): record every core's task spans, the last capacity per core"},
+    {"trace_spans", (PyCFunction)engine_trace_spans, METH_NOARGS,
+     "(packed spans of every core and of the calls, spans dropped): the rings emptied"},
     {NULL, NULL, 0, NULL},
 };
 

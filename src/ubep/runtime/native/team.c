@@ -34,11 +34,23 @@ void maybe_poke(op_t *op, int phase) {
     atomic_thread_fence(memory_order_seq_cst);
 }
 
+/* one phase on one core: a task span of its kind when tracing is on (phases of kind SK_OWN
+ * record their own tasks) */
+static void run_phase(op_t *op, const phase_t *ph, int core) {
+    if (__builtin_expect(!op->g->trace_on, 1) || ph->kind == SK_OWN) {
+        ph->fn(op, core);
+        return;
+    }
+    int64_t t0 = now_ns();
+    ph->fn(op, core);
+    span_rec(op, core, ph->kind, t0, -1, -1, 0, 0);
+}
+
 static void run_phases_core(op_t *op, const phase_t *ph, int first, int nph, int core) {
     for (int p = first; p < nph; p++) {
         if (core == 0) maybe_poke(op, p);
         if (ph[p].when && !ph[p].when(op)) continue; /* the same on every core */
-        if (!atomic_load(&op->abort) && (ph[p].all_cores || core == 0)) ph[p].fn(op, core);
+        if (!atomic_load(&op->abort) && (ph[p].all_cores || core == 0)) run_phase(op, &ph[p], core);
         if (ph[p].sync_after) team_barrier(op->g);
     }
 }
@@ -102,7 +114,7 @@ void run_op(op_t *op, const phase_list_t *phases, int first, int end) {
         for (int p = first; p < end; p++)
             for (int c = (maybe_poke(op, p), 0); c < (ph[p].all_cores ? g->C : 1) && (!ph[p].when || ph[p].when(op));
                  c++)
-                if (!atomic_load(&op->abort)) ph[p].fn(op, c);
+                if (!atomic_load(&op->abort)) run_phase(op, &ph[p], c);
     }
 }
 

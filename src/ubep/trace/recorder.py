@@ -1,0 +1,209 @@
+"""Task spans of a running program: turned on per Buffer (``BufferConfig(trace=True)``) or for
+every Buffer of a block (:func:`record`), read from the engines' per-core rings into the one
+schema (:class:`~ubep.trace.spans.Trace`).
+
+An engine that traces (the native one, the MPI RMA one) offers ``trace_enable(capacity)`` and
+``trace_spans() -> (packed, counts, dropped)``: :data:`SPAN_DTYPE` records, ring by ring (its
+cores', then its calls'), ``counts[c]`` of ring ``c``. Times are the host's monotonic clock
+(``CLOCK_MONOTONIC``, ``time.monotonic_ns``), one clock for every rank of a host, so spans of
+different ranks line up as they are.
+
+:func:`record` writes, on exit, each rank's spans to ``<path stem>.rank<r>.json``; the process
+that holds rank 0 waits (at most ``merge_timeout_s``) for every rank's file and merges them into
+``path``, one trace file for Perfetto (``ubep trace merge`` does the same by hand).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import InvalidArgumentError
+from .spans import TASK_KINDS, CallSpan, Span, Trace
+
+__all__ = ["CALL_KINDS", "DEFAULT_CAPACITY", "SPAN_DTYPE", "Recorder", "decode", "record",
+           "spans_of"]
+
+#: One span as the engines pack it (runtime/native/engine.h, span_t). For a call span ``unit``
+#: is the dispatch index (combine: -1) and ``peer`` the call's error code (0: it succeeded).
+SPAN_DTYPE = np.dtype([("start_ns", "<i8"), ("end_ns", "<i8"), ("kind", "<i4"), ("unit", "<i4"),
+                       ("peer", "<i4"), ("epoch", "<i4"), ("rows", "<i8"),
+                       ("size_bytes", "<i8")])
+#: the kinds of the call ring, numbered after :data:`~ubep.trace.spans.TASK_KINDS`
+CALL_KINDS = ("dispatch", "combine")
+#: spans each core keeps (the oldest are overwritten): 48 bytes each
+DEFAULT_CAPACITY = 1 << 16
+
+_lock = threading.Lock()
+_buffers: weakref.WeakSet[Any] = weakref.WeakSet()  # every Buffer set up in this process
+_recorders: list[Recorder] = []
+
+
+def decode(packed: bytes, counts: tuple[int, ...], rank: int) -> tuple[list[Span], list[CallSpan]]:
+    """Spans and call spans of one engine's ``trace_spans()``."""
+    rec = np.frombuffer(packed, SPAN_DTYPE)
+    if len(rec) != sum(counts):
+        raise InvalidArgumentError("counts", counts, f"do not add up to the {len(rec)} spans")
+    spans: list[Span] = []
+    calls: list[CallSpan] = []
+    call_ring = len(counts) - 1
+    at = 0
+    for ring, n in enumerate(counts):
+        for r in rec[at:at + n].tolist():
+            start, end, kind, unit, peer, _epoch, rows, size = r
+            if ring == call_ring:
+                calls.append(CallSpan(rank, CALL_KINDS[kind - len(TASK_KINDS)], start, end))
+            else:
+                spans.append(Span(rank, ring, TASK_KINDS[kind], start, end, unit, peer, rows,
+                                  size))
+        at += n
+    return spans, calls
+
+
+def _label(buffer: Any) -> str:
+    cfg = buffer._cfg
+    return f"{cfg.engine}/{cfg.sync}"
+
+
+def _enable(buffer: Any, capacity: int) -> None:
+    enable = getattr(buffer._engine, "trace_enable", None)
+    if enable is None:  # an engine that records no spans: traced by nothing
+        if buffer._cfg.trace:
+            raise InvalidArgumentError("trace", True, f"the engine of transport "
+                                       f"{buffer._cfg.transport!r} records no task spans")
+        return
+    enable(capacity)
+    buffer._trace_capacity = capacity
+
+
+def spans_of(buffer: Any, label: str | None = None) -> Trace:
+    """The spans ``buffer`` recorded since the last read (its rings are emptied), as a trace of
+    this rank. The Buffer must trace (``BufferConfig(trace=True)`` or inside :func:`record`)."""
+    if not getattr(buffer, "_trace_capacity", 0):
+        raise InvalidArgumentError("buffer", buffer, "does not trace: make it with "
+                                   "BufferConfig(trace=True) or inside ubep.trace.record()")
+    packed, counts, _dropped = buffer._engine.trace_spans()
+    spans, calls = decode(packed, counts, buffer.rank)
+    return Trace("runtime", label or _label(buffer), tuple(spans), tuple(calls))
+
+
+def attach(buffer: Any) -> None:
+    """A Buffer was set up (``Buffer._setup``): it traces if its config or a recorder says so."""
+    with _lock:
+        _buffers.add(buffer)
+        on = bool(_recorders) or buffer._cfg.trace
+    if on:
+        _enable(buffer, max([DEFAULT_CAPACITY] + [r.capacity for r in _recorders]))
+
+
+def detach(buffer: Any) -> None:
+    """A Buffer closes (its engine is still open): the recorders take what it recorded."""
+    with _lock:
+        recorders = list(_recorders)
+        _buffers.discard(buffer)
+    traced = int(getattr(buffer, "_trace_capacity", 0)) > 0
+    if recorders and traced:
+        trace = spans_of(buffer)
+        for r in recorders:
+            r.add(trace, buffer.num_ranks)
+
+
+@dataclass
+class Recorder:
+    """What one :func:`record` block collected: per label, the spans of the ranks this process
+    holds."""
+
+    path: Path
+    capacity: int
+    traces: list[Trace] = field(default_factory=list)
+    num_ranks: int = 0
+
+    def add(self, trace: Trace, num_ranks: int) -> None:
+        self.traces.append(trace)
+        self.num_ranks = max(self.num_ranks, num_ranks)
+
+    def rank_path(self, rank: int) -> Path:
+        return self.path.with_name(f"{self.path.stem}.rank{rank}.json")
+
+
+@contextlib.contextmanager
+def record(path: str | Path, *, capacity: int = DEFAULT_CAPACITY,
+           merge_timeout_s: float = 60.0) -> Iterator[Recorder]:
+    """Record the task spans of every Buffer set up or called inside the block; on exit write
+    each rank's file and (the process of rank 0) merge them into ``path``.
+
+    Works around any program, a torchrun one too: every rank enters the block and writes its
+    own file; rank 0 waits for the others' (``merge_timeout_s``) and merges. A rank's
+    engine keeps the last ``capacity`` spans per core.
+    """
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        raise InvalidArgumentError("capacity", capacity, "must be a positive integer")
+    rec = Recorder(Path(path), capacity)
+    with _lock:
+        _recorders.append(rec)
+        live = [b for b in _buffers if not b._closed]
+    for b in live:  # already set up: trace from here on
+        _enable(b, max(capacity, getattr(b, "_trace_capacity", 0)))
+    try:
+        yield rec
+    finally:
+        with _lock:
+            _recorders.remove(rec)
+            live = [b for b in _buffers if not b._closed]
+            others = bool(_recorders)
+        for b in live:
+            if getattr(b, "_trace_capacity", 0):
+                rec.add(spans_of(b), b.num_ranks)
+                if not (others or b._cfg.trace):  # traced for this block only: off again
+                    b._engine.trace_enable(0)
+                    b._trace_capacity = 0
+        _write(rec, merge_timeout_s)
+
+
+def _write(rec: Recorder, merge_timeout_s: float) -> None:
+    from .chrome import merge, write
+
+    by_rank: dict[int, list[Trace]] = {}
+    for t in rec.traces:
+        for r in t.ranks():
+            by_rank.setdefault(r, []).append(_only_rank(t, r))
+    for r, traces in by_rank.items():
+        tmp = rec.rank_path(r).with_suffix(".tmp")
+        write(_joined(traces), tmp)
+        os.replace(tmp, rec.rank_path(r))  # whole or absent: rank 0 never reads half a file
+    if 0 not in by_rank:
+        return
+    files = [rec.rank_path(r) for r in range(rec.num_ranks)]
+    deadline = time.monotonic() + merge_timeout_s
+    while not all(f.exists() for f in files) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    present = [f for f in files if f.exists()]
+    merge(present, rec.path)
+    for f in present:
+        f.unlink()
+
+
+def _only_rank(t: Trace, rank: int) -> Trace:
+    return Trace(t.source, t.label, tuple(s for s in t.spans if s.rank == rank),
+                 tuple(c for c in t.calls if c.rank == rank))
+
+
+def _joined(traces: list[Trace]) -> list[Trace]:
+    """One trace per label (a Buffer read twice: at close and again)."""
+    out: dict[tuple[str, str], Trace] = {}
+    for t in traces:
+        key = (t.source, t.label)
+        if key in out:
+            o = out[key]
+            t = Trace(t.source, t.label, o.spans + t.spans, o.calls + t.calls)
+        out[key] = t
+    return list(out.values())

@@ -1,0 +1,53 @@
+"""The MPI RMA engine records the same spans from Python: on the in-process RMA transport
+(tests/mpi/_fake_rma.py), each rank's sends carry the rows brute force counts from topk_idx
+for each destination, every span nests in its call and none overlap, and a send starts before
+the wait that took its rows ends."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from tests.mpi._fake_rma import FakeWorld, run_ranks
+from tests.mpi.test_mpi_unit import R3, _cfg, _checked_call, _inputs
+from ubep.buffer import Buffer
+from ubep.trace import Trace, spans_of
+
+
+@pytest.mark.parametrize("engine", ["asp", "bsp"])
+def test_rma_engine_spans_match_the_routing_and_nest_in_their_calls(engine: str) -> None:
+    def body(g: Any) -> tuple[bool, Trace]:
+        cfg = _cfg(engine=engine).__class__(**{**_cfg(engine=engine).__dict__, "trace": True})
+        with Buffer(g, cfg) as buf:
+            ok = _checked_call(buf, g.rank, 3)
+            return ok, spans_of(buf)
+
+    out = run_ranks(FakeWorld(R3), body)
+    assert all(ok for ok, _ in out)
+    trace = Trace("runtime", "rma", tuple(s for _, t in out for s in t.spans),
+                  tuple(c for _, t in out for c in t.calls))
+    _, idxs, _ = _inputs(3)
+    for r in range(R3):
+        want = Counter(int(e) // 2 for e in idxs[r].reshape(-1) if int(e) // 2 != r)
+        got: Counter[int] = Counter()
+        for s in trace.spans:
+            if s.rank == r and s.task == "send":
+                got[s.peer] += s.rows
+                assert s.size_bytes == s.rows * 64 * 4
+        assert got == want, (r, got, want)
+        calls = [c for c in trace.calls if c.rank == r]
+        assert sorted(c.name for c in calls) == ["combine", "dispatch"]
+    for (rank, _), spans in trace.by_core().items():
+        for a, b in itertools.pairwise(spans):
+            assert a.end_ns <= b.start_ns
+        calls = [c for c in trace.calls if c.rank == rank]
+        assert all(any(c.start_ns <= s.start_ns and s.end_ns <= c.end_ns for c in calls)
+                   for s in spans)
+    for s in trace.spans:
+        if s.task == "send":
+            ends = [q.end_ns for q in trace.spans if q.rank == s.peer
+                    and q.task in ("wait", "barrier")]
+            assert max(ends) >= s.start_ns
