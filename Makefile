@@ -34,11 +34,11 @@ lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(VENV)/bin/mypy
 
-# the full suite on this interpreter, then the smoke suite on every other CPython the package
-# claims (tests/smoke/run_pythons.sh; one the machine lacks is skipped with its reason)
+# the smoke suite on every other CPython the package claims (tests/smoke/run_pythons.sh; one
+# the machine lacks is skipped with its reason), then the full suite on this interpreter
 test: lint
-	$(PY) -m pytest -q
 	tests/smoke/run_pythons.sh
+	$(PY) -m pytest -q
 
 smoke:
 	tests/smoke/run_pythons.sh
