@@ -18,11 +18,20 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from . import sync as _sync
+
 # globals a kernel reads must be constexprs (the engine's host side uses the same numbers)
 PENDING: tl.constexpr = tl.constexpr(0)
 DONE: tl.constexpr = tl.constexpr(1)
 CORRUPT: tl.constexpr = tl.constexpr(3)
 REMOTE: tl.constexpr = tl.constexpr(4)
+
+# the sync table's row and batch kinds (ubep.triton.sync), as the kernels compare them
+ROW_WORDS: tl.constexpr = tl.constexpr(_sync.ROW_WORDS)
+ROW_SENTINEL: tl.constexpr = tl.constexpr(_sync.ROW_SENTINEL)
+ROW_CHECKSUM: tl.constexpr = tl.constexpr(_sync.ROW_CHECKSUM)
+BATCH_FLAG: tl.constexpr = tl.constexpr(_sync.BATCH_FLAG)
+BATCH_CHECKSUM: tl.constexpr = tl.constexpr(_sync.BATCH_CHECKSUM)
 
 
 @triton.jit

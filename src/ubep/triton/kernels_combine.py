@@ -25,8 +25,12 @@ import triton
 import triton.language as tl
 
 from ._jit_common import (
+    BATCH_FLAG,
     DONE,
     REMOTE,
+    ROW_CHECKSUM,
+    ROW_SENTINEL,
+    ROW_WORDS,
     acquire,
     dc_checksum,
     failed_rank,
@@ -37,10 +41,6 @@ from ._jit_common import (
     word_sums,
 )
 
-ROW_WORDS: tl.constexpr = tl.constexpr(1)
-ROW_SENTINEL: tl.constexpr = tl.constexpr(2)
-ROW_CHECKSUM: tl.constexpr = tl.constexpr(3)
-BATCH_FLAG: tl.constexpr = tl.constexpr(1)
 OUT_FP32: tl.constexpr = tl.constexpr(0)
 OUT_BF16: tl.constexpr = tl.constexpr(1)
 OUT_FP16: tl.constexpr = tl.constexpr(2)

@@ -30,9 +30,11 @@ import triton
 import triton.language as tl
 
 from ._jit_common import (
+    BATCH_CHECKSUM,
     CORRUPT,
     DONE,
     REMOTE,
+    ROW_WORDS,
     acquire,
     dc_checksum,
     failed_rank,
@@ -42,11 +44,6 @@ from ._jit_common import (
     set_status,
     word_sums,
 )
-
-ROW_WORDS: tl.constexpr = tl.constexpr(1)
-ROW_SENTINEL: tl.constexpr = tl.constexpr(2)
-BATCH_FLAG: tl.constexpr = tl.constexpr(1)
-BATCH_CHECKSUM: tl.constexpr = tl.constexpr(2)
 
 
 @triton.jit

@@ -550,7 +550,8 @@ PyObject *engine_dispatch_fast(engine_t *g, PyObject *args) {
 }
 
 /* whether `rows` expert outputs at `at` lie in a receive region that a dispatch after
- * dispatch `index` has filled again (of `num_dispatches` so far): Buffer._check_not_overwritten */
+ * dispatch `index` has filled again (of `num_dispatches` so far): the C side of
+ * HostEngine.stale_view (plane/host.py) */
 static int overwritten(engine_t *g, const void *at, npy_intp rows, long long index,
                        long long num_dispatches) {
     const uintptr_t lo = (uintptr_t)at, hi = lo + (uintptr_t)rows * (uintptr_t)g->crow_bytes;
