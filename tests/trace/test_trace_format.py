@@ -1,7 +1,7 @@
 """The timeline schema and its Chrome trace event export: the simulator's spans of a small case
-land in the schema one for one; every exported event carries the format's required fields;
-files load back to the same spans and merge without pid collisions; flows join a send to the
-wait that consumed its unit."""
+(its unit timeline) land in the schema one for one; every exported event carries the format's
+required fields; files load back to the same spans and merge without pid collisions; flows
+join a send to the wait that consumed its unit."""
 
 from __future__ import annotations
 
@@ -34,9 +34,13 @@ def test_sim_spans_map_one_for_one_never_overlap_on_a_core_and_nest_in_their_cal
              for r in (0, 1)]
     res = simulate(plans, topo, f, engine=engine, sync="sw", row_bytes=ROW)
     trace = from_sim(res, "case")
-    assert len(trace.spans) == len(res.timeline)
+    fine = res.unit_timeline()
+    assert len(trace.spans) == len(fine)
     assert sum(s.task == "send" for s in trace.spans) == int(
-        (res.timeline.task == 1).sum())  # ubep.sim.timeline.TASKS[1] == "send"
+        (fine.task == 1).sum())  # ubep.sim.timeline.TASKS[1] == "send"
+    # ASP: a send span per unit (one row); BSP: per run of units to one destination
+    rows = sum(s.rows for s in trace.spans if s.task == "send")
+    assert rows == sum(p.num_units for p in plans)
     ends = {c.rank: c.end_ns for c in trace.calls}
     for (rank, _), spans in trace.by_core().items():
         for a, b in itertools.pairwise(spans):
@@ -120,4 +124,6 @@ def test_ubep_sim_trace_writes_the_calls_it_timed(tmp_path: Path) -> None:
     (trace,) = load(out)
     assert trace.source == "sim" and trace.ranks() == [0, 1, 2, 3]
     assert {s.task for s in trace.spans} >= {"send", "barrier"}
+    sends = [s for s in trace.spans if s.task == "send"]  # a small call: its units named
+    assert sum(s.rows for s in sends) == 4 * 16 * 2 and all(s.peer >= 0 for s in sends)
     assert all(c.name == "dispatch" for c in trace.calls) and len(trace.calls) == 4

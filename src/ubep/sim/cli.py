@@ -115,6 +115,9 @@ def _trace_option(p: argparse.ArgumentParser) -> None:
 
 
 _TRACE_CALLS = 8  # calls a --trace file keeps: an experiment times hundreds
+# a kept call of more units keeps one send and one receive span per core: a span and a flow per
+# row of the larger calls (EP64 at 128 tokens, top-8, and up) would make a file of gigabytes
+_TRACE_UNITS = 1 << 15
 
 
 def _traced(args: argparse.Namespace, run: Any) -> Any:
@@ -130,8 +133,13 @@ def _traced(args: argparse.Namespace, run: Any) -> Any:
     for label, res in calls:
         if label not in first and len(first) < _TRACE_CALLS:
             first[label] = res
-    path = write([from_sim(res, label) for label, res in first.items()], args.trace)
-    print(f"wrote {path}: {len(first)} of the {len(calls)} calls timed (the first of each system)")
+    small = {label: res.unit_end_ns.size <= _TRACE_UNITS for label, res in first.items()}
+    path = write([from_sim(res, label, units=small[label]) for label, res in first.items()],
+                 args.trace)
+    large = len(small) - sum(small.values())
+    print(f"wrote {path}: {len(first)} of the {len(calls)} calls timed (the first of each system)"
+          + (f"; {large} of over {_TRACE_UNITS} units with a send and a receive span per core"
+             if large else ""))
     return out
 
 
