@@ -49,26 +49,13 @@ def register(subparsers: Any) -> None:
                        "(writes calib.json), print residuals and leave-one-out errors")
     p.add_argument("--family", choices=FITTED_FAMILIES, default=None,
                    help="baseline residuals of one fabric family (default: all)")
-    p.add_argument("--dry-run", action="store_true",
-                   help="fit into a temporary copy; leave calib.json as it is")
-    p.add_argument("--no-loo", action="store_true", help="skip the leave-one-out refits")
-    p.add_argument("--quick-loo", action="store_true",
-                   help="leave-one-out as Gauss-Newton steps on the full fit's Jacobian "
-                        "instead of a full refit per point (about a minute instead of ~10)")
-    p.add_argument("--cold-loo", action="store_true",
-                   help="start each leave-one-out refit from the first-principles values, "
-                        "as the fit itself starts, not from the full fit")
+    for flag, text in _CALIBRATE_SWITCHES:
+        p.add_argument(flag, action="store_true", help=text)
     p.add_argument("--loo-max-nfev", type=int, default=None,
                    help="residual evaluations of each leave-one-out refit (default 12; "
                         "quick: 4)")
     p.add_argument("--max-nfev", type=int, default=12,
                    help="residual evaluations of the fit (default 12)")
-    p.add_argument("--warm", action="store_true",
-                   help="start from the fit stored in calib.json, not from the "
-                        "first-principles values")
-    p.add_argument("--refit-baseline", action="store_true",
-                   help="first rerun the baseline fit of every family's fabric constants from "
-                        "their starting values (minutes)")
     p.set_defaults(func=_calibrate)
     p = sub.add_parser("report", help="the fit: residuals, leave-one-out errors, moved "
                        "constants, and a predicted-vs-paper plot of the training points")
@@ -100,6 +87,20 @@ def register(subparsers: Any) -> None:
     p.add_argument("--json", metavar="PATH", help="write the per-task spans as JSON")
     _trace_option(p)
     p.set_defaults(func=_run)
+
+
+# ``ubep sim calibrate``'s on/off options
+_CALIBRATE_SWITCHES = (
+    ("--dry-run", "fit into a temporary copy; leave calib.json as it is"),
+    ("--no-loo", "skip the leave-one-out refits"),
+    ("--quick-loo", "leave-one-out as Gauss-Newton steps on the full fit's Jacobian instead of "
+                    "a full refit per point (about a minute instead of ~10)"),
+    ("--cold-loo", "start each leave-one-out refit from the first-principles values, as the "
+                   "fit itself starts, not from the full fit"),
+    ("--warm", "start from the fit stored in calib.json, not from the first-principles values"),
+    ("--refit-baseline", "first rerun the baseline fit of every family's fabric constants from "
+                         "their starting values (minutes)"),
+)
 
 
 def _common(p: argparse.ArgumentParser) -> None:

@@ -36,18 +36,13 @@ SYNC_TASKS = ("barrier", "flag", "verify")
 
 @dataclass(frozen=True)
 class TaskSpan:
-    """One task occurrence on one core; ``unit``, ``peer``, ``rows`` and ``size_bytes`` as
-    :class:`TaskTimeline`'s columns."""
+    """One task occurrence on one core (what it moved: ``ubep.trace.from_sim``'s spans)."""
 
     rank: int
     core: int
     task: str
     start_ns: float
     end_ns: float
-    unit: int = -1
-    peer: int = -1
-    rows: int = 0
-    size_bytes: int = 0
 
     @property
     def duration_ns(self) -> float:
@@ -114,9 +109,7 @@ class TaskTimeline:
               task: str | None = None) -> list[TaskSpan]:
         idx = np.flatnonzero(self.mask(rank=rank, core=core, task=task))
         return [TaskSpan(int(self.rank[i]), int(self.core[i]), TASKS[self.task[i]],
-                         float(self.start_ns[i]), float(self.end_ns[i]), int(self.unit[i]),
-                         int(self.peer[i]), int(self.rows[i]), int(self.size_bytes[i]))
-                for i in idx]
+                         float(self.start_ns[i]), float(self.end_ns[i])) for i in idx]
 
     def busy_ns(self, *, rank: int, task: str) -> float:
         """Sum over cores of the time rank ``rank`` spends in ``task``."""
