@@ -9,6 +9,7 @@ oracles. Each rank of a 2-rank group runs one dispatch and combine (checked bit 
 * one clock across ranks: a send's span starts before the receive span that consumed its rows
   (on the peer) ends;
 * the exported events carry the trace event format's required fields, and the file loads back;
+  a flow joins every send to another rank to a receive of the sender's rows on that rank;
 * the simulator's spans (``from_sim`` of ``simulate`` on the same Plans) list the same sends
   (unit, peer, rows, bytes) per core, in the same order, as the runtime's.
 """
@@ -215,6 +216,24 @@ def test_exported_runtime_events_carry_the_required_fields_and_load_back(
             assert e["dur"] >= 0
     back = load(write(traces, tmp_path / "t.json"))
     assert sorted(len(t.spans) for t in back) == sorted(len(t.spans) for t in traces)
+
+
+@pytest.mark.parametrize("i", range(len(CASES)))
+def test_exported_sends_flow_to_a_receive_of_the_senders_rows_on_the_peer(
+        runs: Any, i: int) -> None:
+    trace = _trace(runs, i)
+    recvs = [s for s in trace.spans if s.task in ("wait", "reorder") and s.rows > 0]
+    fed = {(s.rank, s.peer) for s in recvs}
+    sends = [s for s in trace.spans if s.task == "send" and (s.peer, s.rank) in fed]
+    # every send to another rank has a receive of its rows there (own rows: BSP only)
+    assert {s for s in trace.spans if s.task == "send" and s.peer != s.rank} <= set(sends)
+    receivers = {(s.rank, s.core) for s in recvs}
+    flows = [e for e in to_chrome([trace])["traceEvents"] if e.get("cat") == "flow"]
+    starts = {e["id"]: e for e in flows if e["ph"] == "s"}
+    ends = {e["id"]: e for e in flows if e["ph"] == "f"}
+    assert starts.keys() == ends.keys() and len(starts) == len(sends)
+    assert Counter(e["pid"] for e in ends.values()) == Counter(s.peer for s in sends)
+    assert all((e["pid"], e["tid"] - 1) in receivers for e in ends.values())
 
 
 def test_record_merges_every_rank_into_one_file(runs: Any) -> None:

@@ -13,7 +13,7 @@ from .experiments import ExperimentResult
 from .m2n import draw as m2n_draw
 from .syncs import SYNC_MODES
 
-__all__ = ["plot"]
+__all__ = ["plot", "save"]
 
 TASK_COLORS = {"init": "#bbbbbb", "send": "#1f77b4", "barrier": "#d62728", "flag": "#ff7f0e",
                "verify": "#9467bd", "count": "#8c564b", "cumsum": "#e377c2",
