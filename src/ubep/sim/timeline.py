@@ -36,7 +36,7 @@ SYNC_TASKS = ("barrier", "flag", "verify")
 
 @dataclass(frozen=True)
 class TaskSpan:
-    """One task occurrence on one core (what it moved: ``ubep.trace.from_sim``'s spans)."""
+    """One task occurrence on one core (what it moved: :meth:`SimResult.unit_timeline`)."""
 
     rank: int
     core: int
@@ -52,7 +52,7 @@ class TaskSpan:
 @dataclass(frozen=True)
 class TaskTimeline:
     """Column store of task spans: ``rank, core, task`` (index into :data:`TASKS`), times, and
-    what a span moved: ``unit`` (a send's index in its rank's Plan, the first of a run of
+    what a span moved: ``unit`` (a send's index in its rank's Plan, BSP the first of a run of
     units; a consumed row's unit in its sender's Plan; else -1), ``peer`` (a send's
     destination, a consumed row's source; else -1), ``rows`` and payload ``size_bytes`` (0 for
     the tasks that move no rows, and for the executors' per-core spans, which leave the
