@@ -9,8 +9,9 @@ oracles. Each rank of a 2-rank group runs one dispatch and combine (checked bit 
 * one clock across ranks: a send's span starts before the receive span that consumed its rows
   (on the peer) ends;
 * the exported events carry the trace event format's required fields, and the file loads back;
-* the simulator's spans (``from_sim`` of ``simulate`` on the same Plans) put the send tasks on
-  the same cores as the runtime's.
+  a flow joins every send to another rank to a receive of the sender's rows on that rank;
+* the simulator's spans (``from_sim`` of ``simulate`` on the same Plans) list the same sends
+  (unit, peer, rows, bytes) per core, in the same order, as the runtime's.
 """
 
 from __future__ import annotations
@@ -217,6 +218,24 @@ def test_exported_runtime_events_carry_the_required_fields_and_load_back(
     assert sorted(len(t.spans) for t in back) == sorted(len(t.spans) for t in traces)
 
 
+@pytest.mark.parametrize("i", range(len(CASES)))
+def test_exported_sends_flow_to_a_receive_of_the_senders_rows_on_the_peer(
+        runs: Any, i: int) -> None:
+    trace = _trace(runs, i)
+    recvs = [s for s in trace.spans if s.task in ("wait", "reorder") and s.rows > 0]
+    fed = {(s.rank, s.peer) for s in recvs}
+    sends = [s for s in trace.spans if s.task == "send" and (s.peer, s.rank) in fed]
+    # every send to another rank has a receive of its rows there (own rows: BSP only)
+    assert {s for s in trace.spans if s.task == "send" and s.peer != s.rank} <= set(sends)
+    receivers = {(s.rank, s.core) for s in recvs}
+    flows = [e for e in to_chrome([trace])["traceEvents"] if e.get("cat") == "flow"]
+    starts = {e["id"]: e for e in flows if e["ph"] == "s"}
+    ends = {e["id"]: e for e in flows if e["ph"] == "f"}
+    assert starts.keys() == ends.keys() and len(starts) == len(sends)
+    assert Counter(e["pid"] for e in ends.values()) == Counter(s.peer for s in sends)
+    assert all((e["pid"], e["tid"] - 1) in receivers for e in ends.values())
+
+
 def test_record_merges_every_rank_into_one_file(runs: Any) -> None:
     (per_rank, out) = runs
     for r in range(2):
@@ -231,16 +250,22 @@ def test_record_merges_every_rank_into_one_file(runs: Any) -> None:
 
 
 @pytest.mark.parametrize("i", [0, 1])
-def test_the_simulator_puts_the_send_tasks_on_the_same_cores(runs: Any, i: int) -> None:
+def test_the_simulator_lists_the_same_sends_per_core(runs: Any, i: int) -> None:
+    """Per core, the same (task, unit, peer, rows, bytes) sends in the same order, and the
+    count tasks on the same cores."""
     case, trace = CASES[i], _trace(runs, i)
     _, idxs, _ = _inputs(case, i)
     topo = dataclasses.replace(host(2), cores_per_rank=case.num_cores)
     res = simulate(_plans(case, idxs), topo, load_fabric("cm384"), engine=case.engine,
                    sync=case.sync, row_bytes=HIDDEN * 2)
     sim = from_sim(res, "predicted")
-    sim_cores = {(s.rank, s.core) for s in sim.spans if s.task == "send"}
-    run_cores = {(s.rank, s.core) for s in trace.spans if s.task == "send"}
-    assert sim_cores == run_cores
+
+    def sends(t: Trace) -> dict[tuple[int, int], list[tuple[str, int, int, int, int]]]:
+        return {core: got for core, spans in t.by_core().items()
+                if (got := [(s.task, s.unit, s.peer, s.rows, s.size_bytes)
+                            for s in spans if s.task == "send"])}
+
+    assert sends(sim) == sends(trace)
     assert {(s.rank, s.core) for s in sim.spans if s.task == "count"} == {
         (s.rank, s.core) for s in trace.spans if s.task == "count"}
 

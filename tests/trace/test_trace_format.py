@@ -1,7 +1,7 @@
 """The timeline schema and its Chrome trace event export: the simulator's spans of a small case
-land in the schema one for one; every exported event carries the format's required fields;
-files load back to the same spans and merge without pid collisions; flows join a send to the
-wait that consumed its unit."""
+(its unit timeline) land in the schema one for one; every exported event carries the format's
+required fields; files load back to the same spans and merge without pid collisions; flows
+join a send to the wait that consumed its unit."""
 
 from __future__ import annotations
 
@@ -34,9 +34,13 @@ def test_sim_spans_map_one_for_one_never_overlap_on_a_core_and_nest_in_their_cal
              for r in (0, 1)]
     res = simulate(plans, topo, f, engine=engine, sync="sw", row_bytes=ROW)
     trace = from_sim(res, "case")
-    assert len(trace.spans) == len(res.timeline)
+    fine = res.unit_timeline()
+    assert len(trace.spans) == len(fine)
     assert sum(s.task == "send" for s in trace.spans) == int(
-        (res.timeline.task == 1).sum())  # ubep.sim.timeline.TASKS[1] == "send"
+        (fine.task == 1).sum())  # ubep.sim.timeline.TASKS[1] == "send"
+    # ASP: a send span per unit (one row); BSP: per run of units to one destination
+    rows = sum(s.rows for s in trace.spans if s.task == "send")
+    assert rows == sum(p.num_units for p in plans)
     ends = {c.rank: c.end_ns for c in trace.calls}
     for (rank, _), spans in trace.by_core().items():
         for a, b in itertools.pairwise(spans):
@@ -104,6 +108,31 @@ def test_a_flow_joins_each_send_to_the_wait_that_consumed_its_unit() -> None:
     assert targets == [(1, 1, 1), (2, 1, 1)]  # core c is thread c + 1; both land on rank 1 core 0
 
 
+def test_a_send_flows_to_the_receive_of_its_peers_call_of_the_same_order() -> None:
+    """Receives that name no unit (the runtime's: a source's rows at once): a send of rank 0's
+    k-th dispatch flows to rank 1's receive of rank 0's rows in rank 1's k-th dispatch, not to
+    a wait that moved no rows; a send outside every call to the first receive ending after it
+    starts."""
+    calls = tuple(CallSpan(r, "dispatch", 1000.0 * k + 10 * r, 1000.0 * k + 900)
+                  for k in range(2) for r in (0, 1))
+    spans = [Span(0, 0, "send", 1000.0 * k + 100, 1000.0 * k + 200, unit=k, peer=1, rows=1,
+                  size_bytes=256) for k in range(2)]
+    spans += [Span(1, 1, "wait", 1000.0 * k + 50, 1000.0 * k + 60, peer=0)  # readiness: no rows
+              for k in range(2)]
+    spans += [Span(1, k, "reorder", 1000.0 * k + 300, 1000.0 * k + 400, peer=0, rows=1)
+              for k in range(2)]  # call k's receive on core k
+    spans += [Span(0, 2, "send", 2500.0, 2600.0, unit=9, peer=1, rows=1),  # outside any call
+              Span(1, 3, "wait", 2700.0, 2800.0, peer=0, rows=1)]
+    events = to_chrome([Trace("runtime", "t", tuple(spans), calls)])["traceEvents"]
+    flows = [e for e in events if e.get("cat") == "flow"]
+    start = {e["id"]: (e["tid"], e["ts"]) for e in flows if e["ph"] == "s"}
+    finish = {e["id"]: (e["pid"], e["tid"]) for e in flows if e["ph"] == "f"}
+    assert start.keys() == finish.keys()
+    got = sorted((start[i], finish[i]) for i in start)
+    # core c is thread c + 1; ts in microseconds
+    assert got == [((1, 0.15), (1, 1)), ((1, 1.15), (1, 2)), ((3, 2.55), (1, 4))]
+
+
 def test_a_span_refuses_an_unknown_task_and_a_negative_duration() -> None:
     with pytest.raises(InvalidArgumentError, match="task"):
         Span(0, 0, "compute", 0.0, 1.0)
@@ -120,4 +149,6 @@ def test_ubep_sim_trace_writes_the_calls_it_timed(tmp_path: Path) -> None:
     (trace,) = load(out)
     assert trace.source == "sim" and trace.ranks() == [0, 1, 2, 3]
     assert {s.task for s in trace.spans} >= {"send", "barrier"}
+    sends = [s for s in trace.spans if s.task == "send"]  # a small call: its units named
+    assert sum(s.rows for s in sends) == 4 * 16 * 2 and all(s.peer >= 0 for s in sends)
     assert all(c.name == "dispatch" for c in trace.calls) and len(trace.calls) == 4

@@ -296,7 +296,7 @@ def run_analytic(spec: OpSpec, topology: Topology, fabric: FabricModel) -> SimRe
         core_ack_end_ns=flat_ack.reshape(R, n_s),
         core_rtt_ns=core_round_trip_ns(spec, topology, unit_end, depart),
         core_rx_wait_ns=core_rx_wait_ns(spec, topology, land, depart),
-        cores_per_rank=n,
+        cores_per_rank=n, spec=spec,
     )
 
 

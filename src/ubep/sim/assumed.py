@@ -39,19 +39,24 @@ __all__ = [
 # ~1.8 GHz: the clock is an assumed range. The fixed issue-to-result latency of one vector
 # instruction (scalar unit dispatch, UB access, pipeline drain) is not public: assumed range.
 AIV_VECTOR_BYTES = 256
+
+
+def _assumed(value: float, lo: float, hi: float, source: str) -> dict[str, Any]:
+    """One assumed constant: its first-principles ``value``, plausible range and source."""
+    return {"value": value, "range": [lo, hi], "kind": "assumed", "source": source}
+
+
 AIV_ASSUMPTIONS: dict[str, dict[str, Any]] = {
-    "aiv_clock_ghz": {
-        "value": 1.4, "range": [1.0, 1.8], "kind": "assumed",
-        "source": "Ascend 910 DaVinci cores at 1.0 GHz (2019 announcement: 256 TFLOPS FP16 = 32 "
-                  "cores x 4096 MACs x 2 x 1 GHz); 910B/910C reported up to ~1.8 GHz; nominal "
-                  "= midpoint",
-    },
-    "vector_instr_cycles": {
-        "value": 24.0, "range": [8.0, 64.0], "kind": "assumed",
-        "source": "fixed latency of one vector instruction (dispatch by the scalar unit, UB "
-                  "read, pipeline): not public; range from a short SIMD pipeline (8) to one "
-                  "with a UB round trip per instruction (64); nominal ~ geometric mean",
-    },
+    "aiv_clock_ghz": _assumed(
+        1.4, 1.0, 1.8,
+        "Ascend 910 DaVinci cores at 1.0 GHz (2019 announcement: 256 TFLOPS FP16 = 32 "
+        "cores x 4096 MACs x 2 x 1 GHz); 910B/910C reported up to ~1.8 GHz; nominal "
+        "= midpoint"),
+    "vector_instr_cycles": _assumed(
+        24.0, 8.0, 64.0,
+        "fixed latency of one vector instruction (dispatch by the scalar unit, UB "
+        "read, pipeline): not public; range from a short SIMD pipeline (8) to one "
+        "with a UB round trip per instruction (64); nominal ~ geometric mean"),
 }
 
 
@@ -82,33 +87,29 @@ def aiv_costs(clock_ghz: float, instr_cycles: float) -> dict[str, float]:
 _TWO_HOP = "CALIBRATION.md Table 2: two-hop latency 2500 ns"
 ASSUMED: dict[str, dict[str, Any]] = {
     **AIV_ASSUMPTIONS,
-    "fence_rtt_fraction": {
-        "value": 1.0, "range": [0.25, 1.0], "kind": "assumed",
-        "source": "a stop-and-wait fence waits for the store's acknowledgement (1 round trip); "
-                  "a fabric that reports completion at the first switch waits less (1/4: the "
-                  "NPU-to-tier-1 leg of a two-hop round trip, " + _TWO_HOP + ")",
-    },
-    "cumsum_group_sync_ns": {
-        "value": 654.0, "range": [218.0, 5000.0], "kind": "assumed",
-        "source": "one partial-sum hand-off between AIVs through HBM: a write, a flag and a "
-                  "read, 3 x the intra-NPU access of 218 ns (CALIBRATION.md Table 2); up to a "
-                  "scalar-unit synchronisation of a few microseconds",
-    },
-    "store_window": {
-        "value": 8.0, "range": [1.0, 64.0], "kind": "assumed",
-        "source": "stores one AIV keeps in flight (its MTE queue of outstanding writes; UBEP "
-                  "paper Sections 2.3 and 3.3: each token costs its core a share of its hop's "
-                  "round trip, Little's law): not public; from one store at a time (1) to a "
-                  "queue deep enough that no row waits (64); nominal = geometric mean",
-    },
-    "hot_share": {
-        "value": 0.5, "range": [0.1, 0.75], "kind": "assumed",
-        "source": "the hot experts' share of the picks in the paper's skewed set-ups (Figure "
-                  "9, Figure 7(c)): the paper states eight hot experts, not their share "
-                  "(EXPERIMENTS.md); nominal an even split; range from 0.1 (three times the "
-                  "uniform share of 8 of 256 experts, 3.1 %) to 0.75; Figure 9's two maxima "
-                  "measure it",
-    },
+    "fence_rtt_fraction": _assumed(
+        1.0, 0.25, 1.0,
+        "a stop-and-wait fence waits for the store's acknowledgement (1 round trip); "
+        "a fabric that reports completion at the first switch waits less (1/4: the "
+        "NPU-to-tier-1 leg of a two-hop round trip, " + _TWO_HOP + ")"),
+    "cumsum_group_sync_ns": _assumed(
+        654.0, 218.0, 5000.0,
+        "one partial-sum hand-off between AIVs through HBM: a write, a flag and a "
+        "read, 3 x the intra-NPU access of 218 ns (CALIBRATION.md Table 2); up to a "
+        "scalar-unit synchronisation of a few microseconds"),
+    "store_window": _assumed(
+        8.0, 1.0, 64.0,
+        "stores one AIV keeps in flight (its MTE queue of outstanding writes; UBEP "
+        "paper Sections 2.3 and 3.3: each token costs its core a share of its hop's "
+        "round trip, Little's law): not public; from one store at a time (1) to a "
+        "queue deep enough that no row waits (64); nominal = geometric mean"),
+    "hot_share": _assumed(
+        0.5, 0.1, 0.75,
+        "the hot experts' share of the picks in the paper's skewed set-ups (Figure "
+        "9, Figure 7(c)): the paper states eight hot experts, not their share "
+        "(EXPERIMENTS.md); nominal an even split; range from 0.1 (three times the "
+        "uniform share of 8 of 256 experts, 3.1 %) to 0.75; Figure 9's two maxima "
+        "measure it"),
 }
 # CANN EP's own fitted constants (ubep.sim.calib.FREE): fitted together with the assumed ones,
 # since both price the baseline rows and the training set's CANN EP numbers.

@@ -49,26 +49,13 @@ def register(subparsers: Any) -> None:
                        "(writes calib.json), print residuals and leave-one-out errors")
     p.add_argument("--family", choices=FITTED_FAMILIES, default=None,
                    help="baseline residuals of one fabric family (default: all)")
-    p.add_argument("--dry-run", action="store_true",
-                   help="fit into a temporary copy; leave calib.json as it is")
-    p.add_argument("--no-loo", action="store_true", help="skip the leave-one-out refits")
-    p.add_argument("--quick-loo", action="store_true",
-                   help="leave-one-out as Gauss-Newton steps on the full fit's Jacobian "
-                        "instead of a full refit per point (about a minute instead of ~10)")
-    p.add_argument("--cold-loo", action="store_true",
-                   help="start each leave-one-out refit from the first-principles values, "
-                        "as the fit itself starts, not from the full fit")
+    for flag, text in _CALIBRATE_SWITCHES:
+        p.add_argument(flag, action="store_true", help=text)
     p.add_argument("--loo-max-nfev", type=int, default=None,
                    help="residual evaluations of each leave-one-out refit (default 12; "
                         "quick: 4)")
     p.add_argument("--max-nfev", type=int, default=12,
                    help="residual evaluations of the fit (default 12)")
-    p.add_argument("--warm", action="store_true",
-                   help="start from the fit stored in calib.json, not from the "
-                        "first-principles values")
-    p.add_argument("--refit-baseline", action="store_true",
-                   help="first rerun the baseline fit of every family's fabric constants from "
-                        "their starting values (minutes)")
     p.set_defaults(func=_calibrate)
     p = sub.add_parser("report", help="the fit: residuals, leave-one-out errors, moved "
                        "constants, and a predicted-vs-paper plot of the training points")
@@ -102,6 +89,20 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=_run)
 
 
+# ``ubep sim calibrate``'s on/off options
+_CALIBRATE_SWITCHES = (
+    ("--dry-run", "fit into a temporary copy; leave calib.json as it is"),
+    ("--no-loo", "skip the leave-one-out refits"),
+    ("--quick-loo", "leave-one-out as Gauss-Newton steps on the full fit's Jacobian instead of "
+                    "a full refit per point (about a minute instead of ~10)"),
+    ("--cold-loo", "start each leave-one-out refit from the first-principles values, as the "
+                   "fit itself starts, not from the full fit"),
+    ("--warm", "start from the fit stored in calib.json, not from the first-principles values"),
+    ("--refit-baseline", "first rerun the baseline fit of every family's fabric constants from "
+                         "their starting values (minutes)"),
+)
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--family", choices=FAMILIES, default="cm384",
                    help="fabric preset (nvl576 is an extrapolation)")
@@ -115,6 +116,9 @@ def _trace_option(p: argparse.ArgumentParser) -> None:
 
 
 _TRACE_CALLS = 8  # calls a --trace file keeps: an experiment times hundreds
+# a kept call of more units keeps one send and one receive span per core: a span and a flow per
+# row of the larger calls (EP64 at 128 tokens, top-8, and up) would make a file of gigabytes
+_TRACE_UNITS = 1 << 15
 
 
 def _traced(args: argparse.Namespace, run: Any) -> Any:
@@ -130,8 +134,13 @@ def _traced(args: argparse.Namespace, run: Any) -> Any:
     for label, res in calls:
         if label not in first and len(first) < _TRACE_CALLS:
             first[label] = res
-    path = write([from_sim(res, label) for label, res in first.items()], args.trace)
-    print(f"wrote {path}: {len(first)} of the {len(calls)} calls timed (the first of each system)")
+    small = {label: res.unit_end_ns.size <= _TRACE_UNITS for label, res in first.items()}
+    path = write([from_sim(res, label, units=small[label]) for label, res in first.items()],
+                 args.trace)
+    large = len(small) - sum(small.values())
+    print(f"wrote {path}: {len(first)} of the {len(calls)} calls timed (the first of each system)"
+          + (f"; {large} of over {_TRACE_UNITS} units with a send and a receive span per core"
+             if large else ""))
     return out
 
 

@@ -450,5 +450,5 @@ class _EventRun:
             consume_work_ns=consume_work, core_ack_end_ns=self.core_ack_end,
             core_rtt_ns=self.core_rtt,
             core_rx_wait_ns=core_rx_wait_ns(s, self.topo, self.unit_land, self.unit_depart),
-            cores_per_rank=s.cores_per_rank,
+            cores_per_rank=s.cores_per_rank, spec=s,
         )

@@ -13,7 +13,7 @@ from .experiments import ExperimentResult
 from .m2n import draw as m2n_draw
 from .syncs import SYNC_MODES
 
-__all__ = ["plot"]
+__all__ = ["plot", "save"]
 
 TASK_COLORS = {"init": "#bbbbbb", "send": "#1f77b4", "barrier": "#d62728", "flag": "#ff7f0e",
                "verify": "#9467bd", "count": "#8c564b", "cumsum": "#e377c2",
@@ -41,9 +41,14 @@ def plot(result: ExperimentResult, path: str | Path) -> Path:
     fig = drawers[result.name](plt, result)
     fig.suptitle(result.title, fontsize=10)
     fig.tight_layout(rect=(0, 0.05, 1, 1) if result.name == "fig8" else (0, 0, 1, 1))
+    return save(plt, fig, path, dpi=80)
+
+
+def save(plt: Any, fig: Any, path: str | Path, *, dpi: int) -> Path:
+    """Write ``fig`` (laid out) to ``path`` (PNG, its folder made), close it; the path."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=80)
+    fig.savefig(out, dpi=dpi)
     plt.close(fig)
     return out
 
@@ -169,19 +174,31 @@ def _fig9(plt: Any, r: ExperimentResult) -> Any:
 
 
 def _fig10(plt: Any, r: ExperimentResult) -> Any:
-    ranks = sorted(set(_col(r, "ranks")))
-    fig, axes = plt.subplots(1, len(ranks), figsize=(3.3 * len(ranks), 3.3), sharey=True)
-    for ax, n in zip(np.atleast_1d(axes), ranks, strict=True):
+    def draw(ax: Any, n: int) -> None:
         for sync, color in SYNC_COLORS.items():
             pts = [row for row in r.rows if row[0] == n and row[2] == sync]
             ax.plot([p[1] for p in pts], [p[3] for p in pts], "o-", color=color,
                     label=sync.upper(), ms=3)
             ax.fill_between([p[1] for p in pts], [p[4] for p in pts], [p[5] for p in pts],
                             color=color, alpha=0.2)
-        ax.set_xscale("log")
-        ax.set_xlabel("data size (bytes per message)")
+
+    return _rank_panels(plt, r, draw, base=10, sharey=True,
+                        xlabel="data size (bytes per message)",
+                        ylabel="transfer + sync latency (us)")
+
+
+def _rank_panels(plt: Any, r: ExperimentResult, draw: Any, *, base: int, sharey: bool,
+                 xlabel: str, ylabel: str) -> Any:
+    """One panel per rank count (column ``ranks``), ``draw(ax, ranks)`` filling each, on a
+    log x axis; the first panel carries the y label and the legend."""
+    ranks = sorted(set(_col(r, "ranks")))
+    fig, axes = plt.subplots(1, len(ranks), figsize=(3.3 * len(ranks), 3.3), sharey=sharey)
+    for ax, n in zip(np.atleast_1d(axes), ranks, strict=True):
+        draw(ax, n)
+        ax.set_xscale("log", base=base)
+        ax.set_xlabel(xlabel)
         ax.set_title(f"{n} ranks", fontsize=8)
-    np.atleast_1d(axes)[0].set_ylabel("transfer + sync latency (us)")
+    np.atleast_1d(axes)[0].set_ylabel(ylabel)
     np.atleast_1d(axes)[0].legend(fontsize=7)
     return fig
 
@@ -203,23 +220,17 @@ def _topk(plt: Any, r: ExperimentResult) -> Any:
 
 
 def _partition(plt: Any, r: ExperimentResult) -> Any:
-    ranks = sorted(set(_col(r, "ranks")))
-    fig, axes = plt.subplots(1, len(ranks), figsize=(3.3 * len(ranks), 3.3))
-    for ax, n in zip(np.atleast_1d(axes), ranks, strict=True):
+    def draw(ax: Any, n: int) -> None:
         for batch in sorted({row[1] for row in r.rows if row[0] == n}):
             pts = [row for row in r.rows if row[0] == n and row[1] == batch]
-            line = ax.plot([p[2] for p in pts], [p[4] for p in pts], "o-", ms=3,
-                           label=f"batch {batch}")
+            ax.plot([p[2] for p in pts], [p[4] for p in pts], "o-", ms=3, label=f"batch {batch}")
             for p in pts:
                 if p[5]:
                     ax.plot(p[2], p[4], "k*", ms=9)
-            del line
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("count cores (* = Appendix A pick)")
-        ax.set_title(f"{n} ranks", fontsize=8)
-    np.atleast_1d(axes)[0].set_ylabel("extra latency over the best size (us)")
-    np.atleast_1d(axes)[0].legend(fontsize=7)
-    return fig
+
+    return _rank_panels(plt, r, draw, base=2, sharey=False,
+                        xlabel="count cores (* = Appendix A pick)",
+                        ylabel="extra latency over the best size (us)")
 
 
 def _tpot(plt: Any, r: ExperimentResult) -> Any:

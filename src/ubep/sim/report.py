@@ -106,7 +106,7 @@ def _ok(residual: float | None) -> str:
 
 def plot_training(path: Path) -> Path:
     """Predicted against paper value of every training point (fit and leave-one-out)."""
-    from .plots import _pyplot
+    from .plots import _pyplot, save
 
     fit = load_calibration()["fabrics"]["cm384"].get("fit") or {"training": []}
     plt = _pyplot()
@@ -126,11 +126,7 @@ def plot_training(path: Path) -> Path:
     ax.set_ylabel("model (o: fit, x: leave-one-out)")
     ax.set_title("UBEP training set: predicted against paper", fontsize=9)
     fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
-    return out
+    return save(plt, fig, path, dpi=90)
 
 
 def _provenance_md(result: ExperimentResult, family: str) -> list[str]:

@@ -138,6 +138,9 @@ class OpSpec:
     poll_cores)``.
 
     Items (``[I]``): ``item_rank, item_core`` (static consumer core), ``item_cost_ns``.
+
+    ``row_bytes``: a row's payload (``hidden * itemsize``; the wire bytes above add blocks'
+    flags and metadata), what a traced span's ``size_bytes`` counts.
     """
 
     op: str
@@ -167,6 +170,7 @@ class OpSpec:
     item_rank: np.ndarray
     item_core: np.ndarray
     item_cost_ns: np.ndarray
+    row_bytes: int = 0
 
     @property
     def num_units(self) -> int:
@@ -312,6 +316,7 @@ def build_spec(
         chunk_core=chunk_core, chunk_dst=chunk_dst, chunk_offset_ns=chunk_offset,
         poll_first=poll_first, poll_cores=poll_cores, cumsum_ns=cumsum_ns,
         item_rank=item_rank, item_core=item_core, item_cost_ns=item_cost,
+        row_bytes=int(row_bytes),
     )
 
 

@@ -3,15 +3,25 @@
 Both executors return a :class:`SimResult`. The timeline is stored column-wise (one row per
 (rank, core, task occurrence)) because an EP256 x 48-core run has tens of thousands of rows;
 :meth:`TaskTimeline.spans` turns a slice of it into :class:`TaskSpan` objects for reading.
+
+The executors' timeline holds one ``send`` and one ``consume`` span per core, which is what the
+figures read. :meth:`SimResult.unit_timeline` cuts those spans into the units a core sent and
+the rows it consumed, each naming its Plan unit, peer rank, rows and payload bytes as the
+runtime's spans do (``ubep.trace``); it is built only when asked, off the executors' hot path.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import InvalidArgumentError
+from .order import lex_order
+
+if TYPE_CHECKING:
+    from .spec import OpSpec
 
 __all__ = ["SYNC_TASKS", "TASKS", "SimResult", "TaskSpan", "TaskTimeline"]
 
@@ -26,7 +36,7 @@ SYNC_TASKS = ("barrier", "flag", "verify")
 
 @dataclass(frozen=True)
 class TaskSpan:
-    """One task occurrence on one core."""
+    """One task occurrence on one core (what it moved: :meth:`SimResult.unit_timeline`)."""
 
     rank: int
     core: int
@@ -41,23 +51,33 @@ class TaskSpan:
 
 @dataclass(frozen=True)
 class TaskTimeline:
-    """Column store of task spans: ``rank, core, task`` (index into :data:`TASKS`), times."""
+    """Column store of task spans: ``rank, core, task`` (index into :data:`TASKS`), times, and
+    what a span moved: ``unit`` (a send's index in its rank's Plan, BSP the first of a run of
+    units; a consumed row's unit in its sender's Plan; else -1), ``peer`` (a send's
+    destination, a consumed row's source; else -1), ``rows`` and payload ``size_bytes`` (0 for
+    the tasks that move no rows, and for the executors' per-core spans, which leave the
+    detail to :meth:`SimResult.unit_timeline`)."""
 
     rank: np.ndarray
     core: np.ndarray
     task: np.ndarray
     start_ns: np.ndarray
     end_ns: np.ndarray
+    unit: np.ndarray
+    peer: np.ndarray
+    rows: np.ndarray
+    size_bytes: np.ndarray
 
     @staticmethod
     def build(
         parts: list[tuple[str, np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
     ) -> TaskTimeline:
-        """From ``(task, rank, core, start, end)`` array groups, sorted by (rank, core, start)."""
+        """From ``(task, rank, core, start, end)`` array groups, sorted by (rank, core, start);
+        no span names a unit, peer or rows."""
         if not parts:
             empty = np.zeros(0)
             return TaskTimeline(empty.astype(np.int32), empty.astype(np.int32),
-                                empty.astype(np.int8), empty, empty)
+                                empty.astype(np.int8), empty, empty, *_no_detail(0))
         rank = np.concatenate([np.asarray(p[1], dtype=np.int32) for p in parts])
         core = np.concatenate([np.asarray(p[2], dtype=np.int32) for p in parts])
         task = np.concatenate(
@@ -66,7 +86,8 @@ class TaskTimeline:
         start = np.concatenate([np.asarray(p[3], dtype=np.float64) for p in parts])
         end = np.concatenate([np.asarray(p[4], dtype=np.float64) for p in parts])
         order = np.lexsort((task, start, core, rank))
-        return TaskTimeline(rank[order], core[order], task[order], start[order], end[order])
+        return TaskTimeline(rank[order], core[order], task[order], start[order], end[order],
+                            *_no_detail(rank.size))
 
     def __len__(self) -> int:
         return int(self.rank.size)
@@ -125,6 +146,8 @@ class SimResult:
             for items to become ready that consume spans include).
         cores_per_rank: the AIVs of a rank (0: unknown, the cores that appear in the
             timeline); the per-AIV views count every one of them.
+        spec: the :class:`~ubep.sim.spec.OpSpec` that was timed (which unit went where),
+            read by :meth:`unit_timeline`; ``None`` for a result built without one.
     """
 
     op: str
@@ -145,6 +168,7 @@ class SimResult:
     core_rtt_ns: np.ndarray
     core_rx_wait_ns: np.ndarray
     cores_per_rank: int = 0
+    spec: OpSpec | None = None
 
     @property
     def slowest_rank(self) -> int:
@@ -175,6 +199,25 @@ class SimResult:
             raise InvalidArgumentError("until", until,
                                        "must be 'issue', 'land', 'ack', 'rtt' or 'sent'")
         return np.where(end > 0, end - start, 0.0)
+
+    def unit_timeline(self) -> TaskTimeline:
+        """:attr:`timeline` with each core's ``send`` span cut into what the core sent and each
+        ``consume`` span into what it consumed, every piece naming its unit, peer, rows and
+        payload bytes (the runtime's spans, ``ubep.trace``); the other spans as they are.
+
+        Sends: ASP one span per unit (one row) in the core's issue order, ``unit`` its index in
+        the sending rank's Plan; BSP one span per run of consecutive units to one destination
+        (``unit`` the run's first, ``rows`` its length), as a runtime BSP core records its share
+        of a destination. Consumes: a dispatch one span per row (``unit`` and ``peer``: its
+        sender's Plan unit and rank), a combine one per token reduced (``rows``: the expert
+        outputs summed). Each piece runs from the end of the one before it on its core (the
+        first from the per-core span's start), so waits fold into the piece that follows them,
+        as on the runtime's cores, and the pieces tile the per-core span. Built on each call
+        (not on the executors' path); a result without its :attr:`spec` returns the timeline.
+        """
+        if self.spec is None:
+            return self.timeline
+        return _unit_timeline(self.timeline, self.spec, self.unit_end_ns, self.item_end_ns)
 
     def task_span_ns(self, rank: int | None = None) -> dict[str, float]:
         """Per task: wall time from its first start to its last end on ``rank`` (default: the
@@ -223,3 +266,109 @@ class SimResult:
         work += float(self.consume_work_ns[r])
         total = self.aiv_sum_ns(r)
         return work, total - work
+
+
+_SEND, _CONSUME = TASKS.index("send"), TASKS.index("consume")
+_FIELDS = ("rank", "core", "task", "start_ns", "end_ns", "unit", "peer", "rows", "size_bytes")
+_Columns = tuple[np.ndarray, ...]  # TaskTimeline's columns, in _FIELDS order
+
+
+def _no_detail(size: int) -> _Columns:
+    """The ``unit, peer, rows, size_bytes`` columns of spans that name none."""
+    return (np.full(size, -1, dtype=np.int64), np.full(size, -1, dtype=np.int32),
+            np.zeros(size, dtype=np.int64), np.zeros(size, dtype=np.int64))
+
+
+def _unit_timeline(tl: TaskTimeline, spec: OpSpec, unit_end: np.ndarray,
+                   item_end: np.ndarray) -> TaskTimeline:
+    """:meth:`SimResult.unit_timeline`."""
+    keep = (tl.task != _SEND) & (tl.task != _CONSUME)
+    whole = tuple(getattr(tl, f)[keep] for f in _FIELDS)
+    parts = [whole, _sends(tl, spec, unit_end), _consumes(tl, spec, item_end)]
+    cols = [np.concatenate([p[i] for p in parts]) for i in range(len(_FIELDS))]
+    rank, core, task, start = cols[:4]
+    order = np.lexsort((task, start, core, rank))
+    return TaskTimeline(*(c[order] for c in cols))
+
+
+def _cell_times(tl: TaskTimeline, task: int, cells: int, width: int) -> np.ndarray:
+    """``[cells]`` start of each core's span of ``task`` (cell ``rank * width + core``)."""
+    out = np.zeros(cells)
+    m = tl.task == task
+    out[tl.rank[m].astype(np.int64) * width + tl.core[m]] = tl.start_ns[m]
+    return out
+
+
+def _back_to_back(ends: np.ndarray, first: np.ndarray,
+                  first_start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(start, end)`` of pieces that follow one another on their core (``ends`` in the
+    core's order, ``first`` marks each core's first piece, which starts at ``first_start``):
+    each starts where the one before it ended; an end that float rounding put before its
+    start moves up to it, so no piece runs backwards."""
+    end = ends.astype(np.float64, copy=True)
+    while True:
+        start = np.where(first, first_start, np.concatenate(([0.0], end[:-1])))
+        behind = end < start
+        if not behind.any():
+            return start, end
+        end[behind] = start[behind]
+
+
+def _plan_unit(spec: OpSpec, units: np.ndarray) -> np.ndarray:
+    """Each spec unit's index in its sending rank's Plan (a rank's units are contiguous)."""
+    first_of_rank = spec.core_ptr[spec.unit_src[units] * spec.num_send_cores]
+    return units - first_of_rank
+
+
+def _sends(tl: TaskTimeline, spec: OpSpec, unit_end: np.ndarray) -> _Columns:
+    n_s, size = spec.num_send_cores, spec.num_units
+    if size == 0:
+        return _empty()
+    cell = spec.unit_src * n_s + spec.unit_core
+    first = np.zeros(size, dtype=bool)
+    first[spec.core_ptr[:-1][spec.core_ptr[:-1] < size]] = True
+    start, end = _back_to_back(unit_end, first,
+                               _cell_times(tl, _SEND, spec.num_ranks * n_s, n_s)[cell])
+    # a piece: one unit (ASP), or a run of units to one destination (BSP)
+    piece = first.copy()
+    if spec.engine == "bsp":
+        piece[1:] |= spec.unit_dst[1:] != spec.unit_dst[:-1]
+    else:
+        piece[:] = True
+    heads = np.flatnonzero(piece)
+    tails = np.append(heads[1:], size) - 1
+    rows = tails - heads + 1
+    return (spec.unit_src[heads].astype(np.int32), spec.unit_core[heads].astype(np.int32),
+            np.full(heads.size, _SEND, dtype=np.int8), start[heads], end[tails],
+            _plan_unit(spec, heads), spec.unit_dst[heads].astype(np.int32),
+            rows.astype(np.int64), rows * spec.row_bytes)
+
+
+def _consumes(tl: TaskTimeline, spec: OpSpec, item_end: np.ndarray) -> _Columns:
+    size, n = spec.num_items, spec.cores_per_rank
+    if size == 0:
+        return _empty()
+    cell = spec.item_rank * n + spec.item_core
+    order = lex_order((np.arange(size), item_end, cell))  # each core's items as it took them
+    cell_o = cell[order]
+    first = np.concatenate(([True], cell_o[1:] != cell_o[:-1]))
+    start, end = _back_to_back(item_end[order], first,
+                               _cell_times(tl, _CONSUME, spec.num_ranks * n, n)[cell_o])
+    if spec.op == "dispatch":  # one row an item: name its unit and sender
+        unit_of = np.empty(size, dtype=np.int64)
+        unit_of[spec.unit_item] = np.arange(spec.num_units)
+        units = unit_of[order]
+        unit, peer = _plan_unit(spec, units), spec.unit_src[units].astype(np.int32)
+        rows = np.ones(size, dtype=np.int64)
+    else:  # a token's reduction over rows from several senders
+        unit, peer = np.full(size, -1, dtype=np.int64), np.full(size, -1, dtype=np.int32)
+        rows = np.bincount(spec.unit_item, minlength=size)[order].astype(np.int64)
+    return (spec.item_rank[order].astype(np.int32), spec.item_core[order].astype(np.int32),
+            np.full(size, _CONSUME, dtype=np.int8), start, end, unit, peer, rows,
+            rows * spec.row_bytes)
+
+
+def _empty() -> _Columns:
+    none = np.zeros(0)
+    return (none.astype(np.int32), none.astype(np.int32), none.astype(np.int8), none, none,
+            *_no_detail(0))

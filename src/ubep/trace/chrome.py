@@ -3,13 +3,14 @@
 One process per (trace, rank), one thread per core and a thread ``calls`` for the calls that
 enclose the tasks; every task a complete event (``ph: "X"``, microseconds) carrying the span's
 fields in ``args``; a flow (``ph: "s"`` -> ``"f"``) from each send to the ``wait`` or
-``reorder`` span on the peer that consumed the same unit, where the trace has one. A written
+``reorder`` span on the peer that consumed it, where the trace has one. A written
 file loads back into :class:`~ubep.trace.spans.Trace` objects, and files of several ranks merge
 into one.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -130,17 +131,35 @@ def _task_event(trace: Trace, s: Span, base: int) -> dict[str, Any]:
 
 
 def _flows(trace: Trace, base: int, flow_base: int) -> list[dict[str, Any]]:
-    """A flow from each send of ``unit`` to ``peer`` into the first receiving span on ``peer``
-    that names the same unit and this rank as its peer."""
-    receivers: dict[tuple[int, int, int], Span] = {}
-    for s in trace.spans:
-        if s.task in _RECEIVERS and s.unit >= 0 and s.peer >= 0:
-            receivers.setdefault((s.rank, s.peer, s.unit), s)
+    """A flow from each send to the receiving span on its peer that consumed it: the first
+    that names the send's unit and this rank as its peer (the simulator's receives name the
+    row's unit); where the peer's receives name no unit (the runtime's take a source's rows at
+    once), the first that names this rank and received rows within the peer's call of the
+    same name and order (a rank's k-th dispatch feeds its peers' k-th), or, outside any call,
+    the first that ends after the send starts."""
+    named: dict[tuple[int, int, int], Span] = {}
+    unnamed: dict[tuple[int, int], list[Span]] = {}
+    for s in sorted(trace.spans, key=lambda s: s.start_ns):
+        if s.task in _RECEIVERS and s.peer >= 0:
+            if s.unit >= 0:
+                named.setdefault((s.rank, s.peer, s.unit), s)
+            elif s.rows > 0:  # a sender's wait for its peer's readiness moves no rows
+                unnamed.setdefault((s.rank, s.peer), []).append(s)
+    calls = _CallOrder(trace.calls)
+    in_call: dict[tuple[int, int, tuple[str, int] | None], Span] = {}
+    for (rank, peer), spans in unnamed.items():
+        for s in spans:
+            in_call.setdefault((rank, peer, calls.of(rank, s.start_ns)), s)
     events: list[dict[str, Any]] = []
     for n, s in enumerate(trace.spans):
-        if s.task != "send" or s.unit < 0 or s.peer < 0:
+        if s.task != "send" or s.peer < 0:
             continue
-        recv = receivers.get((s.peer, s.rank, s.unit))
+        recv = named.get((s.peer, s.rank, s.unit)) if s.unit >= 0 else None
+        if recv is None:
+            call = calls.of(s.rank, s.start_ns)
+            recv = (in_call.get((s.peer, s.rank, call)) if call is not None else
+                    next((q for q in unnamed.get((s.peer, s.rank), ())
+                          if q.end_ns >= s.start_ns), None))
         if recv is None:
             continue
         fid = flow_base + n
@@ -150,3 +169,27 @@ def _flows(trace: Trace, base: int, flow_base: int) -> list[dict[str, Any]]:
                        "pid": base + recv.rank, "tid": recv.core + 1,
                        "ts": _us(max(recv.start_ns, s.start_ns))})
     return events
+
+
+class _CallOrder:
+    """Which call of its rank a time falls in: ``(name, k)`` for the rank's k-th call of that
+    name (in start order), None outside every call."""
+
+    def __init__(self, calls: Sequence[CallSpan]) -> None:
+        self._calls: dict[int, list[tuple[float, float, str, int]]] = {}
+        seen: dict[tuple[int, str], int] = {}
+        for c in sorted(calls, key=lambda c: c.start_ns):
+            k = seen.get((c.rank, c.name), 0)
+            seen[(c.rank, c.name)] = k + 1
+            self._calls.setdefault(c.rank, []).append((c.start_ns, c.end_ns, c.name, k))
+        self._starts = {r: [c[0] for c in cs] for r, cs in self._calls.items()}
+
+    def of(self, rank: int, t: float) -> tuple[str, int] | None:
+        starts = self._starts.get(rank)
+        if not starts:
+            return None
+        i = bisect.bisect_right(starts, t) - 1
+        if i < 0:
+            return None
+        _, end, name, k = self._calls[rank][i]
+        return (name, k) if t <= end else None

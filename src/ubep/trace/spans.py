@@ -27,7 +27,8 @@ __all__ = ["TASK_KINDS", "CallSpan", "Span", "Trace", "from_sim"]
 TASK_KINDS = ("init", "count", "cumsum", "verify", "send", "wait", "flag", "barrier", "reorder",
               "reduce", "route", "checksum", "quant", "copy")
 
-# the simulator's task names (ubep.sim.timeline.TASKS) in this schema's kinds
+# the simulator's task names (ubep.sim.timeline.TASKS) in this schema's kinds; its "consume" is
+# a dispatch's reorder and a combine's reduce
 _SIM_KIND = {"consume": "reorder", "init": "init", "send": "send", "barrier": "barrier",
              "flag": "flag", "verify": "verify", "count": "count", "cumsum": "cumsum",
              "route": "route", "checksum": "checksum"}
@@ -116,18 +117,27 @@ class Trace:
         return dict(out)
 
 
-def from_sim(result: Any, label: str) -> Trace:
+def from_sim(result: Any, label: str, *, units: bool = True) -> Trace:
     """The simulator's timeline of one call (a :class:`ubep.sim.timeline.SimResult`) in this
-    schema; its call span on each rank runs from 0 to the rank's end."""
+    schema: its :meth:`~ubep.sim.timeline.SimResult.unit_timeline`, whose sends name their Plan
+    unit, destination, rows and bytes and whose receives the unit and source of the row they
+    consumed (so exported flows join them); ``units=False``: its per-core timeline (one send
+    and one receive span per core, naming none: a span per row of a large call is too many).
+    Its call span on each rank runs from 0 to the rank's end."""
     from ..sim.timeline import TASKS
 
-    tl = result.timeline
-    spans = tuple(
-        Span(int(tl.rank[i]), int(tl.core[i]), _SIM_KIND[TASKS[int(tl.task[i])]],
-             float(tl.start_ns[i]), float(tl.end_ns[i]))
-        for i in range(len(tl))
-    )
     name = str(getattr(result, "op", "call"))
+    kinds = [_SIM_KIND[t] for t in TASKS]
+    if name == "combine":
+        kinds[TASKS.index("consume")] = "reduce"
+    tl = result.unit_timeline() if units else result.timeline
+    spans = tuple(
+        Span(rank, core, kinds[task], start, end, unit, peer, rows, size)
+        for rank, core, task, start, end, unit, peer, rows, size in zip(
+            tl.rank.tolist(), tl.core.tolist(), tl.task.tolist(), tl.start_ns.tolist(),
+            tl.end_ns.tolist(), tl.unit.tolist(), tl.peer.tolist(), tl.rows.tolist(),
+            tl.size_bytes.tolist(), strict=True)
+    )
     calls = tuple(CallSpan(r, name, 0.0, float(end))
                   for r, end in enumerate(getattr(result, "rank_end_ns", [])))
     return Trace("sim", label, spans, calls)
