@@ -145,6 +145,9 @@ def test_fit_recovers_constants_in_log_space_and_reports_bounds() -> None:
     assert res.residuals["hot"] == pytest.approx(np.log(2.0) / np.log(1.1), rel=1e-3)
     fab = apply_assumed(base, res.values)
     assert fab.count_expert_ns == pytest.approx(c0 / clock, rel=1e-3)
+    # The finite differences' columns on two forked processes: the same fit, to the bit.
+    assert fit(base, pts, max_nfev=200, tol=1e-12, baseline=False, workers=2).values == \
+        res.values
 
 
 def test_leave_one_out_predicts_each_point_from_the_others() -> None:
