@@ -96,6 +96,25 @@ def test_aux_cores_scale_with_ranks_and_leave_the_partition() -> None:
     assert n_s is not None and n_c is not None and n_s + n_c == 48 - 3
 
 
+def test_the_fence_share_is_derived_from_table_2() -> None:
+    # A fence waits for the part of the store's path inside the NPU: intra-NPU over one-hop
+    # access, 218 / 929, of every hop's round trip; no longer a fitted constant.
+    from ubep.sim.presets import load_fabric
+
+    f, topo = load_fabric("cm384"), cm384(64)
+    assert topo.latency_ns[:2] == (218.0, 929.0)
+    assert f.fence_rtt_fraction == pytest.approx(218 / 929)
+    assert "fence_rtt_fraction" not in ASSUMED
+    # ASP SW, one 10 B message one hop away: the core stalls 218 / 929 x (2 x 929 + 10 / B).
+    plans = [plan(0, [(0, 0, 1, 0)], n_send=1, n_count=1, topo=cm384(2)),
+             plan(1, [], n_send=1, n_count=1, topo=cm384(2))]
+    spec = build_spec(plans, cm384(2), f.with_values(store_window=0.0, sw_meet=0,
+                                                     metadata_ratio=0.0),
+                      engine="asp", sync="sw", row_bytes=10)
+    bw = cm384(2).bandwidth_gbps[1]
+    assert spec.unit_stall_ns[0] == pytest.approx(218 / 929 * (2 * 929 + 10 / bw))
+
+
 def test_fabric_rejects_a_fence_longer_than_the_round_trip() -> None:
     with pytest.raises(InvalidArgumentError) as exc:
         fabric(fence_rtt_fraction=1.5)
@@ -115,18 +134,20 @@ def test_fit_recovers_constants_in_log_space_and_reports_bounds() -> None:
     clock, c0 = 1.2, 40.0
     pts = [_point("vec", (c0 + 1) / clock, "vector_op_ns"),
            _point("pick", 4 / 256 / clock, "count_pick_ns"),
-           _point("fence", 0.1, "fence_rtt_fraction")]
+           _point("hot", 0.05, "hot_share")]
     res = fit(base, pts, max_nfev=200, tol=1e-12, baseline=False)
     assert res.values["vector_instr_cycles"] == pytest.approx(c0, rel=1e-3)
     assert res.values["aiv_clock_ghz"] == pytest.approx(clock, rel=1e-3)
-    assert res.values["fence_rtt_fraction"] == pytest.approx(ASSUMED["fence_rtt_fraction"]
-                                                             ["range"][0])
-    assert res.at_bound == {"fence_rtt_fraction": "lower"}
+    assert res.values["hot_share"] == pytest.approx(ASSUMED["hot_share"]["range"][0])
+    assert res.at_bound == {"hot_share": "lower"}
     assert abs(res.residuals["vec"]) < 1e-3
-    # log(0.25 / 0.1) / log(1.1): the bound's residual, in tolerances
-    assert res.residuals["fence"] == pytest.approx(np.log(2.5) / np.log(1.1), rel=1e-3)
+    # log(0.1 / 0.05) / log(1.1): the bound's residual, in tolerances
+    assert res.residuals["hot"] == pytest.approx(np.log(2.0) / np.log(1.1), rel=1e-3)
     fab = apply_assumed(base, res.values)
     assert fab.count_expert_ns == pytest.approx(c0 / clock, rel=1e-3)
+    # The finite differences' columns on two forked processes: the same fit, to the bit.
+    assert fit(base, pts, max_nfev=200, tol=1e-12, baseline=False, workers=2).values == \
+        res.values
 
 
 def test_leave_one_out_predicts_each_point_from_the_others() -> None:
@@ -134,13 +155,15 @@ def test_leave_one_out_predicts_each_point_from_the_others() -> None:
     # Two points fix the same constant: without one, the other still predicts it exactly;
     # the third point alone fixes the clock, so without it the clock stays where it was.
     pts = [_point("a", 30.0, "count_expert_ns"), _point("b", 30.0, "count_expert_ns"),
-           _point("fence", 0.5, "fence_rtt_fraction")]
+           _point("hot", 0.3, "hot_share")]
     full = fit(base, pts, max_nfev=200, tol=1e-12, baseline=False)
     rows = leave_one_out(base, full, pts, max_nfev=200)
-    assert [r["name"] for r in rows] == ["a", "b", "fence"]
+    assert [r["name"] for r in rows] == ["a", "b", "hot"]
     assert rows[0]["predicted"] == pytest.approx(30.0, rel=1e-3)
     assert rows[1]["predicted"] == pytest.approx(30.0, rel=1e-3)
-    assert rows[2]["values"]["fence_rtt_fraction"] == pytest.approx(0.5, rel=1e-2)
+    assert rows[2]["values"]["hot_share"] == pytest.approx(0.3, rel=1e-2)
+    # The refits run on two forked processes: the same rows as in this process.
+    assert leave_one_out(base, full, pts, max_nfev=200, workers=2) == rows
     with pytest.raises(InvalidArgumentError):
         fit(base, [], baseline=False)
 
@@ -186,12 +209,12 @@ def test_variants_use_the_fit_or_the_first_principles() -> None:
     fit_entry = load_calibration()["fabrics"]["cm384"]["fit"]
     fitted = fabric_variants("cm384")
     v = fit_entry["values"]
-    assert fitted["nominal"].fence_rtt_fraction == pytest.approx(v["fence_rtt_fraction"])
+    assert fitted["nominal"].hot_share == pytest.approx(v["hot_share"])
     assert fitted["nominal"].init_ns == pytest.approx(v["init_ns"])
     # The ends are the leave-one-out spread, in each constant's cost direction.
     spread = fit_entry["loo_spread"]
     assert fitted["high"].cumsum_group_sync_ns == pytest.approx(max(spread["cumsum_group_sync_ns"]))
-    assert fitted["low"].fence_rtt_fraction == pytest.approx(min(spread["fence_rtt_fraction"]))
+    assert fitted["low"].hot_share == pytest.approx(min(spread["hot_share"]))
     assert fitted["low"].vector_op_ns == pytest.approx(aiv_costs(
         max(spread["aiv_clock_ghz"]), min(spread["vector_instr_cycles"]))["vector_op_ns"])
     use_fit(False)
@@ -199,9 +222,9 @@ def test_variants_use_the_fit_or_the_first_principles() -> None:
         first = fabric_variants("cm384")
     finally:
         use_fit(True)
-    assert first["nominal"].fence_rtt_fraction == ASSUMED["fence_rtt_fraction"]["value"]
+    assert first["nominal"].hot_share == ASSUMED["hot_share"]["value"]
     assert first["nominal"].vector_op_ns == pytest.approx(aiv_costs(1.4, 24.0)["vector_op_ns"])
-    assert first["high"].fence_rtt_fraction == ASSUMED["fence_rtt_fraction"]["range"][1]
+    assert first["high"].hot_share == ASSUMED["hot_share"]["range"][1]
     assert first["low"].cumsum_group_sync_ns == ASSUMED["cumsum_group_sync_ns"]["range"][0]
 
 
@@ -415,18 +438,18 @@ def test_unstated_hot_share_comes_from_the_fabric() -> None:
 
 
 def test_a_baseline_row_stays_within_its_bound() -> None:
-    # Two closed-form points on the fence share: a training point wants 0.8, a baseline row
-    # 0.5, both with a 10 % tolerance. Unbounded least squares in log space meets them at the
+    # Two closed-form points on the hot share: a training point wants 0.6, a baseline row
+    # 0.375, both with a 10 % tolerance. Unbounded least squares in log space meets them at the
     # geometric mean, the row log(1.6) / log(1.1) / 2 = 2.47 tolerances off. As a bound row
     # it is a constraint: the objective beyond its bound rises BOUND_STIFFNESS times faster,
-    # which leaves the optimum near the bound (residual 1: 0.5 x 1.1 = 0.55). The slope
+    # which leaves the optimum near the bound (residual 1: 0.375 x 1.1). The slope
     # rises from 1 to BOUND_STIFFNESS over +-STIFF_BAND: the optimum is where the training
-    # point's pull, 1 per tolerance, meets the row's: log(0.8 / x) / log(1.1) = stiff * slope.
+    # point's pull, 1 per tolerance, meets the row's: log(0.6 / x) / log(1.1) = stiff * slope.
     from ubep.sim.fit import BOUND_STIFFNESS, STIFF_BAND, stiff, stiff_slope
 
     base = fabric()
-    want = _point("train", 0.8, "fence_rtt_fraction")
-    row = _point("row", 0.5, "fence_rtt_fraction")
+    want = _point("train", 0.6, "hot_share")
+    row = _point("row", 0.375, "hot_share")
     free = fit(base, [want, row], max_nfev=200, tol=1e-12, baseline=False)
     assert free.residuals["row"] == pytest.approx(np.log(1.6) / np.log(1.1) / 2, rel=1e-3)
     bound = TrainingPoint(row.name, row.source, row.shown, row.paper, row.tolerance,
@@ -434,7 +457,7 @@ def test_a_baseline_row_stays_within_its_bound() -> None:
     res = fit(base, [want, bound], max_nfev=200, tol=1e-12, baseline=False)
     r = res.residuals["row"]
     assert 1 - STIFF_BAND <= r <= 1 + STIFF_BAND
-    # stationarity of (r_train^2 + stiff(r)^2) / 2 along log(fence): r_train = r - 2.47 * 2
+    # stationarity of (r_train^2 + stiff(r)^2) / 2 along log(share): r_train = r - 2.47 * 2
     r_train = res.residuals["train"]
     assert r_train == pytest.approx(r - np.log(1.6) / np.log(1.1), abs=1e-6)
     assert r_train + stiff(r) * stiff_slope(r) == pytest.approx(0.0, abs=1e-4)
@@ -452,39 +475,39 @@ def _curved(name: str, target: float, key: str, offset: float) -> TrainingPoint:
 
 
 def test_leave_one_out_refit_converges_where_the_quick_steps_do_not() -> None:
-    # Two points on the fence share, f + 0.05 = 0.95 and f + 0.5 = 0.8: the full fit lies
+    # Two points on the hot share, f + 0.05 = 0.65 and f + 0.5 = 0.8: the full fit lies
     # between them. Without the first, the refit fits the second exactly (f = 0.3) and
-    # predicts the first as 0.3 + 0.05 = 0.35; without the second, f = 0.9 and the
-    # prediction is 0.9 + 0.5 = 1.4. One quick Gauss-Newton evaluation on the full fit's
+    # predicts the first as 0.3 + 0.05 = 0.35; without the second, f = 0.6 and the
+    # prediction is 0.6 + 0.5 = 1.1. One quick Gauss-Newton evaluation on the full fit's
     # Jacobian cannot get there (it never moves off the full fit).
     base = fabric()
-    pts = [_curved("a", 0.95, "fence_rtt_fraction", 0.05),
-           _curved("b", 0.8, "fence_rtt_fraction", 0.5)]
+    pts = [_curved("a", 0.65, "hot_share", 0.05),
+           _curved("b", 0.8, "hot_share", 0.5)]
     full = fit(base, pts, max_nfev=200, tol=1e-12, baseline=False)
-    assert 0.3 < full.values["fence_rtt_fraction"] < 0.9
+    assert 0.3 < full.values["hot_share"] < 0.6
     rows = leave_one_out(base, full, pts, max_nfev=200, tol=1e-12)
     assert [r["converged"] for r in rows] == [True, True]
-    assert rows[0]["values"]["fence_rtt_fraction"] == pytest.approx(0.3, rel=1e-4)
+    assert rows[0]["values"]["hot_share"] == pytest.approx(0.3, rel=1e-4)
     assert rows[0]["predicted"] == pytest.approx(0.35, rel=1e-4)
-    assert rows[1]["values"]["fence_rtt_fraction"] == pytest.approx(0.9, rel=1e-4)
-    assert rows[1]["predicted"] == pytest.approx(1.4, rel=1e-4)
+    assert rows[1]["values"]["hot_share"] == pytest.approx(0.6, rel=1e-4)
+    assert rows[1]["predicted"] == pytest.approx(1.1, rel=1e-4)
     quick = leave_one_out(base, full, pts, refit=False, max_nfev=1)
     assert quick[0]["predicted"] == pytest.approx(full.model["a"], rel=1e-9)
     assert quick[0]["converged"] is False
 
 
 def test_cold_leave_one_out_does_not_start_from_what_the_point_taught() -> None:
-    # "fence" alone sets the fence share (0.5); "vec" sets vector_op_ns. The full fit meets
-    # both, so without "fence" the others are stationary wherever the fence share lies: a
-    # warm refit keeps the full fit's 0.5 (it predicts the point it never saw exactly), a
-    # cold one keeps the first-principles value, 1.0, and predicts 1.0.
+    # "hot" alone sets the hot share (0.3); "vec" sets vector_op_ns. The full fit meets
+    # both, so without "hot" the others are stationary wherever the hot share lies: a
+    # warm refit keeps the full fit's 0.3 (it predicts the point it never saw exactly), a
+    # cold one keeps the first-principles value, 0.5, and predicts 0.5.
     base = fabric()
-    pts = [_point("fence", 0.5, "fence_rtt_fraction"), _point("vec", 30.0, "vector_op_ns")]
+    pts = [_point("hot", 0.3, "hot_share"), _point("vec", 30.0, "vector_op_ns")]
     full = fit(base, pts, max_nfev=200, tol=1e-12, baseline=False)
     warm = leave_one_out(base, full, pts, max_nfev=200, tol=1e-12)
     cold = leave_one_out(base, full, pts, max_nfev=200, tol=1e-12, cold=True)
-    assert warm[0]["predicted"] == pytest.approx(0.5, rel=1e-6)
-    first = ASSUMED["fence_rtt_fraction"]["value"]
+    assert warm[0]["predicted"] == pytest.approx(0.3, rel=1e-6)
+    first = ASSUMED["hot_share"]["value"]
     assert cold[0]["predicted"] == pytest.approx(first, rel=1e-6)
     assert cold[1]["predicted"] == pytest.approx(apply_assumed(base, {}).vector_op_ns, rel=1e-6)
 

@@ -1,8 +1,8 @@
 """UBEP's unknown costs: the constants of kind ``assumed`` and how they set the fabric.
 
 The AIV's vector costs follow from its width, clock and instruction latency
-(:func:`aiv_costs`); the clock, the instruction latency, the share of a round trip a
-stop-and-wait fence waits, CalCumSum's hand-off per count core, the stores a core keeps in
+(:func:`aiv_costs`); the clock, the instruction latency, CalCumSum's hand-off per count
+core, the stores a core keeps in
 flight and the hot experts' share of the picks in the paper's skewed set-ups (not a
 cost, a set-up unknown) are not measured by any row:
 each has a first-principles value and a documented plausible range (:data:`ASSUMED`), and
@@ -83,15 +83,8 @@ def aiv_costs(clock_ghz: float, instr_cycles: float) -> dict[str, float]:
     }
 
 
-
-_TWO_HOP = "CALIBRATION.md Table 2: two-hop latency 2500 ns"
 ASSUMED: dict[str, dict[str, Any]] = {
     **AIV_ASSUMPTIONS,
-    "fence_rtt_fraction": _assumed(
-        1.0, 0.25, 1.0,
-        "a stop-and-wait fence waits for the store's acknowledgement (1 round trip); "
-        "a fabric that reports completion at the first switch waits less (1/4: the "
-        "NPU-to-tier-1 leg of a two-hop round trip, " + _TWO_HOP + ")"),
     "cumsum_group_sync_ns": _assumed(
         654.0, 218.0, 5000.0,
         "one partial-sum hand-off between AIVs through HBM: a write, a flag and a "
@@ -122,7 +115,7 @@ BASELINE_FREE: dict[str, dict[str, Any]] = {
     "barrier_ns": {"range": [500.0, 40_000.0], "source": _BASE_SRC},
 }
 # Which way each constant makes a latency longer (+1: larger is costlier; -1: a faster clock).
-COST_SIGN = {"aiv_clock_ghz": -1, "vector_instr_cycles": 1, "fence_rtt_fraction": 1,
+COST_SIGN = {"aiv_clock_ghz": -1, "vector_instr_cycles": 1,
              "cumsum_group_sync_ns": 1, "store_window": -1, "hot_share": 1, "init_ns": 1,
              "issue_ns": 1, "latency_exposure": 1, "barrier_ns": 1}
 
@@ -136,7 +129,6 @@ def apply_assumed(base: FabricModel, values: dict[str, float]) -> FabricModel:
     if "issue_ns" in fixed:
         fixed["flag_ns"] = fixed["issue_ns"]
     return base.with_values(**aiv_costs(v["aiv_clock_ghz"], v["vector_instr_cycles"]),
-                            fence_rtt_fraction=v["fence_rtt_fraction"],
                             cumsum_group_sync_ns=v["cumsum_group_sync_ns"],
                             store_window=v["store_window"],
                             hot_share=v["hot_share"], **fixed)

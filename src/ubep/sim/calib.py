@@ -119,8 +119,10 @@ def fabric_variants(family: str = "cm384") -> dict[str, FabricModel]:
         return {"nominal": base, "low": base, "high": base}
     fitted = load_calibration()["fabrics"]["cm384"].get("fit") if fit_in_use() else None
     if fitted:
-        nominal = {k: float(v) for k, v in fitted["values"].items()}
-        ends = {k: (float(min(v)), float(max(v))) for k, v in fitted["loo_spread"].items()}
+        # (a constant the fit no longer moves, since derived, keeps its calib.json value)
+        nominal = {k: float(v) for k, v in fitted["values"].items() if k in COST_SIGN}
+        ends = {k: (float(min(v)), float(max(v))) for k, v in fitted["loo_spread"].items()
+                if k in COST_SIGN}
     else:
         nominal = {k: float(a["value"]) for k, a in ASSUMED.items()}
         ends = {k: (float(a["range"][0]), float(a["range"][1])) for k, a in ASSUMED.items()}
@@ -329,6 +331,22 @@ _AIV = aiv_costs(AIV_ASSUMPTIONS["aiv_clock_ghz"]["value"],
 _AIV_SRC = ("derived from the AIV (256 B vector, Hot Chips 2019 DaVinci) at the assumed clock "
             "and vector instruction latency (calib.json 'assumptions', ubep.sim.assumed.aiv_costs)")
 
+
+
+def _assumed(name: str, what: str = "") -> tuple[float, str, str]:
+    """The START row of an assumed constant: its first-principles value (the fit replaces it)."""
+    return (ASSUMED[name]["value"], "assumed", f"ubep.sim.assumed.ASSUMED: {what}fitted to the "
+            "UBEP training set by `ubep sim calibrate`")
+
+
+# A stop-and-wait fence waits until the store is complete as far as the NPU can tell: the part
+# of its path inside the NPU (Table 2: intra-NPU 218 ns of a one-hop access's 929 ns, 1 : 4.3),
+# the same share of every hop class's round trip.
+_FENCE = 218.0 / 929.0
+_FENCE_SRC = ("derived from Table 2 (CALIBRATION.md): a fence waits for the store's completion "
+              "inside the NPU, the intra-NPU access over the one-hop access (218 / 929 = 1 / "
+              "4.3), as a share of the store's round trip on every hop class")
+
 START: dict[str, dict[str, tuple[float, str, str]]] = {
     "cm384": {
         "init_ns": (30_000.0, "fitted", _FIT_CM),
@@ -352,24 +370,19 @@ START: dict[str, dict[str, tuple[float, str, str]]] = {
         "tff_flag_bytes": (32, "derived", "UBEP paper Section 3.4: 32 B flag + 480 B payload"),
         "count_pick_ns": (_AIV["count_pick_ns"], "derived", _AIV_SRC + ": 4 B per pick over a "
                           "256 B vector per cycle"),
-        "fence_rtt_fraction": (1.0, "assumed", "ubep.sim.assumed.ASSUMED: fitted to the UBEP "
-                               "training set by `ubep sim calibrate`"),
+        "fence_rtt_fraction": (_FENCE, "derived", _FENCE_SRC),
         "metadata_ratio": (0.132, "derived", "UBEP paper evaluation text (CALIBRATION.md): "
                            "UBEP's communication volume is 13.2 % above the baseline's"),
         "aux_cores_at_256": (12.0, "derived", "UBEP paper evaluation text (CALIBRATION.md): at "
                              "256 ranks 12 AIVs go to routing and checksum work"),
-        "cumsum_group_sync_ns": (654.0, "assumed", "ubep.sim.assumed.ASSUMED: fitted to the UBEP "
-                                 "training set by `ubep sim calibrate`"),
+        "cumsum_group_sync_ns": _assumed("cumsum_group_sync_ns"),
         "poll_lanes": (64, "derived", "one 256 B vector load of the AIV (Hot Chips 2019 DaVinci) "
                        "reads 64 int32 count / flag words that lie side by side"),
         "check_lanes": (8, "derived", "one 256 B vector (Hot Chips 2019 DaVinci) holds the 32 B "
                         "markers of 8 atomic blocks, gathered by one strided copy (UBEP paper "
                         "Section 3.4: a 32 B flag / marker per 512 B DataBlock)"),
-        "store_window": (8.0, "assumed", "ubep.sim.assumed.ASSUMED: fitted to the UBEP "
-                               "training set by `ubep sim calibrate`"),
-        "hot_share": (0.5, "assumed", "ubep.sim.assumed.ASSUMED: the skewed set-ups' unstated "
-                      "hot share, fitted to the UBEP training set (Figure 9) by `ubep sim "
-                      "calibrate`"),
+        "store_window": _assumed("store_window"),
+        "hot_share": _assumed("hot_share", "the skewed set-ups' unstated hot share (Figure 9), "),
         "sw_meet": (1, "derived", "UBEP paper evaluation text on Figure 10 (CALIBRATION.md): "
                     "Data-as-Flag gains by removing the stop-and-wait pattern and reducing "
                     "cross-AIV synchronisation, whose overhead grows with the rank count: CANN "

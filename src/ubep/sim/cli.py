@@ -54,6 +54,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--loo-max-nfev", type=int, default=None,
                    help="residual evaluations of each leave-one-out refit (default 12; "
                         "quick: 4)")
+    p.add_argument("--workers", type=int, default=2,
+                   help="processes that evaluate the finite differences and the leave-one-out "
+                        "refits (1: this process only)")
     p.add_argument("--max-nfev", type=int, default=12,
                    help="residual evaluations of the fit (default 12)")
     p.set_defaults(func=_calibrate)
@@ -191,7 +194,7 @@ def _calibrate(args: argparse.Namespace) -> int:
             calibrate(path=path, progress=lambda msg: print(msg, file=sys.stderr))
         fit_assumed(path, loo=not args.no_loo, max_nfev=args.max_nfev, warm=args.warm,
                     loo_refit=not args.quick_loo, loo_max_nfev=args.loo_max_nfev,
-                    loo_cold=args.cold_loo,
+                    loo_cold=args.cold_loo, workers=args.workers,
                     progress=lambda msg: print(msg, file=sys.stderr))
         print(fit_markdown(path))
         for family in families:

@@ -354,8 +354,7 @@ class _EventRun:
     # -- engines ---------------------------------------------------------------------------
     def bsp_core(self, r: int, j: int, barrier: list[Event], arrived: list[int],
                  ranks: range) -> ProcessGenerator:
-        yield self.env.timeout(self.fab.init_ns)
-        self.span("init", r, j, 0.0)
+        yield from self.init(r, j)
         if j < self.spec.num_send_cores:
             yield self.env.process(self.send_core(r, j))
         for phase in range(2):
@@ -366,16 +365,10 @@ class _EventRun:
             yield barrier[phase]
             self.span("barrier", r, j, t)
             if phase == 0:
-                t = self.env.now
-                yield self.env.process(self.write_words(r, j))
-                self.span("flag", r, j, t)
-                t = self.env.now
-                yield self.env.process(self.poll(r, j))
-                self.span("verify", r, j, t)
+                yield from self.timed("flag", r, j, self.env.process(self.write_words(r, j)))
+                yield from self.timed("verify", r, j, self.env.process(self.poll(r, j)))
         if self.spec.cumsum_ns > 0:
-            t = self.env.now
-            yield self.env.timeout(self.spec.cumsum_ns)
-            self.span("cumsum", r, j, t)
+            yield from self.timed("cumsum", r, j, self.env.timeout(self.spec.cumsum_ns))
         yield self.env.process(self.consume(r, j))
         self.rank_end[r] = max(self.rank_end[r], self.env.now)
 
@@ -387,31 +380,34 @@ class _EventRun:
         yield self.env.timeout(self.fab.syncall_ns(self.topo))
         barrier[phase].succeed()
 
+    def init(self, r: int, j: int) -> ProcessGenerator:
+        """Every core's Init phase, from the call's start (``yield from``: no extra event)."""
+        yield from self.timed("init", r, j, self.env.timeout(self.fab.init_ns))
+
+    def timed(self, task: str, r: int, j: int, until: Event) -> ProcessGenerator:
+        """Wait for ``until`` (a sub-process or a timeout started now) on core ``j`` of rank
+        ``r`` and record the wait as one ``task`` span (``yield from``: no extra event)."""
+        t = self.env.now
+        yield until
+        self.span(task, r, j, t)
+
     def asp_send(self, r: int, j: int) -> ProcessGenerator:
-        yield self.env.timeout(self.fab.init_ns)
-        self.span("init", r, j, 0.0)
+        yield from self.init(r, j)
         yield self.env.process(self.send_core(r, j))
         yield self.env.process(self.consume(r, j))
         self.rank_end[r] = max(self.rank_end[r], self.env.now)
 
     def asp_count(self, r: int, j: int, polled: list[Event]) -> ProcessGenerator:
-        yield self.env.timeout(self.fab.init_ns)
-        self.span("init", r, j, 0.0)
+        yield from self.init(r, j)
         if self.spec.chunk_core.size:
-            t = self.env.now
-            yield self.env.process(self.write_words(r, j))
-            self.span("count", r, j, t)
-            t = self.env.now
-            yield self.env.process(self.poll(r, j))
-            self.span("verify", r, j, t)
+            yield from self.timed("count", r, j, self.env.process(self.write_words(r, j)))
+            yield from self.timed("verify", r, j, self.env.process(self.poll(r, j)))
             polled[j - self.spec.num_send_cores].succeed()
             if j == self.spec.num_send_cores:  # count core 0 builds the prefix sums
                 for ev in polled:
                     if not ev.processed:
                         yield ev
-                t = self.env.now
-                yield self.env.timeout(self.spec.cumsum_ns)
-                self.span("cumsum", r, j, t)
+                yield from self.timed("cumsum", r, j, self.env.timeout(self.spec.cumsum_ns))
                 self.offsets_ready[r].succeed()
         yield self.env.process(self.consume(r, j))
         self.rank_end[r] = max(self.rank_end[r], self.env.now)

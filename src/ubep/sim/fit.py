@@ -2,8 +2,8 @@
 
 The fabric and the baseline (CANN EP) are calibrated on their own rows (:mod:`ubep.sim.calib`).
 What no row measures are the constants of kind ``assumed`` in :data:`ASSUMED`: the AIV's clock
-and vector instruction latency (they price every count, check and prefix sum of UBEP), the share
-of a round trip a stop-and-wait fence waits, and CalCumSum's hand-off per count core. Each has a
+and vector instruction latency (they price every count, check and prefix sum of UBEP),
+CalCumSum's hand-off per count core, the store window and the skewed set-ups' hot share. Each has a
 first-principles value and a documented plausible range. :func:`fit` sets them by bounded least
 squares in log space to the seven UBEP results of docs/CALIBRATION.md's training set
 (:func:`training_set`), each residual ``log(model / paper)`` over ``log(1 + tolerance)``, and
@@ -15,7 +15,8 @@ of its error. The spread of the leave-one-out values is the interval of every pr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import multiprocessing
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
@@ -40,6 +41,7 @@ __all__ = [
     "BASELINE_FREE",
     "BOUND_STIFFNESS",
     "STIFF_BAND",
+    "WORKERS",
     "FitResult",
     "TrainingPoint",
     "apply_assumed",
@@ -47,6 +49,7 @@ __all__ = [
     "calibrate",
     "fit",
     "leave_one_out",
+    "pmap",
     "stiff",
     "stiff_slope",
     "training_set",
@@ -87,6 +90,38 @@ class TrainingPoint:
 
 _VALUES: dict[tuple[str, float, FabricModel], float] = {}
 _MEMO = [False]
+
+# The Jacobian's columns and the leave-one-out refits are independent evaluations of the model:
+# :func:`calibrate` runs them on a pool of this many forked processes, which inherit the parent's
+# cached routings and plans (a fit re-times the same plans). 1 = in this process.
+WORKERS = 2
+_TASK: list[Callable[[Any], Any]] = []
+_IN_POOL = [False]
+
+
+def _pool_start() -> None:
+    _IN_POOL[0] = True  # a pool's worker runs its tasks serially (no pool inside a pool)
+
+
+def _pool_task(item: Any) -> Any:
+    return _TASK[0](item)
+
+
+def pmap(fun: Callable[[Any], Any], items: Iterable[Any], workers: int = 1) -> list[Any]:
+    """``[fun(i) for i in items]``, on ``workers`` forked processes when more than one is
+    asked for, the platform forks and this is not already a pool's worker; in order.
+    ``fun`` need not be picklable (the workers inherit it); its results must be."""
+    todo = list(items)
+    if (workers <= 1 or len(todo) < 2 or _IN_POOL[0]
+            or "fork" not in multiprocessing.get_all_start_methods()):
+        return [fun(i) for i in todo]
+    _TASK[:] = [fun]
+    try:
+        ctx = multiprocessing.get_context("fork")
+        with ctx.Pool(min(workers, len(todo)), initializer=_pool_start) as pool:
+            return pool.map(_pool_task, todo, chunksize=1)
+    finally:
+        _TASK.clear()
 
 
 # A baseline row is a constraint as well as a target: CANN EP's calibration bounds (5 %) are the
@@ -255,7 +290,7 @@ def _bounds(names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
 def fit(base: FabricModel, points: Sequence[TrainingPoint] | None = None, *,
         start: dict[str, float] | None = None, max_nfev: int = 12, tol: float = 1e-3,
         jac: np.ndarray | None = None, jac0: np.ndarray | None = None, baseline: bool = True,
-        progress: Callable[[str], None] | None = None) -> FitResult:
+        progress: Callable[[str], None] | None = None, workers: int = 1) -> FitResult:
     """Bounded least squares over the log of every assumed constant (scipy's trust-region
     reflective method), starting from ``start`` (default: the first-principles values), and
     with ``baseline`` over CANN EP's fitted constants too (:data:`BASELINE_FREE`, starting
@@ -267,7 +302,8 @@ def fit(base: FabricModel, points: Sequence[TrainingPoint] | None = None, *,
     orders switch). ``jac0``: the Jacobian of the plain residuals at the start, used for the
     first step in place of its finite differences (a warm refit that starts where that
     Jacobian was taken, as a leave-one-out refit does from the full fit). ``max_nfev``
-    counts evaluations of the residuals, not those of the finite differences."""
+    counts evaluations of the residuals, not those of the finite differences; ``workers``
+    processes evaluate the finite differences' columns (:func:`pmap`)."""
     from scipy.optimize import least_squares
 
     pts = list(points if points is not None else training_set() + baseline_rows())
@@ -309,7 +345,7 @@ def fit(base: FabricModel, points: Sequence[TrainingPoint] | None = None, *,
         if initial_jac[0] is not None and np.array_equal(x, x0):
             j, initial_jac[0] = initial_jac[0], None
             return j * slopes
-        return forward_jacobian(plain, x, raw.copy(), lo, hi) * slopes
+        return forward_jacobian(plain, x, raw.copy(), lo, hi, workers) * slopes
 
     sol = least_squares(resid, x0, bounds=(lo, hi), max_nfev=max_nfev, xtol=tol, ftol=tol,
                         jac=jacobian)
@@ -333,17 +369,22 @@ DIFF_STEP = 0.05
 
 
 def forward_jacobian(fun: Callable[[np.ndarray], np.ndarray], x: np.ndarray, f0: np.ndarray,
-                     lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+                     lo: np.ndarray, hi: np.ndarray, workers: int = 1) -> np.ndarray:
     """``d fun / d x`` at ``x`` (``f0 = fun(x)``) by forward differences of
-    :data:`DIFF_STEP`, stepping backwards where a forward step would leave the bounds."""
-    out = np.empty((f0.size, x.size))
+    :data:`DIFF_STEP`, stepping backwards where a forward step would leave the bounds; the
+    columns on ``workers`` processes (:func:`pmap`)."""
+    steps = []
     for j in range(x.size):
         h = DIFF_STEP * max(1.0, abs(float(x[j])))
         if x[j] + h > hi[j]:
             h = -h
         xh = x.copy()
         xh[j] += h
-        out[:, j] = (fun(xh) - f0) / (xh[j] - x[j])
+        steps.append(xh)
+    cols = pmap(fun, steps, workers)
+    out = np.empty((f0.size, x.size))
+    for j, (xh, col) in enumerate(zip(steps, cols, strict=True)):
+        out[:, j] = (col - f0) / (xh[j] - x[j])
     return out
 
 
@@ -356,7 +397,8 @@ def _slopes(pts: Sequence[TrainingPoint], raw: np.ndarray) -> np.ndarray:
 def leave_one_out(base: FabricModel, full: FitResult,
                   points: Sequence[TrainingPoint] | None = None, *, refit: bool = True,
                   max_nfev: int | None = None, tol: float = 1e-3, cold: bool = False,
-                  progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+                  progress: Callable[[str], None] | None = None,
+                  workers: int = 1) -> list[dict[str, Any]]:
     """Refit without each training point and predict it.
 
     ``refit=True`` (default): each refit is the full fit's own problem without the point --
@@ -381,13 +423,14 @@ def leave_one_out(base: FabricModel, full: FitResult,
     pts = given if refit else [replace(p, bound=False) for p in given]
     held = len(training_set()) if points is None else len(pts)
     budget = max_nfev if max_nfev is not None else (12 if refit else 4)
-    out = []
-    for i, p in enumerate(pts[:held]):
+    base_free = set(full.values) > set(ASSUMED)
+
+    def without(i: int) -> dict[str, Any]:
+        p = pts[i]
         if progress is not None:
             progress(f"leave-one-out: without {p.name}")
         rows = np.delete(full.jac, i, axis=0)
         others = pts[:i] + pts[i + 1:]
-        base_free = set(full.values) > set(ASSUMED)
         if refit and cold:
             res = fit(base, others, max_nfev=budget, tol=tol, baseline=base_free,
                       progress=progress)
@@ -398,15 +441,19 @@ def leave_one_out(base: FabricModel, full: FitResult,
             res = fit(base, others, start=full.values, max_nfev=budget, tol=tol, jac=rows,
                       baseline=base_free)
         fab = apply_assumed(base, res.values)
-        out.append({"name": p.name, "paper": p.paper, "predicted": p.evaluate(fab),
-                    "residual": p.residual(fab), "values": res.values,
-                    "converged": res.converged, "nfev": res.nfev})
+        return {"name": p.name, "paper": p.paper, "predicted": p.evaluate(fab),
+                "residual": p.residual(fab), "values": res.values,
+                "converged": res.converged, "nfev": res.nfev}
+
+    # The refits are independent: one per worker process at a time (:func:`pmap`).
+    out = pmap(without, range(held), workers)
     return out
 
 
 def calibrate(path: Any = None, *, loo: bool = True, max_nfev: int = 12, warm: bool = False,
               loo_refit: bool = True, loo_max_nfev: int | None = None, loo_cold: bool = False,
-              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+              progress: Callable[[str], None] | None = None,
+              workers: int = WORKERS) -> dict[str, Any]:
     """Fit the assumed constants, run the leave-one-out refits and write calib.json (``path``,
     default: the packaged file): the fitted values into ``constants`` (kind ``assumed``,
     value fitted), and a ``fit`` section with each constant's first-principles value, range,
@@ -416,6 +463,7 @@ def calibrate(path: Any = None, *, loo: bool = True, max_nfev: int = 12, warm: b
     ``loo_refit``: each leave-one-out point is a full refit (:func:`leave_one_out`); the
     quick Gauss-Newton estimate is stored beside it (``loo_quick_*``) for comparison;
     ``loo_cold``: the refits start from the first-principles values, not the full fit's.
+    ``workers``: processes that evaluate the finite differences and the refits (:func:`pmap`).
 
     The assumed constants also price CANN EP's counts, sums and fences, so CANN EP's own
     fitted constants are fitted with them, to the baseline rows and the training set."""
@@ -438,10 +486,10 @@ def calibrate(path: Any = None, *, loo: bool = True, max_nfev: int = 12, warm: b
         start = dict(stored.get("fit", {}).get("values", {})) or None
     _MEMO[0] = True
     try:
-        full = fit(base, start=start, max_nfev=max_nfev, progress=progress)
+        full = fit(base, start=start, max_nfev=max_nfev, progress=progress, workers=workers)
         rows = leave_one_out(base, full, refit=loo_refit, max_nfev=loo_max_nfev, cold=loo_cold,
-                             progress=progress) if loo else []
-        quick = (leave_one_out(base, full, refit=False, progress=progress)
+                             progress=progress, workers=workers) if loo else []
+        quick = (leave_one_out(base, full, refit=False, progress=progress, workers=workers)
                  if loo and loo_refit else [{}] * len(training_set()))
     finally:
         _MEMO[0] = False
