@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from .. import topology as topo
+from ..closing import Closing
 from ..config import BufferConfig
 from ..errors import (
     CallLostError,
@@ -111,7 +112,7 @@ class _Open:
     to_inner: np.ndarray | None  # the members' numbering it was issued under
 
 
-class MaskingBuffer:
+class MaskingBuffer(Closing):
     """A Buffer with ``on_peer_loss="mask"`` (module docstring). Built by ``Buffer(group,
     config)``; the same calls, plus :meth:`mask_status`."""
 
@@ -354,12 +355,6 @@ class MaskingBuffer:
 
     def close(self) -> None:
         self._inner.close()
-
-    def __enter__(self) -> MaskingBuffer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __getattr__(self, name: str) -> Any:  # layout, num_cores, ...: the current Buffer's
         if name.startswith("__") or name == "_inner":

@@ -118,14 +118,12 @@ class Trace:
 
 def from_sim(result: Any, label: str) -> Trace:
     """The simulator's timeline of one call (a :class:`ubep.sim.timeline.SimResult`) in this
-    schema; its call span on each rank runs from 0 to the rank's end."""
-    from ..sim.timeline import TASKS
-
-    tl = result.timeline
+    schema; its call span on each rank runs from 0 to the rank's end. The timeline is read
+    through its own ``spans()`` (task names, not the simulator's codes): the schema sits below
+    the simulator and imports nothing of it."""
     spans = tuple(
-        Span(int(tl.rank[i]), int(tl.core[i]), _SIM_KIND[TASKS[int(tl.task[i])]],
-             float(tl.start_ns[i]), float(tl.end_ns[i]))
-        for i in range(len(tl))
+        Span(int(t.rank), int(t.core), _SIM_KIND[t.task], float(t.start_ns), float(t.end_ns))
+        for t in result.timeline.spans()
     )
     name = str(getattr(result, "op", "call"))
     calls = tuple(CallSpan(r, name, 0.0, float(end))
