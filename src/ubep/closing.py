@@ -1,5 +1,6 @@
 """``with obj:`` closes ``obj``: the context-manager rule of every ubep object that owns a
-resource released by ``close()`` (groups, Buffers, engines), written once."""
+resource released by ``close()`` (groups, engines), written once (a ``Buffer`` writes its own:
+no class of ``ubep.buffer`` inherits another)."""
 
 from __future__ import annotations
 

@@ -43,7 +43,6 @@ import numpy as np
 
 from .. import dtypes as _dt
 from .. import quant as _quant
-from ..closing import Closing
 from ..config import BufferConfig
 from ..errors import InvalidArgumentError, RemoteError, UbepError
 from ..m2n import logical_result, physical_config, slot_shift
@@ -71,7 +70,7 @@ _INT64, _FLOAT32 = np.dtype(np.int64), np.dtype(np.float32)  # the door's routin
 
 
 # ABCMeta: the masking Buffer registers as a Buffer (``Buffer.register``), holding one
-class Buffer(Closing, metaclass=abc.ABCMeta):
+class Buffer(metaclass=abc.ABCMeta):
     """Dispatch/combine buffers of one rank (collective constructor: every rank builds one with
     the same config, in the same order).
 
@@ -515,6 +514,12 @@ class Buffer(Closing, metaclass=abc.ABCMeta):
         if self._memory is not None:
             self._memory.close()
         self._memory = None
+
+    def __enter__(self) -> Buffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def __repr__(self) -> str:
         c = self._cfg

@@ -51,7 +51,6 @@ from typing import Any
 import numpy as np
 
 from .. import topology as topo
-from ..closing import Closing
 from ..config import BufferConfig
 from ..errors import (
     CallLostError,
@@ -112,7 +111,7 @@ class _Open:
     to_inner: np.ndarray | None  # the members' numbering it was issued under
 
 
-class MaskingBuffer(Closing):
+class MaskingBuffer:
     """A Buffer with ``on_peer_loss="mask"`` (module docstring). Built by ``Buffer(group,
     config)``; the same calls, plus :meth:`mask_status`."""
 
@@ -355,6 +354,12 @@ class MaskingBuffer(Closing):
 
     def close(self) -> None:
         self._inner.close()
+
+    def __enter__(self) -> MaskingBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def __getattr__(self, name: str) -> Any:  # layout, num_cores, ...: the current Buffer's
         if name.startswith("__") or name == "_inner":
