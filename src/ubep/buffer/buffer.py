@@ -66,6 +66,8 @@ from .tasks import NO_SPLIT, CoreTasks
 
 __all__ = ["Buffer"]
 
+# what the hot path compares by identity (a module global: np.ndarray costs two lookups)
+_NDARRAY = np.ndarray
 _INT64, _FLOAT32 = np.dtype(np.int64), np.dtype(np.float32)  # the door's routing dtypes
 
 
@@ -293,8 +295,8 @@ class Buffer(metaclass=abc.ABCMeta):
         # the door once, with options: one engine call per dispatch in every case.
         if (fast is not None and self._one_call and self._route is None
                 and not (copy or return_recv_hook or self._in_flight) and x_scales is None
-                and type(x) is np.ndarray and type(topk_idx) is np.ndarray
-                and type(topk_weights) is np.ndarray and x.dtype is self._x_storage
+                and type(x) is _NDARRAY and type(topk_idx) is _NDARRAY
+                and type(topk_weights) is _NDARRAY and x.dtype is self._x_storage
                 and topk_idx.dtype is _INT64 and topk_weights.dtype is _FLOAT32):
             plan = self._tasks.for_x(x) if self._tasks.planned else None
             # Written out here and in combine rather than in a helper: a decode step meets
@@ -413,7 +415,7 @@ class Buffer(metaclass=abc.ABCMeta):
         # the one native call, as in dispatch (a handle the engine built, outputs of the door's
         # dtype: the door takes them or copies them into its layout)
         if (fast is not None and not (return_recv_hook or self._in_flight)
-                and type(expert_out) is np.ndarray and expert_out.dtype is self._c_storage
+                and type(expert_out) is _NDARRAY and expert_out.dtype is self._c_storage
                 and type(handle) is RuntimeHandle and self._lock.acquire(False)):
             try:
                 if not (self._closed or self._dead is not None or self._lost is not None):
