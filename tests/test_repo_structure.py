@@ -1,6 +1,6 @@
 """The tree keeps the shape docs/ARCHITECTURE.md draws.
 
-Three rules, each checked from the source itself (the oracle is Python's own parser):
+Four rules, each checked from the source itself (the oracle is Python's own parser):
 
 * no circle between modules of ``ubep`` or ``benchmarks``, through any import that can run (a
   lazy import inside a function counts: it hides a circle, it does not open it; one under
@@ -8,6 +8,8 @@ Three rules, each checked from the source itself (the oracle is Python's own par
 * the core (every ``ubep`` module outside the torch layer) never imports the torch layer or the
   source tree's ``benchmarks``, lazily or not; ``ubep.torch_bridge`` is the one door to
   ``ubep.torch`` and ``ubep.deep_ep`` is the documented re-export of the facade;
+* every ``ubep`` module stands on one of the package's :data:`FLOORS` and imports only its own
+  floor and those below, but for the one arrow up that :data:`UPWARD` names (the torch door);
 * no source file over :data:`MAX_LINES` lines.
 
 Each checker is also run on a small made-up tree that breaks its rule, so a checker that went
@@ -27,6 +29,56 @@ SOURCE_SUFFIXES = (".py", ".pyi", ".c", ".h")
 TORCH_LAYER = ("ubep.torch", "ubep.deep_ep")
 TORCH_DOOR = "ubep.torch_bridge"
 FORBIDDEN_FROM_CORE = ("ubep.torch", "ubep.deep_ep", "benchmarks")
+
+
+# The package's floors, bottom first (docs/ARCHITECTURE.md "Floors"): a module may import
+# modules of its own floor and of the floors below. An entry places a module and, if it is a
+# package, its submodules (the root ``ubep`` places only its ``__init__``); the longest entry
+# that names a module decides its floor.
+FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("vocabulary", ("ubep.errors", "ubep.modes", "ubep.dtypes", "ubep.topology", "ubep.env",
+                    "ubep.closing", "ubep.expert_map", "ubep.quant")),
+    ("models and formats", ("ubep.routing", "ubep.sched", "ubep.config", "ubep.m2n", "ubep.flags",
+                            "ubep.trace")),
+    ("contract", ("ubep.plane", "ubep.handle", "ubep.torch_bridge")),
+    ("oracle", ("ubep.reference", "ubep.testing")),
+    ("transports", ("ubep.runtime", "ubep.mpi", "ubep.triton")),
+    ("buffer", ("ubep.buffer",)),
+    ("user", ("ubep", "ubep.__main__", "ubep.cli", "ubep.demo", "ubep.doctor", "ubep.deep_ep",
+              "ubep.torch", "ubep.sim", "ubep.trace.run", "ubep.trace.cli", "ubep.trace.plot",
+              "ubep.mpi.selftest")),
+)
+# the arrows allowed up a floor, (importer, the entry that places what it imports): one, the
+# core's door to the optional torch layer
+UPWARD = {(TORCH_DOOR, "ubep.torch")}
+
+
+def floor_entry(module: str, floors: Iterable[tuple[str, Iterable[str]]] = FLOORS
+                ) -> tuple[int, str] | None:
+    """(floor index, entry) of the longest entry of ``floors`` that names ``module``."""
+    best: tuple[int, str] | None = None
+    for level, (_, entries) in enumerate(floors):
+        for entry in entries:
+            names = module == entry or ("." in entry and module.startswith(entry + "."))
+            if names and (best is None or len(entry) > len(best[1])):
+                best = (level, entry)
+    return best
+
+
+def upward_arrows(graph: Mapping[str, set[str]],
+                  floors: Iterable[tuple[str, Iterable[str]]] = FLOORS
+                  ) -> set[tuple[str, str]]:
+    """(importer, entry of the imported module) of every import from a lower floor up to a
+    higher one, between modules the floors place."""
+    floors = tuple(floors)
+    out = set()
+    for module, targets in graph.items():
+        here = floor_entry(module, floors)
+        for target in targets:
+            there = floor_entry(target, floors)
+            if here is not None and there is not None and there[0] > here[0]:
+                out.add((module, there[1]))
+    return out
 
 
 def _module_files() -> dict[str, Path]:
@@ -204,6 +256,20 @@ def test_core_never_imports_the_torch_layer_or_benchmarks() -> None:
     assert core_reaches_torch(graph) == []
 
 
+def test_every_module_sits_on_one_floor() -> None:
+    modules = [m for m in _module_files() if _in(m, ("ubep",))]
+    entries = [e for _, names in FLOORS for e in names]
+    assert len(entries) == len(set(entries)), "an entry stands on two floors"
+    assert [m for m in modules if floor_entry(m) is None] == [], "modules on no floor"
+    placed = {found[1] for m in modules if (found := floor_entry(m)) is not None}
+    assert set(entries) - placed == set(), "entries that place no module (stale names)"
+
+
+def test_only_the_torch_door_goes_up_a_floor() -> None:
+    graph = import_graph(_repo_sources(), load_time_only=False)
+    assert upward_arrows(graph) == UPWARD
+
+
 def test_no_source_file_over_the_limit() -> None:
     assert long_files(_source_files(), MAX_LINES) == []
 
@@ -242,6 +308,25 @@ def test_torch_checker_sees_lazy_imports_and_allows_the_bridge() -> None:
     assert core_reaches_torch(graph) == [
         ("ubep.core", "ubep.torch.group"), ("ubep.tool", "benchmarks.harness"),
     ]
+
+
+def test_floor_checker_finds_an_arrow_up_and_no_other() -> None:
+    floors = (("low", ("ubep.a", "ubep.pkg")), ("high", ("ubep", "ubep.b", "ubep.pkg.top")))
+    tree = {
+        "ubep": ("from . import a\n", True),  # down: the root's own entry
+        "ubep.a": ("def f():\n    from . import b\n", False),  # up, lazily
+        "ubep.b": ("from .pkg import low\nfrom .pkg import top\n", False),  # down, sideways
+        "ubep.pkg": ("", True),
+        "ubep.pkg.low": ("from . import top\n", False),  # up: the longer entry places top
+        "ubep.pkg.top": ("from ubep import a\n", False),
+        "ubep.c": ("", False),  # on no floor (the root places only its __init__)
+    }
+    graph = import_graph(tree, load_time_only=False)
+    assert floor_entry("ubep.pkg.top", floors) == (1, "ubep.pkg.top")
+    assert floor_entry("ubep.pkg.low", floors) == (0, "ubep.pkg")
+    assert floor_entry("ubep.c", floors) is None
+    assert upward_arrows(graph, floors) == {("ubep.a", "ubep.b"),
+                                            ("ubep.pkg.low", "ubep.pkg.top")}
 
 
 def test_length_checker_counts_lines(tmp_path: Path) -> None:

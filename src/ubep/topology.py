@@ -157,30 +157,27 @@ HOST_BANDWIDTH_GBPS = 12.7
 HOST_FARTHER_LATENCY_FACTOR = 2.0
 
 
+def _preset(family: str, num_ranks: int, ranks_per_node: int, cores_per_rank: int,
+            latency_ns: tuple[float, ...], bandwidth_gbps: float) -> Topology:
+    """A preset's topology: the same bandwidth in every hop class, named ``family-num_ranks``."""
+    return Topology(num_ranks=num_ranks, ranks_per_node=ranks_per_node,
+                    cores_per_rank=cores_per_rank, latency_ns=latency_ns,
+                    bandwidth_gbps=(bandwidth_gbps,) * len(latency_ns),
+                    name=f"{family}-{num_ranks}")
+
+
 def cm384(num_ranks: int, ranks_per_node: int = 16, cores_per_rank: int = CM384_CORES) -> Topology:
     """Huawei CloudMatrix384: two switch tiers, Table 2 latencies, 392 GB/s per die."""
-    return Topology(
-        num_ranks=num_ranks,
-        ranks_per_node=min(ranks_per_node, num_ranks),
-        cores_per_rank=cores_per_rank,
-        latency_ns=CM384_LATENCY_NS,
-        bandwidth_gbps=(CM384_BANDWIDTH_GBPS,) * 3,
-        name=f"cm384-{num_ranks}",
-    )
+    return _preset("cm384", num_ranks, min(ranks_per_node, num_ranks), cores_per_rank,
+                   CM384_LATENCY_NS, CM384_BANDWIDTH_GBPS)
 
 
 def nvl72(num_ranks: int = 72, cores_per_rank: int = NVL72_CORES) -> Topology:
     """NVIDIA GB200 NVL72: one NVSwitch tier, so every peer is one hop away."""
     if num_ranks > 72:
         raise InvalidArgumentError("num_ranks", num_ranks, "NVL72 has at most 72 GPUs")
-    return Topology(
-        num_ranks=num_ranks,
-        ranks_per_node=num_ranks,
-        cores_per_rank=cores_per_rank,
-        latency_ns=NVL72_LATENCY_NS,
-        bandwidth_gbps=(NVL72_BANDWIDTH_GBPS,) * 2,
-        name=f"nvl72-{num_ranks}",
-    )
+    return _preset("nvl72", num_ranks, num_ranks, cores_per_rank,
+                   NVL72_LATENCY_NS, NVL72_BANDWIDTH_GBPS)
 
 
 def nvl576(num_ranks: int = 576, cores_per_rank: int = NVL72_CORES) -> Topology:
@@ -191,14 +188,8 @@ def nvl576(num_ranks: int = 576, cores_per_rank: int = NVL72_CORES) -> Topology:
     number it produces as a what-if, not a prediction backed by data.
     """
     second_hop_ns = NVL72_LATENCY_NS[1] * CM384_LATENCY_NS[2] / CM384_LATENCY_NS[1]
-    return Topology(
-        num_ranks=num_ranks,
-        ranks_per_node=min(72, num_ranks),
-        cores_per_rank=cores_per_rank,
-        latency_ns=(NVL72_LATENCY_NS[0], NVL72_LATENCY_NS[1], second_hop_ns),
-        bandwidth_gbps=(NVL72_BANDWIDTH_GBPS,) * 3,
-        name=f"nvl576-{num_ranks}",
-    )
+    return _preset("nvl576", num_ranks, min(72, num_ranks), cores_per_rank,
+                   (NVL72_LATENCY_NS[0], NVL72_LATENCY_NS[1], second_hop_ns), NVL72_BANDWIDTH_GBPS)
 
 
 def host(num_ranks: int, cores_per_rank: int | None = None) -> Topology:
@@ -209,11 +200,5 @@ def host(num_ranks: int, cores_per_rank: int | None = None) -> Topology:
     ranks (shared last-level caches, packages, NUMA nodes)."""
     if cores_per_rank is None:
         cores_per_rank = max(1, min(4, (os.cpu_count() or 1) // max(1, num_ranks)))
-    return Topology(
-        num_ranks=num_ranks,
-        ranks_per_node=num_ranks,
-        cores_per_rank=cores_per_rank,
-        latency_ns=HOST_LATENCY_NS,
-        bandwidth_gbps=(HOST_BANDWIDTH_GBPS,) * 2,
-        name=f"host-{num_ranks}",
-    )
+    return _preset("host", num_ranks, num_ranks, cores_per_rank,
+                   HOST_LATENCY_NS, HOST_BANDWIDTH_GBPS)

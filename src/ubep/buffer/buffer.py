@@ -66,6 +66,10 @@ from .tasks import NO_SPLIT, CoreTasks
 
 __all__ = ["Buffer"]
 
+# what the hot path compares by identity (a module global: np.ndarray costs two lookups)
+_NDARRAY = np.ndarray
+_INT64, _FLOAT32 = np.dtype(np.int64), np.dtype(np.float32)  # the door's routing dtypes
+
 
 # ABCMeta: the masking Buffer registers as a Buffer (``Buffer.register``), holding one
 class Buffer(metaclass=abc.ABCMeta):
@@ -192,6 +196,9 @@ class Buffer(metaclass=abc.ABCMeta):
             functools.partial(_logical, self._no_experts, self._m2n_shift))
         self._dtype = _dt.dtype_of(config.dtype)
         self._cdtype = _dt.dtype_of(config.combine_dtype)
+        # the door's dtypes of x and expert_out (compared by identity on the hot path)
+        self._x_storage = np.dtype(self._dtype.storage)
+        self._c_storage = np.dtype(self._cdtype.storage)
         self.layout = layout_of(config, self.num_ranks, self.num_cores)
         # the bytes each rank maps: the engine's own size where its registry row gives one
         # (which also refuses, by the field, a config that engine does not serve)
@@ -281,13 +288,20 @@ class Buffer(metaclass=abc.ABCMeta):
                 peers and refuses calls until :meth:`resync` (a dead peer: for good).
         """
         fast = self._fast
+        # The one native call (an engine that takes a blocking call's arrays unchecked),
+        # offered only numpy arrays of the door's own dtypes (identity checks, no copy): the
+        # door takes them as they are, or copies them into its layout, or declines a shape the
+        # checks then reject. Anything else is checked and converted first and goes through
+        # the door once, with options: one engine call per dispatch in every case.
         if (fast is not None and self._one_call and self._route is None
-                and not (copy or return_recv_hook or self._in_flight) and x_scales is None):
+                and not (copy or return_recv_hook or self._in_flight) and x_scales is None
+                and type(x) is _NDARRAY and type(topk_idx) is _NDARRAY
+                and type(topk_weights) is _NDARRAY and x.dtype is self._x_storage
+                and topk_idx.dtype is _INT64 and topk_weights.dtype is _FLOAT32):
             plan = self._tasks.for_x(x) if self._tasks.planned else None
-            # The one native call, written out here and in combine rather than in a helper: a
-            # decode step meets this code cold, and a Python frame fewer is a microsecond less.
-            # Nothing taken (another call holds the Buffer, it refuses calls, or the native
-            # call returns None: not its arrays): the general path takes the call.
+            # Written out here and in combine rather than in a helper: a decode step meets
+            # this code cold, and a Python frame fewer is a microsecond less. Nothing taken
+            # (another call holds the Buffer, or it refuses calls): the general path below.
             if plan is not NO_SPLIT and self._lock.acquire(False):
                 try:
                     if not (self._closed or self._dead is not None or self._lost is not None):
@@ -303,7 +317,10 @@ class Buffer(metaclass=abc.ABCMeta):
                             raise self._hot_failed(epoch, index, exc) from None
                         if got is not None:
                             return got
+                        # declined, nothing done: the checks name what they reject
                         self._epoch, self._num_dispatches = epoch - 1, index
+                        return self._dispatch(x, topk_idx, topk_weights, False, False, None,
+                                              offered=True)
                 finally:
                     self._lock.release()
         if is_torch_tensor(x):  # torch in, torch out: the call itself runs on numpy views
@@ -326,8 +343,10 @@ class Buffer(metaclass=abc.ABCMeta):
 
     def _dispatch(
         self, x: object, topk_idx: object, topk_weights: object, copy: bool, hook: bool,
-        x_scales: object,
+        x_scales: object, *, offered: bool = False,
     ) -> DispatchResult[RuntimeHandle] | PendingCall[DispatchResult[RuntimeHandle]]:
+        """The call through the checks (this thread holds the Buffer); ``offered``: the engine
+        declined these arrays already, so it is not offered them again."""
         self._calls.complete_staged()
         self._calls.check()
         self._epoch += 1
@@ -342,6 +361,8 @@ class Buffer(metaclass=abc.ABCMeta):
             if self._route is not None:  # logical ids -> physical slots (checked: a clean reject)
                 topk_idx = self._route(topk_idx)
             xa, idx, w = self._checks.dispatch_args(x, topk_idx, topk_weights, x_scales)
+            if offered:
+                raise _declined(self.rank)
             plan = self._tasks.for_idx(idx)
             stage = _NATIVE
             # the one engine call: its result built by the engine (None: the first half ran)
@@ -391,9 +412,11 @@ class Buffer(metaclass=abc.ABCMeta):
             view or a tensor over it.
         """
         fast = self._fast
-        # the one native call, as in dispatch
+        # the one native call, as in dispatch (a handle the engine built, outputs of the door's
+        # dtype: the door takes them or copies them into its layout)
         if (fast is not None and not (return_recv_hook or self._in_flight)
-                and self._lock.acquire(False)):
+                and type(expert_out) is _NDARRAY and expert_out.dtype is self._c_storage
+                and type(handle) is RuntimeHandle and self._lock.acquire(False)):
             try:
                 if not (self._closed or self._dead is not None or self._lost is not None):
                     epoch = self._epoch = self._epoch + 1
@@ -406,7 +429,8 @@ class Buffer(metaclass=abc.ABCMeta):
                         raise self._hot_failed(epoch, index, exc) from None
                     if y is not None:
                         return y
-                    self._epoch = epoch - 1
+                    self._epoch = epoch - 1  # declined, nothing done: the checks say why
+                    return self._combine(expert_out, handle, False, offered=True)
             finally:
                 self._lock.release()
         if is_torch_tensor(expert_out):  # torch in, torch out (as dispatch)
@@ -419,17 +443,18 @@ class Buffer(metaclass=abc.ABCMeta):
             self._lock.release()
 
     def _combine(
-        self, expert_out: object, handle: DispatchHandle, hook: bool
+        self, expert_out: object, handle: DispatchHandle, hook: bool, *, offered: bool = False
     ) -> np.ndarray | PendingCall[np.ndarray]:
+        """As :meth:`_dispatch`, for a combine."""
         self._calls.check()
         self._epoch += 1
         epoch = self._epoch
         split = hook or bool(self._in_flight)
         stage = _BEFORE
         try:
-            # (a blocking call of exact arrays was offered to the engine already, in
-            # Buffer.combine: what comes here converts or raises)
             h, eo = self._checks.combine_args(expert_out, handle)
+            if offered:
+                raise _declined(self.rank)
             stage = _NATIVE
             got = self._engine.combine(eo, h, epoch, self._generation, self._num_dispatches,
                                        CallOptions(split=True) if split else PLAIN)
@@ -505,6 +530,13 @@ class Buffer(metaclass=abc.ABCMeta):
             f"layout={c.layout}, dtype={c.dtype}, hidden={c.hidden}, "
             f"max_tokens_per_rank={c.max_tokens_per_rank}, cores={self.num_cores})"
         )
+
+
+def _declined(rank: int) -> UbepError:
+    """The error of a call whose arrays the engine's door declined though the checks take
+    them: the door declines only shapes the checks reject, and a call whose outputs (or layout
+    copies) it could not allocate. A clean reject, before anything reached a peer."""
+    return UbepError(f"rank {rank}: the engine could not allocate this call's outputs")
 
 
 def _same(y: Any) -> Any:

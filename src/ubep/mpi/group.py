@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from .. import topology as topo
+from ..closing import Closing
 from ..env import mpi_ranks_per_host_from_env, timeout_s_from_env
 from ..errors import InvalidArgumentError, PeerLostError, TimeoutError, UbepError
 from ..plane.control import Backoff, wait_until
@@ -91,7 +92,7 @@ def init(
     return MpiGroup(base, ranks_per_host=ranks_per_host, topology=topology, timeout_s=timeout_s)
 
 
-class MpiGroup:
+class MpiGroup(Closing):
     """``num_ranks`` MPI processes running ubep collectives (build with :func:`init`).
 
     Attributes:
@@ -285,12 +286,6 @@ class MpiGroup:
         self._free_released(None, everything=True)
         self.host_comm.Free()
         self.comm.Free()
-
-    def __enter__(self) -> MpiGroup:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (f"MpiGroup(rank={self.rank}, num_ranks={self.num_ranks}, hosts={self.num_hosts}"

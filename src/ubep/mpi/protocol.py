@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..flags.dc import words_checksum
+from ..plane.layout import align_up
 from ..plane.records import E_BAD_INPUT, E_LOST, E_PEER_LOST, E_REMOTE, E_TIMEOUT, ErrorRecord
 from .memory import MpiGlobalMemory
 
@@ -63,8 +64,8 @@ class _CtrlLayout:
             [("t", "<i4"), ("k", "<i4"), ("e", "<i4"), ("w", "<f4")] if expert else
             [("t", "<i4"), ("k", "<i4"), ("e", "<i4", (K,)), ("w", "<f4", (K,))]
         )
-        self.counts_payload = _align(4 * E + 4 * R, 8)
-        rec = _align(self.counts_payload + 16, _LINE)
+        self.counts_payload = align_up(4 * E + 4 * R, 8)
+        rec = align_up(self.counts_payload + 16, _LINE)
         off = 0
         self.fail = off
         off += R * 2 * _FAIL_BYTES
@@ -81,17 +82,13 @@ class _CtrlLayout:
         self.counts = off  # [parity][src]
         self.counts_rec = rec
         off += 2 * R * rec
-        self.meta = _align(off, _LINE)  # [parity][src] per-row metadata
-        self.meta_bytes = _align(max(cap_src_rows, 1) * self.meta_dtype.itemsize, _LINE)
+        self.meta = align_up(off, _LINE)  # [parity][src] per-row metadata
+        self.meta_bytes = align_up(max(cap_src_rows, 1) * self.meta_dtype.itemsize, _LINE)
         off = self.meta + 2 * R * self.meta_bytes
-        self.size_bytes = _align(off, 4096)
+        self.size_bytes = align_up(off, 4096)
 
     def slot(self, base: int, par: int, src: int, size: int = _LINE) -> int:
         return base + (par * self.R + src) * size
-
-
-def _align(v: int, a: int) -> int:
-    return -(-v // a) * a
 
 
 class RmaProtocol:
@@ -108,7 +105,7 @@ class RmaProtocol:
         """One put of ``[payload][check][epoch]``; ``extra`` (already put) is covered too."""
         raw = np.ascontiguousarray(payload).reshape(-1).view(np.uint8)
         body = raw if extra is None else np.concatenate([raw, _u8(extra)])
-        rec = np.zeros(_align(raw.size, 8) + 16, np.uint8)
+        rec = np.zeros(align_up(raw.size, 8) + 16, np.uint8)
         rec[:raw.size] = raw
         rec[-16:] = np.array([record_check(body, epoch), epoch], "<u8").view(np.uint8)
         mem.put(dst, off, rec)
@@ -118,7 +115,7 @@ class RmaProtocol:
         """``(epoch, payload)`` of a complete record in this rank's control window, else None
         (also when ``epoch`` is given and differs)."""
         arr = self.e.ctrl.local_array
-        size = _align(nbytes, 8)
+        size = align_up(nbytes, 8)
         got = int(arr[off + size + 8: off + size + 16].view("<u8")[0])
         if got == 0 or (epoch is not None and got != epoch):
             return None

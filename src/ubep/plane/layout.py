@@ -52,13 +52,15 @@ import numpy as np
 
 from .records import CI_BYTES, FAIL_BYTES, HEADER_BYTES, IN_COUNTS, LINE_BYTES, ROUTE_IDX
 
-__all__ = ["HostRegions", "SegmentLayout", "compute_layout", "host_regions"]
+__all__ = ["HostRegions", "SegmentLayout", "align_up", "compute_layout", "host_regions"]
 
 _LINE = LINE_BYTES
 _PAGE = mmap.PAGESIZE
 
 
-def _align(v: int, a: int = _LINE) -> int:
+def align_up(v: int, a: int = _LINE) -> int:
+    """``v`` rounded up to a multiple of ``a`` (a cache line by default): where each record,
+    row and region of an engine's memory starts."""
     return -(-v // a) * a
 
 
@@ -171,9 +173,9 @@ def compute_layout(
     elif sync == "tff":
         slot_bytes = tff_blocks * tff_block_bytes  # staged: blocks of payload + flag
     else:
-        slot_bytes = _align(row_bytes)
+        slot_bytes = align_up(row_bytes)
     nland = nreg if engine == "asp" else 1
-    out_stride = slot_bytes if land_is_out else _align(row_bytes)
+    out_stride = slot_bytes if land_is_out else align_up(row_bytes)
     combine_row_bytes = hidden * combine_itemsize
 
     off = HEADER_BYTES
@@ -187,26 +189,26 @@ def compute_layout(
     off_barrier = off
     off += C * _LINE
     off_inbox = off
-    inbox_bytes = _align(IN_COUNTS + 4 * L)
+    inbox_bytes = align_up(IN_COUNTS + 4 * L)
     off += R * 2 * inbox_bytes
-    off_route = _align(off)
-    route_w_off = ROUTE_IDX + _align(T * K * 4)
-    route_stride = _align(route_w_off + T * K * 4)
+    off_route = align_up(off)
+    route_w_off = ROUTE_IDX + align_up(T * K * 4)
+    route_stride = align_up(route_w_off + T * K * 4)
     off = off_route + nreg * route_stride
-    off_land = _align(off, _PAGE)
-    land_bytes = _align(max(cap_rows, 1) * slot_bytes, _PAGE)
+    off_land = align_up(off, _PAGE)
+    land_bytes = align_up(max(cap_rows, 1) * slot_bytes, _PAGE)
     off = off_land + nland * land_bytes
     if land_is_out:
         off_out, out_bytes = off_land, land_bytes
     else:
         off_out = off
-        out_bytes = _align(max(cap_rows, 1) * out_stride, _PAGE)
+        out_bytes = align_up(max(cap_rows, 1) * out_stride, _PAGE)
         off += nreg * out_bytes
     off_comb = off
-    comb_bytes = _align(max(cap_rows, 1) * combine_row_bytes, _PAGE)
+    comb_bytes = align_up(max(cap_rows, 1) * combine_row_bytes, _PAGE)
     off += 2 * comb_bytes
     off_rsum = off
-    rsum_bytes = _align(max(cap_rows, 1) * 8) if integrity else 0
+    rsum_bytes = align_up(max(cap_rows, 1) * 8) if integrity else 0
     off += (nreg + 2) * rsum_bytes
     return SegmentLayout(
         num_regions=nreg,
@@ -237,5 +239,5 @@ def compute_layout(
         comb_bytes=comb_bytes,
         off_rsum=off_rsum,
         rsum_bytes=rsum_bytes,
-        size_bytes=_align(off, _PAGE),
+        size_bytes=align_up(off, _PAGE),
     )

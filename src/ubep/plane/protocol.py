@@ -186,13 +186,18 @@ class Engine(Protocol):
     (``ubep.runtime``), ``ubep.mpi``'s RMA engine and any engine a registry row opens
     (:func:`ubep.plane.open_engine`) keep it.
 
-    A call's arrays come one of two ways. Without options (``opts=None``: a blocking call) they
-    are the caller's, unchecked: an engine that cannot take them as they are returns ``None``
-    having done nothing, and the Buffer checks and converts them (``ubep.buffer``'s checks:
-    ``x`` in storage dtype ``[num_tokens, hidden]``, owned C-contiguous int64 ``topk_idx`` and
-    float32 ``topk_weights``) and makes the call again with options (:class:`CallOptions`),
-    which an engine must take. Results may be arrays or tensors of the engine's device; the
-    Buffer reads an engine's memory only through them.
+    Each call reaches the engine once. Its arrays come one of two ways. Without options
+    (``opts=None``: a blocking call, offered only to an engine that ``takes_unchecked``) they
+    are the caller's numpy arrays of the engine's dtypes (``x`` in storage dtype, int64
+    ``topk_idx``, float32 ``topk_weights``; for a combine, ``expert_out`` in combine storage
+    dtype and a :class:`~ubep.plane.results.RuntimeHandle`), in any memory layout: the engine
+    takes them, copying into its layout what is not C-contiguous and aligned, or returns
+    ``None`` having done nothing for a shape it does not serve (the Buffer's checks then
+    raise the error that names the argument). Everything else the Buffer checks and
+    converts first (``ubep.buffer``'s checks: ``x`` ``[num_tokens, hidden]``, owned
+    C-contiguous ``topk_idx`` and ``topk_weights``) and passes with options
+    (:class:`CallOptions`), which an engine must take. Results may be arrays or tensors of
+    the engine's device; the Buffer reads an engine's memory only through them.
 
     Every collective method returns its result or an
     :class:`~ubep.plane.records.ErrorRecord` (``code`` 1 bad input, ``message`` the offending
@@ -200,9 +205,9 @@ class Engine(Protocol):
     the code it carries; 5 internal; 6 out of step), which the Buffer turns into the exception.
 
     Attributes:
-        takes_unchecked: the engine takes a blocking call's arrays unchecked (the native
-            engine's one-call path), so the Buffer offers them before checking; else every
-            call comes checked, with options.
+        takes_unchecked: the engine takes a blocking call's arrays of its dtypes unchecked
+            (the native engine's one-call path), so the Buffer offers them before checking;
+            else every call comes checked, with options.
 
     The call protocol every engine keeps: every record a peer reads carries the call's epoch and
     is only accepted for exactly that epoch (count, routing and combine records also carry a

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from .. import topology as topo
+from ..closing import Closing
 from ..env import launch_env, timeout_s_from_env
 from ..errors import InvalidArgumentError, PeerLostError, TimeoutError, UbepError
 from ..plane.control import Backoff, wait_until
@@ -95,7 +96,7 @@ class PeerProcess:
         return process_alive(self.pid, self.start_time)
 
 
-class Group:
+class Group(Closing):
     """``num_ranks`` processes that run collectives together.
 
     Build one with :func:`ubep.launch` (it passes the group to your function) or, for processes
@@ -249,12 +250,6 @@ class Group:
         # A peer that died while it set up an object (its segment mapped by nobody yet) is
         # swept here at the latest: the rendezvous directory may be removed once ranks exit.
         remove_dead_owners_segments(self.rendezvous)
-
-    def __enter__(self) -> Group:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"Group(rank={self.rank}, num_ranks={self.num_ranks}, topology={self.topology.name})"

@@ -13,7 +13,7 @@ runtime's spans do (``ubep.trace``); it is built only when asked, off the execut
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
@@ -57,6 +57,9 @@ class TaskTimeline:
     destination, a consumed row's source; else -1), ``rows`` and payload ``size_bytes`` (0 for
     the tasks that move no rows, and for the executors' per-core spans, which leave the
     detail to :meth:`SimResult.unit_timeline`)."""
+
+    # the names of the task codes, read by ubep.trace.spans (which imports nothing of sim)
+    task_names: ClassVar[tuple[str, ...]] = TASKS
 
     rank: np.ndarray
     core: np.ndarray

@@ -85,6 +85,9 @@ topk_idx_t = torch.int64
 _SHAPE_FIELDS = (
     "max_tokens_per_rank", "hidden", "num_topk", "num_experts", "dtype", "layout", "combine_dtype"
 )
+# what Buffer._send returns: receive (the result and the received float32 scales, or None)
+# and the backend the rows went through
+_Sent = tuple[Callable[[], tuple[Any, np.ndarray | None]], EPBackend]
 
 
 # --------------------------------------------------------------------------- the Buffer
@@ -321,7 +324,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         max_tokens: int,
         split: bool = False,
         round_scale: bool | None = None,
-    ) -> tuple[Callable[[], tuple[Any, np.ndarray | None]], EPBackend]:
+    ) -> _Sent:
         """Dispatch ``x``. Returns ``receive``, which returns the dispatch's result and the
         received float32 scales (or None), and the backend the rows go through. With ``split``
         the dispatch is only issued (``return_recv_hook``) and ``receive`` runs its receive half.
@@ -332,49 +335,35 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         already FP8) values and scales travel as they are. The in-process world has no
         engine: values and scales take two of its (reference) dispatches.
         """
-        if self._shrink is not None:  # masking Buffers run blocking calls
-            shrink = self._shrink
-            return shrink.call(lambda: self._send_rows(layout, x, scales, idx, w, num_experts,
-                                                        max_tokens, False, round_scale))
-        return self._send_rows(layout, x, scales, idx, w, num_experts, max_tokens, split,
-                               round_scale)
-
-    def _send_rows(
-        self,
-        layout: Layout,
-        x: torch.Tensor,
-        scales: torch.Tensor | None,
-        idx: np.ndarray,
-        w: np.ndarray,
-        num_experts: int,
-        max_tokens: int,
-        split: bool,
-        round_scale: bool | None,
-    ) -> tuple[Callable[[], tuple[Any, np.ndarray | None]], EPBackend]:
-        send = functools.partial(issue_dispatch, split=split)
-        shape = (layout, x.shape[1], idx.shape[1], num_experts)
-        fp8 = round_scale is not None or scales is not None
-        if fp8 and not isinstance(self._ep, LocalBackend):
-            backend = self._backend(*shape, torch.bfloat16 if scales is not None else x.dtype,
-                                    max_tokens, combine_dtype=torch.bfloat16, quant="e4m3",
-                                    round_scale=bool(round_scale))
+        def issue(x: torch.Tensor, scales: torch.Tensor | None, split: bool) -> _Sent:
+            send = functools.partial(issue_dispatch, split=split)
+            shape = (layout, x.shape[1], idx.shape[1], num_experts)
+            fp8 = round_scale is not None or scales is not None
+            if fp8 and not isinstance(self._ep, LocalBackend):
+                backend = self._backend(*shape, torch.bfloat16 if scales is not None else x.dtype,
+                                        max_tokens, combine_dtype=torch.bfloat16, quant="e4m3",
+                                        round_scale=bool(round_scale))
+                if scales is None:
+                    call = send(backend, to_numpy(x), idx, w)
+                else:
+                    call = send(backend, to_numpy(x.contiguous().view(torch.uint8)), idx, w,
+                                to_numpy(scales.to(torch.float32).contiguous()))
+                return (lambda: _with_scales(call.hook())), backend
+            if round_scale is not None:  # the in-process world quantises with ubep.quant
+                values_np, scales_np = quantize(to_numpy(x), "e4m3", round_scale=round_scale)
+                x, scales = torch.from_numpy(values_np), torch.from_numpy(scales_np)
+            backend = self._backend(*shape, torch.uint8 if fp8 else x.dtype, max_tokens)
+            rows = send(backend, to_numpy(x.contiguous().view(torch.uint8) if fp8 else x), idx, w)
             if scales is None:
-                call = send(backend, to_numpy(x), idx, w)
-            else:
-                call = send(backend, to_numpy(x.contiguous().view(torch.uint8)), idx, w,
-                            to_numpy(scales.to(torch.float32).contiguous()))
-            return (lambda: _with_scales(call.hook())), backend
-        if round_scale is not None:  # the in-process world quantises with ubep.quant
-            values_np, scales_np = quantize(to_numpy(x), "e4m3", round_scale=round_scale)
-            x, scales = torch.from_numpy(values_np), torch.from_numpy(scales_np)
-        backend = self._backend(*shape, torch.uint8 if fp8 else x.dtype, max_tokens)
-        rows = send(backend, to_numpy(x.contiguous().view(torch.uint8) if fp8 else x), idx, w)
-        if scales is None:
-            return (lambda: (rows.hook(), None)), backend
-        scale_rows = send(self._backend(layout, scales.shape[1], idx.shape[1], num_experts,
-                                        torch.float32, max_tokens),
-                          to_numpy(scales.to(torch.float32).contiguous()), idx, w)
-        return (lambda: (rows.hook(), np.array(scale_rows.hook().recv_x))), backend
+                return (lambda: (rows.hook(), None)), backend
+            scale_rows = send(self._backend(layout, scales.shape[1], idx.shape[1], num_experts,
+                                            torch.float32, max_tokens),
+                              to_numpy(scales.to(torch.float32).contiguous()), idx, w)
+            return (lambda: (rows.hook(), np.array(scale_rows.hook().recv_x))), backend
+
+        if self._shrink is not None:  # masking Buffers run blocking calls
+            return self._shrink.call(lambda: issue(x, scales, False))
+        return issue(x, scales, split)
 
     def _allgather(self, value: Any) -> list[Any]:
         gather: Callable[[Any], list[Any]] = self._ep.allgather

@@ -154,16 +154,9 @@ class V2Calls:
         sms = handle.num_sms if handle is not None else self._resolve_num_sms(
             num_sms, args.num_experts, args.idx.shape[1])
 
-        def epilogue() -> tuple[Any, Any, Any, EPHandle]:
-            res = call.hook()
-            if before_epilogue is not None:
-                _wait(before_epilogue)
-            return self._dispatch_outputs(args, res, sent, stats, handle, sms, emit_expert_ids,
-                                          col_major_sf)
-
-        if defer_epilogue:
-            return self._defer(epilogue)
-        return (*epilogue(), EventOverlap(EventHandle()))
+        return self._epilogue(call, before_epilogue, defer_epilogue, lambda res: (
+            self._dispatch_outputs(args, res, sent, stats, handle, sms, emit_expert_ids,
+                                   col_major_sf)))
 
     def _check_dispatch(self, x: Any, topk_idx: Any, topk_weights: Any, stats: Any,
                         num_experts: Any, num_max_tokens_per_rank: Any, expert_alignment: Any,
@@ -422,16 +415,9 @@ class V2Calls:
         call = issue_dispatch(backend, rows, reverse_idx, np.zeros(reverse_idx.shape, np.float32),
                               split=defer_epilogue)
 
-        def epilogue() -> tuple[torch.Tensor, torch.Tensor | None]:
-            res = call.hook()
-            if before_epilogue is not None:
-                _wait(before_epilogue)
-            return self._combine_outputs(res, handle, route, row_bytes, topk_weights is not None,
-                                         biases)
-
-        if defer_epilogue:
-            return self._defer(epilogue)
-        return (*epilogue(), EventOverlap(EventHandle()))
+        return self._epilogue(call, before_epilogue, defer_epilogue, lambda res: (
+            self._combine_outputs(res, handle, route, row_bytes, topk_weights is not None,
+                                  biases)))
 
     def _check_combine(self, x: Any, handle: Any, topk_weights: Any, bias: Any,
                        previous_event: Any, async_: bool, allocate_on_comm_stream: bool,
@@ -554,6 +540,22 @@ class V2Calls:
         if defer_epilogue and not async_:
             raise InvalidArgumentError(
                 "defer_epilogue", True, "needs async_with_compute_stream=True (as DeepEP)")
+
+    def _epilogue(self, call: Any, before_epilogue: Any, defer: bool,
+                  outputs: Callable[[Any], tuple[Any, ...]]) -> Any:
+        """A call's epilogue: its receive half (``call.hook()``), then ``before_epilogue``
+        waited for, then the API's ``outputs`` of the result; run now (the outputs and a done
+        event) or, with ``defer``, at the first ``wait()`` of the event returned."""
+
+        def epilogue() -> tuple[Any, ...]:
+            res = call.hook()
+            if before_epilogue is not None:
+                _wait(before_epilogue)
+            return outputs(res)
+
+        if defer:
+            return self._defer(epilogue)
+        return (*epilogue(), EventOverlap(EventHandle()))
 
     def _defer(self, run: Callable[[], Any]) -> EventOverlap:
         deferred = _Deferred(run)

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from .. import topology as topo
+from ..closing import Closing
 from ..env import timeout_s_from_env
 from ..errors import InvalidArgumentError, PeerLostError, TimeoutError, UbepError
 from ..runtime import reaper as _reaper_script
@@ -113,7 +114,7 @@ def check_same_host(hellos: list[dict[str, Any]]) -> None:
         )
 
 
-class TorchGroup:
+class TorchGroup(Closing):
     """A :class:`ubep.runtime.group.ProcessGroup` over a ``torch.distributed`` group.
 
     Attributes:
@@ -222,12 +223,6 @@ class TorchGroup:
         """Stop using the group (local). The torch group stays the caller's; the directory goes
         when every rank's process has exited."""
         self.closed = True
-
-    def __enter__(self) -> TorchGroup:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (

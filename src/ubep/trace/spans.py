@@ -123,14 +123,13 @@ def from_sim(result: Any, label: str, *, units: bool = True) -> Trace:
     unit, destination, rows and bytes and whose receives the unit and source of the row they
     consumed (so exported flows join them); ``units=False``: its per-core timeline (one send
     and one receive span per core, naming none: a span per row of a large call is too many).
-    Its call span on each rank runs from 0 to the rank's end."""
-    from ..sim.timeline import TASKS
-
+    Its call span on each rank runs from 0 to the rank's end. The timeline names its own task
+    codes (``task_names``): the schema sits below the simulator and imports nothing of it."""
     name = str(getattr(result, "op", "call"))
-    kinds = [_SIM_KIND[t] for t in TASKS]
-    if name == "combine":
-        kinds[TASKS.index("consume")] = "reduce"
     tl = result.unit_timeline() if units else result.timeline
+    kinds = [_SIM_KIND[t] for t in tl.task_names]
+    if name == "combine":
+        kinds[tl.task_names.index("consume")] = "reduce"
     spans = tuple(
         Span(rank, core, kinds[task], start, end, unit, peer, rows, size)
         for rank, core, task, start, end, unit, peer, rows, size in zip(

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from ..closing import Closing
 from ..dtypes import dtype_of
 from ..errors import (
     InvalidArgumentError,
@@ -62,7 +63,7 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-class TritonEngine:
+class TritonEngine(Closing):
     """One rank's Triton engine (collective construction: every rank of ``group``).
 
     Args:
@@ -490,12 +491,6 @@ class TritonEngine:
     def close(self) -> None:
         """Release this rank's mappings (local)."""
         self.arena.close()
-
-    def __enter__(self) -> TritonEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _i64(a: np.ndarray, device: Any) -> Any:

@@ -36,19 +36,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..dtypes import dtype_of
-from ..runtime.abi import HEADER_BYTES
+from ..plane.layout import align_up
+from ..plane.records import HEADER_BYTES, LINE_BYTES
 from .config import TritonConfig
 
 __all__ = ["NOTICE_MESSAGE_BYTES", "TFF_PAYLOAD_BYTES", "ArenaLayout", "arena_bytes",
            "arena_layout", "layout_of"]
 
-_ALIGN = 64
+_ALIGN = LINE_BYTES  # every area starts a cache line of its own
 TFF_PAYLOAD_BYTES = 480  # docs/FORMATS.md: 512-byte blocks, 32 of them flag
 NOTICE_MESSAGE_BYTES = 488
-
-
-def _up(n: int, a: int = _ALIGN) -> int:
-    return -(-n // a) * a
 
 
 @dataclass(frozen=True)
@@ -92,8 +89,8 @@ def arena_layout(*, num_ranks: int, num_local_experts: int, cap_tokens: int, num
     per_src = T if rank_layout else T * min(K, num_local_experts)
     cap_rows = max(1, R * per_src)
     J = R if rank_layout else K
-    row_stride = _up(max(row_bytes, 1))
-    comb_stride = _up(max(comb_row_bytes, 1))
+    row_stride = align_up(max(row_bytes, 1))
+    comb_stride = align_up(max(comb_row_bytes, 1))
     nblk = -(-row_bytes // TFF_PAYLOAD_BYTES)
     cnblk = -(-comb_row_bytes // TFF_PAYLOAD_BYTES)
     off = HEADER_BYTES
@@ -101,7 +98,7 @@ def arena_layout(*, num_ranks: int, num_local_experts: int, cap_tokens: int, num
     def take(n: int) -> int:
         nonlocal off
         start = off
-        off = _up(off + n)
+        off = align_up(off + n)
         return start
 
     counts = take(2 * R * nb * 8)  # the block of parity p at counts + p * R * nb * 8
@@ -110,8 +107,8 @@ def arena_layout(*, num_ranks: int, num_local_experts: int, cap_tokens: int, num
     ready = take(R * 8)
     notice = take(24 + NOTICE_MESSAGE_BYTES)
     route_idx = _ALIGN
-    route_w = _up(route_idx + T * K * 4)
-    route_bytes = _up(route_w + T * K * 4)
+    route_w = align_up(route_idx + T * K * 4)
+    route_bytes = align_up(route_w + T * K * 4)
     route = (take(route_bytes), take(route_bytes))
     recv = take(cap_rows * row_stride)
     words = take(cap_rows * nblk * 8)

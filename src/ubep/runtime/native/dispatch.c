@@ -244,7 +244,7 @@ void reset_send_state(op_t *op) {
 /* receiver: wait for the counts of every source, copy and verify them (this core reads only its
  * copy from here on), then compute where each source's rows of each local expert start
  * (rx_base[s][el]) */
-int recv_bases(op_t *op, int core, int64_t *rx_base, int64_t *n_out) {
+static int recv_bases(op_t *op, int core, int64_t *rx_base, int64_t *n_out) {
     engine_t *g = op->g;
     const int R = g->R, L = g->L;
     int64_t *rows = RX_ROWS(g, core);
@@ -442,7 +442,7 @@ static int recv_sources(op_t *op, int core, const int64_t *rx_base, int reg) {
 }
 
 /* o_nrecv = [num_recv_tokens_per_expert (L) | rows received from each source rank (R)] */
-void recv_counts_out(op_t *op, int core) {
+static void recv_counts_out(op_t *op, int core) {
     engine_t *g = op->g;
     const uint32_t *cnt = RX_CNT(g, core);
     for (int el = 0; el < g->L; el++) {
@@ -451,6 +451,23 @@ void recv_counts_out(op_t *op, int core) {
         op->o_nrecv[el] = tot;
     }
     for (int s = 0; s < g->R; s++) op->o_nrecv[g->L + s] = RX_ROWS(g, core)[s];
+}
+
+/* How ASP's receive and BSP's reorder begin (their span of the bases from rv->t0): the row
+ * bases of every source in this core's rx_base, and on core 0 the call's received rows
+ * (op->n_recv, o_nrecv). */
+int recv_begin(op_t *op, int core, recv_t *rv) {
+    engine_t *g = op->g;
+    rv->t0 = span_t0(g);
+    rv->rx_base = g->rx_base + (int64_t)core * g->R * g->L;
+    rv->n = 0;
+    rv->reg = (int)(op->n % g->nreg);
+    int rc = recv_bases(op, core, rv->rx_base, &rv->n);
+    if (rc == 0 && core == 0) {
+        op->n_recv = rv->n;
+        recv_counts_out(op, core);
+    }
+    return rc;
 }
 
 /* integrity: every row of recv_x against the checksum its sender stored (this core's share;
@@ -475,24 +492,16 @@ int op_checks_rows(const op_t *op) { return op->g->integrity; }
 
 int ph_d_receive(op_t *op, int core) {
     engine_t *g = op->g;
-    const int R = g->R, L = g->L;
-    int64_t *rx_base = g->rx_base + (int64_t)core * R * L;
-    int64_t n = 0;
-    int64_t t0 = span_t0(g);
-    int rc = recv_bases(op, core, rx_base, &n);
+    recv_t rv;
+    int rc = recv_begin(op, core, &rv);
     if (rc) return rc;
     TRACE(g, core, TRACE_D_COUNTS_IN);
-    int reg = (int)(op->n % g->nreg);
-    if (core == 0) {
-        op->n_recv = n;
-        recv_counts_out(op, core);
+    for (int s = core; s < g->R; s += g->C) {
+        if ((rc = recv_metadata(op, core, s, rv.rx_base))) return rc;
     }
-    for (int s = core; s < R; s += g->C) {
-        if ((rc = recv_metadata(op, core, s, rx_base))) return rc;
-    }
-    span_rec(op, core, SK_CUMSUM, t0, -1, -1, n, 0); /* counts in, bases and metadata written */
+    span_rec(op, core, SK_CUMSUM, rv.t0, -1, -1, rv.n, 0); /* counts in, bases, metadata */
     TRACE(g, core, TRACE_D_METADATA);
-    rc = recv_sources(op, core, rx_base, reg);
+    rc = recv_sources(op, core, rv.rx_base, rv.reg);
     TRACE(g, core, TRACE_D_DATA_IN);
     return rc;
 }

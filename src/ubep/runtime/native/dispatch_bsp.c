@@ -132,26 +132,18 @@ int ph_bsp_verify(op_t *op, int core) {
 /* CalCumSum + Token-Reordering: copy staged rows to their final position, fill metadata */
 int ph_bsp_reorder(op_t *op, int core) {
     engine_t *g = op->g;
-    const int R = g->R, L = g->L;
-    int64_t *rx_base = g->rx_base + (int64_t)core * R * L;
-    int64_t n = 0;
-    int64_t t0 = span_t0(g);
-    int rc = recv_bases(op, core, rx_base, &n);
+    recv_t rv;
+    int rc = recv_begin(op, core, &rv);
     if (rc) return rc;
-    span_rec(op, core, SK_CUMSUM, t0, -1, -1, n, 0);
-    int reg = (int)(op->n % g->nreg);
-    if (core == 0) {
-        op->n_recv = n;
-        recv_counts_out(op, core);
-    }
-    uint8_t *stage = land(g, g->rank, reg), *out = outreg(g, g->rank, reg);
-    const uint64_t *sums = g->integrity ? rsum_rows(g, g->rank, reg) : NULL;
-    for (int s = core; s < R; s += g->C) {
-        t0 = span_t0(g);
-        if ((rc = recv_metadata(op, core, s, rx_base))) return rc;
+    span_rec(op, core, SK_CUMSUM, rv.t0, -1, -1, rv.n, 0);
+    uint8_t *stage = land(g, g->rank, rv.reg), *out = outreg(g, g->rank, rv.reg);
+    const uint64_t *sums = g->integrity ? rsum_rows(g, g->rank, rv.reg) : NULL;
+    for (int s = core; s < g->R; s += g->C) {
+        int64_t t0 = span_t0(g);
+        if ((rc = recv_metadata(op, core, s, rv.rx_base))) return rc;
         uint8_t *part = stage + (int64_t)s * g->cap_src_rows * g->slot_bytes;
         int64_t bad = -1;
-        FOR_SOURCE_ROWS(g, core, s, rx_base, pos, rank_, {
+        FOR_SOURCE_ROWS(g, core, s, rv.rx_base, pos, rank_, {
             const uint8_t *slot = part + rank_ * g->slot_bytes;
             uint8_t *dst = out + pos * g->out_stride;
             flag_unstage(g, dst, (uint8_t *)slot);

@@ -458,9 +458,16 @@ void reset_send_state(op_t *op);
 int dst_gone(op_t *op, int core, int d);
 int read_counts(op_t *op, int core, int d, int s, int64_t *rows, uint32_t *cnt);
 int compute_bases(op_t *op, int core, int d, int src, int64_t *out);
-int recv_bases(op_t *op, int core, int64_t *rx_base, int64_t *n_out);
+/* the state a receive starts from (recv_begin): this core's row bases of every source, the
+ * rows received in all, the receive region, the start of the bases' task span */
+typedef struct {
+    int64_t *rx_base;
+    int64_t n;
+    int reg;
+    int64_t t0;
+} recv_t;
+int recv_begin(op_t *op, int core, recv_t *rv);
 int recv_metadata(op_t *op, int core, int s, const int64_t *rx_base);
-void recv_counts_out(op_t *op, int core);
 
 /* dispatch_bsp.c: the global barrier (BSP combine uses it too) */
 int barrier_arrive(op_t *op, int core, int phase);

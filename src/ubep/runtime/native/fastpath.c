@@ -7,13 +7,14 @@
  * DispatchResult and RuntimeHandle) -- the same objects, field for field, that the engine's
  * general path (ubep.plane.host.HostEngine) builds.
  *
- * These are the engine's door (ubep.plane.Engine.dispatch / combine). Only the common case runs
- * here: exact numpy arrays of the Buffer's dtypes, C-contiguous, the shapes the Buffer expects,
- * a handle of this Buffer. Offered anything else without options, it returns None before
- * anything is touched (ubep.buffer converts, or raises the InvalidArgumentError that names the
- * argument, and calls again with options); a call with options that are not the plain ones
- * (split, copy, pre-quantised rows), or with arrays this path does not take, goes to the
- * general path set_fast names.
+ * These are the engine's door (ubep.plane.Engine.dispatch / combine), which each call passes
+ * once. Only the common case runs here: numpy arrays of the Buffer's dtypes and the shapes it
+ * expects, a handle of this Buffer; an array not C-contiguous and aligned is copied into that
+ * layout first (taken()), as the Buffer's checks would. Offered without options a shape it
+ * does not serve, it returns None before anything is touched (ubep.buffer's checks then raise
+ * the InvalidArgumentError that names the argument); a call with options that are not the
+ * plain ones (split, copy, pre-quantised rows), or with arrays this path does not take, goes
+ * to the general path set_fast names.
  */
 #include "engine.h" /* first: Python.h precedes the standard headers */
 
@@ -190,6 +191,23 @@ static int exact(PyObject *o, int type_num, npy_intp rows, npy_intp cols) {
     return PyArray_TYPE(a) == type_num && PyArray_NDIM(a) == 2 && PyArray_DIM(a, 0) == rows &&
            PyArray_DIM(a, 1) == cols && PyArray_IS_C_CONTIGUOUS(a) && PyArray_ISALIGNED(a) &&
            PyArray_ISNOTSWAPPED(a);
+}
+
+/* `o` as the native call reads it, a new reference: `o` itself when exact; for another numpy
+ * array of that shape, a C-contiguous aligned copy (with `cast`, of any numeric type, cast as
+ * np.ascontiguousarray(o, dtype) casts; else of the same type only): the conversion the
+ * Buffer's checks would make, made here so that the call still takes this one door. NULL for
+ * anything else, with an error set only if the copy could not be made. */
+static PyObject *taken(PyObject *o, int type_num, npy_intp rows, npy_intp cols, int cast) {
+    if (exact(o, type_num, rows, cols)) return Py_NewRef(o);
+    if (!PyArray_Check(o)) return NULL;
+    PyArrayObject *a = (PyArrayObject *)o;
+    if (PyArray_NDIM(a) != 2 || PyArray_DIM(a, 0) != rows || PyArray_DIM(a, 1) != cols ||
+        (!cast && PyArray_TYPE(a) != type_num))
+        return NULL;
+    return PyArray_FromAny(o, PyArray_DescrFromType(type_num), 2, 2,
+                           NPY_ARRAY_CARRAY_RO | NPY_ARRAY_ENSUREARRAY | NPY_ARRAY_FORCECAST,
+                           NULL);
 }
 
 /* ---- result building ------------------------------------------------------------------- */
@@ -475,9 +493,9 @@ static PyObject *refill(fast_t *f, int reg, int64_t n, long long index, PyObject
     return Py_NewRef(k->obj[KO_RES]);
 }
 
-/* Not this path's call. Without options (the Buffer's first offer of the caller's arrays):
- * None, nothing was done (the Buffer checks and converts them, then calls again with
- * options). With options: the general path takes it. */
+/* Not this path's call. Without options (the caller's arrays, offered unchecked): None,
+ * nothing was done (a shape the Buffer's checks reject, or outputs that could not be
+ * allocated). With options: the general path takes it. */
 static PyObject *not_this(PyObject *general, PyObject *opts, PyObject *args) {
     if (!opts) Py_RETURN_NONE;
     if (!general) {
@@ -487,26 +505,10 @@ static PyObject *not_this(PyObject *general, PyObject *opts, PyObject *args) {
     return PyObject_Call(general, args, NULL);
 }
 
-/* dispatch(x, topk_idx, topk_weights, epoch, index, generation, plan[, opts]) -> None (no
- * opts, not this path's case: nothing was done; with split opts: the first half ran) |
- * DispatchResult | ErrorRecord (ubep.plane.protocol.Engine.dispatch) */
-PyObject *engine_dispatch_fast(engine_t *g, PyObject *args) {
-    g->trace[TRACE_D_NATIVE] = now_ns(); /* the general path stamps again if it takes the call */
-    dispatch_args_t a;
-    PyObject *generation, *opts = NULL;
-    if (!PyArg_ParseTuple(args, "OOOKLOO|O", &a.x, &a.topk_idx, &a.topk_weights, &a.epoch,
-                          &a.index, &generation, &a.plan, &opts))
-        return NULL;
-    fast_t *f = g->fast;
-    if (opts == Py_None) opts = NULL;
-    if (!f) return not_this(NULL, opts, args);
-    if (opts && opts != f->plain) return not_this(f->general_dispatch, opts, args);
-    if (!PyArray_CheckExact(a.x) || PyArray_NDIM((PyArrayObject *)a.x) != 2)
-        return not_this(f->general_dispatch, opts, args);
-    npy_intp ntok = PyArray_DIM((PyArrayObject *)a.x, 0);
-    if (ntok > g->T || !exact(a.x, f->x_descr->type_num, ntok, g->hidden) ||
-        !exact(a.topk_idx, NPY_INT64, ntok, g->K) || !exact(a.topk_weights, NPY_FLOAT32, ntok, g->K))
-        return not_this(f->general_dispatch, opts, args);
+/* the fast path's dispatch of arrays it took (taken()): outputs, the call, its result */
+static PyObject *dispatch_taken(engine_t *g, fast_t *f, dispatch_args_t *args_in, npy_intp ntok,
+                                PyObject *generation, PyObject *opts, PyObject *args) {
+    dispatch_args_t a = *args_in;
     outputs_t o;
     int reg = (int)(a.index % g->nreg);
     int reuse = f->kept[reg].ntok == ntok && kept_free(&f->kept[reg]);
@@ -549,19 +551,64 @@ PyObject *engine_dispatch_fast(engine_t *g, PyObject *args) {
     return res;
 }
 
-/* whether `rows` expert outputs at `at` lie in a receive region that a dispatch after
+/* dispatch(x, topk_idx, topk_weights, epoch, index, generation, plan[, opts]) -> None (no
+ * opts, not this path's case: nothing was done; with split opts: the first half ran) |
+ * DispatchResult | ErrorRecord (ubep.plane.protocol.Engine.dispatch) */
+PyObject *engine_dispatch_fast(engine_t *g, PyObject *args) {
+    g->trace[TRACE_D_NATIVE] = now_ns(); /* the general path stamps again if it takes the call */
+    dispatch_args_t a;
+    PyObject *generation, *opts = NULL;
+    if (!PyArg_ParseTuple(args, "OOOKLOO|O", &a.x, &a.topk_idx, &a.topk_weights, &a.epoch,
+                          &a.index, &generation, &a.plan, &opts))
+        return NULL;
+    fast_t *f = g->fast;
+    if (opts == Py_None) opts = NULL;
+    if (!f) return not_this(NULL, opts, args);
+    if (opts && opts != f->plain) return not_this(f->general_dispatch, opts, args);
+    if (!PyArray_Check(a.x) || PyArray_NDIM((PyArrayObject *)a.x) != 2)
+        return not_this(f->general_dispatch, opts, args);
+    npy_intp ntok = PyArray_DIM((PyArrayObject *)a.x, 0);
+    /* the arrays as the call reads them (a layout copy where the caller's is not one) */
+    PyObject *held[3] = {NULL, NULL, NULL};
+    if (ntok <= g->T &&
+        (held[0] = taken(a.x, f->x_descr->type_num, ntok, g->hidden, 0)) != NULL &&
+        (held[1] = taken(a.topk_idx, NPY_INT64, ntok, g->K, 0)) != NULL)
+        held[2] = taken(a.topk_weights, NPY_FLOAT32, ntok, g->K, 0);
+    if (!held[2]) {
+        for (int i = 0; i < 3; i++) Py_XDECREF(held[i]);
+        PyErr_Clear(); /* a copy that could not be made: declined, nothing was done */
+        return not_this(f->general_dispatch, opts, args);
+    }
+    a.x = held[0]; a.topk_idx = held[1]; a.topk_weights = held[2];
+    PyObject *res = dispatch_taken(g, f, &a, ntok, generation, opts, args);
+    for (int i = 0; i < 3; i++) Py_DECREF(held[i]);
+    return res;
+}
+
+/* whether the bytes [lo, hi) of expert outputs lie in a receive region that a dispatch after
  * dispatch `index` has filled again (of `num_dispatches` so far): the C side of
  * HostEngine.stale_view (plane/host.py) */
-static int overwritten(engine_t *g, const void *at, npy_intp rows, long long index,
+static int overwritten(engine_t *g, uintptr_t lo, uintptr_t hi, long long index,
                        long long num_dispatches) {
-    const uintptr_t lo = (uintptr_t)at, hi = lo + (uintptr_t)rows * (uintptr_t)g->crow_bytes;
     for (int r = 0; r < g->nreg && r < num_dispatches; r++) {
         const uintptr_t base = (uintptr_t)outreg(g, g->rank, r);
-        if (rows == 0 || hi <= base || lo >= base + (uintptr_t)g->out_bytes) continue;
+        if (hi <= lo || hi <= base || lo >= base + (uintptr_t)g->out_bytes) continue;
         const long long last = num_dispatches - 1 - (num_dispatches - 1 - r) % g->nreg;
         if (last > index) return 1;
     }
     return 0;
+}
+
+/* the first and one-past-last byte an array can reach (plane/host.py's _byte_span) */
+static void byte_span(PyArrayObject *a, uintptr_t *lo, uintptr_t *hi) {
+    *lo = *hi = (uintptr_t)PyArray_DATA(a);
+    for (int d = 0; d < PyArray_NDIM(a); d++) {
+        npy_intp n = PyArray_DIM(a, d), stride = PyArray_STRIDE(a, d);
+        if (n == 0) { *hi = *lo; return; }
+        if (stride < 0) *lo -= (uintptr_t)((n - 1) * -stride);
+        else *hi += (uintptr_t)((n - 1) * stride);
+    }
+    *hi += (uintptr_t)PyArray_ITEMSIZE(a);
 }
 
 /* the handle's field `key` (a borrowed reference), or NULL if absent */
@@ -610,16 +657,26 @@ PyObject *engine_combine_fast(engine_t *g, PyObject *args) {
     npy_intp rows = PyArray_DIM((PyArrayObject *)src, 0);
     int64_t w_dst = g->layout == LAY_EXPERT ? g->K : g->R;
     if (PyErr_Occurred() || index < 0 || index >= num_dispatches || ntok < 0 || ntok > g->T ||
-        rows > g->cap_rows || !exact(idx, NPY_INT64, ntok, g->K) ||
-        !exact(w, NPY_FLOAT32, ntok, g->K) || !exact(dr, NPY_INT64, ntok, w_dst) ||
-        !exact(eo, f->c_descr->type_num, rows, g->hidden) ||
-        overwritten(g, PyArray_DATA((PyArrayObject *)eo), rows, index, num_dispatches))
+        rows > g->cap_rows || !PyArray_Check(eo))
+        goto not_mine;
+    uintptr_t lo, hi;
+    byte_span((PyArrayObject *)eo, &lo, &hi);
+    if (overwritten(g, lo, hi, index, num_dispatches))
         goto not_mine; /* a stale recv_x view: the general path names the dispatch that wrote */
-    PyObject *y = new_y(g, f, (npy_intp)ntok);
+    /* the arrays as the call reads them (a copy where the layout or, for the handle's, the
+     * type is not the call's: what the Buffer's checks convert) */
+    PyObject *held[4] = {NULL, NULL, NULL, NULL};
+    if ((held[0] = taken(eo, f->c_descr->type_num, rows, g->hidden, 0)) != NULL &&
+        (held[1] = taken(idx, NPY_INT64, ntok, g->K, 1)) != NULL &&
+        (held[2] = taken(w, NPY_FLOAT32, ntok, g->K, 1)) != NULL)
+        held[3] = taken(dr, NPY_INT64, ntok, w_dst, 1);
+    PyObject *y = held[3] ? new_y(g, f, (npy_intp)ntok) : NULL;
     if (!y) { /* as dispatch's outputs: the general path's allocation is a clean reject */
+        for (int i = 0; i < 4; i++) Py_XDECREF(held[i]);
         PyErr_Clear();
         goto not_mine;
     }
+    eo = held[0]; idx = held[1]; w = held[2]; dr = held[3];
     /* every array was checked exact above: its memory is passed as is (no buffer protocol) */
     combine_args_t a = {.expert_out = eo, .rows = rows, .topk_idx = idx, .topk_weights = w,
                         .send_dst_row = dr, .num_tokens = ntok, .epoch = epoch,
@@ -637,6 +694,7 @@ PyObject *engine_combine_fast(engine_t *g, PyObject *args) {
     } else {
         Py_DECREF(y);
     }
+    for (int i = 0; i < 4; i++) Py_DECREF(held[i]);
     goto done;
 not_mine:
     if (!PyErr_Occurred()) res = not_this(f->general_combine, opts, args);

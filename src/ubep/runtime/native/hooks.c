@@ -28,6 +28,18 @@ static PyObject *mod_copy(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* get_buf of a buffer of whole `row_bytes`-long rows, read-only; -1 with an error set (and
+ * nothing held) if it is not one */
+static int get_rows(PyObject *o, long long row_bytes, pbuf_t *b) {
+    if (get_buf(o, b, 0, "rows", 0)) { rel_bufs(b, 1); return -1; }
+    if (row_bytes < 1 || b->b.len % row_bytes) {
+        rel_bufs(b, 1);
+        PyErr_SetString(PyExc_ValueError, "rows: length must be a multiple of row_bytes");
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *mod_dc_checksum(PyObject *self, PyObject *args) {
     PyObject *o;
     long long row_bytes;
@@ -35,12 +47,7 @@ static PyObject *mod_dc_checksum(PyObject *self, PyObject *args) {
     (void)self;
     if (!PyArg_ParseTuple(args, "OLK", &o, &row_bytes, &epoch)) return NULL;
     pbuf_t b;
-    if (get_buf(o, &b, 0, "rows", 0)) { rel_bufs(&b, 1); return NULL; }
-    if (row_bytes < 1 || b.b.len % row_bytes) {
-        rel_bufs(&b, 1);
-        PyErr_SetString(PyExc_ValueError, "rows: length must be a multiple of row_bytes");
-        return NULL;
-    }
+    if (get_rows(o, row_bytes, &b)) return NULL;
     uint64_t sum = dc_batch_sum(b.b.buf, row_bytes, b.b.len / row_bytes, row_bytes, epoch);
     rel_bufs(&b, 1);
     return PyLong_FromUnsignedLongLong(sum);
@@ -171,12 +178,7 @@ static PyObject *mod_row_sums(PyObject *self, PyObject *args) {
     (void)self;
     if (!PyArg_ParseTuple(args, "OL", &o, &row_bytes)) return NULL;
     pbuf_t b;
-    if (get_buf(o, &b, 0, "rows", 0)) { rel_bufs(&b, 1); return NULL; }
-    if (row_bytes < 1 || b.b.len % row_bytes) {
-        rel_bufs(&b, 1);
-        PyErr_SetString(PyExc_ValueError, "rows: length must be a multiple of row_bytes");
-        return NULL;
-    }
+    if (get_rows(o, row_bytes, &b)) return NULL;
     int64_t n = b.b.len / row_bytes;
     PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n * 8));
     if (!out) { rel_bufs(&b, 1); return NULL; }

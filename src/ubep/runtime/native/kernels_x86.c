@@ -220,39 +220,47 @@ AVX2 static inline void add4(__m256 a[4], __m256 f0, __m256 f1, __m256 f2, __m25
     a[3] = _mm256_add_ps(a[3], f3);
 }
 
-/* REDUCE[dt]: y[i] = round(sum_j t_j[i]) (kernels.h), 32 (16) accumulators in registers */
-AVX2 void reduce_bf16_avx2(void *y, const void *const *src, const float *w, int nt, int64_t n,
-                           int weighted, const void *const *next, int nnext) {
+/* REDUCE[dt]: y[i] = round(sum_j t_j[i]) (kernels.h), 32 (16) accumulators in registers.
+ * The BF16 and FP32 kernels share this loop over whole 32-element blocks (returns where the
+ * tail starts); `dt`, a constant once inlined, picks how a source's block is widened to four
+ * float32 vectors and how the sums are stored. */
+__attribute__((always_inline)) AVX2 static inline int64_t reduce32(
+    int dt, void *y, const void *const *src, const float *w, int nt, int64_t n, int weighted,
+    const void *const *next, int nnext) {
+    const int64_t elem_bytes = dt == DT_FP32 ? 4 : 2;
     int64_t i = 0;
     for (; i + 32 <= n; i += 32) {
         __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                        _mm256_setzero_ps()};
-        prefetch_next(next, nnext, i * 2, 64);
+        prefetch_next(next, nnext, i * elem_bytes, 32 * elem_bytes);
         for (int j = 0; j < nt; j++) {
-            const uint16_t *v = (const uint16_t *)src[j] + i;
-            __m256i h0 = _mm256_loadu_si256((const __m256i *)v);
-            __m256i h1 = _mm256_loadu_si256((const __m256i *)(v + 16));
-            add4(a, bf16_lo_f32(h0), bf16_hi_f32(h0), bf16_lo_f32(h1), bf16_hi_f32(h1), weighted,
-                 weighted ? w[j] : 0.0f);
+            if (dt == DT_FP32) {
+                const float *v = (const float *)src[j] + i;
+                add4(a, _mm256_loadu_ps(v), _mm256_loadu_ps(v + 8), _mm256_loadu_ps(v + 16),
+                     _mm256_loadu_ps(v + 24), weighted, weighted ? w[j] : 0.0f);
+            } else {
+                const uint16_t *v = (const uint16_t *)src[j] + i;
+                __m256i h0 = _mm256_loadu_si256((const __m256i *)v);
+                __m256i h1 = _mm256_loadu_si256((const __m256i *)(v + 16));
+                add4(a, bf16_lo_f32(h0), bf16_hi_f32(h0), bf16_lo_f32(h1), bf16_hi_f32(h1),
+                     weighted, weighted ? w[j] : 0.0f);
+            }
         }
-        store32_bf16((uint16_t *)y + i, a[0], a[1], a[2], a[3], 1);
+        if (dt == DT_FP32)
+            store32_fp32((float *)y + i, a[0], a[1], a[2], a[3]);
+        else
+            store32_bf16((uint16_t *)y + i, a[0], a[1], a[2], a[3], 1);
     }
+    return i;
+}
+AVX2 void reduce_bf16_avx2(void *y, const void *const *src, const float *w, int nt, int64_t n,
+                           int weighted, const void *const *next, int nnext) {
+    int64_t i = reduce32(DT_BF16, y, src, w, nt, n, weighted, next, nnext);
     reduce_tail(DT_BF16, y, src, w, nt, i, n, weighted);
 }
 AVX2 void reduce_fp32_avx2(void *y, const void *const *src, const float *w, int nt, int64_t n,
                            int weighted, const void *const *next, int nnext) {
-    int64_t i = 0;
-    for (; i + 32 <= n; i += 32) {
-        __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                       _mm256_setzero_ps()};
-        prefetch_next(next, nnext, i * 4, 128);
-        for (int j = 0; j < nt; j++) {
-            const float *v = (const float *)src[j] + i;
-            add4(a, _mm256_loadu_ps(v), _mm256_loadu_ps(v + 8), _mm256_loadu_ps(v + 16),
-                 _mm256_loadu_ps(v + 24), weighted, weighted ? w[j] : 0.0f);
-        }
-        store32_fp32((float *)y + i, a[0], a[1], a[2], a[3]);
-    }
+    int64_t i = reduce32(DT_FP32, y, src, w, nt, n, weighted, next, nnext);
     reduce_tail(DT_FP32, y, src, w, nt, i, n, weighted);
 }
 AVX2_F16C void reduce_fp16_hw(void *y, const void *const *src, const float *w, int nt, int64_t n,

@@ -5,13 +5,17 @@
  * dispatch_bsp.c and combine.c (phases.h). */
 #include "phases.h" /* first: engine.h's Python.h precedes the standard headers */
 
-/* BSP's global barriers: dispatch's two SyncAll, combine's one (the barrier index) */
-static int ph_b1_arrive(op_t *op, int core) { return barrier_arrive(op, core, 1); }
-static int ph_b1_wait(op_t *op, int core) { return barrier_wait(op, core, 1); }
-static int ph_b2_arrive(op_t *op, int core) { return barrier_arrive(op, core, 2); }
-static int ph_b2_wait(op_t *op, int core) { return barrier_wait(op, core, 2); }
-static int ph_cb_arrive(op_t *op, int core) { return barrier_arrive(op, core, 3); }
-static int ph_cb_wait(op_t *op, int core) { return barrier_wait(op, core, 3); }
+/* BSP's global barriers (dispatch's two SyncAll, combine's one; the index names the barrier's
+ * words), each two phases of every core: arrive, then wait for every peer's arrival */
+#define GLOBAL_BARRIER(name, index)                                                          \
+    static int name##_arrive(op_t *op, int core) { return barrier_arrive(op, core, index); } \
+    static int name##_wait(op_t *op, int core) { return barrier_wait(op, core, index); }
+GLOBAL_BARRIER(ph_b1, 1)
+GLOBAL_BARRIER(ph_b2, 2)
+GLOBAL_BARRIER(ph_cb, 3)
+/* a barrier's two rows of a phase list */
+#define SYNC_ALL(name) \
+    {name##_arrive, 1, 1, NULL, SK_BARRIER}, {name##_wait, 1, 1, NULL, SK_BARRIER}
 
 static int ph_none(op_t *op, int core) {
     (void)op;
@@ -34,31 +38,30 @@ static const phase_t BSP_DISPATCH_PHASES[] = {
     {ph_d_quant, 1, 1, op_quantises, SK_QUANT}, /* quantised rows only */
     {ph_bsp_prepare, 0, 1, NULL, SK_INIT},  /* Init */
     {ph_bsp_send, 1, 1, NULL, SK_OWN},     /* Token-Sending */
-    {ph_b1_arrive, 1, 1, NULL, SK_BARRIER},    /* SyncAll */
-    {ph_b1_wait, 1, 1, NULL, SK_BARRIER},
+    SYNC_ALL(ph_b1),    /* SyncAll */
     {ph_bsp_flags, 1, 1, NULL, SK_FLAG},    /* SendFlag & TokenCnt */
     {ph_bsp_verify, 1, 1, NULL, SK_VERIFY},   /* Verification */
-    {ph_b2_arrive, 1, 1, NULL, SK_BARRIER},    /* SyncAll */
-    {ph_b2_wait, 1, 1, NULL, SK_BARRIER},
+    SYNC_ALL(ph_b2),    /* SyncAll */
     {ph_bsp_reorder, 1, 1, NULL, SK_OWN},  /* CalCumSum + Token-Reordering */
     {ph_bsp_dst_rows, 0, 0, NULL, SK_CUMSUM},
 };
 const phase_list_t BSP_DISPATCH = PHASE_LIST(BSP_DISPATCH_PHASES, 2, 6);
 
+/* the combine's first half, the same in both graphs: expert outputs into the segment, their
+ * place published (BSP then adds its barrier before the reduce) */
+#define COMBINE_PUBLISH                                                                    \
+    {ph_c_prepare, 0, 1, NULL, SK_INIT}, {ph_c_copy, 1, 1, NULL, SK_COPY},                \
+        {ph_c_publish, 0, 1, NULL, SK_FLAG}
+
 static const phase_t ASP_COMBINE_PHASES[] = {
-    {ph_c_prepare, 0, 1, NULL, SK_INIT},
-    {ph_c_copy, 1, 1, NULL, SK_COPY},
-    {ph_c_publish, 0, 1, NULL, SK_FLAG},
+    COMBINE_PUBLISH,
     {ph_c_reduce, 1, 0, NULL, SK_REDUCE},
 };
 const phase_list_t ASP_COMBINE = PHASE_LIST(ASP_COMBINE_PHASES, 3, 3);
 
 static const phase_t BSP_COMBINE_PHASES[] = {
-    {ph_c_prepare, 0, 1, NULL, SK_INIT},
-    {ph_c_copy, 1, 1, NULL, SK_COPY},
-    {ph_c_publish, 0, 1, NULL, SK_FLAG},
-    {ph_cb_arrive, 1, 1, NULL, SK_BARRIER},
-    {ph_cb_wait, 1, 1, NULL, SK_BARRIER},
+    COMBINE_PUBLISH,
+    SYNC_ALL(ph_cb),
     {ph_c_reduce, 1, 0, NULL, SK_REDUCE},
 };
 const phase_list_t BSP_COMBINE = PHASE_LIST(BSP_COMBINE_PHASES, 3, 4);

@@ -4,31 +4,23 @@
 
 #include "engine.h"
 
+/* every phase has phase_fn's type (engine.h): the function type, to declare them by */
+typedef int phase_body(op_t *op, int core);
+
 /* dispatch.c: quantised rows (op->quant: a first phase, every core its share of the tokens),
  * ASP's receive */
-int ph_d_quant(op_t *op, int core);
+phase_body ph_d_quant, ph_d_receive, ph_d_check;
 int op_quantises(const op_t *op);
-int ph_d_receive(op_t *op, int core);
-int ph_d_check(op_t *op, int core);
 int op_checks_rows(const op_t *op);
 
 /* dispatch_send.c: ASP's prepare, count tasks and sends */
-int ph_d_prepare(op_t *op, int core);
-int ph_d_count(op_t *op, int core);
-int ph_d_send(op_t *op, int core);
+phase_body ph_d_prepare, ph_d_count, ph_d_send;
 
 /* dispatch_bsp.c */
-int ph_bsp_prepare(op_t *op, int core);
-int ph_bsp_send(op_t *op, int core);
-int ph_bsp_flags(op_t *op, int core);
-int ph_bsp_verify(op_t *op, int core);
-int ph_bsp_reorder(op_t *op, int core);
-int ph_bsp_dst_rows(op_t *op, int core);
+phase_body ph_bsp_prepare, ph_bsp_send, ph_bsp_flags, ph_bsp_verify, ph_bsp_reorder,
+    ph_bsp_dst_rows;
 
 /* combine.c */
-int ph_c_prepare(op_t *op, int core);
-int ph_c_copy(op_t *op, int core);
-int ph_c_publish(op_t *op, int core);
-int ph_c_reduce(op_t *op, int core);
+phase_body ph_c_prepare, ph_c_copy, ph_c_publish, ph_c_reduce;
 
 #endif /* UBEP_PHASES_H */

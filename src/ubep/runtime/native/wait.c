@@ -14,34 +14,41 @@
 #include <stdlib.h>
 #include <string.h>
 
-int op_error(op_t *op, int code, int core, int peer, const char *fmt, ...) {
+/* The first error of an operation wins: its code, core, peer and description (and, for bad
+ * input, the argument and value); every core is told to abort. Returns `code`. */
+static int claim_error(op_t *op, int code, int core, int peer, const char *arg,
+                       const char *value, const char *fmt, va_list ap)
+    __attribute__((format(printf, 7, 0)));
+static int claim_error(op_t *op, int code, int core, int peer, const char *arg,
+                       const char *value, const char *fmt, va_list ap) {
     int expected = 0;
     if (atomic_compare_exchange_strong(&op->err, &expected, code)) {
         op->err_core = core;
         op->err_peer = peer;
-        va_list ap;
-        va_start(ap, fmt);
+        if (arg) {
+            snprintf(op->arg, sizeof op->arg, "%s", arg);
+            snprintf(op->msg, sizeof op->msg, "%s", value);
+        }
         vsnprintf(op->what, sizeof op->what, fmt, ap);
-        va_end(ap);
     }
     atomic_store(&op->abort, 1);
     return code;
 }
 
+int op_error(op_t *op, int code, int core, int peer, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    claim_error(op, code, core, peer, NULL, NULL, fmt, ap);
+    va_end(ap);
+    return code;
+}
+
 /* bad input: `value` names the offending value, the format the problem */
 int bad_input(op_t *op, const char *arg, const char *value, const char *fmt, ...) {
-    int expected = 0;
-    if (atomic_compare_exchange_strong(&op->err, &expected, E_BAD_INPUT)) {
-        op->err_core = 0;
-        op->err_peer = op->g->rank;
-        snprintf(op->arg, sizeof op->arg, "%s", arg);
-        snprintf(op->msg, sizeof op->msg, "%s", value);
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(op->what, sizeof op->what, fmt, ap);
-        va_end(ap);
-    }
-    atomic_store(&op->abort, 1);
+    va_list ap;
+    va_start(ap, fmt);
+    claim_error(op, E_BAD_INPUT, 0, op->g->rank, arg, value, fmt, ap);
+    va_end(ap);
     return E_BAD_INPUT;
 }
 
