@@ -15,9 +15,13 @@
 
 from __future__ import annotations
 
+from ._world_pin import import_before_init
 from .backend import EPBackend, LocalBackend, LocalWorld, as_backend, run_threads
 from .moe import MoELayer, route
 from .ops import DispatchResult, Handle, combine, dispatch
+
+# Before init_process_group, or a later optimizer pins the default group for life (_world_pin).
+import_before_init()
 
 __all__ = [
     "DispatchResult",

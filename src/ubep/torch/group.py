@@ -25,6 +25,14 @@ exactly as in a group of ``ubep.launch``:
   directory (segment markers) and, once every rank's process is gone, unlinks whatever segment a
   killed rank left named and removes the directory. Nothing of the group survives its
   processes, SIGKILL included.
+* **Lifetime**: ubep holds the torch group *weakly* (the cache and every ``TorchGroup``): torch
+  owns it (``dist.destroy_process_group`` drops it), and a ubep object kept past that point must
+  not keep it alive. A live gloo group keeps its worker threads, and a worker still releasing the
+  tensors of a finished collective when the interpreter exits cannot take the GIL: the thread
+  is unwound through C++ code that may not throw and the process aborts ("terminate called
+  without an active exception") after the program itself succeeded. Destroyed by torch, the
+  group joins its workers there and then. After that, a ubep call that needs the control plane
+  raises ``ubep.UbepError`` saying the torch group is gone.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import socket
 import subprocess
 import threading
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -61,7 +70,8 @@ _BOOT_ID = "/proc/sys/kernel/random/boot_id"
 _CPU_BACKENDS = ("gloo", "mpi", "ucc")
 
 _cache_lock = threading.Lock()
-_cache: dict[int, tuple[Any, TorchGroup]] = {}
+# Keyed weakly by the torch group (the value holds it weakly too): an entry goes with its group.
+_cache: weakref.WeakKeyDictionary[Any, TorchGroup] = weakref.WeakKeyDictionary()
 
 
 def from_torch(
@@ -74,15 +84,14 @@ def from_torch(
     shares one bootstrap and one cleaner process. ``topology``/``timeout_s`` apply to the first
     call only."""
     with _cache_lock:
-        hit = _cache.get(id(group))
-        # The entry holds the torch group itself, so its id cannot be reused by another object.
-        if hit is not None and hit[0] is group and not hit[1].closed:
-            return hit[1]
+        hit = _cache.get(group)
+        if hit is not None and not hit.closed:
+            return hit
     # Built outside the lock: the bootstrap waits for peers, and a thread bootstrapping another
     # torch group meanwhile must not wait for this one.
     made = TorchGroup(group, topology=topology, timeout_s=timeout_s)
     with _cache_lock:
-        _cache[id(group)] = (group, made)
+        _cache[group] = made
     return made
 
 
@@ -118,7 +127,8 @@ class TorchGroup(Closing):
     """A :class:`ubep.runtime.group.ProcessGroup` over a ``torch.distributed`` group.
 
     Attributes:
-        torch_group: the torch.distributed group it runs over.
+        torch_group: the torch.distributed group it runs over (held weakly: module docstring;
+            reading it after torch destroyed the group raises ``ubep.UbepError``).
         rank: this process's rank in ``torch_group`` (not the world rank).
         num_ranks: ranks in ``torch_group``.
         topology: the fabric model (default: the host's, from the ranks' CPU affinities and
@@ -132,7 +142,7 @@ class TorchGroup(Closing):
         self, group: Any, *, topology: topo.Topology | None = None, timeout_s: float | None = None
     ) -> None:
         _check_torch_group(group)
-        self.torch_group = group
+        self._torch_group = weakref.ref(group)
         self.rank = int(dist.get_rank(group))
         self.num_ranks = int(dist.get_world_size(group))
         if topology is not None and topology.num_ranks != self.num_ranks:
@@ -173,6 +183,16 @@ class TorchGroup(Closing):
         self.peers = [PeerProcess(r, h["pid"], h["start_time"]) for r, h in enumerate(hellos)]
         if topology is None:
             self.topology = host_topology([h["cpus"] for h in hellos])
+
+    @property
+    def torch_group(self) -> Any:
+        group = self._torch_group()
+        if group is None:
+            raise UbepError(
+                f"rank {self.rank}: the torch.distributed group this ubep group ran over is gone "
+                "(dist.destroy_process_group ran): create the Buffer on a live group"
+            )
+        return group
 
     # --- ProcessGroup -------------------------------------------------------------------
 
