@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -61,6 +62,7 @@ import torch
 from torch import nn
 
 from ..errors import InvalidArgumentError, PeerLostError, TimeoutError
+from ..torch_bridge import is_torch_group
 from .backend import EPBackend
 from .ops import combine, dispatch
 
@@ -97,7 +99,9 @@ def register(group: Any = None, *, name: str = NAME, **buffer_options: Any) -> N
     from transformers.integrations.moe import ExpertsInterface
 
     with _lock:
-        _registry["group"] = group
+        # A torch group is torch's to free (dist.destroy_process_group): held weakly, as
+        # ubep.torch.group holds it, so a registration never keeps its threads alive.
+        _registry["group"] = weakref.ref(group) if is_torch_group(group) else group
         _registry["options"] = dict(buffer_options)
         _buffers.clear()
         _names.add(name)
@@ -190,9 +194,7 @@ def _group_allgather(model: nn.Module) -> Callable[[Any], list[Any]]:
                     "backend", type(backend).__name__, "has no allgather(value) to sync steps on"
                 )
             return gather
-    group = _registry.get("group")
-    if group is None:
-        raise InvalidArgumentError("group", None, _FORGOT_REGISTER)
+    group = _registered_group()
     from ..torch_bridge import as_process_group
 
     return as_process_group(group).allgather
@@ -274,14 +276,27 @@ def _install() -> None:
     _install_construction_check()
 
 
+def _registered_group() -> Any:
+    """The group given to :func:`register` (a torch group is held weakly)."""
+    group = _registry.get("group")
+    if isinstance(group, weakref.ref):
+        group = group()
+        if group is None:
+            raise InvalidArgumentError(
+                "group", "destroyed", "the torch.distributed group given to register() is gone "
+                "(dist.destroy_process_group ran): register() a live group"
+            )
+    if group is None:
+        raise InvalidArgumentError("group", None, _FORGOT_REGISTER)
+    return group
+
+
 # --------------------------------------------------------------------------- the forward
 def _backend_for(module: Any, hidden_states: torch.Tensor, num_topk: int) -> EPBackend:
     backend = getattr(module, "_ubep_backend", None)
     if backend is not None:
         return backend
-    group = _registry.get("group")
-    if group is None:
-        raise InvalidArgumentError("group", None, _FORGOT_REGISTER)
+    group = _registered_group()
     key = (
         id(group),
         hidden_states.shape[-1],
