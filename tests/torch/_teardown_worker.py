@@ -6,8 +6,9 @@ Buffer, its ubep group, a Hugging Face registration), and builds an optimizer (t
 imports ``torch._dynamo`` and with it ``torch.distributed.nn.functional``; so does
 ``ubep.torch.hf``, imported here after init as a program may). Then it destroys the group and
 records whether the group object was freed, whether a function of that torch module holds it
-as a default argument, and how many threads the process has before init and after destroy
-(a live gloo group keeps its worker threads).
+as a default argument, how many threads the process has before init and after destroy (a live
+gloo group keeps its worker threads), and what the kept ubep group says when asked for a
+barrier afterwards.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def main(out: str) -> int:
                             dtype=torch.float32)
     buffer = ubep.Buffer(dist.group.WORLD, cfg)
     buffer.close()
-    KEPT.extend([buffer, from_torch(dist.group.WORLD)])
+    kept_group = from_torch(dist.group.WORLD)
+    KEPT.extend([buffer, kept_group])
     from ubep.torch import hf  # after init: its imports include PINNING_MODULE
 
     hf.register(dist.group.WORLD)
@@ -63,6 +65,11 @@ def main(out: str) -> int:
     gc.collect()
     record = {"group_freed": ref() is None, "pinned_by_defaults": pinned,
               "threads_before_init": threads_before_init, "threads_after_destroy": threads()}
+    try:  # the kept ubep group, asked for a collective over the destroyed group
+        kept_group.barrier()
+        record["barrier_after_destroy"] = ""
+    except ubep.UbepError as exc:
+        record["barrier_after_destroy"] = str(exc)
     with open(os.path.join(out, f"teardown.{rank}.json"), "w") as f:
         json.dump(record, f)
     return 0

@@ -8,7 +8,8 @@ rank aborts ("terminate called without an active exception") after the program s
 (examples/train_step.py did, about one run in seven). Whether that abort happens is a race;
 whether the group is freed is not, and that is what is checked here: the group object is gone
 (a weak reference), no function default holds it, and the process has as many threads after
-``destroy_process_group`` as before ``init_process_group`` (the gloo workers were joined).
+``destroy_process_group`` as before ``init_process_group`` (the gloo workers were joined). A
+ubep group kept past that point refuses a collective with an error that says why.
 """
 
 from __future__ import annotations
@@ -34,3 +35,6 @@ def test_destroy_process_group_frees_the_group_ubep_ran_over(tmp_path: Path) -> 
         assert not got["pinned_by_defaults"], (rank, got)
         assert got["group_freed"], (rank, got)
         assert got["threads_after_destroy"] == got["threads_before_init"], (rank, got)
+        # A ubep object kept past destroy_process_group says so, instead of using a freed group.
+        assert f"rank {rank}: the torch.distributed group" in got["barrier_after_destroy"], got
+        assert "destroy_process_group ran" in got["barrier_after_destroy"], got
