@@ -2,13 +2,13 @@
 
 After ``init_process_group`` the rank builds a Buffer on the default group and closes it, keeps
 every ubep object that refers to the group past ``dist.destroy_process_group`` (the closed
-Buffer, its ubep group, a Hugging Face registration), and builds an optimizer (the first one
-imports ``torch._dynamo`` and with it ``torch.distributed.nn.functional``; so does
-``ubep.torch.hf``, imported here after init as a program may). Then it destroys the group and
-records whether the group object was freed, whether a function of that torch module holds it
-as a default argument, how many threads the process has before init and after destroy (a live
-gloo group keeps its worker threads), and what the kept ubep group says when asked for a
-barrier afterwards.
+Buffer, its ubep group, a DeepEP Buffer, a Hugging Face registration), and builds an optimizer
+(the first one imports ``torch._dynamo`` and with it ``torch.distributed.nn.functional``; so
+does ``ubep.torch.hf``, imported here after init as a program may). Then it destroys the group
+and records whether the group object was freed, whether a function of that torch module holds
+it as a default argument, how many threads the process has before init and after destroy (a
+live gloo group keeps its worker threads), what the DeepEP Buffer's ``group`` was before and
+after, and what the kept ubep group says when asked for a barrier afterwards.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 import ubep
 import ubep.torch  # before init_process_group, as a program imports it
+from ubep import deep_ep
 from ubep.torch.group import from_torch
 
 KEPT: list[object] = []  # ubep objects kept to the end, as a program's globals are
@@ -55,7 +56,9 @@ def main(out: str) -> int:
     buffer = ubep.Buffer(dist.group.WORLD, cfg)
     buffer.close()
     kept_group = from_torch(dist.group.WORLD)
-    KEPT.extend([buffer, kept_group])
+    deepep = deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=0)
+    deepep_group_before = deepep.group is dist.group.WORLD
+    KEPT.extend([buffer, kept_group, deepep])
     from ubep.torch import hf  # after init: its imports include PINNING_MODULE
 
     hf.register(dist.group.WORLD)
@@ -65,6 +68,8 @@ def main(out: str) -> int:
     gc.collect()
     record = {"group_freed": ref() is None, "pinned_by_defaults": pinned,
               "threads_before_init": threads_before_init, "threads_after_destroy": threads()}
+    # DeepEP's Buffer.group: the group given while it lives, None once torch freed it.
+    record["deepep_group"] = [deepep_group_before, deepep.group is None]
     try:  # the kept ubep group, asked for a collective over the destroyed group
         kept_group.barrier()
         record["barrier_after_destroy"] = ""

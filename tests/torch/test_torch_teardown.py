@@ -35,6 +35,7 @@ def test_destroy_process_group_frees_the_group_ubep_ran_over(tmp_path: Path) -> 
         assert not got["pinned_by_defaults"], (rank, got)
         assert got["group_freed"], (rank, got)
         assert got["threads_after_destroy"] == got["threads_before_init"], (rank, got)
+        assert got["deepep_group"] == [True, True], got  # DeepEP's Buffer.group, then None
         # A ubep object kept past destroy_process_group says so, instead of using a freed group.
         assert f"rank {rank}: the torch.distributed group" in got["barrier_after_destroy"], got
         assert "destroy_process_group ran" in got["barrier_after_destroy"], got

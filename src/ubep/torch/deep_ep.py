@@ -64,6 +64,7 @@ from .deep_ep_types import (
     _event,
     _Route,
 )
+from .group import held
 
 __all__ = [
     "Buffer",
@@ -142,7 +143,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
                 "max_tokens_per_rank", max_tokens_per_rank, "must be a positive integer"
             )
         self._ep = _ep_group(group, comm)
-        self.group = group if group is not None else comm
+        self._group = held(group if group is not None else comm)  # torch's to free
         self.rank = int(self._ep.rank)
         self.group_size = int(self._ep.num_ranks)
         self.expert_ranks = check_facade_expert_ranks(
@@ -172,6 +173,12 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         self._destroyed = False
 
     # ------------------------------------------------------------------ static helpers
+    @property
+    def group(self) -> Any:
+        """The ``group`` (or ``comm``) given, as DeepEP keeps it; a torch group is held weakly
+        (``None`` once ``dist.destroy_process_group`` freed it: docs/PORTING.md, teardown)."""
+        return self._group()
+
     @staticmethod
     def is_sm90_compiled() -> bool:
         """True: FP8 (e4m3) payloads work, the capability DeepEP's SM90 build gates."""

@@ -37,6 +37,7 @@ from .deep_ep_v2_types import (
     EPHandle,
     get_num_allocation_alignment,
 )
+from .group import held
 
 __all__ = [
     "EPBuffer",
@@ -105,7 +106,7 @@ class _V2Buffer(V2Calls, LoadBalanceCalls):
                           max_tokens_per_rank=max(num_max_tokens_per_rank, 1), **options)
         self._uid = object()
         self._pending: list[_Deferred] = []
-        self.group = group if group is not None else comm
+        self._group = held(group if group is not None else comm)  # torch's to free
         self.rank_idx, self.num_ranks = self._v1.rank, self._v1.group_size
         if num_bytes is None:  # informational, as the hint (ubep sizes per call shape)
             num_bytes = self.get_buffer_size_hint(
@@ -142,6 +143,12 @@ class _V2Buffer(V2Calls, LoadBalanceCalls):
         self.barrier()  # as DeepEP: every rank constructed before any call
 
     # ------------------------------------------------------------------ DeepEP's calls
+    @property
+    def group(self) -> Any:
+        """The ``group`` (or ``comm``) given, as DeepEP keeps it; a torch group is held weakly
+        (``None`` once ``dist.destroy_process_group`` freed it: docs/PORTING.md, teardown)."""
+        return self._group()
+
     def destroy(self) -> None:
         """Release the ubep Buffers and regions (collective; needs ``explicitly_destroy``)."""
         if not self.explicitly_destroy:

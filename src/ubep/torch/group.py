@@ -46,6 +46,7 @@ import subprocess
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -61,7 +62,7 @@ from ..runtime.group import PeerProcess, ShmGlobalMemory, map_shm_global, proces
 from ..runtime.host_topology import host_topology, own_cpus
 from ..runtime.poll import Backoff, wait_until
 
-__all__ = ["TorchGroup", "check_same_host", "from_torch", "host_identity"]
+__all__ = ["TorchGroup", "check_same_host", "from_torch", "held", "host_identity"]
 
 # Sleep a little between polls, longer the longer the wait: control-plane calls are rare.
 _BACKOFF = Backoff(sleep_slope=0.05)
@@ -93,6 +94,15 @@ def from_torch(
     with _cache_lock:
         _cache[group] = made
     return made
+
+
+def held(group: Any) -> Callable[[], Any]:
+    """A way back to ``group`` that never keeps a torch group alive (module docstring,
+    Lifetime): a weak reference to a ``torch.distributed`` group (``None`` once torch freed it),
+    the object itself for anything else (an MPI communicator, a ubep group)."""
+    if isinstance(group, dist.ProcessGroup):
+        return weakref.ref(group)
+    return lambda: group
 
 
 def host_identity() -> dict[str, str]:
