@@ -14,31 +14,12 @@ from typing import Any
 import numpy as np
 
 import ubep
+from tests._engine_spy import EngineSpy
 from ubep import reference, testing
 from ubep.errors import InvalidArgumentError
 
 E, K, H = 16, 4, 256
 TOKENS = [6, 5]
-
-
-class _Counting:
-    """The Buffer's engine, counting the calls of its two doors."""
-
-    def __init__(self, engine: Any) -> None:
-        self._engine = engine
-        self.calls = {"dispatch": 0, "combine": 0}
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
-
-    def dispatch(self, *args: Any) -> Any:
-        self.calls["dispatch"] += 1
-        return self._engine.dispatch(*args)
-
-    def combine(self, *args: Any) -> Any:
-        self.calls["combine"] += 1
-        return self._engine.combine(*args)
-
 
 def _strided(a: np.ndarray) -> np.ndarray:
     """``a``'s values in a non-contiguous array (every other column of a wider one)."""
@@ -79,7 +60,7 @@ def _worker(group: Any, layout: str) -> dict[str, Any]:
             for q, ref in enumerate(refs)]
     y_ref = reference.combine(outs, refs)[r]
     with ubep.Buffer(group, cfg) as buf:
-        engine = _Counting(buf._engine)
+        engine = EngineSpy(buf._engine)
         buf._engine = buf._fast = engine  # type: ignore[assignment]
         for name, passed in DISPATCH_CASES.items():
             engine.calls["dispatch"] = 0

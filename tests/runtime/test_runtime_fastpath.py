@@ -18,35 +18,13 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests._engine_spy import EngineSpy
 from ubep import reference, testing
 from ubep.buffer import Buffer, BufferConfig
 from ubep.errors import InvalidArgumentError, UbepError
 from ubep.runtime import launch
 
 E, K, H = 16, 4, 256
-
-
-class _Spy:
-    """The engine's fast entries, counting the calls they ran themselves (not None)."""
-
-    def __init__(self, engine: Any) -> None:
-        self._engine = engine
-        self.ran = {"dispatch": 0, "combine": 0}
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
-
-    def _count(self, name: str, *args: Any) -> Any:
-        got = getattr(self._engine, name)(*args)
-        self.ran[name] += got is not None
-        return got
-
-    def dispatch(self, *args: Any) -> Any:
-        return self._count("dispatch", *args)
-
-    def combine(self, *args: Any) -> Any:
-        return self._count("combine", *args)
-
 
 class _Sub(np.ndarray):
     """A numpy array of a subclass: never offered to the one-call path as it is."""
@@ -84,7 +62,7 @@ def _worker(group: Any, layout: str, sync: str, quant: str | None, cores: int) -
                        layout=layout, sync=sync, quant=quant, num_cores=cores)
     r, errors = group.rank, []
     with Buffer(group, cfg) as buf:
-        spy = _Spy(buf._fast)
+        spy = EngineSpy(buf._fast)
         buf._fast = spy  # type: ignore[assignment]
         for seed, tokens in enumerate(([12, 7], [0, 5], [3, 3])):
             xs, idxs, ws = testing.inputs(dtype, E, K, H, tokens, seed, "uniform")
