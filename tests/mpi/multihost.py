@@ -15,6 +15,9 @@ from typing import Any
 from tests.mpi.netns import HostBed
 from tests.mpi.test_mpi import REPO_ROOT, _mpiexec
 
+# the fixture make_bed (tests/mpi/conftest.py): make_bed(n) is a bed of n hosts
+MakeBed = Callable[[int], HostBed]
+
 # TCP between hosts, shared memory inside one (each host's own /dev/shm); RMA: osc/sm inside
 # a host's shared windows, osc/rdma over btl/tcp across hosts
 TRANSPORT = ("--mca", "btl", "self,sm,tcp", "--mca", "osc", "sm,rdma")
@@ -81,3 +84,9 @@ def wait_for(path: Path, timeout_s: float, proc: subprocess.Popen[str] | None = 
         if time.monotonic() > deadline:
             raise AssertionError(f"{path.name} did not appear within {timeout_s} s")
         time.sleep(0.02)
+
+
+def no_shm_left(bed: HostBed) -> None:
+    """Nothing of a job is left in any host's ``/dev/shm``."""
+    for host in bed.hosts:
+        assert bed.shm_entries(host) == [], host

@@ -14,46 +14,18 @@ through a launch agent as it would over ssh.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.mpi import netns
-from tests.mpi.multihost import run_job
-from tests.mpi.test_mpi import _skip_reason
+from tests.mpi.multihost import MakeBed, no_shm_left, run_job
 
 pytestmark = pytest.mark.mpi
 
 
-@pytest.fixture
-def make_bed(tmp_path: Path) -> Iterator[Callable[[int], netns.HostBed]]:
-    """``make_bed(n)``: a bed of ``n`` hosts, torn down after the test however it ended."""
-    reason = _skip_reason() or netns.skip_reason()
-    if reason:
-        pytest.skip(reason)
-    netns.sweep()  # what a killed earlier run left
-    beds: list[netns.HostBed] = []
-
-    def make(num_hosts: int) -> netns.HostBed:
-        bed = netns.HostBed(num_hosts, tmp_path)
-        beds.append(bed)
-        return bed
-
-    yield make
-    for bed in beds:
-        bed.close()
-    assert not [n for n in netns.leftovers() if any(n.startswith(b.tag) for b in beds)]
-
-
-def _no_shm_left(bed: netns.HostBed) -> None:
-    for host in bed.hosts:
-        assert bed.shm_entries(host) == [], host
-
-
 @pytest.mark.parametrize(("hosts", "per_host"), [(2, 2), (3, 1)])
 def test_every_mode_bit_exact_across_namespaced_hosts(
-        make_bed: Callable[[int], netns.HostBed], tmp_path: Path, hosts: int,
+        make_bed: MakeBed, tmp_path: Path, hosts: int,
         per_host: int) -> None:
     bed = make_bed(hosts)
     out = tmp_path / "selftest.json"
@@ -67,11 +39,11 @@ def test_every_mode_bit_exact_across_namespaced_hosts(
         assert len(findings["modes"]) == 12  # 16 engine x sync x layout less SP's 4
         assert findings["errors"] == [], (rank, findings["errors"])
     assert not any(":sp:" in m for m in every[0]["modes"])
-    _no_shm_left(bed)
+    no_shm_left(bed)
 
 
 def test_topology_is_two_tiers_from_where_the_ranks_run(
-        make_bed: Callable[[int], netns.HostBed], tmp_path: Path) -> None:
+        make_bed: MakeBed, tmp_path: Path) -> None:
     bed = make_bed(2)
     out = tmp_path / "topology.json"
     code, output = run_job(bed, 2, ["-m", "tests.mpi.test_mpi", "_worker_topology", str(out)])
@@ -84,11 +56,11 @@ def test_topology_is_two_tiers_from_where_the_ranks_run(
         assert got["host_of"] == host_of
         assert got["hops"] == hops
         assert got["same_host"] == [host_of[q] == host_of[rank] for q in range(4)]
-    _no_shm_left(bed)
+    no_shm_left(bed)
 
 
 def test_sp_is_refused_across_namespaced_hosts(
-        make_bed: Callable[[int], netns.HostBed], tmp_path: Path) -> None:
+        make_bed: MakeBed, tmp_path: Path) -> None:
     bed = make_bed(2)
     out = tmp_path / "sp.json"
     code, output = run_job(bed, 1, ["-m", "tests.mpi.test_mpi", "_worker_sp_refused", str(out)])
@@ -97,4 +69,4 @@ def test_sp_is_refused_across_namespaced_hosts(
     for got in every:
         assert got["outcome"].startswith("sync: SP cannot run across hosts"), got
     assert [got["rows"] for got in every] == [16, 0]  # the DC Buffer after it works
-    _no_shm_left(bed)
+    no_shm_left(bed)

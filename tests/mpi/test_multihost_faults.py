@@ -36,8 +36,7 @@ from typing import Any
 import pytest
 
 from tests.mpi import netns
-from tests.mpi.multihost import DETECTOR, run_job, wait_for
-from tests.mpi.test_mpi import _skip_reason
+from tests.mpi.multihost import DETECTOR, MakeBed, no_shm_left, run_job, wait_for
 
 pytestmark = pytest.mark.mpi
 
@@ -49,17 +48,6 @@ MARGIN_S = 6.0  # MPI's progress and the watchdog's grace on a loaded 2-core hos
 BOUND_S = {"raise": TIMEOUT_S + MARGIN_S, "mask": 3 * TIMEOUT_S + MARGIN_S}
 LOSS_ERRORS = {"PeerLostError", "TimeoutError", "RemoteError", "RankMaskedError",
                "NoQuorumError", "CallLostError", "OutOfStepError"}
-
-
-@pytest.fixture
-def bed(tmp_path: Path) -> Iterator[netns.HostBed]:
-    reason = _skip_reason() or netns.skip_reason()
-    if reason:
-        pytest.skip(reason)
-    netns.sweep()
-    with netns.HostBed(3, tmp_path) as made:
-        yield made
-    assert not [n for n in netns.leftovers() if n.startswith(made.tag)]
 
 
 def _records(out: Path, ranks: list[int]) -> dict[int, Any]:
@@ -164,11 +152,6 @@ def check_fault(got: dict[int, Any], fault: str, policy: str) -> None:
         assert "quorum" in victim["raised"]["message"], victim
 
 
-def _no_shm_left(bed: netns.HostBed) -> None:
-    for host in bed.hosts:
-        assert bed.shm_entries(host) == [], host
-
-
 _DEFAULT_RUN = {("cut", "dispatch", "raise"), ("cut", "dispatch", "mask"),
                 ("kill", "dispatch", "mask"), ("stop", "combine", "mask")}
 _MODES = ["asp:dc:expert", "bsp:sw:rank", "asp:tff:rank"]
@@ -190,11 +173,12 @@ def _fault_cases() -> list[Any]:
 
 
 @pytest.mark.parametrize(("fault", "phase", "policy", "mode"), _fault_cases())
-def test_fault_across_hosts(bed: netns.HostBed, tmp_path: Path, fault: str, phase: str,
+def test_fault_across_hosts(make_bed: MakeBed, tmp_path: Path, fault: str, phase: str,
                             policy: str, mode: str) -> None:
+    bed = make_bed(3)
     got = run_fault(bed, tmp_path, fault, policy, phase, mode)
     check_fault(got, fault, policy)
-    _no_shm_left(bed)
+    no_shm_left(bed)
     if fault == "cut":
         _healed_serves(bed, tmp_path, 1)
 
@@ -207,31 +191,21 @@ def _healed_serves(bed: netns.HostBed, tmp_path: Path, per_host: int) -> None:
                                            str(out)], timeout_s=120)
     assert code == 0, output[-4000:]
     assert all(f["errors"] == [] for f in json.loads(out.read_text()))
-    _no_shm_left(bed)
-
-
-@pytest.fixture
-def bed2(tmp_path: Path) -> Iterator[netns.HostBed]:
-    reason = _skip_reason() or netns.skip_reason()
-    if reason:
-        pytest.skip(reason)
-    netns.sweep()
-    with netns.HostBed(2, tmp_path) as made:
-        yield made
-    assert not [n for n in netns.leftovers() if n.startswith(made.tag)]
+    no_shm_left(bed)
 
 
 @pytest.mark.parametrize(("min_live_ranks", "serving"), [
     (None, []), pytest.param("2", [0, 1, 2, 3], marks=pytest.mark.matrix)])
 def test_an_even_partition_serves_on_neither_side_without_a_quorum(
-        bed2: netns.HostBed, tmp_path: Path, min_live_ranks: str | None,
+        make_bed: MakeBed, tmp_path: Path, min_live_ranks: str | None,
         serving: list[int]) -> None:
     """2 hosts x 2 ranks, the link between them cut mid-dispatch, ``on_peer_loss="mask"``:
     each side holds 2 of 4 ranks, not more than half, so neither serves (every rank raises
     ``NoQuorumError``). With ``min_live_ranks=2`` both sides serve, each bit-exact for its own
     mask: the split brain the default quorum rules out."""
+    bed = make_bed(2)
     env = {} if min_live_ranks is None else {"UBEP_TEST_MIN_LIVE_RANKS": min_live_ranks}
-    got = run_fault(bed2, tmp_path, "cut", "mask", "dispatch", per_host=2, extra_env=env)
+    got = run_fault(bed, tmp_path, "cut", "mask", "dispatch", per_host=2, extra_env=env)
     assert sorted(got) == [0, 1, 2, 3]
     for r, rec in got.items():
         assert rec["errors"] == [], (r, rec["errors"][:5])
@@ -244,24 +218,24 @@ def test_an_even_partition_serves_on_neither_side_without_a_quorum(
             assert "2 of 4" in rec["raised"]["message"], rec["raised"]
             assert rec["raised"]["elapsed_s"] <= BOUND_S["mask"], (r, rec["raised"])
             assert len(rec["calls"]) == FAULT_CALL
-    _no_shm_left(bed2)
-    _healed_serves(bed2, tmp_path, 2)
+    no_shm_left(bed)
+    _healed_serves(bed, tmp_path, 2)
 
 
-
-def test_a_slow_lossy_link_stays_bit_exact(bed2: netns.HostBed, tmp_path: Path) -> None:
+def test_a_slow_lossy_link_stays_bit_exact(make_bed: MakeBed, tmp_path: Path) -> None:
     """2 hosts x 1 rank, the second host's link delayed 20 ms +- 5 ms and dropping 1 % of its
     packets (``tc netem``; TCP retransmits): every engine x sync x layout stays bit-exact.
     Skipped where the kernel has no ``netem`` qdisc."""
-    reason = bed2.netem(bed2.hosts[1], ["delay", "20ms", "5ms", "loss", "1%"])
+    bed = make_bed(2)
+    reason = bed.netem(bed.hosts[1], ["delay", "20ms", "5ms", "loss", "1%"])
     if reason:
         pytest.skip(reason)
     out = tmp_path / "netem.json"
-    code, output = run_job(bed2, 1, ["-m", "ubep.mpi.selftest", "--json", str(out)],
+    code, output = run_job(bed, 1, ["-m", "ubep.mpi.selftest", "--json", str(out)],
                            env={"UBEP_TIMEOUT_S": "120"}, timeout_s=400)
     assert code == 0, output[-4000:]
     assert all(f["errors"] == [] and len(f["modes"]) == 12 for f in json.loads(out.read_text()))
-    _no_shm_left(bed2)
+    no_shm_left(bed)
 
 
 SOAK_ROUNDS = 20
@@ -281,11 +255,12 @@ def busy_loop() -> Iterator[None]:
 @pytest.mark.matrix
 @pytest.mark.parametrize("round_", range(SOAK_ROUNDS))
 @pytest.mark.parametrize(("fault", "phase", "policy"), _SOAK_CASES)
-def test_fault_soak_beside_a_busy_loop(busy_loop: None, bed: netns.HostBed, tmp_path: Path,
+def test_fault_soak_beside_a_busy_loop(busy_loop: None, make_bed: MakeBed, tmp_path: Path,
                                        fault: str, phase: str, policy: str,
                                        round_: int) -> None:
     """Each default fault case 20 times in a row beside a busy loop, every invariant checked
     each time (``pytest -m matrix -x -k soak``)."""
+    bed = make_bed(3)
     got = run_fault(bed, tmp_path, fault, policy, phase)
     check_fault(got, fault, policy)
-    _no_shm_left(bed)
+    no_shm_left(bed)
