@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,6 +125,21 @@ def _orders(how: str, seed: int) -> Any:
     return perm
 
 
+def refused(call: Callable[[], object], rank: int, culprit: int, argument: str, what: str,
+            says: str | None = None) -> list[str]:
+    """Run a call that bad input on rank ``culprit`` must refuse on every rank: there
+    ``InvalidArgumentError`` naming ``argument``, on the other rank a clean ``RemoteError`` from
+    ``culprit`` whose message says ``says`` (default: the argument). Returns the failures."""
+    try:
+        call()
+    except InvalidArgumentError as e:
+        return [] if (rank == culprit and e.argument == argument) else [f"rank {rank}: {e!r}"]
+    except RemoteError as e:
+        ok = rank != culprit and e.clean and e.rank == culprit and (says or argument) in e.message
+        return [] if ok else [f"rank {rank}: {e!r}"]
+    return [f"rank {rank}: {what} passed"]
+
+
 def bad_inputs(group: Any, cases: list[Case]) -> list[str]:
     """:func:`bad_input` for each case."""
     return [e for case in cases for e in bad_input(group, case)]
@@ -142,14 +158,8 @@ def bad_input(group: Any, case: Case) -> list[str]:
         if r == 1:
             idxs[1][0, 0] = eng.config.num_experts  # out of range
         before = eng.v_counts.cpu().numpy().copy()
-        try:
-            eng.dispatch(xs[r], idxs[r], ws[r])
-            out.append(f"rank {r}: a dispatch with bad topk_idx on rank 1 passed")
-        except InvalidArgumentError as e:
-            out += [] if (r == 1 and e.argument == "topk_idx") else [f"rank {r}: {e!r}"]
-        except RemoteError as e:
-            out += [] if (r == 0 and e.clean and e.rank == 1 and "topk_idx" in e.message) \
-                else [f"rank {r}: {e!r}"]
+        out += refused(lambda: eng.dispatch(xs[r], idxs[r], ws[r]), r, 1, "topk_idx",
+                       "a dispatch with bad topk_idx on rank 1")
         # the offender released no count word here (its words, of both dispatch parities,
         # still carry the earlier calls')
         group.barrier()
@@ -162,27 +172,15 @@ def bad_input(group: Any, case: Case) -> list[str]:
             xs, idxs, ws = testing.inputs(case.dtype, eng.config.num_experts, NUM_TOPK,
                                           case.hidden, [3, 6], 6, "uniform")
             xs[0].view(eng.dt.bits_dtype)[1, 5] = eng.dt.sentinel
-            try:
-                eng.dispatch(xs[r], idxs[r], ws[r])
-                out.append(f"rank {r}: a dispatch of the sentinel passed")
-            except InvalidArgumentError as e:
-                out += [] if (r == 0 and e.argument == "x") else [f"rank {r}: {e!r}"]
-            except RemoteError as e:
-                out += [] if (r == 1 and e.clean and "sentinel" in e.message) \
-                    else [f"rank {r}: {e!r}"]
+            out += refused(lambda: eng.dispatch(xs[r], idxs[r], ws[r]), r, 0, "x",
+                           "a dispatch of the sentinel", says="sentinel")
         xs, idxs, ws = testing.inputs(case.dtype, eng.config.num_experts, NUM_TOPK, case.hidden,
                                       [3, 6], 4, "uniform")
         res = eng.dispatch(xs[r], idxs[r], ws[r])
         eo = np.zeros((res.recv_x.shape[0] + (1 if r == 0 else 0), case.hidden),
                       dtype=testing.expert_outputs(case.dtype, xs[r][:0], 0).dtype)
-        try:
-            eng.combine(eo, res.handle)
-            out.append(f"rank {r}: a combine with a bad expert_out on rank 0 passed")
-        except InvalidArgumentError as e:
-            out += [] if (r == 0 and e.argument == "expert_out") else [f"rank {r}: {e!r}"]
-        except RemoteError as e:
-            out += [] if (r == 1 and e.clean and "expert_out" in e.message) \
-                else [f"rank {r}: {e!r}"]
+        out += refused(lambda: eng.combine(eo, res.handle), r, 0, "expert_out",
+                       "a combine with a bad expert_out on rank 0")
         out += check_call(eng, case, [5, 2], 5, "hot")
     return out
 
