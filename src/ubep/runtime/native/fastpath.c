@@ -677,7 +677,8 @@ PyObject *engine_combine_fast(engine_t *g, PyObject *args) {
         goto not_mine;
     }
     eo = held[0]; idx = held[1]; w = held[2]; dr = held[3];
-    /* every array was checked exact above: its memory is passed as is (no buffer protocol) */
+    /* every array is exact now (the caller's or taken()'s copy): its memory is passed as is (no
+     * buffer protocol) */
     combine_args_t a = {.expert_out = eo, .rows = rows, .topk_idx = idx, .topk_weights = w,
                         .send_dst_row = dr, .num_tokens = ntok, .epoch = epoch,
                         .region = (int)(index % 2), .y = y, .dispatch_index = (uint64_t)index,
