@@ -6,46 +6,12 @@ A re-export: the facades live at their homes, :mod:`ubep.torch.deep_ep` and
 :mod:`ubep.torch.deep_ep_v2` (they need torch).
 """
 
-from .torch.deep_ep import (
-    Buffer,
-    Config,
-    EventHandle,
-    EventOverlap,
-    InternodeHandle,
-    LowLatencyHandle,
-    NormalHandle,
-    topk_idx_t,
-)
-from .torch.deep_ep_v2 import (
-    ElasticBuffer,
-    EPBuffer,
-    get_logical_domain_size,
-    get_physical_domain_size,
-)
-from .torch.deep_ep_v2_types import (
-    BufferAllocator,
-    EPHandle,
-    get_num_allocation_alignment,
-    get_num_rdma_alignment,
-    get_num_tma_alignment,
-)
+# the facades' own __all__ lists name what is public: one list each, not a copy here
+from .torch import deep_ep as _v1
+from .torch import deep_ep_v2 as _v2
+from .torch import deep_ep_v2_types as _v2_types
+from .torch.deep_ep import *  # noqa: F403
+from .torch.deep_ep_v2 import *  # noqa: F403
+from .torch.deep_ep_v2_types import *  # noqa: F403
 
-__all__ = [
-    "Buffer",
-    "BufferAllocator",
-    "Config",
-    "EPBuffer",
-    "EPHandle",
-    "ElasticBuffer",
-    "EventHandle",
-    "EventOverlap",
-    "InternodeHandle",
-    "LowLatencyHandle",
-    "NormalHandle",
-    "get_logical_domain_size",
-    "get_num_allocation_alignment",
-    "get_num_rdma_alignment",
-    "get_num_tma_alignment",
-    "get_physical_domain_size",
-    "topk_idx_t",
-]
+__all__ = _v1.__all__ + _v2.__all__ + _v2_types.__all__

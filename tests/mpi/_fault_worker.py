@@ -51,6 +51,7 @@ def main(out_dir: str) -> None:
     # the test dumps every rank's threads here (SIGUSR1) when the job stalls
     stacks = open(out / f"stack.{os.getpid()}", "w")  # noqa: SIM115 (open until the exit)
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    faulthandler.enable(file=stacks, all_threads=True)  # a crash leaves its stack there too
     group = ubep.mpi.init()
     R, r = group.num_ranks, group.rank
     policy = env["UBEP_TEST_POLICY"]

@@ -4,6 +4,7 @@ bed's launch agent, MPI over TCP on the bridge and shared memory inside each hos
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -58,12 +59,15 @@ def run_job(bed: HostBed, per_host: int, argv: list[str], *, env: dict[str, str]
                             start_new_session=True, cwd=REPO_ROOT)
     try:
         if while_running is not None:
-            while_running(proc)
+            try:
+                while_running(proc)
+            except AssertionError as exc:  # what the job printed says why it stalled or ended
+                _stop(bed, proc)
+                output, _ = proc.communicate()
+                raise AssertionError(f"{exc}\n--- job output\n{output[-4000:]}") from None
         output, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        for host in bed.hosts:
-            bed.signal_host(host, signal.SIGKILL)
-        os.killpg(proc.pid, signal.SIGKILL)
+        _stop(bed, proc)
         output, _ = proc.communicate()
         return -9, f"TIMEOUT after {timeout_s} s\n{output}"
     finally:
@@ -71,6 +75,14 @@ def run_job(bed: HostBed, per_host: int, argv: list[str], *, env: dict[str, str]
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
     return proc.returncode, output.replace("\x00", "")
+
+
+def _stop(bed: HostBed, proc: subprocess.Popen[str]) -> None:
+    """Kill every process of the job, on every host."""
+    for host in bed.hosts:
+        bed.signal_host(host, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):  # the job may have ended already
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def wait_for(path: Path, timeout_s: float, proc: subprocess.Popen[str] | None = None) -> None:

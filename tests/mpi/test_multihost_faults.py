@@ -82,7 +82,8 @@ def run_fault(bed: netns.HostBed, tmp_path: Path, fault: str, policy: str, phase
                     os.kill(int(f.name.split(".")[1]), signal.SIGUSR1)
             time.sleep(1.0)
             dumps = "".join(f.read_text()[-3000:] for f in out.glob("stack.*"))
-            raise AssertionError(f"{exc}\n--- stacks\n{dumps}") from None
+            recs = _records(out, list(range(num_ranks)))  # a rank that stopped early says why
+            raise AssertionError(f"{exc}\n--- records\n{recs}\n--- stacks\n{dumps}") from None
 
     def _strike(proc: subprocess.Popen[str]) -> None:
         for r in range(num_ranks):

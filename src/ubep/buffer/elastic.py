@@ -50,18 +50,9 @@ from typing import Any
 
 import numpy as np
 
+from .. import errors  # qualified: ubep's TimeoutError is not the builtin
 from .. import topology as topo
 from ..config import BufferConfig
-from ..errors import (
-    CallLostError,
-    InvalidArgumentError,
-    OutOfStepError,
-    PeerLostError,
-    RankMaskedError,
-    RemoteError,
-    TimeoutError,
-    UbepError,
-)
 from ..expert_map import ExpertMap
 from ..plane.control import Decision
 from ..plane.registry import control_plane
@@ -80,7 +71,7 @@ __all__ = ["MaskingBuffer"]
 
 
 # what a call raises when the group under it broke (a clean reject is bad input, not a loss)
-_LOSS = (PeerLostError, TimeoutError, OutOfStepError)
+_LOSS = (errors.PeerLostError, errors.TimeoutError, errors.OutOfStepError)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -127,7 +118,7 @@ class MaskingBuffer:
             plane = group.membership_plane(config)  # the quorum: ubep.mpi.quorum
             roster = plane.roster
         else:
-            raise InvalidArgumentError(
+            raise errors.InvalidArgumentError(
                 "on_peer_loss", "mask", "needs a ubep Group (ubep.launch, an environment "
                 f"launch) or an MPI group (ubep.mpi.init), not {type(group).__name__}: its "
                 "control plane must outlive a process")
@@ -216,20 +207,20 @@ class MaskingBuffer:
                 if cause is None:
                     return run()
                 return self._recover(kept, cause, run)
-            except (RankMaskedError, CallLostError):
+            except (errors.RankMaskedError, errors.CallLostError):
                 raise  # the survivors went on without this rank / without this call
-            except RemoteError as exc:
+            except errors.RemoteError as exc:
                 if exc.clean:  # a peer rejected its input on every rank: not a loss
                     self._calls -= 1
                     raise
                 cause = exc
             except _LOSS as exc:
                 cause = exc
-            except InvalidArgumentError:
+            except errors.InvalidArgumentError:
                 self._calls -= 1  # refused before anything was sent: the call never happened
                 raise
-        raise PeerLostError(f"rank {self.rank}: call {kept.call} lost a member in every "
-                            f"recovery round") from cause
+        raise errors.PeerLostError(f"rank {self.rank}: call {kept.call} lost a member in every "
+                                   f"recovery round") from cause
 
     @property
     def members(self) -> tuple[int, ...]:
@@ -252,13 +243,13 @@ class MaskingBuffer:
         self._check_call()
         self._one_host("admit")
         if self._open:
-            raise InvalidArgumentError("ranks", list(ranks), "admit runs between calls: "
-                                       "split-phase calls are still waiting for their hooks")
+            raise errors.InvalidArgumentError("ranks", list(ranks), "admit runs between calls: "
+                                              "split-phase calls are still waiting for their hooks")
         bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < self.num_ranks)
                or r in self.members]
         if bad:
-            raise InvalidArgumentError("ranks", list(ranks),
-                                       f"must be masked ranks (members: {list(self.members)})")
+            raise errors.InvalidArgumentError(
+                "ranks", list(ranks), f"must be masked ranks (members: {list(self.members)})")
         wait = float(self.config.timeout_s if timeout_s is None else timeout_s)
         self._admits += 1
         key = f"{self._uid:x}.a{self._admits}"
@@ -284,14 +275,15 @@ class MaskingBuffer:
         self._check_call()
         self._one_host("mask_ranks")
         if self._open:
-            raise InvalidArgumentError("ranks", list(ranks), "mask_ranks runs between calls: "
-                                       "split-phase calls are still waiting for their hooks")
+            raise errors.InvalidArgumentError(
+                "ranks", list(ranks), "mask_ranks runs between calls: "
+                "split-phase calls are still waiting for their hooks")
         ok = isinstance(ranks, Sequence) and not isinstance(ranks, str) and all(
             isinstance(r, (int, np.integer)) and not isinstance(r, bool) for r in ranks)
         want = sorted({int(r) for r in ranks}) if ok else []
         if not ok or any(not 0 <= r < self.num_ranks for r in want):
-            raise InvalidArgumentError("ranks", ranks, f"must be rank numbers in [0, "
-                                       f"{self.num_ranks})")
+            raise errors.InvalidArgumentError("ranks", ranks, f"must be rank numbers in [0, "
+                                              f"{self.num_ranks})")
         self._requests += 1
         key = f"{self._uid:x}.m{self._requests}"
         wait = float(self.config.timeout_s if timeout_s is None else timeout_s)
@@ -378,10 +370,10 @@ class MaskingBuffer:
             self._inner._route.last_physical = None
         try:
             inner = issue()
-        except RankMaskedError:
+        except errors.RankMaskedError:
             raise
-        except (RemoteError, InvalidArgumentError) as exc:
-            if isinstance(exc, InvalidArgumentError) or exc.clean:
+        except (errors.RemoteError, errors.InvalidArgumentError) as exc:
+            if isinstance(exc, errors.InvalidArgumentError) or exc.clean:
                 self._calls -= 1  # rejected on every rank: the call never happened
                 raise
             raise self._split_loss(call, op, exc) from exc
@@ -397,11 +389,11 @@ class MaskingBuffer:
     def _complete_split(self, o: _Open) -> None:
         """``PendingCall.hook`` of a split-phase call on this Buffer."""
         if self._masked is not None:
-            o.outer._settle(False, RankMaskedError(self._masked))
+            o.outer._settle(False, errors.RankMaskedError(self._masked))
             return
         try:
             value = o.inner.hook()
-        except RemoteError as exc:
+        except errors.RemoteError as exc:
             if not exc.clean:
                 self._split_loss(o.call, o.op, exc)  # settles o
                 return
@@ -432,14 +424,14 @@ class MaskingBuffer:
         key = f"{self._uid:x}.{self._losses}"
         try:
             decision = self._agree_on_loss(key, call, op, cause, split=True)
-        except RankMaskedError as exc:
+        except errors.RankMaskedError as exc:
             return exc
         return self._lost_open_calls(call, op, decision)
 
-    def _lost_open_calls(self, call: int, op: str, decision: Decision) -> CallLostError:
+    def _lost_open_calls(self, call: int, op: str, decision: Decision) -> errors.CallLostError:
         """Every survivor raises this for a loss with split-phase calls open (nothing is
         replayed: a hook's inputs are the caller's until it runs); the open calls fail with it."""
-        err = CallLostError(
+        err = errors.CallLostError(
             f"rank {self.rank}: call {call} ({op}) did not complete: rank(s) "
             f"{list(decision.masked)} were lost while split-phase calls were open; the "
             f"survivors {list(decision.members)} masked them and serve the next call")
@@ -514,8 +506,8 @@ class MaskingBuffer:
         first = min(int(s["call"]) for s in decision.states)
         first_op = next(s["op"] for s in decision.states if int(s["call"]) == first)
         if kept.call not in (first, first + 1):
-            raise OutOfStepError(f"rank {self.rank}: call {kept.call} cannot resume at call "
-                                 f"{first} of the survivors")
+            raise errors.OutOfStepError(f"rank {self.rank}: call {kept.call} cannot resume at call "
+                                        f"{first} of the survivors")
         if first_op == "combine":
             self._replay_dispatch_of_combine(kept if kept.call == first else self._last_combine)
         if kept.call == first + 1:
@@ -533,7 +525,7 @@ class MaskingBuffer:
         decision = self._plane.agree(self._roster, key, state, float(self.config.timeout_s))
         if self.rank not in decision.members:
             self._leave(decision.members, f"after: {cause}")
-            raise RankMaskedError(self._masked) from cause
+            raise errors.RankMaskedError(self._masked) from cause
         self._rebuild(self._roster.with_members(decision.members), key)
         return decision
 
@@ -543,7 +535,7 @@ class MaskingBuffer:
         self._roster = dataclasses.replace(self._roster, members=members)
         self._masked = f"rank {self.rank} was masked by the survivors {list(members)} {why}"
         for o in self._open:
-            o.outer._settle(False, RankMaskedError(self._masked))
+            o.outer._settle(False, errors.RankMaskedError(self._masked))
         self._open.clear()
         self._inner.close()
 
@@ -557,8 +549,9 @@ class MaskingBuffer:
         combine being resumed uses."""
         d = self._last_dispatch
         if combine is None or d is None or combine.handle is not d.handle:
-            raise OutOfStepError(f"rank {self.rank}: the combine to resume is not of the last "
-                                 "dispatch; it cannot be resumed over the members")
+            raise errors.OutOfStepError(
+                f"rank {self.rank}: the combine to resume is not of the last dispatch; it cannot "
+                "be resumed over the members")
         self._replay(d)
 
     def _replay_finished(self, op: str, first: int) -> None:
@@ -566,12 +559,12 @@ class MaskingBuffer:
         if op == "dispatch":
             d = self._last_dispatch
             if d is None or d.call != first:
-                raise OutOfStepError(f"rank {self.rank}: call {first} was not kept")
+                raise errors.OutOfStepError(f"rank {self.rank}: call {first} was not kept")
             self._replay(d)
         else:
             c = self._last_combine
             if c is None or c.call != first:
-                raise OutOfStepError(f"rank {self.rank}: call {first} was not kept")
+                raise errors.OutOfStepError(f"rank {self.rank}: call {first} was not kept")
             self._combine(c.expert_out, c.handle, c.topk_weights)
 
     def _replay(self, d: _Kept) -> None:
@@ -608,13 +601,14 @@ class MaskingBuffer:
 
     def _one_host(self, what: str) -> None:
         if not self._plane.one_host:
-            raise UbepError(f"rank {self.rank}: {what} needs a one-host group: over MPI a "
-                            "lost rank is masked (ULFM's shrink), but ranks are not masked on "
-                            "request nor let back in (docs/ELASTIC.md)")
+            raise errors.UbepError(
+                f"rank {self.rank}: {what} needs a one-host group: over MPI a lost rank is "
+                "masked (ULFM's shrink), but ranks are not masked on request nor let back in "
+                "(docs/ELASTIC.md)")
 
     def _check_call(self) -> None:
         if self._masked is not None:
-            raise RankMaskedError(self._masked)
+            raise errors.RankMaskedError(self._masked)
 
 
 def _weighted(handle: DispatchHandle, topk_weights: object) -> DispatchHandle:
@@ -638,7 +632,7 @@ def _rows_in_new_order(old: DispatchResult[Any], new: DispatchResult[Any],
     order = np.argsort(old_keys, kind="stable")
     at = np.searchsorted(old_keys[order], new_keys)
     if at.size and (at.max() >= len(order) or not np.array_equal(old_keys[order][at], new_keys)):
-        raise UbepError("a replayed dispatch received a row the original did not")
+        raise errors.UbepError("a replayed dispatch received a row the original did not")
     return order[at]
 
 

@@ -13,14 +13,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import (
-    InvalidArgumentError,
-    OutOfStepError,
-    PeerLostError,
-    RemoteError,
-    TimeoutError,
-    UbepError,
-)
+from .. import errors  # qualified: ubep's TimeoutError is not the builtin
 
 __all__ = [
     "ERRORS",
@@ -113,28 +106,28 @@ class ErrorRecord:
         notice this is): the ranks are still in step."""
         return self.code == E_BAD_INPUT or (self.code == E_REMOTE and self.core == E_BAD_INPUT)
 
-    def to_exception(self, rank: int) -> UbepError:
+    def to_exception(self, rank: int) -> errors.UbepError:
         """The exception this record stands for (:data:`EXCEPTIONS`)."""
         return EXCEPTIONS.get(self.code, _internal)(self, rank)
 
 
-def _bad_input(rec: ErrorRecord, rank: int) -> UbepError:
+def _bad_input(rec: ErrorRecord, rank: int) -> errors.UbepError:
     value: object = rec.message
     with contextlib.suppress(ValueError):
         value = int(rec.message)
-    return InvalidArgumentError(rec.argument, value, rec.what)
+    return errors.InvalidArgumentError(rec.argument, value, rec.what)
 
 
-def _internal(rec: ErrorRecord, rank: int) -> UbepError:
-    return UbepError(f"rank {rank}: internal error: {rec.what}")
+def _internal(rec: ErrorRecord, rank: int) -> errors.UbepError:
+    return errors.UbepError(f"rank {rank}: internal error: {rec.what}")
 
 
 # code -> the exception class it becomes (each built from the record's fields)
-EXCEPTIONS: dict[int, Callable[[ErrorRecord, int], UbepError]] = {
+EXCEPTIONS: dict[int, Callable[[ErrorRecord, int], errors.UbepError]] = {
     E_BAD_INPUT: _bad_input,
-    E_TIMEOUT: lambda rec, rank: TimeoutError(rec.what),
-    E_PEER_LOST: lambda rec, rank: PeerLostError(rec.what),
-    E_REMOTE: lambda rec, rank: RemoteError(rec.peer, rec.message, rec.clean),
+    E_TIMEOUT: lambda rec, rank: errors.TimeoutError(rec.what),
+    E_PEER_LOST: lambda rec, rank: errors.PeerLostError(rec.what),
+    E_REMOTE: lambda rec, rank: errors.RemoteError(rec.peer, rec.message, rec.clean),
     E_INTERNAL: _internal,
-    E_LOST: lambda rec, rank: OutOfStepError(f"{rec.what}; call resync() on every rank"),
+    E_LOST: lambda rec, rank: errors.OutOfStepError(f"{rec.what}; call resync() on every rank"),
 }

@@ -19,6 +19,8 @@ issue order; it is never larger than (1) and is what farthest-hop-first issue mi
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from ..errors import InvalidArgumentError
@@ -26,6 +28,17 @@ from ..topology import Topology
 from .plan import Plan
 
 __all__ = ["core_times_ns", "hop_costs_ns", "objective_ns"]
+
+if TYPE_CHECKING:  # typing's Required and Unpack are 3.11's; the checker alone reads them
+    from typing import Required, TypedDict, Unpack
+
+    class CoreCost(TypedDict, total=False):
+        """The keyword arguments of :func:`core_times_ns` after the plan and the topology."""
+
+        token_bytes: Required[float]
+        issue_ns: float
+        latency_exposure: float
+        ordered: bool
 
 
 def hop_costs_ns(
@@ -89,16 +102,8 @@ def core_times_ns(
     return out + np.bincount(core, weights=l_i, minlength=n)
 
 
-def objective_ns(
-    plan: Plan,
-    topology: Topology,
-    *,
-    token_bytes: float,
-    issue_ns: float = 0.0,
-    latency_exposure: float = 0.0,
-    ordered: bool = False,
-) -> float:
-    """Objective (1): ``max_j T_j`` over the plan's send cores (``ordered``: see module doc)."""
-    times = core_times_ns(plan, topology, token_bytes=token_bytes, issue_ns=issue_ns,
-                          latency_exposure=latency_exposure, ordered=ordered)
+def objective_ns(plan: Plan, topology: Topology, **cost: Unpack[CoreCost]) -> float:
+    """Objective (1): ``max_j T_j`` over the plan's send cores; ``cost`` as for
+    :func:`core_times_ns` (``ordered``: see module doc)."""
+    times = core_times_ns(plan, topology, **cost)
     return float(times.max()) if times.size else 0.0
