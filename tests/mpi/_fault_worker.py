@@ -64,7 +64,7 @@ def main(out_dir: str) -> None:
     cfg = case.config(8, on_peer_loss=policy, timeout_s=float(env["UBEP_TEST_TIMEOUT_S"]),
                       min_live_ranks=None if quorum is None else int(quorum))
     rec: dict[str, Any] = {"rank": r, "host": group.host_of[r], "calls": [], "errors": [],
-                           "raised": None}
+                           "raised": None, "call_s": []}
     buf = Buffer(group, cfg)
 
     def mask() -> list[int]:
@@ -84,6 +84,7 @@ def main(out_dir: str) -> None:
             xs, idxs, ws = make_inputs(case, cfg.num_experts, [8] * R, 7 * call + 1, "uniform")
             at_fault("dispatch", call)
             phase, start = "dispatch", time.monotonic()
+            begun = start
             res = buf.dispatch(xs[r], idxs[r], ws[r])
             mask_d = mask()
             at_fault("combine", call)
@@ -98,6 +99,7 @@ def main(out_dir: str) -> None:
             if not np.array_equal(bits(y), bits(want)):
                 rec["errors"].append(f"call {call}: combine differs (mask {mask_c})")
             rec["calls"].append({"call": call, "mask_dispatch": mask_d, "mask": mask_c})
+            rec["call_s"].append(time.monotonic() - begun)  # how long its dispatch + combine took
     except Exception as exc:  # what it raised is the result
         rec["raised"] = {"type": type(exc).__name__, "message": str(exc), "phase": phase,
                          "call": len(rec["calls"]), "elapsed_s": time.monotonic() - start}

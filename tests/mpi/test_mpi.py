@@ -422,11 +422,16 @@ def test_sigstopped_rank_gives_timeout_at_the_deadline_over_tcp_rma(tmp_path: Pa
     assert all(e["after"] for e in every)
 
 
-# Open MPI's heartbeat detector, on its own thread (a rank busy in Python still beats), with a
-# timeout below the Buffers' deadline: a stopped rank counts as failed to ULFM's shrink
-_DETECTOR = ("--mca", "mpi_ft_detector", "true", "--mca", "mpi_ft_detector_thread", "true",
-             "--mca", "mpi_ft_detector_period", "0.5", "--mca", "mpi_ft_detector_timeout",
-             "1.6")
+def detector(timeout_s: float, period_s: float) -> tuple[str, ...]:
+    """Open MPI's heartbeat detector, on its own thread (a rank busy in Python still beats): a
+    rank that sent no beat for ``timeout_s`` counts as failed to ULFM's shrink."""
+    return ("--mca", "mpi_ft_detector", "true", "--mca", "mpi_ft_detector_thread", "true",
+            "--mca", "mpi_ft_detector_period", str(period_s), "--mca", "mpi_ft_detector_timeout",
+            str(timeout_s))
+
+
+# one host: its timeout below the Buffers' deadline (a stopped rank is masked, not timed out)
+_DETECTOR = detector(1.6, 0.5)
 
 
 def _run_ft_job(tmp_path: Path, worker: str, transport: str, env: dict[str, str],

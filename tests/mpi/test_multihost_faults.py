@@ -36,11 +36,18 @@ from typing import Any
 import pytest
 
 from tests.mpi import netns
-from tests.mpi.multihost import DETECTOR, MakeBed, no_shm_left, run_job, wait_for
+from tests.mpi.multihost import (
+    DETECTOR,
+    DETECTOR_TIMEOUT_S,
+    MakeBed,
+    no_shm_left,
+    run_job,
+    wait_for,
+)
 
 pytestmark = pytest.mark.mpi
 
-TIMEOUT_S = 4.0  # the Buffers' deadline; the detector's timeout (1.6 s) is below it
+TIMEOUT_S = 2 * DETECTOR_TIMEOUT_S  # the Buffers' deadline: the detector reports a loss first
 CALLS, FAULT_CALL = 6, 2
 MARGIN_S = 6.0  # MPI's progress and the watchdog's grace on a loaded 2-core host
 # a loss under "raise": one deadline; under "mask": the call's deadline, then the agreement

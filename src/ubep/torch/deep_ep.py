@@ -62,6 +62,7 @@ from .deep_ep_types import (
     LowLatencyHandle,
     NormalHandle,
     _event,
+    _Layout,
     _Route,
 )
 from .group import held
@@ -82,6 +83,7 @@ T = TypeVar("T")
 #: dtype of ``topk_idx`` tensors (DeepEP: chosen at compile time, normally ``torch.int64``).
 topk_idx_t = torch.int64
 
+_NO_LAYOUT = _Layout()  # a cached dispatch's: the handle says where rows go
 # BufferConfig fields the facade sets itself from each call's shapes.
 _SHAPE_FIELDS = (
     "max_tokens_per_rank", "hidden", "num_topk", "num_experts", "dtype", "layout", "combine_dtype"
@@ -457,9 +459,8 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
                 num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, config,
                 previous_event, async_finish, allocate_on_comm_stream)
         return self._normal_dispatch(
-            x, handle, num_tokens_per_rank=num_tokens_per_rank,
-            num_tokens_per_rdma_rank=num_tokens_per_rdma_rank, is_token_in_rank=is_token_in_rank,
-            num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx,
+            x, handle, _Layout(num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                               num_tokens_per_expert), topk_idx=topk_idx,
             topk_weights=topk_weights, expert_alignment=expert_alignment,
             num_worst_tokens=num_worst_tokens, async_finish=async_finish)
 
@@ -467,11 +468,8 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         self,
         x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
         handle: NormalHandle | None,
+        layout: _Layout = _NO_LAYOUT,
         *,
-        num_tokens_per_rank: torch.Tensor | None = None,
-        num_tokens_per_rdma_rank: torch.Tensor | None = None,
-        is_token_in_rank: torch.Tensor | None = None,
-        num_tokens_per_expert: torch.Tensor | None = None,
         topk_idx: torch.Tensor | None = None,
         topk_weights: torch.Tensor | None = None,
         expert_alignment: int = 1,
@@ -486,8 +484,9 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
             return self._cached_dispatch(x, scales, handle, topk_idx, topk_weights, async_finish)
         route, summaries = self._agree(
             lambda: self._route(
-                x, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_rdma_rank,
-                is_token_in_rank, num_tokens_per_expert, num_worst_tokens,
+                x, topk_idx, topk_weights, layout.num_tokens_per_rank,
+                layout.num_tokens_per_rdma_rank, layout.is_token_in_rank,
+                layout.num_tokens_per_expert, num_worst_tokens,
             ),
             lambda r: [
                 [int(v) for v in r.is_token_in_rank.sum(axis=0)],

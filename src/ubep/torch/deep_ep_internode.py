@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidArgumentError
-from .deep_ep_types import Config, EventOverlap, InternodeHandle, NormalHandle
+from .deep_ep_types import Config, EventOverlap, InternodeHandle, NormalHandle, _Layout
 
 __all__ = ["InternodeCalls", "hosts_of"]
 
@@ -75,9 +75,8 @@ class InternodeCalls:
                 async_finish=async_finish)
             return out
         recv, recv_idx, recv_w, counts, base, event = self._normal_dispatch(
-            x, None, num_tokens_per_rank=num_tokens_per_rank,
-            num_tokens_per_rdma_rank=num_tokens_per_rdma_rank, is_token_in_rank=is_token_in_rank,
-            num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx,
+            x, None, _Layout(num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                             num_tokens_per_expert), topk_idx=topk_idx,
             topk_weights=topk_weights, expert_alignment=expert_alignment,
             async_finish=async_finish)
         return recv, recv_idx, recv_w, counts, self._internode_handle(base), event

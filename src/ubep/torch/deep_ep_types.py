@@ -215,6 +215,17 @@ class LowLatencyHandle(_DeepEPTuple):
 
 
 @dataclass(frozen=True)
+class _Layout:
+    """A normal dispatch's layout tensors (``get_dispatch_layout``'s), as the intranode and the
+    internode path pass them on: each is checked against ``topk_idx`` where both are given."""
+
+    num_tokens_per_rank: torch.Tensor | None = None
+    num_tokens_per_rdma_rank: torch.Tensor | None = None
+    is_token_in_rank: torch.Tensor | None = None
+    num_tokens_per_expert: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
 class _Route:
     """One normal-mode dispatch's routing, checked on this rank."""
 
