@@ -189,6 +189,26 @@ def test_vector_poll_reads_lanes_words_at_once(mode: str, lanes: int) -> None:
         fabric(poll_lanes=0)
 
 
+@pytest.mark.parametrize(("lanes", "expect"), [(1, 3100.0), (4, 1925.0)])
+def test_one_poll_a_word_makes_verification_grow_with_the_ranks(lanes: int,
+                                                                expect: float) -> None:
+    # Four ranks of one node (50 ns on the rank, 400 ns between), one send and one count
+    # core each. The count core counts expert d (5 ns) and writes its word to rank d (20 ns)
+    # for d = 0..3: the words leave at 1000 + 25 (d + 1) and its own writes end at 1100.
+    # Rank 0's words (offset 25) land at 1075 (its own) and 1425 (the three others). One
+    # poll a word: 1100 -> max(1100, 1075) + 500 = 1600 -> 2100 -> 2600 -> 3100, i.e. R polls;
+    # four words a poll: max(1100, 1425) + 500 = 1925.
+    f = fabric(count_expert_ns=5.0, flag_ns=20.0, poll_ns=500.0, poll_lanes=lanes)
+    topo = Topology(num_ranks=4, ranks_per_node=4, cores_per_rank=2, latency_ns=(50.0, 400.0),
+                    bandwidth_gbps=(20.0, 20.0))
+    plans = [plan(r, [(0, 0, (r + 1) % 4, 0)], n_send=1, n_count=1, num_ranks=4, topo=topo)
+             for r in range(4)]
+    for mode in ("analytic", "events"):
+        res = simulate(plans, topo, f, engine="asp", sync="sp", row_bytes=ROW, mode=mode)
+        (span,) = res.timeline.spans(rank=0, core=1, task="verify")
+        assert (span.start_ns, span.end_ns) == (pytest.approx(1100.0), pytest.approx(expect))
+
+
 def test_fit_moves_the_baseline_constants_with_the_assumed_ones() -> None:
     base = fabric(barrier_ns=1000.0)
     # A point on barrier_ns (a baseline constant) and one on the clock: both are fitted.

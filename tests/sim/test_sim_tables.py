@@ -77,22 +77,31 @@ def _asp_two_ranks() -> object:
     return topo, plans
 
 
-@pytest.mark.parametrize("checksum_entry_ns", [5.0, 1e5])
-def test_routing_and_checksum_aivs_carry_their_work(checksum_entry_ns: float) -> None:
-    # R = 2 ranks, L = 1 expert each, picks = 4: routing is R (count_expert + picks
-    # count_pick) = 2 (10 + 4 x 1) = 28 ns, the checksum R L cumsum_entry; one aux core does
-    # both after Init (1000 ns) and ends no earlier than its rank's last count-word check.
-    f = fabric(count_expert_ns=10.0, count_pick_ns=1.0, cumsum_entry_ns=checksum_entry_ns)
+@pytest.mark.parametrize(("lanes", "ends"), [(1, (1523.0, 1640.0)), (2, (1523.0, 1540.0))])
+def test_routing_and_checksum_aivs_carry_their_work(lanes: int,
+                                                    ends: tuple[float, float]) -> None:
+    # R = 2 ranks of one node (L = 50 ns on the rank, 400 ns between), L = 1 expert each,
+    # picks = 4: routing is R (count_expert + picks count_pick) = 2 (10 + 4 x 1) = 28 ns after
+    # Init (1000 ns). The count core counts expert 0 then expert 1 (each 10 + 2 picks x 1 =
+    # 12 ns, then a 5 ns word), so the words leave at 1017 (to rank 0) and 1034 (to rank 1)
+    # and land: on rank 0 from rank 0 at 1067, from rank 1 at 1417; on rank 1 from rank 0 at
+    # 1434, from rank 1 at 1084. The one aux core polls them in source order from 1028, 100 ns
+    # a poll of `lanes` words, then sums R L = 2 entries at 3 ns:
+    # lanes 1: rank 0 max(1028, 1067) + 100 = 1167, max(1167, 1417) + 100 = 1517, + 6 = 1523;
+    #          rank 1 max(1028, 1434) + 100 = 1534, max(1534, 1084) + 100 = 1634, + 6 = 1640;
+    # lanes 2: rank 0 max(1028, 1417) + 100 + 6 = 1523; rank 1 max(1028, 1434) + 100 + 6 = 1540.
+    f = fabric(count_expert_ns=10.0, count_pick_ns=1.0, flag_ns=5.0, poll_ns=100.0,
+               poll_lanes=lanes, cumsum_entry_ns=3.0)
     topo, plans = _asp_two_ranks()
     res = simulate(plans, topo, f, engine="asp", sync="sp", row_bytes=ROW)
-    route, check = preprocess_ns(f, num_ranks=2, num_local_experts=1, picks=4)
-    assert (route, check) == (28.0, 2 * checksum_entry_ns)
-    out = with_preprocess(res, f, aux_cores=1, first_core=2, num_local_experts=1, picks=4)
+    assert preprocess_ns(f, num_ranks=2, num_local_experts=1, picks=4) == (28.0, 6.0)
+    out = with_preprocess(res, f, topo, aux_cores=1, first_core=2, num_local_experts=1,
+                          picks=4)
     for r in range(2):
-        verify = max(s.end_ns for s in res.timeline.spans(rank=r, task="verify"))
+        (route,) = out.timeline.spans(rank=r, core=2, task="route")
         (span,) = out.timeline.spans(rank=r, core=2, task="checksum")
-        assert span.start_ns == 1000.0 + 28.0
-        assert span.end_ns == pytest.approx(max(1000.0 + 28.0 + check, verify))
+        assert (route.start_ns, route.end_ns, span.start_ns) == (1000.0, 1028.0, 1028.0)
+        assert span.end_ns == pytest.approx(ends[r])
         # The AIV sum counts the routing/checksum AIV, which the data path left at 0.
         assert res.aiv_end_ns(r)[2] == 0.0
         assert out.aiv_sum_ns(r) == pytest.approx(res.aiv_sum_ns(r) + span.end_ns)
@@ -105,6 +114,9 @@ def test_routing_and_checksum_aivs_carry_their_work(checksum_entry_ns: float) ->
     # The data path is untouched.
     np.testing.assert_array_equal(out.unit_land_ns, res.unit_land_ns)
     assert out.latency_ns == res.latency_ns
+    with pytest.raises(InvalidArgumentError):
+        with_preprocess(simulate(plans, topo, f, engine="bsp", sync="sw", row_bytes=ROW), f,
+                        topo, aux_cores=1, first_core=2, num_local_experts=1, picks=4)
 
 
 def test_run_case_times_the_aux_cores_of_an_asp_dispatch() -> None:

@@ -26,7 +26,7 @@ from .spec import OpSpec, core_rx_wait_ns
 from .syncs import sync_mode
 from .timeline import SimResult, TaskTimeline
 
-__all__ = ["run_analytic"]
+__all__ = ["chunk_entries", "poll_scan", "run_analytic"]
 
 
 def _tie(times: np.ndarray) -> np.ndarray:
@@ -156,7 +156,7 @@ def _group_max(group: np.ndarray, values: np.ndarray, size: int) -> np.ndarray:
     return out
 
 
-def _chunk_entries(spec: OpSpec, topology: Topology, start: np.ndarray) -> tuple[
+def chunk_entries(spec: OpSpec, topology: Topology, start: np.ndarray) -> tuple[
         np.ndarray, np.ndarray, np.ndarray]:
     """Every (source, chunk) word as a receiver entry: ``(receiver, poll core, land)``,
     sorted by (receiver, poll core, scan order)."""
@@ -180,7 +180,7 @@ def _chunk_entries(spec: OpSpec, topology: Topology, start: np.ndarray) -> tuple
     return dst_o[order2], poll[order2], land[order][order2]
 
 
-def _poll_scan(spec: OpSpec, recv: np.ndarray, poll: np.ndarray, land: np.ndarray,
+def poll_scan(spec: OpSpec, recv: np.ndarray, poll: np.ndarray, land: np.ndarray,
                core_start: np.ndarray, poll_ns: float, lanes: int = 1) -> np.ndarray:
     """``[R, n]`` when each poll core has seen all of its entries: a stop-and-wait scan in
     static order, ``lanes`` entries per poll (``v = max(v, last land of the block) +
@@ -244,8 +244,8 @@ def run_analytic(spec: OpSpec, topology: Topology, fabric: FabricModel) -> SimRe
         parts.append(("barrier", rr.ravel(), cc.ravel(), arrive.ravel(), np.repeat(b1, n)))
         flag_end = _phase_ends(spec, b1)
         parts.append(("flag", rr.ravel(), cc.ravel(), np.repeat(b1, n), flag_end.ravel()))
-        recv, poll, eland = _chunk_entries(spec, topology, b1)
-        ver_end = _poll_scan(spec, recv, poll, eland, flag_end, fabric.poll_ns,
+        recv, poll, eland = chunk_entries(spec, topology, b1)
+        ver_end = poll_scan(spec, recv, poll, eland, flag_end, fabric.poll_ns,
                              fabric.poll_lanes)
         parts.append(("verify", rr.ravel(), cc.ravel(), flag_end.ravel(), ver_end.ravel()))
         b2 = _syncall(ver_end.max(axis=1), fabric, topology)
@@ -265,8 +265,8 @@ def run_analytic(spec: OpSpec, topology: Topology, fabric: FabricModel) -> SimRe
             cr, ccore = np.meshgrid(ranks, cores, indexing="ij")
             parts.append(("count", cr.ravel(), ccore.ravel(), np.full(cr.size, t0),
                           count_end[:, cores].ravel()))
-            recv, poll, eland = _chunk_entries(spec, topology, starts)
-            ver_end = _poll_scan(spec, recv, poll, eland, count_end, fabric.poll_ns,
+            recv, poll, eland = chunk_entries(spec, topology, starts)
+            ver_end = poll_scan(spec, recv, poll, eland, count_end, fabric.poll_ns,
                                  fabric.poll_lanes)
             parts.append(("verify", cr.ravel(), ccore.ravel(), count_end[:, cores].ravel(),
                           ver_end[:, cores].ravel()))

@@ -376,8 +376,11 @@ START: dict[str, dict[str, tuple[float, str, str]]] = {
         "aux_cores_at_256": (12.0, "derived", "UBEP paper evaluation text (CALIBRATION.md): at "
                              "256 ranks 12 AIVs go to routing and checksum work"),
         "cumsum_group_sync_ns": _assumed("cumsum_group_sync_ns"),
-        "poll_lanes": (64, "derived", "one 256 B vector load of the AIV (Hot Chips 2019 DaVinci) "
-                       "reads 64 int32 count / flag words that lie side by side"),
+        "poll_lanes": (1, "derived", "one poll per count / flag word: each source publishes "
+                       "its word with its own atomic store, which the receiver observes and "
+                       "checks on its own (UBEP paper evaluation text on Figure 14, "
+                       "CALIBRATION.md: more experts mean more verification work; Appendix A's "
+                       "beta prices one poll per expert)"),
         "check_lanes": (8, "derived", "one 256 B vector (Hot Chips 2019 DaVinci) holds the 32 B "
                         "markers of 8 atomic blocks, gathered by one strided copy (UBEP paper "
                         "Section 3.4: a 32 B flag / marker per 512 B DataBlock)"),

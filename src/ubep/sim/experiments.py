@@ -234,7 +234,7 @@ SPLIT_COLUMNS = ("panel", "x", "system", "latency_us", "aiv_sum_us", "aiv_lo_us"
                  "improvement_interval", "latency_improvement_pct")
 SPLIT_NOTE = ("aiv_sum = per-AIV time, the sum over the slowest rank's AIVs of each AIV's time "
               "(call start to the end of its last task; UBEP's routing and checksum AIVs run "
-              "until their checksum has seen the last count word); all_to_all = the AIVs' work "
+              "until their own poll of the count words ends); all_to_all = the AIVs' work "
               "moving and ordering data (init, send, count, cumsum, routing, reorder), summed; "
               "other = aiv_sum - all_to_all (barriers, flags, verification, the global "
               "checksum, waiting); improvement = 1 - UBEP / CANN EP of "

@@ -354,7 +354,7 @@ def run_case(
         aux = aux_cores(topology.num_ranks, fabric, topology.cores_per_rank)
         first = dispatch[0].num_send_cores + dispatch[0].num_count_cores
         aux = min(aux, topology.cores_per_rank - first)
-        res = with_preprocess(res, fabric, aux_cores=aux, first_core=first,
+        res = with_preprocess(res, fabric, topology, aux_cores=aux, first_core=first,
                               num_local_experts=workload.num_experts(topology.num_ranks)
                               // topology.num_ranks,
                               picks=workload.tokens_per_rank * workload.num_topk)
