@@ -143,6 +143,9 @@ def run_control(out: str) -> None:
     record: dict[str, Any] = {"cached": tg.from_torch(dist.group.WORLD) is group}
     record["exchange"] = group.exchange("step", {"rank": rank, "pid": os.getpid()})
     record["allgather"] = group.allgather([rank] * (rank + 1))  # unequal sizes
+    # a JSON string that just fits the all-gather's slot (after its 8-byte length) on rank 0,
+    # one byte more on rank 1: the second round
+    record["allgather_long"] = group.allgather("x" * (tg._SLOT_BYTES - 10 + rank))
     try:
         group.exchange("a" if rank == 0 else "b", rank)
         record["mismatch"] = ""

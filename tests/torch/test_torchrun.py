@@ -26,6 +26,7 @@ pytestmark = pytest.mark.torch
 from tests.torch import _torchrun_worker as worker  # noqa: E402
 from ubep import reference  # noqa: E402
 from ubep.testing import FIELDS, bits  # noqa: E402
+from ubep.torch.group import _SLOT_BYTES  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKER = "tests.torch._torchrun_worker"  # run with ``-m`` from REPO_ROOT
@@ -120,6 +121,7 @@ def test_control_plane_over_the_torch_group(
         assert g["cached"]
         assert g["exchange"] == [{"rank": 0, "pid": pids[0]}, {"rank": 1, "pid": pids[1]}]
         assert g["allgather"] == [[0], [1, 1]]
+        assert g["allgather_long"] == ["x" * (_SLOT_BYTES - 10), "x" * (_SLOT_BYTES - 9)]
         assert g["peers"] == pids
         assert "keys by rank: ['a', 'b']" in g["mismatch"], g["mismatch"]
 

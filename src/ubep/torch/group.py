@@ -49,7 +49,6 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -66,6 +65,8 @@ __all__ = ["TorchGroup", "check_same_host", "from_torch", "held", "host_identity
 
 # Sleep a little between polls, longer the longer the wait: control-plane calls are rare.
 _BACKOFF = Backoff(sleep_slope=0.05)
+# an all-gather's slot per rank: its JSON's length (8 bytes) and, if it fits, the JSON itself
+_SLOT_BYTES = 512
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
 # Backends that run collectives on CPU tensors (the control plane's JSON bytes).
 _CPU_BACKENDS = ("gloo", "mpi", "ucc")
@@ -273,24 +274,33 @@ class TorchGroup(Closing):
         return [p.rank for p in self.peers if p.rank != self.rank and not p.alive()]
 
     def _allgather_json(self, value: Any, deadline: float, what: str) -> list[Any]:
-        """Two torch all-gathers: the byte counts, then the JSON bytes padded to the longest."""
-        raw = np.frombuffer(json.dumps(value).encode(), dtype=np.uint8)
-        size = torch.tensor([raw.size], dtype=torch.int64)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.num_ranks)]
-        self._wait(
-            dist.all_gather(sizes, size, group=self.torch_group, async_op=True), deadline, what
-        )
-        longest = max(int(s.item()) for s in sizes)
-        mine = torch.zeros(longest, dtype=torch.uint8)
-        mine[: raw.size] = torch.from_numpy(raw.copy())
-        bufs = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self.num_ranks)]
-        self._wait(
-            dist.all_gather(bufs, mine, group=self.torch_group, async_op=True), deadline, what
-        )
-        return [
-            json.loads(bytes(b[: int(s.item())].numpy()).decode())
-            for b, s in zip(bufs, sizes, strict=True)
-        ]
+        """One torch all-gather of fixed slots (length, then the JSON bytes); a second one, of
+        the JSON padded to the longest, only when some rank's JSON does not fit its slot. The
+        calls' agreements carry a few counts: one round trip instead of two."""
+        raw = json.dumps(value).encode()
+        slot = torch.zeros(_SLOT_BYTES, dtype=torch.uint8)
+        slot[:8] = torch.tensor([len(raw)], dtype=torch.int64).view(torch.uint8)
+        fits = len(raw) <= _SLOT_BYTES - 8
+        if fits:
+            slot[8: 8 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        slots = self._gather(slot, deadline, what)
+        sizes = [int(s[:8].view(torch.int64).item()) for s in slots]
+        longest = max(sizes)
+        if longest <= _SLOT_BYTES - 8:
+            bodies = [bytes(s[8: 8 + n].numpy()) for s, n in zip(slots, sizes, strict=True)]
+        else:  # every rank sees the same sizes, so every rank takes this second round
+            mine = torch.zeros(longest, dtype=torch.uint8)
+            mine[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+            bufs = self._gather(mine, deadline, what)
+            bodies = [bytes(b[:n].numpy()) for b, n in zip(bufs, sizes, strict=True)]
+        return [json.loads(b.decode()) for b in bodies]
+
+    def _gather(self, mine: torch.Tensor, deadline: float, what: str) -> list[torch.Tensor]:
+        """Every rank's ``mine`` (all the same shape), by one torch all-gather with a deadline."""
+        bufs = [torch.empty_like(mine) for _ in range(self.num_ranks)]
+        self._wait(dist.all_gather(bufs, mine, group=self.torch_group, async_op=True), deadline,
+                   what)
+        return bufs
 
     def _wait(self, work: Any, deadline: float, what: str) -> None:
         """Poll a torch Work until done, the deadline, or a dead peer (then the torch group has a
