@@ -32,24 +32,14 @@ ranks it went to (exact in FP32), cast to BF16.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-import time
 from dataclasses import asdict
 from typing import Any
 
 import numpy as np
 
-from benchmarks.harness import (
-    Stats,
-    concurrent_copy,
-    format_table,
-    machine_since,
-    round_repeats,
-    save_results,
-    time_collective,
-)
+from benchmarks import harness
 
 RANKS, HIDDEN, TOPK, EXPERTS = 2, 2048, 8, 64
 TOKENS = (16, 128)
@@ -172,7 +162,7 @@ def _rank_main(group: Any, tokens_list: tuple[int, ...], warmup: int,
             samples: dict[str, list[float]] = {name: [] for name in systems}
             for repeats in per_round:
                 for name, fn in systems.items():
-                    ns = time_collective(dist.barrier, fn, warmup, repeats)
+                    ns = harness.time_collective(dist.barrier, fn, warmup, repeats)
                     samples[name] += (ns / 1e3).tolist()
             out.append(samples)
         return out
@@ -188,9 +178,9 @@ def _bytes_per_rank(tokens: int) -> int:
 def run(tokens: tuple[int, ...], warmup: int, repeats: int, rounds: int) -> dict[str, Any]:
     from ubep.runtime import launch
 
-    per_round = round_repeats(repeats, rounds)
+    per_round = harness.round_repeats(repeats, rounds)
     nbytes = [_bytes_per_rank(t) for t in tokens]
-    floor = concurrent_copy(RANKS, [2 * b for b in nbytes], repeats=sum(per_round),
+    floor = harness.concurrent_copy(RANKS, [2 * b for b in nbytes], repeats=sum(per_round),
                             warmup=warmup, rounds=len(per_round))
     per_rank = launch(_rank_main, RANKS, tokens, warmup, per_round, timeout_s=1800)
     rows = []
@@ -199,7 +189,7 @@ def run(tokens: tuple[int, ...], warmup: int, repeats: int, rounds: int) -> dict
                                "floor": asdict(floor[i])}
         for name in SYSTEMS:
             worst = np.max(np.array([r[i][name] for r in per_rank]), axis=0)
-            row[name] = asdict(Stats.from_samples_us(worst.tolist()))
+            row[name] = asdict(harness.Stats.from_samples_us(worst.tolist()))
         rows.append(row)
     return {"rows": rows}
 
@@ -219,29 +209,20 @@ def report(result: dict[str, Any]) -> str:
                       r["floor"]["max_us"], "", ""])
         lines.append(f"{r['tokens']} tokens: v2 / v1 (medians) "
                      f"{r['v2']['median_us'] / r['v1']['median_us']:.2f}")
-    return "\n".join([format_table(cols, table, float_digits=1), *lines])
+    return "\n".join([harness.format_table(cols, table, float_digits=1), *lines])
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="16 tokens only, 10 repeats")
-    ap.add_argument("--repeats", type=int, default=60)
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--out", help="directory for deepep.txt / deepep.json")
+    ap = harness.rounds_parser(__doc__ or "", "16 tokens only, 10 repeats", "deepep", 60)
     args = ap.parse_args(argv)
     tokens = TOKENS[:1] if args.quick else TOKENS
     repeats = 10 if args.quick else args.repeats
-    start, load = time.monotonic(), os.getloadavg()[0]
-    result = run(tokens, args.warmup, repeats, args.rounds)
-    result["machine"] = machine_since(load, start)
+    result, machine = harness.measured(lambda: run(tokens, args.warmup, repeats, args.rounds))
     head = (f"# python -m benchmarks.bench_deepep{' --quick' if args.quick else ''}; "
             f"{RANKS} ranks, hidden {HIDDEN} BF16, top-{TOPK} of {EXPERTS}, {repeats} repeats "
-            f"in {args.rounds} rounds, {result['machine']['cpus']} CPUs, load {load:.1f} -> "
-            f"{result['machine']['load_after']:.1f}")
-    save_results(args.out, "deepep", head + "\n" + report(result), result)
+            f"in {args.rounds} rounds, {machine}")
+    harness.save_results(args.out, "deepep", head + "\n" + report(result), result)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

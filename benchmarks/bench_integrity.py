@@ -23,10 +23,7 @@ case's hidden) against the data plane's copy of the same bytes (``_native.copy``
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
-import time
 from dataclasses import asdict
 from typing import Any
 
@@ -37,8 +34,9 @@ from benchmarks.harness import (
     Stats,
     concurrent_copy,
     format_table,
-    machine_since,
+    measured,
     round_repeats,
+    rounds_parser,
     save_results,
     time_collective,
     time_repeats,
@@ -176,25 +174,14 @@ def report(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="1 MB only, 10 repeats")
-    ap.add_argument("--repeats", type=int, default=40)
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--out", help="directory for integrity.txt / integrity.json")
-    args = ap.parse_args(argv)
+    args = rounds_parser(__doc__ or "", "1 MB only, 10 repeats", "integrity", 40).parse_args(argv)
     sizes = SIZES[:1] if args.quick else SIZES
     repeats = 10 if args.quick else args.repeats
-    start, load = time.monotonic(), os.getloadavg()[0]
-    result = run(sizes, args.warmup, repeats, args.rounds)
-    result["machine"] = machine_since(load, start)
+    result, machine = measured(lambda: run(sizes, args.warmup, repeats, args.rounds))
     head = (f"# python -m benchmarks.bench_integrity{' --quick' if args.quick else ''}; "
-            f"{RANKS} ranks, {repeats} repeats in {args.rounds} rounds, "
-            f"{result['machine']['cpus']} CPUs, load {load:.1f} -> "
-            f"{result['machine']['load_after']:.1f}")
+            f"{RANKS} ranks, {repeats} repeats in {args.rounds} rounds, {machine}")
     save_results(args.out, "integrity", head + "\n" + report(result), result)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -13,6 +13,7 @@ callables include the ~100 ns clock overhead; batch them inside ``fn`` if that m
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import multiprocessing as mp
 import os
@@ -177,6 +178,27 @@ def machine_since(load_before: float, start: float) -> dict[str, Any]:
     1-minute load average of ``load_before``: CPUs, the load before and now, seconds taken."""
     return {"cpus": os.cpu_count(), "load_before": load_before,
             "load_after": os.getloadavg()[0], "seconds": time.monotonic() - start}
+
+
+def rounds_parser(doc: str, quick_help: str, stem: str, repeats: int) -> argparse.ArgumentParser:
+    """The options of a benchmark timed in rounds: ``--quick``, ``--repeats``, ``--rounds``,
+    ``--warmup`` and ``--out`` (the directory for ``stem.txt`` / ``stem.json``)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+    ap.add_argument("--repeats", type=int, default=repeats)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--out", help=f"directory for {stem}.txt / {stem}.json")
+    return ap
+
+
+def measured(run: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], str]:
+    """``run()``'s result with its ``machine`` record (:func:`machine_since`), and the words
+    for a header: CPUs and the load before and after."""
+    start, load = time.monotonic(), os.getloadavg()[0]
+    result = run()
+    machine = result["machine"] = machine_since(load, start)
+    return result, f"{machine['cpus']} CPUs, load {load:.1f} -> {machine['load_after']:.1f}"
 
 
 def round_repeats(repeats: int, rounds: int) -> list[int]:
