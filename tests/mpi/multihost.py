@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.mpi.netns import HostBed
-from tests.mpi.test_mpi import REPO_ROOT, _mpiexec, detector
+from tests.mpi.test_mpi import REPO_ROOT, _mpiexec
 
 # the fixture make_bed (tests/mpi/conftest.py): make_bed(n) is a bed of n hosts
 MakeBed = Callable[[int], HostBed]
@@ -22,12 +22,6 @@ MakeBed = Callable[[int], HostBed]
 # TCP between hosts, shared memory inside one (each host's own /dev/shm); RMA: osc/sm inside
 # a host's shared windows, osc/rdma over btl/tcp across hosts
 TRANSPORT = ("--mca", "btl", "self,sm,tcp", "--mca", "osc", "sm,rdma")
-# Open MPI's heartbeat detector across hosts: its timeout below the Buffers' deadline, and well
-# above any stall of a loaded 2-core host. A rank declared failed while the Buffers make their
-# windows crashes every rank (Open MPI's window creation is not failure-safe, docs/MULTIHOST.md):
-# at 1.6 s a stall of the host did that, and the job ended before its fault.
-DETECTOR_TIMEOUT_S = 4.0
-DETECTOR = detector(DETECTOR_TIMEOUT_S, 1.0)
 
 
 def job_command(bed: HostBed, per_host: int, argv: list[str], *, mca: tuple[str, ...] = (),

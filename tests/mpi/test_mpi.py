@@ -274,7 +274,8 @@ def _worker_mask(group: Any, out: str) -> None:
     kill_at = os.environ["UBEP_TEST_KILL_AT"]
     case = Case(os.environ["UBEP_TEST_ENGINE"], os.environ["UBEP_TEST_SYNC"],
                 os.environ["UBEP_TEST_LAYOUT"], "bf16", R, 64, "uniform")
-    cfg = case.config(8, on_peer_loss="mask", timeout_s=_KILL_TIMEOUT_S)
+    timeout_s = float(os.environ.get("UBEP_TEST_TIMEOUT_S", _KILL_TIMEOUT_S))
+    cfg = case.config(8, on_peer_loss="mask", timeout_s=timeout_s)
     errors: list[str] = []
     masks: list[list[int]] = []
 
@@ -430,8 +431,12 @@ def detector(timeout_s: float, period_s: float) -> tuple[str, ...]:
             str(timeout_s))
 
 
-# one host: its timeout below the Buffers' deadline (a stopped rank is masked, not timed out)
-_DETECTOR = detector(1.6, 0.5)
+# A rank silent this long is declared failed: well above any stall of a loaded 2-core host (a
+# rank declared failed while the Buffers make their windows crashes every rank: Open MPI's
+# window creation is not failure-safe, docs/MULTIHOST.md), and the Buffers' deadline twice it,
+# so a stopped rank is masked, not timed out.
+DETECTOR_TIMEOUT_S = 4.0
+DETECTOR = detector(DETECTOR_TIMEOUT_S, 1.0)
 
 
 def _run_ft_job(tmp_path: Path, worker: str, transport: str, env: dict[str, str],
@@ -540,7 +545,7 @@ def test_a_stopped_rank_is_masked_over_mpi_with_the_failure_detector(tmp_path: P
     if reason:
         pytest.skip(reason)
     env = {"UBEP_TEST_KILL_AT": "stop", "UBEP_TEST_ENGINE": "asp", "UBEP_TEST_SYNC": "dc",
-           "UBEP_TEST_LAYOUT": "expert"}
+           "UBEP_TEST_LAYOUT": "expert", "UBEP_TEST_TIMEOUT_S": str(2 * DETECTOR_TIMEOUT_S)}
 
     def continue_victim() -> None:
         _wait_for_file(tmp_path / "stopped.json")
@@ -551,7 +556,7 @@ def test_a_stopped_rank_is_masked_over_mpi_with_the_failure_detector(tmp_path: P
         (tmp_path / "continued").write_text("")
 
     try:
-        output = _run_ft_job(tmp_path, "_worker_mask", "tcp", env, mca=_DETECTOR,
+        output = _run_ft_job(tmp_path, "_worker_mask", "tcp", env, mca=DETECTOR,
                              while_running=continue_victim)
     finally:
         _kill_if_ours(tmp_path / "stopped.json")  # a stopped victim must not outlive the test

@@ -36,14 +36,8 @@ from typing import Any
 import pytest
 
 from tests.mpi import netns
-from tests.mpi.multihost import (
-    DETECTOR,
-    DETECTOR_TIMEOUT_S,
-    MakeBed,
-    no_shm_left,
-    run_job,
-    wait_for,
-)
+from tests.mpi.multihost import MakeBed, no_shm_left, run_job, wait_for
+from tests.mpi.test_mpi import DETECTOR, DETECTOR_TIMEOUT_S
 
 pytestmark = pytest.mark.mpi
 
