@@ -14,10 +14,11 @@ came (identity experts), through:
   mode, a DeepEP V1 program's calls);
 * ``v2``: ``ubep.deep_ep.ElasticBuffer`` (DeepEP 2.1): ``dispatch(x, topk_idx=...)``,
   ``combine`` (``EPBuffer`` runs the same calls);
-* ``gloo``: what a user writes without an EP library, with ``torch.distributed``: one
+* ``gloo``: what a user writes without an EP library, with ``torch.distributed``: the peers
+  benchmark's torch rank-layout peer (``benchmarks/peers/torch_kernels.py``): one
   ``all_to_all_single`` of the per-rank row counts, one of the rows (one row per token and
-  destination rank, tokens in order), the rows back by one more, and the sum at the source in
-  FP32, rank by rank, cast to BF16 once.
+  destination rank) and one of their expert ids and weights, the rows back by one more, and
+  the sum at the source in FP32, destination rank by rank, cast to BF16 once.
 
 Bytes one rank sends = rows x hidden x 2, rows = the (token, destination rank) pairs of its
 routing; the combine sends the same rows back. Floor: ``harness.concurrent_copy`` of twice those
@@ -65,38 +66,24 @@ def _dest_ranks(idx: Any) -> np.ndarray:
 
 
 class _Gloo:
-    """Dispatch and combine written with ``all_to_all_single`` (module docstring)."""
+    """The peers benchmark's torch rank-layout peer (``benchmarks.peers.torch_kernels``) over
+    the gloo group: a dispatch, then the received rows straight back as the experts' outputs."""
 
-    def __init__(self, x: Any, idx: Any) -> None:
-        import torch
+    def __init__(self, x: Any, idx: Any, w: Any) -> None:
+        from benchmarks.peers.gloo_worker import GlooExchange
+        from benchmarks.peers.torch_kernels import TorchRankLayoutPeer
 
-        to = _dest_ranks(idx)
-        self.x = x
-        self.tokens = [torch.from_numpy(np.nonzero(to[:, r])[0]) for r in range(RANKS)]
-        self.send_counts = [len(t) for t in self.tokens]
-        self.order = torch.cat(self.tokens)
+        bf16 = np.dtype(np.uint16)  # the peers' storage of BF16 bits
+        self.peer = TorchRankLayoutPeer(GlooExchange(), num_experts=EXPERTS, num_topk=TOPK,
+                                        max_tokens=x.shape[0], hidden=HIDDEN, x_dtype=bf16,
+                                        out_dtype=bf16)
+        self.x, self.idx, self.w = x, idx, w
 
     def __call__(self) -> Any:
-        import torch
-        import torch.distributed as dist
+        from benchmarks.peers.torch_kernels import as_torch
 
-        counts = torch.tensor(self.send_counts, dtype=torch.int64)
-        recv_counts = torch.empty_like(counts)
-        dist.all_to_all_single(recv_counts, counts)
-        rows = self.x[self.order]
-        recv = torch.empty((int(recv_counts.sum()), HIDDEN), dtype=torch.bfloat16)
-        dist.all_to_all_single(recv.view(torch.uint8), rows.view(torch.uint8),
-                               recv_counts.tolist(), self.send_counts)
-        back = torch.empty_like(rows)  # identity experts: the received rows go back as they are
-        dist.all_to_all_single(back.view(torch.uint8), recv.view(torch.uint8),
-                               self.send_counts, recv_counts.tolist())
-        acc = torch.zeros((self.x.shape[0], HIDDEN), dtype=torch.float32)
-        start = 0
-        for r in range(RANKS):  # rank by rank, as the sources' FP32 sum
-            n = self.send_counts[r]
-            acc.index_add_(0, self.tokens[r], back[start: start + n].float())
-            start += n
-        return acc.to(torch.bfloat16)
+        got = self.peer.dispatch(self.x, self.idx, self.w)
+        return as_torch(self.peer.combine(as_torch(got.recv_x)))
 
 
 def _systems(tokens: int) -> dict[str, Any]:
@@ -130,7 +117,7 @@ def _systems(tokens: int) -> dict[str, Any]:
                                               num_experts=EXPERTS)
         return v2.combine(recv_x, handle)[0]
 
-    return {"ubep": run_ubep, "v1": run_v1, "v2": run_v2, "gloo": _Gloo(x, idx),
+    return {"ubep": run_ubep, "v1": run_v1, "v2": run_v2, "gloo": _Gloo(x, idx, w),
             "_oracle": (x, idx)}
 
 
