@@ -277,20 +277,20 @@ class TorchGroup(Closing):
         """One torch all-gather of fixed slots (length, then the JSON bytes); a second one, of
         the JSON padded to the longest, only when some rank's JSON does not fit its slot. The
         calls' agreements carry a few counts: one round trip instead of two."""
-        raw = json.dumps(value).encode()
+        raw = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
+        room = _SLOT_BYTES - 8
         slot = torch.zeros(_SLOT_BYTES, dtype=torch.uint8)
         slot[:8] = torch.tensor([len(raw)], dtype=torch.int64).view(torch.uint8)
-        fits = len(raw) <= _SLOT_BYTES - 8
-        if fits:
-            slot[8: 8 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        if len(raw) <= room:
+            slot[8: 8 + len(raw)] = raw
         slots = self._gather(slot, deadline, what)
         sizes = [int(s[:8].view(torch.int64).item()) for s in slots]
         longest = max(sizes)
-        if longest <= _SLOT_BYTES - 8:
+        if longest <= room:
             bodies = [bytes(s[8: 8 + n].numpy()) for s, n in zip(slots, sizes, strict=True)]
         else:  # every rank sees the same sizes, so every rank takes this second round
             mine = torch.zeros(longest, dtype=torch.uint8)
-            mine[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+            mine[: len(raw)] = raw
             bufs = self._gather(mine, deadline, what)
             bodies = [bytes(b[:n].numpy()) for b, n in zip(bufs, sizes, strict=True)]
         return [json.loads(b.decode()) for b in bodies]

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -62,8 +61,8 @@ import torch
 from torch import nn
 
 from ..errors import InvalidArgumentError, PeerLostError, TimeoutError
-from ..torch_bridge import is_torch_group
 from .backend import EPBackend
+from .group import held
 from .ops import combine, dispatch
 
 __all__ = ["attach", "experts_forward", "generate", "register", "shard_experts"]
@@ -99,9 +98,9 @@ def register(group: Any = None, *, name: str = NAME, **buffer_options: Any) -> N
     from transformers.integrations.moe import ExpertsInterface
 
     with _lock:
-        # A torch group is torch's to free (dist.destroy_process_group): held weakly, as
-        # ubep.torch.group holds it, so a registration never keeps its threads alive.
-        _registry["group"] = weakref.ref(group) if is_torch_group(group) else group
+        # A torch group is torch's to free (dist.destroy_process_group): held weakly
+        # (ubep.torch.group.held), so a registration never keeps its threads alive.
+        _registry["group"] = None if group is None else held(group)
         _registry["options"] = dict(buffer_options)
         _buffers.clear()
         _names.add(name)
@@ -278,16 +277,15 @@ def _install() -> None:
 
 def _registered_group() -> Any:
     """The group given to :func:`register` (a torch group is held weakly)."""
-    group = _registry.get("group")
-    if isinstance(group, weakref.ref):
-        group = group()
-        if group is None:
-            raise InvalidArgumentError(
-                "group", "destroyed", "the torch.distributed group given to register() is gone "
-                "(dist.destroy_process_group ran): register() a live group"
-            )
-    if group is None:
+    ref = _registry.get("group")
+    if ref is None:
         raise InvalidArgumentError("group", None, _FORGOT_REGISTER)
+    group = ref()
+    if group is None:
+        raise InvalidArgumentError(
+            "group", "destroyed", "the torch.distributed group given to register() is gone "
+            "(dist.destroy_process_group ran): register() a live group"
+        )
     return group
 
 
