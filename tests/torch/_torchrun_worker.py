@@ -17,6 +17,9 @@ Scenarios:
   dispatch   ubep.Buffer(dist.group.WORLD, cfg) for each case of CASES.
   subgroups  (world of 4) EP groups {0, 2} and {1, 3} (group rank != world rank), both
              dispatching at once.
+  trace      (world of 4) one line added to a DeepEP-style step: ``with ubep.trace.record``
+             around the V1 facade's dispatch and combine on the world group and a Buffer on
+             each EP subgroup; the facade's combine saved for the test's closed form.
   hf         a tiny Qwen3-MoE with experts_implementation="ubep" on dist.group.WORLD; rank 0 hits
              EOS first (ARGS: the EOS token id); generate with synced_gpus=True and with
              ubep.torch.hf.generate.
@@ -39,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 import ubep
+import ubep.trace
 from ubep import testing
 
 # (layout, torch dtype, sync): a BF16 expert-layout case and an FP8 rank-layout case (FP8 moves
@@ -122,6 +126,40 @@ def run_subgroups(out: str) -> None:
     mine = world_rank % 2
     dist.barrier()  # both EP groups start their Buffers and dispatches together
     run_dispatch(groups[mine], seed=10 + mine, out=out, tag=f"sub{mine}")
+
+
+TRACE_TOKENS = 16
+
+
+def trace_inputs(rank: int, num_ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s BF16 rows of small integers (any sum of a few is exact in BF16) and its
+    top-k experts (distinct per row) for the trace scenario."""
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randint(-4, 5, (TRACE_TOKENS, HIDDEN), generator=g).to(torch.bfloat16)
+    experts = EXPERTS_PER_RANK * num_ranks
+    topk_idx = torch.stack([torch.randperm(experts, generator=g)[:TOP_K]
+                            for _ in range(TRACE_TOKENS)])
+    return x, topk_idx
+
+
+def run_trace(out: str) -> None:
+    from ubep import deep_ep
+
+    world_rank, world = dist.get_rank(), dist.get_world_size()
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates every group
+    x, topk_idx = trace_inputs(world_rank, world)
+    experts = EXPERTS_PER_RANK * world
+    weights = torch.ones(TRACE_TOKENS, TOP_K)
+    buffer = deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 26)
+    with ubep.trace.record(os.path.join(out, "step.json")):  # the line a user adds
+        ntr, _, ntpe, in_rank, _ = buffer.get_dispatch_layout(topk_idx, experts)
+        recv_x, _, recv_w, _, handle, _ = buffer.dispatch(
+            x, num_tokens_per_rank=ntr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe,
+            topk_idx=topk_idx, topk_weights=weights)
+        y, _, _ = buffer.combine(recv_x, handle, topk_weights=recv_w)  # identity experts
+        mine = world_rank % 2
+        run_dispatch(groups[mine], seed=20 + mine, out=out, tag=f"tsub{mine}")
+    torch.save({"y": y}, os.path.join(out, f"trace.{world_rank}.pt"))
 
 
 def run_example(out: str) -> None:
@@ -213,6 +251,8 @@ def main(argv: list[str]) -> int:
             run_dispatch(dist.group.WORLD, seed=1, out=out, tag="world")
         elif scenario == "subgroups":
             run_subgroups(out)
+        elif scenario == "trace":
+            run_trace(out)
         elif scenario == "example":
             run_example(out)
         elif scenario == "control":

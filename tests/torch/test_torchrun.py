@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.torch
 
+import ubep.trace  # noqa: E402
 from tests.torch import _torchrun_worker as worker  # noqa: E402
 from ubep import reference  # noqa: E402
 from ubep.testing import FIELDS, bits  # noqa: E402
@@ -73,12 +75,68 @@ def _check_dispatch(out: Path, tag: str, num_ranks: int, seed: int) -> None:
             assert np.array_equal(bits(got[f"{case}.y"]), bits(ys[r])), (tag, case, r, "y")
 
 
-def test_world_of_4_and_two_ep_groups_of_2_dispatching_at_once(tmp_path: Path) -> None:
-    _ok(_torchrun(4, WORKER, "dispatch,subgroups", str(tmp_path)))
-    _check_dispatch(tmp_path, "world", 4, seed=1)
+@pytest.fixture(scope="module")
+def four_rank_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One 4-rank job: the world group, two EP groups at once, and a traced DeepEP-style step."""
+    out = tmp_path_factory.mktemp("four_rank_job")
+    _ok(_torchrun(4, WORKER, "dispatch,subgroups,trace", str(out)))
+    return out
+
+
+def test_world_of_4_and_two_ep_groups_of_2_dispatching_at_once(four_rank_job: Path) -> None:
+    _check_dispatch(four_rank_job, "world", 4, seed=1)
     # Group {0, 2} and group {1, 3}: files are named by *group* rank, inputs seeded per group.
-    _check_dispatch(tmp_path, "sub0", 2, seed=10)
-    _check_dispatch(tmp_path, "sub1", 2, seed=11)
+    _check_dispatch(four_rank_job, "sub0", 2, seed=10)
+    _check_dispatch(four_rank_job, "sub1", 2, seed=11)
+
+
+def test_one_line_traces_a_deepep_step_into_one_file_with_every_rank_and_group(
+        four_rank_job: Path) -> None:
+    """``with ubep.trace.record("step.json")`` around a DeepEP-style step on 4 ranks: one merged
+    file (the rank files gone) with every rank's cores and tasks, the facade's world group and
+    each EP subgroup its own trace (named by its world ranks), a flow from every send to
+    another rank landing on that rank; the calls inside stayed right (closed form, reference)."""
+    out = four_rank_job
+    assert not list(out.glob("step.rank*.json"))
+    data = json.loads((out / "step.json").read_text())
+    events = data["traceEvents"]
+    for e in events:  # the trace event format's required fields
+        assert {"name", "ph", "pid", "tid"} <= set(e), e
+        if e["ph"] == "X":
+            assert isinstance(e["ts"], float | int) and e["dur"] >= 0, e
+    traces = {t.label: t for t in ubep.trace.load(out / "step.json")}
+    world = [t for label, t in traces.items() if "world ranks" not in label]
+    assert len(world) == 1, sorted(traces)
+    for members in ("0,2", "1,3"):
+        subs = [t for label, t in traces.items() if label.endswith(f" world ranks {members}")]
+        assert len(subs) == len(worker.CASES), sorted(traces)  # a Buffer per case
+        assert all(t.ranks() == [0, 1] for t in subs)
+    facade = world[0]
+    assert facade.ranks() == [0, 1, 2, 3]
+    for r in range(4):
+        assert sorted(c.name for c in facade.calls if c.rank == r) == ["combine", "dispatch"]
+        tasks = {s.task for s in facade.spans if s.rank == r}
+        assert {"send", "reduce"} <= tasks, (r, tasks)
+    # flows: every send to another rank of the facade's trace lands on that rank's process
+    pid_of = {e["args"]["name"]: e["pid"] for e in events if e["name"] == "process_name"}
+    rank_of = {pid_of[f"{facade.label} (runtime) rank {r}"]: r for r in range(4)}
+    flows = [e for e in events if e.get("cat") == "flow"]
+    ends = {e["id"]: e["pid"] for e in flows if e["ph"] == "f"}
+    starts = {e["id"]: e["pid"] for e in flows if e["ph"] == "s" and e["pid"] in rank_of}
+    landed = Counter((rank_of[starts[i]], rank_of[ends[i]]) for i in starts)
+    sent = Counter((s.rank, s.peer) for s in facade.spans if s.task == "send" and s.peer != s.rank
+                   and s.rows > 0)
+    assert sent and {k: v for k, v in landed.items() if k[0] != k[1]} == sent
+    # identity experts, unit weights: a token comes back as its row times the ranks it visited
+    experts_per_rank = worker.EXPERTS_PER_RANK
+    for r in range(4):
+        x, topk_idx = worker.trace_inputs(r, 4)
+        visits = torch.tensor([len({int(e) // experts_per_rank for e in row}) for row in topk_idx])
+        want = (x.float() * visits[:, None]).to(torch.bfloat16)
+        got = torch.load(out / f"trace.{r}.pt")["y"]
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), r
+    _check_dispatch(out, "tsub0", 2, seed=20)
+    _check_dispatch(out, "tsub1", 2, seed=21)
 
 
 @pytest.fixture(scope="module")

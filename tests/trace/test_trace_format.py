@@ -1,13 +1,14 @@
 """The timeline schema and its Chrome trace event export: the simulator's spans of a small case
 (its unit timeline) land in the schema one for one; every exported event carries the format's
-required fields; files load back to the same spans and merge without pid collisions; flows
-join a send to the wait that consumed its unit."""
+required fields; files load back to the same spans and merge without pid collisions, a run's
+rank files with the flows between them; flows join a send to the wait that consumed its unit."""
 
 from __future__ import annotations
 
 import itertools
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -74,6 +75,10 @@ def test_a_written_file_loads_back_to_the_same_spans_and_calls(tmp_path: Path) -
         assert set(back[t.label].calls) == set(t.calls)
 
 
+def _flows(data: dict[str, Any]) -> list[dict[str, Any]]:
+    return [e for e in data["traceEvents"] if e.get("cat") == "flow"]
+
+
 def _key(s: Span) -> tuple[int, int, float, str]:
     return (s.rank, s.core, s.start_ns, s.task)
 
@@ -84,8 +89,13 @@ def test_rank_files_merge_into_one_and_colliding_runs_get_their_own_pids(
     per_rank = [Trace(run.source, run.label, tuple(s for s in run.spans if s.rank == r),
                       tuple(c for c in run.calls if c.rank == r)) for r in (0, 1)]
     files = [write([t], tmp_path / f"rank{r}.json") for r, t in enumerate(per_rank)]
-    merged = load(merge(files, tmp_path / "all.json"))
+    assert not _flows(json.loads(files[0].read_text()))  # a rank's file: no peer to flow to
+    merged_file = merge(files, tmp_path / "all.json")
+    merged = load(merged_file)
     assert len(merged) == 1 and sorted(merged[0].spans, key=_key) == sorted(run.spans, key=_key)
+    # merged, the sends of one rank's file flow to the receives in the other's, as in the run's
+    want = _flows(to_chrome([run]))
+    assert want and len(_flows(json.loads(merged_file.read_text()))) == len(want)
     # the same run twice: its ranks' pids collide, and the second copy moves
     twice = json.loads(merge([files[0], files[0]], tmp_path / "twice.json").read_text())
     pids = [e["pid"] for e in twice["traceEvents"] if e["name"] == "process_name"]

@@ -19,7 +19,7 @@ from typing import Any
 from ..errors import InvalidArgumentError
 from .spans import CallSpan, Span, Trace
 
-__all__ = ["load", "merge", "to_chrome", "write"]
+__all__ = ["join", "load", "merge", "to_chrome", "write"]
 
 _PIDS_PER_TRACE = 100_000  # pid = trace index * this + rank: ranks of two traces never collide
 _CALLS_TID = 0  # the thread of the call spans; core c is thread c + 1
@@ -69,25 +69,30 @@ def load(path: str | Path) -> list[Trace]:
 
 
 def merge(paths: Sequence[str | Path], out: str | Path) -> Path:
-    """One trace event file from several (the ranks' own files, or runs to put side by side):
-    the events concatenated; processes that would share a pid get distinct ones."""
+    """One trace event file from several (the ranks' own files, or runs to put side by side).
+    Traces of one source and label whose ranks are disjoint (one run's rank files) become one,
+    so its sends flow to their receives across ranks; a trace whose ranks another of its label
+    already holds (the same run twice) stays apart, its processes numbered after it."""
     if not paths:
         raise InvalidArgumentError("paths", [], "needs at least one trace file")
-    events: list[dict[str, Any]] = []
-    taken: set[int] = set()
-    for path in paths:
-        data = json.loads(Path(path).read_text())
-        mine = data["traceEvents"] if isinstance(data, dict) else data
-        pids = {e["pid"] for e in mine if "pid" in e}
-        shift = 0
-        while {p + shift for p in pids} & taken:
-            shift += _PIDS_PER_TRACE
-        for e in mine:
-            events.append(e | {"pid": e["pid"] + shift} if "pid" in e else e)
-        taken |= {p + shift for p in pids}
-    target = Path(out)
-    target.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ns"}))
-    return target
+    return write(join([t for path in paths for t in load(path)]), out)
+
+
+def join(traces: Sequence[Trace], *, runs_apart: bool = True) -> list[Trace]:
+    """One trace per source and label, in first-seen order: the spans and calls of traces
+    that share both are put together (a run's rank files, or one Buffer read twice). With
+    ``runs_apart`` a trace whose ranks the one before it of its label already holds (the same
+    run twice) stays a trace of its own."""
+    out: list[Trace] = []
+    for t in traces:
+        into = next((i for i, o in enumerate(out) if (o.source, o.label) == (t.source, t.label)
+                     and not (runs_apart and set(o.ranks()) & set(t.ranks()))), None)
+        if into is None:
+            out.append(t)
+        else:
+            o = out[into]
+            out[into] = Trace(o.source, o.label, o.spans + t.spans, o.calls + t.calls)
+    return out
 
 
 def _metadata(trace: Trace, base: int) -> list[dict[str, Any]]:

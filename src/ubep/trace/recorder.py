@@ -10,7 +10,10 @@ different ranks line up as they are.
 
 :func:`record` writes, on exit, each rank's spans to ``<path stem>.rank<r>.json``; the process
 that holds rank 0 waits (at most ``merge_timeout_s``) for every rank's file and merges them into
-``path``, one trace file for Perfetto (``ubep trace merge`` does the same by hand).
+``path``, one trace file for Perfetto (``ubep trace merge`` does the same by hand). Under
+``torch.distributed`` the ranks that name the files are the world's, so the Buffers of several
+EP groups (``dist.new_group``) land in one file, each group its own trace, labelled with its
+members' world ranks.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, UbepError
 from .spans import TASK_KINDS, CallSpan, Span, Trace
 
 __all__ = ["CALL_KINDS", "DEFAULT_CAPACITY", "SPAN_DTYPE", "Recorder", "decode", "record",
@@ -74,6 +77,35 @@ def _label(buffer: Any) -> str:
     return f"{cfg.engine}/{cfg.sync}"
 
 
+@dataclass(frozen=True)
+class _Place:
+    """Where a Buffer's ranks sit among the program's processes: ``world_ranks[r]`` is the
+    world rank of its rank ``r`` among ``world_size``, and ``tag`` tells its group apart from
+    others' in labels ("" for a group of the whole world)."""
+
+    world_ranks: tuple[int, ...]
+    world_size: int
+    tag: str = ""
+
+
+def _place(buffer: Any) -> _Place:
+    """torch.distributed's world for a Buffer on a torch group (an EP subgroup's ranks are not
+    the world's: two groups' rank 0 would name one file); else the Buffer's own group."""
+    own = _Place(tuple(range(buffer.num_ranks)), buffer.num_ranks)
+    dist = _torch_dist()
+    if dist is None or not hasattr(type(buffer.group), "torch_group"):
+        return own
+    try:
+        members = tuple(int(r) for r in dist.get_process_group_ranks(buffer.group.torch_group))
+    except (UbepError, ValueError, RuntimeError):  # the torch group is gone: its own ranks
+        return own
+    size = int(dist.get_world_size())
+    if len(members) != buffer.num_ranks:
+        return own
+    tag = "" if members == tuple(range(size)) else " world ranks " + ",".join(map(str, members))
+    return _Place(members, size, tag)
+
+
 def _enable(buffer: Any, capacity: int) -> None:
     enable = getattr(buffer._engine, "trace_enable", None)
     if enable is None:  # an engine that records no spans: traced by nothing
@@ -112,9 +144,16 @@ def detach(buffer: Any) -> None:
         _buffers.discard(buffer)
     traced = int(getattr(buffer, "_trace_capacity", 0)) > 0
     if recorders and traced:
-        trace = spans_of(buffer)
-        for r in recorders:
-            r.add(trace, buffer.num_ranks)
+        _take(buffer, recorders)
+
+
+def _take(buffer: Any, recorders: list[Recorder]) -> None:
+    """Hand what ``buffer`` recorded to ``recorders``: its spans as a trace of its group,
+    relabelled for a subgroup, and where its ranks sit in the world."""
+    place = _place(buffer)
+    trace = spans_of(buffer, _label(buffer) + place.tag)
+    for r in recorders:
+        r.add(trace, place)
 
 
 @dataclass
@@ -124,12 +163,10 @@ class Recorder:
 
     path: Path
     capacity: int
-    traces: list[Trace] = field(default_factory=list)
-    num_ranks: int = 0
+    traces: list[tuple[Trace, _Place]] = field(default_factory=list)
 
-    def add(self, trace: Trace, num_ranks: int) -> None:
-        self.traces.append(trace)
-        self.num_ranks = max(self.num_ranks, num_ranks)
+    def add(self, trace: Trace, place: _Place) -> None:
+        self.traces.append((trace, place))
 
     def rank_path(self, rank: int) -> Path:
         return self.path.with_name(f"{self.path.stem}.rank{rank}.json")
@@ -162,7 +199,7 @@ def record(path: str | Path, *, capacity: int = DEFAULT_CAPACITY,
             others = bool(_recorders)
         for b in live:
             if getattr(b, "_trace_capacity", 0):
-                rec.add(spans_of(b), b.num_ranks)
+                _take(b, [rec])
                 if not (others or b._cfg.trace):  # traced for this block only: off again
                     b._engine.trace_enable(0)
                     b._trace_capacity = 0
@@ -170,19 +207,21 @@ def record(path: str | Path, *, capacity: int = DEFAULT_CAPACITY,
 
 
 def _write(rec: Recorder, merge_timeout_s: float) -> None:
-    from .chrome import merge, write
+    from .chrome import join, merge, write
 
-    by_rank: dict[int, list[Trace]] = {}
-    for t in rec.traces:
+    by_rank: dict[int, list[Trace]] = {r: [] for r in _own_world_ranks()}
+    world_size = 0
+    for t, place in rec.traces:
+        world_size = max(world_size, place.world_size)
         for r in t.ranks():
-            by_rank.setdefault(r, []).append(_only_rank(t, r))
+            by_rank.setdefault(place.world_ranks[r], []).append(_only_rank(t, r))
     for r, traces in by_rank.items():
         tmp = rec.rank_path(r).with_suffix(".tmp")
-        write(_joined(traces), tmp)
+        write(join(traces, runs_apart=False), tmp)
         os.replace(tmp, rec.rank_path(r))  # whole or absent: rank 0 never reads half a file
     if 0 not in by_rank:
         return
-    files = [rec.rank_path(r) for r in range(rec.num_ranks)]
+    files = [rec.rank_path(r) for r in range(max(world_size, _world_size()))]
     deadline = time.monotonic() + merge_timeout_s
     while not all(f.exists() for f in files) and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -192,18 +231,29 @@ def _write(rec: Recorder, merge_timeout_s: float) -> None:
         f.unlink()
 
 
+def _own_world_ranks() -> list[int]:
+    """This process's torch.distributed world rank (a rank that traced nothing still writes
+    its file, so rank 0 does not wait for it); none outside torch.distributed."""
+    dist = _torch_dist()
+    return [int(dist.get_rank())] if dist is not None else []
+
+
+def _world_size() -> int:
+    dist = _torch_dist()
+    return int(dist.get_world_size()) if dist is not None else 0
+
+
+def _torch_dist() -> Any:
+    """``torch.distributed`` when this process has imported torch and joined a process group;
+    else None (never imports torch itself)."""
+    import sys
+
+    if "torch.distributed" not in sys.modules:
+        return None
+    dist = sys.modules["torch.distributed"]
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
 def _only_rank(t: Trace, rank: int) -> Trace:
     return Trace(t.source, t.label, tuple(s for s in t.spans if s.rank == rank),
                  tuple(c for c in t.calls if c.rank == rank))
-
-
-def _joined(traces: list[Trace]) -> list[Trace]:
-    """One trace per label (a Buffer read twice: at close and again)."""
-    out: dict[tuple[str, str], Trace] = {}
-    for t in traces:
-        key = (t.source, t.label)
-        if key in out:
-            o = out[key]
-            t = Trace(t.source, t.label, o.spans + t.spans, o.calls + t.calls)
-        out[key] = t
-    return list(out.values())
