@@ -13,6 +13,8 @@ import importlib
 import sys
 from collections.abc import Callable
 
+from .errors import InvalidArgumentError
+
 _COMMAND_MODULES = (
     "ubep.demo",
     "ubep.sim.cli",
@@ -39,9 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
-    return int(func(args) or 0)
+    try:
+        return int(func(args) or 0)
+    except InvalidArgumentError as exc:  # a bad option value: one line and status 2, as argparse
+        print(f"{parser.prog} {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -162,3 +162,16 @@ def test_ubep_sim_trace_writes_the_calls_it_timed(tmp_path: Path) -> None:
     sends = [s for s in trace.spans if s.task == "send"]  # a small call: its units named
     assert sum(s.rows for s in sends) == 4 * 16 * 2 and all(s.peer >= 0 for s in sends)
     assert all(c.name == "dispatch" for c in trace.calls) and len(trace.calls) == 4
+
+
+def test_trace_run_refuses_a_prediction_the_simulator_cannot_make_before_any_rank_runs(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from ubep.cli import main
+
+    measured = tmp_path / "bsp.json"
+    assert main(["trace", "run", "--ranks", "2", "--tokens", "8", "--hidden", "256",
+                 "--engine", "bsp", "--sync", "tff", "-o", str(measured),
+                 "--predicted", str(tmp_path / "sim.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ubep trace: error: sync='tff'") and "'sw'" in err, err
+    assert not list(tmp_path.iterdir())  # nothing ran, nothing written

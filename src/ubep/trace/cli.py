@@ -45,18 +45,20 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .run import RunCase, run_traced
+    from .run import RunCase, predict, run_traced
 
     case = RunCase(num_ranks=args.ranks, num_tokens=args.tokens, hidden=args.hidden,
                    num_experts=args.experts, num_topk=args.topk, routing=args.routing,
                    engine=args.engine, sync=args.sync, layout=args.layout,
                    num_cores=args.cores, iters=args.iters, combine=not args.no_combine)
+    # the prediction first: a case the simulator refuses (BSP with a sync mode other than SW)
+    # is refused before any rank starts
+    predicted = predict(case) if args.predicted else None
     print(run_traced(case, args.out))
-    if args.predicted:
+    if predicted is not None:
         from .chrome import write
-        from .run import predict
 
-        print(write([predict(case)], args.predicted))
+        print(write([predicted], args.predicted))
     return 0
 
 
