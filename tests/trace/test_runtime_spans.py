@@ -70,6 +70,7 @@ CASES = [
     Case("bsp", "expert", "tff", 4, True, 24),
     Case("bsp", "rank", "sw", 2, False, 16),
     Case("bsp", "expert", "dc", 2, True, 16, hook=True, background=True),
+    Case("asp", "expert", "tff", 4, False, 24),
 ]
 
 
@@ -249,10 +250,10 @@ def test_record_merges_every_rank_into_one_file(runs: Any) -> None:
     assert not list(out.parent.glob("step.rank*.json"))  # merged and removed
 
 
-@pytest.mark.parametrize("i", [0, 1])
+@pytest.mark.parametrize("i", [0, 1, 3, 8])
 def test_the_simulator_lists_the_same_sends_per_core(runs: Any, i: int) -> None:
-    """Per core, the same (task, unit, peer, rows, bytes) sends in the same order, and the
-    count tasks on the same cores."""
+    """Per core, the same (task, unit, peer, rows, bytes) sends in the same order, the count
+    tasks on the same cores, and (TFF) the rows each rank reordered from each peer."""
     case, trace = CASES[i], _trace(runs, i)
     _, idxs, _ = _inputs(case, i)
     topo = dataclasses.replace(host(2), cores_per_rank=case.num_cores)
@@ -268,6 +269,18 @@ def test_the_simulator_lists_the_same_sends_per_core(runs: Any, i: int) -> None:
     assert sends(sim) == sends(trace)
     assert {(s.rank, s.core) for s in sim.spans if s.task == "count"} == {
         (s.rank, s.core) for s in trace.spans if s.task == "count"}
+
+    def reorders(t: Trace) -> Counter[tuple[int, int]]:  # rows reordered, per rank and source
+        got: Counter[tuple[int, int]] = Counter()
+        for s in t.spans:
+            if s.task == "reorder" and s.peer != s.rank:
+                got[(s.rank, s.peer)] += s.rows
+        return got
+
+    # a rank's receive spreads its rows over every core in the model, one core a source in
+    # the runtime: the rows each rank took from each peer agree
+    if case.sync == "tff":
+        assert reorders(trace) and reorders(sim) == reorders(trace)
 
 
 def test_trace_must_be_a_bool() -> None:
