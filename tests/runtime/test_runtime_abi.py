@@ -76,6 +76,15 @@ def test_error_record_becomes_its_exception(code: int, cls: type[UbepError]) -> 
     exc = rec.to_exception(0)
     assert type(exc) is cls
     assert rec.clean == (code in (records.E_BAD_INPUT, records.E_REMOTE))
+    # an engine that raises hands back the record of its exception: the same exception again
+    # (an internal error's record leaves the ranks out of step)
+    again = records.ErrorRecord.of(exc)
+    want = records.E_LOST if code == records.E_INTERNAL else code
+    assert again.code == want and again.clean == (rec.clean and code != records.E_INTERNAL)
+    back = again.to_exception(0)
+    assert type(back) is (OutOfStepError if code == records.E_INTERNAL else cls)
+    if code != records.E_LOST and code != records.E_INTERNAL:
+        assert str(back) == str(exc)
 
 
 # --- control-record checksums (abi.h), against their sequential definition -----------------

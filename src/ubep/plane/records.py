@@ -110,6 +110,22 @@ class ErrorRecord:
         """The exception this record stands for (:data:`EXCEPTIONS`)."""
         return EXCEPTIONS.get(self.code, _internal)(self, rank)
 
+    @classmethod
+    def of(cls, exc: BaseException) -> ErrorRecord:
+        """The record an engine that raises (rather than returns records) hands back for
+        ``exc``: :meth:`to_exception`'s inverse for ubep's exceptions; anything else leaves the
+        ranks out of step (``E_LOST``)."""
+        if isinstance(exc, errors.InvalidArgumentError):
+            return cls(E_BAD_INPUT, -1, 0, exc.argument, exc.problem, str(exc.value))
+        if isinstance(exc, errors.TimeoutError):
+            return cls(E_TIMEOUT, -1, 0, "", str(exc), "")
+        if isinstance(exc, errors.PeerLostError):
+            return cls(E_PEER_LOST, -1, 0, "", str(exc), "")
+        if isinstance(exc, errors.RemoteError):
+            return cls(E_REMOTE, exc.rank, E_BAD_INPUT if exc.clean else E_LOST, "", str(exc),
+                       exc.message)
+        return cls(E_LOST, -1, 0, "", str(exc), "")
+
 
 def _bad_input(rec: ErrorRecord, rank: int) -> errors.UbepError:
     value: object = rec.message

@@ -23,23 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import (
-    InvalidArgumentError,
-    PeerLostError,
-    RemoteError,
-    TimeoutError,
-    UbepError,
-)
+from ..errors import UbepError
 from ..plane.protocol import CallOptions, EngineSpec, GlobalMemory
-from ..plane.records import (
-    E_BAD_INPUT,
-    E_INTERNAL,
-    E_LOST,
-    E_PEER_LOST,
-    E_REMOTE,
-    E_TIMEOUT,
-    ErrorRecord,
-)
+from ..plane.records import E_INTERNAL, ErrorRecord
 from .config import TritonConfig, from_buffer_config
 from .layout import arena_bytes
 
@@ -77,20 +63,6 @@ def open_triton(memory: GlobalMemory, spec: EngineSpec) -> TritonPlane:
     return TritonPlane(engine)
 
 
-def _record(exc: BaseException) -> ErrorRecord:
-    """The error record of one of the engine's exceptions."""
-    if isinstance(exc, InvalidArgumentError):
-        return ErrorRecord(E_BAD_INPUT, -1, 0, exc.argument, exc.problem, str(exc.value))
-    if isinstance(exc, TimeoutError):
-        return ErrorRecord(E_TIMEOUT, -1, 0, "", str(exc), "")
-    if isinstance(exc, PeerLostError):
-        return ErrorRecord(E_PEER_LOST, -1, 0, "", str(exc), "")
-    if isinstance(exc, RemoteError):
-        return ErrorRecord(E_REMOTE, exc.rank, E_BAD_INPUT if exc.clean else E_LOST, "",
-                           str(exc), exc.message)
-    return ErrorRecord(E_LOST, -1, 0, "", str(exc), "")
-
-
 class TritonPlane:
     """A :class:`~ubep.triton.engine.TritonEngine` as a ``ubep.plane.Engine`` (module
     docstring)."""
@@ -105,7 +77,7 @@ class TritonPlane:
         try:
             got = call(*args)
         except UbepError as exc:
-            return _record(exc)
+            return ErrorRecord.of(exc)
         except Exception as exc:  # mid-call: the peers learn it, the ranks are out of step
             self.engine._lose_step(epoch, exc)
             return ErrorRecord(E_INTERNAL, -1, 0, "", f"{type(exc).__name__}: {exc}", "")
