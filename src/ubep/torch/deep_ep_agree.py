@@ -84,9 +84,9 @@ class Board:
     def allgather(self, value: Any, fallback: Callable[[Any], list[Any]]) -> list[Any]:
         """Every rank's JSON-serialisable ``value``, in rank order (collective); ``fallback``
         (the group's all-gather) carries an exchange in which some rank's JSON does not fit."""
+        body = json.dumps(value).encode()  # first: a value JSON refuses leaves no round used
         self._round += 1
         n, slot = self._round, self._round % 2
-        body = json.dumps(value).encode()
         mine_words, mine = self._words[self.rank], self._bytes[self.rank]
         base = slot * _SLOT_BYTES + 16
         if len(body) <= BODY_BYTES:
