@@ -48,6 +48,7 @@ from ..routing import get_dispatch_layout as _layout
 from ..torch_bridge import as_process_group, is_torch_group
 from ._convert import from_numpy, to_numpy
 from .backend import EPBackend, LocalBackend, issue_dispatch
+from .deep_ep_agree import Board, open_board
 from .deep_ep_checks import check_dispatch_x, check_ubep_options, deepep_names, own_backend
 from .deep_ep_internode import InternodeCalls, hosts_of
 from .deep_ep_lowlatency import LowLatencyCalls
@@ -83,6 +84,7 @@ T = TypeVar("T")
 #: dtype of ``topk_idx`` tensors (DeepEP: chosen at compile time, normally ``torch.int64``).
 topk_idx_t = torch.int64
 
+_UNOPENED = object()  # Buffer._board before the first exchange
 _NO_LAYOUT = _Layout()  # a cached dispatch's: the handle says where rows go
 # BufferConfig fields the facade sets itself from each call's shapes.
 _SHAPE_FIELDS = (
@@ -172,6 +174,8 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         self._shrink: ShrinkGroup | None = None
         if enable_shrink:
             self._shrink = open_shrink_group(self._ep, self.ubep_options)
+        # the calls' exchanges (deep_ep_agree): opened by the first, None where unavailable
+        self._board: object = _UNOPENED
         self._destroyed = False
 
     # ------------------------------------------------------------------ static helpers
@@ -229,6 +233,9 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         self._backends.clear()
         self._ll_combine_staging.clear()
         self._raw.close()
+        if isinstance(self._board, Board):
+            self._board.close()
+        self._board = None
         if self._shrink is not None:
             self._shrink.close()
         if self._own_group is not None:
@@ -375,7 +382,13 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         return issue(x, scales, split)
 
     def _allgather(self, value: Any) -> list[Any]:
+        """Every rank's JSON ``value`` (collective): through shared memory on one host
+        (:mod:`.deep_ep_agree`, opened by the first call), else the group's all-gather."""
         gather: Callable[[Any], list[Any]] = self._ep.allgather
+        if self._board is _UNOPENED:
+            self._board = open_board(self._ep)
+        if isinstance(self._board, Board):
+            return self._board.allgather(value, gather)
         return list(gather(value))
 
     def _agree(self, check: Callable[[], Any], summary: Callable[[Any], Any]) -> tuple[Any, list]:
@@ -769,8 +782,9 @@ def _ep_group(group: Any, comm: Any) -> Any:
 
 def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
     """``t`` with zero rows appended up to ``rows`` (an owned tensor either way)."""
-    out = torch.zeros((rows, *t.shape[1:]), dtype=t.dtype)
+    out = torch.empty((rows, *t.shape[1:]), dtype=t.dtype)
     out[: t.shape[0]] = t
+    out[t.shape[0]:].zero_()  # only the padding: the rows are written once
     return out
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidArgumentError
-from ._convert import to_numpy
+from ._convert import from_numpy, to_numpy
 from .backend import issue_dispatch
 from .deep_ep_types import EventHandle, EventOverlap
 from .deep_ep_v2_layout import (
@@ -38,6 +38,8 @@ from .deep_ep_v2_types import EPHandle
 
 __all__ = ["V2Calls"]
 
+# the integer type of each element size: rows are gathered as bits
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _SF_PACKS_ALIGNMENT = 4  # DeepEP's kNumAlignedSFPacks: the TMA-aligned column-major scale layout
 
 
@@ -98,10 +100,14 @@ def _tensor(value: Any, name: str, dim: int) -> torch.Tensor:
 
 
 def _as(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Byte rows ``[n, width]`` seen as ``dtype`` (torch cannot view an empty strided slice)."""
+    """Byte rows ``[n, width]`` (a column slice of wider rows too) seen as ``dtype``, a view
+    where torch can make one (torch cannot view an empty strided slice)."""
     n, width = raw.shape
     if n == 0:
         return torch.zeros((0, width // torch.empty(0, dtype=dtype).element_size()), dtype=dtype)
+    size = torch.empty(0, dtype=dtype).element_size()
+    if raw.stride(1) == 1 and raw.stride(0) % size == 0 and raw.storage_offset() % size == 0:
+        return raw.view(dtype)
     return raw.contiguous().view(dtype)
 
 
@@ -274,12 +280,13 @@ class V2Calls:
         A, T_max = args.expert_alignment, args.num_max_tokens_per_rank
         rec = received(res.recv_src_rank, res.recv_src_token, res.recv_topk_idx, R, L, K, A)
         n = rec.num_rows
-        raw = torch.from_numpy(np.array(res.recv_x)[rec.order]).reshape(n, args.payload.shape[1])
+        # the engine's rows as they landed (views, no copy): the outputs gather them through
+        # rec.order into tensors of their own
+        raw = from_numpy(np.asarray(res.recv_x)).reshape(n, args.payload.shape[1])
         x_bytes = args.x.shape[1] * args.x.element_size()
         rows = _as(raw[:, :x_bytes], args.x.dtype)
         sf_rows = None if args.sf is None else _as(raw[:, x_bytes:], args.sf.dtype)
-        w = torch.from_numpy(np.array(res.recv_topk_weights, dtype=np.float32)[rec.order])
-        w = w.reshape(n, K)
+        w = from_numpy(np.asarray(res.recv_topk_weights, dtype=np.float32)).reshape(n, K)
         worst, worst_expanded = worst_case_rows(R, T_max, K, L, A)
         if handle is not None:
             n_out, expanded_rows = handle.num_recv_tokens, handle.num_expanded_tokens
@@ -304,16 +311,26 @@ class V2Calls:
     def _recv_tensors(args: _DispatchArgs, rec: Received, sel: np.ndarray,
                       received_rows: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor],
                       col_major_sf: bool) -> tuple[Any, Any, Any]:
-        """``(recv_x, recv_topk_idx, recv_topk_weights)`` of ``sel``'s rows (zeros elsewhere)."""
+        """``(recv_x, recv_topk_idx, recv_topk_weights)`` of ``sel``'s rows (zeros elsewhere);
+        ``received_rows`` are in the engine's order, ``rec.order`` maps the receive order to it."""
         rows, sf_rows, w = received_rows
         out_rows, K = sel.shape[0], args.idx.shape[1]
-        valid = torch.from_numpy(sel >= 0)
-        src = torch.from_numpy(sel[sel >= 0] // K if args.do_expand else sel[sel >= 0])
+        ok = sel >= 0
+        at = np.nonzero(ok)[0]  # the output rows that hold a received row
+        row = sel[ok] // K if args.do_expand else sel[ok]  # ... which, in the receive order
+        engine_row = torch.from_numpy(rec.order[row])
+        prefix = at.size == 0 or int(at[-1]) == at.size - 1  # rows [0, m), zeros after
 
         def place(t: torch.Tensor) -> torch.Tensor:
-            out = torch.zeros((out_rows, *t.shape[1:]), dtype=t.dtype)
-            out[valid] = t[src]
-            return out
+            bits = t.view(_BITS[t.element_size()])  # FP8 types have no index kernels
+            out = torch.empty((out_rows, *t.shape[1:]), dtype=bits.dtype)
+            if prefix:
+                torch.index_select(bits, 0, engine_row, out=out[: at.size])
+                out[at.size:].zero_()
+            else:
+                out.zero_()
+                out.index_copy_(0, torch.from_numpy(at), bits.index_select(0, engine_row))
+            return out.view(t.dtype)
 
         recv_x: Any = place(rows)
         if sf_rows is not None:
@@ -328,7 +345,8 @@ class V2Calls:
         if args.do_expand:
             if args.with_weights:
                 recv_topk_weights = torch.zeros(out_rows, dtype=torch.float32)
-                recv_topk_weights[valid] = w.reshape(-1)[torch.from_numpy(sel[sel >= 0])]
+                flat = torch.from_numpy(rec.order[row] * K + sel[ok] % K)
+                recv_topk_weights[torch.from_numpy(at)] = w.reshape(-1)[flat]
         else:
             recv_topk_idx = torch.full((out_rows, K), -1, dtype=torch.int64)
             recv_topk_idx[: rec.num_rows] = torch.from_numpy(rec.local_idx)
@@ -490,12 +508,12 @@ class V2Calls:
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
         src = route.src
         T, K = src.owner.shape
-        order = np.lexsort((np.asarray(res.recv_src_token), np.asarray(res.recv_src_rank)))
+        sender = np.asarray(res.recv_src_rank, dtype=np.int64)
+        order = np.lexsort((np.asarray(res.recv_src_token), sender))
         width = row_bytes + (4 * K if with_weights else 0)
-        raw = torch.from_numpy(np.array(res.recv_x)[order]).reshape(len(order), width)
-        rows = _as(raw[:, :row_bytes], torch.bfloat16)
-        sender = np.asarray(res.recv_src_rank, dtype=np.int64)[order]
-        first = np.searchsorted(sender, np.arange(self.num_ranks))  # first row from each sender
+        # the engine's rows as they landed (no copy): every row below is read through ``order``
+        raw = from_numpy(np.asarray(res.recv_x)).reshape(len(order), width)
+        first = np.searchsorted(sender[order], np.arange(self.num_ranks))  # first from each
         per_pair = handle.do_expand and not self.allow_multiple_reduction
         row_of = np.full((T, K), -1, dtype=np.int64)  # the returned row each slot reads
         for r in range(self.num_ranks):
@@ -507,11 +525,10 @@ class V2Calls:
                 place[src.tokens_to[r]] = first[r] + np.arange(src.tokens_to[r].size)
                 hit = src.owner == r
                 row_of[hit] = np.broadcast_to(place[:, None], (T, K))[hit]
+        engine_row = np.where(row_of >= 0, order[np.maximum(row_of, 0)] if order.size else 0, -1)
         use = (src.owner >= 0) if per_pair else src.last
-        contrib = torch.zeros((K, T, rows.shape[1]), dtype=rows.dtype)  # slot-major: contiguous
-        pick = torch.from_numpy(np.ascontiguousarray(use.T))
-        contrib[pick] = rows[torch.from_numpy(row_of.T[use.T])]
-        combined_x = reduce_at_source(contrib, biases, torch.bfloat16)
+        combined_x = reduce_at_source(_as(raw[:, :row_bytes], torch.bfloat16), engine_row, use,
+                                      biases, torch.bfloat16)
         combined_w = None
         if with_weights:
             w_rows = _as(raw[:, row_bytes:], torch.float32)
@@ -519,7 +536,7 @@ class V2Calls:
             ok = src.owner >= 0
             t, k = np.nonzero(ok)
             combined_w[torch.from_numpy(t), torch.from_numpy(k)] = w_rows[
-                torch.from_numpy(row_of[t, k]), torch.from_numpy(k)]
+                torch.from_numpy(engine_row[t, k]), torch.from_numpy(k)]
         return combined_x, combined_w
 
     # ------------------------------------------------------------------ shared

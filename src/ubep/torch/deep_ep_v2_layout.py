@@ -88,7 +88,8 @@ def received(src_rank: np.ndarray, src_token: np.ndarray, local_idx: np.ndarray,
     rank = np.asarray(src_rank, dtype=np.int64)[order]
     token = np.asarray(src_token, dtype=np.int64)[order]
     idx = np.asarray(local_idx, dtype=np.int64)[order].reshape(len(order), num_topk)
-    counts = np.array([(idx == e).sum() for e in range(num_local_experts)], dtype=np.int64)
+    local = idx[(idx >= 0) & (idx < num_local_experts)]
+    counts = np.bincount(local, minlength=num_local_experts).astype(np.int64)
     aligned = -(-counts // expert_alignment) * expert_alignment
     start = np.concatenate([[0], np.cumsum(aligned)[:-1]]).astype(np.int64)
     return Received(order, rank, token, idx, counts, aligned, start,
@@ -99,9 +100,16 @@ def expanded_slots(local_idx: np.ndarray, start: np.ndarray) -> np.ndarray:
     """``[n, num_topk]``: the expanded row of each local (row, slot), -1 elsewhere; inside an
     expert's block in row order, then slot order."""
     slots = np.full(local_idx.shape, -1, dtype=np.int64)
-    for e, first in enumerate(start.tolist()):
-        rows, ks = np.nonzero(local_idx == e)  # row-major: rows ascending, then slots
-        slots[rows, ks] = first + np.arange(rows.size)
+    flat = local_idx.reshape(-1)
+    where = np.nonzero((flat >= 0) & (flat < start.size))[0]  # row-major: rows, then slots
+    expert = flat[where]
+    # a stable sort by expert keeps the row-major order inside each expert's block
+    by_expert = np.argsort(expert, kind="stable")
+    counts = np.bincount(expert, minlength=start.size)
+    first_in_sorted = np.cumsum(counts) - counts  # each expert's first place in the sorted list
+    sorted_expert = expert[by_expert]
+    place = np.arange(by_expert.size) - first_in_sorted[sorted_expert] + start[sorted_expert]
+    slots.reshape(-1)[where[by_expert]] = place
     return slots
 
 
@@ -123,11 +131,11 @@ class SourceRoute:
 def source_route(topk_idx: np.ndarray, num_experts: int, num_ranks: int) -> SourceRoute:
     per_rank = num_experts // num_ranks
     owner = np.where(topk_idx >= 0, topk_idx // per_rank, -1).astype(np.int64)
-    last = np.zeros(owner.shape, dtype=bool)
     num_topk = owner.shape[1]
-    for k in range(num_topk):
-        later = owner[:, k + 1:]
-        last[:, k] = (owner[:, k] >= 0) & ~(later == owner[:, k : k + 1]).any(axis=1)
+    # later[t, k, j]: slot j > k of token t has slot k's rank
+    after = np.triu(np.ones((num_topk, num_topk), dtype=bool), k=1)
+    later = (owner[:, :, None] == owner[:, None, :]) & after[None]
+    last = (owner >= 0) & ~later.any(axis=2)
     tokens_to = [np.nonzero((owner == r).any(axis=1))[0] for r in range(num_ranks)]
     return SourceRoute(owner, last, tokens_to)
 
@@ -146,16 +154,32 @@ def reduce_local(x: torch.Tensor, slots: np.ndarray) -> torch.Tensor:
     return acc.to(x.dtype)
 
 
-def reduce_at_source(contrib: torch.Tensor, bias: tuple[torch.Tensor, ...],
-                     dtype: torch.dtype) -> torch.Tensor:
-    """The combine's final reduction: ``contrib [num_topk, num_tokens, hidden]`` (zeros where a
-    slot contributes nothing) summed over slots in order onto the FP32 bias sum, cast once."""
-    acc = torch.zeros((contrib.shape[1], contrib.shape[2]), dtype=torch.float32)
+def reduce_at_source(rows: torch.Tensor, row_of: np.ndarray, use: np.ndarray,
+                     bias: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The combine's final reduction: token ``t``'s result is the FP32 bias sum (``+0.0``
+    without bias) plus, for ``k`` in order, ``c[t, k]`` = ``rows[row_of[t, k]]`` where
+    ``use[t, k]`` else ``+0.0``, cast once to ``dtype`` (``[num_tokens, hidden]``).
+
+    The ``+0.0`` terms are not added one by one: ``a + (+0.0)`` is ``a`` for every ``a`` but
+    ``-0.0`` (which it makes ``+0.0``), and a sum becomes ``-0.0`` only from ``-0.0 + -0.0``. So
+    a token with any unused slot ends ``+0.0`` where the terms alone would leave ``-0.0``, which
+    can only happen from a ``-0.0`` bias sum; one ``+0.0`` added at the end to those tokens gives
+    the same bits as the slot-by-slot sum."""
+    num_tokens, num_topk = use.shape
     if bias:
         acc = bias[0].to(torch.float32, copy=True)
         for b in bias[1:]:
             acc = acc + b.float()
-    terms = contrib.float()
-    for k in range(contrib.shape[0]):
-        acc.add_(terms[k])  # one FP32 add per slot, in slot order
+    else:
+        acc = torch.zeros((num_tokens, rows.shape[1]), dtype=torch.float32)
+    for k in range(num_topk):
+        tokens = np.nonzero(use[:, k])[0]
+        if tokens.size:  # one FP32 add per used slot, in slot order
+            picked = rows.index_select(0, torch.from_numpy(row_of[tokens, k])).float()
+            acc.index_add_(0, torch.from_numpy(tokens), picked)
+    if bias:
+        gaps = np.nonzero(~use.all(axis=1))[0]
+        if gaps.size:
+            at = torch.from_numpy(gaps)
+            acc.index_copy_(0, at, acc.index_select(0, at) + 0.0)
     return acc.to(dtype)

@@ -38,6 +38,7 @@ exactly as in a group of ``ubep.launch``:
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import secrets
@@ -59,12 +60,15 @@ from ..errors import InvalidArgumentError, PeerLostError, TimeoutError, UbepErro
 from ..runtime import reaper as _reaper_script
 from ..runtime.group import PeerProcess, ShmGlobalMemory, map_shm_global, process_start_time
 from ..runtime.host_topology import host_topology, own_cpus
-from ..runtime.poll import Backoff, wait_until
+from ..runtime.poll import LIVENESS_PERIOD_S, Backoff, wait_until
 
 __all__ = ["TorchGroup", "check_same_host", "from_torch", "held", "host_identity"]
 
-# Sleep a little between polls, longer the longer the wait: control-plane calls are rare.
-_BACKOFF = Backoff(sleep_slope=0.05)
+# Between two of _wait's blocking slices (each up to a liveness period, gloo): only a yield, as
+# the slice itself is the pause. Other backends' works are polled, sleeping a little between
+# polls, longer the longer the wait.
+_SLICED = Backoff(yield_s=float("inf"))
+_POLLED = Backoff(sleep_slope=0.05)
 # an all-gather's slot per rank: its JSON's length (8 bytes) and, if it fits, the JSON itself
 _SLOT_BYTES = 512
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
@@ -154,6 +158,8 @@ class TorchGroup(Closing):
     ) -> None:
         _check_torch_group(group)
         self._torch_group = weakref.ref(group)
+        # its CPU collectives run on gloo (a 'cpu:gloo,cuda:nccl' group too): _wait blocks
+        self._gloo = "gloo" in str(dist.get_backend(group))
         self.rank = int(dist.get_rank(group))
         self.num_ranks = int(dist.get_world_size(group))
         if topology is not None and topology.num_ranks != self.num_ranks:
@@ -320,8 +326,25 @@ class TorchGroup(Closing):
                 "is unusable from here)"
             )
 
-        wait_until(work.is_completed, deadline, check_peers=check_peers, timed_out=timed_out,
-                   backoff=_BACKOFF)
+        def completed() -> bool:
+            # Block in torch (the GIL released) for up to one liveness period: the caller wakes
+            # as the collective completes, not at the end of a sleep between polls. A slice that
+            # runs out raises and leaves the work pending (is_completed() tells that apart from
+            # a failed work, whose error the work.wait() below raises). Only gloo's works honour
+            # the timeout (MPI's, for one, block until done), so only they are waited on so.
+            if work.is_completed():
+                return True
+            slice_s = min(LIVENESS_PERIOD_S, deadline - time.monotonic())
+            with contextlib.suppress(RuntimeError):
+                work.wait(timeout=datetime.timedelta(seconds=max(slice_s, 1e-3)))
+            return bool(work.is_completed())
+
+        if self._gloo:
+            wait_until(completed, deadline, check_peers=check_peers, timed_out=timed_out,
+                       backoff=_SLICED)
+        else:
+            wait_until(work.is_completed, deadline, check_peers=check_peers,
+                       timed_out=timed_out, backoff=_POLLED)
         try:
             work.wait()
         except RuntimeError as exc:

@@ -1,0 +1,135 @@
+"""The DeepEP facades' exchange through shared memory (``ubep.torch.deep_ep_agree``) on real
+processes: every rank gets every rank's value, in rank order, exchange after exchange (both
+slots reused many times, ranks late by turns), a value too large for its slot goes through the
+group's all-gather on every rank, and a rank that never posts fails the others at the group's
+deadline naming it. The oracle: each rank's value is a closed form of (exchange, rank). Through
+the V1 facade: a dispatch exchanges on the board alone, a combine whose ``topk_weights`` outgrow
+a slot takes the group's all-gather, and both results equal their closed forms."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.torch
+
+from tests._shm import leaked_since, ubep_segments  # noqa: E402
+from ubep.runtime import launch  # noqa: E402
+from ubep.torch.deep_ep_agree import BODY_BYTES, Board, open_board  # noqa: E402
+
+_ROUNDS = 60
+_BIG = {17, 18, 41}  # exchanges in which rank 1 posts more than a slot holds
+
+
+def _value(n: int, rank: int) -> Any:
+    if n in _BIG and rank == 1:
+        return [n] * (BODY_BYTES // 2)  # ", n" is 3 to 4 bytes: over the slot
+    if n % 7 == 3:
+        return None if rank % 2 else f"rank {rank}: bad argument at {n}"
+    return [rank, n, [n * rank + i for i in range(n % 5 + rank)], {"k": n - rank}]
+
+
+def _exchanges(group: Any) -> dict[str, Any]:
+    board = open_board(group)
+    assert isinstance(board, Board)
+    used: list[int] = []
+
+    def fallback(value: Any) -> list[Any]:
+        used.append(1)
+        return list(group.allgather(value))
+
+    got = []
+    for n in range(_ROUNDS):
+        if n % 5 == group.rank % 5:  # one rank late by turns: past the peers' spin and yield
+            time.sleep(0.004)
+        got.append(board.allgather(_value(n, group.rank), fallback))
+    board.close()
+    return {"got": got, "fallbacks": len(used)}
+
+
+def test_exchanges_match_every_rank() -> None:
+    before = ubep_segments()
+    num_ranks = 3
+    out = launch(_exchanges, num_ranks, timeout_s=120)
+    want = [[_value(n, r) for r in range(num_ranks)] for n in range(_ROUNDS)]
+    for r in range(num_ranks):
+        assert out[r]["got"] == want
+        assert out[r]["fallbacks"] == len(_BIG)
+    assert leaked_since(before) == []
+
+
+def _late(group: Any) -> str | None:
+    board = open_board(group)
+    assert isinstance(board, Board)
+    group.default_timeout_s = 0.5  # the group's deadline, which the exchange keeps
+    error = None
+    if group.rank == 0:
+        try:
+            board.allgather("here", list)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    group.barrier(timeout_s=30)
+    board.close()
+    return error
+
+
+def test_missing_rank_times_out_naming_it() -> None:
+    errors = launch(_late, 2, timeout_s=120)
+    assert errors[1] is None
+    assert errors[0] is not None and errors[0].startswith("TimeoutError")
+    assert "rank(s) [1] did not post" in errors[0]
+
+
+_T, _H, _E, _K = 300, 32, 16, 8  # combine's topk_weights of ~600 rows: JSON past a slot
+
+
+def _facade_calls(group: Any) -> dict[str, Any]:
+    """A V1 facade's dispatch (its exchange on the board) and a combine with ``topk_weights``
+    too large for a slot (the group's all-gather), twice, counting the group's all-gathers; the
+    results against closed forms."""
+    from ubep import deep_ep
+
+    gathers: list[int] = []
+    plain = group.allgather
+
+    def counted(value: Any, timeout_s: Any = None) -> list[Any]:
+        gathers.append(1)
+        return list(plain(value, timeout_s))
+
+    group.allgather = counted  # the facade's group is this object
+    g = torch.Generator().manual_seed(group.rank)
+    x = torch.randn(_T, _H, generator=g).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(_E, generator=g)[:_K] for _ in range(_T)])
+    w = torch.rand(_T, _K, generator=g)
+    buf = deep_ep.Buffer(group, max_tokens_per_rank=_T)
+    out = {}
+    for name in ("first", "second"):
+        before = len(gathers)
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, _E)
+        recv_x, _, recv_w, _, handle, _ = buf.dispatch(
+            x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=per_rank,
+            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+        out[f"{name}_dispatch_gathers"] = len(gathers) - before
+        before = len(gathers)
+        y, combined_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
+        out[f"{name}_combine_gathers"] = len(gathers) - before
+    # identity experts: a token's row comes back once from each rank it went to (exact in FP32)
+    times = in_rank.sum(dim=1).float()
+    out["y_exact"] = torch.equal(y.view(torch.int16),
+                                 (x.float() * times[:, None]).to(torch.bfloat16).view(torch.int16))
+    # a received row holds the weights of its rank's slots (0 elsewhere): the sum is w itself
+    out["w_exact"] = torch.equal(combined_w, w)
+    return out
+
+
+def test_facade_exchanges_on_the_board_and_falls_back_for_large_weights() -> None:
+    for got in launch(_facade_calls, 2, timeout_s=120):
+        # the first dispatch maps the board (its segment names go over the group), later ones
+        # exchange on it alone; each combine's weights outgrow a slot: one all-gather each
+        assert got["first_dispatch_gathers"] >= 1
+        assert got["second_dispatch_gathers"] == 0
+        assert got["first_combine_gathers"] == got["second_combine_gathers"] == 1
+        assert got["y_exact"] and got["w_exact"]
