@@ -1,7 +1,7 @@
 """The cost of task spans: the same calls with tracing off and on, alternated call by call.
 
     python -m benchmarks.bench_trace                 # 2 ranks, decode and prefill shapes
-    python -m benchmarks.bench_trace --repeats 400 --out benchmarks/results/trace
+    python -m benchmarks.bench_trace --repeats 300 --out benchmarks/results
 
 Every rank holds two Buffers of one config, one with ``trace=False`` and one with
 ``trace=True``, and times a dispatch and its combine on each in turn (a barrier before every
