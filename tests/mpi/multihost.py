@@ -17,7 +17,7 @@ from tests.mpi.netns import HostBed
 from tests.mpi.test_mpi import REPO_ROOT, _mpiexec
 
 # the fixture make_bed (tests/mpi/conftest.py): make_bed(n) is a bed of n hosts
-MakeBed = Callable[[int], HostBed]
+MakeBed = Callable[..., HostBed]
 
 # TCP between hosts, shared memory inside one (each host's own /dev/shm); RMA: osc/sm inside
 # a host's shared windows, osc/rdma over btl/tcp across hosts

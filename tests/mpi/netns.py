@@ -48,7 +48,7 @@ while [ "$#" -gt 0 ]; do
 done
 host="$1"; shift
 pid=$(cat "{dir}/$host.pid") || exit 255
-exec nsenter -t "$pid" -m -u -n -- /bin/sh -c "$*"
+exec nsenter -t "$pid" -m -u -n{time_flag} -- /bin/sh -c "$*"
 """
 
 
@@ -100,8 +100,12 @@ def _free_subnet() -> ipaddress.IPv4Network:
 class HostBed:
     """``num_hosts`` namespaced hosts on a bridge (module docstring)."""
 
-    def __init__(self, num_hosts: int, workdir: Path) -> None:
+    def __init__(self, num_hosts: int, workdir: Path,
+                 monotonic_offsets_s: list[int] | None = None) -> None:
         self.tag = f"{PREFIX}{os.urandom(2).hex()}"
+        # a time namespace a host whose CLOCK_MONOTONIC runs that many seconds ahead (as two
+        # machines' clocks differ: each counts from its own boot)
+        self.monotonic_offsets_s = monotonic_offsets_s
         self.hosts = [f"{self.tag}h{i}" for i in range(num_hosts)]
         self.dir = Path(workdir) / self.tag
         self.dir.mkdir(parents=True)
@@ -110,7 +114,7 @@ class HostBed:
         self.addresses = [str(self.subnet.network_address + 1 + i) for i in range(num_hosts)]
         self._holders: list[subprocess.Popen[bytes]] = []
         self.agent = self.dir / "agent.sh"
-        self.agent.write_text(_AGENT.format(dir=self.dir))
+        self.agent.write_text(_AGENT.format(dir=self.dir, time_flag=self._time_flag))
         self.agent.chmod(0o755)
         try:
             self._make()
@@ -137,14 +141,20 @@ class HostBed:
             _run(*ns, "ip", "link", "set", "lo", "up")
             self._start_holder(i, host)
 
+    @property
+    def _time_flag(self) -> str:
+        return " -T" if self.monotonic_offsets_s else ""
+
     def _start_holder(self, i: int, host: str) -> None:
         # the holder keeps the mount + UTS namespaces alive; its /etc/hosts names every host
         script = (f"mount --make-rprivate / && mount -t tmpfs -o size=1g tmpfs /dev/shm && "
                   f"mount --bind {self.dir / 'hosts'} /etc/hosts && hostname {host} && "
                   f"echo $$ > {self.dir / host}.pid.tmp && mv {self.dir / host}.pid.tmp "
                   f"{self.dir / host}.pid && exec sleep 100000")
+        clock = (["--time", "--monotonic", str(self.monotonic_offsets_s[i]), "--fork"]
+                 if self.monotonic_offsets_s else [])
         proc = subprocess.Popen(["ip", "netns", "exec", host, "unshare", "--mount", "--uts",
-                                 "--propagation", "private", "/bin/sh", "-c", script],
+                                 *clock, "--propagation", "private", "/bin/sh", "-c", script],
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE)
         self._holders.append(proc)
@@ -163,7 +173,8 @@ class HostBed:
 
     def enter(self, host: str) -> list[str]:
         """The command prefix that runs a command in ``host``'s namespaces."""
-        return ["nsenter", "-t", str(self.holder_pid(host)), "-m", "-u", "-n", "--"]
+        time_ns = ["-T"] if self.monotonic_offsets_s else []
+        return ["nsenter", "-t", str(self.holder_pid(host)), "-m", "-u", "-n", *time_ns, "--"]
 
     def shm_entries(self, host: str) -> list[str]:
         """The names in ``host``'s ``/dev/shm``."""

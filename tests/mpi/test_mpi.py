@@ -23,6 +23,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -319,6 +320,34 @@ def _worker_mask(group: Any, out: str) -> None:
     os._exit(0)  # the job's communicator has a dead member: no collective teardown
 
 
+CLOCK_SHIFT_NS = 7_000_000_000  # rank 1's clock runs 7 s ahead of rank 0's in _worker_clock
+
+
+def _worker_clock(group: Any) -> dict[str, Any]:
+    """``clock_offset`` with rank 1's clock shifted: measurement 1 both ranks take; rank 0 skips
+    measurement 2 (rank 1 gives up at its deadline, its ping left unread); measurement 3 both
+    take again (that stale ping dropped); the group's own, all ranks on one machine, sends
+    nothing and reads 0."""
+    from ubep.mpi.clock import clock_offset
+
+    shift = CLOCK_SHIFT_NS if group.rank == 1 else 0
+
+    def clock() -> int:
+        return time.monotonic_ns() + shift
+
+    def measure(seq: int, timeout_s: float) -> list[int] | None:
+        got = clock_offset(group, seq, timeout_s=timeout_s, measured=[1], clock=clock)
+        return None if got is None else [got.offset_ns, got.error_ns]
+
+    first = measure(1, 30.0)
+    skipped = measure(2, 0.5) if group.rank == 1 else None
+    group.barrier(timeout_s=30)  # rank 1 gave up on measurement 2
+    third = measure(3, 30.0)
+    own = group.clock_offset(timeout_s=30)
+    return {"first": first, "skipped": skipped, "third": third,
+            "own": None if own is None else [own.offset_ns, own.error_ns]}
+
+
 def _worker_main(name: str, out: str) -> None:
     import ubep.mpi
 
@@ -331,7 +360,8 @@ def _worker_main(name: str, out: str) -> None:
         result = _worker_sigstop(group, str(Path(out).parent))
     else:
         result = {"_worker_topology": _worker_topology,
-                  "_worker_sp_refused": _worker_sp_refused}[name](group)
+                  "_worker_sp_refused": _worker_sp_refused,
+                  "_worker_clock": _worker_clock}[name](group)
     every = group.allgather(result)
     if group.rank == 0:
         Path(out).write_text(json.dumps(every))
@@ -362,6 +392,18 @@ def test_topology_discovery_matches_host_blocks(tmp_path: Path, per_host: int | 
         assert got["host_of"] == host_of
         assert got["hops"] == hops
         assert got["same_host"] == [host_of[q] == host_of[rank] for q in range(4)]
+
+
+def test_clock_offset_finds_a_shifted_clock_within_its_error_and_survives_a_missing_rank(
+        tmp_path: Path) -> None:
+    every = _run_worker(tmp_path, "_worker_clock", 2, _TCP, {})
+    zero, one = every
+    assert zero["first"] == zero["third"] == [0, 0] and zero["skipped"] is None
+    for offset_ns, error_ns in (one["first"], one["third"]):
+        # rank 0 read its clock between rank 1's send and receive: the error bounds the miss
+        assert abs(offset_ns + CLOCK_SHIFT_NS) <= error_ns < 1_000_000_000, (offset_ns, error_ns)
+    assert one["skipped"] is None  # rank 0 never answered measurement 2
+    assert zero["own"] == one["own"] == [0, 0]  # one machine: one clock
 
 
 def test_sp_is_refused_across_hosts_naming_sync(tmp_path: Path) -> None:

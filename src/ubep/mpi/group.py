@@ -39,6 +39,7 @@ from ..plane.layout import host_regions
 from ..plane.liveness import alive as process_alive
 from ..plane.liveness import start_time_of as process_start_time
 from ..plane.protocol import EngineSpec
+from .clock import ClockOffset, clock_offset
 from .engine import RmaEngine
 from .membership import MpiPlane
 from .memory import MpiGlobalMemory
@@ -125,6 +126,7 @@ class MpiGroup(Closing):
         self._lost = False  # abandoned after a loss (abandon)
         self._runner: CallRunner | None = None  # the RMA engines' MPI thread, made on first use
         self._windows: list[MpiGlobalMemory] = []  # creation order (frees are collective)
+        self._clock_seq = 0  # clock_offset measurements so far (every rank counts alike)
         self.pids: list[int] = []  # filled by the first allgather (no liveness check before)
         self.start_times: list[int] = []
         self.hostnames: list[str] = []
@@ -192,6 +194,14 @@ class MpiGroup(Closing):
             if q != self.rank and self.same_machine(q)
             and not process_alive(self.pids[q], self.start_times[q])
         ]
+
+    def clock_offset(self, timeout_s: float | None = None) -> ClockOffset | None:
+        """This rank's monotonic clock against rank 0's (collective: :mod:`ubep.mpi.clock`), for
+        task spans of ranks on several hosts; None where it could not be measured in time."""
+        self._check_open()
+        self._clock_seq += 1
+        timeout = self.default_timeout_s if timeout_s is None else float(timeout_s)
+        return clock_offset(self, self._clock_seq, timeout_s=timeout)
 
     def barrier(self, timeout_s: float | None = None) -> None:
         """Block until every rank has entered the barrier (``ubep.TimeoutError`` past the

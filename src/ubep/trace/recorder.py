@@ -19,9 +19,11 @@ members' world ranks.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -86,12 +88,13 @@ class _Place:
     world_ranks: tuple[int, ...]
     world_size: int
     tag: str = ""
+    group: Any = field(default=None, compare=False)  # whose clock_offset aligns a host's spans
 
 
 def _place(buffer: Any) -> _Place:
     """torch.distributed's world for a Buffer on a torch group (an EP subgroup's ranks are not
     the world's: two groups' rank 0 would name one file); else the Buffer's own group."""
-    own = _Place(tuple(range(buffer.num_ranks)), buffer.num_ranks)
+    own = _Place(tuple(range(buffer.num_ranks)), buffer.num_ranks, group=buffer.group)
     dist = _torch_dist()
     if dist is None or not hasattr(type(buffer.group), "torch_group"):
         return own
@@ -206,12 +209,39 @@ def record(path: str | Path, *, capacity: int = DEFAULT_CAPACITY,
         _write(rec, merge_timeout_s)
 
 
+def _aligned(rec: Recorder, timeout_s: float) -> list[tuple[Trace, _Place]]:
+    """The recorded traces on rank 0's clock: a group whose ranks span hosts (``ubep.mpi``)
+    measures each rank's clock against its rank 0's (collective; groups in the order of their
+    ``group_id``, which every member sees alike); other groups share one host's clock."""
+    groups = {id(p.group): p.group for _, p in rec.traces
+              if getattr(p.group, "clock_offset", None) is not None}
+    offsets: dict[int, int] = {}
+    for key, group in sorted(groups.items(), key=lambda kv: bytes(kv[1].group_id)):
+        got = group.clock_offset(timeout_s)
+        if got is None:
+            warnings.warn(f"ubep.trace: rank {group.rank}'s clock could not be measured "
+                          f"against rank 0's in {timeout_s} s: its spans stay on its host's "
+                          f"clock", RuntimeWarning, stacklevel=4)
+        offsets[key] = 0 if got is None else got.offset_ns
+    return [(_shifted(t, offsets.get(id(p.group), 0)), p) for t, p in rec.traces]
+
+
+def _shifted(t: Trace, offset_ns: int) -> Trace:
+    if not offset_ns:
+        return t
+    return Trace(t.source, t.label,
+                 tuple(dataclasses.replace(s, start_ns=s.start_ns + offset_ns,
+                                           end_ns=s.end_ns + offset_ns) for s in t.spans),
+                 tuple(dataclasses.replace(c, start_ns=c.start_ns + offset_ns,
+                                           end_ns=c.end_ns + offset_ns) for c in t.calls))
+
+
 def _write(rec: Recorder, merge_timeout_s: float) -> None:
     from .chrome import join, merge, write
 
     by_rank: dict[int, list[Trace]] = {r: [] for r in _own_world_ranks()}
     world_size = 0
-    for t, place in rec.traces:
+    for t, place in _aligned(rec, merge_timeout_s):
         world_size = max(world_size, place.world_size)
         for r in t.ranks():
             by_rank.setdefault(place.world_ranks[r], []).append(_only_rank(t, r))
