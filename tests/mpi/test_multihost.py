@@ -107,7 +107,8 @@ def test_a_trace_across_hosts_with_their_own_clocks_is_on_one_clock(
         assert len(every) == 4
         assert max(c.start_ns for c in every) <= min(c.end_ns for c in every) + _ALIGN_SLACK_NS
     # one clock: a dispatch's send to another host starts before the wait that took its rows
-    # (the peer's wait in the same call) ends; both ways, so a host ahead or behind fails it
+    # (the peer's wait for this source in the same call) ends; both ways, so a host ahead or
+    # behind fails it
     checked = 0
     for key, every in calls.items():
         if key[0] != "dispatch":
@@ -119,7 +120,7 @@ def test_a_trace_across_hosts_with_their_own_clocks_is_on_one_clock(
                 continue
             peer = inside[s.peer]
             ends = [q.end_ns for q in trace.spans if q.rank == s.peer and q.task == "wait"
-                    and peer.start_ns <= q.start_ns <= peer.end_ns]
+                    and q.peer == s.rank and peer.start_ns <= q.start_ns <= peer.end_ns]
             assert ends and max(ends) + _ALIGN_SLACK_NS >= s.start_ns, (s, ends)
             checked += (s.rank < 2) != (s.peer < 2)
     assert checked >= 8  # each rank's sends to both ranks of the other host, both calls

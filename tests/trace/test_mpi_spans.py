@@ -1,7 +1,8 @@
 """The MPI RMA engine records the same spans from Python: on the in-process RMA transport
 (tests/mpi/_fake_rma.py), each rank's sends carry the rows brute force counts from topk_idx
 for each destination, every span nests in its call and none overlap, and a send starts before
-the wait that took its rows ends."""
+the wait that took its rows ends; an ASP receive waits source by source, each wait naming its
+source and rows, so every send flows to the wait that took it."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 from tests.mpi._fake_rma import FakeWorld, run_ranks
 from tests.mpi.test_mpi_unit import R3, _cfg, _checked_call, _inputs
 from ubep.buffer import Buffer
-from ubep.trace import Trace, spans_of
+from ubep.trace import Trace, spans_of, to_chrome
 
 
 @pytest.mark.parametrize("engine", ["asp", "bsp"])
@@ -51,3 +52,16 @@ def test_rma_engine_spans_match_the_routing_and_nest_in_their_calls(engine: str)
             ends = [q.end_ns for q in trace.spans if q.rank == s.peer
                     and q.task in ("wait", "barrier")]
             assert max(ends) >= s.start_ns
+    if engine == "asp":
+        # the receive waits source by source: each names its source and the rows taken from it
+        # (what that source sent here), and every send to another rank flows to one of them
+        for r in range(R3):
+            took = Counter({q.peer: q.rows for q in trace.spans if q.rank == r
+                            and q.task == "wait" and q.peer >= 0})
+            sent = Counter({q.rank: q.rows for q in trace.spans if q.peer == r
+                            and q.task == "send" and q.rank != r and q.rows})
+            assert took == sent and all(q.size_bytes == q.rows * 64 * 4 for q in trace.spans
+                                        if q.rank == r and q.task == "wait" and q.peer >= 0)
+        flows = [e for e in to_chrome([trace])["traceEvents"] if e.get("cat") == "flow"]
+        remote = [q for q in trace.spans if q.task == "send" and q.peer != q.rank and q.rows]
+        assert len(flows) == 2 * len(remote) > 0

@@ -636,17 +636,19 @@ class RmaEngine:
         if staged:
             return n_total
         pending = {s for s in range(self.R) if s != r and rows[s, r] > 0}
-        t0 = self.spans.t0()
+        since = [self.spans.t0()]  # the last completion: each source's wait span starts there
 
         def poll() -> bool:
             for s in sorted(pending):
                 if self.sync.source_complete(self, op, s, positions[s], reg):
                     pending.discard(s)
+                    n = int(rows[s, r])  # one span a source, as the native in-place waits
+                    since[0] = self.spans.rec(0, "wait", since[0], peer=s, rows=n,
+                                              size_bytes=n * self.row_bytes, epoch=op.epoch)
             return not pending
 
         self.proto.wait(op, poll, -1, "rows of every source",
                         needs=functools.partial(sorted, pending))
-        self.spans.rec(0, "wait", t0, epoch=op.epoch)
         return n_total
 
     # --- dispatch: BSP ------------------------------------------------------------------

@@ -42,12 +42,13 @@ class SpanRing:
         return time.monotonic_ns() if self.on else 0
 
     def rec(self, core: int, kind: str, start_ns: int, *, unit: int = -1, peer: int = -1,
-            rows: int = 0, size_bytes: int = 0, epoch: int = 0, after_last: bool = False) -> None:
-        """One span of ``core`` (``num_cores``: the call ring) ending now; ``after_last``: it
+            rows: int = 0, size_bytes: int = 0, epoch: int = 0, after_last: bool = False) -> int:
+        """One span of ``core`` (``num_cores``: the call ring) ending now; its end (0 when off:
+        spans back to back start where the last ended, as the native ones). ``after_last``: it
         encloses spans recorded meanwhile (a barrier inside a combine) and starts after the
         last of them, so spans of one core never overlap."""
         if not self.on:
-            return
+            return 0
         ring = self._rings[core]
         end = time.monotonic_ns()
         if after_last:
@@ -60,6 +61,7 @@ class SpanRing:
         else:
             ring[n % self.capacity] = rec
         self._written[core] = n + 1
+        return end
 
     def trace_spans(self) -> tuple[bytes, tuple[int, ...], int]:
         """As the native engine's: (packed records ring by ring, oldest first; counts; dropped);
