@@ -171,6 +171,9 @@ class NumpyEngine:
     def stale_view(self, array: Any, dispatch_index: int, num_dispatches: int) -> None:
         return None  # every result is a fresh array: no view of this engine's memory
 
+    def recv_valid(self, dispatch_index: int, num_dispatches: int) -> bool:
+        return True  # the rows are a fresh array the engine never writes again
+
     def abandon(self, epoch: int, message: str) -> None:
         self._pending.pop(epoch, None)
         self._notice(epoch, E_LOST, message)

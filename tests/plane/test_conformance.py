@@ -197,6 +197,32 @@ def test_split_phase_calls(engine: str) -> None:
     assert run(engine, R, _split_body, "tff") == [[]] * R
 
 
+def _recv_valid_body(group: Any) -> list[tuple[bool, bool]]:
+    """After 0, 1 and 2 further dispatches of other rows: what ``recv_x_valid`` says of the
+    first dispatch's rows, beside whether they still hold what it returned (a snapshot)."""
+    r, out = group.rank, []
+    with Buffer(group, _config(group, ("asp", "sw", "expert", None))) as buf:
+        xs, idxs, ws = testing.inputs("bf16", E, K, H, TOKENS, 20, "uniform")
+        first = buf.dispatch(xs[r], idxs[r], ws[r])
+        snapshot = testing.bits(first.recv_x).copy()  # a tensor of an engine's device too
+        for seed in (21, 22, 23):
+            out.append((buf.recv_x_valid(first.handle),
+                        bool(np.array_equal(testing.bits(first.recv_x), snapshot))))
+            xs, idxs, ws = testing.inputs("bf16", E, K, H, TOKENS, seed, "uniform")
+            buf.dispatch(xs[r], idxs[r], ws[r])
+    return out
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_recv_x_valid_says_whether_the_rows_are_still_there(engine: str) -> None:
+    """The engine answers for its memory: a view its receive region fills again (the native
+    and RMA engines' second dispatch after) is invalid, a fresh array (Triton's, numpy's) never
+    is; never valid for rows that changed."""
+    for rank in run(engine, R, _recv_valid_body):
+        assert [valid for valid, _ in rank] == [same for _, same in rank], rank
+        assert rank[0] == (True, True)  # right after its own dispatch
+
+
 def _bad_input_body(group: Any) -> list[Any]:
     """Rank 1's expert id out of range (the data plane finds it), then rank 0's ``x`` of the
     wrong width (the Buffer's checks): each a clean reject on every rank, the next call

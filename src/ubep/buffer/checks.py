@@ -165,13 +165,14 @@ class ArgChecks:
 
     def recv_x_valid(self, handle: DispatchHandle) -> bool:
         """Whether ``recv_x`` of the dispatch that returned ``handle`` still holds that
-        dispatch's rows: a receive region is reused by the second dispatch after the one that
-        filled it (``dispatch(copy=True)`` gives rows that stay). Local, not collective."""
+        dispatch's rows (the engine knows its memory: a receive region of the native engine is
+        reused by the second dispatch after the one that filled it; ``dispatch(copy=True)``
+        gives rows that stay). Local, not collective."""
         b = self.buf
         index = getattr(handle, "dispatch_index", -1)
         return (getattr(handle, "buffer_uid", None) == b._uid
                 and getattr(handle, "generation", None) == b._generation
-                and index >= 0 and b._num_dispatches <= index + b.layout.num_regions)
+                and index >= 0 and bool(b._engine.recv_valid(index, b._num_dispatches)))
 
     def combine_args(
         self, expert_out: object, handle: DispatchHandle

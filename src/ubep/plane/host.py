@@ -224,6 +224,12 @@ class HostEngine:
                         "combine before that, or dispatch with copy=True")
         return None
 
+    def recv_valid(self, dispatch_index: int, num_dispatches: int) -> bool:
+        """A receive region is filled again by the ``num_regions``-th dispatch after the one
+        that filled it (``dispatch(copy=True)`` rows are the caller's and stay)."""
+        refilled_at = dispatch_index + self.spec.layout.num_regions
+        return dispatch_index >= 0 and num_dispatches <= refilled_at
+
     # --- split-phase calls ------------------------------------------------------------------
 
     def _settled(self, epoch: int, got: Any, finish: Callable[[int], Any]) -> Any:

@@ -253,6 +253,11 @@ class Engine(Protocol):
         dispatch filled again. ``(value, problem)`` for the error naming ``expert_out``, else
         ``None`` (an engine whose results are fresh arrays: always ``None``)."""
 
+    def recv_valid(self, dispatch_index: int, num_dispatches: int) -> bool:
+        """Whether the rows dispatch ``dispatch_index`` returned (its ``recv_x``) still hold
+        what it received, ``num_dispatches`` dispatches in (an engine whose results are fresh
+        arrays: always)."""
+
     def abandon(self, epoch: int, message: str) -> None:
         """The oldest split-phase call fails here without its second half (notice to peers)."""
 
