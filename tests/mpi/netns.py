@@ -48,7 +48,7 @@ while [ "$#" -gt 0 ]; do
 done
 host="$1"; shift
 pid=$(cat "{dir}/$host.pid") || exit 255
-exec nsenter -t "$pid" -m -u -n{time_flag} -- /bin/sh -c "$*"
+exec nsenter -t "$pid" {namespaces} -- /bin/sh -c "$*"
 """
 
 
@@ -114,7 +114,8 @@ class HostBed:
         self.addresses = [str(self.subnet.network_address + 1 + i) for i in range(num_hosts)]
         self._holders: list[subprocess.Popen[bytes]] = []
         self.agent = self.dir / "agent.sh"
-        self.agent.write_text(_AGENT.format(dir=self.dir, time_flag=self._time_flag))
+        self.agent.write_text(_AGENT.format(dir=self.dir,
+                                             namespaces=" ".join(self._namespaces)))
         self.agent.chmod(0o755)
         try:
             self._make()
@@ -142,8 +143,10 @@ class HostBed:
             self._start_holder(i, host)
 
     @property
-    def _time_flag(self) -> str:
-        return " -T" if self.monotonic_offsets_s else ""
+    def _namespaces(self) -> list[str]:
+        """nsenter's flags for a host's namespaces: mount, UTS, network, and time where the
+        hosts have clocks of their own (the agent and :meth:`enter` both enter these)."""
+        return ["-m", "-u", "-n", *(["-T"] if self.monotonic_offsets_s else [])]
 
     def _start_holder(self, i: int, host: str) -> None:
         # the holder keeps the mount + UTS namespaces alive; its /etc/hosts names every host
@@ -173,8 +176,7 @@ class HostBed:
 
     def enter(self, host: str) -> list[str]:
         """The command prefix that runs a command in ``host``'s namespaces."""
-        time_ns = ["-T"] if self.monotonic_offsets_s else []
-        return ["nsenter", "-t", str(self.holder_pid(host)), "-m", "-u", "-n", *time_ns, "--"]
+        return ["nsenter", "-t", str(self.holder_pid(host)), *self._namespaces, "--"]
 
     def shm_entries(self, host: str) -> list[str]:
         """The names in ``host``'s ``/dev/shm``."""
