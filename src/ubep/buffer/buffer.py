@@ -46,12 +46,13 @@ from .. import quant as _quant
 from ..config import BufferConfig
 from ..errors import InvalidArgumentError, RemoteError, UbepError
 from ..m2n import logical_result, physical_config, slot_shift
+from ..plane.host import HostEngine
 from ..plane.protocol import PLAIN, CallOptions, EngineSpec, GlobalMemory, ProcessGroup
 from ..plane.records import ErrorRecord
 from ..plane.registry import memory_bytes, open_engine
 from ..plane.results import DispatchHandle, DispatchResult, PendingCall, RuntimeHandle
 from ..routing import experts_per_rank
-from ..torch_bridge import as_process_group, combine_in_torch, dispatch_in_torch, is_torch_tensor
+from ..torch_bridge import as_process_group, is_torch_tensor, torch_door
 from ..trace import recorder as _trace
 from .checks import ArgChecks
 from .inflight import InFlightCalls
@@ -134,6 +135,7 @@ class Buffer(metaclass=abc.ABCMeta):
         self._engine: Any = None
         self._in_flight: list[InFlight] = []  # split-phase calls awaiting their hook, in order
         self._fast: Any = None  # the engine, when it takes blocking calls' arrays unchecked
+        self._torch: Any = None  # the torch door, made on the first torch call (_torch_door)
         self._route: LogicalRouting | None = None  # expert_map's routing (_configure)
         # the jobs, each an object this Buffer holds (ubep.buffer.state)
         self._steps = StepKeeping(self)
@@ -323,15 +325,37 @@ class Buffer(metaclass=abc.ABCMeta):
                                               offered=True)
                 finally:
                     self._lock.release()
-        if is_torch_tensor(x):  # torch in, torch out: the call itself runs on numpy views
-            return cast(Any, dispatch_in_torch(
-                self.dispatch, x, topk_idx, topk_weights, x_scales, self._cfg.quant, copy=copy,
-                return_recv_hook=return_recv_hook))
+        if type(x) is not _NDARRAY and is_torch_tensor(x):
+            # torch in, torch out: the call itself runs on numpy views, through the door
+            # above where it can (the door's plans are made once per Buffer)
+            return cast(Any, (self._torch or self._torch_door()).dispatch(
+                x, topk_idx, topk_weights, copy, return_recv_hook, x_scales))
+        return self._checked_dispatch(x, topk_idx, topk_weights, copy, return_recv_hook,
+                                      x_scales)
+
+    def _checked_dispatch(
+        self, x: object, topk_idx: object, topk_weights: object, copy: bool, hook: bool,
+        x_scales: object,
+    ) -> DispatchResult[RuntimeHandle] | PendingCall[DispatchResult[RuntimeHandle]]:
+        """A dispatch through the checks (any argument types: the checks name what they
+        refuse, on every rank)."""
         self._steps.enter()
         try:
-            return self._dispatch(x, topk_idx, topk_weights, copy, return_recv_hook, x_scales)
+            return self._dispatch(x, topk_idx, topk_weights, copy, hook, x_scales)
         finally:
             self._lock.release()
+
+    def _torch_door(self) -> Any:
+        """This Buffer's torch door (made on its first torch call): its dtype plans and a
+        torch view of each receive region, made once (``ubep.torch._convert.TorchDoor``)."""
+        engine = self._engine
+        regions = engine.regions.recv_views if isinstance(engine, HostEngine) else None
+        self._torch = torch_door(
+            x_dtype=self._dtype.name, combine_dtype=self._cdtype.name, quant=self._cfg.quant,
+            call_dispatch=self.dispatch, call_combine=self.combine,
+            checked_dispatch=self._checked_dispatch, checked_combine=self._checked_combine,
+            regions=regions)
+        return self._torch
 
     def _hot_failed(self, epoch: int, index: int, exc: BaseException) -> BaseException:
         """What a failed one native call (dispatch or combine: ``index`` is the dispatches made
@@ -433,12 +457,18 @@ class Buffer(metaclass=abc.ABCMeta):
                     return self._combine(expert_out, handle, False, offered=True)
             finally:
                 self._lock.release()
-        if is_torch_tensor(expert_out):  # torch in, torch out (as dispatch)
-            return cast(Any, combine_in_torch(self.combine, expert_out, handle,
-                                              return_recv_hook=return_recv_hook))
+        if type(expert_out) is not _NDARRAY and is_torch_tensor(expert_out):
+            # torch in, torch out (as dispatch)
+            return cast(Any, (self._torch or self._torch_door()).combine(
+                expert_out, handle, return_recv_hook))
+        return self._checked_combine(expert_out, handle, return_recv_hook)
+
+    def _checked_combine(self, expert_out: object, handle: DispatchHandle,
+                         hook: bool) -> np.ndarray | PendingCall[np.ndarray]:
+        """A combine through the checks (as :meth:`_checked_dispatch`)."""
         self._steps.enter()
         try:
-            return self._combine(expert_out, handle, return_recv_hook)
+            return self._combine(expert_out, handle, hook)
         finally:
             self._lock.release()
 
@@ -510,6 +540,7 @@ class Buffer(metaclass=abc.ABCMeta):
 
     def _teardown(self) -> None:
         self._fast = None
+        self._torch = None  # its views of the receive regions go with the engine's
         if self._engine is not None:
             _trace.detach(self)  # a recorder takes the spans before the engine goes
             self._engine.close()  # also drops the engine's views of the receive regions

@@ -58,12 +58,7 @@ from ..plane.control import Decision
 from ..plane.registry import control_plane
 from ..plane.results import DispatchHandle, DispatchResult, PendingCall
 from ..routing import experts_per_rank
-from ..torch_bridge import (
-    as_process_group,
-    combine_in_torch,
-    dispatch_in_torch,
-    is_torch_tensor,
-)
+from ..torch_bridge import as_process_group, is_torch_tensor, tensor_to_numpy, torch_door
 from .buffer import Buffer
 from .replicas import LogicalRouting
 
@@ -160,9 +155,8 @@ class MaskingBuffer:
                  x_scales: object = None) -> Any:
         """:meth:`ubep.Buffer.dispatch` over the members (module docstring)."""
         if is_torch_tensor(x):  # torch in, torch out: the members' Buffer sees numpy views
-            return dispatch_in_torch(self.dispatch, x, topk_idx, topk_weights, x_scales,
-                                     self.config.quant, copy=copy,
-                                     return_recv_hook=return_recv_hook)
+            return self._torch_door().dispatch(x, topk_idx, topk_weights, copy,
+                                               return_recv_hook, x_scales)
         self._check_call()
         if return_recv_hook:
             return self._split_call("dispatch", lambda: self._inner.dispatch(
@@ -184,8 +178,8 @@ class MaskingBuffer:
         DeepEP facade's low-latency combine takes them here; the handle must stay the one
         dispatch returned, which is how a combine after a loss finds its rows)."""
         if is_torch_tensor(expert_out):  # torch in, torch out (as dispatch)
-            return combine_in_torch(self.combine, expert_out, handle,
-                                    return_recv_hook=return_recv_hook, topk_weights=topk_weights)
+            return self._torch_door().combine(expert_out, handle, return_recv_hook,
+                                              topk_weights=topk_weights)
         self._check_call()
         if return_recv_hook:
             return self._split_call("combine", lambda: self._combine(
@@ -196,6 +190,18 @@ class MaskingBuffer:
                                                                 topk_weights))
         self._last_combine = kept
         return y
+
+    def _torch_door(self) -> Any:
+        """The torch door (``ubep.torch._convert.TorchDoor``), made once: the dtype plans; no
+        region views (a replayed result is not a view of one region)."""
+        door = self.__dict__.get("_door")
+        if door is None:
+            cfg = self.config
+            door = self._door = torch_door(
+                x_dtype=cfg.dtype, combine_dtype=cfg.combine_dtype, quant=cfg.quant,
+                call_dispatch=self.dispatch, call_combine=self.combine,
+                checked_dispatch=_refuse_dispatch, checked_combine=_refuse_combine)
+        return door
 
     def _serve(self, kept: _Kept, run: Callable[[], Any]) -> Any:
         """Run one call; after a loss, agree, rebuild and run it again (a loss during the
@@ -638,3 +644,20 @@ def _rows_in_new_order(old: DispatchResult[Any], new: DispatchResult[Any],
 
 Buffer.masking_class = MaskingBuffer
 Buffer.register(MaskingBuffer)  # a Buffer (it holds one over the members), by registration
+
+
+def _refuse_dispatch(x: object, topk_idx: object, topk_weights: object, *rest: object) -> Any:
+    """The torch door's dispatch with a tensor numpy cannot view: the error naming it."""
+    _refuse({"x": x, "topk_idx": topk_idx, "topk_weights": topk_weights, "x_scales": rest[-1]})
+
+
+def _refuse_combine(expert_out: object, handle: object, hook: object, **extra: object) -> Any:
+    """As :func:`_refuse_dispatch`, for a combine."""
+    _refuse({"expert_out": expert_out, **extra})
+
+
+def _refuse(args: dict[str, object]) -> None:
+    for name, arg in args.items():
+        if is_torch_tensor(arg):
+            tensor_to_numpy(arg, name)  # raises InvalidArgumentError naming it
+    raise errors.InvalidArgumentError("x", "tensor", "cannot be viewed as a numpy array")

@@ -133,6 +133,10 @@ static int add_exports(PyObject *m) {
 static PyMethodDef ABI_METHODS[] = {
     {"set_error_type", (PyCFunction)engine_set_error_type, METH_O,
      "the type failed calls return (ubep.plane.records.ErrorRecord), handed over once"},
+    {"storage_views", (PyCFunction)(void (*)(void))mod_storage_views, METH_FASTCALL,
+     "storage_views(to_dlpack, *tensors) -> numpy views of the tensors (the torch door)"},
+    {"tensor_capsule", (PyCFunction)mod_tensor_capsule, METH_VARARGS,
+     "tensor_capsule(array, dlpack_code) -> a DLPack capsule over the array's memory"},
     {NULL, NULL, 0, NULL},
 };
 

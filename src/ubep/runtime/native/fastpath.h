@@ -21,5 +21,8 @@ PyObject *fast_field_names(void);
 /* the size from which combine outputs come from the Buffer's blocks; bytes > 0 sets it (tests);
  * returns the previous value */
 npy_intp fast_y_pool_min(npy_intp bytes);
+/* the torch door's conversions over DLPack (dlpack.c) */
+PyObject *mod_storage_views(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *mod_tensor_capsule(PyObject *self, PyObject *args);
 
 #endif /* UBEP_FASTPATH_H */
