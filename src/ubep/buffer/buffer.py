@@ -136,6 +136,7 @@ class Buffer(metaclass=abc.ABCMeta):
         self._in_flight: list[InFlight] = []  # split-phase calls awaiting their hook, in order
         self._fast: Any = None  # the engine, when it takes blocking calls' arrays unchecked
         self._torch: Any = None  # the torch door, made on the first torch call (_torch_door)
+        self._tensor: type | None = None  # torch.Tensor once the door exists (the hot path's)
         self._route: LogicalRouting | None = None  # expert_map's routing (_configure)
         # the jobs, each an object this Buffer holds (ubep.buffer.state)
         self._steps = StepKeeping(self)
@@ -297,9 +298,12 @@ class Buffer(metaclass=abc.ABCMeta):
         # the door once, with options: one engine call per dispatch in every case.
         if (fast is not None and self._one_call and self._route is None
                 and not (copy or return_recv_hook or self._in_flight) and x_scales is None
-                and type(x) is _NDARRAY and type(topk_idx) is _NDARRAY
-                and type(topk_weights) is _NDARRAY and x.dtype is self._x_storage
-                and topk_idx.dtype is _INT64 and topk_weights.dtype is _FLOAT32):
+                and ((type(x) is _NDARRAY and type(topk_idx) is _NDARRAY
+                      and type(topk_weights) is _NDARRAY and x.dtype is self._x_storage
+                      and topk_idx.dtype is _INT64 and topk_weights.dtype is _FLOAT32)
+                     or type(x) is self._tensor)):
+            # (a tensor, once the torch door exists: the engine views each tensor's memory
+            # itself and declines what it does not take, which the torch door then takes)
             plan = self._tasks.for_x(x) if self._tasks.planned else None
             # Written out here and in combine rather than in a helper: a decode step meets
             # this code cold, and a Python frame fewer is a microsecond less. Nothing taken
@@ -318,11 +322,12 @@ class Buffer(metaclass=abc.ABCMeta):
                         except BaseException as exc:
                             raise self._hot_failed(epoch, index, exc) from None
                         if got is not None:
-                            return got
+                            return got if type(x) is _NDARRAY else self._torch.result_of(got, x)
                         # declined, nothing done: the checks name what they reject
                         self._epoch, self._num_dispatches = epoch - 1, index
-                        return self._dispatch(x, topk_idx, topk_weights, False, False, None,
-                                              offered=True)
+                        if type(x) is _NDARRAY:
+                            return self._dispatch(x, topk_idx, topk_weights, False, False,
+                                                  None, offered=True)
                 finally:
                     self._lock.release()
         if type(x) is not _NDARRAY and is_torch_tensor(x):
@@ -355,6 +360,7 @@ class Buffer(metaclass=abc.ABCMeta):
             call_dispatch=self.dispatch, call_combine=self.combine,
             checked_dispatch=self._checked_dispatch, checked_combine=self._checked_combine,
             regions=regions)
+        self._tensor = self._torch.tensor_type  # the hot path takes tensors from now on
         return self._torch
 
     def _hot_failed(self, epoch: int, index: int, exc: BaseException) -> BaseException:
@@ -439,7 +445,8 @@ class Buffer(metaclass=abc.ABCMeta):
         # the one native call, as in dispatch (a handle the engine built, outputs of the door's
         # dtype: the door takes them or copies them into its layout)
         if (fast is not None and not (return_recv_hook or self._in_flight)
-                and type(expert_out) is _NDARRAY and expert_out.dtype is self._c_storage
+                and ((type(expert_out) is _NDARRAY and expert_out.dtype is self._c_storage)
+                     or type(expert_out) is self._tensor)
                 and type(handle) is RuntimeHandle and self._lock.acquire(False)):
             try:
                 if not (self._closed or self._dead is not None or self._lost is not None):
@@ -452,9 +459,10 @@ class Buffer(metaclass=abc.ABCMeta):
                     except BaseException as exc:
                         raise self._hot_failed(epoch, index, exc) from None
                     if y is not None:
-                        return y
+                        return y if type(expert_out) is _NDARRAY else self._torch.y_of(y)
                     self._epoch = epoch - 1  # declined, nothing done: the checks say why
-                    return self._combine(expert_out, handle, False, offered=True)
+                    if type(expert_out) is _NDARRAY:
+                        return self._combine(expert_out, handle, False, offered=True)
             finally:
                 self._lock.release()
         if type(expert_out) is not _NDARRAY and is_torch_tensor(expert_out):
@@ -540,7 +548,7 @@ class Buffer(metaclass=abc.ABCMeta):
 
     def _teardown(self) -> None:
         self._fast = None
-        self._torch = None  # its views of the receive regions go with the engine's
+        self._torch = self._tensor = None  # its region views go with the engine's
         if self._engine is not None:
             _trace.detach(self)  # a recorder takes the spans before the engine goes
             self._engine.close()  # also drops the engine's views of the receive regions

@@ -114,6 +114,10 @@ def tensor_capsule(array: Any, dlpack_code: int, /) -> Any:
     """A DLPack ``"dltensor"`` capsule over ``array``'s memory with the DLPack dtype code
     ``dlpack_code`` (4: bfloat, for ``uint16`` bits), keeping ``array`` alive."""
 
+def use_dlpack(to_dlpack: Any, /) -> None:
+    """From now on the engine's door (``Engine.dispatch`` / ``combine``) takes a tensor as the
+    numpy view of its DLPack capsule (``to_dlpack(t)``), and declines one it does not view."""
+
 def y_pool_min_bytes(bytes: int = 0, /) -> int:
     """The size from which a one-call combine's output is a view of one of the Buffer's two
     reusable blocks (32 MiB by default); ``bytes > 0`` sets it. Returns the previous value."""

@@ -126,9 +126,10 @@ _TORCH_OF: dict[str, torch.dtype] = {
 }
 #: DLPack's type code of a combine dtype (the bits are the storage's): how ``y`` reaches torch
 _DLPACK_CODE: dict[torch.dtype, int] = {torch.bfloat16: 4, torch.float16: 2, torch.float32: 2}
-# references a cached recv_x tensor has when nothing but the cache holds it: the cache's, the
+# references a kept recv_x tensor has when nothing but the door holds it: the door's, the
 # lookup's local name and getrefcount's argument
 _UNHELD = 3
+_REFS, _NEW = sys.getrefcount, object.__new__
 
 
 def storage_or_same(obj: object) -> object:
@@ -197,6 +198,7 @@ class TorchDoor:
         self._slices: dict[tuple[torch.dtype, int, int], torch.Tensor] = {}
         self._pending = PendingCall
         self._views, self._capsule = _native_conversions()
+        self.tensor_type = _TENSOR
         self._y_code = _DLPACK_CODE.get(self.c_dtype, -1)
 
     def dispatch(self, x: Any, topk_idx: object, topk_weights: object, copy: bool, hook: bool,
@@ -221,10 +223,25 @@ class TorchDoor:
             return got
         return self.result(got, values, copy)
 
+    def result_of(self, res: Any, x: torch.Tensor) -> Any:
+        """The torch result of a plain dispatch of ``x`` that the engine ran (``res``, numpy):
+        :meth:`result`'s common case, written out (a decode step meets it cold)."""
+        if not self._num_regions or self._quant is not None:
+            return self.result(res, x.dtype if self._quant is None else self._quant, False)
+        out = _NEW(TorchDispatchResult)
+        d = out.__dict__
+        d["_np"] = res
+        handle = d["handle"] = res.handle
+        d["recv_x_scales"] = None
+        key = (x.dtype, handle.dispatch_index % self._num_regions, res.recv_x.shape[0])
+        t = self._slices.get(key)
+        d["recv_x"] = t if t is not None and _REFS(t) == _UNHELD else self._new_slice(key)
+        return out
+
     def result(self, res: Any, values: torch.dtype, copy: bool) -> Any:
         """``res`` (the numpy call's) as the torch result, ``recv_x`` of ``values``: the rest
         converted when read."""
-        out = object.__new__(TorchDispatchResult)
+        out = _NEW(TorchDispatchResult)
         d = out.__dict__
         d["_np"] = res
         handle = d["handle"] = res.handle
@@ -232,21 +249,19 @@ class TorchDoor:
         if type(recv_x) is not _NDARRAY:  # an engine's own tensor
             d["recv_x"] = recv_x
         elif self._num_regions and not copy:
-            d["recv_x"] = self._region_rows(values, handle.dispatch_index % self._num_regions,
-                                            recv_x.shape[0])
+            key = (values, handle.dispatch_index % self._num_regions, recv_x.shape[0])
+            t = self._slices.get(key)
+            d["recv_x"] = t if t is not None and _REFS(t) == _UNHELD else self._new_slice(key)
         else:
             d["recv_x"] = from_numpy_as(recv_x, values)
         scales = res.recv_x_scales
         d["recv_x_scales"] = from_numpy(scales) if type(scales) is _NDARRAY else scales
         return out
 
-    def _region_rows(self, values: torch.dtype, region: int, rows: int) -> torch.Tensor:
-        """The first ``rows`` rows of receive region ``region`` as a tensor of ``values``: the
-        one handed out before for this shape if nothing else holds it now, else a new slice."""
-        key = (values, region, rows)
-        t = self._slices.get(key)
-        if t is not None and sys.getrefcount(t) == _UNHELD:
-            return t
+    def _new_slice(self, key: tuple[torch.dtype, int, int]) -> torch.Tensor:
+        """The first ``rows`` rows of receive region ``region`` as a tensor of ``values``
+        (``key``), kept to be handed out again once nothing else holds it."""
+        values, region, rows = key
         regions = self._regions.get(values) or self._region_tensors(values)
         t = self._slices[key] = regions[region][:rows]
         return t
@@ -301,4 +316,5 @@ def _native_conversions() -> tuple[Any, Any]:
         native = load_native()
     except Exception:  # no native build: the Python conversions
         return None, None
+    native.use_dlpack(_TO_DLPACK)  # the engine's door takes tensors from now on
     return native.storage_views, native.tensor_capsule

@@ -91,6 +91,29 @@ static PyObject *view_of(PyObject *cap) {
     return a;
 }
 
+/* torch._C._to_dlpack, once the torch door set it (use_dlpack): the engine's door then takes
+ * tensors too (dl_array) */
+static PyObject *to_dlpack_fn;
+
+PyObject *dl_array(PyObject *o) {
+    if (PyArray_Check(o) || !to_dlpack_fn) return Py_NewRef(o);
+    PyObject *cap = PyObject_CallOneArg(to_dlpack_fn, o), *got = cap ? view_of(cap) : NULL;
+    Py_XDECREF(cap);
+    if (!got) PyErr_Clear(); /* not viewed: the engine's door declines it */
+    return got ? got : Py_NewRef(o);
+}
+
+/* use_dlpack(to_dlpack): the engine's door takes what to_dlpack converts, as numpy views */
+PyObject *mod_use_dlpack(PyObject *self, PyObject *fn) {
+    (void)self;
+    if (!PyCallable_Check(fn)) {
+        PyErr_SetString(PyExc_TypeError, "use_dlpack: to_dlpack must be callable");
+        return NULL;
+    }
+    Py_XSETREF(to_dlpack_fn, Py_NewRef(fn));
+    Py_RETURN_NONE;
+}
+
 /* storage_views(to_dlpack, *args) -> tuple: each argument that is not a numpy array or None,
  * to_dlpack(arg) as a numpy view (BF16 as uint16); an argument it does not view, as it was */
 PyObject *mod_storage_views(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {

@@ -137,6 +137,8 @@ static PyMethodDef ABI_METHODS[] = {
      "storage_views(to_dlpack, *tensors) -> numpy views of the tensors (the torch door)"},
     {"tensor_capsule", (PyCFunction)mod_tensor_capsule, METH_VARARGS,
      "tensor_capsule(array, dlpack_code) -> a DLPack capsule over the array's memory"},
+    {"use_dlpack", (PyCFunction)mod_use_dlpack, METH_O,
+     "use_dlpack(to_dlpack): the engine's door takes tensors as their DLPack views"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -565,15 +565,17 @@ PyObject *engine_dispatch_fast(engine_t *g, PyObject *args) {
     if (opts == Py_None) opts = NULL;
     if (!f) return not_this(NULL, opts, args);
     if (opts && opts != f->plain) return not_this(f->general_dispatch, opts, args);
-    if (!PyArray_Check(a.x) || PyArray_NDIM((PyArrayObject *)a.x) != 2)
-        return not_this(f->general_dispatch, opts, args);
-    npy_intp ntok = PyArray_DIM((PyArrayObject *)a.x, 0);
-    /* the arrays as the call reads them (a layout copy where the caller's is not one) */
+    /* tensors as numpy views of their memory (dl_array; numpy arrays as they are) */
+    PyObject *in[3] = {dl_array(a.x), dl_array(a.topk_idx), dl_array(a.topk_weights)};
     PyObject *held[3] = {NULL, NULL, NULL};
-    if (ntok <= g->T &&
-        (held[0] = taken(a.x, f->x_descr->type_num, ntok, g->hidden, 0)) != NULL &&
-        (held[1] = taken(a.topk_idx, NPY_INT64, ntok, g->K, 0)) != NULL)
-        held[2] = taken(a.topk_weights, NPY_FLOAT32, ntok, g->K, 0);
+    npy_intp ntok = PyArray_Check(in[0]) && PyArray_NDIM((PyArrayObject *)in[0]) == 2
+                        ? PyArray_DIM((PyArrayObject *)in[0], 0) : -1;
+    /* the arrays as the call reads them (a layout copy where the caller's is not one) */
+    if (ntok >= 0 && ntok <= g->T &&
+        (held[0] = taken(in[0], f->x_descr->type_num, ntok, g->hidden, 0)) != NULL &&
+        (held[1] = taken(in[1], NPY_INT64, ntok, g->K, 0)) != NULL)
+        held[2] = taken(in[2], NPY_FLOAT32, ntok, g->K, 0);
+    for (int i = 0; i < 3; i++) Py_DECREF(in[i]); /* held[] keeps what the call reads */
     if (!held[2]) {
         for (int i = 0; i < 3; i++) Py_XDECREF(held[i]);
         PyErr_Clear(); /* a copy that could not be made: declined, nothing was done */
@@ -631,7 +633,7 @@ PyObject *engine_combine_fast(engine_t *g, PyObject *args) {
         return not_this(f->general_combine, opts, args);
     PyObject *d = PyObject_GenericGetDict(handle, NULL);
     if (!d) return NULL;
-    PyObject **k = f->keys, *res = NULL;
+    PyObject **k = f->keys, *res = NULL, *eo_view = NULL;
     /* this Buffer's handle, of this generation, of a dispatch that happened */
     /* only exact ints and strs are compared: no user __eq__ runs while borrowed references
      * into the handle's __dict__ are held */
@@ -657,8 +659,11 @@ PyObject *engine_combine_fast(engine_t *g, PyObject *args) {
     npy_intp rows = PyArray_DIM((PyArrayObject *)src, 0);
     int64_t w_dst = g->layout == LAY_EXPERT ? g->K : g->R;
     if (PyErr_Occurred() || index < 0 || index >= num_dispatches || ntok < 0 || ntok > g->T ||
-        rows > g->cap_rows || !PyArray_Check(eo))
+        rows > g->cap_rows)
         goto not_mine;
+    eo_view = dl_array(eo); /* a tensor as a numpy view of its memory */
+    if (!PyArray_Check(eo_view)) goto not_mine;
+    eo = eo_view;
     uintptr_t lo, hi;
     byte_span((PyArrayObject *)eo, &lo, &hi);
     if (overwritten(g, lo, hi, index, num_dispatches))
@@ -700,6 +705,7 @@ PyObject *engine_combine_fast(engine_t *g, PyObject *args) {
 not_mine:
     if (!PyErr_Occurred()) res = not_this(f->general_combine, opts, args);
 done:
+    Py_XDECREF(eo_view);
     Py_DECREF(d);
     return res;
 }

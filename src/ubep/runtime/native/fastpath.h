@@ -24,5 +24,10 @@ npy_intp fast_y_pool_min(npy_intp bytes);
 /* the torch door's conversions over DLPack (dlpack.c) */
 PyObject *mod_storage_views(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *mod_tensor_capsule(PyObject *self, PyObject *args);
+PyObject *mod_use_dlpack(PyObject *self, PyObject *fn);
+/* `o` as the engine's door reads it, a new reference: a numpy array as it is, a tensor (once
+ * use_dlpack ran) as a numpy view of its memory, anything else (or a tensor not viewed) as it is,
+ * which the door then declines */
+PyObject *dl_array(PyObject *o);
 
 #endif /* UBEP_FASTPATH_H */
