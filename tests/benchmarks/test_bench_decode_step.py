@@ -8,9 +8,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-from benchmarks import bench_decode_step as step  # noqa: E402
-from benchmarks.harness import COMBINE_PHASES, DISPATCH_PHASES  # noqa: E402
-from ubep.runtime.abi import TRACE  # noqa: E402
+from benchmarks import bench_decode_step as step
+from benchmarks.harness import COMBINE_PHASES, DISPATCH_PHASES
+from ubep.runtime.abi import TRACE
 
 
 @pytest.mark.parametrize("ranks", [2, 4])

@@ -109,7 +109,7 @@ class Segment:
         cls, size_bytes: int, *, group_id: bytes, owner_rank: int, kind: str,
         marker_dir: str | None = None,
     ) -> Segment:
-        """Create, size, pre-fault and stamp a new segment owned by this process."""
+        """Create, size, stamp and pre-fault a new segment owned by this process."""
         if size_bytes < HEADER_BYTES:
             raise InvalidArgumentError("size_bytes", size_bytes, f"must be >= {HEADER_BYTES}")
         size = -(-size_bytes // _PAGE) * _PAGE
@@ -131,11 +131,14 @@ class Segment:
         seg = cls(name, fd, size, owner_rank, created=True)
         assert seg._mm is not None
         seg.marker = marker
-        seg.prefault()
+        # Stamped before the pre-fault (which keeps every byte): a big segment takes a while to
+        # fault in, and a reader of headers (a leak check of another job) must see its owner
+        # all that time, not an ownerless segment to remove.
         HEADER.pack_into(
             seg._mm, 0, MAGIC, VERSION, owner_rank, size, os.getpid(), _pad(group_id, 16),
             _pad(kind.encode(), 16),
         )
+        seg.prefault()
         return seg
 
     @classmethod

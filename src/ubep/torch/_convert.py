@@ -153,6 +153,13 @@ class TorchDispatchResult(DispatchResult[Any]):
     pays for those, not for eight conversions. Everything a dataclass reader does
     (``getattr``, ``dataclasses.fields``, ``replace``, ``asdict``) reads the tensors."""
 
+    def host_result(self) -> Any:
+        """The numpy result this one wraps, when the engine's arrays are on the host (what a
+        reader of numpy storage, the DeepEP facades' backend, takes without converting every
+        field back), else None."""
+        res = self.__dict__.get("_np")
+        return res if res is not None and type(res.recv_x) is _NDARRAY else None
+
     def __getattr__(self, name: str) -> Any:
         d = self.__dict__
         if name.startswith("__") or "_np" not in d:
