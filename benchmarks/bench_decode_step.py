@@ -325,20 +325,25 @@ def run(shapes: list[Shape], warmup: int, repeats: int) -> dict[str, Any]:
 
 
 def _phases(samples: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
-    """Rank 0's median phases (us) of each path on a ``ubep.Buffer``: ``py_in`` (Python up to
-    the native call), the engine's trace points, ``py_out`` (the native call's return through
-    Python, the result's wrapping included)."""
+    """Rank 0's phases (us) of each path on a ``ubep.Buffer``, the median of each over the calls
+    (``dispatch``, ``combine``) and its minimum (``dispatch_min``, ``combine_min``: what each
+    phase costs when nothing else ran, the reading a loaded host still gives): ``py_in``
+    (Python up to the native call), the engine's trace points, ``py_out`` (the native call's
+    return through Python, the result's wrapping included)."""
     out = {}
     for key, rows in samples.items():
         if not key.startswith("trace:"):
             continue
-        d = [[t0, t1, *tr] for t0, t1, _, _, *tr in rows]
-        c = [[t2, t3, *tr] for _, _, t2, t3, *tr in rows]
-        out[key[len("trace:"):]] = {
-            "dispatch": dict(zip(harness.DISPATCH_PHASES, harness.phase_medians(d, "dispatch"),
-                                 strict=True)),
-            "combine": dict(zip(harness.COMBINE_PHASES, harness.phase_medians(c, "combine"),
-                                strict=True))}
+        calls = {"dispatch": [[t0, t1, *tr] for t0, t1, _, _, *tr in rows],
+                 "combine": [[t2, t3, *tr] for _, _, t2, t3, *tr in rows]}
+        ops: dict[str, dict[str, float]] = {}
+        for op, names in (("dispatch", harness.DISPATCH_PHASES),
+                          ("combine", harness.COMBINE_PHASES)):
+            ops[op] = dict(zip(names, harness.phase_medians(calls[op], op), strict=True))
+            gaps = np.diff(np.array([[c[0], *harness.trace_marks(op, c[2:]), c[1]]
+                                     for c in calls[op]], dtype=np.float64), axis=1) / 1e3
+            ops[op + "_min"] = dict(zip(names, gaps.min(axis=0).tolist(), strict=True))
+        out[key[len("trace:"):]] = ops
     return out
 
 
@@ -358,12 +363,13 @@ def report(result: dict[str, Any]) -> str:
                 d["median_us"] / floor["dispatch"]["median_us"],
                 c["median_us"] / floor["combine"]["median_us"]])
     lines = [harness.format_table(cols, table, float_digits=1), "",
-             "rank 0's median phases (us) of the paths on a ubep.Buffer (py_in: Python up to "
-             "the native call; py_out: from its last phase through Python's return)"]
+             "rank 0's phases (us) of the paths on a ubep.Buffer, medians and (_min) minima over "
+             "the calls (py_in: Python up to the native call; py_out: from its last phase "
+             "through Python's return)"]
     for r in result["rows"]:
         for name, ops in r["phases"].items():
             for op, ph in ops.items():
-                lines.append(f"{r['ranks']}r {r['hidden']} {r['tokens']}t {name:6s} {op:8s} "
+                lines.append(f"{r['ranks']}r {r['hidden']} {r['tokens']}t {name:6s} {op:12s} "
                              + " ".join(f"{k} {v:.1f}" for k, v in ph.items()))
     return "\n".join(lines)
 

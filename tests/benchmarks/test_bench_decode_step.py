@@ -52,6 +52,20 @@ def test_phases_are_the_gaps_between_the_calls_stamps() -> None:
     assert list(got["dispatch"].values()) == pytest.approx(want_d)
     want_c = [0.7, *([2.0] * (len(COMBINE_PHASES) - 2)), 0.4]
     assert list(got["combine"].values()) == pytest.approx(want_c)
+    # the two calls are alike, so each phase's minimum is its median
+    assert list(got["dispatch_min"].values()) == pytest.approx(want_d)
+    assert list(got["combine_min"].values()) == pytest.approx(want_c)
+
+
+def test_phase_minima_are_each_phases_own_minimum() -> None:
+    # the second call's dispatch enters 2 us later and leaves 1 us sooner than the first's
+    rows = []
+    for entry, exit_ns in ((500, 3_000), (2_500, 2_000)):
+        tr = _trace(entry, 50_000)
+        rows.append([0, tr[TRACE["d_data_in"]] + exit_ns, 40_000,
+                     tr[TRACE["c_reduced"]] + 100, *tr])
+    got = step._phases({"trace:torch": rows})["torch"]["dispatch_min"]
+    assert got["py_in"] == pytest.approx(0.5) and got["py_out"] == pytest.approx(2.0)
 
 
 def test_report_ratios_are_medians_over_the_numpy_buffer_and_the_floor() -> None:
