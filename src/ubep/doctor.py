@@ -211,7 +211,8 @@ def mpi_probe(num_ranks: int = 2) -> list[Check]:
     for name, mca, extra in runs:
         with tempfile.TemporaryDirectory(prefix="ubep-doctor-") as tmp:
             cmd = [launcher, "--oversubscribe", *mca, "-n", str(num_ranks), sys.executable,
-                   "-m", "ubep.mpi.selftest", "--modes", "asp:dc:expert:bf16,bsp:tff:rank:uint8",
+                   "-m", "ubep.tools.mpi_selftest",
+                   "--modes", "asp:dc:expert:bf16,bsp:tff:rank:uint8",
                    "--json", os.path.join(tmp, "out.json")]
             try:
                 proc = subprocess.run(cmd, env=_probe_env() | extra, capture_output=True,

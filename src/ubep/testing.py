@@ -1,5 +1,6 @@
-"""Seeded inputs and bit-exact comparison with :mod:`ubep.reference`, shared by the tests, the
-benchmarks and ``python -m ubep.mpi.selftest`` (which users run on their own MPI jobs).
+"""Seeded inputs and bit-exact comparison with :mod:`ubep.reference`, shared by the tests,
+the benchmarks and ``python -m ubep.tools.mpi_selftest`` (which users run on their own MPI
+jobs).
 
 Every rank of a check regenerates *all* ranks' inputs from one seed (:func:`inputs`), so each
 can compute the reference on its own and compare only its own result (:func:`check_call`).

@@ -49,6 +49,14 @@ def to_numpy(t: torch.Tensor, *, argument: str = "x") -> np.ndarray:
     return t.numpy()
 
 
+def on_host(obj: Any) -> Any:
+    """A result field as a numpy array on the host: a tensor of any device as its storage
+    (BF16 as uint16 bits; a device tensor copied to the host), anything else as it is."""
+    if not isinstance(obj, torch.Tensor):
+        return obj
+    return to_numpy(obj.cpu() if obj.device.type != "cpu" else obj, argument="result")
+
+
 def from_numpy(a: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A tensor sharing ``a``'s memory; ``dtype=torch.bfloat16`` reinterprets ``uint16`` bits.
 

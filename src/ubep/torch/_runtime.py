@@ -19,7 +19,7 @@ import torch
 from ..dtypes import dtype_of
 from ..errors import InvalidArgumentError
 from ..modes import Layout
-from ..torch_bridge import on_host
+from ._convert import on_host
 
 __all__ = ["RuntimeBackend", "buffer_config", "make_backend", "ubep_dtype_name"]
 

@@ -45,7 +45,6 @@ from ..errors import InvalidArgumentError, RemoteError
 from ..modes import Layout
 from ..quant import quantize
 from ..routing import get_dispatch_layout as _layout
-from ..torch_bridge import as_process_group, is_torch_group
 from ._convert import from_numpy, to_numpy
 from .backend import EPBackend, LocalBackend, issue_dispatch
 from .deep_ep_agree import Board, open_board
@@ -767,9 +766,10 @@ def _ep_group(group: Any, comm: Any) -> Any:
         return init(comm)
     if isinstance(group, LocalBackend):
         return group
+    from .group import from_torch, is_torch_group
     if is_torch_group(group):
         # Collective the first time per torch group; every ubep buffer of it shares the result.
-        return as_process_group(group)
+        return from_torch(group)
     if all(isinstance(getattr(group, a, None), int) for a in ("rank", "num_ranks")) and hasattr(
         group, "allgather"
     ):

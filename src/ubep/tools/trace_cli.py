@@ -45,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .run import RunCase, predict, run_traced
+    from .trace_run import RunCase, predict, run_traced
 
     case = RunCase(num_ranks=args.ranks, num_tokens=args.tokens, hidden=args.hidden,
                    num_experts=args.experts, num_topk=args.topk, routing=args.routing,
@@ -56,15 +56,15 @@ def _run(args: argparse.Namespace) -> int:
     predicted = predict(case) if args.predicted else None
     print(run_traced(case, args.out))
     if predicted is not None:
-        from .chrome import write
+        from ..trace.chrome import write
 
         print(write([predicted], args.predicted))
     return 0
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from .chrome import load
-    from .plot import plot_traces
+    from ..trace.chrome import load
+    from ..trace.plot import plot_traces
 
     traces = [t for path in args.files for t in load(path)]
     print(plot_traces(traces, args.out, ranks=args.ranks))
@@ -72,7 +72,7 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _merge(args: argparse.Namespace) -> int:
-    from .chrome import merge
+    from ..trace.chrome import merge
 
     print(merge(args.files, args.out))
     return 0
