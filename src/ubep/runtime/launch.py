@@ -314,8 +314,9 @@ def _child_main(
     _mpi_files_in(rendezvous)
     group: Group | None = None
     try:
+        # the launcher's reaper owns the rendezvous directory: no reaper of the rank's own
         group = Group(rank, num_ranks, rendezvous, group_id=group_id, topology=topology,
-                      timeout_s=timeout_s)
+                      timeout_s=timeout_s, own_reaper=False)
         result = fn(group, *args)
         message: tuple[str, Any] = ("ok", result)
     except BaseException as exc:  # report everything, including KeyboardInterrupt
