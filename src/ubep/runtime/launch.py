@@ -46,6 +46,7 @@ from ..errors import (
 from ..topology import Topology
 from . import reaper as _reaper
 from .group import Group
+from .main_guard import check_main_guard
 from .shm import remove_marked_segments
 
 __all__ = ["LostRank", "launch"]
@@ -109,6 +110,7 @@ def launch(
         raise InvalidArgumentError(
             "topology", topology.name, f"has {topology.num_ranks} ranks, expected {num_ranks}"
         )
+    check_main_guard(sys._getframe(1))  # before any process starts: the ranks re-run the script
     ctx = mp.get_context("spawn")
     reaper, rendezvous = _start_reaper()  # the directory: mode 0700, private to this user
     group_id = os.urandom(16)
