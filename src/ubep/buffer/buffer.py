@@ -161,10 +161,7 @@ class Buffer(metaclass=abc.ABCMeta):
         failed = [r for r, m in enumerate(everyone) if m["error"] is not None]
         if failed:
             raise RemoteError(failed[0], everyone[failed[0]]["error"])
-        if any(m["config"] != everyone[0]["config"] for m in everyone):
-            raise InvalidArgumentError(
-                "config", config, "differs between ranks (every rank needs the same BufferConfig)"
-            )
+        _check_same_config([m["config"] for m in everyone])
         self._uid = everyone[0]["uid"]
         try:
             self._setup()
@@ -548,3 +545,15 @@ def _logical(sender: bool, shift: int, res: Any) -> Any:
     """An M2N dispatch result in the caller's numbering (``ubep.m2n.logical_result``)."""
     logical_result(res, sender, shift)
     return res
+
+
+def _check_same_config(configs: list[dict[str, Any]]) -> None:
+    """Raise, on every rank alike, naming the first field on which a rank's config differs
+    from rank 0's and both values (a whole BufferConfig is too long to read in one line)."""
+    for rank, theirs in enumerate(configs):
+        for field, first in configs[0].items():
+            if theirs.get(field) != first:
+                raise InvalidArgumentError(
+                    f"config.{field}", first,
+                    f"differs between ranks: rank 0 has {first!r}, rank {rank} has "
+                    f"{theirs.get(field)!r} (every rank needs the same BufferConfig)")
