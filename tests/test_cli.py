@@ -48,3 +48,25 @@ def test_doctor_says_how_to_get_torch_where_it_is_missing(monkeypatch: pytest.Mo
     torch_check = next(c for c in doctor.run_checks() if c.name == "torch")
     assert not torch_check.ok
     assert "make venv" in torch_check.consequence and "'.[torch]'" in torch_check.consequence
+
+
+def test_doctor_has_a_triton_line_that_says_where_the_engine_runs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from ubep import doctor
+
+    line = next(c for c in doctor.run_checks() if c.name == "triton")
+    installed = all(importlib.util.find_spec(m) is not None for m in ("triton", "torch"))
+    assert line.ok is installed
+    if installed:
+        import torch
+
+        assert line.detail.startswith("GPU" if torch.cuda.is_available() else "interpreter")
+        assert line.detail.endswith(doctor.TRITON_BUFFER_PATH)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "triton" else real(name, *a))
+    gone = doctor._triton()
+    assert not gone.ok and gone.detail.startswith("missing (triton")
+    assert "'.[triton]'" in gone.consequence
