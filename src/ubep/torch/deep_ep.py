@@ -45,6 +45,7 @@ from ..errors import InvalidArgumentError, RemoteError
 from ..modes import Layout
 from ..quant import quantize
 from ..routing import get_dispatch_layout as _layout
+from ..trace.recorder import name_buffer, traced_work
 from ._convert import from_numpy, to_numpy
 from .backend import EPBackend, LocalBackend, issue_dispatch
 from .deep_ep_agree import Board, open_board
@@ -84,6 +85,7 @@ T = TypeVar("T")
 topk_idx_t = torch.int64
 
 _UNOPENED = object()  # Buffer._board before the first exchange
+_TRACE_NAMES = {"rank": "deep_ep normal", "expert": "deep_ep low-latency"}  # by ubep layout
 _NO_LAYOUT = _Layout()  # a cached dispatch's: the handle says where rows go
 # BufferConfig fields the facade sets itself from each call's shapes.
 _SHAPE_FIELDS = (
@@ -326,6 +328,8 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         else:  # over the members (a shrink-mode facade: ubep.torch.deep_ep_shrink)
             config = buffer_config(on_peer_loss="mask", **shape)
             self._backends[key] = MaskedBackend(self._shrink.build(config))
+        if (buffer := getattr(self._backends[key], "buffer", None)) is not None:  # ubep's
+            name_buffer(buffer, _TRACE_NAMES[layout])
         return self._backends[key]
 
     def _send(
@@ -409,6 +413,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         return result, [s for _, s in everyone]
 
     # ------------------------------------------------------------------ normal mode
+    @traced_work("deep_ep.get_dispatch_layout")
     def get_dispatch_layout(
         self,
         topk_idx: torch.Tensor,
@@ -433,6 +438,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
             _event(async_finish),
         )
 
+    @traced_work("deep_ep.dispatch")
     def dispatch(
         self,
         x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
@@ -681,6 +687,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         recv = self._recv_rows(res.recv_x, recv_scales, x.dtype, scales is not None, out_rows)
         return recv, None, None, None, None, _event(async_finish)
 
+    @traced_work("deep_ep.combine")
     def combine(
         self,
         x: torch.Tensor,

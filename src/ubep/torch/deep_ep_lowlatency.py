@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidArgumentError
+from ..trace.recorder import traced_work
 from ._convert import PAYLOAD_DTYPES, from_numpy, to_numpy
 from .backend import EPBackend, issue_combine
 from .deep_ep_types import EventOverlap, LowLatencyHandle, _event
@@ -122,6 +123,7 @@ class LowLatencyCalls:
     _collective: Callable[[Callable[[], Any]], Any]
     _num_local_experts: Callable[[int], int]
 
+    @traced_work("deep_ep.low_latency_dispatch")
     def low_latency_dispatch(
         self,
         x: torch.Tensor,
@@ -222,6 +224,7 @@ class LowLatencyCalls:
         slots = handle.num_max_dispatch_tokens_per_rank * self.group_size
         return len(handle.counts), slots, handle.hidden
 
+    @traced_work("deep_ep.low_latency_combine")
     def low_latency_combine(
         self,
         x: torch.Tensor,
