@@ -30,6 +30,9 @@ __all__ = ["OPS", "OpSpec", "RowCosts", "Transfers", "build_spec", "core_rx_wait
            "transfers"]
 
 OPS = ("dispatch", "combine")
+#: cores per rank the ASP model needs: a send core and a count core (the runtime's one-core
+#: engine, which does both on one thread, has no model here)
+ASP_MIN_CORES = 2
 
 
 @dataclass(frozen=True)
