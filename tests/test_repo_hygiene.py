@@ -135,7 +135,7 @@ def test_the_link_guard_sees_a_broken_and_an_outside_link(tmp_path: Path) -> Non
     assert OUTSIDE_PATH.search("see ../shared/docs/X.md") and not OUTSIDE_PATH.search("shm")
 
 
-README_MAX_LINES = 300  # what ubep is, the two commands, one complete program per face, links
+README_MAX_LINES = 250  # what ubep is, the two commands, one complete program per face, links
 
 
 def test_the_readme_stays_a_front_page() -> None:
