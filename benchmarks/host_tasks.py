@@ -78,12 +78,14 @@ def predicted_tasks(host_case: Any, idxs: list[np.ndarray], *, fixed_ns: float,
                       row_bytes=host_case.row_bytes, op="dispatch", row_costs=costs)
     res = run_analytic(spec, topo, fabric)
     kinds = _per_rank_kind(from_sim(res, "predicted"), 1)
-    # The executors fold a core's wait for rows into its reordering span; the runtime records
-    # it as its own "wait": split it out (SimResult.consume_wait_ns), median over ranks.
+    # A core's wait for rows (before its first row and between rows, which the executors fold
+    # into its reordering span) is the runtime's "wait"; its reordering is the rows' own work.
+    # Medians over ranks (SimResult.consume_wait_ns, consume_work_ns).
     wait = statistics.median(res.consume_wait_ns().sum(axis=1).tolist())
     if wait > 0:
         kinds["wait"] = wait
-        kinds["reorder"] = max(kinds.get("reorder", 0.0) - wait, 0.0)
+    if "reorder" in kinds:
+        kinds["reorder"] = statistics.median(res.consume_work_ns.tolist())
     return kinds
 
 

@@ -225,10 +225,11 @@ class SimResult:
     def consume_wait_ns(self) -> np.ndarray:
         """``[R, n]`` the time each core waits inside its reordering: from the end of its
         other tasks (Init, sends, counting, barriers) to the end of its last row, less the
-        rows' own work (the spec's item costs). The executors fold these waits -- for rows
-        not yet landed, a batch's flag or checksum, the prefix sums -- into the ``consume``
-        span (1.7); this names them, as the runtime's traces record a ``wait``. 0 for a core
-        that reorders nothing; needs :attr:`spec`."""
+        rows' own work (the spec's item costs): the gap before its first row and the waits
+        between rows, which the executors fold into the ``consume`` span (1.7) -- for rows
+        not yet landed, a batch's flag or checksum, the prefix sums. This names them, as the
+        runtime's traces record a ``wait``. 0 for a core that reorders nothing; needs
+        :attr:`spec`."""
         if self.spec is None:
             raise InvalidArgumentError("spec", None, "needs the spec of the simulation")
         R, n = int(self.rank_end_ns.size), self.cores_per_rank
