@@ -33,6 +33,7 @@ from .syncs import sync_mode
 
 __all__ = ["FabricModel", "SyncCosts", "dissemination_ns", "sync_costs", "syncall_atomic_ns"]
 
+
 def syncall_atomic_ns(cores: int, local_latency_ns: float) -> float:
     """The intrinsic cost of a SyncAll of one die's ``cores`` AIVs through global memory
     (docs/SIMULATOR.md 1.6): every AIV's arrival is an atomic add on one word of the die's HBM;
