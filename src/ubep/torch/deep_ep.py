@@ -54,6 +54,7 @@ from .deep_ep_agree import (
     checked,
     exchanged_counts,
     open_board,
+    send_backend,
     sum_at_sources,
 )
 from .deep_ep_checks import check_dispatch_x, check_ubep_options, deepep_names, own_backend
@@ -363,7 +364,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
             shape = (layout, x.shape[1], idx.shape[1], num_experts)
             fp8 = round_scale is not None or scales is not None
             if fp8 and not isinstance(self._ep, LocalBackend):
-                backend = self._send_backend(layout, x.shape[1], idx.shape[1], num_experts,
+                backend = send_backend(self, layout, x.shape[1], idx.shape[1], num_experts,
                                              x.dtype, max_tokens, scales is not None, round_scale)
                 if scales is None:
                     call = send(backend, to_numpy(x), idx, w)
@@ -386,18 +387,6 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         if self._shrink is not None:  # masking Buffers run blocking calls
             return self._shrink.call(lambda: issue(x, scales, False))
         return issue(x, scales, split)
-
-    def _send_backend(self, layout: Layout, hidden: int, num_topk: int, num_experts: int,
-                      dtype: torch.dtype, max_tokens: int, fp8_pair: bool,
-                      round_scale: bool | None) -> EPBackend:
-        """The backend :meth:`_send`'s (first) dispatch goes through for these shapes."""
-        shape = (layout, hidden, num_topk, num_experts)
-        fp8 = round_scale is not None or fp8_pair
-        if fp8 and not isinstance(self._ep, LocalBackend):
-            return self._backend(*shape, torch.bfloat16 if fp8_pair else dtype, max_tokens,
-                                 combine_dtype=torch.bfloat16, quant="e4m3",
-                                 round_scale=bool(round_scale))
-        return self._backend(*shape, torch.uint8 if fp8 else dtype, max_tokens)
 
     def _allgather(self, value: Any) -> list[Any]:
         """Every rank's JSON ``value`` (collective): through shared memory on one host
@@ -525,7 +514,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
             route, per_expert = exchanged_counts(self._agree, check, self.rank, self.group_size)
         else:  # a bad argument here fails the peers' call too, through their backend
             given: Any = (topk_idx, layout.num_tokens_per_expert)  # None: no backend named
-            route = checked(check, lambda: self._send_backend(
+            route = checked(check, lambda: send_backend(self,
                 "rank", x.shape[1], given[0].shape[1], given[1].numel(), x.dtype,
                 self.max_tokens_per_rank, scales is not None, None))
         receive, backend = self._send(

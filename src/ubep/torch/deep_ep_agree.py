@@ -51,7 +51,8 @@ from ..plane.records import HEADER_BYTES
 from ..runtime.poll import Backoff, wait_until
 
 __all__ = ["BODY_BYTES", "Board", "check_combine_rows", "checked", "exchanged_counts",
-           "open_board", "reject_call", "reject_named", "sum_at_sources"]
+           "only_backend", "open_board", "reject_call", "reject_named", "send_backend",
+           "sum_at_sources"]
 
 T = TypeVar("T")
 
@@ -101,6 +102,41 @@ def checked(check: Callable[[], T], backend: Callable[[], Any]) -> T:
     except InvalidArgumentError as exc:
         reject_named(exc, backend)
         raise
+
+
+def send_backend(facade: Any, layout: str, hidden: int, num_topk: int, num_experts: int,
+                 dtype: Any, max_tokens: int, fp8_pair: bool, round_scale: bool | None) -> Any:
+    """The backend a V1 facade's (first) dispatch of these shapes goes through (``_send``);
+    with a ``dtype`` the facade refuses (the reject path), the one that exists for the rest
+    (:func:`only_backend`)."""
+    import torch
+
+    from .backend import LocalBackend
+    from .deep_ep_checks import DISPATCH_DTYPES
+
+    shape = (layout, hidden, num_topk, num_experts)
+    fp8 = round_scale is not None or fp8_pair
+    local = isinstance(facade._ep, LocalBackend)
+    if not fp8 and dtype not in DISPATCH_DTYPES and not local:
+        return only_backend(facade._backends, (*shape, max_tokens))
+    if fp8 and not local:
+        return facade._backend(*shape, torch.bfloat16 if fp8_pair else dtype, max_tokens,
+                               combine_dtype=torch.bfloat16, quant="e4m3",
+                               round_scale=bool(round_scale))
+    return facade._backend(*shape, torch.uint8 if fp8 else dtype, max_tokens)
+
+
+def only_backend(backends: dict[tuple[Any, ...], Any], shape: tuple[Any, ...]) -> Any:
+    """The one backend of ``backends`` (a facade's, keyed ``(layout, hidden, num_topk,
+    num_experts, dtype, max_tokens, combine_dtype, quant, ...)``) of ``shape`` = ``(layout,
+    hidden, num_topk, num_experts, max_tokens)`` and no quantisation, whatever its dtype: where
+    a rank's own dtype is refused, the peers' call of the same shapes goes through it. Raises
+    ``ValueError`` unless there is exactly one (nothing is built on a guess)."""
+    found = [b for k, b in backends.items()
+             if (*k[:4], k[5]) == shape and k[6] is None and k[7] is None]
+    if len(found) != 1:
+        raise ValueError(f"{len(found)} backends of these shapes")
+    return found[0]
 
 
 def reject_named(exc: InvalidArgumentError, backend: Callable[[], Any]) -> None:
