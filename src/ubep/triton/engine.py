@@ -413,7 +413,7 @@ class TritonEngine(Closing):
         return DispatchResult(recv_x=recv_x, recv_topk_idx=r_idx, recv_topk_weights=r_w,
                               num_recv_tokens_per_expert=per_expert, recv_src_rank=src,
                               recv_src_token=tok, recv_src_k=k, handle=handle,
-                              num_sent_rows_per_rank=sent)
+                              num_sent_rows_per_rank=torch.from_numpy(sent).to(self.device))
 
     # --- combine ----------------------------------------------------------------------------
 
