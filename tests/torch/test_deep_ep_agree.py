@@ -85,7 +85,7 @@ def test_missing_rank_times_out_naming_it() -> None:
     assert "rank(s) [1] did not post" in errors[0]
 
 
-_T, _H, _E, _K = 300, 32, 16, 8  # combine's topk_weights of ~600 rows: JSON past a slot
+_T, _H, _E, _K = 300, 32, 16, 8  # ~600 rows of combine weights: once more than a board slot
 
 
 def _facade_calls(group: Any) -> dict[str, Any]:
@@ -126,11 +126,16 @@ def _facade_calls(group: Any) -> dict[str, Any]:
             continue
         out[f"{name}_dispatch_gathers"] = len(gathers) - before
         before = len(gathers)
-        y, combined_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
+        # the last pair's receivers scale the weights they hold by (their rank + 1)
+        scale = group.rank + 1 if name == "after" else 1
+        y, combined_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w * scale)
         out[f"{name}_combine_gathers"] = len(gathers) - before
         out[f"{name}_y_exact"] = torch.equal(y.view(torch.int16), want_y)
-        # a received row holds the weights of its rank's slots (0 elsewhere): the sum is w
-        out[f"{name}_w_exact"] = torch.equal(combined_w, w)
+        # a received row holds the weights of its rank's slots (0 elsewhere), so each slot's sum
+        # is its owner's value: w times the owner's scale (one float32 product, + 0.0)
+        owner = idx // (_E // group.num_ranks)
+        want_w = w * (owner + 1) if name == "after" else w
+        out[f"{name}_w_exact"] = torch.equal(combined_w, want_w)
     out["board"] = isinstance(buf._board, Board)
     return out
 
