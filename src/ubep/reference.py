@@ -251,6 +251,8 @@ def _dispatch_expert(inp: _Inputs, num_experts: int) -> list[RefDispatchResult]:
         mine = src_all == s
         send_dst_row[s][tok_all[mine], k_all[mine]] = row_all[mine]
 
+    sent = np.zeros((inp.num_ranks, inp.num_ranks), np.int64)  # [source, destination] rows
+    np.add.at(sent, (src_all, dst_all), 1)
     results = []
     for r in range(inp.num_ranks):
         sl = slice(rank_start[r], rank_start[r + 1])
@@ -262,6 +264,7 @@ def _dispatch_expert(inp: _Inputs, num_experts: int) -> list[RefDispatchResult]:
         results.append(
             RefDispatchResult(
                 recv_x=recv_x,
+                num_sent_rows_per_rank=sent.copy(),
                 recv_topk_idx=expert[sl].copy(),
                 recv_topk_weights=weights,
                 num_recv_tokens_per_expert=per_expert.astype(np.int64),
@@ -279,11 +282,13 @@ def _dispatch_rank(inp: _Inputs, num_experts: int) -> list[RefDispatchResult]:
     # send_dst_row[s][t, r]: running count of rank r's rows, in (source rank, token) order.
     send_dst_row = []
     next_row = np.zeros(inp.num_ranks, dtype=np.int64)
+    sent_rows = np.zeros((inp.num_ranks, inp.num_ranks), np.int64)  # [source, destination]
     for s in range(inp.num_ranks):
         sent = _token_in_rank(owner[s], inp.num_ranks)
         rows = np.cumsum(sent, axis=0, dtype=np.int64) - 1 + next_row[None, :]
         send_dst_row.append(np.where(sent, rows, -1))
-        next_row += sent.sum(axis=0)
+        sent_rows[s] = sent.sum(axis=0)
+        next_row += sent_rows[s]
 
     results = []
     for r in range(inp.num_ranks):
@@ -313,6 +318,7 @@ def _dispatch_rank(inp: _Inputs, num_experts: int) -> list[RefDispatchResult]:
                 recv_src_token=r_tok,
                 recv_src_k=r_k,
                 handle=handle,
+                num_sent_rows_per_rank=sent_rows.copy(),
             )
         )
     return results

@@ -32,7 +32,7 @@ __all__ = [
 
 #: The dispatch result's fields a backend must match bit for bit (the handle aside).
 FIELDS = ("recv_x", "recv_topk_idx", "recv_topk_weights", "num_recv_tokens_per_expert",
-          "recv_src_rank", "recv_src_token", "recv_src_k")
+          "recv_src_rank", "recv_src_token", "recv_src_k", "num_sent_rows_per_rank")
 
 
 def bits(a: np.ndarray) -> np.ndarray:

@@ -321,8 +321,10 @@ class NumpyEngine:
             send_dst_row=send_dst_row, dispatch_index=index, buffer_uid=self.spec.uid,
             generation=generation)
         del copy  # every result here is a fresh array already
+        # every source's rows to every rank: each rank computes them from the posted routings
+        sent = np.stack([np.bincount(o[0], minlength=self.R) for o in orders], axis=1)
         return DispatchResult(recv_x, r_idx, r_w, np.bincount(local, minlength=L), src, tok, kk,
-                              handle, scales)
+                              handle, scales, sent.astype(np.int64))
 
     # --- combine ----------------------------------------------------------------------------
 

@@ -95,7 +95,8 @@ def _unquantised(res: Any, ref: Any) -> Any:
     """``res`` with the reference's ``recv_x``: the rest compared field by field."""
     return type(res)(ref.recv_x, res.recv_topk_idx, res.recv_topk_weights,
                      res.num_recv_tokens_per_expert, res.recv_src_rank, res.recv_src_token,
-                     res.recv_src_k, res.handle)
+                     res.recv_src_k, res.handle,
+                     num_sent_rows_per_rank=res.num_sent_rows_per_rank)
 
 
 def _modes_body(group: Any, modes: list[Mode]) -> list[Any]:

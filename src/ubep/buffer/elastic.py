@@ -477,8 +477,13 @@ class MaskingBuffer:
         if self.config.layout == "expert":  # global ids; the rank layout's are local
             L = self.num_local_experts
             idx = np.where(idx < 0, idx, members[np.maximum(idx, 0) // L] * L + idx % L)
+        sent = res.num_sent_rows_per_rank
+        if sent is not None:  # the members' rows, in original rank numbers
+            outer = np.zeros((self.num_ranks, self.num_ranks), np.int64)
+            outer[np.ix_(members, members)] = sent
+            sent = outer
         return dataclasses.replace(res, recv_src_rank=members[res.recv_src_rank],
-                                   recv_topk_idx=idx)
+                                   recv_topk_idx=idx, num_sent_rows_per_rank=sent)
 
     def _combine(self, expert_out: object, handle: DispatchHandle,
                  topk_weights: object = None, hook: bool = False) -> Any:

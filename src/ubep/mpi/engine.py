@@ -618,6 +618,7 @@ class RmaEngine:
         counts_out = outs[5]  # rows per local expert, then rows from each source
         counts_out[:L] = mine.sum(axis=0)
         counts_out[L:L + self.R] = rows[:, r]
+        counts_out[L + self.R:] = rows.reshape(-1)  # every source's rows to every rank
         positions: list[np.ndarray] = []
         for s in range(self.R):
             n = int(rows[s, r])

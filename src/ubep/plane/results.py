@@ -50,6 +50,14 @@ class DispatchResult(Generic[H]):
         recv_x_scales: with a quantised dispatch (``BufferConfig.quant``) ``[rows, hidden //
             128]`` float32, one scale per 128 channels of ``recv_x`` (then 1-byte ``uint8`` E4M3
             bits or ``int8``); else None.
+        num_sent_rows_per_rank: ``[num_ranks, num_ranks]`` int64, the same on every rank:
+            ``[s, d]`` rows source rank ``s`` sent rank ``d`` in this dispatch (``layout="rank"``:
+            its tokens with a pick on ``d``, DeepEP's ``num_tokens_per_rank`` of ``s``;
+            ``"expert"``: its picks of ``d``'s experts). Column ``rank`` is
+            ``handle.num_recv_rows_per_rank``. Each source's row travels in its count records,
+            so no rank needs an exchange of its own to learn another's routing (DeepEP's
+            ``rank_prefix_matrix`` is its cumulative sum over sources). None only from a
+            backend that does not learn it.
     """
 
     recv_x: np.ndarray
@@ -61,6 +69,7 @@ class DispatchResult(Generic[H]):
     recv_src_k: np.ndarray
     handle: H
     recv_x_scales: np.ndarray | None = None
+    num_sent_rows_per_rank: np.ndarray | None = None
 
 
 @dataclass(frozen=True, eq=False)

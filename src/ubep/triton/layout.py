@@ -20,6 +20,8 @@ words          ``[cap_rows][nblk]`` TFF words                           each sou
 comb           ``[T][J]`` rows of ``comb_stride`` bytes                 each pusher
 cwords         ``[T][J][cnblk]`` TFF words of combine                   each pusher (release)
 cdc            ``[T][J][2]`` words ``[checksum, epoch]``                each pusher (release)
+ranks[2]       ``[R][R]`` words ``epoch32 << 32 | rows``: ``[s][d]``      each source (release)
+               rows source ``s`` sends rank ``d``, per dispatch parity
 =============  =======================================================  =====================
 
 Counts come in two blocks, by the dispatch's parity (as routing records): a rank that has
@@ -65,6 +67,7 @@ class ArenaLayout:
     comb_stride: int
     cnblk: int
     counts: int
+    ranks: int
     dflag: int
     cflag: int
     ready: int
@@ -115,10 +118,12 @@ def arena_layout(*, num_ranks: int, num_local_experts: int, cap_tokens: int, num
     comb = take(T * J * comb_stride)
     cwords = take(T * J * cnblk * 8)
     cdc = take(T * J * 16)
+    ranks = take(2 * R * R * 8)  # the block of parity p at ranks + p * R * R * 8
     return ArenaLayout(
         num_ranks=R, num_buckets=nb, cap_tokens=T, num_topk=K, cap_rows=cap_rows,
         row_bytes=row_bytes, row_stride=row_stride, nblk=nblk, comb_slots=J,
         comb_row_bytes=comb_row_bytes, comb_stride=comb_stride, cnblk=cnblk, counts=counts,
+        ranks=ranks,
         dflag=dflag, cflag=cflag, ready=ready, notice=notice, route=route, route_idx=route_idx,
         route_w=route_w, recv=recv, words=words, comb=comb, cwords=cwords, cdc=cdc,
         size_bytes=off,

@@ -85,8 +85,10 @@ typedef struct {
     uint64_t dc_count;    /* DC: rows written, their checksum, then */
     uint64_t dc_sum;
     uint64_t dc_epoch;
-    uint8_t pad2[40];
-    uint32_t counts[];    /* [num_local_experts]: rows per local expert */
+    uint64_t ranks_sum;   /* ranks_sum(epoch, the rows per rank after counts[L]) */
+    uint8_t pad2[32];
+    uint32_t counts[];    /* [num_local_experts]: rows per local expert, then [num_ranks]: the
+                           * source's rows to every rank (not only this one) */
 } inbox_rec_t;
 
 /* Where a rank's expert outputs for combine lie (one per epoch parity). */
@@ -132,6 +134,7 @@ ABI_OFFSET(inbox_rec_t, sw_epoch, 72);
 ABI_OFFSET(inbox_rec_t, dc_count, 128);
 ABI_OFFSET(inbox_rec_t, dc_sum, 136);
 ABI_OFFSET(inbox_rec_t, dc_epoch, 144);
+ABI_OFFSET(inbox_rec_t, ranks_sum, 152);
 ABI_OFFSET(inbox_rec_t, counts, 192);
 ABI_OFFSET(comb_info_rec_t, off, 0);
 ABI_OFFSET(comb_info_rec_t, rows, 8);
@@ -185,6 +188,10 @@ static inline uint64_t sum_u32(uint64_t h, const uint32_t *p, int64_t n) {
 }
 static inline uint64_t counts_sum(uint64_t epoch, uint64_t rows, const uint32_t *cnt, int L) {
     return sum_u32(mix64(mix64(0x636F756E7473ULL, epoch), rows), cnt, L);
+}
+/* a source's rows to every rank (the [R] words after a count record's counts) */
+static inline uint64_t ranks_sum(uint64_t epoch, const uint32_t *rows, int R) {
+    return sum_u32(mix64(0x72616E6B73ULL, epoch), rows, R);
 }
 /* the routing record: topk_idx (int32) then the weights (float bits), n words each */
 static inline uint64_t route_sum(uint64_t epoch, uint64_t ntok, const uint32_t *idx,

@@ -431,7 +431,7 @@ static int dispatch_bufs(engine_t *g, const dispatch_args_t *a, pbuf_t *b, int64
         get_buf(o[2], &b[5], 1, "recv_src_rank", nrows * 8) ||
         get_buf(o[3], &b[6], 1, "recv_src_token", nrows * 8) ||
         get_buf(o[4], &b[7], 1, "recv_src_k", nrows * 8) ||
-        get_buf(o[5], &b[8], 1, "num_recv_tokens_per_expert", (g->L + g->R) * 8) ||
+        get_buf(o[5], &b[8], 1, "num_recv_tokens_per_expert", (g->L + g->R + g->R * g->R) * 8) ||
         get_buf(o[6], &b[9], 1, "send_dst_row", ntok * dst_w * 8);
 }
 

@@ -40,7 +40,7 @@ int dispatch_validate(op_t *op, int count, int fill) {
     const int64_t T = op->ntok, cap = g->cap_src_rows;
     const int expert = g->layout == LAY_EXPERT, sp = flag_sentinel(g), check = !op->checked;
     int64_t *restrict cnt = g->cnt, *restrict units_to = g->units_to;
-    int64_t *restrict rows_to = g->rows_to;
+    int64_t *restrict rows_to = g->rows_to, *restrict sent_to = g->sent_to;
     const int32_t *restrict e2d = g->e2d;
     int32_t *restrict ut = g->u_t, *restrict uk = g->u_k, *restrict ue = g->u_e;
     int32_t *restrict us = g->u_slot;
@@ -56,6 +56,7 @@ int dispatch_validate(op_t *op, int count, int fill) {
         memset(units_to, 0, sizeof(int64_t) * (size_t)R);
         memset(rows_to, 0, sizeof(int64_t) * (size_t)R);
     }
+    memset(sent_to, 0, sizeof(int64_t) * (size_t)R);
     for (int64_t t = 0; t < T; t++) {
         const int64_t *row = topk + t * K;
         uint64_t seen_dst = 0; /* R <= 64 enforced at init */
@@ -76,6 +77,7 @@ int dispatch_validate(op_t *op, int count, int fill) {
             int d = e2d[e];
             int first = !(seen_dst >> d & 1);
             seen_dst |= 1ULL << d;
+            sent_to[d] += expert || first;
             if (!count) continue;
             if (expert || first) {
                 if (fill) {
@@ -124,7 +126,17 @@ void publish_counts(op_t *op, int d) {
     for (int el = 0; el < L; el++) c[el] = (uint32_t)g->cnt[d * L + el];
     st_rlx(&ib->rows, (uint64_t)g->rows_to[d]);
     st_rlx(&ib->sum, counts_sum(op->epoch, (uint64_t)g->rows_to[d], c, L));
+    publish_ranks(op, ib);
     st_rel(&ib->counts_epoch, op->epoch);
+}
+
+/* my rows to every rank, after the counts of a count record (its release store publishes
+ * them): every receiver learns the whole [source, destination] matrix from its own inbox */
+void publish_ranks(op_t *op, inbox_rec_t *ib) {
+    engine_t *g = op->g;
+    uint32_t *v = ib->counts + g->L;
+    for (int j = 0; j < g->R; j++) v[j] = (uint32_t)g->sent_to[j];
+    st_rlx(&ib->ranks_sum, ranks_sum(op->epoch, v, g->R));
 }
 
 /* publish my routing (for receivers' metadata), my readiness and (without count tasks) my
@@ -441,16 +453,31 @@ static int recv_sources(op_t *op, int core, const int64_t *rx_base, int reg) {
     return 0;
 }
 
-/* o_nrecv = [num_recv_tokens_per_expert (L) | rows received from each source rank (R)] */
-static void recv_counts_out(op_t *op, int core) {
+/* o_nrecv = [num_recv_tokens_per_expert (L) | rows received from each source rank (R) | rows
+ * each source sent each rank (R x R, num_sent_rows_per_rank)]. A source's row of the matrix is
+ * copied out of its count record (seen complete by recv_bases) and verified; its entry for this
+ * rank must be the rows its verified counts announced. */
+static int recv_counts_out(op_t *op, int core) {
     engine_t *g = op->g;
+    const int R = g->R, L = g->L;
     const uint32_t *cnt = RX_CNT(g, core);
-    for (int el = 0; el < g->L; el++) {
+    for (int el = 0; el < L; el++) {
         int64_t tot = 0;
-        for (int s = 0; s < g->R; s++) tot += cnt[(int64_t)s * g->L + el];
+        for (int s = 0; s < R; s++) tot += cnt[(int64_t)s * L + el];
         op->o_nrecv[el] = tot;
     }
-    for (int s = 0; s < g->R; s++) op->o_nrecv[g->L + s] = RX_ROWS(g, core)[s];
+    for (int s = 0; s < R; s++) op->o_nrecv[L + s] = RX_ROWS(g, core)[s];
+    uint32_t v[64]; /* R <= 64 enforced at init */
+    for (int s = 0; s < R; s++) {
+        const inbox_rec_t *ib = inbox(g, g->rank, s, op->par);
+        uint64_t sum = ld_rlx(&ib->ranks_sum);
+        memcpy(v, ib->counts + L, sizeof(uint32_t) * (size_t)R);
+        if (sum != ranks_sum(op->epoch, v, R) || v[g->rank] != (uint64_t)RX_ROWS(g, core)[s])
+            return op_error(op, E_LOST, core, s, "corrupt rows-per-rank record of rank %d in "
+                            "call %llu", s, (unsigned long long)op->epoch);
+        for (int j = 0; j < R; j++) op->o_nrecv[L + R + (int64_t)s * R + j] = v[j];
+    }
+    return 0;
 }
 
 /* How ASP's receive and BSP's reorder begin (their span of the bases from rv->t0): the row
@@ -465,7 +492,7 @@ int recv_begin(op_t *op, int core, recv_t *rv) {
     int rc = recv_bases(op, core, rv->rx_base, &rv->n);
     if (rc == 0 && core == 0) {
         op->n_recv = rv->n;
-        recv_counts_out(op, core);
+        rc = recv_counts_out(op, core);
     }
     return rc;
 }

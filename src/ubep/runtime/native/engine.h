@@ -128,6 +128,8 @@ typedef struct engine {
     int64_t *cnt;          /* [E] my counts per expert */
     int64_t *units_to;     /* [R] units I send to each rank */
     int64_t *rows_to;      /* [R] rows I send to each rank */
+    int64_t *sent_to;      /* [R] the same, counted by validation on every path (the count
+                            * records carry the whole vector to every rank) */
     int32_t *u_t, *u_k, *u_e, *u_slot; /* units in per-destination buckets [R * cap_src] */
     uint64_t *stamp;       /* [E] duplicate detection: stamp[e] == token generation */
     uint64_t stamp_gen;
@@ -452,6 +454,7 @@ void run_op(op_t *op, const phase_list_t *phases, int first, int end);
 /* dispatch.c: what the BSP phases and ASP's sends (dispatch_send.c) share */
 void batch_ranks(engine_t *g, int d);
 void publish_counts(op_t *op, int d);
+void publish_ranks(op_t *op, inbox_rec_t *ib);
 int dispatch_validate(op_t *op, int count, int fill);
 int dispatch_publish(op_t *op);
 void reset_send_state(op_t *op);

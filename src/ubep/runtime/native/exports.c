@@ -64,6 +64,7 @@ static const named_t RECORD_OFFSETS[] = {
     AT("IN_DC_SUM", inbox_rec_t, dc_sum),
     AT("IN_DC_EPOCH", inbox_rec_t, dc_epoch),
     AT("IN_COUNTS", inbox_rec_t, counts),
+    AT("IN_RANKS_SUM", inbox_rec_t, ranks_sum),
     AT("CI_OFF", comb_info_rec_t, off),
     AT("CI_ROWS", comb_info_rec_t, rows),
     AT("CI_STRIDE", comb_info_rec_t, stride),
