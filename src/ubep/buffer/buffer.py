@@ -162,9 +162,7 @@ class Buffer(metaclass=abc.ABCMeta):
         if failed:
             raise RemoteError(failed[0], everyone[failed[0]]["error"])
         if any(m["config"] != everyone[0]["config"] for m in everyone):
-            raise InvalidArgumentError(
-                "config", config, "differs between ranks (every rank needs the same BufferConfig)"
-            )
+            raise _config_differs(config, everyone, self.rank)
         self._uid = everyone[0]["uid"]
         try:
             self._setup()
@@ -465,6 +463,26 @@ class Buffer(metaclass=abc.ABCMeta):
             raise self._steps.failed(epoch, stage, exc)[0] from None
         return self._calls.issued("combine", epoch, got, _same, hook, None)
 
+    def reject(self, error: BaseException) -> BaseException:
+        """This rank's next call fails here before it starts, for ``error`` (bad input found by
+        a layer above the Buffer: a facade's checks): the peers' call raises ``RemoteError``
+        (clean: the next call works) instead of waiting for this rank. Returns the exception
+        to raise (``error``, or the Buffer's own if it refuses calls)."""
+        return self._steps.reject(error)
+
+    def sign(self, signature: int) -> bool:
+        """What this rank's next dispatches are: a 64-bit word (``ubep.buffer.signature``; 0,
+        the default, says nothing beyond the config every rank shares) that rides in the count
+        records of each dispatch. A dispatch whose word differs from a peer's is rejected on
+        every rank that differs (``InvalidArgumentError`` naming what differs, a clean reject:
+        the next call works) before any row reaches a peer. Local, between calls; False where
+        the engine does not compare words (then only 0 is accepted)."""
+        setter = getattr(self._engine, "set_signature", None)
+        if setter is None:
+            return not signature
+        setter(int(signature))
+        return True
+
     def resync(self, timeout_s: float | None = None) -> None:
         """Re-establish agreement with the peers after a lost step (collective: every rank;
         :meth:`ubep.buffer.step.StepKeeping.resync`). Handles and ``recv_x`` views from
@@ -530,6 +548,21 @@ class Buffer(metaclass=abc.ABCMeta):
             f"layout={c.layout}, dtype={c.dtype}, hidden={c.hidden}, "
             f"max_tokens_per_rank={c.max_tokens_per_rank}, cores={self.num_cores})"
         )
+
+
+def _config_differs(config: BufferConfig, everyone: list[Any], rank: int) -> UbepError:
+    """The error of a construction whose configs differ between ranks: each field that differs
+    from this rank's, with the first other rank's value."""
+    mine = everyone[rank]["config"]
+    parts = []
+    for name, value in mine.items():
+        other = next(((r, m["config"][name]) for r, m in enumerate(everyone)
+                      if m["config"].get(name) != value), None)
+        if other is not None:
+            parts.append(f"{name}={value!r} on rank {rank}, {other[1]!r} on rank {other[0]}")
+    return InvalidArgumentError(
+        "config", config, "differs between ranks (every rank needs the same BufferConfig): "
+        + "; ".join(parts))
 
 
 def _declined(rank: int) -> UbepError:
