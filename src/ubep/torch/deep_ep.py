@@ -46,6 +46,7 @@ from ..modes import Layout
 from ..quant import quantize
 from ..routing import get_dispatch_layout as _layout
 from ..torch_bridge import as_process_group, is_torch_group
+from . import deep_ep_checks as checks
 from ._convert import from_numpy, to_numpy
 from .backend import EPBackend, LocalBackend, issue_dispatch
 from .deep_ep_agree import Board, open_board
@@ -176,6 +177,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
             self._shrink = open_shrink_group(self._ep, self.ubep_options)
         # the calls' exchanges (deep_ep_agree): opened by the first, None where unavailable
         self._board: object = _UNOPENED
+        self._gate = checks.CallGate(self._ep, self.rank)  # calls in step across Buffers
         self._destroyed = False
 
     # ------------------------------------------------------------------ static helpers
@@ -308,7 +310,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         if cached is not None and (
             self._shrink is None or self._shrink.current(getattr(cached, "buffer", None))
         ):
-            return cached
+            return cached if self._shrink is not None else self._gate.enter(cached, key)
         from ._runtime import buffer_config, make_backend, ubep_dtype_name
 
         options = dict(self.ubep_options)
@@ -322,8 +324,8 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
             options["sync"] = "tff"
         shape = dict(hidden=hidden, num_topk=num_topk, num_experts=num_experts, dtype=dtype,
                      max_tokens_per_rank=max_tokens, layout=layout, **options)
-        if self._shrink is None:
-            self._backends[key] = make_backend(self._ep, **shape)
+        if self._shrink is None:  # every rank moves to it, or none (deep_ep_checks.CallGate)
+            self._backends[key] = self._gate.made(key, lambda: make_backend(self._ep, **shape))
         else:  # over the members (a shrink-mode facade: ubep.torch.deep_ep_shrink)
             config = buffer_config(on_peer_loss="mask", **shape)
             self._backends[key] = MaskedBackend(self._shrink.build(config))
@@ -510,8 +512,9 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         num_experts = route.num_experts
         if any(len(s[1]) != num_experts for s in summaries):
             raise InvalidArgumentError(
-                "num_tokens_per_expert", num_experts, "differs between ranks (same num_experts)"
-            )
+                "num_tokens_per_expert", num_experts, "differs between ranks (num_experts "
+                + ", ".join(f"{len(s[1])} on rank {q}" for q, s in enumerate(summaries))
+                + "): every rank needs the same num_experts")
         most = int(sent.sum(axis=0).max(initial=0))
         if num_worst_tokens and most > num_worst_tokens:
             raise InvalidArgumentError(
@@ -657,6 +660,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
             num_recv_rows=rows,
         )
 
+    @checks.gated
     def _cached_dispatch(
         self,
         x: torch.Tensor,
@@ -672,6 +676,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
             )
         if topk_idx is not None or topk_weights is not None:
             raise InvalidArgumentError("handle", "given", "cached dispatch takes no topk_idx")
+        checks.check_device(x=x, x_scales=scales)
         idx = handle.topk_idx
         receive, _ = self._send(
             "rank", x, scales, idx, np.zeros(idx.shape, np.float32), handle.num_experts,
@@ -682,6 +687,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         recv = self._recv_rows(res.recv_x, recv_scales, x.dtype, scales is not None, out_rows)
         return recv, None, None, None, None, _event(async_finish)
 
+    @checks.gated
     def combine(
         self,
         x: torch.Tensor,
@@ -716,9 +722,10 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
                 "handle", type(handle).__name__, "must be the handle a normal dispatch returned"
             )
         n = handle.num_recv_rows
+        checks.check_device(x=x, topk_weights=topk_weights, bias=bias)
         if x.shape[0] not in (n, handle.recv_src_idx.shape[0]):
             raise InvalidArgumentError("x", tuple(x.shape), f"needs {n} rows")
-        backend = own_backend(handle, self._ep, self._backends.values())
+        backend = own_backend(handle, self._ep, self._backends.values(), self._gate)
         with deepep_names():
             y = from_numpy(backend.combine(to_numpy(x[:n]), handle.inner), x.dtype)
         combined_w = None

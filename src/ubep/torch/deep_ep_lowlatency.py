@@ -14,6 +14,7 @@ import torch
 from ..errors import InvalidArgumentError
 from ._convert import PAYLOAD_DTYPES, from_numpy, to_numpy
 from .backend import EPBackend, issue_combine
+from .deep_ep_checks import CallGate, check_device, gated
 from .deep_ep_types import EventOverlap, LowLatencyHandle, _event
 from .fp8 import FP8_BLOCK, UE8M0_PACK, pack_ue8m0
 
@@ -121,7 +122,9 @@ class LowLatencyCalls:
     _send: Callable[..., tuple[Callable[[], tuple[Any, np.ndarray | None]], EPBackend]]
     _collective: Callable[[Callable[[], Any]], Any]
     _num_local_experts: Callable[[int], int]
+    _gate: CallGate
 
+    @gated
     def low_latency_dispatch(
         self,
         x: torch.Tensor,
@@ -146,6 +149,7 @@ class LowLatencyCalls:
         (else None), which receives: ``recv_x``, ``recv_count`` and ``handle`` hold the data
         only after it ran (as DeepEP). ``async_finish``: the same, received by
         ``event.current_stream_wait()`` (DeepEP refuses both at once, so does ubep)."""
+        check_device(x=x, topk_idx=topk_idx)
         num_tokens, hidden = x.shape
         if num_tokens > num_max_dispatch_tokens_per_rank:
             raise InvalidArgumentError(
@@ -222,6 +226,7 @@ class LowLatencyCalls:
         slots = handle.num_max_dispatch_tokens_per_rank * self.group_size
         return len(handle.counts), slots, handle.hidden
 
+    @gated
     def low_latency_combine(
         self,
         x: torch.Tensor,
@@ -251,6 +256,7 @@ class LowLatencyCalls:
                 "hook() (or its event's current_stream_wait()) first"
             )
         _check_async(async_finish, return_recv_hook)
+        check_device(x=x, topk_idx=topk_idx, topk_weights=topk_weights, out=out)
         idx = to_numpy(topk_idx, argument="topk_idx")
         if idx.shape != handle.topk_idx.shape or not np.all((idx == handle.topk_idx) | (idx == -1)):
             raise InvalidArgumentError(
@@ -268,6 +274,8 @@ class LowLatencyCalls:
             source = staging
         rows = combine_input(handle, source)
         split = (async_finish or return_recv_hook) and getattr(handle.backend, "can_split", True)
+        if getattr(self, "_shrink", None) is None:
+            self._gate.combine_on(handle.backend)  # the next call: a combine there
         call = self._collective(
             lambda: issue_combine(handle.backend, rows, handle.inner, w, split=split))
         if not (async_finish or return_recv_hook):
