@@ -117,7 +117,7 @@ def _inputs(r: int, n: int = 4, dtype: Any = torch.bfloat16) -> tuple[Any, Any, 
     g = torch.Generator().manual_seed(r)
     idx = torch.stack([torch.randperm(_E, generator=g)[:_K] for _ in range(n)])
     x = torch.randn(n, _H, generator=g).to(dtype)
-    return x, idx.to(deep_ep.topk_idx_t), torch.rand(n, _K, generator=g)
+    return x, idx.to(deep_ep.topk_idx_t), torch.rand(n, _K, generator=g, dtype=torch.float32)
 
 
 def _normal(buf: Any, x: Any, idx: Any, w: Any, num_experts: int = _E) -> Any:
