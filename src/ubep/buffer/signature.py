@@ -15,6 +15,7 @@ construction, says everything its calls are).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -58,7 +59,7 @@ class Signature:
     num_topk: int = 0
     flags: frozenset[str] = frozenset()
 
-    @property
+    @functools.cached_property
     def word(self) -> int:
         """The 64-bit word (never 0: ``call`` is a signed kind)."""
         values = {

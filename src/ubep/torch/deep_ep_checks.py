@@ -136,6 +136,9 @@ def key_signature(key: tuple[Any, ...], call: str | None = None,
         num_topk=int(num_topk), flags=frozenset(flags))
 
 
+_NO_NOTE: tuple[str | None, torch.dtype | None] = (None, None)
+
+
 class CallGate:
     """A facade's calls kept in step across its Buffers (one per shape, made on first use),
     with no round of their own.
@@ -159,16 +162,23 @@ class CallGate:
         self.last: Any = None  # the backend of the previous call (every rank's)
         self.entered = 0  # calls that reached a Buffer (gated: which errors are the Buffer's)
         self._signed: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
-        self._next: tuple[str | None, torch.dtype | None] = (None, None)
+        self._next: tuple[str | None, torch.dtype | None] = _NO_NOTE
+        self._sigs: dict[tuple[Any, ...], Signature] = {}  # by (key, call, dtype)
+        self._plain: tuple[Any, ...] | None = None  # last's key, signed with no note
 
     def note(self, call: str | None = None, dtype: torch.dtype | None = None) -> None:
         """What the next call says beyond its Buffer's key (taken by :meth:`signature`)."""
         self._next = (call, dtype)
 
     def signature(self, key: tuple[Any, ...]) -> Signature:
+        """The next call's signature on the Buffer of ``key`` (with what :meth:`note` said),
+        made once per distinct call (a decode step meets this on every call)."""
         call, dtype = self._next
-        self._next = (None, None)
-        return key_signature(key, call, dtype)
+        self._next = _NO_NOTE
+        sig = self._sigs.get((key, call, dtype))
+        if sig is None:
+            sig = self._sigs[(key, call, dtype)] = key_signature(key, call, dtype)
+        return sig
 
     def leave(self, sig: Signature) -> None:
         """This rank's next call is not on ``last`` (a Buffer still to be made, or another):
@@ -177,6 +187,7 @@ class CallGate:
         buffer = getattr(last, "buffer", None)
         if buffer is None:
             return
+        self._plain = None
         self.entered += 1
         self._sign(last, dataclasses.replace(sig, flags=sig.flags | {"switch"}).word)
         cfg = buffer.config
@@ -189,10 +200,15 @@ class CallGate:
     def enter(self, backend: Any, key: tuple[Any, ...]) -> Any:
         """The next call is on ``backend``, the Buffer of ``key`` (made already): switch to it
         if it is not ``last``, and sign it. Returns ``backend``."""
+        if backend is self.last and self._next is _NO_NOTE and key == self._plain:
+            self.entered += 1  # the previous call's Buffer, signed alike: nothing to do
+            return backend
+        plain = self._next is _NO_NOTE
         sig = self.signature(key)
         if backend is not self.last and self.last is not None:
             self.leave(sig)
         self.arrive(backend, sig)
+        self._plain = key if plain else None
         return backend
 
     def made(self, key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
@@ -217,6 +233,7 @@ class CallGate:
 
     def arrive(self, backend: Any, sig: Signature) -> None:
         """``backend`` (just made, or switched to) takes the next call."""
+        self._plain = None
         self.entered += 1
         self._sign(backend, sig.word)
         self.last = backend
