@@ -189,7 +189,8 @@ class CallGate:
             return
         self._plain = None
         self.entered += 1
-        self._sign(last, dataclasses.replace(sig, flags=sig.flags | {"switch"}).word)
+        if not self._sign(last, dataclasses.replace(sig, flags=sig.flags | {"switch"}).word):
+            return  # an engine that compares no words would pair the switch with a real call
         cfg = buffer.config
         hidden, k = int(cfg.hidden), int(cfg.num_topk)
         got = buffer.dispatch(np.empty((0, hidden), dtype_of(cfg.dtype).storage),
@@ -238,13 +239,18 @@ class CallGate:
         self._sign(backend, sig.word)
         self.last = backend
 
-    def _sign(self, backend: Any, word: int) -> None:
+    def _sign(self, backend: Any, word: int) -> bool:
+        """Sign ``backend``'s Buffer with ``word``; False where its engine compares none."""
         buffer = getattr(backend, "buffer", None)
-        if buffer is None or self._signed.get(backend) == word:
-            return
+        if buffer is None:
+            return False
+        if self._signed.get(backend) == word:
+            return True
         sign = getattr(buffer, "sign", None)
-        if sign is not None and sign(word):
-            self._signed[backend] = word
+        if sign is None or not sign(word):
+            return False
+        self._signed[backend] = word
+        return True
 
     def reject(self, error: InvalidArgumentError) -> BaseException:
         """This rank's call failed the facade's checks: fail it where the peers' call is (the
