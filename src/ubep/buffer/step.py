@@ -133,14 +133,16 @@ class StepKeeping:
         b = self.buf
         try:
             self.enter()
-        except UbepError as exc:  # refused (lost step, closed): that is the error to raise
-            return exc
+        except UbepError:  # the Buffer takes no call now (lost step, closed): nothing to tell
+            return error
         try:
             b._calls.check()
+        except UbepError:  # nor a third call in flight: the peers' is refused as this one
+            b._lock.release()
+            return error
+        try:
             b._epoch += 1
             return self.failed(b._epoch, _BEFORE, error)[0]
-        except UbepError as exc:
-            return exc
         finally:
             b._lock.release()
 
