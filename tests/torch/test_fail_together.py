@@ -185,8 +185,9 @@ def test_v1_normal_mode_fails_together_and_the_next_call_is_exact() -> None:
 
 
 # --------------------------------------------------------------------- V1 low-latency mode
-def _ll(buf: Any, x: Any, idx: Any, cap: int = 8, num_experts: int = _E) -> Any:
-    return buf.low_latency_dispatch(x, idx, cap, num_experts, use_fp8=False)
+def _ll(buf: Any, x: Any, idx: Any, cap: int = 8, num_experts: int = _E,
+        use_fp8: bool = False) -> Any:
+    return buf.low_latency_dispatch(x, idx, cap, num_experts, use_fp8=use_fp8)
 
 
 def _ll_exact(buf: Any, group: Any) -> bool:
@@ -215,6 +216,7 @@ def _ll_worker(group: Any) -> dict[str, Any]:
     out["exact_3"] = _ll_exact(buf, group)
     out["dtype"] = _outcome(lambda: _ll(buf, x.half() if r == 1 else x, idx))
     out["exact_4"] = _ll_exact(buf, group)
+    out["use_fp8"] = _outcome(lambda: _ll(buf, x, idx, use_fp8=r == 1))
     recv_x, _, handle, _, _ = _ll(buf, x, idx)
     out["combine_x"] = _outcome(lambda: buf.low_latency_combine(
         _meta(recv_x) if r == 1 else recv_x, idx, torch.ones(idx.shape), handle))
@@ -230,6 +232,7 @@ def test_v1_low_latency_fails_together_and_the_next_call_is_exact() -> None:
     _assert_together(outs, "capacity", 1, "capacity 16 on rank 1, 8 on rank 0")
     _assert_together(outs, "dtype", 1, "dtype float16 on rank 1, bfloat16 on rank 0")
     _assert_together(outs, "combine_x", 1, "x=device(type='meta')", "on device meta")
+    _assert_together(outs, "use_fp8", 1, "use_fp8 True on rank 1, False on rank 0")
     for out in outs:
         assert all(out[f"exact_{i}"] for i in range(6)), out
 
@@ -261,6 +264,9 @@ def _v2_worker(group: Any) -> dict[str, Any]:
     out["num_experts"] = _outcome(lambda: buf.dispatch(
         x, idx * 2 if r == 1 else idx, w, num_experts=2 * _E if r == 1 else _E))
     out["exact_3"] = exact()
+    out["capacity"] = _outcome(lambda: buf.dispatch(
+        x, idx, w, num_experts=_E, num_max_tokens_per_rank=8 if r == 1 else 16))
+    out["exact_4"] = exact()
     buf.destroy()
     return out
 
@@ -270,8 +276,9 @@ def test_v2_fails_together_and_the_next_call_is_exact() -> None:
     _assert_together(outs, "x_device", 1, "meta")
     _assert_together(outs, "dtype", 1, "float16", "bfloat16")
     _assert_together(outs, "num_experts", 1, "num_experts")
+    _assert_together(outs, "capacity", 1, "capacity 8 on rank 1, 16 on rank 0")
     for out in outs:
-        assert all(out[f"exact_{i}"] for i in range(4)), out
+        assert all(out[f"exact_{i}"] for i in range(5)), out
 
 
 # --------------------------------------------------------------------- the README's snippet
