@@ -276,6 +276,8 @@ def gated(method: F) -> F:
     @functools.wraps(method)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         gate: CallGate | None = getattr(self, "_gate", None)
+        if getattr(self, "_shrink", None) is not None:
+            gate = None  # shrink mode: the masking Buffers' agreement handles a silent rank
         mark = -1 if gate is None else gate.entered
         try:
             return method(self, *args, **kwargs)
