@@ -200,7 +200,7 @@ def _ll_exact(buf: Any, group: Any) -> bool:
 
 
 def _ll_worker(group: Any) -> dict[str, Any]:
-    r, out = group.rank, {}
+    r, out = group.rank, {"default_dtype": str(torch.get_default_dtype())}
     buf = deep_ep.Buffer(group, num_rdma_bytes=1 << 20, low_latency_mode=True,
                          timeout_s=_TIMEOUT_S)
     x, idx, _ = _inputs(r)
@@ -226,6 +226,8 @@ def _ll_worker(group: Any) -> dict[str, Any]:
 
 def test_v1_low_latency_fails_together_and_the_next_call_is_exact() -> None:
     outs = ubep.launch(_ll_worker, 2)
+    # the ranks run under this test's default dtype (tests/torch/conftest.py's BF16 run)
+    assert {out["default_dtype"] for out in outs} == {str(torch.get_default_dtype())}
     _assert_together(outs, "first_device", 1, "x=device(type='meta')", "on device meta")
     _assert_together(outs, "x_device", 1, "x=device(type='meta')", "on device meta")
     _assert_together(outs, "num_experts", 1, "num_experts 16 on rank 1, 8 on rank 0")
