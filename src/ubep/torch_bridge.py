@@ -63,15 +63,16 @@ def _storage_or_same(obj: object, argument: str) -> object:
     view as :class:`Unviewable`, an error naming ``argument`` and the tensor's device."""
     if not is_torch_tensor(obj):
         return obj
-    device = getattr(obj, "device", None)
-    if getattr(device, "type", "cpu") != "cpu":
-        return Unviewable(InvalidArgumentError(
-            argument, device, f"must be a CPU tensor (it is on device {device}): this "
-            "Buffer's engine moves host memory"))
     try:
         return tensor_to_numpy(obj, argument)
-    except UbepError as exc:
-        return Unviewable(exc)
+    except UbepError as exc:  # the device is looked at only here: nothing on the hot path
+        error = exc
+    device = getattr(obj, "device", None)
+    if getattr(device, "type", "cpu") != "cpu":
+        error = InvalidArgumentError(
+            argument, device, f"must be a CPU tensor (it is on device {device}): this "
+            "Buffer's engine moves host memory")
+    return Unviewable(error)
 
 
 def dispatch_in_torch(
