@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from .errors import UbepError
+from .errors import InvalidArgumentError, UbepError
 
 __all__ = [
-    "as_process_group", "combine_in_torch", "dispatch_in_torch", "is_torch_group",
+    "Unviewable", "as_process_group", "combine_in_torch", "dispatch_in_torch", "is_torch_group",
     "is_torch_tensor", "on_host", "tensor_to_numpy",
 ]
 
@@ -46,16 +46,33 @@ def on_host(obj: Any) -> Any:
     return tensor_to_numpy(obj, "result")
 
 
+class Unviewable:
+    """What the bridge hands a Buffer's call for a tensor numpy cannot view (a GPU tensor, a
+    ``meta`` one): not a tensor, so the call does not come back to the bridge, and its checks
+    (``ubep.buffer.checks.to_array``) raise ``error`` inside the call, where the rejection
+    reaches every rank."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: UbepError) -> None:
+        self.error = error
+
+
 def _storage_or_same(obj: object, argument: str) -> object:
     """A torch tensor's numpy storage view, a numpy argument as it is; a tensor numpy cannot
-    view (a GPU tensor, say) is passed on unchanged, so that the Buffer's own checks reject it
-    inside the call, where the rejection reaches every rank."""
+    view as :class:`Unviewable`, an error naming ``argument`` and the tensor's device."""
     if not is_torch_tensor(obj):
         return obj
     try:
         return tensor_to_numpy(obj, argument)
-    except UbepError:
-        return obj
+    except UbepError as exc:  # the device is looked at only here: nothing on the hot path
+        error = exc
+    device = getattr(obj, "device", None)
+    if getattr(device, "type", "cpu") != "cpu":
+        error = InvalidArgumentError(
+            argument, device, f"must be a CPU tensor (it is on device {device}): this "
+            "Buffer's engine moves host memory")
+    return Unviewable(error)
 
 
 def dispatch_in_torch(

@@ -131,6 +131,7 @@ class NumpyEngine:
         self.dtype, self.cdtype = _dt.dtype_of(cfg.dtype), _dt.dtype_of(cfg.combine_dtype)
         self._pending: dict[int, Any] = {}
         self._base = 0
+        self.signature = 0  # set_signature: what this rank's calls are
 
     # --- the protocol -----------------------------------------------------------------------
 
@@ -143,7 +144,7 @@ class NumpyEngine:
             self._notice(epoch, E_BAD_INPUT, f"rank {self.rank}: topk_idx: {bad[1]}")
             return _record(E_BAD_INPUT, bad[1], argument="topk_idx", message=str(bad[0]))
         rows, scales = self._rows(x, opts.prequant)
-        self._post(epoch, "dispatch", (rows, scales, topk_idx, topk_weights))
+        self._post(epoch, "dispatch", (rows, scales, topk_idx, topk_weights, self.signature))
         finish = (self._finish_dispatch, epoch, index, generation, topk_idx, topk_weights,
                   opts.copy)
         if opts.split:
@@ -160,6 +161,9 @@ class NumpyEngine:
             self._pending[epoch] = finish
             return None
         return finish[0](*finish[1:])
+
+    def set_signature(self, word: int) -> None:
+        self.signature = int(word)
 
     def complete(self, epoch: int) -> Any:
         fn, *args = self._pending.pop(epoch)
@@ -261,7 +265,7 @@ class NumpyEngine:
     def _order(self, posts: list[Any], dst: int) -> tuple[np.ndarray, ...]:
         """Rows rank ``dst`` receives, in receive order: (source, token, k or -1, expert)."""
         src, tok, kk, exp = [], [], [], []
-        for s, (_, _, idx, _) in enumerate(posts):
+        for s, (_, _, idx, *_) in enumerate(posts):
             if self.cfg.layout == "expert":
                 t, k = np.nonzero((idx >= 0) & (idx // self.L == dst))
                 src.append(np.full(len(t), s))
@@ -283,6 +287,11 @@ class NumpyEngine:
         posts = self._wait_all(epoch, "dispatch")
         if isinstance(posts, ErrorRecord):
             return posts
+        for s, post in enumerate(posts):  # every source's call must be this rank's
+            if post[4] != self.signature:
+                return _record(E_BAD_INPUT, f"rank {s}'s call {epoch} differs", self.rank,
+                               argument="signature",
+                               message=f"{self.signature:x}:{post[4]:x}:{s}")
         r, L, K = self.rank, self.L, self.cfg.num_topk
         expert = self.cfg.layout == "expert"
         orders = [self._order(posts, d) for d in range(self.R)]
@@ -299,7 +308,7 @@ class NumpyEngine:
             r_idx, r_w = exp, np.empty(len(src), np.float32)
         else:
             r_idx, r_w = np.full((len(src), K), -1, np.int64), np.zeros((len(src), K), np.float32)
-        for s, (rows, sc, s_idx, s_w) in enumerate(posts):
+        for s, (rows, sc, s_idx, s_w, _) in enumerate(posts):
             at = np.nonzero(src == s)[0]
             recv_x[at] = rows[tok[at]]
             if scales is not None:

@@ -252,6 +252,61 @@ def test_bad_input_is_a_clean_reject_on_every_rank(engine: str) -> None:
     assert got[1] == [("bad", "topk_idx"), ("remote", 0, True), []]
 
 
+def _signature_body(group: Any, kind: str) -> list[Any]:
+    """The ranks' calls differ only in their signatures (``Buffer.sign``): rank 1's capacity
+    word, then its dtype word: each call fails on every rank as bad input naming what differs
+    with both values, before any row moved; the next call, signed alike, is right."""
+    from ubep.buffer.signature import Signature
+
+    r, out = group.rank, []
+    with Buffer(group, _config(group, (kind, "sw", "expert", None))) as buf:
+        xs, idxs, ws = testing.inputs("bf16", E, K, H, TOKENS, 11, "uniform")
+        base = Signature("dispatch", "bfloat16", H, E, 8, K)
+        bad = [Signature("dispatch", "bfloat16", H, E, 16, K),
+               Signature("dispatch", "float16", H, E, 8, K)]
+        for sig in bad:
+            if not buf.sign((sig if r == 1 else base).word):
+                return ["unsigned"]
+            try:
+                buf.dispatch(xs[r], idxs[r], ws[r])
+                out.append("no error")
+            except InvalidArgumentError as exc:
+                out.append(("bad", exc.argument, str(exc)))
+            except (RemoteError, OutOfStepError) as exc:
+                out.append((type(exc).__name__, str(exc)))
+            if kind == "bsp" and isinstance(out[-1], tuple) and out[-1][0] != "bad":
+                buf.resync()  # BSP has sent its rows when the counts come in: out of step
+        buf.sign(base.word)
+        out.append(testing.check_call(buf, xs, idxs, ws, 11))
+    return out
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_signatures_that_differ_fail_the_call_on_every_rank(engine: str) -> None:
+    got = run(engine, R, _signature_body, "asp")
+    assert got[0][-1] == [] and got[1][-1] == [], got  # the next call, signed alike: right
+    for case, (argument, field) in enumerate((("num_max_dispatch_tokens_per_rank", "capacity"),
+                                              ("x", "dtype"))):
+        outs = [out[case] for out in got]
+        # a rank that found the difference names it; a peer may have seen its notice first
+        # (a clean RemoteError carrying it)
+        assert any(o[0] == "bad" for o in outs), outs
+        for r, o in enumerate(outs):
+            if o[0] == "bad":
+                assert o[1] == argument and f"{field} " in o[2] and f"on rank {1 - r}" in o[2]
+            else:
+                assert o[0] == "RemoteError" and "differs" in o[1], o
+    caps = [o[2] for o in (out[0] for out in got) if o[0] == "bad"]
+    assert any("capacity 16 on rank 1" in c or "16 on rank 1" in c for c in caps), caps
+
+
+@pytest.mark.parametrize("engine", ["shm", "mpi"])
+def test_signatures_that_differ_under_bsp_lose_step_and_resync(engine: str) -> None:
+    got = run(engine, R, _signature_body, "bsp")
+    for out in got:
+        assert all(o != "no error" for o in out[:2]) and out[-1] == [], out
+
+
 def _lost_peer_body(group: Any) -> Any:
     with Buffer(group, _config(group, ("asp", "dc", "expert", None), timeout_s=20.0)) as buf:
         xs, idxs, ws = testing.inputs("bf16", E, K, H, TOKENS, 9, "uniform")

@@ -105,7 +105,7 @@ def _facade_calls(group: Any) -> dict[str, Any]:
     g = torch.Generator().manual_seed(group.rank)
     x = torch.randn(_T, _H, generator=g).to(torch.bfloat16)
     idx = torch.stack([torch.randperm(_E, generator=g)[:_K] for _ in range(_T)])
-    w = torch.rand(_T, _K, generator=g)
+    w = torch.rand(_T, _K, generator=g, dtype=torch.float32)  # float32, as DeepEP asks
     buf = deep_ep.Buffer(group, max_tokens_per_rank=_T)
     out: dict[str, Any] = {}
     # identity experts: a token's row comes back once from each rank it went to (exact in FP32)

@@ -26,7 +26,7 @@ def _inputs(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     x = torch.randn(n, H, generator=g).to(torch.bfloat16)
     idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(n)]).to(torch.int64)
     idx[0, 2] = -1  # masked slot
-    w = torch.rand(n, K, generator=g)
+    w = torch.rand(n, K, generator=g, dtype=torch.float32)  # float32, as DeepEP asks
     return x, idx, w
 
 

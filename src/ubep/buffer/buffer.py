@@ -462,6 +462,26 @@ class Buffer(metaclass=abc.ABCMeta):
             raise self._steps.failed(epoch, stage, exc)[0] from None
         return self._calls.issued("combine", epoch, got, _same, hook, None)
 
+    def reject(self, error: BaseException) -> BaseException:
+        """This rank's next call fails here before it starts, for ``error`` (bad input found by
+        a layer above the Buffer: a facade's checks): the peers' call raises ``RemoteError``
+        (clean: the next call works) instead of waiting for this rank. Returns the exception
+        to raise (``error``, or the Buffer's own if it refuses calls)."""
+        return self._steps.reject(error)
+
+    def sign(self, signature: int) -> bool:
+        """What this rank's next dispatches are: a 64-bit word (``ubep.buffer.signature``; 0,
+        the default, says nothing beyond the config every rank shares) that rides in the count
+        records of each dispatch. A dispatch whose word differs from a peer's is rejected on
+        every rank that differs (``InvalidArgumentError`` naming what differs, a clean reject:
+        the next call works) before any row reaches a peer. Local, between calls; False where
+        the engine does not compare words (then only 0 is accepted)."""
+        setter = getattr(self._engine, "set_signature", None)
+        if setter is None:
+            return not signature
+        setter(int(signature))
+        return True
+
     def resync(self, timeout_s: float | None = None) -> None:
         """Re-establish agreement with the peers after a lost step (collective: every rank;
         :meth:`ubep.buffer.step.StepKeeping.resync`). Handles and ``recv_x`` views from

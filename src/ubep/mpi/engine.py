@@ -71,7 +71,7 @@ from .. import dtypes as _dt
 from ..errors import InvalidArgumentError, PeerLostError, TimeoutError
 from ..flags import TffCodec
 from ..plane.protocol import CombineCall, DispatchCall
-from ..plane.records import E_BAD_INPUT, E_INTERNAL, E_PEER_LOST, ErrorRecord
+from ..plane.records import E_BAD_INPUT, E_INTERNAL, E_LOST, E_PEER_LOST, ErrorRecord
 from ..trace.ring import SpanRing
 from .combine import RmaCombine
 from .memory import MpiGlobalMemory
@@ -125,6 +125,7 @@ class RmaEngine:
         self.L = self.E // self.R
         self.hidden = config.hidden
         self.bsp = config.engine == "bsp"
+        self.signature = 0  # set_signature: what this rank's calls are
         self.expert = config.layout == "expert"
         self.nreg, self.cap_rows, self.cap_src = (layout.num_regions, layout.cap_rows,
                                                   layout.cap_src_rows)
@@ -409,6 +410,8 @@ class RmaEngine:
         rows32 = units.rows_to.astype("<u4")
         payload[:4 * self.E] = cnt32.view(np.uint8)
         payload[4 * self.E: 4 * self.E + 4 * self.R] = rows32.view(np.uint8)
+        payload[cl.counts_sig: cl.counts_sig + 8] = np.array(
+            [self.signature], "<u8").view(np.uint8)
         for i in range(self.R):
             d = (self.rank + 1 + i) % self.R
             meta = self._meta(units, d)
@@ -458,7 +461,27 @@ class RmaEngine:
         if (c > self.T).any() or (r > self.cap_src).any():
             raise _OpError(E_INTERNAL, s, f"rank {s} announced counts larger than the Buffer "
                                           f"holds (max_tokens_per_rank {self.T})")
+        sig = int(head[cl.counts_sig: cl.counts_sig + 8].view("<u8")[0])
+        if sig != self.signature:
+            self._signature_mismatch(op, s, sig)
         return c, r, mbytes.copy().view(cl.meta_dtype)
+
+    def _signature_mismatch(self, op: _Op, s: int, theirs: int) -> None:
+        """Source ``s``'s call is another call (its signature differs). ASP reads every
+        source's counts before its first row goes out: a clean reject on every rank that
+        differs (the value ``mine:theirs:rank`` in hex, ubep.buffer.signature decodes it). BSP
+        has sent its rows by then: the ranks lose step."""
+        value = f"{self.signature:x}:{theirs:x}:{s}"
+        if self.bsp:
+            raise _OpError(E_LOST, s, f"rank {s}'s call {op.epoch} is another call than rank "
+                                      f"{self.rank}'s (signature {value})")
+        raise _OpError(E_BAD_INPUT, self.rank, f"rank {s}'s call {op.epoch} differs from rank "
+                                               f"{self.rank}'s", "signature", value)
+
+    def set_signature(self, word: int) -> None:
+        """What this rank's next calls are (published in its count records, compared with
+        every source's); local, between calls."""
+        self.signature = int(word) & (2**64 - 1)
 
     def _bases(self, cnt: np.ndarray, rows: np.ndarray, d: int, src: int) -> np.ndarray:
         """Start of ``src``'s rows at ``d``: per local expert (expert layout) or one number."""

@@ -51,7 +51,7 @@ __all__ = [
     "load_native",
 ]
 
-ABI_VERSION = 3  # abi.h UBEP_ABI_VERSION
+ABI_VERSION = 4  # abi.h UBEP_ABI_VERSION
 
 # --- codes -------------------------------------------------------------------------------------
 

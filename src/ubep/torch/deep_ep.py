@@ -46,12 +46,12 @@ from ..modes import Layout
 from ..quant import quantize
 from ..routing import get_dispatch_layout as _layout
 from ..trace.recorder import name_buffer, traced_work
+from . import deep_ep_checks as checks
 from ._convert import from_numpy, to_numpy
 from .backend import EPBackend, LocalBackend, issue_dispatch
 from .deep_ep_agree import (
     Board,
     check_combine_rows,
-    checked,
     exchanged_counts,
     open_board,
     send_backend,
@@ -185,6 +185,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
             self._shrink = open_shrink_group(self._ep, self.ubep_options)
         # the calls' exchanges (deep_ep_agree): opened by the first, None where unavailable
         self._board: object = _UNOPENED
+        self._gate = checks.CallGate(self._ep, self.rank)  # calls in step across Buffers
         self._destroyed = False
 
     # ------------------------------------------------------------------ static helpers
@@ -317,7 +318,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         if cached is not None and (
             self._shrink is None or self._shrink.current(getattr(cached, "buffer", None))
         ):
-            return cached
+            return cached if self._shrink is not None else self._gate.enter(cached, key)
         from ._runtime import buffer_config, make_backend, ubep_dtype_name
 
         options = dict(self.ubep_options)
@@ -331,8 +332,8 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
             options["sync"] = "tff"
         shape = dict(hidden=hidden, num_topk=num_topk, num_experts=num_experts, dtype=dtype,
                      max_tokens_per_rank=max_tokens, layout=layout, **options)
-        if self._shrink is None:
-            self._backends[key] = make_backend(self._ep, **shape)
+        if self._shrink is None:  # every rank moves to it, or none (deep_ep_checks.CallGate)
+            self._backends[key] = self._gate.made(key, lambda: make_backend(self._ep, **shape))
         else:  # over the members (a shrink-mode facade: ubep.torch.deep_ep_shrink)
             config = buffer_config(on_peer_loss="mask", **shape)
             self._backends[key] = MaskedBackend(self._shrink.build(config))
@@ -490,16 +491,10 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
             num_worst_tokens=num_worst_tokens, async_finish=async_finish)
 
     def _normal_dispatch(
-        self,
-        x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-        handle: NormalHandle | None,
-        layout: _Layout = _NO_LAYOUT,
-        *,
-        topk_idx: torch.Tensor | None = None,
-        topk_weights: torch.Tensor | None = None,
-        expert_alignment: int = 1,
-        num_worst_tokens: int = 0,
-        async_finish: bool = False,
+        self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], handle: NormalHandle | None,
+        layout: _Layout = _NO_LAYOUT, *, topk_idx: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None, expert_alignment: int = 1,
+        num_worst_tokens: int = 0, async_finish: bool = False,
     ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, list[int] | None, Any, EventOverlap]:
         self._check_no_m2n()  # also the internode path's
         scales: torch.Tensor | None = None
@@ -507,7 +502,15 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
             x, scales = x
         if handle is not None:
             return self._cached_dispatch(x, scales, handle, topk_idx, topk_weights, async_finish)
+        return self._routed_dispatch(x, scales, layout, topk_idx, topk_weights, expert_alignment,
+                                     num_worst_tokens, async_finish)
 
+    @checks.gated
+    def _routed_dispatch(
+        self, x: torch.Tensor, scales: torch.Tensor | None, layout: _Layout,
+        topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None, expert_alignment: int,
+        num_worst_tokens: int, async_finish: bool,
+    ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, list[int] | None, Any, EventOverlap]:
         check = functools.partial(
             self._route, x, topk_idx, topk_weights, layout.num_tokens_per_rank,
             layout.num_tokens_per_rdma_rank, layout.is_token_in_rank,
@@ -516,12 +519,12 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         if topk_idx is None and topk_weights is None:
             # rows follow is_token_in_rank alone: the per-expert counts DeepEP returns are the
             # callers' num_tokens_per_expert, which no routing carries: they are exchanged
+            # (that exchange fails a bad argument on every rank itself: not the gate's)
+            self._gate.entered += 1
             route, per_expert = exchanged_counts(self._agree, check, self.rank, self.group_size)
-        else:  # a bad argument here fails the peers' call too, through their backend
-            given: Any = (topk_idx, layout.num_tokens_per_expert)  # None: no backend named
-            route = checked(check, lambda: send_backend(self,
-                "rank", x.shape[1], given[0].shape[1], given[1].numel(), x.dtype,
-                self.max_tokens_per_rank, scales is not None, None))
+        else:  # a bad argument here fails the peers' call too, through the gate (gated)
+            checks.check_device(x=x, x_scales=scales)
+            route = check()
         receive, backend = self._send(
             "rank", x, scales, route.topk_idx, route.topk_weights, route.num_experts,
             self.max_tokens_per_rank,
@@ -668,6 +671,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
             num_recv_rows=rows,
         )
 
+    @checks.gated
     def _cached_dispatch(
         self,
         x: torch.Tensor,
@@ -683,6 +687,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
             )
         if topk_idx is not None or topk_weights is not None:
             raise InvalidArgumentError("handle", "given", "cached dispatch takes no topk_idx")
+        checks.check_device(x=x, x_scales=scales)
         idx = handle.topk_idx
         receive, _ = self._send(
             "rank", x, scales, idx, np.zeros(idx.shape, np.float32), handle.num_experts,
@@ -694,6 +699,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         return recv, None, None, None, None, _event(async_finish)
 
     @traced_work("deep_ep.combine")
+    @checks.gated
     def combine(
         self,
         x: torch.Tensor,
@@ -728,10 +734,9 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
                 "handle", type(handle).__name__, "must be the handle a normal dispatch returned"
             )
         n = handle.num_recv_rows
-        backend = own_backend(handle, self._ep, self._backends.values())
-        # a bad argument fails the peers' combine too, through the same backend
-        checked(lambda: check_combine_rows(x, topk_weights, (n, len(handle.recv_src_idx))),
-                lambda: backend)
+        checks.check_device(x=x, topk_weights=topk_weights, bias=bias)
+        check_combine_rows(x, topk_weights, (n, len(handle.recv_src_idx)))
+        backend = own_backend(handle, self._ep, self._backends.values(), self._gate)
         with deepep_names():
             y = from_numpy(backend.combine(to_numpy(x[:n]), handle.inner), x.dtype)
         combined_w = None

@@ -45,7 +45,6 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ..buffer.state import BEFORE
 from ..errors import InvalidArgumentError, PeerLostError, TimeoutError, UbepError
 from ..plane.records import HEADER_BYTES
 from ..runtime.poll import Backoff, wait_until
@@ -77,21 +76,9 @@ def reject_call(backend: Any, exc: InvalidArgumentError) -> None:
         if post is not None:
             post(f"rank {backend.rank}: {exc}")
         return
-    steps = getattr(buffer, "_steps", None)
-    if steps is None:  # not a ubep.Buffer: its peers' calls time out
-        return
-    try:
-        steps.enter()
-    except UbepError:
-        return
-    try:
-        buffer._calls.check()
-        buffer._epoch += 1
-        steps.failed(buffer._epoch, BEFORE, exc)
-    except UbepError:
-        pass  # the Buffer marked itself out of step: its peers learn that from it
-    finally:
-        buffer._lock.release()
+    reject = getattr(buffer, "reject", None)
+    if reject is not None:  # a ubep.Buffer; anything else: its peers' calls time out
+        reject(exc)
 
 
 def checked(check: Callable[[], T], backend: Callable[[], Any]) -> T:

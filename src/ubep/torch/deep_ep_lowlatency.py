@@ -15,6 +15,7 @@ from ..errors import InvalidArgumentError
 from ..trace.recorder import traced_work
 from ._convert import PAYLOAD_DTYPES, from_numpy, to_numpy
 from .backend import EPBackend, issue_combine
+from .deep_ep_checks import CallGate, check_device, gated
 from .deep_ep_types import EventOverlap, LowLatencyHandle, _event
 from .fp8 import FP8_BLOCK, UE8M0_PACK, pack_ue8m0
 
@@ -122,8 +123,10 @@ class LowLatencyCalls:
     _send: Callable[..., tuple[Callable[[], tuple[Any, np.ndarray | None]], EPBackend]]
     _collective: Callable[[Callable[[], Any]], Any]
     _num_local_experts: Callable[[int], int]
+    _gate: CallGate
 
     @traced_work("deep_ep.low_latency_dispatch")
+    @gated
     def low_latency_dispatch(
         self,
         x: torch.Tensor,
@@ -148,6 +151,7 @@ class LowLatencyCalls:
         (else None), which receives: ``recv_x``, ``recv_count`` and ``handle`` hold the data
         only after it ran (as DeepEP). ``async_finish``: the same, received by
         ``event.current_stream_wait()`` (DeepEP refuses both at once, so does ubep)."""
+        check_device(x=x, topk_idx=topk_idx)
         num_tokens, hidden = x.shape
         if num_tokens > num_max_dispatch_tokens_per_rank:
             raise InvalidArgumentError(
@@ -225,6 +229,7 @@ class LowLatencyCalls:
         return len(handle.counts), slots, handle.hidden
 
     @traced_work("deep_ep.low_latency_combine")
+    @gated
     def low_latency_combine(
         self,
         x: torch.Tensor,
@@ -254,6 +259,7 @@ class LowLatencyCalls:
                 "hook() (or its event's current_stream_wait()) first"
             )
         _check_async(async_finish, return_recv_hook)
+        check_device(x=x, topk_idx=topk_idx, topk_weights=topk_weights, out=out)
         idx = to_numpy(topk_idx, argument="topk_idx")
         if idx.shape != handle.topk_idx.shape or not np.all((idx == handle.topk_idx) | (idx == -1)):
             raise InvalidArgumentError(
@@ -271,6 +277,8 @@ class LowLatencyCalls:
             source = staging
         rows = combine_input(handle, source)
         split = (async_finish or return_recv_hook) and getattr(handle.backend, "can_split", True)
+        if getattr(self, "_shrink", None) is None:
+            self._gate.combine_on(handle.backend)  # the next call: a combine there
         call = self._collective(
             lambda: issue_combine(handle.backend, rows, handle.inner, w, split=split))
         if not (async_finish or return_recv_hook):

@@ -158,6 +158,9 @@ class V2Calls:
             x, topk_idx, handle, num_experts, num_max_tokens_per_rank))
         if previous_event is not None:
             _wait(previous_event)
+        # the rows travel as bytes: the call's signature carries x's dtype (deep_ep_checks)
+        self._v1._gate.note("v2_dispatch", getattr(x[0] if isinstance(x, tuple) else x,
+                                                   "dtype", None))
         backend = self._v1._backend("rank", args.payload.shape[1], args.idx.shape[1],
                                     args.num_experts, torch.uint8, args.num_max_tokens_per_rank)
         call = issue_dispatch(backend, args.payload, args.idx, args.weights, split=defer_epilogue)

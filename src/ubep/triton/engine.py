@@ -123,6 +123,7 @@ class TritonEngine(Closing):
         self.epoch = 0
         self.generation = 0
         self.num_dispatches = 0
+        self.signature = 0  # what this rank's dispatches are (ubep.buffer.signature)
         self._resyncs = 0
         self._lost_step: str | None = None
         self._dirty_rows = 0
@@ -247,6 +248,18 @@ class TritonEngine(Closing):
         self.epoch += 1
         return self.epoch
 
+    def _check_signatures(self, epoch: int, parity: int) -> None:
+        """Every source's call is this rank's (its signature, stored before its counts, which
+        are in): else a clean reject before any row moves, as the native engine's."""
+        mine = self.signature & _MASK64
+        for s in range(self.num_ranks):
+            raw = self.arena.peer_bytes(s, self.lay.sig + parity * 16, 16)
+            got_epoch, theirs = (int(v) & _MASK64 for v in np.frombuffer(raw, "<i8"))
+            if got_epoch == epoch and theirs != mine:
+                raise self._refuse(epoch, InvalidArgumentError(
+                    "signature", f"{mine:x}:{theirs:x}:{s}",
+                    f"rank {s}'s call {epoch} differs from rank {self.rank}'s"))
+
     def _refuse(self, epoch: int, err: InvalidArgumentError) -> InvalidArgumentError:
         self._notice(epoch, _CLEAN, f"rank {self.rank}: {err}")
         return err
@@ -320,6 +333,10 @@ class TritonEngine(Closing):
         parity = index % 2
         off_counts = lay.counts + parity * R * NB * 8
         v_counts = self.v_counts[parity * R * NB:(parity + 1) * R * NB]
+        # the call's signature, in this rank's arena before its counts: a peer that has its
+        # counts reads it (_check_signatures)
+        tt.view(self.arena.local, lay.sig + parity * 16, 2, torch.int64).copy_(
+            torch.tensor([epoch, _signed64(self.signature)]))
         # this rank's rows to every rank (one unit of the Plan per row), before its counts
         rows_to = np.bincount(plan.send_dst_rank, minlength=R).astype(np.int64)
         self._launch(kd, "ranks_kernel", R, _i64(rows_to, dev), me, e32, R,
@@ -331,6 +348,7 @@ class TritonEngine(Closing):
         RP, NBP = _pow2(R), _pow2(NB)
         self._wait(kd, "prefix_kernel", R, epoch, "counts", offs, me, epoch, e32, R, NB,
                    off_counts, lay.notice, cfg.poll_spins, RP=RP, NBP=NBP)
+        self._check_signatures(epoch, parity)
         bucket = np.zeros_like(plan.send_dst_rank) if self.rank_layout \
             else plan.send_expert - plan.send_dst_rank * L
         # where each unit's row lands (send_kernel's row), the handle's send_dst_row

@@ -10,7 +10,7 @@
 #include <stdint.h>
 
 /* Version of this ABI: bumped whenever a code, a record or a parameter changes meaning. */
-#define UBEP_ABI_VERSION 3
+#define UBEP_ABI_VERSION 4
 
 /* codes shared with Python (the names are ubep.runtime.abi's dict keys) */
 enum { DT_BF16 = 0, DT_FP16 = 1, DT_FP32 = 2, DT_INT8 = 3, DT_UINT8 = 4 };
@@ -78,7 +78,8 @@ typedef struct {
     uint64_t counts_epoch;
     uint64_t rows;        /* rows the source sends here */
     uint64_t sum;         /* counts_sum(epoch, rows, counts) */
-    uint8_t pad0[40];
+    uint8_t pad0[32];
+    uint64_t signature;   /* what the source's call is (Buffer.sign): every rank's must match */
     uint64_t sw_count;    /* SW: rows written, then */
     uint64_t sw_epoch;
     uint8_t pad1[48];
@@ -129,6 +130,7 @@ ABI_OFFSET(doorbell_t, sleepers, 32);
 ABI_OFFSET(inbox_rec_t, counts_epoch, 0);
 ABI_OFFSET(inbox_rec_t, rows, 8);
 ABI_OFFSET(inbox_rec_t, sum, 16);
+ABI_OFFSET(inbox_rec_t, signature, 56);
 ABI_OFFSET(inbox_rec_t, sw_count, 64);
 ABI_OFFSET(inbox_rec_t, sw_epoch, 72);
 ABI_OFFSET(inbox_rec_t, dc_count, 128);

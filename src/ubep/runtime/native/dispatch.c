@@ -127,6 +127,7 @@ void publish_counts(op_t *op, int d) {
     st_rlx(&ib->rows, (uint64_t)g->rows_to[d]);
     st_rlx(&ib->sum, counts_sum(op->epoch, (uint64_t)g->rows_to[d], c, L));
     publish_ranks(op, ib);
+    st_rlx(&ib->signature, g->signature);
     st_rel(&ib->counts_epoch, op->epoch);
 }
 
@@ -179,17 +180,35 @@ int dst_gone(op_t *op, int core, int d) {
                     "rows for it", d, (unsigned long long)op->epoch, op->g->rank);
 }
 
+/* Source s's call is another call than this rank's (its signature differs). Every rank reads
+ * every source's record before any row of this call reaches a peer (a sender reads all of a
+ * destination's records before its first row there, a receiver all of its own): with ASP a
+ * clean reject on every rank that differs, named by both words ("mine:theirs:rank", decoded by
+ * ubep.buffer.signature). BSP has sent its rows by then: the ranks lose step. */
+static int signature_mismatch(op_t *op, int s, uint64_t theirs) {
+    engine_t *g = op->g;
+    char value[96];
+    snprintf(value, sizeof value, "%llx:%llx:%d", (unsigned long long)g->signature,
+             (unsigned long long)theirs, s);
+    if (g->eng != ENG_ASP)
+        return op_error(op, E_LOST, 0, s, "rank %d's call %llu is another call than rank %d's "
+                        "(signature %s)", s, (unsigned long long)op->epoch, g->rank, value);
+    return bad_input(op, "signature", value, "rank %d's call %llu differs from rank %d's", s,
+                     (unsigned long long)op->epoch, g->rank);
+}
+
 /* Source s's count record for destination d in this call (its epoch word was seen), copied
  * out and verified: rows, and counts[L] per local expert of d. Callers use the copy only, so
  * bytes changed after the check cannot reach the data path. */
 int read_counts(op_t *op, int core, int d, int s, int64_t *rows, uint32_t *cnt) {
     engine_t *g = op->g;
     const inbox_rec_t *ib = inbox(g, d, s, op->par);
-    uint64_t r = ld_rlx(&ib->rows), sum = ld_rlx(&ib->sum);
+    uint64_t r = ld_rlx(&ib->rows), sum = ld_rlx(&ib->sum), sig = ld_rlx(&ib->signature);
     memcpy(cnt, ib->counts, sizeof(uint32_t) * (size_t)g->L);
     if (sum != counts_sum(op->epoch, r, cnt, g->L))
         return op_error(op, E_LOST, core, s, "corrupt count record of rank %d for rank %d in "
                         "call %llu", s, d, (unsigned long long)op->epoch);
+    if (sig != g->signature) return signature_mismatch(op, s, sig);
     if (r > (uint64_t)g->cap_src_rows)
         return op_error(op, E_INTERNAL, core, s, "rank %d published %llu rows for rank %d, more "
                         "than the %lld a source can send", s, (unsigned long long)r, d,

@@ -96,6 +96,7 @@ int ph_bsp_flags(op_t *op, int core) {
         st_rlx(&ib->rows, (uint64_t)g->rows_to[d]);
         st_rlx(&ib->sum, counts_sum(op->epoch, (uint64_t)g->rows_to[d], c, L));
         publish_ranks(op, ib);
+        st_rlx(&ib->signature, g->signature);
         flag_publish_staged(op, d, land(g, d, reg) +
                                        (int64_t)g->rank * g->cap_src_rows * g->slot_bytes);
         st_rel(&ib->counts_epoch, op->epoch);

@@ -116,6 +116,9 @@ typedef struct engine {
     int background;        /* background: split-phase second halves on the background core */
     int integrity;         /* integrity: 1 = row checksums (docs/INTEGRITY.md) */
     int64_t off_rsum, rsum_bytes; /* off_rsum, rsum_bytes: the row checksum arrays (layout.py) */
+    /* what this rank's calls are (set_signature; 0 until set): published in every count
+     * record, and every source's must equal it (read_counts) */
+    uint64_t signature;
     /* derived */
     int64_t tff_payload, tff_nblocks; /* payload bytes per TFF block, blocks per row */
     int64_t x_row_bytes;   /* a row of the caller's x: row_bytes, or hidden * itemsize when

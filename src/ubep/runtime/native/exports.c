@@ -58,6 +58,7 @@ static const named_t RECORD_OFFSETS[] = {
     AT("IN_COUNTS_EPOCH", inbox_rec_t, counts_epoch),
     AT("IN_ROWS", inbox_rec_t, rows),
     AT("IN_SUM", inbox_rec_t, sum),
+    AT("IN_SIGNATURE", inbox_rec_t, signature),
     AT("IN_SW_COUNT", inbox_rec_t, sw_count),
     AT("IN_SW_EPOCH", inbox_rec_t, sw_epoch),
     AT("IN_DC_COUNT", inbox_rec_t, dc_count),

@@ -306,6 +306,8 @@ static PyMethodDef engine_methods[] = {
     {"abandon", (PyCFunction)engine_abandon, METH_VARARGS,
      "fail the oldest split-phase call without its second half"},
     {"fail", (PyCFunction)engine_fail, METH_VARARGS, "publish a failure notice"},
+    {"set_signature", (PyCFunction)engine_set_signature, METH_O,
+     "what this rank's next calls are (compared in every count record)"},
     {"resync", (PyCFunction)engine_resync, METH_VARARGS, "forget every call before an epoch"},
     {"wait_done", (PyCFunction)engine_wait_done, METH_VARARGS, "wait for peers' progress"},
     {"reset_all", (PyCFunction)engine_reset_all, METH_NOARGS, "SP: fill regions with sentinel"},
