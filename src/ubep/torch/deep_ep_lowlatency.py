@@ -84,7 +84,10 @@ class LowLatencyOutputs:
         _pack_per_expert(rows, counts, self.rows)
         if self.scales is not None:
             assert recv_scales is not None
-            packed = torch.zeros((len(counts), self.slots, recv_scales.shape[1]))
+            # float32 whatever torch's default dtype: scales rounded to BF16 would dequantise
+            # wrong, and UE8M0 packing reads their float32 exponent bits
+            packed = torch.zeros((len(counts), self.slots, recv_scales.shape[1]),
+                                 dtype=torch.float32)
             _pack_per_expert(torch.from_numpy(recv_scales), counts, packed)
             self.scales.copy_(pack_ue8m0(packed) if self.use_ue8m0 else packed)
         self.recv_count.copy_(torch.from_numpy(counts.astype(np.int32)))
