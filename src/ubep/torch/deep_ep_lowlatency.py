@@ -1,23 +1,179 @@
 """The low-latency mode of ``ubep.deep_ep``: its calls (``low_latency_dispatch`` /
-``low_latency_combine``, a mixin of the Buffer) and its tensors, DeepEP's expert-major packing of
-the rows a dispatch received (``[num_local_experts, slots, hidden]``, its ``src_info`` and
-``layout_range``), filled when the rows are in, and the combine input taken back out of it."""
+``low_latency_combine``, a mixin of the Buffer) and its tensors in DeepEP's layout,
+``[num_local_experts, num_max_dispatch_tokens_per_rank * num_ranks, hidden]``.
+
+On a ``ubep.Buffer`` (every group but the in-process test world and shrink mode) the Buffer runs
+``layout="expert_padded"``: the engine lands each row at its DeepEP place, so ``recv_x`` (and
+FP8's float32 scales) are views of the Buffer's own receive region and
+``get_next_low_latency_combine_buffer`` a view of its combine region (:class:`PaddedViews`,
+made once per region): no tensor of that shape is allocated, zeroed or packed per call. As
+DeepEP's, only the first ``recv_count[e]`` rows of expert ``e`` are defined. The in-process
+world and shrink mode (whose masking Buffers re-order rows after a loss) receive packed rows
+and copy them into new tensors (:class:`LowLatencyOutputs`).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, UbepError
+from ..plane.host import new_frozen
 from ._convert import PAYLOAD_DTYPES, from_numpy, to_numpy
-from .backend import EPBackend, issue_combine
+from .backend import EPBackend, LocalBackend, issue_combine
 from .deep_ep_types import EventOverlap, LowLatencyHandle, _event
 from .fp8 import FP8_BLOCK, UE8M0_PACK, pack_ue8m0
 
-__all__ = ["LowLatencyOutputs", "combine_input"]
+__all__ = ["LowLatencyOutputs", "PaddedViews", "combine_input"]
+
+
+def _tensor_over(a: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A tensor over ``a``'s memory, its strides kept (a receive region's rows are strided),
+    reinterpreted as ``dtype`` (same item size: FP8 over bytes; ``None``: BF16 over uint16
+    bits, else ``a``'s own type). A read-only region is wrapped too: torch's warning about that
+    is silenced, the tensor is a view of data the caller reads."""
+    if a.flags.writeable:
+        t = torch.from_numpy(a)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.from_numpy(a)
+    if dtype is None:
+        dtype = torch.bfloat16 if a.dtype == np.uint16 else t.dtype
+    return t if t.dtype == dtype else t.view(dtype)
+
+
+def _address(a: np.ndarray) -> int:
+    return int(a.__array_interface__["data"][0])
+
+
+class _Region:
+    """One receive region's tensors: views of the Buffer's memory (``recv_x``, FP8 scales), and
+    the small per-call tensors DeepEP hands out (``recv_count`` int32, ``src_info``,
+    ``layout_range``, UE8M0 exponents), rewritten by each dispatch into the region: all valid
+    until the second dispatch after theirs, as the rows."""
+
+    def __init__(self, rows: np.ndarray, scales: np.ndarray | None, num_local: int, slots: int,
+                 num_ranks: int, use_fp8: bool, use_ue8m0: bool) -> None:
+        per_rank = rows.shape[0] // slots  # local experts of the engine's (physical) config
+        values = torch.float8_e4m3fn if use_fp8 else None
+        self.rows = _tensor_over(rows[: per_rank * slots], values).view(
+            per_rank, slots, rows.shape[1])[:num_local]
+        self.scales: torch.Tensor | None = None
+        self.packed: torch.Tensor | None = None
+        if use_fp8:
+            assert scales is not None
+            self.scales = _tensor_over(scales[: per_rank * slots], torch.float32).view(
+                per_rank, slots, scales.shape[1])[:num_local]
+            if use_ue8m0:
+                self.packed = torch.empty((num_local, slots, scales.shape[1] // UE8M0_PACK),
+                                          dtype=torch.int32)
+        self.recv_count = torch.zeros(num_local, dtype=torch.int32)
+        self.src_info = torch.full((num_local, slots), -1, dtype=torch.int32)
+        self.layout_range = torch.zeros((num_local, num_ranks), dtype=torch.int64)
+        self.num_local, self.slots, self.num_ranks = num_local, slots, num_ranks
+        # numpy views of the same tensors: a decode step's fill is a handful of numpy calls
+        self._count_np = self.recv_count.numpy()
+        self._src_info_np = self.src_info.numpy().reshape(-1)
+        self._range_np = self.layout_range.numpy()
+        self._begin = np.zeros(num_local, np.int64)
+
+    def fill(self, res: Any) -> np.ndarray:
+        """The per-call tensors of dispatch result ``res``; returns its rows per local expert.
+        ``src_info`` and ``layout_range`` come from the engine's per-row origins: each expert's
+        rows hold its sources in ascending rank, and a slot past its count reads -1, so rank
+        ``j``'s rows of expert ``e`` are those of its block that name ``j``."""
+        L, S = self.num_local, self.slots
+        counts = res.num_recv_tokens_per_expert
+        self._count_np[:] = counts
+        self._src_info_np[:] = res.recv_src_token[: L * S]
+        src = res.recv_src_rank[: L * S].reshape(L, S)
+        begin = self._begin
+        begin[:] = 0
+        for j in range(self.num_ranks):
+            n = np.count_nonzero(src == j, axis=1)
+            self._range_np[:, j] = (begin << 32) | n
+            begin += n
+        if self.packed is not None and L:
+            assert self.scales is not None
+            # the defined rows' exponents only (DeepEP leaves the rest undefined too)
+            at = torch.from_numpy(_defined_rows(counts, S))
+            self.packed.view(L * S, -1)[at] = pack_ue8m0(self.scales.reshape(L * S, -1)[at])
+        return counts
+
+    def recv_x(self) -> Any:
+        if self.scales is None:
+            return self.rows
+        return (self.rows, self.packed if self.packed is not None else self.scales)
+
+
+def _defined_rows(counts: np.ndarray, slots: int) -> np.ndarray:
+    """The padded rows that hold a row: the first ``counts[e]`` of each expert's slots."""
+    starts = np.repeat(np.arange(len(counts), dtype=np.int64) * slots, counts)
+    return starts + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
+class PaddedViews:
+    """A padded Buffer's tensors, per receive region and per combine region, made the first time
+    each region is used (the regions are the engine's host views, ``HostEngine.regions``)."""
+
+    def __init__(self, buffer: Any) -> None:
+        self.buffer = buffer
+        self._recv: dict[tuple[int, bool, bool], _Region] = {}
+        self._comb: dict[int, tuple[np.ndarray, torch.Tensor]] = {}
+        self._ones: dict[tuple[int, ...], np.ndarray] = {}
+
+    def unit_weights(self, shape: tuple[int, ...]) -> np.ndarray:
+        """Float32 ones of ``shape``, read-only (a dispatch's weights; the Buffer copies them)."""
+        ones = self._ones.get(shape)
+        if ones is None:
+            ones = self._ones[shape] = np.ones(shape, np.float32)
+            ones.flags.writeable = False
+        return ones
+
+    def next_region(self, num_local: int, slots: int, num_ranks: int, use_fp8: bool,
+                    use_ue8m0: bool) -> tuple[int, _Region]:
+        """The dispatch index the Buffer's next dispatch gets and the tensors of its region."""
+        index = int(self.buffer._num_dispatches)
+        regions = self.buffer._engine.regions
+        reg = index % len(regions.recv_views)
+        key = (reg, use_fp8, use_ue8m0)
+        region = self._recv.get(key)
+        if region is None:
+            scales = regions.scale_views[reg] if regions.scale_views else None
+            region = _Region(regions.recv_views[reg], scales, num_local, slots, num_ranks,
+                             use_fp8, use_ue8m0)
+            self._recv[key] = region
+        return index, region
+
+    def combine_buffer(self, handle: LowLatencyHandle,
+                       num_local: int) -> tuple[np.ndarray, torch.Tensor]:
+        """The combine region of ``handle``'s dispatch: as the engine reads it (``[rows,
+        hidden]``) and as DeepEP's caller writes it (``[num_local_experts, slots, hidden]``).
+        Waits (bounded) until no peer still reads the combine that used it last."""
+        rows = np.asarray(self.buffer.get_combine_buffer(handle.inner))
+        key = int(handle.inner.dispatch_index) % 2
+        got = self._comb.get(key)
+        if got is None or _address(got[0]) != _address(rows) or got[0].shape != rows.shape:
+            slots = handle.num_max_dispatch_tokens_per_rank * handle.layout_range.shape[1]
+            tensor = _tensor_over(rows).view(rows.shape[0] // slots, slots,
+                                             rows.shape[1])[:num_local]
+            got = (rows, tensor)
+            self._comb[key] = got
+        return got
+
+
+def padded_capable(backend: Any) -> bool:
+    """Whether ``backend`` is a ``ubep.Buffer`` whose engine keeps its receive regions in host
+    memory (the native and RMA engines): what :class:`PaddedViews` views."""
+    engine = getattr(getattr(backend, "buffer", None), "_engine", None)
+    return getattr(engine, "regions", None) is not None
 
 
 def _pack_per_expert(rows: torch.Tensor, counts: np.ndarray, packed: torch.Tensor) -> None:
@@ -124,6 +280,10 @@ class LowLatencyCalls:
     _send: Callable[..., tuple[Callable[[], tuple[Any, np.ndarray | None]], EPBackend]]
     _collective: Callable[[Callable[[], Any]], Any]
     _num_local_experts: Callable[[int], int]
+    _backend: Callable[..., EPBackend]
+    _shrink: Any
+    _ep: Any
+    ubep_options: dict[str, Any]
 
     def low_latency_dispatch(
         self,
@@ -165,6 +325,11 @@ class LowLatencyCalls:
             block = FP8_BLOCK * (UE8M0_PACK if use_ue8m0 else 1)
             if hidden % block:
                 raise InvalidArgumentError("x", hidden, f"hidden must be a multiple of {block}")
+        if self._ll_padded():
+            return self._padded_dispatch(
+                x, idx_np, num_max_dispatch_tokens_per_rank, num_experts,
+                cumulative_local_expert_recv_stats, use_fp8, round_scale, use_ue8m0,
+                async_finish, return_recv_hook)
         # Unit weights travel with the rows; low_latency_combine gets the real ones.
         receive, backend = self._send(
             "expert", x.contiguous(), None, idx_np, np.ones(idx_np.shape, np.float32),
@@ -206,6 +371,121 @@ class LowLatencyCalls:
         return (out.recv_x, out.recv_count, handle, _event(async_finish, finish),
                 finish if return_recv_hook else None)
 
+    def _ll_padded(self) -> bool:
+        """Whether this facade's low-latency calls run on padded Buffers (views of their
+        regions): not in the in-process world (no Buffer) nor in shrink mode (masking
+        Buffers)."""
+        return (self._shrink is None and not isinstance(self._ep, LocalBackend)
+                and self.ubep_options.get("transport") in _PADDED_TRANSPORTS)
+
+    def _padded_views(self, backend: EPBackend) -> PaddedViews:
+        """The views of ``backend``'s Buffer (made once; dropped with the backend)."""
+        table: weakref.WeakKeyDictionary[Any, PaddedViews] = self.__dict__.setdefault(
+            "_ll_padded_views", weakref.WeakKeyDictionary())
+        views = table.get(backend)
+        if views is None:
+            if not padded_capable(backend):
+                raise UbepError("low_latency_dispatch: the Buffer's engine keeps no receive "
+                                "region in host memory to view (transport "
+                                f"{self.ubep_options.get('transport')!r})")
+            views = table[backend] = PaddedViews(backend.buffer)  # type: ignore[attr-defined]
+        return views
+
+    def _padded_dispatch(
+        self, x: torch.Tensor, idx_np: np.ndarray, max_tokens: int, num_experts: int,
+        stats: torch.Tensor | None, use_fp8: bool, round_scale: bool, use_ue8m0: bool,
+        async_finish: bool, return_recv_hook: bool,
+    ) -> tuple[Any, torch.Tensor, LowLatencyHandle, EventOverlap, Callable[[], None] | None]:
+        """``low_latency_dispatch`` on a padded Buffer: the rows land at DeepEP's places and
+        the returned tensors are views of the Buffer's receive region, known at the call (its
+        dispatch index is), defined once the receive half ran (module docstring)."""
+        split = async_finish or return_recv_hook
+        quant = dict(combine_dtype=torch.bfloat16, quant="e4m3",
+                     round_scale=round_scale) if use_fp8 else {}
+        backend: Any = self._backend("expert_padded", x.shape[1], idx_np.shape[1], num_experts,
+                                     x.dtype, max_tokens, **quant)
+        num_local = self._num_local_experts(num_experts)  # M2N: 0 on a sender
+        views = self._padded_views(backend)
+        index, region = views.next_region(num_local, max_tokens * self.group_size,
+                                          self.group_size, use_fp8, use_ue8m0)
+        # Unit weights travel with the rows (the Buffer copies them into its handle);
+        # low_latency_combine gets the real ones. The Buffer's own call: its results are numpy
+        # arrays of host memory (padded_capable), read here as they are.
+        call = backend.buffer.dispatch(to_numpy(x), idx_np, views.unit_weights(idx_np.shape),
+                                       return_recv_hook=split)
+        handle = _low_latency_handle(
+            src_info=region.src_info, layout_range=region.layout_range,
+            num_max_dispatch_tokens_per_rank=max_tokens, hidden=x.shape[1],
+            num_experts=num_experts, inner=None, backend=backend,
+            counts=np.zeros(num_local, dtype=np.int64), topk_idx=idx_np)
+
+        def finish() -> None:
+            if handle.inner is not None:
+                return
+            res = call.hook() if split else call
+            if res.handle.dispatch_index != index:
+                raise UbepError(f"rank {self.rank}: low_latency_dispatch received dispatch "
+                                f"{res.handle.dispatch_index}, its tensors view dispatch {index}'s "
+                                "region")
+            handle.counts[:] = region.fill(res)
+            if stats is not None:
+                stats.add_(region.recv_count)
+            # set once here (LowLatencyHandle is frozen to its users, not to its maker)
+            handle.__dict__["inner"] = res.handle
+
+        if not split:
+            finish()
+        return (region.recv_x(), region.recv_count, handle, _event(async_finish, finish),
+                finish if return_recv_hook else None)
+
+    def _padded_combine(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+        handle: LowLatencyHandle, zero_copy: bool, async_finish: bool, return_recv_hook: bool,
+        out: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, EventOverlap, Callable[[], None] | None]:
+        """``low_latency_combine`` on a padded Buffer: the engine reads the expert outputs at
+        their padded places, from ``x`` itself or (``zero_copy``) from the combine region
+        ``get_next_low_latency_combine_buffer`` viewed; nothing is packed."""
+        backend: Any = handle.backend
+        inner = handle.inner
+        w = _combine_weights(topk_idx, topk_weights, handle.topk_idx)
+        num_local = len(handle.counts)
+        if zero_copy:
+            rows = self._padded_views(backend).combine_buffer(handle, num_local)[0]
+        else:
+            slots = handle.num_max_dispatch_tokens_per_rank * self.group_size
+            if x.dim() != 3 or tuple(x.shape) != (num_local, slots, handle.hidden):
+                raise InvalidArgumentError(
+                    "x", tuple(x.shape), f"must be [{num_local}, {slots}, {handle.hidden}]")
+            rows = to_numpy(x, argument="x").reshape(-1, handle.hidden)
+            if rows.shape[0] != inner.num_recv_rows:  # M2N: a sender's engine rows
+                full = np.empty((inner.num_recv_rows, handle.hidden), rows.dtype)
+                full[: rows.shape[0]] = rows
+                rows = full
+        # the caller's weights in a copy of the dispatch's handle (built as the engine builds
+        # it: its other fields are the engine's own, checked when it was made)
+        fields = dict(inner.__dict__)
+        fields["topk_weights"] = w
+        weighted = new_frozen(type(inner), **fields)
+        buffer = backend.buffer
+        if not (async_finish or return_recv_hook):
+            y = _tensor_over(buffer.combine(rows, weighted))
+            if out is not None:
+                out.copy_(y)
+                y = out
+            return y, _event(False), None
+        call = buffer.combine(rows, weighted, return_recv_hook=True)
+        y = out if out is not None else torch.empty((len(handle.topk_idx), handle.hidden),
+                                                     dtype=_tensor_over(rows[:0]).dtype)
+        filled: list[bool] = []
+
+        def finish() -> None:
+            if not filled:
+                y.copy_(_tensor_over(call.hook()))
+                filled.append(True)
+
+        return y, _event(async_finish, finish), (finish if return_recv_hook else None)
+
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """The tensor ``low_latency_combine(..., zero_copy=True)`` reads the expert outputs from:
         ``[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]`` BF16, to
@@ -216,10 +496,19 @@ class LowLatencyCalls:
             raise InvalidArgumentError(
                 "handle", type(handle).__name__, "must come from low_latency_dispatch"
             )
+        if self._padded_handle(handle):
+            _require_received(handle)
+            views = self._padded_views(handle.backend)
+            return views.combine_buffer(handle, len(handle.counts))[1]
         key = self._staging_key(handle)
         if key not in self._ll_combine_staging:
             self._ll_combine_staging[key] = torch.zeros(key, dtype=torch.bfloat16)
         return self._ll_combine_staging[key]
+
+    def _padded_handle(self, handle: LowLatencyHandle) -> bool:
+        """Whether ``handle``'s dispatch ran on a padded Buffer of this facade."""
+        table = self.__dict__.get("_ll_padded_views")
+        return table is not None and handle.backend in table
 
     def _staging_key(self, handle: LowLatencyHandle) -> tuple[int, int, int]:
         slots = handle.num_max_dispatch_tokens_per_rank * self.group_size
@@ -248,12 +537,11 @@ class LowLatencyCalls:
             raise InvalidArgumentError(
                 "handle", type(handle).__name__, "must come from low_latency_dispatch"
             )
-        if handle.inner is None:
-            raise InvalidArgumentError(
-                "handle", "pending", "its dispatch has not received yet: call the dispatch's "
-                "hook() (or its event's current_stream_wait()) first"
-            )
+        _require_received(handle)
         _check_async(async_finish, return_recv_hook)
+        if self._padded_handle(handle):
+            return self._padded_combine(x, topk_idx, topk_weights, handle, zero_copy,
+                                        async_finish, return_recv_hook, out)
         idx = to_numpy(topk_idx, argument="topk_idx")
         if idx.shape != handle.topk_idx.shape or not np.all((idx == handle.topk_idx) | (idx == -1)):
             raise InvalidArgumentError(
@@ -292,6 +580,49 @@ class LowLatencyCalls:
         return y, _event(async_finish, finish), (finish if return_recv_hook else None)
 
 
+
+
+def _combine_weights(topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                     dispatched: np.ndarray) -> np.ndarray:
+    """Combine's float32 weights, 0 where ``topk_idx`` drops a slot (-1); ``topk_idx`` must be
+    the dispatch's (``dispatched``) but for such slots."""
+    idx = to_numpy(topk_idx, argument="topk_idx")
+    same = idx.shape == dispatched.shape and _address(idx) == _address(dispatched)
+    if not same and (idx.shape != dispatched.shape or not np.all(
+            (idx == dispatched) | (idx == -1))):
+        raise InvalidArgumentError(
+            "topk_idx", tuple(idx.shape), "must be the dispatch's topk_idx (-1 drops a slot)")
+    w = to_numpy(topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float(),
+                 argument="topk_weights")
+    if w.shape != idx.shape:
+        raise InvalidArgumentError("topk_weights", tuple(w.shape), f"must be {idx.shape}")
+    dropped = idx < 0
+    return np.where(dropped, np.float32(0), w) if dropped.any() else np.array(w)
+
+
+# the engines whose receive regions are host memory a view wraps (padded_capable); None: the
+# group's own (shm on one host, mpi across hosts)
+_PADDED_TRANSPORTS = (None, "shm", "mpi")
+
+
+def _low_latency_handle(**fields: Any) -> LowLatencyHandle:
+    """A :class:`LowLatencyHandle` of every field, built without the frozen ``__init__``
+    (most of a decode step's handle cost; the fields are this module's own)."""
+    assert fields.keys() == _HANDLE_FIELDS
+    handle = object.__new__(LowLatencyHandle)
+    handle.__dict__.update(fields)
+    return handle
+
+
+_HANDLE_FIELDS = frozenset(f.name for f in dataclasses.fields(LowLatencyHandle))
+
+
+def _require_received(handle: LowLatencyHandle) -> None:
+    if handle.inner is None:
+        raise InvalidArgumentError(
+            "handle", "pending", "its dispatch has not received yet: call the dispatch's "
+            "hook() (or its event's current_stream_wait()) first"
+        )
 
 
 def _check_async(async_finish: bool, return_recv_hook: bool) -> None:
