@@ -14,17 +14,15 @@ and copy them into new tensors (:class:`LowLatencyOutputs`).
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 
 from ..errors import InvalidArgumentError, UbepError
-from ..plane.host import new_frozen
 from ._convert import PAYLOAD_DTYPES, from_numpy, to_numpy
 from .backend import EPBackend, LocalBackend, issue_combine
 from .deep_ep_types import EventOverlap, LowLatencyHandle, _event
@@ -55,12 +53,11 @@ def _address(a: np.ndarray) -> int:
 
 class _Region:
     """One receive region's tensors: views of the Buffer's memory (``recv_x``, FP8 scales), and
-    the small per-call tensors DeepEP hands out (``recv_count`` int32, ``src_info``,
-    ``layout_range``, UE8M0 exponents), rewritten by each dispatch into the region: all valid
-    until the second dispatch after theirs, as the rows."""
+    DeepEP's ``recv_count`` (int32) and UE8M0 exponents, rewritten by each dispatch into the
+    region: all valid until the second dispatch after theirs, as the rows."""
 
     def __init__(self, rows: np.ndarray, scales: np.ndarray | None, num_local: int, slots: int,
-                 num_ranks: int, use_fp8: bool, use_ue8m0: bool) -> None:
+                 use_fp8: bool, use_ue8m0: bool) -> None:
         per_rank = rows.shape[0] // slots  # local experts of the engine's (physical) config
         values = torch.float8_e4m3fn if use_fp8 else None
         self.rows = _tensor_over(rows[: per_rank * slots], values).view(
@@ -75,42 +72,67 @@ class _Region:
                 self.packed = torch.empty((num_local, slots, scales.shape[1] // UE8M0_PACK),
                                           dtype=torch.int32)
         self.recv_count = torch.zeros(num_local, dtype=torch.int32)
-        self.src_info = torch.full((num_local, slots), -1, dtype=torch.int32)
-        self.layout_range = torch.zeros((num_local, num_ranks), dtype=torch.int64)
-        self.num_local, self.slots, self.num_ranks = num_local, slots, num_ranks
-        # numpy views of the same tensors: a decode step's fill is a handful of numpy calls
-        self._count_np = self.recv_count.numpy()
-        self._src_info_np = self.src_info.numpy().reshape(-1)
-        self._range_np = self.layout_range.numpy()
-        self._begin = np.zeros(num_local, np.int64)
+        self._count_np = self.recv_count.numpy()  # the same memory, written by numpy
+        self.num_local, self.slots = num_local, slots
+        self.recv_x: Any = self.rows if self.scales is None else (
+            self.rows, self.packed if self.packed is not None else self.scales)
 
-    def fill(self, res: Any) -> np.ndarray:
-        """The per-call tensors of dispatch result ``res``; returns its rows per local expert.
-        ``src_info`` and ``layout_range`` come from the engine's per-row origins: each expert's
-        rows hold its sources in ascending rank, and a slot past its count reads -1, so rank
-        ``j``'s rows of expert ``e`` are those of its block that name ``j``."""
-        L, S = self.num_local, self.slots
-        counts = res.num_recv_tokens_per_expert
+    def fill(self, counts: np.ndarray) -> None:
+        """This region's dispatch received ``counts`` rows per local expert."""
         self._count_np[:] = counts
-        self._src_info_np[:] = res.recv_src_token[: L * S]
-        src = res.recv_src_rank[: L * S].reshape(L, S)
-        begin = self._begin
-        begin[:] = 0
-        for j in range(self.num_ranks):
-            n = np.count_nonzero(src == j, axis=1)
-            self._range_np[:, j] = (begin << 32) | n
-            begin += n
-        if self.packed is not None and L:
+        if self.packed is not None and self.num_local:
             assert self.scales is not None
             # the defined rows' exponents only (DeepEP leaves the rest undefined too)
+            L, S = self.num_local, self.slots
             at = torch.from_numpy(_defined_rows(counts, S))
             self.packed.view(L * S, -1)[at] = pack_ue8m0(self.scales.reshape(L * S, -1)[at])
-        return counts
 
-    def recv_x(self) -> Any:
-        if self.scales is None:
-            return self.rows
-        return (self.rows, self.packed if self.packed is not None else self.scales)
+
+class PaddedHandle(LowLatencyHandle):
+    """The handle of a low-latency dispatch on a padded Buffer: DeepEP's ``src_info`` and
+    ``layout_range`` are made from the engine's per-row origins when first read (a decode step
+    that never reads them never pays for them), then kept. Each expert's rows hold its sources
+    in ascending rank and a slot past its count reads -1, so rank ``j``'s rows of expert ``e``
+    are those of its block that name ``j``."""
+
+    @property
+    def src_info(self) -> torch.Tensor:
+        got = self.__dict__.get("_src_info")
+        if got is None:
+            tokens = self._origins(self._received().recv_src_token)
+            got = self.__dict__["_src_info"] = torch.from_numpy(tokens.astype(np.int32))
+        return cast(torch.Tensor, got)
+
+    @property
+    def layout_range(self) -> torch.Tensor:
+        got = self.__dict__.get("_layout_range")
+        if got is None:
+            inner = self._received()
+            src = self._origins(inner.recv_src_rank)
+            out = np.empty((src.shape[0], inner.num_ranks), np.int64)
+            begin = np.zeros(src.shape[0], np.int64)
+            for j in range(inner.num_ranks):
+                n = np.count_nonzero(src == j, axis=1)
+                out[:, j] = (begin << 32) | n
+                begin += n
+            got = self.__dict__["_layout_range"] = torch.from_numpy(out)
+        return cast(torch.Tensor, got)
+
+    def _received(self) -> Any:
+        _require_received(self)
+        return self.inner
+
+    def __repr__(self) -> str:
+        state = "pending" if self.inner is None else f"dispatch {self.inner.dispatch_index}"
+        return (f"PaddedHandle({state}, num_max_dispatch_tokens_per_rank="
+                f"{self.num_max_dispatch_tokens_per_rank}, hidden={self.hidden}, "
+                f"num_experts={self.num_experts})")
+
+    def _origins(self, per_row: np.ndarray) -> np.ndarray:
+        """``[num_local_experts, slots]`` of a per-row array of the engine's handle."""
+        L = len(self.counts)
+        slots = self.num_max_dispatch_tokens_per_rank * self.inner.num_ranks
+        return np.asarray(per_row)[: L * slots].reshape(L, slots)
 
 
 def _defined_rows(counts: np.ndarray, slots: int) -> np.ndarray:
@@ -137,7 +159,7 @@ class PaddedViews:
             ones.flags.writeable = False
         return ones
 
-    def next_region(self, num_local: int, slots: int, num_ranks: int, use_fp8: bool,
+    def next_region(self, num_local: int, slots: int, use_fp8: bool,
                     use_ue8m0: bool) -> tuple[int, _Region]:
         """The dispatch index the Buffer's next dispatch gets and the tensors of its region."""
         index = int(self.buffer._num_dispatches)
@@ -147,8 +169,8 @@ class PaddedViews:
         region = self._recv.get(key)
         if region is None:
             scales = regions.scale_views[reg] if regions.scale_views else None
-            region = _Region(regions.recv_views[reg], scales, num_local, slots, num_ranks,
-                             use_fp8, use_ue8m0)
+            region = _Region(regions.recv_views[reg], scales, num_local, slots, use_fp8,
+                             use_ue8m0)
             self._recv[key] = region
         return index, region
 
@@ -320,14 +342,17 @@ class LowLatencyCalls:
                 "use_ue8m0", True, "needs use_fp8=True and round_scale=True (as DeepEP)"
             )
         _check_async(async_finish, return_recv_hook)
-        idx_np = np.ascontiguousarray(to_numpy(topk_idx, argument="topk_idx"), dtype=np.int64)
+        idx_np = np.ascontiguousarray(_array_of(topk_idx, "topk_idx"), dtype=np.int64)
         if use_fp8:
             block = FP8_BLOCK * (UE8M0_PACK if use_ue8m0 else 1)
             if hidden % block:
                 raise InvalidArgumentError("x", hidden, f"hidden must be a multiple of {block}")
         if self._ll_padded():
+            # the dispatch's topk_idx, known by its memory where idx_np is a view of it
+            ptr = topk_idx.data_ptr() if (topk_idx.dtype == torch.int64 and topk_idx.is_cpu
+                                          and topk_idx.is_contiguous()) else None
             return self._padded_dispatch(
-                x, idx_np, num_max_dispatch_tokens_per_rank, num_experts,
+                x, idx_np, ptr, num_max_dispatch_tokens_per_rank, num_experts,
                 cumulative_local_expert_recv_stats, use_fp8, round_scale, use_ue8m0,
                 async_finish, return_recv_hook)
         # Unit weights travel with the rows; low_latency_combine gets the real ones.
@@ -380,6 +405,9 @@ class LowLatencyCalls:
 
     def _padded_views(self, backend: EPBackend) -> PaddedViews:
         """The views of ``backend``'s Buffer (made once; dropped with the backend)."""
+        last = self.__dict__.get("_ll_last_views")
+        if last is not None and last[0]() is backend:  # a decode loop's one shape
+            return cast(PaddedViews, last[1])
         table: weakref.WeakKeyDictionary[Any, PaddedViews] = self.__dict__.setdefault(
             "_ll_padded_views", weakref.WeakKeyDictionary())
         views = table.get(backend)
@@ -389,10 +417,12 @@ class LowLatencyCalls:
                                 "region in host memory to view (transport "
                                 f"{self.ubep_options.get('transport')!r})")
             views = table[backend] = PaddedViews(backend.buffer)  # type: ignore[attr-defined]
+        self.__dict__["_ll_last_views"] = (weakref.ref(backend), views)
         return views
 
     def _padded_dispatch(
-        self, x: torch.Tensor, idx_np: np.ndarray, max_tokens: int, num_experts: int,
+        self, x: torch.Tensor, idx_np: np.ndarray, idx_ptr: int | None, max_tokens: int,
+        num_experts: int,
         stats: torch.Tensor | None, use_fp8: bool, round_scale: bool, use_ue8m0: bool,
         async_finish: bool, return_recv_hook: bool,
     ) -> tuple[Any, torch.Tensor, LowLatencyHandle, EventOverlap, Callable[[], None] | None]:
@@ -406,18 +436,18 @@ class LowLatencyCalls:
                                      x.dtype, max_tokens, **quant)
         num_local = self._num_local_experts(num_experts)  # M2N: 0 on a sender
         views = self._padded_views(backend)
-        index, region = views.next_region(num_local, max_tokens * self.group_size,
-                                          self.group_size, use_fp8, use_ue8m0)
+        index, region = views.next_region(num_local, max_tokens * self.group_size, use_fp8,
+                                          use_ue8m0)
         # Unit weights travel with the rows (the Buffer copies them into its handle);
         # low_latency_combine gets the real ones. The Buffer's own call: its results are numpy
         # arrays of host memory (padded_capable), read here as they are.
-        call = backend.buffer.dispatch(to_numpy(x), idx_np, views.unit_weights(idx_np.shape),
-                                       return_recv_hook=split)
-        handle = _low_latency_handle(
-            src_info=region.src_info, layout_range=region.layout_range,
+        call = backend.buffer.dispatch(_array_of(x, "x"), idx_np,
+                                       views.unit_weights(idx_np.shape), return_recv_hook=split)
+        handle = object.__new__(PaddedHandle)
+        handle.__dict__.update(
             num_max_dispatch_tokens_per_rank=max_tokens, hidden=x.shape[1],
-            num_experts=num_experts, inner=None, backend=backend,
-            counts=np.zeros(num_local, dtype=np.int64), topk_idx=idx_np)
+            num_experts=num_experts, inner=None, backend=backend, topk_idx=idx_np,
+            counts=None, _views=views, _idx_ptr=idx_ptr)
 
         def finish() -> None:
             if handle.inner is not None:
@@ -427,15 +457,16 @@ class LowLatencyCalls:
                 raise UbepError(f"rank {self.rank}: low_latency_dispatch received dispatch "
                                 f"{res.handle.dispatch_index}, its tensors view dispatch {index}'s "
                                 "region")
-            handle.counts[:] = region.fill(res)
+            counts = res.num_recv_tokens_per_expert
+            region.fill(counts)
             if stats is not None:
                 stats.add_(region.recv_count)
-            # set once here (LowLatencyHandle is frozen to its users, not to its maker)
-            handle.__dict__["inner"] = res.handle
+            # set once here (the handle is frozen to its users, not to its maker)
+            handle.__dict__.update(inner=res.handle, counts=counts)
 
         if not split:
             finish()
-        return (region.recv_x(), region.recv_count, handle, _event(async_finish, finish),
+        return (region.recv_x, region.recv_count, handle, _event(async_finish, finish),
                 finish if return_recv_hook else None)
 
     def _padded_combine(
@@ -446,29 +477,31 @@ class LowLatencyCalls:
         """``low_latency_combine`` on a padded Buffer: the engine reads the expert outputs at
         their padded places, from ``x`` itself or (``zero_copy``) from the combine region
         ``get_next_low_latency_combine_buffer`` viewed; nothing is packed."""
-        backend: Any = handle.backend
         inner = handle.inner
-        w = _combine_weights(topk_idx, topk_weights, handle.topk_idx)
+        split = async_finish or return_recv_hook
+        idx, w = _combine_routing(topk_idx, topk_weights, handle, split)
         num_local = len(handle.counts)
         if zero_copy:
-            rows = self._padded_views(backend).combine_buffer(handle, num_local)[0]
+            rows = handle.__dict__["_views"].combine_buffer(handle, num_local)[0]
         else:
             slots = handle.num_max_dispatch_tokens_per_rank * self.group_size
-            if x.dim() != 3 or tuple(x.shape) != (num_local, slots, handle.hidden):
+            if x.shape != (num_local, slots, handle.hidden):
                 raise InvalidArgumentError(
                     "x", tuple(x.shape), f"must be [{num_local}, {slots}, {handle.hidden}]")
-            rows = to_numpy(x, argument="x").reshape(-1, handle.hidden)
-            if rows.shape[0] != inner.num_recv_rows:  # M2N: a sender's engine rows
-                full = np.empty((inner.num_recv_rows, handle.hidden), rows.dtype)
+            rows = _array_of(x, "x").reshape(-1, handle.hidden)
+            if rows.shape[0] != len(inner.recv_src_rank):  # M2N: a sender's engine rows
+                full = np.empty((len(inner.recv_src_rank), handle.hidden), rows.dtype)
                 full[: rows.shape[0]] = rows
                 rows = full
-        # the caller's weights in a copy of the dispatch's handle (built as the engine builds
-        # it: its other fields are the engine's own, checked when it was made)
-        fields = dict(inner.__dict__)
-        fields["topk_weights"] = w
-        weighted = new_frozen(type(inner), **fields)
-        buffer = backend.buffer
-        if not (async_finish or return_recv_hook):
+        # the caller's routing (its -1 slots) and weights in a copy of the dispatch's handle
+        # (built as the engine builds it: its other fields are the engine's own, checked when
+        # it was made)
+        weighted = object.__new__(type(inner))
+        fields = weighted.__dict__
+        fields.update(inner.__dict__)
+        fields["topk_idx"], fields["topk_weights"] = idx, w
+        buffer = handle.backend.buffer  # type: ignore[attr-defined]
+        if not split:
             y = _tensor_over(buffer.combine(rows, weighted))
             if out is not None:
                 out.copy_(y)
@@ -496,19 +529,14 @@ class LowLatencyCalls:
             raise InvalidArgumentError(
                 "handle", type(handle).__name__, "must come from low_latency_dispatch"
             )
-        if self._padded_handle(handle):
+        if type(handle) is PaddedHandle:
             _require_received(handle)
-            views = self._padded_views(handle.backend)
-            return views.combine_buffer(handle, len(handle.counts))[1]
+            views = handle.__dict__["_views"]
+            return cast(torch.Tensor, views.combine_buffer(handle, len(handle.counts))[1])
         key = self._staging_key(handle)
         if key not in self._ll_combine_staging:
             self._ll_combine_staging[key] = torch.zeros(key, dtype=torch.bfloat16)
         return self._ll_combine_staging[key]
-
-    def _padded_handle(self, handle: LowLatencyHandle) -> bool:
-        """Whether ``handle``'s dispatch ran on a padded Buffer of this facade."""
-        table = self.__dict__.get("_ll_padded_views")
-        return table is not None and handle.backend in table
 
     def _staging_key(self, handle: LowLatencyHandle) -> tuple[int, int, int]:
         slots = handle.num_max_dispatch_tokens_per_rank * self.group_size
@@ -539,7 +567,7 @@ class LowLatencyCalls:
             )
         _require_received(handle)
         _check_async(async_finish, return_recv_hook)
-        if self._padded_handle(handle):
+        if type(handle) is PaddedHandle:
             return self._padded_combine(x, topk_idx, topk_weights, handle, zero_copy,
                                         async_finish, return_recv_hook, out)
         idx = to_numpy(topk_idx, argument="topk_idx")
@@ -582,39 +610,45 @@ class LowLatencyCalls:
 
 
 
-def _combine_weights(topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                     dispatched: np.ndarray) -> np.ndarray:
-    """Combine's float32 weights, 0 where ``topk_idx`` drops a slot (-1); ``topk_idx`` must be
-    the dispatch's (``dispatched``) but for such slots."""
-    idx = to_numpy(topk_idx, argument="topk_idx")
-    same = idx.shape == dispatched.shape and _address(idx) == _address(dispatched)
-    if not same and (idx.shape != dispatched.shape or not np.all(
-            (idx == dispatched) | (idx == -1))):
-        raise InvalidArgumentError(
-            "topk_idx", tuple(idx.shape), "must be the dispatch's topk_idx (-1 drops a slot)")
-    w = to_numpy(topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float(),
-                 argument="topk_weights")
-    if w.shape != idx.shape:
-        raise InvalidArgumentError("topk_weights", tuple(w.shape), f"must be {idx.shape}")
-    dropped = idx < 0
-    return np.where(dropped, np.float32(0), w) if dropped.any() else np.array(w)
-
-
 # the engines whose receive regions are host memory a view wraps (padded_capable); None: the
 # group's own (shm on one host, mpi across hosts)
 _PADDED_TRANSPORTS = (None, "shm", "mpi")
 
 
-def _low_latency_handle(**fields: Any) -> LowLatencyHandle:
-    """A :class:`LowLatencyHandle` of every field, built without the frozen ``__init__``
-    (most of a decode step's handle cost; the fields are this module's own)."""
-    assert fields.keys() == _HANDLE_FIELDS
-    handle = object.__new__(LowLatencyHandle)
-    handle.__dict__.update(fields)
-    return handle
+def _array_of(t: torch.Tensor, argument: str) -> np.ndarray:
+    """:func:`to_numpy` of a decode step's tensors (CPU, contiguous, no autograd) in fewer
+    steps; any other tensor through it."""
+    if type(t) is torch.Tensor and t.is_cpu and not t.requires_grad and t.is_contiguous():
+        return (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy()
+    return to_numpy(t, argument=argument)
 
 
-_HANDLE_FIELDS = frozenset(f.name for f in dataclasses.fields(LowLatencyHandle))
+def _combine_routing(topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                     handle: LowLatencyHandle, copy: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Combine's ``topk_idx`` and float32 weights for the engine's handle: ``topk_idx`` must be
+    the dispatch's but for slots set to -1, which the engine drops (its own ids, the slots the
+    Buffer routed each pick to, with -1 there: it reads no row for a -1, so no weight multiplies
+    anything). ``copy``: owned weights (a split call reads them in its hook)."""
+    dispatched = handle.topk_idx
+    same = (isinstance(topk_idx, torch.Tensor)
+            and topk_idx.data_ptr() == handle.__dict__.get("_idx_ptr")
+            and topk_idx.shape == dispatched.shape and topk_idx.dtype == torch.int64)
+    idx = _array_of(topk_idx, "topk_idx")
+    # the dispatch's tensor (its memory) holds the same ids but for the -1 slots; another
+    # tensor is compared
+    if not same and (idx.shape != dispatched.shape
+                     or not np.all((idx == dispatched) | (idx == -1))):
+        raise InvalidArgumentError(
+            "topk_idx", tuple(idx.shape), "must be the dispatch's topk_idx (-1 drops a slot)")
+    w = _array_of(topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float(),
+                  "topk_weights")
+    if w.shape != idx.shape:
+        raise InvalidArgumentError("topk_weights", tuple(w.shape), f"must be {idx.shape}")
+    routed = handle.inner.topk_idx
+    dropped = idx < 0
+    if dropped.any():
+        routed = np.where(dropped, np.int64(-1), routed)
+    return routed, (w.copy() if copy else w)
 
 
 def _require_received(handle: LowLatencyHandle) -> None:
