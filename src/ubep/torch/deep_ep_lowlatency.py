@@ -47,10 +47,6 @@ def _tensor_over(a: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tenso
     return t if t.dtype == dtype else t.view(dtype)
 
 
-def _address(a: np.ndarray) -> int:
-    return int(a.__array_interface__["data"][0])
-
-
 class _Region:
     """One receive region's tensors: views of the Buffer's memory (``recv_x``, FP8 scales), and
     DeepEP's ``recv_count`` (int32) and UE8M0 exponents, rewritten by each dispatch into the
@@ -174,16 +170,20 @@ class PaddedViews:
             self._recv[key] = region
         return index, region
 
-    def combine_buffer(self, handle: LowLatencyHandle,
-                       num_local: int) -> tuple[np.ndarray, torch.Tensor]:
+    def combine_buffer(self, handle: LowLatencyHandle, num_local: int,
+                       wait: bool = True) -> tuple[np.ndarray, torch.Tensor]:
         """The combine region of ``handle``'s dispatch: as the engine reads it (``[rows,
         hidden]``) and as DeepEP's caller writes it (``[num_local_experts, slots, hidden]``).
-        Waits (bounded) until no peer still reads the combine that used it last."""
-        rows = np.asarray(self.buffer.get_combine_buffer(handle.inner))
+        ``wait``: first wait (bounded) until no peer still reads the combine that used it last
+        (what ``get_next_low_latency_combine_buffer`` does before the caller writes there; a
+        zero-copy combine of what was written needs no second wait)."""
         key = int(handle.inner.dispatch_index) % 2
         got = self._comb.get(key)
-        if got is None or _address(got[0]) != _address(rows) or got[0].shape != rows.shape:
-            slots = handle.num_max_dispatch_tokens_per_rank * handle.layout_range.shape[1]
+        if got is not None and not wait:
+            return got
+        rows = np.asarray(self.buffer.get_combine_buffer(handle.inner))
+        if got is None or got[0].shape != rows.shape:
+            slots = handle.num_max_dispatch_tokens_per_rank * handle.inner.num_ranks
             tensor = _tensor_over(rows).view(rows.shape[0] // slots, slots,
                                              rows.shape[1])[:num_local]
             got = (rows, tensor)
@@ -482,7 +482,7 @@ class LowLatencyCalls:
         idx, w = _combine_routing(topk_idx, topk_weights, handle, split)
         num_local = len(handle.counts)
         if zero_copy:
-            rows = handle.__dict__["_views"].combine_buffer(handle, num_local)[0]
+            rows = handle.__dict__["_views"].combine_buffer(handle, num_local, wait=False)[0]
         else:
             slots = handle.num_max_dispatch_tokens_per_rank * self.group_size
             if x.shape != (num_local, slots, handle.hidden):
