@@ -407,7 +407,9 @@ class LowLatencyCalls:
         """The views of ``backend``'s Buffer (made once; dropped with the backend)."""
         last = self.__dict__.get("_ll_last_views")
         if last is not None and last[0]() is backend:  # a decode loop's one shape
-            return cast(PaddedViews, last[1])
+            views = last[1]()
+            if views is not None:
+                return cast(PaddedViews, views)
         table: weakref.WeakKeyDictionary[Any, PaddedViews] = self.__dict__.setdefault(
             "_ll_padded_views", weakref.WeakKeyDictionary())
         views = table.get(backend)
@@ -417,7 +419,8 @@ class LowLatencyCalls:
                                 "region in host memory to view (transport "
                                 f"{self.ubep_options.get('transport')!r})")
             views = table[backend] = PaddedViews(backend.buffer)  # type: ignore[attr-defined]
-        self.__dict__["_ll_last_views"] = (weakref.ref(backend), views)
+        # weakly: the views (and the mapping under them) go with the backend
+        self.__dict__["_ll_last_views"] = (weakref.ref(backend), weakref.ref(views))
         return views
 
     def _padded_dispatch(
