@@ -34,17 +34,6 @@ BF16_BY_DEFAULT = frozenset({
     "test_reduce_at_source_bitwise",
 })
 
-_FP8_SCALES = ("LowLatencyOutputs.fill packs the low-latency FP8 scales through torch.zeros "
-               "without a dtype: BF16 under this default")
-#: BF16 runs that fail for a known cause another change fixes, by the start of their test id
-#: (strict: the fix shows as XPASS, and the entry goes)
-BF16_KNOWN: dict[str, str] = {
-    "test_low_latency_ue8m0_scales_decode_to_the_rounded_scales[bf16default":
-        _FP8_SCALES + " (the UE8M0 packing then fails on the shape)",
-    "test_deepep_program_runs_on_ubep[bf16default-low_latency_mode.py":
-        _FP8_SCALES + " (each scale off by up to 2^-9 relative)",
-}
-
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     module = metafunc.module.__name__.rsplit(".", 1)[-1]
@@ -53,13 +42,6 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     marks = () if metafunc.function.__name__ in BF16_BY_DEFAULT else (pytest.mark.matrix,)
     metafunc.parametrize("default_dtype", [
         "float32", pytest.param("bfloat16", marks=marks, id="bf16default")], indirect=True)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        for start, reason in BF16_KNOWN.items():
-            if item.name.startswith(start):
-                item.add_marker(pytest.mark.xfail(reason=reason, strict=True))
 
 
 @pytest.fixture(autouse=True)

@@ -474,7 +474,7 @@ class MaskingBuffer:
         """The inner Buffer's result in original rank numbers and expert ids."""
         members = np.asarray(self.members, dtype=np.int64)
         idx = res.recv_topk_idx
-        if self.config.layout == "expert":  # global ids; the rank layout's are local
+        if self.config.layout != "rank":  # global ids; the rank layout's are local
             L = self.num_local_experts
             idx = np.where(idx < 0, idx, members[np.maximum(idx, 0) // L] * L + idx % L)
         sent = res.num_sent_rows_per_rank
@@ -630,7 +630,7 @@ def _rows_in_new_order(old: DispatchResult[Any], new: DispatchResult[Any],
     (rows are named by their origin; the replay's are a subset of the old ones)."""
     def keys(rank: np.ndarray, token: np.ndarray, k: np.ndarray) -> np.ndarray:
         key = rank.astype(np.int64) * (1 << 40) + token.astype(np.int64) * (1 << 8)
-        return key + k if layout == "expert" else key
+        return key if layout == "rank" else key + k
 
     old_keys = keys(old.recv_src_rank, old.recv_src_token, old.recv_src_k)
     new_keys = keys(new.recv_src_rank, new.recv_src_token, new.recv_src_k)

@@ -126,7 +126,9 @@ class RmaEngine:
         self.hidden = config.hidden
         self.bsp = config.engine == "bsp"
         self.signature = 0  # set_signature: what this rank's calls are
-        self.expert = config.layout == "expert"
+        self.expert = config.layout != "rank"
+        # expert_padded: each local expert's rows start at its block of R * T slots
+        self.slots = self.R * self.T if config.layout == "expert_padded" else 0
         self.nreg, self.cap_rows, self.cap_src = (layout.num_regions, layout.cap_rows,
                                                   layout.cap_src_rows)
         self.row_bytes, self.slot_bytes = layout.row_bytes, layout.slot_bytes
@@ -498,7 +500,8 @@ class RmaEngine:
             raise _OpError(E_INTERNAL, d, f"counts for rank {d} add up to "
                                           f"{int(per_expert.sum())} rows, more than the "
                                           f"buffer's {self.cap_rows}")
-        expert_start = np.concatenate([[0], np.cumsum(per_expert)[:-1]])
+        expert_start = (np.arange(L) * self.slots if self.slots else
+                        np.concatenate([[0], np.cumsum(per_expert)[:-1]]))
         return (expert_start + mine[:src].sum(axis=0)).astype(np.int64)
 
     def _positions(self, bases: np.ndarray, units: Any, n: int) -> np.ndarray:
@@ -632,6 +635,15 @@ class RmaEngine:
         else:
             o_idx[pos], o_w[pos] = meta["e"], meta["w"]
 
+    def _empty_slots(self, per_expert: np.ndarray, outs: tuple[np.ndarray, ...]) -> None:
+        """The metadata of the padded layout's slots past each expert's count: -1, weight 0
+        (their payload is left as it was)."""
+        o_idx, o_w, o_rank, o_tok, o_k = outs[:5]
+        for el, n in enumerate(per_expert.tolist()):
+            empty = slice(el * self.slots + n, (el + 1) * self.slots)
+            o_idx[empty] = o_rank[empty] = o_tok[empty] = o_k[empty] = -1
+            o_w[empty] = 0
+
     def _receive(self, op: _Op, cnt: np.ndarray, rows: np.ndarray, metas: list[np.ndarray],
                  reg: int, outs: tuple[np.ndarray, ...], staged: bool) -> int:
         L, r = self.L, self.rank
@@ -642,6 +654,9 @@ class RmaEngine:
         counts_out[:L] = mine.sum(axis=0)
         counts_out[L:L + self.R] = rows[:, r]
         counts_out[L + self.R:] = rows.reshape(-1)  # every source's rows to every rank
+        if self.slots:  # padded: recv_x is the whole region, its empty slots no row
+            n_total = self.cap_rows
+            self._empty_slots(counts_out[:L], outs)
         positions: list[np.ndarray] = []
         for s in range(self.R):
             n = int(rows[s, r])

@@ -102,7 +102,7 @@ class HostEngine:
         self.spec = spec
         self.regions = regions
         self._pending: dict[int, Callable[[int], Any]] = {}  # split calls' result builders
-        self._expert = cfg.layout == "expert"
+        self._expert = cfg.layout != "rank"
         self._L = cfg.num_experts // spec.num_ranks
         self._handle_const = {
             "layout": cfg.layout, "rank": spec.rank, "num_ranks": spec.num_ranks,

@@ -164,8 +164,9 @@ def compute_layout(
     R, C, T, K = num_ranks, num_cores, max_tokens, num_topk
     L = num_experts // num_ranks
     row_bytes = hidden * itemsize if row_bytes is None else row_bytes
-    cap_src_rows = T * min(K, L) if layout == "expert" else T
-    cap_rows = R * cap_src_rows
+    cap_src_rows = T if layout == "rank" else T * min(K, L)
+    # expert_padded: one block of R * T slots per local expert (DeepEP's low-latency places)
+    cap_rows = L * R * T if layout == "expert_padded" else R * cap_src_rows
     nreg = 2
     land_is_out = engine == "asp" and sync in ("sw", "dc", "sp")
     tff_blocks = -(-row_bytes // (tff_block_bytes - tff_flag_bytes))

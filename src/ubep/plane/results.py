@@ -26,7 +26,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from ..errors import InvalidArgumentError, UbepError
-from ..modes import LAYOUTS
+from ..modes import BUFFER_LAYOUTS
 
 __all__ = ["DispatchHandle", "DispatchResult", "PendingCall", "RuntimeHandle"]
 
@@ -116,8 +116,8 @@ class DispatchHandle:
     def __post_init__(self) -> None:
         # Cheap consistency checks: a handle from one call mixed with arrays of another is the
         # usual way to corrupt a combine silently.
-        if self.layout not in LAYOUTS:
-            raise InvalidArgumentError("layout", self.layout, f"must be one of {LAYOUTS}")
+        if self.layout not in BUFFER_LAYOUTS:
+            raise InvalidArgumentError("layout", self.layout, f"must be one of {BUFFER_LAYOUTS}")
         if not 0 <= self.rank < self.num_ranks:
             raise InvalidArgumentError("rank", self.rank, f"must be in [0, {self.num_ranks})")
         if self.topk_idx.shape != self.topk_weights.shape or self.topk_idx.ndim != 2:
@@ -125,7 +125,7 @@ class DispatchHandle:
                 "topk_weights", self.topk_weights.shape,
                 f"must match topk_idx {self.topk_idx.shape} (2-D)",
             )
-        width = self.topk_idx.shape[1] if self.layout == "expert" else self.num_ranks
+        width = self.num_ranks if self.layout == "rank" else self.topk_idx.shape[1]
         if self.send_dst_row is not None and self.send_dst_row.shape != (self.num_tokens, width):
             raise InvalidArgumentError(
                 "send_dst_row", self.send_dst_row.shape, f"must be ({self.num_tokens}, {width})"

@@ -74,7 +74,7 @@ class RuntimeBackend:
     def _weighted(self, handle: Any, topk_weights: np.ndarray | None) -> Any:
         if topk_weights is None:
             return handle
-        if self.layout != "expert":
+        if self.layout == "rank":
             raise InvalidArgumentError(
                 "topk_weights", "given", "the rank layout combines without weights"
             )

@@ -252,7 +252,7 @@ class LocalBackend:
                 "expert_out", out.shape, f"must be [{len(handle.recv_src_rank)}, hidden]"
             )
         if topk_weights is not None:
-            if self.layout != "expert":
+            if self.layout == "rank":
                 raise InvalidArgumentError(
                     "topk_weights", "given", "the rank layout combines without weights"
                 )

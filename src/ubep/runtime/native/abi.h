@@ -18,7 +18,7 @@ enum { DT_BF16 = 0, DT_FP16 = 1, DT_FP32 = 2, DT_INT8 = 3, DT_UINT8 = 4 };
 enum { QUANT_NONE = 0, QUANT_E4M3 = 1, QUANT_INT8 = 2 };
 enum { SYNC_SW = 0, SYNC_TFF = 1, SYNC_DC = 2, SYNC_SP = 3 };
 enum { ENG_ASP = 0, ENG_BSP = 1 };
-enum { LAY_EXPERT = 0, LAY_RANK = 1 };
+enum { LAY_EXPERT = 0, LAY_RANK = 1, LAY_EXPERT_PADDED = 2 };
 /* Error codes of error records (ubep.plane.records.ErrorRecord) and of failure notices. E_LOST: the ranks are out of step (a
  * peer left this call without finishing it, called another operation, or corrupt control data
  * was found): the Buffer needs a resync. */

@@ -38,7 +38,7 @@ int dispatch_validate(op_t *op, int count, int fill) {
     engine_t *g = op->g;
     const int K = g->K, E = g->E, R = g->R, r = g->rank;
     const int64_t T = op->ntok, cap = g->cap_src_rows;
-    const int expert = g->layout == LAY_EXPERT, sp = flag_sentinel(g), check = !op->checked;
+    const int expert = g->layout != LAY_RANK, sp = flag_sentinel(g), check = !op->checked;
     int64_t *restrict cnt = g->cnt, *restrict units_to = g->units_to;
     int64_t *restrict rows_to = g->rows_to, *restrict sent_to = g->sent_to;
     const int32_t *restrict e2d = g->e2d;
@@ -241,6 +241,7 @@ int compute_bases(op_t *op, int core, int d, int src, int64_t *out) {
         }
         out[0] = before;
     } else {
+        const int padded = g->layout == LAY_EXPERT_PADDED;
         for (int el = 0; el < L; el++) {
             int64_t tot = 0, before = 0;
             for (int s = 0; s < R; s++) {
@@ -248,8 +249,10 @@ int compute_bases(op_t *op, int core, int d, int src, int64_t *out) {
                 if (s < src) before += c;
                 tot += c;
             }
-            out[el] = total + before;
-            total += tot;
+            /* padded: expert el's rows start at its block of R * T slots (DeepEP's places);
+             * each source's count is at most T (read_counts), so a block never overflows */
+            out[el] = (padded ? el * padded_slots(g) : total) + before;
+            total += padded ? padded_slots(g) : tot;
         }
     }
     if (total > g->cap_rows)
@@ -268,7 +271,7 @@ void reset_send_state(op_t *op) {
         atomic_store(&g->dc_s2[d], 0);
         g->core_ready[d] = 0;
     }
-    for (int64_t i = 0; i < op->ntok * (g->layout == LAY_EXPERT ? g->K : g->R); i++)
+    for (int64_t i = 0; i < op->ntok * (g->layout != LAY_RANK ? g->K : g->R); i++)
         op->o_dst_row[i] = -1;
 }
 
@@ -297,12 +300,16 @@ static int recv_bases(op_t *op, int core, int64_t *rx_base, int64_t *n_out) {
             pos += rows[s];
         }
     } else {
+        const int padded = g->layout == LAY_EXPERT_PADDED;
         for (int el = 0; el < L; el++) {
+            if (padded) pos = el * padded_slots(g); /* the expert's block; the rows after its
+                                                     * count stay as they were (DeepEP's) */
             for (int s = 0; s < R; s++) {
                 rx_base[s * L + el] = pos;
                 pos += cnt[(int64_t)s * L + el];
             }
         }
+        if (padded) pos = g->cap_rows; /* recv_x is the whole region */
     }
     if (pos > g->cap_rows)
         return op_error(op, E_INTERNAL, core, -1, "%lld rows announced, capacity %lld",
@@ -355,7 +362,7 @@ int recv_metadata(op_t *op, int core, int s, const int64_t *rx_base) {
     if (rc) return rc;
     const int64_t lo = (int64_t)r * L, hi = lo + L;
     const uint32_t *cnt = RX_CNT(g, core) + (int64_t)s * L;
-    if (g->layout == LAY_EXPERT) {
+    if (g->layout != LAY_RANK) {
         /* cursor[el]: next row of expert el; cursor[L + el]: end of the rows the counts give
          * it. A row beyond its expert's count is refused before it is written. */
         int64_t cur[2048];
@@ -496,6 +503,16 @@ static int recv_counts_out(op_t *op, int core) {
                             "call %llu", s, (unsigned long long)op->epoch);
         for (int j = 0; j < R; j++) op->o_nrecv[L + R + (int64_t)s * R + j] = v[j];
     }
+    if (g->layout != LAY_EXPERT_PADDED) return 0;
+    /* padded: the metadata of the slots past each expert's count says "no row" (-1, weight
+     * 0), so that nothing reading a row's origin takes a slot for a row; the payload there is
+     * left as it was */
+    for (int el = 0; el < g->L; el++)
+        for (int64_t p = el * padded_slots(g) + op->o_nrecv[el]; p < (el + 1) * padded_slots(g);
+             p++) {
+            op->o_src_rank[p] = op->o_src_tok[p] = op->o_src_k[p] = op->o_idx[p] = -1;
+            op->o_w[p] = 0.0f;
+        }
     return 0;
 }
 
@@ -525,7 +542,7 @@ int ph_d_check(op_t *op, int core) {
     const uint64_t *sums = rsum_rows(g, g->rank, reg);
     int64_t lo = op->n_recv * core / g->C, hi = op->n_recv * (core + 1) / g->C;
     for (int64_t p = lo; p < hi; p++)
-        if (row_check(row_sum(out + p * g->out_stride, g->row_bytes), op->epoch, p) !=
+        if (op->o_src_rank[p] >= 0 && row_check(row_sum(out + p * g->out_stride, g->row_bytes), op->epoch, p) !=
             ld_rlx(&sums[p]))
             return op_error(op, E_LOST, core, (int)op->o_src_rank[p], "row %lld of call %llu "
                             "(from rank %lld) fails its checksum: it changed between its "

@@ -67,7 +67,7 @@ int ph_bsp_send(op_t *op, int core) {
         }
         int64_t t0 = span_t0(g);
         for (int64_t u = lo; u < hi; u++) {
-            int64_t slot = g->layout == LAY_EXPERT
+            int64_t slot = g->layout != LAY_RANK
                                ? g->my_rank_in_batch[g->u_e[u]] + g->u_slot[u]
                                : g->u_slot[u];
             int64_t pos = (int64_t)g->rank * g->cap_src_rows + slot;
@@ -179,7 +179,7 @@ int ph_bsp_dst_rows(op_t *op, int core) {
         int d = (g->rank + 1 + i) % R;
         for (int64_t u = bucket_start(g, i), end = u + g->units_to[d]; u < end; u++) {
             int64_t pos = unit_pos(g, bases + (int64_t)d * L, g->u_e[u], g->u_slot[u]);
-            if (g->layout == LAY_EXPERT) op->o_dst_row[(int64_t)g->u_t[u] * g->K + g->u_k[u]] = pos;
+            if (g->layout != LAY_RANK) op->o_dst_row[(int64_t)g->u_t[u] * g->K + g->u_k[u]] = pos;
             else op->o_dst_row[(int64_t)g->u_t[u] * g->R + d] = pos;
         }
     }

@@ -383,8 +383,12 @@ static inline int64_t span_t0(const engine_t *g) {
 
 #define TRACE(g, core, i) do { if ((core) == 0) (g)->trace[i] = now_ns(); } while (0)
 
+/* the expert_padded layout: slots of one local expert's block, DeepEP's
+ * num_max_dispatch_tokens_per_rank * num_ranks (layout.py: cap_rows = L * R * T) */
+static inline int64_t padded_slots(const engine_t *g) { return (int64_t)g->R * g->T; }
+
 static inline int64_t unit_pos(engine_t *g, const int64_t *bases, int e, int64_t slot) {
-    return g->layout == LAY_EXPERT ? bases[g->e2l[e]] + slot : bases[0] + slot;
+    return g->layout != LAY_RANK ? bases[g->e2l[e]] + slot : bases[0] + slot;
 }
 
 /* rows of source s in my region, in position order: calls the body with POS (the row's

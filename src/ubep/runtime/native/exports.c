@@ -32,7 +32,8 @@ static const named_t SYNC_CODES[] = {
     {"sw", SYNC_SW}, {"tff", SYNC_TFF}, {"dc", SYNC_DC}, {"sp", SYNC_SP},
 };
 static const named_t ENGINE_CODES[] = {{"asp", ENG_ASP}, {"bsp", ENG_BSP}};
-static const named_t LAYOUT_CODES[] = {{"expert", LAY_EXPERT}, {"rank", LAY_RANK}};
+static const named_t LAYOUT_CODES[] = {{"expert", LAY_EXPERT}, {"rank", LAY_RANK},
+                                       {"expert_padded", LAY_EXPERT_PADDED}};
 static const named_t POLICY_CODES[] = {
     {"expert_contiguous", SCHED_EXPERT_CONTIGUOUS}, {"balanced", SCHED_BALANCED},
     {"hierarchical", SCHED_HIERARCHICAL},

@@ -313,7 +313,7 @@ typedef struct {
 /* the parts of the two blocks (laid out for ntok tokens) */
 static void point_outputs(engine_t *g, int64_t ntok, outputs_t *o) {
     const int64_t cap = g->cap_rows, L = g->L, R = g->R;
-    const int expert = g->layout == LAY_EXPERT;
+    const int expert = g->layout != LAY_RANK;
     o->w_idx = expert ? 1 : g->K;
     o->w_dst = expert ? g->K : R;
     o->o_idx = PyArray_DATA((PyArrayObject *)o->i64);
@@ -327,7 +327,7 @@ static void point_outputs(engine_t *g, int64_t ntok, outputs_t *o) {
 
 static int alloc_outputs(engine_t *g, int64_t ntok, outputs_t *o) {
     const int64_t cap = g->cap_rows, K = g->K, L = g->L, R = g->R;
-    const int expert = g->layout == LAY_EXPERT;
+    const int expert = g->layout != LAY_RANK;
     const int64_t w_idx = expert ? 1 : K, w_dst = expert ? K : R;
     npy_intp n64 = cap * w_idx + 3 * cap + L + R + R * R + ntok * w_dst + ntok * K;
     npy_intp n32 = cap * w_idx + ntok * K;
@@ -363,7 +363,7 @@ static PyObject *build_dispatch_result(engine_t *g, const outputs_t *o, int64_t 
     fast_t *f = g->fast;
     PyObject **k = f->keys;
     const int64_t cap = g->cap_rows, K = g->K, L = g->L, R = g->R;
-    const int expert = g->layout == LAY_EXPERT;
+    const int expert = g->layout != LAY_RANK;
     int reg = (int)(index % g->nreg);
     PyObject *res = PyDict_New(), *h = PyDict_Copy(f->handle_const);
     if (!res || !h) goto fail;
@@ -660,7 +660,7 @@ PyObject *engine_combine_fast(engine_t *g, PyObject *args) {
         goto not_mine;
     long long index = PyLong_AsLongLong(oi), ntok = PyLong_AsLongLong(on);
     npy_intp rows = PyArray_DIM((PyArrayObject *)src, 0);
-    int64_t w_dst = g->layout == LAY_EXPERT ? g->K : g->R;
+    int64_t w_dst = g->layout != LAY_RANK ? g->K : g->R;
     if (PyErr_Occurred() || index < 0 || index >= num_dispatches || ntok < 0 || ntok > g->T ||
         rows > g->cap_rows || !PyArray_Check(eo))
         goto not_mine;
