@@ -311,7 +311,7 @@ class Buffer(metaclass=abc.ABCMeta):
                             if type(got) is ErrorRecord:
                                 raise self._steps.error(got)
                         except BaseException as exc:
-                            raise self._hot_failed(epoch, index, exc) from None
+                            raise _hot_failed(self, epoch, index, exc) from None
                         if got is not None:
                             return got
                         # declined, nothing done: the checks name what they reject
@@ -329,14 +329,6 @@ class Buffer(metaclass=abc.ABCMeta):
             return self._dispatch(x, topk_idx, topk_weights, copy, return_recv_hook, x_scales)
         finally:
             self._lock.release()
-
-    def _hot_failed(self, epoch: int, index: int, exc: BaseException) -> BaseException:
-        """What a failed one native call (dispatch or combine: ``index`` is the dispatches made
-        before it) raises; a clean reject leaves no dispatch counted."""
-        err, clean = self._steps.failed(epoch, _NATIVE, exc)
-        if clean:
-            self._num_dispatches = index
-        return err
 
     def _dispatch(
         self, x: object, topk_idx: object, topk_weights: object, copy: bool, hook: bool,
@@ -423,7 +415,7 @@ class Buffer(metaclass=abc.ABCMeta):
                         if type(y) is ErrorRecord:
                             raise self._steps.error(y)
                     except BaseException as exc:
-                        raise self._hot_failed(epoch, index, exc) from None
+                        raise _hot_failed(self, epoch, index, exc) from None
                     if y is not None:
                         return y
                     self._epoch = epoch - 1  # declined, nothing done: the checks say why
@@ -577,3 +569,12 @@ def _check_same_config(configs: list[dict[str, Any]]) -> None:
                     f"config.{field}", first,
                     f"differs between ranks: rank 0 has {first!r}, rank {rank} has "
                     f"{theirs.get(field)!r} (every rank needs the same BufferConfig)")
+
+
+def _hot_failed(buf: Buffer, epoch: int, index: int, exc: BaseException) -> BaseException:
+    """What a failed one native call of ``buf`` (dispatch or combine: ``index`` is the
+    dispatches made before it) raises; a clean reject leaves no dispatch counted."""
+    err, clean = buf._steps.failed(epoch, _NATIVE, exc)
+    if clean:
+        buf._num_dispatches = index
+    return err

@@ -93,7 +93,8 @@ T = TypeVar("T")
 topk_idx_t = torch.int64
 
 _UNOPENED = object()  # Buffer._board before the first exchange
-_TRACE_NAMES = {"rank": "deep_ep normal", "expert": "deep_ep low-latency"}  # by ubep layout
+_TRACE_NAMES = {"rank": "deep_ep normal", "expert": "deep_ep low-latency",  # by ubep layout
+                "expert_padded": "deep_ep low-latency"}
 _NO_LAYOUT = _Layout()  # a cached dispatch's: the handle says where rows go
 # BufferConfig fields the facade sets itself from each call's shapes.
 _SHAPE_FIELDS = (
