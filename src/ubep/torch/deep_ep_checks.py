@@ -259,8 +259,10 @@ class CallGate:
         buffer = getattr(self.last, "buffer", None)
         if buffer is not None:
             return buffer.reject(error)
-        post = getattr(self.last, "reject", None)
-        if post is not None:  # the in-process world: the failure takes this rank's inputs' place
+        # the in-process world (its backends are the world's, never ``last``): the failure
+        # takes this rank's inputs' place in the peers' exchange
+        post = getattr(self._ep if self.last is None else self.last, "reject", None)
+        if post is not None:
             post(f"rank {self.rank}: {error}")
             return error
         if self.last is None and hasattr(self._ep, "allgather") and not hasattr(

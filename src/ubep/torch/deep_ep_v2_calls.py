@@ -185,6 +185,8 @@ class V2Calls:
             num_max_tokens_per_rank = handle.num_max_tokens_per_rank
         if num_max_tokens_per_rank is None:
             num_max_tokens_per_rank = self.num_max_tokens_per_rank
+        # signed as the good call signs it (the peers' move to it matches this rank's)
+        self._v1._gate.note("v2_dispatch", getattr(x_t, "dtype", None))
         return self._v1._backend("rank", width, int(topk_idx.shape[1]), int(num_experts),
                                  torch.uint8, int(num_max_tokens_per_rank))
 
