@@ -135,7 +135,7 @@ class Buffer(metaclass=abc.ABCMeta):
         self._engine: Any = None
         self._in_flight: list[InFlight] = []  # split-phase calls awaiting their hook, in order
         self._fast: Any = None  # the engine, when it takes blocking calls' arrays unchecked
-        self._torch: Any = None  # the torch door, made on the first torch call (_torch_door)
+        self._torch: Any = None  # the torch door, made on the first torch call
         self._tensor: type | None = None  # torch.Tensor once the door exists (the hot path's)
         self._route: LogicalRouting | None = None  # expert_map's routing (_configure)
         # the jobs, each an object this Buffer holds (ubep.buffer.state)
@@ -164,10 +164,7 @@ class Buffer(metaclass=abc.ABCMeta):
         failed = [r for r, m in enumerate(everyone) if m["error"] is not None]
         if failed:
             raise RemoteError(failed[0], everyone[failed[0]]["error"])
-        if any(m["config"] != everyone[0]["config"] for m in everyone):
-            raise InvalidArgumentError(
-                "config", config, "differs between ranks (every rank needs the same BufferConfig)"
-            )
+        _check_same_config([m["config"] for m in everyone])
         self._uid = everyone[0]["uid"]
         try:
             self._setup()
@@ -320,7 +317,7 @@ class Buffer(metaclass=abc.ABCMeta):
                             if type(got) is ErrorRecord:
                                 raise self._steps.error(got)
                         except BaseException as exc:
-                            raise self._hot_failed(epoch, index, exc) from None
+                            raise _hot_failed(self, epoch, index, exc) from None
                         if got is not None:
                             return got if type(x) is _NDARRAY else self._torch.result_of(got, x)
                         # declined, nothing done: the checks name what they reject
@@ -333,43 +330,13 @@ class Buffer(metaclass=abc.ABCMeta):
         if type(x) is not _NDARRAY and is_torch_tensor(x):
             # torch in, torch out: the call itself runs on numpy views, through the door
             # above where it can (the door's plans are made once per Buffer)
-            return cast(Any, (self._torch or self._torch_door()).dispatch(
+            return cast(Any, (self._torch or _open_torch_door(self)).dispatch(
                 x, topk_idx, topk_weights, copy, return_recv_hook, x_scales))
-        return self._checked_dispatch(x, topk_idx, topk_weights, copy, return_recv_hook,
-                                      x_scales)
-
-    def _checked_dispatch(
-        self, x: object, topk_idx: object, topk_weights: object, copy: bool, hook: bool,
-        x_scales: object,
-    ) -> DispatchResult[RuntimeHandle] | PendingCall[DispatchResult[RuntimeHandle]]:
-        """A dispatch through the checks (any argument types: the checks name what they
-        refuse, on every rank)."""
         self._steps.enter()
         try:
-            return self._dispatch(x, topk_idx, topk_weights, copy, hook, x_scales)
+            return self._dispatch(x, topk_idx, topk_weights, copy, return_recv_hook, x_scales)
         finally:
             self._lock.release()
-
-    def _torch_door(self) -> Any:
-        """This Buffer's torch door (made on its first torch call): its dtype plans and a
-        torch view of each receive region, made once (``ubep.torch._convert.TorchDoor``)."""
-        engine = self._engine
-        regions = engine.regions.recv_views if isinstance(engine, HostEngine) else None
-        self._torch = torch_door(
-            x_dtype=self._dtype.name, combine_dtype=self._cdtype.name, quant=self._cfg.quant,
-            call_dispatch=self.dispatch, call_combine=self.combine,
-            checked_dispatch=self._checked_dispatch, checked_combine=self._checked_combine,
-            regions=regions)
-        self._tensor = self._torch.tensor_type  # the hot path takes tensors from now on
-        return self._torch
-
-    def _hot_failed(self, epoch: int, index: int, exc: BaseException) -> BaseException:
-        """What a failed one native call (dispatch or combine: ``index`` is the dispatches made
-        before it) raises; a clean reject leaves no dispatch counted."""
-        err, clean = self._steps.failed(epoch, _NATIVE, exc)
-        if clean:
-            self._num_dispatches = index
-        return err
 
     def _dispatch(
         self, x: object, topk_idx: object, topk_weights: object, copy: bool, hook: bool,
@@ -457,7 +424,7 @@ class Buffer(metaclass=abc.ABCMeta):
                         if type(y) is ErrorRecord:
                             raise self._steps.error(y)
                     except BaseException as exc:
-                        raise self._hot_failed(epoch, index, exc) from None
+                        raise _hot_failed(self, epoch, index, exc) from None
                     if y is not None:
                         return y if type(expert_out) is _NDARRAY else self._torch.y_of(y)
                     self._epoch = epoch - 1  # declined, nothing done: the checks say why
@@ -467,16 +434,11 @@ class Buffer(metaclass=abc.ABCMeta):
                 self._lock.release()
         if type(expert_out) is not _NDARRAY and is_torch_tensor(expert_out):
             # torch in, torch out (as dispatch)
-            return cast(Any, (self._torch or self._torch_door()).combine(
+            return cast(Any, (self._torch or _open_torch_door(self)).combine(
                 expert_out, handle, return_recv_hook))
-        return self._checked_combine(expert_out, handle, return_recv_hook)
-
-    def _checked_combine(self, expert_out: object, handle: DispatchHandle,
-                         hook: bool) -> np.ndarray | PendingCall[np.ndarray]:
-        """A combine through the checks (as :meth:`_checked_dispatch`)."""
         self._steps.enter()
         try:
-            return self._combine(expert_out, handle, hook)
+            return self._combine(expert_out, handle, return_recv_hook)
         finally:
             self._lock.release()
 
@@ -502,6 +464,26 @@ class Buffer(metaclass=abc.ABCMeta):
         except BaseException as exc:
             raise self._steps.failed(epoch, stage, exc)[0] from None
         return self._calls.issued("combine", epoch, got, _same, hook, None)
+
+    def reject(self, error: BaseException) -> BaseException:
+        """This rank's next call fails here before it starts, for ``error`` (bad input found by
+        a layer above the Buffer: a facade's checks): the peers' call raises ``RemoteError``
+        (clean: the next call works) instead of waiting for this rank. Returns the exception
+        to raise (``error``, or the Buffer's own if it refuses calls)."""
+        return self._steps.reject(error)
+
+    def sign(self, signature: int) -> bool:
+        """What this rank's next dispatches are: a 64-bit word (``ubep.buffer.signature``; 0,
+        the default, says nothing beyond the config every rank shares) that rides in the count
+        records of each dispatch. A dispatch whose word differs from a peer's is rejected on
+        every rank that differs (``InvalidArgumentError`` naming what differs, a clean reject:
+        the next call works) before any row reaches a peer. Local, between calls; False where
+        the engine does not compare words (then only 0 is accepted)."""
+        setter = getattr(self._engine, "set_signature", None)
+        if setter is None:
+            return not signature
+        setter(int(signature))
+        return True
 
     def resync(self, timeout_s: float | None = None) -> None:
         """Re-establish agreement with the peers after a lost step (collective: every rank;
@@ -587,3 +569,36 @@ def _logical(sender: bool, shift: int, res: Any) -> Any:
     """An M2N dispatch result in the caller's numbering (``ubep.m2n.logical_result``)."""
     logical_result(res, sender, shift)
     return res
+
+
+def _check_same_config(configs: list[dict[str, Any]]) -> None:
+    """Raise, on every rank alike, naming the first field on which a rank's config differs
+    from rank 0's and both values (a whole BufferConfig is too long to read in one line)."""
+    for rank, theirs in enumerate(configs):
+        for field, first in configs[0].items():
+            if theirs.get(field) != first:
+                raise InvalidArgumentError(
+                    f"config.{field}", first,
+                    f"differs between ranks: rank 0 has {first!r}, rank {rank} has "
+                    f"{theirs.get(field)!r} (every rank needs the same BufferConfig)")
+
+
+def _hot_failed(buf: Buffer, epoch: int, index: int, exc: BaseException) -> BaseException:
+    """What a failed one native call of ``buf`` (dispatch or combine: ``index`` is the
+    dispatches made before it) raises; a clean reject leaves no dispatch counted."""
+    err, clean = buf._steps.failed(epoch, _NATIVE, exc)
+    if clean:
+        buf._num_dispatches = index
+    return err
+
+
+def _open_torch_door(buf: Buffer) -> Any:
+    """``buf``'s torch door (made on its first torch call): its dtype plans and a torch view
+    of each receive region, made once (``ubep.torch._convert.TorchDoor``)."""
+    engine = buf._engine
+    regions = engine.regions.recv_views if isinstance(engine, HostEngine) else None
+    door = buf._torch = torch_door(
+        x_dtype=buf._dtype.name, combine_dtype=buf._cdtype.name, quant=buf._cfg.quant,
+        call_dispatch=buf.dispatch, call_combine=buf.combine, regions=regions)
+    buf._tensor = door.tensor_type  # the hot path takes tensors from now on
+    return door

@@ -58,7 +58,7 @@ from ..plane.control import Decision
 from ..plane.registry import control_plane
 from ..plane.results import DispatchHandle, DispatchResult, PendingCall
 from ..routing import experts_per_rank
-from ..torch_bridge import as_process_group, is_torch_tensor, tensor_to_numpy, torch_door
+from ..torch_bridge import as_process_group, is_torch_tensor, torch_door
 from .buffer import Buffer
 from .replicas import LogicalRouting
 
@@ -199,8 +199,7 @@ class MaskingBuffer:
             cfg = self.config
             door = self._door = torch_door(
                 x_dtype=cfg.dtype, combine_dtype=cfg.combine_dtype, quant=cfg.quant,
-                call_dispatch=self.dispatch, call_combine=self.combine,
-                checked_dispatch=_refuse_dispatch, checked_combine=_refuse_combine)
+                call_dispatch=self.dispatch, call_combine=self.combine)
         return door
 
     def _serve(self, kept: _Kept, run: Callable[[], Any]) -> Any:
@@ -480,11 +479,16 @@ class MaskingBuffer:
         """The inner Buffer's result in original rank numbers and expert ids."""
         members = np.asarray(self.members, dtype=np.int64)
         idx = res.recv_topk_idx
-        if self.config.layout == "expert":  # global ids; the rank layout's are local
+        if self.config.layout != "rank":  # global ids; the rank layout's are local
             L = self.num_local_experts
             idx = np.where(idx < 0, idx, members[np.maximum(idx, 0) // L] * L + idx % L)
+        sent = res.num_sent_rows_per_rank
+        if sent is not None:  # the members' rows, in original rank numbers
+            outer = np.zeros((self.num_ranks, self.num_ranks), np.int64)
+            outer[np.ix_(members, members)] = sent
+            sent = outer
         return dataclasses.replace(res, recv_src_rank=members[res.recv_src_rank],
-                                   recv_topk_idx=idx)
+                                   recv_topk_idx=idx, num_sent_rows_per_rank=sent)
 
     def _combine(self, expert_out: object, handle: DispatchHandle,
                  topk_weights: object = None, hook: bool = False) -> Any:
@@ -631,7 +635,7 @@ def _rows_in_new_order(old: DispatchResult[Any], new: DispatchResult[Any],
     (rows are named by their origin; the replay's are a subset of the old ones)."""
     def keys(rank: np.ndarray, token: np.ndarray, k: np.ndarray) -> np.ndarray:
         key = rank.astype(np.int64) * (1 << 40) + token.astype(np.int64) * (1 << 8)
-        return key + k if layout == "expert" else key
+        return key if layout == "rank" else key + k
 
     old_keys = keys(old.recv_src_rank, old.recv_src_token, old.recv_src_k)
     new_keys = keys(new.recv_src_rank, new.recv_src_token, new.recv_src_k)
@@ -645,19 +649,3 @@ def _rows_in_new_order(old: DispatchResult[Any], new: DispatchResult[Any],
 Buffer.masking_class = MaskingBuffer
 Buffer.register(MaskingBuffer)  # a Buffer (it holds one over the members), by registration
 
-
-def _refuse_dispatch(x: object, topk_idx: object, topk_weights: object, *rest: object) -> Any:
-    """The torch door's dispatch with a tensor numpy cannot view: the error naming it."""
-    _refuse({"x": x, "topk_idx": topk_idx, "topk_weights": topk_weights, "x_scales": rest[-1]})
-
-
-def _refuse_combine(expert_out: object, handle: object, hook: object, **extra: object) -> Any:
-    """As :func:`_refuse_dispatch`, for a combine."""
-    _refuse({"expert_out": expert_out, **extra})
-
-
-def _refuse(args: dict[str, object]) -> None:
-    for name, arg in args.items():
-        if is_torch_tensor(arg):
-            tensor_to_numpy(arg, name)  # raises InvalidArgumentError naming it
-    raise errors.InvalidArgumentError("x", "tensor", "cannot be viewed as a numpy array")

@@ -51,6 +51,14 @@ def to_numpy(t: torch.Tensor, *, argument: str = "x") -> np.ndarray:
     return t.numpy()
 
 
+def on_host(obj: Any) -> Any:
+    """A result field as a numpy array on the host: a tensor of any device as its storage
+    (BF16 as uint16 bits; a device tensor copied to the host), anything else as it is."""
+    if not isinstance(obj, torch.Tensor):
+        return obj
+    return to_numpy(obj.cpu() if obj.device.type != "cpu" else obj, argument="result")
+
+
 def from_numpy(a: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A tensor sharing ``a``'s memory; ``dtype=torch.bfloat16`` reinterprets ``uint16`` bits.
 
@@ -147,6 +155,17 @@ def storage_or_same(obj: object) -> object:
         return obj
 
 
+def _viewed(obj: object, argument: str) -> object:
+    """:func:`storage_or_same`, a tensor numpy cannot view as the bridge's ``Unviewable`` (the
+    error naming ``argument`` and the tensor's device, raised by the call's checks)."""
+    got = storage_or_same(obj)
+    if isinstance(got, _TENSOR):
+        from ..torch_bridge import storage_or_unviewable
+
+        return storage_or_unviewable(got, argument)
+    return got
+
+
 class TorchDispatchResult(DispatchResult[Any]):
     """A dispatch result whose array fields are torch tensors, each made on its first read from
     the numpy result it wraps (``_np``): a decode step that reads ``recv_x`` and ``handle``
@@ -184,19 +203,18 @@ class TorchDoor:
     first read; the handle the engine's (combine reads it). ``y``: a tensor over the numpy
     ``y``'s memory, by DLPack (in the combine dtype: no view on top).
 
-    ``call_dispatch`` / ``call_combine`` are the numpy calls; ``checked_dispatch`` /
-    ``checked_combine`` take arguments one of which numpy cannot view (their checks raise the
-    error that names it, inside the call, on every rank).
+    ``call_dispatch`` / ``call_combine`` are the numpy calls. A tensor numpy cannot view (another
+    device, say) goes to them as :class:`ubep.torch_bridge.Unviewable`, whose error the call's
+    checks raise inside the call, where the rejection reaches every rank.
     """
 
     def __init__(self, *, x_dtype: str, combine_dtype: str, quant: str | None,
-                 call_dispatch: Any, call_combine: Any, checked_dispatch: Any,
-                 checked_combine: Any, regions: list[np.ndarray] | None = None) -> None:
+                 call_dispatch: Any, call_combine: Any,
+                 regions: list[np.ndarray] | None = None) -> None:
         self.x_dtype = _TORCH_OF[x_dtype]
         self.c_dtype = _TORCH_OF[combine_dtype]
         self._quant = None if quant is None else quant_values_dtype(quant)
         self._call_dispatch, self._call_combine = call_dispatch, call_combine
-        self._checked_dispatch, self._checked_combine = checked_dispatch, checked_combine
         self._region_arrays = regions or []
         self._num_regions = len(self._region_arrays)
         # each receive region as a tensor of a recv_x dtype, made on its first use; the slices
@@ -219,12 +237,9 @@ class TorchDoor:
                 and sa is None):  # the common case: every tensor viewed
             got = self._call_dispatch(xa, ia, wa, copy=copy, return_recv_hook=hook)
         else:
-            xa, ia, wa, sa = (storage_or_same(a) for a in (xa, ia, wa, sa))
-            if any(isinstance(a, _TENSOR) for a in (xa, ia, wa, sa)):
-                got = self._checked_dispatch(xa, ia, wa, copy, hook, sa)
-            else:
-                got = self._call_dispatch(xa, ia, wa, copy=copy, return_recv_hook=hook,
-                                          x_scales=sa)
+            xa, ia, wa, sa = (_viewed(a, name) for a, name in zip(
+                (xa, ia, wa, sa), ("x", "topk_idx", "topk_weights", "x_scales"), strict=True))
+            got = self._call_dispatch(xa, ia, wa, copy=copy, return_recv_hook=hook, x_scales=sa)
         if type(got) is self._pending:
             got.map_result(lambda res: self.result(res, values, copy))
             return got
@@ -301,10 +316,8 @@ class TorchDoor:
 
     def _combine_rest(self, expert_out: object, handle: object, hook: bool,
                       extra: dict[str, Any]) -> Any:
-        ea = storage_or_same(expert_out)
-        args = {k: storage_or_same(v) for k, v in extra.items()}
-        if isinstance(ea, _TENSOR) or any(isinstance(v, _TENSOR) for v in args.values()):
-            return self._checked_combine(ea, handle, hook, **args)
+        ea = _viewed(expert_out, "expert_out")
+        args = {k: _viewed(v, k) for k, v in extra.items()}
         return self._call_combine(ea, handle, return_recv_hook=hook, **args)
 
     def y_of(self, y: Any) -> torch.Tensor:

@@ -19,8 +19,7 @@ import torch
 from ..dtypes import dtype_of
 from ..errors import InvalidArgumentError
 from ..modes import Layout
-from ..torch_bridge import on_host
-from ._convert import TorchDispatchResult
+from ._convert import TorchDispatchResult, on_host
 
 __all__ = ["RuntimeBackend", "buffer_config", "make_backend", "ubep_dtype_name"]
 
@@ -75,7 +74,7 @@ class RuntimeBackend:
     def _weighted(self, handle: Any, topk_weights: np.ndarray | None) -> Any:
         if topk_weights is None:
             return handle
-        if self.layout != "expert":
+        if self.layout == "rank":
             raise InvalidArgumentError(
                 "topk_weights", "given", "the rank layout combines without weights"
             )
