@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InvalidArgumentError, UbepError
+from .errors import Unviewable
 
 __all__ = [
     "Unviewable", "as_process_group", "is_torch_group", "is_torch_tensor", "on_host",
-    "storage_or_unviewable", "tensor_to_numpy", "torch_door",
+    "tensor_to_numpy", "torch_door",
 ]
 
 
@@ -43,35 +43,6 @@ def on_host(obj: Any) -> Any:
     if obj.device.type != "cpu":
         obj = obj.cpu()
     return tensor_to_numpy(obj, "result")
-
-
-class Unviewable:
-    """What the bridge hands a Buffer's call for a tensor numpy cannot view (a GPU tensor, a
-    ``meta`` one): not a tensor, so the call does not come back to the bridge, and its checks
-    (``ubep.buffer.checks.to_array``) raise ``error`` inside the call, where the rejection
-    reaches every rank."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: UbepError) -> None:
-        self.error = error
-
-
-def storage_or_unviewable(obj: object, argument: str) -> object:
-    """A torch tensor's numpy storage view, a numpy argument as it is; a tensor numpy cannot
-    view as :class:`Unviewable`, an error naming ``argument`` and the tensor's device."""
-    if not is_torch_tensor(obj):
-        return obj
-    try:
-        return tensor_to_numpy(obj, argument)
-    except UbepError as exc:  # the device is looked at only here: nothing on the hot path
-        error = exc
-    device = getattr(obj, "device", None)
-    if getattr(device, "type", "cpu") != "cpu":
-        error = InvalidArgumentError(
-            argument, device, f"must be a CPU tensor (it is on device {device}): this "
-            "Buffer's engine moves host memory")
-    return Unviewable(error)
 
 
 def torch_door(**plans: Any) -> Any:

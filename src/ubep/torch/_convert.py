@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, UbepError, Unviewable
 from ..plane.results import DispatchResult, PendingCall
 
 __all__ = [
@@ -156,14 +156,34 @@ def storage_or_same(obj: object) -> object:
 
 
 def _viewed(obj: object, argument: str) -> object:
-    """:func:`storage_or_same`, a tensor numpy cannot view as the bridge's ``Unviewable`` (the
-    error naming ``argument`` and the tensor's device, raised by the call's checks)."""
+    """:func:`storage_or_same`; a tensor numpy cannot view as ``ubep.errors.Unviewable``, the
+    error naming ``argument`` (and the tensor's device) that the call's checks raise."""
     got = storage_or_same(obj)
-    if isinstance(got, _TENSOR):
-        from ..torch_bridge import storage_or_unviewable
+    if not isinstance(got, _TENSOR):
+        return got
+    device = got.device
+    if device.type != "cpu":
+        return Unviewable(InvalidArgumentError(
+            argument, device, f"must be a CPU tensor (it is on device {device}): this "
+            "Buffer's engine moves host memory"))
+    try:
+        return to_numpy(got, argument=argument)
+    except UbepError as exc:
+        return Unviewable(exc)
 
-        return storage_or_unviewable(got, argument)
-    return got
+
+class _Converted:
+    """A field of :class:`TorchDispatchResult` with a class-level default in
+    ``DispatchResult`` (which ``__getattr__`` would never be asked for): converted on first
+    read, as the others."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return None  # the dataclass default
+        return TorchDispatchResult.__getattr__(obj, self.name)
 
 
 class TorchDispatchResult(DispatchResult[Any]):
@@ -171,6 +191,8 @@ class TorchDispatchResult(DispatchResult[Any]):
     the numpy result it wraps (``_np``): a decode step that reads ``recv_x`` and ``handle``
     pays for those, not for eight conversions. Everything a dataclass reader does
     (``getattr``, ``dataclasses.fields``, ``replace``, ``asdict``) reads the tensors."""
+
+    num_sent_rows_per_rank = _Converted("num_sent_rows_per_rank")
 
     def host_result(self) -> Any:
         """The numpy result this one wraps, when the engine's arrays are on the host (what a
@@ -190,6 +212,7 @@ class TorchDispatchResult(DispatchResult[Any]):
         return value
 
 
+
 class TorchDoor:
     """How a Buffer takes torch tensors and hands them back, decided once per Buffer (its dtype
     plans, its region views), so that a torch call costs what the numpy call costs.
@@ -204,7 +227,7 @@ class TorchDoor:
     ``y``'s memory, by DLPack (in the combine dtype: no view on top).
 
     ``call_dispatch`` / ``call_combine`` are the numpy calls. A tensor numpy cannot view (another
-    device, say) goes to them as :class:`ubep.torch_bridge.Unviewable`, whose error the call's
+    device, say) goes to them as :class:`ubep.errors.Unviewable`, whose error the call's
     checks raise inside the call, where the rejection reaches every rank.
     """
 
