@@ -281,6 +281,11 @@ class MpiGroup(Closing):
         """Let MPI make progress (targets of emulated RMA must poll; see docs/MULTIHOST.md)."""
         self.comm.Iprobe(self.mpi.ANY_SOURCE, self.mpi.ANY_TAG)
 
+    @property
+    def closed(self) -> bool:
+        """:meth:`close` was called (as ``TorchGroup.closed``: a torch group's cache asks)."""
+        return self._closed
+
     def close(self) -> None:
         """Free every window and communicator of the group (collective). Close the group's
         Buffers first: their memory goes with the windows."""
