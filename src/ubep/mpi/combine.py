@@ -30,8 +30,12 @@ from ..plane.layout import align_up
 from ..plane.records import E_BAD_INPUT, E_INTERNAL
 from ..plane.records import HEADER_BYTES as _HEADER_BYTES
 from .protocol import _Op, _OpError, _u8
+from .syncs import native_module as _native
 
 __all__ = ["RmaCombine", "landing_bytes"]
+
+# the native reduction's dtype codes (runtime/native/abi.h)
+_REDUCE_CODE = {"bf16": 0, "fp16": 1, "fp32": 2}
 
 _PAGE = 4096
 _RECORD_BYTES = 24  # [rows][checksum][dispatch index], u64 each
@@ -194,6 +198,43 @@ class RmaCombine:
 
     def reduce(self, idx: np.ndarray, w: np.ndarray, dst_row: np.ndarray,
                fetched: dict[int, tuple[np.ndarray, np.ndarray]], y: np.ndarray) -> None:
+        """Each token's rows, gathered into one ``[slots, combine row]`` block in ascending
+        slot order (valid slots first), then reduced into ``y`` by the native data plane's
+        combine reduction (the same arithmetic as :meth:`reduce_numpy`, one pass, no float32
+        copy of the rows) where it is built, else by :meth:`reduce_numpy`."""
+        e = self.e
+        native = _native()
+        code = _REDUCE_CODE.get(e.cdtype.name)
+        if native is None or code is None:
+            self.reduce_numpy(idx, w, dst_row, fetched, y)
+            return
+        ntok = idx.shape[0]
+        if e.expert:
+            valid = idx >= 0
+            owner = np.where(valid, idx // e.L, -1)
+            coeff = np.ascontiguousarray(w, dtype=np.float32)
+        else:
+            valid = dst_row >= 0
+            owner = np.where(valid, np.arange(e.R)[None, :], -1)
+            coeff = np.ones(valid.shape, np.float32)
+        nvalid = valid.sum(axis=1)
+        # a token's valid slots packed to the front, in slot order: the reference's order
+        packed = np.cumsum(valid, axis=1) - 1
+        block = np.empty((ntok, valid.shape[1], e.crow_bytes), np.uint8)
+        weights = np.zeros(valid.shape, np.float32)
+        for q, (pos, rows) in fetched.items():
+            t, k = np.nonzero(owner == q)
+            at = np.searchsorted(pos, dst_row[t, k])
+            block[t, packed[t, k]] = rows[at]
+            weights[t, packed[t, k]] = coeff[t, k]
+        out = y.reshape(ntok, -1).view(np.uint8).reshape(ntok, e.crow_bytes)
+        out[nvalid == 0] = 0  # no row: the reference's +0.0
+        weighted = e.expert
+        for t in np.nonzero(nvalid)[0].tolist():
+            native.reduce_rows(block[t], int(nvalid[t]), weights[t], out[t], code, weighted)
+
+    def reduce_numpy(self, idx: np.ndarray, w: np.ndarray, dst_row: np.ndarray,
+                     fetched: dict[int, tuple[np.ndarray, np.ndarray]], y: np.ndarray) -> None:
         """The reference's arithmetic (ubep.reference: float32, product rounded, masked slots
         skipped, ascending k or destination), one gather and two in-place ufuncs per term."""
         e = self.e

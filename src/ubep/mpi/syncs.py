@@ -46,14 +46,16 @@ def rows_checksum(rows: np.ndarray, row_bytes: int, epoch: int) -> int:
     (the same value: tests/mpi/test_mpi_unit.py)."""
     if not len(rows):
         return 1
-    native = _native()
+    native = native_module()
     if native is not None and row_bytes % 8 == 0:
         return int(native.dc_checksum(rows, row_bytes, epoch))
     return _DC.checksum(rows.reshape(-1, row_bytes), epoch)
 
 
 @functools.cache
-def _native() -> Any:
+def native_module() -> Any:
+    """The native data plane (``ubep.runtime._native``) where it is built, else None: the RMA
+    engine's optional accelerator for checksums and combine's reduction."""
     try:
         from ..runtime.abi import load_native
         return load_native()
