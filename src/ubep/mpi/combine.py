@@ -230,8 +230,9 @@ class RmaCombine:
         out = y.reshape(ntok, -1).view(np.uint8).reshape(ntok, e.crow_bytes)
         out[nvalid == 0] = 0  # no row: the reference's +0.0
         weighted = e.expert
-        for t in np.nonzero(nvalid)[0].tolist():
-            native.reduce_rows(block[t], int(nvalid[t]), weights[t], out[t], code, weighted)
+        for tok in np.nonzero(nvalid)[0].tolist():
+            native.reduce_rows(block[tok], int(nvalid[tok]), weights[tok], out[tok], code,
+                               weighted)
 
     def reduce_numpy(self, idx: np.ndarray, w: np.ndarray, dst_row: np.ndarray,
                      fetched: dict[int, tuple[np.ndarray, np.ndarray]], y: np.ndarray) -> None:
