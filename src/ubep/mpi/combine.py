@@ -2,11 +2,12 @@
 
 Dispatch put each source's rows into the experts' ranks; combine puts them back the same way:
 each expert rank puts the output rows of every source, in the order they arrived from it, into
-that source's combine landing window (one slot of ``cap_src_rows`` rows per expert rank and
-epoch parity) and, after them, a record ``[rows][checksum][dispatch index]`` into the source's
-control window (the DC formula over the rows, mixed with the epoch). The source polls its own
-windows, accepts a peer's rows once the checksum of what has landed matches (``dc``; ``sw`` and
-``tff`` flush the rows before the record, so it matches at once) and reduces them in the
+that source's combine landing window (per epoch parity, one slot per expert rank, back to
+back in rank order, each as long as what the source sent it: the dispatch's counts say where)
+and, after them, a record ``[rows][checksum][dispatch index]`` into the source's control window
+(the DC formula over the rows, mixed with the epoch). The source polls its own windows,
+accepts a peer's rows once the checksum of what has landed matches (``dc``; ``sw`` and ``tff``
+flush the rows before the record, so it matches at once) and reduces them in the
 reference's order. No rank reads another rank's memory, so no call waits for a peer to enter
 MPI: over TCP (``osc/rdma`` on ``btl/tcp``) a get completes only when its target runs MPI's
 progress, a put is received by a peer that is itself polling for its rows.
@@ -41,10 +42,11 @@ _PAGE = 4096
 _RECORD_BYTES = 24  # [rows][checksum][dispatch index], u64 each
 
 
-def landing_bytes(num_ranks: int, cap_src_rows: int, crow_bytes: int) -> int:
-    """Size of a rank's combine landing window: per epoch parity, one slot per expert rank of
-    ``cap_src_rows`` combine rows (at most what this rank sent that rank)."""
-    return align_up(max(2 * num_ranks * cap_src_rows * crow_bytes, 1), _PAGE)
+def landing_bytes(cap_sent_rows: int, crow_bytes: int) -> int:
+    """Size of a rank's combine landing window: per epoch parity, ``cap_sent_rows`` combine
+    rows (the most rows one rank sends in a dispatch), the expert ranks' slots back to back in
+    rank order, each as long as what this rank sent that rank."""
+    return align_up(max(2 * cap_sent_rows * crow_bytes, 1), _PAGE)
 
 
 class RmaCombine:
@@ -56,11 +58,14 @@ class RmaCombine:
 
     def __init__(self, e: Any) -> None:
         self.e = e
-        self.sources: dict[int, tuple[int, list[np.ndarray]]] = {}
+        self.sources: dict[int, tuple[int, list[np.ndarray], np.ndarray]] = {}
 
-    def remember(self, reg: int, index: int, positions: list[np.ndarray]) -> None:
-        """Dispatch ``index`` filled region ``reg``: where each source's rows lie."""
-        self.sources[reg] = (index, positions)
+    def remember(self, reg: int, index: int, positions: list[np.ndarray],
+                 rows: np.ndarray) -> None:
+        """Dispatch ``index`` filled region ``reg``: where each source's rows lie, and
+        ``rows[s, d]``, the rows ``s`` sent ``d`` (where this rank's slot starts in each
+        source's landing window)."""
+        self.sources[reg] = (index, positions, rows)
 
     # --- combine ------------------------------------------------------------------------
 
@@ -71,10 +76,10 @@ class RmaCombine:
         base = int(local.ctypes.data)
         at = int(eo.ctypes.data) if eo.size else 0
         zero_copy = base + _HEADER_BYTES <= at and at + rows * e.crow_bytes <= base + e.seg_size
-        positions = self.positions_of(dispatch_index, rows)
+        positions, slots = self.positions_of(dispatch_index, rows)
         e.proto.wait_peers_done(op, op.epoch - 2)  # the landing slots of this parity are free
         eo_rows = _u8(eo)[: rows * e.crow_bytes].reshape(rows, e.crow_bytes)
-        self.send(op, eo_rows, positions, dispatch_index)
+        self.send(op, eo_rows, positions, slots, dispatch_index)
         if e.bsp:  # BSP keeps its barrier: every record complete before anyone reads
             e.proto.complete(op, e.ctrl, None, "the combine records to complete")
             e._barrier(op, 3)
@@ -89,40 +94,46 @@ class RmaCombine:
         self.reduce(h_idx[:ntok], h_w[:ntok], h_dst[:ntok], landed, y)
         return zero_copy
 
-    def positions_of(self, index: int, rows: int) -> list[np.ndarray]:
+    def positions_of(self, index: int, rows: int) -> tuple[list[np.ndarray], list[int]]:
         """Per source, the positions of its rows of dispatch ``index`` (checked: inside
-        ``rows``)."""
+        ``rows``) and where this rank's slot starts in its landing window (checked: the slot
+        fits)."""
         e = self.e
         got = self.sources.get(index % e.nreg)
         if got is None or got[0] != index:
             raise _OpError(E_BAD_INPUT, e.rank, f"no rows of dispatch {index} in this Buffer's "
                            "receive regions: combine the handle of one of the last "
                            f"{e.nreg} dispatches", arg="handle", msg=f"dispatch {index}")
+        slots = []
         for q, pos in enumerate(got[1]):
             if len(pos) and (pos[0] < 0 or pos[-1] >= rows):
                 raise _OpError(E_INTERNAL, q, f"rank {q}'s rows outside the {rows} expert "
                                               "outputs")
-        return got[1]
+            start = int(got[2][q, :e.rank].sum())
+            if start + len(pos) > e.cap_sent:
+                raise _OpError(E_INTERNAL, q, f"rank {q}'s landing slot for this rank ends "
+                                              f"past its {e.cap_sent} rows")
+            slots.append(start)
+        return got[1], slots
 
-    def landing_offset(self, par: int, src: int) -> int:
-        """Offset of expert rank ``src``'s slot of parity ``par`` in a landing window."""
+    def landing_offset(self, par: int, start_row: int) -> int:
+        """Offset of row ``start_row`` of parity ``par``'s half of a landing window."""
         e = self.e
-        return (par * e.R + src) * e.cap_src * e.crow_bytes
+        return (par * e.cap_sent + start_row) * e.crow_bytes
 
     def send(self, op: _Op, eo_rows: np.ndarray, positions: list[np.ndarray],
-             dispatch_index: int) -> None:
+             slots: list[int], dispatch_index: int) -> None:
         """Every source's output rows (in the order they came) into its landing slot, each
         followed by its record; every rank gets a record, with 0 rows if it sent none."""
         e = self.e
         slot = e.cl.slot(e.cl.comb_info, op.par, e.rank)
-        land = self.landing_offset(op.par, e.rank)
         for i in range(e.R - 1):  # own rows are read in place
             q = (e.rank + 1 + i) % e.R
             t0 = e.spans.t0()
             pos = positions[q]
             block = np.take(eo_rows, pos, axis=0) if len(pos) else eo_rows[:0]
             if len(pos):
-                e.cland.put(q, land, block)
+                e.cland.put(q, self.landing_offset(op.par, slots[q]), block)
                 if not e.sync_no_flush:
                     e.proto.complete(op, e.cland, q, f"the expert outputs to rank {q} to "
                                                      "complete")
@@ -140,6 +151,8 @@ class RmaCombine:
         view = e.cland.local_array
         landed: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         pending = {q for q in range(e.R) if q != e.rank}
+        counts = [len(needed.get(q, ())) for q in range(e.R)]
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
         since = [e.spans.t0()]
 
         def poll() -> bool:
@@ -159,7 +172,7 @@ class RmaCombine:
                 if n != len(pos):
                     raise _OpError(E_INTERNAL, q, f"rank {q} returned {n} expert outputs, this "
                                                   f"rank sent it {len(pos)} rows")
-                off = self.landing_offset(op.par, q)
+                off = self.landing_offset(op.par, starts[q])
                 rows = np.ndarray((n, e.crow_bytes), np.uint8, view, off)
                 if e.rows_checksum(rows, op.epoch) != check:
                     continue  # DC: not all landed yet
@@ -209,6 +222,8 @@ class RmaCombine:
             self.reduce_numpy(idx, w, dst_row, fetched, y)
             return
         ntok = idx.shape[0]
+        if not ntok:
+            return
         if e.expert:
             valid = idx >= 0
             owner = np.where(valid, idx // e.L, -1)

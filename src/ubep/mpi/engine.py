@@ -153,10 +153,14 @@ class RmaEngine:
         self.cl = _CtrlLayout(self.R, self.E, self.K, self.cap_src, self.expert)
         self.ctrl = self.group.map_global(self.cl.size_bytes, "rma-ctrl")
         # where peers push this rank's combine rows back (ubep.mpi.combine)
-        self.cland = self.group.map_global(
-            landing_bytes(self.R, self.cap_src, self.crow_bytes), "rma-comb-land")
+        # the most rows one rank sends in a dispatch: one per pick (expert layout), one per
+        # token and destination rank (rank layout)
+        self.cap_sent = self.T * (self.K if self.expert else self.R)
+        self.cland = self.group.map_global(landing_bytes(self.cap_sent, self.crow_bytes),
+                                           "rma-comb-land")
         self.sync_no_flush = config.sync == "dc"  # combine's records: DC needs no flush
-        self._rx_positions: list[np.ndarray] = []  # the last dispatch's, per source
+        # the last dispatch's positions of each source's rows, and its rows[s, d] table
+        self._rx_positions: tuple[list[np.ndarray], np.ndarray] = ([], np.zeros(0))
         # Highest done record seen per peer and its outcome (0 = ok, else the peer's code).
         self._done_seen = [0] * self.R
         self._done_code = [0] * self.R
@@ -328,7 +332,7 @@ class RmaEngine:
             else:
                 n = self._dispatch_asp(op, x, units, reg, o_idx, o_w, o_rank, o_tok, o_k,
                                        o_nrecv, o_dst)
-            self.combiner.remember(reg, index, self._rx_positions)
+            self.combiner.remember(reg, index, *self._rx_positions)
             self._drain(op)
         except _OpError as err:
             return self.proto.finish_error(op, err)
@@ -662,7 +666,7 @@ class RmaEngine:
                 raise _OpError(E_INTERNAL, s, f"rank {s}'s metadata has {len(metas[s])} rows, "
                                               f"its counts say {n}")
             self._fill_metadata(s, metas[s], positions[s], counts, outs)
-        self._rx_positions = positions  # combine sends each source's rows back from there
+        self._rx_positions = (positions, rows)  # combine sends each source's rows back
         if staged:
             return n_total
         pending = {s for s in range(self.R) if s != r and rows[s, r] > 0}
