@@ -362,8 +362,13 @@ class RmaEngine:
         except _OpError as err:
             return self.proto.finish_error(op, err)
         self.proto.finish(op)
-        # Peers pushed what this rank needs and read nothing of it: no wait for them here.
+        # Peers pushed what this rank needs and read nothing of it, but a rank leaves a combine
+        # only with every peer done with it (their done records: no MPI call waits), as before
+        # combine pushed: survivors of a loss then meet it in the same call, the one the
+        # masking agreement completes (ubep.mpi.membership); a rank one call ahead split a
+        # 3-host job's survivors under the soak of tests/mpi/test_multihost_faults.py.
         try:
+            self.proto.wait_peers_done(op, epoch, failures=False)
             self.proto.check_outcome(op)
         except _OpError as err:
             return self.proto.record(err)
