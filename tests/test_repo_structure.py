@@ -46,7 +46,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("buffer", ("ubep.buffer",)),
     ("user", ("ubep", "ubep.__main__", "ubep.cli", "ubep.demo", "ubep.doctor", "ubep.deep_ep",
               "ubep.torch", "ubep.sim", "ubep.trace.run", "ubep.trace.cli", "ubep.trace.plot",
-              "ubep.mpi.selftest")),
+              "ubep.mpi.selftest", "ubep.vllm")),
 )
 # the arrows allowed up a floor, (importer, the entry that places what it imports): one, the
 # core's door to the optional torch layer
