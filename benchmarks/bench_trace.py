@@ -25,8 +25,8 @@ import numpy as np
 from benchmarks.harness import Stats, collective_spans, format_table, save_results
 from ubep.buffer import Buffer, BufferConfig
 from ubep.runtime import launch
+from ubep.tools.trace_run import RunCase, topk_of
 from ubep.trace import spans_of
-from ubep.trace.run import RunCase, topk_of
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 

@@ -22,7 +22,7 @@ from ubep import modes, testing
 from ubep.buffer import Buffer, BufferConfig
 
 # One implementation of the seeded payloads and of the bit-exact comparison (ubep.testing)
-# serves the runtime tests, the benchmarks and `python -m ubep.mpi.selftest`.
+# serves the runtime tests, the benchmarks and `python -m ubep.tools.mpi_selftest`.
 from ubep.testing import FIELDS, bits, compare, expert_outputs
 from ubep.testing import payload as random_payload
 

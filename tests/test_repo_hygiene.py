@@ -135,10 +135,30 @@ def test_the_link_guard_sees_a_broken_and_an_outside_link(tmp_path: Path) -> Non
     assert OUTSIDE_PATH.search("see ../shared/docs/X.md") and not OUTSIDE_PATH.search("shm")
 
 
-README_MAX_LINES = 300  # what ubep is, the two commands, one complete program per face, links
+README_MAX_LINES = 250  # what ubep is, the two commands, one complete program per face, links
 
 
 def test_the_readme_stays_a_front_page() -> None:
     lines = (REPO_ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines"
     assert any("Quick start" in line for line in lines)
+
+
+SYS_PATH = re.compile(r"\bsys\s*\.\s*path\b")
+
+
+def _sys_path_users(root: Path) -> list[str]:
+    """Files under ``root`` that name ``sys.path``: a module found through an edited search
+    path is one the package's imports (and this suite's import graph) cannot see."""
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
+                  if SYS_PATH.search(p.read_text(errors="replace")))
+
+
+def test_no_source_edits_the_import_path() -> None:
+    assert _sys_path_users(REPO_ROOT / "src") == []
+
+
+def test_the_import_path_guard_sees_an_edit(tmp_path: Path) -> None:
+    (tmp_path / "a.py").write_text("import sys\nsys.path.insert(0, 'x')\n")
+    (tmp_path / "b.py").write_text("import sys\nprint(sys.argv)\n")
+    assert _sys_path_users(tmp_path) == ["a.py"]

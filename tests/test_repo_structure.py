@@ -10,6 +10,9 @@ Four rules, each checked from the source itself (the oracle is Python's own pars
   ``ubep.torch`` and ``ubep.deep_ep`` is the documented re-export of the facade;
 * every ``ubep`` module stands on one of the package's :data:`FLOORS` and imports only its own
   floor and those below, but for the one arrow up that :data:`UPWARD` names (the torch door);
+  a package stands on one floor whole (no entry places a module inside another entry's
+  package), and the door is one-way: the torch layer never reaches its own package back
+  through it;
 * no source file over :data:`MAX_LINES` lines.
 
 Each checker is also run on a small made-up tree that breaks its rule, so a checker that went
@@ -45,8 +48,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("transports", ("ubep.runtime", "ubep.mpi", "ubep.triton")),
     ("buffer", ("ubep.buffer",)),
     ("user", ("ubep", "ubep.__main__", "ubep.cli", "ubep.demo", "ubep.doctor", "ubep.deep_ep",
-              "ubep.torch", "ubep.sim", "ubep.trace.run", "ubep.trace.cli", "ubep.trace.plot",
-              "ubep.mpi.selftest", "ubep.vllm")),
+              "ubep.torch", "ubep.sim", "ubep.tools", "ubep.vllm")),
 )
 # the arrows allowed up a floor, (importer, the entry that places what it imports): one, the
 # core's door to the optional torch layer
@@ -79,6 +81,21 @@ def upward_arrows(graph: Mapping[str, set[str]],
             if here is not None and there is not None and there[0] > here[0]:
                 out.add((module, there[1]))
     return out
+
+
+def split_packages(floors: Iterable[tuple[str, Iterable[str]]] = FLOORS
+                   ) -> list[tuple[str, str]]:
+    """(package entry, entry inside it) pairs: a package whose modules stand on two floors (the
+    root ``ubep``, which places only its ``__init__``, excepted)."""
+    entries = [e for _, names in floors for e in names if e != "ubep"]
+    return sorted((outer, inner) for outer in entries for inner in entries
+                  if inner.startswith(outer + "."))
+
+
+def back_through_the_door(graph: Mapping[str, set[str]]) -> list[tuple[str, str]]:
+    """(torch-layer module, door) pairs: the torch layer importing the core's door to itself."""
+    return sorted((module, target) for module, targets in graph.items()
+                  if _in(module, TORCH_LAYER) for target in targets if target == TORCH_DOOR)
 
 
 def _module_files() -> dict[str, Path]:
@@ -270,6 +287,15 @@ def test_only_the_torch_door_goes_up_a_floor() -> None:
     assert upward_arrows(graph) == UPWARD
 
 
+def test_each_package_stands_on_one_floor() -> None:
+    assert split_packages() == []
+
+
+def test_the_torch_door_is_one_way() -> None:
+    graph = import_graph(_repo_sources(), load_time_only=False)
+    assert back_through_the_door(graph) == []
+
+
 def test_no_source_file_over_the_limit() -> None:
     assert long_files(_source_files(), MAX_LINES) == []
 
@@ -327,6 +353,20 @@ def test_floor_checker_finds_an_arrow_up_and_no_other() -> None:
     assert floor_entry("ubep.c", floors) is None
     assert upward_arrows(graph, floors) == {("ubep.a", "ubep.b"),
                                             ("ubep.pkg.low", "ubep.pkg.top")}
+
+
+def test_split_and_door_checkers_find_what_breaks_them() -> None:
+    floors = (("low", ("ubep.a", "ubep.pkg")), ("high", ("ubep", "ubep.pkg.top", "ubep.b")))
+    assert split_packages(floors) == [("ubep.pkg", "ubep.pkg.top")]
+    tree = {
+        "ubep.torch_bridge": ("def g():\n    from .torch import group\n", False),
+        "ubep.torch": ("", True),
+        "ubep.torch.group": ("from ubep import core\n", False),
+        "ubep.torch.ops": ("def f():\n    from ..torch_bridge import g\n", False),
+        "ubep.core": ("", False),
+    }
+    graph = import_graph(tree, load_time_only=False)
+    assert back_through_the_door(graph) == [("ubep.torch.ops", "ubep.torch_bridge")]
 
 
 def test_length_checker_counts_lines(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ _COMMAND_MODULES = (
     "ubep.demo",
     "ubep.sim.cli",
     "ubep.doctor",
-    "ubep.trace.cli",
+    "ubep.tools.trace_cli",
 )
 
 

@@ -68,7 +68,28 @@ def run_checks() -> list[Check]:
             _module("torch", "ubep.torch, ubep.deep_ep and torchrun",
                     "`make venv` in a clone (the CPU wheel, torchrun included), or "
                     "`pip install -e '.[torch]'` beside the torch you have"),
-            _module("matplotlib", "--plot outputs", "`pip install -e '.[plot]'`")]
+            _module("matplotlib", "--plot outputs", "`pip install -e '.[plot]'`"), _triton()]
+
+
+# Said on every Triton line: what BufferConfig(transport="triton") runs on today.
+TRITON_BUFFER_PATH = "the Buffer path (transport=\"triton\") is host-only for now"
+
+
+def _triton() -> Check:
+    """Which way the Triton engine runs here: compiled on a GPU, under Triton's interpreter on
+    the CPU, or not at all (triton or torch missing)."""
+    missing = [m for m in ("triton", "torch") if importlib.util.find_spec(m) is None]
+    if missing:
+        return Check("triton", False, f"missing ({', '.join(missing)} not installed)",
+                     "needed by transport=\"triton\" and ubep.triton; install: "
+                     "`pip install -e '.[triton]'` (Triton's interpreter runs it on a CPU)")
+    import torch
+
+    if torch.cuda.is_available():
+        where = f"GPU ({torch.cuda.get_device_name(0)}): compiled kernels via ubep.triton"
+    else:
+        where = "interpreter (no GPU: the kernels run under Triton's interpreter on the CPU)"
+    return Check("triton", True, f"{where}; {TRITON_BUFFER_PATH}")
 
 
 def verdicts(checks: list[Check]) -> list[str]:
@@ -211,7 +232,8 @@ def mpi_probe(num_ranks: int = 2) -> list[Check]:
     for name, mca, extra in runs:
         with tempfile.TemporaryDirectory(prefix="ubep-doctor-") as tmp:
             cmd = [launcher, "--oversubscribe", *mca, "-n", str(num_ranks), sys.executable,
-                   "-m", "ubep.mpi.selftest", "--modes", "asp:dc:expert:bf16,bsp:tff:rank:uint8",
+                   "-m", "ubep.tools.mpi_selftest",
+                   "--modes", "asp:dc:expert:bf16,bsp:tff:rank:uint8",
                    "--json", os.path.join(tmp, "out.json")]
             try:
                 proc = subprocess.run(cmd, env=_probe_env() | extra, capture_output=True,

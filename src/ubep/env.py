@@ -12,10 +12,12 @@ with
   empty at start), on a filesystem every rank sees (one host: any local directory). Ranks
   exchange their process ids and shared-memory segment names through small files there. Create
   it fresh per job (``mktemp -d``) and remove it afterwards. A rank that dies while it sets up
-  a group or a Buffer leaves a segment that only its peers have not yet mapped; a surviving rank
-  removes it (while it waits, when the set-up fails, when it closes its group). If no rank
-  survived, run ``python -m ubep.runtime.reaper --sweep DIR`` before removing the directory:
-  it removes every segment the directory records whose creator is gone.
+  a group or a Buffer leaves a segment that its peers have not yet mapped; each rank starts a
+  reaper of its own (a stdlib-only process in a session of its own) that removes it once the
+  rank is gone, however it died and whether or not the directory is still there, and a
+  surviving rank removes it too (while it waits, when the set-up fails, when it closes its
+  group). ``python -m ubep.runtime.reaper --sweep DIR`` removes every segment the directory
+  records whose creator is gone (for a job whose reapers were killed as well).
 
 and call :func:`ubep.runtime.group_from_env` in each process.
 

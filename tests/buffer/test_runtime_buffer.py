@@ -158,6 +158,9 @@ def test_config_must_match_on_every_rank() -> None:
         launch(_worker_mismatch, 2, timeout_s=120)
     assert info.value.remote_type == "InvalidArgumentError"
     assert all("InvalidArgumentError" in f for f in info.value.failures.values())
+    # the field and both values, on every rank, not a truncated BufferConfig(...)
+    want = "config.max_tokens_per_rank=16: differs between ranks: rank 0 has 16, rank 1 has 17"
+    assert all(want in f for f in info.value.failures.values()), info.value.failures
 
 
 # --- wire formats ---------------------------------------------------------------------------

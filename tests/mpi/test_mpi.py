@@ -77,7 +77,7 @@ def mpirun(num_ranks: int, argv: list[str], *, mca: tuple[str, ...] = _QUIET,
 def _selftest(tmp_path: Path, num_ranks: int, mca: tuple[str, ...], env: dict[str, str],
               hosts: int) -> None:
     out = tmp_path / "selftest.json"
-    mpirun(num_ranks, ["-m", "ubep.mpi.selftest", "--faults", "--json", str(out)], mca=mca,
+    mpirun(num_ranks, ["-m", "ubep.tools.mpi_selftest", "--faults", "--json", str(out)], mca=mca,
            env=env)
     every = json.loads(out.read_text())
     assert len(every) == num_ranks

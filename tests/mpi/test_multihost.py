@@ -2,8 +2,8 @@
 ``/dev/shm`` and hostname, joined by veth links on a bridge; ``mpiexec`` starts the ranks
 through a launch agent as it would over ssh.
 
-* every engine x sync x layout (``python -m ubep.mpi.selftest``; SP refused across hosts) on
-  2 hosts x 2 ranks and 3 hosts x 1, bit-exact against ``ubep.reference``;
+* every engine x sync x layout (``python -m ubep.tools.mpi_selftest``; SP refused across
+  hosts) on 2 hosts x 2 ranks and 3 hosts x 1, bit-exact against ``ubep.reference``;
 * the topology ubep derives from where the ranks run (hop 1 inside a host, 2 across), the one
   the hierarchical scheduler is given;
 * ``sync="sp"`` refused across hosts, naming ``sync``;
@@ -33,8 +33,8 @@ def test_every_mode_bit_exact_across_namespaced_hosts(
         per_host: int) -> None:
     bed = make_bed(hosts)
     out = tmp_path / "selftest.json"
-    code, output = run_job(bed, per_host, ["-m", "ubep.mpi.selftest", "--faults", "--json",
-                                           str(out)], timeout_s=240)
+    code, output = run_job(bed, per_host, ["-m", "ubep.tools.mpi_selftest", "--faults",
+                                           "--json", str(out)], timeout_s=240)
     assert code == 0, output[-4000:]
     every = json.loads(out.read_text())
     assert len(every) == hosts * per_host

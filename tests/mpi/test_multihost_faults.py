@@ -188,7 +188,7 @@ def test_fault_across_hosts(make_bed: MakeBed, tmp_path: Path, fault: str, phase
 def _healed_serves(bed: netns.HostBed, tmp_path: Path, per_host: int) -> None:
     """After a healed cut the hosts serve a new job bit-exact."""
     out = tmp_path / "after.json"
-    code, output = run_job(bed, per_host, ["-m", "ubep.mpi.selftest", "--modes",
+    code, output = run_job(bed, per_host, ["-m", "ubep.tools.mpi_selftest", "--modes",
                                            "asp:dc:expert:bf16,bsp:sw:rank:bf16", "--json",
                                            str(out)], timeout_s=120)
     assert code == 0, output[-4000:]
@@ -233,7 +233,7 @@ def test_a_slow_lossy_link_stays_bit_exact(make_bed: MakeBed, tmp_path: Path) ->
     if reason:
         pytest.skip(reason)
     out = tmp_path / "netem.json"
-    code, output = run_job(bed, 1, ["-m", "ubep.mpi.selftest", "--json", str(out)],
+    code, output = run_job(bed, 1, ["-m", "ubep.tools.mpi_selftest", "--json", str(out)],
                            env={"UBEP_TIMEOUT_S": "120"}, timeout_s=400)
     assert code == 0, output[-4000:]
     assert all(f["errors"] == [] and len(f["modes"]) == 12 for f in json.loads(out.read_text()))

@@ -237,8 +237,9 @@ def test_env_launch_rank_killed_at_the_rendezvous_leaves_no_segment(tmp_path: Pa
         time.sleep(0.02)
     victim.kill()
     victim.wait(10)
+    # (the victim's own reaper may already have removed the segment; its marker stays)
     names = [e.name.split(".", 1)[1] for e in rdv.glob("segment.*")]
-    assert len(names) == 1 and os.path.exists(os.path.join(SHM_DIR, names[0]))
+    assert len(names) == 1
     t0 = time.monotonic()
     survivor = start(0)
     _, stderr = survivor.communicate(timeout=90)

@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,8 @@ def logged_name():
         f.write(name + "\n")
     return name
 S.new_segment_name = logged_name
+if sys.argv[5:] == ["no-reaper"]:  # as if the rank's own reaper had been killed with it
+    G._start_own_reaper = lambda: (None, None)
 
 if victim and point in ("group_created", "group_published"):
     write = G._write_json
@@ -130,15 +133,16 @@ def test_a_rank_killed_during_an_env_launch_set_up_leaves_no_segment(
 
 
 def test_the_sweep_removes_what_a_job_whose_ranks_all_died_left(tmp_path: Path) -> None:
-    """No survivor: the one rank started dies right after creating its group segment; the job
-    script's ``python -m ubep.runtime.reaper --sweep DIR`` removes it."""
+    """No survivor and no reaper of its own (killed with the job): the one rank started dies
+    right after creating its group segment; the job script's ``python -m ubep.runtime.reaper
+    --sweep DIR`` removes it."""
     rdv = tmp_path / "rdv"
     rdv.mkdir(mode=0o700)
     log = tmp_path / "names"
     log.touch()
     env = dict(os.environ, UBEP_RANK="1", UBEP_WORLD_SIZE="2", UBEP_RENDEZVOUS=str(rdv))
-    proc = subprocess.run([sys.executable, "-c", _RANK, "group_created", "1", str(log), "10"],
-                          env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", _RANK, "group_created", "1", str(log), "10",
+                           "no-reaper"], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == -9, proc.stderr[-2000:]
     names = log.read_text().split()
     assert len(names) == 1 and os.path.exists(os.path.join(SHM_DIR, names[0]))
@@ -147,3 +151,35 @@ def test_the_sweep_removes_what_a_job_whose_ranks_all_died_left(tmp_path: Path) 
     assert sweep.returncode == 0 and names[0] in sweep.stdout, sweep
     shutil.rmtree(rdv)
     assert not os.path.exists(os.path.join(SHM_DIR, names[0]))
+
+
+def test_a_lone_rank_killed_at_the_rendezvous_leaves_no_segment(tmp_path: Path) -> None:
+    """No peer ever comes: rank 0 waits at the rendezvous for rank 1 with its group segment
+    named, is SIGKILLed there, and the job script removes the directory as the docs say, without
+    a sweep. The rank's own reaper (a process of its own session, which the kill does not
+    reach) removes the segment: nothing of the job is left in /dev/shm."""
+    rdv = tmp_path / "rdv"
+    rdv.mkdir(mode=0o700)
+    log = tmp_path / "names"
+    log.touch()
+    env = dict(os.environ, UBEP_RANK="0", UBEP_WORLD_SIZE="2", UBEP_RENDEZVOUS=str(rdv))
+    rank = subprocess.Popen([sys.executable, "-c", _RANK, "none", "1", str(log), "60"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (rdv / "hello.0.json").exists():  # its segment is named: it waits for rank 1
+        assert time.monotonic() < deadline and rank.poll() is None, rank.stderr
+        time.sleep(0.02)
+    rank.kill()
+    rank.communicate(timeout=30)
+    assert rank.returncode == -9
+    shutil.rmtree(rdv)  # as the job script does once its processes are gone
+    names = log.read_text().split()
+    assert len(names) == 1  # the group segment, named when the rank was killed
+    path = os.path.join(SHM_DIR, names[0])
+    deadline = time.monotonic() + 30  # the reaper's poll is 0.1 s; a loaded host is slower
+    while os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = os.path.exists(path)
+    if left:  # do not leave it to the next test
+        os.unlink(path)
+    assert not left, "the killed rank's group segment outlived it"

@@ -29,6 +29,7 @@ from tests.torch import _torchrun_worker as worker  # noqa: E402
 from ubep import reference  # noqa: E402
 from ubep.testing import FIELDS, bits  # noqa: E402
 from ubep.torch.group import _SLOT_BYTES  # noqa: E402
+from ubep.trace.recorder import WORK_LABEL  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKER = "tests.torch._torchrun_worker"  # run with ``-m`` from REPO_ROOT
@@ -105,8 +106,13 @@ def test_one_line_traces_a_deepep_step_into_one_file_with_every_rank_and_group(
         if e["ph"] == "X":
             assert isinstance(e["ts"], float | int) and e["dur"] >= 0, e
     traces = {t.label: t for t in ubep.trace.load(out / "step.json")}
-    world = [t for label, t in traces.items() if "world ranks" not in label]
-    assert len(world) == 1, sorted(traces)
+    world = [t for label, t in traces.items()
+             if "world ranks" not in label and label != WORK_LABEL]
+    assert len(world) == 1 and world[0].label.startswith("deep_ep normal ("), sorted(traces)
+    # the facade's own Python work: a named span per call, on each world rank
+    for r in range(4):
+        assert sorted(c.name for c in traces[WORK_LABEL].calls if c.rank == r) == [
+            "deep_ep.combine", "deep_ep.dispatch", "deep_ep.get_dispatch_layout"]
     for members in ("0,2", "1,3"):
         subs = [t for label, t in traces.items() if label.endswith(f" world ranks {members}")]
         assert len(subs) == len(worker.CASES), sorted(traces)  # a Buffer per case
@@ -114,7 +120,12 @@ def test_one_line_traces_a_deepep_step_into_one_file_with_every_rank_and_group(
     facade = world[0]
     assert facade.ranks() == [0, 1, 2, 3]
     for r in range(4):
-        assert sorted(c.name for c in facade.calls if c.rank == r) == ["combine", "dispatch"]
+        # the step's rows out and back, its combine's topk_weights back to their sources (a
+        # rank-layout dispatch of their float32 rows on a Buffer of their own: no exchange
+        # outside the engine), and the empty dispatch on the step's Buffer that moves every
+        # rank to that one together (deep_ep_checks.CallGate)
+        assert sorted(c.name for c in facade.calls if c.rank == r) == [
+            "combine", "dispatch", "dispatch", "dispatch"]
         tasks = {s.task for s in facade.spans if s.rank == r}
         assert {"send", "reduce"} <= tasks, (r, tasks)
     # flows: every send to another rank of the facade's trace lands on that rank's process

@@ -21,6 +21,7 @@ import json
 import os
 import secrets
 import stat
+import subprocess
 import time
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +39,7 @@ from ..plane.liveness import alive as process_alive
 from ..plane.liveness import start_time_of as process_start_time
 from ..plane.protocol import GlobalMemory, ProcessGroup
 from .host_topology import host_topology, own_cpus
+from .reaper import end_feed, spawn
 from .shm import HEADER_BYTES, Segment, forget_segment, remove_dead_owners_segments
 
 __all__ = [
@@ -51,6 +53,9 @@ __all__ = [
 ]
 
 _GROUP_SEGMENT_BYTES = 4096
+# A reaper starts in tens of milliseconds; these bound a loaded host's worst case.
+_REAPER_START_S = 30.0
+_REAPER_EXIT_S = 2.0
 _BARRIER_OFFSET = HEADER_BYTES  # u64 counter: number of barriers this rank has entered
 # spin 64 polls, yield for 50 ms, then sleep up to 1 ms (see Group._poll)
 _BACKOFF = Backoff(spin_polls=64, yield_s=0.05, sleep_slope=0.1)
@@ -111,6 +116,11 @@ class Group(Closing):
         group_id: 16 random bytes shared by the group (stamped into every segment header).
         rendezvous: the rendezvous directory.
         peers: liveness handles of every rank (this one included).
+        reaper_dir: the private directory of this rank's own reaper (``None`` when a launcher's
+            reaper owns the rendezvous directory, as ``ubep.launch``'s does): every segment this
+            rank creates is named there too until it is unlinked, and the reaper, in a session
+            of its own, removes what is still named once this process is gone, however it
+            died, whether or not the rendezvous directory is still there.
     """
 
     control_plane = "shm"  # a masking Buffer agrees through the rendezvous directory
@@ -124,6 +134,7 @@ class Group(Closing):
         group_id: bytes | None = None,
         topology: topo.Topology | None = None,
         timeout_s: float | None = None,
+        own_reaper: bool = True,
     ) -> None:
         if not isinstance(num_ranks, int) or num_ranks < 1:
             raise InvalidArgumentError("num_ranks", num_ranks, "must be a positive integer")
@@ -145,6 +156,10 @@ class Group(Closing):
         deadline = time.monotonic() + self.default_timeout_s
         self._segments: list[Segment] = []
         self._known: dict[int, PeerProcess] = {}  # peers whose hello this rank has read
+        self._reaper: subprocess.Popen[bytes] | None = None
+        self.reaper_dir: str | None = None
+        if own_reaper:
+            self._reaper, self.reaper_dir = _start_own_reaper()
         try:
             hello = self._rendezvous(group_id, deadline)
             self.group_id: bytes = bytes.fromhex(hello[0]["group_id"])
@@ -165,6 +180,7 @@ class Group(Closing):
             for seg in self._segments:
                 seg.close()
             remove_dead_owners_segments(rendezvous)
+            self._stop_reaper()
             raise
         unlink_all(self._segments, rendezvous)
 
@@ -250,11 +266,19 @@ class Group(Closing):
         # A peer that died while it set up an object (its segment mapped by nobody yet) is
         # swept here at the latest: the rendezvous directory may be removed once ranks exit.
         remove_dead_owners_segments(self.rendezvous)
+        self._stop_reaper()
 
     def __repr__(self) -> str:
         return f"Group(rank={self.rank}, num_ranks={self.num_ranks}, topology={self.topology.name})"
 
     # --- internals ----------------------------------------------------------------------
+
+    def _stop_reaper(self) -> None:
+        """End this rank's reaper: with every segment of this rank unlinked (their names gone
+        from its directory) it removes the directory and exits at once."""
+        if self._reaper is not None:
+            reaper, self._reaper = self._reaper, None
+            end_feed(reaper, _REAPER_EXIT_S)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -310,6 +334,7 @@ class Group(Closing):
             owner_rank=self.rank,
             kind="group",
             marker_dir=self.rendezvous,
+            reaper_dir=self.reaper_dir,
         )
         me = {
             "rank": self.rank,
@@ -395,7 +420,7 @@ def map_shm_global(
     exchange the names with ``group.allgather`` and map every peer's (collective)."""
     own = Segment.create(
         size_bytes, group_id=group.group_id, owner_rank=group.rank, kind=kind,
-        marker_dir=group.rendezvous,
+        marker_dir=group.rendezvous, reaper_dir=getattr(group, "reaper_dir", None),
     )
     segs: list[Segment] = []
     try:
@@ -460,6 +485,16 @@ def group_from_env(
     ``UBEP_RENDEZVOUS`` (see :mod:`ubep.env`)."""
     env = launch_env()
     return Group(env.rank, env.world_size, env.rendezvous, topology=topology, timeout_s=timeout_s)
+
+
+def _start_own_reaper() -> tuple[subprocess.Popen[bytes], str]:
+    """A reaper of this process alone (its own session; ``runtime/reaper.py``): it reads no
+    ranks, and once this process closes its end of the pipe (closing the group, or dying) it
+    waits for the creator of every segment its directory still names, removes them and exits."""
+    proc, directory = spawn(_REAPER_START_S)
+    if not directory:
+        raise UbepError(f"the group's reaper process did not start (exit code {proc.returncode})")
+    return proc, directory
 
 
 def _check_private_dir(path: str) -> None:

@@ -46,6 +46,7 @@ from ..errors import (
 from ..topology import Topology
 from . import reaper as _reaper
 from .group import Group
+from .main_guard import check_main_guard
 from .shm import remove_marked_segments
 
 __all__ = ["LostRank", "launch"]
@@ -109,6 +110,7 @@ def launch(
         raise InvalidArgumentError(
             "topology", topology.name, f"has {topology.num_ranks} ranks, expected {num_ranks}"
         )
+    check_main_guard(sys._getframe(1))  # before any process starts: the ranks re-run the script
     ctx = mp.get_context("spawn")
     reaper, rendezvous = _start_reaper()  # the directory: mode 0700, private to this user
     group_id = os.urandom(16)
@@ -314,8 +316,9 @@ def _child_main(
     _mpi_files_in(rendezvous)
     group: Group | None = None
     try:
+        # the launcher's reaper owns the rendezvous directory: no reaper of the rank's own
         group = Group(rank, num_ranks, rendezvous, group_id=group_id, topology=topology,
-                      timeout_s=timeout_s)
+                      timeout_s=timeout_s, own_reaper=False)
         result = fn(group, *args)
         message: tuple[str, Any] = ("ok", result)
     except BaseException as exc:  # report everything, including KeyboardInterrupt

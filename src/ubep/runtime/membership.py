@@ -113,6 +113,8 @@ class Roster:
         group_id: the id stamped into the group's segments.
         cores_per_rank: cores of each rank (the members' topology).
         default_timeout_s: the deadline of a control-plane wait.
+        reaper_dir: this process's own reaper's directory (``Group.reaper_dir``): the members'
+            segments are named there too, so they do not outlive this process either.
     """
 
     rank: int
@@ -122,13 +124,15 @@ class Roster:
     group_id: bytes
     cores_per_rank: int
     default_timeout_s: float
+    reaper_dir: str | None = None
 
     @staticmethod
     def of(group: Group) -> Roster:
         """Every rank of ``group``."""
         return Roster(group.rank, tuple(range(group.num_ranks)),
                       {p.rank: p for p in group.peers}, group.rendezvous, group.group_id,
-                      group.topology.cores_per_rank, group.default_timeout_s)
+                      group.topology.cores_per_rank, group.default_timeout_s,
+                      group.reaper_dir)
 
     def with_members(self, members: Sequence[int]) -> Roster:
         """This roster without the ranks not in ``members``."""
@@ -189,6 +193,7 @@ class MemberGroup:
         self.topology = topo.host(self.num_ranks, roster.cores_per_rank)
         self.group_id = roster.group_id
         self.rendezvous = roster.rendezvous
+        self.reaper_dir = roster.reaper_dir
         self.default_timeout_s = roster.default_timeout_s
         self.peers = [PeerProcess(i, roster.procs[r].pid, roster.procs[r].start_time)
                       for i, r in enumerate(self.members)]

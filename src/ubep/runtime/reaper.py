@@ -1,5 +1,7 @@
-"""Clean-up that survives SIGKILL of a whole job: the reaper process of ``ubep.launch`` and of a
-torch.distributed-backed group (``ubep.torch.group``, for jobs ``torchrun`` started).
+"""Clean-up that survives SIGKILL of a whole job: the reaper process of ``ubep.launch``, of a
+torch.distributed-backed group (``ubep.torch.group``, for jobs ``torchrun`` started) and of each
+rank of an env-var launch (``ubep.runtime.group_from_env``: its own reaper, listing no ranks,
+its directory naming that rank's segments besides the rendezvous directory).
 
 The job's feeder (the ``ubep.launch`` parent, or group rank 0 of a torch group) starts this file
 as a script (``python -I -S reaper.py FEEDER_PID FEEDER_START``: standard library only, nothing
@@ -18,9 +20,8 @@ signal to the job's process group does not reach it. One protocol for both:
    before the segment is created) and removes the directory.
 
 The same marker sweep is used by the launcher itself, and by the ranks of an env-var launch
-(``remove_dead_owners_segments``: only segments whose creator process is gone). A job script of
-an env-var launch whose ranks all died runs it before removing its rendezvous directory:
-``python -m ubep.runtime.reaper --sweep DIR``.
+over their rendezvous directory (``remove_dead_owners_segments``: only segments whose creator
+process is gone); ``python -m ubep.runtime.reaper --sweep DIR`` runs it from a job script.
 """
 
 from __future__ import annotations
@@ -36,10 +37,20 @@ import time
 
 if __package__:
     from ..plane.liveness import alive, start_time_of
-else:  # run as a script (``python -I -S reaper.py``): the same file, loaded by its path
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                    "plane"))
-    from liveness import alive, start_time_of  # type: ignore[no-redef]
+else:
+    # Run as a script (``python -I -S reaper.py``): importing ``ubep.plane.liveness`` would run
+    # the packages' ``__init__`` (numpy, the native build), which a reaper must not wait for,
+    # so the one copy of the liveness test is loaded from its file, under a name of its own (the
+    # search path stays as ``-I`` made it).
+    import importlib.util
+
+    _LIVENESS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                             "plane", "liveness.py")
+    _spec = importlib.util.spec_from_file_location("_ubep_reaper_liveness", _LIVENESS)
+    assert _spec is not None and _spec.loader is not None
+    _liveness = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_liveness)
+    alive, start_time_of = _liveness.alive, _liveness.start_time_of
 
 SHM_DIR = "/dev/shm"
 MARKER_PREFIX = "segment."
@@ -113,12 +124,14 @@ def remove_marked_segments(marker_dir: str) -> list[str]:
 
 
 def remove_dead_owners_segments(marker_dir: str) -> list[str]:
-    """Unlink the recorded segments whose creator process is gone (any rank may call it while
-    others run: a live owner's segment is left alone)."""
+    """Unlink the recorded segments whose creator process is gone, with their markers (any rank
+    may call it while others run: a live owner's segment is left alone); return their names,
+    also of those the creator's own reaper had unlinked already: each is a rank that died."""
     removed = []
     for name, marker in _markers(marker_dir):
         owner = _owner(marker)
-        if owner is not None and not alive(*owner) and _unlink(name, marker):
+        if owner is not None and not alive(*owner):
+            _unlink(name, marker)
             removed.append(name)
     return removed
 

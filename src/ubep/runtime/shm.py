@@ -94,7 +94,7 @@ class Segment:
         self.owner = owner
         self.created = created
         self.unlinked = not created
-        self.marker: str | None = None
+        self.markers: list[str] = []  # the files that name it until it is unlinked
         try:
             self._mm: mmap.mmap | None = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
         finally:
@@ -107,17 +107,18 @@ class Segment:
     @classmethod
     def create(
         cls, size_bytes: int, *, group_id: bytes, owner_rank: int, kind: str,
-        marker_dir: str | None = None,
+        marker_dir: str | None = None, reaper_dir: str | None = None,
     ) -> Segment:
-        """Create, size, pre-fault and stamp a new segment owned by this process."""
+        """Create, size, stamp and pre-fault a new segment owned by this process; its name is
+        recorded first in ``marker_dir`` (for the peers' sweeps) and in ``reaper_dir`` (the
+        private directory of this process's own reaper, where a job may remove ``marker_dir``
+        before anyone swept it)."""
         if size_bytes < HEADER_BYTES:
             raise InvalidArgumentError("size_bytes", size_bytes, f"must be >= {HEADER_BYTES}")
         size = -(-size_bytes // _PAGE) * _PAGE
         name = new_segment_name()
-        marker: str | None = None
-        if marker_dir is not None:
-            # Record the name first: if this process dies before unlinking, others can.
-            marker = write_marker(marker_dir, name)
+        # Record the name first: if this process dies before unlinking, others can.
+        markers = [write_marker(d, name) for d in (marker_dir, reaper_dir) if d is not None]
         path = os.path.join(SHM_DIR, name)
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(path, flags, 0o600)
@@ -130,12 +131,15 @@ class Segment:
             raise
         seg = cls(name, fd, size, owner_rank, created=True)
         assert seg._mm is not None
-        seg.marker = marker
-        seg.prefault()
+        seg.markers = markers
+        # Stamped before the pre-fault (which keeps every byte): a big segment takes a while to
+        # fault in, and a reader of headers (a leak check of another job) must see its owner
+        # all that time, not an ownerless segment to remove.
         HEADER.pack_into(
             seg._mm, 0, MAGIC, VERSION, owner_rank, size, os.getpid(), _pad(group_id, 16),
             _pad(kind.encode(), 16),
         )
+        seg.prefault()
         return seg
 
     @classmethod
@@ -195,9 +199,9 @@ class Segment:
             self.unlinked = True
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(SHM_DIR, self.name))
-            if self.marker is not None:
+            for marker in self.markers:
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.marker)
+                    os.unlink(marker)
 
     def close(self) -> None:
         """Unlink if still named, then unmap (views into the mapping must be gone by then;

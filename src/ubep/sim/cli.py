@@ -8,9 +8,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..errors import InvalidArgumentError
 from ..modes import ENGINES, LAYOUTS, POLICIES, SYNCS
 from .experiments import ALIASES, EXPERIMENTS
 from .presets import FAMILIES, FITTED_FAMILIES
+from .spec import ASP_MIN_CORES
 from .syncs import SP
 from .whatif import WHATIFS
 from .workload import ROUTINGS
@@ -68,7 +70,9 @@ def register(subparsers: Any) -> None:
     p = sub.add_parser("run", help="simulate one dispatch/combine call and print its timeline")
     _common(p)
     p.add_argument("--ranks", type=int, default=64)
-    p.add_argument("--cores", type=int, default=None, help="cores per rank (preset default)")
+    p.add_argument("--cores", type=int, default=None,
+                   help="cores per rank (preset default; ASP: at least 2, a send and a count "
+                        "core, where the preset's share of a small host is 1)")
     p.add_argument("--tokens", type=int, default=128, help="tokens per rank")
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--itemsize", type=int, default=1)
@@ -228,6 +232,11 @@ def _run(args: argparse.Namespace) -> int:
 
     fabric = load_fabric(args.family)
     topo = topology_for(args.family, args.ranks, args.cores)
+    if args.engine == "asp" and topo.cores_per_rank < ASP_MIN_CORES:
+        if args.cores is not None:
+            raise InvalidArgumentError("--cores", args.cores, f"the ASP model needs a send and "
+                                       f"a count core per rank: at least {ASP_MIN_CORES}")
+        topo = topology_for(args.family, args.ranks, ASP_MIN_CORES)  # e.g. host, 64 ranks
     from ..expert_map import ExpertMap
 
     emap = None

@@ -101,6 +101,16 @@ def from_torch(
     return made
 
 
+def is_torch_group(group: Any) -> bool:
+    """Whether ``group`` is a ``torch.distributed.ProcessGroup``."""
+    return isinstance(group, dist.ProcessGroup)
+
+
+def as_ubep_group(group: Any) -> Any:
+    """``group`` itself, or for a torch.distributed group its ubep group (:func:`from_torch`)."""
+    return from_torch(group) if is_torch_group(group) else group
+
+
 def held(group: Any) -> Callable[[], Any]:
     """A way back to ``group`` that never keeps a torch group alive (module docstring,
     Lifetime): a weak reference to a ``torch.distributed`` group (``None`` once torch freed it),

@@ -194,9 +194,9 @@ def _group_allgather(model: nn.Module) -> Callable[[Any], list[Any]]:
                 )
             return gather
     group = _registered_group()
-    from ..torch_bridge import as_process_group
+    from .group import as_ubep_group
 
-    return as_process_group(group).allgather
+    return as_ubep_group(group).allgather
 
 
 _FORGOT_REGISTER = (

@@ -7,7 +7,7 @@ Chrome trace event format (Perfetto, ``chrome://tracing``) and drawn as per-core
 * :mod:`ubep.trace.plot`: Figure 8/9-style per-core bars from any trace;
 * :mod:`ubep.trace.recorder`: the runtime's producer: ``BufferConfig(trace=True)`` and
   ``with ubep.trace.record("step.json"): ...`` around any program;
-* ``ubep trace run|plot|merge`` (:mod:`ubep.trace.cli`).
+* ``ubep trace run|plot|merge`` (:mod:`ubep.tools.trace_cli`, on the user floor).
 """
 
 from .chrome import load, merge, to_chrome, write

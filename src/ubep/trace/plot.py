@@ -1,6 +1,8 @@
 """Per-core bars of one or more traces side by side (the paper's Figures 8 and 9 as pictures):
-a row per (rank, core), a bar per task coloured by kind, time in microseconds. Measured beside
-predicted, or ASP beside BSP, share one time axis so the eye compares lengths."""
+a row per (rank, core), a bar per task coloured by kind, time in microseconds. Panels of one
+source (measured beside measured, ASP beside BSP) share a time axis so the eye compares lengths;
+a measured and a predicted panel each get their own (a host call and a superpod prediction are
+orders of magnitude apart: on one axis the shorter is a sliver)."""
 
 from __future__ import annotations
 
@@ -10,11 +12,34 @@ from pathlib import Path
 from ..errors import InvalidArgumentError
 from .spans import TASK_KINDS, Trace
 
-__all__ = ["plot_traces"]
+__all__ = ["plot_traces", "time_axes_us"]
 
 _COLOURS = dict(zip(TASK_KINDS, (
     "#bbbbbb", "#4477aa", "#66ccee", "#aa3377", "#228833", "#ccbb44", "#ee6677", "#000000",
     "#ee7733", "#0077bb", "#999933", "#882255", "#44aa99", "#dddddd"), strict=True))
+
+
+def _rows(trace: Trace, ranks: Sequence[int] | None, max_cores: int) -> list[tuple[int, int]]:
+    return [key for key in trace.by_core() if ranks is None or key[0] in ranks][:max_cores]
+
+
+def _extent_us(trace: Trace, rows: list[tuple[int, int]]) -> float:
+    """From the first task's start to the last task's end over ``rows``, in microseconds."""
+    spans = trace.by_core()
+    starts = [s.start_ns for key in rows for s in spans[key]]
+    ends = [s.end_ns for key in rows for s in spans[key]]
+    return (max(ends) - min(starts)) / 1e3 if starts else 0.0
+
+
+def time_axes_us(traces: Sequence[Trace], *, ranks: Sequence[int] | None = None,
+                 max_cores: int = 64) -> list[float]:
+    """Each panel's time axis length in microseconds: the longest extent among the panels of
+    its source (``"runtime"``, measured; anything else, predicted)."""
+    extents = [_extent_us(t, _rows(t, ranks, max_cores)) for t in traces]
+    longest: dict[str, float] = {}
+    for trace, extent in zip(traces, extents, strict=True):
+        longest[trace.source] = max(longest.get(trace.source, 0.0), extent)
+    return [longest[t.source] for t in traces]
 
 
 def plot_traces(traces: Sequence[Trace], out: str | Path, *, ranks: Sequence[int] | None = None,
@@ -28,11 +53,11 @@ def plot_traces(traces: Sequence[Trace], out: str | Path, *, ranks: Sequence[int
 
     if not traces:
         raise InvalidArgumentError("traces", [], "needs at least one trace")
-    fig, axes = plt.subplots(1, len(traces), figsize=(6.5 * len(traces), 4.8), squeeze=False,
-                             sharex=True)
+    fig, axes = plt.subplots(1, len(traces), figsize=(6.5 * len(traces), 4.8), squeeze=False)
     used: set[str] = set()
-    for ax, trace in zip(axes[0], traces, strict=True):
-        rows = [key for key in trace.by_core() if ranks is None or key[0] in ranks][:max_cores]
+    limits = time_axes_us(traces, ranks=ranks, max_cores=max_cores)
+    for ax, trace, limit in zip(axes[0], traces, limits, strict=True):
+        rows = _rows(trace, ranks, max_cores)
         spans = trace.by_core()
         origin = min((s.start_ns for key in rows for s in spans[key]), default=0.0)
         for y, key in enumerate(rows):
@@ -46,6 +71,7 @@ def plot_traces(traces: Sequence[Trace], out: str | Path, *, ranks: Sequence[int
         ax.set_yticks(range(len(rows)), [f"r{r} c{c}" for r, c in rows],
                       fontsize=max(4, 9 - len(rows) // 12))
         ax.invert_yaxis()
+        ax.set_xlim(0.0, limit * 1.02 or 1.0)
         ax.set_xlabel("time since the first task (us)")
         ax.set_title(f"{trace.label} ({'measured' if trace.source == 'runtime' else 'predicted'})",
                      fontsize=10)

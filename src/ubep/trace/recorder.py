@@ -14,29 +14,35 @@ that holds rank 0 waits (at most ``merge_timeout_s``) for every rank's file and 
 ``torch.distributed`` the ranks that name the files are the world's, so the Buffers of several
 EP groups (``dist.new_group``) land in one file, each group its own trace, labelled with its
 members' world ranks.
+
+Two Buffers of one configuration would share a label; a program that holds several names each
+(:func:`name_buffer`: the DeepEP facade's ``"deep_ep normal"`` and ``"deep_ep low-latency"``),
+and its own Python work around the engine calls shows as named spans of the ``"python"`` trace
+(:func:`work`, :func:`traced_work`: the facade's conversions and checks).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import threading
 import time
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
 from ..errors import InvalidArgumentError, UbepError
 from .spans import TASK_KINDS, CallSpan, Span, Trace
 
-__all__ = ["CALL_KINDS", "DEFAULT_CAPACITY", "SPAN_DTYPE", "Recorder", "decode", "record",
-           "spans_of"]
+__all__ = ["CALL_KINDS", "DEFAULT_CAPACITY", "SPAN_DTYPE", "WORK_LABEL", "Recorder", "decode",
+           "name_buffer", "record", "spans_of", "traced_work", "work"]
 
 #: One span as the engines pack it (runtime/native/engine.h, span_t). For a call span ``unit``
 #: is the dispatch index (combine: -1) and ``peer`` the call's error code (0: it succeeded).
@@ -48,9 +54,14 @@ CALL_KINDS = ("dispatch", "combine")
 #: spans each core keeps (the oldest are overwritten): 48 bytes each
 DEFAULT_CAPACITY = 1 << 16
 
+#: the label of the trace that holds a program's own Python work (:func:`work`)
+WORK_LABEL = "python"
+
 _lock = threading.Lock()
 _buffers: weakref.WeakSet[Any] = weakref.WeakSet()  # every Buffer set up in this process
+_names: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()  # name_buffer
 _recorders: list[Recorder] = []
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def decode(packed: bytes, counts: tuple[int, ...], rank: int) -> tuple[list[Span], list[CallSpan]]:
@@ -76,7 +87,48 @@ def decode(packed: bytes, counts: tuple[int, ...], rank: int) -> tuple[list[Span
 
 def _label(buffer: Any) -> str:
     cfg = buffer._cfg
-    return f"{cfg.engine}/{cfg.sync}"
+    with _lock:
+        name = _names.get(buffer)
+    return f"{cfg.engine}/{cfg.sync}" if name is None else f"{name} ({cfg.engine}/{cfg.sync})"
+
+
+def name_buffer(buffer: Any, name: str) -> None:
+    """Label ``buffer``'s trace ``"<name> (<engine>/<sync>)"``, so that a program's Buffers of
+    one engine and sync mode (a DeepEP facade's normal and low-latency ones) are told apart."""
+    with _lock:
+        _names[buffer] = name
+
+
+@contextlib.contextmanager
+def work(name: str, rank: int) -> Iterator[None]:
+    """A span ``name`` of this process's own Python work (a facade's conversions and checks
+    around its engine calls) on the calls row of ``rank`` (under torch.distributed, the world
+    rank) in the :data:`WORK_LABEL` trace; recorded inside :func:`record` only."""
+    if not _recorders:  # not recording: nothing but this look
+        yield
+        return
+    start = time.monotonic_ns()
+    try:
+        yield
+    finally:
+        world = _own_world_ranks()
+        span = CallSpan(world[0] if world else rank, name, start, time.monotonic_ns())
+        with _lock:
+            for rec in _recorders:
+                rec.work.append(span)
+
+
+def traced_work(name: str) -> Callable[[_F], _F]:
+    """A method decorator: each call is a :func:`work` span ``name`` of ``self.rank``."""
+    def wrap(method: _F) -> _F:
+        @functools.wraps(method)
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if not _recorders:
+                return method(self, *args, **kwargs)
+            with work(name, int(self.rank)):
+                return method(self, *args, **kwargs)
+        return cast(_F, run)
+    return wrap
 
 
 @dataclass(frozen=True)
@@ -167,6 +219,7 @@ class Recorder:
     path: Path
     capacity: int
     traces: list[tuple[Trace, _Place]] = field(default_factory=list)
+    work: list[CallSpan] = field(default_factory=list)  # the program's Python work (work())
 
     def add(self, trace: Trace, place: _Place) -> None:
         self.traces.append((trace, place))
@@ -248,6 +301,10 @@ def _write(rec: Recorder, merge_timeout_s: float) -> None:
         world_size = max(world_size, place.world_size)
         for r in t.ranks():
             by_rank.setdefault(place.world_ranks[r], []).append(_only_rank(t, r))
+    for r in sorted({c.rank for c in rec.work}):  # ranks already in the world's numbering
+        world_size = max(world_size, r + 1)
+        by_rank.setdefault(r, []).append(
+            Trace("runtime", WORK_LABEL, (), tuple(c for c in rec.work if c.rank == r)))
     for r, traces in by_rank.items():
         tmp = rec.rank_path(r).with_suffix(".tmp")
         write(join(traces, runs_apart=False), tmp)

@@ -123,6 +123,7 @@ class TritonEngine(Closing):
         self.epoch = 0
         self.generation = 0
         self.num_dispatches = 0
+        self.signature = 0  # what this rank's dispatches are (ubep.buffer.signature)
         self._resyncs = 0
         self._lost_step: str | None = None
         self._dirty_rows = 0
@@ -134,6 +135,7 @@ class TritonEngine(Closing):
         i64 = torch.int64
         self.table = torch.tensor(self.arena.addresses, dtype=i64, device=self.device)
         self.v_counts = tt.view(loc, lay.counts, 2 * lay.num_ranks * lay.num_buckets, i64)
+        self.v_ranks = tt.view(loc, lay.ranks, 2 * lay.num_ranks * lay.num_ranks, i64)
         self.v_dflag = tt.view(loc, lay.dflag, lay.num_ranks * 4, i64)
         self.v_cflag = tt.view(loc, lay.cflag, lay.num_ranks, i64)
         self.v_ready = tt.view(loc, lay.ready, lay.num_ranks, i64)
@@ -246,6 +248,18 @@ class TritonEngine(Closing):
         self.epoch += 1
         return self.epoch
 
+    def _check_signatures(self, epoch: int, parity: int) -> None:
+        """Every source's call is this rank's (its signature, stored before its counts, which
+        are in): else a clean reject before any row moves, as the native engine's."""
+        mine = self.signature & _MASK64
+        for s in range(self.num_ranks):
+            raw = self.arena.peer_bytes(s, self.lay.sig + parity * 16, 16)
+            got_epoch, theirs = (int(v) & _MASK64 for v in np.frombuffer(raw, "<i8"))
+            if got_epoch == epoch and theirs != mine:
+                raise self._refuse(epoch, InvalidArgumentError(
+                    "signature", f"{mine:x}:{theirs:x}:{s}",
+                    f"rank {s}'s call {epoch} differs from rank {self.rank}'s"))
+
     def _refuse(self, epoch: int, err: InvalidArgumentError) -> InvalidArgumentError:
         self._notice(epoch, _CLEAN, f"rank {self.rank}: {err}")
         return err
@@ -319,6 +333,14 @@ class TritonEngine(Closing):
         parity = index % 2
         off_counts = lay.counts + parity * R * NB * 8
         v_counts = self.v_counts[parity * R * NB:(parity + 1) * R * NB]
+        # the call's signature, in this rank's arena before its counts: a peer that has its
+        # counts reads it (_check_signatures)
+        tt.view(self.arena.local, lay.sig + parity * 16, 2, torch.int64).copy_(
+            torch.tensor([epoch, _signed64(self.signature)]))
+        # this rank's rows to every rank (one unit of the Plan per row), before its counts
+        rows_to = np.bincount(plan.send_dst_rank, minlength=R).astype(np.int64)
+        self._launch(kd, "ranks_kernel", R, _i64(rows_to, dev), me, e32, R,
+                     lay.ranks + parity * R * R * 8, RP=_pow2(R))
         self._launch(kd, "count_kernel", plan.num_count_cores, idx_t, T, K, L,
                      _i64(bptr, dev), me, e32, NB, off_counts, RANK_LAYOUT=self.rank_layout,
                      BT=BT, KP=KP)
@@ -326,6 +348,7 @@ class TritonEngine(Closing):
         RP, NBP = _pow2(R), _pow2(NB)
         self._wait(kd, "prefix_kernel", R, epoch, "counts", offs, me, epoch, e32, R, NB,
                    off_counts, lay.notice, cfg.poll_spins, RP=RP, NBP=NBP)
+        self._check_signatures(epoch, parity)
         bucket = np.zeros_like(plan.send_dst_rank) if self.rank_layout \
             else plan.send_expert - plan.send_dst_rank * L
         # where each unit's row lands (send_kernel's row), the handle's send_dst_row
@@ -362,11 +385,29 @@ class TritonEngine(Closing):
                    cfg.poll_spins, RANK_LAYOUT=self.rank_layout, ROW=self.sync.dispatch_row,
                    BATCH=self.sync.dispatch_batch, RP=RP, NBP=NBP, KP=KP, BT=BT, BH=BH,
                    BW=min(_pow2(max(W, 1)), 512), NBLKP=_pow2(lay.nblk))
-        return self._result(index, T, idx, w, send_dst_row, v_counts, meta, m_idx, m_w)
+        sent = self._sent_rows(epoch, parity, v_counts)
+        return self._result(index, T, idx, w, send_dst_row, v_counts, meta, m_idx, m_w, sent)
+
+    def _sent_rows(self, epoch: int, parity: int, v_counts: Any) -> np.ndarray:
+        """``[source, destination]`` rows of this dispatch, from the ranks block (every source
+        released its row before its counts, which this rank has all acquired); a row that is
+        not this call's, or whose entry for this rank is not the rows its counts announced, is
+        corrupt control data."""
+        R, e32 = self.num_ranks, self._epoch_args(epoch)[0]
+        words = self.v_ranks[parity * R * R:(parity + 1) * R * R].cpu().numpy().reshape(R, R)
+        sent = (words & 0xFFFFFFFF).astype(np.int64)
+        counts = (v_counts.cpu().numpy() & 0xFFFFFFFF).reshape(R, self.lay.num_buckets)
+        bad = np.flatnonzero(((words >> 32) != e32).any(axis=1)
+                             | (sent[:, self.rank] != counts.sum(axis=1)))
+        if len(bad):
+            raise self._lose_step(epoch, UbepError(
+                f"rank {self.rank}: call {epoch}: the rows per rank of rank {int(bad[0])} "
+                "disagree with its counts (corrupt control data)"))
+        return sent
 
     def _result(self, index: int, T: int, idx: np.ndarray, w: np.ndarray,
                 send_dst_row: np.ndarray, v_counts: Any, meta: list[Any], m_idx: Any,
-                m_w: Any) -> DispatchResult[Any]:
+                m_w: Any, sent: np.ndarray) -> DispatchResult[Any]:
         torch, cfg, R, L = self._torch, self.config, self.num_ranks, self.local_experts
         counts = (v_counts.cpu().numpy() & 0xFFFFFFFF).reshape(R, self.lay.num_buckets)
         rows = int(counts.sum())
@@ -389,7 +430,8 @@ class TritonEngine(Closing):
             generation=self.generation)
         return DispatchResult(recv_x=recv_x, recv_topk_idx=r_idx, recv_topk_weights=r_w,
                               num_recv_tokens_per_expert=per_expert, recv_src_rank=src,
-                              recv_src_token=tok, recv_src_k=k, handle=handle)
+                              recv_src_token=tok, recv_src_k=k, handle=handle,
+                              num_sent_rows_per_rank=torch.from_numpy(sent).to(self.device))
 
     # --- combine ----------------------------------------------------------------------------
 

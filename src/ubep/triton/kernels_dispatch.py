@@ -3,6 +3,8 @@
 """UBEP's ASP dispatch as Triton kernels: count, prefix sum, send (the Plan's units per
 program), publish, receive. One launch per task; the host runs them in this order:
 
+0. ``ranks_kernel`` (a program per destination): this rank's rows to every rank, released
+   into each destination's ranks block of the dispatch's parity (``epoch32 << 32 | rows``).
 1. ``count_kernel`` (a program per count core of the Plan): rows per bucket (local expert, or
    destination rank) of this rank's tokens, each released into the destination's count inbox
    of the dispatch's parity as ``epoch32 << 32 | rows``: the counts are their own flag. This
@@ -71,6 +73,19 @@ def count_kernel(table, order, idx_ptr, T, K, L, bptr, me, epoch32, NB, OFF_COUN
         b = g - dst * NB
         word = (epoch32.to(tl.int64) << 32) | cnt
         release(region(table, dst, OFF_COUNTS + (me * NB + b) * 8, tl.int64), word, None)
+
+
+@triton.jit
+def ranks_kernel(table, order, rows_ptr, me, epoch32, R, OFF_RANKS, RP: tl.constexpr):
+    """This rank's rows to every rank, released into destination ``d``'s ranks block (a
+    program per destination), before the counts: a receiver that has every source's counts
+    reads every source's rows per rank, the whole ``[source, destination]`` matrix."""
+    d = tl.load(order + tl.program_id(0))
+    j = tl.arange(0, RP)
+    m = j < R
+    rows = tl.load(rows_ptr + j, mask=m, other=0)
+    words = (epoch32.to(tl.int64) << 32) | rows
+    release(region(table, d, OFF_RANKS + (me * R + j) * 8, tl.int64), words, m)
 
 
 @triton.jit

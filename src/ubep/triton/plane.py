@@ -129,6 +129,9 @@ class TritonPlane:
         self.engine._notice(epoch, code, message)
         return 0
 
+    def set_signature(self, word: int) -> None:
+        self.engine.signature = int(word) & (2**64 - 1)
+
     def resync(self, base_epoch: int) -> None:
         self._done.clear()
         self.engine.restart(base_epoch)

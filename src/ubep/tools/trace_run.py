@@ -60,7 +60,7 @@ def config_of(case: RunCase) -> Any:
 def _rank_main(group: Any, case: RunCase, out: str) -> int:
     from ..buffer import Buffer
     from ..testing import payload
-    from .recorder import record
+    from ..trace.recorder import record
 
     rng = np.random.default_rng([case.seed, group.rank])
     x = payload(rng, "bf16", case.num_tokens, case.hidden)
@@ -90,7 +90,7 @@ def predict(case: RunCase, fabric: str = "cm384") -> Any:
     from ..sim import simulate
     from ..sim.calib import load_fabric
     from ..topology import host
-    from .spans import from_sim
+    from ..trace.spans import from_sim
 
     cores = case.num_cores or host(case.num_ranks).cores_per_rank
     topo = dataclasses.replace(host(case.num_ranks), cores_per_rank=cores)

@@ -1,9 +1,9 @@
-"""``python -m ubep.mpi.selftest``: check ubep on an MPI job against ``ubep.reference``.
+"""``python -m ubep.tools.mpi_selftest``: check ubep on an MPI job against ``ubep.reference``.
 
 Run it the way the application will run (same hosts, same ``mpiexec`` options)::
 
-    mpiexec -n 4 python -m ubep.mpi.selftest                     # every engine x sync x layout
-    mpiexec -n 4 python -m ubep.mpi.selftest --modes asp:dc:expert:bf16 --json out.json
+    mpiexec -n 4 python -m ubep.tools.mpi_selftest               # every engine x sync x layout
+    mpiexec -n 4 python -m ubep.tools.mpi_selftest --modes asp:dc:expert:bf16 --json out.json
 
 Every rank builds the inputs of all ranks from one seed, runs ``dispatch`` and ``combine`` on a
 :class:`ubep.Buffer` over :func:`ubep.mpi.init`, and compares its own results with the
@@ -88,9 +88,10 @@ def _bad_call(buf: Buffer, x: np.ndarray, idx: np.ndarray, w: np.ndarray, r: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    from . import init
+    from ..mpi import init
 
-    parser = argparse.ArgumentParser(prog="python -m ubep.mpi.selftest", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m ubep.tools.mpi_selftest",
+                                     description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--modes", default="all",
                         help="comma-separated engine:sync:layout:dtype, or 'all' (default)")
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     every = group.allgather(findings)
     if group.rank == 0:
         status = "PASS" if not any(f["errors"] for f in every) else "FAIL"
-        print(f"ubep.mpi.selftest: {status}: {len(modes)} modes on {group.num_ranks} ranks "
+        print(f"ubep.tools.mpi_selftest: {status}: {len(modes)} modes on {group.num_ranks} ranks "
               f"({group.num_hosts} host(s) x {group.ranks_per_host}), "
               f"{max(f['seconds'] for f in every):.1f} s", flush=True)
         for r, f in enumerate(every):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..errors import InvalidArgumentError
+
 __all__ = ["register"]
 
 
@@ -26,7 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--engine", choices=("asp", "bsp"), default="asp")
     run.add_argument("--sync", choices=("sw", "tff", "dc", "sp"), default="tff")
     run.add_argument("--layout", choices=("expert", "rank"), default="expert")
-    run.add_argument("--cores", type=int, default=None, help="cores per rank (default: host's)")
+    run.add_argument("--cores", type=int, default=None,
+                     help="cores per rank (default: the host's; with --predicted at least 2, "
+                          "the simulator's ASP model's send and count core, for both runs)")
     run.add_argument("--iters", type=int, default=1, help="traced calls after the warm-up")
     run.add_argument("--no-combine", action="store_true", help="dispatch only")
     run.add_argument("-o", "--out", required=True, help="trace event JSON to write")
@@ -45,26 +49,43 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .run import RunCase, predict, run_traced
+    from .trace_run import RunCase, predict, run_traced
 
     case = RunCase(num_ranks=args.ranks, num_tokens=args.tokens, hidden=args.hidden,
                    num_experts=args.experts, num_topk=args.topk, routing=args.routing,
                    engine=args.engine, sync=args.sync, layout=args.layout,
-                   num_cores=args.cores, iters=args.iters, combine=not args.no_combine)
+                   num_cores=_cores(args), iters=args.iters, combine=not args.no_combine)
     # the prediction first: a case the simulator refuses (BSP with a sync mode other than SW)
     # is refused before any rank starts
     predicted = predict(case) if args.predicted else None
     print(run_traced(case, args.out))
     if predicted is not None:
-        from .chrome import write
+        from ..trace.chrome import write
 
         print(write([predicted], args.predicted))
     return 0
 
 
+def _cores(args: argparse.Namespace) -> int | None:
+    """``--cores``, or with ``--predicted`` on a host whose share is one core a rank, the two
+    the simulator's ASP model needs, measured and predicted alike (the same Plans)."""
+    if not args.predicted or args.engine != "asp":
+        return args.cores
+    from ..sim.spec import ASP_MIN_CORES
+    from ..topology import host
+
+    if args.cores is None:
+        return max(ASP_MIN_CORES, host(args.ranks).cores_per_rank)
+    if args.cores < ASP_MIN_CORES:
+        raise InvalidArgumentError("--cores", args.cores, f"--predicted times ASP on the "
+                                   f"simulator, which needs at least {ASP_MIN_CORES} cores a "
+                                   f"rank (a send and a count core)")
+    return int(args.cores)
+
+
 def _plot(args: argparse.Namespace) -> int:
-    from .chrome import load
-    from .plot import plot_traces
+    from ..trace.chrome import load
+    from ..trace.plot import plot_traces
 
     traces = [t for path in args.files for t in load(path)]
     print(plot_traces(traces, args.out, ranks=args.ranks))
@@ -72,7 +93,7 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _merge(args: argparse.Namespace) -> int:
-    from .chrome import merge
+    from ..trace.chrome import merge
 
     print(merge(args.files, args.out))
     return 0
