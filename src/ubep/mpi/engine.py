@@ -88,6 +88,7 @@ from .protocol import (
     _OpError,
     record_check,
 )
+from .rows import empty_slots, rows_of, runs_of
 from .syncs import SYNC_ROWS, rows_checksum
 from .watchdog import WedgedError
 
@@ -571,15 +572,6 @@ class RmaEngine:
         return np.ndarray((self.cap_rows, self.slot_bytes), np.uint8, self.data.local_array,
                           self._land(reg), (self.slot_bytes, 1))
 
-    def _runs(self, pos: np.ndarray) -> list[tuple[int, int]]:
-        """Contiguous runs ``(first position, length)`` of sorted-by-run positions."""
-        if not len(pos):
-            return []
-        breaks = np.nonzero(np.diff(pos) != 1)[0] + 1
-        starts = np.concatenate([[0], breaks])
-        ends = np.concatenate([breaks, [len(pos)]])
-        return [(int(pos[a]), int(b - a)) for a, b in zip(starts, ends, strict=True)]
-
     def _send_rows(self, op: _Op, d: int, rows: np.ndarray, pos: np.ndarray, reg: int) -> None:
         """Put ``rows`` (raw, batch order) at slots ``pos`` of ``d``'s land region, then the
         flags of the sync mode."""
@@ -587,7 +579,7 @@ class RmaEngine:
         slots = self.sync.encode(self, rows, self.tff_in_place)
         flat = slots.reshape(len(rows), -1)
         at = 0
-        runs = self._runs(pos)
+        runs = runs_of(pos)
         base, stride = self._land(reg), self.slot_bytes
         if self.tff_in_place:
             base, stride = self.lay.off_out + reg * self.lay.out_bytes, self.out_stride
@@ -617,7 +609,7 @@ class RmaEngine:
             u = units.to[d]
             pos = self._positions(self._bases(cnt, rows, d, self.rank), u, n)
             self._record_dst(o_dst, u, d, pos)
-            payload = _rows_of(x, u[0], self.row_bytes)
+            payload = rows_of(x, u[0], self.row_bytes)
             if d == self.rank:
                 out_rows[pos] = payload  # own rows: straight to recv_x
             else:
@@ -673,15 +665,6 @@ class RmaEngine:
         else:
             o_idx[pos], o_w[pos] = meta["e"], meta["w"]
 
-    def _empty_slots(self, per_expert: np.ndarray, outs: tuple[np.ndarray, ...]) -> None:
-        """The metadata of the padded layout's slots past each expert's count: -1, weight 0
-        (their payload is left as it was)."""
-        o_idx, o_w, o_rank, o_tok, o_k = outs[:5]
-        for el, n in enumerate(per_expert.tolist()):
-            empty = slice(el * self.slots + n, (el + 1) * self.slots)
-            o_idx[empty] = o_rank[empty] = o_tok[empty] = o_k[empty] = -1
-            o_w[empty] = 0
-
     def _receive(self, op: _Op, cnt: np.ndarray, rows: np.ndarray, metas: list[np.ndarray],
                  reg: int, outs: tuple[np.ndarray, ...], staged: bool) -> int:
         L, r = self.L, self.rank
@@ -694,7 +677,7 @@ class RmaEngine:
         counts_out[L + self.R:] = rows.reshape(-1)  # every source's rows to every rank
         if self.slots:  # padded: recv_x is the whole region, its empty slots no row
             n_total = self.cap_rows
-            self._empty_slots(counts_out[:L], outs)
+            empty_slots(counts_out[:L], self.slots, outs)
         positions: list[np.ndarray] = []
         for s in range(self.R):
             n = int(rows[s, r])
@@ -748,10 +731,10 @@ class RmaEngine:
             ready = functools.partial(self.proto.has_record, cl.slot(cl.ready, op.par, d), 0,
                                       op.epoch)
             self.proto.wait(op, ready, d, f"staging area of rank {d}")
-            payload = _rows_of(x, units.to[d][0], self.row_bytes)
+            payload = rows_of(x, units.to[d][0], self.row_bytes)
             pos = r * self.cap_src + np.arange(n, dtype=np.int64)
             self._send_rows(op, d, payload, pos, reg)
-            sent[d] = (payload, self._runs(pos))
+            sent[d] = (payload, runs_of(pos))
         # SyncAll: every row (and every TFF flag) complete at its destination first
         self.proto.complete(op, self.data, None, "the rows to every rank to complete")
         self.sync.flags_before_barrier(self, op, sent, reg)
@@ -782,7 +765,7 @@ class RmaEngine:
             if not n:
                 continue
             if s == r:
-                payload = _rows_of(x, units.to[r][0], self.row_bytes)
+                payload = rows_of(x, units.to[r][0], self.row_bytes)
             else:
                 part = stage[s * self.cap_src: s * self.cap_src + n]
                 payload = self.sync.decode_staged(self, part)
@@ -812,9 +795,3 @@ class RmaEngine:
                 self.proto.has_record, cl.barrier + ((phase - 1) * self.R + q) * _LINE, 0, op.epoch)
             self.proto.wait(op, arrived, q, f"global barrier {phase} (rank {q})")
         self.spans.rec(0, "barrier", t0, epoch=op.epoch)
-
-def _rows_of(x: np.ndarray, tokens: np.ndarray, row_bytes: int) -> np.ndarray:
-    """Rows ``tokens`` of ``x`` as raw bytes ``[n, row_bytes]`` (one gather)."""
-    raw = x.view(np.uint8).reshape(x.shape[0], row_bytes)
-    return np.take(raw, tokens, axis=0)
-
