@@ -68,12 +68,7 @@ lint: $(TEST_STAMP)
 # that venv once the suite is done, then tests/vllm run under it (where it cannot be built they
 # skip, saying why).
 test:
-	@$(MAKE) vllm-deps > $(VLLM_LOG) 2>&1 & deps=$$!; \
-	$(MAKE) lint && tests/smoke/run_pythons.sh && $(PY) -m pytest -q --ignore=tests/vllm \
-		--durations=15; rc=$$?; \
-	{ wait $$deps && $(MAKE) venv-vllm >> $(VLLM_LOG) 2>&1; } || \
-		echo "make venv-vllm failed ($(VLLM_LOG)): the tests of tests/vllm skip"; \
-	$(PY) -m pytest -q tests/vllm || rc=1; exit $$rc
+	tests/run_suite.sh $(VLLM_LOG)
 
 smoke:
 	tests/smoke/run_pythons.sh
