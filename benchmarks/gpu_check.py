@@ -109,7 +109,7 @@ def _facade(group: Any, tokens: int) -> Any:
     from ubep import deep_ep
 
     return deep_ep.Buffer(group, num_nvl_bytes=1 << 20, max_tokens_per_rank=tokens,
-                          transport="triton", timeout_s=60.0)
+                          transport="triton", timeout_s=60.0, explicitly_destroy=True)
 
 
 def _bf16(a: np.ndarray, device: Any) -> Any:
