@@ -271,7 +271,7 @@ def test_rma_liveness_checks_every_peer_still_in_the_call() -> None:
 
     def body(g: Any) -> Any:
         with Buffer(g, _cfg(timeout_s=3.0)) as buf:
-            eng = buf._engine
+            eng = buf._engine.kernel  # the RMA engine under the host-memory adapter
             g.barrier()
             if g.rank == 2:  # finished call 1, then died; never enters call 2
                 eng.proto.publish_done(1, 0)
@@ -303,7 +303,7 @@ def test_rma_peer_past_this_call_is_an_error_never_data() -> None:
 
     def body(g: Any) -> Any:
         with Buffer(g, _cfg(timeout_s=3.0)) as buf:
-            eng = buf._engine
+            eng = buf._engine.kernel  # the RMA engine under the host-memory adapter
             xs, idxs, ws = _inputs(4)
             if g.rank == 2:
                 units = eng._validate(xs[2], idxs[2], ws[2])

@@ -153,15 +153,25 @@ def device_reads(group: Any, case: Case) -> list[str]:
 
 
 def buffer_reads(group: Any, case: Case) -> list[str]:
-    """The same calls through ``ubep.Buffer(transport="triton")``: tensors reach the engine
-    unconverted, one read per call; the engine's call spans reach ``ubep.trace`` through the
-    contract (``Engine.trace_spans``)."""
+    """The same calls through ``ubep.Buffer(transport="triton")``: the engine brings its own
+    memory (the Buffer maps none: the only mapping is the engine's arena), tensors reach the
+    engine unconverted, one read per call; the engine's call spans reach ``ubep.trace``
+    through the contract (``Engine.trace_spans``)."""
+    kinds: list[str] = []
+    real_map = group.map_global
+
+    def map_global(size_bytes: int, kind: str, timeout_s: float | None = None) -> Any:
+        kinds.append(kind)
+        return real_map(size_bytes, kind, timeout_s)
+
+    group.map_global = map_global
     cfg = BufferConfig(max_tokens_per_rank=9, hidden=case.hidden, num_topk=NUM_TOPK,
                        num_experts=4 * group.num_ranks, dtype=case.dtype, layout=case.layout,
                        sync=case.sync, transport="triton", num_cores=2, timeout_s=120.0,
                        trace=True)
     with Buffer(group, cfg) as buf:
-        out = _one_call(buf, case, [4, 5], 1) + _one_call(buf, case, [0, 7], 2)
+        out = [] if kinds == ["triton"] else [f"mapped {kinds}, not the engine's arena alone"]
+        out += _one_call(buf, case, [4, 5], 1) + _one_call(buf, case, [0, 7], 2)
         calls = [c.name for c in spans_of(buf).calls]
         if calls != ["dispatch", "combine"] * 2:
             out.append(f"the engine's call spans: {calls}, not two dispatch/combine pairs")
