@@ -19,6 +19,8 @@ import pytest
 import ubep
 from ubep import Buffer, BufferConfig, reference, testing
 from ubep.errors import InvalidArgumentError, RemoteError
+from ubep.sched import schedule
+from ubep.topology import host
 from ubep.trace import spans_of
 from ubep.triton import open_engine
 
@@ -81,9 +83,10 @@ def _tensor(a: np.ndarray) -> Any:
     return torch.from_numpy(np.ascontiguousarray(a))
 
 
-def _one_call(eng: Any, case: Case, tokens: list[int], seed: int) -> list[str]:
-    """A dispatch and a combine of tensors (``eng``: the engine or a Buffer): one read each,
-    device results, bit-exact."""
+def _one_call(eng: Any, case: Case, tokens: list[int], seed: int,
+              plan_of: Callable[[np.ndarray], Any] | None = None) -> list[str]:
+    """A dispatch and a combine of tensors (``eng``: the engine or a Buffer; ``plan_of``: the
+    engine's ``plan`` for this rank's routing): one read each, device results, bit-exact."""
     import torch
 
     r, E = eng.rank, eng.config.num_experts
@@ -94,7 +97,8 @@ def _one_call(eng: Any, case: Case, tokens: list[int], seed: int) -> list[str]:
             for q, ref in enumerate(refs)]
     errors: list[str] = []
     with _spied() as reads:
-        res = eng.dispatch(_tensor(xs[r]), _tensor(idxs[r]), _tensor(ws[r]))
+        extra = {} if plan_of is None else {"plan": plan_of(idxs[r])}
+        res = eng.dispatch(_tensor(xs[r]), _tensor(idxs[r]), _tensor(ws[r]), **extra)
     if (reads.helper, reads.raw) != (1, []):
         errors.append(f"{case}: a dispatch read the device {reads.helper} times through "
                       f"to_host and {reads.raw} otherwise")
@@ -149,6 +153,27 @@ def device_reads(group: Any, case: Case) -> list[str]:
             if r == 1 or not e.clean:
                 out.append(f"rank {r}: {e!r}")
         out += _one_call(eng, case, [6, 3], 3)
+        # a whole Plan of the scheduler's (hierarchical issue order, 3 send programs), run as
+        # it is; one of another rank is refused by name on the rank given it
+        def plan_of(idx: np.ndarray, rank: int = r) -> Any:
+            return schedule(idx, host(group.num_ranks, 4), rank=rank,
+                            num_experts=eng.config.num_experts, policy="hierarchical",
+                            num_send_cores=3, num_count_cores=1, layout=case.layout)
+
+        out += _one_call(eng, case, [7, 4], 4, plan_of)
+        xs, idxs, ws = testing.inputs(case.dtype, eng.config.num_experts, NUM_TOPK,
+                                      case.hidden, [4, 5], 5, "uniform")
+        try:
+            eng.dispatch(_tensor(xs[r]), _tensor(idxs[r]), _tensor(ws[r]),
+                         plan=plan_of(idxs[r], 1 - r if r == 0 else r))
+            out.append(f"rank {r}: a dispatch with rank 1's Plan on rank 0 passed")
+        except InvalidArgumentError as e:
+            if r != 0 or e.argument != "plan":
+                out.append(f"rank {r}: {e!r}")
+        except RemoteError as e:
+            if r == 0 or not e.clean:
+                out.append(f"rank {r}: {e!r}")
+        out += _one_call(eng, case, [2, 6], 6)
     return out
 
 

@@ -36,7 +36,7 @@ from ..errors import (
 )
 from ..handle import DispatchResult, RuntimeHandle
 from ..routing import validate_topk_idx
-from ..sched.plan import count_expert_ptr
+from ..sched.plan import Plan, count_expert_ptr
 from . import _tensors as tt
 from ._require import kernels
 from .config import TritonConfig
@@ -321,6 +321,7 @@ class TritonEngine(Closing):
         self.num_dispatches = index + 1
         try:
             xb, idx, w, bad, host = self._check_dispatch(x, topk_idx, topk_weights)
+            self._check_plan(plan, int(xb.shape[0]))
         except InvalidArgumentError as err:
             raise self._refuse(epoch, err) from None
         return self._dispatch(epoch, index, xb, idx, w, bad, plan, host)
@@ -413,6 +414,29 @@ class TritonEngine(Closing):
             got = self._count_ptrs[key] = _i64(ptr, self.device)
         return n_send, got
 
+    def _check_plan(self, plan: Any, num_tokens: int) -> None:
+        """A whole Plan must be this rank's, of this layout and batch (its units are sent as
+        they are: the caller built them from the same routing)."""
+        if isinstance(plan, Plan) and (
+                plan.rank != self.rank or plan.layout != self.config.layout
+                or plan.num_ranks != self.num_ranks
+                or (plan.num_units and int(plan.send_token.max()) >= num_tokens)):
+            raise InvalidArgumentError("plan", (plan.rank, plan.layout, plan.num_ranks),
+                                       f"must be a Plan of rank {self.rank}, layout "
+                                       f"{self.config.layout!r}, {self.num_ranks} ranks, "
+                                       f"{num_tokens} tokens")
+
+    def _sends(self, plan: Any, units: DeviceUnits) -> tuple[Any, ...]:
+        """The send programs' units (token, destination, bucket, slot, program bounds): a
+        whole ``ubep.sched`` Plan of the caller's in its own issue order (its tables uploaded:
+        the scheduler's policy on the device), else the device's canonical shares."""
+        if not isinstance(plan, Plan):
+            return units.token, units.dst, units.bucket, units.slot, units.core_ptr
+        bucket = np.zeros_like(plan.send_dst_rank) if self.rank_layout \
+            else plan.send_expert - plan.send_dst_rank * self.local_experts
+        return tuple(_i64(a, self.device) for a in (plan.send_token, plan.send_dst_rank, bucket,
+                                                    plan.send_slot, plan.core_ptr))
+
     def _dispatch(self, epoch: int, index: int, xb: Any, idx: Any, w: Any, bad: Any,
                   plan: Any, host: tuple[np.ndarray, np.ndarray] | None) -> DispatchResult[Any]:
         """The launches of a dispatch. The first pass launches every kernel once, each gated
@@ -437,6 +461,7 @@ class TritonEngine(Closing):
             self._recv_rows(self._dirty_rows).fill_(self.dt.sentinel)
         n_send, bptr = self._cores(plan)
         units = device_units(idx, R, L, self.rank_layout, n_send)
+        sends = self._sends(plan, units)
         checked = self._checked(bad)
         KP, BT = _pow2(K), 16
         # the counts block of this dispatch's parity (layout: a peer may still read the other)
@@ -457,8 +482,7 @@ class TritonEngine(Closing):
         W = lay.row_bytes // 8
 
         def send() -> None:
-            self._launch(kd, "send_kernel", n_send, xb, units.token, units.dst, units.bucket,
-                         units.slot, units.core_ptr, offs, cfg.hidden, NB, lay.recv,
+            self._launch(kd, "send_kernel", n_send, xb, *sends, offs, cfg.hidden, NB, lay.recv,
                          lay.row_stride, lay.words, lay.nblk, epoch, gate=counted,
                          ROW=self.sync.dispatch_row, BH=BH, NBLKP=_pow2(lay.nblk))
             if self.sync.dispatch_batch != BATCH_NONE:
