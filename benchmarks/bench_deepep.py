@@ -24,7 +24,8 @@ Bytes one rank sends = rows x hidden x 2, rows = the (token, destination rank) p
 routing; the combine sends the same rows back. Floor: ``harness.concurrent_copy`` of twice those
 bytes (dispatch and combine) by 2 processes at once, in the same run.
 
-Timing: a gloo barrier, then each rank times its own iteration; an iteration's time is the
+Timing: a shared-memory barrier (the launch group's: gloo's would let its exit skew into every
+figure), then each rank times its own iteration; an iteration's time is the
 maximum over ranks; min / median / max over the repeats, the systems alternating round by
 round. Ratios of medians: each system / gloo, each / the floor, v2 / v1. Every system's combined
 ``y`` is checked once, untimed, against the closed form: a token's BF16 row times the number of
@@ -139,6 +140,9 @@ def _rank_main(group: Any, tokens_list: tuple[int, ...], warmup: int,
     torch.set_num_threads(1)  # two ranks share this host's cores
     store = dist.FileStore(os.path.join(group.rendezvous, "torch-filestore"), group.num_ranks)
     dist.init_process_group("gloo", store=store, rank=group.rank, world_size=group.num_ranks)
+    def barrier() -> None:
+        group.barrier(60.0)
+
     try:
         out = []
         for tokens in tokens_list:
@@ -149,7 +153,7 @@ def _rank_main(group: Any, tokens_list: tuple[int, ...], warmup: int,
             samples: dict[str, list[float]] = {name: [] for name in systems}
             for repeats in per_round:
                 for name, fn in systems.items():
-                    ns = harness.time_collective(dist.barrier, fn, warmup, repeats)
+                    ns = harness.time_collective(barrier, fn, warmup, repeats)
                     samples[name] += (ns / 1e3).tolist()
             out.append(samples)
         return out

@@ -222,9 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     lines.append(format_table(cols, table, float_digits=1))
     if task_table:
         lines += ["", "# dispatch task by task: us a rank's core spends in each kind per call "
-                  "(median over ranks; measured: 20 traced calls after 5; the model folds "
-                  "waiting into the tasks after it, and its init is a call's whole fixed "
-                  "cost, the Python entry and exit included)",
+                  "(median over ranks; measured: 20 traced calls after 5; the model's wait "
+                  "is a core's wait for rows inside its reordering (SimResult.consume_wait_ns), "
+                  "the rest of its waiting folds into the task after it; its init is a call's "
+                  "whole fixed cost, the Python entry and exit included)",
                   format_table(["ranks", "tokens", "hidden", "layout", "engine", "sync", "task",
                                 "measured_us", "predicted_us", "pred/meas"], task_table,
                                float_digits=1)]

@@ -34,7 +34,8 @@ def test_names_agree_with_the_dtypes_registry_and_the_abi() -> None:
     assert tuple(dtypes.DTYPES) == modes.DTYPE_NAMES
     assert tuple(d for d, t in dtypes.DTYPES.items() if t.is_float) == modes.FLOAT_DTYPE_NAMES
     assert tuple(abi.SYNCS) == modes.SYNCS and tuple(abi.ENGINES) == modes.ENGINES
-    assert tuple(abi.LAYOUTS) == modes.LAYOUTS and tuple(abi.DTYPES) == modes.DTYPE_NAMES
+    assert tuple(abi.LAYOUTS) == modes.BUFFER_LAYOUTS and tuple(abi.DTYPES) == modes.DTYPE_NAMES
+    assert modes.BUFFER_LAYOUTS[: len(modes.LAYOUTS)] == modes.LAYOUTS  # the matrix's first
     assert [modes.supports("sp", d) for d in modes.DTYPE_NAMES] == [
         dtypes.DTYPES[d].sentinel is not None for d in modes.DTYPE_NAMES]
 

@@ -498,3 +498,50 @@ def test_float64_option_accumulates_in_float64_in_the_reference_order(layout):
             for _, v in sorted(terms, key=lambda kv: kv[0]):
                 acc = acc + v
             assert np.array_equal(y[t], np.zeros(H) + acc)
+
+
+@SETTINGS
+@given(cases(), st.integers(0, 2))
+def test_padded_layout_places_the_brute_force_rows_in_expert_blocks(case, spare):
+    """``expert_padded``: the brute-force expert rows of local expert ``e``, in order, at
+    ``e * slots + j`` (``slots = max_tokens * num_ranks``); -1 / weight 0 everywhere else;
+    each source's ``send_dst_row`` names the row holding its pick; combine from outputs in
+    the same places (garbage in the empty slots) equals the brute-force sums."""
+    xs, idxs, ws, num_experts, dt = case
+    R, L = len(xs), num_experts // len(xs)
+    max_tokens = max(len(x) for x in xs) + spare
+    if max_tokens == 0:
+        return
+    slots = max_tokens * R
+    res = reference.dispatch(xs, idxs, ws, num_experts, layout="expert_padded",
+                             max_tokens=max_tokens)
+    rows_per_rank = brute_dispatch(xs, idxs, ws, num_experts, "expert")
+    out_dt = dt if dt.is_float else dtypes.BF16
+    rng = np.random.default_rng(7)
+    packed_outs, padded_outs = [], []
+    for r, (got, rows) in enumerate(zip(res, rows_per_rank, strict=True)):
+        place = {}
+        for s, t, k in rows:  # the j-th row of its local expert
+            e = int(idxs[s][t][k]) - r * L
+            place[(s, t, k)] = e * slots + sum(1 for v in place.values() if v // slots == e)
+        assert got.recv_x.shape == (L * slots, xs[0].shape[1])
+        want_src = np.full(L * slots, -1)
+        for (s, t, k), p in place.items():
+            want_src[p] = s
+            assert got.recv_src_token[p] == t and got.recv_src_k[p] == k
+            assert got.recv_topk_idx[p] == idxs[s][t][k] and got.recv_topk_weights[p] == ws[s][t][k]
+            np.testing.assert_array_equal(bits(got.recv_x[p]), bits(xs[s][t]))
+            assert res[s].handle.send_dst_row[t, k] == p
+        np.testing.assert_array_equal(got.recv_src_rank, want_src)
+        empty = want_src < 0
+        assert (got.recv_topk_idx[empty] == -1).all() and (got.recv_topk_weights[empty] == 0).all()
+        packed = random_payload(out_dt, (len(rows), xs[0].shape[1]), rng)
+        padded = random_payload(out_dt, (L * slots, xs[0].shape[1]), rng)  # garbage around
+        for i, key in enumerate(rows):
+            padded[place[key]] = packed[i]
+        packed_outs.append(packed)
+        padded_outs.append(padded)
+    want = brute_combine([to_f32_oracle(out_dt, o) for o in packed_outs], rows_per_rank, idxs,
+                         ws, num_experts, [len(x) for x in xs], xs[0].shape[1], "expert")
+    for g, w in zip(reference.combine(padded_outs, res), want, strict=True):
+        np.testing.assert_array_equal(bits(g), bits(from_f32_oracle(out_dt, w)))

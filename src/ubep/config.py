@@ -19,9 +19,9 @@ from . import dtypes as _dt
 from .errors import InvalidArgumentError
 from .expert_map import ExpertMap
 from .modes import (
+    BUFFER_LAYOUTS,
     ENGINES,
     INTEGRITY,
-    LAYOUTS,
     PEER_LOSS,
     POLICIES,
     QUANTS,
@@ -105,7 +105,14 @@ class BufferConfig:
             stays this one, and received ids are logical experts.
 
     Transport (``ubep.modes``):
-        layout: ``"expert"`` (one row per (token, expert)) or ``"rank"`` (one per (token, rank)).
+        layout: ``"expert"`` (one row per (token, expert)), ``"rank"`` (one per (token,
+            rank)) or ``"expert_padded"``: the rows of ``"expert"`` at DeepEP's low-latency
+            places, ``recv_x`` ``[num_local_experts * max_tokens_per_rank * num_ranks,
+            hidden]`` (a ``[num_local_experts, slots, hidden]`` view costs nothing), expert
+            ``e``'s rows the first ``num_recv_tokens_per_expert[e]`` of its block; the call
+            leaves the slots after them as they were (undefined, as DeepEP's; their metadata
+            reads -1, weight 0). Combine takes ``expert_out`` in the same places. Not with
+            ``on_peer_loss="mask"``.
         engine: ``"asp"`` (UBEP task graph) or ``"bsp"`` (CANN-EP-style phases and barriers).
         sync: ``"sw"``, ``"tff"``, ``"dc"`` or ``"sp"`` (docs/FORMATS.md; SP needs a float
             payload: 1-byte types have no free sentinel), or ``"auto"`` (the default): the
@@ -207,6 +214,11 @@ class BufferConfig:
             raise InvalidArgumentError("min_live_ranks", self.min_live_ranks,
                                        "must be None or a positive integer")
         self._check_formats()
+        if self.layout == "expert_padded" and self.on_peer_loss == "mask":
+            # a masking Buffer re-orders a call's rows over the survivors: packed rows only
+            raise InvalidArgumentError(
+                "layout", self.layout, "cannot be combined with on_peer_loss='mask': use "
+                "layout='expert'")
         if self.expert_ranks is not None and self.on_peer_loss == "mask":
             # a masking Buffer re-routes over an expert map of its own, and an M2N placement
             # is one already; a lost expert rank would also take all of its experts with it
@@ -272,7 +284,7 @@ class BufferConfig:
                 "128 channels)")
 
     def _check_transport(self) -> None:
-        _choice("layout", self.layout, LAYOUTS)
+        _choice("layout", self.layout, BUFFER_LAYOUTS)
         _choice("engine", self.engine, ENGINES)
         _choice("sync", self.sync, (*SYNCS, "auto"))
         _choice("integrity", self.integrity, INTEGRITY)

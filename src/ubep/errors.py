@@ -140,3 +140,15 @@ def _reduce_remote(self: RemoteError) -> tuple[Any, ...]:
 # ubep.launch sends a rank's exception to the parent, so they must round-trip.
 InvalidArgumentError.__reduce__ = _reduce_invalid_argument  # type: ignore[assignment,method-assign]
 RemoteError.__reduce__ = _reduce_remote  # type: ignore[assignment,method-assign]
+
+
+class Unviewable:
+    """What the torch door hands a Buffer's call for a tensor numpy cannot view (a GPU tensor, a
+    ``meta`` one): not a tensor, so the call does not come back to the bridge, and its checks
+    (``ubep.buffer.checks.to_array``) raise ``error`` inside the call, where the rejection
+    reaches every rank."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: UbepError) -> None:
+        self.error = error

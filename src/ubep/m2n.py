@@ -74,7 +74,7 @@ def slot_shift(config: BufferConfig, rank: int, num_ranks: int) -> int:
     receives names one of its own slots ``rank * S + j``, logical expert ``p * S + j`` where
     ``p`` is ``rank``'s place in ``expert_ranks``: one constant per rank."""
     ranks = config.expert_ranks
-    if ranks is None or config.layout != "expert" or rank not in ranks:
+    if ranks is None or config.layout == "rank" or rank not in ranks:
         return 0
     return (ranks.index(rank) - rank) * (config.num_experts // len(ranks))
 
@@ -84,7 +84,11 @@ def logical_result(res: Any, sender: bool, shift: int) -> None:
     physical slots) into the caller's numbering, in place: ``recv_topk_idx`` shifted
     (:func:`slot_shift`), and no per-expert counts on a ``sender``."""
     if shift:
-        object.__setattr__(res, "recv_topk_idx", res.recv_topk_idx + shift)
+        ids = res.recv_topk_idx
+        shifted = ids + shift
+        if isinstance(ids, np.ndarray):  # a padded layout's empty slots (-1) stay -1
+            shifted = np.where(ids >= 0, shifted, ids)
+        object.__setattr__(res, "recv_topk_idx", shifted)
     if sender:
         object.__setattr__(res, "num_recv_tokens_per_expert",
                            res.num_recv_tokens_per_expert[:0])

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Literal, cast, get_args
 
 __all__ = [
+    "BUFFER_LAYOUTS",
     "DTYPE_NAMES",
     "ENGINES",
     "FLOAT_DTYPE_NAMES",
@@ -51,9 +52,11 @@ Sync = Literal["sw", "tff", "dc", "sp"]
 """How a receiver learns that rows arrived (docs/FORMATS.md): stop-and-wait flag, token-flag
 fusion, data checksum, sentinel polling."""
 
-Layout = Literal["expert", "rank"]
-"""``expert``: one received row per (token, expert); ``rank``: one per (token, destination
-rank) (ubep.reference)."""
+Layout = Literal["expert", "rank", "expert_padded"]
+"""``expert``: one received row per (token, expert), packed; ``rank``: one per (token,
+destination rank); ``expert_padded``: the rows of ``expert`` at DeepEP's low-latency places,
+``[num_local_experts, max_tokens_per_rank * num_ranks]`` slots, expert ``e``'s rows in the
+first ``num_recv_tokens_per_expert[e]`` slots of its block (ubep.reference)."""
 
 Policy = Literal["expert_contiguous", "balanced", "hierarchical"]
 """Token schedulers of the ASP send cores (ubep.sched)."""
@@ -79,7 +82,12 @@ DTypeName = Literal["bf16", "fp16", "fp32", "int8", "uint8"]
 
 ENGINES: tuple[Engine, ...] = get_args(Engine)
 SYNCS: tuple[Sync, ...] = get_args(Sync)
-LAYOUTS: tuple[Layout, ...] = get_args(Layout)
+BUFFER_LAYOUTS: tuple[Layout, ...] = get_args(Layout)
+"""Every layout a ``BufferConfig`` takes (their native codes are their places here)."""
+LAYOUTS: tuple[Layout, ...] = ("expert", "rank")
+"""The layouts of the mode matrix (:func:`enumerate_modes`, the soak, the peers): the padded
+layout moves the rows of ``expert`` to other places, so it is the conformance suite's
+(tests/plane) and the low-latency facade's, not another axis of every matrix."""
 POLICIES: tuple[Policy, ...] = get_args(Policy)
 PEER_LOSS: tuple[PeerLoss, ...] = get_args(PeerLoss)
 INTEGRITY: tuple[Integrity, ...] = get_args(Integrity)

@@ -14,6 +14,16 @@ its weight ``w[t, k]``, ``recv_src_rank``/``recv_src_token``/``recv_src_k``.
 ``[rows_r, hidden]`` in the same row order and returns, per source token,
 ``y[t] = sum over valid k ascending of w[t, k] * out(t, k)``.
 
+**layout="expert_padded"** (DeepEP's low-latency places; ``max_tokens`` given): the rows of
+``"expert"``, each local expert's at the start of its own block of ``slots = max_tokens *
+num_ranks`` rows, so rank ``r``'s ``recv_x`` is ``[num_local * slots, hidden]`` (DeepEP's
+``[num_local_experts, slots, hidden]``) and the row of local expert ``e`` that ``"expert"`` puts
+``j``-th among that expert's rows lies at ``e * slots + j``. The slots past
+``num_recv_tokens_per_expert[e]`` hold no row: an engine leaves their payload as it was (here
+zeros) and their metadata reads ``recv_src_rank = recv_src_token = recv_src_k = recv_topk_idx
+= -1``, weight 0 (:func:`defined_rows`). Combine takes ``expert_outs[r]`` in the same places
+(what the empty slots hold is never read).
+
 **layout="rank"** (DeepEP normal mode; one row per (token, destination rank) pair): a token
 crosses to a rank once however many of its experts live there. Rank ``r``'s rows are ordered by
 source rank, then source token. ``recv_topk_idx`` ``[rows, num_topk]`` = the *local* expert id
@@ -66,11 +76,11 @@ from .errors import InvalidArgumentError
 from .expert_map import ExpertMap, replica_table, route_topk
 from .handle import DispatchHandle, DispatchResult
 from .m2n import m2n_expert_map
-from .modes import LAYOUTS
+from .modes import BUFFER_LAYOUTS
 from .routing import experts_per_rank, validate_topk_idx
 from .topology import Topology, host
 
-__all__ = ["FP64", "RefDispatchResult", "combine", "dispatch"]
+__all__ = ["FP64", "RefDispatchResult", "combine", "defined_rows", "dispatch"]
 
 #: The float64 payload type ``float64=True`` admits (module docstring); no runtime moves it.
 FP64 = DType("fp64", np.dtype(np.float64), True, None)
@@ -105,6 +115,7 @@ def dispatch(
     mask: Sequence[int] | np.ndarray | None = None,
     topology: Topology | None = None,
     expert_ranks: Sequence[int] | None = None,
+    max_tokens: int | None = None,
 ) -> list[RefDispatchResult]:
     """Dispatch every rank's tokens to the ranks owning their experts.
 
@@ -122,6 +133,8 @@ def dispatch(
         expert_ranks: M2N (``ubep.m2n``): the ranks holding the ``num_experts`` logical
             experts; the call then runs the placement's expert map over ``num_experts //
             len(expert_ranks)`` slots per rank, as a Buffer with the same ``expert_ranks``.
+        max_tokens: ``layout="expert_padded"`` only (and needed there): a Buffer's
+            ``max_tokens_per_rank``, at least every rank's token count.
 
     Returns:
         One :class:`RefDispatchResult` per rank, in rank order.
@@ -139,17 +152,24 @@ def dispatch(
     inp = _validate_dispatch(xs, topk_idxs, topk_weights, num_experts, layout, float64)
     if layout == "expert":
         out = _dispatch_expert(inp, num_experts)
+    elif layout == "expert_padded":
+        out = _dispatch_padded(inp, num_experts, _slots(max_tokens, inp))
     else:
+        if max_tokens is not None:
+            raise InvalidArgumentError("max_tokens", max_tokens,
+                                       "is for layout='expert_padded' only")
         out = _dispatch_rank(inp, num_experts)
     if expert_ranks is not None:  # M2N: a sender holds no expert; ids are logical
         for r, res in enumerate(out):
             if r not in expert_ranks:
                 out[r] = dataclasses.replace(
                     res, num_recv_tokens_per_expert=res.num_recv_tokens_per_expert[:0])
-            elif layout == "expert":  # slot r * S + j is logical expert p * S + j
+            elif layout != "rank":  # slot r * S + j is logical expert p * S + j
                 S = num_experts // num_ranks
                 shift = (list(expert_ranks).index(r) - r) * S
-                out[r] = dataclasses.replace(res, recv_topk_idx=res.recv_topk_idx + shift)
+                ids = res.recv_topk_idx
+                out[r] = dataclasses.replace(res, recv_topk_idx=np.where(ids >= 0, ids + shift,
+                                                                         ids))
     return out
 
 
@@ -182,7 +202,7 @@ def combine(
     # Where each source row's answer lies is defined by the receivers' recv_src_* (what a
     # backend's receiver knows), not by the optional send_dst_row.
     dst_rows = _dst_rows_from_receivers(handles)
-    reduce = _combine_expert if handles[0].layout == "expert" else _combine_rank
+    reduce = _combine_rank if handles[0].layout == "rank" else _combine_expert
     return [
         _from_acc(out_dtype, reduce(h, rows, outs_acc))
         for h, rows in zip(handles, dst_rows, strict=True)
@@ -251,6 +271,8 @@ def _dispatch_expert(inp: _Inputs, num_experts: int) -> list[RefDispatchResult]:
         mine = src_all == s
         send_dst_row[s][tok_all[mine], k_all[mine]] = row_all[mine]
 
+    sent = np.zeros((inp.num_ranks, inp.num_ranks), np.int64)  # [source, destination] rows
+    np.add.at(sent, (src_all, dst_all), 1)
     results = []
     for r in range(inp.num_ranks):
         sl = slice(rank_start[r], rank_start[r + 1])
@@ -262,6 +284,7 @@ def _dispatch_expert(inp: _Inputs, num_experts: int) -> list[RefDispatchResult]:
         results.append(
             RefDispatchResult(
                 recv_x=recv_x,
+                num_sent_rows_per_rank=sent.copy(),
                 recv_topk_idx=expert[sl].copy(),
                 recv_topk_weights=weights,
                 num_recv_tokens_per_expert=per_expert.astype(np.int64),
@@ -279,11 +302,13 @@ def _dispatch_rank(inp: _Inputs, num_experts: int) -> list[RefDispatchResult]:
     # send_dst_row[s][t, r]: running count of rank r's rows, in (source rank, token) order.
     send_dst_row = []
     next_row = np.zeros(inp.num_ranks, dtype=np.int64)
+    sent_rows = np.zeros((inp.num_ranks, inp.num_ranks), np.int64)  # [source, destination]
     for s in range(inp.num_ranks):
         sent = _token_in_rank(owner[s], inp.num_ranks)
         rows = np.cumsum(sent, axis=0, dtype=np.int64) - 1 + next_row[None, :]
         send_dst_row.append(np.where(sent, rows, -1))
-        next_row += sent.sum(axis=0)
+        sent_rows[s] = sent.sum(axis=0)
+        next_row += sent_rows[s]
 
     results = []
     for r in range(inp.num_ranks):
@@ -313,6 +338,7 @@ def _dispatch_rank(inp: _Inputs, num_experts: int) -> list[RefDispatchResult]:
                 recv_src_token=r_tok,
                 recv_src_k=r_k,
                 handle=handle,
+                num_sent_rows_per_rank=sent_rows.copy(),
             )
         )
     return results
@@ -383,12 +409,64 @@ def _make_handle(
     )
 
 
+def _slots(max_tokens: int | None, inp: _Inputs) -> int:
+    """The padded layout's slots per local expert, ``max_tokens * num_ranks``."""
+    most = max(x.shape[0] for x in inp.xs)
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or (
+            max_tokens < max(most, 1)):
+        raise InvalidArgumentError(
+            "max_tokens", max_tokens, f"layout='expert_padded' needs an integer >= every "
+            f"rank's token count ({most})")
+    return int(max_tokens) * inp.num_ranks
+
+
+def defined_rows(num_recv_tokens_per_expert: np.ndarray, slots: int) -> np.ndarray:
+    """The rows of a padded ``recv_x`` that hold a row: the first ``num_recv_tokens_per_expert[e]``
+    of each expert's block of ``slots``, ascending."""
+    counts = np.asarray(num_recv_tokens_per_expert, dtype=np.int64)
+    starts = np.repeat(np.arange(len(counts), dtype=np.int64) * slots, counts)
+    return starts + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
+def _dispatch_padded(inp: _Inputs, num_experts: int, slots: int) -> list[RefDispatchResult]:
+    """The ``"expert"`` results at the padded places (empty slots: zeros, -1 and weight 0)."""
+    packed = _dispatch_expert(inp, num_experts)
+    places = [defined_rows(res.num_recv_tokens_per_expert, slots) for res in packed]
+    cap = inp.local * slots
+    out = []
+    for res, rows in zip(packed, places, strict=True):
+
+        def spread(a: np.ndarray, empty: object, rows: np.ndarray = rows) -> np.ndarray:
+            full = np.full((cap, *a.shape[1:]), empty, dtype=a.dtype)
+            full[rows] = a
+            return full
+
+        h = res.handle
+        assert h.send_dst_row is not None
+        owner = np.where(h.topk_idx >= 0, h.topk_idx // inp.local, -1)
+        send_dst_row = h.send_dst_row.copy()
+        for d in range(inp.num_ranks):  # a packed row index at d -> its padded place
+            mine = owner == d
+            send_dst_row[mine] = places[d][h.send_dst_row[mine]]
+        handle = dataclasses.replace(
+            h, layout="expert_padded", recv_src_rank=spread(h.recv_src_rank, -1),
+            recv_src_token=spread(h.recv_src_token, -1), recv_src_k=spread(h.recv_src_k, -1),
+            send_dst_row=send_dst_row)
+        out.append(RefDispatchResult(
+            recv_x=spread(res.recv_x, 0), recv_topk_idx=spread(res.recv_topk_idx, -1),
+            recv_topk_weights=spread(res.recv_topk_weights, 0),
+            num_recv_tokens_per_expert=res.num_recv_tokens_per_expert,
+            recv_src_rank=handle.recv_src_rank, recv_src_token=handle.recv_src_token,
+            recv_src_k=handle.recv_src_k, handle=handle))
+    return out
+
+
 # --- combine --------------------------------------------------------------------------------
 
 
 def _dst_rows_from_receivers(handles: list[DispatchHandle]) -> list[np.ndarray]:
     """Per source rank, the row of each sent (token, k) / (token, rank) at its destination."""
-    expert = handles[0].layout == "expert"
+    expert = handles[0].layout != "rank"
     num_ranks = len(handles)
     rows = [
         np.full((h.num_tokens, h.num_topk if expert else num_ranks), -1, dtype=np.int64)
@@ -397,9 +475,11 @@ def _dst_rows_from_receivers(handles: list[DispatchHandle]) -> list[np.ndarray]:
     claims = np.zeros(num_ranks, dtype=np.int64)
     for r, h in enumerate(handles):
         src = h.recv_src_rank
-        if len(src) and (src.min() < 0 or src.max() >= num_ranks):
+        if h.layout == "expert_padded":  # the empty slots (-1) hold no row
+            src = np.where(src < 0, num_ranks, src)
+        if len(src) and (src.min() < 0 or src.max() >= num_ranks + (h.layout == "expert_padded")):
             raise InvalidArgumentError(f"results[{r}]", "recv_src_rank", "out of range")
-        claims += np.bincount(src, minlength=num_ranks)
+        claims += np.bincount(src, minlength=num_ranks + 1)[:num_ranks]
         for s in range(num_ranks):
             mine = np.nonzero(src == s)[0]
             tok = h.recv_src_token[mine]
@@ -488,8 +568,8 @@ def _validate_dispatch(
     xs: object, topk_idxs: object, topk_weights: object, num_experts: int, layout: str,
     float64: bool,
 ) -> _Inputs:
-    if layout not in LAYOUTS:
-        raise InvalidArgumentError("layout", layout, f"must be one of {LAYOUTS}")
+    if layout not in BUFFER_LAYOUTS:
+        raise InvalidArgumentError("layout", layout, f"must be one of {BUFFER_LAYOUTS}")
     x_list = _as_list(xs, "xs", None)
     num_ranks = len(x_list)
     local = experts_per_rank(num_experts, num_ranks)
@@ -560,7 +640,7 @@ def _reweighted(handles: list[DispatchHandle], topk_weights: object,
                 float64: bool) -> list[DispatchHandle]:
     """The handles with the weights of ``topk_weights`` (``None`` entries: unchanged)."""
     items = _as_list(topk_weights, "topk_weights", len(handles))
-    if handles[0].layout != "expert":
+    if handles[0].layout == "rank":
         raise InvalidArgumentError("topk_weights", "given", "the rank layout combines without "
                                    "weights")
     out = []

@@ -24,15 +24,17 @@ __all__ = [
     "bits",
     "check_call",
     "compare",
+    "defined",
     "expert_outputs",
     "inputs",
+    "oracle_options",
     "payload",
     "same_bits",
 ]
 
 #: The dispatch result's fields a backend must match bit for bit (the handle aside).
 FIELDS = ("recv_x", "recv_topk_idx", "recv_topk_weights", "num_recv_tokens_per_expert",
-          "recv_src_rank", "recv_src_token", "recv_src_k")
+          "recv_src_rank", "recv_src_token", "recv_src_k", "num_sent_rows_per_rank")
 
 
 def bits(a: np.ndarray) -> np.ndarray:
@@ -47,17 +49,42 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and bool(np.array_equal(bits(a), bits(b)))
 
 
+def defined(ref: Any) -> np.ndarray | slice:
+    """The rows of reference result ``ref``'s ``recv_x`` that hold a row: all of them, but in
+    the ``expert_padded`` layout the first ``num_recv_tokens_per_expert[e]`` of each expert's
+    block (the rest an engine leaves as they were)."""
+    h = ref.handle
+    if h.layout != "expert_padded":
+        return slice(None)
+    counts = np.asarray(ref.num_recv_tokens_per_expert)
+    slots = h.num_recv_rows // max(len(counts), 1)
+    return reference.defined_rows(counts, slots)
+
+
 def compare(res: Any, ref: Any) -> list[str]:
     """The :data:`FIELDS` of dispatch result ``res`` that differ from ``ref``'s, described
-    (fields may be tensors of an engine's device: compared as their storage on the host)."""
+    (fields may be tensors of an engine's device: compared as their storage on the host);
+    ``recv_x`` on its :func:`defined` rows."""
     bad = []
     for f in FIELDS:
         a, b = on_host(getattr(res, f)), on_host(getattr(ref, f))
         if a.shape != b.shape or a.dtype != b.dtype:
             bad.append(f"{f}: {a.dtype}{a.shape} vs reference {b.dtype}{b.shape}")
+        elif f == "recv_x":
+            rows = defined(ref)
+            if not np.array_equal(bits(a[rows]), bits(b[rows])):
+                bad.append(f"{f}: values differ")
         elif not np.array_equal(bits(a), bits(b)):
             bad.append(f"{f}: values differ")
     return bad
+
+
+def oracle_options(cfg: Any) -> dict[str, Any]:
+    """What :func:`ubep.reference.dispatch` needs of a Buffer's config beyond the layout: the
+    padded layout's ``max_tokens``."""
+    if cfg.layout == "expert_padded":
+        return {"max_tokens": cfg.max_tokens_per_rank}
+    return {}
 
 
 def payload(rng: np.random.Generator, dtype: str, tokens: int, hidden: int) -> np.ndarray:
@@ -131,7 +158,8 @@ def check_call(buf: Any, xs: list[np.ndarray], idxs: list[np.ndarray], ws: list[
     m2n = getattr(cfg, "expert_ranks", None)
     if m2n is not None:  # M2N: the oracle takes the roles (and the logical num_experts)
         routing = {"expert_ranks": m2n, "topology": buf.group.topology}
-    refs = reference.dispatch(xs, idxs, ws, cfg.num_experts, layout=cfg.layout, **routing)
+    refs = reference.dispatch(xs, idxs, ws, cfg.num_experts, layout=cfg.layout, **routing,
+                              **oracle_options(cfg))
     errors = compare(res, refs[r])
     outs = [expert_outputs(cfg.dtype, ref.recv_x, seed * 10 + q) for q, ref in enumerate(refs)]
     if zero_copy:

@@ -9,16 +9,15 @@ torch) and only then handed to the torch layer, imported lazily here and nowhere
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from .errors import UbepError
+from .errors import Unviewable
 
 __all__ = [
-    "as_process_group", "combine_in_torch", "dispatch_in_torch", "is_torch_group",
-    "is_torch_tensor", "on_host", "tensor_to_numpy",
+    "Unviewable", "as_process_group", "is_torch_group", "is_torch_tensor", "on_host",
+    "tensor_to_numpy", "torch_door",
 ]
 
 
@@ -46,53 +45,12 @@ def on_host(obj: Any) -> Any:
     return tensor_to_numpy(obj, "result")
 
 
-def _storage_or_same(obj: object, argument: str) -> object:
-    """A torch tensor's numpy storage view, a numpy argument as it is; a tensor numpy cannot
-    view (a GPU tensor, say) is passed on unchanged, so that the Buffer's own checks reject it
-    inside the call, where the rejection reaches every rank."""
-    if not is_torch_tensor(obj):
-        return obj
-    try:
-        return tensor_to_numpy(obj, argument)
-    except UbepError:
-        return obj
+def torch_door(**plans: Any) -> Any:
+    """A Buffer's torch door (:class:`ubep.torch._convert.TorchDoor`: tensors in and out at
+    the numpy call's cost), made once per Buffer on its first torch call."""
+    from .torch._convert import TorchDoor
 
-
-def dispatch_in_torch(
-    dispatch: Callable[..., Any], x: Any, topk_idx: object, topk_weights: object,
-    x_scales: object, quant: str | None, **options: Any,
-) -> Any:
-    """``dispatch`` (a Buffer's) run on the numpy views of a torch ``x`` and the other tensor
-    arguments, its result handed back in torch: every array field a tensor over the same
-    memory, ``recv_x`` of ``x``'s dtype (with ``quant``: ``torch.float8_e4m3fn`` or
-    ``torch.int8`` values). A split-phase call's hook returns the torch result."""
-    from .torch._convert import dispatch_result_to_torch, quant_values_dtype
-
-    values = x.dtype if quant is None else quant_values_dtype(quant)
-    got = dispatch(_storage_or_same(x, "x"), _storage_or_same(topk_idx, "topk_idx"),
-                   _storage_or_same(topk_weights, "topk_weights"),
-                   x_scales=_storage_or_same(x_scales, "x_scales"), **options)
-    return _settled_in_torch(got, lambda res: dispatch_result_to_torch(res, values))
-
-
-def combine_in_torch(combine: Callable[..., Any], expert_out: Any, handle: object,
-                     **options: Any) -> Any:
-    """``combine`` (a Buffer's) run on the numpy view of a torch ``expert_out``; ``y`` handed
-    back as a tensor of ``expert_out``'s dtype over the same memory."""
-    from .torch._convert import from_numpy_as
-
-    dtype = expert_out.dtype
-    got = combine(_storage_or_same(expert_out, "expert_out"), handle, **options)
-    return _settled_in_torch(got, lambda y: from_numpy_as(y, dtype))
-
-
-def _settled_in_torch(got: Any, convert: Callable[[Any], Any]) -> Any:
-    from .handle import PendingCall
-
-    if isinstance(got, PendingCall):
-        got.map_result(convert)
-        return got
-    return convert(got)
+    return TorchDoor(**plans)
 
 
 def is_torch_group(group: Any) -> bool:

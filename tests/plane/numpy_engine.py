@@ -132,6 +132,7 @@ class NumpyEngine:
         self.dtype, self.cdtype = _dt.dtype_of(cfg.dtype), _dt.dtype_of(cfg.combine_dtype)
         self._pending: dict[int, Any] = {}
         self._base = 0
+        self.signature = 0  # set_signature: what this rank's calls are
 
     # --- the protocol -----------------------------------------------------------------------
 
@@ -144,7 +145,7 @@ class NumpyEngine:
             self._notice(epoch, E_BAD_INPUT, f"rank {self.rank}: topk_idx: {bad[1]}")
             return _record(E_BAD_INPUT, bad[1], argument="topk_idx", message=str(bad[0]))
         rows, scales = self._rows(x, opts.prequant)
-        self._post(epoch, "dispatch", (rows, scales, topk_idx, topk_weights))
+        self._post(epoch, "dispatch", (rows, scales, topk_idx, topk_weights, self.signature))
         finish = (self._finish_dispatch, epoch, index, generation, topk_idx, topk_weights,
                   opts.copy)
         if opts.split:
@@ -161,6 +162,9 @@ class NumpyEngine:
             self._pending[epoch] = finish
             return None
         return finish[0](*finish[1:])
+
+    def set_signature(self, word: int) -> None:
+        self.signature = int(word)
 
     def complete(self, epoch: int) -> Any:
         fn, *args = self._pending.pop(epoch)
@@ -268,8 +272,8 @@ class NumpyEngine:
     def _order(self, posts: list[Any], dst: int) -> tuple[np.ndarray, ...]:
         """Rows rank ``dst`` receives, in receive order: (source, token, k or -1, expert)."""
         src, tok, kk, exp = [], [], [], []
-        for s, (_, _, idx, _) in enumerate(posts):
-            if self.cfg.layout == "expert":
+        for s, (_, _, idx, *_) in enumerate(posts):
+            if self.cfg.layout != "rank":
                 t, k = np.nonzero((idx >= 0) & (idx // self.L == dst))
                 src.append(np.full(len(t), s))
                 tok.append(t)
@@ -290,14 +294,19 @@ class NumpyEngine:
         posts = self._wait_all(epoch, "dispatch")
         if isinstance(posts, ErrorRecord):
             return posts
+        for s, post in enumerate(posts):  # every source's call must be this rank's
+            if post[4] != self.signature:
+                return _record(E_BAD_INPUT, f"rank {s}'s call {epoch} differs", self.rank,
+                               argument="signature",
+                               message=f"{self.signature:x}:{post[4]:x}:{s}")
         r, L, K = self.rank, self.L, self.cfg.num_topk
-        expert = self.cfg.layout == "expert"
+        expert = self.cfg.layout != "rank"
         orders = [self._order(posts, d) for d in range(self.R)]
         # where each of this rank's rows landed
         send_dst_row = np.full((idx.shape[0], K if expert else self.R), -1, np.int64)
-        for d, (src, tok, kk, _) in enumerate(orders):
+        for d, (src, tok, kk, exp) in enumerate(orders):
             mine = np.nonzero(src == r)[0]
-            send_dst_row[tok[mine], kk[mine] if expert else d] = mine
+            send_dst_row[tok[mine], kk[mine] if expert else d] = self._places(d, exp)[mine]
         src, tok, kk, exp = orders[r]
         recv_x = np.empty((len(src), self.cfg.hidden), posts[0][0].dtype)
         scales = None if posts[0][1] is None else np.empty((len(src), posts[0][1].shape[1]),
@@ -306,7 +315,7 @@ class NumpyEngine:
             r_idx, r_w = exp, np.empty(len(src), np.float32)
         else:
             r_idx, r_w = np.full((len(src), K), -1, np.int64), np.zeros((len(src), K), np.float32)
-        for s, (rows, sc, s_idx, s_w) in enumerate(posts):
+        for s, (rows, sc, s_idx, s_w, _) in enumerate(posts):
             at = np.nonzero(src == s)[0]
             recv_x[at] = rows[tok[at]]
             if scales is not None:
@@ -320,16 +329,49 @@ class NumpyEngine:
         if not expert:
             kk = np.argmax(r_idx >= 0, axis=1).astype(np.int64) if len(src) else kk
         local = r_idx - r * L if expert else r_idx[r_idx >= 0]
+        if self.cfg.layout == "expert_padded":
+            recv_x, scales, r_idx, r_w, src, tok, kk = self._spread(
+                self._places(r, exp), recv_x, scales, r_idx, r_w, src, tok, kk)
         handle = RuntimeHandle(
             layout=self.cfg.layout, rank=r, num_ranks=self.R, num_experts=self.cfg.num_experts,
             num_tokens=idx.shape[0], hidden=self.cfg.hidden, x_dtype=self.spec.dtype_name,
             topk_idx=idx, topk_weights=w, recv_src_rank=src, recv_src_token=tok,
-            recv_src_k=kk, num_recv_rows_per_rank=np.bincount(src, minlength=self.R),
+            recv_src_k=kk, num_recv_rows_per_rank=np.bincount(src[src >= 0], minlength=self.R),
             send_dst_row=send_dst_row, dispatch_index=index, buffer_uid=self.spec.uid,
             generation=generation)
         del copy  # every result here is a fresh array already
+        # every source's rows to every rank: each rank computes them from the posted routings
+        sent = np.stack([np.bincount(o[0], minlength=self.R) for o in orders], axis=1)
         return DispatchResult(recv_x, r_idx, r_w, np.bincount(local, minlength=L), src, tok, kk,
-                              handle, scales)
+                              handle, scales, sent.astype(np.int64))
+
+    def _places(self, d: int, exp: np.ndarray) -> np.ndarray:
+        """Row ``i`` of rank ``d``'s receive order -> its row in ``d``'s ``recv_x``: itself,
+        or with ``expert_padded`` its expert's block of slots, that expert's ``j``-th row at
+        ``j``."""
+        if self.cfg.layout != "expert_padded":
+            return np.arange(len(exp), dtype=np.int64)
+        el = exp - d * self.L
+        first = np.searchsorted(el, el)  # the receive order is by expert
+        return el * self.cfg.max_tokens_per_rank * self.R + np.arange(len(el)) - first
+
+    def _spread(self, places: np.ndarray, *arrays: np.ndarray | None) -> list[Any]:
+        """The received arrays at their padded places; the empty slots' payload garbage
+        (0x5A bytes: nothing may read it), their metadata -1 and weight 0."""
+        cap = self.L * self.cfg.max_tokens_per_rank * self.R
+        out: list[Any] = []
+        for i, a in enumerate(arrays):
+            if a is None:
+                out.append(None)
+                continue
+            full = np.empty((cap, *a.shape[1:]), a.dtype)
+            if i < 2:
+                full.view(np.uint8)[...] = 0x5A
+            else:
+                full[...] = 0 if a.dtype == np.float32 else -1
+            full[places] = a
+            out.append(full)
+        return out
 
     # --- combine ----------------------------------------------------------------------------
 
@@ -345,7 +387,7 @@ class NumpyEngine:
         outs = [eo.astype(acc_t) if acc_t is np.float64 else cd.to_float32(eo)
                 for _, eo in posts]
         acc = np.zeros((h.num_tokens, self.cfg.hidden), acc_t)
-        if self.cfg.layout == "expert":
+        if self.cfg.layout != "rank":
             for k in range(h.topk_idx.shape[1]):
                 tok = np.nonzero(h.topk_idx[:, k] >= 0)[0]
                 dst = h.topk_idx[tok, k] // self.L

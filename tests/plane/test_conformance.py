@@ -28,8 +28,9 @@ from ubep.errors import (
     TimeoutError,
 )
 from ubep.expert_map import ExpertMap
+from ubep.modes import BUFFER_LAYOUTS as LAYOUTS
 from ubep.modes import ENGINES as KINDS
-from ubep.modes import LAYOUTS, SYNCS
+from ubep.modes import SYNCS
 from ubep.quant import quantize
 
 R, E, K, H = 2, 8, 2, 256
@@ -45,12 +46,15 @@ ALL_MODES: list[Mode] = [
 # the default run: every engine kind, sync, layout and quant format at least once
 LEAN_MODES: list[Mode] = [("asp", "sw", "expert", None), ("bsp", "tff", "rank", None),
                           ("asp", "dc", "rank", "e4m3"), ("bsp", "sp", "expert", None),
-                          ("asp", "tff", "expert", "int8")]
+                          ("asp", "tff", "expert", "int8"), ("asp", "sw", "expert_padded", None),
+                          ("bsp", "dc", "expert_padded", None),
+                          ("asp", "tff", "expert_padded", "e4m3")]
 # the Triton engine's (its interpreter is slow): every sync and layout it serves, and one mode
 # of each kind it refuses
 TRITON_LEAN: list[Mode] = [("asp", "sw", "expert", None), ("asp", "tff", "rank", None),
                            ("asp", "dc", "expert", None), ("asp", "sp", "rank", None),
-                           ("bsp", "tff", "rank", None), ("asp", "dc", "rank", "e4m3")]
+                           ("bsp", "tff", "rank", None), ("asp", "dc", "rank", "e4m3"),
+                           ("asp", "sw", "expert_padded", None)]
 
 
 def _config(group: Any, mode: Mode, **extra: Any) -> BufferConfig:
@@ -67,7 +71,8 @@ def _refused(mode: Mode, engine: str) -> str | None:
     if engine == "mpi":
         return "quant" if mode[3] is not None else "sync" if mode[1] == "sp" else None
     if engine == "triton":
-        return "quant" if mode[3] is not None else "engine" if mode[0] == "bsp" else None
+        return ("quant" if mode[3] is not None else "engine" if mode[0] == "bsp" else
+                "layout" if mode[2] == "expert_padded" else None)
     return None
 
 
@@ -77,10 +82,11 @@ def _check_quantised(buf: Buffer, xs: list[np.ndarray], idxs: list[np.ndarray],
     oracle of the kernels), routed as the reference routes; combine stays in ``dtype``."""
     cfg, r = buf.config, buf.rank
     res = buf.dispatch(xs[r], idxs[r], ws[r])
-    refs = reference.dispatch(xs, idxs, ws, E, layout=cfg.layout)
-    values, scales = quantize(refs[r].recv_x, cfg.quant or "")
-    errors = [] if testing.same_bits(res.recv_x, values) and testing.same_bits(
-        res.recv_x_scales, scales) else ["quantised rows differ"]
+    refs = reference.dispatch(xs, idxs, ws, E, layout=cfg.layout, **testing.oracle_options(cfg))
+    rows = testing.defined(refs[r])  # a padded recv_x: the slots that hold a row
+    values, scales = quantize(refs[r].recv_x[rows], cfg.quant or "")
+    errors = [] if testing.same_bits(res.recv_x[rows], values) and testing.same_bits(
+        res.recv_x_scales[rows], scales) else ["quantised rows differ"]
     errors += [e for e in testing.compare(_unquantised(res, refs[r]), refs[r])
                if "recv_x" not in e]
     outs = [testing.expert_outputs(cfg.dtype, ref.recv_x, seed * 10 + q)
@@ -95,7 +101,8 @@ def _unquantised(res: Any, ref: Any) -> Any:
     """``res`` with the reference's ``recv_x``: the rest compared field by field."""
     return type(res)(ref.recv_x, res.recv_topk_idx, res.recv_topk_weights,
                      res.num_recv_tokens_per_expert, res.recv_src_rank, res.recv_src_token,
-                     res.recv_src_k, res.handle)
+                     res.recv_src_k, res.handle,
+                     num_sent_rows_per_rank=res.num_sent_rows_per_rank)
 
 
 def _modes_body(group: Any, modes: list[Mode]) -> list[Any]:
@@ -156,7 +163,13 @@ def _routing_body(group: Any) -> list[list[str]]:
         xs, idxs, ws = testing.inputs("bf16", E - 2, K, H, TOKENS, 3, "hot")
         out.append(testing.check_call(buf, xs, idxs, ws, 3))
     for layout in LAYOUTS:
-        with Buffer(group, _config(group, ("asp", "tff", layout, None), expert_ranks=(1,))) as buf:
+        mode = ("asp", "tff", layout, None)
+        try:
+            buf = Buffer(group, _config(group, mode, expert_ranks=(1,)))
+        except InvalidArgumentError as exc:
+            out.append([f"refused: {exc.argument}"])
+            continue
+        with buf:
             xs, idxs, ws = testing.inputs("bf16", E, K, H, TOKENS, 4, "uniform")
             out.append(testing.check_call(buf, xs, idxs, ws, 4))
     return out
@@ -164,13 +177,15 @@ def _routing_body(group: Any) -> list[list[str]]:
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_expert_map_and_m2n(engine: str) -> None:
-    assert run(engine, R, _routing_body) == [[[], [], []]] * R
+    want = [[]] + [[f"refused: {refused}"] if (refused := _refused(
+        ("asp", "tff", layout, None), engine)) else [] for layout in LAYOUTS]
+    assert run(engine, R, _routing_body) == [want] * R
 
 
-def _split_body(group: Any, sync: str) -> list[str]:
+def _split_body(group: Any, sync: str, layout: str = "expert") -> list[str]:
     """Two dispatches in flight, hooks called out of order, then two combines in flight."""
     r = group.rank
-    with Buffer(group, _config(group, ("asp", sync, "expert", None))) as buf:
+    with Buffer(group, _config(group, ("asp", sync, layout, None))) as buf:
         ins = [testing.inputs("bf16", E, K, H, TOKENS, s, "uniform") for s in (5, 6)]
         pend = [buf.dispatch(x[r], i[r], w[r], return_recv_hook=True) for x, i, w in ins]
         try:
@@ -179,7 +194,8 @@ def _split_body(group: Any, sync: str) -> list[str]:
         except Exception:
             errors = []
         res = [pend[1].hook(), pend[0].hook()][::-1]
-        refs = [reference.dispatch(x, i, w, E) for x, i, w in ins]
+        refs = [reference.dispatch(x, i, w, E, layout=layout, **testing.oracle_options(buf.config))
+                for x, i, w in ins]
         for got, ref in zip(res, refs, strict=True):
             errors += testing.compare(got, ref[r])
         outs = [[testing.expert_outputs("bf16", ref[q].recv_x, 7 + q) for q in range(R)]
@@ -195,6 +211,14 @@ def _split_body(group: Any, sync: str) -> list[str]:
 @pytest.mark.parametrize("engine", ENGINES)
 def test_split_phase_calls(engine: str) -> None:
     assert run(engine, R, _split_body, "tff") == [[]] * R
+
+
+@pytest.mark.parametrize("engine", [e for e in ENGINES if e != "triton" and
+                                    getattr(e, "values", ("",))[0] != "triton"])
+def test_split_phase_calls_padded(engine: str) -> None:
+    """The padded layout's two receive regions in flight at once (DeepEP's two-batch
+    overlap); the Triton engine refuses the layout (test_modes_bit_exact)."""
+    assert run(engine, R, _split_body, "sw", "expert_padded") == [[]] * R
 
 
 def _recv_valid_body(group: Any) -> list[tuple[bool, bool]]:
@@ -249,6 +273,61 @@ def test_bad_input_is_a_clean_reject_on_every_rank(engine: str) -> None:
     got = run(engine, R, _bad_input_body)
     assert got[0] == [("remote", 1, True), ("bad", "x"), []]
     assert got[1] == [("bad", "topk_idx"), ("remote", 0, True), []]
+
+
+def _signature_body(group: Any, kind: str) -> list[Any]:
+    """The ranks' calls differ only in their signatures (``Buffer.sign``): rank 1's capacity
+    word, then its dtype word: each call fails on every rank as bad input naming what differs
+    with both values, before any row moved; the next call, signed alike, is right."""
+    from ubep.buffer.signature import Signature
+
+    r, out = group.rank, []
+    with Buffer(group, _config(group, (kind, "sw", "expert", None))) as buf:
+        xs, idxs, ws = testing.inputs("bf16", E, K, H, TOKENS, 11, "uniform")
+        base = Signature("dispatch", "bfloat16", H, E, 8, K)
+        bad = [Signature("dispatch", "bfloat16", H, E, 16, K),
+               Signature("dispatch", "float16", H, E, 8, K)]
+        for sig in bad:
+            if not buf.sign((sig if r == 1 else base).word):
+                return ["unsigned"]
+            try:
+                buf.dispatch(xs[r], idxs[r], ws[r])
+                out.append("no error")
+            except InvalidArgumentError as exc:
+                out.append(("bad", exc.argument, str(exc)))
+            except (RemoteError, OutOfStepError) as exc:
+                out.append((type(exc).__name__, str(exc)))
+            if kind == "bsp" and isinstance(out[-1], tuple) and out[-1][0] != "bad":
+                buf.resync()  # BSP has sent its rows when the counts come in: out of step
+        buf.sign(base.word)
+        out.append(testing.check_call(buf, xs, idxs, ws, 11))
+    return out
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_signatures_that_differ_fail_the_call_on_every_rank(engine: str) -> None:
+    got = run(engine, R, _signature_body, "asp")
+    assert got[0][-1] == [] and got[1][-1] == [], got  # the next call, signed alike: right
+    for case, (argument, field) in enumerate((("num_max_dispatch_tokens_per_rank", "capacity"),
+                                              ("x", "dtype"))):
+        outs = [out[case] for out in got]
+        # a rank that found the difference names it; a peer may have seen its notice first
+        # (a clean RemoteError carrying it)
+        assert any(o[0] == "bad" for o in outs), outs
+        for r, o in enumerate(outs):
+            if o[0] == "bad":
+                assert o[1] == argument and f"{field} " in o[2] and f"on rank {1 - r}" in o[2]
+            else:
+                assert o[0] == "RemoteError" and "differs" in o[1], o
+    caps = [o[2] for o in (out[0] for out in got) if o[0] == "bad"]
+    assert any("capacity 16 on rank 1" in c or "16 on rank 1" in c for c in caps), caps
+
+
+@pytest.mark.parametrize("engine", ["shm", "mpi"])
+def test_signatures_that_differ_under_bsp_lose_step_and_resync(engine: str) -> None:
+    got = run(engine, R, _signature_body, "bsp")
+    for out in got:
+        assert all(o != "no error" for o in out[:2]) and out[-1] == [], out
 
 
 def _lost_peer_body(group: Any) -> Any:

@@ -119,3 +119,4 @@ def test_record_checksums_equal_their_definition() -> None:
         cnt = idx[: min(n, 64)]
         want = _fletcher(_mix64(_mix64(0x636F756E7473, epoch), n), cnt)
         assert _native.counts_sum(epoch, n, cnt) == want
+        assert _native.ranks_sum(epoch, cnt) == _fletcher(_mix64(0x72616E6B73, epoch), cnt)

@@ -213,3 +213,26 @@ def _worker_stored(group: Any) -> list[str]:
 
 def test_the_stored_checksums_follow_the_documented_format() -> None:
     assert launch(_worker_stored, 2, timeout_s=120) == [[], []]
+
+
+def _padded_body(group: Any) -> list[tuple[str, str, int, list[str]]]:
+    """Clean calls of the padded layout with row checksums, every sync and engine: its empty
+    slots (no row, no checksum) are not checked."""
+    out = []
+    for engine in modes.ENGINES:
+        for sync in modes.SYNCS:
+            cfg = BufferConfig(max_tokens_per_rank=8, hidden=256, num_topk=2, num_experts=8,
+                               dtype="bf16", layout="expert_padded", integrity="checksum",
+                               sync=sync, engine=engine)
+            with Buffer(group, cfg) as buf:
+                for seed in range(2):
+                    xs, idxs, ws = testing.inputs("bf16", 8, 2, 256, [6, 4], seed, "uniform")
+                    out.append((engine, sync, seed, testing.check_call(
+                        buf, xs, idxs, ws, seed, zero_copy=seed == 1)))
+    return out
+
+
+def test_padded_layout_with_checksums_is_bit_exact() -> None:
+    for got in launch(_padded_body, 2, timeout_s=240):
+        assert [case for case in got if case[3]] == []
+        assert len(got) == len(modes.ENGINES) * len(modes.SYNCS) * 2

@@ -36,6 +36,7 @@ from ubep.plane.records import (
     HDR_SIZE,
     HDR_VERSION,
     IN_COUNTS_EPOCH,
+    IN_RANKS_SUM,
     IN_ROWS,
     IN_SUM,
     ROUTE_EPOCH,
@@ -168,10 +169,13 @@ def _config(layout: str) -> BufferConfig:
 
 
 def _forge_dispatch(buf: Buffer, epoch: int, index: int, counts: list[int], rows: int,
-                    route: np.ndarray) -> None:
+                    route: np.ndarray, ranks: list[int] | None = None,
+                    ranks_sum: int | None = None) -> None:
     """Play a corrupted rank 1 for dispatch ``epoch``: announce ``counts``/``rows`` to rank 0
-    and publish ``route`` (int32 [ntok, K]) as rank 1's routing. The forger knows the record
-    format, checksums included: what is tested is the bounds checks behind them."""
+    (and ``ranks``, its rows to each rank, by default ``[rows, 0]``, with ``ranks_sum`` or
+    their checksum) and publish ``route`` (int32 [ntok, K]) as rank 1's routing. The forger
+    knows the record format, checksums included: what is tested is the bounds checks behind
+    them."""
     lay, cfg = buf.layout, buf.config
     par, reg = epoch & 1, index % lay.num_regions
     seg0, seg1 = buf._memory.segments[0].array, buf._memory.segments[1].array
@@ -180,6 +184,11 @@ def _forge_dispatch(buf: Buffer, epoch: int, index: int, counts: list[int], rows
     seg0[ib + INBOX_COUNTS: ib + INBOX_COUNTS + 4 * len(counts)] = cnt.view(np.uint8)
     _u64(seg0, ib + IN_ROWS, rows)
     _u64(seg0, ib + IN_SUM, _native.counts_sum(epoch, rows, cnt))
+    per_rank = np.array([rows, 0] if ranks is None else ranks, "<u4")
+    at = ib + INBOX_COUNTS + 4 * len(counts)  # the rows per rank follow the counts
+    seg0[at: at + 4 * per_rank.size] = per_rank.view(np.uint8)
+    _u64(seg0, ib + IN_RANKS_SUM,
+         _native.ranks_sum(epoch, per_rank) if ranks_sum is None else ranks_sum)
     _u64(seg0, ib + IN_COUNTS_EPOCH, epoch)
     own = lay.off_inbox + (1 * 2 + par) * lay.inbox_bytes  # rank 1's inbox from itself
     own_cnt = np.ascontiguousarray(seg1[own + INBOX_COUNTS: own + INBOX_COUNTS + 4 * len(counts)])
@@ -237,7 +246,7 @@ def _worker_forged_routing(group: Any, layout: str) -> dict[str, Any]:
                                       spare)
             o_w, w_all = _guarded((cap,) if layout == "expert" else (cap, K), np.float32, spare)
             meta = [_guarded((cap,), np.int64, spare) for _ in range(3)]
-            counts, counts_all = _guarded((L + R,), np.int64, spare)
+            counts, counts_all = _guarded((L + R + R * R,), np.int64, spare)
             o_dst = np.empty((T, K if layout == "expert" else R), np.int64)
             got = buf._engine.kernel.run_dispatch(DispatchCall(
                 x, idx, w, T, 1, 0, o_idx, o_w, meta[0][0], meta[1][0], meta[2][0], counts,
@@ -282,6 +291,37 @@ def _worker_forged_counts(group: Any) -> str:
 def test_forged_count_above_capacity_is_rejected() -> None:
     result = launch(_worker_forged_counts, 2, timeout_s=120)[0]
     assert "internal error" in result and "rank 1" in result, result
+
+
+def _worker_forged_rows_per_rank(group: Any, what: str) -> str:
+    cfg = _config("rank")
+    with Buffer(group, cfg) as buf:
+        group.barrier(30)
+        if group.rank == 1:  # 8 rows to rank 0, told right in its counts, wrong in its ranks
+            ranks, ranks_sum = {"checksum": ([8, 0], 12345), "disagree": ([5, 0], None)}[what]
+            _forge_dispatch(buf, 1, 0, [8, 8, 8, 8], 8,
+                            np.tile(np.arange(4, dtype=np.int32), (8, 1)), ranks, ranks_sum)
+        group.barrier(30)
+        result = ""
+        if group.rank == 0:
+            x = np.ones((8, cfg.hidden), np.uint16)
+            idx = np.tile(np.arange(4, dtype=np.int64), (8, 1))
+            try:
+                buf.dispatch(x, idx, np.ones((8, 4), np.float32))
+                result = "accepted"
+            except UbepError as exc:
+                result = str(exc)
+        group.barrier(30)
+        return result
+
+
+@pytest.mark.parametrize("what", ["checksum", "disagree"])
+def test_forged_rows_per_rank_are_rejected(what: str) -> None:
+    """The rows per rank a source's count record carries (every rank learns the [source,
+    destination] matrix from them) are checked against their checksum and, for the receiver,
+    against the rows the verified counts announced: a bad one is an error, never a result."""
+    result = launch(_worker_forged_rows_per_rank, 2, what, timeout_s=120)[0]
+    assert "corrupt rows-per-rank record of rank 1" in result, result
 
 
 def _worker_forged_combine_descriptor(group: Any, what: str) -> str:

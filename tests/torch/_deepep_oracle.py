@@ -23,7 +23,7 @@ def inputs(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     x = torch.randn(n, H, generator=g).to(torch.bfloat16)
     idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(n)]).to(torch.int64)
     idx[1, 0] = -1
-    w = torch.rand(n, K, generator=g)
+    w = torch.rand(n, K, generator=g, dtype=torch.float32)
     return x, idx, w
 
 

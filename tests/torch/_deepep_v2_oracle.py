@@ -69,7 +69,7 @@ def inputs(shape: Shape, case: Case, rank: int) -> dict[str, Any]:
     idx = torch.stack([torch.multinomial(prefs, K, replacement=False, generator=g)
                        for _ in range(n)]).to(torch.int64)
     idx[torch.rand(n, K, generator=g) < 0.2] = -1
-    w = torch.rand(n, K, generator=g).masked_fill(idx < 0, 0.0)
+    w = torch.rand(n, K, generator=g, dtype=torch.float32).masked_fill(idx < 0, 0.0)
     bias = tuple(torch.randn(n, H, generator=g).to(torch.bfloat16) for _ in range(case.num_bias))
     out: dict[str, Any] = {"x": x, "topk_idx": idx, "topk_weights": w, "bias": bias}
     if case.fp8:
@@ -114,7 +114,7 @@ def dispatch(shape: Shape, everyone: list[dict[str, Any]], rank: int, fp8: bool)
         "recv_x": torch.stack(rows) if rows else empty_row,
         "recv_sf": torch.stack(sfs) if sfs else None,
         "recv_topk_idx": torch.stack(idxs) if idxs else torch.zeros(0, K, dtype=torch.int64),
-        "recv_topk_weights": torch.stack(ws) if ws else torch.zeros(0, K),
+        "recv_topk_weights": torch.stack(ws) if ws else torch.zeros(0, K, dtype=torch.float32),
         "src_global": torch.tensor(srcs, dtype=torch.int64),
         "per_rank": per_rank,
     }

@@ -3,8 +3,10 @@ processes: every rank gets every rank's value, in rank order, exchange after exc
 slots reused many times, ranks late by turns), a value too large for its slot goes through the
 group's all-gather on every rank, and a rank that never posts fails the others at the group's
 deadline naming it. The oracle: each rank's value is a closed form of (exchange, rank). Through
-the V1 facade: a dispatch exchanges on the board alone, a combine whose ``topk_weights`` outgrow
-a slot takes the group's all-gather, and both results equal their closed forms."""
+the V1 facade: a normal-mode dispatch with ``topk_idx`` and a combine with ``topk_weights``
+exchange nothing (no board, no all-gather) once their Buffers exist, both results equal their
+closed forms, and a bad argument on one rank still fails the call on every rank, after which
+the next call is exact."""
 
 from __future__ import annotations
 
@@ -83,13 +85,13 @@ def test_missing_rank_times_out_naming_it() -> None:
     assert "rank(s) [1] did not post" in errors[0]
 
 
-_T, _H, _E, _K = 300, 32, 16, 8  # combine's topk_weights of ~600 rows: JSON past a slot
+_T, _H, _E, _K = 300, 32, 16, 8  # ~600 rows of combine weights: once more than a board slot
 
 
 def _facade_calls(group: Any) -> dict[str, Any]:
-    """A V1 facade's dispatch (its exchange on the board) and a combine with ``topk_weights``
-    too large for a slot (the group's all-gather), twice, counting the group's all-gathers; the
-    results against closed forms."""
+    """A V1 facade's dispatch and a combine with ``topk_weights``, twice, counting the group's
+    all-gathers; a third call pair with a bad ``num_tokens_per_expert`` on rank 1; then a
+    fourth; the results against closed forms."""
     from ubep import deep_ep
 
     gathers: list[int] = []
@@ -103,33 +105,50 @@ def _facade_calls(group: Any) -> dict[str, Any]:
     g = torch.Generator().manual_seed(group.rank)
     x = torch.randn(_T, _H, generator=g).to(torch.bfloat16)
     idx = torch.stack([torch.randperm(_E, generator=g)[:_K] for _ in range(_T)])
-    w = torch.rand(_T, _K, generator=g)
+    w = torch.rand(_T, _K, generator=g, dtype=torch.float32)  # float32, as DeepEP asks
     buf = deep_ep.Buffer(group, max_tokens_per_rank=_T)
-    out = {}
-    for name in ("first", "second"):
+    out: dict[str, Any] = {}
+    # identity experts: a token's row comes back once from each rank it went to (exact in FP32)
+    _, _, _, in_rank, _ = buf.get_dispatch_layout(idx, _E)
+    times = in_rank.sum(dim=1).float()
+    want_y = (x.float() * times[:, None]).to(torch.bfloat16).view(torch.int16)
+    for name in ("first", "second", "bad", "after"):
         before = len(gathers)
         per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, _E)
-        recv_x, _, recv_w, _, handle, _ = buf.dispatch(
-            x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=per_rank,
-            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+        if name == "bad" and group.rank == 1:
+            per_expert = per_expert + 1  # disagrees with topk_idx: refused on rank 1 alone
+        try:
+            recv_x, _, recv_w, _, handle, _ = buf.dispatch(
+                x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=per_rank,
+                is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+        except Exception as exc:  # the kind of error is what is checked
+            out["bad_error"] = type(exc).__name__
+            continue
         out[f"{name}_dispatch_gathers"] = len(gathers) - before
         before = len(gathers)
-        y, combined_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
+        # the last pair's receivers scale the weights they hold by (their rank + 1)
+        scale = group.rank + 1 if name == "after" else 1
+        y, combined_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w * scale)
         out[f"{name}_combine_gathers"] = len(gathers) - before
-    # identity experts: a token's row comes back once from each rank it went to (exact in FP32)
-    times = in_rank.sum(dim=1).float()
-    out["y_exact"] = torch.equal(y.view(torch.int16),
-                                 (x.float() * times[:, None]).to(torch.bfloat16).view(torch.int16))
-    # a received row holds the weights of its rank's slots (0 elsewhere): the sum is w itself
-    out["w_exact"] = torch.equal(combined_w, w)
+        out[f"{name}_y_exact"] = torch.equal(y.view(torch.int16), want_y)
+        # a received row holds the weights of its rank's slots (0 elsewhere), so each slot's sum
+        # is its owner's value: w times the owner's scale (one float32 product, + 0.0)
+        owner = idx // (_E // group.num_ranks)
+        want_w = w * (owner + 1) if name == "after" else w
+        out[f"{name}_w_exact"] = torch.equal(combined_w, want_w)
+    out["board"] = isinstance(buf._board, Board)
     return out
 
 
-def test_facade_exchanges_on_the_board_and_falls_back_for_large_weights() -> None:
-    for got in launch(_facade_calls, 2, timeout_s=120):
-        # the first dispatch maps the board (its segment names go over the group), later ones
-        # exchange on it alone; each combine's weights outgrow a slot: one all-gather each
-        assert got["first_dispatch_gathers"] >= 1
-        assert got["second_dispatch_gathers"] == 0
-        assert got["first_combine_gathers"] == got["second_combine_gathers"] == 1
-        assert got["y_exact"] and got["w_exact"]
+def test_facade_calls_exchange_nothing_and_still_fail_together() -> None:
+    got = launch(_facade_calls, 2, timeout_s=120)
+    for rank, out in enumerate(got):
+        # Buffers are built by the first calls (collective); later calls exchange nothing: what
+        # they need of the other ranks comes with the engine's count round, and the combine's
+        # weights go back through the engine
+        assert out["second_dispatch_gathers"] == out["second_combine_gathers"] == 0
+        assert out["after_dispatch_gathers"] == out["after_combine_gathers"] == 0
+        assert not out["board"]
+        assert all(out[f"{n}_y_exact"] and out[f"{n}_w_exact"]
+                   for n in ("first", "second", "after"))
+        assert out["bad_error"] == ("RemoteError" if rank == 0 else "InvalidArgumentError")

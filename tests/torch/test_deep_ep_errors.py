@@ -19,7 +19,7 @@ _EXPERTS, _HIDDEN = 8, 128
 def _inputs(g: Any, n: int, dtype: Any = torch.bfloat16) -> tuple[Any, Any, Any]:
     idx = torch.stack([torch.randperm(_EXPERTS, generator=g)[:2] for _ in range(n)])
     x = torch.randn(n, _HIDDEN, generator=g).to(dtype)
-    return x, idx.to(deep_ep.topk_idx_t), torch.rand(n, 2, generator=g)
+    return x, idx.to(deep_ep.topk_idx_t), torch.rand(n, 2, generator=g, dtype=torch.float32)
 
 
 def _dispatch(buf: Any, x: Any, idx: Any, w: Any) -> Any:

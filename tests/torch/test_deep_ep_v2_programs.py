@@ -150,7 +150,8 @@ def _bad_inputs(group: Any, buf: Any, other: Any, inp: dict[str, Any]) -> dict[s
                              buf.combine(torch.ones(handle.num_recv_tokens, SHAPE.hidden,
                                                     dtype=torch.bfloat16), handle)),
         "weights_single_reduction": lambda: other.combine(
-            torch.ones_like(recv_e), eh, topk_weights=torch.ones(recv_e.shape[0])),
+            torch.ones_like(recv_e), eh,
+            topk_weights=torch.ones(recv_e.shape[0], dtype=torch.float32)),
         "handle_copy": lambda: buf.dispatch(x, idx.clone(), num_experts=E,
                                             do_handle_copy=rank == 1),
         "defer": lambda: buf.dispatch(x, idx.clone(), num_experts=E, defer_epilogue=True),
@@ -173,7 +174,7 @@ def _lb_pair(group: Any) -> dict[str, Any]:
     buf.lb_prefetch_weights([slots], [weights], mapping).wait()
     got_slots = slots.clone().numpy()
     grads.copy_(_lb_grads(rank))
-    expert_grads = torch.full((L, LB_HIDDEN), 0.5)
+    expert_grads = torch.full((L, LB_HIDDEN), 0.5, dtype=torch.float32)  # as DeepEP asks
     buf.lb_reduce_grads(grads, expert_grads, mapping, previous_event=buf.capture())
     out = {"slots": got_slots, "expert_grads": expert_grads.numpy(),
            "in_region": slots.data_ptr() == buf.lb_storage.data_ptr()}
@@ -321,7 +322,7 @@ def _check_lb(rank: int, lb: dict[str, Any]) -> None:
         want = (np.full(LB_BYTES, 0xA5, np.uint8) if expert < 0
                 else _lb_weights(torch.tensor([expert]))[0].numpy())
         np.testing.assert_array_equal(lb["slots"][c], want)
-    want_grads = torch.full((L, LB_HIDDEN), 0.5)
+    want_grads = torch.full((L, LB_HIDDEN), 0.5, dtype=torch.float32)
     for r in range(SHAPE.num_ranks):  # ranks ascending, then slots: one FP32 add each
         for c, expert in enumerate(MAPPING[r]):
             if expert >= 0 and expert // L == rank:

@@ -26,7 +26,7 @@ def _inputs(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     x = torch.randn(n, H, generator=g).to(torch.bfloat16)
     idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(n)]).to(torch.int64)
     idx[0, 2] = -1  # masked slot
-    w = torch.rand(n, K, generator=g)
+    w = torch.rand(n, K, generator=g, dtype=torch.float32)  # float32, as DeepEP asks
     return x, idx, w
 
 
@@ -449,6 +449,71 @@ def test_low_latency_ue8m0_scales_decode_to_the_rounded_scales() -> None:
         )
 
 
+@pytest.fixture
+def bf16_default_dtype() -> Any:
+    """torch's default dtype BF16 for one test, as DeepEP's test helpers set it."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    yield
+    torch.set_default_dtype(before)
+
+
+@pytest.mark.parametrize("use_ue8m0", [False, True])
+def test_low_latency_fp8_is_exact_under_a_bf16_default_dtype(
+        bf16_default_dtype: Any, use_ue8m0: bool) -> None:
+    """DeepEP's test pattern: every channel of a row holds ``rank - 128`` but the last 128,
+    which hold the token's index; dequantised to BF16, each row gives them back exactly
+    (token 123 included: a scale rounded to BF16 makes it 124), and each scale is float32
+    ``amax / 448`` (rounded up to a power of two with UE8M0)."""
+    num_tokens, hidden = 128, 512
+    world = LocalWorld(R, E)
+    idxs = [torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(t + 99 * r))
+                         [:K] for t in range(num_tokens)]) for r in range(R)]
+
+    def x_of(rank: int) -> torch.Tensor:
+        x = torch.full((num_tokens, hidden), rank - 128.0, dtype=torch.bfloat16)
+        x[:, -128:] = torch.arange(num_tokens, dtype=torch.float32).to(torch.bfloat16)[:, None]
+        return x
+
+    def body(rank: int) -> Any:
+        buf = Buffer(world.backend(rank), low_latency_mode=True)
+        (q, s), count, handle, _, _ = buf.low_latency_dispatch(
+            x_of(rank), idxs[rank], num_tokens, E, use_fp8=True, round_scale=use_ue8m0,
+            use_ue8m0=use_ue8m0)
+        return q, s, count, handle
+
+    blocks = hidden // 128
+    seen: set[tuple[int, int]] = set()
+    for me, (q, s, count, handle) in enumerate(run_threads(body, R)):
+        if use_ue8m0:
+            assert s.dtype == torch.int32 and s.shape[-1] == blocks // 4
+            s = (s.contiguous().view(torch.int8).to(torch.int32) << 23).view(torch.float32)
+        assert s.dtype == torch.float32 and s.shape[-1] == blocks
+        src_info, layout_range = handle[0], handle[1]
+        for e in range(E // R):
+            assert int(count[e]) == int((layout_range[e] & 0xFFFFFFFF).sum())
+            for src in range(R):
+                begin, m = int(layout_range[e, src]) >> 32, int(layout_range[e, src]) & 0xFFFFFFFF
+                tokens = src_info[e, begin:begin + m].to(torch.int64)
+                assert bool((idxs[src][tokens] == me * (E // R) + e).any(dim=1).all())
+                seen.update((src, int(t)) for t in tokens)
+                # the closed form: each block's amax over 448 in float32 (a power of two up
+                # with UE8M0), the values torch's own e4m3 cast of x over it
+                want_s = x_of(src)[tokens].float().reshape(m, blocks, 128).abs().amax(-1)
+                want_s = want_s.clamp(min=1e-4) / 448.0
+                if use_ue8m0:
+                    want_s = torch.exp2(torch.ceil(torch.log2(want_s)))
+                assert torch.equal(s[e, begin:begin + m], want_s)
+                x = x_of(src)[tokens].float().reshape(m, blocks, 128)
+                want_q = (x / want_s[..., None]).to(torch.float8_e4m3fn)
+                got_q = q[e, begin:begin + m].reshape(m, blocks, 128)
+                assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+                if not use_ue8m0:  # DeepEP's check (per_token_cast_back): exact in BF16
+                    rows = (got_q.float() * s[e, begin:begin + m, :, None]).to(torch.bfloat16)
+                    assert torch.equal(rows.reshape(m, hidden), x_of(src)[tokens])
+    assert {(0, 123), (1, 123)} <= seen
+
+
 def test_zero_copy_combine_reads_the_next_combine_buffer_and_masked_slots_drop() -> None:
     world = LocalWorld(R, E)
 
@@ -513,7 +578,8 @@ def two_batch_flow(group: Any, rank: int) -> dict[str, Any]:
         x, idx, LL_MAX_TOKENS, E, use_fp8=False, return_recv_hook=True)
     recv_b, count_b, hb, event_b, _ = buf.low_latency_dispatch(
         xb, idx, LL_MAX_TOKENS, E, use_fp8=False, async_finish=True)
-    unfilled = not bool(recv_a.any()) and int(count_a.sum()) == 0
+    # recv_a and count_a are undefined until hook_a ran (as DeepEP's: on a Buffer they view
+    # a receive region peers are writing), so nothing is read of them before it
     try:
         buf.low_latency_combine(recv_a, idx, w, ha)
         refused = False
@@ -541,11 +607,10 @@ def two_batch_flow(group: Any, rank: int) -> dict[str, Any]:
         recv, count, h, _, _ = buf.low_latency_dispatch(xx, idx, LL_MAX_TOKENS, E,
                                                            use_fp8=False)
         blocking.append(buf.low_latency_combine(expert(recv, count), idx, w, h)[0])
-    return {"unfilled": unfilled, "refused": refused, "ys": (ya, yb), "blocking": tuple(blocking)}
+    return {"refused": refused, "ys": (ya, yb), "blocking": tuple(blocking)}
 
 
 def check_two_batches(rank: int, got: dict[str, Any]) -> None:
-    assert got["unfilled"], "recv_x held data before its hook"
     assert got["refused"], "combine took a handle whose dispatch had not received"
     x, idx, w = _inputs(rank)
     for y, y_blocking, scale in zip(got["ys"], got["blocking"], (1.0, 0.5), strict=True):

@@ -148,7 +148,7 @@ def test_low_latency_m2n_is_bit_exact_against_the_oracle_with_the_roles(
         for e in range(local):
             n = int(got["count"][e])
             assert np.array_equal(got["recv"][e, :n], ref.recv_x[start:start + n]), (name, r, e)
-            assert not got["recv"][e, n:].any()  # zeros after the valid rows
+            # the rows after them are undefined (as DeepEP's): the padded receive region's
             assert got["src_info"][e, :n].tolist() == ref.recv_src_token[
                 start:start + n].tolist()
             # logical expert p * S + e, p = this rank's place in expert_ranks (closed form)

@@ -23,6 +23,7 @@ from ubep.sched import schedule
 from ubep.topology import host
 from ubep.trace import spans_of
 from ubep.triton import open_engine
+from ubep.triton.config import TritonConfig
 
 from ._ranks import NUM_TOPK, Case, storage
 from .conftest import needs_triton
@@ -32,6 +33,12 @@ pytestmark = needs_triton
 # what turns a tensor into host data besides the engine's one read helper
 _RAW = ("cpu", "numpy", "item", "tolist", "__array__", "__int__", "__bool__", "__float__",
         "__index__")
+# A wait's first pass ends when its peer arrives within the wait's spins; one that does not runs
+# again, with a read of its own (by design). The interpreter's default spins (64 polls, a few
+# milliseconds) are shorter than a loaded host keeps a peer's process off its CPU, so these
+# calls take a GPU's (2^20): every wait here ends by a peer's arrival or its notice, and the
+# reads counted are the first pass's.
+_SPINS = 1 << 20
 _SPIED_FILES = ("triton/engine.py", "triton/units.py", "triton/plane.py", "buffer/buffer.py",
                 "buffer/checks.py", "buffer/inflight.py", "torch_bridge.py", "torch/_runtime.py")
 
@@ -136,7 +143,8 @@ def device_reads(group: Any, case: Case) -> list[str]:
     (every peer a clean ``RemoteError``) and the next call exact again."""
     r = group.rank
     out: list[str] = []
-    with open_engine(group, case.config(group.num_ranks, 9, timeout_s=120.0)) as eng:
+    with open_engine(group, case.config(group.num_ranks, 9, timeout_s=120.0,
+                                        spins=_SPINS)) as eng:
         out += _one_call(eng, case, [4, 5], 1)
         xs, idxs, ws = testing.inputs(case.dtype, eng.config.num_experts, NUM_TOPK,
                                       case.hidden, [4, 5], 2, "uniform")
@@ -194,7 +202,9 @@ def buffer_reads(group: Any, case: Case) -> list[str]:
                        num_experts=4 * group.num_ranks, dtype=case.dtype, layout=case.layout,
                        sync=case.sync, transport="triton", num_cores=2, timeout_s=120.0,
                        trace=True)
-    with Buffer(group, cfg) as buf:
+    with pytest.MonkeyPatch.context() as mp, Buffer(group, cfg) as buf:
+        # the engine the Buffer opens polls as the engine's calls above (_SPINS)
+        mp.setattr(TritonConfig, "poll_spins", property(lambda self: _SPINS))
         out = [] if kinds == ["triton"] else [f"mapped {kinds}, not the engine's arena alone"]
         out += _one_call(buf, case, [4, 5], 1) + _one_call(buf, case, [0, 7], 2)
         calls = [c.name for c in spans_of(buf).calls]

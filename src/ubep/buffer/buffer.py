@@ -46,12 +46,13 @@ from .. import quant as _quant
 from ..config import BufferConfig
 from ..errors import InvalidArgumentError, RemoteError, UbepError
 from ..m2n import logical_result, physical_config, slot_shift
+from ..plane.host import HostEngine
 from ..plane.protocol import PLAIN, CallOptions, Engine, EngineSpec, GlobalMemory, ProcessGroup
 from ..plane.records import ErrorRecord
 from ..plane.registry import engine_device, memory_bytes, open_engine, own_memory
 from ..plane.results import DispatchHandle, DispatchResult, PendingCall, RuntimeHandle
 from ..routing import experts_per_rank
-from ..torch_bridge import as_process_group, combine_in_torch, dispatch_in_torch, is_torch_tensor
+from ..torch_bridge import as_process_group, is_torch_tensor, torch_door
 from ..trace import recorder as _trace
 from .checks import ArgChecks
 from .inflight import InFlightCalls
@@ -134,6 +135,8 @@ class Buffer(metaclass=abc.ABCMeta):
         self._engine: Any = None
         self._in_flight: list[InFlight] = []  # split-phase calls awaiting their hook, in order
         self._fast: Any = None  # the engine, when it takes blocking calls' arrays unchecked
+        self._torch: Any = None  # the torch door, made on the first torch call
+        self._tensor: type | None = None  # torch.Tensor once the door exists (the hot path's)
         self._route: LogicalRouting | None = None  # expert_map's routing (_configure)
         # the jobs, each an object this Buffer holds (ubep.buffer.state)
         self._steps = StepKeeping(self)
@@ -303,9 +306,12 @@ class Buffer(metaclass=abc.ABCMeta):
         # the door once, with options: one engine call per dispatch in every case.
         if (fast is not None and self._one_call and self._route is None
                 and not (copy or return_recv_hook or self._in_flight) and x_scales is None
-                and type(x) is _NDARRAY and type(topk_idx) is _NDARRAY
-                and type(topk_weights) is _NDARRAY and x.dtype is self._x_storage
-                and topk_idx.dtype is _INT64 and topk_weights.dtype is _FLOAT32):
+                and ((type(x) is _NDARRAY and type(topk_idx) is _NDARRAY
+                      and type(topk_weights) is _NDARRAY and x.dtype is self._x_storage
+                      and topk_idx.dtype is _INT64 and topk_weights.dtype is _FLOAT32)
+                     or type(x) is self._tensor)):
+            # (a tensor, once the torch door exists: the engine views each tensor's memory
+            # itself and declines what it does not take, which the torch door then takes)
             plan = self._tasks.for_x(x) if self._tasks.planned else None
             # Written out here and in combine rather than in a helper: a decode step meets
             # this code cold, and a Python frame fewer is a microsecond less. Nothing taken
@@ -322,39 +328,28 @@ class Buffer(metaclass=abc.ABCMeta):
                             if type(got) is ErrorRecord:
                                 raise self._steps.error(got)
                         except BaseException as exc:
-                            raise self._hot_failed(epoch, index, exc) from None
+                            raise _hot_failed(self, epoch, index, exc) from None
                         if got is not None:
-                            return got
+                            return got if type(x) is _NDARRAY else self._torch.result_of(got, x)
                         # declined, nothing done: the checks name what they reject
                         self._epoch, self._num_dispatches = epoch - 1, index
-                        return self._dispatch(x, topk_idx, topk_weights, False, False, None,
-                                              offered=True)
+                        if type(x) is _NDARRAY:
+                            return self._dispatch(x, topk_idx, topk_weights, False, False,
+                                                  None, offered=True)
                 finally:
                     self._lock.release()
-        if is_torch_tensor(x) and not self._tensor_call(x, x_scales):
-            # torch in, torch out: the call itself runs on numpy views
-            return cast(Any, dispatch_in_torch(
-                self.dispatch, x, topk_idx, topk_weights, x_scales, self._cfg.quant, copy=copy,
-                return_recv_hook=return_recv_hook))
+        if (type(x) is not _NDARRAY and is_torch_tensor(x)
+                and not _tensor_call(self, x, x_scales)):
+            # torch in, torch out: the call itself runs on numpy views, through the door
+            # above where it can (the door's plans are made once per Buffer); an engine that
+            # takes tensors is handed them as they came (_tensor_call)
+            return cast(Any, (self._torch or _open_torch_door(self)).dispatch(
+                x, topk_idx, topk_weights, copy, return_recv_hook, x_scales))
         self._steps.enter()
         try:
             return self._dispatch(x, topk_idx, topk_weights, copy, return_recv_hook, x_scales)
         finally:
             self._lock.release()
-
-    def _tensor_call(self, x: object, x_scales: object) -> bool:
-        """Whether a call of ``x`` goes to the engine as it came: a tensor, to an engine that
-        takes tensors and checks them itself (no caller's numbering to translate)."""
-        return (self._takes_tensors and x_scales is None and self._route is None
-                and self._one_call and is_torch_tensor(x))
-
-    def _hot_failed(self, epoch: int, index: int, exc: BaseException) -> BaseException:
-        """What a failed one native call (dispatch or combine: ``index`` is the dispatches made
-        before it) raises; a clean reject leaves no dispatch counted."""
-        err, clean = self._steps.failed(epoch, _NATIVE, exc)
-        if clean:
-            self._num_dispatches = index
-        return err
 
     def _dispatch(
         self, x: object, topk_idx: object, topk_weights: object, copy: bool, hook: bool,
@@ -375,8 +370,9 @@ class Buffer(metaclass=abc.ABCMeta):
         try:
             if self._route is not None:  # logical ids -> physical slots (checked: a clean reject)
                 topk_idx = self._route(topk_idx)
-            xa, idx, w = cast(Any, (x, topk_idx, topk_weights)) if self._tensor_call(
-                x, x_scales) else self._checks.dispatch_args(x, topk_idx, topk_weights, x_scales)
+            xa, idx, w = cast(Any, (x, topk_idx, topk_weights)) if _tensor_call(
+                self, x, x_scales) else self._checks.dispatch_args(x, topk_idx, topk_weights,
+                                                                   x_scales)
             if offered:
                 raise _declined(self.rank)
             plan = self._tasks.for_idx(idx)
@@ -431,7 +427,8 @@ class Buffer(metaclass=abc.ABCMeta):
         # the one native call, as in dispatch (a handle the engine built, outputs of the door's
         # dtype: the door takes them or copies them into its layout)
         if (fast is not None and not (return_recv_hook or self._in_flight)
-                and type(expert_out) is _NDARRAY and expert_out.dtype is self._c_storage
+                and ((type(expert_out) is _NDARRAY and expert_out.dtype is self._c_storage)
+                     or type(expert_out) is self._tensor)
                 and type(handle) is RuntimeHandle and self._lock.acquire(False)):
             try:
                 if not (self._closed or self._dead is not None or self._lost is not None):
@@ -442,17 +439,19 @@ class Buffer(metaclass=abc.ABCMeta):
                         if type(y) is ErrorRecord:
                             raise self._steps.error(y)
                     except BaseException as exc:
-                        raise self._hot_failed(epoch, index, exc) from None
+                        raise _hot_failed(self, epoch, index, exc) from None
                     if y is not None:
-                        return y
+                        return y if type(expert_out) is _NDARRAY else self._torch.y_of(y)
                     self._epoch = epoch - 1  # declined, nothing done: the checks say why
-                    return self._combine(expert_out, handle, False, offered=True)
+                    if type(expert_out) is _NDARRAY:
+                        return self._combine(expert_out, handle, False, offered=True)
             finally:
                 self._lock.release()
-        if is_torch_tensor(expert_out) and not self._tensor_call(expert_out, None):
+        if (type(expert_out) is not _NDARRAY and is_torch_tensor(expert_out)
+                and not _tensor_call(self, expert_out, None)):
             # torch in, torch out (as dispatch)
-            return cast(Any, combine_in_torch(self.combine, expert_out, handle,
-                                              return_recv_hook=return_recv_hook))
+            return cast(Any, (self._torch or _open_torch_door(self)).combine(
+                expert_out, handle, return_recv_hook))
         self._steps.enter()
         try:
             return self._combine(expert_out, handle, return_recv_hook)
@@ -469,8 +468,8 @@ class Buffer(metaclass=abc.ABCMeta):
         split = hook or bool(self._in_flight)
         stage = _BEFORE
         try:
-            h, eo = (self._checks.handle(handle), expert_out) if self._tensor_call(
-                expert_out, None) else self._checks.combine_args(expert_out, handle)
+            h, eo = (self._checks.handle(handle), expert_out) if _tensor_call(
+                self, expert_out, None) else self._checks.combine_args(expert_out, handle)
             if offered:
                 raise _declined(self.rank)
             stage = _NATIVE
@@ -482,6 +481,26 @@ class Buffer(metaclass=abc.ABCMeta):
         except BaseException as exc:
             raise self._steps.failed(epoch, stage, exc)[0] from None
         return self._calls.issued("combine", epoch, got, _same, hook, None)
+
+    def reject(self, error: BaseException) -> BaseException:
+        """This rank's next call fails here before it starts, for ``error`` (bad input found by
+        a layer above the Buffer: a facade's checks): the peers' call raises ``RemoteError``
+        (clean: the next call works) instead of waiting for this rank. Returns the exception
+        to raise (``error``, or the Buffer's own if it refuses calls)."""
+        return self._steps.reject(error)
+
+    def sign(self, signature: int) -> bool:
+        """What this rank's next dispatches are: a 64-bit word (``ubep.buffer.signature``; 0,
+        the default, says nothing beyond the config every rank shares) that rides in the count
+        records of each dispatch. A dispatch whose word differs from a peer's is rejected on
+        every rank that differs (``InvalidArgumentError`` naming what differs, a clean reject:
+        the next call works) before any row reaches a peer. Local, between calls; False where
+        the engine does not compare words (then only 0 is accepted)."""
+        setter = getattr(self._engine, "set_signature", None)
+        if setter is None:
+            return not signature
+        setter(int(signature))
+        return True
 
     def resync(self, timeout_s: float | None = None) -> None:
         """Re-establish agreement with the peers after a lost step (collective: every rank;
@@ -534,6 +553,7 @@ class Buffer(metaclass=abc.ABCMeta):
 
     def _teardown(self) -> None:
         self._fast = None
+        self._torch = self._tensor = None  # its region views go with the engine's
         if self._engine is not None:
             _trace.detach(self)  # a recorder takes the spans before the engine goes
             self._engine.close()  # also drops the engine's views of the receive regions
@@ -584,3 +604,31 @@ def _check_same_config(configs: list[dict[str, Any]]) -> None:
                     f"config.{field}", first,
                     f"differs between ranks: rank 0 has {first!r}, rank {rank} has "
                     f"{theirs.get(field)!r} (every rank needs the same BufferConfig)")
+
+
+def _tensor_call(buf: Buffer, x: object, x_scales: object) -> bool:
+    """Whether a call of ``x`` goes to ``buf``'s engine as it came: a tensor, to an engine that
+    takes tensors and checks them itself (no caller's numbering to translate)."""
+    return (buf._takes_tensors and x_scales is None and buf._route is None
+            and buf._one_call and is_torch_tensor(x))
+
+
+def _hot_failed(buf: Buffer, epoch: int, index: int, exc: BaseException) -> BaseException:
+    """What a failed one native call of ``buf`` (dispatch or combine: ``index`` is the
+    dispatches made before it) raises; a clean reject leaves no dispatch counted."""
+    err, clean = buf._steps.failed(epoch, _NATIVE, exc)
+    if clean:
+        buf._num_dispatches = index
+    return err
+
+
+def _open_torch_door(buf: Buffer) -> Any:
+    """``buf``'s torch door (made on its first torch call): its dtype plans and a torch view
+    of each receive region, made once (``ubep.torch._convert.TorchDoor``)."""
+    engine = buf._engine
+    regions = engine.regions.recv_views if isinstance(engine, HostEngine) else None
+    door = buf._torch = torch_door(
+        x_dtype=buf._dtype.name, combine_dtype=buf._cdtype.name, quant=buf._cfg.quant,
+        call_dispatch=buf.dispatch, call_combine=buf.combine, regions=regions)
+    buf._tensor = door.tensor_type  # the hot path takes tensors from now on
+    return door

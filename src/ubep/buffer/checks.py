@@ -13,7 +13,7 @@ from .. import dtypes as _dt
 from ..config import BufferConfig
 from ..errors import InvalidArgumentError
 from ..handle import DispatchHandle
-from ..torch_bridge import is_torch_tensor, tensor_to_numpy
+from ..torch_bridge import Unviewable, is_torch_tensor, tensor_to_numpy
 from .state import BufferState
 
 __all__ = ["ArgChecks", "check_dispatch_args", "is_c", "pack_quantized", "to_array"]
@@ -106,6 +106,8 @@ def to_array(obj: object, argument: str) -> np.ndarray:
         return obj
     if is_torch_tensor(obj):
         return tensor_to_numpy(obj, argument)
+    if type(obj) is Unviewable:  # a tensor the torch door could not view (its device, say)
+        raise obj.error
     try:
         return np.asarray(obj)
     except (ValueError, TypeError, OverflowError) as exc:

@@ -58,12 +58,7 @@ from ..plane.control import Decision
 from ..plane.registry import control_plane
 from ..plane.results import DispatchHandle, DispatchResult, PendingCall
 from ..routing import experts_per_rank
-from ..torch_bridge import (
-    as_process_group,
-    combine_in_torch,
-    dispatch_in_torch,
-    is_torch_tensor,
-)
+from ..torch_bridge import as_process_group, is_torch_tensor, torch_door
 from .buffer import Buffer
 from .replicas import LogicalRouting
 
@@ -160,9 +155,8 @@ class MaskingBuffer:
                  x_scales: object = None) -> Any:
         """:meth:`ubep.Buffer.dispatch` over the members (module docstring)."""
         if is_torch_tensor(x):  # torch in, torch out: the members' Buffer sees numpy views
-            return dispatch_in_torch(self.dispatch, x, topk_idx, topk_weights, x_scales,
-                                     self.config.quant, copy=copy,
-                                     return_recv_hook=return_recv_hook)
+            return self._torch_door().dispatch(x, topk_idx, topk_weights, copy,
+                                               return_recv_hook, x_scales)
         self._check_call()
         if return_recv_hook:
             return self._split_call("dispatch", lambda: self._inner.dispatch(
@@ -184,8 +178,8 @@ class MaskingBuffer:
         DeepEP facade's low-latency combine takes them here; the handle must stay the one
         dispatch returned, which is how a combine after a loss finds its rows)."""
         if is_torch_tensor(expert_out):  # torch in, torch out (as dispatch)
-            return combine_in_torch(self.combine, expert_out, handle,
-                                    return_recv_hook=return_recv_hook, topk_weights=topk_weights)
+            return self._torch_door().combine(expert_out, handle, return_recv_hook,
+                                              topk_weights=topk_weights)
         self._check_call()
         if return_recv_hook:
             return self._split_call("combine", lambda: self._combine(
@@ -196,6 +190,17 @@ class MaskingBuffer:
                                                                 topk_weights))
         self._last_combine = kept
         return y
+
+    def _torch_door(self) -> Any:
+        """The torch door (``ubep.torch._convert.TorchDoor``), made once: the dtype plans; no
+        region views (a replayed result is not a view of one region)."""
+        door = self.__dict__.get("_door")
+        if door is None:
+            cfg = self.config
+            door = self._door = torch_door(
+                x_dtype=cfg.dtype, combine_dtype=cfg.combine_dtype, quant=cfg.quant,
+                call_dispatch=self.dispatch, call_combine=self.combine)
+        return door
 
     def _serve(self, kept: _Kept, run: Callable[[], Any]) -> Any:
         """Run one call; after a loss, agree, rebuild and run it again (a loss during the
@@ -474,11 +479,16 @@ class MaskingBuffer:
         """The inner Buffer's result in original rank numbers and expert ids."""
         members = np.asarray(self.members, dtype=np.int64)
         idx = res.recv_topk_idx
-        if self.config.layout == "expert":  # global ids; the rank layout's are local
+        if self.config.layout != "rank":  # global ids; the rank layout's are local
             L = self.num_local_experts
             idx = np.where(idx < 0, idx, members[np.maximum(idx, 0) // L] * L + idx % L)
+        sent = res.num_sent_rows_per_rank
+        if sent is not None:  # the members' rows, in original rank numbers
+            outer = np.zeros((self.num_ranks, self.num_ranks), np.int64)
+            outer[np.ix_(members, members)] = sent
+            sent = outer
         return dataclasses.replace(res, recv_src_rank=members[res.recv_src_rank],
-                                   recv_topk_idx=idx)
+                                   recv_topk_idx=idx, num_sent_rows_per_rank=sent)
 
     def _combine(self, expert_out: object, handle: DispatchHandle,
                  topk_weights: object = None, hook: bool = False) -> Any:
@@ -625,7 +635,7 @@ def _rows_in_new_order(old: DispatchResult[Any], new: DispatchResult[Any],
     (rows are named by their origin; the replay's are a subset of the old ones)."""
     def keys(rank: np.ndarray, token: np.ndarray, k: np.ndarray) -> np.ndarray:
         key = rank.astype(np.int64) * (1 << 40) + token.astype(np.int64) * (1 << 8)
-        return key + k if layout == "expert" else key
+        return key if layout == "rank" else key + k
 
     old_keys = keys(old.recv_src_rank, old.recv_src_token, old.recv_src_k)
     new_keys = keys(new.recv_src_rank, new.recv_src_token, new.recv_src_k)
@@ -638,3 +648,4 @@ def _rows_in_new_order(old: DispatchResult[Any], new: DispatchResult[Any],
 
 Buffer.masking_class = MaskingBuffer
 Buffer.register(MaskingBuffer)  # a Buffer (it holds one over the members), by registration
+

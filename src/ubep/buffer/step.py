@@ -19,6 +19,7 @@ from ..errors import (
     UbepError,
 )
 from ..plane.records import E_BAD_INPUT, E_LOST, E_PEER_LOST, E_REMOTE, ErrorRecord
+from .signature import mismatch_error
 from .state import AFTER as _AFTER
 from .state import BEFORE as _BEFORE
 from .state import NATIVE as _NATIVE
@@ -125,6 +126,26 @@ class StepKeeping:
             return exc, False
         return exc, True
 
+    def reject(self, error: BaseException) -> BaseException:
+        """A call rejected before it started, by a layer above the Buffer (a facade's checks):
+        it takes its sequence number and fails here as the Buffer's own checks would fail it,
+        so the peers' call raises ``RemoteError`` at once (``Buffer.reject``)."""
+        b = self.buf
+        try:
+            self.enter()
+        except UbepError:  # the Buffer takes no call now (lost step, closed): nothing to tell
+            return error
+        try:
+            b._calls.check()
+        except UbepError:  # nor a third call in flight: the peers' is refused as this one
+            b._lock.release()
+            return error
+        try:
+            b._epoch += 1
+            return self.failed(b._epoch, _BEFORE, error)[0]
+        finally:
+            b._lock.release()
+
     def mark_lost(self, cause: str) -> None:
         """Refuse calls until resync, and tell peers ahead of time (best effort: only if the
         notice slot is free) so their next call fails at once instead of at its deadline."""
@@ -160,4 +181,16 @@ class StepKeeping:
             self.mark_lost(f"rank {rec.peer} failed call {b._epoch}: {rec.message}")
         elif not rec.clean:
             self.mark_lost(rec.what)
+        elif rec.code == E_BAD_INPUT and rec.argument == "signature":
+            return _signature_error(rec, b.rank)
         return rec.to_exception(b.rank)
+
+
+def _signature_error(rec: ErrorRecord, rank: int) -> UbepError:
+    """A clean reject of a call whose signature differs from a peer's (the engine's value:
+    ``mine:theirs:peer``, words in hex), named by the fields that differ."""
+    try:
+        mine, theirs, peer = rec.message.split(":")
+        return mismatch_error(int(mine, 16), int(theirs, 16), int(peer), rank)
+    except ValueError:
+        return rec.to_exception(rank)

@@ -3,13 +3,14 @@ split and, with several send cores, the scheduler's tables, cached per batch siz
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 
 from ..config import BufferConfig
 from ..sched import CoreSplit, ScheduleSpec, core_split, schedule_spec
 from ..topology import Topology
+from ..torch_bridge import is_torch_tensor
 
 __all__ = ["NO_SPLIT", "CoreTasks"]
 
@@ -41,9 +42,11 @@ class CoreTasks:
         """The plan of a blocking call offered to the engine unchecked (:meth:`split`), or
         :data:`NO_SPLIT` when ``x`` is not a 2-D array (which the engine would refuse): the
         general path."""
-        if type(x) is not np.ndarray or x.ndim != 2:
-            return NO_SPLIT
-        return self.split(x.shape[0])
+        if type(x) is np.ndarray or is_torch_tensor(x):  # a tensor: the engine views it
+            shape = cast(Any, x).shape
+            if len(shape) == 2:
+                return self.split(int(shape[0]))
+        return NO_SPLIT
 
     def split(self, num_tokens: int) -> CoreSplit | ScheduleSpec | None:
         """The cores' tasks for a batch of ``num_tokens`` (cached per batch size): None (one

@@ -71,7 +71,7 @@ from .. import dtypes as _dt
 from ..errors import InvalidArgumentError, PeerLostError, TimeoutError
 from ..flags import TffCodec
 from ..plane.protocol import CombineCall, DispatchCall
-from ..plane.records import E_BAD_INPUT, E_INTERNAL, E_PEER_LOST, ErrorRecord
+from ..plane.records import E_BAD_INPUT, E_INTERNAL, E_LOST, E_PEER_LOST, ErrorRecord
 from ..trace.ring import SpanRing
 from .combine import RmaCombine
 from .memory import MpiGlobalMemory
@@ -125,7 +125,10 @@ class RmaEngine:
         self.L = self.E // self.R
         self.hidden = config.hidden
         self.bsp = config.engine == "bsp"
-        self.expert = config.layout == "expert"
+        self.signature = 0  # set_signature: what this rank's calls are
+        self.expert = config.layout != "rank"
+        # expert_padded: each local expert's rows start at its block of R * T slots
+        self.slots = self.R * self.T if config.layout == "expert_padded" else 0
         self.nreg, self.cap_rows, self.cap_src = (layout.num_regions, layout.cap_rows,
                                                   layout.cap_src_rows)
         self.row_bytes, self.slot_bytes = layout.row_bytes, layout.slot_bytes
@@ -409,6 +412,8 @@ class RmaEngine:
         rows32 = units.rows_to.astype("<u4")
         payload[:4 * self.E] = cnt32.view(np.uint8)
         payload[4 * self.E: 4 * self.E + 4 * self.R] = rows32.view(np.uint8)
+        payload[cl.counts_sig: cl.counts_sig + 8] = np.array(
+            [self.signature], "<u8").view(np.uint8)
         for i in range(self.R):
             d = (self.rank + 1 + i) % self.R
             meta = self._meta(units, d)
@@ -458,7 +463,27 @@ class RmaEngine:
         if (c > self.T).any() or (r > self.cap_src).any():
             raise _OpError(E_INTERNAL, s, f"rank {s} announced counts larger than the Buffer "
                                           f"holds (max_tokens_per_rank {self.T})")
+        sig = int(head[cl.counts_sig: cl.counts_sig + 8].view("<u8")[0])
+        if sig != self.signature:
+            self._signature_mismatch(op, s, sig)
         return c, r, mbytes.copy().view(cl.meta_dtype)
+
+    def _signature_mismatch(self, op: _Op, s: int, theirs: int) -> None:
+        """Source ``s``'s call is another call (its signature differs). ASP reads every
+        source's counts before its first row goes out: a clean reject on every rank that
+        differs (the value ``mine:theirs:rank`` in hex, ubep.buffer.signature decodes it). BSP
+        has sent its rows by then: the ranks lose step."""
+        value = f"{self.signature:x}:{theirs:x}:{s}"
+        if self.bsp:
+            raise _OpError(E_LOST, s, f"rank {s}'s call {op.epoch} is another call than rank "
+                                      f"{self.rank}'s (signature {value})")
+        raise _OpError(E_BAD_INPUT, self.rank, f"rank {s}'s call {op.epoch} differs from rank "
+                                               f"{self.rank}'s", "signature", value)
+
+    def set_signature(self, word: int) -> None:
+        """What this rank's next calls are (published in its count records, compared with
+        every source's); local, between calls."""
+        self.signature = int(word) & (2**64 - 1)
 
     def _bases(self, cnt: np.ndarray, rows: np.ndarray, d: int, src: int) -> np.ndarray:
         """Start of ``src``'s rows at ``d``: per local expert (expert layout) or one number."""
@@ -475,7 +500,8 @@ class RmaEngine:
             raise _OpError(E_INTERNAL, d, f"counts for rank {d} add up to "
                                           f"{int(per_expert.sum())} rows, more than the "
                                           f"buffer's {self.cap_rows}")
-        expert_start = np.concatenate([[0], np.cumsum(per_expert)[:-1]])
+        expert_start = (np.arange(L) * self.slots if self.slots else
+                        np.concatenate([[0], np.cumsum(per_expert)[:-1]]))
         return (expert_start + mine[:src].sum(axis=0)).astype(np.int64)
 
     def _positions(self, bases: np.ndarray, units: Any, n: int) -> np.ndarray:
@@ -609,6 +635,15 @@ class RmaEngine:
         else:
             o_idx[pos], o_w[pos] = meta["e"], meta["w"]
 
+    def _empty_slots(self, per_expert: np.ndarray, outs: tuple[np.ndarray, ...]) -> None:
+        """The metadata of the padded layout's slots past each expert's count: -1, weight 0
+        (their payload is left as it was)."""
+        o_idx, o_w, o_rank, o_tok, o_k = outs[:5]
+        for el, n in enumerate(per_expert.tolist()):
+            empty = slice(el * self.slots + n, (el + 1) * self.slots)
+            o_idx[empty] = o_rank[empty] = o_tok[empty] = o_k[empty] = -1
+            o_w[empty] = 0
+
     def _receive(self, op: _Op, cnt: np.ndarray, rows: np.ndarray, metas: list[np.ndarray],
                  reg: int, outs: tuple[np.ndarray, ...], staged: bool) -> int:
         L, r = self.L, self.rank
@@ -618,6 +653,10 @@ class RmaEngine:
         counts_out = outs[5]  # rows per local expert, then rows from each source
         counts_out[:L] = mine.sum(axis=0)
         counts_out[L:L + self.R] = rows[:, r]
+        counts_out[L + self.R:] = rows.reshape(-1)  # every source's rows to every rank
+        if self.slots:  # padded: recv_x is the whole region, its empty slots no row
+            n_total = self.cap_rows
+            self._empty_slots(counts_out[:L], outs)
         positions: list[np.ndarray] = []
         for s in range(self.R):
             n = int(rows[s, r])

@@ -64,7 +64,10 @@ class _CtrlLayout:
             [("t", "<i4"), ("k", "<i4"), ("e", "<i4"), ("w", "<f4")] if expert else
             [("t", "<i4"), ("k", "<i4"), ("e", "<i4", (K,)), ("w", "<f4", (K,))]
         )
-        self.counts_payload = align_up(4 * E + 4 * R, 8)
+        # counts per expert, rows per destination, then the call's signature (u64: a rank's
+        # call must be every source's, ubep.buffer.signature)
+        self.counts_sig = align_up(4 * E + 4 * R, 8)
+        self.counts_payload = self.counts_sig + 8
         rec = align_up(self.counts_payload + 16, _LINE)
         off = 0
         self.fail = off

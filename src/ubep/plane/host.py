@@ -52,11 +52,12 @@ def int64_outputs(cap: int, K: int, L: int, R: int, ntok: int,
                   expert: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """A dispatch's int64 outputs as views of one allocation (one malloc, not four):
     ``recv_topk_idx``, ``meta`` (recv_src_rank, recv_src_token, recv_src_k), ``counts`` (per
-    local expert, then rows per source rank) and ``send_dst_row``."""
+    local expert, then rows per source rank, then the rows each source sent each rank, ``R x
+    R``) and ``send_dst_row``."""
     w_idx, w_dst = (1, K) if expert else (K, R)
     a = cap * w_idx
     b = a + 3 * cap
-    c = b + L + R
+    c = b + L + R + R * R
     block = np.empty(c + ntok * w_dst, np.int64)
     o_idx = block[:a]
     return (o_idx if expert else o_idx.reshape(cap, K), block[a:b].reshape(3, cap), block[b:c],
@@ -101,7 +102,7 @@ class HostEngine:
         self.spec = spec
         self.regions = regions
         self._pending: dict[int, Callable[[int], Any]] = {}  # split calls' result builders
-        self._expert = cfg.layout == "expert"
+        self._expert = cfg.layout != "rank"
         self._L = cfg.num_experts // spec.num_ranks
         self._handle_const = {
             "layout": cfg.layout, "rank": spec.rank, "num_ranks": spec.num_ranks,
@@ -115,6 +116,11 @@ class HostEngine:
         self.combine: Callable[..., Any] = kernel.combine if fast else self.general_combine
         self.fail = kernel.fail
         self.reset_all = kernel.reset_all
+
+    def set_signature(self, word: int) -> None:
+        """What this rank's next dispatches are (``Buffer.sign``): the kernel's count records
+        carry the word."""
+        self.kernel.set_signature(word)
 
     # --- tracing (the kernel's rings, where it keeps any) ------------------------------------
 
@@ -169,17 +175,18 @@ class HostEngine:
         for owned in (o.meta, o.o_dst, o.idx, o.w):
             owned.flags.writeable = False
         src_rank, src_token, src_k = o.meta[0, :n], o.meta[1, :n], o.meta[2, :n]
+        L, R = self._L, self.spec.num_ranks
         handle = new_frozen(
             RuntimeHandle, **self._handle_const, num_tokens=o.ntok, x_dtype=self.spec.dtype_name,
             topk_idx=o.idx, topk_weights=o.w, recv_src_rank=src_rank, recv_src_token=src_token,
-            recv_src_k=src_k, num_recv_rows_per_rank=o.counts[self._L:], send_dst_row=o.o_dst,
+            recv_src_k=src_k, num_recv_rows_per_rank=o.counts[L:L + R], send_dst_row=o.o_dst,
             dispatch_index=o.index, generation=o.generation,
         )
         return new_frozen(
             DispatchResult, recv_x=recv_x, recv_topk_idx=o.o_idx[:n],
             recv_topk_weights=o.o_w[:n], num_recv_tokens_per_expert=o.counts[:self._L],
             recv_src_rank=src_rank, recv_src_token=src_token, recv_src_k=src_k, handle=handle,
-            recv_x_scales=scales,
+            recv_x_scales=scales, num_sent_rows_per_rank=o.counts[L + R:].reshape(R, R),
         )
 
     # --- combine ----------------------------------------------------------------------------

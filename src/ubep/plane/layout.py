@@ -16,7 +16,8 @@ doorbell           u32 eventcount peers ring after a publication, u32 sleepers a
 comb_info [2x64]   by epoch parity: ``[offset][rows][stride][epoch][index][sum]`` (outputs)
 barrier [C x 64]   BSP global barrier arrivals, one word per core (target = epoch*4+phase)
 inbox [R x 2]      per (source, epoch parity): ``[counts epoch][rows][sum]``, SW ``[count][epoch]``,
-                   DC ``[count][checksum][epoch]``, per-local-expert counts (u32)
+                   DC ``[count][checksum][epoch]``, per-local-expert counts (u32), then the
+                   source's rows to every rank (u32 [R], their checksum at +152)
 route [nreg]       per dispatch (index mod nreg): the sender's routing, read by receivers
                    for their metadata: ``[num_tokens][epoch][sum]``, topk_idx i32, weights f32
 land [nland]       what senders write for a receiver to poll, one slot per row: ASP with
@@ -163,8 +164,9 @@ def compute_layout(
     R, C, T, K = num_ranks, num_cores, max_tokens, num_topk
     L = num_experts // num_ranks
     row_bytes = hidden * itemsize if row_bytes is None else row_bytes
-    cap_src_rows = T * min(K, L) if layout == "expert" else T
-    cap_rows = R * cap_src_rows
+    cap_src_rows = T if layout == "rank" else T * min(K, L)
+    # expert_padded: one block of R * T slots per local expert (DeepEP's low-latency places)
+    cap_rows = L * R * T if layout == "expert_padded" else R * cap_src_rows
     nreg = 2
     land_is_out = engine == "asp" and sync in ("sw", "dc", "sp")
     tff_blocks = -(-row_bytes // (tff_block_bytes - tff_flag_bytes))
@@ -189,7 +191,7 @@ def compute_layout(
     off_barrier = off
     off += C * _LINE
     off_inbox = off
-    inbox_bytes = align_up(IN_COUNTS + 4 * L)
+    inbox_bytes = align_up(IN_COUNTS + 4 * L + 4 * R)  # counts, then the rows per rank
     off += R * 2 * inbox_bytes
     off_route = align_up(off)
     route_w_off = ROUTE_IDX + align_up(T * K * 4)

@@ -278,6 +278,13 @@ class Engine(Protocol):
         (waiting at most ``timeout_s``; 0: not at all, then return 1 and publish nothing).
         ``finished``: also mark call ``epoch`` finished here."""
 
+    def set_signature(self, word: int) -> None:
+        """What this rank's next dispatches are (a 64-bit word, ``ubep.buffer.signature``; 0
+        until set): published in each of its count records and compared with every source's
+        before any row of the call reaches a peer; a difference is bad input (``argument``
+        ``"signature"``, ``message`` ``"mine:theirs:rank"``, words in hex) on every rank that
+        differs. Local, between calls."""
+
     def resync(self, base_epoch: int) -> None:
         """Forget every call before ``base_epoch`` (local; no peer may be inside a call)."""
 

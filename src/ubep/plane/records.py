@@ -50,9 +50,11 @@ WORD_CHECK = 8  # a progress word [value u64][~value u64]
 DOORBELL_SLEEPERS = 32  # the doorbell line: [eventcount u32] ... [sleepers u32]
 # an inbox entry (per source and epoch parity)
 IN_COUNTS_EPOCH, IN_ROWS, IN_SUM = 0, 8, 16
+IN_SIGNATURE = 56  # the source's call signature (ubep.buffer.signature), outside the checksum
 IN_SW_COUNT, IN_SW_EPOCH = 64, 72
 IN_DC_COUNT, IN_DC_SUM, IN_DC_EPOCH = 128, 136, 144
-IN_COUNTS = 192  # u32 counts per local expert
+IN_COUNTS = 192  # u32 counts per local expert, then u32 rows the source sends each rank
+IN_RANKS_SUM = 152  # the checksum of those rows per rank (bound to the call's epoch)
 # the combine info (per epoch parity)
 CI_OFF, CI_ROWS, CI_STRIDE, CI_EPOCH, CI_INDEX, CI_SUM = 0, 8, 16, 24, 32, 40
 CI_BYTES = 64
@@ -67,7 +69,8 @@ ROUTE_IDX = 64
 _OFFSET_NAMES = (
     "HEADER_BYTES", "LINE_BYTES", "WORD_CHECK", "DOORBELL_SLEEPERS",
     "IN_COUNTS_EPOCH", "IN_ROWS", "IN_SUM", "IN_SW_COUNT", "IN_SW_EPOCH", "IN_DC_COUNT",
-    "IN_DC_SUM", "IN_DC_EPOCH", "IN_COUNTS",
+    "IN_DC_SUM", "IN_DC_EPOCH", "IN_COUNTS", "IN_RANKS_SUM",
+    "IN_SIGNATURE",
     "CI_OFF", "CI_ROWS", "CI_STRIDE", "CI_EPOCH", "CI_INDEX", "CI_SUM", "CI_BYTES",
     "FAIL_EPOCH", "FAIL_LEN", "FAIL_MSG", "FAIL_MSG_MAX", "FAIL_SUM", "FAIL_BYTES",
     "ROUTE_NTOK", "ROUTE_EPOCH", "ROUTE_SUM", "ROUTE_IDX",

@@ -26,7 +26,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from ..errors import InvalidArgumentError, UbepError
-from ..modes import LAYOUTS
+from ..modes import BUFFER_LAYOUTS
 
 __all__ = ["DispatchHandle", "DispatchResult", "PendingCall", "RuntimeHandle"]
 
@@ -50,6 +50,14 @@ class DispatchResult(Generic[H]):
         recv_x_scales: with a quantised dispatch (``BufferConfig.quant``) ``[rows, hidden //
             128]`` float32, one scale per 128 channels of ``recv_x`` (then 1-byte ``uint8`` E4M3
             bits or ``int8``); else None.
+        num_sent_rows_per_rank: ``[num_ranks, num_ranks]`` int64, the same on every rank:
+            ``[s, d]`` rows source rank ``s`` sent rank ``d`` in this dispatch (``layout="rank"``:
+            its tokens with a pick on ``d``, DeepEP's ``num_tokens_per_rank`` of ``s``;
+            ``"expert"``: its picks of ``d``'s experts). Column ``rank`` is
+            ``handle.num_recv_rows_per_rank``. Each source's row travels in its count records,
+            so no rank needs an exchange of its own to learn another's routing (DeepEP's
+            ``rank_prefix_matrix`` is its cumulative sum over sources). None only from a
+            backend that does not learn it.
     """
 
     recv_x: np.ndarray
@@ -61,6 +69,7 @@ class DispatchResult(Generic[H]):
     recv_src_k: np.ndarray
     handle: H
     recv_x_scales: np.ndarray | None = None
+    num_sent_rows_per_rank: np.ndarray | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -107,8 +116,8 @@ class DispatchHandle:
     def __post_init__(self) -> None:
         # Cheap consistency checks: a handle from one call mixed with arrays of another is the
         # usual way to corrupt a combine silently.
-        if self.layout not in LAYOUTS:
-            raise InvalidArgumentError("layout", self.layout, f"must be one of {LAYOUTS}")
+        if self.layout not in BUFFER_LAYOUTS:
+            raise InvalidArgumentError("layout", self.layout, f"must be one of {BUFFER_LAYOUTS}")
         if not 0 <= self.rank < self.num_ranks:
             raise InvalidArgumentError("rank", self.rank, f"must be in [0, {self.num_ranks})")
         if self.topk_idx.shape != self.topk_weights.shape or self.topk_idx.ndim != 2:
@@ -116,7 +125,7 @@ class DispatchHandle:
                 "topk_weights", self.topk_weights.shape,
                 f"must match topk_idx {self.topk_idx.shape} (2-D)",
             )
-        width = self.topk_idx.shape[1] if self.layout == "expert" else self.num_ranks
+        width = self.num_ranks if self.layout == "rank" else self.topk_idx.shape[1]
         if self.send_dst_row is not None and self.send_dst_row.shape != (self.num_tokens, width):
             raise InvalidArgumentError(
                 "send_dst_row", self.send_dst_row.shape, f"must be ({self.num_tokens}, {width})"

@@ -105,6 +105,19 @@ def reduce_rows(
     """Combine's reduction (``REDUCE[dtype_code]``) of the ``nt`` rows of ``rows`` into
     ``out`` (each row as long as ``out``), weighted by ``weights`` (float32) or not."""
 
+def storage_views(to_dlpack: Any, /, *tensors: Any) -> tuple[Any, ...]:
+    """Each of ``tensors`` that is not a numpy array or None as a numpy view of its memory, by
+    its DLPack capsule (``to_dlpack(t)``; BF16 as ``uint16`` bits); one this path does not view
+    (another device, a dtype numpy does not store) as it was."""
+
+def tensor_capsule(array: Any, dlpack_code: int, /) -> Any:
+    """A DLPack ``"dltensor"`` capsule over ``array``'s memory with the DLPack dtype code
+    ``dlpack_code`` (4: bfloat, for ``uint16`` bits), keeping ``array`` alive."""
+
+def use_dlpack(to_dlpack: Any, /) -> None:
+    """From now on the engine's door (``Engine.dispatch`` / ``combine``) takes a tensor as the
+    numpy view of its DLPack capsule (``to_dlpack(t)``), and declines one it does not view."""
+
 def y_pool_min_bytes(bytes: int = 0, /) -> int:
     """The size from which a one-call combine's output is a view of one of the Buffer's two
     reusable blocks (32 MiB by default); ``bytes > 0`` sets it. Returns the previous value."""
@@ -141,6 +154,7 @@ def schedule(
     returns the number of units."""
 
 def counts_sum(epoch: int, rows: int, counts: Any, /) -> int: ...
+def ranks_sum(epoch: int, rows_per_rank: Any, /) -> int: ...
 def route_sum(epoch: int, ntok: int, idx: Any, weights: Any, /) -> int: ...
 def row_sums(rows: Any, row_bytes: int, /) -> bytes: ...
 def comb_info_sum(

@@ -51,7 +51,7 @@ __all__ = [
     "load_native",
 ]
 
-ABI_VERSION = 3  # abi.h UBEP_ABI_VERSION
+ABI_VERSION = 4  # abi.h UBEP_ABI_VERSION
 
 # --- codes -------------------------------------------------------------------------------------
 
@@ -59,7 +59,7 @@ ABI_VERSION = 3  # abi.h UBEP_ABI_VERSION
 DTYPES: dict[str, int] = {name: code for code, name in enumerate(modes.DTYPE_NAMES)}
 SYNCS: dict[str, int] = {name: code for code, name in enumerate(modes.SYNCS)}
 ENGINES: dict[str, int] = {name: code for code, name in enumerate(modes.ENGINES)}
-LAYOUTS: dict[str, int] = {name: code for code, name in enumerate(modes.LAYOUTS)}
+LAYOUTS: dict[str, int] = {name: code for code, name in enumerate(modes.BUFFER_LAYOUTS)}
 # the native scheduler's policies (schedule.h SCHED_*; ubep.sched.ScheduleSpec.policy_code)
 POLICIES: dict[str, int] = {name: code for code, name in enumerate(modes.POLICIES)}
 # BufferConfig.quant ("none" for None) -> the engine's code (abi.h QUANT_*)

@@ -109,7 +109,7 @@ class Segment:
         cls, size_bytes: int, *, group_id: bytes, owner_rank: int, kind: str,
         marker_dir: str | None = None, reaper_dir: str | None = None,
     ) -> Segment:
-        """Create, size, pre-fault and stamp a new segment owned by this process; its name is
+        """Create, size, stamp and pre-fault a new segment owned by this process; its name is
         recorded first in ``marker_dir`` (for the peers' sweeps) and in ``reaper_dir`` (the
         private directory of this process's own reaper, where a job may remove ``marker_dir``
         before anyone swept it)."""
@@ -132,11 +132,14 @@ class Segment:
         seg = cls(name, fd, size, owner_rank, created=True)
         assert seg._mm is not None
         seg.markers = markers
-        seg.prefault()
+        # Stamped before the pre-fault (which keeps every byte): a big segment takes a while to
+        # fault in, and a reader of headers (a leak check of another job) must see its owner
+        # all that time, not an ownerless segment to remove.
         HEADER.pack_into(
             seg._mm, 0, MAGIC, VERSION, owner_rank, size, os.getpid(), _pad(group_id, 16),
             _pad(kind.encode(), 16),
         )
+        seg.prefault()
         return seg
 
     @classmethod

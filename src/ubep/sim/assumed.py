@@ -112,12 +112,11 @@ BASELINE_FREE: dict[str, dict[str, Any]] = {
     "init_ns": {"range": [5_000.0, 60_000.0], "source": _BASE_SRC},
     "issue_ns": {"range": [10.0, 2_000.0], "source": _BASE_SRC + "; flag_ns tied to it"},
     "latency_exposure": {"range": [0.01, 1.0], "source": _BASE_SRC},
-    "barrier_ns": {"range": [500.0, 40_000.0], "source": _BASE_SRC},
 }
 # Which way each constant makes a latency longer (+1: larger is costlier; -1: a faster clock).
 COST_SIGN = {"aiv_clock_ghz": -1, "vector_instr_cycles": 1,
              "cumsum_group_sync_ns": 1, "store_window": -1, "hot_share": 1, "init_ns": 1,
-             "issue_ns": 1, "latency_exposure": 1, "barrier_ns": 1}
+             "issue_ns": 1, "latency_exposure": 1}
 
 
 def apply_assumed(base: FabricModel, values: dict[str, float]) -> FabricModel:

@@ -31,7 +31,21 @@ from ..errors import InvalidArgumentError
 from ..topology import Topology
 from .syncs import sync_mode
 
-__all__ = ["FabricModel", "SyncCosts", "dissemination_ns", "sync_costs"]
+__all__ = ["FabricModel", "SyncCosts", "dissemination_ns", "sync_costs", "syncall_atomic_ns"]
+
+
+def syncall_atomic_ns(cores: int, local_latency_ns: float) -> float:
+    """The intrinsic cost of a SyncAll of one die's ``cores`` AIVs through global memory
+    (docs/SIMULATOR.md 1.6): every AIV's arrival is an atomic add on one word of the die's HBM;
+    the adds to one word serialise, one local access (``local_latency_ns``, Table 2's
+    intra-NPU 218 ns on CM384) apart, and the last AIV learns of the release by one more read:
+    ``(cores + 1) x local_latency_ns``. On a 48-AIV die, 49 x 218 = 10 682 ns: two of them are
+    ~15 % of CANN EP's dispatch, the paper's SyncAll share, predicted rather than fitted."""
+    if cores < 1 or local_latency_ns < 0:
+        raise InvalidArgumentError("cores", (cores, local_latency_ns),
+                                   "needs >= 1 core and a latency >= 0")
+    return float((cores + 1) * local_latency_ns)
+
 
 @dataclass(frozen=True)
 class FabricModel:
@@ -45,7 +59,8 @@ class FabricModel:
         latency_exposure: share of a unit's one-way latency for which the unit holds the
             rank's shared send machinery (its outstanding-store slots; processor-shared work).
         contention_cores, contention_sharpness: ``speed(k) = (1 + (k/k_sat)^p)^(-1/p)``.
-        barrier_ns: intrinsic cost of one SyncAll (on top of waiting for the slowest core).
+        barrier_ns: intrinsic cost of one SyncAll (on top of waiting for the slowest core);
+            on CM384 derived from the die's structure (:func:`syncall_atomic_ns`).
         flag_ns: core time to write one flag / count / checksum word to a peer.
         poll_ns: core time to check one flag entry once it has landed.
         count_expert_ns: fixed core time to count one expert's tokens (one vector count

@@ -27,7 +27,7 @@ from .syncs import SW, sync_mode
 
 __all__ = ["OPS", "OpSpec", "RowCosts", "Transfers", "build_spec", "core_rx_wait_ns", "meet_ns",
            "receiver_drain_ns",
-           "transfers"]
+           "transfers", "vouch_ns"]
 
 OPS = ("dispatch", "combine")
 #: cores per rank the ASP model needs: a send core and a count core (the runtime's one-core
@@ -280,7 +280,10 @@ def build_spec(
         bw = np.asarray(topology.bandwidth_gbps, dtype=np.float64)[hop]
         fence = fabric.fence_rtt_fraction * (2 * lat + wire / bw)
         if mode.meet and fabric.sw_meet:  # the rank's sending AIVs meet before each flag
-            fence = fence + meet_ns(counts, fabric)[src]
+            meet = meet_ns(counts, fabric)
+            fence = fence + meet[src]
+            fence = fence + np.where(_first_batch_end(last, src, core),
+                                     vouch_ns(num_ranks, meet, fabric)[src], 0.0)
         stall = stall + np.where(last, fence, 0.0)
         work = work + np.where(last, fabric.flag_ns, 0.0)
 
@@ -420,6 +423,32 @@ def _items(lay: _Layout, layout: str, op: str, num_ranks: int,
         if a is not None:
             a.flags.writeable = False
     memo[key] = out
+    return out
+
+
+def vouch_ns(num_ranks: int, meet: np.ndarray, fabric: FabricModel) -> np.ndarray:
+    """``[R]`` stop-and-wait's cross-AIV work beyond the meeting, which grows with the
+    destinations: a per-destination flag may follow only when *every* sending AIV of the rank
+    has vouched for that destination at its counter, and an AIV cannot know which destinations
+    its peers wrote (a static protocol: a destination without rows still gets its flag, count
+    0), so each sending AIV adds to the counter of every other rank, ``R - 1`` adds of
+    ``flag_ns``. Each AIV starts at its own destination, so the adds spread over the counters
+    and overlap the meeting's ``P`` serialised adds (``meet``): before its first flag a core
+    waits ``max(P, R - 1) x flag_ns`` in all, ``max(0, (R - 1) x flag_ns - meet)`` beyond the
+    meeting (docs/SIMULATOR.md 1.4). Equal to the meeting up to 49 ranks; past the 48 AIVs
+    it keeps growing with the destinations, where ``P`` stops."""
+    own = float(max(num_ranks - 1, 0)) * float(fabric.flag_ns)
+    return np.maximum(own - np.asarray(meet, dtype=np.float64), 0.0)
+
+
+def _first_batch_end(last: np.ndarray, src: np.ndarray, core: np.ndarray) -> np.ndarray:
+    """Mask of the units that end each ``(rank, core)``'s first batch (units in issue order)."""
+    out = np.zeros(last.shape, dtype=bool)
+    idx = np.flatnonzero(last)
+    if idx.size:
+        cell = src[idx].astype(np.int64) * (int(core.max()) + 1) + core[idx]
+        _, first = np.unique(cell, return_index=True)
+        out[idx[first]] = True
     return out
 
 

@@ -222,6 +222,28 @@ class SimResult:
             return self.timeline
         return _unit_timeline(self.timeline, self.spec, self.unit_end_ns, self.item_end_ns)
 
+    def consume_wait_ns(self) -> np.ndarray:
+        """``[R, n]`` the time each core waits inside its reordering: from the end of its
+        other tasks (Init, sends, counting, barriers) to the end of its last row, less the
+        rows' own work (the spec's item costs): the gap before its first row and the waits
+        between rows, which the executors fold into the ``consume`` span (1.7) -- for rows
+        not yet landed, a batch's flag or checksum, the prefix sums. This names them, as the
+        runtime's traces record a ``wait``. 0 for a core that reorders nothing; needs
+        :attr:`spec`."""
+        if self.spec is None:
+            raise InvalidArgumentError("spec", None, "needs the spec of the simulation")
+        R, n = int(self.rank_end_ns.size), self.cores_per_rank
+        tl = self.timeline
+        cons = tl.task == TASKS.index("consume")
+        avail = np.zeros((R, n))
+        np.maximum.at(avail, (tl.rank[~cons], tl.core[~cons]), tl.end_ns[~cons])
+        end = np.zeros((R, n))
+        np.maximum.at(end, (tl.rank[cons], tl.core[cons]), tl.end_ns[cons])
+        spec = self.spec
+        work = np.zeros((R, n))
+        np.add.at(work, (spec.item_rank, spec.item_core), spec.item_cost_ns)
+        return np.where(end > 0, np.maximum(end - avail - work, 0.0), 0.0)
+
     def task_span_ns(self, rank: int | None = None) -> dict[str, float]:
         """Per task: wall time from its first start to its last end on ``rank`` (default: the
         slowest rank). Tasks overlap under ASP, so these do not add up to the latency."""

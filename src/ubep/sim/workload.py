@@ -37,6 +37,7 @@ __all__ = [
     "UBEP_NO_MAPPING",
     "System",
     "Workload",
+    "appendix_a_split",
     "aux_cores",
     "clear_plans",
     "core_split",
@@ -246,27 +247,44 @@ def _cores(value: int | str | None, topology: Topology) -> int | None:
     return value
 
 
+def appendix_a_split(num_cores: int, num_experts: int, num_topk: int, batch_size: int,
+                     aux: int, *, alpha: float, beta: float,
+                     b_count: float = 0.0) -> tuple[int, int, int]:
+    """``(num_send_cores, num_count_cores, num_aux_cores)`` of an ASP rank, as the paper writes
+    it: Appendix A partitions **all** ``n`` AIVs into ``n_count`` counting and ``n_token = n -
+    n_count`` communicating ones (the exact min-max of eqs. 2-4, :func:`ubep.sched.partition`),
+    and the evaluation text takes the routing and checksum AIVs *from communication* ("the 12
+    cores given to routing and checksum work are taken from communication, so fewer cores send
+    more data"): ``n_send = n_token - aux``. The count group is Appendix A's whatever the
+    routing and checksum AIVs take; ``aux`` is cut to leave at least one send core."""
+    from ..sched.partition import partition
+
+    part = partition(num_cores, num_experts, num_topk, batch_size, alpha=alpha, beta=beta,
+                     b_count=b_count)
+    n_c = part.num_count_cores
+    aux = max(0, min(int(aux), num_cores - n_c - 1))
+    return num_cores - n_c - aux, n_c, aux
+
+
 def core_split(workload: Workload, system: System, topology: Topology,
                fabric: FabricModel | None = None) -> tuple[int | None, int | None]:
     """``(num_send_cores, num_count_cores)`` of ``system`` (``None``: ubep.sched's default).
 
-    ASP's default is Appendix A's partition with :func:`partition_constants` of ``fabric``,
-    less the routing / checksum cores that large rank counts take from sending
-    (:func:`aux_cores`)."""
+    ASP's default is :func:`appendix_a_split` with :func:`partition_constants` of ``fabric``:
+    Appendix A's partition of every core, less the routing / checksum cores that large rank
+    counts take from sending (:func:`aux_cores`)."""
     n_s = _cores(system.num_send_cores, topology)
     n_c = _cores(system.num_count_cores, topology)
     if system.engine == "asp" and n_s is None and n_c is None and fabric is not None \
             and topology.cores_per_rank >= 2:
-        from ..sched.partition import partition
-
         num_experts = workload.num_experts(topology.num_ranks)
         aux = aux_cores(topology.num_ranks, fabric, topology.cores_per_rank)
         alpha, beta, b_count = partition_constants(
             topology, fabric, workload.row_bytes, num_experts,
             workload.tokens_per_rank * workload.num_topk)
-        part = partition(topology.cores_per_rank - aux, num_experts, workload.num_topk,
-                         workload.tokens_per_rank, alpha=alpha, beta=beta, b_count=b_count)
-        n_s, n_c = part.num_send_cores, part.num_count_cores
+        n_s, n_c, _ = appendix_a_split(topology.cores_per_rank, num_experts,
+                                       workload.num_topk, workload.tokens_per_rank, aux,
+                                       alpha=alpha, beta=beta, b_count=b_count)
     return n_s, n_c
 
 

@@ -9,12 +9,14 @@ no element is converted or copied on either side. Only non-contiguous tensors ar
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, UbepError, Unviewable
+from ..plane.results import DispatchResult, PendingCall
 
 __all__ = [
     "PAYLOAD_DTYPES", "dispatch_result_to_torch", "from_numpy", "from_numpy_as",
@@ -113,3 +115,249 @@ def dispatch_result_to_torch(res: Any, values: torch.dtype) -> Any:
             v = from_numpy_as(v, values) if f.name == "recv_x" else from_numpy(v)
         fields[f.name] = v
     return type(res)(**fields)
+
+
+# --- the torch door of a Buffer --------------------------------------------------------------
+
+# dtypes numpy has no type for: a tensor of one is viewed as its storage type (same bytes)
+_STORAGE_VIEW: dict[torch.dtype, torch.dtype] = {
+    torch.bfloat16: torch.uint16, torch.float8_e4m3fn: torch.uint8,
+    torch.float8_e5m2: torch.uint8,
+}
+_TENSOR = torch.Tensor
+_NDARRAY = np.ndarray
+_TO_DLPACK, _FROM_DLPACK = torch._C._to_dlpack, torch._C._from_dlpack
+#: the torch dtype of each ``ubep.dtypes`` name (a Buffer's ``dtype`` / ``combine_dtype``)
+_TORCH_OF: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "int8": torch.int8,
+    "uint8": torch.uint8,
+}
+#: DLPack's type code of a combine dtype (the bits are the storage's): how ``y`` reaches torch
+_DLPACK_CODE: dict[torch.dtype, int] = {torch.bfloat16: 4, torch.float16: 2, torch.float32: 2}
+# references a kept recv_x tensor has when nothing but the door holds it: the door's, the
+# lookup's local name and getrefcount's argument
+_UNHELD = 3
+_REFS, _NEW = sys.getrefcount, object.__new__
+
+
+def storage_or_same(obj: object) -> object:
+    """A CPU tensor's numpy storage view (BF16 as ``uint16``, FP8 as ``uint8``; strided as it
+    is: the engine's door copies a layout it does not read as it is), anything else as it is:
+    a tensor numpy cannot view (another device, say) comes back unchanged, so that the Buffer's
+    checks reject it inside the call, where the rejection reaches every rank."""
+    if not isinstance(obj, _TENSOR):
+        return obj
+    t: Any = obj
+    try:
+        view = _STORAGE_VIEW.get(t.dtype)
+        return (t if view is None else t.view(view)).detach().numpy()
+    except (RuntimeError, TypeError):
+        return obj
+
+
+def _viewed(obj: object, argument: str) -> object:
+    """:func:`storage_or_same`; a tensor numpy cannot view as ``ubep.errors.Unviewable``, the
+    error naming ``argument`` (and the tensor's device) that the call's checks raise."""
+    got = storage_or_same(obj)
+    if not isinstance(got, _TENSOR):
+        return got
+    device = got.device
+    if device.type != "cpu":
+        return Unviewable(InvalidArgumentError(
+            argument, device, f"must be a CPU tensor (it is on device {device}): this "
+            "Buffer's engine moves host memory"))
+    try:
+        return to_numpy(got, argument=argument)
+    except UbepError as exc:
+        return Unviewable(exc)
+
+
+class _Converted:
+    """A field of :class:`TorchDispatchResult` with a class-level default in
+    ``DispatchResult`` (which ``__getattr__`` would never be asked for): converted on first
+    read, as the others."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return None  # the dataclass default
+        return TorchDispatchResult.__getattr__(obj, self.name)
+
+
+class TorchDispatchResult(DispatchResult[Any]):
+    """A dispatch result whose array fields are torch tensors, each made on its first read from
+    the numpy result it wraps (``_np``): a decode step that reads ``recv_x`` and ``handle``
+    pays for those, not for eight conversions. Everything a dataclass reader does
+    (``getattr``, ``dataclasses.fields``, ``replace``, ``asdict``) reads the tensors."""
+
+    num_sent_rows_per_rank = _Converted("num_sent_rows_per_rank")
+
+    def host_result(self) -> Any:
+        """The numpy result this one wraps, when the engine's arrays are on the host (what a
+        reader of numpy storage, the DeepEP facades' backend, takes without converting every
+        field back), else None."""
+        res = self.__dict__.get("_np")
+        return res if res is not None and type(res.recv_x) is _NDARRAY else None
+
+    def __getattr__(self, name: str) -> Any:
+        d = self.__dict__
+        if name.startswith("__") or "_np" not in d:
+            raise AttributeError(name)
+        value = getattr(d["_np"], name)
+        if type(value) is _NDARRAY:
+            value = from_numpy(value)
+        d[name] = value
+        return value
+
+
+
+class TorchDoor:
+    """How a Buffer takes torch tensors and hands them back, decided once per Buffer (its dtype
+    plans, its region views), so that a torch call costs what the numpy call costs.
+
+    In: each tensor's numpy view, made in C from its DLPack capsule (``storage_views``: no
+    copy; a layout the engine does not read as it is, its door copies once, as for numpy); the
+    numpy call then takes the Buffer's one-native-call path. Out: the numpy result wrapped
+    (:class:`TorchDispatchResult`): ``recv_x`` a slice of a tensor over its receive region
+    (each region viewed once; the slice of each row count kept and handed out again once
+    nothing else holds it); every other array a tensor over the numpy array's memory, made on
+    first read; the handle the engine's (combine reads it). ``y``: a tensor over the numpy
+    ``y``'s memory, by DLPack (in the combine dtype: no view on top).
+
+    ``call_dispatch`` / ``call_combine`` are the numpy calls. A tensor numpy cannot view (another
+    device, say) goes to them as :class:`ubep.errors.Unviewable`, whose error the call's
+    checks raise inside the call, where the rejection reaches every rank.
+    """
+
+    def __init__(self, *, x_dtype: str, combine_dtype: str, quant: str | None,
+                 call_dispatch: Any, call_combine: Any,
+                 regions: list[np.ndarray] | None = None) -> None:
+        self.x_dtype = _TORCH_OF[x_dtype]
+        self.c_dtype = _TORCH_OF[combine_dtype]
+        self._quant = None if quant is None else quant_values_dtype(quant)
+        self._call_dispatch, self._call_combine = call_dispatch, call_combine
+        self._region_arrays = regions or []
+        self._num_regions = len(self._region_arrays)
+        # each receive region as a tensor of a recv_x dtype, made on its first use; the slices
+        # handed out, by (dtype, region, rows)
+        self._regions: dict[torch.dtype, list[torch.Tensor]] = {}
+        self._slices: dict[tuple[torch.dtype, int, int], torch.Tensor] = {}
+        self._pending = PendingCall
+        self._views, self._capsule = _native_conversions()
+        self.tensor_type = _TENSOR
+        self._y_code = _DLPACK_CODE.get(self.c_dtype, -1)
+
+    def dispatch(self, x: Any, topk_idx: object, topk_weights: object, copy: bool, hook: bool,
+                 x_scales: object) -> Any:
+        """The Buffer's dispatch of torch ``x`` (tensors or arrays for the rest)."""
+        views = self._views
+        xa, ia, wa, sa = (views(_TO_DLPACK, x, topk_idx, topk_weights, x_scales)
+                          if views is not None else (x, topk_idx, topk_weights, x_scales))
+        values = x.dtype if self._quant is None else self._quant
+        if (type(xa) is _NDARRAY and type(ia) is _NDARRAY and type(wa) is _NDARRAY
+                and sa is None):  # the common case: every tensor viewed
+            got = self._call_dispatch(xa, ia, wa, copy=copy, return_recv_hook=hook)
+        else:
+            xa, ia, wa, sa = (_viewed(a, name) for a, name in zip(
+                (xa, ia, wa, sa), ("x", "topk_idx", "topk_weights", "x_scales"), strict=True))
+            got = self._call_dispatch(xa, ia, wa, copy=copy, return_recv_hook=hook, x_scales=sa)
+        if type(got) is self._pending:
+            got.map_result(lambda res: self.result(res, values, copy))
+            return got
+        return self.result(got, values, copy)
+
+    def result_of(self, res: Any, x: torch.Tensor) -> Any:
+        """The torch result of a plain dispatch of ``x`` that the engine ran (``res``, numpy):
+        :meth:`result`'s common case, written out (a decode step meets it cold)."""
+        if not self._num_regions or self._quant is not None:
+            return self.result(res, x.dtype if self._quant is None else self._quant, False)
+        out = _NEW(TorchDispatchResult)
+        d = out.__dict__
+        d["_np"] = res
+        handle = d["handle"] = res.handle
+        d["recv_x_scales"] = None
+        key = (x.dtype, handle.dispatch_index % self._num_regions, res.recv_x.shape[0])
+        t = self._slices.get(key)
+        d["recv_x"] = t if t is not None and _REFS(t) == _UNHELD else self._new_slice(key)
+        return out
+
+    def result(self, res: Any, values: torch.dtype, copy: bool) -> Any:
+        """``res`` (the numpy call's) as the torch result, ``recv_x`` of ``values``: the rest
+        converted when read."""
+        out = _NEW(TorchDispatchResult)
+        d = out.__dict__
+        d["_np"] = res
+        handle = d["handle"] = res.handle
+        recv_x = res.recv_x
+        if type(recv_x) is not _NDARRAY:  # an engine's own tensor
+            d["recv_x"] = recv_x
+        elif self._num_regions and not copy:
+            key = (values, handle.dispatch_index % self._num_regions, recv_x.shape[0])
+            t = self._slices.get(key)
+            d["recv_x"] = t if t is not None and _REFS(t) == _UNHELD else self._new_slice(key)
+        else:
+            d["recv_x"] = from_numpy_as(recv_x, values)
+        scales = res.recv_x_scales
+        d["recv_x_scales"] = from_numpy(scales) if type(scales) is _NDARRAY else scales
+        return out
+
+    def _new_slice(self, key: tuple[torch.dtype, int, int]) -> torch.Tensor:
+        """The first ``rows`` rows of receive region ``region`` as a tensor of ``values``
+        (``key``), kept to be handed out again once nothing else holds it."""
+        values, region, rows = key
+        regions = self._regions.get(values) or self._region_tensors(values)
+        t = self._slices[key] = regions[region][:rows]
+        return t
+
+    def _region_tensors(self, values: torch.dtype) -> list[torch.Tensor]:
+        """Each receive region as a tensor of ``values`` (read-only memory: torch's one warning
+        about it silenced; nothing writes through these)."""
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            made = self._regions[values] = [from_numpy_as(torch.from_numpy(r), values)
+                                            for r in self._region_arrays]
+        return made
+
+    def combine(self, expert_out: Any, handle: object, hook: bool, **extra: Any) -> Any:
+        """The Buffer's combine of a torch ``expert_out``: ``y`` a tensor of the combine dtype
+        over the numpy ``y``'s memory."""
+        views = self._views
+        if views is not None and not extra:  # the common case
+            (ea,) = views(_TO_DLPACK, expert_out)
+            got = (self._call_combine(ea, handle, return_recv_hook=hook)
+                   if type(ea) is _NDARRAY else self._combine_rest(ea, handle, hook, {}))
+        else:
+            got = self._combine_rest(expert_out, handle, hook, extra)
+        if type(got) is self._pending:
+            got.map_result(self.y_of)
+            return got
+        return self.y_of(got)
+
+    def _combine_rest(self, expert_out: object, handle: object, hook: bool,
+                      extra: dict[str, Any]) -> Any:
+        ea = _viewed(expert_out, "expert_out")
+        args = {k: _viewed(v, k) for k, v in extra.items()}
+        return self._call_combine(ea, handle, return_recv_hook=hook, **args)
+
+    def y_of(self, y: Any) -> torch.Tensor:
+        """A combine's ``y`` as a tensor of the combine dtype (no copy)."""
+        if type(y) is _NDARRAY and self._capsule is not None and self._y_code >= 0:
+            return _FROM_DLPACK(self._capsule(y, self._y_code))
+        return from_numpy_as(y, self.c_dtype)
+
+
+def _native_conversions() -> tuple[Any, Any]:
+    """The native build's ``storage_views`` and ``tensor_capsule``, or (None, None) without
+    one (the conversions in Python then)."""
+    try:
+        from ..runtime.abi import load_native
+
+        native = load_native()
+    except Exception:  # no native build: the Python conversions
+        return None, None
+    native.use_dlpack(_TO_DLPACK)  # the engine's door takes tensors from now on
+    return native.storage_views, native.tensor_capsule

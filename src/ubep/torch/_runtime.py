@@ -19,7 +19,7 @@ import torch
 from ..dtypes import dtype_of
 from ..errors import InvalidArgumentError
 from ..modes import Layout
-from ._convert import on_host
+from ._convert import TorchDispatchResult, on_host
 
 __all__ = ["RuntimeBackend", "buffer_config", "make_backend", "ubep_dtype_name"]
 
@@ -74,7 +74,7 @@ class RuntimeBackend:
     def _weighted(self, handle: Any, topk_weights: np.ndarray | None) -> Any:
         if topk_weights is None:
             return handle
-        if self.layout != "expert":
+        if self.layout == "rank":
             raise InvalidArgumentError(
                 "topk_weights", "given", "the rank layout combines without weights"
             )
@@ -93,6 +93,10 @@ class RuntimeBackend:
 def _host_result(res: Any) -> Any:
     """A dispatch result with every field on the host as numpy storage: what the facade
     reads (an engine's results may be tensors of its device: ``BufferConfig.transport``)."""
+    if type(res) is TorchDispatchResult:  # the torch door's: the numpy result it wraps
+        host = res.host_result()
+        if host is not None:
+            return host
     fields = {f.name: on_host(getattr(res, f.name)) for f in dataclasses.fields(res)}
     return type(res)(**fields)
 

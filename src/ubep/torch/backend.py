@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
 from .. import reference
-from ..errors import InvalidArgumentError, TimeoutError
+from ..errors import InvalidArgumentError, RemoteError, TimeoutError
 from ..handle import DispatchHandle, DispatchResult
 from ..modes import LAYOUTS
 from ..routing import experts_per_rank, validate_topk_idx
@@ -181,6 +182,13 @@ class LocalWorld:
             ) from None
 
 
+@dataclass(frozen=True)
+class _Rejected:
+    """A rank's place in a call of the in-process world that it rejected (LocalBackend.reject)."""
+
+    message: str
+
+
 class LocalBackend:
     """One rank of a :class:`LocalWorld` (implements :class:`EPBackend`)."""
 
@@ -199,6 +207,18 @@ class LocalBackend:
         """Every rank's ``value``, in rank order (small metadata; collective)."""
         return self.world._exchange(self.rank, value)
 
+    def reject(self, message: str) -> None:
+        """Take part in the peers' next dispatch or combine with a failure instead of inputs:
+        their call raises :class:`ubep.RemoteError` naming this rank (collective)."""
+        self.world._exchange(self.rank, _Rejected(message))
+
+    def _everyone(self, item: Any) -> list[Any]:
+        everyone = self.world._exchange(self.rank, item)
+        for r, got in enumerate(everyone):
+            if isinstance(got, _Rejected):
+                raise RemoteError(r, got.message)
+        return everyone
+
     def dispatch(
         self, x: np.ndarray, topk_idx: np.ndarray, topk_weights: np.ndarray
     ) -> LocalDispatchResult:
@@ -211,7 +231,7 @@ class LocalBackend:
             raise InvalidArgumentError("topk_weights", w.shape, f"must match topk_idx {idx.shape}")
         if self.rank == 0:
             self.world.num_calls["dispatch"] += 1
-        everyone = self.world._exchange(self.rank, (x, idx, w))
+        everyone = self._everyone((x, idx, w))
         xs, idxs, ws = zip(*everyone, strict=True)
         widths = {a.shape[1] for a in xs}
         if len(widths) != 1:
@@ -232,7 +252,7 @@ class LocalBackend:
                 "expert_out", out.shape, f"must be [{len(handle.recv_src_rank)}, hidden]"
             )
         if topk_weights is not None:
-            if self.layout != "expert":
+            if self.layout == "rank":
                 raise InvalidArgumentError(
                     "topk_weights", "given", "the rank layout combines without weights"
                 )
@@ -245,7 +265,7 @@ class LocalBackend:
                 )
         if self.rank == 0:
             self.world.num_calls["combine"] += 1
-        everyone = self.world._exchange(self.rank, (out, handle, topk_weights))
+        everyone = self._everyone((out, handle, topk_weights))
         outs, handles, weights = zip(*everyone, strict=True)
         reweighted = None if all(w is None for w in weights) else list(weights)
         return reference.combine(list(outs), list(handles), float64=True,

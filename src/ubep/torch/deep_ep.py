@@ -46,9 +46,17 @@ from ..modes import Layout
 from ..quant import quantize
 from ..routing import get_dispatch_layout as _layout
 from ..trace.recorder import name_buffer, traced_work
+from . import deep_ep_checks as checks
 from ._convert import from_numpy, to_numpy
 from .backend import EPBackend, LocalBackend, issue_dispatch
-from .deep_ep_agree import Board, open_board
+from .deep_ep_agree import (
+    Board,
+    check_combine_rows,
+    exchanged_counts,
+    open_board,
+    send_backend,
+    sum_at_sources,
+)
 from .deep_ep_checks import check_dispatch_x, check_ubep_options, deepep_names, own_backend
 from .deep_ep_internode import InternodeCalls, hosts_of
 from .deep_ep_lowlatency import LowLatencyCalls
@@ -85,7 +93,8 @@ T = TypeVar("T")
 topk_idx_t = torch.int64
 
 _UNOPENED = object()  # Buffer._board before the first exchange
-_TRACE_NAMES = {"rank": "deep_ep normal", "expert": "deep_ep low-latency"}  # by ubep layout
+_TRACE_NAMES = {"rank": "deep_ep normal", "expert": "deep_ep low-latency",  # by ubep layout
+                "expert_padded": "deep_ep low-latency"}
 _NO_LAYOUT = _Layout()  # a cached dispatch's: the handle says where rows go
 # BufferConfig fields the facade sets itself from each call's shapes.
 _SHAPE_FIELDS = (
@@ -177,6 +186,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
             self._shrink = open_shrink_group(self._ep, self.ubep_options)
         # the calls' exchanges (deep_ep_agree): opened by the first, None where unavailable
         self._board: object = _UNOPENED
+        self._gate = checks.CallGate(self._ep, self.rank)  # calls in step across Buffers
         self._destroyed = False
 
     # ------------------------------------------------------------------ static helpers
@@ -309,7 +319,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         if cached is not None and (
             self._shrink is None or self._shrink.current(getattr(cached, "buffer", None))
         ):
-            return cached
+            return cached if self._shrink is not None else self._gate.enter(cached, key)
         from ._runtime import buffer_config, make_backend, ubep_dtype_name
 
         options = dict(self.ubep_options)
@@ -323,8 +333,8 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
             options["sync"] = "tff"
         shape = dict(hidden=hidden, num_topk=num_topk, num_experts=num_experts, dtype=dtype,
                      max_tokens_per_rank=max_tokens, layout=layout, **options)
-        if self._shrink is None:
-            self._backends[key] = make_backend(self._ep, **shape)
+        if self._shrink is None:  # every rank moves to it, or none (deep_ep_checks.CallGate)
+            self._backends[key] = self._gate.made(key, lambda: make_backend(self._ep, **shape))
         else:  # over the members (a shrink-mode facade: ubep.torch.deep_ep_shrink)
             config = buffer_config(on_peer_loss="mask", **shape)
             self._backends[key] = MaskedBackend(self._shrink.build(config))
@@ -359,9 +369,8 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
             shape = (layout, x.shape[1], idx.shape[1], num_experts)
             fp8 = round_scale is not None or scales is not None
             if fp8 and not isinstance(self._ep, LocalBackend):
-                backend = self._backend(*shape, torch.bfloat16 if scales is not None else x.dtype,
-                                        max_tokens, combine_dtype=torch.bfloat16, quant="e4m3",
-                                        round_scale=bool(round_scale))
+                backend = send_backend(self, layout, x.shape[1], idx.shape[1], num_experts,
+                                             x.dtype, max_tokens, scales is not None, round_scale)
                 if scales is None:
                     call = send(backend, to_numpy(x), idx, w)
                 else:
@@ -483,16 +492,10 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
             num_worst_tokens=num_worst_tokens, async_finish=async_finish)
 
     def _normal_dispatch(
-        self,
-        x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-        handle: NormalHandle | None,
-        layout: _Layout = _NO_LAYOUT,
-        *,
-        topk_idx: torch.Tensor | None = None,
-        topk_weights: torch.Tensor | None = None,
-        expert_alignment: int = 1,
-        num_worst_tokens: int = 0,
-        async_finish: bool = False,
+        self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], handle: NormalHandle | None,
+        layout: _Layout = _NO_LAYOUT, *, topk_idx: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None, expert_alignment: int = 1,
+        num_worst_tokens: int = 0, async_finish: bool = False,
     ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, list[int] | None, Any, EventOverlap]:
         self._check_no_m2n()  # also the internode path's
         scales: torch.Tensor | None = None
@@ -500,33 +503,41 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
             x, scales = x
         if handle is not None:
             return self._cached_dispatch(x, scales, handle, topk_idx, topk_weights, async_finish)
-        route, summaries = self._agree(
-            lambda: self._route(
-                x, topk_idx, topk_weights, layout.num_tokens_per_rank,
-                layout.num_tokens_per_rdma_rank, layout.is_token_in_rank,
-                layout.num_tokens_per_expert, num_worst_tokens,
-            ),
-            lambda r: [
-                [int(v) for v in r.is_token_in_rank.sum(axis=0)],
-                [int(v) for v in r.num_tokens_per_expert],
-            ],
-        )
-        sent = np.array([s[0] for s in summaries], dtype=np.int64)  # [src, dst] tokens
-        num_experts = route.num_experts
-        if any(len(s[1]) != num_experts for s in summaries):
-            raise InvalidArgumentError(
-                "num_tokens_per_expert", num_experts, "differs between ranks (same num_experts)"
-            )
-        most = int(sent.sum(axis=0).max(initial=0))
-        if num_worst_tokens and most > num_worst_tokens:
-            raise InvalidArgumentError(
-                "num_worst_tokens", num_worst_tokens, f"a rank receives {most} tokens"
-            )
+        return self._routed_dispatch(x, scales, layout, topk_idx, topk_weights, expert_alignment,
+                                     num_worst_tokens, async_finish)
+
+    @checks.gated
+    def _routed_dispatch(
+        self, x: torch.Tensor, scales: torch.Tensor | None, layout: _Layout,
+        topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None, expert_alignment: int,
+        num_worst_tokens: int, async_finish: bool,
+    ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, list[int] | None, Any, EventOverlap]:
+        check = functools.partial(
+            self._route, x, topk_idx, topk_weights, layout.num_tokens_per_rank,
+            layout.num_tokens_per_rdma_rank, layout.is_token_in_rank,
+            layout.num_tokens_per_expert, num_worst_tokens)
+        per_expert: np.ndarray | None = None
+        if topk_idx is None and topk_weights is None:
+            # rows follow is_token_in_rank alone: the per-expert counts DeepEP returns are the
+            # callers' num_tokens_per_expert, which no routing carries: they are exchanged
+            # (that exchange fails a bad argument on every rank itself: not the gate's)
+            self._gate.entered += 1
+            route, per_expert = exchanged_counts(self._agree, check, self.rank, self.group_size)
+        else:  # a bad argument here fails the peers' call too, through the gate (gated)
+            checks.check_device(x=x, x_scales=scales)
+            route = check()
         receive, backend = self._send(
             "rank", x, scales, route.topk_idx, route.topk_weights, route.num_experts,
             self.max_tokens_per_rank,
         )
         res, recv_scales = receive()
+        # every rank's tokens to every rank, from the engine's count round: the same on all
+        sent = np.asarray(res.num_sent_rows_per_rank, dtype=np.int64)
+        most = int(sent.sum(axis=0).max(initial=0))
+        if num_worst_tokens and most > num_worst_tokens:  # every rank sees it: all raise
+            raise InvalidArgumentError(
+                "num_worst_tokens", num_worst_tokens, f"a rank receives {most} tokens"
+            )
         rows = len(res.recv_src_rank)
         out_rows = num_worst_tokens if num_worst_tokens > 0 else rows
         recv = self._recv_rows(res.recv_x, recv_scales, x.dtype, scales is not None, out_rows)
@@ -539,9 +550,8 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
             recv_w[:rows] = torch.from_numpy(np.asarray(res.recv_topk_weights))
         counts: list[int] = []
         if num_worst_tokens == 0:
-            local = slice(self.rank * num_experts // self.group_size,
-                          (self.rank + 1) * num_experts // self.group_size)
-            per_expert = np.array([s[1][local] for s in summaries], dtype=np.int64).sum(axis=0)
+            if per_expert is None:  # the engine counted every source's picks of each expert
+                per_expert = np.asarray(res.num_recv_tokens_per_expert, dtype=np.int64)
             align = max(int(expert_alignment), 1)
             counts = [math.ceil(int(c) / align) * align for c in per_expert]
         return recv, recv_idx, recv_w, counts, new_handle, _event(async_finish)
@@ -662,6 +672,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
             num_recv_rows=rows,
         )
 
+    @checks.gated
     def _cached_dispatch(
         self,
         x: torch.Tensor,
@@ -677,6 +688,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
             )
         if topk_idx is not None or topk_weights is not None:
             raise InvalidArgumentError("handle", "given", "cached dispatch takes no topk_idx")
+        checks.check_device(x=x, x_scales=scales)
         idx = handle.topk_idx
         receive, _ = self._send(
             "rank", x, scales, idx, np.zeros(idx.shape, np.float32), handle.num_experts,
@@ -688,6 +700,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         return recv, None, None, None, None, _event(async_finish)
 
     @traced_work("deep_ep.combine")
+    @checks.gated
     def combine(
         self,
         x: torch.Tensor,
@@ -722,14 +735,14 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
                 "handle", type(handle).__name__, "must be the handle a normal dispatch returned"
             )
         n = handle.num_recv_rows
-        if x.shape[0] not in (n, handle.recv_src_idx.shape[0]):
-            raise InvalidArgumentError("x", tuple(x.shape), f"needs {n} rows")
-        backend = own_backend(handle, self._ep, self._backends.values())
+        checks.check_device(x=x, topk_weights=topk_weights, bias=bias)
+        check_combine_rows(x, topk_weights, (n, len(handle.recv_src_idx)))
+        backend = own_backend(handle, self._ep, self._backends.values(), self._gate)
         with deepep_names():
             y = from_numpy(backend.combine(to_numpy(x[:n]), handle.inner), x.dtype)
         combined_w = None
         if topk_weights is not None:
-            combined_w = self._combine_small(backend, topk_weights[:n], handle)
+            combined_w = self._combine_small(topk_weights[:n], handle)
         if bias is not None:
             # Both biases are added in float32 and rounded once, as DeepEP adds them in the
             # reduction (rounding after each would lose a bit more with two).
@@ -739,28 +752,14 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
             y = total.to(x.dtype)
         return y, combined_w, _event(async_finish)
 
-    def _combine_small(
-        self, backend: EPBackend, values: torch.Tensor, handle: NormalHandle
-    ) -> torch.Tensor:
-        # Per-row metadata ([rows, num_topk] float32) is tiny: gather it everywhere and let each
-        # source add up the rows that came from it, in ascending destination rank (float32).
-        # Plain lists: the runtime group's allgather carries JSON. float32 -> float (double) ->
-        # float32 is exact, so the sum below sees the very values the receivers held.
-        column = handle.rank_prefix_matrix[:, self.rank].numpy()
-        src_rank = np.repeat(np.arange(self.group_size), np.diff(column, prepend=0))
-        everyone = self._allgather(
-            [
-                src_rank.tolist(),
-                handle.recv_src_idx[: handle.num_recv_rows].tolist(),
-                values.detach().float().tolist(),
-            ]
-        )
-        acc = np.zeros((handle.num_tokens, values.shape[1]), dtype=np.float32)
-        for src_ranks, src_token, vals in everyone:
-            mine = np.asarray(src_ranks, dtype=np.int64) == self.rank
-            rows = np.asarray(vals, dtype=np.float32).reshape(-1, values.shape[1])
-            np.add.at(acc, np.asarray(src_token, dtype=np.int64)[mine], rows[mine])
-        return torch.from_numpy(acc)
+    def _combine_small(self, values: torch.Tensor, handle: NormalHandle) -> torch.Tensor:
+        """The combine's ``topk_weights`` summed at their sources (:func:`.deep_ep_agree.
+        sum_at_sources`: back through a float32 rank-layout Buffer of their width)."""
+        R = self.group_size
+        back = self._backend("rank", int(values.shape[1]), 1, R, torch.float32,
+                             R * self.max_tokens_per_rank)
+        return sum_at_sources(back, values, handle.rank_prefix_matrix[:, self.rank].numpy(),
+                              handle.is_token_in_rank.numpy())
 
 # --------------------------------------------------------------------------- helpers
 def _ep_group(group: Any, comm: Any) -> Any:

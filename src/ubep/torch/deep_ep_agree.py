@@ -1,10 +1,19 @@
-"""The DeepEP facades' per-call exchange through shared memory, on one host.
+"""How the DeepEP facades' calls agree: a bad argument fails the call on every rank.
 
-Every normal-mode and V2 call of :mod:`ubep.torch.deep_ep` first exchanges each rank's verdict on
-its own arguments (an error, or a few counts) so that a bad argument fails the call on every
-rank. Over a torch group the group's all-gather is a gloo collective (about half a millisecond
-on two ranks of a loaded host, more than the rows' dispatch); the ranks of a one-host group share
-memory, so here each rank posts its JSON into its own segment and reads its peers'.
+A dispatch learns what DeepEP's API needs of the other ranks from the engine's own count round
+(``DispatchResult.num_sent_rows_per_rank``), so normal-mode and V2 calls with ``topk_idx`` make
+no exchange of their own. A rank whose arguments fail its local checks still has to fail the
+call on its peers, which are waiting in the engine for its rows: :func:`reject_call` makes the
+rejected call take its place in the Buffer's sequence and announces it through the Buffer's
+failure notice (``StepKeeping.failed``, as a ``ubep.Buffer`` announces its own bad input), so
+the peers' same call raises ``RemoteError`` (clean) and every rank stays in step.
+
+What still needs a value of every rank (the per-expert counts of a dispatch without
+``topk_idx``, the internode path's destinations, V2's load-balance plans and barriers) goes
+through :class:`Board`, one exchange per call. Over a torch group the group's all-gather is a
+gloo collective (about half a millisecond on two ranks of a loaded host, more than the rows'
+dispatch); the ranks of a one-host group share memory, so here each rank posts its JSON into its
+own segment and reads its peers'.
 
 A rank's segment, after the header (``HEADER_BYTES``), holds two slots; exchange ``n`` uses slot
 ``n % 2``::
@@ -32,21 +41,159 @@ import json
 import platform
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
-from ..errors import PeerLostError, TimeoutError
+from ..errors import InvalidArgumentError, PeerLostError, TimeoutError, UbepError
 from ..plane.records import HEADER_BYTES
 from ..runtime.poll import Backoff, wait_until
 
-__all__ = ["BODY_BYTES", "Board", "open_board"]
+__all__ = ["BODY_BYTES", "Board", "check_combine_rows", "checked", "exchanged_counts",
+           "only_backend", "open_board", "reject_call", "reject_named", "send_backend",
+           "sum_at_sources"]
+
+T = TypeVar("T")
 
 BODY_BYTES = 64 * 1024 - 16
 _SLOT_BYTES = 16 + BODY_BYTES
 # a peer usually posts within microseconds to a millisecond: spin, then yield, then sleep
 _BACKOFF = Backoff(spin_polls=200, yield_s=2e-3, sleep_slope=0.05)
 _KIND = "deepep.agree"
+
+
+def reject_call(backend: Any, exc: InvalidArgumentError) -> None:
+    """Fail this rank's next call through ``backend`` (the one the peers' same call goes
+    through) with ``exc`` on every rank: on a ``ubep.Buffer`` the call takes its place in the
+    sequence and its failure notice goes out (the peers raise ``RemoteError``, clean; every rank
+    stays in step); on the in-process world (:class:`ubep.torch.LocalBackend`) the failure
+    takes the place of this rank's inputs in the call's exchange. Nothing is raised here: the
+    caller raises ``exc``. A Buffer that refuses calls (out of step, closed) announces
+    nothing: its peers' calls fail by themselves."""
+    buffer = getattr(backend, "buffer", None)
+    if buffer is None:
+        post = getattr(backend, "reject", None)
+        if post is not None:
+            post(f"rank {backend.rank}: {exc}")
+        return
+    reject = getattr(buffer, "reject", None)
+    if reject is not None:  # a ubep.Buffer; anything else: its peers' calls time out
+        reject(exc)
+
+
+def checked(check: Callable[[], T], backend: Callable[[], Any]) -> T:
+    """``check()``'s value; when it raises ``InvalidArgumentError``, the call is first
+    rejected on the peers too, through the backend ``backend()`` names (:func:`reject_named`)."""
+    try:
+        return check()
+    except InvalidArgumentError as exc:
+        reject_named(exc, backend)
+        raise
+
+
+def send_backend(facade: Any, layout: str, hidden: int, num_topk: int, num_experts: int,
+                 dtype: Any, max_tokens: int, fp8_pair: bool, round_scale: bool | None) -> Any:
+    """The backend a V1 facade's (first) dispatch of these shapes goes through (``_send``);
+    with a ``dtype`` the facade refuses (the reject path), the one that exists for the rest
+    (:func:`only_backend`)."""
+    import torch
+
+    from .backend import LocalBackend
+    from .deep_ep_checks import DISPATCH_DTYPES
+
+    shape = (layout, hidden, num_topk, num_experts)
+    fp8 = round_scale is not None or fp8_pair
+    local = isinstance(facade._ep, LocalBackend)
+    if not fp8 and dtype not in DISPATCH_DTYPES and not local:
+        return only_backend(facade._backends, (*shape, max_tokens))
+    if fp8 and not local:
+        return facade._backend(*shape, torch.bfloat16 if fp8_pair else dtype, max_tokens,
+                               combine_dtype=torch.bfloat16, quant="e4m3",
+                               round_scale=bool(round_scale))
+    return facade._backend(*shape, torch.uint8 if fp8 else dtype, max_tokens)
+
+
+def only_backend(backends: dict[tuple[Any, ...], Any], shape: tuple[Any, ...]) -> Any:
+    """The one backend of ``backends`` (a facade's, keyed ``(layout, hidden, num_topk,
+    num_experts, dtype, max_tokens, combine_dtype, quant, ...)``) of ``shape`` = ``(layout,
+    hidden, num_topk, num_experts, max_tokens)`` and no quantisation, whatever its dtype: where
+    a rank's own dtype is refused, the peers' call of the same shapes goes through it. Raises
+    ``ValueError`` unless there is exactly one (nothing is built on a guess)."""
+    found = [b for k, b in backends.items()
+             if (*k[:4], k[5]) == shape and k[6] is None and k[7] is None]
+    if len(found) != 1:
+        raise ValueError(f"{len(found)} backends of these shapes")
+    return found[0]
+
+
+def reject_named(exc: InvalidArgumentError, backend: Callable[[], Any]) -> None:
+    """:func:`reject_call` through the backend ``backend()`` names (the one the peers' same
+    call goes through, from this rank's argument shapes); when the arguments are too broken to
+    name it, nothing is announced and the peers' call fails at its deadline instead."""
+    try:
+        target = backend()
+    except (InvalidArgumentError, AttributeError, IndexError, TypeError, ValueError):
+        return
+    reject_call(target, exc)
+
+
+def check_combine_rows(x: Any, topk_weights: Any, rows: tuple[int, int]) -> None:
+    """A normal-mode combine's ``x`` (``[rows, hidden]``, ``rows`` the received rows or the
+    ``num_worst_tokens`` padded ones) and ``topk_weights`` (``[len(x), num_topk]``)."""
+    import torch
+
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] not in rows:
+        raise InvalidArgumentError("x", tuple(getattr(x, "shape", ())),
+                                   f"needs [{rows[0]}, hidden] (the dispatch's recv_x)")
+    if topk_weights is not None and (not isinstance(topk_weights, torch.Tensor)
+                                     or topk_weights.dim() != 2
+                                     or topk_weights.shape[0] != x.shape[0]):
+        raise InvalidArgumentError("topk_weights", tuple(getattr(topk_weights, "shape", ())),
+                                   f"needs [{x.shape[0]}, num_topk] like x")
+
+
+def exchanged_counts(agree: Callable[..., tuple[Any, list[Any]]], check: Callable[[], Any],
+                     rank: int, num_ranks: int) -> tuple[Any, np.ndarray]:
+    """A dispatch without ``topk_idx``'s route (``check()``) and this rank's received tokens
+    per local expert, from every rank's ``num_tokens_per_expert`` through one exchange
+    (``agree``: the facade's, which also fails a bad argument on every rank)."""
+    route, summaries = agree(check, lambda r: [int(v) for v in r.num_tokens_per_expert])
+    E = route.num_experts
+    if any(len(s) != E for s in summaries):
+        raise InvalidArgumentError("num_tokens_per_expert", E,
+                                   "differs between ranks (same num_experts)")
+    local = slice(rank * E // num_ranks, (rank + 1) * E // num_ranks)
+    return route, np.array(summaries, dtype=np.int64)[:, local].sum(axis=0)
+
+
+def sum_at_sources(back: Any, values: Any, recv_prefix: np.ndarray,
+                   is_token_in_rank: np.ndarray) -> Any:
+    """Per-received-row float32 values ``[rows, width]`` (a normal-mode combine's
+    ``topk_weights``) summed at each row's source token, destination ranks ascending, in
+    float32 (as DeepEP sums them): a ``[num_tokens, width]`` tensor. The rows go back by one
+    rank-layout dispatch through ``back`` whose "expert" is each row's source rank (rows move
+    through the engine, nothing is exchanged); a source gets, from each rank in ascending order,
+    the rows of its tokens that went there, tokens ascending. ``recv_prefix``: the
+    ``rank_prefix_matrix`` column of this rank (its rows from ranks ``0..s``);
+    ``is_token_in_rank``: ``[num_tokens, num_ranks]``, where this rank's tokens went."""
+    import torch
+
+    R, width = is_token_in_rank.shape[1], int(values.shape[1])
+    src_rank = np.repeat(np.arange(R, dtype=np.int64), np.diff(recv_prefix, prepend=0))
+    first = back.num_experts // R  # each rank's first expert (1 a rank, but in-process)
+    res = back.dispatch(np.ascontiguousarray(values.detach().float().numpy()),
+                        np.ascontiguousarray(src_rank[:, None] * first),
+                        np.zeros((len(src_rank), 1), np.float32))
+    rows = np.asarray(res.recv_x, dtype=np.float32).reshape(-1, width)
+    acc = np.zeros((is_token_in_rank.shape[0], width), dtype=np.float32)
+    at = 0
+    for r in range(R):
+        tokens = np.flatnonzero(is_token_in_rank[:, r])
+        acc[tokens] += rows[at: at + tokens.size]
+        at += tokens.size
+    if at != rows.shape[0]:
+        raise UbepError(f"{rows.shape[0]} rows came back for the {at} sent")
+    return torch.from_numpy(acc)
 
 
 def open_board(group: Any) -> Board | None:

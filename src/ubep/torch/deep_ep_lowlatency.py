@@ -1,24 +1,203 @@
 """The low-latency mode of ``ubep.deep_ep``: its calls (``low_latency_dispatch`` /
-``low_latency_combine``, a mixin of the Buffer) and its tensors, DeepEP's expert-major packing of
-the rows a dispatch received (``[num_local_experts, slots, hidden]``, its ``src_info`` and
-``layout_range``), filled when the rows are in, and the combine input taken back out of it."""
+``low_latency_combine``, a mixin of the Buffer) and its tensors in DeepEP's layout,
+``[num_local_experts, num_max_dispatch_tokens_per_rank * num_ranks, hidden]``.
+
+On a ``ubep.Buffer`` (every group but the in-process test world and shrink mode) the Buffer runs
+``layout="expert_padded"``: the engine lands each row at its DeepEP place, so ``recv_x`` (and
+FP8's float32 scales) are views of the Buffer's own receive region and
+``get_next_low_latency_combine_buffer`` a view of its combine region (:class:`PaddedViews`,
+made once per region): no tensor of that shape is allocated, zeroed or packed per call. As
+DeepEP's, only the first ``recv_count[e]`` rows of expert ``e`` are defined. The in-process
+world and shrink mode (whose masking Buffers re-order rows after a loss) receive packed rows
+and copy them into new tensors (:class:`LowLatencyOutputs`).
+"""
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, UbepError
 from ..trace.recorder import traced_work
 from ._convert import PAYLOAD_DTYPES, from_numpy, to_numpy
-from .backend import EPBackend, issue_combine
+from .backend import EPBackend, LocalBackend, issue_combine
+from .deep_ep_checks import CallGate, check_device, gated
 from .deep_ep_types import EventOverlap, LowLatencyHandle, _event
 from .fp8 import FP8_BLOCK, UE8M0_PACK, pack_ue8m0
 
-__all__ = ["LowLatencyOutputs", "combine_input"]
+__all__ = ["LowLatencyOutputs", "PaddedViews", "combine_input"]
+
+
+def _tensor_over(a: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A tensor over ``a``'s memory, its strides kept (a receive region's rows are strided),
+    reinterpreted as ``dtype`` (same item size: FP8 over bytes; ``None``: BF16 over uint16
+    bits, else ``a``'s own type). A read-only region is wrapped too: torch's warning about that
+    is silenced, the tensor is a view of data the caller reads."""
+    if a.flags.writeable:
+        t = torch.from_numpy(a)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.from_numpy(a)
+    if dtype is None:
+        dtype = torch.bfloat16 if a.dtype == np.uint16 else t.dtype
+    return t if t.dtype == dtype else t.view(dtype)
+
+
+class _Region:
+    """One receive region's tensors: views of the Buffer's memory (``recv_x``, FP8 scales), and
+    DeepEP's ``recv_count`` (int32) and UE8M0 exponents, rewritten by each dispatch into the
+    region: all valid until the second dispatch after theirs, as the rows."""
+
+    def __init__(self, rows: np.ndarray, scales: np.ndarray | None, num_local: int, slots: int,
+                 use_fp8: bool, use_ue8m0: bool) -> None:
+        per_rank = rows.shape[0] // slots  # local experts of the engine's (physical) config
+        values = torch.float8_e4m3fn if use_fp8 else None
+        self.rows = _tensor_over(rows[: per_rank * slots], values).view(
+            per_rank, slots, rows.shape[1])[:num_local]
+        self.scales: torch.Tensor | None = None
+        self.packed: torch.Tensor | None = None
+        if use_fp8:
+            assert scales is not None
+            self.scales = _tensor_over(scales[: per_rank * slots], torch.float32).view(
+                per_rank, slots, scales.shape[1])[:num_local]
+            if use_ue8m0:
+                self.packed = torch.empty((num_local, slots, scales.shape[1] // UE8M0_PACK),
+                                          dtype=torch.int32)
+        self.recv_count = torch.zeros(num_local, dtype=torch.int32)
+        self._count_np = self.recv_count.numpy()  # the same memory, written by numpy
+        self.num_local, self.slots = num_local, slots
+        self.recv_x: Any = self.rows if self.scales is None else (
+            self.rows, self.packed if self.packed is not None else self.scales)
+
+    def fill(self, counts: np.ndarray) -> None:
+        """This region's dispatch received ``counts`` rows per local expert."""
+        self._count_np[:] = counts
+        if self.packed is not None and self.num_local:
+            assert self.scales is not None
+            # the defined rows' exponents only (DeepEP leaves the rest undefined too)
+            L, S = self.num_local, self.slots
+            at = torch.from_numpy(_defined_rows(counts, S))
+            self.packed.view(L * S, -1)[at] = pack_ue8m0(self.scales.reshape(L * S, -1)[at])
+
+
+class PaddedHandle(LowLatencyHandle):
+    """The handle of a low-latency dispatch on a padded Buffer: DeepEP's ``src_info`` and
+    ``layout_range`` are made from the engine's per-row origins when first read (a decode step
+    that never reads them never pays for them), then kept. Each expert's rows hold its sources
+    in ascending rank and a slot past its count reads -1, so rank ``j``'s rows of expert ``e``
+    are those of its block that name ``j``."""
+
+    @property
+    def src_info(self) -> torch.Tensor:
+        got = self.__dict__.get("_src_info")
+        if got is None:
+            tokens = self._origins(self._received().recv_src_token)
+            got = self.__dict__["_src_info"] = torch.from_numpy(tokens.astype(np.int32))
+        return cast(torch.Tensor, got)
+
+    @property
+    def layout_range(self) -> torch.Tensor:
+        got = self.__dict__.get("_layout_range")
+        if got is None:
+            inner = self._received()
+            src = self._origins(inner.recv_src_rank)
+            out = np.empty((src.shape[0], inner.num_ranks), np.int64)
+            begin = np.zeros(src.shape[0], np.int64)
+            for j in range(inner.num_ranks):
+                n = np.count_nonzero(src == j, axis=1)
+                out[:, j] = (begin << 32) | n
+                begin += n
+            got = self.__dict__["_layout_range"] = torch.from_numpy(out)
+        return cast(torch.Tensor, got)
+
+    def _received(self) -> Any:
+        _require_received(self)
+        return self.inner
+
+    def __repr__(self) -> str:
+        state = "pending" if self.inner is None else f"dispatch {self.inner.dispatch_index}"
+        return (f"PaddedHandle({state}, num_max_dispatch_tokens_per_rank="
+                f"{self.num_max_dispatch_tokens_per_rank}, hidden={self.hidden}, "
+                f"num_experts={self.num_experts})")
+
+    def _origins(self, per_row: np.ndarray) -> np.ndarray:
+        """``[num_local_experts, slots]`` of a per-row array of the engine's handle."""
+        L = len(self.counts)
+        slots = self.num_max_dispatch_tokens_per_rank * self.inner.num_ranks
+        return np.asarray(per_row)[: L * slots].reshape(L, slots)
+
+
+def _defined_rows(counts: np.ndarray, slots: int) -> np.ndarray:
+    """The padded rows that hold a row: the first ``counts[e]`` of each expert's slots."""
+    starts = np.repeat(np.arange(len(counts), dtype=np.int64) * slots, counts)
+    return starts + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
+class PaddedViews:
+    """A padded Buffer's tensors, per receive region and per combine region, made the first time
+    each region is used (the regions are the engine's host views, ``HostEngine.regions``)."""
+
+    def __init__(self, buffer: Any) -> None:
+        self.buffer = buffer
+        self._recv: dict[tuple[int, bool, bool], _Region] = {}
+        self._comb: dict[int, tuple[np.ndarray, torch.Tensor]] = {}
+        self._ones: dict[tuple[int, ...], np.ndarray] = {}
+
+    def unit_weights(self, shape: tuple[int, ...]) -> np.ndarray:
+        """Float32 ones of ``shape``, read-only (a dispatch's weights; the Buffer copies them)."""
+        ones = self._ones.get(shape)
+        if ones is None:
+            ones = self._ones[shape] = np.ones(shape, np.float32)
+            ones.flags.writeable = False
+        return ones
+
+    def next_region(self, num_local: int, slots: int, use_fp8: bool,
+                    use_ue8m0: bool) -> tuple[int, _Region]:
+        """The dispatch index the Buffer's next dispatch gets and the tensors of its region."""
+        index = int(self.buffer._num_dispatches)
+        regions = self.buffer._engine.regions
+        reg = index % len(regions.recv_views)
+        key = (reg, use_fp8, use_ue8m0)
+        region = self._recv.get(key)
+        if region is None:
+            scales = regions.scale_views[reg] if regions.scale_views else None
+            region = _Region(regions.recv_views[reg], scales, num_local, slots, use_fp8,
+                             use_ue8m0)
+            self._recv[key] = region
+        return index, region
+
+    def combine_buffer(self, handle: LowLatencyHandle, num_local: int,
+                       wait: bool = True) -> tuple[np.ndarray, torch.Tensor]:
+        """The combine region of ``handle``'s dispatch: as the engine reads it (``[rows,
+        hidden]``) and as DeepEP's caller writes it (``[num_local_experts, slots, hidden]``).
+        ``wait``: first wait (bounded) until no peer still reads the combine that used it last
+        (what ``get_next_low_latency_combine_buffer`` does before the caller writes there; a
+        zero-copy combine of what was written needs no second wait)."""
+        key = int(handle.inner.dispatch_index) % 2
+        got = self._comb.get(key)
+        if got is not None and not wait:
+            return got
+        rows = np.asarray(self.buffer.get_combine_buffer(handle.inner))
+        if got is None or got[0].shape != rows.shape:
+            slots = handle.num_max_dispatch_tokens_per_rank * handle.inner.num_ranks
+            tensor = _tensor_over(rows).view(rows.shape[0] // slots, slots,
+                                             rows.shape[1])[:num_local]
+            got = (rows, tensor)
+            self._comb[key] = got
+        return got
+
+
+def padded_capable(backend: Any) -> bool:
+    """Whether ``backend`` is a ``ubep.Buffer`` whose engine keeps its receive regions in host
+    memory (the native and RMA engines): what :class:`PaddedViews` views."""
+    engine = getattr(getattr(backend, "buffer", None), "_engine", None)
+    return getattr(engine, "regions", None) is not None
 
 
 def _pack_per_expert(rows: torch.Tensor, counts: np.ndarray, packed: torch.Tensor) -> None:
@@ -85,7 +264,10 @@ class LowLatencyOutputs:
         _pack_per_expert(rows, counts, self.rows)
         if self.scales is not None:
             assert recv_scales is not None
-            packed = torch.zeros((len(counts), self.slots, recv_scales.shape[1]))
+            # float32 whatever torch's default dtype: scales rounded to BF16 would dequantise
+            # wrong, and UE8M0 packing reads their float32 exponent bits
+            packed = torch.zeros((len(counts), self.slots, recv_scales.shape[1]),
+                                 dtype=torch.float32)
             _pack_per_expert(torch.from_numpy(recv_scales), counts, packed)
             self.scales.copy_(pack_ue8m0(packed) if self.use_ue8m0 else packed)
         self.recv_count.copy_(torch.from_numpy(counts.astype(np.int32)))
@@ -122,8 +304,14 @@ class LowLatencyCalls:
     _send: Callable[..., tuple[Callable[[], tuple[Any, np.ndarray | None]], EPBackend]]
     _collective: Callable[[Callable[[], Any]], Any]
     _num_local_experts: Callable[[int], int]
+    _gate: CallGate
+    _backend: Callable[..., EPBackend]
+    _shrink: Any
+    _ep: Any
+    ubep_options: dict[str, Any]
 
     @traced_work("deep_ep.low_latency_dispatch")
+    @gated
     def low_latency_dispatch(
         self,
         x: torch.Tensor,
@@ -148,6 +336,7 @@ class LowLatencyCalls:
         (else None), which receives: ``recv_x``, ``recv_count`` and ``handle`` hold the data
         only after it ran (as DeepEP). ``async_finish``: the same, received by
         ``event.current_stream_wait()`` (DeepEP refuses both at once, so does ubep)."""
+        check_device(x=x, topk_idx=topk_idx)
         num_tokens, hidden = x.shape
         if num_tokens > num_max_dispatch_tokens_per_rank:
             raise InvalidArgumentError(
@@ -159,11 +348,19 @@ class LowLatencyCalls:
                 "use_ue8m0", True, "needs use_fp8=True and round_scale=True (as DeepEP)"
             )
         _check_async(async_finish, return_recv_hook)
-        idx_np = np.ascontiguousarray(to_numpy(topk_idx, argument="topk_idx"), dtype=np.int64)
+        idx_np = np.ascontiguousarray(_array_of(topk_idx, "topk_idx"), dtype=np.int64)
         if use_fp8:
             block = FP8_BLOCK * (UE8M0_PACK if use_ue8m0 else 1)
             if hidden % block:
                 raise InvalidArgumentError("x", hidden, f"hidden must be a multiple of {block}")
+        if self._ll_padded():
+            # the dispatch's topk_idx, known by its memory where idx_np is a view of it
+            ptr = topk_idx.data_ptr() if (topk_idx.dtype == torch.int64 and topk_idx.is_cpu
+                                          and topk_idx.is_contiguous()) else None
+            return self._padded_dispatch(
+                x, idx_np, ptr, num_max_dispatch_tokens_per_rank, num_experts,
+                cumulative_local_expert_recv_stats, use_fp8, round_scale, use_ue8m0,
+                async_finish, return_recv_hook)
         # Unit weights travel with the rows; low_latency_combine gets the real ones.
         receive, backend = self._send(
             "expert", x.contiguous(), None, idx_np, np.ones(idx_np.shape, np.float32),
@@ -205,6 +402,133 @@ class LowLatencyCalls:
         return (out.recv_x, out.recv_count, handle, _event(async_finish, finish),
                 finish if return_recv_hook else None)
 
+    def _ll_padded(self) -> bool:
+        """Whether this facade's low-latency calls run on padded Buffers (views of their
+        regions): not in the in-process world (no Buffer) nor in shrink mode (masking
+        Buffers)."""
+        return (self._shrink is None and not isinstance(self._ep, LocalBackend)
+                and self.ubep_options.get("transport") in _PADDED_TRANSPORTS)
+
+    def _padded_views(self, backend: EPBackend) -> PaddedViews:
+        """The views of ``backend``'s Buffer (made once; dropped with the backend)."""
+        last = self.__dict__.get("_ll_last_views")
+        if last is not None and last[0]() is backend:  # a decode loop's one shape
+            views = last[1]()
+            if views is not None:
+                return cast(PaddedViews, views)
+        table: weakref.WeakKeyDictionary[Any, PaddedViews] = self.__dict__.setdefault(
+            "_ll_padded_views", weakref.WeakKeyDictionary())
+        views = table.get(backend)
+        if views is None:
+            if not padded_capable(backend):
+                raise UbepError("low_latency_dispatch: the Buffer's engine keeps no receive "
+                                "region in host memory to view (transport "
+                                f"{self.ubep_options.get('transport')!r})")
+            views = table[backend] = PaddedViews(backend.buffer)  # type: ignore[attr-defined]
+        # weakly: the views (and the mapping under them) go with the backend
+        self.__dict__["_ll_last_views"] = (weakref.ref(backend), weakref.ref(views))
+        return views
+
+    def _padded_dispatch(
+        self, x: torch.Tensor, idx_np: np.ndarray, idx_ptr: int | None, max_tokens: int,
+        num_experts: int,
+        stats: torch.Tensor | None, use_fp8: bool, round_scale: bool, use_ue8m0: bool,
+        async_finish: bool, return_recv_hook: bool,
+    ) -> tuple[Any, torch.Tensor, LowLatencyHandle, EventOverlap, Callable[[], None] | None]:
+        """``low_latency_dispatch`` on a padded Buffer: the rows land at DeepEP's places and
+        the returned tensors are views of the Buffer's receive region, known at the call (its
+        dispatch index is), defined once the receive half ran (module docstring)."""
+        split = async_finish or return_recv_hook
+        quant = dict(combine_dtype=torch.bfloat16, quant="e4m3",
+                     round_scale=round_scale) if use_fp8 else {}
+        backend: Any = self._backend("expert_padded", x.shape[1], idx_np.shape[1], num_experts,
+                                     x.dtype, max_tokens, **quant)
+        num_local = self._num_local_experts(num_experts)  # M2N: 0 on a sender
+        views = self._padded_views(backend)
+        index, region = views.next_region(num_local, max_tokens * self.group_size, use_fp8,
+                                          use_ue8m0)
+        # Unit weights travel with the rows (the Buffer copies them into its handle);
+        # low_latency_combine gets the real ones. The Buffer's own call: its results are numpy
+        # arrays of host memory (padded_capable), read here as they are.
+        call = backend.buffer.dispatch(_array_of(x, "x"), idx_np,
+                                       views.unit_weights(idx_np.shape), return_recv_hook=split)
+        handle = object.__new__(PaddedHandle)
+        handle.__dict__.update(
+            num_max_dispatch_tokens_per_rank=max_tokens, hidden=x.shape[1],
+            num_experts=num_experts, inner=None, backend=backend, topk_idx=idx_np,
+            counts=None, _views=views, _idx_ptr=idx_ptr)
+
+        def finish() -> None:
+            if handle.inner is not None:
+                return
+            res = call.hook() if split else call
+            if res.handle.dispatch_index != index:
+                raise UbepError(f"rank {self.rank}: low_latency_dispatch received dispatch "
+                                f"{res.handle.dispatch_index}, its tensors view dispatch {index}'s "
+                                "region")
+            counts = res.num_recv_tokens_per_expert
+            region.fill(counts)
+            if stats is not None:
+                stats.add_(region.recv_count)
+            # set once here (the handle is frozen to its users, not to its maker)
+            handle.__dict__.update(inner=res.handle, counts=counts)
+
+        if not split:
+            finish()
+        return (region.recv_x, region.recv_count, handle, _event(async_finish, finish),
+                finish if return_recv_hook else None)
+
+    def _padded_combine(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+        handle: LowLatencyHandle, zero_copy: bool, async_finish: bool, return_recv_hook: bool,
+        out: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, EventOverlap, Callable[[], None] | None]:
+        """``low_latency_combine`` on a padded Buffer: the engine reads the expert outputs at
+        their padded places, from ``x`` itself or (``zero_copy``) from the combine region
+        ``get_next_low_latency_combine_buffer`` viewed; nothing is packed."""
+        inner = handle.inner
+        split = async_finish or return_recv_hook
+        idx, w = _combine_routing(topk_idx, topk_weights, handle, split)
+        num_local = len(handle.counts)
+        if zero_copy:
+            rows = handle.__dict__["_views"].combine_buffer(handle, num_local, wait=False)[0]
+        else:
+            slots = handle.num_max_dispatch_tokens_per_rank * self.group_size
+            if x.shape != (num_local, slots, handle.hidden):
+                raise InvalidArgumentError(
+                    "x", tuple(x.shape), f"must be [{num_local}, {slots}, {handle.hidden}]")
+            rows = _array_of(x, "x").reshape(-1, handle.hidden)
+            if rows.shape[0] != len(inner.recv_src_rank):  # M2N: a sender's engine rows
+                full = np.empty((len(inner.recv_src_rank), handle.hidden), rows.dtype)
+                full[: rows.shape[0]] = rows
+                rows = full
+        # the caller's routing (its -1 slots) and weights in a copy of the dispatch's handle
+        # (built as the engine builds it: its other fields are the engine's own, checked when
+        # it was made)
+        weighted = object.__new__(type(inner))
+        fields = weighted.__dict__
+        fields.update(inner.__dict__)
+        fields["topk_idx"], fields["topk_weights"] = idx, w
+        buffer = handle.backend.buffer  # type: ignore[attr-defined]
+        self._gate.combine_on(handle.backend)  # the next call: a combine there
+        if not split:
+            y = _tensor_over(buffer.combine(rows, weighted))
+            if out is not None:
+                out.copy_(y)
+                y = out
+            return y, _event(False), None
+        call = buffer.combine(rows, weighted, return_recv_hook=True)
+        y = out if out is not None else torch.empty((len(handle.topk_idx), handle.hidden),
+                                                     dtype=_tensor_over(rows[:0]).dtype)
+        filled: list[bool] = []
+
+        def finish() -> None:
+            if not filled:
+                y.copy_(_tensor_over(call.hook()))
+                filled.append(True)
+
+        return y, _event(async_finish, finish), (finish if return_recv_hook else None)
+
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """The tensor ``low_latency_combine(..., zero_copy=True)`` reads the expert outputs from:
         ``[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]`` BF16, to
@@ -215,6 +539,10 @@ class LowLatencyCalls:
             raise InvalidArgumentError(
                 "handle", type(handle).__name__, "must come from low_latency_dispatch"
             )
+        if type(handle) is PaddedHandle:
+            _require_received(handle)
+            views = handle.__dict__["_views"]
+            return cast(torch.Tensor, views.combine_buffer(handle, len(handle.counts))[1])
         key = self._staging_key(handle)
         if key not in self._ll_combine_staging:
             self._ll_combine_staging[key] = torch.zeros(key, dtype=torch.bfloat16)
@@ -225,6 +553,7 @@ class LowLatencyCalls:
         return len(handle.counts), slots, handle.hidden
 
     @traced_work("deep_ep.low_latency_combine")
+    @gated
     def low_latency_combine(
         self,
         x: torch.Tensor,
@@ -248,12 +577,12 @@ class LowLatencyCalls:
             raise InvalidArgumentError(
                 "handle", type(handle).__name__, "must come from low_latency_dispatch"
             )
-        if handle.inner is None:
-            raise InvalidArgumentError(
-                "handle", "pending", "its dispatch has not received yet: call the dispatch's "
-                "hook() (or its event's current_stream_wait()) first"
-            )
+        _require_received(handle)
         _check_async(async_finish, return_recv_hook)
+        check_device(x=x, topk_idx=topk_idx, topk_weights=topk_weights, out=out)
+        if type(handle) is PaddedHandle:
+            return self._padded_combine(x, topk_idx, topk_weights, handle, zero_copy,
+                                        async_finish, return_recv_hook, out)
         idx = to_numpy(topk_idx, argument="topk_idx")
         if idx.shape != handle.topk_idx.shape or not np.all((idx == handle.topk_idx) | (idx == -1)):
             raise InvalidArgumentError(
@@ -271,6 +600,8 @@ class LowLatencyCalls:
             source = staging
         rows = combine_input(handle, source)
         split = (async_finish or return_recv_hook) and getattr(handle.backend, "can_split", True)
+        if getattr(self, "_shrink", None) is None:
+            self._gate.combine_on(handle.backend)  # the next call: a combine there
         call = self._collective(
             lambda: issue_combine(handle.backend, rows, handle.inner, w, split=split))
         if not (async_finish or return_recv_hook):
@@ -292,6 +623,55 @@ class LowLatencyCalls:
         return y, _event(async_finish, finish), (finish if return_recv_hook else None)
 
 
+
+
+# the engines whose receive regions are host memory a view wraps (padded_capable); None: the
+# group's own (shm on one host, mpi across hosts)
+_PADDED_TRANSPORTS = (None, "shm", "mpi")
+
+
+def _array_of(t: torch.Tensor, argument: str) -> np.ndarray:
+    """:func:`to_numpy` of a decode step's tensors (CPU, contiguous, no autograd) in fewer
+    steps; any other tensor through it."""
+    if type(t) is torch.Tensor and t.is_cpu and not t.requires_grad and t.is_contiguous():
+        return (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy()
+    return to_numpy(t, argument=argument)
+
+
+def _combine_routing(topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                     handle: LowLatencyHandle, copy: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Combine's ``topk_idx`` and float32 weights for the engine's handle: ``topk_idx`` must be
+    the dispatch's but for slots set to -1, which the engine drops (its own ids, the slots the
+    Buffer routed each pick to, with -1 there: it reads no row for a -1, so no weight multiplies
+    anything). ``copy``: owned weights (a split call reads them in its hook)."""
+    dispatched = handle.topk_idx
+    same = (isinstance(topk_idx, torch.Tensor)
+            and topk_idx.data_ptr() == handle.__dict__.get("_idx_ptr")
+            and topk_idx.shape == dispatched.shape and topk_idx.dtype == torch.int64)
+    idx = _array_of(topk_idx, "topk_idx")
+    # the dispatch's tensor (its memory) holds the same ids but for the -1 slots; another
+    # tensor is compared
+    if not same and (idx.shape != dispatched.shape
+                     or not np.all((idx == dispatched) | (idx == -1))):
+        raise InvalidArgumentError(
+            "topk_idx", tuple(idx.shape), "must be the dispatch's topk_idx (-1 drops a slot)")
+    w = _array_of(topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float(),
+                  "topk_weights")
+    if w.shape != idx.shape:
+        raise InvalidArgumentError("topk_weights", tuple(w.shape), f"must be {idx.shape}")
+    routed = handle.inner.topk_idx
+    dropped = idx < 0
+    if dropped.any():
+        routed = np.where(dropped, np.int64(-1), routed)
+    return routed, (w.copy() if copy else w)
+
+
+def _require_received(handle: LowLatencyHandle) -> None:
+    if handle.inner is None:
+        raise InvalidArgumentError(
+            "handle", "pending", "its dispatch has not received yet: call the dispatch's "
+            "hook() (or its event's current_stream_wait()) first"
+        )
 
 
 def _check_async(async_finish: bool, return_recv_hook: bool) -> None:

@@ -8,8 +8,11 @@ token's BF16 or FP8 bytes, then its scale bytes), so FP8 values and any 4-byte s
 rank-layout dispatch whose "expert" is the token's source rank, and each source reduces its
 rows in the order :mod:`ubep.torch.deep_ep_v2_layout` documents (DeepEP's reference order).
 
-Each call first exchanges every rank's verdict on its own arguments (the facade's ``_agree``),
-so a bad argument on one rank raises on every rank before any row moves.
+A call exchanges nothing of its own: the tokens every rank sends every rank come with the
+dispatch's result (``num_sent_rows_per_rank``, from the engine's count round). A rank whose
+arguments fail its local checks announces the failure through the backend its peers' call
+goes through (:func:`ubep.torch.deep_ep_agree.reject_call`), so a bad argument on one rank
+raises on every rank before any row moves.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 from ..errors import InvalidArgumentError
 from ._convert import from_numpy, to_numpy
 from .backend import issue_dispatch
+from .deep_ep_agree import checked
 from .deep_ep_types import EventHandle, EventOverlap
 from .deep_ep_v2_layout import (
     Received,
@@ -150,19 +154,41 @@ class V2Calls:
                 expert_alignment, previous_event, async_, allocate_on_comm_stream, handle,
                 do_cpu_sync, do_expand, do_zero_padding, emit_expert_ids, defer_epilogue)
 
-        args, summaries = self._v1._agree(check, lambda a: [len(t) for t in a.src.tokens_to])
-        sent = np.array(summaries, dtype=np.int64)  # [source rank, destination rank] tokens
+        args = checked(check, lambda: self._dispatch_backend(
+            x, topk_idx, handle, num_experts, num_max_tokens_per_rank))
         if previous_event is not None:
             _wait(previous_event)
+        # the rows travel as bytes: the call's signature carries x's dtype (deep_ep_checks)
+        self._v1._gate.note("v2_dispatch", getattr(x[0] if isinstance(x, tuple) else x,
+                                                   "dtype", None))
         backend = self._v1._backend("rank", args.payload.shape[1], args.idx.shape[1],
                                     args.num_experts, torch.uint8, args.num_max_tokens_per_rank)
         call = issue_dispatch(backend, args.payload, args.idx, args.weights, split=defer_epilogue)
         sms = handle.num_sms if handle is not None else self._resolve_num_sms(
             num_sms, args.num_experts, args.idx.shape[1])
 
+        # [source rank, destination rank] tokens: the engine's count round carries them
         return self._epilogue(call, before_epilogue, defer_epilogue, lambda res: (
-            self._dispatch_outputs(args, res, sent, stats, handle, sms, emit_expert_ids,
-                                   col_major_sf)))
+            self._dispatch_outputs(args, res, np.asarray(res.num_sent_rows_per_rank,
+                                                         dtype=np.int64), stats, handle, sms,
+                                   emit_expert_ids, col_major_sf)))
+
+    def _dispatch_backend(self, x: Any, topk_idx: Any, handle: Any, num_experts: Any,
+                          num_max_tokens_per_rank: Any) -> Any:
+        """The backend a well-formed dispatch of these shapes goes through (the peers' one,
+        where a local check refused this rank's call): rows of a BF16 ``x``'s bytes, or of an
+        FP8 ``x``'s and its 4-byte scales'."""
+        x_t, sf = x if isinstance(x, tuple) else (x, None)
+        width = 2 * int(x_t.shape[1]) if sf is None else int(x_t.shape[1]) + 4 * int(sf.shape[1])
+        if isinstance(handle, EPHandle):
+            topk_idx, num_experts = handle.topk_idx, handle.num_experts
+            num_max_tokens_per_rank = handle.num_max_tokens_per_rank
+        if num_max_tokens_per_rank is None:
+            num_max_tokens_per_rank = self.num_max_tokens_per_rank
+        # signed as the good call signs it (the peers' move to it matches this rank's)
+        self._v1._gate.note("v2_dispatch", getattr(x_t, "dtype", None))
+        return self._v1._backend("rank", width, int(topk_idx.shape[1]), int(num_experts),
+                                 torch.uint8, int(num_max_tokens_per_rank))
 
     def _check_dispatch(self, x: Any, topk_idx: Any, topk_weights: Any, stats: Any,
                         num_experts: Any, num_max_tokens_per_rank: Any, expert_alignment: Any,
@@ -416,26 +442,32 @@ class V2Calls:
                     previous_event: Any, before_epilogue: Any, async_: bool,
                     allocate_on_comm_stream: bool, defer_epilogue: bool) -> Any:
         self._flush()
-        biases, _ = self._v1._agree(
+        biases = checked(
             lambda: self._check_combine(x, handle, topk_weights, bias, previous_event, async_,
                                         allocate_on_comm_stream, defer_epilogue),
-            lambda _: None,
-        )
+            lambda: self._combine_backend(handle, 2 * handle._route.hidden + (
+                4 * handle._topk_idx.shape[1] if topk_weights is not None else 0)))
         if previous_event is not None:
             _wait(previous_event)
         route: _Route = handle._route
         rows, reverse_idx, row_bytes = self._rows_back(x, handle, topk_weights)
-        R, K = self.num_ranks, handle._topk_idx.shape[1]
-        capacity = R * handle.num_max_tokens_per_rank
-        if handle.do_expand and not self.allow_multiple_reduction:
-            capacity *= min(K, handle.num_experts // R)
-        backend = self._v1._backend("rank", rows.shape[1], 1, R, torch.uint8, capacity)
+        backend = self._combine_backend(handle, rows.shape[1])
         call = issue_dispatch(backend, rows, reverse_idx, np.zeros(reverse_idx.shape, np.float32),
                               split=defer_epilogue)
 
         return self._epilogue(call, before_epilogue, defer_epilogue, lambda res: (
             self._combine_outputs(res, handle, route, row_bytes, topk_weights is not None,
                                   biases)))
+
+    def _combine_backend(self, handle: EPHandle, width: int) -> Any:
+        """The backend the rows of ``handle``'s combine go back through (``width`` bytes a
+        row): one row per (token, destination) pair, or per (token, slot) pair when an expanded
+        combine sends a row per slot."""
+        R, K = self.num_ranks, handle._topk_idx.shape[1]
+        capacity = R * handle.num_max_tokens_per_rank
+        if handle.do_expand and not self.allow_multiple_reduction:
+            capacity *= min(K, handle.num_experts // R)
+        return self._v1._backend("rank", width, 1, R, torch.uint8, capacity)
 
     def _check_combine(self, x: Any, handle: Any, topk_weights: Any, bias: Any,
                        previous_event: Any, async_: bool, allocate_on_comm_stream: bool,

@@ -277,6 +277,9 @@ def dispatch(
         topk_weights: ``[num_tokens, num_topk]`` float32.
     """
     backend = as_backend(buffer)
+    if backend.layout not in ("expert", "rank"):  # the padded places are DeepEP's facade's
+        raise InvalidArgumentError("layout", backend.layout,
+                                   "the autograd ops take layout='expert' or 'rank'")
     if not isinstance(topk_idx, torch.Tensor) or topk_idx.dtype != torch.int64:
         raise InvalidArgumentError(
             "topk_idx", getattr(topk_idx, "dtype", type(topk_idx)), "must be an int64 tensor"

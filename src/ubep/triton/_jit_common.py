@@ -13,7 +13,8 @@ call, or on the call's own input check, run on the device; a closed gate makes i
 
 Status of a waiting program (``status[pid] = [code, peer]``): 0 its spins ran out (the host
 launches it again until its deadline), 1 done, 3 corrupt (a count disagrees with the routing
-record it came with), 4 rank ``peer`` published a failure notice for this call.
+record it came with), 4 rank ``peer`` published a failure notice for this call, 5 source
+``peer``'s call signature differs from this rank's (``signature_kernel``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ PENDING: tl.constexpr = tl.constexpr(0)
 DONE: tl.constexpr = tl.constexpr(1)
 CORRUPT: tl.constexpr = tl.constexpr(3)
 REMOTE: tl.constexpr = tl.constexpr(4)
+DIFFERS: tl.constexpr = tl.constexpr(5)
 
 # the sync table's row and batch kinds (ubep.triton.sync), as the kernels compare them
 ROW_WORDS: tl.constexpr = tl.constexpr(_sync.ROW_WORDS)

@@ -104,6 +104,11 @@ def from_buffer_config(config: Any, *, device: str = "cpu",
         value = getattr(config, name)
         if value != keep:
             raise InvalidArgumentError(name, value, f"the Triton engine needs {name}={keep!r}")
+    if config.layout == "expert_padded":
+        # its kernels pack each expert's rows after the previous expert's: the padded places
+        # are the native and RMA engines' (docs/TRITON.md)
+        raise InvalidArgumentError("layout", config.layout, "the Triton engine serves "
+                                   "layout='expert' and 'rank' (not 'expert_padded')")
     send = num_send_programs or getattr(config, "num_cores", None) or 4
     return TritonConfig(
         max_tokens_per_rank=config.max_tokens_per_rank, hidden=config.hidden,

@@ -47,7 +47,7 @@ from .units import DeviceUnits, device_units
 
 __all__ = ["TritonEngine"]
 
-_DONE, _CORRUPT, _REMOTE = 1, 3, 4
+_DONE, _CORRUPT, _REMOTE, _DIFFERS = 1, 3, 4, 5
 _CLEAN, _OUT_OF_STEP = 1, 6
 _GOLDEN = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1
@@ -122,6 +122,7 @@ class TritonEngine(Closing):
         self.epoch = 0
         self.generation = 0
         self.num_dispatches = 0
+        self.signature = 0  # what this rank's dispatches are (ubep.buffer.signature)
         self._resyncs = 0
         self._lost_step: str | None = None
         self._dirty_rows = 0
@@ -133,6 +134,7 @@ class TritonEngine(Closing):
         i64 = torch.int64
         self.table = torch.tensor(self.arena.addresses, dtype=i64, device=self.device)
         self.v_counts = tt.view(loc, lay.counts, 2 * lay.num_ranks * lay.num_buckets, i64)
+        self.v_ranks = tt.view(loc, lay.ranks, 2 * lay.num_ranks * lay.num_ranks, i64)
         self.v_dflag = tt.view(loc, lay.dflag, lay.num_ranks * 4, i64)
         self.v_cflag = tt.view(loc, lay.cflag, lay.num_ranks, i64)
         self.v_ready = tt.view(loc, lay.ready, lay.num_ranks, i64)
@@ -291,6 +293,20 @@ class TritonEngine(Closing):
     def arm(self) -> None:
         """SP: every receive row and combine slot holds the sentinel again (no call inside)."""
         self._arm_all()
+
+    def set_signature(self, word: int) -> None:
+        """What this rank's next dispatches are (``ubep.buffer.signature``: a 64-bit word, 0
+        says nothing beyond the config): a peer whose word differs fails the call cleanly."""
+        self.signature = int(word) & _MASK64
+
+    def _differs(self, epoch: int, peer: int, theirs: int) -> InvalidArgumentError:
+        """The clean reject of a call whose source ``peer`` signed it ``theirs``, not this
+        rank's word (``signature_kernel`` found it, before any row moved), as the native
+        engine's."""
+        mine, theirs = self.signature & _MASK64, theirs & _MASK64
+        return self._refuse(epoch, InvalidArgumentError(
+            "signature", f"{mine:x}:{theirs:x}:{peer}",
+            f"rank {peer}'s call {epoch} differs from rank {self.rank}'s"))
 
     def _refuse(self, epoch: int, err: InvalidArgumentError) -> InvalidArgumentError:
         self._notice(epoch, _CLEAN, f"rank {self.rank}: {err}")
@@ -468,6 +484,14 @@ class TritonEngine(Closing):
         parity = index % 2
         off_counts = lay.counts + parity * R * NB * 8
         v_counts = self.v_counts[parity * R * NB:(parity + 1) * R * NB]
+        # the call's signature, in this rank's arena before its counts: a peer that has its
+        # counts reads it (signature_kernel)
+        tt.view(self.arena.local, lay.sig + parity * 16, 2, torch.int64).copy_(
+            torch.tensor([epoch, _signed64(self.signature)]))
+        # this rank's rows to every rank (its units per destination), before its counts
+        rows_to = units.dest_ptr[1:] - units.dest_ptr[:-1]
+        self._launch(kd, "ranks_kernel", R, rows_to, me, e32, R, lay.ranks + parity * R * R * 8,
+                     gate=checked, RP=_pow2(R))
         self._launch(kd, "count_kernel", int(bptr.shape[0]) - 1, idx, T, K, L, bptr, me, e32,
                      NB, off_counts, gate=checked, RANK_LAYOUT=self.rank_layout, BT=BT, KP=KP)
         offs = torch.zeros(R * NB, dtype=torch.int64, device=dev)
@@ -477,7 +501,17 @@ class TritonEngine(Closing):
                   NB, off_counts, lay.notice, cfg.poll_spins)
         prefix_consts: dict[str, Any] = {"RP": RP, "NBP": NBP}
         self._launch(*prefix[:3], *prefix[5:], gate=checked, **prefix_consts)
-        counted = (st_prefix, R)
+        # every source's signature against this rank's, once its counts are in: a send gated
+        # on this check moves no row of a call whose sources differ
+        st_sig = self._status(1)
+        theirs = torch.zeros(1, dtype=torch.int64, device=dev)
+
+        def sign() -> None:
+            self._launch(kd, "signature_kernel", 1, st_sig, theirs, _signed64(self.signature),
+                         epoch, R, lay.sig + parity * 16, gate=(st_prefix, R), RP=RP)
+
+        sign()
+        counted = (st_sig, 1)
         BH = min(_pow2(cfg.hidden), 1024)
         W = lay.row_bytes // 8
 
@@ -511,30 +545,65 @@ class TritonEngine(Closing):
                        "BT": BT, "BH": BH, "BW": min(_pow2(max(W, 1)), 512),
                        "NBLKP": _pow2(lay.nblk)}
         self._launch(*recv[:3], *recv[5:], gate=counted, **recv_consts)
-        rows_t = (v_counts & 0xFFFFFFFF).sum().reshape(1)
+        # what the host needs once the counts are in (every source released its signature
+        # and its rows per rank before them): the signature check, each source's rows here
+        # and the [source, destination] rows, in the one read of the call
+        ranks = self.v_ranks[parity * R * R:(parity + 1) * R * R]
+
+        def control() -> Any:  # taken anew after a wait that ran again
+            return torch.cat([st_sig.to(torch.int64), theirs,
+                              (v_counts & 0xFFFFFFFF).reshape(R, NB).sum(dim=1), ranks])
+
         snap = tt.to_host(torch.cat([checked[0].to(torch.int64), st_prefix.to(torch.int64),
-                                     st_recv.to(torch.int64), rows_t]))
+                                     st_recv.to(torch.int64), control()]))
         if snap[0] != _DONE:
             raise self._refuse(epoch, self._refused(int(snap[1]), idx))
-        rows = int(snap[-1])
         deadline = time.monotonic() + cfg.timeout_s
         if not self._settled(snap[2:2 + 2 * R].reshape(R, 2), epoch, "counts", deadline):
             self._wait(*prefix, gate=checked, **prefix_consts)
+            sign()
+            got = tt.to_host(control())
+            self._signed(epoch, got)
             send()
             self._wait(*recv, gate=counted, **recv_consts)
-            rows = int(tt.to_host((v_counts & 0xFFFFFFFF).sum()))
-        elif not self._settled(snap[2 + 2 * R:2 + 4 * R].reshape(R, 2), epoch, "rows",
-                               deadline):
-            self._wait(*recv, gate=counted, **recv_consts)
+        else:
+            got = snap[2 + 4 * R:]
+            self._signed(epoch, got)
+            if not self._settled(snap[2 + 2 * R:2 + 4 * R].reshape(R, 2), epoch, "rows",
+                                 deadline):
+                self._wait(*recv, gate=counted, **recv_consts)
+        rows = self._sent_rows(epoch, got[3:3 + R], got[3 + R:].reshape(R, R))
+        sent = (ranks & 0xFFFFFFFF).reshape(R, R).clone()
         return self._result(index, T, idx, w, host, units, offs, v_counts, meta, m_idx, m_w,
-                            rows)
+                            rows, sent)
+
+    def _signed(self, epoch: int, control: np.ndarray) -> None:
+        """Raise the clean reject ``signature_kernel`` found (``control``: its status words and
+        the word it read, first in the control block the host reads back)."""
+        if control[0] == _DIFFERS:
+            raise self._differs(epoch, int(control[1]), int(control[2]))
+
+    def _sent_rows(self, epoch: int, from_source: np.ndarray, words: np.ndarray) -> int:
+        """The rows this rank receives, once every source's rows per rank (``words``: the
+        ranks block ``[source, destination]`` as read back) are checked against its counts
+        here (``from_source``: each source's rows); a row that is not this call's, or whose
+        entry for this rank is not the rows its counts announced, is corrupt control data."""
+        e32 = self._epoch_args(epoch)[0]
+        bad = np.flatnonzero(((words >> 32) != e32).any(axis=1)
+                             | ((words[:, self.rank] & 0xFFFFFFFF) != from_source))
+        if len(bad):
+            raise self._lose_step(epoch, UbepError(
+                f"rank {self.rank}: call {epoch}: the rows per rank of rank {int(bad[0])} "
+                "disagree with its counts (corrupt control data)"))
+        return int(from_source.sum())
 
     def _result(self, index: int, T: int, idx: Any, w: Any,
                 host: tuple[np.ndarray, np.ndarray] | None, units: DeviceUnits, offs: Any,
                 v_counts: Any, meta: list[Any], m_idx: Any, m_w: Any,
-                rows: int) -> DispatchResult[Any]:
+                rows: int, sent: Any) -> DispatchResult[Any]:
         """The result, built on the device from what the launches wrote (``rows``: the rows
-        received, the one number the host needs)."""
+        received, the one number the host needs; ``sent``: the ``[source, destination]``
+        rows, on the device)."""
         torch, cfg, R, L = self._torch, self.config, self.num_ranks, self.local_experts
         counts = (v_counts & 0xFFFFFFFF).reshape(R, self.lay.num_buckets)
         self._dirty_rows = rows
@@ -559,7 +628,8 @@ class TritonEngine(Closing):
             buffer_uid=self.uid, generation=self.generation, **arrays)
         return DispatchResult(recv_x=recv_x, recv_topk_idx=r_idx, recv_topk_weights=r_w,
                               num_recv_tokens_per_expert=per_expert, recv_src_rank=src,
-                              recv_src_token=tok, recv_src_k=k, handle=handle)
+                              recv_src_token=tok, recv_src_k=k, handle=handle,
+                              num_sent_rows_per_rank=sent)
 
     # --- combine ----------------------------------------------------------------------------
 

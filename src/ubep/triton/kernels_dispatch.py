@@ -3,6 +3,8 @@
 """UBEP's ASP dispatch as Triton kernels: count, prefix sum, send (the Plan's units per
 program), publish, receive. One launch per task; the host runs them in this order:
 
+0. ``ranks_kernel`` (a program per destination): this rank's rows to every rank, released
+   into each destination's ranks block of the dispatch's parity (``epoch32 << 32 | rows``).
 1. ``count_kernel`` (a program per count core of the Plan): rows per bucket (local expert, or
    destination rank) of this rank's tokens, each released into the destination's count inbox
    of the dispatch's parity as ``epoch32 << 32 | rows``: the counts are their own flag. This
@@ -12,6 +14,8 @@ program), publish, receive. One launch per task; the host runs them in this orde
    the bucket, plus the bucket's rows from lower sources. A destination publishes its own
    count to itself only once it left its previous call, so these counts also say its receive
    region is free.
+2b. ``signature_kernel`` (one program, gated on the prefix): every source's call signature
+   against this rank's; a difference closes the gate of what follows (no row moves).
 3. ``send_kernel`` (a program per send core): the Plan's units of that core in its order, each
    row stored at its final place in the destination's ``recv_x``; TFF: the row's block words.
 4. ``publish_kernel`` (a program per destination; SW and DC only): the batch's flag, after the
@@ -32,6 +36,7 @@ import triton.language as tl
 from ._jit_common import (
     BATCH_CHECKSUM,
     CORRUPT,
+    DIFFERS,
     DONE,
     REMOTE,
     ROW_WORDS,
@@ -76,6 +81,21 @@ def count_kernel(table, order, gate, gate_n, idx_ptr, T, K, L, bptr, me, epoch32
 
 
 @triton.jit
+def ranks_kernel(table, order, gate, gate_n, rows_ptr, me, epoch32, R, OFF_RANKS,
+                 RP: tl.constexpr, GP: tl.constexpr):
+    """This rank's rows to every rank, released into destination ``d``'s ranks block (a
+    program per destination), before the counts: a receiver that has every source's counts
+    reads every source's rows per rank, the whole ``[source, destination]`` matrix."""
+    d = tl.load(order + tl.program_id(0))
+    if opened(gate, gate_n, GP) != 0:
+        j = tl.arange(0, RP)
+        m = j < R
+        rows = tl.load(rows_ptr + j, mask=m, other=0)
+        words = (epoch32.to(tl.int64) << 32) | rows
+        release(region(table, d, OFF_RANKS + (me * R + j) * 8, tl.int64), words, m)
+
+
+@triton.jit
 def _counts_in(cptr, R, NB, epoch32, RP: tl.constexpr, NBP: tl.constexpr):
     s = tl.arange(0, RP)[:, None]
     b = tl.arange(0, NBP)[None, :]
@@ -108,6 +128,27 @@ def prefix_kernel(table, order, gate, gate_n, status, offs, me, epoch, epoch32, 
             set_status(status, d, DONE, d)
         elif fail < R:
             set_status(status, d, REMOTE, fail)
+
+
+@triton.jit
+def signature_kernel(table, order, gate, gate_n, status, theirs, mine, epoch, R, OFF_SIG,
+                     RP: tl.constexpr, GP: tl.constexpr):
+    """Every source's signature of call ``epoch`` (``[epoch, word]`` at ``OFF_SIG`` of its own
+    region, stored before its counts, which the prefix launch this one is gated on acquired)
+    against this rank's word ``mine`` (one program): done, or the lowest source whose word
+    differs (``theirs``: its word), which closes the gate of the call's sends."""
+    if opened(gate, gate_n, GP) != 0:
+        s = tl.arange(0, RP)
+        m = s < R
+        base = tl.load(table + s, mask=m, other=0) + OFF_SIG
+        e = acquire(base.to(tl.pointer_type(tl.int64)), m)
+        w = acquire((base + 8).to(tl.pointer_type(tl.int64)), m)
+        first = tl.min(tl.where(m & (e == epoch) & (w != mine), s, R), axis=0)
+        if first < R:
+            tl.store(theirs, tl.sum(tl.where(s == first, w, 0), axis=0))
+            set_status(status, 0, DIFFERS, first)
+        else:
+            set_status(status, 0, DONE, 0)
 
 
 @triton.jit

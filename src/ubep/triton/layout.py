@@ -13,6 +13,8 @@ dflag          ``[R][4]`` words ``[count, checksum, epoch, 0]``         each sou
 cflag          ``[R]`` words, epoch                                     each pusher (SW)
 ready          ``[R]`` words, epoch: "source s takes combine rows"      each source (release)
 notice         ``[epoch, code, length, message 488 bytes]``             the owner
+sig[2]         ``[epoch, signature]`` per dispatch parity: what the       the owner (before
+               call is (``ubep.buffer.signature``), read by every peer    its counts)
 route[2]       ``[num_tokens, epoch, ...]`` 64 bytes, idx ``i32[T*K]``,   the owner (local)
                weights ``f32[T*K]``; one per dispatch parity
 recv           ``cap_rows`` rows of ``row_stride`` bytes: ``recv_x``     each source
@@ -20,6 +22,8 @@ words          ``[cap_rows][nblk]`` TFF words                           each sou
 comb           ``[T][J]`` rows of ``comb_stride`` bytes                 each pusher
 cwords         ``[T][J][cnblk]`` TFF words of combine                   each pusher (release)
 cdc            ``[T][J][2]`` words ``[checksum, epoch]``                each pusher (release)
+ranks[2]       ``[R][R]`` words ``epoch32 << 32 | rows``: ``[s][d]``      each source (release)
+               rows source ``s`` sends rank ``d``, per dispatch parity
 =============  =======================================================  =====================
 
 Counts come in two blocks, by the dispatch's parity (as routing records): a rank that has
@@ -65,10 +69,12 @@ class ArenaLayout:
     comb_stride: int
     cnblk: int
     counts: int
+    ranks: int
     dflag: int
     cflag: int
     ready: int
     notice: int
+    sig: int  # [epoch, signature] of parity p at sig + p * 16
     route: tuple[int, int]
     route_idx: int  # offset of idx inside a route record
     route_w: int
@@ -106,6 +112,7 @@ def arena_layout(*, num_ranks: int, num_local_experts: int, cap_tokens: int, num
     cflag = take(R * 8)
     ready = take(R * 8)
     notice = take(24 + NOTICE_MESSAGE_BYTES)
+    sig = take(2 * 16)
     route_idx = _ALIGN
     route_w = align_up(route_idx + T * K * 4)
     route_bytes = align_up(route_w + T * K * 4)
@@ -115,13 +122,15 @@ def arena_layout(*, num_ranks: int, num_local_experts: int, cap_tokens: int, num
     comb = take(T * J * comb_stride)
     cwords = take(T * J * cnblk * 8)
     cdc = take(T * J * 16)
+    ranks = take(2 * R * R * 8)  # the block of parity p at ranks + p * R * R * 8
     return ArenaLayout(
         num_ranks=R, num_buckets=nb, cap_tokens=T, num_topk=K, cap_rows=cap_rows,
         row_bytes=row_bytes, row_stride=row_stride, nblk=nblk, comb_slots=J,
         comb_row_bytes=comb_row_bytes, comb_stride=comb_stride, cnblk=cnblk, counts=counts,
-        dflag=dflag, cflag=cflag, ready=ready, notice=notice, route=route, route_idx=route_idx,
-        route_w=route_w, recv=recv, words=words, comb=comb, cwords=cwords, cdc=cdc,
-        size_bytes=off,
+        ranks=ranks,
+        dflag=dflag, cflag=cflag, ready=ready, notice=notice, sig=sig, route=route,
+        route_idx=route_idx, route_w=route_w, recv=recv, words=words, comb=comb, cwords=cwords,
+        cdc=cdc, size_bytes=off,
     )
 
 

@@ -163,6 +163,9 @@ class TritonPlane:
         self.engine.publish_failure(epoch, code, message)
         return 0
 
+    def set_signature(self, word: int) -> None:
+        self.engine.set_signature(word)
+
     def resync(self, base_epoch: int) -> None:
         self._done.clear()
         self.engine.restart(base_epoch)

@@ -10,7 +10,7 @@
 #include <stdint.h>
 
 /* Version of this ABI: bumped whenever a code, a record or a parameter changes meaning. */
-#define UBEP_ABI_VERSION 3
+#define UBEP_ABI_VERSION 4
 
 /* codes shared with Python (the names are ubep.runtime.abi's dict keys) */
 enum { DT_BF16 = 0, DT_FP16 = 1, DT_FP32 = 2, DT_INT8 = 3, DT_UINT8 = 4 };
@@ -18,7 +18,7 @@ enum { DT_BF16 = 0, DT_FP16 = 1, DT_FP32 = 2, DT_INT8 = 3, DT_UINT8 = 4 };
 enum { QUANT_NONE = 0, QUANT_E4M3 = 1, QUANT_INT8 = 2 };
 enum { SYNC_SW = 0, SYNC_TFF = 1, SYNC_DC = 2, SYNC_SP = 3 };
 enum { ENG_ASP = 0, ENG_BSP = 1 };
-enum { LAY_EXPERT = 0, LAY_RANK = 1 };
+enum { LAY_EXPERT = 0, LAY_RANK = 1, LAY_EXPERT_PADDED = 2 };
 /* Error codes of error records (ubep.plane.records.ErrorRecord) and of failure notices. E_LOST: the ranks are out of step (a
  * peer left this call without finishing it, called another operation, or corrupt control data
  * was found): the Buffer needs a resync. */
@@ -78,15 +78,18 @@ typedef struct {
     uint64_t counts_epoch;
     uint64_t rows;        /* rows the source sends here */
     uint64_t sum;         /* counts_sum(epoch, rows, counts) */
-    uint8_t pad0[40];
+    uint8_t pad0[32];
+    uint64_t signature;   /* what the source's call is (Buffer.sign): every rank's must match */
     uint64_t sw_count;    /* SW: rows written, then */
     uint64_t sw_epoch;
     uint8_t pad1[48];
     uint64_t dc_count;    /* DC: rows written, their checksum, then */
     uint64_t dc_sum;
     uint64_t dc_epoch;
-    uint8_t pad2[40];
-    uint32_t counts[];    /* [num_local_experts]: rows per local expert */
+    uint64_t ranks_sum;   /* ranks_sum(epoch, the rows per rank after counts[L]) */
+    uint8_t pad2[32];
+    uint32_t counts[];    /* [num_local_experts]: rows per local expert, then [num_ranks]: the
+                           * source's rows to every rank (not only this one) */
 } inbox_rec_t;
 
 /* Where a rank's expert outputs for combine lie (one per epoch parity). */
@@ -127,11 +130,13 @@ ABI_OFFSET(doorbell_t, sleepers, 32);
 ABI_OFFSET(inbox_rec_t, counts_epoch, 0);
 ABI_OFFSET(inbox_rec_t, rows, 8);
 ABI_OFFSET(inbox_rec_t, sum, 16);
+ABI_OFFSET(inbox_rec_t, signature, 56);
 ABI_OFFSET(inbox_rec_t, sw_count, 64);
 ABI_OFFSET(inbox_rec_t, sw_epoch, 72);
 ABI_OFFSET(inbox_rec_t, dc_count, 128);
 ABI_OFFSET(inbox_rec_t, dc_sum, 136);
 ABI_OFFSET(inbox_rec_t, dc_epoch, 144);
+ABI_OFFSET(inbox_rec_t, ranks_sum, 152);
 ABI_OFFSET(inbox_rec_t, counts, 192);
 ABI_OFFSET(comb_info_rec_t, off, 0);
 ABI_OFFSET(comb_info_rec_t, rows, 8);
@@ -185,6 +190,10 @@ static inline uint64_t sum_u32(uint64_t h, const uint32_t *p, int64_t n) {
 }
 static inline uint64_t counts_sum(uint64_t epoch, uint64_t rows, const uint32_t *cnt, int L) {
     return sum_u32(mix64(mix64(0x636F756E7473ULL, epoch), rows), cnt, L);
+}
+/* a source's rows to every rank (the [R] words after a count record's counts) */
+static inline uint64_t ranks_sum(uint64_t epoch, const uint32_t *rows, int R) {
+    return sum_u32(mix64(0x72616E6B73ULL, epoch), rows, R);
 }
 /* the routing record: topk_idx (int32) then the weights (float bits), n words each */
 static inline uint64_t route_sum(uint64_t epoch, uint64_t ntok, const uint32_t *idx,

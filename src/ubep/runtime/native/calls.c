@@ -122,7 +122,7 @@ static int read_spec(PyObject *plan, op_t *op, pbuf_t *b) {
     engine_t *g = op->g;
     plan_t *p = &op->plan;
     sched_spec_t *s = &p->spec;
-    s->expert_layout = g->layout == LAY_EXPERT;
+    s->expert_layout = g->layout != LAY_RANK;
     s->R = g->R; s->E = g->E; s->K = g->K; s->L = g->L; s->n = p->num_send_cores;
     if (plan_int(plan, "policy_code", SCHED_EXPERT_CONTIGUOUS, SCHED_HIERARCHICAL, &s->policy) ||
         plan_int(plan, "num_hops", 1, 64, &s->H) ||
@@ -422,8 +422,8 @@ static int dispatch_bufs(engine_t *g, const dispatch_args_t *a, pbuf_t *b, int64
     const int K = g->K;
     PyObject *const *o = a->out;
     int64_t nrows = g->cap_rows;
-    int64_t dst_w = g->layout == LAY_EXPERT ? K : g->R;
-    int64_t meta_w = g->layout == LAY_EXPERT ? 1 : K;
+    int64_t dst_w = g->layout != LAY_RANK ? K : g->R;
+    int64_t meta_w = g->layout != LAY_RANK ? 1 : K;
     return get_buf(a->topk_idx, &b[1], 0, "topk_idx", ntok * K * 8) ||
         get_buf(a->topk_weights, &b[2], 0, "topk_weights", ntok * K * 4) ||
         get_buf(o[0], &b[3], 1, "recv_topk_idx", nrows * meta_w * 8) ||
@@ -431,7 +431,7 @@ static int dispatch_bufs(engine_t *g, const dispatch_args_t *a, pbuf_t *b, int64
         get_buf(o[2], &b[5], 1, "recv_src_rank", nrows * 8) ||
         get_buf(o[3], &b[6], 1, "recv_src_token", nrows * 8) ||
         get_buf(o[4], &b[7], 1, "recv_src_k", nrows * 8) ||
-        get_buf(o[5], &b[8], 1, "num_recv_tokens_per_expert", (g->L + g->R) * 8) ||
+        get_buf(o[5], &b[8], 1, "num_recv_tokens_per_expert", (g->L + g->R + g->R * g->R) * 8) ||
         get_buf(o[6], &b[9], 1, "send_dst_row", ntok * dst_w * 8);
 }
 
@@ -475,7 +475,7 @@ call_t *combine_call(engine_t *g, const combine_args_t *a) {
     }
     const int K = g->K;
     const long long rows = a->rows, ntok = a->num_tokens;
-    int64_t dst_w = g->layout == LAY_EXPERT ? K : g->R;
+    int64_t dst_w = g->layout != LAY_RANK ? K : g->R;
     if (rows < 0 || rows > g->cap_rows || ntok < 0 || ntok > g->T || a->region < 0 ||
         a->region > 1) {
         PyErr_SetString(PyExc_ValueError, "engine: combine sizes out of range");

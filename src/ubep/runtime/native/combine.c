@@ -119,7 +119,7 @@ static int token_terms(op_t *op, int core, int64_t t, const int64_t *coff, const
     engine_t *g = op->g;
     const int R = g->R, K = g->K;
     int nt = 0;
-    if (g->layout == LAY_EXPERT) {
+    if (g->layout != LAY_RANK) {
         for (int k = 0; k < K; k++) {
             int64_t e = op->h_idx[t * K + k];
             if (e < 0) continue;
@@ -205,7 +205,7 @@ int ph_c_reduce(op_t *op, int core) {
      * expert layout top-2 0.82-0.90 and top-4 0.79 at 33-67 MB; but top-8 1.02-1.06 (its eight
      * streams already run as fast) and in-cache sizes 1.12-1.30 (4-7 MB: the prefetches only
      * take issue slots). */
-    const int terms = g->layout == LAY_EXPERT ? K : K < R ? K : R;
+    const int terms = g->layout != LAY_RANK ? K : K < R ? K : R;
     const int prefetch = terms <= 4 && op->h_ntok * terms * g->crow_bytes > g->llc_bytes / R;
     int nt = lo < hi ? token_terms(op, core, lo, coff, crows, tp[0], tw[0]) : 0;
     for (int64_t t = lo; t < hi; t++) {
@@ -213,7 +213,7 @@ int ph_c_reduce(op_t *op, int core) {
         int nn = t + 1 < hi ? token_terms(op, core, t + 1, coff, crows, tp[!cur], tw[!cur]) : 0;
         if (nt < 0 || nn < 0) return atomic_load(&op->err); /* recorded by token_terms */
         REDUCE[g->cdt](op->y + t * (int64_t)g->hidden * g->cisz, tp[cur], tw[cur], nt, g->hidden,
-                       g->layout == LAY_EXPERT, tp[!cur], prefetch ? nn : 0);
+                       g->layout != LAY_RANK, tp[!cur], prefetch ? nn : 0);
         nt = nn;
     }
     TRACE(g, core, TRACE_C_REDUCED);

@@ -55,6 +55,15 @@ PyObject *engine_fail(engine_t *g, PyObject *args) {
     return res;
 }
 
+/* set_signature(word): what this rank's next calls are (ubep.buffer.signature), published in
+ * its count records and compared with every source's; local, between calls. */
+PyObject *engine_set_signature(engine_t *g, PyObject *arg) {
+    unsigned long long word = PyLong_AsUnsignedLongLongMask(arg);
+    if (word == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    g->signature = (uint64_t)word;
+    Py_RETURN_NONE;
+}
+
 /* resync(base_epoch): forget every call before `base_epoch` (local; Buffer.resync runs it on
  * every rank between two group-wide exchanges, so no peer is inside a call and nobody writes
  * this segment meanwhile). Control records of this rank's segment are cleared, progress words

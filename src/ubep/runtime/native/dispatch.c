@@ -38,9 +38,9 @@ int dispatch_validate(op_t *op, int count, int fill) {
     engine_t *g = op->g;
     const int K = g->K, E = g->E, R = g->R, r = g->rank;
     const int64_t T = op->ntok, cap = g->cap_src_rows;
-    const int expert = g->layout == LAY_EXPERT, sp = flag_sentinel(g), check = !op->checked;
+    const int expert = g->layout != LAY_RANK, sp = flag_sentinel(g), check = !op->checked;
     int64_t *restrict cnt = g->cnt, *restrict units_to = g->units_to;
-    int64_t *restrict rows_to = g->rows_to;
+    int64_t *restrict rows_to = g->rows_to, *restrict sent_to = g->sent_to;
     const int32_t *restrict e2d = g->e2d;
     int32_t *restrict ut = g->u_t, *restrict uk = g->u_k, *restrict ue = g->u_e;
     int32_t *restrict us = g->u_slot;
@@ -56,6 +56,7 @@ int dispatch_validate(op_t *op, int count, int fill) {
         memset(units_to, 0, sizeof(int64_t) * (size_t)R);
         memset(rows_to, 0, sizeof(int64_t) * (size_t)R);
     }
+    memset(sent_to, 0, sizeof(int64_t) * (size_t)R);
     for (int64_t t = 0; t < T; t++) {
         const int64_t *row = topk + t * K;
         uint64_t seen_dst = 0; /* R <= 64 enforced at init */
@@ -76,6 +77,7 @@ int dispatch_validate(op_t *op, int count, int fill) {
             int d = e2d[e];
             int first = !(seen_dst >> d & 1);
             seen_dst |= 1ULL << d;
+            sent_to[d] += expert || first;
             if (!count) continue;
             if (expert || first) {
                 if (fill) {
@@ -124,7 +126,18 @@ void publish_counts(op_t *op, int d) {
     for (int el = 0; el < L; el++) c[el] = (uint32_t)g->cnt[d * L + el];
     st_rlx(&ib->rows, (uint64_t)g->rows_to[d]);
     st_rlx(&ib->sum, counts_sum(op->epoch, (uint64_t)g->rows_to[d], c, L));
+    publish_ranks(op, ib);
+    st_rlx(&ib->signature, g->signature);
     st_rel(&ib->counts_epoch, op->epoch);
+}
+
+/* my rows to every rank, after the counts of a count record (its release store publishes
+ * them): every receiver learns the whole [source, destination] matrix from its own inbox */
+void publish_ranks(op_t *op, inbox_rec_t *ib) {
+    engine_t *g = op->g;
+    uint32_t *v = ib->counts + g->L;
+    for (int j = 0; j < g->R; j++) v[j] = (uint32_t)g->sent_to[j];
+    st_rlx(&ib->ranks_sum, ranks_sum(op->epoch, v, g->R));
 }
 
 /* publish my routing (for receivers' metadata), my readiness and (without count tasks) my
@@ -167,17 +180,35 @@ int dst_gone(op_t *op, int core, int d) {
                     "rows for it", d, (unsigned long long)op->epoch, op->g->rank);
 }
 
+/* Source s's call is another call than this rank's (its signature differs). Every rank reads
+ * every source's record before any row of this call reaches a peer (a sender reads all of a
+ * destination's records before its first row there, a receiver all of its own): with ASP a
+ * clean reject on every rank that differs, named by both words ("mine:theirs:rank", decoded by
+ * ubep.buffer.signature). BSP has sent its rows by then: the ranks lose step. */
+static int signature_mismatch(op_t *op, int s, uint64_t theirs) {
+    engine_t *g = op->g;
+    char value[96];
+    snprintf(value, sizeof value, "%llx:%llx:%d", (unsigned long long)g->signature,
+             (unsigned long long)theirs, s);
+    if (g->eng != ENG_ASP)
+        return op_error(op, E_LOST, 0, s, "rank %d's call %llu is another call than rank %d's "
+                        "(signature %s)", s, (unsigned long long)op->epoch, g->rank, value);
+    return bad_input(op, "signature", value, "rank %d's call %llu differs from rank %d's", s,
+                     (unsigned long long)op->epoch, g->rank);
+}
+
 /* Source s's count record for destination d in this call (its epoch word was seen), copied
  * out and verified: rows, and counts[L] per local expert of d. Callers use the copy only, so
  * bytes changed after the check cannot reach the data path. */
 int read_counts(op_t *op, int core, int d, int s, int64_t *rows, uint32_t *cnt) {
     engine_t *g = op->g;
     const inbox_rec_t *ib = inbox(g, d, s, op->par);
-    uint64_t r = ld_rlx(&ib->rows), sum = ld_rlx(&ib->sum);
+    uint64_t r = ld_rlx(&ib->rows), sum = ld_rlx(&ib->sum), sig = ld_rlx(&ib->signature);
     memcpy(cnt, ib->counts, sizeof(uint32_t) * (size_t)g->L);
     if (sum != counts_sum(op->epoch, r, cnt, g->L))
         return op_error(op, E_LOST, core, s, "corrupt count record of rank %d for rank %d in "
                         "call %llu", s, d, (unsigned long long)op->epoch);
+    if (sig != g->signature) return signature_mismatch(op, s, sig);
     if (r > (uint64_t)g->cap_src_rows)
         return op_error(op, E_INTERNAL, core, s, "rank %d published %llu rows for rank %d, more "
                         "than the %lld a source can send", s, (unsigned long long)r, d,
@@ -210,6 +241,7 @@ int compute_bases(op_t *op, int core, int d, int src, int64_t *out) {
         }
         out[0] = before;
     } else {
+        const int padded = g->layout == LAY_EXPERT_PADDED;
         for (int el = 0; el < L; el++) {
             int64_t tot = 0, before = 0;
             for (int s = 0; s < R; s++) {
@@ -217,8 +249,10 @@ int compute_bases(op_t *op, int core, int d, int src, int64_t *out) {
                 if (s < src) before += c;
                 tot += c;
             }
-            out[el] = total + before;
-            total += tot;
+            /* padded: expert el's rows start at its block of R * T slots (DeepEP's places);
+             * each source's count is at most T (read_counts), so a block never overflows */
+            out[el] = (padded ? el * padded_slots(g) : total) + before;
+            total += padded ? padded_slots(g) : tot;
         }
     }
     if (total > g->cap_rows)
@@ -237,7 +271,7 @@ void reset_send_state(op_t *op) {
         atomic_store(&g->dc_s2[d], 0);
         g->core_ready[d] = 0;
     }
-    for (int64_t i = 0; i < op->ntok * (g->layout == LAY_EXPERT ? g->K : g->R); i++)
+    for (int64_t i = 0; i < op->ntok * (g->layout != LAY_RANK ? g->K : g->R); i++)
         op->o_dst_row[i] = -1;
 }
 
@@ -266,12 +300,16 @@ static int recv_bases(op_t *op, int core, int64_t *rx_base, int64_t *n_out) {
             pos += rows[s];
         }
     } else {
+        const int padded = g->layout == LAY_EXPERT_PADDED;
         for (int el = 0; el < L; el++) {
+            if (padded) pos = el * padded_slots(g); /* the expert's block; the rows after its
+                                                     * count stay as they were (DeepEP's) */
             for (int s = 0; s < R; s++) {
                 rx_base[s * L + el] = pos;
                 pos += cnt[(int64_t)s * L + el];
             }
         }
+        if (padded) pos = g->cap_rows; /* recv_x is the whole region */
     }
     if (pos > g->cap_rows)
         return op_error(op, E_INTERNAL, core, -1, "%lld rows announced, capacity %lld",
@@ -324,7 +362,7 @@ int recv_metadata(op_t *op, int core, int s, const int64_t *rx_base) {
     if (rc) return rc;
     const int64_t lo = (int64_t)r * L, hi = lo + L;
     const uint32_t *cnt = RX_CNT(g, core) + (int64_t)s * L;
-    if (g->layout == LAY_EXPERT) {
+    if (g->layout != LAY_RANK) {
         /* cursor[el]: next row of expert el; cursor[L + el]: end of the rows the counts give
          * it. A row beyond its expert's count is refused before it is written. */
         int64_t cur[2048];
@@ -441,16 +479,41 @@ static int recv_sources(op_t *op, int core, const int64_t *rx_base, int reg) {
     return 0;
 }
 
-/* o_nrecv = [num_recv_tokens_per_expert (L) | rows received from each source rank (R)] */
-static void recv_counts_out(op_t *op, int core) {
+/* o_nrecv = [num_recv_tokens_per_expert (L) | rows received from each source rank (R) | rows
+ * each source sent each rank (R x R, num_sent_rows_per_rank)]. A source's row of the matrix is
+ * copied out of its count record (seen complete by recv_bases) and verified; its entry for this
+ * rank must be the rows its verified counts announced. */
+static int recv_counts_out(op_t *op, int core) {
     engine_t *g = op->g;
+    const int R = g->R, L = g->L;
     const uint32_t *cnt = RX_CNT(g, core);
-    for (int el = 0; el < g->L; el++) {
+    for (int el = 0; el < L; el++) {
         int64_t tot = 0;
-        for (int s = 0; s < g->R; s++) tot += cnt[(int64_t)s * g->L + el];
+        for (int s = 0; s < R; s++) tot += cnt[(int64_t)s * L + el];
         op->o_nrecv[el] = tot;
     }
-    for (int s = 0; s < g->R; s++) op->o_nrecv[g->L + s] = RX_ROWS(g, core)[s];
+    for (int s = 0; s < R; s++) op->o_nrecv[L + s] = RX_ROWS(g, core)[s];
+    uint32_t v[64]; /* R <= 64 enforced at init */
+    for (int s = 0; s < R; s++) {
+        const inbox_rec_t *ib = inbox(g, g->rank, s, op->par);
+        uint64_t sum = ld_rlx(&ib->ranks_sum);
+        memcpy(v, ib->counts + L, sizeof(uint32_t) * (size_t)R);
+        if (sum != ranks_sum(op->epoch, v, R) || v[g->rank] != (uint64_t)RX_ROWS(g, core)[s])
+            return op_error(op, E_LOST, core, s, "corrupt rows-per-rank record of rank %d in "
+                            "call %llu", s, (unsigned long long)op->epoch);
+        for (int j = 0; j < R; j++) op->o_nrecv[L + R + (int64_t)s * R + j] = v[j];
+    }
+    if (g->layout != LAY_EXPERT_PADDED) return 0;
+    /* padded: the metadata of the slots past each expert's count says "no row" (-1, weight
+     * 0), so that nothing reading a row's origin takes a slot for a row; the payload there is
+     * left as it was */
+    for (int el = 0; el < g->L; el++)
+        for (int64_t p = el * padded_slots(g) + op->o_nrecv[el]; p < (el + 1) * padded_slots(g);
+             p++) {
+            op->o_src_rank[p] = op->o_src_tok[p] = op->o_src_k[p] = op->o_idx[p] = -1;
+            op->o_w[p] = 0.0f;
+        }
+    return 0;
 }
 
 /* How ASP's receive and BSP's reorder begin (their span of the bases from rv->t0): the row
@@ -465,7 +528,7 @@ int recv_begin(op_t *op, int core, recv_t *rv) {
     int rc = recv_bases(op, core, rv->rx_base, &rv->n);
     if (rc == 0 && core == 0) {
         op->n_recv = rv->n;
-        recv_counts_out(op, core);
+        rc = recv_counts_out(op, core);
     }
     return rc;
 }
@@ -479,7 +542,7 @@ int ph_d_check(op_t *op, int core) {
     const uint64_t *sums = rsum_rows(g, g->rank, reg);
     int64_t lo = op->n_recv * core / g->C, hi = op->n_recv * (core + 1) / g->C;
     for (int64_t p = lo; p < hi; p++)
-        if (row_check(row_sum(out + p * g->out_stride, g->row_bytes), op->epoch, p) !=
+        if (op->o_src_rank[p] >= 0 && row_check(row_sum(out + p * g->out_stride, g->row_bytes), op->epoch, p) !=
             ld_rlx(&sums[p]))
             return op_error(op, E_LOST, core, (int)op->o_src_rank[p], "row %lld of call %llu "
                             "(from rank %lld) fails its checksum: it changed between its "

@@ -67,7 +67,7 @@ int ph_bsp_send(op_t *op, int core) {
         }
         int64_t t0 = span_t0(g);
         for (int64_t u = lo; u < hi; u++) {
-            int64_t slot = g->layout == LAY_EXPERT
+            int64_t slot = g->layout != LAY_RANK
                                ? g->my_rank_in_batch[g->u_e[u]] + g->u_slot[u]
                                : g->u_slot[u];
             int64_t pos = (int64_t)g->rank * g->cap_src_rows + slot;
@@ -95,6 +95,8 @@ int ph_bsp_flags(op_t *op, int core) {
         for (int el = 0; el < L; el++) c[el] = (uint32_t)g->cnt[d * L + el];
         st_rlx(&ib->rows, (uint64_t)g->rows_to[d]);
         st_rlx(&ib->sum, counts_sum(op->epoch, (uint64_t)g->rows_to[d], c, L));
+        publish_ranks(op, ib);
+        st_rlx(&ib->signature, g->signature);
         flag_publish_staged(op, d, land(g, d, reg) +
                                        (int64_t)g->rank * g->cap_src_rows * g->slot_bytes);
         st_rel(&ib->counts_epoch, op->epoch);
@@ -177,7 +179,7 @@ int ph_bsp_dst_rows(op_t *op, int core) {
         int d = (g->rank + 1 + i) % R;
         for (int64_t u = bucket_start(g, i), end = u + g->units_to[d]; u < end; u++) {
             int64_t pos = unit_pos(g, bases + (int64_t)d * L, g->u_e[u], g->u_slot[u]);
-            if (g->layout == LAY_EXPERT) op->o_dst_row[(int64_t)g->u_t[u] * g->K + g->u_k[u]] = pos;
+            if (g->layout != LAY_RANK) op->o_dst_row[(int64_t)g->u_t[u] * g->K + g->u_k[u]] = pos;
             else op->o_dst_row[(int64_t)g->u_t[u] * g->R + d] = pos;
         }
     }

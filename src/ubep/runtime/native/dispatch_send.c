@@ -26,7 +26,7 @@ static void count_dst(op_t *op, int d) {
         count_published(op, d);
         return;
     }
-    const int K = g->K, L = g->L, expert = g->layout == LAY_EXPERT;
+    const int K = g->K, L = g->L, expert = g->layout != LAY_RANK;
     const int64_t T = op->ntok, b0 = bucket_start(g, (d - g->rank - 1 + 2 * g->R) % g->R);
     const int32_t *restrict e2d = g->e2d, *restrict e2l = g->e2l;
     const int64_t *restrict topk = op->topk;
@@ -169,11 +169,11 @@ static void send_unit(op_t *op, dc_memo_t *memo, int64_t t, int k, int e, int d,
     int64_t pos = unit_pos(g, bases, e, slot);
     const uint8_t *src = op->x + t * g->row_bytes;
     put_row(op, d, pos, src);
-    if (g->layout == LAY_EXPERT) op->o_dst_row[t * g->K + k] = pos;
+    if (g->layout != LAY_RANK) op->o_dst_row[t * g->K + k] = pos;
     else op->o_dst_row[t * g->R + d] = pos;
     if (flag_sums_rows(g) && g->eng == ENG_ASP && d != g->rank)
         dc_add_row(g, memo, t, src, d,
-                   g->layout == LAY_EXPERT ? g->my_rank_in_batch[e] + slot : slot);
+                   g->layout != LAY_RANK ? g->my_rank_in_batch[e] + slot : slot);
 }
 
 static void unit_done(op_t *op, int d) {

@@ -116,6 +116,9 @@ typedef struct engine {
     int background;        /* background: split-phase second halves on the background core */
     int integrity;         /* integrity: 1 = row checksums (docs/INTEGRITY.md) */
     int64_t off_rsum, rsum_bytes; /* off_rsum, rsum_bytes: the row checksum arrays (layout.py) */
+    /* what this rank's calls are (set_signature; 0 until set): published in every count
+     * record, and every source's must equal it (read_counts) */
+    uint64_t signature;
     /* derived */
     int64_t tff_payload, tff_nblocks; /* payload bytes per TFF block, blocks per row */
     int64_t x_row_bytes;   /* a row of the caller's x: row_bytes, or hidden * itemsize when
@@ -128,6 +131,8 @@ typedef struct engine {
     int64_t *cnt;          /* [E] my counts per expert */
     int64_t *units_to;     /* [R] units I send to each rank */
     int64_t *rows_to;      /* [R] rows I send to each rank */
+    int64_t *sent_to;      /* [R] the same, counted by validation on every path (the count
+                            * records carry the whole vector to every rank) */
     int32_t *u_t, *u_k, *u_e, *u_slot; /* units in per-destination buckets [R * cap_src] */
     uint64_t *stamp;       /* [E] duplicate detection: stamp[e] == token generation */
     uint64_t stamp_gen;
@@ -378,8 +383,12 @@ static inline int64_t span_t0(const engine_t *g) {
 
 #define TRACE(g, core, i) do { if ((core) == 0) (g)->trace[i] = now_ns(); } while (0)
 
+/* the expert_padded layout: slots of one local expert's block, DeepEP's
+ * num_max_dispatch_tokens_per_rank * num_ranks (layout.py: cap_rows = L * R * T) */
+static inline int64_t padded_slots(const engine_t *g) { return (int64_t)g->R * g->T; }
+
 static inline int64_t unit_pos(engine_t *g, const int64_t *bases, int e, int64_t slot) {
-    return g->layout == LAY_EXPERT ? bases[g->e2l[e]] + slot : bases[0] + slot;
+    return g->layout != LAY_RANK ? bases[g->e2l[e]] + slot : bases[0] + slot;
 }
 
 /* rows of source s in my region, in position order: calls the body with POS (the row's
@@ -452,6 +461,7 @@ void run_op(op_t *op, const phase_list_t *phases, int first, int end);
 /* dispatch.c: what the BSP phases and ASP's sends (dispatch_send.c) share */
 void batch_ranks(engine_t *g, int d);
 void publish_counts(op_t *op, int d);
+void publish_ranks(op_t *op, inbox_rec_t *ib);
 int dispatch_validate(op_t *op, int count, int fill);
 int dispatch_publish(op_t *op);
 void reset_send_state(op_t *op);

@@ -32,7 +32,8 @@ static const named_t SYNC_CODES[] = {
     {"sw", SYNC_SW}, {"tff", SYNC_TFF}, {"dc", SYNC_DC}, {"sp", SYNC_SP},
 };
 static const named_t ENGINE_CODES[] = {{"asp", ENG_ASP}, {"bsp", ENG_BSP}};
-static const named_t LAYOUT_CODES[] = {{"expert", LAY_EXPERT}, {"rank", LAY_RANK}};
+static const named_t LAYOUT_CODES[] = {{"expert", LAY_EXPERT}, {"rank", LAY_RANK},
+                                       {"expert_padded", LAY_EXPERT_PADDED}};
 static const named_t POLICY_CODES[] = {
     {"expert_contiguous", SCHED_EXPERT_CONTIGUOUS}, {"balanced", SCHED_BALANCED},
     {"hierarchical", SCHED_HIERARCHICAL},
@@ -58,12 +59,14 @@ static const named_t RECORD_OFFSETS[] = {
     AT("IN_COUNTS_EPOCH", inbox_rec_t, counts_epoch),
     AT("IN_ROWS", inbox_rec_t, rows),
     AT("IN_SUM", inbox_rec_t, sum),
+    AT("IN_SIGNATURE", inbox_rec_t, signature),
     AT("IN_SW_COUNT", inbox_rec_t, sw_count),
     AT("IN_SW_EPOCH", inbox_rec_t, sw_epoch),
     AT("IN_DC_COUNT", inbox_rec_t, dc_count),
     AT("IN_DC_SUM", inbox_rec_t, dc_sum),
     AT("IN_DC_EPOCH", inbox_rec_t, dc_epoch),
     AT("IN_COUNTS", inbox_rec_t, counts),
+    AT("IN_RANKS_SUM", inbox_rec_t, ranks_sum),
     AT("CI_OFF", comb_info_rec_t, off),
     AT("CI_ROWS", comb_info_rec_t, rows),
     AT("CI_STRIDE", comb_info_rec_t, stride),
@@ -133,6 +136,12 @@ static int add_exports(PyObject *m) {
 static PyMethodDef ABI_METHODS[] = {
     {"set_error_type", (PyCFunction)engine_set_error_type, METH_O,
      "the type failed calls return (ubep.plane.records.ErrorRecord), handed over once"},
+    {"storage_views", (PyCFunction)(void (*)(void))mod_storage_views, METH_FASTCALL,
+     "storage_views(to_dlpack, *tensors) -> numpy views of the tensors (the torch door)"},
+    {"tensor_capsule", (PyCFunction)mod_tensor_capsule, METH_VARARGS,
+     "tensor_capsule(array, dlpack_code) -> a DLPack capsule over the array's memory"},
+    {"use_dlpack", (PyCFunction)mod_use_dlpack, METH_O,
+     "use_dlpack(to_dlpack): the engine's door takes tensors as their DLPack views"},
     {NULL, NULL, 0, NULL},
 };
 

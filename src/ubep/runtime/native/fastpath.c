@@ -28,6 +28,7 @@
 enum {
     K_RECV_X, K_RECV_TOPK_IDX, K_RECV_TOPK_WEIGHTS, K_NUM_RECV_TOKENS_PER_EXPERT,
     K_RECV_SRC_RANK, K_RECV_SRC_TOKEN, K_RECV_SRC_K, K_HANDLE, K_RECV_X_SCALES,
+    K_NUM_SENT_ROWS_PER_RANK,
     K_NUM_TOKENS, K_TOPK_IDX, K_TOPK_WEIGHTS, K_NUM_RECV_ROWS_PER_RANK, K_SEND_DST_ROW,
     K_DISPATCH_INDEX, K_GENERATION, K_BUFFER_UID, K_RANK, K_LAYOUT, K_HIDDEN, K_NUM_RANKS,
     K_NUM_EXPERTS, K_X_DTYPE, NUM_KEYS
@@ -35,6 +36,7 @@ enum {
 static const char *const KEY_NAMES[NUM_KEYS] = {
     "recv_x", "recv_topk_idx", "recv_topk_weights", "num_recv_tokens_per_expert",
     "recv_src_rank", "recv_src_token", "recv_src_k", "handle", "recv_x_scales",
+    "num_sent_rows_per_rank",
     "num_tokens", "topk_idx", "topk_weights", "num_recv_rows_per_rank", "send_dst_row",
     "dispatch_index", "generation", "buffer_uid", "rank", "layout", "hidden", "num_ranks",
     "num_experts", "x_dtype",
@@ -298,7 +300,8 @@ static int put(PyObject *d, PyObject *key, PyObject *v) { /* steals v */
 }
 
 /* The outputs of one dispatch: one int64 block (recv_topk_idx | recv_src_rank, _token, _k |
- * counts per local expert, then rows per source rank | send_dst_row | topk_idx) and one
+ * counts per local expert, rows per source rank, rows per (source, destination) rank |
+ * send_dst_row | topk_idx) and one
  * float32 block (recv_topk_weights | topk_weights): two allocations, not eleven. */
 typedef struct {
     PyObject *i64, *f32;
@@ -310,13 +313,13 @@ typedef struct {
 /* the parts of the two blocks (laid out for ntok tokens) */
 static void point_outputs(engine_t *g, int64_t ntok, outputs_t *o) {
     const int64_t cap = g->cap_rows, L = g->L, R = g->R;
-    const int expert = g->layout == LAY_EXPERT;
+    const int expert = g->layout != LAY_RANK;
     o->w_idx = expert ? 1 : g->K;
     o->w_dst = expert ? g->K : R;
     o->o_idx = PyArray_DATA((PyArrayObject *)o->i64);
     o->meta = o->o_idx + cap * o->w_idx;
     o->counts = o->meta + 3 * cap;
-    o->dst = o->counts + L + R;
+    o->dst = o->counts + L + R + R * R;
     o->idx = o->dst + ntok * o->w_dst;
     o->o_w = PyArray_DATA((PyArrayObject *)o->f32);
     o->w = o->o_w + cap * o->w_idx;
@@ -324,9 +327,9 @@ static void point_outputs(engine_t *g, int64_t ntok, outputs_t *o) {
 
 static int alloc_outputs(engine_t *g, int64_t ntok, outputs_t *o) {
     const int64_t cap = g->cap_rows, K = g->K, L = g->L, R = g->R;
-    const int expert = g->layout == LAY_EXPERT;
+    const int expert = g->layout != LAY_RANK;
     const int64_t w_idx = expert ? 1 : K, w_dst = expert ? K : R;
-    npy_intp n64 = cap * w_idx + 3 * cap + L + R + ntok * w_dst + ntok * K;
+    npy_intp n64 = cap * w_idx + 3 * cap + L + R + R * R + ntok * w_dst + ntok * K;
     npy_intp n32 = cap * w_idx + ntok * K;
     o->i64 = PyArray_SimpleNew(1, &n64, NPY_INT64);
     o->f32 = o->i64 ? PyArray_SimpleNew(1, &n32, NPY_FLOAT32) : NULL;
@@ -360,7 +363,7 @@ static PyObject *build_dispatch_result(engine_t *g, const outputs_t *o, int64_t 
     fast_t *f = g->fast;
     PyObject **k = f->keys;
     const int64_t cap = g->cap_rows, K = g->K, L = g->L, R = g->R;
-    const int expert = g->layout == LAY_EXPERT;
+    const int expert = g->layout != LAY_RANK;
     int reg = (int)(index % g->nreg);
     PyObject *res = PyDict_New(), *h = PyDict_Copy(f->handle_const);
     if (!res || !h) goto fail;
@@ -382,6 +385,8 @@ static PyObject *build_dispatch_result(engine_t *g, const outputs_t *o, int64_t 
             rows_of(o->i64, NPY_INT64, o->counts, L, 1, 0, 1)) ||
         put(res, k[K_RECV_X_SCALES], f->scale_views[reg] ? head_rows(f->scale_views[reg], n)
                                                           : Py_NewRef(Py_None)) ||
+        put(res, k[K_NUM_SENT_ROWS_PER_RANK],
+            rows_of(o->i64, NPY_INT64, o->counts + L + R, R, R, 1, 0)) ||
         put(h, k[K_NUM_TOKENS], PyLong_FromLongLong(ntok)) ||
         put(h, k[K_TOPK_IDX], rows_of(o->i64, NPY_INT64, o->idx, ntok, K, 1, 0)) ||
         put(h, k[K_TOPK_WEIGHTS], rows_of(o->f32, NPY_FLOAT32, o->w, ntok, K, 1, 0)) ||
@@ -434,10 +439,10 @@ static int kept_add(kept_t *k, PyObject *o) { /* a new reference, held by the ca
 }
 
 /* keys of the views, in the order keep() adds them after KO_VIEWS */
-enum { KV_RES_FIELDS = 6, KV_HANDLE_FIELDS = 4 };
+enum { KV_RES_FIELDS = 7, KV_HANDLE_FIELDS = 4 };
 static const int VIEW_RES_KEYS[KV_RES_FIELDS] = {
     K_RECV_X, K_RECV_X_SCALES, K_RECV_TOPK_IDX, K_RECV_TOPK_WEIGHTS, K_RECV_SRC_RANK + 0,
-    K_NUM_RECV_TOKENS_PER_EXPERT};
+    K_NUM_RECV_TOKENS_PER_EXPERT, K_NUM_SENT_ROWS_PER_RANK};
 static const int VIEW_HANDLE_KEYS[KV_HANDLE_FIELDS] = {
     K_TOPK_IDX, K_TOPK_WEIGHTS, K_NUM_RECV_ROWS_PER_RANK, K_SEND_DST_ROW};
 
@@ -565,15 +570,17 @@ PyObject *engine_dispatch_fast(engine_t *g, PyObject *args) {
     if (opts == Py_None) opts = NULL;
     if (!f) return not_this(NULL, opts, args);
     if (opts && opts != f->plain) return not_this(f->general_dispatch, opts, args);
-    if (!PyArray_Check(a.x) || PyArray_NDIM((PyArrayObject *)a.x) != 2)
-        return not_this(f->general_dispatch, opts, args);
-    npy_intp ntok = PyArray_DIM((PyArrayObject *)a.x, 0);
-    /* the arrays as the call reads them (a layout copy where the caller's is not one) */
+    /* tensors as numpy views of their memory (dl_array; numpy arrays as they are) */
+    PyObject *in[3] = {dl_array(a.x), dl_array(a.topk_idx), dl_array(a.topk_weights)};
     PyObject *held[3] = {NULL, NULL, NULL};
-    if (ntok <= g->T &&
-        (held[0] = taken(a.x, f->x_descr->type_num, ntok, g->hidden, 0)) != NULL &&
-        (held[1] = taken(a.topk_idx, NPY_INT64, ntok, g->K, 0)) != NULL)
-        held[2] = taken(a.topk_weights, NPY_FLOAT32, ntok, g->K, 0);
+    npy_intp ntok = PyArray_Check(in[0]) && PyArray_NDIM((PyArrayObject *)in[0]) == 2
+                        ? PyArray_DIM((PyArrayObject *)in[0], 0) : -1;
+    /* the arrays as the call reads them (a layout copy where the caller's is not one) */
+    if (ntok >= 0 && ntok <= g->T &&
+        (held[0] = taken(in[0], f->x_descr->type_num, ntok, g->hidden, 0)) != NULL &&
+        (held[1] = taken(in[1], NPY_INT64, ntok, g->K, 0)) != NULL)
+        held[2] = taken(in[2], NPY_FLOAT32, ntok, g->K, 0);
+    for (int i = 0; i < 3; i++) Py_DECREF(in[i]); /* held[] keeps what the call reads */
     if (!held[2]) {
         for (int i = 0; i < 3; i++) Py_XDECREF(held[i]);
         PyErr_Clear(); /* a copy that could not be made: declined, nothing was done */
@@ -631,7 +638,7 @@ PyObject *engine_combine_fast(engine_t *g, PyObject *args) {
         return not_this(f->general_combine, opts, args);
     PyObject *d = PyObject_GenericGetDict(handle, NULL);
     if (!d) return NULL;
-    PyObject **k = f->keys, *res = NULL;
+    PyObject **k = f->keys, *res = NULL, *eo_view = NULL;
     /* this Buffer's handle, of this generation, of a dispatch that happened */
     /* only exact ints and strs are compared: no user __eq__ runs while borrowed references
      * into the handle's __dict__ are held */
@@ -655,10 +662,13 @@ PyObject *engine_combine_fast(engine_t *g, PyObject *args) {
         goto not_mine;
     long long index = PyLong_AsLongLong(oi), ntok = PyLong_AsLongLong(on);
     npy_intp rows = PyArray_DIM((PyArrayObject *)src, 0);
-    int64_t w_dst = g->layout == LAY_EXPERT ? g->K : g->R;
+    int64_t w_dst = g->layout != LAY_RANK ? g->K : g->R;
     if (PyErr_Occurred() || index < 0 || index >= num_dispatches || ntok < 0 || ntok > g->T ||
-        rows > g->cap_rows || !PyArray_Check(eo))
+        rows > g->cap_rows)
         goto not_mine;
+    eo_view = dl_array(eo); /* a tensor as a numpy view of its memory */
+    if (!PyArray_Check(eo_view)) goto not_mine;
+    eo = eo_view;
     uintptr_t lo, hi;
     byte_span((PyArrayObject *)eo, &lo, &hi);
     if (overwritten(g, lo, hi, index, num_dispatches))
@@ -700,6 +710,7 @@ PyObject *engine_combine_fast(engine_t *g, PyObject *args) {
 not_mine:
     if (!PyErr_Occurred()) res = not_this(f->general_combine, opts, args);
 done:
+    Py_XDECREF(eo_view);
     Py_DECREF(d);
     return res;
 }

@@ -21,5 +21,13 @@ PyObject *fast_field_names(void);
 /* the size from which combine outputs come from the Buffer's blocks; bytes > 0 sets it (tests);
  * returns the previous value */
 npy_intp fast_y_pool_min(npy_intp bytes);
+/* the torch door's conversions over DLPack (dlpack.c) */
+PyObject *mod_storage_views(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *mod_tensor_capsule(PyObject *self, PyObject *args);
+PyObject *mod_use_dlpack(PyObject *self, PyObject *fn);
+/* `o` as the engine's door reads it, a new reference: a numpy array as it is, a tensor (once
+ * use_dlpack ran) as a numpy view of its memory, anything else (or a tensor not viewed) as it is,
+ * which the door then declines */
+PyObject *dl_array(PyObject *o);
 
 #endif /* UBEP_FASTPATH_H */

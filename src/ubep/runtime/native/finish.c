@@ -14,9 +14,10 @@ static void record_peer_rows(engine_t *g, op_t *op) {
     int nruns = 0;
     g->peer_rows[reg].index1 = 0;
     for (int64_t i = 0; i < op->n_recv;) {
-        if (op->o_src_rank[i] == g->rank) { i++; continue; }
+        /* a padded layout's empty slots (-1) hold no row: no peer pulls them */
+        if (op->o_src_rank[i] == g->rank || op->o_src_rank[i] < 0) { i++; continue; }
         int64_t lo = i;
-        while (i < op->n_recv && op->o_src_rank[i] != g->rank) i++;
+        while (i < op->n_recv && op->o_src_rank[i] != g->rank && op->o_src_rank[i] >= 0) i++;
         if (nruns == MAX_PEER_RUNS(g)) return; /* more runs than the layouts make: no record */
         runs[2 * nruns] = lo;
         runs[2 * nruns + 1] = i;

@@ -126,7 +126,7 @@ int flag_arrived(op_t *op, int core, int s, const int64_t *rx_base, const uint8_
         return (int64_t)ld_rlx(&ib->dc_count) == expect &&
                ld_rlx(&ib->dc_sum) == dc_finish(s1, s2, op->epoch);
     }
-    const int expert = g->layout == LAY_EXPERT;
+    const int expert = g->layout != LAY_RANK;
     const int nruns = expert ? g->L : 1;
     const uint32_t *cnt = RX_CNT(g, core) + (int64_t)s * g->L;
     const int64_t nb = g->tff_nblocks;

@@ -147,6 +147,18 @@ static PyObject *mod_counts_sum(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLongLong(s);
 }
 
+static PyObject *mod_ranks_sum(PyObject *self, PyObject *args) {
+    unsigned long long epoch;
+    PyObject *oc;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KO", &epoch, &oc)) return NULL;
+    pbuf_t b;
+    if (get_buf(oc, &b, 0, "rows", 0)) { rel_bufs(&b, 1); return NULL; }
+    uint64_t s = ranks_sum(epoch, b.b.buf, (int)(b.b.len / 4));
+    rel_bufs(&b, 1);
+    return PyLong_FromUnsignedLongLong(s);
+}
+
 static PyObject *mod_route_sum(PyObject *self, PyObject *args) {
     unsigned long long epoch, ntok;
     PyObject *oi, *ow;
@@ -312,6 +324,7 @@ PyMethodDef HOOK_METHODS[] = {
     {"use_kernels", mod_use_kernels, METH_VARARGS,
      "use_kernels(level) -> kernel set name (0 generic, 1 avx2, 2 avx512; tests)"},
     {"counts_sum", mod_counts_sum, METH_VARARGS, "counts_sum(epoch, rows, counts_u32)"},
+    {"ranks_sum", mod_ranks_sum, METH_VARARGS, "ranks_sum(epoch, rows_per_rank_u32)"},
     {"route_sum", mod_route_sum, METH_VARARGS, "route_sum(epoch, ntok, idx_i32, weights_f32)"},
     {"row_sums", mod_row_sums, METH_VARARGS, "row_sums(rows, row_bytes) -> u64 bytes per row"},
     {"comb_info_sum", mod_comb_info_sum, METH_VARARGS,

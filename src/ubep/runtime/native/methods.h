@@ -16,6 +16,7 @@ PyObject *engine_set_error_type(PyObject *module, PyObject *type);
 
 /* control.c */
 PyObject *engine_fail(engine_t *g, PyObject *args);
+PyObject *engine_set_signature(engine_t *g, PyObject *arg);
 PyObject *engine_resync(engine_t *g, PyObject *args);
 PyObject *engine_wait_done(engine_t *g, PyObject *args);
 PyObject *engine_reset_all(engine_t *g, PyObject *noargs);

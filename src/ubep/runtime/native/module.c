@@ -165,7 +165,7 @@ PyObject *param_keys(void) {
 
 static void engine_free_scratch(engine_t *g) {
     free(g->base); free(g->pids); free(g->starts);
-    free(g->cnt); free(g->units_to); free(g->rows_to);
+    free(g->cnt); free(g->units_to); free(g->rows_to); free(g->sent_to);
     free(g->u_t); free(g->u_k); free(g->u_e); free(g->u_slot); free(g->stamp);
     free(g->my_rank_in_batch); free((void *)g->remaining); free((void *)g->dc_s1);
     free((void *)g->dc_s2); free(g->core_base); free(g->core_ready); free(g->rx_base);
@@ -224,6 +224,7 @@ static int engine_init(engine_t *g, PyObject *args, PyObject *kwds) {
     g->cnt = calloc((size_t)E, sizeof(int64_t));
     g->units_to = calloc((size_t)R, sizeof(int64_t));
     g->rows_to = calloc((size_t)R, sizeof(int64_t));
+    g->sent_to = calloc((size_t)R, sizeof(int64_t));
     const int64_t UB = (int64_t)R * g->cap_src_rows + 1;
     g->u_t = calloc((size_t)UB, 4); g->u_k = calloc((size_t)UB, 4);
     g->u_e = calloc((size_t)UB, 4); g->u_slot = calloc((size_t)UB, 4);
@@ -257,7 +258,7 @@ static int engine_init(engine_t *g, PyObject *args, PyObject *kwds) {
     if (g->e2d && g->e2l)
         for (int e = 0; e < E; e++) { g->e2d[e] = e / L; g->e2l[e] = e % L; }
     const void *scratch[] = {
-        g->base, g->pids, g->starts, g->cnt, g->units_to, g->rows_to, g->u_t, g->u_k, g->u_e,
+        g->base, g->pids, g->starts, g->cnt, g->units_to, g->rows_to, g->sent_to, g->u_t, g->u_k, g->u_e,
         g->u_slot, g->stamp, g->my_rank_in_batch, (const void *)g->remaining,
         (const void *)g->dc_s1, (const void *)g->dc_s2, g->core_base, g->core_ready, g->rx_base,
         g->rx_rows, g->rx_cnt, g->tx_rows, g->tx_cnt, g->route_snap, g->route_own, g->ci_off, g->ci_rows,
@@ -305,6 +306,8 @@ static PyMethodDef engine_methods[] = {
     {"abandon", (PyCFunction)engine_abandon, METH_VARARGS,
      "fail the oldest split-phase call without its second half"},
     {"fail", (PyCFunction)engine_fail, METH_VARARGS, "publish a failure notice"},
+    {"set_signature", (PyCFunction)engine_set_signature, METH_O,
+     "what this rank's next calls are (compared in every count record)"},
     {"resync", (PyCFunction)engine_resync, METH_VARARGS, "forget every call before an epoch"},
     {"wait_done", (PyCFunction)engine_wait_done, METH_VARARGS, "wait for peers' progress"},
     {"reset_all", (PyCFunction)engine_reset_all, METH_NOARGS, "SP: fill regions with sentinel"},
