@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -58,22 +59,31 @@ def _shapes(num_ranks: int, quick: bool, tokens: list[int]) -> list[Any]:
             for h, d in ((2048, "bf16"), (7168, "uint8"))]
 
 
-def _timed(comm: Any, fn: Any, warmup: int, repeats: int) -> list[float]:
-    """Per repeat, the slowest rank's time of ``fn()`` in ms (barrier before each call)."""
+def _once(comm: Any, fn: Any) -> float:
+    """The slowest rank's time of one ``fn()`` in ms (barrier before the call)."""
     from mpi4py import MPI
 
-    for _ in range(warmup):
-        comm.Barrier()
-        fn()
-    out = []
-    for _ in range(repeats):
-        comm.Barrier()
-        t0 = time.perf_counter()
-        fn()
-        dt = np.array([(time.perf_counter() - t0) * 1e3])
-        worst = np.empty(1)
-        comm.Allreduce(dt, worst, op=MPI.MAX)
-        out.append(float(worst[0]))
+    comm.Barrier()
+    t0 = time.perf_counter()
+    fn()
+    dt = np.array([(time.perf_counter() - t0) * 1e3])
+    worst = np.empty(1)
+    comm.Allreduce(dt, worst, op=MPI.MAX)
+    return float(worst[0])
+
+
+def _alternated(comm: Any, systems: dict[str, Any], warmup: int,
+                repeats: int) -> dict[str, list[float]]:
+    """Per system, the slowest rank's time of each repeat in ms: every repeat runs every
+    system once, in turn, the order reversed every other repeat (load that comes and goes on
+    a shared host falls on all of them alike)."""
+    names = list(systems)
+    out: dict[str, list[float]] = {n: [] for n in names}
+    for i in range(warmup + repeats):
+        for name in (names if i % 2 == 0 else names[::-1]):
+            dt = _once(comm, systems[name])
+            if i >= warmup:
+                out[name].append(dt)
     return out
 
 
@@ -136,24 +146,27 @@ def _measure_shape(group: Any, comm: Any, shape: Any, warmup: int,
                            "ranks_per_host": group.ranks_per_host,
                            "dispatch_bytes": bytes_per_rank(inp, "expert", "dispatch"),
                            "combine_bytes": bytes_per_rank(inp, "expert", "combine")}
-    with Buffer(group, cfg) as buf:
-        res = buf.dispatch(x, idx, w)
-        eo = buf.get_combine_buffer(res.handle)
-        eo[...] = 0x3F80  # BF16 1.0: the experts' outputs
-        got["ubep_dispatch_ms"] = _timed(comm, lambda: buf.dispatch(x, idx, w), warmup,
-                                         repeats)
-        got["ubep_combine_ms"] = _timed(comm, lambda: buf.combine(eo, res.handle), warmup,
-                                        repeats)
     a2a = _Alltoallv(comm, x, idx, NUM_EXPERTS)
     recv, rc = a2a.dispatch()
     expert_out = np.full((recv.shape[0], shape.hidden), 0x3F80, dtype=np.uint16)
-    got["mpi_dispatch_ms"] = _timed(comm, a2a.dispatch, warmup, repeats)
-    got["mpi_combine_ms"] = _timed(comm, lambda: a2a.combine(expert_out, rc), warmup, repeats)
-    a2a.free()
     src = np.ones(int(got["dispatch_bytes"] + got["combine_bytes"]), dtype=np.uint8)
     dst = np.empty_like(src)
-    got["memcpy_ms"] = _timed(comm, lambda: np.copyto(dst, src), warmup, repeats)
-    return got
+    with Buffer(group, cfg) as buf:
+        last = [buf.dispatch(x, idx, w)]  # combine takes the latest dispatch's handle
+        eo = np.full((last[0].handle.num_recv_rows, shape.hidden), 0x3F80, np.uint16)  # 1.0
+
+        def dispatch() -> None:
+            last[0] = buf.dispatch(x, idx, w)
+
+        times = _alternated(comm, {
+            "ubep_dispatch_ms": dispatch,
+            "mpi_dispatch_ms": a2a.dispatch,
+            "ubep_combine_ms": lambda: buf.combine(eo, last[0].handle),
+            "mpi_combine_ms": lambda: a2a.combine(expert_out, rc),
+            "memcpy_ms": lambda: np.copyto(dst, src),
+        }, warmup, repeats)
+    a2a.free()
+    return got | times
 
 
 def worker(out: str, quick: bool, warmup: int, repeats: int, tokens: list[int]) -> None:
@@ -175,6 +188,69 @@ def worker(out: str, quick: bool, warmup: int, repeats: int, tokens: list[int]) 
     group.close()
 
 
+def probe_worker(out: str, repeats: int) -> None:
+    """One rank of the progress probe (under mpiexec): rank 0 puts ``size`` bytes into the
+    last rank (another host) while that rank computes for ``_COMPUTE_MS`` without entering MPI
+    (BLAS, which releases the GIL); rank 0 times the put from its start to its completion at
+    the target (request done, then ``MPI_Win_flush``). ``helper``: the target also runs a
+    Python thread that calls MPI's progress (``Iprobe``) every 100 us meanwhile, as a
+    progress thread of ubep's own would."""
+    import threading
+
+    from mpi4py import MPI
+
+    import ubep.mpi
+
+    group = ubep.mpi.init()
+    comm = MPI.COMM_WORLD
+    R, r = comm.Get_size(), comm.Get_rank()
+    target = R - 1
+    sizes = (64 << 10, 4 << 20)
+    mem = group.map_global(max(sizes), "probe")
+    m = np.random.default_rng(0).random((192, 192))
+    rows = []
+    for helper in (False, True):
+        for size in sizes:
+            data = np.ones(size, np.uint8)
+            got = []
+            for _ in range(repeats + 1):
+                comm.Barrier()
+                if r == target:
+                    stop = threading.Event()
+
+                    def poll(stop: threading.Event = stop) -> None:
+                        while not stop.is_set():
+                            group.progress()
+                            time.sleep(1e-4)
+
+                    th = threading.Thread(target=poll) if helper else None
+                    if th is not None:
+                        th.start()
+                    end = time.perf_counter() + _COMPUTE_MS / 1e3
+                    while time.perf_counter() < end:
+                        m = np.tanh(m @ m)
+                    if th is not None:
+                        stop.set()
+                        th.join()
+                elif r == 0:
+                    t0 = time.perf_counter()
+                    mem.put(target, 0, data)
+                    while not mem.done(target):
+                        pass
+                    mem.flush(target)
+                    got.append((time.perf_counter() - t0) * 1e3)
+                comm.Barrier()
+            if r == 0:
+                rows.append({"helper": helper, "size_bytes": size, "put_ms": got[1:]})
+    mem.close()
+    if r == 0:
+        Path(out).write_text(json.dumps(rows))
+    group.close()
+
+
+_COMPUTE_MS = 50.0
+
+
 def _stats(v: list[float]) -> tuple[float, float, float]:
     a = np.asarray(v)
     return float(a.min()), float(np.median(a)), float(a.max())
@@ -187,9 +263,9 @@ def report(rows: list[dict[str, Any]], header: str) -> str:
              " floor = memcpy of the same bytes",
              "bytes per rank: dispatch rows x hidden x itemsize, combine rows x hidden x 2 "
              "(rows = (token, pick) pairs, expert layout)", ""]
-    head = (f"{'shape':<28} {'KiB d/c':>11} {'ubep dispatch':>21} {'mpi dispatch':>21} "
-            f"{'ubep combine':>21} {'mpi combine':>21} {'ratio d':>7} {'ratio c':>7} "
-            f"{'ratio d+c':>9} {'x floor':>7}")
+    head = (f"{'hosts x ranks, shape':<32} {'KiB d/c':>11} {'ubep dispatch':>21} "
+            f"{'mpi dispatch':>21} {'ubep combine':>21} {'mpi combine':>21} {'ratio d':>7} "
+            f"{'ratio c':>7} {'ratio d+c':>9} {'x floor':>7}")
     lines.append(head)
     for g in rows:
         cells = {k: _stats(g[k]) for k in ("ubep_dispatch_ms", "mpi_dispatch_ms",
@@ -199,56 +275,126 @@ def report(rows: list[dict[str, Any]], header: str) -> str:
         uc, mc = cells["ubep_combine_ms"][1], cells["mpi_combine_ms"][1]
         floor = cells["memcpy_ms"][1]
         kib = f"{g['dispatch_bytes'] / 1024:.0f}/{g['combine_bytes'] / 1024:.0f}"
-        lines.append(f"{g['shape']:<28} {kib:>11} {fmt['ubep_dispatch_ms']:>21} "
+        label = f"{g['hosts']}x{g['ranks_per_host']} {g['shape']}"
+        lines.append(f"{label:<32} {kib:>11} {fmt['ubep_dispatch_ms']:>21} "
                      f"{fmt['mpi_dispatch_ms']:>21} {fmt['ubep_combine_ms']:>21} "
                      f"{fmt['mpi_combine_ms']:>21} {ud / md:7.2f} {uc / mc:7.2f} "
                      f"{(ud + uc) / (md + mc):9.2f} {(ud + uc) / floor:7.0f}")
     return "\n".join(lines)
 
 
+# Open MPI's TCP progress: "none" (a put moves while its target is in MPI) or "thread" (the
+# TCP component's own progress thread moves it while the target computes; docs/MULTIHOST.md)
+PROGRESS = {"none": ("--mca", "btl_tcp_progress_thread", "0"),
+            "thread": ("--mca", "btl_tcp_progress_thread", "1")}
+_BASE = ("--mca", "btl", "self,sm,tcp", "--mca", "osc", "sm,rdma")
+
+
+def _run_bed(hosts: int, per_host: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One job on a fresh bed of ``hosts`` x ``per_host``; its rows."""
+    from tests.mpi import netns
+    from tests.mpi.multihost import run_job
+
+    with tempfile.TemporaryDirectory(prefix="ubep-bench-mh-") as tmp, \
+            netns.HostBed(hosts, Path(tmp)) as bed:
+        out = Path(tmp) / "rows.json"
+        argv2 = ["-m", "benchmarks.bench_multihost", "--worker", str(out), "--repeats",
+                 str(args.repeats), "--warmup", str(args.warmup), "--tokens", args.tokens]
+        argv2 += ["--quick"] * args.quick
+        code, output = run_job(bed, per_host, argv2, transport=_BASE + PROGRESS[args.progress],
+                               timeout_s=3600)
+        print(output[-4000:] if code != 0 else output.replace("\x00", ""), file=sys.stderr)
+        if code != 0:
+            raise SystemExit(f"bench_multihost: the {hosts} x {per_host} job failed")
+        return list(json.loads(out.read_text()))
+
+
+def _probe(args: argparse.Namespace) -> int:
+    """The progress probe on 2 hosts x 1 rank, once per TCP progress setting."""
+    from tests.mpi import netns
+    from tests.mpi.multihost import run_job
+
+    lines = [f"put into a host that computes for {_COMPUTE_MS:.0f} ms outside MPI (2 namespaced "
+             f"hosts x 1 rank, osc/rdma over btl/tcp): ms from the put's start to its completion"
+             f" at the target (request done + MPI_Win_flush), min / median / max of "
+             f"{args.repeats}", "",
+             f"{'TCP progress':<14} {'helper thread':<14} {'size':>8} {'put ms':>26}"]
+    found = []
+    for progress, mca in PROGRESS.items():
+        with tempfile.TemporaryDirectory(prefix="ubep-bench-mh-") as tmp, \
+                netns.HostBed(2, Path(tmp)) as bed:
+            out = Path(tmp) / "probe.json"
+            code, output = run_job(bed, 1, ["-m", "benchmarks.bench_multihost", "--probe-worker",
+                                            str(out), "--repeats", str(args.repeats)],
+                                   transport=_BASE + mca, timeout_s=600)
+            if code != 0:
+                print(output[-4000:], file=sys.stderr)
+                return 1
+            for row in json.loads(out.read_text()):
+                row["progress"] = progress
+                found.append(row)
+                lo, med, hi = _stats(row["put_ms"])
+                lines.append(f"{progress:<14} {'yes' if row['helper'] else 'no':<14} "
+                             f"{row['size_bytes'] >> 10:>6}Ki {lo:8.2f}/{med:8.2f}/{hi:8.2f}")
+    text = "\n".join(lines)
+    print(text)
+    (OUT_DIR / f"{args.name}_progress.txt").write_text(text + "\n")
+    (OUT_DIR / f"{args.name}_progress.json").write_text(json.dumps(found, indent=1) + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_multihost",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--hosts", type=int, default=2)
-    p.add_argument("--per-host", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--beds", default="2x2,4x1",
+                   help="hosts x ranks per host, comma-separated (one job each)")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="one shape")
-    p.add_argument("--tokens", default="128", help="tokens per rank, comma-separated")
+    p.add_argument("--tokens", default="128,512", help="tokens per rank, comma-separated")
+    p.add_argument("--progress", default="thread", choices=sorted(PROGRESS),
+                   help="Open MPI's TCP progress between hosts")
     p.add_argument("--name", default="multihost", help="results file stem")
+    p.add_argument("--probe", action="store_true",
+                   help="time a put into a host that computes, per TCP progress setting")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--probe-worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.probe_worker:
+        probe_worker(args.probe_worker, args.repeats)
+        return 0
     if args.worker:
         worker(args.worker, args.quick, args.warmup, args.repeats,
                [int(t) for t in args.tokens.split(",")])
         return 0
     from tests.mpi import netns
-    from tests.mpi.multihost import run_job
 
     reason = netns.skip_reason()
     if reason:
         print(f"bench_multihost: {reason}", file=sys.stderr)
         return 2
     netns.sweep()
-    with tempfile.TemporaryDirectory(prefix="ubep-bench-mh-") as tmp, \
-            netns.HostBed(args.hosts, Path(tmp)) as bed:
-        out = Path(tmp) / "rows.json"
-        argv2 = ["-m", "benchmarks.bench_multihost", "--worker", str(out), "--repeats",
-                 str(args.repeats), "--warmup", str(args.warmup), "--tokens", args.tokens]
-        argv2 += ["--quick"] * args.quick
-        code, output = run_job(bed, args.per_host, argv2, timeout_s=1800)
-        print(output[-4000:] if code != 0 else output.replace("\x00", ""), file=sys.stderr)
-        if code != 0:
-            return 1
-        rows = json.loads(out.read_text())
-    header = (f"bench_multihost: {args.hosts} namespaced hosts x {args.per_host} ranks "
-              f"(veth + bridge; btl self,sm,tcp, osc sm,rdma), ubep ASP/DC expert layout vs "
-              f"MPI_Alltoallv, {args.repeats} repeats after {args.warmup} warm-up")
+    if args.probe:
+        return _probe(args)
+    rows: list[dict[str, Any]] = []
+    beds = [tuple(int(v) for v in b.split("x")) for b in args.beds.split(",")]
+    for hosts, per_host in beds:
+        rows += _run_bed(hosts, per_host, args)
+    load = os.getloadavg()
+    header = (f"bench_multihost: namespaced hosts (veth + bridge; btl self,sm,tcp, osc sm,rdma; "
+              f"TCP progress: {args.progress} {' '.join(PROGRESS[args.progress])}), ubep "
+              f"ASP/DC expert layout vs MPI_Alltoallv, {args.repeats} repeats after "
+              f"{args.warmup} warm-up, every system alternated in each repeat\n"
+              f"shared host: {os.cpu_count()} cores, load average {load[0]:.1f} / {load[1]:.1f} / "
+              f"{load[2]:.1f} at the end (other jobs running): compare ratios inside this run, "
+              f"not times across runs")
     text = report(rows, header)
     print(text)
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     (OUT_DIR / f"{args.name}.txt").write_text(text + "\n")
-    (OUT_DIR / f"{args.name}.json").write_text(json.dumps(rows, indent=1) + "\n")
+    (OUT_DIR / f"{args.name}.json").write_text(json.dumps(
+        {"progress": args.progress, "mca": list(PROGRESS[args.progress]), "rows": rows},
+        indent=1) + "\n")
     return 0
 
 

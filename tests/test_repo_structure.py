@@ -48,7 +48,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("transports", ("ubep.runtime", "ubep.mpi", "ubep.triton")),
     ("buffer", ("ubep.buffer",)),
     ("user", ("ubep", "ubep.__main__", "ubep.cli", "ubep.demo", "ubep.doctor", "ubep.deep_ep",
-              "ubep.torch", "ubep.sim", "ubep.tools")),
+              "ubep.torch", "ubep.sim", "ubep.tools", "ubep.vllm")),
 )
 # the arrows allowed up a floor, (importer, the entry that places what it imports): one, the
 # core's door to the optional torch layer

@@ -38,6 +38,11 @@ Multi-host (``ubep.mpi``, read by :func:`ubep.mpi.init` when ``ranks_per_host`` 
   every row goes through ``MPI_Put``/``MPI_Get``, no shared-memory loads or stores between
   ranks. ``0`` or unset: the real hosts.
 
+vLLM (:mod:`ubep.vllm`, read by the plugin when vLLM loads it, in every vLLM process):
+
+* ``UBEP_VLLM_ALL2ALL``: ``1`` = a ubep Buffer on vLLM's expert-parallel group serves the
+  dispatch and combine of vLLM's CPU communicator (docs/VLLM.md). ``0`` or unset: vLLM's own.
+
 Their former names ``UBEP_DIST_RANKS_PER_HOST`` and ``UBEP_DIST_FORCE_RMA`` are still read (a
 ``DeprecationWarning`` says to rename them) when the new name is unset.
 """
@@ -68,6 +73,7 @@ ENV_VARS: dict[str, str] = {
     "UBEP_WAIT_YIELD_US": "spin/yield time of a data-plane wait before it sleeps (default 50)",
     "UBEP_MPI_RANKS_PER_HOST": "ubep.mpi: every k consecutive MPI ranks form one (virtual) host",
     "UBEP_MPI_FORCE_RMA": "ubep.mpi: 1 = every rank its own host (all rows over MPI RMA)",
+    "UBEP_VLLM_ALL2ALL": "ubep.vllm: 1 = ubep serves vLLM's expert-parallel all2all on CPU",
 }
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -172,3 +178,12 @@ def _float_var(environ: dict[str, str] | None, name: str, default: float, unit: 
     if not (value > 0 if positive else value >= 0):
         raise InvalidArgumentError(name, raw, "must be > 0" if positive else "must be >= 0")
     return value
+
+
+def vllm_all2all_from_env(environ: Mapping[str, str] | None = None) -> bool:
+    """``UBEP_VLLM_ALL2ALL``: ``1`` True, ``0`` or unset False; anything else an error."""
+    env = os.environ if environ is None else environ
+    raw = env.get("UBEP_VLLM_ALL2ALL", "0")
+    if raw not in ("0", "1", ""):
+        raise InvalidArgumentError("UBEP_VLLM_ALL2ALL", raw, "must be 0 or 1")
+    return raw == "1"

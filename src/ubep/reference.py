@@ -457,7 +457,8 @@ def _dispatch_padded(inp: _Inputs, num_experts: int, slots: int) -> list[RefDisp
             recv_topk_weights=spread(res.recv_topk_weights, 0),
             num_recv_tokens_per_expert=res.num_recv_tokens_per_expert,
             recv_src_rank=handle.recv_src_rank, recv_src_token=handle.recv_src_token,
-            recv_src_k=handle.recv_src_k, handle=handle))
+            recv_src_k=handle.recv_src_k, handle=handle,
+            num_sent_rows_per_rank=res.num_sent_rows_per_rank))  # rows, not slots
     return out
 
 

@@ -20,18 +20,20 @@ from tests.mpi.test_mpi import REPO_ROOT, _mpiexec
 MakeBed = Callable[..., HostBed]
 
 # TCP between hosts, shared memory inside one (each host's own /dev/shm); RMA: osc/sm inside
-# a host's shared windows, osc/rdma over btl/tcp across hosts
-TRANSPORT = ("--mca", "btl", "self,sm,tcp", "--mca", "osc", "sm,rdma")
+# a host's shared windows, osc/rdma over btl/tcp across hosts, TCP progressed by its own thread
+# (a put lands while its target computes; docs/MULTIHOST.md, "Progress")
+TRANSPORT = ("--mca", "btl", "self,sm,tcp", "--mca", "osc", "sm,rdma",
+             "--mca", "btl_tcp_progress_thread", "1")
 
 
 def job_command(bed: HostBed, per_host: int, argv: list[str], *, mca: tuple[str, ...] = (),
-                ft: bool = False) -> list[str]:
+                ft: bool = False, transport: tuple[str, ...] = TRANSPORT) -> list[str]:
     """The command that runs ``python argv...`` as ``per_host`` ranks on every host of ``bed``."""
     hosts = ",".join(f"{h}:{per_host}" for h in bed.hosts)
     enter = [*bed.enter(bed.hosts[0])[:-1], f"--wd={REPO_ROOT}", "--"]
     return [*enter, str(_mpiexec()), "--host", hosts, "--map-by",
             f"ppr:{per_host}:node:oversubscribe", "--mca", "plm_rsh_agent", str(bed.agent),
-            *(("--with-ft", "ulfm") if ft else ()), *TRANSPORT, *mca,
+            *(("--with-ft", "ulfm") if ft else ()), *transport, *mca,
             "-x", "PATH", "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS",
             "-x", "UBEP_TIMEOUT_S", "-x", "UBEP_TEST_*",
             "-n", str(per_host * len(bed.hosts)), sys.executable, *argv]
@@ -46,11 +48,13 @@ def job_env(env: dict[str, str] | None = None) -> dict[str, str]:
 
 def run_job(bed: HostBed, per_host: int, argv: list[str], *, env: dict[str, str] | None = None,
             mca: tuple[str, ...] = (), ft: bool = False, timeout_s: float = 180.0,
+            transport: tuple[str, ...] = TRANSPORT,
             while_running: Callable[[subprocess.Popen[str]], Any] | None = None,
             ) -> tuple[int, str]:
     """Run the job to its end (killed at ``timeout_s``: every process of every host);
     ``while_running(proc)`` runs once it started. Its exit code and output."""
-    proc = subprocess.Popen(job_command(bed, per_host, argv, mca=mca, ft=ft), env=job_env(env),
+    proc = subprocess.Popen(job_command(bed, per_host, argv, mca=mca, ft=ft, transport=transport),
+                            env=job_env(env),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, cwd=REPO_ROOT)
     try:

@@ -149,8 +149,10 @@ class HostBed:
         return ["-m", "-u", "-n", *(["-T"] if self.monotonic_offsets_s else [])]
 
     def _start_holder(self, i: int, host: str) -> None:
-        # the holder keeps the mount + UTS namespaces alive; its /etc/hosts names every host
-        script = (f"mount --make-rprivate / && mount -t tmpfs -o size=1g tmpfs /dev/shm && "
+        # the holder keeps the mount + UTS namespaces alive; its /etc/hosts names every host.
+        # /dev/shm is a limit, not an allocation: 4 GiB holds 2 ranks' Buffers of the
+        # benchmark's 512-token shapes (1 GiB did not: bench_multihost)
+        script = (f"mount --make-rprivate / && mount -t tmpfs -o size=4g tmpfs /dev/shm && "
                   f"mount --bind {self.dir / 'hosts'} /etc/hosts && hostname {host} && "
                   f"echo $$ > {self.dir / host}.pid.tmp && mv {self.dir / host}.pid.tmp "
                   f"{self.dir / host}.pid && exec sleep 100000")

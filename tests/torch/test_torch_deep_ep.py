@@ -443,10 +443,17 @@ def test_low_latency_ue8m0_scales_decode_to_the_rounded_scales() -> None:
         decoded = (s8.contiguous().view(torch.int8).to(torch.int32) << 23).view(torch.float32)
         for e, n in enumerate(count.tolist()):
             assert torch.equal(decoded[e, :n], s[e, :n])
-    with pytest.raises(InvalidArgumentError, match="use_ue8m0"):
-        Buffer(world.backend(0)).low_latency_dispatch(
-            xs[0].to(torch.bfloat16), _inputs(0)[1], LL_MAX_TOKENS, E, use_ue8m0=True
-        )
+
+    def refused(rank: int) -> str:  # on every rank (the refusal is collective, as the call)
+        try:
+            Buffer(world.backend(rank)).low_latency_dispatch(
+                xs[rank].to(torch.bfloat16), _inputs(rank)[1], LL_MAX_TOKENS, E,
+                use_ue8m0=True)
+        except InvalidArgumentError as exc:
+            return str(exc)
+        return "no error"
+
+    assert all("use_ue8m0" in got for got in run_threads(refused, R))
 
 
 @pytest.fixture

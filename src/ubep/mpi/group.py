@@ -56,6 +56,18 @@ _NET_BANDWIDTH_GBPS = 12.0
 _BACKOFF = Backoff(spin_polls=1000, sleep_slope=1.0)
 
 
+def _shm_short(need_bytes: int, path: str = "/dev/shm") -> str:
+    """"" if ``path`` has ``need_bytes`` free (or cannot be asked), else what is missing."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return ""
+    free = st.f_bavail * st.f_frsize
+    if free >= need_bytes:
+        return ""
+    return f"{path} has {free / 2**20:.0f} MiB free, {need_bytes / 2**20:.0f} MiB are needed"
+
+
 def load_mpi() -> Any:
     """``mpi4py.MPI``, or an ImportError that says what to install."""
     try:
@@ -243,8 +255,18 @@ class MpiGroup(Closing):
             raise InvalidArgumentError("size_bytes", size_bytes, "must be a positive integer")
         self._free_released(timeout_s)
         # Window creation is a blocking collective: enter it only once every rank is here (a
-        # bounded barrier), so a rank that is stopped or gone fails set-up at the deadline.
-        self.barrier(timeout_s)
+        # bounded all-gather), so a rank that is stopped or gone fails set-up at the deadline,
+        # and only where every host's /dev/shm holds its ranks' regions: a rank whose
+        # allocation fails there leaves its peers inside the collective for ever.
+        short = _shm_short(size_bytes * sum(map(self.same_host, range(self.num_ranks))))
+        found = self.allgather(short, timeout_s)
+        lacking = [(q, got) for q, got in enumerate(found) if got]
+        if lacking:
+            q, got = lacking[0]
+            raise UbepError(
+                f"rank {self.rank}: {kind}: {got} on the host of rank {q} "
+                f"({self.hostnames[q]}): every rank of a host maps its regions from /dev/shm; "
+                "make it larger (mount -o remount,size=... /dev/shm) or the Buffer smaller")
         mem = MpiGlobalMemory(self, size_bytes, kind)
         self._windows.append(mem)
         return mem
@@ -280,6 +302,11 @@ class MpiGroup(Closing):
     def progress(self) -> None:
         """Let MPI make progress (targets of emulated RMA must poll; see docs/MULTIHOST.md)."""
         self.comm.Iprobe(self.mpi.ANY_SOURCE, self.mpi.ANY_TAG)
+
+    @property
+    def closed(self) -> bool:
+        """:meth:`close` was called (as ``TorchGroup.closed``: a torch group's cache asks)."""
+        return self._closed
 
     def close(self) -> None:
         """Free every window and communicator of the group (collective). Close the group's

