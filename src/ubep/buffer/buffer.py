@@ -169,7 +169,7 @@ class Buffer(metaclass=abc.ABCMeta):
         try:
             self._setup()
         except BaseException:
-            self._teardown()
+            _teardown(self)
             raise
 
     def _configure(self, config: BufferConfig) -> None:
@@ -547,19 +547,9 @@ class Buffer(metaclass=abc.ABCMeta):
         try:
             self._calls.abandon("the Buffer was closed before its hook")
             self._closed = True
-            self._teardown()
+            _teardown(self)
         finally:
             self._lock.release()
-
-    def _teardown(self) -> None:
-        self._fast = None
-        self._torch = self._tensor = None  # its region views go with the engine's
-        if self._engine is not None:
-            _trace.detach(self)  # a recorder takes the spans before the engine goes
-            self._engine.close()  # also drops the engine's views of the receive regions
-        if self._memory is not None:
-            self._memory.close()
-        self._memory = None
 
     def __enter__(self) -> Buffer:
         return self
@@ -604,6 +594,18 @@ def _check_same_config(configs: list[dict[str, Any]]) -> None:
                     f"config.{field}", first,
                     f"differs between ranks: rank 0 has {first!r}, rank {rank} has "
                     f"{theirs.get(field)!r} (every rank needs the same BufferConfig)")
+
+
+def _teardown(buf: Buffer) -> None:
+    """Release what ``buf`` holds: its engine (its spans to a recorder first) and its memory."""
+    buf._fast = None
+    buf._torch = buf._tensor = None  # its region views go with the engine's
+    if buf._engine is not None:
+        _trace.detach(buf)  # a recorder takes the spans before the engine goes
+        buf._engine.close()  # also drops the engine's views of the receive regions
+    if buf._memory is not None:
+        buf._memory.close()
+    buf._memory = None
 
 
 def _tensor_call(buf: Buffer, x: object, x_scales: object) -> bool:

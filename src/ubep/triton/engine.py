@@ -295,18 +295,9 @@ class TritonEngine(Closing):
         self._arm_all()
 
     def set_signature(self, word: int) -> None:
-        """What this rank's next dispatches are (``ubep.buffer.signature``: a 64-bit word, 0
-        says nothing beyond the config): a peer whose word differs fails the call cleanly."""
+        """What this rank's next dispatches are (``ubep.buffer.signature``, ``Buffer.sign``)."""
         self.signature = int(word) & _MASK64
 
-    def _differs(self, epoch: int, peer: int, theirs: int) -> InvalidArgumentError:
-        """The clean reject of a call whose source ``peer`` signed it ``theirs``, not this
-        rank's word (``signature_kernel`` found it, before any row moved), as the native
-        engine's."""
-        mine, theirs = self.signature & _MASK64, theirs & _MASK64
-        return self._refuse(epoch, InvalidArgumentError(
-            "signature", f"{mine:x}:{theirs:x}:{peer}",
-            f"rank {peer}'s call {epoch} differs from rank {self.rank}'s"))
 
     def _refuse(self, epoch: int, err: InvalidArgumentError) -> InvalidArgumentError:
         self._notice(epoch, _CLEAN, f"rank {self.rank}: {err}")
@@ -501,8 +492,7 @@ class TritonEngine(Closing):
                   NB, off_counts, lay.notice, cfg.poll_spins)
         prefix_consts: dict[str, Any] = {"RP": RP, "NBP": NBP}
         self._launch(*prefix[:3], *prefix[5:], gate=checked, **prefix_consts)
-        # every source's signature against this rank's, once its counts are in: a send gated
-        # on this check moves no row of a call whose sources differ
+        # every source's signature against this rank's once its counts are in: the sends' gate
         st_sig = self._status(1)
         theirs = torch.zeros(1, dtype=torch.int64, device=dev)
 
@@ -545,12 +535,11 @@ class TritonEngine(Closing):
                        "BT": BT, "BH": BH, "BW": min(_pow2(max(W, 1)), 512),
                        "NBLKP": _pow2(lay.nblk)}
         self._launch(*recv[:3], *recv[5:], gate=counted, **recv_consts)
-        # what the host needs once the counts are in (every source released its signature
-        # and its rows per rank before them): the signature check, each source's rows here
-        # and the [source, destination] rows, in the one read of the call
+        # what the host needs once the counts are in (released after each source's signature
+        # and rows per rank), in the call's one read: taken anew after a wait that ran again
         ranks = self.v_ranks[parity * R * R:(parity + 1) * R * R]
 
-        def control() -> Any:  # taken anew after a wait that ran again
+        def control() -> Any:
             return torch.cat([st_sig.to(torch.int64), theirs,
                               (v_counts & 0xFFFFFFFF).reshape(R, NB).sum(dim=1), ranks])
 
@@ -578,16 +567,18 @@ class TritonEngine(Closing):
                             rows, sent)
 
     def _signed(self, epoch: int, control: np.ndarray) -> None:
-        """Raise the clean reject ``signature_kernel`` found (``control``: its status words and
-        the word it read, first in the control block the host reads back)."""
+        """The clean reject, as the native engine's, of a call a source signed otherwise than
+        this rank (``control``: ``signature_kernel``'s status words, then the word it read)."""
         if control[0] == _DIFFERS:
-            raise self._differs(epoch, int(control[1]), int(control[2]))
+            mine, theirs = self.signature & _MASK64, int(control[2]) & _MASK64
+            peer = int(control[1])
+            raise self._refuse(epoch, InvalidArgumentError(
+                "signature", f"{mine:x}:{theirs:x}:{peer}",
+                f"rank {peer}'s call {epoch} differs from rank {self.rank}'s"))
 
     def _sent_rows(self, epoch: int, from_source: np.ndarray, words: np.ndarray) -> int:
-        """The rows this rank receives, once every source's rows per rank (``words``: the
-        ranks block ``[source, destination]`` as read back) are checked against its counts
-        here (``from_source``: each source's rows); a row that is not this call's, or whose
-        entry for this rank is not the rows its counts announced, is corrupt control data."""
+        """The rows this rank receives: each source's rows here by its counts, once its row of
+        the ranks block (``words``) is this call's and says as much (else corrupt data)."""
         e32 = self._epoch_args(epoch)[0]
         bad = np.flatnonzero(((words >> 32) != e32).any(axis=1)
                              | ((words[:, self.rank] & 0xFFFFFFFF) != from_source))
@@ -602,8 +593,7 @@ class TritonEngine(Closing):
                 v_counts: Any, meta: list[Any], m_idx: Any, m_w: Any,
                 rows: int, sent: Any) -> DispatchResult[Any]:
         """The result, built on the device from what the launches wrote (``rows``: the rows
-        received, the one number the host needs; ``sent``: the ``[source, destination]``
-        rows, on the device)."""
+        received, the one number the host needs; ``sent``: ``num_sent_rows_per_rank``)."""
         torch, cfg, R, L = self._torch, self.config, self.num_ranks, self.local_experts
         counts = (v_counts & 0xFFFFFFFF).reshape(R, self.lay.num_buckets)
         self._dirty_rows = rows
