@@ -128,7 +128,7 @@ def _timed_calls(group: Any, buf: Any, x: Any, idx: Any, w: Any, repeats: int,
         t3 = time.perf_counter_ns()
         disp.append((t0, t1))
         comb.append((t2, t3))
-        traces.append(buf._engine.trace())
+        traces.append(buf._engine.kernel.trace())
     return disp[20:], comb[20:], traces[20:]  # the first calls warm caches and wake-ups
 
 

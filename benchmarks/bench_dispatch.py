@@ -153,7 +153,7 @@ def _measure_group(group: Any, cases: list[Case], warmup: int, repeats: int,
                 for op in ("dispatch", "combine", "memcpy"):
                     traced = op == "dispatch" and breakdown
                     call = traced_call(group.barrier, getattr(run_, op),
-                                       run_.buf._engine.trace if traced else lambda: ())
+                                       run_.buf._engine.kernel.trace if traced else lambda: ())
                     if i < warmup:
                         continue
                     run_.samples[op].append((call[1] - call[0]) / 1e3)

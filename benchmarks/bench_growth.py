@@ -219,7 +219,7 @@ def _traced_phases(group: Any, run_: _Running) -> dict[str, dict[str, float]]:
     """Median duration (us) of each phase of each op (harness.phase_medians), this rank."""
     out = {}
     for op in OPS:
-        calls = [traced_call(group.barrier, getattr(run_, op), run_.buf._engine.trace)
+        calls = [traced_call(group.barrier, getattr(run_, op), run_.buf._engine.kernel.trace)
                  for _ in range(TRACED_CALLS)]
         out[op] = dict(zip(PHASES[op], phase_medians(calls, op), strict=True))
     return out

@@ -72,7 +72,8 @@ def run_checks() -> list[Check]:
 
 
 # Said on every Triton line: what BufferConfig(transport="triton") runs on today.
-TRITON_BUFFER_PATH = "the Buffer path (transport=\"triton\") is host-only for now"
+TRITON_BUFFER_PATH = ("the Buffer path (transport=\"triton\") runs on the engine's own device "
+                      "memory (CUDA IPC on a GPU: not yet run on one)")
 
 
 def _triton() -> Check:

@@ -28,7 +28,7 @@ def _worker(group: Any) -> list[tuple[list[str], list[list[int]], list[list[int]
         with bench_plan.PythonPlanBuffer(group, cfg) as buf:
             errors = testing.check_call(buf, xs, idxs, ws, 40 + i)
             plan = buf._tasks.for_idx(idxs[group.rank])
-            units, _ = buf._engine.core_log()
+            units, _ = buf._engine.kernel.core_log()
             want = [(plan.send_token * cfg.num_topk + plan.send_k)[
                 plan.core_ptr[j]:plan.core_ptr[j + 1]].tolist()
                 for j in range(plan.num_send_cores)]

@@ -271,7 +271,7 @@ def test_rma_liveness_checks_every_peer_still_in_the_call() -> None:
 
     def body(g: Any) -> Any:
         with Buffer(g, _cfg(timeout_s=3.0)) as buf:
-            eng = buf._engine
+            eng = buf._engine.kernel  # the RMA engine under the host-memory adapter
             g.barrier()
             if g.rank == 2:  # finished call 1, then died; never enters call 2
                 eng.proto.publish_done(1, 0)
@@ -303,7 +303,7 @@ def test_rma_peer_past_this_call_is_an_error_never_data() -> None:
 
     def body(g: Any) -> Any:
         with Buffer(g, _cfg(timeout_s=3.0)) as buf:
-            eng = buf._engine
+            eng = buf._engine.kernel  # the RMA engine under the host-memory adapter
             xs, idxs, ws = _inputs(4)
             if g.rank == 2:
                 units = eng._validate(xs[2], idxs[2], ws[2])
@@ -368,9 +368,9 @@ def test_rma_stopped_peer_gives_timeout_at_the_deadline_and_resync_recovers() ->
 
             def resync_and_look(base: int) -> None:
                 engine_resync(base)
-                seen["cleared"] = not buf._engine.ctrl.local_array.any()
-                seen["forgot"] = (buf._engine.comb_last_epoch(0) ==
-                                  buf._engine.comb_last_epoch(1) == 0)
+                seen["cleared"] = not buf._engine.kernel.ctrl.local_array.any()
+                seen["forgot"] = (buf._engine.kernel.comb_last_epoch(0) ==
+                                  buf._engine.kernel.comb_last_epoch(1) == 0)
 
             buf._engine.resync = resync_and_look
             buf.resync()
@@ -432,12 +432,13 @@ def test_rma_completed_operations_are_dropped_without_a_flush() -> None:
 
     def body(g: Any) -> list[int]:
         with Buffer(g, _cfg(sync="dc")) as buf:
+            eng = buf._engine.kernel  # the RMA engine under the host-memory adapter
             held = []
             for i in range(6):
                 assert _checked_call(buf, g.rank, 20 + i)
-                held.append(len(buf._engine.ctrl._waiting) + len(buf._engine.data._waiting))
-            buf._engine._reap()  # everything completed (the fake completes at once)
-            held.append(len(buf._engine.ctrl._waiting) + len(buf._engine.data._waiting))
+                held.append(len(eng.ctrl._waiting) + len(eng.data._waiting))
+            eng._reap()  # everything completed (the fake completes at once)
+            held.append(len(eng.ctrl._waiting) + len(eng.data._waiting))
             return held
 
     for held in run_ranks(FakeWorld(R3), body):

@@ -122,6 +122,7 @@ class NumpyEngine:
     """The engine of one rank (module docstring)."""
 
     takes_unchecked = False
+    takes_tensors = False
 
     def __init__(self, world: NumpyWorld, spec: EngineSpec) -> None:
         cfg = spec.config
@@ -196,6 +197,12 @@ class NumpyEngine:
 
     def close(self) -> None:
         self._pending.clear()
+
+    def trace_enable(self, capacity: int) -> bool:
+        return False  # records no spans
+
+    def trace_spans(self) -> tuple[bytes, tuple[int, ...], int]:
+        return b"", (), 0
 
     # --- posting and waiting ----------------------------------------------------------------
 

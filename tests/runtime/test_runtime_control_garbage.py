@@ -121,7 +121,7 @@ def _sweep(group: Any, case: Case, targets: list[tuple[int, int, str, int, str]]
                 if k != kind or group.rank != writer:
                     return
                 off, length = _records(b, victim, kind)[record]
-                b._engine.poke(kind, phase, victim, off, _garbage(pattern, length, i))
+                b._engine.kernel.poke(kind, phase, victim, off, _garbage(pattern, length, i))
 
             outcome = _pair(buf, case, group.rank, poke)
             log.append(f"{kind}/{phase}/{record}/{victim}/{pattern}: {outcome}")

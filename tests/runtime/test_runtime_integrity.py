@@ -46,7 +46,7 @@ def _poke_dispatch(buf: Buffer, engine: str) -> None:
         off = lay.off_out + reg * lay.out_bytes
     else:  # the peer's staging partition (nland = 1)
         off = lay.off_land + (1 - r) * lay.cap_src_rows * lay.slot_bytes
-    buf._engine.poke(0, D_PHASE[engine], r, off, b"\x5a\xa5" * 16)
+    buf._engine.kernel.poke(0, D_PHASE[engine], r, off, b"\x5a\xa5" * 16)
 
 
 def _poke_combine(buf: Buffer, handle: Any) -> None:
@@ -54,7 +54,7 @@ def _poke_combine(buf: Buffer, handle: Any) -> None:
     rows among them) as it publishes them."""
     lay = buf.layout
     off = lay.off_comb + (handle.dispatch_index % 2) * lay.comb_bytes
-    buf._engine.poke(1, C_PHASE, buf.rank, off, b"\x3c\xc3" * 2048)
+    buf._engine.kernel.poke(1, C_PHASE, buf.rank, off, b"\x3c\xc3" * 2048)
 
 
 def _pair(buf: Buffer, case: Case, rank: int, corrupt: str) -> tuple[str, str]:

@@ -73,7 +73,7 @@ def _worker(group: Any, cases: list[PlanCase]) -> list[tuple[list[str], Any]]:
         xs, idxs, ws = _inputs(case, i)
         with Buffer(group, case.config()) as buf:
             errors = testing.check_call(buf, xs, idxs, ws, i)
-            out.append((errors, buf._engine.core_log()))
+            out.append((errors, buf._engine.kernel.core_log()))
     return out
 
 

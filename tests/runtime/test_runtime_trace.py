@@ -29,11 +29,11 @@ def _rank(group: object, engine: str) -> list[tuple[int, int, list[int]]]:
             t0 = time.perf_counter_ns()
             res = buf.dispatch(x, idx, w)
             t1 = time.perf_counter_ns()
-            d = list(buf._engine.trace())
+            d = list(buf._engine.kernel.trace())
             t2 = time.perf_counter_ns()
             buf.combine(np.asarray(res.recv_x).copy(), res.handle)
             t3 = time.perf_counter_ns()
-            c = list(buf._engine.trace())
+            c = list(buf._engine.kernel.trace())
             out += [(t0, t1, [d[TRACE["d_native"]], *d[TRACE["d_enter"]:TRACE["d_data_in"] + 1]]),
                     (t2, t3, [c[TRACE["c_native"]], *c[TRACE["c_enter"]:TRACE["c_reduced"] + 1]])]
     return out

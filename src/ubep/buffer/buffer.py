@@ -47,9 +47,9 @@ from ..config import BufferConfig
 from ..errors import InvalidArgumentError, RemoteError, UbepError
 from ..m2n import logical_result, physical_config, slot_shift
 from ..plane.host import HostEngine
-from ..plane.protocol import PLAIN, CallOptions, EngineSpec, GlobalMemory, ProcessGroup
+from ..plane.protocol import PLAIN, CallOptions, Engine, EngineSpec, GlobalMemory, ProcessGroup
 from ..plane.records import ErrorRecord
-from ..plane.registry import memory_bytes, open_engine
+from ..plane.registry import engine_device, memory_bytes, open_engine, own_memory
 from ..plane.results import DispatchHandle, DispatchResult, PendingCall, RuntimeHandle
 from ..routing import experts_per_rank
 from ..torch_bridge import as_process_group, is_torch_tensor, torch_door
@@ -169,7 +169,7 @@ class Buffer(metaclass=abc.ABCMeta):
         try:
             self._setup()
         except BaseException:
-            self._teardown()
+            _teardown(self)
             raise
 
     def _configure(self, config: BufferConfig) -> None:
@@ -212,24 +212,35 @@ class Buffer(metaclass=abc.ABCMeta):
 
     def _setup(self) -> None:
         g, lay, cfg = self.group, self.layout, self._cfg
-        mem = g.map_global(self._memory_bytes, "buffer")
+        # an engine that brings its own memory (its registry row says) gets none mapped here
+        own = own_memory(cfg)
+        mem = None if own is not None else g.map_global(self._memory_bytes, "buffer")
         self._memory = mem
         # the engine of the config's transport (the memory's by default): a registry row, no
         # question asked of the memory or the engine
         values = self._dtype.storage if cfg.quant is None else _quant.FORMATS[cfg.quant].storage
-        self._engine = open_engine(mem, EngineSpec(
+        spec = EngineSpec(
             config=cfg, layout=lay, rank=self.rank, num_ranks=self.num_ranks,
             num_cores=self.num_cores, uid=self._uid, dtype_name=self._dtype.name,
             values=np.dtype(values), combine_storage=np.dtype(self._cdtype.storage),
-            scale_cols=0 if cfg.quant is None else cfg.hidden // _quant.QUANT_BLOCK))
+            scale_cols=0 if cfg.quant is None else cfg.hidden // _quant.QUANT_BLOCK,
+            device=engine_device(cfg))
+        if own is not None:
+            self._engine = own(g, spec)
+        else:
+            assert mem is not None
+            self._engine = open_engine(mem, spec)
         # an engine that takes a blocking call's arrays unchecked is offered them first
         self._fast = self._engine if self._engine.takes_unchecked else None
+        # an engine that takes tensors is handed a call of tensors as it came (no numpy)
+        self._takes_tensors = bool(getattr(self._engine, "takes_tensors", False))
         self._engine.reset_all()
         _trace.attach(self)  # BufferConfig.trace, or inside ubep.trace.record()
         # Every peer has mapped every segment once this barrier completes: unlink the names so
         # nothing survives a crash from here on.
         g.barrier(cfg.timeout_s)
-        mem.unlink()
+        if mem is not None:
+            mem.unlink()
 
     @staticmethod
     def size_hint(config: BufferConfig, num_ranks: int, num_cores: int | None = None) -> int:
@@ -327,9 +338,11 @@ class Buffer(metaclass=abc.ABCMeta):
                                                   None, offered=True)
                 finally:
                     self._lock.release()
-        if type(x) is not _NDARRAY and is_torch_tensor(x):
+        if (type(x) is not _NDARRAY and is_torch_tensor(x)
+                and not _tensor_call(self, x, x_scales)):
             # torch in, torch out: the call itself runs on numpy views, through the door
-            # above where it can (the door's plans are made once per Buffer)
+            # above where it can (the door's plans are made once per Buffer); an engine that
+            # takes tensors is handed them as they came (_tensor_call)
             return cast(Any, (self._torch or _open_torch_door(self)).dispatch(
                 x, topk_idx, topk_weights, copy, return_recv_hook, x_scales))
         self._steps.enter()
@@ -357,7 +370,9 @@ class Buffer(metaclass=abc.ABCMeta):
         try:
             if self._route is not None:  # logical ids -> physical slots (checked: a clean reject)
                 topk_idx = self._route(topk_idx)
-            xa, idx, w = self._checks.dispatch_args(x, topk_idx, topk_weights, x_scales)
+            xa, idx, w = cast(Any, (x, topk_idx, topk_weights)) if _tensor_call(
+                self, x, x_scales) else self._checks.dispatch_args(x, topk_idx, topk_weights,
+                                                                   x_scales)
             if offered:
                 raise _declined(self.rank)
             plan = self._tasks.for_idx(idx)
@@ -432,7 +447,8 @@ class Buffer(metaclass=abc.ABCMeta):
                         return self._combine(expert_out, handle, False, offered=True)
             finally:
                 self._lock.release()
-        if type(expert_out) is not _NDARRAY and is_torch_tensor(expert_out):
+        if (type(expert_out) is not _NDARRAY and is_torch_tensor(expert_out)
+                and not _tensor_call(self, expert_out, None)):
             # torch in, torch out (as dispatch)
             return cast(Any, (self._torch or _open_torch_door(self)).combine(
                 expert_out, handle, return_recv_hook))
@@ -452,7 +468,8 @@ class Buffer(metaclass=abc.ABCMeta):
         split = hook or bool(self._in_flight)
         stage = _BEFORE
         try:
-            h, eo = self._checks.combine_args(expert_out, handle)
+            h, eo = (self._checks.handle(handle), expert_out) if _tensor_call(
+                self, expert_out, None) else self._checks.combine_args(expert_out, handle)
             if offered:
                 raise _declined(self.rank)
             stage = _NATIVE
@@ -491,6 +508,12 @@ class Buffer(metaclass=abc.ABCMeta):
         before are invalid afterwards; a dead peer cannot be resynced with."""
         self._steps.resync(timeout_s)
 
+    @property
+    def engine(self) -> Engine:
+        """The data plane this Buffer drives (its transport's ``ubep.plane.Engine``), for what
+        asks an engine through the contract's own methods (tracing: ``trace_enable``)."""
+        return cast(Engine, self._engine)
+
     def recv_x_valid(self, handle: DispatchHandle) -> bool:
         """Whether ``recv_x`` of the dispatch that returned ``handle`` still holds that
         dispatch's rows (:meth:`ubep.buffer.checks.ArgChecks.recv_x_valid`). Local."""
@@ -524,19 +547,9 @@ class Buffer(metaclass=abc.ABCMeta):
         try:
             self._calls.abandon("the Buffer was closed before its hook")
             self._closed = True
-            self._teardown()
+            _teardown(self)
         finally:
             self._lock.release()
-
-    def _teardown(self) -> None:
-        self._fast = None
-        self._torch = self._tensor = None  # its region views go with the engine's
-        if self._engine is not None:
-            _trace.detach(self)  # a recorder takes the spans before the engine goes
-            self._engine.close()  # also drops the engine's views of the receive regions
-        if self._memory is not None:
-            self._memory.close()
-        self._memory = None
 
     def __enter__(self) -> Buffer:
         return self
@@ -581,6 +594,25 @@ def _check_same_config(configs: list[dict[str, Any]]) -> None:
                     f"config.{field}", first,
                     f"differs between ranks: rank 0 has {first!r}, rank {rank} has "
                     f"{theirs.get(field)!r} (every rank needs the same BufferConfig)")
+
+
+def _teardown(buf: Buffer) -> None:
+    """Release what ``buf`` holds: its engine (its spans to a recorder first) and its memory."""
+    buf._fast = None
+    buf._torch = buf._tensor = None  # its region views go with the engine's
+    if buf._engine is not None:
+        _trace.detach(buf)  # a recorder takes the spans before the engine goes
+        buf._engine.close()  # also drops the engine's views of the receive regions
+    if buf._memory is not None:
+        buf._memory.close()
+    buf._memory = None
+
+
+def _tensor_call(buf: Buffer, x: object, x_scales: object) -> bool:
+    """Whether a call of ``x`` goes to ``buf``'s engine as it came: a tensor, to an engine that
+    takes tensors and checks them itself (no caller's numbering to translate)."""
+    return (buf._takes_tensors and x_scales is None and buf._route is None
+            and buf._one_call and is_torch_tensor(x))
 
 
 def _hot_failed(buf: Buffer, epoch: int, index: int, exc: BaseException) -> BaseException:

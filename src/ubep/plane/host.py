@@ -111,14 +111,32 @@ class HostEngine:
         # the door: the kernel's own one-call entries when it has them (no Python frame on a
         # blocking call), else this object's general path
         self.takes_unchecked = fast
+        self.takes_tensors = False  # host memory: every input a checked numpy array
         self.dispatch: Callable[..., Any] = kernel.dispatch if fast else self.general_dispatch
         self.combine: Callable[..., Any] = kernel.combine if fast else self.general_combine
         self.fail = kernel.fail
         self.reset_all = kernel.reset_all
 
-    def __getattr__(self, name: str) -> Any:
-        # the kernel's own extras (trace, core log, fault injection of the tests)
-        return getattr(self.kernel, name)
+    def set_signature(self, word: int) -> None:
+        """What this rank's next dispatches are (``Buffer.sign``): the kernel's count records
+        carry the word."""
+        self.kernel.set_signature(word)
+
+    # --- tracing (the kernel's rings, where it keeps any) ------------------------------------
+
+    def trace_enable(self, capacity: int) -> bool:
+        enable = getattr(self.kernel, "trace_enable", None)
+        if enable is None:
+            return False
+        enable(capacity)
+        return True
+
+    def trace_spans(self) -> tuple[bytes, tuple[int, ...], int]:
+        spans = getattr(self.kernel, "trace_spans", None)
+        if spans is None:
+            return b"", (), 0
+        got: tuple[bytes, tuple[int, ...], int] = spans()
+        return got
 
     # --- dispatch ---------------------------------------------------------------------------
 

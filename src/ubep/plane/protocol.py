@@ -85,6 +85,8 @@ class EngineSpec:
         values: the numpy dtype of ``recv_x``'s elements (quantised rows: the 1-byte values).
         combine_storage: the numpy dtype of ``expert_out`` and ``y``.
         scale_cols: float32 scales per ``recv_x`` row (quantised rows), else 0.
+        device: where the engine's memory and results live (``"cpu"``; ``"cuda:N"``: its
+            registry row's answer, ``ubep.plane.registry.engine_device``).
     """
 
     config: Any
@@ -97,6 +99,7 @@ class EngineSpec:
     values: np.dtype[Any]
     combine_storage: np.dtype[Any]
     scale_cols: int = 0
+    device: str = "cpu"
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +211,11 @@ class Engine(Protocol):
         takes_unchecked: the engine takes a blocking call's arrays of its dtypes unchecked
             (the native engine's one-call path), so the Buffer offers them before checking;
             else every call comes checked, with options.
+        takes_tensors: the engine takes torch tensors as they come (``x``, ``topk_idx``,
+            ``topk_weights``; ``expert_out``) and checks them itself, from their metadata and
+            on its device, each failure naming the argument: the Buffer hands a call of
+            tensors over without converting them (an engine without the attribute: ``False``,
+            every input a checked numpy array).
 
     The call protocol every engine keeps: every record a peer reads carries the call's epoch and
     is only accepted for exactly that epoch (count, routing and combine records also carry a
@@ -217,6 +225,7 @@ class Engine(Protocol):
     """
 
     takes_unchecked: bool
+    takes_tensors: bool
 
     def dispatch(
         self, x: Any, topk_idx: Any, topk_weights: Any, epoch: int, index: int,
@@ -284,3 +293,12 @@ class Engine(Protocol):
 
     def close(self) -> None:
         """Stop the engine's threads and drop its views of its memory (local)."""
+
+    def trace_enable(self, capacity: int) -> bool:
+        """Keep the last ``capacity`` task spans per core from here on (0: stop, the rings
+        dropped). ``False``: this engine records no spans, and nothing changed (local)."""
+
+    def trace_spans(self) -> tuple[bytes, tuple[int, ...], int]:
+        """The spans recorded since the last read, the rings emptied (``ubep.trace.recorder``'s
+        ``SPAN_DTYPE`` records, ring by ring: the cores', then the calls'), each ring's count,
+        and the spans dropped; ``(b"", (), 0)`` when off or for an engine that records none."""

@@ -11,6 +11,11 @@ A row may also size its engine's memory: ``memory_bytes(config, num_ranks, num_c
 the bytes each rank's region needs (an engine with a layout of its own), which also refuses a
 config the engine does not serve (``InvalidArgumentError`` naming the field) before anything is
 mapped. A row without one runs on :func:`ubep.plane.layout.compute_layout`'s segment.
+
+A row may instead bring its engine's memory (:func:`own_memory`: ``opener(group, spec) ->
+Engine``, a collective over the Buffer's group): the engine opens memory of its device itself
+(the Triton row: CUDA IPC handles on a GPU), and the Buffer maps nothing for it. The engine's
+device (``EngineSpec.device``) is the row's to say (:func:`engine_device`).
 """
 
 from __future__ import annotations
@@ -20,16 +25,17 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import InvalidArgumentError
-from .protocol import Engine, EngineSpec, GlobalMemory
+from .protocol import Engine, EngineSpec, GlobalMemory, ProcessGroup
 
 __all__ = [
-    "MemoryBytes", "Opener", "control_plane", "memory_bytes", "open_engine", "register_engine",
-    "transports",
+    "GroupOpener", "MemoryBytes", "Opener", "control_plane", "engine_device", "memory_bytes",
+    "open_engine", "own_memory", "register_engine", "transports",
 ]
 
 
 Opener = Callable[[GlobalMemory, EngineSpec], Engine]
 MemoryBytes = Callable[[Any, int, int], int]  # (config, num_ranks, num_cores) -> bytes per rank
+GroupOpener = Callable[[ProcessGroup, EngineSpec], Engine]  # a row that brings its memory
 
 # transport name -> its opener, or "module:function" naming it (imported on first use)
 _ROWS: dict[str, Opener | str] = {
@@ -41,6 +47,16 @@ _ROWS: dict[str, Opener | str] = {
 # transport name -> the size of its memory, for rows whose engine lays its memory out itself
 _SIZES: dict[str, MemoryBytes | str] = {
     "triton": "ubep.triton.plane:memory_bytes",
+}
+
+
+# transport name -> its opener on the group, for rows whose engine brings its own memory, and
+# the device its engine runs on (``config -> "cpu" / "cuda:N"``; default "cpu")
+_OWN: dict[str, GroupOpener | str] = {
+    "triton": "ubep.triton.plane:open_triton_memory",
+}
+_DEVICES: dict[str, Callable[[Any], str] | str] = {
+    "triton": "ubep.triton.plane:engine_device",
 }
 
 
@@ -64,15 +80,25 @@ def control_plane(name: str) -> Any:
     return _load(_PLANES, name, "control_plane")
 
 
-def register_engine(name: str, opener: Opener, memory: MemoryBytes | None = None) -> None:
+def register_engine(name: str, opener: Opener, memory: MemoryBytes | None = None, *,
+                    own_memory: GroupOpener | None = None,
+                    device: Callable[[Any], str] | None = None) -> None:
     """Add (or replace) the row of transport ``name``; ``memory``: its memory's size (module
-    docstring), ``None``: the segment of ``ubep.plane.layout``."""
+    docstring), ``None``: the segment of ``ubep.plane.layout``; ``own_memory``: its opener on
+    the group when the engine brings its own memory (the Buffer then maps none); ``device``:
+    the engine's device for a config (default ``"cpu"``)."""
     if not isinstance(name, str) or not name:
         raise InvalidArgumentError("name", name, "must be a non-empty str")
     _ROWS[name] = opener
     _SIZES.pop(name, None)
+    _OWN.pop(name, None)
+    _DEVICES.pop(name, None)
     if memory is not None:
         _SIZES[name] = memory
+    if own_memory is not None:
+        _OWN[name] = own_memory
+    if device is not None:
+        _DEVICES[name] = device
 
 
 def memory_bytes(config: Any, num_ranks: int, num_cores: int) -> int | None:
@@ -89,6 +115,25 @@ def memory_bytes(config: Any, num_ranks: int, num_cores: int) -> int | None:
         return None
     size: MemoryBytes = _load(_SIZES, name, "transport")
     return int(size(config, num_ranks, num_cores))
+
+
+def own_memory(config: Any) -> GroupOpener | None:
+    """The opener on the group of the engine ``config.transport`` names, if that engine brings
+    its own memory (the Buffer then maps none: :meth:`ubep.Buffer._setup`); else ``None``."""
+    name = getattr(config, "transport", None)
+    if name is None or name not in _OWN:
+        return None
+    opener: GroupOpener = _load(_OWN, name, "transport")
+    return opener
+
+
+def engine_device(config: Any) -> str:
+    """The device the engine ``config.transport`` names runs on (``EngineSpec.device``)."""
+    name = getattr(config, "transport", None)
+    if name is None or name not in _DEVICES:
+        return "cpu"
+    device: Callable[[Any], str] = _load(_DEVICES, name, "transport")
+    return str(device(config))
 
 
 def transports() -> tuple[str, ...]:

@@ -2,9 +2,11 @@
 every Buffer of a block (:func:`record`), read from the engines' per-core rings into the one
 schema (:class:`~ubep.trace.spans.Trace`).
 
-An engine that traces (the native one, the MPI RMA one) offers ``trace_enable(capacity)`` and
-``trace_spans() -> (packed, counts, dropped)``: :data:`SPAN_DTYPE` records, ring by ring (its
-cores', then its calls'), ``counts[c]`` of ring ``c``. Times are the host's monotonic clock
+A Buffer's engine hands its spans through the data-plane contract (``ubep.plane.Engine``:
+``trace_enable(capacity)``, ``False`` for an engine that records none, and
+``trace_spans() -> (packed, counts, dropped)``): :data:`SPAN_DTYPE` records, ring by ring (its
+cores', then its calls'), ``counts[c]`` of ring ``c``. The native and MPI RMA engines record
+them. Times are the host's monotonic clock
 (``CLOCK_MONOTONIC``, ``time.monotonic_ns``), one clock for every rank of a host, so spans of
 different ranks line up as they are.
 
@@ -162,13 +164,11 @@ def _place(buffer: Any) -> _Place:
 
 
 def _enable(buffer: Any, capacity: int) -> None:
-    enable = getattr(buffer._engine, "trace_enable", None)
-    if enable is None:  # an engine that records no spans: traced by nothing
+    if not buffer.engine.trace_enable(capacity):  # records no spans: traced by nothing
         if buffer._cfg.trace:
             raise InvalidArgumentError("trace", True, f"the engine of transport "
                                        f"{buffer._cfg.transport!r} records no task spans")
         return
-    enable(capacity)
     buffer._trace_capacity = capacity
 
 
@@ -178,7 +178,7 @@ def spans_of(buffer: Any, label: str | None = None) -> Trace:
     if not getattr(buffer, "_trace_capacity", 0):
         raise InvalidArgumentError("buffer", buffer, "does not trace: make it with "
                                    "BufferConfig(trace=True) or inside ubep.trace.record()")
-    packed, counts, _dropped = buffer._engine.trace_spans()
+    packed, counts, _dropped = buffer.engine.trace_spans()
     spans, calls = decode(packed, counts, buffer.rank)
     return Trace("runtime", label or _label(buffer), tuple(spans), tuple(calls))
 
@@ -257,7 +257,7 @@ def record(path: str | Path, *, capacity: int = DEFAULT_CAPACITY,
             if getattr(b, "_trace_capacity", 0):
                 _take(b, [rec])
                 if not (others or b._cfg.trace):  # traced for this block only: off again
-                    b._engine.trace_enable(0)
+                    b.engine.trace_enable(0)
                     b._trace_capacity = 0
         _write(rec, merge_timeout_s)
 

@@ -8,9 +8,13 @@ acquire and written with release atomics at system scope; ``tl.debug_barrier()``
 barrier on a GPU, nothing in the interpreter) precedes each release, so the stores of every
 thread of the program are ordered before it, and follows each successful acquire.
 
+Every launch is gated (``opened``): on the status words of an earlier waiting launch of the
+call, or on the call's own input check, run on the device; a closed gate makes it a no-op.
+
 Status of a waiting program (``status[pid] = [code, peer]``): 0 its spins ran out (the host
 launches it again until its deadline), 1 done, 3 corrupt (a count disagrees with the routing
-record it came with), 4 rank ``peer`` published a failure notice for this call.
+record it came with), 4 rank ``peer`` published a failure notice for this call, 5 source
+``peer``'s call signature differs from this rank's (``signature_kernel``).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ PENDING: tl.constexpr = tl.constexpr(0)
 DONE: tl.constexpr = tl.constexpr(1)
 CORRUPT: tl.constexpr = tl.constexpr(3)
 REMOTE: tl.constexpr = tl.constexpr(4)
+DIFFERS: tl.constexpr = tl.constexpr(5)
 
 # the sync table's row and batch kinds (ubep.triton.sync), as the kernels compare them
 ROW_WORDS: tl.constexpr = tl.constexpr(_sync.ROW_WORDS)
@@ -97,6 +102,16 @@ def has_sentinel(ptr, n, sentinel, BH: tl.constexpr):
         v = tl.load(ptr + h, mask=h < n, other=0, volatile=True)
         hit += tl.sum(((v == sentinel) & (h < n)).to(tl.int32), axis=0)
     return hit > 0
+
+
+@triton.jit
+def opened(gate, n, NP: tl.constexpr):
+    """1 when each of the ``n`` programs whose status words ``gate`` holds is done: a launch
+    gated on a waiting launch of this rank does nothing until that one completed (the host
+    then runs both again), so the host reads no status between the launches of a call."""
+    i = tl.arange(0, NP)
+    st = tl.load(gate + i * 2, mask=i < n, other=DONE)
+    return tl.min((st == DONE).to(tl.int32), axis=0)
 
 
 @triton.jit

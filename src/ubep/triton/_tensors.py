@@ -9,7 +9,7 @@ import numpy as np
 from ..dtypes import dtype_of
 from ..errors import InvalidArgumentError
 
-__all__ = ["bits_dtype", "to_bits", "torch_dtype", "view"]
+__all__ = ["bits_dtype", "to_bits", "to_host", "torch_dtype", "view"]
 
 
 def torch_dtype(name: str) -> Any:
@@ -59,3 +59,10 @@ def view(local: Any, offset: int, count: int, dtype: Any) -> Any:
 
     size = torch.empty(0, dtype=dtype).element_size()
     return local[offset:offset + count * size].view(dtype)
+
+
+def to_host(t: Any) -> np.ndarray:
+    """``t`` read back to the host as a numpy array: on a GPU a synchronisation (the host waits
+    for every launch before it). The engine reads its device through this function alone, once
+    per call when nothing fails (a test counts the calls)."""
+    return np.asarray(t.detach().cpu().numpy())

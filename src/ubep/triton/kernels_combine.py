@@ -35,6 +35,7 @@ from ._jit_common import (
     dc_checksum,
     failed_rank,
     has_sentinel,
+    opened,
     region,
     release,
     set_status,
@@ -47,16 +48,17 @@ OUT_FP16: tl.constexpr = tl.constexpr(2)
 
 
 @triton.jit
-def ready_kernel(table, order, me, epoch, OFF_READY):
+def ready_kernel(table, order, gate, gate_n, me, epoch, OFF_READY, GP: tl.constexpr):
     p = tl.load(order + tl.program_id(0))
-    release(region(table, p, OFF_READY + me * 8, tl.int64), epoch, None)
+    if opened(gate, gate_n, GP) != 0:
+        release(region(table, p, OFF_READY + me * 8, tl.int64), epoch, None)
 
 
 @triton.jit
-def wait_ready_kernel(table, order, status, ready_ptr, epoch, R, OFF_NOTICE, spins,
-                      RP: tl.constexpr):
+def wait_ready_kernel(table, order, gate, gate_n, status, ready_ptr, epoch, R, OFF_NOTICE, spins,
+                      RP: tl.constexpr, GP: tl.constexpr):
     s = tl.load(order + tl.program_id(0))
-    if tl.load(status + s * 2) != DONE:
+    if (tl.load(status + s * 2) != DONE) & (opened(gate, gate_n, GP) != 0):
         got = acquire(ready_ptr + s, None) == epoch
         fail = failed_rank(table, R, OFF_NOTICE, epoch, RP)
         n = 0
@@ -72,35 +74,37 @@ def wait_ready_kernel(table, order, status, ready_ptr, epoch, R, OFF_NOTICE, spi
 
 
 @triton.jit
-def push_kernel(table, order, eo_ptr, eo64_ptr, src_rank, src_token, src_j, rows, per_prog,
-                hidden, J, OFF_COMB, COMB_STRIDE, OFF_CWORDS, CNBLK, OFF_CDC, W, epoch,
+def push_kernel(table, order, gate, gate_n, eo_ptr, eo64_ptr, src_rank, src_token, src_j, rows,
+                per_prog, hidden, J, OFF_COMB, COMB_STRIDE, OFF_CWORDS, CNBLK, OFF_CDC, W, epoch,
                 epoch_mix, ROW: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr,
-                CNBLKP: tl.constexpr):
+                CNBLKP: tl.constexpr, GP: tl.constexpr):
     p = tl.load(order + tl.program_id(0))
-    h = tl.arange(0, BH)
-    blk = tl.arange(0, CNBLKP)
-    for i in range(p * per_prog, tl.minimum(rows, (p + 1) * per_prog)):
-        s = tl.load(src_rank + i)
-        slot = tl.load(src_token + i) * J + tl.load(src_j + i)
-        ii = tl.cast(i, tl.int64)
-        out = region(table, s, OFF_COMB + slot * COMB_STRIDE, eo_ptr.dtype.element_ty)
-        for h0 in range(0, hidden, BH):
-            m = h0 + h < hidden
-            tl.store(out + h0 + h, tl.load(eo_ptr + ii * hidden + h0 + h, mask=m), mask=m)
-        if ROW == ROW_WORDS:
-            words = region(table, s, OFF_CWORDS + slot * CNBLK * 8, tl.int64)
-            release(words + blk, epoch, blk < CNBLK)
-        if ROW == ROW_CHECKSUM:
-            a1, a2 = word_sums(eo64_ptr + ii * W, W, 0, BW)
-            rec = region(table, s, OFF_CDC + slot * 16, tl.int64)
-            tl.store(rec, dc_checksum(a1, a2, epoch_mix))
-            release(rec + 1, epoch, None)
+    if opened(gate, gate_n, GP) != 0:
+        h = tl.arange(0, BH)
+        blk = tl.arange(0, CNBLKP)
+        for i in range(p * per_prog, tl.minimum(rows, (p + 1) * per_prog)):
+            s = tl.load(src_rank + i)
+            slot = tl.load(src_token + i) * J + tl.load(src_j + i)
+            ii = tl.cast(i, tl.int64)
+            out = region(table, s, OFF_COMB + slot * COMB_STRIDE, eo_ptr.dtype.element_ty)
+            for h0 in range(0, hidden, BH):
+                m = h0 + h < hidden
+                tl.store(out + h0 + h, tl.load(eo_ptr + ii * hidden + h0 + h, mask=m), mask=m)
+            if ROW == ROW_WORDS:
+                words = region(table, s, OFF_CWORDS + slot * CNBLK * 8, tl.int64)
+                release(words + blk, epoch, blk < CNBLK)
+            if ROW == ROW_CHECKSUM:
+                a1, a2 = word_sums(eo64_ptr + ii * W, W, 0, BW)
+                rec = region(table, s, OFF_CDC + slot * 16, tl.int64)
+                tl.store(rec, dc_checksum(a1, a2, epoch_mix))
+                release(rec + 1, epoch, None)
 
 
 @triton.jit
-def comb_publish_kernel(table, order, me, epoch, OFF_CFLAG):
+def comb_publish_kernel(table, order, gate, gate_n, me, epoch, OFF_CFLAG, GP: tl.constexpr):
     s = tl.load(order + tl.program_id(0))
-    release(region(table, s, OFF_CFLAG + me * 8, tl.int64), epoch, None)
+    if opened(gate, gate_n, GP) != 0:
+        release(region(table, s, OFF_CFLAG + me * 8, tl.int64), epoch, None)
 
 
 @triton.jit
@@ -155,14 +159,14 @@ def _from_f32(acc, OUT: tl.constexpr):
 
 
 @triton.jit
-def reduce_kernel(table, order, status, y_ptr, comb_ptr, cwords_ptr, cdc_ptr, cflag_ptr,
-                  idx_ptr, w_ptr, T, K, L, J, R, per_prog, hidden, COMB_STRIDE_E, CNBLK, W,
-                  epoch, epoch_mix, sentinel, OFF_NOTICE, spins, RANK_LAYOUT: tl.constexpr,
-                  ROW: tl.constexpr, BATCH: tl.constexpr, OUT: tl.constexpr,
-                  RP: tl.constexpr, KP: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr,
-                  CNBLKP: tl.constexpr):
+def reduce_kernel(table, order, gate, gate_n, status, y_ptr, comb_ptr, cwords_ptr, cdc_ptr,
+                  cflag_ptr, idx_ptr, w_ptr, T, K, L, J, R, per_prog, hidden, COMB_STRIDE_E,
+                  CNBLK, W, epoch, epoch_mix, sentinel, OFF_NOTICE, spins,
+                  RANK_LAYOUT: tl.constexpr, ROW: tl.constexpr, BATCH: tl.constexpr,
+                  OUT: tl.constexpr, RP: tl.constexpr, KP: tl.constexpr, BH: tl.constexpr,
+                  BW: tl.constexpr, CNBLKP: tl.constexpr, GP: tl.constexpr):
     p = tl.load(order + tl.program_id(0))
-    if tl.load(status + p * 2) != DONE:
+    if (tl.load(status + p * 2) != DONE) & (opened(gate, gate_n, GP) != 0):
         t0 = p * per_prog
         t1 = tl.minimum(T, t0 + per_prog)
         kk = tl.arange(0, KP)

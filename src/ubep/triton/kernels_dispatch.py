@@ -14,6 +14,8 @@ program), publish, receive. One launch per task; the host runs them in this orde
    the bucket, plus the bucket's rows from lower sources. A destination publishes its own
    count to itself only once it left its previous call, so these counts also say its receive
    region is free.
+2b. ``signature_kernel`` (one program, gated on the prefix): every source's call signature
+   against this rank's; a difference closes the gate of what follows (no row moves).
 3. ``send_kernel`` (a program per send core): the Plan's units of that core in its order, each
    row stored at its final place in the destination's ``recv_x``; TFF: the row's block words.
 4. ``publish_kernel`` (a program per destination; SW and DC only): the batch's flag, after the
@@ -34,6 +36,7 @@ import triton.language as tl
 from ._jit_common import (
     BATCH_CHECKSUM,
     CORRUPT,
+    DIFFERS,
     DONE,
     REMOTE,
     ROW_WORDS,
@@ -41,6 +44,7 @@ from ._jit_common import (
     dc_checksum,
     failed_rank,
     has_sentinel,
+    opened,
     region,
     release,
     set_status,
@@ -49,43 +53,46 @@ from ._jit_common import (
 
 
 @triton.jit
-def count_kernel(table, order, idx_ptr, T, K, L, bptr, me, epoch32, NB, OFF_COUNTS,
-                 RANK_LAYOUT: tl.constexpr, BT: tl.constexpr, KP: tl.constexpr):
+def count_kernel(table, order, gate, gate_n, idx_ptr, T, K, L, bptr, me, epoch32, NB, OFF_COUNTS,
+                 RANK_LAYOUT: tl.constexpr, BT: tl.constexpr, KP: tl.constexpr, GP: tl.constexpr):
     pid = tl.load(order + tl.program_id(0))
-    b0 = tl.load(bptr + pid)
-    b1 = tl.load(bptr + pid + 1)
-    kk = tl.arange(0, KP)
-    for g in range(b0, b1):  # a global bucket: an expert, or a destination rank
-        cnt = tl.zeros((), dtype=tl.int64)
-        for t0 in range(0, T, BT):
-            t = t0 + tl.arange(0, BT)
-            m = (t[:, None] < T) & (kk[None, :] < K)
-            idx = tl.load(idx_ptr + t[:, None] * K + kk[None, :], mask=m, other=-1)
-            if RANK_LAYOUT:  # noqa: SIM108 (a constexpr branch, compiled away)
-                hit = (idx >= 0) & (idx // L == g)
+    if opened(gate, gate_n, GP) != 0:
+        b0 = tl.load(bptr + pid)
+        b1 = tl.load(bptr + pid + 1)
+        kk = tl.arange(0, KP)
+        for g in range(b0, b1):  # a global bucket: an expert, or a destination rank
+            cnt = tl.zeros((), dtype=tl.int64)
+            for t0 in range(0, T, BT):
+                t = t0 + tl.arange(0, BT)
+                m = (t[:, None] < T) & (kk[None, :] < K)
+                idx = tl.load(idx_ptr + t[:, None] * K + kk[None, :], mask=m, other=-1)
+                if RANK_LAYOUT:  # noqa: SIM108 (a constexpr branch, compiled away)
+                    hit = (idx >= 0) & (idx // L == g)
+                else:
+                    hit = idx == g
+                cnt += tl.sum(tl.max(hit.to(tl.int64), axis=1), axis=0)
+            if RANK_LAYOUT:  # noqa: SIM108
+                dst = g
             else:
-                hit = idx == g
-            cnt += tl.sum(tl.max(hit.to(tl.int64), axis=1), axis=0)
-        if RANK_LAYOUT:  # noqa: SIM108
-            dst = g
-        else:
-            dst = g // L
-        b = g - dst * NB
-        word = (epoch32.to(tl.int64) << 32) | cnt
-        release(region(table, dst, OFF_COUNTS + (me * NB + b) * 8, tl.int64), word, None)
+                dst = g // L
+            b = g - dst * NB
+            word = (epoch32.to(tl.int64) << 32) | cnt
+            release(region(table, dst, OFF_COUNTS + (me * NB + b) * 8, tl.int64), word, None)
 
 
 @triton.jit
-def ranks_kernel(table, order, rows_ptr, me, epoch32, R, OFF_RANKS, RP: tl.constexpr):
+def ranks_kernel(table, order, gate, gate_n, rows_ptr, me, epoch32, R, OFF_RANKS,
+                 RP: tl.constexpr, GP: tl.constexpr):
     """This rank's rows to every rank, released into destination ``d``'s ranks block (a
     program per destination), before the counts: a receiver that has every source's counts
     reads every source's rows per rank, the whole ``[source, destination]`` matrix."""
     d = tl.load(order + tl.program_id(0))
-    j = tl.arange(0, RP)
-    m = j < R
-    rows = tl.load(rows_ptr + j, mask=m, other=0)
-    words = (epoch32.to(tl.int64) << 32) | rows
-    release(region(table, d, OFF_RANKS + (me * R + j) * 8, tl.int64), words, m)
+    if opened(gate, gate_n, GP) != 0:
+        j = tl.arange(0, RP)
+        m = j < R
+        rows = tl.load(rows_ptr + j, mask=m, other=0)
+        words = (epoch32.to(tl.int64) << 32) | rows
+        release(region(table, d, OFF_RANKS + (me * R + j) * 8, tl.int64), words, m)
 
 
 @triton.jit
@@ -99,10 +106,10 @@ def _counts_in(cptr, R, NB, epoch32, RP: tl.constexpr, NBP: tl.constexpr):
 
 
 @triton.jit
-def prefix_kernel(table, order, status, offs, me, epoch, epoch32, R, NB, OFF_COUNTS, OFF_NOTICE,
-                  spins, RP: tl.constexpr, NBP: tl.constexpr):
+def prefix_kernel(table, order, gate, gate_n, status, offs, me, epoch, epoch32, R, NB, OFF_COUNTS,
+                  OFF_NOTICE, spins, RP: tl.constexpr, NBP: tl.constexpr, GP: tl.constexpr):
     d = tl.load(order + tl.program_id(0))
-    if tl.load(status + d * 2) != DONE:
+    if (tl.load(status + d * 2) != DONE) & (opened(gate, gate_n, GP) != 0):
         cptr = region(table, d, OFF_COUNTS, tl.int64)
         got, cnt = _counts_in(cptr, R, NB, epoch32, RP, NBP)
         fail = failed_rank(table, R, OFF_NOTICE, epoch, RP)
@@ -124,46 +131,69 @@ def prefix_kernel(table, order, status, offs, me, epoch, epoch32, R, NB, OFF_COU
 
 
 @triton.jit
-def send_kernel(table, order, x_ptr, u_token, u_dst, u_bucket, u_slot, core_ptr, offs, hidden, NB,
-                OFF_RECV, ROW_STRIDE, OFF_WORDS, NBLK, epoch, ROW: tl.constexpr,
-                BH: tl.constexpr, NBLKP: tl.constexpr):
-    j = tl.load(order + tl.program_id(0))
-    u0 = tl.load(core_ptr + j)
-    u1 = tl.load(core_ptr + j + 1)
-    h = tl.arange(0, BH)
-    blk = tl.arange(0, NBLKP)
-    for u in range(u0, u1):
-        t = tl.load(u_token + u).to(tl.int64)
-        dst = tl.load(u_dst + u)
-        row = (tl.load(offs + dst * NB + tl.load(u_bucket + u)) + tl.load(u_slot + u))
-        row = row.to(tl.int64)
-        out = region(table, dst, OFF_RECV + row * ROW_STRIDE, x_ptr.dtype.element_ty)
-        for h0 in range(0, hidden, BH):
-            m = h0 + h < hidden
-            tl.store(out + h0 + h, tl.load(x_ptr + t * hidden + h0 + h, mask=m), mask=m)
-        if ROW == ROW_WORDS:
-            words = region(table, dst, OFF_WORDS + row * NBLK * 8, tl.int64)
-            release(words + blk, epoch, blk < NBLK)
+def signature_kernel(table, order, gate, gate_n, status, theirs, mine, epoch, R, OFF_SIG,
+                     RP: tl.constexpr, GP: tl.constexpr):
+    """Every source's signature of call ``epoch`` (``[epoch, word]`` at ``OFF_SIG`` of its own
+    region, stored before its counts, which the prefix launch this one is gated on acquired)
+    against this rank's word ``mine`` (one program): done, or the lowest source whose word
+    differs (``theirs``: its word), which closes the gate of the call's sends."""
+    if opened(gate, gate_n, GP) != 0:
+        s = tl.arange(0, RP)
+        m = s < R
+        base = tl.load(table + s, mask=m, other=0) + OFF_SIG
+        e = acquire(base.to(tl.pointer_type(tl.int64)), m)
+        w = acquire((base + 8).to(tl.pointer_type(tl.int64)), m)
+        first = tl.min(tl.where(m & (e == epoch) & (w != mine), s, R), axis=0)
+        if first < R:
+            tl.store(theirs, tl.sum(tl.where(s == first, w, 0), axis=0))
+            set_status(status, 0, DIFFERS, first)
+        else:
+            set_status(status, 0, DONE, 0)
 
 
 @triton.jit
-def publish_kernel(table, order, x64_ptr, c_token, c_ptr, W, me, epoch, epoch_mix, OFF_DFLAG,
-                   BATCH: tl.constexpr, BW: tl.constexpr):
+def send_kernel(table, order, gate, gate_n, x_ptr, u_token, u_dst, u_bucket, u_slot, core_ptr,
+                offs, hidden, NB, OFF_RECV, ROW_STRIDE, OFF_WORDS, NBLK, epoch, ROW: tl.constexpr,
+                BH: tl.constexpr, NBLKP: tl.constexpr, GP: tl.constexpr):
+    j = tl.load(order + tl.program_id(0))
+    if opened(gate, gate_n, GP) != 0:
+        u0 = tl.load(core_ptr + j)
+        u1 = tl.load(core_ptr + j + 1)
+        h = tl.arange(0, BH)
+        blk = tl.arange(0, NBLKP)
+        for u in range(u0, u1):
+            t = tl.load(u_token + u).to(tl.int64)
+            dst = tl.load(u_dst + u)
+            row = (tl.load(offs + dst * NB + tl.load(u_bucket + u)) + tl.load(u_slot + u))
+            row = row.to(tl.int64)
+            out = region(table, dst, OFF_RECV + row * ROW_STRIDE, x_ptr.dtype.element_ty)
+            for h0 in range(0, hidden, BH):
+                m = h0 + h < hidden
+                tl.store(out + h0 + h, tl.load(x_ptr + t * hidden + h0 + h, mask=m), mask=m)
+            if ROW == ROW_WORDS:
+                words = region(table, dst, OFF_WORDS + row * NBLK * 8, tl.int64)
+                release(words + blk, epoch, blk < NBLK)
+
+
+@triton.jit
+def publish_kernel(table, order, gate, gate_n, x64_ptr, c_token, c_ptr, W, me, epoch, epoch_mix,
+                   OFF_DFLAG, BATCH: tl.constexpr, BW: tl.constexpr, GP: tl.constexpr):
     d = tl.load(order + tl.program_id(0))
-    rec = region(table, d, OFF_DFLAG + me * 32, tl.int64)
-    if BATCH == BATCH_CHECKSUM:
-        p0 = tl.load(c_ptr + d)
-        p1 = tl.load(c_ptr + d + 1)
-        s1 = tl.zeros((), dtype=tl.uint64)
-        s2 = tl.zeros((), dtype=tl.uint64)
-        for p in range(p0, p1):
-            t = tl.load(c_token + p).to(tl.int64)
-            a1, a2 = word_sums(x64_ptr + t * W, W, (p - p0).to(tl.int64) * W, BW)
-            s1 += a1
-            s2 += a2
-        tl.store(rec, (p1 - p0).to(tl.int64))
-        tl.store(rec + 1, dc_checksum(s1, s2, epoch_mix))
-    release(rec + 2, epoch, None)
+    if opened(gate, gate_n, GP) != 0:
+        rec = region(table, d, OFF_DFLAG + me * 32, tl.int64)
+        if BATCH == BATCH_CHECKSUM:
+            p0 = tl.load(c_ptr + d)
+            p1 = tl.load(c_ptr + d + 1)
+            s1 = tl.zeros((), dtype=tl.uint64)
+            s2 = tl.zeros((), dtype=tl.uint64)
+            for p in range(p0, p1):
+                t = tl.load(c_token + p).to(tl.int64)
+                a1, a2 = word_sums(x64_ptr + t * W, W, (p - p0).to(tl.int64) * W, BW)
+                s1 += a1
+                s2 += a2
+            tl.store(rec, (p1 - p0).to(tl.int64))
+            tl.store(rec + 1, dc_checksum(s1, s2, epoch_mix))
+        release(rec + 2, epoch, None)
 
 
 @triton.jit
@@ -225,14 +255,14 @@ def _source_in(recv_ptr, words_ptr, dflag_ptr, s, first, nrows, NB, epoch, epoch
 
 
 @triton.jit
-def recv_kernel(table, order, status, counts_ptr, recv_ptr, words_ptr, dflag_ptr,
+def recv_kernel(table, order, gate, gate_n, status, counts_ptr, recv_ptr, words_ptr, dflag_ptr,
                 m_src, m_tok, m_k, m_idx, m_w, me, epoch, epoch_mix, R, NB, L, K, OFF_ROUTE,
                 OFF_RIDX, OFF_RW, OFF_NOTICE, hidden, ROW_STRIDE_E, NBLK, W, sentinel, spins,
                 RANK_LAYOUT: tl.constexpr, ROW: tl.constexpr, BATCH: tl.constexpr,
                 RP: tl.constexpr, NBP: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr,
-                BH: tl.constexpr, BW: tl.constexpr, NBLKP: tl.constexpr):
+                BH: tl.constexpr, BW: tl.constexpr, NBLKP: tl.constexpr, GP: tl.constexpr):
     s = tl.load(order + tl.program_id(0))
-    if tl.load(status + s * 2) != DONE:
+    if (tl.load(status + s * 2) != DONE) & (opened(gate, gate_n, GP) != 0):
         first, nrows = _rows_of(counts_ptr, s, R, NB, RP, NBP)
         # The metadata of s's rows, from s's routing record (published before its counts).
         # (volatile: peers' words, acquired by this rank's prefix launch, never from a cache)

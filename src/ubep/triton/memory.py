@@ -12,11 +12,14 @@ from every rank's kernels at an address this process knows.
 from __future__ import annotations
 
 import base64
+import ctypes
+import os
 import pickle
 from typing import Any, Protocol
 
 from ..errors import UbepError
-from ..runtime.group import PeerProcess
+from ..plane.liveness import alive as _alive
+from ..plane.liveness import start_time_of
 
 __all__ = ["Arena", "CudaIpcArena", "ShmArena", "open_arena"]
 
@@ -66,20 +69,21 @@ class ShmArena:
         self._mem, self._owned = mem, owned
         self.local = torch.frombuffer(mem.local_array, dtype=torch.uint8)
         self.addresses = list(mem.addresses)
-        self._peers = [PeerProcess(r, p, s) for r, (p, s) in
-                       enumerate(zip(mem.pids, mem.start_times, strict=True))]
+        self._peers = list(zip(mem.pids, mem.start_times, strict=True))
 
     def peer_bytes(self, rank: int, offset: int, size: int) -> bytes:
-        return bytes(self._mem.segments[rank].array[offset:offset + size])
+        # every region is mapped in this process at the address the table holds (one host)
+        return ctypes.string_at(self.addresses[rank] + offset, size)
 
     def alive(self, rank: int) -> bool:
-        return self._peers[rank].alive()
+        return _alive(*self._peers[rank])
 
     def close(self) -> None:
         import torch
 
         self.local = torch.zeros(0, dtype=torch.uint8)
         if self._owned:
+            self._owned = False  # closed once, whoever closes it again
             self._mem.close()
 
 
@@ -94,23 +98,24 @@ class CudaIpcArena:
         torch.cuda.synchronize(device)
         rebuild, args = reduce_tensor(self.local)
         blob = base64.b64encode(pickle.dumps((rebuild, args))).decode("ascii")
-        blobs = group.allgather(blob, timeout_s)
+        me = (os.getpid(), start_time_of(os.getpid()))
+        got = group.allgather((blob, me), timeout_s)
         self._regions: list[Any] = []
-        for r, b in enumerate(blobs):
+        for r, (b, _) in enumerate(got):
             if r == group.rank:
                 self._regions.append(self.local)
             else:
                 fn, fn_args = pickle.loads(base64.b64decode(b))  # a peer of this user's group
                 self._regions.append(fn(*fn_args))
         self.addresses = [int(t.data_ptr()) for t in self._regions]
-        self._peers = list(group.peers)
+        self._peers = [tuple(p) for _, p in got]  # (pid, start time): liveness on this host
         group.barrier(timeout_s)  # no rank frees its buffer before every peer opened it
 
     def peer_bytes(self, rank: int, offset: int, size: int) -> bytes:
         return bytes(self._regions[rank][offset:offset + size].cpu().numpy().tobytes())
 
     def alive(self, rank: int) -> bool:
-        return bool(self._peers[rank].alive())
+        return _alive(*self._peers[rank])
 
     def close(self) -> None:
         self._regions = []
