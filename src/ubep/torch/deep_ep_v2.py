@@ -176,8 +176,9 @@ class _V2Buffer(V2Calls, LoadBalanceCalls):
         topk = max(num_topk, 1)
         row = hidden + 4 * -(-hidden // 128) if use_fp8_dispatch else 2 * hidden
         dispatch = ranks * num_max_tokens_per_rank * (row + 12 * topk)
-        back = 2 * hidden * (1 if allow_multiple_reduction else topk)
-        combine = ranks * num_max_tokens_per_rank * (back + 4 * topk)
+        # a combine row holds a dispatched row's bytes as BF16 values (the rows go back through
+        # the dispatch Buffer's own combine), and the weights' rows go back in float32
+        combine = ranks * num_max_tokens_per_rank * (2 * row + 4 * topk)
         step = get_num_allocation_alignment()
         return -(-(dispatch + combine) // step) * step
 

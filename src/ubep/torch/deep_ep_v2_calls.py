@@ -65,6 +65,8 @@ class _Route:
     src: SourceRoute
     hidden: int
     back: _Back
+    in_order: bool  # the engine's rows are in the receive order (rec.order is the identity)
+    first: tuple[int, ...]  # receive rows [first[s], first[s + 1]) came from rank s
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,7 @@ class _BackPlan:
     * otherwise one row per (token, rank): with ``sum_block`` (1 or 2 ranks and room for two
       blocks) every rank's row in block 0, which the core's combine sums in DeepEP's order,
       and the rows from the other rank in block 1; without it the rows of rank ``d`` for source
-      ``s`` in block ``(d - s - 1) % num_ranks``. A source's own rows never travel.
+      ``s`` in block ``(d - s - 1) % num_ranks``; a source's own rows stay there.
     """
 
     per_slot: bool
@@ -483,7 +485,9 @@ class V2Calls:
             recv_src_metadata=torch.from_numpy(meta),
             dst_buffer_slot_idx=torch.from_numpy(dst_slot),
             recv_expert_ids=expert_ids,
-            route=_Route(rec, args.src, int(args.x.shape[1]), back),
+            route=_Route(rec, args.src, int(args.x.shape[1]), back,
+                         bool((rec.order == np.arange(n)).all()),
+                         (*(int(f) for f in first_of_rank), n)),
         )
 
     # ------------------------------------------------------------------ combine
@@ -502,7 +506,8 @@ class V2Calls:
         expanded combine with a row per slot) the order differs, so the combine hands back the
         unreduced rows, one block each (a block's sum over the ranks adds zeros to the one
         rank's row there: the row itself), and :func:`.deep_ep_v2_layout.reduce_at_source`
-        adds them in DeepEP's order with this rank's own rows, which never left it. A row's
+        adds them in DeepEP's order (a row per (token, rank): with this rank's own rows, which
+        never leave it). A row's
         -0.0 comes back +0.0 (the core's sum starts at +0.0); that changes a result only where
         the bias sum is -0.0 and every one of the token's ``num_topk`` terms is -0.0.
         ``topk_weights`` come back by :func:`.deep_ep_agree.sum_at_sources` (each rank's
@@ -517,12 +522,17 @@ class V2Calls:
         route: _Route = handle._route
         plan = _back_plan(self.num_ranks, int(handle._topk_idx.shape[1]), route.back.width,
                           route.hidden, handle.do_expand and not self.allow_multiple_reduction)
-        outs, own = self._rows_back(x, handle, plan)
+        own = None  # one row per (token, rank), the receive order: this rank's term of each
+        if not plan.per_slot:
+            n = route.rec.num_rows
+            own = reduce_local(x, route.rec.slots) if handle.do_expand else x[:n]
         calls = []
-        for i, out in enumerate(outs):  # the last call's receive half may be deferred
+        for i in range(plan.num_calls):  # the last call's receive half may be deferred
             backend = self._combine_on(handle)
-            calls.append(issue_combine(backend, to_numpy(out), route.back.inner,
-                                       split=defer_epilogue and i == len(outs) - 1))
+            stage = self._stage(backend, route)
+            self._fill(from_numpy(stage, torch.bfloat16), i, x, own, route, plan)
+            calls.append(issue_combine(backend, stage, route.back.inner,
+                                       split=defer_epilogue and i == plan.num_calls - 1))
 
         def outputs(last: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
             ys = [call.hook() for call in calls[:-1]] + [last]
@@ -555,7 +565,7 @@ class V2Calls:
                                        "must be torch.bfloat16 (DeepEP's V2 combine)")
         hidden = handle._route.hidden
         rows = handle.num_expanded_tokens if handle.do_expand else handle.num_recv_tokens
-        allowed = {rows} if handle.do_expand else {rows, handle.num_valid_recv_tokens}
+        allowed = {rows} if handle.do_expand else {rows, handle._route.rec.num_rows}
         if x.shape[0] not in allowed or x.shape[1] != hidden:
             raise InvalidArgumentError(
                 "x", tuple(x.shape), f"must be [{rows}, {hidden}] like the dispatch's recv_x")
@@ -581,42 +591,58 @@ class V2Calls:
                                            f"must be [{num_tokens}, {hidden}] {x.dtype}")
         return tuple(biases)
 
-    def _rows_back(self, x: torch.Tensor, handle: EPHandle, plan: _BackPlan
-                   ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        """The combine rows this rank sends back, one ``[received rows, width]`` BF16 tensor
-        per combine call (row ``i`` answers the engine's row ``i``; zeros outside the blocks),
-        and, one row per (token, rank), those rows in the receive order (this rank's own
-        tokens' among them: its term of them)."""
-        route: _Route = handle._route
+    def _fill(self, out: torch.Tensor, call: int, x: torch.Tensor, rows: torch.Tensor | None,
+              route: _Route, plan: _BackPlan) -> None:
+        """Write combine call ``call``'s rows into ``out`` (``[received rows, width]`` BF16, row
+        ``i`` answering the engine's row ``i``; zeros outside the blocks): ``rows`` (one per
+        (token, rank), the receive order) or, per slot, ``x``'s expanded rows. Filled in the
+        receive order, where each source rank's rows are one slice (copies of slices, no
+        scatter), then put in the engine's order where that differs."""
         rec, H, G = route.rec, route.hidden, plan.per_call
-        n = rec.num_rows
-        outs = torch.zeros((plan.num_calls, n, route.back.width), dtype=torch.bfloat16)
-        blocks = outs[:, :, : G * H].unflatten(2, (G, H))  # [call, row, block, hidden]
-        if plan.per_slot:  # every (row, local slot) at block slot
-            row, k = np.nonzero(rec.slots >= 0)
-            blocks[torch.from_numpy(k // G), torch.from_numpy(rec.order[row]),
-                   torch.from_numpy(k % G)] = x[torch.from_numpy(rec.slots[row, k])]
-            return list(outs), None
-        rows = reduce_local(x, rec.slots) if handle.do_expand else x[:n]
-        if plan.sum_block:  # every row in block 0: the core sums them
-            blocks[0, torch.from_numpy(rec.order), 0] = rows
-        far = np.nonzero(rec.src_rank != self.rank_idx)[0]  # a source's own rows stay there
-        block = int(plan.sum_block) + (self.rank_idx - rec.src_rank[far] - 1) % self.num_ranks
-        at = torch.from_numpy(far)
-        blocks[torch.from_numpy(block // G), torch.from_numpy(rec.order[far]),
-               torch.from_numpy(block % G)] = rows.index_select(0, at)
-        return list(outs), rows
+        me, R, first = self.rank_idx, self.num_ranks, route.first
+        dst = out if route.in_order else torch.empty_like(out)
+        dst[:, G * H:].zero_()  # an FP8 row's scale bytes: no block
+        for g in range(G):
+            b, block = call * G + g, dst[:, g * H: (g + 1) * H]
+            if b >= plan.num_blocks:  # the last call's spare blocks
+                block.zero_()
+            elif plan.per_slot:  # slot b's expanded row of every received row that has one
+                block.zero_()
+                row = np.nonzero(rec.slots[:, b] >= 0)[0]
+                block.index_copy_(0, torch.from_numpy(row),
+                                  x.index_select(0, torch.from_numpy(rec.slots[row, b])))
+            elif plan.sum_block and b == 0:  # every row: the core sums them
+                block.copy_(cast(torch.Tensor, rows))
+            else:  # the rows of one source rank s (never this rank: its own rows stay here)
+                s = (me - 1 - (b - int(plan.sum_block))) % R
+                lo, hi = first[s], first[s + 1]
+                block[:lo].zero_()
+                block[lo:hi].copy_(cast(torch.Tensor, rows)[lo:hi])
+                block[hi:].zero_()
+        if dst is not out:
+            out.index_copy_(0, torch.from_numpy(rec.order), dst)
+
+    @staticmethod
+    def _stage(backend: Any, route: _Route) -> np.ndarray:
+        """Where a combine call's rows are written: the ubep Buffer's own combine buffer
+        (``Buffer.get_combine_buffer``: no copy into its segment; it waits until no peer still
+        reads the combine that used it last), or an array of the same shape."""
+        get = getattr(getattr(backend, "buffer", None), "get_combine_buffer", None)
+        if get is not None:
+            return cast(np.ndarray, get(route.back.inner))
+        return np.empty((route.rec.num_rows, route.back.width), dtype=np.uint16)  # BF16 bits
 
     def _combined_x(self, ys: list[Any], route: _Route, plan: _BackPlan,
                     own: torch.Tensor | None, biases: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The combined tokens from the combine calls' results ``ys`` (``_v2_combine``)."""
         src, H, G = route.src, route.hidden, plan.per_call
         T, K = src.owner.shape
+        if plan.sum_block and not biases:  # the core's sum, in DeepEP's order (_v2_combine)
+            summed = np.asarray(ys[0]).reshape(T, route.back.width)[:, :H]
+            return from_numpy(np.ascontiguousarray(summed), torch.bfloat16)
         got = [from_numpy(np.asarray(y), torch.bfloat16).reshape(T, route.back.width)[
             :, : G * H].unflatten(1, (G, H)) for y in ys]
         bank = (torch.cat(got, dim=1) if len(got) > 1 else got[0])[:, : plan.num_blocks]
-        if plan.sum_block and not biases:
-            return bank[:, 0].contiguous()  # the core's sum, in DeepEP's order (docstring)
         if plan.per_slot:
             use = src.owner >= 0
             block = np.broadcast_to(np.arange(K), (T, K))
