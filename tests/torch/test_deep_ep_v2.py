@@ -295,3 +295,23 @@ def test_combine_is_one_core_combine(api: str) -> None:
         assert plain == ({"dispatch": 0, "combine": 1}, True), (rank, plain)
         assert biased == ({"dispatch": 0, "combine": 1}, True), (rank, biased)
         assert weighted[1] and weighted[0]["combine"] == 1, (rank, weighted)
+
+
+def _mixed_reduction(group: Any) -> str:
+    from ubep.deep_ep import EPBuffer
+
+    try:
+        EPBuffer(group, num_max_tokens_per_rank=4, hidden=64, num_topk=2, timeout_s=30.0,
+                 allow_multiple_reduction=group.rank == 1)
+    except Exception as exc:  # the outcome is the test's
+        return f"{type(exc).__name__}: {exc}"
+    return "constructed"
+
+
+def test_allow_multiple_reduction_differs_between_ranks() -> None:
+    """Where a combine's rows lie follows allow_multiple_reduction: a value that differs
+    between ranks fails the construction on every rank, naming it."""
+    before = ubep_segments()
+    for got in launch(_mixed_reduction, 2, timeout_s=120):
+        assert got.startswith("InvalidArgumentError") and "allow_multiple_reduction" in got, got
+    assert not leaked_since(before)

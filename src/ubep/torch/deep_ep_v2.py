@@ -140,7 +140,17 @@ class _V2Buffer(V2Calls, LoadBalanceCalls):
             self.lb_storage = region
         self.runtime: Any = self  # DeepEP's C++ runtime; None once destroyed
         self._destroyed = False
-        self.barrier()  # as DeepEP: every rank constructed before any call
+        # as DeepEP, every rank constructed before any call; and the same
+        # allow_multiple_reduction everywhere: where a combine's rows lie follows it
+        # (deep_ep_v2_calls._BackPlan), and a combine carries no signature that would catch it
+        everyone = self._v1._allgather(bool(allow_multiple_reduction))
+        if len(set(everyone)) != 1:
+            if self._lb is not None:
+                self._lb.close()
+            self._v1.destroy()
+            raise InvalidArgumentError(
+                "allow_multiple_reduction", allow_multiple_reduction,
+                f"differs between ranks (by rank: {everyone}): pass the same on every rank")
 
     # ------------------------------------------------------------------ DeepEP's calls
     @property
