@@ -640,26 +640,26 @@ class V2Calls:
         if plan.sum_block and not biases:  # the core's sum, in DeepEP's order (_v2_combine)
             summed = np.asarray(ys[0]).reshape(T, route.back.width)[:, :H]
             return from_numpy(np.ascontiguousarray(summed), torch.bfloat16)
-        got = [from_numpy(np.asarray(y), torch.bfloat16).reshape(T, route.back.width)[
-            :, : G * H].unflatten(1, (G, H)) for y in ys]
-        bank = (torch.cat(got, dim=1) if len(got) > 1 else got[0])[:, : plan.num_blocks]
+        blocks = []  # [T, hidden] each, block b of call b // G; one cat below, block-major
+        for c, y in enumerate(ys):
+            got = from_numpy(np.asarray(y), torch.bfloat16).reshape(T, route.back.width)
+            blocks += [got[:, g * H: (g + 1) * H] for g in range(G)
+                       if c * G + g < plan.num_blocks]
         if plan.per_slot:
             use = src.owner >= 0
             block = np.broadcast_to(np.arange(K), (T, K))
         else:  # this rank's own term of its tokens, one block more
             rec, me = route.rec, self.rank_idx
             mine = np.nonzero(rec.src_rank == me)[0]
-            local = torch.zeros((T, 1, H), dtype=torch.bfloat16)
-            local[torch.from_numpy(rec.src_token[mine]), 0] = cast(
-                torch.Tensor, own).index_select(0, torch.from_numpy(mine))
-            bank = torch.cat([bank, local], dim=1)
+            local = torch.zeros((T, H), dtype=torch.bfloat16)
+            local.index_copy_(0, torch.from_numpy(rec.src_token[mine]),
+                              cast(torch.Tensor, own).index_select(0, torch.from_numpy(mine)))
+            blocks.append(local)
             use = src.last
             far = int(plan.sum_block) + (src.owner - me - 1) % self.num_ranks
             block = np.where(src.owner == me, plan.num_blocks, far)
-        num_blocks = int(bank.shape[1])
-        row_of = np.arange(T, dtype=np.int64)[:, None] * num_blocks + block
-        return reduce_at_source(bank.reshape(T * num_blocks, H), row_of, use, biases,
-                                torch.bfloat16)
+        row_of = block * T + np.arange(T, dtype=np.int64)[:, None]
+        return reduce_at_source(torch.cat(blocks), row_of, use, biases, torch.bfloat16)
 
     def _combined_weights(self, handle: EPHandle, route: _Route,
                           topk_weights: torch.Tensor) -> torch.Tensor:
