@@ -240,3 +240,78 @@ def test_full_matrix(num_ranks: int, api: str, amr: bool) -> None:
     switches = itertools.product((1, 4), (False, True), (0, 1, 2), (False, True), (False, True),
                                  (False, True))
     _run(Shape(num_ranks=num_ranks), _cases(switches), api, amr)
+
+
+def _engine_calls(group: Any, api: str) -> list[tuple[dict[str, int], bool]]:
+    """Per combine (without bias, with one, with ``topk_weights``), the ubep Buffer calls it
+    made, counted on the Buffer class (every Buffer of this rank, made before or during the
+    combine), and whether its result is DeepEP's, bit for bit."""
+    from ubep.buffer import Buffer
+    from ubep.deep_ep import ElasticBuffer, EPBuffer
+
+    shape, case = Shape(num_ranks=group.num_ranks), Case(num_bias=1)
+    cls = EPBuffer if api == "EPBuffer" else ElasticBuffer
+    buf = cls(group, num_max_tokens_per_rank=shape.num_max_tokens_per_rank, hidden=shape.hidden,
+              num_topk=shape.num_topk, explicitly_destroy=True, timeout_s=60.0)
+    inp = oracle.inputs(shape, case, group.rank)
+    counts = {"dispatch": 0, "combine": 0}
+    for name in counts:
+        method = getattr(Buffer, name)
+
+        def counted(self: Any, *args: Any, _name: str = name, _method: Any = method,
+                    **kwargs: Any) -> Any:
+            counts[_name] += 1
+            return _method(self, *args, **kwargs)
+
+        setattr(Buffer, name, counted)
+    out = []
+    for bias, weights in ((None, False), (inp["bias"][0], False), (None, True)):
+        _, recv_idx, recv_w, handle = buf.dispatch(
+            inp["x"], inp["topk_idx"], inp["topk_weights"], num_experts=shape.num_experts)[:4]
+        valid = handle.num_valid_recv_tokens
+        y = oracle.local_partial(handle.recv_src_metadata[:valid, 0].long(), recv_idx[:valid],
+                                 shape.hidden)
+        before = dict(counts)
+        combined, combined_w, _ = buf.combine(y, handle, bias=bias,
+                                              topk_weights=recv_w if weights else None)
+        want = oracle.combine(shape, {**inp, "bias": () if bias is None else (bias,)},
+                              group.rank, reduce_in_local=True)
+        exact = bool(np.array_equal(oracle.bits(combined), oracle.bits(want)))
+        if weights:
+            exact = exact and torch.equal(combined_w, inp["topk_weights"])
+        out.append(({k: counts[k] - before[k] for k in counts}, exact))
+    buf.destroy()
+    return out
+
+
+@pytest.mark.parametrize("api", ["ElasticBuffer", "EPBuffer"])
+def test_combine_is_one_core_combine(api: str) -> None:
+    """On two ranks a compact combine is the dispatch Buffer's combine, once: no dispatch (no
+    rows back by a dispatch, no gate switch, no Buffer made), with or without bias; combined
+    weights add the one float32 dispatch that sums them at their sources (and the switches to
+    its Buffer and back). Each result is DeepEP's."""
+    for rank, per_call in enumerate(launch(_engine_calls, 2, api, timeout_s=120)):
+        plain, biased, weighted = per_call
+        assert plain == ({"dispatch": 0, "combine": 1}, True), (rank, plain)
+        assert biased == ({"dispatch": 0, "combine": 1}, True), (rank, biased)
+        assert weighted[1] and weighted[0]["combine"] == 1, (rank, weighted)
+
+
+def _mixed_reduction(group: Any) -> str:
+    from ubep.deep_ep import EPBuffer
+
+    try:
+        EPBuffer(group, num_max_tokens_per_rank=4, hidden=64, num_topk=2, timeout_s=30.0,
+                 allow_multiple_reduction=group.rank == 1)
+    except Exception as exc:  # the outcome is the test's
+        return f"{type(exc).__name__}: {exc}"
+    return "constructed"
+
+
+def test_allow_multiple_reduction_differs_between_ranks() -> None:
+    """Where a combine's rows lie follows allow_multiple_reduction: a value that differs
+    between ranks fails the construction on every rank, naming it."""
+    before = ubep_segments()
+    for got in launch(_mixed_reduction, 2, timeout_s=120):
+        assert got.startswith("InvalidArgumentError") and "allow_multiple_reduction" in got, got
+    assert not leaked_since(before)

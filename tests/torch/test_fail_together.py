@@ -269,6 +269,10 @@ def _v2_worker(group: Any) -> dict[str, Any]:
     out["capacity"] = _outcome(lambda: buf.dispatch(
         x, idx, w, num_experts=_E, num_max_tokens_per_rank=8 if r == 1 else 16))
     out["exact_4"] = exact()
+    # combine (the dispatch Buffer's own): its x on the meta device on rank 1
+    recv_x, _, _, handle = buf.dispatch(x, idx, w, num_experts=_E)[:4]
+    out["combine_x"] = _outcome(lambda: buf.combine(_meta(recv_x) if r == 1 else recv_x, handle))
+    out["exact_5"] = exact()
     buf.destroy()
     return out
 
@@ -279,8 +283,9 @@ def test_v2_fails_together_and_the_next_call_is_exact() -> None:
     _assert_together(outs, "dtype", 1, "float16", "bfloat16")
     _assert_together(outs, "num_experts", 1, "num_experts")
     _assert_together(outs, "capacity", 1, "capacity 8 on rank 1, 16 on rank 0")
+    _assert_together(outs, "combine_x", 1, "meta")
     for out in outs:
-        assert all(out[f"exact_{i}"] for i in range(5)), out
+        assert all(out[f"exact_{i}"] for i in range(6)), out
 
 
 # --------------------------------------------------------------------- the README's snippet

@@ -140,7 +140,17 @@ class _V2Buffer(V2Calls, LoadBalanceCalls):
             self.lb_storage = region
         self.runtime: Any = self  # DeepEP's C++ runtime; None once destroyed
         self._destroyed = False
-        self.barrier()  # as DeepEP: every rank constructed before any call
+        # as DeepEP, every rank constructed before any call; and the same
+        # allow_multiple_reduction everywhere: where a combine's rows lie follows it
+        # (deep_ep_v2_calls._BackPlan), and a combine carries no signature that would catch it
+        everyone = self._v1._allgather(bool(allow_multiple_reduction))
+        if len(set(everyone)) != 1:
+            if self._lb is not None:
+                self._lb.close()
+            self._v1.destroy()
+            raise InvalidArgumentError(
+                "allow_multiple_reduction", allow_multiple_reduction,
+                f"differs between ranks (by rank: {everyone}): pass the same on every rank")
 
     # ------------------------------------------------------------------ DeepEP's calls
     @property
@@ -176,8 +186,9 @@ class _V2Buffer(V2Calls, LoadBalanceCalls):
         topk = max(num_topk, 1)
         row = hidden + 4 * -(-hidden // 128) if use_fp8_dispatch else 2 * hidden
         dispatch = ranks * num_max_tokens_per_rank * (row + 12 * topk)
-        back = 2 * hidden * (1 if allow_multiple_reduction else topk)
-        combine = ranks * num_max_tokens_per_rank * (back + 4 * topk)
+        # a combine row holds a dispatched row's bytes as BF16 values (the rows go back through
+        # the dispatch Buffer's own combine), and the weights' rows go back in float32
+        combine = ranks * num_max_tokens_per_rank * (2 * row + 4 * topk)
         step = get_num_allocation_alignment()
         return -(-(dispatch + combine) // step) * step
 

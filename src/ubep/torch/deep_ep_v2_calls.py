@@ -4,9 +4,10 @@ through ubep's engines, and the outputs (the mixin :class:`V2Calls` of
 
 Every row moves through a ubep ``layout="rank"`` dispatch of raw bytes (``uint8`` rows: the
 token's BF16 or FP8 bytes, then its scale bytes), so FP8 values and any 4-byte scale format
-(FP32 or packed UE8M0) arrive bit for bit. The combine moves rows back the same way, one more
-rank-layout dispatch whose "expert" is the token's source rank, and each source reduces its
-rows in the order :mod:`ubep.torch.deep_ep_v2_layout` documents (DeepEP's reference order).
+(FP32 or packed UE8M0) arrive bit for bit. The combine is that Buffer's own combine (its
+``combine_dtype`` is BF16): on two ranks the core's sum is DeepEP's reference order
+(:mod:`ubep.torch.deep_ep_v2_layout`), elsewhere the combine hands back the unreduced rows and
+each source adds them in that order (``V2Calls._v2_combine`` says when and why).
 
 A call exchanges nothing of its own: the tokens every rank sends every rank come with the
 dispatch's result (``num_sent_rows_per_rank``, from the engine's count round). A rank whose
@@ -19,15 +20,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 
 from ..errors import InvalidArgumentError
 from ._convert import from_numpy, to_numpy
-from .backend import issue_dispatch
-from .deep_ep_agree import checked
+from .backend import LocalBackend, issue_combine, issue_dispatch
+from .deep_ep_agree import checked, sum_at_sources
 from .deep_ep_types import EventHandle, EventOverlap
 from .deep_ep_v2_layout import (
     Received,
@@ -48,12 +49,59 @@ _SF_PACKS_ALIGNMENT = 4  # DeepEP's kNumAlignedSFPacks: the TMA-aligned column-m
 
 
 @dataclass(frozen=True)
+class _Back:
+    """The Buffer a dispatch went through, whose combine brings its rows back."""
+
+    backend: Any  # the facade's backend of that Buffer
+    inner: Any  # the dispatch's ubep handle
+    width: int  # the Buffer's row: bytes of a dispatched row, BF16 values of a combined one
+
+
+@dataclass(frozen=True)
 class _Route:
     """What combine needs of one dispatch (kept in the handle)."""
 
     rec: Received
     src: SourceRoute
     hidden: int
+    back: _Back
+    in_order: bool  # the engine's rows are in the receive order (rec.order is the identity)
+    first: tuple[int, ...]  # receive rows [first[s], first[s + 1]) came from rank s
+
+
+@dataclass(frozen=True)
+class _BackPlan:
+    """Where the rows a combine sends back lie in the combine rows of the dispatch's Buffer
+    (``width`` BF16 values: ``per_call = width // hidden`` blocks of ``hidden``), the same on
+    every rank: it follows from what every rank's call has alike (the handle's routing kind,
+    the buffer's ``allow_multiple_reduction``, the number of ranks), never from a rank's own
+    ``bias`` or ``topk_weights`` (a combine carries no signature that would catch a mismatch).
+
+    * ``per_slot`` (an expanded combine without ``allow_multiple_reduction``): the row of
+      (token, slot ``k``) in block ``k``, ``num_blocks = num_topk``;
+    * otherwise one row per (token, rank): with ``sum_block`` (1 or 2 ranks and room for two
+      blocks) every rank's row in block 0, which the core's combine sums in DeepEP's order,
+      and the rows from the other rank in block 1; without it the rows of rank ``d`` for source
+      ``s`` in block ``(d - s - 1) % num_ranks``; a source's own rows stay there.
+    """
+
+    per_slot: bool
+    sum_block: bool
+    num_blocks: int
+    per_call: int
+
+    @property
+    def num_calls(self) -> int:
+        return -(-self.num_blocks // self.per_call)
+
+
+def _back_plan(num_ranks: int, num_topk: int, width: int, hidden: int,
+               per_slot: bool) -> _BackPlan:
+    per_call = width // hidden  # >= 1: a BF16 row's bytes are 2 hidden, an FP8 row's more
+    if per_slot:
+        return _BackPlan(True, False, num_topk, per_call)
+    sum_block = num_ranks == 1 or (num_ranks == 2 and per_call >= 2)
+    return _BackPlan(False, sum_block, int(sum_block) + num_ranks - 1, per_call)
 
 
 @dataclass(frozen=True)
@@ -162,7 +210,8 @@ class V2Calls:
         self._v1._gate.note("v2_dispatch", getattr(x[0] if isinstance(x, tuple) else x,
                                                    "dtype", None))
         backend = self._v1._backend("rank", args.payload.shape[1], args.idx.shape[1],
-                                    args.num_experts, torch.uint8, args.num_max_tokens_per_rank)
+                                    args.num_experts, torch.uint8, args.num_max_tokens_per_rank,
+                                    combine_dtype=torch.bfloat16)
         call = issue_dispatch(backend, args.payload, args.idx, args.weights, split=defer_epilogue)
         sms = handle.num_sms if handle is not None else self._resolve_num_sms(
             num_sms, args.num_experts, args.idx.shape[1])
@@ -171,7 +220,7 @@ class V2Calls:
         return self._epilogue(call, before_epilogue, defer_epilogue, lambda res: (
             self._dispatch_outputs(args, res, np.asarray(res.num_sent_rows_per_rank,
                                                          dtype=np.int64), stats, handle, sms,
-                                   emit_expert_ids, col_major_sf)))
+                                   emit_expert_ids, col_major_sf, backend)))
 
     def _dispatch_backend(self, x: Any, topk_idx: Any, handle: Any, num_experts: Any,
                           num_max_tokens_per_rank: Any) -> Any:
@@ -188,7 +237,8 @@ class V2Calls:
         # signed as the good call signs it (the peers' move to it matches this rank's)
         self._v1._gate.note("v2_dispatch", getattr(x_t, "dtype", None))
         return self._v1._backend("rank", width, int(topk_idx.shape[1]), int(num_experts),
-                                 torch.uint8, int(num_max_tokens_per_rank))
+                                 torch.uint8, int(num_max_tokens_per_rank),
+                                 combine_dtype=torch.bfloat16)
 
     def _check_dispatch(self, x: Any, topk_idx: Any, topk_weights: Any, stats: Any,
                         num_experts: Any, num_max_tokens_per_rank: Any, expert_alignment: Any,
@@ -300,7 +350,7 @@ class V2Calls:
 
     def _dispatch_outputs(self, args: _DispatchArgs, res: Any, sent: np.ndarray, stats: Any,
                           handle: EPHandle | None, num_sms: int, emit_expert_ids: bool,
-                          col_major_sf: bool) -> tuple[Any, Any, Any, EPHandle]:
+                          col_major_sf: bool, backend: Any) -> tuple[Any, Any, Any, EPHandle]:
         R = self.num_ranks
         L, K = args.num_experts // R, args.idx.shape[1]
         A, T_max = args.expert_alignment, args.num_max_tokens_per_rank
@@ -327,8 +377,9 @@ class V2Calls:
         recv_x, recv_topk_idx, recv_topk_weights = self._recv_tensors(
             args, rec, sel, (rows, sf_rows, w), col_major_sf)
         if handle is None:
+            back = _Back(backend, res.handle, int(args.payload.shape[1]))
             handle = self._new_handle(args, rec, sent, n_out, expanded_rows, num_sms,
-                                      emit_expert_ids, sel)
+                                      emit_expert_ids, sel, back)
         elif handle.num_valid_recv_tokens != n:  # the same routing moves the same rows
             raise InvalidArgumentError("handle", "stale", "its routing no longer matches")
         return recv_x, recv_topk_idx, recv_topk_weights, handle
@@ -394,7 +445,7 @@ class V2Calls:
 
     def _new_handle(self, args: _DispatchArgs, rec: Received, sent: np.ndarray, n_out: int,
                     expanded_rows: int, num_sms: int, emit_expert_ids: bool,
-                    sel: np.ndarray) -> EPHandle:
+                    sel: np.ndarray, back: _Back) -> EPHandle:
         me, K = self.rank_idx, args.idx.shape[1]
         n = rec.num_rows
         first_of_rank = np.concatenate([[0], np.cumsum(rec.rows_per_rank)[:-1]])
@@ -434,40 +485,71 @@ class V2Calls:
             recv_src_metadata=torch.from_numpy(meta),
             dst_buffer_slot_idx=torch.from_numpy(dst_slot),
             recv_expert_ids=expert_ids,
-            route=_Route(rec, args.src, int(args.x.shape[1])),
+            route=_Route(rec, args.src, int(args.x.shape[1]), back,
+                         bool((rec.order == np.arange(n)).all()),
+                         (*(int(f) for f in first_of_rank), n)),
         )
 
     # ------------------------------------------------------------------ combine
     def _v2_combine(self, x: Any, handle: Any, topk_weights: Any, bias: Any,
                     previous_event: Any, before_epilogue: Any, async_: bool,
                     allocate_on_comm_stream: bool, defer_epilogue: bool) -> Any:
+        """The rows go back through the core's combine on the Buffer the dispatch used (its
+        ``combine_dtype`` BF16, its row ``width`` bytes = BF16 values; :class:`_BackPlan`),
+        no dispatch and no count round of its own.
+
+        DeepEP sums a token's terms in FP32 from the bias (or +0.0) in slot order and rounds
+        once. The core sums one row per (token, rank) from +0.0 over the ranks ascending and
+        rounds once: the same bits whenever a token has at most two terms, as on two ranks
+        (two terms commute; a zero term leaves a sum that started at +0.0 as it was). There,
+        without ``bias``, the core's sum is the result. Elsewhere (more ranks, ``bias``, an
+        expanded combine with a row per slot) the order differs, so the combine hands back the
+        unreduced rows, one block each (a block's sum over the ranks adds zeros to the one
+        rank's row there: the row itself), and :func:`.deep_ep_v2_layout.reduce_at_source`
+        adds them in DeepEP's order (a row per (token, rank): with this rank's own rows, which
+        never leave it). A row's
+        -0.0 comes back +0.0 (the core's sum starts at +0.0); that changes a result only where
+        the bias sum is -0.0 and every one of the token's ``num_topk`` terms is -0.0.
+        ``topk_weights`` come back by :func:`.deep_ep_agree.sum_at_sources` (each rank's
+        weights at its own slots, zeros elsewhere: the sum gathers them)."""
         self._flush()
         biases = checked(
             lambda: self._check_combine(x, handle, topk_weights, bias, previous_event, async_,
                                         allocate_on_comm_stream, defer_epilogue),
-            lambda: self._combine_backend(handle, 2 * handle._route.hidden + (
-                4 * handle._topk_idx.shape[1] if topk_weights is not None else 0)))
+            lambda: self._combine_on(handle))
         if previous_event is not None:
             _wait(previous_event)
         route: _Route = handle._route
-        rows, reverse_idx, row_bytes = self._rows_back(x, handle, topk_weights)
-        backend = self._combine_backend(handle, rows.shape[1])
-        call = issue_dispatch(backend, rows, reverse_idx, np.zeros(reverse_idx.shape, np.float32),
-                              split=defer_epilogue)
+        plan = _back_plan(self.num_ranks, int(handle._topk_idx.shape[1]), route.back.width,
+                          route.hidden, handle.do_expand and not self.allow_multiple_reduction)
+        own = None  # one row per (token, rank), the receive order: this rank's term of each
+        if not plan.per_slot:
+            n = route.rec.num_rows
+            own = reduce_local(x, route.rec.slots) if handle.do_expand else x[:n]
+        calls = []
+        for i in range(plan.num_calls):  # the last call's receive half may be deferred
+            backend = self._combine_on(handle)
+            stage = self._stage(backend, route)
+            self._fill(from_numpy(stage, torch.bfloat16), i, x, own, route, plan)
+            calls.append(issue_combine(backend, stage, route.back.inner,
+                                       split=defer_epilogue and i == plan.num_calls - 1))
 
-        return self._epilogue(call, before_epilogue, defer_epilogue, lambda res: (
-            self._combine_outputs(res, handle, route, row_bytes, topk_weights is not None,
-                                  biases)))
+        def outputs(last: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+            ys = [call.hook() for call in calls[:-1]] + [last]
+            combined_x = self._combined_x(ys, route, plan, own, biases)
+            combined_w = None
+            if topk_weights is not None:
+                combined_w = self._combined_weights(handle, route, topk_weights)
+            return combined_x, combined_w
 
-    def _combine_backend(self, handle: EPHandle, width: int) -> Any:
-        """The backend the rows of ``handle``'s combine go back through (``width`` bytes a
-        row): one row per (token, destination) pair, or per (token, slot) pair when an expanded
-        combine sends a row per slot."""
-        R, K = self.num_ranks, handle._topk_idx.shape[1]
-        capacity = R * handle.num_max_tokens_per_rank
-        if handle.do_expand and not self.allow_multiple_reduction:
-            capacity *= min(K, handle.num_experts // R)
-        return self._v1._backend("rank", width, 1, R, torch.uint8, capacity)
+        return self._epilogue(calls[-1], before_epilogue, defer_epilogue, outputs)
+
+    def _combine_on(self, handle: EPHandle) -> Any:
+        """The backend of ``handle``'s dispatch, taking the next call (a combine)."""
+        backend = handle._route.back.backend
+        if not isinstance(self._v1._ep, LocalBackend):  # the in-process world has no gate
+            self._v1._gate.combine_on(backend)
+        return backend
 
     def _check_combine(self, x: Any, handle: Any, topk_weights: Any, bias: Any,
                        previous_event: Any, async_: bool, allocate_on_comm_stream: bool,
@@ -483,7 +565,7 @@ class V2Calls:
                                        "must be torch.bfloat16 (DeepEP's V2 combine)")
         hidden = handle._route.hidden
         rows = handle.num_expanded_tokens if handle.do_expand else handle.num_recv_tokens
-        allowed = {rows} if handle.do_expand else {rows, handle.num_valid_recv_tokens}
+        allowed = {rows} if handle.do_expand else {rows, handle._route.rec.num_rows}
         if x.shape[0] not in allowed or x.shape[1] != hidden:
             raise InvalidArgumentError(
                 "x", tuple(x.shape), f"must be [{rows}, {hidden}] like the dispatch's recv_x")
@@ -509,67 +591,94 @@ class V2Calls:
                                            f"must be [{num_tokens}, {hidden}] {x.dtype}")
         return tuple(biases)
 
-    def _rows_back(self, x: torch.Tensor, handle: EPHandle,
-                   topk_weights: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray, int]:
-        """The rows this rank returns, each to its token's source rank: ``(bytes [m, width],
-        destination [m, 1], bytes of the BF16 part)``. Rows for one source follow the receive
-        order (and slot order), which is the order the source expects them in."""
-        rec: Received = handle._route.rec
-        n, dest = rec.num_rows, rec.src_rank
-        if not handle.do_expand:
-            rows, w = x[:n], (None if topk_weights is None else topk_weights[:n])
-        elif self.allow_multiple_reduction:
-            rows = reduce_local(x, rec.slots)
-            w = None
-            if topk_weights is not None:
-                ok = torch.from_numpy(rec.slots >= 0)
-                w = torch.where(ok, topk_weights[torch.from_numpy(np.maximum(rec.slots, 0))], 0.0)
-        else:
-            r, k = np.nonzero(rec.slots >= 0)
-            rows, w, dest = x[torch.from_numpy(rec.slots[r, k])], None, rec.src_rank[r]
-        parts = [rows.contiguous().view(torch.uint8)]
-        if w is not None:
-            w_bytes = w.float().contiguous().view(torch.uint8)
-            parts.append(w_bytes.reshape(rows.shape[0], 4 * w.shape[1]))
-        raw = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-        return (to_numpy(raw.contiguous()), np.ascontiguousarray(dest[:, None], dtype=np.int64),
-                int(parts[0].shape[1]))
+    def _fill(self, out: torch.Tensor, call: int, x: torch.Tensor, rows: torch.Tensor | None,
+              route: _Route, plan: _BackPlan) -> None:
+        """Write combine call ``call``'s rows into ``out`` (``[received rows, width]`` BF16, row
+        ``i`` answering the engine's row ``i``; zeros outside the blocks): ``rows`` (one per
+        (token, rank), the receive order) or, per slot, ``x``'s expanded rows. Filled in the
+        receive order, where each source rank's rows are one slice (copies of slices, no
+        scatter), then put in the engine's order where that differs."""
+        rec, H, G = route.rec, route.hidden, plan.per_call
+        me, R, first = self.rank_idx, self.num_ranks, route.first
+        dst = out if route.in_order else torch.empty_like(out)
+        dst[:, G * H:].zero_()  # an FP8 row's scale bytes: no block
+        for g in range(G):
+            b, block = call * G + g, dst[:, g * H: (g + 1) * H]
+            if b >= plan.num_blocks:  # the last call's spare blocks
+                block.zero_()
+            elif plan.per_slot:  # slot b's expanded row of every received row that has one
+                block.zero_()
+                row = np.nonzero(rec.slots[:, b] >= 0)[0]
+                block.index_copy_(0, torch.from_numpy(row),
+                                  x.index_select(0, torch.from_numpy(rec.slots[row, b])))
+            elif plan.sum_block and b == 0:  # every row: the core sums them
+                block.copy_(cast(torch.Tensor, rows))
+            else:  # the rows of one source rank s (never this rank: its own rows stay here)
+                s = (me - 1 - (b - int(plan.sum_block))) % R
+                lo, hi = first[s], first[s + 1]
+                block[:lo].zero_()
+                block[lo:hi].copy_(cast(torch.Tensor, rows)[lo:hi])
+                block[hi:].zero_()
+        if dst is not out:
+            out.index_copy_(0, torch.from_numpy(rec.order), dst)
 
-    def _combine_outputs(self, res: Any, handle: EPHandle, route: _Route, row_bytes: int,
-                         with_weights: bool, biases: tuple[torch.Tensor, ...]
-                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        src = route.src
+    @staticmethod
+    def _stage(backend: Any, route: _Route) -> np.ndarray:
+        """Where a combine call's rows are written: the ubep Buffer's own combine buffer
+        (``Buffer.get_combine_buffer``: no copy into its segment; it waits until no peer still
+        reads the combine that used it last), or an array of the same shape."""
+        get = getattr(getattr(backend, "buffer", None), "get_combine_buffer", None)
+        if get is not None:
+            return cast(np.ndarray, get(route.back.inner))
+        return np.empty((route.rec.num_rows, route.back.width), dtype=np.uint16)  # BF16 bits
+
+    def _combined_x(self, ys: list[Any], route: _Route, plan: _BackPlan,
+                    own: torch.Tensor | None, biases: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The combined tokens from the combine calls' results ``ys`` (``_v2_combine``)."""
+        src, H, G = route.src, route.hidden, plan.per_call
         T, K = src.owner.shape
-        sender = np.asarray(res.recv_src_rank, dtype=np.int64)
-        order = np.lexsort((np.asarray(res.recv_src_token), sender))
-        width = row_bytes + (4 * K if with_weights else 0)
-        # the engine's rows as they landed (no copy): every row below is read through ``order``
-        raw = from_numpy(np.asarray(res.recv_x)).reshape(len(order), width)
-        first = np.searchsorted(sender[order], np.arange(self.num_ranks))  # first from each
-        per_pair = handle.do_expand and not self.allow_multiple_reduction
-        row_of = np.full((T, K), -1, dtype=np.int64)  # the returned row each slot reads
-        for r in range(self.num_ranks):
-            if per_pair:  # one row per (token, slot) owned by r, tokens then slots ascending
-                t, k = np.nonzero(src.owner == r)
-                row_of[t, k] = first[r] + np.arange(t.size)
-            else:  # one row per token sent to r, ascending
-                place = np.full(T, -1, dtype=np.int64)
-                place[src.tokens_to[r]] = first[r] + np.arange(src.tokens_to[r].size)
-                hit = src.owner == r
-                row_of[hit] = np.broadcast_to(place[:, None], (T, K))[hit]
-        engine_row = np.where(row_of >= 0, order[np.maximum(row_of, 0)] if order.size else 0, -1)
-        use = (src.owner >= 0) if per_pair else src.last
-        combined_x = reduce_at_source(_as(raw[:, :row_bytes], torch.bfloat16), engine_row, use,
-                                      biases, torch.bfloat16)
-        combined_w = None
-        if with_weights:
-            w_rows = _as(raw[:, row_bytes:], torch.float32)
-            combined_w = torch.zeros((T, K), dtype=torch.float32)
-            ok = src.owner >= 0
-            t, k = np.nonzero(ok)
-            combined_w[torch.from_numpy(t), torch.from_numpy(k)] = w_rows[
-                torch.from_numpy(engine_row[t, k]), torch.from_numpy(k)]
-        return combined_x, combined_w
+        if plan.sum_block and not biases:  # the core's sum, in DeepEP's order (_v2_combine)
+            summed = np.asarray(ys[0]).reshape(T, route.back.width)[:, :H]
+            return from_numpy(np.ascontiguousarray(summed), torch.bfloat16)
+        blocks = []  # [T, hidden] each, block b of call b // G; one cat below, block-major
+        for c, y in enumerate(ys):
+            got = from_numpy(np.asarray(y), torch.bfloat16).reshape(T, route.back.width)
+            blocks += [got[:, g * H: (g + 1) * H] for g in range(G)
+                       if c * G + g < plan.num_blocks]
+        if plan.per_slot:
+            use = src.owner >= 0
+            block = np.broadcast_to(np.arange(K), (T, K))
+        else:  # this rank's own term of its tokens, one block more
+            rec, me = route.rec, self.rank_idx
+            mine = np.nonzero(rec.src_rank == me)[0]
+            local = torch.zeros((T, H), dtype=torch.bfloat16)
+            local.index_copy_(0, torch.from_numpy(rec.src_token[mine]),
+                              cast(torch.Tensor, own).index_select(0, torch.from_numpy(mine)))
+            blocks.append(local)
+            use = src.last
+            far = int(plan.sum_block) + (src.owner - me - 1) % self.num_ranks
+            block = np.where(src.owner == me, plan.num_blocks, far)
+        row_of = block * T + np.arange(T, dtype=np.int64)[:, None]
+        return reduce_at_source(torch.cat(blocks), row_of, use, biases, torch.bfloat16)
+
+    def _combined_weights(self, handle: EPHandle, route: _Route,
+                          topk_weights: torch.Tensor) -> torch.Tensor:
+        """``combined_topk_weights``: each slot's weight from the rank that owns it, summed at
+        the sources by :func:`.deep_ep_agree.sum_at_sources` (one float32 rank-layout dispatch,
+        as the V1 facade's combine): a rank sends, per received row, its own slots' weights
+        and zeros, so each slot's sum is its one weight."""
+        rec, src = route.rec, route.src
+        n, K = rec.num_rows, int(src.owner.shape[1])
+        if handle.do_expand:  # allow_multiple_reduction: a row's slots from the expanded rows
+            at = torch.from_numpy(np.maximum(rec.slots, 0))
+            values = torch.where(torch.from_numpy(rec.slots >= 0), topk_weights[at], 0.0)
+        else:
+            values = torch.where(torch.from_numpy(rec.local_idx >= 0), topk_weights[:n], 0.0)
+        R = self.num_ranks
+        back = self._v1._backend("rank", K, 1, R, torch.float32,
+                                 R * handle.num_max_tokens_per_rank)
+        in_rank = np.stack([(src.owner == r).any(axis=1) for r in range(R)], axis=1)
+        return sum_at_sources(back, values, np.cumsum(rec.rows_per_rank), in_rank)
 
     # ------------------------------------------------------------------ shared
     def _check_handle(self, handle: Any) -> None:

@@ -160,26 +160,20 @@ def reduce_at_source(rows: torch.Tensor, row_of: np.ndarray, use: np.ndarray,
     without bias) plus, for ``k`` in order, ``c[t, k]`` = ``rows[row_of[t, k]]`` where
     ``use[t, k]`` else ``+0.0``, cast once to ``dtype`` (``[num_tokens, hidden]``).
 
-    The ``+0.0`` terms are not added one by one: ``a + (+0.0)`` is ``a`` for every ``a`` but
-    ``-0.0`` (which it makes ``+0.0``), and a sum becomes ``-0.0`` only from ``-0.0 + -0.0``. So
-    a token with any unused slot ends ``+0.0`` where the terms alone would leave ``-0.0``, which
-    can only happen from a ``-0.0`` bias sum; one ``+0.0`` added at the end to those tokens gives
-    the same bits as the slot-by-slot sum."""
+    Every term is added, the ``+0.0`` ones too, as DeepEP adds them: one gather of the
+    ``[num_tokens, num_topk, hidden]`` terms (a zero row where a slot is unused), then one FP32
+    add per slot over all tokens."""
     num_tokens, num_topk = use.shape
+    padded = torch.cat([rows, torch.zeros((1, rows.shape[1]), dtype=rows.dtype)])
+    pick = np.where(use, row_of, rows.shape[0])  # row len(rows): zeros
+    at = torch.from_numpy(np.ascontiguousarray(pick, dtype=np.int64).reshape(-1))
+    terms = padded.index_select(0, at).float().view(num_tokens, num_topk, rows.shape[1])
     if bias:
         acc = bias[0].to(torch.float32, copy=True)
         for b in bias[1:]:
             acc = acc + b.float()
     else:
         acc = torch.zeros((num_tokens, rows.shape[1]), dtype=torch.float32)
-    for k in range(num_topk):
-        tokens = np.nonzero(use[:, k])[0]
-        if tokens.size:  # one FP32 add per used slot, in slot order
-            picked = rows.index_select(0, torch.from_numpy(row_of[tokens, k])).float()
-            acc.index_add_(0, torch.from_numpy(tokens), picked)
-    if bias:
-        gaps = np.nonzero(~use.all(axis=1))[0]
-        if gaps.size:
-            at = torch.from_numpy(gaps)
-            acc.index_copy_(0, at, acc.index_select(0, at) + 0.0)
+    for k in range(num_topk):  # slot order
+        acc.add_(terms[:, k])
     return acc.to(dtype)
