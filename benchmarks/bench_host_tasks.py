@@ -131,12 +131,13 @@ def run_grid(ranks: list[int], warmup: int, repeats: int, calls: int, micro: Any
     from benchmarks import bench_dispatch as bd
     from benchmarks import bench_host_validation as bhv
     from benchmarks.host_micro import cpus_available
-    from ubep.sim.host import predict_host_tasks
+    from ubep.sim.host import kernel_passes, predict_host_tasks
     from ubep.sim.host_sched import cpus_for
 
     rows_out: list[dict[str, Any]] = []
     shown: dict[str, Any] = {}
     for r, case in grid_cases(ranks):
+        micro.cache.clear()  # this host drifts within minutes: each case measures its own
         idxs = bhv._routing(case, r)
         hc = bhv._host_case(case, r, "dispatch")
         timer = _grid_timer(micro, case, r, idxs)
@@ -146,9 +147,13 @@ def run_grid(ranks: list[int], warmup: int, repeats: int, calls: int, micro: Any
         flag = micro.flag_oneway_ns(r)
         tiny = bd.run([r], [bhv._tiny(case)], warmup, repeats, False, 1800.0)[0]
         fixed = bhv.fixed_cost(micro, {r: flag}, tiny, "dispatch")["fixed_ns"]
-        avail = cpus_available(r)
-        cpus = cpus_for(avail, r)
+        for w, rd, t in kernel_passes(hc, 1).values():  # the row passes, before the calls
+            timer(w, rd, t)
+        # the CPUs the ranks get, on both sides of the traced calls (the load moves)
+        before = cpus_available(r)
         measured = measured_calls(case, r, warmup=5, calls=calls)
+        avail = (before + cpus_available(r)) / 2
+        cpus = cpus_for(avail, r)
         spans = predict_host_tasks(hc, idxs, fixed_ns=fixed, flag_oneway_ns=flag, timer=timer,
                                    cpus=cpus, row_meta_ns=meta)
         pred_spans = [(s.rank, s.task, s.start_ns, s.end_ns) for s in spans]
@@ -183,11 +188,18 @@ def plot_overlay(shown: dict[str, Any], path: str) -> None:
     fig, axes = plt.subplots(len(shown), 1, figsize=(8, 1.4 + 1.1 * sum(
         v["ranks"] for v in shown.values())), squeeze=False)
     for ax, (mode, v) in zip(axes[:, 0], shown.items(), strict=True):
-        for src, height, off in (("measured", 0.7, 0.0), ("predicted", 0.25, 0.0)):
+        # the model's init is a whole call's fixed cost (Python too), the runtime's its native
+        # prepare: each rank's predicted spans are drawn from where its measured init ends
+        init_end = {src: {rank: end for rank, kind, _, end in v[src] if kind == "init"}
+                    for src in ("measured", "predicted")}
+        for src, height in (("measured", 0.7), ("predicted", 0.25)):
             for rank, kind, start, end in v[src]:
                 if kind == "init" and src == "predicted":
-                    continue  # the model's init is a whole call's fixed cost (Python too)
-                ax.barh(rank + off, (end - start) / 1e3, left=start / 1e3, height=height,
+                    continue
+                shift = 0.0 if src == "measured" else (
+                    init_end["measured"].get(rank, 0.0) - init_end["predicted"].get(rank, 0.0))
+                start, end = start + shift, end + shift
+                ax.barh(rank, (end - start) / 1e3, left=start / 1e3, height=height,
                         color=_COLORS.get(kind, "#cccccc"),
                         edgecolor="black" if src == "predicted" else "none", linewidth=0.4)
         ax.set_yticks(range(v["ranks"]), [f"rank {r}" for r in range(v["ranks"])])
@@ -200,6 +212,24 @@ def plot_overlay(shown: dict[str, Any], path: str) -> None:
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(path, dpi=72)
     plt.close(fig)
+
+
+def merge_passes(passes: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per case, the median over passes of every measured and predicted task time and of the
+    CPUs available (this host's load moves from minute to minute: one pass is one sample);
+    ``cpus`` becomes the passes' CPUs, comma-separated."""
+    out = []
+    for same in zip(*passes, strict=True):
+        row = dict(same[0])
+        for side in ("measured_us", "predicted_us"):
+            row[side] = {k: statistics.median(r[side][k] for r in same) for k in row[side]}
+        for key in ("cpus_available", "fixed_us", "flag_oneway_ns", "row_meta_ns"):
+            row[key] = statistics.median(r[key] for r in same)
+        row["cpus"] = ",".join(str(r["cpus"]) for r in same)
+        row["passes"] = [{k: r[k] for k in ("cpus_available", "cpus", "measured_us",
+                                             "predicted_us")} for r in same]
+        out.append(row)
+    return out
 
 
 def _err(p: float, m: float) -> float:
@@ -236,13 +266,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--millis", type=int, default=60, help="per microbenchmark round")
     parser.add_argument("--rounds", type=int, default=3, help="microbenchmark rounds (median)")
+    parser.add_argument("--passes", type=int, default=3,
+                        help="passes over the grid (each case's microbenchmarks, then its "
+                             "calls); per case the median over passes")
     parser.add_argument("--out", default=None, help="write OUT.txt, OUT.json and OUT.png")
     args = parser.parse_args(argv)
     ranks = int_list(args.ranks, [2, 4])
     load_before = os.getloadavg()
     start = time.monotonic()
     micro = Micro(build(), millis=args.millis, rounds=args.rounds)
-    rows, shown = run_grid(ranks, args.warmup, args.repeats, args.calls, micro)
+    passes = [run_grid(ranks, args.warmup, args.repeats, args.calls, micro)
+              for _ in range(args.passes)]
+    rows = merge_passes([p[0] for p in passes])
+    shown = passes[-1][1]
     load_after = os.getloadavg()
     table = []
     for r in rows:
@@ -257,9 +293,11 @@ def main(argv: list[str] | None = None) -> int:
         "# The host model against the runtime's traces, task by task (" + cmd + ")",
         f"# {os.cpu_count()} CPUs shared with other processes; load average (1-min) before "
         f"{load_before[0]:.2f}, after {load_after[0]:.2f}",
-        "# per case: 128 tokens x 2048 BF16, top-8 of 64 experts, one core a rank; measured = "
+        "# per case (median over passes; cpus: the whole CPUs the model ran the ranks on, per "
+        "pass): 128 tokens x 2048 BF16, top-8 of 64 experts, one core a rank; measured = "
         f"{args.calls} traced dispatches back to back after 5, per call the median over ranks "
-        "of a rank's task time, median over calls; predicted = ubep.sim.host.predict_host_tasks "
+        f"of a rank's task time, median over calls, median over {args.passes} passes over the "
+        "grid; predicted = ubep.sim.host.predict_host_tasks "
         "from that case's microbenchmarks, run right before it (row passes at the runtime's "
         "positions, per-row bookkeeping, flag latency, the CPUs the ranks get, the fixed cost "
         "from the 64-element call)",

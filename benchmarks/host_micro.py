@@ -68,7 +68,7 @@ class Micro:
     def rows(self, procs: int, row_bytes: int, rows: int, writer: str, reader: str,
              terms: int = 1, copies: int = 2, cold: bool = True,
              rowmap: np.ndarray | None = None,
-             positions: tuple[int, np.ndarray] | None = None) -> tuple[float, ...]:
+             positions: tuple[int, np.ndarray, np.ndarray] | None = None) -> tuple[float, ...]:
         """``(writer / bulk, reader / bulk, bulk ns, CPU share, call latency ns, writer ns,
         reader ns, reader rows)``, each the median over rounds of the median over processes.
         Ratios are per pass relative to a memcpy of the same bytes timed beside it; the
@@ -81,15 +81,17 @@ class Micro:
         (reduce readers): ``[R, T, M, 2]`` (rank, row) per token
         (:func:`ubep.sim.host.combine_row_map`): the reduce reads the rows where the runtime's
         combine reads them, process ``p`` as rank ``p``. ``positions`` (writers):
-        ``(slots, [rows] slot of each row)``, where each row lands in a region of ``slots``
-        slots, in send order (:func:`ubep.sim.host.send_positions`); without it rows land back
-        to back."""
+        ``(slots, [rows] slot of each row, [rows] source row of each)``: each row is read from
+        that source row (a token's row, read once per destination) and lands in that slot of
+        a region of ``slots`` slots, in send order (:func:`ubep.sim.host.writer_positions`);
+        without it row ``r`` is read from row ``r`` and lands in slot ``r``."""
         rows = max(1, int(rows))
         digest = hashlib.sha1(rowmap.tobytes()).hexdigest()[:16] if rowmap is not None else "-"
         wpos = "-"
         if positions is not None:
-            slots, pos = positions
-            pos = np.ascontiguousarray(pos[:rows], dtype=np.int64)
+            slots, dst_pos, src_rows = positions
+            pos = np.concatenate([np.resize(np.asarray(dst_pos, dtype=np.int64), rows),
+                                  np.resize(np.asarray(src_rows, dtype=np.int64), rows)])
             wpos = hashlib.sha1(pos.tobytes() + str(slots).encode()).hexdigest()[:16]
         key = (procs, row_bytes, rows, writer, reader, terms, copies, cold, digest, wpos)
         if key not in self.cache:
@@ -123,7 +125,7 @@ class Micro:
 
     def per_row_ns(self, procs: int, row_bytes: int, rows: int, writer: str, reader: str,
                    terms: int, rowmap: np.ndarray | None = None,
-                   positions: tuple[int, np.ndarray] | None = None,
+                   positions: tuple[int, np.ndarray, np.ndarray] | None = None,
                    cold: bool = True) -> tuple[float, float]:
         """ns per row of the writer and the reader pass, cold (:meth:`rows`), times the
         oversubscription factor (:meth:`cpu_share`). Absolute times (the first quartile of

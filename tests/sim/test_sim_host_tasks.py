@@ -128,6 +128,8 @@ def test_send_positions_bsp_are_staging_slots_by_expert() -> None:
     # rank 1 to rank 0: (t0, e1), (t1, e0) -> e0 first: slots 1, 0; own (t0, e2), (t1, e3);
     # rank 1's region starts at 1 * 4
     assert d1.tolist() == [0, 0, 1, 1] and p1.tolist() == [5, 4, 4, 5]
-    slots, flat = writer_positions(idxs, 4, "expert", "bsp", rows=6)
-    # rank 0's rows, region i for destination r+1+i, each region 6 slots (largest slot 5, + 1)
+    slots, flat, src = writer_positions(idxs, 4, "expert", "bsp", rows=6)
+    # rank 0's rows, region i for destination r+1+i, each region 6 slots (largest slot 5, + 1),
+    # read from its tokens 0, 1 (to rank 1), 0, 1 (own), repeated to 6 rows
     assert slots == 12 and flat.tolist() == [1, 0, 6, 7, 1, 0]
+    assert src.tolist() == [0, 1, 0, 1, 0, 1]

@@ -198,18 +198,22 @@ def send_positions(topk_idxs: Sequence[np.ndarray], num_experts: int, layout: st
 
 
 def writer_positions(topk_idxs: Sequence[np.ndarray], num_experts: int, layout: str,
-                     engine: str, rows: int) -> tuple[int, np.ndarray]:
+                     engine: str, rows: int) -> tuple[int, np.ndarray, np.ndarray]:
     """The send pass's WPOS for host_micro: rank 0's rows in send order, each destination's
-    region one after another (``slots`` per region: the largest slot written, plus one), cut
-    or repeated to ``rows`` rows (the pass's working set, rows per rank)."""
+    region one after another (``slots`` per region: the largest slot written, plus one), and
+    the token each row is read from (x's row: a token is read once per destination expert or
+    rank), cut or repeated to ``rows`` rows (the pass's working set, rows per rank)."""
     per_rank = send_positions(topk_idxs, num_experts, layout, engine)
     region = 1 + max((int(pos.max(initial=0)) for _, pos in per_rank), default=0)
     dst, pos = per_rank[0]
+    tokens = canonical_plans(topk_idxs, num_experts, layout)[0].send_token
     R = len(per_rank)
     flat = ((dst - 1) % R) * region + pos  # destination r+1+i: region i
     if flat.size == 0:
-        flat = np.zeros(1, dtype=np.int64)
-    return R * region, np.resize(flat, max(1, int(rows))).astype(np.int64)
+        flat, tokens = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
+    n = max(1, int(rows))
+    return (R * region, np.resize(flat, n).astype(np.int64),
+            np.resize(tokens, n).astype(np.int64) % n)
 
 
 def host_topology(num_ranks: int, flag_oneway_ns: float) -> Topology:
