@@ -93,12 +93,15 @@ def _med_calls(calls: list[list[tuple[int, str, float, float]]], engine: str,
     return {k: statistics.median(g[k] for g in got) for k in got[0]}
 
 
-def _grid_timer(micro: Any, case: Any, ranks: int, idxs: list[np.ndarray]) -> Any:
-    """bench_host_validation's timer for ``case`` with three changes for the task model: a
+def _grid_timer(micro: Any, case: Any, ranks: int, idxs: list[np.ndarray],
+                turns: bool = False) -> Any:
+    """bench_host_validation's timer for ``case`` with four changes for the task model: a
     writer pass writes its rows where the runtime writes them (ubep.sim.host.writer_positions);
     a pass costs its own time (no processor-sharing factor: the sharing is the schedule); and
     passes run warm, as one case's dispatches back to back leave their buffers in the caches
-    (bench_dispatch interleaves cases, which evict each other's: its passes run cold)."""
+    (bench_dispatch interleaves cases, which evict each other's: its passes run cold); and
+    with ``turns``, for ranks that share a CPU, the passes take turns on one CPU, each after
+    the others' (``Micro.rows``)."""
     from benchmarks import bench_host_validation as bhv
     from ubep.sim.host import writer_positions
 
@@ -111,7 +114,7 @@ def _grid_timer(micro: Any, case: Any, ranks: int, idxs: list[np.ndarray]) -> An
         n = case.tokens if writer in ("scan", "tail") else rows
         pos = wpos if writer in ("copy", "tffw", "spw") else None
         w, r = micro.per_row_ns(ranks, hc.row_bytes, n, writer, reader, terms, positions=pos,
-                                cold=False)
+                                cold=False, turns=turns)
         return w / share, r / share
 
     return timer
@@ -140,7 +143,7 @@ def run_grid(ranks: list[int], warmup: int, repeats: int, calls: int, micro: Any
         micro.cache.clear()  # this host drifts within minutes: each case measures its own
         idxs = bhv._routing(case, r)
         hc = bhv._host_case(case, r, "dispatch")
-        timer = _grid_timer(micro, case, r, idxs)
+        timers = {turns: _grid_timer(micro, case, r, idxs, turns) for turns in (False, True)}
         rows = round(bhv._rows_per_rank(idxs, case.layout, bd.NUM_EXPERTS))
         meta = micro.per_row_ns(r, hc.row_bytes, rows, "rowmeta", "-", 1,
                                 cold=False)[0] / micro.cpu_share(r)
@@ -148,14 +151,16 @@ def run_grid(ranks: list[int], warmup: int, repeats: int, calls: int, micro: Any
         tiny = bd.run([r], [bhv._tiny(case)], warmup, repeats, False, 1800.0)[0]
         fixed = bhv.fixed_cost(micro, {r: flag}, tiny, "dispatch")["fixed_ns"]
         for w, rd, t in kernel_passes(hc, 1).values():  # the row passes, before the calls
-            timer(w, rd, t)
+            for timer in timers.values():
+                timer(w, rd, t)
         # the CPUs the ranks get, on both sides of the traced calls (the load moves)
         before = cpus_available(r)
         measured = measured_calls(case, r, warmup=5, calls=calls)
         avail = (before + cpus_available(r)) / 2
         cpus = cpus_for(avail, r)
-        spans = predict_host_tasks(hc, idxs, fixed_ns=fixed, flag_oneway_ns=flag, timer=timer,
-                                   cpus=cpus, row_meta_ns=meta)
+        # ranks that share a CPU take turns on it: their passes are priced so
+        spans = predict_host_tasks(hc, idxs, fixed_ns=fixed, flag_oneway_ns=flag,
+                                   timer=timers[cpus < r], cpus=cpus, row_meta_ns=meta)
         pred_spans = [(s.rank, s.task, s.start_ns, s.end_ns) for s in spans]
         meas = _med_calls(measured, case.engine, r)
         pred = categories(pred_spans, case.engine, r)

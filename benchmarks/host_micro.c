@@ -435,6 +435,11 @@ int main(int argc, char **argv) {
     /* combine.c: tokens of at most 4 rows whose rows overflow a rank's share of the LLC */
     int64_t terms_max = map_all ? MAPW : TERMS;
     PREFETCH = terms_max <= 4 && N * terms_max * B > llc / procs;
+    /* HOST_MICRO_TURNS=M (warm passes): all processes on one CPU, taking turns, M passes
+     * each: a pass follows the other processes' passes on its CPU, as the ranks of a call
+     * that share a CPU run one after another (ubep.sim.host_sched) */
+    const char *turns_env = getenv("HOST_MICRO_TURNS");
+    int64_t turns = turns_env && !cold ? atoll(turns_env) : 0;
     int is_flag = !strcmp(argv[1], "flag");
     kern_t wr = is_flag ? NULL : find(argv[1]);
     int all_wait = !strcmp(argv[2], "all");
@@ -465,6 +470,12 @@ int main(int argc, char **argv) {
     uint8_t *xall = is_flag ? NULL : shared(xbytes * (size_t)procs * (size_t)copies);
     for (int p = 0; p < procs; p++) {
         if (fork() == 0) {
+            if (turns) { /* every process on CPU 0 */
+                cpu_set_t one;
+                CPU_ZERO(&one);
+                CPU_SET(0, &one);
+                sched_setaffinity(0, sizeof one, &one);
+            }
             if (is_flag) {
                 spin_barrier(ctl, procs);
                 out[8 * p] = flag_run(words, p, millis);
@@ -528,6 +539,8 @@ int main(int argc, char **argv) {
                         spin_barrier(&ctl[2], procs * ++passes);
                         if (atomic_load(&ctl[3]) == passes) break;
                     }
+                    if (turns) /* this process's turn: the others have had theirs */
+                        while (atomic_load(&ctl[6]) % procs != p) sched_yield();
                     int64_t t0 = now_ns();
                     if (wr) { dst = mine; wr(); }
                     int64_t t1 = now_ns();
@@ -545,6 +558,7 @@ int main(int argc, char **argv) {
                         else { dst = theirs; rd(); }
                     }
                     int64_t t2 = now_ns();
+                    if (turns) atomic_fetch_add(&ctl[6], 1);
                     if (cold && !warm && n < MAXLAT) {
                         lat[((size_t)n * (size_t)procs + (size_t)p) * 2] = t0;
                         lat[((size_t)n * (size_t)procs + (size_t)p) * 2 + 1] = t2;
@@ -567,7 +581,8 @@ int main(int argc, char **argv) {
                     rr[n] = (t2 - t1) * 1000000 / tb;
                     bb[n] = tb;
                     n++;
-                } while (cold || (now_ns() < stop && n < 100000));
+                } while (cold || (turns ? n < (warm ? 1 : turns)
+                                        : (now_ns() < stop && n < 100000)));
                 t_all = now_ns() - t_all;
                 if (p == 0) atomic_store(&ctl[4], n);
             }

@@ -60,15 +60,16 @@ class Micro:
     rounds: int = 3
     cache: dict[tuple[object, ...], tuple[float, ...]] = field(default_factory=dict)
 
-    def _run(self, args: list[str]) -> list[tuple[float, ...]]:
+    def _run(self, env: dict[str, str] | None, args: list[str]) -> list[tuple[float, ...]]:
         got = subprocess.run([str(self.binary), *args], check=True, capture_output=True,
-                             text=True, timeout=120).stdout.split("\n")
+                             text=True, timeout=120, env=env).stdout.split("\n")
         return [tuple(float(v) for v in line.split()) for line in got if line.strip()]
 
     def rows(self, procs: int, row_bytes: int, rows: int, writer: str, reader: str,
              terms: int = 1, copies: int = 2, cold: bool = True,
              rowmap: np.ndarray | None = None,
-             positions: tuple[int, np.ndarray, np.ndarray] | None = None) -> tuple[float, ...]:
+             positions: tuple[int, np.ndarray, np.ndarray] | None = None,
+             turns: bool = False) -> tuple[float, ...]:
         """``(writer / bulk, reader / bulk, bulk ns, CPU share, call latency ns, writer ns,
         reader ns, reader rows)``, each the median over rounds of the median over processes.
         Ratios are per pass relative to a memcpy of the same bytes timed beside it; the
@@ -84,7 +85,10 @@ class Micro:
         ``(slots, [rows] slot of each row, [rows] source row of each)``: each row is read from
         that source row (a token's row, read once per destination) and lands in that slot of
         a region of ``slots`` slots, in send order (:func:`ubep.sim.host.writer_positions`);
-        without it row ``r`` is read from row ``r`` and lands in slot ``r``."""
+        without it row ``r`` is read from row ``r`` and lands in slot ``r``. ``turns`` (warm
+        passes): the processes share one CPU and take turns, 40 passes each, so that every
+        pass follows the others' on its CPU, as ranks that share a CPU run
+        (``ubep.sim.host_sched``): each finds what the others' passes left in the caches."""
         rows = max(1, int(rows))
         digest = hashlib.sha1(rowmap.tobytes()).hexdigest()[:16] if rowmap is not None else "-"
         wpos = "-"
@@ -93,7 +97,7 @@ class Micro:
             pos = np.concatenate([np.resize(np.asarray(dst_pos, dtype=np.int64), rows),
                                   np.resize(np.asarray(src_rows, dtype=np.int64), rows)])
             wpos = hashlib.sha1(pos.tobytes() + str(slots).encode()).hexdigest()[:16]
-        key = (procs, row_bytes, rows, writer, reader, terms, copies, cold, digest, wpos)
+        key = (procs, row_bytes, rows, writer, reader, terms, copies, cold, digest, wpos, turns)
         if key not in self.cache:
             path, wpath = "-", "-"
             if rowmap is not None:
@@ -104,8 +108,9 @@ class Micro:
                     np.asarray([positions[0]], dtype=np.int64).tofile(f)
                     pos.tofile(f)
             per = []
+            env = {**os.environ, "HOST_MICRO_TURNS": "40"} if turns else None
             for _ in range(self.rounds):
-                got = self._run([writer, reader, str(row_bytes), str(rows), str(procs),
+                got = self._run(env, [writer, reader, str(row_bytes), str(rows), str(procs),
                                  str(self.millis), str(terms), str(copies), str(int(cold)),
                                  path, str(llc_bytes()), wpath])
                 per.append(tuple(statistics.median(g[i] for g in got) for i in range(8)))
@@ -126,7 +131,7 @@ class Micro:
     def per_row_ns(self, procs: int, row_bytes: int, rows: int, writer: str, reader: str,
                    terms: int, rowmap: np.ndarray | None = None,
                    positions: tuple[int, np.ndarray, np.ndarray] | None = None,
-                   cold: bool = True) -> tuple[float, float]:
+                   cold: bool = True, turns: bool = False) -> tuple[float, float]:
         """ns per row of the writer and the reader pass, cold (:meth:`rows`), times the
         oversubscription factor (:meth:`cpu_share`). Absolute times (the first quartile of
         each pass's own time): most passes are not memory-bound (the reduce converts and
@@ -143,7 +148,7 @@ class Micro:
         # alternating receive regions): one copy
         copies = 1 if reader.startswith("reduce") else 2
         got = self.rows(pairs, row_bytes, rows, writer, reader, terms, copies, cold=cold,
-                        rowmap=rowmap, positions=positions)
+                        rowmap=rowmap, positions=positions, turns=turns)
         w_ns, r_ns, r_rows = got[5], got[6], got[7]
         share = self.cpu_share(procs)
         return w_ns * share / max(1, int(rows)), r_ns * share / max(1.0, r_rows)
@@ -174,7 +179,7 @@ class Micro:
                 base = max(2, cpus - cpus % 2)
                 ratios = []
                 for _ in range(max(5, self.rounds)):
-                    got = [statistics.median(g[4] for g in self._run(
+                    got = [statistics.median(g[4] for g in self._run(None,
                         ["copy", "all", "4096", "256", str(p), str(self.millis * 2), "1", "2",
                          "1"])) for p in (procs, base)]
                     ratios.append(got[0] / max(got[1], 1.0))
@@ -187,7 +192,7 @@ class Micro:
         if key not in self.cache:
             per = []
             for _ in range(self.rounds):
-                got = self._run(["flag", "-", "8", "1", str(procs), str(self.millis * 2)])
+                got = self._run(None, ["flag", "-", "8", "1", str(procs), str(self.millis * 2)])
                 per.append(statistics.median(g[0] for g in got if g[0] > 0))
             self.cache[key] = (statistics.median(per) / 2,)
         return self.cache[key][0]

@@ -42,3 +42,30 @@ def test_grid_is_the_issues_grid() -> None:
     assert {(c.engine, c.sync) for _, c in cases} == {("asp", "tff"), ("bsp", "sw")}
     assert {c.routing for _, c in cases} == {"uniform", "hot"}
     assert {c.layout for _, c in cases} == {"expert", "rank"}
+
+
+def test_host_micro_checks_its_positions(tmp_path) -> None:
+    import subprocess
+
+    import numpy as np
+
+    from benchmarks.host_micro import build
+
+    binary = build(str(tmp_path))
+
+    def run(slots: int, dst: list[int], src: list[int]) -> subprocess.CompletedProcess:
+        path = tmp_path / "wpos.bin"
+        with open(path, "wb") as f:
+            np.asarray([slots, *dst, *src], dtype=np.int64).tofile(f)
+        return subprocess.run([str(binary), "copy", "-", "256", "2", "1", "5", "1", "1", "0",
+                               "-", str(32 << 20), str(path)], capture_output=True, text=True,
+                              timeout=60)
+
+    bad = run(4, [1, 4], [0, 1])  # slot 4 of a 4-slot region
+    assert bad.returncode == 2 and "WPOS slot or source out of range" in bad.stderr
+    bad = run(4, [1, 3], [0, 2])  # source row 2 of a 2-row pass
+    assert bad.returncode == 2 and "out of range" in bad.stderr
+    ok = run(4, [3, 0], [1, 1])
+    assert ok.returncode == 0, ok.stderr
+    # one line per process: the writer's own time (6th number) is a positive time
+    assert int(ok.stdout.split()[5]) > 0
