@@ -23,6 +23,7 @@
  *   reduce  per token: REDUCE[bf16] over TERMS rows, weighted          (combine, expert layout)
  *   reduce_rank  the same, unweighted                                  (combine, rank layout)
  *   picks   count (token, k) picks per expert with a duplicate stamp (routing validation)
+ *   rowmeta the ASP send's per-row bookkeeping, traced: o_dst_row, unit log, span record
  *   out     each received row copied into a private output row        (BSP reorder)
  *   bsp_sp  out + scan + fill per row (BSP SP: verify, reorder, refill the staging slot)
  *   bsp_dc  dc + out per row (BSP DC: verify, reorder)
@@ -31,7 +32,7 @@
  *           sched_yield): with COLD, the fifth number printed is then a call's latency of
  *           PROCS ranks that each write and wait for all others (oversubscription)
  *
- * Usage: host_micro WRITER READER ROW_BYTES ROWS PROCS MILLIS [TERMS [COPIES [COLD [MAP [LLC]]]]]
+ * Usage: host_micro WRITER READER ROW_BYTES ROWS PROCS MILLIS [TERMS [COPIES [COLD [MAP [LLC [WPOS]]]]]]
  *        host_micro flag - 8 1 PROCS MILLIS
  * Runs PROCS processes at once in pairs (p, p^1), free-running for MILLIS ms after one warm-up:
  * each pass, process p runs WRITER into its outgoing buffer X[p] (a shared mapping, pre-faulted)
@@ -83,18 +84,53 @@ static int64_t B, N, TERMS;
 static uint8_t *src, *dst, *aux;
 static const int64_t *idxp;
 
+/* WPOS (writers, optional): the slot each row of the pass lands in, in send order -- the
+ * runtime's own positions in a peer's receive region (ubep.sim.host.send_positions), which for
+ * the expert layout scatter a call's rows over every local expert's block, a page apart or
+ * more; without it, slot r (rows back to back). WSLOTS: the region's slots. */
+static const int64_t *WPOS, *WSRC;
+static int64_t WSLOTS;
+static int64_t wslot(int64_t r) { return WPOS ? WPOS[r] : r; }
+/* ... and the source row each reads: a dispatch reads a token's row once per destination
+ * expert (or rank), so a call's sends read its x again and again (WSRC); without it, row r */
+static int64_t wsrc(int64_t r) { return WSRC ? WSRC[r] : r; }
 static void k_copy(void) {
     int64_t s = al64(B);
-    for (int64_t r = 0; r < N; r++) copy_fast(dst + r * s, src + r * B, B);
+    for (int64_t r = 0; r < N; r++) copy_fast(dst + wslot(r) * s, src + wsrc(r) * B, B);
+}
+/* the ASP send's per-row bookkeeping with tracing on (dispatch_send.c send_unit, log_unit,
+ * engine.h span_rec): the row's position into o_dst_row, its (token, k) into the core's unit
+ * log, and a span record (a clock read and 48 B into the core's ring); no payload */
+typedef struct { int64_t start_ns, end_ns, rows, size_bytes; int32_t kind, unit, peer, epoch; } span_rec_t;
+static void k_rowmeta(void) {
+    int64_t *dst_row = (int64_t *)aux;
+    int32_t *log = (int32_t *)(aux + N * 8);
+    span_rec_t *ring = (span_rec_t *)(aux + N * 12 + 64);
+    int64_t t = now_ns();
+    for (int64_t r = 0; r < N; r++) {
+        dst_row[r] = wslot(r);
+        log[r] = (int32_t)r;
+        span_rec_t *e = &ring[r];
+        int64_t end = now_ns();
+        e->start_ns = t;
+        e->end_ns = end;
+        e->kind = 4;
+        e->unit = (int32_t)r;
+        e->peer = 1;
+        e->epoch = 1;
+        e->rows = 1;
+        e->size_bytes = B;
+        t = end;
+    }
 }
 /* SP writer (dispatch.c put_sp_row): the body by copy_fast (nobody polls it), a store fence,
  * then the polled 32 B tail element-safe */
 static void k_spw(void) {
     int64_t s = al64(B), body = B - 32;
     for (int64_t r = 0; r < N; r++) {
-        copy_fast(dst + r * s, src + r * B, body);
+        copy_fast(dst + wslot(r) * s, src + wsrc(r) * B, body);
         store_fence();
-        copy_elem(dst + r * s + body, src + r * B + body, 32);
+        copy_elem(dst + wslot(r) * s + body, src + wsrc(r) * B + body, 32);
     }
 }
 /* normal BF16 values (exponents 2^-7 .. 2^2, either sign), as expert outputs are: subnormal or
@@ -110,14 +146,16 @@ static void fill_normal_bf16(uint16_t *p, size_t n, size_t seed) {
 static int64_t tff_nblocks(void) { return (B + 479) / 480; }
 /* TFF in place (engine.h put_tff_in_place): the row to its final place, a store fence, then
  * one release-stored 8 B epoch word per 480 B block in a word array after the rows */
-static uint64_t *tff_words(uint8_t *base) { return (uint64_t *)(base + N * al64(B)); }
+static uint64_t *tff_words(uint8_t *base) {
+    return (uint64_t *)(base + (WSLOTS > N ? WSLOTS : N) * al64(B));
+}
 static void k_tffw(void) {
     int64_t s = al64(B), nb = tff_nblocks();
     uint64_t *w = tff_words(dst);
     for (int64_t r = 0; r < N; r++) {
-        copy_fast(dst + r * s, src + r * B, B);
+        copy_fast(dst + wslot(r) * s, src + wsrc(r) * B, B);
         store_fence();
-        for (int64_t b = 0; b < nb; b++) st_rel(&w[r * nb + b], (uint64_t)r + 1);
+        for (int64_t b = 0; b < nb; b++) st_rel(&w[wslot(r) * nb + b], (uint64_t)r + 1);
     }
 }
 /* its receiver (dispatch.c recv_progress): every word of each row checked, nothing copied */
@@ -323,7 +361,7 @@ static kern_t find(const char *name) {
         {"bulk", k_bulk}, {"copy", k_copy}, {"tff", k_tff}, {"untff", k_untff}, {"scan", k_scan},
         {"tffw", k_tffw}, {"tffr", k_tffr},
         {"tail", k_tail}, {"dc", k_dc}, {"fill", k_fill}, {"reduce", k_reduce}, {"reduce_rank", k_reduce_rank}, {"spw", k_spw}, {"sptail", k_sptail},
-        {"picks", k_picks}, {"out", k_out}, {"bsp_sp", k_bsp_sp}, {"bsp_dc", k_bsp_dc},
+        {"picks", k_picks}, {"rowmeta", k_rowmeta}, {"out", k_out}, {"bsp_sp", k_bsp_sp}, {"bsp_dc", k_bsp_dc},
     };
     for (size_t i = 0; i < sizeof table / sizeof table[0]; i++)
         if (!strcmp(name, table[i].name)) return table[i].fn;
@@ -344,6 +382,27 @@ int main(int argc, char **argv) {
     int64_t copies = argc > 8 ? atoll(argv[8]) : 1;
     int cold = argc > 9 ? atoi(argv[9]) : 0;
     int64_t llc = argc > 11 ? atoll(argv[11]) : (int64_t)32 << 20;
+    /* WPOS (writers): int64 SLOTS, then ROWS int64 slots in [0, SLOTS), the rows' send order,
+     * then ROWS int64 source rows in [0, ROWS) */
+    if (argc > 12 && strcmp(argv[12], "-")) {
+        FILE *f = fopen(argv[12], "rb");
+        int64_t slots = 0;
+        int64_t *pos = malloc(sizeof(int64_t) * (size_t)(N > 0 ? 2 * N : 2));
+        if (!f || fread(&slots, sizeof slots, 1, f) != 1 || slots < N ||
+            fread(pos, sizeof(int64_t), (size_t)(2 * N), f) != (size_t)(2 * N)) {
+            fprintf(stderr, "bad WPOS file %s (ROWS slots and ROWS sources needed)\n", argv[12]);
+            return 2;
+        }
+        fclose(f);
+        for (int64_t r = 0; r < N; r++)
+            if (pos[r] < 0 || pos[r] >= slots || pos[N + r] < 0 || pos[N + r] >= N) {
+                fprintf(stderr, "WPOS slot or source out of range\n");
+                return 2;
+            }
+        WPOS = pos;
+        WSRC = pos + N;
+        WSLOTS = slots;
+    }
     /* MAP (reduce readers): int32 R, T, W, then [R][T][W][2] (rank d, row) per token, -1 = none
      * (ubep.sim.host.combine_row_map); process p reduces rank p's tokens (p < R) */
     int32_t *map_all = NULL, map_r = 0;
@@ -376,6 +435,11 @@ int main(int argc, char **argv) {
     /* combine.c: tokens of at most 4 rows whose rows overflow a rank's share of the LLC */
     int64_t terms_max = map_all ? MAPW : TERMS;
     PREFETCH = terms_max <= 4 && N * terms_max * B > llc / procs;
+    /* HOST_MICRO_TURNS=M (warm passes): all processes on one CPU, taking turns, M passes
+     * each: a pass follows the other processes' passes on its CPU, as the ranks of a call
+     * that share a CPU run one after another (ubep.sim.host_sched) */
+    const char *turns_env = getenv("HOST_MICRO_TURNS");
+    int64_t turns = turns_env && !cold ? atoll(turns_env) : 0;
     int is_flag = !strcmp(argv[1], "flag");
     kern_t wr = is_flag ? NULL : find(argv[1]);
     int all_wait = !strcmp(argv[2], "all");
@@ -397,14 +461,21 @@ int main(int argc, char **argv) {
     if (words) memset((void *)words, 0, (size_t)procs * 64 + 64);
     int64_t slot = tff_nblocks() * 512;
     if (slot < al64(B)) slot = al64(B);
-    size_t xbytes = (size_t)N * (size_t)(TERMS > 1 ? TERMS : 1) * (size_t)slot +
-                    (size_t)N * (size_t)tff_nblocks() * 8 + 64; /* + k_tffw's words */
+    int64_t xrows = WSLOTS > N ? WSLOTS : N; /* a WPOS region's slots */
+    size_t xbytes = (size_t)xrows * (size_t)(TERMS > 1 ? TERMS : 1) * (size_t)slot +
+                    (size_t)xrows * (size_t)tff_nblocks() * 8 + 64; /* + k_tffw's words */
     size_t pool = (size_t)(N * (TERMS > 1 ? TERMS : 1)) * (size_t)al64(B);
     if (copies < 1) copies = 1;
     if (copies > 256) copies = 256;
     uint8_t *xall = is_flag ? NULL : shared(xbytes * (size_t)procs * (size_t)copies);
     for (int p = 0; p < procs; p++) {
         if (fork() == 0) {
+            if (turns) { /* every process on CPU 0 */
+                cpu_set_t one;
+                CPU_ZERO(&one);
+                CPU_SET(0, &one);
+                sched_setaffinity(0, sizeof one, &one);
+            }
             if (is_flag) {
                 spin_barrier(ctl, procs);
                 out[8 * p] = flag_run(words, p, millis);
@@ -413,7 +484,8 @@ int main(int argc, char **argv) {
             if (map_all) MAP = map_all + (size_t)(p % map_r) * (size_t)N * (size_t)MAPW * 2;
             uint8_t *src_all = shared(pool * (size_t)copies + 64);
             src = src_all;
-            size_t auxbytes = (size_t)N * (size_t)al64(B) + (size_t)N * (size_t)TERMS * 8 + 64 + Y_OFF;
+            size_t auxbytes = (size_t)N * (size_t)al64(B) + (size_t)N * (size_t)TERMS * 8 + 64 + Y_OFF
+                              + (size_t)N * (12 + sizeof(span_rec_t)) + 64; /* + k_rowmeta's */
             aux = shared(auxbytes);
             fill_normal_bf16((uint16_t *)src, pool * (size_t)copies / 2, 0);
             int64_t *idx = (int64_t *)(aux + Y_OFF + (size_t)N * (size_t)al64(B));
@@ -467,6 +539,8 @@ int main(int argc, char **argv) {
                         spin_barrier(&ctl[2], procs * ++passes);
                         if (atomic_load(&ctl[3]) == passes) break;
                     }
+                    if (turns) /* this process's turn: the others have had theirs */
+                        while (atomic_load(&ctl[6]) % procs != p) sched_yield();
                     int64_t t0 = now_ns();
                     if (wr) { dst = mine; wr(); }
                     int64_t t1 = now_ns();
@@ -484,6 +558,7 @@ int main(int argc, char **argv) {
                         else { dst = theirs; rd(); }
                     }
                     int64_t t2 = now_ns();
+                    if (turns) atomic_fetch_add(&ctl[6], 1);
                     if (cold && !warm && n < MAXLAT) {
                         lat[((size_t)n * (size_t)procs + (size_t)p) * 2] = t0;
                         lat[((size_t)n * (size_t)procs + (size_t)p) * 2 + 1] = t2;
@@ -495,7 +570,9 @@ int main(int argc, char **argv) {
                     }
                     int64_t t2b = now_ns();
                     dst = bulk_dst;
-                    k_bulk();
+                    /* a WPOS pass stands for one case's calls back to back: nothing but the
+                     * pass itself goes through the caches between two passes */
+                    if (!WPOS) k_bulk();
                     int64_t t3 = now_ns(), tb = t3 - t2b > 0 ? t3 - t2b : 1;
                     /* per pass, relative to the bulk memcpy timed next to it (ppm) */
                     aw[n] = t1 - t0;
@@ -504,7 +581,8 @@ int main(int argc, char **argv) {
                     rr[n] = (t2 - t1) * 1000000 / tb;
                     bb[n] = tb;
                     n++;
-                } while (cold || (now_ns() < stop && n < 100000));
+                } while (cold || (turns ? n < (warm ? 1 : turns)
+                                        : (now_ns() < stop && n < 100000)));
                 t_all = now_ns() - t_all;
                 if (p == 0) atomic_store(&ctl[4], n);
             }

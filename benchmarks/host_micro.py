@@ -19,13 +19,16 @@ model built from them with that matrix.
 from __future__ import annotations
 
 import hashlib
+import multiprocessing as mp
 import os
 import statistics
 import subprocess
 import sysconfig
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -57,14 +60,16 @@ class Micro:
     rounds: int = 3
     cache: dict[tuple[object, ...], tuple[float, ...]] = field(default_factory=dict)
 
-    def _run(self, args: list[str]) -> list[tuple[float, ...]]:
+    def _run(self, env: dict[str, str] | None, args: list[str]) -> list[tuple[float, ...]]:
         got = subprocess.run([str(self.binary), *args], check=True, capture_output=True,
-                             text=True, timeout=120).stdout.split("\n")
+                             text=True, timeout=120, env=env).stdout.split("\n")
         return [tuple(float(v) for v in line.split()) for line in got if line.strip()]
 
     def rows(self, procs: int, row_bytes: int, rows: int, writer: str, reader: str,
              terms: int = 1, copies: int = 2, cold: bool = True,
-             rowmap: np.ndarray | None = None) -> tuple[float, ...]:
+             rowmap: np.ndarray | None = None,
+             positions: tuple[int, np.ndarray, np.ndarray] | None = None,
+             turns: bool = False) -> tuple[float, ...]:
         """``(writer / bulk, reader / bulk, bulk ns, CPU share, call latency ns, writer ns,
         reader ns, reader rows)``, each the median over rounds of the median over processes.
         Ratios are per pass relative to a memcpy of the same bytes timed beside it; the
@@ -76,19 +81,38 @@ class Micro:
         over passes (passes cut by other processes' time slices left out). ``rowmap``
         (reduce readers): ``[R, T, M, 2]`` (rank, row) per token
         (:func:`ubep.sim.host.combine_row_map`): the reduce reads the rows where the runtime's
-        combine reads them, process ``p`` as rank ``p``."""
+        combine reads them, process ``p`` as rank ``p``. ``positions`` (writers):
+        ``(slots, [rows] slot of each row, [rows] source row of each)``: each row is read from
+        that source row (a token's row, read once per destination) and lands in that slot of
+        a region of ``slots`` slots, in send order (:func:`ubep.sim.host.writer_positions`);
+        without it row ``r`` is read from row ``r`` and lands in slot ``r``. ``turns`` (warm
+        passes): the processes share one CPU and take turns, 40 passes each, so that every
+        pass follows the others' on its CPU, as ranks that share a CPU run
+        (``ubep.sim.host_sched``): each finds what the others' passes left in the caches."""
         rows = max(1, int(rows))
         digest = hashlib.sha1(rowmap.tobytes()).hexdigest()[:16] if rowmap is not None else "-"
-        key = (procs, row_bytes, rows, writer, reader, terms, copies, cold, digest)
+        wpos = "-"
+        if positions is not None:
+            slots, dst_pos, src_rows = positions
+            pos = np.concatenate([np.resize(np.asarray(dst_pos, dtype=np.int64), rows),
+                                  np.resize(np.asarray(src_rows, dtype=np.int64), rows)])
+            wpos = hashlib.sha1(pos.tobytes() + str(slots).encode()).hexdigest()[:16]
+        key = (procs, row_bytes, rows, writer, reader, terms, copies, cold, digest, wpos, turns)
         if key not in self.cache:
-            path = "-"
+            path, wpath = "-", "-"
             if rowmap is not None:
                 path = str(self._map_file(rowmap, digest))
+            if positions is not None:
+                wpath = str(self.binary.parent / f"wpos-{wpos}.bin")
+                with open(wpath, "wb") as f:
+                    np.asarray([positions[0]], dtype=np.int64).tofile(f)
+                    pos.tofile(f)
             per = []
+            env = {**os.environ, "HOST_MICRO_TURNS": "40"} if turns else None
             for _ in range(self.rounds):
-                got = self._run([writer, reader, str(row_bytes), str(rows), str(procs),
+                got = self._run(env, [writer, reader, str(row_bytes), str(rows), str(procs),
                                  str(self.millis), str(terms), str(copies), str(int(cold)),
-                                 path, str(llc_bytes())])
+                                 path, str(llc_bytes()), wpath])
                 per.append(tuple(statistics.median(g[i] for g in got) for i in range(8)))
             med = [statistics.median(p[i] for p in per) for i in range(8)]
             self.cache[key] = (med[0] / 1e6, med[1] / 1e6, med[2], med[3] / 1e6, med[4],
@@ -105,13 +129,17 @@ class Micro:
         return path
 
     def per_row_ns(self, procs: int, row_bytes: int, rows: int, writer: str, reader: str,
-                   terms: int, rowmap: np.ndarray | None = None) -> tuple[float, float]:
+                   terms: int, rowmap: np.ndarray | None = None,
+                   positions: tuple[int, np.ndarray, np.ndarray] | None = None,
+                   cold: bool = True, turns: bool = False) -> tuple[float, float]:
         """ns per row of the writer and the reader pass, cold (:meth:`rows`), times the
         oversubscription factor (:meth:`cpu_share`). Absolute times (the first quartile of
         each pass's own time): most passes are not memory-bound (the reduce converts and
         adds, SP and DC compare and sum), so rescaling them by a memcpy rate measured
         elsewhere would charge them a slowdown they do not have. With ``rowmap`` the reader's
-        rows are the rows the map names (the reduce's: ns per row reduced)."""
+        rows are the rows the map names (the reduce's: ns per row reduced). ``cold=False``:
+        buffers left in the caches between passes, as one case's calls back to back have
+        them (benchmarks/host_tasks.py); the median pass."""
         # A pass is timed uninterrupted only with one process per CPU: with more, a
         # multi-millisecond pass is cut by time slices; the sharing is cpu_share's factor.
         cpus = os.cpu_count() or 1
@@ -119,7 +147,8 @@ class Micro:
         # the reduce reads the expert outputs, one buffer where the experts left them (no
         # alternating receive regions): one copy
         copies = 1 if reader.startswith("reduce") else 2
-        got = self.rows(pairs, row_bytes, rows, writer, reader, terms, copies, rowmap=rowmap)
+        got = self.rows(pairs, row_bytes, rows, writer, reader, terms, copies, cold=cold,
+                        rowmap=rowmap, positions=positions, turns=turns)
         w_ns, r_ns, r_rows = got[5], got[6], got[7]
         share = self.cpu_share(procs)
         return w_ns * share / max(1, int(rows)), r_ns * share / max(1.0, r_rows)
@@ -150,7 +179,7 @@ class Micro:
                 base = max(2, cpus - cpus % 2)
                 ratios = []
                 for _ in range(max(5, self.rounds)):
-                    got = [statistics.median(g[4] for g in self._run(
+                    got = [statistics.median(g[4] for g in self._run(None,
                         ["copy", "all", "4096", "256", str(p), str(self.millis * 2), "1", "2",
                          "1"])) for p in (procs, base)]
                     ratios.append(got[0] / max(got[1], 1.0))
@@ -163,7 +192,62 @@ class Micro:
         if key not in self.cache:
             per = []
             for _ in range(self.rounds):
-                got = self._run(["flag", "-", "8", "1", str(procs), str(self.millis * 2)])
+                got = self._run(None, ["flag", "-", "8", "1", str(procs), str(self.millis * 2)])
                 per.append(statistics.median(g[0] for g in got if g[0] > 0))
             self.cache[key] = (statistics.median(per) / 2,)
         return self.cache[key][0]
+
+
+def _spin(n: int) -> int:
+    acc = 0
+    for i in range(n):
+        acc ^= i
+    return acc
+
+
+def _spin_worker(barrier: Any, n: int, rounds: int, out: Any) -> None:
+    for _ in range(rounds):
+        barrier.wait()
+        t0 = time.perf_counter_ns()
+        _spin(n)
+        out.put((t0, time.perf_counter_ns()))
+
+
+def cpus_available(procs: int, work_ms: float = 2.0, rounds: int = 15) -> float:
+    """How many CPUs ``procs`` processes that start a CPU-bound pass together get, now:
+    ``procs * (the pass alone) / (the wall time from the first start to the last end)``, each a
+    median over ``rounds`` passes, between 1 and ``min(procs, CPUs)``. The runtime's ranks are
+    such processes (a call's ranks start together and each has its rows to write); other
+    processes on this shared host take CPUs from them, and when fewer CPUs than ranks are left
+    the scheduler's slices (milliseconds, longer than a call's phases) run the ranks one after
+    another on a CPU rather than side by side (``ubep.sim.host.serialize``). ``work_ms``: the
+    pass, about a 128-token call's sends."""
+    ctx = mp.get_context("fork")
+    n = 20000
+    while True:  # the spin count of a work_ms pass alone
+        t0 = time.perf_counter_ns()
+        _spin(n)
+        if time.perf_counter_ns() - t0 >= work_ms * 1e6 / 4:
+            n *= 4
+            break
+        n *= 2
+    alone = []
+    for _ in range(rounds):
+        t0 = time.perf_counter_ns()
+        _spin(n)
+        alone.append(time.perf_counter_ns() - t0)
+    barrier, out = ctx.Barrier(procs), ctx.Queue()
+    workers = [ctx.Process(target=_spin_worker, args=(barrier, n, rounds, out))
+               for _ in range(procs)]
+    for w in workers:
+        w.start()
+    got = [out.get(timeout=120) for _ in range(procs * rounds)]
+    for w in workers:
+        w.join(timeout=60)
+    # pass i of every process: the i-th start of each (they start together after a barrier)
+    starts = sorted(got)
+    walls = [max(e for _, e in starts[i:i + procs]) - starts[i][0]
+             for i in range(0, len(starts), procs)]
+    cpus = os.cpu_count() or 1
+    share = statistics.median(walls) / statistics.median(alone)
+    return float(min(max(procs / max(share, 1e-9), 1.0), min(procs, cpus)))

@@ -35,11 +35,13 @@ from ..sched.plan import Plan
 from ..topology import Topology
 from .analytic import run_analytic
 from .fabric import FabricModel
+from .host_sched import RankWork, SchedSpan, serialize
 from .spec import RowCosts, build_spec
 from .syncs import sync_mode
 
 __all__ = ["HostCase", "KernelTimer", "canonical_plans", "combine_row_map", "host_fabric",
-           "host_topology", "kernel_passes", "predict_host"]
+           "host_topology", "kernel_passes", "predict_host", "predict_host_tasks", "rank_works",
+           "send_positions", "writer_positions"]
 
 # (writer kernel, reader kernel, terms) -> ns per row of the working set, measured (for the
 # combine's reduce: ns per row reduced, the rows read where the runtime reads them).
@@ -126,20 +128,8 @@ def combine_row_map(topk_idxs: Sequence[np.ndarray], num_experts: int,
     R = len(topk_idxs)
     T = max((np.asarray(i).shape[0] for i in topk_idxs), default=0)
     K = max((np.asarray(i).shape[1] for i in topk_idxs), default=0)
-    epr = num_experts // R
     plans = canonical_plans(topk_idxs, num_experts, layout)
-    # rows every source sends to each group (expert, or destination rank)
-    groups = num_experts if layout == "expert" else R
-    sent = np.zeros((groups, R), dtype=np.int64)  # [group, src]
-    for p in plans:
-        key = p.send_expert if layout == "expert" else p.send_dst_rank
-        sent[:, p.rank] = np.bincount(key, minlength=groups)
-    # the first row of (group, src) on the group's rank: groups of one rank back to back
-    first = np.zeros_like(sent)
-    for d in range(R):
-        gs = np.arange(d * epr, (d + 1) * epr) if layout == "expert" else np.array([d])
-        block = sent[gs].ravel()
-        first[gs] = (np.cumsum(block) - block).reshape(len(gs), R)
+    first = _recv_first(plans, num_experts, layout)
     width = K if layout == "expert" else R
     out = np.full((R, T, width, 2), -1, dtype=np.int32)
     for p in plans:
@@ -148,6 +138,82 @@ def combine_row_map(topk_idxs: Sequence[np.ndarray], num_experts: int,
         out[p.rank, p.send_token, col, 0] = p.send_dst_rank
         out[p.rank, p.send_token, col, 1] = first[key, p.rank] + p.send_slot
     return out
+
+
+def _recv_first(plans: Sequence[Plan], num_experts: int, layout: str) -> np.ndarray:
+    """``[group, src]``: the first row of (group, source) in the group's rank's received rows
+    (groups: experts, layout "expert"; destination ranks, "rank"), groups of one rank back to
+    back, each group's sources in rank order."""
+    R = len(plans)
+    epr = num_experts // R
+    groups = num_experts if layout == "expert" else R
+    sent = np.zeros((groups, R), dtype=np.int64)  # rows every source sends to each group
+    for p in plans:
+        key = p.send_expert if layout == "expert" else p.send_dst_rank
+        sent[:, p.rank] = np.bincount(key, minlength=groups)
+    first = np.zeros_like(sent)
+    for d in range(R):
+        gs = np.arange(d * epr, (d + 1) * epr) if layout == "expert" else np.array([d])
+        block = sent[gs].ravel()
+        first[gs] = (np.cumsum(block) - block).reshape(len(gs), R)
+    return first
+
+
+def send_positions(topk_idxs: Sequence[np.ndarray], num_experts: int, layout: str,
+                   engine: str) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per rank, in its canonical send order: each row's destination rank and the slot it is
+    written to in that destination's receive region. ASP writes the row's final place in
+    ``recv_x`` (rank ``d``'s received rows by local expert, source rank, slot; or by source
+    rank, slot); BSP its staging slot, ``src * cap_src_rows`` + the row's rank in its
+    (source, destination) batch, by expert then slot (layout "expert") or by slot ("rank";
+    ``cap_src_rows``: ``T * min(K, experts per rank)``, or ``T``, plane/layout.py). In the
+    expert layout a call's rows to one destination land in every local expert's block, a
+    page apart or more, where a copy of the same rows back to back streams: the send pass is
+    timed at these positions (host_micro.c's WPOS)."""
+    if layout not in LAYOUTS:
+        raise InvalidArgumentError("layout", layout, f"must be one of {LAYOUTS}")
+    if engine not in ("asp", "bsp"):
+        raise InvalidArgumentError("engine", engine, "must be 'asp' or 'bsp'")
+    plans = canonical_plans(topk_idxs, num_experts, layout)
+    R = len(plans)
+    out = []
+    if engine == "asp":
+        first = _recv_first(plans, num_experts, layout)
+        for p in plans:
+            key = p.send_expert if layout == "expert" else p.send_dst_rank
+            out.append((p.send_dst_rank.copy(), first[key, p.rank] + p.send_slot))
+        return out
+    T = max((np.asarray(i).shape[0] for i in topk_idxs), default=0)
+    K = max((np.asarray(i).shape[1] for i in topk_idxs), default=0)
+    cap_src = T if layout == "rank" else T * min(K, num_experts // R)
+    for p in plans:
+        slot = np.zeros(p.send_dst_rank.size, dtype=np.int64)
+        for d in range(R):
+            m = np.nonzero(p.send_dst_rank == d)[0]
+            # the batch's rows by expert, then slot: a row's rank in that order
+            order = m[np.lexsort((p.send_slot[m], p.send_expert[m]))]
+            slot[order] = np.arange(order.size)
+        out.append((p.send_dst_rank.copy(), p.rank * cap_src + slot))
+    return out
+
+
+def writer_positions(topk_idxs: Sequence[np.ndarray], num_experts: int, layout: str,
+                     engine: str, rows: int) -> tuple[int, np.ndarray, np.ndarray]:
+    """The send pass's WPOS for host_micro: rank 0's rows in send order, each destination's
+    region one after another (``slots`` per region: the largest slot written, plus one), and
+    the token each row is read from (x's row: a token is read once per destination expert or
+    rank), cut or repeated to ``rows`` rows (the pass's working set, rows per rank)."""
+    per_rank = send_positions(topk_idxs, num_experts, layout, engine)
+    region = 1 + max((int(pos.max(initial=0)) for _, pos in per_rank), default=0)
+    dst, pos = per_rank[0]
+    tokens = canonical_plans(topk_idxs, num_experts, layout)[0].send_token
+    R = len(per_rank)
+    flat = ((dst - 1) % R) * region + pos  # destination r+1+i: region i
+    if flat.size == 0:
+        flat, tokens = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
+    n = max(1, int(rows))
+    return (R * region, np.resize(flat, n).astype(np.int64),
+            np.resize(tokens, n).astype(np.int64) % n)
 
 
 def host_topology(num_ranks: int, flag_oneway_ns: float) -> Topology:
@@ -238,3 +304,45 @@ def predict_host(case: HostCase, topk_idxs: Sequence[np.ndarray], *, fixed_ns: f
     spec = build_spec(plans, topo, fabric, engine=case.engine, sync=case.sync,
                       row_bytes=case.row_bytes, op=case.op, row_costs=costs)
     return float(run_analytic(spec, topo, fabric).latency_ns)
+
+
+def rank_works(case: HostCase, topk_idxs: Sequence[np.ndarray], costs: RowCosts, *,
+               init_ns: float, row_meta_ns: float = 0.0) -> list[RankWork]:
+    """Each rank's own work in one dispatch (ns), from its own rows: ``init_ns`` (the call's
+    fixed cost: in a loop of calls a rank's Python exit of one call and entry of the next run
+    back to back on its CPU before its sends); per destination in canonical order, its rows
+    times the row's send cost (own rows: hop 0) plus ``row_meta_ns`` a row (ASP's per-row
+    bookkeeping, host_micro's ``rowmeta``: a row's position and unit logged, and with
+    tracing on its span recorded); its received rows times their consume cost."""
+    if case.op != "dispatch":
+        raise InvalidArgumentError("case.op", case.op, "rank_works times a dispatch")
+    plans = canonical_plans(topk_idxs, case.num_experts, case.layout)
+    R = len(plans)
+    meta = float(row_meta_ns) if case.engine == "asp" else 0.0
+    recv = np.zeros((R, 2))  # [rank, hop]: rows received
+    for p in plans:
+        np.add.at(recv, (p.send_dst_rank, p.send_hop.clip(0, 1)), 1.0)
+    out = []
+    for p in plans:
+        rows_to = np.bincount(p.send_dst_rank, minlength=R)
+        order = [(p.rank + 1 + i) % R for i in range(R)]
+        dst = tuple(d for d in order if rows_to[d])
+        send = tuple(float(rows_to[d]) * (float(costs.per_hop("send_ns", np.array([int(
+            d != p.rank)]))[0]) + meta) for d in dst)
+        consume = costs.per_hop("consume_ns", np.array([0, 1]))
+        out.append(RankWork(init_ns=float(init_ns), send_dst=dst, send_ns=send,
+                            reorder_ns=float(recv[p.rank] @ consume)))
+    return out
+
+
+def predict_host_tasks(case: HostCase, topk_idxs: Sequence[np.ndarray], *, fixed_ns: float,
+                       flag_oneway_ns: float, timer: KernelTimer, cpus: int,
+                       row_meta_ns: float = 0.0) -> list[SchedSpan]:
+    """The model's spans of one dispatch of ``case``: every rank's tasks timed from its own
+    rows (:func:`rank_works`, row passes as :func:`predict_host` prices them but not shared:
+    ``timer`` here gives a pass's own time), run on ``cpus`` CPUs until each must wait
+    (:func:`ubep.sim.host_sched.serialize`; a barrier costs one flag latency)."""
+    costs, extra = _row_costs(case, timer, combine_terms(topk_idxs, case))
+    works = rank_works(case, topk_idxs, costs, init_ns=fixed_ns + extra,
+                       row_meta_ns=row_meta_ns)
+    return serialize(works, case.engine, cpus, barrier_ns=flag_oneway_ns)

@@ -1,0 +1,342 @@
+"""The host model against the runtime's own traces, task by task, over a grid.
+
+    python -m benchmarks.bench_host_tasks --out benchmarks/results/host_tasks
+
+For 2 and 4 ranks, uniform and hot-expert routing, UBEP's ASP/TFF and the BSP/SW baseline, both
+layouts (128 tokens x 2048 BF16): each case's microbenchmarks (benchmarks/host_micro.py: row
+passes at the runtime's own positions, the per-row bookkeeping, the flag latency, the CPUs the
+ranks get now, the 64-element call for the fixed cost), right before its traced dispatches
+(``BufferConfig(trace=True)``, one core a rank), then the host model's spans of the same call
+(``ubep.sim.host.predict_host_tasks``): per rank and call, busy, send and wait time, measured
+beside predicted, and a plot of one call's spans, the model's over the runtime's. Nothing the
+model is given is read from the traces it is compared with.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import numpy as np
+
+# The grid: 128 tokens x 2048 BF16, uniform and hot-expert
+# routing, UBEP's ASP/TFF and the BSP/SW baseline, both layouts, 2 and 4 ranks.
+GRID_MODES = (("asp", "tff"), ("bsp", "sw"))
+GRID_ROUTINGS = ("uniform", "hot")
+
+
+def grid_cases(ranks: list[int]) -> list[tuple[int, Any]]:
+    from benchmarks import bench_dispatch as bd
+    from ubep.modes import LAYOUTS
+
+    return [(r, bd.Case(128, 2048, "bf16", layout, engine, sync, routing))
+            for r in ranks for routing in GRID_ROUTINGS for engine, sync in GRID_MODES
+            for layout in LAYOUTS]
+
+
+def _dispatch_main(group: Any, case: Any, warmup: int, calls: int) -> Any:
+    """Dispatches back to back (no combine between them: the model times a dispatch)."""
+    from benchmarks import bench_dispatch as bd
+    from ubep.buffer import Buffer
+    from ubep.trace import spans_of
+
+    cfg = bd._config(case)
+    cfg = cfg.__class__(**{**cfg.__dict__, "trace": True, "num_cores": 1})
+    x, idx, w = bd.inputs(case, group.rank)
+    with Buffer(group, cfg) as buf:
+        for i in range(warmup + calls):
+            if i == warmup:
+                spans_of(buf)  # the warm-up's spans dropped
+            buf.dispatch(x, idx, w)
+        return spans_of(buf)
+
+
+def measured_calls(case: Any, ranks: int, warmup: int = 5,
+                   calls: int = 20) -> list[list[tuple[int, str, float, float]]]:
+    """The runtime's traced dispatches of ``case``: per call, every span ``(rank, kind, start,
+    end)`` in ns from that rank's call start (calls matched by their order on each rank)."""
+    from ubep.runtime import launch
+
+    per_rank = launch(_dispatch_main, ranks, case, warmup, calls, timeout_s=600)
+    out: list[list[tuple[int, str, float, float]]] = [[] for _ in range(calls)]
+    for t in per_rank:
+        calls_r = sorted((c for c in t.calls if c.name == "dispatch"), key=lambda c: c.start_ns)
+        for i, c in enumerate(calls_r[-calls:]):
+            out[i] += [(s.rank, s.task, s.start_ns - c.start_ns, s.end_ns - c.start_ns)
+                       for s in t.spans if s.rank == c.rank and c.start_ns <= s.start_ns
+                       and s.end_ns <= c.end_ns]
+    return out
+
+
+def categories(spans: list[tuple[int, str, float, float]], engine: str,
+               ranks: int) -> dict[str, float]:
+    """Per rank, median over ranks, of: ``send`` (its send spans), ``wait`` (its waits and
+    barriers; ASP: and its receive, which is a wait for the peers' rows: the runtime records a
+    source's receive as one span ending when its last row is in, and the rows' own check is
+    tens of ns), ``busy`` (every other span but ``init``: the runtime's init is its native
+    prepare, the model's a call's whole fixed cost, Python included)."""
+    per = {k: [0.0] * ranks for k in ("busy", "send", "wait")}
+    for rank, kind, start, end in spans:
+        ns = end - start
+        if kind in ("wait", "barrier") or (engine == "asp" and kind == "reorder"):
+            per["wait"][rank] += ns
+        elif kind != "init":
+            per["busy"][rank] += ns
+        if kind == "send":
+            per["send"][rank] += ns
+    return {k: statistics.median(v) for k, v in per.items()}
+
+
+def _med_calls(calls: list[list[tuple[int, str, float, float]]], engine: str,
+               ranks: int) -> dict[str, float]:
+    got = [categories(c, engine, ranks) for c in calls]
+    return {k: statistics.median(g[k] for g in got) for k in got[0]}
+
+
+def _grid_timer(micro: Any, case: Any, ranks: int, idxs: list[np.ndarray],
+                turns: bool = False) -> Any:
+    """bench_host_validation's timer for ``case`` with four changes for the task model: a
+    writer pass writes its rows where the runtime writes them (ubep.sim.host.writer_positions);
+    a pass costs its own time (no processor-sharing factor: the sharing is the schedule); and
+    passes run warm, as one case's dispatches back to back leave their buffers in the caches
+    (bench_dispatch interleaves cases, which evict each other's: its passes run cold); and
+    with ``turns``, for ranks that share a CPU, the passes take turns on one CPU, each after
+    the others' (``Micro.rows``)."""
+    from benchmarks import bench_host_validation as bhv
+    from ubep.sim.host import writer_positions
+
+    hc = bhv._host_case(case, ranks, "dispatch")
+    rows = round(bhv._rows_per_rank(idxs, case.layout, bd_experts()))
+    wpos = writer_positions(idxs, bd_experts(), case.layout, case.engine, rows)
+    share = micro.cpu_share(ranks)
+
+    def timer(writer: str, reader: str, terms: int) -> tuple[float, float]:
+        n = case.tokens if writer in ("scan", "tail") else rows
+        pos = wpos if writer in ("copy", "tffw", "spw") else None
+        w, r = micro.per_row_ns(ranks, hc.row_bytes, n, writer, reader, terms, positions=pos,
+                                cold=False, turns=turns)
+        return w / share, r / share
+
+    return timer
+
+
+def bd_experts() -> int:
+    from benchmarks import bench_dispatch as bd
+
+    return bd.NUM_EXPERTS
+
+
+def run_grid(ranks: list[int], warmup: int, repeats: int, calls: int, micro: Any
+             ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Each case: its microbenchmarks (row passes at the runtime's positions, the per-row
+    bookkeeping, the flag latency, the CPUs the ranks get, the 64-element call for the fixed
+    cost), right before its traced dispatches; then the model's spans of the same call."""
+    from benchmarks import bench_dispatch as bd
+    from benchmarks import bench_host_validation as bhv
+    from benchmarks.host_micro import cpus_available
+    from ubep.sim.host import kernel_passes, predict_host_tasks
+    from ubep.sim.host_sched import cpus_for
+
+    rows_out: list[dict[str, Any]] = []
+    shown: dict[str, Any] = {}
+    for r, case in grid_cases(ranks):
+        micro.cache.clear()  # this host drifts within minutes: each case measures its own
+        idxs = bhv._routing(case, r)
+        hc = bhv._host_case(case, r, "dispatch")
+        timers = {turns: _grid_timer(micro, case, r, idxs, turns) for turns in (False, True)}
+        rows = round(bhv._rows_per_rank(idxs, case.layout, bd.NUM_EXPERTS))
+        meta = micro.per_row_ns(r, hc.row_bytes, rows, "rowmeta", "-", 1,
+                                cold=False)[0] / micro.cpu_share(r)
+        flag = micro.flag_oneway_ns(r)
+        tiny = bd.run([r], [bhv._tiny(case)], warmup, repeats, False, 1800.0)[0]
+        fixed = bhv.fixed_cost(micro, {r: flag}, tiny, "dispatch")["fixed_ns"]
+        for w, rd, t in kernel_passes(hc, 1).values():  # the row passes, before the calls
+            for timer in timers.values():
+                timer(w, rd, t)
+        # the CPUs the ranks get, on both sides of the traced calls (the load moves)
+        before = cpus_available(r)
+        measured = measured_calls(case, r, warmup=5, calls=calls)
+        avail = (before + cpus_available(r)) / 2
+        cpus = cpus_for(avail, r)
+        # ranks that share a CPU take turns on it: their passes are priced so
+        spans = predict_host_tasks(hc, idxs, fixed_ns=fixed, flag_oneway_ns=flag,
+                                   timer=timers[cpus < r], cpus=cpus, row_meta_ns=meta)
+        pred_spans = [(s.rank, s.task, s.start_ns, s.end_ns) for s in spans]
+        meas = _med_calls(measured, case.engine, r)
+        pred = categories(pred_spans, case.engine, r)
+        rows_out.append({"ranks": r, "routing": case.routing, "engine": case.engine,
+                         "sync": case.sync, "layout": case.layout, "cpus_available": avail,
+                         "cpus": cpus, "fixed_us": fixed / 1e3, "flag_oneway_ns": flag,
+                         "row_meta_ns": meta, "measured_us": {k: v / 1e3 for k, v in meas.items()},
+                         "predicted_us": {k: v / 1e3 for k, v in pred.items()}})
+        if r == min(ranks) and case.routing == "uniform" and case.layout == "expert":
+            # the call whose native span is the median, beside the model's
+            ends = [max((e for _, _, _, e in c), default=0.0) for c in measured]
+            mid = sorted(range(len(ends)), key=ends.__getitem__)[len(ends) // 2]
+            shown[f"{case.engine}/{case.sync}"] = {"measured": measured[mid],
+                                                   "predicted": pred_spans, "ranks": r}
+    return rows_out, shown
+
+
+_COLORS = {"init": "#999999", "send": "#1f77b4", "wait": "#f2c14e", "barrier": "#222222",
+           "reorder": "#ff7f0e", "cumsum": "#2ca02c", "flag": "#9467bd", "verify": "#8c564b"}
+
+
+def plot_overlay(shown: dict[str, Any], path: str) -> None:
+    """One panel per mode: each rank's measured spans (wide bars) with the model's spans of
+    the same call over them (narrow bars), in us from the rank's call start."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(shown), 1, figsize=(8, 1.4 + 1.1 * sum(
+        v["ranks"] for v in shown.values())), squeeze=False)
+    for ax, (mode, v) in zip(axes[:, 0], shown.items(), strict=True):
+        # the model's init is a whole call's fixed cost (Python too), the runtime's its native
+        # prepare: each rank's predicted spans are drawn from where its measured init ends
+        init_end = {src: {rank: end for rank, kind, _, end in v[src] if kind == "init"}
+                    for src in ("measured", "predicted")}
+        for src, height in (("measured", 0.7), ("predicted", 0.25)):
+            for rank, kind, start, end in v[src]:
+                if kind == "init" and src == "predicted":
+                    continue
+                shift = 0.0 if src == "measured" else (
+                    init_end["measured"].get(rank, 0.0) - init_end["predicted"].get(rank, 0.0))
+                start, end = start + shift, end + shift
+                ax.barh(rank, (end - start) / 1e3, left=start / 1e3, height=height,
+                        color=_COLORS.get(kind, "#cccccc"),
+                        edgecolor="black" if src == "predicted" else "none", linewidth=0.4)
+        ax.set_yticks(range(v["ranks"]), [f"rank {r}" for r in range(v["ranks"])])
+        ax.invert_yaxis()
+        ax.set_title(f"{mode}: measured (wide) and the model's (narrow, outlined) spans",
+                     fontsize=9)
+        ax.set_xlabel("us from the rank's call start")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _COLORS.values()]
+    fig.legend(handles, list(_COLORS), loc="lower center", ncol=8, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.savefig(path, dpi=72)
+    plt.close(fig)
+
+
+def merge_passes(passes: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per case, the median over passes of every measured and predicted task time and of the
+    CPUs available (this host's load moves from minute to minute: one pass is one sample);
+    ``cpus`` becomes the passes' CPUs, comma-separated."""
+    out = []
+    for same in zip(*passes, strict=True):
+        row = dict(same[0])
+        for side in ("measured_us", "predicted_us"):
+            row[side] = {k: statistics.median(r[side][k] for r in same) for k in row[side]}
+        for key in ("cpus_available", "fixed_us", "flag_oneway_ns", "row_meta_ns"):
+            row[key] = statistics.median(r[key] for r in same)
+        row["cpus"] = ",".join(str(r["cpus"]) for r in same)
+        row["passes"] = [{k: r[k] for k in ("cpus_available", "cpus", "measured_us",
+                                             "predicted_us")} for r in same]
+        out.append(row)
+    return out
+
+
+def _err(p: float, m: float) -> float:
+    return 100.0 * (p - m) / m if m > 0 else float("nan")
+
+
+def grid_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Median and worst |error| of each task time over the grid (and of all together)."""
+    out = {}
+    for kind in ("busy", "send", "wait", "all"):
+        kinds = ("busy", "send", "wait") if kind == "all" else (kind,)
+        errs = [abs(_err(r["predicted_us"][k], r["measured_us"][k])) for r in rows
+                for k in kinds if r["measured_us"][k] > 0]
+        out[kind] = {"n": len(errs), "median_abs_error_pct": float(np.median(errs)),
+                     "worst_abs_error_pct": float(np.max(errs))}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+    import os
+    import time
+    from pathlib import Path
+
+    from benchmarks.harness import format_table, int_list
+    from benchmarks.host_micro import Micro, build
+
+    parser = argparse.ArgumentParser(description="the host model against the runtime's "
+                                     "traces, task by task")
+    parser.add_argument("--ranks", default=None, help="comma-separated rank counts (2,4)")
+    parser.add_argument("--calls", type=int, default=20, help="traced dispatches per case")
+    parser.add_argument("--repeats", type=int, default=30, help="64-element calls (fixed cost)")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--millis", type=int, default=60, help="per microbenchmark round")
+    parser.add_argument("--rounds", type=int, default=3, help="microbenchmark rounds (median)")
+    parser.add_argument("--passes", type=int, default=3,
+                        help="passes over the grid (each case's microbenchmarks, then its "
+                             "calls); per case the median over passes")
+    parser.add_argument("--out", default=None, help="write OUT.txt, OUT.json and OUT.png")
+    args = parser.parse_args(argv)
+    ranks = int_list(args.ranks, [2, 4])
+    load_before = os.getloadavg()
+    start = time.monotonic()
+    micro = Micro(build(), millis=args.millis, rounds=args.rounds)
+    passes = [run_grid(ranks, args.warmup, args.repeats, args.calls, micro)
+              for _ in range(args.passes)]
+    rows = merge_passes([p[0] for p in passes])
+    shown = passes[-1][1]
+    load_after = os.getloadavg()
+    table = []
+    for r in rows:
+        m, p = r["measured_us"], r["predicted_us"]
+        table.append([r["ranks"], r["routing"], r["layout"], f"{r['engine']}/{r['sync']}",
+                      f"{r['cpus_available']:.2f}", r["cpus"], m["busy"], p["busy"],
+                      _err(p["busy"], m["busy"]), m["send"], p["send"], _err(p["send"], m["send"]),
+                      m["wait"], p["wait"], _err(p["wait"], m["wait"])])
+    summary = grid_summary(rows)
+    cmd = "python -m benchmarks.bench_host_tasks" + (f" --out {args.out}" if args.out else "")
+    lines = [
+        "# The host model against the runtime's traces, task by task (" + cmd + ")",
+        f"# {os.cpu_count()} CPUs shared with other processes; load average (1-min) before "
+        f"{load_before[0]:.2f}, after {load_after[0]:.2f}",
+        "# per case (median over passes; cpus: the whole CPUs the model ran the ranks on, per "
+        "pass): 128 tokens x 2048 BF16, top-8 of 64 experts, one core a rank; measured = "
+        f"{args.calls} traced dispatches back to back after 5, per call the median over ranks "
+        f"of a rank's task time, median over calls, median over {args.passes} passes over the "
+        "grid; predicted = ubep.sim.host.predict_host_tasks "
+        "from that case's microbenchmarks, run right before it (row passes at the runtime's "
+        "positions, per-row bookkeeping, flag latency, the CPUs the ranks get, the fixed cost "
+        "from the 64-element call)",
+        "# busy = every span but waits, barriers and init (ASP's receive is a wait); send = send "
+        "spans; wait = waits and barriers (ASP: and the receive); us per call",
+    ]
+    cols = ["ranks", "routing", "layout", "mode", "cpus_avail", "cpus", "busy_meas", "busy_pred",
+            "busy_err%", "send_meas", "send_pred", "send_err%", "wait_meas", "wait_pred",
+            "wait_err%"]
+    lines.append(format_table(cols, table, float_digits=1))
+    lines += ["", "| task time | n | median abs error % | worst abs error % |", "|---|---|---|---|"]
+    for name, s in summary.items():
+        lines.append(f"| {name} | {s['n']} | {s['median_abs_error_pct']:.1f} | "
+                     f"{s['worst_abs_error_pct']:.1f} |")
+    lines.append(f"\n({time.monotonic() - start:.0f} s)")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        base = Path(args.out)
+        base.parent.mkdir(parents=True, exist_ok=True)
+        base.with_suffix(".txt").write_text(text + "\n", encoding="utf-8")
+        payload = {"command": cmd, "machine": {"cpus": os.cpu_count(), "load_before": load_before,
+                                               "load_after": load_after},
+                   "summary": summary, "rows": rows,
+                   "shown": {k: {"ranks": v["ranks"], "measured": v["measured"],
+                                 "predicted": v["predicted"]} for k, v in shown.items()}}
+        base.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n",
+                                             encoding="utf-8")
+        if shown:
+            plot_overlay(shown, str(base.with_suffix(".png")))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

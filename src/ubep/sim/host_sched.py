@@ -1,0 +1,218 @@
+"""Ranks that share CPUs, run to block: the host model's executor of one call's tasks, rank by rank.
+
+On this host a call's ranks often get fewer CPUs than there are ranks (2 CPUs shared with other
+processes; 4 ranks on 2 CPUs). The scheduler's slices (milliseconds) are longer than a call's
+phases, and a rank that waits spins briefly, yields, then sleeps on its doorbell, so a CPU runs
+one rank until that rank must wait for a peer, then the next runnable rank: the runtime's traces
+show the ranks of one CPU one after another (a rank's wait for a peer's readiness ends when the
+peer, on the same CPU, has sent all its rows), not side by side at a fraction of the speed.
+
+So each rank's tasks are timed on their own (its rows, its destinations) and the waits come
+out of the schedule: a rank's wait is the work of the ranks that ran on its CPU before the
+peer it waits for was done. With a CPU per rank the same executor runs the ranks side by side
+and a rank waits only for its peers' own work.
+
+The tasks of one call (docs/FORMATS.md, runtime/native/phases.c):
+
+* ASP: ``init`` (the call's set-up, which publishes this rank's readiness), then one ``send``
+  per destination in the canonical order ``r+1, ..., r`` (a peer's sends need its readiness),
+  then the receive: every peer's rows to this rank sent, then ``reorder`` (the rows' own work);
+* BSP: ``init``, the ``send`` s (each needs the destination's readiness), a global barrier
+  (every rank has sent; one flag latency after the last arrival), ``flag`` (counts and flags
+  written, verified), a second barrier, then ``reorder``.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..errors import InvalidArgumentError
+
+__all__ = ["RankWork", "SchedSpan", "cpus_for", "serialize"]
+
+
+@dataclass(frozen=True)
+class RankWork:
+    """One rank's CPU work in one call (ns).
+
+    Attributes:
+        init_ns: the set-up before its sends (it publishes the rank's readiness).
+        send_dst: destinations in send order; ``send_ns``: the work of each.
+        reorder_ns: the received rows' work once they are all in (ASP) or after the second
+            barrier (BSP).
+        flag_ns: BSP's counts and flags between its barriers.
+    """
+
+    init_ns: float
+    send_dst: tuple[int, ...]
+    send_ns: tuple[float, ...]
+    reorder_ns: float
+    flag_ns: float = 0.0
+
+
+@dataclass(frozen=True)
+class SchedSpan:
+    """A task of one rank (ns from the call's start); ``peer``: a send's destination or what
+    a wait waited for (-1: every rank, a barrier or the rows of every peer)."""
+
+    rank: int
+    task: str
+    start_ns: float
+    end_ns: float
+    peer: int = -1
+
+
+def cpus_for(available: float, ranks: int) -> int:
+    """Whole CPUs that ``ranks`` processes which measured ``available`` CPUs run on: the
+    nearest whole number, at least 1, at most ``ranks``."""
+    if not available > 0:
+        raise InvalidArgumentError("available", available, "must be > 0")
+    return max(1, min(ranks, int(available + 0.5)))
+
+
+class _Run:
+    """The run-to-block schedule: ``free`` CPUs, a FIFO of runnable ranks, ranks blocked on a
+    condition, and each rank's position in its task list."""
+
+    def __init__(self, works: Sequence[RankWork], engine: str, cpus: int,
+                 barrier_ns: float) -> None:
+        self.works, self.engine, self.barrier_ns = works, engine, float(barrier_ns)
+        R = len(works)
+        self.step = [0] * R
+        self.sent: list[set[int]] = [set() for _ in range(R)]  # sources done sending to r
+        self.ready = [False] * R
+        self.arrivals: list[set[int]] = [set(), set()]  # ranks at barrier 0 / 1
+        self.release: list[float | None] = [None, None]
+        self.spans: list[SchedSpan] = []
+        self.blocked: dict[int, tuple[float, str, int]] = {}  # rank -> (since, task, peer)
+        self.runnable: deque[tuple[int, float]] = deque((r, 0.0) for r in range(R))
+        self.queued: set[int] = set(range(R))  # runnable or about to run
+        self.running: dict[int, tuple[str, int]] = {}  # rank -> (task, peer) it is running
+        self.free = cpus
+        self.events: list[tuple[float, int, int]] = []  # (time, seq, rank): a CPU's rank runs
+        self.seq = 0
+        self.barrier_at: list[tuple[float, int]] = []  # (time, which): barrier releases
+
+    def tasks(self, r: int) -> list[tuple[str, float, int]]:
+        """``(task, ns, peer)`` of rank ``r`` in order."""
+        w = self.works[r]
+        out = [("init", w.init_ns, -1)]
+        out += [("send", ns, d) for d, ns in zip(w.send_dst, w.send_ns, strict=True)]
+        if self.engine == "bsp":
+            out += [("barrier", 0.0, 0), ("flag", w.flag_ns, -1), ("barrier", 0.0, 1)]
+        else:
+            out += [("recv", 0.0, -1)]
+        out.append(("reorder", w.reorder_ns, -1))
+        return out
+
+    def can_start(self, r: int, task: str, peer: int) -> bool:
+        if task == "send":
+            return peer == r or self.ready[peer]
+        if task == "recv":
+            return all(s in self.sent[r] for s in range(len(self.works))
+                       if s != r and r in self.works[s].send_dst)
+        if task == "barrier":
+            return self.release[peer] is not None
+        return True
+
+
+def serialize(works: Sequence[RankWork], engine: str, cpus: int,
+              barrier_ns: float = 0.0) -> list[SchedSpan]:
+    """The call's spans when its ranks share ``cpus`` CPUs and each runs until it must wait.
+
+    Runnable ranks take a free CPU in the order they became runnable (rank order at the
+    start); a rank runs its tasks back to back until one cannot start (a destination not
+    ready, its rows not all sent, a barrier not released), waits (a ``wait`` or ``barrier``
+    span from then until it runs again) and gives its CPU to the next runnable rank. A
+    barrier releases ``barrier_ns`` after its last arrival."""
+    if engine not in ("asp", "bsp"):
+        raise InvalidArgumentError("engine", engine, "must be 'asp' or 'bsp'")
+    if cpus < 1:
+        raise InvalidArgumentError("cpus", cpus, "must be >= 1")
+    run = _Run(works, engine, cpus, barrier_ns)
+    now = 0.0
+    _dispatch(run, now)
+    while run.events or run.barrier_at:
+        t_ev = run.events[0][0] if run.events else float("inf")
+        t_b = min(run.barrier_at)[0] if run.barrier_at else float("inf")
+        if t_b <= t_ev:
+            now, which = min(run.barrier_at)
+            run.barrier_at.remove((now, which))
+            run.release[which] = now
+            _wake(run, now)
+        else:
+            now, _, r = heapq.heappop(run.events)
+            _step(run, r, now)
+        _dispatch(run, now)
+    if run.blocked:
+        raise InvalidArgumentError("works", sorted(run.blocked), "never get what they wait for")
+    return run.spans
+
+
+def _dispatch(run: _Run, now: float) -> None:
+    """Free CPUs take runnable ranks (FIFO)."""
+    while run.free and run.runnable:
+        r, since = run.runnable.popleft()
+        run.free -= 1
+        _push(run, max(now, since), r)
+
+
+def _push(run: _Run, t: float, r: int) -> None:
+    run.seq += 1
+    heapq.heappush(run.events, (t, run.seq, r))
+
+
+def _step(run: _Run, r: int, now: float) -> None:
+    """Rank ``r`` is on a CPU at ``now``: its last task's effects land (readiness, rows sent),
+    then its next task starts, or it waits and frees the CPU, or it is done."""
+    tasks = run.tasks(r)
+    done = run.running.pop(r, None)
+    if done is not None:  # the task that just ended
+        task, peer = done
+        if task == "init":
+            run.ready[r] = True
+        elif task == "send":
+            run.sent[peer].add(r)
+        _wake(run, now)
+    run.queued.discard(r)
+    if r in run.blocked:  # back on a CPU: its wait ends now
+        since, task, peer = run.blocked.pop(r)
+        run.spans.append(SchedSpan(r, "barrier" if task == "barrier" else "wait", since, now,
+                                   peer if task == "send" else -1))
+    while run.step[r] < len(tasks):
+        task, ns, peer = tasks[run.step[r]]
+        if task == "barrier" and r not in run.arrivals[peer]:
+            _arrive(run, r, peer, now)
+        if not run.can_start(r, task, peer):
+            run.blocked[r] = (now, task, peer)
+            run.free += 1
+            return
+        run.step[r] += 1
+        if task in ("barrier", "recv"):
+            continue
+        run.spans.append(SchedSpan(r, task, now, now + ns, peer))
+        run.running[r] = (task, peer)
+        _push(run, now + ns, r)
+        return
+    run.free += 1
+
+
+def _arrive(run: _Run, r: int, which: int, now: float) -> None:
+    """``r`` reaches barrier ``which``; the last arrival schedules its release."""
+    run.arrivals[which].add(r)
+    if len(run.arrivals[which]) == len(run.works):
+        run.barrier_at.append((now + run.barrier_ns, which))
+
+
+def _wake(run: _Run, now: float) -> None:
+    """Blocked ranks whose condition now holds become runnable (in rank order)."""
+    for r in sorted(run.blocked):
+        if r in run.queued:
+            continue
+        task, _, peer = run.tasks(r)[run.step[r]]
+        if run.can_start(r, task, peer):
+            run.queued.add(r)
+            run.runnable.append((r, now))

@@ -1,0 +1,71 @@
+"""benchmarks/bench_host_tasks.py: how a call's spans become busy, send and wait time, and how
+passes over the grid combine (computed by hand; nothing timed)."""
+
+from __future__ import annotations
+
+import pytest
+
+# benchmarks/ is a top-level folder, not an installed package (see test_peers.py)
+from benchmarks.bench_host_tasks import categories, grid_cases, merge_passes
+
+
+def test_categories_split_a_call_by_hand() -> None:
+    spans = [(0, "init", 0.0, 10.0), (0, "send", 10.0, 110.0), (0, "wait", 110.0, 150.0),
+             (0, "reorder", 150.0, 200.0), (0, "cumsum", 200.0, 205.0),
+             (1, "init", 0.0, 30.0), (1, "send", 30.0, 90.0), (1, "barrier", 90.0, 190.0),
+             (1, "reorder", 190.0, 210.0)]
+    # ASP: the receive ("reorder") is a wait. rank 0: busy 100 + 5, send 100, wait 40 + 50;
+    # rank 1: busy 60, send 60, wait 100 + 20; the median of two ranks is their mean
+    assert categories(spans, "asp", 2) == {"busy": pytest.approx(82.5), "send": 80.0,
+                                           "wait": 105.0}
+    # BSP: the reorder is work. rank 0: busy 155, wait 40; rank 1: busy 80, wait 100
+    assert categories(spans, "bsp", 2) == {"busy": 117.5, "send": 80.0, "wait": 70.0}
+
+
+def test_merge_passes_takes_each_cases_median() -> None:
+    def row(m: float, p: float, avail: float, cpus: int) -> dict:
+        return {"ranks": 2, "cpus_available": avail, "cpus": cpus, "fixed_us": 1.0,
+                "flag_oneway_ns": 2.0, "row_meta_ns": 3.0,
+                "measured_us": {"busy": m, "send": m, "wait": m},
+                "predicted_us": {"busy": p, "send": p, "wait": p}}
+    got = merge_passes([[row(1.0, 5.0, 1.0, 1)], [row(3.0, 4.0, 2.0, 2)],
+                        [row(2.0, 9.0, 1.5, 2)]])
+    assert len(got) == 1
+    assert got[0]["measured_us"]["send"] == 2.0 and got[0]["predicted_us"]["wait"] == 5.0
+    assert got[0]["cpus_available"] == 1.5 and got[0]["cpus"] == "1,2,2"
+
+
+def test_grid_is_the_issues_grid() -> None:
+    cases = grid_cases([2, 4])
+    # 2 rank counts x 2 routings x (ASP/TFF, BSP/SW) x 2 layouts
+    assert len(cases) == 16
+    assert {(c.engine, c.sync) for _, c in cases} == {("asp", "tff"), ("bsp", "sw")}
+    assert {c.routing for _, c in cases} == {"uniform", "hot"}
+    assert {c.layout for _, c in cases} == {"expert", "rank"}
+
+
+def test_host_micro_checks_its_positions(tmp_path) -> None:
+    import subprocess
+
+    import numpy as np
+
+    from benchmarks.host_micro import build
+
+    binary = build(str(tmp_path))
+
+    def run(slots: int, dst: list[int], src: list[int]) -> subprocess.CompletedProcess:
+        path = tmp_path / "wpos.bin"
+        with open(path, "wb") as f:
+            np.asarray([slots, *dst, *src], dtype=np.int64).tofile(f)
+        return subprocess.run([str(binary), "copy", "-", "256", "2", "1", "5", "1", "1", "0",
+                               "-", str(32 << 20), str(path)], capture_output=True, text=True,
+                              timeout=60)
+
+    bad = run(4, [1, 4], [0, 1])  # slot 4 of a 4-slot region
+    assert bad.returncode == 2 and "WPOS slot or source out of range" in bad.stderr
+    bad = run(4, [1, 3], [0, 2])  # source row 2 of a 2-row pass
+    assert bad.returncode == 2 and "out of range" in bad.stderr
+    ok = run(4, [3, 0], [1, 1])
+    assert ok.returncode == 0, ok.stderr
+    # one line per process: the writer's own time (6th number) is a positive time
+    assert int(ok.stdout.split()[5]) > 0

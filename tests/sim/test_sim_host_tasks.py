@@ -1,0 +1,135 @@
+"""The host model task by task: ranks that share CPUs and run until they must wait
+(ubep.sim.host_sched), each rank's own work (ubep.sim.host.rank_works) and where the runtime
+writes a sent row (ubep.sim.host.send_positions). Expected values are computed here by hand or
+by brute force from ``topk_idx``, not copied from the model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ubep.errors import InvalidArgumentError
+from ubep.routing import uniform_topk
+from ubep.sim.host import HostCase, rank_works, send_positions, writer_positions
+from ubep.sim.host_sched import RankWork, cpus_for, serialize
+from ubep.sim.spec import RowCosts
+
+# rank 0: init 10, 100 to rank 1, 50 to itself, 5 to place its received rows;
+# rank 1: init 20, 200 to rank 0, 60 to itself, 7 to place
+WORKS = [RankWork(10.0, (1, 0), (100.0, 50.0), 5.0), RankWork(20.0, (0, 1), (200.0, 60.0), 7.0)]
+
+
+def _by(spans: list, rank: int, task: str) -> list[tuple[float, float]]:
+    return [(s.start_ns, s.end_ns) for s in spans if s.rank == rank and s.task == task]
+
+
+def test_one_cpu_runs_each_rank_until_it_waits() -> None:
+    spans = serialize(WORKS, "asp", cpus=1)
+    # Rank 0 runs first: init 0-10; rank 1 is not ready, so rank 0 waits and rank 1 takes the
+    # CPU: init 10-30, sends 30-230 (to 0) and 230-290 (own); it then waits for rank 0's rows
+    # and rank 0 runs: its wait for rank 1 was 10-290 (rank 1's whole work); sends 290-390,
+    # 390-440; rank 1's rows are in, so it places them 440-445; then rank 1 (wait 290-445)
+    # places its own 445-452.
+    assert _by(spans, 0, "init") == [(0.0, 10.0)]
+    assert _by(spans, 1, "init") == [(10.0, 30.0)]
+    assert _by(spans, 1, "send") == [(30.0, 230.0), (230.0, 290.0)]
+    assert _by(spans, 0, "wait") == [(10.0, 290.0)]
+    assert _by(spans, 0, "send") == [(290.0, 390.0), (390.0, 440.0)]
+    assert _by(spans, 0, "reorder") == [(440.0, 445.0)]
+    assert _by(spans, 1, "wait") == [(290.0, 445.0)]
+    assert _by(spans, 1, "reorder") == [(445.0, 452.0)]
+
+
+def test_a_cpu_per_rank_waits_only_for_the_peers_work() -> None:
+    spans = serialize(WORKS, "asp", cpus=2)
+    # side by side: rank 0 waits for rank 1's readiness (10-20), sends 20-170, then waits for
+    # rank 1's rows to it (sent 20-220): 170-220, places 220-225; rank 1 never waits
+    assert _by(spans, 0, "wait") == [(10.0, 20.0), (170.0, 220.0)]
+    assert _by(spans, 0, "reorder") == [(220.0, 225.0)]
+    assert _by(spans, 1, "send") == [(20.0, 220.0), (220.0, 280.0)]
+    assert _by(spans, 1, "wait") == []
+    assert _by(spans, 1, "reorder") == [(280.0, 287.0)]
+
+
+def test_bsp_barrier_releases_a_flag_latency_after_the_last_arrival() -> None:
+    spans = serialize(WORKS, "bsp", cpus=2, barrier_ns=3.0)
+    # sends end at 170 (rank 0) and 280 (rank 1): the first barrier releases at 283; flags
+    # take no time here, so both reach the second at 283, released at 286; then each places
+    # its rows
+    assert _by(spans, 0, "barrier")[0] == (170.0, 283.0)
+    assert _by(spans, 1, "barrier")[0][1] == 283.0
+    assert _by(spans, 0, "reorder") == [(286.0, 291.0)]
+    assert _by(spans, 1, "reorder") == [(286.0, 293.0)]
+
+
+def test_serialize_and_cpus_for_reject_bad_input() -> None:
+    with pytest.raises(InvalidArgumentError, match="engine"):
+        serialize(WORKS, "xsp", cpus=1)
+    with pytest.raises(InvalidArgumentError, match="cpus"):
+        serialize(WORKS, "asp", cpus=0)
+    with pytest.raises(InvalidArgumentError, match="available"):
+        cpus_for(0.0, 2)
+    assert [cpus_for(a, 2) for a in (1.0, 1.4, 1.6, 2.0, 3.0)] == [1, 1, 2, 2, 2]
+
+
+def test_rank_works_are_each_ranks_own_rows() -> None:
+    # 2 ranks, 4 experts (2 a rank), top-2: rank 0's tokens go to experts (0, 2), (2, 3), (1, 0);
+    # rank 1's to (3, 1)
+    idxs = [np.array([[0, 2], [2, 3], [1, 0]]), np.array([[3, 1]])]
+    case = HostCase(ranks=2, tokens=3, hidden=64, itemsize=2, layout="expert", engine="asp",
+                    sync="tff", op="dispatch", num_experts=4, num_topk=2)
+    costs = RowCosts(send_ns=(2.0, 10.0), consume_ns=(0.5, 3.0))
+    works = rank_works(case, idxs, costs, init_ns=100.0, row_meta_ns=1.0)
+    # rank 0: 3 rows to rank 1 (experts 2, 2, 3) at 10 + 1, then 3 own rows at 2 + 1;
+    # receives 3 own rows (0.5) and 1 from rank 1 (3.0)
+    assert works[0] == RankWork(100.0, (1, 0), (33.0, 9.0), 3 * 0.5 + 3.0)
+    # rank 1: 1 row to rank 0 (expert 1) then 1 own (expert 3); receives 1 own, 3 from rank 0
+    assert works[1] == RankWork(100.0, (0, 1), (11.0, 3.0), 0.5 + 3 * 3.0)
+    bsp = rank_works(HostCase(**{**case.__dict__, "engine": "bsp", "sync": "sw"}), idxs, costs,
+                     init_ns=0.0, row_meta_ns=1.0)
+    assert bsp[0].send_ns == (30.0, 6.0)  # no per-row bookkeeping outside ASP's send loop
+
+
+@pytest.mark.parametrize(("ranks", "layout"), [(2, "expert"), (2, "rank"), (4, "expert")])
+def test_send_positions_asp_are_the_rows_final_places(ranks: int, layout: str) -> None:
+    E, T, K = 8, 6, 3
+    epr = E // ranks
+    idxs = [uniform_topk(T, E, K, seed=30 + r) for r in range(ranks)]
+    # brute force: rank d's received rows by local expert, source, token (or source, token)
+    recv: dict[int, list[tuple[int, int, int]]] = {}
+    for d in range(ranks):
+        if layout == "expert":
+            recv[d] = [(src, t, e) for e in range(d * epr, (d + 1) * epr)
+                       for src in range(ranks) for t in range(T) if e in idxs[src][t].tolist()]
+        else:
+            recv[d] = [(src, t, -1) for src in range(ranks) for t in range(T)
+                       if any(int(e) // epr == d for e in idxs[src][t])]
+    for r, (dst, pos) in enumerate(send_positions(idxs, E, layout, "asp")):
+        # the canonical order: destinations r+1, ..., r; tokens, then k, in order
+        want = []
+        for i in range(ranks):
+            d = (r + 1 + i) % ranks
+            for t in range(T):
+                es = [int(e) for e in idxs[r][t] if int(e) // epr == d]
+                if layout == "rank":
+                    es = es[:1]
+                want += [(d, recv[d].index((r, t, e if layout == "expert" else -1)))
+                         for e in es]
+        assert list(zip(dst.tolist(), pos.tolist(), strict=True)) == want
+
+
+def test_send_positions_bsp_are_staging_slots_by_expert() -> None:
+    # 2 ranks, 4 experts, top-2, layout "expert": cap_src_rows = T * min(K, 2) = 2 * 2 = 4
+    idxs = [np.array([[3, 0], [2, 1]]), np.array([[1, 2], [0, 3]])]
+    (d0, p0), (d1, p1) = send_positions(idxs, 4, "expert", "bsp")
+    # rank 0 sends to rank 1 first: (t0, e3), (t1, e2); by expert: e2 is slot 0, e3 slot 1;
+    # then its own: (t0, e0), (t1, e1): slots 0, 1; its region starts at 0 * 4
+    assert d0.tolist() == [1, 1, 0, 0] and p0.tolist() == [1, 0, 0, 1]
+    # rank 1 to rank 0: (t0, e1), (t1, e0) -> e0 first: slots 1, 0; own (t0, e2), (t1, e3);
+    # rank 1's region starts at 1 * 4
+    assert d1.tolist() == [0, 0, 1, 1] and p1.tolist() == [5, 4, 4, 5]
+    slots, flat, src = writer_positions(idxs, 4, "expert", "bsp", rows=6)
+    # rank 0's rows, region i for destination r+1+i, each region 6 slots (largest slot 5, + 1),
+    # read from its tokens 0, 1 (to rank 1), 0, 1 (own), repeated to 6 rows
+    assert slots == 12 and flat.tolist() == [1, 0, 6, 7, 1, 0]
+    assert src.tolist() == [0, 1, 0, 1, 0, 1]
