@@ -273,7 +273,7 @@ def _rank_main(group: Any, shapes: list[Shape], warmup: int,
                     _check(name, path.combine(), shape, group.rank)
                 names = list(paths)
                 samples: dict[str, Any] = {n: [] for n in names}
-                traced = {n: p.buf._engine for n, p in paths.items() if isinstance(p, _Ubep)}
+                traced = {n: p.buf._engine.kernel for n, p in paths.items() if isinstance(p, _Ubep)}
                 for n in traced:
                     samples["trace:" + n] = []
                 for i in range(warmup + repeats):
