@@ -17,23 +17,21 @@ back. Each worker computes on a core of its own (``BIND``). A vLLM engine takes 
 start on this host, so modes run one after another (not alternated call by call);
 min/median/max are over rounds. Run::
 
-    .venv/bin/python benchmarks/bench_vllm.py --rounds 3 --out benchmarks/results
+    .venv/bin/python -m benchmarks.bench_vllm --rounds 3 --out benchmarks/results
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import signal
-import socket
 import statistics
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from tests.vllm._procs import free_port, stop_session, sweep_vllm_shm, vllm_env, vllm_shm
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
@@ -48,24 +46,16 @@ BIND = {"dp1": ("0",), "tp2": ("0|1",), "dp2ep": ("0", "1")}
 DEADLINE_S = 900.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "UBEP_"))}
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1",
-               UBEP_VLLM_ALL2ALL="1", PYTHONUNBUFFERED="1")
-    env.update(extra)
-    return env
+    return vllm_env({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+                     "UBEP_VLLM_ALL2ALL": "1", "PYTHONUNBUFFERED": "1"}, **extra)
 
 
 def _run(model: Path, mode: str, rounds: int, logdir: Path) -> list[dict[str, Any]]:
     ranks = 2 if mode == "dp2ep" else 1
-    port = _free_port()
+    port = free_port()
     procs, logs = [], []
+    before = vllm_shm()
     for rank in range(ranks):
         extra = ({"VLLM_DP_RANK": str(rank), "VLLM_DP_SIZE": "2",
                   "VLLM_DP_MASTER_IP": "127.0.0.1", "VLLM_DP_MASTER_PORT": str(port)}
@@ -85,8 +75,8 @@ def _run(model: Path, mode: str, rounds: int, logdir: Path) -> list[dict[str, An
                 raise RuntimeError(f"{log.name}: exited {rc}:\n{tail}")
     finally:
         for proc in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+            stop_session(proc)
+        sweep_vllm_shm(before)
     out = []
     for log in logs:
         for line in log.read_text(errors="replace").splitlines():

