@@ -268,24 +268,30 @@ def test_forged_routing_raises_instead_of_writing_out_of_bounds(layout: str) -> 
     assert rec.code == 5 and rec.peer == 1 and "rank 1's routing disagrees" in rec.what, rec
 
 
+def _rank0_dispatch(group: Any, buf: Buffer, hidden: int) -> str:
+    """After rank 1 forged its records: rank 0's dispatch of 8 tokens to 4 experts, "accepted"
+    or the error it raised (every rank waits for it at the barriers)."""
+    group.barrier(30)
+    result = ""
+    if group.rank == 0:
+        x = np.ones((8, hidden), np.uint16)
+        idx = np.tile(np.arange(4, dtype=np.int64), (8, 1))
+        try:
+            buf.dispatch(x, idx, np.ones((8, 4), np.float32))
+            result = "accepted"
+        except UbepError as exc:
+            result = str(exc)
+    group.barrier(30)
+    return result
+
+
 def _worker_forged_counts(group: Any) -> str:
     cfg = _config("expert")
     with Buffer(group, cfg) as buf:
         group.barrier(30)
         if group.rank == 1:  # a count above max_tokens_per_rank (8) for one expert
             _forge_dispatch(buf, 1, 0, [8, 8, 8, 1 << 30], 8, np.zeros((8, 4), np.int32))
-        group.barrier(30)
-        result = ""
-        if group.rank == 0:
-            x = np.ones((8, cfg.hidden), np.uint16)
-            idx = np.tile(np.arange(4, dtype=np.int64), (8, 1))
-            try:
-                buf.dispatch(x, idx, np.ones((8, 4), np.float32))
-                result = "accepted"
-            except UbepError as exc:
-                result = str(exc)
-        group.barrier(30)
-        return result
+        return _rank0_dispatch(group, buf, cfg.hidden)
 
 
 def test_forged_count_above_capacity_is_rejected() -> None:
@@ -301,18 +307,7 @@ def _worker_forged_rows_per_rank(group: Any, what: str) -> str:
             ranks, ranks_sum = {"checksum": ([8, 0], 12345), "disagree": ([5, 0], None)}[what]
             _forge_dispatch(buf, 1, 0, [8, 8, 8, 8], 8,
                             np.tile(np.arange(4, dtype=np.int32), (8, 1)), ranks, ranks_sum)
-        group.barrier(30)
-        result = ""
-        if group.rank == 0:
-            x = np.ones((8, cfg.hidden), np.uint16)
-            idx = np.tile(np.arange(4, dtype=np.int64), (8, 1))
-            try:
-                buf.dispatch(x, idx, np.ones((8, 4), np.float32))
-                result = "accepted"
-            except UbepError as exc:
-                result = str(exc)
-        group.barrier(30)
-        return result
+        return _rank0_dispatch(group, buf, cfg.hidden)
 
 
 @pytest.mark.parametrize("what", ["checksum", "disagree"])
