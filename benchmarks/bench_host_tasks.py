@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks import host_tasks
+
 # The grid: 128 tokens x 2048 BF16, uniform and hot-expert
 # routing, UBEP's ASP/TFF and the BSP/SW baseline, both layouts, 2 and 4 ranks.
 GRID_MODES = (("asp", "tff"), ("bsp", "sw"))
@@ -34,30 +36,14 @@ def grid_cases(ranks: list[int]) -> list[tuple[int, Any]]:
             for layout in LAYOUTS]
 
 
-def _dispatch_main(group: Any, case: Any, warmup: int, calls: int) -> Any:
-    """Dispatches back to back (no combine between them: the model times a dispatch)."""
-    from benchmarks import bench_dispatch as bd
-    from ubep.buffer import Buffer
-    from ubep.trace import spans_of
-
-    cfg = bd._config(case)
-    cfg = cfg.__class__(**{**cfg.__dict__, "trace": True, "num_cores": 1})
-    x, idx, w = bd.inputs(case, group.rank)
-    with Buffer(group, cfg) as buf:
-        for i in range(warmup + calls):
-            if i == warmup:
-                spans_of(buf)  # the warm-up's spans dropped
-            buf.dispatch(x, idx, w)
-        return spans_of(buf)
-
-
 def measured_calls(case: Any, ranks: int, warmup: int = 5,
                    calls: int = 20) -> list[list[tuple[int, str, float, float]]]:
     """The runtime's traced dispatches of ``case``: per call, every span ``(rank, kind, start,
     end)`` in ns from that rank's call start (calls matched by their order on each rank)."""
     from ubep.runtime import launch
 
-    per_rank = launch(_dispatch_main, ranks, case, warmup, calls, timeout_s=600)
+    per_rank = launch(host_tasks._rank_main, ranks, case, warmup, calls, False,
+                      timeout_s=600)
     out: list[list[tuple[int, str, float, float]]] = [[] for _ in range(calls)]
     for t in per_rank:
         calls_r = sorted((c for c in t.calls if c.name == "dispatch"), key=lambda c: c.start_ns)

@@ -31,7 +31,10 @@ def _per_rank_kind(trace: Any, calls: int) -> dict[str, float]:
     return {k: statistics.median([v.get(r, 0.0) for r in ranks]) for k, v in per.items()}
 
 
-def _rank_main(group: Any, case: Any, warmup: int, calls: int) -> Any:
+def _rank_main(group: Any, case: Any, warmup: int, calls: int, combine: bool = True) -> Any:
+    """``warmup + calls`` traced calls of ``case`` on one core a rank, the warm-up's spans
+    dropped: dispatches, each followed by its zero-copy combine unless ``combine`` is False
+    (back-to-back dispatches: what ``bench_host_tasks`` times)."""
     from benchmarks import bench_dispatch as bd
     from ubep.buffer import Buffer
     from ubep.trace import spans_of
@@ -44,7 +47,8 @@ def _rank_main(group: Any, case: Any, warmup: int, calls: int) -> Any:
             if i == warmup:
                 spans_of(buf)  # the warm-up's spans dropped
             res = buf.dispatch(x, idx, w)
-            buf.combine(buf.get_combine_buffer(res.handle), res.handle)  # zero-copy
+            if combine:
+                buf.combine(buf.get_combine_buffer(res.handle), res.handle)  # zero-copy
         return spans_of(buf)
 
 
