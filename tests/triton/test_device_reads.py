@@ -151,15 +151,8 @@ def device_reads(group: Any, case: Case) -> list[str]:
         if r == 1:
             idxs[1][2, 1] = idxs[1][2, 0] if idxs[1][2, 0] >= 0 else 0  # one expert twice
             idxs[1][2, 2] = idxs[1][2, 1]
-        try:
-            eng.dispatch(_tensor(xs[r]), _tensor(idxs[r]), _tensor(ws[r]))
-            out.append(f"rank {r}: a dispatch with a bad topk_idx tensor on rank 1 passed")
-        except InvalidArgumentError as e:
-            if r != 1 or e.argument != "topk_idx":
-                out.append(f"rank {r}: {e!r}")
-        except RemoteError as e:
-            if r == 1 or not e.clean:
-                out.append(f"rank {r}: {e!r}")
+        out += _refused(lambda: eng.dispatch(_tensor(xs[r]), _tensor(idxs[r]), _tensor(ws[r])),
+                        r, 1, "topk_idx", "a dispatch with a bad topk_idx tensor on rank 1")
         out += _one_call(eng, case, [6, 3], 3)
         # a whole Plan of the scheduler's (hierarchical issue order, 3 send programs), run as
         # it is; one of another rank is refused by name on the rank given it
@@ -171,18 +164,25 @@ def device_reads(group: Any, case: Case) -> list[str]:
         out += _one_call(eng, case, [7, 4], 4, plan_of)
         xs, idxs, ws = testing.inputs(case.dtype, eng.config.num_experts, NUM_TOPK,
                                       case.hidden, [4, 5], 5, "uniform")
-        try:
-            eng.dispatch(_tensor(xs[r]), _tensor(idxs[r]), _tensor(ws[r]),
-                         plan=plan_of(idxs[r], 1 - r if r == 0 else r))
-            out.append(f"rank {r}: a dispatch with rank 1's Plan on rank 0 passed")
-        except InvalidArgumentError as e:
-            if r != 0 or e.argument != "plan":
-                out.append(f"rank {r}: {e!r}")
-        except RemoteError as e:
-            if r == 0 or not e.clean:
-                out.append(f"rank {r}: {e!r}")
+        out += _refused(lambda: eng.dispatch(_tensor(xs[r]), _tensor(idxs[r]), _tensor(ws[r]),
+                                             plan=plan_of(idxs[r], 1 - r if r == 0 else r)),
+                        r, 0, "plan", "a dispatch with rank 1's Plan on rank 0")
         out += _one_call(eng, case, [2, 6], 6)
     return out
+
+
+def _refused(call: Callable[[], Any], r: int, culprit: int, argument: str,
+             what: str) -> list[str]:
+    """``call`` on rank ``r`` with bad input on rank ``culprit``: that rank must raise
+    ``InvalidArgumentError`` naming ``argument``, the other a clean ``RemoteError``; what
+    differs, described (nothing when both did)."""
+    try:
+        call()
+    except InvalidArgumentError as e:
+        return [] if r == culprit and e.argument == argument else [f"rank {r}: {e!r}"]
+    except RemoteError as e:
+        return [] if r != culprit and e.clean else [f"rank {r}: {e!r}"]
+    return [f"rank {r}: {what} passed"]
 
 
 def buffer_reads(group: Any, case: Case) -> list[str]:
