@@ -26,8 +26,10 @@ launch directory); BF16 ``x [tokens, hidden]``, top-8 of 64 experts, seeded unif
   arrays) at the same moment, in the dispatch's slot and again in the combine's.
 
 Bytes one rank sends = rows x hidden x 2, rows = the (token, destination rank) pairs of its
-routing (rank layout; the combine sends the same rows back). The low-latency path sends one row
-per (token, expert) pair, up to top-k times that.
+routing (rank layout; the combine sends the same rows back). The low-latency paths send one row
+per (token, expert) pair, up to top-k times that (DeepEP's padded layout has a place per pair):
+``numpy-ll`` is the Buffer call the low-latency facade makes (``layout="expert_padded"``, numpy
+in) and ``floor-ll`` the copy of those bytes; ``v1-ll``'s ratios are against these two.
 
 Timing: every call (a dispatch, then its combine) follows a shared-memory barrier (the launch
 group's, never gloo's: its exit skew would land in every figure), and each rank times its own
@@ -41,6 +43,7 @@ benchmark's weights of 1/8 is ``x`` itself (exact: a BF16 row times a power of t
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -54,8 +57,17 @@ from benchmarks import harness
 TOPK, EXPERTS = 8, 64
 QUICK = {"ranks": (2,), "hidden": (2048,), "tokens": (16, 128)}
 FULL = {"ranks": (2, 4), "hidden": (2048, 7168), "tokens": (16, 128)}
-PATHS = ("numpy", "torch", "tgroup", "v1-ll", "v1", "v1-now", "v2-elastic", "v2-ep", "gloo",
-         "floor")
+PATHS = ("numpy", "numpy-ll", "torch", "tgroup", "v1-ll", "v1", "v1-now", "v2-elastic", "v2-ep",
+         "gloo", "floor", "floor-ll")
+#: what each path is measured against (``base``: ubep's own numpy call of the same layout;
+#: ``floor``: the copy of the same bytes): the low-latency paths move one row per (token,
+#: expert) pair into DeepEP's padded places, the others one per (token, rank)
+LL_PATHS = ("numpy-ll", "v1-ll", "floor-ll")
+
+
+def bases(name: str) -> tuple[str, str]:
+    """``(base, floor)`` of path ``name``."""
+    return ("numpy-ll", "floor-ll") if name in LL_PATHS else (BASE, "floor")
 # what the ratios compare against
 BASE = "numpy"
 
@@ -89,6 +101,12 @@ def bytes_per_rank(shape: Shape, rank: int) -> int:
     """rows x hidden x 2 of ``rank``'s dispatch (rank layout)."""
     _, idx, _ = _inputs(shape, rank)
     return int(_dest_ranks(idx.numpy(), shape.ranks).sum()) * shape.hidden * 2
+
+
+def ll_bytes_per_rank(shape: Shape, rank: int) -> int:
+    """rows x hidden x 2 of ``rank``'s low-latency dispatch: one row per (token, expert)."""
+    _, idx, _ = _inputs(shape, rank)
+    return int((idx.numpy() >= 0).sum()) * shape.hidden * 2
 
 
 class _Path:
@@ -206,37 +224,43 @@ def _paths(group: Any, shape: Shape) -> tuple[dict[str, _Path], list[Any]]:
                             num_topk=TOPK, num_experts=EXPERTS, dtype="bf16", layout="rank")
     on_launch, on_numpy, on_torch = ubep.Buffer(group, cfg), ubep.Buffer(group, cfg), (
         ubep.Buffer(world, cfg))
+    # the Buffer call the low-latency facade makes (its Buffer's config, numpy in)
+    on_padded = ubep.Buffer(group, dataclasses.replace(cfg, layout="expert_padded"))
     ll = deep_ep.Buffer(world, 0, int(1e9), low_latency_mode=True, explicitly_destroy=True)
+    # one facade each: a program combines with weights or without, not both in turn
     v1 = deep_ep.Buffer(world, int(1e8), 0, explicitly_destroy=True)
+    v1now = deep_ep.Buffer(world, int(1e8), 0, explicitly_destroy=True)
     common = {"num_max_tokens_per_rank": shape.tokens, "hidden": shape.hidden, "num_topk": TOPK}
     v2e = deep_ep.ElasticBuffer(world, explicitly_destroy=True, **common)
     v2p = deep_ep.EPBuffer(world, explicitly_destroy=True, **common)
     x_np, idx_np, w_np = x.view(torch.uint16).numpy(), idx.numpy(), w.numpy()
     paths: dict[str, _Path] = {
         "numpy": _Ubep(on_numpy, x_np, idx_np, w_np),
+        "numpy-ll": _Ubep(on_padded, x_np, idx_np, w_np),
         "torch": _Ubep(on_launch, x, idx, w),
         "tgroup": _Ubep(on_torch, x, idx, w),
         "v1-ll": _V1LowLatency(ll, x, idx, w, shape.tokens),
         "v1": _V1Normal(v1, x, idx, w, weights=True),
-        "v1-now": _V1Normal(v1, x, idx, w, weights=False),
+        "v1-now": _V1Normal(v1now, x, idx, w, weights=False),
         "v2-elastic": _V2(v2e, x, idx, w),
         "v2-ep": _V2(v2p, x, idx, w),
         "gloo": _Gloo(x, idx, w, shape.hidden),
         "floor": _Floor(bytes_per_rank(shape, group.rank)),
+        "floor-ll": _Floor(ll_bytes_per_rank(shape, group.rank)),
     }
-    return paths, [on_launch, on_numpy, on_torch, ll, v1, v2e, v2p]
+    return paths, [on_launch, on_numpy, on_torch, on_padded, ll, v1, v1now, v2e, v2p]
 
 
 def _check(name: str, y: Any, shape: Shape, rank: int) -> None:
     """``y`` against the closed form (module docstring)."""
     import torch
 
-    if name == "floor":
+    if name.startswith("floor"):
         return
     x, idx, _ = _inputs(shape, rank)
     if isinstance(y, np.ndarray):
         y = torch.from_numpy(y.view(np.int16)).view(torch.bfloat16)
-    times = 1.0 if name == "v1-ll" else torch.from_numpy(
+    times = 1.0 if name in LL_PATHS else torch.from_numpy(
         _dest_ranks(idx.numpy(), shape.ranks).sum(axis=1).astype(np.float32))[:, None]
     want = (x.float() * times).to(torch.bfloat16)
     if not torch.equal(y.view(torch.int16), want.view(torch.int16)):
@@ -312,7 +336,8 @@ def run(shapes: list[Shape], warmup: int, repeats: int) -> dict[str, Any]:
         for i, shape in enumerate(mine):
             row: dict[str, Any] = {
                 **asdict(shape),
-                "bytes_per_rank": max(bytes_per_rank(shape, r) for r in range(ranks))}
+                "bytes_per_rank": max(bytes_per_rank(shape, r) for r in range(ranks)),
+                "ll_bytes_per_rank": max(ll_bytes_per_rank(shape, r) for r in range(ranks))}
             for name in PATHS:
                 worst = np.max(np.array([r[i][name] for r in per_rank], dtype=np.float64),
                                axis=0) / 1e3  # [repeats, 2] us: the slowest rank, call by call
@@ -349,11 +374,11 @@ def _phases(samples: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
 
 def report(result: dict[str, Any]) -> str:
     cols = ["ranks", "hidden", "tokens", "path", "d_min", "d_med", "d_max", "c_min", "c_med",
-            "c_max", "d/numpy", "c/numpy", "d/floor", "c/floor"]
+            "c_max", "d/base", "c/base", "d/floor", "c/floor"]
     table: list[list[object]] = []
     for r in result["rows"]:
-        base, floor = r[BASE], r["floor"]
         for name in PATHS:
+            base, floor = (r[b] for b in bases(name))
             d, c = r[name]["dispatch"], r[name]["combine"]
             table.append([
                 r["ranks"], r["hidden"], r["tokens"], name, d["min_us"], d["median_us"],
@@ -363,6 +388,8 @@ def report(result: dict[str, Any]) -> str:
                 d["median_us"] / floor["dispatch"]["median_us"],
                 c["median_us"] / floor["combine"]["median_us"]])
     lines = [harness.format_table(cols, table, float_digits=1), "",
+             "base: ubep.Buffer numpy of the same layout (numpy-ll for the low-latency paths, "
+             "numpy for the others); floor: the copy of the same bytes (floor-ll, floor)", "",
              "rank 0's phases (us) of the paths on a ubep.Buffer, medians and (_min) minima over "
              "the calls (py_in: Python up to the native call; py_out: from its last phase "
              "through Python's return)"]
@@ -391,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
             f"shared-memory barrier before each; us, the slowest rank per call; "
             f"bytes/rank = rows x hidden x 2; {machine}")
     bytes_line = "bytes per rank (dispatch): " + ", ".join(
-        f"{r['ranks']}r/{r['hidden']}/{r['tokens']}t {r['bytes_per_rank'] / 1024:.0f} KiB"
+        f"{r['ranks']}r/{r['hidden']}/{r['tokens']}t {r['bytes_per_rank'] / 1024:.0f} KiB "
+        f"(low-latency {r['ll_bytes_per_rank'] / 1024:.0f} KiB)"
         for r in result["rows"])
     harness.save_results(args.out, "decode_step" + ("_quick" if args.quick else ""),
                          "\n".join([head, report(result), bytes_line]), result)

@@ -77,9 +77,36 @@ def test_report_ratios_are_medians_over_the_numpy_buffer_and_the_floor() -> None
     for i, name in enumerate(step.PATHS):
         row[name] = {"dispatch": stats(10.0 * (i + 1)), "combine": stats(5.0 * (i + 1))}
     row["floor"] = {"dispatch": stats(2.0), "combine": stats(4.0)}
+    row["numpy"] = {"dispatch": stats(10.0), "combine": stats(5.0)}
+    row["torch"] = {"dispatch": stats(20.0), "combine": stats(10.0)}
     text = step.report({"rows": [row]})
     line = next(ln for ln in text.splitlines() if ln.split()[3:4] == ["torch"])
     cells = line.split()
     # d/numpy = 20/10, c/numpy = 10/5, d/floor = 20/2, c/floor = 10/4
     assert [float(c) for c in cells[-4:]] == pytest.approx([2.0, 2.0, 10.0, 2.5])
     assert np.isclose(float(cells[5]), 20.0)
+
+
+def test_low_latency_paths_are_measured_against_the_padded_call_and_its_bytes() -> None:
+    def stats(med: float) -> dict[str, float]:
+        return {"min_us": med, "median_us": med, "max_us": med, "repeats": 1}
+
+    row: dict[str, object] = {"ranks": 2, "hidden": 2048, "tokens": 16, "phases": {}}
+    for name in step.PATHS:
+        row[name] = {"dispatch": stats(100.0), "combine": stats(100.0)}
+    row["numpy-ll"] = {"dispatch": stats(50.0), "combine": stats(25.0)}
+    row["floor-ll"] = {"dispatch": stats(20.0), "combine": stats(10.0)}
+    text = step.report({"rows": [row]})
+    cells = next(ln for ln in text.splitlines() if ln.split()[3:4] == ["v1-ll"]).split()
+    assert [float(c) for c in cells[-4:]] == pytest.approx([2.0, 4.0, 5.0, 10.0])
+    cells = next(ln for ln in text.splitlines() if ln.split()[3:4] == ["v1"]).split()
+    assert [float(c) for c in cells[-4:]] == pytest.approx([1.0, 1.0, 1.0, 1.0])
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_low_latency_bytes_count_each_valid_pick(ranks: int) -> None:
+    shape = step.Shape(ranks, 128, 16)
+    for rank in range(ranks):
+        _, idx, _ = step._inputs(shape, rank)
+        picks = sum(1 for token in idx.numpy() for e in token if e >= 0)
+        assert step.ll_bytes_per_rank(shape, rank) == picks * 128 * 2

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.torch
 
 from tests._shm import leaked_since, ubep_segments  # noqa: E402
 from ubep.runtime import launch  # noqa: E402
-from ubep.torch.deep_ep_agree import BODY_BYTES, Board, open_board  # noqa: E402
+from ubep.torch.deep_ep_agree import BODY_BYTES, Board, RowCarrier, open_board  # noqa: E402
 
 _ROUNDS = 60
 _BIG = {17, 18, 41}  # exchanges in which rank 1 posts more than a slot holds
@@ -152,3 +152,42 @@ def test_facade_calls_exchange_nothing_and_still_fail_together() -> None:
         assert all(out[f"{n}_y_exact"] and out[f"{n}_w_exact"]
                    for n in ("first", "second", "after"))
         assert out["bad_error"] == ("RemoteError" if rank == 0 else "InvalidArgumentError")
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "uint8"])
+def test_row_carrier_moves_any_float32_bits_as_finite_row_elements(dtype: str) -> None:
+    import numpy as np
+
+    from ubep import BufferConfig
+
+    cfg = BufferConfig(max_tokens_per_rank=4, hidden=40, num_topk=3, num_experts=4, dtype=dtype)
+    carrier = RowCarrier.of(cfg, 10)
+    assert carrier is not None and carrier.num_topk == 3
+    specials = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, -3.4e38, 0.125, 1.0, -1.0],
+                        dtype=np.float32)
+    rng = np.random.default_rng(0)
+    values = np.concatenate([specials[None, :], rng.integers(0, 1 << 32, (50, 10), dtype=np.uint64)
+                             .astype(np.uint32).view(np.float32)])
+    rows = carrier.encode(values)
+    assert rows.shape == (51, 40)
+    if dtype == "uint8":  # the bytes themselves
+        assert rows.dtype == np.uint8 and np.array_equal(rows, values.view(np.uint8))
+    else:  # every element a finite normal number of the row dtype
+        assert rows.dtype == np.uint16
+        exponent = (rows >> 7) & 0xFF if dtype == "bf16" else (rows >> 10) & 0x1F
+        assert np.all((exponent > 0) & (exponent < (0xFF if dtype == "bf16" else 0x1F)))
+    assert np.array_equal(carrier.decode(rows, 10).view(np.uint32), values.view(np.uint32))
+
+
+def test_row_carrier_refuses_rows_it_cannot_carry() -> None:
+    from ubep import BufferConfig
+
+    def cfg(**kw: Any) -> Any:
+        base = dict(max_tokens_per_rank=4, hidden=32, num_topk=2, num_experts=4, dtype="bf16")
+        return BufferConfig(**(base | kw))
+
+    assert RowCarrier.of(cfg(), 8) is not None
+    assert RowCarrier.of(cfg(), 9) is None  # 36 bytes, 32 elements
+    assert RowCarrier.of(cfg(dtype="fp32"), 2) is None
+    assert RowCarrier.of(cfg(dtype="int8"), 2) is None
+    assert RowCarrier.of(cfg(quant="e4m3", hidden=128), 2) is None

@@ -168,6 +168,20 @@ def _normal_worker(group: Any) -> dict[str, Any]:
     out["combine_x"] = _outcome(lambda: buf.combine(_meta(recv_x) if r == 1 else recv_x,
                                                     handle))
     out["exact_5"] = _normal_exact(buf, group)
+    # combine's topk_weights: they go back through the dispatch's Buffer (the carrier); their
+    # sums are each slot's one weight (its owner's; 0.0 from the others)
+    recv_x, _, recv_w, _, handle, _ = _normal(buf, x, idx, w)
+    _, combined_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
+    out["weights_exact"] = torch.equal(combined_w, w)
+    # topk_weights on rank 1 only: its weights' dispatch meets rank 0's next dispatch
+    recv_x, _, recv_w, _, handle, _ = _normal(buf, x, idx, w)
+
+    def weights_on_one_rank() -> None:
+        buf.combine(recv_x, handle, topk_weights=recv_w if r == 1 else None)
+        _normal(buf, x, idx, w)
+
+    out["combine_weights"] = _outcome(weights_on_one_rank)
+    out["exact_6"] = _normal_exact(buf, group)
     return out
 
 
@@ -179,9 +193,10 @@ def test_v1_normal_mode_fails_together_and_the_next_call_is_exact() -> None:
     _assert_together(outs, "capacity", 1, "max_tokens_per_rank")
     _assert_together(outs, "num_experts", 1, "num_experts", "16", "8")
     _assert_together(outs, "combine_x", 1, "x=device(type='meta')", "on device meta")
+    _assert_together(outs, "combine_weights", 1, "combine_weights", "dispatch")
     for out in outs:
         assert all(out[k] for k in ("first_exact", "exact_1", "exact_2", "exact_3",
-                                    "exact_4", "exact_5")), out
+                                    "exact_4", "exact_5", "weights_exact", "exact_6")), out
 
 
 # --------------------------------------------------------------------- V1 low-latency mode

@@ -30,7 +30,7 @@ FIELDS: tuple[tuple[str, int], ...] = (
 )
 #: the call kinds (field ``call``); 0 is "not signed"
 CALLS = ("unsigned", "dispatch", "cached_dispatch", "low_latency_dispatch", "v2_dispatch",
-         "internode_dispatch", "combine", "low_latency_combine")
+         "internode_dispatch", "combine", "low_latency_combine", "combine_weights")
 #: the dtypes of the rows (field ``dtype``), by their torch names
 DTYPES = ("none", "bfloat16", "float16", "float32", "int8", "uint8", "float8_e4m3fn",
           "float8_e5m2", "float64")

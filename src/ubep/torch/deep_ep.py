@@ -34,7 +34,6 @@ docs/PORTING.md lists what still differs.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -51,6 +50,7 @@ from ._convert import from_numpy, to_numpy
 from .backend import EPBackend, LocalBackend, issue_dispatch
 from .deep_ep_agree import (
     Board,
+    RowCarrier,
     check_combine_rows,
     exchanged_counts,
     open_board,
@@ -59,6 +59,7 @@ from .deep_ep_agree import (
 )
 from .deep_ep_checks import check_dispatch_x, check_ubep_options, deepep_names, own_backend
 from .deep_ep_internode import InternodeCalls, hosts_of
+from .deep_ep_layouts import LayoutMemo
 from .deep_ep_lowlatency import LowLatencyCalls
 from .deep_ep_m2n import M2NCalls, check_facade_expert_ranks
 from .deep_ep_memory import RawBuffers
@@ -187,6 +188,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         # the calls' exchanges (deep_ep_agree): opened by the first, None where unavailable
         self._board: object = _UNOPENED
         self._gate = checks.CallGate(self._ep, self.rank)  # calls in step across Buffers
+        self._layouts = LayoutMemo()  # the last get_dispatch_layout, for the dispatch after it
         self._destroyed = False
 
     # ------------------------------------------------------------------ static helpers
@@ -434,18 +436,18 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         """``(num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert,
         is_token_in_rank, event)``; counts are int32 like DeepEP's. ``num_tokens_per_rdma_rank``
         (tokens per host) is None when the group is on one host, as DeepEP's intranode one."""
-        lay = _layout(to_numpy(topk_idx, argument="topk_idx"), num_experts, self.group_size)
+        idx = to_numpy(topk_idx, argument="topk_idx")
+        lay = _layout(idx, num_experts, self.group_size)
         per_host = None
         if self._num_hosts() > 1:
             per_host = torch.from_numpy(
                 self._tokens_per_host(lay.is_token_in_rank).sum(axis=0).astype(np.int32))
-        return (
-            torch.from_numpy(lay.num_tokens_per_rank.astype(np.int32)),
-            per_host,
-            torch.from_numpy(lay.num_tokens_per_expert.astype(np.int32)),
-            torch.from_numpy(lay.is_token_in_rank),
-            _event(async_finish),
-        )
+        # tensors over copies: the memo's arrays are its own
+        outputs = (torch.from_numpy(lay.num_tokens_per_rank.astype(np.int32)), per_host,
+                   torch.from_numpy(lay.num_tokens_per_expert.astype(np.int32)),
+                   torch.from_numpy(lay.is_token_in_rank.copy()))
+        self._layouts.remember(idx, lay, outputs)
+        return (*outputs, _event(async_finish))
 
     @traced_work("deep_ep.dispatch")
     def dispatch(
@@ -543,7 +545,10 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         recv = self._recv_rows(res.recv_x, recv_scales, x.dtype, scales is not None, out_rows)
         new_handle = self._normal_handle(res, backend, route, sent, out_rows)
         recv_idx = recv_w = None
-        if route.with_topk:
+        if route.with_topk and out_rows == rows:  # owned copies of the engine's arrays
+            recv_idx = torch.from_numpy(np.array(res.recv_topk_idx, dtype=np.int64))
+            recv_w = torch.from_numpy(np.array(res.recv_topk_weights, dtype=np.float32))
+        elif route.with_topk:  # num_worst_tokens: -1 and 0 past the received rows
             recv_idx = torch.full((out_rows, route.topk_idx.shape[1]), -1, dtype=topk_idx_t)
             recv_idx[:rows] = torch.from_numpy(np.asarray(res.recv_topk_idx))
             recv_w = torch.zeros((out_rows, route.topk_idx.shape[1]), dtype=torch.float32)
@@ -553,7 +558,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
             if per_expert is None:  # the engine counted every source's picks of each expert
                 per_expert = np.asarray(res.num_recv_tokens_per_expert, dtype=np.int64)
             align = max(int(expert_alignment), 1)
-            counts = [math.ceil(int(c) / align) * align for c in per_expert]
+            counts = (-(-np.asarray(per_expert, dtype=np.int64) // align) * align).tolist()
         return recv, recv_idx, recv_w, counts, new_handle, _event(async_finish)
 
     def _route(
@@ -603,6 +608,10 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
                 raise InvalidArgumentError(
                     "topk_idx", idx.shape, f"needs [num_tokens={T}, k] like topk_weights"
                 )
+            known = self._layouts.recall(idx, (num_tokens_per_rank, num_tokens_per_rdma_rank,
+                                               num_tokens_per_expert, is_token_in_rank))
+            if known is not None:  # get_dispatch_layout's own outputs for this routing
+                return _Route(idx, w, known.is_token_in_rank, per_expert, num_experts, True)
             lay = _layout(idx, num_experts, R)
             self._check_given("num_tokens_per_expert", per_expert, lay.num_tokens_per_expert)
             self._check_given("is_token_in_rank", is_token_in_rank, lay.is_token_in_rank)
@@ -644,9 +653,9 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         fp8: bool,
         out_rows: int,
     ) -> Any:
-        rows = _padded(from_numpy(recv_x, torch.uint8 if fp8 else dtype), out_rows)
         if not fp8:
-            return rows
+            return _owned_rows(recv_x, dtype, out_rows)
+        rows = _padded(from_numpy(recv_x, torch.uint8), out_rows)
         assert recv_scales is not None
         return rows.view(dtype), _padded(torch.from_numpy(recv_scales), out_rows)
 
@@ -754,12 +763,38 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
 
     def _combine_small(self, values: torch.Tensor, handle: NormalHandle) -> torch.Tensor:
         """The combine's ``topk_weights`` summed at their sources (:func:`.deep_ep_agree.
-        sum_at_sources`: back through a float32 rank-layout Buffer of their width)."""
+        sum_at_sources`): through the dispatch's own Buffer where it carries them
+        (:meth:`_carried_weights`), else back through a float32 rank-layout Buffer of their
+        width."""
         R = self.group_size
+        prefix = handle.rank_prefix_matrix[:, self.rank].numpy()
+        in_rank = handle.is_token_in_rank.numpy()
+        most = int(handle.rank_prefix_matrix[-1].max())  # rows the busiest rank received
+        carrier = self._carried_weights(handle.backend, int(values.shape[1]), most)
+        if carrier is not None:
+            return sum_at_sources(handle.backend, values, prefix, in_rank, carrier)
         back = self._backend("rank", int(values.shape[1]), 1, R, torch.float32,
                              R * self.max_tokens_per_rank)
-        return sum_at_sources(back, values, handle.rank_prefix_matrix[:, self.rank].numpy(),
-                              handle.is_token_in_rank.numpy())
+        return sum_at_sources(back, values, prefix, in_rank)
+
+    def _carried_weights(self, backend: EPBackend, width: int,
+                         most_received: int) -> RowCarrier | None:
+        """The carrier of a combine's ``width`` float32 weights a row as rows of ``backend``'s
+        Buffer (the dispatch's: :class:`.deep_ep_agree.RowCarrier`), its next call signed as
+        the combine's weights (so a rank that passed no weights, whose next call is another,
+        fails with this one), or None where that Buffer cannot carry them: no Buffer (the
+        in-process world, shrink mode's masking ones), rows it cannot hold, or more rows to
+        send back than a rank may dispatch there (``most_received``, every rank's same)."""
+        config = getattr(getattr(backend, "buffer", None), "config", None)
+        if config is None or self._shrink is not None:
+            return None
+        carrier = RowCarrier.of(config, width)
+        if carrier is None or most_received > int(config.max_tokens_per_rank):
+            return None
+        key = next(k for k, b in self._backends.items() if b is backend)
+        self._gate.note("combine_weights")
+        self._gate.enter(backend, key)
+        return carrier
 
 # --------------------------------------------------------------------------- helpers
 def _ep_group(group: Any, comm: Any) -> Any:
@@ -784,6 +819,18 @@ def _ep_group(group: Any, comm: Any) -> Any:
         "group", type(group).__name__,
         "must be a torch.distributed ProcessGroup or a ubep group (ubep.launch, ubep.mpi)",
     )
+
+
+def _owned_rows(recv_x: np.ndarray, dtype: torch.dtype, rows: int) -> torch.Tensor:
+    """A new ``dtype`` tensor of ``rows`` rows: ``recv_x`` (its storage dtype's array, read-only
+    where it views a receive region) copied in, zeros after (copied through the tensor's numpy
+    view: no tensor over the read-only region, nor torch's warning about one)."""
+    out = torch.empty((rows, *recv_x.shape[1:]), dtype=dtype)
+    view = to_numpy(out)
+    n = recv_x.shape[0]
+    view[:n] = recv_x
+    view[n:] = 0
+    return out
 
 
 def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:

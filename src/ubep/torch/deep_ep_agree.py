@@ -49,9 +49,20 @@ from ..errors import InvalidArgumentError, PeerLostError, TimeoutError, UbepErro
 from ..plane.records import HEADER_BYTES
 from ..runtime.poll import Backoff, wait_until
 
-__all__ = ["BODY_BYTES", "Board", "check_combine_rows", "checked", "exchanged_counts",
-           "only_backend", "open_board", "reject_call", "reject_named", "send_backend",
-           "sum_at_sources"]
+__all__ = [
+    "BODY_BYTES",
+    "Board",
+    "RowCarrier",
+    "check_combine_rows",
+    "checked",
+    "exchanged_counts",
+    "only_backend",
+    "open_board",
+    "reject_call",
+    "reject_named",
+    "send_backend",
+    "sum_at_sources",
+]
 
 T = TypeVar("T")
 
@@ -166,8 +177,53 @@ def exchanged_counts(agree: Callable[..., tuple[Any, list[Any]]], check: Callabl
     return route, np.array(summaries, dtype=np.int64)[:, local].sum(axis=0)
 
 
+#: a carrier's high byte of a 16-bit element (values in [0.5, 1) and [1, 2)); None: byte rows
+_CARRIER_HIGH: dict[str, int | None] = {"bf16": 0x3F, "fp16": 0x3C, "uint8": None}
+
+
+class RowCarrier:
+    """Float32 values ``[rows, width]`` as the rows of a Buffer of 16-bit or byte rows
+    (``hidden`` elements a row, ``num_topk`` slots), so that they travel through the dispatch's
+    own Buffer rather than a float32 one of their own (whose every use meant a switch of
+    Buffers, a round each way). Byte rows carry the bytes as they are (their sync is never SP:
+    a byte has no free pattern). In a BF16 or FP16 row each byte rides in the low byte of one
+    element whose high byte is ``high``: a finite normal number, which no sync mode rewrites
+    (none is a NaN, an infinity or a sentinel), so the bytes arrive as they left."""
+
+    def __init__(self, hidden: int, num_topk: int, high: int | None) -> None:
+        self.hidden, self.num_topk, self.high = hidden, num_topk, high
+
+    @staticmethod
+    def of(config: Any, width: int) -> RowCarrier | None:
+        """The carrier of a Buffer ``config`` for ``width`` float32 values a row, or None where
+        it cannot carry them (another row dtype, a quantising Buffer, rows too narrow)."""
+        name = str(config.dtype)
+        if name not in _CARRIER_HIGH or config.quant is not None or (
+                4 * width > int(config.hidden)):
+            return None
+        return RowCarrier(int(config.hidden), int(config.num_topk), _CARRIER_HIGH[name])
+
+    def encode(self, values: np.ndarray) -> np.ndarray:
+        n = values.shape[0]
+        raw = np.ascontiguousarray(values, dtype=np.float32).view(np.uint8).reshape(n, -1)
+        if self.high is None:
+            rows = np.zeros((n, self.hidden), dtype=np.uint8)
+            rows[:, : raw.shape[1]] = raw
+            return rows
+        rows = np.zeros((n, self.hidden), dtype=np.uint16)
+        np.bitwise_or(raw, np.uint16(self.high << 8), out=rows[:, : raw.shape[1]],
+                      casting="unsafe")
+        return rows
+
+    def decode(self, rows: np.ndarray, width: int) -> np.ndarray:
+        raw = np.ascontiguousarray(np.asarray(rows)[:, : 4 * width])
+        if self.high is not None:
+            raw = (raw & 0xFF).astype(np.uint8)
+        return raw.view(np.float32).reshape(-1, width)
+
+
 def sum_at_sources(back: Any, values: Any, recv_prefix: np.ndarray,
-                   is_token_in_rank: np.ndarray) -> Any:
+                   is_token_in_rank: np.ndarray, carrier: RowCarrier | None = None) -> Any:
     """Per-received-row float32 values ``[rows, width]`` (a normal-mode combine's
     ``topk_weights``) summed at each row's source token, destination ranks ascending, in
     float32 (as DeepEP sums them): a ``[num_tokens, width]`` tensor. The rows go back by one
@@ -175,16 +231,22 @@ def sum_at_sources(back: Any, values: Any, recv_prefix: np.ndarray,
     through the engine, nothing is exchanged); a source gets, from each rank in ascending order,
     the rows of its tokens that went there, tokens ascending. ``recv_prefix``: the
     ``rank_prefix_matrix`` column of this rank (its rows from ranks ``0..s``);
-    ``is_token_in_rank``: ``[num_tokens, num_ranks]``, where this rank's tokens went."""
+    ``is_token_in_rank``: ``[num_tokens, num_ranks]``, where this rank's tokens went.
+    ``carrier``: ``back`` is a 16-bit Buffer whose rows carry the values (:class:`RowCarrier`);
+    else ``back`` is a float32 Buffer of their width and one slot."""
     import torch
 
     R, width = is_token_in_rank.shape[1], int(values.shape[1])
     src_rank = np.repeat(np.arange(R, dtype=np.int64), np.diff(recv_prefix, prepend=0))
     first = back.num_experts // R  # each rank's first expert (1 a rank, but in-process)
-    res = back.dispatch(np.ascontiguousarray(values.detach().float().numpy()),
-                        np.ascontiguousarray(src_rank[:, None] * first),
-                        np.zeros((len(src_rank), 1), np.float32))
-    rows = np.asarray(res.recv_x, dtype=np.float32).reshape(-1, width)
+    floats = np.ascontiguousarray(values.detach().float().numpy())
+    slots = 1 if carrier is None else carrier.num_topk
+    idx = np.full((len(src_rank), slots), -1, dtype=np.int64)
+    idx[:, 0] = src_rank * first
+    res = back.dispatch(floats if carrier is None else carrier.encode(floats), idx,
+                        np.zeros(idx.shape, np.float32))
+    rows = (np.asarray(res.recv_x, dtype=np.float32).reshape(-1, width) if carrier is None
+            else carrier.decode(res.recv_x, width))
     acc = np.zeros((is_token_in_rank.shape[0], width), dtype=np.float32)
     at = 0
     for r in range(R):

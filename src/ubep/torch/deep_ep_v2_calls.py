@@ -55,6 +55,7 @@ class _Back:
     backend: Any  # the facade's backend of that Buffer
     inner: Any  # the dispatch's ubep handle
     width: int  # the Buffer's row: bytes of a dispatched row, BF16 values of a combined one
+    most_received: int  # the rows the busiest rank received (every rank's same)
 
 
 @dataclass(frozen=True)
@@ -377,7 +378,8 @@ class V2Calls:
         recv_x, recv_topk_idx, recv_topk_weights = self._recv_tensors(
             args, rec, sel, (rows, sf_rows, w), col_major_sf)
         if handle is None:
-            back = _Back(backend, res.handle, int(args.payload.shape[1]))
+            back = _Back(backend, res.handle, int(args.payload.shape[1]),
+                         int(sent.sum(axis=0).max(initial=0)))
             handle = self._new_handle(args, rec, sent, n_out, expanded_rows, num_sms,
                                       emit_expert_ids, sel, back)
         elif handle.num_valid_recv_tokens != n:  # the same routing moves the same rows
@@ -675,10 +677,15 @@ class V2Calls:
         else:
             values = torch.where(torch.from_numpy(rec.local_idx >= 0), topk_weights[:n], 0.0)
         R = self.num_ranks
+        in_rank = np.stack([(src.owner == r).any(axis=1) for r in range(R)], axis=1)
+        prefix = np.cumsum(rec.rows_per_rank)
+        # through the dispatch's own Buffer where it carries them (the V1 facade's choice)
+        carrier = self._v1._carried_weights(route.back.backend, K, route.back.most_received)
+        if carrier is not None:
+            return sum_at_sources(route.back.backend, values, prefix, in_rank, carrier)
         back = self._v1._backend("rank", K, 1, R, torch.float32,
                                  R * handle.num_max_tokens_per_rank)
-        in_rank = np.stack([(src.owner == r).any(axis=1) for r in range(R)], axis=1)
-        return sum_at_sources(back, values, np.cumsum(rec.rows_per_rank), in_rank)
+        return sum_at_sources(back, values, prefix, in_rank)
 
     # ------------------------------------------------------------------ shared
     def _check_handle(self, handle: Any) -> None:
