@@ -19,8 +19,8 @@ from ..errors import InvalidArgumentError, UbepError, Unviewable
 from ..plane.results import DispatchResult, PendingCall
 
 __all__ = [
-    "PAYLOAD_DTYPES", "dispatch_result_to_torch", "from_numpy", "from_numpy_as",
-    "quant_values_dtype", "to_numpy",
+    "PAYLOAD_DTYPES", "dispatch_result_to_torch", "from_numpy", "from_numpy_as", "owned_rows",
+    "padded_rows", "quant_values_dtype", "received_rows", "to_numpy",
 ]
 
 #: torch dtypes ubep moves, and the numpy storage dtype each travels in.
@@ -361,3 +361,34 @@ def _native_conversions() -> tuple[Any, Any]:
         return None, None
     native.use_dlpack(_TO_DLPACK)  # the engine's door takes tensors from now on
     return native.storage_views, native.tensor_capsule
+
+
+def owned_rows(recv_x: np.ndarray, dtype: torch.dtype, rows: int) -> torch.Tensor:
+    """A new ``dtype`` tensor of ``rows`` rows: ``recv_x`` (its storage dtype's array, read-only
+    where it views a receive region) copied in, zeros after (copied through the tensor's numpy
+    view: no tensor over the read-only region, nor torch's warning about one)."""
+    out = torch.empty((rows, *recv_x.shape[1:]), dtype=dtype)
+    view = to_numpy(out)
+    n = recv_x.shape[0]
+    view[:n] = recv_x
+    view[n:] = 0
+    return out
+
+
+def padded_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` with zero rows appended up to ``rows`` (an owned tensor either way)."""
+    out = torch.empty((rows, *t.shape[1:]), dtype=t.dtype)
+    out[: t.shape[0]] = t
+    out[t.shape[0]:].zero_()  # only the padding: the rows are written once
+    return out
+
+
+def received_rows(recv_x: np.ndarray, recv_scales: np.ndarray | None, dtype: torch.dtype,
+                  fp8: bool, rows: int) -> Any:
+    """A normal-mode dispatch's owned ``recv_x`` of ``rows`` rows (:func:`owned_rows`; with
+    ``fp8``, the values as ``dtype`` and their float32 scales, each padded)."""
+    if not fp8:
+        return owned_rows(recv_x, dtype, rows)
+    assert recv_scales is not None
+    return (padded_rows(from_numpy(recv_x, torch.uint8), rows).view(dtype),
+            padded_rows(torch.from_numpy(recv_scales), rows))

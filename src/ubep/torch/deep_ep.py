@@ -46,7 +46,7 @@ from ..quant import quantize
 from ..routing import get_dispatch_layout as _layout
 from ..trace.recorder import name_buffer, traced_work
 from . import deep_ep_checks as checks
-from ._convert import from_numpy, to_numpy
+from ._convert import from_numpy, received_rows, to_numpy
 from .backend import EPBackend, LocalBackend, issue_dispatch
 from .deep_ep_agree import (
     Board,
@@ -57,7 +57,13 @@ from .deep_ep_agree import (
     send_backend,
     sum_at_sources,
 )
-from .deep_ep_checks import check_dispatch_x, check_ubep_options, deepep_names, own_backend
+from .deep_ep_checks import (
+    check_dispatch_x,
+    check_ubep_options,
+    deepep_names,
+    facade_group,
+    own_backend,
+)
 from .deep_ep_internode import InternodeCalls, hosts_of
 from .deep_ep_layouts import LayoutMemo
 from .deep_ep_lowlatency import LowLatencyCalls
@@ -157,7 +163,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
             raise InvalidArgumentError(
                 "max_tokens_per_rank", max_tokens_per_rank, "must be a positive integer"
             )
-        self._ep = _ep_group(group, comm)
+        self._ep = facade_group(group, comm)
         self._group = held(group if group is not None else comm)  # torch's to free
         self.rank = int(self._ep.rank)
         self.group_size = int(self._ep.num_ranks)
@@ -542,7 +548,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
             )
         rows = len(res.recv_src_rank)
         out_rows = num_worst_tokens if num_worst_tokens > 0 else rows
-        recv = self._recv_rows(res.recv_x, recv_scales, x.dtype, scales is not None, out_rows)
+        recv = received_rows(res.recv_x, recv_scales, x.dtype, scales is not None, out_rows)
         new_handle = self._normal_handle(res, backend, route, sent, out_rows)
         recv_idx = recv_w = None
         if route.with_topk and out_rows == rows:  # owned copies of the engine's arrays
@@ -645,20 +651,6 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         if value.shape != expected.shape or not np.array_equal(value, expected):
             raise InvalidArgumentError(name, "mismatch", "does not match the routing (topk_idx)")
 
-    def _recv_rows(
-        self,
-        recv_x: np.ndarray,
-        recv_scales: np.ndarray | None,
-        dtype: torch.dtype,
-        fp8: bool,
-        out_rows: int,
-    ) -> Any:
-        if not fp8:
-            return _owned_rows(recv_x, dtype, out_rows)
-        rows = _padded(from_numpy(recv_x, torch.uint8), out_rows)
-        assert recv_scales is not None
-        return rows.view(dtype), _padded(torch.from_numpy(recv_scales), out_rows)
-
     def _normal_handle(
         self, res: Any, backend: EPBackend, route: _Route, sent: np.ndarray, out_rows: int
     ) -> NormalHandle:
@@ -705,7 +697,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         )
         res, recv_scales = receive()
         out_rows = int(handle.recv_src_idx.shape[0])
-        recv = self._recv_rows(res.recv_x, recv_scales, x.dtype, scales is not None, out_rows)
+        recv = received_rows(res.recv_x, recv_scales, x.dtype, scales is not None, out_rows)
         return recv, None, None, None, None, _event(async_finish)
 
     @traced_work("deep_ep.combine")
@@ -797,49 +789,5 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         return carrier
 
 # --------------------------------------------------------------------------- helpers
-def _ep_group(group: Any, comm: Any) -> Any:
-    """The ubep group behind DeepEP's ``group`` (or ``comm``)."""
-    if group is None and comm is None:
-        raise InvalidArgumentError("group", None, "either 'group' or 'comm' must be given")
-    if group is None:
-        from ..mpi import init
-
-        return init(comm)
-    if isinstance(group, LocalBackend):
-        return group
-    from .group import from_torch, is_torch_group
-    if is_torch_group(group):
-        # Collective the first time per torch group; every ubep buffer of it shares the result.
-        return from_torch(group)
-    if all(isinstance(getattr(group, a, None), int) for a in ("rank", "num_ranks")) and hasattr(
-        group, "allgather"
-    ):
-        return group
-    raise InvalidArgumentError(
-        "group", type(group).__name__,
-        "must be a torch.distributed ProcessGroup or a ubep group (ubep.launch, ubep.mpi)",
-    )
-
-
-def _owned_rows(recv_x: np.ndarray, dtype: torch.dtype, rows: int) -> torch.Tensor:
-    """A new ``dtype`` tensor of ``rows`` rows: ``recv_x`` (its storage dtype's array, read-only
-    where it views a receive region) copied in, zeros after (copied through the tensor's numpy
-    view: no tensor over the read-only region, nor torch's warning about one)."""
-    out = torch.empty((rows, *recv_x.shape[1:]), dtype=dtype)
-    view = to_numpy(out)
-    n = recv_x.shape[0]
-    view[:n] = recv_x
-    view[n:] = 0
-    return out
-
-
-def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """``t`` with zero rows appended up to ``rows`` (an owned tensor either way)."""
-    out = torch.empty((rows, *t.shape[1:]), dtype=t.dtype)
-    out[: t.shape[0]] = t
-    out[t.shape[0]:].zero_()  # only the padding: the rows are written once
-    return out
-
-
 def _with_scales(res: Any) -> tuple[Any, np.ndarray | None]:
     return res, res.recv_x_scales

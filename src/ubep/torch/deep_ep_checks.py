@@ -24,7 +24,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 __all__ = [
     "DISPATCH_DTYPES", "CallGate", "check_device", "check_dispatch_x", "check_ubep_options",
-    "deepep_names", "gated", "key_signature", "own_backend",
+    "deepep_names", "facade_group", "gated", "key_signature", "own_backend",
 ]
 
 #: the dtypes of DeepEP's dispatched ``x`` (FP8 values travel as their bytes)
@@ -293,3 +293,29 @@ def gated(method: F) -> F:
             raise gate.reject(exc) from None
 
     return call  # type: ignore[return-value]
+
+
+def facade_group(group: Any, comm: Any) -> Any:
+    """The ubep group behind DeepEP's ``group`` (or ``comm``): a bad one is named."""
+    if group is None and comm is None:
+        raise InvalidArgumentError("group", None, "either 'group' or 'comm' must be given")
+    if group is None:
+        from ..mpi import init
+
+        return init(comm)
+    from .backend import LocalBackend
+
+    if isinstance(group, LocalBackend):
+        return group
+    from .group import from_torch, is_torch_group
+    if is_torch_group(group):
+        # Collective the first time per torch group; every ubep buffer of it shares the result.
+        return from_torch(group)
+    if all(isinstance(getattr(group, a, None), int) for a in ("rank", "num_ranks")) and hasattr(
+        group, "allgather"
+    ):
+        return group
+    raise InvalidArgumentError(
+        "group", type(group).__name__,
+        "must be a torch.distributed ProcessGroup or a ubep group (ubep.launch, ubep.mpi)",
+    )
