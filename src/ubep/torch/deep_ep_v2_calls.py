@@ -448,23 +448,31 @@ class V2Calls:
     def _new_handle(self, args: _DispatchArgs, rec: Received, sent: np.ndarray, n_out: int,
                     expanded_rows: int, num_sms: int, emit_expert_ids: bool,
                     sel: np.ndarray, back: _Back) -> EPHandle:
-        me, K = self.rank_idx, args.idx.shape[1]
-        n = rec.num_rows
+        me, n = self.rank_idx, rec.num_rows
         first_of_rank = np.concatenate([[0], np.cumsum(rec.rows_per_rank)[:-1]])
-        meta = np.full((n_out, K + 2), -1, dtype=np.int32)
-        meta[:n, 0] = rec.src_rank * args.num_max_tokens_per_rank + rec.src_token
-        meta[:n, 1] = np.arange(n) - first_of_rank[rec.src_rank]
-        if args.do_expand:
-            meta[:n, 2:] = rec.slots
-        # dst_buffer_slot_idx: token t's row on the rank owning slot k = the rows that rank got
-        # from lower ranks + t's place among this rank's tokens sent there.
-        before = np.cumsum(sent, axis=0) - sent  # [src, dst]: rows dst got from ranks < src
-        dst_slot = np.full(args.idx.shape, -1, dtype=np.int32)
-        for r, tokens in enumerate(args.src.tokens_to):
-            place = np.full(args.idx.shape[0], -1, dtype=np.int64)
-            place[tokens] = before[me, r] + np.arange(tokens.size)
-            hit = args.src.owner == r
-            dst_slot[hit] = np.broadcast_to(place[:, None], hit.shape)[hit]
+        shape, T_max, expand = args.idx.shape, args.num_max_tokens_per_rank, args.do_expand
+        src = args.src
+
+        def metadata() -> torch.Tensor:
+            meta = np.full((n_out, shape[1] + 2), -1, dtype=np.int32)
+            meta[:n, 0] = rec.src_rank * T_max + rec.src_token
+            meta[:n, 1] = np.arange(n) - first_of_rank[rec.src_rank]
+            if expand:
+                meta[:n, 2:] = rec.slots
+            return torch.from_numpy(meta)
+
+        def slots() -> torch.Tensor:
+            # token t's row on the rank owning slot k = the rows that rank got from lower ranks
+            # + t's place among this rank's tokens sent there
+            before = np.cumsum(sent, axis=0) - sent  # [src, dst]: rows dst got from ranks < src
+            dst_slot = np.full(shape, -1, dtype=np.int32)
+            for r, tokens in enumerate(src.tokens_to):
+                place = np.full(shape[0], -1, dtype=np.int64)
+                place[tokens] = before[me, r] + np.arange(tokens.size)
+                hit = src.owner == r
+                dst_slot[hit] = np.broadcast_to(place[:, None], hit.shape)[hit]
+            return torch.from_numpy(dst_slot)
+
         psum = (rec.start + rec.counts) if args.do_expand else np.cumsum(rec.aligned)
         expert_ids = None
         if emit_expert_ids:
@@ -484,8 +492,7 @@ class V2Calls:
                 np.cumsum(rec.rows_per_rank).astype(np.int32)),
             psum_num_recv_tokens_per_expert=torch.from_numpy(psum.astype(np.int32)),
             num_unaligned_recv_tokens_per_expert=torch.from_numpy(rec.counts.astype(np.int32)),
-            recv_src_metadata=torch.from_numpy(meta),
-            dst_buffer_slot_idx=torch.from_numpy(dst_slot),
+            recv_src_metadata=metadata, dst_buffer_slot_idx=slots,
             recv_expert_ids=expert_ids,
             route=_Route(rec, args.src, int(args.x.shape[1]), back,
                          bool((rec.order == np.arange(n)).all()),

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -116,7 +117,8 @@ class EPHandle:
                  psum_num_recv_tokens_per_scaleup_rank: torch.Tensor,
                  psum_num_recv_tokens_per_expert: torch.Tensor,
                  num_unaligned_recv_tokens_per_expert: torch.Tensor,
-                 recv_src_metadata: torch.Tensor, dst_buffer_slot_idx: torch.Tensor,
+                 recv_src_metadata: Callable[[], torch.Tensor],
+                 dst_buffer_slot_idx: Callable[[], torch.Tensor],
                  recv_expert_ids: torch.Tensor | None, route: Any) -> None:
         self._owner = owner
         self.do_expand = do_expand
@@ -130,14 +132,30 @@ class EPHandle:
         self.psum_num_recv_tokens_per_scaleup_rank = psum_num_recv_tokens_per_scaleup_rank
         self.psum_num_recv_tokens_per_expert = psum_num_recv_tokens_per_expert
         self.num_unaligned_recv_tokens_per_expert = num_unaligned_recv_tokens_per_expert
-        self.recv_src_metadata = recv_src_metadata
-        self.dst_buffer_slot_idx = dst_buffer_slot_idx
+        # made when first read (a decode step that never reads them never pays for them)
+        self._makers = {"recv_src_metadata": recv_src_metadata,
+                        "dst_buffer_slot_idx": dst_buffer_slot_idx}
+        self._made: dict[str, torch.Tensor] = {}
         self.recv_expert_ids = recv_expert_ids
         self.token_metadata_at_forward: torch.Tensor | None = None
         self.channel_linked_list: torch.Tensor | None = None
         self._route = route  # ubep's view of the dispatch (the receive side's rows)
         self._topk_idx = topk_idx
         self._topk_idx_version = None if topk_idx.is_inference() else topk_idx._version
+
+    @property
+    def recv_src_metadata(self) -> torch.Tensor:
+        return self._field("recv_src_metadata")
+
+    @property
+    def dst_buffer_slot_idx(self) -> torch.Tensor:
+        return self._field("dst_buffer_slot_idx")
+
+    def _field(self, name: str) -> torch.Tensor:
+        got = self._made.get(name)
+        if got is None:
+            got = self._made[name] = self._makers[name]()
+        return got
 
     @property
     def topk_idx(self) -> torch.Tensor:
