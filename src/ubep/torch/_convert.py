@@ -39,6 +39,9 @@ def to_numpy(t: torch.Tensor, *, argument: str = "x") -> np.ndarray:
 
     Autograd is bypassed (``detach``): callers that need gradients wrap this in a Function.
     """
+    # a decode step's tensors (CPU, contiguous, no autograd): the fewest steps
+    if type(t) is torch.Tensor and t.is_cpu and not t.requires_grad and t.is_contiguous():
+        return (t.view(torch.uint16) if t.dtype is torch.bfloat16 else t).numpy()
     if not isinstance(t, torch.Tensor):
         raise InvalidArgumentError(argument, type(t).__name__, "must be a torch.Tensor")
     if t.device.type != "cpu":
@@ -69,14 +72,7 @@ def from_numpy(a: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
     arr = np.asarray(a)
     if not arr.flags.c_contiguous:
         arr = np.ascontiguousarray(arr)
-    if not arr.flags.writeable:
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            t = torch.from_numpy(arr)
-    else:
-        t = torch.from_numpy(arr)
+    t = torch.from_numpy(arr) if arr.flags.writeable else _over_read_only(arr)
     if dtype is torch.bfloat16:
         if arr.dtype != np.uint16:
             raise InvalidArgumentError("a", arr.dtype, "bfloat16 needs uint16 storage")
@@ -84,6 +80,22 @@ def from_numpy(a: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
     if dtype is not None and t.dtype != dtype:
         raise InvalidArgumentError("a", arr.dtype, f"does not store {dtype}")
     return t
+
+
+def _over_read_only(arr: np.ndarray) -> torch.Tensor:
+    """A tensor over a read-only array: through a writeable view of it where its memory is
+    writeable (a receive region is, its views are marked read-only), else with torch's warning
+    about a read-only array silenced (once a call: the warnings machinery is the slow part)."""
+    view = arr.view()
+    try:
+        view.flags.writeable = True
+    except ValueError:  # memory that is read-only itself
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(arr)
+    return torch.from_numpy(view)
 
 
 def from_numpy_as(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
