@@ -528,7 +528,7 @@ class V2Calls:
             lambda: self._combine_on(handle))
         if previous_event is not None:
             _wait(previous_event)
-        route: _Route = handle._route
+        route: _Route = handle.dispatch_route
         plan = _back_plan(self.num_ranks, int(handle._topk_idx.shape[1]), route.back.width,
                           route.hidden, handle.do_expand and not self.allow_multiple_reduction)
         own = None  # one row per (token, rank), the receive order: this rank's term of each
@@ -555,7 +555,7 @@ class V2Calls:
 
     def _combine_on(self, handle: EPHandle) -> Any:
         """The backend of ``handle``'s dispatch, taking the next call (a combine)."""
-        backend = handle._route.back.backend
+        backend = handle.dispatch_route.back.backend
         if not isinstance(self._v1._ep, LocalBackend):  # the in-process world has no gate
             self._v1._gate.combine_on(backend)
         return backend
@@ -572,9 +572,9 @@ class V2Calls:
         if x.dtype != torch.bfloat16:
             raise InvalidArgumentError("x", str(x.dtype),
                                        "must be torch.bfloat16 (DeepEP's V2 combine)")
-        hidden = handle._route.hidden
+        hidden = handle.dispatch_route.hidden
         rows = handle.num_expanded_tokens if handle.do_expand else handle.num_recv_tokens
-        allowed = {rows} if handle.do_expand else {rows, handle._route.rec.num_rows}
+        allowed = {rows} if handle.do_expand else {rows, handle.dispatch_route.rec.num_rows}
         if x.shape[0] not in allowed or x.shape[1] != hidden:
             raise InvalidArgumentError(
                 "x", tuple(x.shape), f"must be [{rows}, {hidden}] like the dispatch's recv_x")

@@ -108,6 +108,8 @@ class EPHandle:
         recv_expert_ids: 2.5's ``emit_expert_ids``: ``[num_expanded_tokens]`` int32 local expert
             of each expanded row, -1 on padding; else None.
         token_metadata_at_forward, channel_linked_list: None (DeepEP's hybrid mode only).
+        dispatch_route: ubep's addition, what its combine needs of the dispatch (the receive
+            side's rows, the sources' routing, the Buffer the rows went through).
     """
 
     def __init__(self, *, owner: object, do_expand: bool, num_experts: int,
@@ -139,7 +141,7 @@ class EPHandle:
         self.recv_expert_ids = recv_expert_ids
         self.token_metadata_at_forward: torch.Tensor | None = None
         self.channel_linked_list: torch.Tensor | None = None
-        self._route = route  # ubep's view of the dispatch (the receive side's rows)
+        self.dispatch_route = route  # ubep's addition: what its combine needs of the dispatch
         self._topk_idx = topk_idx
         self._topk_idx_version = None if topk_idx.is_inference() else topk_idx._version
 
