@@ -5,9 +5,10 @@ needs (``StepKeeping(buf, engine, uid)``), a layer above calls public names (``B
 ``Buffer(..., routing=...)``).
 
 The oracle is Python's own parser: an attribute of one of those names is allowed only as
-``self.<name>`` (or ``cls.<name>``) inside a class that owns it (assigns it on ``self``,
-declares it in its body or ``__slots__``, or defines it as a method). Anything else, a
-module-level helper taking the object as an argument or ``self.inner.<name>``, is a side door.
+``self.<name>`` (or ``cls.<name>``) inside a class that owns it (assigns it on ``self``, gives
+it a value in its body or lists it in ``__slots__``, or defines it as a method; a mixin's bare
+annotation owns nothing). Anything else, a module-level helper taking the object as an argument
+or ``self.inner.<name>``, is a side door.
 """
 
 from __future__ import annotations
