@@ -180,7 +180,7 @@ def _handle_variant(buf: Buffer, prev: tuple[Any, np.ndarray] | None) -> str:
     """How the last dispatch's handle relates to ``buf`` (what a stale combine tests)."""
     if prev is None:
         return "no_handle"
-    if prev[0].buffer_uid != buf._uid:
+    if prev[0].buffer_uid != buf.uid:
         return "other_buffer"
     return "same_generation" if prev[0].generation == buf._generation else "before_resync"
 

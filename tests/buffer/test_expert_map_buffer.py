@@ -1,14 +1,18 @@
-"""A Buffer with redundant experts (``BufferConfig(expert_map=...)``) against the oracle given
-the same map: callers route in logical ids, every rank's picks reach one replica by the stated
-rule, results are bit-exact; bad logical ids are a clean reject on every rank."""
+"""A Buffer with redundant experts (``BufferConfig(expert_map=...)``, or the same map's routing
+handed in as ``Buffer(..., routing=...)``) against the oracle given the same map: callers route
+in logical ids, every rank's picks reach one replica by the stated rule, results are bit-exact;
+bad logical ids are a clean reject on every rank."""
 
 from __future__ import annotations
 
+import dataclasses
+from types import SimpleNamespace
 from typing import Any
 
 from tests._runtime_support import Case, make_inputs
 from ubep import testing
 from ubep.buffer import Buffer
+from ubep.buffer.replicas import LogicalRouting
 from ubep.errors import InvalidArgumentError, RemoteError
 from ubep.expert_map import ExpertMap
 from ubep.runtime import launch
@@ -58,6 +62,40 @@ CASES = [
 def test_a_buffer_with_an_expert_map_is_bit_exact_against_the_oracle_with_the_map() -> None:
     results = launch(_serve_with_map, RANKS, CASES, 3, timeout_s=180)
     assert results == [[]] * RANKS
+
+
+def _handed_routing(group: Any) -> list[Any]:
+    """A Buffer without a map in its config, handed the map's routing (what the masking Buffer
+    hands its members' Buffer), checked against the oracle given the map; then a routing that
+    is none and one handed to a masking config, each refused naming the argument."""
+    case = CASES[1]
+    emap = replicated_map(group.num_ranks, 1)
+    mapped = case.config(16, expert_map=emap, timeout_s=30.0)
+    plain = dataclasses.replace(mapped, expert_map=None)
+    route = LogicalRouting(emap, plain.num_experts, group.num_ranks,
+                           group.topology.hop_matrix()[group.rank], plain.num_topk)
+    out: list[Any] = []
+    with Buffer(group, plain, routing=route) as buf:
+        # what check_call's oracle reads: the config with the map the routing applies
+        seen = SimpleNamespace(config=mapped, rank=buf.rank, group=buf.group,
+                               dispatch=buf.dispatch, combine=buf.combine)
+        for i in range(2):
+            xs, idxs, ws = make_inputs(case, emap.num_logical, [16, 0, 9], i, "uniform")
+            out += testing.check_call(seen, xs, idxs, ws, i)
+        res = buf.dispatch(xs[buf.rank], idxs[buf.rank], ws[buf.rank])
+        out.append(res.handle.buffer_uid == buf.uid and len(set(group.allgather(buf.uid))) == 1)
+    for config, routing in ((plain, object()),
+                            (dataclasses.replace(plain, on_peer_loss="mask"), route)):
+        try:
+            Buffer(group, config, routing=routing)  # type: ignore[arg-type]
+            out.append("built")
+        except InvalidArgumentError as exc:
+            out.append(exc.argument)
+    return out
+
+
+def test_a_buffer_handed_a_routing_is_bit_exact_against_the_oracle_with_its_map() -> None:
+    assert launch(_handed_routing, RANKS, timeout_s=180) == [[True, "routing", "routing"]] * RANKS
 
 
 def _bad_logical_id(group: Any) -> list[str]:

@@ -83,6 +83,14 @@ class Buffer(metaclass=abc.ABCMeta):
             :class:`~ubep.runtime.group.Group` (``ubep.launch``) or any
             :class:`~ubep.plane.ProcessGroup` (``ubep.mpi.init()`` under mpiexec).
         config: :class:`BufferConfig` (must be equal on every rank).
+        routing: how each dispatch's ``topk_idx`` becomes the slots this Buffer sends to, for a
+            Buffer serving under a layer that routes (the masking Buffer's members' Buffer:
+            :class:`~ubep.buffer.replicas.LogicalRouting`, called inside each dispatch, so a bad
+            id is a clean reject); default: ``config.expert_map``'s, or none.
+
+    Attributes:
+        uid: the id every rank agreed on at construction (what a handle of this Buffer carries
+            as ``buffer_uid``).
     """
 
 
@@ -93,11 +101,16 @@ class Buffer(metaclass=abc.ABCMeta):
     # so this module needs no import of it)
     masking_class: ClassVar[type[Any] | None] = None
 
-    def __new__(cls, group: ProcessGroup, config: BufferConfig) -> Buffer:
+    def __new__(cls, group: ProcessGroup, config: BufferConfig, *,
+                routing: LogicalRouting | None = None) -> Buffer:
         masking = Buffer.masking_class
         if cls is Buffer and masking is not None and isinstance(config, BufferConfig) and (
             config.on_peer_loss == "mask"
         ):
+            if routing is not None:
+                raise InvalidArgumentError("routing", type(routing).__name__,
+                                           "is for a Buffer under a masking one: "
+                                           "on_peer_loss='mask' routes by itself")
             # a MaskingBuffer: the same calls over the ranks still alive (ubep.buffer.elastic)
             return cast(Buffer, masking(group, config))
         return super().__new__(cls)
@@ -116,7 +129,8 @@ class Buffer(metaclass=abc.ABCMeta):
                                        "rejoin needs a BufferConfig with on_peer_loss='mask'")
         return masking.rejoin(rendezvous, rank, config, timeout_s=timeout_s)
 
-    def __init__(self, group: ProcessGroup, config: BufferConfig) -> None:
+    def __init__(self, group: ProcessGroup, config: BufferConfig, *,
+                 routing: LogicalRouting | None = None) -> None:
         group = as_process_group(group)  # a torch.distributed group -> ubep.torch.group
         self.group = group
         self.config = config  # the caller's (M2N: logical experts and roles)
@@ -137,11 +151,9 @@ class Buffer(metaclass=abc.ABCMeta):
         self._fast: Any = None  # the engine, when it takes blocking calls' arrays unchecked
         self._torch: Any = None  # the torch door, made on the first torch call
         self._tensor: type | None = None  # torch.Tensor once the door exists (the hot path's)
-        self._route: LogicalRouting | None = None  # expert_map's routing (_configure)
-        # the jobs, each an object this Buffer holds (ubep.buffer.state)
-        self._steps = StepKeeping(self)
-        self._calls = InFlightCalls(self)
-        self._checks = ArgChecks(self)
+        self._route: LogicalRouting | None = None  # routing or expert_map's (_configure)
+        self._tensors_direct = False  # tensors go to the engine as they come (_setup)
+        self.uid = 0  # agreed below
         self.expert_ranks: tuple[int, ...] | None = None  # M2N roles (_configure)
         self._no_experts = False  # an M2N sender (_configure)
         self._m2n_shift = 0  # M2N, expert layout: slot id + shift = logical id (_configure)
@@ -149,7 +161,7 @@ class Buffer(metaclass=abc.ABCMeta):
         # config only one rank rejects fails on every rank instead of pairing with its next one.
         error: Exception | None = None
         try:
-            self._configure(config)
+            self._configure(config, routing)
         except Exception as exc:  # bad config, or no native build: fail on every rank
             error = exc
         mine = {
@@ -165,17 +177,20 @@ class Buffer(metaclass=abc.ABCMeta):
         if failed:
             raise RemoteError(failed[0], everyone[failed[0]]["error"])
         _check_same_config([m["config"] for m in everyone])
-        self._uid = everyone[0]["uid"]
+        self.uid = int(everyone[0]["uid"])
         try:
             self._setup()
         except BaseException:
-            _teardown(self)
+            self.close()
             raise
 
-    def _configure(self, config: BufferConfig) -> None:
+    def _configure(self, config: BufferConfig, routing: LogicalRouting | None) -> None:
         """Local validation and derived sizes (raises ``InvalidArgumentError``)."""
         if not isinstance(config, BufferConfig):
             raise InvalidArgumentError("config", type(config).__name__, "must be a BufferConfig")
+        if routing is not None and not isinstance(routing, LogicalRouting):
+            raise InvalidArgumentError("routing", type(routing).__name__,
+                                       "must be a ubep.buffer.replicas.LogicalRouting")
         # M2N (expert_ranks, None without): the engine runs the physical config, an expert
         # map of the placement (ubep.m2n); self.config stays the caller's
         self.config = config
@@ -205,10 +220,10 @@ class Buffer(metaclass=abc.ABCMeta):
         self._memory_bytes = memory_bytes(config, self.num_ranks, self.num_cores) or (
             self.layout.size_bytes)
         # redundant experts: a caller's logical topk_idx -> the physical slots sent to
-        # (ubep.expert_map); a masking Buffer installs its own over its members' Buffer
-        self._route = None if config.expert_map is None else LogicalRouting(
-            config.expert_map, config.num_experts, self.num_ranks,
-            self.group.topology.hop_matrix()[self.rank], config.num_topk)
+        # (ubep.expert_map); a masking Buffer hands its own to its members' Buffer
+        self._route = routing if routing is not None or config.expert_map is None else (
+            LogicalRouting(config.expert_map, config.num_experts, self.num_ranks,
+                           self.group.topology.hop_matrix()[self.rank], config.num_topk))
 
     def _setup(self) -> None:
         g, lay, cfg = self.group, self.layout, self._cfg
@@ -221,20 +236,28 @@ class Buffer(metaclass=abc.ABCMeta):
         values = self._dtype.storage if cfg.quant is None else _quant.FORMATS[cfg.quant].storage
         spec = EngineSpec(
             config=cfg, layout=lay, rank=self.rank, num_ranks=self.num_ranks,
-            num_cores=self.num_cores, uid=self._uid, dtype_name=self._dtype.name,
+            num_cores=self.num_cores, uid=self.uid, dtype_name=self._dtype.name,
             values=np.dtype(values), combine_storage=np.dtype(self._cdtype.storage),
             scale_cols=0 if cfg.quant is None else cfg.hidden // _quant.QUANT_BLOCK,
             device=engine_device(cfg))
         if own is not None:
-            self._engine = own(g, spec)
+            engine = own(g, spec)
         else:
             assert mem is not None
-            self._engine = open_engine(mem, spec)
+            engine = open_engine(mem, spec)
+        # the jobs, each an object this Buffer holds (ubep.buffer.state), handed the engine
+        # and the uid; built with the engine, so an open engine always has them (close)
+        self._steps = StepKeeping(self, engine, self.uid)
+        self._calls = InFlightCalls(self, engine)
+        self._checks = ArgChecks(self, engine, self.uid)
+        self._engine = engine
         # an engine that takes a blocking call's arrays unchecked is offered them first
-        self._fast = self._engine if self._engine.takes_unchecked else None
-        # an engine that takes tensors is handed a call of tensors as it came (no numpy)
-        self._takes_tensors = bool(getattr(self._engine, "takes_tensors", False))
-        self._engine.reset_all()
+        self._fast = engine if engine.takes_unchecked else None
+        # a call of tensors goes to an engine that takes them as it came (no numpy), where
+        # there is no caller's numbering to translate
+        self._tensors_direct = (bool(getattr(engine, "takes_tensors", False))
+                                and self._route is None and self._one_call)
+        engine.reset_all()
         _trace.attach(self)  # BufferConfig.trace, or inside ubep.trace.record()
         # Every peer has mapped every segment once this barrier completes: unlink the names so
         # nothing survives a crash from here on.
@@ -328,7 +351,7 @@ class Buffer(metaclass=abc.ABCMeta):
                             if type(got) is ErrorRecord:
                                 raise self._steps.error(got)
                         except BaseException as exc:
-                            raise _hot_failed(self, epoch, index, exc) from None
+                            raise self._steps.one_call_failed(epoch, index, exc) from None
                         if got is not None:
                             return got if type(x) is _NDARRAY else self._torch.result_of(got, x)
                         # declined, nothing done: the checks name what they reject
@@ -339,12 +362,17 @@ class Buffer(metaclass=abc.ABCMeta):
                 finally:
                     self._lock.release()
         if (type(x) is not _NDARRAY and is_torch_tensor(x)
-                and not _tensor_call(self, x, x_scales)):
+                and not (self._tensors_direct and x_scales is None)):
             # torch in, torch out: the call itself runs on numpy views, through the door
             # above where it can (the door's plans are made once per Buffer); an engine that
-            # takes tensors is handed them as they came (_tensor_call)
-            return cast(Any, (self._torch or _open_torch_door(self)).dispatch(
-                x, topk_idx, topk_weights, copy, return_recv_hook, x_scales))
+            # takes tensors is handed them as they came (_tensors_direct)
+            door = self._torch
+            if door is None:  # the first torch call: the door, and the hot path takes tensors
+                door = self._torch = _torch_door_of(self._engine, self._cfg, self.dispatch,
+                                                    self.combine)
+                self._tensor = door.tensor_type
+            return cast(Any, door.dispatch(x, topk_idx, topk_weights, copy, return_recv_hook,
+                                           x_scales))
         self._steps.enter()
         try:
             return self._dispatch(x, topk_idx, topk_weights, copy, return_recv_hook, x_scales)
@@ -370,9 +398,9 @@ class Buffer(metaclass=abc.ABCMeta):
         try:
             if self._route is not None:  # logical ids -> physical slots (checked: a clean reject)
                 topk_idx = self._route(topk_idx)
-            xa, idx, w = cast(Any, (x, topk_idx, topk_weights)) if _tensor_call(
-                self, x, x_scales) else self._checks.dispatch_args(x, topk_idx, topk_weights,
-                                                                   x_scales)
+            xa, idx, w = cast(Any, (x, topk_idx, topk_weights)) if (
+                self._tensors_direct and x_scales is None and is_torch_tensor(x)
+            ) else self._checks.dispatch_args(x, topk_idx, topk_weights, x_scales)
             if offered:
                 raise _declined(self.rank)
             plan = self._tasks.for_idx(idx)
@@ -439,7 +467,7 @@ class Buffer(metaclass=abc.ABCMeta):
                         if type(y) is ErrorRecord:
                             raise self._steps.error(y)
                     except BaseException as exc:
-                        raise _hot_failed(self, epoch, index, exc) from None
+                        raise self._steps.one_call_failed(epoch, index, exc) from None
                     if y is not None:
                         return y if type(expert_out) is _NDARRAY else self._torch.y_of(y)
                     self._epoch = epoch - 1  # declined, nothing done: the checks say why
@@ -448,10 +476,14 @@ class Buffer(metaclass=abc.ABCMeta):
             finally:
                 self._lock.release()
         if (type(expert_out) is not _NDARRAY and is_torch_tensor(expert_out)
-                and not _tensor_call(self, expert_out, None)):
+                and not self._tensors_direct):
             # torch in, torch out (as dispatch)
-            return cast(Any, (self._torch or _open_torch_door(self)).combine(
-                expert_out, handle, return_recv_hook))
+            door = self._torch
+            if door is None:
+                door = self._torch = _torch_door_of(self._engine, self._cfg, self.dispatch,
+                                                    self.combine)
+                self._tensor = door.tensor_type
+            return cast(Any, door.combine(expert_out, handle, return_recv_hook))
         self._steps.enter()
         try:
             return self._combine(expert_out, handle, return_recv_hook)
@@ -468,8 +500,9 @@ class Buffer(metaclass=abc.ABCMeta):
         split = hook or bool(self._in_flight)
         stage = _BEFORE
         try:
-            h, eo = (self._checks.handle(handle), expert_out) if _tensor_call(
-                self, expert_out, None) else self._checks.combine_args(expert_out, handle)
+            h, eo = (self._checks.handle(handle), expert_out) if (
+                self._tensors_direct and is_torch_tensor(expert_out)
+            ) else self._checks.combine_args(expert_out, handle)
             if offered:
                 raise _declined(self.rank)
             stage = _NATIVE
@@ -545,9 +578,18 @@ class Buffer(metaclass=abc.ABCMeta):
                             "another thread (or in the code this signal handler interrupted) is "
                             "still running")
         try:
-            self._calls.abandon("the Buffer was closed before its hook")
+            engine = self._engine
+            if engine is not None:  # open: its jobs exist (_setup)
+                self._calls.abandon("the Buffer was closed before its hook")
             self._closed = True
-            _teardown(self)
+            self._fast = None
+            self._torch = self._tensor = None  # its region views go with the engine's
+            if engine is not None:
+                _trace.detach(self)  # a recorder takes the spans before the engine goes
+                engine.close()  # also drops the engine's views of the receive regions
+            if self._memory is not None:
+                self._memory.close()
+            self._memory = None
         finally:
             self._lock.release()
 
@@ -596,41 +638,13 @@ def _check_same_config(configs: list[dict[str, Any]]) -> None:
                     f"{theirs.get(field)!r} (every rank needs the same BufferConfig)")
 
 
-def _teardown(buf: Buffer) -> None:
-    """Release what ``buf`` holds: its engine (its spans to a recorder first) and its memory."""
-    buf._fast = None
-    buf._torch = buf._tensor = None  # its region views go with the engine's
-    if buf._engine is not None:
-        _trace.detach(buf)  # a recorder takes the spans before the engine goes
-        buf._engine.close()  # also drops the engine's views of the receive regions
-    if buf._memory is not None:
-        buf._memory.close()
-    buf._memory = None
-
-
-def _tensor_call(buf: Buffer, x: object, x_scales: object) -> bool:
-    """Whether a call of ``x`` goes to ``buf``'s engine as it came: a tensor, to an engine that
-    takes tensors and checks them itself (no caller's numbering to translate)."""
-    return (buf._takes_tensors and x_scales is None and buf._route is None
-            and buf._one_call and is_torch_tensor(x))
-
-
-def _hot_failed(buf: Buffer, epoch: int, index: int, exc: BaseException) -> BaseException:
-    """What a failed one native call of ``buf`` (dispatch or combine: ``index`` is the
-    dispatches made before it) raises; a clean reject leaves no dispatch counted."""
-    err, clean = buf._steps.failed(epoch, _NATIVE, exc)
-    if clean:
-        buf._num_dispatches = index
-    return err
-
-
-def _open_torch_door(buf: Buffer) -> Any:
-    """``buf``'s torch door (made on its first torch call): its dtype plans and a torch view
-    of each receive region, made once (``ubep.torch._convert.TorchDoor``)."""
-    engine = buf._engine
+def _torch_door_of(engine: Any, cfg: BufferConfig, call_dispatch: Callable[..., Any],
+                   call_combine: Callable[..., Any]) -> Any:
+    """The torch door of a Buffer running ``cfg`` on ``engine`` (made on its first torch
+    call): its dtype plans and a torch view of each receive region, made once
+    (``ubep.torch._convert.TorchDoor``); its calls come back through ``call_dispatch`` and
+    ``call_combine``."""
     regions = engine.regions.recv_views if isinstance(engine, HostEngine) else None
-    door = buf._torch = torch_door(
-        x_dtype=buf._dtype.name, combine_dtype=buf._cdtype.name, quant=buf._cfg.quant,
-        call_dispatch=buf.dispatch, call_combine=buf.combine, regions=regions)
-    buf._tensor = door.tensor_type  # the hot path takes tensors from now on
-    return door
+    return torch_door(
+        x_dtype=_dt.dtype_of(cfg.dtype).name, combine_dtype=_dt.dtype_of(cfg.combine_dtype).name,
+        quant=cfg.quant, call_dispatch=call_dispatch, call_combine=call_combine, regions=regions)

@@ -13,6 +13,7 @@ from .. import dtypes as _dt
 from ..config import BufferConfig
 from ..errors import InvalidArgumentError
 from ..handle import DispatchHandle
+from ..plane.protocol import Engine
 from ..torch_bridge import Unviewable, is_torch_tensor, tensor_to_numpy
 from .state import BufferState
 
@@ -121,13 +122,16 @@ def is_c(a: np.ndarray, dtype: type) -> bool:
 
 
 class ArgChecks:
-    """The checks that need the state of the Buffer ``buf`` (its uid, generation and layout;
-    held as ``buf._checks``)."""
+    """The checks that need the state of the Buffer ``buf`` (its generation and layout; held as
+    ``buf._checks``), its ``engine`` (which knows its memory) and the ``uid`` its ranks agreed
+    on (both handed in)."""
 
-    __slots__ = ("buf",)
+    __slots__ = ("_engine", "_uid", "buf")
 
-    def __init__(self, buf: BufferState) -> None:
+    def __init__(self, buf: BufferState, engine: Engine, uid: int) -> None:
         self.buf = buf
+        self._engine = engine
+        self._uid = uid
 
     def dispatch_args(
         self, x: object, topk_idx: object, topk_weights: object, x_scales: object = None
@@ -152,7 +156,7 @@ class ArgChecks:
             handle.num_recv_rows > b.layout.cap_rows
         ):
             raise InvalidArgumentError("handle", handle.num_tokens, "exceeds this Buffer's size")
-        if getattr(handle, "buffer_uid", None) != b._uid:
+        if getattr(handle, "buffer_uid", None) != self._uid:
             raise InvalidArgumentError(
                 "handle", type(handle).__name__, "does not come from a dispatch of this Buffer"
             )
@@ -172,9 +176,9 @@ class ArgChecks:
         gives rows that stay). Local, not collective."""
         b = self.buf
         index = getattr(handle, "dispatch_index", -1)
-        return (getattr(handle, "buffer_uid", None) == b._uid
+        return (getattr(handle, "buffer_uid", None) == self._uid
                 and getattr(handle, "generation", None) == b._generation
-                and index >= 0 and bool(b._engine.recv_valid(index, b._num_dispatches)))
+                and index >= 0 and bool(self._engine.recv_valid(index, b._num_dispatches)))
 
     def combine_args(
         self, expert_out: object, handle: DispatchHandle
@@ -184,7 +188,7 @@ class ArgChecks:
         eo = to_array(expert_out, "expert_out")
         # a stale recv_x view (its region filled again by a later dispatch): the engine knows
         # its memory, the Buffer asks
-        stale = b._engine.stale_view(eo, int(getattr(h, "dispatch_index", -1)),
+        stale = self._engine.stale_view(eo, int(getattr(h, "dispatch_index", -1)),
                                      b._num_dispatches)
         if stale is not None:
             raise InvalidArgumentError("expert_out", *stale)

@@ -101,6 +101,12 @@ class MaskingBuffer:
     """A Buffer with ``on_peer_loss="mask"`` (module docstring). Built by ``Buffer(group,
     config)``; the same calls, plus :meth:`mask_status`."""
 
+    # original expert id + 1 -> the members' Buffer's (None while every rank is a member)
+    _to_inner: np.ndarray | None
+    # what the members' Buffer routes topk_idx by (None: ids as they are), handed to it at its
+    # construction; this Buffer keeps it to pin a replay and read a call's slots
+    _route: LogicalRouting | None
+
     def __init__(self, group: Any, config: BufferConfig) -> None:
         group = as_process_group(group)
         # the group names its control plane: ubep.runtime's Group the rendezvous directory's
@@ -118,9 +124,10 @@ class MaskingBuffer:
                 f"launch) or an MPI group (ubep.mpi.init), not {type(group).__name__}: its "
                 "control plane must outlive a process")
         self._start(config, roster, group.num_ranks, group.topology.hop_matrix(), plane)
-        self._inner = Buffer(group, self._inner_config())
-        self._uid = self._inner._uid  # agreed by every rank at construction
-        self._install_route()
+        to_inner, route = self._routing()
+        self._inner = Buffer(group, self._inner_config(), routing=route)
+        self._to_inner, self._route = to_inner, route
+        self._uid = self._inner.uid  # agreed by every rank at construction
 
     def _start(self, config: BufferConfig, roster: Any, num_ranks: int,
                hops: np.ndarray, plane: Any = None) -> None:
@@ -141,7 +148,8 @@ class MaskingBuffer:
         # id(handle of before the loss) -> (that handle, the result of its dispatch then, the
         # result of its replay over the members): what combine re-orders rows by
         self._moved: dict[int, tuple[Any, DispatchResult[Any], DispatchResult[Any]]] = {}
-        self._to_inner: np.ndarray | None = None  # None while every rank is a member
+        self._to_inner = None
+        self._route = None
         self._open: list[_Open] = []  # split-phase calls awaiting their hook, in issue order
         self._requests = 0  # mask_ranks() calls so far: their agreements' names
         self._hops = np.asarray(hops)  # the group's hop classes: the replica rule reads them
@@ -332,7 +340,7 @@ class MaskingBuffer:
         self._start(config, roster, num_ranks,
                     topo.host(num_ranks, roster.cores_per_rank).hop_matrix())
         self._build(roster, key)
-        self._uid = self._inner._uid
+        self._uid = self._inner.uid
         return self
 
     def mask_status(self) -> np.ndarray:
@@ -371,8 +379,8 @@ class MaskingBuffer:
         (``_lost_open_calls``), and serves the next call over the members."""
         self._calls += 1
         call = self._calls
-        if self._inner._route is not None:
-            self._inner._route.last_physical = None
+        if self._route is not None:
+            self._route.last_physical = None
         try:
             inner = issue()
         except errors.RankMaskedError:
@@ -449,30 +457,30 @@ class MaskingBuffer:
 
     def _dispatch(self, x: object, topk_idx: object, topk_weights: object, copy: bool,
                   x_scales: object) -> DispatchResult[Any]:
-        # the members' Buffer routes topk_idx itself (_install_route), inside its call: bad ids
-        # are a clean reject on every rank
-        if self._inner._route is not None:
-            self._inner._route.last_physical = None  # what _recover finds: this call's routing
+        # the members' Buffer routes topk_idx itself (_routing), inside its call: bad ids are a
+        # clean reject on every rank
+        if self._route is not None:
+            self._route.last_physical = None  # what _recover finds: this call's routing
         res = self._inner.dispatch(x, topk_idx, topk_weights, copy=copy, x_scales=x_scales)
         return res if self._to_inner is None else self._outer_result(res)
 
-    def _install_route(self) -> None:
-        """Give the members' Buffer the routing of logical ids to its slots: the map's rule
-        with the masked ranks out, then the members' renumbering (none is needed while every
-        rank is a member and there is no map)."""
+    def _routing(self) -> tuple[np.ndarray | None, LogicalRouting | None]:
+        """The expert-id table to the members' Buffer (None while every rank is a member) and
+        the routing of logical ids to its slots that Buffer is built with: the map's rule with
+        the masked ranks out, then the members' renumbering (none is needed while every rank
+        is a member and there is no map)."""
         everyone = len(self.members) == self.num_ranks
-        self._to_inner = None if everyone else self._expert_table()
+        to_inner = None if everyone else self._expert_table()
         if everyone and self.config.expert_map is None:
-            self._inner._route = None
-            return
+            return to_inner, None
         masked = [r for r in range(self.num_ranks) if r not in self.members]
-        self._inner._route = LogicalRouting(
+        return to_inner, LogicalRouting(
             self._map, self.num_experts, self.num_ranks, self._hops[self.rank],
-            self.config.num_topk, masked, self._to_inner)
+            self.config.num_topk, masked, to_inner)
 
     def _physical(self) -> np.ndarray | None:
         """The routing of the last dispatch in original slots (None: it was topk_idx)."""
-        route = self._inner._route
+        route = self._route
         return None if route is None else route.last_physical
 
     def _outer_result(self, res: DispatchResult[Any]) -> DispatchResult[Any]:
@@ -550,7 +558,7 @@ class MaskingBuffer:
         self._inner.close()
 
     def _pin(self, physical: np.ndarray | None) -> None:
-        route = self._inner._route
+        route = self._route
         if physical is not None and route is not None:
             route.pin(physical)
 
@@ -591,11 +599,13 @@ class MaskingBuffer:
 
     def _build(self, roster: Any, key: str) -> None:
         """Serve over the members of ``roster``: build their Buffer (collective over them,
-        under ``key``) and the expert-id table to it."""
+        under ``key``) with its routing, and the expert-id table to it."""
         self._roster = roster
         self._moved.clear()
-        self._inner = Buffer(self._plane.member_group(roster, key), self._inner_config())
-        self._install_route()
+        to_inner, route = self._routing()
+        self._inner = Buffer(self._plane.member_group(roster, key), self._inner_config(),
+                             routing=route)
+        self._to_inner, self._route = to_inner, route
 
     def _expert_table(self) -> np.ndarray:
         """Original expert id + 1 -> expert id of the members' Buffer, -1 for a masked rank's."""

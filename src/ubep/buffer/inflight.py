@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import OutOfStepError, UbepError
+from ..plane.protocol import Engine
 from ..plane.records import ErrorRecord
 from ..plane.results import PendingCall
 from .state import AFTER as _AFTER
@@ -26,12 +27,14 @@ MAX_IN_FLIGHT = 2  # split-phase calls per Buffer (the engine's MAX_PENDING)
 
 class InFlightCalls:
     """The split-phase bookkeeping of the Buffer ``buf`` (held as ``buf._calls``; the calls
-    themselves are ``buf._in_flight``, which the Buffer's hot path reads)."""
+    themselves are ``buf._in_flight``, which the Buffer's hot path reads), whose second halves
+    run on the Buffer's ``engine`` (handed in)."""
 
-    __slots__ = ("buf",)
+    __slots__ = ("_engine", "buf")
 
-    def __init__(self, buf: BufferState) -> None:
+    def __init__(self, buf: BufferState, engine: Engine) -> None:
         self.buf = buf
+        self._engine = engine
 
     def check(self) -> None:
         """A third call while two await their hooks would reuse the receive region and the
@@ -100,7 +103,7 @@ class InFlightCalls:
             c = b._in_flight[0]
             stage = _NATIVE
             try:
-                got = b._engine.complete(c.epoch)
+                got = self._engine.complete(c.epoch)
                 del b._in_flight[0]
                 stage = _AFTER
                 if isinstance(got, ErrorRecord):
@@ -134,7 +137,7 @@ class InFlightCalls:
         while b._in_flight:
             c = b._in_flight.pop(0)
             with contextlib.suppress(Exception):
-                b._engine.abandon(c.epoch, f"rank {b.rank}: call {c.epoch} abandoned: "
+                self._engine.abandon(c.epoch, f"rank {b.rank}: call {c.epoch} abandoned: "
                                   f"{cause}")
             c.call._settle(False, OutOfStepError(
                 f"rank {b.rank}: call {c.epoch} did not complete: {cause}"))

@@ -2,8 +2,10 @@
 
 The Buffer's behaviour is split by job: the calls (``buffer.py``), the calls in flight
 (``inflight.py``), keeping step (``step.py``), argument checks (``checks.py``). Each job is an
-object the Buffer holds (``buf._calls``, ``buf._steps``, ``buf._checks``), built with the Buffer
-and typed against this protocol: the state stays the Buffer's, where its hot path reads it.
+object the Buffer holds (``buf._calls``, ``buf._steps``, ``buf._checks``), built once the
+Buffer's engine is open and typed against this protocol: the state stays the Buffer's, where its
+hot path reads it; the engine and the id the ranks agreed on are handed to each job that needs
+them, not read off the Buffer.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any, Protocol
 from ..config import BufferConfig
 from ..dtypes import DType
 from ..plane.layout import SegmentLayout
-from ..plane.protocol import Engine, ProcessGroup
+from ..plane.protocol import ProcessGroup
 from ..plane.results import PendingCall
 
 __all__ = ["AFTER", "BEFORE", "NATIVE", "BufferState", "InFlight"]
@@ -44,7 +46,6 @@ class BufferState(Protocol):
     rank: int
     num_ranks: int
     layout: SegmentLayout
-    _uid: int
     _epoch: int  # sequence number of the last call (every rank agrees on it)
     _num_dispatches: int
     _generation: int  # resyncs so far
@@ -52,7 +53,6 @@ class BufferState(Protocol):
     _dead: str | None  # a peer died: refused for good
     _lost: str | None  # out of step: refused until resync()
     _closed: bool
-    _engine: Engine | Any
     _in_flight: list[InFlight]  # split-phase calls awaiting their hook, in issue order
     _dtype: DType
     _cdtype: DType

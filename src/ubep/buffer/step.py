@@ -18,6 +18,7 @@ from ..errors import (
     RemoteError,
     UbepError,
 )
+from ..plane.protocol import Engine
 from ..plane.records import E_BAD_INPUT, E_LOST, E_PEER_LOST, E_REMOTE, ErrorRecord
 from .signature import mismatch_error
 from .state import AFTER as _AFTER
@@ -30,12 +31,16 @@ __all__ = ["StepKeeping"]
 
 class StepKeeping:
     """Call entry, failure handling and resync of the Buffer ``buf`` (which holds this object
-    as ``buf._steps``; the state it keeps is the Buffer's own, its calls read it)."""
+    as ``buf._steps``; the state it keeps is the Buffer's own, its calls read it), over the
+    Buffer's ``engine`` and the ``uid`` its ranks agreed on (handed in: no reach into the
+    Buffer for them)."""
 
-    __slots__ = ("buf",)
+    __slots__ = ("_engine", "_uid", "buf")
 
-    def __init__(self, buf: BufferState) -> None:
+    def __init__(self, buf: BufferState, engine: Engine, uid: int) -> None:
         self.buf = buf
+        self._engine = engine
+        self._uid = uid
 
     def resync(self, timeout_s: float | None = None) -> None:
         """Re-establish agreement with the peers after a lost step (collective: every rank).
@@ -62,11 +67,11 @@ class StepKeeping:
             gen = b._generation + 1
             mine = {"epoch": b._epoch, "dispatches": b._num_dispatches}
             # Phase 1: every rank is out of its calls (nobody writes a peer's segment any more).
-            states = self.exchange(f"resync.{b._uid}.{gen}.enter", mine, timeout)
+            states = self.exchange(f"resync.{self._uid}.{gen}.enter", mine, timeout)
             base = max(int(s["epoch"]) for s in states) + 2
-            b._engine.resync(base)
+            self._engine.resync(base)
             # Phase 2: every rank has cleared its segment before anyone starts a call.
-            self.exchange(f"resync.{b._uid}.{gen}.done", base, timeout)
+            self.exchange(f"resync.{self._uid}.{gen}.done", base, timeout)
             b._epoch = base - 1
             b._num_dispatches = max(int(s["dispatches"]) for s in states)
             b._generation = gen
@@ -118,13 +123,21 @@ class StepKeeping:
                             f"{type(exc).__name__}: {exc}")
         # with calls in flight this one is not finished by itself: done words say "every call
         # up to here is finished", so the notice goes out without one
-        got = b._engine.fail(epoch, E_BAD_INPUT, f"rank {b.rank}: {exc}",
+        got = self._engine.fail(epoch, E_BAD_INPUT, f"rank {b.rank}: {exc}",
                              0 if b._in_flight else 1, float(b._cfg.timeout_s))
         if type(got) is ErrorRecord:  # peers never finished the call before last: out of step
             self.mark_lost(f"rejected call {epoch} could not be announced: "
                            f"{self.error(got)}")
             return exc, False
         return exc, True
+
+    def one_call_failed(self, epoch: int, index: int, exc: BaseException) -> BaseException:
+        """What a failed one native call (dispatch or combine: ``index`` is the dispatches made
+        before it) raises; a clean reject leaves no dispatch counted."""
+        err, clean = self.failed(epoch, _NATIVE, exc)
+        if clean:
+            self.buf._num_dispatches = index
+        return err
 
     def reject(self, error: BaseException) -> BaseException:
         """A call rejected before it started, by a layer above the Buffer (a facade's checks):
@@ -154,7 +167,7 @@ class StepKeeping:
             return
         b._lost = cause
         with contextlib.suppress(Exception):
-            b._engine.fail(b._epoch + 1, E_LOST,
+            self._engine.fail(b._epoch + 1, E_LOST,
                            f"rank {b.rank} lost step ({cause}): call resync() on every "
                            "rank", 0, 0.0)
 
