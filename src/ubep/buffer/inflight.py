@@ -60,8 +60,8 @@ class InFlightCalls:
         b = self.buf
         if got is not None and not hook:  # the common blocking call: no pending object
             return finish(got)
-        call: PendingCall[Any] = PendingCall(kind, b.rank, epoch,
-                                             lambda: self.hook(epoch))
+        call: PendingCall[Any] = PendingCall(kind, b.rank, epoch, lambda: self.hook(epoch),
+                                             -1 if index is None else index)
         if got is None:
             b._in_flight.append(InFlight(epoch, call, finish, index))
         else:  # the engine ran the whole call (one that needs no second half)

@@ -186,10 +186,14 @@ class PendingCall(Generic[T]):
     the same error). Hooks may come in any order; a Buffer completes its calls in issue order.
     """
 
-    __slots__ = ("_complete", "_convert", "_kind", "_outcome", "_rank", "epoch")
+    __slots__ = ("_complete", "_convert", "_kind", "_outcome", "_rank", "dispatch_index", "epoch")
 
-    def __init__(self, kind: str, rank: int, epoch: int, complete: Callable[[], None]) -> None:
+    def __init__(self, kind: str, rank: int, epoch: int, complete: Callable[[], None],
+                 dispatch_index: int = -1) -> None:
         self._kind, self._rank, self.epoch = kind, rank, epoch
+        # a dispatch's index on its Buffer (its handle's ``dispatch_index``), known at issue:
+        # which receive region its rows land in; -1 for a combine
+        self.dispatch_index = dispatch_index
         self._complete = complete
         self._convert: Callable[[Any], Any] | None = None
         self._outcome: tuple[bool, Any] | None = None

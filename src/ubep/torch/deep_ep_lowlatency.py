@@ -157,11 +157,11 @@ class PaddedViews:
             ones.flags.writeable = False
         return ones
 
-    def next_region(self, num_local: int, slots: int, use_fp8: bool,
-                    use_ue8m0: bool) -> tuple[int, _Region]:
-        """The dispatch index the Buffer's next dispatch gets and the tensors of its region."""
-        index = int(self.buffer._num_dispatches)
-        regions = self.buffer._engine.regions
+    def region(self, index: int, num_local: int, slots: int, use_fp8: bool,
+               use_ue8m0: bool) -> _Region:
+        """The tensors of the receive region the Buffer's dispatch ``index`` lands in (its
+        engine's public regions: ``ubep.plane.host.HostEngine.regions``)."""
+        regions = self.buffer.engine.regions
         reg = index % len(regions.recv_views)
         key = (reg, use_fp8, use_ue8m0)
         region = self._recv.get(key)
@@ -170,7 +170,7 @@ class PaddedViews:
             region = _Region(regions.recv_views[reg], scales, num_local, slots, use_fp8,
                              use_ue8m0)
             self._recv[key] = region
-        return index, region
+        return region
 
     def combine_buffer(self, handle: LowLatencyHandle, num_local: int,
                        wait: bool = True) -> tuple[np.ndarray, torch.Tensor]:
@@ -196,7 +196,7 @@ class PaddedViews:
 def padded_capable(backend: Any) -> bool:
     """Whether ``backend`` is a ``ubep.Buffer`` whose engine keeps its receive regions in host
     memory (the native and RMA engines): what :class:`PaddedViews` views."""
-    engine = getattr(getattr(backend, "buffer", None), "_engine", None)
+    engine = getattr(getattr(backend, "buffer", None), "engine", None)
     return getattr(engine, "regions", None) is not None
 
 
@@ -445,13 +445,15 @@ class LowLatencyCalls:
                                      x.dtype, max_tokens, **quant)
         num_local = self._num_local_experts(num_experts)  # M2N: 0 on a sender
         views = self._padded_views(backend)
-        index, region = views.next_region(num_local, max_tokens * self.group_size, use_fp8,
-                                          use_ue8m0)
         # Unit weights travel with the rows (the Buffer copies them into its handle);
         # low_latency_combine gets the real ones. The Buffer's own call: its results are numpy
         # arrays of host memory (padded_capable), read here as they are.
         call = backend.buffer.dispatch(_array_of(x, "x"), idx_np,
                                        views.unit_weights(idx_np.shape), return_recv_hook=split)
+        # the region its rows land in, known once issued (split: before they arrived)
+        index = call.dispatch_index if split else call.handle.dispatch_index
+        region = views.region(index, num_local, max_tokens * self.group_size, use_fp8,
+                              use_ue8m0)
         handle = object.__new__(PaddedHandle)
         handle.__dict__.update(
             num_max_dispatch_tokens_per_rank=max_tokens, hidden=x.shape[1],
@@ -462,10 +464,6 @@ class LowLatencyCalls:
             if handle.inner is not None:
                 return
             res = call.hook() if split else call
-            if res.handle.dispatch_index != index:
-                raise UbepError(f"rank {self.rank}: low_latency_dispatch received dispatch "
-                                f"{res.handle.dispatch_index}, its tensors view dispatch {index}'s "
-                                "region")
             counts = res.num_recv_tokens_per_expert
             region.fill(counts)
             if stats is not None:

@@ -104,7 +104,7 @@ class _V2Buffer(V2Calls, LoadBalanceCalls):
         # The V1 facade reaches ubep's engines and creates ubep Buffers per call shape.
         self._v1 = Buffer(group, comm=comm, explicitly_destroy=True,
                           max_tokens_per_rank=max(num_max_tokens_per_rank, 1), **options)
-        self._uid = object()
+        self._new_handles()
         self._pending: list[_Deferred] = []
         self._group = held(group if group is not None else comm)  # torch's to free
         self.rank_idx, self.num_ranks = self._v1.rank, self._v1.group_size
@@ -170,7 +170,7 @@ class _V2Buffer(V2Calls, LoadBalanceCalls):
         if self._lb is not None:
             self._lb.close()
         self._v1.destroy()
-        self._uid = object()  # earlier handles are refused from now on
+        self._new_handles()  # earlier handles are refused from now on
         self._destroyed = True
         self.runtime = None
 

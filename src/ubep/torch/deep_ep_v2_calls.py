@@ -178,10 +178,14 @@ class V2Calls:
     num_max_tokens_per_rank: int
     allow_multiple_reduction: bool
     _v1: Any
-    _uid: object
     _pending: list[_Deferred]
     _check_alive: Callable[[], None]
     _resolve_num_sms: Callable[[int | None, int, int], int]
+
+    def _new_handles(self) -> None:
+        """Handles made from now on are this buffer's; earlier ones are refused (construction,
+        and ``destroy``)."""
+        self._uid = object()
 
     # ------------------------------------------------------------------ dispatch
     def _v2_dispatch(self, x: Any, topk_idx: Any, topk_weights: Any, stats: Any,
