@@ -70,14 +70,16 @@ def validate_topk_idx(
         )
     arr = np.ascontiguousarray(arr, dtype=np.int64)
     if arr.size:
-        lo, hi = int(arr.min()), int(arr.max())
+        # sorted rows give the range (first and last columns) and the repeats (neighbours)
+        srt = np.sort(arr, axis=1)
+        lo, hi = int(srt[:, 0].min()), int(srt[:, -1].max())
         if lo < -1 or hi >= num_experts:
             bad = lo if lo < -1 else hi
             raise InvalidArgumentError(
                 argument, bad, f"expert id out of range [-1, {num_experts}) (num_experts)"
             )
-        srt = np.sort(arr, axis=1)
-        dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
+        dup = srt[:, 1:] == srt[:, :-1]
+        dup &= srt[:, 1:] >= 0
         if dup.any():
             row = int(np.nonzero(dup.any(axis=1))[0][0])
             raise InvalidArgumentError(
@@ -92,9 +94,12 @@ def get_dispatch_layout(topk_idx: object, num_experts: int, num_ranks: int) -> D
     idx = validate_topk_idx(topk_idx, num_experts)
     valid = idx >= 0
     num_tokens_per_expert = np.bincount(idx[valid], minlength=num_experts).astype(np.int64)
-    is_token_in_rank = np.zeros((idx.shape[0], num_ranks), dtype=bool)
-    rows, cols = np.nonzero(valid)
-    is_token_in_rank[rows, idx[rows, cols] // per_rank] = True
+    # each pick marks its rank's column; a masked one the spare column past the last rank
+    owner = idx // per_rank
+    owner[~valid] = num_ranks
+    hit = np.zeros((idx.shape[0], num_ranks + 1), dtype=bool)
+    np.put_along_axis(hit, owner, True, axis=1)
+    is_token_in_rank = np.ascontiguousarray(hit[:, :num_ranks])
     num_tokens_per_rank = is_token_in_rank.sum(axis=0, dtype=np.int64)
     return DispatchLayout(num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)
 
