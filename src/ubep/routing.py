@@ -93,13 +93,17 @@ def get_dispatch_layout(topk_idx: object, num_experts: int, num_ranks: int) -> D
     per_rank = experts_per_rank(num_experts, num_ranks)
     idx = validate_topk_idx(topk_idx, num_experts)
     valid = idx >= 0
-    num_tokens_per_expert = np.bincount(idx[valid], minlength=num_experts).astype(np.int64)
-    # each pick marks its rank's column; a masked one the spare column past the last rank
+    num_tokens_per_expert = np.asarray(np.bincount(idx[valid], minlength=num_experts),
+                                       dtype=np.int64)
+    # each pick marks its rank's column of its token's row; a masked one the spare column past
+    # the last rank (one scatter into the flat rows)
+    width = num_ranks + 1
     owner = idx // per_rank
     owner[~valid] = num_ranks
-    hit = np.zeros((idx.shape[0], num_ranks + 1), dtype=bool)
-    np.put_along_axis(hit, owner, True, axis=1)
-    is_token_in_rank = np.ascontiguousarray(hit[:, :num_ranks])
+    owner += np.arange(0, idx.shape[0] * width, width)[:, None]
+    hit = np.zeros(idx.shape[0] * width, dtype=bool)
+    hit[owner] = True
+    is_token_in_rank = hit.reshape(idx.shape[0], width)[:, :num_ranks].copy()
     num_tokens_per_rank = is_token_in_rank.sum(axis=0, dtype=np.int64)
     return DispatchLayout(num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)
 
