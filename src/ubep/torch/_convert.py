@@ -379,6 +379,9 @@ def owned_rows(recv_x: np.ndarray, dtype: torch.dtype, rows: int) -> torch.Tenso
     """A new ``dtype`` tensor of ``rows`` rows: ``recv_x`` (its storage dtype's array, read-only
     where it views a receive region) copied in, zeros after (copied through the tensor's numpy
     view: no tensor over the read-only region, nor torch's warning about one)."""
+    if recv_x.shape[0] == rows:  # no padding: one copy, a tensor over it
+        t = torch.from_numpy(np.array(recv_x))
+        return t if t.dtype is dtype else t.view(dtype)
     out = torch.empty((rows, *recv_x.shape[1:]), dtype=dtype)
     view = to_numpy(out)
     n = recv_x.shape[0]

@@ -534,11 +534,18 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         else:  # a bad argument here fails the peers' call too, through the gate (gated)
             checks.check_device(x=x, x_scales=scales)
             route = check()
-        receive, backend = self._send(
-            "rank", x, scales, route.topk_idx, route.topk_weights, route.num_experts,
-            self.max_tokens_per_rank,
-        )
-        res, recv_scales = receive()
+        if scales is None and self._shrink is None and not isinstance(self._ep, LocalBackend):
+            # a decode step's call: the one blocking dispatch, straight to its Buffer
+            backend = self._backend("rank", x.shape[1], route.topk_idx.shape[1],
+                                    route.num_experts, x.dtype, self.max_tokens_per_rank)
+            res = backend.dispatch(to_numpy(x), route.topk_idx, route.topk_weights)
+            recv_scales = None
+        else:
+            receive, backend = self._send(
+                "rank", x, scales, route.topk_idx, route.topk_weights, route.num_experts,
+                self.max_tokens_per_rank,
+            )
+            res, recv_scales = receive()
         # every rank's tokens to every rank, from the engine's count round: the same on all
         sent = np.asarray(res.num_sent_rows_per_rank, dtype=np.int64)
         most = int(sent.sum(axis=0).max(initial=0))
