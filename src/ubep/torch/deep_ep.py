@@ -664,15 +664,17 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         in_rank = route.is_token_in_rank
         rows = len(res.recv_src_rank)
         src_idx = np.full(out_rows, -1, dtype=np.int32)
-        src_idx[:rows] = np.asarray(res.recv_src_token)
-        send_head = np.where(in_rank, np.cumsum(in_rank, axis=0, dtype=np.int64) - 1, -1)
+        src_idx[:rows] = res.recv_src_token
+        # a token's place among this rank's tokens sent to each rank: its running count there
+        # where it went (from 0), -1 where it did not
+        send_head = np.cumsum(in_rank, axis=0, dtype=np.int32) * in_rank - 1
         return NormalHandle(
-            rank_prefix_matrix=torch.from_numpy(np.cumsum(sent, axis=0).astype(np.int32)),
-            channel_prefix_matrix=torch.from_numpy(sent[self.rank].astype(np.int32)[:, None]),
+            rank_prefix_matrix=torch.from_numpy(np.cumsum(sent, axis=0, dtype=np.int32)),
+            channel_prefix_matrix=torch.from_numpy(sent[self.rank, :, None].astype(np.int32)),
             recv_channel_prefix_matrix=torch.zeros((self.group_size, 1), dtype=torch.int32),
             recv_src_idx=torch.from_numpy(src_idx),
             is_token_in_rank=torch.from_numpy(in_rank.copy()),
-            send_head=torch.from_numpy(send_head.astype(np.int32)),
+            send_head=torch.from_numpy(send_head),
             inner=res.handle,
             backend=backend,
             topk_idx=route.topk_idx,
