@@ -60,7 +60,7 @@ from .deep_ep_agree import (
 from .deep_ep_checks import (
     check_dispatch_x,
     check_ubep_options,
-    deepep_names,
+    deepep_error,
     facade_group,
     own_backend,
 )
@@ -538,13 +538,11 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
             # a decode step's call: the one blocking dispatch, straight to its Buffer
             backend = self._backend("rank", x.shape[1], route.topk_idx.shape[1],
                                     route.num_experts, x.dtype, self.max_tokens_per_rank)
-            res = backend.dispatch(to_numpy(x), route.topk_idx, route.topk_weights)
-            recv_scales = None
+            res, recv_scales = backend.dispatch(to_numpy(x), route.topk_idx,
+                                                route.topk_weights), None
         else:
-            receive, backend = self._send(
-                "rank", x, scales, route.topk_idx, route.topk_weights, route.num_experts,
-                self.max_tokens_per_rank,
-            )
+            receive, backend = self._send("rank", x, scales, route.topk_idx, route.topk_weights,
+                                          route.num_experts, self.max_tokens_per_rank)
             res, recv_scales = receive()
         # every rank's tokens to every rank, from the engine's count round: the same on all
         sent = np.asarray(res.num_sent_rows_per_rank, dtype=np.int64)
@@ -748,8 +746,10 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         checks.check_device(x=x, topk_weights=topk_weights, bias=bias)
         check_combine_rows(x, topk_weights, (n, len(handle.recv_src_idx)))
         backend = own_backend(handle, self._ep, self._backends.values(), self._gate)
-        with deepep_names():
+        try:
             y = from_numpy(backend.combine(to_numpy(x[:n]), handle.inner), x.dtype)
+        except InvalidArgumentError as exc:
+            raise deepep_error(exc) from None
         combined_w = None
         if topk_weights is not None:
             combined_w = self._combine_small(topk_weights[:n], handle)
@@ -764,9 +764,8 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
 
     def _combine_small(self, values: torch.Tensor, handle: NormalHandle) -> torch.Tensor:
         """The combine's ``topk_weights`` summed at their sources (:func:`.deep_ep_agree.
-        sum_at_sources`): through the dispatch's own Buffer where it carries them
-        (:meth:`_carried_weights`), else back through a float32 rank-layout Buffer of their
-        width."""
+        sum_at_sources`): through the dispatch's Buffer where it carries them, else a float32
+        rank-layout Buffer of their width."""
         R = self.group_size
         prefix = handle.rank_prefix_matrix[:, self.rank].numpy()
         in_rank = handle.is_token_in_rank.numpy()
@@ -780,12 +779,11 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
 
     def _carried_weights(self, backend: EPBackend, width: int,
                          most_received: int) -> RowCarrier | None:
-        """The carrier of a combine's ``width`` float32 weights a row as rows of ``backend``'s
-        Buffer (the dispatch's: :class:`.deep_ep_agree.RowCarrier`), its next call signed as
-        the combine's weights (so a rank that passed no weights, whose next call is another,
-        fails with this one), or None where that Buffer cannot carry them: no Buffer (the
-        in-process world, shrink mode's masking ones), rows it cannot hold, or more rows to
-        send back than a rank may dispatch there (``most_received``, every rank's same)."""
+        """The carrier of ``width`` float32 weights a row as rows of ``backend``'s Buffer
+        (:class:`.deep_ep_agree.RowCarrier`), its next call signed as the combine's weights (a
+        rank that passed none, its next call another, fails with it); None without a Buffer
+        (in-process, shrink mode), rows too narrow, or more rows back than a rank may dispatch
+        there (``most_received``: every rank's same)."""
         config = getattr(getattr(backend, "buffer", None), "config", None)
         if config is None or self._shrink is not None:
             return None

@@ -4,11 +4,10 @@ fields."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import fields
 from typing import Any, TypeVar
 
@@ -24,7 +23,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 __all__ = [
     "DISPATCH_DTYPES", "CallGate", "check_device", "check_dispatch_x", "check_ubep_options",
-    "deepep_names", "facade_group", "gated", "key_signature", "own_backend",
+    "deepep_error", "facade_group", "gated", "key_signature", "own_backend",
 ]
 
 #: the dtypes of DeepEP's dispatched ``x`` (FP8 values travel as their bytes)
@@ -64,18 +63,15 @@ def check_dispatch_x(x: torch.Tensor, max_tokens_per_rank: int) -> None:
             "receive regions from it, not from num_nvl_bytes; docs/PORTING.md)")
 
 
-@contextlib.contextmanager
-def deepep_names() -> Iterator[None]:
-    """Raise an error of ubep's Buffer under the names of DeepEP's call: a combine's expert
-    outputs are DeepEP's ``x``, which must keep the dispatched ``x``'s dtype."""
-    try:
-        yield
-    except InvalidArgumentError as exc:
-        if exc.argument != "expert_out":
-            raise
-        problem = exc.problem.replace("must have combine_dtype", "must have the dtype of the "
-                                      "dispatched x, as DeepEP's combine")
-        raise InvalidArgumentError("x", exc.value, problem) from None
+def deepep_error(exc: InvalidArgumentError) -> InvalidArgumentError:
+    """An error of ubep's Buffer under the names of DeepEP's call: a combine's expert outputs
+    are DeepEP's ``x``, which must keep the dispatched ``x``'s dtype (other errors as they
+    are)."""
+    if exc.argument != "expert_out":
+        return exc
+    problem = exc.problem.replace("must have combine_dtype", "must have the dtype of the "
+                                  "dispatched x, as DeepEP's combine")
+    return InvalidArgumentError("x", exc.value, problem)
 
 
 def own_backend(handle: Any, ep: Any, backends: Iterable[Any], gate: CallGate | None = None
