@@ -25,6 +25,7 @@ once to BF16.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -119,25 +120,36 @@ class SourceRoute:
 
     Attributes:
         owner: ``[num_tokens, num_topk]`` int64 rank owning each slot's expert, -1 if masked.
+        num_ranks: ranks of the group.
         last: ``[num_tokens, num_topk]`` bool, the slot is its rank's last slot of the token.
         tokens_to: per destination rank, the tokens sent there, ascending.
+
+    ``last`` and ``tokens_to`` are made when first read (a combine that sums in the core and a
+    handle whose slots are never read need neither).
     """
 
     owner: np.ndarray
-    last: np.ndarray
-    tokens_to: list[np.ndarray]
+    num_ranks: int
+
+    @functools.cached_property
+    def last(self) -> np.ndarray:
+        owner = self.owner
+        num_topk = owner.shape[1]
+        # later[t, k, j]: slot j > k of token t has slot k's rank
+        after = np.triu(np.ones((num_topk, num_topk), dtype=bool), k=1)
+        later = (owner[:, :, None] == owner[:, None, :]) & after[None]
+        last: np.ndarray = (owner >= 0) & ~later.any(axis=2)
+        return last
+
+    @functools.cached_property
+    def tokens_to(self) -> list[np.ndarray]:
+        return [np.nonzero((self.owner == r).any(axis=1))[0] for r in range(self.num_ranks)]
 
 
 def source_route(topk_idx: np.ndarray, num_experts: int, num_ranks: int) -> SourceRoute:
     per_rank = num_experts // num_ranks
-    owner = np.where(topk_idx >= 0, topk_idx // per_rank, -1).astype(np.int64)
-    num_topk = owner.shape[1]
-    # later[t, k, j]: slot j > k of token t has slot k's rank
-    after = np.triu(np.ones((num_topk, num_topk), dtype=bool), k=1)
-    later = (owner[:, :, None] == owner[:, None, :]) & after[None]
-    last = (owner >= 0) & ~later.any(axis=2)
-    tokens_to = [np.nonzero((owner == r).any(axis=1))[0] for r in range(num_ranks)]
-    return SourceRoute(owner, last, tokens_to)
+    owner = topk_idx // per_rank  # -1 // per_rank is -1: a masked slot keeps -1
+    return SourceRoute(owner, num_ranks)
 
 
 def reduce_local(x: torch.Tensor, slots: np.ndarray) -> torch.Tensor:
