@@ -379,13 +379,20 @@ class V2Calls:
             stats += torch.from_numpy(rec.counts.astype(np.int32))
         out_rows = expanded_rows if args.do_expand else n_out
         sel = self._row_selection(rec, args.do_expand, out_rows)  # source row of each output row
-        recv_x, recv_topk_idx, recv_topk_weights = self._recv_tensors(
-            args, rec, sel, (rows, sf_rows, w), col_major_sf)
+        in_order = bool((rec.order == np.arange(n)).all())
+        if in_order and not args.do_expand and out_rows == n and sf_rows is None:
+            # the engine's rows are the outputs as they lie (the receive order, no padding):
+            # owned copies of them
+            recv_x, recv_topk_idx = rows.clone(), torch.from_numpy(rec.local_idx.copy())
+            recv_topk_weights = w.clone() if args.with_weights else None
+        else:
+            recv_x, recv_topk_idx, recv_topk_weights = self._recv_tensors(
+                args, rec, sel, (rows, sf_rows, w), col_major_sf)
         if handle is None:
             back = _Back(backend, res.handle, int(args.payload.shape[1]),
                          int(sent.sum(axis=0).max(initial=0)))
             handle = self._new_handle(args, rec, sent, n_out, expanded_rows, num_sms,
-                                      emit_expert_ids, sel, back)
+                                      emit_expert_ids, sel, back, in_order)
         elif handle.num_valid_recv_tokens != n:  # the same routing moves the same rows
             raise InvalidArgumentError("handle", "stale", "its routing no longer matches")
         return recv_x, recv_topk_idx, recv_topk_weights, handle
@@ -451,7 +458,7 @@ class V2Calls:
 
     def _new_handle(self, args: _DispatchArgs, rec: Received, sent: np.ndarray, n_out: int,
                     expanded_rows: int, num_sms: int, emit_expert_ids: bool,
-                    sel: np.ndarray, back: _Back) -> EPHandle:
+                    sel: np.ndarray, back: _Back, in_order: bool) -> EPHandle:
         me, n = self.rank_idx, rec.num_rows
         first_of_rank = np.concatenate([[0], np.cumsum(rec.rows_per_rank)[:-1]])
         shape, T_max, expand = args.idx.shape, args.num_max_tokens_per_rank, args.do_expand
@@ -490,17 +497,15 @@ class V2Calls:
             expert_alignment=args.expert_alignment,
             num_max_tokens_per_rank=args.num_max_tokens_per_rank, num_sms=num_sms,
             topk_idx=args.topk_idx, num_recv_tokens=n_out, num_expanded_tokens=expanded_rows,
-            num_recv_tokens_per_expert_list=(
-                [int(c) for c in rec.aligned] if args.do_cpu_sync else []),
+            num_recv_tokens_per_expert_list=rec.aligned.tolist() if args.do_cpu_sync else [],
             psum_num_recv_tokens_per_scaleup_rank=torch.from_numpy(
                 np.cumsum(rec.rows_per_rank).astype(np.int32)),
             psum_num_recv_tokens_per_expert=torch.from_numpy(psum.astype(np.int32)),
             num_unaligned_recv_tokens_per_expert=torch.from_numpy(rec.counts.astype(np.int32)),
             recv_src_metadata=metadata, dst_buffer_slot_idx=slots,
             recv_expert_ids=expert_ids,
-            route=_Route(rec, args.src, int(args.x.shape[1]), back,
-                         bool((rec.order == np.arange(n)).all()),
-                         (*(int(f) for f in first_of_rank), n)),
+            route=_Route(rec, args.src, int(args.x.shape[1]), back, in_order,
+                         (*first_of_rank.tolist(), n)),
         )
 
     # ------------------------------------------------------------------ combine
