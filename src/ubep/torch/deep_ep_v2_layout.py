@@ -62,8 +62,9 @@ class Received:
         counts: ``[num_local_experts]`` int64 (row, slot) pairs per local expert.
         aligned: ``counts`` rounded up to ``expert_alignment``.
         start: ``[num_local_experts]`` first expanded row of each expert.
-        slots: ``[n, num_topk]`` int64 expanded row of each local slot, -1 elsewhere.
         rows_per_rank: ``[num_ranks]`` int64 rows from each source rank.
+        slots: ``[n, num_topk]`` int64 expanded row of each local slot, -1 elsewhere (made when
+            first read: only an expanded layout's calls read it).
     """
 
     order: np.ndarray
@@ -73,12 +74,15 @@ class Received:
     counts: np.ndarray
     aligned: np.ndarray
     start: np.ndarray
-    slots: np.ndarray
     rows_per_rank: np.ndarray
 
     @property
     def num_rows(self) -> int:
         return int(self.src_rank.shape[0])
+
+    @functools.cached_property
+    def slots(self) -> np.ndarray:
+        return expanded_slots(self.local_idx, self.start)
 
 
 def received(src_rank: np.ndarray, src_token: np.ndarray, local_idx: np.ndarray,
@@ -94,7 +98,7 @@ def received(src_rank: np.ndarray, src_token: np.ndarray, local_idx: np.ndarray,
     aligned = -(-counts // expert_alignment) * expert_alignment
     start = np.concatenate([[0], np.cumsum(aligned)[:-1]]).astype(np.int64)
     return Received(order, rank, token, idx, counts, aligned, start,
-                    expanded_slots(idx, start), np.bincount(rank, minlength=num_ranks))
+                    np.bincount(rank, minlength=num_ranks))
 
 
 def expanded_slots(local_idx: np.ndarray, start: np.ndarray) -> np.ndarray:
