@@ -6,8 +6,8 @@
   interleaved cases evict each other), all processes starting each pass together (a call's
   ranks share the memory bandwidth), in writer/reader pairs, alternating two copies of the
   buffers as the runtime alternates its two receive regions (one for the combine's reduce);
-* oversubscription: processor sharing, R / CPUs (derived; a call-like pass of R processes
-  over that of as many as CPUs is measured beside it as a cross-check);
+* the CPUs a call's ranks get now (:func:`cpus_available`): the host model runs its ranks on
+  them (ubep.sim.host_sched);
 * the cross-process flag round trip (spin, then sched_yield), with as many processes as ranks.
 
 The per-call fixed cost (bench_host_validation.py) is the same call with 64-element rows.
@@ -132,16 +132,17 @@ class Micro:
                    terms: int, rowmap: np.ndarray | None = None,
                    positions: tuple[int, np.ndarray, np.ndarray] | None = None,
                    cold: bool = True, turns: bool = False) -> tuple[float, float]:
-        """ns per row of the writer and the reader pass, cold (:meth:`rows`), times the
-        oversubscription factor (:meth:`cpu_share`). Absolute times (the first quartile of
+        """ns per row of the writer and the reader pass, cold (:meth:`rows`): a pass's own
+        time (ranks that share CPUs are the host model's schedule, ubep.sim.host_sched, not a
+        factor on the passes). Absolute times (the first quartile of
         each pass's own time): most passes are not memory-bound (the reduce converts and
         adds, SP and DC compare and sum), so rescaling them by a memcpy rate measured
         elsewhere would charge them a slowdown they do not have. With ``rowmap`` the reader's
         rows are the rows the map names (the reduce's: ns per row reduced). ``cold=False``:
         buffers left in the caches between passes, as one case's calls back to back have
-        them (benchmarks/host_tasks.py); the median pass."""
+        them (benchmarks/bench_host_tasks.py); the median pass."""
         # A pass is timed uninterrupted only with one process per CPU: with more, a
-        # multi-millisecond pass is cut by time slices; the sharing is cpu_share's factor.
+        # multi-millisecond pass is cut by time slices (the sharing is the schedule's).
         cpus = os.cpu_count() or 1
         pairs = min(procs, max(2, cpus - cpus % 2))
         # the reduce reads the expert outputs, one buffer where the experts left them (no
@@ -150,41 +151,7 @@ class Micro:
         got = self.rows(pairs, row_bytes, rows, writer, reader, terms, copies, cold=cold,
                         rowmap=rowmap, positions=positions, turns=turns)
         w_ns, r_ns, r_rows = got[5], got[6], got[7]
-        share = self.cpu_share(procs)
-        return w_ns * share / max(1, int(rows)), r_ns * share / max(1.0, r_rows)
-
-    def cpu_share(self, procs: int) -> float:
-        """Oversubscription as processor sharing (derived, not measured): ``procs / CPUs`` when
-        there are more ranks than CPUs, else 1. Each CPU must run ``procs / CPUs`` ranks' row
-        passes before the last rank has all its rows, and the engine's waits spin briefly,
-        then ``sched_yield``, so a waiting rank hands its CPU to a rank with work instead of
-        idling it; the scheduler's slices (~4 ms here: the preemption gap a pass shows when
-        another process is runnable on its CPU) only decide the order, not the total. The row
-        passes are multiplied by it. :meth:`measured_share` is the call-like cross-check."""
-        cpus = os.cpu_count() or 1
-        return procs / cpus if procs > cpus else 1.0
-
-    def measured_share(self, procs: int) -> float:
-        """Cross-check of :meth:`cpu_share` (reported, not used): the latency of a call-like
-        pass of ``procs`` processes (each copies 1 MB, then waits, spinning then yielding as
-        the engine's waits do, until every process has copied) over that of as many processes
-        as CPUs; per run the slowest process's pass at its 10th percentile over passes; median
-        over 5 alternating runs. Outside load (other processes' time slices) raises it above
-        ``procs / CPUs``: it measured 1.8-3.8 for 4 on 2 CPUs at loads 4-8."""
-        key = ("share", procs)
-        if key not in self.cache:
-            cpus = os.cpu_count() or 1
-            ratios = [1.0]
-            if procs > cpus:
-                base = max(2, cpus - cpus % 2)
-                ratios = []
-                for _ in range(max(5, self.rounds)):
-                    got = [statistics.median(g[4] for g in self._run(None,
-                        ["copy", "all", "4096", "256", str(p), str(self.millis * 2), "1", "2",
-                         "1"])) for p in (procs, base)]
-                    ratios.append(got[0] / max(got[1], 1.0))
-            self.cache[key] = (statistics.median(ratios),)
-        return self.cache[key][0]
+        return w_ns / max(1, int(rows)), r_ns / max(1.0, r_rows)
 
     def flag_oneway_ns(self, procs: int) -> float:
         """Half the median flag round trip of ``procs`` processes ping-ponging in pairs."""
