@@ -96,24 +96,31 @@ def _med_calls(calls: list[list[tuple[int, str, float, float]]], engine: str,
 
 def _grid_timer(micro: Any, case: Any, ranks: int, idxs: list[np.ndarray],
                 turns: bool = False) -> Any:
-    """host_model's timer for ``case`` with three changes for the task model: a
-    writer pass writes its rows where the runtime writes them (ubep.sim.host.writer_positions);
-    passes run warm, as one case's dispatches back to back leave their buffers in the caches
-    (bench_dispatch interleaves cases, which evict each other's: its passes run cold); and
-    with ``turns``, for ranks that share a CPU, the passes take turns on one CPU, each after
-    the others' (``Micro.rows``)."""
+    """host_model's timer for ``case`` with four changes for the task model: a send pass
+    writes its rows where the runtime writes them (ubep.sim.host.writer_positions), into as
+    many regions as the runtime alternates, its destination lines as the runtime leaves them
+    between two writes (ubep.sim.host.send_region_state: ASP's from memory, BSP's staging
+    warm); passes run warm, as one case's dispatches back to back leave their buffers in the
+    caches (bench_dispatch interleaves cases, which evict each other's: its passes run cold);
+    and with ``turns``, for ranks that share a CPU, the passes take turns on one CPU, each
+    after the others' (``Micro.rows``)."""
     from benchmarks import host_model as hm
-    from ubep.sim.host import writer_positions
+    from ubep.sim.host import send_region_state, writer_positions
 
     hc = hm.host_case(case, ranks, "dispatch")
     rows = round(hm.rows_per_rank(idxs, case.layout, bd_experts()))
     wpos = writer_positions(idxs, bd_experts(), case.layout, case.engine, rows)
 
+    regions, lines = send_region_state(case.engine)
+
     def timer(writer: str, reader: str, terms: int) -> tuple[float, float]:
+        if writer in ("copy", "tffw", "spw"):  # a send pass: rows into a receive region
+            return micro.per_row_ns(ranks, hc.row_bytes, rows, writer, reader, terms,
+                                    positions=wpos, cold=False, turns=turns, dst=lines,
+                                    copies=regions)
         n = case.tokens if writer in ("scan", "tail") else rows
-        pos = wpos if writer in ("copy", "tffw", "spw") else None
-        return micro.per_row_ns(ranks, hc.row_bytes, n, writer, reader, terms, positions=pos,
-                                cold=False, turns=turns)
+        return micro.per_row_ns(ranks, hc.row_bytes, n, writer, reader, terms, cold=False,
+                                turns=turns)
 
     return timer
 

@@ -69,7 +69,7 @@ class Micro:
              terms: int = 1, copies: int = 2, cold: bool = True,
              rowmap: np.ndarray | None = None,
              positions: tuple[int, np.ndarray, np.ndarray] | None = None,
-             turns: bool = False) -> tuple[float, ...]:
+             turns: bool = False, dst: str = "warm") -> tuple[float, ...]:
         """``(writer / bulk, reader / bulk, bulk ns, CPU share, call latency ns, writer ns,
         reader ns, reader rows)``, each the median over rounds of the median over processes.
         Ratios are per pass relative to a memcpy of the same bytes timed beside it; the
@@ -88,7 +88,12 @@ class Micro:
         without it row ``r`` is read from row ``r`` and lands in slot ``r``. ``turns`` (warm
         passes): the processes share one CPU and take turns, 40 passes each, so that every
         pass follows the others' on its CPU, as ranks that share a CPU run
-        (``ubep.sim.host_sched``): each finds what the others' passes left in the caches."""
+        (``ubep.sim.host_sched``): each finds what the others' passes left in the caches.
+        ``dst`` (warm passes): the writer's destination lines as the previous pass left them
+        (``"warm"``), flushed before each pass (``"evict"``: they come from memory) or last
+        written by a process on another CPU (``"remote"``); the source rows stay warm."""
+        if dst not in ("warm", "evict", "remote"):
+            raise ValueError(f"dst must be 'warm', 'evict' or 'remote', not {dst!r}")
         rows = max(1, int(rows))
         digest = hashlib.sha1(rowmap.tobytes()).hexdigest()[:16] if rowmap is not None else "-"
         wpos = "-"
@@ -97,7 +102,8 @@ class Micro:
             pos = np.concatenate([np.resize(np.asarray(dst_pos, dtype=np.int64), rows),
                                   np.resize(np.asarray(src_rows, dtype=np.int64), rows)])
             wpos = hashlib.sha1(pos.tobytes() + str(slots).encode()).hexdigest()[:16]
-        key = (procs, row_bytes, rows, writer, reader, terms, copies, cold, digest, wpos, turns)
+        key = (procs, row_bytes, rows, writer, reader, terms, copies, cold, digest, wpos, turns,
+               dst)
         if key not in self.cache:
             path, wpath = "-", "-"
             if rowmap is not None:
@@ -108,7 +114,9 @@ class Micro:
                     np.asarray([positions[0]], dtype=np.int64).tofile(f)
                     pos.tofile(f)
             per = []
-            env = {**os.environ, "HOST_MICRO_TURNS": "40"} if turns else None
+            env = {**os.environ, "HOST_MICRO_DST": dst}
+            if turns:
+                env["HOST_MICRO_TURNS"] = "40"
             for _ in range(self.rounds):
                 got = self._run(env, [writer, reader, str(row_bytes), str(rows), str(procs),
                                  str(self.millis), str(terms), str(copies), str(int(cold)),
@@ -131,7 +139,8 @@ class Micro:
     def per_row_ns(self, procs: int, row_bytes: int, rows: int, writer: str, reader: str,
                    terms: int, rowmap: np.ndarray | None = None,
                    positions: tuple[int, np.ndarray, np.ndarray] | None = None,
-                   cold: bool = True, turns: bool = False) -> tuple[float, float]:
+                   cold: bool = True, turns: bool = False, dst: str = "warm",
+                   copies: int | None = None) -> tuple[float, float]:
         """ns per row of the writer and the reader pass, cold (:meth:`rows`): a pass's own
         time (ranks that share CPUs are the host model's schedule, ubep.sim.host_sched, not a
         factor on the passes). Absolute times (the first quartile of
@@ -140,16 +149,19 @@ class Micro:
         elsewhere would charge them a slowdown they do not have. With ``rowmap`` the reader's
         rows are the rows the map names (the reduce's: ns per row reduced). ``cold=False``:
         buffers left in the caches between passes, as one case's calls back to back have
-        them (benchmarks/bench_host_tasks.py); the median pass."""
+        them (benchmarks/bench_host_tasks.py); the median pass; ``dst``: :meth:`rows`.
+        ``copies``: the receive regions the runtime alternates (default: 1 for the reduce's
+        expert outputs, 2 for the rest: ASP's two receive regions)."""
         # A pass is timed uninterrupted only with one process per CPU: with more, a
         # multi-millisecond pass is cut by time slices (the sharing is the schedule's).
         cpus = os.cpu_count() or 1
         pairs = min(procs, max(2, cpus - cpus % 2))
         # the reduce reads the expert outputs, one buffer where the experts left them (no
         # alternating receive regions): one copy
-        copies = 1 if reader.startswith("reduce") else 2
+        if copies is None:
+            copies = 1 if reader.startswith("reduce") else 2
         got = self.rows(pairs, row_bytes, rows, writer, reader, terms, copies, cold=cold,
-                        rowmap=rowmap, positions=positions, turns=turns)
+                        rowmap=rowmap, positions=positions, turns=turns, dst=dst)
         w_ns, r_ns, r_rows = got[5], got[6], got[7]
         return w_ns / max(1, int(rows)), r_ns / max(1.0, r_rows)
 

@@ -69,3 +69,50 @@ def test_host_micro_checks_its_positions(tmp_path) -> None:
     assert ok.returncode == 0, ok.stderr
     # one line per process: the writer's own time (6th number) is a positive time
     assert int(ok.stdout.split()[5]) > 0
+
+
+@pytest.mark.parametrize(("engine", "sync", "regions", "lines"),
+                         [("asp", "tff", 2, "evict"), ("bsp", "sw", 1, "warm")])
+def test_grid_timer_prices_sends_as_the_runtime_leaves_their_regions(
+        engine: str, sync: str, regions: int, lines: str) -> None:
+    from benchmarks import bench_dispatch as bd
+    from benchmarks import host_model as hm
+    from benchmarks.bench_host_tasks import _grid_timer
+
+    asked: list[dict] = []
+
+    class Recorder:
+        def per_row_ns(self, procs: int, row_bytes: int, rows: int, writer: str, reader: str,
+                       terms: int, **kw: object) -> tuple[float, float]:
+            asked.append({"writer": writer, "rows": rows, **kw})
+            return 1.0, 2.0
+
+    case = bd.Case(128, 2048, "bf16", "expert", engine, sync, "uniform")
+    idxs = hm.routing_of(case, 2)
+    timer = _grid_timer(Recorder(), case, 2, idxs, turns=True)
+    assert timer("copy", "-", 1) == (1.0, 2.0)
+    timer("rowmeta", "-", 1)
+    send, other = asked
+    # a send pass: into as many regions as the runtime alternates, its lines as the runtime
+    # leaves them between two writes, at the runtime's positions
+    assert send["copies"] == regions and send["dst"] == lines and send["positions"] is not None
+    assert send["turns"] is True and send["cold"] is False
+    # any other pass: no positions, no destination state
+    assert "dst" not in other and "positions" not in other
+
+
+def test_host_micro_refuses_an_unknown_destination_state(tmp_path) -> None:
+    import os
+    import subprocess
+
+    from benchmarks.host_micro import build
+
+    binary = build(str(tmp_path))
+    args = [str(binary), "copy", "-", "256", "4", "1", "5", "1", "1", "0"]
+    bad = subprocess.run(args, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "HOST_MICRO_DST": "lukewarm"})
+    assert bad.returncode == 2 and "HOST_MICRO_DST" in bad.stderr
+    ok = subprocess.run(args, capture_output=True, text=True, timeout=60,
+                        env={**os.environ, "HOST_MICRO_DST": "evict"})
+    assert ok.returncode == 0, ok.stderr
+    assert int(ok.stdout.split()[5]) > 0  # the writer's own time

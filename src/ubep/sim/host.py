@@ -39,7 +39,7 @@ from .syncs import sync_mode
 
 __all__ = ["HostCase", "KernelTimer", "call_latency_ns", "canonical_plans", "combine_row_map",
            "kernel_passes", "predict_host", "predict_host_tasks", "rank_works",
-           "send_positions", "writer_positions"]
+           "send_positions", "send_region_state", "writer_positions"]
 
 # (writer kernel, reader kernel, terms) -> ns per row of the working set, measured (for the
 # combine's reduce: ns per row reduced, the rows read where the runtime reads them).
@@ -193,6 +193,22 @@ def send_positions(topk_idxs: Sequence[np.ndarray], num_experts: int, layout: st
             slot[order] = np.arange(order.size)
         out.append((p.send_dst_rank.copy(), p.rank * cap_src + slot))
     return out
+
+
+def send_region_state(engine: str) -> tuple[int, str]:
+    """How a dispatch's send pass finds the receive region it writes: ``(regions, lines)``,
+    host_micro's COPIES and HOST_MICRO_DST for that pass. ASP writes its rows into ``recv_x``
+    itself (or TFF's rows in place), in one of two regions that alternate between calls
+    (plane/layout.py: ``num_regions`` 2), and nothing reads a row before the sender writes
+    that slot again two calls later: by then the other ranks' calls and the host's other
+    processes have run on the CPUs, and the lines come from memory (``"evict"``; measured:
+    the runtime's ASP sends cost what host_micro's pass with its destination flushed costs,
+    not the warm pass, docs/SIMULATOR.md 6). BSP stages into one region per destination,
+    reused every call (``num_land_regions`` 1), which its receiver reads right after the
+    barrier (its reorder): one copy, as the previous pass left it (``"warm"``)."""
+    if engine not in ("asp", "bsp"):
+        raise InvalidArgumentError("engine", engine, "must be 'asp' or 'bsp'")
+    return (2, "evict") if engine == "asp" else (1, "warm")
 
 
 def writer_positions(topk_idxs: Sequence[np.ndarray], num_experts: int, layout: str,
