@@ -116,3 +116,23 @@ def test_host_micro_refuses_an_unknown_destination_state(tmp_path) -> None:
                         env={**os.environ, "HOST_MICRO_DST": "evict"})
     assert ok.returncode == 0, ok.stderr
     assert int(ok.stdout.split()[5]) > 0  # the writer's own time
+
+
+@pytest.mark.parametrize(("cpus", "share"), [(1, 0.5), (2, 1.0)])
+def test_fixed_cost_is_a_ranks_own_set_up(cpus: int, share: float) -> None:
+    # Row passes that cost nothing: the model's 64-element call is its ranks' set-ups alone.
+    # On one CPU rank 0's call runs from its set-up through rank 1's (it waits for rank 1's
+    # readiness), so the call measured both set-ups in line and a rank's own is half of it;
+    # on a CPU each, the call is one set-up.
+    from benchmarks.host_model import fixed_cost
+
+    class Free:
+        def per_row_ns(self, *args: object, **kw: object) -> tuple[float, float]:
+            return 0.0, 0.0
+
+    tiny = {"ranks": 2, "tokens": 128, "hidden": 64, "dtype": "bf16", "layout": "expert",
+            "engine": "asp", "sync": "tff", "routing": "uniform",
+            "dispatch": {"median_us": 300.0}}
+    got = fixed_cost(Free(), {2: 1_000.0}, tiny, "dispatch", cpus)
+    assert got["tiny_model_ns"] == pytest.approx(0.0)
+    assert got["fixed_ns"] == pytest.approx(300_000.0 * share)
