@@ -201,9 +201,10 @@ def send_region_state(engine: str) -> tuple[int, str]:
     itself (or TFF's rows in place), in one of two regions that alternate between calls
     (plane/layout.py: ``num_regions`` 2), and nothing reads a row before the sender writes
     that slot again two calls later: by then the other ranks' calls and the host's other
-    processes have run on the CPUs, and the lines come from memory (``"evict"``; measured:
-    the runtime's ASP sends cost what host_micro's pass with its destination flushed costs,
-    not the warm pass, docs/SIMULATOR.md 6). BSP stages into one region per destination,
+    processes have run on the CPUs, and the lines come from memory (``"evict"``; measured at
+    load 6-15: the runtime's ASP sends cost what host_micro's pass with its destination
+    flushed costs, not the warm pass; on a quiet host they cost less, docs/SIMULATOR.md 6).
+    BSP stages into one region per destination,
     reused every call (``num_land_regions`` 1), which its receiver reads right after the
     barrier (its reorder): one copy, as the previous pass left it (``"warm"``)."""
     if engine not in ("asp", "bsp"):
