@@ -95,29 +95,31 @@ def _med_calls(calls: list[list[tuple[int, str, float, float]]], engine: str,
 
 
 def _grid_timer(micro: Any, case: Any, ranks: int, idxs: list[np.ndarray],
-                turns: bool = False) -> Any:
+                turns: bool = False, call_us: float = 0.0) -> Any:
     """host_model's timer for ``case`` with four changes for the task model: a send pass
     writes its rows where the runtime writes them (ubep.sim.host.writer_positions), into as
-    many regions as the runtime alternates, its destination lines as the runtime leaves them
-    between two writes (ubep.sim.host.send_region_state: ASP's from memory, BSP's staging
-    warm); passes run warm, as one case's dispatches back to back leave their buffers in the
-    caches (bench_dispatch interleaves cases, which evict each other's: its passes run cold);
+    many regions as the runtime alternates, each pass after as many calls' time asleep as a
+    slot waits between two writes (ubep.sim.host.send_regions; ``call_us``: a call, at least
+    the 64-element one measured); passes run warm, as one case's dispatches back to back
+    leave their buffers in the caches (bench_dispatch interleaves cases, which evict each
+    other's: its passes run cold);
     and with ``turns``, for ranks that share a CPU, the passes take turns on one CPU, each
     after the others' (``Micro.rows``)."""
     from benchmarks import host_model as hm
-    from ubep.sim.host import send_region_state, writer_positions
+    from ubep.sim.host import send_regions, writer_positions
 
     hc = hm.host_case(case, ranks, "dispatch")
     rows = round(hm.rows_per_rank(idxs, case.layout, bd_experts()))
     wpos = writer_positions(idxs, bd_experts(), case.layout, case.engine, rows)
 
-    regions, lines = send_region_state(case.engine)
+    regions = send_regions(case.engine)
+    gap_us = round(regions * call_us)
 
     def timer(writer: str, reader: str, terms: int) -> tuple[float, float]:
         if writer in ("copy", "tffw", "spw"):  # a send pass: rows into a receive region
             return micro.per_row_ns(ranks, hc.row_bytes, rows, writer, reader, terms,
-                                    positions=wpos, cold=False, turns=turns, dst=lines,
-                                    copies=regions)
+                                    positions=wpos, cold=False, turns=turns, copies=regions,
+                                    gap_us=gap_us)
         n = case.tokens if writer in ("scan", "tail") else rows
         return micro.per_row_ns(ranks, hc.row_bytes, n, writer, reader, terms, cold=False,
                                 turns=turns)
@@ -146,7 +148,11 @@ def compare_case(micro: Any, case: Any, r: int, warmup: int, repeats: int, calls
     micro.cache.clear()  # this host drifts within minutes: each case measures its own
     idxs = hm.routing_of(case, r)
     hc = hm.host_case(case, r, "dispatch")
-    timers = {turns: _grid_timer(micro, case, r, idxs, turns) for turns in (False, True)}
+    # the 64-element call first: the fixed cost, and a call's least time for the send passes
+    tiny = bd.run([r], [hm.tiny_case(case)], warmup, repeats, False, 1800.0)[0]
+    call_us = float(tiny["dispatch"]["median_us"])
+    timers = {turns: _grid_timer(micro, case, r, idxs, turns, call_us)
+              for turns in (False, True)}
     rows = round(hm.rows_per_rank(idxs, case.layout, bd.NUM_EXPERTS))
     meta = micro.per_row_ns(r, hc.row_bytes, rows, "rowmeta", "-", 1, cold=False)[0]
     flag = micro.flag_oneway_ns(r)
@@ -155,7 +161,6 @@ def compare_case(micro: Any, case: Any, r: int, warmup: int, repeats: int, calls
             timer(w, rd, t)
     # the CPUs the ranks get, on both sides of the traced calls (the load moves)
     before = cpus_available(r)
-    tiny = bd.run([r], [hm.tiny_case(case)], warmup, repeats, False, 1800.0)[0]
     measured = measured_calls(case, r, warmup=5, calls=calls)
     avail = (before + cpus_available(r)) / 2
     cpus = cpus_for(avail, r)

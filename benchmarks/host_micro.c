@@ -478,6 +478,12 @@ int main(int argc, char **argv) {
             return 2;
         }
     }
+    /* HOST_MICRO_GAP_US=G (warm passes): each writer pass starts G us after the process's
+     * previous one ended, asleep in between, so that whatever else runs on the host in that
+     * time runs: a rank writes one slot of a receive region again only a call or two later,
+     * and what ran meanwhile decides where its lines are (ubep.sim.host.send_region_state) */
+    const char *gap_env = getenv("HOST_MICRO_GAP_US");
+    int64_t gap_us = gap_env && !cold ? atoll(gap_env) : 0;
     const char *turns_env = getenv("HOST_MICRO_TURNS");
     int64_t turns = turns_env && !cold ? atoll(turns_env) : 0;
     int is_flag = !strcmp(argv[1], "flag");
@@ -589,6 +595,11 @@ int main(int argc, char **argv) {
                     }
                     if (turns) /* this process's turn: the others have had theirs */
                         while (atomic_load(&ctl[6]) % procs != p) sched_yield();
+                    if (gap_us > 0) {
+                        struct timespec gap = {(time_t)(gap_us / 1000000),
+                                               (long)(gap_us % 1000000) * 1000};
+                        nanosleep(&gap, NULL);
+                    }
                     if (dst_mode == 1) evict(mine, xbytes); /* from memory */
                     if (dst_mode == 2) touch_remote(mine, xbytes); /* from a peer core */
                     int64_t t0 = now_ns();

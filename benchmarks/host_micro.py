@@ -69,7 +69,7 @@ class Micro:
              terms: int = 1, copies: int = 2, cold: bool = True,
              rowmap: np.ndarray | None = None,
              positions: tuple[int, np.ndarray, np.ndarray] | None = None,
-             turns: bool = False, dst: str = "warm") -> tuple[float, ...]:
+             turns: bool = False, dst: str = "warm", gap_us: int = 0) -> tuple[float, ...]:
         """``(writer / bulk, reader / bulk, bulk ns, CPU share, call latency ns, writer ns,
         reader ns, reader rows)``, each the median over rounds of the median over processes.
         Ratios are per pass relative to a memcpy of the same bytes timed beside it; the
@@ -91,7 +91,10 @@ class Micro:
         (``ubep.sim.host_sched``): each finds what the others' passes left in the caches.
         ``dst`` (warm passes): the writer's destination lines as the previous pass left them
         (``"warm"``), flushed before each pass (``"evict"``: they come from memory) or last
-        written by a process on another CPU (``"remote"``); the source rows stay warm."""
+        written by a process on another CPU (``"remote"``); the source rows stay warm.
+        ``gap_us`` (warm passes): each process sleeps that long before each pass, so that
+        whatever else runs on the host runs between its passes, as between two writes of a
+        receive slot a call or two apart."""
         if dst not in ("warm", "evict", "remote"):
             raise ValueError(f"dst must be 'warm', 'evict' or 'remote', not {dst!r}")
         rows = max(1, int(rows))
@@ -103,7 +106,7 @@ class Micro:
                                   np.resize(np.asarray(src_rows, dtype=np.int64), rows)])
             wpos = hashlib.sha1(pos.tobytes() + str(slots).encode()).hexdigest()[:16]
         key = (procs, row_bytes, rows, writer, reader, terms, copies, cold, digest, wpos, turns,
-               dst)
+               dst, gap_us)
         if key not in self.cache:
             path, wpath = "-", "-"
             if rowmap is not None:
@@ -114,7 +117,7 @@ class Micro:
                     np.asarray([positions[0]], dtype=np.int64).tofile(f)
                     pos.tofile(f)
             per = []
-            env = {**os.environ, "HOST_MICRO_DST": dst}
+            env = {**os.environ, "HOST_MICRO_DST": dst, "HOST_MICRO_GAP_US": str(int(gap_us))}
             if turns:
                 env["HOST_MICRO_TURNS"] = "40"
             for _ in range(self.rounds):
@@ -140,7 +143,7 @@ class Micro:
                    terms: int, rowmap: np.ndarray | None = None,
                    positions: tuple[int, np.ndarray, np.ndarray] | None = None,
                    cold: bool = True, turns: bool = False, dst: str = "warm",
-                   copies: int | None = None) -> tuple[float, float]:
+                   copies: int | None = None, gap_us: int = 0) -> tuple[float, float]:
         """ns per row of the writer and the reader pass, cold (:meth:`rows`): a pass's own
         time (ranks that share CPUs are the host model's schedule, ubep.sim.host_sched, not a
         factor on the passes). Absolute times (the first quartile of
@@ -149,7 +152,8 @@ class Micro:
         elsewhere would charge them a slowdown they do not have. With ``rowmap`` the reader's
         rows are the rows the map names (the reduce's: ns per row reduced). ``cold=False``:
         buffers left in the caches between passes, as one case's calls back to back have
-        them (benchmarks/bench_host_tasks.py); the median pass; ``dst``: :meth:`rows`.
+        them (benchmarks/bench_host_tasks.py); the median pass; ``dst``, ``gap_us``:
+        :meth:`rows`.
         ``copies``: the receive regions the runtime alternates (default: 1 for the reduce's
         expert outputs, 2 for the rest: ASP's two receive regions)."""
         # A pass is timed uninterrupted only with one process per CPU: with more, a
@@ -161,7 +165,8 @@ class Micro:
         if copies is None:
             copies = 1 if reader.startswith("reduce") else 2
         got = self.rows(pairs, row_bytes, rows, writer, reader, terms, copies, cold=cold,
-                        rowmap=rowmap, positions=positions, turns=turns, dst=dst)
+                        rowmap=rowmap, positions=positions, turns=turns, dst=dst,
+                        gap_us=gap_us)
         w_ns, r_ns, r_rows = got[5], got[6], got[7]
         return w_ns / max(1, int(rows)), r_ns / max(1.0, r_rows)
 

@@ -71,10 +71,9 @@ def test_host_micro_checks_its_positions(tmp_path) -> None:
     assert int(ok.stdout.split()[5]) > 0
 
 
-@pytest.mark.parametrize(("engine", "sync", "regions", "lines"),
-                         [("asp", "tff", 2, "evict"), ("bsp", "sw", 1, "warm")])
-def test_grid_timer_prices_sends_as_the_runtime_leaves_their_regions(
-        engine: str, sync: str, regions: int, lines: str) -> None:
+@pytest.mark.parametrize(("engine", "sync", "regions"), [("asp", "tff", 2), ("bsp", "sw", 1)])
+def test_grid_timer_prices_sends_a_slot_apart_as_the_runtime(engine: str, sync: str,
+                                                            regions: int) -> None:
     from benchmarks import bench_dispatch as bd
     from benchmarks import host_model as hm
     from benchmarks.bench_host_tasks import _grid_timer
@@ -89,16 +88,16 @@ def test_grid_timer_prices_sends_as_the_runtime_leaves_their_regions(
 
     case = bd.Case(128, 2048, "bf16", "expert", engine, sync, "uniform")
     idxs = hm.routing_of(case, 2)
-    timer = _grid_timer(Recorder(), case, 2, idxs, turns=True)
+    timer = _grid_timer(Recorder(), case, 2, idxs, turns=True, call_us=150.4)
     assert timer("copy", "-", 1) == (1.0, 2.0)
     timer("rowmeta", "-", 1)
     send, other = asked
-    # a send pass: into as many regions as the runtime alternates, its lines as the runtime
-    # leaves them between two writes, at the runtime's positions
-    assert send["copies"] == regions and send["dst"] == lines and send["positions"] is not None
-    assert send["turns"] is True and send["cold"] is False
-    # any other pass: no positions, no destination state
-    assert "dst" not in other and "positions" not in other
+    # a send pass: into as many regions as the runtime alternates, each pass that many calls
+    # (150.4 us each) after the last, at the runtime's positions
+    assert send["copies"] == regions and send["gap_us"] == round(regions * 150.4)
+    assert send["positions"] is not None and send["turns"] is True and send["cold"] is False
+    # any other pass: no positions, no gap
+    assert "gap_us" not in other and "positions" not in other
 
 
 def test_host_micro_refuses_an_unknown_destination_state(tmp_path) -> None:

@@ -16,7 +16,7 @@ from ubep.sim.host import (
     predict_host_tasks,
     rank_works,
     send_positions,
-    send_region_state,
+    send_regions,
     writer_positions,
 )
 from ubep.sim.host_sched import RankWork, SchedSpan, cpus_for, serialize
@@ -144,20 +144,18 @@ def test_send_positions_bsp_are_staging_slots_by_expert() -> None:
 
 
 @pytest.mark.parametrize(("engine", "sync"), [("asp", "tff"), ("asp", "sp"), ("bsp", "sw")])
-def test_send_region_state_follows_the_segment_layout(engine: str, sync: str) -> None:
+def test_send_regions_follow_the_segment_layout(engine: str, sync: str) -> None:
     from ubep.plane.layout import compute_layout
 
     lay = compute_layout(num_ranks=2, num_cores=1, num_experts=8, num_topk=2, max_tokens=4,
                          hidden=64, itemsize=2, combine_itemsize=2, layout="expert",
                          engine=engine, sync=sync, tff_block_bytes=512, tff_flag_bytes=32)
-    regions, lines = send_region_state(engine)
-    # ASP writes the rows' final places, in the receive regions that alternate (nobody reads a
-    # row before its slot is written again: from memory); BSP its staging region, one for
-    # every call, which the receiver reads right after the barrier (warm)
-    assert regions == (lay.num_regions if engine == "asp" else lay.num_land_regions)
-    assert lines == ("evict" if engine == "asp" else "warm")
+    # ASP writes the rows' final places, in the receive regions that alternate; BSP its
+    # staging region, the same one every call
+    want = lay.num_regions if engine == "asp" else lay.num_land_regions
+    assert send_regions(engine) == want
     with pytest.raises(InvalidArgumentError, match="engine"):
-        send_region_state("xsp")
+        send_regions("xsp")
 
 
 def test_call_latency_is_the_slowest_ranks_own_call() -> None:

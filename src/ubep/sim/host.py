@@ -39,7 +39,7 @@ from .syncs import sync_mode
 
 __all__ = ["HostCase", "KernelTimer", "call_latency_ns", "canonical_plans", "combine_row_map",
            "kernel_passes", "predict_host", "predict_host_tasks", "rank_works",
-           "send_positions", "send_region_state", "writer_positions"]
+           "send_positions", "send_regions", "writer_positions"]
 
 # (writer kernel, reader kernel, terms) -> ns per row of the working set, measured (for the
 # combine's reduce: ns per row reduced, the rows read where the runtime reads them).
@@ -195,21 +195,21 @@ def send_positions(topk_idxs: Sequence[np.ndarray], num_experts: int, layout: st
     return out
 
 
-def send_region_state(engine: str) -> tuple[int, str]:
-    """How a dispatch's send pass finds the receive region it writes: ``(regions, lines)``,
-    host_micro's COPIES and HOST_MICRO_DST for that pass. ASP writes its rows into ``recv_x``
-    itself (or TFF's rows in place), in one of two regions that alternate between calls
-    (plane/layout.py: ``num_regions`` 2), and nothing reads a row before the sender writes
-    that slot again two calls later: by then the other ranks' calls and the host's other
-    processes have run on the CPUs, and the lines come from memory (``"evict"``; measured at
-    load 6-15: the runtime's ASP sends cost what host_micro's pass with its destination
-    flushed costs, not the warm pass; on a quiet host they cost less, docs/SIMULATOR.md 6).
-    BSP stages into one region per destination,
-    reused every call (``num_land_regions`` 1), which its receiver reads right after the
-    barrier (its reorder): one copy, as the previous pass left it (``"warm"``)."""
+def send_regions(engine: str) -> int:
+    """The receive regions a dispatch's send pass writes in turn, one a call: a slot is
+    written again that many calls later (host_micro's COPIES for the pass, and its
+    HOST_MICRO_GAP_US: that many calls' time asleep before each pass, so that whatever runs on
+    the host between two writes of a slot runs, and the pass finds the slot's lines where the
+    runtime finds them). ASP writes its rows into ``recv_x`` itself (or TFF's rows in place),
+    in one of two regions that alternate (plane/layout.py ``num_regions``), and nothing reads
+    a row before its slot is written again. BSP stages into one region per destination, every
+    call (``num_land_regions``), which its receiver reads right after the barrier (the pass's
+    reader). Measured at load 6-15, the runtime's ASP sends cost what the pass into a flushed
+    region costs, and the pass with the gap measures the same; on a quiet host the lines stay
+    nearer (docs/SIMULATOR.md 6)."""
     if engine not in ("asp", "bsp"):
         raise InvalidArgumentError("engine", engine, "must be 'asp' or 'bsp'")
-    return (2, "evict") if engine == "asp" else (1, "warm")
+    return 2 if engine == "asp" else 1
 
 
 def writer_positions(topk_idxs: Sequence[np.ndarray], num_experts: int, layout: str,
