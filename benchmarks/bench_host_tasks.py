@@ -19,8 +19,6 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks import host_tasks
-
 # The grid: 128 tokens x 2048 BF16, uniform and hot-expert
 # routing, UBEP's ASP/TFF and the BSP/SW baseline, both layouts, 2 and 4 ranks.
 GRID_MODES = (("asp", "tff"), ("bsp", "sw"))
@@ -36,14 +34,31 @@ def grid_cases(ranks: list[int]) -> list[tuple[int, Any]]:
             for layout in LAYOUTS]
 
 
+def rank_main(group: Any, case: Any, warmup: int, calls: int) -> Any:
+    """``warmup + calls`` traced dispatches of ``case`` back to back on one core a rank, the
+    warm-up's spans dropped."""
+    from benchmarks import bench_dispatch as bd
+    from ubep.buffer import Buffer
+    from ubep.trace import spans_of
+
+    cfg = bd._config(case)
+    cfg = cfg.__class__(**{**cfg.__dict__, "trace": True, "num_cores": 1})
+    x, idx, w = bd.inputs(case, group.rank)
+    with Buffer(group, cfg) as buf:
+        for i in range(warmup + calls):
+            if i == warmup:
+                spans_of(buf)  # the warm-up's spans dropped
+            buf.dispatch(x, idx, w)
+        return spans_of(buf)
+
+
 def measured_calls(case: Any, ranks: int, warmup: int = 5,
                    calls: int = 20) -> list[list[tuple[int, str, float, float]]]:
     """The runtime's traced dispatches of ``case``: per call, every span ``(rank, kind, start,
     end)`` in ns from that rank's call start (calls matched by their order on each rank)."""
     from ubep.runtime import launch
 
-    per_rank = launch(host_tasks._rank_main, ranks, case, warmup, calls, False,
-                      timeout_s=600)
+    per_rank = launch(rank_main, ranks, case, warmup, calls, timeout_s=600)
     out: list[list[tuple[int, str, float, float]]] = [[] for _ in range(calls)]
     for t in per_rank:
         calls_r = sorted((c for c in t.calls if c.name == "dispatch"), key=lambda c: c.start_ns)
@@ -80,28 +95,34 @@ def _med_calls(calls: list[list[tuple[int, str, float, float]]], engine: str,
 
 
 def _grid_timer(micro: Any, case: Any, ranks: int, idxs: list[np.ndarray],
-                turns: bool = False) -> Any:
-    """bench_host_validation's timer for ``case`` with four changes for the task model: a
-    writer pass writes its rows where the runtime writes them (ubep.sim.host.writer_positions);
-    a pass costs its own time (no processor-sharing factor: the sharing is the schedule); and
-    passes run warm, as one case's dispatches back to back leave their buffers in the caches
-    (bench_dispatch interleaves cases, which evict each other's: its passes run cold); and
-    with ``turns``, for ranks that share a CPU, the passes take turns on one CPU, each after
-    the others' (``Micro.rows``)."""
-    from benchmarks import bench_host_validation as bhv
-    from ubep.sim.host import writer_positions
+                turns: bool = False, call_us: float = 0.0) -> Any:
+    """host_model's timer for ``case`` with four changes for the task model: a send pass
+    writes its rows where the runtime writes them (ubep.sim.host.writer_positions), into as
+    many regions as the runtime alternates, each pass after as many calls' time asleep as a
+    slot waits between two writes (ubep.sim.host.send_regions; ``call_us``: a call, at least
+    the 64-element one measured); passes run warm, as one case's dispatches back to back
+    leave their buffers in the caches (bench_dispatch interleaves cases, which evict each
+    other's: its passes run cold);
+    and with ``turns``, for ranks that share a CPU, the passes take turns on one CPU, each
+    after the others' (``Micro.rows``)."""
+    from benchmarks import host_model as hm
+    from ubep.sim.host import send_regions, writer_positions
 
-    hc = bhv._host_case(case, ranks, "dispatch")
-    rows = round(bhv._rows_per_rank(idxs, case.layout, bd_experts()))
+    hc = hm.host_case(case, ranks, "dispatch")
+    rows = round(hm.rows_per_rank(idxs, case.layout, bd_experts()))
     wpos = writer_positions(idxs, bd_experts(), case.layout, case.engine, rows)
-    share = micro.cpu_share(ranks)
+
+    regions = send_regions(case.engine)
+    gap_us = round(regions * call_us)
 
     def timer(writer: str, reader: str, terms: int) -> tuple[float, float]:
+        if writer in ("copy", "tffw", "spw"):  # a send pass: rows into a receive region
+            return micro.per_row_ns(ranks, hc.row_bytes, rows, writer, reader, terms,
+                                    positions=wpos, cold=False, turns=turns, copies=regions,
+                                    gap_us=gap_us)
         n = case.tokens if writer in ("scan", "tail") else rows
-        pos = wpos if writer in ("copy", "tffw", "spw") else None
-        w, r = micro.per_row_ns(ranks, hc.row_bytes, n, writer, reader, terms, positions=pos,
-                                cold=False, turns=turns)
-        return w / share, r / share
+        return micro.per_row_ns(ranks, hc.row_bytes, n, writer, reader, terms, cold=False,
+                                turns=turns)
 
     return timer
 
@@ -112,49 +133,60 @@ def bd_experts() -> int:
     return bd.NUM_EXPERTS
 
 
-def run_grid(ranks: list[int], warmup: int, repeats: int, calls: int, micro: Any
-             ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Each case: its microbenchmarks (row passes at the runtime's positions, the per-row
-    bookkeeping, the flag latency, the CPUs the ranks get, the 64-element call for the fixed
-    cost), right before its traced dispatches; then the model's spans of the same call."""
+def compare_case(micro: Any, case: Any, r: int, warmup: int, repeats: int, calls: int
+                 ) -> tuple[dict[str, Any], list[Any], list[tuple[int, str, float, float]]]:
+    """One case on ``r`` ranks: its microbenchmarks (row passes at the runtime's positions,
+    the per-row bookkeeping, the flag latency, the CPUs the ranks get, the 64-element call for
+    the fixed cost), right before its traced dispatches; then the model's spans of the same
+    call. Returns the table row, the measured calls' spans and the model's spans."""
     from benchmarks import bench_dispatch as bd
-    from benchmarks import bench_host_validation as bhv
+    from benchmarks import host_model as hm
     from benchmarks.host_micro import cpus_available
     from ubep.sim.host import kernel_passes, predict_host_tasks
     from ubep.sim.host_sched import cpus_for
 
+    micro.cache.clear()  # this host drifts within minutes: each case measures its own
+    idxs = hm.routing_of(case, r)
+    hc = hm.host_case(case, r, "dispatch")
+    # the 64-element call first: the fixed cost, and a call's least time for the send passes
+    tiny = bd.run([r], [hm.tiny_case(case)], warmup, repeats, False, 1800.0)[0]
+    call_us = float(tiny["dispatch"]["median_us"])
+    timers = {turns: _grid_timer(micro, case, r, idxs, turns, call_us)
+              for turns in (False, True)}
+    rows = round(hm.rows_per_rank(idxs, case.layout, bd.NUM_EXPERTS))
+    meta = micro.per_row_ns(r, hc.row_bytes, rows, "rowmeta", "-", 1, cold=False)[0]
+    flag = micro.flag_oneway_ns(r)
+    for w, rd, t in kernel_passes(hc, 1).values():  # the row passes, before the calls
+        for timer in timers.values():
+            timer(w, rd, t)
+    # the CPUs the ranks get, on both sides of the traced calls (the load moves)
+    before = cpus_available(r)
+    measured = measured_calls(case, r, warmup=5, calls=calls)
+    avail = (before + cpus_available(r)) / 2
+    cpus = cpus_for(avail, r)
+    fixed = hm.fixed_cost(micro, {r: flag}, tiny, "dispatch", cpus)["fixed_ns"]
+    # ranks that share a CPU take turns on it: their passes are priced so
+    spans = predict_host_tasks(hc, idxs, fixed_ns=fixed, flag_oneway_ns=flag,
+                               timer=timers[cpus < r], cpus=cpus, row_meta_ns=meta)
+    pred_spans = [(s.rank, s.task, s.start_ns, s.end_ns) for s in spans]
+    meas = _med_calls(measured, case.engine, r)
+    pred = categories(pred_spans, case.engine, r)
+    row = {"ranks": r, "routing": case.routing, "engine": case.engine, "sync": case.sync,
+           "layout": case.layout, "cpus_available": avail, "cpus": cpus,
+           "fixed_us": fixed / 1e3, "flag_oneway_ns": flag, "row_meta_ns": meta,
+           "measured_us": {k: v / 1e3 for k, v in meas.items()},
+           "predicted_us": {k: v / 1e3 for k, v in pred.items()}}
+    return row, measured, pred_spans
+
+
+def run_grid(ranks: list[int], warmup: int, repeats: int, calls: int, micro: Any
+             ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Every case of the grid (:func:`compare_case`), and the spans of one call per mode."""
     rows_out: list[dict[str, Any]] = []
     shown: dict[str, Any] = {}
     for r, case in grid_cases(ranks):
-        micro.cache.clear()  # this host drifts within minutes: each case measures its own
-        idxs = bhv._routing(case, r)
-        hc = bhv._host_case(case, r, "dispatch")
-        timers = {turns: _grid_timer(micro, case, r, idxs, turns) for turns in (False, True)}
-        rows = round(bhv._rows_per_rank(idxs, case.layout, bd.NUM_EXPERTS))
-        meta = micro.per_row_ns(r, hc.row_bytes, rows, "rowmeta", "-", 1,
-                                cold=False)[0] / micro.cpu_share(r)
-        flag = micro.flag_oneway_ns(r)
-        tiny = bd.run([r], [bhv._tiny(case)], warmup, repeats, False, 1800.0)[0]
-        fixed = bhv.fixed_cost(micro, {r: flag}, tiny, "dispatch")["fixed_ns"]
-        for w, rd, t in kernel_passes(hc, 1).values():  # the row passes, before the calls
-            for timer in timers.values():
-                timer(w, rd, t)
-        # the CPUs the ranks get, on both sides of the traced calls (the load moves)
-        before = cpus_available(r)
-        measured = measured_calls(case, r, warmup=5, calls=calls)
-        avail = (before + cpus_available(r)) / 2
-        cpus = cpus_for(avail, r)
-        # ranks that share a CPU take turns on it: their passes are priced so
-        spans = predict_host_tasks(hc, idxs, fixed_ns=fixed, flag_oneway_ns=flag,
-                                   timer=timers[cpus < r], cpus=cpus, row_meta_ns=meta)
-        pred_spans = [(s.rank, s.task, s.start_ns, s.end_ns) for s in spans]
-        meas = _med_calls(measured, case.engine, r)
-        pred = categories(pred_spans, case.engine, r)
-        rows_out.append({"ranks": r, "routing": case.routing, "engine": case.engine,
-                         "sync": case.sync, "layout": case.layout, "cpus_available": avail,
-                         "cpus": cpus, "fixed_us": fixed / 1e3, "flag_oneway_ns": flag,
-                         "row_meta_ns": meta, "measured_us": {k: v / 1e3 for k, v in meas.items()},
-                         "predicted_us": {k: v / 1e3 for k, v in pred.items()}})
+        row, measured, pred_spans = compare_case(micro, case, r, warmup, repeats, calls)
+        rows_out.append(row)
         if r == min(ranks) and case.routing == "uniform" and case.layout == "expert":
             # the call whose native span is the median, beside the model's
             ends = [max((e for _, _, _, e in c), default=0.0) for c in measured]

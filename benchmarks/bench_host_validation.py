@@ -4,6 +4,7 @@
     python -m benchmarks.bench_host_validation --quick         # 2 ranks, 128 tokens (debugging)
     python -m benchmarks.bench_host_validation --out benchmarks/results/host_validation
     python -m benchmarks.bench_host_validation --quick --tasks # and each dispatch task by task
+                                                               # (bench_host_tasks' comparison)
 
 One run: per unit (a rank count x one shape's cases, which bench_dispatch interleaves), (1) the
 microbenchmarks of benchmarks/host_micro.py (row passes at each case's working set, the
@@ -29,74 +30,24 @@ import numpy as np
 
 from benchmarks import bench_dispatch as bd
 from benchmarks.harness import format_table, int_list
-from benchmarks.host_micro import Micro, build
-from benchmarks.host_tasks import measured_tasks, predicted_tasks, task_rows
-from ubep.sim.host import HostCase, combine_row_map, combine_terms, kernel_passes, predict_host
-
-# The fixed-cost microbenchmark: the same call with 64-element rows. It has the case's
-# tokens, routing, layout, engine, sync and ranks, so every per-call, per-token and per-row
-# cost of the Python layer and the native engine (validation, counting, metadata, outputs,
-# flags, barriers, waits) is in it, and almost none of the payload's.
-TINY_HIDDEN = 64
-
-
-def _itemsize(dtype: str) -> int:
-    return 2 if dtype == "bf16" else 1
-
-
-def _routing(case: bd.Case, ranks: int) -> list[np.ndarray]:
-    return [bd.inputs(case, r)[1] for r in range(ranks)]
-
-
-def _rows_per_rank(idxs: list[np.ndarray], layout: str, num_experts: int) -> float:
-    epr = num_experts // len(idxs)
-    if layout == "expert":
-        return float(np.mean([(idx >= 0).sum() for idx in idxs]))
-    return float(np.mean([sum(len(set((row[row >= 0] // epr).tolist())) for row in idx)
-                          for idx in idxs]))
-
-
-def _host_case(case: bd.Case, ranks: int, op: str) -> HostCase:
-    return HostCase(ranks=ranks, tokens=case.tokens, hidden=case.hidden,
-                    itemsize=_itemsize(case.dtype), layout=case.layout, engine=case.engine,
-                    sync=case.sync, op=op, num_experts=bd.NUM_EXPERTS, num_topk=bd.NUM_TOPK)
-
-
-def _timer(micro: Micro, case: bd.Case, ranks: int, op: str, idxs: list[np.ndarray]) -> Any:
-    """Per-row pass costs at this case's working set (host_micro, cold, the runtime's kernels):
-    rows per rank for the send and receive passes, tokens for SP's scan of x; the combine's
-    reduction reads every rank's rows where the runtime's combine reads them
-    (``combine_row_map``) and is priced per row reduced."""
-    hc = _host_case(case, ranks, op)
-    rows = round(_rows_per_rank(idxs, case.layout, bd.NUM_EXPERTS))
-    rowmap = combine_row_map(idxs, bd.NUM_EXPERTS, case.layout) if op == "combine" else None
-
-    def timer(writer: str, reader: str, terms: int) -> tuple[float, float]:
-        b, n = hc.row_bytes, rows
-        if reader.startswith("reduce"):
-            return micro.per_row_ns(ranks, hc.hidden * 2, case.tokens, writer, reader, terms,
-                                    rowmap=rowmap)
-        if writer in ("scan", "tail"):  # SP's sentinel check of x: once per token
-            n = case.tokens
-        return micro.per_row_ns(ranks, b, n, writer, reader, terms)
-
-    return timer
-
-
-def _tiny(case: bd.Case) -> bd.Case:
-    return bd.Case(case.tokens, TINY_HIDDEN, case.dtype, case.layout, case.engine, case.sync,
-                   case.routing)
+from benchmarks.host_micro import Micro, build, cpus_available
+from benchmarks.host_model import (
+    TINY_HIDDEN,
+    case_of,
+    case_timer,
+    fixed_cost,
+    host_case,
+    routing_of,
+    tiny_case,
+)
+from ubep.sim.host import combine_terms, kernel_passes, predict_host
+from ubep.sim.host_sched import cpus_for
 
 
 def _copy_ns_per_byte(row: dict[str, Any]) -> float:
     """bench_dispatch's memcpy floor of this row: one np.copyto of the dispatch's bytes by every
     rank at once, interleaved with the calls (so under the same load and cache state)."""
     return float(row["memcpy"]["median_us"]) * 1e3 / max(float(row["dispatch_bytes"]), 1.0)
-
-
-def _case_of(row: dict[str, Any]) -> bd.Case:
-    return bd.Case(**{k: row[k] for k in ("tokens", "hidden", "dtype", "layout", "engine",
-                                          "sync", "routing")})
 
 
 def _units(ranks: list[int], cases: list[bd.Case]) -> list[tuple[int, list[bd.Case]]]:
@@ -109,25 +60,12 @@ def _premeasure(micro: Micro, ranks: int, cases: list[bd.Case]) -> None:
     """Every microbenchmark the predictions of ``cases`` at ``ranks`` will need, before their
     matrix runs."""
     for case in cases:
-        idxs = _routing(case, ranks)
+        idxs = routing_of(case, ranks)
         for op in ("dispatch", "combine"):
-            hc = _host_case(case, ranks, op)
-            timer = _timer(micro, case, ranks, op, idxs)
+            hc = host_case(case, ranks, op)
+            timer = case_timer(micro, case, ranks, op, idxs)
             for w, rd, t in kernel_passes(hc, combine_terms(idxs, hc)).values():
                 timer(w, rd, t)
-
-
-def fixed_cost(micro: Micro, flags: dict[int, float], tiny_row: dict[str, Any],
-               op: str) -> dict[str, float]:
-    """From the 64-element-row call: fixed = measured - model(fixed=0), at least 0 (the small
-    call's own row passes priced by host_micro at its 128-byte rows)."""
-    case, r = _case_of(tiny_row), tiny_row["ranks"]
-    idxs = _routing(case, r)
-    measured = tiny_row[op]["median_us"] * 1e3
-    model0 = predict_host(_host_case(case, r, op), idxs, fixed_ns=0.0, flag_oneway_ns=flags[r],
-                          timer=_timer(micro, case, r, op, idxs))
-    return {"tiny_measured_ns": measured, "tiny_model_ns": model0,
-            "fixed_ns": max(0.0, measured - model0)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="write OUT.txt and OUT.json")
     parser.add_argument("--tasks", action="store_true",
                         help="also each dispatch task by task: measured spans (trace=True) "
-                             "beside the host model's timeline (benchmarks/host_tasks.py)")
+                             "beside the host model's (benchmarks/bench_host_tasks.py)")
     args = parser.parse_args(argv)
     ranks = int_list(args.ranks, [2] if args.quick else [2, 4])
     repeats = args.repeats or (30 if args.quick else 50)
@@ -150,21 +88,25 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     micro = Micro(build(), millis=args.millis, rounds=args.rounds)
     flags = {r: micro.flag_oneway_ns(r) for r in ranks}
-    shares = {r: micro.cpu_share(r) for r in ranks}
-    measured_shares = {r: micro.measured_share(r) for r in ranks}
+    cpus_by: dict[tuple[int, bd.Case], tuple[float, int]] = {}
     tiny_rows: list[dict[str, Any]] = []
     rows: list[dict[str, Any]] = []
     micro_s, load_units = 0.0, []
     for r, members in _units(ranks, cases):
         # a unit's microbenchmarks right before its matrix: this host's speed drifts up to 2x
         # within minutes, so a pass measured minutes away prices another machine
-        tiny = sorted({_tiny(c) for c in members},
+        tiny = sorted({tiny_case(c) for c in members},
                       key=lambda c: (c.tokens, c.dtype, c.layout, c.engine, c.sync))
         t0 = time.monotonic()
         _premeasure(micro, r, members + tiny)
         micro_s += time.monotonic() - t0
+        # the CPUs the unit's ranks get, on both sides of its calls (the load moves)
+        before = cpus_available(r)
         tiny_rows += bd.run([r], tiny, args.warmup, repeats, False, 1800.0)
         rows += bd.run([r], members, args.warmup, repeats, False, 1800.0)
+        avail = (before + cpus_available(r)) / 2
+        for c in members + tiny:
+            cpus_by[(r, c)] = (avail, cpus_for(avail, r))
         load_units.append(os.getloadavg()[0])
     load_after = os.getloadavg()
     tiny_by = {(t["ranks"], t["tokens"], t["dtype"], t["engine"], t["sync"], t["layout"]): t
@@ -172,33 +114,33 @@ def main(argv: list[str] | None = None) -> int:
     fixed: dict[tuple[Any, ...], dict[str, float]] = {}
     table, out_rows, task_table = [], [], []
     for row in rows:
-        case, r = _case_of(row), row["ranks"]
-        idxs = _routing(case, r)
+        case, r = case_of(row), row["ranks"]
+        idxs = routing_of(case, r)
+        avail, cpus = cpus_by[(r, case)]
         for op in ("dispatch", "combine"):
             key = (r, case.tokens, case.dtype, case.engine, case.sync, case.layout)
-            f = fixed_cost(micro, flags, tiny_by[key], op)
+            f = fixed_cost(micro, flags, tiny_by[key], op, cpus_by[(r, tiny_case(case))][1])
             fixed[(*key, op)] = f
-            timer = _timer(micro, case, r, op, idxs)
-            pred = predict_host(_host_case(case, r, op), idxs, fixed_ns=f["fixed_ns"],
-                                flag_oneway_ns=flags[r], timer=timer) / 1e3
-            if args.tasks and op == "dispatch":
-                task_table += task_rows(
-                    [r, case.tokens, case.hidden, case.layout, case.engine, case.sync],
-                    measured_tasks(case, r),
-                    predicted_tasks(_host_case(case, r, op), idxs, fixed_ns=f["fixed_ns"],
-                                    flag_oneway_ns=flags[r], timer=timer))
+            timer = case_timer(micro, case, r, op, idxs)
+            pred = predict_host(host_case(case, r, op), idxs, fixed_ns=f["fixed_ns"],
+                                flag_oneway_ns=flags[r], timer=timer, cpus=cpus) / 1e3
             meas = row[op]["median_us"]
             err = 100.0 * (pred - meas) / meas
             table.append([r, case.tokens, case.hidden, case.dtype, case.layout, case.engine,
-                          case.sync, op, meas, pred, err, f["fixed_ns"] / 1e3,
+                          case.sync, op, cpus, meas, pred, err, f["fixed_ns"] / 1e3,
                           1.0 / _copy_ns_per_byte(row)])
             out_rows.append({**asdict(case), "ranks": r, "op": op, "measured_us": meas,
                              "measured_min_us": row[op]["min_us"],
                              "measured_max_us": row[op]["max_us"], "predicted_us": pred,
                              "error_pct": err, "fixed_us": f["fixed_ns"] / 1e3,
+                             "cpus_available": avail, "cpus": cpus,
                              "tiny_measured_us": f["tiny_measured_ns"] / 1e3,
                              "memcpy_gbps": 1.0 / _copy_ns_per_byte(row)})
     summary = _summary(out_rows)
+    if args.tasks:
+        task_table = _task_table(Micro(micro.binary, millis=args.millis, rounds=args.rounds),
+                                 [(row["ranks"], case_of(row)) for row in rows], args.warmup,
+                                 repeats)
     lines = [
         "# Host validation: ubep.sim host model (microbenchmark constants only) vs bench_dispatch",
         f"# {os.cpu_count()} CPUs; load average before {load_before[0]:.2f}, after each unit "
@@ -206,29 +148,27 @@ def main(argv: list[str] | None = None) -> int:
         + " ".join(f"{v:.2f}" for v in load_units) + " (1-min)",
         "# flag one-way latency (ns) by ranks: "
         + ", ".join(f"{r}: {v:.0f}" for r, v in flags.items()),
-        "# oversubscription factor (derived: ranks / CPUs, at least 1) by ranks: "
-        + ", ".join(f"{r}: {v:.2f}" for r, v in shares.items())
-        + "; measured call-like cross-check (not used): "
-        + ", ".join(f"{r}: {v:.2f}" for r, v in measured_shares.items()),
         "# measured = median over repeats of the max over ranks (bench_dispatch); predicted = "
-        "ubep.sim.host.predict_host from: fixed = the same call with "
-        f"{TINY_HIDDEN}-element rows minus the model's share of it; row passes = "
-        "host_micro.c's passes (the runtime's kernels, caches flushed before each pass, ns per "
-        "row) times the oversubscription factor; flag latency = host_micro's round trip / 2; "
-        "memcpy_gbps = bench_dispatch's memcpy floor (shown, not used)",
+        "ubep.sim.host.predict_host: every rank's tasks run on the CPUs its ranks got "
+        "(cpus: host_micro.cpus_available on both sides of the unit's calls, the nearest whole "
+        "number) until each must wait (ubep.sim.host_sched), the slowest rank's call, from: "
+        f"fixed = a rank's per-call cost with which the model's call with {TINY_HIDDEN}-element "
+        "rows lasts what it measured; row passes = host_micro.c's passes (the runtime's "
+        "kernels, caches flushed before each pass, ns per row, each pass's own time); flag "
+        "latency = host_micro's round trip / 2; memcpy_gbps = bench_dispatch's memcpy floor "
+        "(shown, not used)",
     ]
-    cols = ["ranks", "tokens", "hidden", "dtype", "layout", "engine", "sync", "op",
+    cols = ["ranks", "tokens", "hidden", "dtype", "layout", "engine", "sync", "op", "cpus",
             "measured_us", "predicted_us", "error_pct", "fixed_us", "memcpy_gbps"]
     lines.append(format_table(cols, table, float_digits=1))
     if task_table:
-        lines += ["", "# dispatch task by task: us a rank's core spends in each kind per call "
-                  "(median over ranks; measured: 20 traced calls after 5; the model's wait "
-                  "is a core's wait for rows inside its reordering (SimResult.consume_wait_ns), "
-                  "the rest of its waiting folds into the task after it; its init is a call's "
-                  "whole fixed cost, the Python entry and exit included)",
-                  format_table(["ranks", "tokens", "hidden", "layout", "engine", "sync", "task",
-                                "measured_us", "predicted_us", "pred/meas"], task_table,
-                               float_digits=1)]
+        lines += ["", "# dispatch task by task (benchmarks/bench_host_tasks.py's comparison): "
+                  "us per rank and call, median over ranks and 20 traced calls after 5; busy = "
+                  "every span but waits, barriers and init (ASP's receive is a wait); the "
+                  "model's spans from each case's own microbenchmarks, run right before it",
+                  format_table(["ranks", "tokens", "hidden", "layout", "mode", "cpus",
+                                "busy_meas", "busy_pred", "send_meas", "send_pred",
+                                "wait_meas", "wait_pred"], task_table, float_digits=1)]
     lines += ["", "| rows | n | median abs error % | worst abs error % |", "|---|---|---|---|"]
     for name, s in summary.items():
         lines.append(f"| {name} | {s['n']} | {s['median_abs_error_pct']:.1f} | "
@@ -247,14 +187,28 @@ def main(argv: list[str] | None = None) -> int:
                    "fixed": [{"ranks": k[0], "tokens": k[1], "dtype": k[2], "engine": k[3],
                               "sync": k[4], "layout": k[5], "op": k[6], **v}
                              for k, v in fixed.items()],
-                   "cpu_share": {str(k): v for k, v in shares.items()},
-                   "cpu_share_measured": {str(k): v for k, v in measured_shares.items()},
                    "micro": [{"key": list(map(str, k)), "values": list(v)}
                              for k, v in micro.cache.items()],
                    "summary": summary, "rows": out_rows, "tasks": task_table}
         base.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n",
                                              encoding="utf-8")
     return 0
+
+
+def _task_table(micro: Micro, cases: list[tuple[int, bd.Case]], warmup: int,
+                repeats: int) -> list[list[Any]]:
+    """The dispatches of ``cases`` task by task: bench_host_tasks' comparison of each (its
+    microbenchmarks, its traced calls, the model's spans on the CPUs its ranks got)."""
+    from benchmarks.bench_host_tasks import compare_case
+
+    out = []
+    for r, case in cases:
+        row, _, _ = compare_case(micro, case, r, warmup, repeats, 20)
+        m, p = row["measured_us"], row["predicted_us"]
+        out.append([r, case.tokens, case.hidden, case.layout, f"{case.engine}/{case.sync}",
+                    row["cpus"], m["busy"], p["busy"], m["send"], p["send"], m["wait"],
+                    p["wait"]])
+    return out
 
 
 def _summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:

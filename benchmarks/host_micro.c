@@ -309,6 +309,38 @@ static void evict(const uint8_t *p, size_t n) {
 #endif
 }
 
+/* HOST_MICRO_DST (warm writer passes): the state of the destination's lines when a pass
+ * starts, the rest (source rows, bookkeeping) as the previous pass left it. evict: flushed,
+ * they come from memory; remote: last written by a helper process on CPU 1, a peer core holds
+ * them modified. An ASP receive region is written again two calls later, nobody reading it in
+ * between (docs/SIMULATOR.md, 6) */
+static int dst_mode;
+static _Atomic int64_t *touch_req, *touch_done;
+static uint8_t *touch_base;
+static void touch_remote(uint8_t *p, size_t n) {
+    int64_t want = atomic_load(touch_done) + 1;
+    atomic_store(&touch_req[1], (int64_t)(p - touch_base));
+    atomic_store(&touch_req[2], (int64_t)n);
+    atomic_store(touch_req, want);
+    while (atomic_load(touch_done) < want) sched_yield();
+}
+static void touch_helper(int cpu) {
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(cpu, &one);
+    sched_setaffinity(0, sizeof one, &one);
+    for (int64_t seen = 0;;) {
+        int64_t r;
+        while ((r = atomic_load(touch_req)) == seen) sched_yield();
+        if (r < 0) _exit(0);
+        seen = r;
+        uint8_t *q = touch_base + atomic_load(&touch_req[1]);
+        size_t n = (size_t)atomic_load(&touch_req[2]);
+        for (size_t i = 0; i < n; i += 64) q[i] = (uint8_t)(i + (size_t)r);
+        atomic_store(touch_done, r);
+    }
+}
+
 typedef void (*kern_t)(void);
 
 static int cmp64(const void *a, const void *b) {
@@ -438,6 +470,20 @@ int main(int argc, char **argv) {
     /* HOST_MICRO_TURNS=M (warm passes): all processes on one CPU, taking turns, M passes
      * each: a pass follows the other processes' passes on its CPU, as the ranks of a call
      * that share a CPU run one after another (ubep.sim.host_sched) */
+    const char *dst_env = getenv("HOST_MICRO_DST");
+    if (dst_env && strcmp(dst_env, "warm")) {
+        dst_mode = !strcmp(dst_env, "evict") ? 1 : !strcmp(dst_env, "remote") ? 2 : -1;
+        if (dst_mode < 0 || cold) {
+            fprintf(stderr, "HOST_MICRO_DST must be warm, evict or remote, with COLD = 0\n");
+            return 2;
+        }
+    }
+    /* HOST_MICRO_GAP_US=G (warm passes): each writer pass starts G us after the process's
+     * previous one ended, asleep in between, so that whatever else runs on the host in that
+     * time runs: a rank writes one slot of a receive region again only a call or two later,
+     * and what ran meanwhile decides where its lines are (ubep.sim.host.send_region_state) */
+    const char *gap_env = getenv("HOST_MICRO_GAP_US");
+    int64_t gap_us = gap_env && !cold ? atoll(gap_env) : 0;
     const char *turns_env = getenv("HOST_MICRO_TURNS");
     int64_t turns = turns_env && !cold ? atoll(turns_env) : 0;
     int is_flag = !strcmp(argv[1], "flag");
@@ -492,6 +538,14 @@ int main(int argc, char **argv) {
             for (int64_t i = 0; i < N * TERMS; i++) idx[i] = (i * 37 + i / TERMS) % 64;
             idxp = idx;
             size_t stride = xbytes * (size_t)procs;
+            pid_t helper = 0;
+            if (dst_mode >= 2) {
+                touch_req = (_Atomic int64_t *)shared(4096);
+                memset((void *)touch_req, 0, 4096);
+                touch_done = touch_req + 8;
+                touch_base = xall;
+                if ((helper = fork()) == 0) touch_helper(1);
+            }
             uint8_t *mine0 = xall + xbytes * (size_t)p;
             uint8_t *theirs0 = xall + xbytes * (size_t)(procs > 1 ? (p ^ 1) : p);
             uint8_t *mine = mine0, *theirs = theirs0;
@@ -541,6 +595,13 @@ int main(int argc, char **argv) {
                     }
                     if (turns) /* this process's turn: the others have had theirs */
                         while (atomic_load(&ctl[6]) % procs != p) sched_yield();
+                    if (gap_us > 0) {
+                        struct timespec gap = {(time_t)(gap_us / 1000000),
+                                               (long)(gap_us % 1000000) * 1000};
+                        nanosleep(&gap, NULL);
+                    }
+                    if (dst_mode == 1) evict(mine, xbytes); /* from memory */
+                    if (dst_mode == 2) touch_remote(mine, xbytes); /* from a peer core */
                     int64_t t0 = now_ns();
                     if (wr) { dst = mine; wr(); }
                     int64_t t1 = now_ns();
@@ -609,6 +670,7 @@ int main(int argc, char **argv) {
             out[8 * p + 4] = aw[q]; /* the passes' own times (ns), same quantile */
             out[8 * p + 5] = ar[q];
             out[8 * p + 6] = MAP ? map_rows() : N; /* rows (tokens) of the reader pass */
+            if (helper > 0) { atomic_store(touch_req, -1); waitpid(helper, NULL, 0); }
             _exit(0);
         }
     }

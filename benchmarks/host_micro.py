@@ -6,8 +6,8 @@
   interleaved cases evict each other), all processes starting each pass together (a call's
   ranks share the memory bandwidth), in writer/reader pairs, alternating two copies of the
   buffers as the runtime alternates its two receive regions (one for the combine's reduce);
-* oversubscription: processor sharing, R / CPUs (derived; a call-like pass of R processes
-  over that of as many as CPUs is measured beside it as a cross-check);
+* the CPUs a call's ranks get now (:func:`cpus_available`): the host model runs its ranks on
+  them (ubep.sim.host_sched);
 * the cross-process flag round trip (spin, then sched_yield), with as many processes as ranks.
 
 The per-call fixed cost (bench_host_validation.py) is the same call with 64-element rows.
@@ -69,7 +69,7 @@ class Micro:
              terms: int = 1, copies: int = 2, cold: bool = True,
              rowmap: np.ndarray | None = None,
              positions: tuple[int, np.ndarray, np.ndarray] | None = None,
-             turns: bool = False) -> tuple[float, ...]:
+             turns: bool = False, dst: str = "warm", gap_us: int = 0) -> tuple[float, ...]:
         """``(writer / bulk, reader / bulk, bulk ns, CPU share, call latency ns, writer ns,
         reader ns, reader rows)``, each the median over rounds of the median over processes.
         Ratios are per pass relative to a memcpy of the same bytes timed beside it; the
@@ -88,7 +88,15 @@ class Micro:
         without it row ``r`` is read from row ``r`` and lands in slot ``r``. ``turns`` (warm
         passes): the processes share one CPU and take turns, 40 passes each, so that every
         pass follows the others' on its CPU, as ranks that share a CPU run
-        (``ubep.sim.host_sched``): each finds what the others' passes left in the caches."""
+        (``ubep.sim.host_sched``): each finds what the others' passes left in the caches.
+        ``dst`` (warm passes): the writer's destination lines as the previous pass left them
+        (``"warm"``), flushed before each pass (``"evict"``: they come from memory) or last
+        written by a process on another CPU (``"remote"``); the source rows stay warm.
+        ``gap_us`` (warm passes): each process sleeps that long before each pass, so that
+        whatever else runs on the host runs between its passes, as between two writes of a
+        receive slot a call or two apart."""
+        if dst not in ("warm", "evict", "remote"):
+            raise ValueError(f"dst must be 'warm', 'evict' or 'remote', not {dst!r}")
         rows = max(1, int(rows))
         digest = hashlib.sha1(rowmap.tobytes()).hexdigest()[:16] if rowmap is not None else "-"
         wpos = "-"
@@ -97,7 +105,8 @@ class Micro:
             pos = np.concatenate([np.resize(np.asarray(dst_pos, dtype=np.int64), rows),
                                   np.resize(np.asarray(src_rows, dtype=np.int64), rows)])
             wpos = hashlib.sha1(pos.tobytes() + str(slots).encode()).hexdigest()[:16]
-        key = (procs, row_bytes, rows, writer, reader, terms, copies, cold, digest, wpos, turns)
+        key = (procs, row_bytes, rows, writer, reader, terms, copies, cold, digest, wpos, turns,
+               dst, gap_us)
         if key not in self.cache:
             path, wpath = "-", "-"
             if rowmap is not None:
@@ -108,7 +117,9 @@ class Micro:
                     np.asarray([positions[0]], dtype=np.int64).tofile(f)
                     pos.tofile(f)
             per = []
-            env = {**os.environ, "HOST_MICRO_TURNS": "40"} if turns else None
+            env = {**os.environ, "HOST_MICRO_DST": dst, "HOST_MICRO_GAP_US": str(int(gap_us))}
+            if turns:
+                env["HOST_MICRO_TURNS"] = "40"
             for _ in range(self.rounds):
                 got = self._run(env, [writer, reader, str(row_bytes), str(rows), str(procs),
                                  str(self.millis), str(terms), str(copies), str(int(cold)),
@@ -131,60 +142,33 @@ class Micro:
     def per_row_ns(self, procs: int, row_bytes: int, rows: int, writer: str, reader: str,
                    terms: int, rowmap: np.ndarray | None = None,
                    positions: tuple[int, np.ndarray, np.ndarray] | None = None,
-                   cold: bool = True, turns: bool = False) -> tuple[float, float]:
-        """ns per row of the writer and the reader pass, cold (:meth:`rows`), times the
-        oversubscription factor (:meth:`cpu_share`). Absolute times (the first quartile of
+                   cold: bool = True, turns: bool = False, dst: str = "warm",
+                   copies: int | None = None, gap_us: int = 0) -> tuple[float, float]:
+        """ns per row of the writer and the reader pass, cold (:meth:`rows`): a pass's own
+        time (ranks that share CPUs are the host model's schedule, ubep.sim.host_sched, not a
+        factor on the passes). Absolute times (the first quartile of
         each pass's own time): most passes are not memory-bound (the reduce converts and
         adds, SP and DC compare and sum), so rescaling them by a memcpy rate measured
         elsewhere would charge them a slowdown they do not have. With ``rowmap`` the reader's
         rows are the rows the map names (the reduce's: ns per row reduced). ``cold=False``:
         buffers left in the caches between passes, as one case's calls back to back have
-        them (benchmarks/host_tasks.py); the median pass."""
+        them (benchmarks/bench_host_tasks.py); the median pass; ``dst``, ``gap_us``:
+        :meth:`rows`.
+        ``copies``: the receive regions the runtime alternates (default: 1 for the reduce's
+        expert outputs, 2 for the rest: ASP's two receive regions)."""
         # A pass is timed uninterrupted only with one process per CPU: with more, a
-        # multi-millisecond pass is cut by time slices; the sharing is cpu_share's factor.
+        # multi-millisecond pass is cut by time slices (the sharing is the schedule's).
         cpus = os.cpu_count() or 1
         pairs = min(procs, max(2, cpus - cpus % 2))
         # the reduce reads the expert outputs, one buffer where the experts left them (no
         # alternating receive regions): one copy
-        copies = 1 if reader.startswith("reduce") else 2
+        if copies is None:
+            copies = 1 if reader.startswith("reduce") else 2
         got = self.rows(pairs, row_bytes, rows, writer, reader, terms, copies, cold=cold,
-                        rowmap=rowmap, positions=positions, turns=turns)
+                        rowmap=rowmap, positions=positions, turns=turns, dst=dst,
+                        gap_us=gap_us)
         w_ns, r_ns, r_rows = got[5], got[6], got[7]
-        share = self.cpu_share(procs)
-        return w_ns * share / max(1, int(rows)), r_ns * share / max(1.0, r_rows)
-
-    def cpu_share(self, procs: int) -> float:
-        """Oversubscription as processor sharing (derived, not measured): ``procs / CPUs`` when
-        there are more ranks than CPUs, else 1. Each CPU must run ``procs / CPUs`` ranks' row
-        passes before the last rank has all its rows, and the engine's waits spin briefly,
-        then ``sched_yield``, so a waiting rank hands its CPU to a rank with work instead of
-        idling it; the scheduler's slices (~4 ms here: the preemption gap a pass shows when
-        another process is runnable on its CPU) only decide the order, not the total. The row
-        passes are multiplied by it. :meth:`measured_share` is the call-like cross-check."""
-        cpus = os.cpu_count() or 1
-        return procs / cpus if procs > cpus else 1.0
-
-    def measured_share(self, procs: int) -> float:
-        """Cross-check of :meth:`cpu_share` (reported, not used): the latency of a call-like
-        pass of ``procs`` processes (each copies 1 MB, then waits, spinning then yielding as
-        the engine's waits do, until every process has copied) over that of as many processes
-        as CPUs; per run the slowest process's pass at its 10th percentile over passes; median
-        over 5 alternating runs. Outside load (other processes' time slices) raises it above
-        ``procs / CPUs``: it measured 1.8-3.8 for 4 on 2 CPUs at loads 4-8."""
-        key = ("share", procs)
-        if key not in self.cache:
-            cpus = os.cpu_count() or 1
-            ratios = [1.0]
-            if procs > cpus:
-                base = max(2, cpus - cpus % 2)
-                ratios = []
-                for _ in range(max(5, self.rounds)):
-                    got = [statistics.median(g[4] for g in self._run(None,
-                        ["copy", "all", "4096", "256", str(p), str(self.millis * 2), "1", "2",
-                         "1"])) for p in (procs, base)]
-                    ratios.append(got[0] / max(got[1], 1.0))
-            self.cache[key] = (statistics.median(ratios),)
-        return self.cache[key][0]
+        return w_ns / max(1, int(rows)), r_ns / max(1.0, r_rows)
 
     def flag_oneway_ns(self, procs: int) -> float:
         """Half the median flag round trip of ``procs`` processes ping-ponging in pairs."""

@@ -69,3 +69,69 @@ def test_host_micro_checks_its_positions(tmp_path) -> None:
     assert ok.returncode == 0, ok.stderr
     # one line per process: the writer's own time (6th number) is a positive time
     assert int(ok.stdout.split()[5]) > 0
+
+
+@pytest.mark.parametrize(("engine", "sync", "regions"), [("asp", "tff", 2), ("bsp", "sw", 1)])
+def test_grid_timer_prices_sends_a_slot_apart_as_the_runtime(engine: str, sync: str,
+                                                            regions: int) -> None:
+    from benchmarks import bench_dispatch as bd
+    from benchmarks import host_model as hm
+    from benchmarks.bench_host_tasks import _grid_timer
+
+    asked: list[dict] = []
+
+    class Recorder:
+        def per_row_ns(self, procs: int, row_bytes: int, rows: int, writer: str, reader: str,
+                       terms: int, **kw: object) -> tuple[float, float]:
+            asked.append({"writer": writer, "rows": rows, **kw})
+            return 1.0, 2.0
+
+    case = bd.Case(128, 2048, "bf16", "expert", engine, sync, "uniform")
+    idxs = hm.routing_of(case, 2)
+    timer = _grid_timer(Recorder(), case, 2, idxs, turns=True, call_us=150.4)
+    assert timer("copy", "-", 1) == (1.0, 2.0)
+    timer("rowmeta", "-", 1)
+    send, other = asked
+    # a send pass: into as many regions as the runtime alternates, each pass that many calls
+    # (150.4 us each) after the last, at the runtime's positions
+    assert send["copies"] == regions and send["gap_us"] == round(regions * 150.4)
+    assert send["positions"] is not None and send["turns"] is True and send["cold"] is False
+    # any other pass: no positions, no gap
+    assert "gap_us" not in other and "positions" not in other
+
+
+def test_host_micro_refuses_an_unknown_destination_state(tmp_path) -> None:
+    import os
+    import subprocess
+
+    from benchmarks.host_micro import build
+
+    binary = build(str(tmp_path))
+    args = [str(binary), "copy", "-", "256", "4", "1", "5", "1", "1", "0"]
+    bad = subprocess.run(args, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "HOST_MICRO_DST": "lukewarm"})
+    assert bad.returncode == 2 and "HOST_MICRO_DST" in bad.stderr
+    ok = subprocess.run(args, capture_output=True, text=True, timeout=60,
+                        env={**os.environ, "HOST_MICRO_DST": "evict"})
+    assert ok.returncode == 0, ok.stderr
+    assert int(ok.stdout.split()[5]) > 0  # the writer's own time
+
+
+@pytest.mark.parametrize(("cpus", "share"), [(1, 0.5), (2, 1.0)])
+def test_fixed_cost_is_a_ranks_own_set_up(cpus: int, share: float) -> None:
+    # Row passes that cost nothing: the model's 64-element call is its ranks' set-ups alone.
+    # On one CPU rank 0's call runs from its set-up through rank 1's (it waits for rank 1's
+    # readiness), so the call measured both set-ups in line and a rank's own is half of it;
+    # on a CPU each, the call is one set-up.
+    from benchmarks.host_model import fixed_cost
+
+    class Free:
+        def per_row_ns(self, *args: object, **kw: object) -> tuple[float, float]:
+            return 0.0, 0.0
+
+    tiny = {"ranks": 2, "tokens": 128, "hidden": 64, "dtype": "bf16", "layout": "expert",
+            "engine": "asp", "sync": "tff", "routing": "uniform",
+            "dispatch": {"median_us": 300.0}}
+    got = fixed_cost(Free(), {2: 1_000.0}, tiny, "dispatch", cpus)
+    assert got["tiny_model_ns"] == pytest.approx(0.0)
+    assert got["fixed_ns"] == pytest.approx(300_000.0 * share)

@@ -55,9 +55,11 @@ def test_canonical_plans_follow_the_engines_send_order(layout: str) -> None:
         np.testing.assert_array_equal(plan.send_hop, (plan.send_dst_rank != r).astype(int))
 
 
+@pytest.mark.parametrize("cpus", [1, 2])
 @pytest.mark.parametrize(("sync", "writer", "reader"), [("sw", "copy", "-"),
                                                          ("sp", "spw", "sptail")])
-def test_predict_host_two_ranks_closed_form(sync: str, writer: str, reader: str) -> None:
+def test_predict_host_two_ranks_closed_form(sync: str, writer: str, reader: str,
+                                            cpus: int) -> None:
     # Each rank's one token picks an expert of the peer (k=0) and one of its own (k=1).
     idxs = [np.array([[2, 0]]), np.array([[0, 2]])]
     a, b, c, fixed, lat = 300.0, 500.0, 70.0, 10_000.0, 400.0
@@ -72,15 +74,31 @@ def test_predict_host_two_ranks_closed_form(sync: str, writer: str, reader: str)
 
     case = HostCase(ranks=2, tokens=1, hidden=64, itemsize=2, layout="expert", engine="asp",
                     sync=sync, op="dispatch", num_experts=4, num_topk=2)
-    got = predict_host(case, idxs, fixed_ns=fixed, flag_oneway_ns=lat, timer=timer)
-    if sync == "sw":
-        # peer row first; its batch ends with a fence (one round trip) and a flag; then the
-        # own row; the peer's row is usable once its flag has flown one latency
-        want = max(fixed + b + 2 * lat + a, fixed + b + 3 * lat)
-    else:
-        # SP: the peer's row is ready when it lands; checking its tail costs c
-        want = fixed + b + max(a, lat) + c
+    got = predict_host(case, idxs, fixed_ns=fixed, flag_oneway_ns=lat, timer=timer, cpus=cpus)
+    # Two CPUs, side by side: set-up, the peer row (b), the own row (a); the peer's row to me
+    # was written by then, so the reorder (c) follows at once. One CPU: rank 0's set-up, then
+    # it waits for rank 1's readiness: rank 1's set-up and both its rows, then it waits for
+    # rank 0's row; rank 0 sends both rows and reorders; its call, from its start, is the
+    # slowest (rank 1's starts one set-up later and ends one reorder after rank 0's).
+    want = fixed + b + a + c if cpus == 2 else 2 * fixed + 2 * a + 2 * b + c
     assert got == pytest.approx(want, abs=1e-3)
+
+
+def test_predict_host_bsp_waits_for_both_barriers() -> None:
+    # BSP, a CPU per rank: set-up, both rows staged (w each), the first barrier (one flag
+    # latency after the last arrival), the flags (none here), the second barrier, then both
+    # received rows copied out (r each)
+    idxs = [np.array([[2, 0]]), np.array([[0, 2]])]
+    w, r, fixed, lat = 300.0, 120.0, 10_000.0, 400.0
+
+    def timer(writer: str, rd: str, terms: int) -> tuple[float, float]:
+        assert writer == "copy"
+        return w, r
+
+    case = HostCase(ranks=2, tokens=1, hidden=64, itemsize=2, layout="expert", engine="bsp",
+                    sync="sw", op="dispatch", num_experts=4, num_topk=2)
+    got = predict_host(case, idxs, fixed_ns=fixed, flag_oneway_ns=lat, timer=timer, cpus=2)
+    assert got == pytest.approx(fixed + 2 * w + 2 * lat + 2 * r, abs=1e-3)
 
 
 def test_host_case_rejects_bad_input() -> None:
@@ -182,8 +200,12 @@ def test_predict_host_combine_is_the_busiest_ranks_reduction() -> None:
         assert rd in ("reduce", "reduce_rank")
         return 0.0, per_row
 
+    # on one CPU the ranks run one after the other, but each rank's call is its own set-up
+    # and reduction: a zero-copy combine waits for nobody's rows
     for layout, rows in (("expert", 4), ("rank", 3)):
         case = HostCase(ranks=2, tokens=2, hidden=64, itemsize=2, layout=layout, engine="asp",
                         sync="sw", op="combine", num_experts=4, num_topk=2)
-        got = predict_host(case, idxs, fixed_ns=fixed, flag_oneway_ns=0.0, timer=timer)
-        assert got == pytest.approx(fixed + rows * per_row, abs=1e-3)
+        for cpus in (1, 2):
+            got = predict_host(case, idxs, fixed_ns=fixed, flag_oneway_ns=0.0, timer=timer,
+                               cpus=cpus)
+            assert got == pytest.approx(fixed + rows * per_row, abs=1e-3)

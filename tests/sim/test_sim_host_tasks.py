@@ -10,8 +10,16 @@ import pytest
 
 from ubep.errors import InvalidArgumentError
 from ubep.routing import uniform_topk
-from ubep.sim.host import HostCase, rank_works, send_positions, writer_positions
-from ubep.sim.host_sched import RankWork, cpus_for, serialize
+from ubep.sim.host import (
+    HostCase,
+    call_latency_ns,
+    predict_host_tasks,
+    rank_works,
+    send_positions,
+    send_regions,
+    writer_positions,
+)
+from ubep.sim.host_sched import RankWork, SchedSpan, cpus_for, serialize
 from ubep.sim.spec import RowCosts
 
 # rank 0: init 10, 100 to rank 1, 50 to itself, 5 to place its received rows;
@@ -133,3 +141,49 @@ def test_send_positions_bsp_are_staging_slots_by_expert() -> None:
     # read from its tokens 0, 1 (to rank 1), 0, 1 (own), repeated to 6 rows
     assert slots == 12 and flat.tolist() == [1, 0, 6, 7, 1, 0]
     assert src.tolist() == [0, 1, 0, 1, 0, 1]
+
+
+@pytest.mark.parametrize(("engine", "sync"), [("asp", "tff"), ("asp", "sp"), ("bsp", "sw")])
+def test_send_regions_follow_the_segment_layout(engine: str, sync: str) -> None:
+    from ubep.plane.layout import compute_layout
+
+    lay = compute_layout(num_ranks=2, num_cores=1, num_experts=8, num_topk=2, max_tokens=4,
+                         hidden=64, itemsize=2, combine_itemsize=2, layout="expert",
+                         engine=engine, sync=sync, tff_block_bytes=512, tff_flag_bytes=32)
+    # ASP writes the rows' final places, in the receive regions that alternate; BSP its
+    # staging region, the same one every call
+    want = lay.num_regions if engine == "asp" else lay.num_land_regions
+    assert send_regions(engine) == want
+    with pytest.raises(InvalidArgumentError, match="engine"):
+        send_regions("xsp")
+
+
+def test_call_latency_is_the_slowest_ranks_own_call() -> None:
+    # rank 0 runs 0-10 and 40-100 (its call: 100); rank 1 starts at 10 and ends at 95 (85)
+    spans = [SchedSpan(0, "init", 0.0, 10.0), SchedSpan(0, "wait", 10.0, 40.0),
+             SchedSpan(0, "send", 40.0, 100.0), SchedSpan(1, "init", 10.0, 30.0),
+             SchedSpan(1, "reorder", 30.0, 95.0)]
+    assert call_latency_ns(spans) == 100.0
+    assert call_latency_ns(spans[3:]) == 85.0
+    assert call_latency_ns([]) == 0.0
+
+
+def test_predict_host_tasks_combine_ranks_take_turns_on_one_cpu() -> None:
+    # combine, 2 ranks on one CPU: rank 0's set-up (1000) and reduction of its rows (40 each),
+    # then rank 1's: nobody waits for a peer, only for the CPU
+    idxs = [np.array([[0, 2], [2, 3], [1, 0]]), np.array([[3, 1], [-1, -1], [-1, -1]])]
+    case = HostCase(ranks=2, tokens=3, hidden=64, itemsize=2, layout="rank", engine="asp",
+                    sync="sw", op="combine", num_experts=4, num_topk=2)
+
+    def timer(writer: str, reader: str, terms: int) -> tuple[float, float]:
+        assert reader == "reduce_rank"
+        return 0.0, 40.0
+
+    spans = predict_host_tasks(case, idxs, fixed_ns=1000.0, flag_oneway_ns=0.0, timer=timer,
+                               cpus=1)
+    # rank layout: rank 0's tokens reach ranks {0, 1}, {1}, {0}: 4 rows; rank 1's {1, 0}: 2
+    assert _by(spans, 0, "init") == [(0.0, 1000.0)]
+    assert _by(spans, 0, "reorder") == [(1000.0, 1160.0)]
+    assert _by(spans, 1, "init") == [(1160.0, 2160.0)]
+    assert _by(spans, 1, "reorder") == [(2160.0, 2240.0)]
+    assert [s for s in spans if s.task == "wait"] == []

@@ -18,7 +18,9 @@ The runtime on this host runs one core per rank (2 CPUs), so each rank's plan is
 canonical one (:func:`canonical_plans`: destinations ``r+1, r+2, ..., r``, rows in token order)
 with one send core and no count core: counting is part of the call's fixed cost. Which passes a
 row costs follows the runtime's algorithm (docs/FORMATS.md): ASP lands SW/DC/SP rows in
-``recv_x`` itself and stages TFF blocks; BSP stages every row and reorders after its barriers.
+``recv_x`` itself and TFF rows in place with their epoch words apart; BSP stages every row and
+reorders after its barriers. A call's ranks run on the CPUs they get, each until it must wait
+(:mod:`ubep.sim.host_sched`): :func:`predict_host` is the slowest rank's call.
 """
 
 from __future__ import annotations
@@ -30,18 +32,14 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 from ..modes import LAYOUTS, Engine, Layout, Sync
-from ..sched.combine import combine_plans
 from ..sched.plan import Plan
-from ..topology import Topology
-from .analytic import run_analytic
-from .fabric import FabricModel
 from .host_sched import RankWork, SchedSpan, serialize
-from .spec import RowCosts, build_spec
+from .spec import RowCosts
 from .syncs import sync_mode
 
-__all__ = ["HostCase", "KernelTimer", "canonical_plans", "combine_row_map", "host_fabric",
-           "host_topology", "kernel_passes", "predict_host", "predict_host_tasks", "rank_works",
-           "send_positions", "writer_positions"]
+__all__ = ["HostCase", "KernelTimer", "call_latency_ns", "canonical_plans", "combine_row_map",
+           "kernel_passes", "predict_host", "predict_host_tasks", "rank_works",
+           "send_positions", "send_regions", "writer_positions"]
 
 # (writer kernel, reader kernel, terms) -> ns per row of the working set, measured (for the
 # combine's reduce: ns per row reduced, the rows read where the runtime reads them).
@@ -197,6 +195,23 @@ def send_positions(topk_idxs: Sequence[np.ndarray], num_experts: int, layout: st
     return out
 
 
+def send_regions(engine: str) -> int:
+    """The receive regions a dispatch's send pass writes in turn, one a call: a slot is
+    written again that many calls later (host_micro's COPIES for the pass, and its
+    HOST_MICRO_GAP_US: that many calls' time asleep before each pass, so that whatever runs on
+    the host between two writes of a slot runs, and the pass finds the slot's lines where the
+    runtime finds them). ASP writes its rows into ``recv_x`` itself (or TFF's rows in place),
+    in one of two regions that alternate (plane/layout.py ``num_regions``), and nothing reads
+    a row before its slot is written again. BSP stages into one region per destination, every
+    call (``num_land_regions``), which its receiver reads right after the barrier (the pass's
+    reader). Measured at load 6-15, the runtime's ASP sends cost what the pass into a flushed
+    region costs, and the pass with the gap measures the same; on a quiet host the lines stay
+    nearer (docs/SIMULATOR.md 6)."""
+    if engine not in ("asp", "bsp"):
+        raise InvalidArgumentError("engine", engine, "must be 'asp' or 'bsp'")
+    return 2 if engine == "asp" else 1
+
+
 def writer_positions(topk_idxs: Sequence[np.ndarray], num_experts: int, layout: str,
                      engine: str, rows: int) -> tuple[int, np.ndarray, np.ndarray]:
     """The send pass's WPOS for host_micro: rank 0's rows in send order, each destination's
@@ -214,25 +229,6 @@ def writer_positions(topk_idxs: Sequence[np.ndarray], num_experts: int, layout: 
     n = max(1, int(rows))
     return (R * region, np.resize(flat, n).astype(np.int64),
             np.resize(tokens, n).astype(np.int64) % n)
-
-
-def host_topology(num_ranks: int, flag_oneway_ns: float) -> Topology:
-    """One core per rank; a peer is one flag latency away; no link serialises (the copy is the
-    transfer, and the copy is in the row costs)."""
-    return Topology(num_ranks=num_ranks, ranks_per_node=num_ranks, cores_per_rank=1,
-                    latency_ns=(0.0, float(flag_oneway_ns)), bandwidth_gbps=(1e9, 1e9),
-                    name=f"host-measured-{num_ranks}")
-
-
-def host_fabric(fixed_ns: float, flag_oneway_ns: float) -> FabricModel:
-    """The measured host as a :class:`FabricModel`: the call's fixed cost is ``init_ns``, a
-    barrier costs one flag latency, per-row costs come separately (:class:`RowCosts`)."""
-    return FabricModel(
-        name="host-measured", init_ns=float(fixed_ns), issue_ns=0.0, core_bandwidth_gbps=1e9,
-        latency_exposure=0.0, contention_cores=1e9, contention_sharpness=2.0,
-        barrier_ns=float(flag_oneway_ns), flag_ns=0.0, poll_ns=0.0, count_expert_ns=0.0,
-        cumsum_entry_ns=0.0, vector_op_ns=0.0,
-    )
 
 
 def kernel_passes(case: HostCase, terms: int) -> dict[str, tuple[str, str, int]]:
@@ -290,34 +286,49 @@ def combine_terms(topk_idxs: Sequence[np.ndarray], case: HostCase) -> int:
 
 
 def predict_host(case: HostCase, topk_idxs: Sequence[np.ndarray], *, fixed_ns: float,
-                 flag_oneway_ns: float, timer: KernelTimer) -> float:
-    """The model's latency (ns) of ``case`` on this host (analytic executor)."""
-    if len(topk_idxs) != case.ranks:
-        raise InvalidArgumentError("topk_idxs", len(topk_idxs), f"needs {case.ranks} arrays")
-    plans = canonical_plans(topk_idxs, case.num_experts, case.layout)
-    topo = host_topology(case.ranks, flag_oneway_ns)
-    terms = combine_terms(topk_idxs, case)
-    costs, extra = _row_costs(case, timer, terms)
-    fabric = host_fabric(fixed_ns + extra, flag_oneway_ns)
-    if case.op == "combine":
-        plans = list(combine_plans(plans, topo, policy="balanced"))
-    spec = build_spec(plans, topo, fabric, engine=case.engine, sync=case.sync,
-                      row_bytes=case.row_bytes, op=case.op, row_costs=costs)
-    return float(run_analytic(spec, topo, fabric).latency_ns)
+                 flag_oneway_ns: float, timer: KernelTimer, cpus: int,
+                 row_meta_ns: float = 0.0) -> float:
+    """The model's latency (ns) of one call of ``case`` on this host: its ranks' tasks
+    (:func:`predict_host_tasks`) run on ``cpus`` CPUs until each must wait, and the call lasts
+    as long as its slowest rank, from that rank's first task to the end of its last
+    (:func:`call_latency_ns`: bench_dispatch times each rank's own call and takes the
+    slowest)."""
+    return call_latency_ns(predict_host_tasks(case, topk_idxs, fixed_ns=fixed_ns,
+                                              flag_oneway_ns=flag_oneway_ns, timer=timer,
+                                              cpus=cpus, row_meta_ns=row_meta_ns))
+
+
+def call_latency_ns(spans: Sequence[SchedSpan]) -> float:
+    """The slowest rank's call: per rank, from the start of its first span to the end of its
+    last (its waits included: they are inside its call), the largest over ranks."""
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+    for s in spans:
+        first[s.rank] = min(first.get(s.rank, s.start_ns), s.start_ns)
+        last[s.rank] = max(last.get(s.rank, s.end_ns), s.end_ns)
+    return max((last[r] - first[r] for r in first), default=0.0)
 
 
 def rank_works(case: HostCase, topk_idxs: Sequence[np.ndarray], costs: RowCosts, *,
                init_ns: float, row_meta_ns: float = 0.0) -> list[RankWork]:
-    """Each rank's own work in one dispatch (ns), from its own rows: ``init_ns`` (the call's
+    """Each rank's own work in one call (ns), from its own rows. A dispatch: ``init_ns`` (the call's
     fixed cost: in a loop of calls a rank's Python exit of one call and entry of the next run
     back to back on its CPU before its sends); per destination in canonical order, its rows
     times the row's send cost (own rows: hop 0) plus ``row_meta_ns`` a row (ASP's per-row
     bookkeeping, host_micro's ``rowmeta``: a row's position and unit logged, and with
-    tracing on its span recorded); its received rows times their consume cost."""
-    if case.op != "dispatch":
-        raise InvalidArgumentError("case.op", case.op, "rank_works times a dispatch")
+    tracing on its span recorded); its received rows times their consume cost. A combine:
+    ``init_ns``, then its reduction of the rows of its own tokens, no sends."""
+    if len(topk_idxs) != case.ranks:
+        raise InvalidArgumentError("topk_idxs", len(topk_idxs), f"needs {case.ranks} arrays")
     plans = canonical_plans(topk_idxs, case.num_experts, case.layout)
     R = len(plans)
+    if case.op == "combine":
+        # the zero-copy pull: a rank sends nothing; it reduces its own tokens' rows, one per
+        # row it sent in the dispatch (per (token, k), or per (token, destination rank)),
+        # from the peers' segments (_row_costs: the reduce's ns per row reduced)
+        per_row = float(costs.consume_ns[-1])
+        return [RankWork(init_ns=float(init_ns), send_dst=(), send_ns=(),
+                         reorder_ns=float(p.send_token.size) * per_row) for p in plans]
     meta = float(row_meta_ns) if case.engine == "asp" else 0.0
     recv = np.zeros((R, 2))  # [rank, hop]: rows received
     for p in plans:
@@ -338,11 +349,13 @@ def rank_works(case: HostCase, topk_idxs: Sequence[np.ndarray], costs: RowCosts,
 def predict_host_tasks(case: HostCase, topk_idxs: Sequence[np.ndarray], *, fixed_ns: float,
                        flag_oneway_ns: float, timer: KernelTimer, cpus: int,
                        row_meta_ns: float = 0.0) -> list[SchedSpan]:
-    """The model's spans of one dispatch of ``case``: every rank's tasks timed from its own
-    rows (:func:`rank_works`, row passes as :func:`predict_host` prices them but not shared:
-    ``timer`` here gives a pass's own time), run on ``cpus`` CPUs until each must wait
-    (:func:`ubep.sim.host_sched.serialize`; a barrier costs one flag latency)."""
+    """The model's spans of one call of ``case``: every rank's tasks timed from its own rows
+    (:func:`rank_works`; ``timer`` gives a pass's own time, not shared: the sharing of CPUs is
+    the schedule), run on ``cpus`` CPUs until each must wait
+    (:func:`ubep.sim.host_sched.serialize`; a barrier costs one flag latency). A combine's
+    ranks only wait for a CPU: each reduces as soon as it runs."""
     costs, extra = _row_costs(case, timer, combine_terms(topk_idxs, case))
     works = rank_works(case, topk_idxs, costs, init_ns=fixed_ns + extra,
                        row_meta_ns=row_meta_ns)
-    return serialize(works, case.engine, cpus, barrier_ns=flag_oneway_ns)
+    engine = case.engine if case.op == "dispatch" else "asp"
+    return serialize(works, engine, cpus, barrier_ns=flag_oneway_ns)
