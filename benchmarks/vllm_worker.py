@@ -10,7 +10,9 @@ A round generates ``BATCH`` prompts' worth of tokens (this rank's share under DP
 each, ``ignore_eos``, after a ``1``-token generate (prefill only, the time to first token).
 Engine steps are timed in the model's process: a forward pre-hook on the model records when
 each forward starts, so the intervals between them are the engine's steps (scheduling,
-forward, sampling; the DP ranks' synchronisation under DP). The MoE blocks' time (forward hooks on
+forward, sampling; the DP ranks' synchronisation under DP), and the forwards themselves and
+``torch.distributed.all_reduce`` (vLLM's DP ranks agree on every step's batch with one) are
+timed too. The MoE blocks' time (forward hooks on
 each ``Qwen3MoeSparseMoeBlock``: router, experts, dispatch and combine) and ubep's dispatch and
 combine time are read from the model's process with ``collective_rpc`` (which vLLM's DP engine
 answers between its steps: no collective of the EP group is involved).
@@ -31,8 +33,11 @@ MAX_TOKENS = 32
 
 
 def _install_hooks(worker: Any) -> int:
+    import torch.distributed as dist
+
     model = worker.model_runner.model
-    state: dict[str, Any] = {"ns": 0, "t0": 0, "forwards": []}
+    state: dict[str, Any] = {"ns": 0, "t0": 0, "forwards": [], "forward_ns": 0,
+                             "all_reduce_ns": 0}
 
     def pre(_module: Any, _args: Any) -> None:
         state["t0"] = time.perf_counter_ns()
@@ -43,11 +48,27 @@ def _install_hooks(worker: Any) -> int:
     def step(_module: Any, _args: Any) -> None:
         state["forwards"].append(time.perf_counter_ns())
 
+    def step_done(_module: Any, _args: Any, _out: Any) -> None:
+        state["forward_ns"] += time.perf_counter_ns() - state["forwards"][-1]
+
     blocks = [m for m in model.modules() if type(m).__name__.endswith("SparseMoeBlock")]
     for block in blocks:
         block.register_forward_pre_hook(pre)
         block.register_forward_hook(post)
     model.register_forward_pre_hook(step)
+    model.register_forward_hook(step_done)
+    # vLLM's DP ranks agree on each step's batch with a gloo all_reduce (dp_utils looks
+    # torch.distributed.all_reduce up at each call, so wrapping it here times them)
+    all_reduce = dist.all_reduce
+
+    def timed_all_reduce(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter_ns()
+        try:
+            return all_reduce(*args, **kwargs)
+        finally:
+            state["all_reduce_ns"] += time.perf_counter_ns() - start
+
+    dist.all_reduce = timed_all_reduce
     worker._bench_moe = state
     return len(blocks)
 
@@ -64,9 +85,11 @@ def _exchange(worker: Any) -> Any:
 
 
 def _read_times(worker: Any) -> dict[str, Any]:
-    starts = worker._bench_moe["forwards"]
-    out = {"moe_ns": int(worker._bench_moe["ns"]), "dispatch_ns": 0, "combine_ns": 0,
-           "calls": 0, "recv_rows": 0,
+    state = worker._bench_moe
+    starts = state["forwards"]
+    out = {"moe_ns": int(state["ns"]), "dispatch_ns": 0, "combine_ns": 0,
+           "calls": 0, "recv_rows": 0, "forwards": len(starts),
+           "forward_ns": state["forward_ns"], "all_reduce_ns": state["all_reduce_ns"],
            "step_ns": [b - a for a, b in itertools.pairwise(starts)]}
     exchange = _exchange(worker)
     if exchange is not None:
@@ -77,8 +100,9 @@ def _read_times(worker: Any) -> dict[str, Any]:
 
 
 def _reset(worker: Any) -> None:
-    worker._bench_moe["ns"] = 0
-    worker._bench_moe["forwards"].clear()
+    state = worker._bench_moe
+    state["ns"] = state["forward_ns"] = state["all_reduce_ns"] = 0
+    state["forwards"].clear()
     exchange = _exchange(worker)
     if exchange is not None:
         stats = exchange.stats

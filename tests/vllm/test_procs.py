@@ -1,8 +1,8 @@
 """``tests/vllm/_procs.py``'s waits without vLLM: plain Python processes stand in for vLLM's DP
 ranks. A rank that dies while its peer waits for it (in vLLM: the peer blocks in
-torch.distributed's rendezvous or an EP collective, with no deadline of its own) must fail the
-wait at once with the dead rank's log, not at the deadline, and one that never answers must be
-named when the deadline passes."""
+torch.distributed's rendezvous, whose timeout outlasts the caller's) must fail the wait at
+once with the dead rank's log, not at the deadline, and one that never answers must be named
+when the deadline passes."""
 
 from __future__ import annotations
 

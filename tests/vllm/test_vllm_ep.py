@@ -66,7 +66,7 @@ def _start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[
 
 def _wait_all(procs: list[subprocess.Popen[str]], timeout_s: float, logs: list[Path]) -> None:
     """Every process exits 0 by the deadline; one that exits otherwise fails the test at once
-    with its own log (its DP peer would wait for it without a deadline of its own)."""
+    with its own log (its DP peer may wait for it in torch.distributed's rendezvous)."""
     deadline = time.monotonic() + timeout_s
     pending = list(zip(procs, logs, strict=True))
     try:
