@@ -59,7 +59,7 @@ def _worker(group: Any, dtype_name: str) -> dict[str, Any]:
             out += recv_w[:, k:k + 1] * torch.tanh(
                 torch.einsum("rh,rhg->rg", recv_x.float(), mine))
         y = ex.combine(out.to(dtype))
-        calls = ex.stats.calls
+        calls, stats_rows = ex.stats.calls, ex.stats.recv_rows
     ref = torch.zeros(x.shape[0], HIDDEN)
     for k in range(TOPK):
         ref += weights[:, k:k + 1] * torch.tanh(
@@ -70,7 +70,8 @@ def _worker(group: Any, dtype_name: str) -> dict[str, Any]:
             "ids_dtype": str(recv_ids.dtype), "w_dtype": str(recv_w.dtype),
             "ids_range": (int(recv_ids.min()), int(recv_ids.max())) if recv_ids.numel()
             else (0, 0),
-            "recv_rows": int(recv_x.shape[0]), "sent_pairs": len(dest_ranks), "calls": calls}
+            "recv_rows": int(recv_x.shape[0]), "sent_pairs": len(dest_ranks), "calls": calls,
+            "stats_rows": stats_rows}
 
 
 @pytest.mark.parametrize(("dtype_name", "tol"), [("float32", 1e-5), ("bfloat16", 5e-2)])
@@ -84,6 +85,7 @@ def test_exchange_gives_each_rank_its_tokens_sums(dtype_name: str, tol: float) -
         lo, hi = res["ids_range"]
         assert lo >= 0 and hi < NUM_EXPERTS // NUM_RANKS
         assert res["calls"] == 1
+        assert res["stats_rows"] == res["recv_rows"]
     # a token goes once to each rank of its experts, nowhere else (not all-gathered)
     assert sum(r["recv_rows"] for r in out) == sum(r["sent_pairs"] for r in out)
 

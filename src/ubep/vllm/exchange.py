@@ -54,6 +54,7 @@ class ExchangeStats:
     dispatch_ns: int = 0
     combine_ns: int = 0
     calls: int = 0
+    recv_rows: int = 0  # rows dispatch delivered here (combine sends as many back)
 
 
 def _storage(t: torch.Tensor, argument: str) -> np.ndarray:
@@ -170,6 +171,7 @@ class EpExchange(Closing):
             start = time.perf_counter_ns()
             res = buf.dispatch(x, ids, weights)
             self.stats.dispatch_ns += time.perf_counter_ns() - start
+            self.stats.recv_rows += int(res.recv_x.shape[0])
             self._pending = (buf, res.handle, hidden_states.dtype)
         recv_ids, recv_weights = local_topk(res.recv_topk_idx, res.recv_topk_weights,
                                             topk_ids.dtype, topk_weights.dtype)
