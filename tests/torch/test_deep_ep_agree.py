@@ -20,7 +20,13 @@ pytestmark = pytest.mark.torch
 
 from tests._shm import leaked_since, ubep_segments  # noqa: E402
 from ubep.runtime import launch  # noqa: E402
-from ubep.torch.deep_ep_agree import BODY_BYTES, Board, RowCarrier, open_board  # noqa: E402
+from ubep.torch.deep_ep_agree import (  # noqa: E402
+    BODY_BYTES,
+    CARRIED_BYTES,
+    Board,
+    RowCarrier,
+    open_board,
+)
 
 _ROUNDS = 60
 _BIG = {17, 18, 41}  # exchanges in which rank 1 posts more than a slot holds
@@ -161,7 +167,7 @@ def test_row_carrier_moves_any_float32_bits_as_finite_row_elements(dtype: str) -
     from ubep import BufferConfig
 
     cfg = BufferConfig(max_tokens_per_rank=4, hidden=40, num_topk=3, num_experts=4, dtype=dtype)
-    carrier = RowCarrier.of(cfg, 10)
+    carrier = RowCarrier.of(cfg, 10, 4)
     assert carrier is not None and carrier.num_topk == 3
     specials = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, -3.4e38, 0.125, 1.0, -1.0],
                         dtype=np.float32)
@@ -186,8 +192,13 @@ def test_row_carrier_refuses_rows_it_cannot_carry() -> None:
         base = dict(max_tokens_per_rank=4, hidden=32, num_topk=2, num_experts=4, dtype="bf16")
         return BufferConfig(**(base | kw))
 
-    assert RowCarrier.of(cfg(), 8) is not None
-    assert RowCarrier.of(cfg(), 9) is None  # 36 bytes, 32 elements
-    assert RowCarrier.of(cfg(dtype="fp32"), 2) is None
-    assert RowCarrier.of(cfg(dtype="int8"), 2) is None
-    assert RowCarrier.of(cfg(quant="e4m3", hidden=128), 2) is None
+    assert RowCarrier.of(cfg(), 8, 4) is not None
+    assert RowCarrier.of(cfg(), 9, 4) is None  # 36 bytes, 32 elements
+    assert RowCarrier.of(cfg(dtype="fp32"), 2, 4) is None
+    assert RowCarrier.of(cfg(dtype="int8"), 2, 4) is None
+    assert RowCarrier.of(cfg(quant="e4m3", hidden=128), 2, 4) is None
+    assert RowCarrier.of(cfg(), 8, 5) is None  # more rows than a rank may dispatch
+    # more bytes of rows than CARRIED_BYTES: the float32 Buffer's rounds cost less
+    wide = cfg(hidden=4096, max_tokens_per_rank=1 << 20)
+    rows = CARRIED_BYTES // (4096 * 2)
+    assert RowCarrier.of(wide, 8, rows) is not None and RowCarrier.of(wide, 8, rows + 1) is None

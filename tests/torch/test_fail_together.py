@@ -182,6 +182,22 @@ def _normal_worker(group: Any) -> dict[str, Any]:
 
     out["combine_weights"] = _outcome(weights_on_one_rank)
     out["exact_6"] = _normal_exact(buf, group)
+    # the same where the rows back do not fit the dispatch's Buffer (it holds _T rows a rank):
+    # the weights take a float32 Buffer of their own, a switch there and none back
+    small = deep_ep.Buffer(group, num_nvl_bytes=1 << 20, max_tokens_per_rank=_T,
+                           timeout_s=_TIMEOUT_S)
+    recv_x, _, recv_w, _, handle, _ = _normal(small, x, idx, w)
+    out["own_buffer"] = int(handle.rank_prefix_matrix[-1].max()) > _T
+    _, combined_w, _ = small.combine(recv_x, handle, topk_weights=recv_w)
+    out["weights_exact_own"] = torch.equal(combined_w, w) and _normal_exact(small, group)
+    recv_x, _, recv_w, _, handle, _ = _normal(small, x, idx, w)
+
+    def weights_on_one_rank_own() -> None:
+        small.combine(recv_x, handle, topk_weights=recv_w if r == 1 else None)
+        _normal(small, x, idx, w)
+
+    out["combine_weights_own"] = _outcome(weights_on_one_rank_own)
+    out["exact_7"] = _normal_exact(small, group)
     return out
 
 
@@ -194,9 +210,11 @@ def test_v1_normal_mode_fails_together_and_the_next_call_is_exact() -> None:
     _assert_together(outs, "num_experts", 1, "num_experts", "16", "8")
     _assert_together(outs, "combine_x", 1, "x=device(type='meta')", "on device meta")
     _assert_together(outs, "combine_weights", 1, "combine_weights", "dispatch")
+    _assert_together(outs, "combine_weights_own", 1, "another Buffer")
     for out in outs:
         assert all(out[k] for k in ("first_exact", "exact_1", "exact_2", "exact_3",
-                                    "exact_4", "exact_5", "weights_exact", "exact_6")), out
+                                    "exact_4", "exact_5", "weights_exact", "exact_6",
+                                    "own_buffer", "weights_exact_own", "exact_7")), out
 
 
 # --------------------------------------------------------------------- V1 low-latency mode

@@ -766,29 +766,29 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         """The combine's ``topk_weights`` summed at their sources (:func:`.deep_ep_agree.
         sum_at_sources`): through the dispatch's Buffer where it carries them, else a float32
         rank-layout Buffer of their width."""
-        R = self.group_size
-        prefix = handle.rank_prefix_matrix[:, self.rank].numpy()
-        in_rank = handle.is_token_in_rank.numpy()
-        most = int(handle.rank_prefix_matrix[-1].max())  # rows the busiest rank received
+        R, prefix = self.group_size, handle.rank_prefix_matrix[:, self.rank].numpy()
+        in_rank, most = handle.is_token_in_rank.numpy(), int(handle.rank_prefix_matrix[-1].max())
         carrier = self._carried_weights(handle.backend, int(values.shape[1]), most)
         if carrier is not None:
             return sum_at_sources(handle.backend, values, prefix, in_rank, carrier)
-        back = self._backend("rank", int(values.shape[1]), 1, R, torch.float32,
+        back = self._backend("rank", values.shape[1], 1, R, torch.float32,
                              R * self.max_tokens_per_rank)
-        return sum_at_sources(back, values, prefix, in_rank)
+        summed = sum_at_sources(back, values, prefix, in_rank)
+        if self._shrink is None and not isinstance(self._ep, LocalBackend):
+            self._gate.back_to(handle.backend)  # no switch back: the next call is there
+        return summed
 
     def _carried_weights(self, backend: EPBackend, width: int,
                          most_received: int) -> RowCarrier | None:
         """The carrier of ``width`` float32 weights a row as rows of ``backend``'s Buffer
         (:class:`.deep_ep_agree.RowCarrier`), its next call signed as the combine's weights (a
         rank that passed none, its next call another, fails with it); None without a Buffer
-        (in-process, shrink mode), rows too narrow, or more rows back than a rank may dispatch
-        there (``most_received``: every rank's same)."""
+        (in-process, shrink mode) or where it cannot or should not carry them."""
         config = getattr(getattr(backend, "buffer", None), "config", None)
         if config is None or self._shrink is not None:
             return None
-        carrier = RowCarrier.of(config, width)
-        if carrier is None or most_received > int(config.max_tokens_per_rank):
+        carrier = RowCarrier.of(config, width, most_received)
+        if carrier is None:
             return None
         key = next(k for k, b in self._backends.items() if b is backend)
         self._gate.note("combine_weights")

@@ -230,6 +230,15 @@ class CallGate:
         self.entered += 1
         self.last = backend
 
+    def back_to(self, backend: Any) -> None:
+        """``backend`` takes the next call again, with no switch from the Buffer of the call
+        just made: only after a call that every rank making it entered by a switch from
+        ``backend`` (a combine's weights through a Buffer of their own). A rank whose next
+        call is elsewhere then switches from ``backend``, where every peer's next call is; a
+        rank that made no such call never left ``backend`` and fails with the peers' switch."""
+        self._plain = None
+        self.last = backend
+
     def arrive(self, backend: Any, sig: Signature) -> None:
         """``backend`` (just made, or switched to) takes the next call."""
         self._plain = None

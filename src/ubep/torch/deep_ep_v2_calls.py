@@ -701,7 +701,10 @@ class V2Calls:
             return sum_at_sources(route.back.backend, values, prefix, in_rank, carrier)
         back = self._v1._backend("rank", K, 1, R, torch.float32,
                                  R * handle.num_max_tokens_per_rank)
-        return sum_at_sources(back, values, prefix, in_rank)
+        summed = sum_at_sources(back, values, prefix, in_rank)
+        if not isinstance(self._v1._ep, LocalBackend):
+            self._v1._gate.back_to(route.back.backend)  # no switch back (the V1 facade's)
+        return summed
 
     # ------------------------------------------------------------------ shared
     def _check_handle(self, handle: Any) -> None:
