@@ -84,14 +84,20 @@ class RmaCombine:
             e.proto.complete(op, e.ctrl, None, "the combine records to complete")
             e._barrier(op, 3)
         needed = self.needed_rows(h_idx, h_dst, ntok)
-        landed = self.receive(op, needed, dispatch_index)
+        counts = [len(needed.get(q, ())) for q in range(e.R)]
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
+        landed = self.receive(op, needed, starts, dispatch_index)
         mine = needed.get(e.rank)
         if mine is not None:
             if mine[-1] >= rows:
                 raise _OpError(E_INTERNAL, e.rank, f"handle row {int(mine[-1])} outside this "
                                                    f"rank's {rows} expert outputs")
-            landed[e.rank] = (mine, eo_rows[mine])
-        self.reduce(h_idx[:ntok], h_w[:ntok], h_dst[:ntok], landed, y)
+            # own rows into own slot (no peer writes there): every row in one window, one gather
+            own = self.landing_rows(op.par, starts[e.rank], len(mine))
+            np.take(eo_rows, mine, axis=0, out=own, mode="clip")
+            landed[e.rank] = (mine, own)
+        self.reduce(h_idx[:ntok], h_w[:ntok], h_dst[:ntok], landed, y,
+                    self.landing_rows(op.par, 0, e.cap_sent), starts)
         return zero_copy
 
     def positions_of(self, index: int, rows: int) -> tuple[list[np.ndarray], list[int]]:
@@ -131,28 +137,44 @@ class RmaCombine:
             q = (e.rank + 1 + i) % e.R
             t0 = e.spans.t0()
             pos = positions[q]
-            block = np.take(eo_rows, pos, axis=0) if len(pos) else eo_rows[:0]
-            if len(pos):
-                e.cland.put(q, self.landing_offset(op.par, slots[q]), block)
-                if not e.sync_no_flush:
-                    e.proto.complete(op, e.cland, q, f"the expert outputs to rank {q} to "
-                                                     "complete")
+            block = self.gather(eo_rows, pos, q, self.landing_offset(op.par, slots[q]))
+            if len(pos) and not e.sync_no_flush:
+                e.proto.complete(op, e.cland, q, f"the expert outputs to rank {q} to complete")
             check = e.rows_checksum(block, op.epoch)
             e.proto.put_record(e.ctrl, q, slot,
                                np.array([len(pos), check, dispatch_index], "<u8"), op.epoch)
             e.spans.rec(0, "send", t0, peer=q, rows=len(pos), size_bytes=block.nbytes,
                         epoch=op.epoch)
 
-    def receive(self, op: _Op, needed: dict[int, np.ndarray],
-                dispatch_index: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """Wait for every peer's record and its rows; per peer, the positions this rank's rows
-        had there (sorted) and the rows as they landed."""
+    def gather(self, eo_rows: np.ndarray, pos: np.ndarray, q: int, off: int) -> np.ndarray:
+        """Rows ``pos`` of ``eo_rows`` at ``off`` of ``q``'s landing window: on this host
+        gathered straight into it (one copy), on another host gathered, then put. The rows as
+        they were written (their checksum is the record's)."""
         e = self.e
-        view = e.cland.local_array
+        peer = e.cland.peer_arrays[q]
+        if peer is None:
+            block = np.take(eo_rows, pos, axis=0)
+            e.cland.put(q, off, block)
+            return block
+        block = np.ndarray((len(pos), e.crow_bytes), np.uint8, peer, off)
+        np.take(eo_rows, pos, axis=0, out=block, mode="clip")  # pos: checked in positions_of
+        return block
+
+    def landing_rows(self, par: int, start_row: int, n: int) -> np.ndarray:
+        """Rows ``start_row ..`` (``n`` of them) of parity ``par``'s half of the landing
+        window, as ``[n, combine row]`` bytes."""
+        e = self.e
+        return np.ndarray((n, e.crow_bytes), np.uint8, e.cland.local_array,
+                          self.landing_offset(par, start_row))
+
+    def receive(self, op: _Op, needed: dict[int, np.ndarray], starts: list[int],
+                dispatch_index: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Wait for every peer's record and its rows (peer ``q``'s slot begins at row
+        ``starts[q]``); per peer, the positions this rank's rows had there (sorted) and the
+        rows as they landed."""
+        e = self.e
         landed: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         pending = {q for q in range(e.R) if q != e.rank}
-        counts = [len(needed.get(q, ())) for q in range(e.R)]
-        starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
         since = [e.spans.t0()]
 
         def poll() -> bool:
@@ -172,8 +194,7 @@ class RmaCombine:
                 if n != len(pos):
                     raise _OpError(E_INTERNAL, q, f"rank {q} returned {n} expert outputs, this "
                                                   f"rank sent it {len(pos)} rows")
-                off = self.landing_offset(op.par, starts[q])
-                rows = np.ndarray((n, e.crow_bytes), np.uint8, view, off)
+                rows = self.landing_rows(op.par, starts[q], n)
                 if e.rows_checksum(rows, op.epoch) != check:
                     continue  # DC: not all landed yet
                 pending.discard(q)
@@ -210,11 +231,13 @@ class RmaCombine:
         return out
 
     def reduce(self, idx: np.ndarray, w: np.ndarray, dst_row: np.ndarray,
-               fetched: dict[int, tuple[np.ndarray, np.ndarray]], y: np.ndarray) -> None:
+               fetched: dict[int, tuple[np.ndarray, np.ndarray]], y: np.ndarray,
+               land: np.ndarray, starts: list[int]) -> None:
         """Each token's rows, gathered into one ``[slots, combine row]`` block in ascending
         slot order (valid slots first), then reduced into ``y`` by the native data plane's
         combine reduction (the same arithmetic as :meth:`reduce_numpy`, one pass, no float32
-        copy of the rows) where it is built, else by :meth:`reduce_numpy`."""
+        copy of the rows) where it is built, else by :meth:`reduce_numpy`. ``land``: every
+        rank's rows of ``fetched``, rank ``q``'s from row ``starts[q]`` (one gather)."""
         e = self.e
         native = _native()
         code = _REDUCE_CODE.get(e.cdtype.name)
@@ -235,13 +258,15 @@ class RmaCombine:
         nvalid = valid.sum(axis=1)
         # a token's valid slots packed to the front, in slot order: the reference's order
         packed = np.cumsum(valid, axis=1) - 1
-        block = np.empty((ntok, valid.shape[1], e.crow_bytes), np.uint8)
         weights = np.zeros(valid.shape, np.float32)
-        for q, (pos, rows) in fetched.items():
+        at = np.zeros(valid.shape, np.intp)  # each slot's row in `land` (empty slots: row 0)
+        for q, (pos, _rows) in fetched.items():
             t, k = np.nonzero(owner == q)
-            at = np.searchsorted(pos, dst_row[t, k])
-            block[t, packed[t, k]] = rows[at]
+            at[t, packed[t, k]] = starts[q] + np.searchsorted(pos, dst_row[t, k])
             weights[t, packed[t, k]] = coeff[t, k]
+        # clip: every row index is inside `land` (searchsorted of checked positions)
+        block = np.take(land, at.reshape(-1), axis=0, mode="clip").reshape(
+            ntok, valid.shape[1], e.crow_bytes)
         out = y.reshape(ntok, -1).view(np.uint8).reshape(ntok, e.crow_bytes)
         out[nvalid == 0] = 0  # no row: the reference's +0.0
         weighted = e.expert

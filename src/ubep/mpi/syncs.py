@@ -135,14 +135,23 @@ class DcRow(SyncRow):
         return np.array([len(rows), dc_sum(e, rows, op.epoch)], "<u8")
 
     def source_complete(self, e: Any, op: _Op, s: int, pos: np.ndarray, reg: int) -> bool:
-        return self._staged_ok(e, op, s, e._land_slots(reg)[pos])
+        # the record first: the rows are gathered (a copy of all of them) only once it is in
+        flag = self._flag_of(e, op, s)
+        if flag is None or flag[0] != len(pos):
+            return False
+        return dc_sum(e, e._land_slots(reg)[pos], op.epoch) == flag[1]
 
     def _staged_ok(self, e: Any, op: _Op, s: int, slots: np.ndarray) -> bool:
+        flag = self._flag_of(e, op, s)
+        return flag is not None and flag[0] == len(slots) and dc_sum(e, slots, op.epoch) == flag[1]
+
+    def _flag_of(self, e: Any, op: _Op, s: int) -> tuple[int, int] | None:
+        """``(count, checksum)`` of source ``s``'s flag record of this call, if it is in."""
         got = e.proto.read_record(e.cl.slot(e.cl.flag, op.par, s), self.flag_bytes, op.epoch)
         if got is None:
-            return False
+            return None
         count, total = (int(v) for v in got[1].view("<u8"))
-        return count == len(slots) and dc_sum(e, slots, op.epoch) == total
+        return count, total
 
 
 class TffRow(SyncRow):
