@@ -54,11 +54,14 @@ class RmaCombine:
     layout the engine sets up; ``sources`` holds, per dispatch region, the dispatch index and
     the positions of each source's rows in this rank's receive region (from the dispatch)."""
 
-    __slots__ = ("e", "sources")
+    __slots__ = ("_block", "e", "sources")
 
     def __init__(self, e: Any) -> None:
         self.e = e
         self.sources: dict[int, tuple[int, list[np.ndarray], np.ndarray]] = {}
+        # the reduce's gathered rows, kept between calls: a fresh block of tens of MiB is
+        # fresh pages, faulted in on every call
+        self._block = np.zeros(0, np.uint8)
 
     def remember(self, reg: int, index: int, positions: list[np.ndarray],
                  rows: np.ndarray) -> None:
@@ -265,8 +268,11 @@ class RmaCombine:
             at[t, packed[t, k]] = starts[q] + np.searchsorted(pos, dst_row[t, k])
             weights[t, packed[t, k]] = coeff[t, k]
         # clip: every row index is inside `land` (searchsorted of checked positions)
-        block = np.take(land, at.reshape(-1), axis=0, mode="clip").reshape(
-            ntok, valid.shape[1], e.crow_bytes)
+        nbytes = at.size * e.crow_bytes
+        if self._block.size < nbytes:
+            self._block = np.empty(nbytes, np.uint8)
+        block = self._block[:nbytes].reshape(ntok, valid.shape[1], e.crow_bytes)
+        np.take(land, at.reshape(-1), axis=0, out=block.reshape(-1, e.crow_bytes), mode="clip")
         out = y.reshape(ntok, -1).view(np.uint8).reshape(ntok, e.crow_bytes)
         out[nvalid == 0] = 0  # no row: the reference's +0.0
         weighted = e.expert

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..flags import DcCodec
+from .rows import runs_of
 
 if TYPE_CHECKING:
     from .protocol import _Op
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
 __all__ = ["SYNC_ROWS", "SyncRow"]
 
 _DC = DcCodec()  # the batch checksum of DC (whole rows)
+_MASK64 = 2**64 - 1
 
 Runs = list[tuple[int, int]]
 
@@ -38,6 +40,13 @@ def dc_sum(e: Any, slots: np.ndarray, epoch: int) -> int:
     """DC checksum of rows (raw or in slots: the first ``row_bytes`` of each): the format's
     codec (``ubep.flags.DcCodec``), the same bytes as the native data plane's."""
     return rows_checksum(np.ascontiguousarray(slots[:, :e.row_bytes]), e.row_bytes, epoch)
+
+
+def runs_sum(e: Any, blocks: list[np.ndarray], epoch: int) -> int:
+    """DC checksum of a batch that lands as contiguous runs ``blocks`` (rows or slots): the sum
+    of each run's :func:`dc_sum` (mod 2^64). One run: that run's checksum. The receiver checks
+    each run in place, so a batch spread over many runs is never gathered to be checked."""
+    return sum(dc_sum(e, b, epoch) for b in blocks) & _MASK64
 
 
 def rows_checksum(rows: np.ndarray, row_bytes: int, epoch: int) -> int:
@@ -128,8 +137,11 @@ class DcRow(SyncRow):
 
     def send_flags(self, e: Any, op: _Op, d: int, rows: np.ndarray, runs: Runs,
                    reg: int) -> None:
-        e.proto.put_record(e.ctrl, d, e.cl.slot(e.cl.flag, op.par, e.rank), self._flag(e, rows, op),
-                           op.epoch)
+        # ASP: the checksum of each run the rows land in, summed (runs_sum)
+        ends = np.cumsum([m for _, m in runs]).tolist()
+        blocks = [rows[end - m: end] for (_, m), end in zip(runs, ends, strict=True)]
+        flag = np.array([len(rows), runs_sum(e, blocks, op.epoch)], "<u8")
+        e.proto.put_record(e.ctrl, d, e.cl.slot(e.cl.flag, op.par, e.rank), flag, op.epoch)
 
     def _flag(self, e: Any, rows: np.ndarray, op: _Op) -> np.ndarray:
         return np.array([len(rows), dc_sum(e, rows, op.epoch)], "<u8")
@@ -139,7 +151,8 @@ class DcRow(SyncRow):
         flag = self._flag_of(e, op, s)
         if flag is None or flag[0] != len(pos):
             return False
-        return dc_sum(e, e._land_slots(reg)[pos], op.epoch) == flag[1]
+        land = e._land_slots(reg)  # each run checked where it landed: no gather
+        return runs_sum(e, [land[p0: p0 + m] for p0, m in runs_of(pos)], op.epoch) == flag[1]
 
     def _staged_ok(self, e: Any, op: _Op, s: int, slots: np.ndarray) -> bool:
         flag = self._flag_of(e, op, s)
