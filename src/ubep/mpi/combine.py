@@ -31,6 +31,7 @@ from ..plane.layout import align_up
 from ..plane.records import E_BAD_INPUT, E_INTERNAL
 from ..plane.records import HEADER_BYTES as _HEADER_BYTES
 from .protocol import _Op, _OpError, _u8
+from .rows import runs_of
 from .syncs import native_module as _native
 
 __all__ = ["RmaCombine", "landing_bytes"]
@@ -40,6 +41,7 @@ _REDUCE_CODE = {"bf16": 0, "fp16": 1, "fp32": 2}
 
 _PAGE = 4096
 _RECORD_BYTES = 24  # [rows][checksum][dispatch index], u64 each
+_MASK64 = 2**64 - 1
 
 
 def landing_bytes(cap_sent_rows: int, crow_bytes: int) -> int:
@@ -47,6 +49,12 @@ def landing_bytes(cap_sent_rows: int, crow_bytes: int) -> int:
     rows (the most rows one rank sends in a dispatch), the expert ranks' slots back to back in
     rank order, each as long as what this rank sent that rank."""
     return align_up(max(2 * cap_sent_rows * crow_bytes, 1), _PAGE)
+
+
+def runs_checksum(e: Any, blocks: list[np.ndarray], epoch: int) -> int:
+    """The record's checksum of rows sent as runs ``blocks``: the sum of each run's DC
+    checksum (mod 2^64); the receiver cuts what landed at the same lengths."""
+    return sum(e.rows_checksum(b, epoch) for b in blocks) & _MASK64
 
 
 class RmaCombine:
@@ -133,35 +141,33 @@ class RmaCombine:
     def send(self, op: _Op, eo_rows: np.ndarray, positions: list[np.ndarray],
              slots: list[int], dispatch_index: int) -> None:
         """Every source's output rows (in the order they came) into its landing slot, each
-        followed by its record; every rank gets a record, with 0 rows if it sent none."""
+        followed by its record; every rank gets a record, with 0 rows if it sent none.
+
+        A source's rows lie in a few runs of ``eo_rows`` (one per local expert): each run goes
+        out as it lies, a put (another host) or a copy (this host), and the record's checksum
+        is the sum of the runs' (:func:`runs_checksum`), so no row is gathered first."""
         e = self.e
         slot = e.cl.slot(e.cl.comb_info, op.par, e.rank)
         for i in range(e.R - 1):  # own rows are read in place
             q = (e.rank + 1 + i) % e.R
             t0 = e.spans.t0()
             pos = positions[q]
-            block = self.gather(eo_rows, pos, q, self.landing_offset(op.par, slots[q]))
+            blocks = [eo_rows[p0: p0 + m] for p0, m in runs_of(pos)]
+            at = self.landing_offset(op.par, slots[q])
+            peer = e.cland.peer_arrays[q]
+            for block in blocks:
+                if peer is None:
+                    e.cland.put(q, at, block)
+                else:
+                    peer[at: at + block.nbytes] = block.reshape(-1)
+                at += block.nbytes
             if len(pos) and not e.sync_no_flush:
                 e.proto.complete(op, e.cland, q, f"the expert outputs to rank {q} to complete")
-            check = e.rows_checksum(block, op.epoch)
+            check = runs_checksum(e, blocks, op.epoch)
             e.proto.put_record(e.ctrl, q, slot,
                                np.array([len(pos), check, dispatch_index], "<u8"), op.epoch)
-            e.spans.rec(0, "send", t0, peer=q, rows=len(pos), size_bytes=block.nbytes,
+            e.spans.rec(0, "send", t0, peer=q, rows=len(pos), size_bytes=len(pos) * e.crow_bytes,
                         epoch=op.epoch)
-
-    def gather(self, eo_rows: np.ndarray, pos: np.ndarray, q: int, off: int) -> np.ndarray:
-        """Rows ``pos`` of ``eo_rows`` at ``off`` of ``q``'s landing window: on this host
-        gathered straight into it (one copy), on another host gathered, then put. The rows as
-        they were written (their checksum is the record's)."""
-        e = self.e
-        peer = e.cland.peer_arrays[q]
-        if peer is None:
-            block = np.take(eo_rows, pos, axis=0)
-            e.cland.put(q, off, block)
-            return block
-        block = np.ndarray((len(pos), e.crow_bytes), np.uint8, peer, off)
-        np.take(eo_rows, pos, axis=0, out=block, mode="clip")  # pos: checked in positions_of
-        return block
 
     def landing_rows(self, par: int, start_row: int, n: int) -> np.ndarray:
         """Rows ``start_row ..`` (``n`` of them) of parity ``par``'s half of the landing
@@ -198,7 +204,10 @@ class RmaCombine:
                     raise _OpError(E_INTERNAL, q, f"rank {q} returned {n} expert outputs, this "
                                                   f"rank sent it {len(pos)} rows")
                 rows = self.landing_rows(op.par, starts[q], n)
-                if e.rows_checksum(rows, op.epoch) != check:
+                ends = np.cumsum([m for _, m in runs_of(pos)]).tolist()
+                chunks = [rows[end - m: end] for end, (_, m) in zip(ends, runs_of(pos),
+                                                                    strict=True)]
+                if runs_checksum(e, chunks, op.epoch) != check:
                     continue  # DC: not all landed yet
                 pending.discard(q)
                 if n:
