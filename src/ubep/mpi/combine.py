@@ -4,8 +4,10 @@ Dispatch put each source's rows into the experts' ranks; combine puts them back 
 each expert rank puts the output rows of every source, in the order they arrived from it, into
 that source's combine landing window (per epoch parity, one slot per expert rank, back to
 back in rank order, each as long as what the source sent it: the dispatch's counts say where)
-and, after them, a record ``[rows][checksum][dispatch index]`` into the source's control window
-(the DC formula over the rows, mixed with the epoch). The source polls its own windows,
+and, after them, a record ``[rows][checksum][dispatch index]`` into the source's control window.
+The rows go out as they lie in the expert outputs, one run per local expert (a put, or a copy
+on the same host), and the checksum is the sum of the runs' DC checksums, each mixed with the
+epoch; the source cuts what landed at the same lengths. The source polls its own windows,
 accepts a peer's rows once the checksum of what has landed matches (``dc``; ``sw`` and ``tff``
 flush the rows before the record, so it matches at once) and reduces them in the
 reference's order. No rank reads another rank's memory, so no call waits for a peer to enter
