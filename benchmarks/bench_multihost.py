@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="one shape")
     p.add_argument("--tokens", default="128,512", help="tokens per rank, comma-separated")
-    p.add_argument("--progress", default="thread", choices=sorted(PROGRESS),
+    p.add_argument("--progress", default="none", choices=sorted(PROGRESS),
                    help="Open MPI's TCP progress between hosts")
     p.add_argument("--name", default="multihost", help="results file stem")
     p.add_argument("--probe", action="store_true",

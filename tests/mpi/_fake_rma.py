@@ -121,6 +121,8 @@ class FakeMemory:
         self.addresses = None
         self.transport = "mpi"
         self.local_array = group.world.region(index, group.rank, size_bytes)
+        # every peer behind RMA (as on one host per rank): no region is stored to directly
+        self.peer_arrays: list[np.ndarray | None] = [None] * group.num_ranks
         self.pids = group.pids
         self.start_times = group.start_times
         self._waiting: list[tuple[int, list[bool]]] = []

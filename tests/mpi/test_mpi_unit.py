@@ -111,6 +111,30 @@ def test_record_check_is_the_dc_formula_and_catches_torn_records() -> None:
         assert record_check(torn, 7) != good
 
 
+def test_runs_sum_is_the_sum_of_each_runs_dc_checksum_and_catches_a_stale_row() -> None:
+    """DC over RMA checks a batch run by run where it landed (ubep.mpi.syncs.runs_sum): the
+    sum of each run's checksum, as the oracle computes it from the bytes; one run is that run's
+    checksum, and a byte still old in any run, or last call's epoch, fails the batch."""
+    from types import SimpleNamespace
+
+    from ubep.mpi.syncs import runs_sum
+
+    row_bytes = 64
+    e = SimpleNamespace(row_bytes=row_bytes)
+    rng = np.random.default_rng(11)
+    rows = rng.integers(0, 256, (9, row_bytes), dtype=np.uint8)
+    runs = [rows[0:4], rows[4:5], rows[5:9]]
+    mask = (1 << 64) - 1
+    want = sum(_check_oracle(r.tobytes(), 3) for r in runs) & mask
+    assert runs_sum(e, runs, 3) == want
+    assert runs_sum(e, [rows], 3) == _check_oracle(rows.tobytes(), 3)
+    assert runs_sum(e, runs, 4) != want
+    for r, i in itertools.product(range(3), (0, row_bytes - 1)):
+        torn = [b.copy() for b in runs]
+        torn[r][-1, i] ^= 0x5A
+        assert runs_sum(e, torn, 3) != want
+
+
 # --- ubep doctor ------------------------------------------------------------------------------
 
 

@@ -1,6 +1,27 @@
-"""Combine over MPI RMA (:class:`ubep.mpi.engine.RmaEngine`'s reduce side): publish where this
-rank's expert outputs lie, fetch the rows each token needs from their owners with gets, and
-reduce them in float32 into ``y``."""
+"""Combine over MPI RMA (:class:`ubep.mpi.engine.RmaEngine`'s reduce side), pushed both ways.
+
+Dispatch put each source's rows into the experts' ranks; combine puts them back the same way:
+each expert rank puts the output rows of every source, in the order they arrived from it, into
+that source's combine landing window (per epoch parity, one slot per expert rank, back to
+back in rank order, each as long as what the source sent it: the dispatch's counts say where)
+and, after them, a record ``[rows][checksum][dispatch index]`` into the source's control window.
+The rows go out as they lie in the expert outputs, one run per local expert (a put, or a copy
+on the same host), and the checksum is the sum of the runs' DC checksums, each mixed with the
+epoch; the source cuts what landed at the same lengths. The source polls its own windows,
+accepts a peer's rows once the checksum of what has landed matches (``dc``; ``sw`` and ``tff``
+flush the rows before the record, so it matches at once) and reduces them in the
+reference's order. No rank reads another rank's memory, so no call waits for a peer to enter
+MPI: over TCP (``osc/rdma`` on ``btl/tcp``) a get completes only when its target runs MPI's
+progress, a put is received by a peer that is itself polling for its rows.
+
+Why rows and not weighted partial sums: the reference adds a token's picks in ascending ``k``
+in float32; a sum of the picks one expert rank holds is bit-exact only when they are a prefix
+of that order, and float32 sums are twice the bytes of BF16 rows.
+
+A landing slot of parity ``p`` is reused two calls later: every rank waits at the start of a
+call until every peer finished the call before the last (as dispatch does), so the source has
+reduced what landed there before.
+"""
 
 from __future__ import annotations
 
@@ -8,65 +29,198 @@ from typing import Any
 
 import numpy as np
 
+from ..plane.layout import align_up
 from ..plane.records import E_BAD_INPUT, E_INTERNAL
 from ..plane.records import HEADER_BYTES as _HEADER_BYTES
 from .protocol import _Op, _OpError, _u8
+from .rows import runs_of
+from .syncs import native_module as _native
 
-__all__ = ["RmaCombine"]
+__all__ = ["RmaCombine", "landing_bytes"]
+
+# the native reduction's dtype codes (runtime/native/abi.h)
+_REDUCE_CODE = {"bf16": 0, "fp16": 1, "fp32": 2}
+
+_PAGE = 4096
+_RECORD_BYTES = 24  # [rows][checksum][dispatch index], u64 each
+_MASK64 = 2**64 - 1
+
+
+def landing_bytes(cap_sent_rows: int, crow_bytes: int) -> int:
+    """Size of a rank's combine landing window: per epoch parity, ``cap_sent_rows`` combine
+    rows (the most rows one rank sends in a dispatch), the expert ranks' slots back to back in
+    rank order, each as long as what this rank sent that rank."""
+    return align_up(max(2 * cap_sent_rows * crow_bytes, 1), _PAGE)
+
+
+def runs_checksum(e: Any, blocks: list[np.ndarray], epoch: int) -> int:
+    """The record's checksum of rows sent as runs ``blocks``: the sum of each run's DC
+    checksum (mod 2^64); the receiver cuts what landed at the same lengths."""
+    return sum(e.rows_checksum(b, epoch) for b in blocks) & _MASK64
 
 
 class RmaCombine:
     """The combine of the RMA engine ``e`` (held as ``e.combiner``), on the windows and
-    layout the engine sets up."""
+    layout the engine sets up; ``sources`` holds, per dispatch region, the dispatch index and
+    the positions of each source's rows in this rank's receive region (from the dispatch)."""
 
-    __slots__ = ("e",)
+    __slots__ = ("_block", "e", "sources")
 
     def __init__(self, e: Any) -> None:
         self.e = e
+        self.sources: dict[int, tuple[int, list[np.ndarray], np.ndarray]] = {}
+        # the reduce's gathered rows, kept between calls: a fresh block of tens of MiB is
+        # fresh pages, faulted in on every call
+        self._block = np.zeros(0, np.uint8)
+
+    def remember(self, reg: int, index: int, positions: list[np.ndarray],
+                 rows: np.ndarray) -> None:
+        """Dispatch ``index`` filled region ``reg``: where each source's rows lie, and
+        ``rows[s, d]``, the rows ``s`` sent ``d`` (where this rank's slot starts in each
+        source's landing window)."""
+        self.sources[reg] = (index, positions, rows)
 
     # --- combine ------------------------------------------------------------------------
 
     def combine(self, op: _Op, eo: np.ndarray, rows: int, h_idx: np.ndarray, h_w: np.ndarray,
-                h_dst: np.ndarray, ntok: int, creg: int, y: np.ndarray,
-                dispatch_index: int) -> bool:
+                h_dst: np.ndarray, ntok: int, y: np.ndarray, dispatch_index: int) -> bool:
         e = self.e
-        lay, cl = e.lay, e.cl
         local = e.data.local_array
         base = int(local.ctypes.data)
         at = int(eo.ctypes.data) if eo.size else 0
-        nbytes = rows * e.crow_bytes
-        zero_copy = base + _HEADER_BYTES <= at and at + nbytes <= base + e.seg_size
-        e.proto.wait_peers_done(op, op.epoch - 2)
-        if zero_copy:
-            eo_off = at - base
-        else:
-            e.proto.wait_peers_done(op, e.comb_last[creg])
-            e.comb_last[creg] = op.epoch
-            eo_off = lay.off_comb + creg * lay.comb_bytes
-            local[eo_off: eo_off + nbytes] = _u8(eo)[:nbytes]
-        for c in range(2):
-            lo = lay.off_comb + c * lay.comb_bytes
-            if lo <= eo_off < lo + lay.comb_bytes:
-                e.comb_last[c] = op.epoch
-        e.data.sync()  # the expert outputs are in memory before peers are told
-        info = np.array([eo_off, rows, e.crow_bytes, dispatch_index], "<u8")
-        for q in range(e.R):
-            e.proto.put_record(e.ctrl, q, cl.slot(cl.comb_info, op.par, e.rank), info,
-                               op.epoch)
-        if e.bsp:
-            # descriptors complete before the barrier
-            e.proto.complete(op, e.ctrl, None, "the expert-output descriptors to complete")
+        zero_copy = base + _HEADER_BYTES <= at and at + rows * e.crow_bytes <= base + e.seg_size
+        positions, slots = self.positions_of(dispatch_index, rows)
+        e.proto.wait_peers_done(op, op.epoch - 2)  # the landing slots of this parity are free
+        eo_rows = _u8(eo)[: rows * e.crow_bytes].reshape(rows, e.crow_bytes)
+        self.send(op, eo_rows, positions, slots, dispatch_index)
+        if e.bsp:  # BSP keeps its barrier: every record complete before anyone reads
+            e.proto.complete(op, e.ctrl, None, "the combine records to complete")
             e._barrier(op, 3)
-        self.check_same_dispatch(op, dispatch_index)
         needed = self.needed_rows(h_idx, h_dst, ntok)
-        fetched: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        order = sorted(needed, key=lambda q: (q - e.rank) % e.R)
-        for q in order:  # every get in flight at once, then complete them
-            fetched[q] = self.fetch(op, q, needed[q])
-        e.proto.wait(op, lambda: all(e.data.done(q) for q in order), -1,
-                     "the expert outputs of every rank to arrive", needs=tuple)
-        self.reduce(h_idx[:ntok], h_w[:ntok], h_dst[:ntok], fetched, y)
+        counts = [len(needed.get(q, ())) for q in range(e.R)]
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
+        landed = self.receive(op, needed, starts, dispatch_index)
+        mine = needed.get(e.rank)
+        if mine is not None:
+            if mine[-1] >= rows:
+                raise _OpError(E_INTERNAL, e.rank, f"handle row {int(mine[-1])} outside this "
+                                                   f"rank's {rows} expert outputs")
+            # own rows into own slot (no peer writes there): every row in one window, one gather
+            own = self.landing_rows(op.par, starts[e.rank], len(mine))
+            np.take(eo_rows, mine, axis=0, out=own, mode="clip")
+            landed[e.rank] = (mine, own)
+        self.reduce(h_idx[:ntok], h_w[:ntok], h_dst[:ntok], landed, y,
+                    self.landing_rows(op.par, 0, e.cap_sent), starts)
         return zero_copy
+
+    def positions_of(self, index: int, rows: int) -> tuple[list[np.ndarray], list[int]]:
+        """Per source, the positions of its rows of dispatch ``index`` (checked: inside
+        ``rows``) and where this rank's slot starts in its landing window (checked: the slot
+        fits)."""
+        e = self.e
+        got = self.sources.get(index % e.nreg)
+        if got is None or got[0] != index:
+            raise _OpError(E_BAD_INPUT, e.rank, f"no rows of dispatch {index} in this Buffer's "
+                           "receive regions: combine the handle of one of the last "
+                           f"{e.nreg} dispatches", arg="handle", msg=f"dispatch {index}")
+        slots = []
+        for q, pos in enumerate(got[1]):
+            if len(pos) and (pos[0] < 0 or pos[-1] >= rows):
+                raise _OpError(E_INTERNAL, q, f"rank {q}'s rows outside the {rows} expert "
+                                              "outputs")
+            start = int(got[2][q, :e.rank].sum())
+            if start + len(pos) > e.cap_sent:
+                raise _OpError(E_INTERNAL, q, f"rank {q}'s landing slot for this rank ends "
+                                              f"past its {e.cap_sent} rows")
+            slots.append(start)
+        return got[1], slots
+
+    def landing_offset(self, par: int, start_row: int) -> int:
+        """Offset of row ``start_row`` of parity ``par``'s half of a landing window."""
+        e = self.e
+        return (par * e.cap_sent + start_row) * e.crow_bytes
+
+    def send(self, op: _Op, eo_rows: np.ndarray, positions: list[np.ndarray],
+             slots: list[int], dispatch_index: int) -> None:
+        """Every source's output rows (in the order they came) into its landing slot, each
+        followed by its record; every rank gets a record, with 0 rows if it sent none.
+
+        A source's rows lie in a few runs of ``eo_rows`` (one per local expert): each run goes
+        out as it lies, a put (another host) or a copy (this host), and the record's checksum
+        is the sum of the runs' (:func:`runs_checksum`), so no row is gathered first."""
+        e = self.e
+        slot = e.cl.slot(e.cl.comb_info, op.par, e.rank)
+        for i in range(e.R - 1):  # own rows are read in place
+            q = (e.rank + 1 + i) % e.R
+            t0 = e.spans.t0()
+            pos = positions[q]
+            blocks = [eo_rows[p0: p0 + m] for p0, m in runs_of(pos)]
+            at = self.landing_offset(op.par, slots[q])
+            peer = e.cland.peer_arrays[q]
+            for block in blocks:
+                if peer is None:
+                    e.cland.put(q, at, block)
+                else:
+                    peer[at: at + block.nbytes] = block.reshape(-1)
+                at += block.nbytes
+            if len(pos) and not e.sync_no_flush:
+                e.proto.complete(op, e.cland, q, f"the expert outputs to rank {q} to complete")
+            check = runs_checksum(e, blocks, op.epoch)
+            e.proto.put_record(e.ctrl, q, slot,
+                               np.array([len(pos), check, dispatch_index], "<u8"), op.epoch)
+            e.spans.rec(0, "send", t0, peer=q, rows=len(pos), size_bytes=len(pos) * e.crow_bytes,
+                        epoch=op.epoch)
+
+    def landing_rows(self, par: int, start_row: int, n: int) -> np.ndarray:
+        """Rows ``start_row ..`` (``n`` of them) of parity ``par``'s half of the landing
+        window, as ``[n, combine row]`` bytes."""
+        e = self.e
+        return np.ndarray((n, e.crow_bytes), np.uint8, e.cland.local_array,
+                          self.landing_offset(par, start_row))
+
+    def receive(self, op: _Op, needed: dict[int, np.ndarray], starts: list[int],
+                dispatch_index: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Wait for every peer's record and its rows (peer ``q``'s slot begins at row
+        ``starts[q]``); per peer, the positions this rank's rows had there (sorted) and the
+        rows as they landed."""
+        e = self.e
+        landed: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        pending = {q for q in range(e.R) if q != e.rank}
+        since = [e.spans.t0()]
+
+        def poll() -> bool:
+            for q in sorted(pending):
+                got = e.proto.read_record(e.cl.slot(e.cl.comb_info, op.par, q), _RECORD_BYTES,
+                                          op.epoch)
+                if got is None:
+                    continue
+                n, check, theirs = (int(v) for v in got[1].view("<u8"))
+                if theirs != dispatch_index:
+                    raise _OpError(
+                        E_BAD_INPUT, e.rank,
+                        f"ranks combine different dispatches (rank {q} passed the handle of "
+                        f"dispatch {theirs}): every rank must pass the handle of the same "
+                        "dispatch", arg="handle", msg=f"dispatch {dispatch_index}")
+                pos = needed.get(q, np.zeros(0, np.int64))
+                if n != len(pos):
+                    raise _OpError(E_INTERNAL, q, f"rank {q} returned {n} expert outputs, this "
+                                                  f"rank sent it {len(pos)} rows")
+                rows = self.landing_rows(op.par, starts[q], n)
+                ends = np.cumsum([m for _, m in runs_of(pos)]).tolist()
+                chunks = [rows[end - m: end] for end, (_, m) in zip(ends, runs_of(pos),
+                                                                    strict=True)]
+                if runs_checksum(e, chunks, op.epoch) != check:
+                    continue  # DC: not all landed yet
+                pending.discard(q)
+                if n:
+                    landed[q] = (pos, rows)
+                since[0] = e.spans.rec(0, "wait", since[0], peer=q, rows=n,
+                                       size_bytes=rows.nbytes, epoch=op.epoch)
+            return not pending
+
+        e.proto.wait(op, poll, -1, "the expert outputs of every rank",
+                     needs=lambda: sorted(pending))
+        return landed
 
     def needed_rows(self, h_idx: np.ndarray, h_dst: np.ndarray, ntok: int) -> dict[int,
                                                                                      np.ndarray]:
@@ -90,59 +244,55 @@ class RmaCombine:
                     out[q] = np.unique(pos)
         return out
 
-    def descriptor(self, op: _Op, q: int) -> np.ndarray:
-        """``[offset, rows, stride, dispatch index]`` of ``q``'s expert outputs for this call."""
-        e = self.e
-        slot = e.cl.slot(e.cl.comb_info, op.par, q)
-        box: list[np.ndarray] = []
-
-        def ready() -> bool:
-            got = e.proto.read_record(slot, 32, op.epoch)
-            if got is not None:
-                box.append(got[1].view("<u8"))
-            return got is not None
-
-        if e.bsp:
-            e.ctrl.sync()
-            if not ready():
-                raise _OpError(E_INTERNAL, q, f"rank {q}'s expert outputs missing after the "
-                                              "barrier")
-        else:
-            e.proto.wait(op, ready, q, f"the expert outputs of rank {q}")
-        return box[0]
-
-    def check_same_dispatch(self, op: _Op, index: int) -> None:
-        """Every rank combines the outputs of the same dispatch (else bad input everywhere)."""
-        e = self.e
-        for q in range(e.R):
-            theirs = int(self.descriptor(op, q)[3])
-            if theirs != index:
-                raise _OpError(
-                    E_BAD_INPUT, e.rank,
-                    f"ranks combine different dispatches (rank {q} passed the handle of "
-                    f"dispatch {theirs}): every rank must pass the handle of the same dispatch",
-                    arg="handle", msg=f"dispatch {index}")
-
-    def fetch(self, op: _Op, q: int, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Start fetching rows ``pos`` of ``q``'s expert outputs (``MPI_Get``) into a new array
-        (complete once ``self.e.data.done(q)``)."""
-        e = self.e
-        off, nrows, stride, _index = (int(v) for v in self.descriptor(op, q))
-        if (stride != e.crow_bytes or nrows > e.cap_rows or off < _HEADER_BYTES
-                or off + nrows * stride > e.seg_size):
-            raise _OpError(E_INTERNAL, q, f"rank {q} published expert outputs outside its "
-                                          "segment")
-        if pos[0] < 0 or pos[-1] >= nrows:
-            bad = int(pos[-1] if pos[-1] >= nrows else pos[0])
-            raise _OpError(E_INTERNAL, q, f"handle row {bad} outside rank {q}'s {nrows} expert "
-                                          "outputs")
-        rows = np.empty((len(pos), e.crow_bytes), np.uint8)
-        runs = [(off + p0 * stride, m * stride) for p0, m in e._runs(pos)]
-        e.data.get_runs(q, runs, rows)
-        return pos, rows
-
     def reduce(self, idx: np.ndarray, w: np.ndarray, dst_row: np.ndarray,
-               fetched: dict[int, tuple[np.ndarray, np.ndarray]], y: np.ndarray) -> None:
+               fetched: dict[int, tuple[np.ndarray, np.ndarray]], y: np.ndarray,
+               land: np.ndarray, starts: list[int]) -> None:
+        """Each token's rows, gathered into one ``[slots, combine row]`` block in ascending
+        slot order (valid slots first), then reduced into ``y`` by the native data plane's
+        combine reduction (the same arithmetic as :meth:`reduce_numpy`, one pass, no float32
+        copy of the rows) where it is built, else by :meth:`reduce_numpy`. ``land``: every
+        rank's rows of ``fetched``, rank ``q``'s from row ``starts[q]`` (one gather)."""
+        e = self.e
+        native = _native()
+        code = _REDUCE_CODE.get(e.cdtype.name)
+        if native is None or code is None:
+            self.reduce_numpy(idx, w, dst_row, fetched, y)
+            return
+        ntok = idx.shape[0]
+        if not ntok:
+            return
+        if e.expert:
+            valid = idx >= 0
+            owner = np.where(valid, idx // e.L, -1)
+            coeff = np.ascontiguousarray(w, dtype=np.float32)
+        else:
+            valid = dst_row >= 0
+            owner = np.where(valid, np.arange(e.R)[None, :], -1)
+            coeff = np.ones(valid.shape, np.float32)
+        nvalid = valid.sum(axis=1)
+        # a token's valid slots packed to the front, in slot order: the reference's order
+        packed = np.cumsum(valid, axis=1) - 1
+        weights = np.zeros(valid.shape, np.float32)
+        at = np.zeros(valid.shape, np.intp)  # each slot's row in `land` (empty slots: row 0)
+        for q, (pos, _rows) in fetched.items():
+            t, k = np.nonzero(owner == q)
+            at[t, packed[t, k]] = starts[q] + np.searchsorted(pos, dst_row[t, k])
+            weights[t, packed[t, k]] = coeff[t, k]
+        # clip: every row index is inside `land` (searchsorted of checked positions)
+        nbytes = at.size * e.crow_bytes
+        if self._block.size < nbytes:
+            self._block = np.empty(nbytes, np.uint8)
+        block = self._block[:nbytes].reshape(ntok, valid.shape[1], e.crow_bytes)
+        np.take(land, at.reshape(-1), axis=0, out=block.reshape(-1, e.crow_bytes), mode="clip")
+        out = y.reshape(ntok, -1).view(np.uint8).reshape(ntok, e.crow_bytes)
+        out[nvalid == 0] = 0  # no row: the reference's +0.0
+        weighted = e.expert
+        for tok in np.nonzero(nvalid)[0].tolist():
+            native.reduce_rows(block[tok], int(nvalid[tok]), weights[tok], out[tok], code,
+                               weighted)
+
+    def reduce_numpy(self, idx: np.ndarray, w: np.ndarray, dst_row: np.ndarray,
+                     fetched: dict[int, tuple[np.ndarray, np.ndarray]], y: np.ndarray) -> None:
         """The reference's arithmetic (ubep.reference: float32, product rounded, masked slots
         skipped, ascending k or destination), one gather and two in-place ufuncs per term."""
         e = self.e

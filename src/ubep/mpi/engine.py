@@ -27,7 +27,12 @@ each other). Hence:
   sound only if elements cannot tear, and MPI promises no atomicity for a put against the
   receiver's loads.
 
-Control words (counts, per-row metadata, flags, the expert-output descriptor of combine, failure
+Combine pushes the same way (:mod:`ubep.mpi.combine`): each expert rank puts a source's output
+rows into that source's landing window (a third window) with a DC record; no rank reads a
+peer's memory. A call ends once what it put has left this rank (``MPI_Test``): over TCP an
+operation still queued moves only while its origin is inside MPI.
+
+Control words (counts, per-row metadata, flags, combine's records, failure
 notices, progress) live in a second window. Each is a self-checking record ``[payload][check]
 [epoch]`` written with one put and accepted only when ``check`` matches ``payload`` and
 ``epoch`` (the DC formula): a half-arrived record is never used, and no flush is needed, so no
@@ -73,7 +78,7 @@ from ..flags import TffCodec
 from ..plane.protocol import CombineCall, DispatchCall
 from ..plane.records import E_BAD_INPUT, E_INTERNAL, E_LOST, E_PEER_LOST, ErrorRecord
 from ..trace.ring import SpanRing
-from .combine import RmaCombine
+from .combine import RmaCombine, landing_bytes
 from .memory import MpiGlobalMemory
 from .protocol import (
     _LINE,
@@ -83,7 +88,8 @@ from .protocol import (
     _OpError,
     record_check,
 )
-from .syncs import SYNC_ROWS
+from .rows import empty_slots, rows_of, runs_of
+from .syncs import SYNC_ROWS, rows_checksum
 from .watchdog import WedgedError
 
 if TYPE_CHECKING:
@@ -150,7 +156,15 @@ class RmaEngine:
         self.tff_in_place = self.sync.in_place and not self.bsp  # rows in out, words in land
         self.cl = _CtrlLayout(self.R, self.E, self.K, self.cap_src, self.expert)
         self.ctrl = self.group.map_global(self.cl.size_bytes, "rma-ctrl")
-        self.comb_last = [0, 0]
+        # where peers push this rank's combine rows back (ubep.mpi.combine)
+        # the most rows one rank sends in a dispatch: one per pick (expert layout), one per
+        # token and destination rank (rank layout)
+        self.cap_sent = self.T * (self.K if self.expert else self.R)
+        self.cland = self.group.map_global(landing_bytes(self.cap_sent, self.crow_bytes),
+                                           "rma-comb-land")
+        self.sync_no_flush = config.sync == "dc"  # combine's records: DC needs no flush
+        # the last dispatch's positions of each source's rows, and its rows[s, d] table
+        self._rx_positions: tuple[list[np.ndarray], np.ndarray] = ([], np.zeros(0))
         # Highest done record seen per peer and its outcome (0 = ok, else the peer's code).
         self._done_seen = [0] * self.R
         self._done_code = [0] * self.R
@@ -167,6 +181,7 @@ class RmaEngine:
         never waits."""
         self.data.done()
         self.ctrl.done()
+        self.cland.done()
 
     def _land_regions(self) -> int:
         return self.nreg if self.land_is_out else 1
@@ -175,12 +190,20 @@ class RmaEngine:
         """Nothing to reset: SP (the only mode with a pre-filled buffer) is refused."""
 
     def comb_last_epoch(self, region: int) -> int:
-        return int(self.comb_last[region])
+        """0: no peer reads this rank's combine regions (combine pushes, ubep.mpi.combine),
+        so the Buffer may refill one at once."""
+        del region
+        return 0
+
+    def rows_checksum(self, rows: np.ndarray, epoch: int) -> int:
+        """DC checksum of contiguous combine rows (ubep.mpi.syncs.rows_checksum)."""
+        return rows_checksum(rows, self.crow_bytes, epoch)
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
             self.ctrl.close()
+            self.cland.close()
 
     def fail(
         self, epoch: int, code: int, message: str, finished: int = 1, timeout_s: float = 0.0
@@ -224,7 +247,7 @@ class RmaEngine:
 
     def _resync(self, base_epoch: int) -> int:
         op = _Op(2, base_epoch, self.timeout_ns)
-        for mem in (self.data, self.ctrl):
+        for mem in (self.data, self.ctrl, self.cland):
             try:
                 self.proto.wait(op, mem.done, -1, "this rank's RMA operations of earlier calls",
                                 failures=False, needs=tuple)
@@ -238,7 +261,6 @@ class RmaEngine:
         self.ctrl.sync()
         self._done_seen = [base_epoch - 1] * self.R
         self._done_code = [0] * self.R
-        self.comb_last = [0, 0]
         return 0
 
     def wait_done(self, epoch: int, timeout_s: float) -> int | ErrorRecord:
@@ -314,6 +336,8 @@ class RmaEngine:
             else:
                 n = self._dispatch_asp(op, x, units, reg, o_idx, o_w, o_rank, o_tok, o_k,
                                        o_nrecv, o_dst)
+            self.combiner.remember(reg, index, *self._rx_positions)
+            self._drain(op)
         except _OpError as err:
             return self.proto.finish_error(op, err)
         self.proto.finish(op)
@@ -327,7 +351,7 @@ class RmaEngine:
         # as dispatch: the whole call runs here (split unused)
         eo, rows, h_idx, h_w, h_dst = (call.expert_out, call.num_rows, call.topk_idx,
                                        call.topk_weights, call.send_dst_row)
-        ntok, epoch, creg, y = call.num_tokens, call.epoch, call.region, call.y
+        ntok, epoch, y = call.num_tokens, call.epoch, call.y
         dispatch_index = call.dispatch_index
         op = _Op(1, epoch, self.timeout_ns)
         t_call = self.spans.t0()
@@ -335,14 +359,18 @@ class RmaEngine:
         try:
             self.proto.check_in_step(op)
             t0 = self.spans.t0()
-            zero_copy = self.combiner.combine(op, eo, rows, h_idx, h_w, h_dst, ntok, creg, y,
+            zero_copy = self.combiner.combine(op, eo, rows, h_idx, h_w, h_dst, ntok, y,
                                               dispatch_index)
+            self._drain(op)
             self.spans.rec(0, "reduce", t0, epoch=epoch, after_last=True)  # BSP: its barrier
         except _OpError as err:
             return self.proto.finish_error(op, err)
         self.proto.finish(op)
-        # Peers pull this rank's expert outputs: stay in MPI until they all have them, so an
-        # emulated RMA target (TCP) keeps making progress for them.
+        # Peers pushed what this rank needs and read nothing of it, but a rank leaves a combine
+        # only with every peer done with it (their done records: no MPI call waits), as before
+        # combine pushed: survivors of a loss then meet it in the same call, the one the
+        # masking agreement completes (ubep.mpi.membership); a rank one call ahead split a
+        # 3-host job's survivors under the soak of tests/mpi/test_multihost_faults.py.
         try:
             self.proto.wait_peers_done(op, epoch, failures=False)
             self.proto.check_outcome(op)
@@ -351,6 +379,17 @@ class RmaEngine:
         finally:
             self.spans.rec(1, "combine", t_call, epoch=epoch)
         return int(zero_copy)
+
+    def _drain(self, op: _Op) -> None:
+        """Wait (``MPI_Test``, under the call's deadline) until every row and record this call
+        put has left this rank. Over TCP an operation that has not left moves only while its
+        origin is inside MPI, and a program may leave MPI for a collective of its own (gloo)
+        that waits for the very peers still waiting for those rows; each of them is needed by a
+        peer that is still in this call, polling, so none of this waits for a peer to enter
+        MPI."""
+        mems = (self.data, self.cland, self.ctrl)
+        self.proto.wait(op, lambda: all([m.done() for m in mems]), -1,
+                        "this rank's rows and records of this call to leave", needs=tuple)
 
     # --- validation and routing ---------------------------------------------------------
 
@@ -533,15 +572,6 @@ class RmaEngine:
         return np.ndarray((self.cap_rows, self.slot_bytes), np.uint8, self.data.local_array,
                           self._land(reg), (self.slot_bytes, 1))
 
-    def _runs(self, pos: np.ndarray) -> list[tuple[int, int]]:
-        """Contiguous runs ``(first position, length)`` of sorted-by-run positions."""
-        if not len(pos):
-            return []
-        breaks = np.nonzero(np.diff(pos) != 1)[0] + 1
-        starts = np.concatenate([[0], breaks])
-        ends = np.concatenate([breaks, [len(pos)]])
-        return [(int(pos[a]), int(b - a)) for a, b in zip(starts, ends, strict=True)]
-
     def _send_rows(self, op: _Op, d: int, rows: np.ndarray, pos: np.ndarray, reg: int) -> None:
         """Put ``rows`` (raw, batch order) at slots ``pos`` of ``d``'s land region, then the
         flags of the sync mode."""
@@ -549,7 +579,7 @@ class RmaEngine:
         slots = self.sync.encode(self, rows, self.tff_in_place)
         flat = slots.reshape(len(rows), -1)
         at = 0
-        runs = self._runs(pos)
+        runs = runs_of(pos)
         base, stride = self._land(reg), self.slot_bytes
         if self.tff_in_place:
             base, stride = self.lay.off_out + reg * self.lay.out_bytes, self.out_stride
@@ -579,7 +609,7 @@ class RmaEngine:
             u = units.to[d]
             pos = self._positions(self._bases(cnt, rows, d, self.rank), u, n)
             self._record_dst(o_dst, u, d, pos)
-            payload = _rows_of(x, u[0], self.row_bytes)
+            payload = rows_of(x, u[0], self.row_bytes)
             if d == self.rank:
                 out_rows[pos] = payload  # own rows: straight to recv_x
             else:
@@ -635,15 +665,6 @@ class RmaEngine:
         else:
             o_idx[pos], o_w[pos] = meta["e"], meta["w"]
 
-    def _empty_slots(self, per_expert: np.ndarray, outs: tuple[np.ndarray, ...]) -> None:
-        """The metadata of the padded layout's slots past each expert's count: -1, weight 0
-        (their payload is left as it was)."""
-        o_idx, o_w, o_rank, o_tok, o_k = outs[:5]
-        for el, n in enumerate(per_expert.tolist()):
-            empty = slice(el * self.slots + n, (el + 1) * self.slots)
-            o_idx[empty] = o_rank[empty] = o_tok[empty] = o_k[empty] = -1
-            o_w[empty] = 0
-
     def _receive(self, op: _Op, cnt: np.ndarray, rows: np.ndarray, metas: list[np.ndarray],
                  reg: int, outs: tuple[np.ndarray, ...], staged: bool) -> int:
         L, r = self.L, self.rank
@@ -656,7 +677,7 @@ class RmaEngine:
         counts_out[L + self.R:] = rows.reshape(-1)  # every source's rows to every rank
         if self.slots:  # padded: recv_x is the whole region, its empty slots no row
             n_total = self.cap_rows
-            self._empty_slots(counts_out[:L], outs)
+            empty_slots(counts_out[:L], self.slots, outs)
         positions: list[np.ndarray] = []
         for s in range(self.R):
             n = int(rows[s, r])
@@ -672,6 +693,7 @@ class RmaEngine:
                 raise _OpError(E_INTERNAL, s, f"rank {s}'s metadata has {len(metas[s])} rows, "
                                               f"its counts say {n}")
             self._fill_metadata(s, metas[s], positions[s], counts, outs)
+        self._rx_positions = (positions, rows)  # combine sends each source's rows back
         if staged:
             return n_total
         pending = {s for s in range(self.R) if s != r and rows[s, r] > 0}
@@ -709,10 +731,10 @@ class RmaEngine:
             ready = functools.partial(self.proto.has_record, cl.slot(cl.ready, op.par, d), 0,
                                       op.epoch)
             self.proto.wait(op, ready, d, f"staging area of rank {d}")
-            payload = _rows_of(x, units.to[d][0], self.row_bytes)
+            payload = rows_of(x, units.to[d][0], self.row_bytes)
             pos = r * self.cap_src + np.arange(n, dtype=np.int64)
             self._send_rows(op, d, payload, pos, reg)
-            sent[d] = (payload, self._runs(pos))
+            sent[d] = (payload, runs_of(pos))
         # SyncAll: every row (and every TFF flag) complete at its destination first
         self.proto.complete(op, self.data, None, "the rows to every rank to complete")
         self.sync.flags_before_barrier(self, op, sent, reg)
@@ -743,7 +765,7 @@ class RmaEngine:
             if not n:
                 continue
             if s == r:
-                payload = _rows_of(x, units.to[r][0], self.row_bytes)
+                payload = rows_of(x, units.to[r][0], self.row_bytes)
             else:
                 part = stage[s * self.cap_src: s * self.cap_src + n]
                 payload = self.sync.decode_staged(self, part)
@@ -773,9 +795,3 @@ class RmaEngine:
                 self.proto.has_record, cl.barrier + ((phase - 1) * self.R + q) * _LINE, 0, op.epoch)
             self.proto.wait(op, arrived, q, f"global barrier {phase} (rank {q})")
         self.spans.rec(0, "barrier", t0, epoch=op.epoch)
-
-def _rows_of(x: np.ndarray, tokens: np.ndarray, row_bytes: int) -> np.ndarray:
-    """Rows ``tokens`` of ``x`` as raw bytes ``[n, row_bytes]`` (one gather)."""
-    raw = x.view(np.uint8).reshape(x.shape[0], row_bytes)
-    return np.take(raw, tokens, axis=0)
-

@@ -18,6 +18,7 @@ from ..flags.dc import words_checksum
 from ..plane.layout import align_up
 from ..plane.records import E_BAD_INPUT, E_LOST, E_PEER_LOST, E_REMOTE, E_TIMEOUT, ErrorRecord
 from .memory import MpiGlobalMemory
+from .syncs import native_module
 
 __all__ = ["RmaProtocol", "record_check"]
 
@@ -25,6 +26,8 @@ _LINE = 64
 _FAIL_BYTES = 512
 _FAIL_MSG_MAX = 472  # the notice payload: [length u64][code u64][UTF-8 text]
 _LIVENESS_PERIOD_NS = 10_000_000
+_CHECK_PERIOD_NS = 1_000_000
+_YIELD_SPINS = 200
 
 
 def record_check(payload: np.ndarray, epoch: int) -> int:
@@ -34,6 +37,9 @@ def record_check(payload: np.ndarray, epoch: int) -> int:
     pad = (-raw.size) % 8
     if pad:
         raw = np.concatenate([raw, np.zeros(pad, np.uint8)])
+    native = native_module()
+    if native is not None and raw.size:  # the same formula in one C pass (read every poll)
+        return int(native.dc_checksum(raw.reshape(1, -1), raw.size, epoch))
     return words_checksum(raw.view("<u8"), epoch)
 
 
@@ -132,6 +138,11 @@ class RmaProtocol:
             return None
         return got, payload
 
+    def epoch_at(self, off: int, nbytes: int) -> int:
+        """The epoch word of the record of ``nbytes`` at ``off`` as it is now (unchecked)."""
+        at = off + align_up(nbytes, 8) + 8
+        return int(self.e.ctrl.local_array[at: at + 8].view("<u8")[0])
+
     def has_record(self, off: int, nbytes: int, epoch: int) -> bool:
         return self.read_record(off, nbytes, epoch) is not None
 
@@ -155,7 +166,10 @@ class RmaProtocol:
         """The last call rank ``q`` finished (its outcome in ``_done_code[q]``)."""
         e = self.e
         for par in (0, 1):
-            got = self.read_record(e.cl.slot(e.cl.done, par, q), 8, None)
+            off = e.cl.slot(e.cl.done, par, q)
+            if self.epoch_at(off, 8) <= e._done_seen[q]:
+                continue  # nothing newer there: no record to check
+            got = self.read_record(off, 8, None)
             if got is not None and got[0] > e._done_seen[q]:
                 # done only grows: a reordered older record is ignored
                 e._done_seen[q] = got[0]
@@ -191,11 +205,14 @@ class RmaProtocol:
         if needs is None:
             needs = functools.partial(list, [peer] if peer >= 0 else [])
         spins = 0
-        next_live = 0
+        next_live = next_check = 0
         while True:
             e.ctrl.sync()
             e.data.sync()
-            checked = failures and op.kind != 2 and spins >= 8
+            # peers' notices and progress: a few control records per peer, read at most once
+            # a period (polling them every spin took CPU from the ranks that move the rows)
+            checked = (failures and op.kind != 2 and spins >= 8
+                       and time.monotonic_ns() >= next_check)
             past = self.peer_past(op, needs()) if checked else None
             if ready():
                 return
@@ -203,11 +220,12 @@ class RmaProtocol:
             e.group.progress()
             if spins < 8:
                 continue
+            now = time.monotonic_ns()
             if checked:
+                next_check = now + _CHECK_PERIOD_NS
                 self.check_failures(op)
                 if past is not None:
                     raise past
-            now = time.monotonic_ns()
             if now >= op.deadline:
                 raise _OpError(
                     E_TIMEOUT, peer,
@@ -217,7 +235,7 @@ class RmaProtocol:
             if now >= next_live:
                 next_live = now + _LIVENESS_PERIOD_NS
                 self.check_liveness(op, what)
-            if spins < 200:
+            if spins < _YIELD_SPINS:
                 time.sleep(0)
             else:
                 time.sleep(50e-6 if spins < 2000 else 5e-4)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..flags import DcCodec
+from .rows import runs_of
 
 if TYPE_CHECKING:
     from .protocol import _Op
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
 __all__ = ["SYNC_ROWS", "SyncRow"]
 
 _DC = DcCodec()  # the batch checksum of DC (whole rows)
+_MASK64 = 2**64 - 1
 
 Runs = list[tuple[int, int]]
 
@@ -37,8 +39,37 @@ Runs = list[tuple[int, int]]
 def dc_sum(e: Any, slots: np.ndarray, epoch: int) -> int:
     """DC checksum of rows (raw or in slots: the first ``row_bytes`` of each): the format's
     codec (``ubep.flags.DcCodec``), the same bytes as the native data plane's."""
-    raw = np.ascontiguousarray(slots[:, :e.row_bytes])
-    return _DC.checksum(raw, epoch) if len(raw) else 1
+    return rows_checksum(np.ascontiguousarray(slots[:, :e.row_bytes]), e.row_bytes, epoch)
+
+
+def runs_sum(e: Any, blocks: list[np.ndarray], epoch: int) -> int:
+    """DC checksum of a batch that lands as contiguous runs ``blocks`` (rows or slots): the sum
+    of each run's :func:`dc_sum` (mod 2^64). One run: that run's checksum. The receiver checks
+    each run in place, so a batch spread over many runs is never gathered to be checked."""
+    return sum(dc_sum(e, b, epoch) for b in blocks) & _MASK64
+
+
+def rows_checksum(rows: np.ndarray, row_bytes: int, epoch: int) -> int:
+    """DC checksum of C-contiguous rows of ``row_bytes``: the native data plane's
+    ``dc_checksum`` (one pass, no temporaries) where it is built, else the codec's numpy one
+    (the same value: tests/mpi/test_mpi_unit.py)."""
+    if not len(rows):
+        return 1
+    native = native_module()
+    if native is not None and row_bytes % 8 == 0:
+        return int(native.dc_checksum(rows, row_bytes, epoch))
+    return _DC.checksum(rows.reshape(-1, row_bytes), epoch)
+
+
+@functools.cache
+def native_module() -> Any:
+    """The native data plane (``ubep.runtime._native``) where it is built, else None: the RMA
+    engine's optional accelerator for checksums and combine's reduction."""
+    try:
+        from ..runtime.abi import load_native
+        return load_native()
+    except ImportError:
+        return None
 
 
 class SyncRow:
@@ -106,21 +137,34 @@ class DcRow(SyncRow):
 
     def send_flags(self, e: Any, op: _Op, d: int, rows: np.ndarray, runs: Runs,
                    reg: int) -> None:
-        e.proto.put_record(e.ctrl, d, e.cl.slot(e.cl.flag, op.par, e.rank), self._flag(e, rows, op),
-                           op.epoch)
+        # ASP: the checksum of each run the rows land in, summed (runs_sum)
+        ends = np.cumsum([m for _, m in runs]).tolist()
+        blocks = [rows[end - m: end] for (_, m), end in zip(runs, ends, strict=True)]
+        flag = np.array([len(rows), runs_sum(e, blocks, op.epoch)], "<u8")
+        e.proto.put_record(e.ctrl, d, e.cl.slot(e.cl.flag, op.par, e.rank), flag, op.epoch)
 
     def _flag(self, e: Any, rows: np.ndarray, op: _Op) -> np.ndarray:
         return np.array([len(rows), dc_sum(e, rows, op.epoch)], "<u8")
 
     def source_complete(self, e: Any, op: _Op, s: int, pos: np.ndarray, reg: int) -> bool:
-        return self._staged_ok(e, op, s, e._land_slots(reg)[pos])
+        # the record first: the rows are gathered (a copy of all of them) only once it is in
+        flag = self._flag_of(e, op, s)
+        if flag is None or flag[0] != len(pos):
+            return False
+        land = e._land_slots(reg)  # each run checked where it landed: no gather
+        return runs_sum(e, [land[p0: p0 + m] for p0, m in runs_of(pos)], op.epoch) == flag[1]
 
     def _staged_ok(self, e: Any, op: _Op, s: int, slots: np.ndarray) -> bool:
+        flag = self._flag_of(e, op, s)
+        return flag is not None and flag[0] == len(slots) and dc_sum(e, slots, op.epoch) == flag[1]
+
+    def _flag_of(self, e: Any, op: _Op, s: int) -> tuple[int, int] | None:
+        """``(count, checksum)`` of source ``s``'s flag record of this call, if it is in."""
         got = e.proto.read_record(e.cl.slot(e.cl.flag, op.par, s), self.flag_bytes, op.epoch)
         if got is None:
-            return False
+            return None
         count, total = (int(v) for v in got[1].view("<u8"))
-        return count == len(slots) and dc_sum(e, slots, op.epoch) == total
+        return count, total
 
 
 class TffRow(SyncRow):
