@@ -168,36 +168,33 @@ def _normal_worker(group: Any) -> dict[str, Any]:
     out["combine_x"] = _outcome(lambda: buf.combine(_meta(recv_x) if r == 1 else recv_x,
                                                     handle))
     out["exact_5"] = _normal_exact(buf, group)
-    # combine's topk_weights: they go back through the dispatch's Buffer (the carrier); their
-    # sums are each slot's one weight (its owner's; 0.0 from the others)
+    # combine's topk_weights: through the dispatch's Buffer (the carrier), and where the rows
+    # back do not fit it (a Buffer holding _T rows a rank) through a float32 Buffer of their own
+    # (a switch there, none back)
+    small = deep_ep.Buffer(group, num_nvl_bytes=1 << 20, max_tokens_per_rank=_T,
+                           timeout_s=_TIMEOUT_S)
+    for case, b in (("carried", buf), ("own", small)):
+        out.update({f"{case}_{k}": v for k, v in _weights_cases(b, group, x, idx, w).items()})
+    return out
+
+
+def _weights_cases(buf: Any, group: Any, x: Any, idx: Any, w: Any) -> dict[str, Any]:
+    """A combine's weights summed at their sources (each slot's one weight: its owner's, 0.0
+    from the others), then passed on rank 1 only (its weights' call meets rank 0's next
+    dispatch), then the next call."""
+    r, out = group.rank, {}
     recv_x, _, recv_w, _, handle, _ = _normal(buf, x, idx, w)
+    out["own_buffer"] = int(handle.rank_prefix_matrix[-1].max()) > buf.max_tokens_per_rank
     _, combined_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
     out["weights_exact"] = torch.equal(combined_w, w)
-    # topk_weights on rank 1 only: its weights' dispatch meets rank 0's next dispatch
     recv_x, _, recv_w, _, handle, _ = _normal(buf, x, idx, w)
 
     def weights_on_one_rank() -> None:
         buf.combine(recv_x, handle, topk_weights=recv_w if r == 1 else None)
         _normal(buf, x, idx, w)
 
-    out["combine_weights"] = _outcome(weights_on_one_rank)
-    out["exact_6"] = _normal_exact(buf, group)
-    # the same where the rows back do not fit the dispatch's Buffer (it holds _T rows a rank):
-    # the weights take a float32 Buffer of their own, a switch there and none back
-    small = deep_ep.Buffer(group, num_nvl_bytes=1 << 20, max_tokens_per_rank=_T,
-                           timeout_s=_TIMEOUT_S)
-    recv_x, _, recv_w, _, handle, _ = _normal(small, x, idx, w)
-    out["own_buffer"] = int(handle.rank_prefix_matrix[-1].max()) > _T
-    _, combined_w, _ = small.combine(recv_x, handle, topk_weights=recv_w)
-    out["weights_exact_own"] = torch.equal(combined_w, w) and _normal_exact(small, group)
-    recv_x, _, recv_w, _, handle, _ = _normal(small, x, idx, w)
-
-    def weights_on_one_rank_own() -> None:
-        small.combine(recv_x, handle, topk_weights=recv_w if r == 1 else None)
-        _normal(small, x, idx, w)
-
-    out["combine_weights_own"] = _outcome(weights_on_one_rank_own)
-    out["exact_7"] = _normal_exact(small, group)
+    out["one_rank"] = _outcome(weights_on_one_rank)
+    out["next_exact"] = _normal_exact(buf, group)
     return out
 
 
@@ -209,12 +206,14 @@ def test_v1_normal_mode_fails_together_and_the_next_call_is_exact() -> None:
     _assert_together(outs, "capacity", 1, "max_tokens_per_rank")
     _assert_together(outs, "num_experts", 1, "num_experts", "16", "8")
     _assert_together(outs, "combine_x", 1, "x=device(type='meta')", "on device meta")
-    _assert_together(outs, "combine_weights", 1, "combine_weights", "dispatch")
-    _assert_together(outs, "combine_weights_own", 1, "another Buffer")
+    _assert_together(outs, "carried_one_rank", 1, "combine_weights", "dispatch")
+    _assert_together(outs, "own_one_rank", 1, "another Buffer")
     for out in outs:
         assert all(out[k] for k in ("first_exact", "exact_1", "exact_2", "exact_3",
-                                    "exact_4", "exact_5", "weights_exact", "exact_6",
-                                    "own_buffer", "weights_exact_own", "exact_7")), out
+                                    "exact_4", "exact_5", "carried_weights_exact",
+                                    "carried_next_exact", "own_own_buffer", "own_weights_exact",
+                                    "own_next_exact")), out
+        assert not out["carried_own_buffer"]
 
 
 # --------------------------------------------------------------------- V1 low-latency mode

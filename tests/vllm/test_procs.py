@@ -6,7 +6,9 @@ when the deadline passes."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,17 +27,24 @@ def _watched(tmp_path: Path, name: str, code: str) -> Watched:
     return Watched([sys.executable, "-c", code], {"PATH": "/usr/bin:/bin"}, tmp_path / name)
 
 
-def test_rounds_are_answered_in_order_and_other_output_goes_to_the_log(tmp_path: Path) -> None:
-    procs = [_watched(tmp_path, f"rank{r}.log", ECHO) for r in range(2)]
+@contextlib.contextmanager
+def _ranks(tmp_path: Path, *codes: str, grace_s: float = 0.0) -> Iterator[list[Watched]]:
+    """Rank r runs ``codes[r]`` (its log ``rank<r>.log``); every rank is stopped after."""
+    procs = [_watched(tmp_path, f"rank{r}.log", code) for r, code in enumerate(codes)]
     try:
+        yield procs
+    finally:
+        for p in procs:
+            p.stop(grace_s=grace_s)
+
+
+def test_rounds_are_answered_in_order_and_other_output_goes_to_the_log(tmp_path: Path) -> None:
+    with _ranks(tmp_path, ECHO, ECHO, grace_s=30.0) as procs:
         assert expect_lines(procs, "READY", 60.0) == ["READY", "READY"]
         for n in range(3):
             for p in procs:
                 p.send("round")
             assert expect_lines(procs, "RESULT ", 60.0) == [f"RESULT {n}"] * 2
-    finally:
-        for p in procs:
-            p.stop(grace_s=30.0)
     assert all(p.proc.returncode == 0 for p in procs)  # stdin closed: the loop ends
     assert procs[0].log.read_text().count("log line") == 3
 
@@ -44,21 +53,13 @@ def test_a_rank_that_dies_fails_the_wait_with_its_log_before_the_deadline(
         tmp_path: Path) -> None:
     # the peer never answers: a wait that watched only rank 0 would run to the deadline and
     # raise TimeoutError; the dead rank must be reported instead, with its own output
-    procs = [_watched(tmp_path, "rank0.log", SILENT), _watched(tmp_path, "rank1.log", DIES)]
-    try:
-        with pytest.raises(RuntimeError, match=r"rank1\.log: exited 3(.|\n)*no CPU ids"):
-            expect_lines(procs, "READY", 30.0)
-    finally:
-        for p in procs:
-            p.stop()
+    with _ranks(tmp_path, SILENT, DIES) as procs, pytest.raises(
+            RuntimeError, match=r"rank1\.log: exited 3(.|\n)*no CPU ids"):
+        expect_lines(procs, "READY", 30.0)
 
 
 def test_a_rank_that_never_answers_is_named_at_the_deadline(tmp_path: Path) -> None:
-    procs = [_watched(tmp_path, "rank0.log", ECHO), _watched(tmp_path, "rank1.log", SILENT)]
-    try:
-        with pytest.raises(TimeoutError, match=r"from rank1\.log:"):
-            expect_lines(procs, "READY", 3.0)
-    finally:
-        for p in procs:
-            p.stop()
+    with _ranks(tmp_path, ECHO, SILENT) as procs, pytest.raises(
+            TimeoutError, match=r"from rank1\.log:"):
+        expect_lines(procs, "READY", 3.0)
     assert procs[1].proc.returncode is not None  # stopped, not left behind
