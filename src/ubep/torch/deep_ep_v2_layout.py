@@ -176,14 +176,12 @@ def reduce_at_source(rows: torch.Tensor, row_of: np.ndarray, use: np.ndarray,
     without bias) plus, for ``k`` in order, ``c[t, k]`` = ``rows[row_of[t, k]]`` where
     ``use[t, k]`` else ``+0.0``, cast once to ``dtype`` (``[num_tokens, hidden]``).
 
-    Every term is added, the ``+0.0`` ones too, as DeepEP adds them: one gather of the
-    ``[num_tokens, num_topk, hidden]`` terms (a zero row where a slot is unused), then one FP32
-    add per slot over all tokens."""
+    DeepEP adds every term, the ``+0.0`` ones too. Only the used terms are gathered and added
+    here (slot by slot, one FP32 add per token and slot, as DeepEP's): adding ``+0.0`` leaves
+    every sum as it is but a ``-0.0`` one, which it makes ``+0.0``, and a sum can be ``-0.0``
+    only from a ``-0.0`` start and ``-0.0`` terms alone; so a token with an unused slot has
+    ``+0.0`` added once at the end, which gives DeepEP's bits."""
     num_tokens, num_topk = use.shape
-    padded = torch.cat([rows, torch.zeros((1, rows.shape[1]), dtype=rows.dtype)])
-    pick = np.where(use, row_of, rows.shape[0])  # row len(rows): zeros
-    at = torch.from_numpy(np.ascontiguousarray(pick, dtype=np.int64).reshape(-1))
-    terms = padded.index_select(0, at).float().view(num_tokens, num_topk, rows.shape[1])
     if bias:
         acc = bias[0].to(torch.float32, copy=True)
         for b in bias[1:]:
@@ -191,5 +189,11 @@ def reduce_at_source(rows: torch.Tensor, row_of: np.ndarray, use: np.ndarray,
     else:
         acc = torch.zeros((num_tokens, rows.shape[1]), dtype=torch.float32)
     for k in range(num_topk):  # slot order
-        acc.add_(terms[:, k])
+        tokens = np.flatnonzero(use[:, k])
+        if tokens.size:
+            terms = rows.index_select(0, torch.from_numpy(row_of[tokens, k].astype(np.int64)))
+            acc.index_add_(0, torch.from_numpy(tokens), terms.float())
+    unused = torch.from_numpy(~use.all(axis=1))
+    if bool(unused.any()):
+        acc[unused] += 0.0
     return acc.to(dtype)
