@@ -261,13 +261,13 @@ def _err(p: float, m: float) -> float:
 
 def grid_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """Median and worst |error| of each task time over the grid (and of all together)."""
+    from benchmarks import host_model as hm
+
     out = {}
     for kind in ("busy", "send", "wait", "all"):
         kinds = ("busy", "send", "wait") if kind == "all" else (kind,)
-        errs = [abs(_err(r["predicted_us"][k], r["measured_us"][k])) for r in rows
-                for k in kinds if r["measured_us"][k] > 0]
-        out[kind] = {"n": len(errs), "median_abs_error_pct": float(np.median(errs)),
-                     "worst_abs_error_pct": float(np.max(errs))}
+        out[kind] = hm.error_stats(_err(r["predicted_us"][k], r["measured_us"][k]) for r in rows
+                                for k in kinds if r["measured_us"][k] > 0)
     return out
 
 
@@ -280,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from benchmarks.harness import format_table, int_list
     from benchmarks.host_micro import Micro, build
+    from benchmarks.host_model import error_lines
 
     parser = argparse.ArgumentParser(description="the host model against the runtime's "
                                      "traces, task by task")
@@ -331,10 +332,7 @@ def main(argv: list[str] | None = None) -> int:
             "busy_err%", "send_meas", "send_pred", "send_err%", "wait_meas", "wait_pred",
             "wait_err%"]
     lines.append(format_table(cols, table, float_digits=1))
-    lines += ["", "| task time | n | median abs error % | worst abs error % |", "|---|---|---|---|"]
-    for name, s in summary.items():
-        lines.append(f"| {name} | {s['n']} | {s['median_abs_error_pct']:.1f} | "
-                     f"{s['worst_abs_error_pct']:.1f} |")
+    lines += error_lines(summary, "task time")
     lines.append(f"\n({time.monotonic() - start:.0f} s)")
     text = "\n".join(lines)
     print(text)

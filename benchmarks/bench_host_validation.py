@@ -26,8 +26,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from benchmarks import bench_dispatch as bd
 from benchmarks.harness import format_table, int_list
 from benchmarks.host_micro import Micro, build, cpus_available
@@ -35,6 +33,8 @@ from benchmarks.host_model import (
     TINY_HIDDEN,
     case_of,
     case_timer,
+    error_lines,
+    error_stats,
     fixed_cost,
     host_case,
     routing_of,
@@ -169,10 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                   format_table(["ranks", "tokens", "hidden", "layout", "mode", "cpus",
                                 "busy_meas", "busy_pred", "send_meas", "send_pred",
                                 "wait_meas", "wait_pred"], task_table, float_digits=1)]
-    lines += ["", "| rows | n | median abs error % | worst abs error % |", "|---|---|---|---|"]
-    for name, s in summary.items():
-        lines.append(f"| {name} | {s['n']} | {s['median_abs_error_pct']:.1f} | "
-                     f"{s['worst_abs_error_pct']:.1f} |")
+    lines += error_lines(summary, "rows")
     lines.append(f"\n({time.monotonic() - start:.0f} s; microbenchmarks {micro_s:.0f} s; "
                  f"{repeats} repeats after {args.warmup} warm-up)")
     text = "\n".join(lines)
@@ -222,9 +219,7 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     for name, members in groups.items():
         if not members:
             continue
-        errs = np.abs([m["error_pct"] for m in members])
-        out[name] = {"n": len(members), "median_abs_error_pct": float(np.median(errs)),
-                     "worst_abs_error_pct": float(np.max(errs))}
+        out[name] = error_stats(m["error_pct"] for m in members)
     return out
 
 

@@ -1,10 +1,11 @@
 """The host model's inputs for a case of bench_dispatch's matrix (shared by
 bench_host_validation and bench_host_tasks): its routing and rows, its ``HostCase``, the
-timer of its row passes over host_micro, and the fixed cost from the same call with
-64-element rows."""
+timer of its row passes over host_micro, the fixed cost from the same call with
+64-element rows, and the error summaries both print."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -95,3 +96,20 @@ def fixed_cost(micro: Micro, flags: dict[int, float], tiny_row: dict[str, Any],
     slope = max((model(probe) - model0) / probe, 1e-9)
     return {"tiny_measured_ns": measured, "tiny_model_ns": model0, "fixed_slope": slope,
             "fixed_ns": max(0.0, (measured - model0) / slope)}
+
+
+def error_stats(errors_pct: Iterable[float]) -> dict[str, float]:
+    """How many errors, and the median and worst of their magnitudes (percent)."""
+    errs = np.abs(np.asarray(list(errors_pct), dtype=np.float64))
+    return {"n": int(errs.size), "median_abs_error_pct": float(np.median(errs)),
+            "worst_abs_error_pct": float(np.max(errs))}
+
+
+def error_lines(summary: dict[str, dict[str, float]], first: str) -> list[str]:
+    """``summary`` (:func:`error_stats` by name) as a markdown table whose first column is
+    ``first``, after a blank line."""
+    lines = ["", f"| {first} | n | median abs error % | worst abs error % |", "|---|---|---|---|"]
+    for name, s in summary.items():
+        lines.append(f"| {name} | {s['n']} | {s['median_abs_error_pct']:.1f} | "
+                     f"{s['worst_abs_error_pct']:.1f} |")
+    return lines
