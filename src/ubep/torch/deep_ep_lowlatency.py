@@ -348,7 +348,7 @@ class LowLatencyCalls:
                 "use_ue8m0", True, "needs use_fp8=True and round_scale=True (as DeepEP)"
             )
         _check_async(async_finish, return_recv_hook)
-        idx_np = np.ascontiguousarray(_array_of(topk_idx, "topk_idx"), dtype=np.int64)
+        idx_np = np.ascontiguousarray(to_numpy(topk_idx, argument="topk_idx"), dtype=np.int64)
         if use_fp8:
             block = FP8_BLOCK * (UE8M0_PACK if use_ue8m0 else 1)
             if hidden % block:
@@ -448,7 +448,7 @@ class LowLatencyCalls:
         # Unit weights travel with the rows (the Buffer copies them into its handle);
         # low_latency_combine gets the real ones. The Buffer's own call: its results are numpy
         # arrays of host memory (padded_capable), read here as they are.
-        call = backend.buffer.dispatch(_array_of(x, "x"), idx_np,
+        call = backend.buffer.dispatch(to_numpy(x, argument="x"), idx_np,
                                        views.unit_weights(idx_np.shape), return_recv_hook=split)
         # the region its rows land in, known once issued (split: before they arrived)
         index = call.dispatch_index if split else call.handle.dispatch_index
@@ -495,7 +495,7 @@ class LowLatencyCalls:
             if x.shape != (num_local, slots, handle.hidden):
                 raise InvalidArgumentError(
                     "x", tuple(x.shape), f"must be [{num_local}, {slots}, {handle.hidden}]")
-            rows = _array_of(x, "x").reshape(-1, handle.hidden)
+            rows = to_numpy(x, argument="x").reshape(-1, handle.hidden)
             if rows.shape[0] != len(inner.recv_src_rank):  # M2N: a sender's engine rows
                 full = np.empty((len(inner.recv_src_rank), handle.hidden), rows.dtype)
                 full[: rows.shape[0]] = rows
@@ -628,14 +628,6 @@ class LowLatencyCalls:
 _PADDED_TRANSPORTS = (None, "shm", "mpi")
 
 
-def _array_of(t: torch.Tensor, argument: str) -> np.ndarray:
-    """:func:`to_numpy` of a decode step's tensors (CPU, contiguous, no autograd) in fewer
-    steps; any other tensor through it."""
-    if type(t) is torch.Tensor and t.is_cpu and not t.requires_grad and t.is_contiguous():
-        return (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy()
-    return to_numpy(t, argument=argument)
-
-
 def _combine_routing(topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                      handle: LowLatencyHandle, copy: bool) -> tuple[np.ndarray, np.ndarray]:
     """Combine's ``topk_idx`` and float32 weights for the engine's handle: ``topk_idx`` must be
@@ -646,15 +638,15 @@ def _combine_routing(topk_idx: torch.Tensor, topk_weights: torch.Tensor,
     same = (isinstance(topk_idx, torch.Tensor)
             and topk_idx.data_ptr() == handle.__dict__.get("_idx_ptr")
             and topk_idx.shape == dispatched.shape and topk_idx.dtype == torch.int64)
-    idx = _array_of(topk_idx, "topk_idx")
+    idx = to_numpy(topk_idx, argument="topk_idx")
     # the dispatch's tensor (its memory) holds the same ids but for the -1 slots; another
     # tensor is compared
     if not same and (idx.shape != dispatched.shape
                      or not np.all((idx == dispatched) | (idx == -1))):
         raise InvalidArgumentError(
             "topk_idx", tuple(idx.shape), "must be the dispatch's topk_idx (-1 drops a slot)")
-    w = _array_of(topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float(),
-                  "topk_weights")
+    w = to_numpy(topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float(),
+                 argument="topk_weights")
     if w.shape != idx.shape:
         raise InvalidArgumentError("topk_weights", tuple(w.shape), f"must be {idx.shape}")
     routed = handle.inner.topk_idx
