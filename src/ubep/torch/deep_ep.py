@@ -763,37 +763,35 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         return y, combined_w, _event(async_finish)
 
     def _combine_small(self, values: torch.Tensor, handle: NormalHandle) -> torch.Tensor:
-        """The combine's ``topk_weights`` summed at their sources (:func:`.deep_ep_agree.
-        sum_at_sources`): through the dispatch's Buffer where it carries them, else a float32
-        rank-layout Buffer of their width."""
-        R, prefix = self.group_size, handle.rank_prefix_matrix[:, self.rank].numpy()
-        in_rank, most = handle.is_token_in_rank.numpy(), int(handle.rank_prefix_matrix[-1].max())
-        carrier = self._carried_weights(handle.backend, int(values.shape[1]), most)
+        """The combine's ``topk_weights`` summed at their sources (:meth:`_weights_back`)."""
+        matrix = handle.rank_prefix_matrix
+        return self._weights_back(handle.backend, values, matrix[:, self.rank].numpy(),
+                                  handle.is_token_in_rank.numpy(), int(matrix[-1].max()),
+                                  self.group_size * self.max_tokens_per_rank)
+
+    def _weights_back(self, backend: EPBackend, values: torch.Tensor, prefix: np.ndarray,
+                      in_rank: np.ndarray, most_received: int, capacity: int) -> torch.Tensor:
+        """A combine's float32 weights ``values`` (a row per received row) summed at their
+        sources (:func:`.deep_ep_agree.sum_at_sources`; the V1 and V2 facades'): as rows of the
+        dispatch's ``backend`` where they carry them (:class:`.deep_ep_agree.RowCarrier`; no
+        carrier without a Buffer, in-process or in shrink mode), that call signed as the
+        combine's weights (a rank that passed none, its next call another, fails with it);
+        else a float32 rank-layout Buffer of their width (``capacity`` rows a rank), entered by
+        a switch and left with none (``CallGate.back_to``). ``most_received``: the rows the
+        busiest rank sends back (every rank's same)."""
+        width = int(values.shape[1])
+        config = getattr(getattr(backend, "buffer", None), "config", None)
+        carrier = None if config is None or self._shrink is not None else RowCarrier.of(
+            config, width, most_received)
         if carrier is not None:
-            return sum_at_sources(handle.backend, values, prefix, in_rank, carrier)
-        back = self._backend("rank", values.shape[1], 1, R, torch.float32,
-                             R * self.max_tokens_per_rank)
+            self._gate.note("combine_weights")
+            self._gate.enter(backend, next(k for k, b in self._backends.items() if b is backend))
+            return sum_at_sources(backend, values, prefix, in_rank, carrier)
+        back = self._backend("rank", width, 1, self.group_size, torch.float32, capacity)
         summed = sum_at_sources(back, values, prefix, in_rank)
         if self._shrink is None and not isinstance(self._ep, LocalBackend):
-            self._gate.back_to(handle.backend)  # no switch back: the next call is there
+            self._gate.back_to(backend)  # no switch back: the next call is there
         return summed
-
-    def _carried_weights(self, backend: EPBackend, width: int,
-                         most_received: int) -> RowCarrier | None:
-        """The carrier of ``width`` float32 weights a row as rows of ``backend``'s Buffer
-        (:class:`.deep_ep_agree.RowCarrier`), its next call signed as the combine's weights (a
-        rank that passed none, its next call another, fails with it); None without a Buffer
-        (in-process, shrink mode) or where it cannot or should not carry them."""
-        config = getattr(getattr(backend, "buffer", None), "config", None)
-        if config is None or self._shrink is not None:
-            return None
-        carrier = RowCarrier.of(config, width, most_received)
-        if carrier is None:
-            return None
-        key = next(k for k, b in self._backends.items() if b is backend)
-        self._gate.note("combine_weights")
-        self._gate.enter(backend, key)
-        return carrier
 
 # --------------------------------------------------------------------------- helpers
 def _with_scales(res: Any) -> tuple[Any, np.ndarray | None]:

@@ -28,7 +28,7 @@ import torch
 from ..errors import InvalidArgumentError
 from ._convert import from_numpy, to_numpy
 from .backend import LocalBackend, issue_combine, issue_dispatch
-from .deep_ep_agree import checked, sum_at_sources
+from .deep_ep_agree import checked
 from .deep_ep_types import EventHandle, EventOverlap
 from .deep_ep_v2_layout import (
     Received,
@@ -682,11 +682,11 @@ class V2Calls:
     def _combined_weights(self, handle: EPHandle, route: _Route,
                           topk_weights: torch.Tensor) -> torch.Tensor:
         """``combined_topk_weights``: each slot's weight from the rank that owns it, summed at
-        the sources by :func:`.deep_ep_agree.sum_at_sources` (one float32 rank-layout dispatch,
-        as the V1 facade's combine): a rank sends, per received row, its own slots' weights
-        and zeros, so each slot's sum is its one weight."""
+        the sources as the V1 facade's combine sums them (``Buffer._weights_back``): a rank
+        sends, per received row, its own slots' weights and zeros, so each slot's sum is its
+        one weight."""
         rec, src = route.rec, route.src
-        n, K = rec.num_rows, int(src.owner.shape[1])
+        n = rec.num_rows
         if handle.do_expand:  # allow_multiple_reduction: a row's slots from the expanded rows
             at = torch.from_numpy(np.maximum(rec.slots, 0))
             values = torch.where(torch.from_numpy(rec.slots >= 0), topk_weights[at], 0.0)
@@ -694,17 +694,9 @@ class V2Calls:
             values = torch.where(torch.from_numpy(rec.local_idx >= 0), topk_weights[:n], 0.0)
         R = self.num_ranks
         in_rank = np.stack([(src.owner == r).any(axis=1) for r in range(R)], axis=1)
-        prefix = np.cumsum(rec.rows_per_rank)
-        # through the dispatch's own Buffer where it carries them (the V1 facade's choice)
-        carrier = self._v1._carried_weights(route.back.backend, K, route.back.most_received)
-        if carrier is not None:
-            return sum_at_sources(route.back.backend, values, prefix, in_rank, carrier)
-        back = self._v1._backend("rank", K, 1, R, torch.float32,
-                                 R * handle.num_max_tokens_per_rank)
-        summed = sum_at_sources(back, values, prefix, in_rank)
-        if not isinstance(self._v1._ep, LocalBackend):
-            self._v1._gate.back_to(route.back.backend)  # no switch back (the V1 facade's)
-        return summed
+        return cast(torch.Tensor, self._v1._weights_back(
+            route.back.backend, values, np.cumsum(rec.rows_per_rank), in_rank,
+            route.back.most_received, R * handle.num_max_tokens_per_rank))
 
     # ------------------------------------------------------------------ shared
     def _check_handle(self, handle: Any) -> None:
