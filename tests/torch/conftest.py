@@ -18,7 +18,8 @@ from tests.torch import DEFAULT_DTYPE_ENV
 
 #: the facade's test modules (DeepEP V1, V2, their programs, FP8)
 FACADE_MODULES = frozenset({
-    "test_deep_ep_agree", "test_deep_ep_errors", "test_deep_ep_surface", "test_deep_ep_v2",
+    "test_deep_ep_agree", "test_deep_ep_errors", "test_deep_ep_layouts", "test_deep_ep_surface",
+    "test_deep_ep_v2",
     "test_deep_ep_v2_layout", "test_deep_ep_v2_programs", "test_deepep_programs",
     "test_fail_together", "test_torch_deep_ep", "test_torch_deep_ep_m2n", "test_torch_fp8",
 })

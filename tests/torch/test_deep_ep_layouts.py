@@ -1,7 +1,9 @@
-"""``deep_ep_layouts.LayoutMemo``: a dispatch given ``get_dispatch_layout``'s own outputs for the
-same routing skips the second layout computation; anything changed since (the routing through
-any alias, a layout tensor in place, another tensor) is checked the long way, so a stale layout
-is still refused by name on the rank that passed it and the peers' call fails with it."""
+"""``deep_ep_layouts.dispatch_layout`` (the native one-pass layout) against
+``ubep.routing.get_dispatch_layout``, errors included; ``deep_ep_layouts.LayoutMemo``: a
+dispatch given ``get_dispatch_layout``'s own outputs for the same routing skips the second
+layout computation; anything changed since (the routing through any alias, a layout tensor in
+place, another tensor) is checked the long way, so a stale layout is still refused by name on
+the rank that passed it and the peers' call fails with it."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ torch = pytest.importorskip("torch")
 
 import ubep  # noqa: E402
 from ubep import deep_ep, routing  # noqa: E402
-from ubep.torch.deep_ep_layouts import LayoutMemo  # noqa: E402
+from ubep.torch.deep_ep_layouts import LayoutMemo, dispatch_layout  # noqa: E402
 
 _EXPERTS, _HIDDEN = 8, 64
 
@@ -27,6 +29,40 @@ def _memo(idx: np.ndarray) -> tuple[LayoutMemo, tuple[Any, ...], Any]:
     memo = LayoutMemo()
     memo.remember(idx, lay, outputs)
     return memo, outputs, lay
+
+
+@pytest.mark.parametrize("tokens,topk,experts,ranks", [
+    (16, 8, 64, 2), (0, 4, 16, 4), (7, 1, 4, 4), (257, 8, 256, 8), (33, 6, 12, 3)])
+def test_the_one_pass_layout_is_the_routing_modules(tokens: int, topk: int, experts: int,
+                                                    ranks: int) -> None:
+    rng = np.random.default_rng(tokens + experts)
+    idx = np.array([rng.choice(experts, topk, replace=False) for _ in range(tokens)],
+                   dtype=np.int64).reshape(tokens, topk)
+    idx[rng.random(idx.shape) < 0.25] = -1  # masked picks count nowhere
+    got, want = dispatch_layout(idx, experts, ranks), routing.get_dispatch_layout(
+        idx, experts, ranks)
+    assert got.num_tokens_per_rank.dtype == got.num_tokens_per_expert.dtype == np.int32
+    for name in ("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name))
+    # a strided view takes numpy's path, with the same answer
+    wide = np.repeat(idx, 2, axis=1)[:, ::2]
+    np.testing.assert_array_equal(dispatch_layout(wide, experts, ranks).is_token_in_rank,
+                                  want.is_token_in_rank)
+
+
+@pytest.mark.parametrize("row,match", [([3, 3], "same expert twice"), ([1, 8], "out of range"),
+                                       ([-2, 1], "out of range"), ([-1, -1], None)])
+def test_the_one_pass_layout_refuses_what_the_routing_check_refuses(row: list[int],
+                                                                    match: str | None) -> None:
+    idx = np.array([[0, 5], row], dtype=np.int64)
+    if match is None:
+        assert dispatch_layout(idx, _EXPERTS, 2).num_tokens_per_expert.sum() == 2
+        return
+    with pytest.raises(ubep.InvalidArgumentError, match=match) as mine:
+        dispatch_layout(idx, _EXPERTS, 2)
+    with pytest.raises(ubep.InvalidArgumentError) as oracle:
+        routing.get_dispatch_layout(idx, _EXPERTS, 2)
+    assert str(mine.value) == str(oracle.value)
 
 
 def test_the_same_routing_and_the_layouts_own_tensors_are_recalled() -> None:

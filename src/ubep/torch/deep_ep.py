@@ -43,7 +43,6 @@ import torch
 from ..errors import InvalidArgumentError, RemoteError
 from ..modes import Layout
 from ..quant import quantize
-from ..routing import get_dispatch_layout as _layout
 from ..trace.recorder import name_buffer, traced_work
 from . import deep_ep_checks as checks
 from ._convert import from_numpy, received_rows, to_numpy
@@ -65,7 +64,7 @@ from .deep_ep_checks import (
     own_backend,
 )
 from .deep_ep_internode import InternodeCalls, hosts_of
-from .deep_ep_layouts import LayoutMemo
+from .deep_ep_layouts import LayoutMemo, dispatch_layout
 from .deep_ep_lowlatency import LowLatencyCalls
 from .deep_ep_m2n import M2NCalls, check_facade_expert_ranks
 from .deep_ep_memory import RawBuffers
@@ -443,14 +442,14 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         is_token_in_rank, event)``; counts are int32 like DeepEP's. ``num_tokens_per_rdma_rank``
         (tokens per host) is None when the group is on one host, as DeepEP's intranode one."""
         idx = to_numpy(topk_idx, argument="topk_idx")
-        lay = _layout(idx, num_experts, self.group_size)
+        lay = dispatch_layout(idx, num_experts, self.group_size)
         per_host = None
         if self._num_hosts() > 1:
             per_host = torch.from_numpy(
                 self._tokens_per_host(lay.is_token_in_rank).sum(axis=0).astype(np.int32))
-        # tensors over copies: the memo's arrays are its own
-        outputs = (torch.from_numpy(lay.num_tokens_per_rank.astype(np.int32)), per_host,
-                   torch.from_numpy(lay.num_tokens_per_expert.astype(np.int32)),
+        # the counts are the caller's; the routing the memo reads (is_token_in_rank) its own
+        outputs = (torch.from_numpy(lay.num_tokens_per_rank), per_host,
+                   torch.from_numpy(lay.num_tokens_per_expert),
                    torch.from_numpy(lay.is_token_in_rank.copy()))
         self._layouts.remember(idx, lay, outputs)
         return (*outputs, _event(async_finish))
@@ -545,7 +544,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
                                           route.num_experts, self.max_tokens_per_rank)
             res, recv_scales = receive()
         # every rank's tokens to every rank, from the engine's count round: the same on all
-        sent = np.asarray(res.num_sent_rows_per_rank, dtype=np.int64)
+        sent = np.array(res.num_sent_rows_per_rank, dtype=np.int64)
         most = int(sent.sum(axis=0).max(initial=0))
         if num_worst_tokens and most > num_worst_tokens:  # every rank sees it: all raise
             raise InvalidArgumentError(
@@ -595,9 +594,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
             raise InvalidArgumentError(
                 "num_tokens_per_expert", None, "needed (get_dispatch_layout's output, as DeepEP)"
             )
-        per_expert = np.asarray(
-            to_numpy(num_tokens_per_expert, argument="num_tokens_per_expert"), dtype=np.int64
-        )
+        per_expert = to_numpy(num_tokens_per_expert, argument="num_tokens_per_expert")
         num_experts = int(per_expert.size)
         if num_experts % self.group_size:
             raise InvalidArgumentError(
@@ -612,9 +609,9 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
             )
         if topk_idx is not None and topk_weights is not None:
             idx = np.ascontiguousarray(to_numpy(topk_idx, argument="topk_idx"), dtype=np.int64)
-            w = np.ascontiguousarray(
-                to_numpy(topk_weights.float(), argument="topk_weights"), dtype=np.float32
-            )
+            w = np.ascontiguousarray(to_numpy(
+                topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float(),
+                argument="topk_weights"), dtype=np.float32)
             if idx.shape[0] != T or w.shape != idx.shape:
                 raise InvalidArgumentError(
                     "topk_idx", idx.shape, f"needs [num_tokens={T}, k] like topk_weights"
@@ -623,7 +620,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
                                                num_tokens_per_expert, is_token_in_rank))
             if known is not None:  # get_dispatch_layout's own outputs for this routing
                 return _Route(idx, w, known.is_token_in_rank, per_expert, num_experts, True)
-            lay = _layout(idx, num_experts, R)
+            lay = dispatch_layout(idx, num_experts, R)
             self._check_given("num_tokens_per_expert", per_expert, lay.num_tokens_per_expert)
             self._check_given("is_token_in_rank", is_token_in_rank, lay.is_token_in_rank)
             self._check_given("num_tokens_per_rank", num_tokens_per_rank, lay.num_tokens_per_rank)
@@ -659,26 +656,11 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
     def _normal_handle(
         self, res: Any, backend: EPBackend, route: _Route, sent: np.ndarray, out_rows: int
     ) -> NormalHandle:
-        in_rank = route.is_token_in_rank
-        rows = len(res.recv_src_rank)
-        src_idx = np.full(out_rows, -1, dtype=np.int32)
-        src_idx[:rows] = res.recv_src_token
-        # a token's place among this rank's tokens sent to each rank: its running count there
-        # where it went (from 0), -1 where it did not
-        send_head = np.cumsum(in_rank, axis=0, dtype=np.int32) * in_rank - 1
         return NormalHandle(
-            rank_prefix_matrix=torch.from_numpy(np.cumsum(sent, axis=0, dtype=np.int32)),
-            channel_prefix_matrix=torch.from_numpy(sent[self.rank, :, None].astype(np.int32)),
-            recv_channel_prefix_matrix=torch.zeros((self.group_size, 1), dtype=torch.int32),
-            recv_src_idx=torch.from_numpy(src_idx),
-            is_token_in_rank=torch.from_numpy(in_rank.copy()),
-            send_head=torch.from_numpy(send_head),
-            inner=res.handle,
-            backend=backend,
-            topk_idx=route.topk_idx,
-            num_experts=route.num_experts,
-            num_recv_rows=rows,
-        )
+            inner=res.handle, backend=backend, topk_idx=route.topk_idx,
+            num_experts=route.num_experts, num_recv_rows=len(res.recv_src_rank),
+            num_out_rows=out_rows, sent=sent, in_rank=route.is_token_in_rank,
+            src_token=np.array(res.recv_src_token), rank=self.rank)  # the engine's may be refilled
 
     @checks.gated
     def _cached_dispatch(
@@ -703,7 +685,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
             self.max_tokens_per_rank,
         )
         res, recv_scales = receive()
-        out_rows = int(handle.recv_src_idx.shape[0])
+        out_rows = handle.num_out_rows
         recv = received_rows(res.recv_x, recv_scales, x.dtype, scales is not None, out_rows)
         return recv, None, None, None, None, _event(async_finish)
 
@@ -744,7 +726,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
             )
         n = handle.num_recv_rows
         checks.check_device(x=x, topk_weights=topk_weights, bias=bias)
-        check_combine_rows(x, topk_weights, (n, len(handle.recv_src_idx)))
+        check_combine_rows(x, topk_weights, (n, handle.num_out_rows))
         backend = own_backend(handle, self._ep, self._backends.values(), self._gate)
         try:
             y = from_numpy(backend.combine(to_numpy(x[:n]), handle.inner), x.dtype)
@@ -764,9 +746,9 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
 
     def _combine_small(self, values: torch.Tensor, handle: NormalHandle) -> torch.Tensor:
         """The combine's ``topk_weights`` summed at their sources (:meth:`_weights_back`)."""
-        matrix = handle.rank_prefix_matrix
-        return self._weights_back(handle.backend, values, matrix[:, self.rank].numpy(),
-                                  handle.is_token_in_rank.numpy(), int(matrix[-1].max()),
+        column = np.cumsum(handle.sent[:, self.rank])
+        return self._weights_back(handle.backend, values, column, handle.in_rank,
+                                  int(handle.sent.sum(axis=0).max()),
                                   self.group_size * self.max_tokens_per_rank)
 
     def _weights_back(self, backend: EPBackend, values: torch.Tensor, prefix: np.ndarray,

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import platform
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -198,6 +199,7 @@ class RowCarrier:
     def __init__(self, hidden: int, num_topk: int, high: int | None) -> None:
         self.hidden, self.num_topk, self.high = hidden, num_topk, high
         self.row_bytes = hidden * (1 if high is None else 2)  # a row's bytes
+        self._rows: np.ndarray | None = None  # encode's, grown to the most rows carried
 
     @staticmethod
     def of(config: Any, width: int, most_rows: int) -> RowCarrier | None:
@@ -209,28 +211,41 @@ class RowCarrier:
         if name not in _CARRIER_HIGH or config.quant is not None or (
                 4 * width > int(config.hidden)):
             return None
-        carrier = RowCarrier(int(config.hidden), int(config.num_topk), _CARRIER_HIGH[name])
+        key = (int(config.hidden), int(config.num_topk), _CARRIER_HIGH[name])
+        mine = _CARRIERS.__dict__.setdefault("by_shape", {})
+        carrier = mine.get(key)
+        if carrier is None:
+            carrier = mine[key] = RowCarrier(*key)
         if most_rows > min(int(config.max_tokens_per_rank), CARRIED_BYTES // carrier.row_bytes):
             return None
         return carrier
 
     def encode(self, values: np.ndarray) -> np.ndarray:
+        """The rows carrying ``values``: a view of this carrier's own rows (their tails are
+        zeros, written once; a blocking dispatch has copied them out when it returns)."""
         n = values.shape[0]
         raw = np.ascontiguousarray(values, dtype=np.float32).view(np.uint8).reshape(n, -1)
+        rows = self._rows
+        if rows is None or rows.shape[0] < n:
+            rows = self._rows = np.zeros((max(n, 16), self.hidden),
+                                         dtype=np.uint8 if self.high is None else np.uint16)
         if self.high is None:
-            rows = np.zeros((n, self.hidden), dtype=np.uint8)
-            rows[:, : raw.shape[1]] = raw
-            return rows
-        rows = np.zeros((n, self.hidden), dtype=np.uint16)
-        np.bitwise_or(raw, np.uint16(self.high << 8), out=rows[:, : raw.shape[1]],
-                      casting="unsafe")
-        return rows
+            rows[:n, : raw.shape[1]] = raw
+        else:
+            np.bitwise_or(raw, np.uint16(self.high << 8), out=rows[:n, : raw.shape[1]],
+                          casting="unsafe")
+        return rows[:n]
 
     def decode(self, rows: np.ndarray, width: int) -> np.ndarray:
         raw = np.ascontiguousarray(np.asarray(rows)[:, : 4 * width])
         if self.high is not None:
             raw = (raw & 0xFF).astype(np.uint8)
         return raw.view(np.float32).reshape(-1, width)
+
+
+#: a thread's carriers, one per row shape (their rows are reused from call to call: threads
+#: calling at once have their own)
+_CARRIERS = threading.local()
 
 
 def sum_at_sources(back: Any, values: Any, recv_prefix: np.ndarray,
@@ -248,12 +263,15 @@ def sum_at_sources(back: Any, values: Any, recv_prefix: np.ndarray,
     import torch
 
     R, width = is_token_in_rank.shape[1], int(values.shape[1])
-    src_rank = np.repeat(np.arange(R, dtype=np.int64), np.diff(recv_prefix, prepend=0))
+    per_source = np.asarray(recv_prefix, dtype=np.int64).copy()
+    per_source[1:] -= per_source[:-1].copy()
     first = back.num_experts // R  # each rank's first expert (1 a rank, but in-process)
-    floats = np.ascontiguousarray(values.detach().float().numpy())
+    floats = values.detach()
+    floats = np.ascontiguousarray(
+        (floats if floats.dtype == torch.float32 else floats.float()).numpy())
     slots = 1 if carrier is None else carrier.num_topk
-    idx = np.full((len(src_rank), slots), -1, dtype=np.int64)
-    idx[:, 0] = src_rank * first
+    idx = np.full((int(per_source.sum()), slots), -1, dtype=np.int64)
+    idx[:, 0] = np.repeat(np.arange(0, R * first, first, dtype=np.int64), per_source)
     res = back.dispatch(floats if carrier is None else carrier.encode(floats), idx,
                         np.zeros(idx.shape, np.float32))
     rows = (np.asarray(res.recv_x, dtype=np.float32).reshape(-1, width) if carrier is None

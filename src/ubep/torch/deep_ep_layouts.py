@@ -11,13 +11,45 @@ layout tensor given must be the very tensor ``get_dispatch_layout`` returned, un
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
 
-from ..routing import DispatchLayout
+from ..errors import UbepError
+from ..routing import DispatchLayout, experts_per_rank, get_dispatch_layout, validate_topk_idx
 
-__all__ = ["LayoutMemo"]
+__all__ = ["LayoutMemo", "dispatch_layout"]
+
+
+def dispatch_layout(idx: np.ndarray, num_experts: int, num_ranks: int) -> DispatchLayout:
+    """:func:`ubep.routing.get_dispatch_layout` of ``idx``, its counts int32 (DeepEP's dtype),
+    checked and counted in one native pass where ``idx`` is a C-contiguous int64 matrix (a
+    decode step's dozen numpy operations on a few hundred ids cost more than its dispatch);
+    the same errors, raised by the routing module's own check."""
+    native = _native()
+    if native is None or idx.dtype != np.int64 or idx.ndim != 2 or not idx.flags.c_contiguous:
+        lay = get_dispatch_layout(idx, num_experts, num_ranks)
+        return DispatchLayout(lay.num_tokens_per_rank.astype(np.int32),
+                              lay.num_tokens_per_expert.astype(np.int32), lay.is_token_in_rank)
+    experts_per_rank(num_experts, num_ranks)  # its argument errors
+    per_rank = np.empty(num_ranks, dtype=np.int32)
+    per_expert = np.empty(num_experts, dtype=np.int32)
+    in_rank = np.empty((idx.shape[0], num_ranks), dtype=bool)
+    if native.dispatch_layout(idx, num_experts, num_ranks, per_rank, per_expert, in_rank):
+        validate_topk_idx(idx, num_experts)  # names what is wrong
+        raise UbepError("dispatch_layout refused a routing its check accepts")
+    return DispatchLayout(per_rank, per_expert, in_rank)
+
+
+@functools.cache
+def _native() -> Any:
+    try:
+        from ..runtime.abi import load_native
+
+        return load_native()
+    except ImportError:  # no native build: numpy's layout
+        return None
 
 
 class LayoutMemo:
@@ -34,7 +66,8 @@ class LayoutMemo:
     def remember(self, idx: np.ndarray, layout: DispatchLayout, outputs: tuple[Any, ...]) -> None:
         """``layout`` was made from ``idx`` and returned as ``outputs`` (tensors or None:
         ``num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert,
-        is_token_in_rank``); none of its arrays share memory with ``outputs``."""
+        is_token_in_rank``); its ``is_token_in_rank`` (what :meth:`recall` answers with) shares
+        no memory with ``outputs``."""
         self._idx = np.array(idx, dtype=np.int64, copy=True)
         self._layout = layout
         self._outputs = outputs

@@ -4,6 +4,7 @@ dispatch's checked routing."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -128,7 +129,9 @@ class NormalHandle(_DeepEPTuple):
 
     Indexes like DeepEP's ``(rank_prefix_matrix, channel_prefix_matrix,
     recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, send_head)``; ubep moves every
-    row in one channel, so the channel matrices have one column.
+    row in one channel, so the channel matrices have one column. Each of these tensors is made
+    from the dispatch's counts the first time it is read (a decode step's combine reads none of
+    them), then stays the same tensor.
 
     Attributes:
         rank_prefix_matrix: ``[num_ranks, num_ranks]`` int32; ``[i][j]`` = tokens ranks ``0..i``
@@ -148,6 +151,11 @@ class NormalHandle(_DeepEPTuple):
             the first expert of that rank when the dispatch had no ``topk_idx``).
         num_experts: experts of that routing.
         num_recv_rows: rows actually received (``<= len(recv_src_idx)``).
+        num_out_rows: ``len(recv_src_idx)`` (``num_worst_tokens`` when given).
+        sent: ``[num_ranks, num_ranks]`` tokens each rank sent each rank (the count records').
+        in_rank: ``is_token_in_rank`` as the dispatch routed it (never handed out).
+        src_token: each received row's source token (the engine's).
+        rank: this rank.
     """
 
     _TUPLE_FIELDS: ClassVar[tuple[str, ...]] = (
@@ -159,21 +167,49 @@ class NormalHandle(_DeepEPTuple):
         "send_head",
     )
 
-    rank_prefix_matrix: torch.Tensor
-    channel_prefix_matrix: torch.Tensor
-    recv_channel_prefix_matrix: torch.Tensor
-    recv_src_idx: torch.Tensor
-    is_token_in_rank: torch.Tensor
-    send_head: torch.Tensor
     inner: Any = field(repr=False)
     backend: EPBackend = field(repr=False)
     topk_idx: np.ndarray = field(repr=False)
     num_experts: int
     num_recv_rows: int
+    num_out_rows: int
+    sent: np.ndarray = field(repr=False)
+    in_rank: np.ndarray = field(repr=False)
+    src_token: np.ndarray = field(repr=False)
+    rank: int
 
     @property
     def num_tokens(self) -> int:
         return int(self.topk_idx.shape[0])
+
+    @functools.cached_property
+    def rank_prefix_matrix(self) -> torch.Tensor:
+        return torch.from_numpy(np.cumsum(self.sent, axis=0, dtype=np.int32))
+
+    @functools.cached_property
+    def channel_prefix_matrix(self) -> torch.Tensor:
+        return torch.from_numpy(self.sent[self.rank, :, None].astype(np.int32))
+
+    @functools.cached_property
+    def recv_channel_prefix_matrix(self) -> torch.Tensor:
+        return torch.zeros((self.sent.shape[0], 1), dtype=torch.int32)
+
+    @functools.cached_property
+    def recv_src_idx(self) -> torch.Tensor:
+        src_idx = np.full(self.num_out_rows, -1, dtype=np.int32)
+        src_idx[: self.num_recv_rows] = self.src_token
+        return torch.from_numpy(src_idx)
+
+    @functools.cached_property
+    def is_token_in_rank(self) -> torch.Tensor:
+        return torch.from_numpy(self.in_rank.copy())
+
+    @functools.cached_property
+    def send_head(self) -> torch.Tensor:
+        # a token's place among this rank's tokens sent to each rank: its running count there
+        # where it went (from 0), -1 where it did not
+        in_rank = self.in_rank
+        return torch.from_numpy(np.cumsum(in_rank, axis=0, dtype=np.int32) * in_rank - 1)
 
 
 @dataclass(frozen=True, eq=False)

@@ -7,6 +7,7 @@
 #include "pybuf.h"
 #define NO_IMPORT_ARRAY
 #include "fastpath.h"
+#include "methods.h"
 
 /* module-level helpers for benchmarks and tests */
 static PyObject *mod_copy(PyObject *self, PyObject *args) {
@@ -323,6 +324,8 @@ PyMethodDef HOOK_METHODS[] = {
      "reduce_rows(rows, nt, weights, out, dtype_code, weighted): combine's REDUCE"},
     {"use_kernels", mod_use_kernels, METH_VARARGS,
      "use_kernels(level) -> kernel set name (0 generic, 1 avx2, 2 avx512; tests)"},
+    {"dispatch_layout", mod_dispatch_layout, METH_VARARGS,
+     "dispatch_layout(idx_i64, num_experts, num_ranks, per_rank_i32, per_expert_i32, in_rank)"},
     {"counts_sum", mod_counts_sum, METH_VARARGS, "counts_sum(epoch, rows, counts_u32)"},
     {"ranks_sum", mod_ranks_sum, METH_VARARGS, "ranks_sum(epoch, rows_per_rank_u32)"},
     {"route_sum", mod_route_sum, METH_VARARGS, "route_sum(epoch, ntok, idx_i32, weights_f32)"},

@@ -30,6 +30,9 @@ PyObject *engine_core_log(engine_t *g, PyObject *noargs);
 PyObject *engine_trace_enable(engine_t *g, PyObject *args);
 PyObject *engine_trace_spans(engine_t *g, PyObject *noargs);
 
+/* layout.c, a module function: DeepEP's get_dispatch_layout, checked, in one pass */
+PyObject *mod_dispatch_layout(PyObject *self, PyObject *args);
+
 /* module.c: the type, and the keys of its parameter table (in order) */
 extern PyTypeObject EngineType;
 PyObject *param_keys(void);
