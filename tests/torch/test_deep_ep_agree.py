@@ -13,19 +13,27 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.torch
 
 from tests._shm import leaked_since, ubep_segments  # noqa: E402
+from ubep.errors import InvalidArgumentError  # noqa: E402
 from ubep.runtime import launch  # noqa: E402
 from ubep.torch.deep_ep_agree import (  # noqa: E402
     BODY_BYTES,
     CARRIED_BYTES,
+    WEIGHTS_NONE,
+    WEIGHTS_OTHER,
+    WEIGHTS_RECEIVED,
     Board,
     RowCarrier,
+    combine_weights_plan,
+    combine_weights_word,
     open_board,
+    own_weights_sum,
 )
 
 _ROUNDS = 60
@@ -96,9 +104,11 @@ _T, _H, _E, _K = 300, 32, 16, 8  # ~600 rows of combine weights: once more than 
 
 def _facade_calls(group: Any) -> dict[str, Any]:
     """A V1 facade's dispatch and a combine with ``topk_weights``, twice, counting the group's
-    all-gathers; a third call pair with a bad ``num_tokens_per_expert`` on rank 1; then a
-    fourth; the results against closed forms."""
+    all-gathers and the Buffers' dispatches; a third call pair with a bad
+    ``num_tokens_per_expert`` on rank 1; then a fourth, whose receivers scale the weights; the
+    results against closed forms."""
     from ubep import deep_ep
+    from ubep.buffer import Buffer
 
     gathers: list[int] = []
     plain = group.allgather
@@ -107,18 +117,29 @@ def _facade_calls(group: Any) -> dict[str, Any]:
         gathers.append(1)
         return list(plain(value, timeout_s))
 
+    dispatches: list[int] = []
+    plain_dispatch = Buffer.dispatch
+
+    def dispatch_counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        dispatches.append(1)
+        return plain_dispatch(self, *args, **kwargs)
+
+    Buffer.dispatch = dispatch_counted  # type: ignore[method-assign]
     group.allgather = counted  # the facade's group is this object
     g = torch.Generator().manual_seed(group.rank)
     x = torch.randn(_T, _H, generator=g).to(torch.bfloat16)
     idx = torch.stack([torch.randperm(_E, generator=g)[:_K] for _ in range(_T)])
     w = torch.rand(_T, _K, generator=g, dtype=torch.float32)  # float32, as DeepEP asks
+    # the bits a sum must keep or normalise: -0.0 (summed with +0.0: +0.0), a NaN, an infinity
+    w[0, 0], w[1, 1], w[2, 2] = -0.0, float("nan"), float("inf")
+    idx[3, 3] = -1  # a masked slot sums to 0.0 whatever its weight
     buf = deep_ep.Buffer(group, max_tokens_per_rank=_T)
     out: dict[str, Any] = {}
     # identity experts: a token's row comes back once from each rank it went to (exact in FP32)
     _, _, _, in_rank, _ = buf.get_dispatch_layout(idx, _E)
     times = in_rank.sum(dim=1).float()
     want_y = (x.float() * times[:, None]).to(torch.bfloat16).view(torch.int16)
-    for name in ("first", "second", "bad", "after"):
+    for name in ("first", "second", "bad", "after", "later"):
         before = len(gathers)
         per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, _E)
         if name == "bad" and group.rank == 1:
@@ -131,17 +152,21 @@ def _facade_calls(group: Any) -> dict[str, Any]:
             out["bad_error"] = type(exc).__name__
             continue
         out[f"{name}_dispatch_gathers"] = len(gathers) - before
-        before = len(gathers)
+        before, sent = len(gathers), len(dispatches)
         # the last pair's receivers scale the weights they hold by (their rank + 1)
-        scale = group.rank + 1 if name == "after" else 1
+        scaled = name in ("after", "later")
+        scale = group.rank + 1 if scaled else 1
         y, combined_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w * scale)
         out[f"{name}_combine_gathers"] = len(gathers) - before
+        out[f"{name}_combine_dispatches"] = len(dispatches) - sent
         out[f"{name}_y_exact"] = torch.equal(y.view(torch.int16), want_y)
         # a received row holds the weights of its rank's slots (0 elsewhere), so each slot's sum
         # is its owner's value: w times the owner's scale (one float32 product, + 0.0)
         owner = idx // (_E // group.num_ranks)
-        want_w = w * (owner + 1) if name == "after" else w
-        out[f"{name}_w_exact"] = torch.equal(combined_w, want_w)
+        want_w = (w * (owner + 1) if scaled else w) + 0.0
+        want_w[idx < 0] = 0.0
+        out[f"{name}_w_exact"] = torch.equal(combined_w.view(torch.int32),
+                                             want_w.view(torch.int32))  # NaN, -0.0 bit for bit
     out["board"] = isinstance(buf._board, Board)
     return out
 
@@ -153,10 +178,15 @@ def test_facade_calls_exchange_nothing_and_still_fail_together() -> None:
         # they need of the other ranks comes with the engine's count round, and the combine's
         # weights go back through the engine
         assert out["second_dispatch_gathers"] == out["second_combine_gathers"] == 0
-        assert out["after_dispatch_gathers"] == out["after_combine_gathers"] == 0
-        assert not out["board"]
+        assert out["later_dispatch_gathers"] == out["later_combine_gathers"] == 0
+        # every rank gave back the weights its dispatch received: the sources summed their own
+        # (no dispatch), through the Board's words; scaled ones went back as rows (through a
+        # float32 Buffer, built by the first such combine: collective, entered by a switch)
+        assert out["board"]
+        assert out["first_combine_dispatches"] == out["second_combine_dispatches"] == 0
+        assert out["after_combine_dispatches"] >= 1 and out["later_combine_dispatches"] >= 1
         assert all(out[f"{n}_y_exact"] and out[f"{n}_w_exact"]
-                   for n in ("first", "second", "after"))
+                   for n in ("first", "second", "after", "later"))
         assert out["bad_error"] == ("RemoteError" if rank == 0 else "InvalidArgumentError")
 
 
@@ -202,3 +232,39 @@ def test_row_carrier_refuses_rows_it_cannot_carry() -> None:
     wide = cfg(hidden=4096, max_tokens_per_rank=1 << 20)
     rows = CARRIED_BYTES // (4096 * 2)
     assert RowCarrier.of(wide, 8, rows) is not None and RowCarrier.of(wide, 8, rows + 1) is None
+
+
+def test_a_combines_weights_word_and_what_every_rank_does_with_the_words() -> None:
+    received = np.array([[0.5, -0.0], [np.nan, 2.0]], dtype=np.float32)
+    same = torch.from_numpy(received.copy())
+    assert combine_weights_word(None, received) == WEIGHTS_NONE
+    assert combine_weights_word(same, received) == WEIGHTS_RECEIVED  # NaN and -0.0, bit for bit
+    plus_zero = same.clone()
+    plus_zero[0, 1] = 0.0  # equal as numbers, not as bits: a sum would differ
+    for other in (plus_zero, same.double(), same[:1], same * 2):
+        assert combine_weights_word(other, received) == WEIGHTS_OTHER
+    assert combine_weights_word(same, None) == WEIGHTS_OTHER  # the dispatch had no topk_idx
+    got, none, other = WEIGHTS_RECEIVED, WEIGHTS_NONE, WEIGHTS_OTHER
+    assert combine_weights_plan([none, none, none]) == "none"
+    assert combine_weights_plan([got, got, got]) == "local"
+    assert combine_weights_plan([got, other, got]) == "carried"
+    with pytest.raises(InvalidArgumentError, match=r"given on rank\(s\) \[0, 2\].*not on "
+                                                   r"rank\(s\) \[1\]"):
+        combine_weights_plan([got, none, other])
+
+
+def test_own_weights_sum_is_the_sum_a_combine_makes_of_the_received_weights() -> None:
+    rng = np.random.default_rng(5)
+    ranks, experts, tokens, topk = 4, 16, 50, 4
+    idx = np.array([rng.choice(experts, topk, replace=False) for _ in range(tokens)])
+    idx[rng.random(idx.shape) < 0.2] = -1
+    w = rng.standard_normal(idx.shape).astype(np.float32)
+    w[0, 0], w[1, 1], w[2, 2] = -0.0, np.nan, -np.inf
+    # the brute force: each rank the token went to gives back its slots' weights, 0.0 in the
+    # others; the source adds them in rank order to float32 zeros
+    owner = np.where(idx >= 0, idx // (experts // ranks), -1)
+    want = np.zeros(w.shape, np.float32)
+    for r in range(ranks):
+        went = (owner == r).any(axis=1)
+        want[went] += np.where(owner[went] == r, w[went], np.float32(0))
+    assert np.array_equal(own_weights_sum(idx, w).view(np.uint32), want.view(np.uint32))

@@ -168,12 +168,20 @@ def _normal_worker(group: Any) -> dict[str, Any]:
     out["combine_x"] = _outcome(lambda: buf.combine(_meta(recv_x) if r == 1 else recv_x,
                                                     handle))
     out["exact_5"] = _normal_exact(buf, group)
-    # combine's topk_weights: through the dispatch's Buffer (the carrier), and where the rows
-    # back do not fit it (a Buffer holding _T rows a rank) through a float32 Buffer of their own
-    # (a switch there, none back)
+    # combine's topk_weights: on one host every rank posts a word about them on the facade's
+    # Board before the combine (the received ones come back summed at their sources, no rows
+    # move); where there is no Board (the facades below: as across hosts) they travel through
+    # the dispatch's Buffer (the carrier), and where the rows back do not fit it (a Buffer
+    # holding _T rows a rank) through a float32 Buffer of their own (a switch there, none back)
+    out.update({f"board_{k}": v for k, v in _weights_cases(buf, group, x, idx, w).items()})
+    from ubep.torch import deep_ep as facade_module
+
+    facade_module.open_board = lambda group: None  # type: ignore[assignment]
+    carried = deep_ep.Buffer(group, num_nvl_bytes=1 << 20, max_tokens_per_rank=16,
+                             timeout_s=_TIMEOUT_S)
     small = deep_ep.Buffer(group, num_nvl_bytes=1 << 20, max_tokens_per_rank=_T,
                            timeout_s=_TIMEOUT_S)
-    for case, b in (("carried", buf), ("own", small)):
+    for case, b in (("carried", carried), ("own", small)):
         out.update({f"{case}_{k}": v for k, v in _weights_cases(b, group, x, idx, w).items()})
     return out
 
@@ -206,11 +214,14 @@ def test_v1_normal_mode_fails_together_and_the_next_call_is_exact() -> None:
     _assert_together(outs, "capacity", 1, "max_tokens_per_rank")
     _assert_together(outs, "num_experts", 1, "num_experts", "16", "8")
     _assert_together(outs, "combine_x", 1, "x=device(type='meta')", "on device meta")
+    _assert_together(outs, "board_one_rank", 1, "topk_weights", "given on rank(s) [1]",
+                     "not on rank(s) [0]", remote_ok=False)
     _assert_together(outs, "carried_one_rank", 1, "combine_weights", "dispatch")
     _assert_together(outs, "own_one_rank", 1, "another Buffer")
     for out in outs:
         assert all(out[k] for k in ("first_exact", "exact_1", "exact_2", "exact_3",
-                                    "exact_4", "exact_5", "carried_weights_exact",
+                                    "exact_4", "exact_5", "board_weights_exact",
+                                    "board_next_exact", "carried_weights_exact",
                                     "carried_next_exact", "own_own_buffer", "own_weights_exact",
                                     "own_next_exact")), out
         assert not out["carried_own_buffer"]

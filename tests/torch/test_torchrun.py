@@ -120,11 +120,9 @@ def test_one_line_traces_a_deepep_step_into_one_file_with_every_rank_and_group(
     facade = world[0]
     assert facade.ranks() == [0, 1, 2, 3]
     for r in range(4):
-        # the step's rows out and back, and its combine's topk_weights back to their sources
-        # (a rank-layout dispatch of their bytes in rows of the step's own Buffer,
-        # deep_ep_agree.RowCarrier: no exchange outside the engine, no other Buffer)
-        assert sorted(c.name for c in facade.calls if c.rank == r) == [
-            "combine", "dispatch", "dispatch"]
+        # the step's rows out and back; its combine's topk_weights are the ones the dispatch
+        # received, so each source sums its own (deep_ep_agree.own_weights_sum): no third call
+        assert sorted(c.name for c in facade.calls if c.rank == r) == ["combine", "dispatch"]
         tasks = {s.task for s in facade.spans if s.rank == r}
         assert {"send", "reduce"} <= tasks, (r, tasks)
     # flows: every send to another rank of the facade's trace lands on that rank's process

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -51,8 +51,11 @@ from .deep_ep_agree import (
     Board,
     RowCarrier,
     check_combine_rows,
+    combine_weights_plan,
     exchanged_counts,
     open_board,
+    own_weights_sum,
+    post_weights_word,
     send_backend,
     sum_at_sources,
 )
@@ -547,9 +550,8 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         sent = np.array(res.num_sent_rows_per_rank, dtype=np.int64)
         most = int(sent.sum(axis=0).max(initial=0))
         if num_worst_tokens and most > num_worst_tokens:  # every rank sees it: all raise
-            raise InvalidArgumentError(
-                "num_worst_tokens", num_worst_tokens, f"a rank receives {most} tokens"
-            )
+            raise InvalidArgumentError("num_worst_tokens", num_worst_tokens,
+                                       f"a rank receives {most} tokens")
         rows = len(res.recv_src_rank)
         out_rows = num_worst_tokens if num_worst_tokens > 0 else rows
         recv = received_rows(res.recv_x, recv_scales, x.dtype, scales is not None, out_rows)
@@ -557,7 +559,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         recv_idx = recv_w = None
         if route.with_topk and out_rows == rows:  # owned copies of the engine's arrays
             recv_idx = torch.from_numpy(np.array(res.recv_topk_idx, dtype=np.int64))
-            recv_w = torch.from_numpy(np.array(res.recv_topk_weights, dtype=np.float32))
+            recv_w = torch.from_numpy(new_handle.recv_weights.copy())  # type: ignore[union-attr]
         elif route.with_topk:  # num_worst_tokens: -1 and 0 past the received rows
             recv_idx = torch.full((out_rows, route.topk_idx.shape[1]), -1, dtype=topk_idx_t)
             recv_idx[:rows] = torch.from_numpy(np.asarray(res.recv_topk_idx))
@@ -656,11 +658,14 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
     def _normal_handle(
         self, res: Any, backend: EPBackend, route: _Route, sent: np.ndarray, out_rows: int
     ) -> NormalHandle:
+        topk = route.with_topk  # what a combine given back the received weights sums (its word)
         return NormalHandle(
             inner=res.handle, backend=backend, topk_idx=route.topk_idx,
             num_experts=route.num_experts, num_recv_rows=len(res.recv_src_rank),
             num_out_rows=out_rows, sent=sent, in_rank=route.is_token_in_rank,
-            src_token=np.array(res.recv_src_token), rank=self.rank)  # the engine's may be refilled
+            src_token=np.array(res.recv_src_token), rank=self.rank,  # the engine's may be refilled
+            recv_weights=np.array(res.recv_topk_weights, dtype=np.float32) if topk else None,
+            own_weights=own_weights_sum(route.topk_idx, route.topk_weights) if topk else None)
 
     @checks.gated
     def _cached_dispatch(
@@ -725,6 +730,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
                 "handle", type(handle).__name__, "must be the handle a normal dispatch returned"
             )
         n = handle.num_recv_rows
+        tag = self._post_weights_word(handle, topk_weights)  # before anything can raise
         checks.check_device(x=x, topk_weights=topk_weights, bias=bias)
         check_combine_rows(x, topk_weights, (n, handle.num_out_rows))
         backend = own_backend(handle, self._ep, self._backends.values(), self._gate)
@@ -732,9 +738,12 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
             y = from_numpy(backend.combine(to_numpy(x[:n]), handle.inner), x.dtype)
         except InvalidArgumentError as exc:
             raise deepep_error(exc) from None
-        combined_w = None
-        if topk_weights is not None:
-            combined_w = self._combine_small(topk_weights[:n], handle)
+        # every rank's word (none, all the received weights, or others), else what was given
+        plan = ("none" if topk_weights is None else "carried") if tag is None else (
+            combine_weights_plan(cast(Board, self._board).words(tag)))
+        combined_w = None if plan == "none" else torch.from_numpy(
+            cast(np.ndarray, handle.own_weights).copy()) if plan == "local" else (
+            self._combine_small(cast(torch.Tensor, topk_weights)[:n], handle))
         if bias is not None:
             # Both biases are added in float32 and rounded once, as DeepEP adds them in the
             # reduction (rounding after each would lose a bit more with two).
@@ -743,6 +752,17 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
                 total = total + b.float()
             y = total.to(x.dtype)
         return y, combined_w, _event(async_finish)
+
+    def _post_weights_word(self, handle: Any, topk_weights: Any) -> int | None:
+        """:func:`.post_weights_word` on the Board (opened by the first combine: collective);
+        None without one (another host, shrink mode, no Buffer)."""
+        if self._shrink is not None or not isinstance(handle, NormalHandle) or getattr(
+                handle.backend, "buffer", None) is None:
+            return None
+        if self._board is _UNOPENED:
+            self._board = open_board(self._ep)
+        board = self._board
+        return post_weights_word(board, handle, topk_weights) if isinstance(board, Board) else None
 
     def _combine_small(self, values: torch.Tensor, handle: NormalHandle) -> torch.Tensor:
         """The combine's ``topk_weights`` summed at their sources (:meth:`_weights_back`)."""

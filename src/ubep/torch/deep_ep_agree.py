@@ -22,6 +22,12 @@ A rank's segment, after the header (``HEADER_BYTES``), holds two slots; exchange
     8   size   u64   bytes of the JSON (more than the slot holds: the post did not fit)
     16  JSON   BODY_BYTES
 
+After the two slots, one more u64: the rank's **word** about its last combine's weights
+(:meth:`Board.post_word`, :func:`combine_weights_word`), posted before the combine enters the
+engine and read by the peers after theirs returned (a returned combine read every peer's
+combine record, which each peer published after posting its word: no wait in a step that runs
+in lockstep).
+
 A rank reuses slot ``n % 2`` at exchange ``n + 2`` only after every peer posted exchange ``n + 1``,
 that is after every peer finished reading exchange ``n``: two slots are enough. The round word is
 stored after the body and read before it; on x86-64 stores become visible in program order and
@@ -52,13 +58,20 @@ from ..runtime.poll import Backoff, wait_until
 
 __all__ = [
     "BODY_BYTES",
+    "WEIGHTS_NONE",
+    "WEIGHTS_OTHER",
+    "WEIGHTS_RECEIVED",
     "Board",
     "RowCarrier",
     "check_combine_rows",
     "checked",
+    "combine_weights_plan",
+    "combine_weights_word",
     "exchanged_counts",
     "only_backend",
     "open_board",
+    "own_weights_sum",
+    "post_weights_word",
     "reject_call",
     "reject_named",
     "send_backend",
@@ -72,6 +85,7 @@ _SLOT_BYTES = 16 + BODY_BYTES
 # a peer usually posts within microseconds to a millisecond: spin, then yield, then sleep
 _BACKOFF = Backoff(spin_polls=200, yield_s=2e-3, sleep_slope=0.05)
 _KIND = "deepep.agree"
+_TAG_MASK = (1 << 62) - 1
 
 
 def reject_call(backend: Any, exc: InvalidArgumentError) -> None:
@@ -287,6 +301,68 @@ def sum_at_sources(back: Any, values: Any, recv_prefix: np.ndarray,
     return torch.from_numpy(acc)
 
 
+#: a rank's word about its combine's ``topk_weights`` (:meth:`Board.post_word`); 0 is a word
+#: never posted
+WEIGHTS_NONE, WEIGHTS_RECEIVED, WEIGHTS_OTHER = 1, 2, 3
+
+
+def combine_weights_word(values: Any, received: np.ndarray | None) -> int:
+    """This rank's word about a normal-mode combine's ``values`` (its ``topk_weights``, before
+    any check): none given; a CPU float32 tensor holding, bit for bit, ``received`` (the
+    weights its dispatch received); or anything else."""
+    import torch
+
+    if values is None:
+        return WEIGHTS_NONE
+    if (received is None or not isinstance(values, torch.Tensor)
+            or values.dtype != torch.float32 or values.device.type != "cpu"
+            or tuple(values.shape) != received.shape):
+        return WEIGHTS_OTHER
+    got = values.detach().numpy()
+    same = np.array_equal(got.view(np.uint32), received.view(np.uint32))  # NaNs, -0.0 too
+    return WEIGHTS_RECEIVED if same else WEIGHTS_OTHER
+
+
+def combine_weights_plan(codes: list[int]) -> str:
+    """What every rank does with a combine's weights, from every rank's word: ``"none"``
+    (none given), ``"local"`` (every rank passed the weights its dispatch received: a source
+    sums its own, as they left it) or ``"carried"`` (they travel); weights given on some
+    ranks only fail the call on every rank, naming them."""
+    given = [r for r, c in enumerate(codes) if c != WEIGHTS_NONE]
+    if not given:
+        return "none"
+    if len(given) < len(codes):
+        absent = [r for r in range(len(codes)) if r not in given]
+        raise InvalidArgumentError(
+            "topk_weights", f"given on rank(s) {given}",
+            f"not on rank(s) {absent}: every rank passes them to combine, or none does")
+    return "local" if all(c == WEIGHTS_RECEIVED for c in codes) else "carried"
+
+
+def post_weights_word(board: Board, handle: Any, topk_weights: Any) -> int:
+    """Post this rank's word about a normal-mode combine of ``handle`` given ``topk_weights``
+    (:func:`combine_weights_word`) on ``board``, before the combine can raise; its tag: every
+    rank's same for the same combine of the same dispatch of the same Buffer (the handle counts
+    the combines begun on it)."""
+    handle.combines[0] += 1
+    tag = (int(handle.backend.buffer.uid) * 1_000_003 + int(handle.inner.dispatch_index) * 4099
+           + handle.combines[0]) | (1 << 61)
+    rows = handle.num_recv_rows
+    values = topk_weights[:rows] if hasattr(topk_weights, "shape") else topk_weights
+    board.post_word(tag, combine_weights_word(values, handle.recv_weights))
+    return tag
+
+
+def own_weights_sum(topk_idx: np.ndarray, topk_weights: np.ndarray) -> np.ndarray:
+    """What a source's combine sums of its tokens' weights when every rank passes back the
+    weights its dispatch received: a received row holds the weights of its rank's slots and
+    0.0 in the others, each slot's owner is one of the ranks the token went to, so a valid
+    slot's float32 sum is ``0.0 + ... + w + ... + 0.0`` = ``w + 0.0`` (-0.0 becomes 0.0) and
+    a masked slot (-1) sums zeros."""
+    return np.where(topk_idx >= 0, topk_weights + np.float32(0), np.float32(0)).astype(
+        np.float32, copy=False)
+
+
 def open_board(group: Any) -> Board | None:
     """A :class:`Board` over ``group`` where its ranks share memory (collective: every rank of
     ``group`` calls it), else None: the caller keeps ``group.allgather``."""
@@ -297,7 +373,7 @@ def open_board(group: Any) -> Board | None:
         return None  # the protocol leans on x86-64's store and load order
     if not isinstance(group, (Group, TorchGroup)):  # one-host groups: POSIX shared memory
         return None
-    memory = group.map_global(HEADER_BYTES + 2 * _SLOT_BYTES, _KIND)
+    memory = group.map_global(HEADER_BYTES + 2 * _SLOT_BYTES + 8, _KIND)
     group.barrier()  # every peer mapped every segment: the names can go
     memory.unlink()
     return Board(group, memory)
@@ -314,10 +390,29 @@ class Board:
         # per rank: the round words and size words of both slots (u64), and the slots' bytes
         self._words: list[np.ndarray] = []
         self._bytes: list[np.ndarray] = []
+        self._posts: list[np.ndarray] = []  # per rank: its word (one u64)
         for seg in memory.segments:
             raw = seg.array[HEADER_BYTES: HEADER_BYTES + 2 * _SLOT_BYTES]
             self._bytes.append(raw)
             self._words.append(raw.view(np.uint64).reshape(2, _SLOT_BYTES // 8)[:, :2])
+            end = HEADER_BYTES + 2 * _SLOT_BYTES
+            self._posts.append(seg.array[end: end + 8].view(np.uint64))
+
+    def post_word(self, tag: int, code: int) -> None:
+        """This rank's word: ``code`` (0-3) of the call ``tag`` (every rank's same), one store."""
+        self._posts[self.rank][0] = ((tag & _TAG_MASK) << 2) | code
+
+    def words(self, tag: int) -> list[int]:
+        """Every rank's code of the call ``tag``, in rank order, once every rank posted it
+        (bounded: the group's deadline, liveness checked, as :meth:`allgather`)."""
+        want = tag & _TAG_MASK
+        posts = self._posts
+
+        def missing() -> list[int]:
+            return [r for r, w in enumerate(posts) if int(w[0]) >> 2 != want]
+
+        self._wait_for(missing, f"a DeepEP combine's word {want}")
+        return [int(w[0]) & 3 for w in posts]
 
     def allgather(self, value: Any, fallback: Callable[[Any], list[Any]]) -> list[Any]:
         """Every rank's JSON-serialisable ``value``, in rank order (collective); ``fallback``
@@ -346,26 +441,27 @@ class Board:
 
     def _wait(self, n: int, slot: int) -> None:
         words = self._words
-        timeout_s = float(self._group.default_timeout_s)
-        deadline = time.monotonic() + timeout_s
 
         def missing() -> list[int]:
             return [r for r, w in enumerate(words) if int(w[slot, 0]) != n]
+
+        self._wait_for(missing, f"a DeepEP call's exchange {n}")
+
+    def _wait_for(self, missing: Callable[[], list[int]], what: str) -> None:
+        """Until ``missing()`` names no rank: ``what`` in the errors."""
+        deadline = time.monotonic() + float(self._group.default_timeout_s)
 
         def check_peers() -> None:
             try:
                 self._group.check_peers()
             except PeerLostError as exc:
-                raise PeerLostError(f"{exc} (this rank waited for a DeepEP call's exchange "
-                                    f"{n}; ranks {missing()} had not posted)") from None
+                raise PeerLostError(f"{exc} (this rank waited for {what}; ranks {missing()} "
+                                    "had not posted)") from None
 
         def timed_out(waited_s: float) -> BaseException:
             return TimeoutError(
-                f"rank {self.rank}: a DeepEP call's exchange {n} timed out after {waited_s:.1f}s: "
-                f"rank(s) {missing()} did not post (a rank is missing or at another call)")
+                f"rank {self.rank}: {what} timed out after {waited_s:.1f}s: rank(s) "
+                f"{missing()} did not post (a rank is missing or at another call)")
 
-        def ready() -> bool:
-            return all(int(w[slot, 0]) == n for w in words)
-
-        wait_until(ready, deadline, check_peers=check_peers, timed_out=timed_out,
-                   backoff=_BACKOFF)
+        wait_until(lambda: not missing(), deadline, check_peers=check_peers,
+                   timed_out=timed_out, backoff=_BACKOFF)

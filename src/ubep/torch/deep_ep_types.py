@@ -156,6 +156,10 @@ class NormalHandle(_DeepEPTuple):
         in_rank: ``is_token_in_rank`` as the dispatch routed it (never handed out).
         src_token: each received row's source token (the engine's).
         rank: this rank.
+        recv_weights: the float32 weights the dispatch received (a copy; None without
+            ``topk_idx``), own_weights: this rank's tokens' weights summed as a combine given
+            back every rank's ``recv_weights`` sums them (``deep_ep_agree.own_weights_sum``).
+        combines: how many combines of this handle began here (their words' tags).
     """
 
     _TUPLE_FIELDS: ClassVar[tuple[str, ...]] = (
@@ -177,6 +181,9 @@ class NormalHandle(_DeepEPTuple):
     in_rank: np.ndarray = field(repr=False)
     src_token: np.ndarray = field(repr=False)
     rank: int
+    recv_weights: np.ndarray | None = field(default=None, repr=False)
+    own_weights: np.ndarray | None = field(default=None, repr=False)
+    combines: list[int] = field(default_factory=lambda: [0], repr=False)
 
     @property
     def num_tokens(self) -> int:
