@@ -19,7 +19,7 @@ from ubep.sim.host import (
     send_regions,
     writer_positions,
 )
-from ubep.sim.host_sched import RankWork, SchedSpan, cpus_for, serialize
+from ubep.sim.host_sched import RankWork, SchedSpan, cpu_share, cpus_for, serialize
 from ubep.sim.spec import RowCosts
 
 # rank 0: init 10, 100 to rank 1, 50 to itself, 5 to place its received rows;
@@ -68,6 +68,38 @@ def test_bsp_barrier_releases_a_flag_latency_after_the_last_arrival() -> None:
     assert _by(spans, 1, "barrier")[0][1] == 283.0
     assert _by(spans, 0, "reorder") == [(286.0, 291.0)]
     assert _by(spans, 1, "reorder") == [(286.0, 293.0)]
+
+
+def test_a_cpu_share_stretches_every_task_not_the_barrier() -> None:
+    # a CPU each, half of each CPU left to the ranks: every task takes twice its own time.
+    # rank 0: init 0-20, waits for rank 1's readiness (its init 0-40), sends 40-240 and
+    # 240-340, waits for rank 1's rows to it (sent 40-440): 340-440, places 440-450;
+    # rank 1: sends 40-440, 440-560, its rows from rank 0 are in (240): places 560-574
+    spans = serialize(WORKS, "asp", cpus=2, share=0.5)
+    assert _by(spans, 0, "wait") == [(20.0, 40.0), (340.0, 440.0)]
+    assert _by(spans, 0, "send") == [(40.0, 240.0), (240.0, 340.0)]
+    assert _by(spans, 0, "reorder") == [(440.0, 450.0)]
+    assert _by(spans, 1, "send") == [(40.0, 440.0), (440.0, 560.0)]
+    assert _by(spans, 1, "reorder") == [(560.0, 574.0)]
+    # BSP: the sends end at 340 and 560; the barrier's flag latency (measured as the ranks
+    # run) is not stretched: released at 563, the second at 566
+    bsp = serialize(WORKS, "bsp", cpus=2, barrier_ns=3.0, share=0.5)
+    assert _by(bsp, 0, "barrier") == [(340.0, 563.0), (563.0, 566.0)]
+    assert _by(bsp, 0, "reorder") == [(566.0, 576.0)]
+
+
+def test_cpu_share_is_the_measured_cpus_over_the_whole_ones() -> None:
+    # 1.5 CPUs measured for 2 ranks run on 2 whole CPUs: each gives them 3/4 of its time;
+    # 1.2 CPUs for 2 ranks rounded to 1: that one CPU whole (a share is at most 1)
+    assert cpu_share(1.5, 2) == 0.75
+    assert cpu_share(1.2, 1) == 1.0
+    assert cpu_share(2.0, cpus_for(2.0, 4)) == 1.0
+    with pytest.raises(InvalidArgumentError, match="available"):
+        cpu_share(0.0, 1)
+    with pytest.raises(InvalidArgumentError, match="cpus"):
+        cpu_share(1.0, 0)
+    with pytest.raises(InvalidArgumentError, match="share"):
+        serialize(WORKS, "asp", cpus=1, share=0.0)
 
 
 def test_serialize_and_cpus_for_reject_bad_input() -> None:

@@ -287,7 +287,7 @@ def combine_terms(topk_idxs: Sequence[np.ndarray], case: HostCase) -> int:
 
 def predict_host(case: HostCase, topk_idxs: Sequence[np.ndarray], *, fixed_ns: float,
                  flag_oneway_ns: float, timer: KernelTimer, cpus: int,
-                 row_meta_ns: float = 0.0) -> float:
+                 row_meta_ns: float = 0.0, cpu_share: float = 1.0) -> float:
     """The model's latency (ns) of one call of ``case`` on this host: its ranks' tasks
     (:func:`predict_host_tasks`) run on ``cpus`` CPUs until each must wait, and the call lasts
     as long as its slowest rank, from that rank's first task to the end of its last
@@ -295,7 +295,8 @@ def predict_host(case: HostCase, topk_idxs: Sequence[np.ndarray], *, fixed_ns: f
     slowest)."""
     return call_latency_ns(predict_host_tasks(case, topk_idxs, fixed_ns=fixed_ns,
                                               flag_oneway_ns=flag_oneway_ns, timer=timer,
-                                              cpus=cpus, row_meta_ns=row_meta_ns))
+                                              cpus=cpus, row_meta_ns=row_meta_ns,
+                                              cpu_share=cpu_share))
 
 
 def call_latency_ns(spans: Sequence[SchedSpan]) -> float:
@@ -348,14 +349,16 @@ def rank_works(case: HostCase, topk_idxs: Sequence[np.ndarray], costs: RowCosts,
 
 def predict_host_tasks(case: HostCase, topk_idxs: Sequence[np.ndarray], *, fixed_ns: float,
                        flag_oneway_ns: float, timer: KernelTimer, cpus: int,
-                       row_meta_ns: float = 0.0) -> list[SchedSpan]:
+                       row_meta_ns: float = 0.0, cpu_share: float = 1.0) -> list[SchedSpan]:
     """The model's spans of one call of ``case``: every rank's tasks timed from its own rows
     (:func:`rank_works`; ``timer`` gives a pass's own time, not shared: the sharing of CPUs is
     the schedule), run on ``cpus`` CPUs until each must wait
-    (:func:`ubep.sim.host_sched.serialize`; a barrier costs one flag latency). A combine's
-    ranks only wait for a CPU: each reduces as soon as it runs."""
+    (:func:`ubep.sim.host_sched.serialize`; a barrier costs one flag latency), each CPU
+    giving them ``cpu_share`` of its time (:func:`ubep.sim.host_sched.cpu_share`: other
+    processes take the rest). A combine's ranks only wait for a CPU: each reduces as soon as
+    it runs."""
     costs, extra = _row_costs(case, timer, combine_terms(topk_idxs, case))
     works = rank_works(case, topk_idxs, costs, init_ns=fixed_ns + extra,
                        row_meta_ns=row_meta_ns)
     engine = case.engine if case.op == "dispatch" else "asp"
-    return serialize(works, engine, cpus, barrier_ns=flag_oneway_ns)
+    return serialize(works, engine, cpus, barrier_ns=flag_oneway_ns, share=cpu_share)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["RankWork", "SchedSpan", "cpus_for", "serialize"]
+__all__ = ["RankWork", "SchedSpan", "cpu_share", "cpus_for", "serialize"]
 
 
 @dataclass(frozen=True)
@@ -73,13 +73,26 @@ def cpus_for(available: float, ranks: int) -> int:
     return max(1, min(ranks, int(available + 0.5)))
 
 
+def cpu_share(available: float, cpus: int) -> float:
+    """The share of each of its ``cpus`` CPUs that ranks which measured ``available`` CPUs get
+    (``host_micro.cpus_available``): ``available / cpus``, at most 1. Other processes take the
+    rest in time slices; a task of ``ns`` on such a CPU lasts ``ns / share`` on average. With the
+    ranks at real-time priority (benchmarks/bench_host_tasks.py) it measures 1."""
+    if not available > 0:
+        raise InvalidArgumentError("available", available, "must be > 0")
+    if cpus < 1:
+        raise InvalidArgumentError("cpus", cpus, "must be >= 1")
+    return min(1.0, float(available) / cpus)
+
+
 class _Run:
     """The run-to-block schedule: ``free`` CPUs, a FIFO of runnable ranks, ranks blocked on a
     condition, and each rank's position in its task list."""
 
     def __init__(self, works: Sequence[RankWork], engine: str, cpus: int,
-                 barrier_ns: float) -> None:
+                 barrier_ns: float, share: float = 1.0) -> None:
         self.works, self.engine, self.barrier_ns = works, engine, float(barrier_ns)
+        self.share = float(share)
         R = len(works)
         self.step = [0] * R
         self.sent: list[set[int]] = [set() for _ in range(R)]  # sources done sending to r
@@ -120,19 +133,23 @@ class _Run:
 
 
 def serialize(works: Sequence[RankWork], engine: str, cpus: int,
-              barrier_ns: float = 0.0) -> list[SchedSpan]:
+              barrier_ns: float = 0.0, share: float = 1.0) -> list[SchedSpan]:
     """The call's spans when its ranks share ``cpus`` CPUs and each runs until it must wait.
 
     Runnable ranks take a free CPU in the order they became runnable (rank order at the
     start); a rank runs its tasks back to back until one cannot start (a destination not
     ready, its rows not all sent, a barrier not released), waits (a ``wait`` or ``barrier``
     span from then until it runs again) and gives its CPU to the next runnable rank. A
-    barrier releases ``barrier_ns`` after its last arrival."""
+    barrier releases ``barrier_ns`` after its last arrival. ``share``: the share of each CPU
+    the ranks get (:func:`cpu_share`): a task of ``ns`` takes ``ns / share`` (the flag latency
+    is measured as the ranks run, already at that share)."""
     if engine not in ("asp", "bsp"):
         raise InvalidArgumentError("engine", engine, "must be 'asp' or 'bsp'")
     if cpus < 1:
         raise InvalidArgumentError("cpus", cpus, "must be >= 1")
-    run = _Run(works, engine, cpus, barrier_ns)
+    if not 0.0 < share <= 1.0:
+        raise InvalidArgumentError("share", share, "must be in (0, 1]")
+    run = _Run(works, engine, cpus, barrier_ns, share)
     now = 0.0
     _dispatch(run, now)
     while run.events or run.barrier_at:
@@ -193,9 +210,10 @@ def _step(run: _Run, r: int, now: float) -> None:
         run.step[r] += 1
         if task in ("barrier", "recv"):
             continue
-        run.spans.append(SchedSpan(r, task, now, now + ns, peer))
+        end = now + ns / run.share
+        run.spans.append(SchedSpan(r, task, now, end, peer))
         run.running[r] = (task, peer)
-        _push(run, now + ns, r)
+        _push(run, end, r)
         return
     run.free += 1
 
