@@ -30,6 +30,10 @@ import numpy as np
 # routing, UBEP's ASP/TFF and the BSP/SW baseline, both layouts, 2 and 4 ranks.
 GRID_MODES = (("asp", "tff"), ("bsp", "sw"))
 GRID_ROUTINGS = ("uniform", "hot")
+# the traced dispatches run back to back (no barrier between them): the model's call is the
+# last of this many, each rank's call starting where it ended its last
+# (ubep.sim.host_sched.back_to_back)
+BACK_TO_BACK = 4
 
 
 def grid_cases(ranks: list[int]) -> list[tuple[int, Any]]:
@@ -228,7 +232,7 @@ def compare_case(micro: Any, case: Any, r: int, warmup: int, repeats: int, calls
     # ranks that share a CPU take turns on it: their passes are priced so
     spans = predict_host_tasks(hc, idxs, fixed_ns=fixed, flag_oneway_ns=flag,
                                timer=timers[cpus < r], cpus=cpus, row_meta_ns=meta,
-                               cpu_share=share)
+                               cpu_share=share, calls=BACK_TO_BACK)
     pred_spans = [(s.rank, s.task, s.start_ns, s.end_ns) for s in spans]
     meas = _med_calls(measured, case.engine, r)
     pred = categories(pred_spans, case.engine, r)

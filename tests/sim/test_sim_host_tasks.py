@@ -19,7 +19,14 @@ from ubep.sim.host import (
     send_regions,
     writer_positions,
 )
-from ubep.sim.host_sched import RankWork, SchedSpan, cpu_share, cpus_for, serialize
+from ubep.sim.host_sched import (
+    RankWork,
+    SchedSpan,
+    back_to_back,
+    cpu_share,
+    cpus_for,
+    serialize,
+)
 from ubep.sim.spec import RowCosts
 
 # rank 0: init 10, 100 to rank 1, 50 to itself, 5 to place its received rows;
@@ -86,6 +93,31 @@ def test_a_cpu_share_stretches_every_task_not_the_barrier() -> None:
     bsp = serialize(WORKS, "bsp", cpus=2, barrier_ns=3.0, share=0.5)
     assert _by(bsp, 0, "barrier") == [(340.0, 563.0), (563.0, 566.0)]
     assert _by(bsp, 0, "reorder") == [(566.0, 576.0)]
+
+
+def test_back_to_back_calls_start_where_each_rank_ended() -> None:
+    # a CPU each. The first call (all start at 0, test above) ends rank 0 at 225 and rank 1
+    # at 287: rank 1 enters the next call 62 later. Second call: rank 0 init 0-10, waits for
+    # rank 1's readiness (its init 62-82): 10-82, sends 82-182 and 182-232, waits for rank
+    # 1's rows (82-282): 232-282, places 282-287; rank 1 sends 82-282, 282-342 (rank 0's rows
+    # to it are in at 182), places 342-349. Ends 287 and 349: the skew is again 62, so the
+    # third call repeats the second
+    for calls in (2, 3):
+        spans = back_to_back(WORKS, "asp", cpus=2, calls=calls)
+        assert _by(spans, 0, "wait") == [(10.0, 82.0), (232.0, 282.0)]
+        assert _by(spans, 0, "send") == [(82.0, 182.0), (182.0, 232.0)]
+        assert _by(spans, 0, "reorder") == [(282.0, 287.0)]
+        assert _by(spans, 1, "init") == [(62.0, 82.0)]
+        assert _by(spans, 1, "send") == [(82.0, 282.0), (282.0, 342.0)]
+        assert _by(spans, 1, "reorder") == [(342.0, 349.0)]
+    assert back_to_back(WORKS, "asp", cpus=2, calls=1) == serialize(WORKS, "asp", cpus=2)
+    # a rank that starts later on one CPU runs after the ranks already runnable
+    late = serialize(WORKS, "asp", cpus=1, start_ns=[0.0, 5.0])
+    assert _by(late, 1, "init") == [(10.0, 30.0)]
+    with pytest.raises(InvalidArgumentError, match="calls"):
+        back_to_back(WORKS, "asp", cpus=2, calls=0)
+    with pytest.raises(InvalidArgumentError, match="start_ns"):
+        serialize(WORKS, "asp", cpus=2, start_ns=[0.0])
 
 
 def test_cpu_share_is_the_measured_cpus_over_the_whole_ones() -> None:

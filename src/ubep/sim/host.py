@@ -33,7 +33,7 @@ import numpy as np
 from ..errors import InvalidArgumentError
 from ..modes import LAYOUTS, Engine, Layout, Sync
 from ..sched.plan import Plan
-from .host_sched import RankWork, SchedSpan, serialize
+from .host_sched import RankWork, SchedSpan, back_to_back, serialize
 from .spec import RowCosts
 from .syncs import sync_mode
 
@@ -349,16 +349,23 @@ def rank_works(case: HostCase, topk_idxs: Sequence[np.ndarray], costs: RowCosts,
 
 def predict_host_tasks(case: HostCase, topk_idxs: Sequence[np.ndarray], *, fixed_ns: float,
                        flag_oneway_ns: float, timer: KernelTimer, cpus: int,
-                       row_meta_ns: float = 0.0, cpu_share: float = 1.0) -> list[SchedSpan]:
+                       row_meta_ns: float = 0.0, cpu_share: float = 1.0,
+                       calls: int = 1) -> list[SchedSpan]:
     """The model's spans of one call of ``case``: every rank's tasks timed from its own rows
     (:func:`rank_works`; ``timer`` gives a pass's own time, not shared: the sharing of CPUs is
     the schedule), run on ``cpus`` CPUs until each must wait
     (:func:`ubep.sim.host_sched.serialize`; a barrier costs one flag latency), each CPU
     giving them ``cpu_share`` of its time (:func:`ubep.sim.host_sched.cpu_share`: other
-    processes take the rest). A combine's ranks only wait for a CPU: each reduces as soon as
-    it runs."""
+    processes take the rest). ``calls`` > 1: the last of that many calls back to back, each
+    rank's call starting when it ended its last (:func:`ubep.sim.host_sched.back_to_back`:
+    the ranks' skew at entry, from their unequal ends); 1: the ranks start together (after a
+    barrier, as bench_dispatch times them). A combine's ranks only wait for a CPU: each
+    reduces as soon as it runs."""
     costs, extra = _row_costs(case, timer, combine_terms(topk_idxs, case))
     works = rank_works(case, topk_idxs, costs, init_ns=fixed_ns + extra,
                        row_meta_ns=row_meta_ns)
     engine = case.engine if case.op == "dispatch" else "asp"
+    if calls > 1:
+        return back_to_back(works, engine, cpus, barrier_ns=flag_oneway_ns, share=cpu_share,
+                            calls=calls)
     return serialize(works, engine, cpus, barrier_ns=flag_oneway_ns, share=cpu_share)
