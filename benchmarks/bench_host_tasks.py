@@ -230,7 +230,8 @@ def compare_case(micro: Any, case: Any, r: int, warmup: int, repeats: int, calls
         tiny = {"ranks": r, **asdict(hm.tiny_case(case)), "dispatch": {"median_us": tiny_us}}
         fixed = hm.fixed_cost(micro, {r: flag}, tiny, "dispatch", cpus, share)["fixed_ns"]
     # ranks that share a CPU take turns on it: their passes are priced so, and their rows to
-    # a rank on the other CPU by the pass whose writer and reader run on different CPUs
+    # a rank on the other CPU at least as the pass whose writer and reader run on different
+    # CPUs
     spans = predict_host_tasks(hc, idxs, fixed_ns=fixed, flag_oneway_ns=flag,
                                timer=timers[cpus < r], cpus=cpus, row_meta_ns=meta,
                                cpu_share=share, calls=BACK_TO_BACK, cross_timer=timers[False])

@@ -160,11 +160,11 @@ class Micro:
         expert outputs, 2 for the rest: ASP's two receive regions)."""
         # A pass is timed uninterrupted only with one process per CPU: with more, a
         # multi-millisecond pass is cut by time slices (the sharing is the schedule's). With
-        # ``turns`` as many processes take turns on one CPU as ranks share one (4 ranks on
-        # 2 CPUs: 2); the rows to a rank on the other CPU are the pass without turns
-        # (ubep.sim.host.predict_host_tasks' ``cross_timer``).
+        # ``turns`` every rank's process takes turns on one CPU: each pass follows all the
+        # others' buffers through the shared L3, as the ranks' calls do (4 ranks' receive
+        # regions overflow what 2 ranks' fit in; a rank's own exceed a core's L2 either way).
         cpus = os.cpu_count() or 1
-        pairs = min(procs, max(2, cpus - cpus % 2))
+        pairs = procs if turns else min(procs, max(2, cpus - cpus % 2))
         # the reduce reads the expert outputs, one buffer where the experts left them (no
         # alternating receive regions): one copy
         if copies is None:

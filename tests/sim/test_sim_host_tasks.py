@@ -186,11 +186,16 @@ def test_rank_works_price_rows_to_a_rank_on_another_cpu_as_their_own_class() -> 
     def cross(writer: str, reader: str, terms: int) -> tuple[float, float]:
         return (100.0, 30.0)
 
-    # through the model: 4 ranks on 2 CPUs price rows across CPUs by the cross pass; on 4
-    # CPUs (nobody shares) the cross pass is not used
-    for cpus, want in ((2, [100.0, 10.0, 100.0, 1.0]), (4, [10.0, 10.0, 10.0, 1.0])):
+    def cheap_cross(writer: str, reader: str, terms: int) -> tuple[float, float]:
+        return (4.0, 1.0)
+
+    # through the model: 4 ranks on 2 CPUs price rows across CPUs by the larger of the cross
+    # pass and the pass with turns; on 4 CPUs (nobody shares) the cross pass is not used
+    for cpus, cross_timer, want in ((2, cross, [100.0, 10.0, 100.0, 1.0]),
+                                    (2, cheap_cross, [10.0, 10.0, 10.0, 1.0]),
+                                    (4, cross, [10.0, 10.0, 10.0, 1.0])):
         spans = predict_host_tasks(case, idxs, fixed_ns=0.0, flag_oneway_ns=0.0, timer=turns,
-                                   cpus=cpus, cross_timer=cross)
+                                   cpus=cpus, cross_timer=cross_timer)
         sends = sorted((s.start_ns, s.end_ns) for s in spans if s.rank == 0
                        and s.task == "send")
         assert [e - b for b, e in sends] == want

@@ -257,9 +257,11 @@ def kernel_passes(case: HostCase, terms: int) -> dict[str, tuple[str, str, int]]
 def _row_costs(case: HostCase, timer: KernelTimer, terms: int,
                cross: KernelTimer | None = None) -> tuple[RowCosts, float]:
     """Per-hop row costs and the per-call extra (SP's sentinel scan of ``x``). With ``cross``
-    a third class, rows between ranks on different CPUs where ranks share CPUs: the send pass
-    as ``cross`` times it (writer and reader on different CPUs), where ``timer`` times the
-    passes of ranks that take turns on one CPU."""
+    a third class, rows between ranks on different CPUs where ranks share CPUs: the larger of
+    the send pass as ``cross`` times it (writer and reader on different CPUs: the row's lines
+    come from the other CPU) and as ``timer`` times it (every rank's process taking turns on
+    one CPU: all the ranks' buffers through the caches), a cost the row pays at least
+    either way."""
     passes = kernel_passes(case, terms)
     if case.op == "combine":
         # ns per row reduced, the rows read where combine.c reads them (combine_row_map)
@@ -271,6 +273,7 @@ def _row_costs(case: HostCase, timer: KernelTimer, terms: int,
         extra = timer(*passes["validate"])[0] * case.tokens
     checksum = timer(*passes["checksum"])[0] if "checksum" in passes else 0.0
     w2, r2 = cross(*passes["send"]) if cross is not None else (w, r)
+    w2, r2 = max(w2, w), max(r2, r)
     if case.engine == "asp":
         own, _ = timer(*passes["own"])
         # own rows: copied straight into recv_x, nobody polls them
@@ -379,8 +382,9 @@ def predict_host_tasks(case: HostCase, topk_idxs: Sequence[np.ndarray], *, fixed
     barrier, as bench_dispatch times them). ``cross_timer``, where the ranks share CPUs
     (``cpus`` < ranks): rank ``r`` runs on CPU ``r % cpus`` (which ranks share a CPU is the
     kernel's choice; every rank has as many peers on its own CPU either way) and a row to or
-    from a rank on another CPU is priced by ``cross_timer``'s pass (its lines in the other
-    CPU's caches), the rest by ``timer``'s (the passes that take turns on one CPU). A
+    from a rank on another CPU costs at least ``cross_timer``'s pass (its lines in the other
+    CPU's caches) and ``timer``'s (the passes that take turns on one CPU), the rest
+    ``timer``'s. A
     combine's ranks only wait for a CPU: each reduces as soon as it runs."""
     shared = cross_timer is not None and cpus < case.ranks and case.op == "dispatch"
     costs, extra = _row_costs(case, timer, combine_terms(topk_idxs, case),
