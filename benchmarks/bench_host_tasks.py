@@ -229,12 +229,10 @@ def compare_case(micro: Any, case: Any, r: int, warmup: int, repeats: int, calls
                 timer(w, rd, t)
         tiny = {"ranks": r, **asdict(hm.tiny_case(case)), "dispatch": {"median_us": tiny_us}}
         fixed = hm.fixed_cost(micro, {r: flag}, tiny, "dispatch", cpus, share)["fixed_ns"]
-    # ranks that share a CPU take turns on it: their passes are priced so, and their rows to
-    # a rank on the other CPU at least as the pass whose writer and reader run on different
-    # CPUs
+    # ranks that share a CPU take turns on it: their passes are priced so
     spans = predict_host_tasks(hc, idxs, fixed_ns=fixed, flag_oneway_ns=flag,
                                timer=timers[cpus < r], cpus=cpus, row_meta_ns=meta,
-                               cpu_share=share, calls=BACK_TO_BACK, cross_timer=timers[False])
+                               cpu_share=share, calls=BACK_TO_BACK)
     pred_spans = [(s.rank, s.task, s.start_ns, s.end_ns) for s in spans]
     meas = _med_calls(measured, case.engine, r)
     pred = categories(pred_spans, case.engine, r)

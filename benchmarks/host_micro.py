@@ -160,9 +160,9 @@ class Micro:
         expert outputs, 2 for the rest: ASP's two receive regions)."""
         # A pass is timed uninterrupted only with one process per CPU: with more, a
         # multi-millisecond pass is cut by time slices (the sharing is the schedule's). With
-        # ``turns`` every rank's process takes turns on one CPU: each pass follows all the
-        # others' buffers through the shared L3, as the ranks' calls do (4 ranks' receive
-        # regions overflow what 2 ranks' fit in; a rank's own exceed a core's L2 either way).
+        # ``turns`` the processes take turns on one CPU, so every rank's process runs: each
+        # pass follows all the others' buffers through the caches, as the ranks' calls do
+        # (4 ranks' receive regions overflow what 2 ranks' fit in).
         cpus = os.cpu_count() or 1
         pairs = procs if turns else min(procs, max(2, cpus - cpus % 2))
         # the reduce reads the expert outputs, one buffer where the experts left them (no

@@ -162,45 +162,6 @@ def test_rank_works_are_each_ranks_own_rows() -> None:
     assert bsp[0].send_ns == (30.0, 6.0)  # no per-row bookkeeping outside ASP's send loop
 
 
-def test_rank_works_price_rows_to_a_rank_on_another_cpu_as_their_own_class() -> None:
-    # 4 ranks, 8 experts (2 a rank), top-1; every rank sends one row to each rank (tokens to
-    # experts 0, 2, 4, 6); ranks 0 and 2 on CPU 0, 1 and 3 on CPU 1
-    idxs = [np.array([[0], [2], [4], [6]])] * 4
-    case = HostCase(ranks=4, tokens=4, hidden=64, itemsize=2, layout="expert", engine="asp",
-                    sync="tff", op="dispatch", num_experts=8, num_topk=1)
-    costs = RowCosts(send_ns=(1.0, 10.0, 100.0), consume_ns=(0.5, 3.0, 30.0))
-    works = rank_works(case, idxs, costs, init_ns=0.0, cpu_of=[0, 1, 0, 1])
-    # rank 0 sends to 1 (other CPU: 100), 2 (its CPU: 10), 3 (other: 100), itself (1); it
-    # receives its own row (0.5), rank 2's (3) and ranks 1 and 3's (30 each)
-    assert works[0] == RankWork(0.0, (1, 2, 3, 0), (100.0, 10.0, 100.0, 1.0), 63.5)
-    # rank 1 (CPU 1): to 2 (other), 3 (its CPU), 0 (other), itself
-    assert works[1] == RankWork(0.0, (2, 3, 0, 1), (100.0, 10.0, 100.0, 1.0), 63.5)
-    # without CPUs every peer is class 1
-    assert rank_works(case, idxs, costs, init_ns=0.0)[0].send_ns == (10.0, 10.0, 10.0, 1.0)
-    with pytest.raises(InvalidArgumentError, match="cpu_of"):
-        rank_works(case, idxs, costs, init_ns=0.0, cpu_of=[0, 1])
-
-    def turns(writer: str, reader: str, terms: int) -> tuple[float, float]:
-        return (1.0, 0.0) if writer == "copy" else (10.0, 3.0)
-
-    def cross(writer: str, reader: str, terms: int) -> tuple[float, float]:
-        return (100.0, 30.0)
-
-    def cheap_cross(writer: str, reader: str, terms: int) -> tuple[float, float]:
-        return (4.0, 1.0)
-
-    # through the model: 4 ranks on 2 CPUs price rows across CPUs by the larger of the cross
-    # pass and the pass with turns; on 4 CPUs (nobody shares) the cross pass is not used
-    for cpus, cross_timer, want in ((2, cross, [100.0, 10.0, 100.0, 1.0]),
-                                    (2, cheap_cross, [10.0, 10.0, 10.0, 1.0]),
-                                    (4, cross, [10.0, 10.0, 10.0, 1.0])):
-        spans = predict_host_tasks(case, idxs, fixed_ns=0.0, flag_oneway_ns=0.0, timer=turns,
-                                   cpus=cpus, cross_timer=cross_timer)
-        sends = sorted((s.start_ns, s.end_ns) for s in spans if s.rank == 0
-                       and s.task == "send")
-        assert [e - b for b, e in sends] == want
-
-
 @pytest.mark.parametrize(("ranks", "layout"), [(2, "expert"), (2, "rank"), (4, "expert")])
 def test_send_positions_asp_are_the_rows_final_places(ranks: int, layout: str) -> None:
     E, T, K = 8, 6, 3

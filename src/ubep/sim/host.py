@@ -254,14 +254,8 @@ def kernel_passes(case: HostCase, terms: int) -> dict[str, tuple[str, str, int]]
     return out
 
 
-def _row_costs(case: HostCase, timer: KernelTimer, terms: int,
-               cross: KernelTimer | None = None) -> tuple[RowCosts, float]:
-    """Per-hop row costs and the per-call extra (SP's sentinel scan of ``x``). With ``cross``
-    a third class, rows between ranks on different CPUs where ranks share CPUs: the larger of
-    the send pass as ``cross`` times it (writer and reader on different CPUs: the row's lines
-    come from the other CPU) and as ``timer`` times it (every rank's process taking turns on
-    one CPU: all the ranks' buffers through the caches), a cost the row pays at least
-    either way."""
+def _row_costs(case: HostCase, timer: KernelTimer, terms: int) -> tuple[RowCosts, float]:
+    """Per-hop row costs and the per-call extra (SP's sentinel scan of ``x``)."""
     passes = kernel_passes(case, terms)
     if case.op == "combine":
         # ns per row reduced, the rows read where combine.c reads them (combine_row_map)
@@ -272,17 +266,13 @@ def _row_costs(case: HostCase, timer: KernelTimer, terms: int,
     if "validate" in passes:
         extra = timer(*passes["validate"])[0] * case.tokens
     checksum = timer(*passes["checksum"])[0] if "checksum" in passes else 0.0
-    w2, r2 = cross(*passes["send"]) if cross is not None else (w, r)
-    w2, r2 = max(w2, w), max(r2, r)
     if case.engine == "asp":
         own, _ = timer(*passes["own"])
         # own rows: copied straight into recv_x, nobody polls them
-        return RowCosts(send_ns=(own, w + checksum, w2 + checksum),
-                        consume_ns=(0.0, r, r2)), extra
+        return RowCosts(send_ns=(own, w + checksum), consume_ns=(0.0, r)), extra
     # BSP: every row is staged and reordered; the DC sender pass is folded into the row's
     # receive-side work (one core per rank runs both, back to back)
-    return RowCosts(send_ns=(w, w, w2),
-                    consume_ns=(r + checksum, r + checksum, r2 + checksum)), extra
+    return RowCosts(send_ns=(w,), consume_ns=(r + checksum,)), extra
 
 
 def combine_terms(topk_idxs: Sequence[np.ndarray], case: HostCase) -> int:
@@ -321,18 +311,14 @@ def call_latency_ns(spans: Sequence[SchedSpan]) -> float:
 
 
 def rank_works(case: HostCase, topk_idxs: Sequence[np.ndarray], costs: RowCosts, *,
-               init_ns: float, row_meta_ns: float = 0.0,
-               cpu_of: Sequence[int] | None = None) -> list[RankWork]:
+               init_ns: float, row_meta_ns: float = 0.0) -> list[RankWork]:
     """Each rank's own work in one call (ns), from its own rows. A dispatch: ``init_ns`` (the call's
     fixed cost: in a loop of calls a rank's Python exit of one call and entry of the next run
     back to back on its CPU before its sends); per destination in canonical order, its rows
     times the row's send cost (own rows: hop 0) plus ``row_meta_ns`` a row (ASP's per-row
     bookkeeping, host_micro's ``rowmeta``: a row's position and unit logged, and with
-    tracing on its span recorded); its received rows times their consume cost. ``cpu_of``:
-    the CPU each rank runs on, where ranks share CPUs; a row between two ranks on different
-    CPUs is then hop class 2 (``costs``' third entry: its lines come from the other CPU's
-    caches), between two on one CPU class 1. A combine: ``init_ns``, then its reduction of
-    the rows of its own tokens, no sends."""
+    tracing on its span recorded); its received rows times their consume cost. A combine:
+    ``init_ns``, then its reduction of the rows of its own tokens, no sends."""
     if len(topk_idxs) != case.ranks:
         raise InvalidArgumentError("topk_idxs", len(topk_idxs), f"needs {case.ranks} arrays")
     plans = canonical_plans(topk_idxs, case.num_experts, case.layout)
@@ -345,22 +331,17 @@ def rank_works(case: HostCase, topk_idxs: Sequence[np.ndarray], costs: RowCosts,
         return [RankWork(init_ns=float(init_ns), send_dst=(), send_ns=(),
                          reorder_ns=float(p.send_token.size) * per_row) for p in plans]
     meta = float(row_meta_ns) if case.engine == "asp" else 0.0
-    if cpu_of is not None and len(cpu_of) != R:
-        raise InvalidArgumentError("cpu_of", list(cpu_of), f"needs one CPU per rank ({R})")
-    cpu = np.zeros(R, dtype=np.int64) if cpu_of is None else np.asarray(cpu_of, dtype=np.int64)
-    # hop class of (source, destination): own rank 0, a peer on the same CPU 1, on another 2
-    hop_of = np.where(np.eye(R, dtype=bool), 0, np.where(cpu[:, None] == cpu[None, :], 1, 2))
-    recv = np.zeros((R, 3))  # [rank, hop class]: rows received
+    recv = np.zeros((R, 2))  # [rank, hop]: rows received
     for p in plans:
-        np.add.at(recv, (p.send_dst_rank, hop_of[p.rank, p.send_dst_rank]), 1.0)
+        np.add.at(recv, (p.send_dst_rank, p.send_hop.clip(0, 1)), 1.0)
     out = []
     for p in plans:
         rows_to = np.bincount(p.send_dst_rank, minlength=R)
         order = [(p.rank + 1 + i) % R for i in range(R)]
         dst = tuple(d for d in order if rows_to[d])
-        send = tuple(float(rows_to[d]) * (float(costs.per_hop("send_ns", np.array([
-            hop_of[p.rank, d]]))[0]) + meta) for d in dst)
-        consume = costs.per_hop("consume_ns", np.array([0, 1, 2]))
+        send = tuple(float(rows_to[d]) * (float(costs.per_hop("send_ns", np.array([int(
+            d != p.rank)]))[0]) + meta) for d in dst)
+        consume = costs.per_hop("consume_ns", np.array([0, 1]))
         out.append(RankWork(init_ns=float(init_ns), send_dst=dst, send_ns=send,
                             reorder_ns=float(recv[p.rank] @ consume)))
     return out
@@ -369,8 +350,7 @@ def rank_works(case: HostCase, topk_idxs: Sequence[np.ndarray], costs: RowCosts,
 def predict_host_tasks(case: HostCase, topk_idxs: Sequence[np.ndarray], *, fixed_ns: float,
                        flag_oneway_ns: float, timer: KernelTimer, cpus: int,
                        row_meta_ns: float = 0.0, cpu_share: float = 1.0,
-                       calls: int = 1, cross_timer: KernelTimer | None = None
-                       ) -> list[SchedSpan]:
+                       calls: int = 1) -> list[SchedSpan]:
     """The model's spans of one call of ``case``: every rank's tasks timed from its own rows
     (:func:`rank_works`; ``timer`` gives a pass's own time, not shared: the sharing of CPUs is
     the schedule), run on ``cpus`` CPUs until each must wait
@@ -379,19 +359,11 @@ def predict_host_tasks(case: HostCase, topk_idxs: Sequence[np.ndarray], *, fixed
     processes take the rest). ``calls`` > 1: the last of that many calls back to back, each
     rank's call starting when it ended its last (:func:`ubep.sim.host_sched.back_to_back`:
     the ranks' skew at entry, from their unequal ends); 1: the ranks start together (after a
-    barrier, as bench_dispatch times them). ``cross_timer``, where the ranks share CPUs
-    (``cpus`` < ranks): rank ``r`` runs on CPU ``r % cpus`` (which ranks share a CPU is the
-    kernel's choice; every rank has as many peers on its own CPU either way) and a row to or
-    from a rank on another CPU costs at least ``cross_timer``'s pass (its lines in the other
-    CPU's caches) and ``timer``'s (the passes that take turns on one CPU), the rest
-    ``timer``'s. A
-    combine's ranks only wait for a CPU: each reduces as soon as it runs."""
-    shared = cross_timer is not None and cpus < case.ranks and case.op == "dispatch"
-    costs, extra = _row_costs(case, timer, combine_terms(topk_idxs, case),
-                              cross_timer if shared else None)
+    barrier, as bench_dispatch times them). A combine's ranks only wait for a CPU: each
+    reduces as soon as it runs."""
+    costs, extra = _row_costs(case, timer, combine_terms(topk_idxs, case))
     works = rank_works(case, topk_idxs, costs, init_ns=fixed_ns + extra,
-                       row_meta_ns=row_meta_ns,
-                       cpu_of=[r % cpus for r in range(case.ranks)] if shared else None)
+                       row_meta_ns=row_meta_ns)
     engine = case.engine if case.op == "dispatch" else "asp"
     if calls > 1:
         return back_to_back(works, engine, cpus, barrier_ns=flag_oneway_ns, share=cpu_share,
