@@ -251,3 +251,9 @@ def test_predict_host_tasks_combine_ranks_take_turns_on_one_cpu() -> None:
     assert _by(spans, 1, "init") == [(1160.0, 2160.0)]
     assert _by(spans, 1, "reorder") == [(2160.0, 2240.0)]
     assert [s for s in spans if s.task == "wait"] == []
+    # one call is the ranks starting together (the spans above); fewer is refused
+    assert predict_host_tasks(case, idxs, fixed_ns=1000.0, flag_oneway_ns=0.0, timer=timer,
+                              cpus=1, calls=1) == spans
+    with pytest.raises(InvalidArgumentError, match="calls"):
+        predict_host_tasks(case, idxs, fixed_ns=1000.0, flag_oneway_ns=0.0, timer=timer,
+                           cpus=1, calls=0)

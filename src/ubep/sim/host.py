@@ -361,6 +361,8 @@ def predict_host_tasks(case: HostCase, topk_idxs: Sequence[np.ndarray], *, fixed
     the ranks' skew at entry, from their unequal ends); 1: the ranks start together (after a
     barrier, as bench_dispatch times them). A combine's ranks only wait for a CPU: each
     reduces as soon as it runs."""
+    if calls < 1:
+        raise InvalidArgumentError("calls", calls, "must be >= 1")
     costs, extra = _row_costs(case, timer, combine_terms(topk_idxs, case))
     works = rank_works(case, topk_idxs, costs, init_ns=fixed_ns + extra,
                        row_meta_ns=row_meta_ns)
