@@ -3,18 +3,25 @@
     python -m benchmarks.bench_host_tasks --out benchmarks/results/host_tasks
 
 For 2 and 4 ranks, uniform and hot-expert routing, UBEP's ASP/TFF and the BSP/SW baseline, both
-layouts (128 tokens x 2048 BF16): each case's microbenchmarks (benchmarks/host_micro.py: row
-passes at the runtime's own positions, the per-row bookkeeping, the flag latency, the CPUs the
-ranks get now, the 64-element call for the fixed cost), right before its traced dispatches
-(``BufferConfig(trace=True)``, one core a rank), then the host model's spans of the same call
-(``ubep.sim.host.predict_host_tasks``): per rank and call, busy, send and wait time, measured
-beside predicted, and a plot of one call's spans, the model's over the runtime's. Nothing the
-model is given is read from the traces it is compared with.
+layouts (128 tokens x 2048 BF16): each case's traced dispatches (``BufferConfig(trace=True)``,
+one core a rank) after its 64-element calls (the fixed cost) in the same launch, the CPUs the
+ranks get on both sides, then its microbenchmarks (benchmarks/host_micro.py: row passes at the
+runtime's own positions, the per-row bookkeeping, the flag latency), then the host model's spans
+of the same call (``ubep.sim.host.predict_host_tasks``): per rank and call, busy, send and wait
+time, measured beside predicted, and a plot of one call's spans, the model's over the runtime's.
+Nothing the model is given is read from the traces it is compared with.
+
+The ranks and the microbenchmarks run at real-time priority (``host_micro.held_cpus``;
+``--no-hold``: at their own): on this shared host a span measured at normal priority holds
+other processes' time slices (a rank that yields in a wait hands its CPU over for a whole
+slice, milliseconds), which the model, predicting the machine to itself, leaves out. Each
+rank's run delay over its calls (``/proc/self/task/*/schedstat``) says what the host gave it.
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Any
 
 import numpy as np
@@ -23,6 +30,10 @@ import numpy as np
 # routing, UBEP's ASP/TFF and the BSP/SW baseline, both layouts, 2 and 4 ranks.
 GRID_MODES = (("asp", "tff"), ("bsp", "sw"))
 GRID_ROUTINGS = ("uniform", "hot")
+# the traced dispatches run back to back (no barrier between them): the model's call is the
+# last of this many, each rank's call starting where it ended its last
+# (ubep.sim.host_sched.back_to_back)
+BACK_TO_BACK = 4
 
 
 def grid_cases(ranks: list[int]) -> list[tuple[int, Any]]:
@@ -34,39 +45,80 @@ def grid_cases(ranks: list[int]) -> list[tuple[int, Any]]:
             for layout in LAYOUTS]
 
 
-def rank_main(group: Any, case: Any, warmup: int, calls: int) -> Any:
-    """``warmup + calls`` traced dispatches of ``case`` back to back on one core a rank, the
-    warm-up's spans dropped."""
+def rank_main(group: Any, case: Any, warmup: int, calls: int, repeats: int = 0,
+              hold: bool = False) -> Any:
+    """One rank's side of a case, one core a rank: with ``hold``, the rank first takes the
+    real-time priority (``host_micro.hold_cpus``: no other process's time slice lands inside
+    its calls, the machine to itself as the model predicts it); ``warmup + repeats``
+    64-element dispatches, each after a barrier (the fixed cost's call, timed as bench_dispatch
+    times it); then ``warmup + calls`` traced dispatches of ``case`` back to back, the
+    warm-up's spans dropped, each call's CPU time and run delay read around it. Returns the
+    spans, the 64-element calls' ``(start, end)`` ns and, per traced call, ``(wall, CPU time,
+    run delay)`` ns."""
     from benchmarks import bench_dispatch as bd
+    from benchmarks import host_model as hm
+    from benchmarks.harness import collective_spans
+    from benchmarks.host_micro import hold_cpus, run_delay_ns
     from ubep.buffer import Buffer
     from ubep.trace import spans_of
 
+    if hold:
+        hold_cpus()
+    tiny_calls: list[tuple[int, int]] = []
+    if repeats:
+        tiny = hm.tiny_case(case)
+        tx, tidx, tw = bd.inputs(tiny, group.rank)
+        with Buffer(group, bd._config(tiny)) as buf:
+            got = collective_spans(group.barrier, lambda: buf.dispatch(tx, tidx, tw), warmup,
+                                   repeats)
+        tiny_calls = [(int(a), int(b)) for a, b in got]
     cfg = bd._config(case)
     cfg = cfg.__class__(**{**cfg.__dict__, "trace": True, "num_cores": 1})
     x, idx, w = bd.inputs(case, group.rank)
+    per_call: list[tuple[int, int, int]] = []
     with Buffer(group, cfg) as buf:
         for i in range(warmup + calls):
             if i == warmup:
                 spans_of(buf)  # the warm-up's spans dropped
+            cpu0, delay0 = run_delay_ns()
+            t0 = time.monotonic_ns()
             buf.dispatch(x, idx, w)
-        return spans_of(buf)
+            wall = time.monotonic_ns() - t0
+            cpu1, delay1 = run_delay_ns()
+            if i >= warmup:
+                per_call.append((wall, cpu1 - cpu0, delay1 - delay0))
+        return spans_of(buf), tiny_calls, per_call
 
 
-def measured_calls(case: Any, ranks: int, warmup: int = 5,
-                   calls: int = 20) -> list[list[tuple[int, str, float, float]]]:
-    """The runtime's traced dispatches of ``case``: per call, every span ``(rank, kind, start,
-    end)`` in ns from that rank's call start (calls matched by their order on each rank)."""
+def measured_calls(case: Any, ranks: int, warmup: int = 20, calls: int = 20, repeats: int = 0,
+                   hold: bool = False) -> tuple[list[list[tuple[int, str, float, float]]],
+                                                float, dict[str, float]]:
+    """The runtime's traced dispatches of ``case`` (:func:`rank_main`): per call, every span
+    ``(rank, kind, start, end)`` in ns from that rank's call start (calls matched by their
+    order on each rank); the 64-element call's median latency in us (per call the slowest
+    rank's, as bench_dispatch reports it; 0 without ``repeats``); and what the host gave the
+    ranks over the traced calls, summed over ranks and calls: ``wall_ns``, ``cpu_ns``,
+    ``run_delay_ns`` per rank and call, and ``run_delay_share`` (run delay / wall)."""
     from ubep.runtime import launch
 
-    per_rank = launch(rank_main, ranks, case, warmup, calls, timeout_s=600)
+    per_rank = launch(rank_main, ranks, case, warmup, calls, repeats, hold, timeout_s=600)
     out: list[list[tuple[int, str, float, float]]] = [[] for _ in range(calls)]
-    for t in per_rank:
+    for t, _, _ in per_rank:
         calls_r = sorted((c for c in t.calls if c.name == "dispatch"), key=lambda c: c.start_ns)
         for i, c in enumerate(calls_r[-calls:]):
             out[i] += [(s.rank, s.task, s.start_ns - c.start_ns, s.end_ns - c.start_ns)
                        for s in t.spans if s.rank == c.rank and c.start_ns <= s.start_ns
                        and s.end_ns <= c.end_ns]
-    return out
+    tiny_us = 0.0
+    if repeats:
+        worst = [max(e - s for s, e in per) for per in zip(*(tc for _, tc, _ in per_rank),
+                                                          strict=True)]
+        tiny_us = statistics.median(worst) / 1e3
+    n = max(1, ranks * calls)
+    wall, cpu, delay = (sum(c[k] for _, _, pc in per_rank for c in pc) for k in range(3))
+    host = {"wall_ns": wall / n, "cpu_ns": cpu / n, "run_delay_ns": delay / n,
+            "run_delay_share": delay / wall if wall > 0 else 0.0}
+    return out, tiny_us, host
 
 
 def categories(spans: list[tuple[int, str, float, float]], engine: str,
@@ -133,59 +185,75 @@ def bd_experts() -> int:
     return bd.NUM_EXPERTS
 
 
-def compare_case(micro: Any, case: Any, r: int, warmup: int, repeats: int, calls: int
+def compare_case(micro: Any, case: Any, r: int, warmup: int, repeats: int, calls: int,
+                 hold: bool = True
                  ) -> tuple[dict[str, Any], list[Any], list[tuple[int, str, float, float]]]:
-    """One case on ``r`` ranks: its microbenchmarks (row passes at the runtime's positions,
-    the per-row bookkeeping, the flag latency, the CPUs the ranks get, the 64-element call for
-    the fixed cost), right before its traced dispatches; then the model's spans of the same
-    call. Returns the table row, the measured calls' spans and the model's spans."""
+    """One case on ``r`` ranks: the CPUs the ranks get (before and after), one launch of its
+    64-element calls (the fixed cost) and its traced dispatches, then its microbenchmarks (row
+    passes at the runtime's positions, the per-row bookkeeping, the flag latency); then the
+    model's spans of the same call. With ``hold`` the ranks and every microbenchmark run at
+    the real-time priority (``host_micro.held_cpus``), so that both see the machine to
+    themselves. Returns the table row, the measured calls' spans and the model's spans."""
+    import os
+    from dataclasses import asdict
+
     from benchmarks import bench_dispatch as bd
     from benchmarks import host_model as hm
-    from benchmarks.host_micro import cpus_available
+    from benchmarks.host_micro import cpus_available, held_cpus
     from ubep.sim.host import kernel_passes, predict_host_tasks
-    from ubep.sim.host_sched import cpus_for
+    from ubep.sim.host_sched import cpu_share, cpus_for
 
     micro.cache.clear()  # this host drifts within minutes: each case measures its own
     idxs = hm.routing_of(case, r)
     hc = hm.host_case(case, r, "dispatch")
-    # the 64-element call first: the fixed cost, and a call's least time for the send passes
-    tiny = bd.run([r], [hm.tiny_case(case)], warmup, repeats, False, 1800.0)[0]
-    call_us = float(tiny["dispatch"]["median_us"])
-    timers = {turns: _grid_timer(micro, case, r, idxs, turns, call_us)
-              for turns in (False, True)}
-    rows = round(hm.rows_per_rank(idxs, case.layout, bd.NUM_EXPERTS))
-    meta = micro.per_row_ns(r, hc.row_bytes, rows, "rowmeta", "-", 1, cold=False)[0]
-    flag = micro.flag_oneway_ns(r)
-    for w, rd, t in kernel_passes(hc, 1).values():  # the row passes, before the calls
-        for timer in timers.values():
-            timer(w, rd, t)
-    # the CPUs the ranks get, on both sides of the traced calls (the load moves)
-    before = cpus_available(r)
-    measured = measured_calls(case, r, warmup=5, calls=calls)
-    avail = (before + cpus_available(r)) / 2
-    cpus = cpus_for(avail, r)
-    fixed = hm.fixed_cost(micro, {r: flag}, tiny, "dispatch", cpus)["fixed_ns"]
+    with held_cpus(hold) as held:  # the CPUs the ranks get, on both sides of their calls
+        before = cpus_available(r)
+    measured, tiny_us, host = measured_calls(case, r, warmup=max(warmup, 20), calls=calls,
+                                             repeats=repeats, hold=held)
+    with held_cpus(hold):
+        avail = (before + cpus_available(r)) / 2
+        # held, each rank keeps a CPU while it runs (its run delay is its peers' turns only:
+        # 0 % at 2 ranks), so the ranks run on min(ranks, CPUs) whole CPUs; at their own
+        # priority, on the CPUs they measured, each given the measured share of its time
+        cpus = min(r, os.cpu_count() or 1) if held else cpus_for(avail, r)
+        share = 1.0 if held else cpu_share(avail, cpus)
+        # held, nothing else runs between two writes of a receive slot: no gap
+        call_us = 0.0 if held else tiny_us
+        timers = {turns: _grid_timer(micro, case, r, idxs, turns, call_us)
+                  for turns in (False, True)}
+        rows = round(hm.rows_per_rank(idxs, case.layout, bd.NUM_EXPERTS))
+        meta = micro.per_row_ns(r, hc.row_bytes, rows, "rowmeta", "-", 1, cold=False)[0]
+        flag = micro.flag_oneway_ns(r)
+        for w, rd, t in kernel_passes(hc, 1).values():
+            for timer in timers.values():
+                timer(w, rd, t)
+        tiny = {"ranks": r, **asdict(hm.tiny_case(case)), "dispatch": {"median_us": tiny_us}}
+        fixed = hm.fixed_cost(micro, {r: flag}, tiny, "dispatch", cpus, share)["fixed_ns"]
     # ranks that share a CPU take turns on it: their passes are priced so
     spans = predict_host_tasks(hc, idxs, fixed_ns=fixed, flag_oneway_ns=flag,
-                               timer=timers[cpus < r], cpus=cpus, row_meta_ns=meta)
+                               timer=timers[cpus < r], cpus=cpus, row_meta_ns=meta,
+                               cpu_share=share, calls=BACK_TO_BACK)
     pred_spans = [(s.rank, s.task, s.start_ns, s.end_ns) for s in spans]
     meas = _med_calls(measured, case.engine, r)
     pred = categories(pred_spans, case.engine, r)
     row = {"ranks": r, "routing": case.routing, "engine": case.engine, "sync": case.sync,
-           "layout": case.layout, "cpus_available": avail, "cpus": cpus,
-           "fixed_us": fixed / 1e3, "flag_oneway_ns": flag, "row_meta_ns": meta,
+           "layout": case.layout, "held": held, "cpus_available": avail, "cpus": cpus,
+           "cpu_share": share, "run_delay_share": host["run_delay_share"],
+           "run_delay_us": host["run_delay_ns"] / 1e3, "fixed_us": fixed / 1e3,
+           "flag_oneway_ns": flag, "row_meta_ns": meta,
            "measured_us": {k: v / 1e3 for k, v in meas.items()},
            "predicted_us": {k: v / 1e3 for k, v in pred.items()}}
     return row, measured, pred_spans
 
 
-def run_grid(ranks: list[int], warmup: int, repeats: int, calls: int, micro: Any
-             ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def run_grid(ranks: list[int], warmup: int, repeats: int, calls: int, micro: Any,
+             hold: bool = True) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Every case of the grid (:func:`compare_case`), and the spans of one call per mode."""
     rows_out: list[dict[str, Any]] = []
     shown: dict[str, Any] = {}
     for r, case in grid_cases(ranks):
-        row, measured, pred_spans = compare_case(micro, case, r, warmup, repeats, calls)
+        row, measured, pred_spans = compare_case(micro, case, r, warmup, repeats, calls,
+                                                 hold)
         rows_out.append(row)
         if r == min(ranks) and case.routing == "uniform" and case.layout == "expert":
             # the call whose native span is the median, beside the model's
@@ -246,7 +314,10 @@ def merge_passes(passes: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         row = dict(same[0])
         for side in ("measured_us", "predicted_us"):
             row[side] = {k: statistics.median(r[side][k] for r in same) for k in row[side]}
-        for key in ("cpus_available", "fixed_us", "flag_oneway_ns", "row_meta_ns"):
+        for key in ("cpus_available", "cpu_share", "run_delay_share", "run_delay_us",
+                    "fixed_us", "flag_oneway_ns", "row_meta_ns"):
+            if key not in row:
+                continue
             row[key] = statistics.median(r[key] for r in same)
         row["cpus"] = ",".join(str(r["cpus"]) for r in same)
         row["passes"] = [{k: r[k] for k in ("cpus_available", "cpus", "measured_us",
@@ -293,13 +364,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--passes", type=int, default=3,
                         help="passes over the grid (each case's microbenchmarks, then its "
                              "calls); per case the median over passes")
+    parser.add_argument("--no-hold", action="store_true",
+                        help="run the ranks and microbenchmarks at their normal priority, "
+                             "beside the other processes' time slices")
     parser.add_argument("--out", default=None, help="write OUT.txt, OUT.json and OUT.png")
     args = parser.parse_args(argv)
     ranks = int_list(args.ranks, [2, 4])
     load_before = os.getloadavg()
     start = time.monotonic()
     micro = Micro(build(), millis=args.millis, rounds=args.rounds)
-    passes = [run_grid(ranks, args.warmup, args.repeats, args.calls, micro)
+    passes = [run_grid(ranks, args.warmup, args.repeats, args.calls, micro, not args.no_hold)
               for _ in range(args.passes)]
     rows = merge_passes([p[0] for p in passes])
     shown = passes[-1][1]
@@ -308,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         m, p = r["measured_us"], r["predicted_us"]
         table.append([r["ranks"], r["routing"], r["layout"], f"{r['engine']}/{r['sync']}",
-                      f"{r['cpus_available']:.2f}", r["cpus"], m["busy"], p["busy"],
+                      f"{r['cpus_available']:.2f}", r["cpus"],
+                      f"{100 * r.get('run_delay_share', 0.0):.1f}", m["busy"], p["busy"],
                       _err(p["busy"], m["busy"]), m["send"], p["send"], _err(p["send"], m["send"]),
                       m["wait"], p["wait"], _err(p["wait"], m["wait"])])
     summary = grid_summary(rows)
@@ -318,19 +393,26 @@ def main(argv: list[str] | None = None) -> int:
         f"# {os.cpu_count()} CPUs shared with other processes; load average (1-min) before "
         f"{load_before[0]:.2f}, after {load_after[0]:.2f}",
         "# per case (median over passes; cpus: the whole CPUs the model ran the ranks on, per "
-        "pass): 128 tokens x 2048 BF16, top-8 of 64 experts, one core a rank; measured = "
-        f"{args.calls} traced dispatches back to back after 5, per call the median over ranks "
-        f"of a rank's task time, median over calls, median over {args.passes} passes over the "
-        "grid; predicted = ubep.sim.host.predict_host_tasks "
-        "from that case's microbenchmarks, run right before it (row passes at the runtime's "
-        "positions, per-row bookkeeping, flag latency, the CPUs the ranks get, the fixed cost "
-        "from the 64-element call)",
+        "pass): 128 tokens x 2048 BF16, top-8 of 64 experts, one core a rank; "
+        + ("the ranks and the microbenchmarks at real-time priority (SCHED_FIFO 1: no other "
+           "process's time slice inside their calls; rdelay%: the ranks' run delay over their "
+           "calls' wall time, from /proc schedstat: a peer rank's turn on a shared CPU)"
+           if not args.no_hold else "the ranks and the microbenchmarks at their normal "
+           "priority, beside the other processes (rdelay%: the ranks' run delay over their "
+           "calls' wall time, from /proc schedstat)") + "; measured = "
+        f"{args.calls} traced dispatches back to back after 20, per call the median over "
+        "ranks of a rank's task time, median over calls, median over "
+        f"{args.passes} passes over the grid; predicted = ubep.sim.host.predict_host_tasks "
+        "from that case's microbenchmarks, run right after its calls (row passes at the "
+        "runtime's positions, per-row bookkeeping, flag latency, the CPUs the ranks get and "
+        "the share of each they get, the fixed cost from the 64-element call of the same "
+        "launch)",
         "# busy = every span but waits, barriers and init (ASP's receive is a wait); send = send "
         "spans; wait = waits and barriers (ASP: and the receive); us per call",
     ]
-    cols = ["ranks", "routing", "layout", "mode", "cpus_avail", "cpus", "busy_meas", "busy_pred",
-            "busy_err%", "send_meas", "send_pred", "send_err%", "wait_meas", "wait_pred",
-            "wait_err%"]
+    cols = ["ranks", "routing", "layout", "mode", "cpus_avail", "cpus", "rdelay%", "busy_meas",
+            "busy_pred", "busy_err%", "send_meas", "send_pred", "send_err%", "wait_meas",
+            "wait_pred", "wait_err%"]
     lines.append(format_table(cols, table, float_digits=1))
     lines += error_lines(summary, "task time")
     lines.append(f"\n({time.monotonic() - start:.0f} s)")

@@ -76,7 +76,7 @@ def case_of(row: dict[str, Any]) -> bd.Case:
 
 
 def fixed_cost(micro: Micro, flags: dict[int, float], tiny_row: dict[str, Any],
-               op: str, cpus: int) -> dict[str, float]:
+               op: str, cpus: int, cpu_share: float = 1.0) -> dict[str, float]:
     """From the 64-element-row call: the fixed cost (a rank's per call) with which the model's
     small call lasts what it measured, at least 0 (its own row passes priced by host_micro at
     its 128-byte rows). The model's latency grows by one fixed cost per rank that runs before
@@ -89,7 +89,8 @@ def fixed_cost(micro: Micro, flags: dict[int, float], tiny_row: dict[str, Any],
 
     def model(fixed_ns: float) -> float:
         return predict_host(host_case(case, r, op), idxs, fixed_ns=fixed_ns,
-                            flag_oneway_ns=flags[r], timer=timer, cpus=cpus)
+                            flag_oneway_ns=flags[r], timer=timer, cpus=cpus,
+                            cpu_share=cpu_share)
 
     model0 = model(0.0)
     probe = max(measured, 1.0)

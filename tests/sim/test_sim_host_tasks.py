@@ -19,7 +19,14 @@ from ubep.sim.host import (
     send_regions,
     writer_positions,
 )
-from ubep.sim.host_sched import RankWork, SchedSpan, cpus_for, serialize
+from ubep.sim.host_sched import (
+    RankWork,
+    SchedSpan,
+    back_to_back,
+    cpu_share,
+    cpus_for,
+    serialize,
+)
 from ubep.sim.spec import RowCosts
 
 # rank 0: init 10, 100 to rank 1, 50 to itself, 5 to place its received rows;
@@ -68,6 +75,63 @@ def test_bsp_barrier_releases_a_flag_latency_after_the_last_arrival() -> None:
     assert _by(spans, 1, "barrier")[0][1] == 283.0
     assert _by(spans, 0, "reorder") == [(286.0, 291.0)]
     assert _by(spans, 1, "reorder") == [(286.0, 293.0)]
+
+
+def test_a_cpu_share_stretches_every_task_not_the_barrier() -> None:
+    # a CPU each, half of each CPU left to the ranks: every task takes twice its own time.
+    # rank 0: init 0-20, waits for rank 1's readiness (its init 0-40), sends 40-240 and
+    # 240-340, waits for rank 1's rows to it (sent 40-440): 340-440, places 440-450;
+    # rank 1: sends 40-440, 440-560, its rows from rank 0 are in (240): places 560-574
+    spans = serialize(WORKS, "asp", cpus=2, share=0.5)
+    assert _by(spans, 0, "wait") == [(20.0, 40.0), (340.0, 440.0)]
+    assert _by(spans, 0, "send") == [(40.0, 240.0), (240.0, 340.0)]
+    assert _by(spans, 0, "reorder") == [(440.0, 450.0)]
+    assert _by(spans, 1, "send") == [(40.0, 440.0), (440.0, 560.0)]
+    assert _by(spans, 1, "reorder") == [(560.0, 574.0)]
+    # BSP: the sends end at 340 and 560; the barrier's flag latency (measured as the ranks
+    # run) is not stretched: released at 563, the second at 566
+    bsp = serialize(WORKS, "bsp", cpus=2, barrier_ns=3.0, share=0.5)
+    assert _by(bsp, 0, "barrier") == [(340.0, 563.0), (563.0, 566.0)]
+    assert _by(bsp, 0, "reorder") == [(566.0, 576.0)]
+
+
+def test_back_to_back_calls_start_where_each_rank_ended() -> None:
+    # a CPU each. The first call (all start at 0, test above) ends rank 0 at 225 and rank 1
+    # at 287: rank 1 enters the next call 62 later. Second call: rank 0 init 0-10, waits for
+    # rank 1's readiness (its init 62-82): 10-82, sends 82-182 and 182-232, waits for rank
+    # 1's rows (82-282): 232-282, places 282-287; rank 1 sends 82-282, 282-342 (rank 0's rows
+    # to it are in at 182), places 342-349. Ends 287 and 349: the skew is again 62, so the
+    # third call repeats the second
+    for calls in (2, 3):
+        spans = back_to_back(WORKS, "asp", cpus=2, calls=calls)
+        assert _by(spans, 0, "wait") == [(10.0, 82.0), (232.0, 282.0)]
+        assert _by(spans, 0, "send") == [(82.0, 182.0), (182.0, 232.0)]
+        assert _by(spans, 0, "reorder") == [(282.0, 287.0)]
+        assert _by(spans, 1, "init") == [(62.0, 82.0)]
+        assert _by(spans, 1, "send") == [(82.0, 282.0), (282.0, 342.0)]
+        assert _by(spans, 1, "reorder") == [(342.0, 349.0)]
+    assert back_to_back(WORKS, "asp", cpus=2, calls=1) == serialize(WORKS, "asp", cpus=2)
+    # a rank that starts later on one CPU runs after the ranks already runnable
+    late = serialize(WORKS, "asp", cpus=1, start_ns=[0.0, 5.0])
+    assert _by(late, 1, "init") == [(10.0, 30.0)]
+    with pytest.raises(InvalidArgumentError, match="calls"):
+        back_to_back(WORKS, "asp", cpus=2, calls=0)
+    with pytest.raises(InvalidArgumentError, match="start_ns"):
+        serialize(WORKS, "asp", cpus=2, start_ns=[0.0])
+
+
+def test_cpu_share_is_the_measured_cpus_over_the_whole_ones() -> None:
+    # 1.5 CPUs measured for 2 ranks run on 2 whole CPUs: each gives them 3/4 of its time;
+    # 1.2 CPUs for 2 ranks rounded to 1: that one CPU whole (a share is at most 1)
+    assert cpu_share(1.5, 2) == 0.75
+    assert cpu_share(1.2, 1) == 1.0
+    assert cpu_share(2.0, cpus_for(2.0, 4)) == 1.0
+    with pytest.raises(InvalidArgumentError, match="available"):
+        cpu_share(0.0, 1)
+    with pytest.raises(InvalidArgumentError, match="cpus"):
+        cpu_share(1.0, 0)
+    with pytest.raises(InvalidArgumentError, match="share"):
+        serialize(WORKS, "asp", cpus=1, share=0.0)
 
 
 def test_serialize_and_cpus_for_reject_bad_input() -> None:
@@ -187,3 +251,9 @@ def test_predict_host_tasks_combine_ranks_take_turns_on_one_cpu() -> None:
     assert _by(spans, 1, "init") == [(1160.0, 2160.0)]
     assert _by(spans, 1, "reorder") == [(2160.0, 2240.0)]
     assert [s for s in spans if s.task == "wait"] == []
+    # one call is the ranks starting together (the spans above); fewer is refused
+    assert predict_host_tasks(case, idxs, fixed_ns=1000.0, flag_oneway_ns=0.0, timer=timer,
+                              cpus=1, calls=1) == spans
+    with pytest.raises(InvalidArgumentError, match="calls"):
+        predict_host_tasks(case, idxs, fixed_ns=1000.0, flag_oneway_ns=0.0, timer=timer,
+                           cpus=1, calls=0)

@@ -33,7 +33,7 @@ import numpy as np
 from ..errors import InvalidArgumentError
 from ..modes import LAYOUTS, Engine, Layout, Sync
 from ..sched.plan import Plan
-from .host_sched import RankWork, SchedSpan, serialize
+from .host_sched import RankWork, SchedSpan, back_to_back, serialize
 from .spec import RowCosts
 from .syncs import sync_mode
 
@@ -287,7 +287,7 @@ def combine_terms(topk_idxs: Sequence[np.ndarray], case: HostCase) -> int:
 
 def predict_host(case: HostCase, topk_idxs: Sequence[np.ndarray], *, fixed_ns: float,
                  flag_oneway_ns: float, timer: KernelTimer, cpus: int,
-                 row_meta_ns: float = 0.0) -> float:
+                 row_meta_ns: float = 0.0, cpu_share: float = 1.0) -> float:
     """The model's latency (ns) of one call of ``case`` on this host: its ranks' tasks
     (:func:`predict_host_tasks`) run on ``cpus`` CPUs until each must wait, and the call lasts
     as long as its slowest rank, from that rank's first task to the end of its last
@@ -295,7 +295,8 @@ def predict_host(case: HostCase, topk_idxs: Sequence[np.ndarray], *, fixed_ns: f
     slowest)."""
     return call_latency_ns(predict_host_tasks(case, topk_idxs, fixed_ns=fixed_ns,
                                               flag_oneway_ns=flag_oneway_ns, timer=timer,
-                                              cpus=cpus, row_meta_ns=row_meta_ns))
+                                              cpus=cpus, row_meta_ns=row_meta_ns,
+                                              cpu_share=cpu_share))
 
 
 def call_latency_ns(spans: Sequence[SchedSpan]) -> float:
@@ -348,14 +349,25 @@ def rank_works(case: HostCase, topk_idxs: Sequence[np.ndarray], costs: RowCosts,
 
 def predict_host_tasks(case: HostCase, topk_idxs: Sequence[np.ndarray], *, fixed_ns: float,
                        flag_oneway_ns: float, timer: KernelTimer, cpus: int,
-                       row_meta_ns: float = 0.0) -> list[SchedSpan]:
+                       row_meta_ns: float = 0.0, cpu_share: float = 1.0,
+                       calls: int = 1) -> list[SchedSpan]:
     """The model's spans of one call of ``case``: every rank's tasks timed from its own rows
     (:func:`rank_works`; ``timer`` gives a pass's own time, not shared: the sharing of CPUs is
     the schedule), run on ``cpus`` CPUs until each must wait
-    (:func:`ubep.sim.host_sched.serialize`; a barrier costs one flag latency). A combine's
-    ranks only wait for a CPU: each reduces as soon as it runs."""
+    (:func:`ubep.sim.host_sched.serialize`; a barrier costs one flag latency), each CPU
+    giving them ``cpu_share`` of its time (:func:`ubep.sim.host_sched.cpu_share`: other
+    processes take the rest). ``calls`` > 1: the last of that many calls back to back, each
+    rank's call starting when it ended its last (:func:`ubep.sim.host_sched.back_to_back`:
+    the ranks' skew at entry, from their unequal ends); 1: the ranks start together (after a
+    barrier, as bench_dispatch times them). A combine's ranks only wait for a CPU: each
+    reduces as soon as it runs."""
+    if calls < 1:
+        raise InvalidArgumentError("calls", calls, "must be >= 1")
     costs, extra = _row_costs(case, timer, combine_terms(topk_idxs, case))
     works = rank_works(case, topk_idxs, costs, init_ns=fixed_ns + extra,
                        row_meta_ns=row_meta_ns)
     engine = case.engine if case.op == "dispatch" else "asp"
-    return serialize(works, engine, cpus, barrier_ns=flag_oneway_ns)
+    if calls > 1:
+        return back_to_back(works, engine, cpus, barrier_ns=flag_oneway_ns, share=cpu_share,
+                            calls=calls)
+    return serialize(works, engine, cpus, barrier_ns=flag_oneway_ns, share=cpu_share)

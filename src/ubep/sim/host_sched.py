@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["RankWork", "SchedSpan", "cpus_for", "serialize"]
+__all__ = ["RankWork", "SchedSpan", "back_to_back", "cpu_share", "cpus_for", "serialize"]
 
 
 @dataclass(frozen=True)
@@ -73,14 +73,29 @@ def cpus_for(available: float, ranks: int) -> int:
     return max(1, min(ranks, int(available + 0.5)))
 
 
+def cpu_share(available: float, cpus: int) -> float:
+    """The share of each of its ``cpus`` CPUs that ranks which measured ``available`` CPUs get
+    (``host_micro.cpus_available``): ``available / cpus``, at most 1. Other processes take the
+    rest in time slices; a task of ``ns`` on such a CPU lasts ``ns / share`` on average. With the
+    ranks at real-time priority (benchmarks/bench_host_tasks.py) it measures 1."""
+    if not available > 0:
+        raise InvalidArgumentError("available", available, "must be > 0")
+    if cpus < 1:
+        raise InvalidArgumentError("cpus", cpus, "must be >= 1")
+    return min(1.0, float(available) / cpus)
+
+
 class _Run:
     """The run-to-block schedule: ``free`` CPUs, a FIFO of runnable ranks, ranks blocked on a
     condition, and each rank's position in its task list."""
 
     def __init__(self, works: Sequence[RankWork], engine: str, cpus: int,
-                 barrier_ns: float) -> None:
+                 barrier_ns: float, share: float = 1.0,
+                 start_ns: Sequence[float] | None = None) -> None:
         self.works, self.engine, self.barrier_ns = works, engine, float(barrier_ns)
+        self.share = float(share)
         R = len(works)
+        starts = [0.0] * R if start_ns is None else [float(t) for t in start_ns]
         self.step = [0] * R
         self.sent: list[set[int]] = [set() for _ in range(R)]  # sources done sending to r
         self.ready = [False] * R
@@ -88,7 +103,11 @@ class _Run:
         self.release: list[float | None] = [None, None]
         self.spans: list[SchedSpan] = []
         self.blocked: dict[int, tuple[float, str, int]] = {}  # rank -> (since, task, peer)
-        self.runnable: deque[tuple[int, float]] = deque((r, 0.0) for r in range(R))
+        self.runnable: deque[tuple[int, float]] = deque((r, 0.0) for r in range(R)
+                                                        if starts[r] <= 0.0)
+        # (time, rank): ranks whose call starts later (a rank's call starts when it has ended
+        # its previous one)
+        self.starting = sorted((t, r) for r, t in enumerate(starts) if t > 0.0)
         self.queued: set[int] = set(range(R))  # runnable or about to run
         self.running: dict[int, tuple[str, int]] = {}  # rank -> (task, peer) it is running
         self.free = cpus
@@ -120,25 +139,38 @@ class _Run:
 
 
 def serialize(works: Sequence[RankWork], engine: str, cpus: int,
-              barrier_ns: float = 0.0) -> list[SchedSpan]:
+              barrier_ns: float = 0.0, share: float = 1.0,
+              start_ns: Sequence[float] | None = None) -> list[SchedSpan]:
     """The call's spans when its ranks share ``cpus`` CPUs and each runs until it must wait.
 
     Runnable ranks take a free CPU in the order they became runnable (rank order at the
     start); a rank runs its tasks back to back until one cannot start (a destination not
     ready, its rows not all sent, a barrier not released), waits (a ``wait`` or ``barrier``
     span from then until it runs again) and gives its CPU to the next runnable rank. A
-    barrier releases ``barrier_ns`` after its last arrival."""
+    barrier releases ``barrier_ns`` after its last arrival. ``share``: the share of each CPU
+    the ranks get (:func:`cpu_share`): a task of ``ns`` takes ``ns / share`` (the flag latency
+    is measured as the ranks run, already at that share). ``start_ns``: when each rank's call
+    starts (default: all at 0); a rank is runnable from then, after the ranks already
+    runnable."""
     if engine not in ("asp", "bsp"):
         raise InvalidArgumentError("engine", engine, "must be 'asp' or 'bsp'")
     if cpus < 1:
         raise InvalidArgumentError("cpus", cpus, "must be >= 1")
-    run = _Run(works, engine, cpus, barrier_ns)
+    if not 0.0 < share <= 1.0:
+        raise InvalidArgumentError("share", share, "must be in (0, 1]")
+    if start_ns is not None and (len(start_ns) != len(works) or min(start_ns, default=0) < 0):
+        raise InvalidArgumentError("start_ns", list(start_ns), "needs one time >= 0 per rank")
+    run = _Run(works, engine, cpus, barrier_ns, share, start_ns)
     now = 0.0
     _dispatch(run, now)
-    while run.events or run.barrier_at:
+    while run.events or run.barrier_at or run.starting:
         t_ev = run.events[0][0] if run.events else float("inf")
         t_b = min(run.barrier_at)[0] if run.barrier_at else float("inf")
-        if t_b <= t_ev:
+        t_s = run.starting[0][0] if run.starting else float("inf")
+        if t_s < min(t_b, t_ev):
+            now, r = run.starting.pop(0)
+            run.runnable.append((r, now))
+        elif t_b <= t_ev:
             now, which = min(run.barrier_at)
             run.barrier_at.remove((now, which))
             run.release[which] = now
@@ -193,9 +225,10 @@ def _step(run: _Run, r: int, now: float) -> None:
         run.step[r] += 1
         if task in ("barrier", "recv"):
             continue
-        run.spans.append(SchedSpan(r, task, now, now + ns, peer))
+        end = now + ns / run.share
+        run.spans.append(SchedSpan(r, task, now, end, peer))
         run.running[r] = (task, peer)
-        _push(run, now + ns, r)
+        _push(run, end, r)
         return
     run.free += 1
 
@@ -216,3 +249,24 @@ def _wake(run: _Run, now: float) -> None:
         if run.can_start(r, task, peer):
             run.queued.add(r)
             run.runnable.append((r, now))
+
+
+def back_to_back(works: Sequence[RankWork], engine: str, cpus: int, barrier_ns: float = 0.0,
+                 share: float = 1.0, calls: int = 4) -> list[SchedSpan]:
+    """The spans of one call in a loop of calls, each rank's next call starting as soon as it
+    has ended its last (its exit and entry are in its ``init``): a rank that ends later (more
+    rows received, a longer reorder) enters the next call later, and its peers wait for its
+    readiness there, where calls that all start together would wait for nothing. ``calls``
+    calls are run, each from the ranks' ends of the one before (relative to the earliest);
+    returns the last, its times from the earliest rank's start."""
+    if calls < 1:
+        raise InvalidArgumentError("calls", calls, "must be >= 1")
+    starts = [0.0] * len(works)
+    spans: list[SchedSpan] = []
+    for _ in range(calls):
+        spans = serialize(works, engine, cpus, barrier_ns, share, starts)
+        ends = [max((s.end_ns for s in spans if s.rank == r), default=starts[r])
+                for r in range(len(works))]
+        first = min(ends, default=0.0)
+        starts = [e - first for e in ends]
+    return spans
