@@ -7,14 +7,17 @@ for each shape of the peers benchmark (benchmarks/peers/workload.py, at this job
 side by side in the same processes:
 
 * ``ubep``: a Buffer (ASP, DC: the RMA engine's no-flush mode across hosts; expert layout)
-  dispatch, then combine of the expert outputs;
+  dispatch, then combine of the expert outputs: the same rows ``Alltoallv`` moves;
+* ``ubep`` in the rank layout beside it (DeepEP's normal mode): a token crosses to a rank once
+  however many of its top-k picks land there, and comes back once (its rows stated apart);
 * ``mpi``: what an MPI application does for the same exchange: ``MPI_Alltoall`` of the counts,
   ``MPI_Alltoallv`` of the rows to the experts' ranks (packed by destination), and
   ``MPI_Alltoallv`` of the combine rows back;
 * the memcpy floor: ``np.copyto`` of the bytes one rank sends.
 
 Bytes per rank: dispatch ``rows x hidden x itemsize`` with ``rows`` = the rank's (token, pick)
-pairs with an expert (expert layout: one row per pick), combine ``rows x hidden x 2`` (BF16).
+pairs with an expert (expert layout: one row per pick; rank layout: its (token, destination
+rank) pairs), combine ``rows x hidden x 2`` (BF16).
 Per repeat, the time of a call is the slowest rank's (barrier before each call); min / median /
 max over repeats; ratios of medians. Results: benchmarks/results/multihost.{txt,json}.
 
@@ -132,39 +135,50 @@ class _Alltoallv:
 
 def _measure_shape(group: Any, comm: Any, shape: Any, warmup: int,
                    repeats: int) -> dict[str, Any]:
-    """Every timing of one shape on this rank (collective)."""
+    """Every timing of one shape on this rank (collective): ubep in the expert layout (the
+    rows Alltoallv moves) and in the rank layout (a token once per destination rank), both
+    Buffers open side by side so that every system runs in every repeat."""
     from benchmarks.peers.workload import NUM_EXPERTS, bytes_per_rank, make_inputs
     from ubep.buffer import Buffer, BufferConfig
 
     r = group.rank
     inp = make_inputs(shape)
     x, idx, w = inp.xs[r], inp.topk_idxs[r], inp.topk_weights[r]
-    cfg = BufferConfig(max_tokens_per_rank=shape.tokens_per_rank, hidden=shape.hidden,
-                       num_topk=idx.shape[1], num_experts=NUM_EXPERTS, dtype=shape.dtype,
-                       layout="expert", engine="asp", sync="dc", timeout_s=120.0)
+
+    def config(layout: str) -> BufferConfig:
+        return BufferConfig(max_tokens_per_rank=shape.tokens_per_rank, hidden=shape.hidden,
+                            num_topk=idx.shape[1], num_experts=NUM_EXPERTS, dtype=shape.dtype,
+                            layout=layout, engine="asp", sync="dc", timeout_s=120.0)
+
     got: dict[str, Any] = {"shape": shape.label, "hosts": group.num_hosts,
                            "ranks_per_host": group.ranks_per_host,
                            "dispatch_bytes": bytes_per_rank(inp, "expert", "dispatch"),
-                           "combine_bytes": bytes_per_rank(inp, "expert", "combine")}
+                           "combine_bytes": bytes_per_rank(inp, "expert", "combine"),
+                           "rank_dispatch_bytes": bytes_per_rank(inp, "rank", "dispatch"),
+                           "rank_combine_bytes": bytes_per_rank(inp, "rank", "combine")}
     a2a = _Alltoallv(comm, x, idx, NUM_EXPERTS)
     recv, rc = a2a.dispatch()
     expert_out = np.full((recv.shape[0], shape.hidden), 0x3F80, dtype=np.uint16)
     src = np.ones(int(got["dispatch_bytes"] + got["combine_bytes"]), dtype=np.uint8)
     dst = np.empty_like(src)
-    with Buffer(group, cfg) as buf:
-        last = [buf.dispatch(x, idx, w)]  # combine takes the latest dispatch's handle
-        eo = np.full((last[0].handle.num_recv_rows, shape.hidden), 0x3F80, np.uint16)  # 1.0
+    with Buffer(group, config("expert")) as buf, Buffer(group, config("rank")) as rbuf:
+        systems: dict[str, Any] = {}
+        for name, b in (("ubep", buf), ("ubep_rank", rbuf)):
+            last = [b.dispatch(x, idx, w)]  # combine takes the latest dispatch's handle
+            eo = np.full((last[0].handle.num_recv_rows, shape.hidden), 0x3F80, np.uint16)  # 1.0
 
-        def dispatch() -> None:
-            last[0] = buf.dispatch(x, idx, w)
+            def dispatch(b: Any = b, last: list[Any] = last) -> None:
+                last[0] = b.dispatch(x, idx, w)
 
-        times = _alternated(comm, {
-            "ubep_dispatch_ms": dispatch,
-            "mpi_dispatch_ms": a2a.dispatch,
-            "ubep_combine_ms": lambda: buf.combine(eo, last[0].handle),
-            "mpi_combine_ms": lambda: a2a.combine(expert_out, rc),
-            "memcpy_ms": lambda: np.copyto(dst, src),
-        }, warmup, repeats)
+            def combine(b: Any = b, last: list[Any] = last, eo: np.ndarray = eo) -> None:
+                b.combine(eo, last[0].handle)
+
+            systems[f"{name}_dispatch_ms"] = dispatch
+            systems[f"{name}_combine_ms"] = combine
+        systems |= {"mpi_dispatch_ms": a2a.dispatch,
+                    "mpi_combine_ms": lambda: a2a.combine(expert_out, rc),
+                    "memcpy_ms": lambda: np.copyto(dst, src)}
+        times = _alternated(comm, systems, warmup, repeats)
     a2a.free()
     return got | times
 
@@ -260,26 +274,33 @@ def report(rows: list[dict[str, Any]], header: str) -> str:
     lines = [header, "",
              "times in ms (min / median / max over repeats, each the slowest rank's); "
              "d+c = dispatch + combine; ratio = ubep / MPI Alltoallv (median; < 1: ubep faster);"
-             " floor = memcpy of the same bytes",
-             "bytes per rank: dispatch rows x hidden x itemsize, combine rows x hidden x 2 "
-             "(rows = (token, pick) pairs, expert layout)", ""]
-    head = (f"{'hosts x ranks, shape':<32} {'KiB d/c':>11} {'ubep dispatch':>21} "
+             " floor = memcpy of the expert layout's bytes",
+             "bytes per rank: dispatch rows x hidden x itemsize, combine rows x hidden x 2; "
+             "expert layout (and Alltoallv): rows = (token, pick) pairs; rank layout: rows = "
+             "(token, destination rank) pairs, a token once per rank its picks land on", ""]
+    head = (f"{'hosts x ranks, shape':<32} {'ubep':<6} {'KiB d/c':>11} {'ubep dispatch':>21} "
             f"{'mpi dispatch':>21} {'ubep combine':>21} {'mpi combine':>21} {'ratio d':>7} "
             f"{'ratio c':>7} {'ratio d+c':>9} {'x floor':>7}")
     lines.append(head)
     for g in rows:
-        cells = {k: _stats(g[k]) for k in ("ubep_dispatch_ms", "mpi_dispatch_ms",
-                                            "ubep_combine_ms", "mpi_combine_ms", "memcpy_ms")}
-        fmt = {k: f"{v[0]:6.2f}/{v[1]:6.2f}/{v[2]:6.2f}" for k, v in cells.items()}
-        ud, md = cells["ubep_dispatch_ms"][1], cells["mpi_dispatch_ms"][1]
-        uc, mc = cells["ubep_combine_ms"][1], cells["mpi_combine_ms"][1]
-        floor = cells["memcpy_ms"][1]
-        kib = f"{g['dispatch_bytes'] / 1024:.0f}/{g['combine_bytes'] / 1024:.0f}"
         label = f"{g['hosts']}x{g['ranks_per_host']} {g['shape']}"
-        lines.append(f"{label:<32} {kib:>11} {fmt['ubep_dispatch_ms']:>21} "
-                     f"{fmt['mpi_dispatch_ms']:>21} {fmt['ubep_combine_ms']:>21} "
-                     f"{fmt['mpi_combine_ms']:>21} {ud / md:7.2f} {uc / mc:7.2f} "
-                     f"{(ud + uc) / (md + mc):9.2f} {(ud + uc) / floor:7.0f}")
+        for layout, key in (("expert", "ubep"), ("rank", "ubep_rank")):
+            if f"{key}_dispatch_ms" not in g:
+                continue
+            cells = {k: _stats(g[k]) for k in (f"{key}_dispatch_ms", "mpi_dispatch_ms",
+                                                f"{key}_combine_ms", "mpi_combine_ms",
+                                                "memcpy_ms")}
+            fmt = {k: f"{v[0]:6.2f}/{v[1]:6.2f}/{v[2]:6.2f}" for k, v in cells.items()}
+            ud, md = cells[f"{key}_dispatch_ms"][1], cells["mpi_dispatch_ms"][1]
+            uc, mc = cells[f"{key}_combine_ms"][1], cells["mpi_combine_ms"][1]
+            floor = cells["memcpy_ms"][1]
+            prefix = "" if layout == "expert" else "rank_"
+            kib = (f"{g[prefix + 'dispatch_bytes'] / 1024:.0f}/"
+                   f"{g[prefix + 'combine_bytes'] / 1024:.0f}")
+            lines.append(f"{label:<32} {layout:<6} {kib:>11} {fmt[f'{key}_dispatch_ms']:>21} "
+                         f"{fmt['mpi_dispatch_ms']:>21} {fmt[f'{key}_combine_ms']:>21} "
+                         f"{fmt['mpi_combine_ms']:>21} {ud / md:7.2f} {uc / mc:7.2f} "
+                         f"{(ud + uc) / (md + mc):9.2f} {(ud + uc) / floor:7.0f}")
     return "\n".join(lines)
 
 
@@ -383,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()
     header = (f"bench_multihost: namespaced hosts (veth + bridge; btl self,sm,tcp, osc sm,rdma; "
               f"TCP progress: {args.progress} {' '.join(PROGRESS[args.progress])}), ubep "
-              f"ASP/DC expert layout vs MPI_Alltoallv, {args.repeats} repeats after "
+              f"ASP/DC, expert and rank layouts, vs MPI_Alltoallv, {args.repeats} repeats after "
               f"{args.warmup} warm-up, every system alternated in each repeat\n"
               f"shared host: {os.cpu_count()} cores, load average {load[0]:.1f} / {load[1]:.1f} / "
               f"{load[2]:.1f} at the end (other jobs running): compare ratios inside this run, "

@@ -135,6 +135,48 @@ def test_runs_sum_is_the_sum_of_each_runs_dc_checksum_and_catches_a_stale_row() 
         assert runs_sum(e, torn, 3) != want
 
 
+@pytest.mark.parametrize("name", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_reduce_at_is_the_float32_sum_of_the_indexed_rows_in_slot_order(
+        name: str, weighted: bool) -> None:
+    """The RMA combine reduces rows where they landed (ubep.mpi.combine): per token, the rows
+    its slots index (ascending slot, -1 skipped) summed in float32 from +0.0, each product
+    rounded before the add, then rounded to the dtype (ubep.reference's arithmetic, here in
+    numpy); a token with no row is +0.0, and an index past the rows is refused."""
+    from ubep import dtypes
+    from ubep.mpi.syncs import native_module
+
+    native = native_module()
+    if native is None:
+        pytest.skip("native data plane not built")
+    dt = dtypes.dtype_of(name)
+    rng = np.random.default_rng(5)
+    nrows, ntok, k, n = 23, 9, 4, 3 * 64 + 5
+    with np.errstate(over="ignore"):
+        values = (rng.standard_normal((nrows, n)) * 50).astype(np.float32)
+        values.flat[rng.choice(nrows * n, 30, replace=False)] = rng.choice(
+            np.array([np.inf, -np.inf, np.nan, -0.0, 1e-39], np.float32), 30)
+        rows = dt.from_float32(values)
+    at = rng.integers(0, nrows, (ntok, k)).astype(np.int64)
+    at[rng.random((ntok, k)) < 0.3] = -1
+    at[2] = -1  # a token with no row
+    w = rng.standard_normal((ntok, k)).astype(np.float32)
+    want = np.empty((ntok, n), rows.dtype)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for t in range(ntok):
+            acc = np.zeros(n, np.float32)
+            for j in np.nonzero(at[t] >= 0)[0]:
+                term = dt.to_float32(rows[at[t, j]])
+                acc = acc + (w[t, j] * term if weighted else term)
+            want[t] = dt.from_float32(acc)
+    got = np.full_like(want, 0x55)
+    native.reduce_at(rows, at, w, got, k, native.DTYPES[name], weighted)
+    assert got.tobytes() == want.tobytes()
+    at[4, 1] = nrows
+    with pytest.raises(ValueError, match="outside rows"):
+        native.reduce_at(rows, at, w, got, k, native.DTYPES[name], weighted)
+
+
 # --- ubep doctor ------------------------------------------------------------------------------
 
 

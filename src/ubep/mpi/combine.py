@@ -64,14 +64,11 @@ class RmaCombine:
     layout the engine sets up; ``sources`` holds, per dispatch region, the dispatch index and
     the positions of each source's rows in this rank's receive region (from the dispatch)."""
 
-    __slots__ = ("_block", "e", "sources")
+    __slots__ = ("e", "sources")
 
     def __init__(self, e: Any) -> None:
         self.e = e
         self.sources: dict[int, tuple[int, list[np.ndarray], np.ndarray]] = {}
-        # the reduce's gathered rows, kept between calls: a fresh block of tens of MiB is
-        # fresh pages, faulted in on every call
-        self._block = np.zeros(0, np.uint8)
 
     def remember(self, reg: int, index: int, positions: list[np.ndarray],
                  rows: np.ndarray) -> None:
@@ -247,11 +244,11 @@ class RmaCombine:
     def reduce(self, idx: np.ndarray, w: np.ndarray, dst_row: np.ndarray,
                fetched: dict[int, tuple[np.ndarray, np.ndarray]], y: np.ndarray,
                land: np.ndarray, starts: list[int]) -> None:
-        """Each token's rows, gathered into one ``[slots, combine row]`` block in ascending
-        slot order (valid slots first), then reduced into ``y`` by the native data plane's
-        combine reduction (the same arithmetic as :meth:`reduce_numpy`, one pass, no float32
-        copy of the rows) where it is built, else by :meth:`reduce_numpy`. ``land``: every
-        rank's rows of ``fetched``, rank ``q``'s from row ``starts[q]`` (one gather)."""
+        """Each token's rows reduced into ``y`` where they landed, in ascending slot order
+        (the reference's), by the native data plane's combine reduction through a table of
+        row indices (one call, no gather into slot order first, no float32 copy of the rows)
+        where it is built, else by :meth:`reduce_numpy`. ``land``: every rank's rows of
+        ``fetched``, rank ``q``'s from row ``starts[q]``."""
         e = self.e
         native = _native()
         code = _REDUCE_CODE.get(e.cdtype.name)
@@ -262,34 +259,19 @@ class RmaCombine:
         if not ntok:
             return
         if e.expert:
-            valid = idx >= 0
-            owner = np.where(valid, idx // e.L, -1)
+            owner = np.where(idx >= 0, idx // e.L, -1)
             coeff = np.ascontiguousarray(w, dtype=np.float32)
         else:
-            valid = dst_row >= 0
-            owner = np.where(valid, np.arange(e.R)[None, :], -1)
-            coeff = np.ones(valid.shape, np.float32)
-        nvalid = valid.sum(axis=1)
-        # a token's valid slots packed to the front, in slot order: the reference's order
-        packed = np.cumsum(valid, axis=1) - 1
-        weights = np.zeros(valid.shape, np.float32)
-        at = np.zeros(valid.shape, np.intp)  # each slot's row in `land` (empty slots: row 0)
+            owner = np.where(dst_row >= 0, np.arange(e.R)[None, :], -1)
+            coeff = np.ones(owner.shape, np.float32)
+        slots = int(owner.shape[1])
+        at = np.full((ntok, slots), -1, np.int64)  # each slot's row in `land` (-1: no row)
         for q, (pos, _rows) in fetched.items():
-            t, k = np.nonzero(owner == q)
-            at[t, packed[t, k]] = starts[q] + np.searchsorted(pos, dst_row[t, k])
-            weights[t, packed[t, k]] = coeff[t, k]
-        # clip: every row index is inside `land` (searchsorted of checked positions)
-        nbytes = at.size * e.crow_bytes
-        if self._block.size < nbytes:
-            self._block = np.empty(nbytes, np.uint8)
-        block = self._block[:nbytes].reshape(ntok, valid.shape[1], e.crow_bytes)
-        np.take(land, at.reshape(-1), axis=0, out=block.reshape(-1, e.crow_bytes), mode="clip")
+            sel = owner == q
+            at[sel] = starts[q] + np.searchsorted(pos, dst_row[sel])
         out = y.reshape(ntok, -1).view(np.uint8).reshape(ntok, e.crow_bytes)
-        out[nvalid == 0] = 0  # no row: the reference's +0.0
-        weighted = e.expert
-        for tok in np.nonzero(nvalid)[0].tolist():
-            native.reduce_rows(block[tok], int(nvalid[tok]), weights[tok], out[tok], code,
-                               weighted)
+        # the native call checks every index against `land` (positions checked before)
+        native.reduce_at(land, at, coeff, out, slots, code, e.expert)
 
     def reduce_numpy(self, idx: np.ndarray, w: np.ndarray, dst_row: np.ndarray,
                      fetched: dict[int, tuple[np.ndarray, np.ndarray]], y: np.ndarray) -> None:

@@ -105,6 +105,14 @@ def reduce_rows(
     """Combine's reduction (``REDUCE[dtype_code]``) of the ``nt`` rows of ``rows`` into
     ``out`` (each row as long as ``out``), weighted by ``weights`` (float32) or not."""
 
+def reduce_at(
+    rows: Any, at: Any, weights: Any, out: Any, k: int, dtype_code: int, weighted: bool, /
+) -> None:
+    """Combine's reduction of rows by index: per token ``t``, ``REDUCE[dtype_code]`` of the
+    rows ``rows[at[t, j]]`` with ``at[t, j] >= 0`` (int64 ``[ntok, k]``), in ascending ``j``,
+    weighted by ``weights[t, j]`` (float32) or not, into ``out[t]``; a token with none gets
+    zero bytes. ``ValueError`` if an index is outside ``rows``."""
+
 def storage_views(to_dlpack: Any, /, *tensors: Any) -> tuple[Any, ...]:
     """Each of ``tensors`` that is not a numpy array or None as a numpy view of its memory, by
     its DLPack capsule (``to_dlpack(t)``; BF16 as ``uint16`` bits); one this path does not view

@@ -236,6 +236,67 @@ static PyObject *mod_reduce_rows(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *mod_reduce_at(PyObject *self, PyObject *args) {
+    /* reduce_at(rows, at, weights, out, K, dtype_code, weighted): for each token t, REDUCE[dtype]
+     * of the rows rows[at[t, j]] with at[t, j] >= 0, in ascending j, with weights[t, j], into
+     * out[t]; a token with none gets zero bytes (the reference's +0.0). rows [nrows, n] and out
+     * [ntok, n] of dtype, at int64 and weights float32 [ntok, K]. The RMA engine's combine
+     * reduces its rows where they landed (no gather into slot order first). */
+    PyObject *orows, *oat, *ow, *oo;
+    int dt, weighted, K;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOOOiip", &orows, &oat, &ow, &oo, &K, &dt, &weighted))
+        return NULL;
+    if (dt < 0 || dt > 2 || K < 1 || K > 64) {
+        PyErr_SetString(PyExc_ValueError, "dtype code or K");
+        return NULL;
+    }
+    pbuf_t b[4];
+    memset(b, 0, sizeof b);
+    if (get_buf(orows, &b[0], 0, "rows", 0) || get_buf(oat, &b[1], 0, "at", 0) ||
+        get_buf(ow, &b[2], 0, "weights", 0) || get_buf(oo, &b[3], 1, "out", 0)) {
+        rel_bufs(b, 4);
+        return NULL;
+    }
+    int isz = dt == DT_FP32 ? 4 : 2;
+    int64_t ntok = b[1].b.len / (8 * (int64_t)K);
+    int64_t row = ntok ? b[3].b.len / ntok : 0; /* bytes of one output row */
+    const char *bad = NULL;
+    if (b[1].b.len != ntok * 8 * K) bad = "at must be [ntok, K] int64";
+    else if (b[2].b.len < ntok * 4 * K) bad = "weights must be [ntok, K] float32";
+    else if (ntok && (row * ntok != b[3].b.len || row % isz || row == 0 || b[0].b.len % row))
+        bad = "rows and out must be whole rows of one length";
+    const int64_t *at = b[1].b.buf;
+    int64_t nrows = row ? b[0].b.len / row : 0;
+    for (int64_t i = 0; !bad && i < ntok * K; i++)
+        if (at[i] >= nrows) bad = "at names a row outside rows";
+    if (bad) {
+        rel_bufs(b, 4);
+        PyErr_SetString(PyExc_ValueError, bad);
+        return NULL;
+    }
+    const uint8_t *rows = b[0].b.buf;
+    const float *w = b[2].b.buf;
+    uint8_t *out = b[3].b.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t t = 0; t < ntok; t++) {
+        const void *src[64];
+        float wt[64];
+        int nt = 0;
+        for (int j = 0; j < K; j++) {
+            int64_t r = at[t * K + j];
+            if (r < 0) continue;
+            src[nt] = rows + r * row;
+            wt[nt++] = w[t * K + j];
+        }
+        if (nt) REDUCE[dt](out + t * row, src, wt, nt, row / isz, weighted, NULL, 0);
+        else memset(out + t * row, 0, (size_t)row);
+    }
+    Py_END_ALLOW_THREADS
+    rel_bufs(b, 4);
+    Py_RETURN_NONE;
+}
+
 static PyObject *mod_use_kernels(PyObject *self, PyObject *args) {
     /* use_kernels(level) -> name: the best kernel set up to level (0 generic, 1 AVX2, 2
      * AVX-512) this CPU has, for tests that run every set; 2 restores the module's default */
@@ -322,6 +383,8 @@ PyMethodDef HOOK_METHODS[] = {
      "y_pool_min_bytes(bytes=0) -> previous value (0 reads it; tests)"},
     {"reduce_rows", mod_reduce_rows, METH_VARARGS,
      "reduce_rows(rows, nt, weights, out, dtype_code, weighted): combine's REDUCE"},
+    {"reduce_at", mod_reduce_at, METH_VARARGS,
+     "reduce_at(rows, at, weights, out, K, dtype_code, weighted): REDUCE of rows by index"},
     {"use_kernels", mod_use_kernels, METH_VARARGS,
      "use_kernels(level) -> kernel set name (0 generic, 1 avx2, 2 avx512; tests)"},
     {"dispatch_layout", mod_dispatch_layout, METH_VARARGS,
