@@ -9,11 +9,14 @@ finds its EP group on two hosts; the plugin must build its Buffers on ubep's MPI
 so, the greedy tokens must be DP=1's (the oracle: one process on this machine, no expert
 parallelism), the job must end cleanly (every process's MPI finalized: ``mpiexec`` exits 0),
 and nothing of it may be left in the hosts (processes, ``/dev/shm``). The same two ranks
-started without ``mpiexec`` must both fail, naming it.
+started without ``mpiexec`` must both fail, naming it. ``vllm serve`` across the two hosts (the
+first host's server with the API, the second ``--headless``, under one ``mpiexec``) must answer
+the ``openai`` client with DP=1's tokens.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import subprocess
 import time
@@ -144,3 +147,60 @@ def test_dp_ranks_across_hosts_without_mpiexec_are_told_to_use_it(
         assert "were not started by an MPI launcher" in text and "mpiexec" in text, tail(log)
         assert "RESULT " not in text and SERVED not in text
     _nothing_left(bed)
+
+
+SERVE = ("--data-parallel-size 2 --data-parallel-size-local 1 --data-parallel-rpc-port 13345 "
+         "--enable-expert-parallel --skip-tokenizer-init --enforce-eager --dtype float32 "
+         "--max-model-len 256 --max-num-seqs 8 --max-num-batched-tokens 256 "
+         "--gpu-memory-utilization 0.05")
+PORT = 18000  # inside the first host's own network namespace (its loopback)
+
+
+def _serve_job(bed: Any, model_dir: Path) -> list[str]:
+    """docs/VLLM.md's `vllm serve` across hosts: rank 0 serves the API, rank 1 is headless."""
+    serve = (f"{VLLM_PY} -m ubep.vllm serve {model_dir} {SERVE} "
+             f"--data-parallel-address {bed.addresses[0]}")
+    rank = (f'if [ "$OMPI_COMM_WORLD_RANK" = 0 ]; then exec {serve} --host 127.0.0.1 '
+            f"--port {PORT}; else exec {serve} --headless --data-parallel-start-rank 1; fi")
+    passed = [arg for name in PASSED for arg in ("-x", name)]
+    return [*_in_host(bed, bed.hosts[0]), str(VLLM_MPIEXEC),
+            "--host", ",".join(f"{h}:1" for h in bed.hosts), "--map-by", "ppr:1:node",
+            "--mca", "plm_rsh_agent", str(bed.agent), *TRANSPORT, *passed,
+            "-n", "2", "/bin/sh", "-c", rank]
+
+
+def _healthy(bed: Any) -> bool:
+    probe = (f"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{PORT}/health', "
+             "timeout=5)")
+    return subprocess.run([*_in_host(bed, bed.hosts[0]), str(VLLM_PY), "-c", probe],
+                          capture_output=True, timeout=60, check=False).returncode == 0
+
+
+def test_serve_across_two_hosts_answers_with_dp1_tokens_over_mpi(
+        bed: Any, model_dir: Path, dp1_tokens: dict[tuple[int, ...], list[int]],
+        tmp_path: Path) -> None:
+    log = tmp_path / "serve.log"
+    proc = _run(_serve_job(bed, model_dir), _env(bed), log)
+    try:
+        deadline = time.monotonic() + START_S
+        while not _healthy(bed):
+            assert proc.poll() is None, f"the job exited {proc.returncode}:\n{tail(log)}"
+            assert time.monotonic() < deadline, f"vllm serve not up in {START_S} s:\n{tail(log)}"
+            time.sleep(2.0)
+        client = subprocess.run(
+            [*_in_host(bed, bed.hosts[0]), str(VLLM_PY), "_client.py", str(PORT),
+             str(model_dir), "complete"], env=_env(bed), capture_output=True, text=True,
+            timeout=300, check=False)
+        assert client.returncode == 0, client.stderr[-3000:]
+    finally:
+        stop_session(proc)
+    got = {tuple(json.loads(x[7:])["prompt"]): json.loads(x[7:])["tokens"]
+           for x in client.stdout.splitlines() if x.startswith("RESULT ")}
+    assert got == dp1_tokens
+    assert log.read_text(errors="replace").count(MPI_SERVED) == 2, tail(log)
+    deadline = time.monotonic() + 10.0
+    while any(bed.pids(h) for h in bed.hosts) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    # vLLM's own segments of its killed processes stay in the hosts' /dev/shm, a tmpfs that
+    # goes with the host (the bed's teardown)
+    assert [bed.pids(h) for h in bed.hosts] == [[], []]
