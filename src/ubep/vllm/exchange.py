@@ -108,7 +108,8 @@ class EpExchange(Closing):
 
     Args:
         group: the group the Buffers run on (vLLM's EP group: a ``torch.distributed`` gloo
-            group, or any group ``ubep.Buffer`` takes).
+            group, its ubep group from :func:`ubep.vllm.hosts.ep_group`, or any group
+            ``ubep.Buffer`` takes).
         num_experts: global experts of the model (a multiple of the group's ranks).
         max_tokens_per_rank: most tokens a rank dispatches in one call (vLLM's
             ``max_num_batched_tokens``).
@@ -135,10 +136,14 @@ class EpExchange(Closing):
         key = (hidden, dtype, num_topk)
         buf = self._buffers.get(key)
         if buf is None:
+            # across hosts (ubep's MPI engine) DC: rows and their record in one put, no flush
+            # round trip per destination (docs/MULTIHOST.md); one host: the CPU default
+            across_hosts = int(getattr(self.group, "num_hosts", 1)) > 1
             cfg = BufferConfig(
                 max_tokens_per_rank=self.max_tokens_per_rank, hidden=hidden, num_topk=num_topk,
                 num_experts=self.num_experts, dtype=_PAYLOADS[dtype][0], layout="rank",
-                num_cores=self.num_cores, timeout_s=self.timeout_s)
+                sync="dc" if across_hosts else "auto", num_cores=self.num_cores,
+                timeout_s=self.timeout_s)
             buf = self._buffers[key] = Buffer(self.group, cfg)
         return buf
 

@@ -18,6 +18,7 @@ from vllm.logger import init_logger
 
 from ..errors import InvalidArgumentError
 from .exchange import EpExchange
+from .hosts import ep_group, leave_mpi_at_exit, transport_of
 
 __all__ = ["UbepAll2AllManager", "check_parallel_config"]
 
@@ -44,23 +45,23 @@ def check_parallel_config(parallel: Any) -> None:
 
 
 class UbepAll2AllManager(All2AllManagerBase):
-    """The all2all of one vLLM EP group over ubep (shared memory: one host)."""
+    """The all2all of one vLLM EP group over ubep (shared memory on one host, ubep's MPI
+    engine across hosts: :mod:`ubep.vllm.hosts`)."""
 
     def __init__(self, cpu_group: Any, tcp_store_group: Any = None) -> None:
         super().__init__(cpu_group, tcp_store_group)
         config = get_current_vllm_config()
         check_parallel_config(config.parallel_config)
-        if self.internode:
-            raise InvalidArgumentError(
-                "data_parallel", "ranks on several hosts",
-                "ubep's vLLM exchange runs on one host (shared memory); across hosts ubep "
-                "moves rows with MPI (ubep.mpi), which needs the DP ranks started by mpiexec "
-                "(docs/VLLM.md)")
+        # collective: the EP ranks' ubep group (across hosts on ubep's MPI engine, which needs
+        # the DP ranks launched by mpiexec; every rank raises alike otherwise)
+        group = ep_group(cpu_group, self.internode)
         self.exchange = EpExchange(
-            cpu_group, num_experts=config.model_config.get_num_experts(),
+            group, num_experts=config.model_config.get_num_experts(),
             max_tokens_per_rank=config.scheduler_config.max_num_batched_tokens)
-        logger.info("ubep serves the all2all of the EP group (rank %d of %d, %d experts)",
-                    self.rank, self.world_size, self.exchange.num_experts)
+        if int(getattr(group, "num_hosts", 1)) > 1:
+            leave_mpi_at_exit(self.exchange, group)
+        logger.info("ubep serves the all2all of the EP group (rank %d of %d, %d experts) over %s",
+                    self.rank, self.world_size, self.exchange.num_experts, transport_of(group))
 
     def get_handle(self, kwargs: Any) -> Any:
         return self.exchange
