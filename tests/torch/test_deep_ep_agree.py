@@ -142,7 +142,7 @@ def _facade_calls(group: Any) -> dict[str, Any]:
         owner = idx // (_E // group.num_ranks)
         want_w = w * (owner + 1) if name == "after" else w
         out[f"{name}_w_exact"] = torch.equal(combined_w, want_w)
-    out["board"] = isinstance(buf._board, Board)
+    out["board"] = isinstance(buf.core.exchange.board, Board)
     return out
 
 

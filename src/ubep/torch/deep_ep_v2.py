@@ -110,7 +110,7 @@ class _V2Buffer(V2Calls, LoadBalanceCalls):
         self.rank_idx, self.num_ranks = self._v1.rank, self._v1.group_size
         if num_bytes is None:  # informational, as the hint (ubep sizes per call shape)
             num_bytes = self.get_buffer_size_hint(
-                self._v1._ep, max(num_max_tokens_per_rank, 1), hidden, num_topk,
+                self._v1.core.ep, max(num_max_tokens_per_rank, 1), hidden, num_topk,
                 use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction)
         self.num_bytes = num_bytes
         self.num_max_tokens_per_rank = num_max_tokens_per_rank
@@ -127,13 +127,13 @@ class _V2Buffer(V2Calls, LoadBalanceCalls):
         self.num_allocated_qps = num_allocated_qps
         self.num_scaleout_ranks, self.num_scaleup_ranks = 1, self.num_ranks
         self.scaleout_rank_idx, self.scaleup_rank_idx = 0, self.rank_idx
-        hosts = self._v1._host_of
+        hosts = self._v1.core.host_of
         self.num_rdma_ranks = len(set(hosts.tolist()))
         self.num_nvlink_ranks = self.num_ranks // self.num_rdma_ranks
         self.num_lb_bytes = num_lb_bytes
         self._lb: RawBuffers | None = None
         if num_lb_bytes:
-            self._lb = RawBuffers(self._v1._ep, {False: num_lb_bytes, True: 0})
+            self._lb = RawBuffers(self._v1.core.ep, {False: num_lb_bytes, True: 0})
             region = self._lb.tensor(torch.uint8, None, 0, False)  # maps it (collective)
             if lb_plan is not None:
                 lb_plan.materialize(region)
@@ -143,7 +143,7 @@ class _V2Buffer(V2Calls, LoadBalanceCalls):
         # as DeepEP, every rank constructed before any call; and the same
         # allow_multiple_reduction everywhere: where a combine's rows lie follows it
         # (deep_ep_v2_calls._BackPlan), and a combine carries no signature that would catch it
-        everyone = self._v1._allgather(bool(allow_multiple_reduction))
+        everyone = self._v1.core.exchange.allgather(bool(allow_multiple_reduction))
         if len(set(everyone)) != 1:
             if self._lb is not None:
                 self._lb.close()
@@ -195,7 +195,7 @@ class _V2Buffer(V2Calls, LoadBalanceCalls):
     def barrier(self, use_comm_stream: bool = True, with_cpu_sync: bool = False,
                 sequential: bool = True) -> None:
         """Every rank of the group reaches it (the keywords tune GPU streams: no effect)."""
-        self._v1._allgather(None)
+        self._v1.core.exchange.allgather(None)
 
     @staticmethod
     def capture() -> EventHandle:

@@ -212,9 +212,9 @@ class V2Calls:
         if previous_event is not None:
             _wait(previous_event)
         # the rows travel as bytes: the call's signature carries x's dtype (deep_ep_checks)
-        self._v1._gate.note("v2_dispatch", getattr(x[0] if isinstance(x, tuple) else x,
+        self._v1.core.gate.note("v2_dispatch", getattr(x[0] if isinstance(x, tuple) else x,
                                                    "dtype", None))
-        backend = self._v1._backend("rank", args.payload.shape[1], args.idx.shape[1],
+        backend = self._v1.core.backends.get("rank", args.payload.shape[1], args.idx.shape[1],
                                     args.num_experts, torch.uint8, args.num_max_tokens_per_rank,
                                     combine_dtype=torch.bfloat16)
         call = issue_dispatch(backend, args.payload, args.idx, args.weights, split=defer_epilogue)
@@ -240,8 +240,8 @@ class V2Calls:
         if num_max_tokens_per_rank is None:
             num_max_tokens_per_rank = self.num_max_tokens_per_rank
         # signed as the good call signs it (the peers' move to it matches this rank's)
-        self._v1._gate.note("v2_dispatch", getattr(x_t, "dtype", None))
-        return self._v1._backend("rank", width, int(topk_idx.shape[1]), int(num_experts),
+        self._v1.core.gate.note("v2_dispatch", getattr(x_t, "dtype", None))
+        return self._v1.core.backends.get("rank", width, int(topk_idx.shape[1]), int(num_experts),
                                  torch.uint8, int(num_max_tokens_per_rank),
                                  combine_dtype=torch.bfloat16)
 
@@ -565,8 +565,8 @@ class V2Calls:
     def _combine_on(self, handle: EPHandle) -> Any:
         """The backend of ``handle``'s dispatch, taking the next call (a combine)."""
         backend = handle.dispatch_route.back.backend
-        if not isinstance(self._v1._ep, LocalBackend):  # the in-process world has no gate
-            self._v1._gate.combine_on(backend)
+        if not isinstance(self._v1.core.ep, LocalBackend):  # the in-process world has no gate
+            self._v1.core.gate.combine_on(backend)
         return backend
 
     def _check_combine(self, x: Any, handle: Any, topk_weights: Any, bias: Any,
@@ -694,7 +694,7 @@ class V2Calls:
             values = torch.where(torch.from_numpy(rec.local_idx >= 0), topk_weights[:n], 0.0)
         R = self.num_ranks
         in_rank = np.stack([(src.owner == r).any(axis=1) for r in range(R)], axis=1)
-        return cast(torch.Tensor, self._v1._weights_back(
+        return cast(torch.Tensor, self._v1.core.backends.weights_back(
             route.back.backend, values, np.cumsum(rec.rows_per_rank), in_rank,
             route.back.most_received, R * handle.num_max_tokens_per_rank))
 

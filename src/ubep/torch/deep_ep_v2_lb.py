@@ -58,8 +58,8 @@ class LoadBalanceCalls:
         dst = ([redundant_expert_weights] if isinstance(redundant_expert_weights, torch.Tensor)
                else list(redundant_expert_weights))
         src = [expert_weights] if isinstance(expert_weights, torch.Tensor) else list(expert_weights)
-        plan, _ = self._v1._agree(lambda: self._check_prefetch(dst, src, redundancy_mapping),
-                                  lambda _: None)
+        plan, _ = self._v1.core.exchange.agree(
+            lambda: self._check_prefetch(dst, src, redundancy_mapping), lambda _: None)
         if previous_event is not None:
             previous_event.current_stream_wait()
         mapping, offsets = plan
@@ -83,7 +83,7 @@ class LoadBalanceCalls:
                         previous_event: Any = None) -> EventOverlap:
         """Add the FP32 gradients of this rank's experts' redundant copies (held by any rank)
         into ``expert_grads`` (collective; order in the module docstring)."""
-        plan, _ = self._v1._agree(
+        plan, _ = self._v1.core.exchange.agree(
             lambda: self._check_grads(redundant_expert_grads, expert_grads, redundancy_mapping),
             lambda _: None)
         if previous_event is not None:
@@ -107,7 +107,7 @@ class LoadBalanceCalls:
         return int(t.shape[0])
 
     def _barrier(self) -> None:
-        self._v1._allgather(None)
+        self._v1.core.exchange.allgather(None)
 
     def _region(self, rank: int) -> np.ndarray:
         """Rank ``rank``'s LB region (bytes): this rank's, or a peer's mapped view."""
