@@ -84,19 +84,16 @@ def _systems(group: Any, tokens: int, hidden: int, max_tokens: int) -> dict[str,
     from ubep import deep_ep
     from ubep.torch._convert import from_numpy
 
-    class _Packed(deep_ep.Buffer):
-        """The packed path on a real Buffer (the in-process world's and shrink mode's)."""
-
-        def _ll_padded(self) -> bool:
-            return False
-
     x, idx, w = _inputs(tokens, hidden, group.rank)
     x_np, idx_np, w_np = x.view(torch.uint16).numpy(), idx.numpy(), w.numpy()
     buf = ubep.Buffer(group, ubep.BufferConfig(
         max_tokens_per_rank=max_tokens, hidden=hidden, num_topk=TOPK, num_experts=EXPERTS,
         dtype="bf16", layout="expert"))
     v1 = deep_ep.Buffer(group, low_latency_mode=True)
-    packed = _Packed(group, low_latency_mode=True)
+    # the packed path on a real Buffer (the in-process world's and shrink mode's): its
+    # low-latency path told so before its first call
+    packed = deep_ep.Buffer(group, low_latency_mode=True)
+    packed._low_latency.padded = False
 
     def run_numpy() -> Any:
         res = buf.dispatch(x_np, idx_np, w_np)

@@ -167,7 +167,7 @@ def _facade_calls(group: Any) -> dict[str, Any]:
         want_w[idx < 0] = 0.0
         out[f"{name}_w_exact"] = torch.equal(combined_w.view(torch.int32),
                                              want_w.view(torch.int32))  # NaN, -0.0 bit for bit
-    out["board"] = isinstance(buf._board, Board)
+    out["board"] = isinstance(buf.core.exchange.board, Board)
     return out
 
 

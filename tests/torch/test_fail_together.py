@@ -174,9 +174,9 @@ def _normal_worker(group: Any) -> dict[str, Any]:
     # the dispatch's Buffer (the carrier), and where the rows back do not fit it (a Buffer
     # holding _T rows a rank) through a float32 Buffer of their own (a switch there, none back)
     out.update({f"board_{k}": v for k, v in _weights_cases(buf, group, x, idx, w).items()})
-    from ubep.torch import deep_ep as facade_module
+    from ubep.torch import deep_ep_core
 
-    facade_module.open_board = lambda group: None  # type: ignore[assignment]
+    deep_ep_core.open_board = lambda group: None  # type: ignore[assignment]
     carried = deep_ep.Buffer(group, num_nvl_bytes=1 << 20, max_tokens_per_rank=16,
                              timeout_s=_TIMEOUT_S)
     small = deep_ep.Buffer(group, num_nvl_bytes=1 << 20, max_tokens_per_rank=_T,

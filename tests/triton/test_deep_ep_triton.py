@@ -54,7 +54,7 @@ def _rank_body(group: Any) -> dict[str, Any]:
     # identity experts: each token comes back once per rank it went to, summed in float32
     y, _, _ = buf.combine(recv_x, handle)
     copies = (_owner(idx)[:, :, None] == torch.arange(_RANKS)).any(dim=1).sum(dim=1)
-    engines = {type(b.buffer._engine).__name__ for b in buf._backends.values()}
+    engines = {type(b.buffer._engine).__name__ for b in buf.core.backends.table.values()}
     return _torch_in_torch_out(group) | {
         "recv_x": torch.equal(recv_x.view(torch.int16), torch.cat(want_x).view(torch.int16)),
         "recv_topk_idx": torch.equal(recv_idx, torch.cat(want_idx)),

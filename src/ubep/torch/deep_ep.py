@@ -35,29 +35,23 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 import numpy as np
 import torch
 
-from ..errors import InvalidArgumentError, RemoteError
-from ..modes import Layout
-from ..quant import quantize
-from ..trace.recorder import name_buffer, traced_work
+from ..errors import InvalidArgumentError
+from ..trace.recorder import traced_work
 from . import deep_ep_checks as checks
 from ._convert import from_numpy, received_rows, to_numpy
-from .backend import EPBackend, LocalBackend, issue_dispatch
+from .backend import EPBackend, LocalBackend
 from .deep_ep_agree import (
     Board,
-    RowCarrier,
     check_combine_rows,
     combine_weights_plan,
     exchanged_counts,
-    open_board,
     own_weights_sum,
     post_weights_word,
-    send_backend,
-    sum_at_sources,
 )
 from .deep_ep_checks import (
     check_dispatch_x,
@@ -66,12 +60,13 @@ from .deep_ep_checks import (
     facade_group,
     own_backend,
 )
-from .deep_ep_internode import InternodeCalls, hosts_of
+from .deep_ep_core import Backends, Exchange, FacadeCore
+from .deep_ep_internode import InternodePath, hosts_of
 from .deep_ep_layouts import LayoutMemo, dispatch_layout
-from .deep_ep_lowlatency import LowLatencyCalls
-from .deep_ep_m2n import M2NCalls, check_facade_expert_ranks
+from .deep_ep_lowlatency import LowLatencyPath
+from .deep_ep_m2n import M2NRoles, check_facade_expert_ranks
 from .deep_ep_memory import RawBuffers
-from .deep_ep_shrink import MaskedBackend, ShrinkCalls, ShrinkGroup, open_shrink_group
+from .deep_ep_shrink import MaskBuffer, open_shrink_group
 from .deep_ep_types import (
     Config,
     EventHandle,
@@ -96,26 +91,18 @@ __all__ = [
     "topk_idx_t",
 ]
 
-T = TypeVar("T")
-
 #: dtype of ``topk_idx`` tensors (DeepEP: chosen at compile time, normally ``torch.int64``).
 topk_idx_t = torch.int64
 
-_UNOPENED = object()  # Buffer._board before the first exchange
-_TRACE_NAMES = {"rank": "deep_ep normal", "expert": "deep_ep low-latency",  # by ubep layout
-                "expert_padded": "deep_ep low-latency"}
 _NO_LAYOUT = _Layout()  # a cached dispatch's: the handle says where rows go
 # BufferConfig fields the facade sets itself from each call's shapes.
 _SHAPE_FIELDS = (
     "max_tokens_per_rank", "hidden", "num_topk", "num_experts", "dtype", "layout", "combine_dtype"
 )
-# what Buffer._send returns: receive (the result and the received float32 scales, or None)
-# and the backend the rows went through
-_Sent = tuple[Callable[[], tuple[Any, np.ndarray | None]], EPBackend]
 
 
 # --------------------------------------------------------------------------- the Buffer
-class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
+class Buffer:
     """DeepEP's ``Buffer`` on ubep (see the module docstring and docs/PORTING.md).
 
     Arguments as DeepEP's, in its order. ``num_nvl_bytes`` and ``num_rdma_bytes`` size the raw
@@ -132,7 +119,11 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
     ``expert_ranks=(...)``: the low-latency pair's M2N mode (:mod:`.deep_ep_m2n`).
 
     Attributes (DeepEP's): ``num_sms``, ``rank``, ``group_size``, ``group``, ``num_nvl_bytes``,
-    ``num_rdma_bytes``, ``low_latency_mode``, ``explicitly_destroy``, ``enable_shrink``.
+    ``num_rdma_bytes``, ``low_latency_mode``, ``explicitly_destroy``, ``enable_shrink``; ubep's
+    ``core``, what its call paths share (:class:`.deep_ep_core.FacadeCore`; the V2 buffers are
+    built over it). Each mode's calls run in a path the Buffer holds (low-latency, internode,
+    the mask buffer: ``ubep.torch.deep_ep_lowlatency``, ``deep_ep_internode``,
+    ``deep_ep_shrink``); its methods of those modes hand each call to it.
     """
 
     num_sms: int = 20
@@ -165,13 +156,13 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
             raise InvalidArgumentError(
                 "max_tokens_per_rank", max_tokens_per_rank, "must be a positive integer"
             )
-        self._ep = facade_group(group, comm)
+        ep = facade_group(group, comm)
         self._group = held(group if group is not None else comm)  # torch's to free
-        self.rank = int(self._ep.rank)
-        self.group_size = int(self._ep.num_ranks)
+        self.rank = int(ep.rank)
+        self.group_size = int(ep.num_ranks)
+        gate = checks.CallGate(ep, self.rank)  # calls in step across Buffers
         self.expert_ranks = check_facade_expert_ranks(
-            expert_ranks, self.group_size, enable_shrink, isinstance(self._ep, LocalBackend))
-        self._host_of = hosts_of(self._ep, self.group_size)
+            expert_ranks, self.group_size, enable_shrink, isinstance(ep, LocalBackend))
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = low_latency_mode
@@ -184,20 +175,21 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         self.max_tokens_per_rank = max_tokens_per_rank
         roles = {} if self.expert_ranks is None else {"expert_ranks": self.expert_ranks}
         self.ubep_options = ubep_options | roles  # M2N's roles reach each call's BufferConfig
-        self._backends: dict[tuple[Any, ...], EPBackend] = {}
-        # get_next_low_latency_combine_buffer's tensors, by (local experts, slots, hidden)
-        self._ll_combine_staging: dict[tuple[int, int, int], torch.Tensor] = {}
-        self._raw = RawBuffers(self._ep, {False: num_nvl_bytes, True: num_rdma_bytes})
+        self._raw = RawBuffers(ep, {False: num_nvl_bytes, True: num_rdma_bytes})
         # the MPI group this facade made from comm= is its own to close (destroy)
-        self._own_group = self._ep if group is None else None
-        self._shrink: ShrinkGroup | None = None
-        if enable_shrink:
-            self._shrink = open_shrink_group(self._ep, self.ubep_options)
-        # the calls' exchanges (deep_ep_agree): opened by the first, None where unavailable
-        self._board: object = _UNOPENED
-        self._gate = checks.CallGate(self._ep, self.rank)  # calls in step across Buffers
+        self._own_group = ep if group is None else None
+        shrink = open_shrink_group(ep, self.ubep_options) if enable_shrink else None
+        self.core = FacadeCore(
+            ep=ep, rank=self.rank, group_size=self.group_size,
+            host_of=hosts_of(ep, self.group_size), max_tokens_per_rank=max_tokens_per_rank,
+            options=self.ubep_options,
+            roles=M2NRoles(self.rank, self.group_size, self.expert_ranks), shrink=shrink,
+            gate=gate, backends=Backends(ep, self.ubep_options, gate, shrink, self.group_size),
+            exchange=Exchange(ep, self.rank))  # the calls' exchanges: opened by the first
+        self._low_latency = LowLatencyPath(self.core)
+        self._internode = InternodePath(self.core)
+        self._mask = MaskBuffer(self.core)
         self._layouts = LayoutMemo()  # the last get_dispatch_layout, for the dispatch after it
-        self._destroyed = False
 
     # ------------------------------------------------------------------ static helpers
     @property
@@ -247,21 +239,14 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         (needs ``explicitly_destroy=True``, as DeepEP's; collective then)."""
         if not self.explicitly_destroy:
             raise InvalidArgumentError("explicitly_destroy", False, "must be set to call destroy()")
-        for backend in self._backends.values():
-            close = getattr(backend, "close", None)
-            if close is not None:
-                close()
-        self._backends.clear()
-        self._ll_combine_staging.clear()
+        self.core.backends.close()  # later calls raise: this Buffer was destroyed
+        self._low_latency.close()
         self._raw.close()
-        if isinstance(self._board, Board):
-            self._board.close()
-        self._board = None
-        if self._shrink is not None:
-            self._shrink.close()
+        self.core.exchange.close()
+        if self.core.shrink is not None:
+            self.core.shrink.close()
         if self._own_group is not None:
             self._own_group.close()  # frees its MPI windows (collective, as DeepEP's destroy)
-        self._destroyed = True
 
     def get_local_buffer_tensor(
         self,
@@ -275,7 +260,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         byte ``offset``; the first ``size.numel()`` elements shaped ``size`` when given. The
         memory is this rank's region of the group's shared memory, mapped by every peer; the
         first request of each buffer maps it and is collective (``ubep.torch.deep_ep_memory``)."""
-        self._check_alive()
+        self.core.check_alive()
         return self._raw.tensor(dtype, size, offset, use_rdma_buffer)
 
     def get_peer_buffer_tensor(
@@ -288,148 +273,16 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
     ) -> torch.Tensor:
         """ubep's addition: :meth:`get_local_buffer_tensor` of peer ``rank``, the memory DeepEP's
         kernels reach through NVLink (one host; a view, so writes go both ways)."""
-        self._check_alive()
+        self.core.check_alive()
         return self._raw.tensor(dtype, size, offset, use_rdma_buffer, rank=rank)
 
     # ------------------------------------------------------------------ internals
-    def _check_alive(self) -> None:
-        if self._destroyed:
-            raise InvalidArgumentError("self", "destroyed", "this Buffer was destroyed")
-
     def _check_normal_mode(self) -> None:
-        self._check_no_m2n()
-        if self._shrink is not None:
+        self.core.roles.check_no_m2n()
+        if self.core.shrink is not None:
             raise InvalidArgumentError(
                 "enable_shrink", True, "normal-mode dispatch/combine do not mask ranks (DeepEP's "
                 "shrink mode is its low-latency pair's): use a Buffer without enable_shrink")
-
-    def _collective(self, run: Callable[[], T]) -> T:
-        """Run one low-latency call; in shrink mode over the members (a rank lost in it is
-        masked, ubep.torch.deep_ep_shrink)."""
-        return run() if self._shrink is None else self._shrink.call(run)
-
-    def _backend(
-        self,
-        layout: Layout,
-        hidden: int,
-        num_topk: int,
-        num_experts: int,
-        dtype: torch.dtype,
-        max_tokens: int,
-        combine_dtype: torch.dtype | None = None,
-        quant: str | None = None,
-        round_scale: bool = False,
-    ) -> EPBackend:
-        self._check_alive()
-        if isinstance(self._ep, LocalBackend):
-            return self._ep.with_layout(layout)
-        key = (layout, hidden, num_topk, num_experts, dtype, max_tokens, combine_dtype, quant,
-               round_scale)
-        cached = self._backends.get(key)
-        if cached is not None and (
-            self._shrink is None or self._shrink.current(getattr(cached, "buffer", None))
-        ):
-            return cached if self._shrink is not None else self._gate.enter(cached, key)
-        from ._runtime import buffer_config, make_backend, ubep_dtype_name
-
-        options = dict(self.ubep_options)
-        if combine_dtype is not None:
-            options["combine_dtype"] = ubep_dtype_name(combine_dtype)
-        if quant is not None:
-            options.update(quant=quant, quant_round_scale=round_scale)
-        one_byte = dtype in (torch.uint8, torch.int8) or quant is not None
-        if one_byte and options.get("sync") == "sp":
-            # FP8 rows have no free bit pattern for SP's sentinel: use token-flag fusion.
-            options["sync"] = "tff"
-        shape = dict(hidden=hidden, num_topk=num_topk, num_experts=num_experts, dtype=dtype,
-                     max_tokens_per_rank=max_tokens, layout=layout, **options)
-        if self._shrink is None:  # every rank moves to it, or none (deep_ep_checks.CallGate)
-            self._backends[key] = self._gate.made(key, lambda: make_backend(self._ep, **shape))
-        else:  # over the members (a shrink-mode facade: ubep.torch.deep_ep_shrink)
-            config = buffer_config(on_peer_loss="mask", **shape)
-            self._backends[key] = MaskedBackend(self._shrink.build(config))
-        if (buffer := getattr(self._backends[key], "buffer", None)) is not None:  # ubep's
-            name_buffer(buffer, _TRACE_NAMES[layout])
-        return self._backends[key]
-
-    def _send(
-        self,
-        layout: Layout,
-        x: torch.Tensor,
-        scales: torch.Tensor | None,
-        idx: np.ndarray,
-        w: np.ndarray,
-        num_experts: int,
-        max_tokens: int,
-        split: bool = False,
-        round_scale: bool | None = None,
-    ) -> _Sent:
-        """Dispatch ``x``. Returns ``receive``, which returns the dispatch's result and the
-        received float32 scales (or None), and the backend the rows go through. With ``split``
-        the dispatch is only issued (``return_recv_hook``) and ``receive`` runs its receive half.
-
-        FP8 (DeepEP's FP8 dispatch / BF16 combine) is one dispatch on a quantising Buffer
-        (``BufferConfig.quant``, combine in BF16): with ``round_scale`` not None (low-latency,
-        ``x`` BF16) the engine quantises each token once; with ``scales`` (normal mode, ``x``
-        already FP8) values and scales travel as they are. The in-process world has no
-        engine: values and scales take two of its (reference) dispatches.
-        """
-        def issue(x: torch.Tensor, scales: torch.Tensor | None, split: bool) -> _Sent:
-            send = functools.partial(issue_dispatch, split=split)
-            shape = (layout, x.shape[1], idx.shape[1], num_experts)
-            fp8 = round_scale is not None or scales is not None
-            if fp8 and not isinstance(self._ep, LocalBackend):
-                backend = send_backend(self, layout, x.shape[1], idx.shape[1], num_experts,
-                                             x.dtype, max_tokens, scales is not None, round_scale)
-                if scales is None:
-                    call = send(backend, to_numpy(x), idx, w)
-                else:
-                    call = send(backend, to_numpy(x.contiguous().view(torch.uint8)), idx, w,
-                                to_numpy(scales.to(torch.float32).contiguous()))
-                return (lambda: _with_scales(call.hook())), backend
-            if round_scale is not None:  # the in-process world quantises with ubep.quant
-                values_np, scales_np = quantize(to_numpy(x), "e4m3", round_scale=round_scale)
-                x, scales = torch.from_numpy(values_np), torch.from_numpy(scales_np)
-            backend = self._backend(*shape, torch.uint8 if fp8 else x.dtype, max_tokens)
-            rows = send(backend, to_numpy(x.contiguous().view(torch.uint8) if fp8 else x), idx, w)
-            if scales is None:
-                return (lambda: (rows.hook(), None)), backend
-            scale_rows = send(self._backend(layout, scales.shape[1], idx.shape[1], num_experts,
-                                            torch.float32, max_tokens),
-                              to_numpy(scales.to(torch.float32).contiguous()), idx, w)
-            return (lambda: (rows.hook(), np.array(scale_rows.hook().recv_x))), backend
-
-        if self._shrink is not None:  # masking Buffers run blocking calls
-            return self._shrink.call(lambda: issue(x, scales, False))
-        return issue(x, scales, split)
-
-    def _allgather(self, value: Any) -> list[Any]:
-        """Every rank's JSON ``value`` (collective): through shared memory on one host
-        (:mod:`.deep_ep_agree`, opened by the first call), else the group's all-gather."""
-        gather: Callable[[Any], list[Any]] = self._ep.allgather
-        if self._board is _UNOPENED:
-            self._board = open_board(self._ep)
-        if isinstance(self._board, Board):
-            return self._board.allgather(value, gather)
-        return list(gather(value))
-
-    def _agree(self, check: Callable[[], Any], summary: Callable[[Any], Any]) -> tuple[Any, list]:
-        """Run the local ``check`` then exchange ``summary(result)`` with every rank, so that a
-        rank's bad input fails the call on every rank (RemoteError on the others) instead of
-        leaving them waiting in a collective. Returns ``(result, everyone's summaries)``."""
-        failure: InvalidArgumentError | None = None
-        try:
-            result = check()
-            mine: list[Any] = [None, summary(result)]
-        except InvalidArgumentError as exc:
-            failure, result, mine = exc, None, [f"rank {self.rank}: {exc}", None]
-        everyone = self._allgather(mine)
-        if failure is not None:
-            raise failure
-        for r, (error, _) in enumerate(everyone):
-            if error is not None:
-                raise RemoteError(r, error)
-        return result, [s for _, s in everyone]
 
     # ------------------------------------------------------------------ normal mode
     @traced_work("deep_ep.get_dispatch_layout")
@@ -447,9 +300,9 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         idx = to_numpy(topk_idx, argument="topk_idx")
         lay = dispatch_layout(idx, num_experts, self.group_size)
         per_host = None
-        if self._num_hosts() > 1:
+        if self.core.num_hosts() > 1:
             per_host = torch.from_numpy(
-                self._tokens_per_host(lay.is_token_in_rank).sum(axis=0).astype(np.int32))
+                self.core.tokens_per_host(lay.is_token_in_rank).sum(axis=0).astype(np.int32))
         # the counts are the caller's; the routing the memo reads (is_token_in_rank) its own
         outputs = (torch.from_numpy(lay.num_tokens_per_rank), per_host,
                    torch.from_numpy(lay.num_tokens_per_expert),
@@ -486,7 +339,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         ``recv_topk_idx`` -1 after them) and the per-expert list is empty.
         """
         self._check_normal_mode()
-        if isinstance(handle, InternodeHandle) or (self._num_hosts() > 1 and handle is None):
+        if isinstance(handle, InternodeHandle) or (self.core.num_hosts() > 1 and handle is None):
             # the group spans hosts: DeepEP's internode path (it refuses num_worst_tokens there)
             if num_worst_tokens:
                 raise InvalidArgumentError("num_worst_tokens", num_worst_tokens,
@@ -507,7 +360,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         topk_weights: torch.Tensor | None = None, expert_alignment: int = 1,
         num_worst_tokens: int = 0, async_finish: bool = False,
     ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, list[int] | None, Any, EventOverlap]:
-        self._check_no_m2n()  # also the internode path's
+        self.core.roles.check_no_m2n()  # also the internode path's
         scales: torch.Tensor | None = None
         if isinstance(x, tuple):
             x, scales = x
@@ -531,20 +384,22 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
             # rows follow is_token_in_rank alone: the per-expert counts DeepEP returns are the
             # callers' num_tokens_per_expert, which no routing carries: they are exchanged
             # (that exchange fails a bad argument on every rank itself: not the gate's)
-            self._gate.entered += 1
-            route, per_expert = exchanged_counts(self._agree, check, self.rank, self.group_size)
+            self.core.gate.entered += 1
+            route, per_expert = exchanged_counts(self.core.exchange.agree, check, self.rank,
+                                                 self.group_size)
         else:  # a bad argument here fails the peers' call too, through the gate (gated)
             checks.check_device(x=x, x_scales=scales)
             route = check()
-        if scales is None and self._shrink is None and not isinstance(self._ep, LocalBackend):
+        if scales is None and self.core.shrink is None and not self.core.local:
             # a decode step's call: the one blocking dispatch, straight to its Buffer
-            backend = self._backend("rank", x.shape[1], route.topk_idx.shape[1],
+            backend = self.core.backends.get("rank", x.shape[1], route.topk_idx.shape[1],
                                     route.num_experts, x.dtype, self.max_tokens_per_rank)
             res, recv_scales = backend.dispatch(to_numpy(x), route.topk_idx,
                                                 route.topk_weights), None
         else:
-            receive, backend = self._send("rank", x, scales, route.topk_idx, route.topk_weights,
-                                          route.num_experts, self.max_tokens_per_rank)
+            receive, backend = self.core.backends.send(
+                "rank", x, scales, route.topk_idx, route.topk_weights, route.num_experts,
+                self.max_tokens_per_rank)
             res, recv_scales = receive()
         # every rank's tokens to every rank, from the engine's count round: the same on all
         sent = np.array(res.num_sent_rows_per_rank, dtype=np.int64)
@@ -627,7 +482,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
             self._check_given("is_token_in_rank", is_token_in_rank, lay.is_token_in_rank)
             self._check_given("num_tokens_per_rank", num_tokens_per_rank, lay.num_tokens_per_rank)
             self._check_given("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank,
-                              self._tokens_per_host(lay.is_token_in_rank).sum(axis=0))
+                              self.core.tokens_per_host(lay.is_token_in_rank).sum(axis=0))
             return _Route(idx, w, lay.is_token_in_rank, per_expert, num_experts, True)
         if is_token_in_rank is None:
             raise InvalidArgumentError(
@@ -640,7 +495,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
             )
         self._check_given("num_tokens_per_rank", num_tokens_per_rank, in_rank.sum(axis=0))
         self._check_given("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank,
-                          self._tokens_per_host(in_rank).sum(axis=0))
+                          self.core.tokens_per_host(in_rank).sum(axis=0))
         # One column per rank holding that rank's first expert: ubep's rank layout then sends
         # exactly one row per marked (token, rank), as DeepEP does from is_token_in_rank.
         first = np.arange(R, dtype=np.int64) * (num_experts // R)
@@ -685,7 +540,7 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
             raise InvalidArgumentError("handle", "given", "cached dispatch takes no topk_idx")
         checks.check_device(x=x, x_scales=scales)
         idx = handle.topk_idx
-        receive, _ = self._send(
+        receive, _ = self.core.backends.send(
             "rank", x, scales, idx, np.zeros(idx.shape, np.float32), handle.num_experts,
             self.max_tokens_per_rank,
         )
@@ -733,14 +588,15 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
         tag = self._post_weights_word(handle, topk_weights)  # before anything can raise
         checks.check_device(x=x, topk_weights=topk_weights, bias=bias)
         check_combine_rows(x, topk_weights, (n, handle.num_out_rows))
-        backend = own_backend(handle, self._ep, self._backends.values(), self._gate)
+        core = self.core
+        backend = own_backend(handle, core.ep, core.backends.table.values(), core.gate)
         try:
             y = from_numpy(backend.combine(to_numpy(x[:n]), handle.inner), x.dtype)
         except InvalidArgumentError as exc:
             raise deepep_error(exc) from None
         # every rank's word (none, all the received weights, or others), else what was given
         plan = ("none" if topk_weights is None else "carried") if tag is None else (
-            combine_weights_plan(cast(Board, self._board).words(tag)))
+            combine_weights_plan(cast(Board, self.core.exchange.opened_board()).words(tag)))
         combined_w = None if plan == "none" else torch.from_numpy(
             cast(np.ndarray, handle.own_weights).copy()) if plan == "local" else (
             self._combine_small(cast(torch.Tensor, topk_weights)[:n], handle))
@@ -756,45 +612,152 @@ class Buffer(LowLatencyCalls, InternodeCalls, ShrinkCalls, M2NCalls):
     def _post_weights_word(self, handle: Any, topk_weights: Any) -> int | None:
         """:func:`.post_weights_word` on the Board (opened by the first combine: collective);
         None without one (another host, shrink mode, no Buffer)."""
-        if self._shrink is not None or not isinstance(handle, NormalHandle) or getattr(
+        core = self.core
+        if core.shrink is not None or not isinstance(handle, NormalHandle) or getattr(
                 handle.backend, "buffer", None) is None:
             return None
-        if self._board is _UNOPENED:
-            self._board = open_board(self._ep)
-        board = self._board
-        return post_weights_word(board, handle, topk_weights) if isinstance(board, Board) else None
+        board = core.exchange.opened_board()
+        return None if board is None else post_weights_word(board, handle, topk_weights)
 
     def _combine_small(self, values: torch.Tensor, handle: NormalHandle) -> torch.Tensor:
-        """The combine's ``topk_weights`` summed at their sources (:meth:`_weights_back`)."""
+        """The combine's ``topk_weights`` summed at their sources (``Backends.weights_back``)."""
         column = np.cumsum(handle.sent[:, self.rank])
-        return self._weights_back(handle.backend, values, column, handle.in_rank,
-                                  int(handle.sent.sum(axis=0).max()),
-                                  self.group_size * self.max_tokens_per_rank)
+        return self.core.backends.weights_back(handle.backend, values, column, handle.in_rank,
+                                               int(handle.sent.sum(axis=0).max()),
+                                               self.group_size * self.max_tokens_per_rank)
 
-    def _weights_back(self, backend: EPBackend, values: torch.Tensor, prefix: np.ndarray,
-                      in_rank: np.ndarray, most_received: int, capacity: int) -> torch.Tensor:
-        """A combine's float32 weights ``values`` (a row per received row) summed at their
-        sources (:func:`.deep_ep_agree.sum_at_sources`; the V1 and V2 facades'): as rows of the
-        dispatch's ``backend`` where they carry them (:class:`.deep_ep_agree.RowCarrier`; no
-        carrier without a Buffer, in-process or in shrink mode), that call signed as the
-        combine's weights (a rank that passed none, its next call another, fails with it);
-        else a float32 rank-layout Buffer of their width (``capacity`` rows a rank), entered by
-        a switch and left with none (``CallGate.back_to``). ``most_received``: the rows the
-        busiest rank sends back (every rank's same)."""
-        width = int(values.shape[1])
-        config = getattr(getattr(backend, "buffer", None), "config", None)
-        carrier = None if config is None or self._shrink is not None else RowCarrier.of(
-            config, width, most_received)
-        if carrier is not None:
-            self._gate.note("combine_weights")
-            self._gate.enter(backend, next(k for k, b in self._backends.items() if b is backend))
-            return sum_at_sources(backend, values, prefix, in_rank, carrier)
-        back = self._backend("rank", width, 1, self.group_size, torch.float32, capacity)
-        summed = sum_at_sources(back, values, prefix, in_rank)
-        if self._shrink is None and not isinstance(self._ep, LocalBackend):
-            self._gate.back_to(backend)  # no switch back: the next call is there
-        return summed
+    # ------------------------------------------------------------------ internode pair
+    def internode_dispatch(
+        self,
+        x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        handle: InternodeHandle | None = None,
+        num_tokens_per_rank: torch.Tensor | None = None,
+        num_tokens_per_rdma_rank: torch.Tensor | None = None,
+        is_token_in_rank: torch.Tensor | None = None,
+        num_tokens_per_expert: torch.Tensor | None = None,
+        topk_idx: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+        expert_alignment: int = 1,
+        config: Config | None = None,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, list[int] | None, Any,
+               EventOverlap]:
+        """DeepEP's internode dispatch: what ``dispatch`` returns, with an
+        :class:`InternodeHandle` (cached with ``handle``: only ``recv_x``).
+        ``num_tokens_per_rdma_rank`` (``[num_hosts]``, as ``get_dispatch_layout`` gives it) is
+        checked against the routing when given."""
+        return self._internode.dispatch(
+            self._normal_dispatch, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
+            is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+            async_finish)
 
-# --------------------------------------------------------------------------- helpers
-def _with_scales(res: Any) -> tuple[Any, np.ndarray | None]:
-    return res, res.recv_x_scales
+    def internode_combine(
+        self,
+        x: torch.Tensor,
+        handle: InternodeHandle,
+        topk_weights: torch.Tensor | None = None,
+        bias: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+        config: Config | None = None,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:
+        """DeepEP's internode combine (the sum without weights, as ``combine``)."""
+        return self._internode.combine(self._normal_combine, x, handle, topk_weights, bias,
+                                       async_finish)
+
+    # ------------------------------------------------------------------ low-latency mode
+    @traced_work("deep_ep.low_latency_dispatch")
+    @checks.gated
+    def low_latency_dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        num_max_dispatch_tokens_per_rank: int,
+        num_experts: int,
+        cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+        dispatch_wait_recv_cost_stats: torch.Tensor | None = None,
+        use_fp8: bool = True,
+        round_scale: bool = False,
+        use_ue8m0: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+    ) -> tuple[Any, torch.Tensor, LowLatencyHandle, EventOverlap, Callable[[], None] | None]:
+        """``(recv_x, recv_count, handle, event, hook)``. ``recv_x`` is
+        ``[num_local_experts, num_max_dispatch_tokens_per_rank * num_ranks, hidden]`` BF16, or
+        with ``use_fp8`` a tuple (FP8 e4m3 values, ``[..., hidden // 128]`` float32 scales, or
+        with ``use_ue8m0`` ``[..., hidden // 512]`` int32 packed UE8M0 exponents); only the first
+        ``recv_count[e]`` rows of expert ``e`` are valid (the rest are zero).
+
+        ``return_recv_hook``: the call returns once this rank's rows are sent, with ``hook``
+        (else None), which receives: ``recv_x``, ``recv_count`` and ``handle`` hold the data
+        only after it ran (as DeepEP). ``async_finish``: the same, received by
+        ``event.current_stream_wait()`` (DeepEP refuses both at once, so does ubep)."""
+        return self._low_latency.dispatch(
+            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+            cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
+            round_scale, use_ue8m0, async_finish, return_recv_hook)
+
+    @traced_work("deep_ep.low_latency_combine")
+    @checks.gated
+    def low_latency_combine(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        handle: LowLatencyHandle,
+        use_logfmt: bool = False,
+        zero_copy: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+        out: torch.Tensor | None = None,
+        combine_wait_recv_cost_stats: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, EventOverlap, Callable[[], None] | None]:
+        """Reduce **with weights**: ``(combined_x [num_tokens, hidden], event, hook)``; ``x`` is
+        the packed ``[num_local_experts, slots, hidden]`` expert output (ignored with
+        ``zero_copy``: the rows come from :meth:`get_next_low_latency_combine_buffer`).
+        ``topk_idx`` is the dispatch's, where a slot may be set to -1 to drop it.
+        ``return_recv_hook`` / ``async_finish``: as :meth:`low_latency_dispatch`; the combined
+        ``x`` holds the sums once the hook (or the event's wait) ran."""
+        return self._low_latency.combine(
+            x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+            return_recv_hook, out, combine_wait_recv_cost_stats)
+
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        """The tensor ``low_latency_combine(..., zero_copy=True)`` reads the expert outputs from:
+        ``[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]`` BF16, to
+        fill in place. Not collective. That combine packs the valid rows straight into ubep's
+        combine buffer in shared memory (``ubep.Buffer.get_combine_buffer``), which the reduce
+        then reads without another copy; ``x`` is ignored, as DeepEP."""
+        return self._low_latency.next_combine_buffer(handle)
+
+    # ------------------------------------------------------------------ shrink mode
+    def clean_low_latency_buffer(
+        self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int
+    ) -> None:
+        """Nothing to clean (every ubep flag carries its call's epoch, so buffers never need
+        it). In shrink mode a barrier of the members, as DeepEP's clean is: a rank that does
+        not come is masked."""
+        self._mask.clean()
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mask ``rank_to_mask`` (``mask=True``): later calls neither send to nor receive from
+        it. Collective over the members, unlike DeepEP's: every member calls it (as every
+        DeepEP rank must, or its kernels wait for the rank) and the members agree; the masked
+        rank, if it takes part, learns it is masked (its next call raises). Unmasking a rank
+        that is not masked does nothing; a masked rank comes back only as a new process
+        (``ubep.Buffer.rejoin``, docs/ELASTIC.md), so unmasking it is refused."""
+        self._mask.update(rank_to_mask, mask)
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Fill ``mask_status`` (``[num_ranks]`` int32, as DeepEP) with 1 for a masked rank, 0
+        else: the same on every member. Local."""
+        self._mask.query(mask_status)
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Does nothing. DeepEP zeroes its mask, and its next calls mask the lost ranks again
+        after a timeout; here a masked rank is lost or was told it is masked, so it stays
+        masked (the state DeepEP returns to, without the wait)."""
+        self._mask.clean_mask()

@@ -117,11 +117,11 @@ def checked(check: Callable[[], T], backend: Callable[[], Any]) -> T:
         raise
 
 
-def send_backend(facade: Any, layout: str, hidden: int, num_topk: int, num_experts: int,
+def send_backend(backends: Any, layout: str, hidden: int, num_topk: int, num_experts: int,
                  dtype: Any, max_tokens: int, fp8_pair: bool, round_scale: bool | None) -> Any:
-    """The backend a V1 facade's (first) dispatch of these shapes goes through (``_send``);
-    with a ``dtype`` the facade refuses (the reject path), the one that exists for the rest
-    (:func:`only_backend`)."""
+    """The backend a V1 facade's (first) dispatch of these shapes goes through (``backends``:
+    its ``deep_ep_core.Backends``); with a ``dtype`` the facade refuses (the reject path), the
+    one that exists for the rest (:func:`only_backend`)."""
     import torch
 
     from .backend import LocalBackend
@@ -129,14 +129,14 @@ def send_backend(facade: Any, layout: str, hidden: int, num_topk: int, num_exper
 
     shape = (layout, hidden, num_topk, num_experts)
     fp8 = round_scale is not None or fp8_pair
-    local = isinstance(facade._ep, LocalBackend)
+    local = isinstance(backends.ep, LocalBackend)
     if not fp8 and dtype not in DISPATCH_DTYPES and not local:
-        return only_backend(facade._backends, (*shape, max_tokens))
+        return only_backend(backends.table, (*shape, max_tokens))
     if fp8 and not local:
-        return facade._backend(*shape, torch.bfloat16 if fp8_pair else dtype, max_tokens,
-                               combine_dtype=torch.bfloat16, quant="e4m3",
-                               round_scale=bool(round_scale))
-    return facade._backend(*shape, torch.uint8 if fp8 else dtype, max_tokens)
+        return backends.get(*shape, torch.bfloat16 if fp8_pair else dtype, max_tokens,
+                            combine_dtype=torch.bfloat16, quant="e4m3",
+                            round_scale=bool(round_scale))
+    return backends.get(*shape, torch.uint8 if fp8 else dtype, max_tokens)
 
 
 def only_backend(backends: dict[tuple[Any, ...], Any], shape: tuple[Any, ...]) -> Any:

@@ -116,7 +116,7 @@ def check_ubep_options(options: dict[str, Any], shape_fields: Iterable[str]) -> 
 
 def key_signature(key: tuple[Any, ...], call: str | None = None,
                   dtype: torch.dtype | None = None) -> Signature:
-    """The signature of a call on the facade's Buffer of ``key`` (``deep_ep.Buffer._backend``'s
+    """The signature of a call on the facade's Buffer of ``key`` (``deep_ep_core.Backends``'
     key: layout, hidden, num_topk, num_experts, dtype, max_tokens, combine dtype, quant,
     round_scale); ``call`` and ``dtype`` where the call says more than its Buffer (V2's rows
     travel as bytes: their dtype is the caller's ``x``'s)."""
@@ -284,13 +284,14 @@ class CallGate:
 def gated(method: F) -> F:
     """A facade call whose checks fail on every rank: an ``InvalidArgumentError`` raised
     before the call reached a Buffer is rejected through the facade's :class:`CallGate`
-    (``self._gate``); one a Buffer raised was already told to the peers."""
+    (``self.core.gate``, its ``deep_ep_core.FacadeCore``'s); one a Buffer raised was already
+    told to the peers."""
 
     @functools.wraps(method)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        gate: CallGate | None = getattr(self, "_gate", None)
-        if getattr(self, "_shrink", None) is not None:
-            gate = None  # shrink mode: the masking Buffers' agreement handles a silent rank
+        core = self.core
+        # shrink mode: the masking Buffers' agreement handles a silent rank
+        gate: CallGate | None = core.gate if core.shrink is None else None
         mark = -1 if gate is None else gate.entered
         try:
             return method(self, *args, **kwargs)

@@ -13,15 +13,18 @@ hosts (as DeepEP's do when it has more than one RDMA rank); on one host it is on
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from ..errors import InvalidArgumentError
-from .deep_ep_types import Config, EventOverlap, InternodeHandle, NormalHandle, _Layout
+from .deep_ep_types import EventOverlap, InternodeHandle, NormalHandle, _Layout
 
-__all__ = ["InternodeCalls", "hosts_of"]
+if TYPE_CHECKING:
+    from .deep_ep_core import FacadeCore
+
+__all__ = ["InternodePath", "hosts_of"]
 
 
 def hosts_of(group: Any, num_ranks: int) -> np.ndarray:
@@ -33,94 +36,79 @@ def hosts_of(group: Any, num_ranks: int) -> np.ndarray:
     return np.asarray(host_of, dtype=np.int64)
 
 
-class InternodeCalls:
-    """DeepEP's internode pair on :class:`ubep.torch.deep_ep.Buffer` (a mixin; the Buffer's
-    normal-mode calls move the rows)."""
+class InternodePath:
+    """DeepEP's internode pair, held by a :class:`ubep.torch.deep_ep.Buffer` (its
+    ``internode_*`` methods call this one's, handing it their normal-mode call, which moves
+    the rows) over the facade's core (:class:`.deep_ep_core.FacadeCore`: the ranks' hosts and
+    the exchange of every rank's destinations)."""
 
-    rank: int
-    group_size: int
-    _host_of: np.ndarray
-    _normal_dispatch: Callable[..., Any]
-    _normal_combine: Callable[..., Any]
-    _allgather: Callable[[Any], list[Any]]
+    def __init__(self, core: FacadeCore) -> None:
+        self.core = core
+        self.rank = core.rank
+        self.group_size = core.group_size
+        self.host_of = core.host_of
 
-    def internode_dispatch(
+    def dispatch(
         self,
+        normal_dispatch: Callable[..., Any],
         x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-        handle: InternodeHandle | None = None,
-        num_tokens_per_rank: torch.Tensor | None = None,
-        num_tokens_per_rdma_rank: torch.Tensor | None = None,
-        is_token_in_rank: torch.Tensor | None = None,
-        num_tokens_per_expert: torch.Tensor | None = None,
-        topk_idx: torch.Tensor | None = None,
-        topk_weights: torch.Tensor | None = None,
-        expert_alignment: int = 1,
-        config: Config | None = None,
-        previous_event: EventOverlap | None = None,
-        async_finish: bool = False,
-        allocate_on_comm_stream: bool = False,
+        handle: InternodeHandle | None,
+        num_tokens_per_rank: torch.Tensor | None,
+        num_tokens_per_rdma_rank: torch.Tensor | None,
+        is_token_in_rank: torch.Tensor | None,
+        num_tokens_per_expert: torch.Tensor | None,
+        topk_idx: torch.Tensor | None,
+        topk_weights: torch.Tensor | None,
+        expert_alignment: int,
+        async_finish: bool,
     ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, list[int] | None, Any,
                EventOverlap]:
-        """DeepEP's internode dispatch: what ``dispatch`` returns, with an
-        :class:`InternodeHandle` (cached with ``handle``: only ``recv_x``).
-        ``num_tokens_per_rdma_rank`` (``[num_hosts]``, as ``get_dispatch_layout`` gives it) is
-        checked against the routing when given."""
+        """``internode_dispatch`` (the facade's docstring) through ``normal_dispatch``."""
         if handle is not None:
             if not isinstance(handle, InternodeHandle):
                 raise InvalidArgumentError(
                     "handle", type(handle).__name__,
                     "must be the handle an internode dispatch returned")
-            out: tuple[Any, ...] = self._normal_dispatch(
+            out: tuple[Any, ...] = normal_dispatch(
                 x, handle.base, topk_idx=topk_idx, topk_weights=topk_weights,
                 async_finish=async_finish)
             return out
-        recv, recv_idx, recv_w, counts, base, event = self._normal_dispatch(
+        recv, recv_idx, recv_w, counts, base, event = normal_dispatch(
             x, None, _Layout(num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                              num_tokens_per_expert), topk_idx=topk_idx,
             topk_weights=topk_weights, expert_alignment=expert_alignment,
             async_finish=async_finish)
         return recv, recv_idx, recv_w, counts, self._internode_handle(base), event
 
-    def internode_combine(
-        self,
+    @staticmethod
+    def combine(
+        normal_combine: Callable[..., Any],
         x: torch.Tensor,
         handle: InternodeHandle,
-        topk_weights: torch.Tensor | None = None,
-        bias: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
-        config: Config | None = None,
-        previous_event: EventOverlap | None = None,
-        async_finish: bool = False,
-        allocate_on_comm_stream: bool = False,
+        topk_weights: torch.Tensor | None,
+        bias: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None,
+        async_finish: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:
-        """DeepEP's internode combine (the sum without weights, as ``combine``)."""
+        """``internode_combine`` (the facade's docstring) through ``normal_combine``."""
         if not isinstance(handle, InternodeHandle):
             raise InvalidArgumentError(
                 "handle", type(handle).__name__,
                 "must be the handle an internode dispatch returned")
-        out: tuple[torch.Tensor, torch.Tensor | None, EventOverlap] = self._normal_combine(
+        out: tuple[torch.Tensor, torch.Tensor | None, EventOverlap] = normal_combine(
             x, handle.base, topk_weights, bias, async_finish)
-        return out
-
-    def _num_hosts(self) -> int:
-        return int(self._host_of.max(initial=0)) + 1
-
-    def _tokens_per_host(self, in_rank: np.ndarray) -> np.ndarray:
-        """``[num_tokens, num_hosts]`` bool: the token goes to a rank of that host."""
-        out = np.zeros((in_rank.shape[0], self._num_hosts()), dtype=bool)
-        for h in range(out.shape[1]):
-            out[:, h] = in_rank[:, self._host_of == h].any(axis=1)
         return out
 
     def _internode_handle(self, base: NormalHandle) -> InternodeHandle:
         """DeepEP's internode handle of a finished rank-layout dispatch (collective: every
         rank's per-token destinations are gathered, for the NVL heads and source metadata)."""
         in_rank = base.is_token_in_rank.numpy()
-        to_host = self._tokens_per_host(in_rank)
+        to_host = self.core.tokens_per_host(in_rank)
         column = base.rank_prefix_matrix[:, self.rank].numpy().astype(np.int64)
         per_src = np.diff(column, prepend=0)  # rows from each source rank
-        from_host = np.bincount(self._host_of, weights=per_src, minlength=self._num_hosts())
+        from_host = np.bincount(self.host_of, weights=per_src,
+                                minlength=self.core.num_hosts())
         # every rank's tokens, as the list of ranks each went to
-        dests = self._allgather([np.flatnonzero(row).tolist() for row in in_rank])
+        dests = self.core.exchange.allgather([np.flatnonzero(row).tolist() for row in in_rank])
         n = base.num_recv_rows
         src_rank = np.repeat(np.arange(self.group_size), per_src)
         src_token = base.recv_src_idx[:n].numpy().astype(np.int64)
@@ -146,11 +134,11 @@ class InternodeCalls:
         """For each received row (source rank, source token): ``[n, 2]`` int32 (source host,
         bits of this host's ranks that got the token) and ``[n, P]`` the token's row at each
         rank of this host, -1 where it did not go. ``prefix``: the full rank_prefix_matrix."""
-        local = np.flatnonzero(self._host_of == self._host_of[self.rank])
+        local = np.flatnonzero(self.host_of == self.host_of[self.rank])
         n = len(src_rank)
         meta = np.zeros((n, 2), dtype=np.int32)
         head = np.full((n, len(local)), -1, dtype=np.int64)
-        meta[:, 0] = self._host_of[src_rank]
+        meta[:, 0] = self.host_of[src_rank]
         for s in np.unique(src_rank):
             went = np.zeros((len(dests[s]), self.group_size), dtype=bool)
             for t, ranks in enumerate(dests[s]):

@@ -1,6 +1,6 @@
 """The low-latency mode of ``ubep.deep_ep``: its calls (``low_latency_dispatch`` /
-``low_latency_combine``, a mixin of the Buffer) and its tensors in DeepEP's layout,
-``[num_local_experts, num_max_dispatch_tokens_per_rank * num_ranks, hidden]``.
+``low_latency_combine``: :class:`LowLatencyPath`, held by the Buffer) and its tensors in
+DeepEP's layout, ``[num_local_experts, num_max_dispatch_tokens_per_rank * num_ranks, hidden]``.
 
 On a ``ubep.Buffer`` (every group but the in-process test world and shrink mode) the Buffer runs
 ``layout="expert_padded"``: the engine lands each row at its DeepEP place, so ``recv_x`` (and
@@ -17,20 +17,22 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
 
 from ..errors import InvalidArgumentError, UbepError
-from ..trace.recorder import traced_work
 from ._convert import PAYLOAD_DTYPES, from_numpy, to_numpy
-from .backend import EPBackend, LocalBackend, issue_combine
-from .deep_ep_checks import CallGate, check_device, gated
+from .backend import EPBackend, issue_combine
+from .deep_ep_checks import check_device
 from .deep_ep_types import EventOverlap, LowLatencyHandle, _event
 from .fp8 import FP8_BLOCK, UE8M0_PACK, pack_ue8m0
 
-__all__ = ["LowLatencyOutputs", "PaddedViews", "combine_input"]
+if TYPE_CHECKING:
+    from .deep_ep_core import FacadeCore
+
+__all__ = ["LowLatencyOutputs", "LowLatencyPath", "PaddedViews", "combine_input"]
 
 
 def _tensor_over(a: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -293,26 +295,37 @@ def _ll_layout(
     return torch.from_numpy(src_info), torch.from_numpy(layout_range)
 
 
-class LowLatencyCalls:
-    """DeepEP's low-latency pair on a :class:`ubep.torch.deep_ep.Buffer`: ``layout="expert"``
-    buffers, rows packed per local expert, FP8 and receive hooks. A mixin of the Buffer, whose
-    dispatch path (``_send``) and shape fields it uses."""
+class LowLatencyPath:
+    """DeepEP's low-latency pair, held by a :class:`ubep.torch.deep_ep.Buffer` (its
+    ``low_latency_*`` methods and ``get_next_low_latency_combine_buffer`` call this one's):
+    ``layout="expert_padded"`` Buffers viewed in place (:class:`PaddedViews`), or
+    ``layout="expert"`` ones whose rows are packed per local expert (the in-process world and
+    shrink mode), FP8 and receive hooks. It sends through the facade's core
+    (:class:`.deep_ep_core.FacadeCore`: its Buffers per shape, the call gate, the roles)."""
 
-    rank: int
-    group_size: int
-    _ll_combine_staging: dict[tuple[int, int, int], torch.Tensor]
-    _send: Callable[..., tuple[Callable[[], tuple[Any, np.ndarray | None]], EPBackend]]
-    _collective: Callable[[Callable[[], Any]], Any]
-    _num_local_experts: Callable[[int], int]
-    _gate: CallGate
-    _backend: Callable[..., EPBackend]
-    _shrink: Any
-    _ep: Any
-    ubep_options: dict[str, Any]
+    def __init__(self, core: FacadeCore) -> None:
+        self.core = core
+        self.group_size = core.group_size
+        self._backend = core.backends.get
+        self._send = core.backends.send
+        self._gate = core.gate
+        self._num_local_experts = core.roles.num_local_experts
+        #: whether the calls run on padded Buffers (views of their regions): not in the
+        #: in-process world (no Buffer) nor in shrink mode (masking Buffers)
+        self.padded = (core.shrink is None and not core.local
+                       and core.options.get("transport") in _PADDED_TRANSPORTS)
+        # get_next_low_latency_combine_buffer's tensors, by (local experts, slots, hidden)
+        self.combine_staging: dict[tuple[int, int, int], torch.Tensor] = {}
+        # the views of each padded Buffer (weakly: they go with the backend), and the last
+        # one's (a decode loop's one shape)
+        self._views: weakref.WeakKeyDictionary[Any, PaddedViews] = weakref.WeakKeyDictionary()
+        self._last_views: tuple[weakref.ref[Any], weakref.ref[PaddedViews]] | None = None
 
-    @traced_work("deep_ep.low_latency_dispatch")
-    @gated
-    def low_latency_dispatch(
+    def close(self) -> None:
+        """Drop the staging tensors (the facade's ``destroy``)."""
+        self.combine_staging.clear()
+
+    def dispatch(
         self,
         x: torch.Tensor,
         topk_idx: torch.Tensor,
@@ -353,7 +366,7 @@ class LowLatencyCalls:
             block = FP8_BLOCK * (UE8M0_PACK if use_ue8m0 else 1)
             if hidden % block:
                 raise InvalidArgumentError("x", hidden, f"hidden must be a multiple of {block}")
-        if self._ll_padded():
+        if self.padded:
             # the dispatch's topk_idx, known by its memory where idx_np is a view of it
             ptr = topk_idx.data_ptr() if (topk_idx.dtype == torch.int64 and topk_idx.is_cpu
                                           and topk_idx.is_contiguous()) else None
@@ -402,31 +415,22 @@ class LowLatencyCalls:
         return (out.recv_x, out.recv_count, handle, _event(async_finish, finish),
                 finish if return_recv_hook else None)
 
-    def _ll_padded(self) -> bool:
-        """Whether this facade's low-latency calls run on padded Buffers (views of their
-        regions): not in the in-process world (no Buffer) nor in shrink mode (masking
-        Buffers)."""
-        return (self._shrink is None and not isinstance(self._ep, LocalBackend)
-                and self.ubep_options.get("transport") in _PADDED_TRANSPORTS)
-
     def _padded_views(self, backend: EPBackend) -> PaddedViews:
         """The views of ``backend``'s Buffer (made once; dropped with the backend)."""
-        last = self.__dict__.get("_ll_last_views")
+        last = self._last_views
         if last is not None and last[0]() is backend:  # a decode loop's one shape
             views = last[1]()
             if views is not None:
-                return cast(PaddedViews, views)
-        table: weakref.WeakKeyDictionary[Any, PaddedViews] = self.__dict__.setdefault(
-            "_ll_padded_views", weakref.WeakKeyDictionary())
-        views = table.get(backend)
+                return views
+        views = self._views.get(backend)
         if views is None:
             if not padded_capable(backend):
                 raise UbepError("low_latency_dispatch: the Buffer's engine keeps no receive "
                                 "region in host memory to view (transport "
-                                f"{self.ubep_options.get('transport')!r})")
-            views = table[backend] = PaddedViews(backend.buffer)  # type: ignore[attr-defined]
+                                f"{self.core.options.get('transport')!r})")
+            views = self._views[backend] = PaddedViews(backend.buffer)  # type: ignore[attr-defined]
         # weakly: the views (and the mapping under them) go with the backend
-        self.__dict__["_ll_last_views"] = (weakref.ref(backend), weakref.ref(views))
+        self._last_views = (weakref.ref(backend), weakref.ref(views))
         return views
 
     def _padded_dispatch(
@@ -527,7 +531,7 @@ class LowLatencyCalls:
 
         return y, _event(async_finish, finish), (finish if return_recv_hook else None)
 
-    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+    def next_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """The tensor ``low_latency_combine(..., zero_copy=True)`` reads the expert outputs from:
         ``[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]`` BF16, to
         fill in place. Not collective. That combine packs the valid rows straight into ubep's
@@ -542,17 +546,15 @@ class LowLatencyCalls:
             views = handle.__dict__["_views"]
             return cast(torch.Tensor, views.combine_buffer(handle, len(handle.counts))[1])
         key = self._staging_key(handle)
-        if key not in self._ll_combine_staging:
-            self._ll_combine_staging[key] = torch.zeros(key, dtype=torch.bfloat16)
-        return self._ll_combine_staging[key]
+        if key not in self.combine_staging:
+            self.combine_staging[key] = torch.zeros(key, dtype=torch.bfloat16)
+        return self.combine_staging[key]
 
     def _staging_key(self, handle: LowLatencyHandle) -> tuple[int, int, int]:
         slots = handle.num_max_dispatch_tokens_per_rank * self.group_size
         return len(handle.counts), slots, handle.hidden
 
-    @traced_work("deep_ep.low_latency_combine")
-    @gated
-    def low_latency_combine(
+    def combine(
         self,
         x: torch.Tensor,
         topk_idx: torch.Tensor,
@@ -590,7 +592,7 @@ class LowLatencyCalls:
         w = np.where(idx == -1, np.float32(0), w).astype(np.float32)
         source = x
         if zero_copy:
-            staging = self._ll_combine_staging.get(self._staging_key(handle))
+            staging = self.combine_staging.get(self._staging_key(handle))
             if staging is None:
                 raise InvalidArgumentError(
                     "zero_copy", True, "fill get_next_low_latency_combine_buffer(handle) first"
@@ -598,9 +600,9 @@ class LowLatencyCalls:
             source = staging
         rows = combine_input(handle, source)
         split = (async_finish or return_recv_hook) and getattr(handle.backend, "can_split", True)
-        if getattr(self, "_shrink", None) is None:
+        if self.core.shrink is None:
             self._gate.combine_on(handle.backend)  # the next call: a combine there
-        call = self._collective(
+        call = self.core.collective(
             lambda: issue_combine(handle.backend, rows, handle.inner, w, split=split))
         if not (async_finish or return_recv_hook):
             y = from_numpy(call.hook(), source.dtype)

@@ -12,12 +12,13 @@ tokens per co-located rank), shrink mode (masking Buffers serve no M2N) and the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InvalidArgumentError
 from ..m2n import check_expert_ranks
 
-__all__ = ["M2NCalls", "check_facade_expert_ranks"]
+__all__ = ["M2NRoles", "check_facade_expert_ranks"]
 
 
 def check_facade_expert_ranks(expert_ranks: Any, num_ranks: int, shrink: bool,
@@ -41,20 +42,22 @@ def check_facade_expert_ranks(expert_ranks: Any, num_ranks: int, shrink: bool,
     return ranks
 
 
-class M2NCalls:
-    """The roles as the facade's calls read them (a mixin of the Buffer)."""
+@dataclass(frozen=True)
+class M2NRoles:
+    """The roles as the facade's calls read them (``FacadeCore.roles``): this rank and the
+    group's size, ``expert_ranks`` None without M2N."""
 
     rank: int
     group_size: int
     expert_ranks: tuple[int, ...] | None
 
-    def _check_no_m2n(self) -> None:
+    def check_no_m2n(self) -> None:
         if self.expert_ranks is not None:
             raise InvalidArgumentError(
                 "expert_ranks", list(self.expert_ranks), "M2N runs on the low-latency pair "
                 "(low_latency_dispatch / low_latency_combine), not on normal-mode calls")
 
-    def _num_local_experts(self, num_experts: int) -> int:
+    def num_local_experts(self, num_experts: int) -> int:
         """How many of ``num_experts`` this rank holds: ``num_experts // num_ranks``, or with
         ``expert_ranks`` ``num_experts // len(expert_ranks)`` on an expert rank and 0 on a
         sender (the first dimension of the low-latency pair's per-expert tensors)."""

@@ -33,7 +33,7 @@ import os
 import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -53,7 +53,10 @@ from ..runtime.membership import MemberGroup, Roster, agree, publish_once
 from ._runtime import RuntimeBackend
 from .group import TorchGroup
 
-__all__ = ["MaskedBackend", "ShrinkCalls", "ShrinkGroup", "open_shrink_group"]
+if TYPE_CHECKING:
+    from .deep_ep_core import FacadeCore
+
+__all__ = ["MaskBuffer", "MaskedBackend", "ShrinkGroup", "open_shrink_group"]
 
 # what a collective of the members raises when one of them is lost
 _LOSS = (PeerLostError, TimeoutError, OutOfStepError)
@@ -227,31 +230,26 @@ class ShrinkGroup:
         self.close()
 
 
-class ShrinkCalls:
-    """DeepEP's mask-buffer calls and ``clean_low_latency_buffer`` on the facade (a mixin of
-    :class:`ubep.torch.deep_ep.Buffer`; its ``_shrink`` is None without ``enable_shrink``)."""
+class MaskBuffer:
+    """DeepEP's mask-buffer calls and ``clean_low_latency_buffer``, held by a
+    :class:`ubep.torch.deep_ep.Buffer` (its methods of those names call this one's) over the
+    facade's core (:class:`.deep_ep_core.FacadeCore`; its ``shrink`` is None without
+    ``enable_shrink``)."""
 
-    group_size: int
-    _shrink: ShrinkGroup | None
-    _check_alive: Callable[[], None]
+    def __init__(self, core: FacadeCore) -> None:
+        self.group_size = core.group_size
+        self.shrink = core.shrink
+        self._check_alive = core.check_alive
 
-    def clean_low_latency_buffer(
-        self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int
-    ) -> None:
-        """Nothing to clean (every ubep flag carries its call's epoch, so buffers never need
-        it). In shrink mode a barrier of the members, as DeepEP's clean is: a rank that does
-        not come is masked."""
+    def clean(self) -> None:
+        """``clean_low_latency_buffer``: nothing to clean; in shrink mode a barrier of the
+        members (the facade's docstring)."""
         self._check_alive()
-        if self._shrink is not None:
-            self._shrink.call(self._shrink.barrier)
+        if self.shrink is not None:
+            self.shrink.call(self.shrink.barrier)
 
-    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
-        """Mask ``rank_to_mask`` (``mask=True``): later calls neither send to nor receive from
-        it. Collective over the members, unlike DeepEP's: every member calls it (as every
-        DeepEP rank must, or its kernels wait for the rank) and the members agree; the masked
-        rank, if it takes part, learns it is masked (its next call raises). Unmasking a rank
-        that is not masked does nothing; a masked rank comes back only as a new process
-        (``ubep.Buffer.rejoin``, docs/ELASTIC.md), so unmasking it is refused."""
+    def update(self, rank_to_mask: int, mask: bool) -> None:
+        """``low_latency_update_mask_buffer`` (the facade's docstring)."""
         shrink = self._mask_buffer()
         if isinstance(rank_to_mask, bool) or not isinstance(rank_to_mask, int) or not (
             0 <= rank_to_mask < self.group_size
@@ -267,9 +265,8 @@ class ShrinkCalls:
                 "rank_to_mask", rank_to_mask, "is masked: a masked rank comes back only as a new "
                 "process (ubep.Buffer.rejoin and admit, docs/ELASTIC.md), not by unmasking")
 
-    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
-        """Fill ``mask_status`` (``[num_ranks]`` int32, as DeepEP) with 1 for a masked rank, 0
-        else: the same on every member. Local."""
+    def query(self, mask_status: torch.Tensor) -> None:
+        """``low_latency_query_mask_buffer`` (the facade's docstring)."""
         shrink = self._mask_buffer()
         if not isinstance(mask_status, torch.Tensor) or mask_status.numel() != self.group_size or (
             mask_status.dtype != torch.int32
@@ -279,19 +276,19 @@ class ShrinkCalls:
                 f"must be an int32 tensor of {self.group_size} (num_ranks) elements")
         mask_status.view(-1).copy_(torch.from_numpy(shrink.mask_status()))
 
-    def low_latency_clean_mask_buffer(self) -> None:
-        """Does nothing. DeepEP zeroes its mask, and its next calls mask the lost ranks again
-        after a timeout; here a masked rank is lost or was told it is masked, so it stays
-        masked (the state DeepEP returns to, without the wait)."""
+    def clean_mask(self) -> None:
+        """``low_latency_clean_mask_buffer``: does nothing but check (the facade's
+        docstring)."""
         self._mask_buffer()
 
     def _mask_buffer(self) -> ShrinkGroup:
         self._check_alive()
-        if self._shrink is None:
+        if self.shrink is None:
             raise InvalidArgumentError(
                 "enable_shrink", False,
                 "the mask buffer needs Buffer(..., enable_shrink=True) (as DeepEP)")
-        return self._shrink
+        return self.shrink
+
 
 def open_shrink_group(ep: Any, options: dict[str, Any]) -> ShrinkGroup:
     """The members of a shrink-mode facade on ``ep`` (its ubep group: one of ``ubep.launch``,

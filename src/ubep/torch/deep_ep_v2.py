@@ -6,8 +6,9 @@ over one implementation, so a V2 program runs on CPUs by changing its import::
 
 ``group`` is a ``torch.distributed`` process group, a ubep group (``ubep.launch``,
 ``ubep.mpi``), or ``None`` with ``comm=`` an mpi4py communicator, as for the V1 ``Buffer``
-(:mod:`ubep.torch.deep_ep`), which this facade uses underneath to reach ubep's engines (the
-rows of every call go through ubep Buffers, :mod:`ubep.torch.deep_ep_v2_calls`).
+(:mod:`ubep.torch.deep_ep`), over whose core (``Buffer.core``) this facade reaches ubep's
+engines (the rows of every call go through ubep Buffers, :mod:`ubep.torch.deep_ep_v2_calls`;
+the load-balancing pair's through its region, :mod:`ubep.torch.deep_ep_v2_lb`).
 
 Semantics are DeepEP's (its reference in ``deep_ep/utils/refs.py`` and its tests): the compact
 and expanded layouts (:mod:`ubep.torch.deep_ep_v2_layout`), the combine's sum without router
@@ -22,6 +23,7 @@ complete when returned, except ``defer_epilogue=True``'s, whose first wait finis
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -30,8 +32,8 @@ from ..errors import InvalidArgumentError
 from .deep_ep import Buffer
 from .deep_ep_memory import RawBuffers
 from .deep_ep_types import EventHandle, EventOverlap
-from .deep_ep_v2_calls import V2Calls, _Deferred
-from .deep_ep_v2_lb import LoadBalanceCalls
+from .deep_ep_v2_calls import DEFAULT_NUM_SMS, V2Path
+from .deep_ep_v2_lb import LoadBalancePath
 from .deep_ep_v2_types import (
     BufferAllocator,
     EPHandle,
@@ -46,7 +48,6 @@ __all__ = [
     "get_physical_domain_size",
 ]
 
-_DEFAULT_NUM_SMS = 20  # what get_theoretical_num_sms answers on CPU (V1 Buffer.num_sms too)
 _NOT_IMPLEMENTED = (
     "engram_write", "engram_fetch", "pp_set_config", "pp_send", "pp_recv",
     "create_agrs_session", "destroy_agrs_session", "agrs_new_session", "agrs_set_config",
@@ -80,8 +81,10 @@ def _check_int(name: str, value: Any, low: int = 0) -> int:
     return value
 
 
-class _V2Buffer(V2Calls, LoadBalanceCalls):
-    """The implementation both V2 classes share (see the module docstring)."""
+class _V2Buffer:
+    """The implementation both V2 classes share (see the module docstring): their calls run in
+    the paths it holds (:class:`.deep_ep_v2_calls.V2Path`,
+    :class:`.deep_ep_v2_lb.LoadBalancePath`), over the core of a V1 ``Buffer``."""
 
     _uids = itertools.count()
 
@@ -104,13 +107,13 @@ class _V2Buffer(V2Calls, LoadBalanceCalls):
         # The V1 facade reaches ubep's engines and creates ubep Buffers per call shape.
         self._v1 = Buffer(group, comm=comm, explicitly_destroy=True,
                           max_tokens_per_rank=max(num_max_tokens_per_rank, 1), **options)
-        self._new_handles()
-        self._pending: list[_Deferred] = []
+        core = self._v1.core
+        self._calls = V2Path(core, num_max_tokens_per_rank, allow_multiple_reduction)
         self._group = held(group if group is not None else comm)  # torch's to free
         self.rank_idx, self.num_ranks = self._v1.rank, self._v1.group_size
         if num_bytes is None:  # informational, as the hint (ubep sizes per call shape)
             num_bytes = self.get_buffer_size_hint(
-                self._v1._ep, max(num_max_tokens_per_rank, 1), hidden, num_topk,
+                core.ep, max(num_max_tokens_per_rank, 1), hidden, num_topk,
                 use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction)
         self.num_bytes = num_bytes
         self.num_max_tokens_per_rank = num_max_tokens_per_rank
@@ -127,23 +130,23 @@ class _V2Buffer(V2Calls, LoadBalanceCalls):
         self.num_allocated_qps = num_allocated_qps
         self.num_scaleout_ranks, self.num_scaleup_ranks = 1, self.num_ranks
         self.scaleout_rank_idx, self.scaleup_rank_idx = 0, self.rank_idx
-        hosts = self._v1._host_of
+        hosts = core.host_of
         self.num_rdma_ranks = len(set(hosts.tolist()))
         self.num_nvlink_ranks = self.num_ranks // self.num_rdma_ranks
         self.num_lb_bytes = num_lb_bytes
         self._lb: RawBuffers | None = None
         if num_lb_bytes:
-            self._lb = RawBuffers(self._v1._ep, {False: num_lb_bytes, True: 0})
+            self._lb = RawBuffers(core.ep, {False: num_lb_bytes, True: 0})
             region = self._lb.tensor(torch.uint8, None, 0, False)  # maps it (collective)
             if lb_plan is not None:
                 lb_plan.materialize(region)
             self.lb_storage = region
+        self._load_balance = LoadBalancePath(core, self._lb, self._calls.check_alive)
         self.runtime: Any = self  # DeepEP's C++ runtime; None once destroyed
-        self._destroyed = False
         # as DeepEP, every rank constructed before any call; and the same
         # allow_multiple_reduction everywhere: where a combine's rows lie follows it
         # (deep_ep_v2_calls._BackPlan), and a combine carries no signature that would catch it
-        everyone = self._v1._allgather(bool(allow_multiple_reduction))
+        everyone = core.exchange.allgather(bool(allow_multiple_reduction))
         if len(set(everyone)) != 1:
             if self._lb is not None:
                 self._lb.close()
@@ -164,14 +167,13 @@ class _V2Buffer(V2Calls, LoadBalanceCalls):
         if not self.explicitly_destroy:
             raise InvalidArgumentError("explicitly_destroy", False,
                                        "must be set at construction to call destroy()")
-        if self._destroyed:
+        if self._calls.destroyed:
             return
-        self._flush()
+        self._calls.flush()
         if self._lb is not None:
             self._lb.close()
         self._v1.destroy()
-        self._new_handles()  # earlier handles are refused from now on
-        self._destroyed = True
+        self._calls.close()  # earlier handles are refused from now on, later calls raise
         self.runtime = None
 
     @staticmethod
@@ -195,7 +197,7 @@ class _V2Buffer(V2Calls, LoadBalanceCalls):
     def barrier(self, use_comm_stream: bool = True, with_cpu_sync: bool = False,
                 sequential: bool = True) -> None:
         """Every rank of the group reaches it (the keywords tune GPU streams: no effect)."""
-        self._v1._allgather(None)
+        self._v1.core.exchange.allgather(None)
 
     @staticmethod
     def capture() -> EventHandle:
@@ -220,7 +222,7 @@ class _V2Buffer(V2Calls, LoadBalanceCalls):
         if num_scaleout_topk != 0:
             raise InvalidArgumentError("num_scaleout_topk", num_scaleout_topk,
                                        "must be 0 (as DeepEP)")
-        return _DEFAULT_NUM_SMS
+        return DEFAULT_NUM_SMS
 
     def get_theoretical_num_qps(self, num_sms: int) -> int:
         """DeepEP's formula (QPs have no meaning on ubep): ``min(num_sms, 9)``, or ``num_sms *
@@ -235,15 +237,31 @@ class _V2Buffer(V2Calls, LoadBalanceCalls):
                 "calls are not implemented on ubep (its expert-parallel pair is)")
         raise AttributeError(name)
 
-    # ------------------------------------------------------------------ internals
-    def _check_alive(self) -> None:
-        if self._destroyed:
-            raise InvalidArgumentError("self", "destroyed", "this buffer was destroyed")
+    # ------------------------------------------------------------------ redundant experts
+    def lb_get_theoretical_num_sms(self) -> int:
+        """20: accepted and ignored by both calls (the copies run on the caller's thread)."""
+        return 20
 
-    def _resolve_num_sms(self, num_sms: int | None, num_experts: int, num_topk: int) -> int:
-        if not num_sms:
-            return self.get_theoretical_num_sms(num_experts, num_topk)
-        return int(num_sms) + int(num_sms) % 2  # DeepEP aligns it to 2
+    def lb_prefetch_weights(self, redundant_expert_weights: Sequence[torch.Tensor] | torch.Tensor,
+                            expert_weights: Sequence[torch.Tensor] | torch.Tensor,
+                            redundancy_mapping: torch.Tensor, num_sms: int = 0,
+                            previous_event: Any = None) -> EventOverlap:
+        """Fill every rank's redundant slots with the weights of the experts its row of
+        ``redundancy_mapping`` names (collective; :mod:`ubep.torch.deep_ep_v2_lb`)."""
+        return self._load_balance.prefetch_weights(redundant_expert_weights, expert_weights,
+                                                   redundancy_mapping, previous_event)
+
+    def lb_reduce_grads(self, redundant_expert_grads: torch.Tensor, expert_grads: torch.Tensor,
+                        redundancy_mapping: torch.Tensor, num_sms: int = 0,
+                        previous_event: Any = None) -> EventOverlap:
+        """Add the FP32 gradients of this rank's experts' redundant copies (held by any rank)
+        into ``expert_grads`` (collective; order in :mod:`ubep.torch.deep_ep_v2_lb`)."""
+        return self._load_balance.reduce_grads(redundant_expert_grads, expert_grads,
+                                               redundancy_mapping, previous_event)
+
+    @staticmethod
+    def num_lb_experts(t: torch.Tensor) -> int:
+        return int(t.shape[0])
 
 
 class ElasticBuffer(_V2Buffer):
@@ -289,7 +307,7 @@ class ElasticBuffer(_V2Buffer):
         ``do_handle_copy`` (2.1's default) the handle holds a clone of ``topk_idx``."""
         if do_handle_copy and handle is None and isinstance(topk_idx, torch.Tensor):
             topk_idx = topk_idx.clone()
-        result: tuple[Any, Any, Any, EPHandle, EventOverlap] = self._v2_dispatch(
+        result: tuple[Any, Any, Any, EPHandle, EventOverlap] = self._calls.dispatch(
             x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, num_experts,
             num_max_tokens_per_rank, expert_alignment, num_sms, previous_event,
             previous_event_before_epilogue, async_with_compute_stream, allocate_on_comm_stream,
@@ -305,7 +323,7 @@ class ElasticBuffer(_V2Buffer):
                 ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:
         """``(combined_x, combined_topk_weights, event)``: the rows summed back at each token's
         source (no router weights applied), ``bias`` added before the final cast."""
-        result: tuple[torch.Tensor, torch.Tensor | None, EventOverlap] = self._v2_combine(
+        result: tuple[torch.Tensor, torch.Tensor | None, EventOverlap] = self._calls.combine(
             x, handle, topk_weights, bias, previous_event, previous_event_before_epilogue,
             async_with_compute_stream, allocate_on_comm_stream, False)
         return result
@@ -377,7 +395,7 @@ class EPBuffer(_V2Buffer):
             refused = InvalidArgumentError(
                 "do_handle_copy", True, "must be False (DeepEP 2.5 no longer copies topk_idx; "
                 "pass a clone of topk_idx if the caller will modify it)")
-        return self._v2_dispatch(
+        return self._calls.dispatch(
             x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, num_experts,
             num_max_tokens_per_rank, expert_alignment, num_sms, previous_event, None,
             async_with_compute_stream, allocate_on_comm_stream, handle, do_cpu_sync, do_expand,
@@ -391,6 +409,6 @@ class EPBuffer(_V2Buffer):
                 defer_epilogue: bool = False) -> Any:
         """``(combined_x, combined_topk_weights, event)``; with ``defer_epilogue`` the event
         alone, whose first ``wait()`` returns the first two."""
-        return self._v2_combine(x, handle, topk_weights, bias, previous_event, None,
+        return self._calls.combine(x, handle, topk_weights, bias, previous_event, None,
                                 async_with_compute_stream, allocate_on_comm_stream,
                                 defer_epilogue)

@@ -1,5 +1,5 @@
 """DeepEP V2's ``dispatch`` and ``combine`` on ubep: argument checks, the rows' two trips
-through ubep's engines, and the outputs (the mixin :class:`V2Calls` of
+through ubep's engines, and the outputs (:class:`V2Path`, held by
 :class:`ubep.torch.deep_ep_v2.ElasticBuffer` and ``EPBuffer``).
 
 Every row moves through a ubep ``layout="rank"`` dispatch of raw bytes (``uint8`` rows: the
@@ -7,7 +7,7 @@ token's BF16 or FP8 bytes, then its scale bytes), so FP8 values and any 4-byte s
 (FP32 or packed UE8M0) arrive bit for bit. The combine is that Buffer's own combine (its
 ``combine_dtype`` is BF16): on two ranks the core's sum is DeepEP's reference order
 (:mod:`ubep.torch.deep_ep_v2_layout`), elsewhere the combine hands back the unreduced rows and
-each source adds them in that order (``V2Calls._v2_combine`` says when and why).
+each source adds them in that order (``V2Path.combine`` says when and why).
 
 A call exchanges nothing of its own: the tokens every rank sends every rank come with the
 dispatch's result (``num_sent_rows_per_rank``, from the engine's count round). A rank whose
@@ -20,14 +20,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
 
 from ..errors import InvalidArgumentError
 from ._convert import from_numpy, to_numpy
-from .backend import LocalBackend, issue_combine, issue_dispatch
+from .backend import issue_combine, issue_dispatch
 from .deep_ep_agree import checked
 from .deep_ep_types import EventHandle, EventOverlap
 from .deep_ep_v2_layout import (
@@ -41,7 +41,12 @@ from .deep_ep_v2_layout import (
 )
 from .deep_ep_v2_types import EPHandle
 
-__all__ = ["V2Calls"]
+if TYPE_CHECKING:
+    from .deep_ep_core import FacadeCore
+
+__all__ = ["DEFAULT_NUM_SMS", "V2Path", "resolve_num_sms"]
+
+DEFAULT_NUM_SMS = 20  # what get_theoretical_num_sms answers on CPU (V1 Buffer.num_sms too)
 
 # the integer type of each element size: rows are gathered as bits
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -68,6 +73,7 @@ class _Route:
     back: _Back
     in_order: bool  # the engine's rows are in the receive order (rec.order is the identity)
     first: tuple[int, ...]  # receive rows [first[s], first[s + 1]) came from rank s
+    owner: object  # the V2Path whose buffer made the handle, until its destroy
 
 
 @dataclass(frozen=True)
@@ -170,25 +176,44 @@ def _wait(event: Any) -> None:
         wait()
 
 
-class V2Calls:
-    """``dispatch``/``combine`` of the V2 buffers (a mixin: the buffer sets these)."""
+def resolve_num_sms(num_sms: int | None) -> int:
+    """A call's ``num_sms``: ``get_theoretical_num_sms``'s where 0 or None, else aligned to 2
+    (as DeepEP)."""
+    if not num_sms:
+        return DEFAULT_NUM_SMS
+    return int(num_sms) + int(num_sms) % 2
 
-    rank_idx: int
-    num_ranks: int
-    num_max_tokens_per_rank: int
-    allow_multiple_reduction: bool
-    _v1: Any
-    _pending: list[_Deferred]
-    _check_alive: Callable[[], None]
-    _resolve_num_sms: Callable[[int | None, int, int], int]
 
-    def _new_handles(self) -> None:
-        """Handles made from now on are this buffer's; earlier ones are refused (construction,
-        and ``destroy``)."""
-        self._uid = object()
+class V2Path:
+    """``dispatch``/``combine`` of the V2 buffers, held by each (their calls of those names hand
+    theirs to this one's) over the core of the V1 ``Buffer`` they are built over
+    (:class:`.deep_ep_core.FacadeCore`: its Buffers per shape, the call gate, the weights'
+    way back); with the deferred epilogues in flight and whose handles it takes."""
+
+    def __init__(self, core: FacadeCore, num_max_tokens_per_rank: int,
+                 allow_multiple_reduction: bool) -> None:
+        self.core = core
+        self.rank_idx = core.rank
+        self.num_ranks = core.group_size
+        self.num_max_tokens_per_rank = num_max_tokens_per_rank
+        self.allow_multiple_reduction = allow_multiple_reduction
+        self.destroyed = False
+        self._gate = core.gate
+        self._backend = core.backends.get
+        self._pending: list[_Deferred] = []
+        self._owner = object()  # handles made from now on are this buffer's
+
+    def check_alive(self) -> None:
+        if self.destroyed:
+            raise InvalidArgumentError("self", "destroyed", "this buffer was destroyed")
+
+    def close(self) -> None:
+        """The buffer was destroyed: later calls raise, earlier handles are refused."""
+        self._owner = object()
+        self.destroyed = True
 
     # ------------------------------------------------------------------ dispatch
-    def _v2_dispatch(self, x: Any, topk_idx: Any, topk_weights: Any, stats: Any,
+    def dispatch(self, x: Any, topk_idx: Any, topk_weights: Any, stats: Any,
                      num_experts: Any, num_max_tokens_per_rank: Any, expert_alignment: Any,
                      num_sms: int, previous_event: Any, before_epilogue: Any, async_: bool,
                      allocate_on_comm_stream: bool, handle: Any, do_cpu_sync: Any,
@@ -197,7 +222,7 @@ class V2Calls:
                      refused: InvalidArgumentError | None = None) -> Any:
         """The V2 dispatch (both APIs' keywords, resolved by the caller); ``refused``: an error
         the API raises for a keyword it refuses, raised here on every rank."""
-        self._flush()
+        self.flush()
 
         def check() -> _DispatchArgs:
             if refused is not None:
@@ -212,14 +237,12 @@ class V2Calls:
         if previous_event is not None:
             _wait(previous_event)
         # the rows travel as bytes: the call's signature carries x's dtype (deep_ep_checks)
-        self._v1._gate.note("v2_dispatch", getattr(x[0] if isinstance(x, tuple) else x,
-                                                   "dtype", None))
-        backend = self._v1._backend("rank", args.payload.shape[1], args.idx.shape[1],
-                                    args.num_experts, torch.uint8, args.num_max_tokens_per_rank,
-                                    combine_dtype=torch.bfloat16)
+        self._gate.note("v2_dispatch", getattr(x[0] if isinstance(x, tuple) else x, "dtype", None))
+        backend = self._backend("rank", args.payload.shape[1], args.idx.shape[1],
+                                args.num_experts, torch.uint8, args.num_max_tokens_per_rank,
+                                combine_dtype=torch.bfloat16)
         call = issue_dispatch(backend, args.payload, args.idx, args.weights, split=defer_epilogue)
-        sms = handle.num_sms if handle is not None else self._resolve_num_sms(
-            num_sms, args.num_experts, args.idx.shape[1])
+        sms = handle.num_sms if handle is not None else resolve_num_sms(num_sms)
 
         # [source rank, destination rank] tokens: the engine's count round carries them
         return self._epilogue(call, before_epilogue, defer_epilogue, lambda res: (
@@ -240,17 +263,17 @@ class V2Calls:
         if num_max_tokens_per_rank is None:
             num_max_tokens_per_rank = self.num_max_tokens_per_rank
         # signed as the good call signs it (the peers' move to it matches this rank's)
-        self._v1._gate.note("v2_dispatch", getattr(x_t, "dtype", None))
-        return self._v1._backend("rank", width, int(topk_idx.shape[1]), int(num_experts),
-                                 torch.uint8, int(num_max_tokens_per_rank),
-                                 combine_dtype=torch.bfloat16)
+        self._gate.note("v2_dispatch", getattr(x_t, "dtype", None))
+        return self._backend("rank", width, int(topk_idx.shape[1]), int(num_experts),
+                             torch.uint8, int(num_max_tokens_per_rank),
+                             combine_dtype=torch.bfloat16)
 
     def _check_dispatch(self, x: Any, topk_idx: Any, topk_weights: Any, stats: Any,
                         num_experts: Any, num_max_tokens_per_rank: Any, expert_alignment: Any,
                         previous_event: Any, async_: bool, allocate_on_comm_stream: bool,
                         handle: Any, do_cpu_sync: Any, do_expand: bool, do_zero_padding: bool,
                         emit_expert_ids: bool, defer_epilogue: bool) -> _DispatchArgs:
-        self._check_alive()
+        self.check_alive()
         self._check_stream_keywords(previous_event, async_, allocate_on_comm_stream,
                                     defer_epilogue)
         if do_zero_padding and not do_expand:
@@ -493,7 +516,7 @@ class V2Calls:
             ids[ok] = flat[sel[ok]]
             expert_ids = torch.from_numpy(ids)
         return EPHandle(
-            owner=self._uid, do_expand=args.do_expand, num_experts=args.num_experts,
+            do_expand=args.do_expand, num_experts=args.num_experts,
             expert_alignment=args.expert_alignment,
             num_max_tokens_per_rank=args.num_max_tokens_per_rank, num_sms=num_sms,
             topk_idx=args.topk_idx, num_recv_tokens=n_out, num_expanded_tokens=expanded_rows,
@@ -505,11 +528,11 @@ class V2Calls:
             recv_src_metadata=metadata, dst_buffer_slot_idx=slots,
             recv_expert_ids=expert_ids,
             route=_Route(rec, args.src, int(args.x.shape[1]), back, in_order,
-                         (*first_of_rank.tolist(), n)),
+                         (*first_of_rank.tolist(), n), self._owner),
         )
 
     # ------------------------------------------------------------------ combine
-    def _v2_combine(self, x: Any, handle: Any, topk_weights: Any, bias: Any,
+    def combine(self, x: Any, handle: Any, topk_weights: Any, bias: Any,
                     previous_event: Any, before_epilogue: Any, async_: bool,
                     allocate_on_comm_stream: bool, defer_epilogue: bool) -> Any:
         """The rows go back through the core's combine on the Buffer the dispatch used (its
@@ -530,7 +553,7 @@ class V2Calls:
         the bias sum is -0.0 and every one of the token's ``num_topk`` terms is -0.0.
         ``topk_weights`` come back by :func:`.deep_ep_agree.sum_at_sources` (each rank's
         weights at its own slots, zeros elsewhere: the sum gathers them)."""
-        self._flush()
+        self.flush()
         biases = checked(
             lambda: self._check_combine(x, handle, topk_weights, bias, previous_event, async_,
                                         allocate_on_comm_stream, defer_epilogue),
@@ -538,7 +561,7 @@ class V2Calls:
         if previous_event is not None:
             _wait(previous_event)
         route: _Route = handle.dispatch_route
-        plan = _back_plan(self.num_ranks, int(handle._topk_idx.shape[1]), route.back.width,
+        plan = _back_plan(self.num_ranks, int(handle.topk_idx.shape[1]), route.back.width,
                           route.hidden, handle.do_expand and not self.allow_multiple_reduction)
         own = None  # one row per (token, rank), the receive order: this rank's term of each
         if not plan.per_slot:
@@ -565,14 +588,14 @@ class V2Calls:
     def _combine_on(self, handle: EPHandle) -> Any:
         """The backend of ``handle``'s dispatch, taking the next call (a combine)."""
         backend = handle.dispatch_route.back.backend
-        if not isinstance(self._v1._ep, LocalBackend):  # the in-process world has no gate
-            self._v1._gate.combine_on(backend)
+        if not self.core.local:  # the in-process world has no gate
+            self._gate.combine_on(backend)
         return backend
 
     def _check_combine(self, x: Any, handle: Any, topk_weights: Any, bias: Any,
                        previous_event: Any, async_: bool, allocate_on_comm_stream: bool,
                        defer_epilogue: bool) -> tuple[torch.Tensor, ...]:
-        self._check_alive()
+        self.check_alive()
         self._check_stream_keywords(previous_event, async_, allocate_on_comm_stream,
                                     defer_epilogue)
         self._check_handle(handle)
@@ -589,7 +612,7 @@ class V2Calls:
                 "x", tuple(x.shape), f"must be [{rows}, {hidden}] like the dispatch's recv_x")
         if topk_weights is not None:
             w = _tensor(topk_weights, "topk_weights", 1 if handle.do_expand else 2)
-            want = (x.shape[0],) if handle.do_expand else (x.shape[0], handle._topk_idx.shape[1])
+            want = (x.shape[0],) if handle.do_expand else (x.shape[0], handle.topk_idx.shape[1])
             if w.dtype != torch.float32 or tuple(w.shape) != want:
                 raise InvalidArgumentError("topk_weights", f"{tuple(w.shape)} {w.dtype}",
                                            f"must be {want} torch.float32")
@@ -601,7 +624,7 @@ class V2Calls:
         biases = bias if isinstance(bias, tuple) else (() if bias is None else (bias,))
         if len(biases) > 2:
             raise InvalidArgumentError("bias", len(biases), "takes one tensor or a pair")
-        num_tokens = int(handle._topk_idx.shape[0])
+        num_tokens = int(handle.topk_idx.shape[0])
         for b in biases:
             b = _tensor(b, "bias", 2)
             if b.dtype != x.dtype or tuple(b.shape) != (num_tokens, hidden):
@@ -652,10 +675,10 @@ class V2Calls:
 
     def _combined_x(self, ys: list[Any], route: _Route, plan: _BackPlan,
                     own: torch.Tensor | None, biases: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """The combined tokens from the combine calls' results ``ys`` (``_v2_combine``)."""
+        """The combined tokens from the combine calls' results ``ys`` (``combine``)."""
         src, H, G = route.src, route.hidden, plan.per_call
         T, K = src.owner.shape
-        if plan.sum_block and not biases:  # the core's sum, in DeepEP's order (_v2_combine)
+        if plan.sum_block and not biases:  # the core's sum, in DeepEP's order (combine)
             summed = np.asarray(ys[0]).reshape(T, route.back.width)[:, :H]
             return from_numpy(np.ascontiguousarray(summed), torch.bfloat16)
         blocks = []  # [T, hidden] each, block b of call b // G; one cat below, block-major
@@ -682,7 +705,7 @@ class V2Calls:
     def _combined_weights(self, handle: EPHandle, route: _Route,
                           topk_weights: torch.Tensor) -> torch.Tensor:
         """``combined_topk_weights``: each slot's weight from the rank that owns it, summed at
-        the sources as the V1 facade's combine sums them (``Buffer._weights_back``): a rank
+        the sources as the V1 facade's combine sums them (``Backends.weights_back``): a rank
         sends, per received row, its own slots' weights and zeros, so each slot's sum is its
         one weight."""
         rec, src = route.rec, route.src
@@ -694,7 +717,7 @@ class V2Calls:
             values = torch.where(torch.from_numpy(rec.local_idx >= 0), topk_weights[:n], 0.0)
         R = self.num_ranks
         in_rank = np.stack([(src.owner == r).any(axis=1) for r in range(R)], axis=1)
-        return cast(torch.Tensor, self._v1._weights_back(
+        return cast(torch.Tensor, self.core.backends.weights_back(
             route.back.backend, values, np.cumsum(rec.rows_per_rank), in_rank,
             route.back.most_received, R * handle.num_max_tokens_per_rank))
 
@@ -703,7 +726,7 @@ class V2Calls:
         if not isinstance(handle, EPHandle):
             raise InvalidArgumentError("handle", type(handle).__name__,
                                        "must be the EPHandle a dispatch of this buffer returned")
-        if handle._owner is not self._uid:
+        if handle.dispatch_route.owner is not self._owner:
             raise InvalidArgumentError("handle", "foreign",
                                        "comes from another buffer (or one since destroyed)")
 
@@ -740,7 +763,7 @@ class V2Calls:
         event.register_hook_after_wait(deferred)
         return event
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
         """Finish deferred epilogues before the next call (their wait() still returns them)."""
         pending, self._pending[:] = list(self._pending), []
         for deferred in pending:

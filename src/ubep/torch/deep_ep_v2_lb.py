@@ -1,6 +1,6 @@
 """DeepEP 2.5's redundant experts on ubep: ``EPBuffer.lb_prefetch_weights`` and
-``lb_reduce_grads`` over the buffer's load-balancing (LB) region (a mixin of
-:class:`ubep.torch.deep_ep_v2.EPBuffer`).
+``lb_reduce_grads`` over the buffer's load-balancing (LB) region (:class:`LoadBalancePath`,
+held by :class:`ubep.torch.deep_ep_v2.EPBuffer` and ``ElasticBuffer``).
 
 The LB region is one shared-memory segment per rank that every peer maps (the facade's raw
 buffers, :mod:`ubep.torch.deep_ep_memory`), planned with a ``BufferAllocator`` or sized in
@@ -22,7 +22,7 @@ Like DeepEP's (NVLink only), both need the ranks on one host.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -32,38 +32,40 @@ from ._convert import to_numpy
 from .deep_ep_types import EventHandle, EventOverlap
 from .deep_ep_v2_types import get_num_tma_alignment
 
-__all__ = ["LoadBalanceCalls"]
+if TYPE_CHECKING:
+    from .deep_ep_core import FacadeCore
+    from .deep_ep_memory import RawBuffers
+
+__all__ = ["LoadBalancePath"]
 
 
-class LoadBalanceCalls:
-    """The LB pair (a mixin: the buffer sets these)."""
+class LoadBalancePath:
+    """The LB pair, held by a V2 buffer (its ``lb_*`` calls hand theirs to this one's) over the
+    core of its V1 ``Buffer`` (:class:`.deep_ep_core.FacadeCore`: the group's exchanges) and
+    its LB region (``lb``: None without one); ``check_alive`` raises once the buffer was
+    destroyed."""
 
-    rank_idx: int
-    num_ranks: int
-    num_lb_bytes: int
-    _v1: Any
-    _lb: Any
-    _check_alive: Callable[[], None]
+    def __init__(self, core: FacadeCore, lb: RawBuffers | None,
+                 check_alive: Callable[[], None]) -> None:
+        self.rank_idx = core.rank
+        self.num_ranks = core.group_size
+        self.exchange = core.exchange
+        self.lb = lb
+        self._check_alive = check_alive
 
-    def lb_get_theoretical_num_sms(self) -> int:
-        """20: accepted and ignored by both calls (the copies run on the caller's thread)."""
-        return 20
-
-    def lb_prefetch_weights(self, redundant_expert_weights: Sequence[torch.Tensor] | torch.Tensor,
-                            expert_weights: Sequence[torch.Tensor] | torch.Tensor,
-                            redundancy_mapping: torch.Tensor, num_sms: int = 0,
-                            previous_event: Any = None) -> EventOverlap:
-        """Fill every rank's redundant slots with the weights of the experts its row of
-        ``redundancy_mapping`` names (collective; see the module docstring)."""
+    def prefetch_weights(self, redundant_expert_weights: Sequence[torch.Tensor] | torch.Tensor,
+                         expert_weights: Sequence[torch.Tensor] | torch.Tensor,
+                         redundancy_mapping: torch.Tensor, previous_event: Any) -> EventOverlap:
+        """``lb_prefetch_weights`` (the buffer's docstring)."""
         dst = ([redundant_expert_weights] if isinstance(redundant_expert_weights, torch.Tensor)
                else list(redundant_expert_weights))
         src = [expert_weights] if isinstance(expert_weights, torch.Tensor) else list(expert_weights)
-        plan, _ = self._v1._agree(lambda: self._check_prefetch(dst, src, redundancy_mapping),
-                                  lambda _: None)
+        plan, _ = self.exchange.agree(
+            lambda: self._check_prefetch(dst, src, redundancy_mapping), lambda _: None)
         if previous_event is not None:
             previous_event.current_stream_wait()
         mapping, offsets = plan
-        local = self.num_lb_experts(src[0])
+        local = int(src[0].shape[0])
         self._barrier()  # every rank's slots are free to overwrite
         for r in range(self.num_ranks):
             peer = self._region(r)
@@ -78,12 +80,10 @@ class LoadBalanceCalls:
         self._barrier()  # every slot written before anyone reads it
         return EventOverlap(EventHandle())
 
-    def lb_reduce_grads(self, redundant_expert_grads: torch.Tensor, expert_grads: torch.Tensor,
-                        redundancy_mapping: torch.Tensor, num_sms: int = 0,
-                        previous_event: Any = None) -> EventOverlap:
-        """Add the FP32 gradients of this rank's experts' redundant copies (held by any rank)
-        into ``expert_grads`` (collective; order in the module docstring)."""
-        plan, _ = self._v1._agree(
+    def reduce_grads(self, redundant_expert_grads: torch.Tensor, expert_grads: torch.Tensor,
+                     redundancy_mapping: torch.Tensor, previous_event: Any) -> EventOverlap:
+        """``lb_reduce_grads`` (the buffer's docstring)."""
+        plan, _ = self.exchange.agree(
             lambda: self._check_grads(redundant_expert_grads, expert_grads, redundancy_mapping),
             lambda _: None)
         if previous_event is not None:
@@ -102,22 +102,19 @@ class LoadBalanceCalls:
         return EventOverlap(EventHandle())
 
     # ------------------------------------------------------------------ internals
-    @staticmethod
-    def num_lb_experts(t: torch.Tensor) -> int:
-        return int(t.shape[0])
-
     def _barrier(self) -> None:
-        self._v1._allgather(None)
+        self.exchange.allgather(None)
 
     def _region(self, rank: int) -> np.ndarray:
         """Rank ``rank``'s LB region (bytes): this rank's, or a peer's mapped view."""
-        view: torch.Tensor = self._lb.tensor(torch.uint8, None, 0, False,
+        assert self.lb is not None  # _offset_in_region checked it
+        view: torch.Tensor = self.lb.tensor(torch.uint8, None, 0, False,
                                              rank=None if rank == self.rank_idx else rank)
         return view.numpy()
 
     def _offset_in_region(self, t: torch.Tensor, name: str) -> int:
         self._check_alive()
-        if self._lb is None:
+        if self.lb is None:
             raise InvalidArgumentError(
                 name, "no LB region",
                 "this buffer has none: pass lb_allocation_plan_or_num_bytes to EPBuffer")

@@ -112,7 +112,7 @@ class EPHandle:
             side's rows, the sources' routing, the Buffer the rows went through).
     """
 
-    def __init__(self, *, owner: object, do_expand: bool, num_experts: int,
+    def __init__(self, *, do_expand: bool, num_experts: int,
                  expert_alignment: int, num_max_tokens_per_rank: int, num_sms: int,
                  topk_idx: torch.Tensor, num_recv_tokens: int, num_expanded_tokens: int,
                  num_recv_tokens_per_expert_list: list[int],
@@ -122,7 +122,6 @@ class EPHandle:
                  recv_src_metadata: Callable[[], torch.Tensor],
                  dst_buffer_slot_idx: Callable[[], torch.Tensor],
                  recv_expert_ids: torch.Tensor | None, route: Any) -> None:
-        self._owner = owner
         self.do_expand = do_expand
         self.num_experts = num_experts
         self.expert_alignment = expert_alignment

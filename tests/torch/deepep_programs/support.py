@@ -196,7 +196,7 @@ def decode_ue8m0(packed: torch.Tensor) -> torch.Tensor:
     """Packed UE8M0 scales (int32, four exponent bytes each, first scale in the lowest byte)
     -> float32 ``2 ** (byte - 127)``, four times as many."""
     exponent = packed.contiguous().view(torch.uint8).to(torch.int32) - 127
-    return torch.ldexp(torch.ones(exponent.shape), exponent)
+    return torch.ldexp(torch.ones(exponent.shape, dtype=torch.float32), exponent)
 
 
 # --------------------------------------------------------------------------- comparisons
