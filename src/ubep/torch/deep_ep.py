@@ -403,8 +403,8 @@ class Buffer:
             res, recv_scales = receive()
         # every rank's tokens to every rank, from the engine's count round: the same on all
         sent = np.array(res.num_sent_rows_per_rank, dtype=np.int64)
-        most = int(sent.sum(axis=0).max(initial=0))
-        if num_worst_tokens and most > num_worst_tokens:  # every rank sees it: all raise
+        most = int(sent.sum(axis=0).max(initial=0)) if num_worst_tokens else 0
+        if most > num_worst_tokens:  # every rank sees it: all raise
             raise InvalidArgumentError("num_worst_tokens", num_worst_tokens,
                                        f"a rank receives {most} tokens")
         rows = len(res.recv_src_rank)
