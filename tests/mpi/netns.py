@@ -38,6 +38,9 @@ import time
 from pathlib import Path
 
 PREFIX = "ubmh"  # every namespace, link and file of a bed starts with it (interface names <= 15)
+#: who made each live bed (a file per tag: the maker's pid and start time), so that a sweep
+#: removes only the beds of processes that are gone, never a concurrent run's
+OWNERS = Path("/run/ubep-beds")
 _AGENT = """#!/bin/sh
 # ubep test bed launch agent: called as `agent [ssh options] HOST COMMAND...`
 while [ "$#" -gt 0 ]; do
@@ -103,6 +106,7 @@ class HostBed:
     def __init__(self, num_hosts: int, workdir: Path,
                  monotonic_offsets_s: list[int] | None = None) -> None:
         self.tag = f"{PREFIX}{os.urandom(2).hex()}"
+        _claim(self.tag)
         # a time namespace a host whose CLOCK_MONOTONIC runs that many seconds ahead (as two
         # machines' clocks differ: each counts from its own boot)
         self.monotonic_offsets_s = monotonic_offsets_s
@@ -230,6 +234,7 @@ class HostBed:
             _run("ip", "netns", "del", host, check=False)
         _run("ip", "link", "del", self.bridge, check=False)
         shutil.rmtree(self.dir, ignore_errors=True)
+        (OWNERS / self.tag).unlink(missing_ok=True)
 
     def __enter__(self) -> HostBed:
         return self
@@ -262,10 +267,34 @@ def leftovers() -> list[str]:
     return found
 
 
+def _start_time(pid: int) -> str | None:
+    """A process's start time (clock ticks since boot: with the pid, who it is), or None."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _claim(tag: str) -> None:
+    OWNERS.mkdir(mode=0o700, parents=True, exist_ok=True)
+    (OWNERS / tag).write_text(f"{os.getpid()} {_start_time(os.getpid())}\n")
+
+
+def _owner_alive(tag: str) -> bool:
+    try:
+        pid, started = (OWNERS / tag).read_text().split()
+    except (OSError, ValueError):
+        return False
+    return _start_time(int(pid)) == started
+
+
 def sweep() -> list[str]:
-    """Remove what beds of earlier, killed runs left (by the name prefix); what was removed."""
-    gone = leftovers()
+    """Remove what beds of earlier, killed runs left (by the name prefix, a live maker's beds
+    kept); what was removed."""
     tag_len = len(PREFIX) + 4
+    gone = [n for n in leftovers() if not _owner_alive(n[:tag_len])]
+    for tag in {n[:tag_len] for n in gone}:
+        (OWNERS / tag).unlink(missing_ok=True)
     for name in gone:  # namespaces first: their veth ends go with them
         if name[tag_len:].startswith("h"):
             _kill_netns(name)
