@@ -425,7 +425,8 @@ class Buffer:
             if per_expert is None:  # the engine counted every source's picks of each expert
                 per_expert = np.asarray(res.num_recv_tokens_per_expert, dtype=np.int64)
             align = max(int(expert_alignment), 1)
-            counts = (-(-np.asarray(per_expert, dtype=np.int64) // align) * align).tolist()
+            counts = (np.asarray(per_expert).tolist() if align == 1 else
+                      (-(-np.asarray(per_expert, dtype=np.int64) // align) * align).tolist())
         return recv, recv_idx, recv_w, counts, new_handle, _event(async_finish)
 
     def _route(
@@ -520,7 +521,7 @@ class Buffer:
             num_out_rows=out_rows, sent=sent, in_rank=route.is_token_in_rank,
             src_token=np.array(res.recv_src_token), rank=self.rank,  # the engine's may be refilled
             recv_weights=np.array(res.recv_topk_weights, dtype=np.float32) if topk else None,
-            own_weights=own_weights_sum(route.topk_idx, route.topk_weights) if topk else None)
+            sent_routing=(np.array(route.topk_idx), np.array(route.topk_weights)) if topk else None)
 
     @checks.gated
     def _cached_dispatch(
@@ -598,7 +599,7 @@ class Buffer:
         plan = ("none" if topk_weights is None else "carried") if tag is None else (
             combine_weights_plan(cast(Board, self.core.exchange.opened_board()).words(tag)))
         combined_w = None if plan == "none" else torch.from_numpy(
-            cast(np.ndarray, handle.own_weights).copy()) if plan == "local" else (
+            own_weights_sum(*cast(tuple, handle.sent_routing))) if plan == "local" else (
             self._combine_small(cast(torch.Tensor, topk_weights)[:n], handle))
         if bias is not None:
             # Both biases are added in float32 and rounded once, as DeepEP adds them in the

@@ -157,8 +157,9 @@ class NormalHandle(_DeepEPTuple):
         src_token: each received row's source token (the engine's).
         rank: this rank.
         recv_weights: the float32 weights the dispatch received (a copy; None without
-            ``topk_idx``), own_weights: this rank's tokens' weights summed as a combine given
-            back every rank's ``recv_weights`` sums them (``deep_ep_agree.own_weights_sum``).
+            ``topk_idx``); sent_routing: copies of the ``topk_idx`` and float32 weights this
+            rank dispatched, what a combine given back every rank's ``recv_weights`` sums
+            (``deep_ep_agree.own_weights_sum``).
         combines: how many combines of this handle began here (their words' tags).
     """
 
@@ -182,7 +183,7 @@ class NormalHandle(_DeepEPTuple):
     src_token: np.ndarray = field(repr=False)
     rank: int
     recv_weights: np.ndarray | None = field(default=None, repr=False)
-    own_weights: np.ndarray | None = field(default=None, repr=False)
+    sent_routing: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)
     combines: list[int] = field(default_factory=lambda: [0], repr=False)
 
     @property
