@@ -339,16 +339,7 @@ class LowLatencyPath:
         async_finish: bool = False,
         return_recv_hook: bool = False,
     ) -> tuple[Any, torch.Tensor, LowLatencyHandle, EventOverlap, Callable[[], None] | None]:
-        """``(recv_x, recv_count, handle, event, hook)``. ``recv_x`` is
-        ``[num_local_experts, num_max_dispatch_tokens_per_rank * num_ranks, hidden]`` BF16, or
-        with ``use_fp8`` a tuple (FP8 e4m3 values, ``[..., hidden // 128]`` float32 scales, or
-        with ``use_ue8m0`` ``[..., hidden // 512]`` int32 packed UE8M0 exponents); only the first
-        ``recv_count[e]`` rows of expert ``e`` are valid (the rest are zero).
-
-        ``return_recv_hook``: the call returns once this rank's rows are sent, with ``hook``
-        (else None), which receives: ``recv_x``, ``recv_count`` and ``handle`` hold the data
-        only after it ran (as DeepEP). ``async_finish``: the same, received by
-        ``event.current_stream_wait()`` (DeepEP refuses both at once, so does ubep)."""
+        """``ubep.deep_ep.Buffer.low_latency_dispatch`` (its docstring says what it returns)."""
         check_device(x=x, topk_idx=topk_idx)
         num_tokens, hidden = x.shape
         if num_tokens > num_max_dispatch_tokens_per_rank:
