@@ -52,10 +52,10 @@ def test_normal_and_low_latency_buffers_get_a_label_each_and_python_work_is_name
     assert len(normal) == 1 and len(low) == 1, sorted(traces)
     assert set(traces) == {normal[0].label, low[0].label, WORK_LABEL}
     # each Buffer's engine calls, once a rank. The normal label's: the step's dispatch and
-    # combine, the combine's weights back as rows of the step's own Buffer (RowCarrier), and
-    # the empty dispatch that moves every rank off it before the low-latency Buffer's call
-    # (CallGate)
-    calls = {normal[0].label: ["combine"] + ["dispatch"] * 3,
+    # combine (its weights are the ones the dispatch received: each source sums its own, no
+    # call), and the empty dispatch that moves every rank off it before the low-latency
+    # Buffer's call (CallGate)
+    calls = {normal[0].label: ["combine"] + ["dispatch"] * 2,
              low[0].label: ["combine", "dispatch"]}
     for trace in (normal[0], low[0]):
         assert trace.ranks() == [0, 1]
