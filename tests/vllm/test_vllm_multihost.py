@@ -176,6 +176,8 @@ def _healthy(bed: Any) -> bool:
                           capture_output=True, timeout=60, check=False).returncode == 0
 
 
+@pytest.mark.matrix  # the longest of tests/vllm (two servers starting); the offline run above
+# covers the same transport in the default run
 def test_serve_across_two_hosts_answers_with_dp1_tokens_over_mpi(
         bed: Any, model_dir: Path, dp1_tokens: dict[tuple[int, ...], list[int]],
         tmp_path: Path) -> None:
