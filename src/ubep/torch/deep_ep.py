@@ -622,8 +622,8 @@ class Buffer:
 
     def _combine_small(self, values: torch.Tensor, handle: NormalHandle) -> torch.Tensor:
         """The combine's ``topk_weights`` summed at their sources (``Backends.weights_back``)."""
-        column = np.cumsum(handle.sent[:, self.rank])
-        return self.core.backends.weights_back(handle.backend, values, column, handle.in_rank,
+        return self.core.backends.weights_back(handle.backend, values, handle.sent[:, self.rank],
+                                               handle.in_rank,
                                                int(handle.sent.sum(axis=0).max()),
                                                self.group_size * self.max_tokens_per_rank)
 

@@ -262,23 +262,22 @@ class RowCarrier:
 _CARRIERS = threading.local()
 
 
-def sum_at_sources(back: Any, values: Any, recv_prefix: np.ndarray,
+def sum_at_sources(back: Any, values: Any, recv_counts: np.ndarray,
                    is_token_in_rank: np.ndarray, carrier: RowCarrier | None = None) -> Any:
     """Per-received-row float32 values ``[rows, width]`` (a normal-mode combine's
     ``topk_weights``) summed at each row's source token, destination ranks ascending, in
     float32 (as DeepEP sums them): a ``[num_tokens, width]`` tensor. The rows go back by one
     rank-layout dispatch through ``back`` whose "expert" is each row's source rank (rows move
     through the engine, nothing is exchanged); a source gets, from each rank in ascending order,
-    the rows of its tokens that went there, tokens ascending. ``recv_prefix``: the
-    ``rank_prefix_matrix`` column of this rank (its rows from ranks ``0..s``);
+    the rows of its tokens that went there, tokens ascending. ``recv_counts``: the rows
+    this rank received from each rank (its column of the sent matrix);
     ``is_token_in_rank``: ``[num_tokens, num_ranks]``, where this rank's tokens went.
     ``carrier``: ``back`` is a 16-bit Buffer whose rows carry the values (:class:`RowCarrier`);
     else ``back`` is a float32 Buffer of their width and one slot."""
     import torch
 
     R, width = is_token_in_rank.shape[1], int(values.shape[1])
-    per_source = np.asarray(recv_prefix, dtype=np.int64).copy()
-    per_source[1:] -= per_source[:-1].copy()
+    per_source = np.asarray(recv_counts, dtype=np.int64)
     first = back.num_experts // R  # each rank's first expert (1 a rank, but in-process)
     floats = values.detach()
     floats = np.ascontiguousarray(

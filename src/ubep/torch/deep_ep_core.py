@@ -167,7 +167,7 @@ class Backends:
             return self.shrink.call(lambda: issue(x, scales, False))
         return issue(x, scales, split)
 
-    def weights_back(self, backend: EPBackend, values: torch.Tensor, prefix: np.ndarray,
+    def weights_back(self, backend: EPBackend, values: torch.Tensor, recv_counts: np.ndarray,
                      in_rank: np.ndarray, most_received: int, capacity: int) -> torch.Tensor:
         """A combine's float32 weights ``values`` (a row per received row) summed at their
         sources (:func:`.deep_ep_agree.sum_at_sources`; the V1 and V2 facades'): as rows of the
@@ -184,9 +184,9 @@ class Backends:
         if carrier is not None:
             self.gate.note("combine_weights")
             self.gate.enter(backend, next(k for k, b in self.table.items() if b is backend))
-            return sum_at_sources(backend, values, prefix, in_rank, carrier)
+            return sum_at_sources(backend, values, recv_counts, in_rank, carrier)
         back = self.get("rank", width, 1, self.group_size, torch.float32, capacity)
-        summed = sum_at_sources(back, values, prefix, in_rank)
+        summed = sum_at_sources(back, values, recv_counts, in_rank)
         if self.shrink is None and not self.local:
             self.gate.back_to(backend)  # no switch back: the next call is there
         return summed

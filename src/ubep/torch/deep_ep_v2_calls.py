@@ -718,7 +718,7 @@ class V2Path:
         R = self.num_ranks
         in_rank = np.stack([(src.owner == r).any(axis=1) for r in range(R)], axis=1)
         return cast(torch.Tensor, self.core.backends.weights_back(
-            route.back.backend, values, np.cumsum(rec.rows_per_rank), in_rank,
+            route.back.backend, values, rec.rows_per_rank, in_rank,
             route.back.most_received, R * handle.num_max_tokens_per_rank))
 
     # ------------------------------------------------------------------ shared
