@@ -163,10 +163,10 @@ def schedule(
 
 def dispatch_layout(
     idx: Any, num_experts: int, num_ranks: int, per_rank: Any, per_expert: Any, in_rank: Any, /
-) -> tuple[int, int] | None:
+) -> bool:
     """DeepEP's layout of int64 ``idx [T, K]`` into ``per_rank`` (int32), ``per_expert``
-    (int32) and ``in_rank`` (bool ``[T, num_ranks]``); None, or ``(0, id)`` for an id out of
-    range / ``(1, row)`` for a row naming an expert twice (the outputs then undefined)."""
+    (int32) and ``in_rank`` (bool ``[T, num_ranks]``); True where an id is out of range or a
+    row names an expert twice (the outputs then undefined)."""
 
 def counts_sum(epoch: int, rows: int, counts: Any, /) -> int: ...
 def ranks_sum(epoch: int, rows_per_rank: Any, /) -> int: ...

@@ -14,9 +14,8 @@
 #include "pybuf.h"
 
 /* dispatch_layout(idx_i64, num_experts, num_ranks, per_rank_i32, per_expert_i32, in_rank_u8)
- * -> None when idx is valid (outputs written), else (0, bad_id) for an id out of range (the
- * smallest below -1, else the largest past the last expert: validate_topk_idx's choice) or
- * (1, row) for the first row naming an expert twice (outputs undefined). */
+ * -> False when idx is valid (outputs written), True when an id is out of range or a row
+ * names an expert twice (outputs undefined: the caller's check then names what is wrong). */
 PyObject *mod_dispatch_layout(PyObject *self, PyObject *args) {
     PyObject *oi, *opr, *ope, *oin;
     long long E, R;
@@ -45,7 +44,7 @@ PyObject *mod_dispatch_layout(PyObject *self, PyObject *args) {
         if (idx[i] > hi) hi = idx[i];
     }
     if (lo < -1 || hi >= E) {
-        res = Py_BuildValue("(iL)", 0, (long long)(lo < -1 ? lo : hi));
+        res = Py_NewRef(Py_True);
         goto done;
     }
     int32_t *per_rank = b[1].b.buf, *per_expert = b[2].b.buf;
@@ -59,14 +58,14 @@ PyObject *mod_dispatch_layout(PyObject *self, PyObject *args) {
     memset(per_expert, 0, (size_t)E * 4);
     memset(in_rank, 0, (size_t)(T * R));
     const int64_t per = E / R;
-    int64_t dup_row = -1;
-    for (int64_t t = 0; t < T && dup_row < 0; t++) {
+    int dup = 0;
+    for (int64_t t = 0; t < T && !dup; t++) {
         uint8_t *mine = in_rank + t * R;
         for (int64_t k = 0; k < K; k++) {
             const int64_t e = idx[t * K + k];
             if (e < 0) continue;
             if (seen[e] == t + 1) {
-                dup_row = t;
+                dup = 1;
                 break;
             }
             seen[e] = t + 1;
@@ -76,10 +75,7 @@ PyObject *mod_dispatch_layout(PyObject *self, PyObject *args) {
         for (int64_t r = 0; r < R; r++) per_rank[r] += mine[r];
     }
     free(seen);
-    if (dup_row >= 0)
-        res = Py_BuildValue("(iL)", 1, (long long)dup_row);
-    else
-        res = Py_NewRef(Py_None);
+    res = Py_NewRef(dup ? Py_True : Py_False);
 done:
     rel_bufs(b, 4);
     return res;
