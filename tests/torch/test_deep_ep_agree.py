@@ -34,6 +34,7 @@ from ubep.torch.deep_ep_agree import (  # noqa: E402
     combine_weights_word,
     open_board,
     own_weights_sum,
+    own_weights_sum_numpy,
 )
 
 _ROUNDS = 60
@@ -268,3 +269,8 @@ def test_own_weights_sum_is_the_sum_a_combine_makes_of_the_received_weights() ->
         went = (owner == r).any(axis=1)
         want[went] += np.where(owner[went] == r, w[went], np.float32(0))
     assert np.array_equal(own_weights_sum(idx, w).view(np.uint32), want.view(np.uint32))
+    # the numpy way (any layout: a transposed view here), the native pass's fallback
+    got = own_weights_sum_numpy(np.asfortranarray(idx), np.asfortranarray(w))
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert np.array_equal(own_weights_sum(np.asfortranarray(idx), w).view(np.uint32),
+                          want.view(np.uint32))

@@ -7,6 +7,7 @@ the rank that passed it and the peers' call fails with it."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,7 @@ torch = pytest.importorskip("torch")
 import ubep  # noqa: E402
 from ubep import deep_ep, routing  # noqa: E402
 from ubep.torch.deep_ep_layouts import LayoutMemo, dispatch_layout  # noqa: E402
+from ubep.torch.deep_ep_types import NormalHandle  # noqa: E402
 
 _EXPERTS, _HIDDEN = 8, 64
 
@@ -84,6 +86,37 @@ def test_anything_changed_since_is_not_recalled() -> None:
     outputs[3][0, 0] = ~outputs[3][0, 0]  # the layout's own tensor changed (its version moves)
     assert memo.recall(idx, outputs) is None
     assert LayoutMemo().recall(idx, outputs) is None  # nothing remembered
+
+
+def test_a_decode_steps_tensors_are_recalled_and_anything_else_goes_the_long_way() -> None:
+    idx_np = routing.uniform_topk(6, _EXPERTS, 2, seed=3)
+    memo, outputs, lay = _memo(idx_np)
+    idx, w = torch.from_numpy(idx_np.copy()), torch.rand(6, 2, dtype=torch.float32)
+    x = torch.zeros(6, _HIDDEN, dtype=torch.bfloat16)
+    got = memo.recall_step(x, idx, w, outputs, 16)
+    assert got is not None and got[2] is lay
+    assert np.shares_memory(got[0], idx.numpy()) and np.shares_memory(got[1], w.numpy())
+    for bad_x, bad_idx, bad_w, cap in (
+        (x, idx.to(torch.int32), w, 16),  # another ids dtype
+        (x, idx, w.double(), 16),  # other weights
+        (x[:5], idx, w, 16),  # another token count
+        (x, idx, w, 5),  # over the capacity
+        (x.t(), idx, w, 16),  # not [tokens, hidden]
+        (x, idx.t().contiguous().t(), w, 16),  # not contiguous
+        (x, idx, w.clone().requires_grad_(True), 16),  # autograd
+        (x.to("meta"), idx, w, 16),  # another device
+    ):
+        assert memo.recall_step(bad_x, bad_idx, bad_w, outputs, cap) is None
+    assert memo.recall_step(x, idx, w, outputs, 16) is not None  # none of them changed it
+    idx[0, 0] = (idx[0, 0] + 1) % _EXPERTS  # changed since
+    assert memo.recall_step(x, idx, w, outputs, 16) is None
+
+
+def test_a_handle_built_for_a_decode_step_is_the_dataclasss() -> None:
+    fields = {f.name: object() for f in dataclasses.fields(NormalHandle) if f.name != "combines"}
+    built, made = NormalHandle.built(**fields), NormalHandle(**fields)
+    assert vars(built) == {**vars(made), "combines": [0]} and made.combines == [0]
+    assert built.combines is not NormalHandle.built(**fields).combines  # each its own count
 
 
 def _worker(group: Any) -> dict[str, Any]:

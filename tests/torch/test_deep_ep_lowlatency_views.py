@@ -168,3 +168,17 @@ def test_fp8_and_ue8m0_are_exact_under_a_bf16_default_dtype(
                 tokens = src_info.reshape(-1)[rows]
                 assert torch.equal(back, torch.from_numpy(tokens).float().to(torch.bfloat16)
                                    [:, None].expand(-1, 128))
+
+
+def test_a_dropped_slot_is_found_wherever_it_is() -> None:
+    from ubep.torch.deep_ep_lowlatency import _any_dropped
+
+    rng = np.random.default_rng(11)
+    for tokens, topk in ((0, 4), (1, 1), (16, 8), (33, 7)):
+        idx = rng.integers(0, 64, (tokens, topk), dtype=np.int64)
+        assert not _any_dropped(idx)
+        for flat in range(idx.size):  # a -1 (or another negative id) in every place
+            marked = idx.copy()
+            marked.reshape(-1)[flat] = -1 if flat % 2 else np.iinfo(np.int64).min
+            assert _any_dropped(marked) == bool((marked < 0).any())
+            assert _any_dropped(np.asfortranarray(marked))  # numpy's way: another layout

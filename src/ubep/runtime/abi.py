@@ -186,3 +186,13 @@ def load_native() -> Any:
     check_native(_native)
     _native.set_error_type(ErrorRecord)
     return _native
+
+
+@functools.cache
+def native_or_none() -> Any:
+    """:func:`load_native`'s module, or None without a native build: for the helpers that have
+    a numpy way too (the DeepEP facades' layout and weights passes)."""
+    try:
+        return load_native()
+    except ImportError:
+        return None

@@ -19,7 +19,7 @@ import torch
 from ..dtypes import dtype_of
 from ..errors import InvalidArgumentError
 from ..modes import Layout
-from ._convert import TorchDispatchResult, on_host
+from ._convert import TorchDispatchResult, from_numpy_as, on_host
 
 __all__ = ["RuntimeBackend", "buffer_config", "make_backend", "ubep_dtype_name"]
 
@@ -53,6 +53,15 @@ class RuntimeBackend:
     ) -> np.ndarray:
         return np.asarray(on_host(self.buffer.combine(expert_out,
                                                       self._weighted(handle, topk_weights))))
+
+    def combine_tensor(self, expert_out: torch.Tensor, handle: Any) -> torch.Tensor:
+        """:meth:`combine` of a tensor's rows (``handle``: the numpy result's own), ``y`` a
+        tensor of ``expert_out``'s dtype: through the Buffer's torch door, which views both in
+        C (the facade's decode step: no numpy conversion on either side)."""
+        y = self.buffer.combine(expert_out, handle)
+        if type(y) is torch.Tensor and y.dtype is expert_out.dtype:
+            return y
+        return from_numpy_as(on_host(y), expert_out.dtype)
 
     def dispatch_async(self, x: np.ndarray, topk_idx: np.ndarray, topk_weights: np.ndarray,
                        x_scales: np.ndarray | None = None) -> Any:

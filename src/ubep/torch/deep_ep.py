@@ -44,6 +44,7 @@ from ..errors import InvalidArgumentError
 from ..trace.recorder import traced_work
 from . import deep_ep_checks as checks
 from ._convert import from_numpy, received_rows, to_numpy
+from ._runtime import RuntimeBackend
 from .backend import EPBackend, LocalBackend
 from .deep_ep_agree import (
     Board,
@@ -300,7 +301,7 @@ class Buffer:
         idx = to_numpy(topk_idx, argument="topk_idx")
         lay = dispatch_layout(idx, num_experts, self.group_size)
         per_host = None
-        if self.core.num_hosts() > 1:
+        if self.core.num_hosts > 1:
             per_host = torch.from_numpy(
                 self.core.tokens_per_host(lay.is_token_in_rank).sum(axis=0).astype(np.int32))
         # the counts are the caller's; the routing the memo reads (is_token_in_rank) its own
@@ -339,7 +340,7 @@ class Buffer:
         ``recv_topk_idx`` -1 after them) and the per-expert list is empty.
         """
         self._check_normal_mode()
-        if isinstance(handle, InternodeHandle) or (self.core.num_hosts() > 1 and handle is None):
+        if isinstance(handle, InternodeHandle) or (self.core.num_hosts > 1 and handle is None):
             # the group spans hosts: DeepEP's internode path (it refuses num_worst_tokens there)
             if num_worst_tokens:
                 raise InvalidArgumentError("num_worst_tokens", num_worst_tokens,
@@ -407,14 +408,14 @@ class Buffer:
         if most > num_worst_tokens:  # every rank sees it: all raise
             raise InvalidArgumentError("num_worst_tokens", num_worst_tokens,
                                        f"a rank receives {most} tokens")
-        rows = len(res.recv_src_rank)
+        rows = res.recv_src_rank.shape[0]
         out_rows = num_worst_tokens if num_worst_tokens > 0 else rows
         recv = received_rows(res.recv_x, recv_scales, x.dtype, scales is not None, out_rows)
         new_handle = self._normal_handle(res, backend, route, sent, out_rows)
         recv_idx = recv_w = None
         if route.with_topk and out_rows == rows:  # owned copies of the engine's arrays
             recv_idx = torch.from_numpy(np.array(res.recv_topk_idx, dtype=np.int64))
-            recv_w = torch.from_numpy(new_handle.recv_weights.copy())  # type: ignore[union-attr]
+            recv_w = torch.from_numpy(np.array(res.recv_topk_weights, dtype=np.float32))
         elif route.with_topk:  # num_worst_tokens: -1 and 0 past the received rows
             recv_idx = torch.full((out_rows, route.topk_idx.shape[1]), -1, dtype=topk_idx_t)
             recv_idx[:rows] = torch.from_numpy(np.asarray(res.recv_topk_idx))
@@ -441,6 +442,14 @@ class Buffer:
         num_worst_tokens: int,
     ) -> _Route:
         """Check one rank's normal-mode arguments and build the routing its rows follow."""
+        given = (num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert,
+                 is_token_in_rank)
+        step = None if num_worst_tokens else self._layouts.recall_step(
+            x, topk_idx, topk_weights, given, self.max_tokens_per_rank)
+        if step is not None:  # a decode step's: its get_dispatch_layout's own outputs
+            idx, w, lay = step
+            return _Route(idx, w, lay.is_token_in_rank, lay.num_tokens_per_expert,
+                          lay.num_tokens_per_expert.size, True)
         if not isinstance(x, torch.Tensor) or x.dim() != 2:
             raise InvalidArgumentError("x", getattr(x, "shape", x), "must be [tokens, hidden]")
         check_dispatch_x(x, self.max_tokens_per_rank)
@@ -474,8 +483,7 @@ class Buffer:
                 raise InvalidArgumentError(
                     "topk_idx", idx.shape, f"needs [num_tokens={T}, k] like topk_weights"
                 )
-            known = self._layouts.recall(idx, (num_tokens_per_rank, num_tokens_per_rdma_rank,
-                                               num_tokens_per_expert, is_token_in_rank))
+            known = self._layouts.recall(idx, given)
             if known is not None:  # get_dispatch_layout's own outputs for this routing
                 return _Route(idx, w, known.is_token_in_rank, per_expert, num_experts, True)
             lay = dispatch_layout(idx, num_experts, R)
@@ -515,9 +523,9 @@ class Buffer:
         self, res: Any, backend: EPBackend, route: _Route, sent: np.ndarray, out_rows: int
     ) -> NormalHandle:
         topk = route.with_topk  # what a combine given back the received weights sums (its word)
-        return NormalHandle(
+        return NormalHandle.built(
             inner=res.handle, backend=backend, topk_idx=route.topk_idx,
-            num_experts=route.num_experts, num_recv_rows=len(res.recv_src_rank),
+            num_experts=route.num_experts, num_recv_rows=res.recv_src_rank.shape[0],
             num_out_rows=out_rows, sent=sent, in_rank=route.is_token_in_rank,
             src_token=np.array(res.recv_src_token), rank=self.rank,  # the engine's may be refilled
             recv_weights=np.array(res.recv_topk_weights, dtype=np.float32) if topk else None,
@@ -590,9 +598,12 @@ class Buffer:
         checks.check_device(x=x, topk_weights=topk_weights, bias=bias)
         check_combine_rows(x, topk_weights, (n, handle.num_out_rows))
         core = self.core
-        backend = own_backend(handle, core.ep, core.backends.table.values(), core.gate)
+        backend = own_backend(handle, core.backends, core.gate)
+        rows = x if x.shape[0] == n else x[:n]
         try:
-            y = from_numpy(backend.combine(to_numpy(x[:n]), handle.inner), x.dtype)
+            # ubep's Buffer takes the tensor as it is and hands y back as one (its torch door)
+            y = (backend.combine_tensor(rows, handle.inner) if type(backend) is RuntimeBackend
+                 else from_numpy(backend.combine(to_numpy(rows), handle.inner), x.dtype))
         except InvalidArgumentError as exc:
             raise deepep_error(exc) from None
         # every rank's word (none, all the received weights, or others), else what was given

@@ -54,6 +54,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError, PeerLostError, TimeoutError, UbepError
 from ..plane.records import HEADER_BYTES
+from ..runtime.abi import native_or_none
 from ..runtime.poll import Backoff, wait_until
 
 __all__ = [
@@ -309,17 +310,21 @@ def combine_weights_word(values: Any, received: np.ndarray | None) -> int:
     """This rank's word about a normal-mode combine's ``values`` (its ``topk_weights``, before
     any check): none given; a CPU float32 tensor holding, bit for bit, ``received`` (the
     weights its dispatch received); or anything else."""
-    import torch
-
     if values is None:
         return WEIGHTS_NONE
-    if (received is None or not isinstance(values, torch.Tensor)
-            or values.dtype != torch.float32 or values.device.type != "cpu"
-            or tuple(values.shape) != received.shape):
+    if received is None or not _is_float32_cpu_tensor(values) or (
+            tuple(values.shape) != received.shape):
         return WEIGHTS_OTHER
     # bit for bit (a NaN, -0.0 too), a few hundred bytes: one compare of their bytes
     same = values.detach().numpy().tobytes() == received.tobytes()
     return WEIGHTS_RECEIVED if same else WEIGHTS_OTHER
+
+
+def _is_float32_cpu_tensor(values: Any) -> bool:
+    import torch
+
+    return (type(values) is torch.Tensor or isinstance(values, torch.Tensor)) and (
+        values.dtype is torch.float32 and values.is_cpu)
 
 
 def combine_weights_plan(codes: list[int]) -> str:
@@ -343,12 +348,16 @@ def post_weights_word(board: Board, handle: Any, topk_weights: Any) -> int:
     (:func:`combine_weights_word`) on ``board``, before the combine can raise; its tag: every
     rank's same for the same combine of the same dispatch of the same Buffer (the handle counts
     the combines begun on it)."""
-    handle.combines[0] += 1
-    tag = (int(handle.backend.buffer.uid) * 1_000_003 + int(handle.inner.dispatch_index) * 4099
-           + handle.combines[0]) | (1 << 61)
-    rows = handle.num_recv_rows
-    shape = getattr(topk_weights, "shape", None)
-    values = topk_weights if shape is None or shape[0] == rows else topk_weights[:rows]
+    combines = handle.combines
+    combines[0] += 1
+    tag = (handle.backend.buffer.uid * 1_000_003 + handle.inner.dispatch_index * 4099
+           + combines[0]) | (1 << 61)
+    values = topk_weights
+    if values is not None:
+        rows = handle.num_recv_rows
+        shape = getattr(values, "shape", None)
+        if shape is not None and shape[0] != rows:
+            values = values[:rows]
     board.post_word(tag, combine_weights_word(values, handle.recv_weights))
     return tag
 
@@ -358,7 +367,20 @@ def own_weights_sum(topk_idx: np.ndarray, topk_weights: np.ndarray) -> np.ndarra
     weights its dispatch received: a received row holds the weights of its rank's slots and
     0.0 in the others, each slot's owner is one of the ranks the token went to, so a valid
     slot's float32 sum is ``0.0 + ... + w + ... + 0.0`` = ``w + 0.0`` (-0.0 becomes 0.0) and
-    a masked slot (-1) sums zeros."""
+    a masked slot (-1) sums zeros. A new array; one native pass where the build has it (the
+    handle's own int64 and float32 copies), numpy's otherwise."""
+    native = native_or_none()
+    if (native is not None and topk_idx.dtype == np.int64 and topk_weights.dtype == np.float32
+            and topk_idx.shape == topk_weights.shape and topk_idx.flags.c_contiguous
+            and topk_weights.flags.c_contiguous):
+        out = np.empty(topk_weights.shape, dtype=np.float32)
+        native.own_weights_sum(topk_idx, topk_weights, out)
+        return out
+    return own_weights_sum_numpy(topk_idx, topk_weights)
+
+
+def own_weights_sum_numpy(topk_idx: np.ndarray, topk_weights: np.ndarray) -> np.ndarray:
+    """:func:`own_weights_sum` in numpy (any layout; the native pass's fallback)."""
     return np.where(topk_idx >= 0, topk_weights + np.float32(0), np.float32(0)).astype(
         np.float32, copy=False)
 

@@ -74,17 +74,17 @@ def deepep_error(exc: InvalidArgumentError) -> InvalidArgumentError:
     return InvalidArgumentError("x", exc.value, problem)
 
 
-def own_backend(handle: Any, ep: Any, backends: Iterable[Any], gate: CallGate | None = None
-                ) -> Any:
-    """The buffer ``handle``'s rows went through, if it is one of this Buffer's ``backends``
-    (``ep``: the Buffer's group; the in-process world has one backend a layout, made anew);
-    with ``gate``, the combine is the next call on it (:meth:`CallGate.combine_on`)."""
-    from .backend import LocalBackend
-
+def own_backend(handle: Any, backends: Any, gate: CallGate | None = None) -> Any:
+    """The buffer ``handle``'s rows went through, if it is one of ``backends``' (the facade's
+    :class:`.deep_ep_core.Backends`; the in-process world has one backend a layout, made
+    anew); with ``gate``, the combine is the next call on it (:meth:`CallGate.combine_on`)."""
     backend = handle.backend
-    if isinstance(ep, LocalBackend):
+    if backends.local:
         return backend
-    if all(b is not backend for b in backends):
+    for mine in backends.table.values():
+        if mine is backend:
+            break
+    else:
         raise InvalidArgumentError(
             "handle", type(handle).__name__,
             "comes from a dispatch of another deep_ep.Buffer: combine on the Buffer that "

@@ -282,12 +282,14 @@ class FacadeCore:
         masked, ubep.torch.deep_ep_shrink)."""
         return run() if self.shrink is None else self.shrink.call(run)
 
+    @functools.cached_property
     def num_hosts(self) -> int:
+        """Hosts of the group (read on every normal-mode call: counted once)."""
         return int(self.host_of.max(initial=0)) + 1
 
     def tokens_per_host(self, in_rank: np.ndarray) -> np.ndarray:
         """``[num_tokens, num_hosts]`` bool: the token goes to a rank of that host."""
-        out = np.zeros((in_rank.shape[0], self.num_hosts()), dtype=bool)
+        out = np.zeros((in_rank.shape[0], self.num_hosts), dtype=bool)
         for h in range(out.shape[1]):
             out[:, h] = in_rank[:, self.host_of == h].any(axis=1)
         return out

@@ -106,7 +106,7 @@ class InternodePath:
         column = base.rank_prefix_matrix[:, self.rank].numpy().astype(np.int64)
         per_src = np.diff(column, prepend=0)  # rows from each source rank
         from_host = np.bincount(self.host_of, weights=per_src,
-                                minlength=self.core.num_hosts())
+                                minlength=self.core.num_hosts)
         # every rank's tokens, as the list of ranks each went to
         dests = self.core.exchange.allgather([np.flatnonzero(row).tolist() for row in in_rank])
         n = base.num_recv_rows

@@ -11,28 +11,35 @@ layout tensor given must be the very tensor ``get_dispatch_layout`` returned, un
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import numpy as np
+import torch
 
 from ..errors import UbepError
 from ..routing import DispatchLayout, experts_per_rank, get_dispatch_layout, validate_topk_idx
+from ..runtime.abi import native_or_none
+from .deep_ep_checks import DISPATCH_DTYPES
 
 __all__ = ["LayoutMemo", "dispatch_layout"]
+
+_TENSOR, _TORCH_INT64, _TORCH_FLOAT32 = torch.Tensor, torch.int64, torch.float32
+_INT64 = np.dtype(np.int64)
 
 
 def dispatch_layout(idx: np.ndarray, num_experts: int, num_ranks: int) -> DispatchLayout:
     """:func:`ubep.routing.get_dispatch_layout` of ``idx``, its counts int32 (DeepEP's dtype),
     checked and counted in one native pass where ``idx`` is a C-contiguous int64 matrix (a
     decode step's dozen numpy operations on a few hundred ids cost more than its dispatch);
-    the same errors, raised by the routing module's own check."""
-    native = _native()
-    if native is None or idx.dtype != np.int64 or idx.ndim != 2 or not idx.flags.c_contiguous:
+    the same errors, raised by the routing module's own checks."""
+    native = native_or_none()
+    if (native is None or idx.dtype != _INT64 or idx.ndim != 2 or not idx.flags.c_contiguous
+            or type(num_experts) is not int or type(num_ranks) is not int or num_experts < 1
+            or num_ranks < 1 or num_experts % num_ranks):
+        experts_per_rank(num_experts, num_ranks)  # its argument errors
         lay = get_dispatch_layout(idx, num_experts, num_ranks)
         return DispatchLayout(lay.num_tokens_per_rank.astype(np.int32),
                               lay.num_tokens_per_expert.astype(np.int32), lay.is_token_in_rank)
-    experts_per_rank(num_experts, num_ranks)  # its argument errors
     per_rank = np.empty(num_ranks, dtype=np.int32)
     per_expert = np.empty(num_experts, dtype=np.int32)
     in_rank = np.empty((idx.shape[0], num_ranks), dtype=bool)
@@ -42,23 +49,13 @@ def dispatch_layout(idx: np.ndarray, num_experts: int, num_ranks: int) -> Dispat
     return DispatchLayout(per_rank, per_expert, in_rank)
 
 
-@functools.cache
-def _native() -> Any:
-    try:
-        from ..runtime.abi import load_native
-
-        return load_native()
-    except ImportError:  # no native build: numpy's layout
-        return None
-
-
 class LayoutMemo:
     """One facade's last layout (:meth:`remember`) and the check it answers (:meth:`recall`)."""
 
     __slots__ = ("_idx", "_layout", "_outputs", "_versions")
 
     def __init__(self) -> None:
-        self._idx: np.ndarray | None = None
+        self._idx: tuple[tuple[int, ...], bytes] | None = None  # shape, int64 bytes
         self._layout: DispatchLayout | None = None
         self._outputs: tuple[Any, ...] = ()
         self._versions: tuple[int, ...] = ()
@@ -68,21 +65,44 @@ class LayoutMemo:
         ``num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert,
         is_token_in_rank``); its ``is_token_in_rank`` (what :meth:`recall` answers with) shares
         no memory with ``outputs``."""
-        self._idx = np.array(idx, dtype=np.int64, copy=True)
+        # the ids' bytes (a copy: a change through any alias is seen), as the int64 C-order
+        # array the native layout took
+        self._idx = (idx.shape, np.ascontiguousarray(idx, dtype=np.int64).tobytes())
         self._layout = layout
         self._outputs = outputs
-        self._versions = tuple(-1 if t is None else int(t._version) for t in outputs)
+        self._versions = tuple([-1 if t is None else t._version for t in outputs])
 
     def recall(self, idx: np.ndarray, given: tuple[Any, ...]) -> DispatchLayout | None:
         """The remembered layout if ``idx`` is the routing it was made from and every tensor of
         ``given`` (as :meth:`remember`'s ``outputs``; None: not given) is its own output,
         unmodified; else None (check the long way)."""
         mine = self._idx
-        # the same ids: their bytes (the remembered copy is int64, C order; idx is as given)
-        if mine is None or idx.shape != mine.shape or idx.dtype != mine.dtype or (
-                idx.tobytes() != mine.tobytes()):
+        if mine is None or idx.dtype != _INT64 or idx.shape != mine[0] or (
+                idx.tobytes() != mine[1]):
             return None
         for tensor, out, version in zip(given, self._outputs, self._versions, strict=True):
-            if tensor is not None and (tensor is not out or int(tensor._version) != version):
+            if tensor is not None and (tensor is not out or tensor._version != version):
                 return None
         return self._layout
+
+    def recall_step(self, x: Any, topk_idx: Any, topk_weights: Any, given: tuple[Any, ...],
+                    max_tokens_per_rank: int) -> tuple[np.ndarray, np.ndarray,
+                                                       DispatchLayout] | None:
+        """A decode step's dispatch after its ``get_dispatch_layout``: ``(topk_idx,
+        topk_weights, layout)`` as numpy views when ``x`` and the routing are the plain CPU
+        tensors such a step passes (``x`` 2-D of a dispatch dtype within the capacity, int64
+        and float32 routing of one shape, contiguous, no autograd) and :meth:`recall` knows
+        the layout; else None, and the dispatch checks everything the long way (which names
+        what is wrong)."""
+        if not (type(x) is _TENSOR and type(topk_idx) is _TENSOR and type(topk_weights) is _TENSOR
+                and topk_idx.dtype is _TORCH_INT64 and topk_weights.dtype is _TORCH_FLOAT32
+                and x.dtype in DISPATCH_DTYPES and x.is_cpu and topk_idx.is_cpu
+                and topk_weights.is_cpu and not x.requires_grad
+                and not topk_weights.requires_grad and x.dim() == 2
+                and topk_idx.shape == topk_weights.shape and topk_idx.dim() == 2
+                and topk_idx.shape[0] == x.shape[0] <= max_tokens_per_rank
+                and topk_idx.is_contiguous() and topk_weights.is_contiguous()):
+            return None
+        idx = topk_idx.numpy()
+        layout = self.recall(idx, given)
+        return None if layout is None else (idx, topk_weights.numpy(), layout)

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidArgumentError, UbepError
+from ..runtime.abi import native_or_none
 from ._convert import PAYLOAD_DTYPES, from_numpy, to_numpy
 from .backend import EPBackend, issue_combine
 from .deep_ep_checks import check_device
@@ -490,18 +491,20 @@ class LowLatencyPath:
             if x.shape != (num_local, slots, handle.hidden):
                 raise InvalidArgumentError(
                     "x", tuple(x.shape), f"must be [{num_local}, {slots}, {handle.hidden}]")
+            if num_local * slots == inner.recv_src_rank.shape[0] and not split and (
+                    out is None and type(x) is torch.Tensor and x.is_contiguous()):
+                # the decode step's call: the Buffer takes the tensor and hands y back as one
+                # (its torch door: no conversion on either side)
+                self._gate.combine_on(handle.backend)  # the next call: a combine there
+                y = handle.backend.buffer.combine(  # type: ignore[attr-defined]
+                    x.view(-1, handle.hidden), _weighted(inner, idx, w))
+                return (y if type(y) is torch.Tensor else _tensor_over(y)), _event(False), None
             rows = to_numpy(x, argument="x").reshape(-1, handle.hidden)
             if rows.shape[0] != len(inner.recv_src_rank):  # M2N: a sender's engine rows
                 full = np.empty((len(inner.recv_src_rank), handle.hidden), rows.dtype)
                 full[: rows.shape[0]] = rows
                 rows = full
-        # the caller's routing (its -1 slots) and weights in a copy of the dispatch's handle
-        # (built as the engine builds it: its other fields are the engine's own, checked when
-        # it was made)
-        weighted = object.__new__(type(inner))
-        fields = weighted.__dict__
-        fields.update(inner.__dict__)
-        fields["topk_idx"], fields["topk_weights"] = idx, w
+        weighted = _weighted(inner, idx, w)
         buffer = handle.backend.buffer  # type: ignore[attr-defined]
         self._gate.combine_on(handle.backend)  # the next call: a combine there
         if not split:
@@ -628,25 +631,44 @@ def _combine_routing(topk_idx: torch.Tensor, topk_weights: torch.Tensor,
     Buffer routed each pick to, with -1 there: it reads no row for a -1, so no weight multiplies
     anything). ``copy``: owned weights (a split call reads them in its hook)."""
     dispatched = handle.topk_idx
-    same = (isinstance(topk_idx, torch.Tensor)
+    same = (type(topk_idx) is torch.Tensor
             and topk_idx.data_ptr() == handle.__dict__.get("_idx_ptr")
-            and topk_idx.shape == dispatched.shape and topk_idx.dtype == torch.int64)
-    idx = to_numpy(topk_idx, argument="topk_idx")
+            and topk_idx.shape == dispatched.shape and topk_idx.dtype is torch.int64)
+    idx = topk_idx.numpy() if same and topk_idx.is_contiguous() else to_numpy(
+        topk_idx, argument="topk_idx")
     # the dispatch's tensor (its memory) holds the same ids but for the -1 slots; another
     # tensor is compared
     if not same and (idx.shape != dispatched.shape
                      or not np.all((idx == dispatched) | (idx == -1))):
         raise InvalidArgumentError(
             "topk_idx", tuple(idx.shape), "must be the dispatch's topk_idx (-1 drops a slot)")
-    w = to_numpy(topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float(),
+    w = to_numpy(topk_weights if topk_weights.dtype is torch.float32 else topk_weights.float(),
                  argument="topk_weights")
     if w.shape != idx.shape:
         raise InvalidArgumentError("topk_weights", tuple(w.shape), f"must be {idx.shape}")
     routed = handle.inner.topk_idx
-    dropped = idx < 0
-    if dropped.any():
-        routed = np.where(dropped, np.int64(-1), routed)
+    if _any_dropped(idx):
+        routed = np.where(idx < 0, np.int64(-1), routed)
     return routed, (w.copy() if copy else w)
+
+
+def _any_dropped(idx: np.ndarray) -> bool:
+    """Whether a slot of ``idx`` is negative: one native scan where the build has it."""
+    native = native_or_none()
+    if native is not None and idx.dtype == np.int64 and idx.flags.c_contiguous:
+        return bool(native.any_negative(idx))
+    return bool((idx < 0).any())
+
+
+def _weighted(inner: Any, idx: np.ndarray, w: np.ndarray) -> Any:
+    """The caller's routing (its -1 slots) and weights in a copy of the dispatch's handle
+    ``inner`` (built as the engine builds it: its other fields are the engine's own, checked
+    when it was made)."""
+    weighted = object.__new__(type(inner))
+    fields = weighted.__dict__
+    fields.update(inner.__dict__)
+    fields["topk_idx"], fields["topk_weights"] = idx, w
+    return weighted
 
 
 def _require_received(handle: LowLatencyHandle) -> None:

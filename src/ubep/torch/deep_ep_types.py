@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 import torch
@@ -186,6 +186,15 @@ class NormalHandle(_DeepEPTuple):
     sent_routing: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)
     combines: list[int] = field(default_factory=lambda: [0], repr=False)
 
+    @classmethod
+    def built(cls, **fields: Any) -> NormalHandle:
+        """The handle of ``fields`` (every field but ``combines``), set without the frozen
+        dataclass's ``__init__``, which costs an ``object.__setattr__`` a field: a decode step
+        makes one handle per dispatch. The same object as ``NormalHandle(**fields)``."""
+        handle = object.__new__(cls)
+        handle.__dict__.update(fields, combines=[0])
+        return handle
+
     @property
     def num_tokens(self) -> int:
         return int(self.topk_idx.shape[0])
@@ -258,8 +267,7 @@ class LowLatencyHandle(_DeepEPTuple):
     topk_idx: np.ndarray = field(repr=False)
 
 
-@dataclass(frozen=True)
-class _Layout:
+class _Layout(NamedTuple):
     """A normal dispatch's layout tensors (``get_dispatch_layout``'s), as the intranode and the
     internode path pass them on: each is checked against ``topk_idx`` where both are given."""
 
@@ -269,9 +277,8 @@ class _Layout:
     num_tokens_per_expert: torch.Tensor | None = None
 
 
-@dataclass(frozen=True)
-class _Route:
-    """One normal-mode dispatch's routing, checked on this rank."""
+class _Route(NamedTuple):
+    """One normal-mode dispatch's routing, checked on this rank (a tuple: made every call)."""
 
     topk_idx: np.ndarray  # [num_tokens, k] the rows follow (real, or one column per rank)
     topk_weights: np.ndarray  # float32, like topk_idx

@@ -80,3 +80,59 @@ done:
     rel_bufs(b, 4);
     return res;
 }
+
+/* own_weights_sum(idx_i64, w_f32, out_f32): what a source's normal-mode combine sums of its
+ * tokens' weights when every rank hands back the weights its dispatch received
+ * (ubep.torch.deep_ep_agree.own_weights_sum, the oracle its test holds it to): w + 0.0f where
+ * the slot is routed (-0.0 becomes +0.0, as the sum of w and the other ranks' zeros does), 0.0f
+ * where it is masked. One pass: numpy's where, add and cast cost a decode step's combine more
+ * than its rows. */
+PyObject *mod_own_weights_sum(PyObject *self, PyObject *args) {
+    PyObject *oi, *ow, *oo;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOO", &oi, &ow, &oo)) return NULL;
+    pbuf_t b[3];
+    memset(b, 0, sizeof b);
+    PyObject *res = NULL;
+    if (get_buf(oi, &b[0], 0, "idx", 0)) goto done;
+    const Py_ssize_t n = b[0].b.len / 8;
+    if (b[0].b.itemsize != 8 || get_buf(ow, &b[1], 0, "w", n * 4) ||
+        get_buf(oo, &b[2], 1, "out", n * 4)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "idx must be int64");
+        goto done;
+    }
+    const int64_t *idx = b[0].b.buf;
+    const float *w = b[1].b.buf;
+    float *out = b[2].b.buf;
+    /* volatile zero: the add must happen (it is what turns -0.0 into +0.0) */
+    volatile float zero = 0.0f;
+    const float z = zero;
+    for (Py_ssize_t i = 0; i < n; i++) out[i] = idx[i] >= 0 ? w[i] + z : 0.0f;
+    res = Py_NewRef(Py_None);
+done:
+    rel_bufs(b, 3);
+    return res;
+}
+
+/* any_negative(idx_i64) -> whether an id is negative: a low-latency combine's topk_idx, where
+ * the caller may set a slot to -1 to drop it, is scanned once (numpy's compare and any cost a
+ * decode step's combine more than its scan). */
+PyObject *mod_any_negative(PyObject *self, PyObject *arg) {
+    (void)self;
+    pbuf_t b[1];
+    memset(b, 0, sizeof b);
+    PyObject *res = NULL;
+    if (get_buf(arg, &b[0], 0, "idx", 0)) goto done;
+    if (b[0].b.itemsize != 8) {
+        PyErr_SetString(PyExc_ValueError, "idx must be int64");
+        goto done;
+    }
+    const int64_t *idx = b[0].b.buf;
+    const Py_ssize_t n = b[0].b.len / 8;
+    int neg = 0;
+    for (Py_ssize_t i = 0; i < n; i++) neg |= idx[i] < 0;
+    res = Py_NewRef(neg ? Py_True : Py_False);
+done:
+    rel_bufs(b, 1);
+    return res;
+}

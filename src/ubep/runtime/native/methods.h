@@ -32,6 +32,8 @@ PyObject *engine_trace_spans(engine_t *g, PyObject *noargs);
 
 /* layout.c, a module function: DeepEP's get_dispatch_layout, checked, in one pass */
 PyObject *mod_dispatch_layout(PyObject *self, PyObject *args);
+PyObject *mod_own_weights_sum(PyObject *self, PyObject *args);
+PyObject *mod_any_negative(PyObject *self, PyObject *arg);
 
 /* module.c: the type, and the keys of its parameter table (in order) */
 extern PyTypeObject EngineType;
