@@ -34,7 +34,12 @@ in) and ``floor-ll`` the copy of those bytes; ``v1-ll``'s ratios are against the
 Timing: every call (a dispatch, then its combine) follows a shared-memory barrier (the launch
 group's, never gloo's: its exit skew would land in every figure), and each rank times its own
 call; a call's time is the slowest rank's (the maximum over ranks, call by call). The paths
-alternate call by call, their order rotated each step. min / median / max over the repeats;
+alternate call by call, their order rotated each step; gloo runs after them, in the same
+processes. A gloo call slows every call after it on this
+kind of host, whatever the path and for longer than 10 ms (2 ranks, 16 tokens: the numpy
+Buffer's median 8 -> 86 us with gloo in the rotation, 10 ms of sleep after each gloo call
+did not bring it back), so in the rotation it would price gloo's aftermath into every other
+path. min / median / max over the repeats;
 ratios of medians to the numpy Buffer and to the floor. Every path's ``y`` is checked once,
 untimed, against the closed form: rank layout sums a token's BF16 row once per rank it went to
 (exact in FP32); the low-latency combine weighs each (token, expert) pair, which for the
@@ -295,28 +300,22 @@ def _rank_main(group: Any, shapes: list[Shape], warmup: int,
                 for name, path in paths.items():
                     path.dispatch()
                     _check(name, path.combine(), shape, group.rank)
-                names = list(paths)
-                samples: dict[str, Any] = {n: [] for n in names}
+                samples: dict[str, Any] = {n: [] for n in paths}
                 traced = {n: p.buf._engine.kernel for n, p in paths.items() if isinstance(p, _Ubep)}
                 for n in traced:
                     samples["trace:" + n] = []
-                for i in range(warmup + repeats):
-                    k = i % len(names)
-                    for name in names[k:] + names[:k]:
-                        path = paths[name]
-                        barrier(60.0)
-                        t0 = clock()
-                        path.dispatch()
-                        t1 = clock()
-                        barrier(60.0)
-                        t2 = clock()
-                        path.combine()
-                        t3 = clock()
-                        if i >= warmup:
-                            samples[name].append([t1 - t0, t3 - t2])
+                # gloo's own phase after the others' (module docstring)
+                for names in ([n for n in paths if n != "gloo"], ["gloo"]):
+                    for i in range(warmup + repeats):
+                        k = i % len(names)
+                        for name in names[k:] + names[:k]:
+                            stamps = _timed(paths[name], barrier, clock)
+                            if i < warmup:
+                                continue
+                            samples[name].append([stamps[1] - stamps[0], stamps[3] - stamps[2]])
                             if name in traced:
                                 samples["trace:" + name].append(
-                                    [t0, t1, t2, t3, *traced[name].trace()])
+                                    [*stamps, *traced[name].trace()])
                 out.append(samples)
             finally:
                 barrier(60.0)
@@ -324,6 +323,19 @@ def _rank_main(group: Any, shapes: list[Shape], warmup: int,
         return out
     finally:
         dist.destroy_process_group()
+
+
+def _timed(path: _Path, barrier: Any, clock: Any) -> tuple[int, int, int, int]:
+    """One call of ``path`` after the group's barrier: its dispatch's and its combine's start
+    and end stamps."""
+    barrier(60.0)
+    t0 = clock()
+    path.dispatch()
+    t1 = clock()
+    barrier(60.0)
+    t2 = clock()
+    path.combine()
+    return t0, t1, t2, clock()
 
 
 def run(shapes: list[Shape], warmup: int, repeats: int) -> dict[str, Any]:
