@@ -426,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     result, machine = harness.measured(
         lambda: run(shapes_of(grid), args.warmup, args.repeats))
     head = (f"# python -m benchmarks.bench_decode_step{' --quick' if args.quick else ''}; "
-            f"BF16, top-{TOPK} of {EXPERTS}, {args.repeats} calls per path alternated, a "
+            f"BF16, top-{TOPK} of {EXPERTS}, {args.repeats} calls per path alternated (gloo's "
+            f"after the others', in a phase of its own), a "
             f"shared-memory barrier before each; us, the slowest rank per call; "
             f"bytes/rank = rows x hidden x 2; {machine}")
     bytes_line = "bytes per rank (dispatch): " + ", ".join(

@@ -64,6 +64,13 @@ def test_expanded_slots_and_counts(seed: int) -> None:
     counts = [int((local_idx == e).sum()) for e in range(L)]
     np.testing.assert_array_equal(rec.counts, counts)
     np.testing.assert_array_equal(rec.slots, _slots_by_loop(rec.local_idx, rec.start))
+    # the rows as the engines land them (already in the receive order): the same record
+    order = np.lexsort((src_token, src_rank))
+    landed = received(src_rank[order], src_token[order], local_idx[order], R, L, K, alignment)
+    np.testing.assert_array_equal(landed.order, np.arange(n))
+    for field in ("src_rank", "src_token", "local_idx", "counts", "aligned", "start",
+                  "rows_per_rank", "slots"):
+        np.testing.assert_array_equal(getattr(landed, field), getattr(rec, field))
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -19,8 +19,7 @@ raises on every rank before any row moves.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -53,8 +52,7 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _SF_PACKS_ALIGNMENT = 4  # DeepEP's kNumAlignedSFPacks: the TMA-aligned column-major scale layout
 
 
-@dataclass(frozen=True)
-class _Back:
+class _Back(NamedTuple):
     """The Buffer a dispatch went through, whose combine brings its rows back."""
 
     backend: Any  # the facade's backend of that Buffer
@@ -63,8 +61,7 @@ class _Back:
     most_received: int  # the rows the busiest rank received (every rank's same)
 
 
-@dataclass(frozen=True)
-class _Route:
+class _Route(NamedTuple):
     """What combine needs of one dispatch (kept in the handle)."""
 
     rec: Received
@@ -76,8 +73,7 @@ class _Route:
     owner: object  # the V2Path whose buffer made the handle, until its destroy
 
 
-@dataclass(frozen=True)
-class _BackPlan:
+class _BackPlan(NamedTuple):
     """Where the rows a combine sends back lie in the combine rows of the dispatch's Buffer
     (``width`` BF16 values: ``per_call = width // hidden`` blocks of ``hidden``), the same on
     every rank: it follows from what every rank's call has alike (the handle's routing kind,
@@ -111,8 +107,7 @@ def _back_plan(num_ranks: int, num_topk: int, width: int, hidden: int,
     return _BackPlan(False, sum_block, int(sum_block) + num_ranks - 1, per_call)
 
 
-@dataclass(frozen=True)
-class _DispatchArgs:
+class _DispatchArgs(NamedTuple):
     """One rank's checked dispatch arguments."""
 
     x: torch.Tensor
@@ -401,21 +396,24 @@ class V2Path:
         if stats is not None:
             stats += torch.from_numpy(rec.counts.astype(np.int32))
         out_rows = expanded_rows if args.do_expand else n_out
-        sel = self._row_selection(rec, args.do_expand, out_rows)  # source row of each output row
-        in_order = bool((rec.order == np.arange(n)).all())
+        in_order = rec.in_order
+
+        def selection() -> np.ndarray:  # source row of each output row
+            return self._row_selection(rec, args.do_expand, out_rows)
+
         if in_order and not args.do_expand and out_rows == n and sf_rows is None:
             # the engine's rows are the outputs as they lie (the receive order, no padding):
-            # owned copies of them
+            # owned copies of them (local_idx is the record's own: the handle keeps it)
             recv_x, recv_topk_idx = rows.clone(), torch.from_numpy(rec.local_idx.copy())
             recv_topk_weights = w.clone() if args.with_weights else None
         else:
             recv_x, recv_topk_idx, recv_topk_weights = self._recv_tensors(
-                args, rec, sel, (rows, sf_rows, w), col_major_sf)
+                args, rec, selection(), (rows, sf_rows, w), col_major_sf)
         if handle is None:
             back = _Back(backend, res.handle, int(args.payload.shape[1]),
                          int(sent.sum(axis=0).max(initial=0)))
             handle = self._new_handle(args, rec, sent, n_out, expanded_rows, num_sms,
-                                      emit_expert_ids, sel, back, in_order)
+                                      emit_expert_ids, selection, back, in_order)
         elif handle.num_valid_recv_tokens != n:  # the same routing moves the same rows
             raise InvalidArgumentError("handle", "stale", "its routing no longer matches")
         return recv_x, recv_topk_idx, recv_topk_weights, handle
@@ -481,16 +479,19 @@ class V2Path:
 
     def _new_handle(self, args: _DispatchArgs, rec: Received, sent: np.ndarray, n_out: int,
                     expanded_rows: int, num_sms: int, emit_expert_ids: bool,
-                    sel: np.ndarray, back: _Back, in_order: bool) -> EPHandle:
+                    selection: Callable[[], np.ndarray], back: _Back,
+                    in_order: bool) -> EPHandle:
         me, n = self.rank_idx, rec.num_rows
-        first_of_rank = np.concatenate([[0], np.cumsum(rec.rows_per_rank)[:-1]])
+        first = [0]  # each source rank's first receive row, then n
+        for rows in rec.rows_per_rank.tolist():
+            first.append(first[-1] + rows)
         shape, T_max, expand = args.idx.shape, args.num_max_tokens_per_rank, args.do_expand
         src = args.src
 
         def metadata() -> torch.Tensor:
             meta = np.full((n_out, shape[1] + 2), -1, dtype=np.int32)
             meta[:n, 0] = rec.src_rank * T_max + rec.src_token
-            meta[:n, 1] = np.arange(n) - first_of_rank[rec.src_rank]
+            meta[:n, 1] = np.arange(n) - np.asarray(first[:-1])[rec.src_rank]
             if expand:
                 meta[:n, 2:] = rec.slots
             return torch.from_numpy(meta)
@@ -507,28 +508,34 @@ class V2Path:
                 dst_slot[hit] = np.broadcast_to(place[:, None], hit.shape)[hit]
             return torch.from_numpy(dst_slot)
 
-        psum = (rec.start + rec.counts) if args.do_expand else np.cumsum(rec.aligned)
-        expert_ids = None
-        if emit_expert_ids:
+        def psum_per_expert() -> torch.Tensor:
+            psum = (rec.start + rec.counts) if expand else np.cumsum(rec.aligned)
+            return torch.from_numpy(psum.astype(np.int32))
+
+        def expert_ids() -> torch.Tensor | None:
+            if not emit_expert_ids:
+                return None
+            sel = selection()
             ids = np.full(expanded_rows, -1, dtype=np.int32)
             ok = sel >= 0
-            flat = rec.local_idx.reshape(-1)
-            ids[ok] = flat[sel[ok]]
-            expert_ids = torch.from_numpy(ids)
+            ids[ok] = rec.local_idx.reshape(-1)[sel[ok]]
+            return torch.from_numpy(ids)
+
         return EPHandle(
             do_expand=args.do_expand, num_experts=args.num_experts,
             expert_alignment=args.expert_alignment,
             num_max_tokens_per_rank=args.num_max_tokens_per_rank, num_sms=num_sms,
             topk_idx=args.topk_idx, num_recv_tokens=n_out, num_expanded_tokens=expanded_rows,
             num_recv_tokens_per_expert_list=rec.aligned.tolist() if args.do_cpu_sync else [],
-            psum_num_recv_tokens_per_scaleup_rank=torch.from_numpy(
-                np.cumsum(rec.rows_per_rank).astype(np.int32)),
-            psum_num_recv_tokens_per_expert=torch.from_numpy(psum.astype(np.int32)),
-            num_unaligned_recv_tokens_per_expert=torch.from_numpy(rec.counts.astype(np.int32)),
-            recv_src_metadata=metadata, dst_buffer_slot_idx=slots,
-            recv_expert_ids=expert_ids,
-            route=_Route(rec, args.src, int(args.x.shape[1]), back, in_order,
-                         (*first_of_rank.tolist(), n), self._owner),
+            num_valid_recv_tokens=n,
+            psum_num_recv_tokens_per_scaleup_rank=lambda: torch.tensor(first[1:],
+                                                                       dtype=torch.int32),
+            psum_num_recv_tokens_per_expert=psum_per_expert,
+            num_unaligned_recv_tokens_per_expert=lambda: torch.from_numpy(
+                rec.counts.astype(np.int32)),
+            recv_src_metadata=metadata, dst_buffer_slot_idx=slots, recv_expert_ids=expert_ids,
+            route=_Route(rec, args.src, int(args.x.shape[1]), back, in_order, tuple(first),
+                         self._owner),
         )
 
     # ------------------------------------------------------------------ combine

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -115,13 +115,13 @@ class EPHandle:
     def __init__(self, *, do_expand: bool, num_experts: int,
                  expert_alignment: int, num_max_tokens_per_rank: int, num_sms: int,
                  topk_idx: torch.Tensor, num_recv_tokens: int, num_expanded_tokens: int,
-                 num_recv_tokens_per_expert_list: list[int],
-                 psum_num_recv_tokens_per_scaleup_rank: torch.Tensor,
-                 psum_num_recv_tokens_per_expert: torch.Tensor,
-                 num_unaligned_recv_tokens_per_expert: torch.Tensor,
+                 num_recv_tokens_per_expert_list: list[int], num_valid_recv_tokens: int,
+                 psum_num_recv_tokens_per_scaleup_rank: Callable[[], torch.Tensor],
+                 psum_num_recv_tokens_per_expert: Callable[[], torch.Tensor],
+                 num_unaligned_recv_tokens_per_expert: Callable[[], torch.Tensor],
                  recv_src_metadata: Callable[[], torch.Tensor],
                  dst_buffer_slot_idx: Callable[[], torch.Tensor],
-                 recv_expert_ids: torch.Tensor | None, route: Any) -> None:
+                 recv_expert_ids: Callable[[], torch.Tensor | None], route: Any) -> None:
         self.do_expand = do_expand
         self.num_experts = num_experts
         self.expert_alignment = expert_alignment
@@ -130,14 +130,16 @@ class EPHandle:
         self.num_recv_tokens = num_recv_tokens
         self.num_expanded_tokens = num_expanded_tokens
         self.num_recv_tokens_per_expert_list = num_recv_tokens_per_expert_list
-        self.psum_num_recv_tokens_per_scaleup_rank = psum_num_recv_tokens_per_scaleup_rank
-        self.psum_num_recv_tokens_per_expert = psum_num_recv_tokens_per_expert
-        self.num_unaligned_recv_tokens_per_expert = num_unaligned_recv_tokens_per_expert
-        # made when first read (a decode step that never reads them never pays for them)
-        self._makers = {"recv_src_metadata": recv_src_metadata,
-                        "dst_buffer_slot_idx": dst_buffer_slot_idx}
-        self._made: dict[str, torch.Tensor] = {}
-        self.recv_expert_ids = recv_expert_ids
+        self._num_valid_recv_tokens = num_valid_recv_tokens
+        # the tensors, each made when first read (a decode step reads none of them), then the
+        # same tensor
+        self._makers: dict[str, Callable[[], torch.Tensor | None]] = {
+            "psum_num_recv_tokens_per_scaleup_rank": psum_num_recv_tokens_per_scaleup_rank,
+            "psum_num_recv_tokens_per_expert": psum_num_recv_tokens_per_expert,
+            "num_unaligned_recv_tokens_per_expert": num_unaligned_recv_tokens_per_expert,
+            "recv_src_metadata": recv_src_metadata,
+            "dst_buffer_slot_idx": dst_buffer_slot_idx, "recv_expert_ids": recv_expert_ids}
+        self._made: dict[str, torch.Tensor | None] = {}
         self.token_metadata_at_forward: torch.Tensor | None = None
         self.channel_linked_list: torch.Tensor | None = None
         self.dispatch_route = route  # ubep's addition: what its combine needs of the dispatch
@@ -145,18 +147,34 @@ class EPHandle:
         self._topk_idx_version = None if topk_idx.is_inference() else topk_idx._version
 
     @property
+    def psum_num_recv_tokens_per_scaleup_rank(self) -> torch.Tensor:
+        return cast(torch.Tensor, self._field("psum_num_recv_tokens_per_scaleup_rank"))
+
+    @property
+    def psum_num_recv_tokens_per_expert(self) -> torch.Tensor:
+        return cast(torch.Tensor, self._field("psum_num_recv_tokens_per_expert"))
+
+    @property
+    def num_unaligned_recv_tokens_per_expert(self) -> torch.Tensor:
+        return cast(torch.Tensor, self._field("num_unaligned_recv_tokens_per_expert"))
+
+    @property
     def recv_src_metadata(self) -> torch.Tensor:
-        return self._field("recv_src_metadata")
+        return cast(torch.Tensor, self._field("recv_src_metadata"))
 
     @property
     def dst_buffer_slot_idx(self) -> torch.Tensor:
-        return self._field("dst_buffer_slot_idx")
+        return cast(torch.Tensor, self._field("dst_buffer_slot_idx"))
 
-    def _field(self, name: str) -> torch.Tensor:
-        got = self._made.get(name)
-        if got is None:
-            got = self._made[name] = self._makers[name]()
-        return got
+    @property
+    def recv_expert_ids(self) -> torch.Tensor | None:
+        return self._field("recv_expert_ids")
+
+    def _field(self, name: str) -> torch.Tensor | None:
+        made = self._made
+        if name not in made:
+            made[name] = self._makers[name]()
+        return made[name]
 
     @property
     def topk_idx(self) -> torch.Tensor:
@@ -176,4 +194,4 @@ class EPHandle:
     @property
     def num_valid_recv_tokens(self) -> int:
         """ubep's addition: the received rows (the valid prefix of every per-row output)."""
-        return int(self.psum_num_recv_tokens_per_scaleup_rank[-1])
+        return self._num_valid_recv_tokens
