@@ -120,3 +120,49 @@ def test_deep_ep_low_latency_round_trip_on_the_triton_engine() -> None:
     from tests.torch import test_torch_deep_ep as flow
 
     assert ubep.launch(_low_latency_body, flow.R, timeout_s=300.0) == ["ok"] * flow.R
+
+
+def _unconverted_body(group: Any) -> list[str]:
+    """DeepEP's normal dispatch and combine hand the caller's ``x`` and expert outputs to the
+    Triton engine as the tensors they are (no numpy view, no copy), and get tensors back."""
+    from ubep.triton.plane import TritonPlane
+
+    seen: list[tuple[str, Any]] = []
+    real_dispatch, real_combine = TritonPlane.dispatch, TritonPlane.combine
+
+    def dispatch(self: Any, x: Any, *args: Any) -> Any:
+        seen.append(("dispatch", x))
+        return real_dispatch(self, x, *args)
+
+    def combine(self: Any, expert_out: Any, *args: Any) -> Any:
+        seen.append(("combine", expert_out))
+        return real_combine(self, expert_out, *args)
+
+    errors: list[str] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(TritonPlane, "dispatch", dispatch)
+        mp.setattr(TritonPlane, "combine", combine)
+        buf = deep_ep.Buffer(group, num_nvl_bytes=1 << 20, max_tokens_per_rank=8,
+                             transport="triton", timeout_s=120.0)
+        x, idx, w = _inputs(group.rank)
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, _EXPERTS)
+        recv_x, _, _, _, handle, _ = buf.dispatch(
+            x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=per_rank,
+            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+        y, _, _ = buf.combine(recv_x, handle)
+    want = [("dispatch", x), ("combine", recv_x)]
+    for (call, got), (_, given) in zip(seen, want, strict=True):
+        if not (type(got) is torch.Tensor and got.data_ptr() == given.data_ptr()):
+            errors.append(f"rank {group.rank}: {call} reached the engine as "
+                          f"{type(got).__name__}, not the caller's tensor")
+    for name, t in (("recv_x", recv_x), ("y", y)):
+        if not (type(t) is torch.Tensor and t.device == x.device and t.dtype == x.dtype):
+            errors.append(f"rank {group.rank}: {name} came back as {type(t).__name__}")
+    return errors
+
+
+@needs_triton
+def test_deep_ep_normal_calls_hand_the_engine_the_callers_tensors() -> None:
+    errors = [e for rank in ubep.launch(_unconverted_body, _RANKS, timeout_s=300.0)
+              for e in rank]
+    assert not errors, "\n".join(errors)

@@ -391,11 +391,16 @@ def owned_rows(recv_x: np.ndarray, dtype: torch.dtype, rows: int) -> torch.Tenso
 
 
 def padded_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """``t`` with zero rows appended up to ``rows`` (an owned tensor either way)."""
-    out = torch.empty((rows, *t.shape[1:]), dtype=t.dtype)
-    out[: t.shape[0]] = t
+    """``t`` with zero rows appended up to ``rows`` (an owned tensor either way, on ``t``'s
+    device), written as integer bits of its element size (FP8 types have no fill kernel)."""
+    bits = t.view(_BITS_OF_SIZE[t.element_size()])
+    out = torch.empty((rows, *t.shape[1:]), dtype=bits.dtype, device=t.device)
+    out[: t.shape[0]] = bits
     out[t.shape[0]:].zero_()  # only the padding: the rows are written once
-    return out
+    return out.view(t.dtype)
+
+
+_BITS_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def received_rows(recv_x: np.ndarray, recv_scales: np.ndarray | None, dtype: torch.dtype,

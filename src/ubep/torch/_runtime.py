@@ -54,6 +54,19 @@ class RuntimeBackend:
         return np.asarray(on_host(self.buffer.combine(expert_out,
                                                       self._weighted(handle, topk_weights))))
 
+    def dispatch_tensor(self, x: torch.Tensor, topk_idx: np.ndarray,
+                        topk_weights: np.ndarray) -> tuple[Any, torch.Tensor]:
+        """:meth:`dispatch` of a tensor ``x``, handed to the Buffer as it is (its torch door
+        views it in C; an engine that takes tensors gets it as it came): the result with its
+        fields on the host (what the facade reads) and ``recv_x`` an owned tensor of ``x``'s
+        dtype on the engine's device (a copy of the region's rows: a later dispatch refills
+        them)."""
+        got = self.buffer.dispatch(x, topk_idx, topk_weights)
+        recv_x = got.recv_x
+        if type(recv_x) is not torch.Tensor:  # an engine's numpy rows
+            return got, from_numpy_as(np.array(recv_x), x.dtype)
+        return _host_result(got), recv_x.clone()
+
     def combine_tensor(self, expert_out: torch.Tensor, handle: Any) -> torch.Tensor:
         """:meth:`combine` of a tensor's rows (``handle``: the numpy result's own), ``y`` a
         tensor of ``expert_out``'s dtype: through the Buffer's torch door, which views both in

@@ -43,7 +43,7 @@ import torch
 from ..errors import InvalidArgumentError
 from ..trace.recorder import traced_work
 from . import deep_ep_checks as checks
-from ._convert import from_numpy, received_rows, to_numpy
+from ._convert import from_numpy, padded_rows, received_rows, to_numpy
 from ._runtime import RuntimeBackend
 from .backend import EPBackend, LocalBackend
 from .deep_ep_agree import (
@@ -381,6 +381,7 @@ class Buffer:
             layout.num_tokens_per_rdma_rank, layout.is_token_in_rank,
             layout.num_tokens_per_expert, num_worst_tokens)
         per_expert: np.ndarray | None = None
+        recv: Any = None  # recv_x, where the decode step's call made it a tensor already
         if topk_idx is None and topk_weights is None:
             # rows follow is_token_in_rank alone: the per-expert counts DeepEP returns are the
             # callers' num_tokens_per_expert, which no routing carries: they are exchanged
@@ -395,13 +396,17 @@ class Buffer:
             # a decode step's call: the one blocking dispatch, straight to its Buffer
             backend = self.core.backends.get("rank", x.shape[1], route.topk_idx.shape[1],
                                     route.num_experts, x.dtype, self.max_tokens_per_rank)
-            res, recv_scales = backend.dispatch(to_numpy(x), route.topk_idx,
-                                                route.topk_weights), None
+            recv_scales = None
+            if type(backend) is RuntimeBackend:  # ubep's Buffer takes x as it is
+                res, recv = backend.dispatch_tensor(x, route.topk_idx, route.topk_weights)
+            else:
+                res = backend.dispatch(to_numpy(x), route.topk_idx, route.topk_weights)
         else:
             receive, backend = self.core.backends.send(
                 "rank", x, scales, route.topk_idx, route.topk_weights, route.num_experts,
                 self.max_tokens_per_rank)
             res, recv_scales = receive()
+
         # every rank's tokens to every rank, from the engine's count round: the same on all
         sent = np.array(res.num_sent_rows_per_rank, dtype=np.int64)
         most = int(sent.sum(axis=0).max(initial=0)) if num_worst_tokens else 0
@@ -410,7 +415,10 @@ class Buffer:
                                        f"a rank receives {most} tokens")
         rows = res.recv_src_rank.shape[0]
         out_rows = num_worst_tokens if num_worst_tokens > 0 else rows
-        recv = received_rows(res.recv_x, recv_scales, x.dtype, scales is not None, out_rows)
+        if recv is None:
+            recv = received_rows(res.recv_x, recv_scales, x.dtype, scales is not None, out_rows)
+        elif out_rows != rows:  # num_worst_tokens: zeros after the received rows
+            recv = padded_rows(recv, out_rows)
         new_handle = self._normal_handle(res, backend, route, sent, out_rows)
         recv_idx = recv_w = None
         if route.with_topk and out_rows == rows:  # owned copies of the engine's arrays
