@@ -179,6 +179,12 @@ def _grid_timer(micro: Any, case: Any, ranks: int, idxs: list[np.ndarray],
     return timer
 
 
+def recv_meta_kernel(layout: str) -> str:
+    """host_micro's receive-metadata pass of ``layout`` (dispatch.c recv_metadata's two
+    paths: a row per pick that lands, or one per token with its K picks)."""
+    return "recvmeta" if layout == "expert" else "recvmeta_rank"
+
+
 def bd_experts() -> int:
     from benchmarks import bench_dispatch as bd
 
@@ -223,16 +229,22 @@ def compare_case(micro: Any, case: Any, r: int, warmup: int, repeats: int, calls
                   for turns in (False, True)}
         rows = round(hm.rows_per_rank(idxs, case.layout, bd.NUM_EXPERTS))
         meta = micro.per_row_ns(r, hc.row_bytes, rows, "rowmeta", "-", 1, cold=False)[0]
+        # the receive's metadata of one source (ns per token): its routing record, written by
+        # the partner, read, checked and its picks to this rank's experts written out
+        recv_meta = micro.per_row_ns(r, hc.row_bytes, case.tokens, "route",
+                                     recv_meta_kernel(case.layout), hc.num_topk, cold=False,
+                                     turns=cpus < r, local_experts=hc.num_experts // r)[1]
         flag = micro.flag_oneway_ns(r)
         for w, rd, t in kernel_passes(hc, 1).values():
             for timer in timers.values():
                 timer(w, rd, t)
         tiny = {"ranks": r, **asdict(hm.tiny_case(case)), "dispatch": {"median_us": tiny_us}}
-        fixed = hm.fixed_cost(micro, {r: flag}, tiny, "dispatch", cpus, share)["fixed_ns"]
+        fixed = hm.fixed_cost(micro, {r: flag}, tiny, "dispatch", cpus, share,
+                              recv_meta_ns=recv_meta)["fixed_ns"]
     # ranks that share a CPU take turns on it: their passes are priced so
     spans = predict_host_tasks(hc, idxs, fixed_ns=fixed, flag_oneway_ns=flag,
                                timer=timers[cpus < r], cpus=cpus, row_meta_ns=meta,
-                               cpu_share=share, calls=BACK_TO_BACK)
+                               cpu_share=share, calls=BACK_TO_BACK, recv_meta_ns=recv_meta)
     pred_spans = [(s.rank, s.task, s.start_ns, s.end_ns) for s in spans]
     meas = _med_calls(measured, case.engine, r)
     pred = categories(pred_spans, case.engine, r)
@@ -240,7 +252,7 @@ def compare_case(micro: Any, case: Any, r: int, warmup: int, repeats: int, calls
            "layout": case.layout, "held": held, "cpus_available": avail, "cpus": cpus,
            "cpu_share": share, "run_delay_share": host["run_delay_share"],
            "run_delay_us": host["run_delay_ns"] / 1e3, "fixed_us": fixed / 1e3,
-           "flag_oneway_ns": flag, "row_meta_ns": meta,
+           "flag_oneway_ns": flag, "row_meta_ns": meta, "recv_meta_ns": recv_meta,
            "measured_us": {k: v / 1e3 for k, v in meas.items()},
            "predicted_us": {k: v / 1e3 for k, v in pred.items()}}
     return row, measured, pred_spans
@@ -315,7 +327,7 @@ def merge_passes(passes: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         for side in ("measured_us", "predicted_us"):
             row[side] = {k: statistics.median(r[side][k] for r in same) for k in row[side]}
         for key in ("cpus_available", "cpu_share", "run_delay_share", "run_delay_us",
-                    "fixed_us", "flag_oneway_ns", "row_meta_ns"):
+                    "fixed_us", "flag_oneway_ns", "row_meta_ns", "recv_meta_ns"):
             if key not in row:
                 continue
             row[key] = statistics.median(r[key] for r in same)

@@ -71,7 +71,8 @@ class Micro:
              terms: int = 1, copies: int = 2, cold: bool = True,
              rowmap: np.ndarray | None = None,
              positions: tuple[int, np.ndarray, np.ndarray] | None = None,
-             turns: bool = False, dst: str = "warm", gap_us: int = 0) -> tuple[float, ...]:
+             turns: bool = False, dst: str = "warm", gap_us: int = 0,
+             local_experts: int = 0) -> tuple[float, ...]:
         """``(writer / bulk, reader / bulk, bulk ns, CPU share, call latency ns, writer ns,
         reader ns, reader rows)``, each the median over rounds of the median over processes.
         Ratios are per pass relative to a memcpy of the same bytes timed beside it; the
@@ -96,7 +97,8 @@ class Micro:
         written by a process on another CPU (``"remote"``); the source rows stay warm.
         ``gap_us`` (warm passes): each process sleeps that long before each pass, so that
         whatever else runs on the host runs between its passes, as between two writes of a
-        receive slot a call or two apart."""
+        receive slot a call or two apart. ``local_experts`` (``recvmeta``): the rank's experts
+        of 64 whose picks the receive metadata writes out (0: the kernel's default, 32)."""
         if dst not in ("warm", "evict", "remote"):
             raise ValueError(f"dst must be 'warm', 'evict' or 'remote', not {dst!r}")
         rows = max(1, int(rows))
@@ -108,7 +110,7 @@ class Micro:
                                   np.resize(np.asarray(src_rows, dtype=np.int64), rows)])
             wpos = hashlib.sha1(pos.tobytes() + str(slots).encode()).hexdigest()[:16]
         key = (procs, row_bytes, rows, writer, reader, terms, copies, cold, digest, wpos, turns,
-               dst, gap_us)
+               dst, gap_us, local_experts)
         if key not in self.cache:
             path, wpath = "-", "-"
             if rowmap is not None:
@@ -120,6 +122,8 @@ class Micro:
                     pos.tofile(f)
             per = []
             env = {**os.environ, "HOST_MICRO_DST": dst, "HOST_MICRO_GAP_US": str(int(gap_us))}
+            if local_experts:
+                env["HOST_MICRO_LOCAL"] = str(int(local_experts))
             if turns:
                 env["HOST_MICRO_TURNS"] = "40"
             for _ in range(self.rounds):
@@ -145,7 +149,8 @@ class Micro:
                    terms: int, rowmap: np.ndarray | None = None,
                    positions: tuple[int, np.ndarray, np.ndarray] | None = None,
                    cold: bool = True, turns: bool = False, dst: str = "warm",
-                   copies: int | None = None, gap_us: int = 0) -> tuple[float, float]:
+                   copies: int | None = None, gap_us: int = 0,
+                   local_experts: int = 0) -> tuple[float, float]:
         """ns per row of the writer and the reader pass, cold (:meth:`rows`): a pass's own
         time (ranks that share CPUs are the host model's schedule, ubep.sim.host_sched, not a
         factor on the passes). Absolute times (the first quartile of
@@ -155,7 +160,7 @@ class Micro:
         rows are the rows the map names (the reduce's: ns per row reduced). ``cold=False``:
         buffers left in the caches between passes, as one case's calls back to back have
         them (benchmarks/bench_host_tasks.py); the median pass; ``dst``, ``gap_us``:
-        :meth:`rows`.
+        :meth:`rows`; ``local_experts``: :meth:`rows`.
         ``copies``: the receive regions the runtime alternates (default: 1 for the reduce's
         expert outputs, 2 for the rest: ASP's two receive regions)."""
         # A pass is timed uninterrupted only with one process per CPU: with more, a
@@ -171,7 +176,7 @@ class Micro:
             copies = 1 if reader.startswith("reduce") else 2
         got = self.rows(pairs, row_bytes, rows, writer, reader, terms, copies, cold=cold,
                         rowmap=rowmap, positions=positions, turns=turns, dst=dst,
-                        gap_us=gap_us)
+                        gap_us=gap_us, local_experts=local_experts)
         w_ns, r_ns, r_rows = got[5], got[6], got[7]
         return w_ns / max(1, int(rows)), r_ns / max(1.0, r_rows)
 

@@ -135,3 +135,41 @@ def test_fixed_cost_is_a_ranks_own_set_up(cpus: int, share: float) -> None:
     got = fixed_cost(Free(), {2: 1_000.0}, tiny, "dispatch", cpus)
     assert got["tiny_model_ns"] == pytest.approx(0.0)
     assert got["fixed_ns"] == pytest.approx(300_000.0 * share)
+
+
+def test_host_micro_receive_metadata_is_per_token_of_a_source(tmp_path) -> None:
+    import os
+    import subprocess
+
+    from benchmarks.host_micro import build
+
+    binary = build(str(tmp_path))
+    args = [str(binary), "route", "recvmeta", "256", "16", "2", "5", "8", "1", "0"]
+    bad = subprocess.run(args, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "HOST_MICRO_LOCAL": "65"})
+    assert bad.returncode == 2 and "HOST_MICRO_LOCAL" in bad.stderr
+    for kernel in ("recvmeta", "recvmeta_rank"):
+        ok = subprocess.run([*args[:2], kernel, *args[3:]], capture_output=True, text=True,
+                            timeout=60, env={**os.environ, "HOST_MICRO_LOCAL": "16"})
+        assert ok.returncode == 0, ok.stderr
+        line = ok.stdout.split("\n")[0].split()
+        # the reader's own time (7th number) over the source's 16 tokens (8th)
+        assert int(line[6]) > 0 and int(line[7]) == 16
+
+
+def test_fixed_cost_leaves_out_the_receive_metadata() -> None:
+    # Free row passes, a CPU a rank, the receive's metadata at 10 ns a source token: each
+    # rank reads both sources' 128 tokens (2560 ns) after its set-up, so the small call's
+    # 300 us hold a set-up of 300 - 2.56 us
+    from benchmarks.host_model import fixed_cost
+
+    class Free:
+        def per_row_ns(self, *args: object, **kw: object) -> tuple[float, float]:
+            return 0.0, 0.0
+
+    tiny = {"ranks": 2, "tokens": 128, "hidden": 64, "dtype": "bf16", "layout": "expert",
+            "engine": "asp", "sync": "tff", "routing": "uniform",
+            "dispatch": {"median_us": 300.0}}
+    got = fixed_cost(Free(), {2: 1_000.0}, tiny, "dispatch", 2, recv_meta_ns=10.0)
+    assert got["tiny_model_ns"] == pytest.approx(2_560.0)
+    assert got["fixed_ns"] == pytest.approx(300_000.0 - 2_560.0)
