@@ -304,56 +304,38 @@ static void k_picks(void) {
  * partner process wrote into its buffer (k_route, as a peer's prepare writes its record into
  * its segment), copied into a scratch and checked with the runtime's route_sum, then every
  * pick that lands on this rank's LOCAL experts (HOST_MICRO_LOCAL, experts [0, LOCAL) of 64)
- * written out as recv_metadata writes it. The routing is uniform: TERMS distinct experts per token, a fixed seed (which
- * picks land is as random as the routing: the branch per pick is taken that way). */
-static int64_t LOCAL = 32;
+ * written out as recv_metadata writes it. The routing is uniform (TERMS distinct experts a
+ * token, a fixed seed): the branch per pick goes as the routing's. */
+static int64_t LOCAL = 32, *rm_src_rank, *rm_src_tok, *rm_src_k, *rm_idx, rm_cur[130], rm_base[65];
 static uint32_t *rm_route, *rm_snap;
-static int64_t *rm_src_rank, *rm_src_tok, *rm_src_k, *rm_idx, *rm_cursor, rm_base[65];
 static float *rm_w;
 static uint64_t rm_sum;
 static void rm_setup(void) {
     if (rm_route) return;
-    int64_t n = N * TERMS;
-    rm_route = calloc((size_t)(2 * n + 16), sizeof(uint32_t));
-    rm_snap = calloc((size_t)(2 * n + 16), sizeof(uint32_t));
-    rm_src_rank = calloc((size_t)n + 1, sizeof(int64_t));
-    rm_src_tok = calloc((size_t)n + 1, sizeof(int64_t));
-    rm_src_k = calloc((size_t)n + 1, sizeof(int64_t));
-    rm_idx = calloc((size_t)n + 1, sizeof(int64_t));
+    int64_t n = N * TERMS, cnt[64] = {0};
+    rm_route = calloc((size_t)(4 * n + 32), sizeof(uint32_t));
+    rm_snap = rm_route + 2 * n + 16;
+    int64_t *o = calloc((size_t)(4 * n + 4), sizeof(int64_t));
+    rm_src_rank = o, rm_src_tok = o + n + 1, rm_src_k = o + 2 * n + 2, rm_idx = o + 3 * n + 3;
     rm_w = calloc((size_t)n + 1, sizeof(float));
-    rm_cursor = calloc(2 * 64 + 2, sizeof(int64_t));
-    uint64_t x = 0x9E3779B97F4A7C15ULL;
-    for (int64_t t = 0; t < N; t++) {
-        uint64_t used = 0;
-        for (int64_t k = 0; k < TERMS && k < 64; k++) {
-            int64_t e;
-            do {
-                x ^= x << 13; x ^= x >> 7; x ^= x << 17;
-                e = (int64_t)(x % 64);
-            } while (used >> e & 1);
-            used |= 1ULL << e;
-            rm_route[t * TERMS + k] = (uint32_t)e;
+    for (uint64_t t = 0, x = 0x9E3779B97F4A7C15ULL; t < (uint64_t)N; t++)
+        for (uint64_t k = 0, used = 0, e; k < (uint64_t)TERMS && k < 64; k++, used |= 1ULL << e) {
+            do { x ^= x << 13; x ^= x >> 7; x ^= x << 17; e = x % 64; } while (used >> e & 1);
             float w = 1.0f / (float)(k + 1);
+            rm_route[t * TERMS + k] = (uint32_t)e;
             memcpy(&rm_route[n + t * TERMS + k], &w, sizeof w);
+            cnt[e]++;
         }
-    }
     rm_sum = route_sum(1, (uint64_t)N, rm_route, rm_route + n, n);
-    /* each local expert's rows one block after another (recv_bases: by expert), from its
-     * count */
-    int64_t cnt[64] = {0};
-    for (int64_t i = 0; i < n; i++) cnt[rm_route[i] % 64]++;
-    rm_base[0] = 0;
-    for (int e = 0; e < 64; e++) rm_base[e + 1] = rm_base[e] + cnt[e];
+    for (int e = 0; e < 64; e++) rm_base[e + 1] = rm_base[e] + cnt[e]; /* by expert (recv_bases) */
 }
 static void k_route(void) {
     rm_setup();
     memcpy(dst, rm_route, sizeof(uint32_t) * (size_t)(2 * N * TERMS));
 }
-static int rm_snapshot(void) {
+static int rm_snapshot(void) { /* the partner's record (dst), copied and checked */
     int64_t n = N * TERMS;
-    const uint32_t *rec = (const uint32_t *)dst; /* the partner's record */
-    memcpy(rm_snap, rec, sizeof(uint32_t) * (size_t)n);
-    memcpy(rm_snap + n, rec + n, sizeof(uint32_t) * (size_t)n);
+    memcpy(rm_snap, dst, sizeof(uint32_t) * (size_t)(2 * n));
     return route_sum(1, (uint64_t)N, rm_snap, rm_snap + n, n) == rm_sum;
 }
 static void k_recvmeta(void) {
@@ -362,25 +344,17 @@ static void k_recvmeta(void) {
     const int32_t *idx = (const int32_t *)rm_snap;
     const float *wt = (const float *)(rm_snap + N * TERMS);
     const int64_t K = TERMS, L = LOCAL, lo = 0, hi = L;
-    int64_t *cursor = rm_cursor;
-    for (int64_t el = 0; el < L; el++) {
-        cursor[el] = rm_base[el];
-        cursor[L + el] = rm_base[el + 1];
-    }
-    for (int64_t t = 0; t < N; t++) {
+    for (int64_t el = 0; el < L; el++) rm_cur[el] = rm_base[el], rm_cur[L + el] = rm_base[el + 1];
+    for (int64_t t = 0; t < N; t++)
         for (int64_t k = 0; k < K; k++) {
             int64_t e = idx[t * K + k];
             if (e < lo || e >= hi) continue;
-            int64_t p = cursor[e - lo]++;
-            if (p >= cursor[L + e - lo]) { sink++; return; }
-            rm_src_rank[p] = 1;
-            rm_src_tok[p] = t;
-            rm_src_k[p] = k;
-            rm_idx[p] = e;
+            int64_t p = rm_cur[e - lo]++;
+            if (p >= rm_cur[L + e - lo]) { sink++; return; }
+            rm_src_rank[p] = 1, rm_src_tok[p] = t, rm_src_k[p] = k, rm_idx[p] = e;
             rm_w[p] = wt[t * K + k];
         }
-    }
-    sink += (uint64_t)cursor[0];
+    sink += (uint64_t)rm_cur[0];
 }
 static void k_recvmeta_rank(void) {
     rm_setup();
@@ -388,10 +362,9 @@ static void k_recvmeta_rank(void) {
     const int32_t *idx = (const int32_t *)rm_snap;
     const float *wt = (const float *)(rm_snap + N * TERMS);
     const int64_t K = TERMS, L = LOCAL, lo = 0;
-    int64_t p = 0, end = N;
-    for (int64_t t = 0; t < N; t++) {
+    int64_t p = 0;
+    for (int64_t t = 0; t < N; t++) { /* branch-free per pick, as recv_metadata's rank path */
         const int32_t *ti = idx + t * K;
-        if (p >= end) break;
         int64_t *ri = rm_idx + p * K;
         float *rw = rm_w + p * K;
         int first = (int)K;
@@ -402,14 +375,11 @@ static void k_recvmeta_rank(void) {
             first = here ? (int)k : first;
         }
         if (first == (int)K) continue;
-        rm_src_rank[p] = 1;
-        rm_src_tok[p] = t;
-        rm_src_k[p] = first;
+        rm_src_rank[p] = 1, rm_src_tok[p] = t, rm_src_k[p] = first;
         p++;
     }
     sink += (uint64_t)p;
 }
-
 static void k_out(void) {
     int64_t s = al64(B);
     for (int64_t r = 0; r < N; r++) memcpy(aux + r * s, dst + r * s, (size_t)B);
