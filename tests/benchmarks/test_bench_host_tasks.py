@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 
 # benchmarks/ is a top-level folder, not an installed package (see test_peers.py)
-from benchmarks.bench_host_tasks import categories, grid_cases, merge_passes
+from benchmarks.bench_host_tasks import (
+    categories,
+    grid_cases,
+    grid_summary,
+    merge_passes,
+    modelled,
+)
 
 
 def test_categories_split_a_call_by_hand() -> None:
@@ -173,3 +179,21 @@ def test_fixed_cost_leaves_out_the_receive_metadata() -> None:
     got = fixed_cost(Free(), {2: 1_000.0}, tiny, "dispatch", 2, recv_meta_ns=10.0)
     assert got["tiny_model_ns"] == pytest.approx(2_560.0)
     assert got["fixed_ns"] == pytest.approx(300_000.0 - 2_560.0)
+
+
+def test_summary_over_the_modelled_cases_leaves_out_4_rank_bsp() -> None:
+    def row(ranks: int, engine: str, meas: float, pred: float) -> dict:
+        return {"ranks": ranks, "engine": engine,
+                "measured_us": {"busy": meas, "send": meas, "wait": meas},
+                "predicted_us": {"busy": pred, "send": pred, "wait": pred}}
+    rows = [row(2, "asp", 100.0, 90.0), row(2, "bsp", 100.0, 120.0), row(4, "asp", 100.0, 130.0),
+            row(4, "bsp", 100.0, 20.0)]
+    assert [modelled(r) for r in rows] == [True, True, True, False]
+    # errors -10, +20, +30 (and -80 for 4-rank BSP), the same for each task time
+    rest = grid_summary([r for r in rows if modelled(r)])
+    assert rest["send"] == {"n": 3, "median_abs_error_pct": pytest.approx(20.0),
+                            "worst_abs_error_pct": pytest.approx(30.0)}
+    assert rest["all"]["n"] == 9
+    every = grid_summary(rows)
+    assert every["busy"]["median_abs_error_pct"] == pytest.approx(25.0)
+    assert every["busy"]["worst_abs_error_pct"] == pytest.approx(80.0)
