@@ -162,25 +162,42 @@ def _grid_timer(micro: Any, case: Any, ranks: int, idxs: list[np.ndarray],
     and with ``turns``, for ranks that share a CPU, the passes take turns on one CPU, each
     after the others' (``Micro.rows``)."""
     from benchmarks import host_model as hm
-    from ubep.sim.host import send_regions, writer_positions
 
     hc = hm.host_case(case, ranks, "dispatch")
-    rows = round(hm.rows_per_rank(idxs, case.layout, bd_experts()))
-    wpos = writer_positions(idxs, bd_experts(), case.layout, case.engine, rows)
-
-    regions = send_regions(case.engine)
-    gap_us = round(regions * call_us)
+    rows, send_kw = _send_pass(case, ranks, idxs, turns, call_us)
 
     def timer(writer: str, reader: str, terms: int) -> tuple[float, float]:
         if writer in ("copy", "tffw", "spw"):  # a send pass: rows into a receive region
             return micro.per_row_ns(ranks, hc.row_bytes, rows, writer, reader, terms,
-                                    positions=wpos, cold=False, turns=turns, copies=regions,
-                                    gap_us=gap_us)
+                                    **send_kw)
         n = case.tokens if writer in ("scan", "tail") else rows
         return micro.per_row_ns(ranks, hc.row_bytes, n, writer, reader, terms, cold=False,
                                 turns=turns)
 
     return timer
+
+
+def _send_pass(case: Any, ranks: int, idxs: list[np.ndarray], turns: bool,
+               call_us: float) -> tuple[int, dict[str, Any]]:
+    """The send pass's rows per rank and its arguments (:func:`_grid_timer`)."""
+    from benchmarks import host_model as hm
+    from ubep.sim.host import send_regions, writer_positions
+
+    rows = round(hm.rows_per_rank(idxs, case.layout, bd_experts()))
+    regions = send_regions(case.engine)
+    return rows, {"positions": writer_positions(idxs, bd_experts(), case.layout, case.engine,
+                                                rows),
+                  "cold": False, "turns": turns, "copies": regions,
+                  "gap_us": round(regions * call_us)}
+
+
+def rank_scale(ratios: tuple[float, ...], ranks: int) -> tuple[float, ...]:
+    """Each rank's factor on its row work: the send pass's processes' times over their median
+    (``Micro.process_ratios``, slowest first), rank ``r`` the ``r``-th (cyclically). Which
+    rank's memory is the slow one is the host's draw; the spread is what it measured."""
+    if not ratios:
+        return (1.0,) * ranks
+    return tuple(ratios[r % len(ratios)] for r in range(ranks))
 
 
 def recv_meta_kernel(layout: str) -> str:
@@ -245,10 +262,16 @@ def compare_case(micro: Any, case: Any, r: int, warmup: int, repeats: int, calls
         tiny = {"ranks": r, **asdict(hm.tiny_case(case)), "dispatch": {"median_us": tiny_us}}
         fixed = hm.fixed_cost(micro, {r: flag}, tiny, "dispatch", cpus, share,
                               recv_meta_ns=recv_meta)["fixed_ns"]
+        # the ranks' own speeds: what the send pass's processes differ by
+        send_w, send_r, _ = kernel_passes(hc, 1)["send"]
+        send_rows, send_kw = _send_pass(case, r, idxs, cpus < r, call_us)
+        scale = rank_scale(micro.process_ratios(r, hc.row_bytes, send_rows, send_w, send_r, 1,
+                                                **send_kw), r)
     # ranks that share a CPU take turns on it: their passes are priced so
     spans = predict_host_tasks(hc, idxs, fixed_ns=fixed, flag_oneway_ns=flag,
                                timer=timers[cpus < r], cpus=cpus, row_meta_ns=meta,
-                               cpu_share=share, calls=BACK_TO_BACK, recv_meta_ns=recv_meta)
+                               cpu_share=share, calls=BACK_TO_BACK, recv_meta_ns=recv_meta,
+                               rank_scale=scale)
     pred_spans = [(s.rank, s.task, s.start_ns, s.end_ns) for s in spans]
     meas = _med_calls(measured, case.engine, r)
     pred = categories(pred_spans, case.engine, r)
@@ -257,6 +280,7 @@ def compare_case(micro: Any, case: Any, r: int, warmup: int, repeats: int, calls
            "cpu_share": share, "run_delay_share": host["run_delay_share"],
            "run_delay_us": host["run_delay_ns"] / 1e3, "fixed_us": fixed / 1e3,
            "flag_oneway_ns": flag, "row_meta_ns": meta, "recv_meta_ns": recv_meta,
+           "rank_scale": list(scale),
            "measured_us": {k: v / 1e3 for k, v in meas.items()},
            "predicted_us": {k: v / 1e3 for k, v in pred.items()}}
     return row, measured, pred_spans

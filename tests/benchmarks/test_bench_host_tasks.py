@@ -12,6 +12,7 @@ from benchmarks.bench_host_tasks import (
     grid_summary,
     merge_passes,
     modelled,
+    rank_scale,
 )
 
 
@@ -197,3 +198,18 @@ def test_summary_over_the_modelled_cases_leaves_out_4_rank_bsp() -> None:
     every = grid_summary(rows)
     assert every["busy"]["median_abs_error_pct"] == pytest.approx(25.0)
     assert every["busy"]["worst_abs_error_pct"] == pytest.approx(80.0)
+
+
+def test_rank_scale_gives_each_rank_a_process_ratio() -> None:
+    # the send pass's processes over their median, slowest first: rank r takes the r-th
+    assert rank_scale((1.04, 0.96), 2) == (1.04, 0.96)
+    assert rank_scale((1.04, 0.96), 4) == (1.04, 0.96, 1.04, 0.96)
+    assert rank_scale((1.2, 1.0, 0.9, 0.8), 4) == (1.2, 1.0, 0.9, 0.8)
+    assert rank_scale((), 2) == (1.0, 1.0)
+
+
+def test_spread_is_each_process_over_the_median_slowest_first() -> None:
+    from benchmarks.host_micro import _spread
+
+    assert _spread([90.0, 110.0]) == pytest.approx((1.1, 0.9))
+    assert _spread([4.0, 1.0, 2.0, 3.0]) == pytest.approx((1.6, 1.2, 0.8, 0.4))

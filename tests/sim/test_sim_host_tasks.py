@@ -196,6 +196,30 @@ def test_rank_works_are_each_ranks_own_rows() -> None:
                           costs, init_ns=0.0, recv_meta_ns=2.0)
     assert [w.cumsum_ns for w in bsp_meta] == [0.0, 0.0]
     assert [w.reorder_ns for w in bsp_meta] == [b.reorder_ns + 8.0 for b in bsp]
+    # a rank whose process runs the passes 1.5x slower, its peer 0.5x: every row cost of the
+    # rank scales (sends, receive, metadata), its set-up does not
+    scaled = rank_works(case, idxs, costs, init_ns=100.0, row_meta_ns=1.0, recv_meta_ns=2.0,
+                        rank_scale=(1.5, 0.5))
+    assert scaled[0] == RankWork(100.0, (1, 0), (49.5, 13.5), 1.5 * (3 * 0.5 + 3.0),
+                                 cumsum_ns=12.0)
+    assert scaled[1] == RankWork(100.0, (0, 1), (5.5, 1.5), 0.5 * (0.5 + 3 * 3.0),
+                                 cumsum_ns=4.0)
+    for bad in ((1.0,), (1.0, 0.0)):
+        with pytest.raises(InvalidArgumentError, match="rank_scale"):
+            rank_works(case, idxs, costs, init_ns=0.0, rank_scale=bad)
+
+
+def test_the_faster_rank_waits_for_the_slower_at_the_next_entry() -> None:
+    # ASP, a CPU each, rank 1 at half rank 0's row costs (rank_works' rank_scale 1 and 0.5).
+    # Call 1 from 0: rank 0 sends 10-110 (to 1), 110-160, places 160-165; rank 1 sends 10-60,
+    # 60-85, waits for rank 0's rows 85-110, places 110-112.5. Call 2 starts where each ended
+    # (rank 1 at 0, rank 0 52.5 later): rank 1 waits for rank 0's readiness 10-62.5 (the
+    # skew), sends 62.5-137.5, waits for rank 0's rows (sent 62.5-162.5) until 162.5
+    works = [RankWork(10.0, (1, 0), (100.0, 50.0), 5.0), RankWork(10.0, (0, 1), (50.0, 25.0), 2.5)]
+    spans = back_to_back(works, "asp", cpus=2, calls=2)
+    assert _by(spans, 0, "init") == [(52.5, 62.5)]
+    assert _by(spans, 1, "wait") == [(10.0, 62.5), (137.5, 162.5)]
+    assert _by(spans, 0, "wait") == []
 
 
 @pytest.mark.parametrize(("ranks", "layout"), [(2, "expert"), (2, "rank"), (4, "expert")])
