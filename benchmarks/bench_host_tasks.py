@@ -375,15 +375,27 @@ def modelled(row: dict[str, Any]) -> bool:
     return (row["ranks"], row["engine"]) not in UNMODELLED
 
 
-def grid_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Median and worst |error| of each task time over ``rows`` (and of all together)."""
+def grid_summary(rows: list[dict[str, Any]],
+                 paired: bool = False) -> dict[str, dict[str, float]]:
+    """Median and worst |error| of each task time over ``rows`` (and of all together): of
+    each case's median prediction against its median measurement, or with ``paired``, of the
+    median over its passes of each pass's error (a pass's calls against the model from the
+    microbenchmarks run right after them: this host's speed moves between passes minutes
+    apart, so the medians of the two sides can come from passes that ran at different
+    speeds)."""
     from benchmarks import host_model as hm
+
+    def err(r: dict[str, Any], k: str) -> float:
+        if not paired:
+            return _err(r["predicted_us"][k], r["measured_us"][k])
+        return statistics.median(_err(p["predicted_us"][k], p["measured_us"][k])
+                                 for p in r["passes"] if p["measured_us"][k] > 0)
 
     out = {}
     for kind in ("busy", "send", "wait", "all"):
         kinds = ("busy", "send", "wait") if kind == "all" else (kind,)
-        out[kind] = hm.error_stats(_err(r["predicted_us"][k], r["measured_us"][k]) for r in rows
-                                for k in kinds if r["measured_us"][k] > 0)
+        out[kind] = hm.error_stats(err(r, k) for r in rows for k in kinds
+                                   if r["measured_us"][k] > 0)
     return out
 
 
@@ -433,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
                       m["wait"], p["wait"], _err(p["wait"], m["wait"])])
     summary = grid_summary(rows)
     summary_rest = grid_summary([r for r in rows if modelled(r)])
+    paired = grid_summary(rows, paired=True)
+    paired_rest = grid_summary([r for r in rows if modelled(r)], paired=True)
     cmd = "python -m benchmarks.bench_host_tasks" + (f" --out {args.out}" if args.out else "")
     lines = [
         "# The host model against the runtime's traces, task by task (" + cmd + ")",
@@ -463,6 +477,10 @@ def main(argv: list[str] | None = None) -> int:
     lines += error_lines(summary, "task time (all cases)")
     unmodelled = ", ".join(f"{r}-rank {e.upper()}" for r, e in UNMODELLED)
     lines += error_lines(summary_rest, f"task time (without {unmodelled})")
+    lines.append("\nthe same, each case's error the median over passes of each pass's error "
+                 "(its calls against the model from the microbenchmarks right after them)")
+    lines += error_lines(paired, "paired task time (all cases)")
+    lines += error_lines(paired_rest, f"paired task time (without {unmodelled})")
     lines.append(f"\n({time.monotonic() - start:.0f} s)")
     text = "\n".join(lines)
     print(text)
@@ -473,6 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         payload = {"command": cmd, "machine": {"cpus": os.cpu_count(), "load_before": load_before,
                                                "load_after": load_after},
                    "summary": summary, "summary_modelled": summary_rest,
+                   "summary_paired": paired, "summary_paired_modelled": paired_rest,
                    "unmodelled": [list(u) for u in UNMODELLED], "rows": rows,
                    "shown": {k: {"ranks": v["ranks"], "measured": v["measured"],
                                  "predicted": v["predicted"]} for k, v in shown.items()}}

@@ -213,3 +213,21 @@ def test_spread_is_each_process_over_the_median_slowest_first() -> None:
 
     assert _spread([90.0, 110.0]) == pytest.approx((1.1, 0.9))
     assert _spread([4.0, 1.0, 2.0, 3.0]) == pytest.approx((1.6, 1.2, 0.8, 0.4))
+
+
+def test_paired_summary_takes_each_passes_own_error() -> None:
+    # one case, three passes: measured 100 / 1000 / 1000, predicted 1000 / 1000 / 100 (the
+    # host's speed moved between the calls and the microbenchmarks of passes 1 and 3): the
+    # medians of each side (1000 / 1000) agree, the passes' own errors are +900, 0, -90 %
+    def side(v: float) -> dict:
+        return {"busy": v, "send": v, "wait": v}
+    passes = [{"measured_us": side(m), "predicted_us": side(p)}
+              for m, p in ((100.0, 1000.0), (1000.0, 1000.0), (1000.0, 100.0))]
+    row = {"ranks": 2, "engine": "bsp", "measured_us": side(1000.0),
+           "predicted_us": side(1000.0), "passes": passes}
+    assert grid_summary([row])["send"]["median_abs_error_pct"] == pytest.approx(0.0)
+    # the median over passes of +900, 0, -90 is 0; with pass 2 at 500 measured, +100
+    assert grid_summary([row], paired=True)["send"]["median_abs_error_pct"] == pytest.approx(0.0)
+    passes[1]["measured_us"] = side(500.0)
+    got = grid_summary([row], paired=True)["wait"]
+    assert got["median_abs_error_pct"] == pytest.approx(100.0) and got["n"] == 1
