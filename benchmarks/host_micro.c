@@ -24,6 +24,14 @@
  *   reduce_rank  the same, unweighted                                  (combine, rank layout)
  *   picks   count (token, k) picks per expert with a duplicate stamp (routing validation)
  *   rowmeta the ASP send's per-row bookkeeping, traced: o_dst_row, unit log, span record
+ *   route   a rank's routing record published (ROWS tokens x TERMS picks: int32 experts, then
+ *           float weights), as dispatch.c's prepare writes it into the rank's segment
+ *   recvmeta  (as READER, after route) the receive metadata of one source, read from the
+ *           partner's record (dispatch.c read_route + recv_metadata, layout "expert"): the
+ *           record copied and checked (abi.h route_sum), then every pick that lands on this
+ *           rank's experts written out (origin rank, token, k, expert, weight); per token
+ *   recvmeta_rank  the same, layout "rank": one row per token that lands here, its K picks
+ *           written branch-free
  *   out     each received row copied into a private output row        (BSP reorder)
  *   bsp_sp  out + scan + fill per row (BSP SP: verify, reorder, refill the staging slot)
  *   bsp_dc  dc + out per row (BSP DC: verify, reorder)
@@ -67,6 +75,8 @@
 /* the runtime's own kernels (src/ubep/runtime/native/kernels.{h,c}, kernels_x86.c, linked in by
  * host_micro.py): what a pass costs is what the engine's code costs, not a re-implementation */
 #include "kernels.h"
+/* route_sum: the routing record's check, the runtime's own (header-only) */
+#include "abi.h"
 
 /* now_ns(): sync.h's CLOCK_MONOTONIC, as the engine's */
 
@@ -289,6 +299,87 @@ static void k_picks(void) {
     sink += (uint64_t)cnt[3];
 }
 
+/* The receive metadata of one source (dispatch.c read_route, recv_metadata): the source's
+ * routing record (ROWS tokens x TERMS picks, int32 experts then float weights), which the
+ * partner process wrote into its buffer (k_route, as a peer's prepare writes its record into
+ * its segment), copied into a scratch and checked with the runtime's route_sum, then every
+ * pick that lands on this rank's LOCAL experts (HOST_MICRO_LOCAL, experts [0, LOCAL) of 64)
+ * written out as recv_metadata writes it. The routing is uniform (TERMS distinct experts a
+ * token, a fixed seed): the branch per pick goes as the routing's. */
+static int64_t LOCAL = 32, *rm_src_rank, *rm_src_tok, *rm_src_k, *rm_idx, rm_cur[130], rm_base[65];
+static uint32_t *rm_route, *rm_snap;
+static float *rm_w;
+static uint64_t rm_sum;
+static void rm_setup(void) {
+    if (rm_route) return;
+    int64_t n = N * TERMS, cnt[64] = {0};
+    rm_route = calloc((size_t)(4 * n + 32), sizeof(uint32_t));
+    rm_snap = rm_route + 2 * n + 16;
+    int64_t *o = calloc((size_t)(4 * n + 4), sizeof(int64_t));
+    rm_src_rank = o, rm_src_tok = o + n + 1, rm_src_k = o + 2 * n + 2, rm_idx = o + 3 * n + 3;
+    rm_w = calloc((size_t)n + 1, sizeof(float));
+    for (uint64_t t = 0, x = 0x9E3779B97F4A7C15ULL; t < (uint64_t)N; t++)
+        for (uint64_t k = 0, used = 0, e; k < (uint64_t)TERMS && k < 64; k++, used |= 1ULL << e) {
+            do { x ^= x << 13; x ^= x >> 7; x ^= x << 17; e = x % 64; } while (used >> e & 1);
+            float w = 1.0f / (float)(k + 1);
+            rm_route[t * TERMS + k] = (uint32_t)e;
+            memcpy(&rm_route[n + t * TERMS + k], &w, sizeof w);
+            cnt[e]++;
+        }
+    rm_sum = route_sum(1, (uint64_t)N, rm_route, rm_route + n, n);
+    for (int e = 0; e < 64; e++) rm_base[e + 1] = rm_base[e] + cnt[e]; /* by expert (recv_bases) */
+}
+static void k_route(void) {
+    rm_setup();
+    memcpy(dst, rm_route, sizeof(uint32_t) * (size_t)(2 * N * TERMS));
+}
+static int rm_snapshot(void) { /* the partner's record (dst), copied and checked */
+    int64_t n = N * TERMS;
+    memcpy(rm_snap, dst, sizeof(uint32_t) * (size_t)(2 * n));
+    return route_sum(1, (uint64_t)N, rm_snap, rm_snap + n, n) == rm_sum;
+}
+static void k_recvmeta(void) {
+    rm_setup();
+    if (!rm_snapshot()) { sink++; return; }
+    const int32_t *idx = (const int32_t *)rm_snap;
+    const float *wt = (const float *)(rm_snap + N * TERMS);
+    const int64_t K = TERMS, L = LOCAL, lo = 0, hi = L;
+    for (int64_t el = 0; el < L; el++) rm_cur[el] = rm_base[el], rm_cur[L + el] = rm_base[el + 1];
+    for (int64_t t = 0; t < N; t++)
+        for (int64_t k = 0; k < K; k++) {
+            int64_t e = idx[t * K + k];
+            if (e < lo || e >= hi) continue;
+            int64_t p = rm_cur[e - lo]++;
+            if (p >= rm_cur[L + e - lo]) { sink++; return; }
+            rm_src_rank[p] = 1, rm_src_tok[p] = t, rm_src_k[p] = k, rm_idx[p] = e;
+            rm_w[p] = wt[t * K + k];
+        }
+    sink += (uint64_t)rm_cur[0];
+}
+static void k_recvmeta_rank(void) {
+    rm_setup();
+    if (!rm_snapshot()) { sink++; return; }
+    const int32_t *idx = (const int32_t *)rm_snap;
+    const float *wt = (const float *)(rm_snap + N * TERMS);
+    const int64_t K = TERMS, L = LOCAL, lo = 0;
+    int64_t p = 0;
+    for (int64_t t = 0; t < N; t++) { /* branch-free per pick, as recv_metadata's rank path */
+        const int32_t *ti = idx + t * K;
+        int64_t *ri = rm_idx + p * K;
+        float *rw = rm_w + p * K;
+        int first = (int)K;
+        for (int64_t k = K - 1; k >= 0; k--) {
+            int here = (uint64_t)(ti[k] - lo) < (uint64_t)L;
+            ri[k] = here ? ti[k] - lo : -1;
+            rw[k] = here ? wt[t * K + k] : 0.0f;
+            first = here ? (int)k : first;
+        }
+        if (first == (int)K) continue;
+        rm_src_rank[p] = 1, rm_src_tok[p] = t, rm_src_k[p] = first;
+        p++;
+    }
+    sink += (uint64_t)p;
+}
 static void k_out(void) {
     int64_t s = al64(B);
     for (int64_t r = 0; r < N; r++) memcpy(aux + r * s, dst + r * s, (size_t)B);
@@ -393,7 +484,7 @@ static kern_t find(const char *name) {
         {"bulk", k_bulk}, {"copy", k_copy}, {"tff", k_tff}, {"untff", k_untff}, {"scan", k_scan},
         {"tffw", k_tffw}, {"tffr", k_tffr},
         {"tail", k_tail}, {"dc", k_dc}, {"fill", k_fill}, {"reduce", k_reduce}, {"reduce_rank", k_reduce_rank}, {"spw", k_spw}, {"sptail", k_sptail},
-        {"picks", k_picks}, {"rowmeta", k_rowmeta}, {"out", k_out}, {"bsp_sp", k_bsp_sp}, {"bsp_dc", k_bsp_dc},
+        {"picks", k_picks}, {"rowmeta", k_rowmeta}, {"route", k_route}, {"recvmeta", k_recvmeta}, {"recvmeta_rank", k_recvmeta_rank}, {"out", k_out}, {"bsp_sp", k_bsp_sp}, {"bsp_dc", k_bsp_dc},
     };
     for (size_t i = 0; i < sizeof table / sizeof table[0]; i++)
         if (!strcmp(name, table[i].name)) return table[i].fn;
@@ -485,6 +576,10 @@ int main(int argc, char **argv) {
     const char *gap_env = getenv("HOST_MICRO_GAP_US");
     int64_t gap_us = gap_env && !cold ? atoll(gap_env) : 0;
     const char *turns_env = getenv("HOST_MICRO_TURNS");
+    /* HOST_MICRO_LOCAL=L (recvmeta): this rank's experts, [0, L) of 64 */
+    const char *local_env = getenv("HOST_MICRO_LOCAL");
+    if (local_env) LOCAL = atoll(local_env);
+    if (LOCAL < 1 || LOCAL > 64) { fprintf(stderr, "HOST_MICRO_LOCAL must be 1..64\n"); return 2; }
     int64_t turns = turns_env && !cold ? atoll(turns_env) : 0;
     int is_flag = !strcmp(argv[1], "flag");
     kern_t wr = is_flag ? NULL : find(argv[1]);

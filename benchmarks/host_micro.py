@@ -71,9 +71,12 @@ class Micro:
              terms: int = 1, copies: int = 2, cold: bool = True,
              rowmap: np.ndarray | None = None,
              positions: tuple[int, np.ndarray, np.ndarray] | None = None,
-             turns: bool = False, dst: str = "warm", gap_us: int = 0) -> tuple[float, ...]:
+             turns: bool = False, dst: str = "warm", gap_us: int = 0,
+             local_experts: int = 0) -> tuple[float, ...]:
         """``(writer / bulk, reader / bulk, bulk ns, CPU share, call latency ns, writer ns,
-        reader ns, reader rows)``, each the median over rounds of the median over processes.
+        reader ns, reader rows)``, each the median over rounds of the median over processes,
+        then the processes' writer times over their median, slowest first (:func:`_spread`;
+        per order, the median over rounds).
         Ratios are per pass relative to a memcpy of the same bytes timed beside it; the
         ``ns`` values are the passes' own times. Passes alternate between ``copies`` copies of
         their buffers: the runtime alternates two receive regions between calls, so a case's
@@ -96,7 +99,8 @@ class Micro:
         written by a process on another CPU (``"remote"``); the source rows stay warm.
         ``gap_us`` (warm passes): each process sleeps that long before each pass, so that
         whatever else runs on the host runs between its passes, as between two writes of a
-        receive slot a call or two apart."""
+        receive slot a call or two apart. ``local_experts`` (``recvmeta``): the rank's experts
+        of 64 whose picks the receive metadata writes out (0: the kernel's default, 32)."""
         if dst not in ("warm", "evict", "remote"):
             raise ValueError(f"dst must be 'warm', 'evict' or 'remote', not {dst!r}")
         rows = max(1, int(rows))
@@ -108,7 +112,7 @@ class Micro:
                                   np.resize(np.asarray(src_rows, dtype=np.int64), rows)])
             wpos = hashlib.sha1(pos.tobytes() + str(slots).encode()).hexdigest()[:16]
         key = (procs, row_bytes, rows, writer, reader, terms, copies, cold, digest, wpos, turns,
-               dst, gap_us)
+               dst, gap_us, local_experts)
         if key not in self.cache:
             path, wpath = "-", "-"
             if rowmap is not None:
@@ -120,16 +124,19 @@ class Micro:
                     pos.tofile(f)
             per = []
             env = {**os.environ, "HOST_MICRO_DST": dst, "HOST_MICRO_GAP_US": str(int(gap_us))}
+            if local_experts:
+                env["HOST_MICRO_LOCAL"] = str(int(local_experts))
             if turns:
                 env["HOST_MICRO_TURNS"] = "40"
             for _ in range(self.rounds):
                 got = self._run(env, [writer, reader, str(row_bytes), str(rows), str(procs),
                                  str(self.millis), str(terms), str(copies), str(int(cold)),
                                  path, str(llc_bytes()), wpath])
-                per.append(tuple(statistics.median(g[i] for g in got) for i in range(8)))
-            med = [statistics.median(p[i] for p in per) for i in range(8)]
+                per.append(tuple(statistics.median(g[i] for g in got) for i in range(8))
+                           + _spread(g[5] for g in got))
+            med = [statistics.median(p[i] for p in per) for i in range(len(per[0]))]
             self.cache[key] = (med[0] / 1e6, med[1] / 1e6, med[2], med[3] / 1e6, med[4],
-                               med[5], med[6], med[7])
+                               med[5], med[6], med[7], *med[8:])
         return self.cache[key]
 
     def _map_file(self, rowmap: np.ndarray, digest: str) -> Path:
@@ -145,7 +152,8 @@ class Micro:
                    terms: int, rowmap: np.ndarray | None = None,
                    positions: tuple[int, np.ndarray, np.ndarray] | None = None,
                    cold: bool = True, turns: bool = False, dst: str = "warm",
-                   copies: int | None = None, gap_us: int = 0) -> tuple[float, float]:
+                   copies: int | None = None, gap_us: int = 0,
+                   local_experts: int = 0) -> tuple[float, float]:
         """ns per row of the writer and the reader pass, cold (:meth:`rows`): a pass's own
         time (ranks that share CPUs are the host model's schedule, ubep.sim.host_sched, not a
         factor on the passes). Absolute times (the first quartile of
@@ -155,9 +163,22 @@ class Micro:
         rows are the rows the map names (the reduce's: ns per row reduced). ``cold=False``:
         buffers left in the caches between passes, as one case's calls back to back have
         them (benchmarks/bench_host_tasks.py); the median pass; ``dst``, ``gap_us``:
-        :meth:`rows`.
+        :meth:`rows`; ``local_experts``: :meth:`rows`.
         ``copies``: the receive regions the runtime alternates (default: 1 for the reduce's
         expert outputs, 2 for the rest: ASP's two receive regions)."""
+        got = self._pass(procs, row_bytes, rows, writer, reader, terms, rowmap=rowmap,
+                         positions=positions, cold=cold, turns=turns, dst=dst, copies=copies,
+                         gap_us=gap_us, local_experts=local_experts)
+        w_ns, r_ns, r_rows = got[5], got[6], got[7]
+        return w_ns / max(1, int(rows)), r_ns / max(1.0, r_rows)
+
+    def _pass(self, procs: int, row_bytes: int, rows: int, writer: str, reader: str,
+              terms: int, rowmap: np.ndarray | None = None,
+              positions: tuple[int, np.ndarray, np.ndarray] | None = None,
+              cold: bool = True, turns: bool = False, dst: str = "warm",
+              copies: int | None = None, gap_us: int = 0,
+              local_experts: int = 0) -> tuple[float, ...]:
+        """:meth:`rows` of the pass :meth:`per_row_ns` prices."""
         # A pass is timed uninterrupted only with one process per CPU: with more, a
         # multi-millisecond pass is cut by time slices (the sharing is the schedule's). With
         # ``turns`` the processes take turns on one CPU, so every rank's process runs: each
@@ -169,11 +190,17 @@ class Micro:
         # alternating receive regions): one copy
         if copies is None:
             copies = 1 if reader.startswith("reduce") else 2
-        got = self.rows(pairs, row_bytes, rows, writer, reader, terms, copies, cold=cold,
-                        rowmap=rowmap, positions=positions, turns=turns, dst=dst,
-                        gap_us=gap_us)
-        w_ns, r_ns, r_rows = got[5], got[6], got[7]
-        return w_ns / max(1, int(rows)), r_ns / max(1.0, r_rows)
+        return self.rows(pairs, row_bytes, rows, writer, reader, terms, copies, cold=cold,
+                         rowmap=rowmap, positions=positions, turns=turns, dst=dst,
+                         gap_us=gap_us, local_experts=local_experts)
+
+    def process_ratios(self, procs: int, row_bytes: int, rows: int, writer: str, reader: str,
+                       terms: int, **kw: Any) -> tuple[float, ...]:
+        """The writer pass's time in each of its processes over their median, slowest first
+        (the median over rounds of each order): what two processes running the same pass on
+        this host differ by (where a process's memory lies, docs/SIMULATOR.md 6), for the
+        pass :meth:`per_row_ns` prices with the same arguments."""
+        return tuple(self._pass(procs, row_bytes, rows, writer, reader, terms, **kw)[8:])
 
     def flag_oneway_ns(self, procs: int) -> float:
         """Half the median flag round trip of ``procs`` processes ping-ponging in pairs."""
@@ -185,6 +212,13 @@ class Micro:
                 per.append(statistics.median(g[0] for g in got if g[0] > 0))
             self.cache[key] = (statistics.median(per) / 2,)
         return self.cache[key][0]
+
+
+def _spread(times: Any) -> tuple[float, ...]:
+    """Each process's time over the processes' median, slowest first."""
+    ts = sorted((float(t) for t in times), reverse=True)
+    mid = statistics.median(ts) if ts else 0.0
+    return tuple(t / mid if mid > 0 else 1.0 for t in ts)
 
 
 # The real-time priority the compared ranks and their microbenchmarks run at (SCHED_FIFO, the

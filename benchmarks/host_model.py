@@ -76,12 +76,14 @@ def case_of(row: dict[str, Any]) -> bd.Case:
 
 
 def fixed_cost(micro: Micro, flags: dict[int, float], tiny_row: dict[str, Any],
-               op: str, cpus: int, cpu_share: float = 1.0) -> dict[str, float]:
+               op: str, cpus: int, cpu_share: float = 1.0,
+               recv_meta_ns: float = 0.0) -> dict[str, float]:
     """From the 64-element-row call: the fixed cost (a rank's per call) with which the model's
     small call lasts what it measured, at least 0 (its own row passes priced by host_micro at
     its 128-byte rows). The model's latency grows by one fixed cost per rank that runs before
     the slowest rank's end on its CPU (``cpus`` CPUs for the call's ranks): the secant from 0
-    to the measured latency gives that slope."""
+    to the measured latency gives that slope. ``recv_meta_ns``: the receive's metadata per
+    source token, priced in the small call as in the full one (same tokens and routing)."""
     case, r = case_of(tiny_row), tiny_row["ranks"]
     idxs = routing_of(case, r)
     measured = tiny_row[op]["median_us"] * 1e3
@@ -90,7 +92,7 @@ def fixed_cost(micro: Micro, flags: dict[int, float], tiny_row: dict[str, Any],
     def model(fixed_ns: float) -> float:
         return predict_host(host_case(case, r, op), idxs, fixed_ns=fixed_ns,
                             flag_oneway_ns=flags[r], timer=timer, cpus=cpus,
-                            cpu_share=cpu_share)
+                            cpu_share=cpu_share, recv_meta_ns=recv_meta_ns)
 
     model0 = model(0.0)
     probe = max(measured, 1.0)

@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 
 # benchmarks/ is a top-level folder, not an installed package (see test_peers.py)
-from benchmarks.bench_host_tasks import categories, grid_cases, merge_passes
+from benchmarks.bench_host_tasks import (
+    categories,
+    grid_cases,
+    grid_summary,
+    merge_passes,
+    modelled,
+    rank_scale,
+)
 
 
 def test_categories_split_a_call_by_hand() -> None:
@@ -135,3 +142,92 @@ def test_fixed_cost_is_a_ranks_own_set_up(cpus: int, share: float) -> None:
     got = fixed_cost(Free(), {2: 1_000.0}, tiny, "dispatch", cpus)
     assert got["tiny_model_ns"] == pytest.approx(0.0)
     assert got["fixed_ns"] == pytest.approx(300_000.0 * share)
+
+
+def test_host_micro_receive_metadata_is_per_token_of_a_source(tmp_path) -> None:
+    import os
+    import subprocess
+
+    from benchmarks.host_micro import build
+
+    binary = build(str(tmp_path))
+    args = [str(binary), "route", "recvmeta", "256", "16", "2", "5", "8", "1", "0"]
+    bad = subprocess.run(args, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "HOST_MICRO_LOCAL": "65"})
+    assert bad.returncode == 2 and "HOST_MICRO_LOCAL" in bad.stderr
+    for kernel in ("recvmeta", "recvmeta_rank"):
+        ok = subprocess.run([*args[:2], kernel, *args[3:]], capture_output=True, text=True,
+                            timeout=60, env={**os.environ, "HOST_MICRO_LOCAL": "16"})
+        assert ok.returncode == 0, ok.stderr
+        line = ok.stdout.split("\n")[0].split()
+        # the reader's own time (7th number) over the source's 16 tokens (8th)
+        assert int(line[6]) > 0 and int(line[7]) == 16
+
+
+def test_fixed_cost_leaves_out_the_receive_metadata() -> None:
+    # Free row passes, a CPU a rank, the receive's metadata at 10 ns a source token: each
+    # rank reads both sources' 128 tokens (2560 ns) after its set-up, so the small call's
+    # 300 us hold a set-up of 300 - 2.56 us
+    from benchmarks.host_model import fixed_cost
+
+    class Free:
+        def per_row_ns(self, *args: object, **kw: object) -> tuple[float, float]:
+            return 0.0, 0.0
+
+    tiny = {"ranks": 2, "tokens": 128, "hidden": 64, "dtype": "bf16", "layout": "expert",
+            "engine": "asp", "sync": "tff", "routing": "uniform",
+            "dispatch": {"median_us": 300.0}}
+    got = fixed_cost(Free(), {2: 1_000.0}, tiny, "dispatch", 2, recv_meta_ns=10.0)
+    assert got["tiny_model_ns"] == pytest.approx(2_560.0)
+    assert got["fixed_ns"] == pytest.approx(300_000.0 - 2_560.0)
+
+
+def test_summary_over_the_modelled_cases_leaves_out_4_rank_bsp() -> None:
+    def row(ranks: int, engine: str, meas: float, pred: float) -> dict:
+        return {"ranks": ranks, "engine": engine,
+                "measured_us": {"busy": meas, "send": meas, "wait": meas},
+                "predicted_us": {"busy": pred, "send": pred, "wait": pred}}
+    rows = [row(2, "asp", 100.0, 90.0), row(2, "bsp", 100.0, 120.0), row(4, "asp", 100.0, 130.0),
+            row(4, "bsp", 100.0, 20.0)]
+    assert [modelled(r) for r in rows] == [True, True, True, False]
+    # errors -10, +20, +30 (and -80 for 4-rank BSP), the same for each task time
+    rest = grid_summary([r for r in rows if modelled(r)])
+    assert rest["send"] == {"n": 3, "median_abs_error_pct": pytest.approx(20.0),
+                            "worst_abs_error_pct": pytest.approx(30.0)}
+    assert rest["all"]["n"] == 9
+    every = grid_summary(rows)
+    assert every["busy"]["median_abs_error_pct"] == pytest.approx(25.0)
+    assert every["busy"]["worst_abs_error_pct"] == pytest.approx(80.0)
+
+
+def test_rank_scale_gives_each_rank_a_process_ratio() -> None:
+    # the send pass's processes over their median, slowest first: rank r takes the r-th
+    assert rank_scale((1.04, 0.96), 2) == (1.04, 0.96)
+    assert rank_scale((1.04, 0.96), 4) == (1.04, 0.96, 1.04, 0.96)
+    assert rank_scale((1.2, 1.0, 0.9, 0.8), 4) == (1.2, 1.0, 0.9, 0.8)
+    assert rank_scale((), 2) == (1.0, 1.0)
+
+
+def test_spread_is_each_process_over_the_median_slowest_first() -> None:
+    from benchmarks.host_micro import _spread
+
+    assert _spread([90.0, 110.0]) == pytest.approx((1.1, 0.9))
+    assert _spread([4.0, 1.0, 2.0, 3.0]) == pytest.approx((1.6, 1.2, 0.8, 0.4))
+
+
+def test_paired_summary_takes_each_passes_own_error() -> None:
+    # one case, three passes: measured 100 / 1000 / 1000, predicted 1000 / 1000 / 100 (the
+    # host's speed moved between the calls and the microbenchmarks of passes 1 and 3): the
+    # medians of each side (1000 / 1000) agree, the passes' own errors are +900, 0, -90 %
+    def side(v: float) -> dict:
+        return {"busy": v, "send": v, "wait": v}
+    passes = [{"measured_us": side(m), "predicted_us": side(p)}
+              for m, p in ((100.0, 1000.0), (1000.0, 1000.0), (1000.0, 100.0))]
+    row = {"ranks": 2, "engine": "bsp", "measured_us": side(1000.0),
+           "predicted_us": side(1000.0), "passes": passes}
+    assert grid_summary([row])["send"]["median_abs_error_pct"] == pytest.approx(0.0)
+    # the median over passes of +900, 0, -90 is 0; with pass 2 at 500 measured, +100
+    assert grid_summary([row], paired=True)["send"]["median_abs_error_pct"] == pytest.approx(0.0)
+    passes[1]["measured_us"] = side(500.0)
+    got = grid_summary([row], paired=True)["wait"]
+    assert got["median_abs_error_pct"] == pytest.approx(100.0) and got["n"] == 1

@@ -66,6 +66,33 @@ def test_a_cpu_per_rank_waits_only_for_the_peers_work() -> None:
     assert _by(spans, 1, "reorder") == [(280.0, 287.0)]
 
 
+def test_asp_receive_metadata_follows_the_sends_once_every_peer_is_set_up() -> None:
+    # WORKS with the receive's metadata (rank 0: 4, rank 1: 6), a CPU each: rank 0 waits for
+    # rank 1's readiness (10-20), sends 20-170, its metadata 170-174, then waits for rank 1's
+    # rows to it (sent 20-220): 174-220, places them 220-225; rank 1 sends 20-280, its
+    # metadata 280-286, places 286-293
+    works = [RankWork(10.0, (1, 0), (100.0, 50.0), 5.0, cumsum_ns=4.0),
+             RankWork(20.0, (0, 1), (200.0, 60.0), 7.0, cumsum_ns=6.0)]
+    spans = serialize(works, "asp", cpus=2)
+    assert _by(spans, 0, "cumsum") == [(170.0, 174.0)]
+    assert _by(spans, 0, "wait") == [(10.0, 20.0), (174.0, 220.0)]
+    assert _by(spans, 0, "reorder") == [(220.0, 225.0)]
+    assert _by(spans, 1, "cumsum") == [(280.0, 286.0)]
+    assert _by(spans, 1, "reorder") == [(286.0, 293.0)]
+    # the metadata needs every source's counts, published in its set-up: rank 0 sends only
+    # to itself (0-10 set-up, 10-60), then waits for rank 1's set-up (0-100) before its
+    # metadata (100-104); nobody sends it rows, so it places at once (104-109)
+    works = [RankWork(10.0, (0,), (50.0,), 5.0, cumsum_ns=4.0),
+             RankWork(100.0, (1,), (60.0,), 5.0, cumsum_ns=3.0)]
+    spans = serialize(works, "asp", cpus=2)
+    assert _by(spans, 0, "wait") == [(60.0, 100.0)]
+    assert _by(spans, 0, "cumsum") == [(100.0, 104.0)]
+    assert _by(spans, 0, "reorder") == [(104.0, 109.0)]
+    assert _by(spans, 1, "cumsum") == [(160.0, 163.0)]
+    # BSP has no such task (its metadata is in its reorder)
+    assert _by(serialize(works, "bsp", cpus=2), 0, "cumsum") == []
+
+
 def test_bsp_barrier_releases_a_flag_latency_after_the_last_arrival() -> None:
     spans = serialize(WORKS, "bsp", cpus=2, barrier_ns=3.0)
     # sends end at 170 (rank 0) and 280 (rank 1): the first barrier releases at 283; flags
@@ -160,6 +187,39 @@ def test_rank_works_are_each_ranks_own_rows() -> None:
     bsp = rank_works(HostCase(**{**case.__dict__, "engine": "bsp", "sync": "sw"}), idxs, costs,
                      init_ns=0.0, row_meta_ns=1.0)
     assert bsp[0].send_ns == (30.0, 6.0)  # no per-row bookkeeping outside ASP's send loop
+    # the receive's metadata: every rank reads every source's routing, 3 + 1 tokens at 2 ns:
+    # ASP's own task, BSP's part of the reorder
+    meta = rank_works(case, idxs, costs, init_ns=100.0, recv_meta_ns=2.0)
+    assert [w.cumsum_ns for w in meta] == [8.0, 8.0]
+    assert meta[0].reorder_ns == works[0].reorder_ns
+    bsp_meta = rank_works(HostCase(**{**case.__dict__, "engine": "bsp", "sync": "sw"}), idxs,
+                          costs, init_ns=0.0, recv_meta_ns=2.0)
+    assert [w.cumsum_ns for w in bsp_meta] == [0.0, 0.0]
+    assert [w.reorder_ns for w in bsp_meta] == [b.reorder_ns + 8.0 for b in bsp]
+    # a rank whose process runs the passes 1.5x slower, its peer 0.5x: every row cost of the
+    # rank scales (sends, receive, metadata), its set-up does not
+    scaled = rank_works(case, idxs, costs, init_ns=100.0, row_meta_ns=1.0, recv_meta_ns=2.0,
+                        rank_scale=(1.5, 0.5))
+    assert scaled[0] == RankWork(100.0, (1, 0), (49.5, 13.5), 1.5 * (3 * 0.5 + 3.0),
+                                 cumsum_ns=12.0)
+    assert scaled[1] == RankWork(100.0, (0, 1), (5.5, 1.5), 0.5 * (0.5 + 3 * 3.0),
+                                 cumsum_ns=4.0)
+    for bad in ((1.0,), (1.0, 0.0)):
+        with pytest.raises(InvalidArgumentError, match="rank_scale"):
+            rank_works(case, idxs, costs, init_ns=0.0, rank_scale=bad)
+
+
+def test_the_faster_rank_waits_for_the_slower_at_the_next_entry() -> None:
+    # ASP, a CPU each, rank 1 at half rank 0's row costs (rank_works' rank_scale 1 and 0.5).
+    # Call 1 from 0: rank 0 sends 10-110 (to 1), 110-160, places 160-165; rank 1 sends 10-60,
+    # 60-85, waits for rank 0's rows 85-110, places 110-112.5. Call 2 starts where each ended
+    # (rank 1 at 0, rank 0 52.5 later): rank 1 waits for rank 0's readiness 10-62.5 (the
+    # skew), sends 62.5-137.5, waits for rank 0's rows (sent 62.5-162.5) until 162.5
+    works = [RankWork(10.0, (1, 0), (100.0, 50.0), 5.0), RankWork(10.0, (0, 1), (50.0, 25.0), 2.5)]
+    spans = back_to_back(works, "asp", cpus=2, calls=2)
+    assert _by(spans, 0, "init") == [(52.5, 62.5)]
+    assert _by(spans, 1, "wait") == [(10.0, 62.5), (137.5, 162.5)]
+    assert _by(spans, 0, "wait") == []
 
 
 @pytest.mark.parametrize(("ranks", "layout"), [(2, "expert"), (2, "rank"), (4, "expert")])

@@ -287,7 +287,8 @@ def combine_terms(topk_idxs: Sequence[np.ndarray], case: HostCase) -> int:
 
 def predict_host(case: HostCase, topk_idxs: Sequence[np.ndarray], *, fixed_ns: float,
                  flag_oneway_ns: float, timer: KernelTimer, cpus: int,
-                 row_meta_ns: float = 0.0, cpu_share: float = 1.0) -> float:
+                 row_meta_ns: float = 0.0, cpu_share: float = 1.0,
+                 recv_meta_ns: float = 0.0) -> float:
     """The model's latency (ns) of one call of ``case`` on this host: its ranks' tasks
     (:func:`predict_host_tasks`) run on ``cpus`` CPUs until each must wait, and the call lasts
     as long as its slowest rank, from that rank's first task to the end of its last
@@ -296,7 +297,8 @@ def predict_host(case: HostCase, topk_idxs: Sequence[np.ndarray], *, fixed_ns: f
     return call_latency_ns(predict_host_tasks(case, topk_idxs, fixed_ns=fixed_ns,
                                               flag_oneway_ns=flag_oneway_ns, timer=timer,
                                               cpus=cpus, row_meta_ns=row_meta_ns,
-                                              cpu_share=cpu_share))
+                                              cpu_share=cpu_share,
+                                              recv_meta_ns=recv_meta_ns))
 
 
 def call_latency_ns(spans: Sequence[SchedSpan]) -> float:
@@ -311,16 +313,29 @@ def call_latency_ns(spans: Sequence[SchedSpan]) -> float:
 
 
 def rank_works(case: HostCase, topk_idxs: Sequence[np.ndarray], costs: RowCosts, *,
-               init_ns: float, row_meta_ns: float = 0.0) -> list[RankWork]:
+               init_ns: float, row_meta_ns: float = 0.0, recv_meta_ns: float = 0.0,
+               rank_scale: Sequence[float] | None = None) -> list[RankWork]:
     """Each rank's own work in one call (ns), from its own rows. A dispatch: ``init_ns`` (the call's
     fixed cost: in a loop of calls a rank's Python exit of one call and entry of the next run
     back to back on its CPU before its sends); per destination in canonical order, its rows
     times the row's send cost (own rows: hop 0) plus ``row_meta_ns`` a row (ASP's per-row
     bookkeeping, host_micro's ``rowmeta``: a row's position and unit logged, and with
-    tracing on its span recorded); its received rows times their consume cost. A combine:
-    ``init_ns``, then its reduction of the rows of its own tokens, no sends."""
+    tracing on its span recorded); its received rows times their consume cost; the receive's
+    metadata, ``recv_meta_ns`` per token of every source (itself included: dispatch.c reads
+    every source's routing record, checks it and writes the origin of each of its rows that
+    lands here, host_micro's ``recvmeta``), ASP's own ``cumsum`` task after its sends, BSP's
+    part of its reorder (dispatch_bsp.c fills the metadata of each source's rows as it copies
+    them out). A combine: ``init_ns``, then its reduction of the rows of its own tokens, no
+    sends. ``rank_scale``: each rank's row work (sends, receive, metadata; not its set-up)
+    times its factor: the same pass runs that much slower or faster in one process than in
+    another on this host (host_micro's processes, slowest first), and the faster rank of a
+    call waits for the slower one where it needs it."""
     if len(topk_idxs) != case.ranks:
         raise InvalidArgumentError("topk_idxs", len(topk_idxs), f"needs {case.ranks} arrays")
+    scale = [1.0] * case.ranks if rank_scale is None else [float(f) for f in rank_scale]
+    if len(scale) != case.ranks or not all(f > 0 for f in scale):
+        raise InvalidArgumentError("rank_scale", rank_scale,
+                                   f"needs {case.ranks} factors > 0")
     plans = canonical_plans(topk_idxs, case.num_experts, case.layout)
     R = len(plans)
     if case.op == "combine":
@@ -329,8 +344,11 @@ def rank_works(case: HostCase, topk_idxs: Sequence[np.ndarray], costs: RowCosts,
         # from the peers' segments (_row_costs: the reduce's ns per row reduced)
         per_row = float(costs.consume_ns[-1])
         return [RankWork(init_ns=float(init_ns), send_dst=(), send_ns=(),
-                         reorder_ns=float(p.send_token.size) * per_row) for p in plans]
+                         reorder_ns=float(p.send_token.size) * per_row * scale[p.rank])
+                for p in plans]
     meta = float(row_meta_ns) if case.engine == "asp" else 0.0
+    # every source's routing record is read by every rank, whatever lands there
+    cumsum = float(recv_meta_ns) * sum(int(np.asarray(i).shape[0]) for i in topk_idxs)
     recv = np.zeros((R, 2))  # [rank, hop]: rows received
     for p in plans:
         np.add.at(recv, (p.send_dst_rank, p.send_hop.clip(0, 1)), 1.0)
@@ -339,18 +357,25 @@ def rank_works(case: HostCase, topk_idxs: Sequence[np.ndarray], costs: RowCosts,
         rows_to = np.bincount(p.send_dst_rank, minlength=R)
         order = [(p.rank + 1 + i) % R for i in range(R)]
         dst = tuple(d for d in order if rows_to[d])
-        send = tuple(float(rows_to[d]) * (float(costs.per_hop("send_ns", np.array([int(
+        f = scale[p.rank]
+        send = tuple(f * float(rows_to[d]) * (float(costs.per_hop("send_ns", np.array([int(
             d != p.rank)]))[0]) + meta) for d in dst)
         consume = costs.per_hop("consume_ns", np.array([0, 1]))
-        out.append(RankWork(init_ns=float(init_ns), send_dst=dst, send_ns=send,
-                            reorder_ns=float(recv[p.rank] @ consume)))
+        reorder = f * float(recv[p.rank] @ consume)
+        if case.engine == "asp":
+            out.append(RankWork(init_ns=float(init_ns), send_dst=dst, send_ns=send,
+                                reorder_ns=reorder, cumsum_ns=f * cumsum))
+        else:
+            out.append(RankWork(init_ns=float(init_ns), send_dst=dst, send_ns=send,
+                                reorder_ns=reorder + f * cumsum))
     return out
 
 
 def predict_host_tasks(case: HostCase, topk_idxs: Sequence[np.ndarray], *, fixed_ns: float,
                        flag_oneway_ns: float, timer: KernelTimer, cpus: int,
                        row_meta_ns: float = 0.0, cpu_share: float = 1.0,
-                       calls: int = 1) -> list[SchedSpan]:
+                       calls: int = 1, recv_meta_ns: float = 0.0,
+                       rank_scale: Sequence[float] | None = None) -> list[SchedSpan]:
     """The model's spans of one call of ``case``: every rank's tasks timed from its own rows
     (:func:`rank_works`; ``timer`` gives a pass's own time, not shared: the sharing of CPUs is
     the schedule), run on ``cpus`` CPUs until each must wait
@@ -359,13 +384,16 @@ def predict_host_tasks(case: HostCase, topk_idxs: Sequence[np.ndarray], *, fixed
     processes take the rest). ``calls`` > 1: the last of that many calls back to back, each
     rank's call starting when it ended its last (:func:`ubep.sim.host_sched.back_to_back`:
     the ranks' skew at entry, from their unequal ends); 1: the ranks start together (after a
-    barrier, as bench_dispatch times them). A combine's ranks only wait for a CPU: each
+    barrier, as bench_dispatch times them). ``recv_meta_ns``: the receive's metadata per
+    token of a source; ``rank_scale``: each rank's factor on its row work
+    (:func:`rank_works`). A combine's ranks only wait for a CPU: each
     reduces as soon as it runs."""
     if calls < 1:
         raise InvalidArgumentError("calls", calls, "must be >= 1")
     costs, extra = _row_costs(case, timer, combine_terms(topk_idxs, case))
     works = rank_works(case, topk_idxs, costs, init_ns=fixed_ns + extra,
-                       row_meta_ns=row_meta_ns)
+                       row_meta_ns=row_meta_ns, recv_meta_ns=recv_meta_ns,
+                       rank_scale=rank_scale)
     engine = case.engine if case.op == "dispatch" else "asp"
     if calls > 1:
         return back_to_back(works, engine, cpus, barrier_ns=flag_oneway_ns, share=cpu_share,

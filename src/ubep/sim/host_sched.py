@@ -14,9 +14,11 @@ and a rank waits only for its peers' own work.
 
 The tasks of one call (docs/FORMATS.md, runtime/native/phases.c):
 
-* ASP: ``init`` (the call's set-up, which publishes this rank's readiness), then one ``send``
-  per destination in the canonical order ``r+1, ..., r`` (a peer's sends need its readiness),
-  then the receive: every peer's rows to this rank sent, then ``reorder`` (the rows' own work);
+* ASP: ``init`` (the call's set-up, which publishes this rank's readiness and its counts),
+  then one ``send`` per destination in the canonical order ``r+1, ..., r`` (a peer's sends
+  need its readiness), then ``cumsum`` (the receive's metadata from every source's counts and
+  routing: it needs every peer's set-up), then the receive: every peer's rows to this rank
+  sent, then ``reorder`` (the rows' own work);
 * BSP: ``init``, the ``send`` s (each needs the destination's readiness), a global barrier
   (every rank has sent; one flag latency after the last arrival), ``flag`` (counts and flags
   written, verified), a second barrier, then ``reorder``.
@@ -44,6 +46,9 @@ class RankWork:
         reorder_ns: the received rows' work once they are all in (ASP) or after the second
             barrier (BSP).
         flag_ns: BSP's counts and flags between its barriers.
+        cumsum_ns: ASP's receive metadata after its sends (dispatch.c ph_d_receive: every
+            source's counts and routing read, its rows' origin written), once every peer has
+            published them (its set-up); BSP's is part of its reorder.
     """
 
     init_ns: float
@@ -51,6 +56,7 @@ class RankWork:
     send_ns: tuple[float, ...]
     reorder_ns: float
     flag_ns: float = 0.0
+    cumsum_ns: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -123,6 +129,8 @@ class _Run:
         if self.engine == "bsp":
             out += [("barrier", 0.0, 0), ("flag", w.flag_ns, -1), ("barrier", 0.0, 1)]
         else:
+            if w.cumsum_ns > 0:
+                out.append(("cumsum", w.cumsum_ns, -1))
             out += [("recv", 0.0, -1)]
         out.append(("reorder", w.reorder_ns, -1))
         return out
@@ -135,6 +143,8 @@ class _Run:
                        if s != r and r in self.works[s].send_dst)
         if task == "barrier":
             return self.release[peer] is not None
+        if task == "cumsum":  # every source's counts and routing, published in its set-up
+            return all(self.ready)
         return True
 
 
