@@ -14,6 +14,7 @@ pytestmark = pytest.mark.torch
 
 from ubep.torch.deep_ep_v2_layout import (  # noqa: E402
     expanded_slots,
+    masked_weights,
     received,
     reduce_at_source,
     source_route,
@@ -119,3 +120,29 @@ def test_reduce_at_source_bitwise(num_bias: int, seed: int) -> None:
     # slot without a row makes it +0.0 (without bias the sum starts at +0.0)
     assert bool((want[0].view(torch.int16) == (-32768 if num_bias else 0)).all())
     assert bool((want[2].view(torch.int16) == 0).all())
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_masked_weights_keep_routed_weights_bit_for_bit_and_refuse_ids_out_of_range(
+        seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    E, T, K = 16, 9, 4
+    idx = rng.integers(-1, E, size=(T, K))
+    w = rng.standard_normal((T, K)).astype(np.float32)
+    w[0, :] = [-0.0, np.nan, np.inf, -np.inf]
+    idx[0, :] = [1, 2, 3, 4]
+    want = np.zeros((T, K), np.float32)
+    for t in range(T):  # the brute force
+        for k in range(K):
+            if idx[t, k] >= 0:
+                want[t, k] = w[t, k]
+    for i, ws in ((idx, w), (np.asfortranarray(idx), w)):  # native, then numpy's way
+        got = masked_weights(i, ws, E)
+        assert got is not None and np.array_equal(got.view(np.uint32), want.view(np.uint32))
+        zeros = masked_weights(i, None, E)
+        assert zeros is not None and not zeros.view(np.uint32).any()
+    for bad in (-2, E):
+        wrong = idx.copy()
+        wrong[T - 1, K - 1] = bad
+        assert masked_weights(wrong, w, E) is None
+        assert masked_weights(np.asfortranarray(wrong), w, E) is None

@@ -32,6 +32,7 @@ from .deep_ep_types import EventHandle, EventOverlap
 from .deep_ep_v2_layout import (
     Received,
     SourceRoute,
+    masked_weights,
     received,
     reduce_at_source,
     reduce_local,
@@ -326,18 +327,18 @@ class V2Path:
                 "topk_idx", f"{tuple(topk.shape)} {topk.dtype}",
                 f"must be [num_tokens={num_tokens}, num_topk] deep_ep.topk_idx_t (torch.int64)")
         idx = np.ascontiguousarray(to_numpy(topk, argument="topk_idx"), dtype=np.int64)
-        if idx.size and (idx.min() < -1 or idx.max() >= num_experts):
-            raise InvalidArgumentError("topk_idx", "out of range",
-                                       f"entries must be -1 or in [0, num_experts={num_experts})")
-        weights = np.zeros(idx.shape, dtype=np.float32)
+        w_np = None
         if topk_weights is not None:
             w = _tensor(topk_weights, "topk_weights", 2)
             if w.dtype != torch.float32 or tuple(w.shape) != idx.shape:
                 raise InvalidArgumentError(
                     "topk_weights", f"{tuple(w.shape)} {w.dtype}",
                     f"must be {idx.shape} torch.float32 like topk_idx")
-            weights = np.where(idx >= 0, to_numpy(w, argument="topk_weights"), 0.0).astype(
-                np.float32)
+            w_np = to_numpy(w, argument="topk_weights")
+        weights = masked_weights(idx, w_np, num_experts)  # and the ids' range, in one pass
+        if weights is None:
+            raise InvalidArgumentError("topk_idx", "out of range",
+                                       f"entries must be -1 or in [0, num_experts={num_experts})")
         if stats is not None:
             s = _tensor(stats, "cumulative_local_expert_recv_stats", 1)
             if s.dtype != torch.int32 or s.shape[0] != num_experts // self.num_ranks:

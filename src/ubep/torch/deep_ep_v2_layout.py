@@ -31,8 +31,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..runtime.abi import native_or_none
+
 __all__ = [
-    "Received", "SourceRoute", "align", "expanded_slots", "received", "reduce_at_source",
+    "Received", "SourceRoute", "align", "expanded_slots", "masked_weights", "received",
+    "reduce_at_source",
     "reduce_local", "source_route", "worst_case_rows",
 ]
 
@@ -96,6 +99,15 @@ def received(src_rank: np.ndarray, src_token: np.ndarray, local_idx: np.ndarray,
     token = np.array(src_token, dtype=np.int64)
     idx = np.array(local_idx, dtype=np.int64).reshape(rank.shape[0], num_topk)
     n = rank.shape[0]
+    native = native_or_none()
+    if native is not None:  # the counts and the order check in one pass
+        counts = np.empty(num_local_experts, dtype=np.int64)
+        aligned, start = np.empty_like(counts), np.empty_like(counts)
+        per_rank = np.empty(num_ranks, dtype=np.int64)
+        if native.received_counts(rank, token, idx, num_ranks, num_local_experts,
+                                  expert_alignment, counts, aligned, start, per_rank):
+            return Received(np.arange(n), rank, token, idx, counts, aligned, start, per_rank,
+                            True)
     # the engines land each source's rows in a block of its own, sources ascending, tokens
     # ascending inside: already the receive order (one compare of the (rank, token) keys
     # instead of a sort and three gathers), else sorted
@@ -161,6 +173,23 @@ class SourceRoute:
     @functools.cached_property
     def tokens_to(self) -> list[np.ndarray]:
         return [np.nonzero((self.owner == r).any(axis=1))[0] for r in range(self.num_ranks)]
+
+
+def masked_weights(topk_idx: np.ndarray, topk_weights: np.ndarray | None,
+                   num_experts: int) -> np.ndarray | None:
+    """A dispatch's float32 weights: ``topk_weights`` where the slot is routed, 0.0 where it is
+    masked (-1), zeros without weights; None if an id is neither -1 nor in ``[0,
+    num_experts)``. One native pass where the build has it (``topk_idx`` int64 C order)."""
+    native = native_or_none()
+    out = np.empty(topk_idx.shape, dtype=np.float32)
+    if native is not None and topk_idx.dtype == np.int64 and topk_idx.flags.c_contiguous and (
+            topk_weights is None or (topk_weights.dtype == np.float32
+                                     and topk_weights.flags.c_contiguous)):
+        return out if native.masked_weights(topk_idx, topk_weights, num_experts, out) else None
+    if topk_idx.size and (topk_idx.min() < -1 or topk_idx.max() >= num_experts):
+        return None
+    out[...] = 0.0 if topk_weights is None else np.where(topk_idx >= 0, topk_weights, 0.0)
+    return out
 
 
 def source_route(topk_idx: np.ndarray, num_experts: int, num_ranks: int) -> SourceRoute:

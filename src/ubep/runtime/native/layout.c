@@ -1,8 +1,8 @@
-/* DeepEP's get_dispatch_layout in one pass over topk_idx: the checks of
- * ubep.routing.validate_topk_idx (ids in [-1, num_experts), no expert twice in a row) and the
- * three counts, for the torch facade's decode step, where numpy's dozen small operations cost
- * more than the dispatch itself. ubep.routing.get_dispatch_layout is the oracle its test holds it
- * to. */
+/* The DeepEP facades' decode-step passes, each one pass over a few hundred ids where numpy's
+ * dozen small operations cost more than the dispatch itself: get_dispatch_layout (the checks
+ * of ubep.routing.validate_topk_idx and the three counts), a combine's received weights summed
+ * at home, a low-latency combine's dropped slots, and V2's receive counts. Each has the numpy
+ * computation it replaces as the oracle of its test. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -134,5 +134,93 @@ PyObject *mod_any_negative(PyObject *self, PyObject *arg) {
     res = Py_NewRef(neg ? Py_True : Py_False);
 done:
     rel_bufs(b, 1);
+    return res;
+}
+
+/* received_counts(rank_i64, token_i64, local_idx_i64 [n, K], num_ranks, num_local,
+ * alignment, counts_i64, aligned_i64, start_i64, rows_per_rank_i64) -> whether the rows are in
+ * the receive order ((rank, token) strictly ascending: how the engines land a rank-layout
+ * dispatch), with DeepEP V2's counts of them: (row, slot) pairs per local expert, those
+ * rounded up to the alignment, each expert's first expanded row, and rows per source rank
+ * (ubep.torch.deep_ep_v2_layout.received's numpy is the oracle its test holds it to). */
+PyObject *mod_received_counts(PyObject *self, PyObject *args) {
+    PyObject *o[7];
+    long long R, L, A;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOOLLLOOOO", &o[0], &o[1], &o[2], &R, &L, &A, &o[3], &o[4],
+                          &o[5], &o[6]))
+        return NULL;
+    if (R < 1 || L < 0 || A < 1) {
+        PyErr_SetString(PyExc_ValueError, "received_counts: bad num_ranks, num_local or alignment");
+        return NULL;
+    }
+    pbuf_t b[7];
+    memset(b, 0, sizeof b);
+    PyObject *res = NULL;
+    if (get_buf(o[0], &b[0], 0, "rank", 0)) goto done;
+    const Py_ssize_t n = b[0].b.len / 8;
+    if (get_buf(o[1], &b[1], 0, "token", n * 8) || get_buf(o[2], &b[2], 0, "local_idx", 0) ||
+        get_buf(o[3], &b[3], 1, "counts", L * 8) || get_buf(o[4], &b[4], 1, "aligned", L * 8) ||
+        get_buf(o[5], &b[5], 1, "start", L * 8) || get_buf(o[6], &b[6], 1, "rows_per_rank", R * 8))
+        goto done;
+    const int64_t *rank = b[0].b.buf, *token = b[1].b.buf, *idx = b[2].b.buf;
+    const Py_ssize_t nk = b[2].b.len / 8;
+    int64_t *counts = b[3].b.buf, *aligned = b[4].b.buf, *start = b[5].b.buf,
+            *per_rank = b[6].b.buf;
+    memset(counts, 0, (size_t)L * 8);
+    memset(per_rank, 0, (size_t)R * 8);
+    int in_order = 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (rank[i] < 0 || rank[i] >= R) {
+            PyErr_SetString(PyExc_ValueError, "received_counts: a source rank out of range");
+            goto done;
+        }
+        per_rank[rank[i]]++;
+        if (i && (rank[i] < rank[i - 1] || (rank[i] == rank[i - 1] && token[i] <= token[i - 1])))
+            in_order = 0;
+    }
+    for (Py_ssize_t i = 0; i < nk; i++)
+        if (idx[i] >= 0 && idx[i] < L) counts[idx[i]]++;
+    int64_t at = 0;
+    for (long long e = 0; e < L; e++) {
+        aligned[e] = (counts[e] + A - 1) / A * A;
+        start[e] = at;
+        at += aligned[e];
+    }
+    res = Py_NewRef(in_order ? Py_True : Py_False);
+done:
+    rel_bufs(b, 7);
+    return res;
+}
+
+/* masked_weights(idx_i64, w_f32 or None, num_experts, out_f32) -> whether every id is -1 or in
+ * [0, num_experts) (out then holds w where the slot is routed, 0.0 where it is masked: V2's
+ * dispatch weights; out undefined otherwise): numpy's min, max, where and cast in one pass. */
+PyObject *mod_masked_weights(PyObject *self, PyObject *args) {
+    PyObject *oi, *ow, *oo;
+    long long E;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOLO", &oi, &ow, &E, &oo)) return NULL;
+    pbuf_t b[3];
+    memset(b, 0, sizeof b);
+    PyObject *res = NULL;
+    if (get_buf(oi, &b[0], 0, "idx", 0)) goto done;
+    const Py_ssize_t n = b[0].b.len / 8;
+    if (b[0].b.itemsize != 8 || (ow != Py_None && get_buf(ow, &b[1], 0, "w", n * 4)) ||
+        get_buf(oo, &b[2], 1, "out", n * 4)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "idx must be int64");
+        goto done;
+    }
+    const int64_t *idx = b[0].b.buf;
+    const float *w = ow != Py_None ? b[1].b.buf : NULL;
+    float *out = b[2].b.buf;
+    int ok = 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        ok &= idx[i] >= -1 && idx[i] < E;
+        out[i] = w && idx[i] >= 0 ? w[i] : 0.0f;
+    }
+    res = Py_NewRef(ok ? Py_True : Py_False);
+done:
+    rel_bufs(b, 3);
     return res;
 }

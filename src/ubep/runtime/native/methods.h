@@ -34,6 +34,8 @@ PyObject *engine_trace_spans(engine_t *g, PyObject *noargs);
 PyObject *mod_dispatch_layout(PyObject *self, PyObject *args);
 PyObject *mod_own_weights_sum(PyObject *self, PyObject *args);
 PyObject *mod_any_negative(PyObject *self, PyObject *arg);
+PyObject *mod_received_counts(PyObject *self, PyObject *args);
+PyObject *mod_masked_weights(PyObject *self, PyObject *args);
 
 /* module.c: the type, and the keys of its parameter table (in order) */
 extern PyTypeObject EngineType;
