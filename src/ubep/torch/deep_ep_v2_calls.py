@@ -59,7 +59,7 @@ class _Back(NamedTuple):
     backend: Any  # the facade's backend of that Buffer
     inner: Any  # the dispatch's ubep handle
     width: int  # the Buffer's row: bytes of a dispatched row, BF16 values of a combined one
-    most_received: int  # the rows the busiest rank received (every rank's same)
+    sent: np.ndarray  # [source, destination] rows of the dispatch (every rank's same)
 
 
 class _Route(NamedTuple):
@@ -380,20 +380,12 @@ class V2Path:
         A, T_max = args.expert_alignment, args.num_max_tokens_per_rank
         rec = received(res.recv_src_rank, res.recv_src_token, res.recv_topk_idx, R, L, K, A)
         n = rec.num_rows
-        # the engine's rows as they landed (views, no copy): the outputs gather them through
-        # rec.order into tensors of their own
-        raw = from_numpy(np.asarray(res.recv_x)).reshape(n, args.payload.shape[1])
-        x_bytes = args.x.shape[1] * args.x.element_size()
-        rows = _as(raw[:, :x_bytes], args.x.dtype)
-        sf_rows = None if args.sf is None else _as(raw[:, x_bytes:], args.sf.dtype)
-        w = from_numpy(np.asarray(res.recv_topk_weights, dtype=np.float32)).reshape(n, K)
-        worst, worst_expanded = worst_case_rows(R, T_max, K, L, A)
         if handle is not None:
             n_out, expanded_rows = handle.num_recv_tokens, handle.num_expanded_tokens
         elif args.do_cpu_sync:
             n_out, expanded_rows = n, int(rec.aligned.sum())
         else:
-            n_out, expanded_rows = worst, worst_expanded
+            n_out, expanded_rows = worst_case_rows(R, T_max, K, L, A)
         if stats is not None:
             stats += torch.from_numpy(rec.counts.astype(np.int32))
         out_rows = expanded_rows if args.do_expand else n_out
@@ -402,17 +394,29 @@ class V2Path:
         def selection() -> np.ndarray:  # source row of each output row
             return self._row_selection(rec, args.do_expand, out_rows)
 
-        if in_order and not args.do_expand and out_rows == n and sf_rows is None:
-            # the engine's rows are the outputs as they lie (the receive order, no padding):
-            # owned copies of them (local_idx is the record's own: the handle keeps it)
-            recv_x, recv_topk_idx = rows.clone(), torch.from_numpy(rec.local_idx.copy())
-            recv_topk_weights = w.clone() if args.with_weights else None
+        x_bytes = args.x.shape[1] * args.x.element_size()
+        if (in_order and not args.do_expand and out_rows == n and args.sf is None
+                and x_bytes == args.payload.shape[1]):
+            # the engine's rows are the outputs as they lie (the receive order, no padding,
+            # no scales): owned copies of them (local_idx is the record's own: the handle
+            # keeps it)
+            recv_x: Any = torch.from_numpy(np.array(res.recv_x).reshape(n, x_bytes)).view(
+                args.x.dtype)
+            recv_topk_idx = torch.from_numpy(rec.local_idx.copy())
+            recv_topk_weights = torch.from_numpy(np.array(
+                res.recv_topk_weights, dtype=np.float32).reshape(n, K)) if (
+                    args.with_weights) else None
         else:
+            # the engine's rows as they landed (views, no copy): the outputs gather them
+            # through rec.order into tensors of their own
+            raw = from_numpy(np.asarray(res.recv_x)).reshape(n, args.payload.shape[1])
+            rows = _as(raw[:, :x_bytes], args.x.dtype)
+            sf_rows = None if args.sf is None else _as(raw[:, x_bytes:], args.sf.dtype)
+            w = from_numpy(np.asarray(res.recv_topk_weights, dtype=np.float32)).reshape(n, K)
             recv_x, recv_topk_idx, recv_topk_weights = self._recv_tensors(
                 args, rec, selection(), (rows, sf_rows, w), col_major_sf)
         if handle is None:
-            back = _Back(backend, res.handle, int(args.payload.shape[1]),
-                         int(sent.sum(axis=0).max(initial=0)))
+            back = _Back(backend, res.handle, int(args.payload.shape[1]), sent)
             handle = self._new_handle(args, rec, sent, n_out, expanded_rows, num_sms,
                                       emit_expert_ids, selection, back, in_order)
         elif handle.num_valid_recv_tokens != n:  # the same routing moves the same rows
@@ -727,7 +731,7 @@ class V2Path:
         in_rank = np.stack([(src.owner == r).any(axis=1) for r in range(R)], axis=1)
         return cast(torch.Tensor, self.core.backends.weights_back(
             route.back.backend, values, rec.rows_per_rank, in_rank,
-            route.back.most_received, R * handle.num_max_tokens_per_rank))
+            int(route.back.sent.sum(axis=0).max(initial=0)), R * handle.num_max_tokens_per_rank))
 
     # ------------------------------------------------------------------ shared
     def _check_handle(self, handle: Any) -> None:
