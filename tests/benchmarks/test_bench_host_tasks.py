@@ -3,6 +3,8 @@ passes over the grid combine (computed by hand; nothing timed)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 # benchmarks/ is a top-level folder, not an installed package (see test_peers.py)
@@ -107,19 +109,22 @@ def test_grid_timer_prices_sends_a_slot_apart_as_the_runtime(engine: str, sync: 
     assert "gap_us" not in other and "positions" not in other
 
 
-def test_host_micro_refuses_an_unknown_destination_state(tmp_path) -> None:
+def _host_micro(tmp_path: Any, args: list[str], **env: str) -> Any:
+    """host_micro (built into ``tmp_path``) run with ``args`` and ``env`` added."""
     import os
     import subprocess
 
     from benchmarks.host_micro import build
 
-    binary = build(str(tmp_path))
-    args = [str(binary), "copy", "-", "256", "4", "1", "5", "1", "1", "0"]
-    bad = subprocess.run(args, capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "HOST_MICRO_DST": "lukewarm"})
+    return subprocess.run([str(build(str(tmp_path))), *args], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, **env})
+
+
+def test_host_micro_refuses_an_unknown_destination_state(tmp_path) -> None:
+    args = ["copy", "-", "256", "4", "1", "5", "1", "1", "0"]
+    bad = _host_micro(tmp_path, args, HOST_MICRO_DST="lukewarm")
     assert bad.returncode == 2 and "HOST_MICRO_DST" in bad.stderr
-    ok = subprocess.run(args, capture_output=True, text=True, timeout=60,
-                        env={**os.environ, "HOST_MICRO_DST": "evict"})
+    ok = _host_micro(tmp_path, args, HOST_MICRO_DST="evict")
     assert ok.returncode == 0, ok.stderr
     assert int(ok.stdout.split()[5]) > 0  # the writer's own time
 
@@ -145,19 +150,11 @@ def test_fixed_cost_is_a_ranks_own_set_up(cpus: int, share: float) -> None:
 
 
 def test_host_micro_receive_metadata_is_per_token_of_a_source(tmp_path) -> None:
-    import os
-    import subprocess
-
-    from benchmarks.host_micro import build
-
-    binary = build(str(tmp_path))
-    args = [str(binary), "route", "recvmeta", "256", "16", "2", "5", "8", "1", "0"]
-    bad = subprocess.run(args, capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "HOST_MICRO_LOCAL": "65"})
+    args = ["route", "recvmeta", "256", "16", "2", "5", "8", "1", "0"]
+    bad = _host_micro(tmp_path, args, HOST_MICRO_LOCAL="65")
     assert bad.returncode == 2 and "HOST_MICRO_LOCAL" in bad.stderr
     for kernel in ("recvmeta", "recvmeta_rank"):
-        ok = subprocess.run([*args[:2], kernel, *args[3:]], capture_output=True, text=True,
-                            timeout=60, env={**os.environ, "HOST_MICRO_LOCAL": "16"})
+        ok = _host_micro(tmp_path, [args[0], kernel, *args[2:]], HOST_MICRO_LOCAL="16")
         assert ok.returncode == 0, ok.stderr
         line = ok.stdout.split("\n")[0].split()
         # the reader's own time (7th number) over the source's 16 tokens (8th)

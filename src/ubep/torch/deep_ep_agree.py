@@ -374,9 +374,12 @@ def own_weights_sum(topk_idx: np.ndarray, topk_weights: np.ndarray) -> np.ndarra
             and topk_idx.shape == topk_weights.shape and topk_idx.flags.c_contiguous
             and topk_weights.flags.c_contiguous):
         out = np.empty(topk_weights.shape, dtype=np.float32)
-        native.own_weights_sum(topk_idx, topk_weights, out)
+        native.masked_weights(topk_idx, topk_weights, _NO_BOUND, out, True)  # ids: the handle's
         return out
     return own_weights_sum_numpy(topk_idx, topk_weights)
+
+
+_NO_BOUND = 1 << 62  # own_weights_sum's ids were checked by their dispatch
 
 
 def own_weights_sum_numpy(topk_idx: np.ndarray, topk_weights: np.ndarray) -> np.ndarray:

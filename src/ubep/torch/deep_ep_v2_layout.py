@@ -185,7 +185,8 @@ def masked_weights(topk_idx: np.ndarray, topk_weights: np.ndarray | None,
     if native is not None and topk_idx.dtype == np.int64 and topk_idx.flags.c_contiguous and (
             topk_weights is None or (topk_weights.dtype == np.float32
                                      and topk_weights.flags.c_contiguous)):
-        return out if native.masked_weights(topk_idx, topk_weights, num_experts, out) else None
+        return out if native.masked_weights(topk_idx, topk_weights, num_experts, out,
+                                            False) else None
     if topk_idx.size and (topk_idx.min() < -1 or topk_idx.max() >= num_experts):
         return None
     out[...] = 0.0 if topk_weights is None else np.where(topk_idx >= 0, topk_weights, 0.0)

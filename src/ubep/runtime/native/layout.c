@@ -81,39 +81,6 @@ done:
     return res;
 }
 
-/* own_weights_sum(idx_i64, w_f32, out_f32): what a source's normal-mode combine sums of its
- * tokens' weights when every rank hands back the weights its dispatch received
- * (ubep.torch.deep_ep_agree.own_weights_sum, the oracle its test holds it to): w + 0.0f where
- * the slot is routed (-0.0 becomes +0.0, as the sum of w and the other ranks' zeros does), 0.0f
- * where it is masked. One pass: numpy's where, add and cast cost a decode step's combine more
- * than its rows. */
-PyObject *mod_own_weights_sum(PyObject *self, PyObject *args) {
-    PyObject *oi, *ow, *oo;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "OOO", &oi, &ow, &oo)) return NULL;
-    pbuf_t b[3];
-    memset(b, 0, sizeof b);
-    PyObject *res = NULL;
-    if (get_buf(oi, &b[0], 0, "idx", 0)) goto done;
-    const Py_ssize_t n = b[0].b.len / 8;
-    if (b[0].b.itemsize != 8 || get_buf(ow, &b[1], 0, "w", n * 4) ||
-        get_buf(oo, &b[2], 1, "out", n * 4)) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "idx must be int64");
-        goto done;
-    }
-    const int64_t *idx = b[0].b.buf;
-    const float *w = b[1].b.buf;
-    float *out = b[2].b.buf;
-    /* volatile zero: the add must happen (it is what turns -0.0 into +0.0) */
-    volatile float zero = 0.0f;
-    const float z = zero;
-    for (Py_ssize_t i = 0; i < n; i++) out[i] = idx[i] >= 0 ? w[i] + z : 0.0f;
-    res = Py_NewRef(Py_None);
-done:
-    rel_bufs(b, 3);
-    return res;
-}
-
 /* any_negative(idx_i64) -> whether an id is negative: a low-latency combine's topk_idx, where
  * the caller may set a slot to -1 to drop it, is scanned once (numpy's compare and any cost a
  * decode step's combine more than its scan). */
@@ -193,14 +160,19 @@ done:
     return res;
 }
 
-/* masked_weights(idx_i64, w_f32 or None, num_experts, out_f32) -> whether every id is -1 or in
- * [0, num_experts) (out then holds w where the slot is routed, 0.0 where it is masked: V2's
- * dispatch weights; out undefined otherwise): numpy's min, max, where and cast in one pass. */
+/* masked_weights(idx_i64, w_f32 or None, num_experts, out_f32, plus_zero) -> whether every id
+ * is -1 or in [0, num_experts); out holds w where the slot is routed (w + 0.0f with plus_zero:
+ * -0.0 becomes +0.0), 0.0 where it is masked (undefined where an id is out of range). V2's
+ * dispatch weights (numpy's min, max, where and cast in one pass), and what a source's
+ * normal-mode combine sums of its tokens' weights when every rank hands back the weights its
+ * dispatch received (plus_zero: the sum of w and the other ranks' zeros;
+ * ubep.torch.deep_ep_agree.own_weights_sum). */
 PyObject *mod_masked_weights(PyObject *self, PyObject *args) {
     PyObject *oi, *ow, *oo;
     long long E;
+    int plus_zero;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OOLO", &oi, &ow, &E, &oo)) return NULL;
+    if (!PyArg_ParseTuple(args, "OOLOp", &oi, &ow, &E, &oo, &plus_zero)) return NULL;
     pbuf_t b[3];
     memset(b, 0, sizeof b);
     PyObject *res = NULL;
@@ -214,10 +186,14 @@ PyObject *mod_masked_weights(PyObject *self, PyObject *args) {
     const int64_t *idx = b[0].b.buf;
     const float *w = ow != Py_None ? b[1].b.buf : NULL;
     float *out = b[2].b.buf;
+    /* volatile zero: the add must happen (it is what turns -0.0 into +0.0) */
+    volatile float zero = 0.0f;
+    const float z = zero;
     int ok = 1;
     for (Py_ssize_t i = 0; i < n; i++) {
         ok &= idx[i] >= -1 && idx[i] < E;
-        out[i] = w && idx[i] >= 0 ? w[i] : 0.0f;
+        const float v = w && idx[i] >= 0 ? w[i] : 0.0f;
+        out[i] = plus_zero ? v + z : v;
     }
     res = Py_NewRef(ok ? Py_True : Py_False);
 done:

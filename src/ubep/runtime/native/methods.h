@@ -32,7 +32,6 @@ PyObject *engine_trace_spans(engine_t *g, PyObject *noargs);
 
 /* layout.c, a module function: DeepEP's get_dispatch_layout, checked, in one pass */
 PyObject *mod_dispatch_layout(PyObject *self, PyObject *args);
-PyObject *mod_own_weights_sum(PyObject *self, PyObject *args);
 PyObject *mod_any_negative(PyObject *self, PyObject *arg);
 PyObject *mod_received_counts(PyObject *self, PyObject *args);
 PyObject *mod_masked_weights(PyObject *self, PyObject *args);
