@@ -401,7 +401,7 @@ class V2Path:
             # no scales): owned copies of them (local_idx is the record's own: the handle
             # keeps it)
             recv_x: Any = torch.from_numpy(np.array(res.recv_x).reshape(n, x_bytes)).view(
-                args.x.dtype)
+                args.x.dtype) if n else args.x.new_empty((0, args.x.shape[1]))  # (no view of 0)
             recv_topk_idx = torch.from_numpy(rec.local_idx.copy())
             recv_topk_weights = torch.from_numpy(np.array(
                 res.recv_topk_weights, dtype=np.float32).reshape(n, K)) if (
@@ -583,7 +583,7 @@ class V2Path:
         for i in range(plan.num_calls):  # the last call's receive half may be deferred
             backend = self._combine_on(handle)
             stage = self._stage(backend, route)
-            self._fill(from_numpy(stage, torch.bfloat16), i, x, own, route, plan)
+            self._fill(stage, i, x, own, route, plan)
             calls.append(issue_combine(backend, stage, route.back.inner,
                                        split=defer_epilogue and i == plan.num_calls - 1))
 
@@ -644,36 +644,38 @@ class V2Path:
                                            f"must be [{num_tokens}, {hidden}] {x.dtype}")
         return tuple(biases)
 
-    def _fill(self, out: torch.Tensor, call: int, x: torch.Tensor, rows: torch.Tensor | None,
+    def _fill(self, out: np.ndarray, call: int, x: torch.Tensor, rows: torch.Tensor | None,
               route: _Route, plan: _BackPlan) -> None:
-        """Write combine call ``call``'s rows into ``out`` (``[received rows, width]`` BF16, row
-        ``i`` answering the engine's row ``i``; zeros outside the blocks): ``rows`` (one per
+        """Write combine call ``call``'s rows into ``out`` (``[received rows, width]`` BF16 bits,
+        row ``i`` answering the engine's row ``i``; zeros outside the blocks): ``rows`` (one per
         (token, rank), the receive order) or, per slot, ``x``'s expanded rows. Filled in the
         receive order, where each source rank's rows are one slice (copies of slices, no
-        scatter), then put in the engine's order where that differs."""
+        scatter), then put in the engine's order where that differs; in numpy, over the bits
+        (a decode step's few slices cost less there than as tensors)."""
         rec, H, G = route.rec, route.hidden, plan.per_call
         me, R, first = self.rank_idx, self.num_ranks, route.first
-        dst = out if route.in_order else torch.empty_like(out)
-        dst[:, G * H:].zero_()  # an FP8 row's scale bytes: no block
+        dst = out if route.in_order else np.empty_like(out)
+        dst[:, G * H:] = 0  # an FP8 row's scale bytes: no block
+        own = None if rows is None else to_numpy(rows)
+        expanded = to_numpy(x) if plan.per_slot else None
         for g in range(G):
             b, block = call * G + g, dst[:, g * H: (g + 1) * H]
             if b >= plan.num_blocks:  # the last call's spare blocks
-                block.zero_()
+                block[...] = 0
             elif plan.per_slot:  # slot b's expanded row of every received row that has one
-                block.zero_()
+                block[...] = 0
                 row = np.nonzero(rec.slots[:, b] >= 0)[0]
-                block.index_copy_(0, torch.from_numpy(row),
-                                  x.index_select(0, torch.from_numpy(rec.slots[row, b])))
+                block[row] = cast(np.ndarray, expanded)[rec.slots[row, b]]
             elif plan.sum_block and b == 0:  # every row: the core sums them
-                block.copy_(cast(torch.Tensor, rows))
+                block[...] = own
             else:  # the rows of one source rank s (never this rank: its own rows stay here)
                 s = (me - 1 - (b - int(plan.sum_block))) % R
                 lo, hi = first[s], first[s + 1]
-                block[:lo].zero_()
-                block[lo:hi].copy_(cast(torch.Tensor, rows)[lo:hi])
-                block[hi:].zero_()
+                block[:lo] = 0
+                block[lo:hi] = cast(np.ndarray, own)[lo:hi]
+                block[hi:] = 0
         if dst is not out:
-            out.index_copy_(0, torch.from_numpy(rec.order), dst)
+            out[rec.order] = dst
 
     @staticmethod
     def _stage(backend: Any, route: _Route) -> np.ndarray:
