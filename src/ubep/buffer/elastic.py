@@ -367,7 +367,7 @@ class MaskingBuffer:
         self.close()
 
     def __getattr__(self, name: str) -> Any:  # layout, num_cores, ...: the current Buffer's
-        if name.startswith("__") or name == "_inner":
+        if name.startswith("_"):  # its private state stays its own
             raise AttributeError(name)
         return getattr(self._inner, name)
 

@@ -88,7 +88,7 @@ def decode(packed: bytes, counts: tuple[int, ...], rank: int) -> tuple[list[Span
 
 
 def _label(buffer: Any) -> str:
-    cfg = buffer._cfg
+    cfg = buffer.config
     with _lock:
         name = _names.get(buffer)
     return f"{cfg.engine}/{cfg.sync}" if name is None else f"{name} ({cfg.engine}/{cfg.sync})"
@@ -165,9 +165,9 @@ def _place(buffer: Any) -> _Place:
 
 def _enable(buffer: Any, capacity: int) -> None:
     if not buffer.engine.trace_enable(capacity):  # records no spans: traced by nothing
-        if buffer._cfg.trace:
+        if buffer.config.trace:
             raise InvalidArgumentError("trace", True, f"the engine of transport "
-                                       f"{buffer._cfg.transport!r} records no task spans")
+                                       f"{buffer.config.transport!r} records no task spans")
         return
     buffer._trace_capacity = capacity
 
@@ -187,7 +187,7 @@ def attach(buffer: Any) -> None:
     """A Buffer was set up (``Buffer._setup``): it traces if its config or a recorder says so."""
     with _lock:
         _buffers.add(buffer)
-        on = bool(_recorders) or buffer._cfg.trace
+        on = bool(_recorders) or buffer.config.trace
     if on:
         _enable(buffer, max([DEFAULT_CAPACITY] + [r.capacity for r in _recorders]))
 
@@ -256,7 +256,7 @@ def record(path: str | Path, *, capacity: int = DEFAULT_CAPACITY,
         for b in live:
             if getattr(b, "_trace_capacity", 0):
                 _take(b, [rec])
-                if not (others or b._cfg.trace):  # traced for this block only: off again
+                if not (others or b.config.trace):  # traced for this block only: off again
                     b.engine.trace_enable(0)
                     b._trace_capacity = 0
         _write(rec, merge_timeout_s)
