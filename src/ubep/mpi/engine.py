@@ -88,7 +88,7 @@ from .protocol import (
     _OpError,
     record_check,
 )
-from .rows import RoutingError, Units, empty_slots, route, rows_of, runs_of
+from .rows import RoutingError, Units, empty_slots, route, rows_of, runs_of, take_runs
 from .syncs import SYNC_ROWS, rows_checksum
 from .watchdog import WedgedError
 
@@ -567,6 +567,7 @@ class RmaEngine:
         hosts = self.hosts
         if hosts is not None:  # other hosts first: their rows take longest to arrive
             hosts.send(op, x, [u[0] for u in units.to])
+        xraw = x.view(np.uint8).reshape(x.shape[0], self.row_bytes)
         for i in range(self.R):
             d = (self.rank + 1 + i) % self.R
             n = int(units.rows_to[d])
@@ -577,12 +578,35 @@ class RmaEngine:
             self._record_dst(o_dst, u, d, pos)
             if hosts is not None and hosts.remote(d):
                 continue  # went with its host's tokens
-            payload = rows_of(x, u[0], self.row_bytes)
-            if d == self.rank:
-                out_rows[pos] = payload  # own rows: straight to recv_x
+            if d == self.rank:  # own rows: gathered straight into recv_x
+                take_runs(xraw, u[0], runs_of(pos), out_rows)
+            elif self._stores_rows(d):
+                self._store_rows(op, d, xraw, u[0], pos, reg)
             else:
-                self._send_rows(op, d, payload, pos, reg)
+                self._send_rows(op, d, rows_of(x, u[0], self.row_bytes), pos, reg)
         return self._receive(op, cnt, rows, metas, reg, outs, staged=False)
+
+    def _stores_rows(self, d: int) -> bool:
+        """Whether ASP's rows to ``d`` are gathered straight into its memory: a peer on this
+        host, rows raw in their slots (DC, SW; TFF lands epoch words beside them)."""
+        return self.data.peer_arrays[d] is not None and self.sync.name in ("dc", "sw") \
+            and not self.tff_in_place
+
+    def _store_rows(self, op: _Op, d: int, xraw: np.ndarray, tokens: np.ndarray,
+                    pos: np.ndarray, reg: int) -> None:
+        """Rows ``tokens`` of ``xraw`` gathered straight into same-host ``d``'s slots ``pos``
+        (one pass: no packed copy first), then the flags of the sync mode over the runs as
+        they lie there."""
+        t0 = self.spans.t0()
+        peer = self.data.peer_arrays[d]
+        land = np.ndarray((self.cap_rows, self.row_bytes), np.uint8, peer, self._land(reg),
+                          (self.slot_bytes, 1))
+        runs = runs_of(pos)
+        take_runs(xraw, tokens, runs, land)
+        blocks = [land[p0: p0 + m] for p0, m in runs]
+        self.sync.send_flags(self, op, d, land, runs, reg, blocks=blocks)
+        self.spans.rec(0, "send", t0, peer=d, rows=len(tokens),
+                       size_bytes=len(tokens) * self.row_bytes, epoch=op.epoch)
 
     def _record_dst(self, o_dst: np.ndarray, u: Any, d: int, pos: np.ndarray) -> None:
         if self.expert:

@@ -41,7 +41,7 @@ import numpy as np
 from ..plane.layout import align_up
 from ..plane.records import E_INTERNAL
 from .protocol import _Op, _OpError
-from .rows import rows_of
+from .rows import rows_of, runs_of, take_runs
 from .syncs import rows_checksum
 
 __all__ = ["HOST_SYNCS", "HostCopy"]
@@ -153,5 +153,5 @@ class HostCopy:
                 raise _OpError(E_INTERNAL, s, f"rank {s} sent rows of tokens its host record "
                                               "leaves out")
             at = np.cumsum(mask) - 1  # a token's landed row: its rank among the set bits
-            out_rows[pos] = land[at[t]]
+            take_runs(land, at[t], runs_of(pos), out_rows)
         return True

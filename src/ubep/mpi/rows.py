@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["RoutingError", "Units", "empty_slots", "route", "rows_of", "runs_of"]
+__all__ = ["RoutingError", "Units", "empty_slots", "route", "rows_of", "runs_of", "take_runs"]
 
 
 class RoutingError(Exception):
@@ -78,6 +78,18 @@ def rows_of(x: np.ndarray, tokens: np.ndarray, row_bytes: int) -> np.ndarray:
     """Rows ``tokens`` of ``x`` as raw bytes ``[n, row_bytes]`` (one gather)."""
     raw = x.view(np.uint8).reshape(x.shape[0], row_bytes)
     return np.take(raw, tokens, axis=0)
+
+
+def take_runs(src: np.ndarray, rows: np.ndarray, runs: list[tuple[int, int]],
+              out: np.ndarray) -> None:
+    """``out[p0 : p0 + m] = src[rows[at : at + m]]`` for each run ``(p0, m)``, ``at`` the rows
+    taken so far: a batch's rows gathered straight to where they go (``out`` may be another
+    rank's memory, strided), one pass and no temporary. ``rows`` must be in range (checked by
+    the caller: ``mode="clip"`` lets numpy write into ``out`` unbuffered)."""
+    at = 0
+    for p0, m in runs:
+        np.take(src, rows[at: at + m], axis=0, out=out[p0: p0 + m], mode="clip")
+        at += m
 
 
 def runs_of(pos: np.ndarray) -> list[tuple[int, int]]:
