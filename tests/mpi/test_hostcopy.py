@@ -59,7 +59,7 @@ def _host_rows(idx: np.ndarray, r: int) -> int:
 
 
 @pytest.mark.parametrize(("layout", "sync"), [("expert", "dc"), ("expert_padded", "dc"),
-                                              ("expert", "sw")])
+                                              ("expert", "sw"), ("rank", "dc")])
 def test_a_token_crosses_once_per_host_and_results_are_exact(layout: str, sync: str) -> None:
     from tests.mpi._fake_rma import FakeWorld, run_ranks
     from ubep.buffer import Buffer
@@ -100,12 +100,13 @@ def test_a_gateway_without_rows_of_its_own_waits_for_its_hosts_landing() -> None
     assert all(run_ranks(FakeWorld(R, ranks_per_host=P), body))
 
 
-def test_the_host_copy_serves_asp_expert_layouts_with_record_syncs_only() -> None:
+def test_the_host_copy_serves_asp_with_record_syncs_only() -> None:
     from tests.mpi._fake_rma import FakeWorld, run_ranks
     from ubep.buffer import Buffer
 
     cases = [("expert", "dc", "asp", True), ("expert", "tff", "asp", False),
-             ("expert", "dc", "bsp", False), ("rank", "dc", "asp", False)]
+             ("expert", "dc", "bsp", False), ("rank", "dc", "asp", True),
+             ("rank", "tff", "asp", False)]
 
     def body(g: Any) -> list[bool]:
         got = []

@@ -144,9 +144,9 @@ class RmaEngine:
         # the sync mode's row, chosen once: the writer's and reader's side of every call
         self.sync = SYNC_ROWS[config.sync]
         self.tff_in_place = self.sync.in_place and not self.bsp  # rows in out, words in land
-        # ASP in the expert layouts with a record-based sync: a token crosses to another host
-        # once, not once per pick there (ubep.mpi.hostcopy)
-        once_per_host = self.expert and not self.bsp and config.sync in HOST_SYNCS
+        # ASP with a record-based sync: a token crosses to another host once, not once per
+        # pick (expert layouts) or per rank (rank layout) there (ubep.mpi.hostcopy)
+        once_per_host = not self.bsp and config.sync in HOST_SYNCS
         self.cl = _CtrlLayout(self.R, self.E, self.K, self.cap_src, self.expert,
                               tokens=self.T if once_per_host else 0)
         self.ctrl = self.group.map_global(self.cl.size_bytes, "rma-ctrl")

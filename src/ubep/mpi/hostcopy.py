@@ -1,10 +1,11 @@
-"""Dispatch's rows cross to another host once per (token, host), not once per pick
-(:class:`ubep.mpi.engine.RmaEngine`, ASP in the expert layouts, sync ``dc`` or ``sw``).
+"""Dispatch's rows cross to another host once per (token, host), not once per pick or per
+rank there (:class:`ubep.mpi.engine.RmaEngine`, ASP, sync ``dc`` or ``sw``).
 
-In the expert layout a token has one row per pick at the experts' ranks; when several of its
-picks land on ranks of one other host, sending each pick's row over the network moves the same
-bytes several times (top-8 of 64 experts on 2 hosts: about 4 copies of each token to the other
-host). DeepEP's internode normal mode sends a token once to a node and forwards it there over
+In the expert layout a token has one row per pick at the experts' ranks, in the rank layout
+one per rank its picks land on; when several of them are on one other host, sending each over
+the network moves the same bytes several times (top-8 of 64 experts on 2 hosts x 2 ranks:
+about 4 copies of each token to the other host in the expert layout, up to 2 in the rank
+layout). DeepEP's internode normal mode sends a token once to a node and forwards it there over
 NVLink; this does the same with the memory ubep already shares inside a host:
 
 * the source packs its tokens with a pick on host ``h`` (ascending token order, each once) and
@@ -22,9 +23,9 @@ NVLink; this does the same with the memory ubep already shares inside a host:
   the gateway stays in the call until its host's rows are in.
 
 Wire bytes of a dispatch per rank: ``sum over other hosts h of |tokens with a pick on h| x
-row_bytes`` instead of ``picks on other hosts x row_bytes``. Combine is unchanged: the
-reference adds a token's picks in ascending ``k`` in float32, so a host's partial sum is
-bit-exact only for a prefix of that order; every pick's output row goes back.
+row_bytes`` instead of ``picks (or token-rank pairs) on other hosts x row_bytes``. Combine is
+unchanged: the reference adds a token's picks in ascending ``k`` in float32, so a host's
+partial sum is bit-exact only for a prefix of that order; every row goes back as it is.
 
 A landing slot (per epoch parity and source host) is rewritten two calls later, after every
 rank finished the call before the last (dispatch waits for that before it sends), hence after
