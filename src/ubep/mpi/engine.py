@@ -4,8 +4,8 @@ It has the native engine's interface (``dispatch``, ``combine``, ``fail``, ``wai
 ``resync``, ``reset_all``, ``comb_last_epoch``, ``close``; same arguments, same results and error
 tuples), so :class:`ubep.Buffer` runs it unchanged, and it writes received rows to the same
 places of the Buffer's region (``SegmentLayout``): ``recv_x`` views work as on one host. It is
-Python (numpy and mpi4py): one thread per rank; a Plan's core assignment is not used (rows go
-destination by destination, nearest first, in the canonical order).
+Python (numpy and mpi4py): one thread per rank; a Plan's core assignment is not used (ASP with
+DC or SW: other hosts first, a token once a host, :mod:`ubep.mpi.hostcopy`; then rank by rank).
 
 **What MPI guarantees, and what each sync mode becomes** (MPI-4.1 chapter 12): a put is complete
 at its target only after ``MPI_Win_flush``; two puts in flight are not ordered, nor are the
