@@ -1,8 +1,9 @@
 """The once-per-host dispatch (ubep.mpi.hostcopy) on the in-process RMA transport
-(tests/mpi/_fake_rma.py) with 2 hosts x 2 ranks: results bit-exact against ubep.reference in
-every layout it serves, each token's row crosses to another host once (bytes counted at the
-transport against a brute-force count from the routing), the gateway of a host waits for a
-landing none of its own rows are in, and a forged host record is refused, not used."""
+(tests/mpi/_fake_rma.py) with 2 hosts x 2 ranks (and 3 x 2, 13 tokens): results bit-exact
+against ubep.reference in every layout it serves, each token's row crosses to another host
+once (bytes counted at the transport against a brute-force count from the routing), a rank
+copies its rows out of a gateway's landing that holds none of the gateway's own, and a forged
+host record is refused, not used."""
 
 from __future__ import annotations
 
@@ -11,26 +12,29 @@ from typing import Any
 import numpy as np
 import pytest
 
-R, P, T, HIDDEN, K = 4, 2, 16, 32, 4
-E = 4 * R
+R, P, T, HIDDEN, K = 4, 2, 16, 32, 4  # 4 experts a rank
 
 
-def _cfg(layout: str = "expert", sync: str = "dc", engine: str = "asp") -> Any:
+def _cfg(layout: str = "expert", sync: str = "dc", engine: str = "asp", ranks: int = R,
+         tokens: int = T) -> Any:
     from ubep.buffer import BufferConfig
 
-    return BufferConfig(max_tokens_per_rank=T, hidden=HIDDEN, num_topk=K, num_experts=E,
-                        dtype="bf16", layout=layout, engine=engine, sync=sync, timeout_s=5.0)
+    return BufferConfig(max_tokens_per_rank=tokens, hidden=HIDDEN, num_topk=K,
+                        num_experts=4 * ranks, dtype="bf16", layout=layout, engine=engine,
+                        sync=sync, timeout_s=5.0)
 
 
-def _inputs(seed: int) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+def _inputs(seed: int, ranks: int = R, tokens: int = T,
+            ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
     rng = np.random.default_rng(seed)
-    xs = [rng.integers(0, 2**16, (T, HIDDEN), dtype=np.uint16) & 0xBFFF for _ in range(R)]
+    xs = [rng.integers(0, 2**16, (tokens, HIDDEN), dtype=np.uint16) & 0xBFFF
+          for _ in range(ranks)]
     idxs = []
-    for _ in range(R):
-        idx = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int64)
-        idx[rng.random((T, K)) < 0.15] = -1  # some masked picks
+    for _ in range(ranks):
+        idx = np.stack([rng.permutation(4 * ranks)[:K] for _ in range(tokens)]).astype(np.int64)
+        idx[rng.random((tokens, K)) < 0.15] = -1  # some masked picks
         idxs.append(idx)
-    ws = [rng.random((T, K)).astype(np.float32) for _ in range(R)]
+    ws = [rng.random((tokens, K)).astype(np.float32) for _ in range(ranks)]
     return xs, idxs, ws
 
 
@@ -39,46 +43,49 @@ def _exact(buf: Any, r: int, xs: list[np.ndarray], idxs: list[np.ndarray],
     from ubep import reference
 
     res = buf.dispatch(xs[r], idxs[r], ws[r])
-    refs = reference.dispatch(xs, idxs, ws, E, layout=layout,
-                              max_tokens=T if layout == "expert_padded" else None)
+    ranks, tokens = len(xs), len(xs[0])
+    refs = reference.dispatch(xs, idxs, ws, 4 * ranks, layout=layout,
+                              max_tokens=tokens if layout == "expert_padded" else None)
     outs = [ref.recv_x.copy() for ref in refs]
     y = buf.combine(outs[r], res.handle)
     y_ref = reference.combine(outs, refs)[r]
     rows = np.arange(len(refs[r].recv_x))
     if layout == "expert_padded":  # an empty slot's payload is left as it was
-        rows = reference.defined_rows(refs[r].num_recv_tokens_per_expert, T * R)
+        rows = reference.defined_rows(refs[r].num_recv_tokens_per_expert, tokens * ranks)
     return bool(np.array_equal(res.recv_x[rows], refs[r].recv_x[rows])
                 and np.array_equal(y, y_ref))
 
 
 def _host_rows(idx: np.ndarray, r: int) -> int:
-    """Brute force: the (token, other host) pairs of rank ``r``'s routing."""
-    me = r // P
-    pairs = {(t, int(e) // (E // R) // P) for t in range(T) for e in idx[t] if e >= 0}
-    return sum(1 for _, h in pairs if h != me)
+    """Brute force: the (token, other host) pairs of rank ``r``'s routing (4 experts a
+    rank)."""
+    pairs = {(t, int(e) // 4 // P) for t in range(len(idx)) for e in idx[t] if e >= 0}
+    return sum(1 for _, h in pairs if h != r // P)
 
 
-@pytest.mark.parametrize(("layout", "sync"), [("expert", "dc"), ("expert_padded", "dc"),
-                                              ("expert", "sw"), ("rank", "dc")])
-def test_a_token_crosses_once_per_host_and_results_are_exact(layout: str, sync: str) -> None:
+@pytest.mark.parametrize(("layout", "sync", "ranks", "tokens"), [
+    ("expert", "dc", R, T), ("expert_padded", "dc", R, T), ("expert", "sw", R, T),
+    ("rank", "dc", R, T), ("expert", "dc", 3 * P, 13), ("rank", "dc", 3 * P, 13)])
+def test_a_token_crosses_once_per_host_and_results_are_exact(layout: str, sync: str,
+                                                             ranks: int, tokens: int) -> None:
     from tests.mpi._fake_rma import FakeWorld, run_ranks
     from ubep.buffer import Buffer
 
     def body(g: Any) -> tuple[list[bool], int, int]:
-        with Buffer(g, _cfg(layout, sync)) as buf:
+        with Buffer(g, _cfg(layout, sync, ranks=ranks, tokens=tokens)) as buf:
             eng = buf._engine.kernel
             oks = []
             for seed in (1, 2, 3):
-                xs, idxs, ws = _inputs(seed)
+                xs, idxs, ws = _inputs(seed, ranks, tokens)
                 for mem in eng._windows():
                     mem.puts.clear()
                 oks.append(_exact(buf, g.rank, xs, idxs, ws, layout))
-                remote = [q for q in range(R) if q // P != g.rank // P]
+                remote = [q for q in range(ranks) if q // P != g.rank // P]
                 rows_bytes = sum(n for mem in (eng.data, eng.hosts.win) for q, n in mem.puts
                                  if q in remote)
             return oks, rows_bytes, _host_rows(idxs[g.rank], g.rank) * HIDDEN * 2
 
-    for oks, wire, expected in run_ranks(FakeWorld(R, ranks_per_host=P), body):
+    for oks, wire, expected in run_ranks(FakeWorld(ranks, ranks_per_host=P), body):
         assert all(oks)
         assert wire == expected  # the last call's rows to other hosts: one per (token, host)
 
@@ -90,7 +97,7 @@ def test_a_gateway_without_rows_of_its_own_waits_for_its_hosts_landing() -> None
     from ubep.buffer import Buffer
 
     xs, idxs, ws = _inputs(7)
-    L = E // R
+    L = 4
     idxs[0] = np.stack([[0, 1, 3 * L + t % L, -1] for t in range(T)]).astype(np.int64)
 
     def body(g: Any) -> bool:
