@@ -17,7 +17,13 @@ side by side in the same processes:
 
 Bytes per rank: dispatch ``rows x hidden x itemsize`` with ``rows`` = the rank's (token, pick)
 pairs with an expert (expert layout: one row per pick; rank layout: its (token, destination
-rank) pairs), combine ``rows x hidden x 2`` (BF16).
+rank) pairs), combine ``rows x hidden x 2`` (BF16). Wire bytes (:func:`wire_bytes`: what a rank
+sends to other hosts, mean over ranks) differ by system: ``Alltoallv`` sends a row per (token,
+pick) on another host; ubep's expert layout a row per (token, other host) with a pick there
+(ubep.mpi.hostcopy: that host's ranks copy their picks from the one copy); its rank layout a
+row per (token, rank on another host). Combine sends back, in every system, a row per pick
+(expert layout, ``Alltoallv``) or per (token, rank) (rank layout) that crossed: the reference
+adds a token's picks in ascending ``k``, so no host may sum its picks first.
 Per repeat, the time of a call is the slowest rank's (barrier before each call); min / median /
 max over repeats; ratios of medians. Results: benchmarks/results/multihost.{txt,json}.
 
@@ -60,6 +66,29 @@ def _shapes(num_ranks: int, quick: bool, tokens: list[int]) -> list[Any]:
             for routing in ("uniform", "hot")
             for t in tokens
             for h, d in ((2048, "bf16"), (7168, "uint8"))]
+
+
+def wire_bytes(inp: Any, per_host: int, system: str, op: str) -> float:
+    """Bytes a rank sends to other hosts in ``op``, mean over ranks (module docstring):
+    ``system`` "mpi" (``Alltoallv``, per pick), "expert" (ubep: dispatch once per (token,
+    host), combine per pick) or "rank" (ubep: per (token, rank))."""
+    from benchmarks.peers.workload import NUM_EXPERTS, row_bytes
+
+    shape = inp.shape
+    local = NUM_EXPERTS // shape.num_ranks
+    rows = []
+    for r, idx in enumerate(inp.topk_idxs):
+        owner = np.where(idx >= 0, idx // local, -1)
+        host = np.where(owner >= 0, owner // per_host, -1)
+        away = (host >= 0) & (host != r // per_host)
+        if system == "mpi" or (system == "expert" and op == "combine"):
+            rows.append(int(away.sum()))
+            continue
+        unit = host if system == "expert" else owner  # once per (token, host) or (token, rank)
+        rows.append(sum(int(((unit == u) & away).any(axis=1).sum())
+                        for u in np.unique(unit[away])))
+    dtype = shape.dtype if op == "dispatch" else shape.combine_dtype
+    return float(np.mean(rows)) * row_bytes(dtype, shape.hidden)
 
 
 def _once(comm: Any, fn: Any) -> float:
@@ -156,6 +185,8 @@ def _measure_shape(group: Any, comm: Any, shape: Any, warmup: int,
                            "combine_bytes": bytes_per_rank(inp, "expert", "combine"),
                            "rank_dispatch_bytes": bytes_per_rank(inp, "rank", "dispatch"),
                            "rank_combine_bytes": bytes_per_rank(inp, "rank", "combine")}
+    got |= {f"{system}_wire_{op}_bytes": wire_bytes(inp, group.ranks_per_host, system, op)
+            for system in ("mpi", "expert", "rank") for op in ("dispatch", "combine")}
     a2a = _Alltoallv(comm, x, idx, NUM_EXPERTS)
     recv, rc = a2a.dispatch()
     expert_out = np.full((recv.shape[0], shape.hidden), 0x3F80, dtype=np.uint16)
@@ -277,8 +308,15 @@ def report(rows: list[dict[str, Any]], header: str) -> str:
              " floor = memcpy of the expert layout's bytes",
              "bytes per rank: dispatch rows x hidden x itemsize, combine rows x hidden x 2; "
              "expert layout (and Alltoallv): rows = (token, pick) pairs; rank layout: rows = "
-             "(token, destination rank) pairs, a token once per rank its picks land on", ""]
-    head = (f"{'hosts x ranks, shape':<32} {'ubep':<6} {'KiB d/c':>11} {'ubep dispatch':>21} "
+             "(token, destination rank) pairs, a token once per rank its picks land on",
+             "wire KiB = bytes a rank sends to other hosts (mean over ranks), ubep's d/c, then "
+             "Alltoallv's: Alltoallv dispatch = (token, pick) pairs on other hosts x hidden x "
+             "itemsize; ubep expert layout = (token, other host) pairs x hidden x itemsize (a "
+             "token crosses to a host once, its ranks copy their picks from that copy); rank "
+             "layout = (token, rank on another host) pairs; combine = the rows that crossed, "
+             "per pick (expert layout, Alltoallv) or per (token, rank), x hidden x 2", ""]
+    head = (f"{'hosts x ranks, shape':<32} {'ubep':<6} {'KiB d/c':>11} {'wire KiB d/c':>13} "
+            f"{'mpi wire':>11} {'ubep dispatch':>21} "
             f"{'mpi dispatch':>21} {'ubep combine':>21} {'mpi combine':>21} {'ratio d':>7} "
             f"{'ratio c':>7} {'ratio d+c':>9} {'x floor':>7}")
     lines.append(head)
@@ -297,11 +335,19 @@ def report(rows: list[dict[str, Any]], header: str) -> str:
             prefix = "" if layout == "expert" else "rank_"
             kib = (f"{g[prefix + 'dispatch_bytes'] / 1024:.0f}/"
                    f"{g[prefix + 'combine_bytes'] / 1024:.0f}")
-            lines.append(f"{label:<32} {layout:<6} {kib:>11} {fmt[f'{key}_dispatch_ms']:>21} "
+            wire = _kib(g, layout)
+            lines.append(f"{label:<32} {layout:<6} {kib:>11} {wire:>13} {_kib(g, 'mpi'):>11} "
+                         f"{fmt[f'{key}_dispatch_ms']:>21} "
                          f"{fmt['mpi_dispatch_ms']:>21} {fmt[f'{key}_combine_ms']:>21} "
                          f"{fmt['mpi_combine_ms']:>21} {ud / md:7.2f} {uc / mc:7.2f} "
                          f"{(ud + uc) / (md + mc):9.2f} {(ud + uc) / floor:7.0f}")
     return "\n".join(lines)
+
+
+def _kib(g: dict[str, Any], system: str) -> str:
+    """``system``'s wire KiB d/c of row ``g`` ("-" for results from before they were kept)."""
+    d, c = (g.get(f"{system}_wire_{op}_bytes") for op in ("dispatch", "combine"))
+    return "-" if d is None or c is None else f"{d / 1024:.0f}/{c / 1024:.0f}"
 
 
 # Open MPI's TCP progress: "none" (a put moves while its target is in MPI) or "thread" (the

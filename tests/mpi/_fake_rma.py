@@ -4,9 +4,12 @@
 addresses, so :class:`ubep.Buffer` drives the real :class:`ubep.mpi.engine.RmaEngine` on it. The
 transport copies a put or get at once, except to a rank in ``world.stopped``: those operations
 stay pending (``done()`` is False) until :meth:`FakeWorld.resume`, as an emulated-RMA put to a
-SIGSTOPped process does. ``world.dead`` is what the liveness check reports. An operation to a
-rank in ``world.wedging`` never returns until :meth:`FakeWorld.unwedge`, as Open MPI's TCP
-one-sided component can spin inside ``MPI_Rput`` to a process that just died.
+SIGSTOPped process does. ``ranks_per_host=k`` groups every ``k`` consecutive ranks into a host:
+their regions are also each other's ``peer_arrays`` (loads and stores, as through a host's
+shared window), while puts still go through the transport. ``world.dead`` is what the liveness
+check reports. An operation to a rank in ``world.wedging`` never returns until
+:meth:`FakeWorld.unwedge`, as Open MPI's TCP one-sided component can spin inside ``MPI_Rput``
+to a process that just died.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from ubep.mpi.watchdog import CallRunner
 
 
 class FakeWorld:
-    def __init__(self, num_ranks: int) -> None:
+    def __init__(self, num_ranks: int, ranks_per_host: int = 1) -> None:
         self.num_ranks = num_ranks
+        self.ranks_per_host = ranks_per_host
         self.lock = threading.Lock()
         self.regions: dict[int, list[np.ndarray | None]] = {}  # per global object, per rank
         self.stopped: set[int] = set()
@@ -88,6 +92,9 @@ class FakeGroup:
         self.rank = rank
         self.num_ranks = world.num_ranks
         self.topology = topo.host(world.num_ranks, 1)
+        self.ranks_per_host = world.ranks_per_host
+        self.num_hosts = world.num_ranks // world.ranks_per_host
+        self.host_of = [q // world.ranks_per_host for q in range(world.num_ranks)]
         self.pids = [os.getpid()] * world.num_ranks
         self.start_times = [0] * world.num_ranks
         self._objects = 0
@@ -102,8 +109,11 @@ class FakeGroup:
     def map_global(self, size_bytes: int, kind: str, timeout_s: float | None = None) -> FakeMemory:
         index = self._objects
         self._objects += 1
-        mem = FakeMemory(self, index, size_bytes)
+        mem = FakeMemory(self, index, size_bytes, kind)
         self.barrier(timeout_s)  # every rank's region exists before anyone writes to it
+        if self.ranks_per_host > 1:  # a host's regions are each other's loads and stores
+            mem.peer_arrays = [self.world.peer(index, q) if self.host_of[q] == self.host_of[
+                self.rank] else None for q in range(self.num_ranks)]
         return mem
 
     def dead_peers(self, peers: list[int] | None = None) -> list[int]:
@@ -115,9 +125,11 @@ class FakeGroup:
 
 
 class FakeMemory:
-    def __init__(self, group: FakeGroup, index: int, size_bytes: int) -> None:
+    def __init__(self, group: FakeGroup, index: int, size_bytes: int, kind: str = "") -> None:
         self.group = group
         self.index = index
+        self.kind = kind
+        self.puts: list[tuple[int, int]] = []  # (destination, bytes) of every put
         self.addresses = None
         self.transport = "mpi"
         self.local_array = group.world.region(index, group.rank, size_bytes)
@@ -145,6 +157,7 @@ class FakeMemory:
 
     def put(self, dst: int, offset: int, data: np.ndarray) -> None:
         raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8).copy()
+        self.puts.append((dst, raw.size))
         peer = self.group.world.peer(self.index, dst)
         self._issue(dst, lambda: peer.__setitem__(slice(offset, offset + raw.size), raw))
 

@@ -4,8 +4,8 @@ It has the native engine's interface (``dispatch``, ``combine``, ``fail``, ``wai
 ``resync``, ``reset_all``, ``comb_last_epoch``, ``close``; same arguments, same results and error
 tuples), so :class:`ubep.Buffer` runs it unchanged, and it writes received rows to the same
 places of the Buffer's region (``SegmentLayout``): ``recv_x`` views work as on one host. It is
-Python (numpy and mpi4py): one thread per rank; a Plan's core assignment is not used (rows go
-destination by destination, nearest first, in the canonical order).
+Python (numpy and mpi4py): one thread per rank; a Plan's core assignment is not used (ASP with
+DC or SW: other hosts first, a token once a host, :mod:`ubep.mpi.hostcopy`; then rank by rank).
 
 **What MPI guarantees, and what each sync mode becomes** (MPI-4.1 chapter 12): a put is complete
 at its target only after ``MPI_Win_flush``; two puts in flight are not ordered, nor are the
@@ -67,7 +67,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -79,6 +78,7 @@ from ..plane.protocol import CombineCall, DispatchCall
 from ..plane.records import E_BAD_INPUT, E_INTERNAL, E_LOST, E_PEER_LOST, ErrorRecord
 from ..trace.ring import SpanRing
 from .combine import RmaCombine, landing_bytes
+from .hostcopy import HOST_SYNCS, HostCopy
 from .memory import MpiGlobalMemory
 from .protocol import (
     _LINE,
@@ -88,7 +88,7 @@ from .protocol import (
     _OpError,
     record_check,
 )
-from .rows import empty_slots, rows_of, runs_of
+from .rows import RoutingError, Units, empty_slots, route, rows_of, runs_of, take_runs
 from .syncs import SYNC_ROWS, rows_checksum
 from .watchdog import WedgedError
 
@@ -98,16 +98,6 @@ if TYPE_CHECKING:
 
 __all__ = ["RmaEngine", "record_check"]
 
-
-
-@dataclass
-class _Units:
-    """This rank's sends: per-expert counts, rows per destination and, per destination, the
-    rows in batch order ``(token, k, expert or local ids, weights)``."""
-
-    cnt: np.ndarray
-    rows_to: np.ndarray
-    to: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
 
 
 class RmaEngine:
@@ -154,7 +144,11 @@ class RmaEngine:
         # the sync mode's row, chosen once: the writer's and reader's side of every call
         self.sync = SYNC_ROWS[config.sync]
         self.tff_in_place = self.sync.in_place and not self.bsp  # rows in out, words in land
-        self.cl = _CtrlLayout(self.R, self.E, self.K, self.cap_src, self.expert)
+        # ASP with a record-based sync: a token crosses to another host once, not once per
+        # pick (expert layouts) or per rank (rank layout) there (ubep.mpi.hostcopy)
+        once_per_host = not self.bsp and config.sync in HOST_SYNCS
+        self.cl = _CtrlLayout(self.R, self.E, self.K, self.cap_src, self.expert,
+                              tokens=self.T if once_per_host else 0)
         self.ctrl = self.group.map_global(self.cl.size_bytes, "rma-ctrl")
         # where peers push this rank's combine rows back (ubep.mpi.combine)
         # the most rows one rank sends in a dispatch: one per pick (expert layout), one per
@@ -163,6 +157,7 @@ class RmaEngine:
         self.cland = self.group.map_global(landing_bytes(self.cap_sent, self.crow_bytes),
                                            "rma-comb-land")
         self.sync_no_flush = config.sync == "dc"  # combine's records: DC needs no flush
+        self.hosts = HostCopy(self) if once_per_host else None
         # the last dispatch's positions of each source's rows, and its rows[s, d] table
         self._rx_positions: tuple[list[np.ndarray], np.ndarray] = ([], np.zeros(0))
         # Highest done record seen per peer and its outcome (0 = ok, else the peer's code).
@@ -179,9 +174,13 @@ class RmaEngine:
     def _reap(self) -> None:
         """Drop the operations of earlier calls that have completed (their buffers with them);
         never waits."""
-        self.data.done()
-        self.ctrl.done()
-        self.cland.done()
+        for mem in self._windows():
+            mem.done()
+
+    def _windows(self) -> tuple[MpiGlobalMemory, ...]:
+        """Every window this engine puts into (data first: the rows)."""
+        extra = (self.hosts.win,) if self.hosts is not None else ()
+        return (self.data, *extra, self.cland, self.ctrl)
 
     def _land_regions(self) -> int:
         return self.nreg if self.land_is_out else 1
@@ -202,8 +201,8 @@ class RmaEngine:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self.ctrl.close()
-            self.cland.close()
+            for mem in self._windows()[1:]:  # the data window is the Buffer's
+                mem.close()
 
     def fail(
         self, epoch: int, code: int, message: str, finished: int = 1, timeout_s: float = 0.0
@@ -247,7 +246,7 @@ class RmaEngine:
 
     def _resync(self, base_epoch: int) -> int:
         op = _Op(2, base_epoch, self.timeout_ns)
-        for mem in (self.data, self.ctrl, self.cland):
+        for mem in self._windows():
             try:
                 self.proto.wait(op, mem.done, -1, "this rank's RMA operations of earlier calls",
                                 failures=False, needs=tuple)
@@ -387,56 +386,20 @@ class RmaEngine:
         that waits for the very peers still waiting for those rows; each of them is needed by a
         peer that is still in this call, polling, so none of this waits for a peer to enter
         MPI."""
-        mems = (self.data, self.cland, self.ctrl)
+        mems = self._windows()
         self.proto.wait(op, lambda: all([m.done() for m in mems]), -1,
                         "this rank's rows and records of this call to leave", needs=tuple)
 
     # --- validation and routing ---------------------------------------------------------
 
-    def _validate(self, x: np.ndarray, idx: np.ndarray, w: np.ndarray) -> _Units:
-        E, K, L, R = self.E, self.K, self.L, self.R
-        bad = (idx < -1) | (idx >= E)
-        if bad.any():
-            t, k = (int(v) for v in np.argwhere(bad)[0])
-            raise _OpError(E_BAD_INPUT, self.rank,
-                           f"expert id at [{t}, {k}] out of range [-1, {E}) (num_experts)",
-                           "topk_idx", str(int(idx[t, k])))
-        if K > 1 and len(idx):
-            srt = np.sort(idx, axis=1)
-            dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
-            rows = np.nonzero(dup.any(axis=1))[0]
-            if len(rows):
-                t = int(rows[0])
-                e = int(srt[t, 1:][dup[t]][0])
-                raise _OpError(E_BAD_INPUT, self.rank, f"row {t} names this expert twice",
-                               "topk_idx", str(e))
-        valid = idx >= 0
-        cnt = np.bincount(idx[valid], minlength=E).astype(np.int64)
-        dst = np.where(valid, idx // L, -1)
-        to: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
-        if self.expert:
-            t_all, k_all = np.nonzero(valid)
-            e_all = idx[t_all, k_all]
-            order = np.lexsort((t_all, e_all))  # by expert (hence destination), then token
-            t_all, k_all, e_all = t_all[order], k_all[order], e_all[order]
-            rows_to = np.array([cnt[d * L:(d + 1) * L].sum() for d in range(R)], np.int64)
-            starts = np.concatenate([[0], np.cumsum(rows_to)])
-            for d in range(R):
-                sl = slice(int(starts[d]), int(starts[d + 1]))
-                to.append((t_all[sl], k_all[sl], e_all[sl], w[t_all[sl], k_all[sl]]))
-        else:
-            rows_to = np.zeros(R, np.int64)
-            for d in range(R):
-                here = dst == d
-                toks = np.nonzero(here.any(axis=1))[0]
-                rows_to[d] = len(toks)
-                first = np.argmax(here[toks], axis=1) if len(toks) else np.zeros(0, np.int64)
-                ids = np.where(here[toks], idx[toks] - d * L, -1)
-                wts = np.where(here[toks], w[toks], np.float32(0))
-                to.append((toks, first, ids, wts))
-        return _Units(cnt, rows_to, to)
+    def _validate(self, x: np.ndarray, idx: np.ndarray, w: np.ndarray) -> Units:
+        del x  # its rows are read where they are sent
+        try:
+            return route(idx, w, self.E, self.R, self.expert)
+        except RoutingError as err:
+            raise _OpError(E_BAD_INPUT, self.rank, err.what, err.arg, err.value) from None
 
-    def _meta(self, units: _Units, d: int) -> np.ndarray:
+    def _meta(self, units: Units, d: int) -> np.ndarray:
         t, k, e, w = units.to[d]
         meta = np.zeros(len(t), dtype=self.cl.meta_dtype)
         meta["t"], meta["k"], meta["e"], meta["w"] = t, k, e, w
@@ -444,7 +407,7 @@ class RmaEngine:
 
     # --- counts -------------------------------------------------------------------------
 
-    def _publish_counts(self, op: _Op, units: _Units) -> None:
+    def _publish_counts(self, op: _Op, units: Units) -> None:
         cl = self.cl
         payload = np.zeros(cl.counts_payload, np.uint8)
         cnt32 = units.cnt.astype("<u4")
@@ -593,7 +556,7 @@ class RmaEngine:
 
     # --- dispatch: ASP ------------------------------------------------------------------
 
-    def _dispatch_asp(self, op: _Op, x: np.ndarray, units: _Units, reg: int,
+    def _dispatch_asp(self, op: _Op, x: np.ndarray, units: Units, reg: int,
                       *outs: np.ndarray) -> int:
         self.proto.wait_peers_done(op, op.epoch - 2)
         self._publish_counts(op, units)
@@ -601,6 +564,10 @@ class RmaEngine:
         self._check_consistency(cnt, rows)
         o_dst = outs[-1]
         out_rows = self._out_rows(reg)
+        hosts = self.hosts
+        if hosts is not None:  # other hosts first: their rows take longest to arrive
+            hosts.send(op, x, [u[0] for u in units.to])
+        xraw = x.view(np.uint8).reshape(x.shape[0], self.row_bytes)
         for i in range(self.R):
             d = (self.rank + 1 + i) % self.R
             n = int(units.rows_to[d])
@@ -609,12 +576,37 @@ class RmaEngine:
             u = units.to[d]
             pos = self._positions(self._bases(cnt, rows, d, self.rank), u, n)
             self._record_dst(o_dst, u, d, pos)
-            payload = rows_of(x, u[0], self.row_bytes)
-            if d == self.rank:
-                out_rows[pos] = payload  # own rows: straight to recv_x
+            if hosts is not None and hosts.remote(d):
+                continue  # went with its host's tokens
+            if d == self.rank:  # own rows: gathered straight into recv_x
+                take_runs(xraw, u[0], runs_of(pos), out_rows)
+            elif self._stores_rows(d):
+                self._store_rows(op, d, xraw, u[0], pos, reg)
             else:
-                self._send_rows(op, d, payload, pos, reg)
+                self._send_rows(op, d, rows_of(x, u[0], self.row_bytes), pos, reg)
         return self._receive(op, cnt, rows, metas, reg, outs, staged=False)
+
+    def _stores_rows(self, d: int) -> bool:
+        """Whether ASP's rows to ``d`` are gathered straight into its memory: a peer on this
+        host, rows raw in their slots (DC, SW; TFF lands epoch words beside them)."""
+        return self.data.peer_arrays[d] is not None and self.sync.name in ("dc", "sw") \
+            and not self.tff_in_place
+
+    def _store_rows(self, op: _Op, d: int, xraw: np.ndarray, tokens: np.ndarray,
+                    pos: np.ndarray, reg: int) -> None:
+        """Rows ``tokens`` of ``xraw`` gathered straight into same-host ``d``'s slots ``pos``
+        (one pass: no packed copy first), then the flags of the sync mode over the runs as
+        they lie there."""
+        t0 = self.spans.t0()
+        peer = self.data.peer_arrays[d]
+        land = np.ndarray((self.cap_rows, self.row_bytes), np.uint8, peer, self._land(reg),
+                          (self.slot_bytes, 1))
+        runs = runs_of(pos)
+        take_runs(xraw, tokens, runs, land)
+        blocks = [land[p0: p0 + m] for p0, m in runs]
+        self.sync.send_flags(self, op, d, land, runs, reg, blocks=blocks)
+        self.spans.rec(0, "send", t0, peer=d, rows=len(tokens),
+                       size_bytes=len(tokens) * self.row_bytes, epoch=op.epoch)
 
     def _record_dst(self, o_dst: np.ndarray, u: Any, d: int, pos: np.ndarray) -> None:
         if self.expert:
@@ -697,11 +689,20 @@ class RmaEngine:
         if staged:
             return n_total
         pending = {s for s in range(self.R) if s != r and rows[s, r] > 0}
+        hosts = self.hosts
+        if hosts is not None:  # a gateway waits for its host's rows, its own or not
+            pending |= {s for s in range(self.R) if hosts.remote(s) and hosts.waits_for(s, rows)}
         since = [self.spans.t0()]  # the last completion: each source's wait span starts there
+        out_rows = self._out_rows(reg)
+
+        def complete(s: int) -> bool:
+            if hosts is not None and hosts.remote(s):
+                return hosts.source_complete(op, s, metas[s], positions[s], out_rows)
+            return self.sync.source_complete(self, op, s, positions[s], reg)
 
         def poll() -> bool:
             for s in sorted(pending):
-                if self.sync.source_complete(self, op, s, positions[s], reg):
+                if complete(s):
                     pending.discard(s)
                     n = int(rows[s, r])  # one span a source, as the native in-place waits
                     since[0] = self.spans.rec(0, "wait", since[0], peer=s, rows=n,
@@ -714,7 +715,7 @@ class RmaEngine:
 
     # --- dispatch: BSP ------------------------------------------------------------------
 
-    def _dispatch_bsp(self, op: _Op, x: np.ndarray, units: _Units, reg: int,
+    def _dispatch_bsp(self, op: _Op, x: np.ndarray, units: Units, reg: int,
                       *outs: np.ndarray) -> int:
         cl, r = self.cl, self.rank
         self.proto.wait_peers_done(op, op.epoch - 2)

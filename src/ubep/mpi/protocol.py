@@ -64,7 +64,8 @@ class _Op:
 class _CtrlLayout:
     """Offsets of one rank's control window (records written by peers, indexed by source)."""
 
-    def __init__(self, R: int, E: int, K: int, cap_src_rows: int, expert: bool) -> None:
+    def __init__(self, R: int, E: int, K: int, cap_src_rows: int, expert: bool,
+                 tokens: int = 0) -> None:
         self.R = R
         self.meta_dtype = np.dtype(
             [("t", "<i4"), ("k", "<i4"), ("e", "<i4"), ("w", "<f4")] if expert else
@@ -91,6 +92,11 @@ class _CtrlLayout:
         self.counts = off  # [parity][src]
         self.counts_rec = rec
         off += 2 * R * rec
+        # [parity][src] host records of the once-per-host dispatch (ubep.mpi.hostcopy):
+        # [rows][checksum][a bit per token]; none without it (tokens 0)
+        self.host = off
+        self.host_rec = align_up(16 + align_up((tokens + 7) // 8, 8) + 16, _LINE) if tokens else 0
+        off += 2 * R * self.host_rec
         self.meta = align_up(off, _LINE)  # [parity][src] per-row metadata
         self.meta_bytes = align_up(max(cap_src_rows, 1) * self.meta_dtype.itemsize, _LINE)
         off = self.meta + 2 * R * self.meta_bytes

@@ -91,8 +91,9 @@ class SyncRow:
         return out
 
     def send_flags(self, e: Any, op: _Op, d: int, rows: np.ndarray, runs: Runs,
-                   reg: int) -> None:
-        """ASP: what ``d`` polls, once the rows to it are put."""
+                   reg: int, blocks: list[np.ndarray] | None = None) -> None:
+        """ASP: what ``d`` polls, once the rows to it are put (``blocks``: the runs as they
+        lie where they were stored, instead of ``rows`` cut at the runs' lengths)."""
         e.proto.complete(op, e.data, d, f"the rows to rank {d} to complete")
         e.proto.put_record(e.ctrl, d, e.cl.slot(e.cl.flag, op.par, e.rank), self._flag(e, rows, op),
                            op.epoch)
@@ -136,11 +137,12 @@ class DcRow(SyncRow):
     flag_bytes = 16
 
     def send_flags(self, e: Any, op: _Op, d: int, rows: np.ndarray, runs: Runs,
-                   reg: int) -> None:
+                   reg: int, blocks: list[np.ndarray] | None = None) -> None:
         # ASP: the checksum of each run the rows land in, summed (runs_sum)
-        ends = np.cumsum([m for _, m in runs]).tolist()
-        blocks = [rows[end - m: end] for (_, m), end in zip(runs, ends, strict=True)]
-        flag = np.array([len(rows), runs_sum(e, blocks, op.epoch)], "<u8")
+        if blocks is None:
+            ends = np.cumsum([m for _, m in runs]).tolist()
+            blocks = [rows[end - m: end] for (_, m), end in zip(runs, ends, strict=True)]
+        flag = np.array([sum(m for _, m in runs), runs_sum(e, blocks, op.epoch)], "<u8")
         e.proto.put_record(e.ctrl, d, e.cl.slot(e.cl.flag, op.par, e.rank), flag, op.epoch)
 
     def _flag(self, e: Any, rows: np.ndarray, op: _Op) -> np.ndarray:
@@ -181,7 +183,7 @@ class TffRow(SyncRow):
         return e.tff.unflagged(rows)  # the flags go out after a flush (send_flags)
 
     def send_flags(self, e: Any, op: _Op, d: int, rows: np.ndarray, runs: Runs,
-                   reg: int) -> None:
+                   reg: int, blocks: list[np.ndarray] | None = None) -> None:
         e.proto.complete(op, e.data, d, f"the rows to rank {d} to complete")
         for p0, m in runs:
             words = np.full(m * e.tff_nblocks, op.epoch, np.uint64)
