@@ -1,8 +1,9 @@
 """The MPI RMA engine records the same spans from Python: on the in-process RMA transport
 (tests/mpi/_fake_rma.py), each rank's sends carry the rows brute force counts from topk_idx
-for each destination, every span nests in its call and none overlap, and a send starts before
-the wait that took its rows ends; an ASP receive waits source by source, each wait naming its
-source and rows, so every send flows to the wait that took it."""
+for each destination (ASP: a token once per host it goes to; BSP: a row per pick), every span
+nests in its call and none overlap, and a send starts before the wait that took its rows ends;
+an ASP receive waits source by source, each wait naming its source and rows, so every send
+flows to the wait that took it."""
 
 from __future__ import annotations
 
@@ -32,7 +33,11 @@ def test_rma_engine_spans_match_the_routing_and_nest_in_their_calls(engine: str)
                   tuple(c for _, t in out for c in t.calls))
     _, idxs, _ = _inputs(3)
     for r in range(R3):
-        want = Counter(int(e) // 2 for e in idxs[r].reshape(-1) if int(e) // 2 != r)
+        if engine == "asp":  # a token crosses to another host once (the host copy): a rank a
+            # host here, so one row per (token, destination rank)
+            want = Counter(d for row in idxs[r] for d in {int(e) // 2 for e in row} if d != r)
+        else:  # BSP: a row per pick
+            want = Counter(int(e) // 2 for e in idxs[r].reshape(-1) if int(e) // 2 != r)
         got: Counter[int] = Counter()
         # the dispatch's sends (the combine pushes its output rows back with sends of its own)
         dispatch = next(c for c in trace.calls if c.rank == r and c.name == "dispatch")
