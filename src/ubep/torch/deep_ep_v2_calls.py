@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidArgumentError
+from ..runtime.abi import native_or_none
 from ._convert import from_numpy, to_numpy
 from .backend import issue_combine, issue_dispatch
 from .deep_ep_agree import checked
@@ -51,6 +52,7 @@ DEFAULT_NUM_SMS = 20  # what get_theoretical_num_sms answers on CPU (V1 Buffer.n
 # the integer type of each element size: rows are gathered as bits
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _SF_PACKS_ALIGNMENT = 4  # DeepEP's kNumAlignedSFPacks: the TMA-aligned column-major scale layout
+_DT_BF16 = 0  # the native reductions' code of BF16 (runtime/native/abi.h)
 
 
 class _Back(NamedTuple):
@@ -714,7 +716,16 @@ class V2Path:
             far = int(plan.sum_block) + (src.owner - me - 1) % self.num_ranks
             block = np.where(src.owner == me, plan.num_blocks, far)
         row_of = block * T + np.arange(T, dtype=np.int64)[:, None]
-        return reduce_at_source(torch.cat(blocks), row_of, use, biases, torch.bfloat16)
+        native = native_or_none()
+        if native is None or biases:
+            return reduce_at_source(torch.cat(blocks), row_of, use, biases, torch.bfloat16)
+        # From +0.0, the used terms in slot order, in FP32, rounded once: the core's reduction
+        # of rows by index (one native pass, no gather per slot); without a bias no sum can
+        # be -0.0, so the +0.0 of an unused slot changes nothing (reduce_at_source)
+        out = torch.empty((T, H), dtype=torch.bfloat16)
+        native.reduce_at(to_numpy(torch.cat(blocks)), np.where(use, row_of, np.int64(-1)),
+                         np.zeros(use.shape, np.float32), to_numpy(out), K, _DT_BF16, False)
+        return out
 
     def _combined_weights(self, handle: EPHandle, route: _Route,
                           topk_weights: torch.Tensor) -> torch.Tensor:
