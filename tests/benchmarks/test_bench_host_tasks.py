@@ -129,6 +129,18 @@ def test_host_micro_refuses_an_unknown_destination_state(tmp_path) -> None:
     assert int(ok.stdout.split()[5]) > 0  # the writer's own time
 
 
+class _FreeRows:
+    """Row passes that cost nothing (the host model's microbenchmarks, stubbed)."""
+
+    def per_row_ns(self, *args: object, **kw: object) -> tuple[float, float]:
+        return 0.0, 0.0
+
+
+#: a small call measured at 300 us (what fixed_cost solves the set-up from)
+_TINY = {"ranks": 2, "tokens": 128, "hidden": 64, "dtype": "bf16", "layout": "expert",
+         "engine": "asp", "sync": "tff", "routing": "uniform", "dispatch": {"median_us": 300.0}}
+
+
 @pytest.mark.parametrize(("cpus", "share"), [(1, 0.5), (2, 1.0)])
 def test_fixed_cost_is_a_ranks_own_set_up(cpus: int, share: float) -> None:
     # Row passes that cost nothing: the model's 64-element call is its ranks' set-ups alone.
@@ -137,14 +149,7 @@ def test_fixed_cost_is_a_ranks_own_set_up(cpus: int, share: float) -> None:
     # on a CPU each, the call is one set-up.
     from benchmarks.host_model import fixed_cost
 
-    class Free:
-        def per_row_ns(self, *args: object, **kw: object) -> tuple[float, float]:
-            return 0.0, 0.0
-
-    tiny = {"ranks": 2, "tokens": 128, "hidden": 64, "dtype": "bf16", "layout": "expert",
-            "engine": "asp", "sync": "tff", "routing": "uniform",
-            "dispatch": {"median_us": 300.0}}
-    got = fixed_cost(Free(), {2: 1_000.0}, tiny, "dispatch", cpus)
+    got = fixed_cost(_FreeRows(), {2: 1_000.0}, _TINY, "dispatch", cpus)
     assert got["tiny_model_ns"] == pytest.approx(0.0)
     assert got["fixed_ns"] == pytest.approx(300_000.0 * share)
 
@@ -167,14 +172,7 @@ def test_fixed_cost_leaves_out_the_receive_metadata() -> None:
     # 300 us hold a set-up of 300 - 2.56 us
     from benchmarks.host_model import fixed_cost
 
-    class Free:
-        def per_row_ns(self, *args: object, **kw: object) -> tuple[float, float]:
-            return 0.0, 0.0
-
-    tiny = {"ranks": 2, "tokens": 128, "hidden": 64, "dtype": "bf16", "layout": "expert",
-            "engine": "asp", "sync": "tff", "routing": "uniform",
-            "dispatch": {"median_us": 300.0}}
-    got = fixed_cost(Free(), {2: 1_000.0}, tiny, "dispatch", 2, recv_meta_ns=10.0)
+    got = fixed_cost(_FreeRows(), {2: 1_000.0}, _TINY, "dispatch", 2, recv_meta_ns=10.0)
     assert got["tiny_model_ns"] == pytest.approx(2_560.0)
     assert got["fixed_ns"] == pytest.approx(300_000.0 - 2_560.0)
 

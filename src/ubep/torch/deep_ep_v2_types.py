@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -77,6 +77,17 @@ class BufferAllocator:
         self.materialized = True
 
 
+class _MadeWhenRead:
+    """A tensor of an :class:`EPHandle`, made by its maker (``EPHandle._makers``) on the first
+    read and the same tensor after."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, handle: Any, owner: type | None = None) -> Any:
+        return self if handle is None else handle._field(self.name)
+
+
 class EPHandle:
     """What V2's ``dispatch`` returns as ``handle``; ``combine`` and a cached dispatch take it.
 
@@ -146,29 +157,13 @@ class EPHandle:
         self._topk_idx = topk_idx
         self._topk_idx_version = None if topk_idx.is_inference() else topk_idx._version
 
-    @property
-    def psum_num_recv_tokens_per_scaleup_rank(self) -> torch.Tensor:
-        return cast(torch.Tensor, self._field("psum_num_recv_tokens_per_scaleup_rank"))
-
-    @property
-    def psum_num_recv_tokens_per_expert(self) -> torch.Tensor:
-        return cast(torch.Tensor, self._field("psum_num_recv_tokens_per_expert"))
-
-    @property
-    def num_unaligned_recv_tokens_per_expert(self) -> torch.Tensor:
-        return cast(torch.Tensor, self._field("num_unaligned_recv_tokens_per_expert"))
-
-    @property
-    def recv_src_metadata(self) -> torch.Tensor:
-        return cast(torch.Tensor, self._field("recv_src_metadata"))
-
-    @property
-    def dst_buffer_slot_idx(self) -> torch.Tensor:
-        return cast(torch.Tensor, self._field("dst_buffer_slot_idx"))
-
-    @property
-    def recv_expert_ids(self) -> torch.Tensor | None:
-        return self._field("recv_expert_ids")
+    # DeepEP's tensors of the handle, each made on its first read (_makers), then the same
+    psum_num_recv_tokens_per_scaleup_rank = _MadeWhenRead()
+    psum_num_recv_tokens_per_expert = _MadeWhenRead()
+    num_unaligned_recv_tokens_per_expert = _MadeWhenRead()
+    recv_src_metadata = _MadeWhenRead()
+    dst_buffer_slot_idx = _MadeWhenRead()
+    recv_expert_ids = _MadeWhenRead()  # None without emit_expert_ids
 
     def _field(self, name: str) -> torch.Tensor | None:
         made = self._made
