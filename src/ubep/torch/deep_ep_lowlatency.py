@@ -52,6 +52,12 @@ def _tensor_over(a: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tenso
     return t if t.dtype == dtype else t.view(dtype)
 
 
+def _tensor_of(a: Any) -> torch.Tensor:
+    """``a`` itself where it is a tensor (a result of the Buffer's torch door), else
+    :func:`_tensor_over` it."""
+    return a if isinstance(a, torch.Tensor) else _tensor_over(a)
+
+
 class _Region:
     """One receive region's tensors: views of the Buffer's memory (``recv_x``, FP8 scales), and
     DeepEP's ``recv_count`` (int32) and UE8M0 exponents, rewritten by each dispatch into the
@@ -491,36 +497,31 @@ class LowLatencyPath:
             if x.shape != (num_local, slots, handle.hidden):
                 raise InvalidArgumentError(
                     "x", tuple(x.shape), f"must be [{num_local}, {slots}, {handle.hidden}]")
-            if num_local * slots == inner.recv_src_rank.shape[0] and not split and (
-                    out is None and type(x) is torch.Tensor and x.is_contiguous()):
-                # the decode step's call: the Buffer takes the tensor and hands y back as one
-                # (its torch door: no conversion on either side)
-                self._gate.combine_on(handle.backend)  # the next call: a combine there
-                y = handle.backend.buffer.combine(  # type: ignore[attr-defined]
-                    x.view(-1, handle.hidden), _weighted(inner, idx, w))
-                return (y if type(y) is torch.Tensor else _tensor_over(y)), _event(False), None
-            rows = to_numpy(x, argument="x").reshape(-1, handle.hidden)
-            if rows.shape[0] != len(inner.recv_src_rank):  # M2N: a sender's engine rows
-                full = np.empty((len(inner.recv_src_rank), handle.hidden), rows.dtype)
-                full[: rows.shape[0]] = rows
-                rows = full
+            if num_local * slots == inner.recv_src_rank.shape[0]:
+                # the tensor as it is: the Buffer's torch door views it and hands y back as a
+                # tensor (no conversion on either side)
+                rows = x.reshape(-1, handle.hidden)
+            else:  # M2N: a sender's engine rows
+                given = to_numpy(x, argument="x").reshape(-1, handle.hidden)
+                rows = np.empty((len(inner.recv_src_rank), handle.hidden), given.dtype)
+                rows[: given.shape[0]] = given
         weighted = _weighted(inner, idx, w)
         buffer = handle.backend.buffer  # type: ignore[attr-defined]
         self._gate.combine_on(handle.backend)  # the next call: a combine there
         if not split:
-            y = _tensor_over(buffer.combine(rows, weighted))
+            y = _tensor_of(buffer.combine(rows, weighted))
             if out is not None:
                 out.copy_(y)
                 y = out
             return y, _event(False), None
         call = buffer.combine(rows, weighted, return_recv_hook=True)
         y = out if out is not None else torch.empty((len(handle.topk_idx), handle.hidden),
-                                                     dtype=_tensor_over(rows[:0]).dtype)
+                                                     dtype=_tensor_of(rows[:0]).dtype)
         filled: list[bool] = []
 
         def finish() -> None:
             if not filled:
-                y.copy_(_tensor_over(call.hook()))
+                y.copy_(_tensor_of(call.hook()))
                 filled.append(True)
 
         return y, _event(async_finish, finish), (finish if return_recv_hook else None)
