@@ -144,9 +144,9 @@ def test_reduce_at_is_the_float32_sum_of_the_indexed_rows_in_slot_order(
     rounded before the add, then rounded to the dtype (ubep.reference's arithmetic, here in
     numpy); a token with no row is +0.0, and an index past the rows is refused."""
     from ubep import dtypes
-    from ubep.mpi.syncs import native_module
+    from ubep.runtime.abi import native_or_none
 
-    native = native_module()
+    native = native_or_none()
     if native is None:
         pytest.skip("native data plane not built")
     dt = dtypes.dtype_of(name)

@@ -32,14 +32,14 @@ import numpy as np
 from ..plane.layout import align_up
 from ..plane.records import E_BAD_INPUT, E_INTERNAL
 from ..plane.records import HEADER_BYTES as _HEADER_BYTES
+from ..runtime.abi import DTYPES, native_or_none
 from .protocol import _Op, _OpError, _u8
 from .rows import runs_of
-from .syncs import native_module as _native
 
 __all__ = ["RmaCombine", "landing_bytes"]
 
 # the native reduction's dtype codes (runtime/native/abi.h)
-_REDUCE_CODE = {"bf16": 0, "fp16": 1, "fp32": 2}
+_REDUCE_CODE = {name: DTYPES[name] for name in ("bf16", "fp16", "fp32")}
 
 _PAGE = 4096
 _RECORD_BYTES = 24  # [rows][checksum][dispatch index], u64 each
@@ -250,7 +250,7 @@ class RmaCombine:
         where it is built, else by :meth:`reduce_numpy`. ``land``: every rank's rows of
         ``fetched``, rank ``q``'s from row ``starts[q]``."""
         e = self.e
-        native = _native()
+        native = native_or_none()
         code = _REDUCE_CODE.get(e.cdtype.name)
         if native is None or code is None:
             self.reduce_numpy(idx, w, dst_row, fetched, y)

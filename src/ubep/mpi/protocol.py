@@ -17,8 +17,8 @@ import numpy as np
 from ..flags.dc import words_checksum
 from ..plane.layout import align_up
 from ..plane.records import E_BAD_INPUT, E_LOST, E_PEER_LOST, E_REMOTE, E_TIMEOUT, ErrorRecord
+from ..runtime.abi import native_or_none
 from .memory import MpiGlobalMemory
-from .syncs import native_module
 
 __all__ = ["RmaProtocol", "record_check"]
 
@@ -37,7 +37,7 @@ def record_check(payload: np.ndarray, epoch: int) -> int:
     pad = (-raw.size) % 8
     if pad:
         raw = np.concatenate([raw, np.zeros(pad, np.uint8)])
-    native = native_module()
+    native = native_or_none()
     if native is not None and raw.size:  # the same formula in one C pass (read every poll)
         return int(native.dc_checksum(raw.reshape(1, -1), raw.size, epoch))
     return words_checksum(raw.view("<u8"), epoch)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..flags import DcCodec
+from ..runtime.abi import native_or_none
 from .rows import runs_of
 
 if TYPE_CHECKING:
@@ -55,21 +56,10 @@ def rows_checksum(rows: np.ndarray, row_bytes: int, epoch: int) -> int:
     (the same value: tests/mpi/test_mpi_unit.py)."""
     if not len(rows):
         return 1
-    native = native_module()
+    native = native_or_none()
     if native is not None and row_bytes % 8 == 0:
         return int(native.dc_checksum(rows, row_bytes, epoch))
     return _DC.checksum(rows.reshape(-1, row_bytes), epoch)
-
-
-@functools.cache
-def native_module() -> Any:
-    """The native data plane (``ubep.runtime._native``) where it is built, else None: the RMA
-    engine's optional accelerator for checksums and combine's reduction."""
-    try:
-        from ..runtime.abi import load_native
-        return load_native()
-    except ImportError:
-        return None
 
 
 class SyncRow:

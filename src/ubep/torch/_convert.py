@@ -19,8 +19,8 @@ from ..errors import InvalidArgumentError, UbepError, Unviewable
 from ..plane.results import DispatchResult, PendingCall
 
 __all__ = [
-    "PAYLOAD_DTYPES", "dispatch_result_to_torch", "from_numpy", "from_numpy_as", "owned_rows",
-    "padded_rows", "quant_values_dtype", "received_rows", "to_numpy",
+    "BITS_OF_SIZE", "PAYLOAD_DTYPES", "dispatch_result_to_torch", "from_numpy", "from_numpy_as",
+    "owned_rows", "padded_rows", "quant_values_dtype", "received_rows", "to_numpy",
 ]
 
 #: torch dtypes ubep moves, and the numpy storage dtype each travels in.
@@ -393,14 +393,16 @@ def owned_rows(recv_x: np.ndarray, dtype: torch.dtype, rows: int) -> torch.Tenso
 def padded_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     """``t`` with zero rows appended up to ``rows`` (an owned tensor either way, on ``t``'s
     device), written as integer bits of its element size (FP8 types have no fill kernel)."""
-    bits = t.view(_BITS_OF_SIZE[t.element_size()])
+    bits = t.view(BITS_OF_SIZE[t.element_size()])
     out = torch.empty((rows, *t.shape[1:]), dtype=bits.dtype, device=t.device)
     out[: t.shape[0]] = bits
     out[t.shape[0]:].zero_()  # only the padding: the rows are written once
     return out.view(t.dtype)
 
 
-_BITS_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+#: the integer dtype of each element size: rows moved as bits (FP8 types have no index or fill
+#: kernels)
+BITS_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def received_rows(recv_x: np.ndarray, recv_scales: np.ndarray | None, dtype: torch.dtype,

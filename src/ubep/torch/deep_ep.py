@@ -406,7 +406,6 @@ class Buffer:
                 "rank", x, scales, route.topk_idx, route.topk_weights, route.num_experts,
                 self.max_tokens_per_rank)
             res, recv_scales = receive()
-
         # every rank's tokens to every rank, from the engine's count round: the same on all
         sent = np.array(res.num_sent_rows_per_rank, dtype=np.int64)
         most = int(sent.sum(axis=0).max(initial=0)) if num_worst_tokens else 0

@@ -323,8 +323,7 @@ def combine_weights_word(values: Any, received: np.ndarray | None) -> int:
 def _is_float32_cpu_tensor(values: Any) -> bool:
     import torch
 
-    return (type(values) is torch.Tensor or isinstance(values, torch.Tensor)) and (
-        values.dtype is torch.float32 and values.is_cpu)
+    return isinstance(values, torch.Tensor) and values.dtype is torch.float32 and values.is_cpu
 
 
 def combine_weights_plan(codes: list[int]) -> str:

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from ..errors import InvalidArgumentError
-from ..runtime.abi import native_or_none
-from ._convert import from_numpy, to_numpy
+from ..runtime.abi import DTYPES, native_or_none
+from ._convert import BITS_OF_SIZE, from_numpy, to_numpy
 from .backend import issue_combine, issue_dispatch
 from .deep_ep_agree import checked
 from .deep_ep_types import EventHandle, EventOverlap
@@ -49,10 +49,7 @@ __all__ = ["DEFAULT_NUM_SMS", "V2Path", "resolve_num_sms"]
 
 DEFAULT_NUM_SMS = 20  # what get_theoretical_num_sms answers on CPU (V1 Buffer.num_sms too)
 
-# the integer type of each element size: rows are gathered as bits
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _SF_PACKS_ALIGNMENT = 4  # DeepEP's kNumAlignedSFPacks: the TMA-aligned column-major scale layout
-_DT_BF16 = 0  # the native reductions' code of BF16 (runtime/native/abi.h)
 
 
 class _Back(NamedTuple):
@@ -440,7 +437,7 @@ class V2Path:
         prefix = at.size == 0 or int(at[-1]) == at.size - 1  # rows [0, m), zeros after
 
         def place(t: torch.Tensor) -> torch.Tensor:
-            bits = t.view(_BITS[t.element_size()])  # FP8 types have no index kernels
+            bits = t.view(BITS_OF_SIZE[t.element_size()])  # FP8 types have no index kernels
             out = torch.empty((out_rows, *t.shape[1:]), dtype=bits.dtype)
             if prefix:
                 torch.index_select(bits, 0, engine_row, out=out[: at.size])
@@ -724,7 +721,7 @@ class V2Path:
         # be -0.0, so the +0.0 of an unused slot changes nothing (reduce_at_source)
         out = torch.empty((T, H), dtype=torch.bfloat16)
         native.reduce_at(to_numpy(torch.cat(blocks)), np.where(use, row_of, np.int64(-1)),
-                         np.zeros(use.shape, np.float32), to_numpy(out), K, _DT_BF16, False)
+                         np.zeros(use.shape, np.float32), to_numpy(out), K, DTYPES["bf16"], False)
         return out
 
     def _combined_weights(self, handle: EPHandle, route: _Route,
