@@ -214,7 +214,12 @@ def _worker_kill(group: Any, out: str) -> None:
         buf.dispatch(x, idx, w)  # warm: every window touched once
         group.barrier(60)
         if r == R - 1:
+            # Only once every survivor has left the barrier: a rank that finished it may still
+            # owe a peer the barrier's last message, and its death would fail the barrier there.
+            for peer in range(R - 1):
+                _wait_for_file(Path(out, f"barrier.{peer}"))
             os.kill(os.getpid(), signal.SIGKILL)
+        Path(out, f"barrier.{r}").touch()
         t0 = time.monotonic()
         try:
             buf.dispatch(x, idx, w)
@@ -227,6 +232,30 @@ def _worker_kill(group: Any, out: str) -> None:
     os._exit(0)  # no collective teardown with a dead rank
 
 
+def _worker_barrier_loss(group: Any, out: str) -> None:
+    """The last rank SIGKILLs itself before a barrier; each survivor's barrier must raise
+    ``PeerLostError`` (MPI's process-failure error, or the liveness check) before its
+    deadline, and writes what it raised to ``out/barrier_loss.<rank>.json``."""
+    import signal
+    import time
+
+    from ubep.errors import UbepError
+
+    r = group.rank
+    if r == group.num_ranks - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        group.barrier(timeout_s=_BARRIER_LOSS_TIMEOUT_S)
+        got = "ok"
+    except UbepError as exc:
+        got = type(exc).__name__
+    Path(out, f"barrier_loss.{r}.json").write_text(json.dumps(
+        {"error": got, "elapsed_s": time.monotonic() - t0}))
+    os._exit(0)
+
+
+_BARRIER_LOSS_TIMEOUT_S = 30.0
 _MASK_CALLS = 24  # calls after the loss, each checked against the oracle
 
 
@@ -354,6 +383,8 @@ def _worker_main(name: str, out: str) -> None:
     group = ubep.mpi.init()
     if name == "_worker_kill":
         _worker_kill(group, str(Path(out).parent))
+    if name == "_worker_barrier_loss":
+        _worker_barrier_loss(group, str(Path(out).parent))
     if name == "_worker_mask":
         _worker_mask(group, str(Path(out).parent))
     if name == "_worker_sigstop":
@@ -524,6 +555,24 @@ def test_a_killed_rank_makes_every_survivor_raise_within_the_deadline(
         got = json.loads(path.read_text())
         assert got["error"] in ("PeerLostError", "TimeoutError", "RemoteError"), got
         assert got["elapsed_s"] <= _KILL_TIMEOUT_S + _STOP_MARGIN_S, got
+
+
+@pytest.mark.parametrize("transport", ["shared", "tcp"])
+def test_a_rank_killed_before_a_barrier_makes_the_survivors_raise_peer_lost(
+        tmp_path: Path, transport: str) -> None:
+    """A group collective that MPI fails (the dead rank's process-failure error under
+    ``--with-ft ulfm``) raises ``PeerLostError`` on every survivor, well before its
+    deadline, instead of MPI's own exception."""
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    output = _run_ft_job(tmp_path, "_worker_barrier_loss", transport, {})
+    for r in (0, 1):
+        path = tmp_path / f"barrier_loss.{r}.json"
+        assert path.exists(), (r, output[-4000:])
+        got = json.loads(path.read_text())
+        assert got["error"] == "PeerLostError", got
+        assert got["elapsed_s"] < _BARRIER_LOSS_TIMEOUT_S / 2, got
 
 
 def _kill_if_ours(record: Path) -> None:

@@ -355,7 +355,16 @@ class MpiGroup(Closing):
         def timed_out(waited_s: float) -> BaseException:
             return TimeoutError(f"rank {self.rank}: {what} timed out after {timeout:.3g} s")
 
-        wait_until(request.Test, time.monotonic() + timeout, check_peers=check_peers,
+        def ready() -> bool:
+            # Under ``--with-ft ulfm`` MPI reports a peer that died during the collective as an
+            # error of the request (MPI_ERR_PROC_FAILED): a lost peer, like the engine's calls.
+            try:
+                return bool(request.Test())
+            except self.mpi.Exception as exc:
+                raise PeerLostError(f"rank {self.rank}: MPI reported a failure in {what}: "
+                                    f"{exc.Get_error_string()}") from None
+
+        wait_until(ready, time.monotonic() + timeout, check_peers=check_peers,
                    timed_out=timed_out, backoff=_BACKOFF)
 
     def _free_released(self, timeout_s: float | None, everything: bool = False) -> None:
