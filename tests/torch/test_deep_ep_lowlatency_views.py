@@ -46,7 +46,7 @@ def _bf16_flow(buf: Any, rank: int) -> dict[str, Any]:
     """Three dispatches (the third with a hook) and their combines, and the addresses of
     every tensor they handed out."""
     out: dict[str, Any] = {"ptr": [], "comb_ptr": [], "recv": [], "count": [], "src_info": [],
-                           "layout_range": [], "y": [], "y_zero_copy": []}
+                           "layout_range": [], "y": [], "y_zero_copy": [], "y_dropped": [], "y_own": []}
     for call, seed in enumerate((1, 2, 3)):
         xs, idxs, ws = _inputs(seed)
         x, idx, w = _bf16(xs[rank]), torch.from_numpy(idxs[rank]), torch.from_numpy(ws[rank])
@@ -60,6 +60,14 @@ def _bf16_flow(buf: Any, rank: int) -> dict[str, Any]:
                         ("layout_range", handle[1])):
             out[name].append(t.clone())
         out["y"].append(buf.low_latency_combine(recv, idx, w, handle)[0].clone())
+        # a decode step's expert outputs (a contiguous tensor of its own) and the dispatch's
+        # topk_idx with a slot dropped in place: what the facade recognises from metadata
+        expert_out = recv.clone()
+        kept = idx[:, 0].clone()
+        idx[:, 0] = -1
+        out["y_dropped"].append(buf.low_latency_combine(expert_out, idx, w, handle)[0].clone())
+        idx[:, 0] = kept
+        out["y_own"].append(buf.low_latency_combine(expert_out, idx, w, handle)[0].clone())
         staged = buf.get_next_low_latency_combine_buffer(handle)
         out["comb_ptr"].append(staged.data_ptr())
         staged.copy_(recv)
@@ -140,8 +148,14 @@ def test_rows_and_handles_match_the_padded_reference(results: list[dict[str, Any
                     n = int((src[e] == j).sum())
                     assert int(bf16["layout_range"][call][e, j]) == (begin << 32) | n
                     begin += n
-            for y in (bf16["y"][call], bf16["y_zero_copy"][call]):
+            for y in (bf16["y"][call], bf16["y_zero_copy"][call], bf16["y_own"][call]):
                 assert np.array_equal(y, ys[r])
+            # a dropped slot adds nothing: the reference with its weight 0 (finite rows)
+            zeroed = [w.copy() for w in ws]
+            for w in zeroed:
+                w[:, 0] = 0
+            dropped = reference.combine([ref.recv_x for ref in refs], refs, topk_weights=zeroed)
+            assert np.array_equal(bf16["y_dropped"][call], dropped[r])
 
 
 def test_fp8_and_ue8m0_are_exact_under_a_bf16_default_dtype(

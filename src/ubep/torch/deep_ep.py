@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidArgumentError
-from ..trace.recorder import traced_work
+from ..trace.recorder import recording, traced_work
 from . import deep_ep_checks as checks
 from ._convert import from_numpy, padded_rows, received_rows, to_numpy
 from ._runtime import RuntimeBackend
@@ -688,8 +688,6 @@ class Buffer:
                                        async_finish)
 
     # ------------------------------------------------------------------ low-latency mode
-    @traced_work("deep_ep.low_latency_dispatch")
-    @checks.gated
     def low_latency_dispatch(
         self,
         x: torch.Tensor,
@@ -714,13 +712,41 @@ class Buffer:
         (else None), which receives: ``recv_x``, ``recv_count`` and ``handle`` hold the data
         only after it ran (as DeepEP). ``async_finish``: the same, received by
         ``event.current_stream_wait()`` (DeepEP refuses both at once, so does ubep)."""
+        if not (async_finish or return_recv_hook or recording()):
+            # a decode step's call goes straight to its Buffer, whose errors reach every rank
+            # (nothing before it raises: the gate has nothing to tell)
+            got = self._low_latency.decode_dispatch(
+                x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                cumulative_local_expert_recv_stats, use_fp8, round_scale, use_ue8m0)
+            if got is not None:
+                return got
+        return self._checked_low_latency_dispatch(
+            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+            cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
+            round_scale, use_ue8m0, async_finish, return_recv_hook)
+
+    @traced_work("deep_ep.low_latency_dispatch")
+    @checks.gated
+    def _checked_low_latency_dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        num_max_dispatch_tokens_per_rank: int,
+        num_experts: int,
+        cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+        dispatch_wait_recv_cost_stats: torch.Tensor | None = None,
+        use_fp8: bool = True,
+        round_scale: bool = False,
+        use_ue8m0: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+    ) -> tuple[Any, torch.Tensor, LowLatencyHandle, EventOverlap, Callable[[], None] | None]:
+        """:meth:`low_latency_dispatch` through the facade's checks and its call gate."""
         return self._low_latency.dispatch(
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
             cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
             round_scale, use_ue8m0, async_finish, return_recv_hook)
 
-    @traced_work("deep_ep.low_latency_combine")
-    @checks.gated
     def low_latency_combine(
         self,
         x: torch.Tensor,
@@ -740,6 +766,33 @@ class Buffer:
         ``topk_idx`` is the dispatch's, where a slot may be set to -1 to drop it.
         ``return_recv_hook`` / ``async_finish``: as :meth:`low_latency_dispatch`; the combined
         ``x`` holds the sums once the hook (or the event's wait) ran."""
+        if not (zero_copy or async_finish or return_recv_hook or out is not None
+                or recording()):
+            # a decode step's call goes straight to its Buffer, whose errors reach every rank
+            # (nothing before it raises: the gate has nothing to tell)
+            y = self._low_latency.decode_combine(x, topk_idx, topk_weights, handle)
+            if y is not None:
+                return y, EventOverlap(None), None
+        return self._checked_low_latency_combine(
+            x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+            return_recv_hook, out, combine_wait_recv_cost_stats)
+
+    @traced_work("deep_ep.low_latency_combine")
+    @checks.gated
+    def _checked_low_latency_combine(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        handle: LowLatencyHandle,
+        use_logfmt: bool = False,
+        zero_copy: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+        out: torch.Tensor | None = None,
+        combine_wait_recv_cost_stats: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, EventOverlap, Callable[[], None] | None]:
+        """:meth:`low_latency_combine` through the facade's checks and its call gate."""
         return self._low_latency.combine(
             x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
             return_recv_hook, out, combine_wait_recv_cost_stats)

@@ -116,6 +116,19 @@ class Backends:
             name_buffer(buffer, _TRACE_NAMES[layout])
         return self.table[key]
 
+    def cached(self, layout: Layout, hidden: int, num_topk: int, num_experts: int,
+               dtype: torch.dtype, max_tokens: int, combine_dtype: torch.dtype | None = None,
+               quant: str | None = None, round_scale: bool = False) -> EPBackend | None:
+        """As :meth:`get`, where the backend of these shapes exists already (a decode loop's:
+        its configuration was checked when it was made) on ubep's Buffers without shrink mode;
+        else None (nothing done)."""
+        if self.local or self.shrink is not None or self.closed:
+            return None
+        key = (layout, hidden, num_topk, num_experts, dtype, max_tokens, combine_dtype, quant,
+               round_scale)
+        cached = self.table.get(key)
+        return None if cached is None else self.gate.enter(cached, key)
+
     def send(
         self,
         layout: Layout,

@@ -314,6 +314,7 @@ class LowLatencyPath:
         self.core = core
         self.group_size = core.group_size
         self._backend = core.backends.get
+        self._cached = core.backends.cached
         self._send = core.backends.send
         self._gate = core.gate
         self._num_local_experts = core.roles.num_local_experts
@@ -368,10 +369,14 @@ class LowLatencyPath:
             # the dispatch's topk_idx, known by its memory where idx_np is a view of it
             ptr = topk_idx.data_ptr() if (topk_idx.dtype == torch.int64 and topk_idx.is_cpu
                                           and topk_idx.is_contiguous()) else None
+            backend = self._backend("expert_padded", hidden, idx_np.shape[1], num_experts,
+                                    x.dtype, num_max_dispatch_tokens_per_rank,
+                                    **(_FP8_COMBINE if use_fp8 else {}),
+                                    round_scale=round_scale if use_fp8 else False)
             return self._padded_dispatch(
-                x, idx_np, ptr, num_max_dispatch_tokens_per_rank, num_experts,
-                cumulative_local_expert_recv_stats, use_fp8, round_scale, use_ue8m0,
-                async_finish, return_recv_hook)
+                backend, x, idx_np, ptr, num_max_dispatch_tokens_per_rank, num_experts,
+                cumulative_local_expert_recv_stats, use_fp8, use_ue8m0, async_finish,
+                return_recv_hook)
         # Unit weights travel with the rows; low_latency_combine gets the real ones.
         receive, backend = self._send(
             "expert", x.contiguous(), None, idx_np, np.ones(idx_np.shape, np.float32),
@@ -413,6 +418,36 @@ class LowLatencyPath:
         return (out.recv_x, out.recv_count, handle, _event(async_finish, finish),
                 finish if return_recv_hook else None)
 
+    def decode_dispatch(
+        self, x: Any, topk_idx: Any, num_max_dispatch_tokens_per_rank: int, num_experts: int,
+        stats: torch.Tensor | None, use_fp8: bool, round_scale: bool, use_ue8m0: bool,
+    ) -> tuple[Any, torch.Tensor, LowLatencyHandle, EventOverlap, Callable[[], None] | None] | None:
+        """A decode step's blocking dispatch on padded Buffers, recognised from the tensors'
+        metadata alone: a CPU ``[num_tokens, hidden]`` ``x`` within
+        ``num_max_dispatch_tokens_per_rank``, contiguous CPU int64 ``topk_idx`` of its token
+        count, FP8 options DeepEP takes and a hidden size their blocks divide. Nothing here
+        raises before the Buffer's call (whose errors reach every rank). ``None`` for anything
+        else, which :meth:`dispatch`'s checks take (and name)."""
+        if not (self.padded and type(x) is torch.Tensor and type(topk_idx) is torch.Tensor
+                and x.is_cpu and topk_idx.is_cpu and topk_idx.dtype is torch.int64
+                and topk_idx.is_contiguous() and not topk_idx.requires_grad):
+            return None
+        shape = x.shape
+        if len(shape) != 2 or len(topk_idx.shape) != 2 or topk_idx.shape[0] != shape[0] or (
+                shape[0] > num_max_dispatch_tokens_per_rank) or (use_ue8m0 and not (
+                    use_fp8 and round_scale)) or (use_fp8 and shape[1] % (
+                        FP8_BLOCK * (UE8M0_PACK if use_ue8m0 else 1))):
+            return None
+        backend = self._cached("expert_padded", shape[1], topk_idx.shape[1], num_experts,
+                               x.dtype, num_max_dispatch_tokens_per_rank,
+                               **(_FP8_COMBINE if use_fp8 else {}),
+                               round_scale=round_scale if use_fp8 else False)
+        if backend is None:  # its first call: the checked path makes the Buffer
+            return None
+        return self._padded_dispatch(
+            backend, x, topk_idx.numpy(), topk_idx.data_ptr(), num_max_dispatch_tokens_per_rank,
+            num_experts, stats, use_fp8, use_ue8m0, False, False)
+
     def _padded_views(self, backend: EPBackend) -> PaddedViews:
         """The views of ``backend``'s Buffer (made once; dropped with the backend)."""
         last = self._last_views
@@ -432,19 +467,14 @@ class LowLatencyPath:
         return views
 
     def _padded_dispatch(
-        self, x: torch.Tensor, idx_np: np.ndarray, idx_ptr: int | None, max_tokens: int,
-        num_experts: int,
-        stats: torch.Tensor | None, use_fp8: bool, round_scale: bool, use_ue8m0: bool,
-        async_finish: bool, return_recv_hook: bool,
+        self, backend: Any, x: torch.Tensor, idx_np: np.ndarray, idx_ptr: int | None,
+        max_tokens: int, num_experts: int, stats: torch.Tensor | None, use_fp8: bool,
+        use_ue8m0: bool, async_finish: bool, return_recv_hook: bool,
     ) -> tuple[Any, torch.Tensor, LowLatencyHandle, EventOverlap, Callable[[], None] | None]:
-        """``low_latency_dispatch`` on a padded Buffer: the rows land at DeepEP's places and
-        the returned tensors are views of the Buffer's receive region, known at the call (its
-        dispatch index is), defined once the receive half ran (module docstring)."""
+        """``low_latency_dispatch`` on ``backend``, a padded Buffer: the rows land at DeepEP's
+        places and the returned tensors are views of the Buffer's receive region, known at the
+        call (its dispatch index is), defined once the receive half ran (module docstring)."""
         split = async_finish or return_recv_hook
-        quant = dict(combine_dtype=torch.bfloat16, quant="e4m3",
-                     round_scale=round_scale) if use_fp8 else {}
-        backend: Any = self._backend("expert_padded", x.shape[1], idx_np.shape[1], num_experts,
-                                     x.dtype, max_tokens, **quant)
         num_local = self._num_local_experts(num_experts)  # M2N: 0 on a sender
         views = self._padded_views(backend)
         # Unit weights travel with the rows (the Buffer copies them into its handle);
@@ -525,6 +555,43 @@ class LowLatencyPath:
                 filled.append(True)
 
         return y, _event(async_finish, finish), (finish if return_recv_hook else None)
+
+    def decode_combine(self, x: Any, topk_idx: Any, topk_weights: Any,
+                       handle: Any) -> torch.Tensor | None:
+        """A decode step's blocking combine on a padded Buffer, recognised from the tensors'
+        metadata alone: the handle of a received dispatch, the expert outputs as a CPU
+        ``[num_local_experts, slots, hidden]`` tensor, the dispatch's own ``topk_idx`` tensor
+        (its memory: -1 slots set in place are read there) and float32 weights of its shape,
+        all contiguous. Nothing here raises before the Buffer's call (whose errors reach every
+        rank). ``None`` for anything else, which :meth:`combine`'s checks take (and name)."""
+        if type(handle) is not PaddedHandle:
+            return None
+        inner = handle.inner
+        fields = handle.__dict__
+        idx = handle.topk_idx
+        if not (inner is not None and type(x) is torch.Tensor and x.is_cpu
+                and type(topk_idx) is torch.Tensor and type(topk_weights) is torch.Tensor
+                and topk_idx.data_ptr() == fields["_idx_ptr"] and topk_idx.is_cpu
+                and topk_idx.is_contiguous()
+                and topk_idx.dtype is torch.int64 and topk_weights.dtype is torch.float32
+                and topk_weights.is_cpu and topk_weights.is_contiguous()
+                and not topk_weights.requires_grad and x.is_contiguous()
+                and topk_idx.shape == idx.shape and topk_weights.shape == idx.shape):
+            return None
+        rows = inner.recv_src_rank.shape[0]
+        shape = x.shape
+        if len(shape) != 3 or shape[0] * shape[1] != rows or shape[2] != handle.hidden or (
+                shape[0] != len(handle.counts)) or (
+                shape[1] != handle.num_max_dispatch_tokens_per_rank * self.group_size):
+            return None  # M2N's senders' rows, or a shape the checks name
+        # the same memory as the dispatch's ids (a contiguous int64 tensor at its address)
+        routed = inner.topk_idx
+        if _any_dropped(idx):
+            routed = np.where(idx < 0, np.int64(-1), routed)
+        buffer = handle.backend.buffer  # type: ignore[attr-defined]
+        self._gate.combine_on(handle.backend)  # the next call: a combine there
+        return _tensor_of(buffer.combine(x.view(rows, shape[2]),
+                                         _weighted(inner, routed, topk_weights.numpy())))
 
     def next_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """The tensor ``low_latency_combine(..., zero_copy=True)`` reads the expert outputs from:
@@ -619,6 +686,9 @@ class LowLatencyPath:
 
 
 
+
+# a quantising Buffer's options (DeepEP's FP8 dispatch, BF16 combine), with round_scale
+_FP8_COMBINE: dict[str, Any] = {"combine_dtype": torch.bfloat16, "quant": "e4m3"}
 
 # the engines whose receive regions are host memory a view wraps (padded_capable); None: the
 # group's own (shm on one host, mpi across hosts)

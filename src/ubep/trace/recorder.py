@@ -120,6 +120,12 @@ def work(name: str, rank: int) -> Iterator[None]:
                 rec.work.append(span)
 
 
+def recording() -> bool:
+    """Whether a :class:`Recorder` is recording (a call's fast path steps aside for the traced
+    one while it is)."""
+    return bool(_recorders)
+
+
 def traced_work(name: str) -> Callable[[_F], _F]:
     """A method decorator: each call is a :func:`work` span ``name`` of ``self.rank``."""
     def wrap(method: _F) -> _F:
