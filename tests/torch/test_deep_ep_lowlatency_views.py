@@ -78,6 +78,9 @@ def _bf16_flow(buf: Any, rank: int) -> dict[str, Any]:
     return out
 
 
+_FP8_CALLS = (False, False, True, True)  # use_ue8m0 of each FP8 call
+
+
 def _fp8_flow(buf: Any, rank: int) -> list[Any]:
     """DeepEP's pattern with FP8 and with UE8M0 scales, under a BF16 default dtype."""
     before = torch.get_default_dtype()
@@ -85,7 +88,7 @@ def _fp8_flow(buf: Any, rank: int) -> list[Any]:
     try:
         got = []
         idx = torch.from_numpy(_inputs(4)[1][rank])
-        for ue8m0 in (False, True):
+        for ue8m0 in _FP8_CALLS:  # each twice: the Buffer's first call, then a decode step's
             (q, s), count, handle, _, _ = buf.low_latency_dispatch(
                 _pattern(rank), idx, MAX_TOKENS, E, round_scale=ue8m0, use_ue8m0=ue8m0)
             got.append((q.view(torch.uint8).clone(), s.clone(), count.clone(), handle[0].clone()))
@@ -166,7 +169,7 @@ def test_fp8_and_ue8m0_are_exact_under_a_bf16_default_dtype(
                               layout="expert_padded", max_tokens=MAX_TOKENS)
     for r, got in enumerate(results):
         rows = testing.defined(refs[r])
-        for ue8m0, (q, s, count, src_info) in zip((False, True), got["fp8"], strict=True):
+        for ue8m0, (q, s, count, src_info) in zip(_FP8_CALLS, got["fp8"], strict=True):
             assert count.tolist() == refs[r].num_recv_tokens_per_expert.tolist()
             values, scales = quantize(refs[r].recv_x[rows], "e4m3", round_scale=ue8m0)
             assert np.array_equal(q.reshape(L * SLOTS, H)[rows], values)
