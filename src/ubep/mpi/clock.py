@@ -75,7 +75,7 @@ def _measure(group: Any, seq: int, rounds: int, deadline: float,
         ping = np.array([seq, k, t0], dtype=np.int64)
         sent = group.comm.Isend(ping, dest=0, tag=_TAG)
         if not _done(group, group.comm.Irecv(reply, source=0, tag=_TAG), deadline):
-            sent.Test()  # 24 bytes go eagerly: done locally long since
+            group.tested(sent, "the clock ping-pong")()  # 24 bytes went eagerly: done locally
             return None
         t2 = clock()
         _done(group, sent, deadline, cancel=False)
@@ -111,8 +111,8 @@ def _done(group: Any, request: Any, deadline: float, *, cancel: bool = True) -> 
                             f"{waited_s:.3g} s")
 
     try:
-        wait_until(request.Test, deadline, check_peers=group.check_peers, timed_out=timed_out,
-                   backoff=_BACKOFF)
+        wait_until(group.tested(request, "the clock ping-pong"), deadline,
+                   check_peers=group.check_peers, timed_out=timed_out, backoff=_BACKOFF)
         return True
     except TimeoutError:
         if cancel:

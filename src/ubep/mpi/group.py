@@ -25,6 +25,7 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -355,17 +356,21 @@ class MpiGroup(Closing):
         def timed_out(waited_s: float) -> BaseException:
             return TimeoutError(f"rank {self.rank}: {what} timed out after {timeout:.3g} s")
 
+        wait_until(self.tested(request, what), time.monotonic() + timeout,
+                   check_peers=check_peers, timed_out=timed_out, backoff=_BACKOFF)
+
+    def tested(self, request: Any, what: str) -> Callable[[], bool]:
+        """``request.Test`` for a wait's poll, where an error MPI reports is a lost peer: under
+        ``--with-ft ulfm`` a peer that died fails the requests that needed it
+        (``MPI_ERR_PROC_FAILED``), as it fails the engine's calls."""
         def ready() -> bool:
-            # Under ``--with-ft ulfm`` MPI reports a peer that died during the collective as an
-            # error of the request (MPI_ERR_PROC_FAILED): a lost peer, like the engine's calls.
             try:
                 return bool(request.Test())
             except self.mpi.Exception as exc:
                 raise PeerLostError(f"rank {self.rank}: MPI reported a failure in {what}: "
                                     f"{exc.Get_error_string()}") from None
 
-        wait_until(ready, time.monotonic() + timeout, check_peers=check_peers,
-                   timed_out=timed_out, backoff=_BACKOFF)
+        return ready
 
     def _free_released(self, timeout_s: float | None, everything: bool = False) -> None:
         """Free, on every rank, the windows every rank has released (collective)."""
