@@ -45,8 +45,9 @@ def _pattern(rank: int) -> Any:
 def _bf16_flow(buf: Any, rank: int) -> dict[str, Any]:
     """Three dispatches (the third with a hook) and their combines, and the addresses of
     every tensor they handed out."""
-    out: dict[str, Any] = {"ptr": [], "comb_ptr": [], "recv": [], "count": [], "src_info": [],
-                           "layout_range": [], "y": [], "y_zero_copy": [], "y_dropped": [], "y_own": []}
+    out: dict[str, Any] = {name: [] for name in (
+        "ptr", "comb_ptr", "recv", "count", "src_info", "layout_range", "y", "y_zero_copy",
+        "y_dropped", "y_own")}
     for call, seed in enumerate((1, 2, 3)):
         xs, idxs, ws = _inputs(seed)
         x, idx, w = _bf16(xs[rank]), torch.from_numpy(idxs[rank]), torch.from_numpy(ws[rank])

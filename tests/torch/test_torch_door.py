@@ -158,3 +158,24 @@ def test_tensor_capsule_is_a_tensor_over_the_array() -> None:
     f32 = np.arange(6, dtype=np.float32).reshape(2, 3)[:, ::2]
     tf = torch._C._from_dlpack(native.tensor_capsule(f32, 2))
     assert tf.tolist() == f32.tolist() and tf.stride() == (3, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int64])
+def test_storage_views_and_tensor_of_storage_share_memory(dtype: Any) -> None:
+    """The facades' conversions: a CPU tensor's storage view (torch's own view of the same
+    bits the oracle) and back, no copy either way; a tensor the native path does not view (on
+    ``meta``: another device) comes back as it is."""
+    from ubep.torch._convert import storage_views, tensor_of_storage
+
+    t = (torch.arange(-60, 60).reshape(8, 15) * 0.37).to(dtype)[:, 1:14]  # strided too
+    flat = torch.arange(12, dtype=dtype)
+    (a, b) = storage_views(t, flat)
+    for tensor, view in ((t, a), (flat, b)):
+        assert isinstance(view, np.ndarray) and view.shape == tuple(tensor.shape)
+        want = tensor.contiguous()
+        assert np.array_equal(view, _bits(want))
+        assert view.__array_interface__["data"][0] == tensor.data_ptr()
+    back = tensor_of_storage(b, dtype)
+    assert back.dtype == dtype and back.data_ptr() == flat.data_ptr() and torch.equal(back, flat)
+    meta = torch.empty((4, 4), dtype=dtype, device="meta")
+    assert storage_views(meta)[0] is meta

@@ -10,7 +10,7 @@ no element is converted or copied on either side. Only non-contiguous tensors ar
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -373,6 +373,32 @@ def _native_conversions() -> tuple[Any, Any]:
         return None, None
     native.use_dlpack(_TO_DLPACK)  # the engine's door takes tensors from now on
     return native.storage_views, native.tensor_capsule
+
+
+_NATIVE_OF: list[tuple[Any, Any]] = []  # _native_conversions(), once looked up
+
+
+def storage_views(*tensors: Any) -> tuple[Any, ...]:
+    """Each CPU tensor's numpy storage view (BF16 as ``uint16`` bits; no copy), all in one
+    native call from their DLPack capsules (detached, as :func:`to_numpy`); a tensor this path
+    does not view (another device, no native build) comes back as it is, for the caller's
+    checked path to convert or name."""
+    if not _NATIVE_OF:
+        _NATIVE_OF.append(_native_conversions())
+    views = _NATIVE_OF[0][0]
+    return tensors if views is None else cast(tuple[Any, ...], views(_TO_DLPACK, *tensors))
+
+
+def tensor_of_storage(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A ``dtype`` tensor over ``a``'s memory (``a`` its storage: ``uint16`` bits for BF16),
+    handed to torch by DLPack in one native call where built; no copy."""
+    if not _NATIVE_OF:
+        _NATIVE_OF.append(_native_conversions())
+    capsule, code = _NATIVE_OF[0][1], _DLPACK_CODE.get(dtype, -1)
+    if capsule is not None and code >= 0 and type(a) is _NDARRAY and (
+            a.dtype.itemsize == dtype.itemsize):
+        return cast(torch.Tensor, _FROM_DLPACK(capsule(a, code)))
+    return from_numpy_as(a, dtype)
 
 
 def owned_rows(recv_x: np.ndarray, dtype: torch.dtype, rows: int) -> torch.Tensor:

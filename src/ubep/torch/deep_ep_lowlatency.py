@@ -24,7 +24,13 @@ import torch
 
 from ..errors import InvalidArgumentError, UbepError
 from ..runtime.abi import native_or_none
-from ._convert import PAYLOAD_DTYPES, from_numpy, to_numpy
+from ._convert import (
+    PAYLOAD_DTYPES,
+    from_numpy,
+    storage_views,
+    tensor_of_storage,
+    to_numpy,
+)
 from .backend import EPBackend, issue_combine
 from .deep_ep_checks import check_device
 from .deep_ep_types import EventOverlap, LowLatencyHandle, _event
@@ -374,7 +380,8 @@ class LowLatencyPath:
                                     **(_FP8_COMBINE if use_fp8 else {}),
                                     round_scale=round_scale if use_fp8 else False)
             return self._padded_dispatch(
-                backend, x, idx_np, ptr, num_max_dispatch_tokens_per_rank, num_experts,
+                backend, to_numpy(x, argument="x"), idx_np, ptr,
+                num_max_dispatch_tokens_per_rank, num_experts,
                 cumulative_local_expert_recv_stats, use_fp8, use_ue8m0, async_finish,
                 return_recv_hook)
         # Unit weights travel with the rows; low_latency_combine gets the real ones.
@@ -429,23 +436,29 @@ class LowLatencyPath:
         raises before the Buffer's call (whose errors reach every rank). ``None`` for anything
         else, which :meth:`dispatch`'s checks take (and name)."""
         if not (self.padded and type(x) is torch.Tensor and type(topk_idx) is torch.Tensor
-                and x.is_cpu and topk_idx.is_cpu and topk_idx.dtype is torch.int64
-                and topk_idx.is_contiguous() and not topk_idx.requires_grad):
+                and topk_idx.dtype is torch.int64):
             return None
-        shape = x.shape
-        if len(shape) != 2 or len(topk_idx.shape) != 2 or topk_idx.shape[0] != shape[0] or (
+        # both tensors' memory in one native call: CPU tensors only (another device comes back
+        # as it was); the ids' view must be contiguous (its memory is the dispatch's, which
+        # the combine recognises)
+        x_np, idx_np = storage_views(x, topk_idx)
+        if type(x_np) is not np.ndarray or type(idx_np) is not np.ndarray or (
+                not idx_np.flags.c_contiguous):
+            return None
+        shape = x_np.shape
+        if len(shape) != 2 or idx_np.ndim != 2 or idx_np.shape[0] != shape[0] or (
                 shape[0] > num_max_dispatch_tokens_per_rank) or (use_ue8m0 and not (
                     use_fp8 and round_scale)) or (use_fp8 and shape[1] % (
                         FP8_BLOCK * (UE8M0_PACK if use_ue8m0 else 1))):
             return None
-        backend = self._cached("expert_padded", shape[1], topk_idx.shape[1], num_experts,
+        backend = self._cached("expert_padded", shape[1], idx_np.shape[1], num_experts,
                                x.dtype, num_max_dispatch_tokens_per_rank,
                                **(_FP8_COMBINE if use_fp8 else {}),
                                round_scale=round_scale if use_fp8 else False)
         if backend is None:  # its first call: the checked path makes the Buffer
             return None
         return self._padded_dispatch(
-            backend, x, topk_idx.numpy(), topk_idx.data_ptr(), num_max_dispatch_tokens_per_rank,
+            backend, x_np, idx_np, topk_idx.data_ptr(), num_max_dispatch_tokens_per_rank,
             num_experts, stats, use_fp8, use_ue8m0, False, False)
 
     def _padded_views(self, backend: EPBackend) -> PaddedViews:
@@ -467,7 +480,7 @@ class LowLatencyPath:
         return views
 
     def _padded_dispatch(
-        self, backend: Any, x: torch.Tensor, idx_np: np.ndarray, idx_ptr: int | None,
+        self, backend: Any, x_np: np.ndarray, idx_np: np.ndarray, idx_ptr: int | None,
         max_tokens: int, num_experts: int, stats: torch.Tensor | None, use_fp8: bool,
         use_ue8m0: bool, async_finish: bool, return_recv_hook: bool,
     ) -> tuple[Any, torch.Tensor, LowLatencyHandle, EventOverlap, Callable[[], None] | None]:
@@ -480,15 +493,15 @@ class LowLatencyPath:
         # Unit weights travel with the rows (the Buffer copies them into its handle);
         # low_latency_combine gets the real ones. The Buffer's own call: its results are numpy
         # arrays of host memory (padded_capable), read here as they are.
-        call = backend.buffer.dispatch(to_numpy(x, argument="x"), idx_np,
-                                       views.unit_weights(idx_np.shape), return_recv_hook=split)
+        call = backend.buffer.dispatch(x_np, idx_np, views.unit_weights(idx_np.shape),
+                                       return_recv_hook=split)
         # the region its rows land in, known once issued (split: before they arrived)
         index = call.dispatch_index if split else call.handle.dispatch_index
         region = views.region(index, num_local, max_tokens * self.group_size, use_fp8,
                               use_ue8m0)
         handle = object.__new__(PaddedHandle)
         handle.__dict__.update(
-            num_max_dispatch_tokens_per_rank=max_tokens, hidden=x.shape[1],
+            num_max_dispatch_tokens_per_rank=max_tokens, hidden=x_np.shape[1],
             num_experts=num_experts, inner=None, backend=backend, topk_idx=idx_np,
             counts=None, _views=views, _idx_ptr=idx_ptr)
 
@@ -564,34 +577,34 @@ class LowLatencyPath:
         (its memory: -1 slots set in place are read there) and float32 weights of its shape,
         all contiguous. Nothing here raises before the Buffer's call (whose errors reach every
         rank). ``None`` for anything else, which :meth:`combine`'s checks take (and name)."""
-        if type(handle) is not PaddedHandle:
+        if type(handle) is not PaddedHandle or handle.inner is None:
             return None
-        inner = handle.inner
-        fields = handle.__dict__
-        idx = handle.topk_idx
-        if not (inner is not None and type(x) is torch.Tensor and x.is_cpu
-                and type(topk_idx) is torch.Tensor and type(topk_weights) is torch.Tensor
-                and topk_idx.data_ptr() == fields["_idx_ptr"] and topk_idx.is_cpu
-                and topk_idx.is_contiguous()
-                and topk_idx.dtype is torch.int64 and topk_weights.dtype is torch.float32
-                and topk_weights.is_cpu and topk_weights.is_contiguous()
-                and not topk_weights.requires_grad and x.is_contiguous()
-                and topk_idx.shape == idx.shape and topk_weights.shape == idx.shape):
+        inner, idx = handle.inner, handle.topk_idx
+        # the dispatch's ids: a contiguous int64 tensor at their address (a host address: no
+        # device tensor has it) is their memory, as the dispatch read it
+        if not (type(x) is torch.Tensor and type(topk_idx) is torch.Tensor
+                and type(topk_weights) is torch.Tensor
+                and topk_idx.data_ptr() == handle.__dict__["_idx_ptr"]
+                and topk_idx.dtype is torch.int64 and topk_idx.is_contiguous()
+                and topk_idx.shape == idx.shape and topk_weights.dtype is torch.float32):
+            return None
+        x_np, w_np = storage_views(x, topk_weights)  # CPU tensors only
+        if type(x_np) is not np.ndarray or type(w_np) is not np.ndarray or not (
+                x_np.flags.c_contiguous and w_np.flags.c_contiguous) or w_np.shape != idx.shape:
             return None
         rows = inner.recv_src_rank.shape[0]
-        shape = x.shape
+        shape = x_np.shape
         if len(shape) != 3 or shape[0] * shape[1] != rows or shape[2] != handle.hidden or (
                 shape[0] != len(handle.counts)) or (
                 shape[1] != handle.num_max_dispatch_tokens_per_rank * self.group_size):
             return None  # M2N's senders' rows, or a shape the checks name
-        # the same memory as the dispatch's ids (a contiguous int64 tensor at its address)
         routed = inner.topk_idx
         if _any_dropped(idx):
             routed = np.where(idx < 0, np.int64(-1), routed)
         buffer = handle.backend.buffer  # type: ignore[attr-defined]
         self._gate.combine_on(handle.backend)  # the next call: a combine there
-        return _tensor_of(buffer.combine(x.view(rows, shape[2]),
-                                         _weighted(inner, routed, topk_weights.numpy())))
+        y = buffer.combine(x_np.reshape(rows, shape[2]), _weighted(inner, routed, w_np))
+        return tensor_of_storage(y, x.dtype)
 
     def next_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """The tensor ``low_latency_combine(..., zero_copy=True)`` reads the expert outputs from:
