@@ -98,12 +98,12 @@ def normal_flow(buf: Any, rank: int, internode: bool) -> dict[str, Any]:
     x, idx, w = inputs(rank)
     per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
     if internode:
-        recv, _, _, counts, handle, _ = buf.internode_dispatch(
+        recv, recv_idx, recv_w, counts, handle, _ = buf.internode_dispatch(
             x, None, per_rank, per_rdma, in_rank, per_expert, idx, w)
         y, _, _ = buf.internode_combine(recv, handle)
         cached = buf.internode_dispatch(x, handle)[0]
     else:
-        recv, _, _, counts, handle, _ = buf.dispatch(
+        recv, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
             x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma,
             is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx,
             topk_weights=w)
@@ -114,7 +114,26 @@ def normal_flow(buf: Any, rank: int, internode: bool) -> dict[str, Any]:
         "handle": [np.asarray(f.numpy()) for f in handle], "type": type(handle).__name__,
         "per_rdma": None if per_rdma is None else per_rdma.numpy(),
         "cached_ok": bool(torch.equal(cached, recv)), "counts": list(counts),
+        "recv_idx": recv_idx.numpy(), "recv_w": recv_w.numpy(),
     }
+
+
+def received_routing(rank: int, num_ranks: int, res: list[Any]) -> tuple[np.ndarray, ...]:
+    """DeepEP's ``recv_topk_idx`` (the rank's local expert of each slot, -1 where the slot's
+    expert is elsewhere or dropped), ``recv_topk_weights`` (0 there) and the per-local-expert
+    counts of ``rank``'s received rows, brute force from each row's source token."""
+    per = E // num_ranks
+    ref = res[rank]
+    rows_idx, rows_w = [], []
+    for src, token in zip(ref.recv_src_rank.tolist(), ref.recv_src_token.tolist(), strict=True):
+        _, idx, w = inputs(src)
+        row = idx[token].numpy()
+        local = np.where((row >= 0) & (row // per == rank), row - rank * per, -1)
+        rows_idx.append(local)
+        rows_w.append(np.where(local >= 0, w[token].numpy(), np.float32(0)))
+    recv_idx = np.array(rows_idx, dtype=np.int64).reshape(-1, K)
+    counts = np.array([(recv_idx == e).sum() for e in range(per)], dtype=np.int64)
+    return recv_idx, np.array(rows_w, dtype=np.float32).reshape(-1, K), counts
 
 
 def check_normal(got: dict[str, Any], rank: int, num_ranks: int, host_of: list[int] | None,
@@ -124,7 +143,18 @@ def check_normal(got: dict[str, Any], rank: int, num_ranks: int, host_of: list[i
     np.testing.assert_array_equal(got["recv"], bf16_as_f32(res[rank].recv_x))
     np.testing.assert_array_equal(got["y"], bf16_as_f32(ys[rank]))
     assert got["cached_ok"]
+    recv_idx, recv_w, counts = received_routing(rank, num_ranks, res)
+    np.testing.assert_array_equal(got["recv_idx"], recv_idx)
+    np.testing.assert_array_equal(got["recv_w"], recv_w)
+    assert got["counts"] == counts.tolist()
     if host_of is None:
+        # the intranode handle: rank_prefix_matrix (tokens sources 0..i sent each rank),
+        # recv_src_idx (each row's token at its source), is_token_in_rank
+        sent = np.array([in_rank_of(inputs(s)[1], num_ranks).sum(axis=0)
+                         for s in range(num_ranks)])
+        np.testing.assert_array_equal(got["handle"][0], np.cumsum(sent, axis=0))
+        np.testing.assert_array_equal(got["handle"][3], res[rank].recv_src_token)
+        np.testing.assert_array_equal(got["handle"][4], in_rank_of(inputs(rank)[1], num_ranks))
         return
     want = internode_handle(rank, num_ranks, host_of)
     assert got["type"] == "InternodeHandle" and got["len"] == 10

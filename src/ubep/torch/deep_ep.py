@@ -43,7 +43,7 @@ import torch
 from ..errors import InvalidArgumentError
 from ..trace.recorder import recording, traced_work
 from . import deep_ep_checks as checks
-from ._convert import from_numpy, padded_rows, received_rows, to_numpy
+from ._convert import from_numpy, padded_rows, received_rows, storage_views, to_numpy
 from ._runtime import RuntimeBackend
 from .backend import EPBackend, LocalBackend
 from .deep_ep_agree import (
@@ -191,6 +191,10 @@ class Buffer:
         self._internode = InternodePath(self.core)
         self._mask = MaskBuffer(self.core)
         self._layouts = LayoutMemo()  # the last get_dispatch_layout, for the dispatch after it
+        # whether a normal-mode decode step may take the one-call path (_decode_dispatch): one
+        # host, ubep's host engines (their results numpy), no shrink mode, no M2N roles
+        self._host_decode = (self._low_latency.padded and self.core.num_hosts == 1
+                             and self.core.roles.expert_ranks is None)
 
     # ------------------------------------------------------------------ static helpers
     @property
@@ -311,7 +315,6 @@ class Buffer:
         self._layouts.remember(idx, lay, outputs)
         return (*outputs, _event(async_finish))
 
-    @traced_work("deep_ep.dispatch")
     def dispatch(
         self,
         x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
@@ -339,6 +342,76 @@ class Buffer:
         ``num_worst_tokens > 0`` the outputs have that many rows (the received ones first,
         ``recv_topk_idx`` -1 after them) and the per-expert list is empty.
         """
+        if (handle is None and num_worst_tokens == 0 and not async_finish
+                and previous_event is None and self._host_decode and not recording()):
+            # a decode step's call goes straight to its Buffer, whose errors reach every rank
+            # (nothing before it raises: the gate has nothing to tell)
+            got = self._decode_dispatch(
+                x, _Layout(num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                           num_tokens_per_expert), topk_idx, topk_weights, expert_alignment)
+            if got is not None:
+                return got
+        return self._checked_dispatch(
+            x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+            num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+            config, previous_event, async_finish, allocate_on_comm_stream)
+
+    def _decode_dispatch(
+        self, x: Any, layout: _Layout, topk_idx: Any, topk_weights: Any, expert_alignment: int,
+    ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, list[int] | None, Any,
+               EventOverlap] | None:
+        """A decode step's dispatch after its ``get_dispatch_layout``, recognised from the
+        tensors' metadata: CPU ``x`` of a dispatch dtype within the capacity, the routing
+        that layout was made from as contiguous int64 / float32 tensors of one shape, the
+        layout's own unmodified tensors, and a Buffer made already. None for anything else,
+        which the checked path takes (and names)."""
+        if not (type(x) is torch.Tensor and type(topk_idx) is torch.Tensor
+                and type(topk_weights) is torch.Tensor and topk_idx.dtype is torch.int64
+                and topk_weights.dtype is torch.float32 and x.dtype in checks.DISPATCH_DTYPES):
+            return None
+        x_np, idx, w = storage_views(x, topk_idx, topk_weights)  # CPU tensors only
+        if not (type(x_np) is np.ndarray and type(idx) is np.ndarray and type(w) is np.ndarray
+                and x_np.ndim == 2 and idx.ndim == 2 and idx.shape == w.shape
+                and idx.flags.c_contiguous and w.flags.c_contiguous
+                and idx.shape[0] == x_np.shape[0] <= self.max_tokens_per_rank):
+            return None
+        lay = self._layouts.recall(idx, (layout.num_tokens_per_rank,
+                                         layout.num_tokens_per_rdma_rank,
+                                         layout.num_tokens_per_expert, layout.is_token_in_rank))
+        if lay is None:
+            return None
+        num_experts = int(lay.num_tokens_per_expert.size)
+        backend = self.core.backends.cached("rank", x_np.shape[1], idx.shape[1], num_experts,
+                                            x.dtype, self.max_tokens_per_rank)
+        if backend is None:  # its first call: the checked path makes the Buffer
+            return None
+        route = _Route(idx, w, lay.is_token_in_rank, lay.num_tokens_per_expert, num_experts,
+                       True)
+        # ubep's Buffer (a host engine's: numpy results) straight, else the backend's protocol
+        res = (backend.buffer.dispatch(x_np, idx, w) if type(backend) is RuntimeBackend
+               else backend.dispatch(x_np, idx, w))
+        return self._dispatch_outputs(res, backend, route, None, None, x.dtype, False, 0, None,
+                                      expert_alignment, False)
+
+    @traced_work("deep_ep.dispatch")
+    def _checked_dispatch(
+        self,
+        x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        handle: NormalHandle | None = None,
+        num_tokens_per_rank: torch.Tensor | None = None,
+        num_tokens_per_rdma_rank: torch.Tensor | None = None,
+        is_token_in_rank: torch.Tensor | None = None,
+        num_tokens_per_expert: torch.Tensor | None = None,
+        topk_idx: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+        expert_alignment: int = 1,
+        num_worst_tokens: int = 0,
+        config: Config | None = None,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, list[int] | None, Any, EventOverlap]:
+        """:meth:`dispatch` through the facade's checks and its call gate."""
         self._check_normal_mode()
         if isinstance(handle, InternodeHandle) or (self.core.num_hosts > 1 and handle is None):
             # the group spans hosts: DeepEP's internode path (it refuses num_worst_tokens there)
@@ -406,6 +479,18 @@ class Buffer:
                 "rank", x, scales, route.topk_idx, route.topk_weights, route.num_experts,
                 self.max_tokens_per_rank)
             res, recv_scales = receive()
+        return self._dispatch_outputs(res, backend, route, recv, recv_scales, x.dtype,
+                                      scales is not None, num_worst_tokens, per_expert,
+                                      expert_alignment, async_finish)
+
+    def _dispatch_outputs(
+        self, res: Any, backend: EPBackend, route: _Route, recv: Any, recv_scales: Any,
+        x_dtype: torch.dtype, fp8: bool, num_worst_tokens: int, per_expert: np.ndarray | None,
+        expert_alignment: int, async_finish: bool,
+    ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, list[int] | None, Any, EventOverlap]:
+        """DeepEP's outputs of the dispatch ``res`` (numpy fields): owned copies of the rows
+        (``recv``, where the call made them a tensor already), the routing and the weights,
+        the per-expert counts and the handle."""
         # every rank's tokens to every rank, from the engine's count round: the same on all
         sent = np.array(res.num_sent_rows_per_rank, dtype=np.int64)
         most = int(sent.sum(axis=0).max(initial=0)) if num_worst_tokens else 0
@@ -415,7 +500,7 @@ class Buffer:
         rows = res.recv_src_rank.shape[0]
         out_rows = num_worst_tokens if num_worst_tokens > 0 else rows
         if recv is None:
-            recv = received_rows(res.recv_x, recv_scales, x.dtype, scales is not None, out_rows)
+            recv = received_rows(res.recv_x, recv_scales, x_dtype, fp8, out_rows)
         elif out_rows != rows:  # num_worst_tokens: zeros after the received rows
             recv = padded_rows(recv, out_rows)
         new_handle = self._normal_handle(res, backend, route, sent, out_rows)
