@@ -318,3 +318,45 @@ def test_deep_ep_other_calls_keep_tensors_on_the_triton_engine_bit_exact() -> No
     for got in ubep.launch(_on_the_device_body, _RANKS, timeout_s=600.0):
         assert not got["errors"], "\n".join(got["errors"])
         assert got["calls"] > 10
+
+
+def _bad_combine_body(group: Any) -> list[str]:
+    """A low-latency combine on the Triton engine that rank 1 calls with bad input (a
+    ``topk_idx`` that is not the dispatch's, then expert outputs of another dtype): refused
+    there by the argument, on rank 0 as ``RemoteError`` from rank 1; the next combine works.
+    Returns each call's outcome."""
+    from tests.torch import test_torch_deep_ep as flow
+    from ubep.errors import InvalidArgumentError, RemoteError
+
+    r = group.rank
+    buf = deep_ep.Buffer(group, low_latency_mode=True, transport="triton", timeout_s=120.0)
+    x, idx, w = flow._inputs(r)
+    recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, flow.LL_MAX_TOKENS, flow.E,
+                                                     use_fp8=False)
+    out = recv * 2  # identity experts, doubled (exact in BF16)
+    wrong = idx.clone()
+    wrong[1, 1] = (int(idx[1, 1]) + 1) % flow.E
+    dense = sum(torch.where(idx[:, k, None] >= 0, w[:, k, None] * 2 * x.float(), 0.0)
+                for k in range(idx.shape[1]))
+    outcomes = []
+    # a good combine after each bad one (the engine keeps one failure notice a rank: a
+    # second reject right after the first could overwrite it before the peer read it)
+    for bad in ((out, wrong), (out.float(), idx)):
+        try:
+            buf.low_latency_combine(*(bad if r == 1 else (out, idx)), w, handle)
+            outcomes.append("ok")
+        except InvalidArgumentError as exc:
+            outcomes.append(f"invalid {exc.argument}")
+        except RemoteError as exc:
+            outcomes.append(f"remote from {exc.rank}")
+        y = buf.low_latency_combine(out, idx, w, handle)[0]
+        torch.testing.assert_close(y.float(), dense, rtol=2e-2, atol=2e-2)  # BF16 rows
+        outcomes.append("y ok")
+    return outcomes
+
+
+@needs_triton
+def test_bad_low_latency_combine_on_the_triton_engine_fails_on_every_rank() -> None:
+    got = ubep.launch(_bad_combine_body, _RANKS, timeout_s=300.0)
+    assert got == [["remote from 1", "y ok", "remote from 1", "y ok"],
+                   ["invalid topk_idx", "y ok", "invalid x", "y ok"]]

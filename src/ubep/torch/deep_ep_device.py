@@ -43,6 +43,8 @@ __all__ = ["DeviceHandle", "DeviceLowLatency", "cached_rows", "fp8_rows", "on_de
 DEVICE_TRANSPORTS = ("triton",)
 _E4M3_MAX = 448.0  # the largest e4m3 value (ubep.quant)
 _MIN_AMAX = 1e-4  # ubep.quant's floor of a block's amax
+# a Buffer's combine dtype (its ``combine_dtype``, else its ``dtype``) as the expert outputs'
+_COMBINE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def on_device(core: FacadeCore) -> bool:
@@ -316,6 +318,10 @@ class DeviceLowLatency:
         if tuple(source.shape) != (num_local, slots, handle.hidden):
             raise InvalidArgumentError(
                 "x", tuple(source.shape), f"must be [{num_local}, {slots}, {handle.hidden}]")
+        cfg = handle.backend.buffer.config  # type: ignore[attr-defined]
+        want = _COMBINE_DTYPES.get(str(cfg.combine_dtype or cfg.dtype))
+        if source.dtype != want:
+            raise InvalidArgumentError("x", source.dtype, f"must be {want} (the combine dtype)")
         dispatched = cast(torch.Tensor, handle.topk_idx)
         idx = topk_idx.to(device=dispatched.device)
         if idx.shape != dispatched.shape or not bool(((idx == dispatched) | (idx == -1)).all()):
