@@ -1,7 +1,10 @@
 """``deep_ep.Buffer(group, ..., transport="triton")``: DeepEP's normal dispatch and combine run
 on the Triton engine (under Triton's interpreter), bit for bit against dense computations
-every rank makes from every rank's seeded inputs; and ``ubep.Buffer`` on it takes torch
-tensors and gives torch tensors, bit for bit against ``ubep.reference``."""
+every rank makes from every rank's seeded inputs; every other call of the facade (the
+low-latency pair in BF16, FP8 and UE8M0, FP8 and cached normal dispatches, a dispatch without
+topk) bit for bit against the native engine's results, with tensors to the engine and no row
+through numpy; and ``ubep.Buffer`` on it takes torch tensors and gives torch tensors, bit for
+bit against ``ubep.reference``."""
 
 from __future__ import annotations
 
