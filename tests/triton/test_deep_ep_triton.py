@@ -210,9 +210,12 @@ def _device_calls(group: Any, transport: str | None) -> dict[str, Any]:
             t.element_size() == 1) else t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
     ll = deep_ep.Buffer(group, low_latency_mode=True, timeout_s=120.0, **options)
+    stats = torch.full((local,), 7, dtype=torch.int32)
     recv, count, handle, _, hook = ll.low_latency_dispatch(
-        x, idx, flow.LL_MAX_TOKENS, flow.E, use_fp8=False, return_recv_hook=True)
+        x, idx, flow.LL_MAX_TOKENS, flow.E, use_fp8=False, return_recv_hook=True,
+        cumulative_local_expert_recv_stats=stats)
     hook()
+    keep("ll.stats", stats)
     keep("ll.recv_count", count)
     keep("ll.layout_range", handle.layout_range)
     for e in range(local):  # only the first recv_count[e] rows are defined (as DeepEP's)
@@ -229,9 +232,10 @@ def _device_calls(group: Any, transport: str | None) -> dict[str, Any]:
                                                   handle, zero_copy=True)[0])
     for name, ue8m0 in (("fp8", False), ("ue8m0", True)):
         wide = torch.cat([x, -x], dim=1)  # hidden 512: one UE8M0 int32 of four scales
-        (q, s), count, handle, _, _ = ll.low_latency_dispatch(
+        (q, s), count, handle, event, _ = ll.low_latency_dispatch(
             wide, idx, flow.LL_MAX_TOKENS, flow.E, use_fp8=True, round_scale=ue8m0,
-            use_ue8m0=ue8m0)
+            use_ue8m0=ue8m0, async_finish=True)
+        event.current_stream_wait()
         for e in range(local):
             keep(f"ll.{name}.values[{e}]", q[e, : int(count[e])])
             keep(f"ll.{name}.scales[{e}]", s[e, : int(count[e])])
