@@ -21,7 +21,8 @@ from ..errors import InvalidArgumentError
 from ..modes import Layout
 from ._convert import TorchDispatchResult, from_numpy_as, on_host
 
-__all__ = ["RuntimeBackend", "buffer_config", "make_backend", "ubep_dtype_name"]
+__all__ = ["RuntimeBackend", "buffer_config", "host_bookkeeping", "make_backend",
+           "ubep_dtype_name"]
 
 def ubep_dtype_name(dtype: torch.dtype) -> str:
     """The ``ubep.dtypes`` name of a torch payload dtype (``torch.bfloat16`` -> ``"bf16"``;
@@ -65,7 +66,7 @@ class RuntimeBackend:
         recv_x = got.recv_x
         if type(recv_x) is not torch.Tensor:  # an engine's numpy rows
             return got, from_numpy_as(np.array(recv_x), x.dtype)
-        return _host_result(got), recv_x.clone()
+        return host_bookkeeping(got), recv_x.clone()
 
     def combine_tensor(self, expert_out: torch.Tensor, handle: Any) -> torch.Tensor:
         """:meth:`combine` of a tensor's rows (``handle``: the numpy result's own), ``y`` a
@@ -122,6 +123,14 @@ def _host_result(res: Any) -> Any:
     elif type(res.recv_x) is np.ndarray and type(res.recv_src_token) is np.ndarray:
         return res  # a host engine's: its fields are numpy arrays already
     fields = {f.name: on_host(getattr(res, f.name)) for f in dataclasses.fields(res)}
+    return type(res)(**fields)
+
+
+def host_bookkeeping(res: Any) -> Any:
+    """A device dispatch's result with every field but ``recv_x`` on the host (the routing
+    the facade keeps in its handle, read on the host), ``recv_x`` the engine's tensor."""
+    fields = {f.name: getattr(res, f.name) if f.name == "recv_x" else on_host(
+        getattr(res, f.name)) for f in dataclasses.fields(res)}
     return type(res)(**fields)
 
 

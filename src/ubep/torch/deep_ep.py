@@ -62,6 +62,7 @@ from .deep_ep_checks import (
     own_backend,
 )
 from .deep_ep_core import Backends, Exchange, FacadeCore
+from .deep_ep_device import cached_rows, on_device, received_pair, routed_fp8
 from .deep_ep_internode import InternodePath, hosts_of
 from .deep_ep_layouts import LayoutMemo, dispatch_layout
 from .deep_ep_lowlatency import LowLatencyPath
@@ -474,6 +475,9 @@ class Buffer:
                 res, recv = backend.dispatch_tensor(x, route.topk_idx, route.topk_weights)
             else:
                 res = backend.dispatch(to_numpy(x), route.topk_idx, route.topk_weights)
+        elif scales is not None and on_device(self.core):  # two dispatches of tensors
+            res, recv, backend = routed_fp8(self.core, x, scales, route,
+                                            self.max_tokens_per_rank)
         else:
             receive, backend = self.core.backends.send(
                 "rank", x, scales, route.topk_idx, route.topk_weights, route.num_experts,
@@ -501,6 +505,8 @@ class Buffer:
         out_rows = num_worst_tokens if num_worst_tokens > 0 else rows
         if recv is None:
             recv = received_rows(res.recv_x, recv_scales, x_dtype, fp8, out_rows)
+        elif isinstance(recv, tuple):  # FP8 on a device: its values and scales
+            recv = received_pair(recv[0], recv[1], x_dtype, out_rows)
         elif out_rows != rows:  # num_worst_tokens: zeros after the received rows
             recv = padded_rows(recv, out_rows)
         new_handle = self._normal_handle(res, backend, route, sent, out_rows)
@@ -640,6 +646,9 @@ class Buffer:
         if topk_idx is not None or topk_weights is not None:
             raise InvalidArgumentError("handle", "given", "cached dispatch takes no topk_idx")
         checks.check_device(x=x, x_scales=scales)
+        if on_device(self.core):  # the tensors as they are, and the engine's rows
+            recv = cached_rows(self.core, x, scales, handle, self.max_tokens_per_rank)
+            return recv, None, None, None, None, _event(async_finish)
         idx = handle.topk_idx
         receive, _ = self.core.backends.send(
             "rank", x, scales, idx, np.zeros(idx.shape, np.float32), handle.num_experts,

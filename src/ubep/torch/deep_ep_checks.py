@@ -46,6 +46,20 @@ def check_device(**tensors: Any) -> None:
                 "engines move host memory")
 
 
+def _empty_call(buffer: Any) -> tuple[Any, Any, Any]:
+    """The arguments of a dispatch of no tokens on ``buffer`` (a switch): numpy arrays, or
+    tensors where its engine takes them (what reaches it is then a tensor, as every call)."""
+    cfg = buffer.config
+    hidden, k = int(cfg.hidden), int(cfg.num_topk)
+    storage = dtype_of(cfg.dtype).storage
+    if not getattr(buffer.engine, "takes_tensors", False):
+        return (np.empty((0, hidden), storage), np.empty((0, k), np.int64),
+                np.empty((0, k), np.float32))
+    x = torch.from_numpy(np.empty((0, hidden), storage))
+    return (x.view(torch.bfloat16) if cfg.dtype == "bf16" else x,
+            torch.empty((0, k), dtype=torch.int64), torch.empty((0, k), dtype=torch.float32))
+
+
 def check_dispatch_x(x: torch.Tensor, max_tokens_per_rank: int) -> None:
     """A normal-mode ``x`` the facade's Buffer can carry (its device, its dtype, its token
     count)."""
@@ -189,10 +203,7 @@ class CallGate:
         self.entered += 1
         if not self._sign(last, dataclasses.replace(sig, flags=sig.flags | {"switch"}).word):
             return  # an engine that compares no words would pair the switch with a real call
-        cfg = buffer.config
-        hidden, k = int(cfg.hidden), int(cfg.num_topk)
-        got = buffer.dispatch(np.empty((0, hidden), dtype_of(cfg.dtype).storage),
-                              np.empty((0, k), np.int64), np.empty((0, k), np.float32))
+        got = buffer.dispatch(*_empty_call(buffer))
         if isinstance(got, PendingCall):  # calls in flight there: this one is split too
             got.hook()
 

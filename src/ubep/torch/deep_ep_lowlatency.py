@@ -9,7 +9,9 @@ FP8's float32 scales) are views of the Buffer's own receive region and
 made once per region): no tensor of that shape is allocated, zeroed or packed per call. As
 DeepEP's, only the first ``recv_count[e]`` rows of expert ``e`` are defined. The in-process
 world and shrink mode (whose masking Buffers re-order rows after a loss) receive packed rows
-and copy them into new tensors (:class:`LowLatencyOutputs`).
+and copy them into new tensors (:class:`LowLatencyOutputs`). On an engine that takes tensors
+(``transport="triton"``) the pair is :class:`.deep_ep_device.DeviceLowLatency`'s: torch on
+the engine's device, no numpy.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from ._convert import (
 )
 from .backend import EPBackend, issue_combine
 from .deep_ep_checks import check_device
+from .deep_ep_device import DeviceHandle, DeviceLowLatency, on_device
 from .deep_ep_types import EventOverlap, LowLatencyHandle, _event
 from .fp8 import FP8_BLOCK, UE8M0_PACK, pack_ue8m0
 
@@ -328,6 +331,8 @@ class LowLatencyPath:
         #: in-process world (no Buffer) nor in shrink mode (masking Buffers)
         self.padded = (core.shrink is None and not core.local
                        and core.options.get("transport") in _PADDED_TRANSPORTS)
+        #: the calls on an engine that takes tensors: torch on its device end to end
+        self.device = DeviceLowLatency(core) if on_device(core) else None
         # get_next_low_latency_combine_buffer's tensors, by (local experts, slots, hidden)
         self.combine_staging: dict[tuple[int, int, int], torch.Tensor] = {}
         # the views of each padded Buffer (weakly: they go with the backend), and the last
@@ -366,6 +371,11 @@ class LowLatencyPath:
                 "use_ue8m0", True, "needs use_fp8=True and round_scale=True (as DeepEP)"
             )
         _check_async(async_finish, return_recv_hook)
+        if self.device is not None:
+            return self.device.dispatch(
+                x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                self._num_local_experts(num_experts), cumulative_local_expert_recv_stats,
+                use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
         idx_np = np.ascontiguousarray(to_numpy(topk_idx, argument="topk_idx"), dtype=np.int64)
         if use_fp8:
             block = FP8_BLOCK * (UE8M0_PACK if use_ue8m0 else 1)
@@ -620,6 +630,9 @@ class LowLatencyPath:
             _require_received(handle)
             views = handle.__dict__["_views"]
             return cast(torch.Tensor, views.combine_buffer(handle, len(handle.counts))[1])
+        if type(handle) is DeviceHandle and self.device is not None:
+            _require_received(handle)
+            return self.device.next_combine_buffer(handle)
         key = self._staging_key(handle)
         if key not in self.combine_staging:
             self.combine_staging[key] = torch.zeros(key, dtype=torch.bfloat16)
@@ -658,6 +671,9 @@ class LowLatencyPath:
         if type(handle) is PaddedHandle:
             return self._padded_combine(x, topk_idx, topk_weights, handle, zero_copy,
                                         async_finish, return_recv_hook, out)
+        if type(handle) is DeviceHandle and self.device is not None:
+            return self.device.combine(x, topk_idx, topk_weights, handle, zero_copy,
+                                       async_finish, return_recv_hook, out)
         idx = to_numpy(topk_idx, argument="topk_idx")
         if idx.shape != handle.topk_idx.shape or not np.all((idx == handle.topk_idx) | (idx == -1)):
             raise InvalidArgumentError(
