@@ -17,7 +17,11 @@ from .backend import EPBackend
 
 __all__ = [
     "Config", "EventHandle", "EventOverlap", "InternodeHandle", "LowLatencyHandle", "NormalHandle",
+    "topk_idx_t",
 ]
+
+#: dtype of ``topk_idx`` tensors (DeepEP: chosen at compile time, normally ``torch.int64``).
+topk_idx_t = torch.int64
 
 
 class EventHandle:
