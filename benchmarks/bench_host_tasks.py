@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.host_model import rank_scale, recv_meta_kernel
+
 # The grid: 128 tokens x 2048 BF16, uniform and hot-expert
 # routing, UBEP's ASP/TFF and the BSP/SW baseline, both layouts, 2 and 4 ranks.
 GRID_MODES = (("asp", "tff"), ("bsp", "sw"))
@@ -191,21 +193,6 @@ def _send_pass(case: Any, ranks: int, idxs: list[np.ndarray], turns: bool,
                   "gap_us": round(regions * call_us)}
 
 
-def rank_scale(ratios: tuple[float, ...], ranks: int) -> tuple[float, ...]:
-    """Each rank's factor on its row work: the send pass's processes' times over their median
-    (``Micro.process_ratios``, slowest first), rank ``r`` the ``r``-th (cyclically). Which
-    rank's memory is the slow one is the host's draw; the spread is what it measured."""
-    if not ratios:
-        return (1.0,) * ranks
-    return tuple(ratios[r % len(ratios)] for r in range(ranks))
-
-
-def recv_meta_kernel(layout: str) -> str:
-    """host_micro's receive-metadata pass of ``layout`` (dispatch.c recv_metadata's two
-    paths: a row per pick that lands, or one per token with its K picks)."""
-    return "recvmeta" if layout == "expert" else "recvmeta_rank"
-
-
 def bd_experts() -> int:
     from benchmarks import bench_dispatch as bd
 
@@ -256,12 +243,15 @@ def compare_case(micro: Any, case: Any, r: int, warmup: int, repeats: int, calls
                                      recv_meta_kernel(case.layout), hc.num_topk, cold=False,
                                      turns=cpus < r, local_experts=hc.num_experts // r)[1]
         flag = micro.flag_oneway_ns(r)
+        # a wait past the yield window: its sleeper's wake-up and its waker's ring
+        bells = hm.doorbells(micro)
         for w, rd, t in kernel_passes(hc, 1).values():
             for timer in timers.values():
                 timer(w, rd, t)
         tiny = {"ranks": r, **asdict(hm.tiny_case(case)), "dispatch": {"median_us": tiny_us}}
         fixed = hm.fixed_cost(micro, {r: flag}, tiny, "dispatch", cpus, share,
-                              recv_meta_ns=recv_meta)["fixed_ns"]
+                              recv_meta_ns=recv_meta, row_meta_ns=meta,
+                              doorbells=bells)["fixed_ns"]
         # the ranks' own speeds: what the send pass's processes differ by
         send_w, send_r, _ = kernel_passes(hc, 1)["send"]
         send_rows, send_kw = _send_pass(case, r, idxs, cpus < r, call_us)
@@ -271,7 +261,7 @@ def compare_case(micro: Any, case: Any, r: int, warmup: int, repeats: int, calls
     spans = predict_host_tasks(hc, idxs, fixed_ns=fixed, flag_oneway_ns=flag,
                                timer=timers[cpus < r], cpus=cpus, row_meta_ns=meta,
                                cpu_share=share, calls=BACK_TO_BACK, recv_meta_ns=recv_meta,
-                               rank_scale=scale)
+                               rank_scale=scale, doorbells=bells)
     pred_spans = [(s.rank, s.task, s.start_ns, s.end_ns) for s in spans]
     meas = _med_calls(measured, case.engine, r)
     pred = categories(pred_spans, case.engine, r)
@@ -280,7 +270,8 @@ def compare_case(micro: Any, case: Any, r: int, warmup: int, repeats: int, calls
            "cpu_share": share, "run_delay_share": host["run_delay_share"],
            "run_delay_us": host["run_delay_ns"] / 1e3, "fixed_us": fixed / 1e3,
            "flag_oneway_ns": flag, "row_meta_ns": meta, "recv_meta_ns": recv_meta,
-           "rank_scale": list(scale),
+           "rank_scale": list(scale), "wake_ns": bells.wake_ns,
+           "ring_sleep_ns": bells.ring_sleep_ns, "ring_armed_ns": bells.ring_armed_ns,
            "measured_us": {k: v / 1e3 for k, v in meas.items()},
            "predicted_us": {k: v / 1e3 for k, v in pred.items()}}
     return row, measured, pred_spans
@@ -355,7 +346,8 @@ def merge_passes(passes: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         for side in ("measured_us", "predicted_us"):
             row[side] = {k: statistics.median(r[side][k] for r in same) for k in row[side]}
         for key in ("cpus_available", "cpu_share", "run_delay_share", "run_delay_us",
-                    "fixed_us", "flag_oneway_ns", "row_meta_ns", "recv_meta_ns"):
+                    "fixed_us", "flag_oneway_ns", "row_meta_ns", "recv_meta_ns", "wake_ns",
+                    "ring_sleep_ns", "ring_armed_ns"):
             if key not in row:
                 continue
             row[key] = statistics.median(r[key] for r in same)

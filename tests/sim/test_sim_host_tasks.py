@@ -20,6 +20,7 @@ from ubep.sim.host import (
     writer_positions,
 )
 from ubep.sim.host_sched import (
+    Doorbells,
     RankWork,
     SchedSpan,
     back_to_back,
@@ -102,6 +103,62 @@ def test_bsp_barrier_releases_a_flag_latency_after_the_last_arrival() -> None:
     assert _by(spans, 1, "barrier")[0][1] == 283.0
     assert _by(spans, 0, "reorder") == [(286.0, 291.0)]
     assert _by(spans, 1, "reorder") == [(286.0, 293.0)]
+
+
+# a wait sleeps after 30 ns of spinning and yielding, wakes 4 after its publication; a ring
+# costs its publisher 2 per peer asleep, 1 per peer registered but awake
+BELLS = Doorbells(yield_ns=30.0, wake_ns=4.0, ring_sleep_ns=2.0, ring_armed_ns=1.0)
+
+
+def test_a_wait_past_its_yield_window_sleeps_and_its_waker_pays_the_ring() -> None:
+    # WORKS, a CPU each (test above without doorbells: rank 0 waits 10-20 and 170-220).
+    # Rank 0's wait for rank 1's readiness lasts 10 (< 30): no sleep, rank 1's set-up ring at
+    # 20 is free. Rank 0's wait for rank 1's rows, from 170, is 50 old when rank 1's send to
+    # it ends at 220: rank 0 sleeps, rank 1's ring costs 2 (its send span 220-222) and rank
+    # 0 runs again at 224 (wait 170-224), places 224-229. Rank 1 sends to itself 222-282 (no
+    # ring), places 282-289.
+    spans = serialize(WORKS, "asp", cpus=2, doorbells=BELLS)
+    assert _by(spans, 0, "wait") == [(10.0, 20.0), (170.0, 224.0)]
+    assert _by(spans, 0, "reorder") == [(224.0, 229.0)]
+    assert _by(spans, 1, "send") == [(20.0, 220.0), (220.0, 222.0), (222.0, 282.0)]
+    assert _by(spans, 1, "reorder") == [(282.0, 289.0)]
+    assert _by(spans, 1, "wait") == []
+
+
+def test_a_rank_that_slept_stays_registered_and_every_later_ring_to_it_costs() -> None:
+    # rank 0: set-up 10, 100 to rank 1, 50 to itself, 5 to place; rank 1: set-up 60, 20 to
+    # rank 0, 60 to itself, 7 to place; a CPU each. Rank 0 waits for rank 1's readiness from
+    # 10; at 60 it is 50 old: asleep, rank 1's set-up ring costs 2 (60-62), rank 0 runs at 64
+    # (wait 10-64) and sends 64-164, 164-214, places 214-219. Rank 1 sends to 0 62-82: rank 0
+    # is awake but registered, the ring costs 1 (82-83); to itself 83-143; waits for rank 0's
+    # rows (sent at 164; 21 old, awake: no wake-up) 143-164 and places 164-171.
+    works = [RankWork(10.0, (1, 0), (100.0, 50.0), 5.0), RankWork(60.0, (0, 1), (20.0, 60.0), 7.0)]
+    spans = serialize(works, "asp", cpus=2, doorbells=BELLS)
+    assert _by(spans, 0, "wait") == [(10.0, 64.0)]
+    assert _by(spans, 0, "send") == [(64.0, 164.0), (164.0, 214.0)]
+    assert _by(spans, 0, "reorder") == [(214.0, 219.0)]
+    assert _by(spans, 1, "init") == [(0.0, 60.0), (60.0, 62.0)]
+    assert _by(spans, 1, "send") == [(62.0, 82.0), (82.0, 83.0), (83.0, 143.0)]
+    assert _by(spans, 1, "wait") == [(143.0, 164.0)]
+    assert _by(spans, 1, "reorder") == [(164.0, 171.0)]
+    # no doorbells: the same waits end as their condition holds, rings are free
+    plain = serialize(works, "asp", cpus=2)
+    assert _by(plain, 0, "wait") == [(10.0, 60.0)]
+    assert _by(plain, 1, "send") == [(60.0, 80.0), (80.0, 140.0)]
+
+
+def test_a_barrier_sleeper_wakes_after_the_release_and_the_last_arrival_rings() -> None:
+    # WORKS on BSP, a CPU each, barrier 3: rank 0 reaches the first barrier at 170 (test
+    # above). Rank 1's send to it ends at 220, rank 0 50 old there: asleep, the ring costs 2
+    # (220-222; the sleeper wakes, finds the barrier closed and sleeps again); rank 1 sends
+    # to itself 222-282, arrives at 282 and rings rank 0 again (2: 282-284), then waits for
+    # the release at 285; rank 0 runs a wake-up after it, at 289.
+    spans = serialize(WORKS, "bsp", cpus=2, barrier_ns=3.0, doorbells=BELLS)
+    assert _by(spans, 1, "send") == [(20.0, 220.0), (220.0, 222.0), (222.0, 282.0)]
+    assert _by(spans, 0, "barrier")[0] == (170.0, 289.0)
+    assert _by(spans, 1, "barrier")[:2] == [(282.0, 284.0), (284.0, 285.0)]
+    with pytest.raises(InvalidArgumentError, match="wake_ns"):
+        Doorbells(yield_ns=1.0, wake_ns=-1.0, ring_sleep_ns=0.0, ring_armed_ns=0.0)
 
 
 def test_a_cpu_share_stretches_every_task_not_the_barrier() -> None:
