@@ -80,18 +80,39 @@ def test_asp_receive_metadata_follows_the_sends_once_every_peer_is_set_up() -> N
     assert _by(spans, 0, "reorder") == [(220.0, 225.0)]
     assert _by(spans, 1, "cumsum") == [(280.0, 286.0)]
     assert _by(spans, 1, "reorder") == [(286.0, 293.0)]
-    # the metadata needs every source's counts, published in its set-up: rank 0 sends only
-    # to itself (0-10 set-up, 10-60), then waits for rank 1's set-up (0-100) before its
-    # metadata (100-104); nobody sends it rows, so it places at once (104-109)
+    # the metadata needs every source's counts, published in its set-up, and so does a send,
+    # even of a rank's own rows (their places in recv_x follow every source's counts): rank 0
+    # sends only to itself, after its set-up (0-10) and rank 1's (0-100): waits 10-100, sends
+    # 100-150, its metadata 150-154; nobody sends it rows, so it places at once (154-159)
     works = [RankWork(10.0, (0,), (50.0,), 5.0, cumsum_ns=4.0),
              RankWork(100.0, (1,), (60.0,), 5.0, cumsum_ns=3.0)]
     spans = serialize(works, "asp", cpus=2)
-    assert _by(spans, 0, "wait") == [(60.0, 100.0)]
-    assert _by(spans, 0, "cumsum") == [(100.0, 104.0)]
-    assert _by(spans, 0, "reorder") == [(104.0, 109.0)]
+    assert _by(spans, 0, "wait") == [(10.0, 100.0)]
+    assert _by(spans, 0, "cumsum") == [(150.0, 154.0)]
+    assert _by(spans, 0, "reorder") == [(154.0, 159.0)]
     assert _by(spans, 1, "cumsum") == [(160.0, 163.0)]
     # BSP has no such task (its metadata is in its reorder)
     assert _by(serialize(works, "bsp", cpus=2), 0, "cumsum") == []
+
+
+def test_asp_sends_nothing_before_every_ranks_set_up() -> None:
+    # 3 ranks, a CPU each: set-ups 10, 10 and 50, then 10 to each destination (r+1, r+2, r).
+    # ASP places a row in d from every source's counts to d, published in each set-up: rank
+    # 0 sends to rank 1 only once rank 2 is set up too (waits 10-50), then 50-60, 60-70,
+    # 70-80, as does rank 1; every rank's rows to the others are in by 80. BSP needs only the
+    # destination's readiness: rank 0 sends to rank 1 at 10-20, waits for rank 2 20-50.
+    works = [RankWork(10.0, (1, 2, 0), (10.0, 10.0, 10.0), 0.0),
+             RankWork(10.0, (2, 0, 1), (10.0, 10.0, 10.0), 0.0),
+             RankWork(50.0, (0, 1, 2), (10.0, 10.0, 10.0), 0.0)]
+    asp = serialize(works, "asp", cpus=3)
+    for r in (0, 1):
+        assert _by(asp, r, "wait") == [(10.0, 50.0)]
+        assert _by(asp, r, "send") == [(50.0, 60.0), (60.0, 70.0), (70.0, 80.0)]
+    assert _by(asp, 2, "send") == [(50.0, 60.0), (60.0, 70.0), (70.0, 80.0)]
+    assert [s for s in asp if s.task == "wait" and s.rank == 2] == []
+    bsp = serialize(works, "bsp", cpus=3)
+    assert _by(bsp, 0, "send")[0] == (10.0, 20.0)
+    assert [w for w in _by(bsp, 0, "wait") if w[1] > w[0]] == [(20.0, 50.0)]
 
 
 def test_bsp_barrier_releases_a_flag_latency_after_the_last_arrival() -> None:

@@ -14,10 +14,12 @@ and a rank waits only for its peers' own work.
 
 The tasks of one call (docs/FORMATS.md, runtime/native/phases.c):
 
-* ASP: ``init`` (the call's set-up, which publishes this rank's readiness and its counts),
-  then one ``send`` per destination in the canonical order ``r+1, ..., r`` (a peer's sends
-  need its readiness), then ``cumsum`` (the receive's metadata from every source's counts and
-  routing: it needs every peer's set-up), then the receive: every peer's rows to this rank
+* ASP: ``init`` (the call's set-up, which publishes this rank's readiness and its counts to
+  every rank), then one ``send`` per destination in the canonical order ``r+1, ..., r``: a
+  send to ``d`` needs ``d``'s readiness and every source's counts to ``d``, from which it
+  places its rows (dispatch_send.c ``dst_ready``, ``compute_bases``), so a rank sends nothing,
+  not even its own rows, before every rank's set-up; then ``cumsum`` (the receive's metadata
+  from every source's counts and routing), then the receive: every peer's rows to this rank
   sent, then ``reorder`` (the rows' own work);
 * BSP: ``init``, the ``send`` s (each needs the destination's readiness), a global barrier
   (every rank has sent; one flag latency after the last arrival), ``flag`` (counts and flags
@@ -177,6 +179,8 @@ class _Run:
 
     def can_start(self, r: int, task: str, peer: int) -> bool:
         if task == "send":
+            if self.engine == "asp":  # the destination's readiness and every source's counts
+                return all(self.ready)  # to it, published in each source's set-up
             return peer == r or self.ready[peer]
         if task == "recv":
             return all(s in self.sent[r] for s in range(len(self.works))
