@@ -84,25 +84,26 @@ def recv_meta_kernel(layout: str) -> str:
 
 def dispatch_terms(micro: Micro, case: bd.Case, ranks: int, cpus: int,
                    bells: Doorbells | None = None) -> dict[str, Any]:
-    """The task model's terms of a dispatch of ``case`` beyond its row passes, as
-    bench_host_tasks prices them (``ubep.sim.host.predict_host``'s keywords): ASP's per-row
-    bookkeeping (host_micro ``rowmeta``), the receive's metadata per source token (``route``,
-    then ``recvmeta`` / ``recvmeta_rank`` with this rank's experts), each rank's speed (the
-    send pass's processes over their median, ``Micro.process_ratios``) and the doorbells
-    (:func:`doorbells`, measured once by the caller, or here)."""
+    """The task model's terms of an untraced dispatch of ``case`` beyond its row passes, as
+    bench_host_tasks prices them (``ubep.sim.host.predict_host``'s keywords): the receive's
+    metadata per source token (``route``, then ``recvmeta`` / ``recvmeta_rank`` with this
+    rank's experts), each rank's speed (the send pass's processes over their median,
+    ``Micro.process_ratios``) and the doorbells (:func:`doorbells`, measured once by the
+    caller, or here). No per-row bookkeeping: host_micro's ``rowmeta`` is a traced call's
+    (span records); an untraced one's is in the fixed cost of its 64-element call, which has
+    the same rows."""
     from ubep.sim.host import kernel_passes
 
     hc = host_case(case, ranks, "dispatch")
     idxs = routing_of(case, ranks)
     rows = round(rows_per_rank(idxs, case.layout, bd.NUM_EXPERTS))
-    meta = micro.per_row_ns(ranks, hc.row_bytes, rows, "rowmeta", "-", 1, cold=False)[0]
     recv_meta = micro.per_row_ns(ranks, hc.row_bytes, case.tokens, "route",
                                  recv_meta_kernel(case.layout), hc.num_topk, cold=False,
                                  turns=cpus < ranks,
                                  local_experts=hc.num_experts // ranks)[1]
     w, r, _ = kernel_passes(hc, 1)["send"]
     scale = rank_scale(micro.process_ratios(ranks, hc.row_bytes, rows, w, r, 1), ranks)
-    return {"row_meta_ns": meta, "recv_meta_ns": recv_meta, "rank_scale": scale,
+    return {"recv_meta_ns": recv_meta, "rank_scale": scale,
             "doorbells": bells if bells is not None else doorbells(micro)}
 
 

@@ -95,6 +95,23 @@ def test_asp_receive_metadata_follows_the_sends_once_every_peer_is_set_up() -> N
     assert _by(serialize(works, "bsp", cpus=2), 0, "cumsum") == []
 
 
+def test_the_loop_between_calls_runs_before_each_rank_s_set_up() -> None:
+    # WORKS with 5 of the caller's own work before each call. One CPU: rank 0 runs it and its
+    # set-up 0-15, waits; rank 1 runs its 5 and its set-up 15-40, sends 40-240 and 240-300,
+    # then waits for rank 0's rows: rank 0's wait (15-300) holds rank 1's loop too
+    one = back_to_back(WORKS, "asp", cpus=1, calls=1, loop_gap_ns=5.0)
+    assert _by(one, 0, "init") == [(0.0, 15.0)]
+    assert _by(one, 1, "init") == [(15.0, 40.0)]
+    assert _by(one, 0, "wait")[0] == (15.0, 300.0)
+    # a CPU each: both set-ups 5 longer, the ranks' skew as without it (62, test above):
+    # the second call's rank 1 enters at 62, set up at 87
+    two = back_to_back(WORKS, "asp", cpus=2, calls=2, loop_gap_ns=5.0)
+    assert _by(two, 1, "init") == [(62.0, 87.0)]
+    assert _by(two, 0, "wait")[0] == (15.0, 87.0)
+    with pytest.raises(InvalidArgumentError, match="loop_gap_ns"):
+        back_to_back(WORKS, "asp", cpus=2, loop_gap_ns=-1.0)
+
+
 def test_asp_sends_nothing_before_every_ranks_set_up() -> None:
     # 3 ranks, a CPU each: set-ups 10, 10 and 50, then 10 to each destination (r+1, r+2, r).
     # ASP places a row in d from every source's counts to d, published in each set-up: rank

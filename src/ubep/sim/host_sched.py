@@ -37,7 +37,7 @@ import bisect
 import heapq
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import InvalidArgumentError
 
@@ -350,17 +350,23 @@ def _wake(run: _Run, now: float) -> None:
 
 
 def back_to_back(works: Sequence[RankWork], engine: str, cpus: int, barrier_ns: float = 0.0,
-                 share: float = 1.0, calls: int = 4,
-                 doorbells: Doorbells | None = None) -> list[SchedSpan]:
+                 share: float = 1.0, calls: int = 4, doorbells: Doorbells | None = None,
+                 loop_gap_ns: float = 0.0) -> list[SchedSpan]:
     """The spans of one call in a loop of calls, each rank's next call starting as soon as it
     has ended its last (its exit and entry are in its ``init``): a rank that ends later (more
     rows received, a longer reorder) enters the next call later, and its peers wait for its
     readiness there, where calls that all start together would wait for nothing. ``calls``
     calls are run, each from the ranks' ends of the one before (relative to the earliest);
     returns the last, its times from the earliest rank's start. ``doorbells``: as
-    :func:`serialize` (a rank's registration ends with its call)."""
+    :func:`serialize` (a rank's registration ends with its call). ``loop_gap_ns``: the
+    caller's own work between two calls (the loop around them), which each rank runs on its
+    CPU before its next call's set-up: part of its ``init`` span here; where ranks share a
+    CPU, the other ranks' turn."""
     if calls < 1:
         raise InvalidArgumentError("calls", calls, "must be >= 1")
+    if not loop_gap_ns >= 0:
+        raise InvalidArgumentError("loop_gap_ns", loop_gap_ns, "must be >= 0")
+    works = [replace(w, init_ns=w.init_ns + float(loop_gap_ns)) for w in works]
     starts = [0.0] * len(works)
     spans: list[SchedSpan] = []
     for _ in range(calls):
