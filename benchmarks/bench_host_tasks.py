@@ -487,9 +487,10 @@ def main(argv: list[str] | None = None) -> int:
         "ranks of a rank's task time, median over calls, median over "
         f"{args.passes} passes over the grid; predicted = ubep.sim.host.predict_host_tasks "
         "from that case's microbenchmarks, run right after its calls (row passes at the "
-        "runtime's positions, per-row bookkeeping, flag latency, the CPUs the ranks get and "
-        "the share of each they get, the fixed cost from the 64-element call of the same "
-        "launch)",
+        "runtime's positions, per-row bookkeeping, flag latency, a sleeping wait's wake-up "
+        "and rings (host_wake), the CPUs the ranks get and the share of each they get, the "
+        "fixed cost from the 64-element call of the same launch, the loop's own work between "
+        "calls timed in each rank)",
         "# busy = every span but waits, barriers and init (ASP's receive is a wait); send = send "
         "spans; wait = waits and barriers (ASP: and the receive); us per call",
     ]
