@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.host_model import rank_scale, recv_meta_kernel
+
 # The grid: 128 tokens x 2048 BF16, uniform and hot-expert
 # routing, UBEP's ASP/TFF and the BSP/SW baseline, both layouts, 2 and 4 ranks.
 GRID_MODES = (("asp", "tff"), ("bsp", "sw"))
@@ -57,8 +59,9 @@ def rank_main(group: Any, case: Any, warmup: int, calls: int, repeats: int = 0,
     64-element dispatches, each after a barrier (the fixed cost's call, timed as bench_dispatch
     times it); then ``warmup + calls`` traced dispatches of ``case`` back to back, the
     warm-up's spans dropped, each call's CPU time and run delay read around it. Returns the
-    spans, the 64-element calls' ``(start, end)`` ns and, per traced call, ``(wall, CPU time,
-    run delay)`` ns."""
+    spans, the 64-element calls' ``(start, end)`` ns, per traced call ``(wall, CPU time,
+    run delay)`` ns, and the loop's own work between two calls (:func:`loop_gap_ns`, timed
+    after the warm-up, without a call)."""
     from benchmarks import bench_dispatch as bd
     from benchmarks import host_model as hm
     from benchmarks.harness import collective_spans
@@ -80,18 +83,42 @@ def rank_main(group: Any, case: Any, warmup: int, calls: int, repeats: int = 0,
     cfg = cfg.__class__(**{**cfg.__dict__, "trace": True, "num_cores": 1})
     x, idx, w = bd.inputs(case, group.rank)
     per_call: list[tuple[int, int, int]] = []
+    gap = 0.0
     with Buffer(group, cfg) as buf:
         for i in range(warmup + calls):
             if i == warmup:
+                gap = loop_gap_ns()
                 spans_of(buf)  # the warm-up's spans dropped
-            cpu0, delay0 = run_delay_ns()
-            t0 = time.monotonic_ns()
-            buf.dispatch(x, idx, w)
-            wall = time.monotonic_ns() - t0
-            cpu1, delay1 = run_delay_ns()
+            got = timed_call(lambda: buf.dispatch(x, idx, w), run_delay_ns)
             if i >= warmup:
-                per_call.append((wall, cpu1 - cpu0, delay1 - delay0))
-        return spans_of(buf), tiny_calls, per_call
+                per_call.append(got)
+        return spans_of(buf), tiny_calls, per_call, gap
+
+
+def timed_call(call: Any, run_delay_ns: Any) -> tuple[int, int, int]:
+    """``call()`` with its wall time, CPU time and run delay read around it (ns): the traced
+    loop's body."""
+    cpu0, delay0 = run_delay_ns()
+    t0 = time.monotonic_ns()
+    call()
+    wall = time.monotonic_ns() - t0
+    cpu1, delay1 = run_delay_ns()
+    return wall, cpu1 - cpu0, delay1 - delay0
+
+
+def loop_gap_ns(n: int = 30) -> float:
+    """The traced loop's own work around a call (:func:`timed_call` of nothing: the run-delay
+    reads of ``/proc``, the clock), median over ``n``, in the calling process: between two
+    traced calls a rank runs it on its CPU, and where ranks share a CPU it is the others'
+    turn (``ubep.sim.host_sched.back_to_back``'s ``loop_gap_ns``)."""
+    from benchmarks.host_micro import run_delay_ns
+
+    got = []
+    for _ in range(n):
+        t0 = time.monotonic_ns()
+        timed_call(lambda: None, run_delay_ns)
+        got.append(time.monotonic_ns() - t0)
+    return float(statistics.median(got))
 
 
 def measured_calls(case: Any, ranks: int, warmup: int = 20, calls: int = 20, repeats: int = 0,
@@ -102,12 +129,14 @@ def measured_calls(case: Any, ranks: int, warmup: int = 20, calls: int = 20, rep
     order on each rank); the 64-element call's median latency in us (per call the slowest
     rank's, as bench_dispatch reports it; 0 without ``repeats``); and what the host gave the
     ranks over the traced calls, summed over ranks and calls: ``wall_ns``, ``cpu_ns``,
-    ``run_delay_ns`` per rank and call, and ``run_delay_share`` (run delay / wall)."""
+    ``run_delay_ns`` per rank and call, ``run_delay_share`` (run delay / wall), and the
+    loop's own work between two calls, ``loop_gap_ns`` (:func:`loop_gap_ns`, median over
+    ranks)."""
     from ubep.runtime import launch
 
     per_rank = launch(rank_main, ranks, case, warmup, calls, repeats, hold, timeout_s=600)
     out: list[list[tuple[int, str, float, float]]] = [[] for _ in range(calls)]
-    for t, _, _ in per_rank:
+    for t, _, _, _ in per_rank:
         calls_r = sorted((c for c in t.calls if c.name == "dispatch"), key=lambda c: c.start_ns)
         for i, c in enumerate(calls_r[-calls:]):
             out[i] += [(s.rank, s.task, s.start_ns - c.start_ns, s.end_ns - c.start_ns)
@@ -115,13 +144,14 @@ def measured_calls(case: Any, ranks: int, warmup: int = 20, calls: int = 20, rep
                        and s.end_ns <= c.end_ns]
     tiny_us = 0.0
     if repeats:
-        worst = [max(e - s for s, e in per) for per in zip(*(tc for _, tc, _ in per_rank),
+        worst = [max(e - s for s, e in per) for per in zip(*(tc for _, tc, _, _ in per_rank),
                                                           strict=True)]
         tiny_us = statistics.median(worst) / 1e3
     n = max(1, ranks * calls)
-    wall, cpu, delay = (sum(c[k] for _, _, pc in per_rank for c in pc) for k in range(3))
+    wall, cpu, delay = (sum(c[k] for _, _, pc, _ in per_rank for c in pc) for k in range(3))
     host = {"wall_ns": wall / n, "cpu_ns": cpu / n, "run_delay_ns": delay / n,
-            "run_delay_share": delay / wall if wall > 0 else 0.0}
+            "run_delay_share": delay / wall if wall > 0 else 0.0,
+            "loop_gap_ns": statistics.median(g for _, _, _, g in per_rank)}
     return out, tiny_us, host
 
 
@@ -191,21 +221,6 @@ def _send_pass(case: Any, ranks: int, idxs: list[np.ndarray], turns: bool,
                   "gap_us": round(regions * call_us)}
 
 
-def rank_scale(ratios: tuple[float, ...], ranks: int) -> tuple[float, ...]:
-    """Each rank's factor on its row work: the send pass's processes' times over their median
-    (``Micro.process_ratios``, slowest first), rank ``r`` the ``r``-th (cyclically). Which
-    rank's memory is the slow one is the host's draw; the spread is what it measured."""
-    if not ratios:
-        return (1.0,) * ranks
-    return tuple(ratios[r % len(ratios)] for r in range(ranks))
-
-
-def recv_meta_kernel(layout: str) -> str:
-    """host_micro's receive-metadata pass of ``layout`` (dispatch.c recv_metadata's two
-    paths: a row per pick that lands, or one per token with its K picks)."""
-    return "recvmeta" if layout == "expert" else "recvmeta_rank"
-
-
 def bd_experts() -> int:
     from benchmarks import bench_dispatch as bd
 
@@ -256,12 +271,16 @@ def compare_case(micro: Any, case: Any, r: int, warmup: int, repeats: int, calls
                                      recv_meta_kernel(case.layout), hc.num_topk, cold=False,
                                      turns=cpus < r, local_experts=hc.num_experts // r)[1]
         flag = micro.flag_oneway_ns(r)
+        # a wait past the yield window: its sleeper's wake-up and its waker's ring
+        bells = hm.doorbells(micro)
         for w, rd, t in kernel_passes(hc, 1).values():
             for timer in timers.values():
                 timer(w, rd, t)
         tiny = {"ranks": r, **asdict(hm.tiny_case(case)), "dispatch": {"median_us": tiny_us}}
+        # the small call runs untraced: its per-row bookkeeping (without the span records
+        # ``rowmeta`` prices) is in its fixed cost
         fixed = hm.fixed_cost(micro, {r: flag}, tiny, "dispatch", cpus, share,
-                              recv_meta_ns=recv_meta)["fixed_ns"]
+                              recv_meta_ns=recv_meta, doorbells=bells)["fixed_ns"]
         # the ranks' own speeds: what the send pass's processes differ by
         send_w, send_r, _ = kernel_passes(hc, 1)["send"]
         send_rows, send_kw = _send_pass(case, r, idxs, cpus < r, call_us)
@@ -271,7 +290,8 @@ def compare_case(micro: Any, case: Any, r: int, warmup: int, repeats: int, calls
     spans = predict_host_tasks(hc, idxs, fixed_ns=fixed, flag_oneway_ns=flag,
                                timer=timers[cpus < r], cpus=cpus, row_meta_ns=meta,
                                cpu_share=share, calls=BACK_TO_BACK, recv_meta_ns=recv_meta,
-                               rank_scale=scale)
+                               rank_scale=scale, doorbells=bells,
+                               loop_gap_ns=host["loop_gap_ns"])
     pred_spans = [(s.rank, s.task, s.start_ns, s.end_ns) for s in spans]
     meas = _med_calls(measured, case.engine, r)
     pred = categories(pred_spans, case.engine, r)
@@ -280,7 +300,9 @@ def compare_case(micro: Any, case: Any, r: int, warmup: int, repeats: int, calls
            "cpu_share": share, "run_delay_share": host["run_delay_share"],
            "run_delay_us": host["run_delay_ns"] / 1e3, "fixed_us": fixed / 1e3,
            "flag_oneway_ns": flag, "row_meta_ns": meta, "recv_meta_ns": recv_meta,
-           "rank_scale": list(scale),
+           "rank_scale": list(scale), "wake_ns": bells.wake_ns,
+           "ring_sleep_ns": bells.ring_sleep_ns, "ring_armed_ns": bells.ring_armed_ns,
+           "loop_gap_us": host["loop_gap_ns"] / 1e3,
            "measured_us": {k: v / 1e3 for k, v in meas.items()},
            "predicted_us": {k: v / 1e3 for k, v in pred.items()}}
     return row, measured, pred_spans
@@ -355,7 +377,8 @@ def merge_passes(passes: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         for side in ("measured_us", "predicted_us"):
             row[side] = {k: statistics.median(r[side][k] for r in same) for k in row[side]}
         for key in ("cpus_available", "cpu_share", "run_delay_share", "run_delay_us",
-                    "fixed_us", "flag_oneway_ns", "row_meta_ns", "recv_meta_ns"):
+                    "fixed_us", "flag_oneway_ns", "row_meta_ns", "recv_meta_ns", "wake_ns",
+                    "ring_sleep_ns", "ring_armed_ns", "loop_gap_us"):
             if key not in row:
                 continue
             row[key] = statistics.median(r[key] for r in same)
@@ -464,9 +487,10 @@ def main(argv: list[str] | None = None) -> int:
         "ranks of a rank's task time, median over calls, median over "
         f"{args.passes} passes over the grid; predicted = ubep.sim.host.predict_host_tasks "
         "from that case's microbenchmarks, run right after its calls (row passes at the "
-        "runtime's positions, per-row bookkeeping, flag latency, the CPUs the ranks get and "
-        "the share of each they get, the fixed cost from the 64-element call of the same "
-        "launch)",
+        "runtime's positions, per-row bookkeeping, flag latency, a sleeping wait's wake-up "
+        "and rings (host_wake), the CPUs the ranks get and the share of each they get, the "
+        "fixed cost from the 64-element call of the same launch, the loop's own work between "
+        "calls timed in each rank)",
         "# busy = every span but waits, barriers and init (ASP's receive is a wait); send = send "
         "spans; wait = waits and barriers (ASP: and the receive); us per call",
     ]

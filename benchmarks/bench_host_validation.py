@@ -33,6 +33,8 @@ from benchmarks.host_model import (
     TINY_HIDDEN,
     case_of,
     case_timer,
+    dispatch_terms,
+    doorbells,
     error_lines,
     error_stats,
     fixed_cost,
@@ -41,7 +43,7 @@ from benchmarks.host_model import (
     tiny_case,
 )
 from ubep.sim.host import combine_terms, kernel_passes, predict_host
-from ubep.sim.host_sched import cpus_for
+from ubep.sim.host_sched import Doorbells, cpus_for
 
 
 def _copy_ns_per_byte(row: dict[str, Any]) -> float:
@@ -56,11 +58,13 @@ def _units(ranks: list[int], cases: list[bd.Case]) -> list[tuple[int, list[bd.Ca
     return [(r, members) for r in ranks for members in bd.shape_groups(cases)]
 
 
-def _premeasure(micro: Micro, ranks: int, cases: list[bd.Case]) -> None:
+def _premeasure(micro: Micro, ranks: int, cases: list[bd.Case], bells: Doorbells) -> None:
     """Every microbenchmark the predictions of ``cases`` at ``ranks`` will need, before their
-    matrix runs."""
+    matrix runs (the receive metadata's with a CPU a rank where the host has them: with
+    fewer, the prediction measures its own after the matrix)."""
     for case in cases:
         idxs = routing_of(case, ranks)
+        dispatch_terms(micro, case, ranks, min(ranks, os.cpu_count() or 1), bells)
         for op in ("dispatch", "combine"):
             hc = host_case(case, ranks, op)
             timer = case_timer(micro, case, ranks, op, idxs)
@@ -88,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     micro = Micro(build(), millis=args.millis, rounds=args.rounds)
     flags = {r: micro.flag_oneway_ns(r) for r in ranks}
+    bells = doorbells(micro)  # a wait past its yield window: the wake-up and the rings
     cpus_by: dict[tuple[int, bd.Case], tuple[float, int]] = {}
     tiny_rows: list[dict[str, Any]] = []
     rows: list[dict[str, Any]] = []
@@ -98,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         tiny = sorted({tiny_case(c) for c in members},
                       key=lambda c: (c.tokens, c.dtype, c.layout, c.engine, c.sync))
         t0 = time.monotonic()
-        _premeasure(micro, r, members + tiny)
+        _premeasure(micro, r, members + tiny, bells)
         micro_s += time.monotonic() - t0
         # the CPUs the unit's ranks get, on both sides of its calls (the load moves)
         before = cpus_available(r)
@@ -119,11 +124,18 @@ def main(argv: list[str] | None = None) -> int:
         avail, cpus = cpus_by[(r, case)]
         for op in ("dispatch", "combine"):
             key = (r, case.tokens, case.dtype, case.engine, case.sync, case.layout)
-            f = fixed_cost(micro, flags, tiny_by[key], op, cpus_by[(r, tiny_case(case))][1])
+            # the task model's terms (bench_host_tasks'): one model gives a call's spans and
+            # its latency; a combine sends nothing and waits for no peer's rows
+            terms: dict[str, Any] = (dispatch_terms(micro, case, r, cpus, bells)
+                                     if op == "dispatch" else {})
+            small = {k: v for k, v in terms.items() if k != "rank_scale"}
+            f = fixed_cost(micro, flags, tiny_by[key], op, cpus_by[(r, tiny_case(case))][1],
+                           **small)
             fixed[(*key, op)] = f
             timer = case_timer(micro, case, r, op, idxs)
             pred = predict_host(host_case(case, r, op), idxs, fixed_ns=f["fixed_ns"],
-                                flag_oneway_ns=flags[r], timer=timer, cpus=cpus) / 1e3
+                                flag_oneway_ns=flags[r], timer=timer, cpus=cpus,
+                                **terms) / 1e3
             meas = row[op]["median_us"]
             err = 100.0 * (pred - meas) / meas
             table.append([r, case.tokens, case.hidden, case.dtype, case.layout, case.engine,
@@ -147,9 +159,15 @@ def main(argv: list[str] | None = None) -> int:
         f"(ranks x shape: its microbenchmarks, then its matrix) "
         + " ".join(f"{v:.2f}" for v in load_units) + " (1-min)",
         "# flag one-way latency (ns) by ranks: "
-        + ", ".join(f"{r}: {v:.0f}" for r, v in flags.items()),
+        + ", ".join(f"{r}: {v:.0f}" for r, v in flags.items())
+        + f"; doorbells (ns): wake-up {bells.wake_ns:.0f}, ring of a sleeper "
+        f"{bells.ring_sleep_ns:.0f}, of a registered rank awake {bells.ring_armed_ns:.0f}, "
+        f"yield window {bells.yield_ns:.0f}",
         "# measured = median over repeats of the max over ranks (bench_dispatch); predicted = "
-        "ubep.sim.host.predict_host: every rank's tasks run on the CPUs its ranks got "
+        "ubep.sim.host.predict_host, the task model of bench_host_tasks (a dispatch's per-row "
+        "bookkeeping, receive metadata, ranks' speeds and doorbells measured as there; ranks "
+        "start together after bench_dispatch's barrier): every rank's tasks run on the CPUs "
+        "its ranks got "
         "(cpus: host_micro.cpus_available on both sides of the unit's calls, the nearest whole "
         "number) until each must wait (ubep.sim.host_sched), the slowest rank's call, from: "
         f"fixed = a rank's per-call cost with which the model's call with {TINY_HIDDEN}-element "
@@ -181,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         payload = {"machine": {"cpus": os.cpu_count(), "load_before": load_before,
                                "load_after_units": load_units, "load_after": load_after},
                    "flag_oneway_ns": {str(k): v for k, v in flags.items()},
+                   "doorbells": asdict(bells),
                    "fixed": [{"ranks": k[0], "tokens": k[1], "dtype": k[2], "engine": k[3],
                               "sync": k[4], "layout": k[5], "op": k[6], **v}
                              for k, v in fixed.items()],

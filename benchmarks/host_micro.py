@@ -50,6 +50,9 @@ def build(out_dir: str | None = None) -> Path:
                     "-std=gnu11", "-D_GNU_SOURCE", f"-I{NATIVE}", "-o", str(out),
                     str(HERE / "host_micro.c"), str(NATIVE / "kernels.c"),
                     str(NATIVE / "kernels_x86.c")], check=True)
+    # host_wake.c beside it (the doorbell's ring and wake-up, Micro.wake_ns)
+    subprocess.run([*cc.split()[:1], "-O3", "-std=gnu11", "-D_GNU_SOURCE", f"-I{NATIVE}", "-o",
+                    str(out.parent / "host_wake"), str(HERE / "host_wake.c")], check=True)
     return out
 
 
@@ -212,6 +215,26 @@ class Micro:
                 per.append(statistics.median(g[0] for g in got if g[0] > 0))
             self.cache[key] = (statistics.median(per) / 2,)
         return self.cache[key][0]
+
+    def wake_ns(self, delay_us: int = 200) -> tuple[float, float, float]:
+        """A wait that outlasts its yield window (host_wake.c): ``(ring_sleep_ns,
+        wake_ns, ring_armed_ns)``, each the median over rounds of the median over rings: the
+        waker's doorbell ring while its peer sleeps on it (the bell, then the futex wake
+        system call), the sleeper's wake-up from the publication to its running again, and
+        the ring while the peer is registered as a sleeper but awake (a rank that slept once
+        in a call stays registered until the call ends). ``delay_us``: how long the sleeper
+        sleeps before the ring."""
+        key = ("wake", delay_us)
+        if key not in self.cache:
+            binary = str(self.binary.parent / "host_wake")
+            per = []
+            for _ in range(self.rounds):
+                got = subprocess.run([binary, str(self.millis * 2), str(int(delay_us))],
+                                     check=True, capture_output=True, text=True, timeout=120)
+                per.append(tuple(float(v) for v in got.stdout.split()[:3]))
+            self.cache[key] = tuple(statistics.median(p[i] for p in per) for i in range(3))
+        ring_sleep, wake, ring_armed = self.cache[key]
+        return ring_sleep, wake, ring_armed
 
 
 def _spread(times: Any) -> tuple[float, ...]:

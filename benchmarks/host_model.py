@@ -12,7 +12,9 @@ import numpy as np
 
 from benchmarks import bench_dispatch as bd
 from benchmarks.host_micro import Micro
+from ubep.env import wait_yield_us_from_env
 from ubep.sim.host import HostCase, combine_row_map, predict_host
+from ubep.sim.host_sched import Doorbells
 
 # The fixed-cost microbenchmark: the same call with 64-element rows. It has the case's
 # tokens, routing, layout, engine, sync and ranks, so every per-call, per-token and per-row
@@ -65,6 +67,46 @@ def case_timer(micro: Micro, case: bd.Case, ranks: int, op: str,
     return timer
 
 
+def rank_scale(ratios: tuple[float, ...], ranks: int) -> tuple[float, ...]:
+    """Each rank's factor on its row work: the send pass's processes' times over their median
+    (``Micro.process_ratios``, slowest first), rank ``r`` the ``r``-th (cyclically). Which
+    rank's memory is the slow one is the host's draw; the spread is what it measured."""
+    if not ratios:
+        return (1.0,) * ranks
+    return tuple(ratios[r % len(ratios)] for r in range(ranks))
+
+
+def recv_meta_kernel(layout: str) -> str:
+    """host_micro's receive-metadata pass of ``layout`` (dispatch.c recv_metadata's two
+    paths: a row per pick that lands, or one per token with its K picks)."""
+    return "recvmeta" if layout == "expert" else "recvmeta_rank"
+
+
+def dispatch_terms(micro: Micro, case: bd.Case, ranks: int, cpus: int,
+                   bells: Doorbells | None = None) -> dict[str, Any]:
+    """The task model's terms of an untraced dispatch of ``case`` beyond its row passes, as
+    bench_host_tasks prices them (``ubep.sim.host.predict_host``'s keywords): the receive's
+    metadata per source token (``route``, then ``recvmeta`` / ``recvmeta_rank`` with this
+    rank's experts), each rank's speed (the send pass's processes over their median,
+    ``Micro.process_ratios``) and the doorbells (:func:`doorbells`, measured once by the
+    caller, or here). No per-row bookkeeping: host_micro's ``rowmeta`` is a traced call's
+    (span records); an untraced one's is in the fixed cost of its 64-element call, which has
+    the same rows."""
+    from ubep.sim.host import kernel_passes
+
+    hc = host_case(case, ranks, "dispatch")
+    idxs = routing_of(case, ranks)
+    rows = round(rows_per_rank(idxs, case.layout, bd.NUM_EXPERTS))
+    recv_meta = micro.per_row_ns(ranks, hc.row_bytes, case.tokens, "route",
+                                 recv_meta_kernel(case.layout), hc.num_topk, cold=False,
+                                 turns=cpus < ranks,
+                                 local_experts=hc.num_experts // ranks)[1]
+    w, r, _ = kernel_passes(hc, 1)["send"]
+    scale = rank_scale(micro.process_ratios(ranks, hc.row_bytes, rows, w, r, 1), ranks)
+    return {"recv_meta_ns": recv_meta, "rank_scale": scale,
+            "doorbells": bells if bells is not None else doorbells(micro)}
+
+
 def tiny_case(case: bd.Case) -> bd.Case:
     return bd.Case(case.tokens, TINY_HIDDEN, case.dtype, case.layout, case.engine, case.sync,
                    case.routing)
@@ -75,15 +117,26 @@ def case_of(row: dict[str, Any]) -> bd.Case:
                                           "sync", "routing")})
 
 
+def doorbells(micro: Micro) -> Doorbells:
+    """The cost of a wait past its yield window (``ubep.sim.host_sched.Doorbells``): the
+    runtime's yield window (``UBEP_WAIT_YIELD_US``, as the ranks run with it), the ring and the
+    wake-up measured by benchmarks/host_wake.c (at the priority of the caller)."""
+    ring_sleep, wake, ring_armed = micro.wake_ns()
+    return Doorbells(yield_ns=wait_yield_us_from_env() * 1e3, wake_ns=wake,
+                     ring_sleep_ns=ring_sleep, ring_armed_ns=ring_armed)
+
+
 def fixed_cost(micro: Micro, flags: dict[int, float], tiny_row: dict[str, Any],
                op: str, cpus: int, cpu_share: float = 1.0,
-               recv_meta_ns: float = 0.0) -> dict[str, float]:
+               recv_meta_ns: float = 0.0, **terms: Any) -> dict[str, float]:
     """From the 64-element-row call: the fixed cost (a rank's per call) with which the model's
     small call lasts what it measured, at least 0 (its own row passes priced by host_micro at
     its 128-byte rows). The model's latency grows by one fixed cost per rank that runs before
     the slowest rank's end on its CPU (``cpus`` CPUs for the call's ranks): the secant from 0
     to the measured latency gives that slope. ``recv_meta_ns``: the receive's metadata per
-    source token, priced in the small call as in the full one (same tokens and routing)."""
+    source token, priced in the small call as in the full one (same tokens and routing);
+    ``terms``: the full call's other terms (``ubep.sim.host.predict_host``'s per-row
+    bookkeeping, doorbells), so that the small call is priced by the same model."""
     case, r = case_of(tiny_row), tiny_row["ranks"]
     idxs = routing_of(case, r)
     measured = tiny_row[op]["median_us"] * 1e3
@@ -92,7 +145,7 @@ def fixed_cost(micro: Micro, flags: dict[int, float], tiny_row: dict[str, Any],
     def model(fixed_ns: float) -> float:
         return predict_host(host_case(case, r, op), idxs, fixed_ns=fixed_ns,
                             flag_oneway_ns=flags[r], timer=timer, cpus=cpus,
-                            cpu_share=cpu_share, recv_meta_ns=recv_meta_ns)
+                            cpu_share=cpu_share, recv_meta_ns=recv_meta_ns, **terms)
 
     model0 = model(0.0)
     probe = max(measured, 1.0)

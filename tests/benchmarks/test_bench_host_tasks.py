@@ -177,6 +177,41 @@ def test_fixed_cost_leaves_out_the_receive_metadata() -> None:
     assert got["fixed_ns"] == pytest.approx(300_000.0 - 2_560.0)
 
 
+def test_fixed_cost_prices_the_small_call_with_the_full_calls_terms() -> None:
+    # Free row passes, a CPU a rank, ASP's per-row bookkeeping at 10 ns a row: each rank sends
+    # its 128 tokens x top-8 = 1024 rows (10240 ns), the peer's rows to it first in the
+    # peer's order, so no rank waits after its sends; the small call's 300 us hold a set-up
+    # of 300 - 10.24 us. Doorbells whose yield window no wait reaches change nothing.
+    from benchmarks.host_model import fixed_cost
+    from ubep.sim.host_sched import Doorbells
+
+    bells = Doorbells(yield_ns=50_000.0, wake_ns=20_000.0, ring_sleep_ns=8_000.0,
+                      ring_armed_ns=500.0)
+    got = fixed_cost(_FreeRows(), {2: 1_000.0}, _TINY, "dispatch", 2, row_meta_ns=10.0,
+                     doorbells=bells)
+    assert got["tiny_model_ns"] == pytest.approx(10_240.0)
+    assert got["fixed_ns"] == pytest.approx(300_000.0 - 10_240.0)
+
+
+def test_host_wake_prints_the_ring_the_wake_up_and_the_idle_ring(tmp_path) -> None:
+    # two processes, a few ms: the waker's ring with its peer asleep, the sleeper's wake-up
+    # and the ring of a registered peer that is awake, each a median over rounds (ns); bad
+    # arguments are refused by name
+    import subprocess
+
+    from benchmarks.host_micro import build
+
+    wake = str(build(str(tmp_path)).parent / "host_wake")
+    bad = subprocess.run([wake, "0"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "MILLIS" in bad.stderr
+    got = subprocess.run([wake, "20", "100"], capture_output=True, text=True, timeout=60)
+    assert got.returncode == 0, got.stderr
+    lines = [line.split() for line in got.stdout.strip().split("\n")]
+    assert len(lines) == 1 and len(lines[0]) == 3
+    ring_sleep, wake_ns, ring_armed = (int(v) for v in lines[0])
+    assert ring_sleep > 0 and wake_ns > 0 and ring_armed > 0
+
+
 def test_summary_over_the_modelled_cases_leaves_out_4_rank_bsp() -> None:
     def row(ranks: int, engine: str, meas: float, pred: float) -> dict:
         return {"ranks": ranks, "engine": engine,

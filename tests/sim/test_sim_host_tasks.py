@@ -20,6 +20,7 @@ from ubep.sim.host import (
     writer_positions,
 )
 from ubep.sim.host_sched import (
+    Doorbells,
     RankWork,
     SchedSpan,
     back_to_back,
@@ -79,18 +80,56 @@ def test_asp_receive_metadata_follows_the_sends_once_every_peer_is_set_up() -> N
     assert _by(spans, 0, "reorder") == [(220.0, 225.0)]
     assert _by(spans, 1, "cumsum") == [(280.0, 286.0)]
     assert _by(spans, 1, "reorder") == [(286.0, 293.0)]
-    # the metadata needs every source's counts, published in its set-up: rank 0 sends only
-    # to itself (0-10 set-up, 10-60), then waits for rank 1's set-up (0-100) before its
-    # metadata (100-104); nobody sends it rows, so it places at once (104-109)
+    # the metadata needs every source's counts, published in its set-up, and so does a send,
+    # even of a rank's own rows (their places in recv_x follow every source's counts): rank 0
+    # sends only to itself, after its set-up (0-10) and rank 1's (0-100): waits 10-100, sends
+    # 100-150, its metadata 150-154; nobody sends it rows, so it places at once (154-159)
     works = [RankWork(10.0, (0,), (50.0,), 5.0, cumsum_ns=4.0),
              RankWork(100.0, (1,), (60.0,), 5.0, cumsum_ns=3.0)]
     spans = serialize(works, "asp", cpus=2)
-    assert _by(spans, 0, "wait") == [(60.0, 100.0)]
-    assert _by(spans, 0, "cumsum") == [(100.0, 104.0)]
-    assert _by(spans, 0, "reorder") == [(104.0, 109.0)]
+    assert _by(spans, 0, "wait") == [(10.0, 100.0)]
+    assert _by(spans, 0, "cumsum") == [(150.0, 154.0)]
+    assert _by(spans, 0, "reorder") == [(154.0, 159.0)]
     assert _by(spans, 1, "cumsum") == [(160.0, 163.0)]
     # BSP has no such task (its metadata is in its reorder)
     assert _by(serialize(works, "bsp", cpus=2), 0, "cumsum") == []
+
+
+def test_the_loop_between_calls_runs_before_each_rank_s_set_up() -> None:
+    # WORKS with 5 of the caller's own work before each call. One CPU: rank 0 runs it and its
+    # set-up 0-15, waits; rank 1 runs its 5 and its set-up 15-40, sends 40-240 and 240-300,
+    # then waits for rank 0's rows: rank 0's wait (15-300) holds rank 1's loop too
+    one = back_to_back(WORKS, "asp", cpus=1, calls=1, loop_gap_ns=5.0)
+    assert _by(one, 0, "init") == [(0.0, 15.0)]
+    assert _by(one, 1, "init") == [(15.0, 40.0)]
+    assert _by(one, 0, "wait")[0] == (15.0, 300.0)
+    # a CPU each: both set-ups 5 longer, the ranks' skew as without it (62, test above):
+    # the second call's rank 1 enters at 62, set up at 87
+    two = back_to_back(WORKS, "asp", cpus=2, calls=2, loop_gap_ns=5.0)
+    assert _by(two, 1, "init") == [(62.0, 87.0)]
+    assert _by(two, 0, "wait")[0] == (15.0, 87.0)
+    with pytest.raises(InvalidArgumentError, match="loop_gap_ns"):
+        back_to_back(WORKS, "asp", cpus=2, loop_gap_ns=-1.0)
+
+
+def test_asp_sends_nothing_before_every_ranks_set_up() -> None:
+    # 3 ranks, a CPU each: set-ups 10, 10 and 50, then 10 to each destination (r+1, r+2, r).
+    # ASP places a row in d from every source's counts to d, published in each set-up: rank
+    # 0 sends to rank 1 only once rank 2 is set up too (waits 10-50), then 50-60, 60-70,
+    # 70-80, as does rank 1; every rank's rows to the others are in by 80. BSP needs only the
+    # destination's readiness: rank 0 sends to rank 1 at 10-20, waits for rank 2 20-50.
+    works = [RankWork(10.0, (1, 2, 0), (10.0, 10.0, 10.0), 0.0),
+             RankWork(10.0, (2, 0, 1), (10.0, 10.0, 10.0), 0.0),
+             RankWork(50.0, (0, 1, 2), (10.0, 10.0, 10.0), 0.0)]
+    asp = serialize(works, "asp", cpus=3)
+    for r in (0, 1):
+        assert _by(asp, r, "wait") == [(10.0, 50.0)]
+        assert _by(asp, r, "send") == [(50.0, 60.0), (60.0, 70.0), (70.0, 80.0)]
+    assert _by(asp, 2, "send") == [(50.0, 60.0), (60.0, 70.0), (70.0, 80.0)]
+    assert [s for s in asp if s.task == "wait" and s.rank == 2] == []
+    bsp = serialize(works, "bsp", cpus=3)
+    assert _by(bsp, 0, "send")[0] == (10.0, 20.0)
+    assert [w for w in _by(bsp, 0, "wait") if w[1] > w[0]] == [(20.0, 50.0)]
 
 
 def test_bsp_barrier_releases_a_flag_latency_after_the_last_arrival() -> None:
@@ -102,6 +141,62 @@ def test_bsp_barrier_releases_a_flag_latency_after_the_last_arrival() -> None:
     assert _by(spans, 1, "barrier")[0][1] == 283.0
     assert _by(spans, 0, "reorder") == [(286.0, 291.0)]
     assert _by(spans, 1, "reorder") == [(286.0, 293.0)]
+
+
+# a wait sleeps after 30 ns of spinning and yielding, wakes 4 after its publication; a ring
+# costs its publisher 2 per peer asleep, 1 per peer registered but awake
+BELLS = Doorbells(yield_ns=30.0, wake_ns=4.0, ring_sleep_ns=2.0, ring_armed_ns=1.0)
+
+
+def test_a_wait_past_its_yield_window_sleeps_and_its_waker_pays_the_ring() -> None:
+    # WORKS, a CPU each (test above without doorbells: rank 0 waits 10-20 and 170-220).
+    # Rank 0's wait for rank 1's readiness lasts 10 (< 30): no sleep, rank 1's set-up ring at
+    # 20 is free. Rank 0's wait for rank 1's rows, from 170, is 50 old when rank 1's send to
+    # it ends at 220: rank 0 sleeps, rank 1's ring costs 2 (its send span 220-222) and rank
+    # 0 runs again at 224 (wait 170-224), places 224-229. Rank 1 sends to itself 222-282 (no
+    # ring), places 282-289.
+    spans = serialize(WORKS, "asp", cpus=2, doorbells=BELLS)
+    assert _by(spans, 0, "wait") == [(10.0, 20.0), (170.0, 224.0)]
+    assert _by(spans, 0, "reorder") == [(224.0, 229.0)]
+    assert _by(spans, 1, "send") == [(20.0, 220.0), (220.0, 222.0), (222.0, 282.0)]
+    assert _by(spans, 1, "reorder") == [(282.0, 289.0)]
+    assert _by(spans, 1, "wait") == []
+
+
+def test_a_rank_that_slept_stays_registered_and_every_later_ring_to_it_costs() -> None:
+    # rank 0: set-up 10, 100 to rank 1, 50 to itself, 5 to place; rank 1: set-up 60, 20 to
+    # rank 0, 60 to itself, 7 to place; a CPU each. Rank 0 waits for rank 1's readiness from
+    # 10; at 60 it is 50 old: asleep, rank 1's set-up ring costs 2 (60-62), rank 0 runs at 64
+    # (wait 10-64) and sends 64-164, 164-214, places 214-219. Rank 1 sends to 0 62-82: rank 0
+    # is awake but registered, the ring costs 1 (82-83); to itself 83-143; waits for rank 0's
+    # rows (sent at 164; 21 old, awake: no wake-up) 143-164 and places 164-171.
+    works = [RankWork(10.0, (1, 0), (100.0, 50.0), 5.0), RankWork(60.0, (0, 1), (20.0, 60.0), 7.0)]
+    spans = serialize(works, "asp", cpus=2, doorbells=BELLS)
+    assert _by(spans, 0, "wait") == [(10.0, 64.0)]
+    assert _by(spans, 0, "send") == [(64.0, 164.0), (164.0, 214.0)]
+    assert _by(spans, 0, "reorder") == [(214.0, 219.0)]
+    assert _by(spans, 1, "init") == [(0.0, 60.0), (60.0, 62.0)]
+    assert _by(spans, 1, "send") == [(62.0, 82.0), (82.0, 83.0), (83.0, 143.0)]
+    assert _by(spans, 1, "wait") == [(143.0, 164.0)]
+    assert _by(spans, 1, "reorder") == [(164.0, 171.0)]
+    # no doorbells: the same waits end as their condition holds, rings are free
+    plain = serialize(works, "asp", cpus=2)
+    assert _by(plain, 0, "wait") == [(10.0, 60.0)]
+    assert _by(plain, 1, "send") == [(60.0, 80.0), (80.0, 140.0)]
+
+
+def test_a_barrier_sleeper_wakes_after_the_release_and_the_last_arrival_rings() -> None:
+    # WORKS on BSP, a CPU each, barrier 3: rank 0 reaches the first barrier at 170 (test
+    # above). Rank 1's send to it ends at 220, rank 0 50 old there: asleep, the ring costs 2
+    # (220-222; the sleeper wakes, finds the barrier closed and sleeps again); rank 1 sends
+    # to itself 222-282, arrives at 282 and rings rank 0 again (2: 282-284), then waits for
+    # the release at 285; rank 0 runs a wake-up after it, at 289.
+    spans = serialize(WORKS, "bsp", cpus=2, barrier_ns=3.0, doorbells=BELLS)
+    assert _by(spans, 1, "send") == [(20.0, 220.0), (220.0, 222.0), (222.0, 282.0)]
+    assert _by(spans, 0, "barrier")[0] == (170.0, 289.0)
+    assert _by(spans, 1, "barrier")[:2] == [(282.0, 284.0), (284.0, 285.0)]
+    with pytest.raises(InvalidArgumentError, match="wake_ns"):
+        Doorbells(yield_ns=1.0, wake_ns=-1.0, ring_sleep_ns=0.0, ring_armed_ns=0.0)
 
 
 def test_a_cpu_share_stretches_every_task_not_the_barrier() -> None:

@@ -33,7 +33,7 @@ import numpy as np
 from ..errors import InvalidArgumentError
 from ..modes import LAYOUTS, Engine, Layout, Sync
 from ..sched.plan import Plan
-from .host_sched import RankWork, SchedSpan, back_to_back, serialize
+from .host_sched import Doorbells, RankWork, SchedSpan, back_to_back, serialize
 from .spec import RowCosts
 from .syncs import sync_mode
 
@@ -287,18 +287,21 @@ def combine_terms(topk_idxs: Sequence[np.ndarray], case: HostCase) -> int:
 
 def predict_host(case: HostCase, topk_idxs: Sequence[np.ndarray], *, fixed_ns: float,
                  flag_oneway_ns: float, timer: KernelTimer, cpus: int,
-                 row_meta_ns: float = 0.0, cpu_share: float = 1.0,
-                 recv_meta_ns: float = 0.0) -> float:
-    """The model's latency (ns) of one call of ``case`` on this host: its ranks' tasks
-    (:func:`predict_host_tasks`) run on ``cpus`` CPUs until each must wait, and the call lasts
-    as long as its slowest rank, from that rank's first task to the end of its last
-    (:func:`call_latency_ns`: bench_dispatch times each rank's own call and takes the
-    slowest)."""
+                 row_meta_ns: float = 0.0, cpu_share: float = 1.0, calls: int = 1,
+                 recv_meta_ns: float = 0.0, rank_scale: Sequence[float] | None = None,
+                 doorbells: Doorbells | None = None, loop_gap_ns: float = 0.0) -> float:
+    """The model's latency (ns) of one call of ``case`` on this host: the spans of
+    :func:`predict_host_tasks` (the same arguments: one model gives a call's tasks and its
+    latency), and the call lasts as long as its slowest rank, from that rank's first task to
+    the end of its last (:func:`call_latency_ns`: bench_dispatch times each rank's own call
+    and takes the slowest)."""
     return call_latency_ns(predict_host_tasks(case, topk_idxs, fixed_ns=fixed_ns,
                                               flag_oneway_ns=flag_oneway_ns, timer=timer,
                                               cpus=cpus, row_meta_ns=row_meta_ns,
-                                              cpu_share=cpu_share,
-                                              recv_meta_ns=recv_meta_ns))
+                                              cpu_share=cpu_share, calls=calls,
+                                              recv_meta_ns=recv_meta_ns,
+                                              rank_scale=rank_scale, doorbells=doorbells,
+                                              loop_gap_ns=loop_gap_ns))
 
 
 def call_latency_ns(spans: Sequence[SchedSpan]) -> float:
@@ -375,7 +378,9 @@ def predict_host_tasks(case: HostCase, topk_idxs: Sequence[np.ndarray], *, fixed
                        flag_oneway_ns: float, timer: KernelTimer, cpus: int,
                        row_meta_ns: float = 0.0, cpu_share: float = 1.0,
                        calls: int = 1, recv_meta_ns: float = 0.0,
-                       rank_scale: Sequence[float] | None = None) -> list[SchedSpan]:
+                       rank_scale: Sequence[float] | None = None,
+                       doorbells: Doorbells | None = None,
+                       loop_gap_ns: float = 0.0) -> list[SchedSpan]:
     """The model's spans of one call of ``case``: every rank's tasks timed from its own rows
     (:func:`rank_works`; ``timer`` gives a pass's own time, not shared: the sharing of CPUs is
     the schedule), run on ``cpus`` CPUs until each must wait
@@ -386,8 +391,11 @@ def predict_host_tasks(case: HostCase, topk_idxs: Sequence[np.ndarray], *, fixed
     the ranks' skew at entry, from their unequal ends); 1: the ranks start together (after a
     barrier, as bench_dispatch times them). ``recv_meta_ns``: the receive's metadata per
     token of a source; ``rank_scale``: each rank's factor on its row work
-    (:func:`rank_works`). A combine's ranks only wait for a CPU: each
-    reduces as soon as it runs."""
+    (:func:`rank_works`); ``doorbells``: what a wait past its yield window costs, its
+    sleeper and its waker (:class:`ubep.sim.host_sched.Doorbells`; ``None``: nothing);
+    ``loop_gap_ns`` (``calls`` > 1): the caller's own work between two calls, on each rank's
+    CPU before its next call (:func:`ubep.sim.host_sched.back_to_back`). A combine's ranks
+    only wait for a CPU: each reduces as soon as it runs."""
     if calls < 1:
         raise InvalidArgumentError("calls", calls, "must be >= 1")
     costs, extra = _row_costs(case, timer, combine_terms(topk_idxs, case))
@@ -397,5 +405,6 @@ def predict_host_tasks(case: HostCase, topk_idxs: Sequence[np.ndarray], *, fixed
     engine = case.engine if case.op == "dispatch" else "asp"
     if calls > 1:
         return back_to_back(works, engine, cpus, barrier_ns=flag_oneway_ns, share=cpu_share,
-                            calls=calls)
-    return serialize(works, engine, cpus, barrier_ns=flag_oneway_ns, share=cpu_share)
+                            calls=calls, doorbells=doorbells, loop_gap_ns=loop_gap_ns)
+    return serialize(works, engine, cpus, barrier_ns=flag_oneway_ns, share=cpu_share,
+                     doorbells=doorbells)

@@ -14,26 +14,35 @@ and a rank waits only for its peers' own work.
 
 The tasks of one call (docs/FORMATS.md, runtime/native/phases.c):
 
-* ASP: ``init`` (the call's set-up, which publishes this rank's readiness and its counts),
-  then one ``send`` per destination in the canonical order ``r+1, ..., r`` (a peer's sends
-  need its readiness), then ``cumsum`` (the receive's metadata from every source's counts and
-  routing: it needs every peer's set-up), then the receive: every peer's rows to this rank
+* ASP: ``init`` (the call's set-up, which publishes this rank's readiness and its counts to
+  every rank), then one ``send`` per destination in the canonical order ``r+1, ..., r``: a
+  send to ``d`` needs ``d``'s readiness and every source's counts to ``d``, from which it
+  places its rows (dispatch_send.c ``dst_ready``, ``compute_bases``), so a rank sends nothing,
+  not even its own rows, before every rank's set-up; then ``cumsum`` (the receive's metadata
+  from every source's counts and routing), then the receive: every peer's rows to this rank
   sent, then ``reorder`` (the rows' own work);
 * BSP: ``init``, the ``send`` s (each needs the destination's readiness), a global barrier
   (every rank has sent; one flag latency after the last arrival), ``flag`` (counts and flags
   written, verified), a second barrier, then ``reorder``.
+
+A wait that outlasts the runtime's yield window sleeps on its rank's doorbell (:class:`Doorbells`,
+engine.h ``ring``, wait.c ``wait_step``): it ends a wake-up after its condition holds, and the
+rank that publishes what a sleeper waits for pays the futex wake in its ring; a rank that slept
+once stays registered for the rest of its call, so every later ring to it makes the system call.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["RankWork", "SchedSpan", "back_to_back", "cpu_share", "cpus_for", "serialize"]
+__all__ = ["Doorbells", "RankWork", "SchedSpan", "back_to_back", "cpu_share", "cpus_for",
+           "serialize"]
 
 
 @dataclass(frozen=True)
@@ -71,6 +80,36 @@ class SchedSpan:
     peer: int = -1
 
 
+@dataclass(frozen=True)
+class Doorbells:
+    """The cost of a wait that outlasts its yield window (ns; benchmarks/host_wake.c).
+
+    A waiting rank spins, yields for ``yield_ns`` (the runtime's ``UBEP_WAIT_YIELD_US``), then
+    registers as a sleeper on its doorbell and sleeps in the kernel. Its wait ends
+    ``wake_ns`` after the publication it waits for (the futex wake-up), and the rank that
+    publishes pays ``ring_sleep_ns`` for each sleeper its ring reaches (the bell, then the wake
+    system call). A rank registered once stays so until its call ends: a ring to it while it
+    is awake costs ``ring_armed_ns`` (the system call, with no one to wake).
+
+    Attributes:
+        yield_ns: how long a wait spins and yields before it sleeps.
+        wake_ns: a sleeper's wake-up, from the publication to it running again.
+        ring_sleep_ns: a ring's cost to its publisher per peer asleep on it.
+        ring_armed_ns: a ring's cost per peer registered as a sleeper but awake.
+    """
+
+    yield_ns: float
+    wake_ns: float
+    ring_sleep_ns: float
+    ring_armed_ns: float
+
+    def __post_init__(self) -> None:
+        for name in ("yield_ns", "wake_ns", "ring_sleep_ns", "ring_armed_ns"):
+            v = getattr(self, name)
+            if not v >= 0:
+                raise InvalidArgumentError(name, v, "must be >= 0")
+
+
 def cpus_for(available: float, ranks: int) -> int:
     """Whole CPUs that ``ranks`` processes which measured ``available`` CPUs run on: the
     nearest whole number, at least 1, at most ``ranks``."""
@@ -97,9 +136,12 @@ class _Run:
 
     def __init__(self, works: Sequence[RankWork], engine: str, cpus: int,
                  barrier_ns: float, share: float = 1.0,
-                 start_ns: Sequence[float] | None = None) -> None:
+                 start_ns: Sequence[float] | None = None,
+                 doorbells: Doorbells | None = None) -> None:
         self.works, self.engine, self.barrier_ns = works, engine, float(barrier_ns)
         self.share = float(share)
+        self.doorbells = doorbells
+        self.armed: set[int] = set()  # ranks registered as sleepers (until their call ends)
         R = len(works)
         starts = [0.0] * R if start_ns is None else [float(t) for t in start_ns]
         self.step = [0] * R
@@ -137,6 +179,8 @@ class _Run:
 
     def can_start(self, r: int, task: str, peer: int) -> bool:
         if task == "send":
+            if self.engine == "asp":  # the destination's readiness and every source's counts
+                return all(self.ready)  # to it, published in each source's set-up
             return peer == r or self.ready[peer]
         if task == "recv":
             return all(s in self.sent[r] for s in range(len(self.works))
@@ -150,7 +194,8 @@ class _Run:
 
 def serialize(works: Sequence[RankWork], engine: str, cpus: int,
               barrier_ns: float = 0.0, share: float = 1.0,
-              start_ns: Sequence[float] | None = None) -> list[SchedSpan]:
+              start_ns: Sequence[float] | None = None,
+              doorbells: Doorbells | None = None) -> list[SchedSpan]:
     """The call's spans when its ranks share ``cpus`` CPUs and each runs until it must wait.
 
     Runnable ranks take a free CPU in the order they became runnable (rank order at the
@@ -161,7 +206,11 @@ def serialize(works: Sequence[RankWork], engine: str, cpus: int,
     the ranks get (:func:`cpu_share`): a task of ``ns`` takes ``ns / share`` (the flag latency
     is measured as the ranks run, already at that share). ``start_ns``: when each rank's call
     starts (default: all at 0); a rank is runnable from then, after the ranks already
-    runnable."""
+    runnable. ``doorbells`` (:class:`Doorbells`): a wait longer than its yield window sleeps,
+    ends a wake-up after its condition holds and registers its rank until the call ends; a
+    publication (a set-up's readiness, a destination's rows sent, BSP's flags, a barrier
+    arrival) rings the ranks it concerns and its rank pays the ring (a span of the same task);
+    ``None``: waits end as their condition holds, rings are free."""
     if engine not in ("asp", "bsp"):
         raise InvalidArgumentError("engine", engine, "must be 'asp' or 'bsp'")
     if cpus < 1:
@@ -170,7 +219,7 @@ def serialize(works: Sequence[RankWork], engine: str, cpus: int,
         raise InvalidArgumentError("share", share, "must be in (0, 1]")
     if start_ns is not None and (len(start_ns) != len(works) or min(start_ns, default=0) < 0):
         raise InvalidArgumentError("start_ns", list(start_ns), "needs one time >= 0 per rank")
-    run = _Run(works, engine, cpus, barrier_ns, share, start_ns)
+    run = _Run(works, engine, cpus, barrier_ns, share, start_ns, doorbells)
     now = 0.0
     _dispatch(run, now)
     while run.events or run.barrier_at or run.starting:
@@ -218,7 +267,14 @@ def _step(run: _Run, r: int, now: float) -> None:
             run.ready[r] = True
         elif task == "send":
             run.sent[peer].add(r)
+        # its publication rings the ranks it concerns, as they are at this moment
+        rung = {peer} - {r} if task == "send" else (
+            set(range(len(run.works))) - {r} if task in ("init", "flag") else set())
+        cost = _ring_ns(run, rung, now)
         _wake(run, now)
+        if cost > 0:  # the ring is the end of the publishing task
+            run.spans.append(SchedSpan(r, task, now, now + cost, peer))
+            now += cost
     run.queued.discard(r)
     if r in run.blocked:  # back on a CPU: its wait ends now
         since, task, peer = run.blocked.pop(r)
@@ -227,7 +283,11 @@ def _step(run: _Run, r: int, now: float) -> None:
     while run.step[r] < len(tasks):
         task, ns, peer = tasks[run.step[r]]
         if task == "barrier" and r not in run.arrivals[peer]:
+            cost = _ring_ns(run, set(range(len(run.works))) - {r}, now)
             _arrive(run, r, peer, now)
+            if cost > 0:  # its arrival rings every peer
+                run.spans.append(SchedSpan(r, "barrier", now, now + cost, -1))
+                now += cost
         if not run.can_start(r, task, peer):
             run.blocked[r] = (now, task, peer)
             run.free += 1
@@ -250,31 +310,67 @@ def _arrive(run: _Run, r: int, which: int, now: float) -> None:
         run.barrier_at.append((now + run.barrier_ns, which))
 
 
+def _asleep(run: _Run, r: int, now: float) -> bool:
+    """Whether rank ``r`` waits past its yield window at ``now``: asleep on its doorbell."""
+    if run.doorbells is None or r not in run.blocked:
+        return False
+    return now - run.blocked[r][0] > run.doorbells.yield_ns
+
+
+def _ring_ns(run: _Run, rung: set[int], now: float) -> float:
+    """What a ring of the ranks ``rung`` at ``now`` costs its publisher: the wake per rank
+    asleep, the system call alone per rank registered but awake (:class:`Doorbells`)."""
+    db = run.doorbells
+    if db is None:
+        return 0.0
+    ns = 0.0
+    for q in rung:
+        if _asleep(run, q, now):
+            ns += db.ring_sleep_ns
+        elif q in run.armed:
+            ns += db.ring_armed_ns
+    return ns / run.share
+
+
 def _wake(run: _Run, now: float) -> None:
-    """Blocked ranks whose condition now holds become runnable (in rank order)."""
+    """Blocked ranks whose condition now holds become runnable (in rank order); a rank asleep
+    (:func:`_asleep`) a wake-up later, and it stays registered."""
     for r in sorted(run.blocked):
         if r in run.queued:
             continue
         task, _, peer = run.tasks(r)[run.step[r]]
         if run.can_start(r, task, peer):
             run.queued.add(r)
-            run.runnable.append((r, now))
+            at = max(now, run.blocked[r][0])
+            if run.doorbells is not None and _asleep(run, r, now):
+                run.armed.add(r)
+                bisect.insort(run.starting, (at + run.doorbells.wake_ns, r))
+            else:
+                run.runnable.append((r, at))
 
 
 def back_to_back(works: Sequence[RankWork], engine: str, cpus: int, barrier_ns: float = 0.0,
-                 share: float = 1.0, calls: int = 4) -> list[SchedSpan]:
+                 share: float = 1.0, calls: int = 4, doorbells: Doorbells | None = None,
+                 loop_gap_ns: float = 0.0) -> list[SchedSpan]:
     """The spans of one call in a loop of calls, each rank's next call starting as soon as it
     has ended its last (its exit and entry are in its ``init``): a rank that ends later (more
     rows received, a longer reorder) enters the next call later, and its peers wait for its
     readiness there, where calls that all start together would wait for nothing. ``calls``
     calls are run, each from the ranks' ends of the one before (relative to the earliest);
-    returns the last, its times from the earliest rank's start."""
+    returns the last, its times from the earliest rank's start. ``doorbells``: as
+    :func:`serialize` (a rank's registration ends with its call). ``loop_gap_ns``: the
+    caller's own work between two calls (the loop around them), which each rank runs on its
+    CPU before its next call's set-up: part of its ``init`` span here; where ranks share a
+    CPU, the other ranks' turn."""
     if calls < 1:
         raise InvalidArgumentError("calls", calls, "must be >= 1")
+    if not loop_gap_ns >= 0:
+        raise InvalidArgumentError("loop_gap_ns", loop_gap_ns, "must be >= 0")
+    works = [replace(w, init_ns=w.init_ns + float(loop_gap_ns)) for w in works]
     starts = [0.0] * len(works)
     spans: list[SchedSpan] = []
     for _ in range(calls):
-        spans = serialize(works, engine, cpus, barrier_ns, share, starts)
+        spans = serialize(works, engine, cpus, barrier_ns, share, starts, doorbells)
         ends = [max((s.end_ns for s in spans if s.rank == r), default=starts[r])
                 for r in range(len(works))]
         first = min(ends, default=0.0)
