@@ -244,6 +244,10 @@ def test_a_combines_weights_word_and_what_every_rank_does_with_the_words() -> No
     plus_zero[0, 1] = 0.0  # equal as numbers, not as bits: a sum would differ
     for other in (plus_zero, same.double(), same[:1], same * 2):
         assert combine_weights_word(other, received) == WEIGHTS_OTHER
+        # a decode step's view of the tensor: the same word
+        view = other.numpy()
+        assert combine_weights_word(view, received) == WEIGHTS_OTHER
+    assert combine_weights_word(same.numpy(), received) == WEIGHTS_RECEIVED
     assert combine_weights_word(same, None) == WEIGHTS_OTHER  # the dispatch had no topk_idx
     got, none, other = WEIGHTS_RECEIVED, WEIGHTS_NONE, WEIGHTS_OTHER
     assert combine_weights_plan([none, none, none]) == "none"

@@ -34,7 +34,7 @@ docs/PORTING.md lists what still differs.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,21 +42,11 @@ import torch
 from ..errors import InvalidArgumentError
 from ..trace.recorder import recording, traced_work
 from . import deep_ep_checks as checks
-from ._convert import from_numpy, to_numpy
-from ._runtime import RuntimeBackend
+from ._convert import to_numpy
 from .backend import LocalBackend
-from .deep_ep_agree import (
-    Board,
-    check_combine_rows,
-    combine_weights_plan,
-    own_weights_sum,
-    post_weights_word,
-)
 from .deep_ep_checks import (
     check_ubep_options,
-    deepep_error,
     facade_group,
-    own_backend,
 )
 from .deep_ep_core import Backends, Exchange, FacadeCore
 from .deep_ep_internode import InternodePath, hosts_of
@@ -387,8 +377,6 @@ class Buffer:
             topk_weights=topk_weights, expert_alignment=expert_alignment,
             num_worst_tokens=num_worst_tokens, async_finish=async_finish)
 
-    @traced_work("deep_ep.combine")
-    @checks.gated
     def combine(
         self,
         x: torch.Tensor,
@@ -404,68 +392,34 @@ class Buffer:
         event)``; ``topk_weights [rows, num_topk]`` are summed the same way (float32). ``x`` has
         one row per received row (or ``num_worst_tokens`` rows, the padding ignored). An
         :class:`InternodeHandle` goes to :meth:`internode_combine`, as in DeepEP."""
-        self._check_normal_mode()
-        if isinstance(handle, InternodeHandle):
-            return self.internode_combine(x, handle, topk_weights, bias, config, previous_event,
-                                          async_finish, allocate_on_comm_stream)
-        return self._normal_combine(x, handle, topk_weights, bias, async_finish)
+        if (bias is None and not async_finish and previous_event is None and self._host_decode
+                and not recording()):
+            # a decode step's call goes straight to its Buffer (nothing before it raises)
+            got = self._normal.decode_combine(x, handle, topk_weights)
+            if got is not None:
+                return got
+        return self._checked_combine(x, handle, topk_weights, bias, config, previous_event,
+                                     async_finish, allocate_on_comm_stream)
 
-    def _normal_combine(
+    @traced_work("deep_ep.combine")
+    @checks.gated
+    def _checked_combine(
         self,
         x: torch.Tensor,
         handle: NormalHandle,
         topk_weights: torch.Tensor | None,
         bias: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None,
+        config: Config | None,
+        previous_event: EventOverlap | None,
         async_finish: bool,
+        allocate_on_comm_stream: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:
-        if not isinstance(handle, NormalHandle):
-            raise InvalidArgumentError(
-                "handle", type(handle).__name__, "must be the handle a normal dispatch returned"
-            )
-        n = handle.num_recv_rows
-        tag = self._post_weights_word(handle, topk_weights)  # before anything can raise
-        checks.check_device(x=x, topk_weights=topk_weights, bias=bias)
-        check_combine_rows(x, topk_weights, (n, handle.num_out_rows))
-        core = self.core
-        backend = own_backend(handle, core.backends, core.gate)
-        rows = x if x.shape[0] == n else x[:n]
-        try:
-            # ubep's Buffer takes the tensor as it is and hands y back as one (its torch door)
-            y = (backend.combine_tensor(rows, handle.inner) if type(backend) is RuntimeBackend
-                 else from_numpy(backend.combine(to_numpy(rows), handle.inner), x.dtype))
-        except InvalidArgumentError as exc:
-            raise deepep_error(exc) from None
-        # every rank's word (none, all the received weights, or others), else what was given
-        plan = ("none" if topk_weights is None else "carried") if tag is None else (
-            combine_weights_plan(cast(Board, self.core.exchange.opened_board()).words(tag)))
-        combined_w = None if plan == "none" else torch.from_numpy(
-            own_weights_sum(*cast(tuple, handle.sent_routing))) if plan == "local" else (
-            self._combine_small(cast(torch.Tensor, topk_weights)[:n], handle))
-        if bias is not None:
-            # Both biases are added in float32 and rounded once, as DeepEP adds them in the
-            # reduction (rounding after each would lose a bit more with two).
-            total = y.float()
-            for b in bias if isinstance(bias, tuple) else (bias,):
-                total = total + b.float()
-            y = total.to(x.dtype)
-        return y, combined_w, _event(async_finish)
-
-    def _post_weights_word(self, handle: Any, topk_weights: Any) -> int | None:
-        """:func:`.post_weights_word` on the Board (opened by the first combine: collective);
-        None without one (another host, shrink mode, no Buffer)."""
-        core = self.core
-        if core.shrink is not None or not isinstance(handle, NormalHandle) or getattr(
-                handle.backend, "buffer", None) is None:
-            return None
-        board = core.exchange.opened_board()
-        return None if board is None else post_weights_word(board, handle, topk_weights)
-
-    def _combine_small(self, values: torch.Tensor, handle: NormalHandle) -> torch.Tensor:
-        """The combine's ``topk_weights`` summed at their sources (``Backends.weights_back``)."""
-        return self.core.backends.weights_back(handle.backend, values, handle.sent[:, self.rank],
-                                               handle.in_rank,
-                                               int(handle.sent.sum(axis=0).max()),
-                                               self.group_size * self.max_tokens_per_rank)
+        """:meth:`combine` through the facade's checks and its call gate."""
+        self._check_normal_mode()
+        if isinstance(handle, InternodeHandle):
+            return self.internode_combine(x, handle, topk_weights, bias, config, previous_event,
+                                          async_finish, allocate_on_comm_stream)
+        return self._normal.combine(x, handle, topk_weights, bias, async_finish)
 
     # ------------------------------------------------------------------ internode pair
     def internode_dispatch(
@@ -506,7 +460,7 @@ class Buffer:
         allocate_on_comm_stream: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:
         """DeepEP's internode combine (the sum without weights, as ``combine``)."""
-        return self._internode.combine(self._normal_combine, x, handle, topk_weights, bias,
+        return self._internode.combine(self._normal.combine, x, handle, topk_weights, bias,
                                        async_finish)
 
     # ------------------------------------------------------------------ low-latency mode

@@ -308,16 +308,23 @@ WEIGHTS_NONE, WEIGHTS_RECEIVED, WEIGHTS_OTHER = 1, 2, 3
 
 def combine_weights_word(values: Any, received: np.ndarray | None) -> int:
     """This rank's word about a normal-mode combine's ``values`` (its ``topk_weights``, before
-    any check): none given; a CPU float32 tensor holding, bit for bit, ``received`` (the
-    weights its dispatch received); or anything else."""
+    any check, or their host view): none given; a CPU float32 tensor (or float32 array)
+    holding, bit for bit, ``received`` (the weights its dispatch received); or anything
+    else."""
     if values is None:
         return WEIGHTS_NONE
-    if received is None or not _is_float32_cpu_tensor(values) or (
-            tuple(values.shape) != received.shape):
+    if received is None:
+        return WEIGHTS_OTHER
+    if type(values) is np.ndarray:  # a decode step's view of the tensor
+        bits = values
+    elif _is_float32_cpu_tensor(values):
+        bits = values.detach().numpy()
+    else:
+        return WEIGHTS_OTHER
+    if bits.dtype != np.float32 or bits.shape != received.shape:
         return WEIGHTS_OTHER
     # bit for bit (a NaN, -0.0 too), a few hundred bytes: one compare of their bytes
-    same = values.detach().numpy().tobytes() == received.tobytes()
-    return WEIGHTS_RECEIVED if same else WEIGHTS_OTHER
+    return WEIGHTS_RECEIVED if bits.tobytes() == received.tobytes() else WEIGHTS_OTHER
 
 
 def _is_float32_cpu_tensor(values: Any) -> bool:

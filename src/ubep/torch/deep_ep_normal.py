@@ -1,24 +1,39 @@
-"""DeepEP's normal-mode dispatch, held by a :class:`ubep.torch.deep_ep.Buffer` (its
-``dispatch`` and the internode path call this one's): the checks of its arguments and the
-routing they give (:meth:`NormalPath.dispatch`), a decode step's call recognised from its
-tensors' metadata and the layout memo (:meth:`NormalPath.decode_dispatch`), cached dispatch,
-and DeepEP's outputs of a dispatch."""
+"""DeepEP's normal mode, held by a :class:`ubep.torch.deep_ep.Buffer` (its ``dispatch`` and
+``combine``, and the internode path, call this one's): the checks of a dispatch's arguments
+and the routing they give (:meth:`NormalPath.dispatch`), cached dispatch, DeepEP's outputs of
+a dispatch, the combine and its weights (:meth:`NormalPath.combine`), and a decode step's calls
+recognised from their tensors' metadata (:meth:`NormalPath.decode_dispatch` after its
+``get_dispatch_layout``, :meth:`NormalPath.decode_combine`), straight to their Buffer."""
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 
 from ..errors import InvalidArgumentError
 from . import deep_ep_checks as checks
-from ._convert import padded_rows, received_rows, storage_views, to_numpy
+from ._convert import (
+    from_numpy,
+    padded_rows,
+    received_rows,
+    storage_views,
+    tensor_of_storage,
+    to_numpy,
+)
 from ._runtime import RuntimeBackend
 from .backend import EPBackend
-from .deep_ep_agree import exchanged_counts
-from .deep_ep_checks import check_dispatch_x
+from .deep_ep_agree import (
+    Board,
+    check_combine_rows,
+    combine_weights_plan,
+    exchanged_counts,
+    own_weights_sum,
+    post_weights_word,
+)
+from .deep_ep_checks import check_dispatch_x, deepep_error, own_backend
 from .deep_ep_core import FacadeCore
 from .deep_ep_device import cached_rows, on_device, received_pair, routed_fp8
 from .deep_ep_layouts import LayoutMemo, dispatch_layout
@@ -37,8 +52,8 @@ _NO_LAYOUT = _Layout()  # a cached dispatch's: the handle says where rows go
 
 
 class NormalPath:
-    """The normal-mode dispatch of one facade: its core (Buffers per shape, the call gate),
-    the layout memo its ``get_dispatch_layout`` fills, and its rank's place."""
+    """The normal mode of one facade: its core (Buffers per shape, the call gate, the
+    Board), the layout memo its ``get_dispatch_layout`` fills, and its rank's place."""
 
     def __init__(self, core: FacadeCore, layouts: LayoutMemo, rank: int, group_size: int,
                  max_tokens_per_rank: int) -> None:
@@ -314,3 +329,101 @@ class NormalPath:
         out_rows = handle.num_out_rows
         recv = received_rows(res.recv_x, recv_scales, x.dtype, scales is not None, out_rows)
         return recv, None, None, None, None, _event(async_finish)
+
+    def decode_combine(self, x: Any, handle: Any, topk_weights: Any,
+                       ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap] | None:
+        """A decode step's blocking combine without ``bias``, recognised from the tensors'
+        metadata: a handle of this facade's Buffer, the Board open (the first combine opened
+        it), ``x`` a CPU ``[rows, hidden]`` tensor of the dispatch's rows and float32
+        ``topk_weights`` of its rows (or none). Nothing before the Buffer's call raises (its
+        errors reach every rank). None for anything else, which :meth:`combine` takes after
+        the facade's checks (and names)."""
+        board = self.core.exchange.board
+        if not (type(handle) is NormalHandle and type(board) is Board
+                and type(x) is torch.Tensor and type(handle.backend) is RuntimeBackend
+                and (topk_weights is None or (type(topk_weights) is torch.Tensor
+                                              and topk_weights.dtype is torch.float32))):
+            return None
+        backend = handle.backend
+        if backend not in self.core.backends.table.values():  # by identity (no __eq__)
+            return None  # another Buffer's handle: the checked path names it
+        x_np, w_np = storage_views(x, topk_weights)  # CPU tensors only
+        n = handle.num_recv_rows
+        if type(x_np) is not np.ndarray or x_np.ndim != 2 or (
+                x_np.shape[0] not in (n, handle.num_out_rows)) or (topk_weights is not None and (
+                    type(w_np) is not np.ndarray or w_np.ndim != 2
+                    or w_np.shape[0] != x_np.shape[0])):
+            return None
+        tag = post_weights_word(board, handle, w_np)  # the weights' view: the same word
+        self.core.gate.combine_on(backend)  # the next call: a combine there
+        try:
+            y = backend.buffer.combine(x_np if x_np.shape[0] == n else x_np[:n], handle.inner)
+        except InvalidArgumentError as exc:
+            raise deepep_error(exc) from None
+        return (tensor_of_storage(y, x.dtype),
+                self._combined_weights(combine_weights_plan(board.words(tag)), handle,
+                                       topk_weights, n), EventOverlap(None))
+
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: NormalHandle,
+        topk_weights: torch.Tensor | None,
+        bias: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None,
+        async_finish: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:
+        if not isinstance(handle, NormalHandle):
+            raise InvalidArgumentError(
+                "handle", type(handle).__name__, "must be the handle a normal dispatch returned"
+            )
+        n = handle.num_recv_rows
+        tag = self._post_weights_word(handle, topk_weights)  # before anything can raise
+        checks.check_device(x=x, topk_weights=topk_weights, bias=bias)
+        check_combine_rows(x, topk_weights, (n, handle.num_out_rows))
+        core = self.core
+        backend = own_backend(handle, core.backends, core.gate)
+        rows = x if x.shape[0] == n else x[:n]
+        try:
+            # ubep's Buffer takes the tensor as it is and hands y back as one (its torch door)
+            y = (backend.combine_tensor(rows, handle.inner) if type(backend) is RuntimeBackend
+                 else from_numpy(backend.combine(to_numpy(rows), handle.inner), x.dtype))
+        except InvalidArgumentError as exc:
+            raise deepep_error(exc) from None
+        # every rank's word (none, all the received weights, or others), else what was given
+        plan = ("none" if topk_weights is None else "carried") if tag is None else (
+            combine_weights_plan(cast(Board, self.core.exchange.opened_board()).words(tag)))
+        combined_w = self._combined_weights(plan, handle, topk_weights, n)
+        if bias is not None:
+            # Both biases are added in float32 and rounded once, as DeepEP adds them in the
+            # reduction (rounding after each would lose a bit more with two).
+            total = y.float()
+            for b in bias if isinstance(bias, tuple) else (bias,):
+                total = total + b.float()
+            y = total.to(x.dtype)
+        return y, combined_w, _event(async_finish)
+
+    def _post_weights_word(self, handle: Any, topk_weights: Any) -> int | None:
+        """:func:`.post_weights_word` on the Board (opened by the first combine: collective);
+        None without one (another host, shrink mode, no Buffer)."""
+        core = self.core
+        if core.shrink is not None or not isinstance(handle, NormalHandle) or getattr(
+                handle.backend, "buffer", None) is None:
+            return None
+        board = core.exchange.opened_board()
+        return None if board is None else post_weights_word(board, handle, topk_weights)
+
+    def _combined_weights(self, plan: str, handle: NormalHandle, topk_weights: Any,
+                          n: int) -> torch.Tensor | None:
+        """``combined_topk_weights`` by every rank's ``plan`` (``combine_weights_plan``)."""
+        if plan == "none":
+            return None
+        if plan == "local":  # every source sums the weights it sent, where they are
+            return torch.from_numpy(own_weights_sum(*cast(tuple, handle.sent_routing)))
+        return self._combine_small(cast(torch.Tensor, topk_weights)[:n], handle)
+
+    def _combine_small(self, values: torch.Tensor, handle: NormalHandle) -> torch.Tensor:
+        """The combine's ``topk_weights`` summed at their sources (``Backends.weights_back``)."""
+        return self.core.backends.weights_back(handle.backend, values, handle.sent[:, self.rank],
+                                               handle.in_rank,
+                                               int(handle.sent.sum(axis=0).max()),
+                                               self.group_size * self.max_tokens_per_rank)
