@@ -406,8 +406,7 @@ def owned_rows(recv_x: np.ndarray, dtype: torch.dtype, rows: int) -> torch.Tenso
     where it views a receive region) copied in, zeros after (copied through the tensor's numpy
     view: no tensor over the read-only region, nor torch's warning about one)."""
     if recv_x.shape[0] == rows:  # no padding: one copy, a tensor over it
-        t = torch.from_numpy(np.array(recv_x))
-        return t if t.dtype is dtype else t.view(dtype)
+        return tensor_of_storage(np.array(recv_x), dtype)
     out = torch.empty((rows, *recv_x.shape[1:]), dtype=dtype)
     view = to_numpy(out)
     n = recv_x.shape[0]
