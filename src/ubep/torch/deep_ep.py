@@ -496,30 +496,8 @@ class Buffer:
                 cumulative_local_expert_recv_stats, use_fp8, round_scale, use_ue8m0)
             if got is not None:
                 return got
-        return self._checked_low_latency_dispatch(
-            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-            cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
-            round_scale, use_ue8m0, async_finish, return_recv_hook)
-
-    @traced_work("deep_ep.low_latency_dispatch")
-    @checks.gated
-    def _checked_low_latency_dispatch(
-        self,
-        x: torch.Tensor,
-        topk_idx: torch.Tensor,
-        num_max_dispatch_tokens_per_rank: int,
-        num_experts: int,
-        cumulative_local_expert_recv_stats: torch.Tensor | None = None,
-        dispatch_wait_recv_cost_stats: torch.Tensor | None = None,
-        use_fp8: bool = True,
-        round_scale: bool = False,
-        use_ue8m0: bool = False,
-        async_finish: bool = False,
-        return_recv_hook: bool = False,
-    ) -> tuple[Any, torch.Tensor, LowLatencyHandle, EventOverlap, Callable[[], None] | None]:
-        """:meth:`low_latency_dispatch` through the facade's checks and its call gate."""
-        return self._low_latency.dispatch(
-            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+        return _checked_low_latency_dispatch(
+            self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
             cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
             round_scale, use_ue8m0, async_finish, return_recv_hook)
 
@@ -549,28 +527,8 @@ class Buffer:
             y = self._low_latency.decode_combine(x, topk_idx, topk_weights, handle)
             if y is not None:
                 return y, EventOverlap(None), None
-        return self._checked_low_latency_combine(
-            x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
-            return_recv_hook, out, combine_wait_recv_cost_stats)
-
-    @traced_work("deep_ep.low_latency_combine")
-    @checks.gated
-    def _checked_low_latency_combine(
-        self,
-        x: torch.Tensor,
-        topk_idx: torch.Tensor,
-        topk_weights: torch.Tensor,
-        handle: LowLatencyHandle,
-        use_logfmt: bool = False,
-        zero_copy: bool = False,
-        async_finish: bool = False,
-        return_recv_hook: bool = False,
-        out: torch.Tensor | None = None,
-        combine_wait_recv_cost_stats: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, EventOverlap, Callable[[], None] | None]:
-        """:meth:`low_latency_combine` through the facade's checks and its call gate."""
-        return self._low_latency.combine(
-            x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+        return _checked_low_latency_combine(
+            self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
             return_recv_hook, out, combine_wait_recv_cost_stats)
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
@@ -609,3 +567,21 @@ class Buffer:
         after a timeout; here a masked rank is lost or was told it is masked, so it stays
         masked (the state DeepEP returns to, without the wait)."""
         self._mask.clean_mask()
+
+
+# The facade's checked calls (what a call that is not a decode step's goes through): a named
+# span while a Recorder records, and the call gate, which fails a bad argument on every rank.
+@traced_work("deep_ep.low_latency_dispatch")
+@checks.gated
+def _checked_low_latency_dispatch(
+    self: Buffer, *args: Any,
+) -> tuple[Any, torch.Tensor, LowLatencyHandle, EventOverlap, Callable[[], None] | None]:
+    return self._low_latency.dispatch(*args)
+
+
+@traced_work("deep_ep.low_latency_combine")
+@checks.gated
+def _checked_low_latency_combine(
+    self: Buffer, *args: Any,
+) -> tuple[torch.Tensor, EventOverlap, Callable[[], None] | None]:
+    return self._low_latency.combine(*args)
