@@ -90,7 +90,8 @@ def wait_for(path: Path, timeout_s: float, proc: subprocess.Popen[str] | None = 
 
     deadline = time.monotonic() + timeout_s
     while not path.exists():
-        if proc is not None and proc.poll() is not None:
+        # the job may write the file and end between the two checks: look once more
+        if proc is not None and proc.poll() is not None and not path.exists():
             raise AssertionError(f"the job ended before {path.name} appeared")
         if time.monotonic() > deadline:
             raise AssertionError(f"{path.name} did not appear within {timeout_s} s")

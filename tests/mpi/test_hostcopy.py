@@ -77,7 +77,7 @@ def test_a_token_crosses_once_per_host_and_results_are_exact(layout: str, sync: 
             oks = []
             for seed in (1, 2, 3):
                 xs, idxs, ws = _inputs(seed, ranks, tokens)
-                for mem in eng._windows():
+                for mem in (eng.data, eng.hosts.win):
                     mem.puts.clear()
                 oks.append(_exact(buf, g.rank, xs, idxs, ws, layout))
                 remote = [q for q in range(ranks) if q // P != g.rank // P]

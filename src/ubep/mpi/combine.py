@@ -5,14 +5,18 @@ each expert rank puts the output rows of every source, in the order they arrived
 that source's combine landing window (per epoch parity, one slot per expert rank, back to
 back in rank order, each as long as what the source sent it: the dispatch's counts say where)
 and, after them, a record ``[rows][checksum][dispatch index]`` into the source's control window.
-The rows go out as they lie in the expert outputs, one run per local expert (a put, or a copy
-on the same host), and the checksum is the sum of the runs' DC checksums, each mixed with the
-epoch; the source cuts what landed at the same lengths. The source polls its own windows,
-accepts a peer's rows once the checksum of what has landed matches (``dc``; ``sw`` and ``tff``
-flush the rows before the record, so it matches at once) and reduces them in the
-reference's order. No rank reads another rank's memory, so no call waits for a peer to enter
-MPI: over TCP (``osc/rdma`` on ``btl/tcp``) a get completes only when its target runs MPI's
-progress, a put is received by a peer that is itself polling for its rows.
+The rows go out as they lie in the expert outputs, one run per local expert: to a rank on
+this host a copy into its window, the checksum the sum of the runs' DC checksums, each mixed
+with the epoch (the source cuts what landed at the same lengths); to another host one
+two-sided message into the landing slot the source pre-posted, with the record in a message
+of its own before it (:mod:`ubep.mpi.rows2`: a completed receive is whole, no checksum; over
+TCP it costs the source less CPU than receiving emulated puts in ``MPI_Win_sync``). The source
+polls its own windows and receives, accepts a same-host peer's rows once the checksum of what
+has landed matches (``dc``; ``sw`` and ``tff`` flush the rows before the record, so it matches
+at once) and reduces them in the reference's order. No rank reads another rank's memory, so
+no call waits for a peer to enter MPI: over TCP (``osc/rdma`` on ``btl/tcp``) a get completes
+only when its target runs MPI's progress; a message is received by a peer that is itself
+polling for its rows.
 
 Why rows and not weighted partial sums: the reference adds a token's picks in ascending ``k``
 in float32; a sum of the picks one expert rank holds is bit-exact only when they are a prefix
@@ -87,16 +91,25 @@ class RmaCombine:
         at = int(eo.ctypes.data) if eo.size else 0
         zero_copy = base + _HEADER_BYTES <= at and at + rows * e.crow_bytes <= base + e.seg_size
         positions, slots = self.positions_of(dispatch_index, rows)
-        e.proto.wait_peers_done(op, op.epoch - 2)  # the landing slots of this parity are free
-        eo_rows = _u8(eo)[: rows * e.crow_bytes].reshape(rows, e.crow_bytes)
-        self.send(op, eo_rows, positions, slots, dispatch_index)
-        if e.bsp:  # BSP keeps its barrier: every record complete before anyone reads
-            e.proto.complete(op, e.ctrl, None, "the combine records to complete")
-            e._barrier(op, 3)
         needed = self.needed_rows(h_idx, h_dst, ntok)
         counts = [len(needed.get(q, ())) for q in range(e.R)]
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
-        landed = self.receive(op, needed, starts, dispatch_index)
+        # other hosts' rows come as messages (ubep.mpi.rows2): their receives go up before
+        # this rank sends anything, straight into the landing slots (free: this rank reduced
+        # what the call before the last left there)
+        e.two.post(op, dict(enumerate(counts)),
+                   lambda q, n: self.landing_rows(op.par, starts[q], n))
+        try:
+            e.proto.wait_peers_done(op, op.epoch - 2)  # same-host slots of this parity free
+            eo_rows = _u8(eo)[: rows * e.crow_bytes].reshape(rows, e.crow_bytes)
+            self.send(op, eo_rows, positions, slots, dispatch_index)
+            if e.bsp:  # BSP keeps its barrier: every record complete before anyone reads
+                e.proto.complete(op, e.ctrl, None, "the combine records to complete")
+                e._barrier(op, 3)
+            landed = self.receive(op, needed, starts, dispatch_index)
+        except _OpError:
+            e.two.abandon()
+            raise
         mine = needed.get(e.rank)
         if mine is not None:
             if mine[-1] >= rows:
@@ -151,14 +164,17 @@ class RmaCombine:
             q = (e.rank + 1 + i) % e.R
             t0 = e.spans.t0()
             pos = positions[q]
+            peer = e.cland.peer_arrays[q]
+            if q in e.two.remote:  # another host: a record and one message (ubep.mpi.rows2)
+                e.two.send(op, q, eo_rows, runs_of(pos), dispatch_index)
+                e.spans.rec(0, "send", t0, peer=q, rows=len(pos),
+                            size_bytes=len(pos) * e.crow_bytes, epoch=op.epoch)
+                continue
             blocks = [eo_rows[p0: p0 + m] for p0, m in runs_of(pos)]
             at = self.landing_offset(op.par, slots[q])
-            peer = e.cland.peer_arrays[q]
+            assert peer is not None  # this host: every other host is in e.two.remote
             for block in blocks:
-                if peer is None:
-                    e.cland.put(q, at, block)
-                else:
-                    peer[at: at + block.nbytes] = block.reshape(-1)
+                peer[at: at + block.nbytes] = block.reshape(-1)
                 at += block.nbytes
             if len(pos) and not e.sync_no_flush:
                 e.proto.complete(op, e.cland, q, f"the expert outputs to rank {q} to complete")
@@ -187,6 +203,15 @@ class RmaCombine:
 
         def poll() -> bool:
             for q in sorted(pending):
+                if q in e.two.posted:  # another host: a message
+                    if e.two.take(op, q, dispatch_index):
+                        pending.discard(q)
+                        n = len(needed.get(q, ()))
+                        if n:
+                            landed[q] = (needed[q], self.landing_rows(op.par, starts[q], n))
+                        since[0] = e.spans.rec(0, "wait", since[0], peer=q, rows=n,
+                                               size_bytes=n * e.crow_bytes, epoch=op.epoch)
+                    continue
                 got = e.proto.read_record(e.cl.slot(e.cl.comb_info, op.par, q), _RECORD_BYTES,
                                           op.epoch)
                 if got is None:

@@ -27,13 +27,12 @@ each other). Hence:
   sound only if elements cannot tear, and MPI promises no atomicity for a put against the
   receiver's loads.
 
-Combine pushes the same way (:mod:`ubep.mpi.combine`): each expert rank puts a source's output
-rows into that source's landing window (a third window) with a DC record; no rank reads a
-peer's memory. A call ends once what it put has left this rank (``MPI_Test``): over TCP an
-operation still queued moves only while its origin is inside MPI.
+Combine pushes back (:mod:`ubep.mpi.combine`): a source's output rows go into its landing
+window (a third window), as messages to other hosts (:mod:`ubep.mpi.rows2`); no rank reads a
+peer's memory. A call ends once what it sent has left this rank (``MPI_Test``).
 
-Control words (counts, per-row metadata, flags, combine's records, failure
-notices, progress) live in a second window. Each is a self-checking record ``[payload][check]
+Control words (counts, per-row metadata, flags, combine's records, failure notices,
+progress) live in a second window. Each is a self-checking record ``[payload][check]
 [epoch]`` written with one put and accepted only when ``check`` matches ``payload`` and
 ``epoch`` (the DC formula): a half-arrived record is never used, and no flush is needed, so no
 rank ever blocks inside MPI waiting for a peer that is busy elsewhere. Receivers poll their own
@@ -89,6 +88,7 @@ from .protocol import (
     record_check,
 )
 from .rows import RoutingError, Units, empty_slots, route, rows_of, runs_of, take_runs
+from .rows2 import TwoSidedRows
 from .syncs import SYNC_ROWS, rows_checksum
 from .watchdog import WedgedError
 
@@ -156,6 +156,7 @@ class RmaEngine:
         self.cap_sent = self.T * (self.K if self.expert else self.R)
         self.cland = self.group.map_global(landing_bytes(self.cap_sent, self.crow_bytes),
                                            "rma-comb-land")
+        self.two = TwoSidedRows(self, self.group.dup_comm())  # its rows to other hosts
         self.sync_no_flush = config.sync == "dc"  # combine's records: DC needs no flush
         self.hosts = HostCopy(self) if once_per_host else None
         # the last dispatch's positions of each source's rows, and its rows[s, d] table
@@ -177,10 +178,10 @@ class RmaEngine:
         for mem in self._windows():
             mem.done()
 
-    def _windows(self) -> tuple[MpiGlobalMemory, ...]:
-        """Every window this engine puts into (data first: the rows)."""
+    def _windows(self) -> tuple[MpiGlobalMemory | TwoSidedRows, ...]:
+        """Every window this engine puts into (data first: the rows), and its messages."""
         extra = (self.hosts.win,) if self.hosts is not None else ()
-        return (self.data, *extra, self.cland, self.ctrl)
+        return (self.data, *extra, self.cland, self.ctrl, self.two)
 
     def _land_regions(self) -> int:
         return self.nreg if self.land_is_out else 1
@@ -246,6 +247,7 @@ class RmaEngine:
 
     def _resync(self, base_epoch: int) -> int:
         op = _Op(2, base_epoch, self.timeout_ns)
+        self.two.forget(base_epoch)
         for mem in self._windows():
             try:
                 self.proto.wait(op, mem.done, -1, "this rank's RMA operations of earlier calls",

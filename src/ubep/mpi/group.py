@@ -139,6 +139,7 @@ class MpiGroup(Closing):
         self._lost = False  # abandoned after a loss (abandon)
         self._runner: CallRunner | None = None  # the RMA engines' MPI thread, made on first use
         self._windows: list[MpiGlobalMemory] = []  # creation order (frees are collective)
+        self._comms: list[Any] = []  # duplicates of comm made for Buffers (dup_comm)
         self._clock_seq = 0  # clock_offset measurements so far (every rank counts alike)
         self.pids: list[int] = []  # filled by the first allgather (no liveness check before)
         self.start_times: list[int] = []
@@ -272,6 +273,15 @@ class MpiGroup(Closing):
         self._windows.append(mem)
         return mem
 
+    def dup_comm(self) -> Any:
+        """A communicator of this group's ranks for one Buffer's messages alone (collective;
+        freed by :meth:`close`), so no message of another Buffer or of ubep's own traffic
+        can match its receives."""
+        self._check_open()
+        comm = self.comm.Dup()
+        self._comms.append(comm)
+        return comm
+
     @property
     def runner(self) -> CallRunner:
         """The thread every RMA engine call of this group runs on (ubep.mpi.watchdog)."""
@@ -322,6 +332,8 @@ class MpiGroup(Closing):
         if self._runner is not None:
             self._runner.stop()
         self._free_released(None, everything=True)
+        for comm in self._comms:
+            comm.Free()
         self.host_comm.Free()
         self.comm.Free()
 
