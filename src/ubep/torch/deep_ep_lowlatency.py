@@ -590,17 +590,20 @@ class LowLatencyPath:
         if type(handle) is not PaddedHandle or handle.inner is None:
             return None
         inner, idx = handle.inner, handle.topk_idx
-        # the dispatch's ids: a contiguous int64 tensor at their address (a host address: no
-        # device tensor has it) is their memory, as the dispatch read it
         if not (type(x) is torch.Tensor and type(topk_idx) is torch.Tensor
                 and type(topk_weights) is torch.Tensor
-                and topk_idx.data_ptr() == handle.__dict__["_idx_ptr"]
-                and topk_idx.dtype is torch.int64 and topk_idx.is_contiguous()
-                and topk_idx.shape == idx.shape and topk_weights.dtype is torch.float32):
+                and topk_idx.data_ptr() == handle.__dict__["_idx_ptr"]):
             return None
-        x_np, w_np = storage_views(x, topk_weights)  # CPU tensors only
-        if type(x_np) is not np.ndarray or type(w_np) is not np.ndarray or not (
-                x_np.flags.c_contiguous and w_np.flags.c_contiguous) or w_np.shape != idx.shape:
+        # the three tensors' memory in one native call (CPU tensors only), their layouts read
+        # there: the dispatch's ids are a contiguous int64 array at their address (a host
+        # address: no device tensor has it), their memory as the dispatch read it
+        x_np, ids, w_np = storage_views(x, topk_idx, topk_weights)
+        if type(x_np) is not np.ndarray or type(ids) is not np.ndarray or (
+                type(w_np) is not np.ndarray) or ids.dtype != _INT64 or (
+                w_np.dtype != _FLOAT32) or ids.shape != idx.shape or (
+                w_np.shape != idx.shape) or not (x_np.flags.c_contiguous
+                                                 and ids.flags.c_contiguous
+                                                 and w_np.flags.c_contiguous):
             return None
         rows = inner.recv_src_rank.shape[0]
         shape = x_np.shape
@@ -715,6 +718,8 @@ class LowLatencyPath:
 
 
 
+
+_INT64, _FLOAT32 = np.dtype(np.int64), np.dtype(np.float32)
 
 # a quantising Buffer's options (DeepEP's FP8 dispatch, BF16 combine), with round_scale
 _FP8_COMBINE: dict[str, Any] = {"combine_dtype": torch.bfloat16, "quant": "e4m3"}
