@@ -94,8 +94,9 @@ def test_a_decode_steps_tensors_are_recalled_and_anything_else_goes_the_long_way
     idx, w = torch.from_numpy(idx_np.copy()), torch.rand(6, 2, dtype=torch.float32)
     x = torch.zeros(6, _HIDDEN, dtype=torch.bfloat16)
     got = memo.recall_step(x, idx, w, outputs, 16)
-    assert got is not None and got[2] is lay
-    assert np.shares_memory(got[0], idx.numpy()) and np.shares_memory(got[1], w.numpy())
+    assert got is not None and got[3] is lay
+    assert np.shares_memory(got[0], x.view(torch.uint16).numpy())
+    assert np.shares_memory(got[1], idx.numpy()) and np.shares_memory(got[2], w.numpy())
     for bad_x, bad_idx, bad_w, cap in (
         (x, idx.to(torch.int32), w, 16),  # another ids dtype
         (x, idx, w.double(), 16),  # other weights

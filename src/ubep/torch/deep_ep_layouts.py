@@ -19,11 +19,13 @@ import torch
 from ..errors import UbepError
 from ..routing import DispatchLayout, experts_per_rank, get_dispatch_layout, validate_topk_idx
 from ..runtime.abi import native_or_none
+from ._convert import storage_views
 from .deep_ep_checks import DISPATCH_DTYPES
 
 __all__ = ["LayoutMemo", "dispatch_layout"]
 
 _TENSOR, _TORCH_INT64, _TORCH_FLOAT32 = torch.Tensor, torch.int64, torch.float32
+_NDARRAY = np.ndarray
 _INT64 = np.dtype(np.int64)
 
 
@@ -86,23 +88,25 @@ class LayoutMemo:
         return self._layout
 
     def recall_step(self, x: Any, topk_idx: Any, topk_weights: Any, given: tuple[Any, ...],
-                    max_tokens_per_rank: int) -> tuple[np.ndarray, np.ndarray,
+                    max_tokens_per_rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray,
                                                        DispatchLayout] | None:
-        """A decode step's dispatch after its ``get_dispatch_layout``: ``(topk_idx,
-        topk_weights, layout)`` as numpy views when ``x`` and the routing are the plain CPU
-        tensors such a step passes (``x`` 2-D of a dispatch dtype within the capacity, int64
-        and float32 routing of one shape, contiguous, no autograd) and :meth:`recall` knows
-        the layout; else None, and the dispatch checks everything the long way (which names
-        what is wrong)."""
+        """A decode step's dispatch after its ``get_dispatch_layout``: ``(x, topk_idx,
+        topk_weights, layout)``, the three as numpy views of the tensors' memory (one native
+        call, ``_convert.storage_views``), when ``x`` and the routing are the plain CPU tensors
+        such a step passes (``x`` 2-D of a dispatch dtype within the capacity, int64 and float32
+        routing of one shape, contiguous, no autograd) and :meth:`recall` knows the layout;
+        else None, and the dispatch checks everything the long way (which names what is
+        wrong)."""
         if not (type(x) is _TENSOR and type(topk_idx) is _TENSOR and type(topk_weights) is _TENSOR
                 and topk_idx.dtype is _TORCH_INT64 and topk_weights.dtype is _TORCH_FLOAT32
-                and x.dtype in DISPATCH_DTYPES and x.is_cpu and topk_idx.is_cpu
-                and topk_weights.is_cpu and not x.requires_grad
-                and not topk_weights.requires_grad and x.dim() == 2
-                and topk_idx.shape == topk_weights.shape and topk_idx.dim() == 2
-                and topk_idx.shape[0] == x.shape[0] <= max_tokens_per_rank
-                and topk_idx.is_contiguous() and topk_weights.is_contiguous()):
+                and x.dtype in DISPATCH_DTYPES and not x.requires_grad
+                and not topk_weights.requires_grad):
             return None
-        idx = topk_idx.numpy()
+        x_np, idx, w = storage_views(x, topk_idx, topk_weights)  # CPU tensors only
+        if not (type(x_np) is _NDARRAY and type(idx) is _NDARRAY and type(w) is _NDARRAY
+                and x_np.ndim == 2 and idx.ndim == 2 and idx.shape == w.shape
+                and idx.flags.c_contiguous and w.flags.c_contiguous
+                and idx.shape[0] == x_np.shape[0] <= max_tokens_per_rank):
+            return None
         layout = self.recall(idx, given)
-        return None if layout is None else (idx, topk_weights.numpy(), layout)
+        return None if layout is None else (x_np, idx, w, layout)

@@ -51,6 +51,13 @@ __all__ = ["NormalPath"]
 _NO_LAYOUT = _Layout()  # a cached dispatch's: the handle says where rows go
 
 
+def _given(layout: _Layout) -> tuple[Any, ...]:
+    """The layout tensors a dispatch was given, in ``get_dispatch_layout``'s order (what
+    ``LayoutMemo.recall`` compares with its outputs)."""
+    return (layout.num_tokens_per_rank, layout.num_tokens_per_rdma_rank,
+            layout.num_tokens_per_expert, layout.is_token_in_rank)
+
+
 class NormalPath:
     """The normal mode of one facade: its core (Buffers per shape, the call gate, the
     Board), the layout memo its ``get_dispatch_layout`` fills, and its rank's place."""
@@ -72,21 +79,11 @@ class NormalPath:
         that layout was made from as contiguous int64 / float32 tensors of one shape, the
         layout's own unmodified tensors, and a Buffer made already. None for anything else,
         which the checked path takes (and names)."""
-        if not (type(x) is torch.Tensor and type(topk_idx) is torch.Tensor
-                and type(topk_weights) is torch.Tensor and topk_idx.dtype is torch.int64
-                and topk_weights.dtype is torch.float32 and x.dtype in checks.DISPATCH_DTYPES):
+        step = self._layouts.recall_step(
+            x, topk_idx, topk_weights, _given(layout), self.max_tokens_per_rank)
+        if step is None:
             return None
-        x_np, idx, w = storage_views(x, topk_idx, topk_weights)  # CPU tensors only
-        if not (type(x_np) is np.ndarray and type(idx) is np.ndarray and type(w) is np.ndarray
-                and x_np.ndim == 2 and idx.ndim == 2 and idx.shape == w.shape
-                and idx.flags.c_contiguous and w.flags.c_contiguous
-                and idx.shape[0] == x_np.shape[0] <= self.max_tokens_per_rank):
-            return None
-        lay = self._layouts.recall(idx, (layout.num_tokens_per_rank,
-                                         layout.num_tokens_per_rdma_rank,
-                                         layout.num_tokens_per_expert, layout.is_token_in_rank))
-        if lay is None:
-            return None
+        x_np, idx, w, lay = step
         num_experts = int(lay.num_tokens_per_expert.size)
         backend = self.core.backends.cached("rank", x_np.shape[1], idx.shape[1], num_experts,
                                             x.dtype, self.max_tokens_per_rank)
@@ -211,12 +208,12 @@ class NormalPath:
         num_worst_tokens: int,
     ) -> _Route:
         """Check one rank's normal-mode arguments and build the routing its rows follow."""
-        given = (num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert,
-                 is_token_in_rank)
+        given = _given(_Layout(num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                               num_tokens_per_expert))
         step = None if num_worst_tokens else self._layouts.recall_step(
             x, topk_idx, topk_weights, given, self.max_tokens_per_rank)
         if step is not None:  # a decode step's: its get_dispatch_layout's own outputs
-            idx, w, lay = step
+            _, idx, w, lay = step
             return _Route(idx, w, lay.is_token_in_rank, lay.num_tokens_per_expert,
                           lay.num_tokens_per_expert.size, True)
         if not isinstance(x, torch.Tensor) or x.dim() != 2:
