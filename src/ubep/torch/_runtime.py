@@ -122,16 +122,19 @@ def _host_result(res: Any) -> Any:
             return host
     elif type(res.recv_x) is np.ndarray and type(res.recv_src_token) is np.ndarray:
         return res  # a host engine's: its fields are numpy arrays already
-    fields = {f.name: on_host(getattr(res, f.name)) for f in dataclasses.fields(res)}
-    return type(res)(**fields)
+    return _on_host_but(res, None)
 
 
 def host_bookkeeping(res: Any) -> Any:
     """A device dispatch's result with every field but ``recv_x`` on the host (the routing
     the facade keeps in its handle, read on the host), ``recv_x`` the engine's tensor."""
-    fields = {f.name: getattr(res, f.name) if f.name == "recv_x" else on_host(
-        getattr(res, f.name)) for f in dataclasses.fields(res)}
-    return type(res)(**fields)
+    return _on_host_but(res, "recv_x")
+
+
+def _on_host_but(res: Any, kept: str | None) -> Any:
+    """``res`` with every field but ``kept`` as numpy storage on the host (``on_host``)."""
+    return type(res)(**{f.name: getattr(res, f.name) if f.name == kept else on_host(
+        getattr(res, f.name)) for f in dataclasses.fields(res)})
 
 
 def buffer_config(
