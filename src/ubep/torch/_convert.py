@@ -9,6 +9,7 @@ no element is converted or copied on either side. Only non-contiguous tensors ar
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any, cast
 
@@ -19,8 +20,9 @@ from ..errors import InvalidArgumentError, UbepError, Unviewable
 from ..plane.results import DispatchResult, PendingCall
 
 __all__ = [
-    "BITS_OF_SIZE", "PAYLOAD_DTYPES", "dispatch_result_to_torch", "from_numpy", "from_numpy_as",
-    "owned_rows", "padded_rows", "quant_values_dtype", "received_rows", "to_numpy",
+    "BITS_OF_SIZE", "PAYLOAD_DTYPES", "TORCH_OF", "dispatch_result_to_torch", "from_numpy",
+    "from_numpy_as", "owned_rows", "padded_rows", "quant_values_dtype", "received_rows",
+    "storage_views", "tensor_of_storage", "to_numpy",
 ]
 
 #: torch dtypes ubep moves, and the numpy storage dtype each travels in.
@@ -140,12 +142,12 @@ _TENSOR = torch.Tensor
 _NDARRAY = np.ndarray
 _TO_DLPACK, _FROM_DLPACK = torch._C._to_dlpack, torch._C._from_dlpack
 #: the torch dtype of each ``ubep.dtypes`` name (a Buffer's ``dtype`` / ``combine_dtype``)
-_TORCH_OF: dict[str, torch.dtype] = {
+TORCH_OF: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "int8": torch.int8,
     "uint8": torch.uint8,
 }
-#: DLPack's type code of a combine dtype (the bits are the storage's): how ``y`` reaches torch
-_DLPACK_CODE: dict[torch.dtype, int] = {torch.bfloat16: 4, torch.float16: 2, torch.float32: 2}
+#: DLPack's type code of bfloat16 (the bits are the storage's): how BF16 rows reach torch
+_BF16_DLPACK_CODE = 4
 # references a kept recv_x tensor has when nothing but the door holds it: the door's, the
 # lookup's local name and getrefcount's argument
 _UNHELD = 3
@@ -246,8 +248,8 @@ class TorchDoor:
     def __init__(self, *, x_dtype: str, combine_dtype: str, quant: str | None,
                  call_dispatch: Any, call_combine: Any,
                  regions: list[np.ndarray] | None = None) -> None:
-        self.x_dtype = _TORCH_OF[x_dtype]
-        self.c_dtype = _TORCH_OF[combine_dtype]
+        self.x_dtype = TORCH_OF[x_dtype]
+        self.c_dtype = TORCH_OF[combine_dtype]
         self._quant = None if quant is None else quant_values_dtype(quant)
         self._call_dispatch, self._call_combine = call_dispatch, call_combine
         self._region_arrays = regions or []
@@ -257,9 +259,8 @@ class TorchDoor:
         self._regions: dict[torch.dtype, list[torch.Tensor]] = {}
         self._slices: dict[tuple[torch.dtype, int, int], torch.Tensor] = {}
         self._pending = PendingCall
-        self._views, self._capsule = _native_conversions()
+        self._views = _native_conversions()[0]
         self.tensor_type = _TENSOR
-        self._y_code = _DLPACK_CODE.get(self.c_dtype, -1)
 
     def dispatch(self, x: Any, topk_idx: object, topk_weights: object, copy: bool, hook: bool,
                  x_scales: object) -> Any:
@@ -357,14 +358,13 @@ class TorchDoor:
 
     def y_of(self, y: Any) -> torch.Tensor:
         """A combine's ``y`` as a tensor of the combine dtype (no copy)."""
-        if type(y) is _NDARRAY and self._capsule is not None and self._y_code >= 0:
-            return _FROM_DLPACK(self._capsule(y, self._y_code))
-        return from_numpy_as(y, self.c_dtype)
+        return tensor_of_storage(y, self.c_dtype)
 
 
+@functools.cache
 def _native_conversions() -> tuple[Any, Any]:
     """The native build's ``storage_views`` and ``tensor_capsule``, or (None, None) without
-    one (the conversions in Python then)."""
+    one (the conversions in Python then); looked up once."""
     try:
         from ..runtime.abi import load_native
 
@@ -375,17 +375,12 @@ def _native_conversions() -> tuple[Any, Any]:
     return native.storage_views, native.tensor_capsule
 
 
-_NATIVE_OF: list[tuple[Any, Any]] = []  # _native_conversions(), once looked up
-
-
 def storage_views(*tensors: Any) -> tuple[Any, ...]:
     """Each CPU tensor's numpy storage view (BF16 as ``uint16`` bits; no copy), all in one
     native call from their DLPack capsules (detached, as :func:`to_numpy`); a tensor this path
     does not view (another device, no native build) comes back as it is, for the caller's
     checked path to convert or name."""
-    if not _NATIVE_OF:
-        _NATIVE_OF.append(_native_conversions())
-    views = _NATIVE_OF[0][0]
+    views = _native_conversions()[0]
     return tensors if views is None else cast(tuple[Any, ...], views(_TO_DLPACK, *tensors))
 
 
@@ -394,11 +389,9 @@ def tensor_of_storage(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     no copy. BF16 goes to torch by DLPack in one native call where built (from_numpy and a
     view cost a third more); types numpy has, by ``torch.from_numpy``."""
     if dtype is torch.bfloat16 and type(a) is _NDARRAY and a.dtype.itemsize == 2:
-        if not _NATIVE_OF:
-            _NATIVE_OF.append(_native_conversions())
-        capsule = _NATIVE_OF[0][1]
+        capsule = _native_conversions()[1]
         if capsule is not None:
-            return cast(torch.Tensor, _FROM_DLPACK(capsule(a, _DLPACK_CODE[dtype])))
+            return cast(torch.Tensor, _FROM_DLPACK(capsule(a, _BF16_DLPACK_CODE)))
     return from_numpy_as(a, dtype)
 
 

@@ -28,7 +28,8 @@ import torch
 
 from ..errors import InvalidArgumentError
 from ..modes import Layout
-from ._convert import BITS_OF_SIZE, padded_rows
+from ..quant import AMAX_FLOOR, FORMATS
+from ._convert import BITS_OF_SIZE, TORCH_OF, padded_rows
 from ._runtime import host_bookkeeping
 from .deep_ep_types import EventOverlap, LowLatencyHandle, _event
 from .fp8 import FP8_BLOCK, UE8M0_PACK, pack_ue8m0
@@ -41,10 +42,7 @@ __all__ = ["DeviceHandle", "DeviceLowLatency", "cached_rows", "fp8_rows", "on_de
 
 #: the transports whose engine takes the caller's tensors on its device
 DEVICE_TRANSPORTS = ("triton",)
-_E4M3_MAX = 448.0  # the largest e4m3 value (ubep.quant)
-_MIN_AMAX = 1e-4  # ubep.quant's floor of a block's amax
-# a Buffer's combine dtype (its ``combine_dtype``, else its ``dtype``) as the expert outputs'
-_COMBINE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_E4M3_MAX = FORMATS["e4m3"].qmax  # the largest e4m3 value
 
 
 def on_device(core: FacadeCore) -> bool:
@@ -138,7 +136,7 @@ def quantize_on_device(x: torch.Tensor, round_scale: bool) -> tuple[torch.Tensor
     ``[num_tokens, hidden // 128]``."""
     t, h = x.shape
     blocks = x.float().reshape(t, h // FP8_BLOCK, FP8_BLOCK)
-    scale = blocks.abs().amax(dim=-1).clamp(min=_MIN_AMAX) / _E4M3_MAX
+    scale = blocks.abs().amax(dim=-1).clamp(min=float(AMAX_FLOOR)) / _E4M3_MAX
     if round_scale:
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
     values = (blocks / scale[..., None]).to(torch.float8_e4m3fn).reshape(t, h)
@@ -319,7 +317,8 @@ class DeviceLowLatency:
             raise InvalidArgumentError(
                 "x", tuple(source.shape), f"must be [{num_local}, {slots}, {handle.hidden}]")
         cfg = handle.backend.buffer.config  # type: ignore[attr-defined]
-        want = _COMBINE_DTYPES.get(str(cfg.combine_dtype or cfg.dtype))
+        # the Buffer's combine dtype (its combine_dtype, else its dtype): the expert outputs'
+        want = TORCH_OF.get(str(cfg.combine_dtype or cfg.dtype))
         if source.dtype != want:
             raise InvalidArgumentError("x", source.dtype, f"must be {want} (the combine dtype)")
         dispatched = cast(torch.Tensor, handle.topk_idx)
